@@ -1,0 +1,51 @@
+// Shared vocabulary of the explicit ops.
+//
+// Every op is one forward/backward pair and one Saved struct:
+//   Fwd<XSaved> x_forward(inputs..., params...)      -> outputs + what backward needs
+//   x_backward(grad_out, const XSaved&, params..., param grads to accumulate into) -> input grads
+// Parameter gradients are accumulated (+=) into caller-owned tensors of the parameter's
+// shape, so microbatches accumulate without extra buffers. Ops keep no hidden state.
+// Each op also reports, from shapes alone and without allocating, the bytes its Saved
+// holds and the FLOPs its forward costs; the planner sums these.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace remat::ops {
+
+/// An op's forward result: its output and the tensors its backward needs.
+template <class Saved>
+struct Fwd {
+  at::Tensor out;
+  Saved saved;
+};
+
+/// Bytes of `numel` elements of `dtype`.
+inline int64_t nbytes(int64_t numel, at::ScalarType dtype) {
+  return numel * static_cast<int64_t>(c10::elementSize(dtype));
+}
+
+/// Bytes the defined tensors of a Saved struct hold (numel x element size each).
+inline int64_t tensors_bytes(const std::vector<at::Tensor>& ts) {
+  int64_t total = 0;
+  for (const auto& t : ts) {
+    if (t.defined()) total += nbytes(t.numel(), t.scalar_type());
+  }
+  return total;
+}
+
+/// The dtype norms keep their statistics in: float32, or float64 for float64 inputs.
+inline at::ScalarType stats_dtype(at::ScalarType x) {
+  return x == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+/// Adds `g` into the gradient accumulator `acc` (same shape as the parameter).
+inline void accumulate(at::Tensor& acc, const at::Tensor& g) {
+  TORCH_INTERNAL_ASSERT(acc.defined(), "gradient accumulator is undefined");
+  acc.add_(g.to(acc.scalar_type()));
+}
+
+}  // namespace remat::ops

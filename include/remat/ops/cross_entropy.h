@@ -1,0 +1,40 @@
+// Language-model head fused with cross-entropy, chunked over tokens.
+//
+// The [tokens x vocab] logits never live across the backward: forward computes them a
+// chunk at a time and keeps only each token's log-sum-exp; backward recomputes each
+// chunk's logits, turns them into dlogits and consumes them at once.
+#pragma once
+
+#include "remat/ops/common.h"
+
+namespace remat::ops {
+
+/// Targets equal to this are ignored (no loss, no gradient).
+constexpr int64_t kIgnoreIndex = -1;
+
+struct CrossEntropySaved {
+  at::Tensor x;        ///< final hidden states, [N, C]
+  at::Tensor targets;  ///< [N] int64
+  at::Tensor lse;      ///< log-sum-exp of each token's logits, [N] float32 (float64 for float64 x)
+  int64_t count = 0;   ///< number of targets that are not kIgnoreIndex
+  int64_t chunk = 0;   ///< tokens per chunk
+  std::vector<at::Tensor> tensors() const { return {x, targets, lse}; }
+};
+
+/// Mean cross-entropy of logits = x w^T ([N, V], never materialised whole) against
+/// `targets`, as a 0-dim float32/float64 tensor. x [N, C], w [V, C], targets [N].
+Fwd<CrossEntropySaved> cross_entropy_forward(const at::Tensor& x, const at::Tensor& w,
+                                             const at::Tensor& targets, int64_t chunk_tokens);
+/// `dloss` scales the gradient of the mean (1 for a plain backward). Returns dx [N, C];
+/// accumulates dw [V, C].
+at::Tensor cross_entropy_backward(double dloss, const CrossEntropySaved& saved, const at::Tensor& w,
+                                  at::Tensor& dw);
+
+/// Bytes CrossEntropySaved holds for N tokens.
+int64_t cross_entropy_saved_bytes(int64_t tokens, int64_t C, at::ScalarType dtype);
+/// Largest temporary: one chunk's logits and their softmax, chunk x V each.
+int64_t cross_entropy_workspace_bytes(int64_t chunk_tokens, int64_t vocab, at::ScalarType dtype);
+/// Forward FLOPs: 2 N C V for the logits plus about 4 N V for the log-sum-exp.
+double cross_entropy_flops(int64_t tokens, int64_t C, int64_t vocab);
+
+}  // namespace remat::ops

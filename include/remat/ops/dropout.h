@@ -1,0 +1,46 @@
+// Dropout whose mask is a pure function of a counter-based key.
+//
+// The key (seed, step, microbatch, layer, site) fully determines the mask, so a
+// recomputed forward regenerates bitwise the mask of the first one, with no generator
+// state to save or restore.
+#pragma once
+
+#include "remat/ops/common.h"
+
+namespace remat::ops {
+
+/// Where in the model a dropout sits; part of its key.
+enum class DropoutSite : uint64_t { embedding = 0, attn_probs = 1, attn_resid = 2, mlp_resid = 3 };
+
+/// Identifies one dropout application. `layer` is the 0-based block index (embedding: 0).
+struct DropoutKey {
+  uint64_t seed = 0;
+  uint64_t step = 0;
+  uint64_t microbatch = 0;
+  uint64_t layer = 0;
+  DropoutSite site = DropoutSite::embedding;
+  /// A 64-bit generator seed mixing every field (splitmix64 chain).
+  uint64_t hash() const;
+};
+
+/// Keep-mask (bool, true = kept) of `sizes` with keep probability 1 - p, on `device`.
+/// Bitwise the same for the same key, sizes and device type.
+at::Tensor dropout_mask(at::IntArrayRef sizes, double p, const DropoutKey& key, at::Device device);
+
+struct DropoutSaved {
+  at::Tensor mask;  ///< keep-mask, same shape as x, bool; undefined when p == 0
+  double p = 0.0;   ///< drop probability
+  std::vector<at::Tensor> tensors() const { return {mask}; }
+};
+
+/// y = x * mask / (1 - p). p == 0 is the identity and saves nothing. Requires 0 <= p < 1.
+Fwd<DropoutSaved> dropout_forward(const at::Tensor& x, double p, const DropoutKey& key);
+/// dx = dy * mask / (1 - p).
+at::Tensor dropout_backward(const at::Tensor& dy, const DropoutSaved& saved);
+
+/// Bytes DropoutSaved holds for `numel` elements (a 1-byte mask, none when p == 0).
+int64_t dropout_saved_bytes(int64_t numel, double p);
+/// Forward FLOPs: one multiply per element when p > 0.
+double dropout_flops(int64_t numel, double p);
+
+}  // namespace remat::ops

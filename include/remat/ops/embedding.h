@@ -1,0 +1,32 @@
+// Token embedding (a row gather) and learned position embedding.
+#pragma once
+
+#include "remat/ops/common.h"
+
+namespace remat::ops {
+
+struct EmbeddingSaved {
+  at::Tensor ids;  ///< token ids, [...] int64
+  std::vector<at::Tensor> tensors() const { return {ids}; }
+};
+
+/// y[..., C] = w[ids[...], :] for w [V, C]. Ids outside [0, V) are refused.
+Fwd<EmbeddingSaved> embedding_forward(const at::Tensor& ids, const at::Tensor& w);
+/// Accumulates dw[V, C] (scatter-add of dy rows); ids get no gradient.
+void embedding_backward(const at::Tensor& dy, const EmbeddingSaved& saved, at::Tensor& dw);
+/// Bytes EmbeddingSaved holds for `tokens` ids (int64 each).
+int64_t embedding_saved_bytes(int64_t tokens);
+
+struct PositionEmbeddingSaved {
+  int64_t seq_len = 0;  ///< positions 0..seq_len-1 were used; no tensor is needed
+  std::vector<at::Tensor> tensors() const { return {}; }
+};
+
+/// y[T, C] = w[0:T, :] for w [max_positions, C]; broadcast-added to [B, T, C] by the caller.
+/// Refuses T > max_positions with the model's context length in the message.
+Fwd<PositionEmbeddingSaved> position_embedding_forward(int64_t seq_len, const at::Tensor& w);
+/// dy is [..., T, C]; accumulates its sum over leading dims into dw[0:T, :].
+void position_embedding_backward(const at::Tensor& dy, const PositionEmbeddingSaved& saved,
+                                 at::Tensor& dw);
+
+}  // namespace remat::ops

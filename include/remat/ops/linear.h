@@ -1,0 +1,25 @@
+// Linear layer: y = x w^T + b.
+#pragma once
+
+#include "remat/ops/common.h"
+
+namespace remat::ops {
+
+struct LinearSaved {
+  at::Tensor x;  ///< the input, [..., in]
+  std::vector<at::Tensor> tensors() const { return {x}; }
+};
+
+/// y[..., out] = x[..., in] . w[out, in]^T + b[out]. `b` may be undefined (no bias).
+Fwd<LinearSaved> linear_forward(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b);
+
+/// Returns dx[..., in]; accumulates dw[out, in] and, when defined, db[out].
+at::Tensor linear_backward(const at::Tensor& dy, const LinearSaved& saved, const at::Tensor& w,
+                           at::Tensor& dw, at::Tensor* db);
+
+/// Bytes LinearSaved holds for `rows` input rows of `in` features.
+int64_t linear_saved_bytes(int64_t rows, int64_t in, at::ScalarType dtype);
+/// Forward FLOPs: 2 * rows * in * out (+ rows * out with bias).
+double linear_flops(int64_t rows, int64_t in, int64_t out, bool bias);
+
+}  // namespace remat::ops

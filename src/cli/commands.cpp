@@ -1,0 +1,17 @@
+#include "cli/commands.h"
+
+#include "remat/memory.h"
+
+#include <CLI/CLI.hpp>
+
+namespace remat::cli {
+
+int run(int argc, char** argv) {
+  memory::install_cpu_tracking();
+  CLI::App app{"remat: transformer training with planned activation recomputation"};
+  app.require_subcommand(1);
+  CLI11_PARSE(app, argc, argv);
+  return 0;
+}
+
+}  // namespace remat::cli
