@@ -1,16 +1,95 @@
 #include "cli/commands.h"
 
+#include "remat/config.h"
 #include "remat/memory.h"
+#include "remat/trainer.h"
+#include "train/device.h"
 
 #include <CLI/CLI.hpp>
+#include <c10/util/Exception.h>
+#include <fmt/format.h>
 
 namespace remat::cli {
+namespace {
+
+void print_config_keys() {
+  const Config defaults;
+  for (const auto& k : config_keys()) fmt::print("  {:<20} {:<14} {}\n", k.name, k.get(defaults), k.help);
+  fmt::print("\npresets: {}\n", fmt::join(preset_names(), ", "));
+}
+
+int cmd_prepare(const std::string& config_file, const std::vector<std::string>& overrides) {
+  const Config cfg = load_config(config_file, overrides);
+  set_threads(cfg.run.threads);
+  fmt::print("{}\n", prepare_data(cfg.data).dir);
+  return 0;
+}
+
+int cmd_train(const std::string& config_file, const std::vector<std::string>& overrides) {
+  train(load_config(config_file, overrides));
+  return 0;
+}
+
+}  // namespace
 
 int run(int argc, char** argv) {
   memory::install_cpu_tracking();
   CLI::App app{"remat: transformer training with planned activation recomputation"};
   app.require_subcommand(1);
+  app.set_help_all_flag("--help-all", "Show every subcommand's help");
+
+  std::string config_file;
+  std::vector<std::string> overrides;
+  bool help_config = false;
+
+  auto* prepare = app.add_subcommand("prepare", "Build the token corpus and tokenizer (cached)");
+  std::string text_file;
+  prepare->add_option("--config", config_file, "TOML config file")->check(CLI::ExistingFile);
+  prepare->add_option("--text", text_file, "UTF-8 text file to prepare instead of the King James Bible");
+  prepare->add_option("overrides", overrides, "key=value settings, e.g. data.vocab_size=4096");
+
+  auto* train_cmd = app.add_subcommand("train", "Train a model (prepares the data first if needed)");
+  train_cmd->add_option("--config", config_file, "TOML config file (see configs/)")->check(CLI::ExistingFile);
+  train_cmd->add_flag("--help-config", help_config, "List every config key with its default");
+  train_cmd->add_option("overrides", overrides, "key=value settings, e.g. train.steps=200 model.preset=llama-demo");
+
+  auto* gen = app.add_subcommand("generate", "Sample text from a finished run's weights");
+  std::string run_dir, prompt = "And God said";
+  int64_t tokens = 200, top_k = 40, seed = 0;
+  double temperature = 0.8;
+  gen->add_option("--run", run_dir, "Run directory written by `remat train`")->required();
+  gen->add_option("--prompt", prompt, "Text to continue");
+  gen->add_option("--tokens", tokens, "Tokens to generate")->check(CLI::PositiveNumber);
+  gen->add_option("--temperature", temperature, "Sampling temperature (0: greedy)")->check(CLI::NonNegativeNumber);
+  gen->add_option("--top-k", top_k, "Sample among the k most likely tokens (0: all)")->check(CLI::NonNegativeNumber);
+  gen->add_option("--seed", seed, "Sampling seed");
+
   CLI11_PARSE(app, argc, argv);
+
+  try {
+    if (prepare->parsed()) {
+      if (!text_file.empty()) overrides.push_back("data.text=" + text_file);
+      return cmd_prepare(config_file, overrides);
+    }
+    if (train_cmd->parsed()) {
+      if (help_config) {
+        print_config_keys();
+        return 0;
+      }
+      return cmd_train(config_file, overrides);
+    }
+    if (gen->parsed()) {
+      set_threads(0);
+      fmt::print("{}\n", generate_from_run(run_dir, prompt, tokens, temperature, top_k, static_cast<uint64_t>(seed)));
+      return 0;
+    }
+  } catch (const c10::Error& e) {
+    fmt::print(stderr, "error: {}\n", e.what_without_backtrace());
+    return 1;
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "error: {}\n", e.what());
+    return 1;
+  }
   return 0;
 }
 

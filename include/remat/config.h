@@ -1,0 +1,109 @@
+// Typed configuration: every setting is a field of a struct, filled from defaults, a
+// preset, a TOML file and `key=value` overrides, in that order (later wins).
+//
+// Keys are dotted `section.field` names (`train.lr`, `model.n_layer`). One table
+// (config_keys()) declares every key once; TOML parsing, overrides, the resolved-config
+// dump and "did you mean" suggestions all read it, so they cannot drift apart.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace remat {
+
+/// Transformer shape. `arch` is "gpt2" (pre-LN, learned positions, GELU MLP, tied head,
+/// dropout) or "llama" (RMSNorm, RoPE, grouped-query attention, SwiGLU, untied head).
+struct ModelConfig {
+  std::string preset = "gpt2-demo";  ///< the preset the other fields started from
+  std::string arch = "gpt2";
+  int64_t n_layer = 4;
+  int64_t n_head = 4;
+  int64_t n_kv_head = 4;     ///< key/value heads (llama GQA); equals n_head for gpt2
+  int64_t d_model = 128;
+  int64_t d_ff = 512;        ///< MLP hidden width
+  int64_t vocab_size = 0;    ///< 0: take it from the prepared corpus's tokenizer
+  int64_t max_seq = 256;     ///< context length (learned positions / RoPE tables)
+  double dropout = 0.1;      ///< gpt2: embedding, attention-probability and residual dropout;
+                             ///< llama: attention-probability dropout only
+  double norm_eps = 1e-5;
+  double rope_theta = 10000.0;
+  double init_std = 0.02;
+
+  int64_t head_dim() const { return d_model / n_head; }
+};
+
+struct TrainConfig {
+  int64_t steps = 600;
+  int64_t batch = 16;         ///< sequences per microbatch
+  int64_t seq = 128;          ///< tokens per sequence
+  int64_t grad_accum = 1;     ///< microbatches per optimizer step
+  double lr = 3e-3;           ///< peak learning rate
+  double min_lr = 3e-4;       ///< cosine floor
+  int64_t warmup = 50;        ///< linear warmup steps
+  double weight_decay = 0.1;  ///< on matrices only (not norms, biases)
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double grad_clip = 1.0;     ///< global L2 norm; 0 disables
+  int64_t eval_every = 100;   ///< steps between validation passes; 0: only at the end
+  int64_t eval_batches = 8;   ///< validation microbatches per pass
+  int64_t ce_chunk = 1024;    ///< tokens per chunk of the loss head
+};
+
+struct DataConfig {
+  std::string text;            ///< UTF-8 text file to train on; empty: the King James Bible
+  std::string dir = "data";    ///< where prepared corpora are cached
+  int64_t vocab_size = 2048;   ///< SentencePiece BPE vocabulary
+  double val_fraction = 0.05;
+};
+
+struct RunConfig {
+  std::string out_dir = "runs";  ///< run directories are created under it
+  std::string name;              ///< run directory name; empty: timestamp + preset
+  int64_t threads = 0;           ///< intra-op threads; 0: all cores
+  int64_t seed = 1337;
+  std::string device = "cpu";    ///< "cpu" or "cuda[:N]"
+  std::string dtype = "float32"; ///< activation/compute dtype: float32 or bfloat16
+  int64_t sample_tokens = 120;   ///< tokens generated at the end of training
+  std::string prompt = "And God said";
+  bool progress = true;          ///< progress bar on a terminal
+};
+
+struct Config {
+  ModelConfig model;
+  TrainConfig train;
+  DataConfig data;
+  RunConfig run;
+};
+
+/// One settable key.
+struct ConfigKey {
+  std::string name;  ///< "section.field"
+  std::string help;
+  std::function<void(Config&, const std::string&)> set;  ///< parses and stores; throws on bad value
+  std::function<std::string(const Config&)> get;         ///< TOML literal of the current value
+};
+
+/// Every key, in documentation order.
+const std::vector<ConfigKey>& config_keys();
+
+/// Names of the model presets, smallest first.
+std::vector<std::string> preset_names();
+/// The model shape of a preset; throws listing the valid names if unknown.
+ModelConfig model_preset(const std::string& name);
+
+/// Builds a Config: defaults, then the TOML file (if non-empty), then `key=value`
+/// overrides. `model.preset` is applied before the other model keys wherever it is set.
+/// Errors (unknown key with the nearest valid one, bad value, bad TOML) are thrown as
+/// std::invalid_argument sentences. The result is validated (validate_config).
+Config load_config(const std::string& toml_path, const std::vector<std::string>& overrides);
+
+/// Refuses inconsistent settings with a sentence (heads not dividing d_model, ...).
+void validate_config(const Config& c);
+
+/// The resolved configuration as TOML (every key, with its value).
+std::string config_to_toml(const Config& c);
+
+}  // namespace remat

@@ -1,0 +1,44 @@
+// Training: data, model, AdamW with warmup + cosine, gradient accumulation and clipping,
+// periodic validation, memory and speed measured every step, a run directory at the end.
+#pragma once
+
+#include "remat/config.h"
+#include "remat/data.h"
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace remat {
+
+struct TrainSummary {
+  std::string run_dir;
+  int64_t steps = 0;
+  int64_t tokens = 0;                   ///< training tokens consumed
+  std::vector<double> losses;           ///< mean training loss of every step
+  double initial_val_loss = 0;          ///< before the first step
+  double final_val_loss = 0;
+  double unigram_entropy = 0;           ///< of the training tokens, nats/token
+  double median_step_seconds = 0;
+  double tokens_per_second = 0;
+  double model_flops_per_second = 0;    ///< 3 x forward FLOPs per token x tokens/s
+  double matmul_flops_per_second = 0;   ///< measured on this machine, same dtype
+  int64_t peak_bytes = 0;               ///< highest per-step peak of tensor bytes
+  int64_t activation_bytes = 0;         ///< saved-activation bytes of one microbatch
+  int64_t num_params = 0;
+  std::string sample;                   ///< text generated at the end
+};
+
+/// Prepares (or finds cached) the corpus `data` describes, under
+/// `<data.dir>/<source>-v<vocab_size>`, logging to stderr.
+data::CorpusInfo prepare_data(const DataConfig& data);
+
+/// Lines of progress and results go to stderr (a progress bar on a terminal).
+/// Throws std::exception with a user-facing sentence on bad input.
+TrainSummary train(const Config& cfg);
+
+/// Samples `tokens` tokens after `prompt` from the weights of a finished run.
+std::string generate_from_run(const std::string& run_dir, const std::string& prompt, int64_t tokens,
+                              double temperature, int64_t top_k, uint64_t seed);
+
+}  // namespace remat

@@ -1,0 +1,332 @@
+#include "remat/config.h"
+
+#include <fmt/format.h>
+#include <toml++/toml.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <stdexcept>
+
+namespace remat {
+namespace {
+
+[[noreturn]] void fail(const std::string& msg) { throw std::invalid_argument(msg); }
+
+int64_t parse_int(const std::string& key, const std::string& v) {
+  size_t used = 0;
+  int64_t out = 0;
+  try {
+    out = std::stoll(v, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used == 0 || used != v.size()) fail(fmt::format("{} must be an integer, got '{}'.", key, v));
+  return out;
+}
+
+double parse_double(const std::string& key, const std::string& v) {
+  size_t used = 0;
+  double out = 0;
+  try {
+    out = std::stod(v, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used == 0 || used != v.size() || !std::isfinite(out)) {
+    fail(fmt::format("{} must be a number, got '{}'.", key, v));
+  }
+  return out;
+}
+
+bool parse_bool(const std::string& key, const std::string& v) {
+  if (v == "true" || v == "1" || v == "on") return true;
+  if (v == "false" || v == "0" || v == "off") return false;
+  fail(fmt::format("{} must be true or false, got '{}'.", key, v));
+}
+
+std::string quote(const std::string& s) {
+  std::string out = "\"";
+  for (char ch : s) {
+    if (ch == '"' || ch == '\\') out += '\\';
+    out += ch;
+  }
+  return out + "\"";
+}
+
+std::string number(double v) { return fmt::format("{}", v); }
+
+// Member-pointer adaptors: one line per key in the table below.
+template <class S, class T>
+ConfigKey key(std::string name, S Config::*section, T S::*field, std::string help) {
+  ConfigKey k;
+  k.name = name;
+  k.help = std::move(help);
+  k.set = [name, section, field](Config& c, const std::string& v) {
+    T& dst = c.*section.*field;
+    if constexpr (std::is_same_v<T, std::string>) {
+      dst = v;
+    } else if constexpr (std::is_same_v<T, bool>) {
+      dst = parse_bool(name, v);
+    } else if constexpr (std::is_integral_v<T>) {
+      dst = parse_int(name, v);
+    } else {
+      dst = parse_double(name, v);
+    }
+  };
+  k.get = [section, field](const Config& c) {
+    const T& src = c.*section.*field;
+    if constexpr (std::is_same_v<T, std::string>) {
+      return quote(src);
+    } else if constexpr (std::is_same_v<T, bool>) {
+      return std::string(src ? "true" : "false");
+    } else if constexpr (std::is_integral_v<T>) {
+      return std::to_string(src);
+    } else {
+      return number(src);
+    }
+  };
+  return k;
+}
+
+std::vector<ConfigKey> make_keys() {
+  using C = Config;
+  return {
+      key("model.preset", &C::model, &ModelConfig::preset, "model preset the shape starts from"),
+      key("model.arch", &C::model, &ModelConfig::arch, "gpt2 or llama"),
+      key("model.n_layer", &C::model, &ModelConfig::n_layer, "transformer blocks"),
+      key("model.n_head", &C::model, &ModelConfig::n_head, "attention (query) heads"),
+      key("model.n_kv_head", &C::model, &ModelConfig::n_kv_head, "key/value heads (llama GQA)"),
+      key("model.d_model", &C::model, &ModelConfig::d_model, "hidden size"),
+      key("model.d_ff", &C::model, &ModelConfig::d_ff, "MLP hidden size"),
+      key("model.vocab_size", &C::model, &ModelConfig::vocab_size, "0: from the tokenizer"),
+      key("model.max_seq", &C::model, &ModelConfig::max_seq, "context length"),
+      key("model.dropout", &C::model, &ModelConfig::dropout, "dropout probability"),
+      key("model.norm_eps", &C::model, &ModelConfig::norm_eps, "norm epsilon"),
+      key("model.rope_theta", &C::model, &ModelConfig::rope_theta, "RoPE base (llama)"),
+      key("model.init_std", &C::model, &ModelConfig::init_std, "weight init std"),
+      key("train.steps", &C::train, &TrainConfig::steps, "optimizer steps"),
+      key("train.batch", &C::train, &TrainConfig::batch, "sequences per microbatch"),
+      key("train.seq", &C::train, &TrainConfig::seq, "tokens per sequence"),
+      key("train.grad_accum", &C::train, &TrainConfig::grad_accum, "microbatches per step"),
+      key("train.lr", &C::train, &TrainConfig::lr, "peak learning rate"),
+      key("train.min_lr", &C::train, &TrainConfig::min_lr, "cosine floor"),
+      key("train.warmup", &C::train, &TrainConfig::warmup, "warmup steps"),
+      key("train.weight_decay", &C::train, &TrainConfig::weight_decay, "AdamW decay (matrices)"),
+      key("train.beta1", &C::train, &TrainConfig::beta1, "AdamW beta1"),
+      key("train.beta2", &C::train, &TrainConfig::beta2, "AdamW beta2"),
+      key("train.grad_clip", &C::train, &TrainConfig::grad_clip, "global norm clip; 0: off"),
+      key("train.eval_every", &C::train, &TrainConfig::eval_every, "steps between evals"),
+      key("train.eval_batches", &C::train, &TrainConfig::eval_batches, "batches per eval"),
+      key("train.ce_chunk", &C::train, &TrainConfig::ce_chunk, "tokens per loss-head chunk"),
+      key("data.text", &C::data, &DataConfig::text, "text file; empty: King James Bible"),
+      key("data.dir", &C::data, &DataConfig::dir, "prepared-corpus cache directory"),
+      key("data.vocab_size", &C::data, &DataConfig::vocab_size, "BPE vocabulary size"),
+      key("data.val_fraction", &C::data, &DataConfig::val_fraction, "validation share"),
+      key("run.out_dir", &C::run, &RunConfig::out_dir, "where run directories go"),
+      key("run.name", &C::run, &RunConfig::name, "run directory name"),
+      key("run.threads", &C::run, &RunConfig::threads, "intra-op threads; 0: all cores"),
+      key("run.seed", &C::run, &RunConfig::seed, "seed of init, data and dropout"),
+      key("run.device", &C::run, &RunConfig::device, "cpu or cuda[:N]"),
+      key("run.dtype", &C::run, &RunConfig::dtype, "float32 or bfloat16"),
+      key("run.sample_tokens", &C::run, &RunConfig::sample_tokens, "tokens sampled at the end"),
+      key("run.prompt", &C::run, &RunConfig::prompt, "prompt of the final sample"),
+      key("run.progress", &C::run, &RunConfig::progress, "progress bar on a terminal"),
+  };
+}
+
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diag = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diag = up;
+    }
+  }
+  return row[b.size()];
+}
+
+const ConfigKey& find_key(const std::string& name, const std::string& where) {
+  const auto& keys = config_keys();
+  for (const auto& k : keys) {
+    if (k.name == name) return k;
+  }
+  // Suggest the closest key, also matching a bare field name ("lr" -> "train.lr").
+  const ConfigKey* best = nullptr;
+  size_t best_d = SIZE_MAX;
+  for (const auto& k : keys) {
+    const std::string field = k.name.substr(k.name.find('.') + 1);
+    size_t d = std::min(edit_distance(name, k.name), edit_distance(name, field));
+    if (d < best_d) {
+      best_d = d;
+      best = &k;
+    }
+  }
+  std::string msg = fmt::format("Unknown config key '{}'{}", name, where);
+  if (best != nullptr && best_d <= std::max<size_t>(3, name.size() / 3)) {
+    msg += fmt::format("; did you mean '{}'?", best->name);
+  } else {
+    msg += "; `remat train --help-config` lists every key.";
+  }
+  fail(msg);
+}
+
+// TOML file -> ordered (key, value-as-text) pairs, tables flattened to dotted names.
+void flatten(const toml::table& t, const std::string& prefix, const std::string& path,
+             std::vector<std::pair<std::string, std::string>>& out) {
+  for (const auto& [k, node] : t) {
+    const std::string name = prefix.empty() ? std::string(k.str()) : prefix + "." + std::string(k.str());
+    if (const auto* sub = node.as_table()) {
+      flatten(*sub, name, path, out);
+    } else if (auto s = node.value_exact<std::string>()) {
+      out.emplace_back(name, *s);
+    } else if (auto b = node.value_exact<bool>()) {
+      out.emplace_back(name, *b ? "true" : "false");
+    } else if (auto i = node.value_exact<int64_t>()) {
+      out.emplace_back(name, std::to_string(*i));
+    } else if (auto d = node.value_exact<double>()) {
+      out.emplace_back(name, fmt::format("{}", *d));
+    } else {
+      fail(fmt::format("{}: '{}' must be a string, number or boolean.", path, name));
+    }
+  }
+}
+
+}  // namespace
+
+const std::vector<ConfigKey>& config_keys() {
+  static const std::vector<ConfigKey> keys = make_keys();
+  return keys;
+}
+
+Config load_config(const std::string& toml_path, const std::vector<std::string>& overrides) {
+  std::vector<std::pair<std::string, std::string>> settings;
+  std::vector<std::string> origins;
+  if (!toml_path.empty()) {
+    toml::table table;
+    try {
+      table = toml::parse_file(toml_path);
+    } catch (const toml::parse_error& e) {
+      const auto& src = e.source();
+      fail(fmt::format("Cannot read config {}: {} (line {}, column {}).", toml_path,
+                       std::string(e.description()), src.begin.line, src.begin.column));
+    }
+    flatten(table, "", toml_path, settings);
+    origins.assign(settings.size(), " in " + toml_path);
+  }
+  for (const auto& o : overrides) {
+    const auto eq = o.find('=');
+    if (eq == std::string::npos || eq == 0) {
+      fail(fmt::format("Override '{}' is not of the form key=value (e.g. train.lr=1e-3).", o));
+    }
+    settings.emplace_back(o.substr(0, eq), o.substr(eq + 1));
+    origins.emplace_back(" (command-line override)");
+  }
+
+  Config c;
+  // The preset replaces the whole model shape, so it goes first; explicit model keys
+  // then adjust it, whichever order they were written in.
+  for (const auto& [k, v] : settings) {
+    if (k == "model.preset") c.model = model_preset(v);
+  }
+  for (size_t i = 0; i < settings.size(); ++i) {
+    const auto& [k, v] = settings[i];
+    if (k == "model.preset") continue;
+    find_key(k, origins[i]).set(c, v);
+  }
+  validate_config(c);
+  return c;
+}
+
+void validate_config(const Config& c) {
+  const auto& m = c.model;
+  auto positive = [](const char* name, int64_t v) {
+    if (v <= 0) fail(fmt::format("{} must be positive, got {}.", name, v));
+  };
+  if (m.arch != "gpt2" && m.arch != "llama") {
+    fail(fmt::format("model.arch must be gpt2 or llama, got '{}'.", m.arch));
+  }
+  positive("model.n_layer", m.n_layer);
+  positive("model.n_head", m.n_head);
+  positive("model.n_kv_head", m.n_kv_head);
+  positive("model.d_model", m.d_model);
+  positive("model.d_ff", m.d_ff);
+  positive("model.max_seq", m.max_seq);
+  if (m.vocab_size < 0) fail(fmt::format("model.vocab_size must be >= 0 (0: from the tokenizer), got {}.", m.vocab_size));
+  if (m.d_model % m.n_head != 0) {
+    fail(fmt::format("model.d_model ({}) must be divisible by model.n_head ({}).", m.d_model, m.n_head));
+  }
+  if (m.n_head % m.n_kv_head != 0) {
+    fail(fmt::format("model.n_head ({}) must be a multiple of model.n_kv_head ({}).", m.n_head,
+                     m.n_kv_head));
+  }
+  if (m.arch == "gpt2" && m.n_kv_head != m.n_head) {
+    fail(fmt::format("gpt2 has no grouped-query attention: model.n_kv_head ({}) must equal "
+                     "model.n_head ({}).", m.n_kv_head, m.n_head));
+  }
+  if (m.arch == "llama" && m.head_dim() % 2 != 0) {
+    fail(fmt::format("RoPE needs an even head dimension; d_model / n_head = {}.", m.head_dim()));
+  }
+  if (!(m.dropout >= 0.0 && m.dropout < 1.0)) {
+    fail(fmt::format("model.dropout must be in [0, 1), got {}.", m.dropout));
+  }
+  if (m.norm_eps <= 0) fail(fmt::format("model.norm_eps must be positive, got {}.", m.norm_eps));
+
+  const auto& t = c.train;
+  positive("train.steps", t.steps);
+  positive("train.batch", t.batch);
+  positive("train.seq", t.seq);
+  positive("train.grad_accum", t.grad_accum);
+  positive("train.ce_chunk", t.ce_chunk);
+  positive("train.eval_batches", t.eval_batches);
+  if (t.seq > m.max_seq) {
+    fail(fmt::format("train.seq ({}) is longer than the model's context (model.max_seq = {}); "
+                     "use train.seq <= {} or raise model.max_seq.", t.seq, m.max_seq, m.max_seq));
+  }
+  if (t.lr <= 0 || t.min_lr < 0 || t.min_lr > t.lr) {
+    fail(fmt::format("Learning rates must satisfy 0 <= train.min_lr <= train.lr and train.lr > 0; "
+                     "got lr {} and min_lr {}.", t.lr, t.min_lr));
+  }
+  if (t.warmup < 0 || t.eval_every < 0) fail("train.warmup and train.eval_every must be >= 0.");
+  if (t.grad_clip < 0) fail(fmt::format("train.grad_clip must be >= 0 (0 disables), got {}.", t.grad_clip));
+  if (!(t.beta1 >= 0 && t.beta1 < 1 && t.beta2 >= 0 && t.beta2 < 1)) {
+    fail(fmt::format("AdamW betas must be in [0, 1), got {} and {}.", t.beta1, t.beta2));
+  }
+
+  if (c.data.vocab_size < 260) {
+    fail(fmt::format("data.vocab_size must be at least 260 (256 byte pieces plus specials), got {}.",
+                     c.data.vocab_size));
+  }
+  if (!(c.data.val_fraction > 0 && c.data.val_fraction < 0.5)) {
+    fail(fmt::format("data.val_fraction must be in (0, 0.5), got {}.", c.data.val_fraction));
+  }
+  if (c.run.threads < 0) fail(fmt::format("run.threads must be >= 0 (0: all cores), got {}.", c.run.threads));
+  if (c.run.dtype != "float32" && c.run.dtype != "bfloat16") {
+    fail(fmt::format("run.dtype must be float32 or bfloat16, got '{}'.", c.run.dtype));
+  }
+  if (c.run.device != "cpu" && c.run.device.rfind("cuda", 0) != 0) {
+    fail(fmt::format("run.device must be cpu or cuda[:N], got '{}'.", c.run.device));
+  }
+  if (c.run.sample_tokens < 0) fail("run.sample_tokens must be >= 0.");
+}
+
+std::string config_to_toml(const Config& c) {
+  std::string out = "# remat resolved configuration\n";
+  std::string section;
+  for (const auto& k : config_keys()) {
+    const auto dot = k.name.find('.');
+    const std::string sec = k.name.substr(0, dot);
+    if (sec != section) {
+      out += fmt::format("\n[{}]\n", sec);
+      section = sec;
+    }
+    out += fmt::format("{} = {}\n", k.name.substr(dot + 1), k.get(c));
+  }
+  return out;
+}
+
+}  // namespace remat

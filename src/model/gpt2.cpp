@@ -1,0 +1,221 @@
+// GPT-2: pre-LN blocks, learned positions, GELU MLP, tied head, dropout on embeddings,
+// attention probabilities and both residual branches.
+#include "model/transformer.h"
+
+namespace remat::detail {
+namespace {
+
+using namespace remat::ops;
+
+struct Gpt2Arch {
+  struct Block {
+    at::Tensor ln1_w, ln1_b, qkv_w, qkv_b, attn_proj_w, attn_proj_b;
+    at::Tensor ln2_w, ln2_b, fc_w, fc_b, mlp_proj_w, mlp_proj_b;
+    template <class F>
+    void visit(const std::string& p, F&& f) {
+      f(p + "ln_1.weight", ln1_w);
+      f(p + "ln_1.bias", ln1_b);
+      f(p + "attn.c_attn.weight", qkv_w);
+      f(p + "attn.c_attn.bias", qkv_b);
+      f(p + "attn.c_proj.weight", attn_proj_w);
+      f(p + "attn.c_proj.bias", attn_proj_b);
+      f(p + "ln_2.weight", ln2_w);
+      f(p + "ln_2.bias", ln2_b);
+      f(p + "mlp.c_fc.weight", fc_w);
+      f(p + "mlp.c_fc.bias", fc_b);
+      f(p + "mlp.c_proj.weight", mlp_proj_w);
+      f(p + "mlp.c_proj.bias", mlp_proj_b);
+    }
+  };
+
+  struct Weights {
+    at::Tensor wte, wpe, lnf_w, lnf_b;
+    std::vector<Block> h;
+    template <class F>
+    void visit(F&& f) {
+      f("wte.weight", wte);
+      f("wpe.weight", wpe);
+      for (size_t l = 0; l < h.size(); ++l) h[l].visit("h." + std::to_string(l) + ".", f);
+      f("ln_f.weight", lnf_w);
+      f("ln_f.bias", lnf_b);
+    }
+    // Linear weights are [out, in] here; Hugging Face's Conv1D files hold them [in, out].
+    static Weights make(const ModelConfig& c, const at::TensorOptions& o) {
+      const int64_t C = c.d_model, F = c.d_ff;
+      Weights w;
+      w.wte = at::empty({c.vocab_size, C}, o);
+      w.wpe = at::empty({c.max_seq, C}, o);
+      w.lnf_w = at::empty({C}, o);
+      w.lnf_b = at::empty({C}, o);
+      for (int64_t l = 0; l < c.n_layer; ++l) {
+        Block b;
+        b.ln1_w = at::empty({C}, o);
+        b.ln1_b = at::empty({C}, o);
+        b.qkv_w = at::empty({3 * C, C}, o);
+        b.qkv_b = at::empty({3 * C}, o);
+        b.attn_proj_w = at::empty({C, C}, o);
+        b.attn_proj_b = at::empty({C}, o);
+        b.ln2_w = at::empty({C}, o);
+        b.ln2_b = at::empty({C}, o);
+        b.fc_w = at::empty({F, C}, o);
+        b.fc_b = at::empty({F}, o);
+        b.mlp_proj_w = at::empty({C, F}, o);
+        b.mlp_proj_b = at::empty({C}, o);
+        w.h.push_back(b);
+      }
+      return w;
+    }
+  };
+
+  struct EmbedSaved {
+    EmbeddingSaved tok;
+    PositionEmbeddingSaved pos;
+    DropoutSaved drop;
+    std::vector<at::Tensor> tensors() const { return concat({tok.tensors(), pos.tensors(), drop.tensors()}); }
+  };
+
+  struct BlockSaved {
+    LayerNormSaved ln1;
+    LinearSaved qkv;
+    AttentionSaved attn;
+    LinearSaved attn_proj;
+    DropoutSaved attn_drop;
+    LayerNormSaved ln2;
+    LinearSaved fc;
+    GeluSaved act;
+    LinearSaved mlp_proj;
+    DropoutSaved mlp_drop;
+    std::vector<at::Tensor> tensors() const {
+      return concat({ln1.tensors(), qkv.tensors(), attn.tensors(), attn_proj.tensors(), attn_drop.tensors(),
+                     ln2.tensors(), fc.tensors(), act.tensors(), mlp_proj.tensors(), mlp_drop.tensors()});
+    }
+  };
+
+  static std::vector<at::Tensor> concat(std::initializer_list<std::vector<at::Tensor>> parts) {
+    std::vector<at::Tensor> out;
+    for (const auto& p : parts) out.insert(out.end(), p.begin(), p.end());
+    return out;
+  }
+
+  Gpt2Arch(const ModelConfig& c, at::Device, at::ScalarType) : c(c) {}
+
+  static const at::Tensor& head(const Weights& w) { return w.wte; }
+  static at::Tensor& head(Weights& w) { return w.wte; }
+
+  static bool hf_transposed(const std::string& name) {
+    for (const char* s : {".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight"}) {
+      const std::string suffix(s);
+      if (name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0) {
+        return true;
+      }
+    }
+    return false;
+  }
+
+  // Causal-mask buffers of older checkpoints, and the tied head's copy.
+  static bool ignorable(const std::string& name) {
+    auto ends = [&](const std::string& s) {
+      return name.size() >= s.size() && name.compare(name.size() - s.size(), s.size(), s) == 0;
+    };
+    return ends(".attn.bias") || ends(".attn.masked_bias") || name == "lm_head.weight";
+  }
+
+  double p(bool train) const { return train ? c.dropout : 0.0; }
+
+  Fwd<EmbedSaved> embed_forward(const Weights& w, const at::Tensor& ids, const StepContext& ctx, bool train) const {
+    EmbedSaved s;
+    auto tok = embedding_forward(ids, w.wte);
+    auto pos = position_embedding_forward(ids.size(1), w.wpe);
+    auto drop = dropout_forward(tok.out + pos.out, p(train), dropout_key(ctx, 0, DropoutSite::embedding));
+    s.tok = std::move(tok.saved);
+    s.pos = pos.saved;
+    s.drop = std::move(drop.saved);
+    return {drop.out, std::move(s)};
+  }
+
+  void embed_backward(const at::Tensor& dy, EmbedSaved& s, const Weights&, Weights& g) const {
+    at::Tensor dx = dropout_backward(dy, s.drop);
+    embedding_backward(dx, s.tok, g.wte);
+    position_embedding_backward(dx, s.pos, g.wpe);
+  }
+
+  Fwd<BlockSaved> block_forward(const Weights& W, int64_t l, const at::Tensor& x, const StepContext& ctx,
+                                bool train) const {
+    const Block& w = W.h[l];
+    const int64_t B = x.size(0), T = x.size(1), C = c.d_model, H = c.n_head, D = c.head_dim();
+    BlockSaved s;
+    auto ln1 = layernorm_forward(x, w.ln1_w, w.ln1_b, c.norm_eps);
+    auto qkv = linear_forward(ln1.out, w.qkv_w, w.qkv_b);
+    auto q = qkv.out.narrow(-1, 0, C).view({B, T, H, D});
+    auto k = qkv.out.narrow(-1, C, C).view({B, T, H, D});
+    auto v = qkv.out.narrow(-1, 2 * C, C).view({B, T, H, D});
+    auto attn = attention_forward(q, k, v, p(train), dropout_key(ctx, l, DropoutSite::attn_probs));
+    auto proj = linear_forward(attn.out.reshape({B, T, C}), w.attn_proj_w, w.attn_proj_b);
+    auto d1 = dropout_forward(proj.out, p(train), dropout_key(ctx, l, DropoutSite::attn_resid));
+    at::Tensor x1 = residual_forward(x, d1.out).out;
+    auto ln2 = layernorm_forward(x1, w.ln2_w, w.ln2_b, c.norm_eps);
+    auto fc = linear_forward(ln2.out, w.fc_w, w.fc_b);
+    auto act = gelu_forward(fc.out);
+    auto mp = linear_forward(act.out, w.mlp_proj_w, w.mlp_proj_b);
+    auto d2 = dropout_forward(mp.out, p(train), dropout_key(ctx, l, DropoutSite::mlp_resid));
+    at::Tensor out = residual_forward(x1, d2.out).out;
+    if (train) {
+      s.ln1 = std::move(ln1.saved);
+      s.qkv = std::move(qkv.saved);
+      s.attn = std::move(attn.saved);
+      s.attn_proj = std::move(proj.saved);
+      s.attn_drop = std::move(d1.saved);
+      s.ln2 = std::move(ln2.saved);
+      s.fc = std::move(fc.saved);
+      s.act = std::move(act.saved);
+      s.mlp_proj = std::move(mp.saved);
+      s.mlp_drop = std::move(d2.saved);
+    }
+    return {out, std::move(s)};
+  }
+
+  // Each Saved field is released as soon as its backward has consumed it.
+  at::Tensor block_backward(const at::Tensor& dy, BlockSaved& s, const Weights& W, Weights& G, int64_t l) const {
+    const Block& w = W.h[l];
+    Block& g = G.h[l];
+    const int64_t B = dy.size(0), T = dy.size(1), C = c.d_model, H = c.n_head, D = c.head_dim();
+    at::Tensor d = dropout_backward(dy, std::exchange(s.mlp_drop, {}));
+    d = linear_backward(d, std::exchange(s.mlp_proj, {}), w.mlp_proj_w, g.mlp_proj_w, &g.mlp_proj_b);
+    d = gelu_backward(d, std::exchange(s.act, {}));
+    d = linear_backward(d, std::exchange(s.fc, {}), w.fc_w, g.fc_w, &g.fc_b);
+    at::Tensor dx1 = dy + layernorm_backward(d, std::exchange(s.ln2, {}), w.ln2_w, g.ln2_w, g.ln2_b);
+    d = dropout_backward(dx1, std::exchange(s.attn_drop, {}));
+    d = linear_backward(d, std::exchange(s.attn_proj, {}), w.attn_proj_w, g.attn_proj_w, &g.attn_proj_b);
+    auto ag = attention_backward(d.view({B, T, H, D}), std::exchange(s.attn, {}));
+    at::Tensor dqkv = at::cat({ag.dq.reshape({B, T, C}), ag.dk.reshape({B, T, C}), ag.dv.reshape({B, T, C})}, -1);
+    ag = {};
+    d = linear_backward(dqkv, std::exchange(s.qkv, {}), w.qkv_w, g.qkv_w, &g.qkv_b);
+    return dx1 + layernorm_backward(d, std::exchange(s.ln1, {}), w.ln1_w, g.ln1_w, g.ln1_b);
+  }
+
+  Fwd<LayerNormSaved> final_norm_forward(const Weights& w, const at::Tensor& x) const {
+    return layernorm_forward(x, w.lnf_w, w.lnf_b, c.norm_eps);
+  }
+  at::Tensor final_norm_backward(const at::Tensor& dy, const LayerNormSaved& s, const Weights& w, Weights& g) const {
+    return layernorm_backward(dy, s, w.lnf_w, g.lnf_w, g.lnf_b);
+  }
+
+  double forward_flops(int64_t T) const {
+    const int64_t C = c.d_model, F = c.d_ff, V = c.vocab_size;
+    const AttentionShape a{1, T, c.n_head, c.n_head, c.head_dim()};
+    double block = 2 * layernorm_flops(T, C) + linear_flops(T, C, 3 * C, true) + attention_flops(a, c.dropout) +
+                   linear_flops(T, C, C, true) + 2 * dropout_flops(T * C, c.dropout) + 2 * residual_flops(T * C) +
+                   linear_flops(T, C, F, true) + gelu_flops(T * F) + linear_flops(T, F, C, true);
+    return dropout_flops(T * C, c.dropout) + c.n_layer * block + layernorm_flops(T, C) + cross_entropy_flops(T, C, V);
+  }
+
+  ModelConfig c;
+};
+
+}  // namespace
+
+std::unique_ptr<Model> make_gpt2(const ModelConfig& cfg, at::Device device, at::ScalarType dtype, uint64_t seed) {
+  return std::make_unique<TransformerModel<Gpt2Arch>>(cfg, device, dtype, seed);
+}
+
+}  // namespace remat::detail

@@ -1,0 +1,193 @@
+// Llama: RMSNorm, rotary positions, grouped-query attention, fused SwiGLU MLP, untied
+// head; dropout (model.dropout) on the attention probabilities only.
+#include "model/transformer.h"
+
+namespace remat::detail {
+namespace {
+
+using namespace remat::ops;
+
+struct LlamaArch {
+  struct Block {
+    at::Tensor in_norm, wq, wk, wv, wo, post_norm, w_gate, w_up, w_down;
+    template <class F>
+    void visit(const std::string& p, F&& f) {
+      f(p + "input_layernorm.weight", in_norm);
+      f(p + "self_attn.q_proj.weight", wq);
+      f(p + "self_attn.k_proj.weight", wk);
+      f(p + "self_attn.v_proj.weight", wv);
+      f(p + "self_attn.o_proj.weight", wo);
+      f(p + "post_attention_layernorm.weight", post_norm);
+      f(p + "mlp.gate_proj.weight", w_gate);
+      f(p + "mlp.up_proj.weight", w_up);
+      f(p + "mlp.down_proj.weight", w_down);
+    }
+  };
+
+  struct Weights {
+    at::Tensor embed, norm, lm_head;
+    std::vector<Block> layers;
+    template <class F>
+    void visit(F&& f) {
+      f("model.embed_tokens.weight", embed);
+      for (size_t l = 0; l < layers.size(); ++l) layers[l].visit("model.layers." + std::to_string(l) + ".", f);
+      f("model.norm.weight", norm);
+      f("lm_head.weight", lm_head);
+    }
+    static Weights make(const ModelConfig& c, const at::TensorOptions& o) {
+      const int64_t C = c.d_model, F = c.d_ff, KV = c.n_kv_head * c.head_dim();
+      Weights w;
+      w.embed = at::empty({c.vocab_size, C}, o);
+      w.norm = at::empty({C}, o);
+      w.lm_head = at::empty({c.vocab_size, C}, o);
+      for (int64_t l = 0; l < c.n_layer; ++l) {
+        Block b;
+        b.in_norm = at::empty({C}, o);
+        b.wq = at::empty({C, C}, o);
+        b.wk = at::empty({KV, C}, o);
+        b.wv = at::empty({KV, C}, o);
+        b.wo = at::empty({C, C}, o);
+        b.post_norm = at::empty({C}, o);
+        b.w_gate = at::empty({F, C}, o);
+        b.w_up = at::empty({F, C}, o);
+        b.w_down = at::empty({C, F}, o);
+        w.layers.push_back(b);
+      }
+      return w;
+    }
+  };
+
+  static std::vector<at::Tensor> concat(std::initializer_list<std::vector<at::Tensor>> parts) {
+    std::vector<at::Tensor> out;
+    for (const auto& p : parts) out.insert(out.end(), p.begin(), p.end());
+    return out;
+  }
+
+  struct EmbedSaved {
+    EmbeddingSaved tok;
+    std::vector<at::Tensor> tensors() const { return tok.tensors(); }
+  };
+
+  // q/k/v projections read the same normed input, as do gate/up: it is saved once.
+  struct BlockSaved {
+    RMSNormSaved n1;
+    LinearSaved qkv_in;
+    AttentionSaved attn;
+    LinearSaved o;
+    RMSNormSaved n2;
+    LinearSaved gate_up_in;
+    SwiGLUSaved act;
+    LinearSaved down;
+    std::vector<at::Tensor> tensors() const {
+      return concat({n1.tensors(), qkv_in.tensors(), attn.tensors(), o.tensors(), n2.tensors(),
+                     gate_up_in.tensors(), act.tensors(), down.tensors()});
+    }
+  };
+
+  LlamaArch(const ModelConfig& c, at::Device device, at::ScalarType dtype)
+      : c(c), rope(rope_tables(c.max_seq, c.head_dim(), c.rope_theta, dtype, device)) {}
+
+  static const at::Tensor& head(const Weights& w) { return w.lm_head; }
+  static at::Tensor& head(Weights& w) { return w.lm_head; }
+  static bool hf_transposed(const std::string&) { return false; }
+  static bool ignorable(const std::string& name) {
+    const std::string s = ".rotary_emb.inv_freq";
+    return name.size() > s.size() && name.compare(name.size() - s.size(), s.size(), s) == 0;
+  }
+
+  RopeTables tables(int64_t T) const { return {rope.cos.narrow(0, 0, T), rope.sin.narrow(0, 0, T)}; }
+
+  Fwd<EmbedSaved> embed_forward(const Weights& w, const at::Tensor& ids, const StepContext&, bool) const {
+    auto tok = embedding_forward(ids, w.embed);
+    return {tok.out, EmbedSaved{std::move(tok.saved)}};
+  }
+  void embed_backward(const at::Tensor& dy, EmbedSaved& s, const Weights&, Weights& g) const {
+    embedding_backward(dy, s.tok, g.embed);
+  }
+
+  Fwd<BlockSaved> block_forward(const Weights& W, int64_t l, const at::Tensor& x, const StepContext& ctx,
+                                bool train) const {
+    const Block& w = W.layers[l];
+    const int64_t B = x.size(0), T = x.size(1), C = c.d_model, Hq = c.n_head, Hkv = c.n_kv_head, D = c.head_dim();
+    const auto rt = tables(T);
+    BlockSaved s;
+    auto n1 = rmsnorm_forward(x, w.in_norm, c.norm_eps);
+    auto q = linear_forward(n1.out, w.wq, {});
+    auto k = linear_forward(n1.out, w.wk, {});
+    auto v = linear_forward(n1.out, w.wv, {});
+    auto qr = rope_forward(q.out.view({B, T, Hq, D}), rt);
+    auto kr = rope_forward(k.out.view({B, T, Hkv, D}), rt);
+    auto attn = attention_forward(qr.out, kr.out, v.out.view({B, T, Hkv, D}), train ? c.dropout : 0.0,
+                                  dropout_key(ctx, l, DropoutSite::attn_probs));
+    auto o = linear_forward(attn.out.reshape({B, T, C}), w.wo, {});
+    at::Tensor x1 = residual_forward(x, o.out).out;
+    auto n2 = rmsnorm_forward(x1, w.post_norm, c.norm_eps);
+    auto gate = linear_forward(n2.out, w.w_gate, {});
+    auto up = linear_forward(n2.out, w.w_up, {});
+    auto act = swiglu_forward(gate.out, up.out);
+    auto down = linear_forward(act.out, w.w_down, {});
+    at::Tensor out = residual_forward(x1, down.out).out;
+    if (train) {
+      s.n1 = std::move(n1.saved);
+      s.qkv_in = std::move(q.saved);
+      s.attn = std::move(attn.saved);
+      s.o = std::move(o.saved);
+      s.n2 = std::move(n2.saved);
+      s.gate_up_in = std::move(gate.saved);
+      s.act = std::move(act.saved);
+      s.down = std::move(down.saved);
+    }
+    return {out, std::move(s)};
+  }
+
+  at::Tensor block_backward(const at::Tensor& dy, BlockSaved& s, const Weights& W, Weights& G, int64_t l) const {
+    const Block& w = W.layers[l];
+    Block& g = G.layers[l];
+    const int64_t B = dy.size(0), T = dy.size(1), C = c.d_model, Hq = c.n_head, Hkv = c.n_kv_head, D = c.head_dim();
+    const auto rt = tables(T);
+    at::Tensor d = linear_backward(dy, std::exchange(s.down, {}), w.w_down, g.w_down, nullptr);
+    auto sg = swiglu_backward(d, std::exchange(s.act, {}));
+    const LinearSaved gu = std::exchange(s.gate_up_in, {});
+    d = linear_backward(sg.dgate, gu, w.w_gate, g.w_gate, nullptr) + linear_backward(sg.dup, gu, w.w_up, g.w_up, nullptr);
+    sg = {};
+    at::Tensor dx1 = dy + rmsnorm_backward(d, std::exchange(s.n2, {}), w.post_norm, g.post_norm);
+    d = linear_backward(dx1, std::exchange(s.o, {}), w.wo, g.wo, nullptr);
+    auto ag = attention_backward(d.view({B, T, Hq, D}), std::exchange(s.attn, {}));
+    at::Tensor dq = rope_backward(ag.dq, {}, rt).reshape({B, T, Hq * D});
+    at::Tensor dk = rope_backward(ag.dk, {}, rt).reshape({B, T, Hkv * D});
+    at::Tensor dv = ag.dv.reshape({B, T, Hkv * D});
+    ag = {};
+    const LinearSaved in = std::exchange(s.qkv_in, {});
+    d = linear_backward(dq, in, w.wq, g.wq, nullptr) + linear_backward(dk, in, w.wk, g.wk, nullptr) +
+        linear_backward(dv, in, w.wv, g.wv, nullptr);
+    return dx1 + rmsnorm_backward(d, std::exchange(s.n1, {}), w.in_norm, g.in_norm);
+  }
+
+  Fwd<RMSNormSaved> final_norm_forward(const Weights& w, const at::Tensor& x) const {
+    return rmsnorm_forward(x, w.norm, c.norm_eps);
+  }
+  at::Tensor final_norm_backward(const at::Tensor& dy, const RMSNormSaved& s, const Weights& w, Weights& g) const {
+    return rmsnorm_backward(dy, s, w.norm, g.norm);
+  }
+
+  double forward_flops(int64_t T) const {
+    const int64_t C = c.d_model, F = c.d_ff, V = c.vocab_size, KV = c.n_kv_head * c.head_dim();
+    const AttentionShape a{1, T, c.n_head, c.n_kv_head, c.head_dim()};
+    double block = 2 * rmsnorm_flops(T, C) + linear_flops(T, C, C, false) + 2 * linear_flops(T, C, KV, false) +
+                   rope_flops(T * (C + KV)) + attention_flops(a, c.dropout) + linear_flops(T, C, C, false) +
+                   2 * residual_flops(T * C) + 2 * linear_flops(T, C, F, false) + swiglu_flops(T * F) +
+                   linear_flops(T, F, C, false);
+    return c.n_layer * block + rmsnorm_flops(T, C) + cross_entropy_flops(T, C, V);
+  }
+
+  ModelConfig c;
+  RopeTables rope;
+};
+
+}  // namespace
+
+std::unique_ptr<Model> make_llama(const ModelConfig& cfg, at::Device device, at::ScalarType dtype, uint64_t seed) {
+  return std::make_unique<TransformerModel<LlamaArch>>(cfg, device, dtype, seed);
+}
+
+}  // namespace remat::detail

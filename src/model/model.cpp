@@ -1,0 +1,136 @@
+#include "remat/model.h"
+
+#include "model/transformer.h"
+#include "remat/safetensors.h"
+
+#include <fmt/format.h>
+
+#include <cmath>
+#include <set>
+#include <stdexcept>
+
+namespace remat {
+
+int64_t ActivationBytes::total() const {
+  int64_t t = embedding + head;
+  for (int64_t b : blocks) t += b;
+  return t;
+}
+
+std::unique_ptr<Model> Model::create(const ModelConfig& cfg, at::Device device, at::ScalarType compute_dtype,
+                                     uint64_t seed) {
+  TORCH_CHECK(cfg.vocab_size > 0, "The model needs a vocabulary size (model.vocab_size), got ", cfg.vocab_size);
+  TORCH_CHECK(compute_dtype == at::kFloat || compute_dtype == at::kBFloat16 || compute_dtype == at::kDouble,
+              "The compute dtype must be float32, bfloat16 or float64, got ", compute_dtype);
+  if (cfg.arch == "gpt2") return detail::make_gpt2(cfg, device, compute_dtype, seed);
+  if (cfg.arch == "llama") return detail::make_llama(cfg, device, compute_dtype, seed);
+  TORCH_CHECK(false, "Unknown model architecture '", cfg.arch, "'; valid: gpt2, llama.");
+}
+
+int64_t Model::num_params() const {
+  int64_t n = 0;
+  for (const auto& p : params_) n += p.value.numel();
+  return n;
+}
+
+void Model::zero_grad() {
+  for (auto& p : params_) p.grad.zero_();
+}
+
+void Model::save(const std::string& path, const std::map<std::string, std::string>& metadata) const {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  out.reserve(params_.size());
+  for (const auto& p : params_) {
+    at::Tensor t = p.value.detach().to(at::kCPU);
+    out.emplace_back(p.name, hf_transposed(p.name) ? t.t().contiguous() : t.contiguous());
+  }
+  model::save_safetensors(path, out, metadata);
+}
+
+void Model::load(const std::string& path) {
+  // Hugging Face GPT-2 files may prefix every name with "transformer.".
+  std::map<std::string, at::Tensor> file;
+  for (auto& [name, t] : model::load_safetensors(path).tensors) {
+    const std::string prefix = "transformer.";
+    const bool strip = cfg_.arch == "gpt2" && name.rfind(prefix, 0) == 0;
+    file[strip ? name.substr(prefix.size()) : name] = t;
+  }
+
+  // Check everything first; write nothing until the whole file is known to fit.
+  std::vector<at::Tensor> staged;
+  std::set<std::string> used;
+  for (const auto& p : params_) {
+    auto it = file.find(p.name);
+    if (it == file.end()) {
+      throw std::runtime_error(fmt::format("{} has no tensor '{}', which this {} model needs; it is not a "
+                                           "checkpoint of this model (nothing was loaded).",
+                                           path, p.name, cfg_.arch));
+    }
+    at::Tensor t = hf_transposed(p.name) && it->second.dim() == 2 ? it->second.t() : it->second;
+    if (t.sizes() != p.value.sizes()) {
+      throw std::runtime_error(fmt::format(
+          "Tensor '{}' in {} has shape [{}] but the model expects [{}] (nothing was loaded).", p.name, path,
+          fmt::join(t.sizes(), ", "), fmt::join(p.value.sizes(), ", ")));
+    }
+    if (!at::isFloatingType(t.scalar_type())) {
+      throw std::runtime_error(fmt::format("Tensor '{}' in {} is of dtype {}, not a floating type (nothing was loaded).",
+                                           p.name, path, std::string(c10::toString(t.scalar_type()))));
+    }
+    staged.push_back(t);
+    used.insert(it->first);
+  }
+  std::vector<std::string> extra;
+  for (const auto& [name, t] : file) {
+    if (!used.count(name) && !ignorable(name)) extra.push_back(name);
+  }
+  if (!extra.empty()) {
+    throw std::runtime_error(fmt::format("{} holds tensors this {} model does not have ({}); it is a checkpoint "
+                                         "of another model shape (nothing was loaded).",
+                                         path, cfg_.arch, fmt::join(extra, ", ")));
+  }
+  for (size_t i = 0; i < params_.size(); ++i) params_[i].value.copy_(staged[i]);
+}
+
+namespace detail {
+
+int64_t distinct_storage_bytes(const std::vector<at::Tensor>& ts, std::unordered_set<const void*>& seen) {
+  int64_t total = 0;
+  for (const auto& t : ts) {
+    if (!t.defined()) continue;
+    const void* key = t.storage().unsafeGetStorageImpl();
+    if (seen.insert(key).second) total += static_cast<int64_t>(t.storage().nbytes());
+  }
+  return total;
+}
+
+void init_param(const std::string& name, at::Tensor& t, const ModelConfig& cfg, at::Generator& gen) {
+  auto ends = [&](const char* s) {
+    const std::string suffix(s);
+    return name.size() >= suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
+  };
+  if (ends(".bias")) {
+    t.zero_();
+  } else if (t.dim() == 1) {  // norm weights
+    t.fill_(1.0);
+  } else {
+    // Residual-branch outputs are scaled down so the residual stream's variance does not
+    // grow with depth (GPT-2's initialisation).
+    const bool residual_out = ends("attn.c_proj.weight") || ends("mlp.c_proj.weight") || ends("o_proj.weight") ||
+                              ends("down_proj.weight");
+    const double std = residual_out ? cfg.init_std / std::sqrt(2.0 * cfg.n_layer) : cfg.init_std;
+    t.normal_(0.0, std, gen);
+  }
+}
+
+ops::DropoutKey dropout_key(const StepContext& ctx, int64_t layer, ops::DropoutSite site) {
+  ops::DropoutKey k;
+  k.seed = ctx.seed;
+  k.step = ctx.step;
+  k.microbatch = ctx.microbatch;
+  k.layer = static_cast<uint64_t>(layer);
+  k.site = site;
+  return k;
+}
+
+}  // namespace detail
+}  // namespace remat

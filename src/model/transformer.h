@@ -1,0 +1,181 @@
+// The training loop of one microbatch, written once for both architectures.
+//
+// An Arch supplies: Weights (all parameter tensors, visit(f) over (name, tensor&) in a
+// fixed order, make(cfg, options) allocating them), EmbedSaved/BlockSaved/NormSaved
+// (each with tensors()), and the forward/backward of the embedding, one block and the
+// final norm, plus which weight the loss head uses. The same Weights type holds the
+// values, the gradients and, in bfloat16 runs, the per-step compute copies.
+#pragma once
+
+#include "remat/model.h"
+#include "remat/ops.h"
+
+#include <unordered_set>
+
+namespace remat::detail {
+
+/// (name, tensor) references into a Weights struct, in visit order.
+template <class W>
+std::vector<std::pair<std::string, at::Tensor*>> weight_refs(W& w) {
+  std::vector<std::pair<std::string, at::Tensor*>> out;
+  w.visit([&](const std::string& name, at::Tensor& t) { out.emplace_back(name, &t); });
+  return out;
+}
+
+/// Bytes held by the distinct storages among `ts` not yet in `seen` (views share).
+int64_t distinct_storage_bytes(const std::vector<at::Tensor>& ts, std::unordered_set<const void*>& seen);
+
+/// Initial value of a parameter from its name: biases 0, norm weights 1, residual
+/// output projections N(0, std / sqrt(2 layers)), other matrices N(0, std).
+void init_param(const std::string& name, at::Tensor& t, const ModelConfig& cfg, at::Generator& gen);
+
+ops::DropoutKey dropout_key(const StepContext& ctx, int64_t layer, ops::DropoutSite site);
+
+template <class Arch>
+class TransformerModel final : public Model {
+ public:
+  using Weights = typename Arch::Weights;
+
+  TransformerModel(const ModelConfig& cfg, at::Device device, at::ScalarType compute_dtype,
+                   uint64_t seed)
+      : Model(cfg, device, compute_dtype), arch_(cfg, device, compute_dtype) {
+    // Masters are float32, or float64 when computing in float64 (gradient tests).
+    const auto f32 = at::TensorOptions().dtype(compute_dtype == at::kDouble ? at::kDouble : at::kFloat);
+    // Initialise on CPU from one seeded generator so a seed means the same model on
+    // every device, then move.
+    weights_ = Weights::make(cfg, f32);
+    auto gen = at::detail::createCPUGenerator(seed);
+    for (auto& [name, t] : weight_refs(weights_)) {
+      init_param(name, *t, cfg, gen);
+      *t = t->to(device);
+    }
+    grads_ = Weights::make(cfg, f32.device(device));
+    auto w = weight_refs(weights_);
+    auto g = weight_refs(grads_);
+    for (size_t i = 0; i < w.size(); ++i) {
+      g[i].second->zero_();
+      params_.push_back(Param{w[i].first, *w[i].second, *g[i].second, w[i].second->dim() >= 2});
+    }
+  }
+
+  double forward_backward(const at::Tensor& tokens, const at::Tensor& targets,
+                          const StepContext& ctx, double loss_scale, int64_t ce_chunk,
+                          ActivationBytes* measured) override {
+    check_batch(tokens, targets);
+    const Weights& W = compute_weights();
+    const int64_t L = cfg_.n_layer;
+
+    auto emb = arch_.embed_forward(W, tokens, ctx, /*train=*/true);
+    at::Tensor x = emb.out;
+    std::vector<typename Arch::BlockSaved> saved(L);
+    for (int64_t l = 0; l < L; ++l) {
+      auto f = arch_.block_forward(W, l, x, ctx, /*train=*/true);
+      x = f.out;
+      saved[l] = std::move(f.saved);
+    }
+    auto norm = arch_.final_norm_forward(W, x);
+    x.reset();
+    const int64_t C = cfg_.d_model;
+    auto ce = ops::cross_entropy_forward(norm.out.reshape({-1, C}), Arch::head(W),
+                                         targets.reshape({-1}), ce_chunk);
+    norm.out.reset();
+    const double loss = ce.out.item<double>();
+
+    if (measured != nullptr) {
+      std::unordered_set<const void*> seen;
+      measured->embedding = distinct_storage_bytes(emb.saved.tensors(), seen);
+      measured->blocks.assign(L, 0);
+      for (int64_t l = 0; l < L; ++l) measured->blocks[l] = distinct_storage_bytes(saved[l].tensors(), seen);
+      auto head = norm.saved.tensors();
+      for (const auto& t : ce.saved.tensors()) head.push_back(t);
+      measured->head = distinct_storage_bytes(head, seen);
+    }
+
+    at::Tensor dh = ops::cross_entropy_backward(loss_scale, ce.saved, Arch::head(W), Arch::head(grads_));
+    ce.saved = {};
+    at::Tensor dx = arch_.final_norm_backward(dh.view(tokens.sizes().vec() + std::vector<int64_t>{C}),
+                                              norm.saved, W, grads_);
+    norm.saved = {};
+    for (int64_t l = L - 1; l >= 0; --l) {
+      dx = arch_.block_backward(dx, saved[l], W, grads_, l);
+      saved[l] = {};
+    }
+    arch_.embed_backward(dx, emb.saved, W, grads_);
+    return loss;
+  }
+
+  double evaluate(const at::Tensor& tokens, const at::Tensor& targets, int64_t ce_chunk) override {
+    check_batch(tokens, targets);
+    at::Tensor h = hidden(tokens);
+    auto ce = ops::cross_entropy_forward(h.reshape({-1, cfg_.d_model}), Arch::head(compute_weights()),
+                                         targets.reshape({-1}), ce_chunk);
+    return ce.out.item<double>();
+  }
+
+  at::Tensor last_logits(const at::Tensor& tokens) override {
+    TORCH_CHECK(tokens.dim() == 2 && tokens.size(1) > 0, "[model] tokens must be [B, T] with T > 0, got ",
+                tokens.sizes());
+    at::Tensor h = hidden(tokens).select(1, tokens.size(1) - 1);
+    return at::matmul(h, Arch::head(compute_weights()).t()).to(at::kFloat);
+  }
+
+  double forward_flops(int64_t seq) const override { return arch_.forward_flops(seq); }
+
+ protected:
+  bool hf_transposed(const std::string& name) const override { return Arch::hf_transposed(name); }
+  bool ignorable(const std::string& name) const override { return Arch::ignorable(name); }
+
+ private:
+  void check_batch(const at::Tensor& tokens, const at::Tensor& targets) const {
+    TORCH_CHECK(tokens.dim() == 2 && tokens.sizes() == targets.sizes(),
+                "[model] tokens and targets must both be [B, T], got ", tokens.sizes(), " and ",
+                targets.sizes());
+    TORCH_CHECK(tokens.size(1) <= cfg_.max_seq, "The sequence has ", tokens.size(1),
+                " tokens but the model's context is ", cfg_.max_seq,
+                " (model.max_seq); use sequences of at most ", cfg_.max_seq, " tokens.");
+  }
+
+  // Final-norm output [B, T, C] without dropout; nothing is kept for a backward.
+  at::Tensor hidden(const at::Tensor& tokens) {
+    const Weights& W = compute_weights();
+    const StepContext none;
+    at::Tensor x = arch_.embed_forward(W, tokens, none, /*train=*/false).out;
+    for (int64_t l = 0; l < cfg_.n_layer; ++l) x = arch_.block_forward(W, l, x, none, false).out;
+    return arch_.final_norm_forward(W, x).out;
+  }
+
+  // The weights the ops compute with: the float32 masters themselves, or copies in the
+  // compute dtype refreshed whenever the masters changed (once per optimizer step).
+  const Weights& compute_weights() {
+    if (compute_dtype_ == params_.front().value.scalar_type()) return weights_;
+    auto src = weight_refs(weights_);
+    int64_t version = 0;
+    for (auto& [name, t] : src) version += t->_version();
+    if (!cast_valid_ || version != cast_version_) {
+      cast_ = weights_;
+      auto dst = weight_refs(cast_);
+      for (size_t i = 0; i < src.size(); ++i) *dst[i].second = src[i].second->to(compute_dtype_);
+      cast_version_ = version;
+      cast_valid_ = true;
+    }
+    return cast_;
+  }
+
+  Arch arch_;
+  Weights weights_;
+  Weights grads_;
+  Weights cast_;
+  bool cast_valid_ = false;
+  int64_t cast_version_ = 0;
+};
+
+}  // namespace remat::detail
+
+namespace remat::detail {
+
+std::unique_ptr<Model> make_gpt2(const ModelConfig& cfg, at::Device device, at::ScalarType dtype,
+                                 uint64_t seed);
+std::unique_ptr<Model> make_llama(const ModelConfig& cfg, at::Device device, at::ScalarType dtype,
+                                  uint64_t seed);
+
+}  // namespace remat::detail

@@ -1,0 +1,76 @@
+#include "train/device.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/Context.h>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <stdexcept>
+#include <thread>
+
+namespace remat {
+
+at::Device parse_device(const std::string& spec) {
+  if (spec == "cpu") return at::Device(at::kCPU);
+  if (spec.rfind("cuda", 0) == 0) {
+    if (!at::hasCUDA()) {
+      throw std::invalid_argument(fmt::format(
+          "run.device={} was asked for, but this LibTorch has no CUDA device available; use run.device=cpu.", spec));
+    }
+    at::Device d(spec);
+    return d;
+  }
+  throw std::invalid_argument(fmt::format("run.device must be cpu or cuda[:N], got '{}'.", spec));
+}
+
+at::ScalarType parse_dtype(const std::string& name, at::Device device) {
+  if (name == "float32") return at::kFloat;
+  if (name == "bfloat16") {
+    if (!device.is_cuda()) {
+      throw std::invalid_argument(
+          "run.dtype=bfloat16 needs a CUDA device: CPU matmuls in bfloat16 are emulated and slower than float32 "
+          "here; use run.dtype=float32 on CPU.");
+    }
+    return at::kBFloat16;
+  }
+  throw std::invalid_argument(fmt::format("run.dtype must be float32 or bfloat16, got '{}'.", name));
+}
+
+int set_threads(int64_t requested) {
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  at::set_num_threads(requested > 0 ? static_cast<int>(requested) : cores);
+  return at::get_num_threads();
+}
+
+void synchronize(at::Device device) {
+  if (device.is_cuda()) {
+    // A blocking copy of one element waits for every kernel queued before it.
+    at::zeros({1}, at::TensorOptions().device(device)).cpu();
+  }
+}
+
+double measure_matmul_flops(at::Device device, at::ScalarType dtype, int64_t rows, int64_t k, int64_t n) {
+  const auto opts = at::TensorOptions().dtype(dtype).device(device);
+  double best = 0.0;
+  // The model's own GEMM shape and a square one: the best of them is "what this machine
+  // sustains", the denominator of the efficiency figure.
+  const int64_t shapes[2][3] = {{rows, k, n}, {1024, 1024, 1024}};
+  for (const auto& s : shapes) {
+    at::Tensor a = at::randn({s[0], s[1]}, opts), b = at::randn({s[1], s[2]}, opts);
+    at::Tensor c = at::mm(a, b);  // warm-up
+    synchronize(device);
+    const double flops = 2.0 * s[0] * s[1] * s[2];
+    int reps = std::max<int>(1, static_cast<int>(1e9 / flops));
+    for (int trial = 0; trial < 3; ++trial) {
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int r = 0; r < reps; ++r) at::mm_out(c, a, b);
+      synchronize(device);
+      const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      best = std::max(best, reps * flops / dt);
+    }
+  }
+  return best;
+}
+
+}  // namespace remat

@@ -1,0 +1,66 @@
+#include "train/generate.h"
+
+#include <ATen/core/DistributionsHelper.h>
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <algorithm>
+
+namespace remat {
+
+std::string sample_text(Model& model, const data::Tokenizer& tok, const std::string& prompt, int64_t tokens,
+                        double temperature, int64_t top_k, uint64_t seed) {
+  std::vector<int32_t> ids = tok.encode(prompt);
+  if (ids.empty()) ids.push_back(tok.bos_id() >= 0 ? tok.bos_id() : 0);
+  const size_t prompt_len = ids.size();
+  auto gen = at::detail::createCPUGenerator(seed);
+  const int64_t ctx = model.config().max_seq;
+  for (int64_t i = 0; i < tokens; ++i) {
+    const int64_t start = std::max<int64_t>(0, static_cast<int64_t>(ids.size()) - ctx);
+    std::vector<int64_t> window(ids.begin() + start, ids.end());
+    at::Tensor input = at::tensor(window, at::kLong).view({1, -1}).to(model.device());
+    at::Tensor logits = model.last_logits(input)[0].to(at::kCPU);
+    int64_t next = 0;
+    if (temperature <= 0) {
+      next = logits.argmax().item<int64_t>();
+    } else {
+      logits = logits / temperature;
+      if (top_k > 0 && top_k < logits.size(0)) {
+        const double kth = std::get<0>(logits.topk(top_k)).min().item<double>();
+        logits = logits.masked_fill(logits < kth, -std::numeric_limits<double>::infinity());
+      }
+      next = at::multinomial(at::softmax(logits, 0), 1, false, gen).item<int64_t>();
+    }
+    if (next == tok.eos_id()) break;
+    ids.push_back(static_cast<int32_t>(next));
+  }
+  return tok.decode(ids);
+}
+
+}  // namespace remat
+
+#include "remat/trainer.h"
+#include "train/device.h"
+
+#include <filesystem>
+#include <fmt/format.h>
+
+namespace remat {
+
+std::string generate_from_run(const std::string& run_dir, const std::string& prompt, int64_t tokens,
+                              double temperature, int64_t top_k, uint64_t seed) {
+  namespace fs = std::filesystem;
+  for (const char* f : {"config.toml", "model.safetensors", "tokenizer.model"}) {
+    if (!fs::exists(fs::path(run_dir) / f)) {
+      throw std::invalid_argument(fmt::format("{} has no {}; pass the directory of a finished `remat train` run.",
+                                              run_dir, f));
+    }
+  }
+  const Config cfg = load_config((fs::path(run_dir) / "config.toml").string(), {});
+  const at::Device device = parse_device(cfg.run.device);
+  auto model = Model::create(cfg.model, device, parse_dtype(cfg.run.dtype, device), 0);
+  model->load((fs::path(run_dir) / "model.safetensors").string());
+  const auto tok = data::Tokenizer::load((fs::path(run_dir) / "tokenizer.model").string());
+  return sample_text(*model, tok, prompt, tokens, temperature, top_k, seed);
+}
+
+}  // namespace remat

@@ -1,0 +1,82 @@
+#include "train/run_dir.h"
+
+#include <fmt/format.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <ctime>
+#include <filesystem>
+#include <stdexcept>
+
+namespace fs = std::filesystem;
+
+namespace remat {
+
+RunDir::RunDir(const std::string& out_dir, const std::string& name, const std::string& preset) {
+  std::string base = name;
+  if (base.empty()) {
+    const std::time_t now = std::chrono::system_clock::to_time_t(std::chrono::system_clock::now());
+    char stamp[32];
+    std::strftime(stamp, sizeof stamp, "%Y%m%d-%H%M%S", std::localtime(&now));
+    base = fmt::format("{}-{}", stamp, preset);
+  }
+  std::error_code ec;
+  fs::create_directories(out_dir, ec);
+  if (ec) {
+    throw std::runtime_error(fmt::format("Cannot create the run output directory {}: {}.", out_dir, ec.message()));
+  }
+  path_ = out_dir + "/" + base;
+  for (int i = 2; fs::exists(path_); ++i) path_ = fmt::format("{}/{}-{}", out_dir, base, i);
+  fs::create_directories(path_);
+  metrics_.open(file("metrics.jsonl"));
+  if (!metrics_) throw std::runtime_error(fmt::format("Cannot write {}.", file("metrics.jsonl")));
+}
+
+void RunDir::log_metrics(const nlohmann::json& record) {
+  metrics_ << record.dump() << '\n';
+  metrics_.flush();
+}
+
+void RunDir::write_text(const std::string& name, const std::string& text) const {
+  std::ofstream out(file(name));
+  out << text;
+  if (!out) throw std::runtime_error(fmt::format("Cannot write {}.", file(name)));
+}
+
+bool RunDir::plot_loss(const std::vector<std::pair<int64_t, double>>& train,
+                       const std::vector<std::pair<int64_t, double>>& val, double reference_loss,
+                       std::string* why) const {
+  if (std::system("command -v gnuplot >/dev/null 2>&1") != 0) {
+    *why = "gnuplot is not installed (apt-get install gnuplot-nox)";
+    return false;
+  }
+  // Inline data blocks keep the run directory free of scratch files.
+  std::string script = fmt::format(
+      "set terminal pngcairo size 900,540 noenhanced\nset output '{}'\n"
+      "set title 'remat: training loss'\nset xlabel 'step'\nset ylabel 'loss (nats/token)'\nset grid\n"
+      "$train << EOD\n",
+      file("loss.png"));
+  for (const auto& [s, l] : train) script += fmt::format("{} {}\n", s, l);
+  script += "EOD\n$val << EOD\n";
+  for (const auto& [s, l] : val) script += fmt::format("{} {}\n", s, l);
+  script += fmt::format(
+      "EOD\nplot $train using 1:2 with lines lw 1 lc rgb '#7f9fcf' title 'train', "
+      "$val using 1:2 with linespoints lw 2 pt 7 lc rgb '#d04020' title 'validation', "
+      "{} with lines dt 2 lc rgb '#404040' title 'unigram entropy of the corpus'\n",
+      reference_loss);
+  const std::string log = file("gnuplot.log");
+  std::FILE* pipe = popen(fmt::format("gnuplot 2>'{}'", log).c_str(), "w");
+  if (pipe == nullptr) {
+    *why = "could not start gnuplot";
+    return false;
+  }
+  std::fwrite(script.data(), 1, script.size(), pipe);
+  const bool ok = pclose(pipe) == 0;
+  std::error_code ec;
+  if (ok) fs::remove(log, ec);
+  if (!ok) *why = fmt::format("gnuplot failed (see {})", log);
+  return ok;
+}
+
+}  // namespace remat

@@ -1,0 +1,250 @@
+#include "remat/trainer.h"
+
+#include "remat/data.h"
+#include "remat/memory.h"
+#include "remat/model.h"
+#include "remat/tokenizer.h"
+#include "train/device.h"
+#include "train/generate.h"
+#include "train/progress.h"
+#include "train/run_dir.h"
+
+#include <fmt/format.h>
+#include <torch/optim/adamw.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <random>
+
+namespace remat {
+namespace {
+
+constexpr double kPi = 3.14159265358979323846;
+
+// Linear warmup to lr, then cosine decay to min_lr at the last step.
+double lr_at(const TrainConfig& t, int64_t step) {
+  if (step < t.warmup) return t.lr * static_cast<double>(step + 1) / static_cast<double>(t.warmup);
+  const double span = std::max<int64_t>(1, t.steps - t.warmup);
+  const double progress = std::min(1.0, static_cast<double>(step - t.warmup) / span);
+  return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1.0 + std::cos(kPi * progress));
+}
+
+// Scales gradients so their global L2 norm is at most max_norm; returns the norm before.
+double clip_gradients(Model& model, double max_norm) {
+  double sq = 0.0;
+  for (const auto& p : model.params()) sq += p.grad.pow(2).sum().item<double>();
+  const double norm = std::sqrt(sq);
+  if (max_norm > 0 && norm > max_norm) {
+    const double scale = max_norm / (norm + 1e-6);
+    for (auto& p : model.params()) p.grad.mul_(scale);
+  }
+  return norm;
+}
+
+double validation_loss(Model& model, const data::TokenDataset& val, const TrainConfig& t) {
+  const int64_t n = std::min<int64_t>(t.eval_batches, val.num_sequential_batches(t.batch, t.seq));
+  TORCH_CHECK(n > 0, "The validation split is too small for one batch of ", t.batch, " x ", t.seq,
+              " tokens; lower train.batch or train.seq, or raise data.val_fraction.");
+  double sum = 0.0;
+  for (int64_t i = 0; i < n; ++i) {
+    auto b = val.sequential(i, t.batch, t.seq);
+    sum += model.evaluate(b.tokens.to(model.device()), b.targets.to(model.device()), t.ce_chunk);
+  }
+  return sum / static_cast<double>(n);
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0.0;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+}  // namespace
+
+data::CorpusInfo prepare_data(const DataConfig& d) {
+  data::PrepareOptions prep;
+  std::string source = "kjv";
+  if (!d.text.empty()) {
+    prep.text_file = d.text;
+    source = std::filesystem::path(d.text).stem().string();
+  }
+  prep.out_dir = fmt::format("{}/{}-v{}", d.dir, source, d.vocab_size);
+  prep.vocab_size = static_cast<int>(d.vocab_size);
+  prep.val_fraction = d.val_fraction;
+  return data::prepare_corpus(prep, [](const std::string& line) { fmt::print(stderr, "{}\n", line); });
+}
+
+TrainSummary train(const Config& cfg_in) {
+  Config cfg = cfg_in;
+  const auto& t = cfg.train;
+  const int threads = set_threads(cfg.run.threads);
+  const at::Device device = parse_device(cfg.run.device);
+  const at::ScalarType dtype = parse_dtype(cfg.run.dtype, device);
+  memory::install_cpu_tracking();
+
+  // Data: prepared once per (text, vocabulary) and cached.
+  const data::CorpusInfo corpus = prepare_data(cfg.data);
+  const data::Tokenizer tok = data::Tokenizer::load(corpus.tokenizer_path());
+  if (cfg.model.vocab_size == 0) cfg.model.vocab_size = tok.vocab_size();
+  if (cfg.model.vocab_size < tok.vocab_size()) {
+    throw std::invalid_argument(fmt::format(
+        "model.vocab_size ({}) is smaller than the tokenizer's vocabulary ({}); use model.vocab_size=0 to take "
+        "the tokenizer's.", cfg.model.vocab_size, tok.vocab_size()));
+  }
+  validate_config(cfg);
+  data::TokenDataset train_ds = data::TokenDataset::open(corpus, data::Split::train);
+  data::TokenDataset val_ds = data::TokenDataset::open(corpus, data::Split::val);
+
+  auto model = Model::create(cfg.model, device, dtype, static_cast<uint64_t>(cfg.run.seed));
+  std::vector<at::Tensor> decay, no_decay;
+  for (auto& p : model->params()) {
+    p.value.mutable_grad() = p.grad;  // the optimizer reads the accumulators we fill
+    (p.decay ? decay : no_decay).push_back(p.value);
+  }
+  using torch::optim::AdamWOptions;
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(decay, std::make_unique<AdamWOptions>(AdamWOptions(t.lr).betas({t.beta1, t.beta2}).weight_decay(t.weight_decay)));
+  groups.emplace_back(no_decay, std::make_unique<AdamWOptions>(AdamWOptions(t.lr).betas({t.beta1, t.beta2}).weight_decay(0.0)));
+  torch::optim::AdamW optimizer(std::move(groups), AdamWOptions(t.lr));
+
+  RunDir run(cfg.run.out_dir, cfg.run.name, cfg.model.preset);
+  run.write_text("config.toml", config_to_toml(cfg));
+  std::filesystem::copy_file(corpus.tokenizer_path(), run.file("tokenizer.model"),
+                             std::filesystem::copy_options::overwrite_existing);
+
+  TrainSummary sum;
+  sum.run_dir = run.path();
+  sum.unigram_entropy = corpus.train_unigram_entropy;
+  sum.num_params = model->num_params();
+  const int64_t tokens_per_step = t.batch * t.seq * t.grad_accum;
+  const double flops_per_token = 3.0 * model->forward_flops(t.seq) / static_cast<double>(t.seq);
+  sum.matmul_flops_per_second =
+      measure_matmul_flops(device, dtype, t.batch * t.seq, cfg.model.d_model, cfg.model.d_ff);
+
+  fmt::print(stderr, "remat: {} ({}), {} parameters, {} layers, d_model {}, context {}; {} on {} ({} threads)\n",
+             cfg.model.preset, cfg.model.arch, format_count(static_cast<double>(sum.num_params)), cfg.model.n_layer,
+             cfg.model.d_model, cfg.model.max_seq, cfg.run.dtype, device.str(), threads);
+  fmt::print(stderr, "data: {} train / {} validation tokens, vocabulary {}, unigram entropy {:.3f} nats/token\n",
+             format_count(static_cast<double>(corpus.train_tokens)), format_count(static_cast<double>(corpus.val_tokens)),
+             tok.vocab_size(), corpus.train_unigram_entropy);
+  fmt::print(stderr, "training: {} steps x {} tokens ({} x {} x {} accum), no recompute; run dir {}\n", t.steps,
+             tokens_per_step, t.batch, t.seq, t.grad_accum, run.path());
+
+  std::mt19937_64 rng(static_cast<uint64_t>(cfg.run.seed));
+  std::vector<std::pair<int64_t, double>> train_curve, val_curve;
+  sum.initial_val_loss = validation_loss(*model, val_ds, t);
+  val_curve.emplace_back(0, sum.initial_val_loss);
+  run.log_metrics({{"kind", "val"}, {"step", 0}, {"val_loss", sum.initial_val_loss}});
+
+  ProgressBar bar(t.steps, cfg.run.progress);
+  bar.message(fmt::format("step 0: validation loss {:.4f}", sum.initial_val_loss));
+  std::vector<double> step_times;
+  for (int64_t step = 0; step < t.steps; ++step) {
+    const double lr = lr_at(t, step);
+    for (auto& g : optimizer.param_groups()) static_cast<AdamWOptions&>(g.options()).lr(lr);
+    memory::reset_peak(device);
+    synchronize(device);
+    const auto t0 = std::chrono::steady_clock::now();
+
+    model->zero_grad();
+    double loss = 0.0;
+    ActivationBytes act;
+    for (int64_t micro = 0; micro < t.grad_accum; ++micro) {
+      auto b = train_ds.sample(t.batch, t.seq, rng);
+      const StepContext ctx{static_cast<uint64_t>(cfg.run.seed), static_cast<uint64_t>(step),
+                            static_cast<uint64_t>(micro)};
+      loss += model->forward_backward(b.tokens.to(device), b.targets.to(device), ctx, 1.0 / t.grad_accum,
+                                      t.ce_chunk, micro == 0 ? &act : nullptr) /
+              static_cast<double>(t.grad_accum);
+    }
+    const double grad_norm = clip_gradients(*model, t.grad_clip);
+    optimizer.step();
+    synchronize(device);
+    const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const auto mem = memory::stats(device);
+
+    TORCH_CHECK(std::isfinite(loss), "The training loss became ", loss, " at step ", step + 1,
+                "; lower train.lr (now ", t.lr, ") or raise train.warmup.");
+    step_times.push_back(dt);
+    sum.losses.push_back(loss);
+    sum.tokens += tokens_per_step;
+    sum.peak_bytes = std::max(sum.peak_bytes, mem.peak);
+    sum.activation_bytes = act.total();
+    train_curve.emplace_back(step + 1, loss);
+    run.log_metrics({{"kind", "train"}, {"step", step + 1}, {"loss", loss}, {"lr", lr}, {"grad_norm", grad_norm},
+                     {"step_seconds", dt}, {"tokens_per_second", tokens_per_step / dt},
+                     {"memory_bytes", mem.current}, {"peak_bytes", mem.peak},
+                     {"activation_bytes", act.total()}});
+    bar.update(step + 1, fmt::format("loss {:.4f} | {} tok/s | mem {} (peak {})", loss,
+                                     format_count(tokens_per_step / dt), memory::format_bytes(mem.current),
+                                     memory::format_bytes(mem.peak)));
+    const bool last = step + 1 == t.steps;
+    if (last || (t.eval_every > 0 && (step + 1) % t.eval_every == 0)) {
+      const double v = validation_loss(*model, val_ds, t);
+      val_curve.emplace_back(step + 1, v);
+      run.log_metrics({{"kind", "val"}, {"step", step + 1}, {"val_loss", v}});
+      bar.message(fmt::format("step {}: validation loss {:.4f}", step + 1, v));
+      sum.final_val_loss = v;
+    }
+  }
+  bar.finish();
+
+  sum.steps = t.steps;
+  // The first steps pay for allocation and caches; the median of the rest is the rate.
+  const std::vector<double> steady(step_times.begin() + std::min<size_t>(step_times.size() - 1, 2), step_times.end());
+  sum.median_step_seconds = median(steady);
+  sum.tokens_per_second = tokens_per_step / sum.median_step_seconds;
+  sum.model_flops_per_second = flops_per_token * sum.tokens_per_second;
+
+  model->save(run.file("model.safetensors"), {{"format", "pt"}, {"remat.arch", cfg.model.arch},
+                                              {"remat.preset", cfg.model.preset}});
+  if (cfg.run.sample_tokens > 0) {
+    sum.sample = sample_text(*model, tok, cfg.run.prompt, cfg.run.sample_tokens, 0.8, 40,
+                             static_cast<uint64_t>(cfg.run.seed));
+    run.write_text("sample.txt", sum.sample + "\n");
+  }
+  std::string why;
+  const bool plotted = run.plot_loss(train_curve, val_curve, sum.unigram_entropy, &why);
+
+  const nlohmann::json summary = {
+      {"steps", sum.steps},
+      {"tokens", sum.tokens},
+      {"parameters", sum.num_params},
+      {"initial_val_loss", sum.initial_val_loss},
+      {"final_val_loss", sum.final_val_loss},
+      {"final_train_loss", sum.losses.back()},
+      {"unigram_entropy", sum.unigram_entropy},
+      {"median_step_seconds", sum.median_step_seconds},
+      {"tokens_per_second", sum.tokens_per_second},
+      {"model_flops_per_second", sum.model_flops_per_second},
+      {"matmul_flops_per_second", sum.matmul_flops_per_second},
+      {"efficiency", sum.model_flops_per_second / sum.matmul_flops_per_second},
+      {"peak_bytes", sum.peak_bytes},
+      {"activation_bytes", sum.activation_bytes},
+      {"threads", threads},
+      {"device", device.str()},
+      {"dtype", cfg.run.dtype},
+      {"recompute", "none"},
+  };
+  run.write_text("summary.json", summary.dump(2) + "\n");
+
+  fmt::print(stderr, "\n");
+  if (cfg.run.sample_tokens > 0) fmt::print(stderr, "sample: {}\n\n", sum.sample);
+  fmt::print(stderr, "validation loss {:.4f} -> {:.4f} nats/token (unigram entropy of the corpus {:.4f})\n",
+             sum.initial_val_loss, sum.final_val_loss, sum.unigram_entropy);
+  fmt::print(stderr, "step time {:.1f} ms (median, no recompute), {} tokens/s\n", sum.median_step_seconds * 1e3,
+             format_count(sum.tokens_per_second));
+  fmt::print(stderr, "compute {} FLOP/s of a measured {} FLOP/s {} matmul peak: efficiency {:.0f}%\n",
+             format_count(sum.model_flops_per_second), format_count(sum.matmul_flops_per_second), cfg.run.dtype,
+             100.0 * sum.model_flops_per_second / sum.matmul_flops_per_second);
+  fmt::print(stderr, "memory peak {} per step, of which saved activations {} per microbatch\n",
+             memory::format_bytes(sum.peak_bytes), memory::format_bytes(sum.activation_bytes));
+  fmt::print(stderr, "run directory {}: config.toml, metrics.jsonl, model.safetensors, tokenizer.model, {}summary.json\n",
+             run.path(), plotted ? "loss.png, sample.txt, " : "sample.txt, ");
+  if (!plotted) fmt::print(stderr, "no loss plot: {}\n", why);
+  return sum;
+}
+
+}  // namespace remat

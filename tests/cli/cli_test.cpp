@@ -1,0 +1,103 @@
+// The `remat` binary on bad input: one clear sentence on stderr and a non-zero exit,
+// never a crash or a backtrace.
+#include <gtest/gtest.h>
+
+#include <array>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+namespace {
+
+namespace fs = std::filesystem;
+
+struct Result {
+  int exit_code;
+  std::string output;  // stdout and stderr together
+};
+
+Result run_remat(const std::string& args) {
+  const std::string cmd = std::string(REMAT_BINARY) + " " + args + " 2>&1";
+  std::FILE* pipe = popen(cmd.c_str(), "r");
+  Result r{-1, ""};
+  std::array<char, 4096> buf{};
+  size_t n = 0;
+  while ((n = std::fread(buf.data(), 1, buf.size(), pipe)) > 0) r.output.append(buf.data(), n);
+  const int status = pclose(pipe);
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  return r;
+}
+
+class Cli : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() / ("remat-cli-" + std::to_string(::getpid()) + "-" +
+                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::create_directories(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  // Exactly one line, starting with "error: ", containing `expected`; exit code 1.
+  void expect_error(const std::string& args, const std::string& expected) {
+    const Result r = run_remat(args);
+    EXPECT_EQ(r.exit_code, 1) << r.output;
+    EXPECT_EQ(r.output.rfind("error: ", 0), 0u) << r.output;
+    EXPECT_NE(r.output.find(expected), std::string::npos) << r.output;
+    EXPECT_EQ(r.output.find("Exception raised from"), std::string::npos) << r.output;
+    EXPECT_EQ(std::count(r.output.begin(), r.output.end(), '\n'), 1) << r.output;
+  }
+
+  std::string file(const std::string& name, const std::string& content) {
+    const std::string p = (dir_ / name).string();
+    std::ofstream(p, std::ios::binary) << content;
+    return p;
+  }
+
+  fs::path dir_;
+};
+
+TEST_F(Cli, UnknownPresetListsTheValidOnes) {
+  expect_error("train model.preset=gpt5", "Unknown model preset 'gpt5'; valid presets: tiny-gpt2,");
+}
+
+TEST_F(Cli, UnknownKeySuggestsTheNearest) {
+  expect_error("train train.stepz=3", "did you mean 'train.steps'?");
+}
+
+TEST_F(Cli, SequenceLongerThanTheContextIsRefused) {
+  expect_error("train train.seq=4096", "train.seq (4096) is longer than the model's context (model.max_seq = 256)");
+}
+
+TEST_F(Cli, EmptyTextFileIsRefused) {
+  const std::string empty = file("empty.txt", "");
+  expect_error("prepare --text " + empty + " data.dir=" + (dir_ / "data").string(), "is empty");
+}
+
+TEST_F(Cli, NonUtf8TextFileIsRefusedWithTheOffset) {
+  const std::string bad = file("latin1.txt", std::string("caf") + char(0xE9) + " au lait\n");
+  expect_error("prepare --text " + bad + " data.dir=" + (dir_ / "data").string(), "byte 3");
+}
+
+TEST_F(Cli, MissingTextFileIsRefused) {
+  expect_error("prepare --text " + (dir_ / "nope.txt").string() + " data.dir=" + (dir_ / "data").string(),
+               "nope.txt");
+}
+
+TEST_F(Cli, DataDirectoryThatCannotExistIsRefused) {
+  const std::string blocker = file("a-file", "x");
+  expect_error("prepare data.dir=" + blocker + "/data", blocker);
+}
+
+TEST_F(Cli, GenerateWithoutARunDirectoryIsRefused) {
+  expect_error("generate --run " + (dir_ / "no-run").string(), "has no config.toml");
+}
+
+TEST_F(Cli, HelpConfigListsEveryKey) {
+  const Result r = run_remat("train --help-config");
+  EXPECT_EQ(r.exit_code, 0);
+  EXPECT_NE(r.output.find("train.grad_accum"), std::string::npos);
+  EXPECT_NE(r.output.find("llama3-8b"), std::string::npos);
+}
+
+}  // namespace

@@ -1,0 +1,92 @@
+#include "remat/config.h"
+
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <fstream>
+
+namespace remat {
+namespace {
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+std::string write_temp(const std::string& text) {
+  char name[] = "/tmp/remat-config-XXXXXX";
+  const int fd = mkstemp(name);
+  EXPECT_GE(fd, 0);
+  close(fd);
+  std::ofstream(name) << text;
+  return name;
+}
+
+TEST(Config, DefaultsAreValidAndRoundTripThroughToml) {
+  const Config c = load_config("", {});
+  EXPECT_EQ(c.model.preset, "gpt2-demo");
+  const std::string path = write_temp(config_to_toml(c));
+  const Config again = load_config(path, {});
+  EXPECT_EQ(config_to_toml(again), config_to_toml(c));
+  std::remove(path.c_str());
+}
+
+TEST(Config, OverridesWinOverTheFileAndPresetGoesFirst) {
+  const std::string path = write_temp("[model]\nn_layer = 3\npreset = \"tiny-llama\"\n[train]\nlr = 0.01\n");
+  const Config c = load_config(path, {"train.lr=0.002", "model.d_model=64"});
+  EXPECT_EQ(c.model.arch, "llama");   // from the preset
+  EXPECT_EQ(c.model.n_layer, 3);      // the file's key, though written before the preset
+  EXPECT_EQ(c.model.d_model, 64);     // override
+  EXPECT_DOUBLE_EQ(c.train.lr, 0.002);
+  std::remove(path.c_str());
+}
+
+TEST(Config, UnknownKeySuggestsTheNearestValidKey) {
+  EXPECT_EQ(error_of([] { load_config("", {"train.lrr=1"}); }),
+            "Unknown config key 'train.lrr' (command-line override); did you mean 'train.lr'?");
+  EXPECT_NE(error_of([] { load_config("", {"model.nlayer=2"}); }).find("did you mean 'model.n_layer'?"),
+            std::string::npos);
+  const std::string path = write_temp("[train]\nstepz = 3\n");
+  EXPECT_NE(error_of([&] { load_config(path, {}); }).find("did you mean 'train.steps'?"), std::string::npos);
+  std::remove(path.c_str());
+}
+
+TEST(Config, BadValuesAndShapesAreRefusedWithSentences) {
+  EXPECT_EQ(error_of([] { load_config("", {"train.steps=abc"}); }), "train.steps must be an integer, got 'abc'.");
+  EXPECT_EQ(error_of([] { load_config("", {"model.preset=gpt5"}); }),
+            "Unknown model preset 'gpt5'; valid presets: tiny-gpt2, tiny-llama, gpt2-demo, llama-demo, gpt2, "
+            "gpt2-medium, llama3-8b.");
+  EXPECT_EQ(error_of([] { load_config("", {"train.seq=512"}); }),
+            "train.seq (512) is longer than the model's context (model.max_seq = 256); use train.seq <= 256 or "
+            "raise model.max_seq.");
+  EXPECT_EQ(error_of([] { load_config("", {"model.n_head=3"}); }),
+            "model.d_model (128) must be divisible by model.n_head (3).");
+  EXPECT_EQ(error_of([] { load_config("", {"model.dropout=1"}); }), "model.dropout must be in [0, 1), got 1.");
+  EXPECT_EQ(error_of([] { load_config("", {"steps"}); }),
+            "Override 'steps' is not of the form key=value (e.g. train.lr=1e-3).");
+  const std::string path = write_temp("[train\nlr = 1\n");
+  EXPECT_NE(error_of([&] { load_config(path, {}); }).find("Cannot read config " + path), std::string::npos);
+  std::remove(path.c_str());
+}
+
+TEST(Config, PresetsHaveTheRealShapes) {
+  const ModelConfig g = model_preset("gpt2");
+  EXPECT_EQ(g.n_layer, 12);
+  EXPECT_EQ(g.n_head, 12);
+  EXPECT_EQ(g.d_model, 768);
+  EXPECT_EQ(g.vocab_size, 50257);
+  EXPECT_EQ(g.max_seq, 1024);
+  EXPECT_EQ(model_preset("gpt2-medium").n_layer, 24);
+  const ModelConfig l = model_preset("llama3-8b");
+  EXPECT_EQ(l.n_layer, 32);
+  EXPECT_EQ(l.n_kv_head, 8);
+  EXPECT_EQ(l.d_ff, 14336);
+  EXPECT_EQ(l.vocab_size, 128256);
+}
+
+}  // namespace
+}  // namespace remat

@@ -1,0 +1,58 @@
+// The bytes a model's Saved structs hold, measured on a real forward, equal the sum of
+// what its ops report from shapes alone: the basis of every memory prediction.
+#include "remat/model.h"
+#include "remat/ops.h"
+
+#include <gtest/gtest.h>
+
+namespace remat {
+namespace {
+
+using namespace remat::ops;
+
+ActivationBytes measure(const ModelConfig& cfg, int64_t B, int64_t T) {
+  auto model = Model::create(cfg, at::kCPU, at::kFloat, 1);
+  auto tok = at::randint(cfg.vocab_size, {B, T}, at::kLong);
+  ActivationBytes m;
+  model->forward_backward(tok, tok, {1, 0, 0}, 1.0, 64, &m);
+  return m;
+}
+
+TEST(ModelBytes, Gpt2SavedBytesEqualTheOpsReports) {
+  for (double p : {0.0, 0.1}) {
+    ModelConfig c = model_preset("tiny-gpt2");
+    c.dropout = p;
+    const int64_t B = 3, T = 11, N = B * T, C = c.d_model, F = c.d_ff;
+    const auto f = at::kFloat;
+    const ActivationBytes m = measure(c, B, T);
+    const int64_t block = 2 * layernorm_saved_bytes(N, C, f) + linear_saved_bytes(N, C, f) +
+                          attention_saved_bytes({B, T, c.n_head, c.n_head, c.head_dim()}, p, f) +
+                          linear_saved_bytes(N, C, f) + dropout_saved_bytes(N * C, p) + linear_saved_bytes(N, C, f) +
+                          gelu_saved_bytes(N * F, f) + linear_saved_bytes(N, F, f) + dropout_saved_bytes(N * C, p);
+    ASSERT_EQ(m.blocks.size(), static_cast<size_t>(c.n_layer));
+    for (int64_t b : m.blocks) EXPECT_EQ(b, block) << "p=" << p;
+    EXPECT_EQ(m.embedding, embedding_saved_bytes(N) + dropout_saved_bytes(N * C, p));
+    EXPECT_EQ(m.head, layernorm_saved_bytes(N, C, f) + cross_entropy_saved_bytes(N, C, f));
+  }
+}
+
+TEST(ModelBytes, LlamaSavedBytesEqualTheOpsReports) {
+  for (double p : {0.0, 0.2}) {
+    ModelConfig c = model_preset("tiny-llama");
+    c.dropout = p;
+    const int64_t B = 2, T = 13, N = B * T, C = c.d_model, F = c.d_ff;
+    const auto f = at::kFloat;
+    const ActivationBytes m = measure(c, B, T);
+    // q/k/v read one saved normed input, gate/up another.
+    const int64_t block = 2 * rmsnorm_saved_bytes(N, C, f) + linear_saved_bytes(N, C, f) +
+                          attention_saved_bytes({B, T, c.n_head, c.n_kv_head, c.head_dim()}, p, f) +
+                          linear_saved_bytes(N, C, f) + linear_saved_bytes(N, C, f) + swiglu_saved_bytes(N * F, f) +
+                          linear_saved_bytes(N, F, f);
+    for (int64_t b : m.blocks) EXPECT_EQ(b, block) << "p=" << p;
+    EXPECT_EQ(m.embedding, embedding_saved_bytes(N));
+    EXPECT_EQ(m.head, rmsnorm_saved_bytes(N, C, f) + cross_entropy_saved_bytes(N, C, f));
+  }
+}
+
+}  // namespace
+}  // namespace remat
