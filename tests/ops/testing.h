@@ -2,9 +2,11 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/record_function.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/autograd.h>
 
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -46,5 +48,38 @@ void expect_error(F&& fn, const std::vector<std::string>& parts) {
     for (const auto& p : parts) EXPECT_NE(msg.find(p), std::string::npos) << "'" << p << "' not in: " << msg;
   }
 }
+
+/// Sums 2 m k n over the matrix products (mm, bmm, addmm, baddbmm) that LibTorch runs on
+/// this thread while the counter lives: an op's matmul FLOPs read from what it executes.
+class MatmulFlopCounter {
+ public:
+  MatmulFlopCounter() {
+    total() = 0;
+    handle_ = at::addThreadLocalCallback(
+        at::RecordFunctionCallback(&on_start).needsInputs(true).scopes({at::RecordScope::FUNCTION}));
+  }
+  ~MatmulFlopCounter() { at::removeCallback(handle_); }
+  MatmulFlopCounter(const MatmulFlopCounter&) = delete;
+  MatmulFlopCounter& operator=(const MatmulFlopCounter&) = delete;
+  double flops() const { return total(); }
+
+ private:
+  static double& total() {
+    thread_local double t = 0;
+    return t;
+  }
+  static std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
+    const std::string name = fn.name();
+    const auto in = fn.inputs();
+    // a [.., m, k] times b [.., k, n]: 2 * numel(a) * n.
+    auto add = [](const c10::IValue& a, const c10::IValue& b) {
+      total() += 2.0 * a.toTensor().numel() * b.toTensor().size(-1);
+    };
+    if (name == "aten::mm" || name == "aten::bmm") add(in[0], in[1]);
+    if (name == "aten::addmm" || name == "aten::baddbmm") add(in[1], in[2]);
+    return nullptr;
+  }
+  at::CallbackHandle handle_;
+};
 
 }  // namespace remat::testing
