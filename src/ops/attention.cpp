@@ -85,6 +85,8 @@ AttentionGrads attention_backward(const at::Tensor& dout, const AttentionSaved& 
   const Dims d = check_inputs(saved.q, saved.k, saved.v);
   TORCH_CHECK(dout.sizes() == saved.q.sizes(), "[attention] output gradient must match q's shape ",
               saved.q.sizes(), ", got ", dout.sizes());
+  TORCH_CHECK(saved.p == 0.0 || (saved.mask.defined() && saved.probs_d.defined()),
+              "[attention] dropout p=", saved.p, " needs the saved mask and probs_d");
   const double scale = 1.0 / std::sqrt(static_cast<double>(d.D));
   const std::vector<int64_t> score_rows{d.B * d.Hkv, d.G * d.T, d.T};
   const at::Tensor probs = saved.probs.view(score_rows);
