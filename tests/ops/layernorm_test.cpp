@@ -1,5 +1,7 @@
 #include "remat/ops/layernorm.h"
 
+#include "remat/memory.h"
+
 #include "ops/testing.h"
 
 namespace {
@@ -40,11 +42,17 @@ TEST(LayerNormOp, MatchesAutogradOfTheMath) {
 }
 
 TEST(LayerNormOp, SavedBytesMatchAndStatisticsAreFloat) {
+  remat::memory::install_cpu_tracking();
   for (auto dt : {at::kDouble, at::kFloat, at::kBFloat16}) {
     for (auto shape : {std::vector<int64_t>{2, 3, 8}, std::vector<int64_t>{7, 5}}) {
       at::Tensor x = at::randn(shape).to(dt);
       const int64_t C = shape.back(), rows = x.numel() / C;
-      Fwd<LayerNormSaved> f = layernorm_forward(x, at::ones({C}, dt), at::zeros({C}, dt), 1e-5);
+      const at::Tensor w = at::ones({C}, dt), b = at::zeros({C}, dt);
+      const int64_t before = remat::memory::stats(at::kCPU).current;
+      Fwd<LayerNormSaved> f = layernorm_forward(x, w, b, 1e-5);
+      // Only the output and the new statistics stay allocated (no float32 copies of x).
+      EXPECT_EQ(remat::memory::stats(at::kCPU).current - before,
+                tensors_bytes({f.out}) + tensors_bytes(f.saved.tensors()) - tensors_bytes({x}));
       EXPECT_EQ(layernorm_saved_bytes(rows, C, dt), tensors_bytes(f.saved.tensors()));
       EXPECT_EQ(f.saved.mean.scalar_type(), stats_dtype(dt));
       EXPECT_EQ(f.saved.mean.sizes(), x.sizes().slice(0, x.dim() - 1));

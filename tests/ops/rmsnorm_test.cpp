@@ -1,5 +1,7 @@
 #include "remat/ops/rmsnorm.h"
 
+#include "remat/memory.h"
+
 #include "ops/testing.h"
 
 namespace {
@@ -36,11 +38,17 @@ TEST(RMSNormOp, MatchesAutogradOfTheMath) {
 }
 
 TEST(RMSNormOp, SavedBytesMatch) {
+  remat::memory::install_cpu_tracking();
   for (auto dt : {at::kDouble, at::kFloat, at::kBFloat16}) {
     for (auto shape : {std::vector<int64_t>{2, 3, 8}, std::vector<int64_t>{7, 5}}) {
       at::Tensor x = at::randn(shape).to(dt);
       const int64_t C = shape.back(), rows = x.numel() / C;
-      Fwd<RMSNormSaved> f = rmsnorm_forward(x, at::ones({C}, dt), 1e-6);
+      const at::Tensor w = at::ones({C}, dt);
+      const int64_t before = remat::memory::stats(at::kCPU).current;
+      Fwd<RMSNormSaved> f = rmsnorm_forward(x, w, 1e-6);
+      // Only the output and the new statistics stay allocated (no float32 copies of x).
+      EXPECT_EQ(remat::memory::stats(at::kCPU).current - before,
+                tensors_bytes({f.out}) + tensors_bytes(f.saved.tensors()) - tensors_bytes({x}));
       EXPECT_EQ(rmsnorm_saved_bytes(rows, C, dt), tensors_bytes(f.saved.tensors()));
       EXPECT_EQ(f.saved.rstd.scalar_type(), stats_dtype(dt));
       EXPECT_TRUE(same_storage(f.saved.x, x));
