@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cstring>
 #include <mutex>
+#include <unordered_map>
 
 #ifdef REMAT_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -34,16 +35,30 @@ void raise_peak(int64_t now) {
   }
 }
 
-// What the wrapper's deleter needs: the wrapped allocation, to free it, and its size.
+// Live allocations by data pointer: their size and the wrapped allocator's deleter. The
+// DataPtr handed out must have context == data, because LibTorch's raw_allocate (used by
+// oneDNN, e.g. for bfloat16 matmuls) requires it; so the bookkeeping lives here instead.
 struct Allocation {
-  c10::DataPtr inner;
   int64_t bytes;
+  c10::DeleterFnPtr inner_deleter;
 };
+std::mutex g_live_mutex;
+std::unordered_map<void*, Allocation>& live() {
+  static auto* m = new std::unordered_map<void*, Allocation>();  // leaked: see install
+  return *m;
+}
 
-void release(void* ctx) {
-  auto* a = static_cast<Allocation*>(ctx);
-  g_current.fetch_sub(a->bytes, std::memory_order_relaxed);
-  delete a;  // frees the inner DataPtr through its own deleter
+void release(void* data) {
+  Allocation a;
+  {
+    std::lock_guard<std::mutex> lock(g_live_mutex);
+    auto it = live().find(data);
+    TORCH_INTERNAL_ASSERT(it != live().end(), "tracking allocator: freeing an unknown pointer");
+    a = it->second;
+    live().erase(it);
+  }
+  g_current.fetch_sub(a.bytes, std::memory_order_relaxed);
+  a.inner_deleter(data);
 }
 
 class TrackingAllocator final : public c10::Allocator {
@@ -53,12 +68,20 @@ class TrackingAllocator final : public c10::Allocator {
   c10::DataPtr allocate(size_t n) REMAT_ALLOCATE_CONST override {
     c10::DataPtr p = inner_->allocate(n);
     void* data = p.get();
-    auto* a = new Allocation{std::move(p), static_cast<int64_t>(n)};
-    raise_peak(g_current.fetch_add(a->bytes, std::memory_order_relaxed) + a->bytes);
-    return {data, a, &release, c10::Device(c10::DeviceType::CPU)};
+    if (data == nullptr) return p;  // empty tensors hold no bytes
+    TORCH_INTERNAL_ASSERT(p.get_context() == data,
+                          "tracking allocator: the wrapped CPU allocator must use its data pointer as context");
+    const auto bytes = static_cast<int64_t>(n);
+    {
+      std::lock_guard<std::mutex> lock(g_live_mutex);
+      live()[data] = Allocation{bytes, p.get_deleter()};
+    }
+    p.release_context();  // ownership passes to `live`; release() frees it
+    raise_peak(g_current.fetch_add(bytes, std::memory_order_relaxed) + bytes);
+    return {data, data, &release, c10::Device(c10::DeviceType::CPU)};
   }
 
-  c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
+  c10::DeleterFnPtr raw_deleter() const override { return &release; }
 
   void copy_data(void* dest, const void* src, std::size_t count) const REMAT_COPY_DATA_OVERRIDE {
     std::memcpy(dest, src, count);

@@ -28,7 +28,10 @@ struct AttentionSaved {
   std::vector<at::Tensor> tensors() const { return {q, k, v, probs, mask, probs_d}; }
 };
 
-/// Output [B, T, Hq, D]. `key` seeds the attention-probability dropout when p > 0.
+/// Output [B, T, Hq, D], contiguous. q, k, v may be strided views (slices of a fused qkv
+/// projection); they are saved as given, not copied. Scale 1/sqrt(D). When p > 0 the
+/// keep-mask is dropout_mask({B, Hq, T, T}, p, key, q.device()), so it can be regenerated.
+/// K and V are never repeated per query head; the scores are freed before returning.
 Fwd<AttentionSaved> attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                       double p, const DropoutKey& key);
 
@@ -37,6 +40,7 @@ struct AttentionGrads {
   at::Tensor dk;  ///< [B, T, Hkv, D]
   at::Tensor dv;  ///< [B, T, Hkv, D]
 };
+/// dk and dv are summed over each key/value head's group of query heads; all contiguous.
 AttentionGrads attention_backward(const at::Tensor& dout, const AttentionSaved& saved);
 
 /// Bytes AttentionSaved holds for `shape` (q, k, v, probs; mask and probs_d when p > 0).

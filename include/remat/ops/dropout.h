@@ -24,7 +24,9 @@ struct DropoutKey {
 };
 
 /// Keep-mask (bool, true = kept) of `sizes` with keep probability 1 - p, on `device`.
-/// Bitwise the same for the same key, sizes and device type.
+/// Bitwise the same for the same key, sizes and device type. Drawn from a private generator
+/// seeded with key.hash(): the global generator is neither read nor advanced, and concurrent
+/// calls are safe. Refuses p outside [0, 1).
 at::Tensor dropout_mask(at::IntArrayRef sizes, double p, const DropoutKey& key, at::Device device);
 
 struct DropoutSaved {
@@ -33,7 +35,8 @@ struct DropoutSaved {
   std::vector<at::Tensor> tensors() const { return {mask}; }
 };
 
-/// y = x * mask / (1 - p). p == 0 is the identity and saves nothing. Requires 0 <= p < 1.
+/// y = x * mask / (1 - p), mask = dropout_mask(x.sizes(), p, key, x.device()). p == 0 is
+/// the identity (y is x itself) and saves nothing. Requires 0 <= p < 1.
 Fwd<DropoutSaved> dropout_forward(const at::Tensor& x, double p, const DropoutKey& key);
 /// dx = dy * mask / (1 - p).
 at::Tensor dropout_backward(const at::Tensor& dy, const DropoutSaved& saved);

@@ -10,9 +10,10 @@ struct EmbeddingSaved {
   std::vector<at::Tensor> tensors() const { return {ids}; }
 };
 
-/// y[..., C] = w[ids[...], :] for w [V, C]. Ids outside [0, V) are refused.
+/// y[..., C] = w[ids[...], :] for w [V, C]. Ids outside [0, V) are refused (this reads the
+/// ids' range back to the host).
 Fwd<EmbeddingSaved> embedding_forward(const at::Tensor& ids, const at::Tensor& w);
-/// Accumulates dw[V, C] (scatter-add of dy rows); ids get no gradient.
+/// Accumulates dw[V, C] (scatter-add of dy rows, no [V, C] temporary); ids get no gradient.
 void embedding_backward(const at::Tensor& dy, const EmbeddingSaved& saved, at::Tensor& dw);
 /// Bytes EmbeddingSaved holds for `tokens` ids (int64 each).
 int64_t embedding_saved_bytes(int64_t tokens);
@@ -23,7 +24,8 @@ struct PositionEmbeddingSaved {
 };
 
 /// y[T, C] = w[0:T, :] for w [max_positions, C]; broadcast-added to [B, T, C] by the caller.
-/// Refuses T > max_positions with the model's context length in the message.
+/// y is a view of w's first T rows (no copy). Refuses T > max_positions (and T < 1) with
+/// the model's context length in the message.
 Fwd<PositionEmbeddingSaved> position_embedding_forward(int64_t seq_len, const at::Tensor& w);
 /// dy is [..., T, C]; accumulates its sum over leading dims into dw[0:T, :].
 void position_embedding_backward(const at::Tensor& dy, const PositionEmbeddingSaved& saved,

@@ -12,7 +12,9 @@ struct LayerNormSaved {
   std::vector<at::Tensor> tensors() const { return {x, mean, rstd}; }
 };
 
-/// y = (x - mean) * rstd * w + b, statistics over the last dim (biased variance).
+/// y = (x - mean) * rstd * w + b, statistics over the last dim (biased variance). Output in
+/// x's dtype; on CPU, half/bfloat16 x is normalised in float32 (the native CPU kernel would
+/// keep its statistics in x's dtype).
 Fwd<LayerNormSaved> layernorm_forward(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
                                       double eps);
 /// Returns dx; accumulates dw[C] and db[C].

@@ -1,0 +1,114 @@
+#include "remat/ops/cross_entropy.h"
+
+#include <algorithm>
+
+namespace remat::ops {
+namespace {
+
+// Log-sum-exp and its derivative cost about 4 FLOPs per logit (max, subtract, exp, sum).
+constexpr double kLseFlopsPerLogit = 4.0;
+
+// Logits of rows [start, start + n) in `sd`: x's dtype is rounded up for the reductions.
+at::Tensor chunk_logits(const at::Tensor& x, const at::Tensor& w, int64_t start, int64_t n,
+                        at::ScalarType sd) {
+  return at::mm(x.narrow(0, start, n), w.t()).to(sd);
+}
+
+void check_weight(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),
+              "[cross_entropy] x must be [N, C] and w [V, C], got x ", x.sizes(), " and w ", w.sizes());
+  TORCH_CHECK(x.scalar_type() == w.scalar_type(), "[cross_entropy] x and w must share a dtype, got ",
+              x.scalar_type(), " and ", w.scalar_type());
+}
+
+}  // namespace
+
+Fwd<CrossEntropySaved> cross_entropy_forward(const at::Tensor& x, const at::Tensor& w,
+                                             const at::Tensor& targets, int64_t chunk_tokens) {
+  check_weight(x, w);
+  TORCH_CHECK(targets.dim() == 1 && targets.size(0) == x.size(0) && targets.scalar_type() == at::kLong,
+              "[cross_entropy] targets must be [N] int64 for x [N, C], got ", targets.scalar_type(),
+              " targets ", targets.sizes(), " for x ", x.sizes());
+  TORCH_CHECK(chunk_tokens >= 1, "[cross_entropy] chunk_tokens must be at least 1, got ", chunk_tokens);
+  const int64_t N = x.size(0), V = w.size(0);
+  if (N > 0) {
+    auto [lo, hi] = at::aminmax(targets);
+    const int64_t lo_v = lo.item<int64_t>(), hi_v = hi.item<int64_t>();
+    TORCH_CHECK(lo_v >= kIgnoreIndex && hi_v < V, "[cross_entropy] targets must lie in [0, ", V,
+                ") or be ", kIgnoreIndex, " (ignored), got targets in [", lo_v, ", ", hi_v, "]");
+  }
+  const at::Tensor counted = targets.ne(kIgnoreIndex);
+  const int64_t count = counted.sum().item<int64_t>();
+  // Ignored rows gather column 0; their terms are zeroed by `counted`.
+  const at::Tensor safe_targets = targets.clamp_min(0).unsqueeze(1);
+
+  const at::ScalarType sd = stats_dtype(x.scalar_type());
+  at::Tensor lse = at::empty({N}, x.options().dtype(sd));
+  at::Tensor loss = at::zeros({}, x.options().dtype(sd));
+  for (int64_t start = 0; start < N; start += chunk_tokens) {
+    const int64_t n = std::min(chunk_tokens, N - start);
+    at::Tensor logits = chunk_logits(x, w, start, n, sd);
+    const at::Tensor target_logit = logits.gather(1, safe_targets.narrow(0, start, n)).squeeze(1);
+    // lse = max + log(sum(exp(logits - max))), exponentiating the chunk in place.
+    const at::Tensor max = at::amax(logits, {1}, true);
+    logits.sub_(max).exp_();
+    at::Tensor lse_c = lse.narrow(0, start, n);
+    at::sum_out(lse_c, logits, {1});
+    lse_c.log_().add_(max.squeeze(1));
+    loss.add_(at::sub(lse_c, target_logit).mul_(counted.narrow(0, start, n)).sum());
+  }
+  if (count > 0) loss.div_(count);
+  return {loss, CrossEntropySaved{x, targets, lse, count, chunk_tokens}};
+}
+
+at::Tensor cross_entropy_backward(double dloss, const CrossEntropySaved& saved, const at::Tensor& w,
+                                  at::Tensor& dw) {
+  const at::Tensor& x = saved.x;
+  check_weight(x, w);
+  TORCH_CHECK(dw.sizes() == w.sizes(), "[cross_entropy] dw must have w's shape ", w.sizes(), ", got ",
+              dw.sizes());
+  const int64_t N = x.size(0);
+  at::Tensor dx = at::zeros({N, x.size(1)}, x.options());
+  if (saved.count == 0) return dx;  // every target ignored: the loss is a constant 0
+  const at::ScalarType sd = saved.lse.scalar_type();
+  const at::Tensor counted = saved.targets.ne(kIgnoreIndex);
+  const at::Tensor safe_targets = saved.targets.clamp_min(0).unsqueeze(1);
+  const double scale = dloss / static_cast<double>(saved.count);
+  for (int64_t start = 0; start < N; start += saved.chunk) {
+    const int64_t n = std::min(saved.chunk, N - start);
+    // dlogits = (softmax - onehot) * dloss / count on counted rows, 0 on ignored ones; the
+    // softmax comes from the saved log-sum-exp, in place over the recomputed logits.
+    at::Tensor dlogits = chunk_logits(x, w, start, n, sd);
+    dlogits.sub_(saved.lse.narrow(0, start, n).unsqueeze(1)).exp_();
+    const at::Tensor row_scale = counted.narrow(0, start, n).to(sd).mul_(scale).unsqueeze(1);
+    dlogits.mul_(row_scale).scatter_add_(1, safe_targets.narrow(0, start, n), row_scale.neg());
+
+    const at::Tensor x_c = x.narrow(0, start, n);
+    const at::Tensor dl = dlogits.to(x.scalar_type());
+    at::Tensor dx_c = dx.narrow(0, start, n);
+    at::mm_out(dx_c, dl, w);
+    if (dw.scalar_type() == x.scalar_type()) {
+      dw.addmm_(dl.t(), x_c);
+    } else {
+      // A wider accumulator (float32 for bfloat16 activations) takes the float32 dlogits.
+      dw.addmm_(dlogits.to(dw.scalar_type()).t(), x_c.to(dw.scalar_type()));
+    }
+  }
+  return dx;
+}
+
+int64_t cross_entropy_saved_bytes(int64_t tokens, int64_t C, at::ScalarType dtype) {
+  return nbytes(tokens * C, dtype) + nbytes(tokens, at::kLong) + nbytes(tokens, stats_dtype(dtype));
+}
+
+int64_t cross_entropy_workspace_bytes(int64_t chunk_tokens, int64_t vocab, at::ScalarType dtype) {
+  const at::ScalarType sd = stats_dtype(dtype);
+  const int64_t logits = chunk_tokens * vocab;
+  return nbytes(logits, sd) + (dtype != sd ? nbytes(logits, dtype) : 0);
+}
+
+double cross_entropy_flops(int64_t tokens, int64_t C, int64_t vocab) {
+  return 2.0 * tokens * C * vocab + kLseFlopsPerLogit * tokens * vocab;
+}
+
+}  // namespace remat::ops

@@ -1,0 +1,76 @@
+#include "remat/ops/dropout.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <mutex>
+
+namespace remat::ops {
+namespace {
+
+// splitmix64's finaliser: a bijection on 64 bits with good avalanche.
+uint64_t mix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
+void check_p(double p) {
+  TORCH_CHECK(p >= 0.0 && p < 1.0, "[dropout] drop probability must be in [0, 1), got ", p);
+}
+
+// A private generator seeded from the key: the global generator's state is never consumed.
+at::Generator keyed_generator(uint64_t seed, at::Device device) {
+  if (device.is_cpu()) return at::detail::createCPUGenerator(seed);
+  at::Generator global = at::globalContext().defaultGenerator(device);  // shares the state
+  at::Generator gen;
+  {
+    std::lock_guard<std::mutex> lock(global.mutex());
+    gen = global.clone();
+  }
+  gen.set_current_seed(seed);
+  return gen;
+}
+
+}  // namespace
+
+uint64_t DropoutKey::hash() const {
+  // Each field passes through a bijection after being xor-ed in, so changing any single
+  // field changes the result. The golden-ratio offset keeps an all-zero key off zero.
+  uint64_t h = mix64(seed + 0x9e3779b97f4a7c15ULL);
+  h = mix64(h ^ step);
+  h = mix64(h ^ microbatch);
+  h = mix64(h ^ layer);
+  return mix64(h ^ static_cast<uint64_t>(site));
+}
+
+at::Tensor dropout_mask(at::IntArrayRef sizes, double p, const DropoutKey& key, at::Device device) {
+  check_p(p);
+  at::Tensor mask = at::empty(sizes, at::TensorOptions().dtype(at::kBool).device(device));
+  at::Generator gen = keyed_generator(key.hash(), device);
+  // The generator is private to this call; the kernel still takes its lock itself.
+  mask.bernoulli_(1.0 - p, gen);
+  return mask;
+}
+
+Fwd<DropoutSaved> dropout_forward(const at::Tensor& x, double p, const DropoutKey& key) {
+  check_p(p);
+  if (p == 0.0) return {x, DropoutSaved{at::Tensor(), 0.0}};
+  at::Tensor mask = dropout_mask(x.sizes(), p, key, x.device());
+  at::Tensor y = at::mul(x, mask).mul_(1.0 / (1.0 - p));
+  return {y, DropoutSaved{mask, p}};
+}
+
+at::Tensor dropout_backward(const at::Tensor& dy, const DropoutSaved& saved) {
+  if (saved.p == 0.0) return dy;
+  TORCH_CHECK(dy.sizes() == saved.mask.sizes(), "[dropout] gradient shape must match the mask, got dy ",
+              dy.sizes(), " and mask ", saved.mask.sizes());
+  return at::mul(dy, saved.mask).mul_(1.0 / (1.0 - saved.p));
+}
+
+int64_t dropout_saved_bytes(int64_t numel, double p) {
+  return p > 0.0 ? nbytes(numel, at::kBool) : 0;
+}
+
+double dropout_flops(int64_t numel, double p) { return p > 0.0 ? static_cast<double>(numel) : 0.0; }
+
+}  // namespace remat::ops

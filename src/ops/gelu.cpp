@@ -1,0 +1,17 @@
+#include "remat/ops/gelu.h"
+
+namespace remat::ops {
+
+Fwd<GeluSaved> gelu_forward(const at::Tensor& x) { return {at::gelu(x, "tanh"), GeluSaved{x}}; }
+
+at::Tensor gelu_backward(const at::Tensor& dy, const GeluSaved& saved) {
+  TORCH_CHECK(dy.sizes() == saved.x.sizes(), "[gelu] gradient must match the input shape ",
+              saved.x.sizes(), ", got ", dy.sizes());
+  return at::gelu_backward(dy, saved.x, "tanh");
+}
+
+int64_t gelu_saved_bytes(int64_t numel, at::ScalarType dtype) { return nbytes(numel, dtype); }
+
+double gelu_flops(int64_t numel) { return 10.0 * numel; }
+
+}  // namespace remat::ops

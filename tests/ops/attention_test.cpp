@@ -1,0 +1,149 @@
+#include "remat/ops/attention.h"
+
+#include "remat/memory.h"
+
+#include "ops/testing.h"
+
+#include <cmath>
+#include <limits>
+
+namespace {
+
+using namespace remat::ops;
+using remat::testing::expect_error;
+using remat::testing::f64;
+using remat::testing::grads;
+using remat::testing::leaf;
+using remat::testing::MatmulFlopCounter;
+using remat::testing::rel_err;
+using remat::testing::same_storage;
+
+const DropoutKey kKey{11, 2, 0, 3, DropoutSite::attn_probs};
+
+// Attention written out head by head: K and V repeated to the query heads, explicit
+// masked scores, softmax as exp / sum, dropout as a multiply by the given mask.
+at::Tensor reference(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double p,
+                     const at::Tensor& mask) {
+  const int64_t T = q.size(1), D = q.size(3), G = q.size(2) / k.size(2);
+  at::Tensor qh = q.transpose(1, 2);                             // [B, Hq, T, D]
+  at::Tensor kh = k.repeat_interleave(G, 2).transpose(1, 2);     // [B, Hq, T, D]
+  at::Tensor vh = v.repeat_interleave(G, 2).transpose(1, 2);
+  at::Tensor scores = at::matmul(qh, kh.transpose(-1, -2)) / std::sqrt(double(D));
+  at::Tensor future = at::ones({T, T}, at::kBool).triu(1);
+  scores = scores.masked_fill(future, -std::numeric_limits<double>::infinity());
+  at::Tensor e = at::exp(scores - std::get<0>(scores.max(-1, true)).detach());
+  at::Tensor probs = e / e.sum(-1, true);
+  if (p > 0) probs = probs * mask.to(probs.scalar_type()) / (1 - p);
+  return at::matmul(probs, vh).transpose(1, 2);  // [B, T, Hq, D]
+}
+
+struct Case {
+  int64_t B, T, Hq, Hkv, D;
+};
+const Case kCases[] = {{2, 5, 4, 2, 3}, {1, 7, 3, 3, 4}, {3, 4, 6, 1, 5}, {1, 1, 2, 1, 2}, {2, 9, 8, 2, 8}};
+
+// q, k and v as slices of one fused projection output, as the models produce them.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_qkv(const Case& c, at::ScalarType dt) {
+  at::Tensor qkv = at::randn({c.B, c.T, c.Hq + 2 * c.Hkv, c.D}).to(dt);
+  return {qkv.narrow(2, 0, c.Hq), qkv.narrow(2, c.Hq, c.Hkv), qkv.narrow(2, c.Hq + c.Hkv, c.Hkv)};
+}
+
+TEST(AttentionOp, MatchesAutogradOfExplicitAttention) {
+  for (const Case& c : kCases) {
+    for (double p : {0.0, 0.3}) {
+      auto [q, k, v] = fused_qkv(c, at::kDouble);
+      Fwd<AttentionSaved> f = attention_forward(q, k, v, p, kKey);
+      at::Tensor mask = p > 0 ? dropout_mask({c.B, c.Hq, c.T, c.T}, p, kKey, at::kCPU) : at::Tensor();
+      if (p > 0) {
+        EXPECT_TRUE(at::equal(f.saved.mask, mask));
+      }
+      at::Tensor ql = leaf(q), kl = leaf(k), vl = leaf(v);
+      at::Tensor ref = reference(ql, kl, vl, p, mask);
+      const std::string what = "B" + std::to_string(c.B) + " T" + std::to_string(c.T) + " Hq" +
+                               std::to_string(c.Hq) + " Hkv" + std::to_string(c.Hkv) + " p" + std::to_string(p);
+      EXPECT_LT(rel_err(f.out, ref.detach()), 1e-12) << what;
+      at::Tensor dout = at::randn_like(ref);
+      auto want = grads(ref, dout, {ql, kl, vl});
+      AttentionGrads g = attention_backward(dout, f.saved);
+      EXPECT_LT(rel_err(g.dq, want[0]), 1e-10) << what;
+      EXPECT_LT(rel_err(g.dk, want[1]), 1e-10) << what;
+      EXPECT_LT(rel_err(g.dv, want[2]), 1e-10) << what;
+    }
+  }
+}
+
+TEST(AttentionOp, SavesInputsAsGivenAndNoScores) {
+  remat::memory::install_cpu_tracking();
+  const at::Device cpu(at::kCPU);
+  for (const Case& c : kCases) {
+    for (double p : {0.0, 0.1}) {
+      for (auto dt : {at::kFloat, at::kBFloat16}) {
+        auto [q, k, v] = fused_qkv(c, dt);
+        const int64_t before = remat::memory::stats(cpu).current;
+        Fwd<AttentionSaved> f = attention_forward(q, k, v, p, kKey);
+        const int64_t retained = remat::memory::stats(cpu).current - before;
+        const AttentionShape shape{c.B, c.T, c.Hq, c.Hkv, c.D};
+        EXPECT_EQ(attention_saved_bytes(shape, p, dt), tensors_bytes(f.saved.tensors()));
+        EXPECT_TRUE(f.saved.q.is_same(q) && f.saved.k.is_same(k) && f.saved.v.is_same(v));
+        EXPECT_EQ(f.saved.probs.sizes(), (std::vector<int64_t>{c.B, c.Hq, c.T, c.T}));
+        // Rows of probs sum to one: it is the softmax output, not the scores.
+        EXPECT_LT((f.saved.probs.to(at::kDouble).sum(-1) - 1).abs().max().item<double>(), 1e-2);
+        EXPECT_EQ(f.saved.mask.defined(), p > 0);
+        EXPECT_EQ(f.saved.probs_d.defined(), p > 0);
+        // Nothing beyond the output and the new Saved tensors stays allocated: the scores
+        // and the working copies of q, k, v are gone.
+        const int64_t inputs = tensors_bytes({q, k, v});
+        EXPECT_EQ(retained, tensors_bytes({f.out}) + tensors_bytes(f.saved.tensors()) - inputs);
+        EXPECT_FALSE(same_storage(f.saved.probs, f.saved.probs_d));
+      }
+    }
+  }
+}
+
+TEST(AttentionOp, FlopsMatchTheMatmulsItRuns) {
+  for (const Case& c : kCases) {
+    for (double p : {0.0, 0.2}) {
+      auto [q, k, v] = fused_qkv(c, at::kFloat);
+      MatmulFlopCounter counter;
+      attention_forward(q, k, v, p, kKey);
+      const AttentionShape shape{c.B, c.T, c.Hq, c.Hkv, c.D};
+      const double scores = double(c.B) * c.Hq * c.T * c.T;
+      // Beyond the matmuls: 5 FLOPs per score for the softmax, 1 for dropout.
+      const double rest = 5 * scores + (p > 0 ? scores : 0.0);
+      EXPECT_EQ(attention_flops(shape, p) - rest, counter.flops());
+      EXPECT_EQ(counter.flops(), 4.0 * scores * c.D);
+    }
+  }
+}
+
+TEST(AttentionOp, BFloat16IsCloseToFloat64) {
+  const Case c{2, 16, 4, 2, 8};
+  auto [q, k, v] = fused_qkv(c, at::kBFloat16);
+  auto f = attention_forward(q, k, v, 0.0, kKey);
+  auto f64r = attention_forward(q.to(at::kDouble), k.to(at::kDouble), v.to(at::kDouble), 0.0, kKey);
+  EXPECT_EQ(f.out.scalar_type(), at::kBFloat16);
+  EXPECT_LT(rel_err(f.out, f64r.out), 3e-2);
+  at::Tensor dout = at::randn({c.B, c.T, c.Hq, c.D}).to(at::kBFloat16);
+  AttentionGrads g = attention_backward(dout, f.saved);
+  AttentionGrads g64 = attention_backward(dout.to(at::kDouble), f64r.saved);
+  EXPECT_LT(rel_err(g.dq, g64.dq), 5e-2);
+  EXPECT_LT(rel_err(g.dk, g64.dk), 5e-2);
+  EXPECT_LT(rel_err(g.dv, g64.dv), 5e-2);
+}
+
+TEST(AttentionOp, RefusesMismatchedShapes) {
+  at::Tensor q = at::randn({2, 4, 6, 8}), kv = at::randn({2, 4, 4, 8});
+  expect_error([&] { attention_forward(q, kv, kv, 0.0, kKey); },
+               {"[attention]", "multiple", "[2, 4, 6, 8]", "[2, 4, 4, 8]"});
+  at::Tensor k5 = at::randn({2, 5, 3, 8});
+  expect_error([&] { attention_forward(q, k5, k5, 0.0, kKey); }, {"[attention]", "B, T and D", "[2, 5, 3, 8]"});
+  at::Tensor k3 = at::randn({2, 4, 3, 8});
+  expect_error([&] { attention_forward(q, k3, at::randn({2, 4, 3, 7}), 0.0, kKey); },
+               {"[attention]", "same shape", "[2, 4, 3, 7]"});
+  expect_error([&] { attention_forward(at::randn({4, 6, 8}), k3, k3, 0.0, kKey); }, {"[attention]", "[4, 6, 8]"});
+  expect_error([&] { attention_forward(q, k3, k3, 1.0, kKey); }, {"[dropout]"});
+  auto f = attention_forward(q, k3, k3, 0.0, kKey);
+  expect_error([&] { attention_backward(at::randn({2, 4, 6, 7}), f.saved); }, {"[attention]", "[2, 4, 6, 7]"});
+}
+
+}  // namespace

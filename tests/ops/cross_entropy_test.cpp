@@ -1,0 +1,166 @@
+#include "remat/ops/cross_entropy.h"
+
+#include "remat/memory.h"
+
+#include "ops/testing.h"
+
+namespace {
+
+using namespace remat::ops;
+using remat::testing::expect_error;
+using remat::testing::f64;
+using remat::testing::grads;
+using remat::testing::leaf;
+using remat::testing::MatmulFlopCounter;
+using remat::testing::rel_err;
+
+// Mean cross-entropy over the counted targets, on the full [N, V] logits.
+at::Tensor reference(const at::Tensor& x, const at::Tensor& w, const at::Tensor& targets) {
+  at::Tensor logp = at::log_softmax(at::matmul(x, w.t()), -1);
+  at::Tensor counted = targets.ne(kIgnoreIndex);
+  at::Tensor picked = logp.gather(1, targets.clamp_min(0).unsqueeze(1)).squeeze(1);
+  return -(picked * counted.to(at::kDouble)).sum() / counted.sum();
+}
+
+// Random targets in [0, V) with roughly a quarter of them ignored.
+at::Tensor make_targets(int64_t N, int64_t V) {
+  at::Tensor t = at::randint(V, {N}, at::kLong);
+  return at::where(at::rand({N}) < 0.25, at::full({N}, kIgnoreIndex, at::kLong), t);
+}
+
+TEST(CrossEntropyOp, MatchesAutogradOfLogSoftmaxOnFullLogits) {
+  struct Case { int64_t N, C, V; };
+  for (Case c : {Case{7, 5, 11}, Case{13, 4, 6}, Case{1, 3, 2}, Case{32, 6, 17}}) {
+    for (int64_t chunk : {int64_t{1}, int64_t{3}, int64_t{5}, c.N, c.N + 9}) {
+      at::Tensor x = at::randn({c.N, c.C}, f64()), w = at::randn({c.V, c.C}, f64());
+      at::Tensor targets = make_targets(c.N, c.V);
+      targets[0] = c.V - 1;  // at least one counted target
+      Fwd<CrossEntropySaved> f = cross_entropy_forward(x, w, targets, chunk);
+      at::Tensor xl = leaf(x), wl = leaf(w);
+      at::Tensor ref = reference(xl, wl, targets);
+      const std::string what = "N" + std::to_string(c.N) + " V" + std::to_string(c.V) + " chunk" + std::to_string(chunk);
+      EXPECT_EQ(f.out.dim(), 0);
+      EXPECT_EQ(f.out.scalar_type(), at::kDouble);
+      EXPECT_LT(rel_err(f.out, ref.detach()), 1e-12) << what;
+      EXPECT_EQ(f.saved.count, targets.ne(kIgnoreIndex).sum().item<int64_t>());
+      const double dloss = 0.7;
+      auto want = grads(ref, at::scalar_tensor(dloss, f64()), {xl, wl});
+      at::Tensor dw0 = at::randn({c.V, c.C}, f64());
+      at::Tensor dw = dw0.clone();
+      at::Tensor dx = cross_entropy_backward(dloss, f.saved, w, dw);
+      EXPECT_LT(rel_err(dx, want[0]), 1e-10) << what;
+      EXPECT_LT(rel_err(dw - dw0, want[1]), 1e-10) << what;
+    }
+  }
+}
+
+TEST(CrossEntropyOp, AllTargetsIgnoredGivesZeroLossAndGradients) {
+  at::Tensor x = at::randn({4, 3}, f64()), w = at::randn({5, 3}, f64());
+  Fwd<CrossEntropySaved> f = cross_entropy_forward(x, w, at::full({4}, kIgnoreIndex, at::kLong), 2);
+  EXPECT_EQ(f.saved.count, 0);
+  EXPECT_EQ(f.out.item<double>(), 0.0);
+  at::Tensor dw = at::ones({5, 3}, f64());
+  EXPECT_TRUE(at::equal(cross_entropy_backward(1.0, f.saved, w, dw), at::zeros({4, 3}, f64())));
+  EXPECT_TRUE(at::equal(dw, at::ones({5, 3}, f64())));
+}
+
+TEST(CrossEntropyOp, SavesInputsAndPerTokenLogSumExpOnly) {
+  remat::memory::install_cpu_tracking();
+  const at::Device cpu(at::kCPU);
+  for (auto dt : {at::kDouble, at::kFloat, at::kBFloat16}) {
+    for (int64_t N : {1, 10, 33}) {
+      for (int64_t chunk : {4, 64}) {
+        at::Tensor x = at::randn({N, 8}).to(dt), w = at::randn({50, 8}).to(dt);
+        at::Tensor targets = make_targets(N, 50);
+        const int64_t before = remat::memory::stats(cpu).current;
+        Fwd<CrossEntropySaved> f = cross_entropy_forward(x, w, targets, chunk);
+        const int64_t retained = remat::memory::stats(cpu).current - before;
+        EXPECT_EQ(cross_entropy_saved_bytes(N, 8, dt), tensors_bytes(f.saved.tensors()));
+        EXPECT_TRUE(f.saved.x.is_same(x) && f.saved.targets.is_same(targets));
+        EXPECT_EQ(f.saved.lse.scalar_type(), stats_dtype(dt));
+        EXPECT_EQ(f.out.scalar_type(), stats_dtype(dt));
+        // Only the loss and the log-sum-exp outlive the forward: no logits are kept.
+        EXPECT_EQ(retained, tensors_bytes({f.out, f.saved.lse}));
+      }
+    }
+  }
+}
+
+TEST(CrossEntropyOp, PeakStaysWithinOneChunkOfLogits) {
+  remat::memory::install_cpu_tracking();
+  const at::Device cpu(at::kCPU);
+  const int64_t N = 96, C = 8, V = 2000, chunk = 16;
+  // Float types only: on CPU, oneDNN's bfloat16 matmul allocates scratch copies of its
+  // operands, which no formula of ours can own.
+  for (auto dt : {at::kFloat, at::kDouble}) {
+    at::Tensor x = at::randn({N, C}).to(dt), w = at::randn({V, C}).to(dt);
+    at::Tensor targets = make_targets(N, V);
+    at::Tensor dw = at::zeros({V, C}, dt);
+    const int64_t workspace = cross_entropy_workspace_bytes(chunk, V, dt);
+    // Row vectors per chunk (max, targets, scales) and the [N, C] dx are small next to it.
+    const int64_t slack = 16 * N * 8 + 2 * N * C * 8;
+    ASSERT_LT(slack, workspace / 4);
+    ASSERT_LT(workspace, nbytes(N * V, at::kFloat) / 2);  // whole float32 logits would not fit
+
+    remat::memory::reset_peak(cpu);
+    int64_t base = remat::memory::stats(cpu).current;
+    Fwd<CrossEntropySaved> f = cross_entropy_forward(x, w, targets, chunk);
+    int64_t peak = remat::memory::stats(cpu).peak - base;
+    EXPECT_LE(peak, workspace + slack) << dt;
+    EXPECT_GE(peak, workspace) << dt;  // the workspace figure is not an overstatement
+
+    remat::memory::reset_peak(cpu);
+    base = remat::memory::stats(cpu).current;
+    at::Tensor dx = cross_entropy_backward(1.0, f.saved, w, dw);
+    peak = remat::memory::stats(cpu).peak - base;
+    EXPECT_LE(peak, workspace + slack) << dt;
+    EXPECT_GE(peak, workspace) << dt;
+  }
+}
+
+TEST(CrossEntropyOp, FlopsMatchTheMatmulsItRuns) {
+  for (auto [N, C, V, chunk] : {std::tuple<int64_t, int64_t, int64_t, int64_t>{7, 5, 11, 3}, {40, 8, 33, 16},
+                                {5, 2, 3, 100}}) {
+    at::Tensor x = at::randn({N, C}), w = at::randn({V, C});
+    MatmulFlopCounter counter;
+    cross_entropy_forward(x, w, make_targets(N, V), chunk);
+    // Beyond the matmuls: 4 FLOPs per logit for the log-sum-exp.
+    EXPECT_EQ(cross_entropy_flops(N, C, V) - 4.0 * N * V, counter.flops());
+    EXPECT_EQ(counter.flops(), 2.0 * N * C * V);
+  }
+}
+
+TEST(CrossEntropyOp, BFloat16AccumulatesInFloat32) {
+  const int64_t N = 64, C = 16, V = 300;
+  at::Tensor x = at::randn({N, C}).to(at::kBFloat16), w = (at::randn({V, C}) * 0.3).to(at::kBFloat16);
+  at::Tensor targets = make_targets(N, V);
+  Fwd<CrossEntropySaved> f = cross_entropy_forward(x, w, targets, 24);
+  at::Tensor ref = reference(x.to(at::kDouble), w.to(at::kDouble), targets);
+  EXPECT_EQ(f.out.scalar_type(), at::kFloat);
+  EXPECT_LT(rel_err(f.out, ref), 1e-2);
+  for (auto acc : {at::kFloat, at::kBFloat16}) {
+    at::Tensor dw = at::zeros({V, C}, acc), dw64 = at::zeros({V, C}, f64());
+    at::Tensor dx = cross_entropy_backward(1.0, f.saved, w, dw);
+    auto f64r = cross_entropy_forward(x.to(at::kDouble), w.to(at::kDouble), targets, 24);
+    at::Tensor dx64 = cross_entropy_backward(1.0, f64r.saved, w.to(at::kDouble), dw64);
+    EXPECT_EQ(dx.scalar_type(), at::kBFloat16);
+    EXPECT_LT(rel_err(dx, dx64), 3e-2);
+    EXPECT_LT(rel_err(dw, dw64), 3e-2);
+  }
+}
+
+TEST(CrossEntropyOp, RefusesBadTargetsAndShapes) {
+  at::Tensor x = at::randn({3, 4}), w = at::randn({5, 4});
+  expect_error([&] { cross_entropy_forward(x, w, at::tensor({0, 5, 1}, at::kLong), 2); },
+               {"[cross_entropy]", "[0, 5)", "[0, 5]"});
+  expect_error([&] { cross_entropy_forward(x, w, at::tensor({0, -2, 1}, at::kLong), 2); },
+               {"[cross_entropy]", "[-2, 1]"});
+  expect_error([&] { cross_entropy_forward(x, w, at::tensor({0, 1}, at::kLong), 2); },
+               {"[cross_entropy]", "[2]", "[3, 4]"});
+  expect_error([&] { cross_entropy_forward(x, at::randn({5, 3}), at::tensor({0, 1, 2}, at::kLong), 2); },
+               {"[cross_entropy]", "[3, 4]", "[5, 3]"});
+  expect_error([&] { cross_entropy_forward(x, w, at::tensor({0, 1, 2}, at::kLong), 0); },
+               {"[cross_entropy]", "chunk_tokens"});
+}
+
+}  // namespace

@@ -1,0 +1,133 @@
+#include "remat/ops/dropout.h"
+
+#include "ops/testing.h"
+
+#include <algorithm>
+#include <thread>
+
+namespace {
+
+using namespace remat::ops;
+using remat::testing::expect_error;
+using remat::testing::f64;
+using remat::testing::rel_err;
+
+const at::Device kCPU(at::kCPU);
+
+DropoutKey key(uint64_t seed = 7) { return DropoutKey{seed, 3, 1, 5, DropoutSite::mlp_resid}; }
+
+TEST(DropoutOp, SameKeyGivesBitwiseSameMask) {
+  at::Tensor a = dropout_mask({37, 53}, 0.3, key(), kCPU);
+  at::Tensor b = dropout_mask({37, 53}, 0.3, key(), kCPU);
+  EXPECT_EQ(a.scalar_type(), at::kBool);
+  EXPECT_EQ(a.element_size(), 1);
+  EXPECT_TRUE(at::equal(a, b));
+}
+
+TEST(DropoutOp, EveryKeyFieldChangesTheMask) {
+  const DropoutKey base = key();
+  const at::Tensor m0 = dropout_mask({4096}, 0.5, base, kCPU);
+  std::vector<DropoutKey> variants(5, base);
+  variants[0].seed += 1;
+  variants[1].step += 1;
+  variants[2].microbatch += 1;
+  variants[3].layer += 1;
+  variants[4].site = DropoutSite::attn_probs;
+  std::vector<uint64_t> hashes{base.hash()};
+  for (const auto& k : variants) {
+    EXPECT_FALSE(at::equal(dropout_mask({4096}, 0.5, k, kCPU), m0));
+    hashes.push_back(k.hash());
+  }
+  std::sort(hashes.begin(), hashes.end());
+  EXPECT_EQ(std::unique(hashes.begin(), hashes.end()), hashes.end());
+  // Swapping two fields' values is a different key too.
+  DropoutKey swapped = base;
+  std::swap(swapped.step, swapped.layer);
+  EXPECT_NE(swapped.hash(), base.hash());
+}
+
+TEST(DropoutOp, ConcurrentCallsGiveTheSameMasks) {
+  const at::Tensor want = dropout_mask({3000}, 0.4, key(), kCPU);
+  std::vector<at::Tensor> got(8);
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < got.size(); ++i) {
+    threads.emplace_back([&, i] { got[i] = dropout_mask({3000}, 0.4, key(), kCPU); });
+  }
+  for (auto& t : threads) t.join();
+  for (const auto& m : got) EXPECT_TRUE(at::equal(m, want));
+}
+
+TEST(DropoutOp, DoesNotTouchTheGlobalGenerator) {
+  at::manual_seed(123);
+  const at::Tensor expected = at::rand({8}, f64());
+  at::manual_seed(123);
+  dropout_mask({1000}, 0.2, key(), kCPU);
+  EXPECT_TRUE(at::equal(at::rand({8}, f64()), expected));
+}
+
+TEST(DropoutOp, KeepFractionIsOneMinusP) {
+  for (double p : {0.1, 0.5, 0.9}) {
+    const int64_t n = 1 << 20;
+    const double kept = dropout_mask({n}, p, key(), kCPU).sum().item<int64_t>() / double(n);
+    // Binomial standard deviation is below 5e-4 here; allow 6 of them.
+    EXPECT_NEAR(kept, 1.0 - p, 3e-3) << "p=" << p;
+  }
+}
+
+TEST(DropoutOp, ForwardAndBackwardMatchReference) {
+  const double p = 0.25;
+  at::Tensor x = at::randn({5, 7, 3}, f64());
+  Fwd<DropoutSaved> f = dropout_forward(x, p, key());
+  // The mask regenerated from the same key is the one the op used.
+  at::Tensor mask = dropout_mask(x.sizes(), p, key(), kCPU);
+  EXPECT_TRUE(at::equal(f.saved.mask, mask));
+  at::Tensor ref = at::where(mask, x / (1 - p), at::zeros_like(x));
+  EXPECT_LT(rel_err(f.out, ref), 1e-15);
+  at::Tensor dy = at::randn_like(x);
+  at::Tensor xl = remat::testing::leaf(x);
+  at::Tensor yl = xl * mask.to(at::kDouble) / (1 - p);
+  at::Tensor want = remat::testing::grads(yl, dy, {xl})[0];
+  EXPECT_LT(rel_err(dropout_backward(dy, f.saved), want), 1e-15);
+}
+
+TEST(DropoutOp, ZeroPIsIdentityWithoutMask) {
+  at::Tensor x = at::randn({4, 6}, f64());
+  Fwd<DropoutSaved> f = dropout_forward(x, 0.0, key());
+  EXPECT_TRUE(at::equal(f.out, x));
+  EXPECT_FALSE(f.saved.mask.defined());
+  at::Tensor dy = at::randn_like(x);
+  EXPECT_TRUE(at::equal(dropout_backward(dy, f.saved), dy));
+  EXPECT_EQ(dropout_flops(x.numel(), 0.0), 0.0);
+}
+
+TEST(DropoutOp, SavedBytesAndFlops) {
+  for (double p : {0.0, 0.1}) {
+    for (auto sizes : {std::vector<int64_t>{3, 5}, std::vector<int64_t>{2, 17, 9}}) {
+      for (auto dt : {at::kFloat, at::kBFloat16}) {
+        at::Tensor x = at::randn(sizes).to(dt);
+        Fwd<DropoutSaved> f = dropout_forward(x, p, key());
+        EXPECT_EQ(dropout_saved_bytes(x.numel(), p), tensors_bytes(f.saved.tensors()));
+      }
+    }
+  }
+  EXPECT_EQ(dropout_flops(1000, 0.1), 1000.0);
+  EXPECT_EQ(dropout_flops(2000, 0.1), 2 * dropout_flops(1000, 0.1));
+}
+
+TEST(DropoutOp, WorksInBFloat16) {
+  at::Tensor x = at::randn({64, 32}).to(at::kBFloat16);
+  Fwd<DropoutSaved> f = dropout_forward(x, 0.5, key());
+  EXPECT_EQ(f.out.scalar_type(), at::kBFloat16);
+  at::Tensor ref = at::where(f.saved.mask, x.to(at::kFloat) * 2, at::zeros({64, 32}));
+  EXPECT_TRUE(at::equal(f.out.to(at::kFloat), ref));  // scaling by 2 is exact
+}
+
+TEST(DropoutOp, RefusesPOutsideRange) {
+  at::Tensor x = at::randn({4});
+  for (double p : {-0.1, 1.0, 1.5, std::nan("")}) {
+    expect_error([&] { dropout_forward(x, p, key()); }, {"[dropout]", "[0, 1)"});
+    expect_error([&] { dropout_mask({4}, p, key(), kCPU); }, {"[dropout]"});
+  }
+}
+
+}  // namespace

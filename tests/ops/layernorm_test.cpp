@@ -1,0 +1,96 @@
+#include "remat/ops/layernorm.h"
+
+#include "remat/memory.h"
+
+#include "ops/testing.h"
+
+namespace {
+
+using namespace remat::ops;
+using remat::testing::expect_error;
+using remat::testing::f64;
+using remat::testing::grads;
+using remat::testing::leaf;
+using remat::testing::rel_err;
+using remat::testing::same_storage;
+
+// LayerNorm written as math: biased variance over the last dim.
+at::Tensor reference(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, double eps) {
+  at::Tensor mean = x.mean(-1, true);
+  at::Tensor var = (x - mean).pow(2).mean(-1, true);
+  return (x - mean) / at::sqrt(var + eps) * w + b;
+}
+
+TEST(LayerNormOp, MatchesAutogradOfTheMath) {
+  const double eps = 1e-5;
+  for (auto shape : {std::vector<int64_t>{2, 3, 7}, std::vector<int64_t>{5, 16},
+                     std::vector<int64_t>{13}, std::vector<int64_t>{3, 1}}) {
+    const int64_t C = shape.back();
+    at::Tensor x = at::randn(shape, f64()) * 3 + 1, w = at::randn({C}, f64()), b = at::randn({C}, f64());
+    Fwd<LayerNormSaved> f = layernorm_forward(x, w, b, eps);
+    at::Tensor xl = leaf(x), wl = leaf(w), bl = leaf(b);
+    at::Tensor ref = reference(xl, wl, bl, eps);
+    EXPECT_LT(rel_err(f.out, ref.detach()), 1e-10) << at::IntArrayRef(shape);
+    at::Tensor dy = at::randn_like(x);
+    auto want = grads(ref, dy, {xl, wl, bl});
+    at::Tensor dw = at::ones({C}, f64()), db = at::ones({C}, f64());
+    at::Tensor dx = layernorm_backward(dy, f.saved, w, dw, db);
+    EXPECT_LT(rel_err(dx, want[0]), 1e-10) << at::IntArrayRef(shape);
+    EXPECT_LT(rel_err(dw - 1, want[1]), 1e-10);  // accumulated onto the existing 1s
+    EXPECT_LT(rel_err(db - 1, want[2]), 1e-10);
+  }
+}
+
+TEST(LayerNormOp, SavedBytesMatchAndStatisticsAreFloat) {
+  remat::memory::install_cpu_tracking();
+  for (auto dt : {at::kDouble, at::kFloat, at::kBFloat16}) {
+    for (auto shape : {std::vector<int64_t>{2, 3, 8}, std::vector<int64_t>{7, 5}}) {
+      at::Tensor x = at::randn(shape).to(dt);
+      const int64_t C = shape.back(), rows = x.numel() / C;
+      const at::Tensor w = at::ones({C}, dt), b = at::zeros({C}, dt);
+      const int64_t before = remat::memory::stats(at::kCPU).current;
+      Fwd<LayerNormSaved> f = layernorm_forward(x, w, b, 1e-5);
+      // Only the output and the new statistics stay allocated (no float32 copies of x).
+      EXPECT_EQ(remat::memory::stats(at::kCPU).current - before,
+                tensors_bytes({f.out}) + tensors_bytes(f.saved.tensors()) - tensors_bytes({x}));
+      EXPECT_EQ(layernorm_saved_bytes(rows, C, dt), tensors_bytes(f.saved.tensors()));
+      EXPECT_EQ(f.saved.mean.scalar_type(), stats_dtype(dt));
+      EXPECT_EQ(f.saved.mean.sizes(), x.sizes().slice(0, x.dim() - 1));
+      EXPECT_TRUE(same_storage(f.saved.x, x));  // the input itself, not a copy
+      EXPECT_FALSE(same_storage(f.saved.mean, f.out));
+      EXPECT_EQ(f.out.scalar_type(), dt);
+    }
+  }
+  EXPECT_EQ(layernorm_flops(6, 10), 2 * layernorm_flops(3, 10));
+  EXPECT_EQ(layernorm_flops(3, 10), 8.0 * 30);
+}
+
+TEST(LayerNormOp, BFloat16IsCloseToFloat64) {
+  at::Tensor x = at::randn({4, 33}, f64()), w = at::randn({33}, f64()), b = at::randn({33}, f64());
+  auto bf = [](const at::Tensor& t) { return t.to(at::kBFloat16); };
+  Fwd<LayerNormSaved> f = layernorm_forward(bf(x), bf(w), bf(b), 1e-5);
+  Fwd<LayerNormSaved> f64r = layernorm_forward(bf(x).to(at::kDouble), bf(w).to(at::kDouble),
+                                               bf(b).to(at::kDouble), 1e-5);
+  EXPECT_LT(rel_err(f.out, f64r.out), 1e-2);
+  at::Tensor dy = at::randn({4, 33}, f64());
+  at::Tensor dw = at::zeros({33}), db = at::zeros({33});  // float32 accumulators
+  at::Tensor dw64 = at::zeros({33}, f64()), db64 = at::zeros({33}, f64());
+  at::Tensor dx = layernorm_backward(bf(dy), f.saved, bf(w), dw, db);
+  at::Tensor dx64 = layernorm_backward(bf(dy).to(at::kDouble), f64r.saved, bf(w).to(at::kDouble), dw64, db64);
+  EXPECT_EQ(dx.scalar_type(), at::kBFloat16);
+  EXPECT_LT(rel_err(dx, dx64), 2e-2);
+  EXPECT_LT(rel_err(dw, dw64), 2e-2);
+  EXPECT_LT(rel_err(db, db64), 2e-2);
+}
+
+TEST(LayerNormOp, RefusesMismatchedParameters) {
+  at::Tensor x = at::randn({2, 8});
+  expect_error([&] { layernorm_forward(x, at::ones({7}), at::zeros({8}), 1e-5); },
+               {"[layernorm]", "[2, 8]", "[7]"});
+  auto f = layernorm_forward(x, at::ones({8}), at::zeros({8}), 1e-5);
+  at::Tensor dw = at::zeros({8}), db = at::zeros({8});
+  expect_error([&] { layernorm_backward(at::randn({3, 8}), f.saved, at::ones({8}), dw, db); },
+               {"[layernorm]", "[3, 8]"});
+}
+
+}  // namespace

@@ -1,0 +1,42 @@
+#include "remat/ops/residual.h"
+
+#include "ops/testing.h"
+
+namespace {
+
+using namespace remat::ops;
+using remat::testing::expect_error;
+using remat::testing::f64;
+using remat::testing::grads;
+using remat::testing::leaf;
+using remat::testing::rel_err;
+
+TEST(ResidualOp, MatchesAutogradOfAdd) {
+  at::Tensor a = at::randn({2, 5, 3}, f64()), b = at::randn({2, 5, 3}, f64());
+  Fwd<ResidualSaved> f = residual_forward(a, b);
+  EXPECT_TRUE(f.saved.tensors().empty());
+  at::Tensor al = leaf(a), bl = leaf(b);
+  at::Tensor ref = al + bl;
+  EXPECT_LT(rel_err(f.out, ref.detach()), 1e-16);
+  at::Tensor dy = at::randn_like(a);
+  auto want = grads(ref, dy, {al, bl});
+  at::Tensor d = residual_backward(dy, f.saved);
+  EXPECT_TRUE(at::equal(d, want[0]));
+  EXPECT_TRUE(at::equal(d, want[1]));
+}
+
+TEST(ResidualOp, BroadcastsBOverLeadingDims) {
+  // Token embeddings [B, T, C] plus position embeddings [T, C].
+  at::Tensor a = at::randn({3, 4, 2}), b = at::randn({4, 2});
+  EXPECT_TRUE(at::equal(residual_forward(a, b).out, a + b));
+}
+
+TEST(ResidualOp, FlopsAndRefusals) {
+  EXPECT_EQ(residual_flops(200), 2 * residual_flops(100));
+  EXPECT_EQ(residual_flops(100), 100.0);
+  expect_error([&] { residual_forward(at::randn({2, 3}), at::randn({2, 4})); },
+               {"[residual]", "[2, 3]", "[2, 4]"});
+  expect_error([&] { residual_forward(at::randn({3}), at::randn({2, 3})); }, {"[residual]"});
+}
+
+}  // namespace
