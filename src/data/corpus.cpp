@@ -513,14 +513,6 @@ CorpusInfo prepare_corpus(const PrepareOptions& options, const Log& log) {
     say(log, "rebuilding " + dir + ": " + why);
   }
 
-  std::error_code ec;
-  fs::create_directories(dir, ec);
-  if (!fs::is_directory(dir)) {
-    throw std::runtime_error("Cannot create the corpus directory " + dir + ": " + ec.message() + ".");
-  }
-  // Until the new meta.json lands, the directory must not look complete.
-  fs::remove(dir + "/meta.json", ec);
-
   CorpusInfo info;
   info.dir = dir;
   info.source = source;
@@ -562,6 +554,14 @@ CorpusInfo prepare_corpus(const PrepareOptions& options, const Log& log) {
   info.tokenizer_sha256 = util::sha256_hex(tok.serialized());
   info.train_sha256 = util::sha256_hex(train_bytes);
   info.val_sha256 = util::sha256_hex(val_bytes);
+  // The directory is touched only now, so a failure above leaves an existing corpus intact.
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (!fs::is_directory(dir)) {
+    throw std::runtime_error("Cannot create the corpus directory " + dir + ": " + ec.message() + ".");
+  }
+  // Until the new meta.json lands, the directory must not look complete.
+  fs::remove(dir + "/meta.json", ec);
   tok.save(info.tokenizer_path());
   util::write_file_atomically(info.train_path(), train_bytes);
   util::write_file_atomically(info.val_path(), val_bytes);

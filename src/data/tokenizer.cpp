@@ -6,6 +6,8 @@
 #include <dlfcn.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cctype>
 #include <climits>
 #include <stdexcept>
 
@@ -113,7 +115,9 @@ struct ShimBuffer {
 
 [[noreturn]] void shim_failure(const std::string& what) {
   std::string reason = shim().last_error();
-  while (!reason.empty() && (reason.back() == '.' || reason.back() == '\n')) reason.pop_back();
+  while (!reason.empty() && (reason.back() == '.' || std::isspace(static_cast<unsigned char>(reason.back())))) {
+    reason.pop_back();
+  }
   throw std::runtime_error(what + ": " + reason + ".");
 }
 
@@ -180,11 +184,12 @@ Tokenizer Tokenizer::train(std::string_view text, const TokenizerTrainOptions& o
     lengths.push_back(s.size());
     total_bytes += static_cast<int64_t>(s.size());
   }
-  // SentencePiece caps by sentence count; convert the byte cap with the mean length.
-  int64_t max_sentences = static_cast<int64_t>(sentences.size());
+  // SentencePiece caps by sentence count (0: no cap; a cap must exceed 100); convert the
+  // byte cap with the mean sentence length.
+  int64_t max_sentences = 0;
   if (total_bytes > options.max_training_bytes && options.max_training_bytes > 0) {
     max_sentences = std::max<int64_t>(
-        1, static_cast<int64_t>(static_cast<double>(sentences.size()) *
+        101, static_cast<int64_t>(static_cast<double>(sentences.size()) *
                                 static_cast<double>(options.max_training_bytes) /
                                 static_cast<double>(total_bytes)));
   }

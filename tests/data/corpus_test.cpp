@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <fstream>
 
 namespace {
@@ -183,6 +184,25 @@ TEST(Corpus, RefusesMissingEmptyAndNonUtf8Files) {
   error = error_of([&] { prepare_corpus(options); });
   EXPECT_NE(error.find("is a directory"), std::string::npos) << error;
   EXPECT_FALSE(fs::exists(dir / "corpus"));  // nothing written for a refused input
+}
+
+TEST(Corpus, MissingBibleProgramNamesThePackage) {
+  const std::string path = std::getenv("PATH") ? std::getenv("PATH") : "";
+  ::setenv("PATH", "/nonexistent", 1);
+  const std::string error = error_of([] { read_kjv_text(); });
+  ::setenv("PATH", path.c_str(), 1);
+  EXPECT_NE(error.find("`bible` program"), std::string::npos) << error;
+  EXPECT_NE(error.find("bible-kjv"), std::string::npos) << error;
+}
+
+TEST(Corpus, FailedRebuildLeavesTheOldCorpus) {
+  TempDir dir;
+  PrepareOptions options = small_options(dir, remat::testing::make_text(300));
+  const CorpusInfo info = prepare_corpus(options);
+  options.vocab_size = 60000;  // far more pieces than this text can make
+  const std::string error = error_of([&] { prepare_corpus(options); });
+  EXPECT_NE(error.find("could not train a 60000-piece"), std::string::npos) << error;
+  EXPECT_EQ(load_corpus_info(options.out_dir).train_sha256, info.train_sha256);
 }
 
 TEST(Corpus, RefusesBadOptions) {

@@ -48,10 +48,29 @@ TEST(Tokenizer, UnseenCharactersFallBackToBytes) {
   EXPECT_EQ(tok.piece(emoji[3]), "<0x82>");
 }
 
+TEST(Tokenizer, TrainsOnTextWithoutLineBreaks) {
+  // One ~15 kB line: cut into sentences for training, else SentencePiece would skip it.
+  std::string text = remat::testing::make_text(250);
+  for (char& c : text) {
+    if (c == '\n') c = ' ';
+  }
+  const Tokenizer tok = Tokenizer::train(text, small_vocab());
+  const std::vector<int32_t> ids = tok.encode(text);
+  EXPECT_LT(ids.size(), text.size() / 2);
+  EXPECT_EQ(tok.decode(ids), text);
+}
+
 TEST(Tokenizer, TrainingIsDeterministic) {
   const std::string text = remat::testing::make_text(300);
   EXPECT_EQ(Tokenizer::train(text, small_vocab()).serialized(),
             Tokenizer::train(text, small_vocab()).serialized());
+  // Subsampled (a 6 kB budget for ~18 kB of text): still deterministic for a seed.
+  TokenizerTrainOptions capped = small_vocab();
+  capped.vocab_size = 400;
+  capped.max_training_bytes = 6000;
+  const std::string a = Tokenizer::train(text, capped).serialized();
+  EXPECT_EQ(a, Tokenizer::train(text, capped).serialized());
+  EXPECT_NE(a, Tokenizer::train(text, [&] { auto o = capped; o.max_training_bytes = 0; return o; }()).serialized());
 }
 
 TEST(Tokenizer, SavesAndLoads) {
