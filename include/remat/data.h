@@ -54,22 +54,22 @@ struct PrepareOptions {
 /// What meta.json records, plus where the files are.
 struct CorpusInfo {
   std::string dir;
-  std::string source;            // human-readable description of the text's origin
-  std::string text_sha256;       // of the (cleaned) text that was tokenized
+  std::string source;       // human-readable description of the text's origin
+  std::string text_sha256;  // of the (cleaned) text that was tokenized
   int64_t text_bytes = 0;
   int vocab_size = 0;
   double val_fraction = 0;
   int val_blocks = 0;
   int64_t max_training_bytes = 0;
   uint32_t seed = 0;
-  int token_bytes = 2;           // 2: uint16, 4: uint32
+  int token_bytes = 2;  // 2: uint16, 4: uint32
   int64_t train_tokens = 0;
   int64_t val_tokens = 0;
   /// Entropy of the train tokens' unigram distribution, in nats/token: the loss of a
   /// model that ignores context. A trained model's validation loss must fall well below.
   double train_unigram_entropy = 0;
   std::string tokenizer_sha256, train_sha256, val_sha256;
-  double prepare_seconds = 0;    // wall time of the run that built the directory
+  double prepare_seconds = 0;  // wall time of the run that built the directory
   /// True when prepare_corpus found a matching, intact corpus and did no work.
   bool cached = false;
 

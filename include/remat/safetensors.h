@@ -38,7 +38,7 @@ struct SafeTensorInfo {
 
 /// A validated header.
 struct SafeTensorsHeader {
-  std::vector<SafeTensorInfo> tensors;         // in data order (ascending offsets)
+  std::vector<SafeTensorInfo> tensors;          // in data order (ascending offsets)
   std::map<std::string, std::string> metadata;  // "__metadata__", empty if absent
   int64_t data_start = 0;                       // file offset of the data section (8 + N)
 };

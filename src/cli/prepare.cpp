@@ -1,11 +1,11 @@
 #include "cli/prepare.h"
 
-#include "remat/data.h"
-
 #include <fmt/format.h>
 
 #include <cstdio>
 #include <memory>
+
+#include "remat/data.h"
 
 namespace remat::cli {
 
@@ -47,8 +47,9 @@ void add_prepare_command(CLI::App& app) {
     fmt::print("tokens     {} train + {} val ({}), {:.2f} bytes/token\n", info.train_tokens,
                info.val_tokens, info.token_bytes == 2 ? "uint16" : "uint32",
                info.bytes_per_token());
-    fmt::print("entropy    {:.4f} nats/token (unigram, train): validation loss must fall well below\n",
-               info.train_unigram_entropy);
+    fmt::print(
+        "entropy    {:.4f} nats/token (unigram, train): validation loss must fall well below\n",
+        info.train_unigram_entropy);
   });
 }
 

@@ -1,12 +1,4 @@
-#include "remat/data.h"
-
-#include "remat/tokenizer.h"
-#include "util/atomic_file.h"
-#include "util/sha256.h"
-
 #include <fmt/format.h>
-#include <nlohmann/json.hpp>
-
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -18,8 +10,14 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <nlohmann/json.hpp>
 #include <stdexcept>
 #include <thread>
+
+#include "remat/data.h"
+#include "remat/tokenizer.h"
+#include "util/atomic_file.h"
+#include "util/sha256.h"
 
 namespace remat::data {
 
@@ -219,7 +217,8 @@ json to_json(const CorpusInfo& info) {
       {"split", {{"val_fraction", info.val_fraction}, {"val_blocks", info.val_blocks}}},
       {"tokens",
        {{"dtype", dtype_name(info.token_bytes)},
-        {"train", {{"file", "train.bin"}, {"count", info.train_tokens}, {"sha256", info.train_sha256}}},
+        {"train",
+         {{"file", "train.bin"}, {"count", info.train_tokens}, {"sha256", info.train_sha256}}},
         {"val", {{"file", "val.bin"}, {"count", info.val_tokens}, {"sha256", info.val_sha256}}}}},
       {"train_unigram_entropy_nats", info.train_unigram_entropy},
       {"bytes_per_token", info.bytes_per_token()},
@@ -404,7 +403,8 @@ std::string read_utf8_file(const std::string& path) {
   if (bad != std::string::npos) {
     char byte[8];
     std::snprintf(byte, sizeof(byte), "0x%02X", static_cast<unsigned char>(text[bad]));
-    throw std::runtime_error("The text file " + path + " is not valid UTF-8: the sequence at byte offset " +
+    throw std::runtime_error("The text file " + path +
+                             " is not valid UTF-8: the sequence at byte offset " +
                              std::to_string(bad) + " (starting " + byte + ") is invalid.");
   }
   return text;
@@ -558,7 +558,8 @@ CorpusInfo prepare_corpus(const PrepareOptions& options, const Log& log) {
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (!fs::is_directory(dir)) {
-    throw std::runtime_error("Cannot create the corpus directory " + dir + ": " + ec.message() + ".");
+    throw std::runtime_error("Cannot create the corpus directory " + dir + ": " + ec.message() +
+                             ".");
   }
   // Until the new meta.json lands, the directory must not look complete.
   fs::remove(dir + "/meta.json", ec);
@@ -568,11 +569,11 @@ CorpusInfo prepare_corpus(const PrepareOptions& options, const Log& log) {
   info.prepare_seconds = seconds_since(start);
   util::write_file_atomically(info.meta_path(), to_json(info).dump(2) + "\n");
 
-  say(log, fmt::format("wrote {}: {} train + {} val tokens ({}), unigram entropy {:.3f} "
-                       "nats/token, in {:.2f} s",
-                       dir, with_commas(info.train_tokens), with_commas(info.val_tokens),
-                       dtype_name(info.token_bytes), info.train_unigram_entropy,
-                       info.prepare_seconds));
+  say(log,
+      fmt::format("wrote {}: {} train + {} val tokens ({}), unigram entropy {:.3f} "
+                  "nats/token, in {:.2f} s",
+                  dir, with_commas(info.train_tokens), with_commas(info.val_tokens),
+                  dtype_name(info.token_bytes), info.train_unigram_entropy, info.prepare_seconds));
   return info;
 }
 

@@ -1,11 +1,10 @@
-#include "remat/data.h"
-
-#include "util/atomic_file.h"
-
 #include <algorithm>
 #include <cstring>
 #include <limits>
 #include <stdexcept>
+
+#include "remat/data.h"
+#include "util/atomic_file.h"
 
 namespace remat::data {
 
@@ -35,8 +34,8 @@ Batch gather_windows(const at::Tensor& tokens, const at::Tensor& starts, int64_t
 TokenDataset::TokenDataset(const at::Tensor& tokens, std::string name) : name_(std::move(name)) {
   TORCH_CHECK(tokens.dim() == 1 && !at::isFloatingType(tokens.scalar_type()) &&
                   tokens.scalar_type() != at::kBool,
-              "[TokenDataset] needs a 1-D integer tensor of token ids, got ",
-              tokens.scalar_type(), " ", tokens.sizes());
+              "[TokenDataset] needs a 1-D integer tensor of token ids, got ", tokens.scalar_type(),
+              " ", tokens.sizes());
   tokens_ = tokens.to(at::kCPU, at::kInt).contiguous();
 }
 
@@ -79,8 +78,9 @@ void TokenDataset::check_shape(int64_t batch, int64_t seq) const {
   }
   if (seq + 1 > size()) {
     throw std::runtime_error("A sequence of " + std::to_string(seq) + " tokens needs at least " +
-                             std::to_string(seq + 1) + " tokens (inputs and next-token targets), but " +
-                             name_ + " has " + std::to_string(size()) + ".");
+                             std::to_string(seq + 1) +
+                             " tokens (inputs and next-token targets), but " + name_ + " has " +
+                             std::to_string(size()) + ".");
   }
 }
 

@@ -126,11 +126,16 @@ REMAT_SP_EXPORT int remat_sp_vocab_size(const remat_sp_model* model) {
 REMAT_SP_EXPORT int remat_sp_special_id(const remat_sp_model* model, int which) {
   const auto& p = model->processor;
   switch (which) {
-    case REMAT_SP_UNK: return p.unk_id();
-    case REMAT_SP_BOS: return p.bos_id();
-    case REMAT_SP_EOS: return p.eos_id();
-    case REMAT_SP_PAD: return p.pad_id();
-    default: return -1;
+    case REMAT_SP_UNK:
+      return p.unk_id();
+    case REMAT_SP_BOS:
+      return p.bos_id();
+    case REMAT_SP_EOS:
+      return p.eos_id();
+    case REMAT_SP_PAD:
+      return p.pad_id();
+    default:
+      return -1;
   }
 }
 
@@ -143,8 +148,9 @@ REMAT_SP_EXPORT int remat_sp_id_to_piece(const remat_sp_model* model, int id, ch
                                          size_t* length) {
   return guarded([&] {
     if (id < 0 || id >= model->processor.GetPieceSize()) {
-      return sentencepiece::util::Status(sentencepiece::util::StatusCode::kOutOfRange,
-                                         "token id " + std::to_string(id) + " is outside the vocabulary");
+      return sentencepiece::util::Status(
+          sentencepiece::util::StatusCode::kOutOfRange,
+          "token id " + std::to_string(id) + " is outside the vocabulary");
     }
     const std::string& piece = model->processor.IdToPiece(id);
     *length = piece.size();
@@ -164,8 +170,8 @@ REMAT_SP_EXPORT int remat_sp_encode(const remat_sp_model* model, const char* tex
   });
 }
 
-REMAT_SP_EXPORT int remat_sp_decode(const remat_sp_model* model, const int32_t* ids,
-                                    size_t num_ids, char** text_out, size_t* length) {
+REMAT_SP_EXPORT int remat_sp_decode(const remat_sp_model* model, const int32_t* ids, size_t num_ids,
+                                    char** text_out, size_t* length) {
   return guarded([&] {
     const std::vector<int> id_vector(ids, ids + num_ids);
     std::string text;

@@ -54,8 +54,8 @@ int remat_sp_special_id(const remat_sp_model* model, int which);
 int remat_sp_piece_to_id(const remat_sp_model* model, const char* piece, size_t length);
 int remat_sp_id_to_piece(const remat_sp_model* model, int id, char** piece_out, size_t* length);
 
-int remat_sp_encode(const remat_sp_model* model, const char* text, size_t length,
-                    int32_t** ids_out, size_t* num_ids);
+int remat_sp_encode(const remat_sp_model* model, const char* text, size_t length, int32_t** ids_out,
+                    size_t* num_ids);
 int remat_sp_decode(const remat_sp_model* model, const int32_t* ids, size_t num_ids,
                     char** text_out, size_t* length);
 

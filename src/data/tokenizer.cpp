@@ -1,8 +1,5 @@
 #include "remat/tokenizer.h"
 
-#include "data/sentencepiece_shim.h"
-#include "util/atomic_file.h"
-
 #include <dlfcn.h>
 #include <unistd.h>
 
@@ -10,6 +7,9 @@
 #include <cctype>
 #include <climits>
 #include <stdexcept>
+
+#include "data/sentencepiece_shim.h"
+#include "util/atomic_file.h"
 
 namespace remat::data {
 
@@ -115,7 +115,8 @@ struct ShimBuffer {
 
 [[noreturn]] void shim_failure(const std::string& what) {
   std::string reason = shim().last_error();
-  while (!reason.empty() && (reason.back() == '.' || std::isspace(static_cast<unsigned char>(reason.back())))) {
+  while (!reason.empty() &&
+         (reason.back() == '.' || std::isspace(static_cast<unsigned char>(reason.back())))) {
     reason.pop_back();
   }
   throw std::runtime_error(what + ": " + reason + ".");
@@ -163,9 +164,10 @@ Tokenizer::Tokenizer(std::shared_ptr<Handle> handle, std::string model)
 
 Tokenizer Tokenizer::train(std::string_view text, const TokenizerTrainOptions& options) {
   if (options.vocab_size < 260) {
-    throw std::runtime_error("A tokenizer vocabulary needs at least 260 pieces (3 special and "
-                             "256 byte pieces plus one), got " +
-                             std::to_string(options.vocab_size) + ".");
+    throw std::runtime_error(
+        "A tokenizer vocabulary needs at least 260 pieces (3 special and "
+        "256 byte pieces plus one), got " +
+        std::to_string(options.vocab_size) + ".");
   }
   if (options.num_threads < 1) {
     throw std::runtime_error("Tokenizer training needs at least one thread, got " +
@@ -190,8 +192,8 @@ Tokenizer Tokenizer::train(std::string_view text, const TokenizerTrainOptions& o
   if (total_bytes > options.max_training_bytes && options.max_training_bytes > 0) {
     max_sentences = std::max<int64_t>(
         101, static_cast<int64_t>(static_cast<double>(sentences.size()) *
-                                static_cast<double>(options.max_training_bytes) /
-                                static_cast<double>(total_bytes)));
+                                  static_cast<double>(options.max_training_bytes) /
+                                  static_cast<double>(total_bytes)));
   }
 
   const std::vector<std::pair<std::string, std::string>> spec = {

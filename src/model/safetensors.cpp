@@ -1,17 +1,16 @@
 #include "remat/safetensors.h"
 
-#include "util/atomic_file.h"
-
-#include <nlohmann/json.hpp>
-
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <set>
 #include <stdexcept>
+
+#include "util/atomic_file.h"
 
 namespace remat::model {
 
@@ -59,7 +58,8 @@ File open_for_reading(const std::string& path, int64_t& size) {
   }
   if (std::fseek(file.get(), 0, SEEK_END) != 0 || (size = std::ftell(file.get())) < 0 ||
       std::fseek(file.get(), 0, SEEK_SET) != 0) {
-    throw std::runtime_error("Cannot read the safetensors file " + path + " (not a regular file?).");
+    throw std::runtime_error("Cannot read the safetensors file " + path +
+                             " (not a regular file?).");
   }
   return file;
 }
@@ -83,7 +83,8 @@ SafeTensorInfo parse_entry(const std::string& path, const std::string& name, con
   info.name = name;
 
   const auto dtype_it = entry.find("dtype");
-  if (dtype_it == entry.end() || !dtype_it->is_string()) invalid(path, who + " has no dtype string");
+  if (dtype_it == entry.end() || !dtype_it->is_string())
+    invalid(path, who + " has no dtype string");
   const auto dtype = dtype_it->get<std::string>();
   const auto known = std::find_if(std::begin(kDtypes), std::end(kDtypes),
                                   [&](const DtypeName& d) { return dtype == d.name; });
@@ -99,7 +100,8 @@ SafeTensorInfo parse_entry(const std::string& path, const std::string& name, con
   const auto item = static_cast<int64_t>(c10::elementSize(info.dtype));
   int64_t nbytes = item;
   for (const json& d : *shape_it) {
-    if (!d.is_number_unsigned()) invalid(path, who + " has a shape entry that is not a non-negative integer: " + d.dump());
+    if (!d.is_number_unsigned())
+      invalid(path, who + " has a shape entry that is not a non-negative integer: " + d.dump());
     const uint64_t dim = d.get<uint64_t>();
     if (dim > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
       invalid(path, who + " has an impossible dimension " + std::to_string(dim));
@@ -118,8 +120,8 @@ SafeTensorInfo parse_entry(const std::string& path, const std::string& name, con
   }
   const uint64_t begin = (*offsets_it)[0].get<uint64_t>(), end = (*offsets_it)[1].get<uint64_t>();
   if (end < begin) {
-    invalid(path, who + " has data_offsets [" + std::to_string(begin) + ", " +
-                      std::to_string(end) + "] that end before they begin");
+    invalid(path, who + " has data_offsets [" + std::to_string(begin) + ", " + std::to_string(end) +
+                      "] that end before they begin");
   }
   if (end > static_cast<uint64_t>(data_bytes)) {
     invalid(path, who + " has data_offsets [" + std::to_string(begin) + ", " + std::to_string(end) +
@@ -139,8 +141,8 @@ SafeTensorInfo parse_entry(const std::string& path, const std::string& name, con
 
 SafeTensorsHeader read_header(std::FILE* file, const std::string& path, int64_t file_size) {
   if (file_size < 8) {
-    invalid(path, "it has " + std::to_string(file_size) +
-                      " bytes, fewer than the 8-byte header length");
+    invalid(path,
+            "it has " + std::to_string(file_size) + " bytes, fewer than the 8-byte header length");
   }
   unsigned char prefix[8];
   read_exactly(file, path, 0, prefix, 8, "the header length");
@@ -268,7 +270,8 @@ void save_safetensors(const std::string& path,
   std::string text = header.dump();
   text.append((8 - (text.size() % 8)) % 8, ' ');  // data section 8-byte aligned
   unsigned char prefix[8];
-  for (int i = 0; i < 8; ++i) prefix[i] = static_cast<unsigned char>(uint64_t{text.size()} >> (8 * i));
+  for (int i = 0; i < 8; ++i)
+    prefix[i] = static_cast<unsigned char>(uint64_t{text.size()} >> (8 * i));
 
   util::AtomicFile file(path);
   file.write(prefix, 8);

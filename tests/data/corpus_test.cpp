@@ -1,15 +1,14 @@
-#include "remat/data.h"
-#include "remat/tokenizer.h"
-
-#include "data/temp_dir.h"
-#include "data/test_text.h"
-
 #include <gtest/gtest.h>
 
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <fstream>
+
+#include "data/temp_dir.h"
+#include "data/test_text.h"
+#include "remat/data.h"
+#include "remat/tokenizer.h"
 
 namespace {
 
@@ -45,7 +44,8 @@ TEST(Corpus, PreparesSmallTextIntoTokenFiles) {
   const std::string text = remat::testing::make_text(2000);
   const PrepareOptions options = small_options(dir, text);
   std::vector<std::string> lines;
-  const CorpusInfo info = prepare_corpus(options, [&](const std::string& l) { lines.push_back(l); });
+  const CorpusInfo info =
+      prepare_corpus(options, [&](const std::string& l) { lines.push_back(l); });
 
   EXPECT_FALSE(info.cached);
   EXPECT_FALSE(lines.empty());
@@ -128,7 +128,8 @@ TEST(Corpus, DamagedCacheIsReportedAndRebuilt) {
   EXPECT_NE(error.find("train.bin has 10 bytes"), std::string::npos) << error;
   EXPECT_NE(error.find("remat prepare"), std::string::npos) << error;
   std::vector<std::string> log;
-  const CorpusInfo rebuilt = prepare_corpus(options, [&](const std::string& l) { log.push_back(l); });
+  const CorpusInfo rebuilt =
+      prepare_corpus(options, [&](const std::string& l) { log.push_back(l); });
   EXPECT_FALSE(rebuilt.cached);
   EXPECT_EQ(rebuilt.train_sha256, info.train_sha256);  // deterministic
 
@@ -145,7 +146,8 @@ TEST(Corpus, DamagedCacheIsReportedAndRebuilt) {
   fs::remove(info.tokenizer_path());
   EXPECT_FALSE(prepare_corpus(options).cached);
   write(info.meta_path(), "{not json");
-  EXPECT_NE(error_of([&] { load_corpus_info(options.out_dir); }).find("meta.json"), std::string::npos);
+  EXPECT_NE(error_of([&] { load_corpus_info(options.out_dir); }).find("meta.json"),
+            std::string::npos);
   EXPECT_FALSE(prepare_corpus(options).cached);
   EXPECT_TRUE(prepare_corpus(options).cached);
 }
@@ -217,14 +219,15 @@ TEST(Corpus, RefusesBadOptions) {
 
 TEST(Corpus, Utf8Validation) {
   EXPECT_EQ(find_invalid_utf8("plain ascii"), std::string::npos);
-  EXPECT_EQ(find_invalid_utf8("\xC3\xA9\xE2\x82\xAC\xF0\x9F\x99\x82\xF4\x8F\xBF\xBF"), std::string::npos);
-  EXPECT_EQ(find_invalid_utf8("ab\xC0\x80"), 2u);          // overlong NUL
-  EXPECT_EQ(find_invalid_utf8("ab\xE0\x80\x80"), 2u);      // overlong 3-byte
-  EXPECT_EQ(find_invalid_utf8("a\xED\xA0\x80"), 1u);       // UTF-16 surrogate
-  EXPECT_EQ(find_invalid_utf8("\xF4\x90\x80\x80"), 0u);    // above U+10FFFF
-  EXPECT_EQ(find_invalid_utf8("abc\xE2\x82"), 3u);         // truncated at the end
-  EXPECT_EQ(find_invalid_utf8("\x80"), 0u);                // stray continuation byte
-  EXPECT_EQ(find_invalid_utf8("\xE2\x28\xA1"), 0u);        // bad continuation
+  EXPECT_EQ(find_invalid_utf8("\xC3\xA9\xE2\x82\xAC\xF0\x9F\x99\x82\xF4\x8F\xBF\xBF"),
+            std::string::npos);
+  EXPECT_EQ(find_invalid_utf8("ab\xC0\x80"), 2u);        // overlong NUL
+  EXPECT_EQ(find_invalid_utf8("ab\xE0\x80\x80"), 2u);    // overlong 3-byte
+  EXPECT_EQ(find_invalid_utf8("a\xED\xA0\x80"), 1u);     // UTF-16 surrogate
+  EXPECT_EQ(find_invalid_utf8("\xF4\x90\x80\x80"), 0u);  // above U+10FFFF
+  EXPECT_EQ(find_invalid_utf8("abc\xE2\x82"), 3u);       // truncated at the end
+  EXPECT_EQ(find_invalid_utf8("\x80"), 0u);              // stray continuation byte
+  EXPECT_EQ(find_invalid_utf8("\xE2\x28\xA1"), 0u);      // bad continuation
 }
 
 TEST(Corpus, UnigramEntropy) {
@@ -242,8 +245,10 @@ TEST(Corpus, KingJamesBible) {
   } catch (const std::runtime_error& e) {
     GTEST_SKIP() << e.what();
   }
-  EXPECT_EQ(text.rfind("Genesis 1\nIn the beginning God created the heaven and the earth.\n", 0), 0u);
-  EXPECT_NE(text.find("\n\nGenesis 2\nThus the heavens and the earth were finished"), std::string::npos);
+  EXPECT_EQ(text.rfind("Genesis 1\nIn the beginning God created the heaven and the earth.\n", 0),
+            0u);
+  EXPECT_NE(text.find("\n\nGenesis 2\nThus the heavens and the earth were finished"),
+            std::string::npos);
   EXPECT_NE(text.find("\n\nRevelation 22\n"), std::string::npos);
   const std::string last_verse = "\nThe grace of our Lord Jesus Christ be with you all. Amen.\n";
   EXPECT_EQ(text.substr(text.size() - last_verse.size()), last_verse);

@@ -1,12 +1,11 @@
-#include "remat/data.h"
-
-#include "data/temp_dir.h"
-#include "data/test_text.h"
-
 #include <gtest/gtest.h>
 
 #include <fstream>
 #include <set>
+
+#include "data/temp_dir.h"
+#include "data/test_text.h"
+#include "remat/data.h"
 
 namespace {
 
@@ -22,7 +21,9 @@ std::string error_of(const std::function<void()>& f) {
 }
 
 // Token i has id (i * 7) % 1000: distinct neighbours, so shifted windows are checkable.
-TokenDataset ramp(int64_t n) { return TokenDataset((at::arange(n, at::kLong) * 7) % 1000, "the ramp"); }
+TokenDataset ramp(int64_t n) {
+  return TokenDataset((at::arange(n, at::kLong) * 7) % 1000, "the ramp");
+}
 
 TEST(TokenDataset, SamplesAreNextTokenPairs) {
   const TokenDataset data = ramp(5000);
@@ -62,7 +63,7 @@ TEST(TokenDataset, SampleOffsetsCoverEveryValidStart) {
 
 TEST(TokenDataset, SequentialBatchesTileTheStream) {
   const TokenDataset data(at::arange(101, at::kInt));  // windows of 10: 10 of them
-  EXPECT_EQ(data.num_sequential_batches(4, 10), 3);     // 4 + 4 + 2 rows
+  EXPECT_EQ(data.num_sequential_batches(4, 10), 3);    // 4 + 4 + 2 rows
   const Batch first = data.sequential(0, 4, 10);
   EXPECT_TRUE(at::equal(first.tokens, at::arange(40, at::kLong).view({4, 10})));
   EXPECT_TRUE(at::equal(first.targets, at::arange(1, 41, at::kLong).view({4, 10})));

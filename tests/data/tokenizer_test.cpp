@@ -1,10 +1,10 @@
 #include "remat/tokenizer.h"
 
-#include "data/test_text.h"
-
 #include <gtest/gtest.h>
 
 #include <filesystem>
+
+#include "data/test_text.h"
 
 namespace {
 
@@ -70,7 +70,13 @@ TEST(Tokenizer, TrainingIsDeterministic) {
   capped.max_training_bytes = 6000;
   const std::string a = Tokenizer::train(text, capped).serialized();
   EXPECT_EQ(a, Tokenizer::train(text, capped).serialized());
-  EXPECT_NE(a, Tokenizer::train(text, [&] { auto o = capped; o.max_training_bytes = 0; return o; }()).serialized());
+  EXPECT_NE(a, Tokenizer::train(text,
+                                [&] {
+                                  auto o = capped;
+                                  o.max_training_bytes = 0;
+                                  return o;
+                                }())
+                   .serialized());
 }
 
 TEST(Tokenizer, SavesAndLoads) {
@@ -89,7 +95,8 @@ TEST(Tokenizer, ErrorsAreSentences) {
     Tokenizer::load("/nonexistent/tokenizer.model");
     FAIL() << "loading a missing model must fail";
   } catch (const std::runtime_error& e) {
-    EXPECT_NE(std::string(e.what()).find("/nonexistent/tokenizer.model"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("/nonexistent/tokenizer.model"), std::string::npos)
+        << e.what();
   }
   TokenizerTrainOptions tiny;
   tiny.vocab_size = 100;

@@ -1,12 +1,12 @@
 #include "remat/safetensors.h"
 
-#include "data/temp_dir.h"
-
 #include <gtest/gtest.h>
 
 #include <cstring>
 #include <fstream>
 #include <sstream>
+
+#include "data/temp_dir.h"
 
 namespace {
 
@@ -149,20 +149,24 @@ TEST(SafeTensors, RefusesCorruptFiles) {
   write_bytes(path, raw_file(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", f32x2));
   EXPECT_EQ(load_safetensors(path).tensors.size(), 1u);
 
-  expect_has(error_for(std::string("\x05\x00\x00", 3)), "has 3 bytes, fewer than the 8-byte header length");
+  expect_has(error_for(std::string("\x05\x00\x00", 3)),
+             "has 3 bytes, fewer than the 8-byte header length");
   expect_has(error_for(raw_file("{}", "").substr(0, 8) + "{"),
              "the header length is 2 bytes but only 1 follow it");
   expect_has(error_for(raw_file("{\"a\": [", "")), "not valid JSON");
   expect_has(error_for(raw_file("[1, 2]", "")), "not a JSON object");
   expect_has(error_for(raw_file(R"({"a":{"dtype":"F8","shape":[2],"data_offsets":[0,2]}})", "xx")),
              "tensor 'a' has dtype \"F8\"");
-  expect_has(error_for(raw_file(R"({"w":{"dtype":"F32","shape":[2,3],"data_offsets":[0,20]}})",
-                                std::string(20, '\0'))),
-             "tensor 'w' has shape [2, 3] of F32 (24 bytes) but data_offsets [0, 20] span 20 bytes");
-  expect_has(error_for(raw_file(R"({"w":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}})", f32x2)),
-             "tensor 'w' has a shape entry");
-  expect_has(error_for(raw_file(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[8,0]}})", f32x2)),
-             "tensor 'w' has data_offsets [8, 0] that end before they begin");
+  expect_has(
+      error_for(raw_file(R"({"w":{"dtype":"F32","shape":[2,3],"data_offsets":[0,20]}})",
+                         std::string(20, '\0'))),
+      "tensor 'w' has shape [2, 3] of F32 (24 bytes) but data_offsets [0, 20] span 20 bytes");
+  expect_has(
+      error_for(raw_file(R"({"w":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}})", f32x2)),
+      "tensor 'w' has a shape entry");
+  expect_has(
+      error_for(raw_file(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[8,0]}})", f32x2)),
+      "tensor 'w' has data_offsets [8, 0] that end before they begin");
   expect_has(error_for(raw_file(R"({"w":{"dtype":"F32","shape":[2]}})", f32x2)),
              "tensor 'w' has no data_offsets");
   // Truncated: the last tensor runs past the end of the file.
@@ -181,11 +185,13 @@ TEST(SafeTensors, RefusesCorruptFiles) {
   expect_has(error_for(raw_file(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})",
                                 std::string(10, '\0'))),
              "the data section has 10 bytes but the tensors cover 8 (the last is 'a')");
-  expect_has(error_for(raw_file(R"({"a":{"dtype":"U8","shape":[4611686018427387904,4],"data_offsets":[0,8]}})",
-                                f32x2)),
-             "tensor 'a' has shape");
-  expect_has(error_for(raw_file(R"({"__metadata__":{"k":1},"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})",
-                                f32x2)),
+  expect_has(
+      error_for(raw_file(
+          R"({"a":{"dtype":"U8","shape":[4611686018427387904,4],"data_offsets":[0,8]}})", f32x2)),
+      "tensor 'a' has shape");
+  expect_has(error_for(raw_file(
+                 R"({"__metadata__":{"k":1},"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})",
+                 f32x2)),
              "__metadata__ entry 'k' is not a string");
   // Only reading the data can see a bad BOOL byte.
   write_bytes(path, raw_file(R"({"m":{"dtype":"BOOL","shape":[2],"data_offsets":[0,2]}})",
