@@ -21,7 +21,15 @@ void print_config_keys() {
 int cmd_prepare(const std::string& config_file, const std::vector<std::string>& overrides) {
   const Config cfg = load_config(config_file, overrides);
   set_threads(cfg.run.threads);
-  fmt::print("{}\n", prepare_data(cfg.data).dir);
+  const data::CorpusInfo info = prepare_data(cfg.data);
+  fmt::print("corpus     {}{}\n", info.dir, info.cached ? " (cached)" : "");
+  fmt::print("source     {}\n", info.source);
+  fmt::print("text       {} bytes, sha256 {}\n", info.text_bytes, info.text_sha256);
+  fmt::print("tokenizer  {}-piece BPE, {}\n", info.vocab_size, info.tokenizer_path());
+  fmt::print("tokens     {} train + {} validation ({}), {:.2f} bytes/token\n", info.train_tokens, info.val_tokens,
+             info.token_bytes == 2 ? "uint16" : "uint32", info.bytes_per_token());
+  fmt::print("entropy    {:.4f} nats/token (unigram, train): a trained model's validation loss must fall well "
+             "below it\n", info.train_unigram_entropy);
   return 0;
 }
 

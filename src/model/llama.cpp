@@ -143,7 +143,7 @@ struct LlamaArch {
   at::Tensor block_backward(const at::Tensor& dy, BlockSaved& s, const Weights& W, Weights& G, int64_t l) const {
     const Block& w = W.layers[l];
     Block& g = G.layers[l];
-    const int64_t B = dy.size(0), T = dy.size(1), C = c.d_model, Hq = c.n_head, Hkv = c.n_kv_head, D = c.head_dim();
+    const int64_t B = dy.size(0), T = dy.size(1), Hq = c.n_head, Hkv = c.n_kv_head, D = c.head_dim();
     const auto rt = tables(T);
     at::Tensor d = linear_backward(dy, std::exchange(s.down, {}), w.w_down, g.w_down, nullptr);
     auto sg = swiglu_backward(d, std::exchange(s.act, {}));

@@ -79,7 +79,7 @@ class TransformerModel final : public Model {
     auto ce = ops::cross_entropy_forward(norm.out.reshape({-1, C}), Arch::head(W),
                                          targets.reshape({-1}), ce_chunk);
     norm.out.reset();
-    const double loss = ce.out.item<double>();
+    const double loss = ce.out.template item<double>();
 
     if (measured != nullptr) {
       std::unordered_set<const void*> seen;
@@ -93,7 +93,7 @@ class TransformerModel final : public Model {
 
     at::Tensor dh = ops::cross_entropy_backward(loss_scale, ce.saved, Arch::head(W), Arch::head(grads_));
     ce.saved = {};
-    at::Tensor dx = arch_.final_norm_backward(dh.view(tokens.sizes().vec() + std::vector<int64_t>{C}),
+    at::Tensor dx = arch_.final_norm_backward(dh.view({tokens.size(0), tokens.size(1), C}),
                                               norm.saved, W, grads_);
     norm.saved = {};
     for (int64_t l = L - 1; l >= 0; --l) {
@@ -109,7 +109,7 @@ class TransformerModel final : public Model {
     at::Tensor h = hidden(tokens);
     auto ce = ops::cross_entropy_forward(h.reshape({-1, cfg_.d_model}), Arch::head(compute_weights()),
                                          targets.reshape({-1}), ce_chunk);
-    return ce.out.item<double>();
+    return ce.out.template item<double>();
   }
 
   at::Tensor last_logits(const at::Tensor& tokens) override {

@@ -11,7 +11,6 @@ std::string sample_text(Model& model, const data::Tokenizer& tok, const std::str
                         double temperature, int64_t top_k, uint64_t seed) {
   std::vector<int32_t> ids = tok.encode(prompt);
   if (ids.empty()) ids.push_back(tok.bos_id() >= 0 ? tok.bos_id() : 0);
-  const size_t prompt_len = ids.size();
   auto gen = at::detail::createCPUGenerator(seed);
   const int64_t ctx = model.config().max_seq;
   for (int64_t i = 0; i < tokens; ++i) {

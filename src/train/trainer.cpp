@@ -70,6 +70,13 @@ data::CorpusInfo prepare_data(const DataConfig& d) {
     prep.text_file = d.text;
     source = std::filesystem::path(d.text).stem().string();
   }
+  // Fail before minutes of tokenizer training if the cache cannot exist.
+  std::error_code ec;
+  std::filesystem::create_directories(d.dir, ec);
+  if (ec) {
+    throw std::invalid_argument(fmt::format("Cannot create the data directory {} (data.dir): {}; set data.dir to a "
+                                            "writable directory.", d.dir, ec.message()));
+  }
   prep.out_dir = fmt::format("{}/{}-v{}", d.dir, source, d.vocab_size);
   prep.vocab_size = static_cast<int>(d.vocab_size);
   prep.val_fraction = d.val_fraction;

@@ -32,7 +32,7 @@ class Trainer : public ::testing::Test {
   static void TearDownTestSuite() { fs::remove_all(dir_); }
 
   static Config config(const std::string& name) {
-    return load_config("", {"model.preset=tiny-gpt2", "train.steps=4", "train.batch=2", "train.seq=16",
+    return load_config("", {"model.preset=tiny-gpt2", "model.vocab_size=0", "train.steps=4", "train.batch=2", "train.seq=16",
                             "train.grad_accum=2", "train.warmup=1", "train.eval_every=2", "train.eval_batches=2",
                             "data.vocab_size=300", "data.text=" + (dir_ / "corpus.txt").string(),
                             "data.dir=" + (dir_ / "data").string(), "run.out_dir=" + (dir_ / "runs").string(),

@@ -1,0 +1,154 @@
+// Training data: preparing a tokenized corpus directory, and drawing token batches from it.
+//
+// A corpus directory holds
+//   tokenizer.model  the SentencePiece BPE model (see remat/tokenizer.h)
+//   train.bin        training token ids, little-endian, uint16 (vocab <= 65536) or uint32
+//   val.bin          validation token ids, same encoding
+//   meta.json        source, text hash, options, token counts, checksums, unigram entropy
+//
+// The default text is the King James Bible from Debian's bible-kjv package, read by running
+// `bible -l 100000 gen1:1-rev22:21`. Cleaning: verse numbers are dropped and each verse is
+// one line; chapter headings ("Genesis 1") are kept as their own line, preceded by a blank
+// line from the second chapter on, since they are part of the book's structure and cheap
+// for a model to predict. Any other UTF-8 text file is used exactly as it is.
+//
+// Validation split: the token stream is cut into `val_blocks` equal blocks and the last
+// `val_fraction` of each block is validation, so validation samples the whole text (not
+// only its end) in contiguous stretches long enough for whole sequences. Cut points move
+// to the nearest line start when one is close (within half a validation stretch).
+//
+// Errors are std::runtime_error with a one-sentence message naming the file or directory.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <random>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace remat::data {
+
+struct PrepareOptions {
+  /// A UTF-8 text file; unset means the King James Bible from the `bible` program.
+  std::optional<std::string> text_file;
+  /// The corpus directory to write (created if missing).
+  std::string out_dir = "data/kjv";
+  /// Tokenizer vocabulary size, including 3 special and 256 byte pieces (>= 260).
+  int vocab_size = 2048;
+  /// Fraction of tokens held out for validation, in [0, 0.5].
+  double val_fraction = 0.05;
+  /// Number of contiguous validation stretches spread evenly through the text (>= 1).
+  int val_blocks = 20;
+  /// Text beyond this many bytes is subsampled (seeded) for tokenizer training only.
+  int64_t max_training_bytes = int64_t{32} << 20;
+  /// Seeds the tokenizer's subsampling; part of the cache key.
+  uint32_t seed = 0;
+  /// Rebuild even when the directory already holds a matching corpus.
+  bool force = false;
+};
+
+/// What meta.json records, plus where the files are.
+struct CorpusInfo {
+  std::string dir;
+  std::string source;       // human-readable description of the text's origin
+  std::string text_sha256;  // of the (cleaned) text that was tokenized
+  int64_t text_bytes = 0;
+  int vocab_size = 0;
+  double val_fraction = 0;
+  int val_blocks = 0;
+  int64_t max_training_bytes = 0;
+  uint32_t seed = 0;
+  int token_bytes = 2;  // 2: uint16, 4: uint32
+  int64_t train_tokens = 0;
+  int64_t val_tokens = 0;
+  /// Entropy of the train tokens' unigram distribution, in nats/token: the loss of a
+  /// model that ignores context. A trained model's validation loss must fall well below.
+  double train_unigram_entropy = 0;
+  std::string tokenizer_sha256, train_sha256, val_sha256;
+  double prepare_seconds = 0;  // wall time of the run that built the directory
+  /// True when prepare_corpus found a matching, intact corpus and did no work.
+  bool cached = false;
+
+  std::string tokenizer_path() const { return dir + "/tokenizer.model"; }
+  std::string train_path() const { return dir + "/train.bin"; }
+  std::string val_path() const { return dir + "/val.bin"; }
+  std::string meta_path() const { return dir + "/meta.json"; }
+  /// Mean UTF-8 bytes of text per token.
+  double bytes_per_token() const {
+    const int64_t tokens = train_tokens + val_tokens;
+    return tokens == 0 ? 0.0 : static_cast<double>(text_bytes) / static_cast<double>(tokens);
+  }
+};
+
+/// Reads the text, trains the tokenizer, encodes, splits and writes `options.out_dir`.
+/// When the directory's meta.json records the same text hash and options and every file
+/// checks out (sizes and SHA-256), nothing is rebuilt and the result has cached = true; a
+/// damaged or stale directory is rebuilt, saying why through `log`. Every file is written
+/// atomically and meta.json last, so an interrupted run never looks complete.
+/// `log` receives progress lines (no trailing newline); may be empty.
+CorpusInfo prepare_corpus(const PrepareOptions& options,
+                          const std::function<void(const std::string&)>& log = {});
+
+/// Reads `dir`/meta.json and checks that the files it names exist with the recorded sizes.
+/// A missing directory or file is an error that suggests running `remat prepare`.
+CorpusInfo load_corpus_info(const std::string& dir);
+
+/// The cleaned King James Bible text, from Debian's `bible` program (package bible-kjv).
+std::string read_kjv_text();
+
+/// `path`'s bytes after checking they are non-empty, valid UTF-8.
+std::string read_utf8_file(const std::string& path);
+
+/// Byte offset of the first invalid UTF-8 sequence in `text` (overlong forms, surrogates
+/// and code points above U+10FFFF are invalid), or npos.
+size_t find_invalid_utf8(std::string_view text);
+
+/// Entropy of the distribution of `ids` (each in [0, vocab_size)), in nats.
+double unigram_entropy(const std::vector<int32_t>& ids, int vocab_size);
+
+enum class Split { train, val };
+
+/// A batch of next-token prediction examples.
+struct Batch {
+  at::Tensor tokens;   // [B, T] int64, inputs
+  at::Tensor targets;  // [B, T] int64, targets[b][t] == the token after tokens[b][t]
+};
+
+/// The token stream of one split, held in memory as int32 ([N] tensor).
+class TokenDataset {
+ public:
+  /// Loads train.bin or val.bin of a prepared corpus, checking its size against
+  /// meta.json and every id against the vocabulary.
+  static TokenDataset open(const CorpusInfo& info, Split split);
+  static TokenDataset open(const std::string& dir, Split split);
+  /// Wraps ids already in memory (a 1-D integer tensor); `name` appears in errors.
+  explicit TokenDataset(const at::Tensor& tokens, std::string name = "the token stream");
+
+  /// Number of tokens.
+  int64_t size() const { return tokens_.numel(); }
+  /// The ids, [N] int32.
+  const at::Tensor& tokens() const { return tokens_; }
+
+  /// `batch` windows of `seq` + 1 tokens at independent uniform offsets drawn from `rng`.
+  /// The same rng state gives the same batch on every platform (no std distributions).
+  /// Refuses seq + 1 > size() with a sentence.
+  Batch sample(int64_t batch, int64_t seq, std::mt19937_64& rng) const;
+
+  /// Deterministic batches for evaluation: window k covers tokens [k*seq, k*seq + seq]
+  /// (targets overlap the next window's first input by one token), for k in
+  /// [0, (size() - 1) / seq); batch i holds windows i*batch ... i*batch + batch - 1. The
+  /// last batch has fewer rows when the windows do not divide evenly.
+  int64_t num_sequential_batches(int64_t batch, int64_t seq) const;
+  Batch sequential(int64_t index, int64_t batch, int64_t seq) const;
+
+ private:
+  void check_shape(int64_t batch, int64_t seq) const;
+  at::Tensor tokens_;  // [N] int32
+  std::string name_;
+};
+
+}  // namespace remat::data

@@ -1,0 +1,580 @@
+#include <fmt/format.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <stdexcept>
+#include <thread>
+
+#include "remat/data.h"
+#include "remat/tokenizer.h"
+#include "util/atomic_file.h"
+#include "util/sha256.h"
+
+namespace remat::data {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+constexpr const char* kBibleCommand = "bible -l 100000 gen1:1-rev22:21";
+constexpr const char* kBibleSource =
+    "King James Bible (Debian bible-kjv: `bible -l 100000 gen1:1-rev22:21`, verse numbers "
+    "removed, chapter headings kept)";
+// Bumped when anything that shapes the output other than the text and PrepareOptions
+// changes (cleaning aside, which the text hash covers): tokenizer settings, split rule,
+// file layout. A cached corpus from another recipe is rebuilt.
+constexpr int kRecipe = 1;
+constexpr int kEncodeThreads = 2;
+constexpr int kTrainThreads = 2;
+
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
+              "token files are little-endian and written from memory as is");
+
+using Log = std::function<void(const std::string&)>;
+
+void say(const Log& log, const std::string& line) {
+  if (log) log(line);
+}
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+bool program_on_path(const std::string& name) {
+  const char* path = std::getenv("PATH");
+  std::string dirs = path ? path : "/usr/local/bin:/usr/bin:/bin";
+  size_t pos = 0;
+  while (pos <= dirs.size()) {
+    size_t end = dirs.find(':', pos);
+    if (end == std::string::npos) end = dirs.size();
+    const std::string dir = end > pos ? dirs.substr(pos, end - pos) : ".";
+    if (::access((dir + "/" + name).c_str(), X_OK) == 0) return true;
+    pos = end + 1;
+  }
+  return false;
+}
+
+// `bible` prints "Genesis 1" headings, blank lines, and verses as "  N text".
+std::string clean_kjv(std::string_view raw) {
+  std::string text;
+  text.reserve(raw.size());
+  size_t pos = 0;
+  bool first_heading = true;
+  while (pos < raw.size()) {
+    size_t end = raw.find('\n', pos);
+    if (end == std::string_view::npos) end = raw.size();
+    std::string_view line = raw.substr(pos, end - pos);
+    pos = end + 1;
+    size_t i = 0;
+    while (i < line.size() && line[i] == ' ') ++i;
+    if (i == line.size()) continue;  // blank
+    const size_t digits_start = i;
+    while (i < line.size() && line[i] >= '0' && line[i] <= '9') ++i;
+    const bool verse = digits_start > 0 && i > digits_start && i < line.size() && line[i] == ' ';
+    if (verse) {
+      text.append(line.substr(i + 1));
+    } else {
+      if (!first_heading) text += '\n';
+      first_heading = false;
+      text.append(line.substr(digits_start));
+    }
+    text += '\n';
+  }
+  return text;
+}
+
+// Encodes line by line (SentencePiece's cost grows superlinearly within one string, and no
+// piece spans a newline), on a few threads over contiguous parts. `line_starts` receives
+// the token offset where each line begins.
+std::vector<int32_t> encode_text(const Tokenizer& tok, std::string_view text,
+                                 std::vector<int64_t>& line_starts) {
+  std::vector<size_t> bounds = {0};
+  for (int part = 1; part < kEncodeThreads; ++part) {
+    size_t cut = text.size() * part / kEncodeThreads;
+    cut = text.find('\n', std::max(cut, bounds.back()));
+    bounds.push_back(cut == std::string_view::npos ? text.size() : cut + 1);
+  }
+  bounds.push_back(text.size());
+
+  const size_t parts = bounds.size() - 1;
+  std::vector<std::vector<int32_t>> ids(parts);
+  std::vector<std::vector<int64_t>> starts(parts);
+  std::vector<std::exception_ptr> errors(parts);
+  auto work = [&](size_t part) {
+    try {
+      size_t pos = bounds[part];
+      while (pos < bounds[part + 1]) {
+        size_t end = text.find('\n', pos);
+        end = end == std::string_view::npos ? text.size() : end + 1;
+        starts[part].push_back(static_cast<int64_t>(ids[part].size()));
+        const std::vector<int32_t> line = tok.encode(text.substr(pos, end - pos));
+        ids[part].insert(ids[part].end(), line.begin(), line.end());
+        pos = end;
+      }
+    } catch (...) {
+      errors[part] = std::current_exception();
+    }
+  };
+  std::vector<std::thread> threads;
+  for (size_t part = 1; part < parts; ++part) threads.emplace_back(work, part);
+  work(0);
+  for (auto& t : threads) t.join();
+  for (auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+
+  std::vector<int32_t> all;
+  line_starts.clear();
+  for (size_t part = 0; part < parts; ++part) {
+    const auto offset = static_cast<int64_t>(all.size());
+    for (int64_t s : starts[part]) line_starts.push_back(offset + s);
+    all.insert(all.end(), ids[part].begin(), ids[part].end());
+  }
+  return all;
+}
+
+// Moves `x` to the nearest line start within `tolerance` tokens, if there is one.
+int64_t snap_to_line(int64_t x, int64_t tolerance, const std::vector<int64_t>& line_starts) {
+  auto it = std::lower_bound(line_starts.begin(), line_starts.end(), x);
+  int64_t best = x, best_distance = tolerance + 1;
+  if (it != line_starts.end() && *it - x < best_distance) {
+    best = *it;
+    best_distance = *it - x;
+  }
+  if (it != line_starts.begin() && x - *(it - 1) < best_distance) best = *(it - 1);
+  return best;
+}
+
+// See the split rule in remat/data.h.
+void split_tokens(const std::vector<int32_t>& ids, const std::vector<int64_t>& line_starts,
+                  double val_fraction, int val_blocks, std::vector<int32_t>& train,
+                  std::vector<int32_t>& val) {
+  const auto n = static_cast<int64_t>(ids.size());
+  train.clear();
+  val.clear();
+  if (val_fraction <= 0) {
+    train = ids;
+    return;
+  }
+  const int64_t stretch = std::llround(val_fraction * static_cast<double>(n) / val_blocks);
+  const int64_t tolerance = stretch / 2;
+  auto block_end = [&](int b) {
+    if (b == val_blocks) return n;
+    return snap_to_line(n * b / val_blocks, tolerance, line_starts);
+  };
+  int64_t begin = 0;
+  for (int b = 1; b <= val_blocks; ++b) {
+    const int64_t end = std::max(begin, block_end(b));
+    const int64_t length = end - begin;
+    const int64_t val_length = std::llround(val_fraction * static_cast<double>(length));
+    int64_t val_begin = snap_to_line(end - val_length, tolerance, line_starts);
+    val_begin = std::clamp(val_begin, begin, end);
+    train.insert(train.end(), ids.begin() + begin, ids.begin() + val_begin);
+    val.insert(val.end(), ids.begin() + val_begin, ids.begin() + end);
+    begin = end;
+  }
+}
+
+// Token ids as little-endian uint16 or uint32 bytes.
+std::string pack_tokens(const std::vector<int32_t>& ids, int token_bytes) {
+  std::string bytes(ids.size() * static_cast<size_t>(token_bytes), '\0');
+  if (token_bytes == 2) {
+    auto* out = reinterpret_cast<uint16_t*>(bytes.data());
+    for (size_t i = 0; i < ids.size(); ++i) out[i] = static_cast<uint16_t>(ids[i]);
+  } else {
+    std::memcpy(bytes.data(), ids.data(), bytes.size());
+  }
+  return bytes;
+}
+
+const char* dtype_name(int token_bytes) { return token_bytes == 2 ? "uint16" : "uint32"; }
+
+json to_json(const CorpusInfo& info) {
+  return json{
+      {"format", "remat-corpus"},
+      {"recipe", kRecipe},
+      {"source", info.source},
+      {"text", {{"sha256", info.text_sha256}, {"bytes", info.text_bytes}}},
+      {"tokenizer",
+       {{"file", "tokenizer.model"},
+        {"sha256", info.tokenizer_sha256},
+        {"model_type", "bpe"},
+        {"vocab_size", info.vocab_size},
+        {"byte_fallback", true},
+        {"max_training_bytes", info.max_training_bytes},
+        {"seed", info.seed},
+        {"num_threads", kTrainThreads}}},
+      {"split", {{"val_fraction", info.val_fraction}, {"val_blocks", info.val_blocks}}},
+      {"tokens",
+       {{"dtype", dtype_name(info.token_bytes)},
+        {"train",
+         {{"file", "train.bin"}, {"count", info.train_tokens}, {"sha256", info.train_sha256}}},
+        {"val", {{"file", "val.bin"}, {"count", info.val_tokens}, {"sha256", info.val_sha256}}}}},
+      {"train_unigram_entropy_nats", info.train_unigram_entropy},
+      {"bytes_per_token", info.bytes_per_token()},
+      {"prepare_seconds", info.prepare_seconds},
+  };
+}
+
+CorpusInfo from_json(const json& j, const std::string& dir) {
+  if (j.at("format").get<std::string>() != "remat-corpus") {
+    throw std::runtime_error("format is not remat-corpus");
+  }
+  CorpusInfo info;
+  info.dir = dir;
+  info.source = j.at("source").get<std::string>();
+  info.text_sha256 = j.at("text").at("sha256").get<std::string>();
+  info.text_bytes = j.at("text").at("bytes").get<int64_t>();
+  const json& tok = j.at("tokenizer");
+  info.tokenizer_sha256 = tok.at("sha256").get<std::string>();
+  info.vocab_size = tok.at("vocab_size").get<int>();
+  info.max_training_bytes = tok.at("max_training_bytes").get<int64_t>();
+  info.seed = tok.at("seed").get<uint32_t>();
+  info.val_fraction = j.at("split").at("val_fraction").get<double>();
+  info.val_blocks = j.at("split").at("val_blocks").get<int>();
+  const json& tokens = j.at("tokens");
+  const auto dtype = tokens.at("dtype").get<std::string>();
+  if (dtype != "uint16" && dtype != "uint32") throw std::runtime_error("unknown dtype " + dtype);
+  info.token_bytes = dtype == "uint16" ? 2 : 4;
+  info.train_tokens = tokens.at("train").at("count").get<int64_t>();
+  info.train_sha256 = tokens.at("train").at("sha256").get<std::string>();
+  info.val_tokens = tokens.at("val").at("count").get<int64_t>();
+  info.val_sha256 = tokens.at("val").at("sha256").get<std::string>();
+  info.train_unigram_entropy = j.at("train_unigram_entropy_nats").get<double>();
+  info.prepare_seconds = j.value("prepare_seconds", 0.0);
+  return info;
+}
+
+// Reads meta.json; throws with the reason (not yet a full sentence) on any problem.
+CorpusInfo read_meta(const std::string& dir) {
+  const std::string path = dir + "/meta.json";
+  const std::string text = util::read_file(path, "the corpus metadata");
+  json j;
+  try {
+    j = json::parse(text);
+    if (j.at("recipe").get<int>() != kRecipe) {
+      throw std::runtime_error(path + " was written by another version of remat (recipe " +
+                               j.at("recipe").dump() + ", this one makes " +
+                               std::to_string(kRecipe) + ")");
+    }
+    return from_json(j, dir);
+  } catch (const json::exception& e) {
+    throw std::runtime_error(path + " is not valid corpus metadata (" + e.what() + ")");
+  }
+}
+
+int64_t file_size_or(const std::string& path, int64_t missing) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) return missing;
+  return static_cast<int64_t>(st.st_size);
+}
+
+// Empty when the files match the sizes meta.json records; else what is wrong.
+std::string check_sizes(const CorpusInfo& info) {
+  if (file_size_or(info.tokenizer_path(), -1) <= 0) return info.tokenizer_path() + " is missing";
+  const std::pair<std::string, int64_t> bins[] = {{info.train_path(), info.train_tokens},
+                                                  {info.val_path(), info.val_tokens}};
+  for (const auto& [path, count] : bins) {
+    const int64_t size = file_size_or(path, -1);
+    if (size < 0) return path + " is missing";
+    if (size != count * info.token_bytes) {
+      return path + " has " + std::to_string(size) + " bytes but meta.json records " +
+             std::to_string(count) + " tokens of " + std::to_string(info.token_bytes) + " bytes";
+    }
+  }
+  return "";
+}
+
+// Empty when every file's SHA-256 matches meta.json; else what is wrong.
+std::string check_hashes(const CorpusInfo& info) {
+  const std::pair<std::string, std::string> files[] = {
+      {info.tokenizer_path(), info.tokenizer_sha256},
+      {info.train_path(), info.train_sha256},
+      {info.val_path(), info.val_sha256}};
+  for (const auto& [path, expected] : files) {
+    if (util::sha256_hex(util::read_file(path)) != expected) {
+      return path + " does not match the checksum in meta.json";
+    }
+  }
+  return "";
+}
+
+// Empty when a corpus built with `options` from text hashing to `text_sha256` would
+// equal `info`; else the first difference.
+std::string cache_mismatch(const CorpusInfo& info, const PrepareOptions& options,
+                           const std::string& text_sha256) {
+  if (info.text_sha256 != text_sha256) return "the text changed";
+  if (info.vocab_size != options.vocab_size) {
+    return "vocab_size was " + std::to_string(info.vocab_size) + ", now " +
+           std::to_string(options.vocab_size);
+  }
+  if (info.val_fraction != options.val_fraction || info.val_blocks != options.val_blocks) {
+    return "the validation split changed";
+  }
+  if (info.max_training_bytes != options.max_training_bytes || info.seed != options.seed) {
+    return "the tokenizer training options changed";
+  }
+  return "";
+}
+
+void check_options(const PrepareOptions& o) {
+  if (o.out_dir.empty()) throw std::runtime_error("The corpus needs an output directory.");
+  if (o.vocab_size < 260 || o.vocab_size > (1 << 24)) {
+    throw std::runtime_error("The vocabulary size must be between 260 and 16777216, got " +
+                             std::to_string(o.vocab_size) + ".");
+  }
+  if (!(o.val_fraction >= 0 && o.val_fraction <= 0.5)) {
+    throw std::runtime_error("The validation fraction must be in [0, 0.5], got " +
+                             std::to_string(o.val_fraction) + ".");
+  }
+  if (o.val_blocks < 1) {
+    throw std::runtime_error("The validation split needs at least one block, got " +
+                             std::to_string(o.val_blocks) + ".");
+  }
+}
+
+std::string with_commas(int64_t n) {
+  std::string digits = std::to_string(n), out;
+  for (size_t i = 0; i < digits.size(); ++i) {
+    if (i > 0 && (digits.size() - i) % 3 == 0 && digits[i - 1] != '-') out += ',';
+    out += digits[i];
+  }
+  return out;
+}
+
+}  // namespace
+
+size_t find_invalid_utf8(std::string_view text) {
+  const auto* s = reinterpret_cast<const unsigned char*>(text.data());
+  const size_t n = text.size();
+  size_t i = 0;
+  while (i < n) {
+    const unsigned char c = s[i];
+    if (c < 0x80) {
+      ++i;
+      continue;
+    }
+    // Lead byte -> sequence length and the allowed range of the second byte (which is
+    // what excludes overlong forms, surrogates and code points above U+10FFFF).
+    size_t length = 0;
+    unsigned char lo = 0x80, hi = 0xBF;
+    if (c >= 0xC2 && c <= 0xDF) {
+      length = 2;
+    } else if (c >= 0xE0 && c <= 0xEF) {
+      length = 3;
+      if (c == 0xE0) lo = 0xA0;
+      if (c == 0xED) hi = 0x9F;
+    } else if (c >= 0xF0 && c <= 0xF4) {
+      length = 4;
+      if (c == 0xF0) lo = 0x90;
+      if (c == 0xF4) hi = 0x8F;
+    } else {
+      return i;
+    }
+    if (i + length > n || s[i + 1] < lo || s[i + 1] > hi) return i;
+    for (size_t k = 2; k < length; ++k) {
+      if ((s[i + k] & 0xC0) != 0x80) return i;
+    }
+    i += length;
+  }
+  return std::string_view::npos;
+}
+
+std::string read_utf8_file(const std::string& path) {
+  std::error_code ec;
+  const auto status = fs::status(path, ec);
+  if (!fs::exists(status)) throw std::runtime_error("The text file " + path + " does not exist.");
+  if (fs::is_directory(status)) {
+    throw std::runtime_error(path + " is a directory, not a text file.");
+  }
+  std::string text = util::read_file(path, "the text file");
+  if (text.empty()) throw std::runtime_error("The text file " + path + " is empty.");
+  const size_t bad = find_invalid_utf8(text);
+  if (bad != std::string::npos) {
+    char byte[8];
+    std::snprintf(byte, sizeof(byte), "0x%02X", static_cast<unsigned char>(text[bad]));
+    throw std::runtime_error("The text file " + path +
+                             " is not valid UTF-8: the sequence at byte offset " +
+                             std::to_string(bad) + " (starting " + byte + ") is invalid.");
+  }
+  return text;
+}
+
+std::string read_kjv_text() {
+  if (!program_on_path("bible")) {
+    throw std::runtime_error(
+        "The default corpus needs the `bible` program from Debian's bible-kjv package "
+        "(apt-get install bible-kjv), or give a UTF-8 text file instead.");
+  }
+  const std::string command = std::string(kBibleCommand) + " 2>&1";
+  std::FILE* pipe = ::popen(command.c_str(), "r");
+  if (pipe == nullptr) throw std::runtime_error(std::string("Cannot run `") + kBibleCommand + "`.");
+  std::string raw;
+  char buffer[1 << 16];
+  size_t n;
+  while ((n = std::fread(buffer, 1, sizeof(buffer), pipe)) > 0) raw.append(buffer, n);
+  const int status = ::pclose(pipe);
+  std::string text = clean_kjv(raw);
+  const bool ok = status != -1 && WIFEXITED(status) && WEXITSTATUS(status) == 0;
+  // A complete text has 1189 chapters and about 4.3 MB; anything far smaller is an error
+  // message from `bible` (e.g. bible-kjv-text missing), not the Bible.
+  if (!ok || text.size() < 1000000) {
+    std::string first_line = raw.substr(0, raw.find('\n'));
+    if (first_line.size() > 200) first_line.resize(200);
+    throw std::runtime_error(std::string("`") + kBibleCommand + "` did not print the Bible (" +
+                             (ok ? "only " + std::to_string(raw.size()) + " bytes"
+                                 : "exit status " + std::to_string(WEXITSTATUS(status))) +
+                             (first_line.empty() ? "" : ": " + first_line) +
+                             "); reinstall Debian's bible-kjv and bible-kjv-text.");
+  }
+  return text;
+}
+
+double unigram_entropy(const std::vector<int32_t>& ids, int vocab_size) {
+  if (ids.empty()) return 0.0;
+  std::vector<int64_t> counts(static_cast<size_t>(vocab_size), 0);
+  for (int32_t id : ids) ++counts.at(static_cast<size_t>(id));
+  const auto total = static_cast<double>(ids.size());
+  double h = 0;
+  for (int64_t c : counts) {
+    if (c == 0) continue;
+    const double p = static_cast<double>(c) / total;
+    h -= p * std::log(p);
+  }
+  return h;
+}
+
+CorpusInfo load_corpus_info(const std::string& dir) {
+  if (!fs::is_directory(dir)) {
+    throw std::runtime_error("The corpus directory " + dir +
+                             " does not exist; run `remat prepare` to create it.");
+  }
+  if (!fs::exists(dir + "/meta.json")) {
+    throw std::runtime_error("The corpus directory " + dir +
+                             " has no meta.json; run `remat prepare` to (re)build it.");
+  }
+  CorpusInfo info;
+  try {
+    info = read_meta(dir);
+  } catch (const std::runtime_error& e) {
+    throw std::runtime_error(std::string(e.what()) + "; run `remat prepare` to rebuild it.");
+  }
+  const std::string problem = check_sizes(info);
+  if (!problem.empty()) {
+    throw std::runtime_error("The corpus in " + dir + " is damaged: " + problem +
+                             "; run `remat prepare` to rebuild it.");
+  }
+  return info;
+}
+
+CorpusInfo prepare_corpus(const PrepareOptions& options, const Log& log) {
+  check_options(options);
+  const auto start = std::chrono::steady_clock::now();
+  const std::string& dir = options.out_dir;
+
+  std::string text, source;
+  if (options.text_file) {
+    say(log, "reading " + *options.text_file);
+    text = read_utf8_file(*options.text_file);
+    source = "file " + fs::absolute(*options.text_file).lexically_normal().string();
+  } else {
+    say(log, std::string("reading the King James Bible (`") + kBibleCommand + "`)");
+    text = read_kjv_text();
+    source = kBibleSource;
+  }
+  const std::string text_sha256 = util::sha256_hex(text);
+
+  if (!options.force && fs::exists(dir + "/meta.json")) {
+    std::string why;
+    try {
+      CorpusInfo cached = read_meta(dir);
+      why = cache_mismatch(cached, options, text_sha256);
+      if (why.empty()) why = check_sizes(cached);
+      if (why.empty()) why = check_hashes(cached);
+      if (why.empty()) {
+        say(log, dir + " is up to date (" + with_commas(cached.train_tokens) + " train, " +
+                     with_commas(cached.val_tokens) + " val tokens); nothing to do");
+        cached.cached = true;
+        return cached;
+      }
+    } catch (const std::exception& e) {
+      why = e.what();
+    }
+    say(log, "rebuilding " + dir + ": " + why);
+  }
+
+  CorpusInfo info;
+  info.dir = dir;
+  info.source = source;
+  info.text_sha256 = text_sha256;
+  info.text_bytes = static_cast<int64_t>(text.size());
+  info.vocab_size = options.vocab_size;
+  info.val_fraction = options.val_fraction;
+  info.val_blocks = options.val_blocks;
+  info.max_training_bytes = options.max_training_bytes;
+  info.seed = options.seed;
+  info.token_bytes = options.vocab_size <= 65536 ? 2 : 4;
+
+  say(log, "training a " + std::to_string(options.vocab_size) + "-piece BPE tokenizer on " +
+               with_commas(info.text_bytes) + " bytes");
+  auto t = std::chrono::steady_clock::now();
+  TokenizerTrainOptions tok_options;
+  tok_options.vocab_size = options.vocab_size;
+  tok_options.num_threads = kTrainThreads;
+  tok_options.max_training_bytes = options.max_training_bytes;
+  tok_options.seed = options.seed;
+  const Tokenizer tok = Tokenizer::train(text, tok_options);
+  say(log, fmt::format("tokenizer trained in {:.2f} s", seconds_since(t)));
+
+  t = std::chrono::steady_clock::now();
+  std::vector<int64_t> line_starts;
+  const std::vector<int32_t> ids = encode_text(tok, text, line_starts);
+  say(log, fmt::format("encoded {} tokens in {:.2f} s ({:.2f} bytes/token)",
+                       with_commas(static_cast<int64_t>(ids.size())), seconds_since(t),
+                       static_cast<double>(text.size()) / static_cast<double>(ids.size())));
+
+  std::vector<int32_t> train, val;
+  split_tokens(ids, line_starts, options.val_fraction, options.val_blocks, train, val);
+  info.train_tokens = static_cast<int64_t>(train.size());
+  info.val_tokens = static_cast<int64_t>(val.size());
+  info.train_unigram_entropy = unigram_entropy(train, options.vocab_size);
+
+  const std::string train_bytes = pack_tokens(train, info.token_bytes);
+  const std::string val_bytes = pack_tokens(val, info.token_bytes);
+  info.tokenizer_sha256 = util::sha256_hex(tok.serialized());
+  info.train_sha256 = util::sha256_hex(train_bytes);
+  info.val_sha256 = util::sha256_hex(val_bytes);
+  // The directory is touched only now, so a failure above leaves an existing corpus intact.
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (!fs::is_directory(dir)) {
+    throw std::runtime_error("Cannot create the corpus directory " + dir + ": " + ec.message() +
+                             ".");
+  }
+  // Until the new meta.json lands, the directory must not look complete.
+  fs::remove(dir + "/meta.json", ec);
+  tok.save(info.tokenizer_path());
+  util::write_file_atomically(info.train_path(), train_bytes);
+  util::write_file_atomically(info.val_path(), val_bytes);
+  info.prepare_seconds = seconds_since(start);
+  util::write_file_atomically(info.meta_path(), to_json(info).dump(2) + "\n");
+
+  say(log,
+      fmt::format("wrote {}: {} train + {} val tokens ({}), unigram entropy {:.3f} "
+                  "nats/token, in {:.2f} s",
+                  dir, with_commas(info.train_tokens), with_commas(info.val_tokens),
+                  dtype_name(info.token_bytes), info.train_unigram_entropy, info.prepare_seconds));
+  return info;
+}
+
+}  // namespace remat::data

@@ -1,0 +1,275 @@
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <fstream>
+
+#include "data/temp_dir.h"
+#include "data/test_text.h"
+#include "remat/data.h"
+#include "remat/tokenizer.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using namespace remat::data;
+using remat::testing::TempDir;
+
+void write(const std::string& path, const std::string& bytes) {
+  std::ofstream(path, std::ios::binary) << bytes;
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const std::runtime_error& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+// A small corpus: ~2000 lines, a 512-piece vocabulary; prepares in well under a second.
+PrepareOptions small_options(const TempDir& dir, const std::string& text) {
+  write(dir / "text.txt", text);
+  PrepareOptions options;
+  options.text_file = dir / "text.txt";
+  options.out_dir = dir / "corpus";
+  options.vocab_size = 512;
+  return options;
+}
+
+TEST(Corpus, PreparesSmallTextIntoTokenFiles) {
+  TempDir dir;
+  const std::string text = remat::testing::make_text(2000);
+  const PrepareOptions options = small_options(dir, text);
+  std::vector<std::string> lines;
+  const CorpusInfo info =
+      prepare_corpus(options, [&](const std::string& l) { lines.push_back(l); });
+
+  EXPECT_FALSE(info.cached);
+  EXPECT_FALSE(lines.empty());
+  EXPECT_EQ(info.vocab_size, 512);
+  EXPECT_EQ(info.token_bytes, 2);
+  EXPECT_EQ(info.text_bytes, static_cast<int64_t>(text.size()));
+  EXPECT_EQ(fs::file_size(info.train_path()), static_cast<uintmax_t>(2 * info.train_tokens));
+  EXPECT_EQ(fs::file_size(info.val_path()), static_cast<uintmax_t>(2 * info.val_tokens));
+
+  // Every token of the text is in exactly one split, and the split is ~5%.
+  const Tokenizer tok = Tokenizer::load(info.tokenizer_path());
+  EXPECT_EQ(info.train_tokens + info.val_tokens, static_cast<int64_t>(tok.encode(text).size()));
+  const double val_share = static_cast<double>(info.val_tokens) /
+                           static_cast<double>(info.train_tokens + info.val_tokens);
+  EXPECT_NEAR(val_share, 0.05, 0.01);
+
+  // The train and val text together are the whole text (ASCII, so no byte piece splits).
+  const TokenDataset train = TokenDataset::open(info, Split::train);
+  const TokenDataset val = TokenDataset::open(info, Split::val);
+  ASSERT_EQ(train.size(), info.train_tokens);
+  ASSERT_EQ(val.size(), info.val_tokens);
+  const at::Tensor tt = train.tokens(), vt = val.tokens();
+  const std::string train_text = tok.decode(tt.data_ptr<int32_t>(), tt.numel());
+  const std::string val_text = tok.decode(vt.data_ptr<int32_t>(), vt.numel());
+  EXPECT_EQ(train_text.size() + val_text.size(), text.size());
+  // Validation is spread through the text, not only its end: its first stretch comes
+  // from the first block (the first twentieth).
+  const std::string first_val_line = val_text.substr(0, val_text.find('\n'));
+  ASSERT_FALSE(first_val_line.empty());
+  EXPECT_LT(text.find(first_val_line), text.size() / 15);
+  // Stretches start at line starts when one is near: the first val line is a whole line.
+  EXPECT_NE(text.find("\n" + first_val_line + "\n"), std::string::npos);
+
+  // Entropy is positive and below the uniform bound ln(vocab).
+  EXPECT_GT(info.train_unigram_entropy, 1.0);
+  EXPECT_LT(info.train_unigram_entropy, std::log(512.0));
+
+  const CorpusInfo loaded = load_corpus_info(options.out_dir);
+  EXPECT_EQ(loaded.train_tokens, info.train_tokens);
+  EXPECT_EQ(loaded.text_sha256, info.text_sha256);
+  EXPECT_DOUBLE_EQ(loaded.train_unigram_entropy, info.train_unigram_entropy);
+}
+
+TEST(Corpus, SecondPrepareIsACacheHit) {
+  TempDir dir;
+  PrepareOptions options = small_options(dir, remat::testing::make_text(1000));
+  const CorpusInfo first = prepare_corpus(options);
+  ASSERT_FALSE(first.cached);
+  const auto train_mtime = fs::last_write_time(first.train_path());
+  const auto model_mtime = fs::last_write_time(first.tokenizer_path());
+
+  const CorpusInfo second = prepare_corpus(options);
+  EXPECT_TRUE(second.cached);
+  EXPECT_EQ(second.train_sha256, first.train_sha256);
+  EXPECT_EQ(fs::last_write_time(first.train_path()), train_mtime);
+  EXPECT_EQ(fs::last_write_time(first.tokenizer_path()), model_mtime);
+
+  // Another option or another text is a miss.
+  options.vocab_size = 600;
+  EXPECT_FALSE(prepare_corpus(options).cached);
+  write(*options.text_file, remat::testing::make_text(1000, 7));
+  std::vector<std::string> log;
+  EXPECT_FALSE(prepare_corpus(options, [&](const std::string& l) { log.push_back(l); }).cached);
+  bool said_why = false;
+  for (const auto& l : log) said_why |= l.find("the text changed") != std::string::npos;
+  EXPECT_TRUE(said_why);
+  // force rebuilds a matching corpus.
+  options.force = true;
+  EXPECT_FALSE(prepare_corpus(options).cached);
+}
+
+TEST(Corpus, DamagedCacheIsReportedAndRebuilt) {
+  TempDir dir;
+  const PrepareOptions options = small_options(dir, remat::testing::make_text(1000));
+  const CorpusInfo info = prepare_corpus(options);
+
+  // Truncated: load_corpus_info names the file and the fix; prepare rebuilds.
+  fs::resize_file(info.train_path(), 10);
+  const std::string error = error_of([&] { load_corpus_info(options.out_dir); });
+  EXPECT_NE(error.find("train.bin has 10 bytes"), std::string::npos) << error;
+  EXPECT_NE(error.find("remat prepare"), std::string::npos) << error;
+  std::vector<std::string> log;
+  const CorpusInfo rebuilt =
+      prepare_corpus(options, [&](const std::string& l) { log.push_back(l); });
+  EXPECT_FALSE(rebuilt.cached);
+  EXPECT_EQ(rebuilt.train_sha256, info.train_sha256);  // deterministic
+
+  // Same size, one byte changed: only the checksum notices.
+  {
+    std::fstream f(info.val_path(), std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(3);
+    f.put('\x7f');
+  }
+  EXPECT_FALSE(prepare_corpus(options).cached);
+  EXPECT_TRUE(prepare_corpus(options).cached);
+
+  // A missing tokenizer and garbage meta.json are rebuilt too.
+  fs::remove(info.tokenizer_path());
+  EXPECT_FALSE(prepare_corpus(options).cached);
+  write(info.meta_path(), "{not json");
+  EXPECT_NE(error_of([&] { load_corpus_info(options.out_dir); }).find("meta.json"),
+            std::string::npos);
+  EXPECT_FALSE(prepare_corpus(options).cached);
+  EXPECT_TRUE(prepare_corpus(options).cached);
+}
+
+TEST(Corpus, MissingDirectorySuggestsPrepare) {
+  const std::string error = error_of([] { load_corpus_info("/nonexistent/corpus"); });
+  EXPECT_NE(error.find("/nonexistent/corpus"), std::string::npos) << error;
+  EXPECT_NE(error.find("remat prepare"), std::string::npos) << error;
+  TempDir dir;
+  const std::string no_meta = error_of([&] { load_corpus_info(dir.path().string()); });
+  EXPECT_NE(no_meta.find("meta.json"), std::string::npos) << no_meta;
+}
+
+TEST(Corpus, RefusesMissingEmptyAndNonUtf8Files) {
+  TempDir dir;
+  PrepareOptions options;
+  options.out_dir = dir / "corpus";
+
+  options.text_file = dir / "missing.txt";
+  std::string error = error_of([&] { prepare_corpus(options); });
+  EXPECT_EQ(error, "The text file " + *options.text_file + " does not exist.");
+
+  options.text_file = dir / "empty.txt";
+  write(*options.text_file, "");
+  error = error_of([&] { prepare_corpus(options); });
+  EXPECT_EQ(error, "The text file " + *options.text_file + " is empty.");
+
+  options.text_file = dir / "latin1.txt";
+  write(*options.text_file, "caf\xC3\xA9 ok, then Latin-1: caf\xE9!");
+  error = error_of([&] { prepare_corpus(options); });
+  EXPECT_EQ(error, "The text file " + *options.text_file +
+                       " is not valid UTF-8: the sequence at byte offset 27 (starting 0xE9) is "
+                       "invalid.");
+
+  options.text_file = dir.path().string();
+  error = error_of([&] { prepare_corpus(options); });
+  EXPECT_NE(error.find("is a directory"), std::string::npos) << error;
+  EXPECT_FALSE(fs::exists(dir / "corpus"));  // nothing written for a refused input
+}
+
+TEST(Corpus, MissingBibleProgramNamesThePackage) {
+  const std::string path = std::getenv("PATH") ? std::getenv("PATH") : "";
+  ::setenv("PATH", "/nonexistent", 1);
+  const std::string error = error_of([] { read_kjv_text(); });
+  ::setenv("PATH", path.c_str(), 1);
+  EXPECT_NE(error.find("`bible` program"), std::string::npos) << error;
+  EXPECT_NE(error.find("bible-kjv"), std::string::npos) << error;
+}
+
+TEST(Corpus, FailedRebuildLeavesTheOldCorpus) {
+  TempDir dir;
+  PrepareOptions options = small_options(dir, remat::testing::make_text(300));
+  const CorpusInfo info = prepare_corpus(options);
+  options.vocab_size = 60000;  // far more pieces than this text can make
+  const std::string error = error_of([&] { prepare_corpus(options); });
+  EXPECT_NE(error.find("could not train a 60000-piece"), std::string::npos) << error;
+  EXPECT_EQ(load_corpus_info(options.out_dir).train_sha256, info.train_sha256);
+}
+
+TEST(Corpus, RefusesBadOptions) {
+  PrepareOptions options;
+  options.text_file = "/unused";
+  options.vocab_size = 100;
+  EXPECT_NE(error_of([&] { prepare_corpus(options); }).find("got 100"), std::string::npos);
+  options.vocab_size = 512;
+  options.val_fraction = 0.7;
+  EXPECT_NE(error_of([&] { prepare_corpus(options); }).find("[0, 0.5]"), std::string::npos);
+}
+
+TEST(Corpus, Utf8Validation) {
+  EXPECT_EQ(find_invalid_utf8("plain ascii"), std::string::npos);
+  EXPECT_EQ(find_invalid_utf8("\xC3\xA9\xE2\x82\xAC\xF0\x9F\x99\x82\xF4\x8F\xBF\xBF"),
+            std::string::npos);
+  EXPECT_EQ(find_invalid_utf8("ab\xC0\x80"), 2u);        // overlong NUL
+  EXPECT_EQ(find_invalid_utf8("ab\xE0\x80\x80"), 2u);    // overlong 3-byte
+  EXPECT_EQ(find_invalid_utf8("a\xED\xA0\x80"), 1u);     // UTF-16 surrogate
+  EXPECT_EQ(find_invalid_utf8("\xF4\x90\x80\x80"), 0u);  // above U+10FFFF
+  EXPECT_EQ(find_invalid_utf8("abc\xE2\x82"), 3u);       // truncated at the end
+  EXPECT_EQ(find_invalid_utf8("\x80"), 0u);              // stray continuation byte
+  EXPECT_EQ(find_invalid_utf8("\xE2\x28\xA1"), 0u);      // bad continuation
+}
+
+TEST(Corpus, UnigramEntropy) {
+  EXPECT_DOUBLE_EQ(unigram_entropy({3, 3, 3}, 8), 0.0);
+  EXPECT_NEAR(unigram_entropy({0, 1, 2, 3}, 4), std::log(4.0), 1e-12);
+  EXPECT_NEAR(unigram_entropy({0, 0, 1, 1}, 4), std::log(2.0), 1e-12);
+}
+
+// The real default corpus, end to end (about 2-3 s on 2 cores). Skipped where Debian's
+// bible-kjv is not installed.
+TEST(Corpus, KingJamesBible) {
+  std::string text;
+  try {
+    text = read_kjv_text();
+  } catch (const std::runtime_error& e) {
+    GTEST_SKIP() << e.what();
+  }
+  EXPECT_EQ(text.rfind("Genesis 1\nIn the beginning God created the heaven and the earth.\n", 0),
+            0u);
+  EXPECT_NE(text.find("\n\nGenesis 2\nThus the heavens and the earth were finished"),
+            std::string::npos);
+  EXPECT_NE(text.find("\n\nRevelation 22\n"), std::string::npos);
+  const std::string last_verse = "\nThe grace of our Lord Jesus Christ be with you all. Amen.\n";
+  EXPECT_EQ(text.substr(text.size() - last_verse.size()), last_verse);
+
+  TempDir dir;
+  PrepareOptions options;
+  options.out_dir = dir / "kjv";
+  const auto start = std::chrono::steady_clock::now();
+  // The log goes to the test output: it is the record of what the default corpus is.
+  const CorpusInfo info =
+      prepare_corpus(options, [](const std::string& line) { std::printf("  %s\n", line.c_str()); });
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LT(seconds, 20.0);
+  EXPECT_EQ(info.vocab_size, 2048);
+  EXPECT_GT(info.train_tokens, 900000);
+  EXPECT_GT(info.val_tokens, 40000);
+  EXPECT_GT(info.bytes_per_token(), 3.0);
+  EXPECT_GT(info.train_unigram_entropy, 5.0);
+  EXPECT_LT(info.train_unigram_entropy, std::log(2048.0));
+  EXPECT_TRUE(prepare_corpus(options).cached);
+}
+
+}  // namespace

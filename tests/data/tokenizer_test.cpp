@@ -1,0 +1,114 @@
+#include "remat/tokenizer.h"
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+
+#include "data/test_text.h"
+
+namespace {
+
+using remat::data::Tokenizer;
+using remat::data::TokenizerTrainOptions;
+
+TokenizerTrainOptions small_vocab() {
+  TokenizerTrainOptions options;
+  options.vocab_size = 512;
+  return options;
+}
+
+// The process links LibTorch (libprotobuf.so.32); training and encoding here is the check
+// that SentencePiece's bundled protobuf stays out of its way.
+TEST(Tokenizer, RoundTripsTextItWasTrainedOn) {
+  const std::string text = remat::testing::make_text(400);
+  const Tokenizer tok = Tokenizer::train(text, small_vocab());
+  EXPECT_EQ(tok.vocab_size(), 512);
+  EXPECT_EQ(tok.unk_id(), 0);
+  EXPECT_EQ(tok.bos_id(), 1);
+  EXPECT_EQ(tok.eos_id(), 2);
+  EXPECT_EQ(tok.pad_id(), -1);
+
+  const std::vector<int32_t> ids = tok.encode(text);
+  // BPE merges must compress: fewer tokens than bytes, and no <unk>.
+  EXPECT_LT(ids.size(), text.size() / 2);
+  for (int32_t id : ids) ASSERT_NE(id, tok.unk_id());
+  EXPECT_EQ(tok.decode(ids), text);
+}
+
+TEST(Tokenizer, UnseenCharactersFallBackToBytes) {
+  const Tokenizer tok = Tokenizer::train(remat::testing::make_text(400), small_vocab());
+  const std::string unseen = "Zürich \xE2\x88\x80x \xF0\x9F\x99\x82\tend\n  two  spaces";
+  const std::vector<int32_t> ids = tok.encode(unseen);
+  for (int32_t id : ids) ASSERT_NE(id, tok.unk_id());
+  EXPECT_EQ(tok.decode(ids), unseen);
+  // The 4-byte emoji is four byte pieces.
+  const std::vector<int32_t> emoji = tok.encode("\xF0\x9F\x99\x82");
+  ASSERT_EQ(emoji.size(), 4u);
+  EXPECT_EQ(tok.piece(emoji[0]), "<0xF0>");
+  EXPECT_EQ(tok.piece(emoji[3]), "<0x82>");
+}
+
+TEST(Tokenizer, TrainsOnTextWithoutLineBreaks) {
+  // One ~15 kB line: cut into sentences for training, else SentencePiece would skip it.
+  std::string text = remat::testing::make_text(250);
+  for (char& c : text) {
+    if (c == '\n') c = ' ';
+  }
+  const Tokenizer tok = Tokenizer::train(text, small_vocab());
+  const std::vector<int32_t> ids = tok.encode(text);
+  EXPECT_LT(ids.size(), text.size() / 2);
+  EXPECT_EQ(tok.decode(ids), text);
+}
+
+TEST(Tokenizer, TrainingIsDeterministic) {
+  const std::string text = remat::testing::make_text(300);
+  EXPECT_EQ(Tokenizer::train(text, small_vocab()).serialized(),
+            Tokenizer::train(text, small_vocab()).serialized());
+  // Subsampled (a 6 kB budget for ~18 kB of text): still deterministic for a seed.
+  TokenizerTrainOptions capped = small_vocab();
+  capped.vocab_size = 400;
+  capped.max_training_bytes = 6000;
+  const std::string a = Tokenizer::train(text, capped).serialized();
+  EXPECT_EQ(a, Tokenizer::train(text, capped).serialized());
+  EXPECT_NE(a, Tokenizer::train(text,
+                                [&] {
+                                  auto o = capped;
+                                  o.max_training_bytes = 0;
+                                  return o;
+                                }())
+                   .serialized());
+}
+
+TEST(Tokenizer, SavesAndLoads) {
+  const std::string text = remat::testing::make_text(300);
+  const Tokenizer tok = Tokenizer::train(text, small_vocab());
+  const auto path = std::filesystem::path(::testing::TempDir()) / "remat_tokenizer_test.model";
+  tok.save(path.string());
+  const Tokenizer loaded = Tokenizer::load(path.string());
+  EXPECT_EQ(loaded.encode(text), tok.encode(text));
+  EXPECT_EQ(loaded.piece_to_id(tok.piece(300)), 300);
+  std::filesystem::remove(path);
+}
+
+TEST(Tokenizer, ErrorsAreSentences) {
+  try {
+    Tokenizer::load("/nonexistent/tokenizer.model");
+    FAIL() << "loading a missing model must fail";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("/nonexistent/tokenizer.model"), std::string::npos)
+        << e.what();
+  }
+  TokenizerTrainOptions tiny;
+  tiny.vocab_size = 100;
+  EXPECT_THROW(Tokenizer::train("some text", tiny), std::runtime_error);
+
+  const Tokenizer tok = Tokenizer::train(remat::testing::make_text(300), small_vocab());
+  try {
+    tok.decode(std::vector<int32_t>{5, 512});
+    FAIL() << "an id outside the vocabulary must be refused";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("512"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
