@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cstring>
 #include <mutex>
+#include <unordered_map>
 
 #ifdef REMAT_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -40,10 +41,34 @@ struct Allocation {
   int64_t bytes;
 };
 
-void release(void* ctx) {
-  auto* a = static_cast<Allocation*>(ctx);
-  g_current.fetch_sub(a->bytes, std::memory_order_relaxed);
-  delete a;  // frees the inner DataPtr through its own deleter
+// Live allocations by data pointer. The DataPtr's context must be the data pointer
+// itself: Allocator::raw_allocate (used by oneDNN's scratch memory, e.g. in gelu) asserts
+// it, and raw_deallocate hands the deleter only that pointer. Leaked on purpose, like
+// the allocator: tensors freed during static destruction still look themselves up here.
+std::mutex& live_mutex() {
+  static auto* m = new std::mutex;
+  return *m;
+}
+
+std::unordered_map<void*, Allocation>& live() {
+  static auto* map = new std::unordered_map<void*, Allocation>;
+  return *map;
+}
+
+void release(void* data) {
+  if (data == nullptr) {
+    return;  // raw_deallocate(nullptr), as free(nullptr)
+  }
+  Allocation a;
+  {
+    std::lock_guard<std::mutex> lock(live_mutex());
+    auto it = live().find(data);
+    TORCH_INTERNAL_ASSERT(it != live().end(), "freeing memory the tracking allocator never gave");
+    a = std::move(it->second);
+    live().erase(it);
+  }
+  g_current.fetch_sub(a.bytes, std::memory_order_relaxed);
+  // `a.inner` frees the memory through its own deleter as it goes out of scope.
 }
 
 class TrackingAllocator final : public c10::Allocator {
@@ -53,12 +78,19 @@ class TrackingAllocator final : public c10::Allocator {
   c10::DataPtr allocate(size_t n) REMAT_ALLOCATE_CONST override {
     c10::DataPtr p = inner_->allocate(n);
     void* data = p.get();
-    auto* a = new Allocation{std::move(p), static_cast<int64_t>(n)};
-    raise_peak(g_current.fetch_add(a->bytes, std::memory_order_relaxed) + a->bytes);
-    return {data, a, &release, c10::Device(c10::DeviceType::CPU)};
+    if (data == nullptr) {
+      return p;  // an empty allocation: nothing to count, nothing to look up later
+    }
+    const auto bytes = static_cast<int64_t>(n);
+    {
+      std::lock_guard<std::mutex> lock(live_mutex());
+      live().emplace(data, Allocation{std::move(p), bytes});
+    }
+    raise_peak(g_current.fetch_add(bytes, std::memory_order_relaxed) + bytes);
+    return {data, data, &release, c10::Device(c10::DeviceType::CPU)};
   }
 
-  c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
+  c10::DeleterFnPtr raw_deleter() const override { return &release; }
 
   void copy_data(void* dest, const void* src, std::size_t count) const REMAT_COPY_DATA_OVERRIDE {
     std::memcpy(dest, src, count);
