@@ -1,0 +1,96 @@
+// Activation checkpointing for any LibTorch C++ code: run a region without keeping the
+// tensors autograd saves inside it, and regenerate them by re-running the region in
+// backward. LibTorch's C++ frontend has nothing like Python's torch.utils.checkpoint;
+// this is it, in two modes. docs/checkpoint.md has usage, limits and the differences
+// from torch.utils.checkpoint.
+//
+// Non-reentrant (the default). While `fn` runs, every tensor that autograd saves for
+// backward is replaced by a placeholder (a default saved-tensor hook). The first time
+// backward unpacks one of them, `fn` is re-run once from the checkpoint's inputs; every
+// tensor it saves is collected, and the re-run stops as soon as the last one needed
+// exists (early stop). Each recomputed tensor is released as soon as backward has used
+// it. The autograd graph is the graph `fn` built, so gradients are the un-checkpointed
+// gradients, bitwise on CPU. Works when no input requires grad (parameters only), with
+// torch::autograd::grad, with retain_graph (each backward recomputes) and nested.
+//
+// Reentrant. A torch::autograd::Function runs `fn` without grad in forward and keeps
+// only the inputs; its backward re-runs `fn` with grad and calls backward on that
+// recomputed graph from inside the outer backward. Parameter gradients are accumulated
+// into `.grad` by that nested backward, which is why this mode refuses
+// torch::autograd::grad (and backward with `inputs`), and refuses a call where no input
+// requires grad (it would silently give parameters no gradient).
+//
+// In both modes, with grad mode off (NoGradGuard, InferenceMode) `fn` simply runs and
+// nothing is kept, as in PyTorch.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace remat {
+
+/// What a checkpoint verifies about what the recompute produced.
+enum class DeterminismCheck {
+  none,   ///< only what correctness needs: the number of saved tensors (and of outputs)
+  meta,   ///< also each saved tensor's shape, dtype and device (the default)
+  values, ///< also a hash of each saved tensor's bytes, taken at forward (costs a read of
+          ///< every saved tensor at forward and at recompute; for debugging)
+};
+
+struct CheckpointOptions {
+  /// false: saved-tensor placeholders, recompute on first unpack (see the file comment).
+  /// true: a torch::autograd::Function that re-runs `fn` and backwards through it.
+  bool use_reentrant = false;
+  /// Capture the CPU generator's state (and every CUDA generator's, when CUDA is
+  /// available) before `fn` runs, and replay it for the recompute, so dropout draws the
+  /// same mask bitwise. The generators are put back afterwards: the recompute does not
+  /// disturb the random stream the rest of the program sees.
+  bool preserve_rng_state = true;
+  /// Non-reentrant: checked on every saved tensor. Reentrant: the forward pass saves no
+  /// tensor inside `fn`, so the check applies to `fn`'s outputs instead.
+  DeterminismCheck determinism_check = DeterminismCheck::meta;
+  /// Non-reentrant only: stop re-running `fn` once every saved tensor it replaced has been
+  /// regenerated. With false, `fn` runs to its end, and the recompute must also return the
+  /// same number of outputs with the same shapes. Reentrant always runs `fn` to its end.
+  bool early_stop = true;
+  /// Names the checkpoint in every error it raises.
+  std::string name;
+};
+
+/// The region to checkpoint: ordinary LibTorch autograd ops from tensors to tensors. It
+/// is called once in forward and again (in backward) for each recompute, so it must be
+/// deterministic given its inputs, the random generators (see preserve_rng_state) and
+/// parameters that do not change in between; it must not modify its inputs in place.
+/// Non-reentrant mode keeps `fn` until the graph is freed: capture what it uses by value.
+using CheckpointFn = std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)>;
+
+/// Runs `fn(inputs)` as a checkpointed region and returns its outputs. The inputs are
+/// kept (referenced, not copied) until backward has recomputed the region; nothing else
+/// that `fn` computes is kept. Errors (all c10::Error, naming the checkpoint):
+///  - a backward with create_graph=true reaches the checkpoint (double backward);
+///  - the recompute saves a different number of tensors, returns a different number of
+///    outputs or outputs of other shapes, or (per determinism_check) saved tensors of
+///    other shapes/dtypes/values than the forward pass did;
+///  - reentrant: no input requires grad, or torch::autograd::grad (or backward with
+///    `inputs`) reaches the checkpoint;
+///  - non-reentrant: the process's default autograd engine is not LibTorch's own (e.g.
+///    LibTorch loaded inside Python), see install_checkpoint_engine().
+std::vector<at::Tensor> checkpoint(CheckpointFn fn, const std::vector<at::Tensor>& inputs,
+                                   const CheckpointOptions& options = {});
+
+/// One tensor in, one tensor out.
+at::Tensor checkpoint(std::function<at::Tensor(const at::Tensor&)> fn, const at::Tensor& input,
+                      const CheckpointOptions& options = {});
+
+/// Non-reentrant checkpoints need default saved-tensor hooks, which LibTorch asks of the
+/// process's default autograd engine. The first non-reentrant checkpoint therefore makes
+/// remat's engine (LibTorch's engine, unchanged, plus those hooks; outside a checkpoint
+/// they return none) the default, through torch::autograd::set_default_engine_stub.
+/// Calling this at start-up does it before any backward runs. Idempotent. Throws if
+/// another engine than LibTorch's base engine is the default (PyTorch's Python engine).
+void install_checkpoint_engine();
+
+}  // namespace remat
