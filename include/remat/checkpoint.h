@@ -25,8 +25,12 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/container/sequential.h>
 
+#include <cstddef>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -92,5 +96,70 @@ at::Tensor checkpoint(std::function<at::Tensor(const at::Tensor&)> fn, const at:
 /// Calling this at start-up does it before any backward runs. Idempotent. Throws if
 /// another engine than LibTorch's base engine is the default (PyTorch's Python engine).
 void install_checkpoint_engine();
+
+// ---------------------------------------------------------------------------------------
+// Checkpointing a stack of modules by policy.
+
+/// A run of consecutive modules [begin, end) (0-based indices into the container), either
+/// checkpointed as one region or run plainly.
+struct CheckpointSegment {
+  size_t begin = 0;
+  size_t end = 0;
+  bool checkpointed = false;
+};
+
+/// Splits a stack of `num_modules` modules into segments by `policy`:
+///  - `none`: one plain segment;
+///  - `full`: every module is its own checkpoint;
+///  - `every:K`: modules K, 2K, 3K, ... counted from 1 are checkpointed, one each, the
+///    others run plainly; 1 <= K <= num_modules. The choice depends only on the module's
+///    position (no counter that persists between calls);
+///  - `uniform:N`: chunks of N consecutive modules, each checkpointed as one region (only
+///    the chunk's input is kept); the last chunk may be shorter; 1 <= N <= num_modules.
+/// Throws with a sentence saying what was wrong and what is valid.
+std::vector<CheckpointSegment> plan_checkpoint_segments(const std::string& policy,
+                                                        size_t num_modules);
+
+/// Runs a stack of modules with the segments a policy chose. It wraps calls, not modules:
+/// it holds (shares) the user's container and calls its modules in order, checkpointing
+/// each checkpointed segment; the user's module tree, its names, parameters and
+/// train/eval state are left exactly as they were. Each checkpointed segment is named
+/// "<options.name> modules[i]" or "... modules[i..j]" (0-based, inclusive) in errors.
+class CheckpointedStack {
+ public:
+  /// Calls module i on the output of module i-1; one tensor flows through the stack.
+  using Layer = std::function<at::Tensor(size_t index, const at::Tensor& x)>;
+
+  /// Use apply_checkpointing() rather than this.
+  CheckpointedStack(std::shared_ptr<torch::nn::Module> container, size_t num_modules,
+                    Layer layer, std::vector<CheckpointSegment> segments,
+                    CheckpointOptions options);
+
+  /// Runs the whole stack on `x`. Throws if the container's size changed since planning.
+  at::Tensor forward(const at::Tensor& x) const;
+
+  const std::vector<CheckpointSegment>& segments() const { return segments_; }
+
+ private:
+  std::shared_ptr<torch::nn::Module> container_;
+  size_t num_modules_;
+  Layer layer_;
+  std::vector<CheckpointSegment> segments_;
+  CheckpointOptions options_;
+};
+
+/// Checkpoints a Sequential by policy (see plan_checkpoint_segments). Every module must
+/// take and return one tensor (Sequential's own forward requires the same).
+CheckpointedStack apply_checkpointing(const torch::nn::Sequential& sequential,
+                                      const std::string& policy,
+                                      const CheckpointOptions& options = {});
+
+/// How to call one module of a ModuleList (which has no forward of its own), e.g.
+/// `[](torch::nn::Module& m, const at::Tensor& x) { return m.as<Block>()->forward(x); }`.
+using ModuleCall = std::function<at::Tensor(torch::nn::Module& module, const at::Tensor& x)>;
+
+/// Checkpoints a ModuleList by policy, calling each module through `call`.
+CheckpointedStack apply_checkpointing(const torch::nn::ModuleList& list, const std::string& policy,
+                                      ModuleCall call, const CheckpointOptions& options = {});
 
 }  // namespace remat
