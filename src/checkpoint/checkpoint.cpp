@@ -39,7 +39,7 @@ void check_not_double_backward(const CheckpointOptions& o) {
 }
 
 // The recompute's outputs against the forward pass's: count and shapes always (reentrant
-// mode maps grad_outputs onto them), dtype/device and bytes as `check` asks.
+// mode maps grad_outputs onto them), dtype/device and bytes as o.determinism_check asks.
 void check_outputs(const CheckpointOptions& o, const std::vector<TensorRecord>& forward,
                    const std::vector<at::Tensor>& recomputed) {
   TORCH_CHECK(recomputed.size() == forward.size(), label(o), ": fn returned ", recomputed.size(),
@@ -164,6 +164,11 @@ class Frame : public std::enable_shared_from_this<Frame> {
     check_not_double_backward(options_);
     // Engine threads of several devices may unpack this frame's tensors concurrently.
     std::lock_guard<std::mutex> lock(mutex_);
+    TORCH_CHECK(forward_done_, label(options_),
+                ": a backward inside fn needed a tensor saved inside the same checkpoint before "
+                "fn returned (e.g. torch::autograd::grad called within the checkpointed region); "
+                "a checkpoint cannot recompute a region that is still running. Take such "
+                "gradients outside the region, or do not checkpoint it.");
     if (!recomputed_[index].defined()) {
       recompute();
     }
@@ -187,6 +192,7 @@ class Frame : public std::enable_shared_from_this<Frame> {
   std::vector<TensorRecord> saved_;    // per saved tensor, unless determinism_check=none
   std::vector<TensorRecord> outputs_;  // shapes of fn's outputs in the forward pass
   std::mutex mutex_;
+  bool forward_done_ = false;
   std::vector<at::Tensor> recomputed_;  // slot i: saved tensor i, between recompute and unpack
 };
 
@@ -220,6 +226,7 @@ std::vector<at::Tensor> Frame::run_forward(const std::vector<at::Tensor>& inputs
     outputs = fn_(inputs);
   }
   recomputed_.resize(num_saved_);
+  forward_done_ = true;
   for (const at::Tensor& o : outputs) {
     outputs_.push_back(TensorRecord::of(o, /*with_hash=*/false));
   }

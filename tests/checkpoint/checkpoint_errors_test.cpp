@@ -176,6 +176,18 @@ TEST(CheckpointErrors, ReentrantRefusesWhenNoInputRequiresGrad) {
       "remat::checkpoint 'r': use_reentrant=true needs at least one input that requires grad");
 }
 
+TEST(CheckpointErrors, NonReentrantRefusesABackwardInsideItsOwnRegion) {
+  const at::Tensor x = at::randn({3}).requires_grad_(true);
+  auto fn = [](const at::Tensor& t) {
+    const at::Tensor y = t.tanh();
+    // A gradient taken inside the region needs tanh's saved result, a placeholder.
+    return torch::autograd::grad({y.sum()}, {t}, {}, /*retain_graph=*/true)[0] + y;
+  };
+  expect_error([&] { remat::checkpoint(fn, x, named("inner")); },
+               "remat::checkpoint 'inner': a backward inside fn needed a tensor saved inside the "
+               "same checkpoint before fn returned");
+}
+
 TEST(CheckpointErrors, BackwardTwiceWithoutRetainGraphIsLibTorchsError) {
   const at::Tensor x = at::randn({3}).requires_grad_(true);
   const at::Tensor loss = remat::checkpoint([](const at::Tensor& t) { return t.tanh(); }, x).sum();
