@@ -81,7 +81,8 @@ using CheckpointFn = std::function<std::vector<at::Tensor>(const std::vector<at:
 ///  - reentrant: no input requires grad, or torch::autograd::grad (or backward with
 ///    `inputs`) reaches the checkpoint;
 ///  - non-reentrant: the process's default autograd engine is not LibTorch's own (e.g.
-///    LibTorch loaded inside Python), see install_checkpoint_engine().
+///    LibTorch loaded inside Python), see install_checkpoint_engine(); or a backward run
+///    inside `fn` needs a tensor saved by the same checkpoint before `fn` returned.
 std::vector<at::Tensor> checkpoint(CheckpointFn fn, const std::vector<at::Tensor>& inputs,
                                    const CheckpointOptions& options = {});
 
