@@ -156,11 +156,14 @@ TEST(CheckpointErrors, ReentrantValuesCheckComparesOutputs) {
                "recompute (determinism_check=values)");
 }
 
-TEST(CheckpointErrors, ReentrantRefusesAutogradGrad) {
+TEST(CheckpointErrors, ReentrantRefusesAutogradGradAndBackwardWithInputs) {
   const at::Tensor x = at::randn({3}).requires_grad_(true);
   const at::Tensor y =
       remat::checkpoint([](const at::Tensor& t) { return t.tanh(); }, x, named("r", true));
-  expect_error([&] { torch::autograd::grad({y.sum()}, {x}); },
+  expect_error([&] { torch::autograd::grad({y.sum()}, {x}, {}, /*retain_graph=*/true); },
+               "remat::checkpoint 'r': use_reentrant=true does not work with "
+               "torch::autograd::grad or with backward given `inputs`");
+  expect_error([&] { y.sum().backward({}, false, false, {x}); },
                "remat::checkpoint 'r': use_reentrant=true does not work with "
                "torch::autograd::grad or with backward given `inputs`");
 }
