@@ -144,6 +144,25 @@ TEST(CheckpointErrors, ValuesCheckPassesForDropoutAndFailsWithoutRngPreservation
   }
 }
 
+TEST(CheckpointErrors, ValuesCheckReportsAnInPlaceChangeOfASavedTensor) {
+  // tanh saves its result y, which fn then scales in place: without checkpointing
+  // LibTorch's version check refuses the backward; a hooked saved tensor has no version
+  // check, so it is the values check that reports it.
+  auto fn = [](const at::Tensor& t) {
+    at::Tensor y = t.tanh();
+    y.mul_(2.0);
+    return y * t;
+  };
+  const at::Tensor x = at::randn({4}).requires_grad_(true);
+  expect_error([&] { fn(x).sum().backward(); }, "modified by an inplace operation");
+  CheckpointOptions o = named("inplace");
+  o.determinism_check = DeterminismCheck::values;
+  const at::Tensor z = remat::checkpoint(fn, x, o);
+  expect_error([&] { z.sum().backward(); },
+               "remat::checkpoint 'inplace': saved tensor 0 of 3 (Float [4] on cpu) has "
+               "different values on recompute");
+}
+
 TEST(CheckpointErrors, ReentrantValuesCheckComparesOutputs) {
   const at::Tensor x = at::randn({4}).requires_grad_(true);
   auto calls = std::make_shared<double>(1.0);
