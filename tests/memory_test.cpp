@@ -1,5 +1,6 @@
 #include "remat/memory.h"
 
+#include <c10/core/CPUAllocator.h>
 #include <gtest/gtest.h>
 
 namespace {
@@ -19,6 +20,20 @@ TEST(TrackingAllocator, CountsTensorBytesAndPeak) {
   EXPECT_EQ(remat::memory::stats(cpu).peak - before, (1 << 20) + (1 << 19));
   remat::memory::reset_peak(cpu);
   EXPECT_EQ(remat::memory::stats(cpu).peak, before);
+}
+
+TEST(TrackingAllocator, RawAllocateRoundTrips) {
+  // oneDNN allocates its scratch memory this way (e.g. inside gelu on CPU).
+  remat::memory::install_cpu_tracking();
+  const at::Device cpu(at::kCPU);
+  c10::Allocator* allocator = c10::GetCPUAllocator();
+  const int64_t before = remat::memory::stats(cpu).current;
+  void* p = allocator->raw_allocate(4096);
+  EXPECT_EQ(remat::memory::stats(cpu).current - before, 4096);
+  allocator->raw_deallocate(p);
+  EXPECT_EQ(remat::memory::stats(cpu).current, before);
+  at::Tensor y = at::gelu(at::randn({64, 64}));
+  EXPECT_EQ(y.sizes(), at::IntArrayRef({64, 64}));
 }
 
 TEST(FormatBytes, UsesBinaryUnits) {
