@@ -32,8 +32,13 @@ TEST(TrackingAllocator, RawAllocateRoundTrips) {
   EXPECT_EQ(remat::memory::stats(cpu).current - before, 4096);
   allocator->raw_deallocate(p);
   EXPECT_EQ(remat::memory::stats(cpu).current, before);
-  at::Tensor y = at::gelu(at::randn({64, 64}));
-  EXPECT_EQ(y.sizes(), at::IntArrayRef({64, 64}));
+  void* empty = allocator->raw_allocate(0);
+  allocator->raw_deallocate(empty);
+  {
+    at::Tensor y = at::gelu(at::randn({64, 64}));
+    EXPECT_EQ(y.sizes(), at::IntArrayRef({64, 64}));
+  }
+  EXPECT_EQ(remat::memory::stats(cpu).current, before);
 }
 
 TEST(FormatBytes, UsesBinaryUnits) {

@@ -29,6 +29,10 @@ struct TrainSummary {
   std::string sample;                   ///< text generated at the end
 };
 
+/// Learning rate of 0-based `step`: linear warmup over train.warmup steps to train.lr,
+/// then cosine decay reaching train.min_lr at the last step.
+double learning_rate(const TrainConfig& t, int64_t step);
+
 /// Prepares (or finds cached) the corpus `data` describes, under
 /// `<data.dir>/<source>-v<vocab_size>`, logging to stderr.
 data::CorpusInfo prepare_data(const DataConfig& data);
@@ -37,8 +41,10 @@ data::CorpusInfo prepare_data(const DataConfig& data);
 /// Throws std::exception with a user-facing sentence on bad input.
 TrainSummary train(const Config& cfg);
 
-/// Samples `tokens` tokens after `prompt` from the weights of a finished run.
+/// Samples `tokens` tokens after `prompt` from the weights of a finished run, on `device`
+/// ("cpu", "cuda[:N]"; empty: the run's own device). On CPU the model runs in float32
+/// whatever dtype it was trained in.
 std::string generate_from_run(const std::string& run_dir, const std::string& prompt, int64_t tokens,
-                              double temperature, int64_t top_k, uint64_t seed);
+                              double temperature, int64_t top_k, uint64_t seed, const std::string& device = "");
 
 }  // namespace remat

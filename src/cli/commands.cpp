@@ -71,6 +71,8 @@ int run(int argc, char** argv) {
   gen->add_option("--temperature", temperature, "Sampling temperature (0: greedy)")->check(CLI::NonNegativeNumber);
   gen->add_option("--top-k", top_k, "Sample among the k most likely tokens (0: all)")->check(CLI::NonNegativeNumber);
   gen->add_option("--seed", seed, "Sampling seed");
+  std::string gen_device;
+  gen->add_option("--device", gen_device, "cpu or cuda[:N] (default: the run's device)");
 
   CLI11_PARSE(app, argc, argv);
 
@@ -88,7 +90,8 @@ int run(int argc, char** argv) {
     }
     if (gen->parsed()) {
       set_threads(0);
-      fmt::print("{}\n", generate_from_run(run_dir, prompt, tokens, temperature, top_k, static_cast<uint64_t>(seed)));
+      fmt::print("{}\n", generate_from_run(run_dir, prompt, tokens, temperature, top_k, static_cast<uint64_t>(seed),
+                                               gen_device));
       return 0;
     }
   } catch (const c10::Error& e) {

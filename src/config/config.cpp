@@ -45,11 +45,19 @@ bool parse_bool(const std::string& key, const std::string& v) {
   fail(fmt::format("{} must be true or false, got '{}'.", key, v));
 }
 
+// A TOML basic string: quotes, backslashes and control characters escaped.
 std::string quote(const std::string& s) {
   std::string out = "\"";
   for (char ch : s) {
-    if (ch == '"' || ch == '\\') out += '\\';
-    out += ch;
+    const auto u = static_cast<unsigned char>(ch);
+    if (ch == '"' || ch == '\\') {
+      out += '\\';
+      out += ch;
+    } else if (u < 0x20 || u == 0x7f) {
+      out += fmt::format("\\u{:04X}", u);
+    } else {
+      out += ch;
+    }
   }
   return out + "\"";
 }
@@ -308,10 +316,15 @@ void validate_config(const Config& c) {
   if (c.run.dtype != "float32" && c.run.dtype != "bfloat16") {
     fail(fmt::format("run.dtype must be float32 or bfloat16, got '{}'.", c.run.dtype));
   }
-  if (c.run.device != "cpu" && c.run.device.rfind("cuda", 0) != 0) {
+  if (c.run.device != "cpu" && c.run.device != "cuda" && c.run.device.rfind("cuda:", 0) != 0) {
     fail(fmt::format("run.device must be cpu or cuda[:N], got '{}'.", c.run.device));
   }
   if (c.run.sample_tokens < 0) fail("run.sample_tokens must be >= 0.");
+  if (c.run.name.find_first_not_of("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-") !=
+          std::string::npos ||
+      c.run.name == "." || c.run.name == "..") {
+    fail(fmt::format("run.name may hold only letters, digits, '.', '_' and '-', got '{}'.", c.run.name));
+  }
 }
 
 std::string config_to_toml(const Config& c) {

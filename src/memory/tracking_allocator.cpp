@@ -6,12 +6,14 @@
 #include <torch/version.h>
 
 #include <atomic>
+#include <cmath>
 #include <cstring>
 #include <mutex>
 #include <unordered_map>
 
 #ifdef REMAT_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
 #endif
 
 // LibTorch 2.3 made Allocator::allocate non-const and added the pure virtual copy_data.
@@ -49,6 +51,7 @@ std::unordered_map<void*, Allocation>& live() {
 }
 
 void release(void* data) {
+  if (data == nullptr) return;  // zero-byte raw allocations (oneDNN scratch) hand out nullptr
   Allocation a;
   {
     std::lock_guard<std::mutex> lock(g_live_mutex);
@@ -111,8 +114,10 @@ Stats stats(at::Device device) {
   Stats s;
   if (device.is_cuda()) {
 #ifdef REMAT_WITH_CUDA
-    auto d = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index() < 0 ? 0 : device.index());
-    const auto agg = static_cast<size_t>(c10::cuda::CUDACachingAllocator::StatType::AGGREGATE);
+    auto d = c10::cuda::CUDACachingAllocator::getDeviceStats(device.has_index() ? device.index()
+                                                                                : c10::cuda::current_device());
+    // AGGREGATE is the first StatType; the enum moved namespaces in LibTorch 2.5, its order did not.
+    const size_t agg = 0;
     s.current = d.allocated_bytes[agg].current;
     s.peak = d.allocated_bytes[agg].peak;
     s.reserved = d.reserved_bytes[agg].current;
@@ -130,7 +135,8 @@ Stats stats(at::Device device) {
 void reset_peak(at::Device device) {
   if (device.is_cuda()) {
 #ifdef REMAT_WITH_CUDA
-    c10::cuda::CUDACachingAllocator::resetPeakStats(device.index() < 0 ? 0 : device.index());
+    c10::cuda::CUDACachingAllocator::resetPeakStats(device.has_index() ? device.index()
+                                                                       : c10::cuda::current_device());
 #endif
     return;
   }

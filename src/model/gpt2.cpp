@@ -91,33 +91,19 @@ struct Gpt2Arch {
     }
   };
 
-  static std::vector<at::Tensor> concat(std::initializer_list<std::vector<at::Tensor>> parts) {
-    std::vector<at::Tensor> out;
-    for (const auto& p : parts) out.insert(out.end(), p.begin(), p.end());
-    return out;
-  }
-
   Gpt2Arch(const ModelConfig& c, at::Device, at::ScalarType) : c(c) {}
 
   static const at::Tensor& head(const Weights& w) { return w.wte; }
   static at::Tensor& head(Weights& w) { return w.wte; }
 
   static bool hf_transposed(const std::string& name) {
-    for (const char* s : {".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight"}) {
-      const std::string suffix(s);
-      if (name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0) {
-        return true;
-      }
-    }
-    return false;
+    return ends_with(name, ".attn.c_attn.weight") || ends_with(name, ".attn.c_proj.weight") ||
+           ends_with(name, ".mlp.c_fc.weight") || ends_with(name, ".mlp.c_proj.weight");
   }
 
   // Causal-mask buffers of older checkpoints, and the tied head's copy.
   static bool ignorable(const std::string& name) {
-    auto ends = [&](const std::string& s) {
-      return name.size() >= s.size() && name.compare(name.size() - s.size(), s.size(), s) == 0;
-    };
-    return ends(".attn.bias") || ends(".attn.masked_bias") || name == "lm_head.weight";
+    return ends_with(name, ".attn.bias") || ends_with(name, ".attn.masked_bias") || name == "lm_head.weight";
   }
 
   double p(bool train) const { return train ? c.dropout : 0.0; }

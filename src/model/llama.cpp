@@ -57,12 +57,6 @@ struct LlamaArch {
     }
   };
 
-  static std::vector<at::Tensor> concat(std::initializer_list<std::vector<at::Tensor>> parts) {
-    std::vector<at::Tensor> out;
-    for (const auto& p : parts) out.insert(out.end(), p.begin(), p.end());
-    return out;
-  }
-
   struct EmbedSaved {
     EmbeddingSaved tok;
     std::vector<at::Tensor> tensors() const { return tok.tensors(); }
@@ -90,10 +84,7 @@ struct LlamaArch {
   static const at::Tensor& head(const Weights& w) { return w.lm_head; }
   static at::Tensor& head(Weights& w) { return w.lm_head; }
   static bool hf_transposed(const std::string&) { return false; }
-  static bool ignorable(const std::string& name) {
-    const std::string s = ".rotary_emb.inv_freq";
-    return name.size() > s.size() && name.compare(name.size() - s.size(), s.size(), s) == 0;
-  }
+  static bool ignorable(const std::string& name) { return ends_with(name, ".rotary_emb.inv_freq"); }
 
   RopeTables tables(int64_t T) const { return {rope.cos.narrow(0, 0, T), rope.sin.narrow(0, 0, T)}; }
 

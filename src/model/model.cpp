@@ -53,7 +53,11 @@ void Model::load(const std::string& path) {
   for (auto& [name, t] : model::load_safetensors(path).tensors) {
     const std::string prefix = "transformer.";
     const bool strip = cfg_.arch == "gpt2" && name.rfind(prefix, 0) == 0;
-    file[strip ? name.substr(prefix.size()) : name] = t;
+    const std::string key = strip ? name.substr(prefix.size()) : name;
+    if (!file.emplace(key, t).second) {
+      throw std::runtime_error(fmt::format("{} holds '{}' both with and without the 'transformer.' prefix; it is "
+                                           "ambiguous which to load (nothing was loaded).", path, key));
+    }
   }
 
   // Check everything first; write nothing until the whole file is known to fit.
@@ -104,10 +108,7 @@ int64_t distinct_storage_bytes(const std::vector<at::Tensor>& ts, std::unordered
 }
 
 void init_param(const std::string& name, at::Tensor& t, const ModelConfig& cfg, at::Generator& gen) {
-  auto ends = [&](const char* s) {
-    const std::string suffix(s);
-    return name.size() >= suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
-  };
+  auto ends = [&](const char* s) { return ends_with(name, s); };
   if (ends(".bias")) {
     t.zero_();
   } else if (t.dim() == 1) {  // norm weights

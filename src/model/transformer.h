@@ -22,6 +22,18 @@ std::vector<std::pair<std::string, at::Tensor*>> weight_refs(W& w) {
   return out;
 }
 
+/// Whether `s` ends with `suffix`.
+inline bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+/// The tensors of several Saved structs, in order (for a block's Saved::tensors()).
+inline std::vector<at::Tensor> concat(std::initializer_list<std::vector<at::Tensor>> parts) {
+  std::vector<at::Tensor> out;
+  for (const auto& p : parts) out.insert(out.end(), p.begin(), p.end());
+  return out;
+}
+
 /// Bytes held by the distinct storages among `ts` not yet in `seen` (views share).
 int64_t distinct_storage_bytes(const std::vector<at::Tensor>& ts, std::unordered_set<const void*>& seen);
 

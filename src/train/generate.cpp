@@ -1,9 +1,9 @@
 #include "train/generate.h"
 
-#include <ATen/core/DistributionsHelper.h>
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <algorithm>
+#include <limits>
 
 namespace remat {
 
@@ -22,7 +22,8 @@ std::string sample_text(Model& model, const data::Tokenizer& tok, const std::str
     if (temperature <= 0) {
       next = logits.argmax().item<int64_t>();
     } else {
-      logits = logits / temperature;
+      // Shifted by the maximum first, so even a tiny temperature cannot overflow.
+      logits = (logits.to(at::kDouble) - logits.max().item<double>()) / temperature;
       if (top_k > 0 && top_k < logits.size(0)) {
         const double kth = std::get<0>(logits.topk(top_k)).min().item<double>();
         logits = logits.masked_fill(logits < kth, -std::numeric_limits<double>::infinity());
@@ -46,7 +47,7 @@ std::string sample_text(Model& model, const data::Tokenizer& tok, const std::str
 namespace remat {
 
 std::string generate_from_run(const std::string& run_dir, const std::string& prompt, int64_t tokens,
-                              double temperature, int64_t top_k, uint64_t seed) {
+                              double temperature, int64_t top_k, uint64_t seed, const std::string& device) {
   namespace fs = std::filesystem;
   for (const char* f : {"config.toml", "model.safetensors", "tokenizer.model"}) {
     if (!fs::exists(fs::path(run_dir) / f)) {
@@ -55,8 +56,8 @@ std::string generate_from_run(const std::string& run_dir, const std::string& pro
     }
   }
   const Config cfg = load_config((fs::path(run_dir) / "config.toml").string(), {});
-  const at::Device device = parse_device(cfg.run.device);
-  auto model = Model::create(cfg.model, device, parse_dtype(cfg.run.dtype, device), 0);
+  const at::Device dev = parse_device(device.empty() ? cfg.run.device : device);
+  auto model = Model::create(cfg.model, dev, dev.is_cuda() ? parse_dtype(cfg.run.dtype, dev) : at::kFloat, 0);
   model->load((fs::path(run_dir) / "model.safetensors").string());
   const auto tok = data::Tokenizer::load((fs::path(run_dir) / "tokenizer.model").string());
   return sample_text(*model, tok, prompt, tokens, temperature, top_k, seed);

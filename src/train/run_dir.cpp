@@ -12,6 +12,23 @@
 namespace fs = std::filesystem;
 
 namespace remat {
+namespace {
+
+// A single-quoted word for sh: ' becomes '\''.
+std::string sh_quote(const std::string& s) {
+  std::string out = "'";
+  for (char c : s) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return out + "'";
+}
+
+// A single-quoted gnuplot string: ' is doubled.
+std::string gp_quote(const std::string& s) {
+  std::string out = "'";
+  for (char c : s) out += c == '\'' ? std::string("''") : std::string(1, c);
+  return out + "'";
+}
+
+}  // namespace
 
 RunDir::RunDir(const std::string& out_dir, const std::string& name, const std::string& preset) {
   std::string base = name;
@@ -53,10 +70,10 @@ bool RunDir::plot_loss(const std::vector<std::pair<int64_t, double>>& train,
   }
   // Inline data blocks keep the run directory free of scratch files.
   std::string script = fmt::format(
-      "set terminal pngcairo size 900,540 noenhanced\nset output '{}'\n"
+      "set terminal pngcairo size 900,540 noenhanced\nset output {}\n"
       "set title 'remat: training loss'\nset xlabel 'step'\nset ylabel 'loss (nats/token)'\nset grid\n"
       "$train << EOD\n",
-      file("loss.png"));
+      gp_quote(file("loss.png")));
   for (const auto& [s, l] : train) script += fmt::format("{} {}\n", s, l);
   script += "EOD\n$val << EOD\n";
   for (const auto& [s, l] : val) script += fmt::format("{} {}\n", s, l);
@@ -66,7 +83,7 @@ bool RunDir::plot_loss(const std::vector<std::pair<int64_t, double>>& train,
       "{} with lines dt 2 lc rgb '#404040' title 'unigram entropy of the corpus'\n",
       reference_loss);
   const std::string log = file("gnuplot.log");
-  std::FILE* pipe = popen(fmt::format("gnuplot 2>'{}'", log).c_str(), "w");
+  std::FILE* pipe = popen(fmt::format("gnuplot 2>{}", sh_quote(log)).c_str(), "w");
   if (pipe == nullptr) {
     *why = "could not start gnuplot";
     return false;

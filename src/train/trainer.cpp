@@ -23,13 +23,6 @@ namespace {
 
 constexpr double kPi = 3.14159265358979323846;
 
-// Linear warmup to lr, then cosine decay to min_lr at the last step.
-double lr_at(const TrainConfig& t, int64_t step) {
-  if (step < t.warmup) return t.lr * static_cast<double>(step + 1) / static_cast<double>(t.warmup);
-  const double span = std::max<int64_t>(1, t.steps - t.warmup);
-  const double progress = std::min(1.0, static_cast<double>(step - t.warmup) / span);
-  return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1.0 + std::cos(kPi * progress));
-}
 
 // Scales gradients so their global L2 norm is at most max_norm; returns the norm before.
 double clip_gradients(Model& model, double max_norm) {
@@ -43,16 +36,26 @@ double clip_gradients(Model& model, double max_norm) {
   return norm;
 }
 
+// Mean loss per token over the first eval_batches sequential batches (the last may be short).
 double validation_loss(Model& model, const data::TokenDataset& val, const TrainConfig& t) {
   const int64_t n = std::min<int64_t>(t.eval_batches, val.num_sequential_batches(t.batch, t.seq));
-  TORCH_CHECK(n > 0, "The validation split is too small for one batch of ", t.batch, " x ", t.seq,
-              " tokens; lower train.batch or train.seq, or raise data.val_fraction.");
   double sum = 0.0;
+  int64_t rows = 0;
   for (int64_t i = 0; i < n; ++i) {
     auto b = val.sequential(i, t.batch, t.seq);
-    sum += model.evaluate(b.tokens.to(model.device()), b.targets.to(model.device()), t.ce_chunk);
+    sum += b.tokens.size(0) * model.evaluate(b.tokens.to(model.device()), b.targets.to(model.device()), t.ce_chunk);
+    rows += b.tokens.size(0);
   }
-  return sum / static_cast<double>(n);
+  return sum / static_cast<double>(rows);
+}
+
+void check_split_fits(const data::TokenDataset& ds, const char* split, int64_t seq) {
+  if (ds.size() < seq + 1) {
+    throw std::invalid_argument(fmt::format(
+        "The {} split has {} tokens, fewer than one sequence of train.seq = {} plus its next token; lower train.seq{}, "
+        "or train on a longer text.", split, ds.size(), seq, std::string(split) == "validation" ?
+        " or raise data.val_fraction" : ""));
+  }
 }
 
 double median(std::vector<double> v) {
@@ -62,6 +65,13 @@ double median(std::vector<double> v) {
 }
 
 }  // namespace
+
+double learning_rate(const TrainConfig& t, int64_t step) {
+  if (step < t.warmup) return t.lr * static_cast<double>(step + 1) / static_cast<double>(t.warmup);
+  const double span = static_cast<double>(std::max<int64_t>(1, t.steps - 1 - t.warmup));
+  const double progress = std::min(1.0, static_cast<double>(step - t.warmup) / span);
+  return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1.0 + std::cos(kPi * progress));
+}
 
 data::CorpusInfo prepare_data(const DataConfig& d) {
   data::PrepareOptions prep;
@@ -103,6 +113,8 @@ TrainSummary train(const Config& cfg_in) {
   validate_config(cfg);
   data::TokenDataset train_ds = data::TokenDataset::open(corpus, data::Split::train);
   data::TokenDataset val_ds = data::TokenDataset::open(corpus, data::Split::val);
+  check_split_fits(train_ds, "training", t.seq);
+  check_split_fits(val_ds, "validation", t.seq);
 
   auto model = Model::create(cfg.model, device, dtype, static_cast<uint64_t>(cfg.run.seed));
   std::vector<at::Tensor> decay, no_decay;
@@ -149,7 +161,7 @@ TrainSummary train(const Config& cfg_in) {
   bar.message(fmt::format("step 0: validation loss {:.4f}", sum.initial_val_loss));
   std::vector<double> step_times;
   for (int64_t step = 0; step < t.steps; ++step) {
-    const double lr = lr_at(t, step);
+    const double lr = learning_rate(t, step);
     for (auto& g : optimizer.param_groups()) static_cast<AdamWOptions&>(g.options()).lr(lr);
     memory::reset_peak(device);
     synchronize(device);

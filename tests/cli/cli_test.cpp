@@ -97,6 +97,12 @@ TEST_F(Cli, GenerateWithoutARunDirectoryIsRefused) {
   expect_error("generate --run " + (dir_ / "no-run").string(), "has no config.toml");
 }
 
+TEST_F(Cli, DevicesAndDtypesThisMachineLacksAreRefused) {
+  expect_error("train run.device=tpu", "run.device must be cpu or cuda[:N], got 'tpu'.");
+  expect_error("train run.dtype=float16", "run.dtype must be float32 or bfloat16, got 'float16'.");
+  expect_error("train run.name=a/b", "run.name may hold only letters, digits");
+}
+
 TEST_F(Cli, HelpConfigListsEveryKey) {
   const Result r = run_remat("train --help-config");
   EXPECT_EQ(r.exit_code, 0);

@@ -121,6 +121,21 @@ TEST_F(ModelIO, CorruptHeaderIsRefusedAndNothingIsLoaded) {
   expect_unchanged(*b, before);
 }
 
+TEST_F(ModelIO, Bfloat16ComputeCopiesFollowTheMasters) {
+  // The compute copies are refreshed when a master changes (optimizer step, load).
+  auto a = Model::create(cfg_, at::kCPU, at::kBFloat16, 1);
+  const at::Tensor before = a->last_logits(tok_);
+  EXPECT_EQ(before.scalar_type(), at::kFloat);
+  for (auto& p : a->params()) {
+    if (p.name == "ln_f.bias") p.value.add_(1.0);
+  }
+  EXPECT_FALSE(at::equal(a->last_logits(tok_), before));
+  auto b = Model::create(cfg_, at::kCPU, at::kFloat, 1);
+  b->save(path("b.safetensors"));
+  a->load(path("b.safetensors"));
+  EXPECT_TRUE(at::equal(a->last_logits(tok_), before));
+}
+
 TEST_F(ModelIO, ACheckpointOfAnotherShapeIsRefused) {
   auto a = Model::create(cfg_, at::kCPU, at::kFloat, 1);
   a->save(path("a.safetensors"));

@@ -92,3 +92,24 @@ TEST_F(Trainer, GenerateFromARunReproducesTheFinalSample) {
 
 }  // namespace
 }  // namespace remat
+
+namespace remat {
+namespace {
+
+TEST(LearningRate, WarmsUpLinearlyThenReachesTheFloorAtTheLastStep) {
+  TrainConfig t;
+  t.steps = 100;
+  t.warmup = 10;
+  t.lr = 1e-3;
+  t.min_lr = 1e-4;
+  EXPECT_DOUBLE_EQ(learning_rate(t, 0), 1e-4);
+  EXPECT_DOUBLE_EQ(learning_rate(t, 4), 5e-4);
+  EXPECT_DOUBLE_EQ(learning_rate(t, 9), 1e-3);
+  EXPECT_DOUBLE_EQ(learning_rate(t, 10), 1e-3);
+  EXPECT_NEAR(learning_rate(t, 10 + 89 / 2.0), 5.5e-4, 1e-5);  // halfway down the cosine
+  EXPECT_DOUBLE_EQ(learning_rate(t, 99), 1e-4);
+  for (int64_t s = 11; s < 100; ++s) EXPECT_LT(learning_rate(t, s), learning_rate(t, s - 1));
+}
+
+}  // namespace
+}  // namespace remat
