@@ -20,8 +20,10 @@ at::Tensor reference(const at::Tensor& x, const at::Tensor& w, double eps) {
 
 TEST(RMSNormOp, MatchesAutogradOfTheMath) {
   const double eps = 1e-6;
+  // Not C == 1: there dx is eps-sized, the difference of two nearly equal terms, and its
+  // relative error sits at the 1e-10 bound whatever the implementation.
   for (auto shape : {std::vector<int64_t>{2, 3, 7}, std::vector<int64_t>{5, 16},
-                     std::vector<int64_t>{11}, std::vector<int64_t>{4, 1}}) {
+                     std::vector<int64_t>{11}, std::vector<int64_t>{4, 2}}) {
     const int64_t C = shape.back();
     at::Tensor x = at::randn(shape, f64()) * 2 + 0.5, w = at::randn({C}, f64());
     Fwd<RMSNormSaved> f = rmsnorm_forward(x, w, eps);
