@@ -1,7 +1,8 @@
 #include "remat/ops/dropout.h"
 
-#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Parallel.h>
 
+#include <cmath>
 #include <mutex>
 
 namespace remat::ops {
@@ -18,9 +19,8 @@ void check_p(double p) {
   TORCH_CHECK(p >= 0.0 && p < 1.0, "[dropout] drop probability must be in [0, 1), got ", p);
 }
 
-// A private generator seeded from the key: the global generator's state is never consumed.
+// A private accelerator generator seeded from the key: the global one's state is never consumed.
 at::Generator keyed_generator(uint64_t seed, at::Device device) {
-  if (device.is_cpu()) return at::detail::createCPUGenerator(seed);
   at::Generator global = at::globalContext().defaultGenerator(device);  // shares the state
   at::Generator gen;
   {
@@ -45,10 +45,24 @@ uint64_t DropoutKey::hash() const {
 
 at::Tensor dropout_mask(at::IntArrayRef sizes, double p, const DropoutKey& key, at::Device device) {
   check_p(p);
-  at::Tensor mask = at::empty(sizes, at::TensorOptions().dtype(at::kBool).device(device));
-  at::Generator gen = keyed_generator(key.hash(), device);
-  // The generator is private to this call; the kernel still takes its lock itself.
-  mask.bernoulli_(1.0 - p, gen);
+  const auto bool_on = [](at::Device d) { return at::TensorOptions().dtype(at::kBool).device(d); };
+  if (!device.is_cpu()) {
+    at::Tensor mask = at::empty(sizes, bool_on(device));
+    mask.bernoulli_(1.0 - p, keyed_generator(key.hash(), device));
+    return mask;
+  }
+  // On the CPU each element is drawn from its own counter: keep element i iff the top 53 bits
+  // of mix64(hash + (i + 1) * golden) fall below (1 - p) * 2^53. No generator state, so the
+  // mask does not depend on how parallel_for splits the range (thread count).
+  at::Tensor mask = at::empty(sizes, bool_on(device));
+  const uint64_t base = key.hash();
+  const uint64_t threshold = static_cast<uint64_t>(std::ldexp(1.0 - p, 53));  // exact: p is a double
+  bool* out = mask.data_ptr<bool>();
+  at::parallel_for(0, mask.numel(), 1 << 14, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      out[i] = (mix64(base + static_cast<uint64_t>(i + 1) * 0x9e3779b97f4a7c15ULL) >> 11) < threshold;
+    }
+  });
   return mask;
 }
 

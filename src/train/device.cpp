@@ -4,6 +4,8 @@
 #include <ATen/Context.h>
 #include <fmt/format.h>
 
+#include <dlfcn.h>
+
 #include <algorithm>
 #include <chrono>
 #include <stdexcept>
@@ -44,6 +46,14 @@ at::ScalarType parse_dtype(const std::string& name, at::Device device) {
 }
 
 int set_threads(int64_t requested) {
+  // An OpenBLAS built on pthreads keeps its own pool beside ATen's OpenMP one; after every
+  // GEMM its workers spin on sched_yield while OpenMP's spin in turn, so both pools fight for
+  // the same cores (over half the CPU time of a gpt2-demo step on 2 cores). ATen's threads
+  // alone own the cores: OpenBLAS runs single-threaded. Absent from other BLAS builds: no-op.
+  using BlasSetThreads = void (*)(int);
+  if (auto blas_set = reinterpret_cast<BlasSetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) {
+    blas_set(1);
+  }
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   at::set_num_threads(requested > 0 ? static_cast<int>(requested) : cores);
   return at::get_num_threads();

@@ -11,7 +11,8 @@ namespace remat {
 at::Device parse_device(const std::string& spec);
 /// "float32" / "bfloat16" -> dtype, refusing bfloat16 where the device lacks it.
 at::ScalarType parse_dtype(const std::string& name, at::Device device);
-/// Sets the intra-op thread count (0: all cores) and returns the count in effect.
+/// Sets the intra-op thread count (0: all cores) and returns the count in effect. An OpenBLAS
+/// backend is set to one thread: ATen's intra-op pool is the only one that uses the cores.
 int set_threads(int64_t requested);
 
 /// Best sustained FLOP/s of a float `dtype` matmul on `device`, measured over shapes

@@ -2,6 +2,8 @@
 
 #include "ops/testing.h"
 
+#include <ATen/Parallel.h>
+
 #include <algorithm>
 #include <thread>
 
@@ -55,6 +57,17 @@ TEST(DropoutOp, ConcurrentCallsGiveTheSameMasks) {
   }
   for (auto& t : threads) t.join();
   for (const auto& m : got) EXPECT_TRUE(at::equal(m, want));
+}
+
+TEST(DropoutOp, MaskIsTheSameForOneAndTwoThreads) {
+  const int saved_threads = at::get_num_threads();
+  const std::vector<int64_t> sizes{16, 4, 128, 128};  // large enough to be split across threads
+  at::set_num_threads(1);
+  const at::Tensor one = dropout_mask(sizes, 0.1, key(), kCPU);
+  at::set_num_threads(2);
+  const at::Tensor two = dropout_mask(sizes, 0.1, key(), kCPU);
+  at::set_num_threads(saved_threads);
+  EXPECT_TRUE(at::equal(one, two));
 }
 
 TEST(DropoutOp, DoesNotTouchTheGlobalGenerator) {

@@ -24,9 +24,11 @@ struct DropoutKey {
 };
 
 /// Keep-mask (bool, true = kept) of `sizes` with keep probability 1 - p, on `device`.
-/// Bitwise the same for the same key, sizes and device type. Drawn from a private generator
-/// seeded with key.hash(): the global generator is neither read nor advanced, and concurrent
-/// calls are safe. Refuses p outside [0, 1).
+/// Bitwise the same for the same key, sizes and device type, whatever the thread count. On the
+/// CPU each element is a counter-based draw (splitmix64 of key.hash() and the element's flat
+/// index), filled in parallel; on other devices, a private generator seeded with key.hash().
+/// The global generator is neither read nor advanced, and concurrent calls are safe. Refuses
+/// p outside [0, 1).
 at::Tensor dropout_mask(at::IntArrayRef sizes, double p, const DropoutKey& key, at::Device device);
 
 struct DropoutSaved {
