@@ -1,0 +1,56 @@
+// The activation plan: per layer, which saved-tensor slots are kept through the forward
+// and which are dropped and recomputed in that layer's backward.
+//
+// Every recompute policy (none, full, every:K, uniform:N, block:N, ratio:R, modules:[..],
+// ops:[..], explicit per-layer lists and the seed frameworks' spellings) compiles to this
+// one structure; the engine executes only this.
+#pragma once
+
+#include <cstdint>
+#include <set>
+#include <string>
+#include <vector>
+
+namespace remat {
+
+/// The slots of one transformer block, in forward order. Both architectures use the same
+/// names; a slot an architecture or a configuration does not have (GPT-2's residual
+/// dropout masks in Llama, any dropout slot when p == 0) simply holds nothing.
+///   attn.norm     statistics of the attention-side norm (its input is the block input)
+///   attn.qkv_in   the norm's output, input of the q/k/v projections
+///   attn.qkv      q, k, v as attention reads them (after RoPE in Llama)
+///   attn.probs    softmax output
+///   attn.dropout  attention-probability dropout mask and output
+///   attn.proj_in  attention output, input of the output projection
+///   attn.resid    residual-branch dropout mask (GPT-2)
+///   mlp.norm      the mid-block residual stream and the MLP-side norm's statistics
+///   mlp.fc_in     the norm's output, input of c_fc / gate and up projections
+///   mlp.act_in    the activation's input (c_fc output; gate and up)
+///   mlp.proj_in   the activation's output, input of c_proj / down_proj
+///   mlp.resid     residual-branch dropout mask (GPT-2)
+const std::vector<std::string>& block_slots();
+
+/// Submodule names of `modules:[...]` and the slots each one's recompute drops.
+///   core_attn -> attn.probs, attn.dropout           (Megatron's default selective)
+///   qkv       -> attn.qkv
+///   norm      -> attn.qkv_in, mlp.fc_in  (and the norms' statistics)
+///   attn      -> every attn.* slot
+///   act       -> mlp.proj_in
+///   mlp       -> every mlp.* slot but mlp.norm
+const std::vector<std::pair<std::string, std::vector<std::string>>>& block_modules();
+
+struct LayerPlan {
+  std::set<std::string> dropped;  ///< slots recomputed in this layer's backward
+  /// uniform:N: the first layer of this layer's chunk. When it differs from this layer,
+  /// the layer's input is not kept either; the chunk's backward recomputes the whole
+  /// chunk from its first layer's input. -1: not in a chunk.
+  int64_t chunk_begin = -1;
+  bool keeps_all() const { return dropped.empty() && chunk_begin < 0; }
+};
+
+struct ActivationPlan {
+  std::vector<LayerPlan> layers;
+  std::string policy = "none";  ///< canonical spelling of the policy that produced it
+};
+
+}  // namespace remat
