@@ -7,6 +7,8 @@
 #pragma once
 
 #include "remat/config.h"
+#include "remat/plan.h"
+#include "remat/store.h"
 
 #include <ATen/ATen.h>
 
@@ -68,6 +70,12 @@ class Model {
   virtual double evaluate(const at::Tensor& tokens, const at::Tensor& targets, int64_t ce_chunk) = 0;
   /// Logits of the last position of each sequence, [B, V] float32.
   virtual at::Tensor last_logits(const at::Tensor& tokens) = 0;
+
+  /// Applies an activation plan (one LayerPlan per layer) to the following
+  /// forward_backward calls; a plan that keeps everything removes the store.
+  virtual void set_activation_plan(const ActivationPlan& plan, const StoreOptions& options) = 0;
+  /// The store executing the plan (its counters), or null when every slot is kept.
+  virtual ActivationStore* store() = 0;
 
   /// Forward FLOPs of one sequence of `seq` tokens, from the ops' own counts.
   virtual double forward_flops(int64_t seq) const = 0;

@@ -2,6 +2,8 @@
 // attention probabilities and both residual branches.
 #include "model/transformer.h"
 
+#include <set>
+
 namespace remat::detail {
 namespace {
 
@@ -85,6 +87,8 @@ struct Gpt2Arch {
     GeluSaved act;
     LinearSaved mlp_proj;
     DropoutSaved mlp_drop;
+    std::set<std::string> missing;  ///< slots the plan dropped that recompute has not refilled
+    bool input_missing = false;     ///< uniform:N: the block input is owned by the chunk
     std::vector<at::Tensor> tensors() const {
       return concat({ln1.tensors(), qkv.tensors(), attn.tensors(), attn_proj.tensors(), attn_drop.tensors(),
                      ln2.tensors(), fc.tensors(), act.tensors(), mlp_proj.tensors(), mlp_drop.tensors()});
@@ -160,22 +164,157 @@ struct Gpt2Arch {
     return {out, std::move(s)};
   }
 
-  // Each Saved field is released as soon as its backward has consumed it.
-  at::Tensor block_backward(const at::Tensor& dy, BlockSaved& s, const Weights& W, Weights& G, int64_t l) const {
+  static at::Tensor& input(BlockSaved& s) { return s.ln1.x; }
+
+  // The Saved fields behind each slot name of remat/plan.h.
+  static std::vector<at::Tensor*> slot_fields(BlockSaved& s, const std::string& slot) {
+    if (slot == "attn.norm") return {&s.ln1.mean, &s.ln1.rstd};
+    if (slot == "attn.qkv_in") return {&s.qkv.x};
+    if (slot == "attn.qkv") return {&s.attn.q, &s.attn.k, &s.attn.v};
+    if (slot == "attn.probs") return {&s.attn.probs};
+    if (slot == "attn.dropout") return {&s.attn.mask, &s.attn.probs_d};
+    if (slot == "attn.proj_in") return {&s.attn_proj.x};
+    if (slot == "attn.resid") return {&s.attn_drop.mask};
+    if (slot == "mlp.norm") return {&s.ln2.x, &s.ln2.mean, &s.ln2.rstd};
+    if (slot == "mlp.fc_in") return {&s.fc.x};
+    if (slot == "mlp.act_in") return {&s.act.x};
+    if (slot == "mlp.proj_in") return {&s.mlp_proj.x};
+    if (slot == "mlp.resid") return {&s.mlp_drop.mask};
+    TORCH_INTERNAL_ASSERT(false, "unknown slot ", slot);
+  }
+
+  // The op kinds one block forward executes, for counting whole-block recomputes.
+  std::vector<std::string> forward_ops() const {
+    std::vector<std::string> ops = {"layernorm", "linear", "attention", "linear", "residual",
+                                    "layernorm", "linear", "gelu",      "linear", "residual"};
+    if (c.dropout > 0) ops.insert(ops.end(), {"dropout", "dropout"});
+    return ops;
+  }
+
+  // Refills a dropped slot of layer l from the kept tensors, re-executing only the forward
+  // ops it depends on. A re-executed op refills every dropped slot it produces: backward
+  // consumes slots in reverse forward order, so all of them are still to be used.
+  void ensure(const Weights& W, int64_t l, const StepContext& ctx, BlockSaved& s, const std::string& slot,
+              ActivationStore& st) const {
+    if (!s.missing.count(slot)) return;
+    if (!st.options().early_stop) return rerun(W, l, ctx, s, st);
+    const Block& w = W.h[l];
+    const at::Tensor& x = s.ln1.x;
+    const int64_t B = x.size(0), T = x.size(1), C = c.d_model, H = c.n_head, D = c.head_dim();
+    const StepContext k = recompute_context(ctx, st);
+    const double p = c.dropout;
+    auto fill = [&](const std::string& name, std::vector<std::pair<at::Tensor*, at::Tensor>> values) {
+      if (!s.missing.count(name)) return;
+      std::vector<at::Tensor> ts;
+      for (auto& [dst, v] : values) ts.push_back(*dst = v);
+      s.missing.erase(name);
+      st.refilled(l, name, ts);
+    };
+    auto mask = [&](DropoutSite site) {
+      if (p == 0) return at::Tensor();
+      st.count_op("dropout");
+      return dropout_mask({B, T, C}, p, dropout_key(k, l, site), x.device());
+    };
+    if (slot == "attn.norm" || slot == "attn.qkv_in") {
+      auto r = layernorm_forward(x, w.ln1_w, w.ln1_b, c.norm_eps);
+      st.count_op("layernorm");
+      fill("attn.norm", {{&s.ln1.mean, r.saved.mean}, {&s.ln1.rstd, r.saved.rstd}});
+      fill("attn.qkv_in", {{&s.qkv.x, r.out}});
+    } else if (slot == "attn.qkv") {
+      ensure(W, l, ctx, s, "attn.qkv_in", st);
+      auto r = linear_forward(s.qkv.x, w.qkv_w, w.qkv_b);
+      st.count_op("linear");
+      fill("attn.qkv", {{&s.attn.q, r.out.narrow(-1, 0, C).view({B, T, H, D})},
+                        {&s.attn.k, r.out.narrow(-1, C, C).view({B, T, H, D})},
+                        {&s.attn.v, r.out.narrow(-1, 2 * C, C).view({B, T, H, D})}});
+    } else if (slot == "attn.probs" || slot == "attn.dropout" || slot == "attn.proj_in") {
+      ensure(W, l, ctx, s, "attn.qkv", st);
+      auto r = attention_forward(s.attn.q, s.attn.k, s.attn.v, p, dropout_key(k, l, DropoutSite::attn_probs));
+      st.count_op("attention");
+      fill("attn.probs", {{&s.attn.probs, r.saved.probs}});
+      fill("attn.dropout", {{&s.attn.mask, r.saved.mask}, {&s.attn.probs_d, r.saved.probs_d}});
+      fill("attn.proj_in", {{&s.attn_proj.x, r.out.reshape({B, T, C})}});
+    } else if (slot == "attn.resid") {
+      fill("attn.resid", {{&s.attn_drop.mask, mask(DropoutSite::attn_resid)}});
+    } else if (slot == "mlp.norm" || slot == "mlp.fc_in") {
+      at::Tensor x1 = s.ln2.x;
+      if (s.missing.count("mlp.norm")) {
+        ensure(W, l, ctx, s, "attn.proj_in", st);
+        auto proj = linear_forward(s.attn_proj.x, w.attn_proj_w, w.attn_proj_b);
+        st.count_op("linear");
+        auto d1 = dropout_forward(proj.out, p, dropout_key(k, l, DropoutSite::attn_resid));
+        if (p > 0) st.count_op("dropout");
+        fill("attn.resid", {{&s.attn_drop.mask, d1.saved.mask}});
+        x1 = residual_forward(x, d1.out).out;
+        st.count_op("residual");
+      }
+      auto r = layernorm_forward(x1, w.ln2_w, w.ln2_b, c.norm_eps);
+      st.count_op("layernorm");
+      fill("mlp.norm", {{&s.ln2.x, x1}, {&s.ln2.mean, r.saved.mean}, {&s.ln2.rstd, r.saved.rstd}});
+      fill("mlp.fc_in", {{&s.fc.x, r.out}});
+    } else if (slot == "mlp.act_in") {
+      ensure(W, l, ctx, s, "mlp.fc_in", st);
+      auto r = linear_forward(s.fc.x, w.fc_w, w.fc_b);
+      st.count_op("linear");
+      fill("mlp.act_in", {{&s.act.x, r.out}});
+    } else if (slot == "mlp.proj_in") {
+      ensure(W, l, ctx, s, "mlp.act_in", st);
+      auto r = gelu_forward(s.act.x);
+      st.count_op("gelu");
+      fill("mlp.proj_in", {{&s.mlp_proj.x, r.out}});
+    } else if (slot == "mlp.resid") {
+      fill("mlp.resid", {{&s.mlp_drop.mask, mask(DropoutSite::mlp_resid)}});
+    }
+  }
+
+  // Without early stop a recompute re-runs the whole block forward, the ops no backward
+  // needs included, refilling every dropped slot at once.
+  void rerun(const Weights& W, int64_t l, const StepContext& ctx, BlockSaved& s, ActivationStore& st) const {
+    auto f = block_forward(W, l, s.ln1.x, recompute_context(ctx, st), /*train=*/true);
+    for (const auto& op : forward_ops()) st.count_op(op);
+    const std::set<std::string> missing = std::exchange(s.missing, {});
+    for (const auto& slot : missing) {
+      auto dst = slot_fields(s, slot);
+      auto src = slot_fields(f.saved, slot);
+      std::vector<at::Tensor> ts;
+      for (size_t i = 0; i < dst.size(); ++i) ts.push_back(*dst[i] = *src[i]);
+      st.refilled(l, slot, ts);
+    }
+  }
+
+  // Each Saved field is released as soon as its backward has consumed it; dropped slots
+  // are refilled just before their backward needs them.
+  at::Tensor block_backward(const at::Tensor& dy, BlockSaved& s, const Weights& W, Weights& G, int64_t l,
+                            const StepContext& ctx, ActivationStore* st) const {
+    auto need = [&](std::initializer_list<const char*> slots) {
+      for (const char* slot : slots) {
+        if (st != nullptr) ensure(W, l, ctx, s, slot, *st);
+      }
+    };
     const Block& w = W.h[l];
     Block& g = G.h[l];
     const int64_t B = dy.size(0), T = dy.size(1), C = c.d_model, H = c.n_head, D = c.head_dim();
+    need({"mlp.resid"});
     at::Tensor d = dropout_backward(dy, std::exchange(s.mlp_drop, {}));
+    need({"mlp.proj_in"});
     d = linear_backward(d, std::exchange(s.mlp_proj, {}), w.mlp_proj_w, g.mlp_proj_w, &g.mlp_proj_b);
+    need({"mlp.act_in"});
     d = gelu_backward(d, std::exchange(s.act, {}));
+    need({"mlp.fc_in"});
     d = linear_backward(d, std::exchange(s.fc, {}), w.fc_w, g.fc_w, &g.fc_b);
+    need({"mlp.norm"});
     at::Tensor dx1 = dy + layernorm_backward(d, std::exchange(s.ln2, {}), w.ln2_w, g.ln2_w, g.ln2_b);
+    need({"attn.resid"});
     d = dropout_backward(dx1, std::exchange(s.attn_drop, {}));
+    need({"attn.proj_in"});
     d = linear_backward(d, std::exchange(s.attn_proj, {}), w.attn_proj_w, g.attn_proj_w, &g.attn_proj_b);
+    need({"attn.qkv", "attn.probs", "attn.dropout"});
     auto ag = attention_backward(d.view({B, T, H, D}), std::exchange(s.attn, {}));
     at::Tensor dqkv = at::cat({ag.dq.reshape({B, T, C}), ag.dk.reshape({B, T, C}), ag.dv.reshape({B, T, C})}, -1);
     ag = {};
+    need({"attn.qkv_in"});
     d = linear_backward(dqkv, std::exchange(s.qkv, {}), w.qkv_w, g.qkv_w, &g.qkv_b);
+    need({"attn.norm"});
     return dx1 + layernorm_backward(d, std::exchange(s.ln1, {}), w.ln1_w, g.ln1_w, g.ln1_b);
   }
 

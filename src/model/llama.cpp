@@ -2,6 +2,8 @@
 // head; dropout (model.dropout) on the attention probabilities only.
 #include "model/transformer.h"
 
+#include <set>
+
 namespace remat::detail {
 namespace {
 
@@ -72,6 +74,8 @@ struct LlamaArch {
     LinearSaved gate_up_in;
     SwiGLUSaved act;
     LinearSaved down;
+    std::set<std::string> missing;  ///< slots the plan dropped that recompute has not refilled
+    bool input_missing = false;     ///< uniform:N: the block input is owned by the chunk
     std::vector<at::Tensor> tensors() const {
       return concat({n1.tensors(), qkv_in.tensors(), attn.tensors(), o.tensors(), n2.tensors(),
                      gate_up_in.tensors(), act.tensors(), down.tensors()});
@@ -131,26 +135,146 @@ struct LlamaArch {
     return {out, std::move(s)};
   }
 
-  at::Tensor block_backward(const at::Tensor& dy, BlockSaved& s, const Weights& W, Weights& G, int64_t l) const {
+  static at::Tensor& input(BlockSaved& s) { return s.n1.x; }
+
+  // The Saved fields behind each slot name of remat/plan.h (Llama has no residual dropout).
+  static std::vector<at::Tensor*> slot_fields(BlockSaved& s, const std::string& slot) {
+    if (slot == "attn.norm") return {&s.n1.rstd};
+    if (slot == "attn.qkv_in") return {&s.qkv_in.x};
+    if (slot == "attn.qkv") return {&s.attn.q, &s.attn.k, &s.attn.v};
+    if (slot == "attn.probs") return {&s.attn.probs};
+    if (slot == "attn.dropout") return {&s.attn.mask, &s.attn.probs_d};
+    if (slot == "attn.proj_in") return {&s.o.x};
+    if (slot == "mlp.norm") return {&s.n2.x, &s.n2.rstd};
+    if (slot == "mlp.fc_in") return {&s.gate_up_in.x};
+    if (slot == "mlp.act_in") return {&s.act.gate, &s.act.up};
+    if (slot == "mlp.proj_in") return {&s.down.x};
+    if (slot == "attn.resid" || slot == "mlp.resid") return {};
+    TORCH_INTERNAL_ASSERT(false, "unknown slot ", slot);
+  }
+
+  std::vector<std::string> forward_ops() const {
+    return {"rmsnorm", "linear", "linear", "linear", "rope",   "rope",   "attention", "linear",
+            "residual", "rmsnorm", "linear", "linear", "swiglu", "linear", "residual"};
+  }
+
+  // Refills a dropped slot of layer l from the kept tensors, re-executing only the forward
+  // ops it depends on (see the GPT-2 block for the reasoning).
+  void ensure(const Weights& W, int64_t l, const StepContext& ctx, BlockSaved& s, const std::string& slot,
+              ActivationStore& st) const {
+    if (!s.missing.count(slot)) return;
+    if (!st.options().early_stop) return rerun(W, l, ctx, s, st);
+    const Block& w = W.layers[l];
+    const at::Tensor& x = s.n1.x;
+    const int64_t B = x.size(0), T = x.size(1), C = c.d_model, Hq = c.n_head, Hkv = c.n_kv_head, D = c.head_dim();
+    const StepContext k = recompute_context(ctx, st);
+    auto fill = [&](const std::string& name, std::vector<std::pair<at::Tensor*, at::Tensor>> values) {
+      if (!s.missing.count(name)) return;
+      std::vector<at::Tensor> ts;
+      for (auto& [dst, v] : values) ts.push_back(*dst = v);
+      s.missing.erase(name);
+      st.refilled(l, name, ts);
+    };
+    if (slot == "attn.norm" || slot == "attn.qkv_in") {
+      auto r = rmsnorm_forward(x, w.in_norm, c.norm_eps);
+      st.count_op("rmsnorm");
+      fill("attn.norm", {{&s.n1.rstd, r.saved.rstd}});
+      fill("attn.qkv_in", {{&s.qkv_in.x, r.out}});
+    } else if (slot == "attn.qkv") {
+      ensure(W, l, ctx, s, "attn.qkv_in", st);
+      const auto rt = tables(T);
+      auto q = linear_forward(s.qkv_in.x, w.wq, {});
+      auto kk = linear_forward(s.qkv_in.x, w.wk, {});
+      auto v = linear_forward(s.qkv_in.x, w.wv, {});
+      auto qr = rope_forward(q.out.view({B, T, Hq, D}), rt);
+      auto kr = rope_forward(kk.out.view({B, T, Hkv, D}), rt);
+      for (const char* op : {"linear", "linear", "linear", "rope", "rope"}) st.count_op(op);
+      fill("attn.qkv", {{&s.attn.q, qr.out}, {&s.attn.k, kr.out}, {&s.attn.v, v.out.view({B, T, Hkv, D})}});
+    } else if (slot == "attn.probs" || slot == "attn.dropout" || slot == "attn.proj_in") {
+      ensure(W, l, ctx, s, "attn.qkv", st);
+      auto r = attention_forward(s.attn.q, s.attn.k, s.attn.v, c.dropout,
+                                 dropout_key(k, l, DropoutSite::attn_probs));
+      st.count_op("attention");
+      fill("attn.probs", {{&s.attn.probs, r.saved.probs}});
+      fill("attn.dropout", {{&s.attn.mask, r.saved.mask}, {&s.attn.probs_d, r.saved.probs_d}});
+      fill("attn.proj_in", {{&s.o.x, r.out.reshape({B, T, C})}});
+    } else if (slot == "mlp.norm" || slot == "mlp.fc_in") {
+      at::Tensor x1 = s.n2.x;
+      if (s.missing.count("mlp.norm")) {
+        ensure(W, l, ctx, s, "attn.proj_in", st);
+        auto o = linear_forward(s.o.x, w.wo, {});
+        x1 = residual_forward(x, o.out).out;
+        st.count_op("linear");
+        st.count_op("residual");
+      }
+      auto r = rmsnorm_forward(x1, w.post_norm, c.norm_eps);
+      st.count_op("rmsnorm");
+      fill("mlp.norm", {{&s.n2.x, x1}, {&s.n2.rstd, r.saved.rstd}});
+      fill("mlp.fc_in", {{&s.gate_up_in.x, r.out}});
+    } else if (slot == "mlp.act_in") {
+      ensure(W, l, ctx, s, "mlp.fc_in", st);
+      auto gate = linear_forward(s.gate_up_in.x, w.w_gate, {});
+      auto up = linear_forward(s.gate_up_in.x, w.w_up, {});
+      st.count_op("linear");
+      st.count_op("linear");
+      fill("mlp.act_in", {{&s.act.gate, gate.out}, {&s.act.up, up.out}});
+    } else if (slot == "mlp.proj_in") {
+      ensure(W, l, ctx, s, "mlp.act_in", st);
+      auto r = swiglu_forward(s.act.gate, s.act.up);
+      st.count_op("swiglu");
+      fill("mlp.proj_in", {{&s.down.x, r.out}});
+    } else {
+      s.missing.erase(slot);  // residual dropout: no tensors in Llama
+    }
+  }
+
+  void rerun(const Weights& W, int64_t l, const StepContext& ctx, BlockSaved& s, ActivationStore& st) const {
+    auto f = block_forward(W, l, s.n1.x, recompute_context(ctx, st), /*train=*/true);
+    for (const auto& op : forward_ops()) st.count_op(op);
+    const std::set<std::string> missing = std::exchange(s.missing, {});
+    for (const auto& slot : missing) {
+      auto dst = slot_fields(s, slot);
+      auto src = slot_fields(f.saved, slot);
+      std::vector<at::Tensor> ts;
+      for (size_t i = 0; i < dst.size(); ++i) ts.push_back(*dst[i] = *src[i]);
+      st.refilled(l, slot, ts);
+    }
+  }
+
+  at::Tensor block_backward(const at::Tensor& dy, BlockSaved& s, const Weights& W, Weights& G, int64_t l,
+                            const StepContext& ctx, ActivationStore* st) const {
+    auto need = [&](std::initializer_list<const char*> slots) {
+      for (const char* slot : slots) {
+        if (st != nullptr) ensure(W, l, ctx, s, slot, *st);
+      }
+    };
     const Block& w = W.layers[l];
     Block& g = G.layers[l];
     const int64_t B = dy.size(0), T = dy.size(1), Hq = c.n_head, Hkv = c.n_kv_head, D = c.head_dim();
     const auto rt = tables(T);
+    need({"mlp.proj_in"});
     at::Tensor d = linear_backward(dy, std::exchange(s.down, {}), w.w_down, g.w_down, nullptr);
+    need({"mlp.act_in"});
     auto sg = swiglu_backward(d, std::exchange(s.act, {}));
+    need({"mlp.fc_in"});
     const LinearSaved gu = std::exchange(s.gate_up_in, {});
     d = linear_backward(sg.dgate, gu, w.w_gate, g.w_gate, nullptr) + linear_backward(sg.dup, gu, w.w_up, g.w_up, nullptr);
     sg = {};
+    need({"mlp.norm"});
     at::Tensor dx1 = dy + rmsnorm_backward(d, std::exchange(s.n2, {}), w.post_norm, g.post_norm);
+    need({"attn.proj_in"});
     d = linear_backward(dx1, std::exchange(s.o, {}), w.wo, g.wo, nullptr);
+    need({"attn.qkv", "attn.probs", "attn.dropout"});
     auto ag = attention_backward(d.view({B, T, Hq, D}), std::exchange(s.attn, {}));
     at::Tensor dq = rope_backward(ag.dq, {}, rt).reshape({B, T, Hq * D});
     at::Tensor dk = rope_backward(ag.dk, {}, rt).reshape({B, T, Hkv * D});
     at::Tensor dv = ag.dv.reshape({B, T, Hkv * D});
     ag = {};
+    need({"attn.qkv_in"});
     const LinearSaved in = std::exchange(s.qkv_in, {});
     d = linear_backward(dq, in, w.wq, g.wq, nullptr) + linear_backward(dk, in, w.wk, g.wk, nullptr) +
         linear_backward(dv, in, w.wv, g.wv, nullptr);
+    need({"attn.norm"});
     return dx1 + rmsnorm_backward(d, std::exchange(s.n1, {}), w.in_norm, g.in_norm);
   }
 

@@ -133,5 +133,12 @@ ops::DropoutKey dropout_key(const StepContext& ctx, int64_t layer, ops::DropoutS
   return k;
 }
 
+StepContext recompute_context(const StepContext& ctx, const ActivationStore& st) {
+  if (st.options().preserve_rng) return ctx;
+  StepContext other = ctx;
+  other.seed = ctx.seed ^ 0x9e3779b97f4a7c15ULL;
+  return other;
+}
+
 }  // namespace detail
 }  // namespace remat

@@ -9,6 +9,7 @@
 
 #include "remat/model.h"
 #include "remat/ops.h"
+#include "remat/store.h"
 
 #include <unordered_set>
 
@@ -42,6 +43,10 @@ int64_t distinct_storage_bytes(const std::vector<at::Tensor>& ts, std::unordered
 void init_param(const std::string& name, at::Tensor& t, const ModelConfig& cfg, at::Generator& gen);
 
 ops::DropoutKey dropout_key(const StepContext& ctx, int64_t layer, ops::DropoutSite site);
+
+/// The context a recompute draws its dropout masks from: the forward's own, or (RNG
+/// preservation off) a different one, as frameworks that do not preserve RNG state do.
+StepContext recompute_context(const StepContext& ctx, const ActivationStore& st);
 
 template <class Arch>
 class TransformerModel final : public Model {
@@ -84,6 +89,7 @@ class TransformerModel final : public Model {
       auto f = arch_.block_forward(W, l, x, ctx, /*train=*/true);
       x = f.out;
       saved[l] = std::move(f.saved);
+      if (store_) drop_slots(l, saved[l]);
     }
     auto norm = arch_.final_norm_forward(W, x);
     x.reset();
@@ -93,6 +99,10 @@ class TransformerModel final : public Model {
     norm.out.reset();
     const double loss = ce.out.template item<double>();
 
+    if (store_) {
+      std::unordered_set<const void*> seen;
+      for (int64_t l = 0; l < L; ++l) store_->add_kept_bytes(distinct_storage_bytes(saved[l].tensors(), seen));
+    }
     if (measured != nullptr) {
       std::unordered_set<const void*> seen;
       measured->embedding = distinct_storage_bytes(emb.saved.tensors(), seen);
@@ -109,7 +119,8 @@ class TransformerModel final : public Model {
                                               norm.saved, W, grads_);
     norm.saved = {};
     for (int64_t l = L - 1; l >= 0; --l) {
-      dx = arch_.block_backward(dx, saved[l], W, grads_, l);
+      if (saved[l].input_missing) recompute_chunk(W, l, ctx, saved);
+      dx = arch_.block_backward(dx, saved[l], W, grads_, l, ctx, store_.get());
       saved[l] = {};
     }
     arch_.embed_backward(dx, emb.saved, W, grads_);
@@ -133,6 +144,15 @@ class TransformerModel final : public Model {
 
   double forward_flops(int64_t seq) const override { return arch_.forward_flops(seq); }
 
+  void set_activation_plan(const ActivationPlan& plan, const StoreOptions& options) override {
+    TORCH_CHECK(static_cast<int64_t>(plan.layers.size()) == cfg_.n_layer, "The activation plan has ",
+                plan.layers.size(), " layers but the model has ", cfg_.n_layer);
+    bool any = false;
+    for (const auto& lp : plan.layers) any = any || !lp.keeps_all();
+    store_ = any ? std::make_unique<ActivationStore>(plan, options) : nullptr;
+  }
+  ActivationStore* store() override { return store_.get(); }
+
  protected:
   bool hf_transposed(const std::string& name) const override { return Arch::hf_transposed(name); }
   bool ignorable(const std::string& name) const override { return Arch::ignorable(name); }
@@ -145,6 +165,39 @@ class TransformerModel final : public Model {
     TORCH_CHECK(tokens.size(1) <= cfg_.max_seq, "The sequence has ", tokens.size(1),
                 " tokens but the model's context is ", cfg_.max_seq,
                 " (model.max_seq); use sequences of at most ", cfg_.max_seq, " tokens.");
+  }
+
+  // Applies layer l's plan to its freshly saved tensors.
+  void drop_slots(int64_t l, typename Arch::BlockSaved& s) {
+    const LayerPlan& lp = store_->plan().layers[l];
+    for (const auto& slot : lp.dropped) {
+      store_->drop(l, slot, Arch::slot_fields(s, slot));
+      s.missing.insert(slot);
+    }
+    if (lp.chunk_begin >= 0 && lp.chunk_begin != l) {
+      Arch::input(s).reset();
+      s.input_missing = true;
+    }
+  }
+
+  // uniform:N: the backward of a chunk's last layer re-runs the whole chunk's forward from
+  // its first layer's kept input, keeping everything, as one recompute.
+  void recompute_chunk(const Weights& W, int64_t last, const StepContext& ctx,
+                       std::vector<typename Arch::BlockSaved>& saved) {
+    const int64_t first = store_->plan().layers[last].chunk_begin;
+    const StepContext k = recompute_context(ctx, *store_);
+    at::Tensor x = Arch::input(saved[first]);
+    for (int64_t j = first; j <= last; ++j) {
+      auto f = arch_.block_forward(W, j, x, k, /*train=*/true);
+      for (const auto& op : arch_.forward_ops()) store_->count_op(op);
+      for (const auto& slot : saved[j].missing) {
+        std::vector<at::Tensor> ts;
+        for (at::Tensor* t : Arch::slot_fields(f.saved, slot)) ts.push_back(*t);
+        store_->refilled(j, slot, ts);
+      }
+      x = f.out;
+      saved[j] = std::move(f.saved);
+    }
   }
 
   // Final-norm output [B, T, C] without dropout; nothing is kept for a backward.
@@ -174,6 +227,7 @@ class TransformerModel final : public Model {
   }
 
   Arch arch_;
+  std::unique_ptr<ActivationStore> store_;  ///< null: every slot kept
   Weights weights_;
   Weights grads_;
   Weights cast_;

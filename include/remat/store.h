@@ -1,0 +1,80 @@
+// The activation store: applies an ActivationPlan to the Saved structs of each block,
+// records what it dropped, and accounts for every recompute.
+//
+// A block's forward produces all of its slots; the store drops the ones the plan says
+// to drop (remembering their shape, dtype and, with the `values` check, a hash). In the
+// block's backward, asking for a dropped slot re-executes only the forward ops that lead
+// to it, from the tensors that were kept, and stops there (early stop); dropout masks are
+// regenerated from their counter keys, so the recomputed tensors are bitwise the
+// originals. The store checks that, counts it, and never runs a nested backward.
+#pragma once
+
+#include "remat/plan.h"
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace remat {
+
+enum class DeterminismCheck { none, meta, values };
+
+/// Parses "none" / "meta" / "values"; throws std::invalid_argument with the valid names.
+DeterminismCheck parse_determinism_check(const std::string& s);
+
+struct StoreOptions {
+  DeterminismCheck check = DeterminismCheck::none;
+  bool early_stop = true;  ///< false: a recompute runs the block's whole forward
+  /// Recompute dropout with the forward's keys (true), or with other keys (false), which
+  /// changes the masks the way frameworks that do not preserve RNG state do; only for
+  /// demonstrating what the determinism check catches.
+  bool preserve_rng = true;
+};
+
+/// What the store did over the microbatches since reset().
+struct StoreCounters {
+  int64_t bytes_kept = 0;        ///< saved bytes held after each forward (distinct storages), summed
+  int64_t bytes_dropped = 0;     ///< bytes the plan dropped at forward
+  int64_t bytes_recomputed = 0;  ///< bytes recompute wrote back into slots
+  int64_t ops_recomputed = 0;    ///< forward ops re-executed
+  std::map<std::string, int64_t> ops_by_kind;  ///< "linear", "layernorm", "attention", ...
+};
+
+class ActivationStore {
+ public:
+  ActivationStore(ActivationPlan plan, StoreOptions options);
+
+  const ActivationPlan& plan() const { return plan_; }
+  const StoreOptions& options() const { return options_; }
+  const StoreCounters& counters() const { return counters_; }
+  void reset_counters() { counters_ = {}; }
+
+  /// Whether layer `l` drops `slot`.
+  bool drops(int64_t l, const std::string& slot) const;
+
+  /// Forward: drops `slot`'s tensors of layer `l` (the pointed-to fields are reset),
+  /// first recording what the determinism check needs.
+  void drop(int64_t l, const std::string& slot, const std::vector<at::Tensor*>& fields);
+  /// Backward: the recompute refilled `slot` of layer `l` with `tensors`; checks them
+  /// against the record and counts their bytes.
+  void refilled(int64_t l, const std::string& slot, const std::vector<at::Tensor>& tensors);
+  /// Counts one re-executed forward op of `kind`.
+  void count_op(const std::string& kind);
+  void add_kept_bytes(int64_t bytes) { counters_.bytes_kept += bytes; }
+
+ private:
+  struct Record {
+    std::vector<std::vector<int64_t>> sizes;
+    std::vector<at::ScalarType> dtypes;
+    std::vector<uint64_t> hashes;
+  };
+  ActivationPlan plan_;
+  StoreOptions options_;
+  StoreCounters counters_;
+  std::map<std::pair<int64_t, std::string>, Record> records_;
+};
+
+}  // namespace remat

@@ -1,0 +1,90 @@
+#include "remat/store.h"
+
+#include <fmt/format.h>
+
+#include <stdexcept>
+
+namespace remat {
+namespace {
+
+// FNV-1a over the tensor's bytes: only for the `values` check, a debugging mode.
+uint64_t hash_bytes(const at::Tensor& t) {
+  const at::Tensor c = t.contiguous().to(at::kCPU);
+  const auto* p = static_cast<const uint8_t*>(c.data_ptr());
+  const size_t n = static_cast<size_t>(c.numel()) * c.element_size();
+  uint64_t h = 1469598103934665603ULL;
+  for (size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 1099511628211ULL;
+  return h;
+}
+
+std::string shape(const std::vector<int64_t>& s) { return fmt::format("[{}]", fmt::join(s, ", ")); }
+
+}  // namespace
+
+DeterminismCheck parse_determinism_check(const std::string& s) {
+  if (s == "none") return DeterminismCheck::none;
+  if (s == "meta") return DeterminismCheck::meta;
+  if (s == "values") return DeterminismCheck::values;
+  throw std::invalid_argument(fmt::format("ac.check must be none, meta or values, got '{}'.", s));
+}
+
+ActivationStore::ActivationStore(ActivationPlan plan, StoreOptions options)
+    : plan_(std::move(plan)), options_(options) {}
+
+bool ActivationStore::drops(int64_t l, const std::string& slot) const {
+  return plan_.layers[static_cast<size_t>(l)].dropped.count(slot) > 0;
+}
+
+void ActivationStore::drop(int64_t l, const std::string& slot, const std::vector<at::Tensor*>& fields) {
+  Record r;
+  for (at::Tensor* f : fields) {
+    if (!f->defined()) continue;
+    counters_.bytes_dropped += f->numel() * static_cast<int64_t>(f->element_size());
+    if (options_.check != DeterminismCheck::none) {
+      r.sizes.push_back(f->sizes().vec());
+      r.dtypes.push_back(f->scalar_type());
+      if (options_.check == DeterminismCheck::values) r.hashes.push_back(hash_bytes(*f));
+    }
+    f->reset();
+  }
+  if (options_.check != DeterminismCheck::none) records_[{l, slot}] = std::move(r);
+}
+
+void ActivationStore::refilled(int64_t l, const std::string& slot, const std::vector<at::Tensor>& tensors) {
+  std::vector<at::Tensor> defined;
+  for (const auto& t : tensors) {
+    if (t.defined()) defined.push_back(t);
+  }
+  for (const auto& t : defined) counters_.bytes_recomputed += t.numel() * static_cast<int64_t>(t.element_size());
+  if (options_.check == DeterminismCheck::none) return;
+  auto it = records_.find({l, slot});
+  if (it == records_.end()) return;
+  const Record& r = it->second;
+  const std::string where = fmt::format("layer {}, slot {}", l, slot);
+  if (defined.size() != r.sizes.size()) {
+    throw std::runtime_error(fmt::format("Recompute of {} produced {} tensors, the forward saved {}.", where,
+                                         defined.size(), r.sizes.size()));
+  }
+  for (size_t i = 0; i < defined.size(); ++i) {
+    if (defined[i].sizes().vec() != r.sizes[i] || defined[i].scalar_type() != r.dtypes[i]) {
+      throw std::runtime_error(fmt::format(
+          "Recompute of {} is not what the forward saved: tensor {} is {} {} on recompute but was {} {}.", where, i,
+          shape(defined[i].sizes().vec()), std::string(c10::toString(defined[i].scalar_type())), shape(r.sizes[i]),
+          std::string(c10::toString(r.dtypes[i]))));
+    }
+    if (options_.check == DeterminismCheck::values && hash_bytes(defined[i]) != r.hashes[i]) {
+      throw std::runtime_error(fmt::format(
+          "Recompute of {} is not what the forward saved: tensor {} ({}) has different values (hash {:016x}, "
+          "forward {:016x}); the forward is not deterministic or its random keys changed.",
+          where, i, shape(r.sizes[i]), hash_bytes(defined[i]), r.hashes[i]));
+    }
+  }
+  records_.erase(it);
+}
+
+void ActivationStore::count_op(const std::string& kind) {
+  ++counters_.ops_recomputed;
+  ++counters_.ops_by_kind[kind];
+}
+
+}  // namespace remat
