@@ -21,8 +21,10 @@
 //   full          every layer drops every slot (the block input stays)
 //   every:K       layers K, 2K, 3K, ... (counted from 1) are full; 1 <= K <= layers
 //   uniform:N     consecutive chunks of N layers within each pipeline stage; every layer
-//                 of a chunk drops every slot and the chunk is recomputed from its first
-//                 layer's input (the stage's last chunk may be shorter)
+//                 of a chunk drops every slot, the chunk's first layer keeps its input
+//                 (chunk_begin -1, like full) and the others have chunk_begin = that
+//                 layer: the chunk is recomputed from its input (the stage's last chunk
+//                 may be shorter; uniform:1 is the same plan as full)
 //   block:N       the first N layers of each pipeline stage are full
 //   ratio:R       the first ceil(R x layers of the stage) layers of each stage are full;
 //                 0 <= R <= 1

@@ -176,7 +176,10 @@ class Parser {
         for (int64_t j = 0; j < layout_.size[st]; ++j) {
           const int64_t i = layout_.first[st] + j;
           plan.layers[i].dropped = all_slots();
-          plan.layers[i].chunk_begin = layout_.first[st] + (j / size) * size;
+          // The chunk's first layer keeps its input like a full layer (-1); the others
+          // point at it. uniform:1 is therefore the same plan as full.
+          const int64_t begin = layout_.first[st] + (j / size) * size;
+          plan.layers[i].chunk_begin = begin == i ? -1 : begin;
         }
       }
       plan.policy = "uniform:" + std::to_string(size);
@@ -686,10 +689,16 @@ std::string explain_plan(const ActivationPlan& plan) {
   };
   std::vector<Row> rows;
   const auto n = static_cast<int64_t>(plan.layers.size());
+  // The chunk a layer belongs to: its first layer (a chunk's first layer has chunk_begin -1
+  // and is recognised by the next layer pointing at it), or -1.
+  auto chunk_of = [&](int64_t i) -> int64_t {
+    if (plan.layers[i].chunk_begin >= 0) return plan.layers[i].chunk_begin;
+    return i + 1 < n && plan.layers[i + 1].chunk_begin == i ? i : -1;
+  };
   for (int64_t i = 0; i < n;) {
     int64_t j = i;
     while (j + 1 < n && plan.layers[j + 1].dropped == plan.layers[i].dropped &&
-           plan.layers[j + 1].chunk_begin == plan.layers[i].chunk_begin) {
+           plan.layers[j + 1].chunk_begin == plan.layers[i].chunk_begin && chunk_of(j + 1) == chunk_of(i)) {
       ++j;
     }
     const LayerPlan& l = plan.layers[i];
@@ -698,7 +707,7 @@ std::string explain_plan(const ActivationPlan& plan) {
     std::vector<std::string> kept, dropped;
     for (const auto& s : block_slots()) (l.dropped.count(s) ? dropped : kept).push_back(s);
     if (l.chunk_begin >= 0) {
-      r.keeps = fmt::format("chunk input (layer {}'s input) only", l.chunk_begin + 1);
+      r.keeps = fmt::format("nothing (recomputed from layer {}'s input)", l.chunk_begin + 1);
     } else if (dropped.empty()) {
       r.keeps = "all";
     } else if (kept.empty()) {
@@ -707,10 +716,11 @@ std::string explain_plan(const ActivationPlan& plan) {
       r.keeps = "block input, " + join(kept, ", ");
     }
     r.drops = dropped.empty() ? "-" : kept.empty() ? "all" : join(dropped, ", ");
-    if (l.chunk_begin >= 0) {
-      int64_t end = j;
-      while (end + 1 < n && plan.layers[end + 1].chunk_begin == l.chunk_begin) ++end;
-      r.chunk = end == l.chunk_begin ? std::to_string(end + 1) : fmt::format("{}-{}", l.chunk_begin + 1, end + 1);
+    const int64_t chunk = chunk_of(i);
+    if (chunk >= 0) {
+      int64_t end = chunk;
+      while (end + 1 < n && plan.layers[end + 1].chunk_begin == chunk) ++end;
+      r.chunk = fmt::format("{}-{}", chunk + 1, end + 1);
     } else {
       r.chunk = "-";
     }

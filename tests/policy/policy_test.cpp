@@ -91,12 +91,12 @@ TEST(PolicyPlans, UniformChunksPointAtTheirFirstLayer) {
   const auto p = compile_policy("uniform:2", 5);
   EXPECT_EQ(p.policy, "uniform:2");
   EXPECT_EQ(drops(p), std::vector<Slots>(5, all()));
-  EXPECT_EQ(chunks(p), (std::vector<int64_t>{0, 0, 2, 2, 4}));
-  EXPECT_EQ(chunks(compile_policy("uniform:3", 7)), (std::vector<int64_t>{0, 0, 0, 3, 3, 3, 6}));
-  EXPECT_EQ(chunks(compile_policy("uniform:1", 3)), (std::vector<int64_t>{0, 1, 2}));
+  EXPECT_EQ(chunks(p), (std::vector<int64_t>{-1, 0, -1, 2, -1}));
+  EXPECT_EQ(chunks(compile_policy("uniform:3", 7)), (std::vector<int64_t>{-1, 0, 0, -1, 3, 3, -1}));
+  EXPECT_EQ(chunks(compile_policy("uniform:1", 3)), (std::vector<int64_t>{-1, -1, -1}));
   // Chunks stay inside a pipeline stage.
   const auto staged = compile_ac([](AcConfig& a) { a.policy = "uniform:2"; a.stages = 2; }, 6);
-  EXPECT_EQ(chunks(staged), (std::vector<int64_t>{0, 0, 2, 3, 3, 5}));
+  EXPECT_EQ(chunks(staged), (std::vector<int64_t>{-1, 0, -1, -1, 3, -1}));
 }
 
 TEST(PolicyPlans, BlockAndRatioCountPerStage) {
@@ -466,8 +466,15 @@ TEST(PolicyExplain, GroupsIdenticalLayersAndShowsChunks) {
   EXPECT_NE(every.find("\n1       all               -      -\n"), std::string::npos) << every;
   EXPECT_NE(every.find("\n2       block input only  all    -\n"), std::string::npos) << every;
   const std::string uniform = explain_plan(compile_policy("uniform:2", 5));
-  EXPECT_NE(uniform.find("1-2     chunk input (layer 1's input) only  all    1-2\n"), std::string::npos) << uniform;
-  EXPECT_NE(uniform.find("5       chunk input (layer 5's input) only  all    5\n"), std::string::npos) << uniform;
+  EXPECT_EQ(uniform,
+            "policy: uniform:2 (5 layers, numbered from 1)\n"
+            "layers  keeps                                      drops  chunk\n"
+            "1       block input only                           all    1-2\n"
+            "2       nothing (recomputed from layer 1's input)  all    1-2\n"
+            "3       block input only                           all    3-4\n"
+            "4       nothing (recomputed from layer 3's input)  all    3-4\n"
+            "5       block input only                           all    -\n");
+  EXPECT_TRUE(same_layers(compile_policy("uniform:1", 3), compile_policy("full", 3)));
   const std::string mods = explain_plan(compile_policy("modules:[core_attn]", 2));
   EXPECT_NE(mods.find("1-2     block input, attn.norm, attn.qkv_in, attn.qkv, attn.proj_in, attn.resid, mlp.norm, "
                       "mlp.fc_in, mlp.act_in, mlp.proj_in, mlp.resid  attn.probs, attn.dropout  -\n"),
