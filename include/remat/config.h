@@ -12,6 +12,8 @@
 #include <utility>
 #include <vector>
 
+#include "remat/policy.h"
+
 namespace remat {
 
 /// Transformer shape. `arch` is "gpt2" (pre-LN, learned positions, GELU MLP, tied head,
@@ -76,6 +78,7 @@ struct Config {
   TrainConfig train;
   DataConfig data;
   RunConfig run;
+  AcConfig ac;  ///< recompute policy (include/remat/policy.h)
 };
 
 /// One settable key.
@@ -83,7 +86,8 @@ struct ConfigKey {
   std::string name;  ///< "section.field"
   std::string help;
   std::function<void(Config&, const std::string&)> set;  ///< parses and stores; throws on bad value
-  std::function<std::string(const Config&)> get;         ///< TOML literal of the current value
+  std::function<std::string(const Config&)> get;         ///< TOML literal of the current value;
+                                                         ///< empty: unset (an optional alias key)
 };
 
 /// Every key, in documentation order.
@@ -100,10 +104,12 @@ ModelConfig model_preset(const std::string& name);
 /// std::invalid_argument sentences. The result is validated (validate_config).
 Config load_config(const std::string& toml_path, const std::vector<std::string>& overrides);
 
-/// Refuses inconsistent settings with a sentence (heads not dividing d_model, ...).
+/// Refuses inconsistent settings with a sentence (heads not dividing d_model, ...), the
+/// recompute policy included (compile_policy against model.n_layer and model.dropout).
 void validate_config(const Config& c);
 
-/// The resolved configuration as TOML (every key, with its value).
+/// The resolved configuration as TOML (every key, with its value; unset alias keys are
+/// written as comments, `# key = (unset)`). List keys are written as TOML arrays.
 std::string config_to_toml(const Config& c);
 
 }  // namespace remat

@@ -97,6 +97,82 @@ ConfigKey key(std::string name, S Config::*section, T S::*field, std::string hel
   return k;
 }
 
+// TOML literal of a comma list: numbers bare, words quoted.
+std::string list_literal(const std::string& v) {
+  std::vector<std::string> items;
+  std::string cur;
+  auto push = [&] {
+    const auto b = cur.find_first_not_of(" \t");
+    const auto e = cur.find_last_not_of(" \t");
+    const std::string item = b == std::string::npos ? "" : cur.substr(b, e - b + 1);
+    if (!item.empty()) items.push_back(item);
+    cur.clear();
+  };
+  std::string body = v;
+  if (body.size() >= 2 && body.front() == '[' && body.back() == ']') body = body.substr(1, body.size() - 2);
+  for (char ch : body) {
+    if (ch == ',') {
+      push();
+    } else {
+      cur += ch;
+    }
+  }
+  push();
+  std::string out = "[";
+  for (size_t i = 0; i < items.size(); ++i) {
+    const auto& it = items[i];
+    const bool num = it.find_first_not_of("+-0123456789") == std::string::npos &&
+                     it.find_first_of("0123456789") != std::string::npos;
+    out += (i ? ", " : "") + (num ? it : quote(it));
+  }
+  return out + "]";
+}
+
+// How an optional [ac] alias key is written back.
+enum class Literal { Plain, List, WordOrInt };
+
+// An optional alias key: unset until given; an empty value unsets it again.
+template <class T>
+ConfigKey ac_key(std::string name, std::optional<T> AcConfig::*field, std::string help,
+                 Literal literal = Literal::Plain) {
+  ConfigKey k;
+  k.name = name;
+  k.help = std::move(help);
+  k.set = [name, field](Config& c, const std::string& v) {
+    std::optional<T>& dst = c.ac.*field;
+    if (v.empty()) {
+      dst.reset();
+    } else if constexpr (std::is_same_v<T, std::string>) {
+      dst = v;
+    } else if constexpr (std::is_same_v<T, bool>) {
+      dst = parse_bool(name, v);
+    } else if constexpr (std::is_integral_v<T>) {
+      dst = parse_int(name, v);
+    } else {
+      dst = parse_double(name, v);
+    }
+  };
+  k.get = [field, literal](const Config& c) -> std::string {
+    const std::optional<T>& src = c.ac.*field;
+    if (!src) return "";
+    if constexpr (std::is_same_v<T, std::string>) {
+      if (literal == Literal::List) return list_literal(*src);
+      if (literal == Literal::WordOrInt && !src->empty() &&
+          src->find_first_not_of("0123456789") == std::string::npos) {
+        return *src;
+      }
+      return quote(*src);
+    } else if constexpr (std::is_same_v<T, bool>) {
+      return *src ? "true" : "false";
+    } else if constexpr (std::is_integral_v<T>) {
+      return std::to_string(*src);
+    } else {
+      return number(*src);
+    }
+  };
+  return k;
+}
+
 std::vector<ConfigKey> make_keys() {
   using C = Config;
   return {
@@ -140,6 +216,33 @@ std::vector<ConfigKey> make_keys() {
       key("run.sample_tokens", &C::run, &RunConfig::sample_tokens, "tokens sampled at the end"),
       key("run.prompt", &C::run, &RunConfig::prompt, "prompt of the final sample"),
       key("run.progress", &C::run, &RunConfig::progress, "progress bar on a terminal"),
+      key("ac.policy", &C::ac, &AcConfig::policy, "recompute policy (README: Recompute policies)"),
+      key("ac.preserve_rng_state", &C::ac, &AcConfig::preserve_rng_state, "replay dropout RNG in recompute"),
+      key("ac.allow_rng_mismatch", &C::ac, &AcConfig::allow_rng_mismatch, "allow dropout without RNG replay"),
+      key("ac.check", &C::ac, &AcConfig::check, "verify recompute: none, meta or values"),
+      key("ac.early_stop", &C::ac, &AcConfig::early_stop, "stop recompute once outputs exist"),
+      key("ac.stages", &C::ac, &AcConfig::stages, "pipeline stages the layers split into"),
+      ac_key("ac.enable_activation_checkpointing", &AcConfig::enable_activation_checkpointing,
+             "torchtune: true alone = full"),
+      ac_key("ac.ac_mode", &AcConfig::ac_mode, "torchtune: full or selective"),
+      ac_key("ac.ac_option", &AcConfig::ac_option, "torchtune: K (every:K) or op", Literal::WordOrInt),
+      ac_key("ac.recompute_granularity", &AcConfig::recompute_granularity, "Megatron: full or selective"),
+      ac_key("ac.recompute_method", &AcConfig::recompute_method, "Megatron: uniform or block"),
+      ac_key("ac.recompute_num_layers", &AcConfig::recompute_num_layers, "Megatron: N of the method"),
+      ac_key("ac.recompute_modules", &AcConfig::recompute_modules, "Megatron: selective modules",
+             Literal::List),
+      ac_key("ac.recompute_activations", &AcConfig::recompute_activations, "Megatron: selective core_attn"),
+      ac_key("ac.distribute_saved_activations", &AcConfig::distribute_saved_activations,
+             "Megatron: needs tensor parallelism"),
+      ac_key("ac.gradient_checkpointing_ratio", &AcConfig::gradient_checkpointing_ratio,
+             "ColossalAI: ratio:R"),
+      ac_key("ac.num_ckpt_layers_per_stage", &AcConfig::num_ckpt_layers_per_stage,
+             "ColossalAI: recomputed layers per stage", Literal::List),
+      ac_key("ac.num_layers_per_stage", &AcConfig::num_layers_per_stage, "ColossalAI: layers per stage",
+             Literal::List),
+      ac_key("ac.recompute_layer", &AcConfig::recompute_layer, "nanotron: true = full"),
+      ac_key("ac.tp_recompute_allgather", &AcConfig::tp_recompute_allgather,
+             "nanotron: needs tensor parallelism"),
   };
 }
 
@@ -198,8 +301,28 @@ void flatten(const toml::table& t, const std::string& prefix, const std::string&
       out.emplace_back(name, std::to_string(*i));
     } else if (auto d = node.value_exact<double>()) {
       out.emplace_back(name, fmt::format("{}", *d));
+    } else if (const auto* arr = node.as_array()) {
+      // A list key: an array of scalars becomes the comma-joined string an override gives.
+      std::string joined;
+      for (size_t i = 0; i < arr->size(); ++i) {
+        const auto& item = *arr->get(i);
+        std::string text;
+        if (auto is = item.value_exact<std::string>()) {
+          text = *is;
+        } else if (auto ii = item.value_exact<int64_t>()) {
+          text = std::to_string(*ii);
+        } else if (auto id = item.value_exact<double>()) {
+          text = fmt::format("{}", *id);
+        } else if (auto ib = item.value_exact<bool>()) {
+          text = *ib ? "true" : "false";
+        } else {
+          fail(fmt::format("{}: '{}' must be an array of strings, numbers or booleans.", path, name));
+        }
+        joined += (i ? "," : "") + text;
+      }
+      out.emplace_back(name, joined);
     } else {
-      fail(fmt::format("{}: '{}' must be a string, number or boolean.", path, name));
+      fail(fmt::format("{}: '{}' must be a string, number, boolean or array of them.", path, name));
     }
   }
 }
@@ -320,6 +443,8 @@ void validate_config(const Config& c) {
     fail(fmt::format("run.device must be cpu or cuda[:N], got '{}'.", c.run.device));
   }
   if (c.run.sample_tokens < 0) fail("run.sample_tokens must be >= 0.");
+  // The recompute policy is compiled once here, so a bad one is refused before anything runs.
+  compile_policy(c.ac, m.n_layer, m.dropout);
   if (c.run.name.find_first_not_of("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-") !=
           std::string::npos ||
       c.run.name == "." || c.run.name == "..") {
@@ -337,7 +462,12 @@ std::string config_to_toml(const Config& c) {
       out += fmt::format("\n[{}]\n", sec);
       section = sec;
     }
-    out += fmt::format("{} = {}\n", k.name.substr(dot + 1), k.get(c));
+    const std::string value = k.get(c);
+    if (value.empty()) {
+      out += fmt::format("# {} = (unset)\n", k.name.substr(dot + 1));
+    } else {
+      out += fmt::format("{} = {}\n", k.name.substr(dot + 1), value);
+    }
   }
   return out;
 }

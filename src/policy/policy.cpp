@@ -1,0 +1,745 @@
+#include "remat/policy.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <functional>
+#include <stdexcept>
+#include <utility>
+#include <vector>
+
+namespace remat {
+namespace {
+
+[[noreturn]] void fail(const std::string& msg) { throw std::invalid_argument(msg); }
+
+std::string join(const std::vector<std::string>& parts, const std::string& sep) {
+  std::string out;
+  for (size_t i = 0; i < parts.size(); ++i) out += (i ? sep : "") + parts[i];
+  return out;
+}
+
+std::string strip_spaces(const std::string& s) {
+  std::string out;
+  for (char c : s) {
+    if (!std::isspace(static_cast<unsigned char>(c))) out += c;
+  }
+  return out;
+}
+
+bool starts_with(const std::string& s, const std::string& prefix) { return s.rfind(prefix, 0) == 0; }
+
+// Splits at `sep` outside brackets.
+std::vector<std::string> split_top(const std::string& s, char sep) {
+  std::vector<std::string> out;
+  std::string cur;
+  int depth = 0;
+  for (char c : s) {
+    if (c == '[') ++depth;
+    if (c == ']') --depth;
+    if (c == sep && depth == 0) {
+      out.push_back(cur);
+      cur.clear();
+    } else {
+      cur += c;
+    }
+  }
+  out.push_back(cur);
+  return out;
+}
+
+// A whole number with an optional sign; saturates far beyond any layer count.
+std::optional<int64_t> parse_int(const std::string& text) {
+  size_t i = 0;
+  bool neg = false;
+  if (i < text.size() && (text[i] == '-' || text[i] == '+')) neg = text[i++] == '-';
+  if (i == text.size()) return std::nullopt;
+  int64_t v = 0;
+  for (; i < text.size(); ++i) {
+    if (!std::isdigit(static_cast<unsigned char>(text[i]))) return std::nullopt;
+    v = std::min<int64_t>(v * 10 + (text[i] - '0'), int64_t{1} << 40);
+  }
+  return neg ? -v : v;
+}
+
+std::optional<double> parse_real(const std::string& text) {
+  size_t used = 0;
+  double v = 0;
+  try {
+    v = std::stod(text, &used);
+  } catch (const std::exception&) {
+    return std::nullopt;
+  }
+  if (used != text.size() || !std::isfinite(v)) return std::nullopt;
+  return v;
+}
+
+// "a, b" (an override) or the comma-joined TOML array: the entries, spaces trimmed.
+std::vector<std::string> split_list(const std::string& s) {
+  std::string t = strip_spaces(s);
+  if (t.size() >= 2 && t.front() == '[' && t.back() == ']') t = t.substr(1, t.size() - 2);
+  if (t.empty()) return {};
+  return split_top(t, ',');
+}
+
+std::vector<int64_t> int_list(const std::string& key, const std::string& value) {
+  std::vector<int64_t> out;
+  for (const auto& e : split_list(value)) {
+    const auto v = parse_int(e);
+    if (!v) fail(fmt::format("{} must be a list of whole numbers (e.g. \"4,4\" or [4, 4]), got '{}'.", key, value));
+    out.push_back(*v);
+  }
+  return out;
+}
+
+std::string list_text(const std::vector<int64_t>& v) {
+  std::vector<std::string> parts;
+  for (auto x : v) parts.push_back(std::to_string(x));
+  return "[" + join(parts, ", ") + "]";
+}
+
+const std::vector<std::pair<std::string, std::vector<std::string>>>& op_kinds() {
+  static const std::vector<std::pair<std::string, std::vector<std::string>>> ops = {
+      {"matmul", {"attn.qkv", "mlp.act_in"}},
+      {"attention", {"attn.proj_in"}},
+      {"softmax", {"attn.probs"}},
+      {"dropout", {"attn.dropout", "attn.resid", "mlp.resid"}},
+      {"norm", {"attn.norm", "attn.qkv_in", "mlp.fc_in"}},
+      {"act", {"mlp.proj_in"}},
+      {"add", {"mlp.norm"}},
+  };
+  return ops;
+}
+
+std::set<std::string> all_slots() {
+  const auto& s = block_slots();
+  return {s.begin(), s.end()};
+}
+
+/// How the layers are split across pipeline stages.
+struct Layout {
+  std::vector<int64_t> first;  ///< first layer of each stage
+  std::vector<int64_t> size;   ///< layers of each stage
+  int64_t smallest() const { return *std::min_element(size.begin(), size.end()); }
+};
+
+/// A per-layer slot choice of a selective policy (the layer index matters for matmul/2).
+struct Selective {
+  std::string canonical;
+  std::function<std::set<std::string>(int64_t)> dropped;
+};
+
+class Parser {
+ public:
+  Parser(std::string origin, int64_t n_layers, Layout layout)
+      : origin_(std::move(origin)), n_(n_layers), layout_(std::move(layout)) {}
+
+  ActivationPlan parse(const std::string& raw) {
+    const std::string s = strip_spaces(raw);
+    if (s.empty()) fail(fmt::format("{}: the policy is empty; {}", origin_, valid_forms()));
+    ActivationPlan plan;
+    plan.layers.assign(static_cast<size_t>(n_), LayerPlan{});
+    const auto plus = split_top(s, '+');
+    if (plus.size() > 2) {
+      fail(fmt::format("{}: a composition has exactly one '+' (X+Y: the layers X selects are full, "
+                       "the others follow Y), got {} terms.", origin_, plus.size()));
+    }
+    if (plus.size() == 2) {
+      const auto selected = select(plus[0]);
+      const auto rest = selective(plus[1]);
+      if (!selected || !rest) {
+        fail(fmt::format("{}: in a composition X+Y, X must select layers (every:K, block:N or ratio:R) "
+                         "and Y must be selective (modules:[...] or ops:[...]); got X = '{}' and Y = '{}'.",
+                         origin_, plus[0], plus[1]));
+      }
+      for (int64_t i = 0; i < n_; ++i) {
+        plan.layers[i].dropped = selected->second[i] ? all_slots() : rest->dropped(i);
+      }
+      plan.policy = selected->first + "+" + rest->canonical;
+      return plan;
+    }
+    if (s == "none") {
+      plan.policy = "none";
+      return plan;
+    }
+    if (s == "full") {
+      for (auto& l : plan.layers) l.dropped = all_slots();
+      plan.policy = "full";
+      return plan;
+    }
+    if (starts_with(s, "uniform:")) {
+      const int64_t size = count(s, "uniform", "N", s.substr(8),
+                                 "uniform:N recomputes chunks of N consecutive layers from each chunk's input");
+      for (size_t st = 0; st < layout_.size.size(); ++st) {
+        for (int64_t j = 0; j < layout_.size[st]; ++j) {
+          const int64_t i = layout_.first[st] + j;
+          plan.layers[i].dropped = all_slots();
+          // The chunk's first layer keeps its input like a full layer (-1); the others
+          // point at it. uniform:1 is therefore the same plan as full.
+          const int64_t begin = layout_.first[st] + (j / size) * size;
+          plan.layers[i].chunk_begin = begin == i ? -1 : begin;
+        }
+      }
+      plan.policy = "uniform:" + std::to_string(size);
+      return plan;
+    }
+    if (starts_with(s, "layers:")) return layers(s);
+    if (const auto sel = select(s)) {
+      for (int64_t i = 0; i < n_; ++i) {
+        if (sel->second[i]) plan.layers[i].dropped = all_slots();
+      }
+      plan.policy = sel->first;
+      return plan;
+    }
+    if (const auto part = selective(s)) {
+      for (int64_t i = 0; i < n_; ++i) plan.layers[i].dropped = part->dropped(i);
+      plan.policy = part->canonical;
+      return plan;
+    }
+    fail(fmt::format("{}: '{}' is not a recompute policy; {}", origin_, s, valid_forms()));
+  }
+
+ private:
+  static std::string valid_forms() {
+    return "valid forms are none, full, every:K, uniform:N, block:N, ratio:R, modules:[...], ops:[...], "
+           "layers:[...] and X+Y (X one of every:K, block:N, ratio:R; Y one of modules:[...], ops:[...]).";
+  }
+
+  std::string model_size() const {
+    return layout_.size.size() == 1 ? fmt::format("the model, which has {} layers", n_)
+                                    : fmt::format("the smallest pipeline stage, which has {} layers",
+                                                  layout_.smallest());
+  }
+
+  // The whole number of every:K / uniform:N / block:N, checked against the model.
+  int64_t count(const std::string& whole, const std::string& kind, const char* letter, const std::string& text,
+                const std::string& meaning) const {
+    const auto v = parse_int(text);
+    if (!v) {
+      fail(fmt::format("{}: {} must be a whole number ({}), got '{}'.", origin_, letter, meaning, text));
+    }
+    if (*v < 1) {
+      fail(fmt::format("{}: {} = {} must be at least 1 ({}); use none to recompute nothing.", origin_, letter,
+                       *v, meaning));
+    }
+    const int64_t limit = kind == "every" ? n_ : layout_.smallest();
+    if (*v > limit) {
+      fail(fmt::format("{}: {} = {} is larger than {}; use {} between 1 and {}.", origin_, letter, *v,
+                       kind == "every" ? fmt::format("the model, which has {} layers", n_) : model_size(),
+                       letter, limit));
+    }
+    return *v;
+  }
+
+  // every:K, block:N, ratio:R -> canonical spelling and which layers are fully recomputed.
+  std::optional<std::pair<std::string, std::vector<bool>>> select(const std::string& s) const {
+    std::vector<bool> full(static_cast<size_t>(n_), false);
+    if (starts_with(s, "every:")) {
+      const int64_t k = count(s, "every", "K", s.substr(6),
+                              "every:K recomputes layers K, 2K, 3K, ... counted from 1");
+      for (int64_t i = k - 1; i < n_; i += k) full[i] = true;
+      return std::make_pair("every:" + std::to_string(k), full);
+    }
+    if (starts_with(s, "block:")) {
+      const int64_t b = count(s, "block", "N", s.substr(6),
+                              "block:N recomputes the first N layers of each pipeline stage");
+      for (size_t st = 0; st < layout_.size.size(); ++st) {
+        for (int64_t j = 0; j < b; ++j) full[layout_.first[st] + j] = true;
+      }
+      return std::make_pair("block:" + std::to_string(b), full);
+    }
+    if (starts_with(s, "ratio:")) {
+      const auto r = parse_real(s.substr(6));
+      if (!r || *r < 0.0 || *r > 1.0) {
+        fail(fmt::format("{}: R = {} is not a number in [0, 1]; ratio:R recomputes the first ceil(R x layers) "
+                         "layers of each pipeline stage, e.g. ratio:0.5 for half of them.",
+                         origin_, s.substr(6)));
+      }
+      for (size_t st = 0; st < layout_.size.size(); ++st) {
+        // The small slack keeps 0.3 x 10 at 3 although the product rounds to 3.0000000000000004.
+        const auto take = static_cast<int64_t>(std::ceil(*r * static_cast<double>(layout_.size[st]) - 1e-9));
+        for (int64_t j = 0; j < take; ++j) full[layout_.first[st] + j] = true;
+      }
+      return std::make_pair(fmt::format("ratio:{}", *r), full);
+    }
+    return std::nullopt;
+  }
+
+  // The names inside "kind:[a,b]", checked against `table`, in the table's order.
+  std::vector<std::string> names(const std::string& s, size_t prefix, const std::string& what,
+                                 const std::vector<std::string>& valid) const {
+    if (s.size() < prefix + 2 || s[prefix] != '[' || s.back() != ']') {
+      fail(fmt::format("{}: '{}' must list {}s in brackets, e.g. {}[{}].", origin_, s, what, s.substr(0, prefix),
+                       valid.front()));
+    }
+    const std::string body = s.substr(prefix + 1, s.size() - prefix - 2);
+    std::set<std::string> given;
+    for (const auto& n : split_top(body, ',')) {
+      if (std::find(valid.begin(), valid.end(), n) == valid.end()) {
+        fail(fmt::format("{}: unknown {} '{}'; valid {}s are {}.", origin_, what, n, what, join(valid, ", ")));
+      }
+      given.insert(n);
+    }
+    std::vector<std::string> out;
+    for (const auto& v : valid) {
+      if (given.count(v)) out.push_back(v);
+    }
+    return out;
+  }
+
+  std::optional<Selective> selective(const std::string& s) const {
+    if (starts_with(s, "modules:")) {
+      std::vector<std::string> valid;
+      for (const auto& m : block_modules()) valid.push_back(m.first);
+      const auto mods = names(s, 8, "module", valid);
+      std::set<std::string> dropped;
+      for (const auto& m : block_modules()) {
+        if (std::find(mods.begin(), mods.end(), m.first) != mods.end()) {
+          dropped.insert(m.second.begin(), m.second.end());
+        }
+      }
+      return Selective{"modules:[" + join(mods, ",") + "]", [dropped](int64_t) { return dropped; }};
+    }
+    if (starts_with(s, "ops:")) {
+      std::vector<std::string> valid;
+      for (const auto& o : op_kinds()) {
+        valid.push_back(o.first);
+        if (o.first == "matmul") valid.push_back("matmul/2");
+      }
+      const auto ops = names(s, 4, "op kind", valid);
+      const bool every_other = std::find(ops.begin(), ops.end(), "matmul/2") != ops.end();
+      if (every_other && std::find(ops.begin(), ops.end(), "matmul") != ops.end()) {
+        fail(fmt::format("{}: '{}' lists both matmul (keep every layer's matmul outputs) and matmul/2 (keep "
+                         "them in every other layer); give one of them.", origin_, s));
+      }
+      std::set<std::string> kept_always;
+      for (const auto& o : op_kinds()) {
+        if (std::find(ops.begin(), ops.end(), o.first) != ops.end()) {
+          kept_always.insert(o.second.begin(), o.second.end());
+        }
+      }
+      const std::vector<std::string> matmul_slots = op_kinds().front().second;
+      auto dropped = [kept_always, every_other, matmul_slots](int64_t layer) {
+        std::set<std::string> kept = kept_always;
+        if (every_other && layer % 2 == 0) kept.insert(matmul_slots.begin(), matmul_slots.end());
+        std::set<std::string> out;
+        for (const auto& slot : block_slots()) {
+          if (!kept.count(slot)) out.insert(slot);
+        }
+        return out;
+      };
+      return Selective{"ops:[" + join(ops, ",") + "]", dropped};
+    }
+    return std::nullopt;
+  }
+
+  ActivationPlan layers(const std::string& s) const {
+    if (s.size() < 9 || s[7] != '[' || s.back() != ']') {
+      fail(fmt::format("{}: '{}' must list one entry per layer in brackets, e.g. layers:[full,none,modules:core_attn].",
+                       origin_, s));
+    }
+    const auto entries = split_top(s.substr(8, s.size() - 9), ',');
+    if (static_cast<int64_t>(entries.size()) != n_) {
+      fail(fmt::format("{}: layers:[...] lists {} entries but the model has {} layers; give exactly one entry "
+                       "per layer.", origin_, entries.size(), n_));
+    }
+    ActivationPlan plan;
+    plan.layers.assign(static_cast<size_t>(n_), LayerPlan{});
+    std::vector<std::string> canon;
+    for (int64_t i = 0; i < n_; ++i) {
+      std::string e = entries[i];
+      if (e == "full") {
+        plan.layers[i].dropped = all_slots();
+        canon.push_back(e);
+        continue;
+      }
+      if (e == "none") {
+        canon.push_back(e);
+        continue;
+      }
+      if (starts_with(e, "modules:") && e.size() > 8 && e[8] != '[') e = "modules:[" + e.substr(8) + "]";
+      const auto part = selective(e);
+      if (!part) {
+        fail(fmt::format("{}: entry {} of layers:[...] is '{}'; an entry is full, none, modules:NAME, "
+                         "modules:[...] or ops:[...].", origin_, i + 1, e));
+      }
+      plan.layers[i].dropped = part->dropped(i);
+      canon.push_back(part->canonical);
+    }
+    plan.policy = "layers:[" + join(canon, ",") + "]";
+    return plan;
+  }
+
+  std::string origin_;
+  int64_t n_;
+  Layout layout_;
+};
+
+std::string quoted(const std::optional<std::string>& v) { return "\"" + *v + "\""; }
+// ac.ac_option as written: a number bare, a word quoted.
+std::string option_text(const std::optional<std::string>& v) { return parse_int(*v) ? *v : quoted(v); }
+std::string boolean(bool b) { return b ? "true" : "false"; }
+
+/// A policy asked for by one spelling: where it came from and its plan.
+struct Candidate {
+  std::string origin;
+  ActivationPlan plan;
+};
+
+Layout stage_layout(const AcConfig& ac, int64_t n) {
+  if (ac.stages < 1) fail(fmt::format("ac.stages must be at least 1 (pipeline stages), got {}.", ac.stages));
+  if (ac.stages > n) {
+    fail(fmt::format("ac.stages = {} is more pipeline stages than the model has layers ({}); use at most {}.",
+                     ac.stages, n, n));
+  }
+  Layout layout;
+  if (ac.num_layers_per_stage) {
+    const auto sizes = int_list("ac.num_layers_per_stage", *ac.num_layers_per_stage);
+    if (static_cast<int64_t>(sizes.size()) != ac.stages) {
+      fail(fmt::format("ac.num_layers_per_stage = {} lists {} stages but ac.stages = {}; give one entry per "
+                       "pipeline stage.", list_text(sizes), sizes.size(), ac.stages));
+    }
+    int64_t sum = 0;
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      if (sizes[i] < 1) {
+        fail(fmt::format("ac.num_layers_per_stage = {}: stage {} has {} layers; every stage needs at least one.",
+                         list_text(sizes), i + 1, sizes[i]));
+      }
+      sum += sizes[i];
+    }
+    if (sum != n) {
+      fail(fmt::format("ac.num_layers_per_stage = {} sums to {} layers but the model has {}; the stages must "
+                       "split exactly the model's layers.", list_text(sizes), sum, n));
+    }
+    layout.size = sizes;
+  } else {
+    if (n % ac.stages != 0) {
+      fail(fmt::format("The model's {} layers do not split evenly across ac.stages = {}; give the split with "
+                       "ac.num_layers_per_stage (e.g. \"{}\") or use a stage count that divides {}.", n, ac.stages,
+                       [&] {
+                         std::vector<std::string> parts;
+                         for (int64_t s = 0; s < ac.stages; ++s) {
+                           parts.push_back(std::to_string(n / ac.stages + (s < n % ac.stages ? 1 : 0)));
+                         }
+                         return join(parts, ",");
+                       }(),
+                       n));
+    }
+    layout.size.assign(static_cast<size_t>(ac.stages), n / ac.stages);
+  }
+  int64_t first = 0;
+  for (auto s : layout.size) {
+    layout.first.push_back(first);
+    first += s;
+  }
+  return layout;
+}
+
+void torchtune(const AcConfig& ac, std::vector<Candidate>& out, const std::function<ActivationPlan(std::string, std::string)>& compile) {
+  const bool mode_or_option = ac.ac_mode || ac.ac_option;
+  const std::string what = ac.ac_mode     ? "ac.ac_mode = " + quoted(ac.ac_mode)
+                           : ac.ac_option ? "ac.ac_option = " + option_text(ac.ac_option)
+                                          : "";
+  if (!ac.enable_activation_checkpointing) {
+    if (mode_or_option) {
+      fail(fmt::format("{} is given without ac.enable_activation_checkpointing; set "
+                       "ac.enable_activation_checkpointing = true with it (or use ac.policy).", what));
+    }
+    return;
+  }
+  if (!*ac.enable_activation_checkpointing) {
+    if (mode_or_option) {
+      fail(fmt::format("ac.enable_activation_checkpointing = false turns recompute off, but {} asks for it: two "
+                       "spellings of the same setting disagree. Set ac.enable_activation_checkpointing = true to use "
+                       "it, or drop {}.", what, ac.ac_mode ? "ac.ac_mode" : "ac.ac_option"));
+    }
+    out.push_back({"ac.enable_activation_checkpointing = false", compile("none", "ac.enable_activation_checkpointing = false")});
+    return;
+  }
+  if (!ac.ac_mode) {
+    if (ac.ac_option) {
+      fail(fmt::format("ac.ac_option = {} needs ac.ac_mode = \"selective\"; it chooses which layers or ops "
+                       "selective recompute covers.", option_text(ac.ac_option)));
+    }
+    out.push_back({"ac.enable_activation_checkpointing = true", compile("full", "ac.enable_activation_checkpointing = true")});
+    return;
+  }
+  if (*ac.ac_mode == "full") {
+    if (ac.ac_option) {
+      fail(fmt::format("ac.ac_option = {} applies only to ac.ac_mode = \"selective\"; with ac.ac_mode = \"full\" "
+                       "every layer is recomputed. Drop ac.ac_option or set ac.ac_mode = \"selective\".",
+                       option_text(ac.ac_option)));
+    }
+    out.push_back({"ac.ac_mode = \"full\"", compile("full", "ac.ac_mode = \"full\"")});
+    return;
+  }
+  if (*ac.ac_mode != "selective") {
+    fail(fmt::format("ac.ac_mode must be \"full\" or \"selective\", got {}.", quoted(ac.ac_mode)));
+  }
+  if (!ac.ac_option) {
+    fail("ac.ac_mode = \"selective\" needs ac.ac_option: a whole number K (recompute every K-th layer, every:K) "
+         "or \"op\" (keep matmul and attention outputs, ops:[matmul,attention]).");
+  }
+  const std::string origin = "ac.ac_option = " + option_text(ac.ac_option);
+  if (*ac.ac_option == "op") {
+    out.push_back({origin, compile("ops:[matmul,attention]", origin)});
+    return;
+  }
+  if (!parse_int(*ac.ac_option)) {
+    fail(fmt::format("{}: ac.ac_option must be a whole number K (every K-th layer) or \"op\".", origin));
+  }
+  out.push_back({origin, compile("every:" + *ac.ac_option, origin)});
+}
+
+void megatron(const AcConfig& ac, std::vector<Candidate>& out, int64_t tensor_parallel,
+              const std::function<ActivationPlan(std::string, std::string)>& compile) {
+  std::optional<std::string> gran = ac.recompute_granularity;
+  std::string gran_origin = gran ? "ac.recompute_granularity = " + quoted(gran) : "";
+  if (ac.recompute_activations && *ac.recompute_activations) {
+    if (gran && *gran != "selective") {
+      fail(fmt::format("ac.recompute_activations = true means selective recompute, but {} asks for another "
+                       "granularity: two spellings of the same setting disagree. Drop one of them.", gran_origin));
+    }
+    if (!gran) gran_origin = "ac.recompute_activations = true";
+    gran = "selective";
+  }
+  if (gran && *gran != "full" && *gran != "selective") {
+    fail(fmt::format("ac.recompute_granularity must be \"full\" or \"selective\", got {}.", quoted(gran)));
+  }
+  if (ac.recompute_num_layers && *ac.recompute_num_layers < 1) {
+    fail(fmt::format("ac.recompute_num_layers must be at least 1, got {}; it is the chunk size of "
+                     "recompute_method = \"uniform\" or the layers per stage of \"block\".", *ac.recompute_num_layers));
+  }
+  const bool selective = gran && *gran == "selective";
+  if (ac.recompute_method && (selective || !gran)) {
+    fail(fmt::format("ac.recompute_method = {} is given with {}; a recompute method chooses layers to recompute "
+                     "whole, which only full granularity does. Set ac.recompute_granularity = \"full\" with the "
+                     "method, or drop ac.recompute_method (to combine both, write e.g. "
+                     "ac.policy = \"block:2+modules:[core_attn]\").",
+                     quoted(ac.recompute_method),
+                     selective ? "selective granularity (" + gran_origin + ")" : "no ac.recompute_granularity"));
+  }
+  if (ac.recompute_num_layers && (selective || !gran)) {
+    fail(fmt::format("ac.recompute_num_layers = {} is given with {}; it only counts layers for full granularity "
+                     "with a recompute method. Drop it, or set ac.recompute_granularity = \"full\" and "
+                     "ac.recompute_method.", *ac.recompute_num_layers,
+                     selective ? "selective granularity (" + gran_origin + ")" : "no ac.recompute_granularity"));
+  }
+  if (gran && *gran == "full") {
+    if (ac.recompute_modules) {
+      fail(fmt::format("ac.recompute_modules = {} applies only to selective granularity, but "
+                       "ac.recompute_granularity = \"full\" recomputes whole layers. Drop one of them.",
+                       quoted(ac.recompute_modules)));
+    }
+    if (!ac.recompute_method || !ac.recompute_num_layers) {
+      fail(fmt::format("ac.recompute_granularity = \"full\" needs {}: \"uniform\" with N recomputes chunks of N "
+                       "layers, \"block\" with N the first N layers of each stage (e.g. recompute_method = "
+                       "\"uniform\", recompute_num_layers = 1). To recompute every layer, use ac.policy = \"full\".",
+                       !ac.recompute_method && !ac.recompute_num_layers
+                           ? "ac.recompute_method and ac.recompute_num_layers"
+                           : !ac.recompute_method ? "ac.recompute_method" : "ac.recompute_num_layers"));
+    }
+    if (*ac.recompute_method != "uniform" && *ac.recompute_method != "block") {
+      fail(fmt::format("ac.recompute_method must be \"uniform\" or \"block\", got {}.", quoted(ac.recompute_method)));
+    }
+    const std::string origin = fmt::format("ac.recompute_method = {} with ac.recompute_num_layers = {}",
+                                           quoted(ac.recompute_method), *ac.recompute_num_layers);
+    out.push_back({origin, compile(*ac.recompute_method + ":" + std::to_string(*ac.recompute_num_layers), origin)});
+  } else if (selective || ac.recompute_modules) {
+    std::string mods = "core_attn";
+    std::string origin = gran_origin;
+    if (ac.recompute_modules) {
+      mods = join(split_list(*ac.recompute_modules), ",");
+      origin = "ac.recompute_modules = " + quoted(ac.recompute_modules);
+      if (mods.empty()) {
+        fail("ac.recompute_modules is empty; list the submodules to recompute (e.g. \"core_attn\"), or drop it.");
+      }
+    }
+    out.push_back({origin, compile("modules:[" + mods + "]", origin)});
+  }
+  if (ac.distribute_saved_activations && *ac.distribute_saved_activations) {
+    if (tensor_parallel <= 1) {
+      fail(fmt::format("ac.distribute_saved_activations = true splits the saved layer inputs across tensor-parallel "
+                       "ranks, but this run has no tensor parallelism (tensor_parallel = {}): the setting is accepted "
+                       "as config and refused at run until tensor parallelism exists. Set it to false.",
+                       tensor_parallel));
+    }
+    if (!gran || *gran != "full") {
+      fail("ac.distribute_saved_activations = true distributes the inputs of layers recomputed whole; it needs "
+           "ac.recompute_granularity = \"full\" with a recompute method.");
+    }
+  }
+}
+
+void colossalai(const AcConfig& ac, const Layout& layout, std::vector<Candidate>& out,
+                const std::function<ActivationPlan(std::string, std::string)>& compile) {
+  if (ac.gradient_checkpointing_ratio) {
+    const double r = *ac.gradient_checkpointing_ratio;
+    const std::string origin = fmt::format("ac.gradient_checkpointing_ratio = {}", r);
+    if (!(r >= 0.0 && r <= 1.0)) {
+      fail(fmt::format("{} is outside [0, 1]; it is the share of each pipeline stage's layers that is recomputed, "
+                       "e.g. 0.5 for half of them.", origin));
+    }
+    out.push_back({origin, compile(fmt::format("ratio:{}", r), origin)});
+  }
+  if (ac.num_ckpt_layers_per_stage) {
+    const auto counts = int_list("ac.num_ckpt_layers_per_stage", *ac.num_ckpt_layers_per_stage);
+    const std::string origin = "ac.num_ckpt_layers_per_stage = " + list_text(counts);
+    if (counts.size() != layout.size.size()) {
+      fail(fmt::format("{} lists {} stages but ac.stages = {}; give one entry per pipeline stage.", origin,
+                       counts.size(), layout.size.size()));
+    }
+    for (size_t s = 0; s < counts.size(); ++s) {
+      if (counts[s] < 0 || counts[s] > layout.size[s]) {
+        fail(fmt::format("{} asks for {} recomputed layers in stage {}, which has {} layers; each entry must be "
+                         "between 0 and its stage's layer count.", origin, counts[s], s + 1, layout.size[s]));
+      }
+    }
+    const bool same = std::all_of(counts.begin(), counts.end(), [&](int64_t c) { return c == counts.front(); });
+    std::string policy;
+    if (same) {
+      policy = counts.front() == 0 ? "none" : "block:" + std::to_string(counts.front());
+    } else {
+      std::vector<std::string> entries;
+      for (size_t s = 0; s < counts.size(); ++s) {
+        for (int64_t j = 0; j < layout.size[s]; ++j) entries.push_back(j < counts[s] ? "full" : "none");
+      }
+      policy = "layers:[" + join(entries, ",") + "]";
+    }
+    out.push_back({origin, compile(policy, origin)});
+  }
+}
+
+void nanotron(const AcConfig& ac, int64_t tensor_parallel, std::vector<Candidate>& out,
+              const std::function<ActivationPlan(std::string, std::string)>& compile) {
+  if (ac.recompute_layer) {
+    const std::string origin = "ac.recompute_layer = " + boolean(*ac.recompute_layer);
+    out.push_back({origin, compile(*ac.recompute_layer ? "full" : "none", origin)});
+  }
+  if (ac.tp_recompute_allgather && *ac.tp_recompute_allgather && tensor_parallel <= 1) {
+    fail(fmt::format("ac.tp_recompute_allgather = true recomputes the all-gather of tensor-parallel shards, but "
+                     "this run has no tensor parallelism (tensor_parallel = {}): the setting is accepted as config "
+                     "and refused at run until tensor parallelism exists. Set it to false.", tensor_parallel));
+  }
+}
+
+bool recomputes_anything(const ActivationPlan& p) {
+  return std::any_of(p.layers.begin(), p.layers.end(), [](const LayerPlan& l) { return !l.keeps_all(); });
+}
+
+}  // namespace
+
+bool same_layers(const ActivationPlan& a, const ActivationPlan& b) {
+  if (a.layers.size() != b.layers.size()) return false;
+  for (size_t i = 0; i < a.layers.size(); ++i) {
+    if (a.layers[i].dropped != b.layers[i].dropped || a.layers[i].chunk_begin != b.layers[i].chunk_begin) return false;
+  }
+  return true;
+}
+
+ActivationPlan compile_policy(const AcConfig& ac, int64_t n_layers, double dropout, int64_t tensor_parallel) {
+  if (n_layers < 1) fail(fmt::format("A recompute plan needs at least one layer, got {}.", n_layers));
+  if (ac.check != "none" && ac.check != "meta" && ac.check != "values") {
+    fail(fmt::format("ac.check must be \"none\", \"meta\" or \"values\", got \"{}\".", ac.check));
+  }
+  const Layout layout = stage_layout(ac, n_layers);
+  auto compile = [&](const std::string& policy, const std::string& origin) {
+    return Parser(origin, n_layers, layout).parse(policy);
+  };
+
+  std::vector<Candidate> asked;
+  if (strip_spaces(ac.policy) != "none") {
+    const std::string origin = "ac.policy = \"" + ac.policy + "\"";
+    asked.push_back({origin, compile(ac.policy, origin)});
+  }
+  torchtune(ac, asked, compile);
+  megatron(ac, asked, tensor_parallel, compile);
+  colossalai(ac, layout, asked, compile);
+  nanotron(ac, tensor_parallel, asked, compile);
+
+  ActivationPlan plan = asked.empty() ? compile("none", "ac.policy") : asked.front().plan;
+  for (size_t i = 1; i < asked.size(); ++i) {
+    if (!same_layers(asked.front().plan, asked[i].plan)) {
+      fail(fmt::format("{} asks for {} but {} asks for {}: two spellings of the recompute policy disagree. "
+                       "Set only one of them.", asked.front().origin, asked.front().plan.policy, asked[i].origin,
+                       asked[i].plan.policy));
+    }
+  }
+
+  if (dropout > 0.0 && !ac.preserve_rng_state && !ac.allow_rng_mismatch && recomputes_anything(plan)) {
+    fail(fmt::format("ac.preserve_rng_state = false with dropout {} makes recomputed dropout draw other masks than "
+                     "the forward did, which silently changes training; keep ac.preserve_rng_state = true, or set "
+                     "ac.allow_rng_mismatch = true to accept the mismatch.", dropout));
+  }
+  return plan;
+}
+
+ActivationPlan compile_policy(const std::string& policy, int64_t n_layers, double dropout) {
+  AcConfig ac;
+  ac.policy = policy;
+  return compile_policy(ac, n_layers, dropout);
+}
+
+std::string explain_plan(const ActivationPlan& plan) {
+  const auto everything = all_slots();
+  struct Row {
+    std::string layers, keeps, drops, chunk;
+  };
+  std::vector<Row> rows;
+  const auto n = static_cast<int64_t>(plan.layers.size());
+  // The chunk a layer belongs to: its first layer (a chunk's first layer has chunk_begin -1
+  // and is recognised by the next layer pointing at it), or -1.
+  auto chunk_of = [&](int64_t i) -> int64_t {
+    if (plan.layers[i].chunk_begin >= 0) return plan.layers[i].chunk_begin;
+    return i + 1 < n && plan.layers[i + 1].chunk_begin == i ? i : -1;
+  };
+  for (int64_t i = 0; i < n;) {
+    int64_t j = i;
+    while (j + 1 < n && plan.layers[j + 1].dropped == plan.layers[i].dropped &&
+           plan.layers[j + 1].chunk_begin == plan.layers[i].chunk_begin && chunk_of(j + 1) == chunk_of(i)) {
+      ++j;
+    }
+    const LayerPlan& l = plan.layers[i];
+    Row r;
+    r.layers = i == j ? std::to_string(i + 1) : fmt::format("{}-{}", i + 1, j + 1);
+    std::vector<std::string> kept, dropped;
+    for (const auto& s : block_slots()) (l.dropped.count(s) ? dropped : kept).push_back(s);
+    if (l.chunk_begin >= 0) {
+      r.keeps = fmt::format("nothing (recomputed from layer {}'s input)", l.chunk_begin + 1);
+    } else if (dropped.empty()) {
+      r.keeps = "all";
+    } else if (kept.empty()) {
+      r.keeps = "block input only";
+    } else {
+      r.keeps = "block input, " + join(kept, ", ");
+    }
+    r.drops = dropped.empty() ? "-" : kept.empty() ? "all" : join(dropped, ", ");
+    const int64_t chunk = chunk_of(i);
+    if (chunk >= 0) {
+      int64_t end = chunk;
+      while (end + 1 < n && plan.layers[end + 1].chunk_begin == chunk) ++end;
+      r.chunk = fmt::format("{}-{}", chunk + 1, end + 1);
+    } else {
+      r.chunk = "-";
+    }
+    rows.push_back(r);
+    i = j + 1;
+  }
+  size_t w_layers = 6, w_keeps = 5, w_drops = 5;
+  for (const auto& r : rows) {
+    w_layers = std::max(w_layers, r.layers.size());
+    w_keeps = std::max(w_keeps, r.keeps.size());
+    w_drops = std::max(w_drops, r.drops.size());
+  }
+  std::string out = fmt::format("policy: {} ({} layers, numbered from 1)\n", plan.policy, n);
+  auto line = [&](const std::string& a, const std::string& b, const std::string& c, const std::string& d) {
+    return fmt::format("{:<{}}  {:<{}}  {:<{}}  {}\n", a, w_layers, b, w_keeps, c, w_drops, d);
+  };
+  out += line("layers", "keeps", "drops", "chunk");
+  for (const auto& r : rows) out += line(r.layers, r.keeps, r.drops, r.chunk);
+  return out;
+}
+
+}  // namespace remat
