@@ -1,0 +1,168 @@
+// Every policy trains exactly like `none`: the same loss and bitwise the same parameter
+// gradients, with dropout, gradient accumulation and several shapes; and the store
+// re-executes exactly the ops the plan implies.
+#include "remat/model.h"
+#include "remat/policy.h"
+
+#include <ATen/Parallel.h>
+#include <gtest/gtest.h>
+
+namespace remat {
+namespace {
+
+struct Outcome {
+  std::vector<double> losses;
+  std::vector<at::Tensor> grads;
+  StoreCounters counters;
+};
+
+// Two microbatches accumulated into one gradient, as the trainer does.
+Outcome run(const ModelConfig& cfg, const std::string& policy, int64_t B, int64_t T, StoreOptions opt = {}) {
+  at::set_num_threads(1);
+  auto model = Model::create(cfg, at::kCPU, at::kFloat, 3);
+  model->set_activation_plan(compile_policy(policy, cfg.n_layer, cfg.dropout), opt);
+  auto gen = at::detail::createCPUGenerator(9);
+  Outcome r;
+  model->zero_grad();
+  for (uint64_t micro = 0; micro < 2; ++micro) {
+    auto tok = at::randint(cfg.vocab_size, {B, T}, gen, at::kLong);
+    auto tgt = at::randint(cfg.vocab_size, {B, T}, gen, at::kLong);
+    r.losses.push_back(model->forward_backward(tok, tgt, {5, 2, micro}, 0.5, 7));
+  }
+  for (const auto& p : model->params()) r.grads.push_back(p.grad.clone());
+  if (model->store() != nullptr) r.counters = model->store()->counters();
+  return r;
+}
+
+ModelConfig shape(const std::string& preset, int64_t layers, double dropout) {
+  ModelConfig c = model_preset(preset);
+  c.n_layer = layers;
+  c.dropout = dropout;
+  return c;
+}
+
+const char* kPolicies[] = {"full",
+                           "every:1",
+                           "every:2",
+                           "uniform:2",
+                           "uniform:3",
+                           "block:1",
+                           "ratio:0.5",
+                           "modules:[core_attn]",
+                           "modules:[qkv]",
+                           "modules:[norm]",
+                           "modules:[attn]",
+                           "modules:[act]",
+                           "modules:[mlp]",
+                           "modules:[core_attn,act,norm]",
+                           "ops:[matmul,attention]",
+                           "ops:[matmul/2,softmax]",
+                           "ops:[add]",
+                           "every:2+modules:[core_attn]",
+                           "layers:[full,none,modules:core_attn]"};
+
+class StoreBitwise : public ::testing::TestWithParam<std::tuple<std::string, int64_t, int64_t, int64_t>> {};
+
+TEST_P(StoreBitwise, EveryPolicyEqualsNoneBitwise) {
+  const auto& [preset, layers, B, T] = GetParam();
+  const ModelConfig cfg = shape(preset, layers, 0.2);
+  const Outcome base = run(cfg, "none", B, T);
+  for (const char* policy : kPolicies) {
+    if (std::string(policy).rfind("layers:", 0) == 0 && layers != 3) continue;
+    const Outcome r = run(cfg, policy, B, T);
+    EXPECT_EQ(r.losses, base.losses) << policy;
+    for (size_t i = 0; i < base.grads.size(); ++i) {
+      ASSERT_TRUE(at::equal(r.grads[i], base.grads[i])) << policy << " parameter " << i;
+    }
+    EXPECT_GT(r.counters.ops_recomputed, 0) << policy;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, StoreBitwise,
+                         ::testing::Values(std::make_tuple("tiny-gpt2", 3, 2, 9), std::make_tuple("tiny-gpt2", 4, 1, 16),
+                                           std::make_tuple("tiny-llama", 3, 2, 11),
+                                           std::make_tuple("tiny-llama", 4, 3, 8)),
+                         [](const auto& info) {
+                           return fmt::format("{}_L{}_B{}_T{}", std::get<0>(info.param) == "tiny-gpt2" ? "gpt2" : "llama",
+                                              std::get<1>(info.param), std::get<2>(info.param), std::get<3>(info.param));
+                         });
+
+TEST(StoreCounts, FullReexecutesEachForwardOpOnceAndEarlyStopSkipsTheTail) {
+  const ModelConfig cfg = shape("tiny-gpt2", 3, 0.1);
+  // Per layer and microbatch: ln1, qkv, attention, c_proj + its dropout, residual, ln2, c_fc,
+  // gelu, and the MLP's residual-dropout mask; the MLP's c_proj and last residual add feed
+  // nothing the backward needs, so early stop skips them.
+  const Outcome r = run(cfg, "full", 2, 8);
+  const int64_t n = 3 * 2;
+  EXPECT_EQ(r.counters.ops_by_kind.at("layernorm"), 2 * n);
+  EXPECT_EQ(r.counters.ops_by_kind.at("linear"), 3 * n);
+  EXPECT_EQ(r.counters.ops_by_kind.at("attention"), n);
+  EXPECT_EQ(r.counters.ops_by_kind.at("residual"), n);
+  EXPECT_EQ(r.counters.ops_by_kind.at("gelu"), n);
+  EXPECT_EQ(r.counters.ops_by_kind.at("dropout"), 2 * n);
+  EXPECT_EQ(r.counters.ops_recomputed, 10 * n);
+  EXPECT_EQ(r.counters.bytes_recomputed, r.counters.bytes_dropped);
+
+  StoreOptions whole;
+  whole.early_stop = false;
+  const Outcome w = run(cfg, "full", 2, 8, whole);
+  EXPECT_EQ(w.counters.ops_by_kind.at("linear"), 4 * n);
+  EXPECT_EQ(w.counters.ops_by_kind.at("residual"), 2 * n);
+  EXPECT_EQ(w.counters.ops_recomputed, 12 * n);
+  EXPECT_EQ(w.losses, r.losses);
+}
+
+TEST(StoreCounts, CoreAttentionReexecutesOnlyTheAttentionCore) {
+  const Outcome r = run(shape("tiny-llama", 2, 0.1), "modules:[core_attn]", 2, 8);
+  EXPECT_EQ(r.counters.ops_by_kind, (std::map<std::string, int64_t>{{"attention", 2 * 2}}));
+  EXPECT_EQ(r.counters.bytes_recomputed, r.counters.bytes_dropped);
+  const Outcome g = run(shape("tiny-gpt2", 2, 0.0), "modules:[act]", 2, 8);
+  EXPECT_EQ(g.counters.ops_by_kind, (std::map<std::string, int64_t>{{"gelu", 2 * 2}}));
+}
+
+TEST(StoreCounts, UniformChunksReexecuteEachLayerOnce) {
+  const ModelConfig cfg = shape("tiny-llama", 4, 0.0);
+  const Outcome r = run(cfg, "uniform:2", 2, 8);
+  // Whole-block forwards: 15 ops per Llama block, 4 blocks, 2 microbatches.
+  EXPECT_EQ(r.counters.ops_recomputed, 15 * 4 * 2);
+  EXPECT_EQ(r.counters.ops_by_kind.at("attention"), 4 * 2);
+}
+
+TEST(StoreCounts, KeptBytesShrinkInTheOrderUsersExpect) {
+  const ModelConfig cfg = shape("tiny-gpt2", 4, 0.1);
+  auto kept = [&](const std::string& policy) {
+    auto model = Model::create(cfg, at::kCPU, at::kFloat, 1);
+    model->set_activation_plan(compile_policy(policy, cfg.n_layer, cfg.dropout), {});
+    auto tok = at::randint(cfg.vocab_size, {2, 32}, at::kLong);
+    ActivationBytes m;
+    model->forward_backward(tok, tok, {1, 0, 0}, 1.0, 64, &m);
+    return m.total();
+  };
+  const int64_t none = kept("none"), sel = kept("modules:[core_attn]"), every2 = kept("every:2"), full = kept("full");
+  EXPECT_GT(none, sel);
+  EXPECT_GT(sel, every2);
+  EXPECT_GT(every2, full);
+}
+
+TEST(StoreCheck, ValuesCheckCatchesARecomputeWithTheWrongRandomKeys) {
+  StoreOptions broken;
+  broken.preserve_rng = false;  // recompute draws other dropout masks
+  broken.check = DeterminismCheck::values;
+  try {
+    run(shape("tiny-gpt2", 2, 0.2), "full", 2, 8, broken);
+    FAIL() << "a recompute with other dropout masks passed the values check";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("Recompute of layer 1, slot mlp.resid is not what the forward saved"),
+              std::string::npos)
+        << e.what();
+  }
+  broken.check = DeterminismCheck::meta;  // shapes agree: meta cannot see it
+  EXPECT_NO_THROW(run(shape("tiny-gpt2", 2, 0.2), "full", 2, 8, broken));
+  StoreOptions sound;
+  sound.check = DeterminismCheck::values;
+  EXPECT_NO_THROW(run(shape("tiny-llama", 2, 0.2), "every:1", 2, 8, sound));
+  EXPECT_NO_THROW(run(shape("tiny-llama", 4, 0.2), "uniform:2", 2, 8, sound));
+}
+
+}  // namespace
+}  // namespace remat
