@@ -77,6 +77,10 @@ class Model {
   /// The store executing the plan (its counters), or null when every slot is kept.
   virtual ActivationStore* store() = 0;
 
+  /// Saved-activation bytes one [B, T] microbatch keeps under the current plan, predicted
+  /// from the ops' byte reports without allocating; equals what forward_backward measures.
+  virtual ActivationBytes predict_activation_bytes(int64_t B, int64_t T) const = 0;
+
   /// Forward FLOPs of one sequence of `seq` tokens, from the ops' own counts.
   virtual double forward_flops(int64_t seq) const = 0;
 

@@ -2,6 +2,7 @@
 
 #include "remat/config.h"
 #include "remat/memory.h"
+#include "remat/policy.h"
 #include "remat/trainer.h"
 #include "train/device.h"
 
@@ -14,7 +15,10 @@ namespace {
 
 void print_config_keys() {
   const Config defaults;
-  for (const auto& k : config_keys()) fmt::print("  {:<20} {:<14} {}\n", k.name, k.get(defaults), k.help);
+  for (const auto& k : config_keys()) {
+    const std::string v = k.get(defaults);
+    fmt::print("  {:<34} {:<14} {}\n", k.name, v.empty() || v[0] == '#' ? "(unset)" : v, k.help);
+  }
   fmt::print("\npresets: {}\n", fmt::join(preset_names(), ", "));
 }
 
@@ -59,6 +63,9 @@ int run(int argc, char** argv) {
   auto* train_cmd = app.add_subcommand("train", "Train a model (prepares the data first if needed)");
   train_cmd->add_option("--config", config_file, "TOML config file (see configs/)")->check(CLI::ExistingFile);
   train_cmd->add_flag("--help-config", help_config, "List every config key with its default");
+  bool explain_ac = false;
+  train_cmd->add_flag("--explain-ac", explain_ac,
+                      "Print the per-layer recompute plan the ac.* settings compile to, and exit");
   train_cmd->add_option("overrides", overrides, "key=value settings, e.g. train.steps=200 model.preset=llama-demo");
 
   auto* gen = app.add_subcommand("generate", "Sample text from a finished run's weights");
@@ -84,6 +91,11 @@ int run(int argc, char** argv) {
     if (train_cmd->parsed()) {
       if (help_config) {
         print_config_keys();
+        return 0;
+      }
+      if (explain_ac) {
+        const Config cfg = load_config(config_file, overrides);
+        fmt::print("{}", explain_plan(compile_policy(cfg.ac, cfg.model.n_layer, cfg.model.dropout)));
         return 0;
       }
       return cmd_train(config_file, overrides);

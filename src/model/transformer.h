@@ -153,6 +153,24 @@ class TransformerModel final : public Model {
   }
   ActivationStore* store() override { return store_.get(); }
 
+  ActivationBytes predict_activation_bytes(int64_t B, int64_t T) const override {
+    const auto slots = arch_.slot_bytes(B, T, compute_dtype_);
+    ActivationBytes out;
+    out.embedding = arch_.embed_bytes(B, T);
+    out.head = arch_.head_bytes(B, T, compute_dtype_);
+    for (int64_t l = 0; l < cfg_.n_layer; ++l) {
+      const LayerPlan* lp = store_ ? &store_->plan().layers[l] : nullptr;
+      int64_t bytes = 0;
+      for (const auto& [slot, b] : slots) {
+        const bool input_dropped = slot == "input" && lp != nullptr && lp->chunk_begin >= 0 && lp->chunk_begin != l;
+        const bool dropped = slot != "input" && lp != nullptr && lp->dropped.count(slot) > 0;
+        if (!input_dropped && !dropped) bytes += b;
+      }
+      out.blocks.push_back(bytes);
+    }
+    return out;
+  }
+
  protected:
   bool hf_transposed(const std::string& name) const override { return Arch::hf_transposed(name); }
   bool ignorable(const std::string& name) const override { return Arch::ignorable(name); }

@@ -60,7 +60,7 @@ void ActivationStore::refilled(int64_t l, const std::string& slot, const std::ve
   auto it = records_.find({l, slot});
   if (it == records_.end()) return;
   const Record& r = it->second;
-  const std::string where = fmt::format("layer {}, slot {}", l, slot);
+  const std::string where = fmt::format("layer {} (counted from 1), slot {}", l + 1, slot);
   if (defined.size() != r.sizes.size()) {
     throw std::runtime_error(fmt::format("Recompute of {} produced {} tensors, the forward saved {}.", where,
                                          defined.size(), r.sizes.size()));

@@ -3,6 +3,8 @@
 #include "remat/data.h"
 #include "remat/memory.h"
 #include "remat/model.h"
+#include "remat/policy.h"
+#include "remat/store.h"
 #include "remat/tokenizer.h"
 #include "train/device.h"
 #include "train/generate.h"
@@ -117,6 +119,13 @@ TrainSummary train(const Config& cfg_in) {
   check_split_fits(val_ds, "validation", t.seq);
 
   auto model = Model::create(cfg.model, device, dtype, static_cast<uint64_t>(cfg.run.seed));
+  const ActivationPlan plan = compile_policy(cfg.ac, cfg.model.n_layer, cfg.model.dropout);
+  StoreOptions store_options;
+  store_options.check = parse_determinism_check(cfg.ac.check);
+  store_options.early_stop = cfg.ac.early_stop;
+  store_options.preserve_rng = cfg.ac.preserve_rng_state;
+  model->set_activation_plan(plan, store_options);
+  const ActivationBytes predicted = model->predict_activation_bytes(t.batch, t.seq);
   std::vector<at::Tensor> decay, no_decay;
   for (auto& p : model->params()) {
     p.value.mutable_grad() = p.grad;  // the optimizer reads the accumulators we fill
@@ -137,6 +146,7 @@ TrainSummary train(const Config& cfg_in) {
   sum.run_dir = run.path();
   sum.unigram_entropy = corpus.train_unigram_entropy;
   sum.num_params = model->num_params();
+  sum.predicted_activation_bytes = predicted.total();
   const int64_t tokens_per_step = t.batch * t.seq * t.grad_accum;
   const double flops_per_token = 3.0 * model->forward_flops(t.seq) / static_cast<double>(t.seq);
   sum.matmul_flops_per_second =
@@ -148,8 +158,17 @@ TrainSummary train(const Config& cfg_in) {
   fmt::print(stderr, "data: {} train / {} validation tokens, vocabulary {}, unigram entropy {:.3f} nats/token\n",
              format_count(static_cast<double>(corpus.train_tokens)), format_count(static_cast<double>(corpus.val_tokens)),
              tok.vocab_size(), corpus.train_unigram_entropy);
-  fmt::print(stderr, "training: {} steps x {} tokens ({} x {} x {} accum), no recompute; run dir {}\n", t.steps,
+  fmt::print(stderr, "training: {} steps x {} tokens ({} x {} x {} accum); run dir {}\n", t.steps,
              tokens_per_step, t.batch, t.seq, t.grad_accum, run.path());
+  std::string plan_text = explain_plan(plan) + "\npredicted saved activations per microbatch:\n";
+  plan_text += fmt::format("  embedding  {}\n", memory::format_bytes(predicted.embedding));
+  for (size_t l = 0; l < predicted.blocks.size(); ++l) {
+    plan_text += fmt::format("  layer {:<4} {}\n", l + 1, memory::format_bytes(predicted.blocks[l]));
+  }
+  plan_text += fmt::format("  head       {}\n  total      {}\n", memory::format_bytes(predicted.head),
+                           memory::format_bytes(predicted.total()));
+  fmt::print(stderr, "{}", plan_text);
+  run.write_text("plan.txt", plan_text);
 
   std::mt19937_64 rng(static_cast<uint64_t>(cfg.run.seed));
   std::vector<std::pair<int64_t, double>> train_curve, val_curve;
@@ -170,6 +189,7 @@ TrainSummary train(const Config& cfg_in) {
     model->zero_grad();
     double loss = 0.0;
     ActivationBytes act;
+    if (model->store() != nullptr) model->store()->reset_counters();
     for (int64_t micro = 0; micro < t.grad_accum; ++micro) {
       auto b = train_ds.sample(t.batch, t.seq, rng);
       const StepContext ctx{static_cast<uint64_t>(cfg.run.seed), static_cast<uint64_t>(step),
@@ -191,11 +211,21 @@ TrainSummary train(const Config& cfg_in) {
     sum.tokens += tokens_per_step;
     sum.peak_bytes = std::max(sum.peak_bytes, mem.peak);
     sum.activation_bytes = act.total();
+    const StoreCounters counters = model->store() != nullptr ? model->store()->counters() : StoreCounters{};
+    if (step == 0) {
+      bar.message(fmt::format("step 1: saved activations {} (predicted {}), peak {}; recompute re-ran {} ops, "
+                              "{} recomputed", memory::format_bytes(act.total()),
+                              memory::format_bytes(predicted.total()), memory::format_bytes(mem.peak),
+                              counters.ops_recomputed, memory::format_bytes(counters.bytes_recomputed)));
+      sum.recompute_ops_per_step = counters.ops_recomputed;
+      sum.recomputed_bytes_per_step = counters.bytes_recomputed;
+    }
     train_curve.emplace_back(step + 1, loss);
     run.log_metrics({{"kind", "train"}, {"step", step + 1}, {"loss", loss}, {"lr", lr}, {"grad_norm", grad_norm},
                      {"step_seconds", dt}, {"tokens_per_second", tokens_per_step / dt},
                      {"memory_bytes", mem.current}, {"peak_bytes", mem.peak},
-                     {"activation_bytes", act.total()}});
+                     {"activation_bytes", act.total()}, {"predicted_activation_bytes", predicted.total()},
+                     {"ops_recomputed", counters.ops_recomputed}, {"bytes_recomputed", counters.bytes_recomputed}});
     bar.update(step + 1, fmt::format("loss {:.4f} | {} tok/s | mem {} (peak {})", loss,
                                      format_count(tokens_per_step / dt), memory::format_bytes(mem.current),
                                      memory::format_bytes(mem.peak)));
@@ -245,7 +275,10 @@ TrainSummary train(const Config& cfg_in) {
       {"threads", threads},
       {"device", device.str()},
       {"dtype", cfg.run.dtype},
-      {"recompute", "none"},
+      {"recompute", plan.policy},
+      {"predicted_activation_bytes", predicted.total()},
+      {"recompute_ops_per_step", sum.recompute_ops_per_step},
+      {"recomputed_bytes_per_step", sum.recomputed_bytes_per_step},
   };
   run.write_text("summary.json", summary.dump(2) + "\n");
 
@@ -253,15 +286,16 @@ TrainSummary train(const Config& cfg_in) {
   if (cfg.run.sample_tokens > 0) fmt::print(stderr, "sample: {}\n\n", sum.sample);
   fmt::print(stderr, "validation loss {:.4f} -> {:.4f} nats/token (unigram entropy of the corpus {:.4f})\n",
              sum.initial_val_loss, sum.final_val_loss, sum.unigram_entropy);
-  fmt::print(stderr, "step time {:.1f} ms (median, no recompute), {} tokens/s\n", sum.median_step_seconds * 1e3,
-             format_count(sum.tokens_per_second));
+  fmt::print(stderr, "step time {:.1f} ms (median, recompute {}), {} tokens/s\n", sum.median_step_seconds * 1e3,
+             plan.policy, format_count(sum.tokens_per_second));
   fmt::print(stderr, "compute {} FLOP/s of a measured {} FLOP/s {} matmul peak: efficiency {:.0f}%\n",
              format_count(sum.model_flops_per_second), format_count(sum.matmul_flops_per_second), cfg.run.dtype,
              100.0 * sum.model_flops_per_second / sum.matmul_flops_per_second);
-  fmt::print(stderr, "memory peak {} per step, of which saved activations {} per microbatch\n",
-             memory::format_bytes(sum.peak_bytes), memory::format_bytes(sum.activation_bytes));
-  fmt::print(stderr, "run directory {}: config.toml, metrics.jsonl, model.safetensors, tokenizer.model, {}summary.json\n",
-             run.path(), plotted ? "loss.png, sample.txt, " : "sample.txt, ");
+  fmt::print(stderr, "memory peak {} per step, of which saved activations {} per microbatch (predicted {})\n",
+             memory::format_bytes(sum.peak_bytes), memory::format_bytes(sum.activation_bytes),
+             memory::format_bytes(predicted.total()));
+  fmt::print(stderr, "run directory {}: config.toml, plan.txt, metrics.jsonl, model.safetensors, tokenizer.model{}{}, "
+             "summary.json\n", run.path(), plotted ? ", loss.png" : "", cfg.run.sample_tokens > 0 ? ", sample.txt" : "");
   if (!plotted) fmt::print(stderr, "no loss plot: {}\n", why);
   return sum;
 }

@@ -144,6 +144,25 @@ TEST(StoreCounts, KeptBytesShrinkInTheOrderUsersExpect) {
   EXPECT_GT(every2, full);
 }
 
+TEST(StoreBytes, PredictedActivationBytesEqualWhatTheForwardKeeps) {
+  for (const char* preset : {"tiny-gpt2", "tiny-llama"}) {
+    const ModelConfig cfg = shape(preset, 4, 0.1);
+    for (const char* policy : {"none", "full", "every:2", "uniform:2", "modules:[core_attn]", "ops:[matmul,attention]",
+                               "every:2+modules:[core_attn,act]"}) {
+      auto model = Model::create(cfg, at::kCPU, at::kFloat, 1);
+      model->set_activation_plan(compile_policy(policy, cfg.n_layer, cfg.dropout), {});
+      auto tok = at::randint(cfg.vocab_size, {3, 10}, at::kLong);
+      auto tgt = at::randint(cfg.vocab_size, {3, 10}, at::kLong);
+      ActivationBytes m;
+      model->forward_backward(tok, tgt, {1, 0, 0}, 1.0, 64, &m);
+      const ActivationBytes p = model->predict_activation_bytes(3, 10);
+      EXPECT_EQ(p.blocks, m.blocks) << preset << " " << policy;
+      EXPECT_EQ(p.embedding, m.embedding) << preset << " " << policy;
+      EXPECT_EQ(p.head, m.head) << preset << " " << policy;
+    }
+  }
+}
+
 TEST(StoreCheck, ValuesCheckCatchesARecomputeWithTheWrongRandomKeys) {
   StoreOptions broken;
   broken.preserve_rng = false;  // recompute draws other dropout masks
@@ -152,7 +171,7 @@ TEST(StoreCheck, ValuesCheckCatchesARecomputeWithTheWrongRandomKeys) {
     run(shape("tiny-gpt2", 2, 0.2), "full", 2, 8, broken);
     FAIL() << "a recompute with other dropout masks passed the values check";
   } catch (const std::runtime_error& e) {
-    EXPECT_NE(std::string(e.what()).find("Recompute of layer 1, slot mlp.resid is not what the forward saved"),
+    EXPECT_NE(std::string(e.what()).find("Recompute of layer 2 (counted from 1), slot mlp.resid is not what the forward saved"),
               std::string::npos)
         << e.what();
   }

@@ -57,7 +57,7 @@ TEST_F(Trainer, SameSeedGivesBitwiseTheSameLosses) {
 
 TEST_F(Trainer, WritesTheRunDirectory) {
   const TrainSummary s = train(config("files"));
-  for (const char* f : {"config.toml", "metrics.jsonl", "model.safetensors", "tokenizer.model", "sample.txt",
+  for (const char* f : {"config.toml", "plan.txt", "metrics.jsonl", "model.safetensors", "tokenizer.model", "sample.txt",
                         "summary.json", "loss.png"}) {
     EXPECT_TRUE(fs::exists(fs::path(s.run_dir) / f)) << f;
   }
