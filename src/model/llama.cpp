@@ -188,17 +188,13 @@ struct LlamaArch {
   void ensure(const Weights& W, int64_t l, const StepContext& ctx, BlockSaved& s, const std::string& slot,
               ActivationStore& st) const {
     if (!s.missing.count(slot)) return;
-    if (!st.options().early_stop) return rerun(W, l, ctx, s, st);
+    if (!st.options().early_stop) return rerun_block(*this, W, l, ctx, s, st);
     const Block& w = W.layers[l];
     const at::Tensor& x = s.n1.x;
     const int64_t B = x.size(0), T = x.size(1), C = c.d_model, Hq = c.n_head, Hkv = c.n_kv_head, D = c.head_dim();
     const StepContext k = recompute_context(ctx, st);
-    auto fill = [&](const std::string& name, std::vector<std::pair<at::Tensor*, at::Tensor>> values) {
-      if (!s.missing.count(name)) return;
-      std::vector<at::Tensor> ts;
-      for (auto& [dst, v] : values) ts.push_back(*dst = v);
-      s.missing.erase(name);
-      st.refilled(l, name, ts);
+    auto fill = [&](const std::string& name, const std::vector<std::pair<at::Tensor*, at::Tensor>>& values) {
+      refill(s, l, st, name, values);
     };
     if (slot == "attn.norm" || slot == "attn.qkv_in") {
       auto r = rmsnorm_forward(x, w.in_norm, c.norm_eps);
@@ -253,18 +249,6 @@ struct LlamaArch {
     }
   }
 
-  void rerun(const Weights& W, int64_t l, const StepContext& ctx, BlockSaved& s, ActivationStore& st) const {
-    auto f = block_forward(W, l, s.n1.x, recompute_context(ctx, st), /*train=*/true);
-    for (const auto& op : forward_ops()) st.count_op(op);
-    const std::set<std::string> missing = std::exchange(s.missing, {});
-    for (const auto& slot : missing) {
-      auto dst = slot_fields(s, slot);
-      auto src = slot_fields(f.saved, slot);
-      std::vector<at::Tensor> ts;
-      for (size_t i = 0; i < dst.size(); ++i) ts.push_back(*dst[i] = *src[i]);
-      st.refilled(l, slot, ts);
-    }
-  }
 
   at::Tensor block_backward(const at::Tensor& dy, BlockSaved& s, const Weights& W, Weights& G, int64_t l,
                             const StepContext& ctx, ActivationStore* st) const {

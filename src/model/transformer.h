@@ -11,6 +11,7 @@
 #include "remat/ops.h"
 #include "remat/store.h"
 
+#include <set>
 #include <unordered_set>
 
 namespace remat::detail {
@@ -47,6 +48,35 @@ ops::DropoutKey dropout_key(const StepContext& ctx, int64_t layer, ops::DropoutS
 /// The context a recompute draws its dropout masks from: the forward's own, or (RNG
 /// preservation off) a different one, as frameworks that do not preserve RNG state do.
 StepContext recompute_context(const StepContext& ctx, const ActivationStore& st);
+
+/// Writes recomputed tensors into the fields of `slot` if the slot is still missing, and
+/// tells the store (which checks and counts them).
+template <class Saved>
+void refill(Saved& s, int64_t l, ActivationStore& st, const std::string& slot,
+            const std::vector<std::pair<at::Tensor*, at::Tensor>>& values) {
+  if (!s.missing.count(slot)) return;
+  std::vector<at::Tensor> ts;
+  for (const auto& [dst, v] : values) ts.push_back(*dst = v);
+  s.missing.erase(slot);
+  st.refilled(l, slot, ts);
+}
+
+/// Recompute without early stop: the whole block forward again, the ops no backward needs
+/// included, refilling every missing slot of `s` from it.
+template <class Arch>
+void rerun_block(const Arch& arch, const typename Arch::Weights& W, int64_t l, const StepContext& ctx,
+                 typename Arch::BlockSaved& s, ActivationStore& st) {
+  auto f = arch.block_forward(W, l, Arch::input(s), recompute_context(ctx, st), /*train=*/true);
+  for (const auto& op : arch.forward_ops()) st.count_op(op);
+  const std::set<std::string> missing = s.missing;
+  for (const auto& slot : missing) {
+    std::vector<std::pair<at::Tensor*, at::Tensor>> values;
+    auto dst = Arch::slot_fields(s, slot);
+    auto src = Arch::slot_fields(f.saved, slot);
+    for (size_t i = 0; i < dst.size(); ++i) values.emplace_back(dst[i], *src[i]);
+    refill(s, l, st, slot, values);
+  }
+}
 
 template <class Arch>
 class TransformerModel final : public Model {
