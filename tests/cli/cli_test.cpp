@@ -103,6 +103,15 @@ TEST_F(Cli, DevicesAndDtypesThisMachineLacksAreRefused) {
   expect_error("train run.name=a/b", "run.name may hold only letters, digits");
 }
 
+TEST_F(Cli, ExplainAcPrintsTheCanonicalPlanOfAnAliasSpelling) {
+  const Result r = run_remat("train --explain-ac ac.recompute_granularity=full ac.recompute_method=uniform "
+                             "ac.recompute_num_layers=2");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("policy: uniform:2"), std::string::npos) << r.output;
+  expect_error("train --explain-ac ac.recompute_granularity=selective ac.recompute_method=block",
+               "ac.recompute_method");
+}
+
 TEST_F(Cli, HelpConfigListsEveryKey) {
   const Result r = run_remat("train --help-config");
   EXPECT_EQ(r.exit_code, 0);
