@@ -13,29 +13,23 @@ namespace {
 
 [[noreturn]] void fail(const std::string& msg) { throw std::invalid_argument(msg); }
 
-int64_t parse_int(const std::string& key, const std::string& v) {
+// A whole-string integer or finite number; anything else is refused naming the key.
+template <class T>
+T parse_number(const std::string& key, const std::string& v) {
   size_t used = 0;
-  int64_t out = 0;
+  T out = 0;
   try {
-    out = std::stoll(v, &used);
+    if constexpr (std::is_integral_v<T>) {
+      out = std::stoll(v, &used);
+    } else {
+      out = std::stod(v, &used);
+    }
   } catch (const std::exception&) {
     used = 0;
   }
-  if (used == 0 || used != v.size()) fail(fmt::format("{} must be an integer, got '{}'.", key, v));
-  return out;
-}
-
-double parse_double(const std::string& key, const std::string& v) {
-  size_t used = 0;
-  double out = 0;
-  try {
-    out = std::stod(v, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (used == 0 || used != v.size() || !std::isfinite(out)) {
-    fail(fmt::format("{} must be a number, got '{}'.", key, v));
-  }
+  bool ok = used != 0 && used == v.size();
+  if constexpr (!std::is_integral_v<T>) ok = ok && std::isfinite(out);
+  if (!ok) fail(fmt::format("{} must be {}, got '{}'.", key, std::is_integral_v<T> ? "an integer" : "a number", v));
   return out;
 }
 
@@ -77,9 +71,9 @@ ConfigKey key(std::string name, S Config::*section, T S::*field, std::string hel
     } else if constexpr (std::is_same_v<T, bool>) {
       dst = parse_bool(name, v);
     } else if constexpr (std::is_integral_v<T>) {
-      dst = parse_int(name, v);
+      dst = parse_number<int64_t>(name, v);
     } else {
-      dst = parse_double(name, v);
+      dst = parse_number<double>(name, v);
     }
   };
   k.get = [section, field](const Config& c) {
@@ -147,9 +141,9 @@ ConfigKey ac_key(std::string name, std::optional<T> AcConfig::*field, std::strin
     } else if constexpr (std::is_same_v<T, bool>) {
       dst = parse_bool(name, v);
     } else if constexpr (std::is_integral_v<T>) {
-      dst = parse_int(name, v);
+      dst = parse_number<int64_t>(name, v);
     } else {
-      dst = parse_double(name, v);
+      dst = parse_number<double>(name, v);
     }
   };
   k.get = [field, literal](const Config& c) -> std::string {

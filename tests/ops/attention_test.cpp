@@ -10,13 +10,7 @@
 namespace {
 
 using namespace remat::ops;
-using remat::testing::expect_error;
-using remat::testing::f64;
-using remat::testing::grads;
-using remat::testing::leaf;
-using remat::testing::MatmulFlopCounter;
-using remat::testing::rel_err;
-using remat::testing::same_storage;
+using namespace remat::testing;
 
 const DropoutKey kKey{11, 2, 0, 3, DropoutSite::attn_probs};
 

@@ -7,12 +7,7 @@
 namespace {
 
 using namespace remat::ops;
-using remat::testing::expect_error;
-using remat::testing::f64;
-using remat::testing::grads;
-using remat::testing::leaf;
-using remat::testing::MatmulFlopCounter;
-using remat::testing::rel_err;
+using namespace remat::testing;
 
 // Mean cross-entropy over the counted targets, on the full [N, V] logits.
 at::Tensor reference(const at::Tensor& x, const at::Tensor& w, const at::Tensor& targets) {

@@ -5,11 +5,7 @@
 namespace {
 
 using namespace remat::ops;
-using remat::testing::expect_error;
-using remat::testing::f64;
-using remat::testing::grads;
-using remat::testing::leaf;
-using remat::testing::rel_err;
+using namespace remat::testing;
 
 TEST(EmbeddingOp, MatchesAutogradOfOneHotProduct) {
   for (auto shape : {std::vector<int64_t>{2, 5}, std::vector<int64_t>{3, 1}, std::vector<int64_t>{7}}) {

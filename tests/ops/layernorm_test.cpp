@@ -7,12 +7,7 @@
 namespace {
 
 using namespace remat::ops;
-using remat::testing::expect_error;
-using remat::testing::f64;
-using remat::testing::grads;
-using remat::testing::leaf;
-using remat::testing::rel_err;
-using remat::testing::same_storage;
+using namespace remat::testing;
 
 // LayerNorm written as math: biased variance over the last dim.
 at::Tensor reference(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, double eps) {

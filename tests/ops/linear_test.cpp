@@ -5,11 +5,7 @@
 namespace {
 
 using namespace remat::ops;
-using remat::testing::f64;
-using remat::testing::grads;
-using remat::testing::leaf;
-using remat::testing::MatmulFlopCounter;
-using remat::testing::rel_err;
+using namespace remat::testing;
 
 TEST(LinearOp, MatchesAutogradOfTheMath) {
   for (bool bias : {true, false}) {

@@ -5,11 +5,7 @@
 namespace {
 
 using namespace remat::ops;
-using remat::testing::expect_error;
-using remat::testing::f64;
-using remat::testing::grads;
-using remat::testing::leaf;
-using remat::testing::rel_err;
+using namespace remat::testing;
 
 TEST(ResidualOp, MatchesAutogradOfAdd) {
   at::Tensor a = at::randn({2, 5, 3}, f64()), b = at::randn({2, 5, 3}, f64());

@@ -7,12 +7,7 @@
 namespace {
 
 using namespace remat::ops;
-using remat::testing::expect_error;
-using remat::testing::f64;
-using remat::testing::grads;
-using remat::testing::leaf;
-using remat::testing::rel_err;
-using remat::testing::same_storage;
+using namespace remat::testing;
 
 at::Tensor reference(const at::Tensor& x, const at::Tensor& w, double eps) {
   return x / at::sqrt(x.pow(2).mean(-1, true) + eps) * w;

@@ -7,11 +7,7 @@
 namespace {
 
 using namespace remat::ops;
-using remat::testing::expect_error;
-using remat::testing::f64;
-using remat::testing::grads;
-using remat::testing::leaf;
-using remat::testing::rel_err;
+using namespace remat::testing;
 
 const at::Device kCPU(at::kCPU);
 

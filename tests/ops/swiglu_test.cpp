@@ -5,12 +5,7 @@
 namespace {
 
 using namespace remat::ops;
-using remat::testing::expect_error;
-using remat::testing::f64;
-using remat::testing::grads;
-using remat::testing::leaf;
-using remat::testing::rel_err;
-using remat::testing::same_storage;
+using namespace remat::testing;
 
 at::Tensor reference(const at::Tensor& gate, const at::Tensor& up) {
   return gate / (1 + at::exp(-gate)) * up;
