@@ -79,6 +79,10 @@ struct AcConfig {
   std::optional<bool> recompute_layer;         ///< true: full; false: none
   std::optional<bool> tp_recompute_allgather;  ///< needs tensor parallelism
 
+  /// A memory budget ("12GiB", "96MiB", or "0.6" of the no-recompute peak): the planner
+  /// chooses the plan (remat/planner.h). Empty: the policy above decides.
+  std::string budget;
+
   // Options
   bool preserve_rng_state = true;   ///< replay dropout's RNG in recompute
   bool allow_rng_mismatch = false;  ///< permit dropout > 0 with preserve_rng_state = false

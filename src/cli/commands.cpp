@@ -1,5 +1,7 @@
 #include "cli/commands.h"
 
+#include "cli/plan_cmd.h"
+
 #include "remat/config.h"
 #include "remat/memory.h"
 #include "remat/policy.h"
@@ -68,6 +70,16 @@ int run(int argc, char** argv) {
                       "Print the per-layer recompute plan the ac.* settings compile to, and exit");
   train_cmd->add_option("overrides", overrides, "key=value settings, e.g. train.steps=200 model.preset=llama-demo");
 
+  auto* plan_cmd = app.add_subcommand("plan", "The fastest recompute plan within a memory budget (allocates nothing)");
+  PlanArgs plan_args;
+  plan_cmd->add_option("--config", config_file, "TOML config file (see configs/)")->check(CLI::ExistingFile);
+  plan_cmd->add_option("--budget", plan_args.budget,
+                       "Memory budget: bytes with a unit (12GiB, 96MiB) or a fraction of the no-recompute peak (0.6)");
+  plan_cmd->add_flag("--pareto", plan_args.pareto, "Print and plot the memory/time frontier with the manual policies");
+  plan_cmd->add_option("--plot", plan_args.plot, "PNG file --pareto draws (default pareto.png)");
+  plan_cmd->add_flag("--json", plan_args.json, "Print the plan, memory breakdown and frontier as JSON");
+  plan_cmd->add_option("overrides", overrides, "key=value settings, e.g. model.preset=llama3-8b train.seq=8192");
+
   auto* gen = app.add_subcommand("generate", "Sample text from a finished run's weights");
   std::string run_dir, prompt = "And God said";
   int64_t tokens = 200, top_k = 40, seed = 0;
@@ -100,6 +112,7 @@ int run(int argc, char** argv) {
       }
       return cmd_train(config_file, overrides);
     }
+    if (plan_cmd->parsed()) return cmd_plan(load_config(config_file, overrides), plan_args);
     if (gen->parsed()) {
       set_threads(0);
       fmt::print("{}\n", generate_from_run(run_dir, prompt, tokens, temperature, top_k, static_cast<uint64_t>(seed),

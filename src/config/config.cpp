@@ -1,4 +1,6 @@
 #include "remat/config.h"
+#include "remat/planner.h"
+#include "remat/policy.h"
 
 #include <fmt/format.h>
 #include <toml++/toml.h>
@@ -211,6 +213,7 @@ std::vector<ConfigKey> make_keys() {
       key("run.prompt", &C::run, &RunConfig::prompt, "prompt of the final sample"),
       key("run.progress", &C::run, &RunConfig::progress, "progress bar on a terminal"),
       key("ac.policy", &C::ac, &AcConfig::policy, "recompute policy (README: Recompute policies)"),
+      key("ac.budget", &C::ac, &AcConfig::budget, "memory budget: the planner picks the plan (12GiB, 0.6)"),
       key("ac.preserve_rng_state", &C::ac, &AcConfig::preserve_rng_state, "replay dropout RNG in recompute"),
       key("ac.allow_rng_mismatch", &C::ac, &AcConfig::allow_rng_mismatch, "allow dropout without RNG replay"),
       key("ac.check", &C::ac, &AcConfig::check, "verify recompute: none, meta or values"),
@@ -438,7 +441,15 @@ void validate_config(const Config& c) {
   }
   if (c.run.sample_tokens < 0) fail("run.sample_tokens must be >= 0.");
   // The recompute policy is compiled once here, so a bad one is refused before anything runs.
-  compile_policy(c.ac, m.n_layer, m.dropout);
+  const ActivationPlan plan = compile_policy(c.ac, m.n_layer, m.dropout);
+  if (!c.ac.budget.empty()) {
+    parse_budget(c.ac.budget, 1);
+    if (plan.policy != "none") {
+      throw std::invalid_argument(fmt::format(
+          "ac.budget = \"{}\" asks the planner for the plan, but the ac settings also choose the policy \"{}\"; "
+          "keep one of them.", c.ac.budget, plan.policy));
+    }
+  }
   if (c.run.name.find_first_not_of("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-") !=
           std::string::npos ||
       c.run.name == "." || c.run.name == "..") {

@@ -147,6 +147,7 @@ class TransformerModel final : public Model {
     ce.saved = {};
     at::Tensor dx = arch_.final_norm_backward(dh.view({tokens.size(0), tokens.size(1), C}),
                                               norm.saved, W, grads_);
+    dh.reset();
     norm.saved = {};
     for (int64_t l = L - 1; l >= 0; --l) {
       if (saved[l].input_missing) recompute_chunk(W, l, ctx, saved);

@@ -9,6 +9,7 @@
 #include "train/device.h"
 #include "train/generate.h"
 #include "train/progress.h"
+#include "train/planning.h"
 #include "train/run_dir.h"
 
 #include <fmt/format.h>
@@ -120,7 +121,11 @@ TrainSummary train(const Config& cfg_in) {
   check_split_fits(val_ds, "validation", t.seq);
 
   auto model = Model::create(cfg.model, device, dtype, static_cast<uint64_t>(cfg.run.seed));
-  const ActivationPlan plan = compile_policy(cfg.ac, cfg.model.n_layer, cfg.model.dropout);
+  const double matmul_rate = measure_matmul_flops(device, dtype, t.batch * t.seq, cfg.model.d_model, cfg.model.d_ff);
+  // The token corpus stays in memory (int32) through every step.
+  const int64_t corpus_bytes = train_ds.tokens().nbytes() + val_ds.tokens().nbytes();
+  const RunPlan planned = plan_run(cfg, dtype, matmul_rate, corpus_bytes);
+  const ActivationPlan& plan = planned.plan;
   StoreOptions store_options;
   store_options.check = parse_determinism_check(cfg.ac.check);
   store_options.early_stop = cfg.ac.early_stop;
@@ -150,8 +155,9 @@ TrainSummary train(const Config& cfg_in) {
   sum.predicted_activation_bytes = predicted.total();
   const int64_t tokens_per_step = t.batch * t.seq * t.grad_accum;
   const double flops_per_token = 3.0 * model->forward_flops(t.seq) / static_cast<double>(t.seq);
-  sum.matmul_flops_per_second =
-      measure_matmul_flops(device, dtype, t.batch * t.seq, cfg.model.d_model, cfg.model.d_ff);
+  sum.matmul_flops_per_second = matmul_rate;
+  sum.predicted_peak_bytes = planned.predicted.peak;
+  sum.budget_bytes = planned.budget;
 
   fmt::print(stderr, "remat: {} ({}), {} parameters, {} layers, d_model {}, context {}; {} on {} ({} threads)\n",
              cfg.model.preset, cfg.model.arch, format_count(static_cast<double>(sum.num_params)), cfg.model.n_layer,
@@ -161,13 +167,7 @@ TrainSummary train(const Config& cfg_in) {
              tok.vocab_size(), corpus.train_unigram_entropy);
   fmt::print(stderr, "training: {} steps x {} tokens ({} x {} x {} accum); run dir {}\n", t.steps,
              tokens_per_step, t.batch, t.seq, t.grad_accum, run.path());
-  std::string plan_text = explain_plan(plan) + "\npredicted saved activations per microbatch:\n";
-  plan_text += fmt::format("  embedding  {}\n", memory::format_bytes(predicted.embedding));
-  for (size_t l = 0; l < predicted.blocks.size(); ++l) {
-    plan_text += fmt::format("  layer {:<4} {}\n", l + 1, memory::format_bytes(predicted.blocks[l]));
-  }
-  plan_text += fmt::format("  head       {}\n  total      {}\n", memory::format_bytes(predicted.head),
-                           memory::format_bytes(predicted.total()));
+  const std::string& plan_text = planned.text;
   fmt::print(stderr, "{}", plan_text);
   run.write_text("plan.txt", plan_text);
 
@@ -226,6 +226,7 @@ TrainSummary train(const Config& cfg_in) {
                      {"step_seconds", dt}, {"tokens_per_second", tokens_per_step / dt},
                      {"memory_bytes", mem.current}, {"peak_bytes", mem.peak},
                      {"activation_bytes", act.total()}, {"predicted_activation_bytes", predicted.total()},
+                     {"predicted_peak_bytes", planned.predicted.peak},
                      {"ops_recomputed", counters.ops_recomputed}, {"bytes_recomputed", counters.bytes_recomputed}});
     bar.update(step + 1, fmt::format("loss {:.4f} | {} tok/s | mem {} (peak {})", loss,
                                      format_count(tokens_per_step / dt), memory::format_bytes(mem.current),
@@ -280,6 +281,9 @@ TrainSummary train(const Config& cfg_in) {
       {"predicted_activation_bytes", predicted.total()},
       {"recompute_ops_per_step", sum.recompute_ops_per_step},
       {"recomputed_bytes_per_step", sum.recomputed_bytes_per_step},
+      {"predicted_peak_bytes", sum.predicted_peak_bytes},
+      {"predicted_recompute_flops_per_step", planned.predicted.recompute_flops},
+      {"budget_bytes", sum.budget_bytes},
   };
   run.write_text("summary.json", summary.dump(2) + "\n");
 
@@ -292,9 +296,16 @@ TrainSummary train(const Config& cfg_in) {
   fmt::print(stderr, "compute {} FLOP/s of a measured {} FLOP/s {} matmul peak: efficiency {:.0f}%\n",
              format_count(sum.model_flops_per_second), format_count(sum.matmul_flops_per_second), cfg.run.dtype,
              100.0 * sum.model_flops_per_second / sum.matmul_flops_per_second);
-  fmt::print(stderr, "memory peak {} per step, of which saved activations {} per microbatch (predicted {})\n",
-             memory::format_bytes(sum.peak_bytes), memory::format_bytes(sum.activation_bytes),
-             memory::format_bytes(predicted.total()));
+  fmt::print(stderr, "memory peak {} per step (predicted {}, {:+.1f}%), of which saved activations {} per "
+             "microbatch (predicted {})\n", memory::format_bytes(sum.peak_bytes),
+             memory::format_bytes(sum.predicted_peak_bytes),
+             100.0 * static_cast<double>(sum.peak_bytes - sum.predicted_peak_bytes) /
+                 static_cast<double>(sum.predicted_peak_bytes),
+             memory::format_bytes(sum.activation_bytes), memory::format_bytes(predicted.total()));
+  if (sum.budget_bytes > 0) {
+    fmt::print(stderr, "budget {}: measured peak {} it\n", memory::format_bytes(sum.budget_bytes),
+               sum.peak_bytes <= sum.budget_bytes ? "stayed within" : "EXCEEDED");
+  }
   fmt::print(stderr, "run directory {}: config.toml, plan.txt, metrics.jsonl, model.safetensors, tokenizer.model{}{}, "
              "summary.json\n", run.path(), plotted ? ", loss.png" : "", cfg.run.sample_tokens > 0 ? ", sample.txt" : "");
   if (!plotted) fmt::print(stderr, "no loss plot: {}\n", why);

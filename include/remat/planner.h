@@ -1,0 +1,95 @@
+// The planner: a memory budget in bytes becomes the fastest activation plan that fits.
+//
+// Per layer it prices every keep-set of the block's slots with the cost model (bytes
+// kept, the peak of that layer's backward with its recompute, recompute time) and keeps
+// the Pareto frontier. Across layers a dynamic program over (bytes kept by the layers
+// below, time) picks one frontier point per layer, or a uniform chunk of several layers,
+// so that predicted time is least and every point of the step (each layer's forward and
+// backward, the loss head, the optimizer) stays within the budget. The layers below a
+// layer are what it stacks on, so the program walks them in order and the constraint of
+// each layer is exact. It allocates nothing: an 8B model at 8k tokens plans on a laptop.
+#pragma once
+
+#include "remat/cost.h"
+
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace remat {
+
+struct PlannerOptions {
+  bool early_stop = true;        ///< as the store runs recomputes
+  int64_t max_chunk = 4;         ///< largest uniform chunk considered (1: none)
+  /// Keep-set candidates per layer: every subset of the block's non-empty slots when
+  /// empty, else exactly these (each a set of dropped slots; for tests and experiments).
+  std::vector<std::set<std::string>> candidates;
+  /// Above this many partial plans per layer the program merges those whose kept bytes
+  /// differ by less than budget / max_states (keeping the faster, which keeps more), so
+  /// the plan still fits; exact below it.
+  int64_t max_states = 4096;
+};
+
+/// One priced keep-set of a layer.
+struct LayerOption {
+  std::set<std::string> dropped;
+  cost::LayerCost cost;
+};
+
+/// A point of the memory/time frontier.
+struct FrontierPoint {
+  int64_t peak = 0;
+  double recompute_seconds = 0;
+  std::string label;  ///< the policy, or "budget" for solved plans
+};
+
+struct PlanResult {
+  ActivationPlan plan;
+  cost::StepPrediction prediction;  ///< of `plan`, by the step simulator
+};
+
+class Planner {
+ public:
+  /// Prices the block of `cfg` at `shape` once; `times` prices recompute (a measured
+  /// profile, or FLOPs at a rate).
+  Planner(const ModelConfig& cfg, const cost::StepShape& shape, const cost::NodeTimes& times,
+          PlannerOptions options = {});
+
+  /// The fastest plan whose predicted peak is at most `budget` bytes, or nullopt.
+  std::optional<PlanResult> solve(int64_t budget) const;
+  /// The smallest budget any plan fits (to the byte).
+  int64_t min_feasible_budget() const;
+  /// Predicted peak with no recompute.
+  int64_t none_peak() const;
+  /// The per-layer frontier (Pareto over kept bytes, backward peak and recompute time).
+  const std::vector<LayerOption>& layer_frontier() const { return frontier_; }
+  /// Solved plans from the minimum feasible budget to the no-recompute peak, `points`
+  /// budgets apart, Pareto-filtered.
+  std::vector<FrontierPoint> frontier(int points = 24) const;
+  /// The sentence for a budget no plan fits: the minimum feasible budget and what fills
+  /// the least-memory plan's peak. `given` is the budget as the user wrote it.
+  std::string infeasible(int64_t budget, const std::string& given) const;
+  /// Predicts the step of any plan (for the manual policies on the frontier).
+  cost::StepPrediction predict(const ActivationPlan& plan) const;
+
+  const cost::BlockProgram& block() const { return block_; }
+
+ private:
+  ModelConfig cfg_;
+  cost::StepShape shape_;
+  cost::NodeTimes times_;
+  PlannerOptions options_;
+  cost::BlockProgram block_;
+  std::vector<LayerOption> frontier_;
+  LayerOption whole_;  ///< nothing dropped (what a chunk rebuilds per layer)
+  int64_t emb_base_ = 0;     ///< statics + embedding, under every layer
+  int64_t head_peak_ = 0;    ///< the loss head's live bytes above the kept layers
+  int64_t fixed_peak_ = 0;   ///< peaks that do not depend on the plan (embedding, optimizer)
+  double block_seconds_ = 0; ///< one whole block forward
+};
+
+/// Parses "12GiB", "96MiB", "1.5e9", "4096" (bytes) or "0.6" / "60%" (a fraction of
+/// `reference`). Throws std::invalid_argument with a sentence on anything else.
+int64_t parse_budget(const std::string& text, int64_t reference);
+
+}  // namespace remat

@@ -1,0 +1,240 @@
+#include "cli/plan_cmd.h"
+
+#include "remat/memory.h"
+#include "remat/ops.h"
+#include "remat/planner.h"
+#include "remat/policy.h"
+#include "train/progress.h"
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <cstdio>
+#include <stdexcept>
+
+namespace remat::cli {
+namespace {
+
+using memory::format_bytes;
+
+at::ScalarType plan_dtype(const std::string& name) {
+  if (name == "float32") return at::kFloat;
+  if (name == "bfloat16") return at::kBFloat16;
+  throw std::invalid_argument(fmt::format("run.dtype = \"{}\" cannot be planned; use float32 or bfloat16.", name));
+}
+
+// FLOPs of one microbatch's forward and backward without recompute.
+double step_flops(const ModelConfig& m, const cost::BlockProgram& b, const cost::StepShape& s) {
+  const int64_t N = s.batch * s.seq;
+  return m.n_layer * (b.forward_flops + b.backward_flops) + 3.0 * ops::cross_entropy_flops(N, m.d_model, m.vocab_size);
+}
+
+std::string slots_text(const std::set<std::string>& dropped) {
+  if (dropped.empty()) return "keep all";
+  std::string out = "drop";
+  for (const auto& s : dropped) out += " " + s;
+  return out;
+}
+
+// Runs of consecutive layers with the same choice: (first, last, text).
+std::vector<std::tuple<int64_t, int64_t, std::string, int64_t, double>> layer_groups(
+    const ActivationPlan& plan, const cost::StepPrediction& pred) {
+  std::vector<std::tuple<int64_t, int64_t, std::string, int64_t, double>> out;
+  const int64_t L = static_cast<int64_t>(plan.layers.size());
+  for (int64_t l = 0; l < L; ++l) {
+    const LayerPlan& lp = plan.layers[l];
+    const bool chunk_start = lp.chunk_begin < 0 && l + 1 < L && plan.layers[l + 1].chunk_begin == l;
+    std::string text;
+    if (lp.chunk_begin >= 0) {
+      text = fmt::format("keep nothing: recomputed with the chunk from layer {}", lp.chunk_begin + 1);
+    } else if (chunk_start) {
+      text = "keep input: the chunk's forward is recomputed in its last layer's backward";
+    } else {
+      text = slots_text(lp.dropped);
+    }
+    const auto& c = pred.layers[l];
+    if (!out.empty() && std::get<2>(out.back()) == text && std::get<3>(out.back()) == c.kept && !chunk_start &&
+        lp.chunk_begin < 0) {
+      std::get<1>(out.back()) = l;
+    } else {
+      out.emplace_back(l, l, text, c.kept, c.recompute_flops);
+    }
+  }
+  return out;
+}
+
+nlohmann::json breakdown_json(const cost::StepPrediction& p) {
+  return {{"parameters", p.statics.params},
+          {"gradients", p.statics.grads},
+          {"optimizer", p.statics.optimizer},
+          {"compute_copies", p.statics.compute_copies},
+          {"batch", p.statics.batch},
+          {"kept_activations", p.peak - p.statics.total() - p.working_set},
+          {"working_set", p.working_set},
+          {"peak", p.peak},
+          {"peak_at", p.peak_at}};
+}
+
+std::string breakdown_text(const cost::StepPrediction& p) {
+  std::string s;
+  s += fmt::format("  parameters        {:>12}\n", format_bytes(p.statics.params));
+  s += fmt::format("  gradients         {:>12}\n", format_bytes(p.statics.grads));
+  s += fmt::format("  optimizer state   {:>12}\n", format_bytes(p.statics.optimizer));
+  if (p.statics.compute_copies > 0) s += fmt::format("  compute copies    {:>12}\n", format_bytes(p.statics.compute_copies));
+  s += fmt::format("  batch             {:>12}\n", format_bytes(p.statics.batch));
+  s += fmt::format("  kept activations  {:>12}\n", format_bytes(p.peak - p.statics.total() - p.working_set));
+  s += fmt::format("  working set       {:>12}\n", format_bytes(p.working_set));
+  s += fmt::format("  peak              {:>12}   ({})\n", format_bytes(p.peak), p.peak_at);
+  return s;
+}
+
+// The manual policies drawn on the frontier, those valid for `layers`.
+std::vector<std::string> manual_policies(int64_t layers) {
+  std::vector<std::string> out = {"none", "full", "modules:[core_attn]", "ops:[matmul,attention]",
+                                  "modules:[core_attn,act]"};
+  for (int64_t k : {2, 4}) {
+    if (k <= layers) out.push_back(fmt::format("every:{}", k));
+    if (k <= layers) out.push_back(fmt::format("uniform:{}", k));
+  }
+  if (layers >= 2) out.push_back(fmt::format("block:{}", layers / 2));
+  return out;
+}
+
+bool plot_frontier(const std::string& path, const std::vector<FrontierPoint>& frontier,
+                   const std::vector<FrontierPoint>& manual, double flops, std::string* why) {
+  if (std::system("command -v gnuplot >/dev/null 2>&1") != 0) {
+    *why = "gnuplot is not installed (apt-get install gnuplot-nox)";
+    return false;
+  }
+  std::string script = fmt::format(
+      "set terminal pngcairo size 900,560 noenhanced\nset output '{}'\nset title 'remat plan: memory/time frontier'\n"
+      "set xlabel 'predicted peak (MiB)'\nset ylabel 'recompute (% of the step FLOPs)'\nset grid\nset key top right\n"
+      "$budget << EOD\n", path);
+  for (const auto& p : frontier) script += fmt::format("{} {}\n", p.peak / 1048576.0, 100.0 * p.recompute_seconds / flops);
+  script += "EOD\n$manual << EOD\n";
+  for (const auto& p : manual) {
+    script += fmt::format("{} {} \"{}\"\n", p.peak / 1048576.0, 100.0 * p.recompute_seconds / flops, p.label);
+  }
+  script += "EOD\nplot $budget using 1:2 with linespoints lw 2 pt 7 lc rgb '#d04020' title 'budget plans', "
+            "$manual using 1:2 with points pt 5 ps 1.2 lc rgb '#3060b0' title 'manual policies', "
+            "$manual using 1:2:3 with labels offset 1,0.6 left font ',8' notitle\n";
+  std::FILE* pipe = popen("gnuplot 2>/dev/null", "w");
+  if (pipe == nullptr) {
+    *why = "could not start gnuplot";
+    return false;
+  }
+  std::fwrite(script.data(), 1, script.size(), pipe);
+  if (pclose(pipe) != 0) {
+    *why = "gnuplot failed";
+    return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
+  Config cfg = cfg_in;
+  ModelConfig& m = cfg.model;
+  if (m.vocab_size == 0) m.vocab_size = cfg.data.vocab_size;  // what `remat prepare` will train
+  cost::StepShape shape;
+  shape.batch = cfg.train.batch;
+  shape.seq = cfg.train.seq;
+  shape.grad_accum = cfg.train.grad_accum;
+  shape.ce_chunk = cfg.train.ce_chunk;
+  shape.dtype = plan_dtype(cfg.run.dtype);
+  // Time is priced in FLOPs here (a device-independent unit): recompute "seconds" are
+  // FLOPs at one FLOP per second, shown as a share of the step's FLOPs.
+  cost::NodeTimes times;
+  times.flops_per_second = 1.0;
+  PlannerOptions opts;
+  opts.early_stop = cfg.ac.early_stop;
+  const Planner planner(m, shape, times, opts);
+  const double flops = step_flops(m, planner.block(), shape);
+  const int64_t none_peak = planner.none_peak();
+  const int64_t min_budget = planner.min_feasible_budget();
+  const std::string budget_text = args.budget.empty() ? (cfg.ac.budget.empty() ? "1.0" : cfg.ac.budget) : args.budget;
+  const int64_t budget = parse_budget(budget_text, none_peak);
+
+  const std::string header = fmt::format(
+      "remat plan: {} ({}), {} layers, d_model {}, {} heads; batch {} x {} tokens, {}, {} microbatch{}", m.preset,
+      m.arch, m.n_layer, m.d_model, m.n_head, shape.batch, shape.seq, cfg.run.dtype, shape.grad_accum,
+      shape.grad_accum == 1 ? "" : "es");
+  auto solved = planner.solve(budget);
+  if (!solved) throw std::invalid_argument(planner.infeasible(budget, budget_text));
+  const ActivationPlan& plan = solved->plan;
+  const cost::StepPrediction& pred = solved->prediction;
+  const double overhead = pred.recompute_flops / (flops * shape.grad_accum);
+
+  std::vector<FrontierPoint> frontier, manual;
+  if (args.pareto || args.json) {
+    frontier = planner.frontier(args.points);
+    for (const auto& policy : manual_policies(m.n_layer)) {
+      const auto p = planner.predict(compile_policy(policy, m.n_layer, m.dropout));
+      manual.push_back({p.peak, p.recompute_seconds, policy});
+    }
+  }
+
+  if (args.json) {
+    nlohmann::json layers = nlohmann::json::array();
+    for (int64_t l = 0; l < m.n_layer; ++l) {
+      layers.push_back({{"layer", l + 1},
+                        {"dropped", plan.layers[l].dropped},
+                        {"chunk_begin", plan.layers[l].chunk_begin < 0 ? -1 : plan.layers[l].chunk_begin + 1},
+                        {"kept_bytes", pred.layers[l].kept},
+                        {"recompute_flops", pred.layers[l].recompute_flops}});
+    }
+    auto points = [&](const std::vector<FrontierPoint>& v) {
+      nlohmann::json a = nlohmann::json::array();
+      for (const auto& p : v) a.push_back({{"label", p.label}, {"peak", p.peak}, {"recompute_flops", p.recompute_seconds}});
+      return a;
+    };
+    const nlohmann::json out = {
+        {"model", {{"preset", m.preset}, {"arch", m.arch}, {"layers", m.n_layer}, {"d_model", m.d_model}}},
+        {"shape", {{"batch", shape.batch}, {"seq", shape.seq}, {"grad_accum", shape.grad_accum}, {"dtype", cfg.run.dtype}}},
+        {"budget", budget},
+        {"none_peak", none_peak},
+        {"min_feasible_budget", min_budget},
+        {"plan", layers},
+        {"breakdown", breakdown_json(pred)},
+        {"recompute_flops_per_step", pred.recompute_flops},
+        {"step_flops", flops * shape.grad_accum},
+        {"recompute_overhead", overhead},
+        {"frontier", points(frontier)},
+        {"manual", points(manual)}};
+    fmt::print("{}\n", out.dump(2));
+    return 0;
+  }
+
+  fmt::print("{}\n", header);
+  fmt::print("budget {} (\"{}\"); no-recompute peak {}; minimum feasible {}\n\n", format_bytes(budget), budget_text,
+             format_bytes(none_peak), format_bytes(min_budget));
+  fmt::print("plan (least recompute within the budget):\n");
+  for (const auto& [first, last, text, kept, rf] : layer_groups(plan, pred)) {
+    const std::string range = first == last ? fmt::format("layer {}", first + 1)
+                                            : fmt::format("layers {}-{}", first + 1, last + 1);
+    fmt::print("  {:<14} keeps {:>10} each   {}\n", range, format_bytes(kept), text);
+  }
+  fmt::print("\npredicted memory at the peak:\n{}", breakdown_text(pred));
+  fmt::print("\nrecompute: {} FLOPs per step, {:.1f}% over the {} FLOPs of a step without recompute\n",
+             format_count(pred.recompute_flops), 100.0 * overhead, format_count(flops * shape.grad_accum));
+  if (args.pareto) {
+    fmt::print("\nfrontier (budget plans):\n  {:>12}  {:>10}\n", "peak", "recompute");
+    for (const auto& p : frontier) {
+      fmt::print("  {:>12}  {:>9.1f}%\n", format_bytes(p.peak), 100.0 * p.recompute_seconds / flops);
+    }
+    fmt::print("manual policies:\n");
+    for (const auto& p : manual) {
+      fmt::print("  {:>12}  {:>9.1f}%  {}\n", format_bytes(p.peak), 100.0 * p.recompute_seconds / flops, p.label);
+    }
+    std::string why;
+    if (plot_frontier(args.plot, frontier, manual, flops, &why)) {
+      fmt::print("plot: {}\n", args.plot);
+    } else {
+      fmt::print("no plot: {}\n", why);
+    }
+  }
+  return 0;
+}
+
+}  // namespace remat::cli

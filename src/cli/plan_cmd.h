@@ -1,0 +1,22 @@
+// `remat plan`: the fastest recompute plan within a memory budget, without allocating.
+#pragma once
+
+#include "remat/config.h"
+
+#include <string>
+
+namespace remat::cli {
+
+struct PlanArgs {
+  std::string budget;             ///< overrides ac.budget; empty: ac.budget, else the no-recompute peak
+  bool pareto = false;            ///< print and plot the memory/time frontier
+  bool json = false;              ///< everything as JSON on stdout
+  std::string plot = "pareto.png";  ///< where --pareto draws
+  int points = 24;                ///< budgets sampled along the frontier
+};
+
+/// Plans `cfg`'s model at train.batch x train.seq in run.dtype and prints the result.
+/// Throws std::invalid_argument with a sentence for a budget below the minimum.
+int cmd_plan(const Config& cfg, const PlanArgs& args);
+
+}  // namespace remat::cli

@@ -1,0 +1,399 @@
+#include "remat/cost.h"
+
+#include "remat/ops.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <numeric>
+
+namespace remat::cost {
+namespace {
+
+using ops::nbytes;
+
+// Live tensors of a simulated timeline and the highest total they reached.
+class Live {
+ public:
+  void alloc(const std::string& name, int64_t bytes) {
+    TORCH_INTERNAL_ASSERT(!tensors_.count(name), "cost program allocates ", name, " while it is live");
+    tensors_[name] = bytes;
+    current_ += bytes;
+    peak_ = std::max(peak_, current_);
+  }
+  void free(const std::string& name) {
+    auto it = tensors_.find(name);
+    TORCH_INTERNAL_ASSERT(it != tensors_.end(), "cost program frees ", name, ", which is not live");
+    current_ -= it->second;
+    tensors_.erase(it);
+  }
+  bool has(const std::string& name) const { return tensors_.count(name) > 0; }
+  int64_t current() const { return current_; }
+  int64_t peak() const { return peak_; }
+
+ private:
+  std::map<std::string, int64_t> tensors_;
+  int64_t current_ = 0;
+  int64_t peak_ = 0;
+};
+
+// Runs alloc/free events; a free naming a slot frees that slot's live tensors.
+void apply(Live& live, const BlockProgram& b, const Event& e) {
+  if (e.kind == Event::Kind::alloc) {
+    live.alloc(e.name, e.bytes);
+  } else if (e.kind == Event::Kind::free) {
+    auto slot = b.slots.find(e.name);
+    if (slot == b.slots.end()) {
+      live.free(e.name);
+    } else {
+      for (const auto& [name, bytes] : slot->second) {
+        if (live.has(name)) live.free(name);
+      }
+    }
+  }
+}
+
+// The slot a tensor name belongs to, or "" for temporaries.
+std::string slot_of(const BlockProgram& b, const std::string& tensor) {
+  for (const auto& [slot, ts] : b.slots) {
+    for (const auto& t : ts) {
+      if (t.first == tensor) return slot;
+    }
+  }
+  return "";
+}
+
+// One layer's backward with recompute, as the store and the blocks' ensure() run it.
+class BackwardSim {
+ public:
+  BackwardSim(const BlockProgram& b, const std::set<std::string>& dropped, bool early_stop, const NodeTimes& times,
+              LayerCost& out)
+      : b_(b), missing_(dropped), early_stop_(early_stop), times_(times), out_(out) {}
+
+  void run() {
+    for (const auto& [slot, ts] : b_.slots) {
+      if (missing_.count(slot)) continue;
+      for (const auto& [name, bytes] : ts) live_.alloc(name, bytes);
+    }
+    live_.alloc("dy", b_.out_bytes);
+    for (const auto& e : b_.backward) {
+      if (e.kind == Event::Kind::need) {
+        ensure(e.name);
+      } else {
+        apply(live_, b_, e);
+      }
+    }
+    out_.backward_peak = live_.peak();
+  }
+
+ private:
+  void ensure(const std::string& slot) {
+    if (!missing_.count(slot)) return;
+    if (!early_stop_) return rerun();
+    const Node* node = nullptr;
+    for (const auto& n : b_.nodes) {
+      const bool produces = std::find(n.outputs.begin(), n.outputs.end(), slot) != n.outputs.end();
+      if (produces && (n.only_if_missing.empty() || missing_.count(n.only_if_missing))) {
+        node = &n;
+        break;
+      }
+    }
+    TORCH_INTERNAL_ASSERT(node != nullptr, "no node of the cost program produces slot ", slot);
+    for (const auto& in : node->inputs) ensure(in);
+    std::vector<std::string> refilled;
+    for (const auto& o : node->outputs) {
+      if (missing_.count(o)) refilled.push_back(o);
+    }
+    run_node(node->events, refilled);
+    count(node->kinds, node->flops, times_.node_seconds(*node));
+  }
+
+  // Without early stop a recompute runs the whole block forward once and keeps every
+  // missing slot from it.
+  void rerun() {
+    std::vector<std::string> refilled(missing_.begin(), missing_.end());
+    run_node(b_.forward, refilled);
+    double seconds = 0;
+    for (const auto& n : b_.nodes) {
+      if (!n.alternate) seconds += times_.node_seconds(n);
+    }
+    count(b_.forward_kinds, b_.forward_flops, seconds);
+  }
+
+  // Tensors of a refilled slot stay live; every other tensor the ops allocate is dropped
+  // when the recompute returns.
+  void run_node(const std::vector<Event>& events, const std::vector<std::string>& refilled) {
+    std::vector<std::string> temps;
+    for (const auto& e : events) {
+      const std::string slot = slot_of(b_, e.name);
+      const bool keep = !slot.empty() && std::find(refilled.begin(), refilled.end(), slot) != refilled.end();
+      const std::string name = keep ? e.name : "recompute/" + e.name;
+      if (e.kind == Event::Kind::alloc) {
+        live_.alloc(name, e.bytes);
+        if (!keep) temps.push_back(name);
+      } else if (e.kind == Event::Kind::free && live_.has(name)) {
+        live_.free(name);
+        temps.erase(std::remove(temps.begin(), temps.end(), name), temps.end());
+      }
+    }
+    for (const auto& t : temps) live_.free(t);
+    for (const auto& s : refilled) {
+      missing_.erase(s);
+      out_.recomputed_bytes += b_.slot_bytes(s);
+    }
+  }
+
+  void count(const std::vector<std::string>& kinds, double flops, double seconds) {
+    for (const auto& k : kinds) ++out_.ops[k];
+    out_.recompute_flops += flops;
+    out_.recompute_seconds += seconds;
+  }
+
+  const BlockProgram& b_;
+  std::set<std::string> missing_;
+  bool early_stop_;
+  const NodeTimes& times_;
+  LayerCost& out_;
+  Live live_;
+};
+
+// Forward of one block from its input "x": the highest live bytes, and what it leaves.
+int64_t forward_peak(const BlockProgram& b) {
+  Live live;
+  live.alloc("x", b.out_bytes);
+  for (const auto& e : b.forward) apply(live, b, e);
+  return live.peak();
+}
+
+// Largest parameter (bytes of one master copy) and the parameter count.
+std::pair<int64_t, int64_t> param_counts(const ModelConfig& c) {
+  const int64_t C = c.d_model, F = c.d_ff, V = c.vocab_size, L = c.n_layer;
+  if (c.arch == "gpt2") {
+    const int64_t block = 2 * C + 3 * C * C + 3 * C + C * C + C + 2 * C + F * C + F + C * F + C;
+    return {V * C + c.max_seq * C + L * block + 2 * C, std::max({V * C, c.max_seq * C, F * C, 3 * C * C})};
+  }
+  const int64_t KV = c.n_kv_head * c.head_dim();
+  const int64_t block = 2 * C + 2 * C * C + 2 * KV * C + 3 * F * C;
+  return {2 * V * C + C + L * block, std::max(V * C, F * C)};
+}
+
+// Live bytes while the loss head runs, from the last block's output to the gradient it
+// hands the last block; and the bytes it keeps between its forward and backward.
+struct HeadCost {
+  int64_t peak = 0;
+  int64_t saved = 0;
+};
+
+HeadCost head_cost(const ModelConfig& c, const StepShape& s) {
+  const at::ScalarType f = s.dtype, sd = ops::stats_dtype(f);
+  const int64_t N = s.batch * s.seq, D = nbytes(N * c.d_model, f), n = std::min(s.ce_chunk, N);
+  const int64_t stats = (c.arch == "gpt2" ? 2 : 1) * nbytes(N, sd);
+  const int64_t logits = nbytes(n * c.vocab_size, sd), logits_f = f != sd ? nbytes(n * c.vocab_size, f) : 0;
+  Live h;
+  h.alloc("x", D);
+  h.alloc("norm.out", D);
+  h.alloc("norm.stats", stats);
+  h.alloc("lse", nbytes(N, sd));
+  h.alloc("counted", nbytes(N, at::kBool));
+  h.alloc("targets", nbytes(N, at::kLong));
+  if (logits_f > 0) h.alloc("mm", logits_f);
+  h.alloc("logits", logits);
+  if (logits_f > 0) h.free("mm");
+  h.alloc("rows", 2 * nbytes(n, sd));
+  for (const char* t : {"logits", "rows", "counted", "targets"}) h.free(t);
+  HeadCost out;
+  out.saved = h.current();
+  // Backward: dx, then per chunk the logits again, their softmax in place and the
+  // per-row scale.
+  h.alloc("dh", D);
+  h.alloc("counted", nbytes(N, at::kBool));
+  h.alloc("targets", nbytes(N, at::kLong));
+  if (logits_f > 0) h.alloc("mm", logits_f);
+  h.alloc("logits", logits);
+  if (logits_f > 0) h.free("mm");
+  h.alloc("rows", 2 * nbytes(n, sd));
+  if (logits_f > 0) h.alloc("dl", logits_f);
+  h.free("logits");
+  if (logits_f > 0) h.free("dl");
+  for (const char* t : {"rows", "counted", "targets", "norm.out", "lse"}) h.free(t);
+  // The final norm's backward: its input gradient plus, for RMSNorm, x-hat and two products.
+  h.alloc("dx", D);
+  if (c.arch != "gpt2") h.alloc("rms", 2 * D);
+  out.peak = h.peak();
+  return out;
+}
+
+// Live bytes of the embedding's forward beyond its output, and what it keeps.
+std::pair<int64_t, int64_t> embedding_cost(const ModelConfig& c, const StepShape& s) {
+  const int64_t N = s.batch * s.seq, D = nbytes(N * c.d_model, s.dtype);
+  if (c.arch != "gpt2") return {D, 0};
+  if (c.dropout == 0) return {2 * D, 0};
+  const int64_t mask = nbytes(N * c.d_model, at::kBool);
+  // token rows, their sum with positions, the mask, its float copy and the output
+  return {4 * D + mask, mask};
+}
+
+}  // namespace
+
+double NodeTimes::node_seconds(const Node& n) const {
+  auto it = seconds.find(n.name);
+  if (it != seconds.end()) return it->second;
+  return flops_per_second > 0 ? n.flops / flops_per_second : 0.0;
+}
+
+LayerCost price_layer(const BlockProgram& block, const std::set<std::string>& dropped, bool early_stop,
+                      const NodeTimes& times) {
+  LayerCost lc;
+  for (const auto& [slot, ts] : block.slots) {
+    if (!dropped.count(slot)) lc.kept += block.slot_bytes(slot);
+  }
+  lc.forward_peak = forward_peak(block);
+  BackwardSim(block, dropped, early_stop, times, lc).run();
+  return lc;
+}
+
+StaticBytes static_bytes(const ModelConfig& cfg, const StepShape& shape) {
+  TORCH_CHECK(cfg.vocab_size > 0, "The cost model needs model.vocab_size");
+  const at::ScalarType master = shape.dtype == at::kDouble ? at::kDouble : at::kFloat;
+  const int64_t P = param_counts(cfg).first;
+  StaticBytes s;
+  s.params = nbytes(P, master);
+  s.grads = nbytes(P, master);
+  s.optimizer = 2 * nbytes(P, master);
+  s.compute_copies = shape.dtype != master ? nbytes(P, shape.dtype) : 0;
+  if (cfg.arch == "llama") s.params += 2 * nbytes(cfg.max_seq * (cfg.head_dim() / 2), shape.dtype);  // RoPE tables
+  s.batch = 2 * nbytes(shape.batch * shape.seq, at::kLong);
+  s.resident = shape.resident;
+  return s;
+}
+
+StepConstants step_constants(const ModelConfig& cfg, const StepShape& shape) {
+  StepConstants k;
+  k.statics = static_bytes(cfg, shape);
+  std::tie(k.embed_peak, k.embed_saved) = embedding_cost(cfg, shape);
+  const HeadCost head = head_cost(cfg, shape);
+  k.head_peak = head.peak;
+  k.head_saved = head.saved;
+  const int64_t D = nbytes(shape.batch * shape.seq * cfg.d_model, shape.dtype);
+  k.embed_backward = cfg.arch == "gpt2" && cfg.dropout > 0 ? 3 * D : D;
+  // AdamW's denominator: a square root and its quotient, per parameter.
+  k.optimizer = 2 * nbytes(param_counts(cfg).second, shape.dtype == at::kDouble ? at::kDouble : at::kFloat);
+  return k;
+}
+
+StepPrediction predict_step(const ModelConfig& cfg, const StepShape& shape, const ActivationPlan& plan,
+                            bool early_stop, const NodeTimes& times) {
+  const int64_t L = cfg.n_layer;
+  TORCH_CHECK(static_cast<int64_t>(plan.layers.size()) == L, "The activation plan has ", plan.layers.size(),
+              " layers but the model has ", L);
+  const BlockProgram block = block_program(cfg, shape.batch, shape.seq, shape.dtype);
+  const StepConstants k = step_constants(cfg, shape);
+  StepPrediction p;
+  p.statics = k.statics;
+  const int64_t embed_peak = k.embed_peak, embed_saved = k.embed_saved;
+  p.embedding = embed_saved;
+  p.head = k.head_saved;
+  const int64_t base = p.statics.total();
+
+  auto consider = [&](int64_t bytes, int64_t kept_now, const std::string& where) {
+    if (bytes > p.peak) {
+      p.peak = bytes;
+      p.peak_at = where;
+      p.working_set = bytes - base - kept_now;
+    }
+  };
+  // Prices per distinct slot choice (layers of one policy mostly share a few).
+  std::map<std::set<std::string>, LayerCost> priced;
+  auto price = [&](const std::set<std::string>& dropped) -> const LayerCost& {
+    auto it = priced.find(dropped);
+    if (it == priced.end()) it = priced.emplace(dropped, price_layer(block, dropped, early_stop, times)).first;
+    return it->second;
+  };
+  const LayerCost& whole = price({});
+  // A uniform:N chunk: its first layer keeps its input, the others nothing; the chunk's
+  // last layer re-runs all of it.
+  auto chunk_first = [&](int64_t l) {
+    const int64_t b = plan.layers[l].chunk_begin;
+    if (b >= 0) return b;
+    return l + 1 < L && plan.layers[l + 1].chunk_begin == l ? l : int64_t{-1};
+  };
+  auto chunk_last = [&](int64_t l) {
+    const int64_t first = chunk_first(l);
+    return first >= 0 && (l + 1 == L || plan.layers[l + 1].chunk_begin != first);
+  };
+  std::vector<int64_t> kept(L);
+  for (int64_t l = 0; l < L; ++l) {
+    const LayerPlan& lp = plan.layers[l];
+    if (chunk_first(l) >= 0) {
+      kept[l] = lp.chunk_begin >= 0 ? 0 : block.slot_bytes("input");
+      LayerCost c;
+      c.kept = kept[l];
+      c.forward_peak = whole.forward_peak;
+      c.backward_peak = whole.backward_peak;
+      p.layers.push_back(c);
+    } else {
+      p.layers.push_back(price(lp.dropped));
+      kept[l] = p.layers.back().kept;
+    }
+  }
+  double block_seconds = 0;
+  for (const auto& n : block.nodes) {
+    if (!n.alternate) block_seconds += times.node_seconds(n);
+  }
+
+  const int64_t emb = base + embed_saved;
+  const auto layer_name = [](const char* what, int64_t l) { return fmt::format("{} of layer {}", what, l + 1); };
+  consider(base + embed_peak, 0, "embedding forward");
+  int64_t below = 0;  // kept by the layers under the current one
+  for (int64_t l = 0; l < L; ++l) {
+    consider(emb + below + p.layers[l].forward_peak, embed_saved + below, layer_name("forward", l));
+    below += kept[l];
+  }
+  consider(emb + below + k.head_peak, embed_saved + below, "loss head");
+  LayerCost total;
+  for (int64_t l = L - 1; l >= 0; --l) {
+    below -= kept[l];
+    const int64_t first = chunk_first(l);
+    if (first < 0) {
+      const LayerCost& c = p.layers[l];
+      consider(emb + below + c.backward_peak, embed_saved + below, layer_name("backward", l));
+      for (const auto& [k, n] : c.ops) total.ops[k] += n;
+      total.recompute_flops += c.recompute_flops;
+      total.recompute_seconds += c.recompute_seconds;
+      total.recomputed_bytes += c.recomputed_bytes;
+      continue;
+    }
+    if (!chunk_last(l)) continue;
+    // The chunk [first, l]: its forward again with the output gradient live, then each
+    // layer's backward with the rebuilt layers under it still held.
+    const int64_t under = below - kept[first];  // kept by the layers under the chunk
+    int64_t rebuilt = 0;
+    const int64_t full = whole.kept;
+    for (int64_t j = first; j <= l; ++j) {
+      consider(emb + under + block.out_bytes + rebuilt + whole.forward_peak, embed_saved + under + rebuilt,
+               layer_name("recompute", j));
+      rebuilt += full;
+      for (const auto& k : block.forward_kinds) ++total.ops[k];
+      total.recompute_flops += block.forward_flops;
+      total.recompute_seconds += block_seconds;
+      total.recomputed_bytes += full - block.slot_bytes("input");
+    }
+    for (int64_t j = l; j >= first; --j) {
+      rebuilt -= full;
+      consider(emb + under + rebuilt + whole.backward_peak, embed_saved + under + rebuilt,
+               layer_name("backward", j));
+    }
+  }
+  consider(emb + k.embed_backward, embed_saved, "embedding backward");
+  consider(base + k.optimizer, 0, "optimizer step");
+
+  p.kept_activations = embed_saved + std::accumulate(kept.begin(), kept.end(), int64_t{0}) + k.head_saved;
+  const double micro = static_cast<double>(shape.grad_accum);
+  for (const auto& [k, n] : total.ops) p.ops[k] = n * shape.grad_accum;
+  p.recompute_flops = micro * total.recompute_flops;
+  p.recompute_seconds = micro * total.recompute_seconds;
+  p.recomputed_bytes = total.recomputed_bytes;
+  return p;
+}
+
+}  // namespace remat::cost

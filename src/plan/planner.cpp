@@ -1,0 +1,266 @@
+#include "remat/planner.h"
+
+#include "remat/memory.h"
+#include "remat/policy.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <stdexcept>
+
+namespace remat {
+namespace {
+
+bool dominates(const cost::LayerCost& a, const cost::LayerCost& b) {
+  const bool no_worse = a.kept <= b.kept && a.backward_peak <= b.backward_peak &&
+                        a.recompute_seconds <= b.recompute_seconds;
+  const bool better = a.kept < b.kept || a.backward_peak < b.backward_peak ||
+                      a.recompute_seconds < b.recompute_seconds;
+  return no_worse && better;
+}
+
+// A partial plan of the layers below a position: bytes they keep, recompute time, and
+// how it was reached (the previous position's state and the choice that led here).
+struct State {
+  int64_t kept = 0;
+  double seconds = 0;
+  int64_t prev_pos = -1;
+  int64_t prev_index = -1;
+  int64_t option = -1;  ///< index into the layer frontier, or -1 for a chunk
+  int64_t chunk = 0;    ///< chunk length when option == -1
+};
+
+// Pareto filter: ascending kept bytes with strictly falling time; above `max_states`,
+// states closer than `width` bytes merge into the faster one.
+void prune(std::vector<State>& v, int64_t max_states, int64_t width) {
+  std::sort(v.begin(), v.end(), [](const State& a, const State& b) {
+    return a.kept != b.kept ? a.kept < b.kept : a.seconds < b.seconds;
+  });
+  std::vector<State> out;
+  for (const auto& s : v) {
+    if (out.empty() || s.seconds < out.back().seconds) out.push_back(s);
+  }
+  if (static_cast<int64_t>(out.size()) > max_states && width > 0) {
+    std::vector<State> merged;
+    for (const auto& s : out) {
+      // Sorted by kept bytes with falling time: the later state of a bucket is the
+      // faster one, and it stands for the bucket with its own (larger) kept bytes.
+      if (!merged.empty() && s.kept / width == merged.back().kept / width) {
+        merged.back() = s;
+      } else {
+        merged.push_back(s);
+      }
+    }
+    out = std::move(merged);
+  }
+  v = std::move(out);
+}
+
+}  // namespace
+
+Planner::Planner(const ModelConfig& cfg, const cost::StepShape& shape, const cost::NodeTimes& times,
+                 PlannerOptions options)
+    : cfg_(cfg), shape_(shape), times_(times), options_(std::move(options)),
+      block_(cost::block_program(cfg, shape.batch, shape.seq, shape.dtype)) {
+  std::vector<std::set<std::string>> candidates = options_.candidates;
+  if (candidates.empty()) {
+    std::vector<std::string> slots;
+    for (const auto& s : block_slots()) {
+      if (block_.slot_bytes(s) > 0) slots.push_back(s);
+    }
+    for (uint32_t mask = 0; mask < (1u << slots.size()); ++mask) {
+      std::set<std::string> dropped;
+      for (size_t i = 0; i < slots.size(); ++i) {
+        if (mask & (1u << i)) dropped.insert(slots[i]);
+      }
+      candidates.push_back(std::move(dropped));
+    }
+  }
+  std::vector<LayerOption> all;
+  for (const auto& d : candidates) all.push_back({d, cost::price_layer(block_, d, options_.early_stop, times_)});
+  whole_ = {{}, cost::price_layer(block_, {}, options_.early_stop, times_)};
+  for (size_t i = 0; i < all.size(); ++i) {
+    bool dominated = false;
+    for (size_t j = 0; j < all.size() && !dominated; ++j) {
+      // Equal costs: the first (fewest dropped slots) stands for all of them.
+      dominated = dominates(all[j].cost, all[i].cost) ||
+                  (j < i && all[j].cost.kept == all[i].cost.kept &&
+                   all[j].cost.backward_peak == all[i].cost.backward_peak &&
+                   all[j].cost.recompute_seconds == all[i].cost.recompute_seconds);
+    }
+    if (!dominated) frontier_.push_back(all[i]);
+  }
+  const cost::StepConstants k = cost::step_constants(cfg_, shape_);
+  emb_base_ = k.statics.total() + k.embed_saved;
+  head_peak_ = k.head_peak;
+  fixed_peak_ = std::max({k.statics.total() + k.embed_peak, emb_base_ + k.embed_backward,
+                          k.statics.total() + k.optimizer});
+  for (const auto& n : block_.nodes) {
+    if (!n.alternate) block_seconds_ += times_.node_seconds(n);
+  }
+}
+
+std::optional<PlanResult> Planner::solve(int64_t budget) const {
+  const int64_t L = cfg_.n_layer;
+  if (fixed_peak_ > budget) return std::nullopt;
+  const int64_t room = budget - emb_base_;  // for the layers' bytes
+  const int64_t fwd = whole_.cost.forward_peak, input = block_.slot_bytes("input"), full = whole_.cost.kept;
+  std::vector<std::vector<State>> states(L + 1);
+  states[0].push_back({});
+  const int64_t width = std::max<int64_t>(1, budget / std::max<int64_t>(1, options_.max_states));
+  for (int64_t pos = 0; pos < L; ++pos) {
+    prune(states[pos], options_.max_states, width);
+    for (int64_t si = 0; si < static_cast<int64_t>(states[pos].size()); ++si) {
+      const State& s = states[pos][si];
+      for (int64_t oi = 0; oi < static_cast<int64_t>(frontier_.size()); ++oi) {
+        const auto& c = frontier_[oi].cost;
+        if (s.kept + std::max(fwd, c.backward_peak) > room) continue;
+        states[pos + 1].push_back({s.kept + c.kept, s.seconds + c.recompute_seconds, pos, si, oi, 0});
+      }
+      for (int64_t n = 2; n <= std::min(options_.max_chunk, L - pos); ++n) {
+        const int64_t top = std::max({input + fwd, block_.out_bytes + (n - 1) * full + fwd,
+                                      (n - 1) * full + whole_.cost.backward_peak});
+        if (s.kept + top > room) continue;
+        states[pos + n].push_back({s.kept + input, s.seconds + n * block_seconds_, pos, si, -1, n});
+      }
+    }
+  }
+  prune(states[L], options_.max_states, width);
+  int64_t best = -1;
+  for (int64_t i = 0; i < static_cast<int64_t>(states[L].size()); ++i) {
+    const State& s = states[L][i];
+    if (s.kept + head_peak_ > room) continue;
+    if (best < 0 || s.seconds < states[L][best].seconds) best = i;
+  }
+  if (best < 0) return std::nullopt;
+
+  ActivationPlan plan;
+  plan.layers.resize(L);
+  for (int64_t pos = L, i = best; pos > 0;) {
+    const State& s = states[pos][i];
+    if (s.option >= 0) {
+      plan.layers[s.prev_pos].dropped = frontier_[s.option].dropped;
+    } else {
+      std::set<std::string> everything(block_slots().begin(), block_slots().end());
+      for (int64_t j = s.prev_pos; j < pos; ++j) {
+        plan.layers[j].dropped = everything;
+        plan.layers[j].chunk_begin = j == s.prev_pos ? -1 : s.prev_pos;
+      }
+    }
+    i = s.prev_index;
+    pos = s.prev_pos;
+  }
+  plan.policy = fmt::format("budget:{}", budget);
+  PlanResult r{plan, predict(plan)};
+  TORCH_INTERNAL_ASSERT(r.prediction.peak <= budget, "the planner's plan peaks at ", r.prediction.peak,
+                        " over the budget ", budget);
+  return r;
+}
+
+int64_t Planner::min_feasible_budget() const {
+  const int64_t L = cfg_.n_layer;
+  const int64_t fwd = whole_.cost.forward_peak, input = block_.slot_bytes("input"), full = whole_.cost.kept;
+  // Feasibility depends only on the bytes kept below each layer, so the least-kept
+  // partial plan at each position decides it.
+  auto feasible = [&](int64_t budget) {
+    if (fixed_peak_ > budget) return false;
+    const int64_t room = budget - emb_base_;
+    constexpr int64_t kNone = std::numeric_limits<int64_t>::max();
+    std::vector<int64_t> least(L + 1, kNone);
+    least[0] = 0;
+    for (int64_t pos = 0; pos < L; ++pos) {
+      const int64_t k = least[pos];
+      if (k == kNone) continue;
+      for (const auto& o : frontier_) {
+        if (k + std::max(fwd, o.cost.backward_peak) <= room) least[pos + 1] = std::min(least[pos + 1], k + o.cost.kept);
+      }
+      for (int64_t n = 2; n <= std::min(options_.max_chunk, L - pos); ++n) {
+        const int64_t top = std::max({input + fwd, block_.out_bytes + (n - 1) * full + fwd,
+                                      (n - 1) * full + whole_.cost.backward_peak});
+        if (k + top <= room) least[pos + n] = std::min(least[pos + n], k + input);
+      }
+    }
+    return least[L] != kNone && least[L] + head_peak_ <= room;
+  };
+  int64_t lo = 0, hi = none_peak();
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (feasible(mid)) {
+      hi = mid;
+    } else {
+      lo = mid + 1;
+    }
+  }
+  return hi;
+}
+
+int64_t Planner::none_peak() const { return predict(compile_policy("none", cfg_.n_layer, cfg_.dropout)).peak; }
+
+cost::StepPrediction Planner::predict(const ActivationPlan& plan) const {
+  return cost::predict_step(cfg_, shape_, plan, options_.early_stop, times_);
+}
+
+std::string Planner::infeasible(int64_t budget, const std::string& given) const {
+  using memory::format_bytes;
+  const int64_t least = min_feasible_budget();
+  const auto r = solve(least);
+  TORCH_INTERNAL_ASSERT(r.has_value(), "no plan fits the minimum feasible budget");
+  const auto& p = r->prediction;
+  return fmt::format(
+      "The memory budget {} ({}) is below the minimum feasible {} for {} at batch {} x {} tokens in {}: the "
+      "least-memory plan peaks in the {} with parameters {}, gradients {}, optimizer state {}, kept activations {} "
+      "and a working set of {}; give a budget of at least {}, or lower train.batch or train.seq.",
+      format_bytes(budget), given, format_bytes(least), cfg_.preset, shape_.batch, shape_.seq,
+      c10::toString(shape_.dtype), p.peak_at, format_bytes(p.statics.params), format_bytes(p.statics.grads),
+      format_bytes(p.statics.optimizer), format_bytes(p.peak - p.statics.total() - p.working_set),
+      format_bytes(p.working_set), format_bytes(least));
+}
+
+std::vector<FrontierPoint> Planner::frontier(int points) const {
+  const int64_t lo = min_feasible_budget(), hi = none_peak();
+  std::vector<FrontierPoint> all;
+  for (int i = 0; i < points; ++i) {
+    const int64_t budget = points == 1 ? hi : lo + (hi - lo) * i / (points - 1);
+    if (auto r = solve(budget)) all.push_back({r->prediction.peak, r->prediction.recompute_seconds, "budget"});
+  }
+  std::sort(all.begin(), all.end(), [](const FrontierPoint& a, const FrontierPoint& b) {
+    return a.peak != b.peak ? a.peak < b.peak : a.recompute_seconds < b.recompute_seconds;
+  });
+  std::vector<FrontierPoint> out;
+  for (const auto& p : all) {
+    if (out.empty() || p.recompute_seconds < out.back().recompute_seconds) out.push_back(p);
+  }
+  return out;
+}
+
+int64_t parse_budget(const std::string& text, int64_t reference) {
+  const auto fail = [&] {
+    return std::invalid_argument(fmt::format(
+        "The memory budget \"{}\" is not a size; write bytes with an optional unit (e.g. 12GiB, 512MiB, 3e9) "
+        "or a fraction of the no-recompute peak (e.g. 0.6 or 60%).", text));
+  };
+  size_t used = 0;
+  double value = 0;
+  try {
+    value = std::stod(text, &used);
+  } catch (const std::exception&) {
+    throw fail();
+  }
+  std::string unit = text.substr(used);
+  unit.erase(0, unit.find_first_not_of(' '));
+  if (!(value > 0) || !std::isfinite(value)) throw fail();
+  if (unit == "%") value /= 100.0, unit.clear();
+  const bool fraction = unit.empty() && value <= 1.0;
+  if (fraction) return static_cast<int64_t>(std::floor(value * static_cast<double>(reference)));
+  static const std::pair<const char*, double> kUnits[] = {
+      {"", 1.0},          {"B", 1.0},          {"KB", 1e3},  {"MB", 1e6},  {"GB", 1e9},  {"TB", 1e12},
+      {"KiB", 1024.0},    {"MiB", 1048576.0},  {"GiB", 1073741824.0},      {"TiB", 1099511627776.0}};
+  for (const auto& [name, scale] : kUnits) {
+    if (unit == name) return static_cast<int64_t>(std::floor(value * scale));
+  }
+  throw fail();
+}
+
+}  // namespace remat

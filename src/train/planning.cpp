@@ -1,0 +1,59 @@
+#include "train/planning.h"
+
+#include "remat/memory.h"
+#include "remat/planner.h"
+#include "remat/policy.h"
+#include "train/progress.h"
+
+#include <fmt/format.h>
+
+namespace remat {
+
+RunPlan plan_run(const Config& cfg, at::ScalarType dtype, double flops_per_second, int64_t resident) {
+  const auto& t = cfg.train;
+  cost::StepShape shape;
+  shape.batch = t.batch;
+  shape.seq = t.seq;
+  shape.grad_accum = t.grad_accum;
+  shape.ce_chunk = t.ce_chunk;
+  shape.dtype = dtype;
+  shape.resident = resident;
+  cost::NodeTimes times;
+  times.flops_per_second = flops_per_second;
+  PlannerOptions opts;
+  opts.early_stop = cfg.ac.early_stop;
+  const Planner planner(cfg.model, shape, times, opts);
+  RunPlan r;
+  if (cfg.ac.budget.empty()) {
+    r.plan = compile_policy(cfg.ac, cfg.model.n_layer, cfg.model.dropout);
+    r.predicted = planner.predict(r.plan);
+  } else {
+    r.budget = parse_budget(cfg.ac.budget, planner.none_peak());
+    auto solved = planner.solve(r.budget);
+    if (!solved) throw std::invalid_argument(planner.infeasible(r.budget, cfg.ac.budget));
+    r.plan = solved->plan;
+    r.predicted = solved->prediction;
+  }
+  using memory::format_bytes;
+  const auto& p = r.predicted;
+  r.text = explain_plan(r.plan) + "\npredicted per microbatch (kept bytes, recompute FLOPs):\n";
+  r.text += fmt::format("  embedding  {:>11}\n", format_bytes(p.embedding));
+  for (size_t l = 0; l < p.layers.size(); ++l) {
+    r.text += fmt::format("  layer {:<4} {:>11}  {:>8} FLOPs recomputed\n", l + 1, format_bytes(p.layers[l].kept),
+                          format_count(p.layers[l].recompute_flops));
+  }
+  r.text += fmt::format("  head       {:>11}\n", format_bytes(p.head));
+  r.text += fmt::format("predicted step: peak {} in the {} (parameters {}, gradients {}, optimizer {}, kept "
+                        "activations {}, working set {}, token corpus {}); recompute {} FLOPs ({:.1f} ms at {} FLOP/s)\n",
+                        format_bytes(p.peak), p.peak_at, format_bytes(p.statics.params), format_bytes(p.statics.grads),
+                        format_bytes(p.statics.optimizer), format_bytes(p.peak - p.statics.total() - p.working_set),
+                        format_bytes(p.working_set), format_bytes(p.statics.resident), format_count(p.recompute_flops), 1e3 * p.recompute_seconds,
+                        format_count(flops_per_second));
+  if (r.budget > 0) {
+    r.text += fmt::format("budget {} (ac.budget = \"{}\"): the planner's plan peaks at {}\n", format_bytes(r.budget),
+                          cfg.ac.budget, format_bytes(p.peak));
+  }
+  return r;
+}
+
+}  // namespace remat
