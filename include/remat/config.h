@@ -71,6 +71,7 @@ struct RunConfig {
   int64_t sample_tokens = 120;   ///< tokens generated at the end of training
   std::string prompt = "And God said";
   bool progress = true;          ///< progress bar on a terminal
+  std::string trace;             ///< Chrome-trace JSON of step 3 (or the last) goes here; empty: none
 };
 
 struct Config {

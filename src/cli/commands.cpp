@@ -68,6 +68,10 @@ int run(int argc, char** argv) {
   bool explain_ac = false;
   train_cmd->add_flag("--explain-ac", explain_ac,
                       "Print the per-layer recompute plan the ac.* settings compile to, and exit");
+  std::string trace_file;
+  train_cmd->add_option("--trace", trace_file,
+                        "Write step 3 (or the last) as Chrome-trace JSON to this file (sets run.trace); "
+                        "open it in https://ui.perfetto.dev");
   train_cmd->add_option("overrides", overrides, "key=value settings, e.g. train.steps=200 model.preset=llama-demo");
 
   auto* plan_cmd = app.add_subcommand("plan", "The fastest recompute plan within a memory budget (allocates nothing)");
@@ -101,6 +105,7 @@ int run(int argc, char** argv) {
       return cmd_prepare(config_file, overrides);
     }
     if (train_cmd->parsed()) {
+      if (!trace_file.empty()) overrides.push_back("run.trace=" + trace_file);
       if (help_config) {
         print_config_keys();
         return 0;

@@ -212,6 +212,7 @@ std::vector<ConfigKey> make_keys() {
       key("run.sample_tokens", &C::run, &RunConfig::sample_tokens, "tokens sampled at the end"),
       key("run.prompt", &C::run, &RunConfig::prompt, "prompt of the final sample"),
       key("run.progress", &C::run, &RunConfig::progress, "progress bar on a terminal"),
+      key("run.trace", &C::run, &RunConfig::trace, "Chrome-trace JSON of step 3; empty: none"),
       key("ac.policy", &C::ac, &AcConfig::policy, "recompute policy (README: Recompute policies)"),
       key("ac.budget", &C::ac, &AcConfig::budget, "memory budget: the planner picks the plan (12GiB, 0.6)"),
       key("ac.preserve_rng_state", &C::ac, &AcConfig::preserve_rng_state, "replay dropout RNG in recompute"),

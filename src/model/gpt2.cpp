@@ -225,6 +225,7 @@ struct Gpt2Arch {
   void ensure(const Weights& W, int64_t l, const StepContext& ctx, BlockSaved& s, const std::string& slot,
               ActivationStore& st) const {
     if (!s.missing.count(slot)) return;
+    const trace::Recompute recompute(l);
     if (!st.options().early_stop) return rerun_block(*this, W, l, ctx, s, st);
     const Block& w = W.h[l];
     const at::Tensor& x = s.ln1.x;

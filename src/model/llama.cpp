@@ -188,6 +188,7 @@ struct LlamaArch {
   void ensure(const Weights& W, int64_t l, const StepContext& ctx, BlockSaved& s, const std::string& slot,
               ActivationStore& st) const {
     if (!s.missing.count(slot)) return;
+    const trace::Recompute recompute(l);
     if (!st.options().early_stop) return rerun_block(*this, W, l, ctx, s, st);
     const Block& w = W.layers[l];
     const at::Tensor& x = s.n1.x;

@@ -10,7 +10,9 @@
 #include "remat/model.h"
 #include "remat/ops.h"
 #include "remat/store.h"
+#include "remat/trace.h"
 
+#include <optional>
 #include <set>
 #include <unordered_set>
 
@@ -112,15 +114,20 @@ class TransformerModel final : public Model {
     const Weights& W = compute_weights();
     const int64_t L = cfg_.n_layer;
 
+    // Coarse trace slices around the parts whose results outlive a block scope.
+    std::optional<trace::Scope> part(std::in_place, "embedding forward", trace::Category::layer);
     auto emb = arch_.embed_forward(W, tokens, ctx, /*train=*/true);
+    part.reset();
     at::Tensor x = emb.out;
     std::vector<typename Arch::BlockSaved> saved(L);
     for (int64_t l = 0; l < L; ++l) {
+      const trace::Scope layer_scope("forward", trace::Category::layer, l);
       auto f = arch_.block_forward(W, l, x, ctx, /*train=*/true);
       x = f.out;
       saved[l] = std::move(f.saved);
       if (store_) drop_slots(l, saved[l]);
     }
+    part.emplace("loss head forward", trace::Category::layer);
     auto norm = arch_.final_norm_forward(W, x);
     x.reset();
     const int64_t C = cfg_.d_model;
@@ -128,6 +135,7 @@ class TransformerModel final : public Model {
                                          targets.reshape({-1}), ce_chunk);
     norm.out.reset();
     const double loss = ce.out.template item<double>();
+    part.reset();
 
     if (store_) {
       std::unordered_set<const void*> seen;
@@ -143,17 +151,21 @@ class TransformerModel final : public Model {
       measured->head = distinct_storage_bytes(head, seen);
     }
 
+    part.emplace("loss head backward", trace::Category::layer);
     at::Tensor dh = ops::cross_entropy_backward(loss_scale, ce.saved, Arch::head(W), Arch::head(grads_));
     ce.saved = {};
     at::Tensor dx = arch_.final_norm_backward(dh.view({tokens.size(0), tokens.size(1), C}),
                                               norm.saved, W, grads_);
     dh.reset();
     norm.saved = {};
+    part.reset();
     for (int64_t l = L - 1; l >= 0; --l) {
+      const trace::Scope layer_scope("backward", trace::Category::layer, l);
       if (saved[l].input_missing) recompute_chunk(W, l, ctx, saved);
       dx = arch_.block_backward(dx, saved[l], W, grads_, l, ctx, store_.get());
       saved[l] = {};
     }
+    part.emplace("embedding backward", trace::Category::layer);
     arch_.embed_backward(dx, emb.saved, W, grads_);
     return loss;
   }
@@ -237,6 +249,7 @@ class TransformerModel final : public Model {
     const StepContext k = recompute_context(ctx, *store_);
     at::Tensor x = Arch::input(saved[first]);
     for (int64_t j = first; j <= last; ++j) {
+      const trace::Recompute recompute(j);
       auto f = arch_.block_forward(W, j, x, k, /*train=*/true);
       for (const auto& op : arch_.forward_ops()) store_->count_op(op);
       for (const auto& slot : saved[j].missing) {

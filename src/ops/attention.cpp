@@ -1,5 +1,7 @@
 #include "remat/ops/attention.h"
 
+#include "remat/trace.h"
+
 #include <cmath>
 #include <limits>
 
@@ -67,6 +69,7 @@ at::Tensor heads_last(const at::Tensor& rows, const Dims& d) {
 
 Fwd<AttentionSaved> attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                       double p, const DropoutKey& key) {
+  const trace::Scope trace_scope("attention", trace::Category::forward);
   const Dims d = check_inputs(q, k, v);
   // The 1/sqrt(D) scale is folded into the copy of q the matmul needs anyway.
   const double scale = 1.0 / std::sqrt(static_cast<double>(d.D));
@@ -82,6 +85,7 @@ Fwd<AttentionSaved> attention_forward(const at::Tensor& q, const at::Tensor& k, 
 }
 
 AttentionGrads attention_backward(const at::Tensor& dout, const AttentionSaved& saved) {
+  const trace::Scope trace_scope("attention", trace::Category::backward);
   const Dims d = check_inputs(saved.q, saved.k, saved.v);
   TORCH_CHECK(dout.sizes() == saved.q.sizes(), "[attention] output gradient must match q's shape ",
               saved.q.sizes(), ", got ", dout.sizes());

@@ -1,5 +1,7 @@
 #include "remat/ops/cross_entropy.h"
 
+#include "remat/trace.h"
+
 #include <algorithm>
 
 namespace remat::ops {
@@ -25,6 +27,7 @@ void check_weight(const at::Tensor& x, const at::Tensor& w) {
 
 Fwd<CrossEntropySaved> cross_entropy_forward(const at::Tensor& x, const at::Tensor& w,
                                              const at::Tensor& targets, int64_t chunk_tokens) {
+  const trace::Scope trace_scope("cross_entropy", trace::Category::forward);
   check_weight(x, w);
   TORCH_CHECK(targets.dim() == 1 && targets.size(0) == x.size(0) && targets.scalar_type() == at::kLong,
               "[cross_entropy] targets must be [N] int64 for x [N, C], got ", targets.scalar_type(),
@@ -63,6 +66,7 @@ Fwd<CrossEntropySaved> cross_entropy_forward(const at::Tensor& x, const at::Tens
 
 at::Tensor cross_entropy_backward(double dloss, const CrossEntropySaved& saved, const at::Tensor& w,
                                   at::Tensor& dw) {
+  const trace::Scope trace_scope("cross_entropy", trace::Category::backward);
   const at::Tensor& x = saved.x;
   check_weight(x, w);
   TORCH_CHECK(dw.sizes() == w.sizes(), "[cross_entropy] dw must have w's shape ", w.sizes(), ", got ",

@@ -1,5 +1,7 @@
 #include "remat/ops/dropout.h"
 
+#include "remat/trace.h"
+
 #include <ATen/Parallel.h>
 
 #include <cmath>
@@ -44,6 +46,7 @@ uint64_t DropoutKey::hash() const {
 }
 
 at::Tensor dropout_mask(at::IntArrayRef sizes, double p, const DropoutKey& key, at::Device device) {
+  const trace::Scope trace_scope("dropout_mask", trace::Category::forward);
   check_p(p);
   const auto bool_on = [](at::Device d) { return at::TensorOptions().dtype(at::kBool).device(d); };
   if (!device.is_cpu()) {
@@ -69,6 +72,8 @@ at::Tensor dropout_mask(at::IntArrayRef sizes, double p, const DropoutKey& key, 
 Fwd<DropoutSaved> dropout_forward(const at::Tensor& x, double p, const DropoutKey& key) {
   check_p(p);
   if (p == 0.0) return {x, DropoutSaved{at::Tensor(), 0.0}};
+  // Only a dropout that runs is a slice: the store counts no p = 0 dropout either.
+  const trace::Scope trace_scope("dropout", trace::Category::forward);
   at::Tensor mask = dropout_mask(x.sizes(), p, key, x.device());
   at::Tensor y = at::mul(x, mask).mul_(1.0 / (1.0 - p));
   return {y, DropoutSaved{mask, p}};
@@ -76,6 +81,7 @@ Fwd<DropoutSaved> dropout_forward(const at::Tensor& x, double p, const DropoutKe
 
 at::Tensor dropout_backward(const at::Tensor& dy, const DropoutSaved& saved) {
   if (saved.p == 0.0) return dy;
+  const trace::Scope trace_scope("dropout", trace::Category::backward);
   TORCH_CHECK(dy.sizes() == saved.mask.sizes(), "[dropout] gradient shape must match the mask, got dy ",
               dy.sizes(), " and mask ", saved.mask.sizes());
   return at::mul(dy, saved.mask).mul_(1.0 / (1.0 - saved.p));

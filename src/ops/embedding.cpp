@@ -1,8 +1,11 @@
 #include "remat/ops/embedding.h"
 
+#include "remat/trace.h"
+
 namespace remat::ops {
 
 Fwd<EmbeddingSaved> embedding_forward(const at::Tensor& ids, const at::Tensor& w) {
+  const trace::Scope trace_scope("embedding", trace::Category::forward);
   TORCH_CHECK(w.dim() == 2, "[embedding] weight must be [vocab, channels], got ", w.sizes());
   TORCH_CHECK(ids.scalar_type() == at::kLong, "[embedding] token ids must be int64, got ",
               ids.scalar_type());
@@ -20,6 +23,7 @@ Fwd<EmbeddingSaved> embedding_forward(const at::Tensor& ids, const at::Tensor& w
 }
 
 void embedding_backward(const at::Tensor& dy, const EmbeddingSaved& saved, at::Tensor& dw) {
+  const trace::Scope trace_scope("embedding", trace::Category::backward);
   const int64_t C = dw.size(1);
   TORCH_CHECK(dy.dim() == saved.ids.dim() + 1 && dy.size(-1) == C &&
                   dy.sizes().slice(0, saved.ids.dim()) == saved.ids.sizes(),
@@ -32,6 +36,7 @@ void embedding_backward(const at::Tensor& dy, const EmbeddingSaved& saved, at::T
 int64_t embedding_saved_bytes(int64_t tokens) { return nbytes(tokens, at::kLong); }
 
 Fwd<PositionEmbeddingSaved> position_embedding_forward(int64_t seq_len, const at::Tensor& w) {
+  const trace::Scope trace_scope("position_embedding", trace::Category::forward);
   TORCH_CHECK(w.dim() == 2, "[position_embedding] weight must be [max_positions, channels], got ",
               w.sizes());
   TORCH_CHECK(seq_len >= 1 && seq_len <= w.size(0), "[position_embedding] sequence length ", seq_len,
@@ -42,6 +47,7 @@ Fwd<PositionEmbeddingSaved> position_embedding_forward(int64_t seq_len, const at
 
 void position_embedding_backward(const at::Tensor& dy, const PositionEmbeddingSaved& saved,
                                  at::Tensor& dw) {
+  const trace::Scope trace_scope("position_embedding", trace::Category::backward);
   const int64_t T = saved.seq_len, C = dw.size(1);
   TORCH_CHECK(dy.dim() >= 2 && dy.size(-2) == T && dy.size(-1) == C,
               "[position_embedding] gradient must be [..., ", T, ", ", C, "], got ", dy.sizes());

@@ -1,5 +1,7 @@
 #include "remat/ops/layernorm.h"
 
+#include "remat/trace.h"
+
 namespace remat::ops {
 namespace {
 
@@ -14,6 +16,7 @@ at::ScalarType compute_dtype(const at::Tensor& x) {
 
 Fwd<LayerNormSaved> layernorm_forward(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
                                       double eps) {
+  const trace::Scope trace_scope("layernorm", trace::Category::forward);
   TORCH_CHECK(x.dim() >= 1 && w.dim() == 1 && b.dim() == 1 && w.size(0) == x.size(-1) &&
                   b.size(0) == x.size(-1),
               "[layernorm] weight and bias must be [C] for input [..., C], got x ", x.sizes(), ", w ",
@@ -30,6 +33,7 @@ Fwd<LayerNormSaved> layernorm_forward(const at::Tensor& x, const at::Tensor& w, 
 
 at::Tensor layernorm_backward(const at::Tensor& dy, const LayerNormSaved& saved, const at::Tensor& w,
                               at::Tensor& dw, at::Tensor& db) {
+  const trace::Scope trace_scope("layernorm", trace::Category::backward);
   const at::Tensor& x = saved.x;
   TORCH_CHECK(dy.sizes() == x.sizes(), "[layernorm] gradient must match the input shape ", x.sizes(),
               ", got ", dy.sizes());

@@ -1,8 +1,11 @@
 #include "remat/ops/linear.h"
 
+#include "remat/trace.h"
+
 namespace remat::ops {
 
 Fwd<LinearSaved> linear_forward(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
+  const trace::Scope trace_scope("linear", trace::Category::forward);
   TORCH_CHECK(x.dim() >= 1 && w.dim() == 2 && x.size(-1) == w.size(1),
               "[linear] input features must match weight [out, in], got x ", x.sizes(), " and w ",
               w.sizes());
@@ -12,6 +15,7 @@ Fwd<LinearSaved> linear_forward(const at::Tensor& x, const at::Tensor& w, const 
 
 at::Tensor linear_backward(const at::Tensor& dy, const LinearSaved& saved, const at::Tensor& w,
                            at::Tensor& dw, at::Tensor* db) {
+  const trace::Scope trace_scope("linear", trace::Category::backward);
   const int64_t in = w.size(1), out = w.size(0);
   at::Tensor dy2 = dy.reshape({-1, out});
   at::Tensor x2 = saved.x.reshape({-1, in});

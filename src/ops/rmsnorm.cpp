@@ -1,8 +1,11 @@
 #include "remat/ops/rmsnorm.h"
 
+#include "remat/trace.h"
+
 namespace remat::ops {
 
 Fwd<RMSNormSaved> rmsnorm_forward(const at::Tensor& x, const at::Tensor& w, double eps) {
+  const trace::Scope trace_scope("rmsnorm", trace::Category::forward);
   TORCH_CHECK(x.dim() >= 1 && w.dim() == 1 && w.size(0) == x.size(-1),
               "[rmsnorm] weight must be [C] for input [..., C], got x ", x.sizes(), " and w ",
               w.sizes());
@@ -18,6 +21,7 @@ Fwd<RMSNormSaved> rmsnorm_forward(const at::Tensor& x, const at::Tensor& w, doub
 
 at::Tensor rmsnorm_backward(const at::Tensor& dy, const RMSNormSaved& saved, const at::Tensor& w,
                             at::Tensor& dw) {
+  const trace::Scope trace_scope("rmsnorm", trace::Category::backward);
   const at::Tensor& x = saved.x;
   TORCH_CHECK(dy.sizes() == x.sizes(), "[rmsnorm] gradient must match the input shape ", x.sizes(),
               ", got ", dy.sizes());

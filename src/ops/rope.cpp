@@ -1,5 +1,7 @@
 #include "remat/ops/rope.h"
 
+#include "remat/trace.h"
+
 namespace remat::ops {
 namespace {
 
@@ -42,11 +44,13 @@ RopeTables rope_tables(int64_t seq_len, int64_t head_dim, double theta, at::Scal
 }
 
 Fwd<RopeSaved> rope_forward(const at::Tensor& x, const RopeTables& tables) {
+  const trace::Scope trace_scope("rope", trace::Category::forward);
   check(x, tables, "input");
   return {rotate(x, tables, 1.0), RopeSaved{}};
 }
 
 at::Tensor rope_backward(const at::Tensor& dy, const RopeSaved&, const RopeTables& tables) {
+  const trace::Scope trace_scope("rope", trace::Category::backward);
   check(dy, tables, "gradient");
   // A rotation's transpose is the rotation by the opposite angle.
   return rotate(dy, tables, -1.0);

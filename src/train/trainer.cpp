@@ -6,11 +6,13 @@
 #include "remat/policy.h"
 #include "remat/store.h"
 #include "remat/tokenizer.h"
+#include "remat/trace.h"
 #include "train/device.h"
 #include "train/generate.h"
 #include "train/progress.h"
 #include "train/planning.h"
 #include "train/run_dir.h"
+#include "util/atomic_file.h"
 
 #include <fmt/format.h>
 #include <torch/optim/adamw.h>
@@ -29,6 +31,7 @@ constexpr double kPi = 3.14159265358979323846;
 
 // Scales gradients so their global L2 norm is at most max_norm; returns the norm before.
 double clip_gradients(Model& model, double max_norm) {
+  const trace::Scope scope("clip gradients", trace::Category::step);
   // One reduction and one host read for all parameters (a sync per parameter on CUDA).
   std::vector<at::Tensor> squares;
   for (const auto& p : model.params()) squares.push_back(p.grad.pow(2).sum());
@@ -104,6 +107,8 @@ TrainSummary train(const Config& cfg_in) {
   const at::Device device = parse_device(cfg.run.device);
   const at::ScalarType dtype = parse_dtype(cfg.run.dtype, device);
   memory::install_cpu_tracking();
+  // A bad trace path should cost nothing, not the minutes before the traced step.
+  if (!cfg.run.trace.empty()) trace::check_writable(cfg.run.trace);
 
   // Data: prepared once per (text, vocabulary) and cached.
   const data::CorpusInfo corpus = prepare_data(cfg.data);
@@ -180,13 +185,17 @@ TrainSummary train(const Config& cfg_in) {
   ProgressBar bar(t.steps, cfg.run.progress);
   bar.message(fmt::format("step 0: validation loss {:.4f}", sum.initial_val_loss));
   std::vector<double> step_times;
+  // The traced step is the third (or the last of fewer): the first two pay for allocation and caches.
+  const int64_t traced_step = cfg.run.trace.empty() ? -1 : std::min<int64_t>(2, t.steps - 1);
   for (int64_t step = 0; step < t.steps; ++step) {
     const double lr = learning_rate(t, step);
     for (auto& g : optimizer.param_groups()) static_cast<AdamWOptions&>(g.options()).lr(lr);
     memory::reset_peak(device);
     synchronize(device);
+    if (step == traced_step) trace::start(device);
     const auto t0 = std::chrono::steady_clock::now();
 
+    std::optional<trace::Scope> step_scope(std::in_place, "step", trace::Category::step);
     model->zero_grad();
     double loss = 0.0;
     ActivationBytes act;
@@ -200,9 +209,14 @@ TrainSummary train(const Config& cfg_in) {
               static_cast<double>(t.grad_accum);
     }
     const double grad_norm = clip_gradients(*model, t.grad_clip);
-    optimizer.step();
+    {
+      const trace::Scope scope("optimizer step", trace::Category::step);
+      optimizer.step();
+    }
     synchronize(device);
+    step_scope.reset();
     const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (step == traced_step) util::write_file_atomically(cfg.run.trace, trace::stop());
     const auto mem = memory::stats(device);
 
     TORCH_CHECK(std::isfinite(loss), "The training loss became ", loss, " at step ", step + 1,
@@ -309,6 +323,9 @@ TrainSummary train(const Config& cfg_in) {
   fmt::print(stderr, "run directory {}: config.toml, plan.txt, metrics.jsonl, model.safetensors, tokenizer.model{}{}, "
              "summary.json\n", run.path(), plotted ? ", loss.png" : "", cfg.run.sample_tokens > 0 ? ", sample.txt" : "");
   if (!plotted) fmt::print(stderr, "no loss plot: {}\n", why);
+  if (traced_step >= 0) {
+    fmt::print(stderr, "trace of step {}: {} (open it in https://ui.perfetto.dev)\n", traced_step + 1, cfg.run.trace);
+  }
   return sum;
 }
 

@@ -1,6 +1,9 @@
 // The `remat` binary on bad input: one clear sentence on stderr and a non-zero exit,
 // never a crash or a backtrace.
+#include "data/test_text.h"
+
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include <array>
 #include <cstdio>
@@ -110,6 +113,33 @@ TEST_F(Cli, ExplainAcPrintsTheCanonicalPlanOfAnAliasSpelling) {
   EXPECT_NE(r.output.find("policy: uniform:2"), std::string::npos) << r.output;
   expect_error("train --explain-ac ac.recompute_granularity=selective ac.recompute_method=block",
                "ac.recompute_method");
+}
+
+TEST_F(Cli, TraceWritesTheThirdStepAsJson) {
+  const std::string text = file("corpus.txt", remat::testing::make_text(1000));
+  const std::string trace = (dir_ / "step.json").string();
+  const Result r = run_remat("train --trace " + trace + " model.preset=tiny-gpt2 model.vocab_size=0 train.steps=4 " +
+                             "train.batch=2 train.seq=16 train.warmup=1 train.eval_batches=1 data.vocab_size=512 " +
+                             "data.text=" + text + " data.dir=" + (dir_ / "data").string() +
+                             " run.out_dir=" + (dir_ / "runs").string() +
+                             " run.threads=1 run.sample_tokens=0 run.progress=false");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("trace of step 3: " + trace), std::string::npos) << r.output;
+  std::ifstream in(trace);
+  const nlohmann::json json = nlohmann::json::parse(in);
+  int steps = 0, ops = 0, samples = 0;
+  for (const auto& e : json.at("traceEvents")) {
+    steps += e.at("ph") == "X" && e.at("name") == "step";
+    ops += e.at("ph") == "X" && e.at("cat") == "forward";
+    samples += e.at("ph") == "C";
+  }
+  EXPECT_EQ(steps, 1);
+  EXPECT_GT(ops, 0);
+  EXPECT_GT(samples, 0);
+}
+
+TEST_F(Cli, TraceIntoAMissingDirectoryIsRefusedBeforeTraining) {
+  expect_error("train --trace " + (dir_ / "none" / "step.json").string(), "none does not exist");
 }
 
 TEST_F(Cli, HelpConfigListsEveryKey) {
