@@ -13,6 +13,7 @@
 
 #include <ATen/ATen.h>
 
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <string>
@@ -32,6 +33,9 @@ struct StoreOptions {
   /// changes the masks the way frameworks that do not preserve RNG state do; only for
   /// demonstrating what the determinism check catches.
   bool preserve_rng = true;
+  /// Profiling: time each recompute node (one group of forward ops, named as the cost
+  /// model's nodes) into StoreCounters::node_seconds; synchronizes the device around each.
+  bool time_nodes = false;
 };
 
 /// What the store did over the microbatches since reset().
@@ -41,6 +45,8 @@ struct StoreCounters {
   int64_t bytes_recomputed = 0;  ///< bytes recompute wrote back into slots
   int64_t ops_recomputed = 0;    ///< forward ops re-executed
   std::map<std::string, int64_t> ops_by_kind;  ///< "linear", "layernorm", "attention", ...
+  std::map<std::string, double> node_seconds;  ///< with time_nodes: seconds per node, summed
+  std::map<std::string, int64_t> node_runs;    ///< with time_nodes: executions per node
 };
 
 class ActivationStore {
@@ -64,6 +70,21 @@ class ActivationStore {
   /// Counts one re-executed forward op of `kind`.
   void count_op(const std::string& kind);
   void add_kept_bytes(int64_t bytes) { counters_.bytes_kept += bytes; }
+
+  /// While it lives, times the recompute node `name` (when options().time_nodes).
+  class NodeTimer {
+   public:
+    NodeTimer(ActivationStore& store, const char* name, at::Device device);
+    ~NodeTimer();
+    NodeTimer(const NodeTimer&) = delete;
+    NodeTimer& operator=(const NodeTimer&) = delete;
+
+   private:
+    ActivationStore* store_;  ///< null when not timing
+    const char* name_;
+    at::Device device_;
+    std::chrono::steady_clock::time_point start_;
+  };
 
  private:
   struct Record {

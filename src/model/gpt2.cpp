@@ -240,13 +240,16 @@ struct Gpt2Arch {
       st.count_op("dropout");
       return dropout_mask({B, T, C}, p, dropout_key(k, l, site), x.device());
     };
+    using Timer = ActivationStore::NodeTimer;  // names: the cost model's nodes (src/plan/programs.cpp)
     if (slot == "attn.norm" || slot == "attn.qkv_in") {
+      const Timer timer(st, "ln_1", x.device());
       auto r = layernorm_forward(x, w.ln1_w, w.ln1_b, c.norm_eps);
       st.count_op("layernorm");
       fill("attn.norm", {{&s.ln1.mean, r.saved.mean}, {&s.ln1.rstd, r.saved.rstd}});
       fill("attn.qkv_in", {{&s.qkv.x, r.out}});
     } else if (slot == "attn.qkv") {
       ensure(W, l, ctx, s, "attn.qkv_in", st);
+      const Timer timer(st, "c_attn", x.device());
       auto r = linear_forward(s.qkv.x, w.qkv_w, w.qkv_b);
       st.count_op("linear");
       fill("attn.qkv", {{&s.attn.q, r.out.narrow(-1, 0, C).view({B, T, H, D})},
@@ -254,17 +257,21 @@ struct Gpt2Arch {
                         {&s.attn.v, r.out.narrow(-1, 2 * C, C).view({B, T, H, D})}});
     } else if (slot == "attn.probs" || slot == "attn.dropout" || slot == "attn.proj_in") {
       ensure(W, l, ctx, s, "attn.qkv", st);
+      const Timer timer(st, "attention", x.device());
       auto r = attention_forward(s.attn.q, s.attn.k, s.attn.v, p, dropout_key(k, l, DropoutSite::attn_probs));
       st.count_op("attention");
       fill("attn.probs", {{&s.attn.probs, r.saved.probs}});
       fill("attn.dropout", {{&s.attn.mask, r.saved.mask}, {&s.attn.probs_d, r.saved.probs_d}});
       fill("attn.proj_in", {{&s.attn_proj.x, r.out.reshape({B, T, C})}});
     } else if (slot == "attn.resid") {
+      const Timer timer(st, "attn_resid_mask", x.device());
       fill("attn.resid", {{&s.attn_drop.mask, mask(DropoutSite::attn_resid)}});
     } else if (slot == "mlp.norm" || slot == "mlp.fc_in") {
       at::Tensor x1 = s.ln2.x;
-      if (s.missing.count("mlp.norm")) {
-        ensure(W, l, ctx, s, "attn.proj_in", st);
+      const bool with_x1 = s.missing.count("mlp.norm") > 0;
+      if (with_x1) ensure(W, l, ctx, s, "attn.proj_in", st);
+      const Timer timer(st, with_x1 ? "attn_proj_ln_2" : "ln_2", x.device());
+      if (with_x1) {
         auto proj = linear_forward(s.attn_proj.x, w.attn_proj_w, w.attn_proj_b);
         st.count_op("linear");
         auto d1 = dropout_forward(proj.out, p, dropout_key(k, l, DropoutSite::attn_resid));
@@ -279,15 +286,18 @@ struct Gpt2Arch {
       fill("mlp.fc_in", {{&s.fc.x, r.out}});
     } else if (slot == "mlp.act_in") {
       ensure(W, l, ctx, s, "mlp.fc_in", st);
+      const Timer timer(st, "c_fc", x.device());
       auto r = linear_forward(s.fc.x, w.fc_w, w.fc_b);
       st.count_op("linear");
       fill("mlp.act_in", {{&s.act.x, r.out}});
     } else if (slot == "mlp.proj_in") {
       ensure(W, l, ctx, s, "mlp.act_in", st);
+      const Timer timer(st, "gelu", x.device());
       auto r = gelu_forward(s.act.x);
       st.count_op("gelu");
       fill("mlp.proj_in", {{&s.mlp_proj.x, r.out}});
     } else if (slot == "mlp.resid") {
+      const Timer timer(st, "mlp_resid_mask", x.device());
       fill("mlp.resid", {{&s.mlp_drop.mask, mask(DropoutSite::mlp_resid)}});
     }
   }

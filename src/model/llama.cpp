@@ -197,13 +197,16 @@ struct LlamaArch {
     auto fill = [&](const std::string& name, const std::vector<std::pair<at::Tensor*, at::Tensor>>& values) {
       refill(s, l, st, name, values);
     };
+    using Timer = ActivationStore::NodeTimer;  // names: the cost model's nodes (src/plan/programs.cpp)
     if (slot == "attn.norm" || slot == "attn.qkv_in") {
+      const Timer timer(st, "input_layernorm", x.device());
       auto r = rmsnorm_forward(x, w.in_norm, c.norm_eps);
       st.count_op("rmsnorm");
       fill("attn.norm", {{&s.n1.rstd, r.saved.rstd}});
       fill("attn.qkv_in", {{&s.qkv_in.x, r.out}});
     } else if (slot == "attn.qkv") {
       ensure(W, l, ctx, s, "attn.qkv_in", st);
+      const Timer timer(st, "qkv_rope", x.device());
       const auto rt = tables(T);
       auto q = linear_forward(s.qkv_in.x, w.wq, {});
       auto kk = linear_forward(s.qkv_in.x, w.wk, {});
@@ -214,6 +217,7 @@ struct LlamaArch {
       fill("attn.qkv", {{&s.attn.q, qr.out}, {&s.attn.k, kr.out}, {&s.attn.v, v.out.view({B, T, Hkv, D})}});
     } else if (slot == "attn.probs" || slot == "attn.dropout" || slot == "attn.proj_in") {
       ensure(W, l, ctx, s, "attn.qkv", st);
+      const Timer timer(st, "attention", x.device());
       auto r = attention_forward(s.attn.q, s.attn.k, s.attn.v, c.dropout,
                                  dropout_key(k, l, DropoutSite::attn_probs));
       st.count_op("attention");
@@ -222,8 +226,10 @@ struct LlamaArch {
       fill("attn.proj_in", {{&s.o.x, r.out.reshape({B, T, C})}});
     } else if (slot == "mlp.norm" || slot == "mlp.fc_in") {
       at::Tensor x1 = s.n2.x;
-      if (s.missing.count("mlp.norm")) {
-        ensure(W, l, ctx, s, "attn.proj_in", st);
+      const bool with_x1 = s.missing.count("mlp.norm") > 0;
+      if (with_x1) ensure(W, l, ctx, s, "attn.proj_in", st);
+      const Timer timer(st, with_x1 ? "o_proj_post_layernorm" : "post_attention_layernorm", x.device());
+      if (with_x1) {
         auto o = linear_forward(s.o.x, w.wo, {});
         x1 = residual_forward(x, o.out).out;
         st.count_op("linear");
@@ -235,6 +241,7 @@ struct LlamaArch {
       fill("mlp.fc_in", {{&s.gate_up_in.x, r.out}});
     } else if (slot == "mlp.act_in") {
       ensure(W, l, ctx, s, "mlp.fc_in", st);
+      const Timer timer(st, "gate_up_proj", x.device());
       auto gate = linear_forward(s.gate_up_in.x, w.w_gate, {});
       auto up = linear_forward(s.gate_up_in.x, w.w_up, {});
       st.count_op("linear");
@@ -242,6 +249,7 @@ struct LlamaArch {
       fill("mlp.act_in", {{&s.act.gate, gate.out}, {&s.act.up, up.out}});
     } else if (slot == "mlp.proj_in") {
       ensure(W, l, ctx, s, "mlp.act_in", st);
+      const Timer timer(st, "swiglu", x.device());
       auto r = swiglu_forward(s.act.gate, s.act.up);
       st.count_op("swiglu");
       fill("mlp.proj_in", {{&s.down.x, r.out}});

@@ -4,6 +4,10 @@
 
 #include <stdexcept>
 
+#ifdef REMAT_WITH_CUDA
+#include <c10/cuda/CUDAFunctions.h>
+#endif
+
 namespace remat {
 namespace {
 
@@ -15,6 +19,15 @@ uint64_t hash_bytes(const at::Tensor& t) {
   uint64_t h = 1469598103934665603ULL;
   for (size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 1099511628211ULL;
   return h;
+}
+
+// Kernels run asynchronously on CUDA: a node's time is the time to finish its work.
+void sync(at::Device device) {
+#ifdef REMAT_WITH_CUDA
+  if (device.is_cuda()) c10::cuda::device_synchronize();
+#else
+  (void)device;
+#endif
 }
 
 std::string shape(const std::vector<int64_t>& s) { return fmt::format("[{}]", fmt::join(s, ", ")); }
@@ -85,6 +98,21 @@ void ActivationStore::refilled(int64_t l, const std::string& slot, const std::ve
 void ActivationStore::count_op(const std::string& kind) {
   ++counters_.ops_recomputed;
   ++counters_.ops_by_kind[kind];
+}
+
+ActivationStore::NodeTimer::NodeTimer(ActivationStore& store, const char* name, at::Device device)
+    : store_(store.options().time_nodes ? &store : nullptr), name_(name), device_(device) {
+  if (store_ == nullptr) return;
+  sync(device_);
+  start_ = std::chrono::steady_clock::now();
+}
+
+ActivationStore::NodeTimer::~NodeTimer() {
+  if (store_ == nullptr) return;
+  sync(device_);
+  store_->counters_.node_seconds[name_] +=
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  ++store_->counters_.node_runs[name_];
 }
 
 }  // namespace remat
