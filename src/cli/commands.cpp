@@ -1,7 +1,7 @@
 #include "cli/commands.h"
 
 #include "cli/plan_cmd.h"
-
+#include "remat/bench.h"
 #include "remat/config.h"
 #include "remat/memory.h"
 #include "remat/policy.h"
@@ -44,6 +44,28 @@ int cmd_train(const std::string& config_file, const std::vector<std::string>& ov
   return 0;
 }
 
+// The items of a list option given as ';'-separated text, repeated options or both (a
+// policy holds commas and brackets, never ';'). Given but naming nothing is refused.
+std::vector<std::string> split_list(const std::vector<std::string>& args, const std::string& option,
+                                    const std::string& example) {
+  std::vector<std::string> items;
+  for (const auto& arg : args) {
+    size_t begin = 0;
+    while (begin <= arg.size()) {
+      const size_t end = std::min(arg.find(';', begin), arg.size());
+      const std::string item = arg.substr(begin, end - begin);
+      const size_t first = item.find_first_not_of(" \t");
+      if (first != std::string::npos) items.push_back(item.substr(first, item.find_last_not_of(" \t") - first + 1));
+      begin = end + 1;
+    }
+  }
+  if (!args.empty() && items.empty()) {
+    throw std::invalid_argument(fmt::format("{} is empty; give at least one item, e.g. {} '{}', or leave the option "
+                                            "out.", option, option, example));
+  }
+  return items;
+}
+
 }  // namespace
 
 int run(int argc, char** argv) {
@@ -83,6 +105,24 @@ int run(int argc, char** argv) {
   plan_cmd->add_option("--plot", plan_args.plot, "PNG file --pareto draws (default pareto.png)");
   plan_cmd->add_flag("--json", plan_args.json, "Print the plan, memory breakdown and frontier as JSON");
   plan_cmd->add_option("overrides", overrides, "key=value settings, e.g. model.preset=llama3-8b train.seq=8192");
+  auto* bench_cmd = app.add_subcommand(
+      "bench", "Measure the peak memory and step time of recompute policies, in one process on this machine");
+  std::vector<std::string> policy_args, budget_args;
+  BenchOptions bench;
+  bench_cmd->add_option("--config", config_file, "TOML config file (see configs/)")->check(CLI::ExistingFile);
+  bench_cmd->add_option("--policies", policy_args,
+                        "Policies to sweep, ';'-separated or repeated "
+                        "(default: none;modules:[core_attn];every:2;uniform:2;full)")
+      ->allow_extra_args(false);
+  bench_cmd->add_option("--budgets", budget_args,
+                        "Memory budgets to sweep (ac.budget: a size like 96MiB or a fraction like 0.6 of the "
+                        "no-recompute peak), ';'-separated or repeated (default: no budgets)")
+      ->allow_extra_args(false);
+  bench_cmd->add_option("--steps", bench.steps, "Measured steps per entry, after the warm-up")->capture_default_str();
+  bench_cmd->add_option("--warmup", bench.warmup, "Unmeasured steps per entry before the measured ones")
+      ->capture_default_str();
+  bench_cmd->add_option("--out", bench.out, "Output directory (default: <run.out_dir>/bench-<timestamp>)");
+  bench_cmd->add_option("overrides", overrides, "key=value settings for every entry, e.g. model.preset=llama-demo");
 
   auto* gen = app.add_subcommand("generate", "Sample text from a finished run's weights");
   std::string run_dir, prompt = "And God said";
@@ -118,6 +158,15 @@ int run(int argc, char** argv) {
       return cmd_train(config_file, overrides);
     }
     if (plan_cmd->parsed()) return cmd_plan(load_config(config_file, overrides), plan_args);
+    if (bench_cmd->parsed()) {
+      std::vector<std::string> policies = split_list(policy_args, "--policies", "none;full");
+      if (policy_args.empty()) policies = {"none", "modules:[core_attn]", "every:2", "uniform:2", "full"};
+      bench.config_file = config_file;
+      bench.overrides = overrides;
+      bench.entries = bench_entries(policies, split_list(budget_args, "--budgets", "96MiB;0.6"));
+      fmt::print("{}", format_bench_table(run_bench(bench)));
+      return 0;
+    }
     if (gen->parsed()) {
       set_threads(0);
       fmt::print("{}\n", generate_from_run(run_dir, prompt, tokens, temperature, top_k, static_cast<uint64_t>(seed),

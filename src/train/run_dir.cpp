@@ -2,11 +2,13 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <ctime>
 #include <filesystem>
+#include <numeric>
 #include <stdexcept>
 
 namespace fs = std::filesystem;
@@ -31,13 +33,7 @@ std::string gp_quote(const std::string& s) {
 }  // namespace
 
 RunDir::RunDir(const std::string& out_dir, const std::string& name, const std::string& preset) {
-  std::string base = name;
-  if (base.empty()) {
-    const std::time_t now = std::chrono::system_clock::to_time_t(std::chrono::system_clock::now());
-    char stamp[32];
-    std::strftime(stamp, sizeof stamp, "%Y%m%d-%H%M%S", std::localtime(&now));
-    base = fmt::format("{}-{}", stamp, preset);
-  }
+  const std::string base = name.empty() ? fmt::format("{}-{}", timestamp(), preset) : name;
   std::error_code ec;
   fs::create_directories(out_dir, ec);
   if (ec) {
@@ -48,6 +44,13 @@ RunDir::RunDir(const std::string& out_dir, const std::string& name, const std::s
   fs::create_directories(path_);
   metrics_.open(file("metrics.jsonl"));
   if (!metrics_) throw std::runtime_error(fmt::format("Cannot write {}.", file("metrics.jsonl")));
+}
+
+std::string RunDir::timestamp() {
+  const std::time_t now = std::chrono::system_clock::to_time_t(std::chrono::system_clock::now());
+  char stamp[32];
+  std::strftime(stamp, sizeof stamp, "%Y%m%d-%H%M%S", std::localtime(&now));
+  return stamp;
 }
 
 void RunDir::log_metrics(const nlohmann::json& record) {
@@ -64,10 +67,6 @@ void RunDir::write_text(const std::string& name, const std::string& text) const 
 bool RunDir::plot_loss(const std::vector<std::pair<int64_t, double>>& train,
                        const std::vector<std::pair<int64_t, double>>& val, double reference_loss,
                        std::string* why) const {
-  if (std::system("command -v gnuplot >/dev/null 2>&1") != 0) {
-    *why = "gnuplot is not installed (apt-get install gnuplot-nox)";
-    return false;
-  }
   // Inline data blocks keep the run directory free of scratch files.
   std::string script = fmt::format(
       "set terminal pngcairo size 900,540 noenhanced\nset output {}\n"
@@ -82,6 +81,38 @@ bool RunDir::plot_loss(const std::vector<std::pair<int64_t, double>>& train,
       "$val using 1:2 with linespoints lw 2 pt 7 lc rgb '#d04020' title 'validation', "
       "{} with lines dt 2 lc rgb '#404040' title 'unigram entropy of the corpus'\n",
       reference_loss);
+  return run_gnuplot(script, why);
+}
+
+bool RunDir::plot_points(const std::string& name, const std::string& title, const std::string& xlabel,
+                         const std::string& ylabel, const std::vector<PlotPoint>& points, std::string* why) const {
+  // Labels as gnuplot labels rather than data columns: policy names hold commas, brackets
+  // and colons that a data block would split or misread. The offsets leave room for them.
+  std::string script = fmt::format(
+      "set terminal pngcairo size 900,540 noenhanced\nset output {}\nset title {}\nset xlabel {}\n"
+      "set ylabel {}\nset grid\nset key off\nset xrange [0:*]\nset yrange [0:*]\n"
+      "set offsets 0, graph 0.25, graph 0.1, 0\n",
+      gp_quote(file(name)), gp_quote(title), gp_quote(xlabel), gp_quote(ylabel));
+  // Neighbours along x get their labels on opposite sides, so close points stay readable.
+  std::vector<size_t> order(points.size());
+  std::iota(order.begin(), order.end(), size_t{0});
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return points[a].x < points[b].x; });
+  for (size_t rank = 0; rank < order.size(); ++rank) {
+    const PlotPoint& p = points[order[rank]];
+    script += fmt::format("set label {} {} at {},{} offset 1,{} font ',9'\n", rank + 1, gp_quote(p.label), p.x, p.y,
+                          rank % 2 == 0 ? "0.7" : "-0.7");
+  }
+  script += "$points << EOD\n";
+  for (const auto& p : points) script += fmt::format("{} {}\n", p.x, p.y);
+  script += "EOD\nplot $points using 1:2 with points pt 7 ps 1.5 lc rgb '#d04020'\n";
+  return run_gnuplot(script, why);
+}
+
+bool RunDir::run_gnuplot(const std::string& script, std::string* why) const {
+  if (std::system("command -v gnuplot >/dev/null 2>&1") != 0) {
+    *why = "gnuplot is not installed (apt-get install gnuplot-nox)";
+    return false;
+  }
   const std::string log = file("gnuplot.log");
   std::FILE* pipe = popen(fmt::format("gnuplot 2>{}", sh_quote(log)).c_str(), "w");
   if (pipe == nullptr) {

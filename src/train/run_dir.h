@@ -1,4 +1,4 @@
-// A run's directory: resolved config, metrics JSONL, weights, tokenizer, sample, plot.
+// A run's directory: resolved config, metrics JSONL, weights, tokenizer, sample, plots.
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -9,6 +9,13 @@
 #include <vector>
 
 namespace remat {
+
+/// One labelled point of a scatter plot.
+struct PlotPoint {
+  double x = 0;
+  double y = 0;
+  std::string label;
+};
 
 class RunDir {
  public:
@@ -30,7 +37,19 @@ class RunDir {
                  const std::vector<std::pair<int64_t, double>>& val, double reference_loss,
                  std::string* why) const;
 
+  /// Renders `name` (a PNG) with gnuplot: one labelled point per entry of `points`, both
+  /// axes from 0 so that distances read as ratios. Returns false, with `why` set, when
+  /// gnuplot is missing or fails.
+  bool plot_points(const std::string& name, const std::string& title, const std::string& xlabel,
+                   const std::string& ylabel, const std::vector<PlotPoint>& points, std::string* why) const;
+
+  /// The local time as "YYYYmmdd-HHMMSS", the stamp of default directory names.
+  static std::string timestamp();
+
  private:
+  /// Feeds `script` to gnuplot, its errors going to gnuplot.log (removed on success).
+  bool run_gnuplot(const std::string& script, std::string* why) const;
+
   std::string path_;
   std::ofstream metrics_;
 };

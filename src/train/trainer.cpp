@@ -9,16 +9,15 @@
 #include "remat/trace.h"
 #include "train/device.h"
 #include "train/generate.h"
-#include "train/progress.h"
 #include "train/planning.h"
+#include "train/progress.h"
 #include "train/run_dir.h"
+#include "train/step.h"
 #include "util/atomic_file.h"
 
 #include <fmt/format.h>
-#include <torch/optim/adamw.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <random>
@@ -27,21 +26,6 @@ namespace remat {
 namespace {
 
 constexpr double kPi = 3.14159265358979323846;
-
-
-// Scales gradients so their global L2 norm is at most max_norm; returns the norm before.
-double clip_gradients(Model& model, double max_norm) {
-  const trace::Scope scope("clip gradients", trace::Category::step);
-  // One reduction and one host read for all parameters (a sync per parameter on CUDA).
-  std::vector<at::Tensor> squares;
-  for (const auto& p : model.params()) squares.push_back(p.grad.pow(2).sum());
-  const double norm = std::sqrt(at::stack(squares).to(at::kDouble).sum().item<double>());
-  if (max_norm > 0 && norm > max_norm) {
-    const double scale = max_norm / (norm + 1e-6);
-    for (auto& p : model.params()) p.grad.mul_(scale);
-  }
-  return norm;
-}
 
 // Mean loss per token over the first eval_batches sequential batches (the last may be short).
 double validation_loss(Model& model, const data::TokenDataset& val, const TrainConfig& t) {
@@ -63,12 +47,6 @@ void check_split_fits(const data::TokenDataset& ds, const char* split, int64_t s
         "or train on a longer text.", split, ds.size(), seq, std::string(split) == "validation" ?
         " or raise data.val_fraction" : ""));
   }
-}
-
-double median(std::vector<double> v) {
-  if (v.empty()) return 0.0;
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
 }
 
 }  // namespace
@@ -131,22 +109,9 @@ TrainSummary train(const Config& cfg_in) {
   const int64_t corpus_bytes = train_ds.tokens().nbytes() + val_ds.tokens().nbytes();
   const RunPlan planned = plan_run(cfg, dtype, matmul_rate, corpus_bytes);
   const ActivationPlan& plan = planned.plan;
-  StoreOptions store_options;
-  store_options.check = parse_determinism_check(cfg.ac.check);
-  store_options.early_stop = cfg.ac.early_stop;
-  store_options.preserve_rng = cfg.ac.preserve_rng_state;
-  model->set_activation_plan(plan, store_options);
+  apply_plan(*model, plan, cfg.ac);
   const ActivationBytes predicted = model->predict_activation_bytes(t.batch, t.seq);
-  std::vector<at::Tensor> decay, no_decay;
-  for (auto& p : model->params()) {
-    p.value.mutable_grad() = p.grad;  // the optimizer reads the accumulators we fill
-    (p.decay ? decay : no_decay).push_back(p.value);
-  }
-  using torch::optim::AdamWOptions;
-  std::vector<torch::optim::OptimizerParamGroup> groups;
-  groups.emplace_back(decay, std::make_unique<AdamWOptions>(AdamWOptions(t.lr).betas({t.beta1, t.beta2}).weight_decay(t.weight_decay)));
-  groups.emplace_back(no_decay, std::make_unique<AdamWOptions>(AdamWOptions(t.lr).betas({t.beta1, t.beta2}).weight_decay(0.0)));
-  torch::optim::AdamW optimizer(std::move(groups), AdamWOptions(t.lr));
+  TrainStep stepper(*model, t, static_cast<uint64_t>(cfg.run.seed));
 
   RunDir run(cfg.run.out_dir, cfg.run.name, cfg.model.preset);
   run.write_text("config.toml", config_to_toml(cfg));
@@ -188,63 +153,33 @@ TrainSummary train(const Config& cfg_in) {
   // The traced step is the third (or the last of fewer): the first two pay for allocation and caches.
   const int64_t traced_step = cfg.run.trace.empty() ? -1 : std::min<int64_t>(2, t.steps - 1);
   for (int64_t step = 0; step < t.steps; ++step) {
-    const double lr = learning_rate(t, step);
-    for (auto& g : optimizer.param_groups()) static_cast<AdamWOptions&>(g.options()).lr(lr);
-    memory::reset_peak(device);
-    synchronize(device);
-    if (step == traced_step) trace::start(device);
-    const auto t0 = std::chrono::steady_clock::now();
-
-    std::optional<trace::Scope> step_scope(std::in_place, "step", trace::Category::step);
-    model->zero_grad();
-    double loss = 0.0;
-    ActivationBytes act;
-    if (model->store() != nullptr) model->store()->reset_counters();
-    for (int64_t micro = 0; micro < t.grad_accum; ++micro) {
-      auto b = train_ds.sample(t.batch, t.seq, rng);
-      const StepContext ctx{static_cast<uint64_t>(cfg.run.seed), static_cast<uint64_t>(step),
-                            static_cast<uint64_t>(micro)};
-      loss += model->forward_backward(b.tokens.to(device), b.targets.to(device), ctx, 1.0 / t.grad_accum,
-                                      t.ce_chunk, micro == 0 ? &act : nullptr) /
-              static_cast<double>(t.grad_accum);
-    }
-    const double grad_norm = clip_gradients(*model, t.grad_clip);
-    {
-      const trace::Scope scope("optimizer step", trace::Category::step);
-      optimizer.step();
-    }
-    synchronize(device);
-    step_scope.reset();
-    const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (step == traced_step) util::write_file_atomically(cfg.run.trace, trace::stop());
-    const auto mem = memory::stats(device);
-
-    TORCH_CHECK(std::isfinite(loss), "The training loss became ", loss, " at step ", step + 1,
-                "; lower train.lr (now ", t.lr, ") or raise train.warmup.");
-    step_times.push_back(dt);
-    sum.losses.push_back(loss);
+    const StepResult r = stepper.run(step, train_ds, rng, step == traced_step);
+    if (step == traced_step) util::write_file_atomically(cfg.run.trace, r.trace);
+    step_times.push_back(r.seconds);
+    sum.losses.push_back(r.loss);
     sum.tokens += tokens_per_step;
-    sum.peak_bytes = std::max(sum.peak_bytes, mem.peak);
-    sum.activation_bytes = act.total();
-    const StoreCounters counters = model->store() != nullptr ? model->store()->counters() : StoreCounters{};
+    sum.peak_bytes = std::max(sum.peak_bytes, r.peak_bytes);
+    sum.activation_bytes = r.activations.total();
+    const StoreCounters& counters = r.counters;
     if (step == 0) {
       bar.message(fmt::format("step 1: saved activations {} (predicted {}), peak {}; recompute re-ran {} ops, "
-                              "{} recomputed", memory::format_bytes(act.total()),
-                              memory::format_bytes(predicted.total()), memory::format_bytes(mem.peak),
+                              "{} recomputed", memory::format_bytes(r.activations.total()),
+                              memory::format_bytes(predicted.total()), memory::format_bytes(r.peak_bytes),
                               counters.ops_recomputed, memory::format_bytes(counters.bytes_recomputed)));
       sum.recompute_ops_per_step = counters.ops_recomputed;
       sum.recomputed_bytes_per_step = counters.bytes_recomputed;
     }
-    train_curve.emplace_back(step + 1, loss);
-    run.log_metrics({{"kind", "train"}, {"step", step + 1}, {"loss", loss}, {"lr", lr}, {"grad_norm", grad_norm},
-                     {"step_seconds", dt}, {"tokens_per_second", tokens_per_step / dt},
-                     {"memory_bytes", mem.current}, {"peak_bytes", mem.peak},
-                     {"activation_bytes", act.total()}, {"predicted_activation_bytes", predicted.total()},
+    train_curve.emplace_back(step + 1, r.loss);
+    run.log_metrics({{"kind", "train"}, {"step", step + 1}, {"loss", r.loss}, {"lr", r.lr},
+                     {"grad_norm", r.grad_norm}, {"step_seconds", r.seconds},
+                     {"tokens_per_second", tokens_per_step / r.seconds}, {"memory_bytes", r.current_bytes},
+                     {"peak_bytes", r.peak_bytes}, {"activation_bytes", r.activations.total()},
+                     {"predicted_activation_bytes", predicted.total()},
                      {"predicted_peak_bytes", planned.predicted.peak},
                      {"ops_recomputed", counters.ops_recomputed}, {"bytes_recomputed", counters.bytes_recomputed}});
-    bar.update(step + 1, fmt::format("loss {:.4f} | {} tok/s | mem {} (peak {})", loss,
-                                     format_count(tokens_per_step / dt), memory::format_bytes(mem.current),
-                                     memory::format_bytes(mem.peak)));
+    bar.update(step + 1, fmt::format("loss {:.4f} | {} tok/s | mem {} (peak {})", r.loss,
+                                     format_count(tokens_per_step / r.seconds), memory::format_bytes(r.current_bytes),
+                                     memory::format_bytes(r.peak_bytes)));
     const bool last = step + 1 == t.steps;
     if (last || (t.eval_every > 0 && (step + 1) % t.eval_every == 0)) {
       const double v = validation_loss(*model, val_ds, t);

@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <vector>
 
 namespace {
 
@@ -140,6 +141,65 @@ TEST_F(Cli, TraceWritesTheThirdStepAsJson) {
 
 TEST_F(Cli, TraceIntoAMissingDirectoryIsRefusedBeforeTraining) {
   expect_error("train --trace " + (dir_ / "none" / "step.json").string(), "none does not exist");
+}
+
+TEST_F(Cli, BenchSweepsPoliciesAndWritesCsvJsonAndTheTable) {
+  const std::string common = "--steps 2 --warmup 1 model.preset=tiny-gpt2 model.vocab_size=0 train.batch=4 "
+                             "train.seq=32 data.vocab_size=512 run.threads=1 data.text=" +
+                             file("corpus.txt", remat::testing::make_text(1500)) +
+                             " data.dir=" + (dir_ / "data").string();
+  const std::string out = (dir_ / "bench").string();
+  const Result r = run_remat("bench --policies 'none;ops:[matmul,attention]' --policies full --out " + out + " " + common);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+
+  std::ifstream csv(out + "/bench.csv");
+  std::vector<std::string> lines;
+  for (std::string line; std::getline(csv, line);) lines.push_back(line);
+  ASSERT_EQ(lines.size(), 4u);
+  EXPECT_EQ(lines[0].rfind("entry,policy,median_step_seconds,", 0), 0u) << lines[0];
+  EXPECT_EQ(lines[1].rfind("none,none,", 0), 0u) << lines[1];
+  EXPECT_EQ(lines[2].rfind("\"ops:[matmul,attention]\",\"ops:[matmul,attention]\",", 0), 0u) << lines[2];
+  EXPECT_EQ(lines[3].rfind("full,full,", 0), 0u) << lines[3];
+
+  std::ifstream json_file(out + "/bench.json");
+  const auto json = nlohmann::json::parse(json_file);
+  EXPECT_EQ(json["machine"]["preset"], "tiny-gpt2");
+  EXPECT_EQ(json["machine"]["seq"], 32);
+  EXPECT_EQ(json["reference"], "none");
+  const auto& rows = json["rows"];
+  ASSERT_EQ(rows.size(), 3u);
+  for (const auto& row : rows) {
+    EXPECT_EQ(row["final_loss"].get<double>(), rows[0]["final_loss"].get<double>()) << row["entry"];
+    EXPECT_EQ(row["step_seconds"].size(), 2u);
+    EXPECT_EQ(row["activation_bytes"], row["predicted_activation_bytes"]) << row["entry"];
+  }
+  EXPECT_TRUE(json["losses_equal"].get<bool>());
+  EXPECT_LT(rows[2]["peak_bytes"].get<int64_t>(), rows[0]["peak_bytes"].get<int64_t>());
+  EXPECT_EQ(rows[0]["ops_recomputed"], 0);
+  EXPECT_GT(rows[2]["ops_recomputed"].get<int64_t>(), 0);
+
+  // A line per entry, then the table on stdout with the ratios to none.
+  EXPECT_NE(r.output.find("[3/3] full:"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("x none"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("warning"), std::string::npos) << r.output;
+
+  // Without none the ratios are to the first entry, and run.progress=false drops the lines.
+  const Result q = run_remat("bench --policies 'every:2;full' run.progress=false --out " + out + " " + common);
+  ASSERT_EQ(q.exit_code, 0) << q.output;
+  EXPECT_NE(q.output.find("ratios are to the first entry, every:2"), std::string::npos) << q.output;
+  EXPECT_NE(q.output.find("x first"), std::string::npos) << q.output;
+  EXPECT_EQ(q.output.find("[1/2]"), std::string::npos) << q.output;
+  EXPECT_TRUE(fs::exists(out + "-2/bench.csv")) << q.output;  // the first run's directory is kept
+}
+
+TEST_F(Cli, BenchRefusesABadEntryBeforeRunningAnything) {
+  const std::string out = (dir_ / "bench").string();
+  expect_error("bench --policies 'none;every:0' model.preset=tiny-gpt2 train.seq=32 --out " + out, "Bench entry 'every:0': ");
+  EXPECT_FALSE(fs::exists(out));
+  expect_error("bench --policies ''", "--policies is empty");
+  expect_error("bench --policies ' ; '", "--policies is empty");
+  expect_error("bench --budgets ''", "--budgets is empty");
+  expect_error("bench --steps 0", "--steps must be at least 1");
 }
 
 TEST_F(Cli, HelpConfigListsEveryKey) {

@@ -1,0 +1,285 @@
+#include "remat/bench.h"
+
+#include "remat/config.h"
+#include "remat/data.h"
+#include "remat/memory.h"
+#include "remat/model.h"
+#include "remat/policy.h"
+#include "remat/trainer.h"
+#include "train/device.h"
+#include "train/progress.h"
+#include "train/run_dir.h"
+#include "train/step.h"
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <filesystem>
+#include <random>
+#include <stdexcept>
+
+namespace remat {
+namespace {
+
+// An entry's configuration, loaded and checked before any entry runs.
+struct PreparedEntry {
+  Config config;
+  ActivationPlan plan;
+};
+
+PreparedEntry prepare_entry(const BenchOptions& o, const BenchEntry& entry) {
+  // An unknown key is named as such here: load_config's own sentence would blame a
+  // "command-line override" the user never typed.
+  for (const auto& kv : entry.overrides) {
+    const std::string key = kv.substr(0, kv.find('='));
+    const auto& keys = config_keys();
+    if (std::none_of(keys.begin(), keys.end(), [&](const ConfigKey& k) { return k.name == key; })) {
+      throw std::invalid_argument(fmt::format(
+          "Bench entry '{}' sets {}, which is an unknown config key in this build; {}.", entry.label, key,
+          key == "ac.budget" ? "budget entries need the budget planner, which this build does not have: leave out "
+                               "--budgets"
+                             : "leave the entry out of the sweep"));
+    }
+  }
+  std::vector<std::string> overrides = o.overrides;
+  overrides.insert(overrides.end(), entry.overrides.begin(), entry.overrides.end());
+  PreparedEntry p;
+  try {
+    p.config = load_config(o.config_file, overrides);
+    // Hook for the budget planner: an entry that sets ac.budget gets its plan from the
+    // planner here instead, and the planner's predicted step peak and step time become
+    // the row's predicted_peak_bytes and predicted_step_seconds (CSV, JSON, table).
+    p.plan = compile_policy(p.config.ac, p.config.model.n_layer, p.config.model.dropout);
+  } catch (const std::exception& e) {
+    throw std::invalid_argument(fmt::format("Bench entry '{}': {}", entry.label, e.what()));
+  }
+  return p;
+}
+
+// Trains one entry on a fresh model and measures the steps after the warm-up.
+BenchRow run_entry(const BenchEntry& entry, const PreparedEntry& p, const BenchOptions& o,
+                   const data::TokenDataset& train_ds, at::Device device, at::ScalarType dtype, RunDir& run,
+                   ProgressBar& bar, int64_t& steps_done) {
+  const Config& cfg = p.config;
+  const auto seed = static_cast<uint64_t>(cfg.run.seed);
+  auto model = Model::create(cfg.model, device, dtype, seed);
+  apply_plan(*model, p.plan, cfg.ac);
+  TrainStep stepper(*model, cfg.train, seed);
+  std::mt19937_64 rng(seed);  // the same batches for every entry
+
+  BenchRow row;
+  row.entry = entry.label;
+  row.policy = p.plan.policy;
+  row.predicted_activation_bytes = model->predict_activation_bytes(cfg.train.batch, cfg.train.seq).total();
+  for (int64_t step = 0; step < o.warmup + o.steps; ++step) {
+    const StepResult r = stepper.run(step, train_ds, rng);
+    const bool measured = step >= o.warmup;
+    if (measured) {
+      row.step_seconds.push_back(r.seconds);
+      row.peak_bytes = std::max(row.peak_bytes, r.peak_bytes);
+    }
+    row.activation_bytes = r.activations.total();
+    row.ops_recomputed = r.counters.ops_recomputed;
+    row.bytes_recomputed = r.counters.bytes_recomputed;
+    row.final_loss = r.loss;
+    run.log_metrics({{"entry", entry.label}, {"step", step + 1}, {"measured", measured}, {"loss", r.loss},
+                     {"step_seconds", r.seconds}, {"memory_bytes", r.current_bytes}, {"peak_bytes", r.peak_bytes},
+                     {"activation_bytes", r.activations.total()}, {"ops_recomputed", r.counters.ops_recomputed}});
+    bar.update(++steps_done, fmt::format("{} step {}/{}", entry.label, step + 1, o.warmup + o.steps));
+  }
+  row.median_step_seconds = median(row.step_seconds);
+  row.min_step_seconds = *std::min_element(row.step_seconds.begin(), row.step_seconds.end());
+  row.max_step_seconds = *std::max_element(row.step_seconds.begin(), row.step_seconds.end());
+  const auto& t = cfg.train;
+  row.tokens_per_second = static_cast<double>(t.batch * t.seq * t.grad_accum) / row.median_step_seconds;
+  return row;
+}
+
+// One CSV field: quoted when it holds a comma, quote or line break (policies hold commas).
+std::string csv_field(const std::string& s) {
+  if (s.find_first_of(",\"\n") == std::string::npos) return s;
+  std::string out = "\"";
+  for (char c : s) out += c == '"' ? std::string("\"\"") : std::string(1, c);
+  return out + "\"";
+}
+
+std::string to_csv(const std::vector<BenchRow>& rows) {
+  std::string out =
+      "entry,policy,median_step_seconds,min_step_seconds,max_step_seconds,tokens_per_second,peak_bytes,"
+      "activation_bytes,predicted_activation_bytes,ops_recomputed,bytes_recomputed,final_loss\n";
+  for (const auto& r : rows) {
+    out += fmt::format("{},{},{},{},{},{},{},{},{},{},{},{}\n", csv_field(r.entry), csv_field(r.policy),
+                       r.median_step_seconds, r.min_step_seconds, r.max_step_seconds, r.tokens_per_second,
+                       r.peak_bytes, r.activation_bytes, r.predicted_activation_bytes, r.ops_recomputed,
+                       r.bytes_recomputed, r.final_loss);
+  }
+  return out;
+}
+
+nlohmann::json row_json(const BenchRow& r) {
+  return {{"entry", r.entry},
+          {"policy", r.policy},
+          {"median_step_seconds", r.median_step_seconds},
+          {"min_step_seconds", r.min_step_seconds},
+          {"max_step_seconds", r.max_step_seconds},
+          {"tokens_per_second", r.tokens_per_second},
+          {"peak_bytes", r.peak_bytes},
+          {"activation_bytes", r.activation_bytes},
+          {"predicted_activation_bytes", r.predicted_activation_bytes},
+          {"ops_recomputed", r.ops_recomputed},
+          {"bytes_recomputed", r.bytes_recomputed},
+          {"final_loss", r.final_loss},
+          {"step_seconds", r.step_seconds}};
+}
+
+double mib(int64_t bytes) { return static_cast<double>(bytes) / (1024.0 * 1024.0); }
+
+}  // namespace
+
+std::vector<BenchEntry> bench_entries(const std::vector<std::string>& policies,
+                                      const std::vector<std::string>& budgets) {
+  std::vector<BenchEntry> entries;
+  for (const auto& p : policies) entries.push_back({p, {"ac.policy=" + p}});
+  for (const auto& b : budgets) entries.push_back({"budget=" + b, {"ac.budget=" + b}});
+  return entries;
+}
+
+BenchResult run_bench(const BenchOptions& o) {
+  if (o.entries.empty()) {
+    throw std::invalid_argument("The sweep has no entries; give at least one policy (--policies) or budget (--budgets).");
+  }
+  if (o.steps < 1) throw std::invalid_argument(fmt::format("--steps must be at least 1, got {}.", o.steps));
+  if (o.warmup < 0) throw std::invalid_argument(fmt::format("--warmup must be 0 or more, got {}.", o.warmup));
+
+  Config common = load_config(o.config_file, o.overrides);
+  std::vector<PreparedEntry> prepared;
+  for (const auto& e : o.entries) prepared.push_back(prepare_entry(o, e));
+
+  const int threads = set_threads(common.run.threads);
+  const at::Device device = parse_device(common.run.device);
+  const at::ScalarType dtype = parse_dtype(common.run.dtype, device);
+  memory::install_cpu_tracking();
+  const data::CorpusInfo corpus = prepare_data(common.data);
+  const data::TokenDataset train_ds = data::TokenDataset::open(corpus, data::Split::train);
+  // As in training: the vocabulary from the tokenizer unless given, and a schedule that
+  // spans exactly the steps each entry runs.
+  auto complete = [&](Config& c) {
+    if (c.model.vocab_size == 0) c.model.vocab_size = corpus.vocab_size;
+    if (c.model.vocab_size < corpus.vocab_size) {
+      throw std::invalid_argument(fmt::format(
+          "model.vocab_size ({}) is smaller than the tokenizer's vocabulary ({}); use model.vocab_size=0 to take "
+          "the tokenizer's.", c.model.vocab_size, corpus.vocab_size));
+    }
+    c.train.steps = o.warmup + o.steps;
+  };
+  complete(common);
+  for (auto& p : prepared) complete(p.config);
+
+  std::filesystem::path out(o.out);
+  if (!out.has_filename()) out = out.parent_path();  // "dir/" names dir
+  RunDir run(o.out.empty() ? common.run.out_dir : (out.has_parent_path() ? out.parent_path().string() : "."),
+             o.out.empty() ? "bench-" + RunDir::timestamp() : out.filename().string(), common.model.preset);
+  run.write_text("config.toml", config_to_toml(common));
+
+  const auto& t = common.train;
+  fmt::print(stderr, "bench: {} entries x ({} warm-up + {} measured) steps of {} x {} tokens x {} accum; {} ({}) "
+             "{} on {} ({} threads); run dir {}\n", o.entries.size(), o.warmup, o.steps, t.batch, t.seq,
+             t.grad_accum, common.model.preset, common.model.arch, common.run.dtype, device.str(), threads,
+             run.path());
+
+  BenchResult result;
+  result.dir = run.path();
+  const auto total_steps = static_cast<int64_t>(o.entries.size()) * (o.warmup + o.steps);
+  // The bar only redraws in place on a terminal; logs get the one line per entry instead.
+  ProgressBar bar(total_steps, common.run.progress && isatty(fileno(stderr)) != 0);
+  int64_t steps_done = 0;
+  for (size_t i = 0; i < o.entries.size(); ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    result.rows.push_back(run_entry(o.entries[i], prepared[i], o, train_ds, device, dtype, run, bar, steps_done));
+    const BenchRow& r = result.rows.back();
+    if (common.run.progress) {
+      bar.message(fmt::format("[{}/{}] {}: median step {:.1f} ms, peak {}, final loss {:.4f} ({:.1f} s)", i + 1,
+                              o.entries.size(), r.entry, r.median_step_seconds * 1e3,
+                              memory::format_bytes(r.peak_bytes), r.final_loss,
+                              std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count()));
+    }
+  }
+  bar.finish();
+
+  for (size_t i = 0; i < result.rows.size(); ++i) {
+    if (result.rows[i].policy == "none") {
+      result.reference = i;
+      break;
+    }
+  }
+  const double reference_loss = result.rows[result.reference].final_loss;
+  for (const auto& r : result.rows) result.losses_equal = result.losses_equal && r.final_loss == reference_loss;
+  if (!result.losses_equal) {
+    std::string losses;
+    for (const auto& r : result.rows) losses += fmt::format("{}{} {}", losses.empty() ? "" : ", ", r.entry, r.final_loss);
+    fmt::print(stderr, "warning: the final losses differ across entries ({}); every policy is meant to be bitwise "
+               "exact, so this is a bug worth reporting with {}.\n", losses,
+               run.file("bench.json"));
+  }
+
+  run.write_text("bench.csv", to_csv(result.rows));
+  nlohmann::json rows = nlohmann::json::array();
+  for (const auto& r : result.rows) rows.push_back(row_json(r));
+  const nlohmann::json json = {
+      {"machine", {{"device", device.str()}, {"threads", threads}, {"dtype", common.run.dtype},
+                   {"preset", common.model.preset}, {"batch", t.batch}, {"seq", t.seq},
+                   {"grad_accum", t.grad_accum}}},
+      {"warmup", o.warmup},
+      {"steps", o.steps},
+      {"reference", result.rows[result.reference].entry},
+      {"losses_equal", result.losses_equal},
+      {"rows", rows},
+  };
+  run.write_text("bench.json", json.dump(2) + "\n");
+
+  std::vector<PlotPoint> points;
+  for (const auto& r : result.rows) points.push_back({mib(r.peak_bytes), r.median_step_seconds * 1e3, r.entry});
+  std::string why;
+  const bool plotted = run.plot_points(
+      "bench.png", fmt::format("remat bench: {} on {} ({} threads), {} x {} tokens", common.model.preset, device.str(),
+                               threads, t.batch, t.seq),
+      "step peak (MiB)", "median step (ms)", points, &why);
+  fmt::print(stderr, "bench dir {}: bench.csv, bench.json{}, config.toml, metrics.jsonl\n", run.path(),
+             plotted ? ", bench.png" : "");
+  if (!plotted) fmt::print(stderr, "no plot: {}\n", why);
+  return result;
+}
+
+std::string format_bench_table(const BenchResult& result) {
+  const BenchRow& ref = result.rows.at(result.reference);
+  const bool none = ref.policy == "none";
+  const std::string x = none ? "x none" : "x first";
+  std::vector<std::array<std::string, 7>> cells;
+  cells.push_back({"entry", "peak", x, "step ms", x, "tokens/s", "ops recomputed"});
+  for (const auto& r : result.rows) {
+    cells.push_back({r.entry, memory::format_bytes(r.peak_bytes),
+                     fmt::format("{:.2f}", static_cast<double>(r.peak_bytes) / static_cast<double>(ref.peak_bytes)),
+                     fmt::format("{:.1f}", r.median_step_seconds * 1e3),
+                     fmt::format("{:.2f}", r.median_step_seconds / ref.median_step_seconds),
+                     format_count(r.tokens_per_second), std::to_string(r.ops_recomputed)});
+  }
+  std::array<size_t, 7> width{};
+  for (const auto& row : cells) {
+    for (size_t c = 0; c < row.size(); ++c) width[c] = std::max(width[c], row[c].size());
+  }
+  std::string out;
+  if (!none) out += fmt::format("ratios are to the first entry, {} (the sweep has no none)\n", ref.entry);
+  for (const auto& row : cells) {
+    // The entry left-aligned, the figures right-aligned.
+    out += fmt::format("{:<{}}", row[0], width[0]);
+    for (size_t c = 1; c < row.size(); ++c) out += fmt::format("  {:>{}}", row[c], width[c]);
+    out += "\n";
+  }
+  return out;
+}
+
+}  // namespace remat

@@ -1,0 +1,62 @@
+// One optimizer step, shared by `remat train` and `remat bench` so that what the bench
+// measures is exactly the step training runs.
+#pragma once
+
+#include "remat/config.h"
+#include "remat/data.h"
+#include "remat/model.h"
+#include "remat/plan.h"
+#include "remat/store.h"
+
+#include <torch/optim/adamw.h>
+
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace remat {
+
+/// Applies `plan` to `model` with the store options `ac` asks for (determinism check,
+/// early stop, RNG replay).
+void apply_plan(Model& model, const ActivationPlan& plan, const AcConfig& ac);
+
+/// What one optimizer step did and what it cost.
+struct StepResult {
+  double loss = 0;              ///< mean training loss over the step's microbatches
+  double lr = 0;                ///< learning rate the step used
+  double grad_norm = 0;         ///< global L2 gradient norm before clipping
+  double seconds = 0;           ///< wall time, the device synchronized before and after
+  int64_t current_bytes = 0;    ///< tensor bytes held after the step
+  int64_t peak_bytes = 0;       ///< highest tensor bytes held during the step
+  ActivationBytes activations;  ///< saved-activation bytes of the first microbatch, measured
+  StoreCounters counters;       ///< what the store re-ran during the step (zeros without a store)
+  std::string trace;            ///< Chrome-trace JSON of the step when it was traced
+};
+
+/// The optimizer of one model and its training step. AdamW in two groups: weight decay
+/// on matrices only (Param::decay), none on norms and biases.
+class TrainStep {
+ public:
+  /// `model` must outlive this object; its gradient accumulators become the optimizer's
+  /// gradients. `seed` keys the dropout of every step (StepContext).
+  TrainStep(Model& model, const TrainConfig& train, uint64_t seed);
+
+  /// Runs 0-based `step` at learning_rate(train, step): zero_grad, train.grad_accum
+  /// microbatches drawn from `data` with `rng` through forward_backward, gradient
+  /// clipping to train.grad_clip, the AdamW update. The peak is measured from the step's
+  /// start. `traced`: record the step as a Chrome trace (StepResult::trace). Throws a
+  /// sentence if the loss is not finite.
+  StepResult run(int64_t step, const data::TokenDataset& data, std::mt19937_64& rng, bool traced = false);
+
+ private:
+  Model& model_;
+  TrainConfig train_;
+  uint64_t seed_;
+  torch::optim::AdamW optimizer_;
+};
+
+/// The median of `v` (the upper one of an even count); 0 when empty.
+double median(std::vector<double> v);
+
+}  // namespace remat

@@ -1,0 +1,63 @@
+// The sweep's pieces that need no training: entries from the option lists, the refusal of
+// an unknown key, and the table's ratios (fixed rows, so no timing is asserted).
+#include "remat/bench.h"
+
+#include <gtest/gtest.h>
+
+#include <stdexcept>
+#include <string>
+
+namespace remat {
+namespace {
+
+TEST(Bench, EntriesSetThePolicyOrTheBudget) {
+  const auto entries = bench_entries({"none", "ops:[matmul,attention]"}, {"96MiB"});
+  ASSERT_EQ(entries.size(), 3u);
+  EXPECT_EQ(entries[1].label, "ops:[matmul,attention]");
+  EXPECT_EQ(entries[1].overrides, std::vector<std::string>{"ac.policy=ops:[matmul,attention]"});
+  EXPECT_EQ(entries[2].label, "budget=96MiB");
+  EXPECT_EQ(entries[2].overrides, std::vector<std::string>{"ac.budget=96MiB"});
+}
+
+TEST(Bench, AnUnknownKeyIsNamedAsSuchWithItsEntry) {
+  BenchOptions o;
+  o.entries = {{"odd", {"ac.no_such_key=1"}}};
+  try {
+    run_bench(o);
+    FAIL() << "an unknown key ran";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("Bench entry 'odd' sets ac.no_such_key, which is an unknown config key"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+BenchRow row(const std::string& name, int64_t peak, double seconds) {
+  BenchRow r;
+  r.entry = r.policy = name;
+  r.peak_bytes = peak;
+  r.median_step_seconds = seconds;
+  r.tokens_per_second = 2048 / seconds;
+  return r;
+}
+
+TEST(Bench, TableRatiosAreToNoneOrElseToTheFirstEntry) {
+  BenchResult with_none;
+  with_none.rows = {row("full", 50 << 20, 0.3), row("none", 100 << 20, 0.2)};
+  with_none.reference = 1;
+  const std::string a = format_bench_table(with_none);
+  EXPECT_NE(a.find("x none"), std::string::npos) << a;
+  EXPECT_NE(a.find("0.50"), std::string::npos) << a;  // full's peak over none's
+  EXPECT_NE(a.find("1.50"), std::string::npos) << a;  // full's step over none's
+  EXPECT_EQ(a.find("first"), std::string::npos) << a;
+
+  BenchResult without;
+  without.rows = {row("every:2", 80 << 20, 0.25), row("full", 40 << 20, 0.3)};
+  const std::string b = format_bench_table(without);
+  EXPECT_EQ(b.rfind("ratios are to the first entry, every:2", 0), 0u) << b;
+  EXPECT_NE(b.find("x first"), std::string::npos) << b;
+  EXPECT_NE(b.find("1.20"), std::string::npos) << b;
+}
+
+}  // namespace
+}  // namespace remat
