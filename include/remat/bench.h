@@ -37,9 +37,8 @@ struct BenchOptions {
 
 /// What one entry measured. Peak and activation bytes are tensor bytes (memory.h).
 ///
-/// The budget planner, once it exists, adds its predicted step peak and step time for the
-/// entry here (predicted_peak_bytes, predicted_step_seconds), beside the measured figures;
-/// see the hook in run_bench.
+/// Beside the measured figures, the cost model's predicted step peak and the step time
+/// predicted from the sweep's measured time profile.
 struct BenchRow {
   std::string entry;                       ///< BenchEntry::label
   std::string policy;                      ///< canonical policy it ran (ActivationPlan::policy)
@@ -51,6 +50,9 @@ struct BenchRow {
   int64_t peak_bytes = 0;                  ///< highest step peak over the measured steps
   int64_t activation_bytes = 0;            ///< saved activations of one microbatch, measured
   int64_t predicted_activation_bytes = 0;  ///< the same, predicted from the plan before running
+  int64_t predicted_peak_bytes = 0;        ///< the cost model's step peak for the entry's plan
+  double predicted_step_seconds = 0;       ///< from the time profile (0 with ac.profile=false)
+  int64_t budget_bytes = 0;                ///< ac.budget of a budget entry, else 0
   int64_t ops_recomputed = 0;              ///< forward ops the store re-ran in the last step
   int64_t bytes_recomputed = 0;            ///< bytes it recomputed in the last step
   double final_loss = 0;                   ///< training loss of the last step

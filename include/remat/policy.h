@@ -82,6 +82,9 @@ struct AcConfig {
   /// A memory budget ("12GiB", "96MiB", or "0.6" of the no-recompute peak): the planner
   /// chooses the plan (remat/planner.h). Empty: the policy above decides.
   std::string budget;
+  /// Measure a time profile (cached per device and shape) before training, so recompute
+  /// and the step time are predicted from measured node times; false: FLOPs only.
+  bool profile = true;
 
   // Options
   bool preserve_rng_state = true;   ///< replay dropout's RNG in recompute

@@ -26,6 +26,7 @@ struct TrainSummary {
   int64_t peak_bytes = 0;               ///< highest per-step peak of tensor bytes
   int64_t predicted_peak_bytes = 0;     ///< the cost model's step peak for the plan, before the first step
   int64_t budget_bytes = 0;             ///< ac.budget in bytes (0: no budget)
+  double predicted_step_seconds = 0;    ///< from the measured time profile (0: ac.profile=false)
   int64_t activation_bytes = 0;         ///< saved-activation bytes of one microbatch, measured
   int64_t predicted_activation_bytes = 0;  ///< the same, predicted from the plan before the first step
   int64_t recompute_ops_per_step = 0;   ///< forward ops the store re-executed in the first step

@@ -7,6 +7,8 @@
 #include "remat/policy.h"
 #include "remat/trainer.h"
 #include "train/device.h"
+#include "train/planning.h"
+#include "train/profile.h"
 #include "train/progress.h"
 #include "train/run_dir.h"
 #include "train/step.h"
@@ -28,7 +30,7 @@ namespace {
 // An entry's configuration, loaded and checked before any entry runs.
 struct PreparedEntry {
   Config config;
-  ActivationPlan plan;
+  RunPlan planned;  ///< the plan (a budget entry's solved by the planner) and its prediction
 };
 
 PreparedEntry prepare_entry(const BenchOptions& o, const BenchEntry& entry) {
@@ -39,21 +41,17 @@ PreparedEntry prepare_entry(const BenchOptions& o, const BenchEntry& entry) {
     const auto& keys = config_keys();
     if (std::none_of(keys.begin(), keys.end(), [&](const ConfigKey& k) { return k.name == key; })) {
       throw std::invalid_argument(fmt::format(
-          "Bench entry '{}' sets {}, which is an unknown config key in this build; {}.", entry.label, key,
-          key == "ac.budget" ? "budget entries need the budget planner, which this build does not have: leave out "
-                               "--budgets"
-                             : "leave the entry out of the sweep"));
+          "Bench entry '{}' sets {}, which is an unknown config key; leave the entry out of the sweep.", entry.label,
+          key));
     }
   }
   std::vector<std::string> overrides = o.overrides;
   overrides.insert(overrides.end(), entry.overrides.begin(), entry.overrides.end());
   PreparedEntry p;
   try {
+    // Validates the entry (its policy or budget syntax); the plan itself is solved once
+    // the vocabulary is known.
     p.config = load_config(o.config_file, overrides);
-    // Hook for the budget planner: an entry that sets ac.budget gets its plan from the
-    // planner here instead, and the planner's predicted step peak and step time become
-    // the row's predicted_peak_bytes and predicted_step_seconds (CSV, JSON, table).
-    p.plan = compile_policy(p.config.ac, p.config.model.n_layer, p.config.model.dropout);
   } catch (const std::exception& e) {
     throw std::invalid_argument(fmt::format("Bench entry '{}': {}", entry.label, e.what()));
   }
@@ -67,13 +65,16 @@ BenchRow run_entry(const BenchEntry& entry, const PreparedEntry& p, const BenchO
   const Config& cfg = p.config;
   const auto seed = static_cast<uint64_t>(cfg.run.seed);
   auto model = Model::create(cfg.model, device, dtype, seed);
-  apply_plan(*model, p.plan, cfg.ac);
+  apply_plan(*model, p.planned.plan, cfg.ac);
   TrainStep stepper(*model, cfg.train, seed);
   std::mt19937_64 rng(seed);  // the same batches for every entry
 
   BenchRow row;
   row.entry = entry.label;
-  row.policy = p.plan.policy;
+  row.policy = p.planned.plan.policy;
+  row.predicted_peak_bytes = p.planned.predicted.peak;
+  row.predicted_step_seconds = p.planned.step_seconds;
+  row.budget_bytes = p.planned.budget;
   row.predicted_activation_bytes = model->predict_activation_bytes(cfg.train.batch, cfg.train.seq).total();
   for (int64_t step = 0; step < o.warmup + o.steps; ++step) {
     const StepResult r = stepper.run(step, train_ds, rng);
@@ -110,12 +111,14 @@ std::string csv_field(const std::string& s) {
 std::string to_csv(const std::vector<BenchRow>& rows) {
   std::string out =
       "entry,policy,median_step_seconds,min_step_seconds,max_step_seconds,tokens_per_second,peak_bytes,"
-      "activation_bytes,predicted_activation_bytes,ops_recomputed,bytes_recomputed,final_loss\n";
+      "activation_bytes,predicted_activation_bytes,ops_recomputed,bytes_recomputed,final_loss,"
+      "predicted_peak_bytes,predicted_step_seconds,budget_bytes\n";
   for (const auto& r : rows) {
-    out += fmt::format("{},{},{},{},{},{},{},{},{},{},{},{}\n", csv_field(r.entry), csv_field(r.policy),
+    out += fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}\n", csv_field(r.entry), csv_field(r.policy),
                        r.median_step_seconds, r.min_step_seconds, r.max_step_seconds, r.tokens_per_second,
                        r.peak_bytes, r.activation_bytes, r.predicted_activation_bytes, r.ops_recomputed,
-                       r.bytes_recomputed, r.final_loss);
+                       r.bytes_recomputed, r.final_loss, r.predicted_peak_bytes, r.predicted_step_seconds,
+                       r.budget_bytes);
   }
   return out;
 }
@@ -133,6 +136,9 @@ nlohmann::json row_json(const BenchRow& r) {
           {"ops_recomputed", r.ops_recomputed},
           {"bytes_recomputed", r.bytes_recomputed},
           {"final_loss", r.final_loss},
+          {"predicted_peak_bytes", r.predicted_peak_bytes},
+          {"predicted_step_seconds", r.predicted_step_seconds},
+          {"budget_bytes", r.budget_bytes},
           {"step_seconds", r.step_seconds}};
 }
 
@@ -178,6 +184,27 @@ BenchResult run_bench(const BenchOptions& o) {
   };
   complete(common);
   for (auto& p : prepared) complete(p.config);
+
+  // One time profile for the sweep (every entry has the same shapes), measured on a
+  // scratch model or read from the cache; then every entry's plan and prediction, so an
+  // infeasible budget fails before anything trains.
+  TimeProfile profile;
+  if (common.ac.profile) {
+    auto probe = Model::create(common.model, device, dtype, static_cast<uint64_t>(common.run.seed));
+    profile = measure_time_profile(common, *probe, train_ds);
+  } else {
+    profile.times.flops_per_second =
+        measure_matmul_flops(device, dtype, common.train.batch * common.train.seq, common.model.d_model,
+                             common.model.d_ff);
+  }
+  const int64_t resident = train_ds.tokens().nbytes();
+  for (size_t i = 0; i < prepared.size(); ++i) {
+    try {
+      prepared[i].planned = plan_run(prepared[i].config, dtype, profile, resident);
+    } catch (const std::exception& e) {
+      throw std::invalid_argument(fmt::format("Bench entry '{}': {}", o.entries[i].label, e.what()));
+    }
+  }
 
   std::filesystem::path out(o.out);
   if (!out.has_filename()) out = out.parent_path();  // "dir/" names dir
@@ -258,16 +285,17 @@ std::string format_bench_table(const BenchResult& result) {
   const BenchRow& ref = result.rows.at(result.reference);
   const bool none = ref.policy == "none";
   const std::string x = none ? "x none" : "x first";
-  std::vector<std::array<std::string, 7>> cells;
-  cells.push_back({"entry", "peak", x, "step ms", x, "tokens/s", "ops recomputed"});
+  std::vector<std::array<std::string, 9>> cells;
+  cells.push_back({"entry", "peak", "predicted", x, "step ms", "predicted", x, "tokens/s", "ops recomputed"});
   for (const auto& r : result.rows) {
-    cells.push_back({r.entry, memory::format_bytes(r.peak_bytes),
+    cells.push_back({r.entry, memory::format_bytes(r.peak_bytes), memory::format_bytes(r.predicted_peak_bytes),
                      fmt::format("{:.2f}", static_cast<double>(r.peak_bytes) / static_cast<double>(ref.peak_bytes)),
                      fmt::format("{:.1f}", r.median_step_seconds * 1e3),
+                     r.predicted_step_seconds > 0 ? fmt::format("{:.1f}", r.predicted_step_seconds * 1e3) : "-",
                      fmt::format("{:.2f}", r.median_step_seconds / ref.median_step_seconds),
                      format_count(r.tokens_per_second), std::to_string(r.ops_recomputed)});
   }
-  std::array<size_t, 7> width{};
+  std::array<size_t, 9> width{};
   for (const auto& row : cells) {
     for (size_t c = 0; c < row.size(); ++c) width[c] = std::max(width[c], row[c].size());
   }
@@ -278,6 +306,23 @@ std::string format_bench_table(const BenchResult& result) {
     out += fmt::format("{:<{}}", row[0], width[0]);
     for (size_t c = 1; c < row.size(); ++c) out += fmt::format("  {:>{}}", row[c], width[c]);
     out += "\n";
+  }
+  // Each budget entry against the fastest manual policy whose measured peak fits the
+  // same budget.
+  for (const auto& b : result.rows) {
+    if (b.budget_bytes == 0) continue;
+    const BenchRow* best = nullptr;
+    for (const auto& r : result.rows) {
+      if (r.budget_bytes == 0 && r.peak_bytes <= b.budget_bytes &&
+          (best == nullptr || r.median_step_seconds < best->median_step_seconds)) {
+        best = &r;
+      }
+    }
+    out += fmt::format("{} ({}): peak {} the budget; ", b.entry, memory::format_bytes(b.budget_bytes),
+                       b.peak_bytes <= b.budget_bytes ? "within" : "OVER");
+    out += best == nullptr ? "no manual policy of the sweep fits it\n"
+                           : fmt::format("{:.2f}x the step time of {}, the fastest manual policy that fits\n",
+                                         b.median_step_seconds / best->median_step_seconds, best->entry);
   }
   return out;
 }

@@ -215,6 +215,7 @@ std::vector<ConfigKey> make_keys() {
       key("run.trace", &C::run, &RunConfig::trace, "Chrome-trace JSON of step 3; empty: none"),
       key("ac.policy", &C::ac, &AcConfig::policy, "recompute policy (README: Recompute policies)"),
       key("ac.budget", &C::ac, &AcConfig::budget, "memory budget: the planner picks the plan (12GiB, 0.6)"),
+      key("ac.profile", &C::ac, &AcConfig::profile, "measure node times to predict step time (cached)"),
       key("ac.preserve_rng_state", &C::ac, &AcConfig::preserve_rng_state, "replay dropout RNG in recompute"),
       key("ac.allow_rng_mismatch", &C::ac, &AcConfig::allow_rng_mismatch, "allow dropout without RNG replay"),
       key("ac.check", &C::ac, &AcConfig::check, "verify recompute: none, meta or values"),

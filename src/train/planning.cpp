@@ -9,7 +9,7 @@
 
 namespace remat {
 
-RunPlan plan_run(const Config& cfg, at::ScalarType dtype, double flops_per_second, int64_t resident) {
+RunPlan plan_run(const Config& cfg, at::ScalarType dtype, const TimeProfile& profile, int64_t resident) {
   const auto& t = cfg.train;
   cost::StepShape shape;
   shape.batch = t.batch;
@@ -18,11 +18,9 @@ RunPlan plan_run(const Config& cfg, at::ScalarType dtype, double flops_per_secon
   shape.ce_chunk = t.ce_chunk;
   shape.dtype = dtype;
   shape.resident = resident;
-  cost::NodeTimes times;
-  times.flops_per_second = flops_per_second;
   PlannerOptions opts;
   opts.early_stop = cfg.ac.early_stop;
-  const Planner planner(cfg.model, shape, times, opts);
+  const Planner planner(cfg.model, shape, profile.times, opts);
   RunPlan r;
   if (cfg.ac.budget.empty()) {
     r.plan = compile_policy(cfg.ac, cfg.model.n_layer, cfg.model.dropout);
@@ -36,6 +34,7 @@ RunPlan plan_run(const Config& cfg, at::ScalarType dtype, double flops_per_secon
   }
   using memory::format_bytes;
   const auto& p = r.predicted;
+  if (profile.base_seconds > 0) r.step_seconds = profile.step_seconds(t.grad_accum, p.recompute_seconds);
   r.text = explain_plan(r.plan) + "\npredicted per microbatch (kept bytes, recompute FLOPs):\n";
   r.text += fmt::format("  embedding  {:>11}\n", format_bytes(p.embedding));
   for (size_t l = 0; l < p.layers.size(); ++l) {
@@ -44,11 +43,16 @@ RunPlan plan_run(const Config& cfg, at::ScalarType dtype, double flops_per_secon
   }
   r.text += fmt::format("  head       {:>11}\n", format_bytes(p.head));
   r.text += fmt::format("predicted step: peak {} in the {} (parameters {}, gradients {}, optimizer {}, kept "
-                        "activations {}, working set {}, token corpus {}); recompute {} FLOPs ({:.1f} ms at {} FLOP/s)\n",
+                        "activations {}, working set {}, token corpus {}); recompute {} FLOPs, {:.1f} ms\n",
                         format_bytes(p.peak), p.peak_at, format_bytes(p.statics.params), format_bytes(p.statics.grads),
                         format_bytes(p.statics.optimizer), format_bytes(p.peak - p.statics.total() - p.working_set),
-                        format_bytes(p.working_set), format_bytes(p.statics.resident), format_count(p.recompute_flops), 1e3 * p.recompute_seconds,
-                        format_count(flops_per_second));
+                        format_bytes(p.working_set), format_bytes(p.statics.resident), format_count(p.recompute_flops), 1e3 * p.recompute_seconds);
+  if (r.step_seconds > 0) {
+    r.text += fmt::format("predicted step time {:.1f} ms: {} x {:.1f} ms forward and backward + {:.1f} ms recompute + "
+                          "{:.1f} ms optimizer (time profile {})\n", 1e3 * r.step_seconds, t.grad_accum,
+                          1e3 * profile.base_seconds, 1e3 * p.recompute_seconds, 1e3 * profile.optimizer_seconds,
+                          profile.path);
+  }
   if (r.budget > 0) {
     r.text += fmt::format("budget {} (ac.budget = \"{}\"): the planner's plan peaks at {}\n", format_bytes(r.budget),
                           cfg.ac.budget, format_bytes(p.peak));

@@ -5,6 +5,7 @@
 #include "remat/config.h"
 #include "remat/cost.h"
 #include "remat/plan.h"
+#include "train/profile.h"
 
 #include <string>
 
@@ -14,15 +15,16 @@ struct RunPlan {
   ActivationPlan plan;
   cost::StepPrediction predicted;  ///< peak, breakdown and recompute of one step
   int64_t budget = 0;              ///< bytes; 0 without ac.budget
+  double step_seconds = 0;         ///< predicted step time; 0 without a measured profile
   /// Per layer: what is kept, its bytes and its predicted recompute FLOPs; then the
   /// predicted peak and its breakdown (printed before the first step and in plan.txt).
   std::string text;
 };
 
-/// Plans `cfg` (vocab_size set) at its train.* shape in `dtype`; `flops_per_second`
-/// prices recompute time; `resident` bytes (the token corpus) stay live through every
-/// step. Throws std::invalid_argument with the minimum feasible budget
-/// when ac.budget is below it.
-RunPlan plan_run(const Config& cfg, at::ScalarType dtype, double flops_per_second, int64_t resident);
+/// Plans `cfg` (vocab_size set) at its train.* shape in `dtype`; `profile` prices
+/// recompute (and, when measured, the whole step); `resident` bytes (the token corpus)
+/// stay live through every step. Throws std::invalid_argument with the minimum feasible
+/// budget when ac.budget is below it.
+RunPlan plan_run(const Config& cfg, at::ScalarType dtype, const TimeProfile& profile, int64_t resident);
 
 }  // namespace remat

@@ -10,6 +10,7 @@
 #include "train/device.h"
 #include "train/generate.h"
 #include "train/planning.h"
+#include "train/profile.h"
 #include "train/progress.h"
 #include "train/run_dir.h"
 #include "train/step.h"
@@ -105,9 +106,15 @@ TrainSummary train(const Config& cfg_in) {
 
   auto model = Model::create(cfg.model, device, dtype, static_cast<uint64_t>(cfg.run.seed));
   const double matmul_rate = measure_matmul_flops(device, dtype, t.batch * t.seq, cfg.model.d_model, cfg.model.d_ff);
+  TimeProfile profile;
+  if (cfg.ac.profile) {
+    profile = measure_time_profile(cfg, *model, train_ds);
+  } else {
+    profile.times.flops_per_second = matmul_rate;  // recompute priced by FLOPs; no step time
+  }
   // The token corpus stays in memory (int32) through every step.
   const int64_t corpus_bytes = train_ds.tokens().nbytes() + val_ds.tokens().nbytes();
-  const RunPlan planned = plan_run(cfg, dtype, matmul_rate, corpus_bytes);
+  const RunPlan planned = plan_run(cfg, dtype, profile, corpus_bytes);
   const ActivationPlan& plan = planned.plan;
   apply_plan(*model, plan, cfg.ac);
   const ActivationBytes predicted = model->predict_activation_bytes(t.batch, t.seq);
@@ -128,6 +135,7 @@ TrainSummary train(const Config& cfg_in) {
   sum.matmul_flops_per_second = matmul_rate;
   sum.predicted_peak_bytes = planned.predicted.peak;
   sum.budget_bytes = planned.budget;
+  sum.predicted_step_seconds = planned.step_seconds;
 
   fmt::print(stderr, "remat: {} ({}), {} parameters, {} layers, d_model {}, context {}; {} on {} ({} threads)\n",
              cfg.model.preset, cfg.model.arch, format_count(static_cast<double>(sum.num_params)), cfg.model.n_layer,
@@ -233,6 +241,7 @@ TrainSummary train(const Config& cfg_in) {
       {"predicted_peak_bytes", sum.predicted_peak_bytes},
       {"predicted_recompute_flops_per_step", planned.predicted.recompute_flops},
       {"budget_bytes", sum.budget_bytes},
+      {"predicted_step_seconds", sum.predicted_step_seconds},
   };
   run.write_text("summary.json", summary.dump(2) + "\n");
 
@@ -242,6 +251,10 @@ TrainSummary train(const Config& cfg_in) {
              sum.initial_val_loss, sum.final_val_loss, sum.unigram_entropy);
   fmt::print(stderr, "step time {:.1f} ms (median, recompute {}), {} tokens/s\n", sum.median_step_seconds * 1e3,
              plan.policy, format_count(sum.tokens_per_second));
+  if (sum.predicted_step_seconds > 0) {
+    fmt::print(stderr, "predicted step time {:.1f} ms: measured {:+.1f}%\n", sum.predicted_step_seconds * 1e3,
+               100.0 * (sum.median_step_seconds - sum.predicted_step_seconds) / sum.predicted_step_seconds);
+  }
   fmt::print(stderr, "compute {} FLOP/s of a measured {} FLOP/s {} matmul peak: efficiency {:.0f}%\n",
              format_count(sum.model_flops_per_second), format_count(sum.matmul_flops_per_second), cfg.run.dtype,
              100.0 * sum.model_flops_per_second / sum.matmul_flops_per_second);

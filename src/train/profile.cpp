@@ -1,0 +1,127 @@
+#include "train/profile.h"
+
+#include "remat/policy.h"
+#include "train/device.h"
+
+#include <ATen/Parallel.h>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+#include <torch/optim/adamw.h>
+
+#include <algorithm>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+
+namespace remat {
+namespace {
+
+namespace fs = std::filesystem;
+
+// Everything a measured time depends on, as a file name.
+std::string profile_key(const Config& cfg, const Model& model) {
+  const ModelConfig& m = cfg.model;
+  const TrainConfig& t = cfg.train;
+  std::string key = fmt::format("{}-{}-{}-L{}-C{}-H{}-KV{}-F{}-V{}-p{}-B{}-T{}-ce{}-es{}-threads{}",
+                                model.device().str(), cfg.run.dtype, m.arch, m.n_layer, m.d_model, m.n_head,
+                                m.n_kv_head, m.d_ff, m.vocab_size, m.dropout, t.batch, t.seq, t.ce_chunk,
+                                cfg.ac.early_stop ? 1 : 0, at::get_num_threads());
+  std::replace(key.begin(), key.end(), ':', '_');
+  return key + ".json";
+}
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+}  // namespace
+
+TimeProfile measure_time_profile(const Config& cfg, Model& model, const data::TokenDataset& data) {
+  TimeProfile p;
+  const fs::path dir = fs::path(cfg.run.out_dir) / ".profiles";
+  p.path = (dir / profile_key(cfg, model)).string();
+  if (fs::exists(p.path)) {
+    std::ifstream in(p.path);
+    const nlohmann::json j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+    if (j.is_object() && j.contains("node_seconds")) {
+      p.times.seconds = j.at("node_seconds").get<std::map<std::string, double>>();
+      p.times.flops_per_second = j.at("flops_per_second").get<double>();
+      p.base_seconds = j.at("base_seconds").get<double>();
+      p.optimizer_seconds = j.at("optimizer_seconds").get<double>();
+      p.cached = true;
+      return p;
+    }
+  }
+
+  const at::Device device = model.device();
+  const TrainConfig& t = cfg.train;
+  // Every layer fully recomputed: each node runs once per layer and is timed by the store.
+  StoreOptions options;
+  options.early_stop = cfg.ac.early_stop;
+  options.time_nodes = true;
+  model.set_activation_plan(compile_policy("full", cfg.model.n_layer, cfg.model.dropout), options);
+  const auto batch = data.sequential(0, t.batch, t.seq);
+  const at::Tensor tokens = batch.tokens.to(device), targets = batch.targets.to(device);
+  constexpr int kReps = 3;
+  std::vector<std::pair<double, StoreCounters>> reps;
+  for (int rep = 0; rep <= kReps; ++rep) {
+    model.store()->reset_counters();
+    synchronize(device);
+    const auto t0 = std::chrono::steady_clock::now();
+    model.forward_backward(tokens, targets, StepContext{static_cast<uint64_t>(cfg.run.seed), 0, 0}, 1.0,
+                           t.ce_chunk);
+    synchronize(device);
+    if (rep > 0) reps.emplace_back(seconds_since(t0), model.store()->counters());  // rep 0 warms caches
+  }
+  model.zero_grad();
+  std::sort(reps.begin(), reps.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  const auto& [pass_seconds, counters] = reps[reps.size() / 2];
+  double recompute = 0;
+  for (const auto& [name, seconds] : counters.node_seconds) {
+    p.times.seconds[name] = seconds / static_cast<double>(counters.node_runs.at(name));
+    recompute += seconds;
+  }
+  p.base_seconds = pass_seconds - recompute;
+  // Nodes a full recompute never runs (cheaper alternates, the block's last ops) are
+  // priced by FLOPs at the rate the timed nodes reached.
+  double flops = 0, timed = 0;
+  for (const auto& n : cost::block_program(cfg.model, t.batch, t.seq, model.compute_dtype()).nodes) {
+    auto it = p.times.seconds.find(n.name);
+    if (it == p.times.seconds.end()) continue;
+    flops += n.flops;
+    timed += it->second;
+  }
+  p.times.flops_per_second = timed > 0 ? flops / timed : 0.0;
+
+  // The update on scratch copies: the same tensors' sizes, the model untouched.
+  std::vector<at::Tensor> copies;
+  for (const auto& prm : model.params()) {
+    at::Tensor c = prm.value.detach().clone();
+    c.mutable_grad() = at::zeros_like(c);
+    copies.push_back(c);
+  }
+  torch::optim::AdamW scratch(copies, torch::optim::AdamWOptions(t.lr).weight_decay(t.weight_decay));
+  for (int rep = 0; rep < 2; ++rep) {
+    synchronize(device);
+    const auto t0 = std::chrono::steady_clock::now();
+    std::vector<at::Tensor> squares;
+    for (const auto& c : copies) squares.push_back(c.grad().pow(2).sum());
+    at::stack(squares).sum().item<double>();
+    scratch.step();
+    synchronize(device);
+    p.optimizer_seconds = seconds_since(t0);  // the second: state already allocated
+  }
+
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  std::ofstream out(p.path);
+  out << nlohmann::json{{"node_seconds", p.times.seconds},
+                        {"flops_per_second", p.times.flops_per_second},
+                        {"base_seconds", p.base_seconds},
+                        {"optimizer_seconds", p.optimizer_seconds}}
+             .dump(2)
+      << "\n";
+  return p;
+}
+
+}  // namespace remat

@@ -1,0 +1,36 @@
+// The measured time profile a plan's step time is predicted from: how long each
+// recompute node takes at the run's shapes on this device, how long a microbatch's
+// forward and backward take without recompute, and the optimizer step. Measured once
+// per device and shape and cached on disk.
+#pragma once
+
+#include "remat/config.h"
+#include "remat/cost.h"
+#include "remat/data.h"
+#include "remat/model.h"
+
+#include <string>
+
+namespace remat {
+
+struct TimeProfile {
+  cost::NodeTimes times;          ///< seconds per execution of each recompute node
+  double base_seconds = 0;        ///< one microbatch's forward + backward, nothing recomputed
+  double optimizer_seconds = 0;   ///< gradient clipping and the AdamW update
+  std::string path;               ///< the cache file
+  bool cached = false;            ///< read from the cache rather than measured now
+  /// Predicted wall time of a step whose recompute costs `recompute_seconds` in all.
+  double step_seconds(int64_t grad_accum, double recompute_seconds) const {
+    return static_cast<double>(grad_accum) * base_seconds + recompute_seconds + optimizer_seconds;
+  }
+};
+
+/// Reads the profile of `cfg`'s model and train shape on `model`'s device from
+/// `<run.out_dir>/.profiles/`, or measures it there: a few forward/backward passes of one
+/// batch of `data` with every layer recomputed (the store times each node; the base time
+/// is the pass minus its measured recompute), and two AdamW updates of scratch copies of
+/// the parameters. The model's weights are untouched; its gradients are zeroed and its
+/// activation plan must be set again afterwards.
+TimeProfile measure_time_profile(const Config& cfg, Model& model, const data::TokenDataset& data);
+
+}  // namespace remat
