@@ -7,8 +7,11 @@
 // to it, from the tensors that were kept, and stops there (early stop); dropout masks are
 // regenerated from their counter keys, so the recomputed tensors are bitwise the
 // originals. The store checks that, counts it, and never runs a nested backward.
+// Recomputes run in a memory::RecomputeScope, so a layer's recompute reuses the buffers
+// the previous recompute's tensors released once their backward consumed them.
 #pragma once
 
+#include "remat/memory.h"
 #include "remat/plan.h"
 
 #include <ATen/ATen.h>
@@ -32,6 +35,9 @@ struct StoreOptions {
   /// changes the masks the way frameworks that do not preserve RNG state do; only for
   /// demonstrating what the determinism check catches.
   bool preserve_rng = true;
+  /// Serve recompute allocations from the recompute buffer pool (memory::RecomputeScope)
+  /// instead of fresh memory; false allocates them from the system as any tensor.
+  bool pool = true;
 };
 
 /// What the store did over the microbatches since reset().
@@ -41,6 +47,7 @@ struct StoreCounters {
   int64_t bytes_recomputed = 0;  ///< bytes recompute wrote back into slots
   int64_t ops_recomputed = 0;    ///< forward ops re-executed
   std::map<std::string, int64_t> ops_by_kind;  ///< "linear", "layernorm", "attention", ...
+  memory::PoolCounts pool;       ///< recompute allocations served from the pool, or not
 };
 
 class ActivationStore {
@@ -65,6 +72,20 @@ class ActivationStore {
   void count_op(const std::string& kind);
   void add_kept_bytes(int64_t bytes) { counters_.bytes_kept += bytes; }
 
+  /// Runs `recompute()`, a recompute of dropped slots, with its allocations pooled (when
+  /// options().pool) and counted in counters().pool.
+  template <class F>
+  void recompute(F&& recompute) {
+    if (!options_.pool) return recompute();
+    const memory::RecomputeScope scope(counters_.pool);
+    recompute();
+  }
+  /// Backward has finished layer `l`. After the last layer that recomputes (the lowest),
+  /// no recompute is left to reuse the pool's idle buffers: they go back to the system.
+  /// Until then they are kept, also across layers that recompute nothing (every:K), which
+  /// costs no peak (see memory::RecomputeScope).
+  void finished_backward(int64_t l);
+
  private:
   struct Record {
     std::vector<std::vector<int64_t>> sizes;
@@ -75,6 +96,7 @@ class ActivationStore {
   StoreOptions options_;
   StoreCounters counters_;
   std::map<std::pair<int64_t, std::string>, Record> records_;
+  int64_t lowest_recompute_ = -1;  ///< lowest layer whose plan drops anything
 };
 
 }  // namespace remat

@@ -125,6 +125,7 @@ TrainSummary train(const Config& cfg_in) {
   store_options.check = parse_determinism_check(cfg.ac.check);
   store_options.early_stop = cfg.ac.early_stop;
   store_options.preserve_rng = cfg.ac.preserve_rng_state;
+  store_options.pool = cfg.ac.pool;
   model->set_activation_plan(plan, store_options);
   const ActivationBytes predicted = model->predict_activation_bytes(t.batch, t.seq);
   std::vector<at::Tensor> decay, no_decay;
@@ -214,10 +215,14 @@ TrainSummary train(const Config& cfg_in) {
     sum.activation_bytes = act.total();
     const StoreCounters counters = model->store() != nullptr ? model->store()->counters() : StoreCounters{};
     if (step == 0) {
+      const int64_t pooled = counters.pool.hits + counters.pool.misses;
       bar.message(fmt::format("step 1: saved activations {} (predicted {}), peak {}; recompute re-ran {} ops, "
-                              "{} recomputed", memory::format_bytes(act.total()),
+                              "{} recomputed{}", memory::format_bytes(act.total()),
                               memory::format_bytes(predicted.total()), memory::format_bytes(mem.peak),
-                              counters.ops_recomputed, memory::format_bytes(counters.bytes_recomputed)));
+                              counters.ops_recomputed, memory::format_bytes(counters.bytes_recomputed),
+                              pooled > 0 ? fmt::format(", {} of {} allocations from the pool", counters.pool.hits,
+                                                       pooled)
+                                         : ""));
       sum.recompute_ops_per_step = counters.ops_recomputed;
       sum.recomputed_bytes_per_step = counters.bytes_recomputed;
     }
@@ -226,7 +231,9 @@ TrainSummary train(const Config& cfg_in) {
                      {"step_seconds", dt}, {"tokens_per_second", tokens_per_step / dt},
                      {"memory_bytes", mem.current}, {"peak_bytes", mem.peak},
                      {"activation_bytes", act.total()}, {"predicted_activation_bytes", predicted.total()},
-                     {"ops_recomputed", counters.ops_recomputed}, {"bytes_recomputed", counters.bytes_recomputed}});
+                     {"ops_recomputed", counters.ops_recomputed}, {"bytes_recomputed", counters.bytes_recomputed},
+                     {"pool_hits", counters.pool.hits}, {"pool_misses", counters.pool.misses},
+                     {"pool_bytes_served", counters.pool.bytes_served}});
     bar.update(step + 1, fmt::format("loss {:.4f} | {} tok/s | mem {} (peak {})", loss,
                                      format_count(tokens_per_step / dt), memory::format_bytes(mem.current),
                                      memory::format_bytes(mem.peak)));
