@@ -3,6 +3,11 @@
 // On CPU a tracking allocator wraps the c10 CPU allocator, so every tensor allocation
 // is counted (the engine's and LibTorch's alike). On CUDA the caching allocator's own
 // statistics are read (allocated and reserved bytes, current and peak).
+//
+// The CPU allocator also keeps the recompute pool: memory of tensors a recompute
+// allocated is recycled for the next recompute instead of going back to the system (as
+// nanotron's recycled buffers and llm.c's scratch buffers do). On CUDA the caching
+// allocator already recycles, so the pool is CPU-only.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -12,10 +17,11 @@
 namespace remat::memory {
 
 struct Stats {
-  int64_t current = 0;  ///< bytes held by live tensors now
+  int64_t current = 0;  ///< bytes held now: live tensors and, on CPU, idle pooled buffers
   int64_t peak = 0;     ///< highest `current` since the last reset_peak()
   int64_t reserved = 0; ///< CUDA: bytes the caching allocator holds (0 on CPU)
   int64_t reserved_peak = 0;
+  int64_t pool_idle = 0;  ///< CPU: bytes idle in the recompute pool (part of `current`)
 };
 
 /// Installs the tracking CPU allocator (idempotent; process-wide). Tensors allocated
@@ -29,6 +35,37 @@ bool cpu_tracking_installed();
 Stats stats(at::Device device);
 /// Starts a new peak window: peak := current.
 void reset_peak(at::Device device);
+
+/// Allocations made inside RecomputeScopes, counted by the scope's owner.
+struct PoolCounts {
+  int64_t hits = 0;          ///< allocations served from an idle pooled buffer of that exact size
+  int64_t misses = 0;        ///< allocations that took new memory from the system (it joins the pool)
+  int64_t bytes_served = 0;  ///< bytes of the hits
+};
+
+/// While alive, the CPU allocations of this thread are recompute allocations: each is
+/// served from an idle pooled buffer of exactly its byte size when there is one, else from
+/// the system, and its memory goes back to the pool (idle) when the tensor is freed,
+/// whenever and on whichever thread that happens, until release_pool(). Idle buffers stay
+/// counted in Stats::current. They are kept only within the peak measured so far: an
+/// allocation that takes new memory first returns idle buffers to the system until the
+/// current bytes fit under max(peak, live bytes), so the pool never raises the measured
+/// peak above what the same program reaches without it. Needs install_cpu_tracking();
+/// without it allocations bypass the pool. Scopes nest (the innermost one counts).
+class RecomputeScope {
+ public:
+  explicit RecomputeScope(PoolCounts& counts);
+  ~RecomputeScope();
+  RecomputeScope(const RecomputeScope&) = delete;
+  RecomputeScope& operator=(const RecomputeScope&) = delete;
+
+ private:
+  PoolCounts* outer_;
+};
+
+/// Returns every idle pooled buffer to the system. Pooled buffers still in use leave the
+/// pool: they go to the system when freed. Process-wide.
+void release_pool();
 
 /// "1.50 GiB"-style rendering of a byte count (binary units).
 std::string format_bytes(int64_t bytes);

@@ -91,6 +91,7 @@ struct AcConfig {
   bool allow_rng_mismatch = false;  ///< permit dropout > 0 with preserve_rng_state = false
   std::string check = "none";       ///< "none" | "meta" | "values": verify recompute
   bool early_stop = true;           ///< stop a recompute once the needed tensors exist
+  bool pool = true;                 ///< recompute into recycled buffers (StoreOptions::pool)
   int64_t stages = 1;               ///< pipeline stages the layers are split across
 };
 

@@ -7,8 +7,11 @@
 // to it, from the tensors that were kept, and stops there (early stop); dropout masks are
 // regenerated from their counter keys, so the recomputed tensors are bitwise the
 // originals. The store checks that, counts it, and never runs a nested backward.
+// Recomputes run in a memory::RecomputeScope, so a layer's recompute reuses the buffers
+// the previous recompute's tensors released once their backward consumed them.
 #pragma once
 
+#include "remat/memory.h"
 #include "remat/plan.h"
 
 #include <ATen/ATen.h>
@@ -36,6 +39,9 @@ struct StoreOptions {
   /// Profiling: time each recompute node (one group of forward ops, named as the cost
   /// model's nodes) into StoreCounters::node_seconds; synchronizes the device around each.
   bool time_nodes = false;
+  /// Serve recompute allocations from the recompute buffer pool (memory::RecomputeScope)
+  /// instead of fresh memory; false allocates them from the system as any tensor.
+  bool pool = true;
 };
 
 /// What the store did over the microbatches since reset().
@@ -47,6 +53,7 @@ struct StoreCounters {
   std::map<std::string, int64_t> ops_by_kind;  ///< "linear", "layernorm", "attention", ...
   std::map<std::string, double> node_seconds;  ///< with time_nodes: seconds per node, summed
   std::map<std::string, int64_t> node_runs;    ///< with time_nodes: executions per node
+  memory::PoolCounts pool;       ///< recompute allocations served from the pool, or not
 };
 
 class ActivationStore {
@@ -86,6 +93,20 @@ class ActivationStore {
     std::chrono::steady_clock::time_point start_;
   };
 
+  /// Runs `recompute()`, a recompute of dropped slots, with its allocations pooled (when
+  /// options().pool) and counted in counters().pool.
+  template <class F>
+  void recompute(F&& recompute) {
+    if (!options_.pool) return recompute();
+    const memory::RecomputeScope scope(counters_.pool);
+    recompute();
+  }
+  /// Backward has finished layer `l`. After the last layer that recomputes (the lowest),
+  /// no recompute is left to reuse the pool's idle buffers: they go back to the system.
+  /// Until then they are kept, also across layers that recompute nothing (every:K), which
+  /// costs no peak (see memory::RecomputeScope).
+  void finished_backward(int64_t l);
+
  private:
   struct Record {
     std::vector<std::vector<int64_t>> sizes;
@@ -96,6 +117,7 @@ class ActivationStore {
   StoreOptions options_;
   StoreCounters counters_;
   std::map<std::pair<int64_t, std::string>, Record> records_;
+  int64_t lowest_recompute_ = -1;  ///< lowest layer whose plan drops anything
 };
 
 }  // namespace remat

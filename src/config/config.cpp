@@ -220,6 +220,7 @@ std::vector<ConfigKey> make_keys() {
       key("ac.allow_rng_mismatch", &C::ac, &AcConfig::allow_rng_mismatch, "allow dropout without RNG replay"),
       key("ac.check", &C::ac, &AcConfig::check, "verify recompute: none, meta or values"),
       key("ac.early_stop", &C::ac, &AcConfig::early_stop, "stop recompute once outputs exist"),
+      key("ac.pool", &C::ac, &AcConfig::pool, "recompute into recycled buffers"),
       key("ac.stages", &C::ac, &AcConfig::stages, "pipeline stages the layers split into"),
       ac_key("ac.enable_activation_checkpointing", &AcConfig::enable_activation_checkpointing,
              "torchtune: true alone = full"),

@@ -8,8 +8,11 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <iterator>
+#include <map>
 #include <mutex>
 #include <unordered_map>
+#include <vector>
 
 #ifdef REMAT_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -28,7 +31,7 @@
 namespace remat::memory {
 namespace {
 
-std::atomic<int64_t> g_current{0};
+std::atomic<int64_t> g_current{0};  // live plus idle pooled bytes
 std::atomic<int64_t> g_peak{0};
 
 void raise_peak(int64_t now) {
@@ -37,30 +40,80 @@ void raise_peak(int64_t now) {
   }
 }
 
-// Live allocations by data pointer: their size and the wrapped allocator's deleter. The
-// DataPtr handed out must have context == data, because LibTorch's raw_allocate (used by
-// oneDNN, e.g. for bfloat16 matmuls) requires it; so the bookkeeping lives here instead.
+// Live allocations by data pointer: their size, the wrapped allocator's deleter and, for
+// recompute allocations, the pool generation they return to. The DataPtr handed out must
+// have context == data, because LibTorch's raw_allocate (used by oneDNN, e.g. for bfloat16
+// matmuls) requires it; so the bookkeeping lives here instead.
 struct Allocation {
   int64_t bytes;
   c10::DeleterFnPtr inner_deleter;
+  uint64_t pool_generation;  // 0: not pooled
 };
-std::mutex g_live_mutex;
+struct IdleBuffer {
+  void* data;
+  c10::DeleterFnPtr inner_deleter;
+};
+
+// Everything below is guarded by g_mutex; g_current and g_peak are also written under it
+// so that the pool's cap sees a consistent picture.
+std::mutex g_mutex;
 std::unordered_map<void*, Allocation>& live() {
   static auto* m = new std::unordered_map<void*, Allocation>();  // leaked: see install
   return *m;
+}
+// Idle pooled buffers by exact byte size; ordered so eviction can pick the best fit.
+std::map<int64_t, std::vector<IdleBuffer>>& idle() {
+  static auto* m = new std::map<int64_t, std::vector<IdleBuffer>>();  // leaked: see install
+  return *m;
+}
+std::atomic<int64_t> g_idle_bytes{0};
+// release_pool() starts a new generation, so buffers in use then go to the system when freed.
+uint64_t g_generation = 1;
+
+thread_local PoolCounts* t_scope = nullptr;  // non-null inside a RecomputeScope
+
+IdleBuffer take_idle(std::map<int64_t, std::vector<IdleBuffer>>::iterator it) {
+  IdleBuffer b = it->second.back();
+  g_idle_bytes -= it->first;
+  it->second.pop_back();
+  if (it->second.empty()) idle().erase(it);
+  return b;
+}
+
+// Called with `bytes` of new memory about to be counted: returns idle buffers to the
+// system until current + bytes fits under the peak that the live bytes alone would reach.
+// With the pool empty at reset_peak(), the measured peak is then exactly what it would be
+// without the pool. Each step takes the smallest buffer covering what is still over, else
+// the largest, to keep as much as possible for the next recompute.
+void make_room(int64_t bytes) {
+  const int64_t live_after = g_current - g_idle_bytes + bytes;
+  const int64_t limit = std::max<int64_t>(g_peak, live_after);
+  while (g_idle_bytes > 0 && g_current + bytes > limit) {
+    auto it = idle().lower_bound(g_current + bytes - limit);
+    if (it == idle().end()) it = std::prev(idle().end());
+    const int64_t n = it->first;
+    IdleBuffer b = take_idle(it);
+    g_current -= n;
+    b.inner_deleter(b.data);
+  }
 }
 
 void release(void* data) {
   if (data == nullptr) return;  // zero-byte raw allocations (oneDNN scratch) hand out nullptr
   Allocation a;
   {
-    std::lock_guard<std::mutex> lock(g_live_mutex);
+    std::lock_guard<std::mutex> lock(g_mutex);
     auto it = live().find(data);
     TORCH_INTERNAL_ASSERT(it != live().end(), "tracking allocator: freeing an unknown pointer");
     a = it->second;
     live().erase(it);
+    if (a.pool_generation == g_generation) {
+      idle()[a.bytes].push_back(IdleBuffer{data, a.inner_deleter});
+      g_idle_bytes += a.bytes;
+      return;
+    }
+    g_current -= a.bytes;
   }
-  g_current.fetch_sub(a.bytes, std::memory_order_relaxed);
   a.inner_deleter(data);
 }
 
@@ -69,18 +122,32 @@ class TrackingAllocator final : public c10::Allocator {
   explicit TrackingAllocator(c10::Allocator* inner) : inner_(inner) {}
 
   c10::DataPtr allocate(size_t n) REMAT_ALLOCATE_CONST override {
+    const auto bytes = static_cast<int64_t>(n);
+    PoolCounts* scope = t_scope;
+    if (scope != nullptr && n > 0) {
+      std::lock_guard<std::mutex> lock(g_mutex);
+      auto it = idle().find(bytes);
+      if (it != idle().end()) {
+        const IdleBuffer b = take_idle(it);
+        live()[b.data] = Allocation{bytes, b.inner_deleter, g_generation};
+        ++scope->hits;
+        scope->bytes_served += bytes;
+        return {b.data, b.data, &release, c10::Device(c10::DeviceType::CPU)};
+      }
+    }
     c10::DataPtr p = inner_->allocate(n);
     void* data = p.get();
     if (data == nullptr) return p;  // empty tensors hold no bytes
     TORCH_INTERNAL_ASSERT(p.get_context() == data,
                           "tracking allocator: the wrapped CPU allocator must use its data pointer as context");
-    const auto bytes = static_cast<int64_t>(n);
     {
-      std::lock_guard<std::mutex> lock(g_live_mutex);
-      live()[data] = Allocation{bytes, p.get_deleter()};
+      std::lock_guard<std::mutex> lock(g_mutex);
+      if (g_idle_bytes > 0) make_room(bytes);
+      live()[data] = Allocation{bytes, p.get_deleter(), scope != nullptr ? g_generation : 0};
+      if (scope != nullptr) ++scope->misses;
+      raise_peak(g_current += bytes);
     }
     p.release_context();  // ownership passes to `live`; release() frees it
-    raise_peak(g_current.fetch_add(bytes, std::memory_order_relaxed) + bytes);
     return {data, data, &release, c10::Device(c10::DeviceType::CPU)};
   }
 
@@ -129,6 +196,7 @@ Stats stats(at::Device device) {
   }
   s.current = g_current.load();
   s.peak = g_peak.load();
+  s.pool_idle = g_idle_bytes.load();
   return s;
 }
 
@@ -141,6 +209,23 @@ void reset_peak(at::Device device) {
     return;
   }
   g_peak.store(g_current.load());
+}
+
+RecomputeScope::RecomputeScope(PoolCounts& counts) : outer_(t_scope) { t_scope = &counts; }
+
+RecomputeScope::~RecomputeScope() { t_scope = outer_; }
+
+void release_pool() {
+  std::vector<IdleBuffer> freed;
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    ++g_generation;
+    for (auto& [bytes, buffers] : idle()) freed.insert(freed.end(), buffers.begin(), buffers.end());
+    idle().clear();
+    g_current -= g_idle_bytes;
+    g_idle_bytes = 0;
+  }
+  for (const IdleBuffer& b : freed) b.inner_deleter(b.data);
 }
 
 std::string format_bytes(int64_t bytes) {

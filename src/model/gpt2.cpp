@@ -308,7 +308,7 @@ struct Gpt2Arch {
                             const StepContext& ctx, ActivationStore* st) const {
     auto need = [&](std::initializer_list<const char*> slots) {
       for (const char* slot : slots) {
-        if (st != nullptr) ensure(W, l, ctx, s, slot, *st);
+        if (st != nullptr) st->recompute([&] { ensure(W, l, ctx, s, slot, *st); });
       }
     };
     const Block& w = W.h[l];

@@ -263,7 +263,7 @@ struct LlamaArch {
                             const StepContext& ctx, ActivationStore* st) const {
     auto need = [&](std::initializer_list<const char*> slots) {
       for (const char* slot : slots) {
-        if (st != nullptr) ensure(W, l, ctx, s, slot, *st);
+        if (st != nullptr) st->recompute([&] { ensure(W, l, ctx, s, slot, *st); });
       }
     };
     const Block& w = W.layers[l];

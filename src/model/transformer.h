@@ -80,6 +80,16 @@ void rerun_block(const Arch& arch, const typename Arch::Weights& W, int64_t l, c
   }
 }
 
+/// Returns the recompute pool's idle buffers to the system when it goes out of scope, if
+/// `active`. Declared before a microbatch's saved tensors, it runs after they are freed,
+/// also when a recompute throws (a failed determinism check), so no buffer stays pooled.
+struct PoolDrain {
+  bool active;
+  ~PoolDrain() {
+    if (active) memory::release_pool();
+  }
+};
+
 template <class Arch>
 class TransformerModel final : public Model {
  public:
@@ -113,6 +123,7 @@ class TransformerModel final : public Model {
     check_batch(tokens, targets);
     const Weights& W = compute_weights();
     const int64_t L = cfg_.n_layer;
+    const PoolDrain drain{store_ != nullptr && store_->options().pool};
 
     // Coarse trace slices around the parts whose results outlive a block scope.
     std::optional<trace::Scope> part(std::in_place, "embedding forward", trace::Category::layer);
@@ -164,6 +175,7 @@ class TransformerModel final : public Model {
       if (saved[l].input_missing) recompute_chunk(W, l, ctx, saved);
       dx = arch_.block_backward(dx, saved[l], W, grads_, l, ctx, store_.get());
       saved[l] = {};
+      if (store_) store_->finished_backward(l);
     }
     part.emplace("embedding backward", trace::Category::layer);
     arch_.embed_backward(dx, emb.saved, W, grads_);
@@ -247,19 +259,21 @@ class TransformerModel final : public Model {
                        std::vector<typename Arch::BlockSaved>& saved) {
     const int64_t first = store_->plan().layers[last].chunk_begin;
     const StepContext k = recompute_context(ctx, *store_);
-    at::Tensor x = Arch::input(saved[first]);
-    for (int64_t j = first; j <= last; ++j) {
-      const trace::Recompute recompute(j);
-      auto f = arch_.block_forward(W, j, x, k, /*train=*/true);
-      for (const auto& op : arch_.forward_ops()) store_->count_op(op);
-      for (const auto& slot : saved[j].missing) {
-        std::vector<at::Tensor> ts;
-        for (at::Tensor* t : Arch::slot_fields(f.saved, slot)) ts.push_back(*t);
-        store_->refilled(j, slot, ts);
+    store_->recompute([&] {
+      at::Tensor x = Arch::input(saved[first]);
+      for (int64_t j = first; j <= last; ++j) {
+        const trace::Recompute recompute(j);
+        auto f = arch_.block_forward(W, j, x, k, /*train=*/true);
+        for (const auto& op : arch_.forward_ops()) store_->count_op(op);
+        for (const auto& slot : saved[j].missing) {
+          std::vector<at::Tensor> ts;
+          for (at::Tensor* t : Arch::slot_fields(f.saved, slot)) ts.push_back(*t);
+          store_->refilled(j, slot, ts);
+        }
+        x = f.out;
+        saved[j] = std::move(f.saved);
       }
-      x = f.out;
-      saved[j] = std::move(f.saved);
-    }
+    });
   }
 
   // Final-norm output [B, T, C] without dropout; nothing is kept for a backward.

@@ -42,7 +42,11 @@ DeterminismCheck parse_determinism_check(const std::string& s) {
 }
 
 ActivationStore::ActivationStore(ActivationPlan plan, StoreOptions options)
-    : plan_(std::move(plan)), options_(options) {}
+    : plan_(std::move(plan)), options_(options) {
+  for (size_t l = plan_.layers.size(); l-- > 0;) {
+    if (!plan_.layers[l].keeps_all()) lowest_recompute_ = static_cast<int64_t>(l);
+  }
+}
 
 bool ActivationStore::drops(int64_t l, const std::string& slot) const {
   return plan_.layers[static_cast<size_t>(l)].dropped.count(slot) > 0;
@@ -93,6 +97,10 @@ void ActivationStore::refilled(int64_t l, const std::string& slot, const std::ve
     }
   }
   records_.erase(it);
+}
+
+void ActivationStore::finished_backward(int64_t l) {
+  if (options_.pool && l == lowest_recompute_) memory::release_pool();
 }
 
 void ActivationStore::count_op(const std::string& kind) {

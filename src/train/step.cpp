@@ -47,6 +47,7 @@ void apply_plan(Model& model, const ActivationPlan& plan, const AcConfig& ac) {
   options.check = parse_determinism_check(ac.check);
   options.early_stop = ac.early_stop;
   options.preserve_rng = ac.preserve_rng_state;
+  options.pool = ac.pool;
   model.set_activation_plan(plan, options);
 }
 

@@ -170,10 +170,14 @@ TrainSummary train(const Config& cfg_in) {
     sum.activation_bytes = r.activations.total();
     const StoreCounters& counters = r.counters;
     if (step == 0) {
+      const int64_t pooled = counters.pool.hits + counters.pool.misses;
       bar.message(fmt::format("step 1: saved activations {} (predicted {}), peak {}; recompute re-ran {} ops, "
-                              "{} recomputed", memory::format_bytes(r.activations.total()),
+                              "{} recomputed{}", memory::format_bytes(r.activations.total()),
                               memory::format_bytes(predicted.total()), memory::format_bytes(r.peak_bytes),
-                              counters.ops_recomputed, memory::format_bytes(counters.bytes_recomputed)));
+                              counters.ops_recomputed, memory::format_bytes(counters.bytes_recomputed),
+                              pooled > 0 ? fmt::format(", {} of {} allocations from the pool", counters.pool.hits,
+                                                       pooled)
+                                         : ""));
       sum.recompute_ops_per_step = counters.ops_recomputed;
       sum.recomputed_bytes_per_step = counters.bytes_recomputed;
     }
@@ -184,7 +188,9 @@ TrainSummary train(const Config& cfg_in) {
                      {"peak_bytes", r.peak_bytes}, {"activation_bytes", r.activations.total()},
                      {"predicted_activation_bytes", predicted.total()},
                      {"predicted_peak_bytes", planned.predicted.peak},
-                     {"ops_recomputed", counters.ops_recomputed}, {"bytes_recomputed", counters.bytes_recomputed}});
+                     {"ops_recomputed", counters.ops_recomputed}, {"bytes_recomputed", counters.bytes_recomputed},
+                     {"pool_hits", counters.pool.hits}, {"pool_misses", counters.pool.misses},
+                     {"pool_bytes_served", counters.pool.bytes_served}});
     bar.update(step + 1, fmt::format("loss {:.4f} | {} tok/s | mem {} (peak {})", r.loss,
                                      format_count(tokens_per_step / r.seconds), memory::format_bytes(r.current_bytes),
                                      memory::format_bytes(r.peak_bytes)));

@@ -29,6 +29,7 @@ std::string write_temp(const std::string& text) {
 TEST(Config, DefaultsAreValidAndRoundTripThroughToml) {
   const Config c = load_config("", {});
   EXPECT_EQ(c.model.preset, "gpt2-demo");
+  EXPECT_TRUE(c.ac.pool);
   const std::string path = write_temp(config_to_toml(c));
   const Config again = load_config(path, {});
   EXPECT_EQ(config_to_toml(again), config_to_toml(c));
@@ -37,11 +38,12 @@ TEST(Config, DefaultsAreValidAndRoundTripThroughToml) {
 
 TEST(Config, OverridesWinOverTheFileAndPresetGoesFirst) {
   const std::string path = write_temp("[model]\nn_layer = 3\npreset = \"tiny-llama\"\n[train]\nlr = 0.01\n");
-  const Config c = load_config(path, {"train.lr=0.002", "model.d_model=64", "train.seq=16"});
+  const Config c = load_config(path, {"train.lr=0.002", "model.d_model=64", "train.seq=16", "ac.pool=false"});
   EXPECT_EQ(c.model.arch, "llama");   // from the preset
   EXPECT_EQ(c.model.n_layer, 3);      // the file's key, though written before the preset
   EXPECT_EQ(c.model.d_model, 64);     // override
   EXPECT_DOUBLE_EQ(c.train.lr, 0.002);
+  EXPECT_FALSE(c.ac.pool);
   std::remove(path.c_str());
 }
 
