@@ -213,7 +213,7 @@ std::string Planner::infeasible(int64_t budget, const std::string& given) const 
       "least-memory plan peaks in the {} with parameters {}, gradients {}, optimizer state {}, kept activations {} "
       "and a working set of {}; give a budget of at least {}, or lower train.batch or train.seq.",
       format_bytes(budget), given, format_bytes(least), cfg_.preset, shape_.batch, shape_.seq,
-      c10::toString(shape_.dtype), p.peak_at, format_bytes(p.statics.params), format_bytes(p.statics.grads),
+      shape_.dtype == at::kBFloat16 ? "bfloat16" : shape_.dtype == at::kDouble ? "float64" : "float32", p.peak_at, format_bytes(p.statics.params), format_bytes(p.statics.grads),
       format_bytes(p.statics.optimizer), format_bytes(p.peak - p.statics.total() - p.working_set),
       format_bytes(p.working_set), format_bytes(least));
 }
