@@ -210,3 +210,78 @@ TEST_F(Cli, HelpConfigListsEveryKey) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST_F(Cli, PlanPrintsThePlanAndItsBreakdownAsJson) {
+  const Result r = run_remat("plan --json --budget 0.6 model.preset=gpt2-demo");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto j = nlohmann::json::parse(r.output);
+  EXPECT_EQ(j["plan"].size(), 4u);
+  EXPECT_LE(j["breakdown"]["peak"].get<int64_t>(), j["budget"].get<int64_t>());
+  EXPECT_LT(j["min_feasible_budget"].get<int64_t>(), j["budget"].get<int64_t>());
+  EXPECT_GT(j["frontier"].size(), 2u);
+  EXPECT_EQ(j["manual"][0]["label"], "none");
+  EXPECT_EQ(j["manual"][0]["peak"], j["none_peak"]);
+  // The parts of the breakdown add up to the peak.
+  const auto& b = j["breakdown"];
+  int64_t parts = 0;
+  for (const char* k : {"parameters", "gradients", "optimizer", "compute_copies", "batch", "kept_activations",
+                        "working_set"}) {
+    parts += b[k].get<int64_t>();
+  }
+  EXPECT_LE(b["peak"].get<int64_t>() - parts, 16 * 1024);  // the allowance for scalars
+}
+
+TEST_F(Cli, PlanOfAn8BLlamaAt8kTokens) {
+  const Result r = run_remat("plan --budget 200GiB model.preset=llama3-8b train.batch=1 train.seq=8192 "
+                             "run.dtype=bfloat16");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("32 layers"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("minimum feasible 149.04 GiB"), std::string::npos) << r.output;
+  const size_t optimizer = r.output.find("optimizer state");
+  ASSERT_NE(optimizer, std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("59.83 GiB", optimizer), r.output.find('\n', optimizer) - 9) << r.output;
+}
+
+TEST_F(Cli, PlanBelowTheMinimumStatesTheMinimumAndWhatFillsIt) {
+  expect_error("plan --budget 60GiB model.preset=llama3-8b train.batch=1 train.seq=8192 run.dtype=bfloat16",
+               "is below the minimum feasible 149.04 GiB for llama3-8b at batch 1 x 8192 tokens in bfloat16");
+  expect_error("plan --budget '12 parsecs'", "The memory budget \"12 parsecs\" is not a size");
+  expect_error("plan --budget 0", "is not a size");
+}
+
+TEST_F(Cli, ParetoPlotsTheFrontierWithTheManualPolicies) {
+  const std::string png = (dir_ / "frontier.png").string();
+  const Result r = run_remat("plan --pareto --budget 0.5 --plot " + png);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("frontier (budget plans)"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("modules:[core_attn]"), std::string::npos) << r.output;
+  EXPECT_TRUE(fs::exists(png) || r.output.find("no plot:") != std::string::npos) << r.output;
+}
+
+TEST_F(Cli, TrainingWithABudgetStaysWithinItAndPredictsItsPeak) {
+  const std::string common = "model.preset=tiny-gpt2 model.vocab_size=0 train.steps=3 train.batch=4 train.seq=32 "
+                             "train.warmup=1 train.eval_batches=1 data.vocab_size=512 run.threads=1 "
+                             "run.sample_tokens=0 run.progress=false data.text=" +
+                             file("corpus.txt", remat::testing::make_text(1500)) +
+                             " data.dir=" + (dir_ / "data").string() + " run.out_dir=" + (dir_ / "runs").string();
+  const Result r = run_remat("train ac.budget=0.7 run.name=b " + common);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("stayed within it"), std::string::npos) << r.output;
+  std::ifstream in(dir_ / "runs" / "b" / "summary.json");
+  const auto s = nlohmann::json::parse(in);
+  EXPECT_LE(s["peak_bytes"].get<int64_t>(), s["budget_bytes"].get<int64_t>());
+  EXPECT_NEAR(s["peak_bytes"].get<double>(), s["predicted_peak_bytes"].get<double>(),
+              0.05 * s["predicted_peak_bytes"].get<double>());
+  EXPECT_GT(s["predicted_step_seconds"].get<double>(), 0.0);
+  EXPECT_TRUE(fs::exists(dir_ / "runs" / ".profiles")) << "the time profile is cached";
+  // A budget below the minimum fails before training, with the minimum.
+  const Result low = run_remat("train ac.budget=1KiB run.name=c " + common);
+  EXPECT_EQ(low.exit_code, 1) << low.output;
+  EXPECT_NE(low.output.find("is below the minimum feasible"), std::string::npos) << low.output;
+  // A budget and a policy at once are refused.
+  expect_error("train ac.budget=0.7 ac.policy=full " + common, "keep one of them");
+}
+
+}  // namespace

@@ -1,0 +1,58 @@
+// The measured time profile: every node a full recompute runs gets a time, the model is
+// left as it was, and the profile is cached per device and shape.
+#include "data/temp_dir.h"
+#include "remat/cost.h"
+#include "remat/model.h"
+#include "train/profile.h"
+
+#include <ATen/Parallel.h>
+#include <gtest/gtest.h>
+
+#include <filesystem>
+
+namespace remat {
+namespace {
+
+TEST(TimeProfile, TimesEveryNodeAFullRecomputeRunsAndIsCached) {
+  at::set_num_threads(1);
+  testing::TempDir dir;
+  Config cfg;
+  cfg.model = model_preset("tiny-gpt2");
+  cfg.model.vocab_size = 64;
+  cfg.train.batch = 2;
+  cfg.train.seq = 16;
+  cfg.run.out_dir = dir.path().string();
+  auto model = Model::create(cfg.model, at::kCPU, at::kFloat, 1);
+  std::vector<at::Tensor> before;
+  for (const auto& p : model->params()) before.push_back(p.value.clone());
+  const data::TokenDataset data(at::randint(64, {400}, at::kInt));
+
+  const TimeProfile p = measure_time_profile(cfg, *model, data);
+  EXPECT_FALSE(p.cached);
+  EXPECT_TRUE(std::filesystem::exists(p.path));
+  EXPECT_GT(p.base_seconds, 0.0);
+  EXPECT_GT(p.optimizer_seconds, 0.0);
+  EXPECT_GT(p.times.flops_per_second, 0.0);
+  // The nodes of one plain block forward but the block's last ops (never a slot's producer).
+  for (const auto& n : cost::block_program(cfg.model, 2, 16, at::kFloat).nodes) {
+    if (n.alternate || n.outputs.empty()) continue;
+    ASSERT_TRUE(p.times.seconds.count(n.name)) << n.name;
+    EXPECT_GT(p.times.seconds.at(n.name), 0.0) << n.name;
+  }
+  for (size_t i = 0; i < before.size(); ++i) {
+    EXPECT_TRUE(at::equal(before[i], model->params()[i].value)) << model->params()[i].name;
+    EXPECT_EQ(model->params()[i].grad.abs().sum().item<double>(), 0.0) << model->params()[i].name;
+  }
+
+  const TimeProfile again = measure_time_profile(cfg, *model, data);
+  EXPECT_TRUE(again.cached);
+  EXPECT_EQ(again.path, p.path);
+  EXPECT_EQ(again.base_seconds, p.base_seconds);
+  EXPECT_EQ(again.times.seconds, p.times.seconds);
+  // Another shape is another profile.
+  cfg.train.seq = 8;
+  EXPECT_FALSE(measure_time_profile(cfg, *model, data).cached);
+}
+
+}  // namespace
+}  // namespace remat
