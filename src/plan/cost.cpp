@@ -194,24 +194,24 @@ HeadCost head_cost(const ModelConfig& c, const StepShape& s) {
   h.alloc("norm.out", D);
   h.alloc("norm.stats", stats);
   h.alloc("lse", nbytes(N, sd));
-  h.alloc("counted", nbytes(N, at::kBool));
-  h.alloc("targets", nbytes(N, at::kLong));
-  if (logits_f > 0) h.alloc("mm", logits_f);
-  h.alloc("logits", logits);
-  if (logits_f > 0) h.free("mm");
-  h.alloc("rows", 2 * nbytes(n, sd));
+  // One chunk: the row masks, the logits (through a copy in the compute dtype when it is
+  // narrower) and two per-row vectors.
+  auto chunk = [&] {
+    h.alloc("counted", nbytes(N, at::kBool));
+    h.alloc("targets", nbytes(N, at::kLong));
+    if (logits_f > 0) h.alloc("mm", logits_f);
+    h.alloc("logits", logits);
+    if (logits_f > 0) h.free("mm");
+    h.alloc("rows", 2 * nbytes(n, sd));
+  };
+  chunk();
   for (const char* t : {"logits", "rows", "counted", "targets"}) h.free(t);
   HeadCost out;
   out.saved = h.current();
   // Backward: dx, then per chunk the logits again, their softmax in place and the
   // per-row scale.
   h.alloc("dh", D);
-  h.alloc("counted", nbytes(N, at::kBool));
-  h.alloc("targets", nbytes(N, at::kLong));
-  if (logits_f > 0) h.alloc("mm", logits_f);
-  h.alloc("logits", logits);
-  if (logits_f > 0) h.free("mm");
-  h.alloc("rows", 2 * nbytes(n, sd));
+  chunk();
   if (logits_f > 0) h.alloc("dl", logits_f);
   h.free("logits");
   if (logits_f > 0) h.free("dl");

@@ -1,6 +1,7 @@
 // The cost model against the engine: the simulated allocation programs predict the
 // measured peak of a microbatch, the store's recompute counts and the kept bytes, for
 // every policy on both architectures.
+#include "plan/plan_test_util.h"
 #include "remat/cost.h"
 #include "remat/memory.h"
 #include "remat/model.h"
@@ -41,11 +42,7 @@ Measured measure(const ModelConfig& cfg, const std::string& policy, int64_t B, i
 }
 
 ModelConfig config(const std::string& preset, int64_t layers, double dropout) {
-  ModelConfig c = model_preset(preset);
-  c.n_layer = layers;
-  c.dropout = dropout;
-  if (c.vocab_size == 0) c.vocab_size = 512;
-  return c;
+  return testing::plan_config(preset, layers, dropout);
 }
 
 const char* kPolicies[] = {"none", "full", "every:2", "uniform:2", "block:1", "modules:[core_attn]",

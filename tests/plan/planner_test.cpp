@@ -1,5 +1,6 @@
 // The planner: its plans equal brute force over every plan of small instances, fit the
 // budget as the engine measures it, and its bytes equal Korthikanti et al.'s formula.
+#include "plan/plan_test_util.h"
 #include "remat/cost.h"
 #include "remat/memory.h"
 #include "remat/model.h"
@@ -15,11 +16,7 @@ namespace remat {
 namespace {
 
 ModelConfig config(const std::string& preset, int64_t layers, double dropout) {
-  ModelConfig c = model_preset(preset);
-  c.n_layer = layers;
-  c.dropout = dropout;
-  if (c.vocab_size == 0) c.vocab_size = 512;
-  return c;
+  return testing::plan_config(preset, layers, dropout);
 }
 
 cost::StepShape shape_of(int64_t B, int64_t T, at::ScalarType dtype = at::kFloat) {
