@@ -2,7 +2,6 @@
 // attention probabilities and both residual branches.
 #include "model/transformer.h"
 
-#include <map>
 #include <set>
 
 namespace remat::detail {
@@ -184,26 +183,6 @@ struct Gpt2Arch {
     TORCH_INTERNAL_ASSERT(false, "unknown slot ", slot);
   }
 
-  // Bytes each slot holds for a [B, T] microbatch, from the ops' own reports.
-  std::map<std::string, int64_t> slot_bytes(int64_t B, int64_t T, at::ScalarType f) const {
-    const int64_t N = B * T, C = c.d_model, F = c.d_ff, H = c.n_head;
-    const double p = c.dropout;
-    const AttentionShape a{B, T, H, H, c.head_dim()};
-    const int64_t probs = nbytes(B * H * T * T, f);
-    return {{"input", nbytes(N * C, f)},
-            {"attn.norm", layernorm_saved_bytes(N, C, f) - nbytes(N * C, f)},
-            {"attn.qkv_in", linear_saved_bytes(N, C, f)},
-            {"attn.qkv", attention_saved_bytes(a, 0.0, f) - probs},
-            {"attn.probs", probs},
-            {"attn.dropout", attention_saved_bytes(a, p, f) - attention_saved_bytes(a, 0.0, f)},
-            {"attn.proj_in", linear_saved_bytes(N, C, f)},
-            {"attn.resid", dropout_saved_bytes(N * C, p)},
-            {"mlp.norm", layernorm_saved_bytes(N, C, f)},
-            {"mlp.fc_in", linear_saved_bytes(N, C, f)},
-            {"mlp.act_in", gelu_saved_bytes(N * F, f)},
-            {"mlp.proj_in", linear_saved_bytes(N, F, f)},
-            {"mlp.resid", dropout_saved_bytes(N * C, p)}};
-  }
   int64_t embed_bytes(int64_t B, int64_t T) const {
     return embedding_saved_bytes(B * T) + dropout_saved_bytes(B * T * c.d_model, c.dropout);
   }

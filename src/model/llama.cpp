@@ -2,7 +2,6 @@
 // head; dropout (model.dropout) on the attention probabilities only.
 #include "model/transformer.h"
 
-#include <map>
 #include <set>
 
 namespace remat::detail {
@@ -154,25 +153,6 @@ struct LlamaArch {
     TORCH_INTERNAL_ASSERT(false, "unknown slot ", slot);
   }
 
-  // Bytes each slot holds for a [B, T] microbatch, from the ops' own reports.
-  std::map<std::string, int64_t> slot_bytes(int64_t B, int64_t T, at::ScalarType f) const {
-    const int64_t N = B * T, C = c.d_model, F = c.d_ff;
-    const AttentionShape a{B, T, c.n_head, c.n_kv_head, c.head_dim()};
-    const int64_t probs = nbytes(B * c.n_head * T * T, f);
-    return {{"input", nbytes(N * C, f)},
-            {"attn.norm", rmsnorm_saved_bytes(N, C, f) - nbytes(N * C, f)},
-            {"attn.qkv_in", linear_saved_bytes(N, C, f)},
-            {"attn.qkv", attention_saved_bytes(a, 0.0, f) - probs},
-            {"attn.probs", probs},
-            {"attn.dropout", attention_saved_bytes(a, c.dropout, f) - attention_saved_bytes(a, 0.0, f)},
-            {"attn.proj_in", linear_saved_bytes(N, C, f)},
-            {"attn.resid", 0},
-            {"mlp.norm", rmsnorm_saved_bytes(N, C, f)},
-            {"mlp.fc_in", linear_saved_bytes(N, C, f)},
-            {"mlp.act_in", swiglu_saved_bytes(N * F, f)},
-            {"mlp.proj_in", linear_saved_bytes(N, F, f)},
-            {"mlp.resid", 0}};
-  }
   int64_t embed_bytes(int64_t B, int64_t T) const { return embedding_saved_bytes(B * T); }
   int64_t head_bytes(int64_t B, int64_t T, at::ScalarType f) const {
     return rmsnorm_saved_bytes(B * T, c.d_model, f) + cross_entropy_saved_bytes(B * T, c.d_model, f);

@@ -7,6 +7,7 @@
 // values, the gradients and, in bfloat16 runs, the per-step compute copies.
 #pragma once
 
+#include "remat/cost.h"
 #include "remat/model.h"
 #include "remat/ops.h"
 #include "remat/store.h"
@@ -209,7 +210,10 @@ class TransformerModel final : public Model {
   ActivationStore* store() override { return store_.get(); }
 
   ActivationBytes predict_activation_bytes(int64_t B, int64_t T) const override {
-    const auto slots = arch_.slot_bytes(B, T, compute_dtype_);
+    // The cost model's block program holds each slot's tensors (the planner prices the same).
+    const cost::BlockProgram block = cost::block_program(cfg_, B, T, compute_dtype_);
+    std::map<std::string, int64_t> slots;
+    for (const auto& [slot, tensors] : block.slots) slots[slot] = block.slot_bytes(slot);
     ActivationBytes out;
     out.embedding = arch_.embed_bytes(B, T);
     out.head = arch_.head_bytes(B, T, compute_dtype_);
