@@ -1,3 +1,4 @@
+#include "util/error_of.h"
 #include "remat/config.h"
 
 #include <gtest/gtest.h>
@@ -8,14 +9,7 @@
 namespace remat {
 namespace {
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
-}
+std::string error_of(const std::function<void()>& f) { return remat::testing::error_of<std::exception>(f); }
 
 std::string write_temp(const std::string& text) {
   char name[] = "/tmp/remat-config-XXXXXX";

@@ -1,3 +1,4 @@
+#include "util/error_of.h"
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -20,14 +21,7 @@ void write(const std::string& path, const std::string& bytes) {
   std::ofstream(path, std::ios::binary) << bytes;
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::runtime_error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
+std::string error_of(const std::function<void()>& f) { return remat::testing::error_of<std::runtime_error>(f); }
 
 // A small corpus: ~2000 lines, a 512-piece vocabulary; prepares in well under a second.
 PrepareOptions small_options(const TempDir& dir, const std::string& text) {

@@ -1,3 +1,4 @@
+#include "util/error_of.h"
 #include <gtest/gtest.h>
 
 #include <fstream>
@@ -11,14 +12,7 @@ namespace {
 
 using namespace remat::data;
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::runtime_error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
+std::string error_of(const std::function<void()>& f) { return remat::testing::error_of<std::runtime_error>(f); }
 
 // Token i has id (i * 7) % 1000: distinct neighbours, so shifted windows are checkable.
 TokenDataset ramp(int64_t n) {

@@ -1,3 +1,4 @@
+#include "util/error_of.h"
 #include "remat/safetensors.h"
 
 #include <gtest/gtest.h>
@@ -14,14 +15,7 @@ namespace fs = std::filesystem;
 using namespace remat::model;
 using remat::testing::TempDir;
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::runtime_error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
+std::string error_of(const std::function<void()>& f) { return remat::testing::error_of<std::runtime_error>(f); }
 
 std::string read_bytes(const std::string& path) {
   std::ifstream in(path, std::ios::binary);

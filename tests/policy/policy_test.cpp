@@ -1,3 +1,4 @@
+#include "util/error_of.h"
 #include "remat/policy.h"
 
 #include <gtest/gtest.h>
@@ -13,14 +14,7 @@ namespace {
 
 using Slots = std::set<std::string>;
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::invalid_argument& e) {
-    return e.what();
-  }
-  return "";
-}
+std::string error_of(const std::function<void()>& f) { return remat::testing::error_of<std::invalid_argument>(f); }
 
 Slots all() { return {block_slots().begin(), block_slots().end()}; }
 
