@@ -1,16 +1,15 @@
 // The cost model: what a training step holds and does under an activation plan, computed
 // from shapes alone, without allocating.
 //
-// A block is described once per architecture as allocation programs that follow the
-// engine's code line by line: which tensors its forward allocates and frees, which slots
-// its backward asks for, in which order it frees them, and, for each group of forward ops
-// a recompute can re-execute (a "node"), what that group allocates. The simulator walks
-// these programs with a plan and returns the peak of live bytes at every point of the
-// step, the bytes every layer keeps, and the recompute work (ops, FLOPs, time). Every
-// size comes from the ops' own byte reports and shapes; nothing is sampled.
+// A block is its graph (remat/graph.h), the one the engine runs. The simulator walks that
+// graph with the engine's own walk (src/graph/walk.h) on byte counters, each op replaying
+// the allocations it declares beside its kernels, and returns the peak of live bytes at
+// every point of the step, the bytes every layer keeps, and the recompute work (ops,
+// FLOPs, time). Every size comes from the ops' shape inference; nothing is sampled.
 #pragma once
 
 #include "remat/config.h"
+#include "remat/graph.h"
 #include "remat/plan.h"
 
 #include <ATen/ATen.h>
@@ -22,48 +21,6 @@
 #include <vector>
 
 namespace remat::cost {
-
-/// One step of an allocation program.
-struct Event {
-  enum class Kind {
-    alloc,  ///< tensor `name` of `bytes` becomes live
-    free,   ///< tensor `name` dies; a slot name frees every tensor of that slot
-    need,   ///< backward asks for slot `name` (a recompute when it was dropped)
-  };
-  Kind kind;
-  std::string name;
-  int64_t bytes = 0;
-};
-
-/// A group of forward ops a recompute re-executes together, producing slots.
-struct Node {
-  std::string name;
-  std::vector<std::string> inputs;   ///< slots read (asked for first, recursively)
-  std::vector<std::string> outputs;  ///< slots produced; those still kept are transient
-  /// When set, the node produces its outputs only while this slot is missing; otherwise
-  /// the next node listing the same output is used (GPT-2's mid-block residual).
-  std::string only_if_missing;
-  std::vector<std::string> kinds;    ///< op kinds, as the store counts them
-  double flops = 0;
-  std::vector<Event> events;         ///< allocations; tensors of no produced slot die at the end
-  /// A cheaper way to produce slots another node also produces; not part of one plain
-  /// block forward (the nodes without this flag are, exactly once each).
-  bool alternate = false;
-};
-
-/// One transformer block at fixed shapes.
-struct BlockProgram {
-  /// Tensors of each slot of remat/plan.h plus "input" (the block input): (name, bytes).
-  std::map<std::string, std::vector<std::pair<std::string, int64_t>>> slots;
-  std::vector<Event> forward;    ///< from the kept input to the output "out" (slots stay live)
-  std::vector<Event> backward;   ///< "dy" live on entry; ends with the input gradient "dx" live
-  std::vector<Node> nodes;       ///< what a recompute can re-execute, in forward order
-  std::vector<std::string> forward_kinds;  ///< every op kind of one block forward
-  double forward_flops = 0;      ///< one block forward
-  double backward_flops = 0;     ///< one block backward (about twice the matmul FLOPs)
-  int64_t out_bytes = 0;         ///< the block output / input gradient
-  int64_t slot_bytes(const std::string& slot) const;
-};
 
 /// The fixed costs of a step around the blocks.
 struct StepShape {
@@ -105,7 +62,7 @@ struct StepConstants {
 struct NodeTimes {
   std::map<std::string, double> seconds;  ///< by node name
   double flops_per_second = 0;           ///< fallback rate for nodes without a time
-  double node_seconds(const Node& n) const;
+  double node_seconds(const graph::Node& n) const;
 };
 
 /// A layer's plan priced: what it keeps and what its backward recomputes and peaks at.
@@ -135,11 +92,8 @@ struct StepPrediction {
   int64_t recomputed_bytes = 0; ///< per microbatch
 };
 
-/// The block program of `cfg`'s architecture at [batch, seq] in `dtype`.
-BlockProgram block_program(const ModelConfig& cfg, int64_t batch, int64_t seq, at::ScalarType dtype);
-
 /// Prices one layer's slot choice. `dropped`: slots recomputed; `early_stop` as the store's.
-LayerCost price_layer(const BlockProgram& block, const std::set<std::string>& dropped, bool early_stop,
+LayerCost price_layer(const graph::BlockGraph& block, const std::set<std::string>& dropped, bool early_stop,
                       const NodeTimes& times);
 
 /// Bytes of parameters, gradients, optimizer state and batch for `cfg` (vocab_size set).

@@ -39,6 +39,30 @@ const std::vector<std::string>& block_slots();
 ///   mlp       -> every mlp.* slot but mlp.norm
 const std::vector<std::pair<std::string, std::vector<std::string>>>& block_modules();
 
+/// Slot identities, as the block graphs name them (compiler-checked), in forward order;
+/// `input` is the block input (kept unless a uniform chunk owns it), the others are the
+/// droppable slots of block_slots(), in that order.
+enum class Slot : int {
+  input,
+  attn_norm,
+  attn_qkv_in,
+  attn_qkv,
+  attn_probs,
+  attn_dropout,
+  attn_proj_in,
+  attn_resid,
+  mlp_norm,
+  mlp_fc_in,
+  mlp_act_in,
+  mlp_proj_in,
+  mlp_resid,
+};
+constexpr int kSlotCount = static_cast<int>(Slot::mlp_resid) + 1;
+/// The slot's name as plans spell it ("attn.norm"; "input" for Slot::input).
+const std::string& slot_name(Slot s);
+/// The slot a name denotes ("input" too); throws std::invalid_argument naming the slots.
+Slot slot_of_name(const std::string& name);
+
 struct LayerPlan {
   std::set<std::string> dropped;  ///< slots recomputed in this layer's backward
   /// uniform:N: the first layer of this layer's chunk. When it differs from this layer,

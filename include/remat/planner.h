@@ -72,14 +72,14 @@ class Planner {
   /// Predicts the step of any plan (for the manual policies on the frontier).
   cost::StepPrediction predict(const ActivationPlan& plan) const;
 
-  const cost::BlockProgram& block() const { return block_; }
+  const graph::BlockGraph& block() const { return block_; }
 
  private:
   ModelConfig cfg_;
   cost::StepShape shape_;
   cost::NodeTimes times_;
   PlannerOptions options_;
-  cost::BlockProgram block_;
+  graph::BlockGraph block_;
   std::vector<LayerOption> frontier_;
   LayerOption whole_;  ///< nothing dropped (what a chunk rebuilds per layer)
   int64_t emb_base_ = 0;     ///< statics + embedding, under every layer

@@ -68,9 +68,9 @@ class ActivationStore {
   /// Whether layer `l` drops `slot`.
   bool drops(int64_t l, const std::string& slot) const;
 
-  /// Forward: drops `slot`'s tensors of layer `l` (the pointed-to fields are reset),
-  /// first recording what the determinism check needs.
-  void drop(int64_t l, const std::string& slot, const std::vector<at::Tensor*>& fields);
+  /// Forward: tensor `index` of `slot` of layer `l` is being dropped; records what the
+  /// determinism check needs and counts its bytes (the caller releases it).
+  void drop(int64_t l, const std::string& slot, size_t index, const at::Tensor& t);
   /// Backward: the recompute refilled `slot` of layer `l` with `tensors`; checks them
   /// against the record and counts their bytes.
   void refilled(int64_t l, const std::string& slot, const std::vector<at::Tensor>& tensors);
@@ -109,7 +109,7 @@ class ActivationStore {
 
  private:
   struct Record {
-    std::vector<std::vector<int64_t>> sizes;
+    std::vector<std::vector<int64_t>> sizes;  ///< per tensor of the slot, in slot order
     std::vector<at::ScalarType> dtypes;
     std::vector<uint64_t> hashes;
   };

@@ -23,10 +23,11 @@ at::ScalarType plan_dtype(const std::string& name) {
   throw std::invalid_argument(fmt::format("run.dtype = \"{}\" cannot be planned; use float32 or bfloat16.", name));
 }
 
-// FLOPs of one microbatch's forward and backward without recompute.
-double step_flops(const ModelConfig& m, const cost::BlockProgram& b, const cost::StepShape& s) {
+// FLOPs of one microbatch's forward and backward without recompute (a backward costs
+// about twice its forward).
+double step_flops(const ModelConfig& m, const graph::BlockGraph& b, const cost::StepShape& s) {
   const int64_t N = s.batch * s.seq;
-  return m.n_layer * (b.forward_flops + b.backward_flops) + 3.0 * ops::cross_entropy_flops(N, m.d_model, m.vocab_size);
+  return 3.0 * (m.n_layer * b.forward_flops() + ops::cross_entropy_flops(N, m.d_model, m.vocab_size));
 }
 
 std::string slots_text(const std::set<std::string>& dropped) {

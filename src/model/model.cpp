@@ -27,6 +27,16 @@ std::unique_ptr<Model> Model::create(const ModelConfig& cfg, at::Device device, 
   TORCH_CHECK(false, "Unknown model architecture '", cfg.arch, "'; valid: gpt2, llama.");
 }
 
+namespace graph {
+
+BlockGraph block_graph(const ModelConfig& cfg, int64_t batch, int64_t seq, at::ScalarType dtype) {
+  if (cfg.arch == "gpt2") return detail::gpt2_block(cfg, batch, seq, dtype);
+  if (cfg.arch == "llama") return detail::llama_block(cfg, batch, seq, dtype);
+  TORCH_CHECK(false, "Unknown model architecture '", cfg.arch, "'; valid: gpt2, llama.");
+}
+
+}  // namespace graph
+
 int64_t Model::num_params() const {
   int64_t n = 0;
   for (const auto& p : params_) n += p.value.numel();

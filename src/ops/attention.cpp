@@ -1,5 +1,7 @@
 #include "remat/ops/attention.h"
 
+#include "ops/op_def.h"
+
 #include "remat/trace.h"
 
 #include <cmath>
@@ -125,3 +127,145 @@ double attention_flops(const AttentionShape& s, double p) {
 }
 
 }  // namespace remat::ops
+
+namespace remat::graph {
+namespace {
+
+using detail::flags;
+
+std::vector<int64_t> strides_of(const TensorInfo& t) {
+  if (!t.contiguous()) return t.strides;
+  std::vector<int64_t> s(t.sizes.size(), 1);
+  for (size_t i = s.size() - 1; i-- > 0;) s[i] = s[i + 1] * t.sizes[i + 1];
+  return s;
+}
+
+// Whether heads_first() of a [B, T, H, D] tensor copies (a view needs a compatible layout).
+bool heads_first_copies(const TensorInfo& t) {
+  auto s = t.sizes;
+  auto st = strides_of(t);
+  std::swap(s[1], s[2]);
+  std::swap(st[1], st[2]);
+  const std::vector<int64_t> rows = {s[0] * s[1], s[2], s[3]};
+  return !at::detail::computeStride(at::IntArrayRef(s), at::IntArrayRef(st), at::IntArrayRef(rows)).has_value();
+}
+
+// Whether heads_last() of [B*H, T, D] rows copies: not when the transposed view is
+// contiguous already (one head, or one position).
+bool heads_last_copies(int64_t H, int64_t T) { return H > 1 && T > 1; }
+
+// Inputs {q, k, v} ([B, T, H, D], possibly strided); outputs {out, probs} and, with
+// dropout, {mask, probs_d}.
+class AttentionDef final : public OpDef {
+ public:
+  const char* kind() const override { return "attention"; }
+  std::vector<TensorInfo> infer(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>&,
+                                const Attrs& a) const override {
+    TORCH_CHECK(in.size() == 3 && in[0].sizes.size() == 4 && in[1].sizes == in[2].sizes &&
+                    in[1].sizes.size() == 4 && in[0].sizes[2] % in[1].sizes[2] == 0,
+                "[attention] needs q [B, T, Hq, D] and k, v [B, T, Hkv, D]");
+    const auto& q = in[0].sizes;
+    const TensorInfo scores{{q[0], q[2], q[1], q[1]}, in[0].dtype, {}};
+    std::vector<TensorInfo> out = {in[0].with_sizes(q), scores};
+    if (a.p > 0) out.insert(out.end(), {TensorInfo{scores.sizes, at::kBool, {}}, scores});
+    return out;
+  }
+  double flops(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>&, const Attrs& a) const override {
+    const auto& q = in[0].sizes;
+    return ops::attention_flops({q[0], q[1], q[2], in[1].sizes[2], q[3]}, a.p);
+  }
+  std::vector<bool> saves_inputs(const Attrs&, size_t n) const override { return flags(n, {0, 1, 2}); }
+  std::vector<bool> saves_outputs(const Attrs&, size_t n) const override { return flags(n, {1, 2, 3}); }
+  std::vector<at::Tensor> forward(const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&, const Attrs& a,
+                                  const RunContext& ctx) const override {
+    auto r = ops::attention_forward(in[0], in[1], in[2], ctx.train ? a.p : 0.0, ctx.key(a.site));
+    std::vector<at::Tensor> out = {r.out, r.saved.probs};
+    if (a.p > 0) out.insert(out.end(), {r.saved.mask, r.saved.probs_d});
+    return out;
+  }
+  std::vector<at::Tensor> backward(const std::vector<at::Tensor>& dy, const std::vector<at::Tensor>& in,
+                                   const std::vector<at::Tensor>& out, const std::vector<at::Tensor>&,
+                                   std::vector<at::Tensor*>&, const Attrs& a, const RunContext&) const override {
+    const bool drop = a.p > 0;
+    const ops::AttentionSaved s{in[0], in[1], in[2], out[1], drop ? out[2] : at::Tensor(),
+                                drop ? out[3] : at::Tensor(), a.p};
+    auto g = ops::attention_backward(dy[0], s);
+    return {g.dq, g.dk, g.dv};
+  }
+  // Mirrors attention_forward: scaled query rows, key rows (copied unless a view serves),
+  // the scores, the causal mask, probabilities, dropout (the bool mask is copied to the
+  // compute dtype for the product), value rows and the output rows. The 8-byte temporaries
+  // are the scale scalars of the grouped copies.
+  void forward_events(Events& e, const std::vector<TensorInfo>& in, const std::vector<TensorInfo>&,
+                      const std::vector<TensorInfo>& out, const Attrs& a) const override {
+    const int64_t T = in[0].sizes[1];
+    const int64_t S = out[1].bytes(), Q = in[0].with_sizes(in[0].sizes).bytes(), K = in[1].with_sizes(in[1].sizes).bytes();
+    const int64_t k = heads_first_copies(in[1]) ? e.temp(K) : -1;
+    const int64_t q = e.temp(Q);
+    detail::scalar_operand(e, in[0].dtype);
+    const int64_t scores = e.temp(S);
+    e.release(q);
+    if (k >= 0) e.release(k);
+    const int64_t future = e.temp(T * T);
+    e.out(1);
+    e.release(scores);
+    if (a.p > 0) {
+      e.out(2);
+      const int64_t maskf = e.temp(S);
+      e.out(3);
+      e.release(maskf);
+    }
+    const int64_t v = heads_first_copies(in[2]) ? e.temp(K) : -1;
+    const int64_t rows = e.temp(Q);
+    if (v >= 0) e.release(v);
+    e.out(0);
+    detail::scalar_operand(e, in[0].dtype);
+    e.release(rows);
+    e.release(future);
+  }
+  void backward_events(Events& e, const std::vector<TensorInfo>& in, const std::vector<TensorInfo>&,
+                       const std::vector<TensorInfo>& out, const Attrs& a) const override {
+    const int64_t T = in[0].sizes[1], Hkv = in[1].sizes[2];
+    const int64_t S = out[1].bytes(), Q = in[0].with_sizes(in[0].sizes).bytes(), K = in[1].with_sizes(in[1].sizes).bytes();
+    const int64_t dout = e.temp(Q);
+    detail::scalar_operand(e, in[0].dtype);
+    const int64_t dv = e.temp(K);
+    const int64_t v = heads_first_copies(in[2]) ? e.temp(K) : -1;
+    const int64_t dprobs = e.temp(S);
+    if (v >= 0) e.release(v);
+    if (a.p > 0) e.release(e.temp(S));
+    const int64_t dscores = e.temp(S);
+    e.release(dprobs);
+    const int64_t q = e.temp(Q);
+    detail::scalar_operand(e, in[0].dtype);
+    const int64_t dk = e.temp(K);
+    e.release(q);
+    const int64_t k = heads_first_copies(in[1]) ? e.temp(K) : -1;
+    const int64_t dq = e.temp(Q);
+    if (k >= 0) e.release(k);
+    e.out(0);
+    detail::scalar_operand(e, in[0].dtype);
+    const bool copies = heads_last_copies(Hkv, T);
+    if (copies) {
+      e.out(1);
+      e.out(2);
+    } else {
+      e.adopt(dk, 1);
+      e.adopt(dv, 2);
+    }
+    e.release(dout);
+    if (copies) e.release(dv);
+    e.release(dscores);
+    if (copies) e.release(dk);
+    e.release(dq);
+  }
+};
+
+}  // namespace
+
+const OpDef& op::attention() {
+  static const AttentionDef def;
+  return def;
+}
+
+}  // namespace remat::graph

@@ -1,5 +1,7 @@
 #include "remat/ops/dropout.h"
 
+#include "ops/op_def.h"
+
 #include "remat/trace.h"
 
 #include <ATen/Parallel.h>
@@ -74,7 +76,15 @@ Fwd<DropoutSaved> dropout_forward(const at::Tensor& x, double p, const DropoutKe
   if (p == 0.0) return {x, DropoutSaved{at::Tensor(), 0.0}};
   // Only a dropout that runs is a slice: the store counts no p = 0 dropout either.
   const trace::Scope trace_scope("dropout", trace::Category::forward);
-  at::Tensor mask = dropout_mask(x.sizes(), p, key, x.device());
+  return dropout_apply(x, dropout_mask(x.sizes(), p, key, x.device()), p);
+}
+
+Fwd<DropoutSaved> dropout_apply(const at::Tensor& x, const at::Tensor& mask, double p) {
+  check_p(p);
+  if (p == 0.0) return {x, DropoutSaved{at::Tensor(), 0.0}};
+  TORCH_CHECK(mask.sizes() == x.sizes() && mask.scalar_type() == at::kBool,
+              "[dropout] the mask must be bool of x's shape ", x.sizes(), ", got ", mask.sizes(), " ",
+              mask.scalar_type());
   at::Tensor y = at::mul(x, mask).mul_(1.0 / (1.0 - p));
   return {y, DropoutSaved{mask, p}};
 }
@@ -94,3 +104,90 @@ int64_t dropout_saved_bytes(int64_t numel, double p) {
 double dropout_flops(int64_t numel, double p) { return p > 0.0 ? static_cast<double>(numel) : 0.0; }
 
 }  // namespace remat::ops
+
+namespace remat::graph {
+namespace {
+
+using detail::flags;
+
+// No inputs; attributes p, site and sizes; outputs {mask}. The mask is a function of the
+// key alone, so recomputing it needs nothing kept.
+class DropoutMaskDef final : public OpDef {
+ public:
+  const char* kind() const override { return "dropout_mask"; }
+  std::vector<TensorInfo> infer(const std::vector<TensorInfo>&, const std::vector<TensorInfo>&,
+                                const Attrs& a) const override {
+    return {TensorInfo{a.sizes, at::kBool, {}}};
+  }
+  double flops(const std::vector<TensorInfo>&, const std::vector<TensorInfo>&, const Attrs&) const override {
+    return 0.0;
+  }
+  std::vector<at::Tensor> forward(const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, const Attrs& a,
+                                  const RunContext& ctx) const override {
+    if (!ctx.train) return {at::Tensor()};
+    return {ops::dropout_mask(a.sizes, a.p, ctx.key(a.site), ctx.device)};
+  }
+  std::vector<at::Tensor> backward(const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
+                                   const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
+                                   std::vector<at::Tensor*>&, const Attrs&, const RunContext&) const override {
+    return {};
+  }
+  void forward_events(Events& e, const std::vector<TensorInfo>&, const std::vector<TensorInfo>&,
+                      const std::vector<TensorInfo>&, const Attrs&) const override {
+    e.out(0);
+  }
+  void backward_events(Events&, const std::vector<TensorInfo>&, const std::vector<TensorInfo>&,
+                       const std::vector<TensorInfo>&, const Attrs&) const override {}
+};
+
+// Inputs {x, mask}; attribute p; outputs {y}. On the CPU the product first copies the bool
+// mask to x's dtype (TensorIterator promotes inputs by copies).
+class DropoutDef final : public OpDef {
+ public:
+  const char* kind() const override { return "dropout"; }
+  std::vector<TensorInfo> infer(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>&,
+                                const Attrs&) const override {
+    TORCH_CHECK(in.size() == 2 && in[0].sizes == in[1].sizes, "[dropout] needs x and a mask of its shape");
+    return {in[0].with_sizes(in[0].sizes)};
+  }
+  double flops(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>&, const Attrs& a) const override {
+    return ops::dropout_flops(in[0].numel(), a.p);
+  }
+  std::vector<bool> saves_inputs(const Attrs&, size_t n) const override { return flags(n, {1}); }
+  bool differentiable(size_t input) const override { return input == 0; }
+  std::vector<at::Tensor> forward(const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&, const Attrs& a,
+                                  const RunContext& ctx) const override {
+    if (!ctx.train) return {in[0]};
+    const trace::Scope trace_scope("dropout", trace::Category::forward);
+    return {ops::dropout_apply(in[0], in[1], a.p).out};
+  }
+  std::vector<at::Tensor> backward(const std::vector<at::Tensor>& dy, const std::vector<at::Tensor>& in,
+                                   const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
+                                   std::vector<at::Tensor*>&, const Attrs& a, const RunContext&) const override {
+    return {ops::dropout_backward(dy[0], ops::DropoutSaved{in[1], a.p}), at::Tensor()};
+  }
+  void forward_events(Events& e, const std::vector<TensorInfo>& in, const std::vector<TensorInfo>&,
+                      const std::vector<TensorInfo>&, const Attrs&) const override {
+    const int64_t maskf = e.temp(in[0].with_sizes(in[0].sizes).bytes());
+    e.out(0);
+    e.release(maskf);
+  }
+  void backward_events(Events& e, const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& p,
+                       const std::vector<TensorInfo>& out, const Attrs& a) const override {
+    forward_events(e, in, p, out, a);
+  }
+};
+
+}  // namespace
+
+const OpDef& op::dropout_mask() {
+  static const DropoutMaskDef def;
+  return def;
+}
+
+const OpDef& op::dropout() {
+  static const DropoutDef def;
+  return def;
+}
+
+}  // namespace remat::graph

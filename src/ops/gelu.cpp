@@ -1,5 +1,7 @@
 #include "remat/ops/gelu.h"
 
+#include "ops/op_def.h"
+
 #include "remat/trace.h"
 
 namespace remat::ops {
@@ -21,3 +23,47 @@ int64_t gelu_saved_bytes(int64_t numel, at::ScalarType dtype) { return nbytes(nu
 double gelu_flops(int64_t numel) { return 10.0 * numel; }
 
 }  // namespace remat::ops
+
+namespace remat::graph {
+namespace {
+
+// Inputs {x}; outputs {gelu(x)}; the backward reads x.
+class GeluDef final : public OpDef {
+ public:
+  const char* kind() const override { return "gelu"; }
+  std::vector<TensorInfo> infer(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>&,
+                                const Attrs&) const override {
+    TORCH_CHECK(in.size() == 1, "[gelu] needs one input");
+    return {in[0].with_sizes(in[0].sizes)};
+  }
+  double flops(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>&, const Attrs&) const override {
+    return ops::gelu_flops(in[0].numel());
+  }
+  std::vector<bool> saves_inputs(const Attrs&, size_t n) const override { return detail::flags(n, {0}); }
+  std::vector<at::Tensor> forward(const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&, const Attrs&,
+                                  const RunContext&) const override {
+    return {ops::gelu_forward(in[0]).out};
+  }
+  std::vector<at::Tensor> backward(const std::vector<at::Tensor>& dy, const std::vector<at::Tensor>& in,
+                                   const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
+                                   std::vector<at::Tensor*>&, const Attrs&, const RunContext&) const override {
+    return {ops::gelu_backward(dy[0], ops::GeluSaved{in[0]})};
+  }
+  void forward_events(Events& e, const std::vector<TensorInfo>&, const std::vector<TensorInfo>&,
+                      const std::vector<TensorInfo>&, const Attrs&) const override {
+    e.out(0);
+  }
+  void backward_events(Events& e, const std::vector<TensorInfo>&, const std::vector<TensorInfo>&,
+                       const std::vector<TensorInfo>&, const Attrs&) const override {
+    e.out(0);
+  }
+};
+
+}  // namespace
+
+const OpDef& op::gelu() {
+  static const GeluDef def;
+  return def;
+}
+
+}  // namespace remat::graph

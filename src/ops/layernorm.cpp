@@ -1,6 +1,10 @@
 #include "remat/ops/layernorm.h"
 
+#include "ops/op_def.h"
+
 #include "remat/trace.h"
+
+#include <ATen/Parallel.h>
 
 namespace remat::ops {
 namespace {
@@ -56,3 +60,100 @@ int64_t layernorm_saved_bytes(int64_t rows, int64_t C, at::ScalarType dtype) {
 double layernorm_flops(int64_t rows, int64_t C) { return 8.0 * rows * C; }
 
 }  // namespace remat::ops
+
+namespace remat::graph {
+namespace {
+
+using detail::bytes_of;
+using detail::flags;
+using detail::rows;
+using detail::stats_of;
+
+// The backward kernel's per-thread partial sums of the weight and bias gradients.
+int64_t partials(int64_t C, at::ScalarType ct) { return bytes_of(2 * at::get_num_threads() * C, ct); }
+
+// Inputs {x}, parameters {weight, bias}; outputs {y, mean, rstd}.
+class LayerNormDef final : public OpDef {
+ public:
+  const char* kind() const override { return "layernorm"; }
+  std::vector<TensorInfo> infer(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& p,
+                                const Attrs&) const override {
+    TORCH_CHECK(in.size() == 1 && p.size() == 2 && p[0].sizes == std::vector<int64_t>{in[0].sizes.back()},
+                "[layernorm] needs x [..., C] and weight, bias [C]");
+    std::vector<int64_t> r(in[0].sizes.begin(), in[0].sizes.end() - 1);
+    const TensorInfo stats{r, stats_of(in[0].dtype), {}};
+    return {in[0].with_sizes(in[0].sizes), stats, stats};
+  }
+  double flops(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>&, const Attrs&) const override {
+    return ops::layernorm_flops(rows(in[0]), in[0].sizes.back());
+  }
+  std::vector<bool> saves_inputs(const Attrs&, size_t n) const override { return flags(n, {0}); }
+  std::vector<bool> saves_outputs(const Attrs&, size_t n) const override { return flags(n, {1, 2}); }
+  std::vector<at::Tensor> forward(const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& p, const Attrs& a,
+                                  const RunContext&) const override {
+    auto r = ops::layernorm_forward(in[0], p[0], p[1], a.eps);
+    return {r.out, r.saved.mean, r.saved.rstd};
+  }
+  std::vector<at::Tensor> backward(const std::vector<at::Tensor>& dy, const std::vector<at::Tensor>& in,
+                                   const std::vector<at::Tensor>& out, const std::vector<at::Tensor>& p,
+                                   std::vector<at::Tensor*>& g, const Attrs&, const RunContext&) const override {
+    return {ops::layernorm_backward(dy[0], ops::LayerNormSaved{in[0], out[1], out[2]}, p[0], *g[0], *g[1])};
+  }
+  // CPU: the kernel normalises a contiguous float32 (float64) copy of a narrower or strided
+  // x, with float32 copies of the parameters, and returns its output cast back.
+  void forward_events(Events& e, const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& p,
+                      const std::vector<TensorInfo>&, const Attrs&) const override {
+    const at::ScalarType ct = stats_of(in[0].dtype);
+    const bool cast = ct != in[0].dtype;
+    const int64_t n = in[0].numel(), C = in[0].sizes.back();
+    if (!cast) {
+      const int64_t copy = in[0].contiguous() ? -1 : e.temp(in[0].bytes());
+      e.out(0);
+      e.out(1);
+      e.out(2);
+      if (copy >= 0) e.release(copy);
+      return;
+    }
+    const int64_t x = e.temp(bytes_of(n, ct)), w = e.temp(bytes_of(C, ct)), b = e.temp(bytes_of(C, ct));
+    const int64_t y = e.temp(bytes_of(n, ct));
+    e.out(1);
+    e.out(2);
+    for (int64_t t : {b, w, x}) e.release(t);  // the call's argument copies
+    e.out(0);
+    e.release(y);
+  }
+  void backward_events(Events& e, const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& p,
+                       const std::vector<TensorInfo>&, const Attrs&) const override {
+    const at::ScalarType ct = stats_of(in[0].dtype);
+    const int64_t n = in[0].numel(), C = in[0].sizes.back();
+    if (ct == in[0].dtype) {
+      const int64_t copy = in[0].contiguous() ? -1 : e.temp(in[0].bytes());
+      e.out(0);
+      const int64_t dw = e.temp(bytes_of(C, ct)), db = e.temp(bytes_of(C, ct));
+      e.release(e.temp(partials(C, ct)));
+      e.release(dw);
+      e.release(db);
+      if (copy >= 0) e.release(copy);
+      return;
+    }
+    const int64_t w = e.temp(bytes_of(C, ct)), dy = e.temp(bytes_of(n, ct)), x = e.temp(bytes_of(n, ct));
+    const int64_t dx = e.temp(bytes_of(n, ct)), dw = e.temp(bytes_of(C, ct)), db = e.temp(bytes_of(C, ct));
+    e.release(e.temp(partials(C, ct)));
+    e.release(x);
+    e.release(dy);
+    e.release(dw);
+    e.release(db);
+    e.out(0);
+    e.release(dx);
+    e.release(w);
+  }
+};
+
+}  // namespace
+
+const OpDef& op::layernorm() {
+  static const LayerNormDef def;
+  return def;
+}
+
+}  // namespace remat::graph

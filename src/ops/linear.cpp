@@ -1,5 +1,7 @@
 #include "remat/ops/linear.h"
 
+#include "ops/op_def.h"
+
 #include "remat/trace.h"
 
 namespace remat::ops {
@@ -38,3 +40,75 @@ double linear_flops(int64_t rows, int64_t in, int64_t out, bool bias) {
 }
 
 }  // namespace remat::ops
+
+namespace remat::graph {
+namespace {
+
+using detail::bytes_of;
+using detail::flags;
+using detail::rows;
+
+// Inputs {x}, parameters {weight} or {weight, bias}; outputs {y}.
+class LinearDef final : public OpDef {
+ public:
+  const char* kind() const override { return "linear"; }
+  std::vector<TensorInfo> infer(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& p,
+                                const Attrs&) const override {
+    TORCH_CHECK(in.size() == 1 && (p.size() == 1 || p.size() == 2) && p[0].sizes.size() == 2 &&
+                    p[0].sizes[1] == in[0].sizes.back(),
+                "[linear] needs x [..., in] and weight [out, in]");
+    auto s = in[0].sizes;
+    s.back() = p[0].sizes[0];
+    return {in[0].with_sizes(s)};
+  }
+  double flops(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& p, const Attrs&) const override {
+    return ops::linear_flops(rows(in[0]), p[0].sizes[1], p[0].sizes[0], p.size() == 2);
+  }
+  std::vector<bool> saves_inputs(const Attrs&, size_t n) const override { return flags(n, {0}); }
+  std::vector<at::Tensor> forward(const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& p, const Attrs&,
+                                  const RunContext&) const override {
+    return {ops::linear_forward(in[0], p[0], p.size() == 2 ? p[1] : at::Tensor()).out};
+  }
+  std::vector<at::Tensor> backward(const std::vector<at::Tensor>& dy, const std::vector<at::Tensor>& in,
+                                   const std::vector<at::Tensor>&, const std::vector<at::Tensor>& p,
+                                   std::vector<at::Tensor*>& g, const Attrs&, const RunContext&) const override {
+    return {ops::linear_backward(dy[0], ops::LinearSaved{in[0]}, p[0], *g[0], g.size() == 2 ? g[1] : nullptr)};
+  }
+  // A strided x is copied into contiguous rows for the GEMM.
+  void forward_events(Events& e, const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& p,
+                      const std::vector<TensorInfo>&, const Attrs&) const override {
+    const int64_t copy = in[0].reshape_is_view({rows(in[0]), in[0].sizes.back()}) ? -1 : e.temp(in[0].bytes());
+    e.out(0);
+    if (copy >= 0) e.release(copy);
+  }
+  // The weight gradient goes straight into a float32 accumulator of the same dtype; a
+  // narrower one is computed, cast and added. The bias gradient is a row sum.
+  void backward_events(Events& e, const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& p,
+                       const std::vector<TensorInfo>& out, const Attrs&) const override {
+    const int64_t copy = in[0].reshape_is_view({rows(in[0]), in[0].sizes.back()}) ? -1 : e.temp(in[0].bytes());
+    const at::ScalarType acc = in[0].dtype == at::kDouble ? at::kDouble : at::kFloat;
+    const int64_t W = p[0].numel();
+    if (acc != in[0].dtype) {
+      const int64_t mm = e.temp(bytes_of(W, in[0].dtype)), cast = e.temp(bytes_of(W, acc));
+      e.release(cast);
+      e.release(mm);
+    }
+    if (p.size() == 2) {
+      const int64_t sum = e.temp(bytes_of(p[1].numel(), in[0].dtype));
+      const int64_t cast = acc != in[0].dtype ? e.temp(bytes_of(p[1].numel(), acc)) : -1;
+      if (cast >= 0) e.release(cast);
+      e.release(sum);
+    }
+    e.out(0);
+    if (copy >= 0) e.release(copy);
+  }
+};
+
+}  // namespace
+
+const OpDef& op::linear() {
+  static const LinearDef def;
+  return def;
+}
+
+}  // namespace remat::graph

@@ -1,5 +1,7 @@
 #include "remat/ops/residual.h"
 
+#include "ops/op_def.h"
+
 #include "remat/trace.h"
 
 #include <ATen/ExpandUtils.h>
@@ -19,3 +21,46 @@ at::Tensor residual_backward(const at::Tensor& dy, const ResidualSaved&) { retur
 double residual_flops(int64_t numel) { return static_cast<double>(numel); }
 
 }  // namespace remat::ops
+
+namespace remat::graph {
+namespace {
+
+// Inputs {a, b}; outputs {a + b}. Both inputs receive the output gradient itself.
+class ResidualDef final : public OpDef {
+ public:
+  const char* kind() const override { return "residual"; }
+  std::vector<TensorInfo> infer(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>&,
+                                const Attrs&) const override {
+    TORCH_CHECK(in.size() == 2 && in[0].sizes == in[1].sizes, "[residual] needs two inputs of one shape");
+    return {in[0].with_sizes(in[0].sizes)};
+  }
+  double flops(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>&, const Attrs&) const override {
+    return ops::residual_flops(in[0].numel());
+  }
+  int grad_alias(size_t) const override { return 0; }
+  std::vector<at::Tensor> forward(const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&, const Attrs&,
+                                  const RunContext&) const override {
+    return {ops::residual_forward(in[0], in[1]).out};
+  }
+  std::vector<at::Tensor> backward(const std::vector<at::Tensor>& dy, const std::vector<at::Tensor>&,
+                                   const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
+                                   std::vector<at::Tensor*>&, const Attrs&, const RunContext&) const override {
+    const at::Tensor d = ops::residual_backward(dy[0], {});
+    return {d, d};
+  }
+  void forward_events(Events& e, const std::vector<TensorInfo>&, const std::vector<TensorInfo>&,
+                      const std::vector<TensorInfo>&, const Attrs&) const override {
+    e.out(0);
+  }
+  void backward_events(Events&, const std::vector<TensorInfo>&, const std::vector<TensorInfo>&,
+                       const std::vector<TensorInfo>&, const Attrs&) const override {}
+};
+
+}  // namespace
+
+const OpDef& op::residual() {
+  static const ResidualDef def;
+  return def;
+}
+
+}  // namespace remat::graph

@@ -1,5 +1,7 @@
 #include "remat/ops/rope.h"
 
+#include "ops/op_def.h"
+
 #include "remat/trace.h"
 
 namespace remat::ops {
@@ -59,3 +61,48 @@ at::Tensor rope_backward(const at::Tensor& dy, const RopeSaved&, const RopeTable
 double rope_flops(int64_t numel) { return 3.0 * numel; }
 
 }  // namespace remat::ops
+
+namespace remat::graph {
+namespace {
+
+// Inputs {x [B, T, H, D]}; outputs {rotated x}; the tables come from the run context.
+class RopeDef final : public OpDef {
+ public:
+  const char* kind() const override { return "rope"; }
+  std::vector<TensorInfo> infer(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>&,
+                                const Attrs&) const override {
+    TORCH_CHECK(in.size() == 1 && in[0].sizes.size() == 4 && in[0].sizes[3] % 2 == 0,
+                "[rope] needs x [B, T, H, D] with D even");
+    return {in[0].with_sizes(in[0].sizes)};
+  }
+  double flops(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>&, const Attrs&) const override {
+    return ops::rope_flops(in[0].numel());
+  }
+  std::vector<at::Tensor> forward(const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&, const Attrs&,
+                                  const RunContext& ctx) const override {
+    TORCH_INTERNAL_ASSERT(ctx.rope != nullptr, "rope needs the rotation tables");
+    return {ops::rope_forward(in[0], *ctx.rope).out};
+  }
+  std::vector<at::Tensor> backward(const std::vector<at::Tensor>& dy, const std::vector<at::Tensor>&,
+                                   const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
+                                   std::vector<at::Tensor*>&, const Attrs&, const RunContext& ctx) const override {
+    return {ops::rope_backward(dy[0], {}, *ctx.rope)};
+  }
+  void forward_events(Events& e, const std::vector<TensorInfo>&, const std::vector<TensorInfo>&,
+                      const std::vector<TensorInfo>&, const Attrs&) const override {
+    e.out(0);
+  }
+  void backward_events(Events& e, const std::vector<TensorInfo>&, const std::vector<TensorInfo>&,
+                       const std::vector<TensorInfo>&, const Attrs&) const override {
+    e.out(0);
+  }
+};
+
+}  // namespace
+
+const OpDef& op::rope() {
+  static const RopeDef def;
+  return def;
+}
+
+}  // namespace remat::graph

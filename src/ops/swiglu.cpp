@@ -1,5 +1,7 @@
 #include "remat/ops/swiglu.h"
 
+#include "ops/op_def.h"
+
 #include "remat/trace.h"
 
 namespace remat::ops {
@@ -26,3 +28,52 @@ int64_t swiglu_saved_bytes(int64_t numel, at::ScalarType dtype) { return 2 * nby
 double swiglu_flops(int64_t numel) { return 6.0 * numel; }
 
 }  // namespace remat::ops
+
+namespace remat::graph {
+namespace {
+
+// Inputs {gate, up}; outputs {silu(gate) * up}; the backward reads both inputs only.
+class SwiGLUDef final : public OpDef {
+ public:
+  const char* kind() const override { return "swiglu"; }
+  std::vector<TensorInfo> infer(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>&,
+                                const Attrs&) const override {
+    TORCH_CHECK(in.size() == 2 && in[0].sizes == in[1].sizes, "[swiglu] needs gate and up of one shape");
+    return {in[0].with_sizes(in[0].sizes)};
+  }
+  double flops(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>&, const Attrs&) const override {
+    return ops::swiglu_flops(in[0].numel());
+  }
+  std::vector<bool> saves_inputs(const Attrs&, size_t n) const override { return detail::flags(n, {0, 1}); }
+  std::vector<at::Tensor> forward(const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&, const Attrs&,
+                                  const RunContext&) const override {
+    return {ops::swiglu_forward(in[0], in[1]).out};
+  }
+  std::vector<at::Tensor> backward(const std::vector<at::Tensor>& dy, const std::vector<at::Tensor>& in,
+                                   const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
+                                   std::vector<at::Tensor*>&, const Attrs&, const RunContext&) const override {
+    auto g = ops::swiglu_backward(dy[0], ops::SwiGLUSaved{in[0], in[1]});
+    return {g.dgate, g.dup};
+  }
+  void forward_events(Events& e, const std::vector<TensorInfo>&, const std::vector<TensorInfo>&,
+                      const std::vector<TensorInfo>&, const Attrs&) const override {
+    e.out(0);
+  }
+  // dgate from silu' of dy * up (a temporary); dup = silu(gate) * dy.
+  void backward_events(Events& e, const std::vector<TensorInfo>& in, const std::vector<TensorInfo>&,
+                       const std::vector<TensorInfo>&, const Attrs&) const override {
+    const int64_t m = e.temp(in[0].with_sizes(in[0].sizes).bytes());
+    e.out(0);
+    e.release(m);
+    e.out(1);
+  }
+};
+
+}  // namespace
+
+const OpDef& op::swiglu() {
+  static const SwiGLUDef def;
+  return def;
+}
+
+}  // namespace remat::graph

@@ -2,6 +2,8 @@
 
 #include "remat/ops.h"
 
+#include "graph/walk.h"
+
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -12,9 +14,16 @@ namespace {
 
 using ops::nbytes;
 
-// Live tensors of a simulated timeline and the highest total they reached.
+// Live bytes of a simulated timeline and the highest total they reached; the head's
+// program names its tensors, the blocks' walk holds them as Buffers.
 class Live {
  public:
+  void alloc(int64_t bytes) {
+    current_ += bytes;
+    peak_ = std::max(peak_, current_);
+  }
+  void free(int64_t bytes) { current_ -= bytes; }
+  void reset_peak() { peak_ = current_; }
   void alloc(const std::string& name, int64_t bytes) {
     TORCH_INTERNAL_ASSERT(!tensors_.count(name), "cost program allocates ", name, " while it is live");
     tensors_[name] = bytes;
@@ -37,133 +46,92 @@ class Live {
   int64_t peak_ = 0;
 };
 
-// Runs alloc/free events; a free naming a slot frees that slot's live tensors.
-void apply(Live& live, const BlockProgram& b, const Event& e) {
-  if (e.kind == Event::Kind::alloc) {
-    live.alloc(e.name, e.bytes);
-  } else if (e.kind == Event::Kind::free) {
-    auto slot = b.slots.find(e.name);
-    if (slot == b.slots.end()) {
-      live.free(e.name);
-    } else {
-      for (const auto& [name, bytes] : slot->second) {
-        if (live.has(name)) live.free(name);
-      }
-    }
-  }
-}
-
-// The slot a tensor name belongs to, or "" for temporaries.
-std::string slot_of(const BlockProgram& b, const std::string& tensor) {
-  for (const auto& [slot, ts] : b.slots) {
-    for (const auto& t : ts) {
-      if (t.first == tensor) return slot;
-    }
-  }
-  return "";
-}
-
-// One layer's backward with recompute, as the store and the blocks' ensure() run it.
-class BackwardSim {
- public:
-  BackwardSim(const BlockProgram& b, const std::set<std::string>& dropped, bool early_stop, const NodeTimes& times,
-              LayerCost& out)
-      : b_(b), missing_(dropped), early_stop_(early_stop), times_(times), out_(out) {}
-
-  void run() {
-    for (const auto& [slot, ts] : b_.slots) {
-      if (missing_.count(slot)) continue;
-      for (const auto& [name, bytes] : ts) live_.alloc(name, bytes);
-    }
-    live_.alloc("dy", b_.out_bytes);
-    for (const auto& e : b_.backward) {
-      if (e.kind == Event::Kind::need) {
-        ensure(e.name);
-      } else {
-        apply(live_, b_, e);
-      }
-    }
-    out_.backward_peak = live_.peak();
-  }
-
- private:
-  void ensure(const std::string& slot) {
-    if (!missing_.count(slot)) return;
-    if (!early_stop_) return rerun();
-    const Node* node = nullptr;
-    for (const auto& n : b_.nodes) {
-      const bool produces = std::find(n.outputs.begin(), n.outputs.end(), slot) != n.outputs.end();
-      if (produces && (n.only_if_missing.empty() || missing_.count(n.only_if_missing))) {
-        node = &n;
-        break;
-      }
-    }
-    TORCH_INTERNAL_ASSERT(node != nullptr, "no node of the cost program produces slot ", slot);
-    for (const auto& in : node->inputs) ensure(in);
-    std::vector<std::string> refilled;
-    for (const auto& o : node->outputs) {
-      if (missing_.count(o)) refilled.push_back(o);
-    }
-    run_node(node->events, refilled);
-    count(node->kinds, node->flops, times_.node_seconds(*node));
-  }
-
-  // Without early stop a recompute runs the whole block forward once and keeps every
-  // missing slot from it.
-  void rerun() {
-    std::vector<std::string> refilled(missing_.begin(), missing_.end());
-    run_node(b_.forward, refilled);
-    double seconds = 0;
-    for (const auto& n : b_.nodes) {
-      if (!n.alternate) seconds += times_.node_seconds(n);
-    }
-    count(b_.forward_kinds, b_.forward_flops, seconds);
-  }
-
-  // Tensors of a refilled slot stay live; every other tensor the ops allocate is dropped
-  // when the recompute returns.
-  void run_node(const std::vector<Event>& events, const std::vector<std::string>& refilled) {
-    std::vector<std::string> temps;
-    for (const auto& e : events) {
-      const std::string slot = slot_of(b_, e.name);
-      const bool keep = !slot.empty() && std::find(refilled.begin(), refilled.end(), slot) != refilled.end();
-      const std::string name = keep ? e.name : "recompute/" + e.name;
-      if (e.kind == Event::Kind::alloc) {
-        live_.alloc(name, e.bytes);
-        if (!keep) temps.push_back(name);
-      } else if (e.kind == Event::Kind::free && live_.has(name)) {
-        live_.free(name);
-        temps.erase(std::remove(temps.begin(), temps.end(), name), temps.end());
-      }
-    }
-    for (const auto& t : temps) live_.free(t);
-    for (const auto& s : refilled) {
-      missing_.erase(s);
-      out_.recomputed_bytes += b_.slot_bytes(s);
-    }
-  }
-
-  void count(const std::vector<std::string>& kinds, double flops, double seconds) {
-    for (const auto& k : kinds) ++out_.ops[k];
-    out_.recompute_flops += flops;
-    out_.recompute_seconds += seconds;
-  }
-
-  const BlockProgram& b_;
-  std::set<std::string> missing_;
-  bool early_stop_;
-  const NodeTimes& times_;
-  LayerCost& out_;
-  Live live_;
+// A simulated tensor: its bytes count as live from construction to destruction, so the
+// walk's handles free simulated memory exactly where the engine's tensors die.
+struct Buffer {
+  Live* live;
+  int64_t bytes;
+  Buffer(Live* l, int64_t b) : live(l), bytes(b) { live->alloc(b); }
+  ~Buffer() { live->free(bytes); }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
 };
+using SimTensor = std::shared_ptr<Buffer>;
 
-// Forward of one block from its input "x": the highest live bytes, and what it leaves.
-int64_t forward_peak(const BlockProgram& b) {
-  Live live;
-  live.alloc("x", b.out_bytes);
-  for (const auto& e : b.forward) apply(live, b, e);
-  return live.peak();
-}
+// The cost model's backend of the block walk: each op replays its declared allocations.
+struct Simulator {
+  using Tensor = SimTensor;
+  const graph::BlockGraph& g;
+  Live& live;
+  const NodeTimes& times;
+  bool early;
+  LayerCost& cost;
+
+  Tensor make(int64_t bytes) { return std::make_shared<Buffer>(&live, bytes); }
+
+  std::vector<graph::TensorInfo> params(const graph::Node& n) const {
+    std::vector<graph::TensorInfo> out;
+    for (int k : n.params) out.push_back({g.params[k].sizes, g.values[g.input].info.dtype, {}});
+    return out;
+  }
+
+  // Replays `e`; result i that the events allocate takes `bytes[i]`.
+  void replay(const graph::Events& e, std::vector<Tensor>& results, const std::vector<int64_t>& bytes) {
+    std::map<int64_t, Tensor> temps;
+    for (const auto& ev : e.list()) {
+      using K = graph::Events::Event::Kind;
+      if (ev.kind == K::out) results.at(ev.index) = make(bytes.at(ev.index));
+      if (ev.kind == K::temp) temps[ev.handle] = make(ev.bytes);
+      if (ev.kind == K::release) temps.erase(ev.handle);
+      if (ev.kind == K::adopt) results.at(ev.index) = std::move(temps.at(ev.handle));
+    }
+    TORCH_INTERNAL_ASSERT(std::all_of(temps.begin(), temps.end(), [](const auto& t) { return !t.second; }),
+                          "an op's events leave a temporary live");
+  }
+
+  std::vector<Tensor> forward(int i, const std::vector<Tensor>& in, bool recompute) {
+    const graph::Node& n = g.nodes[i];
+    const auto outs = g.infos(n.outputs);
+    std::vector<Tensor> res(outs.size());
+    std::vector<int64_t> bytes;
+    for (size_t j = 0; j < outs.size(); ++j) {
+      bytes.push_back(outs[j].bytes());
+      if (n.op->view_of(j) >= 0) res[j] = in[n.op->view_of(j)];
+    }
+    graph::Events e;
+    n.op->forward_events(e, g.infos(n.inputs), params(n), outs, n.attrs);
+    replay(e, res, bytes);
+    if (recompute) {
+      if (n.op->kind()[0] != '\0') ++cost.ops[n.op->kind()];
+      cost.recompute_flops += n.flops;
+      cost.recompute_seconds += times.node_seconds(n);
+    }
+    return res;
+  }
+  std::vector<Tensor> backward(int i, const std::vector<Tensor>& dy, const std::vector<Tensor>&,
+                               const std::vector<Tensor>&) {
+    const graph::Node& n = g.nodes[i];
+    const auto ins = g.infos(n.inputs);
+    std::vector<Tensor> res(ins.size());
+    std::vector<int64_t> bytes;
+    for (size_t j = 0; j < ins.size(); ++j) {
+      bytes.push_back(ins[j].with_sizes(ins[j].sizes).bytes());
+      if (n.op->differentiable(j) && n.op->grad_alias(j) >= 0) res[j] = dy[n.op->grad_alias(j)];
+    }
+    graph::Events e;
+    n.op->backward_events(e, ins, params(n), g.infos(n.outputs), n.attrs);
+    replay(e, res, bytes);
+    return res;
+  }
+  Tensor add(const Tensor& a, const Tensor&) { return make(a->bytes); }
+  void dropped(int, const Tensor&) {}
+  void refilled(Slot s, const std::vector<Tensor>&) { cost.recomputed_bytes += g.slot_bytes(s); }
+  template <class F>
+  void recompute(F&& f) {
+    f();
+  }
+  bool early_stop() const { return early; }
+};
 
 // Largest parameter (bytes of one master copy) and the parameter count.
 std::pair<int64_t, int64_t> param_counts(const ModelConfig& c) {
@@ -235,21 +203,44 @@ std::pair<int64_t, int64_t> embedding_cost(const ModelConfig& c, const StepShape
 
 }  // namespace
 
-double NodeTimes::node_seconds(const Node& n) const {
+double NodeTimes::node_seconds(const graph::Node& n) const {
   auto it = seconds.find(n.name);
   if (it != seconds.end()) return it->second;
   return flops_per_second > 0 ? n.flops / flops_per_second : 0.0;
 }
 
-LayerCost price_layer(const BlockProgram& block, const std::set<std::string>& dropped, bool early_stop,
-                      const NodeTimes& times) {
+namespace {
+
+// A layer's forward (and, when `backward`, its backward) under the slots `dropped`.
+LayerCost simulate(const graph::BlockGraph& g, const std::set<std::string>& dropped, bool early_stop,
+                   const NodeTimes& times, bool backward) {
   LayerCost lc;
-  for (const auto& [slot, ts] : block.slots) {
-    if (!dropped.count(slot)) lc.kept += block.slot_bytes(slot);
+  std::vector<bool> keep(kSlotCount, true);
+  for (const auto& s : dropped) keep[static_cast<size_t>(slot_of_name(s))] = false;
+  for (int s = 0; s < kSlotCount; ++s) {
+    if (keep[static_cast<size_t>(s)]) lc.kept += g.slot_bytes(static_cast<Slot>(s));
   }
-  lc.forward_peak = forward_peak(block);
-  BackwardSim(block, dropped, early_stop, times, lc).run();
+  const graph::Lifetimes lt(g);
+  Live live;
+  Simulator sim{g, live, times, early_stop, lc};
+  graph::BlockRun<Simulator> run(g, lt, keep);
+  // The forward from the kept input, then the backward from the output gradient.
+  run.forward(sim, sim.make(g.values[g.input].info.bytes())).reset();
+  lc.forward_peak = live.peak();
+  TORCH_INTERNAL_ASSERT(live.current() == lc.kept, "the walk keeps ", live.current(), " bytes but the slot table ",
+                        lc.kept);
+  if (!backward) return lc;
+  live.reset_peak();
+  run.backward(sim, sim.make(g.values[g.output].info.bytes())).reset();
+  lc.backward_peak = live.peak();
   return lc;
+}
+
+}  // namespace
+
+LayerCost price_layer(const graph::BlockGraph& g, const std::set<std::string>& dropped, bool early_stop,
+                      const NodeTimes& times) {
+  return simulate(g, dropped, early_stop, times, /*backward=*/true);
 }
 
 StaticBytes static_bytes(const ModelConfig& cfg, const StepShape& shape) {
@@ -286,7 +277,8 @@ StepPrediction predict_step(const ModelConfig& cfg, const StepShape& shape, cons
   const int64_t L = cfg.n_layer;
   TORCH_CHECK(static_cast<int64_t>(plan.layers.size()) == L, "The activation plan has ", plan.layers.size(),
               " layers but the model has ", L);
-  const BlockProgram block = block_program(cfg, shape.batch, shape.seq, shape.dtype);
+  const graph::BlockGraph block = graph::block_graph(cfg, shape.batch, shape.seq, shape.dtype);
+  const int64_t input_bytes = block.slot_bytes(Slot::input), out_bytes = block.values[block.output].info.bytes();
   const StepConstants k = step_constants(cfg, shape);
   StepPrediction p;
   p.statics = k.statics;
@@ -325,10 +317,13 @@ StepPrediction predict_step(const ModelConfig& cfg, const StepShape& shape, cons
   for (int64_t l = 0; l < L; ++l) {
     const LayerPlan& lp = plan.layers[l];
     if (chunk_first(l) >= 0) {
-      kept[l] = lp.chunk_begin >= 0 ? 0 : block.slot_bytes("input");
+      kept[l] = lp.chunk_begin >= 0 ? 0 : input_bytes;
+      // Its first forward keeps only the chunk's input, if it is the chunk's first layer.
+      std::set<std::string> all(block_slots().begin(), block_slots().end());
+      if (lp.chunk_begin >= 0) all.insert(slot_name(Slot::input));
       LayerCost c;
       c.kept = kept[l];
-      c.forward_peak = whole.forward_peak;
+      c.forward_peak = simulate(block, all, early_stop, times, /*backward=*/false).forward_peak;
       c.backward_peak = whole.backward_peak;
       p.layers.push_back(c);
     } else {
@@ -337,9 +332,7 @@ StepPrediction predict_step(const ModelConfig& cfg, const StepShape& shape, cons
     }
   }
   double block_seconds = 0;
-  for (const auto& n : block.nodes) {
-    if (!n.alternate) block_seconds += times.node_seconds(n);
-  }
+  for (const auto& n : block.nodes) block_seconds += times.node_seconds(n);
 
   const int64_t emb = base + embed_saved;
   const auto layer_name = [](const char* what, int64_t l) { return fmt::format("{} of layer {}", what, l + 1); };
@@ -370,13 +363,15 @@ StepPrediction predict_step(const ModelConfig& cfg, const StepShape& shape, cons
     int64_t rebuilt = 0;
     const int64_t full = whole.kept;
     for (int64_t j = first; j <= l; ++j) {
-      consider(emb + under + block.out_bytes + rebuilt + whole.forward_peak, embed_saved + under + rebuilt,
+      consider(emb + under + out_bytes + rebuilt + whole.forward_peak, embed_saved + under + rebuilt,
                layer_name("recompute", j));
       rebuilt += full;
-      for (const auto& k : block.forward_kinds) ++total.ops[k];
-      total.recompute_flops += block.forward_flops;
+      for (const auto& n : block.nodes) {
+        if (n.op->kind()[0] != '\0') ++total.ops[n.op->kind()];
+      }
+      total.recompute_flops += block.forward_flops();
       total.recompute_seconds += block_seconds;
-      total.recomputed_bytes += full - block.slot_bytes("input");
+      total.recomputed_bytes += full - input_bytes;
     }
     for (int64_t j = l; j >= first; --j) {
       rebuilt -= full;

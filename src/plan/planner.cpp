@@ -63,12 +63,12 @@ void prune(std::vector<State>& v, int64_t max_states, int64_t width) {
 Planner::Planner(const ModelConfig& cfg, const cost::StepShape& shape, const cost::NodeTimes& times,
                  PlannerOptions options)
     : cfg_(cfg), shape_(shape), times_(times), options_(std::move(options)),
-      block_(cost::block_program(cfg, shape.batch, shape.seq, shape.dtype)) {
+      block_(graph::block_graph(cfg, shape.batch, shape.seq, shape.dtype)) {
   std::vector<std::set<std::string>> candidates = options_.candidates;
   if (candidates.empty()) {
     std::vector<std::string> slots;
     for (const auto& s : block_slots()) {
-      if (block_.slot_bytes(s) > 0) slots.push_back(s);
+      if (block_.slot_bytes(slot_of_name(s)) > 0) slots.push_back(s);
     }
     for (uint32_t mask = 0; mask < (1u << slots.size()); ++mask) {
       std::set<std::string> dropped;
@@ -97,16 +97,14 @@ Planner::Planner(const ModelConfig& cfg, const cost::StepShape& shape, const cos
   head_peak_ = k.head_peak;
   fixed_peak_ = std::max({k.statics.total() + k.embed_peak, emb_base_ + k.embed_backward,
                           k.statics.total() + k.optimizer});
-  for (const auto& n : block_.nodes) {
-    if (!n.alternate) block_seconds_ += times_.node_seconds(n);
-  }
+  for (const auto& n : block_.nodes) block_seconds_ += times_.node_seconds(n);
 }
 
 std::optional<PlanResult> Planner::solve(int64_t budget) const {
   const int64_t L = cfg_.n_layer;
   if (fixed_peak_ > budget) return std::nullopt;
   const int64_t room = budget - emb_base_;  // for the layers' bytes
-  const int64_t fwd = whole_.cost.forward_peak, input = block_.slot_bytes("input"), full = whole_.cost.kept;
+  const int64_t fwd = whole_.cost.forward_peak, input = block_.slot_bytes(Slot::input), full = whole_.cost.kept;
   std::vector<std::vector<State>> states(L + 1);
   states[0].push_back({});
   const int64_t width = std::max<int64_t>(1, budget / std::max<int64_t>(1, options_.max_states));
@@ -116,11 +114,11 @@ std::optional<PlanResult> Planner::solve(int64_t budget) const {
       const State& s = states[pos][si];
       for (int64_t oi = 0; oi < static_cast<int64_t>(frontier_.size()); ++oi) {
         const auto& c = frontier_[oi].cost;
-        if (s.kept + std::max(fwd, c.backward_peak) > room) continue;
+        if (s.kept + std::max(c.forward_peak, c.backward_peak) > room) continue;
         states[pos + 1].push_back({s.kept + c.kept, s.seconds + c.recompute_seconds, pos, si, oi, 0});
       }
       for (int64_t n = 2; n <= std::min(options_.max_chunk, L - pos); ++n) {
-        const int64_t top = std::max({input + fwd, block_.out_bytes + (n - 1) * full + fwd,
+        const int64_t top = std::max({input + fwd, block_.output_bytes() + (n - 1) * full + fwd,
                                       (n - 1) * full + whole_.cost.backward_peak});
         if (s.kept + top > room) continue;
         states[pos + n].push_back({s.kept + input, s.seconds + n * block_seconds_, pos, si, -1, n});
@@ -161,7 +159,7 @@ std::optional<PlanResult> Planner::solve(int64_t budget) const {
 
 int64_t Planner::min_feasible_budget() const {
   const int64_t L = cfg_.n_layer;
-  const int64_t fwd = whole_.cost.forward_peak, input = block_.slot_bytes("input"), full = whole_.cost.kept;
+  const int64_t fwd = whole_.cost.forward_peak, input = block_.slot_bytes(Slot::input), full = whole_.cost.kept;
   // Feasibility depends only on the bytes kept below each layer, so the least-kept
   // partial plan at each position decides it.
   auto feasible = [&](int64_t budget) {
@@ -174,10 +172,10 @@ int64_t Planner::min_feasible_budget() const {
       const int64_t k = least[pos];
       if (k == kNone) continue;
       for (const auto& o : frontier_) {
-        if (k + std::max(fwd, o.cost.backward_peak) <= room) least[pos + 1] = std::min(least[pos + 1], k + o.cost.kept);
+        if (k + std::max(o.cost.forward_peak, o.cost.backward_peak) <= room) least[pos + 1] = std::min(least[pos + 1], k + o.cost.kept);
       }
       for (int64_t n = 2; n <= std::min(options_.max_chunk, L - pos); ++n) {
-        const int64_t top = std::max({input + fwd, block_.out_bytes + (n - 1) * full + fwd,
+        const int64_t top = std::max({input + fwd, block_.output_bytes() + (n - 1) * full + fwd,
                                       (n - 1) * full + whole_.cost.backward_peak});
         if (k + top <= room) least[pos + n] = std::min(least[pos + n], k + input);
       }

@@ -52,19 +52,19 @@ bool ActivationStore::drops(int64_t l, const std::string& slot) const {
   return plan_.layers[static_cast<size_t>(l)].dropped.count(slot) > 0;
 }
 
-void ActivationStore::drop(int64_t l, const std::string& slot, const std::vector<at::Tensor*>& fields) {
-  Record r;
-  for (at::Tensor* f : fields) {
-    if (!f->defined()) continue;
-    counters_.bytes_dropped += f->numel() * static_cast<int64_t>(f->element_size());
-    if (options_.check != DeterminismCheck::none) {
-      r.sizes.push_back(f->sizes().vec());
-      r.dtypes.push_back(f->scalar_type());
-      if (options_.check == DeterminismCheck::values) r.hashes.push_back(hash_bytes(*f));
-    }
-    f->reset();
+void ActivationStore::drop(int64_t l, const std::string& slot, size_t index, const at::Tensor& t) {
+  if (!t.defined()) return;
+  counters_.bytes_dropped += t.numel() * static_cast<int64_t>(t.element_size());
+  if (options_.check == DeterminismCheck::none) return;
+  Record& r = records_[{l, slot}];
+  if (r.sizes.size() <= index) {
+    r.sizes.resize(index + 1);
+    r.dtypes.resize(index + 1);
+    r.hashes.resize(index + 1);
   }
-  if (options_.check != DeterminismCheck::none) records_[{l, slot}] = std::move(r);
+  r.sizes[index] = t.sizes().vec();
+  r.dtypes[index] = t.scalar_type();
+  if (options_.check == DeterminismCheck::values) r.hashes[index] = hash_bytes(t);
 }
 
 void ActivationStore::refilled(int64_t l, const std::string& slot, const std::vector<at::Tensor>& tensors) {

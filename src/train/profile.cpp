@@ -85,7 +85,7 @@ TimeProfile measure_time_profile(const Config& cfg, Model& model, const data::To
   // Nodes a full recompute never runs (cheaper alternates, the block's last ops) are
   // priced by FLOPs at the rate the timed nodes reached.
   double flops = 0, timed = 0;
-  for (const auto& n : cost::block_program(cfg.model, t.batch, t.seq, model.compute_dtype()).nodes) {
+  for (const auto& n : graph::block_graph(cfg.model, t.batch, t.seq, model.compute_dtype()).nodes) {
     auto it = p.times.seconds.find(n.name);
     if (it == p.times.seconds.end()) continue;
     flops += n.flops;

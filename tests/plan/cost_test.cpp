@@ -8,7 +8,10 @@
 #include "remat/policy.h"
 
 #include <ATen/Parallel.h>
+#include <fmt/format.h>
 #include <gtest/gtest.h>
+
+#include <random>
 
 namespace remat {
 namespace {
@@ -18,14 +21,14 @@ struct Measured {
   StoreCounters counters;
 };
 
-Measured measure(const ModelConfig& cfg, const std::string& policy, int64_t B, int64_t T, int64_t ce_chunk,
+Measured measure(const ModelConfig& cfg, const ActivationPlan& plan, int64_t B, int64_t T, int64_t ce_chunk,
                  bool early_stop = true) {
   memory::install_cpu_tracking();
   at::set_num_threads(1);
   auto model = Model::create(cfg, at::kCPU, at::kFloat, 3);
   StoreOptions opt;
   opt.early_stop = early_stop;
-  model->set_activation_plan(compile_policy(policy, cfg.n_layer, cfg.dropout), opt);
+  model->set_activation_plan(plan, opt);
   auto gen = at::detail::createCPUGenerator(9);
   auto tok = at::randint(cfg.vocab_size, {B, T}, gen, at::kLong);
   auto tgt = at::randint(cfg.vocab_size, {B, T}, gen, at::kLong);
@@ -39,6 +42,11 @@ Measured measure(const ModelConfig& cfg, const std::string& policy, int64_t B, i
   m.peak_above_start = memory::stats(at::kCPU).peak - before;
   if (model->store() != nullptr) m.counters = model->store()->counters();
   return m;
+}
+
+Measured measure(const ModelConfig& cfg, const std::string& policy, int64_t B, int64_t T, int64_t ce_chunk,
+                 bool early_stop = true) {
+  return measure(cfg, compile_policy(policy, cfg.n_layer, cfg.dropout), B, T, ce_chunk, early_stop);
 }
 
 ModelConfig config(const std::string& preset, int64_t layers, double dropout) {
@@ -75,6 +83,39 @@ TEST(CostModel, PeakOfAMicrobatchMatchesTheMeasuredPeak) {
         EXPECT_NEAR(pred_slow.peak - pred_slow.statics.total() + pred_slow.statics.batch, slow.peak_above_start,
                     8 * 1024) << preset << " p=" << p << " " << policy;
       }
+    }
+  }
+}
+
+// Hundreds of random per-layer keep-sets of the 4096 a layer may choose, not only the
+// policies' few: each priced by the cost model and run by the engine.
+TEST(CostModel, RandomKeepSetsPeakWhereTheCostModelSays) {
+  std::mt19937 rng(20261122);
+  const auto& slots = block_slots();
+  for (const char* preset : {"gpt2-demo", "llama-demo"}) {
+    const ModelConfig cfg = config(preset, 2, 0.1);
+    const int64_t B = 2, T = 32, chunk = 48;
+    cost::StepShape shape;
+    shape.batch = B;
+    shape.seq = T;
+    shape.ce_chunk = chunk;
+    for (int trial = 0; trial < 150; ++trial) {
+      ActivationPlan plan;
+      std::string text;
+      for (int64_t l = 0; l < cfg.n_layer; ++l) {
+        LayerPlan lp;
+        for (const auto& s : slots) {
+          if (rng() % 2) lp.dropped.insert(s);
+        }
+        text += fmt::format("[{}] ", fmt::join(lp.dropped, ","));
+        plan.layers.push_back(lp);
+      }
+      const bool early_stop = rng() % 4 != 0;
+      const auto pred = cost::predict_step(cfg, shape, plan, early_stop, {});
+      const int64_t predicted = pred.peak - pred.statics.total() + pred.statics.batch;
+      const Measured m = measure(cfg, plan, B, T, chunk, early_stop);
+      EXPECT_NEAR(predicted, m.peak_above_start, 8 * 1024) << preset << " early_stop=" << early_stop << " " << text;
+      EXPECT_EQ(pred.recomputed_bytes, m.counters.bytes_recomputed) << preset << " " << text;
     }
   }
 }

@@ -128,7 +128,7 @@ TEST(Planner, GptLayerBytesEqualKorthikantisFormula) {
     cfg.n_kv_head = sh.a;
     cfg.d_ff = 4 * sh.h;
     cfg.max_seq = sh.s;
-    const auto block = cost::block_program(cfg, sh.b, sh.s, at::kBFloat16);
+    const auto block = graph::block_graph(cfg, sh.b, sh.s, at::kBFloat16);
     const cost::NodeTimes times;
     const int64_t sbh = sh.s * sh.b * sh.h;
     const int64_t layernorm_stats = 2 * 2 * sh.s * sh.b * 4;

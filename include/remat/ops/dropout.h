@@ -40,6 +40,9 @@ struct DropoutSaved {
 /// y = x * mask / (1 - p), mask = dropout_mask(x.sizes(), p, key, x.device()). p == 0 is
 /// the identity (y is x itself) and saves nothing. Requires 0 <= p < 1.
 Fwd<DropoutSaved> dropout_forward(const at::Tensor& x, double p, const DropoutKey& key);
+/// y = x * mask / (1 - p) with a mask made by dropout_mask (of x's shape). p == 0 is the
+/// identity (y is x itself; the mask is ignored and may be undefined).
+Fwd<DropoutSaved> dropout_apply(const at::Tensor& x, const at::Tensor& mask, double p);
 /// dx = dy * mask / (1 - p).
 at::Tensor dropout_backward(const at::Tensor& dy, const DropoutSaved& saved);
 

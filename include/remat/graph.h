@@ -1,0 +1,232 @@
+// The block graph: a transformer block declared once, as data, from which the engine's
+// forward, recompute and backward and the cost model's simulation are all derived.
+//
+// A graph holds values (tensors described by shape and dtype, each produced by one node
+// or given as the block input), nodes (one op each: inputs, outputs, parameters,
+// attributes) in forward order, and the slot table: which values each slot of
+// remat/plan.h holds for the backward. An architecture writes its block with a Builder,
+// one line per op, in the order of its forward (see src/model/gpt2.cpp).
+//
+// Each op is an OpDef (src/ops/X.cpp, next to its typed X_forward/X_backward): it runs its
+// kernels, infers its output shapes, counts its FLOPs, says which of its inputs and
+// outputs its backward reads, and declares the allocations its forward and backward make
+// on a backend (the simulator replays those instead of running kernels).
+#pragma once
+
+#include "remat/config.h"
+#include "remat/ops/dropout.h"
+#include "remat/ops/rope.h"
+#include "remat/plan.h"
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace remat::graph {
+
+/// A tensor known by its description only: what shape inference, the simulator and the
+/// allocation events work with.
+struct TensorInfo {
+  std::vector<int64_t> sizes;
+  at::ScalarType dtype = at::kFloat;
+  /// Element strides of a strided view (a slice of a fused projection); empty when
+  /// contiguous. Ops whose kernels copy such an input declare that copy.
+  std::vector<int64_t> strides;
+  bool contiguous() const { return strides.empty(); }
+  int64_t numel() const;
+  int64_t bytes() const;
+  /// The same description at other sizes (contiguous).
+  TensorInfo with_sizes(std::vector<int64_t> s) const { return {std::move(s), dtype, {}}; }
+  /// Whether reshape(to) of this tensor is a view (else it copies), as ATen decides.
+  bool reshape_is_view(const std::vector<int64_t>& to) const;
+};
+
+/// Attributes of a node; each op reads the fields it needs.
+struct Attrs {
+  double eps = 0.0;                  ///< norms
+  double p = 0.0;                    ///< dropout probability (dropout mask, attention)
+  ops::DropoutSite site = ops::DropoutSite::embedding;  ///< which dropout key
+  std::vector<int64_t> sizes;        ///< view, dropout mask: the output's sizes
+  std::vector<int64_t> from;         ///< view: the input's sizes
+  std::vector<int64_t> split_heads;  ///< split: the heads of each part (views [B, T, heads, D])
+  int64_t head_dim = 0;              ///< split
+};
+
+/// What a forward or backward allocates, in order, as the simulator replays it.
+/// `out(i)` is the op's i-th result (forward: output i; backward: input gradient i) taking
+/// new memory; `temp(bytes)` a temporary that lives until `release(handle)`, or becomes
+/// result i with `adopt(handle, i)` (a kernel returning its scratch as a result).
+class Events {
+ public:
+  struct Event {
+    enum class Kind { out, temp, release, adopt } kind;
+    int64_t handle = 0;  ///< temp, release, adopt: the temporary
+    int64_t index = 0;   ///< out, adopt: the result
+    int64_t bytes = 0;   ///< temp
+  };
+  void out(int64_t index) { ev_.push_back({Event::Kind::out, -1, index, 0}); }
+  int64_t temp(int64_t bytes) {
+    ev_.push_back({Event::Kind::temp, next_, 0, bytes});
+    return next_++;
+  }
+  void release(int64_t handle) { ev_.push_back({Event::Kind::release, handle, 0, 0}); }
+  void adopt(int64_t handle, int64_t index) { ev_.push_back({Event::Kind::adopt, handle, index, 0}); }
+  const std::vector<Event>& list() const { return ev_; }
+
+ private:
+  std::vector<Event> ev_;
+  int64_t next_ = 0;
+};
+
+/// Everything a node's kernels need besides tensors.
+struct RunContext {
+  ops::DropoutKey key(ops::DropoutSite site) const;
+  uint64_t seed = 0, step = 0, microbatch = 0;
+  int64_t layer = 0;
+  bool train = true;  ///< false: dropout off
+  at::Device device = at::kCPU;
+  const ops::RopeTables* rope = nullptr;  ///< rotation tables covering the sequence (rope)
+};
+
+/// One op as the graph sees it. Implementations live beside the op's typed functions.
+class OpDef {
+ public:
+  virtual ~OpDef() = default;
+  /// The op kind the store counts and the trace shows ("linear"); empty for views, which
+  /// move no data and are not counted as ops.
+  virtual const char* kind() const = 0;
+  /// Output descriptions from the inputs' (params: the parameters'). Refuses bad shapes.
+  virtual std::vector<TensorInfo> infer(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& params,
+                                        const Attrs& a) const = 0;
+  /// Forward FLOPs.
+  virtual double flops(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& params,
+                       const Attrs& a) const = 0;
+  /// Which inputs, and which outputs, the backward reads (the values a node saves).
+  virtual std::vector<bool> saves_inputs(const Attrs& a, size_t n) const { return std::vector<bool>(n, false); }
+  virtual std::vector<bool> saves_outputs(const Attrs& a, size_t n) const { return std::vector<bool>(n, false); }
+  /// Output i shares the memory of input view_of(i) (views), or -1.
+  virtual int view_of(size_t output) const { return -1; }
+  /// Backward: input gradient i is output gradient grad_alias(i) itself, or -1 (new memory).
+  virtual int grad_alias(size_t input) const { return -1; }
+  /// Whether input i receives a gradient (ids and masks do not).
+  virtual bool differentiable(size_t input) const { return true; }
+
+  virtual std::vector<at::Tensor> forward(const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& params,
+                                          const Attrs& a, const RunContext& ctx) const = 0;
+  /// `saved_in`/`saved_out`: the inputs and outputs, defined where saves_* says so.
+  /// Accumulates parameter gradients into `grads` (same order as params); returns one
+  /// gradient per input (undefined for non-differentiable ones).
+  virtual std::vector<at::Tensor> backward(const std::vector<at::Tensor>& grad_out,
+                                           const std::vector<at::Tensor>& saved_in,
+                                           const std::vector<at::Tensor>& saved_out,
+                                           const std::vector<at::Tensor>& params, std::vector<at::Tensor*>& grads,
+                                           const Attrs& a, const RunContext& ctx) const = 0;
+  /// Allocations of the forward (outputs that are not views, temporaries) on the CPU.
+  virtual void forward_events(Events& e, const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& params,
+                              const std::vector<TensorInfo>& out, const Attrs& a) const = 0;
+  /// Allocations of the backward (input gradients not aliased, temporaries) on the CPU.
+  virtual void backward_events(Events& e, const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& params,
+                               const std::vector<TensorInfo>& out, const Attrs& a) const = 0;
+};
+
+/// The op definitions (src/ops/*.cpp); each a singleton.
+namespace op {
+const OpDef& layernorm();
+const OpDef& rmsnorm();
+const OpDef& linear();
+const OpDef& attention();
+const OpDef& dropout_mask();
+const OpDef& dropout();
+const OpDef& residual();
+const OpDef& gelu();
+const OpDef& swiglu();
+const OpDef& rope();
+const OpDef& view();
+const OpDef& split();
+/// Every op definition, for tests that must cover each one.
+std::vector<const OpDef*> all();
+}  // namespace op
+
+struct Value {
+  std::string name;
+  TensorInfo info;
+  int producer = -1;  ///< node index; -1: the block input
+  int alias = -1;     ///< the value whose memory this one shares (a view), or -1
+};
+
+struct Param {
+  std::string name;  ///< relative to the layer ("ln_1.weight")
+  std::vector<int64_t> sizes;
+};
+
+struct Node {
+  std::string name;  ///< unique in the block: the trace's and the time profile's name
+  const OpDef* op = nullptr;
+  std::vector<int> inputs, outputs, params;
+  Attrs attrs;
+  double flops = 0;
+};
+
+/// One block at fixed shapes: everything the executor and the simulator walk.
+struct BlockGraph {
+  std::vector<Value> values;
+  std::vector<Node> nodes;
+  std::vector<Param> params;
+  int input = -1;   ///< the block input [B, T, C]
+  int output = -1;  ///< the block output
+  std::vector<std::vector<int>> slots;  ///< per Slot: its values
+  /// Per value: the slot holding it, or -1 (values no backward reads).
+  std::vector<int> slot_of;
+  /// Per value: whether some node's backward reads it.
+  std::vector<bool> saved;
+
+  const std::vector<int>& slot(Slot s) const { return slots[static_cast<size_t>(s)]; }
+  int64_t output_bytes() const { return values[static_cast<size_t>(output)].info.bytes(); }
+  /// Bytes of the distinct memory a slot's values hold (views counted once).
+  int64_t slot_bytes(Slot s) const;
+  /// The value owning `v`'s memory (itself unless it is a view).
+  int root(int v) const;
+  /// FLOPs of one forward, from the nodes.
+  double forward_flops() const;
+  std::vector<TensorInfo> infos(const std::vector<int>& ids) const;
+};
+
+/// Writes a block: one call per op, in forward order.
+class Builder {
+ public:
+  explicit Builder(TensorInfo input);
+  int input() const { return 0; }
+  int param(const std::string& name, std::vector<int64_t> sizes);
+  /// Adds a node; returns its outputs' value ids (named "<node>" or "<node>.<i>").
+  std::vector<int> add(const std::string& name, const OpDef& op, std::vector<int> inputs, std::vector<int> params = {},
+                       Attrs attrs = {});
+  /// The same, for a node of one output.
+  int add1(const std::string& name, const OpDef& op, std::vector<int> inputs, std::vector<int> params = {},
+           Attrs attrs = {});
+  /// Dropout of `x` at site `site` with probability p: a key-only mask node and an apply
+  /// node; p == 0 adds nothing and returns x. Returns {output, mask or -1}.
+  std::pair<int, int> dropout(const std::string& name, int x, double p, ops::DropoutSite site);
+  /// A view of x (contiguous) as `sizes`.
+  int view(const std::string& name, int x, std::vector<int64_t> sizes);
+  /// Assigns values to a slot (once per slot).
+  void slot(Slot s, std::vector<int> values);
+  const TensorInfo& info(int v) const { return g_.values.at(static_cast<size_t>(v)).info; }
+  /// Checks the table (every saved value in exactly one slot, the input alone in
+  /// Slot::input) and returns the graph.
+  BlockGraph finish(int output);
+
+ private:
+  BlockGraph g_;
+  std::vector<bool> assigned_;
+};
+
+/// The block of `cfg`'s architecture at [batch, seq] in `dtype` (src/model/{gpt2,llama}.cpp).
+BlockGraph block_graph(const ModelConfig& cfg, int64_t batch, int64_t seq, at::ScalarType dtype);
+
+/// Renders the derived table of a block (value, shape, dtype, bytes, slot, producer).
+std::string explain(const BlockGraph& g);
+
+}  // namespace remat::graph

@@ -1,0 +1,207 @@
+#include "remat/graph.h"
+
+#include "graph/walk.h"
+
+#include "remat/memory.h"
+
+#include <ATen/TensorUtils.h>
+#include <fmt/format.h>
+
+#include <set>
+
+namespace remat::graph {
+
+int64_t TensorInfo::numel() const {
+  int64_t n = 1;
+  for (int64_t s : sizes) n *= s;
+  return n;
+}
+
+int64_t TensorInfo::bytes() const { return numel() * static_cast<int64_t>(c10::elementSize(dtype)); }
+
+bool TensorInfo::reshape_is_view(const std::vector<int64_t>& to) const {
+  if (contiguous()) return true;
+  return at::detail::computeStride(at::IntArrayRef(sizes), at::IntArrayRef(strides), at::IntArrayRef(to)).has_value();
+}
+
+ops::DropoutKey RunContext::key(ops::DropoutSite site) const {
+  return {seed, step, microbatch, static_cast<uint64_t>(layer), site};
+}
+
+int BlockGraph::root(int v) const {
+  while (values[static_cast<size_t>(v)].alias >= 0) v = values[static_cast<size_t>(v)].alias;
+  return v;
+}
+
+int64_t BlockGraph::slot_bytes(Slot s) const {
+  std::set<int> roots;
+  int64_t bytes = 0;
+  for (int v : slot(s)) {
+    if (roots.insert(root(v)).second) bytes += values[static_cast<size_t>(root(v))].info.bytes();
+  }
+  return bytes;
+}
+
+double BlockGraph::forward_flops() const {
+  double f = 0;
+  for (const auto& n : nodes) f += n.flops;
+  return f;
+}
+
+std::vector<TensorInfo> BlockGraph::infos(const std::vector<int>& ids) const {
+  std::vector<TensorInfo> out;
+  for (int v : ids) out.push_back(values[static_cast<size_t>(v)].info);
+  return out;
+}
+
+Builder::Builder(TensorInfo input) {
+  g_.values.push_back({"x", std::move(input), -1, -1});
+  g_.input = 0;
+  g_.slots.assign(kSlotCount, {});
+  assigned_.assign(kSlotCount, false);
+}
+
+int Builder::param(const std::string& name, std::vector<int64_t> sizes) {
+  g_.params.push_back({name, std::move(sizes)});
+  return static_cast<int>(g_.params.size()) - 1;
+}
+
+std::vector<int> Builder::add(const std::string& name, const OpDef& op, std::vector<int> inputs,
+                              std::vector<int> params, Attrs attrs) {
+  for (const auto& n : g_.nodes) TORCH_INTERNAL_ASSERT(n.name != name, "block graph: two nodes named ", name);
+  std::vector<TensorInfo> pinfo;
+  for (int p : params) pinfo.push_back({g_.params.at(static_cast<size_t>(p)).sizes, info(inputs.at(0)).dtype});
+  const auto in = g_.infos(inputs);
+  const auto out = op.infer(in, pinfo, attrs);
+  Node n{name, &op, std::move(inputs), {}, std::move(params), std::move(attrs), 0.0};
+  n.flops = op.flops(in, pinfo, n.attrs);
+  const int id = static_cast<int>(g_.nodes.size());
+  for (size_t i = 0; i < out.size(); ++i) {
+    const int alias = op.view_of(i);
+    g_.values.push_back({out.size() == 1 ? name : fmt::format("{}.{}", name, i), out[i], id,
+                         alias >= 0 ? n.inputs.at(static_cast<size_t>(alias)) : -1});
+    n.outputs.push_back(static_cast<int>(g_.values.size()) - 1);
+  }
+  g_.nodes.push_back(std::move(n));
+  return g_.nodes.back().outputs;
+}
+
+int Builder::add1(const std::string& name, const OpDef& op, std::vector<int> inputs, std::vector<int> params,
+                  Attrs attrs) {
+  const auto out = add(name, op, std::move(inputs), std::move(params), std::move(attrs));
+  TORCH_INTERNAL_ASSERT(out.size() == 1, "block graph: node ", name, " has ", out.size(), " outputs");
+  return out[0];
+}
+
+std::pair<int, int> Builder::dropout(const std::string& name, int x, double p, ops::DropoutSite site) {
+  if (p == 0.0) return {x, -1};
+  Attrs a;
+  a.p = p;
+  a.site = site;
+  a.sizes = info(x).sizes;
+  const int mask = add1(name + "_mask", op::dropout_mask(), {}, {}, a);
+  return {add1(name, op::dropout(), {x, mask}, {}, a), mask};
+}
+
+int Builder::view(const std::string& name, int x, std::vector<int64_t> sizes) {
+  Attrs a;
+  a.sizes = std::move(sizes);
+  a.from = info(x).sizes;
+  return add1(name, op::view(), {x}, {}, a);
+}
+
+void Builder::slot(Slot s, std::vector<int> values) {
+  const auto i = static_cast<size_t>(s);
+  TORCH_INTERNAL_ASSERT(!assigned_[i], "block graph: slot ", slot_name(s), " assigned twice");
+  assigned_[i] = true;
+  g_.slots[i] = std::move(values);
+}
+
+BlockGraph Builder::finish(int output) {
+  g_.output = output;
+  const size_t V = g_.values.size();
+  g_.saved.assign(V, false);
+  g_.slot_of.assign(V, -1);
+  for (const auto& n : g_.nodes) {
+    const auto si = n.op->saves_inputs(n.attrs, n.inputs.size());
+    const auto so = n.op->saves_outputs(n.attrs, n.outputs.size());
+    for (size_t i = 0; i < n.inputs.size(); ++i) {
+      if (si[i]) g_.saved[static_cast<size_t>(n.inputs[i])] = true;
+    }
+    for (size_t i = 0; i < n.outputs.size(); ++i) {
+      if (so[i]) g_.saved[static_cast<size_t>(n.outputs[i])] = true;
+    }
+  }
+  std::vector<int> slot_of_root(V, -1);
+  for (int s = 0; s < kSlotCount; ++s) {
+    for (int v : g_.slots[static_cast<size_t>(s)]) {
+      TORCH_INTERNAL_ASSERT(g_.slot_of[static_cast<size_t>(v)] < 0, "block graph: value ", g_.values[v].name,
+                            " is in two slots");
+      g_.slot_of[static_cast<size_t>(v)] = s;
+      // Dropping a slot frees its memory only if no other slot shares it.
+      int& owner = slot_of_root[static_cast<size_t>(g_.root(v))];
+      TORCH_INTERNAL_ASSERT(owner < 0 || owner == s, "block graph: slots ", slot_name(static_cast<Slot>(owner)),
+                            " and ", slot_name(static_cast<Slot>(s)), " share the memory of ", g_.values[v].name);
+      owner = s;
+    }
+  }
+  TORCH_INTERNAL_ASSERT(g_.slot(Slot::input) == std::vector<int>{g_.input}, "block graph: Slot::input must hold "
+                        "exactly the block input");
+  for (size_t v = 0; v < V; ++v) {
+    TORCH_INTERNAL_ASSERT(!g_.saved[v] || g_.slot_of[v] >= 0, "block graph: value ", g_.values[v].name,
+                          " is read by a backward but is in no slot");
+  }
+  return std::move(g_);
+}
+
+Lifetimes::Lifetimes(const BlockGraph& g)
+    : last_forward_reader(g.values.size(), -1), last_backward_reader(g.values.size(), INT_MAX),
+      grad_readers(g.values.size()), runs_backward(g.nodes.size(), false) {
+  for (size_t i = 0; i < g.nodes.size(); ++i) {
+    const Node& n = g.nodes[i];
+    const int id = static_cast<int>(i);
+    const auto si = n.op->saves_inputs(n.attrs, n.inputs.size());
+    const auto so = n.op->saves_outputs(n.attrs, n.outputs.size());
+    for (size_t j = 0; j < n.inputs.size(); ++j) {
+      const int v = n.inputs[j];
+      last_forward_reader[v] = id;
+      if (si[j]) last_backward_reader[v] = std::min(last_backward_reader[v], id);
+      if (n.op->differentiable(j)) grad_readers[v].push_back(id);
+    }
+    for (size_t j = 0; j < n.outputs.size(); ++j) {
+      if (so[j]) last_backward_reader[n.outputs[j]] = std::min(last_backward_reader[n.outputs[j]], id);
+    }
+  }
+  // A node's backward runs when one of its outputs receives a gradient: it feeds a
+  // differentiable input of a node whose backward runs, or it is the block output.
+  for (int i = static_cast<int>(g.nodes.size()) - 1; i >= 0; --i) {
+    for (int v : g.nodes[i].outputs) {
+      bool carries = v == g.output;
+      for (int r : grad_readers[v]) carries = carries || runs_backward[r];
+      if (carries) runs_backward[i] = true;
+    }
+  }
+  for (auto& r : grad_readers) {
+    r.erase(std::remove_if(r.begin(), r.end(), [&](int n) { return !runs_backward[n]; }), r.end());
+  }
+}
+
+std::string explain(const BlockGraph& g) {
+  std::string out = fmt::format("{:<16} {:<22} {:<9} {:>12}  {:<14} {}\n", "value", "shape", "dtype", "bytes",
+                                "slot", "producer");
+  for (size_t v = 0; v < g.values.size(); ++v) {
+    const Value& val = g.values[v];
+    const std::string slot = g.slot_of[v] >= 0 ? slot_name(static_cast<Slot>(g.slot_of[v])) : "-";
+    const std::string producer = val.producer >= 0 ? g.nodes[static_cast<size_t>(val.producer)].op->kind() : "";
+    const std::string bytes = val.alias >= 0 ? "view of " + g.values[static_cast<size_t>(val.alias)].name
+                                             : memory::format_bytes(val.info.bytes());
+    out += fmt::format("{:<16} {:<22} {:<9} {:>12}  {:<14} {}\n", val.name, fmt::format("[{}]", fmt::join(val.info.sizes, ", ")),
+                       std::string(c10::toString(val.info.dtype)), bytes, slot,
+                       val.producer >= 0 ? fmt::format("{} ({})", g.nodes[static_cast<size_t>(val.producer)].name,
+                                                       producer[0] ? producer : "view")
+                                         : "block input");
+  }
+  return out;
+}
+
+}  // namespace remat::graph

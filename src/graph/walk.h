@@ -1,0 +1,231 @@
+// The walk of one block: forward (keeping by the plan), recompute of dropped values and
+// backward, written once over a backend. The engine's backend runs the ops' kernels on
+// tensors (src/model/transformer.h); the cost model's backend replays the ops' declared
+// allocations on byte counters (src/plan/cost.cpp). Both release every value at the same
+// point of the same walk, so the simulated peak is the engine's by construction.
+//
+// A backend B provides:
+//   using Tensor;                                   at::Tensor or a simulated buffer
+//   std::vector<Tensor> forward(int node, const std::vector<Tensor>& in, bool recompute);
+//   std::vector<Tensor> backward(int node, const std::vector<Tensor>& grad_out,
+//                                const std::vector<Tensor>& saved_in, const std::vector<Tensor>& saved_out);
+//   Tensor add(const Tensor& a, const Tensor& b);   gradient fan-in
+//   void dropped(int value, const Tensor& t);       a value of a dropped slot dies in the forward
+//   void refilled(Slot s, const std::vector<Tensor>& ts);  a dropped slot is whole again
+//   template <class F> void recompute(F&& f);      runs a recompute (pool, trace, store)
+//   bool early_stop() const;
+#pragma once
+
+#include "remat/graph.h"
+
+#include <algorithm>
+#include <climits>
+#include <memory>
+
+namespace remat::graph {
+
+inline bool defined(const at::Tensor& t) { return t.defined(); }
+template <class P>
+bool defined(const std::shared_ptr<P>& p) {
+  return p != nullptr;
+}
+
+/// Where each value dies, derived from the graph alone.
+struct Lifetimes {
+  std::vector<int> last_forward_reader;         ///< per value: last node reading it, -1: none
+  std::vector<int> last_backward_reader;        ///< per value: lowest node whose backward reads it
+  std::vector<std::vector<int>> grad_readers;   ///< per value: nodes it feeds a gradient from, ascending
+  std::vector<bool> runs_backward;              ///< per node: whether any output carries a gradient
+  explicit Lifetimes(const BlockGraph& g);
+};
+
+template <class B>
+class BlockRun {
+ public:
+  using T = typename B::Tensor;
+
+  /// `keep`: per Slot, whether the forward keeps it; `training`: false keeps nothing and
+  /// records nothing (inference).
+  BlockRun(const BlockGraph& g, const Lifetimes& lt, std::vector<bool> keep, bool training = true)
+      : g_(g), lt_(lt), keep_(std::move(keep)), training_(training), vals_(g.values.size()),
+        missing_(g.values.size(), false), slot_missing_(kSlotCount, 0) {}
+
+  /// The forward from the block input; `recompute` marks a re-execution (uniform chunks).
+  T forward(B& b, T x, bool recompute = false) {
+    vals_[g_.input] = std::move(x);
+    for (size_t i = 0; i < g_.nodes.size(); ++i) {
+      const Node& n = g_.nodes[i];
+      {
+        std::vector<T> in;
+        for (int v : n.inputs) in.push_back(vals_[v]);
+        std::vector<T> out = b.forward(static_cast<int>(i), in, recompute);
+        for (size_t j = 0; j < out.size(); ++j) vals_[n.outputs[j]] = std::move(out[j]);
+      }
+      for (int v : n.inputs) {
+        if (lt_.last_forward_reader[v] == static_cast<int>(i)) release_forward(b, v);
+      }
+      for (int v : n.outputs) {
+        if (lt_.last_forward_reader[v] < 0) release_forward(b, v);
+      }
+    }
+    return std::exchange(vals_[g_.output], T());
+  }
+
+  /// The backward from the output gradient; returns the input gradient.
+  T backward(B& b, T dy) {
+    std::vector<T> grads(g_.values.size());
+    std::vector<std::vector<T>> parts(g_.values.size());
+    grads[g_.output] = std::move(dy);
+    for (int i = static_cast<int>(g_.nodes.size()) - 1; i >= 0; --i) {
+      if (!lt_.runs_backward[i]) continue;
+      const Node& n = g_.nodes[i];
+      const auto si = n.op->saves_inputs(n.attrs, n.inputs.size());
+      const auto so = n.op->saves_outputs(n.attrs, n.outputs.size());
+      std::vector<int> need;
+      for (size_t j = 0; j < n.inputs.size(); ++j) {
+        if (si[j]) need.push_back(n.inputs[j]);
+      }
+      for (size_t j = 0; j < n.outputs.size(); ++j) {
+        if (so[j]) need.push_back(n.outputs[j]);
+      }
+      ensure(b, need);
+      std::vector<T> gin;
+      {
+        std::vector<T> gout, in(n.inputs.size()), out(n.outputs.size());
+        for (int v : n.outputs) gout.push_back(std::exchange(grads[v], T()));
+        for (size_t j = 0; j < n.inputs.size(); ++j) {
+          if (si[j]) in[j] = vals_[n.inputs[j]];
+        }
+        for (size_t j = 0; j < n.outputs.size(); ++j) {
+          if (so[j]) out[j] = vals_[n.outputs[j]];
+        }
+        gin = b.backward(i, gout, in, out);
+      }
+      for (int v : need) {
+        if (lt_.last_backward_reader[v] == i) vals_[v] = T();
+      }
+      for (size_t j = 0; j < n.inputs.size(); ++j) {
+        const int v = n.inputs[j];
+        if (!n.op->differentiable(j) || !defined(gin[j])) continue;
+        const auto& readers = lt_.grad_readers[v];
+        auto& p = parts[v];
+        p.resize(readers.size());
+        p[std::find(readers.begin(), readers.end(), i) - readers.begin()] = std::exchange(gin[j], T());
+        // Complete once its first reader (the last backward) delivered: summed in forward
+        // reader order, whatever order the backward visits them in.
+        if (readers.front() != i) continue;
+        T sum = std::move(p[0]);
+        for (size_t k = 1; k < p.size(); ++k) {
+          if (defined(p[k])) sum = defined(sum) ? b.add(sum, p[k]) : p[k];
+          p[k] = T();
+        }
+        p.clear();
+        grads[v] = std::move(sum);
+      }
+    }
+    return std::exchange(grads[g_.input], T());
+  }
+
+  /// Values the plan dropped and no recompute has refilled yet, per slot.
+  bool missing(Slot s) const { return slot_missing_[static_cast<size_t>(s)] > 0; }
+  /// The current handle of value v (kept or recomputed), for the chunk recompute.
+  const T& value(int v) const { return vals_[v]; }
+  /// Every value held now: after the forward, what the layer keeps for its backward.
+  std::vector<T> held() const {
+    std::vector<T> out;
+    for (const auto& t : vals_) {
+      if (defined(t)) out.push_back(t);
+    }
+    return out;
+  }
+
+ private:
+  // A value's last forward reader ran: kept values stay, dropped ones are recorded and freed.
+  void release_forward(B& b, int v) {
+    if (v == g_.output) return;
+    const int s = g_.slot_of[v];
+    if (training_ && g_.saved[v] && keep_[s]) return;
+    if (training_ && g_.saved[v]) {
+      missing_[v] = true;
+      ++slot_missing_[s];
+      b.dropped(v, vals_[v]);
+    }
+    vals_[v] = T();
+  }
+
+  // Recomputes the missing values among `need` (whole slots), as the backward slice from
+  // the values still held (early stop) or as the whole block forward.
+  void ensure(B& b, const std::vector<int>& need) {
+    std::vector<int> want;
+    for (int v : need) {
+      if (!missing_[v]) continue;
+      for (int u : g_.slots[g_.slot_of[v]]) {
+        if (missing_[u] && std::find(want.begin(), want.end(), u) == want.end()) want.push_back(u);
+      }
+    }
+    if (want.empty()) return;
+    std::vector<bool> run(g_.nodes.size(), !b.early_stop());
+    if (b.early_stop()) {
+      while (!want.empty()) {
+        const int v = want.back();
+        want.pop_back();
+        const int p = g_.values[v].producer;
+        TORCH_INTERNAL_ASSERT(p >= 0, "a recompute needs the block input, which the plan did not keep");
+        if (defined(vals_[v]) || run[p]) continue;
+        run[p] = true;
+        for (int u : g_.nodes[p].inputs) {
+          if (!defined(vals_[u])) want.push_back(u);
+        }
+      }
+    }
+    b.recompute([&] { rerun(b, run); });
+  }
+
+  void rerun(B& b, const std::vector<bool>& run) {
+    std::vector<int> last(g_.values.size(), -1);  // last reader among the re-run nodes
+    for (size_t i = 0; i < g_.nodes.size(); ++i) {
+      if (!run[i]) continue;
+      for (int u : g_.nodes[i].inputs) last[u] = static_cast<int>(i);
+    }
+    std::vector<T> fresh(g_.values.size());
+    std::vector<Slot> complete;
+    for (size_t i = 0; i < g_.nodes.size(); ++i) {
+      if (!run[i]) continue;
+      const Node& n = g_.nodes[i];
+      {
+        std::vector<T> in;
+        for (int u : n.inputs) in.push_back(defined(fresh[u]) ? fresh[u] : vals_[u]);
+        std::vector<T> out = b.forward(static_cast<int>(i), in, true);
+        for (size_t j = 0; j < out.size(); ++j) {
+          const int v = n.outputs[j];
+          if (missing_[v]) {
+            missing_[v] = false;
+            vals_[v] = out[j];
+            const int s = g_.slot_of[v];
+            if (--slot_missing_[s] == 0) complete.push_back(static_cast<Slot>(s));
+          }
+          if (last[v] > static_cast<int>(i)) fresh[v] = std::move(out[j]);
+        }
+      }
+      for (int u : n.inputs) {
+        if (last[u] == static_cast<int>(i)) fresh[u] = T();
+      }
+      for (Slot s : complete) {
+        std::vector<T> ts;
+        for (int u : g_.slot(s)) ts.push_back(vals_[u]);
+        b.refilled(s, ts);
+      }
+      complete.clear();
+    }
+  }
+
+  const BlockGraph& g_;
+  const Lifetimes& lt_;
+  std::vector<bool> keep_;
+  bool training_;
+  std::vector<T> vals_;
+  std::vector<bool> missing_;
+  std::vector<int> slot_missing_;
+};
+
+}  // namespace remat::graph
