@@ -16,11 +16,16 @@
 
 namespace remat {
 
-/// Transformer shape. `arch` is "gpt2" (pre-LN, learned positions, GELU MLP, tied head,
-/// dropout) or "llama" (RMSNorm, RoPE, grouped-query attention, SwiGLU, untied head).
+/// The block architectures: gpt2 (pre-LN, learned positions, GELU MLP, tied head, dropout)
+/// and llama (RMSNorm, RoPE, grouped-query attention, SwiGLU, untied head).
+enum class Arch { gpt2, llama };
+/// "gpt2" / "llama", as configs spell it.
+const char* arch_name(Arch a);
+
+/// Transformer shape.
 struct ModelConfig {
   std::string preset = "gpt2-demo";  ///< the preset the other fields started from
-  std::string arch = "gpt2";
+  Arch arch = Arch::gpt2;
   int64_t n_layer = 4;
   int64_t n_head = 4;
   int64_t n_kv_head = 4;     ///< key/value heads (llama GQA); equals n_head for gpt2

@@ -111,6 +111,8 @@ class OpDef {
   virtual int view_of(size_t output) const { return -1; }
   /// Backward: input gradient i is output gradient grad_alias(i) itself, or -1 (new memory).
   virtual int grad_alias(size_t input) const { return -1; }
+  /// The name of output i in tables ("mean"); null: its index.
+  virtual const char* output_name(size_t output) const { return nullptr; }
   /// Whether input i receives a gradient (ids and masks do not).
   virtual bool differentiable(size_t input) const { return true; }
 
@@ -200,7 +202,8 @@ class Builder {
   explicit Builder(TensorInfo input);
   int input() const { return 0; }
   int param(const std::string& name, std::vector<int64_t> sizes);
-  /// Adds a node; returns its outputs' value ids (named "<node>" or "<node>.<i>").
+  /// Adds a node; returns its outputs' value ids (named "<node>", or "<node>.<output name>"
+  /// when it has several).
   std::vector<int> add(const std::string& name, const OpDef& op, std::vector<int> inputs, std::vector<int> params = {},
                        Attrs attrs = {});
   /// The same, for a node of one output.

@@ -215,7 +215,7 @@ BenchResult run_bench(const BenchOptions& o) {
   const auto& t = common.train;
   fmt::print(stderr, "bench: {} entries x ({} warm-up + {} measured) steps of {} x {} tokens x {} accum; {} ({}) "
              "{} on {} ({} threads); run dir {}\n", o.entries.size(), o.warmup, o.steps, t.batch, t.seq,
-             t.grad_accum, common.model.preset, common.model.arch, common.run.dtype, device.str(), threads,
+             t.grad_accum, common.model.preset, arch_name(common.model.arch), common.run.dtype, device.str(), threads,
              run.path());
 
   BenchResult result;

@@ -110,6 +110,8 @@ int run(int argc, char** argv) {
   plan_cmd->add_flag("--pareto", plan_args.pareto, "Print and plot the memory/time frontier with the manual policies");
   plan_cmd->add_option("--plot", plan_args.plot, "PNG file --pareto draws (default pareto.png)");
   plan_cmd->add_flag("--json", plan_args.json, "Print the plan, memory breakdown and frontier as JSON");
+  plan_cmd->add_flag("--explain-block", plan_args.explain_block,
+                     "Print one block's values (shape, bytes, slot, producer) as its graph declares them");
   plan_cmd->add_option("overrides", overrides, "key=value settings, e.g. model.preset=llama3-8b train.seq=8192");
   auto* bench_cmd = app.add_subcommand(
       "bench", "Measure the peak memory and step time of recompute policies, in one process on this machine");

@@ -144,6 +144,13 @@ int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
   shape.grad_accum = cfg.train.grad_accum;
   shape.ce_chunk = cfg.train.ce_chunk;
   shape.dtype = plan_dtype(cfg.run.dtype);
+  if (args.explain_block) {
+    const graph::BlockGraph g = graph::block_graph(m, shape.batch, shape.seq, shape.dtype);
+    fmt::print("One {} block at batch {} x {} tokens in {}: every value its forward makes, and the slot that "
+               "keeps it for the backward (- : freed after its last forward reader).\n\n{}",
+               arch_name(m.arch), shape.batch, shape.seq, cfg.run.dtype, graph::explain(g));
+    return 0;
+  }
   // Time is priced in FLOPs here (a device-independent unit): recompute "seconds" are
   // FLOPs at one FLOP per second, shown as a share of the step's FLOPs.
   cost::NodeTimes times;
@@ -159,7 +166,7 @@ int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
 
   const std::string header = fmt::format(
       "remat plan: {} ({}), {} layers, d_model {}, {} heads; batch {} x {} tokens, {}, {} microbatch{}", m.preset,
-      m.arch, m.n_layer, m.d_model, m.n_head, shape.batch, shape.seq, cfg.run.dtype, shape.grad_accum,
+      arch_name(m.arch), m.n_layer, m.d_model, m.n_head, shape.batch, shape.seq, cfg.run.dtype, shape.grad_accum,
       shape.grad_accum == 1 ? "" : "es");
   auto solved = planner.solve(budget);
   if (!solved) throw std::invalid_argument(planner.infeasible(budget, budget_text));
@@ -191,7 +198,7 @@ int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
       return a;
     };
     const nlohmann::json out = {
-        {"model", {{"preset", m.preset}, {"arch", m.arch}, {"layers", m.n_layer}, {"d_model", m.d_model}}},
+        {"model", {{"preset", m.preset}, {"arch", arch_name(m.arch)}, {"layers", m.n_layer}, {"d_model", m.d_model}}},
         {"shape", {{"batch", shape.batch}, {"seq", shape.seq}, {"grad_accum", shape.grad_accum}, {"dtype", cfg.run.dtype}}},
         {"budget", budget},
         {"none_peak", none_peak},

@@ -13,9 +13,11 @@ struct PlanArgs {
   bool json = false;              ///< everything as JSON on stdout
   std::string plot = "pareto.png";  ///< where --pareto draws
   int points = 24;                ///< budgets sampled along the frontier
+  bool explain_block = false;     ///< print the block graph's value table instead of a plan
 };
 
-/// Plans `cfg`'s model at train.batch x train.seq in run.dtype and prints the result.
+/// Plans `cfg`'s model at train.batch x train.seq in run.dtype and prints the result (or,
+/// with explain_block, the table of one block's values, shapes, bytes and slots).
 /// Throws std::invalid_argument with a sentence for a budget below the minimum.
 int cmd_plan(const Config& cfg, const PlanArgs& args);
 

@@ -41,6 +41,12 @@ bool parse_bool(const std::string& key, const std::string& v) {
   fail(fmt::format("{} must be true or false, got '{}'.", key, v));
 }
 
+Arch parse_arch(const std::string& key, const std::string& v) {
+  if (v == "gpt2") return Arch::gpt2;
+  if (v == "llama") return Arch::llama;
+  fail(fmt::format("{} must be gpt2 or llama, got '{}'.", key, v));
+}
+
 // A TOML basic string: quotes, backslashes and control characters escaped.
 std::string quote(const std::string& s) {
   std::string out = "\"";
@@ -70,6 +76,8 @@ ConfigKey key(std::string name, S Config::*section, T S::*field, std::string hel
     T& dst = c.*section.*field;
     if constexpr (std::is_same_v<T, std::string>) {
       dst = v;
+    } else if constexpr (std::is_same_v<T, Arch>) {
+      dst = parse_arch(name, v);
     } else if constexpr (std::is_same_v<T, bool>) {
       dst = parse_bool(name, v);
     } else if constexpr (std::is_integral_v<T>) {
@@ -82,6 +90,8 @@ ConfigKey key(std::string name, S Config::*section, T S::*field, std::string hel
     const T& src = c.*section.*field;
     if constexpr (std::is_same_v<T, std::string>) {
       return quote(src);
+    } else if constexpr (std::is_same_v<T, Arch>) {
+      return quote(arch_name(src));
     } else if constexpr (std::is_same_v<T, bool>) {
       return std::string(src ? "true" : "false");
     } else if constexpr (std::is_integral_v<T>) {
@@ -329,6 +339,8 @@ void flatten(const toml::table& t, const std::string& prefix, const std::string&
 
 }  // namespace
 
+const char* arch_name(Arch a) { return a == Arch::gpt2 ? "gpt2" : "llama"; }
+
 const std::vector<ConfigKey>& config_keys() {
   static const std::vector<ConfigKey> keys = make_keys();
   return keys;
@@ -378,9 +390,6 @@ void validate_config(const Config& c) {
   auto positive = [](const char* name, int64_t v) {
     if (v <= 0) fail(fmt::format("{} must be positive, got {}.", name, v));
   };
-  if (m.arch != "gpt2" && m.arch != "llama") {
-    fail(fmt::format("model.arch must be gpt2 or llama, got '{}'.", m.arch));
-  }
   positive("model.n_layer", m.n_layer);
   positive("model.n_head", m.n_head);
   positive("model.n_kv_head", m.n_kv_head);
@@ -395,11 +404,11 @@ void validate_config(const Config& c) {
     fail(fmt::format("model.n_head ({}) must be a multiple of model.n_kv_head ({}).", m.n_head,
                      m.n_kv_head));
   }
-  if (m.arch == "gpt2" && m.n_kv_head != m.n_head) {
+  if (m.arch == Arch::gpt2 && m.n_kv_head != m.n_head) {
     fail(fmt::format("gpt2 has no grouped-query attention: model.n_kv_head ({}) must equal "
                      "model.n_head ({}).", m.n_kv_head, m.n_head));
   }
-  if (m.arch == "llama" && m.head_dim() % 2 != 0) {
+  if (m.arch == Arch::llama && m.head_dim() % 2 != 0) {
     fail(fmt::format("RoPE needs an even head dimension; d_model / n_head = {}.", m.head_dim()));
   }
   if (!(m.dropout >= 0.0 && m.dropout < 1.0)) {

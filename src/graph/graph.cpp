@@ -70,7 +70,7 @@ std::vector<int> Builder::add(const std::string& name, const OpDef& op, std::vec
                               std::vector<int> params, Attrs attrs) {
   for (const auto& n : g_.nodes) TORCH_INTERNAL_ASSERT(n.name != name, "block graph: two nodes named ", name);
   std::vector<TensorInfo> pinfo;
-  for (int p : params) pinfo.push_back({g_.params.at(static_cast<size_t>(p)).sizes, info(inputs.at(0)).dtype});
+  for (int p : params) pinfo.push_back({g_.params.at(static_cast<size_t>(p)).sizes, info(inputs.at(0)).dtype, {}});
   const auto in = g_.infos(inputs);
   const auto out = op.infer(in, pinfo, attrs);
   Node n{name, &op, std::move(inputs), {}, std::move(params), std::move(attrs), 0.0};
@@ -78,7 +78,8 @@ std::vector<int> Builder::add(const std::string& name, const OpDef& op, std::vec
   const int id = static_cast<int>(g_.nodes.size());
   for (size_t i = 0; i < out.size(); ++i) {
     const int alias = op.view_of(i);
-    g_.values.push_back({out.size() == 1 ? name : fmt::format("{}.{}", name, i), out[i], id,
+    const char* part = op.output_name(i);
+    g_.values.push_back({out.size() == 1 ? name : part ? name + "." + part : fmt::format("{}.{}", name, i), out[i], id,
                          alias >= 0 ? n.inputs.at(static_cast<size_t>(alias)) : -1});
     n.outputs.push_back(static_cast<int>(g_.values.size()) - 1);
   }
@@ -187,19 +188,34 @@ Lifetimes::Lifetimes(const BlockGraph& g)
 }
 
 std::string explain(const BlockGraph& g) {
-  std::string out = fmt::format("{:<16} {:<22} {:<9} {:>12}  {:<14} {}\n", "value", "shape", "dtype", "bytes",
-                                "slot", "producer");
+  const auto dtype = [](at::ScalarType t) -> std::string {
+    switch (t) {
+      case at::kFloat: return "float32";
+      case at::kBFloat16: return "bfloat16";
+      case at::kDouble: return "float64";
+      case at::kBool: return "bool";
+      default: return c10::toString(t);
+    }
+  };
+  size_t width = 5;
+  for (const auto& v : g.values) width = std::max(width, v.name.size());
+  std::string out = fmt::format("{:<{}}  {:<18} {:<8} {:>10}  {:<14} {}\n", "value", width, "shape", "dtype", "bytes",
+                                "slot", "producer (op)");
   for (size_t v = 0; v < g.values.size(); ++v) {
     const Value& val = g.values[v];
-    const std::string slot = g.slot_of[v] >= 0 ? slot_name(static_cast<Slot>(g.slot_of[v])) : "-";
-    const std::string producer = val.producer >= 0 ? g.nodes[static_cast<size_t>(val.producer)].op->kind() : "";
-    const std::string bytes = val.alias >= 0 ? "view of " + g.values[static_cast<size_t>(val.alias)].name
-                                             : memory::format_bytes(val.info.bytes());
-    out += fmt::format("{:<16} {:<22} {:<9} {:>12}  {:<14} {}\n", val.name, fmt::format("[{}]", fmt::join(val.info.sizes, ", ")),
-                       std::string(c10::toString(val.info.dtype)), bytes, slot,
-                       val.producer >= 0 ? fmt::format("{} ({})", g.nodes[static_cast<size_t>(val.producer)].name,
-                                                       producer[0] ? producer : "view")
-                                         : "block input");
+    const std::string slot = g.slot_of[v] >= 0                  ? slot_name(static_cast<Slot>(g.slot_of[v]))
+                             : static_cast<int>(v) == g.output ? "(output)"
+                                                               : "-";
+    const std::string bytes = val.alias >= 0 ? "view" : memory::format_bytes(val.info.bytes());
+    std::string producer = "block input";
+    if (val.producer >= 0) {
+      const Node& n = g.nodes[static_cast<size_t>(val.producer)];
+      producer = fmt::format("{} ({})", n.name, n.op->kind()[0] ? n.op->kind() : "view");
+      if (val.alias >= 0) producer += ", view of " + g.values[static_cast<size_t>(val.alias)].name;
+    }
+    out += fmt::format("{:<{}}  {:<18} {:<8} {:>10}  {:<14} {}\n", val.name, width,
+                       fmt::format("[{}]", fmt::join(val.info.sizes, ", ")), dtype(val.info.dtype), bytes, slot,
+                       producer);
   }
   return out;
 }

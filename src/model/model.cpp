@@ -22,17 +22,25 @@ std::unique_ptr<Model> Model::create(const ModelConfig& cfg, at::Device device, 
   TORCH_CHECK(cfg.vocab_size > 0, "The model needs a vocabulary size (model.vocab_size), got ", cfg.vocab_size);
   TORCH_CHECK(compute_dtype == at::kFloat || compute_dtype == at::kBFloat16 || compute_dtype == at::kDouble,
               "The compute dtype must be float32, bfloat16 or float64, got ", compute_dtype);
-  if (cfg.arch == "gpt2") return detail::make_gpt2(cfg, device, compute_dtype, seed);
-  if (cfg.arch == "llama") return detail::make_llama(cfg, device, compute_dtype, seed);
-  TORCH_CHECK(false, "Unknown model architecture '", cfg.arch, "'; valid: gpt2, llama.");
+  switch (cfg.arch) {
+    case Arch::gpt2:
+      return detail::make_gpt2(cfg, device, compute_dtype, seed);
+    case Arch::llama:
+      return detail::make_llama(cfg, device, compute_dtype, seed);
+  }
+  TORCH_INTERNAL_ASSERT(false, "unknown architecture");
 }
 
 namespace graph {
 
 BlockGraph block_graph(const ModelConfig& cfg, int64_t batch, int64_t seq, at::ScalarType dtype) {
-  if (cfg.arch == "gpt2") return detail::gpt2_block(cfg, batch, seq, dtype);
-  if (cfg.arch == "llama") return detail::llama_block(cfg, batch, seq, dtype);
-  TORCH_CHECK(false, "Unknown model architecture '", cfg.arch, "'; valid: gpt2, llama.");
+  switch (cfg.arch) {
+    case Arch::gpt2:
+      return detail::gpt2_block(cfg, batch, seq, dtype);
+    case Arch::llama:
+      return detail::llama_block(cfg, batch, seq, dtype);
+  }
+  TORCH_INTERNAL_ASSERT(false, "unknown architecture");
 }
 
 }  // namespace graph
@@ -62,7 +70,7 @@ void Model::load(const std::string& path) {
   std::map<std::string, at::Tensor> file;
   for (auto& [name, t] : model::load_safetensors(path).tensors) {
     const std::string prefix = "transformer.";
-    const bool strip = cfg_.arch == "gpt2" && name.rfind(prefix, 0) == 0;
+    const bool strip = cfg_.arch == Arch::gpt2 && name.rfind(prefix, 0) == 0;
     const std::string key = strip ? name.substr(prefix.size()) : name;
     if (!file.emplace(key, t).second) {
       throw std::runtime_error(fmt::format("{} holds '{}' both with and without the 'transformer.' prefix; it is "
@@ -78,7 +86,7 @@ void Model::load(const std::string& path) {
     if (it == file.end()) {
       throw std::runtime_error(fmt::format("{} has no tensor '{}', which this {} model needs; it is not a "
                                            "checkpoint of this model (nothing was loaded).",
-                                           path, p.name, cfg_.arch));
+                                           path, p.name, arch_name(cfg_.arch)));
     }
     at::Tensor t = hf_transposed(p.name) && it->second.dim() == 2 ? it->second.t() : it->second;
     if (t.sizes() != p.value.sizes()) {
@@ -100,7 +108,7 @@ void Model::load(const std::string& path) {
   if (!extra.empty()) {
     throw std::runtime_error(fmt::format("{} holds tensors this {} model does not have ({}); it is a checkpoint "
                                          "of another model shape (nothing was loaded).",
-                                         path, cfg_.arch, fmt::join(extra, ", ")));
+                                         path, arch_name(cfg_.arch), fmt::join(extra, ", ")));
   }
   for (size_t i = 0; i < params_.size(); ++i) params_[i].value.copy_(staged[i]);
 }

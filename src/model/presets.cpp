@@ -14,7 +14,7 @@ struct Preset {
 
 ModelConfig gpt2(int64_t layers, int64_t heads, int64_t d, int64_t vocab, int64_t ctx, double drop) {
   ModelConfig m;
-  m.arch = "gpt2";
+  m.arch = Arch::gpt2;
   m.n_layer = layers;
   m.n_head = m.n_kv_head = heads;
   m.d_model = d;
@@ -29,7 +29,7 @@ ModelConfig gpt2(int64_t layers, int64_t heads, int64_t d, int64_t vocab, int64_
 ModelConfig llama(int64_t layers, int64_t heads, int64_t kv, int64_t d, int64_t ff, int64_t vocab,
                   int64_t ctx, double theta, double eps) {
   ModelConfig m;
-  m.arch = "llama";
+  m.arch = Arch::llama;
   m.n_layer = layers;
   m.n_head = heads;
   m.n_kv_head = kv;

@@ -176,6 +176,10 @@ class AttentionDef final : public OpDef {
   }
   std::vector<bool> saves_inputs(const Attrs&, size_t n) const override { return flags(n, {0, 1, 2}); }
   std::vector<bool> saves_outputs(const Attrs&, size_t n) const override { return flags(n, {1, 2, 3}); }
+  const char* output_name(size_t i) const override {
+    static const char* const names[] = {"out", "probs", "mask", "probs_d"};
+    return names[i];
+  }
   std::vector<at::Tensor> forward(const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&, const Attrs& a,
                                   const RunContext& ctx) const override {
     auto r = ops::attention_forward(in[0], in[1], in[2], ctx.train ? a.p : 0.0, ctx.key(a.site));

@@ -142,14 +142,9 @@ class DropoutMaskDef final : public OpDef {
 
 // Inputs {x, mask}; attribute p; outputs {y}. On the CPU the product first copies the bool
 // mask to x's dtype (TensorIterator promotes inputs by copies).
-class DropoutDef final : public OpDef {
+class DropoutDef final : public detail::Elementwise {
  public:
-  const char* kind() const override { return "dropout"; }
-  std::vector<TensorInfo> infer(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>&,
-                                const Attrs&) const override {
-    TORCH_CHECK(in.size() == 2 && in[0].sizes == in[1].sizes, "[dropout] needs x and a mask of its shape");
-    return {in[0].with_sizes(in[0].sizes)};
-  }
+  DropoutDef() : Elementwise("dropout", 2) {}
   double flops(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>&, const Attrs& a) const override {
     return ops::dropout_flops(in[0].numel(), a.p);
   }

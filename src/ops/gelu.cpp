@@ -28,14 +28,9 @@ namespace remat::graph {
 namespace {
 
 // Inputs {x}; outputs {gelu(x)}; the backward reads x.
-class GeluDef final : public OpDef {
+class GeluDef final : public detail::Elementwise {
  public:
-  const char* kind() const override { return "gelu"; }
-  std::vector<TensorInfo> infer(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>&,
-                                const Attrs&) const override {
-    TORCH_CHECK(in.size() == 1, "[gelu] needs one input");
-    return {in[0].with_sizes(in[0].sizes)};
-  }
+  GeluDef() : Elementwise("gelu", 1) {}
   double flops(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>&, const Attrs&) const override {
     return ops::gelu_flops(in[0].numel());
   }
@@ -48,14 +43,6 @@ class GeluDef final : public OpDef {
                                    const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
                                    std::vector<at::Tensor*>&, const Attrs&, const RunContext&) const override {
     return {ops::gelu_backward(dy[0], ops::GeluSaved{in[0]})};
-  }
-  void forward_events(Events& e, const std::vector<TensorInfo>&, const std::vector<TensorInfo>&,
-                      const std::vector<TensorInfo>&, const Attrs&) const override {
-    e.out(0);
-  }
-  void backward_events(Events& e, const std::vector<TensorInfo>&, const std::vector<TensorInfo>&,
-                       const std::vector<TensorInfo>&, const Attrs&) const override {
-    e.out(0);
   }
 };
 

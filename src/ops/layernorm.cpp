@@ -89,6 +89,7 @@ class LayerNormDef final : public OpDef {
   }
   std::vector<bool> saves_inputs(const Attrs&, size_t n) const override { return flags(n, {0}); }
   std::vector<bool> saves_outputs(const Attrs&, size_t n) const override { return flags(n, {1, 2}); }
+  const char* output_name(size_t i) const override { return i == 0 ? "out" : i == 1 ? "mean" : "rstd"; }
   std::vector<at::Tensor> forward(const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& p, const Attrs& a,
                                   const RunContext&) const override {
     auto r = ops::layernorm_forward(in[0], p[0], p[1], a.eps);

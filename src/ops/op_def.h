@@ -33,4 +33,33 @@ inline void scalar_operand(Events& e, at::ScalarType dtype) {
 /// The dtype norms and losses compute statistics in (float32, float64 for float64).
 inline at::ScalarType stats_of(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
 
+/// An op whose output has its inputs' shape (they all share one) and the first input's
+/// dtype, and whose forward and backward allocate just their results: each elementwise
+/// op. Subclasses give the kernels and FLOPs, and override what differs.
+class Elementwise : public OpDef {
+ public:
+  Elementwise(const char* kind, size_t inputs) : kind_(kind), inputs_(inputs) {}
+  const char* kind() const override { return kind_; }
+  std::vector<TensorInfo> infer(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>&,
+                                const Attrs&) const override {
+    TORCH_CHECK(in.size() == inputs_, "[", kind_, "] needs ", inputs_, " inputs, got ", in.size());
+    for (const auto& i : in) TORCH_CHECK(i.sizes == in[0].sizes, "[", kind_, "] needs inputs of one shape");
+    return {in[0].with_sizes(in[0].sizes)};
+  }
+  void forward_events(Events& e, const std::vector<TensorInfo>&, const std::vector<TensorInfo>&,
+                      const std::vector<TensorInfo>&, const Attrs&) const override {
+    e.out(0);
+  }
+  void backward_events(Events& e, const std::vector<TensorInfo>& in, const std::vector<TensorInfo>&,
+                       const std::vector<TensorInfo>&, const Attrs&) const override {
+    for (size_t i = 0; i < in.size(); ++i) {
+      if (differentiable(i) && grad_alias(i) < 0) e.out(static_cast<int64_t>(i));
+    }
+  }
+
+ private:
+  const char* kind_;
+  size_t inputs_;
+};
+
 }  // namespace remat::graph::detail

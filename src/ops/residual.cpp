@@ -26,14 +26,9 @@ namespace remat::graph {
 namespace {
 
 // Inputs {a, b}; outputs {a + b}. Both inputs receive the output gradient itself.
-class ResidualDef final : public OpDef {
+class ResidualDef final : public detail::Elementwise {
  public:
-  const char* kind() const override { return "residual"; }
-  std::vector<TensorInfo> infer(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>&,
-                                const Attrs&) const override {
-    TORCH_CHECK(in.size() == 2 && in[0].sizes == in[1].sizes, "[residual] needs two inputs of one shape");
-    return {in[0].with_sizes(in[0].sizes)};
-  }
+  ResidualDef() : Elementwise("residual", 2) {}
   double flops(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>&, const Attrs&) const override {
     return ops::residual_flops(in[0].numel());
   }
@@ -48,12 +43,6 @@ class ResidualDef final : public OpDef {
     const at::Tensor d = ops::residual_backward(dy[0], {});
     return {d, d};
   }
-  void forward_events(Events& e, const std::vector<TensorInfo>&, const std::vector<TensorInfo>&,
-                      const std::vector<TensorInfo>&, const Attrs&) const override {
-    e.out(0);
-  }
-  void backward_events(Events&, const std::vector<TensorInfo>&, const std::vector<TensorInfo>&,
-                       const std::vector<TensorInfo>&, const Attrs&) const override {}
 };
 
 }  // namespace

@@ -71,6 +71,7 @@ class RMSNormDef final : public OpDef {
   }
   std::vector<bool> saves_inputs(const Attrs&, size_t n) const override { return flags(n, {0}); }
   std::vector<bool> saves_outputs(const Attrs&, size_t n) const override { return flags(n, {1}); }
+  const char* output_name(size_t i) const override { return i == 0 ? "out" : "rstd"; }
   std::vector<at::Tensor> forward(const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& p, const Attrs& a,
                                   const RunContext&) const override {
     auto r = ops::rmsnorm_forward(in[0], p[0], a.eps);

@@ -66,14 +66,14 @@ namespace remat::graph {
 namespace {
 
 // Inputs {x [B, T, H, D]}; outputs {rotated x}; the tables come from the run context.
-class RopeDef final : public OpDef {
+class RopeDef final : public detail::Elementwise {
  public:
-  const char* kind() const override { return "rope"; }
-  std::vector<TensorInfo> infer(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>&,
-                                const Attrs&) const override {
+  RopeDef() : Elementwise("rope", 1) {}
+  std::vector<TensorInfo> infer(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& p,
+                                const Attrs& a) const override {
     TORCH_CHECK(in.size() == 1 && in[0].sizes.size() == 4 && in[0].sizes[3] % 2 == 0,
                 "[rope] needs x [B, T, H, D] with D even");
-    return {in[0].with_sizes(in[0].sizes)};
+    return Elementwise::infer(in, p, a);
   }
   double flops(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>&, const Attrs&) const override {
     return ops::rope_flops(in[0].numel());
@@ -87,14 +87,6 @@ class RopeDef final : public OpDef {
                                    const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
                                    std::vector<at::Tensor*>&, const Attrs&, const RunContext& ctx) const override {
     return {ops::rope_backward(dy[0], {}, *ctx.rope)};
-  }
-  void forward_events(Events& e, const std::vector<TensorInfo>&, const std::vector<TensorInfo>&,
-                      const std::vector<TensorInfo>&, const Attrs&) const override {
-    e.out(0);
-  }
-  void backward_events(Events& e, const std::vector<TensorInfo>&, const std::vector<TensorInfo>&,
-                       const std::vector<TensorInfo>&, const Attrs&) const override {
-    e.out(0);
   }
 };
 

@@ -33,14 +33,9 @@ namespace remat::graph {
 namespace {
 
 // Inputs {gate, up}; outputs {silu(gate) * up}; the backward reads both inputs only.
-class SwiGLUDef final : public OpDef {
+class SwiGLUDef final : public detail::Elementwise {
  public:
-  const char* kind() const override { return "swiglu"; }
-  std::vector<TensorInfo> infer(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>&,
-                                const Attrs&) const override {
-    TORCH_CHECK(in.size() == 2 && in[0].sizes == in[1].sizes, "[swiglu] needs gate and up of one shape");
-    return {in[0].with_sizes(in[0].sizes)};
-  }
+  SwiGLUDef() : Elementwise("swiglu", 2) {}
   double flops(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>&, const Attrs&) const override {
     return ops::swiglu_flops(in[0].numel());
   }
@@ -54,10 +49,6 @@ class SwiGLUDef final : public OpDef {
                                    std::vector<at::Tensor*>&, const Attrs&, const RunContext&) const override {
     auto g = ops::swiglu_backward(dy[0], ops::SwiGLUSaved{in[0], in[1]});
     return {g.dgate, g.dup};
-  }
-  void forward_events(Events& e, const std::vector<TensorInfo>&, const std::vector<TensorInfo>&,
-                      const std::vector<TensorInfo>&, const Attrs&) const override {
-    e.out(0);
   }
   // dgate from silu' of dy * up (a temporary); dup = silu(gate) * dy.
   void backward_events(Events& e, const std::vector<TensorInfo>& in, const std::vector<TensorInfo>&,

@@ -136,7 +136,7 @@ struct Simulator {
 // Largest parameter (bytes of one master copy) and the parameter count.
 std::pair<int64_t, int64_t> param_counts(const ModelConfig& c) {
   const int64_t C = c.d_model, F = c.d_ff, V = c.vocab_size, L = c.n_layer;
-  if (c.arch == "gpt2") {
+  if (c.arch == Arch::gpt2) {
     const int64_t block = 2 * C + 3 * C * C + 3 * C + C * C + C + 2 * C + F * C + F + C * F + C;
     return {V * C + c.max_seq * C + L * block + 2 * C, std::max({V * C, c.max_seq * C, F * C, 3 * C * C})};
   }
@@ -155,7 +155,7 @@ struct HeadCost {
 HeadCost head_cost(const ModelConfig& c, const StepShape& s) {
   const at::ScalarType f = s.dtype, sd = ops::stats_dtype(f);
   const int64_t N = s.batch * s.seq, D = nbytes(N * c.d_model, f), n = std::min(s.ce_chunk, N);
-  const int64_t stats = (c.arch == "gpt2" ? 2 : 1) * nbytes(N, sd);
+  const int64_t stats = (c.arch == Arch::gpt2 ? 2 : 1) * nbytes(N, sd);
   const int64_t logits = nbytes(n * c.vocab_size, sd), logits_f = f != sd ? nbytes(n * c.vocab_size, f) : 0;
   Live h;
   h.alloc("x", D);
@@ -186,7 +186,7 @@ HeadCost head_cost(const ModelConfig& c, const StepShape& s) {
   for (const char* t : {"rows", "counted", "targets", "norm.out", "lse"}) h.free(t);
   // The final norm's backward: its input gradient plus, for RMSNorm, x-hat and two products.
   h.alloc("dx", D);
-  if (c.arch != "gpt2") h.alloc("rms", 2 * D);
+  if (c.arch != Arch::gpt2) h.alloc("rms", 2 * D);
   out.peak = h.peak();
   return out;
 }
@@ -194,7 +194,7 @@ HeadCost head_cost(const ModelConfig& c, const StepShape& s) {
 // Live bytes of the embedding's forward beyond its output, and what it keeps.
 std::pair<int64_t, int64_t> embedding_cost(const ModelConfig& c, const StepShape& s) {
   const int64_t N = s.batch * s.seq, D = nbytes(N * c.d_model, s.dtype);
-  if (c.arch != "gpt2") return {D, 0};
+  if (c.arch != Arch::gpt2) return {D, 0};
   if (c.dropout == 0) return {2 * D, 0};
   const int64_t mask = nbytes(N * c.d_model, at::kBool);
   // token rows, their sum with positions, the mask, its float copy and the output
@@ -252,7 +252,7 @@ StaticBytes static_bytes(const ModelConfig& cfg, const StepShape& shape) {
   s.grads = nbytes(P, master);
   s.optimizer = 2 * nbytes(P, master);
   s.compute_copies = shape.dtype != master ? nbytes(P, shape.dtype) : 0;
-  if (cfg.arch == "llama") s.params += 2 * nbytes(cfg.max_seq * (cfg.head_dim() / 2), shape.dtype);  // RoPE tables
+  if (cfg.arch == Arch::llama) s.params += 2 * nbytes(cfg.max_seq * (cfg.head_dim() / 2), shape.dtype);  // RoPE tables
   s.batch = 2 * nbytes(shape.batch * shape.seq, at::kLong);
   s.resident = shape.resident;
   return s;
@@ -266,7 +266,7 @@ StepConstants step_constants(const ModelConfig& cfg, const StepShape& shape) {
   k.head_peak = head.peak;
   k.head_saved = head.saved;
   const int64_t D = nbytes(shape.batch * shape.seq * cfg.d_model, shape.dtype);
-  k.embed_backward = cfg.arch == "gpt2" && cfg.dropout > 0 ? 3 * D : D;
+  k.embed_backward = cfg.arch == Arch::gpt2 && cfg.dropout > 0 ? 3 * D : D;
   // AdamW's denominator: a square root and its quotient, per parameter.
   k.optimizer = 2 * nbytes(param_counts(cfg).second, shape.dtype == at::kDouble ? at::kDouble : at::kFloat);
   return k;

@@ -23,7 +23,7 @@ std::string profile_key(const Config& cfg, const Model& model) {
   const ModelConfig& m = cfg.model;
   const TrainConfig& t = cfg.train;
   std::string key = fmt::format("{}-{}-{}-L{}-C{}-H{}-KV{}-F{}-V{}-p{}-B{}-T{}-ce{}-es{}-threads{}",
-                                model.device().str(), cfg.run.dtype, m.arch, m.n_layer, m.d_model, m.n_head,
+                                model.device().str(), cfg.run.dtype, arch_name(m.arch), m.n_layer, m.d_model, m.n_head,
                                 m.n_kv_head, m.d_ff, m.vocab_size, m.dropout, t.batch, t.seq, t.ce_chunk,
                                 cfg.ac.early_stop ? 1 : 0, at::get_num_threads());
   std::replace(key.begin(), key.end(), ':', '_');

@@ -138,7 +138,7 @@ TrainSummary train(const Config& cfg_in) {
   sum.predicted_step_seconds = planned.step_seconds;
 
   fmt::print(stderr, "remat: {} ({}), {} parameters, {} layers, d_model {}, context {}; {} on {} ({} threads)\n",
-             cfg.model.preset, cfg.model.arch, format_count(static_cast<double>(sum.num_params)), cfg.model.n_layer,
+             cfg.model.preset, arch_name(cfg.model.arch), format_count(static_cast<double>(sum.num_params)), cfg.model.n_layer,
              cfg.model.d_model, cfg.model.max_seq, cfg.run.dtype, device.str(), threads);
   fmt::print(stderr, "data: {} train / {} validation tokens, vocabulary {}, unigram entropy {:.3f} nats/token\n",
              format_count(static_cast<double>(corpus.train_tokens)), format_count(static_cast<double>(corpus.val_tokens)),
@@ -212,7 +212,7 @@ TrainSummary train(const Config& cfg_in) {
   sum.tokens_per_second = tokens_per_step / sum.median_step_seconds;
   sum.model_flops_per_second = flops_per_token * sum.tokens_per_second;
 
-  model->save(run.file("model.safetensors"), {{"format", "pt"}, {"remat.arch", cfg.model.arch},
+  model->save(run.file("model.safetensors"), {{"format", "pt"}, {"remat.arch", arch_name(cfg.model.arch)},
                                               {"remat.preset", cfg.model.preset}});
   if (cfg.run.sample_tokens > 0) {
     sum.sample = sample_text(*model, tok, cfg.run.prompt, cfg.run.sample_tokens, 0.8, 40,

@@ -244,6 +244,16 @@ TEST_F(Cli, PlanOfAn8BLlamaAt8kTokens) {
   EXPECT_EQ(r.output.find("59.83 GiB", optimizer), r.output.find('\n', optimizer) - 9) << r.output;
 }
 
+TEST_F(Cli, ExplainBlockListsEveryValueWithItsSlot) {
+  const Result r = run_remat("plan --explain-block model.preset=llama-demo train.batch=2 train.seq=16");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  // The attention probabilities of 2 x 4 heads x 16 x 16 float32 scores, kept as attn.probs.
+  EXPECT_NE(r.output.find("attention.probs"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("[2, 4, 16, 16]     float32    8.00 KiB  attn.probs     attention (attention)"),
+            std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("view  attn.qkv       v_heads (view), view of v_proj"), std::string::npos) << r.output;
+}
+
 TEST_F(Cli, PlanBelowTheMinimumStatesTheMinimumAndWhatFillsIt) {
   expect_error("plan --budget 60GiB model.preset=llama3-8b train.batch=1 train.seq=8192 run.dtype=bfloat16",
                "is below the minimum feasible 148.92 GiB for llama3-8b at batch 1 x 8192 tokens in bfloat16");

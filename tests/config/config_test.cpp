@@ -33,7 +33,7 @@ TEST(Config, DefaultsAreValidAndRoundTripThroughToml) {
 TEST(Config, OverridesWinOverTheFileAndPresetGoesFirst) {
   const std::string path = write_temp("[model]\nn_layer = 3\npreset = \"tiny-llama\"\n[train]\nlr = 0.01\n");
   const Config c = load_config(path, {"train.lr=0.002", "model.d_model=64", "train.seq=16", "ac.pool=false"});
-  EXPECT_EQ(c.model.arch, "llama");   // from the preset
+  EXPECT_EQ(c.model.arch, Arch::llama);   // from the preset
   EXPECT_EQ(c.model.n_layer, 3);      // the file's key, though written before the preset
   EXPECT_EQ(c.model.d_model, 64);     // override
   EXPECT_DOUBLE_EQ(c.train.lr, 0.002);

@@ -115,7 +115,7 @@ at::Tensor llama_loss(const ModelConfig& c, const std::map<std::string, at::Tens
 
 at::Tensor reference_loss(const ModelConfig& cfg, const std::map<std::string, at::Tensor>& params,
                           const at::Tensor& tokens, const at::Tensor& targets, const StepContext& ctx) {
-  return cfg.arch == "gpt2" ? gpt2_loss(cfg, params, tokens, targets, ctx)
+  return cfg.arch == Arch::gpt2 ? gpt2_loss(cfg, params, tokens, targets, ctx)
                             : llama_loss(cfg, params, tokens, targets, ctx);
 }
 
