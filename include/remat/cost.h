@@ -40,7 +40,7 @@ struct StaticBytes {
   int64_t compute_copies = 0;  ///< parameters cast to the compute dtype (bfloat16 runs)
   int64_t batch = 0;           ///< token ids and targets of one microbatch
   int64_t resident = 0;        ///< held by the caller throughout (a trainer's token corpus)
-  /// Scalars and small reductions (losses, counts, min/max checks) the programs do not
+  /// Scalars and small reductions (losses, counts, min/max checks) the simulation does not
   /// list one by one: a few KiB measured; this bound keeps a budget plan under its budget.
   int64_t small = 16 * 1024;
   int64_t total() const { return params + grads + optimizer + compute_copies + batch + resident + small; }

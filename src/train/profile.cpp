@@ -82,7 +82,7 @@ TimeProfile measure_time_profile(const Config& cfg, Model& model, const data::To
     recompute += seconds;
   }
   p.base_seconds = pass_seconds - recompute;
-  // Nodes a full recompute never runs (cheaper alternates, the block's last ops) are
+  // Nodes a full recompute never runs (the block's last ops, which feed no slot) are
   // priced by FLOPs at the rate the timed nodes reached.
   double flops = 0, timed = 0;
   for (const auto& n : graph::block_graph(cfg.model, t.batch, t.seq, model.compute_dtype()).nodes) {

@@ -1,4 +1,4 @@
-// The cost model against the engine: the simulated allocation programs predict the
+// The cost model against the engine: the simulated walk of the block graph predicts the
 // measured peak of a microbatch, the store's recompute counts and the kept bytes, for
 // every policy on both architectures.
 #include "plan/plan_test_util.h"
@@ -73,7 +73,7 @@ TEST(CostModel, PeakOfAMicrobatchMatchesTheMeasuredPeak) {
         // The measurement starts with the batch live and without optimizer state.
         const int64_t predicted = pred.peak - pred.statics.total() + pred.statics.batch;
         const Measured m = measure(cfg, policy, B, T, chunk);
-        // Exact but for the scalars the programs leave out (a few KiB).
+        // Exact but for the scalars the simulation leaves out (a few KiB).
         EXPECT_NEAR(predicted, m.peak_above_start, 8 * 1024) << preset << " p=" << p << " " << policy;
         EXPECT_EQ(pred.ops, m.counters.ops_by_kind) << preset << " p=" << p << " " << policy;
         EXPECT_EQ(pred.recomputed_bytes, m.counters.bytes_recomputed) << preset << " p=" << p << " " << policy;

@@ -177,7 +177,7 @@ TEST(Planner, BudgetPlansFitWhenTheEngineRunsThem) {
       // `before` holds parameters, gradients, moments, batch; the prediction counts them too.
       const int64_t predicted_above = p.peak - p.statics.total();
       const int64_t measured_above = measured - before;
-      // The statics' allowance for small tensors is what the measurement may use beyond the programs.
+      // The statics' allowance for small tensors is what the measurement may use beyond the simulation.
       EXPECT_LE(measured_above, budget - (p.statics.total() - p.statics.small)) << preset << " budget " << budget;
       EXPECT_NEAR(static_cast<double>(measured_above), static_cast<double>(predicted_above),
                   0.05 * static_cast<double>(p.peak))

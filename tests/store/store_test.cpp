@@ -166,6 +166,22 @@ TEST(StoreBytes, PredictedActivationBytesEqualWhatTheForwardKeeps) {
   }
 }
 
+TEST(StorePlan, ASlotNoBlockHasIsRefused) {
+  for (const char* preset : {"tiny-gpt2", "tiny-llama"}) {
+    auto model = Model::create(shape(preset, 2, 0.1), at::kCPU, at::kFloat, 1);
+    ActivationPlan plan = compile_policy("none", 2, 0.1);
+    plan.layers[1].dropped = {"attn.qkv", "mlp.gate"};
+    try {
+      model->set_activation_plan(plan, {});
+      FAIL() << preset << ": a plan dropping an unknown slot was accepted";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("'mlp.gate' is not a slot of a block; the slots are attn.norm"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+}
+
 TEST(StoreCheck, ValuesCheckCatchesARecomputeWithTheWrongRandomKeys) {
   StoreOptions broken;
   broken.preserve_rng = false;  // recompute draws other dropout masks
