@@ -53,6 +53,7 @@ struct Attrs {
   std::vector<int64_t> from;         ///< view: the input's sizes
   std::vector<int64_t> split_heads;  ///< split: the heads of each part (views [B, T, heads, D])
   int64_t head_dim = 0;              ///< split
+  int64_t chunk = 0;                 ///< cross_entropy: tokens per chunk of logits
 };
 
 /// What a forward or backward allocates, in order, as the simulator replays it.
@@ -148,6 +149,9 @@ const OpDef& swiglu();
 const OpDef& rope();
 const OpDef& view();
 const OpDef& split();
+const OpDef& embedding();
+const OpDef& position_embedding();
+const OpDef& cross_entropy();
 /// Every op definition, for tests that must cover each one.
 std::vector<const OpDef*> all();
 }  // namespace op
@@ -155,8 +159,10 @@ std::vector<const OpDef*> all();
 struct Value {
   std::string name;
   TensorInfo info;
-  int producer = -1;  ///< node index; -1: the block input
+  int producer = -1;  ///< node index; -1: an input
   int alias = -1;     ///< the value whose memory this one shares (a view), or -1
+  /// Given and held by the caller (token ids, targets): the graph never owns its memory.
+  bool external = false;
 };
 
 struct Param {
@@ -172,13 +178,18 @@ struct Node {
   double flops = 0;
 };
 
-/// One block at fixed shapes: everything the executor and the simulator walk.
+/// One block at fixed shapes: everything the executor and the simulator walk. The same
+/// structure holds the parts outside the blocks (the embedding, the loss head), whose
+/// graphs have no slots: no plan applies to them and their forward keeps every value a
+/// backward reads.
 struct BlockGraph {
   std::vector<Value> values;
   std::vector<Node> nodes;
   std::vector<Param> params;
-  int input = -1;   ///< the block input [B, T, C]
-  int output = -1;  ///< the block output
+  at::ScalarType dtype = at::kFloat;  ///< the compute dtype: parameters and activations
+  int input = -1;   ///< the block input [B, T, C] (the embedding's: token ids)
+  std::vector<int> side_inputs;  ///< further inputs from the caller (the loss head's targets)
+  int output = -1;  ///< the block output (the loss head's: the loss)
   std::vector<std::vector<int>> slots;  ///< per Slot: its values
   /// Per value: the slot holding it, or -1 (values no backward reads).
   std::vector<int> slot_of;
@@ -189,6 +200,11 @@ struct BlockGraph {
   int64_t output_bytes() const { return values[static_cast<size_t>(output)].info.bytes(); }
   /// Bytes of the distinct memory a slot's values hold (views counted once).
   int64_t slot_bytes(Slot s) const;
+  /// Bytes of the distinct memory of every value a backward reads, the caller's inputs
+  /// included (what a graph without slots keeps from its forward to its backward).
+  int64_t saved_bytes() const;
+  /// Whether some node runs `op`.
+  bool uses(const OpDef& op) const;
   /// The value owning `v`'s memory (itself unless it is a view).
   int root(int v) const;
   /// FLOPs of one forward, from the nodes.
@@ -199,8 +215,11 @@ struct BlockGraph {
 /// Writes a block: one call per op, in forward order.
 class Builder {
  public:
-  explicit Builder(TensorInfo input);
+  /// `dtype`: the compute dtype (parameters'); `external`: the caller holds the input.
+  Builder(TensorInfo input, at::ScalarType dtype, bool external = false);
   int input() const { return 0; }
+  /// A further input the caller gives and holds (the loss head's targets).
+  int side_input(const std::string& name, TensorInfo info);
   int param(const std::string& name, std::vector<int64_t> sizes);
   /// Adds a node; returns its outputs' value ids (named "<node>", or "<node>.<output name>"
   /// when it has several).
@@ -212,6 +231,10 @@ class Builder {
   /// Dropout of `x` at site `site` with probability p: a key-only mask node and an apply
   /// node; p == 0 adds nothing and returns x. Returns {output, mask or -1}.
   std::pair<int, int> dropout(const std::string& name, int x, double p, ops::DropoutSite site);
+  /// The mean cross-entropy of the logits hidden [..., C] x weight^T against the targets
+  /// (a side input, one int64 per row of hidden), `chunk` rows of logits at a time.
+  /// Returns the loss.
+  int loss(int hidden, int weight, int64_t chunk);
   /// A view of x (contiguous) as `sizes`.
   int view(const std::string& name, int x, std::vector<int64_t> sizes);
   /// Assigns values to a slot (once per slot).
@@ -220,14 +243,26 @@ class Builder {
   /// Checks the table (every saved value in exactly one slot, the input alone in
   /// Slot::input) and returns the graph.
   BlockGraph finish(int output);
+  /// The graph of a part no plan applies to (no slots: the forward keeps what the
+  /// backward reads).
+  BlockGraph finish_kept(int output);
 
  private:
+  // Sets the output and marks the values some backward reads.
+  void mark_saved(int output);
+
   BlockGraph g_;
   std::vector<bool> assigned_;
 };
 
 /// The block of `cfg`'s architecture at [batch, seq] in `dtype` (src/model/{gpt2,llama}.cpp).
 BlockGraph block_graph(const ModelConfig& cfg, int64_t batch, int64_t seq, at::ScalarType dtype);
+/// What runs before the first block: token ids [batch, seq] (the caller's) to its input.
+BlockGraph embed_graph(const ModelConfig& cfg, int64_t batch, int64_t seq, at::ScalarType dtype);
+/// What runs after the last block: the final norm and, for `chunk` > 0, the mean loss over
+/// the targets (a side input, [batch * seq] int64) with logits `chunk` tokens at a time;
+/// for `chunk` == 0 the output is the final hidden states (generation reads them).
+BlockGraph head_graph(const ModelConfig& cfg, int64_t batch, int64_t seq, at::ScalarType dtype, int64_t chunk);
 
 /// Renders the derived table of a block (value, shape, dtype, bytes, slot, producer).
 std::string explain(const BlockGraph& g);

@@ -7,6 +7,7 @@
 #include <ATen/TensorUtils.h>
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <set>
 
 namespace remat::graph {
@@ -42,6 +43,20 @@ int64_t BlockGraph::slot_bytes(Slot s) const {
   return bytes;
 }
 
+int64_t BlockGraph::saved_bytes() const {
+  std::set<int> roots;
+  int64_t bytes = 0;
+  for (size_t v = 0; v < values.size(); ++v) {
+    const int r = root(static_cast<int>(v));
+    if (saved[v] && roots.insert(r).second) bytes += values[static_cast<size_t>(r)].info.bytes();
+  }
+  return bytes;
+}
+
+bool BlockGraph::uses(const OpDef& op) const {
+  return std::any_of(nodes.begin(), nodes.end(), [&](const Node& n) { return n.op == &op; });
+}
+
 double BlockGraph::forward_flops() const {
   double f = 0;
   for (const auto& n : nodes) f += n.flops;
@@ -54,11 +69,18 @@ std::vector<TensorInfo> BlockGraph::infos(const std::vector<int>& ids) const {
   return out;
 }
 
-Builder::Builder(TensorInfo input) {
-  g_.values.push_back({"x", std::move(input), -1, -1});
+Builder::Builder(TensorInfo input, at::ScalarType dtype, bool external) {
+  g_.values.push_back({"x", std::move(input), -1, -1, external});
   g_.input = 0;
+  g_.dtype = dtype;
   g_.slots.assign(kSlotCount, {});
   assigned_.assign(kSlotCount, false);
+}
+
+int Builder::side_input(const std::string& name, TensorInfo info) {
+  g_.values.push_back({name, std::move(info), -1, -1, /*external=*/true});
+  g_.side_inputs.push_back(static_cast<int>(g_.values.size()) - 1);
+  return g_.side_inputs.back();
 }
 
 int Builder::param(const std::string& name, std::vector<int64_t> sizes) {
@@ -70,7 +92,7 @@ std::vector<int> Builder::add(const std::string& name, const OpDef& op, std::vec
                               std::vector<int> params, Attrs attrs) {
   for (const auto& n : g_.nodes) TORCH_INTERNAL_ASSERT(n.name != name, "block graph: two nodes named ", name);
   std::vector<TensorInfo> pinfo;
-  for (int p : params) pinfo.push_back({g_.params.at(static_cast<size_t>(p)).sizes, info(inputs.at(0)).dtype, {}});
+  for (int p : params) pinfo.push_back({g_.params.at(static_cast<size_t>(p)).sizes, g_.dtype, {}});
   const auto in = g_.infos(inputs);
   const auto out = op.infer(in, pinfo, attrs);
   Node n{name, &op, std::move(inputs), {}, std::move(params), std::move(attrs), 0.0};
@@ -104,6 +126,15 @@ std::pair<int, int> Builder::dropout(const std::string& name, int x, double p, o
   return {add1(name, op::dropout(), {x, mask}, {}, a), mask};
 }
 
+int Builder::loss(int hidden, int weight, int64_t chunk) {
+  const int64_t C = info(hidden).sizes.back(), N = info(hidden).numel() / C;
+  const int rows = view("hidden_rows", hidden, {N, C});
+  const int targets = side_input("targets", {{N}, at::kLong, {}});
+  Attrs a;
+  a.chunk = chunk;
+  return add("loss", op::cross_entropy(), {rows, targets}, {weight}, a)[0];
+}
+
 int Builder::view(const std::string& name, int x, std::vector<int64_t> sizes) {
   Attrs a;
   a.sizes = std::move(sizes);
@@ -118,7 +149,7 @@ void Builder::slot(Slot s, std::vector<int> values) {
   g_.slots[i] = std::move(values);
 }
 
-BlockGraph Builder::finish(int output) {
+void Builder::mark_saved(int output) {
   g_.output = output;
   const size_t V = g_.values.size();
   g_.saved.assign(V, false);
@@ -133,6 +164,18 @@ BlockGraph Builder::finish(int output) {
       if (so[i]) g_.saved[static_cast<size_t>(n.outputs[i])] = true;
     }
   }
+}
+
+BlockGraph Builder::finish_kept(int output) {
+  TORCH_INTERNAL_ASSERT(std::none_of(assigned_.begin(), assigned_.end(), [](bool a) { return a; }),
+                        "block graph: a graph without a plan has no slots");
+  mark_saved(output);
+  return std::move(g_);
+}
+
+BlockGraph Builder::finish(int output) {
+  mark_saved(output);
+  const size_t V = g_.values.size();
   std::vector<int> slot_of_root(V, -1);
   for (int s = 0; s < kSlotCount; ++s) {
     for (int v : g_.slots[static_cast<size_t>(s)]) {
@@ -207,7 +250,7 @@ std::string explain(const BlockGraph& g) {
                              : static_cast<int>(v) == g.output ? "(output)"
                                                                : "-";
     const std::string bytes = val.alias >= 0 ? "view" : memory::format_bytes(val.info.bytes());
-    std::string producer = "block input";
+    std::string producer = static_cast<int>(v) == g.input ? "block input" : "side input";
     if (val.producer >= 0) {
       const Node& n = g.nodes[static_cast<size_t>(val.producer)];
       producer = fmt::format("{} ({})", n.name, n.op->kind()[0] ? n.op->kind() : "view");

@@ -50,9 +50,13 @@ class BlockRun {
       : g_(g), lt_(lt), keep_(std::move(keep)), training_(training), vals_(g.values.size()),
         missing_(g.values.size(), false), slot_missing_(kSlotCount, 0) {}
 
-  /// The forward from the block input; `recompute` marks a re-execution (uniform chunks).
-  T forward(B& b, T x, bool recompute = false) {
+  /// The forward from the block input (and the graph's side inputs, in order);
+  /// `recompute` marks a re-execution (uniform chunks).
+  T forward(B& b, T x, bool recompute = false, std::vector<T> side = {}) {
+    TORCH_INTERNAL_ASSERT(side.size() == g_.side_inputs.size(), "the graph takes ", g_.side_inputs.size(),
+                          " side inputs, given ", side.size());
     vals_[g_.input] = std::move(x);
+    for (size_t k = 0; k < side.size(); ++k) vals_[g_.side_inputs[k]] = std::move(side[k]);
     for (size_t i = 0; i < g_.nodes.size(); ++i) {
       const Node& n = g_.nodes[i];
       {
@@ -144,7 +148,8 @@ class BlockRun {
   void release_forward(B& b, int v) {
     if (v == g_.output) return;
     const int s = g_.slot_of[v];
-    if (training_ && g_.saved[v] && keep_[s]) return;
+    // A saved value in no slot belongs to a graph without a plan: always kept.
+    if (training_ && g_.saved[v] && (s < 0 || keep_[s])) return;
     if (training_ && g_.saved[v]) {
       missing_[v] = true;
       ++slot_missing_[s];

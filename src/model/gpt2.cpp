@@ -6,15 +6,13 @@
 namespace remat::detail {
 namespace {
 
-using namespace remat::ops;
-
 struct Gpt2Arch {
   // One block, in the order of its forward. Parameters are declared in Hugging Face order.
   static graph::BlockGraph block(const ModelConfig& c, int64_t B, int64_t T, at::ScalarType dtype) {
     using namespace graph;
     const int64_t C = c.d_model, F = c.d_ff, H = c.n_head, D = c.head_dim();
     const double p = c.dropout;
-    Builder b({{B, T, C}, dtype, {}});
+    Builder b({{B, T, C}, dtype, {}}, dtype);
     const int ln1_w = b.param("ln_1.weight", {C}), ln1_b = b.param("ln_1.bias", {C});
     const int qkv_w = b.param("attn.c_attn.weight", {3 * C, C}), qkv_b = b.param("attn.c_attn.bias", {3 * C});
     const int proj_w = b.param("attn.c_proj.weight", {C, C}), proj_b = b.param("attn.c_proj.bias", {C});
@@ -60,50 +58,28 @@ struct Gpt2Arch {
     return b.finish(out);
   }
 
-  struct Weights {
-    at::Tensor wte, wpe, lnf_w, lnf_b;
-    std::vector<std::vector<at::Tensor>> layers;  ///< per layer, the block graph's parameters
-    std::vector<graph::Param> block_params;
-    template <class F>
-    void visit(F&& f) {
-      f("wte.weight", wte);
-      f("wpe.weight", wpe);
-      for (size_t l = 0; l < layers.size(); ++l) {
-        for (size_t i = 0; i < block_params.size(); ++i) {
-          f("h." + std::to_string(l) + "." + block_params[i].name, layers[l][i]);
-        }
-      }
-      f("ln_f.weight", lnf_w);
-      f("ln_f.bias", lnf_b);
-    }
-    // Linear weights are [out, in] here; Hugging Face's Conv1D files hold them [in, out].
-    static Weights make(const ModelConfig& c, const at::TensorOptions& o, const std::vector<graph::Param>& bp) {
-      const int64_t C = c.d_model;
-      Weights w;
-      w.wte = at::empty({c.vocab_size, C}, o);
-      w.wpe = at::empty({c.max_seq, C}, o);
-      w.lnf_w = at::empty({C}, o);
-      w.lnf_b = at::empty({C}, o);
-      w.block_params = bp;
-      w.layers.resize(static_cast<size_t>(c.n_layer));
-      for (auto& layer : w.layers) {
-        for (const auto& p : bp) layer.push_back(at::empty(p.sizes, o));
-      }
-      return w;
-    }
-  };
+  // Token rows plus learned positions, then dropout.
+  static graph::BlockGraph embed(const ModelConfig& c, int64_t B, int64_t T, at::ScalarType dtype) {
+    using namespace graph;
+    Builder b({{B, T}, at::kLong, {}}, dtype, /*external=*/true);
+    const int wte = b.param("wte.weight", {c.vocab_size, c.d_model}), wpe = b.param("wpe.weight", {c.max_seq, c.d_model});
+    const int tok = b.add1("wte", op::embedding(), {b.input()}, {wte});
+    const int pos = b.add1("wpe", op::position_embedding(), {tok}, {wpe});
+    return b.finish_kept(b.dropout("embed_dropout", pos, c.dropout, ops::DropoutSite::embedding).first);
+  }
 
-  struct EmbedSaved {
-    EmbeddingSaved tok;
-    PositionEmbeddingSaved pos;
-    DropoutSaved drop;
-    std::vector<at::Tensor> tensors() const { return concat({tok.tensors(), pos.tensors(), drop.tensors()}); }
-  };
-
-  Gpt2Arch(const ModelConfig& c, at::Device, at::ScalarType) : c(c) {}
-
-  static const at::Tensor& head(const Weights& w) { return w.wte; }
-  static at::Tensor& head(Weights& w) { return w.wte; }
+  // The final LayerNorm, then the loss through the tied token embedding.
+  static graph::BlockGraph head(const ModelConfig& c, int64_t B, int64_t T, at::ScalarType dtype, int64_t chunk) {
+    using namespace graph;
+    const int64_t C = c.d_model;
+    Builder b({{B, T, C}, dtype, {}}, dtype);
+    const int w = b.param("ln_f.weight", {C}), bias = b.param("ln_f.bias", {C});
+    Attrs norm;
+    norm.eps = c.norm_eps;
+    const int h = b.add("ln_f", op::layernorm(), {b.input()}, {w, bias}, norm)[0];
+    if (chunk == 0) return b.finish_kept(h);
+    return b.finish_kept(b.loss(h, b.param("wte.weight", {c.vocab_size, C}), chunk));
+  }
 
   static bool hf_transposed(const std::string& name) {
     return ends_with(name, ".attn.c_attn.weight") || ends_with(name, ".attn.c_proj.weight") ||
@@ -114,58 +90,14 @@ struct Gpt2Arch {
   static bool ignorable(const std::string& name) {
     return ends_with(name, ".attn.bias") || ends_with(name, ".attn.masked_bias") || name == "lm_head.weight";
   }
-
-  double p(bool train) const { return train ? c.dropout : 0.0; }
-
-  Fwd<EmbedSaved> embed_forward(const Weights& w, const at::Tensor& ids, const StepContext& ctx, bool train) const {
-    EmbedSaved s;
-    auto tok = embedding_forward(ids, w.wte);
-    auto pos = position_embedding_forward(ids.size(1), w.wpe);
-    auto drop = dropout_forward(tok.out + pos.out, p(train), dropout_key(ctx, 0, DropoutSite::embedding));
-    s.tok = std::move(tok.saved);
-    s.pos = pos.saved;
-    s.drop = std::move(drop.saved);
-    return {drop.out, std::move(s)};
-  }
-
-  void embed_backward(const at::Tensor& dy, EmbedSaved& s, const Weights&, Weights& g) const {
-    at::Tensor dx = dropout_backward(dy, s.drop);
-    embedding_backward(dx, s.tok, g.wte);
-    position_embedding_backward(dx, s.pos, g.wpe);
-  }
-
-  int64_t embed_bytes(int64_t B, int64_t T) const {
-    return embedding_saved_bytes(B * T) + dropout_saved_bytes(B * T * c.d_model, c.dropout);
-  }
-  int64_t head_bytes(int64_t B, int64_t T, at::ScalarType f) const {
-    return layernorm_saved_bytes(B * T, c.d_model, f) + cross_entropy_saved_bytes(B * T, c.d_model, f);
-  }
-
-  Fwd<LayerNormSaved> final_norm_forward(const Weights& w, const at::Tensor& x) const {
-    return layernorm_forward(x, w.lnf_w, w.lnf_b, c.norm_eps);
-  }
-  at::Tensor final_norm_backward(const at::Tensor& dy, const LayerNormSaved& s, const Weights& w, Weights& g) const {
-    return layernorm_backward(dy, s, w.lnf_w, g.lnf_w, g.lnf_b);
-  }
-
-  // Forward FLOPs of one sequence outside the blocks: embedding dropout, final norm, loss head.
-  double outside_flops(int64_t T) const {
-    return dropout_flops(T * c.d_model, c.dropout) + layernorm_flops(T, c.d_model) +
-           cross_entropy_flops(T, c.d_model, c.vocab_size);
-  }
-  const RopeTables* tables() const { return nullptr; }
-
-  ModelConfig c;
 };
 
 }  // namespace
 
-std::unique_ptr<Model> make_gpt2(const ModelConfig& cfg, at::Device device, at::ScalarType dtype, uint64_t seed) {
-  return std::make_unique<TransformerModel<Gpt2Arch>>(cfg, device, dtype, seed);
-}
-
-graph::BlockGraph gpt2_block(const ModelConfig& cfg, int64_t batch, int64_t seq, at::ScalarType dtype) {
-  return Gpt2Arch::block(cfg, batch, seq, dtype);
+const ArchDecl& gpt2_decl() {
+  static const ArchDecl decl{Gpt2Arch::embed, Gpt2Arch::block, Gpt2Arch::head, "h.", Gpt2Arch::hf_transposed,
+                             Gpt2Arch::ignorable};
+  return decl;
 }
 
 }  // namespace remat::detail

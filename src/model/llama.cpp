@@ -6,14 +6,12 @@
 namespace remat::detail {
 namespace {
 
-using namespace remat::ops;
-
 struct LlamaArch {
   // One block, in the order of its forward. Parameters are declared in Hugging Face order.
   static graph::BlockGraph block(const ModelConfig& c, int64_t B, int64_t T, at::ScalarType dtype) {
     using namespace graph;
     const int64_t C = c.d_model, F = c.d_ff, Hq = c.n_head, Hkv = c.n_kv_head, D = c.head_dim(), KV = Hkv * D;
-    Builder b({{B, T, C}, dtype, {}});
+    Builder b({{B, T, C}, dtype, {}}, dtype);
     const int n1_w = b.param("input_layernorm.weight", {C});
     const int wq = b.param("self_attn.q_proj.weight", {C, C}), wk = b.param("self_attn.k_proj.weight", {KV, C});
     const int wv = b.param("self_attn.v_proj.weight", {KV, C}), wo = b.param("self_attn.o_proj.weight", {C, C});
@@ -59,87 +57,37 @@ struct LlamaArch {
     return b.finish(out);
   }
 
-  struct Weights {
-    at::Tensor embed, norm, lm_head;
-    std::vector<std::vector<at::Tensor>> layers;  ///< per layer, the block graph's parameters
-    std::vector<graph::Param> block_params;
-    template <class F>
-    void visit(F&& f) {
-      f("model.embed_tokens.weight", embed);
-      for (size_t l = 0; l < layers.size(); ++l) {
-        for (size_t i = 0; i < block_params.size(); ++i) {
-          f("model.layers." + std::to_string(l) + "." + block_params[i].name, layers[l][i]);
-        }
-      }
-      f("model.norm.weight", norm);
-      f("lm_head.weight", lm_head);
-    }
-    static Weights make(const ModelConfig& c, const at::TensorOptions& o, const std::vector<graph::Param>& bp) {
-      const int64_t C = c.d_model;
-      Weights w;
-      w.embed = at::empty({c.vocab_size, C}, o);
-      w.norm = at::empty({C}, o);
-      w.lm_head = at::empty({c.vocab_size, C}, o);
-      w.block_params = bp;
-      w.layers.resize(static_cast<size_t>(c.n_layer));
-      for (auto& layer : w.layers) {
-        for (const auto& p : bp) layer.push_back(at::empty(p.sizes, o));
-      }
-      return w;
-    }
-  };
+  // Token rows; positions are rotations inside each block.
+  static graph::BlockGraph embed(const ModelConfig& c, int64_t B, int64_t T, at::ScalarType dtype) {
+    using namespace graph;
+    Builder b({{B, T}, at::kLong, {}}, dtype, /*external=*/true);
+    const int w = b.param("model.embed_tokens.weight", {c.vocab_size, c.d_model});
+    return b.finish_kept(b.add1("embed_tokens", op::embedding(), {b.input()}, {w}));
+  }
 
-  struct EmbedSaved {
-    EmbeddingSaved tok;
-    std::vector<at::Tensor> tensors() const { return tok.tensors(); }
-  };
+  // The final RMSNorm, then the loss through the untied output projection.
+  static graph::BlockGraph head(const ModelConfig& c, int64_t B, int64_t T, at::ScalarType dtype, int64_t chunk) {
+    using namespace graph;
+    const int64_t C = c.d_model;
+    Builder b({{B, T, C}, dtype, {}}, dtype);
+    const int w = b.param("model.norm.weight", {C});
+    Attrs norm;
+    norm.eps = c.norm_eps;
+    const int h = b.add("norm", op::rmsnorm(), {b.input()}, {w}, norm)[0];
+    if (chunk == 0) return b.finish_kept(h);
+    return b.finish_kept(b.loss(h, b.param("lm_head.weight", {c.vocab_size, C}), chunk));
+  }
 
-  LlamaArch(const ModelConfig& c, at::Device device, at::ScalarType dtype)
-      : c(c), rope(rope_tables(c.max_seq, c.head_dim(), c.rope_theta, dtype, device)) {}
-
-  static const at::Tensor& head(const Weights& w) { return w.lm_head; }
-  static at::Tensor& head(Weights& w) { return w.lm_head; }
   static bool hf_transposed(const std::string&) { return false; }
   static bool ignorable(const std::string& name) { return ends_with(name, ".rotary_emb.inv_freq"); }
-
-  Fwd<EmbedSaved> embed_forward(const Weights& w, const at::Tensor& ids, const StepContext&, bool) const {
-    auto tok = embedding_forward(ids, w.embed);
-    return {tok.out, EmbedSaved{std::move(tok.saved)}};
-  }
-  void embed_backward(const at::Tensor& dy, EmbedSaved& s, const Weights&, Weights& g) const {
-    embedding_backward(dy, s.tok, g.embed);
-  }
-
-  int64_t embed_bytes(int64_t B, int64_t T) const { return embedding_saved_bytes(B * T); }
-  int64_t head_bytes(int64_t B, int64_t T, at::ScalarType f) const {
-    return rmsnorm_saved_bytes(B * T, c.d_model, f) + cross_entropy_saved_bytes(B * T, c.d_model, f);
-  }
-
-  Fwd<RMSNormSaved> final_norm_forward(const Weights& w, const at::Tensor& x) const {
-    return rmsnorm_forward(x, w.norm, c.norm_eps);
-  }
-  at::Tensor final_norm_backward(const at::Tensor& dy, const RMSNormSaved& s, const Weights& w, Weights& g) const {
-    return rmsnorm_backward(dy, s, w.norm, g.norm);
-  }
-
-  // Forward FLOPs of one sequence outside the blocks: final norm, loss head.
-  double outside_flops(int64_t T) const {
-    return rmsnorm_flops(T, c.d_model) + cross_entropy_flops(T, c.d_model, c.vocab_size);
-  }
-  const RopeTables* tables() const { return &rope; }
-
-  ModelConfig c;
-  RopeTables rope;
 };
 
 }  // namespace
 
-std::unique_ptr<Model> make_llama(const ModelConfig& cfg, at::Device device, at::ScalarType dtype, uint64_t seed) {
-  return std::make_unique<TransformerModel<LlamaArch>>(cfg, device, dtype, seed);
-}
-
-graph::BlockGraph llama_block(const ModelConfig& cfg, int64_t batch, int64_t seq, at::ScalarType dtype) {
-  return LlamaArch::block(cfg, batch, seq, dtype);
+const ArchDecl& llama_decl() {
+  static const ArchDecl decl{LlamaArch::embed, LlamaArch::block, LlamaArch::head, "model.layers.",
+                             LlamaArch::hf_transposed, LlamaArch::ignorable};
+  return decl;
 }
 
 }  // namespace remat::detail

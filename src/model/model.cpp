@@ -22,25 +22,21 @@ std::unique_ptr<Model> Model::create(const ModelConfig& cfg, at::Device device, 
   TORCH_CHECK(cfg.vocab_size > 0, "The model needs a vocabulary size (model.vocab_size), got ", cfg.vocab_size);
   TORCH_CHECK(compute_dtype == at::kFloat || compute_dtype == at::kBFloat16 || compute_dtype == at::kDouble,
               "The compute dtype must be float32, bfloat16 or float64, got ", compute_dtype);
-  switch (cfg.arch) {
-    case Arch::gpt2:
-      return detail::make_gpt2(cfg, device, compute_dtype, seed);
-    case Arch::llama:
-      return detail::make_llama(cfg, device, compute_dtype, seed);
-  }
-  TORCH_INTERNAL_ASSERT(false, "unknown architecture");
+  return std::make_unique<detail::TransformerModel>(detail::arch_decl(cfg.arch), cfg, device, compute_dtype, seed);
 }
 
 namespace graph {
 
 BlockGraph block_graph(const ModelConfig& cfg, int64_t batch, int64_t seq, at::ScalarType dtype) {
-  switch (cfg.arch) {
-    case Arch::gpt2:
-      return detail::gpt2_block(cfg, batch, seq, dtype);
-    case Arch::llama:
-      return detail::llama_block(cfg, batch, seq, dtype);
-  }
-  TORCH_INTERNAL_ASSERT(false, "unknown architecture");
+  return detail::arch_decl(cfg.arch).block(cfg, batch, seq, dtype);
+}
+
+BlockGraph embed_graph(const ModelConfig& cfg, int64_t batch, int64_t seq, at::ScalarType dtype) {
+  return detail::arch_decl(cfg.arch).embed(cfg, batch, seq, dtype);
+}
+
+BlockGraph head_graph(const ModelConfig& cfg, int64_t batch, int64_t seq, at::ScalarType dtype, int64_t chunk) {
+  return detail::arch_decl(cfg.arch).head(cfg, batch, seq, dtype, chunk);
 }
 
 }  // namespace graph
@@ -115,6 +111,16 @@ void Model::load(const std::string& path) {
 
 namespace detail {
 
+const ArchDecl& arch_decl(Arch arch) {
+  switch (arch) {
+    case Arch::gpt2:
+      return gpt2_decl();
+    case Arch::llama:
+      return llama_decl();
+  }
+  TORCH_INTERNAL_ASSERT(false, "unknown architecture");
+}
+
 int64_t distinct_storage_bytes(const std::vector<at::Tensor>& ts, std::unordered_set<const void*>& seen) {
   int64_t total = 0;
   for (const auto& t : ts) {
@@ -139,16 +145,6 @@ void init_param(const std::string& name, at::Tensor& t, const ModelConfig& cfg, 
     const double std = residual_out ? cfg.init_std / std::sqrt(2.0 * cfg.n_layer) : cfg.init_std;
     t.normal_(0.0, std, gen);
   }
-}
-
-ops::DropoutKey dropout_key(const StepContext& ctx, int64_t layer, ops::DropoutSite site) {
-  ops::DropoutKey k;
-  k.seed = ctx.seed;
-  k.step = ctx.step;
-  k.microbatch = ctx.microbatch;
-  k.layer = static_cast<uint64_t>(layer);
-  k.site = site;
-  return k;
 }
 
 StepContext recompute_context(const StepContext& ctx, const ActivationStore& st) {

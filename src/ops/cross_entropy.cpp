@@ -1,5 +1,7 @@
 #include "remat/ops/cross_entropy.h"
 
+#include "ops/op_def.h"
+
 #include "remat/trace.h"
 
 #include <algorithm>
@@ -61,7 +63,7 @@ Fwd<CrossEntropySaved> cross_entropy_forward(const at::Tensor& x, const at::Tens
     loss.add_(at::sub(lse_c, target_logit).mul_(counted.narrow(0, start, n)).sum());
   }
   if (count > 0) loss.div_(count);
-  return {loss, CrossEntropySaved{x, targets, lse, count, chunk_tokens}};
+  return {loss, CrossEntropySaved{x, targets, lse, chunk_tokens}};
 }
 
 at::Tensor cross_entropy_backward(double dloss, const CrossEntropySaved& saved, const at::Tensor& w,
@@ -73,11 +75,12 @@ at::Tensor cross_entropy_backward(double dloss, const CrossEntropySaved& saved, 
               dw.sizes());
   const int64_t N = x.size(0);
   at::Tensor dx = at::zeros({N, x.size(1)}, x.options());
-  if (saved.count == 0) return dx;  // every target ignored: the loss is a constant 0
-  const at::ScalarType sd = saved.lse.scalar_type();
   const at::Tensor counted = saved.targets.ne(kIgnoreIndex);
+  const int64_t count = counted.sum().item<int64_t>();
+  if (count == 0) return dx;  // every target ignored: the loss is a constant 0
+  const at::ScalarType sd = saved.lse.scalar_type();
   const at::Tensor safe_targets = saved.targets.clamp_min(0).unsqueeze(1);
-  const double scale = dloss / static_cast<double>(saved.count);
+  const double scale = dloss / static_cast<double>(count);
   for (int64_t start = 0; start < N; start += saved.chunk) {
     const int64_t n = std::min(saved.chunk, N - start);
     // dlogits = (softmax - onehot) * dloss / count on counted rows, 0 on ignored ones; the
@@ -116,3 +119,124 @@ double cross_entropy_flops(int64_t tokens, int64_t C, int64_t vocab) {
 }
 
 }  // namespace remat::ops
+
+namespace remat::graph {
+namespace {
+
+using detail::bytes_of;
+using detail::flags;
+using detail::stats_of;
+
+// Inputs {x [N, C], targets [N] int64}; params {w [V, C]}; attribute chunk; outputs
+// {mean loss [], log-sum-exp [N]}. The backward reads x, the targets and the log-sum-exp,
+// and takes the loss's gradient (a scalar) as the scale of its own.
+class CrossEntropyDef final : public OpDef {
+ public:
+  const char* kind() const override { return "cross_entropy"; }
+  std::vector<TensorInfo> infer(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& p,
+                                const Attrs& a) const override {
+    TORCH_CHECK(in.size() == 2 && in[0].sizes.size() == 2 && in[1].sizes == std::vector<int64_t>{in[0].sizes[0]} &&
+                    in[1].dtype == at::kLong && p.size() == 1 && p[0].sizes.size() == 2 &&
+                    p[0].sizes[1] == in[0].sizes[1] && a.chunk >= 1,
+                "[cross_entropy] needs x [N, C], int64 targets [N], a weight [V, C] and a chunk of at least 1");
+    const at::ScalarType sd = stats_of(in[0].dtype);
+    return {TensorInfo{{}, sd, {}}, TensorInfo{{in[0].sizes[0]}, sd, {}}};
+  }
+  double flops(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& p, const Attrs&) const override {
+    return ops::cross_entropy_flops(in[0].sizes[0], in[0].sizes[1], p[0].sizes[0]);
+  }
+  std::vector<bool> saves_inputs(const Attrs&, size_t n) const override { return flags(n, {0, 1}); }
+  std::vector<bool> saves_outputs(const Attrs&, size_t n) const override { return flags(n, {1}); }
+  const char* output_name(size_t i) const override { return i == 0 ? "loss" : "lse"; }
+  bool differentiable(size_t input) const override { return input == 0; }
+  std::vector<at::Tensor> forward(const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& p, const Attrs& a,
+                                  const RunContext&) const override {
+    auto r = ops::cross_entropy_forward(in[0], p[0], in[1], a.chunk);
+    return {r.out, r.saved.lse};
+  }
+  std::vector<at::Tensor> backward(const std::vector<at::Tensor>& dy, const std::vector<at::Tensor>& in,
+                                   const std::vector<at::Tensor>& out, const std::vector<at::Tensor>& p,
+                                   std::vector<at::Tensor*>& g, const Attrs& a, const RunContext&) const override {
+    const ops::CrossEntropySaved saved{in[0], in[1], out[1], a.chunk};
+    return {ops::cross_entropy_backward(dy[0].item<double>(), saved, p[0], *g[0]), at::Tensor()};
+  }
+
+  // The forward: the row masks, then per chunk the logits (through a product in x's dtype
+  // when it is narrower than the statistics') and the per-row values of the loss.
+  void forward_events(Events& e, const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& p,
+                      const std::vector<TensorInfo>&, const Attrs& a) const override {
+    const Sizes s(in, p, a);
+    range_check(e);
+    const int64_t counted = e.temp(bytes_of(s.N, at::kBool));
+    e.release(e.temp(8));  // the count
+    const int64_t safe = e.temp(bytes_of(s.N, at::kLong));
+    e.out(1);
+    e.out(0);
+    if (s.N > 0) {
+      const int64_t logits = chunk_logits(e, s);
+      const int64_t target = e.temp(bytes_of(s.n, s.sd)), max = e.temp(bytes_of(s.n, s.sd));
+      const int64_t term = e.temp(bytes_of(s.n, s.sd));
+      e.release(e.temp(bytes_of(s.n, s.sd)));  // the row mask cast for the product
+      e.release(e.temp(bytes_of(1, s.sd)));     // the sum
+      e.release(term);
+      for (int64_t t : {max, target, logits}) e.release(t);
+    }
+    e.release(safe);
+    e.release(counted);
+  }
+  // The backward: the input gradient, the row masks, then per chunk the logits again, the
+  // per-row scale and, for narrower x, the gradient of the logits in x's dtype.
+  void backward_events(Events& e, const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& p,
+                       const std::vector<TensorInfo>&, const Attrs& a) const override {
+    const Sizes s(in, p, a);
+    e.out(0);
+    const int64_t counted = e.temp(bytes_of(s.N, at::kBool));
+    e.release(e.temp(8));  // the count
+    if (s.N > 0) {
+      const int64_t safe = e.temp(bytes_of(s.N, at::kLong));
+      const int64_t logits = chunk_logits(e, s);
+      const int64_t scale = e.temp(bytes_of(s.n, s.sd));
+      detail::scalar_operand(e, s.sd);
+      e.release(e.temp(bytes_of(s.n, s.sd)));  // the negated scale
+      const int64_t narrow = s.narrower ? e.temp(bytes_of(s.n * s.V, s.f)) : -1;
+      if (s.narrower) e.release(e.temp(bytes_of(s.n * s.C, s.sd)));  // x's rows widened for the wider dw
+      if (narrow >= 0) e.release(narrow);
+      e.release(scale);
+      e.release(logits);
+      e.release(safe);
+    }
+    e.release(counted);
+  }
+
+ private:
+  struct Sizes {
+    int64_t N, C, V, n;
+    at::ScalarType f, sd;
+    bool narrower;
+    Sizes(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& p, const Attrs& a)
+        : N(in[0].sizes[0]), C(in[0].sizes[1]), V(p[0].sizes[0]), n(std::min(a.chunk, N)), f(in[0].dtype),
+          sd(stats_of(f)), narrower(sd != f) {}
+  };
+  // The targets' range check: two scalars, gone before anything else is made.
+  static void range_check(Events& e) {
+    const int64_t lo = e.temp(8), hi = e.temp(8);
+    e.release(hi);
+    e.release(lo);
+  }
+  // One chunk's logits in the statistics' dtype, cast from the product in x's when narrower.
+  static int64_t chunk_logits(Events& e, const Sizes& s) {
+    const int64_t mm = s.narrower ? e.temp(bytes_of(s.n * s.V, s.f)) : -1;
+    const int64_t logits = e.temp(bytes_of(s.n * s.V, s.sd));
+    if (mm >= 0) e.release(mm);
+    return logits;
+  }
+};
+
+}  // namespace
+
+const OpDef& op::cross_entropy() {
+  static const CrossEntropyDef def;
+  return def;
+}
+
+}  // namespace remat::graph

@@ -1,5 +1,7 @@
 #include "remat/ops/embedding.h"
 
+#include "ops/op_def.h"
+
 #include "remat/trace.h"
 
 namespace remat::ops {
@@ -56,3 +58,107 @@ void position_embedding_backward(const at::Tensor& dy, const PositionEmbeddingSa
 }
 
 }  // namespace remat::ops
+
+namespace remat::graph {
+namespace {
+
+using detail::bytes_of;
+using detail::flags;
+using detail::stats_of;
+
+// Inputs {ids [..., ] int64}; params {w [V, C]}; outputs {w's rows [..., C]}. The ids get no
+// gradient; the backward scatter-adds into w's gradient.
+class EmbeddingDef final : public OpDef {
+ public:
+  const char* kind() const override { return "embedding"; }
+  std::vector<TensorInfo> infer(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& p,
+                                const Attrs&) const override {
+    TORCH_CHECK(in.size() == 1 && in[0].dtype == at::kLong && p.size() == 1 && p[0].sizes.size() == 2,
+                "[embedding] needs int64 ids and a weight [V, C]");
+    std::vector<int64_t> sizes = in[0].sizes;
+    sizes.push_back(p[0].sizes[1]);
+    return {TensorInfo{sizes, p[0].dtype, {}}};
+  }
+  double flops(const std::vector<TensorInfo>&, const std::vector<TensorInfo>&, const Attrs&) const override {
+    return 0.0;  // a gather
+  }
+  std::vector<bool> saves_inputs(const Attrs&, size_t n) const override { return flags(n, {0}); }
+  bool differentiable(size_t) const override { return false; }
+  std::vector<at::Tensor> forward(const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& p, const Attrs&,
+                                  const RunContext&) const override {
+    return {ops::embedding_forward(in[0], p[0]).out};
+  }
+  std::vector<at::Tensor> backward(const std::vector<at::Tensor>& dy, const std::vector<at::Tensor>& in,
+                                   const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
+                                   std::vector<at::Tensor*>& g, const Attrs&, const RunContext&) const override {
+    ops::embedding_backward(dy[0], ops::EmbeddingSaved{in[0]}, *g[0]);
+    return {at::Tensor()};
+  }
+  // The range check's two scalars die before the gathered rows are made.
+  void forward_events(Events& e, const std::vector<TensorInfo>&, const std::vector<TensorInfo>&,
+                      const std::vector<TensorInfo>&, const Attrs&) const override {
+    const int64_t lo = e.temp(8), hi = e.temp(8);
+    e.release(hi);
+    e.release(lo);
+    e.out(0);
+  }
+  // Rows narrower than the gradient's dtype are cast before the scatter-add.
+  void backward_events(Events& e, const std::vector<TensorInfo>&, const std::vector<TensorInfo>& p,
+                       const std::vector<TensorInfo>& out, const Attrs&) const override {
+    if (stats_of(p[0].dtype) != p[0].dtype) e.release(e.temp(bytes_of(out[0].numel(), stats_of(p[0].dtype))));
+  }
+};
+
+// Inputs {x [B, T, C]}; params {w [P, C]}; outputs {x + w[0:T]} (learned positions added
+// to the token rows). x's gradient is the output gradient itself; w's rows take its sum
+// over the batch.
+class PositionEmbeddingDef final : public detail::Elementwise {
+ public:
+  PositionEmbeddingDef() : Elementwise("position_embedding", 1) {}
+  std::vector<TensorInfo> infer(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& p,
+                                const Attrs& a) const override {
+    TORCH_CHECK(in.size() == 1 && in[0].sizes.size() == 3 && p.size() == 1 && p[0].sizes.size() == 2 &&
+                    p[0].sizes[1] == in[0].sizes[2],
+                "[position_embedding] needs x [B, T, C] and a weight [positions, C]");
+    TORCH_CHECK(in[0].sizes[1] <= p[0].sizes[0], "The sequence has ", in[0].sizes[1],
+                " tokens but the model has ", p[0].sizes[0], " positions (model.max_seq); use sequences of at most ",
+                p[0].sizes[0], " tokens.");
+    return Elementwise::infer(in, p, a);
+  }
+  double flops(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>&, const Attrs&) const override {
+    return static_cast<double>(in[0].numel());
+  }
+  int grad_alias(size_t) const override { return 0; }
+  std::vector<at::Tensor> forward(const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& p, const Attrs&,
+                                  const RunContext&) const override {
+    return {in[0] + ops::position_embedding_forward(in[0].size(1), p[0]).out};
+  }
+  std::vector<at::Tensor> backward(const std::vector<at::Tensor>& dy, const std::vector<at::Tensor>&,
+                                   const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
+                                   std::vector<at::Tensor*>& g, const Attrs&, const RunContext&) const override {
+    ops::position_embedding_backward(dy[0], ops::PositionEmbeddingSaved{dy[0].size(1)}, *g[0]);
+    return {dy[0]};
+  }
+  // The batch sum of the gradient [T, C], and its cast to the gradient's dtype when narrower.
+  void backward_events(Events& e, const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& p,
+                       const std::vector<TensorInfo>&, const Attrs&) const override {
+    const int64_t rows = in[0].sizes[1] * in[0].sizes[2];
+    const int64_t sum = e.temp(bytes_of(rows, in[0].dtype));
+    if (stats_of(p[0].dtype) != in[0].dtype) e.release(e.temp(bytes_of(rows, stats_of(p[0].dtype))));
+    e.release(sum);
+  }
+};
+
+}  // namespace
+
+const OpDef& op::embedding() {
+  static const EmbeddingDef def;
+  return def;
+}
+
+const OpDef& op::position_embedding() {
+  static const PositionEmbeddingDef def;
+  return def;
+}
+
+}  // namespace remat::graph

@@ -45,6 +45,10 @@ RopeTables rope_tables(int64_t seq_len, int64_t head_dim, double theta, at::Scal
   return {angle.cos().to(opts), angle.sin().to(opts)};
 }
 
+int64_t rope_tables_bytes(int64_t seq_len, int64_t head_dim, at::ScalarType dtype) {
+  return 2 * nbytes(seq_len * (head_dim / 2), dtype);
+}
+
 Fwd<RopeSaved> rope_forward(const at::Tensor& x, const RopeTables& tables) {
   const trace::Scope trace_scope("rope", trace::Category::forward);
   check(x, tables, "input");

@@ -14,8 +14,7 @@ namespace {
 
 using ops::nbytes;
 
-// Live bytes of a simulated timeline and the highest total they reached; the head's
-// program names its tensors, the blocks' walk holds them as Buffers.
+// Live bytes of a simulated timeline and the highest total they reached.
 class Live {
  public:
   void alloc(int64_t bytes) {
@@ -24,24 +23,10 @@ class Live {
   }
   void free(int64_t bytes) { current_ -= bytes; }
   void reset_peak() { peak_ = current_; }
-  void alloc(const std::string& name, int64_t bytes) {
-    TORCH_INTERNAL_ASSERT(!tensors_.count(name), "cost program allocates ", name, " while it is live");
-    tensors_[name] = bytes;
-    current_ += bytes;
-    peak_ = std::max(peak_, current_);
-  }
-  void free(const std::string& name) {
-    auto it = tensors_.find(name);
-    TORCH_INTERNAL_ASSERT(it != tensors_.end(), "cost program frees ", name, ", which is not live");
-    current_ -= it->second;
-    tensors_.erase(it);
-  }
-  bool has(const std::string& name) const { return tensors_.count(name) > 0; }
   int64_t current() const { return current_; }
   int64_t peak() const { return peak_; }
 
  private:
-  std::map<std::string, int64_t> tensors_;
   int64_t current_ = 0;
   int64_t peak_ = 0;
 };
@@ -133,74 +118,25 @@ struct Simulator {
   bool early_stop() const { return early; }
 };
 
-// Largest parameter (bytes of one master copy) and the parameter count.
+// The parameter count and the largest parameter's elements, from the declared graphs (a
+// tied head parameter counted once).
 std::pair<int64_t, int64_t> param_counts(const ModelConfig& c) {
-  const int64_t C = c.d_model, F = c.d_ff, V = c.vocab_size, L = c.n_layer;
-  if (c.arch == Arch::gpt2) {
-    const int64_t block = 2 * C + 3 * C * C + 3 * C + C * C + C + 2 * C + F * C + F + C * F + C;
-    return {V * C + c.max_seq * C + L * block + 2 * C, std::max({V * C, c.max_seq * C, F * C, 3 * C * C})};
+  const auto numel = [](const graph::Param& p) { return graph::TensorInfo{p.sizes, at::kFloat, {}}.numel(); };
+  int64_t total = 0, largest = 0;
+  std::set<std::string> named;
+  for (const auto& g : {graph::embed_graph(c, 1, 1, at::kFloat), graph::head_graph(c, 1, 1, at::kFloat, 1)}) {
+    for (const auto& p : g.params) {
+      if (!named.insert(p.name).second) continue;
+      total += numel(p);
+      largest = std::max(largest, numel(p));
+    }
   }
-  const int64_t KV = c.n_kv_head * c.head_dim();
-  const int64_t block = 2 * C + 2 * C * C + 2 * KV * C + 3 * F * C;
-  return {2 * V * C + C + L * block, std::max(V * C, F * C)};
+  for (const auto& p : graph::block_graph(c, 1, 1, at::kFloat).params) {
+    total += c.n_layer * numel(p);
+    largest = std::max(largest, numel(p));
+  }
+  return {total, largest};
 }
-
-// Live bytes while the loss head runs, from the last block's output to the gradient it
-// hands the last block; and the bytes it keeps between its forward and backward.
-struct HeadCost {
-  int64_t peak = 0;
-  int64_t saved = 0;
-};
-
-HeadCost head_cost(const ModelConfig& c, const StepShape& s) {
-  const at::ScalarType f = s.dtype, sd = ops::stats_dtype(f);
-  const int64_t N = s.batch * s.seq, D = nbytes(N * c.d_model, f), n = std::min(s.ce_chunk, N);
-  const int64_t stats = (c.arch == Arch::gpt2 ? 2 : 1) * nbytes(N, sd);
-  const int64_t logits = nbytes(n * c.vocab_size, sd), logits_f = f != sd ? nbytes(n * c.vocab_size, f) : 0;
-  Live h;
-  h.alloc("x", D);
-  h.alloc("norm.out", D);
-  h.alloc("norm.stats", stats);
-  h.alloc("lse", nbytes(N, sd));
-  // One chunk: the row masks, the logits (through a copy in the compute dtype when it is
-  // narrower) and two per-row vectors.
-  auto chunk = [&] {
-    h.alloc("counted", nbytes(N, at::kBool));
-    h.alloc("targets", nbytes(N, at::kLong));
-    if (logits_f > 0) h.alloc("mm", logits_f);
-    h.alloc("logits", logits);
-    if (logits_f > 0) h.free("mm");
-    h.alloc("rows", 2 * nbytes(n, sd));
-  };
-  chunk();
-  for (const char* t : {"logits", "rows", "counted", "targets"}) h.free(t);
-  HeadCost out;
-  out.saved = h.current();
-  // Backward: dx, then per chunk the logits again, their softmax in place and the
-  // per-row scale.
-  h.alloc("dh", D);
-  chunk();
-  if (logits_f > 0) h.alloc("dl", logits_f);
-  h.free("logits");
-  if (logits_f > 0) h.free("dl");
-  for (const char* t : {"rows", "counted", "targets", "norm.out", "lse"}) h.free(t);
-  // The final norm's backward: its input gradient plus, for RMSNorm, x-hat and two products.
-  h.alloc("dx", D);
-  if (c.arch != Arch::gpt2) h.alloc("rms", 2 * D);
-  out.peak = h.peak();
-  return out;
-}
-
-// Live bytes of the embedding's forward beyond its output, and what it keeps.
-std::pair<int64_t, int64_t> embedding_cost(const ModelConfig& c, const StepShape& s) {
-  const int64_t N = s.batch * s.seq, D = nbytes(N * c.d_model, s.dtype);
-  if (c.arch != Arch::gpt2) return {D, 0};
-  if (c.dropout == 0) return {2 * D, 0};
-  const int64_t mask = nbytes(N * c.d_model, at::kBool);
-  // token rows, their sum with positions, the mask, its float copy and the output
-  return {4 * D + mask, mask};
-}
-
 }  // namespace
 
 double NodeTimes::node_seconds(const graph::Node& n) const {
@@ -211,29 +147,46 @@ double NodeTimes::node_seconds(const graph::Node& n) const {
 
 namespace {
 
-// A layer's forward (and, when `backward`, its backward) under the slots `dropped`.
-LayerCost simulate(const graph::BlockGraph& g, const std::set<std::string>& dropped, bool early_stop,
-                   const NodeTimes& times, bool backward) {
+// The walk of `g` on the simulator: its forward from its inputs (the caller's take no
+// bytes here), keeping by `keep`, and, when `backward`, its backward from the output
+// gradient. `kept`: what the forward leaves live for the backward.
+LayerCost simulate(const graph::BlockGraph& g, const std::vector<bool>& keep, bool early_stop, const NodeTimes& times,
+                   bool backward) {
   LayerCost lc;
-  std::vector<bool> keep(kSlotCount, true);
-  for (const auto& s : dropped) keep[static_cast<size_t>(slot_of_name(s))] = false;
-  for (int s = 0; s < kSlotCount; ++s) {
-    if (keep[static_cast<size_t>(s)]) lc.kept += g.slot_bytes(static_cast<Slot>(s));
-  }
   const graph::Lifetimes lt(g);
   Live live;
   Simulator sim{g, live, times, early_stop, lc};
+  const auto input = [&](int v) { return sim.make(g.values[v].external ? 0 : g.values[v].info.bytes()); };
+  std::vector<SimTensor> side;
+  for (int v : g.side_inputs) side.push_back(input(v));
   graph::BlockRun<Simulator> run(g, lt, keep);
-  // The forward from the kept input, then the backward from the output gradient.
-  run.forward(sim, sim.make(g.values[g.input].info.bytes())).reset();
+  run.forward(sim, input(g.input), false, std::move(side)).reset();
   lc.forward_peak = live.peak();
-  TORCH_INTERNAL_ASSERT(live.current() == lc.kept, "the walk keeps ", live.current(), " bytes but the slot table ",
-                        lc.kept);
+  lc.kept = live.current();
   if (!backward) return lc;
   live.reset_peak();
-  run.backward(sim, sim.make(g.values[g.output].info.bytes())).reset();
+  run.backward(sim, sim.make(g.output_bytes())).reset();
   lc.backward_peak = live.peak();
   return lc;
+}
+
+// A block's walk under the slots `dropped`.
+LayerCost simulate(const graph::BlockGraph& g, const std::set<std::string>& dropped, bool early_stop,
+                   const NodeTimes& times, bool backward) {
+  std::vector<bool> keep(kSlotCount, true);
+  for (const auto& s : dropped) keep[static_cast<size_t>(slot_of_name(s))] = false;
+  LayerCost lc = simulate(g, keep, early_stop, times, backward);
+  int64_t table = 0;
+  for (int s = 0; s < kSlotCount; ++s) {
+    if (keep[static_cast<size_t>(s)]) table += g.slot_bytes(static_cast<Slot>(s));
+  }
+  TORCH_INTERNAL_ASSERT(lc.kept == table, "the walk keeps ", lc.kept, " bytes but the slot table ", table);
+  return lc;
+}
+
+// The walk of a graph no plan applies to (the embedding, the loss head).
+LayerCost simulate_kept(const graph::BlockGraph& g) {
+  return simulate(g, std::vector<bool>(kSlotCount, true), true, NodeTimes{}, /*backward=*/true);
 }
 
 }  // namespace
@@ -252,7 +205,9 @@ StaticBytes static_bytes(const ModelConfig& cfg, const StepShape& shape) {
   s.grads = nbytes(P, master);
   s.optimizer = 2 * nbytes(P, master);
   s.compute_copies = shape.dtype != master ? nbytes(P, shape.dtype) : 0;
-  if (cfg.arch == Arch::llama) s.params += 2 * nbytes(cfg.max_seq * (cfg.head_dim() / 2), shape.dtype);  // RoPE tables
+  if (graph::block_graph(cfg, 1, 1, shape.dtype).uses(graph::op::rope())) {
+    s.params += ops::rope_tables_bytes(cfg.max_seq, cfg.head_dim(), shape.dtype);
+  }
   s.batch = 2 * nbytes(shape.batch * shape.seq, at::kLong);
   s.resident = shape.resident;
   return s;
@@ -261,12 +216,13 @@ StaticBytes static_bytes(const ModelConfig& cfg, const StepShape& shape) {
 StepConstants step_constants(const ModelConfig& cfg, const StepShape& shape) {
   StepConstants k;
   k.statics = static_bytes(cfg, shape);
-  std::tie(k.embed_peak, k.embed_saved) = embedding_cost(cfg, shape);
-  const HeadCost head = head_cost(cfg, shape);
-  k.head_peak = head.peak;
-  k.head_saved = head.saved;
-  const int64_t D = nbytes(shape.batch * shape.seq * cfg.d_model, shape.dtype);
-  k.embed_backward = cfg.arch == Arch::gpt2 && cfg.dropout > 0 ? 3 * D : D;
+  const LayerCost embed = simulate_kept(graph::embed_graph(cfg, shape.batch, shape.seq, shape.dtype));
+  k.embed_peak = embed.forward_peak;
+  k.embed_saved = embed.kept;
+  k.embed_backward = embed.backward_peak - embed.kept;
+  const LayerCost head = simulate_kept(graph::head_graph(cfg, shape.batch, shape.seq, shape.dtype, shape.ce_chunk));
+  k.head_peak = std::max(head.forward_peak, head.backward_peak);
+  k.head_saved = head.kept;
   // AdamW's denominator: a square root and its quotient, per parameter.
   k.optimizer = 2 * nbytes(param_counts(cfg).second, shape.dtype == at::kDouble ? at::kDouble : at::kFloat);
   return k;

@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 
 #include <map>
+#include <optional>
 #include <set>
 
 namespace remat::graph {
@@ -22,6 +23,7 @@ struct Case {
   std::vector<TensorInfo> in;
   std::vector<std::vector<int64_t>> params;
   Attrs attrs;
+  std::optional<at::ScalarType> dtype = {};  ///< parameters'; default: the first input's
 };
 
 // Peak above the start and bytes left at the end of a replay of `e`; results not views
@@ -43,9 +45,13 @@ std::pair<int64_t, int64_t> replay(const Events& e, const std::vector<int64_t>& 
   return {peak, current};
 }
 
+// Ids and targets are drawn below this (every vocabulary in the cases is larger).
+constexpr int64_t kIds = 7;
+
 // A tensor of `info`'s shape, dtype and strides (a strided one is a slice of a wider one).
 at::Tensor make(const TensorInfo& info, at::Generator& gen) {
   if (info.dtype == at::kBool) return at::rand(info.sizes, gen) > 0.3;
+  if (info.dtype == at::kLong) return at::randint(0, kIds, info.sizes, gen);  // token ids, targets
   if (info.contiguous()) return at::randn(info.sizes, gen).to(info.dtype);
   // Strides of a split view: [B, T, ...] inside [B, T, W] rows.
   const int64_t W = info.strides[1];
@@ -62,7 +68,7 @@ void check(const Case& c) {
   memory::install_cpu_tracking();
   at::set_num_threads(1);
   auto gen = at::detail::createCPUGenerator(17);
-  const at::ScalarType dtype = c.in.empty() ? at::kFloat : c.in[0].dtype;
+  const at::ScalarType dtype = c.dtype ? *c.dtype : c.in.empty() ? at::kFloat : c.in[0].dtype;
   std::vector<TensorInfo> pinfo;
   std::vector<at::Tensor> params, grads;
   for (const auto& s : c.params) {
@@ -75,7 +81,9 @@ void check(const Case& c) {
   for (const auto& i : c.in) in.push_back(make(i, gen));
   RunContext ctx;
   ctx.layer = 1;
-  const ops::RopeTables tables = ops::rope_tables(64, c.in.empty() ? 2 : c.in[0].sizes.back(), 10000.0, dtype, at::kCPU);
+  // Tables for the rotation's head size (only the rope op reads them).
+  const ops::RopeTables tables =
+      ops::rope_tables(64, c.op == &op::rope() ? c.in[0].sizes.back() : 2, 10000.0, dtype, at::kCPU);
   ctx.rope = &tables;
 
   // Forward.
@@ -92,10 +100,11 @@ void check(const Case& c) {
   std::vector<at::Tensor> out = c.op->forward(in, params, c.attrs, ctx);
   const Measured fwd{memory::stats(at::kCPU).peak - before, memory::stats(at::kCPU).current - before};
   const auto [fpeak, fleft] = replay(fe, out_bytes);
-  // A bfloat16 GEMM runs ATen's blocked CPU kernel, whose packing buffers depend on the
-  // blocking of each shape: what the op declares is every tensor it makes itself, a lower
+  // A bfloat16 GEMM (linear, the loss's logits) runs ATen's blocked CPU kernel, whose packing
+  // buffers depend on the blocking of each shape: what the op declares is every tensor it makes itself, a lower
   // bound of the measured peak (README: what the cost model leaves out).
-  const bool blocked_gemm = c.op == &op::linear() && c.in[0].dtype == at::kBFloat16;
+  const bool blocked_gemm =
+      (c.op == &op::linear() || c.op == &op::cross_entropy()) && c.in[0].dtype == at::kBFloat16;
   if (blocked_gemm) {
     EXPECT_GE(fwd.peak, fpeak) << "forward peak";
   } else {
@@ -158,6 +167,16 @@ std::vector<Case> cases() {
       view.from = x.sizes;
       out.push_back({"view " + shape, &op::view(), {x}, {}, view});
       out.push_back({"rope " + shape, &op::rope(), {{{B, T, 4, 8}, f, {}}}, {}, {}});
+      const TensorInfo ids{{B, T}, at::kLong, {}};
+      out.push_back({"embedding " + shape, &op::embedding(), {ids}, {{kIds + 4, C}}, {}, f});
+      out.push_back({"position_embedding " + shape, &op::position_embedding(), {x}, {{T + 3, C}}, {}});
+      for (int64_t chunk : {int64_t{3}, int64_t{64}}) {
+        Attrs loss;
+        loss.chunk = chunk;
+        const TensorInfo rows{{B * T, C}, f, {}}, targets{{B * T}, at::kLong, {}};
+        out.push_back({fmt::format("cross_entropy {} chunk {}", shape, chunk), &op::cross_entropy(), {rows, targets},
+                       {{kIds + 10, C}}, loss});
+      }
       for (auto [Hq, Hkv] : {std::pair<int64_t, int64_t>{4, 4}, {4, 2}, {2, 1}}) {
         const int64_t D = 8, W = (Hq + 2 * Hkv) * D;
         Attrs split;

@@ -37,7 +37,6 @@ TEST(CrossEntropyOp, MatchesAutogradOfLogSoftmaxOnFullLogits) {
       EXPECT_EQ(f.out.dim(), 0);
       EXPECT_EQ(f.out.scalar_type(), at::kDouble);
       EXPECT_LT(rel_err(f.out, ref.detach()), 1e-12) << what;
-      EXPECT_EQ(f.saved.count, targets.ne(kIgnoreIndex).sum().item<int64_t>());
       const double dloss = 0.7;
       auto want = grads(ref, at::scalar_tensor(dloss, f64()), {xl, wl});
       // Accumulates onto existing values; kept small so that subtracting them again does not
@@ -54,7 +53,6 @@ TEST(CrossEntropyOp, MatchesAutogradOfLogSoftmaxOnFullLogits) {
 TEST(CrossEntropyOp, AllTargetsIgnoredGivesZeroLossAndGradients) {
   at::Tensor x = at::randn({4, 3}, f64()), w = at::randn({5, 3}, f64());
   Fwd<CrossEntropySaved> f = cross_entropy_forward(x, w, at::full({4}, kIgnoreIndex, at::kLong), 2);
-  EXPECT_EQ(f.saved.count, 0);
   EXPECT_EQ(f.out.item<double>(), 0.0);
   at::Tensor dw = at::ones({5, 3}, f64());
   EXPECT_TRUE(at::equal(cross_entropy_backward(1.0, f.saved, w, dw), at::zeros({4, 3}, f64())));

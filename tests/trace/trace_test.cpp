@@ -134,10 +134,10 @@ void expect_common(const Traced& t, int64_t layers, int64_t forward_ops) {
   EXPECT_LE(top, t.peak);
 }
 
-// Forward ops of one GPT-2 microbatch: token and position embedding and their dropout; per
-// block 2 layernorms, 4 linears, attention, GELU, 2 residual dropouts (each a mask and its
-// product), 2 residual adds; the final layernorm and the loss head.
-int64_t gpt2_forward_ops(int64_t layers) { return 3 + 14 * layers + 2; }
+// Forward ops of one GPT-2 microbatch: token and position embedding and their dropout (a
+// mask and its product); per block 2 layernorms, 4 linears, attention, GELU, 2 residual
+// dropouts (each a mask and its product), 2 residual adds; the final layernorm and the loss head.
+int64_t gpt2_forward_ops(int64_t layers) { return 4 + 14 * layers + 2; }
 // Llama: the embedding; per block 2 RMSNorms, 7 linears, 2 RoPEs, attention, SwiGLU, 2
 // residual adds; the final norm and the loss head.
 int64_t llama_forward_ops(int64_t layers) { return 1 + 15 * layers + 2; }
@@ -170,7 +170,7 @@ TEST(Trace, WholeBlockRerunAndLlama) {
 TEST(Trace, ChunkRecomputeShowsEachLayer) {
   const Traced t = trace_step(shape("tiny-gpt2", 0.0), "uniform:3");
   ASSERT_GT(t.counters.ops_recomputed, 0);
-  expect_common(t, 3, gpt2_forward_ops(3) - 3 * 4 - 1);  // no dropout at p = 0
+  expect_common(t, 3, gpt2_forward_ops(3) - 3 * 4 - 2);  // no dropout at p = 0
   for (int64_t l = 1; l <= 3; ++l) EXPECT_EQ(t.named(fmt::format("layer {} recompute", l)), 1) << l;
 }
 

@@ -16,7 +16,6 @@ struct CrossEntropySaved {
   at::Tensor x;        ///< final hidden states, [N, C]
   at::Tensor targets;  ///< [N] int64
   at::Tensor lse;      ///< log-sum-exp of each token's logits, [N] float32 (float64 for float64 x)
-  int64_t count = 0;   ///< number of targets that are not kIgnoreIndex
   int64_t chunk = 0;   ///< tokens per chunk
   std::vector<at::Tensor> tensors() const { return {x, targets, lse}; }
 };

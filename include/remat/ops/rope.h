@@ -14,6 +14,8 @@ struct RopeTables {
 };
 RopeTables rope_tables(int64_t seq_len, int64_t head_dim, double theta, at::ScalarType dtype,
                        at::Device device);
+/// Bytes of the tables rope_tables() builds.
+int64_t rope_tables_bytes(int64_t seq_len, int64_t head_dim, at::ScalarType dtype);
 
 /// A rotation needs nothing from forward: backward rotates by the opposite angle.
 struct RopeSaved {

@@ -1,0 +1,322 @@
+#include "model/transformer.h"
+
+#include <set>
+
+namespace remat::detail {
+
+std::vector<at::Tensor> Weights::of(const std::vector<int>& idx) const {
+  std::vector<at::Tensor> out;
+  out.reserve(idx.size());
+  for (int i : idx) out.push_back(tensors[static_cast<size_t>(i)]);
+  return out;
+}
+
+namespace {
+
+// The parameter layout of `decl` for `cfg`: the embedding's, each layer's, then the head's
+// not already named by the embedding; tensors uninitialised, with options `o`.
+Weights make_weights(const ArchDecl& decl, const ModelConfig& cfg, const at::TensorOptions& o) {
+  Weights w;
+  std::map<std::string, int> index;
+  auto add = [&](const std::string& name, const std::vector<int64_t>& sizes) {
+    auto [it, fresh] = index.emplace(name, static_cast<int>(w.names.size()));
+    if (fresh) {
+      w.names.push_back(name);
+      w.tensors.push_back(at::empty(sizes, o));
+    }
+    return it->second;
+  };
+  for (const auto& p : decl.embed(cfg, 1, 1, at::kFloat).params) w.embed.push_back(add(p.name, p.sizes));
+  const auto block = decl.block(cfg, 1, 1, at::kFloat).params;
+  for (int64_t l = 0; l < cfg.n_layer; ++l) {
+    w.layers.emplace_back();
+    for (const auto& p : block) {
+      w.layers.back().push_back(add(decl.layer_prefix + std::to_string(l) + "." + p.name, p.sizes));
+    }
+  }
+  for (const auto& p : decl.head(cfg, 1, 1, at::kFloat, 1).params) w.head.push_back(add(p.name, p.sizes));
+  return w;
+}
+
+const std::vector<bool> kKeepAll(kSlotCount, true);
+
+}  // namespace
+
+std::vector<at::Tensor> Engine::forward(int i, const std::vector<at::Tensor>& in, bool recompute) {
+  const graph::Node& n = g.nodes[i];
+  std::vector<at::Tensor> p;
+  for (int k : n.params) p.push_back(weights[k]);
+  if (!recompute || store == nullptr) return n.op->forward(in, p, n.attrs, ctx);
+  if (n.op->kind()[0] != '\0') store->count_op(n.op->kind());
+  const ActivationStore::NodeTimer timer(*store, n.name.c_str(), ctx.device);
+  return n.op->forward(in, p, n.attrs, recompute_ctx);
+}
+
+std::vector<at::Tensor> Engine::backward(int i, const std::vector<at::Tensor>& dy, const std::vector<at::Tensor>& in,
+                                         const std::vector<at::Tensor>& out) {
+  const graph::Node& n = g.nodes[i];
+  std::vector<at::Tensor> p;
+  std::vector<at::Tensor*> gp;
+  for (int k : n.params) {
+    p.push_back(weights[k]);
+    gp.push_back(&grads[k]);
+  }
+  return n.op->backward(dy, in, out, p, gp, n.attrs, ctx);
+}
+
+void Engine::dropped(int v, const at::Tensor& t) {
+  const auto s = static_cast<Slot>(g.slot_of[v]);
+  if (store == nullptr || s == Slot::input) return;
+  const auto& vs = g.slot(s);
+  store->drop(layer, slot_name(s), static_cast<size_t>(std::find(vs.begin(), vs.end(), v) - vs.begin()), t);
+}
+
+TransformerModel::TransformerModel(const ArchDecl& decl, const ModelConfig& cfg, at::Device device,
+                                   at::ScalarType compute_dtype, uint64_t seed)
+    : Model(cfg, device, compute_dtype), decl_(decl) {
+  // Masters are float32, or float64 when computing in float64 (gradient tests).
+  const auto f32 = at::TensorOptions().dtype(compute_dtype == at::kDouble ? at::kDouble : at::kFloat);
+  // Initialise on CPU from one seeded generator so a seed means the same model on every
+  // device, then move.
+  weights_ = make_weights(decl, cfg, f32);
+  auto gen = at::detail::createCPUGenerator(seed);
+  for (size_t i = 0; i < weights_.tensors.size(); ++i) {
+    init_param(weights_.names[i], weights_.tensors[i], cfg, gen);
+    weights_.tensors[i] = weights_.tensors[i].to(device);
+  }
+  grads_ = make_weights(decl, cfg, f32.device(device));
+  for (size_t i = 0; i < weights_.tensors.size(); ++i) {
+    grads_.tensors[i].zero_();
+    params_.push_back(Param{weights_.names[i], weights_.tensors[i], grads_.tensors[i], weights_.tensors[i].dim() >= 2});
+  }
+  const graph::BlockGraph head = decl.head(cfg, 1, 1, at::kFloat, 1);
+  for (const auto& n : head.nodes) {
+    if (n.op == &graph::op::cross_entropy()) head_weight_ = weights_.head[static_cast<size_t>(n.params.at(0))];
+  }
+  TORCH_INTERNAL_ASSERT(head_weight_ >= 0, "the head declares no loss");
+  if (decl.block(cfg, 1, 1, compute_dtype).uses(graph::op::rope())) {
+    rope_ = ops::rope_tables(cfg.max_seq, cfg.head_dim(), cfg.rope_theta, compute_dtype, device);
+  }
+}
+
+double TransformerModel::forward_backward(const at::Tensor& tokens, const at::Tensor& targets, const StepContext& ctx,
+                                          double loss_scale, int64_t ce_chunk, ActivationBytes* measured) {
+  check_batch(tokens, targets);
+  const Weights& W = compute_weights();
+  const int64_t L = cfg_.n_layer, B = tokens.size(0), T = tokens.size(1);
+  const GraphShape& emb = part(Part::embed, B, T);
+  const GraphShape& blk = part(Part::block, B, T);
+  const GraphShape& head = part(Part::head, B, T, ce_chunk);
+  const PoolDrain drain{store_ != nullptr && store_->options().pool};
+
+  // Coarse trace slices around the parts outside the blocks.
+  std::optional<trace::Scope> scope(std::in_place, "embedding forward", trace::Category::layer);
+  Run embed_run(emb.graph, emb.lifetimes, kKeepAll);
+  at::Tensor x;
+  {
+    Engine e = engine(emb, W.embed, false, 0, ctx, nullptr);
+    x = embed_run.forward(e, tokens);
+  }
+  scope.reset();
+  std::vector<std::unique_ptr<Run>> runs;
+  for (int64_t l = 0; l < L; ++l) {
+    const trace::Scope layer_scope("forward", trace::Category::layer, l);
+    Engine e = engine(blk, W.layers[l], false, l, ctx, store_.get());
+    runs.push_back(std::make_unique<Run>(blk.graph, blk.lifetimes, keeps(l)));
+    x = runs.back()->forward(e, std::move(x));
+  }
+  scope.emplace("loss head forward", trace::Category::layer);
+  Run head_run(head.graph, head.lifetimes, kKeepAll);
+  double loss = 0;
+  {
+    Engine e = engine(head, W.head, false, 0, ctx, nullptr);
+    loss = head_run.forward(e, std::move(x), false, {targets.reshape({-1})}).item<double>();
+  }
+  scope.reset();
+
+  if (store_) {
+    std::unordered_set<const void*> seen;
+    for (int64_t l = 0; l < L; ++l) store_->add_kept_bytes(distinct_storage_bytes(runs[l]->held(), seen));
+  }
+  if (measured != nullptr) {
+    std::unordered_set<const void*> seen;
+    measured->embedding = distinct_storage_bytes(embed_run.held(), seen);
+    measured->blocks.assign(L, 0);
+    for (int64_t l = 0; l < L; ++l) measured->blocks[l] = distinct_storage_bytes(runs[l]->held(), seen);
+    measured->head = distinct_storage_bytes(head_run.held(), seen);
+  }
+
+  scope.emplace("loss head backward", trace::Category::layer);
+  at::Tensor dx;
+  {
+    Engine e = engine(head, W.head, true, 0, ctx, nullptr);
+    dx = head_run.backward(e, at::scalar_tensor(loss_scale, at::kDouble));
+  }
+  scope.reset();
+  for (int64_t l = L - 1; l >= 0; --l) {
+    const trace::Scope layer_scope("backward", trace::Category::layer, l);
+    if (!runs[l]->value(blk.graph.input).defined()) recompute_chunk(blk, l, ctx, runs);
+    Engine e = engine(blk, W.layers[l], true, l, ctx, store_.get());
+    dx = runs[l]->backward(e, std::move(dx));
+    runs[l].reset();
+    if (store_) store_->finished_backward(l);
+  }
+  scope.emplace("embedding backward", trace::Category::layer);
+  Engine e = engine(emb, W.embed, true, 0, ctx, nullptr);
+  embed_run.backward(e, std::move(dx));
+  return loss;
+}
+
+double TransformerModel::evaluate(const at::Tensor& tokens, const at::Tensor& targets, int64_t ce_chunk) {
+  check_batch(tokens, targets);
+  const GraphShape& head = part(Part::head, tokens.size(0), tokens.size(1), ce_chunk);
+  Engine e = engine(head, compute_weights().head, false, 0, {}, nullptr, /*train=*/false);
+  return Run(head.graph, head.lifetimes, kKeepAll, /*training=*/false)
+      .forward(e, blocks_output(tokens), false, {targets.reshape({-1})})
+      .item<double>();
+}
+
+at::Tensor TransformerModel::last_logits(const at::Tensor& tokens) {
+  TORCH_CHECK(tokens.dim() == 2 && tokens.size(1) > 0, "[model] tokens must be [B, T] with T > 0, got ",
+              tokens.sizes());
+  const GraphShape& head = part(Part::head, tokens.size(0), tokens.size(1));
+  Engine e = engine(head, compute_weights().head, false, 0, {}, nullptr, /*train=*/false);
+  const at::Tensor h = Run(head.graph, head.lifetimes, kKeepAll, /*training=*/false).forward(e, blocks_output(tokens));
+  return at::matmul(h.select(1, tokens.size(1) - 1), compute_weights().tensors[head_weight_].t()).to(at::kFloat);
+}
+
+double TransformerModel::forward_flops(int64_t seq) const {
+  return decl_.embed(cfg_, 1, seq, compute_dtype_).forward_flops() +
+         cfg_.n_layer * decl_.block(cfg_, 1, seq, compute_dtype_).forward_flops() +
+         decl_.head(cfg_, 1, seq, compute_dtype_, seq).forward_flops();
+}
+
+void TransformerModel::set_activation_plan(const ActivationPlan& plan, const StoreOptions& options) {
+  TORCH_CHECK(static_cast<int64_t>(plan.layers.size()) == cfg_.n_layer, "The activation plan has ",
+              plan.layers.size(), " layers but the model has ", cfg_.n_layer);
+  bool any = false;
+  for (const auto& lp : plan.layers) {
+    any = any || !lp.keeps_all();
+    for (const auto& slot : lp.dropped) slot_of_name(slot);  // refuses a slot no block has
+  }
+  store_ = any ? std::make_unique<ActivationStore>(plan, options) : nullptr;
+}
+
+ActivationBytes TransformerModel::predict_activation_bytes(int64_t B, int64_t T) const {
+  // The graphs' saved values: the blocks' by the slot table (the planner prices the same).
+  const graph::BlockGraph g = decl_.block(cfg_, B, T, compute_dtype_);
+  ActivationBytes out;
+  out.embedding = decl_.embed(cfg_, B, T, compute_dtype_).saved_bytes();
+  out.head = decl_.head(cfg_, B, T, compute_dtype_, 1).saved_bytes();
+  for (int64_t l = 0; l < cfg_.n_layer; ++l) {
+    const auto keep = keeps(l);
+    int64_t bytes = 0;
+    for (int s = 0; s < kSlotCount; ++s) {
+      if (keep[static_cast<size_t>(s)]) bytes += g.slot_bytes(static_cast<Slot>(s));
+    }
+    out.blocks.push_back(bytes);
+  }
+  return out;
+}
+
+void TransformerModel::check_batch(const at::Tensor& tokens, const at::Tensor& targets) const {
+  TORCH_CHECK(tokens.dim() == 2 && tokens.sizes() == targets.sizes(),
+              "[model] tokens and targets must both be [B, T], got ", tokens.sizes(), " and ", targets.sizes());
+  TORCH_CHECK(tokens.size(1) <= cfg_.max_seq, "The sequence has ", tokens.size(1),
+              " tokens but the model's context is ", cfg_.max_seq, " (model.max_seq); use sequences of at most ",
+              cfg_.max_seq, " tokens.");
+}
+
+const GraphShape& TransformerModel::part(Part p, int64_t B, int64_t T, int64_t chunk) {
+  auto& slot = parts_[{p, B, T, chunk}];
+  if (!slot) {
+    switch (p) {
+      case Part::embed:
+        slot = std::make_unique<GraphShape>(decl_.embed(cfg_, B, T, compute_dtype_));
+        break;
+      case Part::block:
+        slot = std::make_unique<GraphShape>(decl_.block(cfg_, B, T, compute_dtype_));
+        break;
+      case Part::head:
+        slot = std::make_unique<GraphShape>(decl_.head(cfg_, B, T, compute_dtype_, chunk));
+        break;
+    }
+  }
+  return *slot;
+}
+
+std::vector<bool> TransformerModel::keeps(int64_t l) const {
+  std::vector<bool> keep(kSlotCount, true);
+  if (!store_) return keep;
+  const LayerPlan& lp = store_->plan().layers[static_cast<size_t>(l)];
+  for (const auto& slot : lp.dropped) keep[static_cast<size_t>(slot_of_name(slot))] = false;
+  if (lp.chunk_begin >= 0 && lp.chunk_begin != l) keep[static_cast<size_t>(Slot::input)] = false;
+  return keep;
+}
+
+Engine TransformerModel::engine(const GraphShape& s, const std::vector<int>& params, bool backward, int64_t l,
+                                const StepContext& ctx, ActivationStore* store, bool train) {
+  graph::RunContext run{ctx.seed, ctx.step, ctx.microbatch, l, train, device_, rope_ ? &*rope_ : nullptr};
+  graph::RunContext again = run;
+  if (store != nullptr) {
+    const StepContext k = recompute_context(ctx, *store);
+    again.seed = k.seed;
+    again.step = k.step;
+    again.microbatch = k.microbatch;
+  }
+  return Engine{s.graph, compute_weights().of(params), backward ? grads_.of(params) : std::vector<at::Tensor>{},
+                run, again, store, l};
+}
+
+void TransformerModel::recompute_chunk(const GraphShape& blk, int64_t last, const StepContext& ctx,
+                                       std::vector<std::unique_ptr<Run>>& runs) {
+  const int64_t first = store_->plan().layers[static_cast<size_t>(last)].chunk_begin;
+  const Weights& W = compute_weights();
+  store_->recompute([&] {
+    at::Tensor x = runs[first]->value(blk.graph.input);
+    for (int64_t j = first; j <= last; ++j) {
+      const trace::Recompute recompute(j);
+      Engine e = engine(blk, W.layers[j], false, j, ctx, store_.get());
+      auto fresh = std::make_unique<Run>(blk.graph, blk.lifetimes, kKeepAll);
+      x = fresh->forward(e, std::move(x), /*recompute=*/true);
+      for (int s = 1; s < kSlotCount; ++s) {
+        if (!runs[j]->missing(static_cast<Slot>(s))) continue;
+        std::vector<at::Tensor> ts;
+        for (int v : blk.graph.slot(static_cast<Slot>(s))) ts.push_back(fresh->value(v));
+        store_->refilled(j, slot_name(static_cast<Slot>(s)), ts);
+      }
+      runs[j] = std::move(fresh);
+    }
+  });
+}
+
+at::Tensor TransformerModel::blocks_output(const at::Tensor& tokens) {
+  const Weights& W = compute_weights();
+  const StepContext none;
+  const int64_t B = tokens.size(0), T = tokens.size(1);
+  const GraphShape& emb = part(Part::embed, B, T);
+  const GraphShape& blk = part(Part::block, B, T);
+  const std::vector<bool> keep_none(kSlotCount, false);
+  Engine ee = engine(emb, W.embed, false, 0, none, nullptr, /*train=*/false);
+  at::Tensor x = Run(emb.graph, emb.lifetimes, keep_none, /*training=*/false).forward(ee, tokens);
+  for (int64_t l = 0; l < cfg_.n_layer; ++l) {
+    Engine e = engine(blk, W.layers[l], false, l, none, nullptr, /*train=*/false);
+    x = Run(blk.graph, blk.lifetimes, keep_none, /*training=*/false).forward(e, std::move(x));
+  }
+  return x;
+}
+
+const Weights& TransformerModel::compute_weights() {
+  if (compute_dtype_ == params_.front().value.scalar_type()) return weights_;
+  int64_t version = 0;
+  for (const auto& t : weights_.tensors) version += t._version();
+  if (!cast_valid_ || version != cast_version_) {
+    cast_ = weights_;
+    for (auto& t : cast_.tensors) t = t.to(compute_dtype_);
+    cast_version_ = version;
+    cast_valid_ = true;
+  }
+  return cast_;
+}
+
+}  // namespace remat::detail
