@@ -11,6 +11,8 @@
 #include <torch/nn/modules/normalization.h>
 #include <torch/utils.h>
 
+#include "util/seeded.h"
+
 #include <cstring>
 #include <functional>
 #include <string>

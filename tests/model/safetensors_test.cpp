@@ -42,13 +42,13 @@ bool bitwise_equal(const at::Tensor& a, const at::Tensor& b) {
 
 TEST(SafeTensors, RoundTripsEveryDtypeBitwise) {
   TempDir dir;
-  at::manual_seed(0);
+  at::Generator gen = at::detail::createCPUGenerator(0);
   // Random bit patterns (NaN payloads and subnormals included) for every dtype but BOOL.
-  auto random_bits = [](at::ScalarType dtype, std::vector<int64_t> shape) {
+  auto random_bits = [&gen](at::ScalarType dtype, std::vector<int64_t> shape) {
     const int64_t item = static_cast<int64_t>(c10::elementSize(dtype));
     std::vector<int64_t> byte_shape = shape;
     byte_shape.back() *= item;
-    return at::randint(0, 256, byte_shape, at::kByte).view(dtype);
+    return at::randint(0, 256, byte_shape, gen, at::kByte).view(dtype);
   };
   std::vector<std::pair<std::string, at::Tensor>> tensors = {
       {"f64", random_bits(at::kDouble, {3, 5})},
@@ -60,7 +60,7 @@ TEST(SafeTensors, RoundTripsEveryDtypeBitwise) {
       {"i16", random_bits(at::kShort, {5})},
       {"i8", random_bits(at::kChar, {11})},
       {"u8", random_bits(at::kByte, {3})},
-      {"bool", at::randint(0, 2, {2, 5}, at::kBool)},
+      {"bool", at::randint(0, 2, {2, 5}, gen, at::kBool)},
       {"scalar", at::scalar_tensor(2.5, at::kFloat)},
       {"empty", at::empty({0, 3}, at::kFloat)},
       {"transposed", at::arange(12, at::kFloat).view({3, 4}).t()},  // non-contiguous

@@ -25,7 +25,7 @@ TEST(TimeProfile, TimesEveryNodeAFullRecomputeRunsAndIsCached) {
   auto model = Model::create(cfg.model, at::kCPU, at::kFloat, 1);
   std::vector<at::Tensor> before;
   for (const auto& p : model->params()) before.push_back(p.value.clone());
-  const data::TokenDataset data(at::randint(64, {400}, at::kInt));
+  const data::TokenDataset data(at::randint(64, {400}, at::detail::createCPUGenerator(1), at::kInt));
 
   const TimeProfile p = measure_time_profile(cfg, *model, data);
   EXPECT_FALSE(p.cached);
