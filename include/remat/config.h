@@ -114,6 +114,12 @@ Config load_config(const std::string& toml_path, const std::vector<std::string>&
 /// recompute policy included (compile_policy against model.n_layer and model.dropout).
 void validate_config(const Config& c);
 
+/// Refuses a path holding a control character (a newline, a tab, an escape), with a
+/// sentence naming `what` (a key such as "run.out_dir", or an option such as "--plot"):
+/// paths are written into plot scripts, logs and tables, where such a character ends a
+/// line, and it is almost always a stray line break in a shared config or a variable.
+void check_path(const std::string& what, const std::string& path);
+
 /// The resolved configuration as TOML (every key, with its value; unset alias keys are
 /// written as comments, `# key = (unset)`). List keys are written as TOML arrays.
 std::string config_to_toml(const Config& c);

@@ -165,10 +165,14 @@ int run(int argc, char** argv) {
       }
       return cmd_train(config_file, overrides);
     }
-    if (plan_cmd->parsed()) return cmd_plan(load_config(config_file, overrides), plan_args);
+    if (plan_cmd->parsed()) {
+      check_path("--plot", plan_args.plot);
+      return cmd_plan(load_config(config_file, overrides), plan_args);
+    }
     if (bench_cmd->parsed()) {
       std::vector<std::string> policies = split_list(policy_args, "--policies", "none;full");
       if (policy_args.empty()) policies = {"none", "modules:[core_attn]", "every:2", "uniform:2", "full"};
+      check_path("--out", bench.out);
       bench.config_file = config_file;
       bench.overrides = overrides;
       bench.entries = bench_entries(policies, split_list(budget_args, "--budgets", "96MiB;0.6"));
@@ -176,6 +180,7 @@ int run(int argc, char** argv) {
       return 0;
     }
     if (gen->parsed()) {
+      check_path("--run", run_dir);
       set_threads(0);
       fmt::print("{}\n", generate_from_run(run_dir, prompt, tokens, temperature, top_k, static_cast<uint64_t>(seed),
                                                gen_device));

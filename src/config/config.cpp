@@ -3,6 +3,7 @@
 #include "remat/policy.h"
 
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 #include <toml++/toml.h>
 
 #include <algorithm>
@@ -385,6 +386,18 @@ Config load_config(const std::string& toml_path, const std::vector<std::string>&
   return c;
 }
 
+void check_path(const std::string& what, const std::string& path) {
+  for (size_t i = 0; i < path.size(); ++i) {
+    const auto byte = static_cast<unsigned char>(path[i]);
+    if (byte < 0x20 || byte == 0x7f) {
+      fail(fmt::format("{} = {} holds a control character (byte {:#04x} at offset {}); paths must be printable "
+                       "(they are written into plot scripts, logs and tables): remove it, it is usually a stray "
+                       "line break in a config file or a shell variable.",
+                       what, nlohmann::json(path).dump(), byte, i));
+    }
+  }
+}
+
 void validate_config(const Config& c) {
   const auto& m = c.model;
   auto positive = [](const char* name, int64_t v) {
@@ -462,6 +475,10 @@ void validate_config(const Config& c) {
           "keep one of them.", c.ac.budget, plan.policy));
     }
   }
+  check_path("run.out_dir", c.run.out_dir);
+  check_path("run.trace", c.run.trace);
+  check_path("data.dir", c.data.dir);
+  check_path("data.text", c.data.text);
   if (c.run.name.find_first_not_of("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-") !=
           std::string::npos ||
       c.run.name == "." || c.run.name == "..") {

@@ -47,9 +47,6 @@ class RunDir {
   static std::string timestamp();
 
  private:
-  /// Feeds `script` to gnuplot, its errors going to gnuplot.log (removed on success).
-  bool run_gnuplot(const std::string& script, std::string* why) const;
-
   std::string path_;
   std::ofstream metrics_;
 };

@@ -21,8 +21,10 @@ struct Result {
   std::string output;  // stdout and stderr together
 };
 
-Result run_remat(const std::string& args) {
-  const std::string cmd = std::string(REMAT_BINARY) + " " + args + " 2>&1";
+// Runs in `cwd` when it is given.
+Result run_remat(const std::string& args, const fs::path& cwd = {}) {
+  const std::string cmd =
+      (cwd.empty() ? "" : "cd '" + cwd.string() + "' && ") + std::string(REMAT_BINARY) + " " + args + " 2>&1";
   std::FILE* pipe = popen(cmd.c_str(), "r");
   Result r{-1, ""};
   std::array<char, 4096> buf{};
@@ -268,6 +270,31 @@ TEST_F(Cli, ParetoPlotsTheFrontierWithTheManualPolicies) {
   EXPECT_NE(r.output.find("frontier (budget plans)"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("modules:[core_attn]"), std::string::npos) << r.output;
   EXPECT_TRUE(fs::exists(png) || r.output.find("no plot:") != std::string::npos) << r.output;
+}
+
+// Each path would run `touch injected` through gnuplot if it were pasted into the plot
+// script: a quote that ends gnuplot's string and calls system(), and a leading '|', which
+// makes gnuplot pipe the plot into a shell command. Both must be plain file names.
+TEST_F(Cli, PlotPathsNeverRunAsGnuplotCode) {
+  for (const std::string png : {"a' . system('touch injected') . '.png", "|touch injected"}) {
+    const Result r = run_remat("plan --pareto --budget 0.5 --plot \"" + png + "\"", dir_);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    if (r.output.find("gnuplot is not installed") == std::string::npos) {
+      EXPECT_TRUE(fs::exists(dir_ / png)) << r.output;
+    }
+    EXPECT_FALSE(fs::exists(dir_ / "injected")) << png;
+  }
+}
+
+// A shared config.toml whose run.out_dir ends a line and starts a gnuplot command.
+TEST_F(Cli, AControlCharacterInAPathIsRefusedBeforeAnythingRuns) {
+  const std::string marker = (dir_ / "injected").string();
+  const std::string cfg = file("shared.toml", "[run]\nout_dir = \"runs\\nsystem('touch " + marker + "')\\n\"\n");
+  expect_error("train --config " + cfg + " train.steps=1",
+               "run.out_dir = \"runs\\nsystem('touch " + marker + "')\\n\" holds a control character (byte 0x0a at "
+               "offset 4); paths must be printable");
+  expect_error("plan --pareto --plot \"$(printf 'a\\tb.png')\"", "--plot = \"a\\tb.png\" holds a control character");
+  EXPECT_FALSE(fs::exists(marker));
 }
 
 TEST_F(Cli, TrainingWithABudgetStaysWithinItAndPredictsItsPeak) {
