@@ -224,7 +224,7 @@ std::vector<ConfigKey> make_keys() {
       key("run.prompt", &C::run, &RunConfig::prompt, "prompt of the final sample"),
       key("run.progress", &C::run, &RunConfig::progress, "progress bar on a terminal"),
       key("run.trace", &C::run, &RunConfig::trace, "Chrome-trace JSON of step 3; empty: none"),
-      key("ac.policy", &C::ac, &AcConfig::policy, "recompute policy (README: Recompute policies)"),
+      ac_key("ac.policy", &AcConfig::policy, "recompute policy (README: Recompute policies); unset: none"),
       key("ac.budget", &C::ac, &AcConfig::budget, "memory budget: the planner picks the plan (12GiB, 0.6)"),
       key("ac.profile", &C::ac, &AcConfig::profile, "measure node times to predict step time (cached)"),
       key("ac.preserve_rng_state", &C::ac, &AcConfig::preserve_rng_state, "replay dropout RNG in recompute"),
@@ -469,7 +469,7 @@ void validate_config(const Config& c) {
   const ActivationPlan plan = compile_policy(c.ac, m.n_layer, m.dropout);
   if (!c.ac.budget.empty()) {
     parse_budget(c.ac.budget, 1);
-    if (plan.policy != "none") {
+    if (c.ac.policy || plan.policy != "none") {
       throw std::invalid_argument(fmt::format(
           "ac.budget = \"{}\" asks the planner for the plan, but the ac settings also choose the policy \"{}\"; "
           "keep one of them.", c.ac.budget, plan.policy));
