@@ -145,6 +145,15 @@ int run(int argc, char** argv) {
   std::string gen_device;
   gen->add_option("--device", gen_device, "cpu or cuda[:N] (default: the run's device)");
 
+  // CLI11 reads "--budget=" as "--budget" and takes the next argument for its value.
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg.size() > 3 && arg.rfind("--", 0) == 0 && arg.find('=') == arg.size() - 1) {
+      fmt::print(stderr, "error: {} gives {} an empty value; write the value after '=' or leave the option out.\n",
+                 arg, arg.substr(0, arg.size() - 1));
+      return 1;
+    }
+  }
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -160,6 +169,11 @@ int run(int argc, char** argv) {
       }
       if (explain_ac) {
         const Config cfg = load_config(config_file, overrides);
+        if (!cfg.ac.budget.empty()) {
+          throw std::invalid_argument(fmt::format(
+              "--explain-ac prints the plan a policy compiles to, but ac.budget = \"{}\" leaves the plan to the "
+              "planner; see it with `remat plan --budget {}` and the same settings.", cfg.ac.budget, cfg.ac.budget));
+        }
         fmt::print("{}", explain_plan(compile_policy(cfg.ac, cfg.model.n_layer, cfg.model.dropout)));
         return 0;
       }

@@ -297,6 +297,38 @@ TEST_F(Cli, AControlCharacterInAPathIsRefusedBeforeAnythingRuns) {
   EXPECT_FALSE(fs::exists(marker));
 }
 
+// Out-of-range numbers that once spawned 100000 threads, looped for ever, wrapped to
+// negative sizes or overflowed the planner: each is refused before anything runs.
+TEST_F(Cli, OutOfRangeSettingsAreRefusedBeforeAnythingRuns) {
+  const std::string huge = "9223372036854775807";
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"train run.threads=100000", "run.threads must be in [0, 1024] (0: all cores), got 100000."},
+      {"train train.grad_accum=" + huge, "train.grad_accum must be at most 65536 (microbatches per step), got " + huge},
+      {"train train.steps=" + huge, "train.steps must be at most 1073741824 (a billion steps), got " + huge},
+      {"train train.batch=" + huge, "train.batch must be at most 1048576 (sequences per microbatch), got " + huge},
+      {"train ac.budget=1e30", "The memory budget \"1e30\" is 1e+30 bytes, beyond any device"},
+      {"train train.weight_decay=-1", "train.weight_decay must be >= 0 (0 disables it; 0.1 is usual), got -1"},
+      {"train model.preset=tiny-llama model.rope_theta=0", "model.rope_theta must be greater than 1"},
+      {"train model.init_std=1e30", "model.init_std must be in (0, 1] (0.02 is usual), got 1e+30"},
+      {"plan model.preset=llama3-8b model.max_seq=268435456 train.seq=268435456",
+       "model.max_seq must be at most 16777216 (16M tokens of context), got 268435456."},
+      {"plan model.preset=llama3-8b model.max_seq=16777216 train.seq=16777216 train.batch=64",
+       "The attention probabilities of 32 layers at train.batch = 64 x train.seq = 16777216 with 32 heads"},
+      {"plan --budget= model.n_layer=2", "--budget= gives --budget an empty value; write the value after '=' or "
+                                         "leave the option out."},
+      {"plan model.n_layer=10000", "model.n_layer must be at most 1024 (layers), got 10000."},
+      {"plan --budget 1.5", "is neither a fraction of the no-recompute peak"},
+      {"train --explain-ac ac.budget=0.6", "--explain-ac prints the plan a policy compiles to, but ac.budget = \"0.6\""}};
+  for (const auto& [args, sentence] : cases) expect_error(args, sentence);
+}
+
+TEST_F(Cli, AnExistingTraceFileIsNeverReplaced) {
+  const std::string old = file("step.json", "an earlier trace");
+  expect_error("train --trace " + old, "a file is there already, and a trace never replaces one");
+  std::ifstream in(old);
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(in), {}), "an earlier trace");
+}
+
 TEST_F(Cli, TrainingWithABudgetStaysWithinItAndPredictsItsPeak) {
   const std::string common = "model.preset=tiny-gpt2 model.vocab_size=0 train.steps=3 train.batch=4 train.seq=32 "
                              "train.warmup=1 train.eval_batches=1 data.vocab_size=512 run.threads=1 "
