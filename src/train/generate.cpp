@@ -17,7 +17,8 @@ std::string sample_text(Model& model, const data::Tokenizer& tok, const std::str
     const int64_t start = std::max<int64_t>(0, static_cast<int64_t>(ids.size()) - ctx);
     std::vector<int64_t> window(ids.begin() + start, ids.end());
     at::Tensor input = at::tensor(window, at::kLong).view({1, -1}).to(model.device());
-    at::Tensor logits = model.last_logits(input)[0].to(at::kCPU);
+    // A model.vocab_size above the tokenizer's has rows no piece decodes; never sample them.
+    at::Tensor logits = model.last_logits(input)[0].to(at::kCPU).narrow(0, 0, tok.vocab_size());
     int64_t next = 0;
     if (temperature <= 0) {
       next = logits.argmax().item<int64_t>();

@@ -58,6 +58,14 @@ class Cli : public ::testing::Test {
     EXPECT_EQ(r.output.find("Exception raised from"), std::string::npos) << r.output;
   }
 
+  // `remat train` of tiny-gpt2 on a generated corpus, everything under dir_, plus `settings`.
+  std::string tiny_training(const std::string& settings) {
+    return "train model.preset=tiny-gpt2 train.batch=2 train.seq=16 train.warmup=1 train.eval_batches=1 "
+           "data.vocab_size=512 run.threads=1 run.progress=false data.text=" +
+           file("corpus.txt", remat::testing::make_text(1000)) + " data.dir=" + (dir_ / "data").string() +
+           " run.out_dir=" + (dir_ / "runs").string() + " " + settings;
+  }
+
   std::string file(const std::string& name, const std::string& content) {
     const std::string p = (dir_ / name).string();
     std::ofstream(p, std::ios::binary) << content;
@@ -320,6 +328,13 @@ TEST_F(Cli, OutOfRangeSettingsAreRefusedBeforeAnythingRuns) {
       {"plan --budget 1.5", "is neither a fraction of the no-recompute peak"},
       {"train --explain-ac ac.budget=0.6", "--explain-ac prints the plan a policy compiles to, but ac.budget = \"0.6\""}};
   for (const auto& [args, sentence] : cases) expect_error(args, sentence);
+}
+
+// Rows past the tokenizer's vocabulary train like any other but are never sampled.
+TEST_F(Cli, AModelVocabularyLargerThanTheTokenizersSamplesOnlyItsPieces) {
+  const Result r = run_remat(tiny_training("model.vocab_size=700 train.steps=2 run.sample_tokens=40 run.name=padded"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(fs::exists(dir_ / "runs" / "padded" / "sample.txt")) << r.output;
 }
 
 TEST_F(Cli, AnExistingTraceFileIsNeverReplaced) {

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <sys/stat.h>
 #include <fstream>
 #include <sstream>
 
@@ -195,6 +196,28 @@ TEST(SafeTensors, RefusesCorruptFiles) {
 
   const std::string missing = error_of([&] { load_safetensors(dir / "missing.safetensors"); });
   expect_has(missing, "missing.safetensors");
+}
+
+// A crafted 100 MB header (the format's own limit) is refused from its length alone,
+// before a byte of it is read; a FIFO in place of the file is refused instead of waiting
+// for a writer.
+TEST(SafeTensors, RefusesHugeHeadersAndFilesThatAreNotRegular) {
+  TempDir dir;
+  const std::string path = dir / "huge.safetensors";
+  const uint64_t header = 100'000'000;
+  std::string prefix(8, '\0');
+  for (int i = 0; i < 8; ++i) prefix[i] = static_cast<char>(header >> (8 * i));
+  write_bytes(path, prefix);
+  fs::resize_file(path, 8 + header);  // sparse: no disk, and no memory unless read
+  EXPECT_EQ(error_of([&] { load_safetensors(path); }),
+            "The safetensors file " + path + " is invalid: the header length 100000000 bytes is more than the 8 MiB "
+            "remat reads (over 50,000 tensors' worth); it is not a model file remat can load.");
+
+  const std::string fifo = dir / "fifo.safetensors";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  EXPECT_EQ(error_of([&] { load_safetensors(fifo); }),
+            "Cannot read the safetensors file " + fifo +
+                ": it is not a regular file (a directory, FIFO or device); pass a .safetensors file.");
 }
 
 }  // namespace
