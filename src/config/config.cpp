@@ -475,8 +475,10 @@ void validate_config(const Config& c) {
     fail(fmt::format("train.seq ({}) is longer than the model's context (model.max_seq = {}); "
                      "use train.seq <= {} or raise model.max_seq.", t.seq, m.max_seq, m.max_seq));
   }
-  if (t.lr <= 0 || t.min_lr < 0 || t.min_lr > t.lr) {
-    fail(fmt::format("Learning rates must satisfy 0 <= train.min_lr <= train.lr and train.lr > 0; "
+  // Above 10 an AdamW step moves a weight by more than any model survives, and the
+  // optimizer's float32 step size overflows long before 1e38.
+  if (t.lr <= 0 || t.lr > 10 || t.min_lr < 0 || t.min_lr > t.lr) {
+    fail(fmt::format("Learning rates must satisfy 0 <= train.min_lr <= train.lr and 0 < train.lr <= 10; "
                      "got lr {} and min_lr {}.", t.lr, t.min_lr));
   }
   if (t.warmup < 0 || t.eval_every < 0) fail("train.warmup and train.eval_every must be >= 0.");

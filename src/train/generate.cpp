@@ -2,6 +2,8 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <limits>
 
@@ -19,6 +21,11 @@ std::string sample_text(Model& model, const data::Tokenizer& tok, const std::str
     at::Tensor input = at::tensor(window, at::kLong).view({1, -1}).to(model.device());
     // A model.vocab_size above the tokenizer's has rows no piece decodes; never sample them.
     at::Tensor logits = model.last_logits(input)[0].to(at::kCPU).narrow(0, 0, tok.vocab_size());
+    if (!at::isfinite(logits).all().item<bool>()) {
+      throw std::runtime_error(fmt::format(
+          "The model's logits for generated token {} are not finite although its weights are: the forward overflows "
+          "on this prompt; try a shorter prompt, or train the model again with a lower train.lr.", i + 1));
+    }
     int64_t next = 0;
     if (temperature <= 0) {
       next = logits.argmax().item<int64_t>();
@@ -41,9 +48,9 @@ std::string sample_text(Model& model, const data::Tokenizer& tok, const std::str
 
 #include "remat/trainer.h"
 #include "train/device.h"
+#include "train/step.h"
 
 #include <filesystem>
-#include <fmt/format.h>
 
 namespace remat {
 
@@ -60,6 +67,11 @@ std::string generate_from_run(const std::string& run_dir, const std::string& pro
   const at::Device dev = parse_device(device.empty() ? cfg.run.device : device);
   auto model = Model::create(cfg.model, dev, dev.is_cuda() ? parse_dtype(cfg.run.dtype, dev) : at::kFloat, 0);
   model->load((fs::path(run_dir) / "model.safetensors").string());
+  if (const std::string bad = first_non_finite(*model); !bad.empty()) {
+    throw std::invalid_argument(fmt::format(
+        "The weights in {} hold non-finite values (first: {}), so every sample would be noise; the run that wrote "
+        "them diverged: train again with a lower train.lr.", (fs::path(run_dir) / "model.safetensors").string(), bad));
+  }
   const auto tok = data::Tokenizer::load((fs::path(run_dir) / "tokenizer.model").string());
   return sample_text(*model, tok, prompt, tokens, temperature, top_k, seed);
 }

@@ -5,10 +5,13 @@
 #include "remat/trainer.h"
 #include "train/device.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <optional>
+#include <stdexcept>
 
 namespace remat {
 namespace {
@@ -40,7 +43,27 @@ std::vector<torch::optim::OptimizerParamGroup> adamw_groups(Model& model, const 
   return groups;
 }
 
+// Where a non-finite step shows first: a weight, else a gradient, else the loss alone.
+std::string where_non_finite(const Model& model) {
+  if (const std::string w = first_non_finite(model); !w.empty()) return "parameter " + w + " holds non-finite values";
+  if (const std::string g = first_non_finite(model, true); !g.empty()) {
+    return "the gradient of " + g + " is the first non-finite one";
+  }
+  return "every weight and gradient is finite, so the loss itself overflowed";
+}
+
 }  // namespace
+
+std::string first_non_finite(const Model& model, bool grads) {
+  std::vector<at::Tensor> finite;
+  for (const auto& p : model.params()) finite.push_back(at::isfinite(grads ? p.grad : p.value).all());
+  const at::Tensor flags = at::stack(finite).to(at::kCPU);
+  const bool* ok = flags.data_ptr<bool>();
+  for (size_t i = 0; i < finite.size(); ++i) {
+    if (!ok[i]) return model.params()[i].name;
+  }
+  return "";
+}
 
 void apply_plan(Model& model, const ActivationPlan& plan, const AcConfig& ac) {
   StoreOptions options;
@@ -79,6 +102,20 @@ StepResult TrainStep::run(int64_t step, const data::TokenDataset& data, std::mt1
               static_cast<double>(t.grad_accum);
   }
   r.grad_norm = clip_gradients(model_, t.grad_clip);
+  // Checked before the update, so that a bad step leaves the weights as they were.
+  if (!std::isfinite(r.loss) || !std::isfinite(r.grad_norm)) {
+    const ModelConfig& m = model_.config();
+    if (step == 0) {
+      throw std::runtime_error(fmt::format(
+          "The training loss is {} (gradient norm {}) at step 1, before any update, so the initial model is at fault, "
+          "not the learning rate: {}; check model.init_std (now {}) and model.norm_eps (now {}).",
+          r.loss, r.grad_norm, where_non_finite(model_), m.init_std, m.norm_eps));
+    }
+    throw std::runtime_error(fmt::format(
+        "The training loss became {} (gradient norm {}) at step {}: {}; lower train.lr (now {}), raise train.warmup "
+        "(now {}) or set train.grad_clip (now {}).",
+        r.loss, r.grad_norm, step + 1, where_non_finite(model_), t.lr, t.warmup, t.grad_clip));
+  }
   {
     const trace::Scope scope("optimizer step", trace::Category::step);
     optimizer_.step();
@@ -91,8 +128,12 @@ StepResult TrainStep::run(int64_t step, const data::TokenDataset& data, std::mt1
   r.current_bytes = mem.current;
   r.peak_bytes = mem.peak;
 
-  TORCH_CHECK(std::isfinite(r.loss), "The training loss became ", r.loss, " at step ", step + 1,
-              "; lower train.lr (now ", t.lr, ") or raise train.warmup.");
+  // After the peak is read: the check's temporaries are not the step's memory.
+  if (const std::string w = first_non_finite(model_); !w.empty()) {
+    throw std::runtime_error(fmt::format(
+        "The update of step {} made parameter {} non-finite (the loss was {}, the gradient norm {}); lower train.lr "
+        "(now {}) or set train.grad_clip (now {}).", step + 1, w, r.loss, r.grad_norm, r.lr, t.grad_clip));
+  }
   if (model_.store() != nullptr) r.counters = model_.store()->counters();
   return r;
 }

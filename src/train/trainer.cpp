@@ -29,7 +29,7 @@ namespace {
 constexpr double kPi = 3.14159265358979323846;
 
 // Mean loss per token over the first eval_batches sequential batches (the last may be short).
-double validation_loss(Model& model, const data::TokenDataset& val, const TrainConfig& t) {
+double validation_loss(Model& model, const data::TokenDataset& val, const TrainConfig& t, int64_t step) {
   const int64_t n = std::min<int64_t>(t.eval_batches, val.num_sequential_batches(t.batch, t.seq));
   double sum = 0.0;
   int64_t rows = 0;
@@ -38,7 +38,16 @@ double validation_loss(Model& model, const data::TokenDataset& val, const TrainC
     sum += b.tokens.size(0) * model.evaluate(b.tokens.to(model.device()), b.targets.to(model.device()), t.ce_chunk);
     rows += b.tokens.size(0);
   }
-  return sum / static_cast<double>(rows);
+  const double loss = sum / static_cast<double>(rows);
+  // Training checks every step's weights, so this is the held-out text overflowing the
+  // forward; nothing is saved after it.
+  if (!std::isfinite(loss)) {
+    throw std::runtime_error(fmt::format(
+        "The validation loss is {} {} though every weight is finite: the model overflows on held-out text; lower "
+        "train.lr (now {}) or raise train.warmup (now {}) and train again.",
+        loss, step == 0 ? std::string("before the first step") : fmt::format("after step {}", step), t.lr, t.warmup));
+  }
+  return loss;
 }
 
 void check_split_fits(const data::TokenDataset& ds, const char* split, int64_t seq) {
@@ -151,7 +160,7 @@ TrainSummary train(const Config& cfg_in) {
 
   std::mt19937_64 rng(static_cast<uint64_t>(cfg.run.seed));
   std::vector<std::pair<int64_t, double>> train_curve, val_curve;
-  sum.initial_val_loss = validation_loss(*model, val_ds, t);
+  sum.initial_val_loss = validation_loss(*model, val_ds, t, 0);
   val_curve.emplace_back(0, sum.initial_val_loss);
   run.log_metrics({{"kind", "val"}, {"step", 0}, {"val_loss", sum.initial_val_loss}});
 
@@ -196,7 +205,7 @@ TrainSummary train(const Config& cfg_in) {
                                      memory::format_bytes(r.peak_bytes)));
     const bool last = step + 1 == t.steps;
     if (last || (t.eval_every > 0 && (step + 1) % t.eval_every == 0)) {
-      const double v = validation_loss(*model, val_ds, t);
+      const double v = validation_loss(*model, val_ds, t, step + 1);
       val_curve.emplace_back(step + 1, v);
       run.log_metrics({{"kind", "val"}, {"step", step + 1}, {"val_loss", v}});
       bar.message(fmt::format("step {}: validation loss {:.4f}", step + 1, v));

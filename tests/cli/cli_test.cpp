@@ -315,6 +315,7 @@ TEST_F(Cli, OutOfRangeSettingsAreRefusedBeforeAnythingRuns) {
       {"train train.steps=" + huge, "train.steps must be at most 1073741824 (a billion steps), got " + huge},
       {"train train.batch=" + huge, "train.batch must be at most 1048576 (sequences per microbatch), got " + huge},
       {"train ac.budget=1e30", "The memory budget \"1e30\" is 1e+30 bytes, beyond any device"},
+      {"train train.lr=3e38", "Learning rates must satisfy 0 <= train.min_lr <= train.lr and 0 < train.lr <= 10"},
       {"train train.weight_decay=-1", "train.weight_decay must be >= 0 (0 disables it; 0.1 is usual), got -1"},
       {"train model.preset=tiny-llama model.rope_theta=0", "model.rope_theta must be greater than 1"},
       {"train model.init_std=1e30", "model.init_std must be in (0, 1] (0.02 is usual), got 1e+30"},
