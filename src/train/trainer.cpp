@@ -257,6 +257,8 @@ TrainSummary train(const Config& cfg_in) {
       {"predicted_recompute_flops_per_step", planned.predicted.recompute_flops},
       {"budget_bytes", sum.budget_bytes},
       {"predicted_step_seconds", sum.predicted_step_seconds},
+      {"predicted_none_peak_bytes", planned.none_peak},
+      {"predicted_none_step_seconds", planned.none_step_seconds},
   };
   run.write_text("summary.json", summary.dump(2) + "\n");
 
@@ -280,8 +282,14 @@ TrainSummary train(const Config& cfg_in) {
                  static_cast<double>(sum.predicted_peak_bytes),
              memory::format_bytes(sum.activation_bytes), memory::format_bytes(predicted.total()));
   if (sum.budget_bytes > 0) {
-    fmt::print(stderr, "budget {}: measured peak {} it\n", memory::format_bytes(sum.budget_bytes),
-               sum.peak_bytes <= sum.budget_bytes ? "stayed within" : "EXCEEDED");
+    fmt::print(stderr, "budget {}: measured peak {} it; without recompute the step would peak at {} (predicted){}\n",
+               memory::format_bytes(sum.budget_bytes), sum.peak_bytes <= sum.budget_bytes ? "stayed within" : "EXCEEDED",
+               memory::format_bytes(planned.none_peak),
+               planned.none_step_seconds > 0
+                   ? fmt::format(" and take {:.1f} ms (predicted; this plan: {:.1f} ms measured, {:.1f} ms predicted)",
+                                 1e3 * planned.none_step_seconds, 1e3 * sum.median_step_seconds,
+                                 1e3 * sum.predicted_step_seconds)
+                   : "");
   }
   fmt::print(stderr, "run directory {}: config.toml, plan.txt, metrics.jsonl, model.safetensors, tokenizer.model{}{}, "
              "summary.json\n", run.path(), plotted ? ", loss.png" : "", cfg.run.sample_tokens > 0 ? ", sample.txt" : "");

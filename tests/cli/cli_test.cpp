@@ -360,6 +360,10 @@ TEST_F(Cli, TrainingWithABudgetStaysWithinItAndPredictsItsPeak) {
   EXPECT_NEAR(s["peak_bytes"].get<double>(), s["predicted_peak_bytes"].get<double>(),
               0.05 * s["predicted_peak_bytes"].get<double>());
   EXPECT_GT(s["predicted_step_seconds"].get<double>(), 0.0);
+  // Beside it, what keeping everything would cost: more memory than the budget allows.
+  EXPECT_NE(r.output.find("without recompute the step would peak at"), std::string::npos) << r.output;
+  EXPECT_GT(s["predicted_none_peak_bytes"].get<int64_t>(), s["budget_bytes"].get<int64_t>());
+  EXPECT_GT(s["predicted_none_step_seconds"].get<double>(), 0.0);
   EXPECT_TRUE(fs::exists(dir_ / "runs" / ".profiles")) << "the time profile is cached";
   // A budget below the minimum fails before training, with the minimum.
   const Result low = run_remat("train ac.budget=1KiB run.name=c " + common);
