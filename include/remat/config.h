@@ -57,6 +57,10 @@ struct TrainConfig {
   int64_t eval_every = 100;   ///< steps between validation passes; 0: only at the end
   int64_t eval_batches = 8;   ///< validation microbatches per pass
   int64_t ce_chunk = 1024;    ///< tokens per chunk of the loss head
+  int64_t checkpoint_every = 200;  ///< steps between training checkpoints (about a minute of
+                                   ///< the default run); one is also written at the end and on
+                                   ///< SIGINT or SIGTERM
+  int64_t keep_checkpoints = 2;    ///< the newest checkpoints kept; older ones are removed
 };
 
 struct DataConfig {

@@ -10,6 +10,8 @@
 
 #include <CLI/CLI.hpp>
 #include <malloc.h>
+#include <csignal>
+#include <filesystem>
 #include <c10/util/Exception.h>
 #include <fmt/format.h>
 
@@ -40,9 +42,18 @@ int cmd_prepare(const std::string& config_file, const std::vector<std::string>& 
   return 0;
 }
 
-int cmd_train(const std::string& config_file, const std::vector<std::string>& overrides) {
-  train(load_config(config_file, overrides));
-  return 0;
+int cmd_train(const std::string& config_file, const std::vector<std::string>& overrides, const std::string& resume) {
+  if (!resume.empty() && (!config_file.empty() || !overrides.empty())) {
+    throw std::invalid_argument(fmt::format(
+        "--resume continues {} with its own config.toml, so its settings cannot change on the way; drop --config and "
+        "the key=value settings.", resume));
+  }
+  if (!resume.empty()) check_path("--resume", resume);
+  const TrainSummary s = resume.empty()
+                             ? train(load_config(config_file, overrides))
+                             : train(load_config((std::filesystem::path(resume) / "config.toml").string(), {}), resume);
+  // Stopped by a signal after its checkpoint, it exits as the shell expects of that signal.
+  return s.stopped_by == 0 ? 0 : 128 + s.stopped_by;
 }
 
 // The items of a list option given as ';'-separated text, repeated options or both (a
@@ -100,6 +111,9 @@ int run(int argc, char** argv) {
   train_cmd->add_option("--trace", trace_file,
                         "Write step 3 (or the last) as Chrome-trace JSON to this file (sets run.trace); "
                         "open it in https://ui.perfetto.dev");
+  std::string resume_dir;
+  train_cmd->add_option("--resume", resume_dir,
+                        "Continue the run in this directory from its newest checkpoint, with its own config.toml");
   train_cmd->add_option("overrides", overrides, "key=value settings, e.g. train.steps=200 model.preset=llama-demo");
 
   auto* plan_cmd = app.add_subcommand("plan", "The fastest recompute plan within a memory budget (allocates nothing)");
@@ -177,7 +191,7 @@ int run(int argc, char** argv) {
         fmt::print("{}", explain_plan(compile_policy(cfg.ac, cfg.model.n_layer, cfg.model.dropout)));
         return 0;
       }
-      return cmd_train(config_file, overrides);
+      return cmd_train(config_file, overrides, resume_dir);
     }
     if (plan_cmd->parsed()) {
       check_path("--plot", plan_args.plot);

@@ -210,6 +210,8 @@ std::vector<ConfigKey> make_keys() {
       key("train.eval_every", &C::train, &TrainConfig::eval_every, "steps between evals"),
       key("train.eval_batches", &C::train, &TrainConfig::eval_batches, "batches per eval"),
       key("train.ce_chunk", &C::train, &TrainConfig::ce_chunk, "tokens per loss-head chunk"),
+      key("train.checkpoint_every", &C::train, &TrainConfig::checkpoint_every, "steps between checkpoints"),
+      key("train.keep_checkpoints", &C::train, &TrainConfig::keep_checkpoints, "newest checkpoints kept"),
       key("data.text", &C::data, &DataConfig::text, "text file; empty: King James Bible"),
       key("data.dir", &C::data, &DataConfig::dir, "prepared-corpus cache directory"),
       key("data.vocab_size", &C::data, &DataConfig::vocab_size, "BPE vocabulary size"),
@@ -444,6 +446,8 @@ void validate_config(const Config& c) {
   positive("train.grad_accum", t.grad_accum);
   positive("train.ce_chunk", t.ce_chunk);
   positive("train.eval_batches", t.eval_batches);
+  positive("train.checkpoint_every", t.checkpoint_every);
+  positive("train.keep_checkpoints", t.keep_checkpoints);
   // Upper bounds far above any real run, so that counts, token totals and byte predictions
   // stay far inside int64 and a mistyped number is refused instead of running for ever.
   auto at_most = [](const char* name, int64_t v, int64_t most, const char* why) {

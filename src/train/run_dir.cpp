@@ -30,6 +30,11 @@ RunDir::RunDir(const std::string& out_dir, const std::string& name, const std::s
   if (!metrics_) throw std::runtime_error(fmt::format("Cannot write {}.", file("metrics.jsonl")));
 }
 
+RunDir::RunDir(const std::string& path) : path_(path) {
+  metrics_.open(file("metrics.jsonl"), std::ios::app);
+  if (!metrics_) throw std::runtime_error(fmt::format("Cannot append to {}.", file("metrics.jsonl")));
+}
+
 std::string RunDir::timestamp() {
   const std::time_t now = std::chrono::system_clock::to_time_t(std::chrono::system_clock::now());
   char stamp[32];

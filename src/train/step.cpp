@@ -1,6 +1,7 @@
 #include "train/step.h"
 
 #include "remat/memory.h"
+#include "remat/safetensors.h"
 #include "remat/trace.h"
 #include "remat/trainer.h"
 #include "train/device.h"
@@ -11,6 +12,7 @@
 #include <chrono>
 #include <cmath>
 #include <optional>
+#include <sstream>
 #include <stdexcept>
 
 namespace remat {
@@ -42,6 +44,11 @@ std::vector<torch::optim::OptimizerParamGroup> adamw_groups(Model& model, const 
   groups.emplace_back(no_decay, std::make_unique<AdamWOptions>(AdamWOptions(t.lr).betas({t.beta1, t.beta2}).weight_decay(0.0)));
   return groups;
 }
+
+constexpr const char* kCheckpointFormat = "remat training checkpoint 1";
+
+// The optimizer's key for a parameter's state (LibTorch's own convention).
+std::string state_key(const at::Tensor& param) { return c10::guts::to_string(param.unsafeGetTensorImpl()); }
 
 // Where a non-finite step shows first: a weight, else a gradient, else the loss alone.
 std::string where_non_finite(const Model& model) {
@@ -136,6 +143,71 @@ StepResult TrainStep::run(int64_t step, const data::TokenDataset& data, std::mt1
   }
   if (model_.store() != nullptr) r.counters = model_.store()->counters();
   return r;
+}
+
+void TrainStep::save_checkpoint(const std::string& path, int64_t steps, const std::mt19937_64& rng) const {
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  int64_t adam_steps = 0;
+  for (const auto& p : model_.params()) {
+    tensors.emplace_back("param." + p.name, p.value);
+    const auto it = optimizer_.state().find(state_key(p.value));
+    if (it == optimizer_.state().end()) continue;  // no update yet
+    const auto& s = static_cast<const torch::optim::AdamWParamState&>(*it->second);
+    tensors.emplace_back("exp_avg." + p.name, s.exp_avg());
+    tensors.emplace_back("exp_avg_sq." + p.name, s.exp_avg_sq());
+    adam_steps = s.step();
+  }
+  std::ostringstream rng_state;
+  rng_state << rng;
+  model::save_safetensors(path, tensors,
+                          {{"format", kCheckpointFormat}, {"steps", std::to_string(steps)},
+                           {"adam_steps", std::to_string(adam_steps)}, {"rng", rng_state.str()}});
+}
+
+int64_t TrainStep::load_checkpoint(const std::string& path, std::mt19937_64& rng) {
+  const model::SafeTensors file = model::load_safetensors(path);
+  const auto refuse = [&](const std::string& why) {
+    return std::runtime_error(fmt::format("{} is not a training checkpoint of this model: {}.", path, why));
+  };
+  const auto meta = [&](const std::string& key) {
+    const auto it = file.metadata.find(key);
+    if (it == file.metadata.end()) throw refuse("its metadata has no '" + key + "'");
+    return it->second;
+  };
+  if (meta("format") != kCheckpointFormat) throw refuse("its format is '" + meta("format") + "'");
+  // Everything is checked before anything is written.
+  const auto tensor = [&](const std::string& name, const at::Tensor& like, bool required) -> const at::Tensor* {
+    const at::Tensor* t = file.find(name);
+    if (t == nullptr && required) throw refuse("it has no tensor '" + name + "'");
+    if (t != nullptr && (t->sizes() != like.sizes() || t->scalar_type() != like.scalar_type())) {
+      throw refuse(fmt::format("'{}' is {} {} where the model has {} {}", name, c10::toString(t->scalar_type()),
+                               c10::str(t->sizes()), c10::toString(like.scalar_type()), c10::str(like.sizes())));
+    }
+    return t;
+  };
+  const int64_t adam_steps = std::stoll(meta("adam_steps"));
+  for (const auto& p : model_.params()) {
+    tensor("param." + p.name, p.value, true);
+    tensor("exp_avg." + p.name, p.value, adam_steps > 0);
+    tensor("exp_avg_sq." + p.name, p.value, adam_steps > 0);
+  }
+  std::mt19937_64 restored;
+  std::istringstream(meta("rng")) >> restored;
+  const int64_t steps = std::stoll(meta("steps"));
+
+  c10::NoGradGuard no_grad;
+  optimizer_.state().clear();
+  for (auto& p : model_.params()) {
+    p.value.copy_(*file.find("param." + p.name));
+    if (adam_steps == 0) continue;
+    auto s = std::make_unique<torch::optim::AdamWParamState>();
+    s->step(adam_steps);
+    s->exp_avg(file.find("exp_avg." + p.name)->to(p.value.device()).clone());
+    s->exp_avg_sq(file.find("exp_avg_sq." + p.name)->to(p.value.device()).clone());
+    optimizer_.state()[state_key(p.value)] = std::move(s);
+  }
+  rng = restored;
+  return steps;
 }
 
 double median(std::vector<double> v) {

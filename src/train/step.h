@@ -51,6 +51,16 @@ class TrainStep {
   /// the weights stay as they were) or when the update made a weight non-finite.
   StepResult run(int64_t step, const data::TokenDataset& data, std::mt19937_64& rng, bool traced = false);
 
+  /// Writes the training state after `steps` completed steps to `path` as one safetensors
+  /// file, atomically (flushed, then renamed): every parameter, AdamW's moments and step
+  /// count, and `rng`'s state, the data cursor. Dropout needs nothing more: its masks are
+  /// keyed by the seed and the step.
+  void save_checkpoint(const std::string& path, int64_t steps, const std::mt19937_64& rng) const;
+  /// Restores what save_checkpoint wrote into the model, the optimizer and `rng`, after
+  /// checking all of it; returns the number of completed steps. Throws a sentence naming
+  /// `path` when the file is not a checkpoint of this model.
+  int64_t load_checkpoint(const std::string& path, std::mt19937_64& rng);
+
  private:
   Model& model_;
   TrainConfig train_;

@@ -4,6 +4,7 @@
 #include "remat/memory.h"
 #include "remat/model.h"
 #include "remat/policy.h"
+#include "remat/safetensors.h"
 #include "remat/store.h"
 #include "remat/tokenizer.h"
 #include "remat/trace.h"
@@ -20,8 +21,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <csignal>
 #include <filesystem>
+#include <memory>
 #include <random>
+#include <sstream>
 
 namespace remat {
 namespace {
@@ -59,6 +63,90 @@ void check_split_fits(const data::TokenDataset& ds, const char* split, int64_t s
   }
 }
 
+namespace fs = std::filesystem;
+
+volatile std::sig_atomic_t g_stop_signal = 0;
+extern "C" void on_stop_signal(int signal) { g_stop_signal = signal; }
+
+// SIGINT and SIGTERM, for the training loop only: they ask it to stop after the step in
+// progress and its checkpoint. The previous handlers come back afterwards.
+class StopSignals {
+ public:
+  StopSignals() {
+    g_stop_signal = 0;
+    struct sigaction action {};
+    action.sa_handler = on_stop_signal;
+    sigemptyset(&action.sa_mask);
+    sigaction(SIGINT, &action, &old_int_);
+    sigaction(SIGTERM, &action, &old_term_);
+  }
+  ~StopSignals() {
+    sigaction(SIGINT, &old_int_, nullptr);
+    sigaction(SIGTERM, &old_term_, nullptr);
+  }
+  StopSignals(const StopSignals&) = delete;
+  StopSignals& operator=(const StopSignals&) = delete;
+  int caught() const { return g_stop_signal; }
+
+ private:
+  struct sigaction old_int_ {};
+  struct sigaction old_term_ {};
+};
+
+fs::path checkpoint_dir(const std::string& run_dir) { return fs::path(run_dir) / "checkpoints"; }
+
+// The run's checkpoints, oldest first (the zero-padded step orders the names).
+std::vector<fs::path> checkpoints(const std::string& run_dir) {
+  std::vector<fs::path> out;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(checkpoint_dir(run_dir), ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind("step-", 0) == 0 && e.path().extension() == ".safetensors") out.push_back(e.path());
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+// Writes the state after `steps` steps, flushes the directory entry, then removes all but
+// the newest `keep` checkpoints.
+void write_checkpoint(const TrainStep& stepper, const std::string& run_dir, int64_t steps, const std::mt19937_64& rng,
+                      int64_t keep) {
+  const fs::path dir = checkpoint_dir(run_dir);
+  fs::create_directories(dir);
+  stepper.save_checkpoint((dir / fmt::format("step-{:08d}.safetensors", steps)).string(), steps, rng);
+  util::sync_directory(dir.string());
+  const std::vector<fs::path> all = checkpoints(run_dir);
+  for (size_t i = 0; i + static_cast<size_t>(keep) < all.size(); ++i) fs::remove(all[i]);
+}
+
+// What a killed write leaves behind: "<file>.tmp.<pid>" in the run or checkpoint directory.
+void remove_temp_files(const std::string& run_dir) {
+  for (const fs::path& dir : {fs::path(run_dir), checkpoint_dir(run_dir)}) {
+    std::error_code ec;
+    for (const auto& e : fs::directory_iterator(dir, ec)) {
+      if (e.path().filename().string().find(".tmp.") != std::string::npos) fs::remove(e.path(), ec);
+    }
+  }
+}
+
+// Keeps the metrics of the first `steps` steps (and the validations up to them), dropping
+// what a stopped run logged after its last checkpoint; returns them.
+std::vector<nlohmann::json> keep_metrics(const std::string& run_dir, int64_t steps) {
+  const std::string path = (fs::path(run_dir) / "metrics.jsonl").string();
+  std::istringstream lines(util::read_file(path, "the metrics"));
+  std::vector<nlohmann::json> kept;
+  std::string text;
+  for (std::string line; std::getline(lines, line);) {
+    const nlohmann::json j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    // A line cut short by a kill is not JSON; everything after the checkpoint goes too.
+    if (!j.is_object() || !j.contains("step") || j["step"].get<int64_t>() > steps) continue;
+    kept.push_back(j);
+    text += line + "\n";
+  }
+  util::write_file_atomically(path, text);
+  return kept;
+}
+
 }  // namespace
 
 double learning_rate(const TrainConfig& t, int64_t step) {
@@ -88,7 +176,7 @@ data::CorpusInfo prepare_data(const DataConfig& d) {
   return data::prepare_corpus(prep, [](const std::string& line) { fmt::print(stderr, "{}\n", line); });
 }
 
-TrainSummary train(const Config& cfg_in) {
+TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   Config cfg = cfg_in;
   const auto& t = cfg.train;
   const int threads = set_threads(cfg.run.threads);
@@ -129,7 +217,28 @@ TrainSummary train(const Config& cfg_in) {
   const ActivationBytes predicted = model->predict_activation_bytes(t.batch, t.seq);
   TrainStep stepper(*model, t, static_cast<uint64_t>(cfg.run.seed));
 
-  RunDir run(cfg.run.out_dir, cfg.run.name, cfg.model.preset);
+  // A resumed run continues from its newest checkpoint and the metrics logged up to it.
+  std::vector<fs::path> saved;
+  int64_t first_step = 0;
+  std::vector<nlohmann::json> logged;
+  if (!resume_dir.empty()) {
+    remove_temp_files(resume_dir);
+    saved = checkpoints(resume_dir);
+    if (saved.empty()) {
+      throw std::invalid_argument(fmt::format("{} has no training checkpoint to resume from (none was written before "
+                                              "the run stopped); start the run again.", resume_dir));
+    }
+    first_step = std::stoll(model::read_safetensors_header(saved.back().string()).metadata.at("steps"));
+    if (first_step >= t.steps) {
+      throw std::invalid_argument(fmt::format("{} finished all {} steps; there is nothing to resume.", resume_dir,
+                                              t.steps));
+    }
+    logged = keep_metrics(resume_dir, first_step);
+  }
+  std::unique_ptr<RunDir> run_ptr = resume_dir.empty()
+                                        ? std::make_unique<RunDir>(cfg.run.out_dir, cfg.run.name, cfg.model.preset)
+                                        : std::make_unique<RunDir>(resume_dir);
+  RunDir& run = *run_ptr;
   run.write_text("config.toml", config_to_toml(cfg));
   std::filesystem::copy_file(corpus.tokenizer_path(), run.file("tokenizer.model"),
                              std::filesystem::copy_options::overwrite_existing);
@@ -160,16 +269,39 @@ TrainSummary train(const Config& cfg_in) {
 
   std::mt19937_64 rng(static_cast<uint64_t>(cfg.run.seed));
   std::vector<std::pair<int64_t, double>> train_curve, val_curve;
-  sum.initial_val_loss = validation_loss(*model, val_ds, t, 0);
-  val_curve.emplace_back(0, sum.initial_val_loss);
-  run.log_metrics({{"kind", "val"}, {"step", 0}, {"val_loss", sum.initial_val_loss}});
+  if (first_step == 0) {
+    sum.initial_val_loss = validation_loss(*model, val_ds, t, 0);
+    val_curve.emplace_back(0, sum.initial_val_loss);
+    run.log_metrics({{"kind", "val"}, {"step", 0}, {"val_loss", sum.initial_val_loss}});
+  } else {
+    stepper.load_checkpoint(saved.back().string(), rng);
+    for (const nlohmann::json& j : logged) {
+      const int64_t s = j["step"].get<int64_t>();
+      if (j["kind"] == "val") {
+        val_curve.emplace_back(s, j["val_loss"].get<double>());
+        (s == 0 ? sum.initial_val_loss : sum.final_val_loss) = j["val_loss"].get<double>();
+      } else if (j["kind"] == "train") {
+        train_curve.emplace_back(s, j["loss"].get<double>());
+        sum.losses.push_back(j["loss"].get<double>());
+        sum.tokens += tokens_per_step;
+        sum.peak_bytes = std::max(sum.peak_bytes, j["peak_bytes"].get<int64_t>());
+        sum.activation_bytes = j["activation_bytes"].get<int64_t>();
+        if (s == 1) {
+          sum.recompute_ops_per_step = j["ops_recomputed"].get<int64_t>();
+          sum.recomputed_bytes_per_step = j["bytes_recomputed"].get<int64_t>();
+        }
+      }
+    }
+    fmt::print(stderr, "resuming {} after step {} from {}\n", run.path(), first_step, saved.back().string());
+  }
 
   ProgressBar bar(t.steps, cfg.run.progress);
-  bar.message(fmt::format("step 0: validation loss {:.4f}", sum.initial_val_loss));
+  if (first_step == 0) bar.message(fmt::format("step 0: validation loss {:.4f}", sum.initial_val_loss));
   std::vector<double> step_times;
   // The traced step is the third (or the last of fewer): the first two pay for allocation and caches.
   const int64_t traced_step = cfg.run.trace.empty() ? -1 : std::min<int64_t>(2, t.steps - 1);
-  for (int64_t step = 0; step < t.steps; ++step) {
+  const StopSignals signals;
+  for (int64_t step = first_step; step < t.steps; ++step) {
     const StepResult r = stepper.run(step, train_ds, rng, step == traced_step);
     if (step == traced_step) util::write_file_atomically(cfg.run.trace, r.trace);
     step_times.push_back(r.seconds);
@@ -210,6 +342,17 @@ TrainSummary train(const Config& cfg_in) {
       run.log_metrics({{"kind", "val"}, {"step", step + 1}, {"val_loss", v}});
       bar.message(fmt::format("step {}: validation loss {:.4f}", step + 1, v));
       sum.final_val_loss = v;
+    }
+    if ((step + 1) % t.checkpoint_every == 0 || last || signals.caught() != 0) {
+      write_checkpoint(stepper, run.path(), step + 1, rng, t.keep_checkpoints);
+    }
+    if (signals.caught() != 0 && !last) {
+      bar.finish();
+      fmt::print(stderr, "{} after step {}: the checkpoint is in {}; continue with `remat train --resume {}`\n",
+                 signals.caught() == SIGINT ? "interrupted (SIGINT)" : "terminated (SIGTERM)", step + 1,
+                 checkpoint_dir(run.path()).string(), run.path());
+      sum.stopped_by = signals.caught();
+      return sum;
     }
   }
   bar.finish();

@@ -3,12 +3,16 @@
 #include "data/test_text.h"
 
 #include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
 #include <nlohmann/json.hpp>
 
 #include <array>
+#include <csignal>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -60,8 +64,8 @@ class Cli : public ::testing::Test {
 
   // `remat train` of tiny-gpt2 on a generated corpus, everything under dir_, plus `settings`.
   std::string tiny_training(const std::string& settings) {
-    return "train model.preset=tiny-gpt2 train.batch=2 train.seq=16 train.warmup=1 train.eval_batches=1 "
-           "data.vocab_size=512 run.threads=1 run.progress=false data.text=" +
+    return "train model.preset=tiny-gpt2 model.vocab_size=0 train.batch=2 train.seq=16 train.warmup=1 "
+           "train.eval_batches=1 data.vocab_size=512 run.threads=1 run.progress=false data.text=" +
            file("corpus.txt", remat::testing::make_text(1000)) + " data.dir=" + (dir_ / "data").string() +
            " run.out_dir=" + (dir_ / "runs").string() + " " + settings;
   }
@@ -303,6 +307,76 @@ TEST_F(Cli, AControlCharacterInAPathIsRefusedBeforeAnythingRuns) {
                "offset 4); paths must be printable");
   expect_error("plan --pareto --plot \"$(printf 'a\\tb.png')\"", "--plot = \"a\\tb.png\" holds a control character");
   EXPECT_FALSE(fs::exists(marker));
+}
+
+// Starts `remat args` in the background, its output discarded; returns its process id.
+pid_t spawn_remat(const std::string& args, const fs::path& cwd) {
+  const std::string cmd = "cd '" + cwd.string() + "' && exec " + REMAT_BINARY + " " + args + " >/dev/null 2>&1";
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  return pid;
+}
+
+// The exit code of a finished child, 128 + the signal that ended it.
+int wait_for(pid_t pid) {
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+std::vector<double> train_losses(const fs::path& run) {
+  std::ifstream in(run / "metrics.jsonl");
+  std::vector<double> out;
+  for (std::string line; std::getline(in, line);) {
+    const auto j = nlohmann::json::parse(line);
+    if (j["kind"] == "train") out.push_back(j["loss"].get<double>());
+  }
+  return out;
+}
+
+std::string bytes_of(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+// A run killed (SIGKILL, or SIGTERM, which checkpoints and exits) at seeded random moments,
+// a checkpoint written every step so that many kills land inside a write, then resumed
+// until it finishes: its weights and every logged loss are bitwise the uninterrupted
+// run's, and no temporary file is left.
+TEST_F(Cli, ARunKilledAtRandomPointsAndResumedIsBitwiseTheUninterruptedRun) {
+  const std::string settings = "train.steps=400 train.checkpoint_every=1 train.eval_every=100 run.sample_tokens=0";
+  const Result whole = run_remat(tiny_training(settings + " run.name=whole"));
+  ASSERT_EQ(whole.exit_code, 0) << whole.output;
+  const fs::path run = dir_ / "runs" / "cut";
+  std::mt19937 rng(14);
+  std::string args = tiny_training(settings + " run.name=cut");
+  int kills = 0;
+  for (int attempt = 0; attempt < 8; ++attempt) {
+    const pid_t pid = spawn_remat(args, dir_);
+    // Until a first checkpoint exists there is nothing to resume; then a random moment.
+    while (!fs::exists(run / "checkpoints") && ::waitpid(pid, nullptr, WNOHANG) == 0) ::usleep(1000);
+    ::usleep(std::uniform_int_distribution<useconds_t>(0, 400000)(rng));
+    const bool term = attempt % 3 == 2;
+    ::kill(pid, term ? SIGTERM : SIGKILL);
+    const int code = wait_for(pid);
+    if (code == 0) break;  // it finished first
+    EXPECT_EQ(code, 128 + (term ? SIGTERM : SIGKILL));
+    ++kills;
+    args = "train --resume " + run.string();
+  }
+  EXPECT_GE(kills, 3);
+  if (!fs::exists(run / "model.safetensors")) {
+    const Result last = run_remat(args);
+    ASSERT_EQ(last.exit_code, 0) << last.output;
+  }
+  EXPECT_EQ(train_losses(run), train_losses(dir_ / "runs" / "whole"));
+  EXPECT_EQ(bytes_of(run / "model.safetensors"), bytes_of(dir_ / "runs" / "whole" / "model.safetensors"));
+  for (const auto& e : fs::recursive_directory_iterator(run)) {
+    EXPECT_EQ(e.path().filename().string().find(".tmp."), std::string::npos) << e.path();
+  }
 }
 
 // Out-of-range numbers that once spawned 100000 threads, looped for ever, wrapped to

@@ -104,6 +104,34 @@ std::string failure_of(const std::function<void()>& f) {
   return "";
 }
 
+// A run resumed from an earlier checkpoint (the later ones and the final weights gone, as
+// after a crash) ends bitwise where the uninterrupted run ended.
+TEST_F(Trainer, ResumingFromACheckpointGivesBitwiseTheSameRun) {
+  Config cfg = config("resumed");
+  cfg.train.checkpoint_every = 1;
+  cfg.train.keep_checkpoints = 4;
+  const TrainSummary whole = train(cfg);
+  const fs::path run = whole.run_dir;
+  auto bytes = [](const fs::path& p) {
+    std::ifstream in(p, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  const std::string weights = bytes(run / "model.safetensors");
+  for (const char* later : {"step-00000003.safetensors", "step-00000004.safetensors"}) {
+    fs::remove(run / "checkpoints" / later);
+  }
+  fs::remove(run / "model.safetensors");
+  std::ofstream(run / "checkpoints" / "step-00000003.safetensors.tmp.99999") << "cut short";
+  const Config saved = load_config((run / "config.toml").string(), {});
+  const TrainSummary resumed = train(saved, run.string());
+  EXPECT_EQ(resumed.losses, whole.losses);
+  EXPECT_EQ(resumed.final_val_loss, whole.final_val_loss);
+  EXPECT_EQ(bytes(run / "model.safetensors"), weights);
+  EXPECT_FALSE(fs::exists(run / "checkpoints" / "step-00000003.safetensors.tmp.99999"));
+  EXPECT_EQ(failure_of([&] { train(saved, run.string()); }),
+            run.string() + " finished all 4 steps; there is nothing to resume.");
+}
+
 // Non-finite weights at the start are the initialisation's fault, said as such, with the
 // first bad parameter named and the weights left as they were; generate refuses them.
 TEST_F(Trainer, NonFiniteWeightsAreNamedAndRefusedBeforeTheyAreUsed) {
