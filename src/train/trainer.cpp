@@ -20,8 +20,12 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <unistd.h>
+
+#include <cerrno>
 #include <cmath>
 #include <csignal>
+#include <cstring>
 #include <filesystem>
 #include <memory>
 #include <random>
@@ -166,9 +170,10 @@ data::CorpusInfo prepare_data(const DataConfig& d) {
   // Fail before minutes of tokenizer training if the cache cannot exist.
   std::error_code ec;
   std::filesystem::create_directories(d.dir, ec);
-  if (ec) {
-    throw std::invalid_argument(fmt::format("Cannot create the data directory {} (data.dir): {}; set data.dir to a "
-                                            "writable directory.", d.dir, ec.message()));
+  if (ec || ::access(d.dir.c_str(), W_OK) != 0) {
+    throw std::invalid_argument(fmt::format("Cannot {} the data directory {} (data.dir): {}; set data.dir to a "
+                                            "writable directory.", ec ? "create" : "write into", d.dir,
+                                            ec ? ec.message() : std::strerror(errno)));
   }
   prep.out_dir = fmt::format("{}/{}-v{}", d.dir, source, d.vocab_size);
   prep.vocab_size = static_cast<int>(d.vocab_size);

@@ -109,6 +109,8 @@ TEST_F(Cli, MissingTextFileIsRefused) {
 TEST_F(Cli, DataDirectoryThatCannotExistIsRefused) {
   const std::string blocker = file("a-file", "x");
   expect_error("prepare data.dir=" + blocker + "/data", blocker);
+  // Found before any tokenizer work (/proc/1 refuses writes even to root).
+  expect_error("prepare data.dir=/proc/1", "Cannot write into the data directory /proc/1 (data.dir)");
 }
 
 TEST_F(Cli, GenerateWithoutARunDirectoryIsRefused) {
