@@ -6,7 +6,9 @@
 #include "remat/data.h"
 
 #include <cstdint>
+#include <functional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace remat {
@@ -54,10 +56,14 @@ data::CorpusInfo prepare_data(const DataConfig& data);
 /// losses and weights are bitwise those of a run never stopped (on CPU).
 TrainSummary train(const Config& cfg, const std::string& resume_dir = "");
 
+/// Receives generated text piece by piece, as it is sampled.
+using TextSink = std::function<void(std::string_view)>;
+
 /// Samples `tokens` tokens after `prompt` from the weights of a finished run, on `device`
 /// ("cpu", "cuda[:N]"; empty: the run's own device). On CPU the model runs in float32
-/// whatever dtype it was trained in.
+/// whatever dtype it was trained in. `on_text` streams the text (sample_text).
 std::string generate_from_run(const std::string& run_dir, const std::string& prompt, int64_t tokens,
-                              double temperature, int64_t top_k, uint64_t seed, const std::string& device = "");
+                              double temperature, int64_t top_k, uint64_t seed, const std::string& device = "",
+                              const TextSink& on_text = {});
 
 }  // namespace remat

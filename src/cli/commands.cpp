@@ -152,7 +152,9 @@ int run(int argc, char** argv) {
   double temperature = 0.8;
   gen->add_option("--run", run_dir, "Run directory written by `remat train`")->required();
   gen->add_option("--prompt", prompt, "Text to continue");
-  gen->add_option("--tokens", tokens, "Tokens to generate")->check(CLI::PositiveNumber);
+  // Each token re-runs the context and the streamed text is decoded whole each time.
+  gen->add_option("--tokens", tokens, "Tokens to generate (1 to 100000), printed as they come")
+      ->check(CLI::Range(int64_t{1}, int64_t{100000}));
   gen->add_option("--temperature", temperature, "Sampling temperature (0: greedy)")->check(CLI::NonNegativeNumber);
   gen->add_option("--top-k", top_k, "Sample among the k most likely tokens (0: all)")->check(CLI::NonNegativeNumber);
   gen->add_option("--seed", seed, "Sampling seed");
@@ -210,8 +212,12 @@ int run(int argc, char** argv) {
     if (gen->parsed()) {
       check_path("--run", run_dir);
       set_threads(0);
-      fmt::print("{}\n", generate_from_run(run_dir, prompt, tokens, temperature, top_k, static_cast<uint64_t>(seed),
-                                               gen_device));
+      generate_from_run(run_dir, prompt, tokens, temperature, top_k, static_cast<uint64_t>(seed), gen_device,
+                        [](std::string_view piece) {
+                          fmt::print("{}", piece);
+                          std::fflush(stdout);
+                        });
+      fmt::print("\n");
       return 0;
     }
   } catch (const c10::Error& e) {

@@ -10,7 +10,15 @@
 namespace remat {
 
 std::string sample_text(Model& model, const data::Tokenizer& tok, const std::string& prompt, int64_t tokens,
-                        double temperature, int64_t top_k, uint64_t seed) {
+                        double temperature, int64_t top_k, uint64_t seed, const TextSink& on_text) {
+  // What on_text has been given; the decoded text grows at its end, except while a
+  // multi-byte character is still incomplete, which waits for the token that ends it.
+  std::string shown;
+  const auto show = [&](const std::string& text) {
+    if (!on_text || text.size() <= shown.size() || text.compare(0, shown.size(), shown) != 0) return;
+    on_text(std::string_view(text).substr(shown.size()));
+    shown = text;
+  };
   std::vector<int32_t> ids = tok.encode(prompt);
   if (ids.empty()) ids.push_back(tok.bos_id() >= 0 ? tok.bos_id() : 0);
   auto gen = at::detail::createCPUGenerator(seed);
@@ -40,8 +48,11 @@ std::string sample_text(Model& model, const data::Tokenizer& tok, const std::str
     }
     if (next == tok.eos_id()) break;
     ids.push_back(static_cast<int32_t>(next));
+    show(tok.decode(ids));
   }
-  return tok.decode(ids);
+  const std::string text = tok.decode(ids);
+  show(text);
+  return text;
 }
 
 }  // namespace remat
@@ -55,7 +66,8 @@ std::string sample_text(Model& model, const data::Tokenizer& tok, const std::str
 namespace remat {
 
 std::string generate_from_run(const std::string& run_dir, const std::string& prompt, int64_t tokens,
-                              double temperature, int64_t top_k, uint64_t seed, const std::string& device) {
+                              double temperature, int64_t top_k, uint64_t seed, const std::string& device,
+                              const TextSink& on_text) {
   namespace fs = std::filesystem;
   for (const char* f : {"config.toml", "model.safetensors", "tokenizer.model"}) {
     if (!fs::exists(fs::path(run_dir) / f)) {
@@ -73,7 +85,7 @@ std::string generate_from_run(const std::string& run_dir, const std::string& pro
         "them diverged: train again with a lower train.lr.", (fs::path(run_dir) / "model.safetensors").string(), bad));
   }
   const auto tok = data::Tokenizer::load((fs::path(run_dir) / "tokenizer.model").string());
-  return sample_text(*model, tok, prompt, tokens, temperature, top_k, seed);
+  return sample_text(*model, tok, prompt, tokens, temperature, top_k, seed, on_text);
 }
 
 }  // namespace remat

@@ -117,6 +117,14 @@ TEST_F(Cli, GenerateWithoutARunDirectoryIsRefused) {
   expect_error("generate --run " + (dir_ / "no-run").string(), "has no config.toml");
 }
 
+// Once accepted, 99999999999 tokens printed nothing for minutes; tokens now stream as they
+// come, and the count has a range.
+TEST_F(Cli, GenerateRefusesAnAbsurdTokenCount) {
+  const Result r = run_remat("generate --run " + (dir_ / "no-run").string() + " --tokens 99999999999");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("--tokens: Value 99999999999 not in range 1 to 100000"), std::string::npos) << r.output;
+}
+
 TEST_F(Cli, DevicesAndDtypesThisMachineLacksAreRefused) {
   expect_error("train run.device=tpu", "run.device must be cpu or cuda[:N], got 'tpu'.");
   expect_error("train run.dtype=float16", "run.dtype must be float32 or bfloat16, got 'float16'.");

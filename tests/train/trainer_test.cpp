@@ -88,9 +88,12 @@ TEST_F(Trainer, WritesTheRunDirectory) {
 TEST_F(Trainer, GenerateFromARunReproducesTheFinalSample) {
   const Config cfg = config("gen");
   const TrainSummary s = train(cfg);
+  std::string streamed;
   const std::string text = generate_from_run(s.run_dir, cfg.run.prompt, cfg.run.sample_tokens, 0.8, 40,
-                                             static_cast<uint64_t>(cfg.run.seed));
+                                             static_cast<uint64_t>(cfg.run.seed), "",
+                                             [&](std::string_view piece) { streamed += piece; });
   EXPECT_EQ(text, s.sample);
+  EXPECT_EQ(streamed, text);
   EXPECT_EQ(text.rfind(cfg.run.prompt, 0), 0u);
 }
 
