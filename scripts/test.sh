@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Fresh machine to a tested build: install, build, run every test.
+# Fresh machine to a tested build: install, build, run every test, then repeat the op,
+# checkpoint and store suites to catch flaky tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 bash scripts/build.sh
-cd build
-ctest --output-on-failure -j "$(nproc)" "$@"
+(cd build && ctest --output-on-failure -j "$(nproc)" "$@")
+bash scripts/repeat_tests.sh

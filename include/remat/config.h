@@ -57,6 +57,10 @@ struct TrainConfig {
   int64_t eval_every = 100;   ///< steps between validation passes; 0: only at the end
   int64_t eval_batches = 8;   ///< validation microbatches per pass
   int64_t ce_chunk = 1024;    ///< tokens per chunk of the loss head
+  int64_t checkpoint_every = 200;  ///< steps between training checkpoints (about a minute of
+                                   ///< the default run); one is also written at the end and on
+                                   ///< SIGINT or SIGTERM
+  int64_t keep_checkpoints = 2;    ///< the newest checkpoints kept; older ones are removed
 };
 
 struct DataConfig {
@@ -113,6 +117,12 @@ Config load_config(const std::string& toml_path, const std::vector<std::string>&
 /// Refuses inconsistent settings with a sentence (heads not dividing d_model, ...), the
 /// recompute policy included (compile_policy against model.n_layer and model.dropout).
 void validate_config(const Config& c);
+
+/// Refuses a path holding a control character (a newline, a tab, an escape), with a
+/// sentence naming `what` (a key such as "run.out_dir", or an option such as "--plot"):
+/// paths are written into plot scripts, logs and tables, where such a character ends a
+/// line, and it is almost always a stray line break in a shared config or a variable.
+void check_path(const std::string& what, const std::string& path);
 
 /// The resolved configuration as TOML (every key, with its value; unset alias keys are
 /// written as comments, `# key = (unset)`). List keys are written as TOML arrays.

@@ -54,8 +54,9 @@ namespace remat {
 /// `[ac]`: the recompute policy. Every alias field is unset unless given; a set alias must
 /// agree with `policy` and with every other set alias (they must compile to the same plan).
 struct AcConfig {
-  /// Canonical policy string (grammar above).
-  std::string policy = "none";
+  /// Canonical policy string (grammar above). Unset: "none", unless another spelling
+  /// below chooses; set, even to "none", it is a choice the other spellings must agree with.
+  std::optional<std::string> policy;
 
   // torchtune
   std::optional<bool> enable_activation_checkpointing;  ///< true alone: full

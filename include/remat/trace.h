@@ -42,9 +42,9 @@ void start(at::Device device);
 /// before its children). Timestamps count from start(), in microseconds.
 std::string stop();
 
-/// Throws std::invalid_argument, a sentence naming `path`, unless a trace file can be
-/// written there (its directory exists and is writable, and it is not a directory); run
-/// before training so a bad path costs nothing.
+/// Throws std::invalid_argument, a sentence naming `path`, unless a new trace file can be
+/// written there (its directory exists and is writable, and nothing is there yet: an
+/// earlier trace is never replaced); run before training so a bad path costs nothing.
 void check_writable(const std::string& path);
 
 /// Records one slice from construction to destruction, when a recording is running at

@@ -6,7 +6,9 @@
 #include "remat/data.h"
 
 #include <cstdint>
+#include <functional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace remat {
@@ -33,6 +35,8 @@ struct TrainSummary {
   int64_t recomputed_bytes_per_step = 0;
   int64_t num_params = 0;
   std::string sample;                   ///< text generated at the end
+  int stopped_by = 0;                   ///< SIGINT or SIGTERM when one stopped the run after a
+                                        ///< checkpoint (no final weights then); 0: it ran to the end
 };
 
 /// Learning rate of 0-based `step`: linear warmup over train.warmup steps to train.lr,
@@ -44,13 +48,22 @@ double learning_rate(const TrainConfig& t, int64_t step);
 data::CorpusInfo prepare_data(const DataConfig& data);
 
 /// Lines of progress and results go to stderr (a progress bar on a terminal).
-/// Throws std::exception with a user-facing sentence on bad input.
-TrainSummary train(const Config& cfg);
+/// Throws std::exception with a user-facing sentence on bad input. Every
+/// train.checkpoint_every steps, at the end, and when SIGINT or SIGTERM arrives (the run
+/// then stops after the step in progress), the training state goes to
+/// `<run>/checkpoints/step-NNNNNNNN.safetensors`; with `resume_dir` (a run directory, `cfg`
+/// read from its config.toml) training continues from its newest checkpoint, and the
+/// losses and weights are bitwise those of a run never stopped (on CPU).
+TrainSummary train(const Config& cfg, const std::string& resume_dir = "");
+
+/// Receives generated text piece by piece, as it is sampled.
+using TextSink = std::function<void(std::string_view)>;
 
 /// Samples `tokens` tokens after `prompt` from the weights of a finished run, on `device`
 /// ("cpu", "cuda[:N]"; empty: the run's own device). On CPU the model runs in float32
-/// whatever dtype it was trained in.
+/// whatever dtype it was trained in. `on_text` streams the text (sample_text).
 std::string generate_from_run(const std::string& run_dir, const std::string& prompt, int64_t tokens,
-                              double temperature, int64_t top_k, uint64_t seed, const std::string& device = "");
+                              double temperature, int64_t top_k, uint64_t seed, const std::string& device = "",
+                              const TextSink& on_text = {});
 
 }  // namespace remat

@@ -10,6 +10,8 @@
 
 #include <CLI/CLI.hpp>
 #include <malloc.h>
+#include <csignal>
+#include <filesystem>
 #include <c10/util/Exception.h>
 #include <fmt/format.h>
 
@@ -40,9 +42,18 @@ int cmd_prepare(const std::string& config_file, const std::vector<std::string>& 
   return 0;
 }
 
-int cmd_train(const std::string& config_file, const std::vector<std::string>& overrides) {
-  train(load_config(config_file, overrides));
-  return 0;
+int cmd_train(const std::string& config_file, const std::vector<std::string>& overrides, const std::string& resume) {
+  if (!resume.empty() && (!config_file.empty() || !overrides.empty())) {
+    throw std::invalid_argument(fmt::format(
+        "--resume continues {} with its own config.toml, so its settings cannot change on the way; drop --config and "
+        "the key=value settings.", resume));
+  }
+  if (!resume.empty()) check_path("--resume", resume);
+  const TrainSummary s = resume.empty()
+                             ? train(load_config(config_file, overrides))
+                             : train(load_config((std::filesystem::path(resume) / "config.toml").string(), {}), resume);
+  // Stopped by a signal after its checkpoint, it exits as the shell expects of that signal.
+  return s.stopped_by == 0 ? 0 : 128 + s.stopped_by;
 }
 
 // The items of a list option given as ';'-separated text, repeated options or both (a
@@ -100,6 +111,9 @@ int run(int argc, char** argv) {
   train_cmd->add_option("--trace", trace_file,
                         "Write step 3 (or the last) as Chrome-trace JSON to this file (sets run.trace); "
                         "open it in https://ui.perfetto.dev");
+  std::string resume_dir;
+  train_cmd->add_option("--resume", resume_dir,
+                        "Continue the run in this directory from its newest checkpoint, with its own config.toml");
   train_cmd->add_option("overrides", overrides, "key=value settings, e.g. train.steps=200 model.preset=llama-demo");
 
   auto* plan_cmd = app.add_subcommand("plan", "The fastest recompute plan within a memory budget (allocates nothing)");
@@ -138,13 +152,24 @@ int run(int argc, char** argv) {
   double temperature = 0.8;
   gen->add_option("--run", run_dir, "Run directory written by `remat train`")->required();
   gen->add_option("--prompt", prompt, "Text to continue");
-  gen->add_option("--tokens", tokens, "Tokens to generate")->check(CLI::PositiveNumber);
+  // Each token re-runs the context and the streamed text is decoded whole each time.
+  gen->add_option("--tokens", tokens, "Tokens to generate (1 to 100000), printed as they come")
+      ->check(CLI::Range(int64_t{1}, int64_t{100000}));
   gen->add_option("--temperature", temperature, "Sampling temperature (0: greedy)")->check(CLI::NonNegativeNumber);
   gen->add_option("--top-k", top_k, "Sample among the k most likely tokens (0: all)")->check(CLI::NonNegativeNumber);
   gen->add_option("--seed", seed, "Sampling seed");
   std::string gen_device;
   gen->add_option("--device", gen_device, "cpu or cuda[:N] (default: the run's device)");
 
+  // CLI11 reads "--budget=" as "--budget" and takes the next argument for its value.
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg.size() > 3 && arg.rfind("--", 0) == 0 && arg.find('=') == arg.size() - 1) {
+      fmt::print(stderr, "error: {} gives {} an empty value; write the value after '=' or leave the option out.\n",
+                 arg, arg.substr(0, arg.size() - 1));
+      return 1;
+    }
+  }
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -160,15 +185,24 @@ int run(int argc, char** argv) {
       }
       if (explain_ac) {
         const Config cfg = load_config(config_file, overrides);
+        if (!cfg.ac.budget.empty()) {
+          throw std::invalid_argument(fmt::format(
+              "--explain-ac prints the plan a policy compiles to, but ac.budget = \"{}\" leaves the plan to the "
+              "planner; see it with `remat plan --budget {}` and the same settings.", cfg.ac.budget, cfg.ac.budget));
+        }
         fmt::print("{}", explain_plan(compile_policy(cfg.ac, cfg.model.n_layer, cfg.model.dropout)));
         return 0;
       }
-      return cmd_train(config_file, overrides);
+      return cmd_train(config_file, overrides, resume_dir);
     }
-    if (plan_cmd->parsed()) return cmd_plan(load_config(config_file, overrides), plan_args);
+    if (plan_cmd->parsed()) {
+      check_path("--plot", plan_args.plot);
+      return cmd_plan(load_config(config_file, overrides), plan_args);
+    }
     if (bench_cmd->parsed()) {
       std::vector<std::string> policies = split_list(policy_args, "--policies", "none;full");
       if (policy_args.empty()) policies = {"none", "modules:[core_attn]", "every:2", "uniform:2", "full"};
+      check_path("--out", bench.out);
       bench.config_file = config_file;
       bench.overrides = overrides;
       bench.entries = bench_entries(policies, split_list(budget_args, "--budgets", "96MiB;0.6"));
@@ -176,9 +210,14 @@ int run(int argc, char** argv) {
       return 0;
     }
     if (gen->parsed()) {
+      check_path("--run", run_dir);
       set_threads(0);
-      fmt::print("{}\n", generate_from_run(run_dir, prompt, tokens, temperature, top_k, static_cast<uint64_t>(seed),
-                                               gen_device));
+      generate_from_run(run_dir, prompt, tokens, temperature, top_k, static_cast<uint64_t>(seed), gen_device,
+                        [](std::string_view piece) {
+                          fmt::print("{}", piece);
+                          std::fflush(stdout);
+                        });
+      fmt::print("\n");
       return 0;
     }
   } catch (const c10::Error& e) {

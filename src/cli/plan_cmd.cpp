@@ -5,11 +5,11 @@
 #include "remat/planner.h"
 #include "remat/policy.h"
 #include "train/progress.h"
+#include "util/gnuplot.h"
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include <cstdio>
 #include <stdexcept>
 
 namespace remat::cli {
@@ -103,14 +103,10 @@ std::vector<std::string> manual_policies(int64_t layers) {
 
 bool plot_frontier(const std::string& path, const std::vector<FrontierPoint>& frontier,
                    const std::vector<FrontierPoint>& manual, double flops, std::string* why) {
-  if (std::system("command -v gnuplot >/dev/null 2>&1") != 0) {
-    *why = "gnuplot is not installed (apt-get install gnuplot-nox)";
-    return false;
-  }
-  std::string script = fmt::format(
-      "set terminal pngcairo size 900,560 noenhanced\nset output '{}'\nset title 'remat plan: memory/time frontier'\n"
+  std::string script =
+      "set terminal pngcairo size 900,560 noenhanced\nset output ARG1\nset title 'remat plan: memory/time frontier'\n"
       "set xlabel 'predicted peak (MiB)'\nset ylabel 'recompute (% of the step FLOPs)'\nset grid\nset key top right\n"
-      "$budget << EOD\n", path);
+      "$budget << EOD\n";
   for (const auto& p : frontier) script += fmt::format("{} {}\n", p.peak / 1048576.0, 100.0 * p.recompute_seconds / flops);
   script += "EOD\n$manual << EOD\n";
   for (const auto& p : manual) {
@@ -119,17 +115,7 @@ bool plot_frontier(const std::string& path, const std::vector<FrontierPoint>& fr
   script += "EOD\nplot $budget using 1:2 with linespoints lw 2 pt 7 lc rgb '#d04020' title 'budget plans', "
             "$manual using 1:2 with points pt 5 ps 1.2 lc rgb '#3060b0' title 'manual policies', "
             "$manual using 1:2:3 with labels offset 1,0.6 left font ',8' notitle\n";
-  std::FILE* pipe = popen("gnuplot 2>/dev/null", "w");
-  if (pipe == nullptr) {
-    *why = "could not start gnuplot";
-    return false;
-  }
-  std::fwrite(script.data(), 1, script.size(), pipe);
-  if (pclose(pipe) != 0) {
-    *why = "gnuplot failed";
-    return false;
-  }
-  return true;
+  return util::run_gnuplot(script, path, "", why);
 }
 
 }  // namespace

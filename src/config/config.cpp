@@ -3,6 +3,7 @@
 #include "remat/policy.h"
 
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 #include <toml++/toml.h>
 
 #include <algorithm>
@@ -209,6 +210,8 @@ std::vector<ConfigKey> make_keys() {
       key("train.eval_every", &C::train, &TrainConfig::eval_every, "steps between evals"),
       key("train.eval_batches", &C::train, &TrainConfig::eval_batches, "batches per eval"),
       key("train.ce_chunk", &C::train, &TrainConfig::ce_chunk, "tokens per loss-head chunk"),
+      key("train.checkpoint_every", &C::train, &TrainConfig::checkpoint_every, "steps between checkpoints"),
+      key("train.keep_checkpoints", &C::train, &TrainConfig::keep_checkpoints, "newest checkpoints kept"),
       key("data.text", &C::data, &DataConfig::text, "text file; empty: King James Bible"),
       key("data.dir", &C::data, &DataConfig::dir, "prepared-corpus cache directory"),
       key("data.vocab_size", &C::data, &DataConfig::vocab_size, "BPE vocabulary size"),
@@ -223,7 +226,7 @@ std::vector<ConfigKey> make_keys() {
       key("run.prompt", &C::run, &RunConfig::prompt, "prompt of the final sample"),
       key("run.progress", &C::run, &RunConfig::progress, "progress bar on a terminal"),
       key("run.trace", &C::run, &RunConfig::trace, "Chrome-trace JSON of step 3; empty: none"),
-      key("ac.policy", &C::ac, &AcConfig::policy, "recompute policy (README: Recompute policies)"),
+      ac_key("ac.policy", &AcConfig::policy, "recompute policy (README: Recompute policies); unset: none"),
       key("ac.budget", &C::ac, &AcConfig::budget, "memory budget: the planner picks the plan (12GiB, 0.6)"),
       key("ac.profile", &C::ac, &AcConfig::profile, "measure node times to predict step time (cached)"),
       key("ac.preserve_rng_state", &C::ac, &AcConfig::preserve_rng_state, "replay dropout RNG in recompute"),
@@ -385,6 +388,18 @@ Config load_config(const std::string& toml_path, const std::vector<std::string>&
   return c;
 }
 
+void check_path(const std::string& what, const std::string& path) {
+  for (size_t i = 0; i < path.size(); ++i) {
+    const auto byte = static_cast<unsigned char>(path[i]);
+    if (byte < 0x20 || byte == 0x7f) {
+      fail(fmt::format("{} = {} holds a control character (byte {:#04x} at offset {}); paths must be printable "
+                       "(they are written into plot scripts, logs and tables): remove it, it is usually a stray "
+                       "line break in a config file or a shell variable.",
+                       what, nlohmann::json(path).dump(), byte, i));
+    }
+  }
+}
+
 void validate_config(const Config& c) {
   const auto& m = c.model;
   auto positive = [](const char* name, int64_t v) {
@@ -415,6 +430,14 @@ void validate_config(const Config& c) {
     fail(fmt::format("model.dropout must be in [0, 1), got {}.", m.dropout));
   }
   if (m.norm_eps <= 0) fail(fmt::format("model.norm_eps must be positive, got {}.", m.norm_eps));
+  if (!(m.rope_theta > 1)) {
+    fail(fmt::format("model.rope_theta must be greater than 1 (the RoPE base: 10000 in GPT-NeoX, 500000 in Llama 3), "
+                     "got {}; at or below 1 the rotation frequencies are infinite or do not decrease.", m.rope_theta));
+  }
+  if (!(m.init_std > 0 && m.init_std <= 1)) {
+    fail(fmt::format("model.init_std must be in (0, 1] (0.02 is usual), got {}; larger weights overflow the first "
+                     "forward.", m.init_std));
+  }
 
   const auto& t = c.train;
   positive("train.steps", t.steps);
@@ -423,15 +446,50 @@ void validate_config(const Config& c) {
   positive("train.grad_accum", t.grad_accum);
   positive("train.ce_chunk", t.ce_chunk);
   positive("train.eval_batches", t.eval_batches);
+  positive("train.checkpoint_every", t.checkpoint_every);
+  positive("train.keep_checkpoints", t.keep_checkpoints);
+  // Upper bounds far above any real run, so that counts, token totals and byte predictions
+  // stay far inside int64 and a mistyped number is refused instead of running for ever.
+  auto at_most = [](const char* name, int64_t v, int64_t most, const char* why) {
+    if (v > most) fail(fmt::format("{} must be at most {} ({}), got {}.", name, most, why, v));
+  };
+  at_most("train.steps", t.steps, int64_t{1} << 30, "a billion steps");
+  at_most("train.grad_accum", t.grad_accum, int64_t{1} << 16, "microbatches per step");
+  at_most("train.batch", t.batch, int64_t{1} << 20, "sequences per microbatch");
+  // The planner takes about 7 s at 1024 layers on one core, eight times the deepest
+  // published transformer.
+  at_most("model.n_layer", m.n_layer, 1024, "layers");
+  at_most("model.max_seq", m.max_seq, int64_t{1} << 24, "16M tokens of context");
+  at_most("train.seq", t.seq, int64_t{1} << 24, "16M tokens per sequence");
+  at_most("train.eval_batches", t.eval_batches, int64_t{1} << 20, "validation microbatches");
+  // The planner adds bytes in int64; its largest terms are the attention probabilities,
+  // [batch, heads, seq, seq] per layer: all layers' worth in float64 must stay below 2^60.
+  const double attention = 8.0 * static_cast<double>(t.batch) * static_cast<double>(m.n_head) *
+                           static_cast<double>(t.seq) * static_cast<double>(t.seq) * static_cast<double>(m.n_layer);
+  if (attention > 0x1p60) {
+    fail(fmt::format("The attention probabilities of {} layers at train.batch = {} x train.seq = {} with {} heads "
+                     "would take {:.3g} bytes, more than remat can count (2^60); lower train.seq or train.batch.",
+                     m.n_layer, t.batch, t.seq, m.n_head, attention));
+  }
+  if (t.batch * t.seq > (int64_t{1} << 31)) {
+    fail(fmt::format("train.batch x train.seq = {} x {} is more than 2^31 tokens per microbatch; lower one of them "
+                     "(train.grad_accum adds microbatches to a step).", t.batch, t.seq));
+  }
   if (t.seq > m.max_seq) {
     fail(fmt::format("train.seq ({}) is longer than the model's context (model.max_seq = {}); "
                      "use train.seq <= {} or raise model.max_seq.", t.seq, m.max_seq, m.max_seq));
   }
-  if (t.lr <= 0 || t.min_lr < 0 || t.min_lr > t.lr) {
-    fail(fmt::format("Learning rates must satisfy 0 <= train.min_lr <= train.lr and train.lr > 0; "
+  // Above 10 an AdamW step moves a weight by more than any model survives, and the
+  // optimizer's float32 step size overflows long before 1e38.
+  if (t.lr <= 0 || t.lr > 10 || t.min_lr < 0 || t.min_lr > t.lr) {
+    fail(fmt::format("Learning rates must satisfy 0 <= train.min_lr <= train.lr and 0 < train.lr <= 10; "
                      "got lr {} and min_lr {}.", t.lr, t.min_lr));
   }
   if (t.warmup < 0 || t.eval_every < 0) fail("train.warmup and train.eval_every must be >= 0.");
+  if (t.weight_decay < 0) {
+    fail(fmt::format("train.weight_decay must be >= 0 (0 disables it; 0.1 is usual), got {}; a negative decay grows "
+                     "the weights every step.", t.weight_decay));
+  }
   if (t.grad_clip < 0) fail(fmt::format("train.grad_clip must be >= 0 (0 disables), got {}.", t.grad_clip));
   if (!(t.beta1 >= 0 && t.beta1 < 1 && t.beta2 >= 0 && t.beta2 < 1)) {
     fail(fmt::format("AdamW betas must be in [0, 1), got {} and {}.", t.beta1, t.beta2));
@@ -444,7 +502,9 @@ void validate_config(const Config& c) {
   if (!(c.data.val_fraction > 0 && c.data.val_fraction < 0.5)) {
     fail(fmt::format("data.val_fraction must be in (0, 0.5), got {}.", c.data.val_fraction));
   }
-  if (c.run.threads < 0) fail(fmt::format("run.threads must be >= 0 (0: all cores), got {}.", c.run.threads));
+  if (c.run.threads < 0 || c.run.threads > 1024) {
+    fail(fmt::format("run.threads must be in [0, 1024] (0: all cores), got {}.", c.run.threads));
+  }
   if (c.run.dtype != "float32" && c.run.dtype != "bfloat16") {
     fail(fmt::format("run.dtype must be float32 or bfloat16, got '{}'.", c.run.dtype));
   }
@@ -456,12 +516,16 @@ void validate_config(const Config& c) {
   const ActivationPlan plan = compile_policy(c.ac, m.n_layer, m.dropout);
   if (!c.ac.budget.empty()) {
     parse_budget(c.ac.budget, 1);
-    if (plan.policy != "none") {
+    if (c.ac.policy || plan.policy != "none") {
       throw std::invalid_argument(fmt::format(
           "ac.budget = \"{}\" asks the planner for the plan, but the ac settings also choose the policy \"{}\"; "
           "keep one of them.", c.ac.budget, plan.policy));
     }
   }
+  check_path("run.out_dir", c.run.out_dir);
+  check_path("run.trace", c.run.trace);
+  check_path("data.dir", c.data.dir);
+  check_path("data.text", c.data.text);
   if (c.run.name.find_first_not_of("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-") !=
           std::string::npos ||
       c.run.name == "." || c.run.name == "..") {

@@ -6,10 +6,12 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
 #include <thread>
@@ -390,6 +392,10 @@ size_t find_invalid_utf8(std::string_view text) {
   return std::string_view::npos;
 }
 
+// Limits on a text file: far above any corpus a model here trains on.
+constexpr size_t kMaxTextBytes = size_t{1} << 30;
+constexpr size_t kMaxLineBytes = size_t{1} << 20;
+
 std::string read_utf8_file(const std::string& path) {
   std::error_code ec;
   const auto status = fs::status(path, ec);
@@ -397,8 +403,43 @@ std::string read_utf8_file(const std::string& path) {
   if (fs::is_directory(status)) {
     throw std::runtime_error(path + " is a directory, not a text file.");
   }
-  std::string text = util::read_file(path, "the text file");
+  // Read in chunks so that an endless or binary source (/dev/zero, a device) is refused
+  // at its first NUL byte or at the size limit, not after filling memory.
+  std::unique_ptr<std::FILE, int (*)(std::FILE*)> file(std::fopen(path.c_str(), "rb"), &std::fclose);
+  if (!file) throw std::runtime_error("Cannot open the text file " + path + ": " + std::strerror(errno) + ".");
+  std::string text;
+  std::vector<char> chunk(size_t{1} << 20);
+  for (size_t n; (n = std::fread(chunk.data(), 1, chunk.size(), file.get())) > 0;) {
+    const void* nul = std::memchr(chunk.data(), '\0', n);
+    if (nul != nullptr) {
+      throw std::runtime_error("The text file " + path + " holds a NUL byte at offset " +
+                               std::to_string(text.size() + static_cast<size_t>(static_cast<const char*>(nul) - chunk.data())) +
+                               ": it is binary data, not text; give a UTF-8 text file.");
+    }
+    if (text.size() + n > kMaxTextBytes) {
+      throw std::runtime_error("The text file " + path + " is larger than the " + std::to_string(kMaxTextBytes >> 30) +
+                               " GiB remat prepares; give a part of it.");
+    }
+    text.append(chunk.data(), n);
+  }
   if (text.empty()) throw std::runtime_error("The text file " + path + " is empty.");
+  if (text.find_first_not_of(" \t\r\n") == std::string::npos) {
+    throw std::runtime_error("The text file " + path + " holds only whitespace; there is no text to train on.");
+  }
+  // The tokenizer's encoding time grows faster than a line's length (a 50 MB line takes
+  // minutes and gigabytes); real text breaks far sooner.
+  size_t line_start = 0, line = 1;
+  while (line_start < text.size()) {
+    const size_t end = std::min(text.find('\n', line_start), text.size());
+    if (end - line_start > kMaxLineBytes) {
+      throw std::runtime_error("Line " + std::to_string(line) + " of the text file " + path + " is " +
+                               std::to_string(end - line_start) + " bytes long, more than the " +
+                               std::to_string(kMaxLineBytes >> 20) +
+                               " MiB remat tokenizes at once; break the text into lines (paragraphs).");
+    }
+    line_start = end + 1;
+    ++line;
+  }
   const size_t bad = find_invalid_utf8(text);
   if (bad != std::string::npos) {
     char byte[8];

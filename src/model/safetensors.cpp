@@ -4,6 +4,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <limits>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -22,8 +23,9 @@ using ordered_json = nlohmann::ordered_json;
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
               "safetensors data is little-endian and copied from memory as is");
 
-// The reference implementation refuses headers above 100 MB; so do we, before allocating.
-constexpr uint64_t kMaxHeaderBytes = 100'000'000;
+// The format allows 100 MB of header, but parsing that much JSON takes gigabytes; a
+// model's header needs about 150 bytes per tensor, so 8 MiB holds over 50,000 tensors.
+constexpr uint64_t kMaxHeaderBytes = uint64_t{8} << 20;
 
 struct DtypeName {
   at::ScalarType dtype;
@@ -51,6 +53,12 @@ struct FileCloser {
 using File = std::unique_ptr<std::FILE, FileCloser>;
 
 File open_for_reading(const std::string& path, int64_t& size) {
+  // Opening a FIFO would wait for a writer for ever.
+  std::error_code ec;
+  if (std::filesystem::exists(path, ec) && !std::filesystem::is_regular_file(path, ec)) {
+    throw std::runtime_error("Cannot read the safetensors file " + path +
+                             ": it is not a regular file (a directory, FIFO or device); pass a .safetensors file.");
+  }
   File file(std::fopen(path.c_str(), "rb"));
   if (!file) {
     throw std::runtime_error("Cannot open the safetensors file " + path + ": " +
@@ -154,7 +162,8 @@ SafeTensorsHeader read_header(std::FILE* file, const std::string& path, int64_t 
   }
   if (header_bytes > kMaxHeaderBytes) {
     invalid(path, "the header length " + std::to_string(header_bytes) +
-                      " exceeds the format's 100 MB limit");
+                      " bytes is more than the 8 MiB remat reads (over 50,000 tensors' worth); it is not a model "
+                      "file remat can load");
   }
   std::string text(header_bytes, '\0');
   read_exactly(file, path, 8, text.data(), static_cast<int64_t>(header_bytes), "the header");

@@ -650,9 +650,9 @@ ActivationPlan compile_policy(const AcConfig& ac, int64_t n_layers, double dropo
   };
 
   std::vector<Candidate> asked;
-  if (strip_spaces(ac.policy) != "none") {
-    const std::string origin = "ac.policy = \"" + ac.policy + "\"";
-    asked.push_back({origin, compile(ac.policy, origin)});
+  if (ac.policy) {
+    const std::string origin = "ac.policy = \"" + *ac.policy + "\"";
+    asked.push_back({origin, compile(*ac.policy, origin)});
   }
   torchtune(ac, asked, compile);
   megatron(ac, asked, tensor_parallel, compile);

@@ -153,14 +153,14 @@ void check_writable(const std::string& path) {
     why = "it is a directory";
   } else if (::access(dir.c_str(), W_OK) != 0) {
     why = fmt::format("the directory {} is not writable ({})", dir.string(), std::strerror(errno));
-  } else if (fs::exists(p, ec) && ::access(p.c_str(), W_OK) != 0) {
-    why = fmt::format("the file is not writable ({})", std::strerror(errno));
+  } else if (fs::exists(p, ec)) {
+    why = "a file is there already, and a trace never replaces one";
   } else {
     return;
   }
   throw std::invalid_argument(fmt::format(
-      "Cannot write the trace to '{}' (run.trace, --trace): {}; give a file path in an existing, writable directory.",
-      path, why));
+      "Cannot write the trace to '{}' (run.trace, --trace): {}; give a new file path in an existing, writable "
+      "directory.", path, why));
 }
 
 void Scope::begin(const char* name, Category category, int64_t layer) {

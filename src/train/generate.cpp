@@ -2,13 +2,23 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <limits>
 
 namespace remat {
 
 std::string sample_text(Model& model, const data::Tokenizer& tok, const std::string& prompt, int64_t tokens,
-                        double temperature, int64_t top_k, uint64_t seed) {
+                        double temperature, int64_t top_k, uint64_t seed, const TextSink& on_text) {
+  // What on_text has been given; the decoded text grows at its end, except while a
+  // multi-byte character is still incomplete, which waits for the token that ends it.
+  std::string shown;
+  const auto show = [&](const std::string& text) {
+    if (!on_text || text.size() <= shown.size() || text.compare(0, shown.size(), shown) != 0) return;
+    on_text(std::string_view(text).substr(shown.size()));
+    shown = text;
+  };
   std::vector<int32_t> ids = tok.encode(prompt);
   if (ids.empty()) ids.push_back(tok.bos_id() >= 0 ? tok.bos_id() : 0);
   auto gen = at::detail::createCPUGenerator(seed);
@@ -17,7 +27,13 @@ std::string sample_text(Model& model, const data::Tokenizer& tok, const std::str
     const int64_t start = std::max<int64_t>(0, static_cast<int64_t>(ids.size()) - ctx);
     std::vector<int64_t> window(ids.begin() + start, ids.end());
     at::Tensor input = at::tensor(window, at::kLong).view({1, -1}).to(model.device());
-    at::Tensor logits = model.last_logits(input)[0].to(at::kCPU);
+    // A model.vocab_size above the tokenizer's has rows no piece decodes; never sample them.
+    at::Tensor logits = model.last_logits(input)[0].to(at::kCPU).narrow(0, 0, tok.vocab_size());
+    if (!at::isfinite(logits).all().item<bool>()) {
+      throw std::runtime_error(fmt::format(
+          "The model's logits for generated token {} are not finite although its weights are: the forward overflows "
+          "on this prompt; try a shorter prompt, or train the model again with a lower train.lr.", i + 1));
+    }
     int64_t next = 0;
     if (temperature <= 0) {
       next = logits.argmax().item<int64_t>();
@@ -32,22 +48,26 @@ std::string sample_text(Model& model, const data::Tokenizer& tok, const std::str
     }
     if (next == tok.eos_id()) break;
     ids.push_back(static_cast<int32_t>(next));
+    show(tok.decode(ids));
   }
-  return tok.decode(ids);
+  const std::string text = tok.decode(ids);
+  show(text);
+  return text;
 }
 
 }  // namespace remat
 
 #include "remat/trainer.h"
 #include "train/device.h"
+#include "train/step.h"
 
 #include <filesystem>
-#include <fmt/format.h>
 
 namespace remat {
 
 std::string generate_from_run(const std::string& run_dir, const std::string& prompt, int64_t tokens,
-                              double temperature, int64_t top_k, uint64_t seed, const std::string& device) {
+                              double temperature, int64_t top_k, uint64_t seed, const std::string& device,
+                              const TextSink& on_text) {
   namespace fs = std::filesystem;
   for (const char* f : {"config.toml", "model.safetensors", "tokenizer.model"}) {
     if (!fs::exists(fs::path(run_dir) / f)) {
@@ -59,8 +79,13 @@ std::string generate_from_run(const std::string& run_dir, const std::string& pro
   const at::Device dev = parse_device(device.empty() ? cfg.run.device : device);
   auto model = Model::create(cfg.model, dev, dev.is_cuda() ? parse_dtype(cfg.run.dtype, dev) : at::kFloat, 0);
   model->load((fs::path(run_dir) / "model.safetensors").string());
+  if (const std::string bad = first_non_finite(*model); !bad.empty()) {
+    throw std::invalid_argument(fmt::format(
+        "The weights in {} hold non-finite values (first: {}), so every sample would be noise; the run that wrote "
+        "them diverged: train again with a lower train.lr.", (fs::path(run_dir) / "model.safetensors").string(), bad));
+  }
   const auto tok = data::Tokenizer::load((fs::path(run_dir) / "tokenizer.model").string());
-  return sample_text(*model, tok, prompt, tokens, temperature, top_k, seed);
+  return sample_text(*model, tok, prompt, tokens, temperature, top_k, seed, on_text);
 }
 
 }  // namespace remat

@@ -34,7 +34,11 @@ RunPlan plan_run(const Config& cfg, at::ScalarType dtype, const TimeProfile& pro
   }
   using memory::format_bytes;
   const auto& p = r.predicted;
-  if (profile.base_seconds > 0) r.step_seconds = profile.step_seconds(t.grad_accum, p.recompute_seconds);
+  r.none_peak = planner.none_peak();
+  if (profile.base_seconds > 0) {
+    r.step_seconds = profile.step_seconds(t.grad_accum, p.recompute_seconds);
+    r.none_step_seconds = profile.step_seconds(t.grad_accum, 0.0);
+  }
   r.text = explain_plan(r.plan) + "\npredicted per microbatch (kept bytes, recompute FLOPs):\n";
   r.text += fmt::format("  embedding  {:>11}\n", format_bytes(p.embedding));
   for (size_t l = 0; l < p.layers.size(); ++l) {
@@ -54,8 +58,10 @@ RunPlan plan_run(const Config& cfg, at::ScalarType dtype, const TimeProfile& pro
                           profile.path);
   }
   if (r.budget > 0) {
-    r.text += fmt::format("budget {} (ac.budget = \"{}\"): the planner's plan peaks at {}\n", format_bytes(r.budget),
-                          cfg.ac.budget, format_bytes(p.peak));
+    r.text += fmt::format("budget {} (ac.budget = \"{}\"): the planner's plan peaks at {}; without recompute the step "
+                          "would peak at {}{}\n", format_bytes(r.budget), cfg.ac.budget, format_bytes(p.peak),
+                          format_bytes(r.none_peak),
+                          r.none_step_seconds > 0 ? fmt::format(" and take {:.1f} ms", 1e3 * r.none_step_seconds) : "");
   }
   return r;
 }

@@ -16,6 +16,8 @@ struct RunPlan {
   cost::StepPrediction predicted;  ///< peak, breakdown and recompute of one step
   int64_t budget = 0;              ///< bytes; 0 without ac.budget
   double step_seconds = 0;         ///< predicted step time; 0 without a measured profile
+  int64_t none_peak = 0;           ///< predicted peak of the same step keeping everything
+  double none_step_seconds = 0;    ///< its predicted time; 0 without a measured profile
   /// Per layer: what is kept, its bytes and its predicted recompute FLOPs; then the
   /// predicted peak and its breakdown (printed before the first step and in plan.txt).
   std::string text;

@@ -2,6 +2,7 @@
 
 #include "remat/policy.h"
 #include "train/device.h"
+#include "util/atomic_file.h"
 
 #include <ATen/Parallel.h>
 #include <fmt/format.h>
@@ -10,6 +11,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 
@@ -30,6 +32,36 @@ std::string profile_key(const Config& cfg, const Model& model) {
   return key + ".json";
 }
 
+// Fills `p` from the cache file at `path` when it is whole and sane. A damaged one (a
+// killed write, a hand edit) is said on stderr and measured again, rather than failing
+// every later run with a bare JSON error.
+bool read_cached(const std::string& path, TimeProfile& p) {
+  std::ifstream in(path);
+  const nlohmann::json j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  std::string why = "it is not a JSON object";
+  if (j.is_object()) {
+    try {
+      const auto seconds = j.at("node_seconds").get<std::map<std::string, double>>();
+      const double flops = j.at("flops_per_second").get<double>();
+      const double base = j.at("base_seconds").get<double>(), optimizer = j.at("optimizer_seconds").get<double>();
+      const auto time = [](double s) { return std::isfinite(s) && s >= 0; };
+      const bool times_ok = std::all_of(seconds.begin(), seconds.end(), [&](const auto& e) { return time(e.second); });
+      if (times_ok && time(base) && time(optimizer) && std::isfinite(flops) && flops > 0) {
+        p.times.seconds = seconds;
+        p.times.flops_per_second = flops;
+        p.base_seconds = base;
+        p.optimizer_seconds = optimizer;
+        return true;
+      }
+      why = "a time in it is negative or not finite";
+    } catch (const nlohmann::json::exception& e) {
+      why = e.what();
+    }
+  }
+  fmt::print(stderr, "The cached time profile {} is damaged ({}); measuring it again.\n", path, why);
+  return false;
+}
+
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
@@ -40,17 +72,9 @@ TimeProfile measure_time_profile(const Config& cfg, Model& model, const data::To
   TimeProfile p;
   const fs::path dir = fs::path(cfg.run.out_dir) / ".profiles";
   p.path = (dir / profile_key(cfg, model)).string();
-  if (fs::exists(p.path)) {
-    std::ifstream in(p.path);
-    const nlohmann::json j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
-    if (j.is_object() && j.contains("node_seconds")) {
-      p.times.seconds = j.at("node_seconds").get<std::map<std::string, double>>();
-      p.times.flops_per_second = j.at("flops_per_second").get<double>();
-      p.base_seconds = j.at("base_seconds").get<double>();
-      p.optimizer_seconds = j.at("optimizer_seconds").get<double>();
-      p.cached = true;
-      return p;
-    }
+  if (fs::exists(p.path) && read_cached(p.path, p)) {
+    p.cached = true;
+    return p;
   }
 
   const at::Device device = model.device();
@@ -114,13 +138,12 @@ TimeProfile measure_time_profile(const Config& cfg, Model& model, const data::To
 
   std::error_code ec;
   fs::create_directories(dir, ec);
-  std::ofstream out(p.path);
-  out << nlohmann::json{{"node_seconds", p.times.seconds},
-                        {"flops_per_second", p.times.flops_per_second},
-                        {"base_seconds", p.base_seconds},
-                        {"optimizer_seconds", p.optimizer_seconds}}
-             .dump(2)
-      << "\n";
+  util::write_file_atomically(p.path, nlohmann::json{{"node_seconds", p.times.seconds},
+                                                     {"flops_per_second", p.times.flops_per_second},
+                                                     {"base_seconds", p.base_seconds},
+                                                     {"optimizer_seconds", p.optimizer_seconds}}
+                                              .dump(2) +
+                                          "\n");
   return p;
 }
 

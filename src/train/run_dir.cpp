@@ -1,11 +1,11 @@
 #include "train/run_dir.h"
 
+#include "util/gnuplot.h"
+
 #include <fmt/format.h>
 
 #include <algorithm>
 #include <chrono>
-#include <cstdio>
-#include <cstdlib>
 #include <ctime>
 #include <filesystem>
 #include <numeric>
@@ -14,23 +14,7 @@
 namespace fs = std::filesystem;
 
 namespace remat {
-namespace {
-
-// A single-quoted word for sh: ' becomes '\''.
-std::string sh_quote(const std::string& s) {
-  std::string out = "'";
-  for (char c : s) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
-  return out + "'";
-}
-
-// A single-quoted gnuplot string: ' is doubled.
-std::string gp_quote(const std::string& s) {
-  std::string out = "'";
-  for (char c : s) out += c == '\'' ? std::string("''") : std::string(1, c);
-  return out + "'";
-}
-
-}  // namespace
+using util::gnuplot_quote;
 
 RunDir::RunDir(const std::string& out_dir, const std::string& name, const std::string& preset) {
   const std::string base = name.empty() ? fmt::format("{}-{}", timestamp(), preset) : name;
@@ -44,6 +28,11 @@ RunDir::RunDir(const std::string& out_dir, const std::string& name, const std::s
   fs::create_directories(path_);
   metrics_.open(file("metrics.jsonl"));
   if (!metrics_) throw std::runtime_error(fmt::format("Cannot write {}.", file("metrics.jsonl")));
+}
+
+RunDir::RunDir(const std::string& path) : path_(path) {
+  metrics_.open(file("metrics.jsonl"), std::ios::app);
+  if (!metrics_) throw std::runtime_error(fmt::format("Cannot append to {}.", file("metrics.jsonl")));
 }
 
 std::string RunDir::timestamp() {
@@ -69,10 +58,9 @@ bool RunDir::plot_loss(const std::vector<std::pair<int64_t, double>>& train,
                        std::string* why) const {
   // Inline data blocks keep the run directory free of scratch files.
   std::string script = fmt::format(
-      "set terminal pngcairo size 900,540 noenhanced\nset output {}\n"
+      "set terminal pngcairo size 900,540 noenhanced\nset output ARG1\n"
       "set title 'remat: training loss'\nset xlabel 'step'\nset ylabel 'loss (nats/token)'\nset grid\n"
-      "$train << EOD\n",
-      gp_quote(file("loss.png")));
+      "$train << EOD\n");
   for (const auto& [s, l] : train) script += fmt::format("{} {}\n", s, l);
   script += "EOD\n$val << EOD\n";
   for (const auto& [s, l] : val) script += fmt::format("{} {}\n", s, l);
@@ -81,7 +69,7 @@ bool RunDir::plot_loss(const std::vector<std::pair<int64_t, double>>& train,
       "$val using 1:2 with linespoints lw 2 pt 7 lc rgb '#d04020' title 'validation', "
       "{} with lines dt 2 lc rgb '#404040' title 'unigram entropy of the corpus'\n",
       reference_loss);
-  return run_gnuplot(script, why);
+  return util::run_gnuplot(script, file("loss.png"), file("gnuplot.log"), why);
 }
 
 bool RunDir::plot_points(const std::string& name, const std::string& title, const std::string& xlabel,
@@ -89,42 +77,23 @@ bool RunDir::plot_points(const std::string& name, const std::string& title, cons
   // Labels as gnuplot labels rather than data columns: policy names hold commas, brackets
   // and colons that a data block would split or misread. The offsets leave room for them.
   std::string script = fmt::format(
-      "set terminal pngcairo size 900,540 noenhanced\nset output {}\nset title {}\nset xlabel {}\n"
+      "set terminal pngcairo size 900,540 noenhanced\nset output ARG1\nset title {}\nset xlabel {}\n"
       "set ylabel {}\nset grid\nset key off\nset xrange [0:*]\nset yrange [0:*]\n"
       "set offsets 0, graph 0.25, graph 0.1, 0\n",
-      gp_quote(file(name)), gp_quote(title), gp_quote(xlabel), gp_quote(ylabel));
+      gnuplot_quote(title), gnuplot_quote(xlabel), gnuplot_quote(ylabel));
   // Neighbours along x get their labels on opposite sides, so close points stay readable.
   std::vector<size_t> order(points.size());
   std::iota(order.begin(), order.end(), size_t{0});
   std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return points[a].x < points[b].x; });
   for (size_t rank = 0; rank < order.size(); ++rank) {
     const PlotPoint& p = points[order[rank]];
-    script += fmt::format("set label {} {} at {},{} offset 1,{} font ',9'\n", rank + 1, gp_quote(p.label), p.x, p.y,
+    script += fmt::format("set label {} {} at {},{} offset 1,{} font ',9'\n", rank + 1, gnuplot_quote(p.label), p.x, p.y,
                           rank % 2 == 0 ? "0.7" : "-0.7");
   }
   script += "$points << EOD\n";
   for (const auto& p : points) script += fmt::format("{} {}\n", p.x, p.y);
   script += "EOD\nplot $points using 1:2 with points pt 7 ps 1.5 lc rgb '#d04020'\n";
-  return run_gnuplot(script, why);
-}
-
-bool RunDir::run_gnuplot(const std::string& script, std::string* why) const {
-  if (std::system("command -v gnuplot >/dev/null 2>&1") != 0) {
-    *why = "gnuplot is not installed (apt-get install gnuplot-nox)";
-    return false;
-  }
-  const std::string log = file("gnuplot.log");
-  std::FILE* pipe = popen(fmt::format("gnuplot 2>{}", sh_quote(log)).c_str(), "w");
-  if (pipe == nullptr) {
-    *why = "could not start gnuplot";
-    return false;
-  }
-  std::fwrite(script.data(), 1, script.size(), pipe);
-  const bool ok = pclose(pipe) == 0;
-  std::error_code ec;
-  if (ok) fs::remove(log, ec);
-  if (!ok) *why = fmt::format("gnuplot failed (see {})", log);
-  return ok;
+  return util::run_gnuplot(script, file(name), file("gnuplot.log"), why);
 }
 
 }  // namespace remat

@@ -22,6 +22,8 @@ class RunDir {
   /// Creates `<out_dir>/<name>` (name empty: "<YYYYmmdd-HHMMSS>-<preset>"; an existing
   /// directory gets a numeric suffix rather than being overwritten).
   RunDir(const std::string& out_dir, const std::string& name, const std::string& preset);
+  /// Opens the existing run directory `path` to continue it: metrics are appended.
+  explicit RunDir(const std::string& path);
 
   const std::string& path() const { return path_; }
   std::string file(const std::string& name) const { return path_ + "/" + name; }
@@ -47,9 +49,6 @@ class RunDir {
   static std::string timestamp();
 
  private:
-  /// Feeds `script` to gnuplot, its errors going to gnuplot.log (removed on success).
-  bool run_gnuplot(const std::string& script, std::string* why) const;
-
   std::string path_;
   std::ofstream metrics_;
 };

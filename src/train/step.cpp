@@ -1,14 +1,19 @@
 #include "train/step.h"
 
 #include "remat/memory.h"
+#include "remat/safetensors.h"
 #include "remat/trace.h"
 #include "remat/trainer.h"
 #include "train/device.h"
+
+#include <fmt/format.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <optional>
+#include <sstream>
+#include <stdexcept>
 
 namespace remat {
 namespace {
@@ -40,7 +45,32 @@ std::vector<torch::optim::OptimizerParamGroup> adamw_groups(Model& model, const 
   return groups;
 }
 
+constexpr const char* kCheckpointFormat = "remat training checkpoint 1";
+
+// The optimizer's key for a parameter's state (LibTorch's own convention).
+std::string state_key(const at::Tensor& param) { return c10::guts::to_string(param.unsafeGetTensorImpl()); }
+
+// Where a non-finite step shows first: a weight, else a gradient, else the loss alone.
+std::string where_non_finite(const Model& model) {
+  if (const std::string w = first_non_finite(model); !w.empty()) return "parameter " + w + " holds non-finite values";
+  if (const std::string g = first_non_finite(model, true); !g.empty()) {
+    return "the gradient of " + g + " is the first non-finite one";
+  }
+  return "every weight and gradient is finite, so the loss itself overflowed";
+}
+
 }  // namespace
+
+std::string first_non_finite(const Model& model, bool grads) {
+  std::vector<at::Tensor> finite;
+  for (const auto& p : model.params()) finite.push_back(at::isfinite(grads ? p.grad : p.value).all());
+  const at::Tensor flags = at::stack(finite).to(at::kCPU);
+  const bool* ok = flags.data_ptr<bool>();
+  for (size_t i = 0; i < finite.size(); ++i) {
+    if (!ok[i]) return model.params()[i].name;
+  }
+  return "";
+}
 
 void apply_plan(Model& model, const ActivationPlan& plan, const AcConfig& ac) {
   StoreOptions options;
@@ -79,6 +109,20 @@ StepResult TrainStep::run(int64_t step, const data::TokenDataset& data, std::mt1
               static_cast<double>(t.grad_accum);
   }
   r.grad_norm = clip_gradients(model_, t.grad_clip);
+  // Checked before the update, so that a bad step leaves the weights as they were.
+  if (!std::isfinite(r.loss) || !std::isfinite(r.grad_norm)) {
+    const ModelConfig& m = model_.config();
+    if (step == 0) {
+      throw std::runtime_error(fmt::format(
+          "The training loss is {} (gradient norm {}) at step 1, before any update, so the initial model is at fault, "
+          "not the learning rate: {}; check model.init_std (now {}) and model.norm_eps (now {}).",
+          r.loss, r.grad_norm, where_non_finite(model_), m.init_std, m.norm_eps));
+    }
+    throw std::runtime_error(fmt::format(
+        "The training loss became {} (gradient norm {}) at step {}: {}; lower train.lr (now {}), raise train.warmup "
+        "(now {}) or set train.grad_clip (now {}).",
+        r.loss, r.grad_norm, step + 1, where_non_finite(model_), t.lr, t.warmup, t.grad_clip));
+  }
   {
     const trace::Scope scope("optimizer step", trace::Category::step);
     optimizer_.step();
@@ -91,10 +135,79 @@ StepResult TrainStep::run(int64_t step, const data::TokenDataset& data, std::mt1
   r.current_bytes = mem.current;
   r.peak_bytes = mem.peak;
 
-  TORCH_CHECK(std::isfinite(r.loss), "The training loss became ", r.loss, " at step ", step + 1,
-              "; lower train.lr (now ", t.lr, ") or raise train.warmup.");
+  // After the peak is read: the check's temporaries are not the step's memory.
+  if (const std::string w = first_non_finite(model_); !w.empty()) {
+    throw std::runtime_error(fmt::format(
+        "The update of step {} made parameter {} non-finite (the loss was {}, the gradient norm {}); lower train.lr "
+        "(now {}) or set train.grad_clip (now {}).", step + 1, w, r.loss, r.grad_norm, r.lr, t.grad_clip));
+  }
   if (model_.store() != nullptr) r.counters = model_.store()->counters();
   return r;
+}
+
+void TrainStep::save_checkpoint(const std::string& path, int64_t steps, const std::mt19937_64& rng) const {
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  int64_t adam_steps = 0;
+  for (const auto& p : model_.params()) {
+    tensors.emplace_back("param." + p.name, p.value);
+    const auto it = optimizer_.state().find(state_key(p.value));
+    if (it == optimizer_.state().end()) continue;  // no update yet
+    const auto& s = static_cast<const torch::optim::AdamWParamState&>(*it->second);
+    tensors.emplace_back("exp_avg." + p.name, s.exp_avg());
+    tensors.emplace_back("exp_avg_sq." + p.name, s.exp_avg_sq());
+    adam_steps = s.step();
+  }
+  std::ostringstream rng_state;
+  rng_state << rng;
+  model::save_safetensors(path, tensors,
+                          {{"format", kCheckpointFormat}, {"steps", std::to_string(steps)},
+                           {"adam_steps", std::to_string(adam_steps)}, {"rng", rng_state.str()}});
+}
+
+int64_t TrainStep::load_checkpoint(const std::string& path, std::mt19937_64& rng) {
+  const model::SafeTensors file = model::load_safetensors(path);
+  const auto refuse = [&](const std::string& why) {
+    return std::runtime_error(fmt::format("{} is not a training checkpoint of this model: {}.", path, why));
+  };
+  const auto meta = [&](const std::string& key) {
+    const auto it = file.metadata.find(key);
+    if (it == file.metadata.end()) throw refuse("its metadata has no '" + key + "'");
+    return it->second;
+  };
+  if (meta("format") != kCheckpointFormat) throw refuse("its format is '" + meta("format") + "'");
+  // Everything is checked before anything is written.
+  const auto tensor = [&](const std::string& name, const at::Tensor& like, bool required) -> const at::Tensor* {
+    const at::Tensor* t = file.find(name);
+    if (t == nullptr && required) throw refuse("it has no tensor '" + name + "'");
+    if (t != nullptr && (t->sizes() != like.sizes() || t->scalar_type() != like.scalar_type())) {
+      throw refuse(fmt::format("'{}' is {} {} where the model has {} {}", name, c10::toString(t->scalar_type()),
+                               c10::str(t->sizes()), c10::toString(like.scalar_type()), c10::str(like.sizes())));
+    }
+    return t;
+  };
+  const int64_t adam_steps = std::stoll(meta("adam_steps"));
+  for (const auto& p : model_.params()) {
+    tensor("param." + p.name, p.value, true);
+    tensor("exp_avg." + p.name, p.value, adam_steps > 0);
+    tensor("exp_avg_sq." + p.name, p.value, adam_steps > 0);
+  }
+  std::mt19937_64 restored;
+  std::istringstream(meta("rng")) >> restored;
+  const int64_t steps = std::stoll(meta("steps"));
+
+  c10::NoGradGuard no_grad;
+  optimizer_.state().clear();
+  for (auto& p : model_.params()) {
+    p.value.copy_(*file.find("param." + p.name));
+    if (adam_steps == 0) continue;
+    auto s = std::make_unique<torch::optim::AdamWParamState>();
+    s->step(adam_steps);
+    s->exp_avg(file.find("exp_avg." + p.name)->to(p.value.device()).clone());
+    s->exp_avg_sq(file.find("exp_avg_sq." + p.name)->to(p.value.device()).clone());
+    optimizer_.state()[state_key(p.value)] = std::move(s);
+  }
+  rng = restored;
+  return steps;
 }
 
 double median(std::vector<double> v) {

@@ -46,8 +46,20 @@ class TrainStep {
   /// microbatches drawn from `data` with `rng` through forward_backward, gradient
   /// clipping to train.grad_clip, the AdamW update. The peak is measured from the step's
   /// start. `traced`: record the step as a Chrome trace (StepResult::trace). Throws a
-  /// sentence if the loss is not finite.
+  /// sentence naming the step, the first non-finite parameter or gradient and what to
+  /// change when the loss or the gradient norm is not finite (then before the update, so
+  /// the weights stay as they were) or when the update made a weight non-finite.
   StepResult run(int64_t step, const data::TokenDataset& data, std::mt19937_64& rng, bool traced = false);
+
+  /// Writes the training state after `steps` completed steps to `path` as one safetensors
+  /// file, atomically (flushed, then renamed): every parameter, AdamW's moments and step
+  /// count, and `rng`'s state, the data cursor. Dropout needs nothing more: its masks are
+  /// keyed by the seed and the step.
+  void save_checkpoint(const std::string& path, int64_t steps, const std::mt19937_64& rng) const;
+  /// Restores what save_checkpoint wrote into the model, the optimizer and `rng`, after
+  /// checking all of it; returns the number of completed steps. Throws a sentence naming
+  /// `path` when the file is not a checkpoint of this model.
+  int64_t load_checkpoint(const std::string& path, std::mt19937_64& rng);
 
  private:
   Model& model_;
@@ -55,6 +67,10 @@ class TrainStep {
   uint64_t seed_;
   torch::optim::AdamW optimizer_;
 };
+
+/// The name of the first parameter, in model order, whose values (with `grads`: whose
+/// gradients) hold a NaN or an infinity; empty when none does. One pass, one host read.
+std::string first_non_finite(const Model& model, bool grads = false);
 
 /// The median of `v` (the upper one of an even count); 0 when empty.
 double median(std::vector<double> v);

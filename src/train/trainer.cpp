@@ -4,6 +4,7 @@
 #include "remat/memory.h"
 #include "remat/model.h"
 #include "remat/policy.h"
+#include "remat/safetensors.h"
 #include "remat/store.h"
 #include "remat/tokenizer.h"
 #include "remat/trace.h"
@@ -19,9 +20,16 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <unistd.h>
+
+#include <cerrno>
 #include <cmath>
+#include <csignal>
+#include <cstring>
 #include <filesystem>
+#include <memory>
 #include <random>
+#include <sstream>
 
 namespace remat {
 namespace {
@@ -29,7 +37,7 @@ namespace {
 constexpr double kPi = 3.14159265358979323846;
 
 // Mean loss per token over the first eval_batches sequential batches (the last may be short).
-double validation_loss(Model& model, const data::TokenDataset& val, const TrainConfig& t) {
+double validation_loss(Model& model, const data::TokenDataset& val, const TrainConfig& t, int64_t step) {
   const int64_t n = std::min<int64_t>(t.eval_batches, val.num_sequential_batches(t.batch, t.seq));
   double sum = 0.0;
   int64_t rows = 0;
@@ -38,7 +46,16 @@ double validation_loss(Model& model, const data::TokenDataset& val, const TrainC
     sum += b.tokens.size(0) * model.evaluate(b.tokens.to(model.device()), b.targets.to(model.device()), t.ce_chunk);
     rows += b.tokens.size(0);
   }
-  return sum / static_cast<double>(rows);
+  const double loss = sum / static_cast<double>(rows);
+  // Training checks every step's weights, so this is the held-out text overflowing the
+  // forward; nothing is saved after it.
+  if (!std::isfinite(loss)) {
+    throw std::runtime_error(fmt::format(
+        "The validation loss is {} {} though every weight is finite: the model overflows on held-out text; lower "
+        "train.lr (now {}) or raise train.warmup (now {}) and train again.",
+        loss, step == 0 ? std::string("before the first step") : fmt::format("after step {}", step), t.lr, t.warmup));
+  }
+  return loss;
 }
 
 void check_split_fits(const data::TokenDataset& ds, const char* split, int64_t seq) {
@@ -48,6 +65,90 @@ void check_split_fits(const data::TokenDataset& ds, const char* split, int64_t s
         "or train on a longer text.", split, ds.size(), seq, std::string(split) == "validation" ?
         " or raise data.val_fraction" : ""));
   }
+}
+
+namespace fs = std::filesystem;
+
+volatile std::sig_atomic_t g_stop_signal = 0;
+extern "C" void on_stop_signal(int signal) { g_stop_signal = signal; }
+
+// SIGINT and SIGTERM, for the training loop only: they ask it to stop after the step in
+// progress and its checkpoint. The previous handlers come back afterwards.
+class StopSignals {
+ public:
+  StopSignals() {
+    g_stop_signal = 0;
+    struct sigaction action {};
+    action.sa_handler = on_stop_signal;
+    sigemptyset(&action.sa_mask);
+    sigaction(SIGINT, &action, &old_int_);
+    sigaction(SIGTERM, &action, &old_term_);
+  }
+  ~StopSignals() {
+    sigaction(SIGINT, &old_int_, nullptr);
+    sigaction(SIGTERM, &old_term_, nullptr);
+  }
+  StopSignals(const StopSignals&) = delete;
+  StopSignals& operator=(const StopSignals&) = delete;
+  int caught() const { return g_stop_signal; }
+
+ private:
+  struct sigaction old_int_ {};
+  struct sigaction old_term_ {};
+};
+
+fs::path checkpoint_dir(const std::string& run_dir) { return fs::path(run_dir) / "checkpoints"; }
+
+// The run's checkpoints, oldest first (the zero-padded step orders the names).
+std::vector<fs::path> checkpoints(const std::string& run_dir) {
+  std::vector<fs::path> out;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(checkpoint_dir(run_dir), ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind("step-", 0) == 0 && e.path().extension() == ".safetensors") out.push_back(e.path());
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+// Writes the state after `steps` steps, flushes the directory entry, then removes all but
+// the newest `keep` checkpoints.
+void write_checkpoint(const TrainStep& stepper, const std::string& run_dir, int64_t steps, const std::mt19937_64& rng,
+                      int64_t keep) {
+  const fs::path dir = checkpoint_dir(run_dir);
+  fs::create_directories(dir);
+  stepper.save_checkpoint((dir / fmt::format("step-{:08d}.safetensors", steps)).string(), steps, rng);
+  util::sync_directory(dir.string());
+  const std::vector<fs::path> all = checkpoints(run_dir);
+  for (size_t i = 0; i + static_cast<size_t>(keep) < all.size(); ++i) fs::remove(all[i]);
+}
+
+// What a killed write leaves behind: "<file>.tmp.<pid>" in the run or checkpoint directory.
+void remove_temp_files(const std::string& run_dir) {
+  for (const fs::path& dir : {fs::path(run_dir), checkpoint_dir(run_dir)}) {
+    std::error_code ec;
+    for (const auto& e : fs::directory_iterator(dir, ec)) {
+      if (e.path().filename().string().find(".tmp.") != std::string::npos) fs::remove(e.path(), ec);
+    }
+  }
+}
+
+// Keeps the metrics of the first `steps` steps (and the validations up to them), dropping
+// what a stopped run logged after its last checkpoint; returns them.
+std::vector<nlohmann::json> keep_metrics(const std::string& run_dir, int64_t steps) {
+  const std::string path = (fs::path(run_dir) / "metrics.jsonl").string();
+  std::istringstream lines(util::read_file(path, "the metrics"));
+  std::vector<nlohmann::json> kept;
+  std::string text;
+  for (std::string line; std::getline(lines, line);) {
+    const nlohmann::json j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    // A line cut short by a kill is not JSON; everything after the checkpoint goes too.
+    if (!j.is_object() || !j.contains("step") || j["step"].get<int64_t>() > steps) continue;
+    kept.push_back(j);
+    text += line + "\n";
+  }
+  util::write_file_atomically(path, text);
+  return kept;
 }
 
 }  // namespace
@@ -69,9 +170,10 @@ data::CorpusInfo prepare_data(const DataConfig& d) {
   // Fail before minutes of tokenizer training if the cache cannot exist.
   std::error_code ec;
   std::filesystem::create_directories(d.dir, ec);
-  if (ec) {
-    throw std::invalid_argument(fmt::format("Cannot create the data directory {} (data.dir): {}; set data.dir to a "
-                                            "writable directory.", d.dir, ec.message()));
+  if (ec || ::access(d.dir.c_str(), W_OK) != 0) {
+    throw std::invalid_argument(fmt::format("Cannot {} the data directory {} (data.dir): {}; set data.dir to a "
+                                            "writable directory.", ec ? "create" : "write into", d.dir,
+                                            ec ? ec.message() : std::strerror(errno)));
   }
   prep.out_dir = fmt::format("{}/{}-v{}", d.dir, source, d.vocab_size);
   prep.vocab_size = static_cast<int>(d.vocab_size);
@@ -79,7 +181,7 @@ data::CorpusInfo prepare_data(const DataConfig& d) {
   return data::prepare_corpus(prep, [](const std::string& line) { fmt::print(stderr, "{}\n", line); });
 }
 
-TrainSummary train(const Config& cfg_in) {
+TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   Config cfg = cfg_in;
   const auto& t = cfg.train;
   const int threads = set_threads(cfg.run.threads);
@@ -120,7 +222,28 @@ TrainSummary train(const Config& cfg_in) {
   const ActivationBytes predicted = model->predict_activation_bytes(t.batch, t.seq);
   TrainStep stepper(*model, t, static_cast<uint64_t>(cfg.run.seed));
 
-  RunDir run(cfg.run.out_dir, cfg.run.name, cfg.model.preset);
+  // A resumed run continues from its newest checkpoint and the metrics logged up to it.
+  std::vector<fs::path> saved;
+  int64_t first_step = 0;
+  std::vector<nlohmann::json> logged;
+  if (!resume_dir.empty()) {
+    remove_temp_files(resume_dir);
+    saved = checkpoints(resume_dir);
+    if (saved.empty()) {
+      throw std::invalid_argument(fmt::format("{} has no training checkpoint to resume from (none was written before "
+                                              "the run stopped); start the run again.", resume_dir));
+    }
+    first_step = std::stoll(model::read_safetensors_header(saved.back().string()).metadata.at("steps"));
+    if (first_step >= t.steps) {
+      throw std::invalid_argument(fmt::format("{} finished all {} steps; there is nothing to resume.", resume_dir,
+                                              t.steps));
+    }
+    logged = keep_metrics(resume_dir, first_step);
+  }
+  std::unique_ptr<RunDir> run_ptr = resume_dir.empty()
+                                        ? std::make_unique<RunDir>(cfg.run.out_dir, cfg.run.name, cfg.model.preset)
+                                        : std::make_unique<RunDir>(resume_dir);
+  RunDir& run = *run_ptr;
   run.write_text("config.toml", config_to_toml(cfg));
   std::filesystem::copy_file(corpus.tokenizer_path(), run.file("tokenizer.model"),
                              std::filesystem::copy_options::overwrite_existing);
@@ -151,16 +274,39 @@ TrainSummary train(const Config& cfg_in) {
 
   std::mt19937_64 rng(static_cast<uint64_t>(cfg.run.seed));
   std::vector<std::pair<int64_t, double>> train_curve, val_curve;
-  sum.initial_val_loss = validation_loss(*model, val_ds, t);
-  val_curve.emplace_back(0, sum.initial_val_loss);
-  run.log_metrics({{"kind", "val"}, {"step", 0}, {"val_loss", sum.initial_val_loss}});
+  if (first_step == 0) {
+    sum.initial_val_loss = validation_loss(*model, val_ds, t, 0);
+    val_curve.emplace_back(0, sum.initial_val_loss);
+    run.log_metrics({{"kind", "val"}, {"step", 0}, {"val_loss", sum.initial_val_loss}});
+  } else {
+    stepper.load_checkpoint(saved.back().string(), rng);
+    for (const nlohmann::json& j : logged) {
+      const int64_t s = j["step"].get<int64_t>();
+      if (j["kind"] == "val") {
+        val_curve.emplace_back(s, j["val_loss"].get<double>());
+        (s == 0 ? sum.initial_val_loss : sum.final_val_loss) = j["val_loss"].get<double>();
+      } else if (j["kind"] == "train") {
+        train_curve.emplace_back(s, j["loss"].get<double>());
+        sum.losses.push_back(j["loss"].get<double>());
+        sum.tokens += tokens_per_step;
+        sum.peak_bytes = std::max(sum.peak_bytes, j["peak_bytes"].get<int64_t>());
+        sum.activation_bytes = j["activation_bytes"].get<int64_t>();
+        if (s == 1) {
+          sum.recompute_ops_per_step = j["ops_recomputed"].get<int64_t>();
+          sum.recomputed_bytes_per_step = j["bytes_recomputed"].get<int64_t>();
+        }
+      }
+    }
+    fmt::print(stderr, "resuming {} after step {} from {}\n", run.path(), first_step, saved.back().string());
+  }
 
   ProgressBar bar(t.steps, cfg.run.progress);
-  bar.message(fmt::format("step 0: validation loss {:.4f}", sum.initial_val_loss));
+  if (first_step == 0) bar.message(fmt::format("step 0: validation loss {:.4f}", sum.initial_val_loss));
   std::vector<double> step_times;
   // The traced step is the third (or the last of fewer): the first two pay for allocation and caches.
   const int64_t traced_step = cfg.run.trace.empty() ? -1 : std::min<int64_t>(2, t.steps - 1);
-  for (int64_t step = 0; step < t.steps; ++step) {
+  const StopSignals signals;
+  for (int64_t step = first_step; step < t.steps; ++step) {
     const StepResult r = stepper.run(step, train_ds, rng, step == traced_step);
     if (step == traced_step) util::write_file_atomically(cfg.run.trace, r.trace);
     step_times.push_back(r.seconds);
@@ -196,11 +342,22 @@ TrainSummary train(const Config& cfg_in) {
                                      memory::format_bytes(r.peak_bytes)));
     const bool last = step + 1 == t.steps;
     if (last || (t.eval_every > 0 && (step + 1) % t.eval_every == 0)) {
-      const double v = validation_loss(*model, val_ds, t);
+      const double v = validation_loss(*model, val_ds, t, step + 1);
       val_curve.emplace_back(step + 1, v);
       run.log_metrics({{"kind", "val"}, {"step", step + 1}, {"val_loss", v}});
       bar.message(fmt::format("step {}: validation loss {:.4f}", step + 1, v));
       sum.final_val_loss = v;
+    }
+    if ((step + 1) % t.checkpoint_every == 0 || last || signals.caught() != 0) {
+      write_checkpoint(stepper, run.path(), step + 1, rng, t.keep_checkpoints);
+    }
+    if (signals.caught() != 0 && !last) {
+      bar.finish();
+      fmt::print(stderr, "{} after step {}: the checkpoint is in {}; continue with `remat train --resume {}`\n",
+                 signals.caught() == SIGINT ? "interrupted (SIGINT)" : "terminated (SIGTERM)", step + 1,
+                 checkpoint_dir(run.path()).string(), run.path());
+      sum.stopped_by = signals.caught();
+      return sum;
     }
   }
   bar.finish();
@@ -248,6 +405,8 @@ TrainSummary train(const Config& cfg_in) {
       {"predicted_recompute_flops_per_step", planned.predicted.recompute_flops},
       {"budget_bytes", sum.budget_bytes},
       {"predicted_step_seconds", sum.predicted_step_seconds},
+      {"predicted_none_peak_bytes", planned.none_peak},
+      {"predicted_none_step_seconds", planned.none_step_seconds},
   };
   run.write_text("summary.json", summary.dump(2) + "\n");
 
@@ -271,8 +430,14 @@ TrainSummary train(const Config& cfg_in) {
                  static_cast<double>(sum.predicted_peak_bytes),
              memory::format_bytes(sum.activation_bytes), memory::format_bytes(predicted.total()));
   if (sum.budget_bytes > 0) {
-    fmt::print(stderr, "budget {}: measured peak {} it\n", memory::format_bytes(sum.budget_bytes),
-               sum.peak_bytes <= sum.budget_bytes ? "stayed within" : "EXCEEDED");
+    fmt::print(stderr, "budget {}: measured peak {} it; without recompute the step would peak at {} (predicted){}\n",
+               memory::format_bytes(sum.budget_bytes), sum.peak_bytes <= sum.budget_bytes ? "stayed within" : "EXCEEDED",
+               memory::format_bytes(planned.none_peak),
+               planned.none_step_seconds > 0
+                   ? fmt::format(" and take {:.1f} ms (predicted; this plan: {:.1f} ms measured, {:.1f} ms predicted)",
+                                 1e3 * planned.none_step_seconds, 1e3 * sum.median_step_seconds,
+                                 1e3 * sum.predicted_step_seconds)
+                   : "");
   }
   fmt::print(stderr, "run directory {}: config.toml, plan.txt, metrics.jsonl, model.safetensors, tokenizer.model{}{}, "
              "summary.json\n", run.path(), plotted ? ", loss.png" : "", cfg.run.sample_tokens > 0 ? ", sample.txt" : "");

@@ -1,5 +1,6 @@
 #include "util/atomic_file.h"
 
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -56,6 +57,14 @@ void AtomicFile::commit() {
     std::remove(temp_path_.c_str());
     throw std::runtime_error("Cannot rename " + temp_path_ + " to " + path_ + ": " + error + ".");
   }
+}
+
+void sync_directory(const std::string& dir) {
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
+  const bool ok = fd >= 0 && ::fsync(fd) == 0;
+  const std::string error = ok ? "" : errno_text();
+  if (fd >= 0) ::close(fd);
+  if (!ok) throw std::runtime_error("Cannot flush the directory " + dir + " to disk: " + error + ".");
 }
 
 void write_file_atomically(const std::string& path, std::string_view bytes) {

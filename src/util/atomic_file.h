@@ -28,6 +28,9 @@ class AtomicFile {
   std::FILE* file_ = nullptr;
 };
 
+/// Flushes `dir`'s entries to disk, so that a rename into it survives a crash.
+void sync_directory(const std::string& dir);
+
 /// AtomicFile in one call.
 void write_file_atomically(const std::string& path, std::string_view bytes);
 

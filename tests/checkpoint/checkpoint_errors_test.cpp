@@ -12,6 +12,7 @@ namespace {
 using remat::CheckpointOptions;
 using remat::DeterminismCheck;
 using remat::testing::expect_error;
+using remat::testing::seeded;
 
 CheckpointOptions named(const std::string& name, bool reentrant = false) {
   CheckpointOptions o;
@@ -30,9 +31,10 @@ remat::CheckpointFn changing(std::function<std::vector<at::Tensor>(const at::Ten
 }
 
 TEST(CheckpointErrors, DoubleBackwardIsRefusedInBothModes) {
+  at::Generator gen = seeded(1);
   for (const bool reentrant : {false, true}) {
     SCOPED_TRACE(reentrant ? "reentrant" : "non-reentrant");
-    const at::Tensor x = at::randn({3}).requires_grad_(true);
+    const at::Tensor x = at::randn({3}, gen).requires_grad_(true);
     const at::Tensor y = remat::checkpoint([](const at::Tensor& t) { return t.tanh(); }, x,
                                            named("blk", reentrant));
     expect_error(
@@ -44,7 +46,8 @@ TEST(CheckpointErrors, DoubleBackwardIsRefusedInBothModes) {
 }
 
 TEST(CheckpointErrors, ReentrantOutputCountChangeOnRecompute) {
-  const at::Tensor x = at::randn({2, 3}).requires_grad_(true);
+  at::Generator gen = seeded(1);
+  const at::Tensor x = at::randn({2, 3}, gen).requires_grad_(true);
   auto fn = changing([](const at::Tensor& t) { return std::vector<at::Tensor>{t * 2}; },
                      [](const at::Tensor& t) { return std::vector<at::Tensor>{t * 2, t * 3}; });
   const auto out = remat::checkpoint(fn, {x}, named("r", true));
@@ -53,7 +56,8 @@ TEST(CheckpointErrors, ReentrantOutputCountChangeOnRecompute) {
 }
 
 TEST(CheckpointErrors, ReentrantOutputShapeChangeOnRecompute) {
-  const at::Tensor x = at::randn({2, 3}).requires_grad_(true);
+  at::Generator gen = seeded(1);
+  const at::Tensor x = at::randn({2, 3}, gen).requires_grad_(true);
   auto fn = changing(
       [](const at::Tensor& t) { return std::vector<at::Tensor>{t * 2}; },
       [](const at::Tensor& t) { return std::vector<at::Tensor>{at::cat({t, t}, 1)}; });
@@ -64,7 +68,8 @@ TEST(CheckpointErrors, ReentrantOutputShapeChangeOnRecompute) {
 }
 
 TEST(CheckpointErrors, NonReentrantOutputCountChangeWhenFnRunsToItsEnd) {
-  const at::Tensor x = at::randn({3}).requires_grad_(true);
+  at::Generator gen = seeded(1);
+  const at::Tensor x = at::randn({3}, gen).requires_grad_(true);
   auto fn = changing([](const at::Tensor& t) { return std::vector<at::Tensor>{t.tanh()}; },
                      [](const at::Tensor& t) { return std::vector<at::Tensor>{t.tanh(), t}; });
   CheckpointOptions o = named("nr");
@@ -75,7 +80,8 @@ TEST(CheckpointErrors, NonReentrantOutputCountChangeWhenFnRunsToItsEnd) {
 }
 
 TEST(CheckpointErrors, NonReentrantSavedTensorCountChange) {
-  const at::Tensor x = at::randn({3}).requires_grad_(true);
+  at::Generator gen = seeded(1);
+  const at::Tensor x = at::randn({3}, gen).requires_grad_(true);
   // tanh saves its result: two tanh save two tensors, one saves one.
   auto fn = changing([](const at::Tensor& t) { return std::vector<at::Tensor>{t.tanh().tanh()}; },
                      [](const at::Tensor& t) { return std::vector<at::Tensor>{t.tanh() * 1.0}; });
@@ -86,7 +92,8 @@ TEST(CheckpointErrors, NonReentrantSavedTensorCountChange) {
 }
 
 TEST(CheckpointErrors, NonReentrantSavedTensorMetaChange) {
-  const at::Tensor x = at::randn({4}).requires_grad_(true);
+  at::Generator gen = seeded(1);
+  const at::Tensor x = at::randn({4}, gen).requires_grad_(true);
   // narrow saves no tensor; tanh saves its result, 2 then 3 elements; the output is a sum.
   auto fn = changing(
       [](const at::Tensor& t) { return std::vector<at::Tensor>{t.narrow(0, 0, 2).tanh().sum()}; },
@@ -98,7 +105,8 @@ TEST(CheckpointErrors, NonReentrantSavedTensorMetaChange) {
 }
 
 TEST(CheckpointErrors, ValuesCheckNamesTheCheckpointWhenFnReadsACounter) {
-  const at::Tensor x = at::randn({4}).requires_grad_(true);
+  at::Generator gen = seeded(1);
+  const at::Tensor x = at::randn({4}, gen).requires_grad_(true);
   auto calls = std::make_shared<double>(1.0);
   // Same shapes every time, different values: only the values check sees it.
   auto fn = [calls](const at::Tensor& t) { return (t * (*calls)++).tanh(); };
@@ -115,10 +123,10 @@ TEST(CheckpointErrors, ValuesCheckNamesTheCheckpointWhenFnReadsACounter) {
 }
 
 TEST(CheckpointErrors, ValuesCheckCatchesAGeneratorThatIsNotRestored) {
-  const at::Tensor x = at::randn({4}).requires_grad_(true);
+  const at::Tensor x = at::randn({4}, seeded(1)).requires_grad_(true);
   // A private generator: preserve_rng_state replays only the default generators.
-  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(7);
-  auto fn = [gen](const at::Tensor& t) { return t * at::rand({4}, gen); };
+  at::Generator noise = at::make_generator<at::CPUGeneratorImpl>(7);
+  auto fn = [noise](const at::Tensor& t) { return t * at::rand({4}, noise); };
   CheckpointOptions o = named("noise");
   o.determinism_check = DeterminismCheck::values;
   const at::Tensor y = remat::checkpoint(fn, x, o);
@@ -128,9 +136,10 @@ TEST(CheckpointErrors, ValuesCheckCatchesAGeneratorThatIsNotRestored) {
 }
 
 TEST(CheckpointErrors, ValuesCheckPassesForDropoutAndFailsWithoutRngPreservation) {
+  at::Generator gen = seeded(1);
   for (const bool preserve : {true, false}) {
     SCOPED_TRACE(preserve ? "preserve_rng_state" : "no preserve_rng_state");
-    const at::Tensor x = at::randn({64}).requires_grad_(true);
+    const at::Tensor x = at::randn({64}, gen).requires_grad_(true);
     CheckpointOptions o = named("drop");
     o.determinism_check = DeterminismCheck::values;
     o.preserve_rng_state = preserve;
@@ -153,7 +162,8 @@ TEST(CheckpointErrors, ValuesCheckReportsAnInPlaceChangeOfASavedTensor) {
     y.mul_(2.0);
     return y * t;
   };
-  const at::Tensor x = at::randn({4}).requires_grad_(true);
+  at::Generator gen = seeded(1);
+  const at::Tensor x = at::randn({4}, gen).requires_grad_(true);
   expect_error([&] { fn(x).sum().backward(); }, "modified by an inplace operation");
   CheckpointOptions o = named("inplace");
   o.determinism_check = DeterminismCheck::values;
@@ -164,7 +174,8 @@ TEST(CheckpointErrors, ValuesCheckReportsAnInPlaceChangeOfASavedTensor) {
 }
 
 TEST(CheckpointErrors, ReentrantValuesCheckComparesOutputs) {
-  const at::Tensor x = at::randn({4}).requires_grad_(true);
+  at::Generator gen = seeded(1);
+  const at::Tensor x = at::randn({4}, gen).requires_grad_(true);
   auto calls = std::make_shared<double>(1.0);
   CheckpointOptions o = named("r", true);
   o.determinism_check = DeterminismCheck::values;
@@ -176,7 +187,8 @@ TEST(CheckpointErrors, ReentrantValuesCheckComparesOutputs) {
 }
 
 TEST(CheckpointErrors, ReentrantRefusesAutogradGradAndBackwardWithInputs) {
-  const at::Tensor x = at::randn({3}).requires_grad_(true);
+  at::Generator gen = seeded(1);
+  const at::Tensor x = at::randn({3}, gen).requires_grad_(true);
   const at::Tensor y =
       remat::checkpoint([](const at::Tensor& t) { return t.tanh(); }, x, named("r", true));
   expect_error([&] { torch::autograd::grad({y.sum()}, {x}, {}, /*retain_graph=*/true); },
@@ -189,7 +201,8 @@ TEST(CheckpointErrors, ReentrantRefusesAutogradGradAndBackwardWithInputs) {
 
 TEST(CheckpointErrors, ReentrantRefusesWhenNoInputRequiresGrad) {
   const std::shared_ptr<torch::nn::LinearImpl> lin = torch::nn::Linear(3, 3).ptr();
-  const at::Tensor x = at::randn({2, 3});
+  at::Generator gen = seeded(1);
+  const at::Tensor x = at::randn({2, 3}, gen);
   expect_error(
       [&] {
         remat::checkpoint([lin](const at::Tensor& t) { return lin->forward(t); }, x,
@@ -199,7 +212,8 @@ TEST(CheckpointErrors, ReentrantRefusesWhenNoInputRequiresGrad) {
 }
 
 TEST(CheckpointErrors, NonReentrantRefusesABackwardInsideItsOwnRegion) {
-  const at::Tensor x = at::randn({3}).requires_grad_(true);
+  at::Generator gen = seeded(1);
+  const at::Tensor x = at::randn({3}, gen).requires_grad_(true);
   auto fn = [](const at::Tensor& t) {
     const at::Tensor y = t.tanh();
     // A gradient taken inside the region needs tanh's saved result, a placeholder.
@@ -211,15 +225,17 @@ TEST(CheckpointErrors, NonReentrantRefusesABackwardInsideItsOwnRegion) {
 }
 
 TEST(CheckpointErrors, BackwardTwiceWithoutRetainGraphIsLibTorchsError) {
-  const at::Tensor x = at::randn({3}).requires_grad_(true);
+  at::Generator gen = seeded(1);
+  const at::Tensor x = at::randn({3}, gen).requires_grad_(true);
   const at::Tensor loss = remat::checkpoint([](const at::Tensor& t) { return t.tanh(); }, x).sum();
   loss.backward();
   expect_error([&] { loss.backward(); }, "Trying to backward through the graph a second time");
 }
 
 TEST(CheckpointErrors, InputModifiedInPlaceBeforeBackwardIsReported) {
-  const at::Tensor w = at::randn({3}).requires_grad_(true);
-  at::Tensor x = at::randn({3});
+  at::Generator gen = seeded(1);
+  const at::Tensor w = at::randn({3}, gen).requires_grad_(true);
+  at::Tensor x = at::randn({3}, gen);
   const at::Tensor loss =
       remat::checkpoint([w](const at::Tensor& t) { return (t * w).tanh(); }, x).sum();
   x.add_(1.0);
@@ -239,7 +255,8 @@ torch::autograd::Engine& other_engine() {
 
 TEST(CheckpointErrors, NonReentrantRefusesAForeignDefaultEngine) {
   torch::autograd::set_default_engine_stub(&other_engine);
-  const at::Tensor x = at::randn({3}).requires_grad_(true);
+  at::Generator gen = seeded(1);
+  const at::Tensor x = at::randn({3}, gen).requires_grad_(true);
   expect_error([&] { remat::checkpoint([](const at::Tensor& t) { return t.tanh(); }, x); },
                "remat::checkpoint: use_reentrant=false needs remat's autograd engine");
   // Back to LibTorch's engine, which remat may replace again.

@@ -11,6 +11,7 @@ namespace {
 using remat::CheckpointSegment;
 using remat::plan_checkpoint_segments;
 using remat::testing::expect_error;
+using remat::testing::seeded;
 
 // "p[0..2) c[2..3)" style rendering, to compare plans in one line.
 std::string render(const std::vector<CheckpointSegment>& segments) {
@@ -71,7 +72,8 @@ TEST(CheckpointPolicy, ApplyingLeavesTheModuleTreeUntouched) {
     storages_before.push_back(item.value().data_ptr());
   }
   const remat::CheckpointedStack stack = remat::apply_checkpointing(seq, "full");
-  const at::Tensor x = at::randn({2, 4}).requires_grad_(true);
+  at::Generator gen = seeded(1);
+  const at::Tensor x = at::randn({2, 4}, gen).requires_grad_(true);
   stack.forward(x).sum().backward();
   std::vector<std::string> names_after;
   std::vector<void*> storages_after;
@@ -92,7 +94,8 @@ TEST(CheckpointPolicy, SegmentsAreNamedInErrors) {
   o.name = "encoder";
   o.use_reentrant = true;
   const remat::CheckpointedStack stack = remat::apply_checkpointing(seq, "uniform:2", o);
-  const at::Tensor x = at::randn({2, 4}).requires_grad_(true);
+  at::Generator gen = seeded(1);
+  const at::Tensor x = at::randn({2, 4}, gen).requires_grad_(true);
   const at::Tensor y = stack.forward(x);
   expect_error([&] { torch::autograd::grad({y.sum()}, {x}); },
                "remat::checkpoint 'encoder modules[2]': use_reentrant=true does not work");
@@ -102,7 +105,8 @@ TEST(CheckpointPolicy, ChangedContainerIsRefused) {
   torch::nn::Sequential seq(torch::nn::Linear(4, 4), torch::nn::Linear(4, 4));
   const remat::CheckpointedStack stack = remat::apply_checkpointing(seq, "every:2");
   seq->push_back(torch::nn::Linear(4, 4));
-  expect_error([&] { stack.forward(at::randn({2, 4})); },
+  at::Generator gen = seeded(1);
+  expect_error([&] { stack.forward(at::randn({2, 4}, gen)); },
                "remat::apply_checkpointing: the container has 3 modules now but had 2 when its "
                "checkpointing was planned");
 }

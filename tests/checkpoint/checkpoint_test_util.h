@@ -11,6 +11,8 @@
 #include <torch/nn/modules/normalization.h>
 #include <torch/utils.h>
 
+#include "util/seeded.h"
+
 #include <cstring>
 #include <functional>
 #include <string>
@@ -71,7 +73,8 @@ inline bool bitwise_equal(const at::Tensor& a, const at::Tensor& b) {
   }
   const at::Tensor ca = a.contiguous();
   const at::Tensor cb = b.contiguous();
-  return std::memcmp(ca.data_ptr(), cb.data_ptr(), ca.nbytes()) == 0;
+  // An empty tensor's data pointer may be null, which memcmp must not see.
+  return ca.nbytes() == 0 || std::memcmp(ca.data_ptr(), cb.data_ptr(), ca.nbytes()) == 0;
 }
 
 inline void expect_bitwise_equal(const std::vector<at::Tensor>& got,

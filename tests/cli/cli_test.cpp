@@ -3,12 +3,16 @@
 #include "data/test_text.h"
 
 #include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
 #include <nlohmann/json.hpp>
 
 #include <array>
+#include <csignal>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -21,8 +25,10 @@ struct Result {
   std::string output;  // stdout and stderr together
 };
 
-Result run_remat(const std::string& args) {
-  const std::string cmd = std::string(REMAT_BINARY) + " " + args + " 2>&1";
+// Runs in `cwd` when it is given.
+Result run_remat(const std::string& args, const fs::path& cwd = {}) {
+  const std::string cmd =
+      (cwd.empty() ? "" : "cd '" + cwd.string() + "' && ") + std::string(REMAT_BINARY) + " " + args + " 2>&1";
   std::FILE* pipe = popen(cmd.c_str(), "r");
   Result r{-1, ""};
   std::array<char, 4096> buf{};
@@ -54,6 +60,14 @@ class Cli : public ::testing::Test {
     EXPECT_NE(line.find(expected), std::string::npos) << r.output;
     EXPECT_EQ(r.output.find("error:"), r.output.size() - line.size()) << r.output;
     EXPECT_EQ(r.output.find("Exception raised from"), std::string::npos) << r.output;
+  }
+
+  // `remat train` of tiny-gpt2 on a generated corpus, everything under dir_, plus `settings`.
+  std::string tiny_training(const std::string& settings) {
+    return "train model.preset=tiny-gpt2 model.vocab_size=0 train.batch=2 train.seq=16 train.warmup=1 "
+           "train.eval_batches=1 data.vocab_size=512 run.threads=1 run.progress=false data.text=" +
+           file("corpus.txt", remat::testing::make_text(1000)) + " data.dir=" + (dir_ / "data").string() +
+           " run.out_dir=" + (dir_ / "runs").string() + " " + settings;
   }
 
   std::string file(const std::string& name, const std::string& content) {
@@ -95,10 +109,20 @@ TEST_F(Cli, MissingTextFileIsRefused) {
 TEST_F(Cli, DataDirectoryThatCannotExistIsRefused) {
   const std::string blocker = file("a-file", "x");
   expect_error("prepare data.dir=" + blocker + "/data", blocker);
+  // Found before any tokenizer work (/proc/1 refuses writes even to root).
+  expect_error("prepare data.dir=/proc/1", "Cannot write into the data directory /proc/1 (data.dir)");
 }
 
 TEST_F(Cli, GenerateWithoutARunDirectoryIsRefused) {
   expect_error("generate --run " + (dir_ / "no-run").string(), "has no config.toml");
+}
+
+// Once accepted, 99999999999 tokens printed nothing for minutes; tokens now stream as they
+// come, and the count has a range.
+TEST_F(Cli, GenerateRefusesAnAbsurdTokenCount) {
+  const Result r = run_remat("generate --run " + (dir_ / "no-run").string() + " --tokens 99999999999");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("--tokens: Value 99999999999 not in range 1 to 100000"), std::string::npos) << r.output;
 }
 
 TEST_F(Cli, DevicesAndDtypesThisMachineLacksAreRefused) {
@@ -270,6 +294,141 @@ TEST_F(Cli, ParetoPlotsTheFrontierWithTheManualPolicies) {
   EXPECT_TRUE(fs::exists(png) || r.output.find("no plot:") != std::string::npos) << r.output;
 }
 
+// Each path would run `touch injected` through gnuplot if it were pasted into the plot
+// script: a quote that ends gnuplot's string and calls system(), and a leading '|', which
+// makes gnuplot pipe the plot into a shell command. Both must be plain file names.
+TEST_F(Cli, PlotPathsNeverRunAsGnuplotCode) {
+  for (const std::string png : {"a' . system('touch injected') . '.png", "|touch injected"}) {
+    const Result r = run_remat("plan --pareto --budget 0.5 --plot \"" + png + "\"", dir_);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    if (r.output.find("gnuplot is not installed") == std::string::npos) {
+      EXPECT_TRUE(fs::exists(dir_ / png)) << r.output;
+    }
+    EXPECT_FALSE(fs::exists(dir_ / "injected")) << png;
+  }
+}
+
+// A shared config.toml whose run.out_dir ends a line and starts a gnuplot command.
+TEST_F(Cli, AControlCharacterInAPathIsRefusedBeforeAnythingRuns) {
+  const std::string marker = (dir_ / "injected").string();
+  const std::string cfg = file("shared.toml", "[run]\nout_dir = \"runs\\nsystem('touch " + marker + "')\\n\"\n");
+  expect_error("train --config " + cfg + " train.steps=1",
+               "run.out_dir = \"runs\\nsystem('touch " + marker + "')\\n\" holds a control character (byte 0x0a at "
+               "offset 4); paths must be printable");
+  expect_error("plan --pareto --plot \"$(printf 'a\\tb.png')\"", "--plot = \"a\\tb.png\" holds a control character");
+  EXPECT_FALSE(fs::exists(marker));
+}
+
+// Starts `remat args` in the background, its output discarded; returns its process id.
+pid_t spawn_remat(const std::string& args, const fs::path& cwd) {
+  const std::string cmd = "cd '" + cwd.string() + "' && exec " + REMAT_BINARY + " " + args + " >/dev/null 2>&1";
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  return pid;
+}
+
+// The exit code of a finished child, 128 + the signal that ended it.
+int wait_for(pid_t pid) {
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+std::vector<double> train_losses(const fs::path& run) {
+  std::ifstream in(run / "metrics.jsonl");
+  std::vector<double> out;
+  for (std::string line; std::getline(in, line);) {
+    const auto j = nlohmann::json::parse(line);
+    if (j["kind"] == "train") out.push_back(j["loss"].get<double>());
+  }
+  return out;
+}
+
+std::string bytes_of(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+// A run killed (SIGKILL, or SIGTERM, which checkpoints and exits) at seeded random moments,
+// a checkpoint written every step so that many kills land inside a write, then resumed
+// until it finishes: its weights and every logged loss are bitwise the uninterrupted
+// run's, and no temporary file is left.
+TEST_F(Cli, ARunKilledAtRandomPointsAndResumedIsBitwiseTheUninterruptedRun) {
+  const std::string settings = "train.steps=400 train.checkpoint_every=1 train.eval_every=100 run.sample_tokens=0";
+  const Result whole = run_remat(tiny_training(settings + " run.name=whole"));
+  ASSERT_EQ(whole.exit_code, 0) << whole.output;
+  const fs::path run = dir_ / "runs" / "cut";
+  std::mt19937 rng(14);
+  std::string args = tiny_training(settings + " run.name=cut");
+  int kills = 0;
+  for (int attempt = 0; attempt < 8; ++attempt) {
+    const pid_t pid = spawn_remat(args, dir_);
+    // Until a first checkpoint exists there is nothing to resume; then a random moment.
+    while (!fs::exists(run / "checkpoints") && ::waitpid(pid, nullptr, WNOHANG) == 0) ::usleep(1000);
+    ::usleep(std::uniform_int_distribution<useconds_t>(0, 400000)(rng));
+    const bool term = attempt % 3 == 2;
+    ::kill(pid, term ? SIGTERM : SIGKILL);
+    const int code = wait_for(pid);
+    if (code == 0) break;  // it finished first
+    EXPECT_EQ(code, 128 + (term ? SIGTERM : SIGKILL));
+    ++kills;
+    args = "train --resume " + run.string();
+  }
+  EXPECT_GE(kills, 3);
+  if (!fs::exists(run / "model.safetensors")) {
+    const Result last = run_remat(args);
+    ASSERT_EQ(last.exit_code, 0) << last.output;
+  }
+  EXPECT_EQ(train_losses(run), train_losses(dir_ / "runs" / "whole"));
+  EXPECT_EQ(bytes_of(run / "model.safetensors"), bytes_of(dir_ / "runs" / "whole" / "model.safetensors"));
+  for (const auto& e : fs::recursive_directory_iterator(run)) {
+    EXPECT_EQ(e.path().filename().string().find(".tmp."), std::string::npos) << e.path();
+  }
+}
+
+// Out-of-range numbers that once spawned 100000 threads, looped for ever, wrapped to
+// negative sizes or overflowed the planner: each is refused before anything runs.
+TEST_F(Cli, OutOfRangeSettingsAreRefusedBeforeAnythingRuns) {
+  const std::string huge = "9223372036854775807";
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"train run.threads=100000", "run.threads must be in [0, 1024] (0: all cores), got 100000."},
+      {"train train.grad_accum=" + huge, "train.grad_accum must be at most 65536 (microbatches per step), got " + huge},
+      {"train train.steps=" + huge, "train.steps must be at most 1073741824 (a billion steps), got " + huge},
+      {"train train.batch=" + huge, "train.batch must be at most 1048576 (sequences per microbatch), got " + huge},
+      {"train ac.budget=1e30", "The memory budget \"1e30\" is 1e+30 bytes, beyond any device"},
+      {"train train.lr=3e38", "Learning rates must satisfy 0 <= train.min_lr <= train.lr and 0 < train.lr <= 10"},
+      {"train train.weight_decay=-1", "train.weight_decay must be >= 0 (0 disables it; 0.1 is usual), got -1"},
+      {"train model.preset=tiny-llama model.rope_theta=0", "model.rope_theta must be greater than 1"},
+      {"train model.init_std=1e30", "model.init_std must be in (0, 1] (0.02 is usual), got 1e+30"},
+      {"plan model.preset=llama3-8b model.max_seq=268435456 train.seq=268435456",
+       "model.max_seq must be at most 16777216 (16M tokens of context), got 268435456."},
+      {"plan model.preset=llama3-8b model.max_seq=16777216 train.seq=16777216 train.batch=64",
+       "The attention probabilities of 32 layers at train.batch = 64 x train.seq = 16777216 with 32 heads"},
+      {"plan --budget= model.n_layer=2", "--budget= gives --budget an empty value; write the value after '=' or "
+                                         "leave the option out."},
+      {"plan model.n_layer=10000", "model.n_layer must be at most 1024 (layers), got 10000."},
+      {"plan --budget 1.5", "is neither a fraction of the no-recompute peak"},
+      {"train --explain-ac ac.budget=0.6", "--explain-ac prints the plan a policy compiles to, but ac.budget = \"0.6\""}};
+  for (const auto& [args, sentence] : cases) expect_error(args, sentence);
+}
+
+// Rows past the tokenizer's vocabulary train like any other but are never sampled.
+TEST_F(Cli, AModelVocabularyLargerThanTheTokenizersSamplesOnlyItsPieces) {
+  const Result r = run_remat(tiny_training("model.vocab_size=700 train.steps=2 run.sample_tokens=40 run.name=padded"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(fs::exists(dir_ / "runs" / "padded" / "sample.txt")) << r.output;
+}
+
+TEST_F(Cli, AnExistingTraceFileIsNeverReplaced) {
+  const std::string old = file("step.json", "an earlier trace");
+  expect_error("train --trace " + old, "a file is there already, and a trace never replaces one");
+  std::ifstream in(old);
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(in), {}), "an earlier trace");
+}
+
 TEST_F(Cli, TrainingWithABudgetStaysWithinItAndPredictsItsPeak) {
   const std::string common = "model.preset=tiny-gpt2 model.vocab_size=0 train.steps=3 train.batch=4 train.seq=32 "
                              "train.warmup=1 train.eval_batches=1 data.vocab_size=512 run.threads=1 "
@@ -285,6 +444,10 @@ TEST_F(Cli, TrainingWithABudgetStaysWithinItAndPredictsItsPeak) {
   EXPECT_NEAR(s["peak_bytes"].get<double>(), s["predicted_peak_bytes"].get<double>(),
               0.05 * s["predicted_peak_bytes"].get<double>());
   EXPECT_GT(s["predicted_step_seconds"].get<double>(), 0.0);
+  // Beside it, what keeping everything would cost: more memory than the budget allows.
+  EXPECT_NE(r.output.find("without recompute the step would peak at"), std::string::npos) << r.output;
+  EXPECT_GT(s["predicted_none_peak_bytes"].get<int64_t>(), s["budget_bytes"].get<int64_t>());
+  EXPECT_GT(s["predicted_none_step_seconds"].get<double>(), 0.0);
   EXPECT_TRUE(fs::exists(dir_ / "runs" / ".profiles")) << "the time profile is cached";
   // A budget below the minimum fails before training, with the minimum.
   const Result low = run_remat("train ac.budget=1KiB run.name=c " + common);

@@ -176,6 +176,24 @@ TEST(Corpus, RefusesMissingEmptyAndNonUtf8Files) {
                        " is not valid UTF-8: the sequence at byte offset 27 (starting 0xE9) is "
                        "invalid.");
 
+  options.text_file = "/dev/zero";  // endless: refused at its first byte, not after filling memory
+  error = error_of([&] { prepare_corpus(options); });
+  EXPECT_EQ(error, "The text file /dev/zero holds a NUL byte at offset 0: it is binary data, not text; give a UTF-8 "
+                   "text file.");
+
+  options.text_file = dir / "blank.txt";
+  write(*options.text_file, " \n\n\t\n");
+  error = error_of([&] { prepare_corpus(options); });
+  EXPECT_EQ(error, "The text file " + *options.text_file + " holds only whitespace; there is no text to train on.");
+
+  // One 2 MiB line, which SentencePiece would take minutes and gigabytes over.
+  options.text_file = dir / "long_line.txt";
+  write(*options.text_file, "a short line\n" + std::string(size_t{2} << 20, 'x') + "\n");
+  error = error_of([&] { prepare_corpus(options); });
+  EXPECT_EQ(error, "Line 2 of the text file " + *options.text_file +
+                       " is 2097152 bytes long, more than the 1 MiB remat tokenizes at once; break the text into lines "
+                       "(paragraphs).");
+
   options.text_file = dir.path().string();
   error = error_of([&] { prepare_corpus(options); });
   EXPECT_NE(error.find("is a directory"), std::string::npos) << error;

@@ -12,8 +12,9 @@ using namespace remat::ops;
 
 ActivationBytes measure(const ModelConfig& cfg, int64_t B, int64_t T) {
   auto model = Model::create(cfg, at::kCPU, at::kFloat, 1);
-  auto tok = at::randint(cfg.vocab_size, {B, T}, at::kLong);
-  auto tgt = at::randint(cfg.vocab_size, {B, T}, at::kLong);
+  auto gen = at::detail::createCPUGenerator(1);
+  auto tok = at::randint(cfg.vocab_size, {B, T}, gen, at::kLong);
+  auto tgt = at::randint(cfg.vocab_size, {B, T}, gen, at::kLong);
   ActivationBytes m;
   model->forward_backward(tok, tgt, {1, 0, 0}, 1.0, 64, &m);
   return m;

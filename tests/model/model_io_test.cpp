@@ -18,7 +18,7 @@ class ModelIO : public ::testing::Test {
     dir_ = fs::temp_directory_path() / ("remat-io-" + std::to_string(::getpid()));
     fs::create_directories(dir_);
     cfg_ = model_preset("tiny-gpt2");
-    tok_ = at::randint(cfg_.vocab_size, {2, 12}, at::kLong);
+    tok_ = at::randint(cfg_.vocab_size, {2, 12}, at::detail::createCPUGenerator(1), at::kLong);
   }
   void TearDown() override { fs::remove_all(dir_); }
 

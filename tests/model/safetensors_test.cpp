@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <sys/stat.h>
 #include <fstream>
 #include <sstream>
 
@@ -37,18 +38,18 @@ std::string raw_file(const std::string& header, const std::string& data) {
 
 bool bitwise_equal(const at::Tensor& a, const at::Tensor& b) {
   return a.scalar_type() == b.scalar_type() && a.sizes() == b.sizes() && a.is_contiguous() &&
-         b.is_contiguous() && std::memcmp(a.data_ptr(), b.data_ptr(), a.nbytes()) == 0;
+         b.is_contiguous() && (a.nbytes() == 0 || std::memcmp(a.data_ptr(), b.data_ptr(), a.nbytes()) == 0);
 }
 
 TEST(SafeTensors, RoundTripsEveryDtypeBitwise) {
   TempDir dir;
-  at::manual_seed(0);
+  at::Generator gen = at::detail::createCPUGenerator(0);
   // Random bit patterns (NaN payloads and subnormals included) for every dtype but BOOL.
-  auto random_bits = [](at::ScalarType dtype, std::vector<int64_t> shape) {
+  auto random_bits = [&gen](at::ScalarType dtype, std::vector<int64_t> shape) {
     const int64_t item = static_cast<int64_t>(c10::elementSize(dtype));
     std::vector<int64_t> byte_shape = shape;
     byte_shape.back() *= item;
-    return at::randint(0, 256, byte_shape, at::kByte).view(dtype);
+    return at::randint(0, 256, byte_shape, gen, at::kByte).view(dtype);
   };
   std::vector<std::pair<std::string, at::Tensor>> tensors = {
       {"f64", random_bits(at::kDouble, {3, 5})},
@@ -60,7 +61,7 @@ TEST(SafeTensors, RoundTripsEveryDtypeBitwise) {
       {"i16", random_bits(at::kShort, {5})},
       {"i8", random_bits(at::kChar, {11})},
       {"u8", random_bits(at::kByte, {3})},
-      {"bool", at::randint(0, 2, {2, 5}, at::kBool)},
+      {"bool", at::randint(0, 2, {2, 5}, gen, at::kBool)},
       {"scalar", at::scalar_tensor(2.5, at::kFloat)},
       {"empty", at::empty({0, 3}, at::kFloat)},
       {"transposed", at::arange(12, at::kFloat).view({3, 4}).t()},  // non-contiguous
@@ -195,6 +196,28 @@ TEST(SafeTensors, RefusesCorruptFiles) {
 
   const std::string missing = error_of([&] { load_safetensors(dir / "missing.safetensors"); });
   expect_has(missing, "missing.safetensors");
+}
+
+// A crafted 100 MB header (the format's own limit) is refused from its length alone,
+// before a byte of it is read; a FIFO in place of the file is refused instead of waiting
+// for a writer.
+TEST(SafeTensors, RefusesHugeHeadersAndFilesThatAreNotRegular) {
+  TempDir dir;
+  const std::string path = dir / "huge.safetensors";
+  const uint64_t header = 100'000'000;
+  std::string prefix(8, '\0');
+  for (int i = 0; i < 8; ++i) prefix[i] = static_cast<char>(header >> (8 * i));
+  write_bytes(path, prefix);
+  fs::resize_file(path, 8 + header);  // sparse: no disk, and no memory unless read
+  EXPECT_EQ(error_of([&] { load_safetensors(path); }),
+            "The safetensors file " + path + " is invalid: the header length 100000000 bytes is more than the 8 MiB "
+            "remat reads (over 50,000 tensors' worth); it is not a model file remat can load.");
+
+  const std::string fifo = dir / "fifo.safetensors";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  EXPECT_EQ(error_of([&] { load_safetensors(fifo); }),
+            "Cannot read the safetensors file " + fifo +
+                ": it is not a regular file (a directory, FIFO or device); pass a .safetensors file.");
 }
 
 }  // namespace

@@ -37,15 +37,17 @@ struct Case {
 const Case kCases[] = {{2, 5, 4, 2, 3}, {1, 7, 3, 3, 4}, {3, 4, 6, 1, 5}, {1, 1, 2, 1, 2}, {2, 9, 8, 2, 8}};
 
 // q, k and v as slices of one fused projection output, as the models produce them.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_qkv(const Case& c, at::ScalarType dt) {
-  at::Tensor qkv = at::randn({c.B, c.T, c.Hq + 2 * c.Hkv, c.D}).to(dt);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_qkv(const Case& c, at::ScalarType dt,
+                                                         at::Generator& gen) {
+  at::Tensor qkv = at::randn({c.B, c.T, c.Hq + 2 * c.Hkv, c.D}, gen).to(dt);
   return {qkv.narrow(2, 0, c.Hq), qkv.narrow(2, c.Hq, c.Hkv), qkv.narrow(2, c.Hq + c.Hkv, c.Hkv)};
 }
 
 TEST(AttentionOp, MatchesAutogradOfExplicitAttention) {
+  at::Generator gen = seeded(1);
   for (const Case& c : kCases) {
     for (double p : {0.0, 0.3}) {
-      auto [q, k, v] = fused_qkv(c, at::kDouble);
+      auto [q, k, v] = fused_qkv(c, at::kDouble, gen);
       Fwd<AttentionSaved> f = attention_forward(q, k, v, p, kKey);
       at::Tensor mask = p > 0 ? dropout_mask({c.B, c.Hq, c.T, c.T}, p, kKey, at::kCPU) : at::Tensor();
       if (p > 0) {
@@ -56,7 +58,7 @@ TEST(AttentionOp, MatchesAutogradOfExplicitAttention) {
       const std::string what = "B" + std::to_string(c.B) + " T" + std::to_string(c.T) + " Hq" +
                                std::to_string(c.Hq) + " Hkv" + std::to_string(c.Hkv) + " p" + std::to_string(p);
       EXPECT_LT(rel_err(f.out, ref.detach()), 1e-12) << what;
-      at::Tensor dout = at::randn_like(ref);
+      at::Tensor dout = at::randn(ref.sizes(), gen, ref.options());
       auto want = grads(ref, dout, {ql, kl, vl});
       AttentionGrads g = attention_backward(dout, f.saved);
       EXPECT_LT(rel_err(g.dq, want[0]), 1e-10) << what;
@@ -69,10 +71,11 @@ TEST(AttentionOp, MatchesAutogradOfExplicitAttention) {
 TEST(AttentionOp, SavesInputsAsGivenAndNoScores) {
   remat::memory::install_cpu_tracking();
   const at::Device cpu(at::kCPU);
+  at::Generator gen = seeded(1);
   for (const Case& c : kCases) {
     for (double p : {0.0, 0.1}) {
       for (auto dt : {at::kFloat, at::kBFloat16}) {
-        auto [q, k, v] = fused_qkv(c, dt);
+        auto [q, k, v] = fused_qkv(c, dt, gen);
         const int64_t before = remat::memory::stats(cpu).current;
         Fwd<AttentionSaved> f = attention_forward(q, k, v, p, kKey);
         const int64_t retained = remat::memory::stats(cpu).current - before;
@@ -95,9 +98,10 @@ TEST(AttentionOp, SavesInputsAsGivenAndNoScores) {
 }
 
 TEST(AttentionOp, FlopsMatchTheMatmulsItRuns) {
+  at::Generator gen = seeded(1);
   for (const Case& c : kCases) {
     for (double p : {0.0, 0.2}) {
-      auto [q, k, v] = fused_qkv(c, at::kFloat);
+      auto [q, k, v] = fused_qkv(c, at::kFloat, gen);
       MatmulFlopCounter counter;
       attention_forward(q, k, v, p, kKey);
       const AttentionShape shape{c.B, c.T, c.Hq, c.Hkv, c.D};
@@ -112,12 +116,13 @@ TEST(AttentionOp, FlopsMatchTheMatmulsItRuns) {
 
 TEST(AttentionOp, BFloat16IsCloseToFloat64) {
   const Case c{2, 16, 4, 2, 8};
-  auto [q, k, v] = fused_qkv(c, at::kBFloat16);
+  at::Generator gen = seeded(1);
+  auto [q, k, v] = fused_qkv(c, at::kBFloat16, gen);
   auto f = attention_forward(q, k, v, 0.0, kKey);
   auto f64r = attention_forward(q.to(at::kDouble), k.to(at::kDouble), v.to(at::kDouble), 0.0, kKey);
   EXPECT_EQ(f.out.scalar_type(), at::kBFloat16);
   EXPECT_LT(rel_err(f.out, f64r.out), 3e-2);
-  at::Tensor dout = at::randn({c.B, c.T, c.Hq, c.D}).to(at::kBFloat16);
+  at::Tensor dout = at::randn({c.B, c.T, c.Hq, c.D}, gen).to(at::kBFloat16);
   AttentionGrads g = attention_backward(dout, f.saved);
   AttentionGrads g64 = attention_backward(dout.to(at::kDouble), f64r.saved);
   EXPECT_LT(rel_err(g.dq, g64.dq), 5e-2);
@@ -126,18 +131,19 @@ TEST(AttentionOp, BFloat16IsCloseToFloat64) {
 }
 
 TEST(AttentionOp, RefusesMismatchedShapes) {
-  at::Tensor q = at::randn({2, 4, 6, 8}), kv = at::randn({2, 4, 4, 8});
+  at::Generator gen = seeded(1);
+  at::Tensor q = at::randn({2, 4, 6, 8}, gen), kv = at::randn({2, 4, 4, 8}, gen);
   expect_error([&] { attention_forward(q, kv, kv, 0.0, kKey); },
                {"[attention]", "multiple", "[2, 4, 6, 8]", "[2, 4, 4, 8]"});
-  at::Tensor k5 = at::randn({2, 5, 3, 8});
+  at::Tensor k5 = at::randn({2, 5, 3, 8}, gen);
   expect_error([&] { attention_forward(q, k5, k5, 0.0, kKey); }, {"[attention]", "B, T and D", "[2, 5, 3, 8]"});
-  at::Tensor k3 = at::randn({2, 4, 3, 8});
-  expect_error([&] { attention_forward(q, k3, at::randn({2, 4, 3, 7}), 0.0, kKey); },
+  at::Tensor k3 = at::randn({2, 4, 3, 8}, gen);
+  expect_error([&] { attention_forward(q, k3, at::randn({2, 4, 3, 7}, gen), 0.0, kKey); },
                {"[attention]", "same shape", "[2, 4, 3, 7]"});
-  expect_error([&] { attention_forward(at::randn({4, 6, 8}), k3, k3, 0.0, kKey); }, {"[attention]", "[4, 6, 8]"});
+  expect_error([&] { attention_forward(at::randn({4, 6, 8}, gen), k3, k3, 0.0, kKey); }, {"[attention]", "[4, 6, 8]"});
   expect_error([&] { attention_forward(q, k3, k3, 1.0, kKey); }, {"[dropout]"});
   auto f = attention_forward(q, k3, k3, 0.0, kKey);
-  expect_error([&] { attention_backward(at::randn({2, 4, 6, 7}), f.saved); }, {"[attention]", "[2, 4, 6, 7]"});
+  expect_error([&] { attention_backward(at::randn({2, 4, 6, 7}, gen), f.saved); }, {"[attention]", "[2, 4, 6, 7]"});
 }
 
 }  // namespace

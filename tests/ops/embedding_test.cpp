@@ -8,18 +8,19 @@ using namespace remat::ops;
 using namespace remat::testing;
 
 TEST(EmbeddingOp, MatchesAutogradOfOneHotProduct) {
+  at::Generator gen = seeded(1);
   for (auto shape : {std::vector<int64_t>{2, 5}, std::vector<int64_t>{3, 1}, std::vector<int64_t>{7}}) {
     const int64_t V = 11, C = 6;
-    at::Tensor ids = at::randint(V, shape, at::kLong);
+    at::Tensor ids = at::randint(V, shape, gen, at::kLong);
     ids.view({-1})[0] = ids.view({-1})[-1];  // a repeated id: its gradient rows must add up
-    at::Tensor w = at::randn({V, C}, f64());
+    at::Tensor w = at::randn({V, C}, gen, f64());
     Fwd<EmbeddingSaved> f = embedding_forward(ids, w);
     // Reference: a one-hot matrix times the table, which is the lookup written as math.
     at::Tensor wl = leaf(w);
     at::Tensor ref = at::matmul(at::one_hot(ids, V).to(at::kDouble), wl);
     EXPECT_LT(rel_err(f.out, ref.detach()), 1e-15);
-    at::Tensor dy = at::randn_like(ref);
-    at::Tensor dw = at::randn({V, C}, f64());
+    at::Tensor dy = at::randn(ref.sizes(), gen, ref.options());
+    at::Tensor dw = at::randn({V, C}, gen, f64());
     at::Tensor dw0 = dw.clone();
     embedding_backward(dy, f.saved, dw);
     EXPECT_LT(rel_err(dw - dw0, grads(ref, dy, {wl})[0]), 1e-12);
@@ -27,26 +28,29 @@ TEST(EmbeddingOp, MatchesAutogradOfOneHotProduct) {
 }
 
 TEST(EmbeddingOp, SavesOnlyTheIds) {
+  at::Generator gen = seeded(1);
   for (int64_t n : {1, 9, 64}) {
-    at::Tensor ids = at::randint(5, {n}, at::kLong);
-    Fwd<EmbeddingSaved> f = embedding_forward(ids, at::randn({5, 3}));
+    at::Tensor ids = at::randint(5, {n}, gen, at::kLong);
+    Fwd<EmbeddingSaved> f = embedding_forward(ids, at::randn({5, 3}, gen));
     EXPECT_EQ(embedding_saved_bytes(n), remat::ops::tensors_bytes(f.saved.tensors()));
   }
 }
 
 TEST(EmbeddingOp, RefusesIdsOutOfRange) {
-  at::Tensor w = at::randn({10, 4});
+  at::Generator gen = seeded(1);
+  at::Tensor w = at::randn({10, 4}, gen);
   expect_error([&] { embedding_forward(at::tensor({1, 10}, at::kLong), w); },
                {"[embedding]", "[0, 10)", "10]"});
   expect_error([&] { embedding_forward(at::tensor({-1, 3}, at::kLong), w); },
                {"[embedding]", "[-1, 3]"});
   expect_error([&] { embedding_forward(at::tensor({1, 2}, at::kInt), w); }, {"[embedding]", "int64"});
-  expect_error([&] { embedding_forward(at::tensor({1}, at::kLong), at::randn({10})); },
+  expect_error([&] { embedding_forward(at::tensor({1}, at::kLong), at::randn({10}, gen)); },
                {"[embedding]", "[10]"});
 }
 
 TEST(EmbeddingOp, WorksInBFloat16) {
-  at::Tensor w = at::randn({8, 4}).to(at::kBFloat16);
+  at::Generator gen = seeded(1);
+  at::Tensor w = at::randn({8, 4}, gen).to(at::kBFloat16);
   at::Tensor ids = at::tensor({3, 1, 3}, at::kLong);
   Fwd<EmbeddingSaved> f = embedding_forward(ids, w);
   EXPECT_TRUE(at::equal(f.out[1], w[1]));
@@ -58,29 +62,31 @@ TEST(EmbeddingOp, WorksInBFloat16) {
 
 TEST(PositionEmbeddingOp, MatchesAutogradOfBroadcastAdd) {
   const int64_t P = 9, C = 5, B = 3, T = 7;
-  at::Tensor w = at::randn({P, C}, f64());
+  at::Generator gen = seeded(1);
+  at::Tensor w = at::randn({P, C}, gen, f64());
   Fwd<PositionEmbeddingSaved> f = position_embedding_forward(T, w);
   EXPECT_TRUE(at::equal(f.out, w.slice(0, 0, T)));
   EXPECT_TRUE(f.saved.tensors().empty());
   // Reference: tokens + w[0:T] broadcast over the batch.
   at::Tensor wl = leaf(w);
-  at::Tensor tok = at::randn({B, T, C}, f64());
+  at::Tensor tok = at::randn({B, T, C}, gen, f64());
   at::Tensor ref = tok + wl.slice(0, 0, T).unsqueeze(0);
-  at::Tensor dy = at::randn_like(ref);
+  at::Tensor dy = at::randn(ref.sizes(), gen, ref.options());
   at::Tensor dw = at::zeros({P, C}, f64());
   position_embedding_backward(dy, f.saved, dw);
   EXPECT_LT(rel_err(dw, grads(ref, dy, {wl})[0]), 1e-14);
 }
 
 TEST(PositionEmbeddingOp, RefusesSequencesLongerThanTheContext) {
-  at::Tensor w = at::randn({1024, 8});
+  at::Generator gen = seeded(1);
+  at::Tensor w = at::randn({1024, 8}, gen);
   EXPECT_EQ(position_embedding_forward(1024, w).out.size(0), 1024);
   expect_error([&] { position_embedding_forward(1025, w); },
                {"[position_embedding]", "1025", "context length of 1024"});
   expect_error([&] { position_embedding_forward(0, w); }, {"[position_embedding]"});
   at::Tensor dw = at::zeros({1024, 8});
   auto f = position_embedding_forward(4, w);
-  expect_error([&] { position_embedding_backward(at::randn({2, 5, 8}), f.saved, dw); },
+  expect_error([&] { position_embedding_backward(at::randn({2, 5, 8}, gen), f.saved, dw); },
                {"[position_embedding]", "[2, 5, 8]"});
 }
 

@@ -14,21 +14,23 @@ at::Tensor reference(const at::Tensor& x) {
 }
 
 TEST(GeluOp, MatchesAutogradOfTheTanhFormula) {
+  at::Generator gen = seeded(1);
   for (auto shape : {std::vector<int64_t>{2, 3, 7}, std::vector<int64_t>{1}, std::vector<int64_t>{129}}) {
-    at::Tensor x = at::randn(shape, f64()) * 3;
+    at::Tensor x = at::randn(shape, gen, f64()) * 3;
     Fwd<GeluSaved> f = gelu_forward(x);
     at::Tensor xl = leaf(x);
     at::Tensor ref = reference(xl);
     EXPECT_LT(rel_err(f.out, ref.detach()), 1e-13);
-    at::Tensor dy = at::randn_like(x);
+    at::Tensor dy = at::randn(x.sizes(), gen, x.options());
     EXPECT_LT(rel_err(gelu_backward(dy, f.saved), grads(ref, dy, {xl})[0]), 1e-10);
   }
 }
 
 TEST(GeluOp, SavesOnlyTheInput) {
+  at::Generator gen = seeded(1);
   for (auto dt : {at::kDouble, at::kFloat, at::kBFloat16}) {
     for (int64_t n : {1, 37, 256}) {
-      at::Tensor x = at::randn({n}).to(dt);
+      at::Tensor x = at::randn({n}, gen).to(dt);
       Fwd<GeluSaved> f = gelu_forward(x);
       EXPECT_EQ(gelu_saved_bytes(n, dt), tensors_bytes(f.saved.tensors()));
       EXPECT_TRUE(same_storage(f.saved.x, x));
@@ -39,13 +41,15 @@ TEST(GeluOp, SavesOnlyTheInput) {
 }
 
 TEST(GeluOp, BFloat16IsCloseToFloat64) {
-  at::Tensor x = at::randn({300}).to(at::kBFloat16);
+  at::Generator gen = seeded(1);
+  at::Tensor x = at::randn({300}, gen).to(at::kBFloat16);
   EXPECT_LT(rel_err(gelu_forward(x).out, reference(x.to(at::kDouble))), 1e-2);
 }
 
 TEST(GeluOp, RefusesMismatchedGradient) {
-  auto f = gelu_forward(at::randn({3, 4}));
-  expect_error([&] { gelu_backward(at::randn({4, 3}), f.saved); }, {"[gelu]", "[3, 4]", "[4, 3]"});
+  at::Generator gen = seeded(1);
+  auto f = gelu_forward(at::randn({3, 4}, gen));
+  expect_error([&] { gelu_backward(at::randn({4, 3}, gen), f.saved); }, {"[gelu]", "[3, 4]", "[4, 3]"});
 }
 
 }  // namespace

@@ -15,17 +15,18 @@ at::Tensor reference(const at::Tensor& x, const at::Tensor& w, double eps) {
 
 TEST(RMSNormOp, MatchesAutogradOfTheMath) {
   const double eps = 1e-6;
+  at::Generator gen = seeded(1);
   // Not C == 1: there dx is eps-sized, the difference of two nearly equal terms, and its
   // relative error sits at the 1e-10 bound whatever the implementation.
   for (auto shape : {std::vector<int64_t>{2, 3, 7}, std::vector<int64_t>{5, 16},
                      std::vector<int64_t>{11}, std::vector<int64_t>{4, 2}}) {
     const int64_t C = shape.back();
-    at::Tensor x = at::randn(shape, f64()) * 2 + 0.5, w = at::randn({C}, f64());
+    at::Tensor x = at::randn(shape, gen, f64()) * 2 + 0.5, w = at::randn({C}, gen, f64());
     Fwd<RMSNormSaved> f = rmsnorm_forward(x, w, eps);
     at::Tensor xl = leaf(x), wl = leaf(w);
     at::Tensor ref = reference(xl, wl, eps);
     EXPECT_LT(rel_err(f.out, ref.detach()), 1e-10) << at::IntArrayRef(shape);
-    at::Tensor dy = at::randn_like(x);
+    at::Tensor dy = at::randn(x.sizes(), gen, x.options());
     auto want = grads(ref, dy, {xl, wl});
     at::Tensor dw = at::ones({C}, f64());
     at::Tensor dx = rmsnorm_backward(dy, f.saved, w, dw);
@@ -36,9 +37,10 @@ TEST(RMSNormOp, MatchesAutogradOfTheMath) {
 
 TEST(RMSNormOp, SavedBytesMatch) {
   remat::memory::install_cpu_tracking();
+  at::Generator gen = seeded(1);
   for (auto dt : {at::kDouble, at::kFloat, at::kBFloat16}) {
     for (auto shape : {std::vector<int64_t>{2, 3, 8}, std::vector<int64_t>{7, 5}}) {
-      at::Tensor x = at::randn(shape).to(dt);
+      at::Tensor x = at::randn(shape, gen).to(dt);
       const int64_t C = shape.back(), rows = x.numel() / C;
       const at::Tensor w = at::ones({C}, dt);
       const int64_t before = remat::memory::stats(at::kCPU).current;
@@ -57,8 +59,9 @@ TEST(RMSNormOp, SavedBytesMatch) {
 }
 
 TEST(RMSNormOp, BFloat16IsCloseToFloat64) {
-  at::Tensor x = at::randn({4, 33}).to(at::kBFloat16), w = at::randn({33}).to(at::kBFloat16);
-  at::Tensor dy = at::randn({4, 33}).to(at::kBFloat16);
+  at::Generator gen = seeded(1);
+  at::Tensor x = at::randn({4, 33}, gen).to(at::kBFloat16), w = at::randn({33}, gen).to(at::kBFloat16);
+  at::Tensor dy = at::randn({4, 33}, gen).to(at::kBFloat16);
   auto f = rmsnorm_forward(x, w, 1e-6);
   auto r = rmsnorm_forward(x.to(at::kDouble), w.to(at::kDouble), 1e-6);
   EXPECT_LT(rel_err(f.out, r.out), 1e-2);
@@ -70,7 +73,8 @@ TEST(RMSNormOp, BFloat16IsCloseToFloat64) {
 }
 
 TEST(RMSNormOp, RefusesMismatchedWeight) {
-  expect_error([&] { rmsnorm_forward(at::randn({2, 8}), at::ones({9}), 1e-6); },
+  at::Generator gen = seeded(1);
+  expect_error([&] { rmsnorm_forward(at::randn({2, 8}, gen), at::ones({9}), 1e-6); },
                {"[rmsnorm]", "[2, 8]", "[9]"});
 }
 

@@ -45,17 +45,18 @@ TEST(RopeOp, TablesMatchTheDefinition) {
 
 TEST(RopeOp, MatchesAutogradOfRotateHalf) {
   struct Case { int64_t B, T, H, D, table_len; };
+  at::Generator gen = seeded(1);
   for (Case c : {Case{2, 5, 3, 8, 5}, Case{1, 7, 2, 2, 12}, Case{3, 1, 1, 6, 4}}) {
     RopeTables tab = rope_tables(c.table_len, c.D, 10000.0, at::kDouble, kCPU);
     // A non-contiguous view, as q and k are slices of a fused qkv projection.
-    at::Tensor fused = at::randn({c.B, c.T, 3 * c.H, c.D}, f64());
+    at::Tensor fused = at::randn({c.B, c.T, 3 * c.H, c.D}, gen, f64());
     at::Tensor x = fused.narrow(2, c.H, c.H);
     Fwd<RopeSaved> f = rope_forward(x, tab);
     EXPECT_TRUE(f.saved.tensors().empty());
     at::Tensor xl = leaf(x);
     at::Tensor ref = reference(xl, loop_tables(c.table_len, c.D, 10000.0));
     EXPECT_LT(rel_err(f.out, ref.detach()), 1e-13);
-    at::Tensor dy = at::randn_like(ref);
+    at::Tensor dy = at::randn(ref.sizes(), gen, ref.options());
     EXPECT_LT(rel_err(rope_backward(dy, f.saved, tab), grads(ref, dy, {xl})[0]), 1e-10);
   }
 }
@@ -67,9 +68,10 @@ TEST(RopeOp, FlopsAreProportionalToNumel) {
 
 TEST(RopeOp, RefusesShortTablesAndOddHeads) {
   RopeTables tab = rope_tables(4, 8, 10000.0, at::kFloat, kCPU);
-  expect_error([&] { rope_forward(at::randn({1, 5, 2, 8}), tab); }, {"[rope]", "[1, 5, 2, 8]", "[4, 4]"});
-  expect_error([&] { rope_forward(at::randn({1, 4, 2, 6}), tab); }, {"[rope]", "[1, 4, 2, 6]"});
-  expect_error([&] { rope_forward(at::randn({4, 2, 8}), tab); }, {"[rope]", "[B, T, H, D]"});
+  at::Generator gen = seeded(1);
+  expect_error([&] { rope_forward(at::randn({1, 5, 2, 8}, gen), tab); }, {"[rope]", "[1, 5, 2, 8]", "[4, 4]"});
+  expect_error([&] { rope_forward(at::randn({1, 4, 2, 6}, gen), tab); }, {"[rope]", "[1, 4, 2, 6]"});
+  expect_error([&] { rope_forward(at::randn({4, 2, 8}, gen), tab); }, {"[rope]", "[B, T, H, D]"});
   expect_error([&] { rope_tables(4, 7, 10000.0, at::kFloat, kCPU); }, {"[rope]", "head_dim 7"});
 }
 

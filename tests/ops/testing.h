@@ -6,6 +6,8 @@
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/autograd.h>
 
+#include "util/seeded.h"
+
 #include <memory>
 #include <string>
 #include <vector>
@@ -21,6 +23,16 @@ inline double rel_err(const at::Tensor& got, const at::Tensor& want) {
   const double scale = want.abs().max().item<double>();
   const double diff = (got.to(at::kDouble) - want.to(at::kDouble)).abs().max().item<double>();
   return scale > 0 ? diff / scale : diff;
+}
+
+/// Largest absolute difference divided by `scale`. For a result that is a difference of
+/// terms of magnitude `scale`, two correct implementations round those terms differently
+/// by a few ulps of `scale`, however far the result itself cancels below it: the error
+/// relative to the result would then measure the cancellation, not the implementation.
+inline double err_over(const at::Tensor& got, const at::Tensor& want, double scale) {
+  EXPECT_EQ(got.sizes(), want.sizes());
+  if (got.sizes() != want.sizes()) return 1.0;
+  return (got.to(at::kDouble) - want.to(at::kDouble)).abs().max().item<double>() / scale;
 }
 
 /// A leaf that requires grad, for building the autograd reference.

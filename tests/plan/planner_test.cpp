@@ -186,5 +186,29 @@ TEST(Planner, BudgetPlansFitWhenTheEngineRunsThem) {
   }
 }
 
+// A percentage is a fraction of the peak whatever its size; a bare number is a fraction up
+// to 1 and whole bytes above; nothing wraps past int64.
+TEST(Budget, PercentagesFractionsAndBytesParseAsWritten) {
+  EXPECT_EQ(parse_budget("60%", 1000), 600);
+  EXPECT_EQ(parse_budget("101%", 1000), 1010);
+  EXPECT_EQ(parse_budget("0.6", 1000), 600);
+  EXPECT_EQ(parse_budget("4096", 1000), 4096);
+  EXPECT_EQ(parse_budget("1.5e9", 1000), 1500000000);
+  EXPECT_EQ(parse_budget("2GiB", 1000), int64_t{2} << 30);
+  auto refusal = [](const std::string& text) {
+    try {
+      parse_budget(text, 1000);
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  EXPECT_EQ(refusal("1e30"), "The memory budget \"1e30\" is 1e+30 bytes, beyond any device (the most accepted is 4 "
+                             "EiB); give a size such as 12GiB or a fraction such as 0.6.");
+  EXPECT_NE(refusal("9000000TiB").find("beyond any device"), std::string::npos);
+  EXPECT_EQ(refusal("1.5"), "The memory budget \"1.5\" is neither a fraction of the no-recompute peak (at most 1) "
+                            "nor a whole number of bytes; write e.g. 0.6, 60% or 512MiB.");
+}
+
 }  // namespace
 }  // namespace remat

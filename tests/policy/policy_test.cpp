@@ -411,6 +411,31 @@ TEST(PolicyErrors, DisagreeingSpellings) {
             "asks for block:1: two spellings of the recompute policy disagree. Set only one of them.");
 }
 
+// An explicit "none" is a choice like any other: an alias that recomputes contradicts it.
+TEST(PolicyErrors, AnExplicitNoneDisagreesWithAnAliasThatRecomputes) {
+  const std::vector<std::pair<std::function<void(AcConfig&)>, std::string>> aliases = {
+      {[](AcConfig& a) { a.enable_activation_checkpointing = true; }, "ac.enable_activation_checkpointing = true asks for full"},
+      {[](AcConfig& a) { a.recompute_layer = true; }, "ac.recompute_layer = true asks for full"},
+      {[](AcConfig& a) { a.recompute_granularity = "selective"; },
+       "ac.recompute_granularity = \"selective\" asks for modules:[core_attn]"},
+      {[](AcConfig& a) { a.gradient_checkpointing_ratio = 0.5; }, "ac.gradient_checkpointing_ratio = 0.5 asks for ratio:0.5"}};
+  for (const auto& [set, asks] : aliases) {
+    EXPECT_EQ(error_ac([&](AcConfig& a) {
+                a.policy = "none";
+                set(a);
+              }, 4),
+              "ac.policy = \"none\" asks for none but " + asks +
+                  ": two spellings of the recompute policy disagree. Set only one of them.");
+    // Unset, the policy defers to the alias.
+    EXPECT_NE(compile_ac(set, 4).policy, "none");
+  }
+  // An alias that asks for no recompute agrees with it.
+  EXPECT_EQ(compile_ac([](AcConfig& a) {
+              a.policy = "none";
+              a.recompute_layer = false;
+            }, 4).policy, "none");
+}
+
 TEST(PolicyErrors, StagesAndPerStageLists) {
   EXPECT_EQ(error_ac([](AcConfig& a) { a.gradient_checkpointing_ratio = -0.1; }, 4),
             "ac.gradient_checkpointing_ratio = -0.1 is outside [0, 1]; it is the share of each pipeline stage's "
@@ -501,7 +526,7 @@ TEST(PolicyConfig, AcKeysLoadFromTomlAndOverridesAndRoundTrip) {
   EXPECT_EQ(compile_policy(c.ac, c.model.n_layer, c.model.dropout).policy, "modules:[core_attn,mlp]");
 
   const std::string toml = config_to_toml(c);
-  EXPECT_NE(toml.find("\n[ac]\npolicy = \"none\"\n"), std::string::npos) << toml;
+  EXPECT_NE(toml.find("\n[ac]\n# policy = (unset)\n"), std::string::npos) << toml;
   EXPECT_NE(toml.find("\nrecompute_modules = [\"mlp\", \"core_attn\"]\n"), std::string::npos) << toml;
   EXPECT_NE(toml.find("\nnum_layers_per_stage = [1, 3]\n"), std::string::npos) << toml;
   EXPECT_NE(toml.find("\n# ac_mode = (unset)\n"), std::string::npos) << toml;
@@ -522,6 +547,19 @@ TEST(PolicyConfig, AcKeysLoadFromTomlAndOverridesAndRoundTrip) {
                                     "ac.ac_option=2"});
   EXPECT_NE(config_to_toml(t).find("\nac_option = 2\n"), std::string::npos);
   EXPECT_EQ(compile_policy(t.ac, t.model.n_layer, t.model.dropout).policy, "every:2");
+}
+
+TEST(PolicyConfig, AnExplicitNoneAndARecomputingAliasAreRefusedInEitherOrderAndInToml) {
+  const std::string refusal = "ac.policy = \"none\" asks for none but ac.enable_activation_checkpointing = true asks "
+                              "for full: two spellings of the recompute policy disagree. Set only one of them.";
+  EXPECT_EQ(error_of([] { load_config("", {"ac.policy=none", "ac.enable_activation_checkpointing=true"}); }), refusal);
+  EXPECT_EQ(error_of([] { load_config("", {"ac.enable_activation_checkpointing=true", "ac.policy=none"}); }), refusal);
+  const std::string path = write_temp("[ac]\npolicy = \"none\"\nenable_activation_checkpointing = true\n");
+  EXPECT_EQ(error_of([&] { load_config(path, {}); }), refusal);
+  std::remove(path.c_str());
+  // And with a budget, which asks the planner: an explicit policy of any kind is a second answer.
+  EXPECT_NE(error_of([] { load_config("", {"ac.policy=none", "ac.budget=0.6"}); }).find("keep one of them"),
+            std::string::npos);
 }
 
 TEST(PolicyConfig, LoadRefusesABadPolicyAndSuggestsAcKeys) {

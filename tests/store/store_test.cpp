@@ -136,7 +136,7 @@ TEST(StoreCounts, KeptBytesShrinkInTheOrderUsersExpect) {
   auto kept = [&](const std::string& policy) {
     auto model = Model::create(cfg, at::kCPU, at::kFloat, 1);
     model->set_activation_plan(compile_policy(policy, cfg.n_layer, cfg.dropout), {});
-    auto tok = at::randint(cfg.vocab_size, {2, 32}, at::kLong);
+    auto tok = at::randint(cfg.vocab_size, {2, 32}, at::detail::createCPUGenerator(1), at::kLong);
     ActivationBytes m;
     model->forward_backward(tok, tok, {1, 0, 0}, 1.0, 64, &m);
     return m.total();
@@ -154,8 +154,9 @@ TEST(StoreBytes, PredictedActivationBytesEqualWhatTheForwardKeeps) {
                                "every:2+modules:[core_attn,act]"}) {
       auto model = Model::create(cfg, at::kCPU, at::kFloat, 1);
       model->set_activation_plan(compile_policy(policy, cfg.n_layer, cfg.dropout), {});
-      auto tok = at::randint(cfg.vocab_size, {3, 10}, at::kLong);
-      auto tgt = at::randint(cfg.vocab_size, {3, 10}, at::kLong);
+      auto gen = at::detail::createCPUGenerator(1);
+      auto tok = at::randint(cfg.vocab_size, {3, 10}, gen, at::kLong);
+      auto tgt = at::randint(cfg.vocab_size, {3, 10}, gen, at::kLong);
       ActivationBytes m;
       model->forward_backward(tok, tgt, {1, 0, 0}, 1.0, 64, &m);
       const ActivationBytes p = model->predict_activation_bytes(3, 10);

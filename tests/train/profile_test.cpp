@@ -9,23 +9,30 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <fstream>
 
 namespace remat {
 namespace {
 
-TEST(TimeProfile, TimesEveryNodeAFullRecomputeRunsAndIsCached) {
+// tiny-gpt2 with a 64-token vocabulary at batch x seq, its run directory in `dir`.
+Config tiny(const testing::TempDir& dir, int64_t batch, int64_t seq) {
   at::set_num_threads(1);
-  testing::TempDir dir;
   Config cfg;
   cfg.model = model_preset("tiny-gpt2");
   cfg.model.vocab_size = 64;
-  cfg.train.batch = 2;
-  cfg.train.seq = 16;
+  cfg.train.batch = batch;
+  cfg.train.seq = seq;
   cfg.run.out_dir = dir.path().string();
+  return cfg;
+}
+
+TEST(TimeProfile, TimesEveryNodeAFullRecomputeRunsAndIsCached) {
+  testing::TempDir dir;
+  Config cfg = tiny(dir, 2, 16);
   auto model = Model::create(cfg.model, at::kCPU, at::kFloat, 1);
   std::vector<at::Tensor> before;
   for (const auto& p : model->params()) before.push_back(p.value.clone());
-  const data::TokenDataset data(at::randint(64, {400}, at::kInt));
+  const data::TokenDataset data(at::randint(64, {400}, at::detail::createCPUGenerator(1), at::kInt));
 
   const TimeProfile p = measure_time_profile(cfg, *model, data);
   EXPECT_FALSE(p.cached);
@@ -60,6 +67,23 @@ TEST(TimeProfile, TimesEveryNodeAFullRecomputeRunsAndIsCached) {
   // Another shape is another profile.
   cfg.train.seq = 8;
   EXPECT_FALSE(measure_time_profile(cfg, *model, data).cached);
+}
+
+// A cache file cut short by a killed run, or of the wrong types, is measured again and
+// rewritten instead of failing every later run.
+TEST(TimeProfile, ADamagedCacheIsMeasuredAgainAndRewritten) {
+  testing::TempDir dir;
+  const Config cfg = tiny(dir, 1, 8);
+  auto model = Model::create(cfg.model, at::kCPU, at::kFloat, 1);
+  const data::TokenDataset data(at::randint(64, {100}, at::detail::createCPUGenerator(1), at::kInt));
+  const std::string path = measure_time_profile(cfg, *model, data).path;
+  for (const char* damage : {"{\"node_seconds\": {\"a\": 0.1}, \"flops_per", "{\"node_seconds\": 3}", "[1, 2]",
+                             "{\"node_seconds\": {}, \"flops_per_second\": -1, \"base_seconds\": 0, "
+                             "\"optimizer_seconds\": 0}"}) {
+    std::ofstream(path) << damage;
+    EXPECT_FALSE(measure_time_profile(cfg, *model, data).cached) << damage;
+    EXPECT_TRUE(measure_time_profile(cfg, *model, data).cached) << damage;
+  }
 }
 
 }  // namespace
