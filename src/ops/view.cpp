@@ -99,8 +99,9 @@ const OpDef& op::split() {
 }
 
 std::vector<const OpDef*> op::all() {
-  return {&layernorm(), &rmsnorm(), &linear(), &attention(), &dropout_mask(), &dropout(),
-          &residual(),  &gelu(),    &swiglu(), &rope(),      &view(),         &split()};
+  return {&layernorm(), &rmsnorm(), &linear(), &attention(), &tiled_attention(), &dropout_mask(),
+          &dropout(),   &residual(), &gelu(),   &swiglu(),    &rope(),            &view(),
+          &split()};
 }
 
 }  // namespace remat::graph
