@@ -42,7 +42,7 @@ struct ModelConfig {
   int64_t vocab_size = 0;    ///< 0: take it from the prepared corpus's tokenizer
   int64_t max_seq = 256;     ///< context length (learned positions / RoPE tables)
   Attention attention = Attention::math;
-  int64_t attention_tile = 128;  ///< tiled attention: query and key positions per tile
+  int64_t attention_tile = 64;   ///< tiled attention: query and key positions per tile
                                  ///< (ops::AttentionTiles' default; measured, README)
   double dropout = 0.1;      ///< gpt2: embedding, attention-probability and residual dropout;
                              ///< llama: attention-probability dropout only

@@ -17,8 +17,8 @@ namespace remat::ops {
 /// batch row and key/value head. The defaults were measured on the development machine
 /// (README, "Attention").
 struct AttentionTiles {
-  int64_t q = 128;
-  int64_t k = 128;
+  int64_t q = 64;
+  int64_t k = 64;
 };
 
 struct TiledAttentionSaved {
