@@ -22,6 +22,14 @@ enum class Arch { gpt2, llama };
 /// "gpt2" / "llama", as configs spell it.
 const char* arch_name(Arch a);
 
+/// How a block computes causal attention: `math` materialises the [T x T] scores and keeps
+/// the probabilities (and dropout mask) for the backward (remat/ops/attention.h); `tiled`
+/// computes over tiles with an online softmax, keeps one log-sum-exp per row and recomputes
+/// the probabilities tile by tile in the backward (remat/ops/tiled_attention.h).
+enum class Attention { math, tiled };
+/// "math" / "tiled", as configs spell it.
+const char* attention_name(Attention a);
+
 /// Transformer shape.
 struct ModelConfig {
   std::string preset = "gpt2-demo";  ///< the preset the other fields started from
@@ -33,6 +41,9 @@ struct ModelConfig {
   int64_t d_ff = 512;        ///< MLP hidden width
   int64_t vocab_size = 0;    ///< 0: take it from the prepared corpus's tokenizer
   int64_t max_seq = 256;     ///< context length (learned positions / RoPE tables)
+  Attention attention = Attention::math;
+  int64_t attention_tile = 64;   ///< tiled attention: query and key positions per tile
+                                 ///< (ops::AttentionTiles' default; measured, README)
   double dropout = 0.1;      ///< gpt2: embedding, attention-probability and residual dropout;
                              ///< llama: attention-probability dropout only
   double norm_eps = 1e-5;

@@ -16,6 +16,7 @@
 #include "remat/config.h"
 #include "remat/ops/dropout.h"
 #include "remat/ops/rope.h"
+#include "remat/ops/tiled_attention.h"
 #include "remat/plan.h"
 
 #include <ATen/ATen.h>
@@ -48,6 +49,7 @@ struct TensorInfo {
 struct Attrs {
   double eps = 0.0;                  ///< norms
   double p = 0.0;                    ///< dropout probability (dropout mask, attention)
+  ops::AttentionTiles tiles;         ///< tiled attention: query and key positions per tile
   ops::DropoutSite site = ops::DropoutSite::embedding;  ///< which dropout key
   std::vector<int64_t> sizes;        ///< view, dropout mask: the output's sizes
   std::vector<int64_t> from;         ///< view: the input's sizes
@@ -141,6 +143,9 @@ const OpDef& layernorm();
 const OpDef& rmsnorm();
 const OpDef& linear();
 const OpDef& attention();
+const OpDef& tiled_attention();
+/// The attention op a configuration asks for (model.attention).
+const OpDef& attention(Attention kind);
 const OpDef& dropout_mask();
 const OpDef& dropout();
 const OpDef& residual();

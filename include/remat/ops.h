@@ -13,3 +13,4 @@
 #include "remat/ops/rmsnorm.h"
 #include "remat/ops/rope.h"
 #include "remat/ops/swiglu.h"
+#include "remat/ops/tiled_attention.h"

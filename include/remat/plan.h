@@ -19,9 +19,11 @@ namespace remat {
 ///   attn.norm     statistics of the attention-side norm (its input is the block input)
 ///   attn.qkv_in   the norm's output, input of the q/k/v projections
 ///   attn.qkv      q, k, v as attention reads them (after RoPE in Llama)
-///   attn.probs    softmax output
-///   attn.dropout  attention-probability dropout mask and output
-///   attn.proj_in  attention output, input of the output projection
+///   attn.probs    softmax output (tiled attention: the per-row log-sum-exp)
+///   attn.dropout  attention-probability dropout mask and output (math attention only:
+///                 tiled attention redraws the mask from its key)
+///   attn.proj_in  attention output, input of the output projection (tiled attention's
+///                 backward reads it too)
 ///   attn.resid    residual-branch dropout mask (GPT-2)
 ///   mlp.norm      the mid-block residual stream and the MLP-side norm's statistics
 ///   mlp.fc_in     the norm's output, input of c_fc / gate and up projections

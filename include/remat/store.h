@@ -69,10 +69,11 @@ class ActivationStore {
   bool drops(int64_t l, const std::string& slot) const;
 
   /// Forward: tensor `index` of `slot` of layer `l` is being dropped; records what the
-  /// determinism check needs and counts its bytes (the caller releases it).
-  void drop(int64_t l, const std::string& slot, size_t index, const at::Tensor& t);
+  /// determinism check needs and counts its bytes unless `view_of_dropped` (a view of another
+  /// tensor of the slot, whose drop counts the memory; the caller releases it).
+  void drop(int64_t l, const std::string& slot, size_t index, const at::Tensor& t, bool view_of_dropped);
   /// Backward: the recompute refilled `slot` of layer `l` with `tensors`; checks them
-  /// against the record and counts their bytes.
+  /// against the record and counts their bytes (a view of all of another counted once).
   void refilled(int64_t l, const std::string& slot, const std::vector<at::Tensor>& tensors);
   /// Counts one re-executed forward op of `kind`.
   void count_op(const std::string& kind);

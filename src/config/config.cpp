@@ -48,6 +48,13 @@ Arch parse_arch(const std::string& key, const std::string& v) {
   fail(fmt::format("{} must be gpt2 or llama, got '{}'.", key, v));
 }
 
+Attention parse_attention(const std::string& key, const std::string& v) {
+  if (v == "math") return Attention::math;
+  if (v == "tiled") return Attention::tiled;
+  fail(fmt::format("{} must be tiled (online softmax over tiles, keeps one log-sum-exp per row) or math "
+                   "(keeps the [T x T] probabilities), got '{}'.", key, v));
+}
+
 // A TOML basic string: quotes, backslashes and control characters escaped.
 std::string quote(const std::string& s) {
   std::string out = "\"";
@@ -79,6 +86,8 @@ ConfigKey key(std::string name, S Config::*section, T S::*field, std::string hel
       dst = v;
     } else if constexpr (std::is_same_v<T, Arch>) {
       dst = parse_arch(name, v);
+    } else if constexpr (std::is_same_v<T, Attention>) {
+      dst = parse_attention(name, v);
     } else if constexpr (std::is_same_v<T, bool>) {
       dst = parse_bool(name, v);
     } else if constexpr (std::is_integral_v<T>) {
@@ -93,6 +102,8 @@ ConfigKey key(std::string name, S Config::*section, T S::*field, std::string hel
       return quote(src);
     } else if constexpr (std::is_same_v<T, Arch>) {
       return quote(arch_name(src));
+    } else if constexpr (std::is_same_v<T, Attention>) {
+      return quote(attention_name(src));
     } else if constexpr (std::is_same_v<T, bool>) {
       return std::string(src ? "true" : "false");
     } else if constexpr (std::is_integral_v<T>) {
@@ -192,6 +203,8 @@ std::vector<ConfigKey> make_keys() {
       key("model.d_ff", &C::model, &ModelConfig::d_ff, "MLP hidden size"),
       key("model.vocab_size", &C::model, &ModelConfig::vocab_size, "0: from the tokenizer"),
       key("model.max_seq", &C::model, &ModelConfig::max_seq, "context length"),
+      key("model.attention", &C::model, &ModelConfig::attention, "tiled or math attention"),
+      key("model.attention_tile", &C::model, &ModelConfig::attention_tile, "tiled attention: positions per tile"),
       key("model.dropout", &C::model, &ModelConfig::dropout, "dropout probability"),
       key("model.norm_eps", &C::model, &ModelConfig::norm_eps, "norm epsilon"),
       key("model.rope_theta", &C::model, &ModelConfig::rope_theta, "RoPE base (llama)"),
@@ -343,6 +356,7 @@ void flatten(const toml::table& t, const std::string& prefix, const std::string&
 }  // namespace
 
 const char* arch_name(Arch a) { return a == Arch::gpt2 ? "gpt2" : "llama"; }
+const char* attention_name(Attention a) { return a == Attention::tiled ? "tiled" : "math"; }
 
 const std::vector<ConfigKey>& config_keys() {
   static const std::vector<ConfigKey> keys = make_keys();
@@ -411,6 +425,7 @@ void validate_config(const Config& c) {
   positive("model.d_model", m.d_model);
   positive("model.d_ff", m.d_ff);
   positive("model.max_seq", m.max_seq);
+  positive("model.attention_tile", m.attention_tile);
   if (m.vocab_size < 0) fail(fmt::format("model.vocab_size must be >= 0 (0: from the tokenizer), got {}.", m.vocab_size));
   if (m.d_model % m.n_head != 0) {
     fail(fmt::format("model.d_model ({}) must be divisible by model.n_head ({}).", m.d_model, m.n_head));

@@ -25,11 +25,12 @@ struct Gpt2Arch {
     heads.head_dim = D;
     core.p = p;
     core.site = ops::DropoutSite::attn_probs;
+    core.tiles = {c.attention_tile, c.attention_tile};
 
     const auto ln1 = b.add("ln_1", op::layernorm(), {b.input()}, {ln1_w, ln1_b}, norm);
     const int qkv = b.add1("c_attn", op::linear(), {ln1[0]}, {qkv_w, qkv_b});
     const auto q_k_v = b.add("qkv_heads", op::split(), {qkv}, {}, heads);
-    const auto attn = b.add("attention", op::attention(), q_k_v, {}, core);
+    const auto attn = b.add("attention", op::attention(c.attention), q_k_v, {}, core);
     const int merged = b.view("attn_merge", attn[0], {B, T, C});
     const int proj = b.add1("attn_c_proj", op::linear(), {merged}, {proj_w, proj_b});
     const auto [d1, mask1] = b.dropout("attn_resid_dropout", proj, p, ops::DropoutSite::attn_resid);
@@ -47,8 +48,8 @@ struct Gpt2Arch {
     b.slot(Slot::attn_qkv_in, {ln1[0]});
     b.slot(Slot::attn_qkv, q_k_v);
     b.slot(Slot::attn_probs, {attn[1]});
-    b.slot(Slot::attn_dropout, p > 0 ? std::vector<int>{attn[2], attn[3]} : std::vector<int>{});
-    b.slot(Slot::attn_proj_in, {merged});
+    b.slot(Slot::attn_dropout, {attn.begin() + 2, attn.end()});
+    b.slot(Slot::attn_proj_in, {merged, attn[0]});
     b.slot(Slot::attn_resid, some(mask1));
     b.slot(Slot::mlp_norm, {x1, ln2[1], ln2[2]});
     b.slot(Slot::mlp_fc_in, {ln2[0]});

@@ -22,6 +22,7 @@ struct LlamaArch {
     norm.eps = c.norm_eps;
     core.p = c.dropout;
     core.site = ops::DropoutSite::attn_probs;
+    core.tiles = {c.attention_tile, c.attention_tile};
 
     const auto n1 = b.add("input_layernorm", op::rmsnorm(), {b.input()}, {n1_w}, norm);
     const int q = b.add1("q_proj", op::linear(), {n1[0]}, {wq});
@@ -32,7 +33,7 @@ struct LlamaArch {
     const int vh = b.view("v_heads", v, {B, T, Hkv, D});
     const int qr = b.add1("q_rope", op::rope(), {qh});
     const int kr = b.add1("k_rope", op::rope(), {kh});
-    const auto attn = b.add("attention", op::attention(), {qr, kr, vh}, {}, core);
+    const auto attn = b.add("attention", op::attention(c.attention), {qr, kr, vh}, {}, core);
     const int merged = b.view("attn_merge", attn[0], {B, T, C});
     const int o = b.add1("o_proj", op::linear(), {merged}, {wo});
     const int x1 = b.add1("attn_residual", op::residual(), {b.input(), o});
@@ -48,8 +49,8 @@ struct LlamaArch {
     b.slot(Slot::attn_qkv_in, {n1[0]});
     b.slot(Slot::attn_qkv, {qr, kr, vh});
     b.slot(Slot::attn_probs, {attn[1]});
-    b.slot(Slot::attn_dropout, c.dropout > 0 ? std::vector<int>{attn[2], attn[3]} : std::vector<int>{});
-    b.slot(Slot::attn_proj_in, {merged});
+    b.slot(Slot::attn_dropout, {attn.begin() + 2, attn.end()});
+    b.slot(Slot::attn_proj_in, {merged, attn[0]});
     b.slot(Slot::mlp_norm, {x1, n2[1]});
     b.slot(Slot::mlp_fc_in, {n2[0]});
     b.slot(Slot::mlp_act_in, {gate, up});

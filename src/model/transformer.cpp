@@ -68,7 +68,10 @@ void Engine::dropped(int v, const at::Tensor& t) {
   const auto s = static_cast<Slot>(g.slot_of[v]);
   if (store == nullptr || s == Slot::input) return;
   const auto& vs = g.slot(s);
-  store->drop(layer, slot_name(s), static_cast<size_t>(std::find(vs.begin(), vs.end(), v) - vs.begin()), t);
+  const int root = g.root(v);
+  const bool view_of_dropped = root != v && g.saved[root] && g.slot_of[root] == g.slot_of[v];
+  store->drop(layer, slot_name(s), static_cast<size_t>(std::find(vs.begin(), vs.end(), v) - vs.begin()), t,
+              view_of_dropped);
 }
 
 TransformerModel::TransformerModel(const ArchDecl& decl, const ModelConfig& cfg, at::Device device,

@@ -12,13 +12,6 @@
 namespace remat::ops {
 namespace {
 
-// splitmix64's finaliser: a bijection on 64 bits with good avalanche.
-uint64_t mix64(uint64_t z) {
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-  return z ^ (z >> 31);
-}
-
 void check_p(double p) {
   TORCH_CHECK(p >= 0.0 && p < 1.0, "[dropout] drop probability must be in [0, 1), got ", p);
 }
@@ -40,11 +33,16 @@ at::Generator keyed_generator(uint64_t seed, at::Device device) {
 uint64_t DropoutKey::hash() const {
   // Each field passes through a bijection after being xor-ed in, so changing any single
   // field changes the result. The golden-ratio offset keeps an all-zero key off zero.
-  uint64_t h = mix64(seed + 0x9e3779b97f4a7c15ULL);
-  h = mix64(h ^ step);
-  h = mix64(h ^ microbatch);
-  h = mix64(h ^ layer);
-  return mix64(h ^ static_cast<uint64_t>(site));
+  uint64_t h = DropoutDraw::mix64(seed + 0x9e3779b97f4a7c15ULL);
+  h = DropoutDraw::mix64(h ^ step);
+  h = DropoutDraw::mix64(h ^ microbatch);
+  h = DropoutDraw::mix64(h ^ layer);
+  return DropoutDraw::mix64(h ^ static_cast<uint64_t>(site));
+}
+
+DropoutDraw::DropoutDraw(const DropoutKey& key, double p)
+    : base_(key.hash()), threshold_(static_cast<uint64_t>(std::ldexp(1.0 - p, 53))) {  // exact: p is a double
+  check_p(p);
 }
 
 at::Tensor dropout_mask(at::IntArrayRef sizes, double p, const DropoutKey& key, at::Device device) {
@@ -56,17 +54,13 @@ at::Tensor dropout_mask(at::IntArrayRef sizes, double p, const DropoutKey& key, 
     mask.bernoulli_(1.0 - p, keyed_generator(key.hash(), device));
     return mask;
   }
-  // On the CPU each element is drawn from its own counter: keep element i iff the top 53 bits
-  // of mix64(hash + (i + 1) * golden) fall below (1 - p) * 2^53. No generator state, so the
-  // mask does not depend on how parallel_for splits the range (thread count).
+  // On the CPU each element is drawn from its own counter (DropoutDraw): no generator state,
+  // so the mask does not depend on how parallel_for splits the range (thread count).
   at::Tensor mask = at::empty(sizes, bool_on(device));
-  const uint64_t base = key.hash();
-  const uint64_t threshold = static_cast<uint64_t>(std::ldexp(1.0 - p, 53));  // exact: p is a double
+  const DropoutDraw draw(key, p);
   bool* out = mask.data_ptr<bool>();
   at::parallel_for(0, mask.numel(), 1 << 14, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      out[i] = (mix64(base + static_cast<uint64_t>(i + 1) * 0x9e3779b97f4a7c15ULL) >> 11) < threshold;
-    }
+    for (int64_t i = begin; i < end; ++i) out[i] = draw.keep(i);
   });
   return mask;
 }

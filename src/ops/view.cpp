@@ -99,9 +99,9 @@ const OpDef& op::split() {
 }
 
 std::vector<const OpDef*> op::all() {
-  return {&layernorm(), &rmsnorm(), &linear(), &attention(), &dropout_mask(), &dropout(),      &residual(),
-          &gelu(),      &swiglu(),  &rope(),   &view(),      &split(),        &embedding(), &position_embedding(),
-          &cross_entropy()};
+  return {&layernorm(), &rmsnorm(), &linear(), &attention(), &tiled_attention(), &dropout_mask(),
+          &dropout(),   &residual(), &gelu(),   &swiglu(),    &rope(),            &view(),
+          &split(),     &embedding(), &position_embedding(), &cross_entropy()};
 }
 
 }  // namespace remat::graph

@@ -2,6 +2,9 @@
 
 #include <fmt/format.h>
 
+#include <set>
+#include <tuple>
+
 #include <stdexcept>
 
 #ifdef REMAT_WITH_CUDA
@@ -52,9 +55,10 @@ bool ActivationStore::drops(int64_t l, const std::string& slot) const {
   return plan_.layers[static_cast<size_t>(l)].dropped.count(slot) > 0;
 }
 
-void ActivationStore::drop(int64_t l, const std::string& slot, size_t index, const at::Tensor& t) {
+void ActivationStore::drop(int64_t l, const std::string& slot, size_t index, const at::Tensor& t,
+                           bool view_of_dropped) {
   if (!t.defined()) return;
-  counters_.bytes_dropped += t.numel() * static_cast<int64_t>(t.element_size());
+  if (!view_of_dropped) counters_.bytes_dropped += t.numel() * static_cast<int64_t>(t.element_size());
   if (options_.check == DeterminismCheck::none) return;
   Record& r = records_[{l, slot}];
   if (r.sizes.size() <= index) {
@@ -72,7 +76,14 @@ void ActivationStore::refilled(int64_t l, const std::string& slot, const std::ve
   for (const auto& t : tensors) {
     if (t.defined()) defined.push_back(t);
   }
-  for (const auto& t : defined) counters_.bytes_recomputed += t.numel() * static_cast<int64_t>(t.element_size());
+  // A slot may hold a tensor and a view of all of it (tiled attention's output and its
+  // merged heads): that memory counts once. Views of parts (q, k, v of one projection) count each.
+  std::set<std::tuple<const c10::StorageImpl*, int64_t, int64_t>> seen;
+  for (const auto& t : defined) {
+    if (seen.emplace(t.storage().unsafeGetStorageImpl(), t.storage_offset(), t.numel()).second) {
+      counters_.bytes_recomputed += t.numel() * static_cast<int64_t>(t.element_size());
+    }
+  }
   if (options_.check == DeterminismCheck::none) return;
   auto it = records_.find({l, slot});
   if (it == records_.end()) return;

@@ -1,5 +1,6 @@
 #include "util/error_of.h"
 #include "remat/config.h"
+#include "remat/ops/tiled_attention.h"
 
 #include <gtest/gtest.h>
 
@@ -62,6 +63,14 @@ TEST(Config, BadValuesAndShapesAreRefusedWithSentences) {
   EXPECT_EQ(error_of([] { load_config("", {"model.n_head=3"}); }),
             "model.d_model (128) must be divisible by model.n_head (3).");
   EXPECT_EQ(error_of([] { load_config("", {"model.dropout=1"}); }), "model.dropout must be in [0, 1), got 1.");
+  EXPECT_EQ(error_of([] { load_config("", {"model.attention=flash"}); }),
+            "model.attention must be tiled (online softmax over tiles, keeps one log-sum-exp per row) or math "
+            "(keeps the [T x T] probabilities), got 'flash'.");
+  EXPECT_EQ(error_of([] { load_config("", {"model.attention_tile=0"}); }), "model.attention_tile must be positive, got 0.");
+  EXPECT_EQ(load_config("", {"model.attention=tiled"}).model.attention, Attention::tiled);
+  // One measured default: the config's tile is the op's.
+  EXPECT_EQ(load_config("", {}).model.attention_tile, ops::AttentionTiles{}.q);
+  EXPECT_EQ(ops::AttentionTiles{}.q, ops::AttentionTiles{}.k);
   EXPECT_EQ(error_of([] { load_config("", {"steps"}); }),
             "Override 'steps' is not of the form key=value (e.g. train.lr=1e-3).");
   const std::string path = write_temp("[train\nlr = 1\n");

@@ -193,6 +193,13 @@ std::vector<Case> cases() {
           // Strided: the views a fused projection's split gives.
           const TensorInfo qs{q.sizes, f, {T * W, W, D, 1}}, ks{k.sizes, f, {T * W, W, D, 1}};
           out.push_back({name + " strided", &op::attention(), {qs, ks, ks}, {}, core});
+          for (auto tiles : {ops::AttentionTiles{3, 2}, ops::AttentionTiles{16, 16}}) {
+            Attrs tiled = core;
+            tiled.tiles = tiles;
+            const std::string tname = fmt::format("tiled_{} tiles {}x{}", name, tiles.q, tiles.k);
+            out.push_back({tname, &op::tiled_attention(), {q, k, k}, {}, tiled});
+            out.push_back({tname + " strided", &op::tiled_attention(), {qs, ks, ks}, {}, tiled});
+          }
           out.push_back({name + " strided linear", &op::linear(), {{{B, T, Hq * D}, f, {T * W, W, 1}}}, {{F, Hq * D}}, {}});
         }
       }

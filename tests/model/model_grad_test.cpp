@@ -15,6 +15,7 @@ struct Case {
   int64_t batch, seq;
   double dropout;
   int64_t ce_chunk;
+  Attention attention = Attention::math;  ///< tiled: 4-position tiles, several per sequence
 };
 
 double rel_err(const at::Tensor& a, const at::Tensor& b) {
@@ -27,6 +28,8 @@ TEST_P(ModelGrad, LossAndEveryParameterGradientMatchAutograd) {
   const Case tc = GetParam();
   ModelConfig cfg = model_preset(tc.preset);
   cfg.dropout = tc.dropout;
+  cfg.attention = tc.attention;
+  cfg.attention_tile = 4;
   auto model = Model::create(cfg, at::kCPU, at::kDouble, /*seed=*/7);
   // Larger than init scale so every path carries signal well above rounding.
   auto gen = at::detail::createCPUGenerator(3);
@@ -60,11 +63,13 @@ TEST_P(ModelGrad, LossAndEveryParameterGradientMatchAutograd) {
 
 INSTANTIATE_TEST_SUITE_P(Models, ModelGrad,
                          ::testing::Values(Case{"tiny-gpt2", 2, 7, 0.0, 5}, Case{"tiny-gpt2", 3, 16, 0.2, 1024},
-                                           Case{"tiny-llama", 2, 9, 0.0, 4}, Case{"tiny-llama", 1, 16, 0.25, 7}),
+                                           Case{"tiny-llama", 2, 9, 0.0, 4}, Case{"tiny-llama", 1, 16, 0.25, 7},
+                                           Case{"tiny-gpt2", 3, 16, 0.2, 1024, Attention::tiled},
+                                           Case{"tiny-llama", 2, 9, 0.25, 4, Attention::tiled}),
                          [](const auto& info) {
                            const Case& c = info.param;
-                           return fmt::format("{}_b{}_t{}_p{}", c.preset == "tiny-gpt2" ? "gpt2" : "llama", c.batch,
-                                              c.seq, static_cast<int>(c.dropout * 100));
+                           return fmt::format("{}_b{}_t{}_p{}_{}", c.preset == "tiny-gpt2" ? "gpt2" : "llama", c.batch,
+                                              c.seq, static_cast<int>(c.dropout * 100), attention_name(c.attention));
                          });
 
 TEST(ModelGrad, GradientAccumulationOverMicrobatchesEqualsTheSumOfParts) {

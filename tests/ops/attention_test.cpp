@@ -4,32 +4,12 @@
 
 #include "ops/testing.h"
 
-#include <cmath>
-#include <limits>
-
 namespace {
 
 using namespace remat::ops;
 using namespace remat::testing;
 
 const DropoutKey kKey{11, 2, 0, 3, DropoutSite::attn_probs};
-
-// Attention written out head by head: K and V repeated to the query heads, explicit
-// masked scores, softmax as exp / sum, dropout as a multiply by the given mask.
-at::Tensor reference(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double p,
-                     const at::Tensor& mask) {
-  const int64_t T = q.size(1), D = q.size(3), G = q.size(2) / k.size(2);
-  at::Tensor qh = q.transpose(1, 2);                             // [B, Hq, T, D]
-  at::Tensor kh = k.repeat_interleave(G, 2).transpose(1, 2);     // [B, Hq, T, D]
-  at::Tensor vh = v.repeat_interleave(G, 2).transpose(1, 2);
-  at::Tensor scores = at::matmul(qh, kh.transpose(-1, -2)) / std::sqrt(double(D));
-  at::Tensor future = at::ones({T, T}, at::kBool).triu(1);
-  scores = scores.masked_fill(future, -std::numeric_limits<double>::infinity());
-  at::Tensor e = at::exp(scores - std::get<0>(scores.max(-1, true)).detach());
-  at::Tensor probs = e / e.sum(-1, true);
-  if (p > 0) probs = probs * mask.to(probs.scalar_type()) / (1 - p);
-  return at::matmul(probs, vh).transpose(1, 2);  // [B, T, Hq, D]
-}
 
 struct Case {
   int64_t B, T, Hq, Hkv, D;
@@ -54,7 +34,7 @@ TEST(AttentionOp, MatchesAutogradOfExplicitAttention) {
         EXPECT_TRUE(at::equal(f.saved.mask, mask));
       }
       at::Tensor ql = leaf(q), kl = leaf(k), vl = leaf(v);
-      at::Tensor ref = reference(ql, kl, vl, p, mask);
+      at::Tensor ref = attention_reference(ql, kl, vl, p, mask);
       const std::string what = "B" + std::to_string(c.B) + " T" + std::to_string(c.T) + " Hq" +
                                std::to_string(c.Hq) + " Hkv" + std::to_string(c.Hkv) + " p" + std::to_string(p);
       EXPECT_LT(rel_err(f.out, ref.detach()), 1e-12) << what;

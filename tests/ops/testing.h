@@ -8,6 +8,8 @@
 
 #include "util/seeded.h"
 
+#include <cmath>
+#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
@@ -61,7 +63,7 @@ void expect_error(F&& fn, const std::vector<std::string>& parts) {
   }
 }
 
-/// Sums 2 m k n over the matrix products (mm, bmm, addmm, baddbmm) that LibTorch runs on
+/// Sums 2 m k n over the matrix products (mm, bmm, addmm, baddbmm, in place too) that LibTorch runs on
 /// this thread while the counter lives: an op's matmul FLOPs read from what it executes.
 class MatmulFlopCounter {
  public:
@@ -88,10 +90,29 @@ class MatmulFlopCounter {
       total() += 2.0 * a.toTensor().numel() * b.toTensor().size(-1);
     };
     if (name == "aten::mm" || name == "aten::bmm") add(in[0], in[1]);
-    if (name == "aten::addmm" || name == "aten::baddbmm") add(in[1], in[2]);
+    if (name == "aten::addmm" || name == "aten::baddbmm" || name == "aten::baddbmm_") add(in[1], in[2]);
     return nullptr;
   }
   at::CallbackHandle handle_;
 };
+
+/// Causal attention written out head by head, for autograd to differentiate: K and V
+/// repeated to the query heads, explicit masked scores, softmax as exp / sum, dropout as a
+/// multiply by the given keep-mask [B, Hq, T, T] (ignored when p == 0). q [B, T, Hq, D],
+/// k, v [B, T, Hkv, D]; returns [B, T, Hq, D].
+inline at::Tensor attention_reference(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double p,
+                                      const at::Tensor& mask) {
+  const int64_t T = q.size(1), D = q.size(3), G = q.size(2) / k.size(2);
+  at::Tensor qh = q.transpose(1, 2);                          // [B, Hq, T, D]
+  at::Tensor kh = k.repeat_interleave(G, 2).transpose(1, 2);  // [B, Hq, T, D]
+  at::Tensor vh = v.repeat_interleave(G, 2).transpose(1, 2);
+  at::Tensor scores = at::matmul(qh, kh.transpose(-1, -2)) / std::sqrt(double(D));
+  at::Tensor future = at::ones({T, T}, at::kBool).triu(1);
+  scores = scores.masked_fill(future, -std::numeric_limits<double>::infinity());
+  at::Tensor e = at::exp(scores - std::get<0>(scores.max(-1, true)).detach());
+  at::Tensor probs = e / e.sum(-1, true);
+  if (p > 0) probs = probs * mask.to(probs.scalar_type()) / (1 - p);
+  return at::matmul(probs, vh).transpose(1, 2);
+}
 
 }  // namespace remat::testing

@@ -60,8 +60,11 @@ const char* kPolicies[] = {"none", "full", "every:2", "uniform:2", "block:1", "m
 TEST(CostModel, PeakOfAMicrobatchMatchesTheMeasuredPeak) {
   // Programs mirror the code statement by statement, so the match is to the kilobyte.
   for (const char* preset : {"gpt2-demo", "llama-demo"}) {
-    for (double p : {0.0, 0.1}) {
-      const ModelConfig cfg = config(preset, 4, p);
+    for (auto [p, attention] : {std::pair{0.0, Attention::math}, std::pair{0.1, Attention::math},
+                                std::pair{0.0, Attention::tiled}, std::pair{0.1, Attention::tiled}}) {
+      ModelConfig cfg = config(preset, 4, p);
+      cfg.attention = attention;
+      cfg.attention_tile = 24;  // three query tiles, the last one short
       const int64_t B = 4, T = 64, chunk = 100;
       cost::StepShape shape;
       shape.batch = B;
@@ -74,14 +77,14 @@ TEST(CostModel, PeakOfAMicrobatchMatchesTheMeasuredPeak) {
         const int64_t predicted = pred.peak - pred.statics.total() + pred.statics.batch;
         const Measured m = measure(cfg, policy, B, T, chunk);
         // Exact but for the scalars the simulation leaves out (a few KiB).
-        EXPECT_NEAR(predicted, m.peak_above_start, 8 * 1024) << preset << " p=" << p << " " << policy;
-        EXPECT_EQ(pred.ops, m.counters.ops_by_kind) << preset << " p=" << p << " " << policy;
-        EXPECT_EQ(pred.recomputed_bytes, m.counters.bytes_recomputed) << preset << " p=" << p << " " << policy;
+        EXPECT_NEAR(predicted, m.peak_above_start, 8 * 1024) << preset << " p=" << p << " " << attention_name(attention) << " " << policy;
+        EXPECT_EQ(pred.ops, m.counters.ops_by_kind) << preset << " p=" << p << " " << attention_name(attention) << " " << policy;
+        EXPECT_EQ(pred.recomputed_bytes, m.counters.bytes_recomputed) << preset << " p=" << p << " " << attention_name(attention) << " " << policy;
         const Measured slow = measure(cfg, policy, B, T, chunk, /*early_stop=*/false);
         const auto pred_slow = cost::predict_step(cfg, shape, plan, false, {});
-        EXPECT_EQ(pred_slow.ops, slow.counters.ops_by_kind) << preset << " p=" << p << " " << policy;
+        EXPECT_EQ(pred_slow.ops, slow.counters.ops_by_kind) << preset << " p=" << p << " " << attention_name(attention) << " " << policy;
         EXPECT_NEAR(pred_slow.peak - pred_slow.statics.total() + pred_slow.statics.batch, slow.peak_above_start,
-                    8 * 1024) << preset << " p=" << p << " " << policy;
+                    8 * 1024) << preset << " p=" << p << " " << attention_name(attention) << " " << policy;
       }
     }
   }
@@ -93,29 +96,34 @@ TEST(CostModel, RandomKeepSetsPeakWhereTheCostModelSays) {
   std::mt19937 rng(20261122);
   const auto& slots = block_slots();
   for (const char* preset : {"gpt2-demo", "llama-demo"}) {
-    const ModelConfig cfg = config(preset, 2, 0.1);
-    const int64_t B = 2, T = 32, chunk = 48;
-    cost::StepShape shape;
-    shape.batch = B;
-    shape.seq = T;
-    shape.ce_chunk = chunk;
-    for (int trial = 0; trial < 150; ++trial) {
-      ActivationPlan plan;
-      std::string text;
-      for (int64_t l = 0; l < cfg.n_layer; ++l) {
-        LayerPlan lp;
-        for (const auto& s : slots) {
-          if (rng() % 2) lp.dropped.insert(s);
+    for (Attention attention : {Attention::math, Attention::tiled}) {
+      ModelConfig cfg = config(preset, 2, 0.1);
+      cfg.attention = attention;
+      cfg.attention_tile = 12;
+      const int64_t B = 2, T = 32, chunk = 48;
+      cost::StepShape shape;
+      shape.batch = B;
+      shape.seq = T;
+      shape.ce_chunk = chunk;
+      for (int trial = 0; trial < 75; ++trial) {
+        ActivationPlan plan;
+        std::string text;
+        for (int64_t l = 0; l < cfg.n_layer; ++l) {
+          LayerPlan lp;
+          for (const auto& s : slots) {
+            if (rng() % 2) lp.dropped.insert(s);
+          }
+          text += fmt::format("[{}] ", fmt::join(lp.dropped, ","));
+          plan.layers.push_back(lp);
         }
-        text += fmt::format("[{}] ", fmt::join(lp.dropped, ","));
-        plan.layers.push_back(lp);
+        const bool early_stop = rng() % 4 != 0;
+        const auto pred = cost::predict_step(cfg, shape, plan, early_stop, {});
+        const int64_t predicted = pred.peak - pred.statics.total() + pred.statics.batch;
+        const Measured m = measure(cfg, plan, B, T, chunk, early_stop);
+        EXPECT_NEAR(predicted, m.peak_above_start, 8 * 1024)
+            << preset << " " << attention_name(attention) << " early_stop=" << early_stop << " " << text;
+        EXPECT_EQ(pred.recomputed_bytes, m.counters.bytes_recomputed) << preset << " " << attention_name(attention) << " " << text;
       }
-      const bool early_stop = rng() % 4 != 0;
-      const auto pred = cost::predict_step(cfg, shape, plan, early_stop, {});
-      const int64_t predicted = pred.peak - pred.statics.total() + pred.statics.batch;
-      const Measured m = measure(cfg, plan, B, T, chunk, early_stop);
-      EXPECT_NEAR(predicted, m.peak_above_start, 8 * 1024) << preset << " early_stop=" << early_stop << " " << text;
-      EXPECT_EQ(pred.recomputed_bytes, m.counters.bytes_recomputed) << preset << " " << text;
     }
   }
 }

@@ -118,7 +118,8 @@ TEST(Planner, PlansA128LayerModelWithinItsBudget) {
 
 // Korthikanti et al. 2022, Table 2: with 16-bit activations and 1-byte dropout masks a
 // GPT layer saves sbh(34 + 5as/h) bytes without recompute and 2sbh with full recompute.
-// remat's GPT-2 block saves exactly that set plus each LayerNorm's mean and rstd (float32).
+// remat's GPT-2 block saves exactly that set plus each LayerNorm's mean and rstd (float32);
+// with tiled attention, 34 sbh plus the log-sum-exp rows and those statistics.
 TEST(Planner, GptLayerBytesEqualKorthikantisFormula) {
   struct Shape { int64_t s, b, h, a; };
   for (const Shape sh : {Shape{128, 4, 256, 4}, Shape{512, 2, 768, 12}, Shape{2048, 1, 1024, 16}}) {
@@ -136,6 +137,12 @@ TEST(Planner, GptLayerBytesEqualKorthikantisFormula) {
               sbh * 34 + 5 * sh.a * sh.s * sh.s * sh.b + layernorm_stats);
     std::set<std::string> all(block_slots().begin(), block_slots().end());
     EXPECT_EQ(cost::price_layer(block, all, true, times).kept, 2 * sbh);
+    // Tiled attention keeps no [s x s] tensor: the 5as/h term becomes one float32
+    // log-sum-exp per row (its output is the projection's input, already in the 34).
+    cfg.attention = Attention::tiled;
+    const auto tiled = graph::block_graph(cfg, sh.b, sh.s, at::kBFloat16);
+    EXPECT_EQ(cost::price_layer(tiled, {}, true, times).kept, sbh * 34 + 4 * sh.a * sh.s * sh.b + layernorm_stats);
+    EXPECT_EQ(cost::price_layer(tiled, all, true, times).kept, 2 * sbh);
   }
 }
 

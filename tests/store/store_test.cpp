@@ -61,11 +61,14 @@ const char* kPolicies[] = {"full",
                            "every:2+modules:[core_attn]",
                            "layers:[full,none,modules:core_attn]"};
 
-class StoreBitwise : public ::testing::TestWithParam<std::tuple<std::string, int64_t, int64_t, int64_t>> {};
+class StoreBitwise
+    : public ::testing::TestWithParam<std::tuple<std::string, int64_t, int64_t, int64_t, Attention>> {};
 
 TEST_P(StoreBitwise, EveryPolicyEqualsNoneBitwise) {
-  const auto& [preset, layers, B, T] = GetParam();
-  const ModelConfig cfg = shape(preset, layers, 0.2);
+  const auto& [preset, layers, B, T, attention] = GetParam();
+  ModelConfig cfg = shape(preset, layers, 0.2);
+  cfg.attention = attention;
+  cfg.attention_tile = 4;  // several tiles per sequence
   const Outcome base = run(cfg, "none", B, T);
   for (const char* policy : kPolicies) {
     if (std::string(policy).rfind("layers:", 0) == 0 && layers != 3) continue;
@@ -79,12 +82,16 @@ TEST_P(StoreBitwise, EveryPolicyEqualsNoneBitwise) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Models, StoreBitwise,
-                         ::testing::Values(std::make_tuple("tiny-gpt2", 3, 2, 9), std::make_tuple("tiny-gpt2", 4, 1, 16),
-                                           std::make_tuple("tiny-llama", 3, 2, 11),
-                                           std::make_tuple("tiny-llama", 4, 3, 8)),
+                         ::testing::Values(std::make_tuple("tiny-gpt2", 3, 2, 9, Attention::math),
+                                           std::make_tuple("tiny-gpt2", 4, 1, 16, Attention::math),
+                                           std::make_tuple("tiny-llama", 3, 2, 11, Attention::math),
+                                           std::make_tuple("tiny-llama", 4, 3, 8, Attention::math),
+                                           std::make_tuple("tiny-gpt2", 3, 2, 9, Attention::tiled),
+                                           std::make_tuple("tiny-llama", 3, 2, 11, Attention::tiled)),
                          [](const auto& info) {
-                           return fmt::format("{}_L{}_B{}_T{}", std::get<0>(info.param) == "tiny-gpt2" ? "gpt2" : "llama",
-                                              std::get<1>(info.param), std::get<2>(info.param), std::get<3>(info.param));
+                           return fmt::format("{}_L{}_B{}_T{}_{}", std::get<0>(info.param) == "tiny-gpt2" ? "gpt2" : "llama",
+                                              std::get<1>(info.param), std::get<2>(info.param), std::get<3>(info.param),
+                                              attention_name(std::get<4>(info.param)));
                          });
 
 TEST(StoreCounts, FullReexecutesEachForwardOpOnceAndEarlyStopSkipsTheTail) {

@@ -19,7 +19,7 @@ TEST(RunDirPlots, ADirectoryNameThatWouldBreakTheScriptIsOnlyAName) {
   const std::string marker = dir / "injected";
   // A quote ending gnuplot's string, a newline ending its line (config validation refuses
   // it before a RunDir exists; this holds even without that), a backquote substitution.
-  for (const std::string name : {"q' . system('touch " + marker + "') . '", "n\nsystem('touch " + marker + "')\n",
+  for (const std::string& name : {"q' . system('touch " + marker + "') . '", "n\nsystem('touch " + marker + "')\n",
                                  "b`touch " + marker + "`"}) {
     const RunDir run(dir / name, "run", "tiny-gpt2");
     std::string why;

@@ -23,6 +23,31 @@ struct DropoutKey {
   uint64_t hash() const;
 };
 
+/// The CPU draw of dropout_mask, one element at a time: keep(i) is element i (flat,
+/// row-major index into the mask's sizes) of dropout_mask(sizes, p, key, kCPU), whatever
+/// the sizes. An op that never makes the whole mask (tiled attention) draws any window of
+/// it element by element and drops exactly what the whole mask would.
+class DropoutDraw {
+ public:
+  /// Refuses p outside [0, 1).
+  DropoutDraw(const DropoutKey& key, double p);
+  /// Whether element `index` is kept: the top 53 bits of splitmix64(hash + (index + 1)
+  /// golden) fall below (1 - p) 2^53.
+  bool keep(int64_t index) const {
+    return (mix64(base_ + static_cast<uint64_t>(index + 1) * 0x9e3779b97f4a7c15ULL) >> 11) < threshold_;
+  }
+  /// splitmix64's finaliser: a bijection on 64 bits with good avalanche (also mixes the key).
+  static uint64_t mix64(uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+  }
+
+ private:
+  uint64_t base_;
+  uint64_t threshold_;
+};
+
 /// Keep-mask (bool, true = kept) of `sizes` with keep probability 1 - p, on `device`.
 /// Bitwise the same for the same key, sizes and device type, whatever the thread count. On the
 /// CPU each element is a counter-based draw (splitmix64 of key.hash() and the element's flat
