@@ -121,8 +121,11 @@ int64_t attention_saved_bytes(const AttentionShape& s, double p, at::ScalarType 
 }
 
 double attention_flops(const AttentionShape& s, double p) {
-  const double scores = static_cast<double>(s.batch) * s.q_heads * s.seq * s.seq;
-  return 4.0 * scores * s.head_dim + kSoftmaxFlopsPerScore * scores +
+  return attention_flops_over(static_cast<double>(s.batch) * s.q_heads * s.seq * s.seq, s.head_dim, p);
+}
+
+double attention_flops_over(double scores, int64_t head_dim, double p) {
+  return 4.0 * scores * static_cast<double>(head_dim) + kSoftmaxFlopsPerScore * scores +
          dropout_flops(static_cast<int64_t>(scores), p);
 }
 

@@ -14,9 +14,6 @@
 namespace remat::ops {
 namespace {
 
-// Softmax cost per score: max, subtract, exp, sum, divide (as the math op counts it).
-constexpr double kSoftmaxFlopsPerScore = 5.0;
-
 struct Dims {
   int64_t B, T, Hq, Hkv, D, G;  // G = query heads per key/value head
   int64_t BK() const { return B * Hkv; }
@@ -326,8 +323,7 @@ double tiled_attention_flops(const AttentionShape& s, double p, AttentionTiles t
     scores += static_cast<double>(i1 - i0) * std::min((i1 + tk - 1) / tk * tk, s.seq);
   }
   scores *= static_cast<double>(s.batch) * s.q_heads;
-  return 4.0 * scores * s.head_dim + kSoftmaxFlopsPerScore * scores +
-         dropout_flops(static_cast<int64_t>(scores), p);
+  return attention_flops_over(scores, s.head_dim, p);
 }
 
 }  // namespace remat::ops

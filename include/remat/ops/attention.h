@@ -47,5 +47,8 @@ AttentionGrads attention_backward(const at::Tensor& dout, const AttentionSaved& 
 int64_t attention_saved_bytes(const AttentionShape& shape, double p, at::ScalarType dtype);
 /// Forward FLOPs: the two batched matmuls (4 B Hq T^2 D) plus softmax and dropout.
 double attention_flops(const AttentionShape& shape, double p);
+/// FLOPs of attention over `scores` (query, key) pairs of heads of `head_dim`: both
+/// products, the softmax and the dropout (what the math and tiled ops share).
+double attention_flops_over(double scores, int64_t head_dim, double p);
 
 }  // namespace remat::ops
