@@ -117,14 +117,14 @@ double TransformerModel::forward_backward(const at::Tensor& tokens, const at::Te
   Run embed_run(emb.graph, emb.lifetimes, kKeepAll);
   at::Tensor x;
   {
-    Engine e = engine(emb, W.embed, false, 0, ctx, nullptr);
+    Engine e = engine(emb, W, W.embed, false, 0, ctx, nullptr);
     x = embed_run.forward(e, tokens);
   }
   scope.reset();
   std::vector<std::unique_ptr<Run>> runs;
   for (int64_t l = 0; l < L; ++l) {
     const trace::Scope layer_scope("forward", trace::Category::layer, l);
-    Engine e = engine(blk, W.layers[l], false, l, ctx, store_.get());
+    Engine e = engine(blk, W, W.layers[l], false, l, ctx, store_.get());
     runs.push_back(std::make_unique<Run>(blk.graph, blk.lifetimes, keeps(l)));
     x = runs.back()->forward(e, std::move(x));
   }
@@ -132,7 +132,7 @@ double TransformerModel::forward_backward(const at::Tensor& tokens, const at::Te
   Run head_run(head.graph, head.lifetimes, kKeepAll);
   double loss = 0;
   {
-    Engine e = engine(head, W.head, false, 0, ctx, nullptr);
+    Engine e = engine(head, W, W.head, false, 0, ctx, nullptr);
     loss = head_run.forward(e, std::move(x), false, {targets.reshape({-1})}).item<double>();
   }
   scope.reset();
@@ -152,20 +152,20 @@ double TransformerModel::forward_backward(const at::Tensor& tokens, const at::Te
   scope.emplace("loss head backward", trace::Category::layer);
   at::Tensor dx;
   {
-    Engine e = engine(head, W.head, true, 0, ctx, nullptr);
+    Engine e = engine(head, W, W.head, true, 0, ctx, nullptr);
     dx = head_run.backward(e, at::scalar_tensor(loss_scale, at::kDouble));
   }
   scope.reset();
   for (int64_t l = L - 1; l >= 0; --l) {
     const trace::Scope layer_scope("backward", trace::Category::layer, l);
     if (!runs[l]->value(blk.graph.input).defined()) recompute_chunk(blk, l, ctx, runs);
-    Engine e = engine(blk, W.layers[l], true, l, ctx, store_.get());
+    Engine e = engine(blk, W, W.layers[l], true, l, ctx, store_.get());
     dx = runs[l]->backward(e, std::move(dx));
     runs[l].reset();
     if (store_) store_->finished_backward(l);
   }
   scope.emplace("embedding backward", trace::Category::layer);
-  Engine e = engine(emb, W.embed, true, 0, ctx, nullptr);
+  Engine e = engine(emb, W, W.embed, true, 0, ctx, nullptr);
   embed_run.backward(e, std::move(dx));
   return loss;
 }
@@ -173,7 +173,8 @@ double TransformerModel::forward_backward(const at::Tensor& tokens, const at::Te
 double TransformerModel::evaluate(const at::Tensor& tokens, const at::Tensor& targets, int64_t ce_chunk) {
   check_batch(tokens, targets);
   const GraphShape& head = part(Part::head, tokens.size(0), tokens.size(1), ce_chunk);
-  Engine e = engine(head, compute_weights().head, false, 0, {}, nullptr, /*train=*/false);
+  const Weights& W = compute_weights();
+  Engine e = engine(head, W, W.head, false, 0, {}, nullptr, /*train=*/false);
   return Run(head.graph, head.lifetimes, kKeepAll, /*training=*/false)
       .forward(e, blocks_output(tokens), false, {targets.reshape({-1})})
       .item<double>();
@@ -183,9 +184,10 @@ at::Tensor TransformerModel::last_logits(const at::Tensor& tokens) {
   TORCH_CHECK(tokens.dim() == 2 && tokens.size(1) > 0, "[model] tokens must be [B, T] with T > 0, got ",
               tokens.sizes());
   const GraphShape& head = part(Part::head, tokens.size(0), tokens.size(1));
-  Engine e = engine(head, compute_weights().head, false, 0, {}, nullptr, /*train=*/false);
+  const Weights& W = compute_weights();
+  Engine e = engine(head, W, W.head, false, 0, {}, nullptr, /*train=*/false);
   const at::Tensor h = Run(head.graph, head.lifetimes, kKeepAll, /*training=*/false).forward(e, blocks_output(tokens));
-  return at::matmul(h.select(1, tokens.size(1) - 1), compute_weights().tensors[head_weight_].t()).to(at::kFloat);
+  return at::matmul(h.select(1, tokens.size(1) - 1), W.tensors[head_weight_].t()).to(at::kFloat);
 }
 
 double TransformerModel::forward_flops(int64_t seq) const {
@@ -257,7 +259,8 @@ std::vector<bool> TransformerModel::keeps(int64_t l) const {
   return keep;
 }
 
-Engine TransformerModel::engine(const GraphShape& s, const std::vector<int>& params, bool backward, int64_t l,
+Engine TransformerModel::engine(const GraphShape& s, const Weights& W, const std::vector<int>& params, bool backward,
+                                int64_t l,
                                 const StepContext& ctx, ActivationStore* store, bool train) {
   graph::RunContext run{ctx.seed, ctx.step, ctx.microbatch, l, train, device_, rope_ ? &*rope_ : nullptr};
   graph::RunContext again = run;
@@ -267,7 +270,7 @@ Engine TransformerModel::engine(const GraphShape& s, const std::vector<int>& par
     again.step = k.step;
     again.microbatch = k.microbatch;
   }
-  return Engine{s.graph, compute_weights().of(params), backward ? grads_.of(params) : std::vector<at::Tensor>{},
+  return Engine{s.graph, W.of(params), backward ? grads_.of(params) : std::vector<at::Tensor>{},
                 run, again, store, l};
 }
 
@@ -279,7 +282,7 @@ void TransformerModel::recompute_chunk(const GraphShape& blk, int64_t last, cons
     at::Tensor x = runs[first]->value(blk.graph.input);
     for (int64_t j = first; j <= last; ++j) {
       const trace::Recompute recompute(j);
-      Engine e = engine(blk, W.layers[j], false, j, ctx, store_.get());
+      Engine e = engine(blk, W, W.layers[j], false, j, ctx, store_.get());
       auto fresh = std::make_unique<Run>(blk.graph, blk.lifetimes, kKeepAll);
       x = fresh->forward(e, std::move(x), /*recompute=*/true);
       for (int s = 1; s < kSlotCount; ++s) {
@@ -300,10 +303,10 @@ at::Tensor TransformerModel::blocks_output(const at::Tensor& tokens) {
   const GraphShape& emb = part(Part::embed, B, T);
   const GraphShape& blk = part(Part::block, B, T);
   const std::vector<bool> keep_none(kSlotCount, false);
-  Engine ee = engine(emb, W.embed, false, 0, none, nullptr, /*train=*/false);
+  Engine ee = engine(emb, W, W.embed, false, 0, none, nullptr, /*train=*/false);
   at::Tensor x = Run(emb.graph, emb.lifetimes, keep_none, /*training=*/false).forward(ee, tokens);
   for (int64_t l = 0; l < cfg_.n_layer; ++l) {
-    Engine e = engine(blk, W.layers[l], false, l, none, nullptr, /*train=*/false);
+    Engine e = engine(blk, W, W.layers[l], false, l, none, nullptr, /*train=*/false);
     x = Run(blk.graph, blk.lifetimes, keep_none, /*training=*/false).forward(e, std::move(x));
   }
   return x;

@@ -147,9 +147,9 @@ class TransformerModel final : public Model {
   const GraphShape& part(Part p, int64_t B, int64_t T, int64_t chunk = 0);
   // Per slot, whether layer l's forward keeps it.
   std::vector<bool> keeps(int64_t l) const;
-  // The backend for one graph: layer l's (or the embedding's, l = 0, or the head's)
-  // parameters, with their gradients when `backward`.
-  Engine engine(const GraphShape& s, const std::vector<int>& params, bool backward, int64_t l,
+  // The backend for one graph: the weights `W` (the compute copies) at `params`, layer l's
+  // (or the embedding's, l = 0, or the head's), with their gradients when `backward`.
+  Engine engine(const GraphShape& s, const Weights& W, const std::vector<int>& params, bool backward, int64_t l,
                 const StepContext& ctx, ActivationStore* store, bool train = true);
   // uniform:N: the backward of a chunk's last layer re-runs the whole chunk's forward from
   // its first layer's kept input, keeping everything, as one recompute.
