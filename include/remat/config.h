@@ -55,7 +55,7 @@ struct ModelConfig {
 
 struct TrainConfig {
   int64_t steps = 600;
-  int64_t batch = 16;         ///< sequences per microbatch
+  int64_t batch = 16;         ///< sequences per microbatch, over all data-parallel ranks
   int64_t seq = 128;          ///< tokens per sequence
   int64_t grad_accum = 1;     ///< microbatches per optimizer step
   double lr = 3e-3;           ///< peak learning rate
@@ -94,11 +94,19 @@ struct RunConfig {
   std::string trace;             ///< Chrome-trace JSON of step 3 (or the last) goes here; empty: none
 };
 
+/// Several processes (ranks) training one model; see include/remat/dist.h.
+struct ParallelConfig {
+  int64_t dp = 0;         ///< data-parallel ranks; 0: every rank the launcher started
+  double timeout = 300;   ///< seconds the rendezvous or any collective may take before every
+                          ///< rank stops with a sentence naming the lost rank
+};
+
 struct Config {
   ModelConfig model;
   TrainConfig train;
   DataConfig data;
   RunConfig run;
+  ParallelConfig parallel;
   AcConfig ac;  ///< recompute policy (include/remat/policy.h)
 };
 

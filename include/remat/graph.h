@@ -88,6 +88,7 @@ class Events {
 struct RunContext {
   ops::DropoutKey key(ops::DropoutSite site) const;
   uint64_t seed = 0, step = 0, microbatch = 0;
+  int64_t first_row = 0;  ///< StepContext::first_row
   int64_t layer = 0;
   bool train = true;  ///< false: dropout off
   at::Device device = at::kCPU;

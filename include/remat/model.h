@@ -32,6 +32,8 @@ struct StepContext {
   uint64_t seed = 0;
   uint64_t step = 0;
   uint64_t microbatch = 0;
+  int64_t first_row = 0;  ///< global batch row of the microbatch's first row (a data-parallel
+                          ///< rank's shard), so its dropout draws the single-process elements
 };
 
 /// Saved-activation bytes of one microbatch, measured on the live Saved structs.
@@ -57,6 +59,9 @@ class Model {
   at::ScalarType compute_dtype() const { return compute_dtype_; }
   std::vector<Param>& params() { return params_; }
   const std::vector<Param>& params() const { return params_; }
+  /// The one flat buffer every parameter's gradient is a view of, in params() order, so
+  /// that a collective reduces all gradients in place, without copying them into buckets.
+  const at::Tensor& grad_buffer() const { return grad_buffer_; }
   int64_t num_params() const;
   void zero_grad();
 
@@ -103,6 +108,7 @@ class Model {
   at::Device device_;
   at::ScalarType compute_dtype_;
   std::vector<Param> params_;
+  at::Tensor grad_buffer_;
 };
 
 }  // namespace remat

@@ -24,8 +24,9 @@ struct TrainSummary {
   double median_step_seconds = 0;
   double tokens_per_second = 0;
   double model_flops_per_second = 0;    ///< 3 x forward FLOPs per token x tokens/s
-  double matmul_flops_per_second = 0;   ///< measured on this machine, same dtype
-  int64_t peak_bytes = 0;               ///< highest per-step peak of tensor bytes
+  double matmul_flops_per_second = 0;   ///< measured on this machine, same dtype; summed over the ranks
+  int64_t peak_bytes = 0;               ///< highest per-step peak of tensor bytes (of any rank)
+  std::vector<int64_t> rank_peak_bytes; ///< the same, per data-parallel rank
   int64_t predicted_peak_bytes = 0;     ///< the cost model's step peak for the plan, before the first step
   int64_t budget_bytes = 0;             ///< ac.budget in bytes (0: no budget)
   double predicted_step_seconds = 0;    ///< from the measured time profile (0: ac.profile=false)
@@ -53,7 +54,10 @@ data::CorpusInfo prepare_data(const DataConfig& data);
 /// then stops after the step in progress), the training state goes to
 /// `<run>/checkpoints/step-NNNNNNNN.safetensors`; with `resume_dir` (a run directory, `cfg`
 /// read from its config.toml) training continues from its newest checkpoint, and the
-/// losses and weights are bitwise those of a run never stopped (on CPU).
+/// losses and weights are bitwise those of a run never stopped (on CPU). Started by a
+/// launcher with several ranks (remat launch, torchrun; include/remat/dist.h), the ranks
+/// share every batch (data parallel); rank 0 alone prints and writes the run directory,
+/// and the summary of the other ranks ends after the last step.
 TrainSummary train(const Config& cfg, const std::string& resume_dir = "");
 
 /// Receives generated text piece by piece, as it is sampled.

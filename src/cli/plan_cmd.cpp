@@ -4,6 +4,7 @@
 #include "remat/ops.h"
 #include "remat/planner.h"
 #include "remat/policy.h"
+#include "train/data_parallel.h"
 #include "train/progress.h"
 #include "util/gnuplot.h"
 
@@ -124,8 +125,14 @@ int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
   Config cfg = cfg_in;
   ModelConfig& m = cfg.model;
   if (m.vocab_size == 0) m.vocab_size = cfg.data.vocab_size;  // what `remat prepare` will train
+  // A rank's share of the batch: its memory and time are what a data-parallel run plans.
+  const int64_t ranks = data_parallel_ranks(cfg);
+  if (cfg.train.batch % ranks != 0) {
+    throw std::invalid_argument(fmt::format("train.batch = {} sequences cannot be split evenly over {} data-parallel "
+                                            "ranks; make train.batch a multiple of {}.", cfg.train.batch, ranks, ranks));
+  }
   cost::StepShape shape;
-  shape.batch = cfg.train.batch;
+  shape.batch = cfg.train.batch / ranks;
   shape.seq = cfg.train.seq;
   shape.grad_accum = cfg.train.grad_accum;
   shape.ce_chunk = cfg.train.ce_chunk;
@@ -151,9 +158,10 @@ int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
   const int64_t budget = parse_budget(budget_text, none_peak);
 
   const std::string header = fmt::format(
-      "remat plan: {} ({}), {} layers, d_model {}, {} heads; batch {} x {} tokens, {}, {} microbatch{}", m.preset,
-      arch_name(m.arch), m.n_layer, m.d_model, m.n_head, shape.batch, shape.seq, cfg.run.dtype, shape.grad_accum,
-      shape.grad_accum == 1 ? "" : "es");
+      "remat plan: {} ({}), {} layers, d_model {}, {} heads; batch {} x {} tokens{}, {}, {} microbatch{}", m.preset,
+      arch_name(m.arch), m.n_layer, m.d_model, m.n_head, shape.batch, shape.seq,
+      ranks > 1 ? fmt::format(" per rank (train.batch = {} over {} data-parallel ranks)", cfg.train.batch, ranks) : "",
+      cfg.run.dtype, shape.grad_accum, shape.grad_accum == 1 ? "" : "es");
   auto solved = planner.solve(budget);
   if (!solved) throw std::invalid_argument(planner.infeasible(budget, budget_text));
   const ActivationPlan& plan = solved->plan;
@@ -185,7 +193,7 @@ int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
     };
     const nlohmann::json out = {
         {"model", {{"preset", m.preset}, {"arch", arch_name(m.arch)}, {"layers", m.n_layer}, {"d_model", m.d_model}}},
-        {"shape", {{"batch", shape.batch}, {"seq", shape.seq}, {"grad_accum", shape.grad_accum}, {"dtype", cfg.run.dtype}}},
+        {"shape", {{"batch", shape.batch}, {"ranks", ranks}, {"seq", shape.seq}, {"grad_accum", shape.grad_accum}, {"dtype", cfg.run.dtype}}},
         {"budget", budget},
         {"none_peak", none_peak},
         {"min_feasible_budget", min_budget},

@@ -239,6 +239,8 @@ std::vector<ConfigKey> make_keys() {
       key("run.prompt", &C::run, &RunConfig::prompt, "prompt of the final sample"),
       key("run.progress", &C::run, &RunConfig::progress, "progress bar on a terminal"),
       key("run.trace", &C::run, &RunConfig::trace, "Chrome-trace JSON of step 3; empty: none"),
+      key("parallel.dp", &C::parallel, &ParallelConfig::dp, "data-parallel ranks; 0: all launched"),
+      key("parallel.timeout", &C::parallel, &ParallelConfig::timeout, "seconds before a lost rank stops all"),
       ac_key("ac.policy", &AcConfig::policy, "recompute policy (README: Recompute policies); unset: none"),
       key("ac.budget", &C::ac, &AcConfig::budget, "memory budget: the planner picks the plan (12GiB, 0.6)"),
       key("ac.profile", &C::ac, &AcConfig::profile, "measure node times to predict step time (cached)"),
@@ -527,6 +529,18 @@ void validate_config(const Config& c) {
     fail(fmt::format("run.device must be cpu or cuda[:N], got '{}'.", c.run.device));
   }
   if (c.run.sample_tokens < 0) fail("run.sample_tokens must be >= 0.");
+  if (c.parallel.dp < 0 || c.parallel.dp > 1 << 20) {
+    fail(fmt::format("parallel.dp must be in [0, 2^20] (0: every rank the launcher starts), got {}.", c.parallel.dp));
+  }
+  if (c.parallel.dp > 0 && t.batch % c.parallel.dp != 0) {
+    fail(fmt::format("train.batch = {} sequences cannot be split evenly over parallel.dp = {} data-parallel ranks; "
+                     "make train.batch a multiple of {} (it counts the sequences of all ranks together).", t.batch,
+                     c.parallel.dp, c.parallel.dp));
+  }
+  // Below a few heartbeats a busy machine would name live ranks as lost.
+  if (!(c.parallel.timeout >= 5 && c.parallel.timeout <= 86400)) {
+    fail(fmt::format("parallel.timeout must be from 5 to 86400 seconds, got {}.", c.parallel.timeout));
+  }
   // The recompute policy is compiled once here, so a bad one is refused before anything runs.
   const ActivationPlan plan = compile_policy(c.ac, m.n_layer, m.dropout);
   if (!c.ac.budget.empty()) {

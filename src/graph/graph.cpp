@@ -26,7 +26,7 @@ bool TensorInfo::reshape_is_view(const std::vector<int64_t>& to) const {
 }
 
 ops::DropoutKey RunContext::key(ops::DropoutSite site) const {
-  return {seed, step, microbatch, static_cast<uint64_t>(layer), site};
+  return {seed, step, microbatch, static_cast<uint64_t>(layer), site, first_row};
 }
 
 int BlockGraph::root(int v) const {

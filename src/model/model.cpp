@@ -47,9 +47,7 @@ int64_t Model::num_params() const {
   return n;
 }
 
-void Model::zero_grad() {
-  for (auto& p : params_) p.grad.zero_();
-}
+void Model::zero_grad() { grad_buffer_.zero_(); }
 
 void Model::save(const std::string& path, const std::map<std::string, std::string>& metadata) const {
   std::vector<std::pair<std::string, at::Tensor>> out;

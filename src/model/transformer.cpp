@@ -87,10 +87,16 @@ TransformerModel::TransformerModel(const ArchDecl& decl, const ModelConfig& cfg,
     init_param(weights_.names[i], weights_.tensors[i], cfg, gen);
     weights_.tensors[i] = weights_.tensors[i].to(device);
   }
-  grads_ = make_weights(decl, cfg, f32.device(device));
+  grads_ = weights_;
+  int64_t numel = 0;
+  for (const at::Tensor& w : weights_.tensors) numel += w.numel();
+  grad_buffer_ = at::zeros({numel}, weights_.tensors.at(0).options());
+  numel = 0;
   for (size_t i = 0; i < weights_.tensors.size(); ++i) {
-    grads_.tensors[i].zero_();
-    params_.push_back(Param{weights_.names[i], weights_.tensors[i], grads_.tensors[i], weights_.tensors[i].dim() >= 2});
+    const at::Tensor& w = weights_.tensors[i];
+    grads_.tensors[i] = grad_buffer_.narrow(0, numel, w.numel()).view(w.sizes());
+    numel += w.numel();
+    params_.push_back(Param{weights_.names[i], w, grads_.tensors[i], w.dim() >= 2});
   }
   const graph::BlockGraph head = decl.head(cfg, 1, 1, at::kFloat, 1);
   for (const auto& n : head.nodes) {
@@ -262,7 +268,8 @@ std::vector<bool> TransformerModel::keeps(int64_t l) const {
 Engine TransformerModel::engine(const GraphShape& s, const Weights& W, const std::vector<int>& params, bool backward,
                                 int64_t l,
                                 const StepContext& ctx, ActivationStore* store, bool train) {
-  graph::RunContext run{ctx.seed, ctx.step, ctx.microbatch, l, train, device_, rope_ ? &*rope_ : nullptr};
+  graph::RunContext run{ctx.seed, ctx.step,  ctx.microbatch, ctx.first_row,
+                        l,        train,     device_,        rope_ ? &*rope_ : nullptr};
   graph::RunContext again = run;
   if (store != nullptr) {
     const StepContext k = recompute_context(ctx, *store);

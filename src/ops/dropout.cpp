@@ -40,8 +40,10 @@ uint64_t DropoutKey::hash() const {
   return DropoutDraw::mix64(h ^ static_cast<uint64_t>(site));
 }
 
-DropoutDraw::DropoutDraw(const DropoutKey& key, double p)
-    : base_(key.hash()), threshold_(static_cast<uint64_t>(std::ldexp(1.0 - p, 53))) {  // exact: p is a double
+DropoutDraw::DropoutDraw(const DropoutKey& key, double p, int64_t row_numel)
+    : base_(key.hash()),
+      threshold_(static_cast<uint64_t>(std::ldexp(1.0 - p, 53))),  // exact: p is a double
+      offset_(key.first_row * row_numel) {
   check_p(p);
 }
 
@@ -51,13 +53,16 @@ at::Tensor dropout_mask(at::IntArrayRef sizes, double p, const DropoutKey& key, 
   const auto bool_on = [](at::Device d) { return at::TensorOptions().dtype(at::kBool).device(d); };
   if (!device.is_cpu()) {
     at::Tensor mask = at::empty(sizes, bool_on(device));
-    mask.bernoulli_(1.0 - p, keyed_generator(key.hash(), device));
+    // A generator draws no element by index, so each rank's rows get a seed of their own.
+    const uint64_t seed = key.first_row == 0 ? key.hash()
+                                             : DropoutDraw::mix64(key.hash() ^ static_cast<uint64_t>(key.first_row));
+    mask.bernoulli_(1.0 - p, keyed_generator(seed, device));
     return mask;
   }
   // On the CPU each element is drawn from its own counter (DropoutDraw): no generator state,
   // so the mask does not depend on how parallel_for splits the range (thread count).
   at::Tensor mask = at::empty(sizes, bool_on(device));
-  const DropoutDraw draw(key, p);
+  const DropoutDraw draw(key, p, sizes.empty() || sizes[0] == 0 ? 0 : mask.numel() / sizes[0]);
   bool* out = mask.data_ptr<bool>();
   at::parallel_for(0, mask.numel(), 1 << 14, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) out[i] = draw.keep(i);

@@ -206,7 +206,7 @@ Fwd<TiledAttentionSaved> tiled_attention_forward(const at::Tensor& q, const at::
   const trace::Scope trace_scope("tiled_attention", trace::Category::forward);
   const Dims d = check_inputs(q, k, v);
   check_tiles(tiles);
-  const DropoutDraw draw(key, p);
+  const DropoutDraw draw(key, p, d.Hq * d.T * d.T);  // per batch row of the [B, Hq, T, T] mask
   TORCH_CHECK(p == 0.0 || q.device().is_cpu(), "[tiled_attention] dropout inside tiles draws its mask on the CPU, "
               "but the inputs are on ", q.device(), "; use model.attention=math with dropout there");
   const at::ScalarType acc = stats_dtype(q.scalar_type());
@@ -255,7 +255,7 @@ AttentionGrads tiled_attention_backward(const at::Tensor& dout, const TiledAtten
               "[tiled_attention] the saved output must be [B, T, Hq, D] and the log-sum-exp contiguous [B, Hq, T] ",
               acc, ", got ", saved.out.sizes(), " and ", saved.lse.sizes(), " ", saved.lse.scalar_type());
   const double p = saved.p;
-  const DropoutDraw draw(saved.key, p);
+  const DropoutDraw draw(saved.key, p, d.Hq * d.T * d.T);
   const at::TensorOptions fa = saved.q.options().dtype(acc);
   const int64_t tq = std::min(saved.tiles.q, d.T), tk = std::min(saved.tiles.k, d.T), BK = d.BK();
 

@@ -4,6 +4,7 @@
 #include "remat/safetensors.h"
 #include "remat/trace.h"
 #include "remat/trainer.h"
+#include "train/data_parallel.h"
 #include "train/device.h"
 
 #include <fmt/format.h>
@@ -81,10 +82,11 @@ void apply_plan(Model& model, const ActivationPlan& plan, const AcConfig& ac) {
   model.set_activation_plan(plan, options);
 }
 
-TrainStep::TrainStep(Model& model, const TrainConfig& train, uint64_t seed)
+TrainStep::TrainStep(Model& model, const TrainConfig& train, uint64_t seed, dist::Comm* ranks)
     : model_(model),
       train_(train),
       seed_(seed),
+      ranks_(ranks),
       optimizer_(adamw_groups(model, train), torch::optim::AdamWOptions(train.lr)) {}
 
 StepResult TrainStep::run(int64_t step, const data::TokenDataset& data, std::mt19937_64& rng, bool traced) {
@@ -101,12 +103,21 @@ StepResult TrainStep::run(int64_t step, const data::TokenDataset& data, std::mt1
 
   model_.zero_grad();
   if (model_.store() != nullptr) model_.store()->reset_counters();
+  const int ranks = ranks_ != nullptr ? ranks_->size() : 1;
+  const int64_t first_row = ranks_ != nullptr ? ranks_->rank() * t.batch : 0;
   for (int64_t micro = 0; micro < t.grad_accum; ++micro) {
-    auto b = data.sample(t.batch, t.seq, rng);
-    const StepContext ctx{seed_, static_cast<uint64_t>(step), static_cast<uint64_t>(micro)};
-    r.loss += model_.forward_backward(b.tokens.to(device), b.targets.to(device), ctx, 1.0 / t.grad_accum,
-                                      t.ce_chunk, micro == 0 ? &r.activations : nullptr) /
-              static_cast<double>(t.grad_accum);
+    const data::Batch b = data.sample(t.batch * ranks, t.seq, rng);
+    const StepContext ctx{seed_, static_cast<uint64_t>(step), static_cast<uint64_t>(micro), first_row};
+    // Scaled by 1 / ranks here, the sum over the ranks is the mean over the global batch.
+    r.loss += model_.forward_backward(b.tokens.narrow(0, first_row, t.batch).to(device),
+                                      b.targets.narrow(0, first_row, t.batch).to(device), ctx,
+                                      1.0 / static_cast<double>(t.grad_accum * ranks), t.ce_chunk,
+                                      micro == 0 ? &r.activations : nullptr) /
+              static_cast<double>(t.grad_accum * ranks);
+  }
+  if (ranks_ != nullptr) {
+    const trace::Scope scope("gradient all-reduce", trace::Category::step);
+    all_reduce_gradients(model_, *ranks_, r.loss, fmt::format("the gradient all-reduce of step {}", step + 1));
   }
   r.grad_norm = clip_gradients(model_, t.grad_clip);
   // Checked before the update, so that a bad step leaves the weights as they were.

@@ -4,6 +4,7 @@
 
 #include "remat/config.h"
 #include "remat/data.h"
+#include "remat/dist.h"
 #include "remat/model.h"
 #include "remat/plan.h"
 #include "remat/store.h"
@@ -39,16 +40,20 @@ struct StepResult {
 class TrainStep {
  public:
   /// `model` must outlive this object; its gradient accumulators become the optimizer's
-  /// gradients. `seed` keys the dropout of every step (StepContext).
-  TrainStep(Model& model, const TrainConfig& train, uint64_t seed);
+  /// gradients. `seed` keys the dropout of every step (StepContext). With `ranks` (data
+  /// parallel; it must outlive this object) `train.batch` is this rank's share of each
+  /// microbatch: every rank draws the whole microbatch of batch x ranks sequences, as one
+  /// process would, trains on its own consecutive rows of it and sums the gradients.
+  TrainStep(Model& model, const TrainConfig& train, uint64_t seed, dist::Comm* ranks = nullptr);
 
   /// Runs 0-based `step` at learning_rate(train, step): zero_grad, train.grad_accum
-  /// microbatches drawn from `data` with `rng` through forward_backward, gradient
-  /// clipping to train.grad_clip, the AdamW update. The peak is measured from the step's
-  /// start. `traced`: record the step as a Chrome trace (StepResult::trace). Throws a
-  /// sentence naming the step, the first non-finite parameter or gradient and what to
-  /// change when the loss or the gradient norm is not finite (then before the update, so
-  /// the weights stay as they were) or when the update made a weight non-finite.
+  /// microbatches drawn from `data` with `rng` through forward_backward, the gradients
+  /// and the loss summed over the ranks (if any), gradient clipping to train.grad_clip,
+  /// the AdamW update. The peak is measured from the step's start. `traced`: record the
+  /// step as a Chrome trace (StepResult::trace). Throws a sentence naming the step, the
+  /// first non-finite parameter or gradient and what to change when the loss or the
+  /// gradient norm is not finite (then before the update, so the weights stay as they
+  /// were) or when the update made a weight non-finite.
   StepResult run(int64_t step, const data::TokenDataset& data, std::mt19937_64& rng, bool traced = false);
 
   /// Writes the training state after `steps` completed steps to `path` as one safetensors
@@ -65,6 +70,7 @@ class TrainStep {
   Model& model_;
   TrainConfig train_;
   uint64_t seed_;
+  dist::Comm* ranks_;
   torch::optim::AdamW optimizer_;
 };
 

@@ -8,6 +8,7 @@
 #include "remat/store.h"
 #include "remat/tokenizer.h"
 #include "remat/trace.h"
+#include "train/data_parallel.h"
 #include "train/device.h"
 #include "train/generate.h"
 #include "train/planning.h"
@@ -36,17 +37,30 @@ namespace {
 
 constexpr double kPi = 3.14159265358979323846;
 
-// Mean loss per token over the first eval_batches sequential batches (the last may be short).
-double validation_loss(Model& model, const data::TokenDataset& val, const TrainConfig& t, int64_t step) {
+// Mean loss per token over the first eval_batches sequential batches of train.batch
+// sequences (the last may be short). With `ranks`, each evaluates its share of the rows of
+// every batch and the sums are added up.
+double validation_loss(Model& model, const data::TokenDataset& val, const TrainConfig& t, int64_t step,
+                       dist::Comm* ranks) {
   const int64_t n = std::min<int64_t>(t.eval_batches, val.num_sequential_batches(t.batch, t.seq));
-  double sum = 0.0;
-  int64_t rows = 0;
+  const int64_t share = ranks != nullptr ? t.batch / ranks->size() : t.batch;
+  const int64_t first = ranks != nullptr ? ranks->rank() * share : 0;
+  at::Tensor sums = at::zeros({2}, at::kDouble);  // loss x rows, rows
+  double* sr = sums.data_ptr<double>();
   for (int64_t i = 0; i < n; ++i) {
     auto b = val.sequential(i, t.batch, t.seq);
-    sum += b.tokens.size(0) * model.evaluate(b.tokens.to(model.device()), b.targets.to(model.device()), t.ce_chunk);
-    rows += b.tokens.size(0);
+    const int64_t rows = std::min(share, b.tokens.size(0) - first);
+    if (rows <= 0) continue;  // a short last batch may not reach this rank's rows
+    const at::Tensor tokens = b.tokens.narrow(0, first, rows), targets = b.targets.narrow(0, first, rows);
+    sr[0] += static_cast<double>(rows) * model.evaluate(tokens.to(model.device()), targets.to(model.device()),
+                                                        t.ce_chunk);
+    sr[1] += static_cast<double>(rows);
   }
-  const double loss = sum / static_cast<double>(rows);
+  if (ranks != nullptr) {
+    std::vector<at::Tensor> both{sums};
+    ranks->all_reduce_sum(both, fmt::format("the validation of step {}", step));
+  }
+  const double loss = sr[0] / sr[1];
   // Training checks every step's weights, so this is the held-out text overflowing the
   // forward; nothing is saved after it.
   if (!std::isfinite(loss)) {
@@ -184,7 +198,13 @@ data::CorpusInfo prepare_data(const DataConfig& d) {
 TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   Config cfg = cfg_in;
   const auto& t = cfg.train;
-  const int threads = set_threads(cfg.run.threads);
+  // Several ranks (data parallel): each trains on its share of every batch; rank 0 alone
+  // prints and writes the run directory.
+  const std::unique_ptr<dist::Comm> ranks = join_ranks(cfg);
+  const bool lead = ranks == nullptr || ranks->rank() == 0;
+  const int dp = ranks != nullptr ? ranks->size() : 1;
+  const QuietStderr quiet(!lead);
+  const int threads = set_threads(rank_threads(cfg));
   const at::Device device = parse_device(cfg.run.device);
   const at::ScalarType dtype = parse_dtype(cfg.run.dtype, device);
   memory::install_cpu_tracking();
@@ -192,7 +212,8 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   if (!cfg.run.trace.empty()) trace::check_writable(cfg.run.trace);
 
   // Data: prepared once per (text, vocabulary) and cached.
-  const data::CorpusInfo corpus = prepare_data(cfg.data);
+  data::CorpusInfo corpus;
+  rank0_first(ranks.get(), "preparing the corpus", [&] { corpus = prepare_data(cfg.data); });
   const data::Tokenizer tok = data::Tokenizer::load(corpus.tokenizer_path());
   if (cfg.model.vocab_size == 0) cfg.model.vocab_size = tok.vocab_size();
   if (cfg.model.vocab_size < tok.vocab_size()) {
@@ -206,28 +227,36 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   check_split_fits(train_ds, "training", t.seq);
   check_split_fits(val_ds, "validation", t.seq);
 
+  // What one rank runs: its share of each microbatch. Memory and time are planned for it.
+  Config local = cfg;
+  local.train.batch = t.batch / dp;
   auto model = Model::create(cfg.model, device, dtype, static_cast<uint64_t>(cfg.run.seed));
-  const double matmul_rate = measure_matmul_flops(device, dtype, t.batch * t.seq, cfg.model.d_model, cfg.model.d_ff);
+  const double matmul_rate =
+      measure_matmul_flops(device, dtype, local.train.batch * t.seq, cfg.model.d_model, cfg.model.d_ff);
   TimeProfile profile;
   if (cfg.ac.profile) {
-    profile = measure_time_profile(cfg, *model, train_ds);
+    rank0_first(ranks.get(), "measuring the time profile",
+                [&] { profile = measure_time_profile(local, *model, train_ds); });
   } else {
     profile.times.flops_per_second = matmul_rate;  // recompute priced by FLOPs; no step time
   }
   // The token corpus stays in memory (int32) through every step.
   const int64_t corpus_bytes = train_ds.tokens().nbytes() + val_ds.tokens().nbytes();
-  const RunPlan planned = plan_run(cfg, dtype, profile, corpus_bytes);
+  const RunPlan planned = plan_run(local, dtype, profile, corpus_bytes);
   const ActivationPlan& plan = planned.plan;
   apply_plan(*model, plan, cfg.ac);
-  const ActivationBytes predicted = model->predict_activation_bytes(t.batch, t.seq);
-  TrainStep stepper(*model, t, static_cast<uint64_t>(cfg.run.seed));
+  const ActivationBytes predicted = model->predict_activation_bytes(local.train.batch, t.seq);
+  TrainStep stepper(*model, local.train, static_cast<uint64_t>(cfg.run.seed), ranks.get());
 
   // A resumed run continues from its newest checkpoint and the metrics logged up to it.
   std::vector<fs::path> saved;
   int64_t first_step = 0;
   std::vector<nlohmann::json> logged;
   if (!resume_dir.empty()) {
-    remove_temp_files(resume_dir);
+    // Rank 0 clears what a killed write left before any rank lists the checkpoints.
+    rank0_first(ranks.get(), "clearing the run's temporary files", [&] {
+      if (lead) remove_temp_files(resume_dir);
+    });
     saved = checkpoints(resume_dir);
     if (saved.empty()) {
       throw std::invalid_argument(fmt::format("{} has no training checkpoint to resume from (none was written before "
@@ -238,24 +267,31 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
       throw std::invalid_argument(fmt::format("{} finished all {} steps; there is nothing to resume.", resume_dir,
                                               t.steps));
     }
-    logged = keep_metrics(resume_dir, first_step);
+    if (lead) logged = keep_metrics(resume_dir, first_step);
   }
-  std::unique_ptr<RunDir> run_ptr = resume_dir.empty()
-                                        ? std::make_unique<RunDir>(cfg.run.out_dir, cfg.run.name, cfg.model.preset)
-                                        : std::make_unique<RunDir>(resume_dir);
-  RunDir& run = *run_ptr;
-  run.write_text("config.toml", config_to_toml(cfg));
-  std::filesystem::copy_file(corpus.tokenizer_path(), run.file("tokenizer.model"),
-                             std::filesystem::copy_options::overwrite_existing);
+  // Rank 0 alone writes the run directory.
+  std::unique_ptr<RunDir> run;
+  if (lead) {
+    run = resume_dir.empty() ? std::make_unique<RunDir>(cfg.run.out_dir, cfg.run.name, cfg.model.preset)
+                             : std::make_unique<RunDir>(resume_dir);
+    run->write_text("config.toml", config_to_toml(cfg));
+    std::filesystem::copy_file(corpus.tokenizer_path(), run->file("tokenizer.model"),
+                               std::filesystem::copy_options::overwrite_existing);
+  }
 
   TrainSummary sum;
-  sum.run_dir = run.path();
+  const std::string run_path = run ? run->path() : resume_dir;
+  sum.run_dir = run_path;
+  const auto log_metrics = [&](const nlohmann::json& record) {
+    if (run) run->log_metrics(record);
+  };
   sum.unigram_entropy = corpus.train_unigram_entropy;
   sum.num_params = model->num_params();
   sum.predicted_activation_bytes = predicted.total();
   const int64_t tokens_per_step = t.batch * t.seq * t.grad_accum;
   const double flops_per_token = 3.0 * model->forward_flops(t.seq) / static_cast<double>(t.seq);
-  sum.matmul_flops_per_second = matmul_rate;
+  // The job's rate: each rank measured its own, at its threads, beside the others.
+  sum.matmul_flops_per_second = matmul_rate * dp;
   sum.predicted_peak_bytes = planned.predicted.peak;
   sum.budget_bytes = planned.budget;
   sum.predicted_step_seconds = planned.step_seconds;
@@ -266,18 +302,20 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   fmt::print(stderr, "data: {} train / {} validation tokens, vocabulary {}, unigram entropy {:.3f} nats/token\n",
              format_count(static_cast<double>(corpus.train_tokens)), format_count(static_cast<double>(corpus.val_tokens)),
              tok.vocab_size(), corpus.train_unigram_entropy);
-  fmt::print(stderr, "training: {} steps x {} tokens ({} x {} x {} accum); run dir {}\n", t.steps,
-             tokens_per_step, t.batch, t.seq, t.grad_accum, run.path());
+  fmt::print(stderr, "training: {} steps x {} tokens ({} x {} x {} accum{}); run dir {}\n", t.steps,
+             tokens_per_step, t.batch, t.seq, t.grad_accum,
+             dp > 1 ? fmt::format(", data parallel over {} ranks of {} sequences", dp, local.train.batch) : "",
+             run_path);
   const std::string& plan_text = planned.text;
   fmt::print(stderr, "{}", plan_text);
-  run.write_text("plan.txt", plan_text);
+  if (run) run->write_text("plan.txt", plan_text);
 
   std::mt19937_64 rng(static_cast<uint64_t>(cfg.run.seed));
   std::vector<std::pair<int64_t, double>> train_curve, val_curve;
   if (first_step == 0) {
-    sum.initial_val_loss = validation_loss(*model, val_ds, t, 0);
+    sum.initial_val_loss = validation_loss(*model, val_ds, t, 0, ranks.get());
     val_curve.emplace_back(0, sum.initial_val_loss);
-    run.log_metrics({{"kind", "val"}, {"step", 0}, {"val_loss", sum.initial_val_loss}});
+    log_metrics({{"kind", "val"}, {"step", 0}, {"val_loss", sum.initial_val_loss}});
   } else {
     stepper.load_checkpoint(saved.back().string(), rng);
     for (const nlohmann::json& j : logged) {
@@ -290,6 +328,11 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
         sum.losses.push_back(j["loss"].get<double>());
         sum.tokens += tokens_per_step;
         sum.peak_bytes = std::max(sum.peak_bytes, j["peak_bytes"].get<int64_t>());
+        const auto rank_peaks = j.value("rank_peak_bytes", std::vector<int64_t>{});
+        sum.rank_peak_bytes.resize(std::max(sum.rank_peak_bytes.size(), rank_peaks.size()));
+        for (size_t i = 0; i < rank_peaks.size(); ++i) {
+          sum.rank_peak_bytes[i] = std::max(sum.rank_peak_bytes[i], rank_peaks[i]);
+        }
         sum.activation_bytes = j["activation_bytes"].get<int64_t>();
         if (s == 1) {
           sum.recompute_ops_per_step = j["ops_recomputed"].get<int64_t>();
@@ -297,7 +340,7 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
         }
       }
     }
-    fmt::print(stderr, "resuming {} after step {} from {}\n", run.path(), first_step, saved.back().string());
+    fmt::print(stderr, "resuming {} after step {} from {}\n", run_path, first_step, saved.back().string());
   }
 
   ProgressBar bar(t.steps, cfg.run.progress);
@@ -308,18 +351,33 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   const StopSignals signals;
   for (int64_t step = first_step; step < t.steps; ++step) {
     const StepResult r = stepper.run(step, train_ds, rng, step == traced_step);
-    if (step == traced_step) util::write_file_atomically(cfg.run.trace, r.trace);
+    if (step == traced_step && lead) util::write_file_atomically(cfg.run.trace, r.trace);
+    // Every rank's peak, and whether a signal reached any rank: they all stop after the
+    // same step.
+    std::vector<int64_t> rank_peaks{r.peak_bytes};
+    int stop = signals.caught();
+    if (ranks != nullptr) {
+      rank_peaks = ranks->all_gather(r.peak_bytes, fmt::format("gathering the peaks of step {}", step + 1));
+      for (const int64_t caught : ranks->all_gather(stop, fmt::format("the stop check of step {}", step + 1))) {
+        if (stop == 0) stop = static_cast<int>(caught);
+      }
+    }
+    const int64_t peak = *std::max_element(rank_peaks.begin(), rank_peaks.end());
     step_times.push_back(r.seconds);
     sum.losses.push_back(r.loss);
     sum.tokens += tokens_per_step;
-    sum.peak_bytes = std::max(sum.peak_bytes, r.peak_bytes);
+    sum.peak_bytes = std::max(sum.peak_bytes, peak);
+    sum.rank_peak_bytes.resize(rank_peaks.size());
+    for (size_t i = 0; i < rank_peaks.size(); ++i) {
+      sum.rank_peak_bytes[i] = std::max(sum.rank_peak_bytes[i], rank_peaks[i]);
+    }
     sum.activation_bytes = r.activations.total();
     const StoreCounters& counters = r.counters;
     if (step == 0) {
       const int64_t pooled = counters.pool.hits + counters.pool.misses;
       bar.message(fmt::format("step 1: saved activations {} (predicted {}), peak {}; recompute re-ran {} ops, "
                               "{} recomputed{}", memory::format_bytes(r.activations.total()),
-                              memory::format_bytes(predicted.total()), memory::format_bytes(r.peak_bytes),
+                              memory::format_bytes(predicted.total()), memory::format_bytes(peak),
                               counters.ops_recomputed, memory::format_bytes(counters.bytes_recomputed),
                               pooled > 0 ? fmt::format(", {} of {} allocations from the pool", counters.pool.hits,
                                                        pooled)
@@ -328,35 +386,38 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
       sum.recomputed_bytes_per_step = counters.bytes_recomputed;
     }
     train_curve.emplace_back(step + 1, r.loss);
-    run.log_metrics({{"kind", "train"}, {"step", step + 1}, {"loss", r.loss}, {"lr", r.lr},
-                     {"grad_norm", r.grad_norm}, {"step_seconds", r.seconds},
-                     {"tokens_per_second", tokens_per_step / r.seconds}, {"memory_bytes", r.current_bytes},
-                     {"peak_bytes", r.peak_bytes}, {"activation_bytes", r.activations.total()},
-                     {"predicted_activation_bytes", predicted.total()},
-                     {"predicted_peak_bytes", planned.predicted.peak},
-                     {"ops_recomputed", counters.ops_recomputed}, {"bytes_recomputed", counters.bytes_recomputed},
-                     {"pool_hits", counters.pool.hits}, {"pool_misses", counters.pool.misses},
-                     {"pool_bytes_served", counters.pool.bytes_served}});
+    log_metrics({{"kind", "train"}, {"step", step + 1}, {"loss", r.loss}, {"lr", r.lr},
+                 {"grad_norm", r.grad_norm}, {"step_seconds", r.seconds},
+                 {"tokens_per_second", tokens_per_step / r.seconds}, {"memory_bytes", r.current_bytes},
+                 {"peak_bytes", peak}, {"rank_peak_bytes", rank_peaks},
+                 {"activation_bytes", r.activations.total()},
+                 {"predicted_activation_bytes", predicted.total()},
+                 {"predicted_peak_bytes", planned.predicted.peak},
+                 {"ops_recomputed", counters.ops_recomputed}, {"bytes_recomputed", counters.bytes_recomputed},
+                 {"pool_hits", counters.pool.hits}, {"pool_misses", counters.pool.misses},
+                 {"pool_bytes_served", counters.pool.bytes_served}});
     bar.update(step + 1, fmt::format("loss {:.4f} | {} tok/s | mem {} (peak {})", r.loss,
                                      format_count(tokens_per_step / r.seconds), memory::format_bytes(r.current_bytes),
-                                     memory::format_bytes(r.peak_bytes)));
+                                     memory::format_bytes(peak)));
     const bool last = step + 1 == t.steps;
     if (last || (t.eval_every > 0 && (step + 1) % t.eval_every == 0)) {
-      const double v = validation_loss(*model, val_ds, t, step + 1);
+      const double v = validation_loss(*model, val_ds, t, step + 1, ranks.get());
       val_curve.emplace_back(step + 1, v);
-      run.log_metrics({{"kind", "val"}, {"step", step + 1}, {"val_loss", v}});
+      log_metrics({{"kind", "val"}, {"step", step + 1}, {"val_loss", v}});
       bar.message(fmt::format("step {}: validation loss {:.4f}", step + 1, v));
       sum.final_val_loss = v;
     }
-    if ((step + 1) % t.checkpoint_every == 0 || last || signals.caught() != 0) {
-      write_checkpoint(stepper, run.path(), step + 1, rng, t.keep_checkpoints);
+    // Every rank holds the same state: rank 0's copy is the checkpoint.
+    if (lead && ((step + 1) % t.checkpoint_every == 0 || last || stop != 0)) {
+      write_checkpoint(stepper, run_path, step + 1, rng, t.keep_checkpoints);
     }
-    if (signals.caught() != 0 && !last) {
+    if (stop != 0 && !last) {
       bar.finish();
-      fmt::print(stderr, "{} after step {}: the checkpoint is in {}; continue with `remat train --resume {}`\n",
-                 signals.caught() == SIGINT ? "interrupted (SIGINT)" : "terminated (SIGTERM)", step + 1,
-                 checkpoint_dir(run.path()).string(), run.path());
-      sum.stopped_by = signals.caught();
+      fmt::print(stderr, "{} after step {}: the checkpoint is in {}; continue with `remat {}train --resume {}`\n",
+                 stop == SIGINT ? "interrupted (SIGINT)" : "terminated (SIGTERM)", step + 1,
+                 checkpoint_dir(run_path).string(), dp > 1 ? fmt::format("launch --nproc {} ", dp) : "", run_path);
+      sum.stopped_by = stop;
+      if (ranks != nullptr) ranks->finish();
       return sum;
     }
   }
@@ -368,16 +429,19 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   sum.median_step_seconds = median(steady);
   sum.tokens_per_second = tokens_per_step / sum.median_step_seconds;
   sum.model_flops_per_second = flops_per_token * sum.tokens_per_second;
+  // The ranks part here: the rest (the weights, the sample, the report) is rank 0's.
+  if (ranks != nullptr) ranks->finish();
+  if (!lead) return sum;
 
-  model->save(run.file("model.safetensors"), {{"format", "pt"}, {"remat.arch", arch_name(cfg.model.arch)},
+  model->save(run->file("model.safetensors"), {{"format", "pt"}, {"remat.arch", arch_name(cfg.model.arch)},
                                               {"remat.preset", cfg.model.preset}});
   if (cfg.run.sample_tokens > 0) {
     sum.sample = sample_text(*model, tok, cfg.run.prompt, cfg.run.sample_tokens, 0.8, 40,
                              static_cast<uint64_t>(cfg.run.seed));
-    run.write_text("sample.txt", sum.sample + "\n");
+    run->write_text("sample.txt", sum.sample + "\n");
   }
   std::string why;
-  const bool plotted = run.plot_loss(train_curve, val_curve, sum.unigram_entropy, &why);
+  const bool plotted = run->plot_loss(train_curve, val_curve, sum.unigram_entropy, &why);
 
   const nlohmann::json summary = {
       {"steps", sum.steps},
@@ -393,6 +457,8 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
       {"matmul_flops_per_second", sum.matmul_flops_per_second},
       {"efficiency", sum.model_flops_per_second / sum.matmul_flops_per_second},
       {"peak_bytes", sum.peak_bytes},
+      {"ranks", dp},
+      {"rank_peak_bytes", sum.rank_peak_bytes},
       {"activation_bytes", sum.activation_bytes},
       {"threads", threads},
       {"device", device.str()},
@@ -408,7 +474,7 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
       {"predicted_none_peak_bytes", planned.none_peak},
       {"predicted_none_step_seconds", planned.none_step_seconds},
   };
-  run.write_text("summary.json", summary.dump(2) + "\n");
+  run->write_text("summary.json", summary.dump(2) + "\n");
 
   fmt::print(stderr, "\n");
   if (cfg.run.sample_tokens > 0) fmt::print(stderr, "sample: {}\n\n", sum.sample);
@@ -420,8 +486,9 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
     fmt::print(stderr, "predicted step time {:.1f} ms: measured {:+.1f}%\n", sum.predicted_step_seconds * 1e3,
                100.0 * (sum.median_step_seconds - sum.predicted_step_seconds) / sum.predicted_step_seconds);
   }
-  fmt::print(stderr, "compute {} FLOP/s of a measured {} FLOP/s {} matmul peak: efficiency {:.0f}%\n",
+  fmt::print(stderr, "compute {} FLOP/s of a measured {} FLOP/s {} matmul peak{}: efficiency {:.0f}%\n",
              format_count(sum.model_flops_per_second), format_count(sum.matmul_flops_per_second), cfg.run.dtype,
+             dp > 1 ? fmt::format(" ({} ranks x {})", dp, format_count(matmul_rate)) : "",
              100.0 * sum.model_flops_per_second / sum.matmul_flops_per_second);
   fmt::print(stderr, "memory peak {} per step (predicted {}, {:+.1f}%), of which saved activations {} per "
              "microbatch (predicted {})\n", memory::format_bytes(sum.peak_bytes),
@@ -429,6 +496,14 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
              100.0 * static_cast<double>(sum.peak_bytes - sum.predicted_peak_bytes) /
                  static_cast<double>(sum.predicted_peak_bytes),
              memory::format_bytes(sum.activation_bytes), memory::format_bytes(predicted.total()));
+  if (dp > 1) {
+    std::vector<std::string> peaks;
+    for (size_t i = 0; i < sum.rank_peak_bytes.size(); ++i) {
+      peaks.push_back(fmt::format("rank {} {}", i, memory::format_bytes(sum.rank_peak_bytes[i])));
+    }
+    fmt::print(stderr, "memory peak per rank: {} (each predicted {})\n", fmt::join(peaks, ", "),
+               memory::format_bytes(sum.predicted_peak_bytes));
+  }
   if (sum.budget_bytes > 0) {
     fmt::print(stderr, "budget {}: measured peak {} it; without recompute the step would peak at {} (predicted){}\n",
                memory::format_bytes(sum.budget_bytes), sum.peak_bytes <= sum.budget_bytes ? "stayed within" : "EXCEEDED",
@@ -440,7 +515,7 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
                    : "");
   }
   fmt::print(stderr, "run directory {}: config.toml, plan.txt, metrics.jsonl, model.safetensors, tokenizer.model{}{}, "
-             "summary.json\n", run.path(), plotted ? ", loss.png" : "", cfg.run.sample_tokens > 0 ? ", sample.txt" : "");
+             "summary.json\n", run_path, plotted ? ", loss.png" : "", cfg.run.sample_tokens > 0 ? ", sample.txt" : "");
   if (!plotted) fmt::print(stderr, "no loss plot: {}\n", why);
   if (traced_step >= 0) {
     fmt::print(stderr, "trace of step {}: {} (open it in https://ui.perfetto.dev)\n", traced_step + 1, cfg.run.trace);

@@ -24,6 +24,21 @@ TEST(DropoutOp, SameKeyGivesBitwiseSameMask) {
   EXPECT_TRUE(at::equal(a, b));
 }
 
+// A data-parallel rank holding rows [2, 5) of a batch draws exactly those rows of the
+// whole batch's mask, by the mask and one element at a time.
+TEST(DropoutOp, ARowShardDrawsTheWholeBatchsRows) {
+  const at::Tensor whole = dropout_mask({6, 5, 7}, 0.4, key(), kCPU);
+  DropoutKey shard_key = key();
+  shard_key.first_row = 2;
+  const at::Tensor shard = dropout_mask({3, 5, 7}, 0.4, shard_key, kCPU);
+  EXPECT_TRUE(at::equal(shard, whole.narrow(0, 2, 3)));
+  const DropoutDraw draw(shard_key, 0.4, 5 * 7);
+  const at::Tensor flat = shard.reshape(-1);
+  for (int64_t i = 0; i < flat.numel(); ++i) ASSERT_EQ(draw.keep(i), flat[i].item<bool>()) << i;
+  // Not trivially: another row's draws differ.
+  EXPECT_FALSE(at::equal(shard, whole.narrow(0, 1, 3)));
+}
+
 TEST(DropoutOp, EveryKeyFieldChangesTheMask) {
   const DropoutKey base = key();
   const at::Tensor m0 = dropout_mask({4096}, 0.5, base, kCPU);

@@ -87,6 +87,21 @@ TEST(TiledAttentionOp, DropsTheElementsTheMathOpDrops) {
   }
 }
 
+// Rows [1, 3) of a batch of 3, keyed as such (a data-parallel rank's share), drop the
+// elements the whole batch drops there: both ops give those rows' outputs.
+TEST(TiledAttentionOp, ARowShardDropsTheWholeBatchsElements) {
+  const Case c{3, 9, 4, 2, 4, {4, 4}};
+  auto [q, k, v] = fused_qkv(c, at::kDouble, 8);
+  DropoutKey shard_key = kKey;
+  shard_key.first_row = 1;
+  const auto rows = [](const at::Tensor& t) { return t.narrow(0, 1, 2); };
+  const at::Tensor whole = tiled_attention_forward(q, k, v, 0.4, kKey, c.tiles).out;
+  const at::Tensor tiled = tiled_attention_forward(rows(q), rows(k), rows(v), 0.4, shard_key, c.tiles).out;
+  const at::Tensor math = attention_forward(rows(q), rows(k), rows(v), 0.4, shard_key).out;
+  EXPECT_LT(rel_err(tiled, rows(whole)), 1e-12);
+  EXPECT_LT(rel_err(math, rows(whole)), 1e-12);
+}
+
 TEST(TiledAttentionOp, ARecomputeIsBitwiseTheForward) {
   // What a recompute in the backward regenerates: the same output and log-sum-exp, bit for
   // bit, whatever the thread count.

@@ -19,22 +19,28 @@ struct DropoutKey {
   uint64_t microbatch = 0;
   uint64_t layer = 0;
   DropoutSite site = DropoutSite::embedding;
+  /// The global batch row of the masked tensor's first row (dimension 0): a data-parallel
+  /// rank holding rows [first_row, first_row + B) of a step's batch draws, on the CPU, the
+  /// very elements the single-process run draws for those rows. Not part of hash().
+  int64_t first_row = 0;
   /// A 64-bit generator seed mixing every field (splitmix64 chain).
   uint64_t hash() const;
 };
 
 /// The CPU draw of dropout_mask, one element at a time: keep(i) is element i (flat,
 /// row-major index into the mask's sizes) of dropout_mask(sizes, p, key, kCPU), whatever
-/// the sizes. An op that never makes the whole mask (tiled attention) draws any window of
-/// it element by element and drops exactly what the whole mask would.
+/// the sizes, when `row_numel` is the mask's elements per row of dimension 0 (element i
+/// is drawn as global element i + key.first_row * row_numel). An op that never makes the
+/// whole mask (tiled attention) draws any window of it element by element and drops
+/// exactly what the whole mask would.
 class DropoutDraw {
  public:
   /// Refuses p outside [0, 1).
-  DropoutDraw(const DropoutKey& key, double p);
+  DropoutDraw(const DropoutKey& key, double p, int64_t row_numel);
   /// Whether element `index` is kept: the top 53 bits of splitmix64(hash + (index + 1)
   /// golden) fall below (1 - p) 2^53.
   bool keep(int64_t index) const {
-    return (mix64(base_ + static_cast<uint64_t>(index + 1) * 0x9e3779b97f4a7c15ULL) >> 11) < threshold_;
+    return (mix64(base_ + static_cast<uint64_t>(index + offset_ + 1) * 0x9e3779b97f4a7c15ULL) >> 11) < threshold_;
   }
   /// splitmix64's finaliser: a bijection on 64 bits with good avalanche (also mixes the key).
   static uint64_t mix64(uint64_t z) {
@@ -46,12 +52,14 @@ class DropoutDraw {
  private:
   uint64_t base_;
   uint64_t threshold_;
+  int64_t offset_;  // key.first_row * row_numel
 };
 
 /// Keep-mask (bool, true = kept) of `sizes` with keep probability 1 - p, on `device`.
 /// Bitwise the same for the same key, sizes and device type, whatever the thread count. On the
 /// CPU each element is a counter-based draw (splitmix64 of key.hash() and the element's flat
-/// index), filled in parallel; on other devices, a private generator seeded with key.hash().
+/// index, offset by key.first_row rows), filled in parallel; on other devices, a private
+/// generator seeded with key.hash() and key.first_row.
 /// The global generator is neither read nor advanced, and concurrent calls are safe. Refuses
 /// p outside [0, 1).
 at::Tensor dropout_mask(at::IntArrayRef sizes, double p, const DropoutKey& key, at::Device device);

@@ -1,0 +1,95 @@
+// Several processes training one model: rendezvous, a c10d process group, and collectives
+// that never hang silently.
+//
+// Ranks meet through a c10d TCPStore found from the launcher's environment (torchrun's
+// RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; OpenMPI's and Slurm's equivalents) and talk
+// through a ProcessGroupGloo on CPU. Every collective is waited for in slices: a rank that
+// sees one fail (a peer's connection reset) posts the failure in the store, and every
+// other rank, still waiting, reads it and stops too. Which rank is lost comes from
+// heartbeats each rank's background thread adds to the store: the one whose count stops.
+// So a dead, stopped or never-started rank ends every rank with a sentence naming it,
+// within parallel.timeout, never a silent hang.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace remat::dist {
+
+/// Where this process stands in a multi-process job, as its launcher described it.
+struct LaunchEnv {
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  int local_world_size = 1;  ///< ranks on this host (they share its cores)
+  std::string master_addr = "127.0.0.1";
+  int master_port = 29500;
+  /// torchrun's agent hosts the store (TORCHELASTIC_USE_AGENT_STORE=True): every rank,
+  /// rank 0 too, connects as a client, under `store_prefix`.
+  bool agent_store = false;
+  std::string store_prefix;
+};
+
+/// Reads the launch variables from `getenv`: torchrun's (RANK, WORLD_SIZE, LOCAL_RANK,
+/// LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_USE_AGENT_STORE,
+/// TORCHELASTIC_RESTART_COUNT), else OpenMPI's (OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK/
+/// LOCAL_SIZE) or Slurm's (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID,
+/// SLURM_NTASKS_PER_NODE), whose MASTER_ADDR and MASTER_PORT must still be set.
+/// nullopt when no launcher set a world size (a single process). Throws a sentence naming
+/// the variable when one is set but malformed or inconsistent (rank outside the world).
+std::optional<LaunchEnv> launch_env(const std::function<const char*(const char*)>& getenv);
+/// launch_env of this process's environment.
+std::optional<LaunchEnv> launch_env();
+
+/// A process group of every rank, with failure detection. Not copyable; one per process
+/// (tests may hold several, one per thread, joined through one store).
+class Comm {
+ public:
+  /// Joins the job `env` describes: rank 0 hosts the store (unless the agent does), every
+  /// rank announces itself and waits for the others, then the Gloo group connects. Throws
+  /// a sentence naming the ranks that did not join within `timeout`, or the store address
+  /// that could not be reached. `timeout` also bounds every collective.
+  static std::unique_ptr<Comm> connect(const LaunchEnv& env, std::chrono::milliseconds timeout);
+  ~Comm();
+  Comm(const Comm&) = delete;
+  Comm& operator=(const Comm&) = delete;
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+
+  /// Sums each tensor over the ranks, in place (float32, float64 or int64; Gloo has no
+  /// bfloat16). `what` names the operation in a failure ("the gradient all-reduce of step
+  /// 3"). The tensors are reduced together, asynchronously, then waited for.
+  void all_reduce_sum(std::vector<at::Tensor>& tensors, const std::string& what);
+  /// Every rank's `value`, in rank order.
+  std::vector<int64_t> all_gather(int64_t value, const std::string& what);
+  /// Returns when every rank has called it.
+  void barrier(const std::string& what);
+  /// Publishes `value` under `key` in the job's store, for await().
+  void post(const std::string& key, const std::string& value);
+  /// The value another rank posted under `key`, waited for with no timeout as long as
+  /// every rank's heartbeat goes on (for work of unknown length on one rank, such as
+  /// preparing a corpus); `what` names the wait in a failure.
+  std::string await(const std::string& key, const std::string& what);
+  /// Every rank leaves together: the heartbeats stop and a barrier makes sure no rank
+  /// closes the store (rank 0 hosts it) while another still talks to it. Call at the end
+  /// of a successful run; the destructor does not, since after an error no barrier can be
+  /// trusted to return.
+  void finish();
+
+ private:
+  struct State;  // the store, the group and the heartbeat thread (c10d stays out of this header)
+  Comm(std::unique_ptr<State> state, int rank, int size);
+  std::unique_ptr<State> state_;
+  int rank_;
+  int size_;
+};
+
+}  // namespace remat::dist

@@ -1,0 +1,363 @@
+#include "remat/dist.h"
+
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <fmt/format.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdlib>
+#include <mutex>
+#include <stdexcept>
+#include <thread>
+
+namespace remat::dist {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+
+// How often each rank proves it is alive, and how long a silent rank counts as lost: a
+// few missed beats, so that a loaded machine's scheduling jitter does not name a rank.
+constexpr milliseconds kBeat{500};
+constexpr milliseconds kSilence{2500};
+// Slices in which a collective is waited for; between them the store is asked whether
+// another rank already saw the job fail.
+constexpr milliseconds kSlice{200};
+
+const std::string kAbortKey = "abort";
+std::string beat_key(int rank) { return "beat/" + std::to_string(rank); }
+std::string joined_key(int rank) { return "joined/" + std::to_string(rank); }
+
+int parse_int(const char* name, const char* text, int lo, int hi) {
+  char* end = nullptr;
+  errno = 0;
+  const long v = std::strtol(text, &end, 10);
+  if (errno != 0 || end == text || *end != '\0' || v < lo || v > hi) {
+    throw std::invalid_argument(fmt::format("The environment variable {} is '{}', but it must be a whole number from "
+                                            "{} to {}; the launcher (remat launch, torchrun, mpirun, srun) sets it.",
+                                            name, text, lo, hi));
+  }
+  return static_cast<int>(v);
+}
+
+std::string to_string(const std::vector<uint8_t>& bytes) { return {bytes.begin(), bytes.end()}; }
+std::vector<uint8_t> to_bytes(const std::string& s) { return {s.begin(), s.end()}; }
+
+std::string rank_list(const std::vector<int>& ranks) {
+  std::string out;
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    out += (i == 0 ? "" : i + 1 == ranks.size() ? " and " : ", ") + std::to_string(ranks[i]);
+  }
+  return (ranks.size() == 1 ? "rank " : "ranks ") + out;
+}
+
+// The Gloo device: the interface GLOO_SOCKET_IFNAME names (as PyTorch reads it), the
+// loopback for a job on one machine, else the address this host's name resolves to.
+std::shared_ptr<::gloo::transport::Device> gloo_device(const LaunchEnv& env) {
+  if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname != nullptr && *ifname != '\0') {
+    return c10d::ProcessGroupGloo::createDeviceForInterface(ifname);
+  }
+  if (env.master_addr == "localhost" || env.master_addr.rfind("127.", 0) == 0) {
+    return c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
+  }
+  return c10d::ProcessGroupGloo::createDefaultDevice();
+}
+
+}  // namespace
+
+std::optional<LaunchEnv> launch_env(const std::function<const char*(const char*)>& getenv) {
+  const auto var = [&](const char* name) -> const char* {
+    const char* v = getenv(name);
+    return v != nullptr && *v != '\0' ? v : nullptr;
+  };
+  // The first launcher whose world size is set describes the job.
+  struct Names {
+    const char *rank, *size, *local, *local_size;
+  };
+  static const Names kLaunchers[] = {
+      {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"},
+      {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"},
+      {"SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"}};
+  for (const Names& n : kLaunchers) {
+    if (var(n.size) == nullptr) continue;
+    LaunchEnv env;
+    env.world_size = parse_int(n.size, var(n.size), 1, 1 << 20);
+    if (var(n.rank) == nullptr) {
+      throw std::invalid_argument(fmt::format("{} = {} is set but {} is not; start every rank through one launcher "
+                                              "(remat launch, torchrun, mpirun or srun), which sets both.", n.size,
+                                              env.world_size, n.rank));
+    }
+    env.rank = parse_int(n.rank, var(n.rank), 0, env.world_size - 1);
+    env.local_rank = var(n.local) != nullptr ? parse_int(n.local, var(n.local), 0, 1 << 20) : 0;
+    env.local_world_size = var(n.local_size) != nullptr ? parse_int(n.local_size, var(n.local_size), 1, 1 << 20) : 1;
+    if (var("MASTER_ADDR") != nullptr) env.master_addr = var("MASTER_ADDR");
+    if (var("MASTER_PORT") != nullptr) env.master_port = parse_int("MASTER_PORT", var("MASTER_PORT"), 1, 65535);
+    if (env.world_size > 1 && (var("MASTER_ADDR") == nullptr || var("MASTER_PORT") == nullptr)) {
+      throw std::invalid_argument(fmt::format(
+          "{} = {} asks for {} ranks, but MASTER_ADDR or MASTER_PORT is not set, so the ranks cannot find each "
+          "other; set both to rank 0's address and a free port, or start the job with `remat launch --nproc N`.",
+          n.size, env.world_size, env.world_size));
+    }
+    const char* agent = var("TORCHELASTIC_USE_AGENT_STORE");
+    env.agent_store = agent != nullptr && std::string(agent) == "True";
+    if (env.agent_store) {
+      const char* restarts = var("TORCHELASTIC_RESTART_COUNT");
+      env.store_prefix = fmt::format("/worker/attempt_{}", restarts != nullptr ? restarts : "0");
+    }
+    return env;
+  }
+  return std::nullopt;
+}
+
+std::optional<LaunchEnv> launch_env() { return launch_env([](const char* name) { return std::getenv(name); }); }
+
+struct Comm::State {
+  c10::intrusive_ptr<c10d::Store> store;  // remat's keys, under their own prefix
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> group;
+  milliseconds timeout{};
+  int rank = 0, size = 1;
+  std::string endpoint;  // "host:port", for messages
+
+  std::thread heart;
+  std::mutex mutex;
+  std::condition_variable wake;
+  bool stopping = false;
+
+  void beat_forever() {
+    std::unique_lock<std::mutex> lock(mutex);
+    while (!stopping) {
+      lock.unlock();
+      try {
+        store->add(beat_key(rank), 1);
+      } catch (const std::exception&) {
+        // The store is gone (rank 0 ended); a collective, if one is running, says so.
+      }
+      lock.lock();
+      wake.wait_for(lock, kBeat, [&] { return stopping; });
+    }
+  }
+  void stop_heart() {
+    {
+      const std::lock_guard<std::mutex> lock(mutex);
+      stopping = true;
+    }
+    wake.notify_all();
+    if (heart.joinable()) heart.join();
+  }
+
+  // The ranks whose heartbeat did not move over kSilence; throws when the store is gone.
+  std::vector<int> silent_ranks() {
+    std::vector<int64_t> before(static_cast<size_t>(size));
+    for (int r = 0; r < size; ++r) before[static_cast<size_t>(r)] = store->add(beat_key(r), 0);
+    std::this_thread::sleep_for(kSilence);
+    std::vector<int> silent;
+    for (int r = 0; r < size; ++r) {
+      if (r != rank && store->add(beat_key(r), 0) == before[static_cast<size_t>(r)]) silent.push_back(r);
+    }
+    return silent;
+  }
+
+  // Why `what` failed on this rank, as one sentence naming the lost ranks where the
+  // heartbeats tell them.
+  std::string diagnose(const std::string& what, const std::string& error) {
+    try {
+      const std::vector<int> silent = silent_ranks();
+      if (silent.empty()) {
+        return fmt::format("{} failed on rank {} ({}), but every rank still answers: one rank is slower than "
+                           "parallel.timeout = {} s allows, or diverged from the others (different settings?); "
+                           "raise parallel.timeout or check that every rank runs the same command.",
+                           what, rank, error, timeout.count() / 1000.0);
+      }
+      return fmt::format("{} stopped answering during {} (rank {} saw: {}); every rank stops. The output of {} "
+                         "tells why (killed, out of memory, crashed).", rank_list(silent), what, rank, error,
+                         rank_list(silent));
+    } catch (const std::exception&) {
+      return fmt::format("rank 0, which hosts the rendezvous store at {}, is gone: {} failed on rank {} ({}); every "
+                         "rank stops. Look at rank 0's output for its cause.", endpoint, what, rank, error);
+    }
+  }
+
+  // Ends this rank after a failure with one diagnosis shared by every rank: the first rank
+  // to fail makes it (its heartbeats, like every live rank's, go on meanwhile, so that
+  // only lost ranks fall silent) and posts it; a rank failing at the same moment waits for
+  // it. The group is left alive on purpose: a Gloo group with an operation stuck on a
+  // lost peer blocks its destructor until Gloo's own timeout, and the process is ending.
+  [[noreturn]] void fail(const std::string& what, const std::string& error) {
+    std::string message;
+    try {
+      if (store->add("diagnosing", 1) == 1) {
+        message = diagnose(what, error);
+        store->set(kAbortKey, to_bytes(message));
+      } else {
+        // The diagnosing rank needs kSilence; if it dies meanwhile, diagnose here.
+        const auto deadline = Clock::now() + 3 * kSilence;
+        while (!store->check({kAbortKey}) && Clock::now() < deadline) std::this_thread::sleep_for(kSlice);
+        message = store->check({kAbortKey}) ? to_string(store->get(kAbortKey)) : diagnose(what, error);
+      }
+    } catch (const std::exception&) {
+      message = diagnose(what, error);  // no store: the heartbeat check names rank 0
+    }
+    stop_heart();
+    (void)group.release();  // leaked on purpose, see above
+    throw std::runtime_error(message);
+  }
+
+  // Another rank's diagnosis, if one was posted.
+  std::optional<std::string> posted_failure() {
+    try {
+      if (store->check({kAbortKey})) return to_string(store->get(kAbortKey));
+    } catch (const std::exception&) {
+      // A missing store is found by the heartbeat check.
+    }
+    return std::nullopt;
+  }
+
+  void wait(const c10::intrusive_ptr<c10d::Work>& work, const std::string& what) {
+    const auto start = Clock::now();
+    while (true) {
+      try {
+        work->wait(kSlice);
+        return;
+      } catch (const std::exception& e) {
+        // A slice that ran out throws too; the work is then still running.
+        if (work->isCompleted()) fail(what, e.what());
+      }
+      if (auto posted = posted_failure()) {
+        stop_heart();
+        (void)group.release();  // as in fail()
+        throw std::runtime_error(*posted);
+      }
+      if (Clock::now() - start > timeout) {
+        fail(what, fmt::format("not finished after parallel.timeout = {} s", timeout.count() / 1000.0));
+      }
+    }
+  }
+};
+
+Comm::Comm(std::unique_ptr<State> state, int rank, int size) : state_(std::move(state)), rank_(rank), size_(size) {}
+
+Comm::~Comm() {
+  if (state_) state_->stop_heart();
+}
+
+std::unique_ptr<Comm> Comm::connect(const LaunchEnv& env, milliseconds timeout) {
+  auto s = std::make_unique<State>();
+  s->timeout = timeout;
+  s->rank = env.rank;
+  s->size = env.world_size;
+  s->endpoint = fmt::format("{}:{}", env.master_addr, env.master_port);
+
+  c10d::TCPStoreOptions options;
+  options.port = static_cast<std::uint16_t>(env.master_port);
+  options.isServer = env.rank == 0 && !env.agent_store;
+  options.waitWorkers = false;  // the join below names who is missing
+  options.timeout = timeout;
+  c10::intrusive_ptr<c10d::Store> base;
+  try {
+    base = c10::make_intrusive<c10d::TCPStore>(env.master_addr, options);
+  } catch (const std::exception& e) {
+    throw std::runtime_error(fmt::format(
+        "Rank {} could not {} the rendezvous store at {} within parallel.timeout = {} s ({}); {}", env.rank,
+        options.isServer ? "open" : "reach", s->endpoint, timeout.count() / 1000.0, e.what(),
+        options.isServer ? "the port is taken: choose another MASTER_PORT (remat launch picks a free one)."
+                         : "check that rank 0 runs and that MASTER_ADDR and MASTER_PORT are its address and port."));
+  }
+  if (!env.store_prefix.empty()) base = c10::make_intrusive<c10d::PrefixStore>(env.store_prefix, base);
+  s->store = c10::make_intrusive<c10d::PrefixStore>("remat", base);
+
+  // Everyone announces itself, then waits for the others, so that a rank that never
+  // starts is named instead of surfacing as Gloo's connection timeout.
+  s->store->set(joined_key(env.rank), to_bytes("1"));
+  std::vector<std::string> keys;
+  for (int r = 0; r < env.world_size; ++r) keys.push_back(joined_key(r));
+  const auto deadline = Clock::now() + timeout;
+  const auto all_joined = [&] {
+    try {
+      return s->store->check(keys);
+    } catch (const std::exception& e) {
+      throw std::runtime_error(fmt::format(
+          "Rank {} lost the rendezvous store at {} while the ranks were joining ({}): rank 0 hosts it and stopped; "
+          "its output tells why (often a rank that did not join within parallel.timeout = {} s).", env.rank,
+          s->endpoint, e.what(), timeout.count() / 1000.0));
+    }
+  };
+  while (!all_joined()) {
+    if (Clock::now() > deadline) {
+      std::vector<int> missing;
+      for (int r = 0; r < env.world_size; ++r) {
+        if (!s->store->check({joined_key(r)})) missing.push_back(r);
+      }
+      throw std::runtime_error(fmt::format(
+          "{} of {} did not join within parallel.timeout = {} s (rank {} waited at {}); start every rank with the "
+          "same MASTER_ADDR, MASTER_PORT and WORLD_SIZE, or raise parallel.timeout if they start slowly.",
+          rank_list(missing), env.world_size, timeout.count() / 1000.0, env.rank, s->endpoint));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+
+  auto gloo = c10d::ProcessGroupGloo::Options::create(timeout);
+  gloo->devices.push_back(gloo_device(env));
+  s->group = c10::make_intrusive<c10d::ProcessGroupGloo>(
+      c10::make_intrusive<c10d::PrefixStore>("gloo", s->store), env.rank, env.world_size, gloo);
+  s->heart = std::thread([state = s.get()] { state->beat_forever(); });
+  return std::unique_ptr<Comm>(new Comm(std::move(s), env.rank, env.world_size));
+}
+
+void Comm::all_reduce_sum(std::vector<at::Tensor>& tensors, const std::string& what) {
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  for (at::Tensor& t : tensors) {
+    std::vector<at::Tensor> one{t};
+    works.push_back(state_->group->allreduce(one));
+  }
+  for (const auto& w : works) state_->wait(w, what);
+}
+
+std::vector<int64_t> Comm::all_gather(int64_t value, const std::string& what) {
+  std::vector<at::Tensor> input{at::full({1}, value, at::kLong)};
+  std::vector<std::vector<at::Tensor>> output(1);
+  for (int r = 0; r < size_; ++r) output[0].push_back(at::empty({1}, at::kLong));
+  state_->wait(state_->group->allgather(output, input), what);
+  std::vector<int64_t> values;
+  for (const at::Tensor& t : output[0]) values.push_back(t.item<int64_t>());
+  return values;
+}
+
+void Comm::post(const std::string& key, const std::string& value) {
+  state_->store->set("posted/" + key, to_bytes(value));
+}
+
+std::string Comm::await(const std::string& key, const std::string& what) {
+  const std::string full = "posted/" + key;
+  auto last_check = Clock::now();
+  std::vector<int64_t> beats;
+  while (!state_->store->check({full})) {
+    if (auto posted = state_->posted_failure()) {
+      state_->stop_heart();
+      throw std::runtime_error(*posted);
+    }
+    // Every few beats, every rank must have beaten since the last look.
+    if (Clock::now() - last_check > kSilence) {
+      std::vector<int64_t> now;
+      for (int r = 0; r < size_; ++r) now.push_back(state_->store->add(beat_key(r), 0));
+      for (size_t r = 0; r < beats.size(); ++r) {
+        if (now[r] == beats[r] && static_cast<int>(r) != rank_) state_->fail(what, "no heartbeat");
+      }
+      beats = now;
+      last_check = Clock::now();
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return to_string(state_->store->get(full));
+}
+
+void Comm::barrier(const std::string& what) { state_->wait(state_->group->barrier(), what); }
+
+void Comm::finish() {
+  state_->stop_heart();
+  barrier("the barrier at the end of the run");
+}
+
+}  // namespace remat::dist

@@ -1,0 +1,112 @@
+#include "train/data_parallel.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <stdexcept>
+#include <thread>
+
+namespace remat {
+namespace {
+
+// Gradients are reduced in buckets of this many bytes, each its own collective, all in
+// flight at once: few enough for the per-call latency not to matter.
+constexpr int64_t kBucketBytes = int64_t{16} << 20;
+
+}  // namespace
+
+std::unique_ptr<dist::Comm> join_ranks(const Config& cfg) {
+  const std::optional<dist::LaunchEnv> env = dist::launch_env();
+  const int world = env ? env->world_size : 1;
+  if (cfg.parallel.dp > 0 && cfg.parallel.dp != world) {
+    throw std::invalid_argument(fmt::format(
+        "parallel.dp = {} asks for {} data-parallel ranks, but {}; start the run with `remat launch --nproc {} train "
+        "...` (or torchrun --nproc_per_node {}), or set parallel.dp = 0 to use every rank started.", cfg.parallel.dp,
+        cfg.parallel.dp, env ? fmt::format("the launcher started {}", world) : "this process runs alone",
+        cfg.parallel.dp, cfg.parallel.dp));
+  }
+  if (cfg.train.batch % world != 0) {
+    throw std::invalid_argument(fmt::format(
+        "train.batch = {} sequences cannot be split evenly over the {} ranks started; make train.batch a multiple "
+        "of {} (it counts the sequences of all ranks together).", cfg.train.batch, world, world));
+  }
+  if (world == 1) return nullptr;
+  if (cfg.run.device != "cpu") {
+    throw std::invalid_argument(fmt::format(
+        "Several ranks train on the CPU only so far (Gloo); run.device = {} with {} ranks needs NCCL, which this "
+        "build does not have. Set run.device=cpu or start one rank.", cfg.run.device, world));
+  }
+  const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(std::llround(cfg.parallel.timeout * 1000)));
+  return dist::Comm::connect(*env, timeout);
+}
+
+int64_t data_parallel_ranks(const Config& cfg) {
+  if (cfg.parallel.dp > 0) return cfg.parallel.dp;
+  const std::optional<dist::LaunchEnv> env = dist::launch_env();
+  return env ? env->world_size : 1;
+}
+
+int64_t rank_threads(const Config& cfg) {
+  const std::optional<dist::LaunchEnv> env = dist::launch_env();
+  if (cfg.run.threads > 0 || !env || env->local_world_size <= 1) return cfg.run.threads;
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  return std::max(1, cores / env->local_world_size);
+}
+
+void rank0_first(dist::Comm* comm, const std::string& what, const std::function<void()>& work) {
+  if (comm == nullptr) {
+    work();
+    return;
+  }
+  const std::string key = "done/" + what;
+  if (comm->rank() == 0) {
+    try {
+      work();
+    } catch (const std::exception& e) {
+      comm->post(key, e.what());
+      throw;
+    }
+    comm->post(key, "");
+    return;
+  }
+  const std::string failed = comm->await(key, what + " on rank 0");
+  if (!failed.empty()) throw std::runtime_error(fmt::format("Rank 0 failed in {}: {}", what, failed));
+  work();
+}
+
+void all_reduce_gradients(Model& model, dist::Comm& comm, double& loss, const std::string& what) {
+  // Buckets are consecutive pieces of the flat gradient buffer, reduced in place; the loss
+  // rides along in float64.
+  const at::Tensor& grads = model.grad_buffer();
+  const int64_t per_bucket = std::max<int64_t>(1, kBucketBytes / static_cast<int64_t>(grads.element_size()));
+  std::vector<at::Tensor> buckets{at::full({1}, loss, at::kDouble)};
+  for (int64_t first = 0; first < grads.numel(); first += per_bucket) {
+    buckets.push_back(grads.narrow(0, first, std::min(per_bucket, grads.numel() - first)));
+  }
+  comm.all_reduce_sum(buckets, what);
+  loss = buckets[0].item<double>();
+}
+
+QuietStderr::QuietStderr(bool quiet) {
+  if (!quiet) return;
+  std::fflush(stderr);
+  const int null = ::open("/dev/null", O_WRONLY);
+  if (null < 0) return;  // nothing to silence with: the rank stays audible
+  saved_ = ::dup(STDERR_FILENO);
+  if (saved_ >= 0) ::dup2(null, STDERR_FILENO);
+  ::close(null);
+}
+
+QuietStderr::~QuietStderr() {
+  if (saved_ < 0) return;
+  std::fflush(stderr);
+  ::dup2(saved_, STDERR_FILENO);
+  ::close(saved_);
+}
+
+}  // namespace remat

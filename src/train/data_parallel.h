@@ -1,0 +1,54 @@
+// Data parallelism: every rank holds the whole model and trains on its share of each
+// step's batch; the gradients are summed over the ranks before the optimizer step, so
+// every rank applies the same update.
+#pragma once
+
+#include "remat/config.h"
+#include "remat/dist.h"
+#include "remat/model.h"
+
+#include <functional>
+#include <memory>
+#include <string>
+
+namespace remat {
+
+/// The job the launcher started, joined: null when this process runs alone (no launcher,
+/// or one rank). Refuses with a sentence a parallel.dp that is not the number of ranks
+/// started, or a train.batch they cannot share evenly.
+std::unique_ptr<dist::Comm> join_ranks(const Config& cfg);
+
+/// The data-parallel ranks a run of `cfg` trains on: parallel.dp when set, else the ranks
+/// the launcher started (1 without one). Each rank's microbatch is train.batch / that.
+int64_t data_parallel_ranks(const Config& cfg);
+
+/// The intra-op threads of this rank: run.threads when set, else the host's cores shared
+/// evenly by the ranks the launcher started on it (at least one).
+int64_t rank_threads(const Config& cfg);
+
+/// Rank 0 runs `work` first while the others wait for it (with no timeout, as long as its
+/// heartbeat goes on: preparing a corpus may take minutes), then the others run it: for
+/// work that fills a cache on disk they share (the prepared corpus, the time profile). A
+/// failure on rank 0 ends every rank with rank 0's sentence. Without `comm`, just `work`.
+void rank0_first(dist::Comm* comm, const std::string& what, const std::function<void()>& work);
+
+/// Sums every parameter's gradient over the ranks, in place, in buckets of a few MiB of
+/// the model's flat gradient buffer reduced together, and `loss` with them. Each rank's
+/// gradients must already be scaled by 1 / ranks (the mean over the global batch).
+void all_reduce_gradients(Model& model, dist::Comm& comm, double& loss, const std::string& what);
+
+/// While alive, this process's stderr goes nowhere (ranks other than 0 print neither the
+/// progress bar nor the run's report, which rank 0 prints); restored on destruction, so an
+/// error thrown through it is still printed by the rank that hit it.
+class QuietStderr {
+ public:
+  explicit QuietStderr(bool quiet);
+  ~QuietStderr();
+  QuietStderr(const QuietStderr&) = delete;
+  QuietStderr& operator=(const QuietStderr&) = delete;
+
+ private:
+  int saved_ = -1;
+};
+
+}  // namespace remat
