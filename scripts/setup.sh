@@ -11,6 +11,7 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev
   bible-kjv bible-kjv-text
   gnuplot-nox
+  python3-torch
 )
 
 missing=()

@@ -1,5 +1,6 @@
 #include "cli/commands.h"
 
+#include "cli/launch.h"
 #include "cli/plan_cmd.h"
 #include "remat/bench.h"
 #include "remat/config.h"
@@ -161,6 +162,18 @@ int run(int argc, char** argv) {
   std::string gen_device;
   gen->add_option("--device", gen_device, "cpu or cuda[:N] (default: the run's device)");
 
+  auto* launch_cmd = app.add_subcommand(
+      "launch", "Run a subcommand as N local ranks of one distributed job, like torchrun --standalone");
+  LaunchArgs launch_args;
+  launch_cmd->add_option("--nproc", launch_args.nproc, "Ranks to start on this machine (1 to 1024)")->required();
+  launch_cmd->add_option("--master-port", launch_args.master_port, "Port of rank 0's store (default: a free one)");
+  launch_cmd->add_option("--grace", launch_args.grace,
+                         "Seconds the ranks get to stop after SIGTERM, before SIGKILL")->capture_default_str();
+  // From the subcommand's name on, everything goes to the ranks unparsed, options included.
+  launch_cmd->prefix_command();
+  launch_cmd->footer(fmt::format("The subcommand ({}) and its arguments follow these options; every rank gets them "
+                                 "unchanged.", fmt::join(launchable_subcommands(), ", ")));
+
   // CLI11 reads "--budget=" as "--budget" and takes the next argument for its value.
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
@@ -208,6 +221,10 @@ int run(int argc, char** argv) {
       bench.entries = bench_entries(policies, split_list(budget_args, "--budgets", "96MiB;0.6"));
       fmt::print("{}", format_bench_table(run_bench(bench)));
       return 0;
+    }
+    if (launch_cmd->parsed()) {
+      launch_args.command = launch_cmd->remaining();
+      return cmd_launch(launch_args);
     }
     if (gen->parsed()) {
       check_path("--run", run_dir);

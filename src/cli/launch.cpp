@@ -1,0 +1,238 @@
+#include "cli/launch.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <optional>
+#include <stdexcept>
+#include <string_view>
+#include <utility>
+
+#include <fmt/format.h>
+
+namespace remat::cli {
+namespace {
+
+constexpr int kMaxRanks = 1024;
+
+void check_args(const LaunchArgs& args) {
+  const std::string valid = fmt::format("{}", fmt::join(launchable_subcommands(), ", "));
+  const std::string example = "`remat launch --nproc 2 train --config configs/gpt2-demo.toml`";
+  if (args.nproc < 1 || args.nproc > kMaxRanks) {
+    throw std::invalid_argument(fmt::format(
+        "--nproc {} is out of range; remat launch starts from 1 to {} local ranks.", args.nproc, kMaxRanks));
+  }
+  if (args.master_port < 0 || args.master_port > 65535) {
+    throw std::invalid_argument(fmt::format("--master-port {} is not a TCP port; give one from 1 to 65535, or leave "
+                                            "the option out for a free one.", args.master_port));
+  }
+  if (!std::isfinite(args.grace) || args.grace < 0) {
+    throw std::invalid_argument(fmt::format(
+        "--grace {} is not a number of seconds; give 0 or more (default 30).", args.grace));
+  }
+  if (args.command.empty()) {
+    throw std::invalid_argument(fmt::format(
+        "remat launch needs the subcommand its ranks run, after its own options, e.g. {}; valid subcommands: {}.",
+        example, valid));
+  }
+  const std::string& sub = args.command.front();
+  if (sub == "launch") {
+    throw std::invalid_argument(fmt::format(
+        "remat launch cannot run launch in its ranks; give it the subcommand itself, e.g. {}.", example));
+  }
+  if (sub.rfind('-', 0) == 0) {
+    throw std::invalid_argument(fmt::format(
+        "remat launch takes only --nproc, --master-port and --grace before the subcommand, but got {}; the "
+        "subcommand's own options go after its name, e.g. {}; valid subcommands: {}.", sub, example, valid));
+  }
+  const auto& names = launchable_subcommands();
+  if (std::find(names.begin(), names.end(), sub) == names.end()) {
+    throw std::invalid_argument(fmt::format(
+        "'{}' is not a subcommand remat launch can run; valid subcommands: {}.", sub, valid));
+  }
+}
+
+// Free when asked; another process may still take it before rank 0 binds it, which is
+// what --master-port is for.
+int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof addr;
+  const bool ok = fd >= 0 && ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0 &&
+                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
+  const int err = errno;
+  if (fd >= 0) ::close(fd);
+  if (!ok) {
+    throw std::runtime_error(fmt::format(
+        "remat launch could not find a free TCP port on 127.0.0.1 ({}); give one with --master-port.",
+        std::strerror(err)));
+  }
+  return ntohs(addr.sin_port);
+}
+
+// How a rank ended, in words, and the exit code a shell gives it.
+std::pair<std::string, int> describe_exit(int status) {
+  if (WIFSIGNALED(status)) {
+    const int sig = WTERMSIG(status);
+    return {fmt::format("was killed by signal {} ({})", sig, ::strsignal(sig)), 128 + sig};
+  }
+  return {fmt::format("exited with status {}", WEXITSTATUS(status)), WEXITSTATUS(status)};
+}
+
+std::string ranks(long n) { return fmt::format("{} rank{}", n, n == 1 ? "" : "s"); }
+
+}  // namespace
+
+const std::vector<std::string>& launchable_subcommands() {
+  static const std::vector<std::string> names = {"prepare", "train", "plan", "bench", "generate"};
+  return names;
+}
+
+std::vector<std::string> rank_environment(int rank, int nproc, int port, const char* const* base) {
+  const std::pair<std::string, std::string> set[] = {
+      {"RANK", std::to_string(rank)},        {"LOCAL_RANK", std::to_string(rank)},
+      {"WORLD_SIZE", std::to_string(nproc)}, {"LOCAL_WORLD_SIZE", std::to_string(nproc)},
+      {"GROUP_RANK", "0"},                   {"MASTER_ADDR", "127.0.0.1"},
+      {"MASTER_PORT", std::to_string(port)}};
+  std::vector<std::string> env;
+  for (; base != nullptr && *base != nullptr; ++base) {
+    const std::string_view entry = *base;
+    const std::string_view name = entry.substr(0, entry.find('='));
+    // No agent hosts a store here: rank 0 must host it, not wait for one as a client.
+    const bool dropped = name == "TORCHELASTIC_USE_AGENT_STORE" ||
+                         std::any_of(std::begin(set), std::end(set), [&](const auto& kv) { return kv.first == name; });
+    if (!dropped) env.emplace_back(entry);
+  }
+  for (const auto& [name, value] : set) env.push_back(name + "=" + value);
+  return env;
+}
+
+int cmd_launch(const LaunchArgs& args) {
+  check_args(args);
+  const int port = args.master_port > 0 ? args.master_port : free_port();
+
+  // Built before the first fork: between fork and exec only async-signal-safe calls are allowed.
+  std::vector<std::string> argv_text{"remat"};
+  argv_text.insert(argv_text.end(), args.command.begin(), args.command.end());
+  std::vector<char*> argv;
+  for (auto& a : argv_text) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  std::vector<std::vector<std::string>> env_text(args.nproc);
+  std::vector<std::vector<char*>> envp(args.nproc);
+  for (int rank = 0; rank < args.nproc; ++rank) {
+    env_text[rank] = rank_environment(rank, args.nproc, port, environ);
+    for (auto& e : env_text[rank]) envp[rank].push_back(e.data());
+    envp[rank].push_back(nullptr);
+  }
+
+  // The launcher takes these signals with sigtimedwait, so none can slip in between a check
+  // and the wait. Children inherit the mask and lift it only once their death signal is
+  // armed: a signal forwarded to a rank still on its way to exec stays pending, not lost.
+  sigset_t wanted, old_mask;
+  sigemptyset(&wanted);
+  for (const int sig : {SIGCHLD, SIGINT, SIGTERM}) sigaddset(&wanted, sig);
+  ::pthread_sigmask(SIG_BLOCK, &wanted, &old_mask);
+  // An inherited SIG_IGN would have the kernel reap the ranks before waitpid could see how they ended.
+  ::signal(SIGCHLD, SIG_DFL);
+
+  const pid_t launcher = ::getpid();
+  std::vector<pid_t> pids;  // per started rank; 0 once it has been waited for
+  int exit_code = 0;
+  for (int rank = 0; rank < args.nproc; ++rank) {
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+      ::prctl(PR_SET_PDEATHSIG, SIGTERM);
+      // A launcher dead before prctl would leave this rank to run with nobody to stop it.
+      if (::getppid() != launcher) ::_exit(128 + SIGTERM);
+      ::pthread_sigmask(SIG_SETMASK, &old_mask, nullptr);
+      ::execve("/proc/self/exe", argv.data(), envp[rank].data());
+      static const char failed[] = "error: remat launch could not execute /proc/self/exe in a rank.\n";
+      [[maybe_unused]] const ssize_t written = ::write(STDERR_FILENO, failed, sizeof failed - 1);
+      ::_exit(127);
+    }
+    if (pid < 0) {
+      fmt::print(stderr, "remat launch: could not start rank {} ({}); stopping the ranks already started.\n", rank,
+                 std::strerror(errno));
+      exit_code = 1;
+      break;
+    }
+    pids.push_back(pid);
+  }
+
+  using Clock = std::chrono::steady_clock;
+  std::optional<Clock::time_point> deadline;  // set once the ranks have been asked to stop
+  int stop_signal = SIGTERM;
+  bool killed = false;
+  const auto running = [&] { return std::count_if(pids.begin(), pids.end(), [](pid_t p) { return p > 0; }); };
+  const auto send = [&](int sig) {
+    for (const pid_t p : pids) {
+      if (p > 0) ::kill(p, sig);
+    }
+  };
+  const auto stop = [&](int sig) {
+    send(sig);
+    stop_signal = sig;
+    deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(args.grace));
+  };
+  if (exit_code != 0) stop(SIGTERM);
+
+  while (running() > 0) {
+    int status = 0;
+    pid_t pid = 0;
+    while ((pid = ::waitpid(-1, &status, WNOHANG)) > 0) {
+      const auto it = std::find(pids.begin(), pids.end(), pid);
+      if (it == pids.end()) continue;
+      *it = 0;
+      const auto [how, code] = describe_exit(status);
+      if (code == 0 || exit_code != 0) continue;
+      exit_code = code;
+      if (deadline) continue;  // a rank ending while the ranks are being stopped is no news
+      const long others = running();
+      fmt::print(stderr, "remat launch: rank {} (pid {}) {}{}.\n", it - pids.begin(), pid, how,
+                 others == 0 ? "" : fmt::format("; stopping the other {}", ranks(others)));
+      stop(SIGTERM);
+    }
+    if (running() == 0) break;
+
+    int sig = 0;
+    if (deadline && !killed) {
+      const auto left = std::max(Clock::duration::zero(), *deadline - Clock::now());
+      const auto secs = std::chrono::duration_cast<std::chrono::seconds>(left);
+      const timespec ts{static_cast<time_t>(secs.count()),
+                        static_cast<long>(std::chrono::nanoseconds(left - secs).count())};
+      sig = ::sigtimedwait(&wanted, nullptr, &ts);
+    } else {
+      sig = ::sigwaitinfo(&wanted, nullptr);
+    }
+    if (sig == SIGINT || sig == SIGTERM) {
+      fmt::print(stderr, "remat launch: got SIG{}; passing it to the {} still running.\n", ::sigabbrev_np(sig),
+                 ranks(running()));
+      if (deadline) {
+        send(sig);  // the clock already runs: a second signal must not extend it
+      } else {
+        stop(sig);
+      }
+    } else if (sig < 0 && errno == EAGAIN) {
+      fmt::print(stderr, "remat launch: {} still running {} s after SIG{}; killing them (--grace sets the wait).\n",
+                 ranks(running()), args.grace, ::sigabbrev_np(stop_signal));
+      send(SIGKILL);
+      killed = true;
+    }
+  }
+  ::pthread_sigmask(SIG_SETMASK, &old_mask, nullptr);
+  return exit_code;
+}
+
+}  // namespace remat::cli

@@ -1,0 +1,393 @@
+// `remat launch`: the arguments reach every rank, a failing rank stops the job with a
+// sentence, bad arguments start nothing, and signals reach the ranks. Ranks that must stay
+// alive run `plan --config FIFO`: they block opening the FIFO, which costs no CPU and ends
+// only by a signal, so every timing here is a wait on an event, not a guess.
+#include "cli/launch.h"
+#include "data/test_text.h"
+
+#include <gtest/gtest.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <nlohmann/json.hpp>
+#include <sys/socket.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <array>
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <csignal>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <regex>
+#include <set>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace {
+
+namespace fs = std::filesystem;
+using namespace std::chrono_literals;
+
+struct Result {
+  int exit_code;
+  std::string output;  // stdout and stderr together
+};
+
+Result run_remat(const std::string& args) {
+  std::FILE* pipe = popen((std::string(REMAT_BINARY) + " " + args + " 2>&1").c_str(), "r");
+  Result r{-1, ""};
+  std::array<char, 4096> buf{};
+  size_t n = 0;
+  while ((n = std::fread(buf.data(), 1, buf.size(), pipe)) > 0) r.output.append(buf.data(), n);
+  const int status = pclose(pipe);
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  return r;
+}
+
+size_t count(const std::string& text, const std::string& what) {
+  size_t n = 0;
+  for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+  return n;
+}
+
+std::string read_text(const fs::path& path) {
+  std::ostringstream s;
+  s << std::ifstream(path, std::ios::binary).rdbuf();
+  return s.str();
+}
+
+// The "NAME=value" or argv strings of a /proc file holding '\0'-separated ones.
+std::vector<std::string> proc_strings(pid_t pid, const char* file) {
+  std::vector<std::string> items;
+  std::ifstream in("/proc/" + std::to_string(pid) + "/" + file, std::ios::binary);
+  for (std::string item; std::getline(in, item, '\0');) items.push_back(item);
+  return items;
+}
+
+// Children of `parent` that have executed `remat` (argv[0] is "remat" in a rank, the
+// binary's full path in the launcher, and still the launcher's before exec).
+std::vector<pid_t> ranks_of(pid_t parent) {
+  std::vector<pid_t> ranks;
+  for (const auto& entry : fs::directory_iterator("/proc")) {
+    const std::string name = entry.path().filename();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    const std::string stat = read_text(entry.path() / "stat");
+    std::istringstream fields(stat.substr(stat.rfind(')') + 1));
+    char state = 0;
+    pid_t ppid = 0;
+    fields >> state >> ppid;
+    const pid_t pid = std::stoi(name);
+    const auto argv = proc_strings(pid, "cmdline");
+    if (ppid == parent && !argv.empty() && argv[0] == "remat") ranks.push_back(pid);
+  }
+  return ranks;
+}
+
+class Launch : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() / ("remat-launch-" + std::to_string(::getpid()) + "-" +
+                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::create_directories(dir_);
+    fifo_ = (dir_ / "config.fifo").string();
+    ASSERT_EQ(::mkfifo(fifo_.c_str(), 0600), 0);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  // Starts `remat launch --nproc 2 [extra] plan --config FIFO`, output to dir_/log, SIGTERM
+  // ignored from the start when `ignore_sigterm` (its ranks inherit that); returns its pid
+  // once both ranks run `remat`, or -1.
+  pid_t start_blocked_launch(const std::vector<std::string>& extra, bool ignore_sigterm) {
+    std::vector<std::string> args{REMAT_BINARY, "launch", "--nproc", "2"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    for (const char* a : {"plan", "--config"}) args.emplace_back(a);
+    args.push_back(fifo_);
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    const std::string log = (dir_ / "log").string();
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+      const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+      ::dup2(fd, STDOUT_FILENO);
+      ::dup2(fd, STDERR_FILENO);
+      if (ignore_sigterm) ::signal(SIGTERM, SIG_IGN);
+      ::execv(argv[0], argv.data());
+      ::_exit(127);
+    }
+    for (auto waited = 0ms; waited < 20s; waited += 10ms) {
+      if (ranks_of(pid).size() == 2) return pid;
+      std::this_thread::sleep_for(10ms);
+    }
+    ADD_FAILURE() << "the launcher did not start 2 ranks within 20 s: " << read_text(dir_ / "log");
+    ::kill(pid, SIGKILL);
+    ::waitpid(pid, nullptr, 0);
+    return -1;
+  }
+
+  fs::path dir_;
+  std::string fifo_;
+};
+
+// How `pid` (a child of this process) ended, as a shell's exit code; -1, after a SIGKILL, if
+// it is still running after 20 s.
+int wait_exit(pid_t pid) {
+  for (auto waited = 0ms; waited < 20s; waited += 10ms) {
+    int status = 0;
+    if (::waitpid(pid, &status, WNOHANG) == pid) return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    std::this_thread::sleep_for(10ms);
+  }
+  ::kill(pid, SIGKILL);
+  ::waitpid(pid, nullptr, 0);
+  return -1;
+}
+
+TEST(LaunchEnvironment, SetsTheTorchrunVariablesAndDropsTheAgentStore) {
+  const char* base[] = {"PATH=/usr/bin", "RANK=7", "TORCHELASTIC_USE_AGENT_STORE=True", "MASTER_PORT=1", "HOME=/root",
+                        nullptr};
+  const std::vector<std::string> env = remat::cli::rank_environment(2, 3, 29511, base);
+  const std::set<std::string> got(env.begin(), env.end());
+  EXPECT_EQ(got.size(), env.size()) << "a variable appears twice";
+  const std::set<std::string> expected = {
+      "PATH=/usr/bin", "HOME=/root",   "RANK=2",        "LOCAL_RANK=2",          "WORLD_SIZE=3",
+      "LOCAL_WORLD_SIZE=3", "GROUP_RANK=0", "MASTER_ADDR=127.0.0.1", "MASTER_PORT=29511"};
+  EXPECT_EQ(got, expected);
+  EXPECT_EQ(remat::cli::rank_environment(0, 1, 5, nullptr).size(), 7u);
+}
+
+TEST_F(Launch, EveryRankRunsTheSubcommandWithItsArguments) {
+  // --budget would be refused by launch itself: it must reach the ranks untouched.
+  const Result r = run_remat("launch --nproc 2 plan --budget 0.6 model.preset=gpt2-demo");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(count(r.output, "remat plan: gpt2-demo (gpt2)"), 2u) << r.output;
+  EXPECT_EQ(count(r.output, "(\"0.6\"); no-recompute peak"), 2u) << r.output;
+  EXPECT_EQ(count(r.output, "remat launch:"), 0u) << r.output;
+}
+
+TEST_F(Launch, AFailingRankEndsTheLaunchWithItsStatus) {
+  const Result r = run_remat("launch --nproc 2 plan model.preset=nonexistent");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  // The other rank may be stopped before it says the same.
+  EXPECT_GE(count(r.output, "error: Unknown model preset 'nonexistent'"), 1u) << r.output;
+  EXPECT_EQ(count(r.output, "remat launch:"), 1u) << r.output;
+  EXPECT_TRUE(std::regex_search(r.output, std::regex(R"(remat launch: rank [01] \(pid \d+\) exited with status 1)")))
+      << r.output;
+}
+
+TEST_F(Launch, BadArgumentsAreRefusedBeforeAnyRankStarts) {
+  const std::pair<std::string, std::string> cases[] = {
+      {"--nproc 0 plan model.preset=gpt2-demo", "--nproc 0 is out of range; remat launch starts from 1 to 1024"},
+      {"--nproc 1025 plan model.preset=gpt2-demo", "--nproc 1025 is out of range"},
+      {"--nproc 2", "needs the subcommand its ranks run, after its own options, e.g. `remat launch --nproc 2 train"},
+      {"--nproc 2 trian model.preset=gpt2-demo",
+       "'trian' is not a subcommand remat launch can run; valid subcommands: prepare, train, plan, bench, generate."},
+      {"--nproc 2 launch --nproc 2 plan model.preset=gpt2-demo", "remat launch cannot run launch in its ranks"},
+      {"--nproc 2 --budget 0.6 plan model.preset=gpt2-demo",
+       "takes only --nproc, --master-port and --grace before the subcommand, but got --budget"},
+      {"--nproc 2 --master-port 65536 plan model.preset=gpt2-demo", "--master-port 65536 is not a TCP port"},
+      {"--nproc 2 --grace -1 plan model.preset=gpt2-demo", "--grace -1 is not a number of seconds"},
+  };
+  for (const auto& [args, expected] : cases) {
+    const Result r = run_remat("launch " + args);
+    EXPECT_EQ(r.exit_code, 1) << args << "\n" << r.output;
+    EXPECT_EQ(r.output.rfind("error: ", 0), 0u) << args << "\n" << r.output;
+    EXPECT_NE(r.output.find(expected), std::string::npos) << args << "\n" << r.output;
+    EXPECT_EQ(count(r.output, "\n"), 1u) << "one sentence, and no rank's output: " << args << "\n" << r.output;
+  }
+}
+
+TEST_F(Launch, SigtermReachesEveryRank) {
+  const pid_t launcher = start_blocked_launch({}, false);
+  ASSERT_GT(launcher, 0);
+  const std::vector<pid_t> ranks = ranks_of(launcher);
+  std::set<std::string> rank_vars, ports;
+  for (const pid_t rank : ranks) {
+    for (const auto& var : proc_strings(rank, "environ")) {
+      if (var.rfind("RANK=", 0) == 0) rank_vars.insert(var);
+      if (var.rfind("MASTER_PORT=", 0) == 0) ports.insert(var);
+    }
+  }
+  EXPECT_EQ(rank_vars, (std::set<std::string>{"RANK=0", "RANK=1"}));
+  EXPECT_EQ(ports.size(), 1u);
+
+  ASSERT_EQ(::kill(launcher, SIGTERM), 0);
+  EXPECT_EQ(wait_exit(launcher), 128 + SIGTERM);
+  const std::string log = read_text(dir_ / "log");
+  EXPECT_NE(log.find("remat launch: got SIGTERM; passing it to the 2 ranks still running."), std::string::npos) << log;
+  EXPECT_EQ(count(log, "remat launch:"), 1u) << "ranks stopped by the signal are not failures: " << log;
+  for (const pid_t rank : ranks) EXPECT_TRUE(::kill(rank, 0) == -1 && errno == ESRCH) << "rank " << rank << " lives";
+}
+
+TEST_F(Launch, RanksThatIgnoreSigtermAreKilledAfterTheGrace) {
+  const pid_t launcher = start_blocked_launch({"--grace", "0.5"}, true);
+  ASSERT_GT(launcher, 0);
+  ASSERT_EQ(::kill(launcher, SIGTERM), 0);
+  EXPECT_EQ(wait_exit(launcher), 128 + SIGKILL);
+  const std::string log = read_text(dir_ / "log");
+  EXPECT_NE(log.find("remat launch: 2 ranks still running 0.5 s after SIGTERM; killing them"), std::string::npos)
+      << log;
+}
+
+TEST_F(Launch, RanksDieWithTheLauncher) {
+  // The orphaned ranks come to this process, which can then see how they ended.
+  ASSERT_EQ(::prctl(PR_SET_CHILD_SUBREAPER, 1), 0);
+  const pid_t launcher = start_blocked_launch({}, false);
+  if (launcher > 0) {
+    const std::vector<pid_t> ranks = ranks_of(launcher);
+    ::kill(launcher, SIGKILL);
+    EXPECT_EQ(wait_exit(launcher), 128 + SIGKILL);
+    for (const pid_t rank : ranks) EXPECT_EQ(wait_exit(rank), 128 + SIGTERM) << "rank " << rank;
+  }
+  ::prctl(PR_SET_CHILD_SUBREAPER, 0);
+}
+
+// Training on several ranks: the rows of every batch split over them, joined through a
+// TCPStore and Gloo on the loopback, launched by `remat launch`, by torchrun, or by hand.
+class LaunchedTraining : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() / ("remat-dp-" + std::to_string(::getpid()) + "-" +
+                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::create_directories(dir_);
+    const fs::path text = dir_ / "corpus.txt";
+    std::ofstream(text, std::ios::binary) << remat::testing::make_text(1000);
+    common_ = "model.preset=tiny-gpt2 model.vocab_size=0 model.dropout=0.1 train.batch=4 train.seq=16 "
+              "train.warmup=1 train.eval_batches=1 data.vocab_size=512 run.threads=1 run.progress=false "
+              "run.sample_tokens=0 data.text=" + text.string() + " data.dir=" + (dir_ / "data").string() +
+              " run.out_dir=" + (dir_ / "runs").string();
+    // Once, so that no rank races another building the corpus.
+    const Result r = run_remat("prepare " + common_);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  // The "kind":"train" lines of a run's metrics.
+  std::vector<nlohmann::json> train_lines(const std::string& run) const {
+    std::vector<nlohmann::json> lines;
+    std::ifstream in(dir_ / "runs" / run / "metrics.jsonl");
+    for (std::string line; std::getline(in, line);) {
+      auto j = nlohmann::json::parse(line);
+      if (j["kind"] == "train") lines.push_back(j);
+    }
+    return lines;
+  }
+
+  // Starts `remat train` as rank `rank` of `world` by the torchrun variables, output to
+  // dir_/log<rank>.
+  pid_t start_rank(int rank, int world, int port, const std::string& settings) {
+    const std::string log = (dir_ / ("log" + std::to_string(rank))).string();
+    const std::string cmd = std::string("exec ") + REMAT_BINARY + " train " + common_ + " " + settings;
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+      const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+      ::dup2(fd, STDOUT_FILENO);
+      ::dup2(fd, STDERR_FILENO);
+      ::setenv("RANK", std::to_string(rank).c_str(), 1);
+      ::setenv("LOCAL_RANK", std::to_string(rank).c_str(), 1);
+      ::setenv("WORLD_SIZE", std::to_string(world).c_str(), 1);
+      ::setenv("LOCAL_WORLD_SIZE", std::to_string(world).c_str(), 1);
+      ::setenv("MASTER_ADDR", "127.0.0.1", 1);
+      ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+      ::execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char*>(nullptr));
+      ::_exit(127);
+    }
+    return pid;
+  }
+
+  fs::path dir_;
+  std::string common_;
+};
+
+// A port no one listens on now (the kernel's pick for port 0).
+int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
+  socklen_t len = sizeof addr;
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  ::close(fd);
+  return ntohs(addr.sin_port);
+}
+
+// `remat launch` and torchrun run the same ranks, so their losses are bitwise alike; only
+// rank 0 writes the run, and it reports every rank's peak. One process over the same rows
+// draws the same dropout elements (each rank keys them by its rows' global position), so
+// its first loss, the mean of the same N token losses summed in another order, is within
+// 2 gamma_N of it (both means within gamma_N = N u / (1 - N u) of the exact one, u = 2^-24,
+// the terms being positive; Higham 4.2); a rank drawing other elements is far outside.
+TEST_F(LaunchedTraining, LaunchAndTorchrunTrainAlikeAndOneProcessAgrees) {
+  const std::string steps = " train.steps=3 ";
+  const Result launched = run_remat("launch --nproc 2 train " + common_ + steps + "run.name=launch");
+  ASSERT_EQ(launched.exit_code, 0) << launched.output;
+  EXPECT_NE(launched.output.find("memory peak per rank: rank 0 "), std::string::npos) << launched.output;
+  const Result single = run_remat("train " + common_ + steps + "run.name=single");
+  ASSERT_EQ(single.exit_code, 0) << single.output;
+
+  const auto lines = train_lines("launch");
+  ASSERT_EQ(lines.size(), 3u);
+  for (const auto& line : lines) EXPECT_EQ(line["rank_peak_bytes"].size(), 2u) << line;
+  const double n = 4 * 16, gamma = n * 0x1p-24 / (1 - n * 0x1p-24);
+  const double one = train_lines("single").at(0)["loss"];
+  EXPECT_LE(std::abs(lines[0]["loss"].get<double>() - one), 2 * gamma * one);
+  const auto summary = nlohmann::json::parse(read_text(dir_ / "runs" / "launch" / "summary.json"));
+  EXPECT_EQ(summary["ranks"], 2);
+  EXPECT_EQ(summary["rank_peak_bytes"].size(), 2u);
+
+  if (!fs::exists("/usr/bin/torchrun")) GTEST_SKIP() << "no /usr/bin/torchrun (Debian's python3-torch)";
+  std::string cmd = "/usr/bin/torchrun --no_python -r 1 -t 1 --nproc_per_node 2 --master_port " +
+                    std::to_string(free_port()) + " " + REMAT_BINARY + " train " + common_ + steps +
+                    "run.name=torchrun 2>&1";
+  std::FILE* pipe = popen(cmd.c_str(), "r");
+  std::string out;
+  std::array<char, 4096> buf{};
+  for (size_t got = 0; (got = std::fread(buf.data(), 1, buf.size(), pipe)) > 0;) out.append(buf.data(), got);
+  ASSERT_EQ(pclose(pipe), 0) << out;
+  const auto by_torchrun = train_lines("torchrun");
+  ASSERT_EQ(by_torchrun.size(), lines.size());
+  for (size_t i = 0; i < lines.size(); ++i) EXPECT_EQ(by_torchrun[i]["loss"], lines[i]["loss"]) << "step " << i + 1;
+}
+
+// One of four ranks killed in the middle of training: the other three stop within
+// parallel.timeout, each with the sentence naming it and the operation, instead of
+// waiting for ever.
+TEST_F(LaunchedTraining, ADeadRankStopsTheOthersWithASentence) {
+  constexpr int kRanks = 4, kKilled = 2;
+  const int port = free_port();
+  const std::string settings = "train.steps=100000 parallel.timeout=60 run.name=dead";
+  std::vector<pid_t> pids;
+  for (int r = 0; r < kRanks; ++r) pids.push_back(start_rank(r, kRanks, port, settings));
+  // Until rank 0 logs a step (or ends, which the expectations below then report).
+  while (train_lines("dead").empty() && ::waitpid(pids[0], nullptr, WNOHANG) == 0) ::usleep(10000);
+  ::kill(pids[kKilled], SIGKILL);
+  const auto killed = std::chrono::steady_clock::now();
+  EXPECT_EQ(wait_exit(pids[kKilled]), 128 + SIGKILL);
+  for (int r = 0; r < kRanks; ++r) {
+    if (r == kKilled) continue;
+    const std::string log_name = "log" + std::to_string(r);
+    EXPECT_EQ(wait_exit(pids[static_cast<size_t>(r)]), 1) << read_text(dir_ / log_name);
+    const std::string log = read_text(dir_ / log_name);
+    EXPECT_TRUE(std::regex_search(log, std::regex(R"(error: rank 2 stopped answering during [a-z -]+ of step \d+)")))
+        << "rank " << r << ": " << log;
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - killed, 20s);
+}
+
+// A rank that never comes: the one that did stops after parallel.timeout, naming it.
+TEST_F(LaunchedTraining, ARankThatNeverJoinsIsNamedAfterTheTimeout) {
+  const pid_t lead = start_rank(0, 2, free_port(), "train.steps=3 parallel.timeout=5 run.name=alone");
+  EXPECT_EQ(wait_exit(lead), 1);
+  const std::string log = read_text(dir_ / "log0");
+  EXPECT_NE(log.find("rank 1 of 2 did not join within parallel.timeout = 5 s"), std::string::npos) << log;
+}
+
+}  // namespace
