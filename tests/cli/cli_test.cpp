@@ -1,15 +1,14 @@
 // The `remat` binary on bad input: one clear sentence on stderr and a non-zero exit,
 // never a crash or a backtrace.
 #include "data/test_text.h"
+#include "util/processes.h"
 
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>
 #include <nlohmann/json.hpp>
 
-#include <array>
 #include <csignal>
-#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -20,32 +19,13 @@ namespace {
 
 namespace fs = std::filesystem;
 
-struct Result {
-  int exit_code;
-  std::string output;  // stdout and stderr together
-};
-
-// Runs in `cwd` when it is given.
-Result run_remat(const std::string& args, const fs::path& cwd = {}) {
-  const std::string cmd =
-      (cwd.empty() ? "" : "cd '" + cwd.string() + "' && ") + std::string(REMAT_BINARY) + " " + args + " 2>&1";
-  std::FILE* pipe = popen(cmd.c_str(), "r");
-  Result r{-1, ""};
-  std::array<char, 4096> buf{};
-  size_t n = 0;
-  while ((n = std::fread(buf.data(), 1, buf.size(), pipe)) > 0) r.output.append(buf.data(), n);
-  const int status = pclose(pipe);
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-  return r;
-}
+using remat::testing::read_text;
+using remat::testing::Result;
+using remat::testing::run_remat;
 
 class Cli : public ::testing::Test {
  protected:
-  void SetUp() override {
-    dir_ = fs::temp_directory_path() / ("remat-cli-" + std::to_string(::getpid()) + "-" +
-                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::create_directories(dir_);
-  }
+  void SetUp() override { dir_ = remat::testing::test_dir("remat-cli-"); }
   void TearDown() override { fs::remove_all(dir_); }
 
   // Exit code 1 and, after any progress lines, one last line "error: ..." containing
@@ -347,11 +327,6 @@ std::vector<double> train_losses(const fs::path& run) {
   return out;
 }
 
-std::string bytes_of(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), {});
-}
-
 // A run killed (SIGKILL, or SIGTERM, which checkpoints and exits) at seeded random moments,
 // a checkpoint written every step so that many kills land inside a write, then resumed
 // until it finishes: its weights and every logged loss are bitwise the uninterrupted
@@ -383,7 +358,7 @@ TEST_F(Cli, ARunKilledAtRandomPointsAndResumedIsBitwiseTheUninterruptedRun) {
     ASSERT_EQ(last.exit_code, 0) << last.output;
   }
   EXPECT_EQ(train_losses(run), train_losses(dir_ / "runs" / "whole"));
-  EXPECT_EQ(bytes_of(run / "model.safetensors"), bytes_of(dir_ / "runs" / "whole" / "model.safetensors"));
+  EXPECT_EQ(read_text(run / "model.safetensors"), read_text(dir_ / "runs" / "whole" / "model.safetensors"));
   for (const auto& e : fs::recursive_directory_iterator(run)) {
     EXPECT_EQ(e.path().filename().string().find(".tmp."), std::string::npos) << e.path();
   }
@@ -407,6 +382,7 @@ TEST_F(Cli, OutOfRangeSettingsAreRefusedBeforeAnythingRuns) {
        "model.max_seq must be at most 16777216 (16M tokens of context), got 268435456."},
       {"plan model.preset=llama3-8b model.max_seq=16777216 train.seq=16777216 train.batch=64",
        "The attention probabilities of 32 layers at train.batch = 64 x train.seq = 16777216 with 32 heads"},
+      {"plan --budget '' model.n_layer=2", "--budget \"\" gives --budget an empty value; give a budget"},
       {"plan --budget= model.n_layer=2", "--budget= gives --budget an empty value; write the value after '=' or "
                                          "leave the option out."},
       {"plan model.n_layer=10000", "model.n_layer must be at most 1024 (layers), got 10000."},

@@ -4,24 +4,21 @@
 // only by a signal, so every timing here is a wait on an event, not a guess.
 #include "cli/launch.h"
 #include "data/test_text.h"
+#include "util/processes.h"
 
 #include <gtest/gtest.h>
 #include <fcntl.h>
-#include <netinet/in.h>
 #include <nlohmann/json.hpp>
-#include <sys/socket.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <array>
 #include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <csignal>
-#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <regex>
@@ -36,32 +33,15 @@ namespace {
 namespace fs = std::filesystem;
 using namespace std::chrono_literals;
 
-struct Result {
-  int exit_code;
-  std::string output;  // stdout and stderr together
-};
-
-Result run_remat(const std::string& args) {
-  std::FILE* pipe = popen((std::string(REMAT_BINARY) + " " + args + " 2>&1").c_str(), "r");
-  Result r{-1, ""};
-  std::array<char, 4096> buf{};
-  size_t n = 0;
-  while ((n = std::fread(buf.data(), 1, buf.size(), pipe)) > 0) r.output.append(buf.data(), n);
-  const int status = pclose(pipe);
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-  return r;
-}
+using remat::testing::free_port;
+using remat::testing::read_text;
+using remat::testing::Result;
+using remat::testing::run_remat;
 
 size_t count(const std::string& text, const std::string& what) {
   size_t n = 0;
   for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
   return n;
-}
-
-std::string read_text(const fs::path& path) {
-  std::ostringstream s;
-  s << std::ifstream(path, std::ios::binary).rdbuf();
-  return s.str();
 }
 
 // The "NAME=value" or argv strings of a /proc file holding '\0'-separated ones.
@@ -94,9 +74,7 @@ std::vector<pid_t> ranks_of(pid_t parent) {
 class Launch : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = fs::temp_directory_path() / ("remat-launch-" + std::to_string(::getpid()) + "-" +
-                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::create_directories(dir_);
+    dir_ = remat::testing::test_dir("remat-launch-");
     fifo_ = (dir_ / "config.fifo").string();
     ASSERT_EQ(::mkfifo(fifo_.c_str(), 0600), 0);
   }
@@ -254,9 +232,7 @@ TEST_F(Launch, RanksDieWithTheLauncher) {
 class LaunchedTraining : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = fs::temp_directory_path() / ("remat-dp-" + std::to_string(::getpid()) + "-" +
-                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::create_directories(dir_);
+    dir_ = remat::testing::test_dir("remat-dp-");
     const fs::path text = dir_ / "corpus.txt";
     std::ofstream(text, std::ios::binary) << remat::testing::make_text(1000);
     common_ = "model.preset=tiny-gpt2 model.vocab_size=0 model.dropout=0.1 train.batch=4 train.seq=16 "
@@ -306,19 +282,6 @@ class LaunchedTraining : public ::testing::Test {
   std::string common_;
 };
 
-// A port no one listens on now (the kernel's pick for port 0).
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
-  socklen_t len = sizeof addr;
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  ::close(fd);
-  return ntohs(addr.sin_port);
-}
-
 // `remat launch` and torchrun run the same ranks, so their losses are bitwise alike; only
 // rank 0 writes the run, and it reports every rank's peak. One process over the same rows
 // draws the same dropout elements (each rank keys them by its rows' global position), so
@@ -344,14 +307,10 @@ TEST_F(LaunchedTraining, LaunchAndTorchrunTrainAlikeAndOneProcessAgrees) {
   EXPECT_EQ(summary["rank_peak_bytes"].size(), 2u);
 
   if (!fs::exists("/usr/bin/torchrun")) GTEST_SKIP() << "no /usr/bin/torchrun (Debian's python3-torch)";
-  std::string cmd = "/usr/bin/torchrun --no_python -r 1 -t 1 --nproc_per_node 2 --master_port " +
-                    std::to_string(free_port()) + " " + REMAT_BINARY + " train " + common_ + steps +
-                    "run.name=torchrun 2>&1";
-  std::FILE* pipe = popen(cmd.c_str(), "r");
-  std::string out;
-  std::array<char, 4096> buf{};
-  for (size_t got = 0; (got = std::fread(buf.data(), 1, buf.size(), pipe)) > 0;) out.append(buf.data(), got);
-  ASSERT_EQ(pclose(pipe), 0) << out;
+  const Result torchrun = remat::testing::run_shell(
+      "/usr/bin/torchrun --no_python -r 1 -t 1 --nproc_per_node 2 --master_port " + std::to_string(free_port()) + " " +
+      REMAT_BINARY + " train " + common_ + steps + "run.name=torchrun");
+  ASSERT_EQ(torchrun.exit_code, 0) << torchrun.output;
   const auto by_torchrun = train_lines("torchrun");
   ASSERT_EQ(by_torchrun.size(), lines.size());
   for (size_t i = 0; i < lines.size(); ++i) EXPECT_EQ(by_torchrun[i]["loss"], lines[i]["loss"]) << "step " << i + 1;

@@ -5,13 +5,10 @@
 #include "remat/policy.h"
 #include "train/data_parallel.h"
 #include "train/step.h"
+#include "util/processes.h"
 #include "util/seeded.h"
 
 #include <gtest/gtest.h>
-
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
 
 #include <cmath>
 #include <functional>
@@ -20,22 +17,9 @@
 namespace remat {
 namespace {
 
-// A port no one listens on now (the kernel's pick for port 0).
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
-  socklen_t len = sizeof addr;
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  ::close(fd);
-  return ntohs(addr.sin_port);
-}
-
 // Runs `body` on `n` ranks, one thread each, joined as one job.
 void on_ranks(int n, const std::function<void(dist::Comm&)>& body) {
-  const int port = free_port();
+  const int port = testing::free_port();
   std::vector<std::string> errors(static_cast<size_t>(n));
   std::vector<std::thread> threads;
   for (int r = 0; r < n; ++r) {
