@@ -209,6 +209,10 @@ int run(int argc, char** argv) {
       return cmd_train(config_file, overrides, resume_dir);
     }
     if (plan_cmd->parsed()) {
+      if (plan_cmd->count("--budget") > 0 && plan_args.budget.empty()) {
+        throw std::invalid_argument("--budget \"\" gives --budget an empty value; give a budget (e.g. --budget 12GiB "
+                                    "or --budget 0.6) or leave the option out for the no-recompute peak.");
+      }
       check_path("--plot", plan_args.plot);
       return cmd_plan(load_config(config_file, overrides), plan_args);
     }

@@ -193,7 +193,7 @@ std::string pack_tokens(const std::vector<int32_t>& ids, int token_bytes) {
   if (token_bytes == 2) {
     auto* out = reinterpret_cast<uint16_t*>(bytes.data());
     for (size_t i = 0; i < ids.size(); ++i) out[i] = static_cast<uint16_t>(ids[i]);
-  } else {
+  } else if (!ids.empty()) {  // memcpy from an empty vector's null data() is undefined
     std::memcpy(bytes.data(), ids.data(), bytes.size());
   }
   return bytes;
