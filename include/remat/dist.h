@@ -68,8 +68,8 @@ class Comm {
   /// bfloat16). `what` names the operation in a failure ("the gradient all-reduce of step
   /// 3"). The tensors are reduced together, asynchronously, then waited for.
   void all_reduce_sum(std::vector<at::Tensor>& tensors, const std::string& what);
-  /// Every rank's `value`, in rank order.
-  std::vector<int64_t> all_gather(int64_t value, const std::string& what);
+  /// Every rank's `values` (the same count on every rank), in rank order.
+  std::vector<std::vector<int64_t>> all_gather(const std::vector<int64_t>& values, const std::string& what);
   /// Returns when every rank has called it.
   void barrier(const std::string& what);
   /// Publishes `value` under `key` in the job's store, for await().

@@ -62,8 +62,19 @@ void check_args(const LaunchArgs& args) {
   }
 }
 
-// Free when asked; another process may still take it before rank 0 binds it, which is
-// what --master-port is for.
+// How a rank ended, in words, and the exit code a shell gives it.
+std::pair<std::string, int> describe_exit(int status) {
+  if (WIFSIGNALED(status)) {
+    const int sig = WTERMSIG(status);
+    return {fmt::format("was killed by signal {} ({})", sig, ::strsignal(sig)), 128 + sig};
+  }
+  return {fmt::format("exited with status {}", WEXITSTATUS(status)), WEXITSTATUS(status)};
+}
+
+std::string ranks(long n) { return fmt::format("{} rank{}", n, n == 1 ? "" : "s"); }
+
+}  // namespace
+
 int free_port() {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in addr{};
@@ -81,19 +92,6 @@ int free_port() {
   }
   return ntohs(addr.sin_port);
 }
-
-// How a rank ended, in words, and the exit code a shell gives it.
-std::pair<std::string, int> describe_exit(int status) {
-  if (WIFSIGNALED(status)) {
-    const int sig = WTERMSIG(status);
-    return {fmt::format("was killed by signal {} ({})", sig, ::strsignal(sig)), 128 + sig};
-  }
-  return {fmt::format("exited with status {}", WEXITSTATUS(status)), WEXITSTATUS(status)};
-}
-
-std::string ranks(long n) { return fmt::format("{} rank{}", n, n == 1 ? "" : "s"); }
-
-}  // namespace
 
 const std::vector<std::string>& launchable_subcommands() {
   static const std::vector<std::string> names = {"prepare", "train", "plan", "bench", "generate"};

@@ -15,6 +15,11 @@ struct LaunchArgs {
   std::vector<std::string> command;  ///< the subcommand and its arguments, verbatim for every rank
 };
 
+/// A TCP port free on 127.0.0.1 when asked (another process may still take it before
+/// rank 0 binds it, which is what --master-port is for). Throws a sentence when the kernel
+/// gives none.
+int free_port();
+
 /// The subcommands a rank may run: prepare, train, plan, bench, generate.
 const std::vector<std::string>& launchable_subcommands();
 

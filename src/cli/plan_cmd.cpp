@@ -127,10 +127,6 @@ int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
   if (m.vocab_size == 0) m.vocab_size = cfg.data.vocab_size;  // what `remat prepare` will train
   // A rank's share of the batch: its memory and time are what a data-parallel run plans.
   const int64_t ranks = data_parallel_ranks(cfg);
-  if (cfg.train.batch % ranks != 0) {
-    throw std::invalid_argument(fmt::format("train.batch = {} sequences cannot be split evenly over {} data-parallel "
-                                            "ranks; make train.batch a multiple of {}.", cfg.train.batch, ranks, ranks));
-  }
   cost::StepShape shape;
   shape.batch = cfg.train.batch / ranks;
   shape.seq = cfg.train.seq;

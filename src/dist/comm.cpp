@@ -315,14 +315,15 @@ void Comm::all_reduce_sum(std::vector<at::Tensor>& tensors, const std::string& w
   for (const auto& w : works) state_->wait(w, what);
 }
 
-std::vector<int64_t> Comm::all_gather(int64_t value, const std::string& what) {
-  std::vector<at::Tensor> input{at::full({1}, value, at::kLong)};
+std::vector<std::vector<int64_t>> Comm::all_gather(const std::vector<int64_t>& values, const std::string& what) {
+  const auto n = static_cast<int64_t>(values.size());
+  std::vector<at::Tensor> input{at::tensor(values, at::kLong)};
   std::vector<std::vector<at::Tensor>> output(1);
-  for (int r = 0; r < size_; ++r) output[0].push_back(at::empty({1}, at::kLong));
+  for (int r = 0; r < size_; ++r) output[0].push_back(at::empty({n}, at::kLong));
   state_->wait(state_->group->allgather(output, input), what);
-  std::vector<int64_t> values;
-  for (const at::Tensor& t : output[0]) values.push_back(t.item<int64_t>());
-  return values;
+  std::vector<std::vector<int64_t>> gathered;
+  for (const at::Tensor& t : output[0]) gathered.emplace_back(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + n);
+  return gathered;
 }
 
 void Comm::post(const std::string& key, const std::string& value) {

@@ -30,12 +30,7 @@ std::unique_ptr<dist::Comm> join_ranks(const Config& cfg) {
         cfg.parallel.dp, env ? fmt::format("the launcher started {}", world) : "this process runs alone",
         cfg.parallel.dp, cfg.parallel.dp));
   }
-  if (cfg.train.batch % world != 0) {
-    throw std::invalid_argument(fmt::format(
-        "train.batch = {} sequences cannot be split evenly over the {} ranks started; make train.batch a multiple "
-        "of {} (it counts the sequences of all ranks together).", cfg.train.batch, world, world));
-  }
-  if (world == 1) return nullptr;
+  if (data_parallel_ranks(cfg) == 1) return nullptr;
   if (cfg.run.device != "cpu") {
     throw std::invalid_argument(fmt::format(
         "Several ranks train on the CPU only so far (Gloo); run.device = {} with {} ranks needs NCCL, which this "
@@ -46,9 +41,14 @@ std::unique_ptr<dist::Comm> join_ranks(const Config& cfg) {
 }
 
 int64_t data_parallel_ranks(const Config& cfg) {
-  if (cfg.parallel.dp > 0) return cfg.parallel.dp;
   const std::optional<dist::LaunchEnv> env = dist::launch_env();
-  return env ? env->world_size : 1;
+  const int64_t ranks = cfg.parallel.dp > 0 ? cfg.parallel.dp : env ? env->world_size : 1;
+  if (cfg.train.batch % ranks != 0) {
+    throw std::invalid_argument(fmt::format(
+        "train.batch = {} sequences cannot be split evenly over {} data-parallel ranks; make train.batch a multiple "
+        "of {} (it counts the sequences of all ranks together).", cfg.train.batch, ranks, ranks));
+  }
+  return ranks;
 }
 
 int64_t rank_threads(const Config& cfg) {

@@ -15,11 +15,12 @@ namespace remat {
 
 /// The job the launcher started, joined: null when this process runs alone (no launcher,
 /// or one rank). Refuses with a sentence a parallel.dp that is not the number of ranks
-/// started, or a train.batch they cannot share evenly.
+/// started, or a train.batch they cannot share evenly (data_parallel_ranks).
 std::unique_ptr<dist::Comm> join_ranks(const Config& cfg);
 
 /// The data-parallel ranks a run of `cfg` trains on: parallel.dp when set, else the ranks
-/// the launcher started (1 without one). Each rank's microbatch is train.batch / that.
+/// the launcher started (1 without one). Each rank's microbatch is train.batch / that;
+/// refuses with a sentence a train.batch they cannot share evenly.
 int64_t data_parallel_ranks(const Config& cfg);
 
 /// The intra-op threads of this rank: run.threads when set, else the host's cores shared

@@ -357,9 +357,11 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
     std::vector<int64_t> rank_peaks{r.peak_bytes};
     int stop = signals.caught();
     if (ranks != nullptr) {
-      rank_peaks = ranks->all_gather(r.peak_bytes, fmt::format("gathering the peaks of step {}", step + 1));
-      for (const int64_t caught : ranks->all_gather(stop, fmt::format("the stop check of step {}", step + 1))) {
-        if (stop == 0) stop = static_cast<int>(caught);
+      rank_peaks.clear();
+      const std::string what = fmt::format("gathering the peaks of step {}", step + 1);
+      for (const std::vector<int64_t>& peak_and_signal : ranks->all_gather({r.peak_bytes, stop}, what)) {
+        rank_peaks.push_back(peak_and_signal[0]);
+        if (stop == 0) stop = static_cast<int>(peak_and_signal[1]);
       }
     }
     const int64_t peak = *std::max_element(rank_peaks.begin(), rank_peaks.end());

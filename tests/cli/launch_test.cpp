@@ -33,7 +33,7 @@ namespace {
 namespace fs = std::filesystem;
 using namespace std::chrono_literals;
 
-using remat::testing::free_port;
+using remat::cli::free_port;
 using remat::testing::read_text;
 using remat::testing::Result;
 using remat::testing::run_remat;
@@ -148,6 +148,17 @@ TEST_F(Launch, EveryRankRunsTheSubcommandWithItsArguments) {
   EXPECT_EQ(count(r.output, "remat plan: gpt2-demo (gpt2)"), 2u) << r.output;
   EXPECT_EQ(count(r.output, "(\"0.6\"); no-recompute peak"), 2u) << r.output;
   EXPECT_EQ(count(r.output, "remat launch:"), 0u) << r.output;
+}
+
+TEST_F(Launch, PlanningUnderLaunchPlansARanksShareOfTheBatch) {
+  const Result r = run_remat("launch --nproc 2 plan model.preset=gpt2-demo train.batch=16");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(count(r.output, "batch 8 x 128 tokens per rank (train.batch = 16 over 2 data-parallel ranks)"), 2u)
+      << r.output;
+  const Result odd = run_remat("launch --nproc 2 plan model.preset=gpt2-demo train.batch=15");
+  EXPECT_EQ(odd.exit_code, 1) << odd.output;
+  EXPECT_GE(count(odd.output, "error: train.batch = 15 sequences cannot be split evenly over 2 data-parallel ranks; "
+                              "make train.batch a multiple of 2"), 1u) << odd.output;
 }
 
 TEST_F(Launch, AFailingRankEndsTheLaunchWithItsStatus) {

@@ -1,11 +1,11 @@
 // Data parallelism against one process: ranks run as threads of this test, joined through
 // a real TCPStore and Gloo group on the loopback, each training on its rows of one batch.
+#include "cli/launch.h"
 #include "remat/dist.h"
 #include "remat/model.h"
 #include "remat/policy.h"
 #include "train/data_parallel.h"
 #include "train/step.h"
-#include "util/processes.h"
 #include "util/seeded.h"
 
 #include <gtest/gtest.h>
@@ -19,7 +19,7 @@ namespace {
 
 // Runs `body` on `n` ranks, one thread each, joined as one job.
 void on_ranks(int n, const std::function<void(dist::Comm&)>& body) {
-  const int port = testing::free_port();
+  const int port = cli::free_port();
   std::vector<std::string> errors(static_cast<size_t>(n));
   std::vector<std::thread> threads;
   for (int r = 0; r < n; ++r) {

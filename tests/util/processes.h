@@ -1,10 +1,8 @@
-// Running the `remat` binary and other processes from tests: their output, a scratch
-// directory per test, a free port.
+// Running the `remat` binary and other processes from tests: their output, and a
+// scratch directory per test.
 #pragma once
 
 #include <gtest/gtest.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -53,19 +51,6 @@ inline std::string read_text(const std::filesystem::path& path) {
   std::ostringstream s;
   s << std::ifstream(path, std::ios::binary).rdbuf();
   return s.str();
-}
-
-/// A loopback port no one listens on now (the kernel's pick for port 0).
-inline int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
-  socklen_t len = sizeof addr;
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  ::close(fd);
-  return ntohs(addr.sin_port);
 }
 
 }  // namespace remat::testing
