@@ -257,7 +257,7 @@ BenchResult run_bench(const BenchOptions& o) {
   nlohmann::json rows = nlohmann::json::array();
   for (const auto& r : result.rows) rows.push_back(row_json(r));
   const nlohmann::json json = {
-      {"machine", {{"device", device.str()}, {"threads", threads}, {"dtype", common.run.dtype},
+      {"machine", {{"device", device.str()}, {"threads", threads}, {"blas", blas_name()}, {"dtype", common.run.dtype},
                    {"preset", common.model.preset}, {"batch", t.batch}, {"seq", t.seq},
                    {"grad_accum", t.grad_accum}}},
       {"warmup", o.warmup},

@@ -45,18 +45,60 @@ at::ScalarType parse_dtype(const std::string& name, at::Device device) {
   throw std::invalid_argument(fmt::format("run.dtype must be float32 or bfloat16, got '{}'.", name));
 }
 
-int set_threads(int64_t requested) {
-  // An OpenBLAS built on pthreads keeps its own pool beside ATen's OpenMP one; after every
-  // GEMM its workers spin on sched_yield while OpenMP's spin in turn, so both pools fight for
-  // the same cores (over half the CPU time of a gpt2-demo step on 2 cores). ATen's threads
-  // alone own the cores: OpenBLAS runs single-threaded. Absent from other BLAS builds: no-op.
-  using BlasSetThreads = void (*)(int);
-  if (auto blas_set = reinterpret_cast<BlasSetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) {
-    blas_set(1);
+namespace {
+
+// OpenBLAS's threading, as openblas_get_parallel() reports it.
+enum class BlasThreading { none = 0, pthreads = 1, openmp = 2 };
+
+// The OpenBLAS that serves ATen's matrix multiplies, looked up in the loaded libraries; null
+// functions where ATen's BLAS is another (MKL, ATen's own kernels).
+struct OpenBlas {
+  void (*set_threads)(int) = nullptr;
+  int (*parallel)() = nullptr;
+  char* (*config)() = nullptr;
+
+  OpenBlas() {
+    set_threads = reinterpret_cast<void (*)(int)>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"));
+    parallel = reinterpret_cast<int (*)()>(dlsym(RTLD_DEFAULT, "openblas_get_parallel"));
+    config = reinterpret_cast<char* (*)()>(dlsym(RTLD_DEFAULT, "openblas_get_config"));
   }
+  BlasThreading threading() const { return parallel ? static_cast<BlasThreading>(parallel()) : BlasThreading::none; }
+};
+
+const OpenBlas& openblas() {
+  static const OpenBlas blas;
+  return blas;
+}
+
+// The thread count OpenBLAS is given beside `threads` ATen threads. The OpenMP build runs in
+// ATen's own pool (and on one thread inside ATen's parallel regions), so it takes them all.
+// The pthread build keeps a pool of its own whose workers spin after every call while
+// OpenMP's spin in turn (over half the CPU time of a step on 2 cores): it is held to one.
+int blas_threads(int threads) {
+  return openblas().threading() == BlasThreading::pthreads ? 1 : threads;
+}
+
+}  // namespace
+
+int set_threads(int64_t requested) {
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   at::set_num_threads(requested > 0 ? static_cast<int>(requested) : cores);
-  return at::get_num_threads();
+  const int threads = at::get_num_threads();
+  if (openblas().set_threads) openblas().set_threads(blas_threads(threads));
+  return threads;
+}
+
+std::string blas_name() {
+  const OpenBlas& b = openblas();
+  if (!b.config) return "ATen's BLAS (not OpenBLAS)";
+  std::string config = b.config();
+  while (!config.empty() && config.back() == ' ') config.pop_back();
+  switch (b.threading()) {
+    case BlasThreading::openmp: return config + " (OpenMP: ATen's thread pool)";
+    case BlasThreading::pthreads: return config + " (pthreads: held to 1 thread)";
+    case BlasThreading::none: break;
+  }
+  return config + " (single-threaded)";
 }
 
 void synchronize(at::Device device) {
@@ -68,6 +110,11 @@ void synchronize(at::Device device) {
 
 double measure_matmul_flops(at::Device device, at::ScalarType dtype, int64_t rows, int64_t k, int64_t n) {
   const auto opts = at::TensorOptions().dtype(dtype).device(device);
+  // The denominator is what this process's cores sustain: a BLAS held to one thread (the
+  // pthread build) is let use them all while measuring, so its throttle shows as lost efficiency.
+  const OpenBlas& blas = openblas();
+  const int threads = at::get_num_threads();
+  if (blas.set_threads) blas.set_threads(threads);
   double best = 0.0;
   // The model's own GEMM shape and a square one: the best of them is "what this machine
   // sustains", the denominator of the efficiency figure.
@@ -86,6 +133,7 @@ double measure_matmul_flops(at::Device device, at::ScalarType dtype, int64_t row
       best = std::max(best, reps * flops / dt);
     }
   }
+  if (blas.set_threads) blas.set_threads(blas_threads(threads));
   return best;
 }
 

@@ -11,12 +11,18 @@ namespace remat {
 at::Device parse_device(const std::string& spec);
 /// "float32" / "bfloat16" -> dtype, refusing bfloat16 where the device lacks it.
 at::ScalarType parse_dtype(const std::string& name, at::Device device);
-/// Sets the intra-op thread count (0: all cores) and returns the count in effect. An OpenBLAS
-/// backend is set to one thread: ATen's intra-op pool is the only one that uses the cores.
+/// Sets the intra-op thread count (0: all cores) and returns the count in effect. OpenBLAS's
+/// OpenMP build runs its matrix multiplies on as many threads, in ATen's pool; its pthread
+/// build, whose own pool would fight ATen's for the cores, is held to one thread.
 int set_threads(int64_t requested);
+/// The BLAS behind ATen's CPU matrix multiplies and how it threads, e.g. "OpenBLAS 0.3.21
+/// DYNAMIC_ARCH NO_AFFINITY Zen MAX_THREADS=64 (OpenMP: ATen's thread pool)"; part of what a
+/// measured time depends on.
+std::string blas_name();
 
-/// Best sustained FLOP/s of a float `dtype` matmul on `device`, measured over shapes
-/// like the model's GEMMs (rows x k x n); takes about half a second.
+/// Best sustained FLOP/s of a float `dtype` matmul on `device` with every thread this process
+/// has (also where the BLAS is otherwise held to one), measured over shapes like the model's
+/// GEMMs (rows x k x n); takes about half a second.
 double measure_matmul_flops(at::Device device, at::ScalarType dtype, int64_t rows, int64_t k, int64_t n);
 
 /// Waits for the device's queued work (CUDA); no-op on CPU.

@@ -463,6 +463,7 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
       {"rank_peak_bytes", sum.rank_peak_bytes},
       {"activation_bytes", sum.activation_bytes},
       {"threads", threads},
+      {"blas", blas_name()},
       {"device", device.str()},
       {"dtype", cfg.run.dtype},
       {"recompute", plan.policy},
