@@ -30,6 +30,16 @@ enum class Attention { math, tiled };
 /// "math" / "tiled", as configs spell it.
 const char* attention_name(Attention a);
 
+/// How the loss head gets the gradient of its [tokens x vocab] logits, a chunk at a time
+/// (remat/ops/cross_entropy.h): `fused` computes it in the forward, as soon as a chunk's
+/// logits exist, and keeps the gradients of the hidden states and of the output weight;
+/// `recompute` keeps the hidden states and one log-sum-exp per token and recomputes the
+/// logits in the backward (one more [tokens x d_model x vocab] product, vocab x d_model
+/// fewer bytes kept).
+enum class LossHead { fused, recompute };
+/// "fused" / "recompute", as configs spell it.
+const char* loss_head_name(LossHead h);
+
 /// Transformer shape.
 struct ModelConfig {
   std::string preset = "gpt2-demo";  ///< the preset the other fields started from
@@ -44,6 +54,7 @@ struct ModelConfig {
   Attention attention = Attention::math;
   int64_t attention_tile = 64;   ///< tiled attention: query and key positions per tile
                                  ///< (ops::AttentionTiles' default; measured, README)
+  LossHead loss_head = LossHead::fused;
   double dropout = 0.1;      ///< gpt2: embedding, attention-probability and residual dropout;
                              ///< llama: attention-probability dropout only
   double norm_eps = 1e-5;

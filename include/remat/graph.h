@@ -158,6 +158,9 @@ const OpDef& split();
 const OpDef& embedding();
 const OpDef& position_embedding();
 const OpDef& cross_entropy();
+const OpDef& fused_cross_entropy();
+/// The loss op a configuration asks for (model.loss_head).
+const OpDef& loss(LossHead head);
 /// Every op definition, for tests that must cover each one.
 std::vector<const OpDef*> all();
 }  // namespace op
@@ -238,9 +241,9 @@ class Builder {
   /// node; p == 0 adds nothing and returns x. Returns {output, mask or -1}.
   std::pair<int, int> dropout(const std::string& name, int x, double p, ops::DropoutSite site);
   /// The mean cross-entropy of the logits hidden [..., C] x weight^T against the targets
-  /// (a side input, one int64 per row of hidden), `chunk` rows of logits at a time.
-  /// Returns the loss.
-  int loss(int hidden, int weight, int64_t chunk);
+  /// (a side input, one int64 per row of hidden), `chunk` rows of logits at a time, by the
+  /// `head` variant's op. Returns the loss.
+  int loss(int hidden, int weight, int64_t chunk, LossHead head);
   /// A view of x (contiguous) as `sizes`.
   int view(const std::string& name, int x, std::vector<int64_t> sizes);
   /// Assigns values to a slot (once per slot).

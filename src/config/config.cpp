@@ -55,6 +55,14 @@ Attention parse_attention(const std::string& key, const std::string& v) {
                    "(keeps the [T x T] probabilities), got '{}'.", key, v));
 }
 
+LossHead parse_loss_head(const std::string& key, const std::string& v) {
+  if (v == "fused") return LossHead::fused;
+  if (v == "recompute") return LossHead::recompute;
+  fail(fmt::format("{} must be fused (the logits' gradient computed in the forward: one product fewer) or "
+                   "recompute (the logits recomputed in the backward: vocab x d_model fewer bytes kept), got '{}'.",
+                   key, v));
+}
+
 // A TOML basic string: quotes, backslashes and control characters escaped.
 std::string quote(const std::string& s) {
   std::string out = "\"";
@@ -88,6 +96,8 @@ ConfigKey key(std::string name, S Config::*section, T S::*field, std::string hel
       dst = parse_arch(name, v);
     } else if constexpr (std::is_same_v<T, Attention>) {
       dst = parse_attention(name, v);
+    } else if constexpr (std::is_same_v<T, LossHead>) {
+      dst = parse_loss_head(name, v);
     } else if constexpr (std::is_same_v<T, bool>) {
       dst = parse_bool(name, v);
     } else if constexpr (std::is_integral_v<T>) {
@@ -104,6 +114,8 @@ ConfigKey key(std::string name, S Config::*section, T S::*field, std::string hel
       return quote(arch_name(src));
     } else if constexpr (std::is_same_v<T, Attention>) {
       return quote(attention_name(src));
+    } else if constexpr (std::is_same_v<T, LossHead>) {
+      return quote(loss_head_name(src));
     } else if constexpr (std::is_same_v<T, bool>) {
       return std::string(src ? "true" : "false");
     } else if constexpr (std::is_integral_v<T>) {
@@ -205,6 +217,7 @@ std::vector<ConfigKey> make_keys() {
       key("model.max_seq", &C::model, &ModelConfig::max_seq, "context length"),
       key("model.attention", &C::model, &ModelConfig::attention, "tiled or math attention"),
       key("model.attention_tile", &C::model, &ModelConfig::attention_tile, "tiled attention: positions per tile"),
+      key("model.loss_head", &C::model, &ModelConfig::loss_head, "fused or recompute loss head"),
       key("model.dropout", &C::model, &ModelConfig::dropout, "dropout probability"),
       key("model.norm_eps", &C::model, &ModelConfig::norm_eps, "norm epsilon"),
       key("model.rope_theta", &C::model, &ModelConfig::rope_theta, "RoPE base (llama)"),
@@ -359,6 +372,7 @@ void flatten(const toml::table& t, const std::string& prefix, const std::string&
 
 const char* arch_name(Arch a) { return a == Arch::gpt2 ? "gpt2" : "llama"; }
 const char* attention_name(Attention a) { return a == Attention::tiled ? "tiled" : "math"; }
+const char* loss_head_name(LossHead h) { return h == LossHead::fused ? "fused" : "recompute"; }
 
 const std::vector<ConfigKey>& config_keys() {
   static const std::vector<ConfigKey> keys = make_keys();

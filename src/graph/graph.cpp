@@ -126,13 +126,13 @@ std::pair<int, int> Builder::dropout(const std::string& name, int x, double p, o
   return {add1(name, op::dropout(), {x, mask}, {}, a), mask};
 }
 
-int Builder::loss(int hidden, int weight, int64_t chunk) {
+int Builder::loss(int hidden, int weight, int64_t chunk, LossHead head) {
   const int64_t C = info(hidden).sizes.back(), N = info(hidden).numel() / C;
   const int rows = view("hidden_rows", hidden, {N, C});
   const int targets = side_input("targets", {{N}, at::kLong, {}});
   Attrs a;
   a.chunk = chunk;
-  return add("loss", op::cross_entropy(), {rows, targets}, {weight}, a)[0];
+  return add("loss", op::loss(head), {rows, targets}, {weight}, a)[0];
 }
 
 int Builder::view(const std::string& name, int x, std::vector<int64_t> sizes) {

@@ -79,7 +79,7 @@ struct Gpt2Arch {
     norm.eps = c.norm_eps;
     const int h = b.add("ln_f", op::layernorm(), {b.input()}, {w, bias}, norm)[0];
     if (chunk == 0) return b.finish_kept(h);
-    return b.finish_kept(b.loss(h, b.param("wte.weight", {c.vocab_size, C}), chunk));
+    return b.finish_kept(b.loss(h, b.param("wte.weight", {c.vocab_size, C}), chunk, c.loss_head));
   }
 
   static bool hf_transposed(const std::string& name) {

@@ -76,7 +76,7 @@ struct LlamaArch {
     norm.eps = c.norm_eps;
     const int h = b.add("norm", op::rmsnorm(), {b.input()}, {w}, norm)[0];
     if (chunk == 0) return b.finish_kept(h);
-    return b.finish_kept(b.loss(h, b.param("lm_head.weight", {c.vocab_size, C}), chunk));
+    return b.finish_kept(b.loss(h, b.param("lm_head.weight", {c.vocab_size, C}), chunk, c.loss_head));
   }
 
   static bool hf_transposed(const std::string&) { return false; }

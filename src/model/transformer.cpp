@@ -100,7 +100,7 @@ TransformerModel::TransformerModel(const ArchDecl& decl, const ModelConfig& cfg,
   }
   const graph::BlockGraph head = decl.head(cfg, 1, 1, at::kFloat, 1);
   for (const auto& n : head.nodes) {
-    if (n.op == &graph::op::cross_entropy()) head_weight_ = weights_.head[static_cast<size_t>(n.params.at(0))];
+    if (n.op == &graph::op::loss(cfg.loss_head)) head_weight_ = weights_.head[static_cast<size_t>(n.params.at(0))];
   }
   TORCH_INTERNAL_ASSERT(head_weight_ >= 0, "the head declares no loss");
   if (decl.block(cfg, 1, 1, compute_dtype).uses(graph::op::rope())) {

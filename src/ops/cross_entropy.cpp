@@ -25,23 +25,62 @@ void check_weight(const at::Tensor& x, const at::Tensor& w) {
               x.scalar_type(), " and ", w.scalar_type());
 }
 
-}  // namespace
-
-Fwd<CrossEntropySaved> cross_entropy_forward(const at::Tensor& x, const at::Tensor& w,
-                                             const at::Tensor& targets, int64_t chunk_tokens) {
-  const trace::Scope trace_scope("cross_entropy", trace::Category::forward);
+// Both forwards' inputs, the targets' range included (read back to the host).
+void check_inputs(const at::Tensor& x, const at::Tensor& w, const at::Tensor& targets, int64_t chunk_tokens) {
   check_weight(x, w);
   TORCH_CHECK(targets.dim() == 1 && targets.size(0) == x.size(0) && targets.scalar_type() == at::kLong,
               "[cross_entropy] targets must be [N] int64 for x [N, C], got ", targets.scalar_type(),
               " targets ", targets.sizes(), " for x ", x.sizes());
   TORCH_CHECK(chunk_tokens >= 1, "[cross_entropy] chunk_tokens must be at least 1, got ", chunk_tokens);
-  const int64_t N = x.size(0), V = w.size(0);
-  if (N > 0) {
+  if (x.size(0) > 0) {
     auto [lo, hi] = at::aminmax(targets);
     const int64_t lo_v = lo.item<int64_t>(), hi_v = hi.item<int64_t>();
-    TORCH_CHECK(lo_v >= kIgnoreIndex && hi_v < V, "[cross_entropy] targets must lie in [0, ", V,
+    TORCH_CHECK(lo_v >= kIgnoreIndex && hi_v < w.size(0), "[cross_entropy] targets must lie in [0, ", w.size(0),
                 ") or be ", kIgnoreIndex, " (ignored), got targets in [", lo_v, ", ", hi_v, "]");
   }
+}
+
+// One chunk's share of the loss: turns its logits in place into exp(logits - max) (divided
+// by the row sums when `softmax`), writes each row's log-sum-exp into `lse` and adds the
+// counted rows' log-sum-exp minus target logit to `loss`.
+void chunk_loss(at::Tensor& logits, at::Tensor lse, const at::Tensor& safe_targets, const at::Tensor& counted,
+                at::Tensor& loss, bool softmax) {
+  const at::Tensor target_logit = logits.gather(1, safe_targets).squeeze(1);
+  const at::Tensor max = at::amax(logits, {1}, true);
+  logits.sub_(max).exp_();
+  at::sum_out(lse, logits, {1});
+  if (softmax) logits.div_(lse.unsqueeze(1));
+  lse.log_().add_(max.squeeze(1));
+  loss.add_(at::sub(lse, target_logit).mul_(counted).sum());
+}
+
+// The gradient of the mean loss with respect to one chunk's logits, in place over their
+// softmax: (softmax - one-hot) * scale on counted rows, 0 on ignored ones.
+void chunk_dlogits(at::Tensor& softmax, const at::Tensor& safe_targets, const at::Tensor& counted, double scale) {
+  const at::Tensor row_scale = counted.to(softmax.scalar_type()).mul_(scale).unsqueeze(1);
+  softmax.mul_(row_scale).scatter_add_(1, safe_targets, row_scale.neg());
+}
+
+// Accumulates one chunk's dx rows (overwritten) and dw from its float dlogits.
+void chunk_grads(const at::Tensor& dlogits, const at::Tensor& x_c, const at::Tensor& w, at::Tensor dx_c,
+                 at::Tensor& dw) {
+  const at::Tensor dl = dlogits.to(x_c.scalar_type());
+  at::mm_out(dx_c, dl, w);
+  if (dw.scalar_type() == x_c.scalar_type()) {
+    dw.addmm_(dl.t(), x_c);
+  } else {
+    // A wider accumulator (float32 for bfloat16 activations) takes the float32 dlogits.
+    dw.addmm_(dlogits.to(dw.scalar_type()).t(), x_c.to(dw.scalar_type()));
+  }
+}
+
+}  // namespace
+
+Fwd<CrossEntropySaved> cross_entropy_forward(const at::Tensor& x, const at::Tensor& w,
+                                             const at::Tensor& targets, int64_t chunk_tokens) {
+  const trace::Scope trace_scope("cross_entropy", trace::Category::forward);
+  check_inputs(x, w, targets, chunk_tokens);
+  const int64_t N = x.size(0);
   const at::Tensor counted = targets.ne(kIgnoreIndex);
   const int64_t count = counted.sum().item<int64_t>();
   // Ignored rows gather column 0; their terms are zeroed by `counted`.
@@ -53,14 +92,8 @@ Fwd<CrossEntropySaved> cross_entropy_forward(const at::Tensor& x, const at::Tens
   for (int64_t start = 0; start < N; start += chunk_tokens) {
     const int64_t n = std::min(chunk_tokens, N - start);
     at::Tensor logits = chunk_logits(x, w, start, n, sd);
-    const at::Tensor target_logit = logits.gather(1, safe_targets.narrow(0, start, n)).squeeze(1);
-    // lse = max + log(sum(exp(logits - max))), exponentiating the chunk in place.
-    const at::Tensor max = at::amax(logits, {1}, true);
-    logits.sub_(max).exp_();
-    at::Tensor lse_c = lse.narrow(0, start, n);
-    at::sum_out(lse_c, logits, {1});
-    lse_c.log_().add_(max.squeeze(1));
-    loss.add_(at::sub(lse_c, target_logit).mul_(counted.narrow(0, start, n)).sum());
+    chunk_loss(logits, lse.narrow(0, start, n), safe_targets.narrow(0, start, n), counted.narrow(0, start, n), loss,
+               /*softmax=*/false);
   }
   if (count > 0) loss.div_(count);
   return {loss, CrossEntropySaved{x, targets, lse, chunk_tokens}};
@@ -83,29 +116,61 @@ at::Tensor cross_entropy_backward(double dloss, const CrossEntropySaved& saved, 
   const double scale = dloss / static_cast<double>(count);
   for (int64_t start = 0; start < N; start += saved.chunk) {
     const int64_t n = std::min(saved.chunk, N - start);
-    // dlogits = (softmax - onehot) * dloss / count on counted rows, 0 on ignored ones; the
-    // softmax comes from the saved log-sum-exp, in place over the recomputed logits.
+    // The softmax comes from the saved log-sum-exp, in place over the recomputed logits.
     at::Tensor dlogits = chunk_logits(x, w, start, n, sd);
     dlogits.sub_(saved.lse.narrow(0, start, n).unsqueeze(1)).exp_();
-    const at::Tensor row_scale = counted.narrow(0, start, n).to(sd).mul_(scale).unsqueeze(1);
-    dlogits.mul_(row_scale).scatter_add_(1, safe_targets.narrow(0, start, n), row_scale.neg());
-
-    const at::Tensor x_c = x.narrow(0, start, n);
-    const at::Tensor dl = dlogits.to(x.scalar_type());
-    at::Tensor dx_c = dx.narrow(0, start, n);
-    at::mm_out(dx_c, dl, w);
-    if (dw.scalar_type() == x.scalar_type()) {
-      dw.addmm_(dl.t(), x_c);
-    } else {
-      // A wider accumulator (float32 for bfloat16 activations) takes the float32 dlogits.
-      dw.addmm_(dlogits.to(dw.scalar_type()).t(), x_c.to(dw.scalar_type()));
-    }
+    chunk_dlogits(dlogits, safe_targets.narrow(0, start, n), counted.narrow(0, start, n), scale);
+    chunk_grads(dlogits, x.narrow(0, start, n), w, dx.narrow(0, start, n), dw);
   }
   return dx;
 }
 
+Fwd<FusedCrossEntropySaved> fused_cross_entropy_forward(const at::Tensor& x, const at::Tensor& w,
+                                                        const at::Tensor& targets, int64_t chunk_tokens,
+                                                        bool grads) {
+  const trace::Scope trace_scope("fused_cross_entropy", trace::Category::forward);
+  check_inputs(x, w, targets, chunk_tokens);
+  const int64_t N = x.size(0);
+  const at::Tensor counted = targets.ne(kIgnoreIndex);
+  const int64_t count = counted.sum().item<int64_t>();
+  const at::Tensor safe_targets = targets.clamp_min(0).unsqueeze(1);
+
+  const at::ScalarType sd = stats_dtype(x.scalar_type());
+  FusedCrossEntropySaved saved;
+  if (grads) {
+    saved.dw = at::zeros(w.sizes(), x.options().dtype(sd));
+    saved.dx = at::zeros(x.sizes(), x.options());
+  }
+  at::Tensor loss = at::zeros({}, x.options().dtype(sd));
+  // Every target ignored: the loss is a constant 0 and both gradients stay 0.
+  const bool grad_chunks = grads && count > 0;
+  for (int64_t start = 0; start < N; start += chunk_tokens) {
+    const int64_t n = std::min(chunk_tokens, N - start);
+    const at::Tensor safe_c = safe_targets.narrow(0, start, n), counted_c = counted.narrow(0, start, n);
+    at::Tensor logits = chunk_logits(x, w, start, n, sd);
+    chunk_loss(logits, at::empty({n}, x.options().dtype(sd)), safe_c, counted_c, loss, /*softmax=*/grad_chunks);
+    if (!grad_chunks) continue;
+    chunk_dlogits(logits, safe_c, counted_c, 1.0 / static_cast<double>(count));
+    chunk_grads(logits, x.narrow(0, start, n), w, saved.dx.narrow(0, start, n), saved.dw);
+  }
+  if (count > 0) loss.div_(count);
+  return {loss, saved};
+}
+
+at::Tensor fused_cross_entropy_backward(double dloss, const FusedCrossEntropySaved& saved, at::Tensor& dw) {
+  const trace::Scope trace_scope("fused_cross_entropy", trace::Category::backward);
+  TORCH_CHECK(dw.sizes() == saved.dw.sizes(), "[fused_cross_entropy] dw must have w's shape ", saved.dw.sizes(),
+              ", got ", dw.sizes());
+  dw.add_(saved.dw, dloss);
+  return saved.dx.clone().mul_(dloss);
+}
+
 int64_t cross_entropy_saved_bytes(int64_t tokens, int64_t C, at::ScalarType dtype) {
   return nbytes(tokens * C, dtype) + nbytes(tokens, at::kLong) + nbytes(tokens, stats_dtype(dtype));
+}
+
+int64_t fused_cross_entropy_saved_bytes(int64_t tokens, int64_t C, int64_t vocab, at::ScalarType dtype) {
+  return nbytes(tokens * C, dtype) + nbytes(vocab * C, stats_dtype(dtype));
 }
 
 int64_t cross_entropy_workspace_bytes(int64_t chunk_tokens, int64_t vocab, at::ScalarType dtype) {
@@ -127,6 +192,71 @@ using detail::bytes_of;
 using detail::flags;
 using detail::stats_of;
 
+// The sizes both loss ops' events are written in.
+struct LossSizes {
+  int64_t N, C, V, n;
+  at::ScalarType f, sd;
+  bool narrower;
+  LossSizes(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& p, const Attrs& a)
+      : N(in[0].sizes[0]), C(in[0].sizes[1]), V(p[0].sizes[0]), n(std::min(a.chunk, N)), f(in[0].dtype),
+        sd(stats_of(f)), narrower(sd != f) {}
+};
+
+// The targets' range check: two scalars, gone before anything else is made.
+void range_check_events(Events& e) {
+  const int64_t lo = e.temp(8), hi = e.temp(8);
+  e.release(hi);
+  e.release(lo);
+}
+
+// The row masks: `counted` stays (returned), the count goes.
+int64_t counted_events(Events& e, const LossSizes& s) {
+  const int64_t counted = e.temp(bytes_of(s.N, at::kBool));
+  e.release(e.temp(8));  // the count
+  return counted;
+}
+
+// One chunk's logits in the statistics' dtype, cast from the product in x's when narrower.
+int64_t chunk_logits_events(Events& e, const LossSizes& s) {
+  const int64_t mm = s.narrower ? e.temp(bytes_of(s.n * s.V, s.f)) : -1;
+  const int64_t logits = e.temp(bytes_of(s.n * s.V, s.sd));
+  if (mm >= 0) e.release(mm);
+  return logits;
+}
+
+// chunk_loss: the target logits and row maxima, then the rows' terms, the mask cast for the
+// product and their sum.
+void chunk_loss_events(Events& e, const LossSizes& s) {
+  const int64_t target = e.temp(bytes_of(s.n, s.sd)), max = e.temp(bytes_of(s.n, s.sd));
+  const int64_t term = e.temp(bytes_of(s.n, s.sd));
+  e.release(e.temp(bytes_of(s.n, s.sd)));  // the row mask cast for the product
+  e.release(e.temp(bytes_of(1, s.sd)));     // the sum
+  e.release(term);
+  e.release(max);
+  e.release(target);
+}
+
+// chunk_dlogits, then chunk_grads: the per-row scale and its negation, then for narrower x
+// the dlogits in x's dtype and x's rows widened for the wider dw.
+void chunk_grads_events(Events& e, const LossSizes& s) {
+  const int64_t scale = e.temp(bytes_of(s.n, s.sd));
+  detail::scalar_operand(e, s.sd);
+  e.release(e.temp(bytes_of(s.n, s.sd)));  // the negated scale
+  e.release(scale);
+  if (!s.narrower) return;
+  const int64_t narrow = e.temp(bytes_of(s.n * s.V, s.f));
+  e.release(e.temp(bytes_of(s.n * s.C, s.sd)));
+  e.release(narrow);
+}
+
+void check_loss_inputs(const char* op, const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& p,
+                       const Attrs& a) {
+  TORCH_CHECK(in.size() == 2 && in[0].sizes.size() == 2 && in[1].sizes == std::vector<int64_t>{in[0].sizes[0]} &&
+                  in[1].dtype == at::kLong && p.size() == 1 && p[0].sizes.size() == 2 &&
+                  p[0].sizes[1] == in[0].sizes[1] && a.chunk >= 1,
+              "[", op, "] needs x [N, C], int64 targets [N], a weight [V, C] and a chunk of at least 1");
+}
+
 // Inputs {x [N, C], targets [N] int64}; params {w [V, C]}; attribute chunk; outputs
 // {mean loss [], log-sum-exp [N]}. The backward reads x, the targets and the log-sum-exp,
 // and takes the loss's gradient (a scalar) as the scale of its own.
@@ -135,10 +265,7 @@ class CrossEntropyDef final : public OpDef {
   const char* kind() const override { return "cross_entropy"; }
   std::vector<TensorInfo> infer(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& p,
                                 const Attrs& a) const override {
-    TORCH_CHECK(in.size() == 2 && in[0].sizes.size() == 2 && in[1].sizes == std::vector<int64_t>{in[0].sizes[0]} &&
-                    in[1].dtype == at::kLong && p.size() == 1 && p[0].sizes.size() == 2 &&
-                    p[0].sizes[1] == in[0].sizes[1] && a.chunk >= 1,
-                "[cross_entropy] needs x [N, C], int64 targets [N], a weight [V, C] and a chunk of at least 1");
+    check_loss_inputs(kind(), in, p, a);
     const at::ScalarType sd = stats_of(in[0].dtype);
     return {TensorInfo{{}, sd, {}}, TensorInfo{{in[0].sizes[0]}, sd, {}}};
   }
@@ -161,74 +288,99 @@ class CrossEntropyDef final : public OpDef {
     return {ops::cross_entropy_backward(dy[0].item<double>(), saved, p[0], *g[0]), at::Tensor()};
   }
 
-  // The forward: the row masks, then per chunk the logits (through a product in x's dtype
-  // when it is narrower than the statistics') and the per-row values of the loss.
+  // The forward: the row masks, then per chunk the logits and the loss terms.
   void forward_events(Events& e, const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& p,
                       const std::vector<TensorInfo>&, const Attrs& a) const override {
-    const Sizes s(in, p, a);
-    range_check(e);
-    const int64_t counted = e.temp(bytes_of(s.N, at::kBool));
-    e.release(e.temp(8));  // the count
+    const LossSizes s(in, p, a);
+    range_check_events(e);
+    const int64_t counted = counted_events(e, s);
     const int64_t safe = e.temp(bytes_of(s.N, at::kLong));
     e.out(1);
     e.out(0);
     if (s.N > 0) {
-      const int64_t logits = chunk_logits(e, s);
-      const int64_t target = e.temp(bytes_of(s.n, s.sd)), max = e.temp(bytes_of(s.n, s.sd));
-      const int64_t term = e.temp(bytes_of(s.n, s.sd));
-      e.release(e.temp(bytes_of(s.n, s.sd)));  // the row mask cast for the product
-      e.release(e.temp(bytes_of(1, s.sd)));     // the sum
-      e.release(term);
-      for (int64_t t : {max, target, logits}) e.release(t);
+      const int64_t logits = chunk_logits_events(e, s);
+      chunk_loss_events(e, s);
+      e.release(logits);
     }
     e.release(safe);
     e.release(counted);
   }
-  // The backward: the input gradient, the row masks, then per chunk the logits again, the
-  // per-row scale and, for narrower x, the gradient of the logits in x's dtype.
+  // The backward: the input gradient, the row masks, then per chunk the logits again and
+  // their gradient's products.
   void backward_events(Events& e, const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& p,
                        const std::vector<TensorInfo>&, const Attrs& a) const override {
-    const Sizes s(in, p, a);
+    const LossSizes s(in, p, a);
     e.out(0);
-    const int64_t counted = e.temp(bytes_of(s.N, at::kBool));
-    e.release(e.temp(8));  // the count
+    const int64_t counted = counted_events(e, s);
     if (s.N > 0) {
       const int64_t safe = e.temp(bytes_of(s.N, at::kLong));
-      const int64_t logits = chunk_logits(e, s);
-      const int64_t scale = e.temp(bytes_of(s.n, s.sd));
-      detail::scalar_operand(e, s.sd);
-      e.release(e.temp(bytes_of(s.n, s.sd)));  // the negated scale
-      const int64_t narrow = s.narrower ? e.temp(bytes_of(s.n * s.V, s.f)) : -1;
-      if (s.narrower) e.release(e.temp(bytes_of(s.n * s.C, s.sd)));  // x's rows widened for the wider dw
-      if (narrow >= 0) e.release(narrow);
-      e.release(scale);
+      const int64_t logits = chunk_logits_events(e, s);
+      chunk_grads_events(e, s);
       e.release(logits);
       e.release(safe);
     }
     e.release(counted);
   }
+};
 
- private:
-  struct Sizes {
-    int64_t N, C, V, n;
-    at::ScalarType f, sd;
-    bool narrower;
-    Sizes(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& p, const Attrs& a)
-        : N(in[0].sizes[0]), C(in[0].sizes[1]), V(p[0].sizes[0]), n(std::min(a.chunk, N)), f(in[0].dtype),
-          sd(stats_of(f)), narrower(sd != f) {}
-  };
-  // The targets' range check: two scalars, gone before anything else is made.
-  static void range_check(Events& e) {
-    const int64_t lo = e.temp(8), hi = e.temp(8);
-    e.release(hi);
-    e.release(lo);
+// Inputs and params as cross_entropy; outputs {mean loss [], dx [N, C], dw [V, C]}: the
+// forward computes the gradients of the mean loss and the backward only scales them, so it
+// reads no input.
+class FusedCrossEntropyDef final : public OpDef {
+ public:
+  const char* kind() const override { return "fused_cross_entropy"; }
+  std::vector<TensorInfo> infer(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& p,
+                                const Attrs& a) const override {
+    check_loss_inputs(kind(), in, p, a);
+    const at::ScalarType sd = stats_of(in[0].dtype);
+    return {TensorInfo{{}, sd, {}}, TensorInfo{in[0].sizes, in[0].dtype, {}}, TensorInfo{p[0].sizes, sd, {}}};
   }
-  // One chunk's logits in the statistics' dtype, cast from the product in x's when narrower.
-  static int64_t chunk_logits(Events& e, const Sizes& s) {
-    const int64_t mm = s.narrower ? e.temp(bytes_of(s.n * s.V, s.f)) : -1;
-    const int64_t logits = e.temp(bytes_of(s.n * s.V, s.sd));
-    if (mm >= 0) e.release(mm);
-    return logits;
+  // The model's FLOPs (the logits and their log-sum-exp), as the recomputing head's: the two
+  // gradient products it runs early are the backward's, counted there by the usual 2x.
+  double flops(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& p, const Attrs&) const override {
+    return ops::cross_entropy_flops(in[0].sizes[0], in[0].sizes[1], p[0].sizes[0]);
+  }
+  std::vector<bool> saves_outputs(const Attrs&, size_t n) const override { return flags(n, {1, 2}); }
+  const char* output_name(size_t i) const override { return i == 0 ? "loss" : i == 1 ? "dx" : "dw"; }
+  bool differentiable(size_t input) const override { return input == 0; }
+  std::vector<at::Tensor> forward(const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& p, const Attrs& a,
+                                  const RunContext& ctx) const override {
+    auto r = ops::fused_cross_entropy_forward(in[0], p[0], in[1], a.chunk, /*grads=*/ctx.train);
+    return {r.out, r.saved.dx, r.saved.dw};
+  }
+  std::vector<at::Tensor> backward(const std::vector<at::Tensor>& dy, const std::vector<at::Tensor>&,
+                                   const std::vector<at::Tensor>& out, const std::vector<at::Tensor>&,
+                                   std::vector<at::Tensor*>& g, const Attrs&, const RunContext&) const override {
+    return {ops::fused_cross_entropy_backward(dy[0].item<double>(), {out[1], out[2]}, *g[0]), at::Tensor()};
+  }
+
+  // The forward: the row masks and both gradients, then per chunk the logits, the rows'
+  // log-sum-exp, the loss terms and the gradient products.
+  void forward_events(Events& e, const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& p,
+                      const std::vector<TensorInfo>&, const Attrs& a) const override {
+    const LossSizes s(in, p, a);
+    range_check_events(e);
+    const int64_t counted = counted_events(e, s);
+    const int64_t safe = e.temp(bytes_of(s.N, at::kLong));
+    e.out(2);
+    e.out(1);
+    e.out(0);
+    if (s.N > 0) {
+      const int64_t logits = chunk_logits_events(e, s);
+      const int64_t lse = e.temp(bytes_of(s.n, s.sd));
+      chunk_loss_events(e, s);
+      e.release(lse);
+      chunk_grads_events(e, s);
+      e.release(logits);
+    }
+    e.release(safe);
+    e.release(counted);
+  }
+  // The backward: the scaled copy of dx (a double scalar multiplied in).
+  void backward_events(Events& e, const std::vector<TensorInfo>& in, const std::vector<TensorInfo>&,
+                       const std::vector<TensorInfo>&, const Attrs&) const override {
+    e.out(0);
+    detail::scalar_operand(e, in[0].dtype);
   }
 };
 
@@ -237,6 +389,15 @@ class CrossEntropyDef final : public OpDef {
 const OpDef& op::cross_entropy() {
   static const CrossEntropyDef def;
   return def;
+}
+
+const OpDef& op::fused_cross_entropy() {
+  static const FusedCrossEntropyDef def;
+  return def;
+}
+
+const OpDef& op::loss(LossHead head) {
+  return head == LossHead::fused ? fused_cross_entropy() : cross_entropy();
 }
 
 }  // namespace remat::graph

@@ -101,7 +101,7 @@ const OpDef& op::split() {
 std::vector<const OpDef*> op::all() {
   return {&layernorm(), &rmsnorm(), &linear(), &attention(), &tiled_attention(), &dropout_mask(),
           &dropout(),   &residual(), &gelu(),   &swiglu(),    &rope(),            &view(),
-          &split(),     &embedding(), &position_embedding(), &cross_entropy()};
+          &split(),     &embedding(), &position_embedding(), &cross_entropy(), &fused_cross_entropy()};
 }
 
 }  // namespace remat::graph

@@ -206,7 +206,7 @@ std::string Planner::infeasible(int64_t budget, const std::string& given) const 
   const auto r = solve(least);
   TORCH_INTERNAL_ASSERT(r.has_value(), "no plan fits the minimum feasible budget");
   const auto& p = r->prediction;
-  return fmt::format(
+  std::string text = fmt::format(
       "The memory budget {} ({}) is below the minimum feasible {} for {} at batch {} x {} tokens in {}: the "
       "least-memory plan peaks in the {} with parameters {}, gradients {}, optimizer state {}, kept activations {} "
       "and a working set of {}; give a budget of at least {}, or lower train.batch or train.seq.",
@@ -214,6 +214,19 @@ std::string Planner::infeasible(int64_t budget, const std::string& given) const 
       shape_.dtype == at::kBFloat16 ? "bfloat16" : shape_.dtype == at::kDouble ? "float64" : "float32", p.peak_at, format_bytes(p.statics.params), format_bytes(p.statics.grads),
       format_bytes(p.statics.optimizer), format_bytes(p.peak - p.statics.total() - p.working_set),
       format_bytes(p.working_set), format_bytes(least));
+  // The fused head keeps the output weight's gradient; the recomputing one may fit lower.
+  if (cfg_.loss_head == LossHead::fused) {
+    ModelConfig other = cfg_;
+    other.loss_head = LossHead::recompute;
+    const int64_t other_least = Planner(other, shape_, times_, options_).min_feasible_budget();
+    if (other_least < least) {
+      text += fmt::format(
+          " With model.loss_head=recompute (the loss head keeps the hidden states instead of the output weight's "
+          "gradient and recomputes the logits in the backward) the minimum is {}{}.",
+          format_bytes(other_least), other_least <= budget ? ", within this budget" : "");
+    }
+  }
+  return text;
 }
 
 std::vector<FrontierPoint> Planner::frontier(int points) const {

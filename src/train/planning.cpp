@@ -45,7 +45,8 @@ RunPlan plan_run(const Config& cfg, at::ScalarType dtype, const TimeProfile& pro
     r.text += fmt::format("  layer {:<4} {:>11}  {:>8} FLOPs recomputed\n", l + 1, format_bytes(p.layers[l].kept),
                           format_count(p.layers[l].recompute_flops));
   }
-  r.text += fmt::format("  head       {:>11}\n", format_bytes(p.head));
+  r.text += fmt::format("  head       {:>11}  ({} loss head, model.loss_head)\n", format_bytes(p.head),
+                        loss_head_name(cfg.model.loss_head));
   r.text += fmt::format("predicted step: peak {} in the {} (parameters {}, gradients {}, optimizer {}, kept "
                         "activations {}, working set {}, token corpus {}); recompute {} FLOPs, {:.1f} ms\n",
                         format_bytes(p.peak), p.peak_at, format_bytes(p.statics.params), format_bytes(p.statics.grads),

@@ -104,7 +104,7 @@ void check(const Case& c) {
   // buffers depend on the blocking of each shape: what the op declares is every tensor it makes itself, a lower
   // bound of the measured peak (README: what the cost model leaves out).
   const bool blocked_gemm =
-      (c.op == &op::linear() || c.op == &op::cross_entropy()) && c.in[0].dtype == at::kBFloat16;
+      (c.op == &op::linear() || c.op == &op::cross_entropy() || c.op == &op::fused_cross_entropy()) && c.in[0].dtype == at::kBFloat16;
   if (blocked_gemm) {
     EXPECT_GE(fwd.peak, fpeak) << "forward peak";
   } else {
@@ -174,8 +174,10 @@ std::vector<Case> cases() {
         Attrs loss;
         loss.chunk = chunk;
         const TensorInfo rows{{B * T, C}, f, {}}, targets{{B * T}, at::kLong, {}};
-        out.push_back({fmt::format("cross_entropy {} chunk {}", shape, chunk), &op::cross_entropy(), {rows, targets},
-                       {{kIds + 10, C}}, loss});
+        for (const OpDef* head : {&op::cross_entropy(), &op::fused_cross_entropy()}) {
+          out.push_back({fmt::format("{} {} chunk {}", head->kind(), shape, chunk), head, {rows, targets},
+                         {{kIds + 10, C}}, loss});
+        }
       }
       for (auto [Hq, Hkv] : {std::pair<int64_t, int64_t>{4, 4}, {4, 2}, {2, 1}}) {
         const int64_t D = 8, W = (Hq + 2 * Hkv) * D;

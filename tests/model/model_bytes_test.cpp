@@ -20,10 +20,17 @@ ActivationBytes measure(const ModelConfig& cfg, int64_t B, int64_t T) {
   return m;
 }
 
+// What the loss op of each head keeps beside the final norm's.
+int64_t loss_saved_bytes(const ModelConfig& c, int64_t N, at::ScalarType f) {
+  return c.loss_head == LossHead::fused ? fused_cross_entropy_saved_bytes(N, c.d_model, c.vocab_size, f)
+                                        : cross_entropy_saved_bytes(N, c.d_model, f);
+}
+
 TEST(ModelBytes, Gpt2SavedBytesEqualTheOpsReports) {
-  for (double p : {0.0, 0.1}) {
+  for (auto [p, head] : {std::pair{0.0, LossHead::fused}, {0.1, LossHead::fused}, {0.1, LossHead::recompute}}) {
     ModelConfig c = model_preset("tiny-gpt2");
     c.dropout = p;
+    c.loss_head = head;
     const int64_t B = 3, T = 11, N = B * T, C = c.d_model, F = c.d_ff;
     const auto f = at::kFloat;
     const ActivationBytes m = measure(c, B, T);
@@ -34,14 +41,15 @@ TEST(ModelBytes, Gpt2SavedBytesEqualTheOpsReports) {
     ASSERT_EQ(m.blocks.size(), static_cast<size_t>(c.n_layer));
     for (int64_t b : m.blocks) EXPECT_EQ(b, block) << "p=" << p;
     EXPECT_EQ(m.embedding, embedding_saved_bytes(N) + dropout_saved_bytes(N * C, p));
-    EXPECT_EQ(m.head, layernorm_saved_bytes(N, C, f) + cross_entropy_saved_bytes(N, C, f));
+    EXPECT_EQ(m.head, layernorm_saved_bytes(N, C, f) + loss_saved_bytes(c, N, f)) << loss_head_name(head);
   }
 }
 
 TEST(ModelBytes, LlamaSavedBytesEqualTheOpsReports) {
-  for (double p : {0.0, 0.2}) {
+  for (auto [p, head] : {std::pair{0.0, LossHead::fused}, {0.2, LossHead::fused}, {0.2, LossHead::recompute}}) {
     ModelConfig c = model_preset("tiny-llama");
     c.dropout = p;
+    c.loss_head = head;
     const int64_t B = 2, T = 13, N = B * T, C = c.d_model, F = c.d_ff;
     const auto f = at::kFloat;
     const ActivationBytes m = measure(c, B, T);
@@ -52,7 +60,7 @@ TEST(ModelBytes, LlamaSavedBytesEqualTheOpsReports) {
                           linear_saved_bytes(N, F, f);
     for (int64_t b : m.blocks) EXPECT_EQ(b, block) << "p=" << p;
     EXPECT_EQ(m.embedding, embedding_saved_bytes(N));
-    EXPECT_EQ(m.head, rmsnorm_saved_bytes(N, C, f) + cross_entropy_saved_bytes(N, C, f));
+    EXPECT_EQ(m.head, rmsnorm_saved_bytes(N, C, f) + loss_saved_bytes(c, N, f)) << loss_head_name(head);
   }
 }
 

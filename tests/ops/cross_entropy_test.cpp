@@ -5,6 +5,7 @@
 #include "ops/testing.h"
 
 #include <cmath>
+#include <limits>
 
 namespace {
 
@@ -160,6 +161,114 @@ TEST(CrossEntropyOp, BFloat16AccumulatesInFloat32) {
     EXPECT_LT(rel_err(dx, dx64), 3e-2);
     EXPECT_LT(rel_err(dw, dw64), 3e-2);
   }
+}
+
+TEST(FusedCrossEntropyOp, MatchesAutogradOfLogSoftmaxOnFullLogits) {
+  struct Case { int64_t N, C, V; };
+  at::Generator gen = seeded(2);
+  for (Case c : {Case{7, 5, 11}, Case{13, 4, 6}, Case{1, 3, 2}, Case{32, 6, 17}}) {
+    for (int64_t chunk : {int64_t{1}, int64_t{3}, int64_t{5}, c.N, c.N + 9}) {
+      at::Tensor x = at::randn({c.N, c.C}, gen, f64()), w = at::randn({c.V, c.C}, gen, f64());
+      at::Tensor targets = make_targets(c.N, c.V, gen);
+      targets[0] = c.V - 1;  // at least one counted target
+      Fwd<FusedCrossEntropySaved> f = fused_cross_entropy_forward(x, w, targets, chunk, true);
+      at::Tensor xl = leaf(x), wl = leaf(w);
+      at::Tensor ref = reference(xl, wl, targets);
+      const std::string what = "N" + std::to_string(c.N) + " V" + std::to_string(c.V) + " chunk" + std::to_string(chunk);
+      // The same loss as the recomputing head's, to the bit: the same reductions in the same order.
+      EXPECT_TRUE(at::equal(f.out, cross_entropy_forward(x, w, targets, chunk).out)) << what;
+      // Bounds as the recomputing head's test derives them.
+      const at::Tensor counted = targets.ne(kIgnoreIndex);
+      const double n = counted.sum().item<double>();
+      const at::Tensor terms =
+          (at::matmul(x.abs(), w.abs().t()).amax(1) + std::log(static_cast<double>(c.V))).masked_select(counted);
+      const double loss_scale = 2 * terms.mean().item<double>();
+      const double grad_scale = 2 * (1 + terms.max().item<double>());
+      EXPECT_LT(err_over(f.out, ref.detach(), loss_scale), 1e-13) << what;
+      const double dloss = 0.7;
+      auto want = grads(ref, at::scalar_tensor(dloss, f64()), {xl, wl});
+      at::Tensor dw0 = at::randn({c.V, c.C}, gen, f64()) * 1e-3;
+      at::Tensor dw = dw0.clone();
+      at::Tensor dx = fused_cross_entropy_backward(dloss, f.saved, dw);
+      EXPECT_LT(err_over(dx, want[0], dloss / n * grad_scale * w.abs().max().item<double>()), 1e-13) << what;
+      EXPECT_LT(err_over(dw - dw0, want[1], dloss * grad_scale * x.abs().max().item<double>()), 1e-13) << what;
+    }
+  }
+}
+
+TEST(FusedCrossEntropyOp, GradientsEqualTheRecomputingHeadsToFloatRounding) {
+  // float32, the training dtype: the two heads differ only in how the softmax is rounded
+  // (exp(l - max) / sum against exp(l - lse)) and in scaling dw once at the end, so each
+  // gradient element agrees to a few units of float32 rounding of its largest term.
+  const int64_t N = 96, C = 24, V = 500;
+  at::Generator gen = seeded(3);
+  at::Tensor x = at::randn({N, C}, gen), w = at::randn({V, C}, gen) * 0.2;
+  at::Tensor targets = make_targets(N, V, gen);
+  for (double dloss : {1.0, 0.25}) {
+    auto r = cross_entropy_forward(x, w, targets, 40);
+    at::Tensor dw_r = at::zeros({V, C}), dw_f = at::zeros({V, C});
+    at::Tensor dx_r = cross_entropy_backward(dloss, r.saved, w, dw_r);
+    auto f = fused_cross_entropy_forward(x, w, targets, 40, true);
+    at::Tensor dx_f = fused_cross_entropy_backward(dloss, f.saved, dw_f);
+    EXPECT_TRUE(at::equal(f.out, r.out));
+    const double eps = std::numeric_limits<float>::epsilon();
+    EXPECT_LT(err_over(dx_f, dx_r, dx_r.abs().max().item<double>()), 64 * eps) << dloss;
+    EXPECT_LT(err_over(dw_f, dw_r, dw_r.abs().max().item<double>()), 64 * eps) << dloss;
+  }
+}
+
+TEST(FusedCrossEntropyOp, RunsOneProductFewerThanTheRecomputingHead) {
+  const int64_t N = 40, C = 8, V = 33, chunk = 16;
+  at::Generator gen = seeded(4);
+  at::Tensor x = at::randn({N, C}, gen), w = at::randn({V, C}, gen), targets = make_targets(N, V, gen);
+  at::Tensor dw = at::zeros({V, C});
+  double recompute = 0, fused = 0;
+  {
+    MatmulFlopCounter counter;
+    cross_entropy_backward(1.0, cross_entropy_forward(x, w, targets, chunk).saved, w, dw);
+    recompute = counter.flops();
+  }
+  {
+    MatmulFlopCounter counter;
+    fused_cross_entropy_backward(1.0, fused_cross_entropy_forward(x, w, targets, chunk, true).saved, dw);
+    fused = counter.flops();
+  }
+  const double product = 2.0 * N * C * V;  // one [N, C] x [C, V] product, over every chunk
+  EXPECT_EQ(recompute, 4 * product);        // logits; logits again, dx, dw
+  EXPECT_EQ(fused, 3 * product);            // logits, dx, dw
+}
+
+TEST(FusedCrossEntropyOp, KeepsTheGradientsOnlyAndEvaluationKeepsNothing) {
+  remat::memory::install_cpu_tracking();
+  const at::Device cpu(at::kCPU);
+  at::Generator gen = seeded(5);
+  for (auto dt : {at::kDouble, at::kFloat, at::kBFloat16}) {
+    for (int64_t N : {1, 10, 33}) {
+      at::Tensor x = at::randn({N, 8}, gen).to(dt), w = at::randn({50, 8}, gen).to(dt);
+      at::Tensor targets = make_targets(N, 50, gen);
+      int64_t before = remat::memory::stats(cpu).current;
+      Fwd<FusedCrossEntropySaved> f = fused_cross_entropy_forward(x, w, targets, 4, true);
+      EXPECT_EQ(remat::memory::stats(cpu).current - before, tensors_bytes({f.out}) + tensors_bytes(f.saved.tensors()));
+      EXPECT_EQ(fused_cross_entropy_saved_bytes(N, 8, 50, dt), tensors_bytes(f.saved.tensors()));
+      EXPECT_EQ(f.saved.dx.scalar_type(), dt);
+      EXPECT_EQ(f.saved.dw.scalar_type(), stats_dtype(dt));
+      before = remat::memory::stats(cpu).current;
+      Fwd<FusedCrossEntropySaved> eval = fused_cross_entropy_forward(x, w, targets, 4, false);
+      EXPECT_EQ(remat::memory::stats(cpu).current - before, tensors_bytes({eval.out}));
+      EXPECT_FALSE(eval.saved.dx.defined() || eval.saved.dw.defined());
+      EXPECT_TRUE(at::equal(eval.out, f.out));
+    }
+  }
+}
+
+TEST(FusedCrossEntropyOp, AllTargetsIgnoredGivesZeroLossAndGradients) {
+  at::Generator gen = seeded(6);
+  at::Tensor x = at::randn({4, 3}, gen, f64()), w = at::randn({5, 3}, gen, f64());
+  auto f = fused_cross_entropy_forward(x, w, at::full({4}, kIgnoreIndex, at::kLong), 2, true);
+  EXPECT_EQ(f.out.item<double>(), 0.0);
+  at::Tensor dw = at::ones({5, 3}, f64());
+  EXPECT_TRUE(at::equal(fused_cross_entropy_backward(1.0, f.saved, dw), at::zeros({4, 3}, f64())));
+  EXPECT_TRUE(at::equal(dw, at::ones({5, 3}, f64())));
 }
 
 TEST(CrossEntropyOp, RefusesBadTargetsAndShapes) {

@@ -90,7 +90,9 @@ class MatmulFlopCounter {
       total() += 2.0 * a.toTensor().numel() * b.toTensor().size(-1);
     };
     if (name == "aten::mm" || name == "aten::bmm") add(in[0], in[1]);
-    if (name == "aten::addmm" || name == "aten::baddbmm" || name == "aten::baddbmm_") add(in[1], in[2]);
+    if (name == "aten::addmm" || name == "aten::addmm_" || name == "aten::baddbmm" || name == "aten::baddbmm_") {
+      add(in[1], in[2]);
+    }
     return nullptr;
   }
   at::CallbackHandle handle_;

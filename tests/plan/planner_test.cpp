@@ -116,6 +116,37 @@ TEST(Planner, PlansA128LayerModelWithinItsBudget) {
               seconds);
 }
 
+// The fused loss head keeps the output weight's gradient ([V, C], float32) where the
+// recomputing one keeps the hidden states and a log-sum-exp per token: at a large
+// vocabulary and few tokens the recomputing head fits lower budgets, and a budget between
+// the two minimums is refused with the head that fits it named.
+TEST(Planner, NamesTheRecomputingLossHeadWhereOnlyItFits) {
+  ModelConfig cfg = config("gpt2", 2, 0.0);
+  cfg.attention = Attention::tiled;
+  cost::NodeTimes times;
+  times.flops_per_second = 1.0;
+  // Enough tokens that the fused head's least-memory plan peaks in the loss head, not in
+  // the optimizer step (whose largest temporary is as large as the tied [V, C] weight).
+  cost::StepShape shape = shape_of(32, 64);
+  shape.ce_chunk = 1024;
+  ModelConfig recompute = cfg;
+  recompute.loss_head = LossHead::recompute;
+  const Planner fused_planner(cfg, shape, times), recompute_planner(recompute, shape, times);
+  const int64_t fused_min = fused_planner.min_feasible_budget(), recompute_min = recompute_planner.min_feasible_budget();
+  ASSERT_LT(recompute_min, fused_min);
+  const int64_t between = (fused_min + recompute_min) / 2;
+  EXPECT_FALSE(fused_planner.solve(between).has_value());
+  EXPECT_TRUE(recompute_planner.solve(between).has_value());
+  const std::string why = fused_planner.infeasible(between, "between");
+  EXPECT_NE(why.find("With model.loss_head=recompute"), std::string::npos) << why;
+  EXPECT_NE(why.find(memory::format_bytes(recompute_min) + ", within this budget"), std::string::npos) << why;
+  // Below both minimums the other head's minimum is still given, without the claim.
+  const std::string low = fused_planner.infeasible(recompute_min - 1, "low");
+  EXPECT_NE(low.find("the minimum is " + memory::format_bytes(recompute_min) + "."), std::string::npos) << low;
+  // The recomputing head's own sentence has nothing to add.
+  EXPECT_EQ(recompute_planner.infeasible(recompute_min - 1, "low").find("model.loss_head"), std::string::npos);
+}
+
 // Korthikanti et al. 2022, Table 2: with 16-bit activations and 1-byte dropout masks a
 // GPT layer saves sbh(34 + 5as/h) bytes without recompute and 2sbh with full recompute.
 // remat's GPT-2 block saves exactly that set plus each LayerNorm's mean and rstd (float32);

@@ -1,8 +1,12 @@
-// Language-model head fused with cross-entropy, chunked over tokens.
+// Language-model head fused with cross-entropy, chunked over tokens, in two variants.
 //
-// The [tokens x vocab] logits never live across the backward: forward computes them a
-// chunk at a time and keeps only each token's log-sum-exp; backward recomputes each
-// chunk's logits, turns them into dlogits and consumes them at once.
+// The [tokens x vocab] logits never live across the backward. The recomputing head
+// (cross_entropy_*) computes them a chunk at a time in the forward and keeps only each
+// token's log-sum-exp; its backward recomputes each chunk's logits, turns them into dlogits
+// and consumes them at once. The fused head (fused_cross_entropy_*) knows each chunk's
+// dlogits (softmax minus one-hot, over the count) as soon as its logits exist, so its
+// forward also computes the gradients of x and w and keeps those: one product fewer per
+// chunk, for a kept [V, C] weight gradient instead of x and the log-sum-exp.
 #pragma once
 
 #include "remat/ops/common.h"
@@ -32,8 +36,26 @@ Fwd<CrossEntropySaved> cross_entropy_forward(const at::Tensor& x, const at::Tens
 at::Tensor cross_entropy_backward(double dloss, const CrossEntropySaved& saved, const at::Tensor& w,
                                   at::Tensor& dw);
 
+/// What the fused head's backward reads: the gradients of the mean loss (dloss = 1).
+struct FusedCrossEntropySaved {
+  at::Tensor dx;  ///< [N, C], x's dtype
+  at::Tensor dw;  ///< [V, C], in the statistics' dtype (float32 for bfloat16 x)
+  std::vector<at::Tensor> tensors() const { return {dx, dw}; }
+};
+
+/// The loss of cross_entropy_forward (bitwise the same value) and, when `grads`, its
+/// gradients with respect to x and w, computed chunk by chunk from the same logits (a
+/// forward for evaluation passes grads = false and keeps nothing).
+Fwd<FusedCrossEntropySaved> fused_cross_entropy_forward(const at::Tensor& x, const at::Tensor& w,
+                                                        const at::Tensor& targets, int64_t chunk_tokens,
+                                                        bool grads);
+/// Returns dx = dloss * saved.dx (new memory); accumulates dloss * saved.dw into dw.
+at::Tensor fused_cross_entropy_backward(double dloss, const FusedCrossEntropySaved& saved, at::Tensor& dw);
+
 /// Bytes CrossEntropySaved holds for N tokens.
 int64_t cross_entropy_saved_bytes(int64_t tokens, int64_t C, at::ScalarType dtype);
+/// Bytes FusedCrossEntropySaved holds for N tokens of width C and a vocabulary of V.
+int64_t fused_cross_entropy_saved_bytes(int64_t tokens, int64_t C, int64_t vocab, at::ScalarType dtype);
 /// Largest temporary, in forward and backward alike: one chunk's logits (chunk x V), in
 /// float32 (float64 for float64 x) and, for half/bfloat16 x, also in x's dtype. The softmax
 /// and dlogits are computed in place over the float32 logits.
