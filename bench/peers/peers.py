@@ -1,0 +1,737 @@
+#!/usr/bin/python3
+"""Plain-PyTorch peers of remat's GPT-2 and Llama, for side-by-side step timings.
+
+The models compute the same math as remat's blocks (src/model/gpt2.cpp, llama.cpp and the
+ops in src/ops/), and a step is what remat's TrainStep::run times (src/train/step.cpp):
+draw a batch, zero the gradients, forward, backward, clip the global gradient norm,
+AdamW step. One JSON object goes to stdout per run; the human-readable lines go to stderr.
+
+Run it with Debian's python (/usr/bin/python3), which has torch 1.13; only the standard
+library and torch are used. See README.md beside this file.
+"""
+
+import argparse
+import ctypes
+import gc
+import inspect
+import json
+import math
+import os
+import platform
+import resource
+import sys
+import sysconfig
+import time
+import warnings
+
+
+def _select_blas_build():
+    """--blas-build openmp|pthread: re-runs this script with Debian's OpenBLAS build of that
+    threading first on LD_LIBRARY_PATH, before torch loads libblas.so.3. Debian installs both
+    builds side by side (/usr/lib/<multiarch>/openblas-openmp and openblas-pthread) and the
+    alternatives system picks the one that /usr/lib/<multiarch>/libblas.so.3 names."""
+    build = None
+    for i, a in enumerate(sys.argv):
+        if a == "--blas-build" and i + 1 < len(sys.argv):
+            build = sys.argv[i + 1]
+        elif a.startswith("--blas-build="):
+            build = a.split("=", 1)[1]
+    if build not in ("openmp", "pthread"):
+        return None
+    d = os.path.join("/usr/lib", sysconfig.get_config_var("MULTIARCH") or "x86_64-linux-gnu", "openblas-" + build)
+    if not os.path.exists(os.path.join(d, "libblas.so.3")):
+        sys.exit(f"peers.py: --blas-build {build} needs {d}/libblas.so.3 (Debian's libopenblas0-{build}), "
+                 f"which is not installed.")
+    if os.environ.get("PEERS_BLAS_DIR") != d:
+        old = os.environ.get("LD_LIBRARY_PATH")
+        env = dict(os.environ, PEERS_BLAS_DIR=d, LD_LIBRARY_PATH=d + (":" + old if old else ""))
+        os.execve(sys.executable, [sys.executable] + sys.argv, env)
+    return d
+
+
+BLAS_DIR = _select_blas_build()
+
+import torch  # noqa: E402  (after the BLAS choice)
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import torch.utils.checkpoint as torch_checkpoint  # noqa: E402
+
+
+# torch 1.13's profiler touches torch.distributed.reduce_op, which warns on every use.
+warnings.filterwarnings("ignore", message=".*torch.distributed.reduce_op is deprecated.*")
+
+
+def log(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Threads: ATen's intra-op pool and OpenBLAS's own pthread pool.
+# --------------------------------------------------------------------------------------------
+
+def loaded_openblas():
+    """The OpenBLAS that torch already loaded, as a ctypes handle (never a second copy).
+
+    Debian's torch links libblas.so.3, which the alternatives system points at
+    openblas-pthread/libblas.so.3 -> libopenblasp-r0.3.x.so. The library is found in
+    /proc/self/maps and opened with RTLD_NOLOAD, so the handle is the mapped one.
+    Returns (handle, path) or (None, None) when no loaded library exports
+    openblas_set_num_threads (another BLAS).
+    """
+    paths = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 6 and parts[-1].startswith("/") and ("blas" in parts[-1]):
+                if parts[-1] not in paths:
+                    paths.append(parts[-1])
+    # The openblas library itself first, then the libblas.so.3 shim that re-exports it.
+    paths.sort(key=lambda p: 0 if "openblas" in os.path.basename(p) else 1)
+    for p in paths:
+        try:
+            lib = ctypes.CDLL(p, mode=os.RTLD_NOLOAD | ctypes.RTLD_GLOBAL)
+        except OSError:
+            continue
+        if hasattr(lib, "openblas_set_num_threads") and hasattr(lib, "openblas_get_num_threads"):
+            lib.openblas_get_num_threads.restype = ctypes.c_int
+            lib.openblas_set_num_threads.argtypes = [ctypes.c_int]
+            return lib, p
+    return None, None
+
+
+def thread_cpu_seconds():
+    """CPU seconds (user + system) of each thread of this process, by thread id."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # the thread ended
+        out[int(tid)] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def matmul_check(n=1024, reps=8):
+    """Times float32 n x n x n matmuls (OpenBLAS sgemm here) and counts the threads that
+    worked on them. Returns (best seconds of one, threads that took >= 15% of the CPU time).
+
+    The thread count is the check that openblas_set_num_threads took effect: it holds on a
+    busy machine too, where the wall time of 2 threads need not beat 1."""
+    a = torch.randn(n, n)
+    b = torch.randn(n, n)
+    torch.mm(a, b)  # first call: pool start-up
+    before = thread_cpu_seconds()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t0)
+    after = thread_cpu_seconds()
+    used = [after[t] - before.get(t, 0.0) for t in after]
+    total = sum(u for u in used if u > 0)
+    busy = sum(1 for u in used if total > 0 and u >= 0.15 * total)
+    return best, busy
+
+
+def apply_threads(args):
+    """Applies --aten-threads / --blas-threads; returns the effective settings."""
+    blas, blas_path = loaded_openblas()
+    if BLAS_DIR is not None and (blas_path is None or not blas_path.startswith(BLAS_DIR + "/")):
+        sys.exit(f"peers.py: --blas-build asked for the OpenBLAS in {BLAS_DIR}, but torch loaded {blas_path}.")
+    if blas is not None and hasattr(blas, "openblas_get_parallel"):
+        blas.openblas_get_parallel.restype = ctypes.c_int
+        build = {0: "sequential", 1: "pthread", 2: "openmp"}.get(blas.openblas_get_parallel(), "unknown")
+    else:
+        build = None
+    default_aten = torch.get_num_threads()
+    default_blas = blas.openblas_get_num_threads() if blas is not None else None
+    if args.aten_threads is not None:
+        torch.set_num_threads(args.aten_threads)
+    if args.blas_threads is not None:
+        if blas is None:
+            sys.exit("peers.py: --blas-threads needs OpenBLAS, but no loaded library exports "
+                     "openblas_set_num_threads (torch uses another BLAS here).")
+        blas.openblas_set_num_threads(args.blas_threads)
+        if blas.openblas_get_num_threads() != args.blas_threads:
+            sys.exit(f"peers.py: openblas_set_num_threads({args.blas_threads}) did not take: OpenBLAS "
+                     f"reports {blas.openblas_get_num_threads()} threads.")
+    out = {
+        "requested": ",".join(x for x in (
+            f"aten={args.aten_threads}" if args.aten_threads is not None else "",
+            f"blas={args.blas_threads}" if args.blas_threads is not None else "",
+            f"build={args.blas_build}" if args.blas_build != "system" else "") if x) or "default",
+        "aten_threads": torch.get_num_threads(),
+        "blas_threads": blas.openblas_get_num_threads() if blas is not None else None,
+        "default_aten_threads": default_aten,
+        "default_blas_threads": default_blas,
+        "interop_threads": torch.get_num_interop_threads(),
+        "blas_library": blas_path,
+        "blas_build": build,
+        "cpus": len(os.sched_getaffinity(0)),
+    }
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Ops, written as remat writes them (src/ops/).
+# --------------------------------------------------------------------------------------------
+
+def attention_math(q, k, v, p, training, future):
+    """remat's math attention (src/ops/attention.cpp): q [B, T, Hq, D], k, v [B, T, Hkv, D].
+
+    The G = Hq / Hkv query heads of a key/value group are stacked along rows, so one batched
+    matmul against that group's K and V serves them all without repeating K or V (query head
+    h uses key/value head h // G, as in Hugging Face's repeat_kv). Scores are
+    (q / sqrt(D)) k^T, the future masked to -inf, softmax, dropout on the probabilities,
+    times V. The scale is folded into the GEMM (baddbmm's alpha), as remat folds it into
+    the copy of q the GEMM needs anyway.
+    """
+    B, T, Hq, D = q.shape
+    Hkv = k.shape[2]
+    G = Hq // Hkv
+    q_rows = q.reshape(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B * Hkv, G * T, D)
+    k_cols = k.permute(0, 2, 3, 1).reshape(B * Hkv, D, T)
+    v_rows = v.permute(0, 2, 1, 3).reshape(B * Hkv, T, D)
+    empty = q.new_empty(1, 1, 1)  # beta = 0: its values are never read
+    scores = torch.baddbmm(empty, q_rows, k_cols, beta=0.0, alpha=1.0 / math.sqrt(D))
+    scores.view(B * Hq, T, T).masked_fill_(future[:T, :T], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if p > 0.0:
+        probs = F.dropout(probs, p, training)
+    out_rows = torch.bmm(probs, v_rows)  # [B*Hkv, G*T, D]
+    return out_rows.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, Hq * D)
+
+
+def attention_sdpa(q, k, v, p, training, future):
+    """torch.nn.functional.scaled_dot_product_attention (PyTorch >= 2.0), causal."""
+    B, T, Hq, D = q.shape
+    Hkv = k.shape[2]
+    G = Hq // Hkv
+    qh = q.transpose(1, 2)
+    kh = k.transpose(1, 2)
+    vh = v.transpose(1, 2)
+    if G > 1:  # the query heads of group g read key/value head g (repeat_kv)
+        kh = kh[:, :, None].expand(B, Hkv, G, T, D).reshape(B, Hq, T, D)
+        vh = vh[:, :, None].expand(B, Hkv, G, T, D).reshape(B, Hq, T, D)
+    out = F.scaled_dot_product_attention(qh, kh, vh, dropout_p=p if training else 0.0, is_causal=True)
+    return out.transpose(1, 2).reshape(B, T, Hq * D)
+
+
+def rope_tables(seq_len, head_dim, theta, dtype):
+    """remat's rope_tables: inv_freq[i] = theta^(-2i/D), angle[t, i] = t * inv_freq[i], in
+    float64, then cos and sin cast to the compute dtype; [seq_len, D/2] each."""
+    inv_freq = torch.pow(theta, torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim).reciprocal()
+    angle = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
+    return angle.cos().to(dtype), angle.sin().to(dtype)
+
+
+def rope(x, cos, sin):
+    """remat's rotation (src/ops/rope.cpp) of x [B, T, H, D]: each (x1, x2) = (x[..., :D/2],
+    x[..., D/2:]) pair rotates by the table angle: out1 = x1 cos - x2 sin,
+    out2 = x2 cos + x1 sin (Hugging Face's rotate_half convention)."""
+    T, half = x.shape[1], x.shape[3] // 2
+    c = cos[:T].view(1, T, 1, half)
+    s = sin[:T].view(1, T, 1, half)
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+
+def rmsnorm(x, w, eps):
+    """y = x / sqrt(mean(x^2) + eps) * w (remat's rmsnorm: normalise, then scale)."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+class ChunkedCrossEntropy(torch.autograd.Function):
+    """remat's loss head (src/ops/cross_entropy.cpp), for --ce-chunk N > 0: the logits of N
+    tokens at a time, never all [tokens, vocab] at once; the forward keeps x, the targets
+    and each row's log-sum-exp, and the backward recomputes each chunk's logits."""
+
+    @staticmethod
+    def forward(ctx, x, w, targets, chunk):
+        n_rows = x.shape[0]
+        lse = x.new_empty(n_rows)
+        loss = x.new_zeros(())
+        for start in range(0, n_rows, chunk):
+            n = min(chunk, n_rows - start)
+            logits = torch.mm(x[start:start + n], w.t())
+            target_logit = logits.gather(1, targets[start:start + n, None]).squeeze(1)
+            mx = logits.amax(1, keepdim=True)
+            logits.sub_(mx).exp_()
+            lse_c = lse[start:start + n]
+            torch.sum(logits, 1, out=lse_c)
+            lse_c.log_().add_(mx.squeeze(1))
+            loss.add_((lse_c - target_logit).sum())
+        loss.div_(n_rows)
+        ctx.save_for_backward(x, w, targets, lse)
+        ctx.chunk = chunk
+        return loss
+
+    @staticmethod
+    def backward(ctx, dloss):
+        x, w, targets, lse = ctx.saved_tensors
+        n_rows = x.shape[0]
+        scale = dloss / n_rows
+        dx = torch.empty_like(x)
+        dw = torch.zeros_like(w)
+        for start in range(0, n_rows, ctx.chunk):
+            n = min(ctx.chunk, n_rows - start)
+            x_c = x[start:start + n]
+            dl = torch.mm(x_c, w.t())
+            dl.sub_(lse[start:start + n, None]).exp_().mul_(scale)
+            dl.scatter_add_(1, targets[start:start + n, None], (-scale).expand(n, 1).contiguous())
+            torch.mm(dl, w, out=dx[start:start + n])
+            dw.addmm_(dl.t(), x_c)
+        return dx, dw, None, None
+
+
+def loss_head(h, w, targets, ce_chunk):
+    """Mean cross-entropy over all tokens of h [B, T, C] through w [V, C]."""
+    x = h.reshape(-1, h.shape[-1])
+    t = targets.reshape(-1)
+    if ce_chunk > 0:
+        return ChunkedCrossEntropy.apply(x, w, t, ce_chunk)
+    return F.cross_entropy(F.linear(x, w), t)
+
+
+# --------------------------------------------------------------------------------------------
+# Models. Parameter names follow Hugging Face (as remat's do), so counts compare line by line.
+# --------------------------------------------------------------------------------------------
+
+class Gpt2Block(nn.Module):
+    """Pre-LN block (src/model/gpt2.cpp): x1 = x + drop(c_proj(attn(ln_1(x)))),
+    out = x1 + drop(mlp_c_proj(gelu_tanh(c_fc(ln_2(x1))))); attention dropout on the
+    probabilities."""
+
+    def __init__(self, c):
+        super().__init__()
+        C, F_ = c.d_model, c.d_ff
+        self.ln_1 = nn.LayerNorm(C, eps=c.norm_eps)
+        self.c_attn = nn.Linear(C, 3 * C)
+        self.c_proj = nn.Linear(C, C)
+        self.ln_2 = nn.LayerNorm(C, eps=c.norm_eps)
+        self.c_fc = nn.Linear(C, F_)
+        self.mlp_c_proj = nn.Linear(F_, C)
+        self.c = c
+
+    def forward(self, x, future):
+        c = self.c
+        B, T, C = x.shape
+        H, D = c.heads, C // c.heads
+        qkv = self.c_attn(self.ln_1(x))
+        q, k, v = (t.view(B, T, H, D) for t in qkv.split(C, dim=-1))
+        a = c.attention_fn(q, k, v, c.dropout, self.training, future)
+        x1 = x + F.dropout(self.c_proj(a), c.dropout, self.training)
+        m = self.mlp_c_proj(F.gelu(self.c_fc(self.ln_2(x1)), approximate="tanh"))
+        return x1 + F.dropout(m, c.dropout, self.training)
+
+
+class LlamaBlock(nn.Module):
+    """Block of src/model/llama.cpp: RMSNorm, q/k/v projections without bias, RoPE on q and k,
+    grouped-query attention (dropout model.dropout on the probabilities), o_proj, residual;
+    RMSNorm, SwiGLU (silu(gate) * up), down_proj, residual."""
+
+    def __init__(self, c):
+        super().__init__()
+        C, F_, D = c.d_model, c.d_ff, c.d_model // c.heads
+        KV = c.kv_heads * D
+        self.input_layernorm = nn.Parameter(torch.ones(C))
+        self.q_proj = nn.Linear(C, C, bias=False)
+        self.k_proj = nn.Linear(C, KV, bias=False)
+        self.v_proj = nn.Linear(C, KV, bias=False)
+        self.o_proj = nn.Linear(C, C, bias=False)
+        self.post_attention_layernorm = nn.Parameter(torch.ones(C))
+        self.gate_proj = nn.Linear(C, F_, bias=False)
+        self.up_proj = nn.Linear(C, F_, bias=False)
+        self.down_proj = nn.Linear(F_, C, bias=False)
+        self.c = c
+
+    def forward(self, x, future, cos, sin):
+        c = self.c
+        B, T, C = x.shape
+        Hq, Hkv, D = c.heads, c.kv_heads, C // c.heads
+        n1 = rmsnorm(x, self.input_layernorm, c.norm_eps)
+        q = rope(self.q_proj(n1).view(B, T, Hq, D), cos, sin)
+        k = rope(self.k_proj(n1).view(B, T, Hkv, D), cos, sin)
+        v = self.v_proj(n1).view(B, T, Hkv, D)
+        x1 = x + self.o_proj(c.attention_fn(q, k, v, c.dropout, self.training, future))
+        n2 = rmsnorm(x1, self.post_attention_layernorm, c.norm_eps)
+        return x1 + self.down_proj(F.silu(self.gate_proj(n2)) * self.up_proj(n2))
+
+
+class Model(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.c = c
+        C, V = c.d_model, c.vocab
+        if c.arch == "gpt2":
+            self.wte = nn.Parameter(torch.empty(V, C))
+            self.wpe = nn.Parameter(torch.empty(c.max_seq, C))
+            self.h = nn.ModuleList(Gpt2Block(c) for _ in range(c.layers))
+            self.ln_f = nn.LayerNorm(C, eps=c.norm_eps)
+        else:
+            self.embed_tokens = nn.Parameter(torch.empty(V, C))
+            self.layers = nn.ModuleList(LlamaBlock(c) for _ in range(c.layers))
+            self.norm = nn.Parameter(torch.ones(C))
+            self.lm_head = nn.Parameter(torch.empty(V, C))
+            cos, sin = rope_tables(c.max_seq, C // c.heads, c.rope_theta, torch.float32)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+        future = torch.ones(c.max_seq, c.max_seq, dtype=torch.bool).triu_(1)
+        self.register_buffer("future", future, persistent=False)
+        self.init_weights(c.seed)
+
+    def init_weights(self, seed):
+        """remat's init_param: biases 0, norm weights 1, matrices N(0, init_std), the residual
+        branches' output projections N(0, init_std / sqrt(2 n_layer))."""
+        gen = torch.Generator().manual_seed(seed)
+        residual_out = ("c_proj.weight", "o_proj.weight", "down_proj.weight")  # mlp_c_proj too
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.endswith(".bias"):
+                    p.zero_()
+                elif p.dim() == 1:
+                    p.fill_(1.0)
+                else:
+                    std = self.c.init_std
+                    if name.endswith(residual_out):
+                        std /= math.sqrt(2.0 * self.c.layers)
+                    p.normal_(0.0, std, generator=gen)
+
+    def run_block(self, block, x):
+        if self.c.arch == "gpt2":
+            return block(x, self.future)
+        return block(x, self.future, self.rope_cos, self.rope_sin)
+
+    def forward(self, tokens, targets):
+        c = self.c
+        T = tokens.shape[1]
+        if c.arch == "gpt2":
+            x = F.dropout(F.embedding(tokens, self.wte) + self.wpe[:T], c.dropout, self.training)
+            blocks = self.h
+        else:
+            x = F.embedding(tokens, self.embed_tokens)
+            blocks = self.layers
+        for block in blocks:
+            if c.policy == "full":
+                # use_reentrant=False: torch 1.13's checkpoint accepts it (the saved-tensor-hooks
+                # implementation, which also works when the block input needs no grad);
+                # preserve_rng_state defaults to True, so recomputed dropout masks match the
+                # forward's (as remat's ac.preserve_rng_state=true).
+                x = torch_checkpoint.checkpoint(self.run_block, block, x, **CHECKPOINT_KWARGS)
+            else:
+                x = self.run_block(block, x)
+        if c.arch == "gpt2":
+            h = self.ln_f(x)
+            return loss_head(h, self.wte, targets, c.ce_chunk)  # tied head
+        h = rmsnorm(x, self.norm, c.norm_eps)
+        return loss_head(h, self.lm_head, targets, c.ce_chunk)  # untied head
+
+
+CHECKPOINT_KWARGS = {}
+try:
+    if "use_reentrant" in inspect.signature(torch_checkpoint.checkpoint).parameters:
+        CHECKPOINT_KWARGS = {"use_reentrant": False}
+except (TypeError, ValueError):
+    pass
+
+
+# --------------------------------------------------------------------------------------------
+# The step, as remat's TrainStep::run.
+# --------------------------------------------------------------------------------------------
+
+def learning_rate(c, step):
+    """remat's learning_rate(): linear warm-up, then cosine to min_lr over train.steps, which
+    remat bench sets to warmup + steps."""
+    total = c.warmup + c.steps
+    if step < c.lr_warmup:
+        return c.lr * (step + 1) / c.lr_warmup
+    span = max(1, total - 1 - c.lr_warmup)
+    progress = min(1.0, (step - c.lr_warmup) / span)
+    return c.min_lr + 0.5 * (c.lr - c.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def make_optimizer(model, c):
+    """AdamW in two groups as remat's adamw_groups(): weight decay on matrices (dim >= 2,
+    embeddings included), none on norms and biases; betas (0.9, 0.95), eps 1e-8."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": c.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=c.lr, betas=(c.beta1, c.beta2), eps=1e-8)
+
+
+@torch.no_grad()
+def clip_gradients(params, max_norm):
+    """remat's clip_gradients(): one global L2 norm; scale only when it exceeds max_norm."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = math.sqrt(torch.stack([g.pow(2).sum() for g in grads]).double().sum().item())
+    if max_norm > 0 and norm > max_norm:
+        scale = max_norm / (norm + 1e-6)
+        for g in grads:
+            g.mul_(scale)
+    return norm
+
+
+def train_step(model, opt, params, c, step, gen):
+    for g in opt.param_groups:
+        g["lr"] = learning_rate(c, step)
+    t0 = time.perf_counter()
+    # A fresh batch each step, drawn inside the timed region as remat's data.sample is.
+    seq = torch.randint(0, c.vocab, (c.batch, c.seq + 1), generator=gen)
+    tokens, targets = seq[:, :-1], seq[:, 1:]
+    opt.zero_grad(set_to_none=False)  # persistent gradients, as remat's flat gradient buffer
+    loss = model(tokens, targets)
+    loss.backward()
+    clip_gradients(params, c.grad_clip)
+    opt.step()
+    seconds = time.perf_counter() - t0
+    return loss.item(), seconds
+
+
+# --------------------------------------------------------------------------------------------
+# Peak memory: live tensor bytes at the step's start plus the running peak of the
+# allocations and frees the profiler records during one (untimed) step.
+# --------------------------------------------------------------------------------------------
+
+def live_tensor_bytes(extra_tensors):
+    """Bytes of the distinct CPU storages of every tensor Python can reach now, plus
+    `extra_tensors` (gradients live in C++ without a Python object until read)."""
+    seen = {}
+
+    def add(t):
+        if not isinstance(t, torch.Tensor) or t.is_sparse or t.device.type != "cpu":
+            return
+        s = t.storage()
+        ptr = s.data_ptr()
+        if ptr:
+            seen[ptr] = s.nbytes()
+
+    gc.collect()
+    for o in gc.get_objects():
+        try:
+            if isinstance(o, torch.Tensor):
+                add(o)
+        except Exception:  # objects whose isinstance check raises (lazy modules)
+            pass
+    for t in extra_tensors:
+        add(t)
+    return sum(seen.values())
+
+
+def profiled_peak(fn):
+    """Runs fn() under torch.profiler with profile_memory=True and returns
+    (highest running sum of the recorded allocation sizes, net change, result of fn).
+
+    Each allocation and free of the CPU allocator is a "[memory]" event whose nbytes is
+    +size or -size; their running sum in time order is the change of live tensor bytes."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    events.sort(key=lambda e: e.start_us())  # stable: same-microsecond events keep their order
+    running = peak = 0
+    for e in events:
+        running += e.nbytes()
+        peak = max(peak, running)
+    return peak, running, result
+
+
+def self_test_peak():
+    """The measurement on a known case: 4 MiB, then 2 MiB more (peak 6 MiB), free the 4,
+    1 MiB more, free all. Returns (peak, net) which must be (6 MiB, 0)."""
+    def case():
+        a = torch.empty(1 << 20)
+        b = torch.empty(1 << 19)
+        del a
+        c = torch.empty(1 << 18)
+        del b, c
+    peak, net, _ = profiled_peak(case)
+    return peak, net
+
+
+# --------------------------------------------------------------------------------------------
+# Command line.
+# --------------------------------------------------------------------------------------------
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(
+        description="Plain-PyTorch GPT-2 / Llama training steps with remat's math, for side-by-side timing.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--arch", choices=["gpt2", "llama"], default="gpt2")
+    ap.add_argument("--policy", choices=["none", "full"], default="none",
+                    help="full: torch.utils.checkpoint around every block")
+    ap.add_argument("--attention", choices=["math", "sdpa"], default="math",
+                    help="math: scores, mask, softmax, dropout, matmul (remat's math op); "
+                         "sdpa: F.scaled_dot_product_attention (PyTorch >= 2.0)")
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--d-model", type=int, default=384)
+    ap.add_argument("--heads", type=int, default=6)
+    ap.add_argument("--kv-heads", type=int, default=None, help="default: heads for gpt2, 2 for llama")
+    ap.add_argument("--d-ff", type=int, default=None, help="default: 4*d_model for gpt2, 1024 for llama")
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--max-seq", type=int, default=None,
+                    help="context length (learned positions / RoPE tables); default: --seq")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--dropout", type=float, default=None, help="default: 0.1 for gpt2, 0.0 for llama")
+    ap.add_argument("--norm-eps", type=float, default=1e-5)
+    ap.add_argument("--rope-theta", type=float, default=10000.0)
+    ap.add_argument("--init-std", type=float, default=0.02)
+    ap.add_argument("--ce-chunk", type=int, default=0,
+                    help="0: plain F.cross_entropy over all logits; N > 0: remat's chunked loss head "
+                         "(N tokens of logits at a time, recomputed in the backward; remat's default is 1024)")
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--min-lr", type=float, default=3e-4)
+    ap.add_argument("--lr-warmup", type=int, default=50, help="learning-rate warm-up steps (train.warmup)")
+    ap.add_argument("--weight-decay", type=float, default=0.1)
+    ap.add_argument("--beta1", type=float, default=0.9)
+    ap.add_argument("--beta2", type=float, default=0.95)
+    ap.add_argument("--grad-clip", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=1337)
+    ap.add_argument("--warmup", type=int, default=3, help="unmeasured steps first")
+    ap.add_argument("--steps", type=int, default=10, help="measured steps")
+    ap.add_argument("--aten-threads", type=int, default=None,
+                    help="torch.set_num_threads(N); default: leave PyTorch's default")
+    ap.add_argument("--blas-threads", type=int, default=None,
+                    help="openblas_set_num_threads(N) on the loaded OpenBLAS; default: leave it")
+    ap.add_argument("--blas-build", choices=["system", "openmp", "pthread"], default="system",
+                    help="which of Debian's OpenBLAS builds torch loads: the system's libblas.so.3 choice, or "
+                         "the OpenMP build (its threads are ATen's OpenMP pool, as remat links) or the pthread "
+                         "build (a pool of its own), by LD_LIBRARY_PATH")
+    ap.add_argument("--no-peak", action="store_true", help="skip the extra profiled step that measures peak memory")
+    ap.add_argument("--no-matmul-check", action="store_true", help="skip timing one 1024^3 matmul at start-up")
+    ap.add_argument("--param-count", action="store_true",
+                    help="print the parameter count as JSON and exit (no training)")
+    args = ap.parse_args(argv)
+    if args.kv_heads is None:
+        args.kv_heads = args.heads if args.arch == "gpt2" else 2
+    if args.d_ff is None:
+        args.d_ff = 4 * args.d_model if args.arch == "gpt2" else 1024
+    if args.dropout is None:
+        args.dropout = 0.1 if args.arch == "gpt2" else 0.0
+    if args.max_seq is None:
+        args.max_seq = args.seq
+    if args.d_model % args.heads:
+        ap.error(f"--d-model ({args.d_model}) must be divisible by --heads ({args.heads}).")
+    if args.heads % args.kv_heads:
+        ap.error(f"--heads ({args.heads}) must be a multiple of --kv-heads ({args.kv_heads}).")
+    if args.arch == "gpt2" and args.kv_heads != args.heads:
+        ap.error("gpt2 has no grouped-query attention: --kv-heads must equal --heads.")
+    if args.arch == "llama" and (args.d_model // args.heads) % 2:
+        ap.error("RoPE needs an even head dimension (d_model / heads).")
+    if args.seq > args.max_seq:
+        ap.error(f"--seq ({args.seq}) exceeds --max-seq ({args.max_seq}).")
+    if args.steps < 1 or args.warmup < 0:
+        ap.error("--steps must be at least 1 and --warmup at least 0.")
+    for name in ("aten_threads", "blas_threads"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            ap.error(f"--{name.replace('_', '-')} must be at least 1.")
+    if args.attention == "sdpa":
+        if not hasattr(F, "scaled_dot_product_attention"):
+            sys.exit(f"peers.py: --attention sdpa needs torch.nn.functional.scaled_dot_product_attention, which "
+                     f"PyTorch 2.0 added; this is torch {torch.__version__}, which does not have it. Use "
+                     f"--attention math.")
+        args.attention_fn = attention_sdpa
+    else:
+        args.attention_fn = attention_math
+    return args
+
+
+def main(argv=None):
+    c = parse_args(argv)
+    model = Model(c)  # initialised from its own generator of --seed
+    params = list(model.parameters())
+    n_params = sum(p.numel() for p in params)
+    shape = {"layers": c.layers, "d_model": c.d_model, "heads": c.heads, "kv_heads": c.kv_heads,
+             "d_ff": c.d_ff, "vocab": c.vocab, "seq": c.seq, "max_seq": c.max_seq, "batch": c.batch,
+             "dropout": c.dropout}
+    if c.param_count:
+        print(json.dumps({"arch": c.arch, "parameters": n_params, **shape}))
+        return 0
+
+    threads = apply_threads(c)
+    log(f"peers: torch {torch.__version__}, {c.arch} ({n_params:,} parameters), policy {c.policy}, "
+        f"attention {c.attention}, {c.batch} x {c.seq} tokens; threads: aten {threads['aten_threads']} "
+        f"(default {threads['default_aten_threads']}), OpenBLAS {threads['blas_threads']} "
+        f"(default {threads['default_blas_threads']}; {threads['blas_build']} build) from {threads['blas_library']}; "
+        f"checkpoint kwargs {CHECKPOINT_KWARGS}")
+    mm = mm_threads = None
+    if not c.no_matmul_check:
+        mm, mm_threads = matmul_check()
+        log(f"peers: one 1024^3 float32 matmul at these settings: {mm * 1e3:.1f} ms "
+            f"({2 * 1024 ** 3 / mm / 1e9:.1f} GFLOP/s), computed by {mm_threads} thread(s) (per-thread CPU time)")
+        if threads["blas_threads"] is not None and mm_threads != min(threads["blas_threads"], threads["cpus"]):
+            log(f"peers: warning: OpenBLAS is set to {threads['blas_threads']} threads but {mm_threads} worked on "
+                f"the matmul")
+
+    model.train()
+    torch.manual_seed(c.seed)  # dropout's masks: the same whether or not the matmul check drew numbers
+    opt = make_optimizer(model, c)
+    gen = torch.Generator().manual_seed(c.seed)
+    losses, times = [], []
+    for step in range(c.warmup + c.steps):
+        loss, seconds = train_step(model, opt, params, c, step, gen)
+        losses.append(loss)
+        if step >= c.warmup:
+            times.append(seconds)
+        log(f"peers: step {step + 1}/{c.warmup + c.steps}{'' if step >= c.warmup else ' (warm-up)'}: "
+            f"loss {loss:.4f}, {seconds * 1e3:.1f} ms")
+    if abs(losses[0] - math.log(c.vocab)) > 0.5:
+        log(f"peers: warning: the first loss {losses[0]:.4f} is far from ln(vocab) = {math.log(c.vocab):.4f}")
+
+    peak = static = None
+    if not c.no_peak:
+        # A separate, untimed step: the profiler slows what it records.
+        extra = [p.grad for p in params if p.grad is not None]
+        extra += [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+        static = live_tensor_bytes(extra)
+        delta, _, _ = profiled_peak(lambda: train_step(model, opt, params, c, c.warmup + c.steps, gen))
+        peak = static + delta
+        log(f"peers: peak {peak / 2 ** 20:.1f} MiB of live tensors in a step "
+            f"({static / 2 ** 20:.1f} MiB live at its start + {delta / 2 ** 20:.1f} MiB)")
+
+    med = sorted(times)[len(times) // 2]  # remat's median(): the upper middle of an even count
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    out = {
+        "tool": "pytorch",
+        "arch": c.arch,
+        "policy": c.policy,
+        "attention": c.attention,
+        "ce_chunk": c.ce_chunk,
+        "threads": threads,
+        **shape,
+        "parameters": n_params,
+        "warmup": c.warmup,
+        "steps": c.steps,
+        "median_step_seconds": med,
+        "min_step_seconds": min(times),
+        "max_step_seconds": max(times),
+        "step_seconds": times,
+        "tokens_per_second": c.batch * c.seq / med,
+        "peak_bytes": peak,
+        "step_start_bytes": static,
+        "maxrss_bytes": maxrss,
+        "first_loss": losses[0],
+        "final_loss": losses[-1],
+        "matmul_1024_seconds": mm,
+        "matmul_1024_threads": mm_threads,
+        "checkpoint_kwargs": {k: str(v) for k, v in CHECKPOINT_KWARGS.items()},
+        "torch_version": torch.__version__,
+        "python": platform.python_version(),
+    }
+    log(f"peers: median step {med * 1e3:.1f} ms (min {min(times) * 1e3:.1f}, max {max(times) * 1e3:.1f}), "
+        f"{out['tokens_per_second']:.0f} tokens/s, maxrss {maxrss / 2 ** 20:.0f} MiB, final loss {losses[-1]:.4f}")
+    print(json.dumps(out), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--self-test-peak":
+        p, n = self_test_peak()
+        ok = p == 6 * 2 ** 20 and n == 0
+        print(json.dumps({"peak_bytes": p, "net_bytes": n, "expected_peak_bytes": 6 * 2 ** 20, "ok": ok}))
+        sys.exit(0 if ok else 1)
+    sys.exit(main())
