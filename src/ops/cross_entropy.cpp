@@ -40,6 +40,18 @@ void check_inputs(const at::Tensor& x, const at::Tensor& w, const at::Tensor& ta
   }
 }
 
+// The targets' rows: which count, how many, and the targets safe to gather (ignored rows
+// read column 0; their terms are zeroed by `counted`).
+struct Rows {
+  at::Tensor counted;
+  int64_t count;
+  at::Tensor safe;
+  explicit Rows(const at::Tensor& targets)
+      : counted(targets.ne(kIgnoreIndex)),
+        count(counted.sum().item<int64_t>()),
+        safe(targets.clamp_min(0).unsqueeze(1)) {}
+};
+
 // One chunk's share of the loss: turns its logits in place into exp(logits - max) (divided
 // by the row sums when `softmax`), writes each row's log-sum-exp into `lse` and adds the
 // counted rows' log-sum-exp minus target logit to `loss`.
@@ -81,21 +93,17 @@ Fwd<CrossEntropySaved> cross_entropy_forward(const at::Tensor& x, const at::Tens
   const trace::Scope trace_scope("cross_entropy", trace::Category::forward);
   check_inputs(x, w, targets, chunk_tokens);
   const int64_t N = x.size(0);
-  const at::Tensor counted = targets.ne(kIgnoreIndex);
-  const int64_t count = counted.sum().item<int64_t>();
-  // Ignored rows gather column 0; their terms are zeroed by `counted`.
-  const at::Tensor safe_targets = targets.clamp_min(0).unsqueeze(1);
-
+  const Rows rows(targets);
   const at::ScalarType sd = stats_dtype(x.scalar_type());
   at::Tensor lse = at::empty({N}, x.options().dtype(sd));
   at::Tensor loss = at::zeros({}, x.options().dtype(sd));
   for (int64_t start = 0; start < N; start += chunk_tokens) {
     const int64_t n = std::min(chunk_tokens, N - start);
     at::Tensor logits = chunk_logits(x, w, start, n, sd);
-    chunk_loss(logits, lse.narrow(0, start, n), safe_targets.narrow(0, start, n), counted.narrow(0, start, n), loss,
+    chunk_loss(logits, lse.narrow(0, start, n), rows.safe.narrow(0, start, n), rows.counted.narrow(0, start, n), loss,
                /*softmax=*/false);
   }
-  if (count > 0) loss.div_(count);
+  if (rows.count > 0) loss.div_(rows.count);
   return {loss, CrossEntropySaved{x, targets, lse, chunk_tokens}};
 }
 
@@ -108,18 +116,16 @@ at::Tensor cross_entropy_backward(double dloss, const CrossEntropySaved& saved, 
               dw.sizes());
   const int64_t N = x.size(0);
   at::Tensor dx = at::zeros({N, x.size(1)}, x.options());
-  const at::Tensor counted = saved.targets.ne(kIgnoreIndex);
-  const int64_t count = counted.sum().item<int64_t>();
-  if (count == 0) return dx;  // every target ignored: the loss is a constant 0
+  const Rows rows(saved.targets);
+  if (rows.count == 0) return dx;  // every target ignored: the loss is a constant 0
   const at::ScalarType sd = saved.lse.scalar_type();
-  const at::Tensor safe_targets = saved.targets.clamp_min(0).unsqueeze(1);
-  const double scale = dloss / static_cast<double>(count);
+  const double scale = dloss / static_cast<double>(rows.count);
   for (int64_t start = 0; start < N; start += saved.chunk) {
     const int64_t n = std::min(saved.chunk, N - start);
     // The softmax comes from the saved log-sum-exp, in place over the recomputed logits.
     at::Tensor dlogits = chunk_logits(x, w, start, n, sd);
     dlogits.sub_(saved.lse.narrow(0, start, n).unsqueeze(1)).exp_();
-    chunk_dlogits(dlogits, safe_targets.narrow(0, start, n), counted.narrow(0, start, n), scale);
+    chunk_dlogits(dlogits, rows.safe.narrow(0, start, n), rows.counted.narrow(0, start, n), scale);
     chunk_grads(dlogits, x.narrow(0, start, n), w, dx.narrow(0, start, n), dw);
   }
   return dx;
@@ -131,10 +137,7 @@ Fwd<FusedCrossEntropySaved> fused_cross_entropy_forward(const at::Tensor& x, con
   const trace::Scope trace_scope("fused_cross_entropy", trace::Category::forward);
   check_inputs(x, w, targets, chunk_tokens);
   const int64_t N = x.size(0);
-  const at::Tensor counted = targets.ne(kIgnoreIndex);
-  const int64_t count = counted.sum().item<int64_t>();
-  const at::Tensor safe_targets = targets.clamp_min(0).unsqueeze(1);
-
+  const Rows rows(targets);
   const at::ScalarType sd = stats_dtype(x.scalar_type());
   FusedCrossEntropySaved saved;
   if (grads) {
@@ -143,17 +146,17 @@ Fwd<FusedCrossEntropySaved> fused_cross_entropy_forward(const at::Tensor& x, con
   }
   at::Tensor loss = at::zeros({}, x.options().dtype(sd));
   // Every target ignored: the loss is a constant 0 and both gradients stay 0.
-  const bool grad_chunks = grads && count > 0;
+  const bool grad_chunks = grads && rows.count > 0;
   for (int64_t start = 0; start < N; start += chunk_tokens) {
     const int64_t n = std::min(chunk_tokens, N - start);
-    const at::Tensor safe_c = safe_targets.narrow(0, start, n), counted_c = counted.narrow(0, start, n);
+    const at::Tensor safe_c = rows.safe.narrow(0, start, n), counted_c = rows.counted.narrow(0, start, n);
     at::Tensor logits = chunk_logits(x, w, start, n, sd);
     chunk_loss(logits, at::empty({n}, x.options().dtype(sd)), safe_c, counted_c, loss, /*softmax=*/grad_chunks);
     if (!grad_chunks) continue;
-    chunk_dlogits(logits, safe_c, counted_c, 1.0 / static_cast<double>(count));
+    chunk_dlogits(logits, safe_c, counted_c, 1.0 / static_cast<double>(rows.count));
     chunk_grads(logits, x.narrow(0, start, n), w, saved.dx.narrow(0, start, n), saved.dw);
   }
-  if (count > 0) loss.div_(count);
+  if (rows.count > 0) loss.div_(rows.count);
   return {loss, saved};
 }
 
@@ -209,11 +212,18 @@ void range_check_events(Events& e) {
   e.release(lo);
 }
 
-// The row masks: `counted` stays (returned), the count goes.
-int64_t counted_events(Events& e, const LossSizes& s) {
+// Rows: `counted` and `safe` stay until release_rows, the count goes.
+struct RowEvents {
+  int64_t counted, safe;
+};
+RowEvents rows_events(Events& e, const LossSizes& s) {
   const int64_t counted = e.temp(bytes_of(s.N, at::kBool));
   e.release(e.temp(8));  // the count
-  return counted;
+  return {counted, e.temp(bytes_of(s.N, at::kLong))};
+}
+void release_rows(Events& e, const RowEvents& r) {
+  e.release(r.safe);
+  e.release(r.counted);
 }
 
 // One chunk's logits in the statistics' dtype, cast from the product in x's when narrower.
@@ -293,8 +303,7 @@ class CrossEntropyDef final : public OpDef {
                       const std::vector<TensorInfo>&, const Attrs& a) const override {
     const LossSizes s(in, p, a);
     range_check_events(e);
-    const int64_t counted = counted_events(e, s);
-    const int64_t safe = e.temp(bytes_of(s.N, at::kLong));
+    const RowEvents rows = rows_events(e, s);
     e.out(1);
     e.out(0);
     if (s.N > 0) {
@@ -302,8 +311,7 @@ class CrossEntropyDef final : public OpDef {
       chunk_loss_events(e, s);
       e.release(logits);
     }
-    e.release(safe);
-    e.release(counted);
+    release_rows(e, rows);
   }
   // The backward: the input gradient, the row masks, then per chunk the logits again and
   // their gradient's products.
@@ -311,15 +319,13 @@ class CrossEntropyDef final : public OpDef {
                        const std::vector<TensorInfo>&, const Attrs& a) const override {
     const LossSizes s(in, p, a);
     e.out(0);
-    const int64_t counted = counted_events(e, s);
+    const RowEvents rows = rows_events(e, s);
     if (s.N > 0) {
-      const int64_t safe = e.temp(bytes_of(s.N, at::kLong));
       const int64_t logits = chunk_logits_events(e, s);
       chunk_grads_events(e, s);
       e.release(logits);
-      e.release(safe);
     }
-    e.release(counted);
+    release_rows(e, rows);
   }
 };
 
@@ -360,8 +366,7 @@ class FusedCrossEntropyDef final : public OpDef {
                       const std::vector<TensorInfo>&, const Attrs& a) const override {
     const LossSizes s(in, p, a);
     range_check_events(e);
-    const int64_t counted = counted_events(e, s);
-    const int64_t safe = e.temp(bytes_of(s.N, at::kLong));
+    const RowEvents rows = rows_events(e, s);
     e.out(2);
     e.out(1);
     e.out(0);
@@ -373,8 +378,7 @@ class FusedCrossEntropyDef final : public OpDef {
       chunk_grads_events(e, s);
       e.release(logits);
     }
-    e.release(safe);
-    e.release(counted);
+    release_rows(e, rows);
   }
   // The backward: the scaled copy of dx (a double scalar multiplied in).
   void backward_events(Events& e, const std::vector<TensorInfo>& in, const std::vector<TensorInfo>&,

@@ -5,6 +5,7 @@
 #include "ops/testing.h"
 
 #include <cmath>
+#include <functional>
 #include <limits>
 
 namespace {
@@ -26,20 +27,27 @@ at::Tensor make_targets(int64_t N, int64_t V, at::Generator& gen) {
   return at::where(at::rand({N}, gen) < 0.25, at::full({N}, kIgnoreIndex, at::kLong), t);
 }
 
-TEST(CrossEntropyOp, MatchesAutogradOfLogSoftmaxOnFullLogits) {
+// A head's forward gives the loss and its backward: from dloss and a dw to accumulate
+// into, dx.
+using Backward = std::function<at::Tensor(double, at::Tensor&)>;
+using Head = std::function<std::pair<at::Tensor, Backward>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                           int64_t)>;
+
+// Against autograd of log-softmax over the whole logits, in float64.
+void expect_matches_autograd(const Head& head, uint64_t seed) {
   struct Case { int64_t N, C, V; };
-  at::Generator gen = seeded(1);
+  at::Generator gen = seeded(seed);
   for (Case c : {Case{7, 5, 11}, Case{13, 4, 6}, Case{1, 3, 2}, Case{32, 6, 17}}) {
     for (int64_t chunk : {int64_t{1}, int64_t{3}, int64_t{5}, c.N, c.N + 9}) {
       at::Tensor x = at::randn({c.N, c.C}, gen, f64()), w = at::randn({c.V, c.C}, gen, f64());
       at::Tensor targets = make_targets(c.N, c.V, gen);
       targets[0] = c.V - 1;  // at least one counted target
-      Fwd<CrossEntropySaved> f = cross_entropy_forward(x, w, targets, chunk);
+      auto [loss, backward] = head(x, w, targets, chunk);
       at::Tensor xl = leaf(x), wl = leaf(w);
       at::Tensor ref = reference(xl, wl, targets);
       const std::string what = "N" + std::to_string(c.N) + " V" + std::to_string(c.V) + " chunk" + std::to_string(chunk);
-      EXPECT_EQ(f.out.dim(), 0);
-      EXPECT_EQ(f.out.scalar_type(), at::kDouble);
+      EXPECT_EQ(loss.dim(), 0);
+      EXPECT_EQ(loss.scalar_type(), at::kDouble);
       const at::Tensor counted = targets.ne(kIgnoreIndex);
       const double n = counted.sum().item<double>();
       // The loss (log-sum-exp minus the target's logit) and its gradients (softmax minus
@@ -50,18 +58,30 @@ TEST(CrossEntropyOp, MatchesAutogradOfLogSoftmaxOnFullLogits) {
           (at::matmul(x.abs(), w.abs().t()).amax(1) + std::log(static_cast<double>(c.V))).masked_select(counted);
       const double loss_scale = 2 * terms.mean().item<double>();
       const double grad_scale = 2 * (1 + terms.max().item<double>());
-      EXPECT_LT(err_over(f.out, ref.detach(), loss_scale), 1e-13) << what;
+      EXPECT_LT(err_over(loss, ref.detach(), loss_scale), 1e-13) << what;
       const double dloss = 0.7;
       auto want = grads(ref, at::scalar_tensor(dloss, f64()), {xl, wl});
       // Accumulates onto existing values; kept small so that subtracting them again does not
       // cancel away digits of the (1/N-scaled) gradient being checked.
       at::Tensor dw0 = at::randn({c.V, c.C}, gen, f64()) * 1e-3;
       at::Tensor dw = dw0.clone();
-      at::Tensor dx = cross_entropy_backward(dloss, f.saved, w, dw);
+      at::Tensor dx = backward(dloss, dw);
       EXPECT_LT(err_over(dx, want[0], dloss / n * grad_scale * w.abs().max().item<double>()), 1e-13) << what;
       EXPECT_LT(err_over(dw - dw0, want[1], dloss * grad_scale * x.abs().max().item<double>()), 1e-13) << what;
     }
   }
+}
+
+TEST(CrossEntropyOp, MatchesAutogradOfLogSoftmaxOnFullLogits) {
+  expect_matches_autograd(
+      [](const at::Tensor& x, const at::Tensor& w, const at::Tensor& targets, int64_t chunk) {
+        Fwd<CrossEntropySaved> f = cross_entropy_forward(x, w, targets, chunk);
+        return std::pair<at::Tensor, Backward>(
+            f.out, [saved = f.saved, w](double dloss, at::Tensor& dw) {
+              return cross_entropy_backward(dloss, saved, w, dw);
+            });
+      },
+      1);
 }
 
 TEST(CrossEntropyOp, AllTargetsIgnoredGivesZeroLossAndGradients) {
@@ -164,36 +184,17 @@ TEST(CrossEntropyOp, BFloat16AccumulatesInFloat32) {
 }
 
 TEST(FusedCrossEntropyOp, MatchesAutogradOfLogSoftmaxOnFullLogits) {
-  struct Case { int64_t N, C, V; };
-  at::Generator gen = seeded(2);
-  for (Case c : {Case{7, 5, 11}, Case{13, 4, 6}, Case{1, 3, 2}, Case{32, 6, 17}}) {
-    for (int64_t chunk : {int64_t{1}, int64_t{3}, int64_t{5}, c.N, c.N + 9}) {
-      at::Tensor x = at::randn({c.N, c.C}, gen, f64()), w = at::randn({c.V, c.C}, gen, f64());
-      at::Tensor targets = make_targets(c.N, c.V, gen);
-      targets[0] = c.V - 1;  // at least one counted target
-      Fwd<FusedCrossEntropySaved> f = fused_cross_entropy_forward(x, w, targets, chunk, true);
-      at::Tensor xl = leaf(x), wl = leaf(w);
-      at::Tensor ref = reference(xl, wl, targets);
-      const std::string what = "N" + std::to_string(c.N) + " V" + std::to_string(c.V) + " chunk" + std::to_string(chunk);
-      // The same loss as the recomputing head's, to the bit: the same reductions in the same order.
-      EXPECT_TRUE(at::equal(f.out, cross_entropy_forward(x, w, targets, chunk).out)) << what;
-      // Bounds as the recomputing head's test derives them.
-      const at::Tensor counted = targets.ne(kIgnoreIndex);
-      const double n = counted.sum().item<double>();
-      const at::Tensor terms =
-          (at::matmul(x.abs(), w.abs().t()).amax(1) + std::log(static_cast<double>(c.V))).masked_select(counted);
-      const double loss_scale = 2 * terms.mean().item<double>();
-      const double grad_scale = 2 * (1 + terms.max().item<double>());
-      EXPECT_LT(err_over(f.out, ref.detach(), loss_scale), 1e-13) << what;
-      const double dloss = 0.7;
-      auto want = grads(ref, at::scalar_tensor(dloss, f64()), {xl, wl});
-      at::Tensor dw0 = at::randn({c.V, c.C}, gen, f64()) * 1e-3;
-      at::Tensor dw = dw0.clone();
-      at::Tensor dx = fused_cross_entropy_backward(dloss, f.saved, dw);
-      EXPECT_LT(err_over(dx, want[0], dloss / n * grad_scale * w.abs().max().item<double>()), 1e-13) << what;
-      EXPECT_LT(err_over(dw - dw0, want[1], dloss * grad_scale * x.abs().max().item<double>()), 1e-13) << what;
-    }
-  }
+  expect_matches_autograd(
+      [](const at::Tensor& x, const at::Tensor& w, const at::Tensor& targets, int64_t chunk) {
+        Fwd<FusedCrossEntropySaved> f = fused_cross_entropy_forward(x, w, targets, chunk, true);
+        // The same loss as the recomputing head's, to the bit: the same reductions in the same order.
+        EXPECT_TRUE(at::equal(f.out, cross_entropy_forward(x, w, targets, chunk).out));
+        return std::pair<at::Tensor, Backward>(
+            f.out, [saved = f.saved](double dloss, at::Tensor& dw) {
+              return fused_cross_entropy_backward(dloss, saved, dw);
+            });
+      },
+      2);
 }
 
 TEST(FusedCrossEntropyOp, GradientsEqualTheRecomputingHeadsToFloatRounding) {

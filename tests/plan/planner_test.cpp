@@ -132,7 +132,8 @@ TEST(Planner, NamesTheRecomputingLossHeadWhereOnlyItFits) {
   ModelConfig recompute = cfg;
   recompute.loss_head = LossHead::recompute;
   const Planner fused_planner(cfg, shape, times), recompute_planner(recompute, shape, times);
-  const int64_t fused_min = fused_planner.min_feasible_budget(), recompute_min = recompute_planner.min_feasible_budget();
+  const int64_t fused_min = fused_planner.min_feasible_budget();
+  const int64_t recompute_min = recompute_planner.min_feasible_budget();
   ASSERT_LT(recompute_min, fused_min);
   const int64_t between = (fused_min + recompute_min) / 2;
   EXPECT_FALSE(fused_planner.solve(between).has_value());
