@@ -26,11 +26,12 @@ std::string profile_key(const Config& cfg, const Model& model) {
   const ModelConfig& m = cfg.model;
   const TrainConfig& t = cfg.train;
   // The BLAS and its threading change every matmul's time: a digest of their description.
-  std::string key = fmt::format("{}-{}-{}-L{}-C{}-H{}-KV{}-F{}-V{}-p{}-B{}-T{}-ce{}{}-es{}-threads{}-blas{}",
-                                model.device().str(), cfg.run.dtype, arch_name(m.arch), m.n_layer, m.d_model, m.n_head,
-                                m.n_kv_head, m.d_ff, m.vocab_size, m.dropout, t.batch, t.seq, t.ce_chunk, loss_head_name(m.loss_head),
-                                cfg.ac.early_stop ? 1 : 0, at::get_num_threads(),
-                                util::sha256_hex(blas_name()).substr(0, 8));
+  std::string key = fmt::format(
+      "{}-{}-{}-L{}-C{}-H{}-KV{}-F{}-V{}-p{}-{}{}-B{}-T{}-ce{}{}-es{}-threads{}-blas{}", model.device().str(),
+      cfg.run.dtype, arch_name(m.arch), m.n_layer, m.d_model, m.n_head, m.n_kv_head, m.d_ff, m.vocab_size, m.dropout,
+      attention_name(m.attention), m.attention == Attention::tiled ? m.attention_tile : 0, t.batch, t.seq, t.ce_chunk,
+      loss_head_name(m.loss_head), cfg.ac.early_stop ? 1 : 0, at::get_num_threads(),
+      util::sha256_hex(blas_name()).substr(0, 8));
   std::replace(key.begin(), key.end(), ':', '_');
   return key + ".json";
 }

@@ -67,6 +67,14 @@ TEST(TimeProfile, TimesEveryNodeAFullRecomputeRunsAndIsCached) {
   // Another shape is another profile.
   cfg.train.seq = 8;
   EXPECT_FALSE(measure_time_profile(cfg, *model, data).cached);
+  // So is another attention op or loss head: other kernels, other times.
+  for (auto change : {+[](Config& c) { c.model.attention = Attention::tiled; },
+                      +[](Config& c) { c.model.loss_head = LossHead::recompute; }}) {
+    Config other = cfg;
+    change(other);
+    auto other_model = Model::create(other.model, at::kCPU, at::kFloat, 1);
+    EXPECT_FALSE(measure_time_profile(other, *other_model, data).cached);
+  }
 }
 
 // A cache file cut short by a killed run, or of the wrong types, is measured again and
