@@ -23,6 +23,28 @@
 
 namespace remat::dist {
 
+/// How a collective combines the ranks' elements.
+enum class Reduce { sum, max };
+
+/// Ranks that act together: every rank of a job, the ranks sharing one copy of the model's
+/// tensors (a tensor-parallel group), or the ranks holding the same shard of it (a
+/// data-parallel group). Ops reach their group through graph::RunContext; a null group
+/// there means one rank.
+class Group {
+ public:
+  virtual ~Group() = default;
+  /// This rank's index in the group, from 0, and the group's size.
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  /// Combines each tensor element by element over the group, in place (float32, float64
+  /// or int64; contiguous). `what` names the operation in a failure ("the tensor-parallel
+  /// all-reduce of attn_c_proj in layer 3").
+  virtual void all_reduce(std::vector<at::Tensor>& tensors, Reduce op, const std::string& what) = 0;
+  /// Every rank's `t` (the same shape on every rank), concatenated along `dim` in rank
+  /// order; a new tensor.
+  virtual at::Tensor all_gather(const at::Tensor& t, int64_t dim, const std::string& what) = 0;
+};
+
 /// Where this process stands in a multi-process job, as its launcher described it.
 struct LaunchEnv {
   int rank = 0;

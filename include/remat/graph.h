@@ -26,6 +26,10 @@
 #include <string>
 #include <vector>
 
+namespace remat::dist {
+class Group;
+}
+
 namespace remat::graph {
 
 /// A tensor known by its description only: what shape inference, the simulator and the
@@ -56,6 +60,10 @@ struct Attrs {
   std::vector<int64_t> split_heads;  ///< split: the heads of each part (views [B, T, heads, D])
   int64_t head_dim = 0;              ///< split
   int64_t chunk = 0;                 ///< cross_entropy: tokens per chunk of logits
+  /// Set by the tensor-parallel transform: the op holds this rank's share of a dimension
+  /// its RunContext's `tp` group splits (attention: heads; embedding, loss: vocabulary
+  /// rows), rank r the r-th equal part.
+  bool sharded = false;
 };
 
 /// What a forward or backward allocates, in order, as the simulator replays it.
@@ -93,6 +101,10 @@ struct RunContext {
   bool train = true;  ///< false: dropout off
   at::Device device = at::kCPU;
   const ops::RopeTables* rope = nullptr;  ///< rotation tables covering the sequence (rope)
+  /// The tensor-parallel group sharded ops and collectives run over; null: one rank.
+  dist::Group* tp = nullptr;
+  int tp_rank() const;
+  int tp_size() const;
 };
 
 /// One op as the graph sees it. Implementations live beside the op's typed functions.

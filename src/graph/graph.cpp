@@ -2,6 +2,7 @@
 
 #include "graph/walk.h"
 
+#include "remat/dist.h"
 #include "remat/memory.h"
 
 #include <ATen/TensorUtils.h>
@@ -24,6 +25,9 @@ bool TensorInfo::reshape_is_view(const std::vector<int64_t>& to) const {
   if (contiguous()) return true;
   return at::detail::computeStride(at::IntArrayRef(sizes), at::IntArrayRef(strides), at::IntArrayRef(to)).has_value();
 }
+
+int RunContext::tp_rank() const { return tp != nullptr ? tp->rank() : 0; }
+int RunContext::tp_size() const { return tp != nullptr ? tp->size() : 1; }
 
 ops::DropoutKey RunContext::key(ops::DropoutSite site) const {
   return {seed, step, microbatch, static_cast<uint64_t>(layer), site, first_row};

@@ -1,0 +1,108 @@
+// A dist::Group of threads in one process, for op tests that run several ranks without
+// sockets: each collective meets at a barrier, and every rank combines the ranks'
+// tensors in rank order, so the result is the same on every rank and from run to run.
+#pragma once
+
+#include "remat/dist.h"
+
+#include <condition_variable>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace remat::testing {
+
+/// The state the ranks of one LocalGroup share.
+class LocalWorld {
+ public:
+  explicit LocalWorld(int size) : size_(size), slots_(static_cast<size_t>(size)) {}
+  int size() const { return size_; }
+
+  // Waits for every rank (a generation barrier: reusable).
+  void barrier() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    const int64_t generation = generation_;
+    if (++arrived_ == size_) {
+      arrived_ = 0;
+      ++generation_;
+      cv_.notify_all();
+    } else {
+      cv_.wait(lock, [&] { return generation_ != generation; });
+    }
+  }
+  std::vector<std::vector<at::Tensor>>& slots() { return slots_; }
+
+ private:
+  int size_;
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  int arrived_ = 0;
+  int64_t generation_ = 0;
+  std::vector<std::vector<at::Tensor>> slots_;
+};
+
+class LocalGroup final : public dist::Group {
+ public:
+  LocalGroup(LocalWorld& world, int rank) : world_(world), rank_(rank) {}
+  int rank() const override { return rank_; }
+  int size() const override { return world_.size(); }
+
+  void all_reduce(std::vector<at::Tensor>& tensors, dist::Reduce op, const std::string&) override {
+    world_.slots()[static_cast<size_t>(rank_)] = tensors;
+    world_.barrier();
+    std::vector<at::Tensor> combined;
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      at::Tensor acc = world_.slots()[0][i].clone();
+      for (int r = 1; r < size(); ++r) {
+        const at::Tensor& t = world_.slots()[static_cast<size_t>(r)][i];
+        acc = op == dist::Reduce::sum ? acc + t : at::maximum(acc, t);
+      }
+      combined.push_back(acc);
+    }
+    world_.barrier();  // every rank has read every input before any is overwritten
+    for (size_t i = 0; i < tensors.size(); ++i) tensors[i].copy_(combined[i]);
+    world_.barrier();
+  }
+
+  at::Tensor all_gather(const at::Tensor& t, int64_t dim, const std::string&) override {
+    world_.slots()[static_cast<size_t>(rank_)] = {t};
+    world_.barrier();
+    std::vector<at::Tensor> parts;
+    for (int r = 0; r < size(); ++r) parts.push_back(world_.slots()[static_cast<size_t>(r)][0]);
+    at::Tensor out = at::cat(parts, dim);
+    world_.barrier();
+    return out;
+  }
+
+ private:
+  LocalWorld& world_;
+  int rank_;
+};
+
+/// Runs `body(group)` on `n` threads, one rank each; rethrows the first rank's error.
+inline void on_local_ranks(int n, const std::function<void(dist::Group&)>& body) {
+  LocalWorld world(n);
+  std::vector<std::string> errors(static_cast<size_t>(n));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      LocalGroup group(world, r);
+      try {
+        body(group);
+      } catch (const std::exception& e) {
+        errors[static_cast<size_t>(r)] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < n; ++r) {
+    if (!errors[static_cast<size_t>(r)].empty()) {
+      throw std::runtime_error("rank " + std::to_string(r) + ": " + errors[static_cast<size_t>(r)]);
+    }
+  }
+}
+
+}  // namespace remat::testing
