@@ -107,7 +107,9 @@ struct RunConfig {
 
 /// Several processes (ranks) training one model; see include/remat/dist.h.
 struct ParallelConfig {
-  int64_t dp = 0;         ///< data-parallel ranks; 0: every rank the launcher started
+  int64_t dp = 0;         ///< data-parallel ranks; 0: every rank the launcher started (over tp)
+  int64_t tp = 1;         ///< tensor-parallel ranks sharing each layer (Megatron); must divide
+                          ///< the heads, KV heads, d_ff and the vocabulary
   double timeout = 300;   ///< seconds the rendezvous or any collective may take before every
                           ///< rank stops with a sentence naming the lost rank
 };

@@ -30,6 +30,8 @@ struct StepShape {
   int64_t ce_chunk = 1024;
   at::ScalarType dtype = at::kFloat;  ///< activations (compute dtype)
   int64_t resident = 0;               ///< bytes the caller holds besides the model (StaticBytes::resident)
+  /// Tensor-parallel ranks: the graphs, parameters and bytes are one rank's share.
+  int64_t tp = 1;
 };
 
 /// Bytes held outside the blocks' activations.

@@ -70,21 +70,33 @@ std::optional<LaunchEnv> launch_env(const std::function<const char*(const char*)
 /// launch_env of this process's environment.
 std::optional<LaunchEnv> launch_env();
 
-/// A process group of every rank, with failure detection. Not copyable; one per process
-/// (tests may hold several, one per thread, joined through one store).
+/// A process group of every rank, with failure detection, and its tensor- and
+/// data-parallel groups. Not copyable; one per process (tests may hold several, one per
+/// thread, joined through one store).
 class Comm {
  public:
   /// Joins the job `env` describes: rank 0 hosts the store (unless the agent does), every
-  /// rank announces itself and waits for the others, then the Gloo group connects. Throws
+  /// rank announces itself and waits for the others, then the Gloo groups connect. Throws
   /// a sentence naming the ranks that did not join within `timeout`, or the store address
   /// that could not be reached. `timeout` also bounds every collective.
-  static std::unique_ptr<Comm> connect(const LaunchEnv& env, std::chrono::milliseconds timeout);
+  ///
+  /// `tp` ranks in a row form a tensor-parallel group (ranks 0..tp-1, then tp..2tp-1, as
+  /// Megatron orders them, so that a group shares a host where it can); the ranks at the
+  /// same place in every tensor-parallel group form a data-parallel group. `tp` must
+  /// divide the world size.
+  static std::unique_ptr<Comm> connect(const LaunchEnv& env, std::chrono::milliseconds timeout, int tp = 1);
   ~Comm();
   Comm(const Comm&) = delete;
   Comm& operator=(const Comm&) = delete;
 
   int rank() const { return rank_; }
   int size() const { return size_; }
+  /// Every rank; this rank's tensor-parallel group; its data-parallel group. Their
+  /// collectives fail like this class's own (a sentence naming the lost rank, by its rank
+  /// in the job).
+  Group& world();
+  Group& tensor();
+  Group& data();
 
   /// Sums each tensor over the ranks, in place (float32, float64 or int64; Gloo has no
   /// bfloat16). `what` names the operation in a failure ("the gradient all-reduce of step
@@ -106,8 +118,10 @@ class Comm {
   /// trusted to return.
   void finish();
 
+  /// The store, the groups and the heartbeat thread (c10d stays out of this header).
+  struct State;
+
  private:
-  struct State;  // the store, the group and the heartbeat thread (c10d stays out of this header)
   Comm(std::unique_ptr<State> state, int rank, int size);
   std::unique_ptr<State> state_;
   int rank_;

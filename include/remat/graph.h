@@ -171,6 +171,8 @@ const OpDef& embedding();
 const OpDef& position_embedding();
 const OpDef& cross_entropy();
 const OpDef& fused_cross_entropy();
+const OpDef& tp_copy();
+const OpDef& tp_reduce();
 /// The loss op a configuration asks for (model.loss_head).
 const OpDef& loss(LossHead head);
 /// Every op definition, for tests that must cover each one.
@@ -186,9 +188,26 @@ struct Value {
   bool external = false;
 };
 
+/// How the tensor-parallel transform split a parameter over the ranks: along `dim` (-1:
+/// every rank holds it whole), as consecutive blocks of the whole dimension (`blocks`,
+/// their sizes; empty: one block), each split evenly, rank r holding the r-th part of
+/// every block (a fused q/k/v projection: its share of each of the three).
+struct Shard {
+  int dim = -1;
+  std::vector<int64_t> blocks;
+  bool split() const { return dim >= 0; }
+};
+
+/// Rank `rank`'s part of `full` (a parameter of its whole shape) under `shard`, of `tp` ranks.
+at::Tensor take_part(const at::Tensor& full, const Shard& shard, int64_t tp, int64_t rank);
+/// The whole parameter from every rank's part concatenated along the shard's dimension in
+/// rank order (what an all-gather returns): the inverse of take_part.
+at::Tensor join_parts(const at::Tensor& gathered, const Shard& shard, int64_t tp);
+
 struct Param {
   std::string name;  ///< relative to the layer ("ln_1.weight")
-  std::vector<int64_t> sizes;
+  std::vector<int64_t> sizes;  ///< this rank's (its share, when split)
+  Shard shard;
 };
 
 struct Node {
@@ -241,7 +260,7 @@ class Builder {
   int input() const { return 0; }
   /// A further input the caller gives and holds (the loss head's targets).
   int side_input(const std::string& name, TensorInfo info);
-  int param(const std::string& name, std::vector<int64_t> sizes);
+  int param(const std::string& name, std::vector<int64_t> sizes, Shard shard = {});
   /// Adds a node; returns its outputs' value ids (named "<node>", or "<node>.<output name>"
   /// when it has several).
   std::vector<int> add(const std::string& name, const OpDef& op, std::vector<int> inputs, std::vector<int> params = {},
@@ -276,14 +295,39 @@ class Builder {
   std::vector<bool> assigned_;
 };
 
-/// The block of `cfg`'s architecture at [batch, seq] in `dtype` (src/model/{gpt2,llama}.cpp).
-BlockGraph block_graph(const ModelConfig& cfg, int64_t batch, int64_t seq, at::ScalarType dtype);
+/// Which nodes of an architecture's graphs tensor parallelism splits, by name (as
+/// torchtitan's plan names modules): a per-architecture table beside its declaration.
+struct TensorParallelPlan {
+  /// Linears whose output features (weight rows, bias) are split: each rank computes its
+  /// share of the heads or hidden features, up to a row-parallel linear.
+  std::vector<std::string> column;
+  /// Linears whose input features (weight columns) are split: each rank's product is a
+  /// partial sum, summed over the ranks (the bias added once, after the sum).
+  std::vector<std::string> row;
+  /// Embeddings and losses whose vocabulary rows are split.
+  std::vector<std::string> vocab;
+};
+
+/// `g` as one of `tp` ranks runs it (Megatron's tensor parallelism): the split nodes'
+/// parameters hold a rank's share (Param::shard); a tp_copy node enters each
+/// column-parallel region (and feeds a vocabulary-parallel loss), a tp_reduce node ends
+/// each row-parallel one (and follows a vocabulary-parallel embedding); views, splits and
+/// attention between them work on a rank's heads (attention marked `sharded`), and the
+/// slots hold the same roles at the smaller shapes. Refuses, naming the node and the
+/// size, a split that does not divide evenly or an op between the regions with no rule.
+/// `tp` == 1 returns `g`.
+BlockGraph tensor_parallel(const BlockGraph& g, const TensorParallelPlan& plan, int64_t tp);
+
+/// The block of `cfg`'s architecture at [batch, seq] in `dtype` (src/model/{gpt2,llama}.cpp),
+/// as one of `tp` tensor-parallel ranks runs it (tensor_parallel with the architecture's plan).
+BlockGraph block_graph(const ModelConfig& cfg, int64_t batch, int64_t seq, at::ScalarType dtype, int64_t tp = 1);
 /// What runs before the first block: token ids [batch, seq] (the caller's) to its input.
-BlockGraph embed_graph(const ModelConfig& cfg, int64_t batch, int64_t seq, at::ScalarType dtype);
+BlockGraph embed_graph(const ModelConfig& cfg, int64_t batch, int64_t seq, at::ScalarType dtype, int64_t tp = 1);
 /// What runs after the last block: the final norm and, for `chunk` > 0, the mean loss over
 /// the targets (a side input, [batch * seq] int64) with logits `chunk` tokens at a time;
 /// for `chunk` == 0 the output is the final hidden states (generation reads them).
-BlockGraph head_graph(const ModelConfig& cfg, int64_t batch, int64_t seq, at::ScalarType dtype, int64_t chunk);
+BlockGraph head_graph(const ModelConfig& cfg, int64_t batch, int64_t seq, at::ScalarType dtype, int64_t chunk,
+                      int64_t tp = 1);
 
 /// Renders the derived table of a block (value, shape, dtype, bytes, slot, producer).
 std::string explain(const BlockGraph& g);

@@ -7,6 +7,7 @@
 #pragma once
 
 #include "remat/config.h"
+#include "remat/graph.h"
 #include "remat/plan.h"
 #include "remat/store.h"
 
@@ -25,6 +26,9 @@ struct Param {
   at::Tensor value;  ///< master copy (float32; float64 in float64 models), on the model's device
   at::Tensor grad;   ///< accumulator of the same shape and dtype; zeroed by zero_grad()
   bool decay;        ///< whether weight decay applies (matrices, not norms or biases)
+  /// How the tensor-parallel group splits it (value and grad alike); not split: every rank
+  /// of the group holds it whole, with equal gradients.
+  graph::Shard shard;
 };
 
 /// Identifies one microbatch's randomness; dropout keys derive from it.
@@ -50,11 +54,28 @@ class Model {
   /// dtype of activations: float32, or bfloat16 where the device supports it, with
   /// float32 master weights, gradients and optimizer state; or float64 throughout (for
   /// gradient checks). vocab_size must be set.
+  ///
+  /// With a tensor-parallel group `tp` of more than one rank, the model is this rank's
+  /// share (Megatron's tensor parallelism, graph::tensor_parallel): split parameters hold
+  /// the rank's part of the very values one process initialises for the seed, and every
+  /// forward runs the group's collectives, so every rank of the group must make the same
+  /// calls. The group must outlive the model.
   static std::unique_ptr<Model> create(const ModelConfig& cfg, at::Device device,
-                                       at::ScalarType compute_dtype, uint64_t seed);
+                                       at::ScalarType compute_dtype, uint64_t seed, dist::Group* tp = nullptr);
   virtual ~Model() = default;
 
   const ModelConfig& config() const { return cfg_; }
+  /// The tensor-parallel group (null: one rank) and its size.
+  dist::Group* tensor_group() const { return tp_; }
+  int64_t tp_size() const;
+  /// Parameter i whole, from `part` (its value, or a tensor of its value's shape such as
+  /// an optimizer moment): gathered over the tensor-parallel group when the parameter is
+  /// split (every rank of the group must call it), else `part` itself.
+  at::Tensor whole(size_t i, const at::Tensor& part) const;
+  /// This rank's part of `full`, a tensor of parameter i's whole shape.
+  at::Tensor part(size_t i, const at::Tensor& full) const;
+  /// Parameter i's sizes on one rank.
+  std::vector<int64_t> whole_sizes(size_t i) const;
   at::Device device() const { return device_; }
   at::ScalarType compute_dtype() const { return compute_dtype_; }
   std::vector<Param>& params() { return params_; }
@@ -62,6 +83,7 @@ class Model {
   /// The one flat buffer every parameter's gradient is a view of, in params() order, so
   /// that a collective reduces all gradients in place, without copying them into buckets.
   const at::Tensor& grad_buffer() const { return grad_buffer_; }
+  /// Parameters of the whole model (split ones counted whole, once).
   int64_t num_params() const;
   void zero_grad();
 
@@ -89,16 +111,19 @@ class Model {
   /// Forward FLOPs of one sequence of `seq` tokens, from the ops' own counts.
   virtual double forward_flops(int64_t seq) const = 0;
 
-  /// Writes every parameter to a .safetensors file in Hugging Face layout.
+  /// Every parameter, whole, named and laid out as in Hugging Face files, on the CPU
+  /// (split ones gathered: every rank of the tensor-parallel group must call it).
+  std::vector<std::pair<std::string, at::Tensor>> whole_params() const;
+  /// Writes whole_params() to a .safetensors file.
   void save(const std::string& path, const std::map<std::string, std::string>& metadata = {}) const;
   /// Loads every parameter from a .safetensors file (ours or a Hugging Face checkpoint of
-  /// the same shape). All names, shapes and dtypes are checked before any parameter is
+  /// the same shape; each rank takes its part of the split ones). All names, shapes and dtypes are checked before any parameter is
   /// written: on error (naming the tensor) the model is unchanged.
   void load(const std::string& path);
 
  protected:
-  Model(const ModelConfig& cfg, at::Device device, at::ScalarType compute_dtype)
-      : cfg_(cfg), device_(device), compute_dtype_(compute_dtype) {}
+  Model(const ModelConfig& cfg, at::Device device, at::ScalarType compute_dtype, dist::Group* tp)
+      : cfg_(cfg), device_(device), compute_dtype_(compute_dtype), tp_(tp) {}
   /// Whether `name` is stored transposed ([in, out]) in Hugging Face files (GPT-2's Conv1D).
   virtual bool hf_transposed(const std::string& name) const = 0;
   /// Names a checkpoint may carry that are not parameters (buffers, tied copies).
@@ -107,6 +132,7 @@ class Model {
   ModelConfig cfg_;
   at::Device device_;
   at::ScalarType compute_dtype_;
+  dist::Group* tp_;
   std::vector<Param> params_;
   at::Tensor grad_buffer_;
 };

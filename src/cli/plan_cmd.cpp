@@ -24,11 +24,11 @@ at::ScalarType plan_dtype(const std::string& name) {
   throw std::invalid_argument(fmt::format("run.dtype = \"{}\" cannot be planned; use float32 or bfloat16.", name));
 }
 
-// FLOPs of one microbatch's forward and backward without recompute (a backward costs
+// One rank's FLOPs of one microbatch's forward and backward without recompute (a backward costs
 // about twice its forward).
 double step_flops(const ModelConfig& m, const graph::BlockGraph& b, const cost::StepShape& s) {
   const int64_t N = s.batch * s.seq;
-  return 3.0 * (m.n_layer * b.forward_flops() + ops::cross_entropy_flops(N, m.d_model, m.vocab_size));
+  return 3.0 * (m.n_layer * b.forward_flops() + ops::cross_entropy_flops(N, m.d_model, m.vocab_size / s.tp));
 }
 
 std::string slots_text(const std::set<std::string>& dropped) {
@@ -133,11 +133,16 @@ int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
   shape.grad_accum = cfg.train.grad_accum;
   shape.ce_chunk = cfg.train.ce_chunk;
   shape.dtype = plan_dtype(cfg.run.dtype);
+  shape.tp = cfg.parallel.tp;
+  const std::string tp_text =
+      shape.tp > 1 ? fmt::format(", one of {} tensor-parallel ranks (its share of heads, features and vocabulary)",
+                                 shape.tp)
+                   : "";
   if (args.explain_block) {
-    const graph::BlockGraph g = graph::block_graph(m, shape.batch, shape.seq, shape.dtype);
-    fmt::print("One {} block at batch {} x {} tokens in {}: every value its forward makes, and the slot that "
+    const graph::BlockGraph g = graph::block_graph(m, shape.batch, shape.seq, shape.dtype, shape.tp);
+    fmt::print("One {} block at batch {} x {} tokens in {}{}: every value its forward makes, and the slot that "
                "keeps it for the backward (- : freed after its last forward reader).\n\n{}",
-               arch_name(m.arch), shape.batch, shape.seq, cfg.run.dtype, graph::explain(g));
+               arch_name(m.arch), shape.batch, shape.seq, cfg.run.dtype, tp_text, graph::explain(g));
     return 0;
   }
   // Time is priced in FLOPs here (a device-independent unit): recompute "seconds" are
@@ -154,10 +159,10 @@ int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
   const int64_t budget = parse_budget(budget_text, none_peak);
 
   const std::string header = fmt::format(
-      "remat plan: {} ({}), {} layers, d_model {}, {} heads; batch {} x {} tokens{}, {}, {} microbatch{}", m.preset,
+      "remat plan: {} ({}), {} layers, d_model {}, {} heads; batch {} x {} tokens{}{}, {}, {} microbatch{}", m.preset,
       arch_name(m.arch), m.n_layer, m.d_model, m.n_head, shape.batch, shape.seq,
       ranks > 1 ? fmt::format(" per rank (train.batch = {} over {} data-parallel ranks)", cfg.train.batch, ranks) : "",
-      cfg.run.dtype, shape.grad_accum, shape.grad_accum == 1 ? "" : "es");
+      tp_text, cfg.run.dtype, shape.grad_accum, shape.grad_accum == 1 ? "" : "es");
   auto solved = planner.solve(budget);
   if (!solved) throw std::invalid_argument(planner.infeasible(budget, budget_text));
   const ActivationPlan& plan = solved->plan;
@@ -189,7 +194,7 @@ int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
     };
     const nlohmann::json out = {
         {"model", {{"preset", m.preset}, {"arch", arch_name(m.arch)}, {"layers", m.n_layer}, {"d_model", m.d_model}}},
-        {"shape", {{"batch", shape.batch}, {"ranks", ranks}, {"seq", shape.seq}, {"grad_accum", shape.grad_accum}, {"dtype", cfg.run.dtype}}},
+        {"shape", {{"batch", shape.batch}, {"ranks", ranks}, {"tp", shape.tp}, {"seq", shape.seq}, {"grad_accum", shape.grad_accum}, {"dtype", cfg.run.dtype}}},
         {"budget", budget},
         {"none_peak", none_peak},
         {"min_feasible_budget", min_budget},

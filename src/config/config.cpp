@@ -253,6 +253,7 @@ std::vector<ConfigKey> make_keys() {
       key("run.progress", &C::run, &RunConfig::progress, "progress bar on a terminal"),
       key("run.trace", &C::run, &RunConfig::trace, "Chrome-trace JSON of step 3; empty: none"),
       key("parallel.dp", &C::parallel, &ParallelConfig::dp, "data-parallel ranks; 0: all launched"),
+      key("parallel.tp", &C::parallel, &ParallelConfig::tp, "tensor-parallel ranks splitting each layer"),
       key("parallel.timeout", &C::parallel, &ParallelConfig::timeout, "seconds before a lost rank stops all"),
       ac_key("ac.policy", &AcConfig::policy, "recompute policy (README: Recompute policies); unset: none"),
       key("ac.budget", &C::ac, &AcConfig::budget, "memory budget: the planner picks the plan (12GiB, 0.6)"),
@@ -550,6 +551,20 @@ void validate_config(const Config& c) {
     fail(fmt::format("train.batch = {} sequences cannot be split evenly over parallel.dp = {} data-parallel ranks; "
                      "make train.batch a multiple of {} (it counts the sequences of all ranks together).", t.batch,
                      c.parallel.dp, c.parallel.dp));
+  }
+  if (c.parallel.tp < 1 || c.parallel.tp > 1024) {
+    fail(fmt::format("parallel.tp must be from 1 to 1024 tensor-parallel ranks, got {}.", c.parallel.tp));
+  }
+  // Each rank holds an equal share of the heads, the MLP's features and the vocabulary.
+  for (const auto& [name, size] : {std::pair<const char*, int64_t>{"model.n_head", m.n_head},
+                                   {"model.n_kv_head", m.n_kv_head}, {"model.d_ff", m.d_ff},
+                                   {"model.vocab_size", m.vocab_size}}) {
+    if (size > 0 && size % c.parallel.tp != 0) {
+      fail(fmt::format("parallel.tp = {} gives each tensor-parallel rank an equal share of {} = {}, but {} is not a "
+                       "multiple of {}; choose a parallel.tp dividing model.n_head ({}), model.n_kv_head ({}), "
+                       "model.d_ff ({}) and the vocabulary ({}).", c.parallel.tp, name, size, size, c.parallel.tp,
+                       m.n_head, m.n_kv_head, m.d_ff, m.vocab_size));
+    }
   }
   // Below a few heartbeats a busy machine would name live ranks as lost.
   if (!(c.parallel.timeout >= 5 && c.parallel.timeout <= 86400)) {

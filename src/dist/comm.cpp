@@ -114,9 +114,30 @@ std::optional<LaunchEnv> launch_env(const std::function<const char*(const char*)
 
 std::optional<LaunchEnv> launch_env() { return launch_env([](const char* name) { return std::getenv(name); }); }
 
+// One Gloo group over some of the job's ranks, its waits and failures those of the job.
+class GlooGroup final : public Group {
+ public:
+  // `gloo` null: a group of this rank alone, whose collectives change nothing.
+  GlooGroup(Comm::State& job, c10::intrusive_ptr<c10d::ProcessGroupGloo> gloo, int rank, int size)
+      : job_(job), gloo_(std::move(gloo)), rank_(rank), size_(size) {}
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  void all_reduce(std::vector<at::Tensor>& tensors, Reduce op, const std::string& what) override;
+  at::Tensor all_gather(const at::Tensor& t, int64_t dim, const std::string& what) override;
+  c10d::ProcessGroupGloo* gloo() const { return gloo_.get(); }
+  // After a failure: the group is leaked on purpose (see Comm::State::fail).
+  void abandon() { (void)gloo_.release(); }
+
+ private:
+  Comm::State& job_;
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> gloo_;
+  int rank_, size_;
+};
+
 struct Comm::State {
   c10::intrusive_ptr<c10d::Store> store;  // remat's keys, under their own prefix
   c10::intrusive_ptr<c10d::ProcessGroupGloo> group;
+  std::unique_ptr<GlooGroup> world, tensor, data;
   milliseconds timeout{};
   int rank = 0, size = 1;
   std::string endpoint;  // "host:port", for messages
@@ -201,8 +222,16 @@ struct Comm::State {
       message = diagnose(what, error);  // no store: the heartbeat check names rank 0
     }
     stop_heart();
-    (void)group.release();  // leaked on purpose, see above
+    abandon_groups();
     throw std::runtime_error(message);
+  }
+
+  // Leaks every Gloo group, see fail().
+  void abandon_groups() {
+    for (GlooGroup* g : {world.get(), tensor.get(), data.get()}) {
+      if (g != nullptr) g->abandon();
+    }
+    (void)group.release();
   }
 
   // Another rank's diagnosis, if one was posted.
@@ -227,7 +256,7 @@ struct Comm::State {
       }
       if (auto posted = posted_failure()) {
         stop_heart();
-        (void)group.release();  // as in fail()
+        abandon_groups();  // as in fail()
         throw std::runtime_error(*posted);
       }
       if (Clock::now() - start > timeout) {
@@ -243,7 +272,7 @@ Comm::~Comm() {
   if (state_) state_->stop_heart();
 }
 
-std::unique_ptr<Comm> Comm::connect(const LaunchEnv& env, milliseconds timeout) {
+std::unique_ptr<Comm> Comm::connect(const LaunchEnv& env, milliseconds timeout, int tp) {
   auto s = std::make_unique<State>();
   s->timeout = timeout;
   s->rank = env.rank;
@@ -298,21 +327,58 @@ std::unique_ptr<Comm> Comm::connect(const LaunchEnv& env, milliseconds timeout) 
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
 
+  if (tp < 1 || env.world_size % tp != 0) {
+    throw std::invalid_argument(fmt::format("parallel.tp = {} must divide the {} ranks started.", tp, env.world_size));
+  }
   auto gloo = c10d::ProcessGroupGloo::Options::create(timeout);
   gloo->devices.push_back(gloo_device(env));
   s->group = c10::make_intrusive<c10d::ProcessGroupGloo>(
       c10::make_intrusive<c10d::PrefixStore>("gloo", s->store), env.rank, env.world_size, gloo);
+  s->world = std::make_unique<GlooGroup>(*s, s->group, env.rank, env.world_size);
+  // A group of the ranks `first + i * stride`, i < n, this rank among them; one rank alone
+  // needs no Gloo group. Every rank creates only its own groups, under names all members
+  // agree on.
+  const auto subgroup = [&](const std::string& name, int first, int stride, int n) {
+    const int index = (env.rank - first) / stride;
+    if (n == 1) return std::make_unique<GlooGroup>(*s, c10::intrusive_ptr<c10d::ProcessGroupGloo>(), 0, 1);
+    if (n == env.world_size) return std::make_unique<GlooGroup>(*s, s->group, env.rank, env.world_size);
+    auto pg = c10::make_intrusive<c10d::ProcessGroupGloo>(
+        c10::make_intrusive<c10d::PrefixStore>(fmt::format("gloo/{}/{}", name, first), s->store), index, n, gloo);
+    return std::make_unique<GlooGroup>(*s, std::move(pg), index, n);
+  };
+  s->tensor = subgroup("tp", env.rank / tp * tp, 1, tp);
+  s->data = subgroup("dp", env.rank % tp, tp, env.world_size / tp);
   s->heart = std::thread([state = s.get()] { state->beat_forever(); });
   return std::unique_ptr<Comm>(new Comm(std::move(s), env.rank, env.world_size));
 }
 
-void Comm::all_reduce_sum(std::vector<at::Tensor>& tensors, const std::string& what) {
+void GlooGroup::all_reduce(std::vector<at::Tensor>& tensors, Reduce op, const std::string& what) {
+  if (!gloo_) return;
+  c10d::AllreduceOptions options;
+  options.reduceOp = op == Reduce::sum ? c10d::ReduceOp::SUM : c10d::ReduceOp::MAX;
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   for (at::Tensor& t : tensors) {
     std::vector<at::Tensor> one{t};
-    works.push_back(state_->group->allreduce(one));
+    works.push_back(gloo_->allreduce(one, options));
   }
-  for (const auto& w : works) state_->wait(w, what);
+  for (const auto& w : works) job_.wait(w, what);
+}
+
+at::Tensor GlooGroup::all_gather(const at::Tensor& t, int64_t dim, const std::string& what) {
+  if (!gloo_) return t.clone();
+  std::vector<at::Tensor> input{t.contiguous()};
+  std::vector<std::vector<at::Tensor>> output(1);
+  for (int r = 0; r < size_; ++r) output[0].push_back(at::empty_like(input[0]));
+  job_.wait(gloo_->allgather(output, input), what);
+  return at::cat(output[0], dim);
+}
+
+Group& Comm::world() { return *state_->world; }
+Group& Comm::tensor() { return *state_->tensor; }
+Group& Comm::data() { return *state_->data; }
+
+void Comm::all_reduce_sum(std::vector<at::Tensor>& tensors, const std::string& what) {
+  world().all_reduce(tensors, Reduce::sum, what);
 }
 
 std::vector<std::vector<int64_t>> Comm::all_gather(const std::vector<int64_t>& values, const std::string& what) {

@@ -87,8 +87,8 @@ int Builder::side_input(const std::string& name, TensorInfo info) {
   return g_.side_inputs.back();
 }
 
-int Builder::param(const std::string& name, std::vector<int64_t> sizes) {
-  g_.params.push_back({name, std::move(sizes)});
+int Builder::param(const std::string& name, std::vector<int64_t> sizes, Shard shard) {
+  g_.params.push_back({name, std::move(sizes), std::move(shard)});
   return static_cast<int>(g_.params.size()) - 1;
 }
 

@@ -96,8 +96,13 @@ struct Gpt2Arch {
 }  // namespace
 
 const ArchDecl& gpt2_decl() {
-  static const ArchDecl decl{Gpt2Arch::embed, Gpt2Arch::block, Gpt2Arch::head, "h.", Gpt2Arch::hf_transposed,
-                             Gpt2Arch::ignorable};
+  static const ArchDecl decl{Gpt2Arch::embed,
+                             Gpt2Arch::block,
+                             Gpt2Arch::head,
+                             "h.",
+                             Gpt2Arch::hf_transposed,
+                             Gpt2Arch::ignorable,
+                             {{"c_attn", "c_fc"}, {"attn_c_proj", "mlp_c_proj"}, {"wte", "loss"}}};
   return decl;
 }
 

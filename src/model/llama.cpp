@@ -86,8 +86,15 @@ struct LlamaArch {
 }  // namespace
 
 const ArchDecl& llama_decl() {
-  static const ArchDecl decl{LlamaArch::embed, LlamaArch::block, LlamaArch::head, "model.layers.",
-                             LlamaArch::hf_transposed, LlamaArch::ignorable};
+  static const ArchDecl decl{LlamaArch::embed,
+                             LlamaArch::block,
+                             LlamaArch::head,
+                             "model.layers.",
+                             LlamaArch::hf_transposed,
+                             LlamaArch::ignorable,
+                             {{"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"},
+                              {"o_proj", "down_proj"},
+                              {"embed_tokens", "loss"}}};
   return decl;
 }
 

@@ -1,11 +1,13 @@
 #include "remat/model.h"
 
 #include "model/transformer.h"
+#include "remat/dist.h"
 #include "remat/safetensors.h"
 
 #include <fmt/format.h>
 
 #include <cmath>
+#include <numeric>
 #include <set>
 #include <stdexcept>
 
@@ -18,45 +20,79 @@ int64_t ActivationBytes::total() const {
 }
 
 std::unique_ptr<Model> Model::create(const ModelConfig& cfg, at::Device device, at::ScalarType compute_dtype,
-                                     uint64_t seed) {
+                                     uint64_t seed, dist::Group* tp) {
   TORCH_CHECK(cfg.vocab_size > 0, "The model needs a vocabulary size (model.vocab_size), got ", cfg.vocab_size);
   TORCH_CHECK(compute_dtype == at::kFloat || compute_dtype == at::kBFloat16 || compute_dtype == at::kDouble,
               "The compute dtype must be float32, bfloat16 or float64, got ", compute_dtype);
-  return std::make_unique<detail::TransformerModel>(detail::arch_decl(cfg.arch), cfg, device, compute_dtype, seed);
+  return std::make_unique<detail::TransformerModel>(detail::arch_decl(cfg.arch), cfg, device, compute_dtype, seed,
+                                                    tp);
+}
+
+int64_t Model::tp_size() const { return tp_ != nullptr ? tp_->size() : 1; }
+
+at::Tensor Model::whole(size_t i, const at::Tensor& part) const {
+  const graph::Shard& shard = params_.at(i).shard;
+  if (!shard.split() || tp_size() == 1) return part;
+  return graph::join_parts(
+      tp_->all_gather(part.contiguous(), shard.dim, fmt::format("gathering parameter {}", params_[i].name)), shard,
+      tp_size());
+}
+
+at::Tensor Model::part(size_t i, const at::Tensor& full) const {
+  return graph::take_part(full, params_.at(i).shard, tp_size(), tp_ != nullptr ? tp_->rank() : 0);
+}
+
+std::vector<int64_t> Model::whole_sizes(size_t i) const {
+  std::vector<int64_t> s = params_.at(i).value.sizes().vec();
+  const graph::Shard& shard = params_.at(i).shard;
+  if (shard.split()) s[static_cast<size_t>(shard.dim)] *= tp_size();
+  return s;
 }
 
 namespace graph {
 
-BlockGraph block_graph(const ModelConfig& cfg, int64_t batch, int64_t seq, at::ScalarType dtype) {
-  return detail::arch_decl(cfg.arch).block(cfg, batch, seq, dtype);
+BlockGraph block_graph(const ModelConfig& cfg, int64_t batch, int64_t seq, at::ScalarType dtype, int64_t tp) {
+  const auto& decl = detail::arch_decl(cfg.arch);
+  return tensor_parallel(decl.block(cfg, batch, seq, dtype), decl.tp_plan, tp);
 }
 
-BlockGraph embed_graph(const ModelConfig& cfg, int64_t batch, int64_t seq, at::ScalarType dtype) {
-  return detail::arch_decl(cfg.arch).embed(cfg, batch, seq, dtype);
+BlockGraph embed_graph(const ModelConfig& cfg, int64_t batch, int64_t seq, at::ScalarType dtype, int64_t tp) {
+  const auto& decl = detail::arch_decl(cfg.arch);
+  return tensor_parallel(decl.embed(cfg, batch, seq, dtype), decl.tp_plan, tp);
 }
 
-BlockGraph head_graph(const ModelConfig& cfg, int64_t batch, int64_t seq, at::ScalarType dtype, int64_t chunk) {
-  return detail::arch_decl(cfg.arch).head(cfg, batch, seq, dtype, chunk);
+BlockGraph head_graph(const ModelConfig& cfg, int64_t batch, int64_t seq, at::ScalarType dtype, int64_t chunk,
+                      int64_t tp) {
+  const auto& decl = detail::arch_decl(cfg.arch);
+  return tensor_parallel(decl.head(cfg, batch, seq, dtype, chunk), decl.tp_plan, tp);
 }
 
 }  // namespace graph
 
 int64_t Model::num_params() const {
   int64_t n = 0;
-  for (const auto& p : params_) n += p.value.numel();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const auto s = whole_sizes(i);
+    n += std::accumulate(s.begin(), s.end(), int64_t{1}, std::multiplies<>());
+  }
   return n;
 }
 
 void Model::zero_grad() { grad_buffer_.zero_(); }
 
-void Model::save(const std::string& path, const std::map<std::string, std::string>& metadata) const {
+std::vector<std::pair<std::string, at::Tensor>> Model::whole_params() const {
   std::vector<std::pair<std::string, at::Tensor>> out;
   out.reserve(params_.size());
-  for (const auto& p : params_) {
-    at::Tensor t = p.value.detach().to(at::kCPU);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const Param& p = params_[i];
+    at::Tensor t = whole(i, p.value.detach()).to(at::kCPU);
     out.emplace_back(p.name, hf_transposed(p.name) ? t.t().contiguous() : t.contiguous());
   }
-  model::save_safetensors(path, out, metadata);
+  return out;
+}
+
+void Model::save(const std::string& path, const std::map<std::string, std::string>& metadata) const {
+  model::save_safetensors(path, whole_params(), metadata);
 }
 
 void Model::load(const std::string& path) {
@@ -75,7 +111,8 @@ void Model::load(const std::string& path) {
   // Check everything first; write nothing until the whole file is known to fit.
   std::vector<at::Tensor> staged;
   std::set<std::string> used;
-  for (const auto& p : params_) {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const Param& p = params_[i];
     auto it = file.find(p.name);
     if (it == file.end()) {
       throw std::runtime_error(fmt::format("{} has no tensor '{}', which this {} model needs; it is not a "
@@ -83,16 +120,16 @@ void Model::load(const std::string& path) {
                                            path, p.name, arch_name(cfg_.arch)));
     }
     at::Tensor t = hf_transposed(p.name) && it->second.dim() == 2 ? it->second.t() : it->second;
-    if (t.sizes() != p.value.sizes()) {
+    if (t.sizes() != at::IntArrayRef(whole_sizes(i))) {
       throw std::runtime_error(fmt::format(
           "Tensor '{}' in {} has shape [{}] but the model expects [{}] (nothing was loaded).", p.name, path,
-          fmt::join(t.sizes(), ", "), fmt::join(p.value.sizes(), ", ")));
+          fmt::join(t.sizes(), ", "), fmt::join(whole_sizes(i), ", ")));
     }
     if (!at::isFloatingType(t.scalar_type())) {
       throw std::runtime_error(fmt::format("Tensor '{}' in {} is of dtype {}, not a floating type (nothing was loaded).",
                                            p.name, path, std::string(c10::toString(t.scalar_type()))));
     }
-    staged.push_back(t);
+    staged.push_back(part(i, t));
     used.insert(it->first);
   }
   std::vector<std::string> extra;

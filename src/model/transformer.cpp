@@ -1,5 +1,7 @@
 #include "model/transformer.h"
 
+#include "remat/dist.h"
+
 #include <set>
 
 namespace remat::detail {
@@ -13,28 +15,29 @@ std::vector<at::Tensor> Weights::of(const std::vector<int>& idx) const {
 
 namespace {
 
-// The parameter layout of `decl` for `cfg`: the embedding's, each layer's, then the head's
-// not already named by the embedding; tensors uninitialised, with options `o`.
-Weights make_weights(const ArchDecl& decl, const ModelConfig& cfg, const at::TensorOptions& o) {
+// The parameter layout of `decl` for `cfg` on one of `tp` ranks: the embedding's, each
+// layer's, then the head's not already named by the embedding; tensors uninitialised, of
+// a rank's sizes, with options `o`.
+Weights make_weights(const ArchDecl& decl, const ModelConfig& cfg, int64_t tp, const at::TensorOptions& o) {
   Weights w;
   std::map<std::string, int> index;
-  auto add = [&](const std::string& name, const std::vector<int64_t>& sizes) {
+  auto add = [&](const std::string& name, const graph::Param& p) {
     auto [it, fresh] = index.emplace(name, static_cast<int>(w.names.size()));
     if (fresh) {
       w.names.push_back(name);
-      w.tensors.push_back(at::empty(sizes, o));
+      w.tensors.push_back(at::empty(p.sizes, o));
+      w.shards.push_back(p.shard);
     }
     return it->second;
   };
-  for (const auto& p : decl.embed(cfg, 1, 1, at::kFloat).params) w.embed.push_back(add(p.name, p.sizes));
-  const auto block = decl.block(cfg, 1, 1, at::kFloat).params;
+  const auto params = [&](graph::BlockGraph g) { return graph::tensor_parallel(g, decl.tp_plan, tp).params; };
+  for (const auto& p : params(decl.embed(cfg, 1, 1, at::kFloat))) w.embed.push_back(add(p.name, p));
+  const auto block = params(decl.block(cfg, 1, 1, at::kFloat));
   for (int64_t l = 0; l < cfg.n_layer; ++l) {
     w.layers.emplace_back();
-    for (const auto& p : block) {
-      w.layers.back().push_back(add(decl.layer_prefix + std::to_string(l) + "." + p.name, p.sizes));
-    }
+    for (const auto& p : block) w.layers.back().push_back(add(decl.layer_prefix + std::to_string(l) + "." + p.name, p));
   }
-  for (const auto& p : decl.head(cfg, 1, 1, at::kFloat, 1).params) w.head.push_back(add(p.name, p.sizes));
+  for (const auto& p : params(decl.head(cfg, 1, 1, at::kFloat, 1))) w.head.push_back(add(p.name, p));
   return w;
 }
 
@@ -75,17 +78,22 @@ void Engine::dropped(int v, const at::Tensor& t) {
 }
 
 TransformerModel::TransformerModel(const ArchDecl& decl, const ModelConfig& cfg, at::Device device,
-                                   at::ScalarType compute_dtype, uint64_t seed)
-    : Model(cfg, device, compute_dtype), decl_(decl) {
+                                   at::ScalarType compute_dtype, uint64_t seed, dist::Group* tp)
+    : Model(cfg, device, compute_dtype, tp), decl_(decl) {
   // Masters are float32, or float64 when computing in float64 (gradient tests).
   const auto f32 = at::TensorOptions().dtype(compute_dtype == at::kDouble ? at::kDouble : at::kFloat);
+  weights_ = make_weights(decl, cfg, tp_size(), f32);
   // Initialise on CPU from one seeded generator so a seed means the same model on every
-  // device, then move.
-  weights_ = make_weights(decl, cfg, f32);
+  // device and every tensor-parallel layout (a rank keeps its part of the whole), then move.
   auto gen = at::detail::createCPUGenerator(seed);
   for (size_t i = 0; i < weights_.tensors.size(); ++i) {
-    init_param(weights_.names[i], weights_.tensors[i], cfg, gen);
-    weights_.tensors[i] = weights_.tensors[i].to(device);
+    std::vector<int64_t> whole = weights_.tensors[i].sizes().vec();
+    if (weights_.shards[i].split()) whole[static_cast<size_t>(weights_.shards[i].dim)] *= tp_size();
+    at::Tensor full = at::empty(whole, f32);
+    init_param(weights_.names[i], full, cfg, gen);
+    weights_.tensors[i] = graph::take_part(full, weights_.shards[i], tp_size(), tp != nullptr ? tp->rank() : 0)
+                              .contiguous()
+                              .to(device);
   }
   grads_ = weights_;
   int64_t numel = 0;
@@ -96,9 +104,9 @@ TransformerModel::TransformerModel(const ArchDecl& decl, const ModelConfig& cfg,
     const at::Tensor& w = weights_.tensors[i];
     grads_.tensors[i] = grad_buffer_.narrow(0, numel, w.numel()).view(w.sizes());
     numel += w.numel();
-    params_.push_back(Param{weights_.names[i], w, grads_.tensors[i], w.dim() >= 2});
+    params_.push_back(Param{weights_.names[i], w, grads_.tensors[i], w.dim() >= 2, weights_.shards[i]});
   }
-  const graph::BlockGraph head = decl.head(cfg, 1, 1, at::kFloat, 1);
+  const graph::BlockGraph head = graph_of(Part::head, 1, 1, 1);
   for (const auto& n : head.nodes) {
     if (n.op == &graph::op::loss(cfg.loss_head)) head_weight_ = weights_.head[static_cast<size_t>(n.params.at(0))];
   }
@@ -113,9 +121,9 @@ double TransformerModel::forward_backward(const at::Tensor& tokens, const at::Te
   check_batch(tokens, targets);
   const Weights& W = compute_weights();
   const int64_t L = cfg_.n_layer, B = tokens.size(0), T = tokens.size(1);
-  const GraphShape& emb = part(Part::embed, B, T);
-  const GraphShape& blk = part(Part::block, B, T);
-  const GraphShape& head = part(Part::head, B, T, ce_chunk);
+  const GraphShape& emb = shaped(Part::embed, B, T);
+  const GraphShape& blk = shaped(Part::block, B, T);
+  const GraphShape& head = shaped(Part::head, B, T, ce_chunk);
   const PoolDrain drain{store_ != nullptr && store_->options().pool};
 
   // Coarse trace slices around the parts outside the blocks.
@@ -178,7 +186,7 @@ double TransformerModel::forward_backward(const at::Tensor& tokens, const at::Te
 
 double TransformerModel::evaluate(const at::Tensor& tokens, const at::Tensor& targets, int64_t ce_chunk) {
   check_batch(tokens, targets);
-  const GraphShape& head = part(Part::head, tokens.size(0), tokens.size(1), ce_chunk);
+  const GraphShape& head = shaped(Part::head, tokens.size(0), tokens.size(1), ce_chunk);
   const Weights& W = compute_weights();
   Engine e = engine(head, W, W.head, false, 0, {}, nullptr, /*train=*/false);
   return Run(head.graph, head.lifetimes, kKeepAll, /*training=*/false)
@@ -189,17 +197,18 @@ double TransformerModel::evaluate(const at::Tensor& tokens, const at::Tensor& ta
 at::Tensor TransformerModel::last_logits(const at::Tensor& tokens) {
   TORCH_CHECK(tokens.dim() == 2 && tokens.size(1) > 0, "[model] tokens must be [B, T] with T > 0, got ",
               tokens.sizes());
-  const GraphShape& head = part(Part::head, tokens.size(0), tokens.size(1));
+  const GraphShape& head = shaped(Part::head, tokens.size(0), tokens.size(1));
   const Weights& W = compute_weights();
   Engine e = engine(head, W, W.head, false, 0, {}, nullptr, /*train=*/false);
   const at::Tensor h = Run(head.graph, head.lifetimes, kKeepAll, /*training=*/false).forward(e, blocks_output(tokens));
-  return at::matmul(h.select(1, tokens.size(1) - 1), W.tensors[head_weight_].t()).to(at::kFloat);
+  const at::Tensor logits = at::matmul(h.select(1, tokens.size(1) - 1), W.tensors[head_weight_].t()).to(at::kFloat);
+  // A vocabulary-parallel head holds a share of the vocabulary's rows: the ranks' logits, side by side.
+  return tp_size() == 1 ? logits : tp_->all_gather(logits, 1, "gathering the logits of the vocabulary's shares");
 }
 
 double TransformerModel::forward_flops(int64_t seq) const {
-  return decl_.embed(cfg_, 1, seq, compute_dtype_).forward_flops() +
-         cfg_.n_layer * decl_.block(cfg_, 1, seq, compute_dtype_).forward_flops() +
-         decl_.head(cfg_, 1, seq, compute_dtype_, seq).forward_flops();
+  return graph_of(Part::embed, 1, seq).forward_flops() + cfg_.n_layer * graph_of(Part::block, 1, seq).forward_flops() +
+         graph_of(Part::head, 1, seq, seq).forward_flops();
 }
 
 void TransformerModel::set_activation_plan(const ActivationPlan& plan, const StoreOptions& options) {
@@ -215,10 +224,10 @@ void TransformerModel::set_activation_plan(const ActivationPlan& plan, const Sto
 
 ActivationBytes TransformerModel::predict_activation_bytes(int64_t B, int64_t T) const {
   // The graphs' saved values: the blocks' by the slot table (the planner prices the same).
-  const graph::BlockGraph g = decl_.block(cfg_, B, T, compute_dtype_);
+  const graph::BlockGraph g = graph_of(Part::block, B, T);
   ActivationBytes out;
-  out.embedding = decl_.embed(cfg_, B, T, compute_dtype_).saved_bytes();
-  out.head = decl_.head(cfg_, B, T, compute_dtype_, 1).saved_bytes();
+  out.embedding = graph_of(Part::embed, B, T).saved_bytes();
+  out.head = graph_of(Part::head, B, T, 1).saved_bytes();
   for (int64_t l = 0; l < cfg_.n_layer; ++l) {
     const auto keep = keeps(l);
     int64_t bytes = 0;
@@ -238,21 +247,21 @@ void TransformerModel::check_batch(const at::Tensor& tokens, const at::Tensor& t
               cfg_.max_seq, " tokens.");
 }
 
-const GraphShape& TransformerModel::part(Part p, int64_t B, int64_t T, int64_t chunk) {
-  auto& slot = parts_[{p, B, T, chunk}];
-  if (!slot) {
-    switch (p) {
-      case Part::embed:
-        slot = std::make_unique<GraphShape>(decl_.embed(cfg_, B, T, compute_dtype_));
-        break;
-      case Part::block:
-        slot = std::make_unique<GraphShape>(decl_.block(cfg_, B, T, compute_dtype_));
-        break;
-      case Part::head:
-        slot = std::make_unique<GraphShape>(decl_.head(cfg_, B, T, compute_dtype_, chunk));
-        break;
-    }
+graph::BlockGraph TransformerModel::graph_of(Part p, int64_t B, int64_t T, int64_t chunk) const {
+  switch (p) {
+    case Part::embed:
+      return graph::tensor_parallel(decl_.embed(cfg_, B, T, compute_dtype_), decl_.tp_plan, tp_size());
+    case Part::block:
+      return graph::tensor_parallel(decl_.block(cfg_, B, T, compute_dtype_), decl_.tp_plan, tp_size());
+    case Part::head:
+      return graph::tensor_parallel(decl_.head(cfg_, B, T, compute_dtype_, chunk), decl_.tp_plan, tp_size());
   }
+  TORCH_INTERNAL_ASSERT(false, "unknown part");
+}
+
+const GraphShape& TransformerModel::shaped(Part p, int64_t B, int64_t T, int64_t chunk) {
+  auto& slot = parts_[{p, B, T, chunk}];
+  if (!slot) slot = std::make_unique<GraphShape>(graph_of(p, B, T, chunk));
   return *slot;
 }
 
@@ -268,8 +277,8 @@ std::vector<bool> TransformerModel::keeps(int64_t l) const {
 Engine TransformerModel::engine(const GraphShape& s, const Weights& W, const std::vector<int>& params, bool backward,
                                 int64_t l,
                                 const StepContext& ctx, ActivationStore* store, bool train) {
-  graph::RunContext run{ctx.seed, ctx.step,  ctx.microbatch, ctx.first_row,
-                        l,        train,     device_,        rope_ ? &*rope_ : nullptr};
+  graph::RunContext run{ctx.seed, ctx.step, ctx.microbatch, ctx.first_row, l, train, device_,
+                        rope_ ? &*rope_ : nullptr, tp_};
   graph::RunContext again = run;
   if (store != nullptr) {
     const StepContext k = recompute_context(ctx, *store);
@@ -307,8 +316,8 @@ at::Tensor TransformerModel::blocks_output(const at::Tensor& tokens) {
   const Weights& W = compute_weights();
   const StepContext none;
   const int64_t B = tokens.size(0), T = tokens.size(1);
-  const GraphShape& emb = part(Part::embed, B, T);
-  const GraphShape& blk = part(Part::block, B, T);
+  const GraphShape& emb = shaped(Part::embed, B, T);
+  const GraphShape& blk = shaped(Part::block, B, T);
   const std::vector<bool> keep_none(kSlotCount, false);
   Engine ee = engine(emb, W, W.embed, false, 0, none, nullptr, /*train=*/false);
   at::Tensor x = Run(emb.graph, emb.lifetimes, keep_none, /*training=*/false).forward(ee, tokens);

@@ -36,6 +36,8 @@ struct ArchDecl {
   bool (*hf_transposed)(const std::string& name);
   /// Names a checkpoint may carry that are not parameters (buffers, tied copies).
   bool (*ignorable)(const std::string& name);
+  /// Which nodes tensor parallelism splits.
+  graph::TensorParallelPlan tp_plan;
 };
 
 const ArchDecl& gpt2_decl();
@@ -81,6 +83,7 @@ struct GraphShape {
 struct Weights {
   std::vector<std::string> names;
   std::vector<at::Tensor> tensors;
+  std::vector<graph::Shard> shards;
   std::vector<int> embed, head;
   std::vector<std::vector<int>> layers;
   /// The tensors of one graph's parameters, in the graph's order (handles: in-place
@@ -124,7 +127,7 @@ using Run = graph::BlockRun<Engine>;
 class TransformerModel final : public Model {
  public:
   TransformerModel(const ArchDecl& decl, const ModelConfig& cfg, at::Device device, at::ScalarType compute_dtype,
-                   uint64_t seed);
+                   uint64_t seed, dist::Group* tp);
 
   double forward_backward(const at::Tensor& tokens, const at::Tensor& targets, const StepContext& ctx,
                           double loss_scale, int64_t ce_chunk, ActivationBytes* measured) override;
@@ -143,8 +146,10 @@ class TransformerModel final : public Model {
   enum class Part { embed, block, head };
 
   void check_batch(const at::Tensor& tokens, const at::Tensor& targets) const;
-  // A part's graph at [B, T] (the head's also per chunk), built once per shape.
-  const GraphShape& part(Part p, int64_t B, int64_t T, int64_t chunk = 0);
+  // A part's graph at [B, T] (the head's also per chunk) as this rank runs it.
+  graph::BlockGraph graph_of(Part p, int64_t B, int64_t T, int64_t chunk = 0) const;
+  // The same, built once per shape.
+  const GraphShape& shaped(Part p, int64_t B, int64_t T, int64_t chunk = 0);
   // Per slot, whether layer l's forward keeps it.
   std::vector<bool> keeps(int64_t l) const;
   // The backend for one graph: the weights `W` (the compute copies) at `params`, layer l's

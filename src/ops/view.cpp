@@ -101,7 +101,8 @@ const OpDef& op::split() {
 std::vector<const OpDef*> op::all() {
   return {&layernorm(), &rmsnorm(), &linear(), &attention(), &tiled_attention(), &dropout_mask(),
           &dropout(),   &residual(), &gelu(),   &swiglu(),    &rope(),            &view(),
-          &split(),     &embedding(), &position_embedding(), &cross_entropy(), &fused_cross_entropy()};
+          &split(),     &embedding(), &position_embedding(), &cross_entropy(), &fused_cross_entropy(),
+          &tp_copy(),   &tp_reduce()};
 }
 
 }  // namespace remat::graph

@@ -120,18 +120,18 @@ struct Simulator {
 
 // The parameter count and the largest parameter's elements, from the declared graphs (a
 // tied head parameter counted once).
-std::pair<int64_t, int64_t> param_counts(const ModelConfig& c) {
+std::pair<int64_t, int64_t> param_counts(const ModelConfig& c, int64_t tp) {
   const auto numel = [](const graph::Param& p) { return graph::TensorInfo{p.sizes, at::kFloat, {}}.numel(); };
   int64_t total = 0, largest = 0;
   std::set<std::string> named;
-  for (const auto& g : {graph::embed_graph(c, 1, 1, at::kFloat), graph::head_graph(c, 1, 1, at::kFloat, 1)}) {
+  for (const auto& g : {graph::embed_graph(c, 1, 1, at::kFloat, tp), graph::head_graph(c, 1, 1, at::kFloat, 1, tp)}) {
     for (const auto& p : g.params) {
       if (!named.insert(p.name).second) continue;
       total += numel(p);
       largest = std::max(largest, numel(p));
     }
   }
-  for (const auto& p : graph::block_graph(c, 1, 1, at::kFloat).params) {
+  for (const auto& p : graph::block_graph(c, 1, 1, at::kFloat, tp).params) {
     total += c.n_layer * numel(p);
     largest = std::max(largest, numel(p));
   }
@@ -199,7 +199,7 @@ LayerCost price_layer(const graph::BlockGraph& g, const std::set<std::string>& d
 StaticBytes static_bytes(const ModelConfig& cfg, const StepShape& shape) {
   TORCH_CHECK(cfg.vocab_size > 0, "The cost model needs model.vocab_size");
   const at::ScalarType master = shape.dtype == at::kDouble ? at::kDouble : at::kFloat;
-  const int64_t P = param_counts(cfg).first;
+  const int64_t P = param_counts(cfg, shape.tp).first;
   StaticBytes s;
   s.params = nbytes(P, master);
   s.grads = nbytes(P, master);
@@ -216,15 +216,15 @@ StaticBytes static_bytes(const ModelConfig& cfg, const StepShape& shape) {
 StepConstants step_constants(const ModelConfig& cfg, const StepShape& shape) {
   StepConstants k;
   k.statics = static_bytes(cfg, shape);
-  const LayerCost embed = simulate_kept(graph::embed_graph(cfg, shape.batch, shape.seq, shape.dtype));
+  const LayerCost embed = simulate_kept(graph::embed_graph(cfg, shape.batch, shape.seq, shape.dtype, shape.tp));
   k.embed_peak = embed.forward_peak;
   k.embed_saved = embed.kept;
   k.embed_backward = embed.backward_peak - embed.kept;
-  const LayerCost head = simulate_kept(graph::head_graph(cfg, shape.batch, shape.seq, shape.dtype, shape.ce_chunk));
+  const LayerCost head = simulate_kept(graph::head_graph(cfg, shape.batch, shape.seq, shape.dtype, shape.ce_chunk, shape.tp));
   k.head_peak = std::max(head.forward_peak, head.backward_peak);
   k.head_saved = head.kept;
   // AdamW's denominator: a square root and its quotient, per parameter.
-  k.optimizer = 2 * nbytes(param_counts(cfg).second, shape.dtype == at::kDouble ? at::kDouble : at::kFloat);
+  k.optimizer = 2 * nbytes(param_counts(cfg, shape.tp).second, shape.dtype == at::kDouble ? at::kDouble : at::kFloat);
   return k;
 }
 
@@ -233,7 +233,7 @@ StepPrediction predict_step(const ModelConfig& cfg, const StepShape& shape, cons
   const int64_t L = cfg.n_layer;
   TORCH_CHECK(static_cast<int64_t>(plan.layers.size()) == L, "The activation plan has ", plan.layers.size(),
               " layers but the model has ", L);
-  const graph::BlockGraph block = graph::block_graph(cfg, shape.batch, shape.seq, shape.dtype);
+  const graph::BlockGraph block = graph::block_graph(cfg, shape.batch, shape.seq, shape.dtype, shape.tp);
   const int64_t input_bytes = block.slot_bytes(Slot::input), out_bytes = block.values[block.output].info.bytes();
   const StepConstants k = step_constants(cfg, shape);
   StepPrediction p;

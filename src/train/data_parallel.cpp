@@ -23,26 +23,34 @@ constexpr int64_t kBucketBytes = int64_t{16} << 20;
 std::unique_ptr<dist::Comm> join_ranks(const Config& cfg) {
   const std::optional<dist::LaunchEnv> env = dist::launch_env();
   const int world = env ? env->world_size : 1;
-  if (cfg.parallel.dp > 0 && cfg.parallel.dp != world) {
+  const int64_t tp = cfg.parallel.tp;
+  if ((cfg.parallel.dp > 0 && cfg.parallel.dp * tp != world) || (!env && tp > 1)) {
+    const int64_t want = std::max<int64_t>(cfg.parallel.dp, 1) * tp;
     throw std::invalid_argument(fmt::format(
-        "parallel.dp = {} asks for {} data-parallel ranks, but {}; start the run with `remat launch --nproc {} train "
-        "...` (or torchrun --nproc_per_node {}), or set parallel.dp = 0 to use every rank started.", cfg.parallel.dp,
-        cfg.parallel.dp, env ? fmt::format("the launcher started {}", world) : "this process runs alone",
-        cfg.parallel.dp, cfg.parallel.dp));
+        "parallel.dp = {} x parallel.tp = {} asks for {} ranks, but {}; start the run with `remat launch --nproc {} "
+        "train ...` (or torchrun --nproc_per_node {}), or set parallel.dp = 0 to use every rank started.",
+        cfg.parallel.dp, tp, want, env ? fmt::format("the launcher started {}", world) : "this process runs alone",
+        want, want));
   }
-  if (data_parallel_ranks(cfg) == 1) return nullptr;
+  if (data_parallel_ranks(cfg) * tp == 1) return nullptr;
   if (cfg.run.device != "cpu") {
     throw std::invalid_argument(fmt::format(
         "Several ranks train on the CPU only so far (Gloo); run.device = {} with {} ranks needs NCCL, which this "
         "build does not have. Set run.device=cpu or start one rank.", cfg.run.device, world));
   }
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(std::llround(cfg.parallel.timeout * 1000)));
-  return dist::Comm::connect(*env, timeout);
+  return dist::Comm::connect(*env, timeout, static_cast<int>(tp));
 }
 
 int64_t data_parallel_ranks(const Config& cfg) {
   const std::optional<dist::LaunchEnv> env = dist::launch_env();
-  const int64_t ranks = cfg.parallel.dp > 0 ? cfg.parallel.dp : env ? env->world_size : 1;
+  const int64_t tp = cfg.parallel.tp;
+  if (env && env->world_size % tp != 0) {
+    throw std::invalid_argument(fmt::format(
+        "parallel.tp = {} tensor-parallel ranks must divide the {} ranks started; start a multiple of {} ranks.", tp,
+        env->world_size, tp));
+  }
+  const int64_t ranks = cfg.parallel.dp > 0 ? cfg.parallel.dp : env ? env->world_size / tp : 1;
   if (cfg.train.batch % ranks != 0) {
     throw std::invalid_argument(fmt::format(
         "train.batch = {} sequences cannot be split evenly over {} data-parallel ranks; make train.batch a multiple "
@@ -79,7 +87,7 @@ void rank0_first(dist::Comm* comm, const std::string& what, const std::function<
   work();
 }
 
-void all_reduce_gradients(Model& model, dist::Comm& comm, double& loss, const std::string& what) {
+void all_reduce_gradients(Model& model, dist::Group& group, double& loss, const std::string& what) {
   // Buckets are consecutive pieces of the flat gradient buffer, reduced in place; the loss
   // rides along in float64.
   const at::Tensor& grads = model.grad_buffer();
@@ -88,7 +96,7 @@ void all_reduce_gradients(Model& model, dist::Comm& comm, double& loss, const st
   for (int64_t first = 0; first < grads.numel(); first += per_bucket) {
     buckets.push_back(grads.narrow(0, first, std::min(per_bucket, grads.numel() - first)));
   }
-  comm.all_reduce_sum(buckets, what);
+  group.all_reduce(buckets, dist::Reduce::sum, what);
   loss = buckets[0].item<double>();
 }
 

@@ -19,8 +19,9 @@ namespace remat {
 std::unique_ptr<dist::Comm> join_ranks(const Config& cfg);
 
 /// The data-parallel ranks a run of `cfg` trains on: parallel.dp when set, else the ranks
-/// the launcher started (1 without one). Each rank's microbatch is train.batch / that;
-/// refuses with a sentence a train.batch they cannot share evenly.
+/// the launcher started over parallel.tp (1 without a launcher). Each rank's microbatch is
+/// train.batch / that; refuses with a sentence a train.batch they cannot share evenly, or
+/// a parallel.tp not dividing the ranks started.
 int64_t data_parallel_ranks(const Config& cfg);
 
 /// The intra-op threads of this rank: run.threads when set, else the host's cores shared
@@ -33,10 +34,11 @@ int64_t rank_threads(const Config& cfg);
 /// failure on rank 0 ends every rank with rank 0's sentence. Without `comm`, just `work`.
 void rank0_first(dist::Comm* comm, const std::string& what, const std::function<void()>& work);
 
-/// Sums every parameter's gradient over the ranks, in place, in buckets of a few MiB of
-/// the model's flat gradient buffer reduced together, and `loss` with them. Each rank's
-/// gradients must already be scaled by 1 / ranks (the mean over the global batch).
-void all_reduce_gradients(Model& model, dist::Comm& comm, double& loss, const std::string& what);
+/// Sums every parameter's gradient over the data-parallel ranks `group`, in place, in
+/// buckets of a few MiB of the model's flat gradient buffer reduced together, and `loss`
+/// with them. Each rank's gradients must already be scaled by 1 / ranks (the mean over the
+/// global batch).
+void all_reduce_gradients(Model& model, dist::Group& group, double& loss, const std::string& what);
 
 /// While alive, this process's stderr goes nowhere (ranks other than 0 print neither the
 /// progress bar nor the run's report, which rank 0 prints); restored on destruction, so an

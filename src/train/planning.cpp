@@ -18,6 +18,7 @@ RunPlan plan_run(const Config& cfg, at::ScalarType dtype, const TimeProfile& pro
   shape.ce_chunk = t.ce_chunk;
   shape.dtype = dtype;
   shape.resident = resident;
+  shape.tp = cfg.parallel.tp;
   PlannerOptions opts;
   opts.early_stop = cfg.ac.early_stop;
   const Planner planner(cfg.model, shape, profile.times, opts);

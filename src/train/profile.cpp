@@ -27,9 +27,10 @@ std::string profile_key(const Config& cfg, const Model& model) {
   const TrainConfig& t = cfg.train;
   // The BLAS and its threading change every matmul's time: a digest of their description.
   std::string key = fmt::format(
-      "{}-{}-{}-L{}-C{}-H{}-KV{}-F{}-V{}-p{}-{}{}-B{}-T{}-ce{}{}-es{}-threads{}-blas{}", model.device().str(),
+      "{}-{}-{}-L{}-C{}-H{}-KV{}-F{}-V{}-p{}-{}{}-B{}-T{}-tp{}-ce{}{}-es{}-threads{}-blas{}", model.device().str(),
       cfg.run.dtype, arch_name(m.arch), m.n_layer, m.d_model, m.n_head, m.n_kv_head, m.d_ff, m.vocab_size, m.dropout,
-      attention_name(m.attention), m.attention == Attention::tiled ? m.attention_tile : 0, t.batch, t.seq, t.ce_chunk,
+      attention_name(m.attention), m.attention == Attention::tiled ? m.attention_tile : 0, t.batch, t.seq,
+      model.tp_size(), t.ce_chunk,
       loss_head_name(m.loss_head), cfg.ac.early_stop ? 1 : 0, at::get_num_threads(),
       util::sha256_hex(blas_name()).substr(0, 8));
   std::replace(key.begin(), key.end(), ':', '_');
@@ -72,14 +73,18 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 
 }  // namespace
 
-TimeProfile measure_time_profile(const Config& cfg, Model& model, const data::TokenDataset& data) {
+TimeProfile measure_time_profile(const Config& cfg, Model& model, const data::TokenDataset& data,
+                                 dist::Comm* together) {
   TimeProfile p;
   const fs::path dir = fs::path(cfg.run.out_dir) / ".profiles";
   p.path = (dir / profile_key(cfg, model)).string();
-  if (fs::exists(p.path) && read_cached(p.path, p)) {
-    p.cached = true;
-    return p;
+  p.cached = fs::exists(p.path) && read_cached(p.path, p);
+  if (together != nullptr) {
+    for (const auto& found : together->all_gather({p.cached ? 1 : 0}, "reading the cached time profile")) {
+      p.cached = p.cached && found[0] == 1;
+    }
   }
+  if (p.cached) return p;
 
   const at::Device device = model.device();
   const TrainConfig& t = cfg.train;
@@ -113,7 +118,7 @@ TimeProfile measure_time_profile(const Config& cfg, Model& model, const data::To
   // Nodes a full recompute never runs (the block's last ops, which feed no slot) are
   // priced by FLOPs at the rate the timed nodes reached.
   double flops = 0, timed = 0;
-  for (const auto& n : graph::block_graph(cfg.model, t.batch, t.seq, model.compute_dtype()).nodes) {
+  for (const auto& n : graph::block_graph(cfg.model, t.batch, t.seq, model.compute_dtype(), model.tp_size()).nodes) {
     auto it = p.times.seconds.find(n.name);
     if (it == p.times.seconds.end()) continue;
     flops += n.flops;
@@ -140,6 +145,7 @@ TimeProfile measure_time_profile(const Config& cfg, Model& model, const data::To
     p.optimizer_seconds = seconds_since(t0);  // the second: state already allocated
   }
 
+  if (together != nullptr && together->rank() != 0) return p;
   std::error_code ec;
   fs::create_directories(dir, ec);
   util::write_file_atomically(p.path, nlohmann::json{{"node_seconds", p.times.seconds},

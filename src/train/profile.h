@@ -7,6 +7,7 @@
 #include "remat/config.h"
 #include "remat/cost.h"
 #include "remat/data.h"
+#include "remat/dist.h"
 #include "remat/model.h"
 
 #include <string>
@@ -31,6 +32,11 @@ struct TimeProfile {
 /// is the pass minus its measured recompute), and two AdamW updates of scratch copies of
 /// the parameters. The model's weights are untouched; its gradients are zeroed and its
 /// activation plan must be set again afterwards.
-TimeProfile measure_time_profile(const Config& cfg, Model& model, const data::TokenDataset& data);
+///
+/// With `together` (tensor parallelism: the passes run the group's collectives), every
+/// rank calls this at once: all read the cache before any writes, measure unless every one
+/// found it, and rank 0 alone writes it.
+TimeProfile measure_time_profile(const Config& cfg, Model& model, const data::TokenDataset& data,
+                                 dist::Comm* together = nullptr);
 
 }  // namespace remat

@@ -20,12 +20,22 @@ namespace remat {
 namespace {
 
 // Scales gradients so their global L2 norm is at most max_norm; returns the norm before.
-double clip_gradients(Model& model, double max_norm) {
+// A split parameter's squares are summed over the tensor-parallel group, a whole one's
+// counted once (every rank of the group holds the same gradient).
+double clip_gradients(Model& model, double max_norm, int64_t step) {
   const trace::Scope scope("clip gradients", trace::Category::step);
   // One reduction and one host read for all parameters (a sync per parameter on CUDA).
-  std::vector<at::Tensor> squares;
-  for (const auto& p : model.params()) squares.push_back(p.grad.pow(2).sum());
-  const double norm = std::sqrt(at::stack(squares).to(at::kDouble).sum().item<double>());
+  std::vector<at::Tensor> whole, split;
+  for (const auto& p : model.params()) (p.shard.split() ? split : whole).push_back(p.grad.pow(2).sum());
+  const auto total = [](const std::vector<at::Tensor>& s) {
+    return s.empty() ? at::zeros({1}, at::kDouble) : at::stack(s).to(at::kDouble).sum().reshape({1});
+  };
+  std::vector<at::Tensor> parts{total(split).cpu()};
+  if (model.tensor_group() != nullptr) {
+    model.tensor_group()->all_reduce(parts, dist::Reduce::sum,
+                                     fmt::format("the gradient norm's all-reduce of step {}", step + 1));
+  }
+  const double norm = std::sqrt(parts[0].item<double>() + total(whole).item<double>());
   if (max_norm > 0 && norm > max_norm) {
     const double scale = max_norm / (norm + 1e-6);
     for (auto& p : model.params()) p.grad.mul_(scale);
@@ -103,8 +113,8 @@ StepResult TrainStep::run(int64_t step, const data::TokenDataset& data, std::mt1
 
   model_.zero_grad();
   if (model_.store() != nullptr) model_.store()->reset_counters();
-  const int ranks = ranks_ != nullptr ? ranks_->size() : 1;
-  const int64_t first_row = ranks_ != nullptr ? ranks_->rank() * t.batch : 0;
+  const int ranks = ranks_ != nullptr ? ranks_->data().size() : 1;
+  const int64_t first_row = ranks_ != nullptr ? ranks_->data().rank() * t.batch : 0;
   for (int64_t micro = 0; micro < t.grad_accum; ++micro) {
     const data::Batch b = data.sample(t.batch * ranks, t.seq, rng);
     const StepContext ctx{seed_, static_cast<uint64_t>(step), static_cast<uint64_t>(micro), first_row};
@@ -117,9 +127,9 @@ StepResult TrainStep::run(int64_t step, const data::TokenDataset& data, std::mt1
   }
   if (ranks_ != nullptr) {
     const trace::Scope scope("gradient all-reduce", trace::Category::step);
-    all_reduce_gradients(model_, *ranks_, r.loss, fmt::format("the gradient all-reduce of step {}", step + 1));
+    all_reduce_gradients(model_, ranks_->data(), r.loss, fmt::format("the gradient all-reduce of step {}", step + 1));
   }
-  r.grad_norm = clip_gradients(model_, t.grad_clip);
+  r.grad_norm = clip_gradients(model_, t.grad_clip, step);
   // Checked before the update, so that a bad step leaves the weights as they were.
   if (!std::isfinite(r.loss) || !std::isfinite(r.grad_norm)) {
     const ModelConfig& m = model_.config();
@@ -156,18 +166,21 @@ StepResult TrainStep::run(int64_t step, const data::TokenDataset& data, std::mt1
   return r;
 }
 
-void TrainStep::save_checkpoint(const std::string& path, int64_t steps, const std::mt19937_64& rng) const {
+void TrainStep::save_checkpoint(const std::string& path, int64_t steps, const std::mt19937_64& rng,
+                                bool write) const {
   std::vector<std::pair<std::string, at::Tensor>> tensors;
   int64_t adam_steps = 0;
-  for (const auto& p : model_.params()) {
-    tensors.emplace_back("param." + p.name, p.value);
+  for (size_t i = 0; i < model_.params().size(); ++i) {
+    const Param& p = model_.params()[i];
+    tensors.emplace_back("param." + p.name, model_.whole(i, p.value));
     const auto it = optimizer_.state().find(state_key(p.value));
     if (it == optimizer_.state().end()) continue;  // no update yet
     const auto& s = static_cast<const torch::optim::AdamWParamState&>(*it->second);
-    tensors.emplace_back("exp_avg." + p.name, s.exp_avg());
-    tensors.emplace_back("exp_avg_sq." + p.name, s.exp_avg_sq());
+    tensors.emplace_back("exp_avg." + p.name, model_.whole(i, s.exp_avg()));
+    tensors.emplace_back("exp_avg_sq." + p.name, model_.whole(i, s.exp_avg_sq()));
     adam_steps = s.step();
   }
+  if (!write) return;
   std::ostringstream rng_state;
   rng_state << rng;
   model::save_safetensors(path, tensors,
@@ -187,20 +200,24 @@ int64_t TrainStep::load_checkpoint(const std::string& path, std::mt19937_64& rng
   };
   if (meta("format") != kCheckpointFormat) throw refuse("its format is '" + meta("format") + "'");
   // Everything is checked before anything is written.
-  const auto tensor = [&](const std::string& name, const at::Tensor& like, bool required) -> const at::Tensor* {
+  // Checked against the whole parameters (a tensor-parallel rank holds a part of each).
+  const auto tensor = [&](const std::string& name, size_t i, bool required) -> const at::Tensor* {
     const at::Tensor* t = file.find(name);
+    const at::Tensor& like = model_.params()[i].value;
+    const std::vector<int64_t> sizes = model_.whole_sizes(i);
     if (t == nullptr && required) throw refuse("it has no tensor '" + name + "'");
-    if (t != nullptr && (t->sizes() != like.sizes() || t->scalar_type() != like.scalar_type())) {
+    if (t != nullptr && (t->sizes() != at::IntArrayRef(sizes) || t->scalar_type() != like.scalar_type())) {
       throw refuse(fmt::format("'{}' is {} {} where the model has {} {}", name, c10::toString(t->scalar_type()),
-                               c10::str(t->sizes()), c10::toString(like.scalar_type()), c10::str(like.sizes())));
+                               c10::str(t->sizes()), c10::toString(like.scalar_type()), c10::str(sizes)));
     }
     return t;
   };
   const int64_t adam_steps = std::stoll(meta("adam_steps"));
-  for (const auto& p : model_.params()) {
-    tensor("param." + p.name, p.value, true);
-    tensor("exp_avg." + p.name, p.value, adam_steps > 0);
-    tensor("exp_avg_sq." + p.name, p.value, adam_steps > 0);
+  for (size_t i = 0; i < model_.params().size(); ++i) {
+    const std::string& name = model_.params()[i].name;
+    tensor("param." + name, i, true);
+    tensor("exp_avg." + name, i, adam_steps > 0);
+    tensor("exp_avg_sq." + name, i, adam_steps > 0);
   }
   std::mt19937_64 restored;
   std::istringstream(meta("rng")) >> restored;
@@ -208,13 +225,14 @@ int64_t TrainStep::load_checkpoint(const std::string& path, std::mt19937_64& rng
 
   c10::NoGradGuard no_grad;
   optimizer_.state().clear();
-  for (auto& p : model_.params()) {
-    p.value.copy_(*file.find("param." + p.name));
+  for (size_t i = 0; i < model_.params().size(); ++i) {
+    Param& p = model_.params()[i];
+    p.value.copy_(model_.part(i, *file.find("param." + p.name)));
     if (adam_steps == 0) continue;
     auto s = std::make_unique<torch::optim::AdamWParamState>();
     s->step(adam_steps);
-    s->exp_avg(file.find("exp_avg." + p.name)->to(p.value.device()).clone());
-    s->exp_avg_sq(file.find("exp_avg_sq." + p.name)->to(p.value.device()).clone());
+    s->exp_avg(model_.part(i, *file.find("exp_avg." + p.name)).to(p.value.device()).contiguous().clone());
+    s->exp_avg_sq(model_.part(i, *file.find("exp_avg_sq." + p.name)).to(p.value.device()).contiguous().clone());
     optimizer_.state()[state_key(p.value)] = std::move(s);
   }
   rng = restored;

@@ -60,7 +60,9 @@ class TrainStep {
   /// file, atomically (flushed, then renamed): every parameter, AdamW's moments and step
   /// count, and `rng`'s state, the data cursor. Dropout needs nothing more: its masks are
   /// keyed by the seed and the step.
-  void save_checkpoint(const std::string& path, int64_t steps, const std::mt19937_64& rng) const;
+  /// Split parameters and their moments are gathered whole from the tensor-parallel group
+  /// (every rank of it must call this); a rank that does not `write` only gives its parts.
+  void save_checkpoint(const std::string& path, int64_t steps, const std::mt19937_64& rng, bool write = true) const;
   /// Restores what save_checkpoint wrote into the model, the optimizer and `rng`, after
   /// checking all of it; returns the number of completed steps. Throws a sentence naming
   /// `path` when the file is not a checkpoint of this model.

@@ -38,10 +38,10 @@ namespace {
 constexpr double kPi = 3.14159265358979323846;
 
 // Mean loss per token over the first eval_batches sequential batches of train.batch
-// sequences (the last may be short). With `ranks`, each evaluates its share of the rows of
-// every batch and the sums are added up.
+// sequences (the last may be short). With `ranks`, each data-parallel rank evaluates its
+// share of the rows of every batch and the sums are added up.
 double validation_loss(Model& model, const data::TokenDataset& val, const TrainConfig& t, int64_t step,
-                       dist::Comm* ranks) {
+                       dist::Group* ranks) {
   const int64_t n = std::min<int64_t>(t.eval_batches, val.num_sequential_batches(t.batch, t.seq));
   const int64_t share = ranks != nullptr ? t.batch / ranks->size() : t.batch;
   const int64_t first = ranks != nullptr ? ranks->rank() * share : 0;
@@ -58,7 +58,7 @@ double validation_loss(Model& model, const data::TokenDataset& val, const TrainC
   }
   if (ranks != nullptr) {
     std::vector<at::Tensor> both{sums};
-    ranks->all_reduce_sum(both, fmt::format("the validation of step {}", step));
+    ranks->all_reduce(both, dist::Reduce::sum, fmt::format("the validation of step {}", step));
   }
   const double loss = sr[0] / sr[1];
   // Training checks every step's weights, so this is the held-out text overflowing the
@@ -127,11 +127,17 @@ std::vector<fs::path> checkpoints(const std::string& run_dir) {
 
 // Writes the state after `steps` steps, flushes the directory entry, then removes all but
 // the newest `keep` checkpoints.
+// A tensor-parallel rank that does not `write` only gives its parts to the gather.
 void write_checkpoint(const TrainStep& stepper, const std::string& run_dir, int64_t steps, const std::mt19937_64& rng,
-                      int64_t keep) {
+                      int64_t keep, bool write) {
   const fs::path dir = checkpoint_dir(run_dir);
+  const std::string path = (dir / fmt::format("step-{:08d}.safetensors", steps)).string();
+  if (!write) {
+    stepper.save_checkpoint(path, steps, rng, false);
+    return;
+  }
   fs::create_directories(dir);
-  stepper.save_checkpoint((dir / fmt::format("step-{:08d}.safetensors", steps)).string(), steps, rng);
+  stepper.save_checkpoint(path, steps, rng, true);
   util::sync_directory(dir.string());
   const std::vector<fs::path> all = checkpoints(run_dir);
   for (size_t i = 0; i + static_cast<size_t>(keep) < all.size(); ++i) fs::remove(all[i]);
@@ -200,9 +206,13 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   const auto& t = cfg.train;
   // Several ranks (data parallel): each trains on its share of every batch; rank 0 alone
   // prints and writes the run directory.
+  // With parallel.tp, each group of tp ranks shares every layer (tensor parallel).
   const std::unique_ptr<dist::Comm> ranks = join_ranks(cfg);
   const bool lead = ranks == nullptr || ranks->rank() == 0;
-  const int dp = ranks != nullptr ? ranks->size() : 1;
+  const int dp = ranks != nullptr ? ranks->data().size() : 1;
+  const int64_t tp = cfg.parallel.tp;
+  dist::Group* data_ranks = ranks != nullptr ? &ranks->data() : nullptr;
+  dist::Group* tensor_ranks = tp > 1 ? &ranks->tensor() : nullptr;
   const QuietStderr quiet(!lead);
   const int threads = set_threads(rank_threads(cfg));
   const at::Device device = parse_device(cfg.run.device);
@@ -230,11 +240,14 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   // What one rank runs: its share of each microbatch. Memory and time are planned for it.
   Config local = cfg;
   local.train.batch = t.batch / dp;
-  auto model = Model::create(cfg.model, device, dtype, static_cast<uint64_t>(cfg.run.seed));
+  auto model = Model::create(cfg.model, device, dtype, static_cast<uint64_t>(cfg.run.seed), tensor_ranks);
   const double matmul_rate =
       measure_matmul_flops(device, dtype, local.train.batch * t.seq, cfg.model.d_model, cfg.model.d_ff);
   TimeProfile profile;
-  if (cfg.ac.profile) {
+  if (cfg.ac.profile && tp > 1) {
+    // A tensor-parallel rank's passes run its group's collectives: every rank measures.
+    profile = measure_time_profile(local, *model, train_ds, ranks.get());
+  } else if (cfg.ac.profile) {
     rank0_first(ranks.get(), "measuring the time profile",
                 [&] { profile = measure_time_profile(local, *model, train_ds); });
   } else {
@@ -289,9 +302,11 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   sum.num_params = model->num_params();
   sum.predicted_activation_bytes = predicted.total();
   const int64_t tokens_per_step = t.batch * t.seq * t.grad_accum;
-  const double flops_per_token = 3.0 * model->forward_flops(t.seq) / static_cast<double>(t.seq);
+  // What every rank computes per token of its data-parallel share: a tensor-parallel group
+  // does each token's work once between its ranks (and the whole parts on each).
+  const double flops_per_token = 3.0 * model->forward_flops(t.seq) * static_cast<double>(tp) / static_cast<double>(t.seq);
   // The job's rate: each rank measured its own, at its threads, beside the others.
-  sum.matmul_flops_per_second = matmul_rate * dp;
+  sum.matmul_flops_per_second = matmul_rate * dp * tp;
   sum.predicted_peak_bytes = planned.predicted.peak;
   sum.budget_bytes = planned.budget;
   sum.predicted_step_seconds = planned.step_seconds;
@@ -304,7 +319,9 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
              tok.vocab_size(), corpus.train_unigram_entropy);
   fmt::print(stderr, "training: {} steps x {} tokens ({} x {} x {} accum{}); run dir {}\n", t.steps,
              tokens_per_step, t.batch, t.seq, t.grad_accum,
-             dp > 1 ? fmt::format(", data parallel over {} ranks of {} sequences", dp, local.train.batch) : "",
+             fmt::format("{}{}", dp > 1 ? fmt::format(", data parallel over {} ranks of {} sequences", dp,
+                                                      local.train.batch) : "",
+                         tp > 1 ? fmt::format(", each layer split over {} tensor-parallel ranks", tp) : ""),
              run_path);
   const std::string& plan_text = planned.text;
   fmt::print(stderr, "{}", plan_text);
@@ -313,7 +330,7 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   std::mt19937_64 rng(static_cast<uint64_t>(cfg.run.seed));
   std::vector<std::pair<int64_t, double>> train_curve, val_curve;
   if (first_step == 0) {
-    sum.initial_val_loss = validation_loss(*model, val_ds, t, 0, ranks.get());
+    sum.initial_val_loss = validation_loss(*model, val_ds, t, 0, data_ranks);
     val_curve.emplace_back(0, sum.initial_val_loss);
     log_metrics({{"kind", "val"}, {"step", 0}, {"val_loss", sum.initial_val_loss}});
   } else {
@@ -403,21 +420,23 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
                                      memory::format_bytes(peak)));
     const bool last = step + 1 == t.steps;
     if (last || (t.eval_every > 0 && (step + 1) % t.eval_every == 0)) {
-      const double v = validation_loss(*model, val_ds, t, step + 1, ranks.get());
+      const double v = validation_loss(*model, val_ds, t, step + 1, data_ranks);
       val_curve.emplace_back(step + 1, v);
       log_metrics({{"kind", "val"}, {"step", step + 1}, {"val_loss", v}});
       bar.message(fmt::format("step {}: validation loss {:.4f}", step + 1, v));
       sum.final_val_loss = v;
     }
-    // Every rank holds the same state: rank 0's copy is the checkpoint.
-    if (lead && ((step + 1) % t.checkpoint_every == 0 || last || stop != 0)) {
-      write_checkpoint(stepper, run_path, step + 1, rng, t.keep_checkpoints);
+    // Every data-parallel rank holds the same state: rank 0's copy is the checkpoint, its
+    // tensor-parallel peers' parts gathered into it.
+    if ((lead || tp > 1) && ((step + 1) % t.checkpoint_every == 0 || last || stop != 0)) {
+      write_checkpoint(stepper, run_path, step + 1, rng, t.keep_checkpoints, lead);
     }
     if (stop != 0 && !last) {
       bar.finish();
       fmt::print(stderr, "{} after step {}: the checkpoint is in {}; continue with `remat {}train --resume {}`\n",
                  stop == SIGINT ? "interrupted (SIGINT)" : "terminated (SIGTERM)", step + 1,
-                 checkpoint_dir(run_path).string(), dp > 1 ? fmt::format("launch --nproc {} ", dp) : "", run_path);
+                 checkpoint_dir(run_path).string(), dp * tp > 1 ? fmt::format("launch --nproc {} ", dp * tp) : "",
+                 run_path);
       sum.stopped_by = stop;
       if (ranks != nullptr) ranks->finish();
       return sum;
@@ -431,17 +450,24 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   sum.median_step_seconds = median(steady);
   sum.tokens_per_second = tokens_per_step / sum.median_step_seconds;
   sum.model_flops_per_second = flops_per_token * sum.tokens_per_second;
-  // The ranks part here: the rest (the weights, the sample, the report) is rank 0's.
+  // Tensor-parallel ranks gather the weights and sample together (each token's logits are
+  // gathered from the vocabulary's shares); the ranks part here, and the rest (the files,
+  // the report) is rank 0's.
+  std::vector<std::pair<std::string, at::Tensor>> weights;
+  if (lead || tp > 1) {
+    weights = model->whole_params();
+    if (cfg.run.sample_tokens > 0) {
+      sum.sample = sample_text(*model, tok, cfg.run.prompt, cfg.run.sample_tokens, 0.8, 40,
+                               static_cast<uint64_t>(cfg.run.seed));
+    }
+  }
   if (ranks != nullptr) ranks->finish();
   if (!lead) return sum;
 
-  model->save(run->file("model.safetensors"), {{"format", "pt"}, {"remat.arch", arch_name(cfg.model.arch)},
-                                              {"remat.preset", cfg.model.preset}});
-  if (cfg.run.sample_tokens > 0) {
-    sum.sample = sample_text(*model, tok, cfg.run.prompt, cfg.run.sample_tokens, 0.8, 40,
-                             static_cast<uint64_t>(cfg.run.seed));
-    run->write_text("sample.txt", sum.sample + "\n");
-  }
+  model::save_safetensors(run->file("model.safetensors"), weights,
+                          {{"format", "pt"}, {"remat.arch", arch_name(cfg.model.arch)},
+                           {"remat.preset", cfg.model.preset}});
+  if (cfg.run.sample_tokens > 0) run->write_text("sample.txt", sum.sample + "\n");
   std::string why;
   const bool plotted = run->plot_loss(train_curve, val_curve, sum.unigram_entropy, &why);
 
@@ -460,6 +486,7 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
       {"efficiency", sum.model_flops_per_second / sum.matmul_flops_per_second},
       {"peak_bytes", sum.peak_bytes},
       {"ranks", dp},
+      {"tp", tp},
       {"rank_peak_bytes", sum.rank_peak_bytes},
       {"activation_bytes", sum.activation_bytes},
       {"threads", threads},
@@ -491,7 +518,7 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   }
   fmt::print(stderr, "compute {} FLOP/s of a measured {} FLOP/s {} matmul peak{}: efficiency {:.0f}%\n",
              format_count(sum.model_flops_per_second), format_count(sum.matmul_flops_per_second), cfg.run.dtype,
-             dp > 1 ? fmt::format(" ({} ranks x {})", dp, format_count(matmul_rate)) : "",
+             dp * tp > 1 ? fmt::format(" ({} ranks x {})", dp * tp, format_count(matmul_rate)) : "",
              100.0 * sum.model_flops_per_second / sum.matmul_flops_per_second);
   fmt::print(stderr, "memory peak {} per step (predicted {}, {:+.1f}%), of which saved activations {} per "
              "microbatch (predicted {})\n", memory::format_bytes(sum.peak_bytes),
@@ -499,7 +526,7 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
              100.0 * static_cast<double>(sum.peak_bytes - sum.predicted_peak_bytes) /
                  static_cast<double>(sum.predicted_peak_bytes),
              memory::format_bytes(sum.activation_bytes), memory::format_bytes(predicted.total()));
-  if (dp > 1) {
+  if (dp * tp > 1) {
     std::vector<std::string> peaks;
     for (size_t i = 0; i < sum.rank_peak_bytes.size(); ++i) {
       peaks.push_back(fmt::format("rank {} {}", i, memory::format_bytes(sum.rank_peak_bytes[i])));

@@ -104,7 +104,7 @@ Distributed ranks(const char* preset, int n, double dropout, const std::string& 
     for (const auto& p : model->params()) part.grads.push_back(p.grad.clone());
     Grads& out = d.reduced[static_cast<size_t>(comm.rank())];
     out.loss = part.loss;
-    all_reduce_gradients(*model, comm, out.loss, "the test's all-reduce");
+    all_reduce_gradients(*model, comm.data(), out.loss, "the test's all-reduce");
     for (const auto& p : model->params()) out.grads.push_back(p.grad.clone());
   });
   return d;

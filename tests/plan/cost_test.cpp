@@ -3,6 +3,7 @@
 // every policy on both architectures.
 #include "plan/plan_test_util.h"
 #include "remat/cost.h"
+#include "remat/dist.h"
 #include "remat/memory.h"
 #include "remat/model.h"
 #include "remat/policy.h"
@@ -21,11 +22,28 @@ struct Measured {
   StoreCounters counters;
 };
 
+// One rank of a tensor-parallel group whose collectives leave every tensor as it is: the
+// rank allocates what it would beside real peers (the values differ, the memory does not),
+// and no other rank's allocations mix into the process's peak.
+class PretendGroup final : public dist::Group {
+ public:
+  PretendGroup(int rank, int size) : rank_(rank), size_(size) {}
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  void all_reduce(std::vector<at::Tensor>&, dist::Reduce, const std::string&) override {}
+  at::Tensor all_gather(const at::Tensor& t, int64_t dim, const std::string&) override {
+    return at::cat(std::vector<at::Tensor>(static_cast<size_t>(size_), t), dim);
+  }
+
+ private:
+  int rank_, size_;
+};
+
 Measured measure(const ModelConfig& cfg, const ActivationPlan& plan, int64_t B, int64_t T, int64_t ce_chunk,
-                 bool early_stop = true) {
+                 bool early_stop = true, dist::Group* tp = nullptr) {
   memory::install_cpu_tracking();
   at::set_num_threads(1);
-  auto model = Model::create(cfg, at::kCPU, at::kFloat, 3);
+  auto model = Model::create(cfg, at::kCPU, at::kFloat, 3, tp);
   StoreOptions opt;
   opt.early_stop = early_stop;
   model->set_activation_plan(plan, opt);
@@ -85,6 +103,38 @@ TEST(CostModel, PeakOfAMicrobatchMatchesTheMeasuredPeak) {
         EXPECT_EQ(pred_slow.ops, slow.counters.ops_by_kind) << preset << " p=" << p << " " << attention_name(attention) << " " << policy;
         EXPECT_NEAR(pred_slow.peak - pred_slow.statics.total() + pred_slow.statics.batch, slow.peak_above_start,
                     8 * 1024) << preset << " p=" << p << " " << attention_name(attention) << " " << policy;
+      }
+    }
+  }
+}
+
+// A tensor-parallel rank's peak, with its share of the graph: the collectives' nodes and
+// the split ops declare their allocations like any other.
+TEST(CostModel, TensorParallelRanksPeakWhereTheCostModelSays) {
+  for (const char* preset : {"gpt2-demo", "llama-demo"}) {
+    for (const LossHead head : {LossHead::fused, LossHead::recompute}) {
+      ModelConfig cfg = config(preset, 2, 0.1);
+      cfg.n_kv_head = cfg.n_head;  // so that four ranks share the KV heads too
+      cfg.loss_head = head;
+      const int64_t B = 2, T = 32, chunk = 48;
+      for (int tp : {1, 2, 4}) {
+        for (int rank : {0, tp - 1}) {
+          PretendGroup group(rank, tp);
+          cost::StepShape shape;
+          shape.batch = B;
+          shape.seq = T;
+          shape.ce_chunk = chunk;
+          shape.tp = tp;
+          for (const char* policy : {"none", "full", "modules:[core_attn]", "uniform:2", "ops:[matmul/2,softmax]"}) {
+            const auto plan = compile_policy(policy, cfg.n_layer, cfg.dropout);
+            const auto pred = cost::predict_step(cfg, shape, plan, true, {});
+            const Measured m = measure(cfg, plan, B, T, chunk, true, tp > 1 ? &group : nullptr);
+            const std::string what = fmt::format("{} head {} tp {} rank {} {}", preset, static_cast<int>(head), tp,
+                                                 rank, policy);
+            EXPECT_NEAR(pred.peak - pred.statics.total() + pred.statics.batch, m.peak_above_start, 8 * 1024) << what;
+            EXPECT_EQ(pred.recomputed_bytes, m.counters.bytes_recomputed) << what;
+          }
+        }
       }
     }
   }

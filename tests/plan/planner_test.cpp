@@ -178,6 +178,32 @@ TEST(Planner, GptLayerBytesEqualKorthikantisFormula) {
   }
 }
 
+// Table 2's tensor-parallel rows, per rank of t: sbh(10 + 24/t + 5as/(ht)) without
+// recompute (the layer norms' inputs and outputs and the residual masks stay whole on every
+// rank, the rest is split with the heads and features), 2sbh with full recompute.
+TEST(Planner, GptLayerBytesPerTensorParallelRankEqualKorthikantisFormula) {
+  struct Shape { int64_t s, b, h, a; };
+  for (const Shape sh : {Shape{128, 4, 256, 4}, Shape{512, 2, 768, 12}, Shape{256, 1, 1024, 16}}) {
+    ModelConfig cfg = config("gpt2", 3, 0.1);
+    cfg.d_model = sh.h;
+    cfg.n_head = sh.a;
+    cfg.n_kv_head = sh.a;
+    cfg.d_ff = 4 * sh.h;
+    cfg.max_seq = sh.s;
+    const int64_t sbh = sh.s * sh.b * sh.h;
+    const int64_t layernorm_stats = 2 * 2 * sh.s * sh.b * 4;
+    std::set<std::string> all(block_slots().begin(), block_slots().end());
+    for (int64_t t : {1, 2, 4}) {
+      const auto block = graph::block_graph(cfg, sh.b, sh.s, at::kBFloat16, t);
+      const cost::NodeTimes times;
+      EXPECT_EQ(cost::price_layer(block, {}, true, times).kept,
+                sbh * 10 + sbh * 24 / t + 5 * sh.a * sh.s * sh.s * sh.b / t + layernorm_stats)
+          << "t " << t << " h " << sh.h;
+      EXPECT_EQ(cost::price_layer(block, all, true, times).kept, 2 * sbh) << "t " << t;
+    }
+  }
+}
+
 // Trained steps under budget plans: the measured peak never exceeds the budget and is
 // within 5% of the prediction.
 TEST(Planner, BudgetPlansFitWhenTheEngineRunsThem) {

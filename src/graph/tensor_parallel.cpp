@@ -1,0 +1,206 @@
+// The tensor-parallel transform: one pass over a graph, re-adding each node at a rank's
+// shapes, so shape inference, FLOPs and the allocation events of the split graph come
+// from the ops themselves, as for any declared graph.
+#include "remat/graph.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <map>
+#include <numeric>
+
+namespace remat::graph {
+namespace {
+
+bool listed(const std::vector<std::string>& names, const std::string& name) {
+  return std::find(names.begin(), names.end(), name) != names.end();
+}
+
+int64_t product(const std::vector<int64_t>& s, size_t n) {
+  return std::accumulate(s.begin(), s.begin() + static_cast<std::ptrdiff_t>(n), int64_t{1}, std::multiplies<>());
+}
+
+// `size` split over tp ranks, refused with the node's name when it does not divide.
+int64_t share(int64_t size, int64_t tp, const std::string& node, const char* what) {
+  TORCH_CHECK(size % tp == 0, "Tensor parallelism over ", tp, " ranks splits the ", what, " of ", node, " (", size,
+              ") into equal shares, but ", size, " is not a multiple of ", tp, "; choose parallel.tp dividing it.");
+  return size / tp;
+}
+
+// The sizes of a view whose input `from` lost a factor tp in one dimension (`split_from`
+// its sizes now): the view's dimension that starts where that one starts. Heads are the
+// outer factor of the features they merge into, so a rank's heads are a block of them.
+std::vector<int64_t> view_share(const std::vector<int64_t>& from, const std::vector<int64_t>& split_from,
+                                std::vector<int64_t> to, int64_t tp, const std::string& node) {
+  size_t k = 0;
+  while (k < from.size() && from[k] == split_from[k]) ++k;
+  TORCH_INTERNAL_ASSERT(k < from.size(), "[tensor_parallel] ", node, " reads a split value of unchanged shape");
+  const int64_t before = product(from, k);
+  for (size_t m = 0; m < to.size(); ++m) {
+    if (product(to, m) == before) {
+      to[m] = share(to[m], tp, node, "viewed dimension");
+      return to;
+    }
+  }
+  TORCH_CHECK(false, "[tensor_parallel] the view ", node, " mixes the split dimension with the ones before it");
+}
+
+// Ops that may read a rank's share of heads or features between the regions: they work
+// per head or per element, so a share needs no other rank's part.
+bool share_wise(const OpDef& o) {
+  return &o == &op::view() || &o == &op::split() || &o == &op::rope() || &o == &op::attention() ||
+         &o == &op::tiled_attention() || &o == &op::gelu() || &o == &op::swiglu();
+}
+
+}  // namespace
+
+BlockGraph tensor_parallel(const BlockGraph& g, const TensorParallelPlan& plan, int64_t tp) {
+  if (tp == 1) return g;
+  const Value& input = g.values[static_cast<size_t>(g.input)];
+  Builder b(input.info, g.dtype, input.external);
+  std::vector<int> vmap(g.values.size(), -1);
+  vmap[static_cast<size_t>(g.input)] = b.input();
+  for (int v : g.side_inputs) vmap[static_cast<size_t>(v)] = b.side_input(g.values[v].name, g.values[v].info);
+
+  // Each split parameter's shard, from the node reading it.
+  std::vector<Shard> shards(g.params.size());
+  std::vector<bool> bias_moves(g.params.size(), false);  // a row linear's bias: added by its tp_reduce
+  for (const Node& n : g.nodes) {
+    if (listed(plan.column, n.name)) {
+      // A fused projection is cut by the split that reads it: each part is split evenly.
+      std::vector<int64_t> blocks;
+      for (const Node& reader : g.nodes) {
+        if (reader.op == &op::split() && reader.inputs[0] == n.outputs[0]) {
+          for (int64_t h : reader.attrs.split_heads) blocks.push_back(h * reader.attrs.head_dim);
+        }
+      }
+      for (int p : n.params) shards[static_cast<size_t>(p)] = {0, blocks};
+    } else if (listed(plan.row, n.name)) {
+      shards[static_cast<size_t>(n.params.at(0))] = {1, {}};
+      if (n.params.size() == 2) bias_moves[static_cast<size_t>(n.params[1])] = true;
+    } else if (listed(plan.vocab, n.name)) {
+      shards[static_cast<size_t>(n.params.at(0))] = {0, {}};
+    }
+  }
+  std::vector<int> pmap(g.params.size());
+  for (size_t p = 0; p < g.params.size(); ++p) {
+    std::vector<int64_t> sizes = g.params[p].sizes;
+    if (shards[p].split()) {
+      auto& d = sizes[static_cast<size_t>(shards[p].dim)];
+      d = share(d, tp, g.params[p].name, "parameter");
+      for (int64_t blk : shards[p].blocks) share(blk, tp, g.params[p].name, "fused parts");
+    }
+    pmap[p] = b.param(g.params[p].name, sizes, shards[p]);
+  }
+  const auto params_of = [&](const Node& n, bool with_moved_bias) {
+    std::vector<int> out;
+    for (int p : n.params) {
+      if (with_moved_bias || !bias_moves[static_cast<size_t>(p)]) out.push_back(pmap[static_cast<size_t>(p)]);
+    }
+    return out;
+  };
+
+  std::vector<bool> split(g.values.size(), false);  // holds a rank's share
+  std::map<int, int> copies;                         // replicated value -> its tp_copy
+  const auto enter = [&](int v, const std::string& reader) {
+    auto [it, fresh] = copies.emplace(v, -1);
+    if (fresh) it->second = b.add1(reader + "_tp_copy", op::tp_copy(), {vmap[static_cast<size_t>(v)]});
+    return it->second;
+  };
+  for (const Node& n : g.nodes) {
+    std::vector<int> in;
+    bool reads_split = false;
+    for (int v : n.inputs) {
+      in.push_back(vmap[static_cast<size_t>(v)]);
+      reads_split = reads_split || split[static_cast<size_t>(v)];
+    }
+    Attrs a = n.attrs;
+    std::vector<int> out;
+    bool out_split = false;
+    const bool loss = n.op == &op::cross_entropy() || n.op == &op::fused_cross_entropy();
+    if (listed(plan.column, n.name) || (loss && listed(plan.vocab, n.name))) {
+      // A column-parallel linear, or a vocabulary-parallel loss (hidden rows, targets): the
+      // replicated input enters through a tp_copy.
+      TORCH_CHECK(!split[static_cast<size_t>(n.inputs[0])], "[tensor_parallel] ", n.name, " reads a split value");
+      in[0] = enter(n.inputs[0], n.name);
+      a.sharded = loss;
+      out = b.add(n.name, *n.op, in, params_of(n, true), a);
+      out_split = !loss;
+    } else if (listed(plan.row, n.name)) {
+      TORCH_CHECK(reads_split, "[tensor_parallel] the row-parallel ", n.name, " reads no split value");
+      const int partial = b.add1(n.name, *n.op, in, params_of(n, false), a);
+      std::vector<int> bias;
+      if (n.params.size() == 2) bias.push_back(pmap[static_cast<size_t>(n.params[1])]);
+      out = {b.add1(n.name + "_tp_reduce", op::tp_reduce(), {partial}, bias)};
+    } else if (listed(plan.vocab, n.name)) {
+      // A vocabulary-parallel embedding: each rank looks up its rows, the sum is the lookup.
+      a.sharded = true;
+      const int part = b.add1(n.name, *n.op, in, params_of(n, true), a);
+      out = {b.add1(n.name + "_tp_reduce", op::tp_reduce(), {part})};
+    } else if (reads_split) {
+      TORCH_CHECK(share_wise(*n.op), "[tensor_parallel] ", n.name, " (", n.op->kind(), ") reads a rank's share of ",
+                  "heads or features, but has no rule for it; only views, splits, rotations, attention and "
+                  "elementwise activations may sit between a column- and a row-parallel linear.");
+      if (n.op == &op::view()) {
+        a.from = b.info(in[0]).sizes;
+        a.sizes = view_share(n.attrs.from, a.from, n.attrs.sizes, tp, n.name);
+      } else if (n.op == &op::split()) {
+        for (auto& h : a.split_heads) h = share(h, tp, n.name, "heads");
+      } else if (n.op == &op::attention() || n.op == &op::tiled_attention()) {
+        a.sharded = true;
+      }
+      out = b.add(n.name, *n.op, in, params_of(n, true), a);
+      out_split = true;
+    } else {
+      out = b.add(n.name, *n.op, in, params_of(n, true), a);
+    }
+    TORCH_INTERNAL_ASSERT(out.size() == n.outputs.size(), "[tensor_parallel] ", n.name, " changed its outputs");
+    for (size_t i = 0; i < out.size(); ++i) {
+      vmap[static_cast<size_t>(n.outputs[i])] = out[i];
+      split[static_cast<size_t>(n.outputs[i])] = out_split;
+    }
+  }
+
+  const int output = vmap[static_cast<size_t>(g.output)];
+  if (g.slot(Slot::input).empty()) return b.finish_kept(output);
+  for (int s = 0; s < kSlotCount; ++s) {
+    std::vector<int> values;
+    for (int v : g.slots[static_cast<size_t>(s)]) {
+      values.push_back(vmap[static_cast<size_t>(v)]);
+      // A tp_copy of a slot's value is that memory, read by the column linears' backward.
+      if (const auto it = copies.find(v); it != copies.end()) values.push_back(it->second);
+    }
+    b.slot(static_cast<Slot>(s), values);
+  }
+  return b.finish(output);
+}
+
+// A shard's blocks (the whole dimension when it names none).
+std::vector<int64_t> blocks_of(const Shard& shard, int64_t whole) {
+  return shard.blocks.empty() ? std::vector<int64_t>{whole} : shard.blocks;
+}
+
+at::Tensor take_part(const at::Tensor& full, const Shard& shard, int64_t tp, int64_t rank) {
+  if (!shard.split() || tp == 1) return full;
+  std::vector<at::Tensor> parts;
+  int64_t start = 0;
+  for (int64_t blk : blocks_of(shard, full.size(shard.dim))) {
+    parts.push_back(full.narrow(shard.dim, start + rank * (blk / tp), blk / tp));
+    start += blk;
+  }
+  return at::cat(parts, shard.dim);
+}
+
+at::Tensor join_parts(const at::Tensor& gathered, const Shard& shard, int64_t tp) {
+  if (!shard.split() || tp == 1) return gathered;
+  const int64_t per_rank = gathered.size(shard.dim) / tp;
+  std::vector<at::Tensor> pieces;
+  int64_t within = 0;  // where a block's part starts inside each rank's part
+  for (int64_t blk : blocks_of(shard, gathered.size(shard.dim))) {
+    for (int64_t r = 0; r < tp; ++r) pieces.push_back(gathered.narrow(shard.dim, r * per_rank + within, blk / tp));
+    within += blk / tp;
+  }
+  return at::cat(pieces, shard.dim);
+}
+
+}  // namespace remat::graph

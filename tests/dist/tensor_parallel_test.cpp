@@ -1,0 +1,168 @@
+// Tensor parallelism against one process: ranks as threads of this test (a LocalGroup,
+// which sums in rank order), each holding its share of the very model one process builds
+// for the seed, trained on the same batch.
+#include "remat/model.h"
+#include "remat/policy.h"
+#include "train/step.h"
+#include "util/local_group.h"
+#include "util/seeded.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+namespace remat {
+namespace {
+
+constexpr uint64_t kSeed = 5;
+const StepContext kStep{kSeed, 3, 0};
+constexpr int64_t kRows = 2, kSeq = 8;
+
+// Shapes whose heads, KV heads, hidden features and vocabulary divide over `tp` ranks.
+ModelConfig shape_for(const char* arch, int tp, double dropout) {
+  ModelConfig cfg = model_preset(std::string("tiny-") + arch);
+  if (tp == 4) {
+    cfg.n_head = 8;
+    cfg.n_kv_head = cfg.arch == Arch::llama ? 4 : 8;
+  }
+  cfg.dropout = dropout;
+  return cfg;
+}
+
+std::unique_ptr<Model> make_model(const ModelConfig& cfg, at::ScalarType dtype, const std::string& policy,
+                                  dist::Group* tp) {
+  auto model = Model::create(cfg, at::kCPU, dtype, 1, tp);
+  AcConfig ac;
+  ac.policy = policy;
+  ac.allow_rng_mismatch = true;
+  apply_plan(*model, compile_policy(ac, cfg.n_layer, cfg.dropout), ac);
+  return model;
+}
+
+std::pair<at::Tensor, at::Tensor> batch(const ModelConfig& cfg) {
+  auto gen = testing::seeded(9);
+  return {at::randint(cfg.vocab_size, {kRows, kSeq}, gen, at::kLong),
+          at::randint(cfg.vocab_size, {kRows, kSeq}, gen, at::kLong)};
+}
+
+struct Result {
+  double loss = 0;
+  std::vector<at::Tensor> grads;  ///< whole (gathered) unless `parts` asked for
+};
+
+// One microbatch's loss and gradients, from zeroed gradients. `chunk`: tokens per logit chunk.
+Result step(Model& model, bool parts, int64_t chunk = 5) {
+  const auto [tok, tgt] = batch(model.config());
+  model.zero_grad();
+  Result r;
+  r.loss = model.forward_backward(tok, tgt, kStep, 1.0, chunk);
+  for (size_t i = 0; i < model.params().size(); ++i) {
+    const at::Tensor& g = model.params()[i].grad;
+    r.grads.push_back(parts ? g.clone() : model.whole(i, g).clone());
+  }
+  return r;
+}
+
+// Every rank's result, run as `tp` threads.
+std::vector<Result> on_tp(int tp, const ModelConfig& cfg, at::ScalarType dtype, const std::string& policy,
+                          bool parts, LossHead head = LossHead::fused) {
+  std::vector<Result> out(static_cast<size_t>(tp));
+  testing::on_local_ranks(tp, [&](dist::Group& group) {
+    ModelConfig c = cfg;
+    c.loss_head = head;
+    auto model = make_model(c, dtype, policy, &group);
+    out[static_cast<size_t>(group.rank())] = step(*model, parts);
+  });
+  return out;
+}
+
+double max_abs(const at::Tensor& t) { return t.abs().max().item<double>(); }
+
+TEST(TensorParallel, PartsJoinBackToTheWhole) {
+  auto gen = testing::seeded(1);
+  const at::Tensor full = at::randn({12, 6}, gen);
+  for (const graph::Shard& shard : {graph::Shard{0, {}}, graph::Shard{0, {4, 4, 4}}, graph::Shard{1, {}}}) {
+    for (int64_t tp : {2, 4}) {
+      if (full.size(shard.dim) % tp != 0 || (!shard.blocks.empty() && 4 % tp != 0)) continue;
+      std::vector<at::Tensor> parts;
+      for (int64_t r = 0; r < tp; ++r) parts.push_back(graph::take_part(full, shard, tp, r));
+      EXPECT_TRUE(at::equal(graph::join_parts(at::cat(parts, shard.dim), shard, tp), full));
+    }
+  }
+  // A fused q/k/v projection: each rank holds its rows of each of the three parts.
+  const at::Tensor rows = at::arange(12).reshape({12, 1});
+  EXPECT_TRUE(at::equal(graph::take_part(rows, {0, {4, 4, 4}}, 2, 1).flatten(),
+                        at::tensor({2, 3, 6, 7, 10, 11}, at::kLong)));
+}
+
+// Each rank's parameters are its part of what one process initialises for the seed.
+TEST(TensorParallel, RanksHoldTheirPartOfOneProcesssModel) {
+  for (const char* arch : {"gpt2", "llama"}) {
+    const ModelConfig cfg = shape_for(arch, 2, 0.0);
+    const auto one = make_model(cfg, at::kFloat, "none", nullptr);
+    testing::on_local_ranks(2, [&](dist::Group& group) {
+      const auto model = make_model(cfg, at::kFloat, "none", &group);
+      ASSERT_EQ(model->params().size(), one->params().size());
+      int64_t split = 0;
+      for (size_t i = 0; i < one->params().size(); ++i) {
+        const Param& p = model->params()[i];
+        EXPECT_TRUE(at::equal(p.value, model->part(i, one->params()[i].value))) << p.name;
+        EXPECT_TRUE(at::equal(model->whole(i, p.value), one->params()[i].value)) << p.name;
+        split += p.shard.split();
+      }
+      // Every block's four (gpt2: and their biases) or seven linears, and the vocabulary.
+      EXPECT_EQ(split, cfg.arch == Arch::gpt2 ? 2 * 7 + 1 : 2 * 7 + 2) << arch;
+    });
+  }
+}
+
+// In float64 the ranks' only difference from one process is the order of the sums the
+// split products and the vocabulary's statistics make: each such sum of K terms differs
+// by at most 2 gamma_K sum|terms| (Higham, Theorem 3.1), K <= 256 here, so about 6e-14
+// of its terms' magnitude; through two small layers at initialisation the gradients'
+// relative difference stays orders of magnitude below the 1e-10 asserted.
+TEST(TensorParallel, LossAndGradientsEqualOneProcessInFloat64) {
+  for (const char* arch : {"gpt2", "llama"}) {
+    for (int tp : {2, 4}) {
+      for (const LossHead head : {LossHead::fused, LossHead::recompute}) {
+        ModelConfig cfg = shape_for(arch, tp, 0.1);
+        cfg.loss_head = head;
+        const auto one = make_model(cfg, at::kDouble, "none", nullptr);
+        const Result want = step(*one, false);
+        const std::vector<Result> got = on_tp(tp, cfg, at::kDouble, "none", false, head);
+        for (int r = 0; r < tp; ++r) {
+          const std::string what = fmt::format("{} tp {} rank {} head {}", arch, tp, r, static_cast<int>(head));
+          const Result& g = got[static_cast<size_t>(r)];
+          EXPECT_LE(std::abs(g.loss - want.loss), 1e-12 * std::abs(want.loss)) << what;
+          for (size_t i = 0; i < want.grads.size(); ++i) {
+            EXPECT_LE(max_abs(g.grads[i] - want.grads[i]), 1e-10 * max_abs(want.grads[i]))
+                << what << " " << one->params()[i].name;
+          }
+        }
+      }
+    }
+  }
+}
+
+// Recompute changes nothing within one layout: every policy's loss and every rank's
+// gradient parts are bitwise those of the same ranks without recompute.
+TEST(TensorParallel, EveryPolicyIsBitwiseTheSameRanksWithoutRecompute) {
+  for (const char* arch : {"gpt2", "llama"}) {
+    const ModelConfig cfg = shape_for(arch, 2, 0.1);
+    const std::vector<Result> none = on_tp(2, cfg, at::kFloat, "none", true);
+    for (const char* policy : {"full", "modules:[core_attn]", "ops:[matmul]", "every:2", "uniform:2"}) {
+      const std::vector<Result> got = on_tp(2, cfg, at::kFloat, policy, true);
+      for (int r = 0; r < 2; ++r) {
+        const std::string what = fmt::format("{} {} rank {}", arch, policy, r);
+        EXPECT_EQ(got[static_cast<size_t>(r)].loss, none[static_cast<size_t>(r)].loss) << what;
+        for (size_t i = 0; i < none[0].grads.size(); ++i) {
+          EXPECT_TRUE(at::equal(got[static_cast<size_t>(r)].grads[i], none[static_cast<size_t>(r)].grads[i]))
+              << what << " grad " << i;
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace remat
