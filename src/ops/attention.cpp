@@ -158,7 +158,8 @@ bool heads_first_copies(const TensorInfo& t) {
 bool heads_last_copies(int64_t H, int64_t T) { return H > 1 && T > 1; }
 
 // Inputs {q, k, v} ([B, T, H, D], possibly strided); outputs {out, probs} and, with
-// dropout, {mask, probs_d}.
+// dropout, {mask, probs_d}. Sharded: q, k, v hold the rank's heads. The backward reads the
+// saved mask, so only the forward (and its recompute) draws one.
 class AttentionDef final : public OpDef {
  public:
   const char* kind() const override { return "attention"; }
@@ -185,7 +186,15 @@ class AttentionDef final : public OpDef {
   }
   std::vector<at::Tensor> forward(const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&, const Attrs& a,
                                   const RunContext& ctx) const override {
-    auto r = ops::attention_forward(in[0], in[1], in[2], ctx.train ? a.p : 0.0, ctx.key(a.site));
+    ops::DropoutKey key = ctx.key(a.site);
+    if (a.sharded) {
+      // This rank holds query heads [rank Hq, (rank + 1) Hq) of the group's: its mask is
+      // that window of the one-process [B, Hq * ranks, T, T] mask.
+      const int64_t Hq = in[0].size(2);
+      key.first_in_dim1 = ctx.tp_rank() * Hq;
+      key.dim1_global = Hq * ctx.tp_size();
+    }
+    auto r = ops::attention_forward(in[0], in[1], in[2], ctx.train ? a.p : 0.0, key);
     std::vector<at::Tensor> out = {r.out, r.saved.probs};
     if (a.p > 0) out.insert(out.end(), {r.saved.mask, r.saved.probs_d});
     return out;

@@ -6,6 +6,7 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <mutex>
 
@@ -14,6 +15,18 @@ namespace {
 
 void check_p(double p) {
   TORCH_CHECK(p >= 0.0 && p < 1.0, "[dropout] drop probability must be in [0, 1), got ", p);
+}
+
+// A dimension-1 window must lie inside dimension 1 of the global mask: one reaching past it
+// would draw the elements of the next row's window.
+void check_window(const DropoutKey& key, at::IntArrayRef sizes) {
+  if (key.first_in_dim1 == 0 && key.dim1_global == 0) return;
+  TORCH_CHECK(sizes.size() >= 2, "[dropout] a window along dimension 1 (first_in_dim1 ", key.first_in_dim1,
+              ", dim1_global ", key.dim1_global, ") needs a mask of 2 dimensions or more, got ", sizes);
+  const int64_t global = key.dim1_global == 0 ? sizes[1] : key.dim1_global;
+  TORCH_CHECK(key.first_in_dim1 >= 0 && key.dim1_global >= 0 && key.first_in_dim1 + sizes[1] <= global,
+              "[dropout] the window [", key.first_in_dim1, ", ", key.first_in_dim1 + sizes[1],
+              ") of dimension 1 must lie in [0, ", global, ") (dim1_global ", key.dim1_global, ", mask ", sizes, ")");
 }
 
 // A private accelerator generator seeded from the key: the global one's state is never consumed.
@@ -40,11 +53,18 @@ uint64_t DropoutKey::hash() const {
   return DropoutDraw::mix64(h ^ static_cast<uint64_t>(site));
 }
 
-DropoutDraw::DropoutDraw(const DropoutKey& key, double p, int64_t row_numel)
-    : base_(key.hash()),
-      threshold_(static_cast<uint64_t>(std::ldexp(1.0 - p, 53))),  // exact: p is a double
-      offset_(key.first_row * row_numel) {
+DropoutDraw::DropoutDraw(const DropoutKey& key, double p, at::IntArrayRef sizes)
+    : base_(key.hash()), threshold_(0), offset_(0), row_gap_(0) {
   check_p(p);
+  check_window(key, sizes);
+  threshold_ = static_cast<uint64_t>(std::ldexp(1.0 - p, 53));  // exact: p is a double
+  if (sizes.empty()) return;  // one element and no rows: nothing to place
+  const int64_t n1 = sizes.size() >= 2 ? sizes[1] : 1;
+  const int64_t global = key.dim1_global == 0 ? n1 : key.dim1_global;
+  int64_t inner = 1;
+  for (size_t d = 2; d < sizes.size(); ++d) inner *= sizes[d];
+  offset_ = (key.first_row * global + key.first_in_dim1) * inner;
+  row_gap_ = (global - n1) * inner;
 }
 
 at::Tensor dropout_mask(at::IntArrayRef sizes, double p, const DropoutKey& key, at::Device device) {
@@ -52,20 +72,35 @@ at::Tensor dropout_mask(at::IntArrayRef sizes, double p, const DropoutKey& key, 
   check_p(p);
   const auto bool_on = [](at::Device d) { return at::TensorOptions().dtype(at::kBool).device(d); };
   if (!device.is_cpu()) {
+    check_window(key, sizes);
     at::Tensor mask = at::empty(sizes, bool_on(device));
-    // A generator draws no element by index, so each rank's rows get a seed of their own.
-    const uint64_t seed = key.first_row == 0 ? key.hash()
-                                             : DropoutDraw::mix64(key.hash() ^ static_cast<uint64_t>(key.first_row));
+    // A generator draws no element by index, so each rank's share gets a seed of its own.
+    // The dimension-1 window's start is mixed in offset by a constant, so the share from
+    // row 3 and the one from head 3 get different seeds.
+    uint64_t seed = key.hash();
+    if (key.first_row != 0) seed = DropoutDraw::mix64(seed ^ static_cast<uint64_t>(key.first_row));
+    if (key.first_in_dim1 != 0) {
+      seed = DropoutDraw::mix64(seed ^ (static_cast<uint64_t>(key.first_in_dim1) + 0x9e3779b97f4a7c15ULL));
+    }
     mask.bernoulli_(1.0 - p, keyed_generator(seed, device));
     return mask;
   }
   // On the CPU each element is drawn from its own counter (DropoutDraw): no generator state,
   // so the mask does not depend on how parallel_for splits the range (thread count).
   at::Tensor mask = at::empty(sizes, bool_on(device));
-  const DropoutDraw draw(key, p, sizes.empty() || sizes[0] == 0 ? 0 : mask.numel() / sizes[0]);
+  const DropoutDraw draw(key, p, sizes);
+  const int64_t numel = mask.numel();
+  if (numel == 0) return mask;
+  // Global and local indices differ by a constant along each row (dimension 0): a range
+  // finds its first row by one division, then steps from row to row.
+  const int64_t row = sizes.empty() ? 1 : numel / sizes[0];
   bool* out = mask.data_ptr<bool>();
-  at::parallel_for(0, mask.numel(), 1 << 14, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) out[i] = draw.keep(i);
+  at::parallel_for(0, numel, 1 << 14, [&](int64_t begin, int64_t end) {
+    int64_t i0 = begin / row;
+    for (int64_t i = begin; i < end; ++i0) {
+      const int64_t stop = std::min(end, (i0 + 1) * row), offset = draw.offset(i0);
+      for (; i < stop; ++i) out[i] = draw.keep(offset + i);
+    }
   });
   return mask;
 }

@@ -79,17 +79,19 @@ struct Tile {
 };
 
 // Where row `row` of a tile's [B*Hkv, R, C] block sits: its query position, its index in
-// the [B, Hq, T] log-sum-exp, and the flat index of its first key in the [B, Hq, T, T]
-// mask of the math op (which dropout draws are keyed by).
+// the [B, Hq, T] log-sum-exp, and, with a draw, the index DropoutDraw::keep takes for its
+// first key: its element of the math op's [B, Hq, T, T] mask (which dropout draws are
+// keyed by), placed in the global mask by the draw's offset (0 without a draw).
 struct RowAt {
   int64_t i, lse, mask;
   int64_t valid;  // keys of the tile at or before the query (causal)
 };
-RowAt row_at(int64_t row, const Tile& t, const Dims& d) {
+RowAt row_at(int64_t row, const Tile& t, const Dims& d, const DropoutDraw* draw) {
   const int64_t R = t.rows(d), bk = row / R, r = row % R;
-  const int64_t i = t.i0 + r / d.G;
-  const int64_t head = (bk / d.Hkv) * d.Hq + (bk % d.Hkv) * d.G + r % d.G;  // b Hq + h
-  return {i, head * d.T + i, (head * d.T + i) * d.T + t.j0, std::clamp<int64_t>(i + 1 - t.j0, 0, t.cols())};
+  const int64_t i = t.i0 + r / d.G, b = bk / d.Hkv;
+  const int64_t head = b * d.Hq + (bk % d.Hkv) * d.G + r % d.G;  // b Hq + h
+  const int64_t mask = draw == nullptr ? 0 : draw->offset(b) + (head * d.T + i) * d.T + t.j0;
+  return {i, head * d.T + i, mask, std::clamp<int64_t>(i + 1 - t.j0, 0, t.cols())};
 }
 
 // Rows per parallel_for task: enough scores per task to amortise the dispatch.
@@ -106,7 +108,7 @@ void online_softmax(scalar_t* s, scalar_t* o, scalar_t* m, scalar_t* l, const Ti
   const bool first = t.j0 == 0;
   at::parallel_for(0, n, grain(C), [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
-      const RowAt at_ = row_at(row, t, d);
+      const RowAt at_ = row_at(row, t, d, draw);
       scalar_t* sr = s + row * C;
       scalar_t mx = -std::numeric_limits<scalar_t>::infinity();
       for (int64_t j = 0; j < at_.valid; ++j) {
@@ -138,7 +140,7 @@ void finish_rows(scalar_t* o, const scalar_t* m, const scalar_t* l, scalar_t* ls
     for (int64_t row = begin; row < end; ++row) {
       const scalar_t inv = scalar_t(1) / l[row];
       for (int64_t c = 0; c < d.D; ++c) o[row * d.D + c] *= inv;
-      lse[row_at(row, t, d).lse] = m[row] + std::log(l[row]);
+      lse[row_at(row, t, d, nullptr).lse] = m[row] + std::log(l[row]);
     }
   });
 }
@@ -151,7 +153,7 @@ void recompute_probs(scalar_t* s, scalar_t* pd, const scalar_t* lse, const Tile&
   const int64_t C = t.cols();
   at::parallel_for(0, d.BK() * t.rows(d), grain(C), [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
-      const RowAt at_ = row_at(row, t, d);
+      const RowAt at_ = row_at(row, t, d, draw);
       scalar_t* sr = s + row * C;
       const scalar_t z = lse[at_.lse];
       for (int64_t j = 0; j < at_.valid; ++j) sr[j] = std::exp(sr[j] * scale - z);
@@ -173,7 +175,7 @@ void score_grads(scalar_t* dp, const scalar_t* p, const scalar_t* delta, const T
   const int64_t C = t.cols();
   at::parallel_for(0, d.BK() * t.rows(d), grain(C), [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
-      const RowAt at_ = row_at(row, t, d);
+      const RowAt at_ = row_at(row, t, d, draw);
       const int64_t bk = row / t.rows(d), r = row % t.rows(d);
       const scalar_t dl = delta[bk * d.T * d.G + t.i0 * d.G + r];
       scalar_t* gr = dp + row * C;
@@ -206,7 +208,7 @@ Fwd<TiledAttentionSaved> tiled_attention_forward(const at::Tensor& q, const at::
   const trace::Scope trace_scope("tiled_attention", trace::Category::forward);
   const Dims d = check_inputs(q, k, v);
   check_tiles(tiles);
-  const DropoutDraw draw(key, p, d.Hq * d.T * d.T);  // per batch row of the [B, Hq, T, T] mask
+  const DropoutDraw draw(key, p, {d.B, d.Hq, d.T, d.T});  // the math op's mask
   TORCH_CHECK(p == 0.0 || q.device().is_cpu(), "[tiled_attention] dropout inside tiles draws its mask on the CPU, "
               "but the inputs are on ", q.device(), "; use model.attention=math with dropout there");
   const at::ScalarType acc = stats_dtype(q.scalar_type());
@@ -255,7 +257,7 @@ AttentionGrads tiled_attention_backward(const at::Tensor& dout, const TiledAtten
               "[tiled_attention] the saved output must be [B, T, Hq, D] and the log-sum-exp contiguous [B, Hq, T] ",
               acc, ", got ", saved.out.sizes(), " and ", saved.lse.sizes(), " ", saved.lse.scalar_type());
   const double p = saved.p;
-  const DropoutDraw draw(saved.key, p, d.Hq * d.T * d.T);
+  const DropoutDraw draw(saved.key, p, {d.B, d.Hq, d.T, d.T});
   const at::TensorOptions fa = saved.q.options().dtype(acc);
   const int64_t tq = std::min(saved.tiles.q, d.T), tk = std::min(saved.tiles.k, d.T), BK = d.BK();
 
@@ -333,8 +335,9 @@ namespace {
 
 using detail::flags;
 
-// Inputs {q, k, v} ([B, T, H, D], possibly strided); attributes p, site, tiles; outputs
-// {out, lse}. Its backward reads q, k, v, out and lse: no [T x T] value exists.
+// Inputs {q, k, v} ([B, T, H, D], possibly strided; sharded: the rank's heads); attributes
+// p, site, tiles; outputs {out, lse}. Its backward reads q, k, v, out and lse: no [T x T]
+// value exists.
 class TiledAttentionDef final : public OpDef {
  public:
   const char* kind() const override { return "attention"; }
@@ -358,13 +361,13 @@ class TiledAttentionDef final : public OpDef {
   }
   std::vector<at::Tensor> forward(const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&, const Attrs& a,
                                   const RunContext& ctx) const override {
-    auto r = ops::tiled_attention_forward(in[0], in[1], in[2], ctx.train ? a.p : 0.0, ctx.key(a.site), a.tiles);
+    auto r = ops::tiled_attention_forward(in[0], in[1], in[2], ctx.train ? a.p : 0.0, key(in[0], a, ctx), a.tiles);
     return {r.out, r.saved.lse};
   }
   std::vector<at::Tensor> backward(const std::vector<at::Tensor>& dy, const std::vector<at::Tensor>& in,
                                    const std::vector<at::Tensor>& out, const std::vector<at::Tensor>&,
                                    std::vector<at::Tensor*>&, const Attrs& a, const RunContext& ctx) const override {
-    const ops::TiledAttentionSaved s{in[0], in[1], in[2], out[0], out[1], a.p, ctx.key(a.site), a.tiles};
+    const ops::TiledAttentionSaved s{in[0], in[1], in[2], out[0], out[1], a.p, key(in[0], a, ctx), a.tiles};
     auto g = ops::tiled_attention_backward(dy[0], s);
     return {g.dq, g.dk, g.dv};
   }
@@ -396,6 +399,19 @@ class TiledAttentionDef final : public OpDef {
   }
 
  private:
+  // The dropout key of the forward, and of the backward that redraws its masks. Sharded,
+  // this rank holds query heads [rank Hq, (rank + 1) Hq) of the group's (q [B, T, Hq, D]):
+  // its mask is that window of the one-process [B, Hq * ranks, T, T] mask.
+  static ops::DropoutKey key(const at::Tensor& q, const Attrs& a, const RunContext& ctx) {
+    ops::DropoutKey k = ctx.key(a.site);
+    if (a.sharded) {
+      const int64_t Hq = q.size(2);
+      k.first_in_dim1 = ctx.tp_rank() * Hq;
+      k.dim1_global = Hq * ctx.tp_size();
+    }
+    return k;
+  }
+
   // Bytes of the working tensors, in the arithmetic dtype.
   struct Sizes {
     int64_t D, q, kv, rows, keys, scores;  // rows, keys: one value per row (key) of a tile

@@ -5,6 +5,8 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
+#include <string>
 #include <thread>
 
 namespace {
@@ -32,11 +34,96 @@ TEST(DropoutOp, ARowShardDrawsTheWholeBatchsRows) {
   shard_key.first_row = 2;
   const at::Tensor shard = dropout_mask({3, 5, 7}, 0.4, shard_key, kCPU);
   EXPECT_TRUE(at::equal(shard, whole.narrow(0, 2, 3)));
-  const DropoutDraw draw(shard_key, 0.4, 5 * 7);
+  const DropoutDraw draw(shard_key, 0.4, shard.sizes());
   const at::Tensor flat = shard.reshape(-1);
-  for (int64_t i = 0; i < flat.numel(); ++i) ASSERT_EQ(draw.keep(i), flat[i].item<bool>()) << i;
+  for (int64_t i = 0; i < flat.numel(); ++i) ASSERT_EQ(draw.keep(draw.offset(i / 35) + i), flat[i].item<bool>()) << i;
   // Not trivially: another row's draws differ.
   EXPECT_FALSE(at::equal(shard, whole.narrow(0, 1, 3)));
+}
+
+// Without a dimension-1 window each element is the draw DropoutDraw documents at its flat
+// index plus first_row rows: the masks every run so far has drawn, pinned independently of
+// the code that places windows.
+TEST(DropoutOp, WithoutAWindowElementIIsTheCounterDrawOfIPlusTheRowsBefore) {
+  const double p = 0.3;
+  const uint64_t threshold = static_cast<uint64_t>(std::ldexp(1.0 - p, 53));
+  for (int64_t first_row : {0, 3}) {
+    for (const auto& sizes : {std::vector<int64_t>{}, std::vector<int64_t>{50}, std::vector<int64_t>{4, 9},
+                              std::vector<int64_t>{3, 4, 5, 6}}) {
+      DropoutKey k = key();
+      k.first_row = first_row;
+      const at::Tensor mask = dropout_mask(sizes, p, k, kCPU).reshape(-1);
+      const int64_t row = sizes.empty() ? 0 : mask.numel() / sizes[0];
+      const bool* m = mask.data_ptr<bool>();
+      for (int64_t i = 0; i < mask.numel(); ++i) {
+        const uint64_t g = static_cast<uint64_t>(i + first_row * row + 1);
+        ASSERT_EQ(m[i], (DropoutDraw::mix64(k.hash() + g * 0x9e3779b97f4a7c15ULL) >> 11) < threshold)
+            << "element " << i << " of " << at::IntArrayRef(sizes) << ", first_row " << first_row;
+      }
+    }
+  }
+}
+
+// A mask holding rows [r0, r0 + n0) and dimension-1 indices [f, f + n1) of a global one (a
+// data-parallel rank's rows of a tensor-parallel rank's heads) is bitwise that slice of the
+// global mask, drawn whole or one element at a time, whatever the thread count (the
+// larger sizes split into ranges starting inside a row).
+TEST(DropoutOp, ADimensionOneWindowDrawsTheWholeMasksSlice) {
+  struct Case {
+    std::vector<int64_t> global;
+    int64_t r0, n0, f, n1;
+  };
+  const Case cases[] = {
+      {{4, 8, 6, 6}, 0, 4, 2, 2},   {{4, 8, 6, 6}, 1, 2, 4, 4},  {{4, 8, 6, 6}, 3, 1, 0, 8},
+      {{3, 5, 7}, 1, 2, 1, 3},      {{5, 7}, 2, 3, 3, 4},        {{2, 6, 1, 3, 2}, 1, 1, 5, 1},
+      {{4, 8, 48, 48}, 1, 3, 2, 4},  // 27648 elements: 2 threads split a row
+  };
+  const int saved_threads = at::get_num_threads();
+  for (int threads : {1, 2}) {
+    at::set_num_threads(threads);
+    for (const Case& c : cases) {
+      const at::Tensor whole = dropout_mask(c.global, 0.3, key(), kCPU);
+      std::vector<int64_t> local = c.global;
+      local[0] = c.n0;
+      local[1] = c.n1;
+      DropoutKey k = key();
+      k.first_row = c.r0;
+      k.first_in_dim1 = c.f;
+      k.dim1_global = c.global[1];
+      const std::string what = "window rows " + std::to_string(c.r0) + "+" + std::to_string(c.n0) + ", dim 1 " +
+                               std::to_string(c.f) + "+" + std::to_string(c.n1) + " of " +
+                               std::to_string(c.global.size()) + "-d, " + std::to_string(threads) + " threads";
+      const at::Tensor shard = dropout_mask(local, 0.3, k, kCPU);
+      EXPECT_TRUE(at::equal(shard, whole.narrow(0, c.r0, c.n0).narrow(1, c.f, c.n1))) << what;
+      // One element at a time, from the global coordinates spelled out.
+      const DropoutDraw draw(k, 0.3, local);
+      const int64_t R = shard.numel() / (c.n0 * c.n1);
+      const bool* m = shard.contiguous().data_ptr<bool>();
+      for (int64_t i = 0; i < shard.numel(); ++i) {
+        const int64_t i0 = i / (c.n1 * R), i1 = i / R % c.n1, r = i % R;
+        const int64_t g = ((i0 + c.r0) * c.global[1] + i1 + c.f) * R + r;
+        ASSERT_EQ(draw.keep(g), m[i]) << what << ", element " << i;
+        ASSERT_EQ(draw.offset(i0) + i, g) << what << ", element " << i;
+      }
+    }
+  }
+  at::set_num_threads(saved_threads);
+}
+
+TEST(DropoutOp, RefusesAWindowOutsideDimensionOne) {
+  const auto windowed = [](int64_t first, int64_t global) {
+    DropoutKey k = key();
+    k.first_in_dim1 = first;
+    k.dim1_global = global;
+    return k;
+  };
+  for (const DropoutKey& k : {windowed(3, 8), windowed(-1, 8), windowed(1, 0), windowed(0, 4)}) {
+    expect_error([&] { dropout_mask({2, 6, 3}, 0.1, k, kCPU); }, {"[dropout]", "dimension 1"});
+    expect_error([&] { DropoutDraw(k, 0.1, {2, 6, 3}); }, {"[dropout]", "dimension 1"});
+  }
+  expect_error([&] { dropout_mask({12}, 0.1, windowed(0, 24), kCPU); }, {"[dropout]", "2 dimensions"});
+  // A window that fits is drawn.
+  EXPECT_EQ(dropout_mask({2, 6, 3}, 0.1, windowed(2, 8), kCPU).sizes(), at::IntArrayRef({2, 6, 3}));
 }
 
 TEST(DropoutOp, EveryKeyFieldChangesTheMask) {

@@ -23,24 +23,38 @@ struct DropoutKey {
   /// rank holding rows [first_row, first_row + B) of a step's batch draws, on the CPU, the
   /// very elements the single-process run draws for those rows. Not part of hash().
   int64_t first_row = 0;
+  /// A window along dimension 1, as first_row is one along dimension 0: the mask of
+  /// dimension-1 size n1 holds indices [first_in_dim1, first_in_dim1 + n1) of a global
+  /// dimension 1 of dim1_global indices (0: n1, no window). A tensor-parallel rank holding
+  /// a share of the heads of a [B, H, T, T] mask draws, on the CPU, the very elements the
+  /// single-process run draws for those heads. Not part of hash().
+  int64_t first_in_dim1 = 0;
+  int64_t dim1_global = 0;
   /// A 64-bit generator seed mixing every field (splitmix64 chain).
   uint64_t hash() const;
 };
 
-/// The CPU draw of dropout_mask, one element at a time: keep(i) is element i (flat,
-/// row-major index into the mask's sizes) of dropout_mask(sizes, p, key, kCPU), whatever
-/// the sizes, when `row_numel` is the mask's elements per row of dimension 0 (element i
-/// is drawn as global element i + key.first_row * row_numel). An op that never makes the
-/// whole mask (tiled attention) draws any window of it element by element and drops
-/// exactly what the whole mask would.
+/// The CPU draw of dropout_mask, one element at a time. A mask of local sizes [n0, n1, ...]
+/// is a window of a global one of sizes [.., N1, ...] (N1 = key.dim1_global, or n1 when 0):
+/// its element (i0, i1, r), r the flat index over the sizes after dimension 1 (of product
+/// R), is the global flat element g = ((i0 + key.first_row) N1 + i1 + key.first_in_dim1) R
+/// + r, and keep(g) says whether dropout_mask(sizes, p, key, kCPU) keeps it. A mask of one
+/// dimension is [n0] with n1 = R = 1; one of none has no rows (first_row is ignored).
+/// Within a row i0 the local and the global indices differ by a constant, offset(i0), so
+/// element i (flat, row-major index into `sizes`) of row i0 is keep(offset(i0) + i). An op
+/// that never makes the whole mask (tiled attention) draws any window of it element by
+/// element and drops exactly what the whole mask would.
 class DropoutDraw {
  public:
-  /// Refuses p outside [0, 1).
-  DropoutDraw(const DropoutKey& key, double p, int64_t row_numel);
-  /// Whether element `index` is kept: the top 53 bits of splitmix64(hash + (index + 1)
+  /// `sizes`: the mask's local sizes. Refuses p outside [0, 1), and a dimension-1 window on
+  /// a mask of fewer than 2 dimensions, starting below 0 or ending past dim1_global.
+  DropoutDraw(const DropoutKey& key, double p, at::IntArrayRef sizes);
+  /// What a flat local index in row i0 (dimension 0) adds to become the global index g.
+  int64_t offset(int64_t i0) const { return offset_ + i0 * row_gap_; }
+  /// Whether global element `g` is kept: the top 53 bits of splitmix64(hash + (g + 1)
   /// golden) fall below (1 - p) 2^53.
-  bool keep(int64_t index) const {
-    return (mix64(base_ + static_cast<uint64_t>(index + offset_ + 1) * 0x9e3779b97f4a7c15ULL) >> 11) < threshold_;
+  bool keep(int64_t g) const {
+    return (mix64(base_ + static_cast<uint64_t>(g + 1) * 0x9e3779b97f4a7c15ULL) >> 11) < threshold_;
   }
   /// splitmix64's finaliser: a bijection on 64 bits with good avalanche (also mixes the key).
   static uint64_t mix64(uint64_t z) {
@@ -52,16 +66,20 @@ class DropoutDraw {
  private:
   uint64_t base_;
   uint64_t threshold_;
-  int64_t offset_;  // key.first_row * row_numel
+  int64_t offset_;   // offset(0): (first_row N1 + first_in_dim1) R
+  int64_t row_gap_;  // global elements of a row beyond the local ones: (N1 - n1) R
 };
 
 /// Keep-mask (bool, true = kept) of `sizes` with keep probability 1 - p, on `device`.
 /// Bitwise the same for the same key, sizes and device type, whatever the thread count. On the
-/// CPU each element is a counter-based draw (splitmix64 of key.hash() and the element's flat
-/// index, offset by key.first_row rows), filled in parallel; on other devices, a private
-/// generator seeded with key.hash() and key.first_row.
+/// CPU each element is a counter-based draw (DropoutDraw: splitmix64 of key.hash() and the
+/// element's global flat index, placed by key.first_row and the dimension-1 window), filled
+/// in parallel, so a shard's mask is bitwise its slice of the whole mask. On other devices, a
+/// private generator seeded with key.hash(), key.first_row and key.first_in_dim1: each shard
+/// draws a mask of its own, not a slice of the one-process mask (that equality is a CPU
+/// guarantee).
 /// The global generator is neither read nor advanced, and concurrent calls are safe. Refuses
-/// p outside [0, 1).
+/// p outside [0, 1) and the windows DropoutDraw refuses.
 at::Tensor dropout_mask(at::IntArrayRef sizes, double p, const DropoutKey& key, at::Device device);
 
 struct DropoutSaved {
