@@ -2,7 +2,10 @@
 
 #include "ops/op_def.h"
 
+#include "remat/dist.h"
 #include "remat/trace.h"
+
+#include <fmt/format.h>
 
 #include <algorithm>
 
@@ -25,52 +28,109 @@ void check_weight(const at::Tensor& x, const at::Tensor& w) {
               x.scalar_type(), " and ", w.scalar_type());
 }
 
-// Both forwards' inputs, the targets' range included (read back to the host).
-void check_inputs(const at::Tensor& x, const at::Tensor& w, const at::Tensor& targets, int64_t chunk_tokens) {
+// Both forwards' inputs, the targets' range (read back to the host) and the vocabulary
+// split included.
+void check_inputs(const at::Tensor& x, const at::Tensor& w, const at::Tensor& targets, int64_t chunk_tokens,
+                  const std::optional<VocabShard>& shard, const dist::Group* group) {
   check_weight(x, w);
   TORCH_CHECK(targets.dim() == 1 && targets.size(0) == x.size(0) && targets.scalar_type() == at::kLong,
               "[cross_entropy] targets must be [N] int64 for x [N, C], got ", targets.scalar_type(),
               " targets ", targets.sizes(), " for x ", x.sizes());
   TORCH_CHECK(chunk_tokens >= 1, "[cross_entropy] chunk_tokens must be at least 1, got ", chunk_tokens);
+  TORCH_CHECK(shard || group == nullptr,
+              "[cross_entropy] a group is for a vocabulary split over it: give the weight's share of it too");
+  if (shard) {
+    shard->check("cross_entropy", w.size(0));
+    const int ranks = group != nullptr ? group->size() : 1;
+    TORCH_CHECK(shard->vocab == ranks * w.size(0), "[cross_entropy] ", ranks, " rank(s) holding ", w.size(0),
+                " vocabulary rows each cannot hold a vocabulary of ", shard->vocab, " rows");
+  }
+  const int64_t V = shard ? shard->vocab : w.size(0);
   if (x.size(0) > 0) {
     auto [lo, hi] = at::aminmax(targets);
     const int64_t lo_v = lo.item<int64_t>(), hi_v = hi.item<int64_t>();
-    TORCH_CHECK(lo_v >= kIgnoreIndex && hi_v < w.size(0), "[cross_entropy] targets must lie in [0, ", w.size(0),
+    TORCH_CHECK(lo_v >= kIgnoreIndex && hi_v < V, "[cross_entropy] targets must lie in [0, ", V,
                 ") or be ", kIgnoreIndex, " (ignored), got targets in [", lo_v, ", ", hi_v, "]");
   }
 }
 
-// The targets' rows: which count, how many, and the targets safe to gather (ignored rows
-// read column 0; their terms are zeroed by `counted`).
+// The targets' rows: which count, how many, and the targets as columns of this rank's
+// logits, safe to gather (ignored rows read column 0; their terms are zeroed by `counted`).
+// With a share of the vocabulary, `foreign` marks the rows whose target column is not
+// among ours (the ignored ones too): their target logit and one-hot are another rank's.
 struct Rows {
-  at::Tensor counted;
+  at::Tensor counted;  // [N] bool
   int64_t count;
-  at::Tensor safe;
-  explicit Rows(const at::Tensor& targets)
-      : counted(targets.ne(kIgnoreIndex)),
-        count(counted.sum().item<int64_t>()),
-        safe(targets.clamp_min(0).unsqueeze(1)) {}
+  at::Tensor safe;     // [N, 1] int64
+  at::Tensor foreign;  // [N, 1] bool; undefined without a share
+  Rows(const at::Tensor& targets, const std::optional<VocabShard>& shard, int64_t held)
+      : counted(targets.ne(kIgnoreIndex)), count(counted.sum().item<int64_t>()) {
+    if (!shard) {
+      safe = targets.clamp_min(0).unsqueeze(1);
+      return;
+    }
+    const ShardIds local = shard_ids(targets, *shard, held);
+    safe = local.rows.unsqueeze(1);
+    foreign = local.foreign.unsqueeze(1);
+  }
+};
+
+// Rows [start, start + n) of Rows.
+struct Chunk {
+  int64_t start, n;
+  at::Tensor safe, counted, foreign;
+  Chunk(const Rows& rows, int64_t start, int64_t n)
+      : start(start), n(n), safe(rows.safe.narrow(0, start, n)), counted(rows.counted.narrow(0, start, n)),
+        foreign(rows.foreign.defined() ? rows.foreign.narrow(0, start, n) : at::Tensor()) {}
+};
+
+// The ranks holding the other columns of a split vocabulary's logits (null: none), over
+// which a chunk's row statistics are completed.
+struct Split {
+  dist::Group* group;
+  const char* op;
+  int64_t chunk_tokens;
+  void all_reduce(std::vector<at::Tensor> tensors, dist::Reduce reduce, const char* what, const Chunk& c) const {
+    if (group == nullptr) return;
+    group->all_reduce(tensors, reduce,
+                      fmt::format("the vocabulary-parallel loss's {} in chunk {} (rows {} to {}) of {}", what,
+                                  c.start / chunk_tokens, c.start, c.start + c.n - 1, op));
+  }
 };
 
 // One chunk's share of the loss: turns its logits in place into exp(logits - max) (divided
 // by the row sums when `softmax`), writes each row's log-sum-exp into `lse` and adds the
-// counted rows' log-sum-exp minus target logit to `loss`.
-void chunk_loss(at::Tensor& logits, at::Tensor lse, const at::Tensor& safe_targets, const at::Tensor& counted,
-                at::Tensor& loss, bool softmax) {
-  const at::Tensor target_logit = logits.gather(1, safe_targets).squeeze(1);
+// counted rows' log-sum-exp minus target logit to `loss`. With a split vocabulary the row
+// max, then the sums of exp with the target logits, are completed over the ranks first, so
+// the log-sum-exp and the loss come out the same on every rank.
+void chunk_loss(at::Tensor& logits, at::Tensor lse, const Chunk& c, const Split& split, at::Tensor& loss,
+                bool softmax) {
+  at::Tensor target_logit = logits.gather(1, c.safe);
   const at::Tensor max = at::amax(logits, {1}, true);
+  if (c.foreign.defined()) {
+    target_logit.masked_fill_(c.foreign, 0);
+    split.all_reduce({max}, dist::Reduce::max, "row max", c);
+  }
+  target_logit = target_logit.squeeze(1);
   logits.sub_(max).exp_();
   at::sum_out(lse, logits, {1});
+  // One collective for both: the sums and the target logits are added over the same ranks.
+  if (c.foreign.defined()) {
+    split.all_reduce({lse, target_logit}, dist::Reduce::sum, "row sums of exp and target logits", c);
+  }
   if (softmax) logits.div_(lse.unsqueeze(1));
   lse.log_().add_(max.squeeze(1));
-  loss.add_(at::sub(lse, target_logit).mul_(counted).sum());
+  loss.add_(at::sub(lse, target_logit).mul_(c.counted).sum());
 }
 
 // The gradient of the mean loss with respect to one chunk's logits, in place over their
-// softmax: (softmax - one-hot) * scale on counted rows, 0 on ignored ones.
-void chunk_dlogits(at::Tensor& softmax, const at::Tensor& safe_targets, const at::Tensor& counted, double scale) {
-  const at::Tensor row_scale = counted.to(softmax.scalar_type()).mul_(scale).unsqueeze(1);
-  softmax.mul_(row_scale).scatter_add_(1, safe_targets, row_scale.neg());
+// softmax: (softmax - one-hot) * scale on counted rows, 0 on ignored ones. A foreign row's
+// one-hot column is another rank's.
+void chunk_dlogits(at::Tensor& softmax, const Chunk& c, double scale) {
+  const at::Tensor row_scale = c.counted.to(softmax.scalar_type()).mul_(scale).unsqueeze(1);
+  at::Tensor onehot = row_scale.neg();
+  if (c.foreign.defined()) onehot.masked_fill_(c.foreign, 0);
+  softmax.mul_(row_scale).scatter_add_(1, c.safe, onehot);
 }
 
 // Accumulates one chunk's dx rows (overwritten) and dw from its float dlogits.
@@ -89,22 +149,23 @@ void chunk_grads(const at::Tensor& dlogits, const at::Tensor& x_c, const at::Ten
 }  // namespace
 
 Fwd<CrossEntropySaved> cross_entropy_forward(const at::Tensor& x, const at::Tensor& w,
-                                             const at::Tensor& targets, int64_t chunk_tokens) {
+                                             const at::Tensor& targets, int64_t chunk_tokens,
+                                             std::optional<VocabShard> shard, dist::Group* group) {
   const trace::Scope trace_scope("cross_entropy", trace::Category::forward);
-  check_inputs(x, w, targets, chunk_tokens);
+  check_inputs(x, w, targets, chunk_tokens, shard, group);
   const int64_t N = x.size(0);
-  const Rows rows(targets);
+  const Rows rows(targets, shard, w.size(0));
+  const Split split{group, "cross_entropy", chunk_tokens};
   const at::ScalarType sd = stats_dtype(x.scalar_type());
   at::Tensor lse = at::empty({N}, x.options().dtype(sd));
   at::Tensor loss = at::zeros({}, x.options().dtype(sd));
   for (int64_t start = 0; start < N; start += chunk_tokens) {
     const int64_t n = std::min(chunk_tokens, N - start);
     at::Tensor logits = chunk_logits(x, w, start, n, sd);
-    chunk_loss(logits, lse.narrow(0, start, n), rows.safe.narrow(0, start, n), rows.counted.narrow(0, start, n), loss,
-               /*softmax=*/false);
+    chunk_loss(logits, lse.narrow(0, start, n), Chunk(rows, start, n), split, loss, /*softmax=*/false);
   }
   if (rows.count > 0) loss.div_(rows.count);
-  return {loss, CrossEntropySaved{x, targets, lse, chunk_tokens}};
+  return {loss, CrossEntropySaved{x, targets, lse, chunk_tokens, shard}};
 }
 
 at::Tensor cross_entropy_backward(double dloss, const CrossEntropySaved& saved, const at::Tensor& w,
@@ -116,16 +177,18 @@ at::Tensor cross_entropy_backward(double dloss, const CrossEntropySaved& saved, 
               dw.sizes());
   const int64_t N = x.size(0);
   at::Tensor dx = at::zeros({N, x.size(1)}, x.options());
-  const Rows rows(saved.targets);
+  const Rows rows(saved.targets, saved.shard, w.size(0));
   if (rows.count == 0) return dx;  // every target ignored: the loss is a constant 0
   const at::ScalarType sd = saved.lse.scalar_type();
   const double scale = dloss / static_cast<double>(rows.count);
   for (int64_t start = 0; start < N; start += saved.chunk) {
     const int64_t n = std::min(saved.chunk, N - start);
-    // The softmax comes from the saved log-sum-exp, in place over the recomputed logits.
+    // The softmax comes from the saved log-sum-exp, in place over the recomputed logits: with
+    // a split vocabulary that log-sum-exp is already the whole vocabulary's, so no
+    // collective runs here.
     at::Tensor dlogits = chunk_logits(x, w, start, n, sd);
     dlogits.sub_(saved.lse.narrow(0, start, n).unsqueeze(1)).exp_();
-    chunk_dlogits(dlogits, rows.safe.narrow(0, start, n), rows.counted.narrow(0, start, n), scale);
+    chunk_dlogits(dlogits, Chunk(rows, start, n), scale);
     chunk_grads(dlogits, x.narrow(0, start, n), w, dx.narrow(0, start, n), dw);
   }
   return dx;
@@ -133,11 +196,13 @@ at::Tensor cross_entropy_backward(double dloss, const CrossEntropySaved& saved, 
 
 Fwd<FusedCrossEntropySaved> fused_cross_entropy_forward(const at::Tensor& x, const at::Tensor& w,
                                                         const at::Tensor& targets, int64_t chunk_tokens,
-                                                        bool grads) {
+                                                        bool grads, std::optional<VocabShard> shard,
+                                                        dist::Group* group) {
   const trace::Scope trace_scope("fused_cross_entropy", trace::Category::forward);
-  check_inputs(x, w, targets, chunk_tokens);
+  check_inputs(x, w, targets, chunk_tokens, shard, group);
   const int64_t N = x.size(0);
-  const Rows rows(targets);
+  const Rows rows(targets, shard, w.size(0));
+  const Split split{group, "fused_cross_entropy", chunk_tokens};
   const at::ScalarType sd = stats_dtype(x.scalar_type());
   FusedCrossEntropySaved saved;
   if (grads) {
@@ -149,11 +214,11 @@ Fwd<FusedCrossEntropySaved> fused_cross_entropy_forward(const at::Tensor& x, con
   const bool grad_chunks = grads && rows.count > 0;
   for (int64_t start = 0; start < N; start += chunk_tokens) {
     const int64_t n = std::min(chunk_tokens, N - start);
-    const at::Tensor safe_c = rows.safe.narrow(0, start, n), counted_c = rows.counted.narrow(0, start, n);
+    const Chunk c(rows, start, n);
     at::Tensor logits = chunk_logits(x, w, start, n, sd);
-    chunk_loss(logits, at::empty({n}, x.options().dtype(sd)), safe_c, counted_c, loss, /*softmax=*/grad_chunks);
+    chunk_loss(logits, at::empty({n}, x.options().dtype(sd)), c, split, loss, /*softmax=*/grad_chunks);
     if (!grad_chunks) continue;
-    chunk_dlogits(logits, safe_c, counted_c, 1.0 / static_cast<double>(rows.count));
+    chunk_dlogits(logits, c, 1.0 / static_cast<double>(rows.count));
     chunk_grads(logits, x.narrow(0, start, n), w, saved.dx.narrow(0, start, n), saved.dw);
   }
   if (rows.count > 0) loss.div_(rows.count);
@@ -195,14 +260,14 @@ using detail::bytes_of;
 using detail::flags;
 using detail::stats_of;
 
-// The sizes both loss ops' events are written in.
+// The sizes both loss ops' events are written in (V: the rows this rank's weight holds).
 struct LossSizes {
   int64_t N, C, V, n;
   at::ScalarType f, sd;
-  bool narrower;
+  bool narrower, sharded;
   LossSizes(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& p, const Attrs& a)
       : N(in[0].sizes[0]), C(in[0].sizes[1]), V(p[0].sizes[0]), n(std::min(a.chunk, N)), f(in[0].dtype),
-        sd(stats_of(f)), narrower(sd != f) {}
+        sd(stats_of(f)), narrower(sd != f), sharded(a.sharded) {}
 };
 
 // The targets' range check: two scalars, gone before anything else is made.
@@ -212,17 +277,22 @@ void range_check_events(Events& e) {
   e.release(lo);
 }
 
-// Rows: `counted` and `safe` stay until release_rows, the count goes.
+// Rows: `counted` and `safe` (with a share: the targets seen from it) stay until
+// release_rows, the count goes.
 struct RowEvents {
-  int64_t counted, safe;
+  int64_t counted;
+  std::optional<int64_t> safe;
+  std::optional<detail::ShardIdsEvents> shard;
 };
 RowEvents rows_events(Events& e, const LossSizes& s) {
   const int64_t counted = e.temp(bytes_of(s.N, at::kBool));
   e.release(e.temp(8));  // the count
-  return {counted, e.temp(bytes_of(s.N, at::kLong))};
+  if (s.sharded) return {counted, std::nullopt, detail::shard_ids_events(e, s.N)};
+  return {counted, e.temp(bytes_of(s.N, at::kLong)), std::nullopt};
 }
 void release_rows(Events& e, const RowEvents& r) {
-  e.release(r.safe);
+  if (r.shard) detail::release_shard_ids(e, *r.shard);
+  if (r.safe) e.release(*r.safe);
   e.release(r.counted);
 }
 
@@ -269,7 +339,10 @@ void check_loss_inputs(const char* op, const std::vector<TensorInfo>& in, const 
 
 // Inputs {x [N, C], targets [N] int64}; params {w [V, C]}; attribute chunk; outputs
 // {mean loss [], log-sum-exp [N]}. The backward reads x, the targets and the log-sum-exp,
-// and takes the loss's gradient (a scalar) as the scale of its own.
+// and takes the loss's gradient (a scalar) as the scale of its own. Sharded, w is this
+// rank's [V/t, C] share of the tensor-parallel group's vocabulary: the loss and the
+// log-sum-exp are the whole vocabulary's (completed over the group in the forward), x's
+// gradient this rank's part, which the copy node before the op sums over the group.
 class CrossEntropyDef final : public OpDef {
  public:
   const char* kind() const override { return "cross_entropy"; }
@@ -287,14 +360,15 @@ class CrossEntropyDef final : public OpDef {
   const char* output_name(size_t i) const override { return i == 0 ? "loss" : "lse"; }
   bool differentiable(size_t input) const override { return input == 0; }
   std::vector<at::Tensor> forward(const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& p, const Attrs& a,
-                                  const RunContext&) const override {
-    auto r = ops::cross_entropy_forward(in[0], p[0], in[1], a.chunk);
+                                  const RunContext& ctx) const override {
+    auto r = ops::cross_entropy_forward(in[0], p[0], in[1], a.chunk, detail::vocab_shard(a, ctx, p[0].size(0)),
+                                        a.sharded ? ctx.tp : nullptr);
     return {r.out, r.saved.lse};
   }
   std::vector<at::Tensor> backward(const std::vector<at::Tensor>& dy, const std::vector<at::Tensor>& in,
                                    const std::vector<at::Tensor>& out, const std::vector<at::Tensor>& p,
-                                   std::vector<at::Tensor*>& g, const Attrs& a, const RunContext&) const override {
-    const ops::CrossEntropySaved saved{in[0], in[1], out[1], a.chunk};
+                                   std::vector<at::Tensor*>& g, const Attrs& a, const RunContext& ctx) const override {
+    const ops::CrossEntropySaved saved{in[0], in[1], out[1], a.chunk, detail::vocab_shard(a, ctx, p[0].size(0))};
     return {ops::cross_entropy_backward(dy[0].item<double>(), saved, p[0], *g[0]), at::Tensor()};
   }
 
@@ -331,7 +405,7 @@ class CrossEntropyDef final : public OpDef {
 
 // Inputs and params as cross_entropy; outputs {mean loss [], dx [N, C], dw [V, C]}: the
 // forward computes the gradients of the mean loss and the backward only scales them, so it
-// reads no input.
+// reads no input. Sharded as cross_entropy (dw: this rank's rows).
 class FusedCrossEntropyDef final : public OpDef {
  public:
   const char* kind() const override { return "fused_cross_entropy"; }
@@ -351,7 +425,8 @@ class FusedCrossEntropyDef final : public OpDef {
   bool differentiable(size_t input) const override { return input == 0; }
   std::vector<at::Tensor> forward(const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& p, const Attrs& a,
                                   const RunContext& ctx) const override {
-    auto r = ops::fused_cross_entropy_forward(in[0], p[0], in[1], a.chunk, /*grads=*/ctx.train);
+    auto r = ops::fused_cross_entropy_forward(in[0], p[0], in[1], a.chunk, /*grads=*/ctx.train,
+                                              detail::vocab_shard(a, ctx, p[0].size(0)), a.sharded ? ctx.tp : nullptr);
     return {r.out, r.saved.dx, r.saved.dw};
   }
   std::vector<at::Tensor> backward(const std::vector<at::Tensor>& dy, const std::vector<at::Tensor>&,

@@ -6,12 +6,14 @@
 
 namespace remat::ops {
 
-Fwd<EmbeddingSaved> embedding_forward(const at::Tensor& ids, const at::Tensor& w) {
+Fwd<EmbeddingSaved> embedding_forward(const at::Tensor& ids, const at::Tensor& w,
+                                      std::optional<VocabShard> shard) {
   const trace::Scope trace_scope("embedding", trace::Category::forward);
   TORCH_CHECK(w.dim() == 2, "[embedding] weight must be [vocab, channels], got ", w.sizes());
   TORCH_CHECK(ids.scalar_type() == at::kLong, "[embedding] token ids must be int64, got ",
               ids.scalar_type());
-  const int64_t V = w.size(0);
+  if (shard) shard->check("embedding", w.size(0));
+  const int64_t V = shard ? shard->vocab : w.size(0);
   if (ids.numel() > 0) {
     auto [lo, hi] = at::aminmax(ids);
     const int64_t lo_v = lo.item<int64_t>(), hi_v = hi.item<int64_t>();
@@ -20,8 +22,13 @@ Fwd<EmbeddingSaved> embedding_forward(const at::Tensor& ids, const at::Tensor& w
   }
   std::vector<int64_t> out_sizes = ids.sizes().vec();
   out_sizes.push_back(w.size(1));
-  at::Tensor y = w.index_select(0, ids.reshape({-1})).view(out_sizes);
-  return {y, EmbeddingSaved{ids}};
+  // Ids another rank holds gather a clamped row of ours, zeroed after: masks keep every size
+  // fixed by the shapes (no data-dependent selection), as the allocation events need.
+  std::optional<ShardIds> local;
+  if (shard) local = shard_ids(ids, *shard, w.size(0));
+  at::Tensor y = w.index_select(0, (local ? local->rows : ids).reshape({-1})).view(out_sizes);
+  if (local) y.masked_fill_(local->foreign.unsqueeze(-1), 0);
+  return {y, EmbeddingSaved{ids, shard}};
 }
 
 void embedding_backward(const at::Tensor& dy, const EmbeddingSaved& saved, at::Tensor& dw) {
@@ -31,8 +38,13 @@ void embedding_backward(const at::Tensor& dy, const EmbeddingSaved& saved, at::T
                   dy.sizes().slice(0, saved.ids.dim()) == saved.ids.sizes(),
               "[embedding] gradient must be ids' shape plus [", C, "], got dy ", dy.sizes(),
               " for ids ", saved.ids.sizes());
-  // Scatter-add straight into the accumulator: no [V, C] temporary.
-  dw.index_add_(0, saved.ids.reshape({-1}), dy.reshape({-1, C}).to(dw.scalar_type()));
+  std::optional<ShardIds> local;
+  if (saved.shard) local = shard_ids(saved.ids, *saved.shard, dw.size(0));
+  // Scatter-add straight into the accumulator: no [V, C] temporary. With a share, the rows of
+  // other ranks' ids are zeroed in a copy (a cast one when dw is wider) and add nothing.
+  at::Tensor rows = dy.reshape({-1, C}).to(dw.scalar_type(), /*non_blocking=*/false, /*copy=*/local.has_value());
+  if (local) rows.masked_fill_(local->foreign.reshape({-1, 1}), 0);
+  dw.index_add_(0, (local ? local->rows : saved.ids).reshape({-1}), rows);
 }
 
 int64_t embedding_saved_bytes(int64_t tokens) { return nbytes(tokens, at::kLong); }
@@ -67,7 +79,9 @@ using detail::flags;
 using detail::stats_of;
 
 // Inputs {ids [..., ] int64}; params {w [V, C]}; outputs {w's rows [..., C]}. The ids get no
-// gradient; the backward scatter-adds into w's gradient.
+// gradient; the backward scatter-adds into w's gradient. Sharded, w is this rank's
+// [V/t, C] share of the tensor-parallel group's vocabulary: the output holds only its rows
+// (zeros elsewhere) for the all-reduce node after it to sum.
 class EmbeddingDef final : public OpDef {
  public:
   const char* kind() const override { return "embedding"; }
@@ -84,28 +98,43 @@ class EmbeddingDef final : public OpDef {
   }
   std::vector<bool> saves_inputs(const Attrs&, size_t n) const override { return flags(n, {0}); }
   bool differentiable(size_t) const override { return false; }
-  std::vector<at::Tensor> forward(const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& p, const Attrs&,
-                                  const RunContext&) const override {
-    return {ops::embedding_forward(in[0], p[0]).out};
+  std::vector<at::Tensor> forward(const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& p, const Attrs& a,
+                                  const RunContext& ctx) const override {
+    return {ops::embedding_forward(in[0], p[0], detail::vocab_shard(a, ctx, p[0].size(0))).out};
   }
   std::vector<at::Tensor> backward(const std::vector<at::Tensor>& dy, const std::vector<at::Tensor>& in,
-                                   const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
-                                   std::vector<at::Tensor*>& g, const Attrs&, const RunContext&) const override {
-    ops::embedding_backward(dy[0], ops::EmbeddingSaved{in[0]}, *g[0]);
+                                   const std::vector<at::Tensor>&, const std::vector<at::Tensor>& p,
+                                   std::vector<at::Tensor*>& g, const Attrs& a, const RunContext& ctx) const override {
+    ops::embedding_backward(dy[0], ops::EmbeddingSaved{in[0], detail::vocab_shard(a, ctx, p[0].size(0))}, *g[0]);
     return {at::Tensor()};
   }
-  // The range check's two scalars die before the gathered rows are made.
-  void forward_events(Events& e, const std::vector<TensorInfo>&, const std::vector<TensorInfo>&,
-                      const std::vector<TensorInfo>&, const Attrs&) const override {
+  // The range check's two scalars die before the gathered rows are made; a share's ids
+  // seen from it live until the rows are gathered and masked.
+  void forward_events(Events& e, const std::vector<TensorInfo>& in, const std::vector<TensorInfo>&,
+                      const std::vector<TensorInfo>&, const Attrs& a) const override {
     const int64_t lo = e.temp(8), hi = e.temp(8);
     e.release(hi);
     e.release(lo);
+    if (!a.sharded) {
+      e.out(0);
+      return;
+    }
+    const detail::ShardIdsEvents local = detail::shard_ids_events(e, in[0].numel());
     e.out(0);
+    detail::release_shard_ids(e, local);
   }
-  // Rows narrower than the gradient's dtype are cast before the scatter-add.
-  void backward_events(Events& e, const std::vector<TensorInfo>&, const std::vector<TensorInfo>& p,
-                       const std::vector<TensorInfo>& out, const Attrs&) const override {
-    if (stats_of(p[0].dtype) != p[0].dtype) e.release(e.temp(bytes_of(out[0].numel(), stats_of(p[0].dtype))));
+  // Rows narrower than the gradient's dtype are cast before the scatter-add; a share's are
+  // copied (and cast) to be masked, after its ids are seen from it.
+  void backward_events(Events& e, const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& p,
+                       const std::vector<TensorInfo>& out, const Attrs& a) const override {
+    const at::ScalarType gd = stats_of(p[0].dtype);
+    if (!a.sharded) {
+      if (gd != p[0].dtype) e.release(e.temp(bytes_of(out[0].numel(), gd)));
+      return;
+    }
+    const detail::ShardIdsEvents local = detail::shard_ids_events(e, in[0].numel());
+    e.release(e.temp(bytes_of(out[0].numel(), gd)));
+    detail::release_shard_ids(e, local);
   }
 };
 

@@ -2,6 +2,9 @@
 #pragma once
 
 #include "remat/graph.h"
+#include "remat/ops/vocab_shard.h"
+
+#include <optional>
 
 namespace remat::graph::detail {
 
@@ -28,6 +31,38 @@ inline void scalar_operand(Events& e, at::ScalarType dtype) {
   const int64_t s = e.temp(8), c = e.temp(bytes_of(1, dtype));
   e.release(c);
   e.release(s);
+}
+
+/// The vocabulary rows a node's weight of `rows` rows holds: this rank's share of the
+/// tensor-parallel group when the transform split it (Attrs::sharded), else none (it holds
+/// the whole vocabulary).
+inline std::optional<ops::VocabShard> vocab_shard(const Attrs& a, const RunContext& ctx, int64_t rows) {
+  if (!a.sharded) return std::nullopt;
+  return ops::VocabShard::of_rank(ctx.tp_rank(), ctx.tp_size(), rows);
+}
+
+/// What ops::shard_ids allocates for `n` ids: the shifted ids and the mask of foreign ones,
+/// live until released, each made with its 8-byte scalar operand, and the second mask
+/// the first is or-ed with.
+struct ShardIdsEvents {
+  int64_t rows, foreign;
+};
+inline ShardIdsEvents shard_ids_events(Events& e, int64_t n) {
+  int64_t operand = e.temp(8);
+  const int64_t rows = e.temp(bytes_of(n, at::kLong));
+  e.release(operand);
+  operand = e.temp(8);
+  const int64_t foreign = e.temp(bytes_of(n, at::kBool));
+  e.release(operand);
+  operand = e.temp(8);
+  const int64_t upper = e.temp(bytes_of(n, at::kBool));
+  e.release(operand);
+  e.release(upper);
+  return {rows, foreign};
+}
+inline void release_shard_ids(Events& e, const ShardIdsEvents& s) {
+  e.release(s.foreign);
+  e.release(s.rows);
 }
 
 /// The dtype norms and losses compute statistics in (float32, float64 for float64).

@@ -1,8 +1,10 @@
 // Every op definition's declared allocations equal what its kernels allocate: for forward
 // and backward, several shapes, float32 and bfloat16, with and without dropout, contiguous
-// and strided inputs, the peak above the start and the bytes retained that the tracking
-// allocator measures equal the replay of the op's events. The cost model is exact because
-// each op is; an op without cases here fails the coverage check.
+// and strided inputs, sharded over a tensor-parallel group or not, the peak above the start
+// and the bytes retained that the tracking allocator measures equal the replay of the op's
+// events. The cost model is exact because each op is; an op without cases here fails the
+// coverage check.
+#include "remat/dist.h"
 #include "remat/graph.h"
 #include "remat/memory.h"
 
@@ -17,6 +19,24 @@
 namespace remat::graph {
 namespace {
 
+// One rank of a tensor-parallel group whose other ranks are away: every collective leaves
+// the tensors as they are (as if each rank held the same), allocating nothing. A sharded op
+// runs its kernels on this thread alone, so the process-wide tracking allocator counts
+// its allocations only (the collectives' own buffers are the group's, not the op's).
+class AbsentPeers final : public dist::Group {
+ public:
+  AbsentPeers(int rank, int size) : rank_(rank), size_(size) {}
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  void all_reduce(std::vector<at::Tensor>&, dist::Reduce, const std::string&) override {}
+  at::Tensor all_gather(const at::Tensor& t, int64_t dim, const std::string&) override {
+    return at::cat(std::vector<at::Tensor>(static_cast<size_t>(size_), t), dim);
+  }
+
+ private:
+  int rank_, size_;
+};
+
 struct Case {
   std::string name;
   const OpDef* op;
@@ -24,6 +44,7 @@ struct Case {
   std::vector<std::vector<int64_t>> params;
   Attrs attrs;
   std::optional<at::ScalarType> dtype = {};  ///< parameters'; default: the first input's
+  dist::Group* tp = nullptr;                 ///< RunContext::tp (sharded ops)
 };
 
 // Peak above the start and bytes left at the end of a replay of `e`; results not views
@@ -81,6 +102,7 @@ void check(const Case& c) {
   for (const auto& i : c.in) in.push_back(make(i, gen));
   RunContext ctx;
   ctx.layer = 1;
+  ctx.tp = c.tp;
   // Tables for the rotation's head size (only the rope op reads them).
   const ops::RopeTables tables =
       ops::rope_tables(64, c.op == &op::rope() ? c.in[0].sizes.back() : 2, 10000.0, dtype, at::kCPU);
@@ -141,6 +163,11 @@ void check(const Case& c) {
 }
 
 std::vector<Case> cases() {
+  // Both ranks of two: the first holds every id and target the cases draw (below kIds), the
+  // second none; what is allocated depends on the shapes alone.
+  static AbsentPeers first(0, 2), second(1, 2);
+  Attrs sharded;
+  sharded.sharded = true;
   std::vector<Case> out;
   for (at::ScalarType f : {at::kFloat, at::kBFloat16}) {
     const std::string dt = f == at::kFloat ? "f32" : "bf16";
@@ -169,6 +196,10 @@ std::vector<Case> cases() {
       out.push_back({"rope " + shape, &op::rope(), {{{B, T, 4, 8}, f, {}}}, {}, {}});
       const TensorInfo ids{{B, T}, at::kLong, {}};
       out.push_back({"embedding " + shape, &op::embedding(), {ids}, {{kIds + 4, C}}, {}, f});
+      for (AbsentPeers* rank : {&first, &second}) {
+        out.push_back({fmt::format("embedding sharded rank {} {}", rank->rank(), shape), &op::embedding(), {ids},
+                       {{kIds + 4, C}}, sharded, f, rank});
+      }
       out.push_back({"position_embedding " + shape, &op::position_embedding(), {x}, {{T + 3, C}}, {}});
       for (int64_t chunk : {int64_t{3}, int64_t{64}}) {
         Attrs loss;
@@ -177,6 +208,12 @@ std::vector<Case> cases() {
         for (const OpDef* head : {&op::cross_entropy(), &op::fused_cross_entropy()}) {
           out.push_back({fmt::format("{} {} chunk {}", head->kind(), shape, chunk), head, {rows, targets},
                          {{kIds + 10, C}}, loss});
+          Attrs split = loss;
+          split.sharded = true;
+          for (AbsentPeers* rank : {&first, &second}) {
+            out.push_back({fmt::format("{} sharded rank {} {} chunk {}", head->kind(), rank->rank(), shape, chunk),
+                           head, {rows, targets}, {{kIds + 10, C}}, split, {}, rank});
+          }
         }
       }
       for (auto [Hq, Hkv] : {std::pair<int64_t, int64_t>{4, 4}, {4, 2}, {2, 1}}) {

@@ -1,6 +1,9 @@
 #include "remat/ops/embedding.h"
 
+#include "remat/graph.h"
+
 #include "ops/testing.h"
+#include "util/local_group.h"
 
 namespace {
 
@@ -58,6 +61,72 @@ TEST(EmbeddingOp, WorksInBFloat16) {
   embedding_backward(at::ones({3, 4}, at::kBFloat16), f.saved, dw);
   EXPECT_EQ(dw[3][0].item<float>(), 2.0f);
   EXPECT_EQ(dw[0][0].item<float>(), 0.0f);
+}
+
+// The tensor-parallel embedding as the graph transform places it: each of t ranks (a
+// thread) runs the op definition, marked sharded, on its [V/t, C] rows. Only the rank
+// holding an id gives it a nonzero row, so the sum over the ranks is the whole table's
+// lookup bit for bit, and each rank's gradient is its rows of the whole one.
+TEST(EmbeddingOp, VocabularyShardsSumToTheWholeTablesLookup) {
+  using namespace remat::graph;
+  const int64_t V = 12, C = 5;
+  at::Generator gen = seeded(7);
+  for (int ranks : {2, 4}) {
+    for (auto dt : {at::kFloat, at::kBFloat16}) {
+      const int64_t held = V / ranks;
+      at::Tensor ids = at::randint(V, {3, 7}, gen, at::kLong);
+      at::Tensor flat = ids.view({-1});
+      for (int r = 0; r < ranks; ++r) {  // every share's first and last rows
+        flat[2 * r] = r * held;
+        flat[2 * r + 1] = (r + 1) * held - 1;
+      }
+      flat[20] = flat[3];  // a repeated id: its gradient rows add up
+      at::Tensor w = at::randn({V, C}, gen).to(dt), dy = at::randn({3, 7, C}, gen).to(dt);
+      at::Tensor dw0 = at::randn({V, C}, gen);  // float32 accumulators, added onto
+      Fwd<EmbeddingSaved> whole = embedding_forward(ids, w);
+      at::Tensor dw_whole = dw0.clone();
+      embedding_backward(dy, whole.saved, dw_whole);
+
+      std::vector<at::Tensor> out(static_cast<size_t>(ranks)), dw(static_cast<size_t>(ranks));
+      Attrs sharded;
+      sharded.sharded = true;
+      on_local_ranks(ranks, [&](remat::dist::Group& group) {
+        const int r = group.rank();
+        RunContext ctx;
+        ctx.tp = &group;
+        const at::Tensor w_r = w.narrow(0, r * held, held);
+        at::Tensor& dw_r = dw[static_cast<size_t>(r)];
+        dw_r = dw0.narrow(0, r * held, held).clone();
+        std::vector<at::Tensor*> g{&dw_r};
+        out[static_cast<size_t>(r)] = op::embedding().forward({ids}, {w_r}, sharded, ctx)[0];
+        op::embedding().backward({dy}, {ids}, {}, {w_r}, g, sharded, ctx);
+      });
+
+      const std::string what = std::to_string(ranks) + " ranks, " + c10::toString(dt);
+      at::Tensor sum = out[0];
+      for (int r = 0; r < ranks; ++r) {
+        const at::Tensor mine = (ids >= r * held).logical_and_(ids < (r + 1) * held).unsqueeze(-1);
+        EXPECT_TRUE(at::equal(out[static_cast<size_t>(r)], at::where(mine, whole.out, at::zeros_like(whole.out))))
+            << what << ": rank " << r << " must give its rows and zeros for the others' ids";
+        EXPECT_TRUE(at::equal(dw[static_cast<size_t>(r)], dw_whole.narrow(0, r * held, held)))
+            << what << ": rank " << r << "'s weight gradient";
+        if (r > 0) sum = sum + out[static_cast<size_t>(r)];
+      }
+      EXPECT_TRUE(at::equal(sum, whole.out)) << what;
+    }
+  }
+}
+
+TEST(EmbeddingOp, VocabularyShareChecksIdsAgainstTheWholeVocabulary) {
+  at::Generator gen = seeded(1);
+  at::Tensor w = at::randn({5, 4}, gen);
+  const VocabShard second{5, 10};
+  // Ids of the other share are fine (zero rows); ids outside the vocabulary are refused.
+  EXPECT_TRUE(at::equal(embedding_forward(at::tensor({0, 4}, at::kLong), w, second).out, at::zeros({2, 4})));
+  expect_error([&] { embedding_forward(at::tensor({1, 10}, at::kLong), w, second); },
+               {"[embedding]", "[0, 10)", "10]"});
+  expect_error([&] { embedding_forward(at::tensor({1}, at::kLong), w, VocabShard{8, 10}); },
+               {"[embedding]", "5 vocabulary rows from row 8", "vocabulary of 10"});
 }
 
 TEST(PositionEmbeddingOp, MatchesAutogradOfBroadcastAdd) {
