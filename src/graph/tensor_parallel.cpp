@@ -28,15 +28,16 @@ int64_t share(int64_t size, int64_t tp, const std::string& node, const char* wha
 }
 
 // The sizes of a view whose input `from` lost a factor tp in one dimension (`split_from`
-// its sizes now): the view's dimension that starts where that one starts. Heads are the
-// outer factor of the features they merge into, so a rank's heads are a block of them.
+// its sizes now): the view's dimension that starts where that one starts (the last such,
+// when dimensions of size 1 make several start there). Heads are the outer factor of the
+// features they merge into, so a rank's heads are a block of them.
 std::vector<int64_t> view_share(const std::vector<int64_t>& from, const std::vector<int64_t>& split_from,
                                 std::vector<int64_t> to, int64_t tp, const std::string& node) {
   size_t k = 0;
   while (k < from.size() && from[k] == split_from[k]) ++k;
   TORCH_INTERNAL_ASSERT(k < from.size(), "[tensor_parallel] ", node, " reads a split value of unchanged shape");
   const int64_t before = product(from, k);
-  for (size_t m = 0; m < to.size(); ++m) {
+  for (size_t m = to.size(); m-- > 0;) {
     if (product(to, m) == before) {
       to[m] = share(to[m], tp, node, "viewed dimension");
       return to;

@@ -327,6 +327,44 @@ TEST_F(LaunchedTraining, LaunchAndTorchrunTrainAlikeAndOneProcessAgrees) {
   for (size_t i = 0; i < lines.size(); ++i) EXPECT_EQ(by_torchrun[i]["loss"], lines[i]["loss"]) << "step " << i + 1;
 }
 
+// Tensor parallelism under `remat launch`: two ranks sharing every layer, and four as two
+// data-parallel copies of such a pair, train the one-process model. Their first loss sums
+// the same terms in other orders; the largest of those sums is the vocabulary's sum of
+// exponentials (V = the tokenizer's 512 pieces here), whose reordering moves its log by at
+// most 2 gamma_V (Higham 4.2), and the split products move the logits by less (they sum
+// d_model or d_ff terms, fewer than V): so |loss - one process| <= 2 gamma_V (1 + loss)
+// bounds it, while a rank holding the wrong share is off by far more.
+TEST_F(LaunchedTraining, TensorParallelRanksTrainTheOneProcessModel) {
+  const std::string steps = " train.steps=2 ";
+  const Result single = run_remat("train " + common_ + steps + "run.name=single");
+  ASSERT_EQ(single.exit_code, 0) << single.output;
+  const double one = train_lines("single").at(0)["loss"];
+  for (const int ranks : {2, 4}) {
+    const std::string name = "tp" + std::to_string(ranks);
+    const Result r = run_remat("launch --nproc " + std::to_string(ranks) + " train " + common_ + steps +
+                               "parallel.tp=2 run.name=" + name);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("each layer split over 2 tensor-parallel ranks"), std::string::npos) << r.output;
+    const auto lines = train_lines(name);
+    ASSERT_EQ(lines.size(), 2u);
+    EXPECT_EQ(lines[0]["rank_peak_bytes"].size(), static_cast<size_t>(ranks));
+    const double v = 512, gamma = v * 0x1p-24 / (1 - v * 0x1p-24);
+    EXPECT_LE(std::abs(lines[0]["loss"].get<double>() - one), 2 * gamma * (1 + one)) << ranks << " ranks";
+    const auto summary = nlohmann::json::parse(read_text(dir_ / "runs" / name / "summary.json"));
+    EXPECT_EQ(summary["tp"], 2);
+    EXPECT_EQ(summary["ranks"], ranks / 2);
+    // The weights are written whole: one process samples from them.
+    const Result sample = run_remat("generate --run " + (dir_ / "runs" / name).string() + " --tokens 4");
+    EXPECT_EQ(sample.exit_code, 0) << sample.output;
+  }
+  // A layer that does not split evenly is refused before anything starts.
+  const Result odd = run_remat("launch --nproc 2 train " + common_ + steps + "parallel.tp=2 model.n_head=1 model.n_kv_head=1");
+  EXPECT_NE(odd.exit_code, 0);
+  EXPECT_NE(odd.output.find("parallel.tp = 2 gives each tensor-parallel rank an equal share of model.n_head = 1"),
+            std::string::npos)
+      << odd.output;
+}
+
 // One of four ranks killed in the middle of training: the other three stop within
 // parallel.timeout, each with the sentence naming it and the operation, instead of
 // waiting for ever.

@@ -184,6 +184,9 @@ std::vector<Case> cases() {
       out.push_back({"gelu " + shape, &op::gelu(), {x}, {}, {}});
       out.push_back({"swiglu " + shape, &op::swiglu(), {x, x}, {}, {}});
       out.push_back({"residual " + shape, &op::residual(), {x, x}, {}, {}});
+      out.push_back({"tp_copy " + shape, &op::tp_copy(), {x}, {}, {}, {}, &first});
+      out.push_back({"tp_reduce " + shape, &op::tp_reduce(), {x}, {}, {}, {}, &first});
+      out.push_back({"tp_reduce+bias " + shape, &op::tp_reduce(), {x}, {{C}}, {}, {}, &first});
       Attrs mask;
       mask.p = 0.1;
       mask.sizes = x.sizes;
