@@ -162,6 +162,13 @@ BenchResult run_bench(const BenchOptions& o) {
   if (o.warmup < 0) throw std::invalid_argument(fmt::format("--warmup must be 0 or more, got {}.", o.warmup));
 
   Config common = load_config(o.config_file, o.overrides);
+  if (common.parallel.tp > 1) {
+    throw std::invalid_argument(fmt::format(
+        "remat bench measures one process, but parallel.tp = {} splits each layer over {} ranks; measure those steps "
+        "with `remat launch --nproc {} train parallel.tp={} ...`, whose report gives the step time and every rank's "
+        "peak beside their prediction.", common.parallel.tp, common.parallel.tp, common.parallel.tp,
+        common.parallel.tp));
+  }
   std::vector<PreparedEntry> prepared;
   for (const auto& e : o.entries) prepared.push_back(prepare_entry(o, e));
 

@@ -186,15 +186,8 @@ class AttentionDef final : public OpDef {
   }
   std::vector<at::Tensor> forward(const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&, const Attrs& a,
                                   const RunContext& ctx) const override {
-    ops::DropoutKey key = ctx.key(a.site);
-    if (a.sharded) {
-      // This rank holds query heads [rank Hq, (rank + 1) Hq) of the group's: its mask is
-      // that window of the one-process [B, Hq * ranks, T, T] mask.
-      const int64_t Hq = in[0].size(2);
-      key.first_in_dim1 = ctx.tp_rank() * Hq;
-      key.dim1_global = Hq * ctx.tp_size();
-    }
-    auto r = ops::attention_forward(in[0], in[1], in[2], ctx.train ? a.p : 0.0, key);
+    auto r = ops::attention_forward(in[0], in[1], in[2], ctx.train ? a.p : 0.0,
+                                    detail::attention_key(in[0], a, ctx));
     std::vector<at::Tensor> out = {r.out, r.saved.probs};
     if (a.p > 0) out.insert(out.end(), {r.saved.mask, r.saved.probs_d});
     return out;

@@ -33,6 +33,19 @@ inline void scalar_operand(Events& e, at::ScalarType dtype) {
   e.release(s);
 }
 
+/// The dropout key of an attention node whose queries `q` are [B, T, Hq, D]. Sharded, this
+/// rank holds query heads [rank Hq, (rank + 1) Hq) of the group's, so its mask is that
+/// window of the one-process [B, Hq * ranks, T, T] mask.
+inline ops::DropoutKey attention_key(const at::Tensor& q, const Attrs& a, const RunContext& ctx) {
+  ops::DropoutKey k = ctx.key(a.site);
+  if (a.sharded) {
+    const int64_t Hq = q.size(2);
+    k.first_in_dim1 = ctx.tp_rank() * Hq;
+    k.dim1_global = Hq * ctx.tp_size();
+  }
+  return k;
+}
+
 /// The vocabulary rows a node's weight of `rows` rows holds: this rank's share of the
 /// tensor-parallel group when the transform split it (Attrs::sharded), else none (it holds
 /// the whole vocabulary).

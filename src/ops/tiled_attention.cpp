@@ -361,13 +361,15 @@ class TiledAttentionDef final : public OpDef {
   }
   std::vector<at::Tensor> forward(const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&, const Attrs& a,
                                   const RunContext& ctx) const override {
-    auto r = ops::tiled_attention_forward(in[0], in[1], in[2], ctx.train ? a.p : 0.0, key(in[0], a, ctx), a.tiles);
+    auto r = ops::tiled_attention_forward(in[0], in[1], in[2], ctx.train ? a.p : 0.0,
+                                          detail::attention_key(in[0], a, ctx), a.tiles);
     return {r.out, r.saved.lse};
   }
   std::vector<at::Tensor> backward(const std::vector<at::Tensor>& dy, const std::vector<at::Tensor>& in,
                                    const std::vector<at::Tensor>& out, const std::vector<at::Tensor>&,
                                    std::vector<at::Tensor*>&, const Attrs& a, const RunContext& ctx) const override {
-    const ops::TiledAttentionSaved s{in[0], in[1], in[2], out[0], out[1], a.p, key(in[0], a, ctx), a.tiles};
+    const ops::TiledAttentionSaved s{in[0], in[1], in[2], out[0], out[1], a.p, detail::attention_key(in[0], a, ctx),
+                                     a.tiles};
     auto g = ops::tiled_attention_backward(dy[0], s);
     return {g.dq, g.dk, g.dv};
   }
@@ -399,19 +401,6 @@ class TiledAttentionDef final : public OpDef {
   }
 
  private:
-  // The dropout key of the forward, and of the backward that redraws its masks. Sharded,
-  // this rank holds query heads [rank Hq, (rank + 1) Hq) of the group's (q [B, T, Hq, D]):
-  // its mask is that window of the one-process [B, Hq * ranks, T, T] mask.
-  static ops::DropoutKey key(const at::Tensor& q, const Attrs& a, const RunContext& ctx) {
-    ops::DropoutKey k = ctx.key(a.site);
-    if (a.sharded) {
-      const int64_t Hq = q.size(2);
-      k.first_in_dim1 = ctx.tp_rank() * Hq;
-      k.dim1_global = Hq * ctx.tp_size();
-    }
-    return k;
-  }
-
   // Bytes of the working tensors, in the arithmetic dtype.
   struct Sizes {
     int64_t D, q, kv, rows, keys, scores;  // rows, keys: one value per row (key) of a tile

@@ -204,6 +204,9 @@ TEST_F(Cli, BenchRefusesABadEntryBeforeRunningAnything) {
   expect_error("bench --policies ' ; '", "--policies is empty");
   expect_error("bench --budgets ''", "--budgets is empty");
   expect_error("bench --steps 0", "--steps must be at least 1");
+  expect_error("bench model.preset=tiny-gpt2 train.seq=32 parallel.tp=2 --out " + out,
+               "remat bench measures one process, but parallel.tp = 2 splits each layer over 2 ranks");
+  EXPECT_FALSE(fs::exists(out));
 }
 
 TEST_F(Cli, HelpConfigListsEveryKey) {
