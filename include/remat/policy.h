@@ -69,7 +69,7 @@ struct AcConfig {
   std::optional<int64_t> recompute_num_layers;       ///< chunk size (uniform) / count (block)
   std::optional<std::string> recompute_modules;      ///< comma list; selective default core_attn
   std::optional<bool> recompute_activations;         ///< true: selective core_attn
-  std::optional<bool> distribute_saved_activations;  ///< needs tensor parallelism
+  std::optional<bool> distribute_saved_activations;  ///< true is refused: kept inputs are not split yet
 
   // ColossalAI
   std::optional<double> gradient_checkpointing_ratio;   ///< ratio:R
@@ -78,7 +78,7 @@ struct AcConfig {
 
   // nanotron
   std::optional<bool> recompute_layer;         ///< true: full; false: none
-  std::optional<bool> tp_recompute_allgather;  ///< needs tensor parallelism
+  std::optional<bool> tp_recompute_allgather;  ///< true is refused until sequence parallelism exists
 
   /// A memory budget ("12GiB", "96MiB", or "0.6" of the no-recompute peak): the planner
   /// chooses the plan (remat/planner.h). Empty: the policy above decides.
@@ -100,8 +100,7 @@ struct AcConfig {
 /// blocks with dropout probability `dropout` and returns its plan (plan.policy is the
 /// canonical spelling). Throws std::invalid_argument with a sentence that says what was
 /// given, why it cannot work and what would.
-ActivationPlan compile_policy(const AcConfig& ac, int64_t n_layers, double dropout,
-                              int64_t tensor_parallel = 1);
+ActivationPlan compile_policy(const AcConfig& ac, int64_t n_layers, double dropout);
 
 /// Compiles a canonical policy string alone (no aliases, default options, one stage).
 ActivationPlan compile_policy(const std::string& policy, int64_t n_layers, double dropout = 0.0);

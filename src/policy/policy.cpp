@@ -493,7 +493,7 @@ void torchtune(const AcConfig& ac, std::vector<Candidate>& out, const std::funct
   out.push_back({origin, compile("every:" + *ac.ac_option, origin)});
 }
 
-void megatron(const AcConfig& ac, std::vector<Candidate>& out, int64_t tensor_parallel,
+void megatron(const AcConfig& ac, std::vector<Candidate>& out,
               const std::function<ActivationPlan(std::string, std::string)>& compile) {
   std::optional<std::string> gran = ac.recompute_granularity;
   std::string gran_origin = gran ? "ac.recompute_granularity = " + quoted(gran) : "";
@@ -560,16 +560,13 @@ void megatron(const AcConfig& ac, std::vector<Candidate>& out, int64_t tensor_pa
     out.push_back({origin, compile("modules:[" + mods + "]", origin)});
   }
   if (ac.distribute_saved_activations && *ac.distribute_saved_activations) {
-    if (tensor_parallel <= 1) {
-      fail(fmt::format("ac.distribute_saved_activations = true splits the saved layer inputs across tensor-parallel "
-                       "ranks, but this run has no tensor parallelism (tensor_parallel = {}): the setting is accepted "
-                       "as config and refused at run until tensor parallelism exists. Set it to false.",
-                       tensor_parallel));
-    }
     if (!gran || *gran != "full") {
       fail("ac.distribute_saved_activations = true distributes the inputs of layers recomputed whole; it needs "
            "ac.recompute_granularity = \"full\" with a recompute method.");
     }
+    fail("ac.distribute_saved_activations = true splits the kept inputs of recomputed layers over the "
+         "tensor-parallel ranks; remat does not do that yet (with parallel.tp every rank keeps them whole). Set it "
+         "to false.");
   }
 }
 
@@ -612,16 +609,16 @@ void colossalai(const AcConfig& ac, const Layout& layout, std::vector<Candidate>
   }
 }
 
-void nanotron(const AcConfig& ac, int64_t tensor_parallel, std::vector<Candidate>& out,
+void nanotron(const AcConfig& ac, std::vector<Candidate>& out,
               const std::function<ActivationPlan(std::string, std::string)>& compile) {
   if (ac.recompute_layer) {
     const std::string origin = "ac.recompute_layer = " + boolean(*ac.recompute_layer);
     out.push_back({origin, compile(*ac.recompute_layer ? "full" : "none", origin)});
   }
-  if (ac.tp_recompute_allgather && *ac.tp_recompute_allgather && tensor_parallel <= 1) {
-    fail(fmt::format("ac.tp_recompute_allgather = true recomputes the all-gather of tensor-parallel shards, but "
-                     "this run has no tensor parallelism (tensor_parallel = {}): the setting is accepted as config "
-                     "and refused at run until tensor parallelism exists. Set it to false.", tensor_parallel));
+  if (ac.tp_recompute_allgather && *ac.tp_recompute_allgather) {
+    fail("ac.tp_recompute_allgather = true keeps a sequence-parallel layer's input sharded and gathers it again for "
+         "the backward; remat has no sequence parallelism yet (parallel.tp runs without it), so there is nothing "
+         "to gather. Set it to false.");
   }
 }
 
@@ -639,7 +636,7 @@ bool same_layers(const ActivationPlan& a, const ActivationPlan& b) {
   return true;
 }
 
-ActivationPlan compile_policy(const AcConfig& ac, int64_t n_layers, double dropout, int64_t tensor_parallel) {
+ActivationPlan compile_policy(const AcConfig& ac, int64_t n_layers, double dropout) {
   if (n_layers < 1) fail(fmt::format("A recompute plan needs at least one layer, got {}.", n_layers));
   if (ac.check != "none" && ac.check != "meta" && ac.check != "values") {
     fail(fmt::format("ac.check must be \"none\", \"meta\" or \"values\", got \"{}\".", ac.check));
@@ -655,9 +652,9 @@ ActivationPlan compile_policy(const AcConfig& ac, int64_t n_layers, double dropo
     asked.push_back({origin, compile(*ac.policy, origin)});
   }
   torchtune(ac, asked, compile);
-  megatron(ac, asked, tensor_parallel, compile);
+  megatron(ac, asked, compile);
   colossalai(ac, layout, asked, compile);
-  nanotron(ac, tensor_parallel, asked, compile);
+  nanotron(ac, asked, compile);
 
   ActivationPlan plan = asked.empty() ? compile("none", "ac.policy") : asked.front().plan;
   for (size_t i = 1; i < asked.size(); ++i) {

@@ -4,9 +4,9 @@
 // and the bytes retained that the tracking allocator measures equal the replay of the op's
 // events. The cost model is exact because each op is; an op without cases here fails the
 // coverage check.
-#include "remat/dist.h"
 #include "remat/graph.h"
 #include "remat/memory.h"
+#include "util/local_group.h"
 
 #include <ATen/Parallel.h>
 #include <fmt/format.h>
@@ -19,23 +19,7 @@
 namespace remat::graph {
 namespace {
 
-// One rank of a tensor-parallel group whose other ranks are away: every collective leaves
-// the tensors as they are (as if each rank held the same), allocating nothing. A sharded op
-// runs its kernels on this thread alone, so the process-wide tracking allocator counts
-// its allocations only (the collectives' own buffers are the group's, not the op's).
-class AbsentPeers final : public dist::Group {
- public:
-  AbsentPeers(int rank, int size) : rank_(rank), size_(size) {}
-  int rank() const override { return rank_; }
-  int size() const override { return size_; }
-  void all_reduce(std::vector<at::Tensor>&, dist::Reduce, const std::string&) override {}
-  at::Tensor all_gather(const at::Tensor& t, int64_t dim, const std::string&) override {
-    return at::cat(std::vector<at::Tensor>(static_cast<size_t>(size_), t), dim);
-  }
-
- private:
-  int rank_, size_;
-};
+using testing::AbsentPeers;
 
 struct Case {
   std::string name;

@@ -3,10 +3,10 @@
 // every policy on both architectures.
 #include "plan/plan_test_util.h"
 #include "remat/cost.h"
-#include "remat/dist.h"
 #include "remat/memory.h"
 #include "remat/model.h"
 #include "remat/policy.h"
+#include "util/local_group.h"
 
 #include <ATen/Parallel.h>
 #include <fmt/format.h>
@@ -20,23 +20,6 @@ namespace {
 struct Measured {
   int64_t peak_above_start = 0;  ///< peak of one forward_backward minus the bytes live before it
   StoreCounters counters;
-};
-
-// One rank of a tensor-parallel group whose collectives leave every tensor as it is: the
-// rank allocates what it would beside real peers (the values differ, the memory does not),
-// and no other rank's allocations mix into the process's peak.
-class PretendGroup final : public dist::Group {
- public:
-  PretendGroup(int rank, int size) : rank_(rank), size_(size) {}
-  int rank() const override { return rank_; }
-  int size() const override { return size_; }
-  void all_reduce(std::vector<at::Tensor>&, dist::Reduce, const std::string&) override {}
-  at::Tensor all_gather(const at::Tensor& t, int64_t dim, const std::string&) override {
-    return at::cat(std::vector<at::Tensor>(static_cast<size_t>(size_), t), dim);
-  }
-
- private:
-  int rank_, size_;
 };
 
 Measured measure(const ModelConfig& cfg, const ActivationPlan& plan, int64_t B, int64_t T, int64_t ce_chunk,
@@ -119,7 +102,7 @@ TEST(CostModel, TensorParallelRanksPeakWhereTheCostModelSays) {
       const int64_t B = 2, T = 32, chunk = 48;
       for (int tp : {1, 2, 4}) {
         for (int rank : {0, tp - 1}) {
-          PretendGroup group(rank, tp);
+          testing::AbsentPeers group(rank, tp);
           cost::StepShape shape;
           shape.batch = B;
           shape.seq = T;

@@ -149,9 +149,12 @@ TEST(Planner, NamesTheRecomputingLossHeadWhereOnlyItFits) {
 }
 
 // Korthikanti et al. 2022, Table 2: with 16-bit activations and 1-byte dropout masks a
-// GPT layer saves sbh(34 + 5as/h) bytes without recompute and 2sbh with full recompute.
-// remat's GPT-2 block saves exactly that set plus each LayerNorm's mean and rstd (float32);
-// with tiled attention, 34 sbh plus the log-sum-exp rows and those statistics.
+// GPT layer saves sbh(34 + 5as/h) bytes without recompute and 2sbh with full recompute,
+// and per rank of t-way tensor parallelism sbh(10 + 24/t + 5as/(ht)) (the layer norms'
+// inputs and outputs and the residual masks stay whole on every rank, the rest is split
+// with the heads and features). remat's GPT-2 block saves exactly that set plus each
+// LayerNorm's mean and rstd (float32); with tiled attention, 34 sbh plus the log-sum-exp
+// rows and those statistics.
 TEST(Planner, GptLayerBytesEqualKorthikantisFormula) {
   struct Shape { int64_t s, b, h, a; };
   for (const Shape sh : {Shape{128, 4, 256, 4}, Shape{512, 2, 768, 12}, Shape{2048, 1, 1024, 16}}) {
@@ -161,46 +164,23 @@ TEST(Planner, GptLayerBytesEqualKorthikantisFormula) {
     cfg.n_kv_head = sh.a;
     cfg.d_ff = 4 * sh.h;
     cfg.max_seq = sh.s;
-    const auto block = graph::block_graph(cfg, sh.b, sh.s, at::kBFloat16);
     const cost::NodeTimes times;
     const int64_t sbh = sh.s * sh.b * sh.h;
     const int64_t layernorm_stats = 2 * 2 * sh.s * sh.b * 4;
-    EXPECT_EQ(cost::price_layer(block, {}, true, times).kept,
-              sbh * 34 + 5 * sh.a * sh.s * sh.s * sh.b + layernorm_stats);
     std::set<std::string> all(block_slots().begin(), block_slots().end());
-    EXPECT_EQ(cost::price_layer(block, all, true, times).kept, 2 * sbh);
+    for (int64_t t : {1, 2, 4}) {
+      const auto block = graph::block_graph(cfg, sh.b, sh.s, at::kBFloat16, t);
+      EXPECT_EQ(cost::price_layer(block, {}, true, times).kept,
+                sbh * 10 + sbh * 24 / t + 5 * sh.a * sh.s * sh.s * sh.b / t + layernorm_stats)
+          << "t " << t << " h " << sh.h;
+      EXPECT_EQ(cost::price_layer(block, all, true, times).kept, 2 * sbh) << "t " << t << " h " << sh.h;
+    }
     // Tiled attention keeps no [s x s] tensor: the 5as/h term becomes one float32
     // log-sum-exp per row (its output is the projection's input, already in the 34).
     cfg.attention = Attention::tiled;
     const auto tiled = graph::block_graph(cfg, sh.b, sh.s, at::kBFloat16);
     EXPECT_EQ(cost::price_layer(tiled, {}, true, times).kept, sbh * 34 + 4 * sh.a * sh.s * sh.b + layernorm_stats);
     EXPECT_EQ(cost::price_layer(tiled, all, true, times).kept, 2 * sbh);
-  }
-}
-
-// Table 2's tensor-parallel rows, per rank of t: sbh(10 + 24/t + 5as/(ht)) without
-// recompute (the layer norms' inputs and outputs and the residual masks stay whole on every
-// rank, the rest is split with the heads and features), 2sbh with full recompute.
-TEST(Planner, GptLayerBytesPerTensorParallelRankEqualKorthikantisFormula) {
-  struct Shape { int64_t s, b, h, a; };
-  for (const Shape sh : {Shape{128, 4, 256, 4}, Shape{512, 2, 768, 12}, Shape{256, 1, 1024, 16}}) {
-    ModelConfig cfg = config("gpt2", 3, 0.1);
-    cfg.d_model = sh.h;
-    cfg.n_head = sh.a;
-    cfg.n_kv_head = sh.a;
-    cfg.d_ff = 4 * sh.h;
-    cfg.max_seq = sh.s;
-    const int64_t sbh = sh.s * sh.b * sh.h;
-    const int64_t layernorm_stats = 2 * 2 * sh.s * sh.b * 4;
-    std::set<std::string> all(block_slots().begin(), block_slots().end());
-    for (int64_t t : {1, 2, 4}) {
-      const auto block = graph::block_graph(cfg, sh.b, sh.s, at::kBFloat16, t);
-      const cost::NodeTimes times;
-      EXPECT_EQ(cost::price_layer(block, {}, true, times).kept,
-                sbh * 10 + sbh * 24 / t + 5 * sh.a * sh.s * sh.s * sh.b / t + layernorm_stats)
-          << "t " << t << " h " << sh.h;
-      EXPECT_EQ(cost::price_layer(block, all, true, times).kept, 2 * sbh) << "t " << t;
-    }
   }
 }
 

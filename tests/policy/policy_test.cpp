@@ -38,16 +38,14 @@ std::vector<int64_t> chunks(const ActivationPlan& p) {
   return out;
 }
 
-ActivationPlan compile_ac(const std::function<void(AcConfig&)>& set, int64_t layers, double dropout = 0.0,
-                          int64_t tp = 1) {
+ActivationPlan compile_ac(const std::function<void(AcConfig&)>& set, int64_t layers, double dropout = 0.0) {
   AcConfig ac;
   set(ac);
-  return compile_policy(ac, layers, dropout, tp);
+  return compile_policy(ac, layers, dropout);
 }
 
-std::string error_ac(const std::function<void(AcConfig&)>& set, int64_t layers, double dropout = 0.0,
-                     int64_t tp = 1) {
-  return error_of([&] { compile_ac(set, layers, dropout, tp); });
+std::string error_ac(const std::function<void(AcConfig&)>& set, int64_t layers, double dropout = 0.0) {
+  return error_of([&] { compile_ac(set, layers, dropout); });
 }
 
 const Slots kCoreAttn = {"attn.probs", "attn.dropout"};
@@ -234,14 +232,6 @@ TEST(PolicyAliases, AgreeingSpellingsAreAccepted) {
                 a.policy = "block:2";
                 a.recompute_layer = true;
               }, 2), "block:2", 2);
-  // With tensor parallelism the distribution flags are accepted.
-  expect_same(compile_ac([](AcConfig& a) {
-                a.recompute_granularity = "full";
-                a.recompute_method = "uniform";
-                a.recompute_num_layers = 1;
-                a.distribute_saved_activations = true;
-                a.tp_recompute_allgather = true;
-              }, 2, 0.0, 2), "uniform:1", 2);
 }
 
 // ---- refusals ----------------------------------------------------------------------------
@@ -353,13 +343,13 @@ TEST(PolicyErrors, MegatronCombinations) {
               a.recompute_num_layers = 1;
               a.distribute_saved_activations = true;
             }, 4),
-            "ac.distribute_saved_activations = true splits the saved layer inputs across tensor-parallel ranks, "
-            "but this run has no tensor parallelism (tensor_parallel = 1): the setting is accepted as config and "
-            "refused at run until tensor parallelism exists. Set it to false.");
+            "ac.distribute_saved_activations = true splits the kept inputs of recomputed layers over the "
+            "tensor-parallel ranks; remat does not do that yet (with parallel.tp every rank keeps them whole). Set "
+            "it to false.");
   EXPECT_EQ(error_ac([](AcConfig& a) { a.tp_recompute_allgather = true; }, 4),
-            "ac.tp_recompute_allgather = true recomputes the all-gather of tensor-parallel shards, but this run "
-            "has no tensor parallelism (tensor_parallel = 1): the setting is accepted as config and refused at run "
-            "until tensor parallelism exists. Set it to false.");
+            "ac.tp_recompute_allgather = true keeps a sequence-parallel layer's input sharded and gathers it again "
+            "for the backward; remat has no sequence parallelism yet (parallel.tp runs without it), so there is "
+            "nothing to gather. Set it to false.");
 }
 
 TEST(PolicyErrors, TorchtuneCombinations) {

@@ -1,6 +1,7 @@
-// A dist::Group of threads in one process, for op tests that run several ranks without
-// sockets: each collective meets at a barrier, and every rank combines the ranks'
-// tensors in rank order, so the result is the same on every rank and from run to run.
+// dist::Groups for tests. LocalGroup: threads of one process as ranks, without sockets:
+// each collective meets at a barrier, and every rank combines the ranks' tensors in rank
+// order, so the result is the same on every rank and from run to run. AbsentPeers: one
+// rank alone, for measuring its memory.
 #pragma once
 
 #include "remat/dist.h"
@@ -80,6 +81,25 @@ class LocalGroup final : public dist::Group {
  private:
   LocalWorld& world_;
   int rank_;
+};
+
+/// One rank of a tensor-parallel group whose other ranks are away: every collective leaves
+/// the tensors as they are, allocating nothing (a gather repeats this rank's part). A
+/// sharded op or model then allocates what it would beside real peers (the values differ,
+/// the memory does not), on this thread alone, so the process-wide tracking allocator
+/// counts its allocations only.
+class AbsentPeers final : public dist::Group {
+ public:
+  AbsentPeers(int rank, int size) : rank_(rank), size_(size) {}
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  void all_reduce(std::vector<at::Tensor>&, dist::Reduce, const std::string&) override {}
+  at::Tensor all_gather(const at::Tensor& t, int64_t dim, const std::string&) override {
+    return at::cat(std::vector<at::Tensor>(static_cast<size_t>(size_), t), dim);
+  }
+
+ private:
+  int rank_, size_;
 };
 
 /// Runs `body(group)` on `n` threads, one rank each; rethrows the first rank's error.
