@@ -126,8 +126,8 @@ std::vector<fs::path> checkpoints(const std::string& run_dir) {
 }
 
 // Writes the state after `steps` steps, flushes the directory entry, then removes all but
-// the newest `keep` checkpoints.
-// A tensor-parallel rank that does not `write` only gives its parts to the gather.
+// the newest `keep` checkpoints. A tensor-parallel rank that does not `write` only gives
+// its parts to the gather.
 void write_checkpoint(const TrainStep& stepper, const std::string& run_dir, int64_t steps, const std::mt19937_64& rng,
                       int64_t keep, bool write) {
   const fs::path dir = checkpoint_dir(run_dir);
@@ -204,9 +204,9 @@ data::CorpusInfo prepare_data(const DataConfig& d) {
 TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   Config cfg = cfg_in;
   const auto& t = cfg.train;
-  // Several ranks (data parallel): each trains on its share of every batch; rank 0 alone
-  // prints and writes the run directory.
-  // With parallel.tp, each group of tp ranks shares every layer (tensor parallel).
+  // Several ranks: each data-parallel rank trains on its share of every batch, each group
+  // of parallel.tp ranks shares every layer; rank 0 alone prints and writes the run
+  // directory.
   const std::unique_ptr<dist::Comm> ranks = join_ranks(cfg);
   const bool lead = ranks == nullptr || ranks->rank() == 0;
   const int dp = ranks != nullptr ? ranks->data().size() : 1;

@@ -6,10 +6,12 @@
 
 #include "remat/dist.h"
 
+#include <chrono>
 #include <condition_variable>
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -22,7 +24,9 @@ class LocalWorld {
   explicit LocalWorld(int size) : size_(size), slots_(static_cast<size_t>(size)) {}
   int size() const { return size_; }
 
-  // Waits for every rank (a generation barrier: reusable).
+  // Waits for every rank (a generation barrier: reusable). A rank that stopped early (a
+  // failed assertion) leaves the others waiting: they give up after a minute, so a test
+  // fails instead of hanging.
   void barrier() {
     std::unique_lock<std::mutex> lock(mutex_);
     const int64_t generation = generation_;
@@ -30,8 +34,8 @@ class LocalWorld {
       arrived_ = 0;
       ++generation_;
       cv_.notify_all();
-    } else {
-      cv_.wait(lock, [&] { return generation_ != generation; });
+    } else if (!cv_.wait_for(lock, std::chrono::seconds(60), [&] { return generation_ != generation; })) {
+      throw std::runtime_error("a rank waited a minute at a collective that another rank never reached");
     }
   }
   std::vector<std::vector<at::Tensor>>& slots() { return slots_; }
