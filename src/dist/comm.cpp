@@ -129,6 +129,13 @@ class GlooGroup final : public Group {
   void abandon() { (void)gloo_.release(); }
 
  private:
+  // Waits for `work`, then for Gloo's worker thread to let go of it: the worker holds a
+  // finished work, and with it the tensors it reduced, a moment after marking it done, so
+  // a tensor the engine frees right after the collective would otherwise outlive it and
+  // lift the peak above the cost model's (by 1,024,000 bytes in a tensor-parallel
+  // gpt2-demo step, measured).
+  void settle(const c10::intrusive_ptr<c10d::Work>& work, const std::string& what);
+
   Comm::State& job_;
   c10::intrusive_ptr<c10d::ProcessGroupGloo> gloo_;
   int rank_, size_;
@@ -361,7 +368,7 @@ void GlooGroup::all_reduce(std::vector<at::Tensor>& tensors, Reduce op, const st
     std::vector<at::Tensor> one{t};
     works.push_back(gloo_->allreduce(one, options));
   }
-  for (const auto& w : works) job_.wait(w, what);
+  for (const auto& w : works) settle(w, what);
 }
 
 at::Tensor GlooGroup::all_gather(const at::Tensor& t, int64_t dim, const std::string& what) {
@@ -369,8 +376,15 @@ at::Tensor GlooGroup::all_gather(const at::Tensor& t, int64_t dim, const std::st
   std::vector<at::Tensor> input{t.contiguous()};
   std::vector<std::vector<at::Tensor>> output(1);
   for (int r = 0; r < size_; ++r) output[0].push_back(at::empty_like(input[0]));
-  job_.wait(gloo_->allgather(output, input), what);
+  settle(gloo_->allgather(output, input), what);
   return at::cat(output[0], dim);
+}
+
+void GlooGroup::settle(const c10::intrusive_ptr<c10d::Work>& work, const std::string& what) {
+  job_.wait(work, what);
+  // Microseconds; bounded all the same, should another Gloo build keep its own reference.
+  const auto until = Clock::now() + std::chrono::seconds(1);
+  while (work.use_count() > 1 && Clock::now() < until) std::this_thread::yield();
 }
 
 Group& Comm::world() { return *state_->world; }
