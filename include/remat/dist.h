@@ -98,10 +98,6 @@ class Comm {
   Group& tensor();
   Group& data();
 
-  /// Sums each tensor over the ranks, in place (float32, float64 or int64; Gloo has no
-  /// bfloat16). `what` names the operation in a failure ("the gradient all-reduce of step
-  /// 3"). The tensors are reduced together, asynchronously, then waited for.
-  void all_reduce_sum(std::vector<at::Tensor>& tensors, const std::string& what);
   /// Every rank's `values` (the same count on every rank), in rank order.
   std::vector<std::vector<int64_t>> all_gather(const std::vector<int64_t>& values, const std::string& what);
   /// Returns when every rank has called it.

@@ -124,7 +124,6 @@ class GlooGroup final : public Group {
   int size() const override { return size_; }
   void all_reduce(std::vector<at::Tensor>& tensors, Reduce op, const std::string& what) override;
   at::Tensor all_gather(const at::Tensor& t, int64_t dim, const std::string& what) override;
-  c10d::ProcessGroupGloo* gloo() const { return gloo_.get(); }
   // After a failure: the group is leaked on purpose (see Comm::State::fail).
   void abandon() { (void)gloo_.release(); }
 
@@ -390,10 +389,6 @@ void GlooGroup::settle(const c10::intrusive_ptr<c10d::Work>& work, const std::st
 Group& Comm::world() { return *state_->world; }
 Group& Comm::tensor() { return *state_->tensor; }
 Group& Comm::data() { return *state_->data; }
-
-void Comm::all_reduce_sum(std::vector<at::Tensor>& tensors, const std::string& what) {
-  world().all_reduce(tensors, Reduce::sum, what);
-}
 
 std::vector<std::vector<int64_t>> Comm::all_gather(const std::vector<int64_t>& values, const std::string& what) {
   const auto n = static_cast<int64_t>(values.size());
