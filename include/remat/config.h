@@ -110,6 +110,8 @@ struct ParallelConfig {
   int64_t dp = 0;         ///< data-parallel ranks; 0: every rank the launcher started (over tp)
   int64_t tp = 1;         ///< tensor-parallel ranks sharing each layer (Megatron); must divide
                           ///< the heads, KV heads, d_ff and the vocabulary
+  bool sp = false;        ///< sequence parallelism over the tp ranks (Megatron): norms, dropout
+                          ///< and residuals on a rank's share of the positions
   double timeout = 300;   ///< seconds the rendezvous or any collective may take before every
                           ///< rank stops with a sentence naming the lost rank
 };

@@ -32,6 +32,8 @@ struct StepShape {
   int64_t resident = 0;               ///< bytes the caller holds besides the model (StaticBytes::resident)
   /// Tensor-parallel ranks: the graphs, parameters and bytes are one rank's share.
   int64_t tp = 1;
+  /// Sequence parallelism over the tp ranks: the blocks' inputs are a rank's positions.
+  bool sp = false;
 };
 
 /// Bytes held outside the blocks' activations.

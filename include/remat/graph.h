@@ -62,7 +62,8 @@ struct Attrs {
   int64_t chunk = 0;                 ///< cross_entropy: tokens per chunk of logits
   /// Set by the tensor-parallel transform: the op holds this rank's share of a dimension
   /// its RunContext's `tp` group splits (attention: heads; embedding, loss: vocabulary
-  /// rows), rank r the r-th equal part.
+  /// rows; under sequence parallelism, dropout masks and position embeddings: sequence
+  /// positions, dimension 1), rank r the r-th equal part.
   bool sharded = false;
 };
 
@@ -173,6 +174,8 @@ const OpDef& cross_entropy();
 const OpDef& fused_cross_entropy();
 const OpDef& tp_copy();
 const OpDef& tp_reduce();
+const OpDef& sp_gather();
+const OpDef& sp_scatter();
 /// The loss op a configuration asks for (model.loss_head).
 const OpDef& loss(LossHead head);
 /// Every op definition, for tests that must cover each one.
@@ -208,6 +211,10 @@ struct Param {
   std::string name;  ///< relative to the layer ("ln_1.weight")
   std::vector<int64_t> sizes;  ///< this rank's (its share, when split)
   Shard shard;
+  /// Sequence parallelism: a parameter every rank holds whole but applies to its own
+  /// positions only (norms, biases after a reduce-scatter), so each rank's gradient is a
+  /// part of the gradient, summed over the tensor-parallel group after the backward.
+  bool partial = false;
 };
 
 struct Node {
@@ -235,11 +242,20 @@ struct BlockGraph {
   std::vector<int> slot_of;
   /// Per value: whether some node's backward reads it.
   std::vector<bool> saved;
+  /// Per value: the value gathered from it over the tensor-parallel group (sequence
+  /// parallelism), or -1. Such a shard is kept, though no backward reads it, when its
+  /// slot is kept and the gathered value's slot is dropped: the recompute gathers again.
+  std::vector<int> gathered;
 
   const std::vector<int>& slot(Slot s) const { return slots[static_cast<size_t>(s)]; }
   int64_t output_bytes() const { return values[static_cast<size_t>(output)].info.bytes(); }
   /// Bytes of the distinct memory a slot's values hold (views counted once).
   int64_t slot_bytes(Slot s) const;
+  /// Whether the forward keeps value v when `keep` (per Slot) says which slots it keeps:
+  /// a saved value of a kept slot, or a shard kept to gather again (`gathered`).
+  bool kept(int v, const std::vector<bool>& keep) const;
+  /// Bytes of the distinct memory of the values kept under `keep` (views counted once).
+  int64_t kept_bytes(const std::vector<bool>& keep) const;
   /// Bytes of the distinct memory of every value a backward reads, the caller's inputs
   /// included (what a graph without slots keeps from its forward to its backward).
   int64_t saved_bytes() const;
@@ -279,6 +295,10 @@ class Builder {
   int view(const std::string& name, int x, std::vector<int64_t> sizes);
   /// Assigns values to a slot (once per slot).
   void slot(Slot s, std::vector<int> values);
+  /// Records that `whole` is `shard` gathered over the tensor-parallel group.
+  void gathered(int shard, int whole);
+  /// Marks parameter `param` Param::partial.
+  void partial(int param);
   const TensorInfo& info(int v) const { return g_.values.at(static_cast<size_t>(v)).info; }
   /// Checks the table (every saved value in exactly one slot, the input alone in
   /// Slot::input) and returns the graph.
@@ -293,6 +313,7 @@ class Builder {
 
   BlockGraph g_;
   std::vector<bool> assigned_;
+  std::vector<std::pair<int, int>> gathers_;  // shard, gathered value
 };
 
 /// Which nodes of an architecture's graphs tensor parallelism splits, by name (as
@@ -316,18 +337,28 @@ struct TensorParallelPlan {
 /// slots hold the same roles at the smaller shapes. Refuses, naming the node and the
 /// size, a split that does not divide evenly or an op between the regions with no rule.
 /// `tp` == 1 returns `g`.
-BlockGraph tensor_parallel(const BlockGraph& g, const TensorParallelPlan& plan, int64_t tp);
+///
+/// With `sp` (Megatron's sequence parallelism) the values outside the regions hold a
+/// rank's share of the sequence (dimension 1): an sp_gather enters each region in place
+/// of the tp_copy (its gathered value in the slot attn.gathered or mlp.gathered, paired
+/// with the shard's), an sp_scatter ends it in place of the tp_reduce; norms, dropout,
+/// residuals and position embeddings between the regions run on the rank's positions
+/// (their parameters Param::partial).
+BlockGraph tensor_parallel(const BlockGraph& g, const TensorParallelPlan& plan, int64_t tp, bool sp = false);
 
 /// The block of `cfg`'s architecture at [batch, seq] in `dtype` (src/model/{gpt2,llama}.cpp),
-/// as one of `tp` tensor-parallel ranks runs it (tensor_parallel with the architecture's plan).
-BlockGraph block_graph(const ModelConfig& cfg, int64_t batch, int64_t seq, at::ScalarType dtype, int64_t tp = 1);
+/// as one of `tp` tensor-parallel ranks runs it (tensor_parallel with the architecture's
+/// plan; `sp`: with sequence parallelism, the block's input and output a rank's positions).
+BlockGraph block_graph(const ModelConfig& cfg, int64_t batch, int64_t seq, at::ScalarType dtype, int64_t tp = 1,
+                       bool sp = false);
 /// What runs before the first block: token ids [batch, seq] (the caller's) to its input.
-BlockGraph embed_graph(const ModelConfig& cfg, int64_t batch, int64_t seq, at::ScalarType dtype, int64_t tp = 1);
+BlockGraph embed_graph(const ModelConfig& cfg, int64_t batch, int64_t seq, at::ScalarType dtype, int64_t tp = 1,
+                       bool sp = false);
 /// What runs after the last block: the final norm and, for `chunk` > 0, the mean loss over
 /// the targets (a side input, [batch * seq] int64) with logits `chunk` tokens at a time;
 /// for `chunk` == 0 the output is the final hidden states (generation reads them).
 BlockGraph head_graph(const ModelConfig& cfg, int64_t batch, int64_t seq, at::ScalarType dtype, int64_t chunk,
-                      int64_t tp = 1);
+                      int64_t tp = 1, bool sp = false);
 
 /// Renders the derived table of a block (value, shape, dtype, bytes, slot, producer).
 std::string explain(const BlockGraph& g);

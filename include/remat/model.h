@@ -27,8 +27,11 @@ struct Param {
   at::Tensor grad;   ///< accumulator of the same shape and dtype; zeroed by zero_grad()
   bool decay;        ///< whether weight decay applies (matrices, not norms or biases)
   /// How the tensor-parallel group splits it (value and grad alike); not split: every rank
-  /// of the group holds it whole, with equal gradients.
+  /// of the group holds it whole, with equal gradients (once the partial ones are summed).
   graph::Shard shard;
+  /// Sequence parallelism: each rank's gradient is its positions' part (graph::Param::partial);
+  /// sum_partial_grads() makes it the whole one.
+  bool partial = false;
 };
 
 /// Identifies one microbatch's randomness; dropout keys derive from it.
@@ -60,14 +63,20 @@ class Model {
   /// the rank's part of the very values one process initialises for the seed, and every
   /// forward runs the group's collectives, so every rank of the group must make the same
   /// calls. The group must outlive the model.
+  ///
+  /// `sequence_parallel` (a group of more than one rank): forward_backward() runs with
+  /// Megatron's sequence parallelism (graph::tensor_parallel's `sp`; the sequence length
+  /// a multiple of the group's size); evaluation and generation run without it.
   static std::unique_ptr<Model> create(const ModelConfig& cfg, at::Device device,
-                                       at::ScalarType compute_dtype, uint64_t seed, dist::Group* tp = nullptr);
+                                       at::ScalarType compute_dtype, uint64_t seed, dist::Group* tp = nullptr,
+                                       bool sequence_parallel = false);
   virtual ~Model() = default;
 
   const ModelConfig& config() const { return cfg_; }
   /// The tensor-parallel group (null: one rank) and its size.
   dist::Group* tensor_group() const { return tp_; }
   int64_t tp_size() const;
+  bool sequence_parallel() const { return sp_; }
   /// Parameter i whole, from `part` (its value, or a tensor of its value's shape such as
   /// an optimizer moment): gathered over the tensor-parallel group when the parameter is
   /// split (every rank of the group must call it), else `part` itself.
@@ -86,6 +95,10 @@ class Model {
   /// Parameters of the whole model (split ones counted whole, once).
   int64_t num_params() const;
   void zero_grad();
+  /// Sums the partial gradients (Param::partial) over the tensor-parallel group, in one
+  /// collective; once per step, after the last microbatch's backward. Nothing to do
+  /// without sequence parallelism. `what` names the collective in a failure.
+  void sum_partial_grads(const std::string& what);
 
   /// One microbatch: tokens and targets [B, T] int64 (targets -1 are ignored).
   /// Accumulates d(loss * loss_scale)/d(params) into the gradients and returns the
@@ -122,8 +135,8 @@ class Model {
   void load(const std::string& path);
 
  protected:
-  Model(const ModelConfig& cfg, at::Device device, at::ScalarType compute_dtype, dist::Group* tp)
-      : cfg_(cfg), device_(device), compute_dtype_(compute_dtype), tp_(tp) {}
+  Model(const ModelConfig& cfg, at::Device device, at::ScalarType compute_dtype, dist::Group* tp, bool sp)
+      : cfg_(cfg), device_(device), compute_dtype_(compute_dtype), tp_(tp), sp_(sp) {}
   /// Whether `name` is stored transposed ([in, out]) in Hugging Face files (GPT-2's Conv1D).
   virtual bool hf_transposed(const std::string& name) const = 0;
   /// Names a checkpoint may carry that are not parameters (buffers, tied copies).
@@ -133,6 +146,7 @@ class Model {
   at::Device device_;
   at::ScalarType compute_dtype_;
   dist::Group* tp_;
+  bool sp_;
   std::vector<Param> params_;
   at::Tensor grad_buffer_;
 };

@@ -17,7 +17,11 @@ namespace remat {
 /// names; a slot an architecture or a configuration does not have (GPT-2's residual
 /// dropout masks in Llama, any dropout slot when p == 0) simply holds nothing.
 ///   attn.norm     statistics of the attention-side norm (its input is the block input)
-///   attn.qkv_in   the norm's output, input of the q/k/v projections
+///   attn.qkv_in   the norm's output, input of the q/k/v projections (sequence
+///                 parallelism: this rank's positions, kept only to gather again)
+///   attn.gathered sequence parallelism: attn.qkv_in gathered over the tensor-parallel
+///                 group, what the projections read; dropped alone, it is gathered again
+///                 from the kept attn.qkv_in (nanotron's tp_recompute_allgather)
 ///   attn.qkv      q, k, v as attention reads them (after RoPE in Llama)
 ///   attn.probs    softmax output (tiled attention: the per-row log-sum-exp)
 ///   attn.dropout  attention-probability dropout mask and output (math attention only:
@@ -27,6 +31,7 @@ namespace remat {
 ///   attn.resid    residual-branch dropout mask (GPT-2)
 ///   mlp.norm      the mid-block residual stream and the MLP-side norm's statistics
 ///   mlp.fc_in     the norm's output, input of c_fc / gate and up projections
+///   mlp.gathered  sequence parallelism: mlp.fc_in gathered, as attn.gathered
 ///   mlp.act_in    the activation's input (c_fc output; gate and up)
 ///   mlp.proj_in   the activation's output, input of c_proj / down_proj
 ///   mlp.resid     residual-branch dropout mask (GPT-2)
@@ -35,7 +40,8 @@ const std::vector<std::string>& block_slots();
 /// Submodule names of `modules:[...]` and the slots each one's recompute drops.
 ///   core_attn -> attn.probs, attn.dropout           (Megatron's default selective)
 ///   qkv       -> attn.qkv
-///   norm      -> attn.qkv_in, mlp.fc_in  (and the norms' statistics)
+///   norm      -> attn.qkv_in, mlp.fc_in  (and the norms' statistics and gathered copies)
+///   gathered  -> attn.gathered, mlp.gathered (sequence parallelism: gather them again)
 ///   attn      -> every attn.* slot
 ///   act       -> mlp.proj_in
 ///   mlp       -> every mlp.* slot but mlp.norm
@@ -48,6 +54,7 @@ enum class Slot : int {
   input,
   attn_norm,
   attn_qkv_in,
+  attn_gathered,
   attn_qkv,
   attn_probs,
   attn_dropout,
@@ -55,6 +62,7 @@ enum class Slot : int {
   attn_resid,
   mlp_norm,
   mlp_fc_in,
+  mlp_gathered,
   mlp_act_in,
   mlp_proj_in,
   mlp_resid,

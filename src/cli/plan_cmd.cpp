@@ -134,12 +134,13 @@ int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
   shape.ce_chunk = cfg.train.ce_chunk;
   shape.dtype = plan_dtype(cfg.run.dtype);
   shape.tp = cfg.parallel.tp;
+  shape.sp = cfg.parallel.sp;
   const std::string tp_text =
-      shape.tp > 1 ? fmt::format(", one of {} tensor-parallel ranks (its share of heads, features and vocabulary)",
-                                 shape.tp)
+      shape.tp > 1 ? fmt::format(", one of {} tensor-parallel ranks (its share of heads, features and vocabulary{})",
+                                 shape.tp, shape.sp ? ", and of the positions outside them" : "")
                    : "";
   if (args.explain_block) {
-    const graph::BlockGraph g = graph::block_graph(m, shape.batch, shape.seq, shape.dtype, shape.tp);
+    const graph::BlockGraph g = graph::block_graph(m, shape.batch, shape.seq, shape.dtype, shape.tp, shape.sp);
     fmt::print("One {} block at batch {} x {} tokens in {}{}: every value its forward makes, and the slot that "
                "keeps it for the backward (- : freed after its last forward reader).\n\n{}",
                arch_name(m.arch), shape.batch, shape.seq, cfg.run.dtype, tp_text, graph::explain(g));
@@ -194,7 +195,7 @@ int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
     };
     const nlohmann::json out = {
         {"model", {{"preset", m.preset}, {"arch", arch_name(m.arch)}, {"layers", m.n_layer}, {"d_model", m.d_model}}},
-        {"shape", {{"batch", shape.batch}, {"ranks", ranks}, {"tp", shape.tp}, {"seq", shape.seq}, {"grad_accum", shape.grad_accum}, {"dtype", cfg.run.dtype}}},
+        {"shape", {{"batch", shape.batch}, {"ranks", ranks}, {"tp", shape.tp}, {"sp", shape.sp}, {"seq", shape.seq}, {"grad_accum", shape.grad_accum}, {"dtype", cfg.run.dtype}}},
         {"budget", budget},
         {"none_peak", none_peak},
         {"min_feasible_budget", min_budget},

@@ -254,6 +254,7 @@ std::vector<ConfigKey> make_keys() {
       key("run.trace", &C::run, &RunConfig::trace, "Chrome-trace JSON of step 3; empty: none"),
       key("parallel.dp", &C::parallel, &ParallelConfig::dp, "data-parallel ranks; 0: all launched"),
       key("parallel.tp", &C::parallel, &ParallelConfig::tp, "tensor-parallel ranks splitting each layer"),
+      key("parallel.sp", &C::parallel, &ParallelConfig::sp, "sequence parallelism over the tp ranks"),
       key("parallel.timeout", &C::parallel, &ParallelConfig::timeout, "seconds before a lost rank stops all"),
       ac_key("ac.policy", &AcConfig::policy, "recompute policy (README: Recompute policies); unset: none"),
       key("ac.budget", &C::ac, &AcConfig::budget, "memory budget: the planner picks the plan (12GiB, 0.6)"),
@@ -284,7 +285,7 @@ std::vector<ConfigKey> make_keys() {
              Literal::List),
       ac_key("ac.recompute_layer", &AcConfig::recompute_layer, "nanotron: true = full"),
       ac_key("ac.tp_recompute_allgather", &AcConfig::tp_recompute_allgather,
-             "nanotron: needs tensor parallelism"),
+             "nanotron: gather again in the backward (parallel.sp)"),
   };
 }
 
@@ -566,6 +567,20 @@ void validate_config(const Config& c) {
                        m.n_head, m.n_kv_head, m.d_ff, m.vocab_size));
     }
   }
+  if (c.parallel.sp && c.parallel.tp < 2) {
+    fail("parallel.sp = true shares each sequence's positions over the tensor-parallel ranks, but parallel.tp = 1 "
+         "has one rank; set parallel.tp to 2 or more, or parallel.sp = false.");
+  }
+  if (c.parallel.sp && t.seq % c.parallel.tp != 0) {
+    fail(fmt::format("parallel.sp = true gives each of the parallel.tp = {} ranks an equal share of the {} positions "
+                     "of a sequence (train.seq), but {} is not a multiple of {}; choose a train.seq that is.",
+                     c.parallel.tp, t.seq, t.seq, c.parallel.tp));
+  }
+  if (c.ac.tp_recompute_allgather && *c.ac.tp_recompute_allgather && !c.parallel.sp) {
+    fail("ac.tp_recompute_allgather = true keeps the sequence-parallel input of each column-parallel linear and "
+         "gathers it again in the backward, but without parallel.sp = true (and parallel.tp > 1) nothing is "
+         "gathered; set parallel.sp = true, or drop ac.tp_recompute_allgather.");
+  }
   // Below a few heartbeats a busy machine would name live ranks as lost.
   if (!(c.parallel.timeout >= 5 && c.parallel.timeout <= 86400)) {
     fail(fmt::format("parallel.timeout must be from 5 to 86400 seconds, got {}.", c.parallel.timeout));
@@ -574,6 +589,11 @@ void validate_config(const Config& c) {
   const ActivationPlan plan = compile_policy(c.ac, m.n_layer, m.dropout);
   if (!c.ac.budget.empty()) {
     parse_budget(c.ac.budget, 1);
+    if (c.ac.tp_recompute_allgather && *c.ac.tp_recompute_allgather) {
+      fail(fmt::format("ac.budget = \"{}\" lets the planner choose, per layer, whether to keep each gathered input "
+                       "or gather it again, but ac.tp_recompute_allgather = true fixes that choice; keep one of "
+                       "them.", c.ac.budget));
+    }
     if (c.ac.policy || plan.policy != "none") {
       throw std::invalid_argument(fmt::format(
           "ac.budget = \"{}\" asks the planner for the plan, but the ac settings also choose the policy \"{}\"; "

@@ -47,6 +47,24 @@ int64_t BlockGraph::slot_bytes(Slot s) const {
   return bytes;
 }
 
+bool BlockGraph::kept(int v, const std::vector<bool>& keep) const {
+  const auto i = static_cast<size_t>(v);
+  const int s = slot_of[i];
+  if (saved[i]) return s < 0 || keep[static_cast<size_t>(s)];
+  const int whole = gathered[i];
+  return whole >= 0 && s >= 0 && keep[static_cast<size_t>(s)] && !keep[static_cast<size_t>(slot_of[whole])];
+}
+
+int64_t BlockGraph::kept_bytes(const std::vector<bool>& keep) const {
+  std::set<int> roots;
+  int64_t bytes = 0;
+  for (size_t v = 0; v < values.size(); ++v) {
+    const int r = root(static_cast<int>(v));
+    if (kept(static_cast<int>(v), keep) && roots.insert(r).second) bytes += values[static_cast<size_t>(r)].info.bytes();
+  }
+  return bytes;
+}
+
 int64_t BlockGraph::saved_bytes() const {
   std::set<int> roots;
   int64_t bytes = 0;
@@ -153,11 +171,17 @@ void Builder::slot(Slot s, std::vector<int> values) {
   g_.slots[i] = std::move(values);
 }
 
+void Builder::gathered(int shard, int whole) { gathers_.emplace_back(shard, whole); }
+
+void Builder::partial(int param) { g_.params.at(static_cast<size_t>(param)).partial = true; }
+
 void Builder::mark_saved(int output) {
   g_.output = output;
   const size_t V = g_.values.size();
   g_.saved.assign(V, false);
   g_.slot_of.assign(V, -1);
+  g_.gathered.assign(V, -1);
+  for (const auto& [shard, whole] : gathers_) g_.gathered[static_cast<size_t>(shard)] = whole;
   for (const auto& n : g_.nodes) {
     const auto si = n.op->saves_inputs(n.attrs, n.inputs.size());
     const auto so = n.op->saves_outputs(n.attrs, n.outputs.size());
@@ -198,6 +222,10 @@ BlockGraph Builder::finish(int output) {
   for (size_t v = 0; v < V; ++v) {
     TORCH_INTERNAL_ASSERT(!g_.saved[v] || g_.slot_of[v] >= 0, "block graph: value ", g_.values[v].name,
                           " is read by a backward but is in no slot");
+    const int whole = g_.gathered[v];
+    TORCH_INTERNAL_ASSERT(whole < 0 || (g_.slot_of[v] >= 0 && g_.slot_of[static_cast<size_t>(whole)] >= 0 &&
+                                        g_.slot_of[v] != g_.slot_of[static_cast<size_t>(whole)]),
+                          "block graph: the shard ", g_.values[v].name, " and its gathered value must be in two slots");
   }
   return std::move(g_);
 }

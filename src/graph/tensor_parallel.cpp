@@ -53,12 +53,31 @@ bool share_wise(const OpDef& o) {
          &o == &op::tiled_attention() || &o == &op::gelu() || &o == &op::swiglu();
 }
 
+// Ops that may read a rank's share of the sequence positions between the regions: they
+// work per position (norms, dropout, additions) or know which positions they hold.
+bool position_wise(const OpDef& o) {
+  return &o == &op::layernorm() || &o == &op::rmsnorm() || &o == &op::dropout() || &o == &op::residual() ||
+         &o == &op::position_embedding();
+}
+
 }  // namespace
 
-BlockGraph tensor_parallel(const BlockGraph& g, const TensorParallelPlan& plan, int64_t tp) {
+BlockGraph tensor_parallel(const BlockGraph& g, const TensorParallelPlan& plan, int64_t tp, bool sp) {
   if (tp == 1) return g;
+  const bool has_slots = !g.slot(Slot::input).empty();
+  // What a value holds on a rank: all of it, a share of its heads or features, (sequence
+  // parallelism) its share of the positions, dimension 1, or all of it gathered from
+  // those shares, a region's entry already (the gather's backward sums the ranks' parts).
+  enum class Held { all, features, positions, gathered };
+  std::vector<Held> held(g.values.size(), Held::all);
   const Value& input = g.values[static_cast<size_t>(g.input)];
-  Builder b(input.info, g.dtype, input.external);
+  TensorInfo input_info = input.info;
+  if (sp && !input.external) {  // the hidden states a block or the head starts from
+    auto& T = input_info.sizes.at(1);
+    T = share(T, tp, "the sequence", "positions");
+    held[static_cast<size_t>(g.input)] = Held::positions;
+  }
+  Builder b(input_info, g.dtype, input.external);
   std::vector<int> vmap(g.values.size(), -1);
   vmap[static_cast<size_t>(g.input)] = b.input();
   for (int v : g.side_inputs) vmap[static_cast<size_t>(v)] = b.side_input(g.values[v].name, g.values[v].info);
@@ -100,44 +119,71 @@ BlockGraph tensor_parallel(const BlockGraph& g, const TensorParallelPlan& plan, 
     }
     return out;
   };
+  // A rank applies a whole parameter to its positions only: its gradient is a part.
+  const auto partial = [&](const std::vector<int>& ps) {
+    for (int p : ps) {
+      if (!shards[static_cast<size_t>(p)].split()) b.partial(pmap[static_cast<size_t>(p)]);
+    }
+  };
+  // The same sizes with dimension 1 multiplied (gathered) or divided (scattered) by tp.
+  const auto positions = [&](int v, bool gather) {
+    Attrs a;
+    a.sizes = b.info(v).sizes;
+    a.sizes.at(1) = gather ? a.sizes[1] * tp : share(a.sizes[1], tp, g.values[static_cast<size_t>(v)].name, "positions");
+    return a;
+  };
 
-  std::vector<bool> split(g.values.size(), false);  // holds a rank's share
-  std::map<int, int> copies;                         // replicated value -> its tp_copy
+  // The copy (tp_copy) or gathered value (sp_gather) through which a value enters the
+  // column-parallel regions, once per value.
+  std::map<int, int> entries;
   const auto enter = [&](int v, const std::string& reader) {
-    auto [it, fresh] = copies.emplace(v, -1);
-    if (fresh) it->second = b.add1(reader + "_tp_copy", op::tp_copy(), {vmap[static_cast<size_t>(v)]});
+    auto [it, fresh] = entries.emplace(v, -1);
+    if (!fresh) return it->second;
+    const int from = vmap[static_cast<size_t>(v)];
+    if (held[static_cast<size_t>(v)] == Held::positions) {
+      it->second = b.add1(reader + "_sp_gather", op::sp_gather(), {from}, {}, positions(from, true));
+    } else {
+      it->second = b.add1(reader + "_tp_copy", op::tp_copy(), {from});
+    }
     return it->second;
   };
   for (const Node& n : g.nodes) {
     std::vector<int> in;
-    bool reads_split = false;
+    bool reads_split = false, reads_positions = false;
     for (int v : n.inputs) {
       in.push_back(vmap[static_cast<size_t>(v)]);
-      reads_split = reads_split || split[static_cast<size_t>(v)];
+      reads_split = reads_split || held[static_cast<size_t>(v)] == Held::features;
+      reads_positions = reads_positions || held[static_cast<size_t>(v)] == Held::positions;
     }
     Attrs a = n.attrs;
     std::vector<int> out;
-    bool out_split = false;
+    Held out_held = Held::all;
     const bool loss = n.op == &op::cross_entropy() || n.op == &op::fused_cross_entropy();
     if (listed(plan.column, n.name) || (loss && listed(plan.vocab, n.name))) {
       // A column-parallel linear, or a vocabulary-parallel loss (hidden rows, targets): the
-      // replicated input enters through a tp_copy.
-      TORCH_CHECK(!split[static_cast<size_t>(n.inputs[0])], "[tensor_parallel] ", n.name, " reads a split value");
-      in[0] = enter(n.inputs[0], n.name);
+      // input enters through a tp_copy, or is gathered from the ranks' positions.
+      TORCH_CHECK(held[static_cast<size_t>(n.inputs[0])] != Held::features, "[tensor_parallel] ", n.name,
+                  " reads a split value");
+      if (held[static_cast<size_t>(n.inputs[0])] != Held::gathered) in[0] = enter(n.inputs[0], n.name);
       a.sharded = loss;
       out = b.add(n.name, *n.op, in, params_of(n, true), a);
-      out_split = !loss;
-    } else if (listed(plan.row, n.name)) {
-      TORCH_CHECK(reads_split, "[tensor_parallel] the row-parallel ", n.name, " reads no split value");
-      const int partial = b.add1(n.name, *n.op, in, params_of(n, false), a);
+      out_held = loss ? Held::all : Held::features;
+    } else if (listed(plan.row, n.name) || listed(plan.vocab, n.name)) {
+      // A row-parallel linear, or a vocabulary-parallel embedding (each rank looks up its
+      // rows): a partial sum over the ranks, summed (at this rank's positions, with sp).
+      const bool row = listed(plan.row, n.name);
+      TORCH_CHECK(!row || reads_split, "[tensor_parallel] the row-parallel ", n.name, " reads no split value");
+      a.sharded = !row;
+      const int part = b.add1(n.name, *n.op, in, params_of(n, !row), a);
       std::vector<int> bias;
-      if (n.params.size() == 2) bias.push_back(pmap[static_cast<size_t>(n.params[1])]);
-      out = {b.add1(n.name + "_tp_reduce", op::tp_reduce(), {partial}, bias)};
-    } else if (listed(plan.vocab, n.name)) {
-      // A vocabulary-parallel embedding: each rank looks up its rows, the sum is the lookup.
-      a.sharded = true;
-      const int part = b.add1(n.name, *n.op, in, params_of(n, true), a);
-      out = {b.add1(n.name + "_tp_reduce", op::tp_reduce(), {part})};
+      if (row && n.params.size() == 2) bias.push_back(pmap[static_cast<size_t>(n.params[1])]);
+      if (sp) {
+        out = {b.add1(n.name + "_sp_scatter", op::sp_scatter(), {part}, bias, positions(part, false))};
+        out_held = Held::positions;
+        if (row && n.params.size() == 2) partial({n.params[1]});
+      } else {
+        out = {b.add1(n.name + "_tp_reduce", op::tp_reduce(), {part}, bias)};
+      }
     } else if (reads_split) {
       TORCH_CHECK(share_wise(*n.op), "[tensor_parallel] ", n.name, " (", n.op->kind(), ") reads a rank's share of ",
                   "heads or features, but has no rule for it; only views, splits, rotations, attention and "
@@ -151,28 +197,63 @@ BlockGraph tensor_parallel(const BlockGraph& g, const TensorParallelPlan& plan, 
         a.sharded = true;
       }
       out = b.add(n.name, *n.op, in, params_of(n, true), a);
-      out_split = true;
+      out_held = Held::features;
+    } else if (reads_positions && n.op == &op::view()) {
+      // A view that merges the positions into rows (the loss head's): it views them all.
+      in[0] = enter(n.inputs[0], n.name);
+      out = b.add(n.name, *n.op, in, {}, a);
+      out_held = Held::gathered;
+    } else if (reads_positions) {
+      TORCH_CHECK(position_wise(*n.op), "[tensor_parallel] ", n.name, " (", n.op->kind(), ") reads a rank's share of ",
+                  "the sequence positions (parallel.sp), but has no rule for it; only norms, dropout, residual "
+                  "additions and position embeddings may sit between the tensor-parallel regions.");
+      a.sharded = n.op == &op::position_embedding();
+      out = b.add(n.name, *n.op, in, params_of(n, true), a);
+      out_held = Held::positions;
+      partial(n.params);
     } else {
+      if (n.op == &op::dropout_mask()) {
+        // A mask takes the shape of the value its dropout applies to: this rank's positions.
+        for (const Node& reader : g.nodes) {
+          if (reader.op != &op::dropout() || reader.inputs.at(1) != n.outputs[0]) continue;
+          const int x = reader.inputs[0];
+          a.sharded = held[static_cast<size_t>(x)] == Held::positions;
+          if (a.sharded) a.sizes = b.info(vmap[static_cast<size_t>(x)]).sizes;
+        }
+      }
       out = b.add(n.name, *n.op, in, params_of(n, true), a);
     }
     TORCH_INTERNAL_ASSERT(out.size() == n.outputs.size(), "[tensor_parallel] ", n.name, " changed its outputs");
     for (size_t i = 0; i < out.size(); ++i) {
       vmap[static_cast<size_t>(n.outputs[i])] = out[i];
-      split[static_cast<size_t>(n.outputs[i])] = out_split;
+      held[static_cast<size_t>(n.outputs[i])] = out_held;
     }
   }
 
   const int output = vmap[static_cast<size_t>(g.output)];
-  if (g.slot(Slot::input).empty()) return b.finish_kept(output);
+  if (!has_slots) return b.finish_kept(output);
+  std::vector<std::vector<int>> slots(kSlotCount);
   for (int s = 0; s < kSlotCount; ++s) {
-    std::vector<int> values;
     for (int v : g.slots[static_cast<size_t>(s)]) {
-      values.push_back(vmap[static_cast<size_t>(v)]);
-      // A tp_copy of a slot's value is that memory, read by the column linears' backward.
-      if (const auto it = copies.find(v); it != copies.end()) values.push_back(it->second);
+      slots[static_cast<size_t>(s)].push_back(vmap[static_cast<size_t>(v)]);
+      const auto it = entries.find(v);
+      if (it == entries.end()) continue;
+      if (held[static_cast<size_t>(v)] != Held::positions) {
+        // A tp_copy of a slot's value is that memory, read by the column linears' backward.
+        slots[static_cast<size_t>(s)].push_back(it->second);
+        continue;
+      }
+      // A gathered value has its own slot, so that a plan may keep the shard and gather again.
+      const Slot pair = static_cast<Slot>(s) == Slot::attn_qkv_in ? Slot::attn_gathered
+                        : static_cast<Slot>(s) == Slot::mlp_fc_in ? Slot::mlp_gathered
+                                                                  : Slot::input;
+      TORCH_INTERNAL_ASSERT(pair != Slot::input, "[tensor_parallel] no slot pairs with ",
+                            slot_name(static_cast<Slot>(s)), " for the gathered ", g.values[v].name);
+      slots[static_cast<size_t>(pair)].push_back(it->second);
+      b.gathered(vmap[static_cast<size_t>(v)], it->second);
     }
-    b.slot(static_cast<Slot>(s), values);
   }
+  for (int s = 0; s < kSlotCount; ++s) b.slot(static_cast<Slot>(s), slots[static_cast<size_t>(s)]);
   return b.finish(output);
 }
 

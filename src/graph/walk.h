@@ -147,12 +147,11 @@ class BlockRun {
   // A value's last forward reader ran: kept values stay, dropped ones are recorded and freed.
   void release_forward(B& b, int v) {
     if (v == g_.output) return;
-    const int s = g_.slot_of[v];
     // A saved value in no slot belongs to a graph without a plan: always kept.
-    if (training_ && g_.saved[v] && (s < 0 || keep_[s])) return;
+    if (training_ && g_.kept(v, keep_)) return;
     if (training_ && g_.saved[v]) {
       missing_[v] = true;
-      ++slot_missing_[s];
+      ++slot_missing_[g_.slot_of[v]];
       b.dropped(v, vals_[v]);
     }
     vals_[v] = T();
@@ -214,6 +213,9 @@ class BlockRun {
       }
       for (int u : n.inputs) {
         if (last[u] == static_cast<int>(i)) fresh[u] = T();
+        // A shard kept only to be gathered again (BlockGraph::gathered) goes once it was.
+        const int whole = g_.gathered[u];
+        if (whole >= 0 && !g_.saved[u] && !missing_[whole]) vals_[u] = T();
       }
       for (Slot s : complete) {
         std::vector<T> ts;

@@ -20,12 +20,15 @@ int64_t ActivationBytes::total() const {
 }
 
 std::unique_ptr<Model> Model::create(const ModelConfig& cfg, at::Device device, at::ScalarType compute_dtype,
-                                     uint64_t seed, dist::Group* tp) {
+                                     uint64_t seed, dist::Group* tp, bool sequence_parallel) {
   TORCH_CHECK(cfg.vocab_size > 0, "The model needs a vocabulary size (model.vocab_size), got ", cfg.vocab_size);
   TORCH_CHECK(compute_dtype == at::kFloat || compute_dtype == at::kBFloat16 || compute_dtype == at::kDouble,
               "The compute dtype must be float32, bfloat16 or float64, got ", compute_dtype);
+  TORCH_CHECK(!sequence_parallel || (tp != nullptr && tp->size() > 1),
+              "Sequence parallelism shares the positions over a tensor-parallel group, but the model has none; "
+              "set parallel.tp > 1 with parallel.sp = true.");
   return std::make_unique<detail::TransformerModel>(detail::arch_decl(cfg.arch), cfg, device, compute_dtype, seed,
-                                                    tp);
+                                                    tp, sequence_parallel);
 }
 
 int64_t Model::tp_size() const { return tp_ != nullptr ? tp_->size() : 1; }
@@ -51,20 +54,22 @@ std::vector<int64_t> Model::whole_sizes(size_t i) const {
 
 namespace graph {
 
-BlockGraph block_graph(const ModelConfig& cfg, int64_t batch, int64_t seq, at::ScalarType dtype, int64_t tp) {
+BlockGraph block_graph(const ModelConfig& cfg, int64_t batch, int64_t seq, at::ScalarType dtype, int64_t tp,
+                       bool sp) {
   const auto& decl = detail::arch_decl(cfg.arch);
-  return tensor_parallel(decl.block(cfg, batch, seq, dtype), decl.tp_plan, tp);
+  return tensor_parallel(decl.block(cfg, batch, seq, dtype), decl.tp_plan, tp, sp);
 }
 
-BlockGraph embed_graph(const ModelConfig& cfg, int64_t batch, int64_t seq, at::ScalarType dtype, int64_t tp) {
+BlockGraph embed_graph(const ModelConfig& cfg, int64_t batch, int64_t seq, at::ScalarType dtype, int64_t tp,
+                       bool sp) {
   const auto& decl = detail::arch_decl(cfg.arch);
-  return tensor_parallel(decl.embed(cfg, batch, seq, dtype), decl.tp_plan, tp);
+  return tensor_parallel(decl.embed(cfg, batch, seq, dtype), decl.tp_plan, tp, sp);
 }
 
 BlockGraph head_graph(const ModelConfig& cfg, int64_t batch, int64_t seq, at::ScalarType dtype, int64_t chunk,
-                      int64_t tp) {
+                      int64_t tp, bool sp) {
   const auto& decl = detail::arch_decl(cfg.arch);
-  return tensor_parallel(decl.head(cfg, batch, seq, dtype, chunk), decl.tp_plan, tp);
+  return tensor_parallel(decl.head(cfg, batch, seq, dtype, chunk), decl.tp_plan, tp, sp);
 }
 
 }  // namespace graph
@@ -79,6 +84,22 @@ int64_t Model::num_params() const {
 }
 
 void Model::zero_grad() { grad_buffer_.zero_(); }
+
+void Model::sum_partial_grads(const std::string& what) {
+  std::vector<at::Tensor> parts;
+  for (const Param& p : params_) {
+    if (p.partial) parts.push_back(p.grad.reshape({-1}));
+  }
+  if (parts.empty() || tp_size() == 1) return;
+  // Norm weights and biases: small, so one flat copy beats a collective each.
+  std::vector<at::Tensor> flat{at::cat(parts)};
+  tp_->all_reduce(flat, dist::Reduce::sum, what);
+  int64_t at = 0;
+  for (at::Tensor& part : parts) {
+    part.copy_(flat[0].narrow(0, at, part.numel()));
+    at += part.numel();
+  }
+}
 
 std::vector<std::pair<std::string, at::Tensor>> Model::whole_params() const {
   std::vector<std::pair<std::string, at::Tensor>> out;

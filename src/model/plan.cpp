@@ -8,8 +8,8 @@ namespace remat {
 
 const std::vector<std::string>& block_slots() {
   static const std::vector<std::string> slots = {
-      "attn.norm", "attn.qkv_in", "attn.qkv",  "attn.probs", "attn.dropout", "attn.proj_in",
-      "attn.resid", "mlp.norm",   "mlp.fc_in", "mlp.act_in", "mlp.proj_in",  "mlp.resid"};
+      "attn.norm", "attn.qkv_in", "attn.gathered", "attn.qkv",  "attn.probs",  "attn.dropout", "attn.proj_in",
+      "attn.resid", "mlp.norm",   "mlp.fc_in",     "mlp.gathered", "mlp.act_in", "mlp.proj_in", "mlp.resid"};
   return slots;
 }
 
@@ -32,10 +32,13 @@ const std::vector<std::pair<std::string, std::vector<std::string>>>& block_modul
   static const std::vector<std::pair<std::string, std::vector<std::string>>> modules = {
       {"core_attn", {"attn.probs", "attn.dropout"}},
       {"qkv", {"attn.qkv"}},
-      {"norm", {"attn.norm", "attn.qkv_in", "mlp.fc_in"}},
-      {"attn", {"attn.norm", "attn.qkv_in", "attn.qkv", "attn.probs", "attn.dropout", "attn.proj_in", "attn.resid"}},
+      {"norm", {"attn.norm", "attn.qkv_in", "attn.gathered", "mlp.fc_in", "mlp.gathered"}},
+      {"attn",
+       {"attn.norm", "attn.qkv_in", "attn.gathered", "attn.qkv", "attn.probs", "attn.dropout", "attn.proj_in",
+        "attn.resid"}},
       {"act", {"mlp.proj_in"}},
-      {"mlp", {"mlp.fc_in", "mlp.act_in", "mlp.proj_in", "mlp.resid"}},
+      {"mlp", {"mlp.fc_in", "mlp.gathered", "mlp.act_in", "mlp.proj_in", "mlp.resid"}},
+      {"gathered", {"attn.gathered", "mlp.gathered"}},
   };
   return modules;
 }

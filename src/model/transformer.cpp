@@ -15,10 +15,10 @@ std::vector<at::Tensor> Weights::of(const std::vector<int>& idx) const {
 
 namespace {
 
-// The parameter layout of `decl` for `cfg` on one of `tp` ranks: the embedding's, each
-// layer's, then the head's not already named by the embedding; tensors uninitialised, of
-// a rank's sizes, with options `o`.
-Weights make_weights(const ArchDecl& decl, const ModelConfig& cfg, int64_t tp, const at::TensorOptions& o) {
+// The parameter layout of `decl` for `cfg` on one of `tp` ranks (`sp`: with sequence
+// parallelism): the embedding's, each layer's, then the head's not already named by the
+// embedding; tensors uninitialised, of a rank's sizes, with options `o`.
+Weights make_weights(const ArchDecl& decl, const ModelConfig& cfg, int64_t tp, bool sp, const at::TensorOptions& o) {
   Weights w;
   std::map<std::string, int> index;
   auto add = [&](const std::string& name, const graph::Param& p) {
@@ -27,17 +27,19 @@ Weights make_weights(const ArchDecl& decl, const ModelConfig& cfg, int64_t tp, c
       w.names.push_back(name);
       w.tensors.push_back(at::empty(p.sizes, o));
       w.shards.push_back(p.shard);
+      w.partial.push_back(p.partial);
     }
     return it->second;
   };
-  const auto params = [&](graph::BlockGraph g) { return graph::tensor_parallel(g, decl.tp_plan, tp).params; };
-  for (const auto& p : params(decl.embed(cfg, 1, 1, at::kFloat))) w.embed.push_back(add(p.name, p));
-  const auto block = params(decl.block(cfg, 1, 1, at::kFloat));
+  const auto params = [&](graph::BlockGraph g) { return graph::tensor_parallel(g, decl.tp_plan, tp, sp).params; };
+  const int64_t T = sp ? tp : 1;  // a position per rank
+  for (const auto& p : params(decl.embed(cfg, 1, T, at::kFloat))) w.embed.push_back(add(p.name, p));
+  const auto block = params(decl.block(cfg, 1, T, at::kFloat));
   for (int64_t l = 0; l < cfg.n_layer; ++l) {
     w.layers.emplace_back();
     for (const auto& p : block) w.layers.back().push_back(add(decl.layer_prefix + std::to_string(l) + "." + p.name, p));
   }
-  for (const auto& p : params(decl.head(cfg, 1, 1, at::kFloat, 1))) w.head.push_back(add(p.name, p));
+  for (const auto& p : params(decl.head(cfg, 1, T, at::kFloat, 1))) w.head.push_back(add(p.name, p));
   return w;
 }
 
@@ -78,11 +80,12 @@ void Engine::dropped(int v, const at::Tensor& t) {
 }
 
 TransformerModel::TransformerModel(const ArchDecl& decl, const ModelConfig& cfg, at::Device device,
-                                   at::ScalarType compute_dtype, uint64_t seed, dist::Group* tp)
-    : Model(cfg, device, compute_dtype, tp), decl_(decl) {
+                                   at::ScalarType compute_dtype, uint64_t seed, dist::Group* tp,
+                                   bool sequence_parallel)
+    : Model(cfg, device, compute_dtype, tp, sequence_parallel), decl_(decl) {
   // Masters are float32, or float64 when computing in float64 (gradient tests).
   const auto f32 = at::TensorOptions().dtype(compute_dtype == at::kDouble ? at::kDouble : at::kFloat);
-  weights_ = make_weights(decl, cfg, tp_size(), f32);
+  weights_ = make_weights(decl, cfg, tp_size(), sp_, f32);
   // Initialise on CPU from one seeded generator so a seed means the same model on every
   // device and every tensor-parallel layout (a rank keeps its part of the whole), then move.
   auto gen = at::detail::createCPUGenerator(seed);
@@ -104,7 +107,8 @@ TransformerModel::TransformerModel(const ArchDecl& decl, const ModelConfig& cfg,
     const at::Tensor& w = weights_.tensors[i];
     grads_.tensors[i] = grad_buffer_.narrow(0, numel, w.numel()).view(w.sizes());
     numel += w.numel();
-    params_.push_back(Param{weights_.names[i], w, grads_.tensors[i], w.dim() >= 2, weights_.shards[i]});
+    params_.push_back(
+        Param{weights_.names[i], w, grads_.tensors[i], w.dim() >= 2, weights_.shards[i], weights_.partial[i]});
   }
   const graph::BlockGraph head = graph_of(Part::head, 1, 1, 1);
   for (const auto& n : head.nodes) {
@@ -121,9 +125,9 @@ double TransformerModel::forward_backward(const at::Tensor& tokens, const at::Te
   check_batch(tokens, targets);
   const Weights& W = compute_weights();
   const int64_t L = cfg_.n_layer, B = tokens.size(0), T = tokens.size(1);
-  const GraphShape& emb = shaped(Part::embed, B, T);
-  const GraphShape& blk = shaped(Part::block, B, T);
-  const GraphShape& head = shaped(Part::head, B, T, ce_chunk);
+  const GraphShape& emb = shaped(Part::embed, B, T, 0, sp_);
+  const GraphShape& blk = shaped(Part::block, B, T, 0, sp_);
+  const GraphShape& head = shaped(Part::head, B, T, ce_chunk, sp_);
   const PoolDrain drain{store_ != nullptr && store_->options().pool};
 
   // Coarse trace slices around the parts outside the blocks.
@@ -224,17 +228,12 @@ void TransformerModel::set_activation_plan(const ActivationPlan& plan, const Sto
 
 ActivationBytes TransformerModel::predict_activation_bytes(int64_t B, int64_t T) const {
   // The graphs' saved values: the blocks' by the slot table (the planner prices the same).
-  const graph::BlockGraph g = graph_of(Part::block, B, T);
+  const graph::BlockGraph g = graph_of(Part::block, B, T, 0, sp_);
   ActivationBytes out;
-  out.embedding = graph_of(Part::embed, B, T).saved_bytes();
-  out.head = graph_of(Part::head, B, T, 1).saved_bytes();
+  out.embedding = graph_of(Part::embed, B, T, 0, sp_).saved_bytes();
+  out.head = graph_of(Part::head, B, T, 1, sp_).saved_bytes();
   for (int64_t l = 0; l < cfg_.n_layer; ++l) {
-    const auto keep = keeps(l);
-    int64_t bytes = 0;
-    for (int s = 0; s < kSlotCount; ++s) {
-      if (keep[static_cast<size_t>(s)]) bytes += g.slot_bytes(static_cast<Slot>(s));
-    }
-    out.blocks.push_back(bytes);
+    out.blocks.push_back(g.kept_bytes(keeps(l)));
   }
   return out;
 }
@@ -247,21 +246,21 @@ void TransformerModel::check_batch(const at::Tensor& tokens, const at::Tensor& t
               cfg_.max_seq, " tokens.");
 }
 
-graph::BlockGraph TransformerModel::graph_of(Part p, int64_t B, int64_t T, int64_t chunk) const {
+graph::BlockGraph TransformerModel::graph_of(Part p, int64_t B, int64_t T, int64_t chunk, bool sp) const {
   switch (p) {
     case Part::embed:
-      return graph::tensor_parallel(decl_.embed(cfg_, B, T, compute_dtype_), decl_.tp_plan, tp_size());
+      return graph::tensor_parallel(decl_.embed(cfg_, B, T, compute_dtype_), decl_.tp_plan, tp_size(), sp);
     case Part::block:
-      return graph::tensor_parallel(decl_.block(cfg_, B, T, compute_dtype_), decl_.tp_plan, tp_size());
+      return graph::tensor_parallel(decl_.block(cfg_, B, T, compute_dtype_), decl_.tp_plan, tp_size(), sp);
     case Part::head:
-      return graph::tensor_parallel(decl_.head(cfg_, B, T, compute_dtype_, chunk), decl_.tp_plan, tp_size());
+      return graph::tensor_parallel(decl_.head(cfg_, B, T, compute_dtype_, chunk), decl_.tp_plan, tp_size(), sp);
   }
   TORCH_INTERNAL_ASSERT(false, "unknown part");
 }
 
-const GraphShape& TransformerModel::shaped(Part p, int64_t B, int64_t T, int64_t chunk) {
-  auto& slot = parts_[{p, B, T, chunk}];
-  if (!slot) slot = std::make_unique<GraphShape>(graph_of(p, B, T, chunk));
+const GraphShape& TransformerModel::shaped(Part p, int64_t B, int64_t T, int64_t chunk, bool sp) {
+  auto& slot = parts_[{p, B, T, chunk, sp}];
+  if (!slot) slot = std::make_unique<GraphShape>(graph_of(p, B, T, chunk, sp));
   return *slot;
 }
 

@@ -84,6 +84,7 @@ struct Weights {
   std::vector<std::string> names;
   std::vector<at::Tensor> tensors;
   std::vector<graph::Shard> shards;
+  std::vector<bool> partial;  ///< graph::Param::partial
   std::vector<int> embed, head;
   std::vector<std::vector<int>> layers;
   /// The tensors of one graph's parameters, in the graph's order (handles: in-place
@@ -127,7 +128,7 @@ using Run = graph::BlockRun<Engine>;
 class TransformerModel final : public Model {
  public:
   TransformerModel(const ArchDecl& decl, const ModelConfig& cfg, at::Device device, at::ScalarType compute_dtype,
-                   uint64_t seed, dist::Group* tp);
+                   uint64_t seed, dist::Group* tp, bool sequence_parallel);
 
   double forward_backward(const at::Tensor& tokens, const at::Tensor& targets, const StepContext& ctx,
                           double loss_scale, int64_t ce_chunk, ActivationBytes* measured) override;
@@ -146,10 +147,11 @@ class TransformerModel final : public Model {
   enum class Part { embed, block, head };
 
   void check_batch(const at::Tensor& tokens, const at::Tensor& targets) const;
-  // A part's graph at [B, T] (the head's also per chunk) as this rank runs it.
-  graph::BlockGraph graph_of(Part p, int64_t B, int64_t T, int64_t chunk = 0) const;
+  // A part's graph at [B, T] (the head's also per chunk) as this rank runs it; `sp`: with
+  // the sequence parallelism a training step runs (Model::sequence_parallel).
+  graph::BlockGraph graph_of(Part p, int64_t B, int64_t T, int64_t chunk = 0, bool sp = false) const;
   // The same, built once per shape.
-  const GraphShape& shaped(Part p, int64_t B, int64_t T, int64_t chunk = 0);
+  const GraphShape& shaped(Part p, int64_t B, int64_t T, int64_t chunk = 0, bool sp = false);
   // Per slot, whether layer l's forward keeps it.
   std::vector<bool> keeps(int64_t l) const;
   // The backend for one graph: the weights `W` (the compute copies) at `params`, layer l's
@@ -168,7 +170,7 @@ class TransformerModel final : public Model {
 
   const ArchDecl& decl_;
   std::optional<ops::RopeTables> rope_;  ///< rotation tables, when the block rotates
-  std::map<std::tuple<Part, int64_t, int64_t, int64_t>, std::unique_ptr<GraphShape>> parts_;
+  std::map<std::tuple<Part, int64_t, int64_t, int64_t, bool>, std::unique_ptr<GraphShape>> parts_;
   std::unique_ptr<ActivationStore> store_;  ///< null: every slot kept
   Weights weights_;
   Weights grads_;

@@ -144,8 +144,9 @@ namespace {
 
 using detail::flags;
 
-// No inputs; attributes p, site and sizes; outputs {mask}. The mask is a function of the
-// key alone, so recomputing it needs nothing kept.
+// No inputs; attributes p, site and sizes (sharded: dimension 1 is this rank's positions
+// of the sequence); outputs {mask}. The mask is a function of the key alone, so
+// recomputing it needs nothing kept.
 class DropoutMaskDef final : public OpDef {
  public:
   const char* kind() const override { return "dropout_mask"; }
@@ -159,7 +160,12 @@ class DropoutMaskDef final : public OpDef {
   std::vector<at::Tensor> forward(const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, const Attrs& a,
                                   const RunContext& ctx) const override {
     if (!ctx.train) return {at::Tensor()};
-    return {ops::dropout_mask(a.sizes, a.p, ctx.key(a.site), ctx.device)};
+    ops::DropoutKey key = ctx.key(a.site);
+    if (a.sharded) {  // this rank's positions of the group's: that window of the one-process mask
+      key.first_in_dim1 = ctx.tp_rank() * a.sizes[1];
+      key.dim1_global = a.sizes[1] * ctx.tp_size();
+    }
+    return {ops::dropout_mask(a.sizes, a.p, key, ctx.device)};
   }
   std::vector<at::Tensor> backward(const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
                                    const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,

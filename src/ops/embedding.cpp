@@ -49,14 +49,14 @@ void embedding_backward(const at::Tensor& dy, const EmbeddingSaved& saved, at::T
 
 int64_t embedding_saved_bytes(int64_t tokens) { return nbytes(tokens, at::kLong); }
 
-Fwd<PositionEmbeddingSaved> position_embedding_forward(int64_t seq_len, const at::Tensor& w) {
+Fwd<PositionEmbeddingSaved> position_embedding_forward(int64_t seq_len, const at::Tensor& w, int64_t first) {
   const trace::Scope trace_scope("position_embedding", trace::Category::forward);
   TORCH_CHECK(w.dim() == 2, "[position_embedding] weight must be [max_positions, channels], got ",
               w.sizes());
-  TORCH_CHECK(seq_len >= 1 && seq_len <= w.size(0), "[position_embedding] sequence length ", seq_len,
-              " does not fit the model's context length of ", w.size(0),
+  TORCH_CHECK(seq_len >= 1 && first >= 0 && first + seq_len <= w.size(0), "[position_embedding] sequence length ",
+              first + seq_len, " does not fit the model's context length of ", w.size(0),
               " positions; use sequences of at most ", w.size(0), " tokens");
-  return {w.narrow(0, 0, seq_len), PositionEmbeddingSaved{seq_len}};
+  return {w.narrow(0, first, seq_len), PositionEmbeddingSaved{seq_len, first}};
 }
 
 void position_embedding_backward(const at::Tensor& dy, const PositionEmbeddingSaved& saved,
@@ -65,7 +65,7 @@ void position_embedding_backward(const at::Tensor& dy, const PositionEmbeddingSa
   const int64_t T = saved.seq_len, C = dw.size(1);
   TORCH_CHECK(dy.dim() >= 2 && dy.size(-2) == T && dy.size(-1) == C,
               "[position_embedding] gradient must be [..., ", T, ", ", C, "], got ", dy.sizes());
-  at::Tensor rows = dw.narrow(0, 0, T);
+  at::Tensor rows = dw.narrow(0, saved.first, T);
   accumulate(rows, dy.reshape({-1, T, C}).sum(0));
 }
 
@@ -139,9 +139,12 @@ class EmbeddingDef final : public OpDef {
 };
 
 // Inputs {x [B, T, C]}; params {w [P, C]}; outputs {x + w[0:T]} (learned positions added
-// to the token rows). x's gradient is the output gradient itself; w's rows take its sum
+// to the token rows; sharded: x holds this rank's T of the group's T * ranks positions,
+// and adds their rows). x's gradient is the output gradient itself; w's rows take its sum
 // over the batch.
 class PositionEmbeddingDef final : public detail::Elementwise {
+  static int64_t first(int64_t T, const Attrs& a, const RunContext& ctx) { return a.sharded ? ctx.tp_rank() * T : 0; }
+
  public:
   PositionEmbeddingDef() : Elementwise("position_embedding", 1) {}
   std::vector<TensorInfo> infer(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& p,
@@ -158,14 +161,15 @@ class PositionEmbeddingDef final : public detail::Elementwise {
     return static_cast<double>(in[0].numel());
   }
   int grad_alias(size_t) const override { return 0; }
-  std::vector<at::Tensor> forward(const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& p, const Attrs&,
-                                  const RunContext&) const override {
-    return {in[0] + ops::position_embedding_forward(in[0].size(1), p[0]).out};
+  std::vector<at::Tensor> forward(const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& p, const Attrs& a,
+                                  const RunContext& ctx) const override {
+    return {in[0] + ops::position_embedding_forward(in[0].size(1), p[0], first(in[0].size(1), a, ctx)).out};
   }
   std::vector<at::Tensor> backward(const std::vector<at::Tensor>& dy, const std::vector<at::Tensor>&,
                                    const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
-                                   std::vector<at::Tensor*>& g, const Attrs&, const RunContext&) const override {
-    ops::position_embedding_backward(dy[0], ops::PositionEmbeddingSaved{dy[0].size(1)}, *g[0]);
+                                   std::vector<at::Tensor*>& g, const Attrs& a, const RunContext& ctx) const override {
+    const int64_t T = dy[0].size(1);
+    ops::position_embedding_backward(dy[0], ops::PositionEmbeddingSaved{T, first(T, a, ctx)}, *g[0]);
     return {dy[0]};
   }
   // The batch sum of the gradient [T, C], and its cast to the gradient's dtype when narrower.

@@ -36,6 +36,47 @@ at::Tensor tp_reduce_backward(const at::Tensor& dy, const TpSaved&, at::Tensor* 
   return dy;
 }
 
+at::Tensor gather_positions(const at::Tensor& x, dist::Group& group, const std::string& what) {
+  TORCH_CHECK(x.dim() >= 2 && x.is_contiguous(), "[sp_gather] needs a contiguous tensor of 2 dimensions or more, got ",
+              x.sizes());
+  // Bytes: Gloo gathers no bfloat16, and the bytes of every dtype arrive unchanged.
+  return group.all_gather(x.view(at::kByte), 1, what).view(x.scalar_type());
+}
+
+at::Tensor reduce_scatter_positions(at::Tensor x, dist::Group& group, const std::string& what) {
+  TORCH_CHECK(x.dim() >= 2 && x.size(1) % group.size() == 0, "[sp_scatter] needs dimension 1 of ", x.sizes(),
+              " divisible by the ", group.size(), " ranks");
+  all_reduce_in_place(x, group, what);
+  const int64_t n = x.size(1) / group.size();
+  // A copy even where the slice is contiguous (one sequence): a view would hold on to the
+  // whole sum.
+  return x.narrow(1, group.rank() * n, n).clone();
+}
+
+Fwd<TpSaved> sp_gather_forward(const at::Tensor& x, dist::Group& group, const std::string& what) {
+  const trace::Scope trace_scope("all_gather", trace::Category::forward);
+  return {gather_positions(x, group, what), TpSaved{}};
+}
+
+at::Tensor sp_gather_backward(at::Tensor dy, const TpSaved&, dist::Group& group, const std::string& what) {
+  const trace::Scope trace_scope("reduce_scatter", trace::Category::backward);
+  return reduce_scatter_positions(std::move(dy), group, what);
+}
+
+Fwd<TpSaved> sp_scatter_forward(at::Tensor x, const at::Tensor& bias, dist::Group& group, const std::string& what) {
+  const trace::Scope trace_scope("reduce_scatter", trace::Category::forward);
+  at::Tensor y = reduce_scatter_positions(std::move(x), group, what);
+  if (bias.defined()) y.add_(bias);
+  return {y, TpSaved{}};
+}
+
+at::Tensor sp_scatter_backward(const at::Tensor& dy, const TpSaved&, at::Tensor* db, dist::Group& group,
+                               const std::string& what) {
+  if (db != nullptr && db->defined()) accumulate(*db, dy.reshape({-1, dy.size(-1)}).sum(0));
+  const trace::Scope trace_scope("all_gather", trace::Category::backward);
+  return gather_positions(dy, group, what);
+}
+
 }  // namespace remat::ops
 
 namespace remat::graph {
@@ -57,6 +98,45 @@ dist::Group& group_of(const RunContext& ctx, const char* kind) {
 void reduce_events(Events& e, const TensorInfo& t) {
   if (t.dtype == at::kFloat || t.dtype == at::kDouble) return;
   e.release(e.temp(bytes_of(t.numel(), at::kFloat)));
+}
+
+// gather_positions into result `index` of `whole` bytes: the ranks' parts (one buffer each,
+// as many bytes as the result together), Gloo's flat receive buffer while the collective
+// runs, then their concatenation.
+void gather_events(Events& e, int64_t whole, int64_t index) {
+  const int64_t parts = e.temp(whole);
+  e.release(e.temp(whole));
+  e.out(index);
+  e.release(parts);
+}
+
+// reduce_scatter_positions of `whole` into result `index`: the reduction, then the copy.
+void scatter_events(Events& e, const TensorInfo& whole, int64_t index) {
+  reduce_events(e, whole);
+  e.out(index);
+}
+
+// A row sum into a bias gradient, cast when the accumulator is wider (tp_reduce, sp_scatter).
+void bias_grad_events(Events& e, const TensorInfo& dy, const TensorInfo& bias) {
+  const at::ScalarType acc = detail::stats_of(dy.dtype);
+  const int64_t sum = e.temp(bytes_of(bias.numel(), dy.dtype));
+  if (acc != dy.dtype) e.release(e.temp(bytes_of(bias.numel(), acc)));
+  e.release(sum);
+}
+
+// The shapes of the sequence-parallel collectives: the output's sizes are the attribute
+// `sizes` (the transform knows the group's size; the op does not until it runs), equal to
+// the input's but in dimension 1, which `gathers` (or scatters) by a whole factor.
+std::vector<TensorInfo> positions_infer(const char* kind, const std::vector<TensorInfo>& in, const Attrs& a,
+                                        bool gathers) {
+  TORCH_CHECK(in.size() == 1 && in[0].sizes.size() >= 2 && a.sizes.size() == in[0].sizes.size(), "[", kind,
+              "] needs one input of 2 dimensions or more and its output's sizes, got ", in.size(), " inputs");
+  const int64_t from = in[0].sizes[1], to = a.sizes[1];
+  bool same = true;
+  for (size_t d = 0; d < a.sizes.size(); ++d) same = same && (d == 1 || a.sizes[d] == in[0].sizes[d]);
+  TORCH_CHECK(same && from > 0 && to > 0 && (gathers ? to % from : from % to) == 0, "[", kind, "] cannot ",
+              gathers ? "gather " : "scatter ", in[0].sizes, " to ", a.sizes);
+  return {in[0].with_sizes(a.sizes)};
 }
 
 // Inputs {x}; outputs {x itself}. Its input gradient is the output gradient summed over
@@ -112,14 +192,76 @@ class TpReduceDef final : public detail::Elementwise {
                       const std::vector<TensorInfo>&, const Attrs&) const override {
     reduce_events(e, in[0]);
   }
-  // The bias gradient: a row sum, cast when the accumulator is wider.
   void backward_events(Events& e, const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& p,
                        const std::vector<TensorInfo>&, const Attrs&) const override {
-    if (p.empty()) return;
-    const at::ScalarType acc = detail::stats_of(in[0].dtype);
-    const int64_t sum = e.temp(bytes_of(p[0].numel(), in[0].dtype));
-    if (acc != in[0].dtype) e.release(e.temp(bytes_of(p[0].numel(), acc)));
-    e.release(sum);
+    if (!p.empty()) bias_grad_events(e, in[0], p[0]);
+  }
+};
+
+// Inputs {x, a rank's positions}; attribute sizes (the output's); outputs {every rank's
+// positions}. Its backward sums the output gradient over the ranks and keeps the rank's
+// positions: each column-parallel consumer returns a new gradient no one else reads.
+class SpGatherDef final : public OpDef {
+ public:
+  const char* kind() const override { return "sp_gather"; }
+  std::vector<TensorInfo> infer(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>&,
+                                const Attrs& a) const override {
+    return positions_infer(kind(), in, a, true);
+  }
+  double flops(const std::vector<TensorInfo>&, const std::vector<TensorInfo>&, const Attrs&) const override {
+    return 0.0;
+  }
+  std::vector<at::Tensor> forward(const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&, const Attrs&,
+                                  const RunContext& ctx) const override {
+    return {ops::sp_gather_forward(in[0], group_of(ctx, kind()), what_of("all-gather", ctx)).out};
+  }
+  std::vector<at::Tensor> backward(const std::vector<at::Tensor>& dy, const std::vector<at::Tensor>&,
+                                   const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
+                                   std::vector<at::Tensor*>&, const Attrs&, const RunContext& ctx) const override {
+    return {ops::sp_gather_backward(dy[0], {}, group_of(ctx, kind()), what_of("gradient reduce-scatter", ctx))};
+  }
+  void forward_events(Events& e, const std::vector<TensorInfo>&, const std::vector<TensorInfo>&,
+                      const std::vector<TensorInfo>& out, const Attrs&) const override {
+    gather_events(e, out[0].bytes(), 0);
+  }
+  void backward_events(Events& e, const std::vector<TensorInfo>&, const std::vector<TensorInfo>&,
+                       const std::vector<TensorInfo>& out, const Attrs&) const override {
+    scatter_events(e, out[0], 0);
+  }
+};
+
+// Inputs {x, a partial product of every position}, parameters {} or {bias}; attribute
+// sizes (the output's); outputs {the sum over the ranks at this rank's positions (+ bias)}.
+class SpScatterDef final : public OpDef {
+ public:
+  const char* kind() const override { return "sp_scatter"; }
+  std::vector<TensorInfo> infer(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>&,
+                                const Attrs& a) const override {
+    return positions_infer(kind(), in, a, false);
+  }
+  double flops(const std::vector<TensorInfo>&, const std::vector<TensorInfo>& p, const Attrs& a) const override {
+    return p.empty() ? 0.0 : static_cast<double>(TensorInfo{a.sizes, at::kFloat, {}}.numel());
+  }
+  std::vector<at::Tensor> forward(const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& p, const Attrs&,
+                                  const RunContext& ctx) const override {
+    return {ops::sp_scatter_forward(in[0], p.empty() ? at::Tensor() : p[0], group_of(ctx, kind()),
+                                    what_of("reduce-scatter", ctx))
+                .out};
+  }
+  std::vector<at::Tensor> backward(const std::vector<at::Tensor>& dy, const std::vector<at::Tensor>&,
+                                   const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
+                                   std::vector<at::Tensor*>& g, const Attrs&, const RunContext& ctx) const override {
+    return {ops::sp_scatter_backward(dy[0], {}, g.empty() ? nullptr : g[0], group_of(ctx, kind()),
+                                     what_of("gradient all-gather", ctx))};
+  }
+  void forward_events(Events& e, const std::vector<TensorInfo>& in, const std::vector<TensorInfo>&,
+                      const std::vector<TensorInfo>&, const Attrs&) const override {
+    scatter_events(e, in[0], 0);
+  }
+  void backward_events(Events& e, const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& p,
+                       const std::vector<TensorInfo>& out, const Attrs&) const override {
+    if (!p.empty()) bias_grad_events(e, out[0], p[0]);
+    gather_events(e, in[0].bytes(), 0);
   }
 };
 
@@ -132,6 +274,16 @@ const OpDef& op::tp_copy() {
 
 const OpDef& op::tp_reduce() {
   static const TpReduceDef def;
+  return def;
+}
+
+const OpDef& op::sp_gather() {
+  static const SpGatherDef def;
+  return def;
+}
+
+const OpDef& op::sp_scatter() {
+  static const SpScatterDef def;
   return def;
 }
 

@@ -102,7 +102,7 @@ std::vector<const OpDef*> op::all() {
   return {&layernorm(), &rmsnorm(), &linear(), &attention(), &tiled_attention(), &dropout_mask(),
           &dropout(),   &residual(), &gelu(),   &swiglu(),    &rope(),            &view(),
           &split(),     &embedding(), &position_embedding(), &cross_entropy(), &fused_cross_entropy(),
-          &tp_copy(),   &tp_reduce()};
+          &tp_copy(),   &tp_reduce(), &sp_gather(), &sp_scatter()};
 }
 
 }  // namespace remat::graph

@@ -176,10 +176,7 @@ LayerCost simulate(const graph::BlockGraph& g, const std::set<std::string>& drop
   std::vector<bool> keep(kSlotCount, true);
   for (const auto& s : dropped) keep[static_cast<size_t>(slot_of_name(s))] = false;
   LayerCost lc = simulate(g, keep, early_stop, times, backward);
-  int64_t table = 0;
-  for (int s = 0; s < kSlotCount; ++s) {
-    if (keep[static_cast<size_t>(s)]) table += g.slot_bytes(static_cast<Slot>(s));
-  }
+  const int64_t table = g.kept_bytes(keep);
   TORCH_INTERNAL_ASSERT(lc.kept == table, "the walk keeps ", lc.kept, " bytes but the slot table ", table);
   return lc;
 }
@@ -216,11 +213,13 @@ StaticBytes static_bytes(const ModelConfig& cfg, const StepShape& shape) {
 StepConstants step_constants(const ModelConfig& cfg, const StepShape& shape) {
   StepConstants k;
   k.statics = static_bytes(cfg, shape);
-  const LayerCost embed = simulate_kept(graph::embed_graph(cfg, shape.batch, shape.seq, shape.dtype, shape.tp));
+  const LayerCost embed =
+      simulate_kept(graph::embed_graph(cfg, shape.batch, shape.seq, shape.dtype, shape.tp, shape.sp));
   k.embed_peak = embed.forward_peak;
   k.embed_saved = embed.kept;
   k.embed_backward = embed.backward_peak - embed.kept;
-  const LayerCost head = simulate_kept(graph::head_graph(cfg, shape.batch, shape.seq, shape.dtype, shape.ce_chunk, shape.tp));
+  const LayerCost head = simulate_kept(
+      graph::head_graph(cfg, shape.batch, shape.seq, shape.dtype, shape.ce_chunk, shape.tp, shape.sp));
   k.head_peak = std::max(head.forward_peak, head.backward_peak);
   k.head_saved = head.kept;
   // AdamW's denominator: a square root and its quotient, per parameter.
@@ -233,7 +232,7 @@ StepPrediction predict_step(const ModelConfig& cfg, const StepShape& shape, cons
   const int64_t L = cfg.n_layer;
   TORCH_CHECK(static_cast<int64_t>(plan.layers.size()) == L, "The activation plan has ", plan.layers.size(),
               " layers but the model has ", L);
-  const graph::BlockGraph block = graph::block_graph(cfg, shape.batch, shape.seq, shape.dtype, shape.tp);
+  const graph::BlockGraph block = graph::block_graph(cfg, shape.batch, shape.seq, shape.dtype, shape.tp, shape.sp);
   const int64_t input_bytes = block.slot_bytes(Slot::input), out_bytes = block.values[block.output].info.bytes();
   const StepConstants k = step_constants(cfg, shape);
   StepPrediction p;

@@ -63,7 +63,7 @@ void prune(std::vector<State>& v, int64_t max_states, int64_t width) {
 Planner::Planner(const ModelConfig& cfg, const cost::StepShape& shape, const cost::NodeTimes& times,
                  PlannerOptions options)
     : cfg_(cfg), shape_(shape), times_(times), options_(std::move(options)),
-      block_(graph::block_graph(cfg, shape.batch, shape.seq, shape.dtype, shape.tp)) {
+      block_(graph::block_graph(cfg, shape.batch, shape.seq, shape.dtype, shape.tp, shape.sp)) {
   std::vector<std::set<std::string>> candidates = options_.candidates;
   if (candidates.empty()) {
     std::vector<std::string> slots;

@@ -106,7 +106,7 @@ const std::vector<std::pair<std::string, std::vector<std::string>>>& op_kinds() 
       {"attention", {"attn.proj_in"}},
       {"softmax", {"attn.probs"}},
       {"dropout", {"attn.dropout", "attn.resid", "mlp.resid"}},
-      {"norm", {"attn.norm", "attn.qkv_in", "mlp.fc_in"}},
+      {"norm", {"attn.norm", "attn.qkv_in", "attn.gathered", "mlp.fc_in", "mlp.gathered"}},
       {"act", {"mlp.proj_in"}},
       {"add", {"mlp.norm"}},
   };
@@ -615,11 +615,6 @@ void nanotron(const AcConfig& ac, std::vector<Candidate>& out,
     const std::string origin = "ac.recompute_layer = " + boolean(*ac.recompute_layer);
     out.push_back({origin, compile(*ac.recompute_layer ? "full" : "none", origin)});
   }
-  if (ac.tp_recompute_allgather && *ac.tp_recompute_allgather) {
-    fail("ac.tp_recompute_allgather = true keeps a sequence-parallel layer's input sharded and gathers it again for "
-         "the backward; remat has no sequence parallelism yet (parallel.tp runs without it), so there is nothing "
-         "to gather. Set it to false.");
-  }
 }
 
 bool recomputes_anything(const ActivationPlan& p) {
@@ -665,6 +660,15 @@ ActivationPlan compile_policy(const AcConfig& ac, int64_t n_layers, double dropo
     }
   }
 
+  if (ac.tp_recompute_allgather && *ac.tp_recompute_allgather) {
+    // nanotron's default: the gathered inputs of the column-parallel linears are never kept.
+    for (auto& l : plan.layers) {
+      for (const auto& m : block_modules()) {
+        if (m.first == "gathered") l.dropped.insert(m.second.begin(), m.second.end());
+      }
+    }
+    plan.policy += " (tp_recompute_allgather)";
+  }
   if (dropout > 0.0 && !ac.preserve_rng_state && !ac.allow_rng_mismatch && recomputes_anything(plan)) {
     fail(fmt::format("ac.preserve_rng_state = false with dropout {} makes recomputed dropout draw other masks than "
                      "the forward did, which silently changes training; keep ac.preserve_rng_state = true, or set "

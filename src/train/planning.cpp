@@ -19,6 +19,7 @@ RunPlan plan_run(const Config& cfg, at::ScalarType dtype, const TimeProfile& pro
   shape.dtype = dtype;
   shape.resident = resident;
   shape.tp = cfg.parallel.tp;
+  shape.sp = cfg.parallel.sp;
   PlannerOptions opts;
   opts.early_stop = cfg.ac.early_stop;
   const Planner planner(cfg.model, shape, profile.times, opts);

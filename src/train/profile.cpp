@@ -27,10 +27,10 @@ std::string profile_key(const Config& cfg, const Model& model) {
   const TrainConfig& t = cfg.train;
   // The BLAS and its threading change every matmul's time: a digest of their description.
   std::string key = fmt::format(
-      "{}-{}-{}-L{}-C{}-H{}-KV{}-F{}-V{}-p{}-{}{}-B{}-T{}-tp{}-ce{}{}-es{}-threads{}-blas{}", model.device().str(),
+      "{}-{}-{}-L{}-C{}-H{}-KV{}-F{}-V{}-p{}-{}{}-B{}-T{}-tp{}{}-ce{}{}-es{}-threads{}-blas{}", model.device().str(),
       cfg.run.dtype, arch_name(m.arch), m.n_layer, m.d_model, m.n_head, m.n_kv_head, m.d_ff, m.vocab_size, m.dropout,
       attention_name(m.attention), m.attention == Attention::tiled ? m.attention_tile : 0, t.batch, t.seq,
-      model.tp_size(), t.ce_chunk,
+      model.tp_size(), model.sequence_parallel() ? "sp" : "", t.ce_chunk,
       loss_head_name(m.loss_head), cfg.ac.early_stop ? 1 : 0, at::get_num_threads(),
       util::sha256_hex(blas_name()).substr(0, 8));
   std::replace(key.begin(), key.end(), ':', '_');
@@ -118,7 +118,9 @@ TimeProfile measure_time_profile(const Config& cfg, Model& model, const data::To
   // Nodes a full recompute never runs (the block's last ops, which feed no slot) are
   // priced by FLOPs at the rate the timed nodes reached.
   double flops = 0, timed = 0;
-  for (const auto& n : graph::block_graph(cfg.model, t.batch, t.seq, model.compute_dtype(), model.tp_size()).nodes) {
+  for (const auto& n : graph::block_graph(cfg.model, t.batch, t.seq, model.compute_dtype(), model.tp_size(),
+                                          model.sequence_parallel())
+                           .nodes) {
     auto it = p.times.seconds.find(n.name);
     if (it == p.times.seconds.end()) continue;
     flops += n.flops;

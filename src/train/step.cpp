@@ -125,6 +125,7 @@ StepResult TrainStep::run(int64_t step, const data::TokenDataset& data, std::mt1
                                       micro == 0 ? &r.activations : nullptr) /
               static_cast<double>(t.grad_accum * ranks);
   }
+  model_.sum_partial_grads(fmt::format("the sequence-parallel gradient all-reduce of step {}", step + 1));
   if (ranks_ != nullptr) {
     const trace::Scope scope("gradient all-reduce", trace::Category::step);
     all_reduce_gradients(model_, ranks_->data(), r.loss, fmt::format("the gradient all-reduce of step {}", step + 1));

@@ -240,7 +240,8 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   // What one rank runs: its share of each microbatch. Memory and time are planned for it.
   Config local = cfg;
   local.train.batch = t.batch / dp;
-  auto model = Model::create(cfg.model, device, dtype, static_cast<uint64_t>(cfg.run.seed), tensor_ranks);
+  auto model =
+      Model::create(cfg.model, device, dtype, static_cast<uint64_t>(cfg.run.seed), tensor_ranks, cfg.parallel.sp);
   const double matmul_rate =
       measure_matmul_flops(device, dtype, local.train.batch * t.seq, cfg.model.d_model, cfg.model.d_ff);
   TimeProfile profile;
@@ -487,6 +488,7 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
       {"peak_bytes", sum.peak_bytes},
       {"ranks", dp},
       {"tp", tp},
+      {"sp", cfg.parallel.sp},
       {"rank_peak_bytes", sum.rank_peak_bytes},
       {"activation_bytes", sum.activation_bytes},
       {"threads", threads},

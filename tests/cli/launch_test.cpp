@@ -339,20 +339,21 @@ TEST_F(LaunchedTraining, TensorParallelRanksTrainTheOneProcessModel) {
   const Result single = run_remat("train " + common_ + steps + "run.name=single");
   ASSERT_EQ(single.exit_code, 0) << single.output;
   const double one = train_lines("single").at(0)["loss"];
-  for (const int ranks : {2, 4}) {
+  for (const int ranks : {2, 4, -2}) {  // -2: two ranks with sequence parallelism
     const std::string name = "tp" + std::to_string(ranks);
-    const Result r = run_remat("launch --nproc " + std::to_string(ranks) + " train " + common_ + steps +
-                               "parallel.tp=2 run.name=" + name);
+    const Result r = run_remat("launch --nproc " + std::to_string(std::abs(ranks)) + " train " + common_ + steps +
+                               "parallel.tp=2 run.name=" + name + (ranks < 0 ? " parallel.sp=true" : ""));
     ASSERT_EQ(r.exit_code, 0) << r.output;
     EXPECT_NE(r.output.find("each layer split over 2 tensor-parallel ranks"), std::string::npos) << r.output;
     const auto lines = train_lines(name);
     ASSERT_EQ(lines.size(), 2u);
-    EXPECT_EQ(lines[0]["rank_peak_bytes"].size(), static_cast<size_t>(ranks));
+    EXPECT_EQ(lines[0]["rank_peak_bytes"].size(), static_cast<size_t>(std::abs(ranks)));
     const double v = 512, gamma = v * 0x1p-24 / (1 - v * 0x1p-24);
     EXPECT_LE(std::abs(lines[0]["loss"].get<double>() - one), 2 * gamma * (1 + one)) << ranks << " ranks";
     const auto summary = nlohmann::json::parse(read_text(dir_ / "runs" / name / "summary.json"));
     EXPECT_EQ(summary["tp"], 2);
-    EXPECT_EQ(summary["ranks"], ranks / 2);
+    EXPECT_EQ(summary["ranks"], std::abs(ranks) / 2);
+    EXPECT_EQ(summary["sp"], ranks < 0);
     // The weights are written whole: one process samples from them.
     const Result sample = run_remat("generate --run " + (dir_ / "runs" / name).string() + " --tokens 4");
     EXPECT_EQ(sample.exit_code, 0) << sample.output;
@@ -369,9 +370,13 @@ TEST_F(LaunchedTraining, TensorParallelRanksTrainTheOneProcessModel) {
 // dwarf the slack (the prediction's allowance for small tensors, 16 KiB), with the peak in
 // the loss head: Gloo's worker once held a reduced activation past its collective there,
 // about 1,000,000 bytes above the plan on one rank or the other (3 runs in 3).
+// The same with sequence parallelism, keeping or gathering again the column linears' inputs.
 TEST_F(LaunchedTraining, TensorParallelRanksPeakWhereThePlannerSaid) {
-  for (const char* policy : {"none", "full"}) {
-    const std::string name = std::string("peak-") + policy;
+  const std::vector<std::string> policies{"none", "full", "none parallel.sp=true", "full parallel.sp=true",
+                                          "none parallel.sp=true ac.tp_recompute_allgather=true"};
+  for (size_t i = 0; i < policies.size(); ++i) {
+    const std::string& policy = policies[i];
+    const std::string name = "peak-" + std::to_string(i);
     const Result r = run_remat("launch --nproc 2 train " + common_ + " model.preset=gpt2-demo model.vocab_size=2048 " +
                                "train.batch=16 train.seq=128 train.steps=3 ac.profile=false parallel.tp=2 " +
                                "ac.policy=" + policy + " run.name=" + name);

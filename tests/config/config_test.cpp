@@ -78,6 +78,25 @@ TEST(Config, BadValuesAndShapesAreRefusedWithSentences) {
   std::remove(path.c_str());
 }
 
+TEST(Config, SequenceParallelismIsRefusedWhereItCannotRun) {
+  EXPECT_EQ(error_of([] { load_config("", {"parallel.sp=true"}); }),
+            "parallel.sp = true shares each sequence's positions over the tensor-parallel ranks, but parallel.tp = 1 "
+            "has one rank; set parallel.tp to 2 or more, or parallel.sp = false.");
+  EXPECT_EQ(error_of([] { load_config("", {"parallel.sp=true", "parallel.tp=2", "train.seq=255"}); }),
+            "parallel.sp = true gives each of the parallel.tp = 2 ranks an equal share of the 255 positions of a "
+            "sequence (train.seq), but 255 is not a multiple of 2; choose a train.seq that is.");
+  EXPECT_EQ(error_of([] { load_config("", {"parallel.tp=2", "ac.tp_recompute_allgather=true"}); }),
+            "ac.tp_recompute_allgather = true keeps the sequence-parallel input of each column-parallel linear and "
+            "gathers it again in the backward, but without parallel.sp = true (and parallel.tp > 1) nothing is "
+            "gathered; set parallel.sp = true, or drop ac.tp_recompute_allgather.");
+  EXPECT_EQ(error_of([] {
+              load_config("", {"parallel.tp=2", "parallel.sp=true", "ac.tp_recompute_allgather=true", "ac.budget=1GiB"});
+            }),
+            "ac.budget = \"1GiB\" lets the planner choose, per layer, whether to keep each gathered input or gather "
+            "it again, but ac.tp_recompute_allgather = true fixes that choice; keep one of them.");
+  EXPECT_NO_THROW(load_config("", {"parallel.tp=2", "parallel.sp=true", "ac.tp_recompute_allgather=true"}));
+}
+
 TEST(Config, PresetsHaveTheRealShapes) {
   const ModelConfig g = model_preset("gpt2");
   EXPECT_EQ(g.n_layer, 12);

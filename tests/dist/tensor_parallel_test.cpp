@@ -1,6 +1,6 @@
-// Tensor parallelism against one process: ranks as threads of this test (a LocalGroup,
-// which sums in rank order), each holding its share of the very model one process builds
-// for the seed, trained on the same batch.
+// Tensor parallelism, with and without sequence parallelism, against one process: ranks
+// as threads of this test (a LocalGroup, which sums in rank order), each holding its share
+// of the very model one process builds for the seed, trained on the same batch.
 #include "remat/model.h"
 #include "remat/policy.h"
 #include "train/step.h"
@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <map>
 
 namespace remat {
 namespace {
@@ -30,10 +31,11 @@ ModelConfig shape_for(const char* arch, int tp, double dropout) {
 }
 
 std::unique_ptr<Model> make_model(const ModelConfig& cfg, at::ScalarType dtype, const std::string& policy,
-                                  dist::Group* tp) {
-  auto model = Model::create(cfg, at::kCPU, dtype, 1, tp);
+                                  dist::Group* tp, bool sp = false, bool regather = false) {
+  auto model = Model::create(cfg, at::kCPU, dtype, 1, tp, sp);
   AcConfig ac;
   ac.policy = policy;
+  if (regather) ac.tp_recompute_allgather = true;
   ac.allow_rng_mismatch = true;
   apply_plan(*model, compile_policy(ac, cfg.n_layer, cfg.dropout), ac);
   return model;
@@ -48,6 +50,7 @@ std::pair<at::Tensor, at::Tensor> batch(const ModelConfig& cfg) {
 struct Result {
   double loss = 0;
   std::vector<at::Tensor> grads;  ///< whole (gathered) unless `parts` asked for
+  ActivationBytes measured, predicted;
 };
 
 // One microbatch's loss and gradients, from zeroed gradients. `chunk`: tokens per logit chunk.
@@ -55,7 +58,9 @@ Result step(Model& model, bool parts, int64_t chunk = 5) {
   const auto [tok, tgt] = batch(model.config());
   model.zero_grad();
   Result r;
-  r.loss = model.forward_backward(tok, tgt, kStep, 1.0, chunk);
+  r.loss = model.forward_backward(tok, tgt, kStep, 1.0, chunk, &r.measured);
+  model.sum_partial_grads("the test's partial gradients");
+  r.predicted = model.predict_activation_bytes(kRows, kSeq);
   for (size_t i = 0; i < model.params().size(); ++i) {
     const at::Tensor& g = model.params()[i].grad;
     r.grads.push_back(parts ? g.clone() : model.whole(i, g).clone());
@@ -65,12 +70,12 @@ Result step(Model& model, bool parts, int64_t chunk = 5) {
 
 // Every rank's result, run as `tp` threads.
 std::vector<Result> on_tp(int tp, const ModelConfig& cfg, at::ScalarType dtype, const std::string& policy,
-                          bool parts, LossHead head = LossHead::fused) {
+                          bool parts, LossHead head = LossHead::fused, bool sp = false, bool regather = false) {
   std::vector<Result> out(static_cast<size_t>(tp));
   testing::on_local_ranks(tp, [&](dist::Group& group) {
     ModelConfig c = cfg;
     c.loss_head = head;
-    auto model = make_model(c, dtype, policy, &group);
+    auto model = make_model(c, dtype, policy, &group, sp, regather);
     out[static_cast<size_t>(group.rank())] = step(*model, parts);
   });
   return out;
@@ -121,17 +126,21 @@ TEST(TensorParallel, RanksHoldTheirPartOfOneProcesssModel) {
 // by at most 2 gamma_K sum|terms| (Higham, Theorem 3.1), K <= 256 here, so about 6e-14
 // of its terms' magnitude; through two small layers at initialisation the gradients'
 // relative difference stays orders of magnitude below the 1e-10 asserted.
+// Sequence parallelism adds the sums of the partial norm, bias and position gradients over
+// the ranks (t terms each, the same bound).
 TEST(TensorParallel, LossAndGradientsEqualOneProcessInFloat64) {
   for (const char* arch : {"gpt2", "llama"}) {
     for (int tp : {2, 4}) {
       for (const LossHead head : {LossHead::fused, LossHead::recompute}) {
+        for (const bool sp : {false, true}) {
         ModelConfig cfg = shape_for(arch, tp, 0.1);
         cfg.loss_head = head;
         const auto one = make_model(cfg, at::kDouble, "none", nullptr);
         const Result want = step(*one, false);
-        const std::vector<Result> got = on_tp(tp, cfg, at::kDouble, "none", false, head);
+        const std::vector<Result> got = on_tp(tp, cfg, at::kDouble, "none", false, head, sp);
         for (int r = 0; r < tp; ++r) {
-          const std::string what = fmt::format("{} tp {} rank {} head {}", arch, tp, r, static_cast<int>(head));
+          const std::string what =
+              fmt::format("{} tp {} sp {} rank {} head {}", arch, tp, sp, r, static_cast<int>(head));
           const Result& g = got[static_cast<size_t>(r)];
           EXPECT_LE(std::abs(g.loss - want.loss), 1e-12 * std::abs(want.loss)) << what;
           for (size_t i = 0; i < want.grads.size(); ++i) {
@@ -139,21 +148,31 @@ TEST(TensorParallel, LossAndGradientsEqualOneProcessInFloat64) {
                 << what << " " << one->params()[i].name;
           }
         }
+        }
       }
     }
   }
 }
 
 // Recompute changes nothing within one layout: every policy's loss and every rank's
-// gradient parts are bitwise those of the same ranks without recompute.
+// gradient parts are bitwise those of the same ranks without recompute; with sequence
+// parallelism also gathering the column-parallel inputs again (tp_recompute_allgather)
+// instead of keeping them, alone or with a policy.
 TEST(TensorParallel, EveryPolicyIsBitwiseTheSameRanksWithoutRecompute) {
   for (const char* arch : {"gpt2", "llama"}) {
+    for (const bool sp : {false, true}) {
     const ModelConfig cfg = shape_for(arch, 2, 0.1);
-    const std::vector<Result> none = on_tp(2, cfg, at::kFloat, "none", true);
-    for (const char* policy : {"full", "modules:[core_attn]", "ops:[matmul]", "every:2", "uniform:2"}) {
-      const std::vector<Result> got = on_tp(2, cfg, at::kFloat, policy, true);
+    const std::vector<Result> none = on_tp(2, cfg, at::kFloat, "none", true, LossHead::fused, sp);
+    for (const char* policy :
+         {"full", "modules:[core_attn]", "ops:[matmul]", "every:2", "uniform:2", "none+", "modules:[core_attn]+"}) {
+      // "+": the same policy with ac.tp_recompute_allgather.
+      std::string name = policy;
+      const bool regather = name.back() == '+';
+      if (regather) name.pop_back();
+      if (regather && !sp) continue;
+      const std::vector<Result> got = on_tp(2, cfg, at::kFloat, name, true, LossHead::fused, sp, regather);
       for (int r = 0; r < 2; ++r) {
-        const std::string what = fmt::format("{} {} rank {}", arch, policy, r);
+        const std::string what = fmt::format("{} sp {} {} rank {}", arch, sp, policy, r);
         EXPECT_EQ(got[static_cast<size_t>(r)].loss, none[static_cast<size_t>(r)].loss) << what;
         for (size_t i = 0; i < none[0].grads.size(); ++i) {
           EXPECT_TRUE(at::equal(got[static_cast<size_t>(r)].grads[i], none[static_cast<size_t>(r)].grads[i]))
@@ -161,6 +180,34 @@ TEST(TensorParallel, EveryPolicyIsBitwiseTheSameRanksWithoutRecompute) {
         }
       }
     }
+    }
+  }
+}
+
+// What a sequence-parallel rank keeps is what the model predicts from the graph, under
+// every policy; gathering the inputs of the column-parallel linears again
+// (tp_recompute_allgather) keeps, per layer and per gathered input, the rank's positions
+// [B, T / t, C] instead of all of them [B, T, C].
+TEST(TensorParallel, SequenceParallelRanksKeepWhatThePredictionSays) {
+  for (const char* arch : {"gpt2", "llama"}) {
+    const ModelConfig cfg = shape_for(arch, 2, 0.1);
+    std::map<std::string, int64_t> kept;
+    for (const char* policy : {"none", "none+", "full", "modules:[core_attn]", "modules:[core_attn]+", "uniform:2"}) {
+      std::string name = policy;
+      const bool regather = name.back() == '+';
+      if (regather) name.pop_back();
+      const std::vector<Result> got = on_tp(2, cfg, at::kFloat, name, true, LossHead::fused, true, regather);
+      for (int r = 0; r < 2; ++r) {
+        const Result& g = got[static_cast<size_t>(r)];
+        EXPECT_EQ(g.measured.blocks, g.predicted.blocks) << arch << " " << policy << " rank " << r;
+        EXPECT_EQ(g.measured.embedding, g.predicted.embedding) << arch << " " << policy << " rank " << r;
+        EXPECT_EQ(g.measured.head, g.predicted.head) << arch << " " << policy << " rank " << r;
+      }
+      kept[policy] = got[0].measured.total();
+    }
+    const int64_t per_input = kRows * (kSeq - kSeq / 2) * cfg.d_model * 4;  // float32
+    EXPECT_EQ(kept["none"] - kept["none+"], cfg.n_layer * 2 * per_input) << arch;
+    EXPECT_EQ(kept["modules:[core_attn]"] - kept["modules:[core_attn]+"], cfg.n_layer * 2 * per_input) << arch;
   }
 }
 

@@ -171,10 +171,21 @@ std::vector<Case> cases() {
       out.push_back({"tp_copy " + shape, &op::tp_copy(), {x}, {}, {}, {}, &first});
       out.push_back({"tp_reduce " + shape, &op::tp_reduce(), {x}, {}, {}, {}, &first});
       out.push_back({"tp_reduce+bias " + shape, &op::tp_reduce(), {x}, {{C}}, {}, {}, &first});
+      // Sequence parallelism over two ranks: x is a rank's positions, x2 all of them.
+      const TensorInfo x2{{B, 2 * T, C}, f, {}};
+      Attrs gathered, scattered;
+      gathered.sizes = x2.sizes;
+      scattered.sizes = x.sizes;
+      out.push_back({"sp_gather " + shape, &op::sp_gather(), {x}, {}, gathered, {}, &first});
+      out.push_back({"sp_scatter " + shape, &op::sp_scatter(), {x2}, {}, scattered, {}, &second});
+      out.push_back({"sp_scatter+bias " + shape, &op::sp_scatter(), {x2}, {{C}}, scattered, {}, &second});
       Attrs mask;
       mask.p = 0.1;
       mask.sizes = x.sizes;
       out.push_back({"dropout_mask " + shape, &op::dropout_mask(), {}, {}, mask});
+      Attrs positions = mask;  // a sequence-parallel rank's positions
+      positions.sharded = true;
+      out.push_back({"dropout_mask sharded " + shape, &op::dropout_mask(), {}, {}, positions, {}, &second});
       out.push_back({"dropout " + shape, &op::dropout(), {x, {x.sizes, at::kBool, {}}}, {}, mask});
       Attrs view;
       view.sizes = {B, T, 4, 8};
@@ -188,6 +199,8 @@ std::vector<Case> cases() {
                        {{kIds + 4, C}}, sharded, f, rank});
       }
       out.push_back({"position_embedding " + shape, &op::position_embedding(), {x}, {{T + 3, C}}, {}});
+      out.push_back({"position_embedding sharded " + shape, &op::position_embedding(), {x}, {{2 * T + 3, C}}, sharded,
+                     {}, &second});
       for (int64_t chunk : {int64_t{3}, int64_t{64}}) {
         Attrs loss;
         loss.chunk = chunk;

@@ -152,9 +152,12 @@ TEST(Planner, NamesTheRecomputingLossHeadWhereOnlyItFits) {
 // GPT layer saves sbh(34 + 5as/h) bytes without recompute and 2sbh with full recompute,
 // and per rank of t-way tensor parallelism sbh(10 + 24/t + 5as/(ht)) (the layer norms'
 // inputs and outputs and the residual masks stay whole on every rank, the rest is split
-// with the heads and features). remat's GPT-2 block saves exactly that set plus each
-// LayerNorm's mean and rstd (float32); with tiled attention, 34 sbh plus the log-sum-exp
-// rows and those statistics.
+// with the heads and features). With sequence parallelism and the layer norms' outputs
+// kept as the rank's positions (gathered again for the backward, as Megatron does:
+// tp_recompute_allgather), sbh(34/t + 5as/(ht)), selective 34sbh/t, full 2sbh/t; keeping
+// the two gathered outputs instead adds 2 x 2sbh(1 - 1/t). remat's GPT-2 block saves
+// exactly that set plus each LayerNorm's mean and rstd (float32, of the rank's positions);
+// with tiled attention, 34 sbh plus the log-sum-exp rows and those statistics.
 TEST(Planner, GptLayerBytesEqualKorthikantisFormula) {
   struct Shape { int64_t s, b, h, a; };
   for (const Shape sh : {Shape{128, 4, 256, 4}, Shape{512, 2, 768, 12}, Shape{2048, 1, 1024, 16}}) {
@@ -174,6 +177,18 @@ TEST(Planner, GptLayerBytesEqualKorthikantisFormula) {
                 sbh * 10 + sbh * 24 / t + 5 * sh.a * sh.s * sh.s * sh.b / t + layernorm_stats)
           << "t " << t << " h " << sh.h;
       EXPECT_EQ(cost::price_layer(block, all, true, times).kept, 2 * sbh) << "t " << t << " h " << sh.h;
+      if (t == 1) continue;
+      const auto sp = graph::block_graph(cfg, sh.b, sh.s, at::kBFloat16, t, true);
+      const std::set<std::string> regather{"attn.gathered", "mlp.gathered"};
+      std::set<std::string> selective = regather;
+      selective.insert({"attn.probs", "attn.dropout"});
+      const int64_t attention = 5 * sh.a * sh.s * sh.s * sh.b / t, stats = layernorm_stats / t;
+      EXPECT_EQ(cost::price_layer(sp, regather, true, times).kept, sbh * 34 / t + attention + stats) << "t " << t;
+      EXPECT_EQ(cost::price_layer(sp, selective, true, times).kept, sbh * 34 / t + stats) << "t " << t;
+      EXPECT_EQ(cost::price_layer(sp, all, true, times).kept, 2 * sbh / t) << "t " << t;
+      EXPECT_EQ(cost::price_layer(sp, {}, true, times).kept,
+                sbh * 34 / t + 2 * 2 * (sbh - sbh / t) + attention + stats)
+          << "t " << t;
     }
     // Tiled attention keeps no [s x s] tensor: the 5as/h term becomes one float32
     // log-sum-exp per row (its output is the projection's input, already in the 34).

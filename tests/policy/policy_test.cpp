@@ -63,7 +63,7 @@ TEST(PolicyPlans, NoneKeepsEverythingAndFullKeepsOnlyTheBlockInput) {
     EXPECT_EQ(drops(full), std::vector<Slots>(n, all()));
     EXPECT_EQ(chunks(full), std::vector<int64_t>(n, -1));
   }
-  EXPECT_EQ(all().size(), 12u);
+  EXPECT_EQ(all().size(), 14u);
 }
 
 TEST(PolicyPlans, EveryKCountsFromOneByPositionAlone) {
@@ -114,7 +114,12 @@ TEST(PolicyPlans, ModulesDropTheUnionOfTheirSlots) {
   EXPECT_EQ(p.policy, "modules:[core_attn,qkv]");
   EXPECT_EQ(drops(p), std::vector<Slots>(3, (Slots{"attn.probs", "attn.dropout", "attn.qkv"})));
   const auto mlp = compile_policy("modules:[act,mlp]", 2);
-  EXPECT_EQ(drops(mlp), std::vector<Slots>(2, (Slots{"mlp.fc_in", "mlp.act_in", "mlp.proj_in", "mlp.resid"})));
+  EXPECT_EQ(drops(mlp), std::vector<Slots>(
+                            2, (Slots{"mlp.fc_in", "mlp.gathered", "mlp.act_in", "mlp.proj_in", "mlp.resid"})));
+  // The sequence-gathered copies alone, and with the norms' outputs they are gathered from.
+  EXPECT_EQ(drops(compile_policy("modules:[gathered]", 1)), std::vector<Slots>(1, (Slots{"attn.gathered", "mlp.gathered"})));
+  EXPECT_EQ(drops(compile_policy("modules:[norm]", 1)),
+            std::vector<Slots>(1, (Slots{"attn.norm", "attn.qkv_in", "attn.gathered", "mlp.fc_in", "mlp.gathered"})));
 }
 
 TEST(PolicyPlans, OpsKeepTheOutputsOfTheListedKinds) {
@@ -267,13 +272,13 @@ TEST(PolicyErrors, CountsOutOfRange) {
 TEST(PolicyErrors, UnknownNamesListTheValidOnes) {
   EXPECT_EQ(error_of([] { compile_policy("modules:[core_attn,ffn]", 2); }),
             "ac.policy = \"modules:[core_attn,ffn]\": unknown module 'ffn'; valid modules are core_attn, qkv, norm, "
-            "attn, act, mlp.");
+            "attn, act, mlp, gathered.");
   EXPECT_EQ(error_of([] { compile_policy("ops:[mm]", 2); }),
             "ac.policy = \"ops:[mm]\": unknown op kind 'mm'; valid op kinds are matmul, matmul/2, attention, "
             "softmax, dropout, norm, act, add.");
   EXPECT_EQ(error_ac([](AcConfig& a) { a.recompute_modules = "core_attn,mlp_fc"; }, 2),
             "ac.recompute_modules = \"core_attn,mlp_fc\": unknown module 'mlp_fc'; valid modules are core_attn, "
-            "qkv, norm, attn, act, mlp.");
+            "qkv, norm, attn, act, mlp, gathered.");
   EXPECT_EQ(error_of([] { compile_policy("ops:[matmul,matmul/2]", 2); }),
             "ac.policy = \"ops:[matmul,matmul/2]\": 'ops:[matmul,matmul/2]' lists both matmul (keep every layer's "
             "matmul outputs) and matmul/2 (keep them in every other layer); give one of them.");
@@ -346,10 +351,21 @@ TEST(PolicyErrors, MegatronCombinations) {
             "ac.distribute_saved_activations = true splits the kept inputs of recomputed layers over the "
             "tensor-parallel ranks; remat does not do that yet (with parallel.tp every rank keeps them whole). Set "
             "it to false.");
-  EXPECT_EQ(error_ac([](AcConfig& a) { a.tp_recompute_allgather = true; }, 4),
-            "ac.tp_recompute_allgather = true keeps a sequence-parallel layer's input sharded and gathers it again "
-            "for the backward; remat has no sequence parallelism yet (parallel.tp runs without it), so there is "
-            "nothing to gather. Set it to false.");
+}
+
+// nanotron's tp_recompute_allgather: whatever else the policy keeps, the gathered inputs of
+// the column-parallel linears are gathered again (config.cpp refuses it without parallel.sp).
+TEST(PolicyPlans, TpRecomputeAllgatherDropsTheGatheredCopiesOfEveryLayer) {
+  AcConfig ac;
+  ac.tp_recompute_allgather = true;
+  const auto none = compile_policy(ac, 3, 0.0);
+  EXPECT_EQ(none.policy, "none (tp_recompute_allgather)");
+  EXPECT_EQ(drops(none), std::vector<Slots>(3, (Slots{"attn.gathered", "mlp.gathered"})));
+  ac.policy = "every:2+modules:[core_attn]";
+  EXPECT_EQ(drops(compile_policy(ac, 2, 0.0)),
+            (std::vector<Slots>{{"attn.probs", "attn.dropout", "attn.gathered", "mlp.gathered"}, all()}));
+  ac.tp_recompute_allgather = false;
+  EXPECT_EQ(compile_policy(ac, 2, 0.0).policy, "every:2+modules:[core_attn]");
 }
 
 TEST(PolicyErrors, TorchtuneCombinations) {
@@ -485,8 +501,9 @@ TEST(PolicyExplain, GroupsIdenticalLayersAndShowsChunks) {
             "5       block input only                           all    -\n");
   EXPECT_TRUE(same_layers(compile_policy("uniform:1", 3), compile_policy("full", 3)));
   const std::string mods = explain_plan(compile_policy("modules:[core_attn]", 2));
-  EXPECT_NE(mods.find("1-2     block input, attn.norm, attn.qkv_in, attn.qkv, attn.proj_in, attn.resid, mlp.norm, "
-                      "mlp.fc_in, mlp.act_in, mlp.proj_in, mlp.resid  attn.probs, attn.dropout  -\n"),
+  EXPECT_NE(mods.find("1-2     block input, attn.norm, attn.qkv_in, attn.gathered, attn.qkv, attn.proj_in, "
+                      "attn.resid, mlp.norm, mlp.fc_in, mlp.gathered, mlp.act_in, mlp.proj_in, mlp.resid  "
+                      "attn.probs, attn.dropout  -\n"),
             std::string::npos)
       << mods;
 }

@@ -88,7 +88,7 @@ class LocalGroup final : public dist::Group {
 };
 
 /// One rank of a tensor-parallel group whose other ranks are away: every collective leaves
-/// the tensors as they are, allocating nothing (a gather repeats this rank's part). A
+/// the tensors as they are, allocating what Gloo would (a gather repeats this rank's part). A
 /// sharded op or model then allocates what it would beside real peers (the values differ,
 /// the memory does not), on this thread alone, so the process-wide tracking allocator
 /// counts its allocations only.
@@ -98,8 +98,13 @@ class AbsentPeers final : public dist::Group {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   void all_reduce(std::vector<at::Tensor>&, dist::Reduce, const std::string&) override {}
+  // As Gloo allocates: the ranks' parts, its flat receive buffer while the collective
+  // runs, then their concatenation.
   at::Tensor all_gather(const at::Tensor& t, int64_t dim, const std::string&) override {
-    return at::cat(std::vector<at::Tensor>(static_cast<size_t>(size_), t), dim);
+    std::vector<at::Tensor> parts;
+    for (int r = 0; r < size_; ++r) parts.push_back(t.clone());
+    at::empty({size_ * t.numel()}, t.options());
+    return at::cat(parts, dim);
   }
 
  private:

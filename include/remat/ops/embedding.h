@@ -29,15 +29,17 @@ void embedding_backward(const at::Tensor& dy, const EmbeddingSaved& saved, at::T
 int64_t embedding_saved_bytes(int64_t tokens);
 
 struct PositionEmbeddingSaved {
-  int64_t seq_len = 0;  ///< positions 0..seq_len-1 were used; no tensor is needed
+  int64_t seq_len = 0;  ///< positions first..first+seq_len-1 were used; no tensor is needed
+  int64_t first = 0;
   std::vector<at::Tensor> tensors() const { return {}; }
 };
 
-/// y[T, C] = w[0:T, :] for w [max_positions, C]; broadcast-added to [B, T, C] by the caller.
-/// y is a view of w's first T rows (no copy). Refuses T > max_positions (and T < 1) with
-/// the model's context length in the message.
-Fwd<PositionEmbeddingSaved> position_embedding_forward(int64_t seq_len, const at::Tensor& w);
-/// dy is [..., T, C]; accumulates its sum over leading dims into dw[0:T, :].
+/// y[T, C] = w[first:first+T, :] for w [max_positions, C]; broadcast-added to [B, T, C] by
+/// the caller (`first` > 0: a sequence-parallel rank's positions). y is a view of w's rows
+/// (no copy). Refuses first + T > max_positions (and T < 1) with the model's context length
+/// in the message.
+Fwd<PositionEmbeddingSaved> position_embedding_forward(int64_t seq_len, const at::Tensor& w, int64_t first = 0);
+/// dy is [..., T, C]; accumulates its sum over leading dims into dw[first:first+T, :].
 void position_embedding_backward(const at::Tensor& dy, const PositionEmbeddingSaved& saved,
                                  at::Tensor& dw);
 

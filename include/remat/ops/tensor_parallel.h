@@ -4,6 +4,13 @@
 // the ranks of their input-gradient parts. A row-parallel region (the linears whose input
 // features are split) ends with tp_reduce: the sum over the ranks of their partial
 // outputs, plus the bias once, and an identity backward.
+//
+// With sequence parallelism (Korthikanti et al.'s g and g-bar) the values between the
+// regions hold a rank's share of the sequence positions (dimension 1, rank r the r-th
+// equal part): sp_gather enters a region (all-gather forward, reduce-scatter backward) and
+// sp_scatter ends one (reduce-scatter forward, all-gather backward). Gloo has no
+// reduce-scatter: it is an all-reduce in the partial's own memory, then the rank's part
+// copied out, moving t times the bytes of a real one.
 #pragma once
 
 #include "remat/dist.h"
@@ -31,5 +38,23 @@ at::Tensor tp_copy_backward(at::Tensor dy, const TpSaved& saved, dist::Group& gr
 Fwd<TpSaved> tp_reduce_forward(at::Tensor x, const at::Tensor& bias, dist::Group& group, const std::string& what);
 /// dx = dy; the bias gradient (when `db` is given and defined) accumulates dy's row sum.
 at::Tensor tp_reduce_backward(const at::Tensor& dy, const TpSaved& saved, at::Tensor* db);
+
+/// Every rank's `x` [B, n, ...] along dimension 1, in rank order: [B, n * ranks, ...], a
+/// new tensor. Gathered as bytes, so any dtype travels exactly.
+at::Tensor gather_positions(const at::Tensor& x, dist::Group& group, const std::string& what);
+/// This rank's positions of the sum over the ranks of `x` [B, n * ranks, ...], a new
+/// tensor; `x` (which no one else reads) holds the sum afterwards.
+at::Tensor reduce_scatter_positions(at::Tensor x, dist::Group& group, const std::string& what);
+
+/// y = gather_positions(x).
+Fwd<TpSaved> sp_gather_forward(const at::Tensor& x, dist::Group& group, const std::string& what);
+/// dx = reduce_scatter_positions(dy).
+at::Tensor sp_gather_backward(at::Tensor dy, const TpSaved& saved, dist::Group& group, const std::string& what);
+/// y = reduce_scatter_positions(x) (+ bias). `bias` may be undefined.
+Fwd<TpSaved> sp_scatter_forward(at::Tensor x, const at::Tensor& bias, dist::Group& group, const std::string& what);
+/// dx = gather_positions(dy); the bias gradient (when `db` is given and defined)
+/// accumulates dy's row sum: this rank's positions' part of it (Param::partial).
+at::Tensor sp_scatter_backward(const at::Tensor& dy, const TpSaved& saved, at::Tensor* db, dist::Group& group,
+                               const std::string& what);
 
 }  // namespace remat::ops
