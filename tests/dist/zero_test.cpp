@@ -220,12 +220,20 @@ TEST(Zero, TheCostModelHoldsTheBusiestRanksMoments) {
   for (const int64_t ranks : {2, 3}) {
     shape.zero_ranks = ranks;
     const std::vector<int> owner = cost::zero_owners(numels, ranks);
-    std::vector<int64_t> load(static_cast<size_t>(ranks));
-    for (size_t i = 0; i < numels.size(); ++i) load[static_cast<size_t>(owner[i])] += numels[i];
+    std::vector<int64_t> load(static_cast<size_t>(ranks)), largest(load.size());
+    for (size_t i = 0; i < numels.size(); ++i) {
+      load[static_cast<size_t>(owner[i])] += numels[i];
+      largest[static_cast<size_t>(owner[i])] = std::max(largest[static_cast<size_t>(owner[i])], numels[i]);
+    }
     const cost::StaticBytes sharded = cost::static_bytes(cfg, shape);
     EXPECT_EQ(sharded.optimizer, 2 * 4 * *std::max_element(load.begin(), load.end())) << ranks;
     EXPECT_EQ(sharded.params, whole.params);
     EXPECT_EQ(sharded.grads, whole.grads);
+    // The optimizer step's point: a rank's own moments and its own largest update's two
+    // temporaries, the highest over the ranks.
+    int64_t step = 0;
+    for (size_t r = 0; r < load.size(); ++r) step = std::max(step, 2 * 4 * (load[r] + largest[r]));
+    EXPECT_EQ(sharded.optimizer + cost::step_constants(cfg, shape).optimizer, step) << ranks;
   }
 }
 
