@@ -114,6 +114,9 @@ struct ParallelConfig {
                           ///< and residuals on a rank's share of the positions
   double timeout = 300;   ///< seconds the rendezvous or any collective may take before every
                           ///< rank stops with a sentence naming the lost rank
+  int64_t zero = 0;       ///< 1: ZeRO stage 1, each data-parallel rank keeps AdamW's moments of
+                          ///< its share of the parameters only (TrainStep); 0: every rank keeps
+                          ///< them all. With one data-parallel rank 1 changes nothing.
 };
 
 struct Config {

@@ -34,13 +34,26 @@ struct StepShape {
   int64_t tp = 1;
   /// Sequence parallelism over the tp ranks: the blocks' inputs are a rank's positions.
   bool sp = false;
+  /// Data-parallel ranks AdamW's moments are sharded over (ZeRO-1, parallel.zero = 1):
+  /// the optimizer bytes are the busiest rank's share (zero_owners); 1: every rank holds
+  /// all of them.
+  int64_t zero_ranks = 1;
 };
+
+/// ZeRO-1's partition of the optimizer over `ranks` data-parallel ranks: for each
+/// parameter, given its elements in model order, the rank that keeps its AdamW moments and
+/// updates it. Whole parameters, largest first, each to the rank with the fewest elements
+/// so far (the lowest such rank on a tie): every rank computes the same partition, and the
+/// ranks' loads depend on the multiset of sizes only, so the cost model gets them from the
+/// graphs' parameters in any order. The busiest rank holds at most the mean plus the
+/// largest parameter.
+std::vector<int> zero_owners(const std::vector<int64_t>& numels, int64_t ranks);
 
 /// Bytes held outside the blocks' activations.
 struct StaticBytes {
   int64_t params = 0;          ///< float32 masters
   int64_t grads = 0;           ///< float32 accumulators
-  int64_t optimizer = 0;       ///< AdamW's two moments
+  int64_t optimizer = 0;       ///< AdamW's two moments (the busiest rank's share under ZeRO-1)
   int64_t compute_copies = 0;  ///< parameters cast to the compute dtype (bfloat16 runs)
   int64_t batch = 0;           ///< token ids and targets of one microbatch
   int64_t resident = 0;        ///< held by the caller throughout (a trainer's token corpus)
@@ -58,7 +71,9 @@ struct StepConstants {
   int64_t head_peak = 0;       ///< loss head: live above statics, embedding and kept layers
   int64_t head_saved = 0;      ///< kept by the final norm and loss between forward and backward
   int64_t embed_backward = 0;  ///< embedding backward: live above statics and embedding
-  int64_t optimizer = 0;       ///< optimizer step: live above the statics
+  int64_t optimizer = 0;       ///< optimizer step: live above the statics (the largest
+                               ///< parameter's update temporaries; the ZeRO-1 exchange of
+                               ///< the updated parameters is in place and adds none)
 };
 
 /// Times of the nodes, seconds per execution at the step's shapes (a measured profile),

@@ -135,6 +135,7 @@ int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
   shape.dtype = plan_dtype(cfg.run.dtype);
   shape.tp = cfg.parallel.tp;
   shape.sp = cfg.parallel.sp;
+  shape.zero_ranks = cfg.parallel.zero == 1 ? ranks : 1;
   const std::string tp_text =
       shape.tp > 1 ? fmt::format(", one of {} tensor-parallel ranks (its share of heads, features and vocabulary{})",
                                  shape.tp, shape.sp ? ", and of the positions outside them" : "")
@@ -162,7 +163,10 @@ int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
   const std::string header = fmt::format(
       "remat plan: {} ({}), {} layers, d_model {}, {} heads; batch {} x {} tokens{}{}, {}, {} microbatch{}", m.preset,
       arch_name(m.arch), m.n_layer, m.d_model, m.n_head, shape.batch, shape.seq,
-      ranks > 1 ? fmt::format(" per rank (train.batch = {} over {} data-parallel ranks)", cfg.train.batch, ranks) : "",
+      ranks > 1 ? fmt::format(" per rank (train.batch = {} over {} data-parallel ranks{})", cfg.train.batch, ranks,
+                              shape.zero_ranks > 1 ? ", AdamW's moments sharded over them: the busiest rank's share"
+                                                   : "")
+                : "",
       tp_text, cfg.run.dtype, shape.grad_accum, shape.grad_accum == 1 ? "" : "es");
   auto solved = planner.solve(budget);
   if (!solved) throw std::invalid_argument(planner.infeasible(budget, budget_text));

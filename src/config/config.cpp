@@ -256,6 +256,7 @@ std::vector<ConfigKey> make_keys() {
       key("parallel.tp", &C::parallel, &ParallelConfig::tp, "tensor-parallel ranks splitting each layer"),
       key("parallel.sp", &C::parallel, &ParallelConfig::sp, "sequence parallelism over the tp ranks"),
       key("parallel.timeout", &C::parallel, &ParallelConfig::timeout, "seconds before a lost rank stops all"),
+      key("parallel.zero", &C::parallel, &ParallelConfig::zero, "1: shard AdamW's moments over data-parallel ranks"),
       ac_key("ac.policy", &AcConfig::policy, "recompute policy (README: Recompute policies); unset: none"),
       key("ac.budget", &C::ac, &AcConfig::budget, "memory budget: the planner picks the plan (12GiB, 0.6)"),
       key("ac.profile", &C::ac, &AcConfig::profile, "measure node times to predict step time (cached)"),
@@ -584,6 +585,13 @@ void validate_config(const Config& c) {
   // Below a few heartbeats a busy machine would name live ranks as lost.
   if (!(c.parallel.timeout >= 5 && c.parallel.timeout <= 86400)) {
     fail(fmt::format("parallel.timeout must be from 5 to 86400 seconds, got {}.", c.parallel.timeout));
+  }
+  // One data-parallel rank with zero = 1 is accepted (it shards over one rank: nothing),
+  // so that one configuration serves any number of ranks, as parallel.dp = 0 does.
+  if (c.parallel.zero != 0 && c.parallel.zero != 1) {
+    fail(fmt::format("parallel.zero must be 0 (every data-parallel rank keeps AdamW's moments whole) or 1 (ZeRO "
+                     "stage 1: each keeps the moments of its share of the parameters), got {}; stages 2 and 3 "
+                     "(sharded gradients and parameters) are not implemented.", c.parallel.zero));
   }
   // The recompute policy is compiled once here, so a bad one is refused before anything runs.
   const ActivationPlan plan = compile_policy(c.ac, m.n_layer, m.dropout);

@@ -118,26 +118,63 @@ struct Simulator {
   bool early_stop() const { return early; }
 };
 
-// The parameter count and the largest parameter's elements, from the declared graphs (a
+// Every parameter's elements on one tensor-parallel rank, from the declared graphs (a
 // tied head parameter counted once).
-std::pair<int64_t, int64_t> param_counts(const ModelConfig& c, int64_t tp) {
+std::vector<int64_t> param_numels(const ModelConfig& c, int64_t tp) {
   const auto numel = [](const graph::Param& p) { return graph::TensorInfo{p.sizes, at::kFloat, {}}.numel(); };
-  int64_t total = 0, largest = 0;
+  std::vector<int64_t> numels;
   std::set<std::string> named;
   for (const auto& g : {graph::embed_graph(c, 1, 1, at::kFloat, tp), graph::head_graph(c, 1, 1, at::kFloat, 1, tp)}) {
     for (const auto& p : g.params) {
-      if (!named.insert(p.name).second) continue;
-      total += numel(p);
-      largest = std::max(largest, numel(p));
+      if (named.insert(p.name).second) numels.push_back(numel(p));
     }
   }
-  for (const auto& p : graph::block_graph(c, 1, 1, at::kFloat, tp).params) {
-    total += c.n_layer * numel(p);
-    largest = std::max(largest, numel(p));
+  const auto block = graph::block_graph(c, 1, 1, at::kFloat, tp).params;
+  for (int64_t l = 0; l < c.n_layer; ++l) {
+    for (const auto& p : block) numels.push_back(numel(p));
   }
-  return {total, largest};
+  return numels;
+}
+
+// What the optimizer of the busiest rank holds: the elements whose moments it keeps, and
+// the most elements it keeps plus the largest parameter it updates (the step's peak,
+// whose temporaries are two of that parameter). One rank: every parameter.
+struct OptimizerShare {
+  int64_t moments = 0;  // elements, for each of the two moments
+  int64_t step = 0;     // max over ranks of 2 x moments + 2 x largest updated, elements
+};
+OptimizerShare optimizer_share(const ModelConfig& c, const StepShape& shape) {
+  const std::vector<int64_t> numels = param_numels(c, shape.tp);
+  const std::vector<int> owner = zero_owners(numels, shape.zero_ranks);
+  std::vector<int64_t> load(static_cast<size_t>(shape.zero_ranks)), largest(load.size());
+  for (size_t i = 0; i < numels.size(); ++i) {
+    const auto r = static_cast<size_t>(owner[i]);
+    load[r] += numels[i];
+    largest[r] = std::max(largest[r], numels[i]);
+  }
+  OptimizerShare s;
+  for (size_t r = 0; r < load.size(); ++r) {
+    s.moments = std::max(s.moments, load[r]);
+    s.step = std::max(s.step, 2 * load[r] + 2 * largest[r]);
+  }
+  return s;
 }
 }  // namespace
+
+std::vector<int> zero_owners(const std::vector<int64_t>& numels, int64_t ranks) {
+  TORCH_CHECK(ranks >= 1, "zero_owners needs at least one rank, got ", ranks);
+  std::vector<size_t> order(numels.size());
+  std::iota(order.begin(), order.end(), size_t{0});
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return numels[a] > numels[b]; });
+  std::vector<int64_t> load(static_cast<size_t>(ranks));
+  std::vector<int> owner(numels.size());
+  for (size_t i : order) {
+    const auto least = std::min_element(load.begin(), load.end());  // the first of equal loads
+    owner[i] = static_cast<int>(least - load.begin());
+    *least += numels[i];
+  }
+  return owner;
+}
 
 double NodeTimes::node_seconds(const graph::Node& n) const {
   auto it = seconds.find(n.name);
@@ -196,11 +233,12 @@ LayerCost price_layer(const graph::BlockGraph& g, const std::set<std::string>& d
 StaticBytes static_bytes(const ModelConfig& cfg, const StepShape& shape) {
   TORCH_CHECK(cfg.vocab_size > 0, "The cost model needs model.vocab_size");
   const at::ScalarType master = shape.dtype == at::kDouble ? at::kDouble : at::kFloat;
-  const int64_t P = param_counts(cfg, shape.tp).first;
+  const std::vector<int64_t> numels = param_numels(cfg, shape.tp);
+  const int64_t P = std::accumulate(numels.begin(), numels.end(), int64_t{0});
   StaticBytes s;
   s.params = nbytes(P, master);
   s.grads = nbytes(P, master);
-  s.optimizer = 2 * nbytes(P, master);
+  s.optimizer = 2 * nbytes(optimizer_share(cfg, shape).moments, master);
   s.compute_copies = shape.dtype != master ? nbytes(P, shape.dtype) : 0;
   if (graph::block_graph(cfg, 1, 1, shape.dtype).uses(graph::op::rope())) {
     s.params += ops::rope_tables_bytes(cfg.max_seq, cfg.head_dim(), shape.dtype);
@@ -222,8 +260,11 @@ StepConstants step_constants(const ModelConfig& cfg, const StepShape& shape) {
       graph::head_graph(cfg, shape.batch, shape.seq, shape.dtype, shape.ce_chunk, shape.tp, shape.sp));
   k.head_peak = std::max(head.forward_peak, head.backward_peak);
   k.head_saved = head.kept;
-  // AdamW's denominator: a square root and its quotient, per parameter.
-  k.optimizer = 2 * nbytes(param_counts(cfg, shape.tp).second, shape.dtype == at::kDouble ? at::kDouble : at::kFloat);
+  // AdamW's denominator: a square root and its quotient, per parameter updated; taken
+  // with the moments of the same rank, so that under ZeRO-1 the step's point is the
+  // highest of any rank's, not the busiest rank's moments plus another's parameter.
+  const at::ScalarType master = shape.dtype == at::kDouble ? at::kDouble : at::kFloat;
+  k.optimizer = nbytes(optimizer_share(cfg, shape).step, master) - k.statics.optimizer;
   return k;
 }
 

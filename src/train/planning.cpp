@@ -7,6 +7,8 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+
 namespace remat {
 
 RunPlan plan_run(const Config& cfg, at::ScalarType dtype, const TimeProfile& profile, int64_t resident) {
@@ -20,6 +22,7 @@ RunPlan plan_run(const Config& cfg, at::ScalarType dtype, const TimeProfile& pro
   shape.resident = resident;
   shape.tp = cfg.parallel.tp;
   shape.sp = cfg.parallel.sp;
+  shape.zero_ranks = cfg.parallel.zero == 1 ? std::max<int64_t>(1, cfg.parallel.dp) : 1;
   PlannerOptions opts;
   opts.early_stop = cfg.ac.early_stop;
   const Planner planner(cfg.model, shape, profile.times, opts);

@@ -23,7 +23,8 @@ struct RunPlan {
   std::string text;
 };
 
-/// Plans `cfg` (vocab_size set) at its train.* shape in `dtype`; `profile` prices
+/// Plans `cfg` (vocab_size set) at its train.* shape in `dtype`, one rank's share (under
+/// parallel.zero = 1 the optimizer sharded over parallel.dp ranks); `profile` prices
 /// recompute (and, when measured, the whole step); `resident` bytes (the token corpus)
 /// stay live through every step. Throws std::invalid_argument with the minimum feasible
 /// budget when ac.budget is below it.

@@ -1,5 +1,6 @@
 #include "train/profile.h"
 
+#include "remat/cost.h"
 #include "remat/policy.h"
 #include "train/device.h"
 #include "util/atomic_file.h"
@@ -21,6 +22,9 @@ namespace {
 
 namespace fs = std::filesystem;
 
+// The data-parallel ranks ZeRO-1 shards the optimizer over (1: none).
+int64_t zero_ranks(const Config& cfg) { return cfg.parallel.zero == 1 ? std::max<int64_t>(1, cfg.parallel.dp) : 1; }
+
 // Everything a measured time depends on, as a file name.
 std::string profile_key(const Config& cfg, const Model& model) {
   const ModelConfig& m = cfg.model;
@@ -33,6 +37,8 @@ std::string profile_key(const Config& cfg, const Model& model) {
       model.tp_size(), model.sequence_parallel() ? "sp" : "", t.ce_chunk,
       loss_head_name(m.loss_head), cfg.ac.early_stop ? 1 : 0, at::get_num_threads(),
       util::sha256_hex(blas_name()).substr(0, 8));
+  // ZeRO-1 updates a share of the parameters; without it the key is as it always was.
+  if (zero_ranks(cfg) > 1) key += fmt::format("-zero{}", zero_ranks(cfg));
   std::replace(key.begin(), key.end(), ':', '_');
   return key + ".json";
 }
@@ -128,11 +134,18 @@ TimeProfile measure_time_profile(const Config& cfg, Model& model, const data::To
   }
   p.times.flops_per_second = timed > 0 ? flops / timed : 0.0;
 
-  // The update on scratch copies: the same tensors' sizes, the model untouched.
-  std::vector<at::Tensor> copies;
-  for (const auto& prm : model.params()) {
-    at::Tensor c = prm.value.detach().clone();
-    c.mutable_grad() = at::zeros_like(c);
+  // The update on scratch copies: the same tensors' sizes, the model untouched. Under
+  // ZeRO-1, those of data-parallel rank 0's share (the ranks' shares differ by less than
+  // the largest parameter); the clipping still reads every gradient.
+  std::vector<int64_t> numels;
+  for (const auto& prm : model.params()) numels.push_back(prm.value.numel());
+  const std::vector<int> owner = cost::zero_owners(numels, zero_ranks(cfg));
+  std::vector<at::Tensor> copies, grads;
+  for (size_t i = 0; i < model.params().size(); ++i) {
+    grads.push_back(at::zeros_like(model.params()[i].grad));
+    if (owner[i] != 0) continue;
+    at::Tensor c = model.params()[i].value.detach().clone();
+    c.mutable_grad() = grads.back();
     copies.push_back(c);
   }
   torch::optim::AdamW scratch(copies, torch::optim::AdamWOptions(t.lr).weight_decay(t.weight_decay));
@@ -140,7 +153,7 @@ TimeProfile measure_time_profile(const Config& cfg, Model& model, const data::To
     synchronize(device);
     const auto t0 = std::chrono::steady_clock::now();
     std::vector<at::Tensor> squares;
-    for (const auto& c : copies) squares.push_back(c.grad().pow(2).sum());
+    for (const auto& g : grads) squares.push_back(g.pow(2).sum());
     at::stack(squares).sum().item<double>();
     scratch.step();
     synchronize(device);

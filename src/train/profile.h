@@ -30,7 +30,9 @@ struct TimeProfile {
 /// `<run.out_dir>/.profiles/`, or measures it there: a few forward/backward passes of one
 /// batch of `data` with every layer recomputed (the store times each node; the base time
 /// is the pass minus its measured recompute), and two AdamW updates of scratch copies of
-/// the parameters. The model's weights are untouched; its gradients are zeroed and its
+/// the parameters (under parallel.zero = 1, of data-parallel rank 0's share of them over
+/// parallel.dp ranks; the exchange of the updated parameters is not timed, nor is the
+/// gradient all-reduce). The model's weights are untouched; its gradients are zeroed and its
 /// activation plan must be set again afterwards.
 ///
 /// With `together` (tensor parallelism: the passes run the group's collectives), every

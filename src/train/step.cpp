@@ -1,5 +1,6 @@
 #include "train/step.h"
 
+#include "remat/cost.h"
 #include "remat/memory.h"
 #include "remat/safetensors.h"
 #include "remat/trace.h"
@@ -43,11 +44,47 @@ double clip_gradients(Model& model, double max_norm, int64_t step) {
   return norm;
 }
 
-std::vector<torch::optim::OptimizerParamGroup> adamw_groups(Model& model, const TrainConfig& t) {
+// Which parameters this rank updates: every one, or under ZeRO-1 over several
+// data-parallel ranks its share. Whole parameters rather than equal slices of their
+// concatenation: each is then updated by the very LibTorch AdamW call, on the very tensor,
+// as without ZeRO, so the weights are those of zero = 0 bit for bit by construction. With
+// slices that rests on the kernels rounding an element alike whether it falls in a
+// vectorized body, a scalar tail or another thread's chunk (it does in Debian's 1.13 AVX2
+// build, measured: AdamW over two slices of 1e3 to 1e6 elements equals AdamW over the
+// whole, bit for bit), which a build contracting multiply-adds differently would break.
+// Whole moments also stay keyed as LibTorch keys them, for the checkpoint. The price is
+// balance: a rank may hold up to the largest parameter more than the mean.
+std::vector<bool> owned_params(const Model& model, dist::Comm* ranks, int64_t zero) {
+  const int n = ranks != nullptr && zero == 1 ? ranks->data().size() : 1;
+  std::vector<int64_t> numels;
+  for (const auto& p : model.params()) numels.push_back(p.value.numel());
+  const std::vector<int> owner = cost::zero_owners(numels, n);
+  const int me = n > 1 ? ranks->data().rank() : 0;
+  std::vector<bool> owned;
+  for (const int o : owner) owned.push_back(o == me);
+  return owned;
+}
+
+// An all-gather of whole tensors from their owners, as an exact all-reduce in place: every
+// rank but a tensor's owner gives -0.0, and x + (-0.0) == x bit for bit for every float x
+// (a +0.0 fill would turn an owner's -0.0 into +0.0), in whatever order the ranks are
+// summed. In place, it allocates nothing where Group::all_gather would need a packed copy
+// of each rank's parameters and the gathered copies of all of them.
+void from_owners(std::vector<at::Tensor> tensors, const std::vector<bool>& owned, dist::Group& group,
+                 const std::string& what) {
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (!owned[i]) tensors[i].fill_(-0.0);
+  }
+  group.all_reduce(tensors, dist::Reduce::sum, what);
+}
+
+std::vector<torch::optim::OptimizerParamGroup> adamw_groups(Model& model, const TrainConfig& t,
+                                                            const std::vector<bool>& owned) {
   std::vector<at::Tensor> decay, no_decay;
-  for (auto& p : model.params()) {
+  for (size_t i = 0; i < model.params().size(); ++i) {
+    Param& p = model.params()[i];
     p.value.mutable_grad() = p.grad;  // the optimizer reads the accumulators we fill
-    (p.decay ? decay : no_decay).push_back(p.value);
+    if (owned[i]) (p.decay ? decay : no_decay).push_back(p.value);
   }
   using torch::optim::AdamWOptions;
   std::vector<torch::optim::OptimizerParamGroup> groups;
@@ -92,12 +129,16 @@ void apply_plan(Model& model, const ActivationPlan& plan, const AcConfig& ac) {
   model.set_activation_plan(plan, options);
 }
 
-TrainStep::TrainStep(Model& model, const TrainConfig& train, uint64_t seed, dist::Comm* ranks)
+TrainStep::TrainStep(Model& model, const TrainConfig& train, uint64_t seed, dist::Comm* ranks, int64_t zero)
     : model_(model),
       train_(train),
       seed_(seed),
       ranks_(ranks),
-      optimizer_(adamw_groups(model, train), torch::optim::AdamWOptions(train.lr)) {}
+      owned_(owned_params(model, ranks, zero)),
+      sharded_(zero == 1 && ranks != nullptr && ranks->data().size() > 1),
+      optimizer_(adamw_groups(model, train, owned_), torch::optim::AdamWOptions(train.lr)) {
+  TORCH_CHECK(zero == 0 || zero == 1, "[TrainStep] zero must be 0 or 1 (parallel.zero), got ", zero);
+}
 
 StepResult TrainStep::run(int64_t step, const data::TokenDataset& data, std::mt19937_64& rng, bool traced) {
   const TrainConfig& t = train_;
@@ -149,6 +190,13 @@ StepResult TrainStep::run(int64_t step, const data::TokenDataset& data, std::mt1
     const trace::Scope scope("optimizer step", trace::Category::step);
     optimizer_.step();
   }
+  ++updates_;
+  if (sharded_) {
+    const trace::Scope scope("parameter exchange", trace::Category::step);
+    std::vector<at::Tensor> values;
+    for (const Param& p : model_.params()) values.push_back(p.value);
+    from_owners(values, owned_, ranks_->data(), fmt::format("the parameter exchange of step {}", step + 1));
+  }
   synchronize(device);
   step_scope.reset();
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -169,24 +217,33 @@ StepResult TrainStep::run(int64_t step, const data::TokenDataset& data, std::mt1
 
 void TrainStep::save_checkpoint(const std::string& path, int64_t steps, const std::mt19937_64& rng,
                                 bool write) const {
+  // A rank that does not write takes part in the gathers and keeps nothing.
   std::vector<std::pair<std::string, at::Tensor>> tensors;
-  int64_t adam_steps = 0;
+  const auto keep = [&](const std::string& name, const at::Tensor& t) {
+    if (write) tensors.emplace_back(name, t);
+  };
   for (size_t i = 0; i < model_.params().size(); ++i) {
     const Param& p = model_.params()[i];
-    tensors.emplace_back("param." + p.name, model_.whole(i, p.value));
-    const auto it = optimizer_.state().find(state_key(p.value));
-    if (it == optimizer_.state().end()) continue;  // no update yet
-    const auto& s = static_cast<const torch::optim::AdamWParamState&>(*it->second);
-    tensors.emplace_back("exp_avg." + p.name, model_.whole(i, s.exp_avg()));
-    tensors.emplace_back("exp_avg_sq." + p.name, model_.whole(i, s.exp_avg_sq()));
-    adam_steps = s.step();
+    keep("param." + p.name, model_.whole(i, p.value));
+    if (updates_ == 0) continue;  // no moments yet
+    const torch::optim::AdamWParamState* s = nullptr;
+    if (owned_[i]) s = &static_cast<const torch::optim::AdamWParamState&>(*optimizer_.state().at(state_key(p.value)));
+    for (const bool second : {false, true}) {
+      // The owner's own moment is summed with -0.0s in place, which leaves its bits as they are.
+      at::Tensor m = s != nullptr ? (second ? s->exp_avg_sq() : s->exp_avg()) : at::empty_like(p.value);
+      if (sharded_) {
+        from_owners({m}, {owned_[i]}, ranks_->data(),
+                    fmt::format("gathering the optimizer's moments of {} for the checkpoint", p.name));
+      }
+      keep((second ? "exp_avg_sq." : "exp_avg.") + p.name, model_.whole(i, m));
+    }
   }
   if (!write) return;
   std::ostringstream rng_state;
   rng_state << rng;
   model::save_safetensors(path, tensors,
                           {{"format", kCheckpointFormat}, {"steps", std::to_string(steps)},
-                           {"adam_steps", std::to_string(adam_steps)}, {"rng", rng_state.str()}});
+                           {"adam_steps", std::to_string(updates_)}, {"rng", rng_state.str()}});
 }
 
 int64_t TrainStep::load_checkpoint(const std::string& path, std::mt19937_64& rng) {
@@ -229,16 +286,19 @@ int64_t TrainStep::load_checkpoint(const std::string& path, std::mt19937_64& rng
   for (size_t i = 0; i < model_.params().size(); ++i) {
     Param& p = model_.params()[i];
     p.value.copy_(model_.part(i, *file.find("param." + p.name)));
-    if (adam_steps == 0) continue;
+    if (adam_steps == 0 || !owned_[i]) continue;
     auto s = std::make_unique<torch::optim::AdamWParamState>();
     s->step(adam_steps);
     s->exp_avg(model_.part(i, *file.find("exp_avg." + p.name)).to(p.value.device()).contiguous().clone());
     s->exp_avg_sq(model_.part(i, *file.find("exp_avg_sq." + p.name)).to(p.value.device()).contiguous().clone());
     optimizer_.state()[state_key(p.value)] = std::move(s);
   }
+  updates_ = adam_steps;
   rng = restored;
   return steps;
 }
+
+bool TrainStep::gives_to_checkpoint() const { return model_.tp_size() > 1 || sharded_; }
 
 double median(std::vector<double> v) {
   if (v.empty()) return 0.0;

@@ -37,6 +37,14 @@ struct StepResult {
 
 /// The optimizer of one model and its training step. AdamW in two groups: weight decay
 /// on matrices only (Param::decay), none on norms and biases.
+///
+/// ZeRO stage 1 (`zero` = 1 with more than one data-parallel rank): each rank keeps AdamW's
+/// moments, and runs the update, for the parameters cost::zero_owners gives it only. The
+/// gradients are still all-reduced whole (Gloo in LibTorch 1.13 has no reduce-scatter: the
+/// all-reduce stands in for it, and each rank reads its parameters' part), so clipping sees
+/// the same global norm; after the update the owners' parameters reach every rank through
+/// an exact all-reduce. Each parameter is updated by the very kernels, on the very tensor,
+/// that update it without ZeRO, so the weights are bitwise those of `zero` = 0.
 class TrainStep {
  public:
   /// `model` must outlive this object; its gradient accumulators become the optimizer's
@@ -44,7 +52,8 @@ class TrainStep {
   /// parallel; it must outlive this object) `train.batch` is this rank's share of each
   /// microbatch: every rank draws the whole microbatch of batch x ranks sequences, as one
   /// process would, trains on its own consecutive rows of it and sums the gradients.
-  TrainStep(Model& model, const TrainConfig& train, uint64_t seed, dist::Comm* ranks = nullptr);
+  /// `zero`: parallel.zero (0 or 1), the optimizer sharded over ranks->data() when 1.
+  TrainStep(Model& model, const TrainConfig& train, uint64_t seed, dist::Comm* ranks = nullptr, int64_t zero = 0);
 
   /// Runs 0-based `step` at learning_rate(train, step): zero_grad, train.grad_accum
   /// microbatches drawn from `data` with `rng` through forward_backward, the gradients
@@ -61,11 +70,18 @@ class TrainStep {
   /// count, and `rng`'s state, the data cursor. Dropout needs nothing more: its masks are
   /// keyed by the seed and the step.
   /// Split parameters and their moments are gathered whole from the tensor-parallel group
-  /// (every rank of it must call this); a rank that does not `write` only gives its parts.
+  /// (every rank of it must call this), and under ZeRO-1 each moment from the
+  /// data-parallel rank that keeps it (then every rank must call this); a rank that does
+  /// not `write` only gives its parts. The file is the same with and without ZeRO-1.
   void save_checkpoint(const std::string& path, int64_t steps, const std::mt19937_64& rng, bool write = true) const;
+  /// Whether this rank must call save_checkpoint although it does not write: it holds a
+  /// part another rank writes (a tensor-parallel part, or ZeRO-1's moments).
+  bool gives_to_checkpoint() const;
   /// Restores what save_checkpoint wrote into the model, the optimizer and `rng`, after
   /// checking all of it; returns the number of completed steps. Throws a sentence naming
-  /// `path` when the file is not a checkpoint of this model.
+  /// `path` when the file is not a checkpoint of this model. Under ZeRO-1 each rank takes
+  /// the moments of its own parameters from the whole ones in the file, whatever
+  /// parallel.zero wrote it.
   int64_t load_checkpoint(const std::string& path, std::mt19937_64& rng);
 
  private:
@@ -73,6 +89,13 @@ class TrainStep {
   TrainConfig train_;
   uint64_t seed_;
   dist::Comm* ranks_;
+  /// Per parameter: whether this rank keeps its moments and updates it (all of them
+  /// without ZeRO-1).
+  std::vector<bool> owned_;
+  /// ZeRO-1 over more than one rank: the updated parameters are exchanged.
+  bool sharded_;
+  /// AdamW updates so far, on every rank (a rank may own no parameter to count them by).
+  int64_t updates_ = 0;
   torch::optim::AdamW optimizer_;
 };
 

@@ -240,6 +240,7 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   // What one rank runs: its share of each microbatch. Memory and time are planned for it.
   Config local = cfg;
   local.train.batch = t.batch / dp;
+  local.parallel.dp = dp;  // the ranks ZeRO-1 shards the optimizer over, for the plan
   auto model =
       Model::create(cfg.model, device, dtype, static_cast<uint64_t>(cfg.run.seed), tensor_ranks, cfg.parallel.sp);
   const double matmul_rate =
@@ -260,7 +261,7 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   const ActivationPlan& plan = planned.plan;
   apply_plan(*model, plan, cfg.ac);
   const ActivationBytes predicted = model->predict_activation_bytes(local.train.batch, t.seq);
-  TrainStep stepper(*model, local.train, static_cast<uint64_t>(cfg.run.seed), ranks.get());
+  TrainStep stepper(*model, local.train, static_cast<uint64_t>(cfg.run.seed), ranks.get(), cfg.parallel.zero);
 
   // A resumed run continues from its newest checkpoint and the metrics logged up to it.
   std::vector<fs::path> saved;
@@ -320,8 +321,10 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
              tok.vocab_size(), corpus.train_unigram_entropy);
   fmt::print(stderr, "training: {} steps x {} tokens ({} x {} x {} accum{}); run dir {}\n", t.steps,
              tokens_per_step, t.batch, t.seq, t.grad_accum,
-             fmt::format("{}{}", dp > 1 ? fmt::format(", data parallel over {} ranks of {} sequences", dp,
-                                                      local.train.batch) : "",
+             fmt::format("{}{}", dp > 1 ? fmt::format(", data parallel over {} ranks of {} sequences{}", dp,
+                                                      local.train.batch,
+                                                      cfg.parallel.zero == 1 ? ", AdamW's moments sharded over them "
+                                                                               "(parallel.zero = 1)" : "") : "",
                          tp > 1 ? fmt::format(", each layer split over {} tensor-parallel ranks", tp) : ""),
              run_path);
   const std::string& plan_text = planned.text;
@@ -427,9 +430,10 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
       bar.message(fmt::format("step {}: validation loss {:.4f}", step + 1, v));
       sum.final_val_loss = v;
     }
-    // Every data-parallel rank holds the same state: rank 0's copy is the checkpoint, its
-    // tensor-parallel peers' parts gathered into it.
-    if ((lead || tp > 1) && ((step + 1) % t.checkpoint_every == 0 || last || stop != 0)) {
+    // Every data-parallel rank holds the same parameters: rank 0's copy is the checkpoint,
+    // its tensor-parallel peers' parts and, under ZeRO-1, the other ranks' moments
+    // gathered into it.
+    if ((lead || stepper.gives_to_checkpoint()) && ((step + 1) % t.checkpoint_every == 0 || last || stop != 0)) {
       write_checkpoint(stepper, run_path, step + 1, rng, t.keep_checkpoints, lead);
     }
     if (stop != 0 && !last) {

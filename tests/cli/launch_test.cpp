@@ -3,6 +3,8 @@
 // alive run `plan --config FIFO`: they block opening the FIFO, which costs no CPU and ends
 // only by a signal, so every timing here is a wait on an event, not a guess.
 #include "cli/launch.h"
+#include "remat/cost.h"
+#include "remat/model.h"
 #include "data/test_text.h"
 #include "util/processes.h"
 
@@ -21,6 +23,7 @@
 #include <csignal>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <regex>
 #include <set>
 #include <sstream>
@@ -385,6 +388,47 @@ TEST_F(LaunchedTraining, TensorParallelRanksPeakWhereThePlannerSaid) {
     const int64_t predicted = summary["predicted_peak_bytes"];
     for (const int64_t peak : summary["rank_peak_bytes"]) EXPECT_NEAR(peak, predicted, 32 * 1024) << policy;
   }
+}
+
+// ZeRO-1 over two data-parallel ranks, at the shape above: each rank keeps AdamW's moments
+// of its share of the parameters (cost::zero_owners). What rank 0 holds after a step (its
+// metrics' memory_bytes) drops by exactly the two float32 moments of the parameters it
+// does not own, the prediction by those of the busiest rank's complement, and every rank
+// still peaks at the prediction within the tensor-parallel test's slack.
+TEST_F(LaunchedTraining, ZeroOneShardsTheMomentsAndPeaksWhereThePlannerSaid) {
+  const remat::ModelConfig demo = [] {
+    remat::ModelConfig m = remat::model_preset("gpt2-demo");
+    m.vocab_size = 2048;
+    return m;
+  }();
+  std::vector<int64_t> numels;
+  for (const remat::Param& p : remat::Model::create(demo, at::kCPU, at::kFloat, 1)->params()) {
+    numels.push_back(p.value.numel());
+  }
+  const std::vector<int> owner = remat::cost::zero_owners(numels, 2);
+  int64_t all = 0, load[2] = {0, 0};
+  for (size_t i = 0; i < numels.size(); ++i) {
+    all += numels[i];
+    load[owner[i]] += numels[i];
+  }
+  std::map<int, nlohmann::json> summary, last;
+  for (const int zero : {0, 1}) {
+    const std::string name = "zero" + std::to_string(zero);
+    const Result r = run_remat("launch --nproc 2 train " + common_ + " model.preset=gpt2-demo model.vocab_size=2048 " +
+                               "train.batch=16 train.seq=128 train.steps=3 ac.profile=false parallel.zero=" +
+                               std::to_string(zero) + " run.name=" + name);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    summary[zero] = nlohmann::json::parse(read_text(dir_ / "runs" / name / "summary.json"));
+    last[zero] = train_lines(name).back();
+    const int64_t predicted = summary[zero]["predicted_peak_bytes"];
+    for (const int64_t peak : summary[zero]["rank_peak_bytes"]) EXPECT_NEAR(peak, predicted, 32 * 1024) << name;
+  }
+  EXPECT_NE(read_text(dir_ / "runs" / "zero1" / "plan.txt").find("optimizer"), std::string::npos);
+  EXPECT_EQ(last[0]["memory_bytes"].get<int64_t>() - last[1]["memory_bytes"].get<int64_t>(), 2 * 4 * (all - load[0]));
+  EXPECT_EQ(summary[0]["predicted_peak_bytes"].get<int64_t>() - summary[1]["predicted_peak_bytes"].get<int64_t>(),
+            2 * 4 * (all - std::max(load[0], load[1])));
+  // The same weights: the runs' losses are the same numbers.
+  EXPECT_EQ(summary[0]["final_val_loss"], summary[1]["final_val_loss"]);
 }
 
 // One of four ranks killed in the middle of training: the other three stop within

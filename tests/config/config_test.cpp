@@ -97,6 +97,20 @@ TEST(Config, SequenceParallelismIsRefusedWhereItCannotRun) {
   EXPECT_NO_THROW(load_config("", {"parallel.tp=2", "parallel.sp=true", "ac.tp_recompute_allgather=true"}));
 }
 
+// ZeRO stage 1 is on or off; with one data-parallel rank it is accepted and shards over
+// that rank alone, so one configuration serves any number of ranks.
+TEST(Config, ZeroIsStageZeroOrOne) {
+  EXPECT_EQ(load_config("", {}).parallel.zero, 0);
+  EXPECT_EQ(load_config("", {"parallel.zero=1"}).parallel.zero, 1);
+  EXPECT_EQ(load_config("", {"parallel.zero=1", "parallel.dp=1"}).parallel.zero, 1);
+  EXPECT_EQ(error_of([] { load_config("", {"parallel.zero=2"}); }),
+            "parallel.zero must be 0 (every data-parallel rank keeps AdamW's moments whole) or 1 (ZeRO stage 1: each "
+            "keeps the moments of its share of the parameters), got 2; stages 2 and 3 (sharded gradients and "
+            "parameters) are not implemented.");
+  EXPECT_NE(error_of([] { load_config("", {"parallel.zero=-1"}); }).find("got -1;"), std::string::npos);
+  EXPECT_EQ(error_of([] { load_config("", {"parallel.zero=yes"}); }), "parallel.zero must be an integer, got 'yes'.");
+}
+
 TEST(Config, PresetsHaveTheRealShapes) {
   const ModelConfig g = model_preset("gpt2");
   EXPECT_EQ(g.n_layer, 12);

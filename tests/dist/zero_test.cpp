@@ -1,0 +1,241 @@
+// ZeRO stage 1 (parallel.zero = 1) against the same ranks without it: ranks as threads of
+// this test, joined through a real TCPStore and Gloo group on the loopback, each training
+// on its rows of every batch with TrainStep. Each parameter is updated whole by one rank,
+// by the kernels that update it without ZeRO, and reaches the others through an exact
+// exchange, so the weights are compared bit for bit (the sign of zero included), not
+// within a bound.
+#include "cli/launch.h"
+#include "remat/cost.h"
+#include "remat/dist.h"
+#include "remat/model.h"
+#include "remat/safetensors.h"
+#include "train/step.h"
+#include "util/seeded.h"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <algorithm>
+#include <functional>
+#include <iterator>
+#include <random>
+#include <thread>
+
+namespace remat {
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr int64_t kSeq = 8;
+constexpr uint64_t kSeed = 5;
+
+// Runs `body` on `n` ranks, one thread each, joined as one job of `tp`-rank tensor-parallel
+// groups.
+void on_ranks(int n, int tp, const std::function<void(dist::Comm&)>& body) {
+  const int port = cli::free_port();
+  std::vector<std::string> errors(static_cast<size_t>(n));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        dist::LaunchEnv env;
+        env.rank = r;
+        env.world_size = n;
+        env.master_port = port;
+        auto comm = dist::Comm::connect(env, std::chrono::seconds(60), tp);
+        body(*comm);
+        comm->finish();
+      } catch (const std::exception& e) {
+        errors[static_cast<size_t>(r)] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < n; ++r) ASSERT_EQ(errors[static_cast<size_t>(r)], "") << "rank " << r;
+}
+
+TrainConfig train_config() {
+  TrainConfig t;
+  t.batch = 2;  // per rank
+  t.seq = kSeq;
+  t.steps = 4;
+  t.warmup = 1;
+  t.grad_clip = 0.05;  // small enough to clip every step: the global norm must be the same
+  return t;
+}
+
+const data::TokenDataset& dataset() {
+  static const data::TokenDataset data(at::randint(64, {300}, testing::seeded(3), at::kInt));
+  return data;
+}
+
+// tiny-gpt2 (vocabulary 64, context 32; heads, features and vocabulary split by 2), with
+// a few elements of a position row no sequence of kSeq tokens reaches set to -0.0: their
+// gradient stays 0, so they stay -0.0 through every update, and an exchange that turned
+// them into +0.0 would show.
+std::unique_ptr<Model> make_model(dist::Group* tp) {
+  auto model = Model::create(model_preset("tiny-gpt2"), at::kCPU, at::kFloat, 1, tp);
+  for (Param& p : model->params()) {
+    if (p.name == "wpe.weight") p.value[kSeq + 1].narrow(0, 0, 4).fill_(-0.0);
+  }
+  return model;
+}
+
+using Weights = std::vector<std::pair<std::string, at::Tensor>>;
+
+// The whole weights after `steps` steps on every rank of `n` (tp each), from a fresh model
+// or, with `resume`, from that checkpoint; with `save`, the checkpoint after `save_after`
+// steps is written there (rank 0 writes, every rank gives its part).
+std::vector<Weights> train_on_ranks(int n, int tp, int64_t zero, int64_t steps, const std::string& resume = "",
+                                    const std::string& save = "", int64_t save_after = 0) {
+  std::vector<Weights> out(static_cast<size_t>(n));
+  on_ranks(n, tp, [&](dist::Comm& comm) {
+    auto model = make_model(tp > 1 ? &comm.tensor() : nullptr);
+    TrainStep step(*model, train_config(), kSeed, &comm, zero);
+    std::mt19937_64 rng(7);
+    int64_t first = 0;
+    if (!resume.empty()) first = step.load_checkpoint(resume, rng);
+    for (int64_t s = first; s < steps; ++s) {
+      step.run(s, dataset(), rng);
+      if (!save.empty() && s + 1 == save_after && (comm.rank() == 0 || step.gives_to_checkpoint())) {
+        step.save_checkpoint(save, s + 1, rng, comm.rank() == 0);
+      }
+    }
+    out[static_cast<size_t>(comm.rank())] = model->whole_params();
+  });
+  return out;
+}
+
+// Equal bit for bit: -0.0 and +0.0 differ, as do NaNs of other payloads.
+void expect_bitwise(const Weights& a, const Weights& b, const std::string& what) {
+  ASSERT_EQ(a.size(), b.size()) << what;
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(a[i].first, b[i].first) << what;
+    EXPECT_TRUE(at::equal(a[i].second.view(at::kInt), b[i].second.view(at::kInt))) << what << ": " << a[i].first;
+  }
+}
+
+// The -0.0s make_model planted are still there (so the comparisons above could see them
+// turn into +0.0).
+void expect_negative_zeros(const Weights& w) {
+  for (const auto& [name, t] : w) {
+    if (name != "wpe.weight") continue;
+    const at::Tensor planted = t[kSeq + 1].narrow(0, 0, 4);
+    EXPECT_TRUE(at::equal(planted, at::zeros_like(planted)) && at::signbit(planted).all().item<bool>()) << planted;
+    return;
+  }
+  ADD_FAILURE() << "no wpe.weight";
+}
+
+TEST(Zero, TwoRanksTrainBitwiseAsWithoutZero) {
+  const std::vector<Weights> plain = train_on_ranks(2, 1, 0, 4);
+  const std::vector<Weights> zero = train_on_ranks(2, 1, 1, 4);
+  expect_negative_zeros(plain[0]);
+  for (int r = 0; r < 2; ++r) expect_bitwise(zero[static_cast<size_t>(r)], plain[0], "rank " + std::to_string(r));
+  // And the weights moved: the comparison is of trained models.
+  const auto fresh = make_model(nullptr)->whole_params();
+  EXPECT_FALSE(at::equal(fresh[0].second, plain[0][0].second));
+}
+
+// Two data-parallel copies of a two-rank tensor-parallel group: the data-parallel group
+// of each tensor-parallel position shards the moments of that position's parts.
+TEST(Zero, DataParallelCopiesOfATensorParallelGroupTrainBitwiseAsWithoutZero) {
+  const std::vector<Weights> plain = train_on_ranks(4, 2, 0, 3);
+  const std::vector<Weights> zero = train_on_ranks(4, 2, 1, 3);
+  expect_negative_zeros(plain[0]);
+  for (int r = 0; r < 4; ++r) expect_bitwise(zero[static_cast<size_t>(r)], plain[0], "rank " + std::to_string(r));
+}
+
+std::string file_bytes(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+// A checkpoint holds whole moments whatever parallel.zero wrote it: the files are byte for
+// byte alike, and a run resumed under the other setting continues bit for bit.
+TEST(Zero, CheckpointsAreTheSameFileAndResumeUnderEitherSetting) {
+  const fs::path dir = fs::temp_directory_path() / ("remat-zero-" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  const std::string with = (dir / "zero1.safetensors").string(), without = (dir / "zero0.safetensors").string();
+  const std::vector<Weights> plain = train_on_ranks(2, 1, 0, 4, "", without, 2);
+  train_on_ranks(2, 1, 1, 2, "", with, 2);
+  EXPECT_TRUE(file_bytes(with) == file_bytes(without)) << with << " and " << without << " differ";
+  const model::SafeTensors file = model::load_safetensors(with);
+  EXPECT_EQ(file.metadata.at("adam_steps"), "2");
+  EXPECT_NE(file.find("exp_avg_sq.wte.weight"), nullptr);
+
+  // Tensor-parallel parts of the moments too: gathered over both groups into one file.
+  const std::string tp_with = (dir / "tp-zero1.safetensors").string(),
+                    tp_without = (dir / "tp-zero0.safetensors").string();
+  train_on_ranks(4, 2, 0, 2, "", tp_without, 2);
+  train_on_ranks(4, 2, 1, 2, "", tp_with, 2);
+  EXPECT_TRUE(file_bytes(tp_with) == file_bytes(tp_without)) << tp_with << " and " << tp_without << " differ";
+
+  for (const auto& [from, zero] : {std::pair{with, int64_t{0}}, std::pair{without, int64_t{1}}}) {
+    const std::vector<Weights> resumed = train_on_ranks(2, 1, zero, 4, from);
+    for (int r = 0; r < 2; ++r) {
+      expect_bitwise(resumed[static_cast<size_t>(r)], plain[0], from + " resumed with zero " + std::to_string(zero));
+    }
+  }
+  fs::remove_all(dir);
+}
+
+// The partition: whole parameters, largest first to the least loaded rank (the lowest on a
+// tie), so that every rank computes the same one and the busiest holds at most the mean
+// plus the largest parameter.
+TEST(Zero, OwnersBalanceWholeParameters) {
+  EXPECT_EQ(cost::zero_owners({5, 3, 3, 2, 1}, 1), (std::vector<int>{0, 0, 0, 0, 0}));
+  // 5 -> rank 0; 3 -> 1; 3 -> 1 (load 3 < 5); 2 -> 0 (5 < 6); 1 -> 1 (6 < 7).
+  EXPECT_EQ(cost::zero_owners({5, 3, 3, 2, 1}, 2), (std::vector<int>{0, 1, 1, 0, 1}));
+  EXPECT_EQ(cost::zero_owners({4, 4, 4}, 2), (std::vector<int>{0, 1, 0}));
+  EXPECT_EQ(cost::zero_owners({1, 1}, 4), (std::vector<int>{0, 1}));
+
+  // The model's own parameters over 2 ranks: loads within the largest parameter.
+  const auto model = make_model(nullptr);
+  std::vector<int64_t> numels;
+  for (const Param& p : model->params()) numels.push_back(p.value.numel());
+  const std::vector<int> owner = cost::zero_owners(numels, 2);
+  int64_t load[2] = {0, 0}, largest = 0;
+  for (size_t i = 0; i < numels.size(); ++i) {
+    load[owner[i]] += numels[i];
+    largest = std::max(largest, numels[i]);
+  }
+  EXPECT_LE(std::abs(load[0] - load[1]), largest);
+  EXPECT_GT(load[0], 0);
+  EXPECT_GT(load[1], 0);
+}
+
+// The cost model's optimizer bytes are the busiest rank's moments.
+TEST(Zero, TheCostModelHoldsTheBusiestRanksMoments) {
+  ModelConfig cfg = model_preset("tiny-gpt2");
+  const auto model = make_model(nullptr);
+  std::vector<int64_t> numels;
+  for (const Param& p : model->params()) numels.push_back(p.value.numel());
+  cost::StepShape shape;
+  shape.seq = kSeq;
+  const cost::StaticBytes whole = cost::static_bytes(cfg, shape);
+  EXPECT_EQ(whole.optimizer, 2 * 4 * model->num_params());
+  for (const int64_t ranks : {2, 3}) {
+    shape.zero_ranks = ranks;
+    const std::vector<int> owner = cost::zero_owners(numels, ranks);
+    std::vector<int64_t> load(static_cast<size_t>(ranks)), largest(load.size());
+    for (size_t i = 0; i < numels.size(); ++i) {
+      load[static_cast<size_t>(owner[i])] += numels[i];
+      largest[static_cast<size_t>(owner[i])] = std::max(largest[static_cast<size_t>(owner[i])], numels[i]);
+    }
+    const cost::StaticBytes sharded = cost::static_bytes(cfg, shape);
+    EXPECT_EQ(sharded.optimizer, 2 * 4 * *std::max_element(load.begin(), load.end())) << ranks;
+    EXPECT_EQ(sharded.params, whole.params);
+    EXPECT_EQ(sharded.grads, whole.grads);
+    // The optimizer step's point: a rank's own moments and its own largest update's two
+    // temporaries, the highest over the ranks.
+    int64_t step = 0;
+    for (size_t r = 0; r < load.size(); ++r) step = std::max(step, 2 * 4 * (load[r] + largest[r]));
+    EXPECT_EQ(sharded.optimizer + cost::step_constants(cfg, shape).optimizer, step) << ranks;
+  }
+}
+
+}  // namespace
+}  // namespace remat
