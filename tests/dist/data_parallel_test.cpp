@@ -6,6 +6,7 @@
 #include "remat/policy.h"
 #include "train/data_parallel.h"
 #include "train/step.h"
+#include "util/gloo_ranks.h"
 #include "util/seeded.h"
 
 #include <gtest/gtest.h>
@@ -16,30 +17,6 @@
 
 namespace remat {
 namespace {
-
-// Runs `body` on `n` ranks, one thread each, joined as one job.
-void on_ranks(int n, const std::function<void(dist::Comm&)>& body) {
-  const int port = cli::free_port();
-  std::vector<std::string> errors(static_cast<size_t>(n));
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        dist::LaunchEnv env;
-        env.rank = r;
-        env.world_size = n;
-        env.master_port = port;
-        auto comm = dist::Comm::connect(env, std::chrono::seconds(60));
-        body(*comm);
-        comm->finish();
-      } catch (const std::exception& e) {
-        errors[static_cast<size_t>(r)] = e.what();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (int r = 0; r < n; ++r) EXPECT_EQ(errors[static_cast<size_t>(r)], "") << "rank " << r;
-}
 
 struct Grads {
   double loss = 0;
@@ -95,7 +72,7 @@ Distributed ranks(const char* preset, int n, double dropout, const std::string& 
   Distributed d;
   d.reduced.resize(static_cast<size_t>(n));
   d.parts.resize(static_cast<size_t>(n));
-  on_ranks(n, [&](dist::Comm& comm) {
+  testing::on_gloo_ranks(n, 1, [&](dist::Comm& comm) {
     auto model = make_model(preset, dropout, policy);
     const auto [tok, tgt] = batch(model->config(), n * kRows);
     model->zero_grad();

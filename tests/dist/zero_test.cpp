@@ -10,6 +10,7 @@
 #include "remat/model.h"
 #include "remat/safetensors.h"
 #include "train/step.h"
+#include "util/gloo_ranks.h"
 #include "util/seeded.h"
 
 #include <gtest/gtest.h>
@@ -30,31 +31,6 @@ namespace fs = std::filesystem;
 
 constexpr int64_t kSeq = 8;
 constexpr uint64_t kSeed = 5;
-
-// Runs `body` on `n` ranks, one thread each, joined as one job of `tp`-rank tensor-parallel
-// groups.
-void on_ranks(int n, int tp, const std::function<void(dist::Comm&)>& body) {
-  const int port = cli::free_port();
-  std::vector<std::string> errors(static_cast<size_t>(n));
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        dist::LaunchEnv env;
-        env.rank = r;
-        env.world_size = n;
-        env.master_port = port;
-        auto comm = dist::Comm::connect(env, std::chrono::seconds(60), tp);
-        body(*comm);
-        comm->finish();
-      } catch (const std::exception& e) {
-        errors[static_cast<size_t>(r)] = e.what();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (int r = 0; r < n; ++r) ASSERT_EQ(errors[static_cast<size_t>(r)], "") << "rank " << r;
-}
 
 TrainConfig train_config() {
   TrainConfig t;
@@ -91,7 +67,7 @@ using Weights = std::vector<std::pair<std::string, at::Tensor>>;
 std::vector<Weights> train_on_ranks(int n, int tp, int64_t zero, int64_t steps, const std::string& resume = "",
                                     const std::string& save = "", int64_t save_after = 0) {
   std::vector<Weights> out(static_cast<size_t>(n));
-  on_ranks(n, tp, [&](dist::Comm& comm) {
+  testing::on_gloo_ranks(n, tp, [&](dist::Comm& comm) {
     auto model = make_model(tp > 1 ? &comm.tensor() : nullptr);
     TrainStep step(*model, train_config(), kSeed, &comm, zero);
     std::mt19937_64 rng(7);
