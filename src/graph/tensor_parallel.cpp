@@ -125,11 +125,12 @@ BlockGraph tensor_parallel(const BlockGraph& g, const TensorParallelPlan& plan, 
       if (!shards[static_cast<size_t>(p)].split()) b.partial(pmap[static_cast<size_t>(p)]);
     }
   };
-  // The same sizes with dimension 1 multiplied (gathered) or divided (scattered) by tp.
-  const auto positions = [&](int v, bool gather) {
+  // The sizes of the split graph's value v with dimension 1 multiplied (gathered) or
+  // divided (scattered) by tp; `node` names the reader in a refusal.
+  const auto positions = [&](int v, bool gather, const std::string& node) {
     Attrs a;
     a.sizes = b.info(v).sizes;
-    a.sizes.at(1) = gather ? a.sizes[1] * tp : share(a.sizes[1], tp, g.values[static_cast<size_t>(v)].name, "positions");
+    a.sizes.at(1) = gather ? a.sizes[1] * tp : share(a.sizes[1], tp, node, "positions");
     return a;
   };
 
@@ -141,7 +142,7 @@ BlockGraph tensor_parallel(const BlockGraph& g, const TensorParallelPlan& plan, 
     if (!fresh) return it->second;
     const int from = vmap[static_cast<size_t>(v)];
     if (held[static_cast<size_t>(v)] == Held::positions) {
-      it->second = b.add1(reader + "_sp_gather", op::sp_gather(), {from}, {}, positions(from, true));
+      it->second = b.add1(reader + "_sp_gather", op::sp_gather(), {from}, {}, positions(from, true, reader));
     } else {
       it->second = b.add1(reader + "_tp_copy", op::tp_copy(), {from});
     }
@@ -178,7 +179,7 @@ BlockGraph tensor_parallel(const BlockGraph& g, const TensorParallelPlan& plan, 
       std::vector<int> bias;
       if (row && n.params.size() == 2) bias.push_back(pmap[static_cast<size_t>(n.params[1])]);
       if (sp) {
-        out = {b.add1(n.name + "_sp_scatter", op::sp_scatter(), {part}, bias, positions(part, false))};
+        out = {b.add1(n.name + "_sp_scatter", op::sp_scatter(), {part}, bias, positions(part, false, n.name))};
         out_held = Held::positions;
         if (row && n.params.size() == 2) partial({n.params[1]});
       } else {
