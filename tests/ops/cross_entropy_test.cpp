@@ -311,20 +311,30 @@ class NoCollectives final : public remat::dist::Group {
 // whole vocabulary's log-sum-exp; the fused one only scales its gradients). Every rank's
 // loss must be the same to the bit; dx is the ranks' parts summed in rank order (what the
 // copy node's all-reduce does), and each rank's dw accumulates into its rows of the caller's.
+// Every rank's outputs of `op`'s sharded forward (attributes `a`), each rank a thread
+// holding its rows of `w`.
+std::vector<std::vector<at::Tensor>> sharded_forward(const OpDef& op, int ranks, const Attrs& a, bool train,
+                                                     const at::Tensor& x, const at::Tensor& w,
+                                                     const at::Tensor& targets) {
+  const int64_t held = w.size(0) / ranks;
+  std::vector<std::vector<at::Tensor>> out(static_cast<size_t>(ranks));
+  on_local_ranks(ranks, [&](remat::dist::Group& group) {
+    RunContext ctx;
+    ctx.tp = &group;
+    ctx.train = train;
+    const int r = group.rank();
+    out[static_cast<size_t>(r)] = op.forward({x, targets}, {w.narrow(0, r * held, held)}, a, ctx);
+  });
+  return out;
+}
+
 Head vocab_parallel(const OpDef& op, int ranks, bool train = true) {
   return [&op, ranks, train](const at::Tensor& x, const at::Tensor& w, const at::Tensor& targets, int64_t chunk) {
     const int64_t held = w.size(0) / ranks;
     Attrs a;
     a.chunk = chunk;
     a.sharded = true;
-    std::vector<std::vector<at::Tensor>> out(static_cast<size_t>(ranks));
-    on_local_ranks(ranks, [&](remat::dist::Group& group) {
-      RunContext ctx;
-      ctx.tp = &group;
-      ctx.train = train;
-      const int r = group.rank();
-      out[static_cast<size_t>(r)] = op.forward({x, targets}, {w.narrow(0, r * held, held)}, a, ctx);
-    });
+    const std::vector<std::vector<at::Tensor>> out = sharded_forward(op, ranks, a, train, x, w, targets);
     for (int r = 1; r < ranks; ++r) {
       EXPECT_TRUE(at::equal(out[static_cast<size_t>(r)][0], out[0][0])) << "rank " << r << "'s loss differs";
     }
@@ -405,19 +415,10 @@ TEST(FusedCrossEntropyOp, VocabularyParallelEvaluationComputesTheLossOnly) {
   at::Tensor x = at::randn({N, C}, gen), w = at::randn({V, C}, gen);
   at::Tensor targets = make_targets(N, V, gen);
   for (int ranks : {2, 4}) {
-    const int64_t held = V / ranks;
     Attrs a;
     a.chunk = chunk;
     a.sharded = true;
-    std::vector<std::vector<at::Tensor>> eval(static_cast<size_t>(ranks));
-    on_local_ranks(ranks, [&](remat::dist::Group& group) {
-      RunContext ctx;
-      ctx.tp = &group;
-      ctx.train = false;
-      const int r = group.rank();
-      eval[static_cast<size_t>(r)] =
-          op::fused_cross_entropy().forward({x, targets}, {w.narrow(0, r * held, held)}, a, ctx);
-    });
+    const auto eval = sharded_forward(op::fused_cross_entropy(), ranks, a, /*train=*/false, x, w, targets);
     const at::Tensor trained = vocab_parallel(op::fused_cross_entropy(), ranks)(x, w, targets, chunk).first;
     for (const auto& out : eval) {
       EXPECT_TRUE(at::equal(out[0], trained)) << ranks << " ranks";
