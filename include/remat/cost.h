@@ -82,6 +82,9 @@ struct NodeTimes {
   std::map<std::string, double> seconds;  ///< by node name
   double flops_per_second = 0;           ///< fallback rate for nodes without a time
   double node_seconds(const graph::Node& n) const;
+  /// The all-gather of a block input kept as shares (graph::kInputGather), measured; 0
+  /// when the profile has none (FLOPs price no collective).
+  double input_gather_seconds() const;
 };
 
 /// A layer's plan priced: what it keeps and what its backward recomputes and peaks at.
@@ -111,9 +114,10 @@ struct StepPrediction {
   int64_t recomputed_bytes = 0; ///< per microbatch
 };
 
-/// Prices one layer's slot choice. `dropped`: slots recomputed; `early_stop` as the store's.
+/// Prices one layer's slot choice. `dropped`: slots recomputed; `early_stop` as the store's;
+/// `input_sharded`: LayerPlan::input_sharded (the block must be input_shardable).
 LayerCost price_layer(const graph::BlockGraph& block, const std::set<std::string>& dropped, bool early_stop,
-                      const NodeTimes& times);
+                      const NodeTimes& times, bool input_sharded = false);
 
 /// Bytes of parameters, gradients, optimizer state and batch for `cfg` (vocab_size set).
 StaticBytes static_bytes(const ModelConfig& cfg, const StepShape& shape);

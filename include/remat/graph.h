@@ -93,6 +93,16 @@ class Events {
   int64_t next_ = 0;
 };
 
+/// The allocations of a gather over the tensor-parallel group (ops::gather_positions,
+/// ops::gather_elements) into result `index` of `whole` bytes: the ranks' parts (one
+/// buffer each, as many bytes as the result together), Gloo's flat receive buffer while
+/// the collective runs, then their concatenation.
+void all_gather_events(Events& e, int64_t whole, int64_t index);
+
+/// The time profile's name for the all-gather of a block input kept as a share per rank
+/// (LayerPlan::input_sharded): timed as recompute work, beside the nodes.
+inline constexpr const char* kInputGather = "input.all_gather";
+
 /// Everything a node's kernels need besides tensors.
 struct RunContext {
   ops::DropoutKey key(ops::DropoutSite site) const;
@@ -246,6 +256,10 @@ struct BlockGraph {
   /// parallelism), or -1. Such a shard is kept, though no backward reads it, when its
   /// slot is kept and the gathered value's slot is dropped: the recompute gathers again.
   std::vector<int> gathered;
+  /// The tensor-parallel ranks the graph runs on (tensor_parallel's `tp`), and whether
+  /// with sequence parallelism.
+  int64_t tp = 1;
+  bool sp = false;
 
   const std::vector<int>& slot(Slot s) const { return slots[static_cast<size_t>(s)]; }
   int64_t output_bytes() const { return values[static_cast<size_t>(output)].info.bytes(); }
@@ -254,8 +268,12 @@ struct BlockGraph {
   /// Whether the forward keeps value v when `keep` (per Slot) says which slots it keeps:
   /// a saved value of a kept slot, or a shard kept to gather again (`gathered`).
   bool kept(int v, const std::vector<bool>& keep) const;
-  /// Bytes of the distinct memory of the values kept under `keep` (views counted once).
-  int64_t kept_bytes(const std::vector<bool>& keep) const;
+  /// Bytes of the distinct memory of the values kept under `keep` (views counted once);
+  /// `input_sharded`: the kept input counts as one rank's share (LayerPlan::input_sharded).
+  int64_t kept_bytes(const std::vector<bool>& keep, bool input_sharded = false) const;
+  /// Whether the block input can be kept as a share per tensor-parallel rank: tensor
+  /// parallelism without sequence parallelism, and the input's elements divide evenly.
+  bool input_shardable() const;
   /// Bytes of the distinct memory of every value a backward reads, the caller's inputs
   /// included (what a graph without slots keeps from its forward to its backward).
   int64_t saved_bytes() const;

@@ -79,7 +79,13 @@ struct LayerPlan {
   /// the layer's input is not kept either; the chunk's backward recomputes the whole
   /// chunk from its first layer's input. -1: not in a chunk.
   int64_t chunk_begin = -1;
-  bool keeps_all() const { return dropped.empty() && chunk_begin < 0; }
+  /// Tensor parallelism without sequence parallelism (Megatron's
+  /// distribute_saved_activations): the kept block input, which every rank of the
+  /// tensor-parallel group holds whole, is held as this rank's 1/tp share of its elements
+  /// from its last forward reader on, and all-gathered at the start of the layer's backward
+  /// (or of its chunk's recompute). Only for a layer that keeps its input.
+  bool input_sharded = false;
+  bool keeps_all() const { return dropped.empty() && chunk_begin < 0 && !input_sharded; }
 };
 
 struct ActivationPlan {

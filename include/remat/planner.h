@@ -1,8 +1,10 @@
 // The planner: a memory budget in bytes becomes the fastest activation plan that fits.
 //
 // Per layer it prices every keep-set of the block's slots with the cost model (bytes
-// kept, the peak of that layer's backward with its recompute, recompute time) and keeps
-// the Pareto frontier. Across layers a dynamic program over (bytes kept by the layers
+// kept, the peak of that layer's backward with its recompute, recompute time), under
+// tensor parallelism without sequence parallelism each also with the block input kept as
+// a share per rank (Megatron's distribute_saved_activations, priced by the measured
+// all-gather), and keeps the Pareto frontier. Across layers a dynamic program over (bytes kept by the layers
 // below, time) picks one frontier point per layer, or a uniform chunk of several layers,
 // so that predicted time is least and every point of the step (each layer's forward and
 // backward, the loss head, the optimizer) stays within the budget. The layers below a
@@ -34,6 +36,7 @@ struct PlannerOptions {
 struct LayerOption {
   std::set<std::string> dropped;
   cost::LayerCost cost;
+  bool input_sharded = false;  ///< LayerPlan::input_sharded
 };
 
 /// A point of the memory/time frontier.
@@ -75,6 +78,18 @@ class Planner {
   const graph::BlockGraph& block() const { return block_; }
 
  private:
+  // A uniform chunk of n layers, its input kept whole or as a share per tensor-parallel
+  // rank: the bytes it keeps, the most it holds at once above the layers below it (its
+  // first forward, the gather of its input, its recompute, its backward), and its time.
+  struct ChunkCost {
+    int64_t kept = 0;
+    int64_t top = 0;
+    double seconds = 0;
+  };
+  ChunkCost chunk_cost(int64_t n, bool sharded) const;
+  // How a layer may hold its kept input: whole, and as a share when the block allows it.
+  std::vector<bool> input_holds() const;
+
   ModelConfig cfg_;
   cost::StepShape shape_;
   cost::NodeTimes times_;

@@ -69,7 +69,7 @@ struct AcConfig {
   std::optional<int64_t> recompute_num_layers;       ///< chunk size (uniform) / count (block)
   std::optional<std::string> recompute_modules;      ///< comma list; selective default core_attn
   std::optional<bool> recompute_activations;         ///< true: selective core_attn
-  std::optional<bool> distribute_saved_activations;  ///< true is refused: kept inputs are not split yet
+  std::optional<bool> distribute_saved_activations;  ///< true: layers that keep only their input shard it over TP
 
   // ColossalAI
   std::optional<double> gradient_checkpointing_ratio;   ///< ratio:R
@@ -78,7 +78,7 @@ struct AcConfig {
 
   // nanotron
   std::optional<bool> recompute_layer;         ///< true: full; false: none
-  std::optional<bool> tp_recompute_allgather;  ///< true is refused until sequence parallelism exists
+  std::optional<bool> tp_recompute_allgather;  ///< true: gather the column-parallel inputs again (sp)
 
   /// A memory budget ("12GiB", "96MiB", or "0.6" of the no-recompute peak): the planner
   /// chooses the plan (remat/planner.h). Empty: the policy above decides.
@@ -110,7 +110,7 @@ ActivationPlan compile_policy(const std::string& policy, int64_t n_layers, doubl
 std::string explain_plan(const ActivationPlan& plan);
 
 /// Plans are equal when every layer drops the same slots with the same chunk structure
-/// (the policy spelling is not compared).
+/// and holds its input the same way (the policy spelling is not compared).
 bool same_layers(const ActivationPlan& a, const ActivationPlan& b);
 
 }  // namespace remat

@@ -54,6 +54,7 @@ std::vector<std::tuple<int64_t, int64_t, std::string, int64_t, double>> layer_gr
     } else {
       text = slots_text(lp.dropped);
     }
+    if (lp.input_sharded) text += ", input as a share per tensor-parallel rank";
     const auto& c = pred.layers[l];
     if (!out.empty() && std::get<2>(out.back()) == text && std::get<3>(out.back()) == c.kept && !chunk_start &&
         lp.chunk_begin < 0) {
@@ -189,6 +190,7 @@ int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
       layers.push_back({{"layer", l + 1},
                         {"dropped", plan.layers[l].dropped},
                         {"chunk_begin", plan.layers[l].chunk_begin < 0 ? -1 : plan.layers[l].chunk_begin + 1},
+                        {"input_sharded", plan.layers[l].input_sharded},
                         {"kept_bytes", pred.layers[l].kept},
                         {"recompute_flops", pred.layers[l].recompute_flops}});
     }

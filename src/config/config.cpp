@@ -582,6 +582,17 @@ void validate_config(const Config& c) {
          "gathers it again in the backward, but without parallel.sp = true (and parallel.tp > 1) nothing is "
          "gathered; set parallel.sp = true, or drop ac.tp_recompute_allgather.");
   }
+  if (c.ac.distribute_saved_activations && *c.ac.distribute_saved_activations) {
+    if (c.parallel.tp < 2) {
+      fail("ac.distribute_saved_activations = true keeps each recomputed layer's input as a share per "
+           "tensor-parallel rank, but parallel.tp = 1 has one rank; set parallel.tp to 2 or more, or drop "
+           "ac.distribute_saved_activations.");
+    }
+    if (c.parallel.sp) {
+      fail("ac.distribute_saved_activations = true shares the layers' inputs over the tensor-parallel ranks, but "
+           "with parallel.sp = true they already hold a share of the positions each; drop one of the two.");
+    }
+  }
   // Below a few heartbeats a busy machine would name live ranks as lost.
   if (!(c.parallel.timeout >= 5 && c.parallel.timeout <= 86400)) {
     fail(fmt::format("parallel.timeout must be from 5 to 86400 seconds, got {}.", c.parallel.timeout));
@@ -601,6 +612,11 @@ void validate_config(const Config& c) {
       fail(fmt::format("ac.budget = \"{}\" lets the planner choose, per layer, whether to keep each gathered input "
                        "or gather it again, but ac.tp_recompute_allgather = true fixes that choice; keep one of "
                        "them.", c.ac.budget));
+    }
+    if (c.ac.distribute_saved_activations && *c.ac.distribute_saved_activations) {
+      fail(fmt::format("ac.budget = \"{}\" lets the planner choose, per layer, whether to keep its input whole or "
+                       "as a share per tensor-parallel rank, but ac.distribute_saved_activations = true fixes that "
+                       "choice; keep one of them.", c.ac.budget));
     }
     if (c.ac.policy || plan.policy != "none") {
       throw std::invalid_argument(fmt::format(

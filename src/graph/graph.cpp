@@ -55,14 +55,21 @@ bool BlockGraph::kept(int v, const std::vector<bool>& keep) const {
   return whole >= 0 && s >= 0 && keep[static_cast<size_t>(s)] && !keep[static_cast<size_t>(slot_of[whole])];
 }
 
-int64_t BlockGraph::kept_bytes(const std::vector<bool>& keep) const {
+int64_t BlockGraph::kept_bytes(const std::vector<bool>& keep, bool input_sharded) const {
+  TORCH_INTERNAL_ASSERT(!input_sharded || input_shardable(), "a sharded input in a graph that cannot shard it");
   std::set<int> roots;
   int64_t bytes = 0;
   for (size_t v = 0; v < values.size(); ++v) {
     const int r = root(static_cast<int>(v));
-    if (kept(static_cast<int>(v), keep) && roots.insert(r).second) bytes += values[static_cast<size_t>(r)].info.bytes();
+    if (!kept(static_cast<int>(v), keep) || !roots.insert(r).second) continue;
+    const int64_t b = values[static_cast<size_t>(r)].info.bytes();
+    bytes += input_sharded && r == input ? b / tp : b;
   }
   return bytes;
+}
+
+bool BlockGraph::input_shardable() const {
+  return tp > 1 && !sp && values[static_cast<size_t>(input)].info.numel() % tp == 0;
 }
 
 int64_t BlockGraph::saved_bytes() const {

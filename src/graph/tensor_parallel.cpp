@@ -232,7 +232,12 @@ BlockGraph tensor_parallel(const BlockGraph& g, const TensorParallelPlan& plan, 
   }
 
   const int output = vmap[static_cast<size_t>(g.output)];
-  if (!has_slots) return b.finish_kept(output);
+  const auto on_ranks = [&](BlockGraph out) {
+    out.tp = tp;
+    out.sp = sp;
+    return out;
+  };
+  if (!has_slots) return on_ranks(b.finish_kept(output));
   std::vector<std::vector<int>> slots(kSlotCount);
   for (int s = 0; s < kSlotCount; ++s) {
     for (int v : g.slots[static_cast<size_t>(s)]) {
@@ -255,7 +260,7 @@ BlockGraph tensor_parallel(const BlockGraph& g, const TensorParallelPlan& plan, 
     }
   }
   for (int s = 0; s < kSlotCount; ++s) b.slot(static_cast<Slot>(s), slots[static_cast<size_t>(s)]);
-  return b.finish(output);
+  return on_ranks(b.finish(output));
 }
 
 // A shard's blocks (the whole dimension when it names none).

@@ -14,6 +14,8 @@
 //   void refilled(Slot s, const std::vector<Tensor>& ts);  a dropped slot is whole again
 //   template <class F> void recompute(F&& f);      runs a recompute (pool, trace, store)
 //   bool early_stop() const;
+//   Tensor shard(const Tensor& whole);              this rank's share of a kept input
+//   Tensor gather(const Tensor& share);             the whole input from every rank's share
 #pragma once
 
 #include "remat/graph.h"
@@ -39,16 +41,24 @@ struct Lifetimes {
   explicit Lifetimes(const BlockGraph& g);
 };
 
+/// How a kept block input is held between the forward and the backward (LayerPlan::input_sharded).
+enum class InputHold { whole, sharded };
+
 template <class B>
 class BlockRun {
  public:
   using T = typename B::Tensor;
 
   /// `keep`: per Slot, whether the forward keeps it; `training`: false keeps nothing and
-  /// records nothing (inference).
-  BlockRun(const BlockGraph& g, const Lifetimes& lt, std::vector<bool> keep, bool training = true)
-      : g_(g), lt_(lt), keep_(std::move(keep)), training_(training), vals_(g.values.size()),
-        missing_(g.values.size(), false), slot_missing_(kSlotCount, 0) {}
+  /// records nothing (inference); `hold`: sharded keeps the input (when kept) as this
+  /// rank's share from its last forward reader on, until gather_input.
+  BlockRun(const BlockGraph& g, const Lifetimes& lt, std::vector<bool> keep, bool training = true,
+           InputHold hold = InputHold::whole)
+      : g_(g), lt_(lt), keep_(std::move(keep)), training_(training), hold_(hold), vals_(g.values.size()),
+        missing_(g.values.size(), false), slot_missing_(kSlotCount, 0) {
+    TORCH_INTERNAL_ASSERT(hold_ == InputHold::whole || g_.input_shardable(),
+                          "a sharded block input needs tensor parallelism without sequence parallelism");
+  }
 
   /// The forward from the block input (and the graph's side inputs, in order);
   /// `recompute` marks a re-execution (uniform chunks).
@@ -77,6 +87,7 @@ class BlockRun {
 
   /// The backward from the output gradient; returns the input gradient.
   T backward(B& b, T dy) {
+    gather_input(b);
     std::vector<T> grads(g_.values.size());
     std::vector<std::vector<T>> parts(g_.values.size());
     grads[g_.output] = std::move(dy);
@@ -130,6 +141,14 @@ class BlockRun {
     return std::exchange(grads[g_.input], T());
   }
 
+  /// Makes a kept input held as this rank's share whole again (the backward's first step,
+  /// and a chunk recompute's before it reads the input); nothing if it is whole.
+  void gather_input(B& b) {
+    if (!input_is_share_) return;
+    vals_[g_.input] = b.gather(vals_[g_.input]);
+    input_is_share_ = false;
+  }
+
   /// Values the plan dropped and no recompute has refilled yet, per slot.
   bool missing(Slot s) const { return slot_missing_[static_cast<size_t>(s)] > 0; }
   /// The current handle of value v (kept or recomputed), for the chunk recompute.
@@ -148,7 +167,13 @@ class BlockRun {
   void release_forward(B& b, int v) {
     if (v == g_.output) return;
     // A saved value in no slot belongs to a graph without a plan: always kept.
-    if (training_ && g_.kept(v, keep_)) return;
+    if (training_ && g_.kept(v, keep_)) {
+      if (v == g_.input && hold_ == InputHold::sharded) {
+        vals_[v] = b.shard(vals_[v]);
+        input_is_share_ = true;
+      }
+      return;
+    }
     if (training_ && g_.saved[v]) {
       missing_[v] = true;
       ++slot_missing_[g_.slot_of[v]];
@@ -230,6 +255,8 @@ class BlockRun {
   const Lifetimes& lt_;
   std::vector<bool> keep_;
   bool training_;
+  InputHold hold_;
+  bool input_is_share_ = false;
   std::vector<T> vals_;
   std::vector<bool> missing_;
   std::vector<int> slot_missing_;

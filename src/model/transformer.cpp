@@ -1,6 +1,9 @@
 #include "model/transformer.h"
 
 #include "remat/dist.h"
+#include "remat/ops/tensor_parallel.h"
+
+#include <fmt/format.h>
 
 #include <set>
 
@@ -79,6 +82,20 @@ void Engine::dropped(int v, const at::Tensor& t) {
               view_of_dropped);
 }
 
+at::Tensor Engine::shard(const at::Tensor& whole) {
+  TORCH_INTERNAL_ASSERT(ctx.tp != nullptr, "a sharded block input without a tensor-parallel group");
+  return ops::share_of_elements(whole, *ctx.tp);
+}
+
+at::Tensor Engine::gather(const at::Tensor& share) {
+  TORCH_INTERNAL_ASSERT(ctx.tp != nullptr, "a sharded block input without a tensor-parallel group");
+  const trace::Scope trace_scope("all_gather", trace::Category::backward);
+  std::optional<ActivationStore::NodeTimer> timer;
+  if (store != nullptr) timer.emplace(*store, graph::kInputGather, ctx.device);
+  return ops::gather_elements(share, g.values[static_cast<size_t>(g.input)].info.sizes, *ctx.tp,
+                              fmt::format("the all-gather of layer {}'s kept input (step {})", layer, ctx.step + 1));
+}
+
 TransformerModel::TransformerModel(const ArchDecl& decl, const ModelConfig& cfg, at::Device device,
                                    at::ScalarType compute_dtype, uint64_t seed, dist::Group* tp,
                                    bool sequence_parallel)
@@ -143,7 +160,7 @@ double TransformerModel::forward_backward(const at::Tensor& tokens, const at::Te
   for (int64_t l = 0; l < L; ++l) {
     const trace::Scope layer_scope("forward", trace::Category::layer, l);
     Engine e = engine(blk, W, W.layers[l], false, l, ctx, store_.get());
-    runs.push_back(std::make_unique<Run>(blk.graph, blk.lifetimes, keeps(l)));
+    runs.push_back(std::make_unique<Run>(blk.graph, blk.lifetimes, keeps(l), true, hold(l)));
     x = runs.back()->forward(e, std::move(x));
   }
   scope.emplace("loss head forward", trace::Category::layer);
@@ -222,6 +239,10 @@ void TransformerModel::set_activation_plan(const ActivationPlan& plan, const Sto
   for (const auto& lp : plan.layers) {
     any = any || !lp.keeps_all();
     for (const auto& slot : lp.dropped) slot_of_name(slot);  // refuses a slot no block has
+    TORCH_CHECK(!lp.input_sharded || (tp_size() > 1 && !sp_),
+                "The activation plan keeps block inputs as a share per tensor-parallel rank "
+                "(distribute_saved_activations), which needs parallel.tp > 1 without parallel.sp; this model runs "
+                "with tp = ", tp_size(), sp_ ? " and sequence parallelism" : "", ".");
   }
   store_ = any ? std::make_unique<ActivationStore>(plan, options) : nullptr;
 }
@@ -233,7 +254,7 @@ ActivationBytes TransformerModel::predict_activation_bytes(int64_t B, int64_t T)
   out.embedding = graph_of(Part::embed, B, T, 0, sp_).saved_bytes();
   out.head = graph_of(Part::head, B, T, 1, sp_).saved_bytes();
   for (int64_t l = 0; l < cfg_.n_layer; ++l) {
-    out.blocks.push_back(g.kept_bytes(keeps(l)));
+    out.blocks.push_back(g.kept_bytes(keeps(l), hold(l) == graph::InputHold::sharded));
   }
   return out;
 }
@@ -273,6 +294,11 @@ std::vector<bool> TransformerModel::keeps(int64_t l) const {
   return keep;
 }
 
+graph::InputHold TransformerModel::hold(int64_t l) const {
+  const bool sharded = store_ && store_->plan().layers[static_cast<size_t>(l)].input_sharded;
+  return sharded ? graph::InputHold::sharded : graph::InputHold::whole;
+}
+
 Engine TransformerModel::engine(const GraphShape& s, const Weights& W, const std::vector<int>& params, bool backward,
                                 int64_t l,
                                 const StepContext& ctx, ActivationStore* store, bool train) {
@@ -294,6 +320,10 @@ void TransformerModel::recompute_chunk(const GraphShape& blk, int64_t last, cons
   const int64_t first = store_->plan().layers[static_cast<size_t>(last)].chunk_begin;
   const Weights& W = compute_weights();
   store_->recompute([&] {
+    {
+      Engine e = engine(blk, W, W.layers[first], false, first, ctx, store_.get());
+      runs[first]->gather_input(e);
+    }
     at::Tensor x = runs[first]->value(blk.graph.input);
     for (int64_t j = first; j <= last; ++j) {
       const trace::Recompute recompute(j);

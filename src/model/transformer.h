@@ -121,6 +121,8 @@ struct Engine {
     });
   }
   bool early_stop() const { return store == nullptr || store->options().early_stop; }
+  at::Tensor shard(const at::Tensor& whole);
+  at::Tensor gather(const at::Tensor& share);
 };
 
 using Run = graph::BlockRun<Engine>;
@@ -154,6 +156,8 @@ class TransformerModel final : public Model {
   const GraphShape& shaped(Part p, int64_t B, int64_t T, int64_t chunk = 0, bool sp = false);
   // Per slot, whether layer l's forward keeps it.
   std::vector<bool> keeps(int64_t l) const;
+  // How layer l holds its kept input (LayerPlan::input_sharded).
+  graph::InputHold hold(int64_t l) const;
   // The backend for one graph: the weights `W` (the compute copies) at `params`, layer l's
   // (or the embedding's, l = 0, or the head's), with their gradients when `backward`.
   Engine engine(const GraphShape& s, const Weights& W, const std::vector<int>& params, bool backward, int64_t l,

@@ -53,6 +53,19 @@ at::Tensor reduce_scatter_positions(at::Tensor x, dist::Group& group, const std:
   return x.narrow(1, group.rank() * n, n).clone();
 }
 
+at::Tensor share_of_elements(const at::Tensor& x, dist::Group& group) {
+  const int64_t n = x.numel() / group.size();
+  TORCH_CHECK(x.is_contiguous() && n * group.size() == x.numel(), "[share_of_elements] needs a contiguous tensor whose ",
+              x.numel(), " elements divide over ", group.size(), " ranks, got ", x.sizes());
+  return x.view({1, -1}).narrow(1, group.rank() * n, n).clone();
+}
+
+at::Tensor gather_elements(const at::Tensor& share, at::IntArrayRef sizes, dist::Group& group,
+                           const std::string& what) {
+  // A [1, n] row gathered along its positions is the ranks' runs in rank order.
+  return gather_positions(share, group, what).view(sizes);
+}
+
 Fwd<TpSaved> sp_gather_forward(const at::Tensor& x, dist::Group& group, const std::string& what) {
   const trace::Scope trace_scope("all_gather", trace::Category::forward);
   return {gather_positions(x, group, what), TpSaved{}};
@@ -100,15 +113,6 @@ void reduce_events(Events& e, const TensorInfo& t) {
   e.release(e.temp(bytes_of(t.numel(), at::kFloat)));
 }
 
-// gather_positions into result `index` of `whole` bytes: the ranks' parts (one buffer each,
-// as many bytes as the result together), Gloo's flat receive buffer while the collective
-// runs, then their concatenation.
-void gather_events(Events& e, int64_t whole, int64_t index) {
-  const int64_t parts = e.temp(whole);
-  e.release(e.temp(whole));
-  e.out(index);
-  e.release(parts);
-}
 
 // reduce_scatter_positions of `whole` into result `index`: the reduction, then the copy.
 void scatter_events(Events& e, const TensorInfo& whole, int64_t index) {
@@ -222,7 +226,7 @@ class SpGatherDef final : public OpDef {
   }
   void forward_events(Events& e, const std::vector<TensorInfo>&, const std::vector<TensorInfo>&,
                       const std::vector<TensorInfo>& out, const Attrs&) const override {
-    gather_events(e, out[0].bytes(), 0);
+    all_gather_events(e, out[0].bytes(), 0);
   }
   void backward_events(Events& e, const std::vector<TensorInfo>&, const std::vector<TensorInfo>&,
                        const std::vector<TensorInfo>& out, const Attrs&) const override {
@@ -261,11 +265,18 @@ class SpScatterDef final : public OpDef {
   void backward_events(Events& e, const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& p,
                        const std::vector<TensorInfo>& out, const Attrs&) const override {
     if (!p.empty()) bias_grad_events(e, out[0], p[0]);
-    gather_events(e, in[0].bytes(), 0);
+    all_gather_events(e, in[0].bytes(), 0);
   }
 };
 
 }  // namespace
+
+void all_gather_events(Events& e, int64_t whole, int64_t index) {
+  const int64_t parts = e.temp(whole);
+  e.release(e.temp(whole));
+  e.out(index);
+  e.release(parts);
+}
 
 const OpDef& op::tp_copy() {
   static const TpCopyDef def;

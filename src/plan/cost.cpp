@@ -116,6 +116,16 @@ struct Simulator {
     f();
   }
   bool early_stop() const { return early; }
+  Tensor shard(const Tensor& whole) { return make(whole->bytes / g.tp); }
+  Tensor gather(const Tensor&) {
+    graph::Events e;
+    const int64_t whole = g.values[g.input].info.bytes();
+    graph::all_gather_events(e, whole, 0);
+    std::vector<Tensor> res(1);
+    replay(e, res, {whole});
+    cost.recompute_seconds += times.input_gather_seconds();
+    return res[0];
+  }
 };
 
 // Every parameter's elements on one tensor-parallel rank, from the declared graphs (a
@@ -182,13 +192,18 @@ double NodeTimes::node_seconds(const graph::Node& n) const {
   return flops_per_second > 0 ? n.flops / flops_per_second : 0.0;
 }
 
+double NodeTimes::input_gather_seconds() const {
+  const auto it = seconds.find(graph::kInputGather);
+  return it == seconds.end() ? 0.0 : it->second;
+}
+
 namespace {
 
 // The walk of `g` on the simulator: its forward from its inputs (the caller's take no
 // bytes here), keeping by `keep`, and, when `backward`, its backward from the output
 // gradient. `kept`: what the forward leaves live for the backward.
 LayerCost simulate(const graph::BlockGraph& g, const std::vector<bool>& keep, bool early_stop, const NodeTimes& times,
-                   bool backward) {
+                   bool backward, graph::InputHold hold = graph::InputHold::whole) {
   LayerCost lc;
   const graph::Lifetimes lt(g);
   Live live;
@@ -196,7 +211,7 @@ LayerCost simulate(const graph::BlockGraph& g, const std::vector<bool>& keep, bo
   const auto input = [&](int v) { return sim.make(g.values[v].external ? 0 : g.values[v].info.bytes()); };
   std::vector<SimTensor> side;
   for (int v : g.side_inputs) side.push_back(input(v));
-  graph::BlockRun<Simulator> run(g, lt, keep);
+  graph::BlockRun<Simulator> run(g, lt, keep, true, hold);
   run.forward(sim, input(g.input), false, std::move(side)).reset();
   lc.forward_peak = live.peak();
   lc.kept = live.current();
@@ -207,13 +222,14 @@ LayerCost simulate(const graph::BlockGraph& g, const std::vector<bool>& keep, bo
   return lc;
 }
 
-// A block's walk under the slots `dropped`.
+// A block's walk under the slots `dropped`, its input held whole or as this rank's share.
 LayerCost simulate(const graph::BlockGraph& g, const std::set<std::string>& dropped, bool early_stop,
-                   const NodeTimes& times, bool backward) {
+                   const NodeTimes& times, bool backward, bool input_sharded = false) {
   std::vector<bool> keep(kSlotCount, true);
   for (const auto& s : dropped) keep[static_cast<size_t>(slot_of_name(s))] = false;
-  LayerCost lc = simulate(g, keep, early_stop, times, backward);
-  const int64_t table = g.kept_bytes(keep);
+  LayerCost lc = simulate(g, keep, early_stop, times, backward,
+                          input_sharded ? graph::InputHold::sharded : graph::InputHold::whole);
+  const int64_t table = g.kept_bytes(keep, input_sharded);
   TORCH_INTERNAL_ASSERT(lc.kept == table, "the walk keeps ", lc.kept, " bytes but the slot table ", table);
   return lc;
 }
@@ -226,8 +242,8 @@ LayerCost simulate_kept(const graph::BlockGraph& g) {
 }  // namespace
 
 LayerCost price_layer(const graph::BlockGraph& g, const std::set<std::string>& dropped, bool early_stop,
-                      const NodeTimes& times) {
-  return simulate(g, dropped, early_stop, times, /*backward=*/true);
+                      const NodeTimes& times, bool input_sharded) {
+  return simulate(g, dropped, early_stop, times, /*backward=*/true, input_sharded);
 }
 
 StaticBytes static_bytes(const ModelConfig& cfg, const StepShape& shape) {
@@ -291,13 +307,15 @@ StepPrediction predict_step(const ModelConfig& cfg, const StepShape& shape, cons
     }
   };
   // Prices per distinct slot choice (layers of one policy mostly share a few).
-  std::map<std::set<std::string>, LayerCost> priced;
-  auto price = [&](const std::set<std::string>& dropped) -> const LayerCost& {
-    auto it = priced.find(dropped);
-    if (it == priced.end()) it = priced.emplace(dropped, price_layer(block, dropped, early_stop, times)).first;
+  std::map<std::pair<std::set<std::string>, bool>, LayerCost> priced;
+  auto price = [&](const std::set<std::string>& dropped, bool sharded) -> const LayerCost& {
+    auto it = priced.find({dropped, sharded});
+    if (it == priced.end()) {
+      it = priced.emplace(std::pair{dropped, sharded}, price_layer(block, dropped, early_stop, times, sharded)).first;
+    }
     return it->second;
   };
-  const LayerCost& whole = price({});
+  const LayerCost& whole = price({}, false);
   // A uniform:N chunk: its first layer keeps its input, the others nothing; the chunk's
   // last layer re-runs all of it.
   auto chunk_first = [&](int64_t l) {
@@ -313,17 +331,15 @@ StepPrediction predict_step(const ModelConfig& cfg, const StepShape& shape, cons
   for (int64_t l = 0; l < L; ++l) {
     const LayerPlan& lp = plan.layers[l];
     if (chunk_first(l) >= 0) {
-      kept[l] = lp.chunk_begin >= 0 ? 0 : input_bytes;
       // Its first forward keeps only the chunk's input, if it is the chunk's first layer.
       std::set<std::string> all(block_slots().begin(), block_slots().end());
       if (lp.chunk_begin >= 0) all.insert(slot_name(Slot::input));
-      LayerCost c;
-      c.kept = kept[l];
-      c.forward_peak = simulate(block, all, early_stop, times, /*backward=*/false).forward_peak;
+      LayerCost c = simulate(block, all, early_stop, times, /*backward=*/false, lp.input_sharded);
+      kept[l] = c.kept;
       c.backward_peak = whole.backward_peak;
       p.layers.push_back(c);
     } else {
-      p.layers.push_back(price(lp.dropped));
+      p.layers.push_back(price(lp.dropped, lp.input_sharded));
       kept[l] = p.layers.back().kept;
     }
   }
@@ -356,6 +372,12 @@ StepPrediction predict_step(const ModelConfig& cfg, const StepShape& shape, cons
     // The chunk [first, l]: its forward again with the output gradient live, then each
     // layer's backward with the rebuilt layers under it still held.
     const int64_t under = below - kept[first];  // kept by the layers under the chunk
+    if (plan.layers[first].input_sharded) {
+      // The input gathered first, beside its share and the output gradient.
+      consider(emb + under + out_bytes + kept[first] + 2 * input_bytes, embed_saved + under + kept[first],
+               layer_name("recompute", first));
+      total.recompute_seconds += times.input_gather_seconds();
+    }
     int64_t rebuilt = 0;
     const int64_t full = whole.kept;
     for (int64_t j = first; j <= l; ++j) {

@@ -30,6 +30,7 @@ struct State {
   int64_t prev_index = -1;
   int64_t option = -1;  ///< index into the layer frontier, or -1 for a chunk
   int64_t chunk = 0;    ///< chunk length when option == -1
+  bool sharded = false; ///< a chunk's input kept as a share per rank
 };
 
 // Pareto filter: ascending kept bytes with strictly falling time; above `max_states`,
@@ -79,7 +80,11 @@ Planner::Planner(const ModelConfig& cfg, const cost::StepShape& shape, const cos
     }
   }
   std::vector<LayerOption> all;
-  for (const auto& d : candidates) all.push_back({d, cost::price_layer(block_, d, options_.early_stop, times_)});
+  for (const bool sharded : input_holds()) {
+    for (const auto& d : candidates) {
+      all.push_back({d, cost::price_layer(block_, d, options_.early_stop, times_, sharded), sharded});
+    }
+  }
   whole_ = {{}, cost::price_layer(block_, {}, options_.early_stop, times_)};
   for (size_t i = 0; i < all.size(); ++i) {
     bool dominated = false;
@@ -104,7 +109,6 @@ std::optional<PlanResult> Planner::solve(int64_t budget) const {
   const int64_t L = cfg_.n_layer;
   if (fixed_peak_ > budget) return std::nullopt;
   const int64_t room = budget - emb_base_;  // for the layers' bytes
-  const int64_t fwd = whole_.cost.forward_peak, input = block_.slot_bytes(Slot::input), full = whole_.cost.kept;
   std::vector<std::vector<State>> states(L + 1);
   states[0].push_back({});
   const int64_t width = std::max<int64_t>(1, budget / std::max<int64_t>(1, options_.max_states));
@@ -118,10 +122,11 @@ std::optional<PlanResult> Planner::solve(int64_t budget) const {
         states[pos + 1].push_back({s.kept + c.kept, s.seconds + c.recompute_seconds, pos, si, oi, 0});
       }
       for (int64_t n = 2; n <= std::min(options_.max_chunk, L - pos); ++n) {
-        const int64_t top = std::max({input + fwd, block_.output_bytes() + (n - 1) * full + fwd,
-                                      (n - 1) * full + whole_.cost.backward_peak});
-        if (s.kept + top > room) continue;
-        states[pos + n].push_back({s.kept + input, s.seconds + n * block_seconds_, pos, si, -1, n});
+        for (const bool sharded : input_holds()) {
+          const ChunkCost c = chunk_cost(n, sharded);
+          if (s.kept + c.top > room) continue;
+          states[pos + n].push_back({s.kept + c.kept, s.seconds + c.seconds, pos, si, -1, n, sharded});
+        }
       }
     }
   }
@@ -140,12 +145,14 @@ std::optional<PlanResult> Planner::solve(int64_t budget) const {
     const State& s = states[pos][i];
     if (s.option >= 0) {
       plan.layers[s.prev_pos].dropped = frontier_[s.option].dropped;
+      plan.layers[s.prev_pos].input_sharded = frontier_[s.option].input_sharded;
     } else {
       std::set<std::string> everything(block_slots().begin(), block_slots().end());
       for (int64_t j = s.prev_pos; j < pos; ++j) {
         plan.layers[j].dropped = everything;
         plan.layers[j].chunk_begin = j == s.prev_pos ? -1 : s.prev_pos;
       }
+      plan.layers[s.prev_pos].input_sharded = s.sharded;
     }
     i = s.prev_index;
     pos = s.prev_pos;
@@ -159,7 +166,6 @@ std::optional<PlanResult> Planner::solve(int64_t budget) const {
 
 int64_t Planner::min_feasible_budget() const {
   const int64_t L = cfg_.n_layer;
-  const int64_t fwd = whole_.cost.forward_peak, input = block_.slot_bytes(Slot::input), full = whole_.cost.kept;
   // Feasibility depends only on the bytes kept below each layer, so the least-kept
   // partial plan at each position decides it.
   auto feasible = [&](int64_t budget) {
@@ -175,9 +181,10 @@ int64_t Planner::min_feasible_budget() const {
         if (k + std::max(o.cost.forward_peak, o.cost.backward_peak) <= room) least[pos + 1] = std::min(least[pos + 1], k + o.cost.kept);
       }
       for (int64_t n = 2; n <= std::min(options_.max_chunk, L - pos); ++n) {
-        const int64_t top = std::max({input + fwd, block_.output_bytes() + (n - 1) * full + fwd,
-                                      (n - 1) * full + whole_.cost.backward_peak});
-        if (k + top <= room) least[pos + n] = std::min(least[pos + n], k + input);
+        for (const bool sharded : input_holds()) {
+          const ChunkCost c = chunk_cost(n, sharded);
+          if (k + c.top <= room) least[pos + n] = std::min(least[pos + n], k + c.kept);
+        }
       }
     }
     return least[L] != kNone && least[L] + head_peak_ <= room;
@@ -192,6 +199,27 @@ int64_t Planner::min_feasible_budget() const {
     }
   }
   return hi;
+}
+
+Planner::ChunkCost Planner::chunk_cost(int64_t n, bool sharded) const {
+  const int64_t fwd = whole_.cost.forward_peak, input = block_.slot_bytes(Slot::input), full = whole_.cost.kept;
+  ChunkCost c;
+  c.kept = sharded ? input / block_.tp : input;
+  c.top = std::max({input + fwd, block_.output_bytes() + (n - 1) * full + fwd,
+                    (n - 1) * full + whole_.cost.backward_peak});
+  c.seconds = static_cast<double>(n) * block_seconds_;
+  if (sharded) {
+    // Gloo's all-gather holds the parts and its receive buffer beside the share and the
+    // output gradient (graph::all_gather_events).
+    c.top = std::max(c.top, block_.output_bytes() + c.kept + 2 * input);
+    c.seconds += times_.input_gather_seconds();
+  }
+  return c;
+}
+
+std::vector<bool> Planner::input_holds() const {
+  if (block_.input_shardable()) return {false, true};
+  return {false};
 }
 
 int64_t Planner::none_peak() const { return predict(compile_policy("none", cfg_.n_layer, cfg_.dropout)).peak; }

@@ -564,9 +564,6 @@ void megatron(const AcConfig& ac, std::vector<Candidate>& out,
       fail("ac.distribute_saved_activations = true distributes the inputs of layers recomputed whole; it needs "
            "ac.recompute_granularity = \"full\" with a recompute method.");
     }
-    fail("ac.distribute_saved_activations = true splits the kept inputs of recomputed layers over the "
-         "tensor-parallel ranks; remat does not do that yet (with parallel.tp every rank keeps them whole). Set it "
-         "to false.");
   }
 }
 
@@ -626,7 +623,10 @@ bool recomputes_anything(const ActivationPlan& p) {
 bool same_layers(const ActivationPlan& a, const ActivationPlan& b) {
   if (a.layers.size() != b.layers.size()) return false;
   for (size_t i = 0; i < a.layers.size(); ++i) {
-    if (a.layers[i].dropped != b.layers[i].dropped || a.layers[i].chunk_begin != b.layers[i].chunk_begin) return false;
+    if (a.layers[i].dropped != b.layers[i].dropped || a.layers[i].chunk_begin != b.layers[i].chunk_begin ||
+        a.layers[i].input_sharded != b.layers[i].input_sharded) {
+      return false;
+    }
   }
   return true;
 }
@@ -669,6 +669,13 @@ ActivationPlan compile_policy(const AcConfig& ac, int64_t n_layers, double dropo
     }
     plan.policy += " (tp_recompute_allgather)";
   }
+  if (ac.distribute_saved_activations && *ac.distribute_saved_activations) {
+    // Megatron's: the input of every layer recomputed whole (a uniform chunk's first layer,
+    // a block:N layer, a full layer) is kept as this rank's share.
+    const auto everything = all_slots();
+    for (auto& l : plan.layers) l.input_sharded = l.chunk_begin < 0 && l.dropped == everything;
+    plan.policy += " (distribute_saved_activations)";
+  }
   if (dropout > 0.0 && !ac.preserve_rng_state && !ac.allow_rng_mismatch && recomputes_anything(plan)) {
     fail(fmt::format("ac.preserve_rng_state = false with dropout {} makes recomputed dropout draw other masks than "
                      "the forward did, which silently changes training; keep ac.preserve_rng_state = true, or set "
@@ -699,7 +706,8 @@ std::string explain_plan(const ActivationPlan& plan) {
   for (int64_t i = 0; i < n;) {
     int64_t j = i;
     while (j + 1 < n && plan.layers[j + 1].dropped == plan.layers[i].dropped &&
-           plan.layers[j + 1].chunk_begin == plan.layers[i].chunk_begin && chunk_of(j + 1) == chunk_of(i)) {
+           plan.layers[j + 1].chunk_begin == plan.layers[i].chunk_begin &&
+           plan.layers[j + 1].input_sharded == plan.layers[i].input_sharded && chunk_of(j + 1) == chunk_of(i)) {
       ++j;
     }
     const LayerPlan& l = plan.layers[i];
@@ -709,12 +717,15 @@ std::string explain_plan(const ActivationPlan& plan) {
     for (const auto& s : block_slots()) (l.dropped.count(s) ? dropped : kept).push_back(s);
     if (l.chunk_begin >= 0) {
       r.keeps = fmt::format("nothing (recomputed from layer {}'s input)", l.chunk_begin + 1);
-    } else if (dropped.empty()) {
-      r.keeps = "all";
-    } else if (kept.empty()) {
-      r.keeps = "block input only";
     } else {
-      r.keeps = "block input, " + join(kept, ", ");
+      const std::string input = l.input_sharded ? "block input (a share per tensor-parallel rank)" : "block input";
+      if (dropped.empty()) {
+        r.keeps = l.input_sharded ? "all, " + input : "all";
+      } else if (kept.empty()) {
+        r.keeps = input + " only";
+      } else {
+        r.keeps = input + ", " + join(kept, ", ");
+      }
     }
     r.drops = dropped.empty() ? "-" : kept.empty() ? "all" : join(dropped, ", ");
     const int64_t chunk = chunk_of(i);

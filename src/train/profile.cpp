@@ -30,11 +30,12 @@ std::string profile_key(const Config& cfg, const Model& model) {
   const ModelConfig& m = cfg.model;
   const TrainConfig& t = cfg.train;
   // The BLAS and its threading change every matmul's time: a digest of their description.
+  // "ig": tensor parallelism alone, whose profile times the gather of a sharded input.
   std::string key = fmt::format(
       "{}-{}-{}-L{}-C{}-H{}-KV{}-F{}-V{}-p{}-{}{}-B{}-T{}-tp{}{}-ce{}{}-es{}-threads{}-blas{}", model.device().str(),
       cfg.run.dtype, arch_name(m.arch), m.n_layer, m.d_model, m.n_head, m.n_kv_head, m.d_ff, m.vocab_size, m.dropout,
       attention_name(m.attention), m.attention == Attention::tiled ? m.attention_tile : 0, t.batch, t.seq,
-      model.tp_size(), model.sequence_parallel() ? "sp" : "", t.ce_chunk,
+      model.tp_size(), model.sequence_parallel() ? "sp" : model.tp_size() > 1 ? "ig" : "", t.ce_chunk,
       loss_head_name(m.loss_head), cfg.ac.early_stop ? 1 : 0, at::get_num_threads(),
       util::sha256_hex(blas_name()).substr(0, 8));
   // ZeRO-1 updates a share of the parameters; without it the key is as it always was.
@@ -98,7 +99,11 @@ TimeProfile measure_time_profile(const Config& cfg, Model& model, const data::To
   StoreOptions options;
   options.early_stop = cfg.ac.early_stop;
   options.time_nodes = true;
-  model.set_activation_plan(compile_policy("full", cfg.model.n_layer, cfg.model.dropout), options);
+  ActivationPlan full = compile_policy("full", cfg.model.n_layer, cfg.model.dropout);
+  // Under tensor parallelism alone, each layer keeps its input as a share, so that the
+  // all-gather a plan may choose (graph::kInputGather) is timed too.
+  for (auto& l : full.layers) l.input_sharded = model.tp_size() > 1 && !model.sequence_parallel();
+  model.set_activation_plan(full, options);
   const auto batch = data.sequential(0, t.batch, t.seq);
   const at::Tensor tokens = batch.tokens.to(device), targets = batch.targets.to(device);
   constexpr int kReps = 3;

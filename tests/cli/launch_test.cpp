@@ -373,16 +373,20 @@ TEST_F(LaunchedTraining, TensorParallelRanksTrainTheOneProcessModel) {
 // dwarf the slack (the prediction's allowance for small tensors, 16 KiB), with the peak in
 // the loss head: Gloo's worker once held a reduced activation past its collective there,
 // about 1,000,000 bytes above the plan on one rank or the other (3 runs in 3).
-// The same with sequence parallelism, keeping or gathering again the column linears' inputs.
+// The same with sequence parallelism, keeping or gathering again the column linears' inputs,
+// and without it, keeping the inputs of uniform chunks as a share per rank.
 TEST_F(LaunchedTraining, TensorParallelRanksPeakWhereThePlannerSaid) {
-  const std::vector<std::string> policies{"none", "full", "none parallel.sp=true", "full parallel.sp=true",
-                                          "none parallel.sp=true ac.tp_recompute_allgather=true"};
+  const std::vector<std::string> policies{
+      "ac.policy=none", "ac.policy=full", "ac.policy=none parallel.sp=true", "ac.policy=full parallel.sp=true",
+      "ac.policy=none parallel.sp=true ac.tp_recompute_allgather=true",
+      "ac.recompute_granularity=full ac.recompute_method=uniform ac.recompute_num_layers=2 "
+      "ac.distribute_saved_activations=true"};
   for (size_t i = 0; i < policies.size(); ++i) {
     const std::string& policy = policies[i];
     const std::string name = "peak-" + std::to_string(i);
     const Result r = run_remat("launch --nproc 2 train " + common_ + " model.preset=gpt2-demo model.vocab_size=2048 " +
-                               "train.batch=16 train.seq=128 train.steps=3 ac.profile=false parallel.tp=2 " +
-                               "ac.policy=" + policy + " run.name=" + name);
+                               "train.batch=16 train.seq=128 train.steps=3 ac.profile=false parallel.tp=2 " + policy +
+                               " run.name=" + name);
     ASSERT_EQ(r.exit_code, 0) << r.output;
     const auto summary = nlohmann::json::parse(read_text(dir_ / "runs" / name / "summary.json"));
     const int64_t predicted = summary["predicted_peak_bytes"];

@@ -97,6 +97,27 @@ TEST(Config, SequenceParallelismIsRefusedWhereItCannotRun) {
   EXPECT_NO_THROW(load_config("", {"parallel.tp=2", "parallel.sp=true", "ac.tp_recompute_allgather=true"}));
 }
 
+TEST(Config, DistributedSavedActivationsNeedTensorParallelismAlone) {
+  const std::vector<std::string> full{"ac.recompute_granularity=full", "ac.recompute_method=uniform",
+                                      "ac.recompute_num_layers=1", "ac.distribute_saved_activations=true"};
+  const auto with = [&](std::vector<std::string> more) {
+    more.insert(more.end(), full.begin(), full.end());
+    return error_of([&] { load_config("", more); });
+  };
+  EXPECT_EQ(with({}),
+            "ac.distribute_saved_activations = true keeps each recomputed layer's input as a share per "
+            "tensor-parallel rank, but parallel.tp = 1 has one rank; set parallel.tp to 2 or more, or drop "
+            "ac.distribute_saved_activations.");
+  EXPECT_EQ(with({"parallel.tp=2", "parallel.sp=true"}),
+            "ac.distribute_saved_activations = true shares the layers' inputs over the tensor-parallel ranks, but "
+            "with parallel.sp = true they already hold a share of the positions each; drop one of the two.");
+  EXPECT_EQ(with({"parallel.tp=2", "ac.budget=1GiB"}),
+            "ac.budget = \"1GiB\" lets the planner choose, per layer, whether to keep its input whole or as a share "
+            "per tensor-parallel rank, but ac.distribute_saved_activations = true fixes that choice; keep one of "
+            "them.");
+  EXPECT_EQ(with({"parallel.tp=2"}), "");
+}
+
 // ZeRO stage 1 is on or off; with one data-parallel rank it is accepted and shards over
 // that rank alone, so one configuration serves any number of ranks.
 TEST(Config, ZeroIsStageZeroOrOne) {

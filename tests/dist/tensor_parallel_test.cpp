@@ -30,13 +30,31 @@ ModelConfig shape_for(const char* arch, int tp, double dropout) {
   return cfg;
 }
 
-std::unique_ptr<Model> make_model(const ModelConfig& cfg, at::ScalarType dtype, const std::string& policy,
-                                  dist::Group* tp, bool sp = false, bool regather = false) {
-  auto model = Model::create(cfg, at::kCPU, dtype, 1, tp, sp);
+// A recompute setting by name: a policy; with "+", the same policy with
+// ac.tp_recompute_allgather; "uniform:N*" or "block:N*", Megatron's full granularity by that
+// method with ac.distribute_saved_activations.
+AcConfig ac_of(std::string name) {
   AcConfig ac;
-  ac.policy = policy;
-  if (regather) ac.tp_recompute_allgather = true;
   ac.allow_rng_mismatch = true;
+  const char mark = name.back();
+  if (mark == '+' || mark == '*') name.pop_back();
+  if (mark == '*') {
+    const size_t colon = name.find(':');
+    ac.recompute_granularity = "full";
+    ac.recompute_method = name.substr(0, colon);
+    ac.recompute_num_layers = std::stoll(name.substr(colon + 1));
+    ac.distribute_saved_activations = true;
+  } else {
+    ac.policy = name;
+  }
+  if (mark == '+') ac.tp_recompute_allgather = true;
+  return ac;
+}
+
+std::unique_ptr<Model> make_model(const ModelConfig& cfg, at::ScalarType dtype, const std::string& policy,
+                                  dist::Group* tp, bool sp = false) {
+  auto model = Model::create(cfg, at::kCPU, dtype, 1, tp, sp);
+  const AcConfig ac = ac_of(policy);
   apply_plan(*model, compile_policy(ac, cfg.n_layer, cfg.dropout), ac);
   return model;
 }
@@ -70,12 +88,12 @@ Result step(Model& model, bool parts, int64_t chunk = 5) {
 
 // Every rank's result, run as `tp` threads.
 std::vector<Result> on_tp(int tp, const ModelConfig& cfg, at::ScalarType dtype, const std::string& policy,
-                          bool parts, LossHead head = LossHead::fused, bool sp = false, bool regather = false) {
+                          bool parts, LossHead head = LossHead::fused, bool sp = false) {
   std::vector<Result> out(static_cast<size_t>(tp));
   testing::on_local_ranks(tp, [&](dist::Group& group) {
     ModelConfig c = cfg;
     c.loss_head = head;
-    auto model = make_model(c, dtype, policy, &group, sp, regather);
+    auto model = make_model(c, dtype, policy, &group, sp);
     out[static_cast<size_t>(group.rank())] = step(*model, parts);
   });
   return out;
@@ -157,20 +175,18 @@ TEST(TensorParallel, LossAndGradientsEqualOneProcessInFloat64) {
 // Recompute changes nothing within one layout: every policy's loss and every rank's
 // gradient parts are bitwise those of the same ranks without recompute; with sequence
 // parallelism also gathering the column-parallel inputs again (tp_recompute_allgather)
-// instead of keeping them, alone or with a policy.
+// instead of keeping them, alone or with a policy; without it, keeping the inputs of the
+// layers recomputed whole as a share per rank (distribute_saved_activations).
 TEST(TensorParallel, EveryPolicyIsBitwiseTheSameRanksWithoutRecompute) {
   for (const char* arch : {"gpt2", "llama"}) {
     for (const bool sp : {false, true}) {
     const ModelConfig cfg = shape_for(arch, 2, 0.1);
     const std::vector<Result> none = on_tp(2, cfg, at::kFloat, "none", true, LossHead::fused, sp);
-    for (const char* policy :
-         {"full", "modules:[core_attn]", "ops:[matmul]", "every:2", "uniform:2", "none+", "modules:[core_attn]+"}) {
-      // "+": the same policy with ac.tp_recompute_allgather.
-      std::string name = policy;
-      const bool regather = name.back() == '+';
-      if (regather) name.pop_back();
-      if (regather && !sp) continue;
-      const std::vector<Result> got = on_tp(2, cfg, at::kFloat, name, true, LossHead::fused, sp, regather);
+    for (const char* policy : {"full", "modules:[core_attn]", "ops:[matmul]", "every:2", "uniform:2", "none+",
+                               "modules:[core_attn]+", "uniform:1*", "uniform:2*", "block:1*"}) {
+      const char mark = std::string(policy).back();
+      if ((mark == '+' && !sp) || (mark == '*' && sp)) continue;
+      const std::vector<Result> got = on_tp(2, cfg, at::kFloat, policy, true, LossHead::fused, sp);
       for (int r = 0; r < 2; ++r) {
         const std::string what = fmt::format("{} sp {} {} rank {}", arch, sp, policy, r);
         EXPECT_EQ(got[static_cast<size_t>(r)].loss, none[static_cast<size_t>(r)].loss) << what;
@@ -193,10 +209,7 @@ TEST(TensorParallel, SequenceParallelRanksKeepWhatThePredictionSays) {
     const ModelConfig cfg = shape_for(arch, 2, 0.1);
     std::map<std::string, int64_t> kept;
     for (const char* policy : {"none", "none+", "full", "modules:[core_attn]", "modules:[core_attn]+", "uniform:2"}) {
-      std::string name = policy;
-      const bool regather = name.back() == '+';
-      if (regather) name.pop_back();
-      const std::vector<Result> got = on_tp(2, cfg, at::kFloat, name, true, LossHead::fused, true, regather);
+      const std::vector<Result> got = on_tp(2, cfg, at::kFloat, policy, true, LossHead::fused, true);
       for (int r = 0; r < 2; ++r) {
         const Result& g = got[static_cast<size_t>(r)];
         EXPECT_EQ(g.measured.blocks, g.predicted.blocks) << arch << " " << policy << " rank " << r;
@@ -208,6 +221,36 @@ TEST(TensorParallel, SequenceParallelRanksKeepWhatThePredictionSays) {
     const int64_t per_input = kRows * (kSeq - kSeq / 2) * cfg.d_model * 4;  // float32
     EXPECT_EQ(kept["none"] - kept["none+"], cfg.n_layer * 2 * per_input) << arch;
     EXPECT_EQ(kept["modules:[core_attn]"] - kept["modules:[core_attn]+"], cfg.n_layer * 2 * per_input) << arch;
+  }
+}
+
+// Megatron's distribute_saved_activations: each layer recomputed whole keeps its input
+// [B, T, C], which every rank holds, as a share of B T C / t elements, so it keeps
+// (1 - 1/t) of those bytes less, on every rank, as the model predicts from the graph; a
+// uniform chunk of two keeps one input per chunk. At t = 4 as well.
+TEST(TensorParallel, DistributedSavedActivationsKeepAShareOfEachInput) {
+  for (const char* arch : {"gpt2", "llama"}) {
+    for (const int tp : {2, 4}) {
+      const ModelConfig cfg = shape_for(arch, tp, 0.1);
+      ASSERT_EQ(cfg.n_layer % 2, 0);
+      std::map<std::string, int64_t> kept;
+      for (const char* policy : {"full", "uniform:1*", "uniform:2", "uniform:2*", "block:1*"}) {
+        const std::vector<Result> got = on_tp(tp, cfg, at::kFloat, policy, true);
+        for (int r = 0; r < tp; ++r) {
+          const Result& g = got[static_cast<size_t>(r)];
+          const std::string what = fmt::format("{} tp {} {} rank {}", arch, tp, policy, r);
+          EXPECT_EQ(g.measured.blocks, g.predicted.blocks) << what;
+          EXPECT_EQ(g.measured.total(), got[0].measured.total()) << what;
+        }
+        kept[policy] = got[0].measured.total();
+      }
+      const int64_t input = kRows * kSeq * cfg.d_model * 4;  // float32
+      const int64_t saved = input - input / tp;
+      EXPECT_EQ(kept["full"] - kept["uniform:1*"], cfg.n_layer * saved) << arch << " tp " << tp;
+      EXPECT_EQ(kept["uniform:2"] - kept["uniform:2*"], cfg.n_layer / 2 * saved) << arch << " tp " << tp;
+      // block:1: the first layer keeps its input as a share; the others keep everything.
+      EXPECT_LT(kept["uniform:1*"], kept["block:1*"]) << arch << " tp " << tp;
+    }
   }
 }
 

@@ -29,7 +29,8 @@ cost::StepShape shape_of(int64_t B, int64_t T, at::ScalarType dtype = at::kFloat
   return s;
 }
 
-// Every plan of `L` layers over `candidates` and uniform chunks up to `max_chunk`,
+// Every plan of `L` layers over `candidates` and uniform chunks up to `max_chunk` (each
+// with its input kept whole, and under tensor parallelism alone also as a share per rank),
 // priced by the step simulator; the least recompute time within `budget`.
 double brute_force(const ModelConfig& cfg, const cost::StepShape& shape, const cost::NodeTimes& times,
                    const std::vector<std::set<std::string>>& candidates, int64_t max_chunk, int64_t budget,
@@ -39,6 +40,7 @@ double brute_force(const ModelConfig& cfg, const cost::StepShape& shape, const c
   ActivationPlan plan;
   plan.layers.resize(L);
   const std::set<std::string> everything(block_slots().begin(), block_slots().end());
+  const std::vector<bool> holds = shape.tp > 1 && !shape.sp ? std::vector<bool>{false, true} : std::vector<bool>{false};
   std::function<void(int64_t)> walk = [&](int64_t pos) {
     if (pos == L) {
       ++*plans_seen;
@@ -46,13 +48,15 @@ double brute_force(const ModelConfig& cfg, const cost::StepShape& shape, const c
       if (p.peak <= budget && (best < 0 || p.recompute_seconds < best)) best = p.recompute_seconds;
       return;
     }
-    for (const auto& c : candidates) {
-      plan.layers[pos] = {c, -1};
-      walk(pos + 1);
-    }
-    for (int64_t n = 2; n <= std::min(max_chunk, L - pos); ++n) {
-      for (int64_t j = pos; j < pos + n; ++j) plan.layers[j] = {everything, j == pos ? -1 : pos};
-      walk(pos + n);
+    for (const bool sharded : holds) {
+      for (const auto& c : candidates) {
+        plan.layers[pos] = {c, -1, sharded};
+        walk(pos + 1);
+      }
+      for (int64_t n = 2; n <= std::min(max_chunk, L - pos); ++n) {
+        for (int64_t j = pos; j < pos + n; ++j) plan.layers[j] = {everything, j == pos ? -1 : pos, j == pos && sharded};
+        walk(pos + n);
+      }
     }
   };
   walk(0);
@@ -91,6 +95,48 @@ TEST(Planner, EqualsBruteForceOnSmallInstances) {
     int64_t seen = 0;
     EXPECT_LT(brute_force(cfg, shape, times, candidates, 3, lo - 1, &seen), 0);
     EXPECT_GE(brute_force(cfg, shape, times, candidates, 3, lo, &seen), 0);
+  }
+}
+
+// Under tensor parallelism alone each layer's input may also be kept as a share per rank,
+// all-gathered before its backward at a measured cost: still the brute force's optimum;
+// tighter budgets share inputs, and the loosest (no recompute) keeps them whole.
+TEST(Planner, EqualsBruteForceWithInputsKeptAsShares) {
+  const std::vector<std::set<std::string>> candidates = {{}, {"attn.probs", "attn.dropout"}, {"mlp.act_in"}};
+  for (const char* preset : {"gpt2-demo", "llama-demo"}) {
+    const ModelConfig cfg = config(preset, 4, 0.1);
+    cost::StepShape shape = shape_of(2, 64);
+    shape.tp = 2;
+    cost::NodeTimes times;
+    times.flops_per_second = 1.0;
+    times.seconds[graph::kInputGather] = graph::block_graph(cfg, 2, 64, at::kFloat, 2).forward_flops() / 1000;
+    PlannerOptions opts;
+    opts.candidates = candidates;
+    opts.max_chunk = 3;
+    const Planner planner(cfg, shape, times, opts);
+    const int64_t lo = planner.min_feasible_budget(), hi = planner.none_peak();
+    int sharing = 0;  // plans that keep some input as a share
+    for (int i = 0; i <= 12; ++i) {
+      const int64_t budget = lo + (hi - lo) * i / 12;
+      int64_t seen = 0;
+      const double brute = brute_force(cfg, shape, times, candidates, 3, budget, &seen);
+      const auto r = planner.solve(budget);
+      ASSERT_TRUE(r.has_value()) << preset << " budget " << budget;
+      EXPECT_DOUBLE_EQ(r->prediction.recompute_seconds, brute) << preset << " budget " << budget;
+      EXPECT_LE(r->prediction.peak, budget);
+      EXPECT_EQ(seen, 1540);  // 6 single-layer choices, 2 per chunk
+      const auto shared = [&] {
+        return std::count_if(r->plan.layers.begin(), r->plan.layers.end(),
+                             [](const LayerPlan& l) { return l.input_sharded; });
+      };
+      sharing += shared() > 0;
+      if (i == 12) {
+        EXPECT_EQ(shared(), 0) << preset;
+      }
+    }
+    EXPECT_GT(sharing, 0) << preset;
+    int64_t seen = 0;
+    EXPECT_LT(brute_force(cfg, shape, times, candidates, 3, lo - 1, &seen), 0);
   }
 }
 
@@ -154,7 +200,8 @@ TEST(Planner, NamesTheRecomputingLossHeadWhereOnlyItFits) {
 // inputs and outputs and the residual masks stay whole on every rank, the rest is split
 // with the heads and features). With sequence parallelism and the layer norms' outputs
 // kept as the rank's positions (gathered again for the backward, as Megatron does:
-// tp_recompute_allgather), sbh(34/t + 5as/(ht)), selective 34sbh/t, full 2sbh/t; keeping
+// tp_recompute_allgather), sbh(34/t + 5as/(ht)), selective 34sbh/t, full 2sbh/t (also
+// without it, the input kept as a share: distribute_saved_activations); keeping
 // the two gathered outputs instead adds 2 x 2sbh(1 - 1/t). remat's GPT-2 block saves
 // exactly that set plus each LayerNorm's mean and rstd (float32, of the rank's positions);
 // with tiled attention, 34 sbh plus the log-sum-exp rows and those statistics.
@@ -178,6 +225,8 @@ TEST(Planner, GptLayerBytesEqualKorthikantisFormula) {
           << "t " << t << " h " << sh.h;
       EXPECT_EQ(cost::price_layer(block, all, true, times).kept, 2 * sbh) << "t " << t << " h " << sh.h;
       if (t == 1) continue;
+      // distribute_saved_activations: the input of a layer recomputed whole, as a share.
+      EXPECT_EQ(cost::price_layer(block, all, true, times, true).kept, 2 * sbh / t) << "t " << t << " h " << sh.h;
       const auto sp = graph::block_graph(cfg, sh.b, sh.s, at::kBFloat16, t, true);
       const std::set<std::string> regather{"attn.gathered", "mlp.gathered"};
       std::set<std::string> selective = regather;

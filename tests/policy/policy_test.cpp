@@ -343,14 +343,39 @@ TEST(PolicyErrors, MegatronCombinations) {
             "ac.recompute_activations = true means selective recompute, but ac.recompute_granularity = \"full\" "
             "asks for another granularity: two spellings of the same setting disagree. Drop one of them.");
   EXPECT_EQ(error_ac([](AcConfig& a) {
-              a.recompute_granularity = "full";
-              a.recompute_method = "uniform";
-              a.recompute_num_layers = 1;
+              a.recompute_activations = true;
               a.distribute_saved_activations = true;
             }, 4),
-            "ac.distribute_saved_activations = true splits the kept inputs of recomputed layers over the "
-            "tensor-parallel ranks; remat does not do that yet (with parallel.tp every rank keeps them whole). Set "
-            "it to false.");
+            "ac.distribute_saved_activations = true distributes the inputs of layers recomputed whole; it needs "
+            "ac.recompute_granularity = \"full\" with a recompute method.");
+}
+
+// Megatron's distribute_saved_activations: each layer recomputed whole (uniform chunks'
+// first layers, block:N's layers) keeps its input as a share per tensor-parallel rank;
+// layers that keep more, and the other layers of a chunk, are unchanged.
+TEST(PolicyPlans, DistributeSavedActivationsSharesTheInputsOfLayersRecomputedWhole) {
+  const auto sharded = [](const ActivationPlan& p) {
+    std::vector<bool> out;
+    for (const auto& l : p.layers) out.push_back(l.input_sharded);
+    return out;
+  };
+  AcConfig ac;
+  ac.recompute_granularity = "full";
+  ac.recompute_method = "uniform";
+  ac.recompute_num_layers = 2;
+  ac.distribute_saved_activations = true;
+  const ActivationPlan uniform = compile_policy(ac, 4, 0.0);
+  EXPECT_EQ(uniform.policy, "uniform:2 (distribute_saved_activations)");
+  EXPECT_EQ(sharded(uniform), (std::vector<bool>{true, false, true, false}));
+  ac.recompute_method = "block";
+  ac.recompute_num_layers = 1;
+  const ActivationPlan block = compile_policy(ac, 3, 0.0);
+  EXPECT_EQ(sharded(block), (std::vector<bool>{true, false, false}));
+  EXPECT_NE(explain_plan(block).find("block input (a share per tensor-parallel rank) only"), std::string::npos)
+      << explain_plan(block);
+  ac.distribute_saved_activations = false;
+  EXPECT_EQ(sharded(compile_policy(ac, 3, 0.0)), std::vector<bool>(3, false));
+  EXPECT_FALSE(same_layers(block, compile_policy(ac, 3, 0.0)));
 }
 
 // nanotron's tp_recompute_allgather: whatever else the policy keeps, the gathered inputs of

@@ -46,6 +46,15 @@ at::Tensor gather_positions(const at::Tensor& x, dist::Group& group, const std::
 /// tensor; `x` (which no one else reads) holds the sum afterwards.
 at::Tensor reduce_scatter_positions(at::Tensor x, dist::Group& group, const std::string& what);
 
+/// This rank's share of a tensor every rank of `group` holds whole: the r-th of `size`
+/// equal runs of its elements in memory order, a copy (Megatron's
+/// distribute_saved_activations keeps a recomputed layer's input so).
+at::Tensor share_of_elements(const at::Tensor& x, dist::Group& group);
+/// The whole tensor of `sizes` from every rank's share_of_elements, a new tensor (bytes
+/// gathered, as gather_positions).
+at::Tensor gather_elements(const at::Tensor& share, at::IntArrayRef sizes, dist::Group& group,
+                           const std::string& what);
+
 /// y = gather_positions(x).
 Fwd<TpSaved> sp_gather_forward(const at::Tensor& x, dist::Group& group, const std::string& what);
 /// dx = reduce_scatter_positions(dy).
