@@ -1,10 +1,15 @@
-// `remat bench`: a sweep of recompute settings measured in one process on one machine.
+// `remat bench`: a sweep of recompute settings measured on one machine, in one process or
+// in the ranks of one launched job (`remat launch`, torchrun).
 //
 // Every entry trains a fresh model from the same seed on the same batches for a few
 // warm-up steps and then the measured steps, through the step `remat train` runs, and
 // reports the peak tensor memory and the median step time. Step times depend on the
 // machine and on whatever else runs on it, so a sweep's results are read as ratios to its
 // own `none` entry, measured minutes apart in the same process, not as absolute figures.
+//
+// Under a launcher every rank runs every step together (data parallel over parallel.dp
+// ranks, tensor parallel over parallel.tp, with parallel.sp, as `remat train` would), and
+// every rank's peak is gathered after each step; rank 0 prints and writes the report.
 #pragma once
 
 #include <cstddef>
@@ -42,15 +47,17 @@ struct BenchOptions {
 struct BenchRow {
   std::string entry;                       ///< BenchEntry::label
   std::string policy;                      ///< canonical policy it ran (ActivationPlan::policy)
-  std::vector<double> step_seconds;        ///< every measured step, in order
+  std::vector<double> step_seconds;        ///< every measured step, in order (rank 0's: each step
+                                           ///< ends in a collective, so it spans the slowest rank's)
   double median_step_seconds = 0;
   double min_step_seconds = 0;
   double max_step_seconds = 0;
   double tokens_per_second = 0;            ///< training tokens per step / median step time
-  int64_t peak_bytes = 0;                  ///< highest step peak over the measured steps
+  int64_t peak_bytes = 0;                  ///< highest step peak over the measured steps (of any rank)
+  std::vector<int64_t> rank_peak_bytes;    ///< the same per rank, in rank order (one: this process)
   int64_t activation_bytes = 0;            ///< saved activations of one microbatch, measured
   int64_t predicted_activation_bytes = 0;  ///< the same, predicted from the plan before running
-  int64_t predicted_peak_bytes = 0;        ///< the cost model's step peak for the entry's plan
+  int64_t predicted_peak_bytes = 0;        ///< the cost model's step peak for the entry's plan (per rank)
   double predicted_step_seconds = 0;       ///< from the time profile (0 with ac.profile=false)
   int64_t budget_bytes = 0;                ///< ac.budget of a budget entry, else 0
   int64_t ops_recomputed = 0;              ///< forward ops the store re-ran in the last step
@@ -59,7 +66,8 @@ struct BenchRow {
 };
 
 struct BenchResult {
-  std::string dir;             ///< where the files went
+  int rank = 0;                ///< this process's rank in a launched job: rank 0's result is the report
+  std::string dir;             ///< where the files went (rank 0; empty on the other ranks)
   std::vector<BenchRow> rows;  ///< one per entry, in sweep order
   size_t reference = 0;        ///< the row ratios are to: the first running `none`, else the first
   bool losses_equal = true;    ///< whether every final loss is bitwise the reference's
@@ -73,11 +81,18 @@ struct BenchResult {
 /// is missing), config.toml (the common configuration) and metrics.jsonl (every step).
 /// A header, a line per entry (unless run.progress=false) and a warning when the final
 /// losses differ go to stderr. Throws std::exception with a user-facing sentence.
+///
+/// Started by a launcher (include/remat/dist.h), every rank must call it with the same
+/// options: the ranks join as `remat train` joins them (parallel.dp x parallel.tp must be
+/// the ranks started; parallel.* cannot differ between entries), each plans and runs its
+/// share, and only rank 0 prints and writes the directory.
 BenchResult run_bench(const BenchOptions& options);
 
-/// The result as a text table: entry | peak | x ref | step ms | x ref | tokens/s | ops
-/// recomputed, the ratios to the reference row ("x none", or "x first" with a line saying
-/// which entry that is when the sweep has no `none`).
+/// The result as a text table: entry | peak | predicted | x ref | step ms | predicted |
+/// x ref | tokens/s | ops recomputed, the ratios to the reference row ("x none", or
+/// "x first" with a line saying which entry that is when the sweep has no `none`). With
+/// several ranks the peak is the highest rank's, and a line per entry gives every rank's
+/// peak beside the prediction.
 std::string format_bench_table(const BenchResult& result);
 
 }  // namespace remat

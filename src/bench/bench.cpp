@@ -6,6 +6,7 @@
 #include "remat/model.h"
 #include "remat/policy.h"
 #include "remat/trainer.h"
+#include "train/data_parallel.h"
 #include "train/device.h"
 #include "train/planning.h"
 #include "train/profile.h"
@@ -21,6 +22,7 @@
 #include <array>
 #include <chrono>
 #include <filesystem>
+#include <memory>
 #include <random>
 #include <stdexcept>
 
@@ -30,6 +32,7 @@ namespace {
 // An entry's configuration, loaded and checked before any entry runs.
 struct PreparedEntry {
   Config config;
+  Config local;     ///< what one rank runs of it (rank_share)
   RunPlan planned;  ///< the plan (a budget entry's solved by the planner) and its prediction
 };
 
@@ -42,6 +45,13 @@ PreparedEntry prepare_entry(const BenchOptions& o, const BenchEntry& entry) {
     if (std::none_of(keys.begin(), keys.end(), [&](const ConfigKey& k) { return k.name == key; })) {
       throw std::invalid_argument(fmt::format(
           "Bench entry '{}' sets {}, which is an unknown config key; leave the entry out of the sweep.", entry.label,
+          key));
+    }
+    // The ranks join once, before the first entry, as the sweep's settings group them.
+    if (key.rfind("parallel.", 0) == 0) {
+      throw std::invalid_argument(fmt::format(
+          "Bench entry '{}' sets {}, but every entry of a sweep runs on the same ranks, joined once; set {} for the "
+          "whole sweep (a key=value beside the options) and bench each value in its own sweep.", entry.label, key,
           key));
     }
   }
@@ -58,15 +68,22 @@ PreparedEntry prepare_entry(const BenchOptions& o, const BenchEntry& entry) {
   return p;
 }
 
-// Trains one entry on a fresh model and measures the steps after the warm-up.
+// This rank's model of `cfg`: its share of every layer under tensor parallelism.
+std::unique_ptr<Model> create_model(const Config& cfg, at::Device device, at::ScalarType dtype, dist::Comm* ranks) {
+  return Model::create(cfg.model, device, dtype, static_cast<uint64_t>(cfg.run.seed),
+                       cfg.parallel.tp > 1 ? &ranks->tensor() : nullptr, cfg.parallel.sp);
+}
+
+// Trains one entry on a fresh model and measures the steps after the warm-up: on every
+// rank of `ranks` at once, each step ending in their collectives; `run` is rank 0's.
 BenchRow run_entry(const BenchEntry& entry, const PreparedEntry& p, const BenchOptions& o,
-                   const data::TokenDataset& train_ds, at::Device device, at::ScalarType dtype, RunDir& run,
-                   ProgressBar& bar, int64_t& steps_done) {
+                   const data::TokenDataset& train_ds, at::Device device, at::ScalarType dtype, dist::Comm* ranks,
+                   RunDir* run, ProgressBar& bar, int64_t& steps_done) {
   const Config& cfg = p.config;
   const auto seed = static_cast<uint64_t>(cfg.run.seed);
-  auto model = Model::create(cfg.model, device, dtype, seed);
+  auto model = create_model(cfg, device, dtype, ranks);
   apply_plan(*model, p.planned.plan, cfg.ac);
-  TrainStep stepper(*model, cfg.train, seed);
+  TrainStep stepper(*model, p.local.train, seed, ranks, cfg.parallel.zero);
   std::mt19937_64 rng(seed);  // the same batches for every entry
 
   BenchRow row;
@@ -75,27 +92,34 @@ BenchRow run_entry(const BenchEntry& entry, const PreparedEntry& p, const BenchO
   row.predicted_peak_bytes = p.planned.predicted.peak;
   row.predicted_step_seconds = p.planned.step_seconds;
   row.budget_bytes = p.planned.budget;
-  row.predicted_activation_bytes = model->predict_activation_bytes(cfg.train.batch, cfg.train.seq).total();
+  row.predicted_activation_bytes = model->predict_activation_bytes(p.local.train.batch, cfg.train.seq).total();
   for (int64_t step = 0; step < o.warmup + o.steps; ++step) {
     const StepResult r = stepper.run(step, train_ds, rng);
+    // After the timed step, so the gather costs the step time nothing.
+    const RankStep gathered = gather_step(ranks, r.peak_bytes, 0, step + 1);
     const bool measured = step >= o.warmup;
     if (measured) {
       row.step_seconds.push_back(r.seconds);
-      row.peak_bytes = std::max(row.peak_bytes, r.peak_bytes);
+      keep_highest(row.rank_peak_bytes, gathered.peaks);
     }
     row.activation_bytes = r.activations.total();
     row.ops_recomputed = r.counters.ops_recomputed;
     row.bytes_recomputed = r.counters.bytes_recomputed;
     row.final_loss = r.loss;
-    run.log_metrics({{"entry", entry.label}, {"step", step + 1}, {"measured", measured}, {"loss", r.loss},
-                     {"step_seconds", r.seconds}, {"memory_bytes", r.current_bytes}, {"peak_bytes", r.peak_bytes},
-                     {"activation_bytes", r.activations.total()}, {"ops_recomputed", r.counters.ops_recomputed}});
+    if (run != nullptr) {
+      run->log_metrics({{"entry", entry.label}, {"step", step + 1}, {"measured", measured}, {"loss", r.loss},
+                        {"step_seconds", r.seconds}, {"memory_bytes", r.current_bytes},
+                        {"peak_bytes", *std::max_element(gathered.peaks.begin(), gathered.peaks.end())},
+                        {"rank_peak_bytes", gathered.peaks}, {"activation_bytes", r.activations.total()},
+                        {"ops_recomputed", r.counters.ops_recomputed}});
+    }
     bar.update(++steps_done, fmt::format("{} step {}/{}", entry.label, step + 1, o.warmup + o.steps));
   }
+  row.peak_bytes = *std::max_element(row.rank_peak_bytes.begin(), row.rank_peak_bytes.end());
   row.median_step_seconds = median(row.step_seconds);
   row.min_step_seconds = *std::min_element(row.step_seconds.begin(), row.step_seconds.end());
   row.max_step_seconds = *std::max_element(row.step_seconds.begin(), row.step_seconds.end());
-  const auto& t = cfg.train;
+  const auto& t = cfg.train;  // the whole batch, every data-parallel rank's rows
   row.tokens_per_second = static_cast<double>(t.batch * t.seq * t.grad_accum) / row.median_step_seconds;
   return row;
 }
@@ -112,13 +136,13 @@ std::string to_csv(const std::vector<BenchRow>& rows) {
   std::string out =
       "entry,policy,median_step_seconds,min_step_seconds,max_step_seconds,tokens_per_second,peak_bytes,"
       "activation_bytes,predicted_activation_bytes,ops_recomputed,bytes_recomputed,final_loss,"
-      "predicted_peak_bytes,predicted_step_seconds,budget_bytes\n";
+      "predicted_peak_bytes,predicted_step_seconds,budget_bytes,rank_peak_bytes\n";
   for (const auto& r : rows) {
-    out += fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}\n", csv_field(r.entry), csv_field(r.policy),
+    out += fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}\n", csv_field(r.entry), csv_field(r.policy),
                        r.median_step_seconds, r.min_step_seconds, r.max_step_seconds, r.tokens_per_second,
                        r.peak_bytes, r.activation_bytes, r.predicted_activation_bytes, r.ops_recomputed,
                        r.bytes_recomputed, r.final_loss, r.predicted_peak_bytes, r.predicted_step_seconds,
-                       r.budget_bytes);
+                       r.budget_bytes, fmt::join(r.rank_peak_bytes, " "));
   }
   return out;
 }
@@ -139,6 +163,7 @@ nlohmann::json row_json(const BenchRow& r) {
           {"predicted_peak_bytes", r.predicted_peak_bytes},
           {"predicted_step_seconds", r.predicted_step_seconds},
           {"budget_bytes", r.budget_bytes},
+          {"rank_peak_bytes", r.rank_peak_bytes},
           {"step_seconds", r.step_seconds}};
 }
 
@@ -162,24 +187,24 @@ BenchResult run_bench(const BenchOptions& o) {
   if (o.warmup < 0) throw std::invalid_argument(fmt::format("--warmup must be 0 or more, got {}.", o.warmup));
 
   Config common = load_config(o.config_file, o.overrides);
-  if (common.parallel.tp > 1) {
-    throw std::invalid_argument(fmt::format(
-        "remat bench measures one process, but parallel.tp = {} splits each layer over {} ranks; measure those steps "
-        "with `remat launch --nproc {} train parallel.tp={} ...`, whose report gives the step time and every rank's "
-        "peak beside their prediction.", common.parallel.tp, common.parallel.tp, common.parallel.tp,
-        common.parallel.tp));
-  }
   std::vector<PreparedEntry> prepared;
   for (const auto& e : o.entries) prepared.push_back(prepare_entry(o, e));
 
-  const int threads = set_threads(common.run.threads);
+  // Started by a launcher with several ranks, every rank runs every entry's steps in
+  // lockstep (the steps' collectives join them); rank 0 alone prints and writes the files.
+  const std::unique_ptr<dist::Comm> ranks = join_ranks(common, "bench");
+  const bool lead = ranks == nullptr || ranks->rank() == 0;
+  const QuietStderr quiet(!lead);
+  const int threads = set_threads(rank_threads(common));
   const at::Device device = parse_device(common.run.device);
   const at::ScalarType dtype = parse_dtype(common.run.dtype, device);
   memory::install_cpu_tracking();
-  const data::CorpusInfo corpus = prepare_data(common.data);
+  data::CorpusInfo corpus;
+  rank0_first(ranks.get(), "preparing the corpus", [&] { corpus = prepare_data(common.data); });
   const data::TokenDataset train_ds = data::TokenDataset::open(corpus, data::Split::train);
-  // As in training: the vocabulary from the tokenizer unless given, and a schedule that
-  // spans exactly the steps each entry runs.
+  // As in training: the vocabulary from the tokenizer unless given (checked again, since
+  // tensor-parallel ranks share it), and a schedule that spans exactly the steps each
+  // entry runs.
   auto complete = [&](Config& c) {
     if (c.model.vocab_size == 0) c.model.vocab_size = corpus.vocab_size;
     if (c.model.vocab_size < corpus.vocab_size) {
@@ -188,52 +213,62 @@ BenchResult run_bench(const BenchOptions& o) {
           "the tokenizer's.", c.model.vocab_size, corpus.vocab_size));
     }
     c.train.steps = o.warmup + o.steps;
+    validate_config(c);
   };
   complete(common);
-  for (auto& p : prepared) complete(p.config);
+  const Config local = rank_share(common);
+  for (auto& p : prepared) {
+    complete(p.config);
+    p.local = rank_share(p.config);
+  }
 
   // One time profile for the sweep (every entry has the same shapes), measured on a
   // scratch model or read from the cache; then every entry's plan and prediction, so an
   // infeasible budget fails before anything trains.
   TimeProfile profile;
   if (common.ac.profile) {
-    auto probe = Model::create(common.model, device, dtype, static_cast<uint64_t>(common.run.seed));
-    profile = measure_time_profile(common, *probe, train_ds);
+    auto probe = create_model(common, device, dtype, ranks.get());
+    profile = rank_time_profile(local, *probe, train_ds, ranks.get());
   } else {
-    profile.times.flops_per_second =
-        measure_matmul_flops(device, dtype, common.train.batch * common.train.seq, common.model.d_model,
-                             common.model.d_ff);
+    profile.times.flops_per_second = measure_matmul_flops(device, dtype, local.train.batch * local.train.seq,
+                                                          common.model.d_model, common.model.d_ff);
   }
   const int64_t resident = train_ds.tokens().nbytes();
   for (size_t i = 0; i < prepared.size(); ++i) {
     try {
-      prepared[i].planned = plan_run(prepared[i].config, dtype, profile, resident);
+      prepared[i].planned = plan_run(prepared[i].local, dtype, profile, resident);
     } catch (const std::exception& e) {
       throw std::invalid_argument(fmt::format("Bench entry '{}': {}", o.entries[i].label, e.what()));
     }
   }
 
-  std::filesystem::path out(o.out);
-  if (!out.has_filename()) out = out.parent_path();  // "dir/" names dir
-  RunDir run(o.out.empty() ? common.run.out_dir : (out.has_parent_path() ? out.parent_path().string() : "."),
-             o.out.empty() ? "bench-" + RunDir::timestamp() : out.filename().string(), common.model.preset);
-  run.write_text("config.toml", config_to_toml(common));
+  std::unique_ptr<RunDir> run;
+  if (lead) {
+    std::filesystem::path out(o.out);
+    if (!out.has_filename()) out = out.parent_path();  // "dir/" names dir
+    run = std::make_unique<RunDir>(
+        o.out.empty() ? common.run.out_dir : (out.has_parent_path() ? out.parent_path().string() : "."),
+        o.out.empty() ? "bench-" + RunDir::timestamp() : out.filename().string(), common.model.preset);
+    run->write_text("config.toml", config_to_toml(common));
+  }
 
   const auto& t = common.train;
-  fmt::print(stderr, "bench: {} entries x ({} warm-up + {} measured) steps of {} x {} tokens x {} accum; {} ({}) "
-             "{} on {} ({} threads); run dir {}\n", o.entries.size(), o.warmup, o.steps, t.batch, t.seq,
-             t.grad_accum, common.model.preset, arch_name(common.model.arch), common.run.dtype, device.str(), threads,
-             run.path());
+  fmt::print(stderr, "bench: {} entries x ({} warm-up + {} measured) steps of {} x {} tokens x {} accum{}; {} ({}) "
+             "{} on {} ({} threads{}); run dir {}\n", o.entries.size(), o.warmup, o.steps, t.batch, t.seq,
+             t.grad_accum, describe_ranks(local), common.model.preset, arch_name(common.model.arch), common.run.dtype,
+             device.str(), threads, ranks != nullptr ? " per rank" : "", run ? run->path() : "");
 
   BenchResult result;
-  result.dir = run.path();
+  result.rank = ranks != nullptr ? ranks->rank() : 0;
+  result.dir = run ? run->path() : "";
   const auto total_steps = static_cast<int64_t>(o.entries.size()) * (o.warmup + o.steps);
   // The bar only redraws in place on a terminal; logs get the one line per entry instead.
   ProgressBar bar(total_steps, common.run.progress && isatty(fileno(stderr)) != 0);
   int64_t steps_done = 0;
   for (size_t i = 0; i < o.entries.size(); ++i) {
     const auto t0 = std::chrono::steady_clock::now();
-    result.rows.push_back(run_entry(o.entries[i], prepared[i], o, train_ds, device, dtype, run, bar, steps_done));
+    result.rows.push_back(
+        run_entry(o.entries[i], prepared[i], o, train_ds, device, dtype, ranks.get(), run.get(), bar, steps_done));
     const BenchRow& r = result.rows.back();
     if (common.run.progress) {
       bar.message(fmt::format("[{}/{}] {}: median step {:.1f} ms, peak {}, final loss {:.4f} ({:.1f} s)", i + 1,
@@ -243,6 +278,8 @@ BenchResult run_bench(const BenchOptions& o) {
     }
   }
   bar.finish();
+  // Every collective is done: the ranks part, and the report is rank 0's.
+  if (ranks != nullptr) ranks->finish();
 
   for (size_t i = 0; i < result.rows.size(); ++i) {
     if (result.rows[i].policy == "none") {
@@ -252,37 +289,41 @@ BenchResult run_bench(const BenchOptions& o) {
   }
   const double reference_loss = result.rows[result.reference].final_loss;
   for (const auto& r : result.rows) result.losses_equal = result.losses_equal && r.final_loss == reference_loss;
+  if (!lead) return result;
   if (!result.losses_equal) {
     std::string losses;
     for (const auto& r : result.rows) losses += fmt::format("{}{} {}", losses.empty() ? "" : ", ", r.entry, r.final_loss);
     fmt::print(stderr, "warning: the final losses differ across entries ({}); every policy is meant to be bitwise "
                "exact, so this is a bug worth reporting with {}.\n", losses,
-               run.file("bench.json"));
+               run->file("bench.json"));
   }
 
-  run.write_text("bench.csv", to_csv(result.rows));
+  run->write_text("bench.csv", to_csv(result.rows));
   nlohmann::json rows = nlohmann::json::array();
   for (const auto& r : result.rows) rows.push_back(row_json(r));
   const nlohmann::json json = {
       {"machine", {{"device", device.str()}, {"threads", threads}, {"blas", blas_name()}, {"dtype", common.run.dtype},
                    {"preset", common.model.preset}, {"batch", t.batch}, {"seq", t.seq},
                    {"grad_accum", t.grad_accum}}},
+      {"ranks", {{"dp", local.parallel.dp}, {"tp", common.parallel.tp}, {"sp", common.parallel.sp},
+                 {"zero", common.parallel.zero}}},
       {"warmup", o.warmup},
       {"steps", o.steps},
       {"reference", result.rows[result.reference].entry},
       {"losses_equal", result.losses_equal},
       {"rows", rows},
   };
-  run.write_text("bench.json", json.dump(2) + "\n");
+  run->write_text("bench.json", json.dump(2) + "\n");
 
   std::vector<PlotPoint> points;
   for (const auto& r : result.rows) points.push_back({mib(r.peak_bytes), r.median_step_seconds * 1e3, r.entry});
   std::string why;
-  const bool plotted = run.plot_points(
-      "bench.png", fmt::format("remat bench: {} on {} ({} threads), {} x {} tokens", common.model.preset, device.str(),
-                               threads, t.batch, t.seq),
-      "step peak (MiB)", "median step (ms)", points, &why);
-  fmt::print(stderr, "bench dir {}: bench.csv, bench.json{}, config.toml, metrics.jsonl\n", run.path(),
+  const bool plotted = run->plot_points(
+      "bench.png", fmt::format("remat bench: {} on {} ({} threads{}), {} x {} tokens{}", common.model.preset,
+                               device.str(), threads, ranks != nullptr ? " per rank" : "", t.batch, t.seq,
+                               describe_ranks(local)),
+      ranks != nullptr ? "step peak of the highest rank (MiB)" : "step peak (MiB)", "median step (ms)", points, &why);
+  fmt::print(stderr, "bench dir {}: bench.csv, bench.json{}, config.toml, metrics.jsonl\n", run->path(),
              plotted ? ", bench.png" : "");
   if (!plotted) fmt::print(stderr, "no plot: {}\n", why);
   return result;
@@ -313,6 +354,12 @@ std::string format_bench_table(const BenchResult& result) {
     out += fmt::format("{:<{}}", row[0], width[0]);
     for (size_t c = 1; c < row.size(); ++c) out += fmt::format("  {:>{}}", row[c], width[c]);
     out += "\n";
+  }
+  // Several ranks: the peak above is the highest rank's; each rank's beside its prediction.
+  for (const auto& r : result.rows) {
+    if (r.rank_peak_bytes.size() > 1) {
+      out += fmt::format("{} peaks per rank: {}\n", r.entry, format_rank_peaks(r.rank_peak_bytes, r.predicted_peak_bytes));
+    }
   }
   // Each budget entry against the fastest manual policy whose measured peak fits the
   // same budget.

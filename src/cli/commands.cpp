@@ -129,7 +129,8 @@ int run(int argc, char** argv) {
                      "Print one block's values (shape, bytes, slot, producer) as its graph declares them");
   plan_cmd->add_option("overrides", overrides, "key=value settings, e.g. model.preset=llama3-8b train.seq=8192");
   auto* bench_cmd = app.add_subcommand(
-      "bench", "Measure the peak memory and step time of recompute policies, in one process on this machine");
+      "bench", "Measure the peak memory and step time of recompute policies on this machine (under remat launch: "
+               "every rank's)");
   std::vector<std::string> policy_args, budget_args;
   BenchOptions bench;
   bench_cmd->add_option("--config", config_file, "TOML config file (see configs/)")->check(CLI::ExistingFile);
@@ -223,7 +224,8 @@ int run(int argc, char** argv) {
       bench.config_file = config_file;
       bench.overrides = overrides;
       bench.entries = bench_entries(policies, split_list(budget_args, "--budgets", "96MiB;0.6"));
-      fmt::print("{}", format_bench_table(run_bench(bench)));
+      const BenchResult result = run_bench(bench);
+      if (result.rank == 0) fmt::print("{}", format_bench_table(result));
       return 0;
     }
     if (launch_cmd->parsed()) {

@@ -1,5 +1,7 @@
 #include "train/data_parallel.h"
 
+#include "remat/memory.h"
+
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -20,7 +22,7 @@ constexpr int64_t kBucketBytes = int64_t{16} << 20;
 
 }  // namespace
 
-std::unique_ptr<dist::Comm> join_ranks(const Config& cfg) {
+std::unique_ptr<dist::Comm> join_ranks(const Config& cfg, const std::string& subcommand) {
   const std::optional<dist::LaunchEnv> env = dist::launch_env();
   const int world = env ? env->world_size : 1;
   const int64_t tp = cfg.parallel.tp;
@@ -28,9 +30,9 @@ std::unique_ptr<dist::Comm> join_ranks(const Config& cfg) {
     const int64_t want = std::max<int64_t>(cfg.parallel.dp, 1) * tp;
     throw std::invalid_argument(fmt::format(
         "parallel.dp = {} x parallel.tp = {} asks for {} ranks, but {}; start the run with `remat launch --nproc {} "
-        "train ...` (or torchrun --nproc_per_node {}), or set parallel.dp = 0 to use every rank started.",
+        "{} ...` (or torchrun --nproc_per_node {}), or set parallel.dp = 0 to use every rank started.",
         cfg.parallel.dp, tp, want, env ? fmt::format("the launcher started {}", world) : "this process runs alone",
-        want, want));
+        want, subcommand, want));
   }
   if (data_parallel_ranks(cfg) * tp == 1) return nullptr;
   if (cfg.run.device != "cpu") {
@@ -57,6 +59,50 @@ int64_t data_parallel_ranks(const Config& cfg) {
         "of {} (it counts the sequences of all ranks together).", cfg.train.batch, ranks, ranks));
   }
   return ranks;
+}
+
+Config rank_share(const Config& cfg) {
+  Config local = cfg;
+  local.parallel.dp = data_parallel_ranks(cfg);
+  local.train.batch = cfg.train.batch / local.parallel.dp;
+  return local;
+}
+
+std::string describe_ranks(const Config& local) {
+  const ParallelConfig& p = local.parallel;
+  std::string text;
+  if (p.dp > 1) {
+    text += fmt::format(", data parallel over {} ranks of {} sequences{}", p.dp, local.train.batch,
+                        p.zero == 1 ? ", AdamW's moments sharded over them (parallel.zero = 1)" : "");
+  }
+  if (p.tp > 1) {
+    text += fmt::format(", each layer split over {} tensor-parallel ranks{}", p.tp,
+                        p.sp ? ", and the positions between them (parallel.sp)" : "");
+  }
+  return text;
+}
+
+RankStep gather_step(dist::Comm* ranks, int64_t peak_bytes, int signal, int64_t step) {
+  RankStep s{{peak_bytes}, signal};
+  if (ranks == nullptr) return s;
+  s.peaks.clear();
+  for (const std::vector<int64_t>& peak_and_signal :
+       ranks->all_gather({peak_bytes, signal}, fmt::format("gathering the peaks of step {}", step))) {
+    s.peaks.push_back(peak_and_signal[0]);
+    if (s.stop == 0) s.stop = static_cast<int>(peak_and_signal[1]);
+  }
+  return s;
+}
+
+void keep_highest(std::vector<int64_t>& highest, const std::vector<int64_t>& peaks) {
+  highest.resize(std::max(highest.size(), peaks.size()));
+  for (size_t i = 0; i < peaks.size(); ++i) highest[i] = std::max(highest[i], peaks[i]);
+}
+
+std::string format_rank_peaks(const std::vector<int64_t>& peaks, int64_t predicted) {
+  std::vector<std::string> each;
+  for (size_t i = 0; i < peaks.size(); ++i) each.push_back(fmt::format("rank {} {}", i, memory::format_bytes(peaks[i])));
+  return fmt::format("{} (each predicted {})", fmt::join(each, ", "), memory::format_bytes(predicted));
 }
 
 int64_t rank_threads(const Config& cfg) {

@@ -2,6 +2,7 @@
 
 #include "remat/cost.h"
 #include "remat/policy.h"
+#include "train/data_parallel.h"
 #include "train/device.h"
 #include "util/atomic_file.h"
 #include "util/sha256.h"
@@ -175,6 +176,14 @@ TimeProfile measure_time_profile(const Config& cfg, Model& model, const data::To
                                               .dump(2) +
                                           "\n");
   return p;
+}
+
+TimeProfile rank_time_profile(const Config& cfg, Model& model, const data::TokenDataset& data, dist::Comm* ranks) {
+  // A tensor-parallel rank's passes run its group's collectives: every rank measures.
+  if (cfg.parallel.tp > 1) return measure_time_profile(cfg, model, data, ranks);
+  TimeProfile profile;
+  rank0_first(ranks, "measuring the time profile", [&] { profile = measure_time_profile(cfg, model, data); });
+  return profile;
 }
 
 }  // namespace remat

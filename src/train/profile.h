@@ -41,4 +41,9 @@ struct TimeProfile {
 TimeProfile measure_time_profile(const Config& cfg, Model& model, const data::TokenDataset& data,
                                  dist::Comm* together = nullptr);
 
+/// measure_time_profile for this rank of the job `ranks` (null: alone), `cfg` its
+/// rank_share: under tensor parallelism every rank measures at once on its `model`;
+/// otherwise rank 0 measures first and the others then read its cache (rank0_first).
+TimeProfile rank_time_profile(const Config& cfg, Model& model, const data::TokenDataset& data, dist::Comm* ranks);
+
 }  // namespace remat

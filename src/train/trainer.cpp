@@ -207,7 +207,7 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   // Several ranks: each data-parallel rank trains on its share of every batch, each group
   // of parallel.tp ranks shares every layer; rank 0 alone prints and writes the run
   // directory.
-  const std::unique_ptr<dist::Comm> ranks = join_ranks(cfg);
+  const std::unique_ptr<dist::Comm> ranks = join_ranks(cfg, "train");
   const bool lead = ranks == nullptr || ranks->rank() == 0;
   const int dp = ranks != nullptr ? ranks->data().size() : 1;
   const int64_t tp = cfg.parallel.tp;
@@ -237,21 +237,14 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   check_split_fits(train_ds, "training", t.seq);
   check_split_fits(val_ds, "validation", t.seq);
 
-  // What one rank runs: its share of each microbatch. Memory and time are planned for it.
-  Config local = cfg;
-  local.train.batch = t.batch / dp;
-  local.parallel.dp = dp;  // the ranks ZeRO-1 shards the optimizer over, for the plan
+  const Config local = rank_share(cfg);
   auto model =
       Model::create(cfg.model, device, dtype, static_cast<uint64_t>(cfg.run.seed), tensor_ranks, cfg.parallel.sp);
   const double matmul_rate =
       measure_matmul_flops(device, dtype, local.train.batch * t.seq, cfg.model.d_model, cfg.model.d_ff);
   TimeProfile profile;
-  if (cfg.ac.profile && tp > 1) {
-    // A tensor-parallel rank's passes run its group's collectives: every rank measures.
-    profile = measure_time_profile(local, *model, train_ds, ranks.get());
-  } else if (cfg.ac.profile) {
-    rank0_first(ranks.get(), "measuring the time profile",
-                [&] { profile = measure_time_profile(local, *model, train_ds); });
+  if (cfg.ac.profile) {
+    profile = rank_time_profile(local, *model, train_ds, ranks.get());
   } else {
     profile.times.flops_per_second = matmul_rate;  // recompute priced by FLOPs; no step time
   }
@@ -320,13 +313,7 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
              format_count(static_cast<double>(corpus.train_tokens)), format_count(static_cast<double>(corpus.val_tokens)),
              tok.vocab_size(), corpus.train_unigram_entropy);
   fmt::print(stderr, "training: {} steps x {} tokens ({} x {} x {} accum{}); run dir {}\n", t.steps,
-             tokens_per_step, t.batch, t.seq, t.grad_accum,
-             fmt::format("{}{}", dp > 1 ? fmt::format(", data parallel over {} ranks of {} sequences{}", dp,
-                                                      local.train.batch,
-                                                      cfg.parallel.zero == 1 ? ", AdamW's moments sharded over them "
-                                                                               "(parallel.zero = 1)" : "") : "",
-                         tp > 1 ? fmt::format(", each layer split over {} tensor-parallel ranks", tp) : ""),
-             run_path);
+             tokens_per_step, t.batch, t.seq, t.grad_accum, describe_ranks(local), run_path);
   const std::string& plan_text = planned.text;
   fmt::print(stderr, "{}", plan_text);
   if (run) run->write_text("plan.txt", plan_text);
@@ -349,11 +336,7 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
         sum.losses.push_back(j["loss"].get<double>());
         sum.tokens += tokens_per_step;
         sum.peak_bytes = std::max(sum.peak_bytes, j["peak_bytes"].get<int64_t>());
-        const auto rank_peaks = j.value("rank_peak_bytes", std::vector<int64_t>{});
-        sum.rank_peak_bytes.resize(std::max(sum.rank_peak_bytes.size(), rank_peaks.size()));
-        for (size_t i = 0; i < rank_peaks.size(); ++i) {
-          sum.rank_peak_bytes[i] = std::max(sum.rank_peak_bytes[i], rank_peaks[i]);
-        }
+        keep_highest(sum.rank_peak_bytes, j.value("rank_peak_bytes", std::vector<int64_t>{}));
         sum.activation_bytes = j["activation_bytes"].get<int64_t>();
         if (s == 1) {
           sum.recompute_ops_per_step = j["ops_recomputed"].get<int64_t>();
@@ -375,25 +358,15 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
     if (step == traced_step && lead) util::write_file_atomically(cfg.run.trace, r.trace);
     // Every rank's peak, and whether a signal reached any rank: they all stop after the
     // same step.
-    std::vector<int64_t> rank_peaks{r.peak_bytes};
-    int stop = signals.caught();
-    if (ranks != nullptr) {
-      rank_peaks.clear();
-      const std::string what = fmt::format("gathering the peaks of step {}", step + 1);
-      for (const std::vector<int64_t>& peak_and_signal : ranks->all_gather({r.peak_bytes, stop}, what)) {
-        rank_peaks.push_back(peak_and_signal[0]);
-        if (stop == 0) stop = static_cast<int>(peak_and_signal[1]);
-      }
-    }
+    const RankStep gathered = gather_step(ranks.get(), r.peak_bytes, signals.caught(), step + 1);
+    const std::vector<int64_t>& rank_peaks = gathered.peaks;
+    const int stop = gathered.stop;
     const int64_t peak = *std::max_element(rank_peaks.begin(), rank_peaks.end());
     step_times.push_back(r.seconds);
     sum.losses.push_back(r.loss);
     sum.tokens += tokens_per_step;
     sum.peak_bytes = std::max(sum.peak_bytes, peak);
-    sum.rank_peak_bytes.resize(rank_peaks.size());
-    for (size_t i = 0; i < rank_peaks.size(); ++i) {
-      sum.rank_peak_bytes[i] = std::max(sum.rank_peak_bytes[i], rank_peaks[i]);
-    }
+    keep_highest(sum.rank_peak_bytes, rank_peaks);
     sum.activation_bytes = r.activations.total();
     const StoreCounters& counters = r.counters;
     if (step == 0) {
@@ -533,12 +506,7 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
                  static_cast<double>(sum.predicted_peak_bytes),
              memory::format_bytes(sum.activation_bytes), memory::format_bytes(predicted.total()));
   if (dp * tp > 1) {
-    std::vector<std::string> peaks;
-    for (size_t i = 0; i < sum.rank_peak_bytes.size(); ++i) {
-      peaks.push_back(fmt::format("rank {} {}", i, memory::format_bytes(sum.rank_peak_bytes[i])));
-    }
-    fmt::print(stderr, "memory peak per rank: {} (each predicted {})\n", fmt::join(peaks, ", "),
-               memory::format_bytes(sum.predicted_peak_bytes));
+    fmt::print(stderr, "memory peak per rank: {}\n", format_rank_peaks(sum.rank_peak_bytes, sum.predicted_peak_bytes));
   }
   if (sum.budget_bytes > 0) {
     fmt::print(stderr, "budget {}: measured peak {} it; without recompute the step would peak at {} (predicted){}\n",

@@ -1,5 +1,6 @@
 // The sweep's pieces that need no training: entries from the option lists, the refusal of
-// an unknown key, and the table's ratios (fixed rows, so no timing is asserted).
+// an unknown key or of an entry regrouping the ranks, and the table's ratios and per-rank
+// peaks (fixed rows, so no timing is asserted).
 #include "remat/bench.h"
 
 #include <gtest/gtest.h>
@@ -32,6 +33,20 @@ TEST(Bench, AnUnknownKeyIsNamedAsSuchWithItsEntry) {
   }
 }
 
+TEST(Bench, AnEntryCannotRegroupTheRanks) {
+  BenchOptions o;
+  o.entries = {{"none", {"ac.policy=none"}}, {"split", {"ac.policy=none", "parallel.tp=2"}}};
+  try {
+    run_bench(o);
+    FAIL() << "an entry set parallel.tp";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("Bench entry 'split' sets parallel.tp, but every entry of a sweep runs on "
+                                         "the same ranks, joined once; set parallel.tp for the whole sweep"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 BenchRow row(const std::string& name, int64_t peak, double seconds) {
   BenchRow r;
   r.entry = r.policy = name;
@@ -57,6 +72,18 @@ TEST(Bench, TableRatiosAreToNoneOrElseToTheFirstEntry) {
   EXPECT_EQ(b.rfind("ratios are to the first entry, every:2", 0), 0u) << b;
   EXPECT_NE(b.find("x first"), std::string::npos) << b;
   EXPECT_NE(b.find("1.20"), std::string::npos) << b;
+}
+
+TEST(Bench, TableGivesEveryRanksPeakBesideThePrediction) {
+  BenchResult two;
+  two.rows = {row("none", 100 << 20, 0.2), row("full", 50 << 20, 0.3)};
+  two.rows[0].rank_peak_bytes = {100 << 20, 99 << 20};
+  two.rows[0].predicted_peak_bytes = 100 << 20;
+  const std::string t = format_bench_table(two);
+  EXPECT_NE(t.find("\nnone peaks per rank: rank 0 100.00 MiB, rank 1 99.00 MiB (each predicted 100.00 MiB)\n"),
+            std::string::npos)
+      << t;
+  EXPECT_EQ(t.find("full peaks"), std::string::npos) << "one process's row has no line: " << t;
 }
 
 }  // namespace

@@ -204,8 +204,10 @@ TEST_F(Cli, BenchRefusesABadEntryBeforeRunningAnything) {
   expect_error("bench --policies ' ; '", "--policies is empty");
   expect_error("bench --budgets ''", "--budgets is empty");
   expect_error("bench --steps 0", "--steps must be at least 1");
+  // Tensor parallelism needs its ranks, started by a launcher: the sentence shows how.
   expect_error("bench model.preset=tiny-gpt2 train.seq=32 parallel.tp=2 --out " + out,
-               "remat bench measures one process, but parallel.tp = 2 splits each layer over 2 ranks");
+               "parallel.dp = 0 x parallel.tp = 2 asks for 2 ranks, but this process runs alone; start the run with "
+               "`remat launch --nproc 2 bench ...`");
   EXPECT_FALSE(fs::exists(out));
 }
 

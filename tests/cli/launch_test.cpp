@@ -369,12 +369,17 @@ TEST_F(LaunchedTraining, TensorParallelRanksTrainTheOneProcessModel) {
       << odd.output;
 }
 
-// Every tensor-parallel rank peaks where the planner said, at a shape whose activations
-// dwarf the slack (the prediction's allowance for small tensors, 16 KiB), with the peak in
-// the loss head: Gloo's worker once held a reduced activation past its collective there,
+// A launched rank's step peak against its prediction: the shape's activations dwarf the
+// slack (twice the prediction's allowance for small tensors, 16 KiB), and the peak is in
+// the loss head, where Gloo's worker once held a reduced activation past its collective,
 // about 1,000,000 bytes above the plan on one rank or the other (3 runs in 3).
-// The same with sequence parallelism, keeping or gathering again the column linears' inputs,
-// and without it, keeping the inputs of uniform chunks as a share per rank.
+const std::string kPeakShape = " model.preset=gpt2-demo model.vocab_size=2048 train.batch=16 train.seq=128 "
+                               "ac.profile=false ";
+constexpr int64_t kPeakSlack = 32 * 1024;
+
+// Every tensor-parallel rank peaks where the planner said, at that shape; the same with
+// sequence parallelism, keeping or gathering again the column linears' inputs, and
+// without it, keeping the inputs of uniform chunks as a share per rank.
 TEST_F(LaunchedTraining, TensorParallelRanksPeakWhereThePlannerSaid) {
   const std::vector<std::string> policies{
       "ac.policy=none", "ac.policy=full", "ac.policy=none parallel.sp=true", "ac.policy=full parallel.sp=true",
@@ -384,17 +389,16 @@ TEST_F(LaunchedTraining, TensorParallelRanksPeakWhereThePlannerSaid) {
   for (size_t i = 0; i < policies.size(); ++i) {
     const std::string& policy = policies[i];
     const std::string name = "peak-" + std::to_string(i);
-    const Result r = run_remat("launch --nproc 2 train " + common_ + " model.preset=gpt2-demo model.vocab_size=2048 " +
-                               "train.batch=16 train.seq=128 train.steps=3 ac.profile=false parallel.tp=2 " + policy +
-                               " run.name=" + name);
+    const Result r = run_remat("launch --nproc 2 train " + common_ + kPeakShape + "train.steps=3 parallel.tp=2 " +
+                               policy + " run.name=" + name);
     ASSERT_EQ(r.exit_code, 0) << r.output;
     const auto summary = nlohmann::json::parse(read_text(dir_ / "runs" / name / "summary.json"));
     const int64_t predicted = summary["predicted_peak_bytes"];
-    for (const int64_t peak : summary["rank_peak_bytes"]) EXPECT_NEAR(peak, predicted, 32 * 1024) << policy;
+    for (const int64_t peak : summary["rank_peak_bytes"]) EXPECT_NEAR(peak, predicted, kPeakSlack) << policy;
   }
 }
 
-// ZeRO-1 over two data-parallel ranks, at the shape above: each rank keeps AdamW's moments
+// ZeRO-1 over two data-parallel ranks, at the peak tests' shape: each rank keeps AdamW's moments
 // of its share of the parameters (cost::zero_owners). What rank 0 holds after a step (its
 // metrics' memory_bytes) drops by exactly the two float32 moments of the parameters it
 // does not own, the prediction by those of the busiest rank's complement, and every rank
@@ -418,14 +422,13 @@ TEST_F(LaunchedTraining, ZeroOneShardsTheMomentsAndPeaksWhereThePlannerSaid) {
   std::map<int, nlohmann::json> summary, last;
   for (const int zero : {0, 1}) {
     const std::string name = "zero" + std::to_string(zero);
-    const Result r = run_remat("launch --nproc 2 train " + common_ + " model.preset=gpt2-demo model.vocab_size=2048 " +
-                               "train.batch=16 train.seq=128 train.steps=3 ac.profile=false parallel.zero=" +
+    const Result r = run_remat("launch --nproc 2 train " + common_ + kPeakShape + "train.steps=3 parallel.zero=" +
                                std::to_string(zero) + " run.name=" + name);
     ASSERT_EQ(r.exit_code, 0) << r.output;
     summary[zero] = nlohmann::json::parse(read_text(dir_ / "runs" / name / "summary.json"));
     last[zero] = train_lines(name).back();
     const int64_t predicted = summary[zero]["predicted_peak_bytes"];
-    for (const int64_t peak : summary[zero]["rank_peak_bytes"]) EXPECT_NEAR(peak, predicted, 32 * 1024) << name;
+    for (const int64_t peak : summary[zero]["rank_peak_bytes"]) EXPECT_NEAR(peak, predicted, kPeakSlack) << name;
   }
   EXPECT_NE(read_text(dir_ / "runs" / "zero1" / "plan.txt").find("optimizer"), std::string::npos);
   EXPECT_EQ(last[0]["memory_bytes"].get<int64_t>() - last[1]["memory_bytes"].get<int64_t>(), 2 * 4 * (all - load[0]));
@@ -433,6 +436,71 @@ TEST_F(LaunchedTraining, ZeroOneShardsTheMomentsAndPeaksWhereThePlannerSaid) {
             2 * 4 * (all - std::max(load[0], load[1])));
   // The same weights: the runs' losses are the same numbers.
   EXPECT_EQ(summary[0]["final_val_loss"], summary[1]["final_val_loss"]);
+}
+
+// `remat bench` under `remat launch`, at the peak tests' shape: two data-parallel ranks, and
+// a tensor-parallel pair (alone, with sequence parallelism, and gathering again) run every
+// entry together. Rank 0 alone prints the table, with every rank's peak beside the
+// prediction, and writes the files; each rank peaks within the slack of it, and a
+// tensor-parallel rank keeps the saved activations predicted for its share.
+TEST_F(LaunchedTraining, BenchGivesEveryRanksPeakBesideItsPrediction) {
+  struct Case {
+    std::string settings;
+    int dp, tp;
+    bool sp;
+    std::string header;
+  };
+  const std::vector<Case> cases{
+      {"", 2, 1, false, "steps of 16 x 128 tokens x 1 accum, data parallel over 2 ranks of 8 sequences;"},
+      {"parallel.tp=2", 1, 2, false, "accum, each layer split over 2 tensor-parallel ranks;"},
+      {"parallel.tp=2 parallel.sp=true", 1, 2, true, "tensor-parallel ranks, and the positions between them"},
+      {"parallel.tp=2 parallel.sp=true ac.tp_recompute_allgather=true", 1, 2, true, "(parallel.sp);"},
+  };
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const Case& c = cases[i];
+    const fs::path out = dir_ / ("bench" + std::to_string(i));
+    const Result r = run_remat("launch --nproc 2 bench --policies 'none;full' --warmup 1 --steps 2 --out " +
+                               out.string() + " " + common_ + kPeakShape + c.settings);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_EQ(count(r.output, "bench: 2 entries x (1 warm-up + 2 measured) "), 1u) << r.output;
+    EXPECT_NE(r.output.find(c.header), std::string::npos) << r.output;
+    for (const std::string entry : {"none", "full"}) {
+      EXPECT_TRUE(std::regex_search(r.output, std::regex("\n" + entry + R"( peaks per rank: rank 0 [\d.]+ [KM]iB, )" +
+                                                         R"(rank 1 [\d.]+ [KM]iB \(each predicted [\d.]+ [KM]iB\)\n)")))
+          << entry << ": " << r.output;
+      EXPECT_EQ(count(r.output, entry + " peaks per rank:"), 1u) << "rank 0 alone reports: " << r.output;
+    }
+    EXPECT_EQ(r.output.find("warning"), std::string::npos) << r.output;
+
+    const auto json = nlohmann::json::parse(read_text(out / "bench.json"));
+    EXPECT_EQ(json["ranks"]["dp"], c.dp);
+    EXPECT_EQ(json["ranks"]["tp"], c.tp);
+    EXPECT_EQ(json["ranks"]["sp"], c.sp);
+    EXPECT_TRUE(json["losses_equal"].get<bool>()) << c.settings;
+    ASSERT_EQ(json["rows"].size(), 2u);
+    for (const auto& row : json["rows"]) {
+      EXPECT_EQ(row["step_seconds"].size(), 2u);
+      // A data-parallel rank's token ids are a view of the whole microbatch's, and the
+      // measure counts the storage a saved tensor keeps alive: its other rank's ids too.
+      if (c.dp == 1) {
+        EXPECT_EQ(row["activation_bytes"], row["predicted_activation_bytes"]) << c.settings << " " << row["entry"];
+      }
+      const int64_t predicted = row["predicted_peak_bytes"];
+      ASSERT_EQ(row["rank_peak_bytes"].size(), 2u);
+      for (const int64_t peak : row["rank_peak_bytes"]) {
+        EXPECT_NEAR(peak, predicted, kPeakSlack) << c.settings << " " << row["entry"];
+      }
+      EXPECT_EQ(row["peak_bytes"], std::max(row["rank_peak_bytes"][0].get<int64_t>(),
+                                            row["rank_peak_bytes"][1].get<int64_t>()));
+    }
+    // Every step of both entries, each with both ranks' peaks.
+    std::ifstream metrics(out / "metrics.jsonl");
+    size_t steps = 0;
+    for (std::string line; std::getline(metrics, line); ++steps) {
+      EXPECT_EQ(nlohmann::json::parse(line)["rank_peak_bytes"].size(), 2u) << line;
+    }
+    EXPECT_EQ(steps, 2u * 3u);
+  }
 }
 
 // One of four ranks killed in the middle of training: the other three stop within
