@@ -108,14 +108,31 @@ class Launch : public ::testing::Test {
 TEST(LaunchEnvironment, SetsTheTorchrunVariablesAndDropsTheAgentStore) {
   const char* base[] = {"PATH=/usr/bin", "RANK=7", "TORCHELASTIC_USE_AGENT_STORE=True", "MASTER_PORT=1", "HOME=/root",
                         nullptr};
-  const std::vector<std::string> env = remat::cli::rank_environment(2, 3, 29511, base);
+  remat::cli::LaunchArgs args;
+  args.nproc = 3;
+  const std::vector<std::string> env = remat::cli::rank_environment(args, 2, 29511, base);
   const std::set<std::string> got(env.begin(), env.end());
   EXPECT_EQ(got.size(), env.size()) << "a variable appears twice";
   const std::set<std::string> expected = {
-      "PATH=/usr/bin", "HOME=/root",   "RANK=2",        "LOCAL_RANK=2",          "WORLD_SIZE=3",
-      "LOCAL_WORLD_SIZE=3", "GROUP_RANK=0", "MASTER_ADDR=127.0.0.1", "MASTER_PORT=29511"};
+      "PATH=/usr/bin",      "HOME=/root",   "RANK=2",             "LOCAL_RANK=2",          "WORLD_SIZE=3",
+      "LOCAL_WORLD_SIZE=3", "GROUP_RANK=0", "GROUP_WORLD_SIZE=1", "MASTER_ADDR=127.0.0.1", "MASTER_PORT=29511"};
   EXPECT_EQ(got, expected);
-  EXPECT_EQ(remat::cli::rank_environment(0, 1, 5, nullptr).size(), 7u);
+  args.nproc = 1;
+  EXPECT_EQ(remat::cli::rank_environment(args, 0, 5, nullptr).size(), 8u);
+}
+
+// torchrun's numbering over nodes: node r's local rank l is rank r * nproc + l.
+TEST(LaunchEnvironment, NumbersTheRanksOfEveryNode) {
+  remat::cli::LaunchArgs args;
+  args.nproc = 2;
+  args.nnodes = 3;
+  args.node_rank = 2;
+  args.master_addr = "10.0.0.1";
+  const std::vector<std::string> env = remat::cli::rank_environment(args, 1, 29500, nullptr);
+  const std::set<std::string> expected = {"RANK=5", "LOCAL_RANK=1", "WORLD_SIZE=6", "LOCAL_WORLD_SIZE=2",
+                                          "GROUP_RANK=2", "GROUP_WORLD_SIZE=3", "MASTER_ADDR=10.0.0.1",
+                                          "MASTER_PORT=29500"};
+  EXPECT_EQ(std::set<std::string>(env.begin(), env.end()), expected);
 }
 
 TEST_F(Launch, EveryRankRunsTheSubcommandWithItsArguments) {
@@ -157,7 +174,17 @@ TEST_F(Launch, BadArgumentsAreRefusedBeforeAnyRankStarts) {
        "'trian' is not a subcommand remat launch can run; valid subcommands: prepare, train, plan, bench, generate."},
       {"--nproc 2 launch --nproc 2 plan model.preset=gpt2-demo", "remat launch cannot run launch in its ranks"},
       {"--nproc 2 --budget 0.6 plan model.preset=gpt2-demo",
-       "takes only --nproc, --master-port and --grace before the subcommand, but got --budget"},
+       "takes only --nproc, --nnodes, --node-rank, --master-addr, --master-port and --grace before the subcommand, "
+       "but got --budget"},
+      {"--nproc 2 --nnodes 0 plan model.preset=gpt2-demo", "--nnodes 0 is out of range; a job spans from 1 to 1024"},
+      {"--nproc 2 --nnodes 2 --node-rank 2 --master-addr 127.0.0.1 --master-port 29500 plan model.preset=gpt2-demo",
+       "--node-rank 2 is out of range for --nnodes 2; number the nodes from 0 to 1"},
+      {"--nproc 2 --nnodes 2 --node-rank 1 --master-port 29500 plan model.preset=gpt2-demo",
+       "--nnodes 2 needs --master-addr, node 0's address as every node reaches it"},
+      {"--nproc 2 --nnodes 2 --node-rank 1 --master-addr 127.0.0.1 plan model.preset=gpt2-demo",
+       "--nnodes 2 needs --master-port, the same free port on every node"},
+      {"--nproc 2 --master-addr no-such-host.invalid plan model.preset=gpt2-demo",
+       "--master-addr no-such-host.invalid does not resolve to an address"},
       {"--nproc 2 --master-port 65536 plan model.preset=gpt2-demo", "--master-port 65536 is not a TCP port"},
       {"--nproc 2 --grace -1 plan model.preset=gpt2-demo", "--grace -1 is not a number of seconds"},
   };
