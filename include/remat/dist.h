@@ -80,6 +80,11 @@ class Comm {
   /// a sentence naming the ranks that did not join within `timeout`, or the store address
   /// that could not be reached. `timeout` also bounds every collective.
   ///
+  /// Gloo listens on the address of the interface this host's route to MASTER_ADDR goes
+  /// through, so ranks on other hosts (or network namespaces) reach it whatever this
+  /// host's name resolves to; the interface GLOO_SOCKET_IFNAME names, when it is set,
+  /// instead (PyTorch's variable, for hosts whose peers reach them by another network).
+  ///
   /// `tp` ranks in a row form a tensor-parallel group (ranks 0..tp-1, then tp..2tp-1, as
   /// Megatron orders them, so that a group shares a host where it can); the ranks at the
   /// same place in every tensor-parallel group form a data-parallel group. `tp` must

@@ -164,10 +164,17 @@ int run(int argc, char** argv) {
   gen->add_option("--device", gen_device, "cpu or cuda[:N] (default: the run's device)");
 
   auto* launch_cmd = app.add_subcommand(
-      "launch", "Run a subcommand as N local ranks of one distributed job, like torchrun --standalone");
+      "launch", "Run a subcommand as N local ranks of one distributed job, like torchrun (one launcher per node)");
   LaunchArgs launch_args;
   launch_cmd->add_option("--nproc", launch_args.nproc, "Ranks to start on this machine (1 to 1024)")->required();
-  launch_cmd->add_option("--master-port", launch_args.master_port, "Port of rank 0's store (default: a free one)");
+  launch_cmd->add_option("--nnodes", launch_args.nnodes, "Nodes in the job, each running remat launch")
+      ->capture_default_str();
+  launch_cmd->add_option("--node-rank", launch_args.node_rank, "This node's index, from 0 (node 0 hosts the store)")
+      ->capture_default_str();
+  launch_cmd->add_option("--master-addr", launch_args.master_addr,
+                         "Node 0's address as every node reaches it (default: 127.0.0.1, one node only)");
+  launch_cmd->add_option("--master-port", launch_args.master_port,
+                         "Port of rank 0's store (default: a free one, one node only)");
   launch_cmd->add_option("--grace", launch_args.grace,
                          "Seconds the ranks get to stop after SIGTERM, before SIGKILL")->capture_default_str();
   // From the subcommand's name on, everything goes to the ranks unparsed, options included.

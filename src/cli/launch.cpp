@@ -1,6 +1,7 @@
 #include "cli/launch.h"
 
 #include <arpa/inet.h>
+#include <netdb.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/prctl.h>
@@ -24,17 +25,55 @@ namespace remat::cli {
 namespace {
 
 constexpr int kMaxRanks = 1024;
+constexpr int kMaxNodes = 1024;
 
 void check_args(const LaunchArgs& args) {
   const std::string valid = fmt::format("{}", fmt::join(launchable_subcommands(), ", "));
   const std::string example = "`remat launch --nproc 2 train --config configs/gpt2-demo.toml`";
+  const std::string nodes_example =
+      "`remat launch --nnodes 2 --node-rank 0 --nproc 2 --master-addr 10.0.0.1 --master-port 29500 train ...` on "
+      "node 0 (whose address is 10.0.0.1) and the same with --node-rank 1 on the other";
   if (args.nproc < 1 || args.nproc > kMaxRanks) {
     throw std::invalid_argument(fmt::format(
         "--nproc {} is out of range; remat launch starts from 1 to {} local ranks.", args.nproc, kMaxRanks));
   }
+  if (args.nnodes < 1 || args.nnodes > kMaxNodes) {
+    throw std::invalid_argument(fmt::format(
+        "--nnodes {} is out of range; a job spans from 1 to {} nodes, each running one remat launch.", args.nnodes,
+        kMaxNodes));
+  }
+  if (args.node_rank < 0 || args.node_rank >= args.nnodes) {
+    throw std::invalid_argument(fmt::format(
+        "--node-rank {} is out of range for --nnodes {}; number the nodes from 0 to {}, node 0 being the one at "
+        "--master-addr.", args.node_rank, args.nnodes, args.nnodes - 1));
+  }
+  // One default address or port per node would not be the same on every node.
+  if (args.nnodes > 1 && args.master_addr.empty()) {
+    throw std::invalid_argument(fmt::format(
+        "--nnodes {} needs --master-addr, node 0's address as every node reaches it (the default, 127.0.0.1, is "
+        "each node's own loopback), e.g. {}.", args.nnodes, nodes_example));
+  }
+  if (args.nnodes > 1 && args.master_port == 0) {
+    throw std::invalid_argument(fmt::format(
+        "--nnodes {} needs --master-port, the same free port on every node (a free port picked on one node is "
+        "unknown to the others), e.g. {}.", args.nnodes, nodes_example));
+  }
+  if (!args.master_addr.empty()) {
+    addrinfo hints{};
+    hints.ai_socktype = SOCK_STREAM;
+    addrinfo* found = nullptr;
+    const int rc = ::getaddrinfo(args.master_addr.c_str(), nullptr, &hints, &found);
+    if (found != nullptr) ::freeaddrinfo(found);
+    if (rc != 0) {
+      throw std::invalid_argument(fmt::format(
+          "--master-addr {} does not resolve to an address ({}); give node 0's IP address, or a name every node "
+          "resolves.", args.master_addr, ::gai_strerror(rc)));
+    }
+  }
   if (args.master_port < 0 || args.master_port > 65535) {
-    throw std::invalid_argument(fmt::format("--master-port {} is not a TCP port; give one from 1 to 65535, or leave "
-                                            "the option out for a free one.", args.master_port));
+    throw std::invalid_argument(fmt::format("--master-port {} is not a TCP port; give one from 1 to 65535{}.",
+                                            args.master_port,
+                                            args.nnodes == 1 ? ", or leave the option out for a free one" : ""));
   }
   if (!std::isfinite(args.grace) || args.grace < 0) {
     throw std::invalid_argument(fmt::format(
@@ -52,8 +91,9 @@ void check_args(const LaunchArgs& args) {
   }
   if (sub.rfind('-', 0) == 0) {
     throw std::invalid_argument(fmt::format(
-        "remat launch takes only --nproc, --master-port and --grace before the subcommand, but got {}; the "
-        "subcommand's own options go after its name, e.g. {}; valid subcommands: {}.", sub, example, valid));
+        "remat launch takes only --nproc, --nnodes, --node-rank, --master-addr, --master-port and --grace before the "
+        "subcommand, but got {}; the subcommand's own options go after its name, e.g. {}; valid subcommands: {}.",
+        sub, example, valid));
   }
   const auto& names = launchable_subcommands();
   if (std::find(names.begin(), names.end(), sub) == names.end()) {
@@ -98,11 +138,15 @@ const std::vector<std::string>& launchable_subcommands() {
   return names;
 }
 
-std::vector<std::string> rank_environment(int rank, int nproc, int port, const char* const* base) {
+std::vector<std::string> rank_environment(const LaunchArgs& args, int local, int port, const char* const* base) {
   const std::pair<std::string, std::string> set[] = {
-      {"RANK", std::to_string(rank)},        {"LOCAL_RANK", std::to_string(rank)},
-      {"WORLD_SIZE", std::to_string(nproc)}, {"LOCAL_WORLD_SIZE", std::to_string(nproc)},
-      {"GROUP_RANK", "0"},                   {"MASTER_ADDR", "127.0.0.1"},
+      {"RANK", std::to_string(args.node_rank * args.nproc + local)},
+      {"LOCAL_RANK", std::to_string(local)},
+      {"WORLD_SIZE", std::to_string(args.nnodes * args.nproc)},
+      {"LOCAL_WORLD_SIZE", std::to_string(args.nproc)},
+      {"GROUP_RANK", std::to_string(args.node_rank)},
+      {"GROUP_WORLD_SIZE", std::to_string(args.nnodes)},
+      {"MASTER_ADDR", args.master_addr.empty() ? "127.0.0.1" : args.master_addr},
       {"MASTER_PORT", std::to_string(port)}};
   std::vector<std::string> env;
   for (; base != nullptr && *base != nullptr; ++base) {
@@ -120,6 +164,7 @@ std::vector<std::string> rank_environment(int rank, int nproc, int port, const c
 int cmd_launch(const LaunchArgs& args) {
   check_args(args);
   const int port = args.master_port > 0 ? args.master_port : free_port();
+  const int first_rank = args.node_rank * args.nproc;  // this node's ranks in the job, for messages
 
   // Built before the first fork: between fork and exec only async-signal-safe calls are allowed.
   std::vector<std::string> argv_text{"remat"};
@@ -130,7 +175,7 @@ int cmd_launch(const LaunchArgs& args) {
   std::vector<std::vector<std::string>> env_text(args.nproc);
   std::vector<std::vector<char*>> envp(args.nproc);
   for (int rank = 0; rank < args.nproc; ++rank) {
-    env_text[rank] = rank_environment(rank, args.nproc, port, environ);
+    env_text[rank] = rank_environment(args, rank, port, environ);
     for (auto& e : env_text[rank]) envp[rank].push_back(e.data());
     envp[rank].push_back(nullptr);
   }
@@ -161,8 +206,8 @@ int cmd_launch(const LaunchArgs& args) {
       ::_exit(127);
     }
     if (pid < 0) {
-      fmt::print(stderr, "remat launch: could not start rank {} ({}); stopping the ranks already started.\n", rank,
-                 std::strerror(errno));
+      fmt::print(stderr, "remat launch: could not start rank {} ({}); stopping the ranks already started.\n",
+                 first_rank + rank, std::strerror(errno));
       exit_code = 1;
       break;
     }
@@ -198,8 +243,9 @@ int cmd_launch(const LaunchArgs& args) {
       exit_code = code;
       if (deadline) continue;  // a rank ending while the ranks are being stopped is no news
       const long others = running();
-      fmt::print(stderr, "remat launch: rank {} (pid {}) {}{}.\n", it - pids.begin(), pid, how,
-                 others == 0 ? "" : fmt::format("; stopping the other {}", ranks(others)));
+      const std::string here = args.nnodes > 1 ? " on this node" : "";
+      fmt::print(stderr, "remat launch: rank {} (pid {}) {}{}.\n", first_rank + (it - pids.begin()), pid, how,
+                 others == 0 ? "" : fmt::format("; stopping the other {}{}", ranks(others), here));
       stop(SIGTERM);
     }
     if (running() == 0) break;

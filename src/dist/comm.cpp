@@ -5,6 +5,9 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <fmt/format.h>
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <condition_variable>
@@ -54,16 +57,49 @@ std::string rank_list(const std::vector<int>& ranks) {
   return (ranks.size() == 1 ? "rank " : "ranks ") + out;
 }
 
-// The Gloo device: the interface GLOO_SOCKET_IFNAME names (as PyTorch reads it), the
-// loopback for a job on one machine, else the address this host's name resolves to.
+// The address this host sends from to reach rank 0's store: that of the interface the
+// route to MASTER_ADDR goes through, which the other ranks reach back (rank 0's own host
+// gets MASTER_ADDR itself, a loopback MASTER_ADDR the loopback). Gloo's default, the
+// address this host's name resolves to, may be on no such interface: it is 127.0.0.1 in
+// containers and network namespaces, 127.0.1.1 on Debian.
+std::string address_towards_master(const LaunchEnv& env) {
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* found = nullptr;
+  const int rc = ::getaddrinfo(env.master_addr.c_str(), std::to_string(env.master_port).c_str(), &hints, &found);
+  if (rc != 0) {
+    throw std::runtime_error(fmt::format(
+        "Rank {} cannot resolve MASTER_ADDR {} ({}); set it to rank 0's IP address as every host reaches it.",
+        env.rank, env.master_addr, ::gai_strerror(rc)));
+  }
+  const std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)> owned(found, &::freeaddrinfo);
+  for (const addrinfo* a = found; a != nullptr; a = a->ai_next) {
+    const int fd = ::socket(a->ai_family, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) continue;
+    // Connecting a datagram socket sends nothing; the kernel only picks the route and source.
+    sockaddr_storage local{};
+    socklen_t len = sizeof local;
+    const bool routed = ::connect(fd, a->ai_addr, a->ai_addrlen) == 0 &&
+                        ::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) == 0;
+    ::close(fd);
+    char text[NI_MAXHOST];
+    if (routed && ::getnameinfo(reinterpret_cast<sockaddr*>(&local), len, text, sizeof text, nullptr, 0,
+                                NI_NUMERICHOST) == 0) {
+      return text;
+    }
+  }
+  throw std::runtime_error(fmt::format(
+      "Rank {} has no route to MASTER_ADDR {}; set it to rank 0's address as this host reaches it, or name the "
+      "network interface to use with GLOO_SOCKET_IFNAME.", env.rank, env.master_addr));
+}
+
+// The Gloo device: the interface GLOO_SOCKET_IFNAME names (PyTorch's variable, for a host
+// whose route to rank 0 is not the one its peers reach it by), else the route's address.
 std::shared_ptr<::gloo::transport::Device> gloo_device(const LaunchEnv& env) {
   if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname != nullptr && *ifname != '\0') {
     return c10d::ProcessGroupGloo::createDeviceForInterface(ifname);
   }
-  if (env.master_addr == "localhost" || env.master_addr.rfind("127.", 0) == 0) {
-    return c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
-  }
-  return c10d::ProcessGroupGloo::createDefaultDevice();
+  return c10d::ProcessGroupGloo::createDeviceForHostname(address_towards_master(env));
 }
 
 }  // namespace

@@ -5,11 +5,10 @@
 #include "cli/launch.h"
 #include "remat/cost.h"
 #include "remat/model.h"
-#include "data/test_text.h"
+#include "util/launched_training.h"
 #include "util/processes.h"
 
 #include <gtest/gtest.h>
-#include <fcntl.h>
 #include <nlohmann/json.hpp>
 #include <sys/prctl.h>
 #include <sys/stat.h>
@@ -40,6 +39,7 @@ using remat::cli::free_port;
 using remat::testing::read_text;
 using remat::testing::Result;
 using remat::testing::run_remat;
+using remat::testing::wait_exit;
 
 size_t count(const std::string& text, const std::string& what) {
   size_t n = 0;
@@ -87,23 +87,10 @@ class Launch : public ::testing::Test {
   // ignored from the start when `ignore_sigterm` (its ranks inherit that); returns its pid
   // once both ranks run `remat`, or -1.
   pid_t start_blocked_launch(const std::vector<std::string>& extra, bool ignore_sigterm) {
-    std::vector<std::string> args{REMAT_BINARY, "launch", "--nproc", "2"};
-    args.insert(args.end(), extra.begin(), extra.end());
-    for (const char* a : {"plan", "--config"}) args.emplace_back(a);
-    args.push_back(fifo_);
-    std::vector<char*> argv;
-    for (auto& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    const std::string log = (dir_ / "log").string();
-    const pid_t pid = ::fork();
-    if (pid == 0) {
-      const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
-      ::dup2(fd, STDOUT_FILENO);
-      ::dup2(fd, STDERR_FILENO);
-      if (ignore_sigterm) ::signal(SIGTERM, SIG_IGN);
-      ::execv(argv[0], argv.data());
-      ::_exit(127);
-    }
+    std::string cmd = std::string(ignore_sigterm ? "trap '' TERM; " : "") + "exec " + REMAT_BINARY;
+    cmd += " launch --nproc 2";
+    for (const std::string& a : extra) cmd += " " + a;
+    const pid_t pid = remat::testing::start_shell(cmd + " plan --config " + fifo_, dir_ / "log");
     for (auto waited = 0ms; waited < 20s; waited += 10ms) {
       if (ranks_of(pid).size() == 2) return pid;
       std::this_thread::sleep_for(10ms);
@@ -118,30 +105,34 @@ class Launch : public ::testing::Test {
   std::string fifo_;
 };
 
-// How `pid` (a child of this process) ended, as a shell's exit code; -1, after a SIGKILL, if
-// it is still running after 20 s.
-int wait_exit(pid_t pid) {
-  for (auto waited = 0ms; waited < 20s; waited += 10ms) {
-    int status = 0;
-    if (::waitpid(pid, &status, WNOHANG) == pid) return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-    std::this_thread::sleep_for(10ms);
-  }
-  ::kill(pid, SIGKILL);
-  ::waitpid(pid, nullptr, 0);
-  return -1;
-}
-
 TEST(LaunchEnvironment, SetsTheTorchrunVariablesAndDropsTheAgentStore) {
   const char* base[] = {"PATH=/usr/bin", "RANK=7", "TORCHELASTIC_USE_AGENT_STORE=True", "MASTER_PORT=1", "HOME=/root",
                         nullptr};
-  const std::vector<std::string> env = remat::cli::rank_environment(2, 3, 29511, base);
+  remat::cli::LaunchArgs args;
+  args.nproc = 3;
+  const std::vector<std::string> env = remat::cli::rank_environment(args, 2, 29511, base);
   const std::set<std::string> got(env.begin(), env.end());
   EXPECT_EQ(got.size(), env.size()) << "a variable appears twice";
   const std::set<std::string> expected = {
-      "PATH=/usr/bin", "HOME=/root",   "RANK=2",        "LOCAL_RANK=2",          "WORLD_SIZE=3",
-      "LOCAL_WORLD_SIZE=3", "GROUP_RANK=0", "MASTER_ADDR=127.0.0.1", "MASTER_PORT=29511"};
+      "PATH=/usr/bin",      "HOME=/root",   "RANK=2",             "LOCAL_RANK=2",          "WORLD_SIZE=3",
+      "LOCAL_WORLD_SIZE=3", "GROUP_RANK=0", "GROUP_WORLD_SIZE=1", "MASTER_ADDR=127.0.0.1", "MASTER_PORT=29511"};
   EXPECT_EQ(got, expected);
-  EXPECT_EQ(remat::cli::rank_environment(0, 1, 5, nullptr).size(), 7u);
+  args.nproc = 1;
+  EXPECT_EQ(remat::cli::rank_environment(args, 0, 5, nullptr).size(), 8u);
+}
+
+// torchrun's numbering over nodes: node r's local rank l is rank r * nproc + l.
+TEST(LaunchEnvironment, NumbersTheRanksOfEveryNode) {
+  remat::cli::LaunchArgs args;
+  args.nproc = 2;
+  args.nnodes = 3;
+  args.node_rank = 2;
+  args.master_addr = "10.0.0.1";
+  const std::vector<std::string> env = remat::cli::rank_environment(args, 1, 29500, nullptr);
+  const std::set<std::string> expected = {"RANK=5", "LOCAL_RANK=1", "WORLD_SIZE=6", "LOCAL_WORLD_SIZE=2",
+                                          "GROUP_RANK=2", "GROUP_WORLD_SIZE=3", "MASTER_ADDR=10.0.0.1",
+                                          "MASTER_PORT=29500"};
+  EXPECT_EQ(std::set<std::string>(env.begin(), env.end()), expected);
 }
 
 TEST_F(Launch, EveryRankRunsTheSubcommandWithItsArguments) {
@@ -183,7 +174,17 @@ TEST_F(Launch, BadArgumentsAreRefusedBeforeAnyRankStarts) {
        "'trian' is not a subcommand remat launch can run; valid subcommands: prepare, train, plan, bench, generate."},
       {"--nproc 2 launch --nproc 2 plan model.preset=gpt2-demo", "remat launch cannot run launch in its ranks"},
       {"--nproc 2 --budget 0.6 plan model.preset=gpt2-demo",
-       "takes only --nproc, --master-port and --grace before the subcommand, but got --budget"},
+       "takes only --nproc, --nnodes, --node-rank, --master-addr, --master-port and --grace before the subcommand, "
+       "but got --budget"},
+      {"--nproc 2 --nnodes 0 plan model.preset=gpt2-demo", "--nnodes 0 is out of range; a job spans from 1 to 1024"},
+      {"--nproc 2 --nnodes 2 --node-rank 2 --master-addr 127.0.0.1 --master-port 29500 plan model.preset=gpt2-demo",
+       "--node-rank 2 is out of range for --nnodes 2; number the nodes from 0 to 1"},
+      {"--nproc 2 --nnodes 2 --node-rank 1 --master-port 29500 plan model.preset=gpt2-demo",
+       "--nnodes 2 needs --master-addr, node 0's address as every node reaches it"},
+      {"--nproc 2 --nnodes 2 --node-rank 1 --master-addr 127.0.0.1 plan model.preset=gpt2-demo",
+       "--nnodes 2 needs --master-port, the same free port on every node"},
+      {"--nproc 2 --master-addr no-such-host.invalid plan model.preset=gpt2-demo",
+       "--master-addr no-such-host.invalid does not resolve to an address"},
       {"--nproc 2 --master-port 65536 plan model.preset=gpt2-demo", "--master-port 65536 is not a TCP port"},
       {"--nproc 2 --grace -1 plan model.preset=gpt2-demo", "--grace -1 is not a number of seconds"},
   };
@@ -243,58 +244,7 @@ TEST_F(Launch, RanksDieWithTheLauncher) {
 
 // Training on several ranks: the rows of every batch split over them, joined through a
 // TCPStore and Gloo on the loopback, launched by `remat launch`, by torchrun, or by hand.
-class LaunchedTraining : public ::testing::Test {
- protected:
-  void SetUp() override {
-    dir_ = remat::testing::test_dir("remat-dp-");
-    const fs::path text = dir_ / "corpus.txt";
-    std::ofstream(text, std::ios::binary) << remat::testing::make_text(1000);
-    common_ = "model.preset=tiny-gpt2 model.vocab_size=0 model.dropout=0.1 train.batch=4 train.seq=16 "
-              "train.warmup=1 train.eval_batches=1 data.vocab_size=512 run.threads=1 run.progress=false "
-              "run.sample_tokens=0 data.text=" + text.string() + " data.dir=" + (dir_ / "data").string() +
-              " run.out_dir=" + (dir_ / "runs").string();
-    // Once, so that no rank races another building the corpus.
-    const Result r = run_remat("prepare " + common_);
-    ASSERT_EQ(r.exit_code, 0) << r.output;
-  }
-  void TearDown() override { fs::remove_all(dir_); }
-
-  // The "kind":"train" lines of a run's metrics.
-  std::vector<nlohmann::json> train_lines(const std::string& run) const {
-    std::vector<nlohmann::json> lines;
-    std::ifstream in(dir_ / "runs" / run / "metrics.jsonl");
-    for (std::string line; std::getline(in, line);) {
-      auto j = nlohmann::json::parse(line);
-      if (j["kind"] == "train") lines.push_back(j);
-    }
-    return lines;
-  }
-
-  // Starts `remat train` as rank `rank` of `world` by the torchrun variables, output to
-  // dir_/log<rank>.
-  pid_t start_rank(int rank, int world, int port, const std::string& settings) {
-    const std::string log = (dir_ / ("log" + std::to_string(rank))).string();
-    const std::string cmd = std::string("exec ") + REMAT_BINARY + " train " + common_ + " " + settings;
-    const pid_t pid = ::fork();
-    if (pid == 0) {
-      const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
-      ::dup2(fd, STDOUT_FILENO);
-      ::dup2(fd, STDERR_FILENO);
-      ::setenv("RANK", std::to_string(rank).c_str(), 1);
-      ::setenv("LOCAL_RANK", std::to_string(rank).c_str(), 1);
-      ::setenv("WORLD_SIZE", std::to_string(world).c_str(), 1);
-      ::setenv("LOCAL_WORLD_SIZE", std::to_string(world).c_str(), 1);
-      ::setenv("MASTER_ADDR", "127.0.0.1", 1);
-      ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
-      ::execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char*>(nullptr));
-      ::_exit(127);
-    }
-    return pid;
-  }
-
-  fs::path dir_;
-  std::string common_;
-};
+using remat::testing::LaunchedTraining;
 
 // `remat launch` and torchrun run the same ranks, so their losses are bitwise alike; only
 // rank 0 writes the run, and it reports every rank's peak. One process over the same rows

@@ -3,15 +3,21 @@
 #pragma once
 
 #include <gtest/gtest.h>
+#include <fcntl.h>
+#include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <array>
+#include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <thread>
+#include <vector>
 
 namespace remat::testing {
 
@@ -35,6 +41,38 @@ inline Result run_shell(const std::string& cmd, const std::filesystem::path& cwd
 /// `remat ARGS`, the binary this build made.
 inline Result run_remat(const std::string& args, const std::filesystem::path& cwd = {}) {
   return run_shell(std::string(REMAT_BINARY) + " " + args, cwd);
+}
+
+/// Starts the shell command `cmd` as a child of this process, its stdout and stderr
+/// written to `log`, with the "NAME=value" strings of `env` added to its environment;
+/// returns its pid (-1 when fork fails). Prefix `cmd` with `exec ` for the pid to become
+/// the command's own.
+inline pid_t start_shell(const std::string& cmd, const std::filesystem::path& log,
+                         const std::vector<std::string>& env = {}) {
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    ::dup2(fd, STDOUT_FILENO);
+    ::dup2(fd, STDERR_FILENO);
+    for (const std::string& var : env) ::putenv(const_cast<char*>(var.c_str()));
+    ::execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  return pid;
+}
+
+/// How `pid` (a child of this process) ended, as a shell's exit code; -1, after a
+/// SIGKILL, if it is still running after `limit`.
+inline int wait_exit(pid_t pid, std::chrono::milliseconds limit = std::chrono::seconds(20)) {
+  const auto step = std::chrono::milliseconds(10);
+  for (auto waited = std::chrono::milliseconds(0); waited < limit; waited += step) {
+    int status = 0;
+    if (::waitpid(pid, &status, WNOHANG) == pid) return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    std::this_thread::sleep_for(step);
+  }
+  ::kill(pid, SIGKILL);
+  ::waitpid(pid, nullptr, 0);
+  return -1;
 }
 
 /// A fresh directory for the running test, named by `prefix`, the process and the test.
