@@ -31,6 +31,8 @@ constexpr milliseconds kSilence{2500};
 constexpr milliseconds kSlice{200};
 
 const std::string kAbortKey = "abort";
+// How many ranks have read the failure posted under kAbortKey.
+const std::string kReadAbortKey = "abort_read";
 std::string beat_key(int rank) { return "beat/" + std::to_string(rank); }
 std::string joined_key(int rank) { return "joined/" + std::to_string(rank); }
 
@@ -182,6 +184,7 @@ struct Comm::State {
   std::unique_ptr<GlooGroup> world, tensor, data;
   milliseconds timeout{};
   int rank = 0, size = 1;
+  bool hosts_store = false;
   std::string endpoint;  // "host:port", for messages
 
   std::thread heart;
@@ -263,9 +266,30 @@ struct Comm::State {
     } catch (const std::exception&) {
       message = diagnose(what, error);  // no store: the heartbeat check names rank 0
     }
+    leave(message);
+  }
+
+  // Ends this rank with another rank's diagnosis (posted_failure).
+  [[noreturn]] void leave(const std::string& message) {
     stop_heart();
     abandon_groups();
+    read_failure();
     throw std::runtime_error(message);
+  }
+
+  // Counts this rank among those that read the failure. The rank hosting the store waits
+  // for the others to have read it too, at most two silences (a lost rank never does):
+  // its exit closes the store, and a rank that had not yet looked would blame rank 0.
+  void read_failure() {
+    try {
+      store->add(kReadAbortKey, 1);
+      const auto deadline = Clock::now() + 2 * kSilence;
+      while (hosts_store && store->add(kReadAbortKey, 0) < size && Clock::now() < deadline) {
+        std::this_thread::sleep_for(kSlice);
+      }
+    } catch (const std::exception&) {
+      // No store: nobody is left to read it.
+    }
   }
 
   // Leaks every Gloo group, see fail().
@@ -296,11 +320,7 @@ struct Comm::State {
         // A slice that ran out throws too; the work is then still running.
         if (work->isCompleted()) fail(what, e.what());
       }
-      if (auto posted = posted_failure()) {
-        stop_heart();
-        abandon_groups();  // as in fail()
-        throw std::runtime_error(*posted);
-      }
+      if (auto posted = posted_failure()) leave(*posted);
       if (Clock::now() - start > timeout) {
         fail(what, fmt::format("not finished after parallel.timeout = {} s", timeout.count() / 1000.0));
       }
@@ -324,6 +344,7 @@ std::unique_ptr<Comm> Comm::connect(const LaunchEnv& env, milliseconds timeout, 
   c10d::TCPStoreOptions options;
   options.port = static_cast<std::uint16_t>(env.master_port);
   options.isServer = env.rank == 0 && !env.agent_store;
+  s->hosts_store = options.isServer;
   options.waitWorkers = false;  // the join below names who is missing
   options.timeout = timeout;
   c10::intrusive_ptr<c10d::Store> base;
@@ -446,10 +467,7 @@ std::string Comm::await(const std::string& key, const std::string& what) {
   auto last_check = Clock::now();
   std::vector<int64_t> beats;
   while (!state_->store->check({full})) {
-    if (auto posted = state_->posted_failure()) {
-      state_->stop_heart();
-      throw std::runtime_error(*posted);
-    }
+    if (auto posted = state_->posted_failure()) state_->leave(*posted);
     // Every few beats, every rank must have beaten since the last look.
     if (Clock::now() - last_check > kSilence) {
       std::vector<int64_t> now;
