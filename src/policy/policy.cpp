@@ -559,12 +559,6 @@ void megatron(const AcConfig& ac, std::vector<Candidate>& out,
     }
     out.push_back({origin, compile("modules:[" + mods + "]", origin)});
   }
-  if (ac.distribute_saved_activations && *ac.distribute_saved_activations) {
-    if (!gran || *gran != "full") {
-      fail("ac.distribute_saved_activations = true distributes the inputs of layers recomputed whole; it needs "
-           "ac.recompute_granularity = \"full\" with a recompute method.");
-    }
-  }
 }
 
 void colossalai(const AcConfig& ac, const Layout& layout, std::vector<Candidate>& out,
@@ -674,6 +668,12 @@ ActivationPlan compile_policy(const AcConfig& ac, int64_t n_layers, double dropo
     // a block:N layer, a full layer) is kept as this rank's share.
     const auto everything = all_slots();
     for (auto& l : plan.layers) l.input_sharded = l.chunk_begin < 0 && l.dropped == everything;
+    if (std::none_of(plan.layers.begin(), plan.layers.end(), [](const LayerPlan& l) { return l.input_sharded; })) {
+      fail(fmt::format("ac.distribute_saved_activations = true keeps the input of each layer recomputed whole as a "
+                       "share per tensor-parallel rank, but the policy {} recomputes no layer whole; choose full, "
+                       "uniform:N or block:N (Megatron: ac.recompute_granularity = \"full\" with a method), or drop "
+                       "ac.distribute_saved_activations.", plan.policy));
+    }
     plan.policy += " (distribute_saved_activations)";
   }
   if (dropout > 0.0 && !ac.preserve_rng_state && !ac.allow_rng_mismatch && recomputes_anything(plan)) {

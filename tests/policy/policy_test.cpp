@@ -346,13 +346,16 @@ TEST(PolicyErrors, MegatronCombinations) {
               a.recompute_activations = true;
               a.distribute_saved_activations = true;
             }, 4),
-            "ac.distribute_saved_activations = true distributes the inputs of layers recomputed whole; it needs "
-            "ac.recompute_granularity = \"full\" with a recompute method.");
+            "ac.distribute_saved_activations = true keeps the input of each layer recomputed whole as a share per "
+            "tensor-parallel rank, but the policy modules:[core_attn] recomputes no layer whole; choose full, "
+            "uniform:N or block:N (Megatron: ac.recompute_granularity = \"full\" with a method), or drop "
+            "ac.distribute_saved_activations.");
 }
 
 // Megatron's distribute_saved_activations: each layer recomputed whole (uniform chunks'
-// first layers, block:N's layers) keeps its input as a share per tensor-parallel rank;
-// layers that keep more, and the other layers of a chunk, are unchanged.
+// first layers, block:N's layers, with any spelling of the policy) keeps its input as a
+// share per tensor-parallel rank; layers that keep more, and the other layers of a chunk,
+// are unchanged.
 TEST(PolicyPlans, DistributeSavedActivationsSharesTheInputsOfLayersRecomputedWhole) {
   const auto sharded = [](const ActivationPlan& p) {
     std::vector<bool> out;
@@ -376,6 +379,13 @@ TEST(PolicyPlans, DistributeSavedActivationsSharesTheInputsOfLayersRecomputedWho
   ac.distribute_saved_activations = false;
   EXPECT_EQ(sharded(compile_policy(ac, 3, 0.0)), std::vector<bool>(3, false));
   EXPECT_FALSE(same_layers(block, compile_policy(ac, 3, 0.0)));
+  // remat's own spellings of the same policies.
+  AcConfig own;
+  own.policy = "every:2";
+  own.distribute_saved_activations = true;
+  EXPECT_EQ(sharded(compile_policy(own, 4, 0.0)), (std::vector<bool>{false, true, false, true}));
+  own.policy = "uniform:2";
+  EXPECT_TRUE(same_layers(compile_policy(own, 4, 0.0), uniform));
 }
 
 // nanotron's tp_recompute_allgather: whatever else the policy keeps, the gathered inputs of
