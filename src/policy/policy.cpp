@@ -667,14 +667,19 @@ ActivationPlan compile_policy(const AcConfig& ac, int64_t n_layers, double dropo
     // Megatron's: the input of every layer recomputed whole (a uniform chunk's first layer,
     // a block:N layer, a full layer) is kept as this rank's share.
     const auto everything = all_slots();
+    // With no recompute it has nothing to act on (a sweep's `none`); a selective policy
+    // alone is a misunderstanding: it keeps every input whole.
     for (auto& l : plan.layers) l.input_sharded = l.chunk_begin < 0 && l.dropped == everything;
     if (std::none_of(plan.layers.begin(), plan.layers.end(), [](const LayerPlan& l) { return l.input_sharded; })) {
-      fail(fmt::format("ac.distribute_saved_activations = true keeps the input of each layer recomputed whole as a "
-                       "share per tensor-parallel rank, but the policy {} recomputes no layer whole; choose full, "
-                       "uniform:N or block:N (Megatron: ac.recompute_granularity = \"full\" with a method), or drop "
-                       "ac.distribute_saved_activations.", plan.policy));
+      if (recomputes_anything(plan)) {
+        fail(fmt::format("ac.distribute_saved_activations = true keeps the input of each layer recomputed whole as a "
+                         "share per tensor-parallel rank, but the policy {} recomputes no layer whole; choose full, "
+                         "uniform:N or block:N (Megatron: ac.recompute_granularity = \"full\" with a method), or "
+                         "drop ac.distribute_saved_activations.", plan.policy));
+      }
+    } else {
+      plan.policy += " (distribute_saved_activations)";
     }
-    plan.policy += " (distribute_saved_activations)";
   }
   if (dropout > 0.0 && !ac.preserve_rng_state && !ac.allow_rng_mismatch && recomputes_anything(plan)) {
     fail(fmt::format("ac.preserve_rng_state = false with dropout {} makes recomputed dropout draw other masks than "

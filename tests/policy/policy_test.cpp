@@ -386,6 +386,10 @@ TEST(PolicyPlans, DistributeSavedActivationsSharesTheInputsOfLayersRecomputedWho
   EXPECT_EQ(sharded(compile_policy(own, 4, 0.0)), (std::vector<bool>{false, true, false, true}));
   own.policy = "uniform:2";
   EXPECT_TRUE(same_layers(compile_policy(own, 4, 0.0), uniform));
+  // Without recompute there is no input to share (a sweep's none): the plan is none's.
+  own.policy = "none";
+  EXPECT_EQ(compile_policy(own, 4, 0.0).policy, "none");
+  EXPECT_EQ(sharded(compile_policy(own, 4, 0.0)), std::vector<bool>(4, false));
 }
 
 // nanotron's tp_recompute_allgather: whatever else the policy keeps, the gathered inputs of
