@@ -49,7 +49,12 @@ struct ModelConfig {
   int64_t n_kv_head = 4;     ///< key/value heads (llama GQA); equals n_head for gpt2
   int64_t d_model = 128;
   int64_t d_ff = 512;        ///< MLP hidden width
-  int64_t vocab_size = 0;    ///< 0: take it from the prepared corpus's tokenizer
+  int64_t vocab_size = 0;    ///< rows of the embedding and the loss head; 0: the prepared
+                             ///< corpus's tokenizer's. Padded (padded_vocab_size) wherever it
+                             ///< is resolved, so it may exceed the tokenizer's
+  int64_t vocab_multiple = 1;  ///< the vocabulary is padded to a multiple of this times
+                               ///< parallel.tp (Megatron's make_vocab_size_divisible_by); 1:
+                               ///< only as far as the tensor-parallel split needs
   int64_t max_seq = 256;     ///< context length (learned positions / RoPE tables)
   Attention attention = Attention::math;
   int64_t attention_tile = 64;   ///< tiled attention: query and key positions per tile
@@ -109,7 +114,7 @@ struct RunConfig {
 struct ParallelConfig {
   int64_t dp = 0;         ///< data-parallel ranks; 0: every rank the launcher started (over tp)
   int64_t tp = 1;         ///< tensor-parallel ranks sharing each layer (Megatron); must divide
-                          ///< the heads, KV heads, d_ff and the vocabulary
+                          ///< the heads, KV heads and d_ff (the vocabulary is padded to it)
   bool sp = false;        ///< sequence parallelism over the tp ranks (Megatron): norms, dropout
                           ///< and residuals on a rank's share of the positions
   double timeout = 300;   ///< seconds the rendezvous or any collective may take before every
@@ -137,6 +142,20 @@ struct ConfigKey {
                                                          ///< empty: unset (an optional alias key)
 };
 
+/// The vocabulary a model of `c` is built with for `vocab` tokens: `vocab` rounded up to a
+/// multiple of model.vocab_multiple x parallel.tp, as Megatron-LM pads it, so that every
+/// tensor-parallel rank holds an equal share of the embedding's and the loss head's rows.
+/// The rows added are no token's: the data never holds them and generation never samples
+/// them, but the loss's softmax runs over them (as Megatron's does). 0 stays 0 (the
+/// tokenizer's, resolved later); a padded size is its own padding. Throws a sentence for
+/// a model.vocab_multiple outside [1, 65536].
+int64_t padded_vocab_size(const Config& c, int64_t vocab);
+
+/// Sets model.vocab_size for a tokenizer of `tokenizer_vocab` pieces: the tokenizer's,
+/// padded, where it is 0 (a given size was padded by load_config); refuses, with a
+/// sentence, a given size below the tokenizer's.
+void resolve_vocab_size(Config& c, int64_t tokenizer_vocab);
+
 /// Every key, in documentation order.
 const std::vector<ConfigKey>& config_keys();
 
@@ -148,7 +167,8 @@ ModelConfig model_preset(const std::string& name);
 /// Builds a Config: defaults, then the TOML file (if non-empty), then `key=value`
 /// overrides. `model.preset` is applied before the other model keys wherever it is set.
 /// Errors (unknown key with the nearest valid one, bad value, bad TOML) are thrown as
-/// std::invalid_argument sentences. The result is validated (validate_config).
+/// std::invalid_argument sentences. A model.vocab_size (given or the preset's) is padded
+/// (padded_vocab_size); the result is validated (validate_config).
 Config load_config(const std::string& toml_path, const std::vector<std::string>& overrides);
 
 /// Refuses inconsistent settings with a sentence (heads not dividing d_model, ...), the

@@ -32,6 +32,9 @@ struct Param {
   /// Sequence parallelism: each rank's gradient is its positions' part (graph::Param::partial);
   /// sum_partial_grads() makes it the whole one.
   bool partial = false;
+  /// Its rows (dimension 0) are the vocabulary's, padding rows included: the token
+  /// embedding and the output head (whose tensor-parallel split is a vocabulary split).
+  bool vocab = false;
 };
 
 /// Identifies one microbatch's randomness; dropout keys derive from it.
@@ -125,13 +128,22 @@ class Model {
   virtual double forward_flops(int64_t seq) const = 0;
 
   /// Every parameter, whole, named and laid out as in Hugging Face files, on the CPU
-  /// (split ones gathered: every rank of the tensor-parallel group must call it).
-  std::vector<std::pair<std::string, at::Tensor>> whole_params() const;
+  /// (split ones gathered: every rank of the tensor-parallel group must call it). With
+  /// `vocab_rows` > 0 the vocabulary parameters (Param::vocab) keep only their first
+  /// `vocab_rows` rows: the padding rows (model.vocab_multiple) dropped, so the file has the
+  /// shapes a Hugging Face model of the tokenizer's vocabulary expects.
+  std::vector<std::pair<std::string, at::Tensor>> whole_params(int64_t vocab_rows = 0) const;
   /// Writes whole_params() to a .safetensors file.
   void save(const std::string& path, const std::map<std::string, std::string>& metadata = {}) const;
   /// Loads every parameter from a .safetensors file (ours or a Hugging Face checkpoint of
-  /// the same shape; each rank takes its part of the split ones). All names, shapes and dtypes are checked before any parameter is
-  /// written: on error (naming the tensor) the model is unchanged.
+  /// the same shape; each rank takes its part of the split ones). The vocabulary
+  /// parameters (Param::vocab) may have fewer rows in the file, all of them the same number
+  /// (an unpadded checkpoint in a padded model): the rows above are set to the mean of the
+  /// file's rows, so that each padding row's logit is the mean of the real ones and, by
+  /// Jensen's inequality, the padding rows together take at most (padding rows) /
+  /// (file rows) of the softmax (HF's resize_token_embeddings initialises new rows so
+  /// too). All names, shapes and dtypes are checked before any parameter is written: on
+  /// error (naming the tensor) the model is unchanged.
   void load(const std::string& path);
 
  protected:

@@ -206,12 +206,7 @@ BenchResult run_bench(const BenchOptions& o) {
   // tensor-parallel ranks share it), and a schedule that spans exactly the steps each
   // entry runs.
   auto complete = [&](Config& c) {
-    if (c.model.vocab_size == 0) c.model.vocab_size = corpus.vocab_size;
-    if (c.model.vocab_size < corpus.vocab_size) {
-      throw std::invalid_argument(fmt::format(
-          "model.vocab_size ({}) is smaller than the tokenizer's vocabulary ({}); use model.vocab_size=0 to take "
-          "the tokenizer's.", c.model.vocab_size, corpus.vocab_size));
-    }
+    resolve_vocab_size(c, corpus.vocab_size);
     c.train.steps = o.warmup + o.steps;
     validate_config(c);
   };

@@ -125,7 +125,8 @@ bool plot_frontier(const std::string& path, const std::vector<FrontierPoint>& fr
 int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
   Config cfg = cfg_in;
   ModelConfig& m = cfg.model;
-  if (m.vocab_size == 0) m.vocab_size = cfg.data.vocab_size;  // what `remat prepare` will train
+  // What `remat prepare` will train, padded as the trainer pads it (a given size is already).
+  if (m.vocab_size == 0) m.vocab_size = padded_vocab_size(cfg, cfg.data.vocab_size);
   // A rank's share of the batch: its memory and time are what a data-parallel run plans.
   const int64_t ranks = data_parallel_ranks(cfg);
   cost::StepShape shape;

@@ -213,7 +213,8 @@ std::vector<ConfigKey> make_keys() {
       key("model.n_kv_head", &C::model, &ModelConfig::n_kv_head, "key/value heads (llama GQA)"),
       key("model.d_model", &C::model, &ModelConfig::d_model, "hidden size"),
       key("model.d_ff", &C::model, &ModelConfig::d_ff, "MLP hidden size"),
-      key("model.vocab_size", &C::model, &ModelConfig::vocab_size, "0: from the tokenizer"),
+      key("model.vocab_size", &C::model, &ModelConfig::vocab_size, "0: from the tokenizer; padded to vocab_multiple x tp"),
+      key("model.vocab_multiple", &C::model, &ModelConfig::vocab_multiple, "pad the vocabulary to a multiple of this x tp"),
       key("model.max_seq", &C::model, &ModelConfig::max_seq, "context length"),
       key("model.attention", &C::model, &ModelConfig::attention, "tiled or math attention"),
       key("model.attention_tile", &C::model, &ModelConfig::attention_tile, "tiled attention: positions per tile"),
@@ -417,8 +418,30 @@ Config load_config(const std::string& toml_path, const std::vector<std::string>&
     if (k == "model.preset") continue;
     find_key(k, origins[i]).set(c, v);
   }
+  c.model.vocab_size = padded_vocab_size(c, c.model.vocab_size);
   validate_config(c);
   return c;
+}
+
+int64_t padded_vocab_size(const Config& c, int64_t vocab) {
+  const int64_t multiple = c.model.vocab_multiple;
+  // Far above the 64 or 128 rows accelerators want; more would pad rows for nothing.
+  if (multiple < 1 || multiple > 65536) {
+    fail(fmt::format("model.vocab_multiple must be from 1 to 65536, got {}; the vocabulary is padded to a multiple "
+                     "of it times parallel.tp (1: only as far as the tensor-parallel split needs; 128 is "
+                     "Megatron-LM's make_vocab_size_divisible_by).", multiple));
+  }
+  if (vocab <= 0) return vocab;
+  const int64_t step = multiple * std::max<int64_t>(c.parallel.tp, 1);
+  return (vocab + step - 1) / step * step;
+}
+
+void resolve_vocab_size(Config& c, int64_t tokenizer_vocab) {
+  if (c.model.vocab_size == 0) c.model.vocab_size = padded_vocab_size(c, tokenizer_vocab);
+  if (c.model.vocab_size < tokenizer_vocab) {
+    fail(fmt::format("model.vocab_size ({}) is smaller than the tokenizer's vocabulary ({}); use model.vocab_size=0 "
+                     "to take the tokenizer's.", c.model.vocab_size, tokenizer_vocab));
+  }
 }
 
 void check_path(const std::string& what, const std::string& path) {
@@ -557,16 +580,23 @@ void validate_config(const Config& c) {
   if (c.parallel.tp < 1 || c.parallel.tp > 1024) {
     fail(fmt::format("parallel.tp must be from 1 to 1024 tensor-parallel ranks, got {}.", c.parallel.tp));
   }
-  // Each rank holds an equal share of the heads, the MLP's features and the vocabulary.
+  // Each rank holds an equal share of the heads and the MLP's features; the vocabulary is
+  // padded instead (Megatron's padding), since real vocabularies (GPT-2's 50257) are odd.
   for (const auto& [name, size] : {std::pair<const char*, int64_t>{"model.n_head", m.n_head},
-                                   {"model.n_kv_head", m.n_kv_head}, {"model.d_ff", m.d_ff},
-                                   {"model.vocab_size", m.vocab_size}}) {
-    if (size > 0 && size % c.parallel.tp != 0) {
+                                   {"model.n_kv_head", m.n_kv_head}, {"model.d_ff", m.d_ff}}) {
+    if (size % c.parallel.tp != 0) {
       fail(fmt::format("parallel.tp = {} gives each tensor-parallel rank an equal share of {} = {}, but {} is not a "
-                       "multiple of {}; choose a parallel.tp dividing model.n_head ({}), model.n_kv_head ({}), "
-                       "model.d_ff ({}) and the vocabulary ({}).", c.parallel.tp, name, size, size, c.parallel.tp,
-                       m.n_head, m.n_kv_head, m.d_ff, m.vocab_size));
+                       "multiple of {}; choose a parallel.tp dividing model.n_head ({}), model.n_kv_head ({}) and "
+                       "model.d_ff ({}).", c.parallel.tp, name, size, size, c.parallel.tp, m.n_head, m.n_kv_head,
+                       m.d_ff));
     }
+  }
+  const int64_t padded = padded_vocab_size(c, m.vocab_size);
+  if (padded != m.vocab_size) {
+    fail(fmt::format("model.vocab_size = {} is not padded to a multiple of model.vocab_multiple x parallel.tp = {} x "
+                     "{}, so the tensor-parallel ranks cannot share its rows equally; set it to {} (load_config and "
+                     "the trainer pad it so; a Config built in code must call padded_vocab_size).", m.vocab_size,
+                     m.vocab_multiple, c.parallel.tp, padded));
   }
   if (c.parallel.sp && c.parallel.tp < 2) {
     fail("parallel.sp = true shares each sequence's positions over the tensor-parallel ranks, but parallel.tp = 1 "

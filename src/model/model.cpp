@@ -101,12 +101,15 @@ void Model::sum_partial_grads(const std::string& what) {
   }
 }
 
-std::vector<std::pair<std::string, at::Tensor>> Model::whole_params() const {
+std::vector<std::pair<std::string, at::Tensor>> Model::whole_params(int64_t vocab_rows) const {
   std::vector<std::pair<std::string, at::Tensor>> out;
   out.reserve(params_.size());
   for (size_t i = 0; i < params_.size(); ++i) {
     const Param& p = params_[i];
     at::Tensor t = whole(i, p.value.detach()).to(at::kCPU);
+    TORCH_CHECK(!p.vocab || vocab_rows <= t.size(0), "[whole_params] ", vocab_rows,
+                " vocabulary rows asked of a model with ", t.size(0));
+    if (p.vocab && vocab_rows > 0) t = t.narrow(0, 0, vocab_rows);
     out.emplace_back(p.name, hf_transposed(p.name) ? t.t().contiguous() : t.contiguous());
   }
   return out;
@@ -132,6 +135,7 @@ void Model::load(const std::string& path) {
   // Check everything first; write nothing until the whole file is known to fit.
   std::vector<at::Tensor> staged;
   std::set<std::string> used;
+  int64_t file_vocab = 0;  // rows of the file's vocabulary tensors; 0: none seen yet
   for (size_t i = 0; i < params_.size(); ++i) {
     const Param& p = params_[i];
     auto it = file.find(p.name);
@@ -141,10 +145,23 @@ void Model::load(const std::string& path) {
                                            path, p.name, arch_name(cfg_.arch)));
     }
     at::Tensor t = hf_transposed(p.name) && it->second.dim() == 2 ? it->second.t() : it->second;
-    if (t.sizes() != at::IntArrayRef(whole_sizes(i))) {
+    const std::vector<int64_t> want = whole_sizes(i);
+    if (p.vocab && t.dim() == 2) {
+      if (file_vocab == 0) file_vocab = t.size(0);
+      if (t.size(0) != file_vocab) {
+        throw std::runtime_error(fmt::format(
+            "Tensor '{}' in {} has {} vocabulary rows but another of its vocabulary tensors has {}; it is not a "
+            "checkpoint of one vocabulary (nothing was loaded).", p.name, path, t.size(0), file_vocab));
+      }
+      // An unpadded checkpoint: the padding rows get the mean row (the header says why).
+      if (t.size(0) >= 1 && t.size(0) < want[0] && t.size(1) == want[1] && at::isFloatingType(t.scalar_type())) {
+        t = at::cat({t, t.to(at::kDouble).mean(0, true).to(t.scalar_type()).expand({want[0] - t.size(0), want[1]})});
+      }
+    }
+    if (t.sizes() != at::IntArrayRef(want)) {
       throw std::runtime_error(fmt::format(
           "Tensor '{}' in {} has shape [{}] but the model expects [{}] (nothing was loaded).", p.name, path,
-          fmt::join(t.sizes(), ", "), fmt::join(whole_sizes(i), ", ")));
+          fmt::join(t.sizes(), ", "), fmt::join(want, ", ")));
     }
     if (!at::isFloatingType(t.scalar_type())) {
       throw std::runtime_error(fmt::format("Tensor '{}' in {} is of dtype {}, not a floating type (nothing was loaded).",

@@ -5,6 +5,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <set>
 
 namespace remat::detail {
@@ -24,6 +25,9 @@ namespace {
 Weights make_weights(const ArchDecl& decl, const ModelConfig& cfg, int64_t tp, bool sp, const at::TensorOptions& o) {
   Weights w;
   std::map<std::string, int> index;
+  // The vocabulary parameters: the first of each node the plan splits by vocabulary rows
+  // (the embedding's table, the loss head's weight), named so whether or not tp splits.
+  std::set<std::string> vocab;
   auto add = [&](const std::string& name, const graph::Param& p) {
     auto [it, fresh] = index.emplace(name, static_cast<int>(w.names.size()));
     if (fresh) {
@@ -31,10 +35,17 @@ Weights make_weights(const ArchDecl& decl, const ModelConfig& cfg, int64_t tp, b
       w.tensors.push_back(at::empty(p.sizes, o));
       w.shards.push_back(p.shard);
       w.partial.push_back(p.partial);
+      w.vocab.push_back(vocab.count(p.name) > 0);
     }
     return it->second;
   };
-  const auto params = [&](graph::BlockGraph g) { return graph::tensor_parallel(g, decl.tp_plan, tp, sp).params; };
+  const auto params = [&](const graph::BlockGraph& g) {
+    for (const graph::Node& n : g.nodes) {
+      const auto& names = decl.tp_plan.vocab;
+      if (std::find(names.begin(), names.end(), n.name) != names.end()) vocab.insert(g.params.at(n.params.at(0)).name);
+    }
+    return graph::tensor_parallel(g, decl.tp_plan, tp, sp).params;
+  };
   const int64_t T = sp ? tp : 1;  // a position per rank
   for (const auto& p : params(decl.embed(cfg, 1, T, at::kFloat))) w.embed.push_back(add(p.name, p));
   const auto block = params(decl.block(cfg, 1, T, at::kFloat));
@@ -125,7 +136,8 @@ TransformerModel::TransformerModel(const ArchDecl& decl, const ModelConfig& cfg,
     grads_.tensors[i] = grad_buffer_.narrow(0, numel, w.numel()).view(w.sizes());
     numel += w.numel();
     params_.push_back(
-        Param{weights_.names[i], w, grads_.tensors[i], w.dim() >= 2, weights_.shards[i], weights_.partial[i]});
+        Param{weights_.names[i], w, grads_.tensors[i], w.dim() >= 2, weights_.shards[i], weights_.partial[i],
+              weights_.vocab[i]});
   }
   const graph::BlockGraph head = graph_of(Part::head, 1, 1, 1);
   for (const auto& n : head.nodes) {

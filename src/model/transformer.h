@@ -85,6 +85,7 @@ struct Weights {
   std::vector<at::Tensor> tensors;
   std::vector<graph::Shard> shards;
   std::vector<bool> partial;  ///< graph::Param::partial
+  std::vector<bool> vocab;    ///< Param::vocab
   std::vector<int> embed, head;
   std::vector<std::vector<int>> layers;
   /// The tensors of one graph's parameters, in the graph's order (handles: in-place

@@ -225,12 +225,7 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   data::CorpusInfo corpus;
   rank0_first(ranks.get(), "preparing the corpus", [&] { corpus = prepare_data(cfg.data); });
   const data::Tokenizer tok = data::Tokenizer::load(corpus.tokenizer_path());
-  if (cfg.model.vocab_size == 0) cfg.model.vocab_size = tok.vocab_size();
-  if (cfg.model.vocab_size < tok.vocab_size()) {
-    throw std::invalid_argument(fmt::format(
-        "model.vocab_size ({}) is smaller than the tokenizer's vocabulary ({}); use model.vocab_size=0 to take "
-        "the tokenizer's.", cfg.model.vocab_size, tok.vocab_size()));
-  }
+  resolve_vocab_size(cfg, tok.vocab_size());
   validate_config(cfg);
   data::TokenDataset train_ds = data::TokenDataset::open(corpus, data::Split::train);
   data::TokenDataset val_ds = data::TokenDataset::open(corpus, data::Split::val);
@@ -309,9 +304,16 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   fmt::print(stderr, "remat: {} ({}), {} parameters, {} layers, d_model {}, context {}; {} on {} ({} threads)\n",
              cfg.model.preset, arch_name(cfg.model.arch), format_count(static_cast<double>(sum.num_params)), cfg.model.n_layer,
              cfg.model.d_model, cfg.model.max_seq, cfg.run.dtype, device.str(), threads);
-  fmt::print(stderr, "data: {} train / {} validation tokens, vocabulary {}, unigram entropy {:.3f} nats/token\n",
+  // Padding rows (model.vocab_multiple x parallel.tp, or a larger model.vocab_size) are said
+  // here, since the config shows only the padded size.
+  const int64_t padding = cfg.model.vocab_size - tok.vocab_size();
+  fmt::print(stderr, "data: {} train / {} validation tokens, vocabulary {}{}, unigram entropy {:.3f} nats/token\n",
              format_count(static_cast<double>(corpus.train_tokens)), format_count(static_cast<double>(corpus.val_tokens)),
-             tok.vocab_size(), corpus.train_unigram_entropy);
+             tok.vocab_size(),
+             padding > 0 ? fmt::format(" (the model's {} rows: {} padding rows no token uses)", cfg.model.vocab_size,
+                                       padding)
+                         : "",
+             corpus.train_unigram_entropy);
   fmt::print(stderr, "training: {} steps x {} tokens ({} x {} x {} accum{}); run dir {}\n", t.steps,
              tokens_per_step, t.batch, t.seq, t.grad_accum, describe_ranks(local), run_path);
   const std::string& plan_text = planned.text;
@@ -433,7 +435,9 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   // the report) is rank 0's.
   std::vector<std::pair<std::string, at::Tensor>> weights;
   if (lead || tp > 1) {
-    weights = model->whole_params();
+    // The export has the tokenizer's rows only (the shapes Hugging Face expects); the
+    // training checkpoints keep the padding rows, so that a resume continues bitwise.
+    weights = model->whole_params(tok.vocab_size());
     if (cfg.run.sample_tokens > 0) {
       sum.sample = sample_text(*model, tok, cfg.run.prompt, cfg.run.sample_tokens, 0.8, 40,
                                static_cast<uint64_t>(cfg.run.seed));

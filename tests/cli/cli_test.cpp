@@ -13,6 +13,7 @@
 #include <fstream>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -251,6 +252,28 @@ TEST_F(Cli, PlanOfAn8BLlamaAt8kTokens) {
   const size_t optimizer = r.output.find("optimizer state");
   ASSERT_NE(optimizer, std::string::npos) << r.output;
   EXPECT_EQ(r.output.find("59.83 GiB", optimizer), r.output.find('\n', optimizer) - 9) << r.output;
+}
+
+// GPT-2's 50257-piece vocabulary is padded to split over the ranks: over 4 (GPT-2's 12 heads
+// allow no 8) each rank holds 50260 / 4 rows of wte; GPT-2 medium over 8, 50264 / 8, or
+// 51200 / 8 with Megatron's make_vocab_size_divisible_by = 128.
+TEST_F(Cli, PlanOfGpt2OverTensorParallelRanksPadsItsVocabulary) {
+  // One rank's float32 parameters: its rows of wte, all of wpe, per layer the norms, its share
+  // of c_attn, c_fc (weights and biases) and of the projections' weights, their biases whole.
+  const auto param_bytes = [](int64_t C, int64_t L, int64_t t, int64_t vocab) {
+    const int64_t layer = 2 * C + (C * 3 * C + 3 * C) / t + C * C / t + C + 2 * C + (C * 4 * C + 4 * C) / t +
+                          4 * C * C / t + C;
+    return 4 * (vocab / t * C + 1024 * C + L * layer + 2 * C);
+  };
+  const std::tuple<std::string, int64_t> cases[] = {
+      {"model.preset=gpt2 parallel.tp=4", param_bytes(768, 12, 4, 50260)},
+      {"model.preset=gpt2-medium parallel.tp=8", param_bytes(1024, 24, 8, 50264)},
+      {"model.preset=gpt2-medium parallel.tp=8 model.vocab_multiple=128", param_bytes(1024, 24, 8, 51200)}};
+  for (const auto& [args, bytes] : cases) {
+    const Result r = run_remat("plan --json train.batch=1 train.seq=1024 " + args);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_EQ(nlohmann::json::parse(r.output)["breakdown"]["parameters"].get<int64_t>(), bytes) << args;
+  }
 }
 
 TEST_F(Cli, ExplainBlockListsEveryValueWithItsSlot) {

@@ -147,5 +147,75 @@ TEST(Config, PresetsHaveTheRealShapes) {
   EXPECT_EQ(l.vocab_size, 128256);
 }
 
+// Megatron's padding: the vocabulary rounded up to a multiple of vocab_multiple x tp.
+TEST(Config, TheVocabularyIsPaddedToAMultipleOfTheTensorParallelRanks) {
+  const auto padded = [](int64_t vocab, int64_t multiple, int64_t tp) {
+    Config c;
+    c.model.vocab_multiple = multiple;
+    c.parallel.tp = tp;
+    return padded_vocab_size(c, vocab);
+  };
+  EXPECT_EQ(padded(50257, 1, 1), 50257);   // one process: unchanged by default
+  EXPECT_EQ(padded(50257, 1, 8), 50264);
+  EXPECT_EQ(padded(50257, 128, 1), 50304);  // nanoGPT's padded GPT-2 vocabulary
+  EXPECT_EQ(padded(50257, 128, 8), 51200);  // Megatron-LM's default at tp = 8
+  EXPECT_EQ(padded(2048, 1, 3), 2049);
+  EXPECT_EQ(padded(2049, 1, 3), 2049);      // a padded size is its own padding
+  EXPECT_EQ(padded(128256, 1, 8), 128256);
+  EXPECT_EQ(padded(0, 64, 4), 0);           // the tokenizer's, padded when known
+  for (int64_t vocab : {1, 7, 300, 50257}) {
+    for (int64_t multiple : {1, 3, 64}) {
+      for (int64_t tp : {1, 2, 6, 8}) {
+        const int64_t p = padded(vocab, multiple, tp);
+        EXPECT_EQ(p % (multiple * tp), 0);
+        EXPECT_GE(p, vocab);
+        EXPECT_LT(p, vocab + multiple * tp);
+      }
+    }
+  }
+  // Where the vocabulary is resolved: the preset's, a given one, the tokenizer's.
+  EXPECT_EQ(load_config("", {"model.preset=gpt2-medium", "parallel.tp=8"}).model.vocab_size, 50264);
+  EXPECT_EQ(load_config("", {"model.preset=gpt2", "parallel.tp=4"}).model.vocab_size, 50260);
+  EXPECT_EQ(load_config("", {"model.preset=gpt2"}).model.vocab_size, 50257);
+  EXPECT_EQ(load_config("", {"model.preset=gpt2", "parallel.tp=4", "model.vocab_multiple=128"}).model.vocab_size,
+            50688);
+  EXPECT_EQ(load_config("", {"model.vocab_size=1000", "parallel.tp=3", "model.n_head=3", "model.n_kv_head=3",
+                             "model.d_model=96", "model.d_ff=384"})
+                .model.vocab_size,
+            1002);
+  Config c = load_config("", {"parallel.tp=4"});
+  EXPECT_EQ(c.model.vocab_size, 0);
+  resolve_vocab_size(c, 2050);
+  EXPECT_EQ(c.model.vocab_size, 2052);
+  validate_config(c);
+  // Through the resolved config of a run (config.toml): the padded size stays.
+  const std::string path = write_temp(config_to_toml(c));
+  EXPECT_EQ(load_config(path, {}).model.vocab_size, 2052);
+  std::remove(path.c_str());
+}
+
+TEST(Config, VocabularyPaddingIsRefusedWithSentences) {
+  EXPECT_EQ(error_of([] { load_config("", {"model.vocab_multiple=0"}); }),
+            "model.vocab_multiple must be from 1 to 65536, got 0; the vocabulary is padded to a multiple of it times "
+            "parallel.tp (1: only as far as the tensor-parallel split needs; 128 is Megatron-LM's "
+            "make_vocab_size_divisible_by).");
+  EXPECT_NE(error_of([] { load_config("", {"model.vocab_multiple=65537"}); }).find("got 65537;"), std::string::npos);
+  Config c = load_config("", {"parallel.tp=2"});
+  c.model.vocab_size = 2049;  // built in code, not padded
+  EXPECT_EQ(error_of([&] { validate_config(c); }),
+            "model.vocab_size = 2049 is not padded to a multiple of model.vocab_multiple x parallel.tp = 1 x 2, so "
+            "the tensor-parallel ranks cannot share its rows equally; set it to 2050 (load_config and the trainer pad "
+            "it so; a Config built in code must call padded_vocab_size).");
+  c.model.vocab_size = 4096;
+  EXPECT_EQ(error_of([&] { resolve_vocab_size(c, 5000); }),
+            "model.vocab_size (4096) is smaller than the tokenizer's vocabulary (5000); use model.vocab_size=0 to "
+            "take the tokenizer's.");
+  // The heads and features are not padded: a tp that does not divide them is refused.
+  EXPECT_EQ(error_of([] { load_config("", {"parallel.tp=3"}); }),
+            "parallel.tp = 3 gives each tensor-parallel rank an equal share of model.n_head = 4, but 4 is not a "
+            "multiple of 3; choose a parallel.tp dividing model.n_head (4), model.n_kv_head (4) and model.d_ff "
+            "(512).");
+}
+
 }  // namespace
 }  // namespace remat

@@ -11,6 +11,7 @@
 
 #include <cmath>
 #include <map>
+#include <tuple>
 
 namespace remat {
 namespace {
@@ -59,10 +60,11 @@ std::unique_ptr<Model> make_model(const ModelConfig& cfg, at::ScalarType dtype, 
   return model;
 }
 
-std::pair<at::Tensor, at::Tensor> batch(const ModelConfig& cfg) {
+// Token ids below `tokens` (0: the model's vocabulary; fewer: a padded vocabulary's real ones).
+std::pair<at::Tensor, at::Tensor> batch(const ModelConfig& cfg, int64_t tokens = 0) {
   auto gen = testing::seeded(9);
-  return {at::randint(cfg.vocab_size, {kRows, kSeq}, gen, at::kLong),
-          at::randint(cfg.vocab_size, {kRows, kSeq}, gen, at::kLong)};
+  const int64_t n = tokens > 0 ? tokens : cfg.vocab_size;
+  return {at::randint(n, {kRows, kSeq}, gen, at::kLong), at::randint(n, {kRows, kSeq}, gen, at::kLong)};
 }
 
 struct Result {
@@ -71,9 +73,10 @@ struct Result {
   ActivationBytes measured, predicted;
 };
 
-// One microbatch's loss and gradients, from zeroed gradients. `chunk`: tokens per logit chunk.
-Result step(Model& model, bool parts, int64_t chunk = 5) {
-  const auto [tok, tgt] = batch(model.config());
+// One microbatch's loss and gradients, from zeroed gradients. `chunk`: tokens per logit chunk;
+// `tokens`: as batch's.
+Result step(Model& model, bool parts, int64_t chunk = 5, int64_t tokens = 0) {
+  const auto [tok, tgt] = batch(model.config(), tokens);
   model.zero_grad();
   Result r;
   r.loss = model.forward_backward(tok, tgt, kStep, 1.0, chunk, &r.measured);
@@ -168,6 +171,56 @@ TEST(TensorParallel, LossAndGradientsEqualOneProcessInFloat64) {
         }
         }
       }
+    }
+  }
+}
+
+// A vocabulary no tp divides (GPT-2's is odd) is padded to one that does: the ranks' loss and
+// gradients are one process's with the same padded vocabulary, the tokens the real ones only.
+TEST(TensorParallel, APaddedVocabularyEqualsOneProcessInFloat64) {
+  for (const char* arch : {"gpt2", "llama"}) {
+    for (const auto& [tp, multiple, real] : {std::tuple<int, int64_t, int64_t>{2, 1, 61}, {4, 1, 61}, {2, 4, 57}}) {
+      Config c;
+      c.model = shape_for(arch, tp, 0.1);
+      c.model.vocab_multiple = multiple;
+      c.parallel.tp = tp;
+      c.train.seq = kSeq;
+      c.model.vocab_size = padded_vocab_size(c, real);
+      ASSERT_EQ(c.model.vocab_size % (multiple * tp), 0);
+      ASSERT_GT(c.model.vocab_size, real);
+      ASSERT_LT(c.model.vocab_size, real + multiple * tp);
+      validate_config(c);
+      const auto one = make_model(c.model, at::kDouble, "none", nullptr);
+      const Result want = step(*one, false, 5, real);
+      std::vector<Result> got(static_cast<size_t>(tp));
+      testing::on_local_ranks(tp, [&](dist::Group& group) {
+        got[static_cast<size_t>(group.rank())] = step(*make_model(c.model, at::kDouble, "none", &group), false, 5, real);
+      });
+      for (int r = 0; r < tp; ++r) {
+        const std::string what = fmt::format("{} tp {} vocab {} of {} rank {}", arch, tp, real, c.model.vocab_size, r);
+        const Result& g = got[static_cast<size_t>(r)];
+        EXPECT_LE(std::abs(g.loss - want.loss), 1e-12 * std::abs(want.loss)) << what;
+        for (size_t i = 0; i < want.grads.size(); ++i) {
+          EXPECT_LE(max_abs(g.grads[i] - want.grads[i]), 1e-10 * max_abs(want.grads[i]))
+              << what << " " << one->params()[i].name;
+        }
+      }
+      // The padding rows are in the loss's softmax (as Megatron's): the output weight's
+      // padding rows get a gradient, pushing their logits down, though no token is theirs.
+      // No token looks them up: Llama's untied embedding gets none there.
+      int64_t vocab_params = 0;
+      for (size_t i = 0; i < one->params().size(); ++i) {
+        const Param& p = one->params()[i];
+        if (!p.vocab) continue;
+        ++vocab_params;
+        const double padding = max_abs(want.grads[i].narrow(0, real, c.model.vocab_size - real));
+        if (p.name == "model.embed_tokens.weight") {
+          EXPECT_EQ(padding, 0);
+        } else {
+          EXPECT_GT(padding, 0) << p.name;
+        }
+      }
+      EXPECT_EQ(vocab_params, c.model.arch == Arch::gpt2 ? 1 : 2);
     }
   }
 }

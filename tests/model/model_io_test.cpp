@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 
@@ -148,6 +149,63 @@ TEST_F(ModelIO, ACheckpointOfAnotherShapeIsRefused) {
   auto c = Model::create(shallower, at::kCPU, at::kFloat, 2);
   EXPECT_NE(load_error(*c, path("a.safetensors")).find("holds tensors this gpt2 model does not have (h.1."),
             std::string::npos);
+}
+
+// An unpadded checkpoint (Hugging Face GPT-2's 50257 rows) in a model whose vocabulary is
+// padded for tensor parallelism: the real rows load as they are, each padding row is the
+// mean row, and exporting the real rows gives the file back.
+TEST_F(ModelIO, AnUnpaddedCheckpointLoadsIntoAPaddedModel) {
+  constexpr int64_t kReal = 61, kPadded = 64;
+  const at::Tensor tok = at::randint(kReal, {2, 12}, at::detail::createCPUGenerator(3), at::kLong);
+  for (const char* preset : {"tiny-gpt2", "tiny-llama"}) {
+    ModelConfig real = model_preset(preset), padded = real;
+    real.vocab_size = kReal;
+    padded.vocab_size = kPadded;
+    auto a = Model::create(real, at::kCPU, at::kDouble, 1);
+    a->save(path("real.safetensors"));
+    auto b = Model::create(padded, at::kCPU, at::kDouble, 2);
+    b->load(path("real.safetensors"));
+    for (size_t i = 0; i < a->params().size(); ++i) {
+      const at::Tensor& want = a->params()[i].value;
+      const at::Tensor& got = b->params()[i].value;
+      if (!b->params()[i].vocab) {
+        EXPECT_TRUE(at::equal(got, want)) << preset << " " << b->params()[i].name;
+        continue;
+      }
+      EXPECT_TRUE(at::equal(got.narrow(0, 0, kReal), want)) << b->params()[i].name;
+      for (int64_t r = kReal; r < kPadded; ++r) EXPECT_TRUE(at::allclose(got[r], want.mean(0), 0, 1e-15));
+    }
+    // Each padding logit is the mean of the real ones, at most their log-sum-exp minus
+    // log(61) (Jensen), so the padding adds at most 3/61 of the real softmax's sum: the
+    // loss rises by more than 0 and at most log(1 + 3/61).
+    const double before = a->evaluate(tok, tok, 64), after = b->evaluate(tok, tok, 64);
+    EXPECT_GT(after, before) << preset;
+    EXPECT_LE(after - before, std::log1p(3.0 / kReal)) << preset;
+    // The export of the real rows is the file that was loaded.
+    const auto exported = b->whole_params(kReal);
+    const auto file = a->whole_params();
+    ASSERT_EQ(exported.size(), file.size());
+    for (size_t i = 0; i < file.size(); ++i) {
+      EXPECT_EQ(exported[i].first, file[i].first);
+      EXPECT_TRUE(at::equal(exported[i].second, file[i].second)) << file[i].first;
+    }
+  }
+  // Llama's two vocabulary tensors must have as many rows as each other.
+  ModelConfig llama = model_preset("tiny-llama");
+  llama.vocab_size = kPadded;
+  auto c = Model::create(llama, at::kCPU, at::kFloat, 1);
+  auto file = c->whole_params(kReal);
+  for (auto& [name, t] : file) {
+    if (name == "lm_head.weight") t = t.narrow(0, 0, kReal - 1).contiguous();
+  }
+  model::save_safetensors(path("uneven.safetensors"), file);
+  const auto before = snapshot(*c);
+  EXPECT_NE(load_error(*c, path("uneven.safetensors"))
+                .find(fmt::format("Tensor 'lm_head.weight' in {} has {} vocabulary rows but another of its vocabulary "
+                                  "tensors has {}; it is not a checkpoint of one vocabulary (nothing was loaded).",
+                                  path("uneven.safetensors"), kReal - 1, kReal)),
+            std::string::npos);
+  expect_unchanged(*c, before);
 }
 
 }  // namespace
