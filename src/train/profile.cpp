@@ -100,10 +100,12 @@ TimeProfile measure_time_profile(const Config& cfg, Model& model, const data::To
   StoreOptions options;
   options.early_stop = cfg.ac.early_stop;
   options.time_nodes = true;
+  const graph::BlockGraph block = graph::block_graph(cfg.model, t.batch, t.seq, model.compute_dtype(),
+                                                     model.tp_size(), model.sequence_parallel());
   ActivationPlan full = compile_policy("full", cfg.model.n_layer, cfg.model.dropout);
-  // Under tensor parallelism alone, each layer keeps its input as a share, so that the
-  // all-gather a plan may choose (graph::kInputGather) is timed too.
-  for (auto& l : full.layers) l.input_sharded = model.tp_size() > 1 && !model.sequence_parallel();
+  // Where a layer may keep its input as a share, each does, so that the all-gather a plan
+  // may choose (graph::kInputGather) is timed too.
+  for (auto& l : full.layers) l.input_sharded = block.input_shardable();
   model.set_activation_plan(full, options);
   const auto batch = data.sequential(0, t.batch, t.seq);
   const at::Tensor tokens = batch.tokens.to(device), targets = batch.targets.to(device);
@@ -130,9 +132,7 @@ TimeProfile measure_time_profile(const Config& cfg, Model& model, const data::To
   // Nodes a full recompute never runs (the block's last ops, which feed no slot) are
   // priced by FLOPs at the rate the timed nodes reached.
   double flops = 0, timed = 0;
-  for (const auto& n : graph::block_graph(cfg.model, t.batch, t.seq, model.compute_dtype(), model.tp_size(),
-                                          model.sequence_parallel())
-                           .nodes) {
+  for (const auto& n : block.nodes) {
     auto it = p.times.seconds.find(n.name);
     if (it == p.times.seconds.end()) continue;
     flops += n.flops;
