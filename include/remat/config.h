@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "remat/pipeline.h"
 #include "remat/policy.h"
 
 namespace remat {
@@ -122,6 +123,11 @@ struct ParallelConfig {
   int64_t zero = 0;       ///< 1: ZeRO stage 1, each data-parallel rank keeps AdamW's moments of
                           ///< its share of the parameters only (TrainStep); 0: every rank keeps
                           ///< them all. With one data-parallel rank 1 changes nothing.
+  int64_t pp = 1;         ///< pipeline stages (remat/pipeline.h): the layers split by
+                          ///< ac.num_layers_per_stage, else by the planner under ac.budget, else
+                          ///< evenly; sets ac.stages, so per-stage policies count real stages
+  /// The order each stage runs its microbatches (train.grad_accum) in.
+  pipeline::Schedule schedule = pipeline::Schedule::one_f_one_b;
 };
 
 struct Config {

@@ -38,6 +38,17 @@ struct StepShape {
   /// the optimizer bytes are the busiest rank's share (zero_owners); 1: every rank holds
   /// all of them.
   int64_t zero_ranks = 1;
+  /// Pipeline parallelism (remat/pipeline.h): this rank's stage holds layers
+  /// [first_layer, first_layer + layers) of the model (layers = -1: all of them), the
+  /// embedding when it holds the first layer and the loss head when it holds the last, and
+  /// the activations of `in_flight` microbatches at once.
+  int64_t first_layer = 0;
+  int64_t layers = -1;
+  int64_t in_flight = 1;
+  /// The layers the stage holds, of a model of `n_layer`.
+  int64_t stage_layers(int64_t n_layer) const { return layers < 0 ? n_layer - first_layer : layers; }
+  bool has_embedding() const { return first_layer == 0; }
+  bool has_head(int64_t n_layer) const { return first_layer + stage_layers(n_layer) == n_layer; }
 };
 
 /// ZeRO-1's partition of the optimizer over `ranks` data-parallel ranks: for each
@@ -55,7 +66,7 @@ struct StaticBytes {
   int64_t grads = 0;           ///< float32 accumulators
   int64_t optimizer = 0;       ///< AdamW's two moments (the busiest rank's share under ZeRO-1)
   int64_t compute_copies = 0;  ///< parameters cast to the compute dtype (bfloat16 runs)
-  int64_t batch = 0;           ///< token ids and targets of one microbatch
+  int64_t batch = 0;           ///< token ids (embedding) and targets (head) of the microbatches in flight
   int64_t resident = 0;        ///< held by the caller throughout (a trainer's token corpus)
   /// Scalars and small reductions (losses, counts, min/max checks) the simulation does not
   /// list one by one: a few KiB measured; this bound keeps a budget plan under its budget.
@@ -98,13 +109,14 @@ struct LayerCost {
   std::map<std::string, int64_t> ops;  ///< re-executed op kinds
 };
 
-/// The whole step under one plan.
+/// The whole step under one plan (of one pipeline stage: its layers, its ends).
 struct StepPrediction {
   StaticBytes statics;
+  int64_t first_layer = 0;      ///< the model's layer layers[0] is (StepShape::first_layer)
   int64_t embedding = 0;        ///< saved by the embedding
   int64_t head = 0;             ///< saved by the final norm and loss head
-  std::vector<LayerCost> layers;
-  int64_t kept_activations = 0; ///< embedding + blocks + head at the end of the forward
+  std::vector<LayerCost> layers; ///< the stage's, from first_layer
+  int64_t kept_activations = 0; ///< embedding + blocks + head at the end of one microbatch's forward
   int64_t peak = 0;             ///< highest live bytes of the step
   std::string peak_at;          ///< where: "forward of layer 3", "backward of layer 1", ...
   int64_t working_set = 0;      ///< peak - statics - activations kept at that moment
@@ -125,7 +137,10 @@ StaticBytes static_bytes(const ModelConfig& cfg, const StepShape& shape);
 /// The embedding, loss head and optimizer of `cfg` at `shape`.
 StepConstants step_constants(const ModelConfig& cfg, const StepShape& shape);
 
-/// Simulates a whole training step (every microbatch, then the optimizer) under `plan`.
+/// Simulates a whole training step (every microbatch, then the optimizer) under `plan`
+/// (one LayerPlan per layer of the model; a pipeline stage reads its own, and none of its
+/// uniform chunks may begin below it). With microbatches in flight, each point of the
+/// step but the optimizer's has the others' kept activations beside it.
 StepPrediction predict_step(const ModelConfig& cfg, const StepShape& shape, const ActivationPlan& plan,
                             bool early_stop, const NodeTimes& times);
 

@@ -13,6 +13,7 @@
 #pragma once
 
 #include "remat/cost.h"
+#include "remat/pipeline.h"
 
 #include <optional>
 #include <string>
@@ -51,6 +52,26 @@ struct PlanResult {
   cost::StepPrediction prediction;  ///< of `plan`, by the step simulator
 };
 
+/// A pipeline of `stages` ranks (remat/pipeline.h), one microbatch per train.grad_accum.
+struct PipelineShape {
+  int64_t stages = 1;
+  pipeline::Schedule schedule = pipeline::Schedule::one_f_one_b;
+  std::vector<int64_t> split;  ///< layers per stage (ac.num_layers_per_stage); empty: the planner's
+};
+
+/// A plan of every stage of a pipeline, predicted.
+struct PipelinePlan {
+  ActivationPlan plan;                       ///< every layer of the model
+  std::vector<int64_t> split;                ///< layers per stage
+  std::vector<cost::StepPrediction> stages;  ///< each stage's step, by the step simulator
+  std::vector<double> stage_seconds;         ///< each stage's forward and backward of one microbatch
+  int64_t bottleneck = 0;                    ///< the slowest stage (the first of equals)
+  /// The schedule's time, (microbatches + stages - 1) x the bottleneck's (the optimizer
+  /// step, which the stages run at once, is not in it).
+  double schedule_seconds = 0;
+  int64_t peak() const;                      ///< the highest stage peak
+};
+
 class Planner {
  public:
   /// Prices the block of `cfg` at `shape` once; `times` prices recompute (a measured
@@ -77,6 +98,16 @@ class Planner {
 
   const graph::BlockGraph& block() const { return block_; }
 
+  /// The fastest pipeline plan whose every stage's predicted peak is at most `budget`
+  /// bytes: the layers of each stage (unless `pipe.split` fixes them) and every layer's
+  /// keep-set or uniform chunk, solved together (pipeline::solve); nullopt when none fits.
+  /// The shape's own stage fields are ignored: each stage gets its own.
+  std::optional<PipelinePlan> solve_pipeline(int64_t budget, const PipelineShape& pipe) const;
+  /// Predicts each stage of `plan` on `pipe.split` (the even split when empty).
+  PipelinePlan predict_pipeline(const ActivationPlan& plan, const PipelineShape& pipe) const;
+  /// The smallest budget the pipeline planner finds a plan for (to the byte).
+  int64_t min_pipeline_budget(const PipelineShape& pipe) const;
+
  private:
   // A uniform chunk of n layers, its input kept whole or as a share per tensor-parallel
   // rank: the bytes it keeps, the most it holds at once above the layers below it (its
@@ -89,6 +120,19 @@ class Planner {
   ChunkCost chunk_cost(int64_t n, bool sharded) const;
   // How a layer may hold its kept input: whole, and as a share when the block allows it.
   std::vector<bool> input_holds() const;
+  // One way to plan the layers from a position: frontier option `option`, or (-1) a
+  // uniform chunk of `chunk` layers with its input whole or as a share.
+  struct Choice {
+    int64_t option = -1;
+    int64_t chunk = 0;
+    bool sharded = false;
+  };
+  // Writes `c` into the plan's layers from `pos`.
+  void place(ActivationPlan& plan, int64_t pos, const Choice& c) const;
+  // Stage `s` of `pipe` holding `n` layers from `first`, as the step simulator sees it.
+  cost::StepShape stage_shape(const PipelineShape& pipe, int64_t s, int64_t first, int64_t n) const;
+  // The pipeline problem of `pipe` within `budget`, with the choice behind each piece.
+  pipeline::Problem pipeline_problem(int64_t budget, const PipelineShape& pipe, std::vector<Choice>& choices) const;
 
   ModelConfig cfg_;
   cost::StepShape shape_;
@@ -101,6 +145,9 @@ class Planner {
   int64_t head_peak_ = 0;    ///< the loss head's live bytes above the kept layers
   int64_t fixed_peak_ = 0;   ///< peaks that do not depend on the plan (embedding, optimizer)
   double block_seconds_ = 0; ///< one whole block forward
+  // A forward and backward of one microbatch (a backward costs about twice its forward, as
+  // its FLOPs do): of a block without recompute, of the embedding, of the loss head.
+  double layer_seconds_ = 0, embed_seconds_ = 0, head_seconds_ = 0;
 };
 
 /// Parses "12GiB", "96MiB", "1.5e9", "4096" (bytes) or "0.6" / "60%" (a fraction of

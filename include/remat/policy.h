@@ -46,6 +46,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "remat/plan.h"
 
@@ -101,6 +102,10 @@ struct AcConfig {
 /// canonical spelling). Throws std::invalid_argument with a sentence that says what was
 /// given, why it cannot work and what would.
 ActivationPlan compile_policy(const AcConfig& ac, int64_t n_layers, double dropout);
+
+/// The layers of each pipeline stage the ac settings give: ac.num_layers_per_stage, else
+/// ac.stages equal parts. Throws std::invalid_argument with a sentence on a bad split.
+std::vector<int64_t> stage_sizes(const AcConfig& ac, int64_t n_layers);
 
 /// Compiles a canonical policy string alone (no aliases, default options, one stage).
 ActivationPlan compile_policy(const std::string& policy, int64_t n_layers, double dropout = 0.0);

@@ -9,8 +9,10 @@
 #include "util/gnuplot.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
+#include <optional>
 #include <stdexcept>
 
 namespace remat::cli {
@@ -38,14 +40,16 @@ std::string slots_text(const std::set<std::string>& dropped) {
   return out;
 }
 
-// Runs of consecutive layers with the same choice: (first, last, text).
+// Runs of consecutive layers with the same choice, of the layers `pred` predicts (a
+// pipeline stage's): (first, last, text).
 std::vector<std::tuple<int64_t, int64_t, std::string, int64_t, double>> layer_groups(
     const ActivationPlan& plan, const cost::StepPrediction& pred) {
   std::vector<std::tuple<int64_t, int64_t, std::string, int64_t, double>> out;
   const int64_t L = static_cast<int64_t>(plan.layers.size());
-  for (int64_t l = 0; l < L; ++l) {
+  const int64_t F = pred.first_layer, E = F + static_cast<int64_t>(pred.layers.size());
+  for (int64_t l = F; l < E; ++l) {
     const LayerPlan& lp = plan.layers[l];
-    const bool chunk_start = lp.chunk_begin < 0 && l + 1 < L && plan.layers[l + 1].chunk_begin == l;
+    const bool chunk_start = lp.chunk_begin < 0 && l + 1 < std::min(L, E) && plan.layers[l + 1].chunk_begin == l;
     std::string text;
     if (lp.chunk_begin >= 0) {
       text = fmt::format("keep nothing: recomputed with the chunk from layer {}", lp.chunk_begin + 1);
@@ -55,7 +59,7 @@ std::vector<std::tuple<int64_t, int64_t, std::string, int64_t, double>> layer_gr
       text = slots_text(lp.dropped);
     }
     if (lp.input_sharded) text += ", input as a share per tensor-parallel rank";
-    const auto& c = pred.layers[l];
+    const auto& c = pred.layers[l - F];
     if (!out.empty() && std::get<2>(out.back()) == text && std::get<3>(out.back()) == c.kept && !chunk_start &&
         lp.chunk_begin < 0) {
       std::get<1>(out.back()) = l;
@@ -120,6 +124,110 @@ bool plot_frontier(const std::string& path, const std::vector<FrontierPoint>& fr
   return util::run_gnuplot(script, path, "", why);
 }
 
+std::string stage_text(const PipelinePlan& r, size_t s, int64_t microbatches, pipeline::Schedule schedule) {
+  const cost::StepPrediction& p = r.stages[s];
+  const int64_t first = p.first_layer + 1, last = p.first_layer + static_cast<int64_t>(p.layers.size());
+  return fmt::format("stage {}: {}, {} microbatch{} in flight, peak {} ({}), {} FLOPs per microbatch", s + 1,
+                     first == last ? fmt::format("layer {} (1)", first)
+                                   : fmt::format("layers {}-{} ({})", first, last, last - first + 1),
+                     pipeline::in_flight(schedule, static_cast<int64_t>(r.stages.size()), static_cast<int64_t>(s),
+                                         microbatches),
+                     pipeline::in_flight(schedule, static_cast<int64_t>(r.stages.size()), static_cast<int64_t>(s),
+                                         microbatches) == 1 ? "" : "es",
+                     format_bytes(p.peak), p.peak_at, format_count(r.stage_seconds[s]));
+}
+
+// `remat plan` of a pipeline: the layers of each stage and each layer's plan, solved
+// together within the per-rank budget (time in FLOPs, as above).
+int plan_pipeline(const Config& cfg, const PlanArgs& args, const Planner& planner, const std::string& header) {
+  const ModelConfig& m = cfg.model;
+  PipelineShape pipe;
+  pipe.stages = cfg.parallel.pp;
+  pipe.schedule = cfg.parallel.schedule;
+  if (cfg.ac.num_layers_per_stage) pipe.split = stage_sizes(cfg.ac, m.n_layer);
+  const int64_t microbatches = cfg.train.grad_accum;
+  const PipelinePlan none = planner.predict_pipeline(compile_policy("none", m.n_layer), pipe);
+  const std::string budget_text = args.budget.empty() ? (cfg.ac.budget.empty() ? "1.0" : cfg.ac.budget) : args.budget;
+  const int64_t budget = parse_budget(budget_text, none.peak());
+  const auto solved = planner.solve_pipeline(budget, pipe);
+  if (!solved) {
+    const int64_t least = planner.min_pipeline_budget(pipe);
+    throw std::invalid_argument(fmt::format(
+        "The memory budget {} (\"{}\") fits no plan of {} on {} pipeline stages ({} schedule, {} microbatch{}): the "
+        "least budget every stage fits is {}; give at least that, lower train.batch, train.seq or train.grad_accum{}, "
+        "or use more stages.", format_bytes(budget), budget_text, m.preset, pipe.stages,
+        pipeline::schedule_name(pipe.schedule), microbatches, microbatches == 1 ? "" : "es", format_bytes(least),
+        pipe.schedule == pipeline::Schedule::gpipe ? " (gpipe holds every microbatch; 1f1b at most one per stage)" : ""));
+  }
+  const PipelinePlan& r = *solved;
+  // What splitting the layers evenly and planning each stage alone would give.
+  std::optional<PipelinePlan> even;
+  if (pipe.split.empty()) {
+    PipelineShape fixed = pipe;
+    fixed.split = pipeline::even_split(m.n_layer, pipe.stages);
+    even = planner.solve_pipeline(budget, fixed);
+  }
+  if (args.json) {
+    nlohmann::json stages = nlohmann::json::array();
+    for (size_t s = 0; s < r.stages.size(); ++s) {
+      const cost::StepPrediction& p = r.stages[s];
+      nlohmann::json layers = nlohmann::json::array();
+      for (size_t i = 0; i < p.layers.size(); ++i) {
+        const LayerPlan& lp = r.plan.layers[static_cast<size_t>(p.first_layer) + i];
+        layers.push_back({{"layer", p.first_layer + static_cast<int64_t>(i) + 1},
+                          {"dropped", lp.dropped},
+                          {"chunk_begin", lp.chunk_begin < 0 ? -1 : lp.chunk_begin + 1},
+                          {"input_sharded", lp.input_sharded},
+                          {"kept_bytes", p.layers[i].kept}});
+      }
+      stages.push_back({{"stage", s + 1},
+                        {"first_layer", p.first_layer + 1},
+                        {"layers", r.split[s]},
+                        {"in_flight", pipeline::in_flight(pipe.schedule, pipe.stages, static_cast<int64_t>(s),
+                                                          microbatches)},
+                        {"plan", layers},
+                        {"breakdown", breakdown_json(p)},
+                        {"flops_per_microbatch", r.stage_seconds[s]}});
+    }
+    const nlohmann::json out = {{"model", {{"preset", m.preset}, {"arch", arch_name(m.arch)}, {"layers", m.n_layer}}},
+                                {"pipeline", {{"stages", pipe.stages},
+                                              {"schedule", pipeline::schedule_name(pipe.schedule)},
+                                              {"microbatches", microbatches}}},
+                                {"budget", budget},
+                                {"none_peak", none.peak()},
+                                {"stages", stages},
+                                {"bottleneck", r.bottleneck + 1},
+                                {"schedule_flops", r.schedule_seconds},
+                                {"even_split_schedule_flops", even ? nlohmann::json(even->schedule_seconds) : nlohmann::json()}};
+    fmt::print("{}\n", out.dump(2));
+    return 0;
+  }
+  fmt::print("{}\n", header);
+  fmt::print("pipeline: {} stages, {} schedule, {} microbatch{}; budget {} (\"{}\") per rank; without recompute the "
+             "busiest stage of the {} split would peak at {}\n\n", pipe.stages, pipeline::schedule_name(pipe.schedule),
+             microbatches, microbatches == 1 ? "" : "es", format_bytes(budget), budget_text,
+             pipe.split.empty() ? "even" : "given", format_bytes(none.peak()));
+  fmt::print("plan (layers per stage and each layer's plan, solved together for the fastest slowest stage):\n");
+  for (size_t s = 0; s < r.stages.size(); ++s) {
+    fmt::print("{}\n", stage_text(r, s, microbatches, pipe.schedule));
+    for (const auto& [first, last, text, kept, rf] : layer_groups(r.plan, r.stages[s])) {
+      const std::string range = first == last ? fmt::format("layer {}", first + 1)
+                                              : fmt::format("layers {}-{}", first + 1, last + 1);
+      fmt::print("  {:<14} keeps {:>10} each   {}\n", range, format_bytes(kept), text);
+    }
+  }
+  fmt::print("\nbottleneck: stage {} at {} FLOPs per microbatch; the schedule takes (microbatches + stages - 1) = {} "
+             "times that, {} FLOPs, plus the optimizer\n", r.bottleneck + 1, format_count(r.stage_seconds[r.bottleneck]),
+             microbatches + pipe.stages - 1, format_count(r.schedule_seconds));
+  if (pipe.split.empty()) {
+    fmt::print("the even split ({}) planned stage by stage: {}\n", fmt::join(pipeline::even_split(m.n_layer, pipe.stages), ","),
+               even ? fmt::format("{} FLOPs, {:.3f} x this plan's", format_count(even->schedule_seconds),
+                                  even->schedule_seconds / r.schedule_seconds)
+                    : "no plan fits the budget");
+  }
+  return 0;
+}
+
 }  // namespace
 
 int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
@@ -156,12 +264,6 @@ int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
   PlannerOptions opts;
   opts.early_stop = cfg.ac.early_stop;
   const Planner planner(m, shape, times, opts);
-  const double flops = step_flops(m, planner.block(), shape);
-  const int64_t none_peak = planner.none_peak();
-  const int64_t min_budget = planner.min_feasible_budget();
-  const std::string budget_text = args.budget.empty() ? (cfg.ac.budget.empty() ? "1.0" : cfg.ac.budget) : args.budget;
-  const int64_t budget = parse_budget(budget_text, none_peak);
-
   const std::string header = fmt::format(
       "remat plan: {} ({}), {} layers, d_model {}, {} heads; batch {} x {} tokens{}{}, {}, {} microbatch{}", m.preset,
       arch_name(m.arch), m.n_layer, m.d_model, m.n_head, shape.batch, shape.seq,
@@ -170,6 +272,12 @@ int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
                                                    : "")
                 : "",
       tp_text, cfg.run.dtype, shape.grad_accum, shape.grad_accum == 1 ? "" : "es");
+  if (cfg.parallel.pp > 1) return plan_pipeline(cfg, args, planner, header);
+  const double flops = step_flops(m, planner.block(), shape);
+  const int64_t none_peak = planner.none_peak();
+  const int64_t min_budget = planner.min_feasible_budget();
+  const std::string budget_text = args.budget.empty() ? (cfg.ac.budget.empty() ? "1.0" : cfg.ac.budget) : args.budget;
+  const int64_t budget = parse_budget(budget_text, none_peak);
   auto solved = planner.solve(budget);
   if (!solved) throw std::invalid_argument(planner.infeasible(budget, budget_text));
   const ActivationPlan& plan = solved->plan;

@@ -98,6 +98,8 @@ ConfigKey key(std::string name, S Config::*section, T S::*field, std::string hel
       dst = parse_attention(name, v);
     } else if constexpr (std::is_same_v<T, LossHead>) {
       dst = parse_loss_head(name, v);
+    } else if constexpr (std::is_same_v<T, pipeline::Schedule>) {
+      dst = pipeline::schedule_of_name(v);
     } else if constexpr (std::is_same_v<T, bool>) {
       dst = parse_bool(name, v);
     } else if constexpr (std::is_integral_v<T>) {
@@ -116,6 +118,8 @@ ConfigKey key(std::string name, S Config::*section, T S::*field, std::string hel
       return quote(attention_name(src));
     } else if constexpr (std::is_same_v<T, LossHead>) {
       return quote(loss_head_name(src));
+    } else if constexpr (std::is_same_v<T, pipeline::Schedule>) {
+      return quote(pipeline::schedule_name(src));
     } else if constexpr (std::is_same_v<T, bool>) {
       return std::string(src ? "true" : "false");
     } else if constexpr (std::is_integral_v<T>) {
@@ -258,6 +262,8 @@ std::vector<ConfigKey> make_keys() {
       key("parallel.sp", &C::parallel, &ParallelConfig::sp, "sequence parallelism over the tp ranks"),
       key("parallel.timeout", &C::parallel, &ParallelConfig::timeout, "seconds before a lost rank stops all"),
       key("parallel.zero", &C::parallel, &ParallelConfig::zero, "1: shard AdamW's moments over data-parallel ranks"),
+      key("parallel.pp", &C::parallel, &ParallelConfig::pp, "pipeline stages the layers split into (sets ac.stages)"),
+      key("parallel.schedule", &C::parallel, &ParallelConfig::schedule, "pipeline schedule: 1f1b or gpipe"),
       ac_key("ac.policy", &AcConfig::policy, "recompute policy (README: Recompute policies); unset: none"),
       key("ac.budget", &C::ac, &AcConfig::budget, "memory budget: the planner picks the plan (12GiB, 0.6)"),
       key("ac.profile", &C::ac, &AcConfig::profile, "measure node times to predict step time (cached)"),
@@ -419,6 +425,8 @@ Config load_config(const std::string& toml_path, const std::vector<std::string>&
     find_key(k, origins[i]).set(c, v);
   }
   c.model.vocab_size = padded_vocab_size(c, c.model.vocab_size);
+  // The real stages are the ones per-stage policies count (block:N, ratio:R, ColossalAI's lists).
+  if (c.parallel.pp > 1 && c.ac.stages == 1) c.ac.stages = c.parallel.pp;
   validate_config(c);
   return c;
 }
@@ -633,6 +641,14 @@ void validate_config(const Config& c) {
     fail(fmt::format("parallel.zero must be 0 (every data-parallel rank keeps AdamW's moments whole) or 1 (ZeRO "
                      "stage 1: each keeps the moments of its share of the parameters), got {}; stages 2 and 3 "
                      "(sharded gradients and parameters) are not implemented.", c.parallel.zero));
+  }
+  if (c.parallel.pp < 1 || c.parallel.pp > m.n_layer) {
+    fail(fmt::format("parallel.pp = {} pipeline stages for {} layers: every stage needs at least one layer; use 1 "
+                     "(no pipeline) to {}.", c.parallel.pp, m.n_layer, m.n_layer));
+  }
+  if (c.parallel.pp > 1 && c.ac.stages != c.parallel.pp) {
+    fail(fmt::format("ac.stages = {} but parallel.pp = {}: with a pipeline the per-stage policies count its real "
+                     "stages; drop ac.stages or set it to {}.", c.ac.stages, c.parallel.pp, c.parallel.pp));
   }
   // The recompute policy is compiled once here, so a bad one is refused before anything runs.
   const ActivationPlan plan = compile_policy(c.ac, m.n_layer, m.dropout);

@@ -128,19 +128,22 @@ struct Simulator {
   }
 };
 
-// Every parameter's elements on one tensor-parallel rank, from the declared graphs (a
-// tied head parameter counted once).
-std::vector<int64_t> param_numels(const ModelConfig& c, int64_t tp) {
+// Every parameter's elements on one tensor-parallel rank of the stage `shape` places,
+// from the declared graphs: a tied head parameter counted once where the stage holds the
+// embedding too, and as the last stage's own copy where it does not.
+std::vector<int64_t> param_numels(const ModelConfig& c, const StepShape& shape) {
   const auto numel = [](const graph::Param& p) { return graph::TensorInfo{p.sizes, at::kFloat, {}}.numel(); };
   std::vector<int64_t> numels;
   std::set<std::string> named;
-  for (const auto& g : {graph::embed_graph(c, 1, 1, at::kFloat, tp), graph::head_graph(c, 1, 1, at::kFloat, 1, tp)}) {
+  const auto add = [&](const graph::BlockGraph& g) {
     for (const auto& p : g.params) {
       if (named.insert(p.name).second) numels.push_back(numel(p));
     }
-  }
-  const auto block = graph::block_graph(c, 1, 1, at::kFloat, tp).params;
-  for (int64_t l = 0; l < c.n_layer; ++l) {
+  };
+  if (shape.has_embedding()) add(graph::embed_graph(c, 1, 1, at::kFloat, shape.tp));
+  if (shape.has_head(c.n_layer)) add(graph::head_graph(c, 1, 1, at::kFloat, 1, shape.tp));
+  const auto block = graph::block_graph(c, 1, 1, at::kFloat, shape.tp).params;
+  for (int64_t l = 0; l < shape.stage_layers(c.n_layer); ++l) {
     for (const auto& p : block) numels.push_back(numel(p));
   }
   return numels;
@@ -154,7 +157,7 @@ struct OptimizerShare {
   int64_t step = 0;     // max over ranks of 2 x moments + 2 x largest updated, elements
 };
 OptimizerShare optimizer_share(const ModelConfig& c, const StepShape& shape) {
-  const std::vector<int64_t> numels = param_numels(c, shape.tp);
+  const std::vector<int64_t> numels = param_numels(c, shape);
   const std::vector<int> owner = zero_owners(numels, shape.zero_ranks);
   std::vector<int64_t> load(static_cast<size_t>(shape.zero_ranks)), largest(load.size());
   for (size_t i = 0; i < numels.size(); ++i) {
@@ -249,7 +252,12 @@ LayerCost price_layer(const graph::BlockGraph& g, const std::set<std::string>& d
 StaticBytes static_bytes(const ModelConfig& cfg, const StepShape& shape) {
   TORCH_CHECK(cfg.vocab_size > 0, "The cost model needs model.vocab_size");
   const at::ScalarType master = shape.dtype == at::kDouble ? at::kDouble : at::kFloat;
-  const std::vector<int64_t> numels = param_numels(cfg, shape.tp);
+  TORCH_CHECK(shape.first_layer >= 0 && shape.in_flight >= 1 && shape.stage_layers(cfg.n_layer) >= 1 &&
+                  shape.first_layer + shape.stage_layers(cfg.n_layer) <= cfg.n_layer,
+              "The pipeline stage of layers [", shape.first_layer, ", ", shape.first_layer + shape.layers,
+              ") with ", shape.in_flight, " microbatches in flight is not a stage of a model of ", cfg.n_layer,
+              " layers");
+  const std::vector<int64_t> numels = param_numels(cfg, shape);
   const int64_t P = std::accumulate(numels.begin(), numels.end(), int64_t{0});
   StaticBytes s;
   s.params = nbytes(P, master);
@@ -259,7 +267,9 @@ StaticBytes static_bytes(const ModelConfig& cfg, const StepShape& shape) {
   if (graph::block_graph(cfg, 1, 1, shape.dtype).uses(graph::op::rope())) {
     s.params += ops::rope_tables_bytes(cfg.max_seq, cfg.head_dim(), shape.dtype);
   }
-  s.batch = 2 * nbytes(shape.batch * shape.seq, at::kLong);
+  // Ids for the embedding, targets for the head, of each microbatch in flight.
+  const int64_t ends = (shape.has_embedding() ? 1 : 0) + (shape.has_head(cfg.n_layer) ? 1 : 0);
+  s.batch = shape.in_flight * ends * nbytes(shape.batch * shape.seq, at::kLong);
   s.resident = shape.resident;
   return s;
 }
@@ -267,15 +277,19 @@ StaticBytes static_bytes(const ModelConfig& cfg, const StepShape& shape) {
 StepConstants step_constants(const ModelConfig& cfg, const StepShape& shape) {
   StepConstants k;
   k.statics = static_bytes(cfg, shape);
-  const LayerCost embed =
-      simulate_kept(graph::embed_graph(cfg, shape.batch, shape.seq, shape.dtype, shape.tp, shape.sp));
-  k.embed_peak = embed.forward_peak;
-  k.embed_saved = embed.kept;
-  k.embed_backward = embed.backward_peak - embed.kept;
-  const LayerCost head = simulate_kept(
-      graph::head_graph(cfg, shape.batch, shape.seq, shape.dtype, shape.ce_chunk, shape.tp, shape.sp));
-  k.head_peak = std::max(head.forward_peak, head.backward_peak);
-  k.head_saved = head.kept;
+  if (shape.has_embedding()) {
+    const LayerCost embed =
+        simulate_kept(graph::embed_graph(cfg, shape.batch, shape.seq, shape.dtype, shape.tp, shape.sp));
+    k.embed_peak = embed.forward_peak;
+    k.embed_saved = embed.kept;
+    k.embed_backward = embed.backward_peak - embed.kept;
+  }
+  if (shape.has_head(cfg.n_layer)) {
+    const LayerCost head = simulate_kept(
+        graph::head_graph(cfg, shape.batch, shape.seq, shape.dtype, shape.ce_chunk, shape.tp, shape.sp));
+    k.head_peak = std::max(head.forward_peak, head.backward_peak);
+    k.head_saved = head.kept;
+  }
   // AdamW's denominator: a square root and its quotient, per parameter updated; taken
   // with the moments of the same rank, so that under ZeRO-1 the step's point is the
   // highest of any rank's, not the busiest rank's moments plus another's parameter.
@@ -286,22 +300,27 @@ StepConstants step_constants(const ModelConfig& cfg, const StepShape& shape) {
 
 StepPrediction predict_step(const ModelConfig& cfg, const StepShape& shape, const ActivationPlan& plan,
                             bool early_stop, const NodeTimes& times) {
-  const int64_t L = cfg.n_layer;
-  TORCH_CHECK(static_cast<int64_t>(plan.layers.size()) == L, "The activation plan has ", plan.layers.size(),
-              " layers but the model has ", L);
+  TORCH_CHECK(static_cast<int64_t>(plan.layers.size()) == cfg.n_layer, "The activation plan has ",
+              plan.layers.size(), " layers but the model has ", cfg.n_layer);
+  const StepConstants k = step_constants(cfg, shape);  // checks the stage
+  // The stage's layers [F, E).
+  const int64_t F = shape.first_layer, E = F + shape.stage_layers(cfg.n_layer);
   const graph::BlockGraph block = graph::block_graph(cfg, shape.batch, shape.seq, shape.dtype, shape.tp, shape.sp);
   const int64_t input_bytes = block.slot_bytes(Slot::input), out_bytes = block.values[block.output].info.bytes();
-  const StepConstants k = step_constants(cfg, shape);
   StepPrediction p;
   p.statics = k.statics;
+  p.first_layer = F;
   const int64_t embed_peak = k.embed_peak, embed_saved = k.embed_saved;
   p.embedding = embed_saved;
   p.head = k.head_saved;
   const int64_t base = p.statics.total();
 
+  // Every point but the optimizer step's has the other microbatches in flight beside it,
+  // each holding all its forward keeps (`others`, known once the layers are priced).
+  int64_t others = 0;
   auto consider = [&](int64_t bytes, int64_t kept_now, const std::string& where) {
-    if (bytes > p.peak) {
-      p.peak = bytes;
+    if (bytes + others > p.peak) {
+      p.peak = bytes + others;
       p.peak_at = where;
       p.working_set = bytes - base - kept_now;
     }
@@ -321,46 +340,51 @@ StepPrediction predict_step(const ModelConfig& cfg, const StepShape& shape, cons
   auto chunk_first = [&](int64_t l) {
     const int64_t b = plan.layers[l].chunk_begin;
     if (b >= 0) return b;
-    return l + 1 < L && plan.layers[l + 1].chunk_begin == l ? l : int64_t{-1};
+    return l + 1 < E && plan.layers[l + 1].chunk_begin == l ? l : int64_t{-1};
   };
   auto chunk_last = [&](int64_t l) {
     const int64_t first = chunk_first(l);
-    return first >= 0 && (l + 1 == L || plan.layers[l + 1].chunk_begin != first);
+    return first >= 0 && (l + 1 == E || plan.layers[l + 1].chunk_begin != first);
   };
-  std::vector<int64_t> kept(L);
-  for (int64_t l = 0; l < L; ++l) {
+  TORCH_CHECK(plan.layers[F].chunk_begin < 0, "The activation plan's uniform chunk from layer ",
+              plan.layers[F].chunk_begin + 1, " crosses into the pipeline stage that begins at layer ", F + 1,
+              "; a chunk must lie within one stage");
+  std::vector<int64_t> kept(E - F);
+  for (int64_t l = F; l < E; ++l) {
     const LayerPlan& lp = plan.layers[l];
     if (chunk_first(l) >= 0) {
       // Its first forward keeps only the chunk's input, if it is the chunk's first layer.
       std::set<std::string> all(block_slots().begin(), block_slots().end());
       if (lp.chunk_begin >= 0) all.insert(slot_name(Slot::input));
       LayerCost c = simulate(block, all, early_stop, times, /*backward=*/false, lp.input_sharded);
-      kept[l] = c.kept;
+      kept[l - F] = c.kept;
       c.backward_peak = whole.backward_peak;
       p.layers.push_back(c);
     } else {
       p.layers.push_back(price(lp.dropped, lp.input_sharded));
-      kept[l] = p.layers.back().kept;
+      kept[l - F] = p.layers.back().kept;
     }
   }
+  p.kept_activations = embed_saved + std::accumulate(kept.begin(), kept.end(), int64_t{0}) + k.head_saved;
+  others = (shape.in_flight - 1) * p.kept_activations;
   double block_seconds = 0;
   for (const auto& n : block.nodes) block_seconds += times.node_seconds(n);
 
   const int64_t emb = base + embed_saved;
   const auto layer_name = [](const char* what, int64_t l) { return fmt::format("{} of layer {}", what, l + 1); };
-  consider(base + embed_peak, 0, "embedding forward");
-  int64_t below = 0;  // kept by the layers under the current one
-  for (int64_t l = 0; l < L; ++l) {
-    consider(emb + below + p.layers[l].forward_peak, embed_saved + below, layer_name("forward", l));
-    below += kept[l];
+  if (shape.has_embedding()) consider(base + embed_peak, 0, "embedding forward");
+  int64_t below = 0;  // kept by the stage's layers under the current one
+  for (int64_t l = F; l < E; ++l) {
+    consider(emb + below + p.layers[l - F].forward_peak, embed_saved + below, layer_name("forward", l));
+    below += kept[l - F];
   }
-  consider(emb + below + k.head_peak, embed_saved + below, "loss head");
+  if (shape.has_head(cfg.n_layer)) consider(emb + below + k.head_peak, embed_saved + below, "loss head");
   LayerCost total;
-  for (int64_t l = L - 1; l >= 0; --l) {
-    below -= kept[l];
+  for (int64_t l = E - 1; l >= F; --l) {
+    below -= kept[l - F];
     const int64_t first = chunk_first(l);
     if (first < 0) {
-      const LayerCost& c = p.layers[l];
+      const LayerCost& c = p.layers[l - F];
       consider(emb + below + c.backward_peak, embed_saved + below, layer_name("backward", l));
       for (const auto& [k, n] : c.ops) total.ops[k] += n;
       total.recompute_flops += c.recompute_flops;
@@ -371,10 +395,10 @@ StepPrediction predict_step(const ModelConfig& cfg, const StepShape& shape, cons
     if (!chunk_last(l)) continue;
     // The chunk [first, l]: its forward again with the output gradient live, then each
     // layer's backward with the rebuilt layers under it still held.
-    const int64_t under = below - kept[first];  // kept by the layers under the chunk
+    const int64_t under = below - kept[first - F];  // kept by the layers under the chunk
     if (plan.layers[first].input_sharded) {
       // The input gathered first, beside its share and the output gradient.
-      consider(emb + under + out_bytes + kept[first] + 2 * input_bytes, embed_saved + under + kept[first],
+      consider(emb + under + out_bytes + kept[first - F] + 2 * input_bytes, embed_saved + under + kept[first - F],
                layer_name("recompute", first));
       total.recompute_seconds += times.input_gather_seconds();
     }
@@ -397,10 +421,10 @@ StepPrediction predict_step(const ModelConfig& cfg, const StepShape& shape, cons
                layer_name("backward", j));
     }
   }
-  consider(emb + k.embed_backward, embed_saved, "embedding backward");
+  if (shape.has_embedding()) consider(emb + k.embed_backward, embed_saved, "embedding backward");
+  others = 0;  // the optimizer runs after the last backward
   consider(base + k.optimizer, 0, "optimizer step");
 
-  p.kept_activations = embed_saved + std::accumulate(kept.begin(), kept.end(), int64_t{0}) + k.head_saved;
   const double micro = static_cast<double>(shape.grad_accum);
   for (const auto& [k, n] : total.ops) p.ops[k] = n * shape.grad_accum;
   p.recompute_flops = micro * total.recompute_flops;

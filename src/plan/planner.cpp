@@ -103,6 +103,145 @@ Planner::Planner(const ModelConfig& cfg, const cost::StepShape& shape, const cos
   fixed_peak_ = std::max({k.statics.total() + k.embed_peak, emb_base_ + k.embed_backward,
                           k.statics.total() + k.optimizer});
   for (const auto& n : block_.nodes) block_seconds_ += times_.node_seconds(n);
+  const auto fwd_bwd = [&](const graph::BlockGraph& g) {
+    double t = 0;
+    for (const auto& n : g.nodes) t += times_.node_seconds(n);
+    return 3 * t;
+  };
+  layer_seconds_ = 3 * block_seconds_;
+  embed_seconds_ = fwd_bwd(graph::embed_graph(cfg_, shape_.batch, shape_.seq, shape_.dtype, shape_.tp, shape_.sp));
+  head_seconds_ = fwd_bwd(
+      graph::head_graph(cfg_, shape_.batch, shape_.seq, shape_.dtype, shape_.ce_chunk, shape_.tp, shape_.sp));
+}
+
+void Planner::place(ActivationPlan& plan, int64_t pos, const Choice& c) const {
+  if (c.option >= 0) {
+    plan.layers[pos].dropped = frontier_[c.option].dropped;
+    plan.layers[pos].input_sharded = frontier_[c.option].input_sharded;
+    return;
+  }
+  const std::set<std::string> everything(block_slots().begin(), block_slots().end());
+  for (int64_t j = pos; j < pos + c.chunk; ++j) {
+    plan.layers[j].dropped = everything;
+    plan.layers[j].chunk_begin = j == pos ? -1 : pos;
+  }
+  plan.layers[pos].input_sharded = c.sharded;
+}
+
+cost::StepShape Planner::stage_shape(const PipelineShape& pipe, int64_t s, int64_t first, int64_t n) const {
+  cost::StepShape shape = shape_;
+  shape.first_layer = first;
+  shape.layers = n;
+  shape.in_flight = pipeline::in_flight(pipe.schedule, pipe.stages, s, shape_.grad_accum);
+  return shape;
+}
+
+pipeline::Problem Planner::pipeline_problem(int64_t budget, const PipelineShape& pipe,
+                                            std::vector<Choice>& choices) const {
+  const int64_t L = cfg_.n_layer;
+  pipeline::Problem p;
+  p.layers = L;
+  p.budget = budget;
+  p.split = pipe.split;
+  for (int64_t s = 0; s < pipe.stages; ++s) {
+    p.in_flight.push_back(pipeline::in_flight(pipe.schedule, pipe.stages, s, shape_.grad_accum));
+  }
+  choices.clear();
+  for (int64_t i = 0; i < static_cast<int64_t>(frontier_.size()); ++i) {
+    const auto& c = frontier_[i].cost;
+    p.pieces.push_back({1, c.kept, std::max(c.forward_peak, c.backward_peak), layer_seconds_ + c.recompute_seconds});
+    choices.push_back({i, 0, false});
+  }
+  for (int64_t n = 2; n <= std::min(options_.max_chunk, L); ++n) {
+    for (const bool sharded : input_holds()) {
+      const ChunkCost c = chunk_cost(n, sharded);
+      p.pieces.push_back({n, c.kept, c.top, static_cast<double>(n) * layer_seconds_ + c.seconds});
+      choices.push_back({-1, n, sharded});
+    }
+  }
+  // Which ends a stage holds is all its position changes; a middle stage starts at layer 1.
+  p.frame = [this, pipe, L](int64_t s, int64_t n) {
+    const int64_t first = s == 0 ? 0 : s == pipe.stages - 1 ? L - n : 1;
+    const cost::StepShape shape = stage_shape(pipe, s, first, n);
+    const cost::StepConstants k = cost::step_constants(cfg_, shape);
+    pipeline::Frame f;
+    f.statics = k.statics.total();
+    f.under = k.embed_saved;
+    f.over = k.head_saved;
+    f.head_top = shape.has_head(L) ? k.head_peak : -1;
+    f.outside = shape.has_embedding() ? std::max(k.embed_peak, k.embed_saved + k.embed_backward) : 0;
+    f.optimizer = k.optimizer;
+    f.seconds = (shape.has_embedding() ? embed_seconds_ : 0.0) + (shape.has_head(L) ? head_seconds_ : 0.0);
+    return f;
+  };
+  p.max_states = options_.max_states;
+  return p;
+}
+
+std::optional<PipelinePlan> Planner::solve_pipeline(int64_t budget, const PipelineShape& pipe) const {
+  std::vector<Choice> choices;
+  const pipeline::Problem problem = pipeline_problem(budget, pipe, choices);
+  const auto solved = pipeline::solve(problem);
+  if (!solved) return std::nullopt;
+  ActivationPlan plan;
+  plan.layers.resize(cfg_.n_layer);
+  PipelineShape fixed = pipe;
+  fixed.split.clear();
+  for (const auto& st : solved->stages) {
+    int64_t pos = st.first;
+    for (const int64_t i : st.pieces) {
+      place(plan, pos, choices[i]);
+      pos += problem.pieces[i].span;
+    }
+    fixed.split.push_back(st.layers);
+  }
+  plan.policy = fmt::format("budget:{}", budget);
+  PipelinePlan r = predict_pipeline(plan, fixed);
+  for (size_t s = 0; s < r.stages.size(); ++s) {
+    TORCH_INTERNAL_ASSERT(r.stages[s].peak == solved->stages[s].peak, "stage ", s + 1, " of the pipeline plan peaks at ",
+                          r.stages[s].peak, " where its solver predicted ", solved->stages[s].peak);
+  }
+  return r;
+}
+
+PipelinePlan Planner::predict_pipeline(const ActivationPlan& plan, const PipelineShape& pipe) const {
+  PipelinePlan r;
+  r.plan = plan;
+  r.split = pipe.split.empty() ? pipeline::even_split(cfg_.n_layer, pipe.stages) : pipe.split;
+  int64_t first = 0;
+  for (int64_t s = 0; s < pipe.stages; ++s) {
+    const int64_t n = r.split[static_cast<size_t>(s)];
+    const cost::StepShape shape = stage_shape(pipe, s, first, n);
+    r.stages.push_back(cost::predict_step(cfg_, shape, plan, options_.early_stop, times_));
+    const double recompute = r.stages.back().recompute_seconds / static_cast<double>(shape_.grad_accum);
+    r.stage_seconds.push_back(static_cast<double>(n) * layer_seconds_ + recompute +
+                              (shape.has_embedding() ? embed_seconds_ : 0.0) +
+                              (shape.has_head(cfg_.n_layer) ? head_seconds_ : 0.0));
+    if (r.stage_seconds.back() > r.stage_seconds[static_cast<size_t>(r.bottleneck)]) r.bottleneck = s;
+    first += n;
+  }
+  r.schedule_seconds = static_cast<double>(shape_.grad_accum + pipe.stages - 1) * r.stage_seconds[r.bottleneck];
+  return r;
+}
+
+int64_t Planner::min_pipeline_budget(const PipelineShape& pipe) const {
+  std::vector<Choice> choices;
+  int64_t lo = 0, hi = predict_pipeline(compile_policy("none", cfg_.n_layer), pipe).peak();
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (pipeline::solve(pipeline_problem(mid, pipe, choices))) {
+      hi = mid;
+    } else {
+      lo = mid + 1;
+    }
+  }
+  return hi;
+}
+
+int64_t PipelinePlan::peak() const {
+  int64_t peak = 0;
+  for (const auto& s : stages) peak = std::max(peak, s.peak);
+  return peak;
 }
 
 std::optional<PlanResult> Planner::solve(int64_t budget) const {
@@ -143,17 +282,7 @@ std::optional<PlanResult> Planner::solve(int64_t budget) const {
   plan.layers.resize(L);
   for (int64_t pos = L, i = best; pos > 0;) {
     const State& s = states[pos][i];
-    if (s.option >= 0) {
-      plan.layers[s.prev_pos].dropped = frontier_[s.option].dropped;
-      plan.layers[s.prev_pos].input_sharded = frontier_[s.option].input_sharded;
-    } else {
-      std::set<std::string> everything(block_slots().begin(), block_slots().end());
-      for (int64_t j = s.prev_pos; j < pos; ++j) {
-        plan.layers[j].dropped = everything;
-        plan.layers[j].chunk_begin = j == s.prev_pos ? -1 : s.prev_pos;
-      }
-      plan.layers[s.prev_pos].input_sharded = s.sharded;
-    }
+    place(plan, s.prev_pos, {s.option, s.chunk, s.sharded});
     i = s.prev_index;
     pos = s.prev_pos;
   }

@@ -1,5 +1,7 @@
 #include "remat/policy.h"
 
+#include "remat/pipeline.h"
+
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -420,8 +422,8 @@ Layout stage_layout(const AcConfig& ac, int64_t n) {
                        "ac.num_layers_per_stage (e.g. \"{}\") or use a stage count that divides {}.", n, ac.stages,
                        [&] {
                          std::vector<std::string> parts;
-                         for (int64_t s = 0; s < ac.stages; ++s) {
-                           parts.push_back(std::to_string(n / ac.stages + (s < n % ac.stages ? 1 : 0)));
+                         for (const int64_t size : pipeline::even_split(n, ac.stages)) {
+                           parts.push_back(std::to_string(size));
                          }
                          return join(parts, ",");
                        }(),
@@ -624,6 +626,8 @@ bool same_layers(const ActivationPlan& a, const ActivationPlan& b) {
   }
   return true;
 }
+
+std::vector<int64_t> stage_sizes(const AcConfig& ac, int64_t n_layers) { return stage_layout(ac, n_layers).size; }
 
 ActivationPlan compile_policy(const AcConfig& ac, int64_t n_layers, double dropout) {
   if (n_layers < 1) fail(fmt::format("A recompute plan needs at least one layer, got {}.", n_layers));

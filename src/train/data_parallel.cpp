@@ -26,6 +26,12 @@ std::unique_ptr<dist::Comm> join_ranks(const Config& cfg, const std::string& sub
   const std::optional<dist::LaunchEnv> env = dist::launch_env();
   const int world = env ? env->world_size : 1;
   const int64_t tp = cfg.parallel.tp;
+  if (cfg.parallel.pp > 1) {
+    throw std::invalid_argument(fmt::format(
+        "parallel.pp = {}: remat plans pipelines (`remat plan parallel.pp={} ac.budget=...` splits the layers and "
+        "plans each stage's recompute) but does not run them yet; {} with parallel.pp = 1.", cfg.parallel.pp,
+        cfg.parallel.pp, subcommand));
+  }
   if ((cfg.parallel.dp > 0 && cfg.parallel.dp * tp != world) || (!env && tp > 1)) {
     const int64_t want = std::max<int64_t>(cfg.parallel.dp, 1) * tp;
     throw std::invalid_argument(fmt::format(
@@ -46,11 +52,12 @@ std::unique_ptr<dist::Comm> join_ranks(const Config& cfg, const std::string& sub
 
 int64_t data_parallel_ranks(const Config& cfg) {
   const std::optional<dist::LaunchEnv> env = dist::launch_env();
-  const int64_t tp = cfg.parallel.tp;
+  // The ranks sharing one data-parallel replica: a tensor-parallel group per pipeline stage.
+  const int64_t tp = cfg.parallel.tp * cfg.parallel.pp;
   if (env && env->world_size % tp != 0) {
     throw std::invalid_argument(fmt::format(
-        "parallel.tp = {} tensor-parallel ranks must divide the {} ranks started; start a multiple of {} ranks.", tp,
-        env->world_size, tp));
+        "parallel.tp = {} x parallel.pp = {} ranks hold one copy of the model, so they must divide the {} ranks "
+        "started; start a multiple of {} ranks.", cfg.parallel.tp, cfg.parallel.pp, env->world_size, tp));
   }
   const int64_t ranks = cfg.parallel.dp > 0 ? cfg.parallel.dp : env ? env->world_size / tp : 1;
   if (cfg.train.batch % ranks != 0) {

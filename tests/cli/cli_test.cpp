@@ -276,6 +276,38 @@ TEST_F(Cli, PlanOfGpt2OverTensorParallelRanksPadsItsVocabulary) {
   }
 }
 
+// A pipeline's plan: each stage's layers, what they keep and its peak within the per-rank
+// budget, the bottleneck, and the even split for comparison; training one is refused.
+TEST_F(Cli, PlanOfAPipelineSplitsTheLayersAndPlansEachStage) {
+  const Result r = run_remat("plan --json --budget 0.7 model.preset=llama-demo model.n_layer=8 parallel.pp=4 "
+                             "train.grad_accum=8");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto j = nlohmann::json::parse(r.output);
+  ASSERT_EQ(j["stages"].size(), 4u);
+  int64_t layers = 0;
+  for (const auto& st : j["stages"]) {
+    EXPECT_LE(st["breakdown"]["peak"].get<int64_t>(), j["budget"].get<int64_t>());
+    EXPECT_EQ(st["first_layer"].get<int64_t>(), layers + 1);
+    layers += st["layers"].get<int64_t>();
+  }
+  EXPECT_EQ(layers, 8);
+  EXPECT_EQ(j["stages"][0]["in_flight"], 4);
+  EXPECT_EQ(j["stages"][3]["in_flight"], 1);
+  EXPECT_LE(j["schedule_flops"].get<double>(), j["even_split_schedule_flops"].get<double>());
+
+  const Result text = run_remat("plan --budget 0.7 model.preset=llama-demo model.n_layer=8 parallel.pp=4 "
+                                "train.grad_accum=8");
+  ASSERT_EQ(text.exit_code, 0) << text.output;
+  for (const char* part : {"pipeline: 4 stages, 1f1b schedule, 8 microbatches", "stage 1: layers 1-",
+                           "4 microbatches in flight", "bottleneck: stage ", "the even split (2,2,2,2)"}) {
+    EXPECT_NE(text.output.find(part), std::string::npos) << part << "\n" << text.output;
+  }
+  expect_error("plan --budget 1MiB model.preset=llama-demo parallel.pp=2",
+               "fits no plan of llama-demo on 2 pipeline stages (1f1b schedule, 1 microbatch): the least budget "
+               "every stage fits is");
+  expect_error("train parallel.pp=2", "parallel.pp = 2: remat plans pipelines");
+}
+
 TEST_F(Cli, ExplainBlockListsEveryValueWithItsSlot) {
   const Result r = run_remat("plan --explain-block model.preset=llama-demo train.batch=2 train.seq=16");
   ASSERT_EQ(r.exit_code, 0) << r.output;

@@ -118,6 +118,31 @@ TEST(Config, DistributedSavedActivationsNeedTensorParallelismAlone) {
   EXPECT_EQ(with({"parallel.tp=2"}), "");
 }
 
+// A pipeline's stages are the stages per-stage policies count; its schedule is one of two.
+TEST(Config, PipelineStagesAreThePolicysStages) {
+  const Config c = load_config("", {"parallel.pp=2", "ac.policy=block:1", "parallel.schedule=gpipe"});
+  EXPECT_EQ(c.ac.stages, 2);
+  EXPECT_EQ(c.parallel.schedule, pipeline::Schedule::gpipe);
+  const ActivationPlan plan = compile_policy(c.ac, c.model.n_layer, c.model.dropout);
+  ASSERT_EQ(plan.layers.size(), 4u);
+  EXPECT_FALSE(plan.layers[0].dropped.empty());  // the first layer of each of the two stages
+  EXPECT_TRUE(plan.layers[1].dropped.empty());
+  EXPECT_FALSE(plan.layers[2].dropped.empty());
+  EXPECT_EQ(load_config("", {"parallel.pp=2", "ac.num_layers_per_stage=1,3"}).ac.stages, 2);
+  EXPECT_EQ(error_of([] { load_config("", {"parallel.pp=5"}); }),
+            "parallel.pp = 5 pipeline stages for 4 layers: every stage needs at least one layer; use 1 (no pipeline) "
+            "to 4.");
+  EXPECT_EQ(error_of([] { load_config("", {"parallel.pp=2", "ac.stages=4"}); }),
+            "ac.stages = 4 but parallel.pp = 2: with a pipeline the per-stage policies count its real stages; drop "
+            "ac.stages or set it to 2.");
+  EXPECT_EQ(error_of([] { load_config("", {"parallel.schedule=zb"}); }),
+            "parallel.schedule = \"zb\" is not a pipeline schedule; use 1f1b (each stage alternates forwards and "
+            "backwards once the pipeline is full, holding at most one microbatch per later stage) or gpipe (every "
+            "forward, then every backward, holding all microbatches).");
+  // The resolved configuration reads back to the same one.
+  EXPECT_NE(config_to_toml(c).find("schedule = \"gpipe\""), std::string::npos);
+}
+
 // ZeRO stage 1 is on or off; with one data-parallel rank it is accepted and shards over
 // that rank alone, so one configuration serves any number of ranks.
 TEST(Config, ZeroIsStageZeroOrOne) {

@@ -1,0 +1,108 @@
+// Pipeline parallelism's plan: how many layers each stage holds and what each of its layers
+// keeps, solved together so that the slowest stage is as fast as it can be while every
+// stage's peak stays within a per-rank budget.
+//
+// Under 1F1B (PipeDream-flush, Megatron-LM's default) stage s of p, counted from 0, runs
+// p - s forwards before its first backward and then alternates, so it holds the
+// activations of min(p - s, m) of the m microbatches at once; GPipe runs every forward
+// first and holds all m. A stage's peak is therefore its parameters, gradients and
+// optimizer state, plus (in flight - 1) microbatches' kept activations, plus the highest
+// point of one microbatch's own forward and backward through the stage (the layers below
+// the one running hold what they keep, the one running its working set): the other
+// microbatches in flight hold all they keep while one of them runs. The optimizer step
+// comes after the last backward, with no activations held.
+//
+// Both schedules take (m + p - 1) times the slowest stage's forward and backward of one
+// microbatch (the pipeline's fill and drain are p - 1 slots), so the step time the solver
+// minimises is that slowest stage's time; transfers between stages are not priced.
+//
+// The solver is exact over the model it is given (a dynamic program over stages and
+// layers, equal to brute force on small instances); the planner (remat/planner.h) gives it
+// the measured or FLOP-priced layer options of the real block, and a test gives it the
+// numbers of ColossalAI's issue #5509.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace remat::pipeline {
+
+/// The order in which a stage runs its microbatches' forwards and backwards.
+enum class Schedule { one_f_one_b, gpipe };
+/// "1f1b" / "gpipe", as configs spell it.
+const char* schedule_name(Schedule s);
+/// The schedule a name denotes; throws std::invalid_argument naming the valid ones.
+Schedule schedule_of_name(const std::string& name);
+
+/// Microbatches whose activations stage `stage` (from 0) of `stages` holds at once.
+int64_t in_flight(Schedule schedule, int64_t stages, int64_t stage, int64_t microbatches);
+
+/// `layers` split over `stages` as evenly as they go, the first stages taking one more.
+std::vector<int64_t> even_split(int64_t layers, int64_t stages);
+
+/// One way to plan consecutive layers of a stage: one layer's keep-set (span 1), or a
+/// uniform chunk of `span` layers recomputed from its first layer's input.
+struct Piece {
+  int64_t span = 1;
+  int64_t kept = 0;    ///< bytes kept from the forward to the backward, per microbatch
+  int64_t top = 0;     ///< most bytes live at once above the layers below, while it runs
+  double seconds = 0;  ///< its forward, backward and recompute, per microbatch
+};
+
+/// What a stage holds and does besides its layers' pieces, for a given layer count: only
+/// `statics`, `optimizer` and `seconds` may depend on the count, the others on which ends
+/// (embedding, head) the stage holds.
+struct Frame {
+  int64_t statics = 0;    ///< held throughout: parameters, gradients, optimizer state, batch
+  int64_t under = 0;      ///< kept per microbatch below the layers (the embedding's saved)
+  int64_t over = 0;       ///< kept per microbatch above the layers (the head's saved)
+  int64_t head_top = -1;  ///< the head's peak above everything the layers keep; -1: no head
+  int64_t outside = 0;    ///< the embedding's peaks above the statics (one microbatch); 0: none
+  int64_t optimizer = 0;  ///< the optimizer step's peak above the statics (no activations)
+  double seconds = 0;     ///< the embedding's and head's forward and backward, per microbatch
+};
+
+/// A pipeline to plan.
+struct Problem {
+  int64_t layers = 0;
+  int64_t budget = 0;                ///< bytes per rank
+  std::vector<int64_t> in_flight;    ///< per stage (in_flight()); its size is the stage count
+  std::vector<Piece> pieces;         ///< the choices for any layer (span 1) or chunk
+  /// The frame of `stage` holding `n` layers (called once per stage and count).
+  std::function<Frame(int64_t stage, int64_t n)> frame;
+  /// Layers per stage, fixed (ac.num_layers_per_stage); empty: the solver chooses.
+  std::vector<int64_t> split;
+  /// Above this many partial plans per stage and layer count, those within budget /
+  /// max_states bytes of each other in both kept bytes and working peak merge into the
+  /// fastest; exact below it.
+  int64_t max_states = 2048;
+};
+
+/// One stage of a solution.
+struct StagePlan {
+  int64_t first = 0;             ///< its first layer (of the model)
+  int64_t layers = 0;
+  std::vector<int64_t> pieces;   ///< indices into Problem::pieces, bottom to top
+  int64_t kept = 0;              ///< per microbatch: under + the pieces' + over
+  int64_t peak = 0;              ///< predicted, with its microbatches in flight
+  double seconds = 0;            ///< forward and backward of one microbatch
+};
+
+struct Solution {
+  std::vector<StagePlan> stages;
+  int64_t bottleneck = 0;        ///< the slowest stage (the first of equals)
+  double seconds = 0;            ///< its time: the step takes (m + p - 1) times it
+};
+
+/// The peak of a stage holding `in_flight` microbatches whose layers run `pieces`
+/// (indices, bottom to top) under `frame` (the formula above).
+int64_t stage_peak(const Problem& p, const Frame& frame, int64_t in_flight, const std::vector<int64_t>& pieces);
+
+/// The plan whose slowest stage is fastest (then the least total time) with every stage's
+/// peak within the budget; nullopt when none fits.
+std::optional<Solution> solve(const Problem& p);
+
+}  // namespace remat::pipeline

@@ -1,0 +1,225 @@
+#include "remat/pipeline.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <iterator>
+#include <limits>
+#include <map>
+#include <stdexcept>
+
+namespace remat::pipeline {
+
+const char* schedule_name(Schedule s) { return s == Schedule::gpipe ? "gpipe" : "1f1b"; }
+
+Schedule schedule_of_name(const std::string& name) {
+  if (name == "1f1b") return Schedule::one_f_one_b;
+  if (name == "gpipe") return Schedule::gpipe;
+  throw std::invalid_argument(fmt::format(
+      "parallel.schedule = \"{}\" is not a pipeline schedule; use 1f1b (each stage alternates forwards and "
+      "backwards once the pipeline is full, holding at most one microbatch per later stage) or gpipe (every "
+      "forward, then every backward, holding all microbatches).", name));
+}
+
+int64_t in_flight(Schedule schedule, int64_t stages, int64_t stage, int64_t microbatches) {
+  return schedule == Schedule::gpipe ? microbatches : std::min(stages - stage, microbatches);
+}
+
+std::vector<int64_t> even_split(int64_t layers, int64_t stages) {
+  std::vector<int64_t> sizes;
+  for (int64_t s = 0; s < stages; ++s) sizes.push_back(layers / stages + (s < layers % stages ? 1 : 0));
+  return sizes;
+}
+
+namespace {
+
+// The single microbatch's walk through a stage's layers: what is kept below the next
+// piece (the embedding's saved included) and the highest point so far above the statics.
+struct Walk {
+  int64_t below = 0;
+  int64_t high = 0;
+  void add(const Piece& c) {
+    high = std::max(high, below + c.top);
+    below += c.kept;
+  }
+};
+
+// The stage's peak once its layers are walked: (in flight - 1) microbatches holding all
+// they keep, beside one microbatch's highest point (the head's on the last stage), or the
+// optimizer step.
+int64_t finish(const Frame& f, int64_t in_flight, const Walk& w) {
+  const int64_t high = f.head_top >= 0 ? std::max(w.high, w.below + f.head_top) : w.high;
+  return std::max(f.statics + (in_flight - 1) * (w.below + f.over) + high, f.statics + f.optimizer);
+}
+
+// A partial plan of a stage's first layers and how it was reached.
+struct State {
+  Walk walk;
+  double seconds = 0;
+  int64_t prev = -1;   ///< index in the states of position pos - span
+  int64_t piece = -1;
+};
+
+// Keeps the states no other beats in all of kept bytes, highest point and time (sorted by
+// kept bytes, a staircase of the others' points); above `max_states`, those in one cell of
+// `width` bytes on both axes merge into the fastest.
+void prune(std::vector<State>& v, int64_t max_states, int64_t width) {
+  std::sort(v.begin(), v.end(), [](const State& a, const State& b) {
+    if (a.walk.below != b.walk.below) return a.walk.below < b.walk.below;
+    if (a.walk.high != b.walk.high) return a.walk.high < b.walk.high;
+    return a.seconds < b.seconds;
+  });
+  std::map<int64_t, double> stairs;  // highest point -> least time of the states seen, falling
+  std::vector<State> out;
+  for (const State& s : v) {
+    auto it = stairs.upper_bound(s.walk.high);
+    if (it != stairs.begin() && std::prev(it)->second <= s.seconds) continue;  // beaten
+    out.push_back(s);
+    // Points at or above this height that are no faster are beaten by it from now on.
+    while (it != stairs.end() && it->second >= s.seconds) it = stairs.erase(it);
+    stairs[s.walk.high] = s.seconds;
+  }
+  if (static_cast<int64_t>(out.size()) > max_states && width > 0) {
+    std::map<std::pair<int64_t, int64_t>, State> cells;
+    for (const State& s : out) {
+      auto [it, fresh] = cells.emplace(std::pair{s.walk.below / width, s.walk.high / width}, s);
+      if (!fresh && s.seconds < it->second.seconds) it->second = s;
+    }
+    out.clear();
+    for (auto& [cell, s] : cells) out.push_back(s);
+  }
+  v = std::move(out);
+}
+
+// The best plan of one stage for every layer count it may hold.
+struct StageBest {
+  bool feasible = false;
+  double seconds = 0;
+  int64_t peak = 0;
+  int64_t kept = 0;
+  std::vector<int64_t> pieces;
+};
+
+std::vector<StageBest> solve_stage(const Problem& p, int64_t stage, int64_t min_n, int64_t max_n) {
+  const int64_t k = p.in_flight[static_cast<size_t>(stage)];
+  std::vector<Frame> frames(static_cast<size_t>(max_n + 1));
+  for (int64_t n = min_n; n <= max_n; ++n) frames[n] = p.frame(stage, n);
+  // A partial plan over the budget with the least statics of any count stays over it.
+  const Frame& least = frames[static_cast<size_t>(min_n)];
+  int64_t floor = least.statics;
+  for (int64_t n = min_n; n <= max_n; ++n) floor = std::min(floor, frames[static_cast<size_t>(n)].statics);
+  const int64_t width = std::max<int64_t>(1, p.budget / std::max<int64_t>(1, p.max_states));
+  std::vector<std::vector<State>> states(static_cast<size_t>(max_n + 1));
+  State start;
+  start.walk.below = least.under;
+  start.walk.high = least.outside;
+  states[0].push_back(start);
+  std::vector<StageBest> best(static_cast<size_t>(max_n + 1));
+  for (int64_t pos = 0; pos <= max_n; ++pos) {
+    auto& here = states[static_cast<size_t>(pos)];
+    prune(here, p.max_states, width);
+    if (pos >= min_n) {
+      const Frame& f = frames[static_cast<size_t>(pos)];
+      for (const State& s : here) {
+        const int64_t peak = finish(f, k, s.walk);
+        const double t = s.seconds + f.seconds;
+        StageBest& b = best[static_cast<size_t>(pos)];
+        if (peak <= p.budget && (!b.feasible || t < b.seconds)) {
+          b.feasible = true;
+          b.seconds = t;
+          b.peak = peak;
+          b.kept = s.walk.below + f.over;
+          b.pieces.clear();
+          for (int64_t at = pos, i = &s - here.data(); at > 0;) {
+            const State& x = states[static_cast<size_t>(at)][static_cast<size_t>(i)];
+            b.pieces.push_back(x.piece);
+            at -= p.pieces[static_cast<size_t>(x.piece)].span;
+            i = x.prev;
+          }
+          std::reverse(b.pieces.begin(), b.pieces.end());
+        }
+      }
+    }
+    if (pos == max_n) break;
+    for (int64_t si = 0; si < static_cast<int64_t>(here.size()); ++si) {
+      const State& s = here[static_cast<size_t>(si)];
+      for (int64_t pi = 0; pi < static_cast<int64_t>(p.pieces.size()); ++pi) {
+        const Piece& c = p.pieces[static_cast<size_t>(pi)];
+        if (pos + c.span > max_n) continue;
+        State next{s.walk, s.seconds + c.seconds, si, pi};
+        next.walk.add(c);
+        // Everything below only grows: over the budget now, over it with any more layers.
+        if (floor + (k - 1) * (next.walk.below + least.over) + next.walk.high > p.budget) continue;
+        states[static_cast<size_t>(pos + c.span)].push_back(next);
+      }
+    }
+  }
+  return best;
+}
+
+}  // namespace
+
+int64_t stage_peak(const Problem& p, const Frame& frame, int64_t in_flight, const std::vector<int64_t>& pieces) {
+  Walk w;
+  w.below = frame.under;
+  w.high = frame.outside;
+  for (const int64_t i : pieces) w.add(p.pieces.at(static_cast<size_t>(i)));
+  return finish(frame, in_flight, w);
+}
+
+std::optional<Solution> solve(const Problem& p) {
+  const auto P = static_cast<int64_t>(p.in_flight.size());
+  const int64_t L = p.layers;
+  if (P < 1 || L < P) {
+    throw std::invalid_argument(fmt::format("A pipeline of {} stages cannot split {} layers: every stage needs at "
+                                            "least one layer.", P, L));
+  }
+  if (!p.split.empty() && static_cast<int64_t>(p.split.size()) != P) {
+    throw std::invalid_argument(fmt::format("The layer split lists {} stages but the pipeline has {}.",
+                                            p.split.size(), P));
+  }
+  std::vector<std::vector<StageBest>> best;
+  for (int64_t s = 0; s < P; ++s) {
+    const int64_t lo = p.split.empty() ? 1 : p.split[static_cast<size_t>(s)];
+    const int64_t hi = p.split.empty() ? L - (P - 1) : lo;
+    best.push_back(solve_stage(p, s, lo, hi));
+  }
+  // The stages from s up, given the layers the stages below hold: the least slowest-stage
+  // time, then the least sum of times (a tie's fairer split), and the count stage s takes.
+  struct Rest {
+    bool feasible = false;
+    double slowest = 0;
+    double total = 0;
+    int64_t n = 0;
+  };
+  std::vector<std::vector<Rest>> rest(static_cast<size_t>(P + 1), std::vector<Rest>(static_cast<size_t>(L + 1)));
+  rest[static_cast<size_t>(P)][static_cast<size_t>(L)] = {true, 0.0, 0.0, 0};
+  for (int64_t s = P - 1; s >= 0; --s) {
+    for (int64_t used = s; used <= L - (P - s); ++used) {
+      Rest& r = rest[static_cast<size_t>(s)][static_cast<size_t>(used)];
+      const auto& options = best[static_cast<size_t>(s)];
+      for (int64_t n = 1; n < static_cast<int64_t>(options.size()) && used + n <= L; ++n) {
+        const StageBest& b = options[static_cast<size_t>(n)];
+        const Rest& above = rest[static_cast<size_t>(s + 1)][static_cast<size_t>(used + n)];
+        if (!b.feasible || !above.feasible) continue;
+        const double slowest = std::max(b.seconds, above.slowest), total = b.seconds + above.total;
+        if (!r.feasible || slowest < r.slowest || (slowest == r.slowest && total < r.total)) {
+          r = {true, slowest, total, n};
+        }
+      }
+    }
+  }
+  if (!rest[0][0].feasible) return std::nullopt;
+  Solution sol;
+  sol.seconds = rest[0][0].slowest;
+  for (int64_t s = 0, used = 0; s < P; ++s) {
+    const int64_t n = rest[static_cast<size_t>(s)][static_cast<size_t>(used)].n;
+    const StageBest& b = best[static_cast<size_t>(s)][static_cast<size_t>(n)];
+    sol.stages.push_back({used, n, b.pieces, b.kept, b.peak, b.seconds});
+    if (b.seconds > sol.stages[static_cast<size_t>(sol.bottleneck)].seconds) sol.bottleneck = s;
+    used += n;
+  }
+  return sol;
+}
+
+}  // namespace remat::pipeline
