@@ -104,7 +104,8 @@ struct AcConfig {
 ActivationPlan compile_policy(const AcConfig& ac, int64_t n_layers, double dropout);
 
 /// The layers of each pipeline stage the ac settings give: ac.num_layers_per_stage, else
-/// ac.stages equal parts. Throws std::invalid_argument with a sentence on a bad split.
+/// ac.stages parts as even as they go, the first stages taking one more
+/// (pipeline::even_split). Throws std::invalid_argument with a sentence on a bad split.
 std::vector<int64_t> stage_sizes(const AcConfig& ac, int64_t n_layers);
 
 /// Compiles a canonical policy string alone (no aliases, default options, one stage).

@@ -219,6 +219,18 @@ int plan_pipeline(const Config& cfg, const PlanArgs& args, const Planner& planne
   fmt::print("\nbottleneck: stage {} at {} FLOPs per microbatch; the schedule takes (microbatches + stages - 1) = {} "
              "times that, {} FLOPs, plus the optimizer\n", r.bottleneck + 1, format_count(r.stage_seconds[r.bottleneck]),
              microbatches + pipe.stages - 1, format_count(r.schedule_seconds));
+  // The policy the ac settings name, on the given (or even) split, for comparison.
+  const ActivationPlan policy = compile_policy(cfg.ac, m.n_layer, m.dropout);
+  if (policy.policy != "none") {
+    const PipelinePlan given = planner.predict_pipeline(policy, pipe);
+    std::vector<std::string> peaks;
+    for (const auto& st : given.stages) peaks.push_back(format_bytes(st.peak));
+    fmt::print("{} on the {} split ({}): stage peaks {}; bottleneck stage {}, {} FLOPs, {:.3f} x this plan's{}\n",
+               policy.policy, pipe.split.empty() ? "even" : "given", fmt::join(given.split, ","), fmt::join(peaks, ", "),
+               given.bottleneck + 1, format_count(given.schedule_seconds),
+               given.schedule_seconds / r.schedule_seconds,
+               given.peak() > budget ? fmt::format(", over the budget by {}", format_bytes(given.peak() - budget)) : "");
+  }
   if (pipe.split.empty()) {
     fmt::print("the even split ({}) planned stage by stage: {}\n", fmt::join(pipeline::even_split(m.n_layer, pipe.stages), ","),
                even ? fmt::format("{} FLOPs, {:.3f} x this plan's", format_count(even->schedule_seconds),

@@ -417,19 +417,7 @@ Layout stage_layout(const AcConfig& ac, int64_t n) {
     }
     layout.size = sizes;
   } else {
-    if (n % ac.stages != 0) {
-      fail(fmt::format("The model's {} layers do not split evenly across ac.stages = {}; give the split with "
-                       "ac.num_layers_per_stage (e.g. \"{}\") or use a stage count that divides {}.", n, ac.stages,
-                       [&] {
-                         std::vector<std::string> parts;
-                         for (const int64_t size : pipeline::even_split(n, ac.stages)) {
-                           parts.push_back(std::to_string(size));
-                         }
-                         return join(parts, ",");
-                       }(),
-                       n));
-    }
-    layout.size.assign(static_cast<size_t>(ac.stages), n / ac.stages);
+    layout.size = pipeline::even_split(n, ac.stages);  // the first stages take one more layer
   }
   int64_t first = 0;
   for (auto s : layout.size) {
