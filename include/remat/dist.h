@@ -1,12 +1,13 @@
 // Several processes training one model: rendezvous, a c10d process group, and collectives
-// that never hang silently.
+// and point-to-point transfers that never hang silently.
 //
 // Ranks meet through a c10d TCPStore found from the launcher's environment (torchrun's
 // RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; OpenMPI's and Slurm's equivalents) and talk
-// through a ProcessGroupGloo on CPU. Every collective is waited for in slices: a rank that
-// sees one fail (a peer's connection reset) posts the failure in the store, and every
-// other rank, still waiting, reads it and stops too. Which rank is lost comes from
-// heartbeats each rank's background thread adds to the store: the one whose count stops.
+// through a ProcessGroupGloo on CPU. Every collective and transfer is waited for in
+// slices: a rank that sees one fail (a peer's connection reset) posts the failure in the
+// store, and every other rank, still waiting, reads it and stops too. Which rank is lost
+// comes from heartbeats each rank's background thread adds to the store: the one whose
+// count stops.
 // So a dead, stopped or never-started rank ends every rank with a sentence naming it,
 // within parallel.timeout, never a silent hang.
 #pragma once
@@ -26,10 +27,22 @@ namespace remat::dist {
 /// How a collective combines the ranks' elements.
 enum class Reduce { sum, max };
 
+/// A point-to-point transfer under way (Group::send, Group::recv). It holds the tensor
+/// until wait() returns, so the caller may drop its own reference at once.
+class Transfer {
+ public:
+  virtual ~Transfer() = default;
+  /// Returns once the transfer is done: a sent tensor may then change, a received one
+  /// holds the peer's bits. Fails like a collective: a sentence naming the operation and
+  /// the lost rank, within the job's timeout. Call it once; destroying a transfer never
+  /// waited for abandons it (after a failure elsewhere).
+  virtual void wait() = 0;
+};
+
 /// Ranks that act together: every rank of a job, the ranks sharing one copy of the model's
-/// tensors (a tensor-parallel group), or the ranks holding the same shard of it (a
-/// data-parallel group). Ops reach their group through graph::RunContext; a null group
-/// there means one rank.
+/// tensors (a tensor-parallel group), the ranks holding the same shard of it (a
+/// data-parallel group), or the stages one microbatch passes through (a pipeline group).
+/// Ops reach their group through graph::RunContext; a null group there means one rank.
 class Group {
  public:
   virtual ~Group() = default;
@@ -43,6 +56,17 @@ class Group {
   /// Every rank's `t` (the same shape on every rank), concatenated along `dim` in rank
   /// order; a new tensor.
   virtual at::Tensor all_gather(const at::Tensor& t, int64_t dim, const std::string& what) = 0;
+  /// Starts sending `t` (any dtype, bfloat16 too, which Gloo's collectives refuse: its
+  /// bytes travel as they are) to rank `peer` of this group, which receives it with recv(_, this rank, `tag`); returns at once. Tensors sent
+  /// to one peer under one tag (>= 0) arrive in the order sent. A send is done only once
+  /// the peer has posted the matching receive (Gloo moves no bytes before), so post a
+  /// step's receives before waiting for its sends: two neighbours that each send, then
+  /// receive (a 1F1B stage's activations forward, its neighbour's gradients back), then
+  /// wait, never block each other.
+  virtual std::unique_ptr<Transfer> send(const at::Tensor& t, int peer, int tag, const std::string& what) = 0;
+  /// Starts receiving into `t` (contiguous, with exactly the bytes the peer sends: same
+  /// dtype and element count) what rank `peer` of this group sends under `tag`.
+  virtual std::unique_ptr<Transfer> recv(at::Tensor& t, int peer, int tag, const std::string& what) = 0;
 };
 
 /// Where this process stands in a multi-process job, as its launcher described it.
@@ -70,9 +94,9 @@ std::optional<LaunchEnv> launch_env(const std::function<const char*(const char*)
 /// launch_env of this process's environment.
 std::optional<LaunchEnv> launch_env();
 
-/// A process group of every rank, with failure detection, and its tensor- and
-/// data-parallel groups. Not copyable; one per process (tests may hold several, one per
-/// thread, joined through one store).
+/// A process group of every rank, with failure detection, and its tensor-parallel,
+/// data-parallel and pipeline groups. Not copyable; one per process (tests may hold
+/// several, one per thread, joined through one store).
 class Comm {
  public:
   /// Joins the job `env` describes: rank 0 hosts the store (unless the agent does), every
@@ -85,23 +109,29 @@ class Comm {
   /// host's name resolves to; the interface GLOO_SOCKET_IFNAME names, when it is set,
   /// instead (PyTorch's variable, for hosts whose peers reach them by another network).
   ///
-  /// `tp` ranks in a row form a tensor-parallel group (ranks 0..tp-1, then tp..2tp-1, as
-  /// Megatron orders them, so that a group shares a host where it can); the ranks at the
-  /// same place in every tensor-parallel group form a data-parallel group. `tp` must
-  /// divide the world size.
-  static std::unique_ptr<Comm> connect(const LaunchEnv& env, std::chrono::milliseconds timeout, int tp = 1);
+  /// The world is `pp` pipeline stages x dp data-parallel replicas x `tp` tensor-parallel
+  /// ranks, ordered as Megatron orders them, tensor-parallel innermost so that a
+  /// tensor-parallel group shares a host where it can: rank = stage * dp * tp + replica *
+  /// tp + tp rank. A tensor-parallel group is `tp` ranks in a row (same stage and replica);
+  /// a data-parallel group the ranks of one stage at the same place in their
+  /// tensor-parallel groups; a pipeline group the ranks at the same replica and place in
+  /// every stage, its rank() the stage. `tp` must divide the world size, and `pp` the
+  /// world size over `tp` (a sentence says so before any rank connects).
+  static std::unique_ptr<Comm> connect(const LaunchEnv& env, std::chrono::milliseconds timeout, int tp = 1,
+                                       int pp = 1);
   ~Comm();
   Comm(const Comm&) = delete;
   Comm& operator=(const Comm&) = delete;
 
   int rank() const { return rank_; }
   int size() const { return size_; }
-  /// Every rank; this rank's tensor-parallel group; its data-parallel group. Their
-  /// collectives fail like this class's own (a sentence naming the lost rank, by its rank
-  /// in the job).
+  /// Every rank; this rank's tensor-parallel group; its data-parallel group; its pipeline
+  /// group. Their collectives and transfers fail like this class's own (a sentence naming
+  /// the lost rank, by its rank in the job).
   Group& world();
   Group& tensor();
   Group& data();
+  Group& pipeline();
 
   /// Every rank's `values` (the same count on every rank), in rank order.
   std::vector<std::vector<int64_t>> all_gather(const std::vector<int64_t>& values, const std::string& what);

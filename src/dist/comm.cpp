@@ -12,6 +12,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdlib>
+#include <future>
 #include <mutex>
 #include <stdexcept>
 #include <thread>
@@ -162,6 +163,8 @@ class GlooGroup final : public Group {
   int size() const override { return size_; }
   void all_reduce(std::vector<at::Tensor>& tensors, Reduce op, const std::string& what) override;
   at::Tensor all_gather(const at::Tensor& t, int64_t dim, const std::string& what) override;
+  std::unique_ptr<Transfer> send(const at::Tensor& t, int peer, int tag, const std::string& what) override;
+  std::unique_ptr<Transfer> recv(at::Tensor& t, int peer, int tag, const std::string& what) override;
   // After a failure: the group is leaked on purpose (see Comm::State::fail).
   void abandon() { (void)gloo_.release(); }
 
@@ -172,6 +175,7 @@ class GlooGroup final : public Group {
   // lift the peak above the cost model's (by 1,024,000 bytes in a tensor-parallel
   // gpt2-demo step, measured).
   void settle(const c10::intrusive_ptr<c10d::Work>& work, const std::string& what);
+  void check_peer(const char* op, int peer, int tag, const std::string& what) const;
 
   Comm::State& job_;
   c10::intrusive_ptr<c10d::ProcessGroupGloo> gloo_;
@@ -181,7 +185,7 @@ class GlooGroup final : public Group {
 struct Comm::State {
   c10::intrusive_ptr<c10d::Store> store;  // remat's keys, under their own prefix
   c10::intrusive_ptr<c10d::ProcessGroupGloo> group;
-  std::unique_ptr<GlooGroup> world, tensor, data;
+  std::unique_ptr<GlooGroup> world, tensor, data, pipeline;
   milliseconds timeout{};
   int rank = 0, size = 1;
   bool hosts_store = false;
@@ -294,7 +298,7 @@ struct Comm::State {
 
   // Leaks every Gloo group, see fail().
   void abandon_groups() {
-    for (GlooGroup* g : {world.get(), tensor.get(), data.get()}) {
+    for (GlooGroup* g : {world.get(), tensor.get(), data.get(), pipeline.get()}) {
       if (g != nullptr) g->abandon();
     }
     (void)group.release();
@@ -310,15 +314,15 @@ struct Comm::State {
     return std::nullopt;
   }
 
-  void wait(const c10::intrusive_ptr<c10d::Work>& work, const std::string& what) {
+  // Waits for an operation `slice` at a time: `wait_slice` returns true once it is done,
+  // false when a slice ran out, and throws when it failed.
+  void wait(const std::function<bool(milliseconds slice)>& wait_slice, const std::string& what) {
     const auto start = Clock::now();
     while (true) {
       try {
-        work->wait(kSlice);
-        return;
+        if (wait_slice(kSlice)) return;
       } catch (const std::exception& e) {
-        // A slice that ran out throws too; the work is then still running.
-        if (work->isCompleted()) fail(what, e.what());
+        fail(what, e.what());
       }
       if (auto posted = posted_failure()) leave(*posted);
       if (Clock::now() - start > timeout) {
@@ -326,7 +330,66 @@ struct Comm::State {
       }
     }
   }
+
+  void wait(const c10::intrusive_ptr<c10d::Work>& work, const std::string& what) {
+    wait(
+        [&](milliseconds slice) {
+          try {
+            work->wait(slice);
+            return true;
+          } catch (const std::exception&) {
+            // A slice that ran out throws too; the work is then still running.
+            if (work->isCompleted()) throw;
+            return false;
+          }
+        },
+        what);
+  }
 };
+
+namespace {
+
+// A Gloo send or receive under way. Its work cannot be waited for in slices as a
+// collective's can: its wait(timeout) waits on the transport's buffer, and one that runs
+// out closes every connection of the group. So a helper thread waits for it while the
+// caller waits for the helper in slices, and aborts the helper's wait if the job fails
+// meanwhile. The helper's own limit is past the caller's (the timeout, then a diagnosis
+// of a few heartbeats): it ends a helper only if the abort did not.
+class GlooTransfer final : public Transfer {
+ public:
+  GlooTransfer(Comm::State& job, c10::intrusive_ptr<c10d::Work> work, std::string what)
+      : job_(job), work_(std::move(work)), what_(std::move(what)) {}
+
+  void wait() override {
+    TORCH_CHECK(work_, "[Transfer::wait] ", what_, " was already waited for; wait for a transfer once.");
+    const milliseconds limit = job_.timeout + std::chrono::minutes(1);
+    std::future<void> helper = std::async(std::launch::async, [work = work_.get(), limit] { work->wait(limit); });
+    // Declared after `helper`, so it runs first when wait() leaves: the future's
+    // destructor joins the helper, which must not still be blocked on the transport.
+    struct AbortUnlessDone {
+      c10d::Work& work;
+      std::future<void>& helper;
+      ~AbortUnlessDone() {
+        if (helper.valid() && helper.wait_for(milliseconds(0)) != std::future_status::ready) work.abort();
+      }
+    } abort_unless_done{*work_, helper};
+    job_.wait(
+        [&](milliseconds slice) {
+          if (helper.wait_for(slice) != std::future_status::ready) return false;
+          helper.get();  // rethrows the transport's failure
+          return true;
+        },
+        what_);
+    work_.reset();  // lets go of the tensor
+  }
+
+ private:
+  Comm::State& job_;
+  c10::intrusive_ptr<c10d::Work> work_;  // holds the tensor while it travels
+  std::string what_;
+};
+
+}  // namespace
 
 Comm::Comm(std::unique_ptr<State> state, int rank, int size) : state_(std::move(state)), rank_(rank), size_(size) {}
 
@@ -334,7 +397,15 @@ Comm::~Comm() {
   if (state_) state_->stop_heart();
 }
 
-std::unique_ptr<Comm> Comm::connect(const LaunchEnv& env, milliseconds timeout, int tp) {
+std::unique_ptr<Comm> Comm::connect(const LaunchEnv& env, milliseconds timeout, int tp, int pp) {
+  if (tp < 1 || env.world_size % tp != 0) {
+    throw std::invalid_argument(fmt::format("parallel.tp = {} must divide the {} ranks started.", tp, env.world_size));
+  }
+  if (pp < 1 || env.world_size / tp % pp != 0) {
+    throw std::invalid_argument(fmt::format(
+        "pp = {} pipeline stages must divide the {} tensor-parallel groups of the {} ranks started (parallel.tp = "
+        "{}): every stage holds as many of them.", pp, env.world_size / tp, env.world_size, tp));
+  }
   auto s = std::make_unique<State>();
   s->timeout = timeout;
   s->rank = env.rank;
@@ -390,9 +461,6 @@ std::unique_ptr<Comm> Comm::connect(const LaunchEnv& env, milliseconds timeout, 
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
 
-  if (tp < 1 || env.world_size % tp != 0) {
-    throw std::invalid_argument(fmt::format("parallel.tp = {} must divide the {} ranks started.", tp, env.world_size));
-  }
   auto gloo = c10d::ProcessGroupGloo::Options::create(timeout);
   gloo->devices.push_back(gloo_device(env));
   s->group = c10::make_intrusive<c10d::ProcessGroupGloo>(
@@ -409,8 +477,10 @@ std::unique_ptr<Comm> Comm::connect(const LaunchEnv& env, milliseconds timeout, 
         c10::make_intrusive<c10d::PrefixStore>(fmt::format("gloo/{}/{}", name, first), s->store), index, n, gloo);
     return std::make_unique<GlooGroup>(*s, std::move(pg), index, n);
   };
+  const int stage_size = env.world_size / pp;  // dp * tp ranks
   s->tensor = subgroup("tp", env.rank / tp * tp, 1, tp);
-  s->data = subgroup("dp", env.rank % tp, tp, env.world_size / tp);
+  s->data = subgroup("dp", env.rank / stage_size * stage_size + env.rank % tp, tp, stage_size / tp);
+  s->pipeline = subgroup("pp", env.rank % stage_size, stage_size, pp);
   s->heart = std::thread([state = s.get()] { state->beat_forever(); });
   return std::unique_ptr<Comm>(new Comm(std::move(s), env.rank, env.world_size));
 }
@@ -436,6 +506,26 @@ at::Tensor GlooGroup::all_gather(const at::Tensor& t, int64_t dim, const std::st
   return at::cat(output[0], dim);
 }
 
+void GlooGroup::check_peer(const char* op, int peer, int tag, const std::string& what) const {
+  TORCH_CHECK(peer >= 0 && peer < size_ && peer != rank_, "[Group::", op, "] ", what, " names peer ", peer,
+              ", but this rank is ", rank_, " of a group of ", size_, "; a peer is another rank of the group.");
+  TORCH_CHECK(tag >= 0, "[Group::", op, "] ", what, " has tag ", tag, "; tags are from 0.");
+}
+
+std::unique_ptr<Transfer> GlooGroup::send(const at::Tensor& t, int peer, int tag, const std::string& what) {
+  check_peer("send", peer, tag, what);
+  std::vector<at::Tensor> one{t.contiguous()};
+  return std::make_unique<GlooTransfer>(job_, gloo_->send(one, peer, tag), what);
+}
+
+std::unique_ptr<Transfer> GlooGroup::recv(at::Tensor& t, int peer, int tag, const std::string& what) {
+  check_peer("recv", peer, tag, what);
+  TORCH_CHECK(t.is_contiguous(), "[Group::recv] ", what, " receives into a tensor that is not contiguous, strides ",
+              t.strides(), "; Gloo writes the bytes in a row.");
+  std::vector<at::Tensor> one{t};
+  return std::make_unique<GlooTransfer>(job_, gloo_->recv(one, peer, tag), what);
+}
+
 void GlooGroup::settle(const c10::intrusive_ptr<c10d::Work>& work, const std::string& what) {
   job_.wait(work, what);
   // Microseconds; bounded all the same, should another Gloo build keep its own reference.
@@ -446,6 +536,7 @@ void GlooGroup::settle(const c10::intrusive_ptr<c10d::Work>& work, const std::st
 Group& Comm::world() { return *state_->world; }
 Group& Comm::tensor() { return *state_->tensor; }
 Group& Comm::data() { return *state_->data; }
+Group& Comm::pipeline() { return *state_->pipeline; }
 
 std::vector<std::vector<int64_t>> Comm::all_gather(const std::vector<int64_t>& values, const std::string& what) {
   const auto n = static_cast<int64_t>(values.size());

@@ -289,7 +289,7 @@ TEST(FusedCrossEntropyOp, AllTargetsIgnoredGivesZeroLossAndGradients) {
 }
 
 // A group of `size` ranks as rank `rank` sees it, for running one rank's part of a step
-// that needs no collective (a backward) on its own: any collective fails the test.
+// that needs no collective (a backward) on its own: any collective or transfer fails the test.
 class NoCollectives final : public remat::dist::Group {
  public:
   NoCollectives(int rank, int size) : rank_(rank), size_(size) {}
@@ -297,10 +297,16 @@ class NoCollectives final : public remat::dist::Group {
   int size() const override { return size_; }
   void all_reduce(std::vector<at::Tensor>&, remat::dist::Reduce, const std::string& what) override { refuse(what); }
   at::Tensor all_gather(const at::Tensor&, int64_t, const std::string& what) override { refuse(what); }
+  std::unique_ptr<remat::dist::Transfer> send(const at::Tensor&, int, int, const std::string& what) override {
+    refuse(what);
+  }
+  std::unique_ptr<remat::dist::Transfer> recv(at::Tensor&, int, int, const std::string& what) override {
+    refuse(what);
+  }
 
  private:
   [[noreturn]] static void refuse(const std::string& what) {
-    throw std::logic_error("a collective ran where none should: " + what);
+    throw std::logic_error("a collective or transfer ran where none should: " + what);
   }
   int rank_, size_;
 };

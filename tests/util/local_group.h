@@ -49,6 +49,12 @@ class LocalWorld {
   std::vector<std::vector<at::Tensor>> slots_;
 };
 
+// The ops these groups stand in for (sharded layers) talk through collectives only;
+// transfers between pipeline stages are tested on Gloo (on_gloo_ranks).
+[[noreturn]] inline void no_transfers(const char* group, const std::string& what) {
+  throw std::logic_error(std::string(group) + " has no point-to-point transfers (" + what + "); use on_gloo_ranks.");
+}
+
 class LocalGroup final : public dist::Group {
  public:
   LocalGroup(LocalWorld& world, int rank) : world_(world), rank_(rank) {}
@@ -81,6 +87,12 @@ class LocalGroup final : public dist::Group {
     world_.barrier();
     return out;
   }
+  std::unique_ptr<dist::Transfer> send(const at::Tensor&, int, int, const std::string& what) override {
+    no_transfers("LocalGroup", what);
+  }
+  std::unique_ptr<dist::Transfer> recv(at::Tensor&, int, int, const std::string& what) override {
+    no_transfers("LocalGroup", what);
+  }
 
  private:
   LocalWorld& world_;
@@ -105,6 +117,12 @@ class AbsentPeers final : public dist::Group {
     for (int r = 0; r < size_; ++r) parts.push_back(t.clone());
     at::empty({size_ * t.numel()}, t.options());
     return at::cat(parts, dim);
+  }
+  std::unique_ptr<dist::Transfer> send(const at::Tensor&, int, int, const std::string& what) override {
+    no_transfers("AbsentPeers", what);
+  }
+  std::unique_ptr<dist::Transfer> recv(at::Tensor&, int, int, const std::string& what) override {
+    no_transfers("AbsentPeers", what);
   }
 
  private:
