@@ -89,8 +89,8 @@ void Engine::dropped(int v, const at::Tensor& t) {
   const auto& vs = g.slot(s);
   const int root = g.root(v);
   const bool view_of_dropped = root != v && g.saved[root] && g.slot_of[root] == g.slot_of[v];
-  store->drop(layer, slot_name(s), static_cast<size_t>(std::find(vs.begin(), vs.end(), v) - vs.begin()), t,
-              view_of_dropped);
+  store->drop(ctx.microbatch, layer, slot_name(s), static_cast<size_t>(std::find(vs.begin(), vs.end(), v) - vs.begin()),
+              t, view_of_dropped);
 }
 
 at::Tensor Engine::shard(const at::Tensor& whole) {
@@ -346,7 +346,7 @@ void TransformerModel::recompute_chunk(const GraphShape& blk, int64_t last, cons
         if (!runs[j]->missing(static_cast<Slot>(s))) continue;
         std::vector<at::Tensor> ts;
         for (int v : blk.graph.slot(static_cast<Slot>(s))) ts.push_back(fresh->value(v));
-        store_->refilled(j, slot_name(static_cast<Slot>(s)), ts);
+        store_->refilled(ctx.microbatch, j, slot_name(static_cast<Slot>(s)), ts);
       }
       runs[j] = std::move(fresh);
     }

@@ -111,7 +111,7 @@ struct Engine {
   at::Tensor add(const at::Tensor& a, const at::Tensor& b) { return a + b; }
   void dropped(int v, const at::Tensor& t);
   void refilled(Slot s, const std::vector<at::Tensor>& ts) {
-    if (store != nullptr) store->refilled(layer, slot_name(s), ts);
+    if (store != nullptr) store->refilled(ctx.microbatch, layer, slot_name(s), ts);
   }
   template <class F>
   void recompute(F&& f) {
