@@ -1,9 +1,14 @@
 // GPT-2 and Llama models composed of the explicit ops.
 //
 // A model owns its parameters (float32 master copies, named as in Hugging Face
-// checkpoints) and their gradient accumulators. forward_backward() runs one microbatch
-// through the ops' forward, keeps each op's Saved struct, and runs the ops' backward in
-// reverse, accumulating parameter gradients. LibTorch autograd is not involved.
+// checkpoints) and their gradient accumulators. forward() runs one microbatch through the
+// ops' forward, keeping each op's Saved struct in a Microbatch; backward() runs the ops'
+// backward in reverse from it, accumulating parameter gradients; forward_backward() is the
+// one followed by the other. LibTorch autograd is not involved.
+//
+// A model is the whole transformer or one pipeline stage of it (StageSpan): a stage holds
+// its layers' parameters and passes activations [B, T, C] forward and their gradients back
+// through the same two calls, several microbatches in flight at once (1F1B).
 #pragma once
 
 #include "remat/config.h"
@@ -35,6 +40,24 @@ struct Param {
   /// Its rows (dimension 0) are the vocabulary's, padding rows included: the token
   /// embedding and the output head (whose tensor-parallel split is a vocabulary split).
   bool vocab = false;
+  /// Another pipeline stage holds a copy of it: GPT-2's token embedding, which the first
+  /// stage's embedding and the last stage's tied loss head both read (Megatron keeps such a
+  /// copy too). Each stage's gradient is its own part; the executor sums the two (between
+  /// the first and the last stage) before the optimizer step, so both copies stay equal. A
+  /// model of every layer has no copy: its embedding and head share one tensor, not tied.
+  bool tied = false;
+};
+
+/// The layers a model holds: all of them (the default), or one pipeline stage's
+/// consecutive range. A stage holds the parameters of layers [first, first + count), the
+/// embedding's only when first == 0 and the head's (final norm and loss) only when the
+/// range ends at the last layer, each with the value the whole model has for the same
+/// seed and under the whole model's name ("h.5.attn.c_attn.weight" for layer 5 in any
+/// stage). Layer indices stay global (dropout keys, activation plans, trace slices), so a
+/// stage draws the whole model's dropout masks; ActivationBytes::blocks lists its layers.
+struct StageSpan {
+  int64_t first = 0;   ///< the stage's first layer, counted from 0
+  int64_t count = -1;  ///< its number of layers; -1: every layer from `first` on
 };
 
 /// Identifies one microbatch's randomness; dropout keys derive from it.
@@ -46,12 +69,33 @@ struct StepContext {
                           ///< rank's shard), so its dropout draws the single-process elements
 };
 
-/// Saved-activation bytes of one microbatch, measured on the live Saved structs.
+/// Saved-activation bytes of one microbatch, measured on the live Saved structs; of a
+/// pipeline stage, its own parts (0 for an embedding or head it does not hold).
 struct ActivationBytes {
   int64_t embedding = 0;
-  std::vector<int64_t> blocks;  ///< per layer
+  std::vector<int64_t> blocks;  ///< per layer the model holds, from its first
   int64_t head = 0;             ///< final norm and loss head
   int64_t total() const;
+};
+
+/// One microbatch between its forward and its backward (Model::forward, Model::backward):
+/// what the forward kept for the backward, opaque, and the forward's output. It holds
+/// that memory until its backward runs (once) or it is destroyed. It must not outlive its
+/// model.
+class Microbatch {
+ public:
+  virtual ~Microbatch() = default;
+  Microbatch(const Microbatch&) = delete;
+  Microbatch& operator=(const Microbatch&) = delete;
+
+  /// The last layer's output [B, T, C] (sequence parallel: this rank's [B, T / tp, C]) in
+  /// the compute dtype, the next stage's input; undefined on the last stage.
+  at::Tensor output;
+  /// The mean loss on the last stage (what forward_backward returns); 0 elsewhere.
+  double loss = 0;
+
+ protected:
+  Microbatch() = default;
 };
 
 class Model {
@@ -70,9 +114,11 @@ class Model {
   /// `sequence_parallel` (a group of more than one rank): forward_backward() runs with
   /// Megatron's sequence parallelism (graph::tensor_parallel's `sp`; the sequence length
   /// a multiple of the group's size); evaluation and generation run without it.
+  ///
+  /// `stage`: the layers the model holds (StageSpan); at least one, within the model's.
   static std::unique_ptr<Model> create(const ModelConfig& cfg, at::Device device,
                                        at::ScalarType compute_dtype, uint64_t seed, dist::Group* tp = nullptr,
-                                       bool sequence_parallel = false);
+                                       bool sequence_parallel = false, StageSpan stage = {});
   virtual ~Model() = default;
 
   const ModelConfig& config() const { return cfg_; }
@@ -80,6 +126,12 @@ class Model {
   dist::Group* tensor_group() const { return tp_; }
   int64_t tp_size() const;
   bool sequence_parallel() const { return sp_; }
+  /// The layers the model holds, `count` resolved (>= 1).
+  const StageSpan& stage() const { return stage_; }
+  /// Whether it holds the embedding (the first stage) and the head (the last stage); a
+  /// model of every layer holds both.
+  bool first_stage() const { return stage_.first == 0; }
+  bool last_stage() const { return stage_.first + stage_.count == cfg_.n_layer; }
   /// Parameter i whole, from `part` (its value, or a tensor of its value's shape such as
   /// an optimizer moment): gathered over the tensor-parallel group when the parameter is
   /// split (every rank of the group must call it), else `part` itself.
@@ -95,7 +147,8 @@ class Model {
   /// The one flat buffer every parameter's gradient is a view of, in params() order, so
   /// that a collective reduces all gradients in place, without copying them into buckets.
   const at::Tensor& grad_buffer() const { return grad_buffer_; }
-  /// Parameters of the whole model (split ones counted whole, once).
+  /// Parameters of the model (split ones counted whole, once; a stage's own, its tied
+  /// copy included).
   int64_t num_params() const;
   void zero_grad();
   /// Sums the partial gradients (Param::partial) over the tensor-parallel group, in one
@@ -103,28 +156,53 @@ class Model {
   /// without sequence parallelism. `what` names the collective in a failure.
   void sum_partial_grads(const std::string& what);
 
-  /// One microbatch: tokens and targets [B, T] int64 (targets -1 are ignored).
-  /// Accumulates d(loss * loss_scale)/d(params) into the gradients and returns the
-  /// mean loss. `measured`, when given, receives the bytes the Saved structs held.
-  virtual double forward_backward(const at::Tensor& tokens, const at::Tensor& targets,
-                                  const StepContext& ctx, double loss_scale, int64_t ce_chunk,
-                                  ActivationBytes* measured = nullptr) = 0;
-  /// Mean loss without dropout; nothing is kept for a backward.
+  /// One microbatch on a model of every layer: tokens and targets [B, T] int64 (targets
+  /// -1 are ignored). Accumulates d(loss * loss_scale)/d(params) into the gradients and
+  /// returns the mean loss. `measured`, when given, receives the bytes the Saved structs
+  /// held. It is forward() followed by backward().
+  double forward_backward(const at::Tensor& tokens, const at::Tensor& targets, const StepContext& ctx,
+                          double loss_scale, int64_t ce_chunk, ActivationBytes* measured = nullptr);
+
+  /// The forward of one microbatch through the layers the model holds, keeping what the
+  /// activation plan says for its backward. `input`: token ids [B, T] int64 on the first
+  /// stage, else the previous stage's Microbatch::output. `targets` [B, T] int64 (-1
+  /// ignored): read on the last stage only (elsewhere they may be undefined). `ctx` keys
+  /// the dropout masks, as in forward_backward; microbatches in flight at once on a model
+  /// must differ in ctx.microbatch (the store's determinism check tells them apart by it).
+  /// `ce_chunk`: the loss head's chunk (positions per chunk), read on the last stage.
+  /// `measured`, when given, receives the bytes this forward's Saved structs hold. Any
+  /// number of microbatches may be in flight; each holds its memory until its backward.
+  virtual std::unique_ptr<Microbatch> forward(const at::Tensor& input, const at::Tensor& targets,
+                                              const StepContext& ctx, int64_t ce_chunk,
+                                              ActivationBytes* measured = nullptr) = 0;
+  /// The backward of a microbatch this model's forward made, once, in any order among the
+  /// microbatches in flight: accumulates the parameters' gradients and returns the
+  /// gradient of the forward's input (the previous stage's `dy`; undefined on the first
+  /// stage). On the last stage it starts from d(loss * loss_scale)/d(loss) and `dy` is
+  /// ignored; elsewhere `dy` is the gradient of Microbatch::output from the next stage
+  /// (which already carries the loss scale) and `loss_scale` is ignored. What the
+  /// microbatch kept is freed as the backward consumes it.
+  virtual at::Tensor backward(Microbatch& mb, const at::Tensor& dy, double loss_scale) = 0;
+
+  /// Mean loss without dropout; nothing is kept for a backward. A model of every layer only.
   virtual double evaluate(const at::Tensor& tokens, const at::Tensor& targets, int64_t ce_chunk) = 0;
-  /// Logits of the last position of each sequence, [B, V] float32.
+  /// Logits of the last position of each sequence, [B, V] float32. A model of every layer only.
   virtual at::Tensor last_logits(const at::Tensor& tokens) = 0;
 
-  /// Applies an activation plan (one LayerPlan per layer) to the following
-  /// forward_backward calls; a plan that keeps everything removes the store.
+  /// Applies an activation plan (one LayerPlan per layer of the whole model, a stage
+  /// too: it runs its layers' plans) to the following forwards; a plan that keeps every
+  /// slot of the model's layers removes the store. A stage refuses a plan whose uniform
+  /// chunk starts in an earlier stage (compile the policy with the stage split).
   virtual void set_activation_plan(const ActivationPlan& plan, const StoreOptions& options) = 0;
   /// The store executing the plan (its counters), or null when every slot is kept.
   virtual ActivationStore* store() = 0;
 
   /// Saved-activation bytes one [B, T] microbatch keeps under the current plan, predicted
-  /// from the ops' byte reports without allocating; equals what forward_backward measures.
+  /// from the ops' byte reports without allocating; equals what forward measures.
   virtual ActivationBytes predict_activation_bytes(int64_t B, int64_t T) const = 0;
 
-  /// Forward FLOPs of one sequence of `seq` tokens, from the ops' own counts.
+  /// Forward FLOPs of one sequence of `seq` tokens through the model's parts (a stage's
+  /// own), from the ops' own counts.
   virtual double forward_flops(int64_t seq) const = 0;
 
   /// Every parameter, whole, named and laid out as in Hugging Face files, on the CPU
@@ -136,7 +214,8 @@ class Model {
   /// Writes whole_params() to a .safetensors file.
   void save(const std::string& path, const std::map<std::string, std::string>& metadata = {}) const;
   /// Loads every parameter from a .safetensors file (ours or a Hugging Face checkpoint of
-  /// the same shape; each rank takes its part of the split ones). The vocabulary
+  /// the same shape; each rank takes its part of the split ones; a stage takes its own
+  /// parameters from a checkpoint of the whole model). The vocabulary
   /// parameters (Param::vocab) may have fewer rows in the file, all of them the same number
   /// (an unpadded checkpoint in a padded model): the rows above are set to the mean of the
   /// file's rows, so that each padding row's logit is the mean of the real ones and, by
@@ -147,11 +226,13 @@ class Model {
   void load(const std::string& path);
 
  protected:
-  Model(const ModelConfig& cfg, at::Device device, at::ScalarType compute_dtype, dist::Group* tp, bool sp)
-      : cfg_(cfg), device_(device), compute_dtype_(compute_dtype), tp_(tp), sp_(sp) {}
+  Model(const ModelConfig& cfg, at::Device device, at::ScalarType compute_dtype, dist::Group* tp, bool sp,
+        StageSpan stage)
+      : cfg_(cfg), device_(device), compute_dtype_(compute_dtype), tp_(tp), sp_(sp), stage_(stage) {}
   /// Whether `name` is stored transposed ([in, out]) in Hugging Face files (GPT-2's Conv1D).
   virtual bool hf_transposed(const std::string& name) const = 0;
-  /// Names a checkpoint may carry that are not parameters (buffers, tied copies).
+  /// Names a checkpoint may carry that are not this model's parameters (buffers, tied
+  /// copies, another pipeline stage's).
   virtual bool ignorable(const std::string& name) const = 0;
 
   ModelConfig cfg_;
@@ -159,6 +240,7 @@ class Model {
   at::ScalarType compute_dtype_;
   dist::Group* tp_;
   bool sp_;
+  StageSpan stage_;
   std::vector<Param> params_;
   at::Tensor grad_buffer_;
 };

@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace remat {
@@ -58,7 +59,9 @@ struct StoreCounters {
 
 class ActivationStore {
  public:
-  ActivationStore(ActivationPlan plan, StoreOptions options);
+  /// Executes `plan` (one LayerPlan per layer of the whole model) for a model that runs
+  /// the layers [first, end) (a pipeline stage's; end -1: up to the last).
+  ActivationStore(ActivationPlan plan, StoreOptions options, int64_t first = 0, int64_t end = -1);
 
   const ActivationPlan& plan() const { return plan_; }
   const StoreOptions& options() const { return options_; }
@@ -68,13 +71,17 @@ class ActivationStore {
   /// Whether layer `l` drops `slot`.
   bool drops(int64_t l, const std::string& slot) const;
 
-  /// Forward: tensor `index` of `slot` of layer `l` is being dropped; records what the
-  /// determinism check needs and counts its bytes unless `view_of_dropped` (a view of another
-  /// tensor of the slot, whose drop counts the memory; the caller releases it).
-  void drop(int64_t l, const std::string& slot, size_t index, const at::Tensor& t, bool view_of_dropped);
-  /// Backward: the recompute refilled `slot` of layer `l` with `tensors`; checks them
-  /// against the record and counts their bytes (a view of all of another counted once).
-  void refilled(int64_t l, const std::string& slot, const std::vector<at::Tensor>& tensors);
+  /// Forward of microbatch `mb` (StepContext::microbatch): tensor `index` of `slot` of
+  /// layer `l` is being dropped; records what the determinism check needs and counts its
+  /// bytes unless `view_of_dropped` (a view of another tensor of the slot, whose drop counts
+  /// the memory; the caller releases it). Records of several microbatches in flight at
+  /// once (a pipeline stage's) stay apart by `mb`.
+  void drop(uint64_t mb, int64_t l, const std::string& slot, size_t index, const at::Tensor& t,
+            bool view_of_dropped);
+  /// Backward of microbatch `mb`: the recompute refilled `slot` of layer `l` with
+  /// `tensors`; checks them against the record and counts their bytes (a view of all of
+  /// another counted once).
+  void refilled(uint64_t mb, int64_t l, const std::string& slot, const std::vector<at::Tensor>& tensors);
   /// Counts one re-executed forward op of `kind`.
   void count_op(const std::string& kind);
   void add_kept_bytes(int64_t bytes) { counters_.bytes_kept += bytes; }
@@ -102,10 +109,12 @@ class ActivationStore {
     const memory::RecomputeScope scope(counters_.pool);
     recompute();
   }
-  /// Backward has finished layer `l`. After the last layer that recomputes (the lowest),
-  /// no recompute is left to reuse the pool's idle buffers: they go back to the system.
-  /// Until then they are kept, also across layers that recompute nothing (every:K), which
-  /// costs no peak (see memory::RecomputeScope).
+  /// A microbatch's backward has finished layer `l`. After the last layer of the model's
+  /// range that recomputes (the lowest), no recompute of this backward is left to reuse the
+  /// pool's idle buffers: they go back to the system. Until then they are kept, also across
+  /// layers that recompute nothing (every:K), which costs no peak (see
+  /// memory::RecomputeScope). Between two backwards nothing is pooled: another microbatch's
+  /// forward may run there (a pipeline), and it does not recompute.
   void finished_backward(int64_t l);
 
  private:
@@ -117,8 +126,8 @@ class ActivationStore {
   ActivationPlan plan_;
   StoreOptions options_;
   StoreCounters counters_;
-  std::map<std::pair<int64_t, std::string>, Record> records_;
-  int64_t lowest_recompute_ = -1;  ///< lowest layer whose plan drops anything
+  std::map<std::tuple<uint64_t, int64_t, std::string>, Record> records_;  ///< by microbatch, layer, slot
+  int64_t lowest_recompute_ = -1;  ///< lowest layer of the model's range whose plan drops anything
 };
 
 }  // namespace remat

@@ -20,15 +20,31 @@ int64_t ActivationBytes::total() const {
 }
 
 std::unique_ptr<Model> Model::create(const ModelConfig& cfg, at::Device device, at::ScalarType compute_dtype,
-                                     uint64_t seed, dist::Group* tp, bool sequence_parallel) {
+                                     uint64_t seed, dist::Group* tp, bool sequence_parallel, StageSpan stage) {
   TORCH_CHECK(cfg.vocab_size > 0, "The model needs a vocabulary size (model.vocab_size), got ", cfg.vocab_size);
   TORCH_CHECK(compute_dtype == at::kFloat || compute_dtype == at::kBFloat16 || compute_dtype == at::kDouble,
               "The compute dtype must be float32, bfloat16 or float64, got ", compute_dtype);
   TORCH_CHECK(!sequence_parallel || (tp != nullptr && tp->size() > 1),
               "Sequence parallelism shares the positions over a tensor-parallel group, but the model has none; "
               "set parallel.tp > 1 with parallel.sp = true.");
+  TORCH_CHECK(stage.first >= 0 && stage.first < cfg.n_layer &&
+                  (stage.count == -1 || (stage.count >= 1 && stage.first + stage.count <= cfg.n_layer)),
+              "A pipeline stage holds at least one of the model's layers: it starts at one of layers 0 to ",
+              cfg.n_layer - 1, " (counted from 0) and ends by the last, got first = ", stage.first,
+              " and count = ", stage.count, " for ", cfg.n_layer, " layers.");
+  if (stage.count == -1) stage.count = cfg.n_layer - stage.first;
   return std::make_unique<detail::TransformerModel>(detail::arch_decl(cfg.arch), cfg, device, compute_dtype, seed,
-                                                    tp, sequence_parallel);
+                                                    tp, sequence_parallel, stage);
+}
+
+double Model::forward_backward(const at::Tensor& tokens, const at::Tensor& targets, const StepContext& ctx,
+                               double loss_scale, int64_t ce_chunk, ActivationBytes* measured) {
+  TORCH_CHECK(first_stage() && last_stage(), "forward_backward runs every layer, but this model is the pipeline "
+              "stage of layers ", stage_.first + 1, " to ", stage_.first + stage_.count, " (counted from 1); run its "
+              "forward() and backward().");
+  const std::unique_ptr<Microbatch> mb = forward(tokens, targets, ctx, ce_chunk, measured);
+  backward(*mb, at::Tensor(), loss_scale);
+  return mb->loss;
 }
 
 int64_t Model::tp_size() const { return tp_ != nullptr ? tp_->size() : 1; }

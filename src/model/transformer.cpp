@@ -20,14 +20,20 @@ std::vector<at::Tensor> Weights::of(const std::vector<int>& idx) const {
 namespace {
 
 // The parameter layout of `decl` for `cfg` on one of `tp` ranks (`sp`: with sequence
-// parallelism): the embedding's, each layer's, then the head's not already named by the
-// embedding; tensors uninitialised, of a rank's sizes, with options `o`.
-Weights make_weights(const ArchDecl& decl, const ModelConfig& cfg, int64_t tp, bool sp, const at::TensorOptions& o) {
+// parallelism) of the stage `stage` (count resolved): the embedding's (first stage), each
+// of its layers', then the head's (last stage) not already named by the embedding; tensors
+// uninitialised, of a rank's sizes, with options `o`.
+Weights make_weights(const ArchDecl& decl, const ModelConfig& cfg, int64_t tp, bool sp, const at::TensorOptions& o,
+                     const StageSpan& stage) {
   Weights w;
   std::map<std::string, int> index;
   // The vocabulary parameters: the first of each node the plan splits by vocabulary rows
   // (the embedding's table, the loss head's weight), named so whether or not tp splits.
   std::set<std::string> vocab;
+  const bool first = stage.first == 0, last = stage.first + stage.count == cfg.n_layer;
+  // Parameters both the embedding and the head read: tied across stages (Param::tied) in
+  // a stage that holds one of the two parts only.
+  std::set<std::string> shared;
   auto add = [&](const std::string& name, const graph::Param& p) {
     auto [it, fresh] = index.emplace(name, static_cast<int>(w.names.size()));
     if (fresh) {
@@ -36,6 +42,7 @@ Weights make_weights(const ArchDecl& decl, const ModelConfig& cfg, int64_t tp, b
       w.shards.push_back(p.shard);
       w.partial.push_back(p.partial);
       w.vocab.push_back(vocab.count(p.name) > 0);
+      w.tied.push_back(first != last && shared.count(name) > 0);
     }
     return it->second;
   };
@@ -47,13 +54,24 @@ Weights make_weights(const ArchDecl& decl, const ModelConfig& cfg, int64_t tp, b
     return graph::tensor_parallel(g, decl.tp_plan, tp, sp).params;
   };
   const int64_t T = sp ? tp : 1;  // a position per rank
-  for (const auto& p : params(decl.embed(cfg, 1, T, at::kFloat))) w.embed.push_back(add(p.name, p));
+  const auto embed = params(decl.embed(cfg, 1, T, at::kFloat));
+  const auto head = params(decl.head(cfg, 1, T, at::kFloat, 1));
+  for (const auto& p : embed) {
+    for (const auto& q : head) {
+      if (p.name == q.name) shared.insert(p.name);
+    }
+  }
+  if (first) {
+    for (const auto& p : embed) w.embed.push_back(add(p.name, p));
+  }
   const auto block = params(decl.block(cfg, 1, T, at::kFloat));
-  for (int64_t l = 0; l < cfg.n_layer; ++l) {
+  for (int64_t l = stage.first; l < stage.first + stage.count; ++l) {
     w.layers.emplace_back();
     for (const auto& p : block) w.layers.back().push_back(add(decl.layer_prefix + std::to_string(l) + "." + p.name, p));
   }
-  for (const auto& p : params(decl.head(cfg, 1, T, at::kFloat, 1))) w.head.push_back(add(p.name, p));
+  if (last) {
+    for (const auto& p : head) w.head.push_back(add(p.name, p));
+  }
   return w;
 }
 
@@ -89,8 +107,8 @@ void Engine::dropped(int v, const at::Tensor& t) {
   const auto& vs = g.slot(s);
   const int root = g.root(v);
   const bool view_of_dropped = root != v && g.saved[root] && g.slot_of[root] == g.slot_of[v];
-  store->drop(layer, slot_name(s), static_cast<size_t>(std::find(vs.begin(), vs.end(), v) - vs.begin()), t,
-              view_of_dropped);
+  store->drop(ctx.microbatch, layer, slot_name(s), static_cast<size_t>(std::find(vs.begin(), vs.end(), v) - vs.begin()),
+              t, view_of_dropped);
 }
 
 at::Tensor Engine::shard(const at::Tensor& whole) {
@@ -109,22 +127,31 @@ at::Tensor Engine::gather(const at::Tensor& share) {
 
 TransformerModel::TransformerModel(const ArchDecl& decl, const ModelConfig& cfg, at::Device device,
                                    at::ScalarType compute_dtype, uint64_t seed, dist::Group* tp,
-                                   bool sequence_parallel)
-    : Model(cfg, device, compute_dtype, tp, sequence_parallel), decl_(decl) {
+                                   bool sequence_parallel, StageSpan stage)
+    : Model(cfg, device, compute_dtype, tp, sequence_parallel, stage), decl_(decl) {
   // Masters are float32, or float64 when computing in float64 (gradient tests).
   const auto f32 = at::TensorOptions().dtype(compute_dtype == at::kDouble ? at::kDouble : at::kFloat);
-  weights_ = make_weights(decl, cfg, tp_size(), sp_, f32);
+  weights_ = make_weights(decl, cfg, tp_size(), sp_, f32, stage_);
+  std::map<std::string, size_t> mine;
+  for (size_t i = 0; i < weights_.names.size(); ++i) mine.emplace(weights_.names[i], i);
   // Initialise on CPU from one seeded generator so a seed means the same model on every
-  // device and every tensor-parallel layout (a rank keeps its part of the whole), then move.
+  // device, every tensor-parallel layout (a rank keeps its part of the whole) and every
+  // pipeline stage (all of the whole model's are drawn, in order, and a stage keeps its
+  // own; the meta layout allocates nothing), then move.
+  const Weights all = make_weights(decl, cfg, tp_size(), sp_, f32.device(at::kMeta), {0, cfg.n_layer});
   auto gen = at::detail::createCPUGenerator(seed);
-  for (size_t i = 0; i < weights_.tensors.size(); ++i) {
-    std::vector<int64_t> whole = weights_.tensors[i].sizes().vec();
-    if (weights_.shards[i].split()) whole[static_cast<size_t>(weights_.shards[i].dim)] *= tp_size();
+  for (size_t j = 0; j < all.tensors.size(); ++j) {
+    std::vector<int64_t> whole = all.tensors[j].sizes().vec();
+    if (all.shards[j].split()) whole[static_cast<size_t>(all.shards[j].dim)] *= tp_size();
     at::Tensor full = at::empty(whole, f32);
-    init_param(weights_.names[i], full, cfg, gen);
-    weights_.tensors[i] = graph::take_part(full, weights_.shards[i], tp_size(), tp != nullptr ? tp->rank() : 0)
-                              .contiguous()
-                              .to(device);
+    init_param(all.names[j], full, cfg, gen);
+    const auto it = mine.find(all.names[j]);
+    if (it == mine.end()) {
+      other_stages_.insert(all.names[j]);
+      continue;
+    }
+    weights_.tensors[it->second] =
+        graph::take_part(full, all.shards[j], tp_size(), tp != nullptr ? tp->rank() : 0).contiguous().to(device);
   }
   grads_ = weights_;
   int64_t numel = 0;
@@ -135,91 +162,129 @@ TransformerModel::TransformerModel(const ArchDecl& decl, const ModelConfig& cfg,
     const at::Tensor& w = weights_.tensors[i];
     grads_.tensors[i] = grad_buffer_.narrow(0, numel, w.numel()).view(w.sizes());
     numel += w.numel();
-    params_.push_back(
-        Param{weights_.names[i], w, grads_.tensors[i], w.dim() >= 2, weights_.shards[i], weights_.partial[i],
-              weights_.vocab[i]});
+    params_.push_back(Param{weights_.names[i], w, grads_.tensors[i], w.dim() >= 2, weights_.shards[i],
+                            weights_.partial[i], weights_.vocab[i], weights_.tied[i]});
   }
-  const graph::BlockGraph head = graph_of(Part::head, 1, 1, 1);
-  for (const auto& n : head.nodes) {
-    if (n.op == &graph::op::loss(cfg.loss_head)) head_weight_ = weights_.head[static_cast<size_t>(n.params.at(0))];
+  if (last_stage()) {
+    const graph::BlockGraph head = graph_of(Part::head, 1, 1, 1);
+    for (const auto& n : head.nodes) {
+      if (n.op == &graph::op::loss(cfg.loss_head)) head_weight_ = weights_.head[static_cast<size_t>(n.params.at(0))];
+    }
+    TORCH_INTERNAL_ASSERT(head_weight_ >= 0, "the head declares no loss");
   }
-  TORCH_INTERNAL_ASSERT(head_weight_ >= 0, "the head declares no loss");
   if (decl.block(cfg, 1, 1, compute_dtype).uses(graph::op::rope())) {
     rope_ = ops::rope_tables(cfg.max_seq, cfg.head_dim(), cfg.rope_theta, compute_dtype, device);
   }
 }
 
-double TransformerModel::forward_backward(const at::Tensor& tokens, const at::Tensor& targets, const StepContext& ctx,
-                                          double loss_scale, int64_t ce_chunk, ActivationBytes* measured) {
-  check_batch(tokens, targets);
+std::unique_ptr<Microbatch> TransformerModel::forward(const at::Tensor& input, const at::Tensor& targets,
+                                                       const StepContext& ctx, int64_t ce_chunk,
+                                                       ActivationBytes* measured) {
+  const auto [B, T] = check_input(input, targets);
   const Weights& W = compute_weights();
-  const int64_t L = cfg_.n_layer, B = tokens.size(0), T = tokens.size(1);
-  const GraphShape& emb = shaped(Part::embed, B, T, 0, sp_);
-  const GraphShape& blk = shaped(Part::block, B, T, 0, sp_);
-  const GraphShape& head = shaped(Part::head, B, T, ce_chunk, sp_);
-  const PoolDrain drain{store_ != nullptr && store_->options().pool};
+  auto mb = std::make_unique<TransformerMicrobatch>(this, ctx);
+  mb->block_shape = &shaped(Part::block, B, T, 0, sp_);
+  const GraphShape& blk = *mb->block_shape;
+  if (!first_stage()) {
+    const graph::TensorInfo& in = blk.graph.values[static_cast<size_t>(blk.graph.input)].info;
+    TORCH_CHECK(input.sizes() == at::IntArrayRef(in.sizes) && input.scalar_type() == in.dtype,
+                "[model] the stage's input must be the previous stage's output ", at::IntArrayRef(in.sizes), " ",
+                in.dtype, ", got ", input.sizes(), " ", input.scalar_type());
+  }
 
   // Coarse trace slices around the parts outside the blocks.
-  std::optional<trace::Scope> scope(std::in_place, "embedding forward", trace::Category::layer);
-  Run embed_run(emb.graph, emb.lifetimes, kKeepAll);
-  at::Tensor x;
-  {
+  std::optional<trace::Scope> scope;
+  at::Tensor x = input;
+  if (first_stage()) {
+    scope.emplace("embedding forward", trace::Category::layer);
+    mb->embed_shape = &shaped(Part::embed, B, T, 0, sp_);
+    const GraphShape& emb = *mb->embed_shape;
+    mb->embed = std::make_unique<Run>(emb.graph, emb.lifetimes, kKeepAll);
     Engine e = engine(emb, W, W.embed, false, 0, ctx, nullptr);
-    x = embed_run.forward(e, tokens);
+    x = mb->embed->forward(e, input);
+    scope.reset();
   }
-  scope.reset();
-  std::vector<std::unique_ptr<Run>> runs;
-  for (int64_t l = 0; l < L; ++l) {
+  for (int64_t l = stage_.first; l < end_layer(); ++l) {
     const trace::Scope layer_scope("forward", trace::Category::layer, l);
-    Engine e = engine(blk, W, W.layers[l], false, l, ctx, store_.get());
-    runs.push_back(std::make_unique<Run>(blk.graph, blk.lifetimes, keeps(l), true, hold(l)));
-    x = runs.back()->forward(e, std::move(x));
+    Engine e = engine(blk, W, W.layers[l - stage_.first], false, l, ctx, store_.get());
+    mb->layers.push_back(std::make_unique<Run>(blk.graph, blk.lifetimes, keeps(l), true, hold(l)));
+    x = mb->layers.back()->forward(e, std::move(x));
   }
-  scope.emplace("loss head forward", trace::Category::layer);
-  Run head_run(head.graph, head.lifetimes, kKeepAll);
-  double loss = 0;
-  {
+  if (last_stage()) {
+    scope.emplace("loss head forward", trace::Category::layer);
+    mb->head_shape = &shaped(Part::head, B, T, ce_chunk, sp_);
+    const GraphShape& head = *mb->head_shape;
+    mb->head = std::make_unique<Run>(head.graph, head.lifetimes, kKeepAll);
     Engine e = engine(head, W, W.head, false, 0, ctx, nullptr);
-    loss = head_run.forward(e, std::move(x), false, {targets.reshape({-1})}).item<double>();
+    mb->loss = mb->head->forward(e, std::move(x), false, {targets.reshape({-1})}).item<double>();
+    scope.reset();
+  } else {
+    mb->output = std::move(x);
   }
-  scope.reset();
 
   if (store_) {
     std::unordered_set<const void*> seen;
-    for (int64_t l = 0; l < L; ++l) store_->add_kept_bytes(distinct_storage_bytes(runs[l]->held(), seen));
+    for (const auto& run : mb->layers) store_->add_kept_bytes(distinct_storage_bytes(run->held(), seen));
   }
   if (measured != nullptr) {
     std::unordered_set<const void*> seen;
-    measured->embedding = distinct_storage_bytes(embed_run.held(), seen);
-    measured->blocks.assign(L, 0);
-    for (int64_t l = 0; l < L; ++l) measured->blocks[l] = distinct_storage_bytes(runs[l]->held(), seen);
-    measured->head = distinct_storage_bytes(head_run.held(), seen);
+    *measured = {};
+    if (mb->embed) measured->embedding = distinct_storage_bytes(mb->embed->held(), seen);
+    for (const auto& run : mb->layers) measured->blocks.push_back(distinct_storage_bytes(run->held(), seen));
+    if (mb->head) measured->head = distinct_storage_bytes(mb->head->held(), seen);
   }
+  return mb;
+}
 
-  scope.emplace("loss head backward", trace::Category::layer);
-  at::Tensor dx;
-  {
-    Engine e = engine(head, W, W.head, true, 0, ctx, nullptr);
-    dx = head_run.backward(e, at::scalar_tensor(loss_scale, at::kDouble));
+at::Tensor TransformerModel::backward(Microbatch& handle, const at::Tensor& dy, double loss_scale) {
+  auto* mb = dynamic_cast<TransformerMicrobatch*>(&handle);
+  TORCH_CHECK(mb != nullptr && mb->model == this, "[model] backward of a microbatch another model's forward made");
+  TORCH_CHECK(!mb->consumed, "[model] the microbatch's backward already ran; it runs once");
+  if (!last_stage()) {
+    const graph::BlockGraph& g = mb->block_shape->graph;
+    const graph::TensorInfo& out = g.values[static_cast<size_t>(g.output)].info;
+    TORCH_CHECK(dy.defined(), "[model] a stage before the last needs the gradient of its output");
+    TORCH_CHECK(dy.sizes() == at::IntArrayRef(out.sizes) && dy.scalar_type() == out.dtype,
+                "[model] the output gradient must have the output's shape and dtype ", at::IntArrayRef(out.sizes),
+                " ", out.dtype, ", got ", dy.sizes(), " ", dy.scalar_type());
   }
-  scope.reset();
-  for (int64_t l = L - 1; l >= 0; --l) {
+  mb->consumed = true;
+  // Idle pooled buffers go back to the system when the backward ends, also when a
+  // recompute throws (a failed determinism check); the microbatch's own leave the pool.
+  const PoolDrain drain{store_ != nullptr && store_->options().pool};
+  const Weights& W = compute_weights();
+  const StepContext& ctx = mb->ctx;
+  const GraphShape& blk = *mb->block_shape;
+
+  std::optional<trace::Scope> scope;
+  at::Tensor dx = dy;
+  if (mb->head) {
+    scope.emplace("loss head backward", trace::Category::layer);
+    Engine e = engine(*mb->head_shape, W, W.head, true, 0, ctx, nullptr);
+    dx = mb->head->backward(e, at::scalar_tensor(loss_scale, at::kDouble));
+    scope.reset();
+  }
+  for (int64_t l = end_layer() - 1; l >= stage_.first; --l) {
     const trace::Scope layer_scope("backward", trace::Category::layer, l);
-    if (!runs[l]->value(blk.graph.input).defined()) recompute_chunk(blk, l, ctx, runs);
-    Engine e = engine(blk, W, W.layers[l], true, l, ctx, store_.get());
-    dx = runs[l]->backward(e, std::move(dx));
-    runs[l].reset();
+    auto& run = mb->layers[static_cast<size_t>(l - stage_.first)];
+    if (!run->value(blk.graph.input).defined()) recompute_chunk(blk, l, ctx, mb->layers);
+    Engine e = engine(blk, W, W.layers[l - stage_.first], true, l, ctx, store_.get());
+    dx = run->backward(e, std::move(dx));
+    run.reset();
     if (store_) store_->finished_backward(l);
   }
-  scope.emplace("embedding backward", trace::Category::layer);
-  Engine e = engine(emb, W, W.embed, true, 0, ctx, nullptr);
-  embed_run.backward(e, std::move(dx));
-  return loss;
+  if (mb->embed) {
+    scope.emplace("embedding backward", trace::Category::layer);
+    Engine e = engine(*mb->embed_shape, W, W.embed, true, 0, ctx, nullptr);
+    dx = mb->embed->backward(e, std::move(dx));  // token ids: undefined
+  }
+  return dx;
 }
 
 double TransformerModel::evaluate(const at::Tensor& tokens, const at::Tensor& targets, int64_t ce_chunk) {
-  check_batch(tokens, targets);
-  const GraphShape& head = shaped(Part::head, tokens.size(0), tokens.size(1), ce_chunk);
+  check_whole("Evaluation");
+  const auto [B, T] = check_input(tokens, targets);
+  const GraphShape& head = shaped(Part::head, B, T, ce_chunk);
   const Weights& W = compute_weights();
   Engine e = engine(head, W, W.head, false, 0, {}, nullptr, /*train=*/false);
   return Run(head.graph, head.lifetimes, kKeepAll, /*training=*/false)
@@ -228,6 +293,7 @@ double TransformerModel::evaluate(const at::Tensor& tokens, const at::Tensor& ta
 }
 
 at::Tensor TransformerModel::last_logits(const at::Tensor& tokens) {
+  check_whole("Generation");
   TORCH_CHECK(tokens.dim() == 2 && tokens.size(1) > 0, "[model] tokens must be [B, T] with T > 0, got ",
               tokens.sizes());
   const GraphShape& head = shaped(Part::head, tokens.size(0), tokens.size(1));
@@ -240,15 +306,21 @@ at::Tensor TransformerModel::last_logits(const at::Tensor& tokens) {
 }
 
 double TransformerModel::forward_flops(int64_t seq) const {
-  return graph_of(Part::embed, 1, seq).forward_flops() + cfg_.n_layer * graph_of(Part::block, 1, seq).forward_flops() +
-         graph_of(Part::head, 1, seq, seq).forward_flops();
+  return (first_stage() ? graph_of(Part::embed, 1, seq).forward_flops() : 0.0) +
+         static_cast<double>(stage_.count) * graph_of(Part::block, 1, seq).forward_flops() +
+         (last_stage() ? graph_of(Part::head, 1, seq, seq).forward_flops() : 0.0);
 }
 
 void TransformerModel::set_activation_plan(const ActivationPlan& plan, const StoreOptions& options) {
   TORCH_CHECK(static_cast<int64_t>(plan.layers.size()) == cfg_.n_layer, "The activation plan has ",
               plan.layers.size(), " layers but the model has ", cfg_.n_layer);
   bool any = false;
-  for (const auto& lp : plan.layers) {
+  for (int64_t l = stage_.first; l < end_layer(); ++l) {
+    const LayerPlan& lp = plan.layers[static_cast<size_t>(l)];
+    TORCH_CHECK(lp.chunk_begin < 0 || lp.chunk_begin >= stage_.first, "The activation plan's chunk of layer ", l + 1,
+                " (counted from 1) begins at layer ", lp.chunk_begin + 1, ", before this pipeline stage's first layer ",
+                stage_.first + 1, "; a chunk cannot cross a stage boundary: compile the policy with the stage split "
+                "(ac.stages, ac.num_layers_per_stage).");
     any = any || !lp.keeps_all();
     for (const auto& slot : lp.dropped) slot_of_name(slot);  // refuses a slot no block has
     TORCH_CHECK(!lp.input_sharded || (tp_size() > 1 && !sp_),
@@ -256,27 +328,42 @@ void TransformerModel::set_activation_plan(const ActivationPlan& plan, const Sto
                 "(distribute_saved_activations), which needs parallel.tp > 1 without parallel.sp; this model runs "
                 "with tp = ", tp_size(), sp_ ? " and sequence parallelism" : "", ".");
   }
-  store_ = any ? std::make_unique<ActivationStore>(plan, options) : nullptr;
+  store_ = any ? std::make_unique<ActivationStore>(plan, options, stage_.first, end_layer()) : nullptr;
 }
 
 ActivationBytes TransformerModel::predict_activation_bytes(int64_t B, int64_t T) const {
   // The graphs' saved values: the blocks' by the slot table (the planner prices the same).
   const graph::BlockGraph g = graph_of(Part::block, B, T, 0, sp_);
   ActivationBytes out;
-  out.embedding = graph_of(Part::embed, B, T, 0, sp_).saved_bytes();
-  out.head = graph_of(Part::head, B, T, 1, sp_).saved_bytes();
-  for (int64_t l = 0; l < cfg_.n_layer; ++l) {
+  if (first_stage()) out.embedding = graph_of(Part::embed, B, T, 0, sp_).saved_bytes();
+  if (last_stage()) out.head = graph_of(Part::head, B, T, 1, sp_).saved_bytes();
+  for (int64_t l = stage_.first; l < end_layer(); ++l) {
     out.blocks.push_back(g.kept_bytes(keeps(l), hold(l) == graph::InputHold::sharded));
   }
   return out;
 }
 
-void TransformerModel::check_batch(const at::Tensor& tokens, const at::Tensor& targets) const {
-  TORCH_CHECK(tokens.dim() == 2 && tokens.sizes() == targets.sizes(),
-              "[model] tokens and targets must both be [B, T], got ", tokens.sizes(), " and ", targets.sizes());
-  TORCH_CHECK(tokens.size(1) <= cfg_.max_seq, "The sequence has ", tokens.size(1),
-              " tokens but the model's context is ", cfg_.max_seq, " (model.max_seq); use sequences of at most ",
-              cfg_.max_seq, " tokens.");
+std::pair<int64_t, int64_t> TransformerModel::check_input(const at::Tensor& input, const at::Tensor& targets) const {
+  if (first_stage()) {
+    TORCH_CHECK(input.dim() == 2, "[model] the tokens must be [B, T], got ", input.sizes());
+  } else {
+    TORCH_CHECK(input.dim() == 3, "[model] a stage after the first takes the previous stage's output [B, T, C], got ",
+                input.sizes());
+  }
+  // Sequence parallel: an activation holds this rank's share of the positions.
+  const int64_t B = input.size(0), T = input.size(1) * (first_stage() || !sp_ ? 1 : tp_size());
+  TORCH_CHECK(T <= cfg_.max_seq, "The sequence has ", T, " tokens but the model's context is ", cfg_.max_seq,
+              " (model.max_seq); use sequences of at most ", cfg_.max_seq, " tokens.");
+  if (last_stage()) {
+    TORCH_CHECK(targets.dim() == 2 && targets.size(0) == B && targets.size(1) == T,
+                "[model] tokens and targets must both be [B, T] = [", B, ", ", T, "], got targets ", targets.sizes());
+  }
+  return {B, T};
+}
+
+void TransformerModel::check_whole(const char* what) const {
+  TORCH_CHECK(first_stage() && last_stage(), what, " runs every layer, but this model is the pipeline stage of layers ",
+              stage_.first + 1, " to ", end_layer(), " (counted from 1) of ", cfg_.n_layer, ".");
 }
 
 graph::BlockGraph TransformerModel::graph_of(Part p, int64_t B, int64_t T, int64_t chunk, bool sp) const {
@@ -331,24 +418,26 @@ void TransformerModel::recompute_chunk(const GraphShape& blk, int64_t last, cons
                                        std::vector<std::unique_ptr<Run>>& runs) {
   const int64_t first = store_->plan().layers[static_cast<size_t>(last)].chunk_begin;
   const Weights& W = compute_weights();
+  // The stage's runs and weights count from its first layer.
+  const auto local = [&](int64_t l) { return static_cast<size_t>(l - stage_.first); };
   store_->recompute([&] {
     {
-      Engine e = engine(blk, W, W.layers[first], false, first, ctx, store_.get());
-      runs[first]->gather_input(e);
+      Engine e = engine(blk, W, W.layers[local(first)], false, first, ctx, store_.get());
+      runs[local(first)]->gather_input(e);
     }
-    at::Tensor x = runs[first]->value(blk.graph.input);
+    at::Tensor x = runs[local(first)]->value(blk.graph.input);
     for (int64_t j = first; j <= last; ++j) {
       const trace::Recompute recompute(j);
-      Engine e = engine(blk, W, W.layers[j], false, j, ctx, store_.get());
+      Engine e = engine(blk, W, W.layers[local(j)], false, j, ctx, store_.get());
       auto fresh = std::make_unique<Run>(blk.graph, blk.lifetimes, kKeepAll);
       x = fresh->forward(e, std::move(x), /*recompute=*/true);
       for (int s = 1; s < kSlotCount; ++s) {
-        if (!runs[j]->missing(static_cast<Slot>(s))) continue;
+        if (!runs[local(j)]->missing(static_cast<Slot>(s))) continue;
         std::vector<at::Tensor> ts;
         for (int v : blk.graph.slot(static_cast<Slot>(s))) ts.push_back(fresh->value(v));
-        store_->refilled(j, slot_name(static_cast<Slot>(s)), ts);
+        store_->refilled(ctx.microbatch, j, slot_name(static_cast<Slot>(s)), ts);
       }
-      runs[j] = std::move(fresh);
+      runs[local(j)] = std::move(fresh);
     }
   });
 }

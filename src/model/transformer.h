@@ -77,17 +77,19 @@ struct GraphShape {
   explicit GraphShape(graph::BlockGraph g) : graph(std::move(g)), lifetimes(graph) {}
 };
 
-/// Every parameter tensor, in checkpoint order, and which of them each graph reads: one
-/// index per graph parameter (a tied head reads an embedding parameter's index). The same
-/// layout holds the values, the gradients and, in bfloat16 runs, the compute copies.
+/// Every parameter tensor of a model (a stage's: StageSpan), in checkpoint order, and which
+/// of them each graph reads: one index per graph parameter (a tied head reads an embedding
+/// parameter's index). The same layout holds the values, the gradients and, in bfloat16
+/// runs, the compute copies.
 struct Weights {
   std::vector<std::string> names;
   std::vector<at::Tensor> tensors;
   std::vector<graph::Shard> shards;
   std::vector<bool> partial;  ///< graph::Param::partial
   std::vector<bool> vocab;    ///< Param::vocab
-  std::vector<int> embed, head;
-  std::vector<std::vector<int>> layers;
+  std::vector<bool> tied;     ///< Param::tied
+  std::vector<int> embed, head;  ///< empty where the stage does not hold the part
+  std::vector<std::vector<int>> layers;  ///< the stage's layers, from its first
   /// The tensors of one graph's parameters, in the graph's order (handles: in-place
   /// accumulation into them reaches these tensors).
   std::vector<at::Tensor> of(const std::vector<int>& idx) const;
@@ -111,7 +113,7 @@ struct Engine {
   at::Tensor add(const at::Tensor& a, const at::Tensor& b) { return a + b; }
   void dropped(int v, const at::Tensor& t);
   void refilled(Slot s, const std::vector<at::Tensor>& ts) {
-    if (store != nullptr) store->refilled(layer, slot_name(s), ts);
+    if (store != nullptr) store->refilled(ctx.microbatch, layer, slot_name(s), ts);
   }
   template <class F>
   void recompute(F&& f) {
@@ -128,13 +130,32 @@ struct Engine {
 
 using Run = graph::BlockRun<Engine>;
 
+class TransformerModel;
+
+/// A microbatch between TransformerModel::forward and ::backward: the walks' runs of the
+/// parts the model holds (null: not held; a layer's also once its backward ran).
+struct TransformerMicrobatch final : Microbatch {
+  const TransformerModel* model;  ///< whose forward made it
+  StepContext ctx;
+  const GraphShape* embed_shape = nullptr;
+  const GraphShape* block_shape = nullptr;
+  const GraphShape* head_shape = nullptr;
+  std::unique_ptr<Run> embed;
+  std::vector<std::unique_ptr<Run>> layers;  ///< the stage's layers, from its first
+  std::unique_ptr<Run> head;
+  bool consumed = false;  ///< its backward ran (or began and failed)
+
+  TransformerMicrobatch(const TransformerModel* m, const StepContext& c) : model(m), ctx(c) {}
+};
+
 class TransformerModel final : public Model {
  public:
   TransformerModel(const ArchDecl& decl, const ModelConfig& cfg, at::Device device, at::ScalarType compute_dtype,
-                   uint64_t seed, dist::Group* tp, bool sequence_parallel);
+                   uint64_t seed, dist::Group* tp, bool sequence_parallel, StageSpan stage);
 
-  double forward_backward(const at::Tensor& tokens, const at::Tensor& targets, const StepContext& ctx,
-                          double loss_scale, int64_t ce_chunk, ActivationBytes* measured) override;
+  std::unique_ptr<Microbatch> forward(const at::Tensor& input, const at::Tensor& targets, const StepContext& ctx,
+                                      int64_t ce_chunk, ActivationBytes* measured) override;
+  at::Tensor backward(Microbatch& mb, const at::Tensor& dy, double loss_scale) override;
   double evaluate(const at::Tensor& tokens, const at::Tensor& targets, int64_t ce_chunk) override;
   at::Tensor last_logits(const at::Tensor& tokens) override;
   double forward_flops(int64_t seq) const override;
@@ -144,12 +165,20 @@ class TransformerModel final : public Model {
 
  protected:
   bool hf_transposed(const std::string& name) const override { return decl_.hf_transposed(name); }
-  bool ignorable(const std::string& name) const override { return decl_.ignorable(name); }
+  bool ignorable(const std::string& name) const override {
+    return decl_.ignorable(name) || other_stages_.count(name) > 0;
+  }
 
  private:
   enum class Part { embed, block, head };
 
-  void check_batch(const at::Tensor& tokens, const at::Tensor& targets) const;
+  // The microbatch's [B, T] from a forward's input (token ids on the first stage, an
+  // activation elsewhere), checked with the targets on the last stage.
+  std::pair<int64_t, int64_t> check_input(const at::Tensor& input, const at::Tensor& targets) const;
+  // Refuses what needs every layer (evaluation, generation) on a pipeline stage.
+  void check_whole(const char* what) const;
+  // The stage's end layer (one past its last).
+  int64_t end_layer() const { return stage_.first + stage_.count; }
   // A part's graph at [B, T] (the head's also per chunk) as this rank runs it; `sp`: with
   // the sequence parallelism a training step runs (Model::sequence_parallel).
   graph::BlockGraph graph_of(Part p, int64_t B, int64_t T, int64_t chunk = 0, bool sp = false) const;
@@ -164,7 +193,8 @@ class TransformerModel final : public Model {
   Engine engine(const GraphShape& s, const Weights& W, const std::vector<int>& params, bool backward, int64_t l,
                 const StepContext& ctx, ActivationStore* store, bool train = true);
   // uniform:N: the backward of a chunk's last layer re-runs the whole chunk's forward from
-  // its first layer's kept input, keeping everything, as one recompute.
+  // its first layer's kept input, keeping everything, as one recompute. `runs`: the
+  // stage's, from its first layer.
   void recompute_chunk(const GraphShape& blk, int64_t last, const StepContext& ctx,
                        std::vector<std::unique_ptr<Run>>& runs);
   // The last block's output [B, T, C] without dropout; nothing is kept for a backward.
@@ -177,10 +207,12 @@ class TransformerModel final : public Model {
   std::optional<ops::RopeTables> rope_;  ///< rotation tables, when the block rotates
   std::map<std::tuple<Part, int64_t, int64_t, int64_t, bool>, std::unique_ptr<GraphShape>> parts_;
   std::unique_ptr<ActivationStore> store_;  ///< null: every slot kept
+  /// The whole model's parameters another pipeline stage holds (a checkpoint carries them).
+  std::unordered_set<std::string> other_stages_;
   Weights weights_;
   Weights grads_;
   Weights cast_;
-  int head_weight_ = -1;  ///< the weight the loss's logits read (generation's logits too)
+  int head_weight_ = -1;  ///< the weight the loss's logits read (generation's logits too); -1: no head
   bool cast_valid_ = false;
   int64_t cast_version_ = 0;
 };

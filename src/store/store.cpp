@@ -44,10 +44,14 @@ DeterminismCheck parse_determinism_check(const std::string& s) {
   throw std::invalid_argument(fmt::format("ac.check must be none, meta or values, got '{}'.", s));
 }
 
-ActivationStore::ActivationStore(ActivationPlan plan, StoreOptions options)
+ActivationStore::ActivationStore(ActivationPlan plan, StoreOptions options, int64_t first, int64_t end)
     : plan_(std::move(plan)), options_(options) {
-  for (size_t l = plan_.layers.size(); l-- > 0;) {
-    if (!plan_.layers[l].keeps_all()) lowest_recompute_ = static_cast<int64_t>(l);
+  const auto layers = static_cast<int64_t>(plan_.layers.size());
+  if (end < 0) end = layers;
+  TORCH_INTERNAL_ASSERT(0 <= first && first < end && end <= layers, "layers [", first, ", ", end, ") of a plan of ",
+                        layers);
+  for (int64_t l = end; l-- > first;) {
+    if (!plan_.layers[static_cast<size_t>(l)].keeps_all()) lowest_recompute_ = l;
   }
 }
 
@@ -55,12 +59,12 @@ bool ActivationStore::drops(int64_t l, const std::string& slot) const {
   return plan_.layers[static_cast<size_t>(l)].dropped.count(slot) > 0;
 }
 
-void ActivationStore::drop(int64_t l, const std::string& slot, size_t index, const at::Tensor& t,
+void ActivationStore::drop(uint64_t mb, int64_t l, const std::string& slot, size_t index, const at::Tensor& t,
                            bool view_of_dropped) {
   if (!t.defined()) return;
   if (!view_of_dropped) counters_.bytes_dropped += t.numel() * static_cast<int64_t>(t.element_size());
   if (options_.check == DeterminismCheck::none) return;
-  Record& r = records_[{l, slot}];
+  Record& r = records_[{mb, l, slot}];
   if (r.sizes.size() <= index) {
     r.sizes.resize(index + 1);
     r.dtypes.resize(index + 1);
@@ -71,7 +75,8 @@ void ActivationStore::drop(int64_t l, const std::string& slot, size_t index, con
   if (options_.check == DeterminismCheck::values) r.hashes[index] = hash_bytes(t);
 }
 
-void ActivationStore::refilled(int64_t l, const std::string& slot, const std::vector<at::Tensor>& tensors) {
+void ActivationStore::refilled(uint64_t mb, int64_t l, const std::string& slot,
+                               const std::vector<at::Tensor>& tensors) {
   std::vector<at::Tensor> defined;
   for (const auto& t : tensors) {
     if (t.defined()) defined.push_back(t);
@@ -85,7 +90,7 @@ void ActivationStore::refilled(int64_t l, const std::string& slot, const std::ve
     }
   }
   if (options_.check == DeterminismCheck::none) return;
-  auto it = records_.find({l, slot});
+  auto it = records_.find({mb, l, slot});
   if (it == records_.end()) return;
   const Record& r = it->second;
   const std::string where = fmt::format("layer {} (counted from 1), slot {}", l + 1, slot);
