@@ -127,14 +127,12 @@ bool plot_frontier(const std::string& path, const std::vector<FrontierPoint>& fr
 std::string stage_text(const PipelinePlan& r, size_t s, int64_t microbatches, pipeline::Schedule schedule) {
   const cost::StepPrediction& p = r.stages[s];
   const int64_t first = p.first_layer + 1, last = p.first_layer + static_cast<int64_t>(p.layers.size());
+  const int64_t held =
+      pipeline::in_flight(schedule, static_cast<int64_t>(r.stages.size()), static_cast<int64_t>(s), microbatches);
   return fmt::format("stage {}: {}, {} microbatch{} in flight, peak {} ({}), {} FLOPs per microbatch", s + 1,
                      first == last ? fmt::format("layer {} (1)", first)
                                    : fmt::format("layers {}-{} ({})", first, last, last - first + 1),
-                     pipeline::in_flight(schedule, static_cast<int64_t>(r.stages.size()), static_cast<int64_t>(s),
-                                         microbatches),
-                     pipeline::in_flight(schedule, static_cast<int64_t>(r.stages.size()), static_cast<int64_t>(s),
-                                         microbatches) == 1 ? "" : "es",
-                     format_bytes(p.peak), p.peak_at, format_count(r.stage_seconds[s]));
+                     held, held == 1 ? "" : "es", format_bytes(p.peak), p.peak_at, format_count(r.stage_seconds[s]));
 }
 
 // `remat plan` of a pipeline: the layers of each stage and each layer's plan, solved

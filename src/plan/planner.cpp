@@ -198,8 +198,8 @@ std::optional<PipelinePlan> Planner::solve_pipeline(int64_t budget, const Pipeli
   plan.policy = fmt::format("budget:{}", budget);
   PipelinePlan r = predict_pipeline(plan, fixed);
   for (size_t s = 0; s < r.stages.size(); ++s) {
-    TORCH_INTERNAL_ASSERT(r.stages[s].peak == solved->stages[s].peak, "stage ", s + 1, " of the pipeline plan peaks at ",
-                          r.stages[s].peak, " where its solver predicted ", solved->stages[s].peak);
+    TORCH_INTERNAL_ASSERT(r.stages[s].peak <= solved->stages[s].peak, "stage ", s + 1, " of the pipeline plan peaks at ",
+                          r.stages[s].peak, " above the ", solved->stages[s].peak, " its solver priced");
   }
   return r;
 }

@@ -20,7 +20,7 @@ namespace {
 
 using pipeline::Schedule;
 
-TEST(Pipeline, HoldsTheMicrobatchesItsScheduleHasInFlight) {
+TEST(PipelinePlan, HoldsTheMicrobatchesItsScheduleHasInFlight) {
   // 1F1B: stage s of p (from 0) holds p - s, at most all microbatches; GPipe all of them.
   EXPECT_EQ(pipeline::in_flight(Schedule::one_f_one_b, 4, 0, 8), 4);
   EXPECT_EQ(pipeline::in_flight(Schedule::one_f_one_b, 4, 3, 8), 1);
@@ -53,7 +53,7 @@ std::vector<int64_t> checkpointed(const pipeline::Solution& s) {
   return out;
 }
 
-TEST(Pipeline, ReproducesColossalAIsExample) {
+TEST(PipelinePlan, ReproducesColossalAIsExample) {
   pipeline::Problem p = colossalai_example();
   const auto joint = pipeline::solve(p);
   ASSERT_TRUE(joint.has_value());
@@ -139,7 +139,7 @@ std::optional<std::pair<double, double>> brute_force(const pipeline::Problem& p)
   return best;
 }
 
-TEST(Pipeline, SolverEqualsBruteForceOnRandomProblems) {
+TEST(PipelinePlan, SolverEqualsBruteForceOnRandomProblems) {
   std::mt19937_64 rng(20261124);
   const auto uniform = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
   int feasible = 0;
@@ -197,16 +197,11 @@ TEST(Pipeline, SolverEqualsBruteForceOnRandomProblems) {
 ModelConfig config(const std::string& preset, int64_t layers) { return testing::plan_config(preset, layers, 0.1); }
 
 cost::StepShape shape_of(int64_t B, int64_t T, int64_t microbatches) {
-  cost::StepShape s;
-  s.batch = B;
-  s.seq = T;
-  s.ce_chunk = 100;
-  s.grad_accum = microbatches;
-  return s;
+  return testing::plan_shape(B, T, at::kFloat, microbatches);
 }
 
 // A stage holds its own layers' parameters and the others' activations in flight.
-TEST(Pipeline, StagePredictionsHoldTheirPartsAndTheMicrobatchesInFlight) {
+TEST(PipelinePlan, StagePredictionsHoldTheirPartsAndTheMicrobatchesInFlight) {
   for (const char* preset : {"gpt2-demo", "llama-demo"}) {
     const ModelConfig cfg = config(preset, 4);
     cost::NodeTimes times;
@@ -246,7 +241,7 @@ TEST(Pipeline, StagePredictionsHoldTheirPartsAndTheMicrobatchesInFlight) {
 
 // Every plan of a small pipeline over a few keep-sets and uniform chunks of two, priced by
 // the step simulator stage by stage: the solver's plan is the fastest that fits.
-TEST(Pipeline, PlannerEqualsBruteForceOverSimulatedPlans) {
+TEST(PipelinePlan, PlannerEqualsBruteForceOverSimulatedPlans) {
   const std::vector<std::set<std::string>> candidates = {{}, {"attn.probs", "attn.dropout"}, {"mlp.act_in"}};
   cost::NodeTimes times;
   times.flops_per_second = 1.0;
@@ -329,7 +324,7 @@ TEST(Pipeline, PlannerEqualsBruteForceOverSimulatedPlans) {
 
 // The size: 32 layers on 8 stages, the whole frontier and chunks up to four. How
 // long it takes is printed (README), not asserted.
-TEST(Pipeline, Plans32LayersOn8Stages) {
+TEST(PipelinePlan, Plans32LayersOn8Stages) {
   const ModelConfig cfg = config("llama-demo", 32);
   cost::NodeTimes times;
   times.flops_per_second = 1.0;

@@ -21,12 +21,7 @@ ModelConfig config(const std::string& preset, int64_t layers, double dropout) {
 }
 
 cost::StepShape shape_of(int64_t B, int64_t T, at::ScalarType dtype = at::kFloat) {
-  cost::StepShape s;
-  s.batch = B;
-  s.seq = T;
-  s.ce_chunk = 100;
-  s.dtype = dtype;
-  return s;
+  return testing::plan_shape(B, T, dtype);
 }
 
 // Every plan of `L` layers over `candidates` and uniform chunks up to `max_chunk` (each

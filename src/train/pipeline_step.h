@@ -1,0 +1,56 @@
+// One step's microbatches through a pipeline: this rank's stage model (Model::stage) runs
+// its forwards and backwards in the schedule's order, receiving the previous stage's
+// activations and the next stage's gradients over the pipeline group, and sending its own.
+#pragma once
+
+#include "remat/dist.h"
+#include "remat/model.h"
+#include "remat/pipeline.h"
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace remat {
+
+/// One thing a stage does: the forward or the backward of a microbatch.
+struct PipelineAction {
+  bool backward = false;
+  int64_t microbatch = 0;
+  bool operator==(const PipelineAction& o) const { return backward == o.backward && microbatch == o.microbatch; }
+};
+
+/// The order stage `stage` (from 0) of `stages` runs `microbatches` forwards and backwards
+/// in, the oldest microbatch's backward first. 1F1B: stages - stage - 1 forwards (at most
+/// all), then one forward and one backward alternately, then the remaining backwards; it
+/// holds at most pipeline::in_flight microbatches. GPipe: every forward, then every backward.
+std::vector<PipelineAction> pipeline_actions(pipeline::Schedule schedule, int64_t stages, int64_t stage,
+                                             int64_t microbatches);
+
+/// A microbatch as every stage samples it: the first stage reads the tokens, the last the
+/// targets, and every stage the context (its dropout keys).
+struct MicrobatchData {
+  at::Tensor tokens, targets;
+  StepContext ctx;
+};
+
+/// Runs `micro` through `model`, this rank's stage, in the order of pipeline_actions, over
+/// `pipe` (whose rank is the stage), accumulating the stage's parameter gradients of the
+/// loss scaled by `loss_scale`. Before each forward or backward its input is received (an
+/// activation from the previous stage, a gradient from the next), the sends still under
+/// way are waited for only after that receive is posted, so two neighbours sending to each
+/// other cannot wait on each other, and at the end of the step nothing is under way.
+/// Returns the sum of the microbatches' mean losses, on every stage (the last stage's,
+/// shared over `pipe`). `step` names the transfers in a failure.
+double run_pipeline(Model& model, dist::Group& pipe, pipeline::Schedule schedule,
+                    const std::vector<MicrobatchData>& micro, double loss_scale, int64_t ce_chunk, int64_t step);
+
+/// Sums the gradient of each tied parameter (Param::tied: GPT-2's embedding, read by the
+/// first stage's embedding and the last stage's head) between the first and the last
+/// stage of `pipe`, so that both hold the whole model's; each adds the other's to its own,
+/// and as float addition commutes both get the same bits. The other stages do nothing.
+void sum_tied_grads(Model& model, dist::Group& pipe, int64_t step);
+
+}  // namespace remat

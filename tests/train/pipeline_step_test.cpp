@@ -1,0 +1,146 @@
+// A step through pipeline stages on Gloo ranks (threads of this process): its schedules
+// hold what pipeline::in_flight says, and 2 and 4 stages under 1F1B and GPipe give the
+// whole model's loss and gradients, with and without recompute; a lost stage stops the
+// others with a sentence naming the transfer.
+#include "remat/model.h"
+#include "remat/pipeline.h"
+#include "remat/policy.h"
+#include "train/pipeline_step.h"
+#include "util/gloo_ranks.h"
+
+#include <ATen/Parallel.h>
+#include <gtest/gtest.h>
+
+#include <map>
+
+namespace remat {
+namespace {
+
+using pipeline::Schedule;
+
+TEST(PipelineSchedule, HoldsAtMostItsMicrobatchesInFlight) {
+  EXPECT_EQ(pipeline_actions(Schedule::one_f_one_b, 2, 1, 3),
+            (std::vector<PipelineAction>{{false, 0}, {true, 0}, {false, 1}, {true, 1}, {false, 2}, {true, 2}}));
+  EXPECT_EQ(pipeline_actions(Schedule::one_f_one_b, 2, 0, 3),
+            (std::vector<PipelineAction>{{false, 0}, {false, 1}, {true, 0}, {false, 2}, {true, 1}, {true, 2}}));
+  for (const Schedule sched : {Schedule::one_f_one_b, Schedule::gpipe}) {
+    for (int64_t P = 1; P <= 5; ++P) {
+      for (int64_t M = 1; M <= 7; ++M) {
+        for (int64_t s = 0; s < P; ++s) {
+          const auto actions = pipeline_actions(sched, P, s, M);
+          ASSERT_EQ(actions.size(), static_cast<size_t>(2 * M));
+          int64_t held = 0, most = 0, forwards = 0, backwards = 0;
+          for (const auto& a : actions) {
+            // Forwards and backwards each in microbatch order, a backward after its forward.
+            EXPECT_EQ(a.microbatch, a.backward ? backwards++ : forwards++);
+            EXPECT_LT(a.microbatch, forwards);
+            held += a.backward ? -1 : 1;
+            most = std::max(most, held);
+          }
+          EXPECT_EQ(most, pipeline::in_flight(sched, P, s, M)) << P << " stages, stage " << s << ", " << M;
+        }
+      }
+    }
+  }
+}
+
+constexpr uint64_t kSeed = 11;
+constexpr int64_t kMicro = 3, kB = 2, kT = 8, kChunk = 5, kLayers = 4;
+
+ModelConfig config(const std::string& preset) {
+  ModelConfig c = model_preset(preset);
+  c.n_layer = kLayers;
+  c.dropout = 0.1;
+  if (c.vocab_size == 0) c.vocab_size = 96;
+  return c;
+}
+
+std::vector<MicrobatchData> microbatches(const ModelConfig& cfg) {
+  auto gen = at::detail::createCPUGenerator(4);
+  std::vector<MicrobatchData> out;
+  for (int64_t m = 0; m < kMicro; ++m) {
+    out.push_back({at::randint(cfg.vocab_size, {kB, kT}, gen, at::kLong),
+                   at::randint(cfg.vocab_size, {kB, kT}, gen, at::kLong), StepContext{7, 1, static_cast<uint64_t>(m)}});
+  }
+  return out;
+}
+
+ActivationPlan plan_of(const ModelConfig& cfg, const std::string& policy, int64_t stages) {
+  AcConfig ac;
+  ac.policy = policy;
+  ac.stages = stages;
+  return compile_policy(ac, cfg.n_layer, cfg.dropout);
+}
+
+struct Whole {
+  double loss = 0;
+  std::map<std::string, at::Tensor> grads;
+};
+
+Whole whole_run(const ModelConfig& cfg, const ActivationPlan& plan) {
+  auto model = Model::create(cfg, at::kCPU, at::kFloat, kSeed);
+  model->set_activation_plan(plan, {});
+  model->zero_grad();
+  Whole w;
+  for (const auto& d : microbatches(cfg)) w.loss += model->forward_backward(d.tokens, d.targets, d.ctx, 1.0 / kMicro, kChunk);
+  for (const auto& p : model->params()) w.grads[p.name] = p.grad.clone();
+  return w;
+}
+
+TEST(PipelineStep, StagesOnGlooRanksTrainLikeTheWholeModel) {
+  at::set_num_threads(1);
+  for (const char* preset : {"gpt2-demo", "llama-demo"}) {
+    const ModelConfig cfg = config(preset);
+    for (const int64_t P : {2, 4}) {
+      std::map<std::string, Whole> whole;
+      for (const char* policy : {"none", "full", "block:1"}) whole[policy] = whole_run(cfg, plan_of(cfg, policy, P));
+      for (const Schedule sched : {Schedule::one_f_one_b, Schedule::gpipe}) {
+        SCOPED_TRACE(fmt::format("{}, {} stages, {}", preset, P, pipeline::schedule_name(sched)));
+        testing::on_gloo_ranks(static_cast<int>(P), 1, [&](dist::Comm& comm) {
+          const int64_t s = comm.pipeline().rank();
+          const auto split = pipeline::even_split(kLayers, P);
+          int64_t first = 0;
+          for (int64_t i = 0; i < s; ++i) first += split[static_cast<size_t>(i)];
+          auto model = Model::create(cfg, at::kCPU, at::kFloat, kSeed, nullptr, false, {first, split[s]});
+          for (const auto& [policy, w] : whole) {
+            model->set_activation_plan(plan_of(cfg, policy, P), {});
+            model->zero_grad();
+            const double loss = run_pipeline(*model, comm.pipeline(), sched, microbatches(cfg), 1.0 / kMicro, kChunk, 0);
+            sum_tied_grads(*model, comm.pipeline(), 0);
+            EXPECT_EQ(loss, w.loss) << policy << ", stage " << s;
+            for (const auto& p : model->params()) {
+              const at::Tensor& want = w.grads.at(p.name);
+              if (p.tied) {
+                // Summed over two stages, not accumulated into one tensor: rounding apart.
+                EXPECT_TRUE(at::allclose(p.grad, want, 1e-5, 1e-7)) << policy << " " << p.name;
+              } else {
+                EXPECT_TRUE(at::equal(p.grad, want)) << policy << " " << p.name << ", stage " << s;
+              }
+            }
+          }
+        }, static_cast<int>(P));
+      }
+    }
+  }
+}
+
+// The last stage is lost before its first forward: the first stage stops within the
+// timeout with a sentence naming the lost rank and the transfer it waited on.
+TEST(PipelineStep, ALostStageStopsTheOthersWithASentence) {
+  at::set_num_threads(1);
+  const ModelConfig cfg = config("llama-demo");
+  const auto errors = testing::gloo_rank_errors(2, 1, 2, std::chrono::seconds(3), [&](dist::Comm& comm) {
+    const int64_t s = comm.pipeline().rank();
+    auto model = Model::create(cfg, at::kCPU, at::kFloat, kSeed, nullptr, false, {2 * s, 2});
+    if (s == 1) throw std::runtime_error("stage 2 is lost");
+    run_pipeline(*model, comm.pipeline(), Schedule::one_f_one_b, microbatches(cfg), 1.0 / kMicro, kChunk, 4);
+  });
+  EXPECT_EQ(errors[1], "stage 2 is lost");
+  // It stops in the first wait that needs stage 2: its activations' send or the gradients' receive.
+  EXPECT_NE(errors[0].find("rank 1 "), std::string::npos) << errors[0];
+  EXPECT_NE(errors[0].find("microbatch 1's"), std::string::npos) << errors[0];
+  EXPECT_NE(errors[0].find("stage 2 (step 5)"), std::string::npos) << errors[0];
+}
+
+}  // namespace
+}  // namespace remat
