@@ -176,6 +176,10 @@ class GlooGroup final : public Group {
   // gpt2-demo step, measured).
   void settle(const c10::intrusive_ptr<c10d::Work>& work, const std::string& what);
   void check_peer(const char* op, int peer, int tag, const std::string& what) const;
+  // Starts a send or receive. Gloo posts it on the peer's connection at once, so one its
+  // peer closed throws here, before any wait: it fails the job as a failed wait would.
+  c10::intrusive_ptr<c10d::Work> start(const std::function<c10::intrusive_ptr<c10d::Work>()>& post,
+                                       const std::string& what);
 
   Comm::State& job_;
   c10::intrusive_ptr<c10d::ProcessGroupGloo> gloo_;
@@ -515,7 +519,7 @@ void GlooGroup::check_peer(const char* op, int peer, int tag, const std::string&
 std::unique_ptr<Transfer> GlooGroup::send(const at::Tensor& t, int peer, int tag, const std::string& what) {
   check_peer("send", peer, tag, what);
   std::vector<at::Tensor> one{t.contiguous()};
-  return std::make_unique<GlooTransfer>(job_, gloo_->send(one, peer, tag), what);
+  return std::make_unique<GlooTransfer>(job_, start([&] { return gloo_->send(one, peer, tag); }, what), what);
 }
 
 std::unique_ptr<Transfer> GlooGroup::recv(at::Tensor& t, int peer, int tag, const std::string& what) {
@@ -523,7 +527,16 @@ std::unique_ptr<Transfer> GlooGroup::recv(at::Tensor& t, int peer, int tag, cons
   TORCH_CHECK(t.is_contiguous(), "[Group::recv] ", what, " receives into a tensor that is not contiguous, strides ",
               t.strides(), "; Gloo writes the bytes in a row.");
   std::vector<at::Tensor> one{t};
-  return std::make_unique<GlooTransfer>(job_, gloo_->recv(one, peer, tag), what);
+  return std::make_unique<GlooTransfer>(job_, start([&] { return gloo_->recv(one, peer, tag); }, what), what);
+}
+
+c10::intrusive_ptr<c10d::Work> GlooGroup::start(const std::function<c10::intrusive_ptr<c10d::Work>()>& post,
+                                                const std::string& what) {
+  try {
+    return post();
+  } catch (const std::exception& e) {
+    job_.fail(what, e.what());
+  }
 }
 
 void GlooGroup::settle(const c10::intrusive_ptr<c10d::Work>& work, const std::string& what) {
