@@ -181,11 +181,17 @@ class Model {
   /// stage). On the last stage it starts from d(loss * loss_scale)/d(loss) and `dy` is
   /// ignored; elsewhere `dy` is the gradient of Microbatch::output from the next stage
   /// (which already carries the loss scale) and `loss_scale` is ignored. What the
-  /// microbatch kept is freed as the backward consumes it.
-  virtual at::Tensor backward(Microbatch& mb, const at::Tensor& dy, double loss_scale) = 0;
+  /// microbatch kept is freed as the backward consumes it, `dy` too once the top layer's
+  /// backward is done with it when the caller moves it in (a copy the caller keeps would
+  /// stay through the lower layers' backwards, above what the cost model counts).
+  virtual at::Tensor backward(Microbatch& mb, at::Tensor dy, double loss_scale) = 0;
 
-  /// Mean loss without dropout; nothing is kept for a backward. A model of every layer only.
-  virtual double evaluate(const at::Tensor& tokens, const at::Tensor& targets, int64_t ce_chunk) = 0;
+  /// The forward without dropout, keeping nothing for a backward. `input` as in forward
+  /// (token ids on the first stage, else the previous stage's `output`); `targets` read on
+  /// the last stage only. Returns the mean loss on the last stage; elsewhere 0, and the
+  /// stage's output goes to `output` (which must then be given).
+  virtual double evaluate(const at::Tensor& input, const at::Tensor& targets, int64_t ce_chunk,
+                          at::Tensor* output = nullptr) = 0;
   /// Logits of the last position of each sequence, [B, V] float32. A model of every layer only.
   virtual at::Tensor last_logits(const at::Tensor& tokens) = 0;
 

@@ -236,7 +236,7 @@ std::unique_ptr<Microbatch> TransformerModel::forward(const at::Tensor& input, c
   return mb;
 }
 
-at::Tensor TransformerModel::backward(Microbatch& handle, const at::Tensor& dy, double loss_scale) {
+at::Tensor TransformerModel::backward(Microbatch& handle, at::Tensor dy, double loss_scale) {
   auto* mb = dynamic_cast<TransformerMicrobatch*>(&handle);
   TORCH_CHECK(mb != nullptr && mb->model == this, "[model] backward of a microbatch another model's forward made");
   TORCH_CHECK(!mb->consumed, "[model] the microbatch's backward already ran; it runs once");
@@ -257,7 +257,7 @@ at::Tensor TransformerModel::backward(Microbatch& handle, const at::Tensor& dy, 
   const GraphShape& blk = *mb->block_shape;
 
   std::optional<trace::Scope> scope;
-  at::Tensor dx = dy;
+  at::Tensor dx = std::move(dy);
   if (mb->head) {
     scope.emplace("loss head backward", trace::Category::layer);
     Engine e = engine(*mb->head_shape, W, W.head, true, 0, ctx, nullptr);
@@ -281,14 +281,21 @@ at::Tensor TransformerModel::backward(Microbatch& handle, const at::Tensor& dy, 
   return dx;
 }
 
-double TransformerModel::evaluate(const at::Tensor& tokens, const at::Tensor& targets, int64_t ce_chunk) {
-  check_whole("Evaluation");
-  const auto [B, T] = check_input(tokens, targets);
+double TransformerModel::evaluate(const at::Tensor& input, const at::Tensor& targets, int64_t ce_chunk,
+                                  at::Tensor* output) {
+  TORCH_CHECK(last_stage() || output != nullptr, "[model] the evaluation of a stage before the last needs somewhere "
+              "to put its output");
+  const auto [B, T] = check_input(input, targets);
+  at::Tensor x = blocks_output(input);
+  if (!last_stage()) {
+    *output = std::move(x);
+    return 0.0;
+  }
   const GraphShape& head = shaped(Part::head, B, T, ce_chunk);
   const Weights& W = compute_weights();
   Engine e = engine(head, W, W.head, false, 0, {}, nullptr, /*train=*/false);
   return Run(head.graph, head.lifetimes, kKeepAll, /*training=*/false)
-      .forward(e, blocks_output(tokens), false, {targets.reshape({-1})})
+      .forward(e, std::move(x), false, {targets.reshape({-1})})
       .item<double>();
 }
 
@@ -442,17 +449,20 @@ void TransformerModel::recompute_chunk(const GraphShape& blk, int64_t last, cons
   });
 }
 
-at::Tensor TransformerModel::blocks_output(const at::Tensor& tokens) {
+at::Tensor TransformerModel::blocks_output(const at::Tensor& input) {
   const Weights& W = compute_weights();
   const StepContext none;
-  const int64_t B = tokens.size(0), T = tokens.size(1);
-  const GraphShape& emb = shaped(Part::embed, B, T);
+  const int64_t B = input.size(0), T = input.size(1);
   const GraphShape& blk = shaped(Part::block, B, T);
   const std::vector<bool> keep_none(kSlotCount, false);
-  Engine ee = engine(emb, W, W.embed, false, 0, none, nullptr, /*train=*/false);
-  at::Tensor x = Run(emb.graph, emb.lifetimes, keep_none, /*training=*/false).forward(ee, tokens);
-  for (int64_t l = 0; l < cfg_.n_layer; ++l) {
-    Engine e = engine(blk, W, W.layers[l], false, l, none, nullptr, /*train=*/false);
+  at::Tensor x = input;
+  if (first_stage()) {
+    const GraphShape& emb = shaped(Part::embed, B, T);
+    Engine ee = engine(emb, W, W.embed, false, 0, none, nullptr, /*train=*/false);
+    x = Run(emb.graph, emb.lifetimes, keep_none, /*training=*/false).forward(ee, input);
+  }
+  for (int64_t l = stage_.first; l < end_layer(); ++l) {
+    Engine e = engine(blk, W, W.layers[l - stage_.first], false, l, none, nullptr, /*train=*/false);
     x = Run(blk.graph, blk.lifetimes, keep_none, /*training=*/false).forward(e, std::move(x));
   }
   return x;

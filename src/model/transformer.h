@@ -155,8 +155,8 @@ class TransformerModel final : public Model {
 
   std::unique_ptr<Microbatch> forward(const at::Tensor& input, const at::Tensor& targets, const StepContext& ctx,
                                       int64_t ce_chunk, ActivationBytes* measured) override;
-  at::Tensor backward(Microbatch& mb, const at::Tensor& dy, double loss_scale) override;
-  double evaluate(const at::Tensor& tokens, const at::Tensor& targets, int64_t ce_chunk) override;
+  at::Tensor backward(Microbatch& mb, at::Tensor dy, double loss_scale) override;
+  double evaluate(const at::Tensor& input, const at::Tensor& targets, int64_t ce_chunk, at::Tensor* output) override;
   at::Tensor last_logits(const at::Tensor& tokens) override;
   double forward_flops(int64_t seq) const override;
   void set_activation_plan(const ActivationPlan& plan, const StoreOptions& options) override;
@@ -197,8 +197,9 @@ class TransformerModel final : public Model {
   // stage's, from its first layer.
   void recompute_chunk(const GraphShape& blk, int64_t last, const StepContext& ctx,
                        std::vector<std::unique_ptr<Run>>& runs);
-  // The last block's output [B, T, C] without dropout; nothing is kept for a backward.
-  at::Tensor blocks_output(const at::Tensor& tokens);
+  // The stage's last block's output [B, T, C] from its input (token ids on the first
+  // stage) without dropout; nothing is kept for a backward.
+  at::Tensor blocks_output(const at::Tensor& input);
   // The weights the ops compute with: the float32 masters themselves, or copies in the
   // compute dtype refreshed whenever the masters changed (once per optimizer step).
   const Weights& compute_weights();

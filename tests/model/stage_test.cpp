@@ -244,6 +244,26 @@ TEST_P(Stage, ParametersAreTheWholeModelsOfTheSameNames) {
   }
 }
 
+// Evaluation through the stages, each stage's output the next one's input, is the whole
+// model's: the same ops on the same values in the same order.
+TEST_P(Stage, EvaluationThroughTheStagesIsTheWholeModels) {
+  const auto& [preset, split] = GetParam();
+  const ModelConfig cfg = config(preset);
+  auto whole = Model::create(cfg, at::kCPU, at::kFloat, kSeed);
+  const auto stages = make_stages(cfg, split);
+  for (const Batch& b : batches(cfg)) {
+    at::Tensor x = b.tokens;
+    double loss = -1;
+    for (const auto& s : stages) {
+      at::Tensor out;
+      loss = s->evaluate(x, b.targets, kChunk, &out);
+      EXPECT_EQ(out.defined(), !s->last_stage());
+      x = out;
+    }
+    EXPECT_EQ(loss, whole->evaluate(b.tokens, b.targets, kChunk));
+  }
+}
+
 TEST_P(Stage, PredictedActivationBytesEqualWhatEachStageKeeps) {
   const auto& [preset, split] = GetParam();
   const ModelConfig cfg = config(preset);
@@ -308,7 +328,7 @@ TEST(StageSpan, OutOfRangeSpansAndWholeModelCallsAreRefused) {
   auto first = Model::create(cfg, at::kCPU, at::kFloat, kSeed, nullptr, false, {0, 2});
   const Batch b = batches(cfg)[0];
   EXPECT_THROW(first->forward_backward(b.tokens, b.targets, context(0), 1.0, kChunk), c10::Error);
-  EXPECT_THROW(first->evaluate(b.tokens, b.targets, kChunk), c10::Error);
+  EXPECT_THROW(first->evaluate(b.tokens, b.targets, kChunk), c10::Error);  // nowhere for its output
   const auto mb = first->forward(b.tokens, at::Tensor(), context(0), kChunk);
   EXPECT_THROW(first->backward(*mb, at::Tensor(), 1.0), c10::Error);  // no output gradient
   first->backward(*mb, at::zeros_like(mb->output), 1.0);
