@@ -10,7 +10,9 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace remat {
@@ -36,16 +38,35 @@ struct MicrobatchData {
   StepContext ctx;
 };
 
-/// Runs `micro` through `model`, this rank's stage, in the order of pipeline_actions, over
-/// `pipe` (whose rank is the stage), accumulating the stage's parameter gradients of the
-/// loss scaled by `loss_scale`. Before each forward or backward its input is received (an
-/// activation from the previous stage, a gradient from the next), the sends still under
-/// way are waited for only after that receive is posted, so two neighbours sending to each
-/// other cannot wait on each other, and at the end of the step nothing is under way.
-/// Returns the sum of the microbatches' mean losses, on every stage (the last stage's,
-/// shared over `pipe`). `step` names the transfers in a failure.
-double run_pipeline(Model& model, dist::Group& pipe, pipeline::Schedule schedule,
-                    const std::vector<MicrobatchData>& micro, double loss_scale, int64_t ce_chunk, int64_t step);
+/// Runs `microbatches` microbatches through `model`, this rank's stage, in the order of
+/// pipeline_actions, over `pipe` (whose rank is the stage), accumulating the stage's
+/// parameter gradients of the loss scaled by `loss_scale`. `draw(j)` gives microbatch j
+/// (0, 1, ... in order, each once) when its forward comes, so that a stage holds the
+/// tokens of no more microbatches than it has in flight. Before each forward or backward
+/// its input is received (an activation from the previous stage, a gradient from the
+/// next), the sends still under way are waited for only after that receive is posted, so
+/// two neighbours sending to each other cannot wait on each other, and at the end of the
+/// step nothing is under way. Returns each microbatch's mean loss, in order, on every stage
+/// (the last stage's, shared over `pipe`). `step` names the transfers in a failure.
+/// `measured`, when given, receives the bytes the first microbatch's forward kept here.
+std::vector<double> run_pipeline(Model& model, dist::Group& pipe, pipeline::Schedule schedule,
+                                 int64_t microbatches, const std::function<MicrobatchData(int64_t)>& draw,
+                                 double loss_scale, int64_t ce_chunk, int64_t step,
+                                 ActivationBytes* measured = nullptr);
+
+/// The mean loss of `tokens` against `targets` (Model::evaluate: no dropout, nothing kept)
+/// through the stages of `pipe`, each stage's output sent to the next; returned on every
+/// stage. Every stage gives the same tokens and targets. `what` names the transfers in a
+/// failure ("the validation of step 40").
+double evaluate_pipeline(Model& model, dist::Group& pipe, const at::Tensor& tokens, const at::Tensor& targets,
+                         int64_t ce_chunk, const std::string& what);
+
+/// Named tensors (a checkpoint's, the exported weights) of every stage of `pipe`,
+/// gathered on the first: it returns its own `mine` followed by each later stage's, in
+/// stage order, a name given by two stages (the tied embedding's copies) once; the other
+/// stages send theirs (names, dtypes and shapes first, then the bytes) and return nothing.
+std::vector<std::pair<std::string, at::Tensor>> gather_on_first_stage(
+    dist::Group& pipe, std::vector<std::pair<std::string, at::Tensor>> mine, const std::string& what);
 
 /// Sums the gradient of each tied parameter (Param::tied: GPT-2's embedding, read by the
 /// first stage's embedding and the last stage's head) between the first and the last

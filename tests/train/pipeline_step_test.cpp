@@ -105,7 +105,12 @@ TEST(PipelineStep, StagesOnGlooRanksTrainLikeTheWholeModel) {
           for (const auto& [policy, w] : whole) {
             model->set_activation_plan(plan_of(cfg, policy, P), {});
             model->zero_grad();
-            const double loss = run_pipeline(*model, comm.pipeline(), sched, microbatches(cfg), 1.0 / kMicro, kChunk, 0);
+            double loss = 0;
+            const std::vector<MicrobatchData> data = microbatches(cfg);
+            const auto draw = [&](int64_t m) { return data[static_cast<size_t>(m)]; };
+            for (const double l : run_pipeline(*model, comm.pipeline(), sched, kMicro, draw, 1.0 / kMicro, kChunk, 0)) {
+              loss += l;
+            }
             sum_tied_grads(*model, comm.pipeline(), 0);
             EXPECT_EQ(loss, w.loss) << policy << ", stage " << s;
             for (const auto& p : model->params()) {
@@ -124,6 +129,64 @@ TEST(PipelineStep, StagesOnGlooRanksTrainLikeTheWholeModel) {
   }
 }
 
+// Validation through three stages on Gloo ranks is the whole model's evaluation, bitwise,
+// on every stage.
+TEST(PipelineStep, EvaluationThroughStagesIsTheWholeModels) {
+  at::set_num_threads(1);
+  for (const char* preset : {"gpt2-demo", "llama-demo"}) {
+    const ModelConfig cfg = config(preset);
+    const std::vector<MicrobatchData> data = microbatches(cfg);
+    const double want = Model::create(cfg, at::kCPU, at::kFloat, kSeed)->evaluate(data[0].tokens, data[0].targets,
+                                                                                   kChunk);
+    testing::on_gloo_ranks(3, 1, [&](dist::Comm& comm) {
+      const int64_t s = comm.pipeline().rank();
+      const auto split = pipeline::even_split(kLayers, 3);  // 2, 1, 1
+      const int64_t first = s == 0 ? 0 : 1 + s;
+      auto model = Model::create(cfg, at::kCPU, at::kFloat, kSeed, nullptr, false, {first, split[s]});
+      EXPECT_EQ(evaluate_pipeline(*model, comm.pipeline(), data[0].tokens, data[0].targets, kChunk, "a test"), want)
+          << preset << ", stage " << s;
+    }, 3);
+  }
+}
+
+// Named tensors of every stage reach the first, in stage order, each name once; the
+// bytes travel as they are, whatever the dtype and shape.
+TEST(PipelineStep, NamedTensorsGatherOnTheFirstStage) {
+  testing::on_gloo_ranks(3, 1, [&](dist::Comm& comm) {
+    const int s = comm.pipeline().rank();
+    auto gen = at::detail::createCPUGenerator(static_cast<uint64_t>(s) + 1);
+    std::vector<std::pair<std::string, at::Tensor>> mine{
+        {"shared", at::full({2}, 1.5f)},  // a tied copy: the first stage's is kept
+        {fmt::format("s{}.float", s), at::randn({s + 1, 3}, gen)},
+        {fmt::format("s{}.long", s), at::arange(s + 2)},
+        {fmt::format("s{}.bf16", s), at::randn({4}, gen).to(at::kBFloat16)},
+        {fmt::format("s{}.scalar", s), at::full({}, static_cast<double>(s))},
+    };
+    const auto expected = mine;
+    const auto got = gather_on_first_stage(comm.pipeline(), mine, "a test");
+    if (s > 0) {
+      EXPECT_TRUE(got.empty());
+      return;
+    }
+    std::vector<std::string> names;
+    for (const auto& [name, t] : got) names.push_back(name);
+    EXPECT_EQ(names, (std::vector<std::string>{"shared", "s0.float", "s0.long", "s0.bf16", "s0.scalar", "s1.float",
+                                               "s1.long", "s1.bf16", "s1.scalar", "s2.float", "s2.long", "s2.bf16",
+                                               "s2.scalar"}));
+    for (int from = 0; from < 3; ++from) {
+      auto g = at::detail::createCPUGenerator(static_cast<uint64_t>(from) + 1);
+      const at::Tensor f = at::randn({from + 1, 3}, g), b = at::randn({4}, g).to(at::kBFloat16);
+      const size_t at0 = 1 + 4 * static_cast<size_t>(from);
+      EXPECT_TRUE(got[at0].second.equal(f)) << from;
+      EXPECT_TRUE(got[at0 + 1].second.equal(at::arange(from + 2))) << from;
+      EXPECT_TRUE(got[at0 + 2].second.equal(b)) << from;
+      EXPECT_EQ(got[at0 + 3].second.dim(), 0) << from;
+      EXPECT_EQ(got[at0 + 3].second.item<double>(), from);
+    }
+    EXPECT_TRUE(got[0].second.equal(expected[0].second));
+  }, 3);
+}
+
 // The last stage is lost before its first forward: the first stage stops within the
 // timeout with a sentence naming the lost rank and the transfer it waited on.
 TEST(PipelineStep, ALostStageStopsTheOthersWithASentence) {
@@ -133,7 +196,9 @@ TEST(PipelineStep, ALostStageStopsTheOthersWithASentence) {
     const int64_t s = comm.pipeline().rank();
     auto model = Model::create(cfg, at::kCPU, at::kFloat, kSeed, nullptr, false, {2 * s, 2});
     if (s == 1) throw std::runtime_error("stage 2 is lost");
-    run_pipeline(*model, comm.pipeline(), Schedule::one_f_one_b, microbatches(cfg), 1.0 / kMicro, kChunk, 4);
+    const std::vector<MicrobatchData> data = microbatches(cfg);
+    run_pipeline(*model, comm.pipeline(), Schedule::one_f_one_b, kMicro,
+                 [&](int64_t m) { return data[static_cast<size_t>(m)]; }, 1.0 / kMicro, kChunk, 4);
   });
   EXPECT_EQ(errors[1], "stage 2 is lost");
   // It stops at the first transfer with stage 2 that finds it gone: the send of an
