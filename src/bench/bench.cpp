@@ -353,7 +353,8 @@ std::string format_bench_table(const BenchResult& result) {
   // Several ranks: the peak above is the highest rank's; each rank's beside its prediction.
   for (const auto& r : result.rows) {
     if (r.rank_peak_bytes.size() > 1) {
-      out += fmt::format("{} peaks per rank: {}\n", r.entry, format_rank_peaks(r.rank_peak_bytes, r.predicted_peak_bytes));
+      out += fmt::format("{} peaks per rank: {}\n", r.entry, format_rank_peaks(r.rank_peak_bytes,
+                                                                    std::vector<int64_t>(r.rank_peak_bytes.size(), r.predicted_peak_bytes)));
     }
   }
   // Each budget entry against the fastest manual policy whose measured peak fits the

@@ -5,6 +5,7 @@
 #include "remat/planner.h"
 #include "remat/policy.h"
 #include "train/data_parallel.h"
+#include "train/planning.h"
 #include "train/progress.h"
 #include "util/gnuplot.h"
 
@@ -31,43 +32,6 @@ at::ScalarType plan_dtype(const std::string& name) {
 double step_flops(const ModelConfig& m, const graph::BlockGraph& b, const cost::StepShape& s) {
   const int64_t N = s.batch * s.seq;
   return 3.0 * (m.n_layer * b.forward_flops() + ops::cross_entropy_flops(N, m.d_model, m.vocab_size / s.tp));
-}
-
-std::string slots_text(const std::set<std::string>& dropped) {
-  if (dropped.empty()) return "keep all";
-  std::string out = "drop";
-  for (const auto& s : dropped) out += " " + s;
-  return out;
-}
-
-// Runs of consecutive layers with the same choice, of the layers `pred` predicts (a
-// pipeline stage's): (first, last, text).
-std::vector<std::tuple<int64_t, int64_t, std::string, int64_t, double>> layer_groups(
-    const ActivationPlan& plan, const cost::StepPrediction& pred) {
-  std::vector<std::tuple<int64_t, int64_t, std::string, int64_t, double>> out;
-  const int64_t L = static_cast<int64_t>(plan.layers.size());
-  const int64_t F = pred.first_layer, E = F + static_cast<int64_t>(pred.layers.size());
-  for (int64_t l = F; l < E; ++l) {
-    const LayerPlan& lp = plan.layers[l];
-    const bool chunk_start = lp.chunk_begin < 0 && l + 1 < std::min(L, E) && plan.layers[l + 1].chunk_begin == l;
-    std::string text;
-    if (lp.chunk_begin >= 0) {
-      text = fmt::format("keep nothing: recomputed with the chunk from layer {}", lp.chunk_begin + 1);
-    } else if (chunk_start) {
-      text = "keep input: the chunk's forward is recomputed in its last layer's backward";
-    } else {
-      text = slots_text(lp.dropped);
-    }
-    if (lp.input_sharded) text += ", input as a share per tensor-parallel rank";
-    const auto& c = pred.layers[l - F];
-    if (!out.empty() && std::get<2>(out.back()) == text && std::get<3>(out.back()) == c.kept && !chunk_start &&
-        lp.chunk_begin < 0) {
-      std::get<1>(out.back()) = l;
-    } else {
-      out.emplace_back(l, l, text, c.kept, c.recompute_flops);
-    }
-  }
-  return out;
 }
 
 nlohmann::json breakdown_json(const cost::StepPrediction& p) {
@@ -124,17 +88,6 @@ bool plot_frontier(const std::string& path, const std::vector<FrontierPoint>& fr
   return util::run_gnuplot(script, path, "", why);
 }
 
-std::string stage_text(const PipelinePlan& r, size_t s, int64_t microbatches, pipeline::Schedule schedule) {
-  const cost::StepPrediction& p = r.stages[s];
-  const int64_t first = p.first_layer + 1, last = p.first_layer + static_cast<int64_t>(p.layers.size());
-  const int64_t held =
-      pipeline::in_flight(schedule, static_cast<int64_t>(r.stages.size()), static_cast<int64_t>(s), microbatches);
-  return fmt::format("stage {}: {}, {} microbatch{} in flight, peak {} ({}), {} FLOPs per microbatch", s + 1,
-                     first == last ? fmt::format("layer {} (1)", first)
-                                   : fmt::format("layers {}-{} ({})", first, last, last - first + 1),
-                     held, held == 1 ? "" : "es", format_bytes(p.peak), p.peak_at, format_count(r.stage_seconds[s]));
-}
-
 // `remat plan` of a pipeline: the layers of each stage and each layer's plan, solved
 // together within the per-rank budget (time in FLOPs, as above).
 int plan_pipeline(const Config& cfg, const PlanArgs& args, const Planner& planner, const std::string& header) {
@@ -148,15 +101,7 @@ int plan_pipeline(const Config& cfg, const PlanArgs& args, const Planner& planne
   const std::string budget_text = args.budget.empty() ? (cfg.ac.budget.empty() ? "1.0" : cfg.ac.budget) : args.budget;
   const int64_t budget = parse_budget(budget_text, none.peak());
   const auto solved = planner.solve_pipeline(budget, pipe);
-  if (!solved) {
-    const int64_t least = planner.min_pipeline_budget(pipe);
-    throw std::invalid_argument(fmt::format(
-        "The memory budget {} (\"{}\") fits no plan of {} on {} pipeline stages ({} schedule, {} microbatch{}): the "
-        "least budget every stage fits is {}; give at least that, lower train.batch, train.seq or train.grad_accum{}, "
-        "or use more stages.", format_bytes(budget), budget_text, m.preset, pipe.stages,
-        pipeline::schedule_name(pipe.schedule), microbatches, microbatches == 1 ? "" : "es", format_bytes(least),
-        pipe.schedule == pipeline::Schedule::gpipe ? " (gpipe holds every microbatch; 1f1b at most one per stage)" : ""));
-  }
+  if (!solved) throw std::invalid_argument(pipeline_infeasible(cfg, planner, pipe, budget, budget_text));
   const PipelinePlan& r = *solved;
   // What splitting the layers evenly and planning each stage alone would give.
   std::optional<PipelinePlan> even;
@@ -207,7 +152,8 @@ int plan_pipeline(const Config& cfg, const PlanArgs& args, const Planner& planne
              pipe.split.empty() ? "even" : "given", format_bytes(none.peak()));
   fmt::print("plan (layers per stage and each layer's plan, solved together for the fastest slowest stage):\n");
   for (size_t s = 0; s < r.stages.size(); ++s) {
-    fmt::print("{}\n", stage_text(r, s, microbatches, pipe.schedule));
+    fmt::print("{}\n", stage_line(r, s, microbatches, pipe.schedule,
+                                        format_count(r.stage_seconds[s]) + " FLOPs per microbatch"));
     for (const auto& [first, last, text, kept, rf] : layer_groups(r.plan, r.stages[s])) {
       const std::string range = first == last ? fmt::format("layer {}", first + 1)
                                               : fmt::format("layers {}-{}", first + 1, last + 1);

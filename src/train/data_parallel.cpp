@@ -1,6 +1,7 @@
 #include "train/data_parallel.h"
 
 #include "remat/memory.h"
+#include "remat/pipeline.h"
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -26,28 +27,33 @@ std::unique_ptr<dist::Comm> join_ranks(const Config& cfg, const std::string& sub
   const std::optional<dist::LaunchEnv> env = dist::launch_env();
   const int world = env ? env->world_size : 1;
   const int64_t tp = cfg.parallel.tp;
-  if (cfg.parallel.pp > 1) {
+  const int64_t pp = cfg.parallel.pp;
+  if (pp > 1 && subcommand != "train") {
     throw std::invalid_argument(fmt::format(
-        "parallel.pp = {}: remat plans pipelines (`remat plan parallel.pp={} ac.budget=...` splits the layers and "
-        "plans each stage's recompute) but does not run them yet; {} with parallel.pp = 1.", cfg.parallel.pp,
-        cfg.parallel.pp, subcommand));
+        "parallel.pp = {}: remat {} does not run pipeline stages yet (remat train does, and `remat plan parallel.pp={} "
+        "ac.budget=...` plans them); {} with parallel.pp = 1.", pp, subcommand, pp, subcommand));
   }
-  if ((cfg.parallel.dp > 0 && cfg.parallel.dp * tp != world) || (!env && tp > 1)) {
-    const int64_t want = std::max<int64_t>(cfg.parallel.dp, 1) * tp;
+  if (pp > 1 && tp > 1) {
     throw std::invalid_argument(fmt::format(
-        "parallel.dp = {} x parallel.tp = {} asks for {} ranks, but {}; start the run with `remat launch --nproc {} "
+        "parallel.pp = {} with parallel.tp = {}: pipeline stages do not split their layers over tensor-parallel ranks "
+        "yet; use parallel.pp with data-parallel ranks only (parallel.tp = 1), or parallel.tp without stages.", pp, tp));
+  }
+  if ((cfg.parallel.dp > 0 && cfg.parallel.dp * tp * pp != world) || (!env && tp * pp > 1)) {
+    const int64_t want = std::max<int64_t>(cfg.parallel.dp, 1) * tp * pp;
+    throw std::invalid_argument(fmt::format(
+        "parallel.dp = {} x parallel.tp = {}{} asks for {} ranks, but {}; start the run with `remat launch --nproc {} "
         "{} ...` (or torchrun --nproc_per_node {}), or set parallel.dp = 0 to use every rank started.",
-        cfg.parallel.dp, tp, want, env ? fmt::format("the launcher started {}", world) : "this process runs alone",
-        want, subcommand, want));
+        cfg.parallel.dp, tp, pp > 1 ? fmt::format(" x parallel.pp = {}", pp) : "", want,
+        env ? fmt::format("the launcher started {}", world) : "this process runs alone", want, subcommand, want));
   }
-  if (data_parallel_ranks(cfg) * tp == 1) return nullptr;
+  if (data_parallel_ranks(cfg) * tp * pp == 1) return nullptr;
   if (cfg.run.device != "cpu") {
     throw std::invalid_argument(fmt::format(
         "Several ranks train on the CPU only so far (Gloo); run.device = {} with {} ranks needs NCCL, which this "
         "build does not have. Set run.device=cpu or start one rank.", cfg.run.device, world));
   }
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(std::llround(cfg.parallel.timeout * 1000)));
-  return dist::Comm::connect(*env, timeout, static_cast<int>(tp));
+  return dist::Comm::connect(*env, timeout, static_cast<int>(tp), static_cast<int>(pp));
 }
 
 int64_t data_parallel_ranks(const Config& cfg) {
@@ -86,6 +92,9 @@ std::string describe_ranks(const Config& local) {
     text += fmt::format(", each layer split over {} tensor-parallel ranks{}", p.tp,
                         p.sp ? ", and the positions between them (parallel.sp)" : "");
   }
+  if (p.pp > 1) {
+    text += fmt::format(", the layers in {} pipeline stages ({} schedule)", p.pp, pipeline::schedule_name(p.schedule));
+  }
   return text;
 }
 
@@ -106,10 +115,16 @@ void keep_highest(std::vector<int64_t>& highest, const std::vector<int64_t>& pea
   for (size_t i = 0; i < peaks.size(); ++i) highest[i] = std::max(highest[i], peaks[i]);
 }
 
-std::string format_rank_peaks(const std::vector<int64_t>& peaks, int64_t predicted) {
+std::string format_rank_peaks(const std::vector<int64_t>& peaks, const std::vector<int64_t>& predicted) {
+  const bool alike = std::all_of(predicted.begin(), predicted.end(), [&](int64_t p) { return p == predicted[0]; });
   std::vector<std::string> each;
-  for (size_t i = 0; i < peaks.size(); ++i) each.push_back(fmt::format("rank {} {}", i, memory::format_bytes(peaks[i])));
-  return fmt::format("{} (each predicted {})", fmt::join(each, ", "), memory::format_bytes(predicted));
+  for (size_t i = 0; i < peaks.size(); ++i) {
+    each.push_back(alike ? fmt::format("rank {} {}", i, memory::format_bytes(peaks[i]))
+                         : fmt::format("rank {} {} (predicted {})", i, memory::format_bytes(peaks[i]),
+                                       memory::format_bytes(predicted[i])));
+  }
+  return alike ? fmt::format("{} (each predicted {})", fmt::join(each, ", "), memory::format_bytes(predicted[0]))
+               : fmt::format("{}", fmt::join(each, ", "));
 }
 
 int64_t rank_threads(const Config& cfg) {

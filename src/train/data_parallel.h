@@ -51,9 +51,10 @@ RankStep gather_step(dist::Comm* ranks, int64_t peak_bytes, int signal, int64_t 
 /// the highest peak of each rank over the steps seen so far.
 void keep_highest(std::vector<int64_t>& highest, const std::vector<int64_t>& peaks);
 
-/// Every rank's peak beside the prediction each was planned to, e.g. "rank 0 81.00 MiB,
-/// rank 1 81.00 MiB (each predicted 81.02 MiB)".
-std::string format_rank_peaks(const std::vector<int64_t>& peaks, int64_t predicted);
+/// Every rank's peak beside the prediction each was planned to (`predicted`, per rank),
+/// e.g. "rank 0 81.00 MiB, rank 1 81.00 MiB (each predicted 81.02 MiB)", or with
+/// predictions that differ (pipeline stages) "rank 0 90.1 MiB (predicted 90.2 MiB), ...".
+std::string format_rank_peaks(const std::vector<int64_t>& peaks, const std::vector<int64_t>& predicted);
 
 /// The intra-op threads of this rank: run.threads when set, else the host's cores shared
 /// evenly by the ranks the launcher started on it (at least one).

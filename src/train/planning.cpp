@@ -8,11 +8,99 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <set>
 
 namespace remat {
 
-RunPlan plan_run(const Config& cfg, at::ScalarType dtype, const TimeProfile& profile, int64_t resident) {
+namespace {
+
+using memory::format_bytes;
+
+std::string slots_text(const std::set<std::string>& dropped) {
+  if (dropped.empty()) return "keep all";
+  std::string out = "drop";
+  for (const auto& s : dropped) out += " " + s;
+  return out;
+}
+
+// Each stage's layers, what they keep, peak and time; the bottleneck.
+std::string pipeline_text(const Config& cfg, const PipelinePlan& r, int64_t stage) {
+  const int64_t m = cfg.train.grad_accum;
+  std::string text = fmt::format("pipeline: {} stages, {} schedule, {} microbatch{}; this rank is stage {}\n",
+                                 r.stages.size(), pipeline::schedule_name(cfg.parallel.schedule), m,
+                                 m == 1 ? "" : "es", stage + 1);
+  for (size_t s = 0; s < r.stages.size(); ++s) {
+    text += stage_line(r, s, m, cfg.parallel.schedule,
+                       fmt::format("{:.1f} ms per microbatch (its FLOPs at the measured matmul rate)", 1e3 * r.stage_seconds[s])) +
+            "\n";
+    for (const LayerGroup& g : layer_groups(r.plan, r.stages[s])) {
+      const std::string range = g.first == g.last ? fmt::format("layer {}", g.first + 1)
+                                                  : fmt::format("layers {}-{}", g.first + 1, g.last + 1);
+      text += fmt::format("  {:<14} keeps {:>10} each   {}\n", range, format_bytes(g.kept), g.text);
+    }
+  }
+  text += fmt::format("bottleneck: stage {}; the schedule takes (microbatches + stages - 1) = {} times its {:.1f} ms, "
+                      "{:.1f} ms, plus the optimizer\n", r.bottleneck + 1, m + static_cast<int64_t>(r.stages.size()) - 1,
+                      1e3 * r.stage_seconds[static_cast<size_t>(r.bottleneck)], 1e3 * r.schedule_seconds);
+  return text;
+}
+
+}  // namespace
+
+std::vector<LayerGroup> layer_groups(const ActivationPlan& plan, const cost::StepPrediction& pred) {
+  std::vector<LayerGroup> out;
+  const int64_t L = static_cast<int64_t>(plan.layers.size());
+  const int64_t F = pred.first_layer, E = F + static_cast<int64_t>(pred.layers.size());
+  for (int64_t l = F; l < E; ++l) {
+    const LayerPlan& lp = plan.layers[static_cast<size_t>(l)];
+    const bool chunk_start = lp.chunk_begin < 0 && l + 1 < std::min(L, E) &&
+                             plan.layers[static_cast<size_t>(l + 1)].chunk_begin == l;
+    std::string text;
+    if (lp.chunk_begin >= 0) {
+      text = fmt::format("keep nothing: recomputed with the chunk from layer {}", lp.chunk_begin + 1);
+    } else if (chunk_start) {
+      text = "keep input: the chunk's forward is recomputed in its last layer's backward";
+    } else {
+      text = slots_text(lp.dropped);
+    }
+    if (lp.input_sharded) text += ", input as a share per tensor-parallel rank";
+    const auto& c = pred.layers[static_cast<size_t>(l - F)];
+    if (!out.empty() && out.back().text == text && out.back().kept == c.kept && !chunk_start && lp.chunk_begin < 0) {
+      out.back().last = l;
+    } else {
+      out.push_back({l, l, text, c.kept, c.recompute_flops});
+    }
+  }
+  return out;
+}
+
+std::string stage_line(const PipelinePlan& r, size_t s, int64_t microbatches, pipeline::Schedule schedule,
+                       const std::string& work) {
+  const cost::StepPrediction& p = r.stages[s];
+  const int64_t first = p.first_layer + 1, last = p.first_layer + static_cast<int64_t>(p.layers.size());
+  const int64_t held =
+      pipeline::in_flight(schedule, static_cast<int64_t>(r.stages.size()), static_cast<int64_t>(s), microbatches);
+  return fmt::format("stage {}: {}, {} microbatch{} in flight, peak {} ({}), {}", s + 1,
+                     first == last ? fmt::format("layer {} (1)", first)
+                                   : fmt::format("layers {}-{} ({})", first, last, last - first + 1),
+                     held, held == 1 ? "" : "es", format_bytes(p.peak), p.peak_at, work);
+}
+
+std::string pipeline_infeasible(const Config& cfg, const Planner& planner, const PipelineShape& pipe, int64_t budget,
+                                const std::string& given) {
+  const int64_t m = cfg.train.grad_accum;
+  return fmt::format(
+      "The memory budget {} (\"{}\") fits no plan of {} on {} pipeline stages ({} schedule, {} microbatch{}): the "
+      "least budget every stage fits is {}; give at least that, lower train.batch, train.seq or train.grad_accum{}, "
+      "or use more stages.", format_bytes(budget), given, cfg.model.preset, pipe.stages,
+      pipeline::schedule_name(pipe.schedule), m, m == 1 ? "" : "es", format_bytes(planner.min_pipeline_budget(pipe)),
+      pipe.schedule == pipeline::Schedule::gpipe ? " (gpipe holds every microbatch; 1f1b at most one per stage)" : "");
+}
+
+RunPlan plan_run(const Config& cfg, at::ScalarType dtype, const TimeProfile& profile, int64_t resident,
+                 int64_t stage) {
   const auto& t = cfg.train;
+  const int64_t L = cfg.model.n_layer;
   cost::StepShape shape;
   shape.batch = t.batch;
   shape.seq = t.seq;
@@ -27,8 +115,39 @@ RunPlan plan_run(const Config& cfg, at::ScalarType dtype, const TimeProfile& pro
   opts.early_stop = cfg.ac.early_stop;
   const Planner planner(cfg.model, shape, profile.times, opts);
   RunPlan r;
+  if (cfg.parallel.pp > 1) {
+    PipelineShape pipe;
+    pipe.stages = cfg.parallel.pp;
+    pipe.schedule = cfg.parallel.schedule;
+    // The policy's stages are stage_sizes'; the planner chooses them unless they are given.
+    if (cfg.ac.budget.empty() || cfg.ac.num_layers_per_stage) pipe.split = stage_sizes(cfg.ac, L);
+    PipelineShape fixed = pipe;
+    fixed.split = stage_sizes(cfg.ac, L);
+    const PipelinePlan none = planner.predict_pipeline(compile_policy("none", L), fixed);
+    PipelinePlan planned;
+    if (cfg.ac.budget.empty()) {
+      planned = planner.predict_pipeline(compile_policy(cfg.ac, L, cfg.model.dropout), pipe);
+    } else {
+      r.budget = parse_budget(cfg.ac.budget, none.peak());
+      auto solved = planner.solve_pipeline(r.budget, pipe);
+      if (!solved) throw std::invalid_argument(pipeline_infeasible(cfg, planner, pipe, r.budget, cfg.ac.budget));
+      planned = std::move(*solved);
+    }
+    r.plan = planned.plan;
+    r.split = planned.split;
+    r.predicted = planned.stages[static_cast<size_t>(stage)];
+    for (const auto& st : planned.stages) r.stage_peaks.push_back(st.peak);
+    r.none_peak = none.peak();
+    r.text = explain_plan(r.plan) + pipeline_text(cfg, planned, stage);
+    if (r.budget > 0) {
+      r.text += fmt::format("budget {} (ac.budget = \"{}\") per rank: the busiest stage peaks at {}; without "
+                            "recompute it would peak at {}\n", format_bytes(r.budget), cfg.ac.budget,
+                            format_bytes(planned.peak()), format_bytes(r.none_peak));
+    }
+    return r;
+  }
   if (cfg.ac.budget.empty()) {
-    r.plan = compile_policy(cfg.ac, cfg.model.n_layer, cfg.model.dropout);
+    r.plan = compile_policy(cfg.ac, L, cfg.model.dropout);
     r.predicted = planner.predict(r.plan);
   } else {
     r.budget = parse_budget(cfg.ac.budget, planner.none_peak());
@@ -37,7 +156,8 @@ RunPlan plan_run(const Config& cfg, at::ScalarType dtype, const TimeProfile& pro
     r.plan = solved->plan;
     r.predicted = solved->prediction;
   }
-  using memory::format_bytes;
+  r.split = {L};
+  r.stage_peaks = {r.predicted.peak};
   const auto& p = r.predicted;
   r.none_peak = planner.none_peak();
   if (profile.base_seconds > 0) {

@@ -5,15 +5,19 @@
 #include "remat/config.h"
 #include "remat/cost.h"
 #include "remat/plan.h"
+#include "remat/planner.h"
 #include "train/profile.h"
 
 #include <string>
+#include <vector>
 
 namespace remat {
 
 struct RunPlan {
   ActivationPlan plan;
-  cost::StepPrediction predicted;  ///< peak, breakdown and recompute of one step
+  cost::StepPrediction predicted;  ///< peak, breakdown and recompute of one step (of this rank's stage)
+  std::vector<int64_t> split;        ///< layers per pipeline stage (one stage: every layer)
+  std::vector<int64_t> stage_peaks;  ///< each stage's predicted peak (one stage: predicted.peak)
   int64_t budget = 0;              ///< bytes; 0 without ac.budget
   double step_seconds = 0;         ///< predicted step time; 0 without a measured profile
   int64_t none_peak = 0;           ///< predicted peak of the same step keeping everything
@@ -27,7 +31,31 @@ struct RunPlan {
 /// parallel.zero = 1 the optimizer sharded over parallel.dp ranks); `profile` prices
 /// recompute (and, when measured, the whole step); `resident` bytes (the token corpus)
 /// stay live through every step. Throws std::invalid_argument with the minimum feasible
-/// budget when ac.budget is below it.
-RunPlan plan_run(const Config& cfg, at::ScalarType dtype, const TimeProfile& profile, int64_t resident);
+/// budget when ac.budget is below it. With parallel.pp stages, every stage is planned (with
+/// ac.budget the split and the plans together, Planner::solve_pipeline) and `predicted` is
+/// stage `stage`'s.
+RunPlan plan_run(const Config& cfg, at::ScalarType dtype, const TimeProfile& profile, int64_t resident,
+                 int64_t stage = 0);
+
+/// Consecutive layers planned alike: layers first to last (from 0), what they keep, each
+/// one's kept bytes and recompute FLOPs.
+struct LayerGroup {
+  int64_t first = 0, last = 0;
+  std::string text;
+  int64_t kept = 0;
+  double recompute_flops = 0;
+};
+/// The groups of the layers `pred` predicts (a pipeline stage's) under `plan`.
+std::vector<LayerGroup> layer_groups(const ActivationPlan& plan, const cost::StepPrediction& pred);
+
+/// One line on stage `s` of `r` (from 0): its layers, microbatches in flight under
+/// `schedule`, its predicted peak and where, then `work` (its time per microbatch).
+std::string stage_line(const PipelinePlan& r, size_t s, int64_t microbatches, pipeline::Schedule schedule,
+                       const std::string& work);
+
+/// The sentence for a per-rank `budget` (as the user wrote it: `given`) that no plan of
+/// `cfg`'s pipeline `pipe` fits: the least budget that does, and what else to change.
+std::string pipeline_infeasible(const Config& cfg, const Planner& planner, const PipelineShape& pipe, int64_t budget,
+                                const std::string& given);
 
 }  // namespace remat

@@ -7,6 +7,7 @@
 #include "remat/trainer.h"
 #include "train/data_parallel.h"
 #include "train/device.h"
+#include "train/pipeline_step.h"
 
 #include <fmt/format.h>
 
@@ -22,12 +23,17 @@ namespace {
 
 // Scales gradients so their global L2 norm is at most max_norm; returns the norm before.
 // A split parameter's squares are summed over the tensor-parallel group, a whole one's
-// counted once (every rank of the group holds the same gradient).
-double clip_gradients(Model& model, double max_norm, int64_t step) {
+// counted once (every rank of the group holds the same gradient); with `pipe`, each
+// stage's sum over the stages, the tied embedding's copy on the last stage left out (the
+// first stage counts the same gradient).
+double clip_gradients(Model& model, double max_norm, int64_t step, dist::Group* pipe) {
   const trace::Scope scope("clip gradients", trace::Category::step);
   // One reduction and one host read for all parameters (a sync per parameter on CUDA).
   std::vector<at::Tensor> whole, split;
-  for (const auto& p : model.params()) (p.shard.split() ? split : whole).push_back(p.grad.pow(2).sum());
+  for (const auto& p : model.params()) {
+    if (p.tied && pipe != nullptr && !model.first_stage()) continue;
+    (p.shard.split() ? split : whole).push_back(p.grad.pow(2).sum());
+  }
   const auto total = [](const std::vector<at::Tensor>& s) {
     return s.empty() ? at::zeros({1}, at::kDouble) : at::stack(s).to(at::kDouble).sum().reshape({1});
   };
@@ -36,7 +42,12 @@ double clip_gradients(Model& model, double max_norm, int64_t step) {
     model.tensor_group()->all_reduce(parts, dist::Reduce::sum,
                                      fmt::format("the gradient norm's all-reduce of step {}", step + 1));
   }
-  const double norm = std::sqrt(parts[0].item<double>() + total(whole).item<double>());
+  std::vector<at::Tensor> squares{parts[0] + total(whole).cpu()};
+  if (pipe != nullptr) {
+    pipe->all_reduce(squares, dist::Reduce::sum,
+                     fmt::format("the gradient norm's all-reduce over the pipeline of step {}", step + 1));
+  }
+  const double norm = std::sqrt(squares[0].item<double>());
   if (max_norm > 0 && norm > max_norm) {
     const double scale = max_norm / (norm + 1e-6);
     for (auto& p : model.params()) p.grad.mul_(scale);
@@ -129,13 +140,16 @@ void apply_plan(Model& model, const ActivationPlan& plan, const AcConfig& ac) {
   model.set_activation_plan(plan, options);
 }
 
-TrainStep::TrainStep(Model& model, const TrainConfig& train, uint64_t seed, dist::Comm* ranks, int64_t zero)
+TrainStep::TrainStep(Model& model, const TrainConfig& train, uint64_t seed, dist::Comm* ranks, int64_t zero,
+                     pipeline::Schedule schedule)
     : model_(model),
       train_(train),
       seed_(seed),
       ranks_(ranks),
       owned_(owned_params(model, ranks, zero)),
       sharded_(zero == 1 && ranks != nullptr && ranks->data().size() > 1),
+      pipe_(ranks != nullptr && ranks->pipeline().size() > 1 ? &ranks->pipeline() : nullptr),
+      schedule_(schedule),
       optimizer_(adamw_groups(model, train, owned_), torch::optim::AdamWOptions(train.lr)) {
   TORCH_CHECK(zero == 0 || zero == 1, "[TrainStep] zero must be 0 or 1 (parallel.zero), got ", zero);
 }
@@ -156,22 +170,35 @@ StepResult TrainStep::run(int64_t step, const data::TokenDataset& data, std::mt1
   if (model_.store() != nullptr) model_.store()->reset_counters();
   const int ranks = ranks_ != nullptr ? ranks_->data().size() : 1;
   const int64_t first_row = ranks_ != nullptr ? ranks_->data().rank() * t.batch : 0;
-  for (int64_t micro = 0; micro < t.grad_accum; ++micro) {
+  // Scaled by 1 / ranks here, the sum over the ranks is the mean over the global batch.
+  const auto parts = static_cast<double>(t.grad_accum * ranks);
+  // Microbatch m of the step, drawn from `rng` in order; this rank's rows of it.
+  const auto draw = [&](int64_t m) {
     const data::Batch b = data.sample(t.batch * ranks, t.seq, rng);
-    const StepContext ctx{seed_, static_cast<uint64_t>(step), static_cast<uint64_t>(micro), first_row};
-    // Scaled by 1 / ranks here, the sum over the ranks is the mean over the global batch.
-    r.loss += model_.forward_backward(b.tokens.narrow(0, first_row, t.batch).to(device),
-                                      b.targets.narrow(0, first_row, t.batch).to(device), ctx,
-                                      1.0 / static_cast<double>(t.grad_accum * ranks), t.ce_chunk,
-                                      micro == 0 ? &r.activations : nullptr) /
-              static_cast<double>(t.grad_accum * ranks);
+    return MicrobatchData{b.tokens.narrow(0, first_row, t.batch).to(device),
+                          b.targets.narrow(0, first_row, t.batch).to(device),
+                          StepContext{seed_, static_cast<uint64_t>(step), static_cast<uint64_t>(m), first_row}};
+  };
+  if (pipe_ != nullptr) {
+    for (const double loss : run_pipeline(model_, *pipe_, schedule_, t.grad_accum, draw, 1.0 / parts, t.ce_chunk,
+                                          step, &r.activations)) {
+      r.loss += loss / parts;  // in the order one process adds them
+    }
+    sum_tied_grads(model_, *pipe_, step);
+  } else {
+    for (int64_t m = 0; m < t.grad_accum; ++m) {
+      const MicrobatchData d = draw(m);
+      r.loss += model_.forward_backward(d.tokens, d.targets, d.ctx, 1.0 / parts, t.ce_chunk,
+                                        m == 0 ? &r.activations : nullptr) /
+                parts;
+    }
   }
   model_.sum_partial_grads(fmt::format("the sequence-parallel gradient all-reduce of step {}", step + 1));
   if (ranks_ != nullptr) {
     const trace::Scope scope("gradient all-reduce", trace::Category::step);
     all_reduce_gradients(model_, ranks_->data(), r.loss, fmt::format("the gradient all-reduce of step {}", step + 1));
   }
-  r.grad_norm = clip_gradients(model_, t.grad_clip, step);
+  r.grad_norm = clip_gradients(model_, t.grad_clip, step, pipe_);
   // Checked before the update, so that a bad step leaves the weights as they were.
   if (!std::isfinite(r.loss) || !std::isfinite(r.grad_norm)) {
     const ModelConfig& m = model_.config();
@@ -217,10 +244,12 @@ StepResult TrainStep::run(int64_t step, const data::TokenDataset& data, std::mt1
 
 void TrainStep::save_checkpoint(const std::string& path, int64_t steps, const std::mt19937_64& rng,
                                 bool write) const {
-  // A rank that does not write takes part in the gathers and keeps nothing.
+  // A rank that does not write takes part in the gathers and keeps nothing, but for the
+  // first data-parallel rank of a later pipeline stage, which gives its stage's tensors.
+  const bool stage_giver = pipe_ != nullptr && ranks_->data().rank() == 0;
   std::vector<std::pair<std::string, at::Tensor>> tensors;
   const auto keep = [&](const std::string& name, const at::Tensor& t) {
-    if (write) tensors.emplace_back(name, t);
+    if (write || stage_giver) tensors.emplace_back(name, t);
   };
   for (size_t i = 0; i < model_.params().size(); ++i) {
     const Param& p = model_.params()[i];
@@ -237,6 +266,10 @@ void TrainStep::save_checkpoint(const std::string& path, int64_t steps, const st
       }
       keep((second ? "exp_avg_sq." : "exp_avg.") + p.name, model_.whole(i, m));
     }
+  }
+  if (stage_giver) {
+    tensors = gather_on_first_stage(*pipe_, std::move(tensors),
+                                    fmt::format("gathering the stages' tensors for the checkpoint after step {}", steps));
   }
   if (!write) return;
   std::ostringstream rng_state;
@@ -298,7 +331,9 @@ int64_t TrainStep::load_checkpoint(const std::string& path, std::mt19937_64& rng
   return steps;
 }
 
-bool TrainStep::gives_to_checkpoint() const { return model_.tp_size() > 1 || sharded_; }
+bool TrainStep::gives_to_checkpoint() const {
+  return model_.tp_size() > 1 || sharded_ || (pipe_ != nullptr && ranks_->data().rank() == 0);
+}
 
 double median(std::vector<double> v) {
   if (v.empty()) return 0.0;

@@ -6,6 +6,7 @@
 #include "remat/data.h"
 #include "remat/dist.h"
 #include "remat/model.h"
+#include "remat/pipeline.h"
 #include "remat/plan.h"
 #include "remat/store.h"
 
@@ -53,7 +54,13 @@ class TrainStep {
   /// microbatch: every rank draws the whole microbatch of batch x ranks sequences, as one
   /// process would, trains on its own consecutive rows of it and sums the gradients.
   /// `zero`: parallel.zero (0 or 1), the optimizer sharded over ranks->data() when 1.
-  TrainStep(Model& model, const TrainConfig& train, uint64_t seed, dist::Comm* ranks = nullptr, int64_t zero = 0);
+  ///
+  /// Pipeline parallel (`model` one stage of several in ranks->pipeline()): each step's
+  /// microbatches run through the stages in `schedule`'s order (run_pipeline), the tied
+  /// embedding's gradient is summed between its two stages and the gradient norm over
+  /// every stage; each stage updates its own parameters.
+  TrainStep(Model& model, const TrainConfig& train, uint64_t seed, dist::Comm* ranks = nullptr, int64_t zero = 0,
+            pipeline::Schedule schedule = pipeline::Schedule::one_f_one_b);
 
   /// Runs 0-based `step` at learning_rate(train, step): zero_grad, train.grad_accum
   /// microbatches drawn from `data` with `rng` through forward_backward, the gradients
@@ -70,12 +77,13 @@ class TrainStep {
   /// count, and `rng`'s state, the data cursor. Dropout needs nothing more: its masks are
   /// keyed by the seed and the step.
   /// Split parameters and their moments are gathered whole from the tensor-parallel group
-  /// (every rank of it must call this), and under ZeRO-1 each moment from the
-  /// data-parallel rank that keeps it (then every rank must call this); a rank that does
-  /// not `write` only gives its parts. The file is the same with and without ZeRO-1.
+  /// (every rank of it must call this), under ZeRO-1 each moment from the data-parallel
+  /// rank that keeps it (then every rank must call this), and under pipeline parallelism
+  /// each stage's from the first data-parallel rank of every stage; a rank that does not
+  /// `write` only gives its parts. The file is the same with and without ZeRO-1 or stages.
   void save_checkpoint(const std::string& path, int64_t steps, const std::mt19937_64& rng, bool write = true) const;
   /// Whether this rank must call save_checkpoint although it does not write: it holds a
-  /// part another rank writes (a tensor-parallel part, or ZeRO-1's moments).
+  /// part another rank writes (a tensor-parallel part, ZeRO-1's moments, a stage).
   bool gives_to_checkpoint() const;
   /// Restores what save_checkpoint wrote into the model, the optimizer and `rng`, after
   /// checking all of it; returns the number of completed steps. Throws a sentence naming
@@ -96,6 +104,9 @@ class TrainStep {
   bool sharded_;
   /// AdamW updates so far, on every rank (a rank may own no parameter to count them by).
   int64_t updates_ = 0;
+  /// The pipeline group when the model is one of several stages, else null.
+  dist::Group* pipe_;
+  pipeline::Schedule schedule_;
   torch::optim::AdamW optimizer_;
 };
 

@@ -11,6 +11,7 @@
 #include "train/data_parallel.h"
 #include "train/device.h"
 #include "train/generate.h"
+#include "train/pipeline_step.h"
 #include "train/planning.h"
 #include "train/profile.h"
 #include "train/progress.h"
@@ -39,9 +40,10 @@ constexpr double kPi = 3.14159265358979323846;
 
 // Mean loss per token over the first eval_batches sequential batches of train.batch
 // sequences (the last may be short). With `ranks`, each data-parallel rank evaluates its
-// share of the rows of every batch and the sums are added up.
+// share of the rows of every batch and the sums are added up; with `pipe`, through the
+// pipeline's stages.
 double validation_loss(Model& model, const data::TokenDataset& val, const TrainConfig& t, int64_t step,
-                       dist::Group* ranks) {
+                       dist::Group* ranks, dist::Group* pipe) {
   const int64_t n = std::min<int64_t>(t.eval_batches, val.num_sequential_batches(t.batch, t.seq));
   const int64_t share = ranks != nullptr ? t.batch / ranks->size() : t.batch;
   const int64_t first = ranks != nullptr ? ranks->rank() * share : 0;
@@ -52,8 +54,11 @@ double validation_loss(Model& model, const data::TokenDataset& val, const TrainC
     const int64_t rows = std::min(share, b.tokens.size(0) - first);
     if (rows <= 0) continue;  // a short last batch may not reach this rank's rows
     const at::Tensor tokens = b.tokens.narrow(0, first, rows), targets = b.targets.narrow(0, first, rows);
-    sr[0] += static_cast<double>(rows) * model.evaluate(tokens.to(model.device()), targets.to(model.device()),
-                                                        t.ce_chunk);
+    const at::Tensor on_device = tokens.to(model.device()), targets_on_device = targets.to(model.device());
+    sr[0] += static_cast<double>(rows) *
+             (pipe != nullptr ? evaluate_pipeline(model, *pipe, on_device, targets_on_device, t.ce_chunk,
+                                                  fmt::format("the validation of step {}", step))
+                              : model.evaluate(on_device, targets_on_device, t.ce_chunk));
     sr[1] += static_cast<double>(rows);
   }
   if (ranks != nullptr) {
@@ -210,9 +215,13 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   const std::unique_ptr<dist::Comm> ranks = join_ranks(cfg, "train");
   const bool lead = ranks == nullptr || ranks->rank() == 0;
   const int dp = ranks != nullptr ? ranks->data().size() : 1;
-  const int64_t tp = cfg.parallel.tp;
+  const int64_t tp = cfg.parallel.tp, pp = cfg.parallel.pp;
+  const int world = ranks != nullptr ? ranks->size() : 1;
   dist::Group* data_ranks = ranks != nullptr ? &ranks->data() : nullptr;
   dist::Group* tensor_ranks = tp > 1 ? &ranks->tensor() : nullptr;
+  // Pipeline parallel: this rank's stage, and the ranks of its pipeline.
+  dist::Group* pipe = pp > 1 ? &ranks->pipeline() : nullptr;
+  const int64_t stage = pipe != nullptr ? pipe->rank() : 0;
   const QuietStderr quiet(!lead);
   const int threads = set_threads(rank_threads(cfg));
   const at::Device device = parse_device(cfg.run.device);
@@ -233,23 +242,38 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   check_split_fits(val_ds, "validation", t.seq);
 
   const Config local = rank_share(cfg);
-  auto model =
-      Model::create(cfg.model, device, dtype, static_cast<uint64_t>(cfg.run.seed), tensor_ranks, cfg.parallel.sp);
+  const auto create = [&](StageSpan span) {
+    return Model::create(cfg.model, device, dtype, static_cast<uint64_t>(cfg.run.seed), tensor_ranks, cfg.parallel.sp,
+                         span);
+  };
   const double matmul_rate =
       measure_matmul_flops(device, dtype, local.train.batch * t.seq, cfg.model.d_model, cfg.model.d_ff);
+  // The time profile is measured on the whole model; a pipeline plans before its stage
+  // exists (the planner chooses its layers) and prices recompute by FLOPs.
+  std::unique_ptr<Model> model;
   TimeProfile profile;
-  if (cfg.ac.profile) {
+  if (cfg.ac.profile && pp == 1) {
+    model = create({});
     profile = rank_time_profile(local, *model, train_ds, ranks.get());
   } else {
     profile.times.flops_per_second = matmul_rate;  // recompute priced by FLOPs; no step time
   }
   // The token corpus stays in memory (int32) through every step.
   const int64_t corpus_bytes = train_ds.tokens().nbytes() + val_ds.tokens().nbytes();
-  const RunPlan planned = plan_run(local, dtype, profile, corpus_bytes);
+  const RunPlan planned = plan_run(local, dtype, profile, corpus_bytes, stage);
+  if (!model) {
+    int64_t first = 0;
+    for (int64_t s = 0; s < stage; ++s) first += planned.split[static_cast<size_t>(s)];
+    model = create({first, planned.split[static_cast<size_t>(stage)]});
+  }
   const ActivationPlan& plan = planned.plan;
   apply_plan(*model, plan, cfg.ac);
   const ActivationBytes predicted = model->predict_activation_bytes(local.train.batch, t.seq);
-  TrainStep stepper(*model, local.train, static_cast<uint64_t>(cfg.run.seed), ranks.get(), cfg.parallel.zero);
+  TrainStep stepper(*model, local.train, static_cast<uint64_t>(cfg.run.seed), ranks.get(), cfg.parallel.zero,
+                    cfg.parallel.schedule);
+  // Each rank's predicted peak: its stage's (rank = stage x dp x tp + ...).
+  std::vector<int64_t> rank_predicted;
+  for (int r = 0; r < world; ++r) rank_predicted.push_back(planned.stage_peaks[static_cast<size_t>(r / (dp * tp))]);
 
   // A resumed run continues from its newest checkpoint and the metrics logged up to it.
   std::vector<fs::path> saved;
@@ -294,10 +318,24 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   const int64_t tokens_per_step = t.batch * t.seq * t.grad_accum;
   // What every rank computes per token of its data-parallel share: a tensor-parallel group
   // does each token's work once between its ranks (and the whole parts on each).
-  const double flops_per_token = 3.0 * model->forward_flops(t.seq) * static_cast<double>(tp) / static_cast<double>(t.seq);
+  // A pipeline's stages each hold and run their own layers: parameters (the tied
+  // embedding's copy on the last stage counted once) and FLOPs summed over the stages.
+  double forward_flops = model->forward_flops(t.seq) * static_cast<double>(tp);
+  if (pipe != nullptr) {
+    int64_t own = model->num_params();
+    for (const Param& p : model->params()) own -= p.tied && !model->first_stage() ? p.value.numel() : 0;
+    forward_flops = 0;
+    sum.num_params = 0;
+    for (const auto& f : ranks->all_gather({std::llround(model->forward_flops(t.seq)), own},
+                                           "gathering the stages' parameter counts and FLOPs")) {
+      forward_flops += static_cast<double>(f[0]) / dp;
+      sum.num_params += f[1] / dp;
+    }
+  }
+  const double flops_per_token = 3.0 * forward_flops / static_cast<double>(t.seq);
   // The job's rate: each rank measured its own, at its threads, beside the others.
-  sum.matmul_flops_per_second = matmul_rate * dp * tp;
-  sum.predicted_peak_bytes = planned.predicted.peak;
+  sum.matmul_flops_per_second = matmul_rate * world;
+  sum.predicted_peak_bytes = *std::max_element(planned.stage_peaks.begin(), planned.stage_peaks.end());
   sum.budget_bytes = planned.budget;
   sum.predicted_step_seconds = planned.step_seconds;
 
@@ -323,7 +361,7 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   std::mt19937_64 rng(static_cast<uint64_t>(cfg.run.seed));
   std::vector<std::pair<int64_t, double>> train_curve, val_curve;
   if (first_step == 0) {
-    sum.initial_val_loss = validation_loss(*model, val_ds, t, 0, data_ranks);
+    sum.initial_val_loss = validation_loss(*model, val_ds, t, 0, data_ranks, pipe);
     val_curve.emplace_back(0, sum.initial_val_loss);
     log_metrics({{"kind", "val"}, {"step", 0}, {"val_loss", sum.initial_val_loss}});
   } else {
@@ -390,7 +428,7 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
                  {"peak_bytes", peak}, {"rank_peak_bytes", rank_peaks},
                  {"activation_bytes", r.activations.total()},
                  {"predicted_activation_bytes", predicted.total()},
-                 {"predicted_peak_bytes", planned.predicted.peak},
+                 {"predicted_peak_bytes", sum.predicted_peak_bytes},
                  {"ops_recomputed", counters.ops_recomputed}, {"bytes_recomputed", counters.bytes_recomputed},
                  {"pool_hits", counters.pool.hits}, {"pool_misses", counters.pool.misses},
                  {"pool_bytes_served", counters.pool.bytes_served}});
@@ -399,7 +437,7 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
                                      memory::format_bytes(peak)));
     const bool last = step + 1 == t.steps;
     if (last || (t.eval_every > 0 && (step + 1) % t.eval_every == 0)) {
-      const double v = validation_loss(*model, val_ds, t, step + 1, data_ranks);
+      const double v = validation_loss(*model, val_ds, t, step + 1, data_ranks, pipe);
       val_curve.emplace_back(step + 1, v);
       log_metrics({{"kind", "val"}, {"step", step + 1}, {"val_loss", v}});
       bar.message(fmt::format("step {}: validation loss {:.4f}", step + 1, v));
@@ -415,7 +453,7 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
       bar.finish();
       fmt::print(stderr, "{} after step {}: the checkpoint is in {}; continue with `remat {}train --resume {}`\n",
                  stop == SIGINT ? "interrupted (SIGINT)" : "terminated (SIGTERM)", step + 1,
-                 checkpoint_dir(run_path).string(), dp * tp > 1 ? fmt::format("launch --nproc {} ", dp * tp) : "",
+                 checkpoint_dir(run_path).string(), world > 1 ? fmt::format("launch --nproc {} ", world) : "",
                  run_path);
       sum.stopped_by = stop;
       if (ranks != nullptr) ranks->finish();
@@ -433,8 +471,15 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   // Tensor-parallel ranks gather the weights and sample together (each token's logits are
   // gathered from the vocabulary's shares); the ranks part here, and the rest (the files,
   // the report) is rank 0's.
+  // A pipeline's stages give their weights to rank 0, which samples from the whole model
+  // once they are written.
   std::vector<std::pair<std::string, at::Tensor>> weights;
-  if (lead || tp > 1) {
+  if (pipe != nullptr) {
+    if (data_ranks->rank() == 0) {
+      weights = gather_on_first_stage(*pipe, model->whole_params(tok.vocab_size()),
+                                      "gathering the stages' weights for model.safetensors");
+    }
+  } else if (lead || tp > 1) {
     // The export has the tokenizer's rows only (the shapes Hugging Face expects); the
     // training checkpoints keep the padding rows, so that a resume continues bitwise.
     weights = model->whole_params(tok.vocab_size());
@@ -449,6 +494,13 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   model::save_safetensors(run->file("model.safetensors"), weights,
                           {{"format", "pt"}, {"remat.arch", arch_name(cfg.model.arch)},
                            {"remat.preset", cfg.model.preset}});
+  if (pipe != nullptr && cfg.run.sample_tokens > 0) {
+    model.reset();  // the stage's memory goes before the whole model comes
+    model = create({});
+    model->load(run->file("model.safetensors"));
+    sum.sample = sample_text(*model, tok, cfg.run.prompt, cfg.run.sample_tokens, 0.8, 40,
+                             static_cast<uint64_t>(cfg.run.seed));
+  }
   if (cfg.run.sample_tokens > 0) run->write_text("sample.txt", sum.sample + "\n");
   std::string why;
   const bool plotted = run->plot_loss(train_curve, val_curve, sum.unigram_entropy, &why);
@@ -469,6 +521,9 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
       {"peak_bytes", sum.peak_bytes},
       {"ranks", dp},
       {"tp", tp},
+      {"pp", pp},
+      {"stage_layers", planned.split},
+      {"predicted_rank_peak_bytes", rank_predicted},
       {"sp", cfg.parallel.sp},
       {"rank_peak_bytes", sum.rank_peak_bytes},
       {"activation_bytes", sum.activation_bytes},
@@ -501,7 +556,7 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   }
   fmt::print(stderr, "compute {} FLOP/s of a measured {} FLOP/s {} matmul peak{}: efficiency {:.0f}%\n",
              format_count(sum.model_flops_per_second), format_count(sum.matmul_flops_per_second), cfg.run.dtype,
-             dp * tp > 1 ? fmt::format(" ({} ranks x {})", dp * tp, format_count(matmul_rate)) : "",
+             world > 1 ? fmt::format(" ({} ranks x {})", world, format_count(matmul_rate)) : "",
              100.0 * sum.model_flops_per_second / sum.matmul_flops_per_second);
   fmt::print(stderr, "memory peak {} per step (predicted {}, {:+.1f}%), of which saved activations {} per "
              "microbatch (predicted {})\n", memory::format_bytes(sum.peak_bytes),
@@ -509,9 +564,7 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
              100.0 * static_cast<double>(sum.peak_bytes - sum.predicted_peak_bytes) /
                  static_cast<double>(sum.predicted_peak_bytes),
              memory::format_bytes(sum.activation_bytes), memory::format_bytes(predicted.total()));
-  if (dp * tp > 1) {
-    fmt::print(stderr, "memory peak per rank: {}\n", format_rank_peaks(sum.rank_peak_bytes, sum.predicted_peak_bytes));
-  }
+  if (world > 1) fmt::print(stderr, "memory peak per rank: {}\n", format_rank_peaks(sum.rank_peak_bytes, rank_predicted));
   if (sum.budget_bytes > 0) {
     fmt::print(stderr, "budget {}: measured peak {} it; without recompute the step would peak at {} (predicted){}\n",
                memory::format_bytes(sum.budget_bytes), sum.peak_bytes <= sum.budget_bytes ? "stayed within" : "EXCEEDED",

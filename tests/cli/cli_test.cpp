@@ -305,7 +305,8 @@ TEST_F(Cli, PlanOfAPipelineSplitsTheLayersAndPlansEachStage) {
   expect_error("plan --budget 1MiB model.preset=llama-demo parallel.pp=2",
                "fits no plan of llama-demo on 2 pipeline stages (1f1b schedule, 1 microbatch): the least budget "
                "every stage fits is");
-  expect_error("train parallel.pp=2", "parallel.pp = 2: remat plans pipelines");
+  expect_error("train parallel.pp=2", "parallel.dp = 0 x parallel.tp = 1 x parallel.pp = 2 asks for 2 ranks, but "
+                                      "this process runs alone; start the run with `remat launch --nproc 2 train");
 }
 
 TEST_F(Cli, ExplainBlockListsEveryValueWithItsSlot) {
