@@ -129,6 +129,8 @@ class Planner {
   };
   // Writes `c` into the plan's layers from `pos`.
   void place(ActivationPlan& plan, int64_t pos, const Choice& c) const;
+  // The forward and backward seconds of a stage's embedding and loss head, those it holds.
+  double ends_seconds(const cost::StepShape& stage) const;
   // Stage `s` of `pipe` holding `n` layers from `first`, as the step simulator sees it.
   cost::StepShape stage_shape(const PipelineShape& pipe, int64_t s, int64_t first, int64_t n) const;
   // The pipeline problem of `pipe` within `budget`, with the choice behind each piece.

@@ -108,10 +108,14 @@ Planner::Planner(const ModelConfig& cfg, const cost::StepShape& shape, const cos
     for (const auto& n : g.nodes) t += times_.node_seconds(n);
     return 3 * t;
   };
-  layer_seconds_ = 3 * block_seconds_;
+  layer_seconds_ = fwd_bwd(block_);
   embed_seconds_ = fwd_bwd(graph::embed_graph(cfg_, shape_.batch, shape_.seq, shape_.dtype, shape_.tp, shape_.sp));
   head_seconds_ = fwd_bwd(
       graph::head_graph(cfg_, shape_.batch, shape_.seq, shape_.dtype, shape_.ce_chunk, shape_.tp, shape_.sp));
+}
+
+double Planner::ends_seconds(const cost::StepShape& stage) const {
+  return (stage.has_embedding() ? embed_seconds_ : 0.0) + (stage.has_head(cfg_.n_layer) ? head_seconds_ : 0.0);
 }
 
 void Planner::place(ActivationPlan& plan, int64_t pos, const Choice& c) const {
@@ -171,7 +175,7 @@ pipeline::Problem Planner::pipeline_problem(int64_t budget, const PipelineShape&
     f.head_top = shape.has_head(L) ? k.head_peak : -1;
     f.outside = shape.has_embedding() ? std::max(k.embed_peak, k.embed_saved + k.embed_backward) : 0;
     f.optimizer = k.optimizer;
-    f.seconds = (shape.has_embedding() ? embed_seconds_ : 0.0) + (shape.has_head(L) ? head_seconds_ : 0.0);
+    f.seconds = ends_seconds(shape);
     return f;
   };
   p.max_states = options_.max_states;
@@ -214,9 +218,7 @@ PipelinePlan Planner::predict_pipeline(const ActivationPlan& plan, const Pipelin
     const cost::StepShape shape = stage_shape(pipe, s, first, n);
     r.stages.push_back(cost::predict_step(cfg_, shape, plan, options_.early_stop, times_));
     const double recompute = r.stages.back().recompute_seconds / static_cast<double>(shape_.grad_accum);
-    r.stage_seconds.push_back(static_cast<double>(n) * layer_seconds_ + recompute +
-                              (shape.has_embedding() ? embed_seconds_ : 0.0) +
-                              (shape.has_head(cfg_.n_layer) ? head_seconds_ : 0.0));
+    r.stage_seconds.push_back(static_cast<double>(n) * layer_seconds_ + recompute + ends_seconds(shape));
     if (r.stage_seconds.back() > r.stage_seconds[static_cast<size_t>(r.bottleneck)]) r.bottleneck = s;
     first += n;
   }
