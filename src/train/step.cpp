@@ -21,33 +21,58 @@
 namespace remat {
 namespace {
 
+// Where a pipeline stage's gradients stand in the whole model's parameter order, for the
+// norm: the index of the stage's first one and the model's count (the tied embedding's copy
+// on the last stage is not one of them: the first stage holds the same gradient).
+struct NormSlots {
+  int64_t first = 0, count = 0;
+};
+
+bool counted_in_norm(const Model& model, const Param& p, bool pipelined) {
+  return !(pipelined && p.tied && !model.first_stage());
+}
+
+NormSlots norm_slots(const Model& model, dist::Group* pipe) {
+  if (pipe == nullptr) return {};
+  int64_t own = 0;
+  for (const auto& p : model.params()) own += counted_in_norm(model, p, true) ? 1 : 0;
+  std::vector<at::Tensor> counts{at::zeros({pipe->size()}, at::kLong)};
+  counts[0][pipe->rank()] = own;
+  pipe->all_reduce(counts, dist::Reduce::sum, "counting the stages' parameters");
+  const at::Tensor before = counts[0].narrow(0, 0, pipe->rank()).sum();
+  return {before.item<int64_t>(), counts[0].sum().item<int64_t>()};
+}
+
 // Scales gradients so their global L2 norm is at most max_norm; returns the norm before.
 // A split parameter's squares are summed over the tensor-parallel group, a whole one's
-// counted once (every rank of the group holds the same gradient); with `pipe`, each
-// stage's sum over the stages, the tied embedding's copy on the last stage left out (the
-// first stage counts the same gradient).
-double clip_gradients(Model& model, double max_norm, int64_t step, dist::Group* pipe) {
+// counted once (every rank of the group holds the same gradient). With `pipe`, every
+// stage's squares are gathered into the whole model's order (`slots`: each slot is one
+// stage's, the others add zeros, so the gather is exact) and summed as one process sums
+// them: the same norm to the bit, and so the same clipping.
+double clip_gradients(Model& model, double max_norm, int64_t step, dist::Group* pipe, const NormSlots& slots) {
   const trace::Scope scope("clip gradients", trace::Category::step);
   // One reduction and one host read for all parameters (a sync per parameter on CUDA).
   std::vector<at::Tensor> whole, split;
   for (const auto& p : model.params()) {
-    if (p.tied && pipe != nullptr && !model.first_stage()) continue;
-    (p.shard.split() ? split : whole).push_back(p.grad.pow(2).sum());
+    if (counted_in_norm(model, p, pipe != nullptr)) (p.shard.split() ? split : whole).push_back(p.grad.pow(2).sum());
   }
-  const auto total = [](const std::vector<at::Tensor>& s) {
-    return s.empty() ? at::zeros({1}, at::kDouble) : at::stack(s).to(at::kDouble).sum().reshape({1});
-  };
-  std::vector<at::Tensor> parts{total(split).cpu()};
+  const auto total = [](const at::Tensor& squares) { return squares.to(at::kDouble).sum().reshape({1}); };
+  std::vector<at::Tensor> parts{split.empty() ? at::zeros({1}, at::kDouble) : total(at::stack(split)).cpu()};
   if (model.tensor_group() != nullptr) {
     model.tensor_group()->all_reduce(parts, dist::Reduce::sum,
                                      fmt::format("the gradient norm's all-reduce of step {}", step + 1));
   }
-  std::vector<at::Tensor> squares{parts[0] + total(whole).cpu()};
+  at::Tensor squares = whole.empty() ? at::Tensor() : at::stack(whole).cpu();
   if (pipe != nullptr) {
-    pipe->all_reduce(squares, dist::Reduce::sum,
-                     fmt::format("the gradient norm's all-reduce over the pipeline of step {}", step + 1));
+    TORCH_CHECK(split.empty(), "[clip_gradients] pipeline stages hold no tensor-parallel parts");
+    std::vector<at::Tensor> all{at::zeros({slots.count}, squares.scalar_type())};
+    all[0].narrow(0, slots.first, squares.size(0)).copy_(squares);
+    pipe->all_reduce(all, dist::Reduce::sum,
+                     fmt::format("the gradient norm's gather over the pipeline of step {}", step + 1));
+    squares = all[0];
   }
-  const double norm = std::sqrt(squares[0].item<double>());
+  const double norm =
+      std::sqrt(parts[0].item<double>() + (squares.defined() ? total(squares).item<double>() : 0.0));
   if (max_norm > 0 && norm > max_norm) {
     const double scale = max_norm / (norm + 1e-6);
     for (auto& p : model.params()) p.grad.mul_(scale);
@@ -152,6 +177,9 @@ TrainStep::TrainStep(Model& model, const TrainConfig& train, uint64_t seed, dist
       schedule_(schedule),
       optimizer_(adamw_groups(model, train, owned_), torch::optim::AdamWOptions(train.lr)) {
   TORCH_CHECK(zero == 0 || zero == 1, "[TrainStep] zero must be 0 or 1 (parallel.zero), got ", zero);
+  const NormSlots slots = norm_slots(model, pipe_);
+  norm_first_ = slots.first;
+  norm_count_ = slots.count;
 }
 
 StepResult TrainStep::run(int64_t step, const data::TokenDataset& data, std::mt19937_64& rng, bool traced) {
@@ -172,11 +200,15 @@ StepResult TrainStep::run(int64_t step, const data::TokenDataset& data, std::mt1
   const int64_t first_row = ranks_ != nullptr ? ranks_->data().rank() * t.batch : 0;
   // Scaled by 1 / ranks here, the sum over the ranks is the mean over the global batch.
   const auto parts = static_cast<double>(t.grad_accum * ranks);
-  // Microbatch m of the step, drawn from `rng` in order; this rank's rows of it.
+  // Microbatch m of the step, drawn from `rng` in order; this rank's rows of it, copied
+  // out of the whole microbatch's (a view would keep the other ranks' rows alive too).
+  const auto rows = [&](const at::Tensor& all) {
+    const at::Tensor mine = all.narrow(0, first_row, t.batch);
+    return (ranks > 1 ? mine.clone() : mine).to(device);
+  };
   const auto draw = [&](int64_t m) {
     const data::Batch b = data.sample(t.batch * ranks, t.seq, rng);
-    return MicrobatchData{b.tokens.narrow(0, first_row, t.batch).to(device),
-                          b.targets.narrow(0, first_row, t.batch).to(device),
+    return MicrobatchData{rows(b.tokens), rows(b.targets),
                           StepContext{seed_, static_cast<uint64_t>(step), static_cast<uint64_t>(m), first_row}};
   };
   if (pipe_ != nullptr) {
@@ -198,7 +230,7 @@ StepResult TrainStep::run(int64_t step, const data::TokenDataset& data, std::mt1
     const trace::Scope scope("gradient all-reduce", trace::Category::step);
     all_reduce_gradients(model_, ranks_->data(), r.loss, fmt::format("the gradient all-reduce of step {}", step + 1));
   }
-  r.grad_norm = clip_gradients(model_, t.grad_clip, step, pipe_);
+  r.grad_norm = clip_gradients(model_, t.grad_clip, step, pipe_, {norm_first_, norm_count_});
   // Checked before the update, so that a bad step leaves the weights as they were.
   if (!std::isfinite(r.loss) || !std::isfinite(r.grad_norm)) {
     const ModelConfig& m = model_.config();

@@ -107,6 +107,9 @@ class TrainStep {
   /// The pipeline group when the model is one of several stages, else null.
   dist::Group* pipe_;
   pipeline::Schedule schedule_;
+  /// Where this stage's gradients stand in the whole model's order, for the gradient norm:
+  /// the index of its first, and the model's count.
+  int64_t norm_first_ = 0, norm_count_ = 0;
   torch::optim::AdamW optimizer_;
 };
 
