@@ -8,7 +8,8 @@
 // own `none` entry, measured minutes apart in the same process, not as absolute figures.
 //
 // Under a launcher every rank runs every step together (data parallel over parallel.dp
-// ranks, tensor parallel over parallel.tp, with parallel.sp, as `remat train` would), and
+// ranks, tensor parallel over parallel.tp, with parallel.sp, pipeline stages over
+// parallel.pp, each entry on its own split of the layers, as `remat train` would), and
 // every rank's peak is gathered after each step; rank 0 prints and writes the report.
 #pragma once
 
@@ -57,7 +58,9 @@ struct BenchRow {
   std::vector<int64_t> rank_peak_bytes;    ///< the same per rank, in rank order (one: this process)
   int64_t activation_bytes = 0;            ///< saved activations of one microbatch, measured
   int64_t predicted_activation_bytes = 0;  ///< the same, predicted from the plan before running
-  int64_t predicted_peak_bytes = 0;        ///< the cost model's step peak for the entry's plan (per rank)
+  int64_t predicted_peak_bytes = 0;        ///< the cost model's step peak for the entry's plan (the busiest rank's)
+  std::vector<int64_t> predicted_rank_peak_bytes;  ///< per rank: its pipeline stage's (all alike without stages)
+  std::vector<int64_t> stage_layers;       ///< layers per pipeline stage (one: every layer)
   double predicted_step_seconds = 0;       ///< from the time profile (0 with ac.profile=false)
   int64_t budget_bytes = 0;                ///< ac.budget of a budget entry, else 0
   int64_t ops_recomputed = 0;              ///< forward ops the store re-ran in the last step
@@ -83,9 +86,9 @@ struct BenchResult {
 /// losses differ go to stderr. Throws std::exception with a user-facing sentence.
 ///
 /// Started by a launcher (include/remat/dist.h), every rank must call it with the same
-/// options: the ranks join as `remat train` joins them (parallel.dp x parallel.tp must be
-/// the ranks started; parallel.* cannot differ between entries), each plans and runs its
-/// share, and only rank 0 prints and writes the directory.
+/// options: the ranks join as `remat train` joins them (parallel.dp x parallel.tp x
+/// parallel.pp must be the ranks started; parallel.* cannot differ between entries), each
+/// plans and runs its share, and only rank 0 prints and writes the directory.
 BenchResult run_bench(const BenchOptions& options);
 
 /// The result as a text table: entry | peak | predicted | x ref | step ms | predicted |

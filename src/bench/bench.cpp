@@ -68,10 +68,18 @@ PreparedEntry prepare_entry(const BenchOptions& o, const BenchEntry& entry) {
   return p;
 }
 
-// This rank's model of `cfg`: its share of every layer under tensor parallelism.
-std::unique_ptr<Model> create_model(const Config& cfg, at::Device device, at::ScalarType dtype, dist::Comm* ranks) {
+// This rank's model of `cfg`: its share of every layer under tensor parallelism, its
+// stage's layers of `split` (layers per stage) under pipeline parallelism.
+std::unique_ptr<Model> create_model(const Config& cfg, at::Device device, at::ScalarType dtype, dist::Comm* ranks,
+                                    const std::vector<int64_t>& split = {}) {
+  StageSpan span;
+  if (cfg.parallel.pp > 1) {
+    const int stage = ranks->pipeline().rank();
+    for (int s = 0; s < stage; ++s) span.first += split[static_cast<size_t>(s)];
+    span.count = split[static_cast<size_t>(stage)];
+  }
   return Model::create(cfg.model, device, dtype, static_cast<uint64_t>(cfg.run.seed),
-                       cfg.parallel.tp > 1 ? &ranks->tensor() : nullptr, cfg.parallel.sp);
+                       cfg.parallel.tp > 1 ? &ranks->tensor() : nullptr, cfg.parallel.sp, span);
 }
 
 // Trains one entry on a fresh model and measures the steps after the warm-up: on every
@@ -81,15 +89,21 @@ BenchRow run_entry(const BenchEntry& entry, const PreparedEntry& p, const BenchO
                    RunDir* run, ProgressBar& bar, int64_t& steps_done) {
   const Config& cfg = p.config;
   const auto seed = static_cast<uint64_t>(cfg.run.seed);
-  auto model = create_model(cfg, device, dtype, ranks);
+  auto model = create_model(cfg, device, dtype, ranks, p.planned.split);
   apply_plan(*model, p.planned.plan, cfg.ac);
-  TrainStep stepper(*model, p.local.train, seed, ranks, cfg.parallel.zero);
+  TrainStep stepper(*model, p.local.train, seed, ranks, cfg.parallel.zero, cfg.parallel.schedule);
   std::mt19937_64 rng(seed);  // the same batches for every entry
 
   BenchRow row;
   row.entry = entry.label;
   row.policy = p.planned.plan.policy;
-  row.predicted_peak_bytes = p.planned.predicted.peak;
+  const std::vector<int64_t>& stage_peaks = p.planned.stage_peaks;
+  row.predicted_peak_bytes = *std::max_element(stage_peaks.begin(), stage_peaks.end());
+  // Rank r is in stage r / (dp x tp) (dist::Comm::connect's order).
+  const int world = ranks != nullptr ? ranks->size() : 1;
+  const int64_t replica = ranks != nullptr ? ranks->data().size() * cfg.parallel.tp : 1;
+  for (int r = 0; r < world; ++r) row.predicted_rank_peak_bytes.push_back(stage_peaks[static_cast<size_t>(r / replica)]);
+  row.stage_layers = p.planned.split;
   row.predicted_step_seconds = p.planned.step_seconds;
   row.budget_bytes = p.planned.budget;
   row.predicted_activation_bytes = model->predict_activation_bytes(p.local.train.batch, cfg.train.seq).total();
@@ -164,6 +178,8 @@ nlohmann::json row_json(const BenchRow& r) {
           {"predicted_step_seconds", r.predicted_step_seconds},
           {"budget_bytes", r.budget_bytes},
           {"rank_peak_bytes", r.rank_peak_bytes},
+          {"predicted_rank_peak_bytes", r.predicted_rank_peak_bytes},
+          {"stage_layers", r.stage_layers},
           {"step_seconds", r.step_seconds}};
 }
 
@@ -220,10 +236,13 @@ BenchResult run_bench(const BenchOptions& o) {
   // One time profile for the sweep (every entry has the same shapes), measured on a
   // scratch model or read from the cache; then every entry's plan and prediction, so an
   // infeasible budget fails before anything trains.
+  // (Pipeline stages measure it on a probe of two layers, as `remat train` does.)
   TimeProfile profile;
-  if (common.ac.profile) {
+  if (common.ac.profile && common.parallel.pp == 1) {
     auto probe = create_model(common, device, dtype, ranks.get());
     profile = rank_time_profile(local, *probe, train_ds, ranks.get());
+  } else if (common.ac.profile) {
+    profile = probe_time_profile(local, device, dtype, train_ds, ranks.get());
   } else {
     profile.times.flops_per_second = measure_matmul_flops(device, dtype, local.train.batch * local.train.seq,
                                                           common.model.d_model, common.model.d_ff);
@@ -231,7 +250,8 @@ BenchResult run_bench(const BenchOptions& o) {
   const int64_t resident = train_ds.tokens().nbytes();
   for (size_t i = 0; i < prepared.size(); ++i) {
     try {
-      prepared[i].planned = plan_run(prepared[i].local, dtype, profile, resident);
+      prepared[i].planned = plan_run(prepared[i].local, dtype, profile, resident,
+                                     common.parallel.pp > 1 ? ranks->pipeline().rank() : 0);
     } catch (const std::exception& e) {
       throw std::invalid_argument(fmt::format("Bench entry '{}': {}", o.entries[i].label, e.what()));
     }
@@ -301,7 +321,8 @@ BenchResult run_bench(const BenchOptions& o) {
                    {"preset", common.model.preset}, {"batch", t.batch}, {"seq", t.seq},
                    {"grad_accum", t.grad_accum}}},
       {"ranks", {{"dp", local.parallel.dp}, {"tp", common.parallel.tp}, {"sp", common.parallel.sp},
-                 {"zero", common.parallel.zero}}},
+                 {"zero", common.parallel.zero}, {"pp", common.parallel.pp},
+                 {"schedule", pipeline::schedule_name(common.parallel.schedule)}}},
       {"warmup", o.warmup},
       {"steps", o.steps},
       {"reference", result.rows[result.reference].entry},
@@ -353,8 +374,7 @@ std::string format_bench_table(const BenchResult& result) {
   // Several ranks: the peak above is the highest rank's; each rank's beside its prediction.
   for (const auto& r : result.rows) {
     if (r.rank_peak_bytes.size() > 1) {
-      out += fmt::format("{} peaks per rank: {}\n", r.entry, format_rank_peaks(r.rank_peak_bytes,
-                                                                    std::vector<int64_t>(r.rank_peak_bytes.size(), r.predicted_peak_bytes)));
+      out += fmt::format("{} peaks per rank: {}\n", r.entry, format_rank_peaks(r.rank_peak_bytes, r.predicted_rank_peak_bytes));
     }
   }
   // Each budget entry against the fastest manual policy whose measured peak fits the

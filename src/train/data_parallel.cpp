@@ -28,11 +28,6 @@ std::unique_ptr<dist::Comm> join_ranks(const Config& cfg, const std::string& sub
   const int world = env ? env->world_size : 1;
   const int64_t tp = cfg.parallel.tp;
   const int64_t pp = cfg.parallel.pp;
-  if (pp > 1 && subcommand != "train") {
-    throw std::invalid_argument(fmt::format(
-        "parallel.pp = {}: remat {} does not run pipeline stages yet (remat train does, and `remat plan parallel.pp={} "
-        "ac.budget=...` plans them); {} with parallel.pp = 1.", pp, subcommand, pp, subcommand));
-  }
   if (pp > 1 && tp > 1) {
     throw std::invalid_argument(fmt::format(
         "parallel.pp = {} with parallel.tp = {}: pipeline stages do not split their layers over tensor-parallel ranks "
@@ -116,6 +111,8 @@ void keep_highest(std::vector<int64_t>& highest, const std::vector<int64_t>& pea
 }
 
 std::string format_rank_peaks(const std::vector<int64_t>& peaks, const std::vector<int64_t>& predicted) {
+  TORCH_CHECK(!peaks.empty() && peaks.size() == predicted.size(), "[format_rank_peaks] ", peaks.size(),
+              " peaks beside ", predicted.size(), " predictions");
   const bool alike = std::all_of(predicted.begin(), predicted.end(), [&](int64_t p) { return p == predicted[0]; });
   std::vector<std::string> each;
   for (size_t i = 0; i < peaks.size(); ++i) {

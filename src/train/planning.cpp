@@ -24,14 +24,16 @@ std::string slots_text(const std::set<std::string>& dropped) {
 }
 
 // Each stage's layers, what they keep, peak and time; the bottleneck.
-std::string pipeline_text(const Config& cfg, const PipelinePlan& r, int64_t stage) {
+std::string pipeline_text(const Config& cfg, const PipelinePlan& r, int64_t stage, bool profiled) {
   const int64_t m = cfg.train.grad_accum;
   std::string text = fmt::format("pipeline: {} stages, {} schedule, {} microbatch{}; this rank is stage {}\n",
                                  r.stages.size(), pipeline::schedule_name(cfg.parallel.schedule), m,
                                  m == 1 ? "" : "es", stage + 1);
   for (size_t s = 0; s < r.stages.size(); ++s) {
     text += stage_line(r, s, m, cfg.parallel.schedule,
-                       fmt::format("{:.1f} ms per microbatch (its FLOPs at the measured matmul rate)", 1e3 * r.stage_seconds[s])) +
+                       fmt::format("{:.1f} ms per microbatch ({})", 1e3 * r.stage_seconds[s],
+                                   profiled ? "its nodes' times in the time profile"
+                                            : "its FLOPs at the measured matmul rate")) +
             "\n";
     for (const LayerGroup& g : layer_groups(r.plan, r.stages[s])) {
       const std::string range = g.first == g.last ? fmt::format("layer {}", g.first + 1)
@@ -138,7 +140,8 @@ RunPlan plan_run(const Config& cfg, at::ScalarType dtype, const TimeProfile& pro
     r.predicted = planned.stages[static_cast<size_t>(stage)];
     for (const auto& st : planned.stages) r.stage_peaks.push_back(st.peak);
     r.none_peak = none.peak();
-    r.text = explain_plan(r.plan) + pipeline_text(cfg, planned, stage);
+    r.text = explain_plan(r.plan) + pipeline_text(cfg, planned, stage, profile.base_seconds > 0);
+    if (profile.base_seconds > 0) r.text += fmt::format("time profile {}\n", profile.path);
     if (r.budget > 0) {
       r.text += fmt::format("budget {} (ac.budget = \"{}\") per rank: the busiest stage peaks at {}; without "
                             "recompute it would peak at {}\n", format_bytes(r.budget), cfg.ac.budget,

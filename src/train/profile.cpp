@@ -186,4 +186,18 @@ TimeProfile rank_time_profile(const Config& cfg, Model& model, const data::Token
   return profile;
 }
 
+TimeProfile probe_time_profile(const Config& cfg, at::Device device, at::ScalarType dtype,
+                               const data::TokenDataset& data, dist::Comm* ranks) {
+  Config probe = cfg;
+  probe.model.n_layer = std::min<int64_t>(cfg.model.n_layer, 2);
+  probe.parallel.pp = 1;
+  probe.ac.stages = 1;
+  TimeProfile profile;
+  rank0_first(ranks, "measuring the time profile", [&] {
+    auto model = Model::create(probe.model, device, dtype, static_cast<uint64_t>(cfg.run.seed));
+    profile = measure_time_profile(probe, *model, data);
+  });
+  return profile;
+}
+
 }  // namespace remat

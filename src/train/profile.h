@@ -46,4 +46,12 @@ TimeProfile measure_time_profile(const Config& cfg, Model& model, const data::To
 /// otherwise rank 0 measures first and the others then read its cache (rank0_first).
 TimeProfile rank_time_profile(const Config& cfg, Model& model, const data::TokenDataset& data, dist::Comm* ranks);
 
+/// The time profile pipeline stages (parallel.pp > 1) plan with: a stage is not a whole
+/// model, so rank 0 measures (the others then read its cache) on a probe of `cfg`'s model
+/// cut to two layers, built in `dtype` on `device` for this and freed after. Its node times
+/// price every layer's recompute and time; its base and optimizer times are the probe's,
+/// not a stage's, so no step time is predicted from them.
+TimeProfile probe_time_profile(const Config& cfg, at::Device device, at::ScalarType dtype,
+                               const data::TokenDataset& data, dist::Comm* ranks);
+
 }  // namespace remat

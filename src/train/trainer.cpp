@@ -249,12 +249,14 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   const double matmul_rate =
       measure_matmul_flops(device, dtype, local.train.batch * t.seq, cfg.model.d_model, cfg.model.d_ff);
   // The time profile is measured on the whole model; a pipeline plans before its stage
-  // exists (the planner chooses its layers) and prices recompute by FLOPs.
+  // exists (the planner chooses its layers), from a probe's.
   std::unique_ptr<Model> model;
   TimeProfile profile;
   if (cfg.ac.profile && pp == 1) {
     model = create({});
     profile = rank_time_profile(local, *model, train_ds, ranks.get());
+  } else if (cfg.ac.profile) {
+    profile = probe_time_profile(local, device, dtype, train_ds, ranks.get());
   } else {
     profile.times.flops_per_second = matmul_rate;  // recompute priced by FLOPs; no step time
   }

@@ -79,11 +79,18 @@ TEST(Bench, TableGivesEveryRanksPeakBesideThePrediction) {
   two.rows = {row("none", 100 << 20, 0.2), row("full", 50 << 20, 0.3)};
   two.rows[0].rank_peak_bytes = {100 << 20, 99 << 20};
   two.rows[0].predicted_peak_bytes = 100 << 20;
+  two.rows[0].predicted_rank_peak_bytes = {100 << 20, 100 << 20};
   const std::string t = format_bench_table(two);
   EXPECT_NE(t.find("\nnone peaks per rank: rank 0 100.00 MiB, rank 1 99.00 MiB (each predicted 100.00 MiB)\n"),
             std::string::npos)
       << t;
   EXPECT_EQ(t.find("full peaks"), std::string::npos) << "one process's row has no line: " << t;
+  // Pipeline stages: each rank beside its own stage's prediction.
+  two.rows[0].predicted_rank_peak_bytes = {101 << 20, 98 << 20};
+  EXPECT_NE(format_bench_table(two).find("\nnone peaks per rank: rank 0 100.00 MiB (predicted 101.00 MiB), rank 1 "
+                                         "99.00 MiB (predicted 98.00 MiB)\n"),
+            std::string::npos)
+      << format_bench_table(two);
 }
 
 }  // namespace
