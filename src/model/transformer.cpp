@@ -285,7 +285,7 @@ double TransformerModel::evaluate(const at::Tensor& input, const at::Tensor& tar
                                   at::Tensor* output) {
   TORCH_CHECK(last_stage() || output != nullptr, "[model] the evaluation of a stage before the last needs somewhere "
               "to put its output");
-  const auto [B, T] = check_input(input, targets);
+  const auto [B, T] = check_input(input, targets, /*sharded=*/false);
   at::Tensor x = blocks_output(input);
   if (!last_stage()) {
     *output = std::move(x);
@@ -350,7 +350,8 @@ ActivationBytes TransformerModel::predict_activation_bytes(int64_t B, int64_t T)
   return out;
 }
 
-std::pair<int64_t, int64_t> TransformerModel::check_input(const at::Tensor& input, const at::Tensor& targets) const {
+std::pair<int64_t, int64_t> TransformerModel::check_input(const at::Tensor& input, const at::Tensor& targets,
+                                                          bool sharded) const {
   if (first_stage()) {
     TORCH_CHECK(input.dim() == 2, "[model] the tokens must be [B, T], got ", input.sizes());
   } else {
@@ -358,7 +359,7 @@ std::pair<int64_t, int64_t> TransformerModel::check_input(const at::Tensor& inpu
                 input.sizes());
   }
   // Sequence parallel: an activation holds this rank's share of the positions.
-  const int64_t B = input.size(0), T = input.size(1) * (first_stage() || !sp_ ? 1 : tp_size());
+  const int64_t B = input.size(0), T = input.size(1) * (first_stage() || !sp_ || !sharded ? 1 : tp_size());
   TORCH_CHECK(T <= cfg_.max_seq, "The sequence has ", T, " tokens but the model's context is ", cfg_.max_seq,
               " (model.max_seq); use sequences of at most ", cfg_.max_seq, " tokens.");
   if (last_stage()) {

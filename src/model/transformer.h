@@ -173,8 +173,11 @@ class TransformerModel final : public Model {
   enum class Part { embed, block, head };
 
   // The microbatch's [B, T] from a forward's input (token ids on the first stage, an
-  // activation elsewhere), checked with the targets on the last stage.
-  std::pair<int64_t, int64_t> check_input(const at::Tensor& input, const at::Tensor& targets) const;
+  // activation elsewhere: with `sharded` under sequence parallelism this rank's share of
+  // the positions, as training passes them; evaluation passes them whole), checked with the
+  // targets on the last stage.
+  std::pair<int64_t, int64_t> check_input(const at::Tensor& input, const at::Tensor& targets,
+                                          bool sharded = true) const;
   // Refuses what needs every layer (evaluation, generation) on a pipeline stage.
   void check_whole(const char* what) const;
   // The stage's end layer (one past its last).

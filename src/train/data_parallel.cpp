@@ -28,11 +28,6 @@ std::unique_ptr<dist::Comm> join_ranks(const Config& cfg, const std::string& sub
   const int world = env ? env->world_size : 1;
   const int64_t tp = cfg.parallel.tp;
   const int64_t pp = cfg.parallel.pp;
-  if (pp > 1 && tp > 1) {
-    throw std::invalid_argument(fmt::format(
-        "parallel.pp = {} with parallel.tp = {}: pipeline stages do not split their layers over tensor-parallel ranks "
-        "yet; use parallel.pp with data-parallel ranks only (parallel.tp = 1), or parallel.tp without stages.", pp, tp));
-  }
   if ((cfg.parallel.dp > 0 && cfg.parallel.dp * tp * pp != world) || (!env && tp * pp > 1)) {
     const int64_t want = std::max<int64_t>(cfg.parallel.dp, 1) * tp * pp;
     throw std::invalid_argument(fmt::format(

@@ -17,8 +17,8 @@ namespace remat {
 /// The job the launcher started, joined: null when this process runs alone (no launcher,
 /// or one rank). Refuses with a sentence a parallel.dp x parallel.tp x parallel.pp that is
 /// not the number of ranks started (the sentence shows how to start `subcommand`, "train"
-/// or "bench", with the ranks it needs), a train.batch they cannot share evenly
-/// (data_parallel_ranks), or pipeline stages with tensor parallelism (not yet composed).
+/// or "bench", with the ranks it needs), or a train.batch they cannot share
+/// evenly (data_parallel_ranks).
 std::unique_ptr<dist::Comm> join_ranks(const Config& cfg, const std::string& subcommand);
 
 /// The data-parallel ranks a run of `cfg` trains on: parallel.dp when set, else the ranks

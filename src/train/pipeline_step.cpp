@@ -71,7 +71,8 @@ std::vector<double> run_pipeline(Model& model, dist::Group& pipe, pipeline::Sche
       // cost model counts (cost::StaticBytes::batch): the first stage its token ids, the
       // last its targets, the others neither.
       MicrobatchData d = draw(a.microbatch);
-      const int64_t B = d.tokens.size(0), T = d.tokens.size(1);
+      // Sequence parallel: the activations between stages are this rank's positions.
+      const int64_t B = d.tokens.size(0), T = d.tokens.size(1) / (model.sequence_parallel() ? model.tp_size() : 1);
       shape[static_cast<size_t>(a.microbatch)] = {B, T};
       if (!first) d.tokens = at::Tensor();
       if (!last) d.targets = at::Tensor();

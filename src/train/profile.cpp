@@ -192,12 +192,10 @@ TimeProfile probe_time_profile(const Config& cfg, at::Device device, at::ScalarT
   probe.model.n_layer = std::min<int64_t>(cfg.model.n_layer, 2);
   probe.parallel.pp = 1;
   probe.ac.stages = 1;
-  TimeProfile profile;
-  rank0_first(ranks, "measuring the time profile", [&] {
-    auto model = Model::create(probe.model, device, dtype, static_cast<uint64_t>(cfg.run.seed));
-    profile = measure_time_profile(probe, *model, data);
-  });
-  return profile;
+  // Under tensor parallelism the probe is split over this rank's group, as a stage is.
+  auto model = Model::create(probe.model, device, dtype, static_cast<uint64_t>(cfg.run.seed),
+                             cfg.parallel.tp > 1 ? &ranks->tensor() : nullptr, cfg.parallel.sp);
+  return rank_time_profile(probe, *model, data, ranks);
 }
 
 }  // namespace remat

@@ -47,8 +47,9 @@ TimeProfile measure_time_profile(const Config& cfg, Model& model, const data::To
 TimeProfile rank_time_profile(const Config& cfg, Model& model, const data::TokenDataset& data, dist::Comm* ranks);
 
 /// The time profile pipeline stages (parallel.pp > 1) plan with: a stage is not a whole
-/// model, so rank 0 measures (the others then read its cache) on a probe of `cfg`'s model
-/// cut to two layers, built in `dtype` on `device` for this and freed after. Its node times
+/// model, so it is measured (rank_time_profile) on a probe of `cfg`'s model cut to two
+/// layers (split over the tensor-parallel group as the stages are), built in `dtype` on
+/// `device` for this and freed after. Its node times
 /// price every layer's recompute and time; its base and optimizer times are the probe's,
 /// not a stage's, so no step time is predicted from them.
 TimeProfile probe_time_profile(const Config& cfg, at::Device device, at::ScalarType dtype,

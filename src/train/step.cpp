@@ -32,10 +32,12 @@ bool counted_in_norm(const Model& model, const Param& p, bool pipelined) {
   return !(pipelined && p.tied && !model.first_stage());
 }
 
+// The slots of the whole (not tensor-parallel) parameters; a split one's squares are
+// summed over the tensor-parallel group first, then over the stages.
 NormSlots norm_slots(const Model& model, dist::Group* pipe) {
   if (pipe == nullptr) return {};
   int64_t own = 0;
-  for (const auto& p : model.params()) own += counted_in_norm(model, p, true) ? 1 : 0;
+  for (const auto& p : model.params()) own += counted_in_norm(model, p, true) && !p.shard.split() ? 1 : 0;
   std::vector<at::Tensor> counts{at::zeros({pipe->size()}, at::kLong)};
   counts[0][pipe->rank()] = own;
   pipe->all_reduce(counts, dist::Reduce::sum, "counting the stages' parameters");
@@ -46,9 +48,10 @@ NormSlots norm_slots(const Model& model, dist::Group* pipe) {
 // Scales gradients so their global L2 norm is at most max_norm; returns the norm before.
 // A split parameter's squares are summed over the tensor-parallel group, a whole one's
 // counted once (every rank of the group holds the same gradient). With `pipe`, every
-// stage's squares are gathered into the whole model's order (`slots`: each slot is one
-// stage's, the others add zeros, so the gather is exact) and summed as one process sums
-// them: the same norm to the bit, and so the same clipping.
+// stage's squares of whole parameters are gathered into the whole model's order (`slots`:
+// each slot is one stage's, the others add zeros, so the gather is exact) and summed as one
+// process sums them: without tensor parallelism the same norm to the bit, and so the same
+// clipping; the split ones' sums are added over the stages.
 double clip_gradients(Model& model, double max_norm, int64_t step, dist::Group* pipe, const NormSlots& slots) {
   const trace::Scope scope("clip gradients", trace::Category::step);
   // One reduction and one host read for all parameters (a sync per parameter on CUDA).
@@ -64,11 +67,11 @@ double clip_gradients(Model& model, double max_norm, int64_t step, dist::Group* 
   }
   at::Tensor squares = whole.empty() ? at::Tensor() : at::stack(whole).cpu();
   if (pipe != nullptr) {
-    TORCH_CHECK(split.empty(), "[clip_gradients] pipeline stages hold no tensor-parallel parts");
-    std::vector<at::Tensor> all{at::zeros({slots.count}, squares.scalar_type())};
-    all[0].narrow(0, slots.first, squares.size(0)).copy_(squares);
-    pipe->all_reduce(all, dist::Reduce::sum,
-                     fmt::format("the gradient norm's gather over the pipeline of step {}", step + 1));
+    const std::string what = fmt::format("the gradient norm's gather over the pipeline of step {}", step + 1);
+    if (model.tensor_group() != nullptr) pipe->all_reduce(parts, dist::Reduce::sum, what);
+    std::vector<at::Tensor> all{at::zeros({slots.count}, squares.defined() ? squares.scalar_type() : at::kFloat)};
+    if (squares.defined()) all[0].narrow(0, slots.first, squares.size(0)).copy_(squares);
+    pipe->all_reduce(all, dist::Reduce::sum, what);
     squares = all[0];
   }
   const double norm =
@@ -278,7 +281,7 @@ void TrainStep::save_checkpoint(const std::string& path, int64_t steps, const st
                                 bool write) const {
   // A rank that does not write takes part in the gathers and keeps nothing, but for the
   // first data-parallel rank of a later pipeline stage, which gives its stage's tensors.
-  const bool stage_giver = pipe_ != nullptr && ranks_->data().rank() == 0;
+  const bool stage_giver = pipe_ != nullptr && ranks_->data().rank() == 0 && ranks_->tensor().rank() == 0;
   std::vector<std::pair<std::string, at::Tensor>> tensors;
   const auto keep = [&](const std::string& name, const at::Tensor& t) {
     if (write || stage_giver) tensors.emplace_back(name, t);

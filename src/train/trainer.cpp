@@ -328,10 +328,12 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
     for (const Param& p : model->params()) own -= p.tied && !model->first_stage() ? p.value.numel() : 0;
     forward_flops = 0;
     sum.num_params = 0;
+    // Each rank's FLOPs are its share; its parameters are counted whole on every
+    // tensor-parallel rank.
     for (const auto& f : ranks->all_gather({std::llround(model->forward_flops(t.seq)), own},
                                            "gathering the stages' parameter counts and FLOPs")) {
       forward_flops += static_cast<double>(f[0]) / dp;
-      sum.num_params += f[1] / dp;
+      sum.num_params += f[1] / (dp * tp);
     }
   }
   const double flops_per_token = 3.0 * forward_flops / static_cast<double>(t.seq);
@@ -478,8 +480,12 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   std::vector<std::pair<std::string, at::Tensor>> weights;
   if (pipe != nullptr) {
     if (data_ranks->rank() == 0) {
-      weights = gather_on_first_stage(*pipe, model->whole_params(tok.vocab_size()),
-                                      "gathering the stages' weights for model.safetensors");
+      // Whole from the tensor-parallel parts (every rank of the group), then from the stages.
+      auto stage_weights = model->whole_params(tok.vocab_size());
+      if (tensor_ranks == nullptr || tensor_ranks->rank() == 0) {
+        weights = gather_on_first_stage(*pipe, std::move(stage_weights),
+                                        "gathering the stages' weights for model.safetensors");
+      }
     }
   } else if (lead || tp > 1) {
     // The export has the tokenizer's rows only (the shapes Hugging Face expects); the
@@ -498,7 +504,7 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
                            {"remat.preset", cfg.model.preset}});
   if (pipe != nullptr && cfg.run.sample_tokens > 0) {
     model.reset();  // the stage's memory goes before the whole model comes
-    model = create({});
+    model = Model::create(cfg.model, device, dtype, static_cast<uint64_t>(cfg.run.seed));
     model->load(run->file("model.safetensors"));
     sum.sample = sample_text(*model, tok, cfg.run.prompt, cfg.run.sample_tokens, 0.8, 40,
                              static_cast<uint64_t>(cfg.run.seed));

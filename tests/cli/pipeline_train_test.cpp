@@ -171,19 +171,21 @@ const std::string kPeakShape = " model.preset=gpt2-demo model.vocab_size=2048 tr
 constexpr int64_t kPeakSlack = 8 * 1024;
 
 // Each stage peaks within 8 KiB of where the planner said for its layers and microbatches
-// in flight, under either schedule, a policy or a budget; under the budget the planner
-// chose the split. Without recompute under 1F1B the first stage, holding two microbatches,
+// in flight, under either schedule, a policy or a budget, and split over a tensor-parallel
+// pair with sequence parallelism; under the budget the planner chose the split. Without recompute under 1F1B the first stage, holding two microbatches,
 // peaks above the last, holding one (with the loss head), by what the planner predicted.
 TEST_F(PipelineTraining, EveryStagePeaksWhereThePlannerSaid) {
-  const std::vector<std::string> cases{"ac.policy=none", "ac.policy=full parallel.schedule=gpipe",
-                                       "ac.budget=0.6"};
+  const std::vector<std::string> cases{"ac.policy=none", "ac.policy=full parallel.schedule=gpipe", "ac.budget=0.6",
+                                       "ac.policy=full parallel.tp=2 parallel.sp=true"};
   for (size_t i = 0; i < cases.size(); ++i) {
     const std::string name = "peak-" + std::to_string(i);
-    const Result r = run_remat("launch --nproc 2 train " + common_ + kPeakShape + cases[i] + " run.name=" + name);
+    const size_t ranks = cases[i].find("parallel.tp=2") != std::string::npos ? 4 : 2;
+    const Result r = run_remat("launch --nproc " + std::to_string(ranks) + " train " + common_ + kPeakShape +
+                               cases[i] + " run.name=" + name);
     ASSERT_EQ(r.exit_code, 0) << r.output;
     const auto s = summary(name);
-    ASSERT_EQ(s["rank_peak_bytes"].size(), 2u);
-    for (size_t rank = 0; rank < 2; ++rank) {
+    ASSERT_EQ(s["rank_peak_bytes"].size(), ranks);
+    for (size_t rank = 0; rank < ranks; ++rank) {
       EXPECT_NEAR(s["rank_peak_bytes"][rank].get<int64_t>(), s["predicted_rank_peak_bytes"][rank].get<int64_t>(),
                   kPeakSlack) << cases[i] << ", rank " << rank;
     }
@@ -229,16 +231,24 @@ TEST_F(PipelineTraining, BenchRunsEachEntryOnItsOwnSplit) {
   }
 }
 
-// What pipeline runs cannot do yet, or cannot do as asked, is refused with a sentence.
-TEST_F(PipelineTraining, WhatCannotRunIsRefused) {
-  const std::pair<std::string, std::string> cases[] = {
-      {"launch --nproc 4 train " + common_ + " parallel.pp=2 parallel.tp=2",
-       "pipeline stages do not split their layers over tensor-parallel ranks yet"},
-  };
-  for (const auto& [args, expected] : cases) {
-    const Result r = run_remat(args);
-    EXPECT_NE(r.exit_code, 0) << args;
-    EXPECT_NE(r.output.find(expected), std::string::npos) << args << "\n" << r.output;
+// Tensor parallelism inside the stages: two stages of a tensor-parallel pair (4 ranks),
+// with and without sequence parallelism, train as the pair alone does, bitwise, without
+// clipping (the norm adds the split parameters' sums over the stages, in another order).
+TEST_F(PipelineTraining, TensorParallelStagesTrainAsTheTensorParallelPair) {
+  const std::string base = common_ + kLlama + " train.steps=2 train.grad_clip=0 parallel.tp=2 ";
+  for (const std::string sp : {"false", "true"}) {
+    const Result pair = run_remat("launch --nproc 2 train " + base + "parallel.sp=" + sp + " run.name=tp-" + sp);
+    ASSERT_EQ(pair.exit_code, 0) << pair.output;
+    const Result staged =
+        run_remat("launch --nproc 4 train " + base + "parallel.pp=2 parallel.sp=" + sp + " run.name=tp-pp-" + sp);
+    ASSERT_EQ(staged.exit_code, 0) << staged.output;
+    EXPECT_NE(staged.output.find("each layer split over 2 tensor-parallel ranks"), std::string::npos);
+    EXPECT_EQ(losses("tp-pp-" + sp), losses("tp-" + sp)) << "sp " << sp;
+    EXPECT_EQ(summary("tp-pp-" + sp)["final_val_loss"], summary("tp-" + sp)["final_val_loss"]);
+    EXPECT_EQ(summary("tp-pp-" + sp)["parameters"], summary("tp-" + sp)["parameters"]);
+    EXPECT_EQ(summary("tp-pp-" + sp)["rank_peak_bytes"].size(), 4u);
+    expect_same_tensors("tp-pp-" + sp, "tp-" + sp, "checkpoints/step-00000002.safetensors");
+    expect_same_tensors("tp-pp-" + sp, "tp-" + sp, "model.safetensors");
   }
 }
 
