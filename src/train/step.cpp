@@ -280,7 +280,8 @@ StepResult TrainStep::run(int64_t step, const data::TokenDataset& data, std::mt1
 void TrainStep::save_checkpoint(const std::string& path, int64_t steps, const std::mt19937_64& rng,
                                 bool write) const {
   // A rank that does not write takes part in the gathers and keeps nothing, but for the
-  // first data-parallel rank of a later pipeline stage, which gives its stage's tensors.
+  // first data- and tensor-parallel rank of each later pipeline stage, which gives its
+  // stage's tensors to the first stage's.
   const bool stage_giver = pipe_ != nullptr && ranks_->data().rank() == 0 && ranks_->tensor().rank() == 0;
   std::vector<std::pair<std::string, at::Tensor>> tensors;
   const auto keep = [&](const std::string& name, const at::Tensor& t) {

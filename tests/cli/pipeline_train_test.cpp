@@ -23,11 +23,7 @@ namespace {
 
 namespace fs = std::filesystem;
 using namespace std::chrono_literals;
-using remat::testing::LaunchedTraining;
-using remat::testing::read_text;
-using remat::testing::Result;
-using remat::testing::run_remat;
-using remat::testing::wait_exit;
+using namespace remat::testing;  // the launched-training fixture and the process helpers
 
 // Llama has no tied weights, so no gradient is summed over two stages, and the gradient
 // norm gathers every stage's squares into one process's sum: the stages compute every
@@ -227,7 +223,9 @@ TEST_F(PipelineTraining, BenchRunsEachEntryOnItsOwnSplit) {
       EXPECT_NEAR(row["rank_peak_bytes"][rank].get<int64_t>(), row["predicted_rank_peak_bytes"][rank].get<int64_t>(),
                   kPeakSlack) << row["entry"] << ", rank " << rank;
     }
-    if (row["budget_bytes"] > 0) EXPECT_LE(row["predicted_peak_bytes"], row["budget_bytes"]);
+    if (row["budget_bytes"] > 0) {
+      EXPECT_LE(row["predicted_peak_bytes"], row["budget_bytes"]);
+    }
   }
 }
 
