@@ -99,10 +99,9 @@ BenchRow run_entry(const BenchEntry& entry, const PreparedEntry& p, const BenchO
   row.policy = p.planned.plan.policy;
   const std::vector<int64_t>& stage_peaks = p.planned.stage_peaks;
   row.predicted_peak_bytes = *std::max_element(stage_peaks.begin(), stage_peaks.end());
-  // Rank r is in stage r / (dp x tp) (dist::Comm::connect's order).
-  const int world = ranks != nullptr ? ranks->size() : 1;
-  const int64_t replica = ranks != nullptr ? ranks->data().size() * cfg.parallel.tp : 1;
-  for (int r = 0; r < world; ++r) row.predicted_rank_peak_bytes.push_back(stage_peaks[static_cast<size_t>(r / replica)]);
+  row.predicted_rank_peak_bytes =
+      rank_predictions(stage_peaks, ranks != nullptr ? ranks->size() : 1,
+                       ranks != nullptr ? ranks->data().size() * cfg.parallel.tp : 1);
   row.stage_layers = p.planned.split;
   row.predicted_step_seconds = p.planned.step_seconds;
   row.budget_bytes = p.planned.budget;

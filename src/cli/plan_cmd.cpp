@@ -154,11 +154,7 @@ int plan_pipeline(const Config& cfg, const PlanArgs& args, const Planner& planne
   for (size_t s = 0; s < r.stages.size(); ++s) {
     fmt::print("{}\n", stage_line(r, s, microbatches, pipe.schedule,
                                         format_count(r.stage_seconds[s]) + " FLOPs per microbatch"));
-    for (const auto& [first, last, text, kept, rf] : layer_groups(r.plan, r.stages[s])) {
-      const std::string range = first == last ? fmt::format("layer {}", first + 1)
-                                              : fmt::format("layers {}-{}", first + 1, last + 1);
-      fmt::print("  {:<14} keeps {:>10} each   {}\n", range, format_bytes(kept), text);
-    }
+    fmt::print("{}", layer_groups_text(r.plan, r.stages[s]));
   }
   fmt::print("\nbottleneck: stage {} at {} FLOPs per microbatch; the schedule takes (microbatches + stages - 1) = {} "
              "times that, {} FLOPs, plus the optimizer\n", r.bottleneck + 1, format_count(r.stage_seconds[r.bottleneck]),
@@ -285,11 +281,7 @@ int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
   fmt::print("budget {} (\"{}\"); no-recompute peak {}; minimum feasible {}\n\n", format_bytes(budget), budget_text,
              format_bytes(none_peak), format_bytes(min_budget));
   fmt::print("plan (least recompute within the budget):\n");
-  for (const auto& [first, last, text, kept, rf] : layer_groups(plan, pred)) {
-    const std::string range = first == last ? fmt::format("layer {}", first + 1)
-                                            : fmt::format("layers {}-{}", first + 1, last + 1);
-    fmt::print("  {:<14} keeps {:>10} each   {}\n", range, format_bytes(kept), text);
-  }
+  fmt::print("{}", layer_groups_text(plan, pred));
   fmt::print("\npredicted memory at the peak:\n{}", breakdown_text(pred));
   fmt::print("\nrecompute: {} FLOPs per step, {:.1f}% over the {} FLOPs of a step without recompute\n",
              format_count(pred.recompute_flops), 100.0 * overhead, format_count(flops * shape.grad_accum));

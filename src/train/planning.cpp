@@ -23,31 +23,13 @@ std::string slots_text(const std::set<std::string>& dropped) {
   return out;
 }
 
-// Each stage's layers, what they keep, peak and time; the bottleneck.
-std::string pipeline_text(const Config& cfg, const PipelinePlan& r, int64_t stage, bool profiled) {
-  const int64_t m = cfg.train.grad_accum;
-  std::string text = fmt::format("pipeline: {} stages, {} schedule, {} microbatch{}; this rank is stage {}\n",
-                                 r.stages.size(), pipeline::schedule_name(cfg.parallel.schedule), m,
-                                 m == 1 ? "" : "es", stage + 1);
-  for (size_t s = 0; s < r.stages.size(); ++s) {
-    text += stage_line(r, s, m, cfg.parallel.schedule,
-                       fmt::format("{:.1f} ms per microbatch ({})", 1e3 * r.stage_seconds[s],
-                                   profiled ? "its nodes' times in the time profile"
-                                            : "its FLOPs at the measured matmul rate")) +
-            "\n";
-    for (const LayerGroup& g : layer_groups(r.plan, r.stages[s])) {
-      const std::string range = g.first == g.last ? fmt::format("layer {}", g.first + 1)
-                                                  : fmt::format("layers {}-{}", g.first + 1, g.last + 1);
-      text += fmt::format("  {:<14} keeps {:>10} each   {}\n", range, format_bytes(g.kept), g.text);
-    }
-  }
-  text += fmt::format("bottleneck: stage {}; the schedule takes (microbatches + stages - 1) = {} times its {:.1f} ms, "
-                      "{:.1f} ms, plus the optimizer\n", r.bottleneck + 1, m + static_cast<int64_t>(r.stages.size()) - 1,
-                      1e3 * r.stage_seconds[static_cast<size_t>(r.bottleneck)], 1e3 * r.schedule_seconds);
-  return text;
-}
-
-}  // namespace
+// Consecutive layers planned alike: layers first to last (from 0), what they keep, each
+// one's kept bytes.
+struct LayerGroup {
+  int64_t first = 0, last = 0;
+  std::string text;
+  int64_t kept = 0;
+};
 
 std::vector<LayerGroup> layer_groups(const ActivationPlan& plan, const cost::StepPrediction& pred) {
   std::vector<LayerGroup> out;
@@ -70,10 +52,42 @@ std::vector<LayerGroup> layer_groups(const ActivationPlan& plan, const cost::Ste
     if (!out.empty() && out.back().text == text && out.back().kept == c.kept && !chunk_start && lp.chunk_begin < 0) {
       out.back().last = l;
     } else {
-      out.push_back({l, l, text, c.kept, c.recompute_flops});
+      out.push_back({l, l, text, c.kept});
     }
   }
   return out;
+}
+
+// Each stage's layers, what they keep, peak and time; the bottleneck.
+std::string pipeline_text(const Config& cfg, const PipelinePlan& r, int64_t stage, bool profiled) {
+  const int64_t m = cfg.train.grad_accum;
+  std::string text = fmt::format("pipeline: {} stages, {} schedule, {} microbatch{}; this rank is stage {}\n",
+                                 r.stages.size(), pipeline::schedule_name(cfg.parallel.schedule), m,
+                                 m == 1 ? "" : "es", stage + 1);
+  for (size_t s = 0; s < r.stages.size(); ++s) {
+    text += stage_line(r, s, m, cfg.parallel.schedule,
+                       fmt::format("{:.1f} ms per microbatch ({})", 1e3 * r.stage_seconds[s],
+                                   profiled ? "its nodes' times in the time profile"
+                                            : "its FLOPs at the measured matmul rate")) +
+            "\n";
+    text += layer_groups_text(r.plan, r.stages[s]);
+  }
+  text += fmt::format("bottleneck: stage {}; the schedule takes (microbatches + stages - 1) = {} times its {:.1f} ms, "
+                      "{:.1f} ms, plus the optimizer\n", r.bottleneck + 1, m + static_cast<int64_t>(r.stages.size()) - 1,
+                      1e3 * r.stage_seconds[static_cast<size_t>(r.bottleneck)], 1e3 * r.schedule_seconds);
+  return text;
+}
+
+}  // namespace
+
+std::string layer_groups_text(const ActivationPlan& plan, const cost::StepPrediction& pred) {
+  std::string text;
+  for (const LayerGroup& g : layer_groups(plan, pred)) {
+    const std::string range = g.first == g.last ? fmt::format("layer {}", g.first + 1)
+                                                : fmt::format("layers {}-{}", g.first + 1, g.last + 1);
+    text += fmt::format("  {:<14} keeps {:>10} each   {}\n", range, format_bytes(g.kept), g.text);
+  }
+  return text;
 }
 
 std::string stage_line(const PipelinePlan& r, size_t s, int64_t microbatches, pipeline::Schedule schedule,

@@ -37,16 +37,9 @@ struct RunPlan {
 RunPlan plan_run(const Config& cfg, at::ScalarType dtype, const TimeProfile& profile, int64_t resident,
                  int64_t stage = 0);
 
-/// Consecutive layers planned alike: layers first to last (from 0), what they keep, each
-/// one's kept bytes and recompute FLOPs.
-struct LayerGroup {
-  int64_t first = 0, last = 0;
-  std::string text;
-  int64_t kept = 0;
-  double recompute_flops = 0;
-};
-/// The groups of the layers `pred` predicts (a pipeline stage's) under `plan`.
-std::vector<LayerGroup> layer_groups(const ActivationPlan& plan, const cost::StepPrediction& pred);
+/// The layers `pred` predicts (a pipeline stage's, or every layer) under `plan`, runs of
+/// consecutive layers planned alike one line each: "  layers 2-4   keeps 1.2 MiB each   drop ...".
+std::string layer_groups_text(const ActivationPlan& plan, const cost::StepPrediction& pred);
 
 /// One line on stage `s` of `r` (from 0): its layers, microbatches in flight under
 /// `schedule`, its predicted peak and where, then `work` (its time per microbatch).

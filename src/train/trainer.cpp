@@ -274,8 +274,7 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   TrainStep stepper(*model, local.train, static_cast<uint64_t>(cfg.run.seed), ranks.get(), cfg.parallel.zero,
                     cfg.parallel.schedule);
   // Each rank's predicted peak: its stage's (rank = stage x dp x tp + ...).
-  std::vector<int64_t> rank_predicted;
-  for (int r = 0; r < world; ++r) rank_predicted.push_back(planned.stage_peaks[static_cast<size_t>(r / (dp * tp))]);
+  const std::vector<int64_t> rank_predicted = rank_predictions(planned.stage_peaks, world, dp * tp);
 
   // A resumed run continues from its newest checkpoint and the metrics logged up to it.
   std::vector<fs::path> saved;
