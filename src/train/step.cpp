@@ -137,26 +137,68 @@ constexpr const char* kCheckpointFormat = "remat training checkpoint 1";
 // The optimizer's key for a parameter's state (LibTorch's own convention).
 std::string state_key(const at::Tensor& param) { return c10::guts::to_string(param.unsafeGetTensorImpl()); }
 
-// Where a non-finite step shows first: a weight, else a gradient, else the loss alone.
-std::string where_non_finite(const Model& model) {
-  if (const std::string w = first_non_finite(model); !w.empty()) return "parameter " + w + " holds non-finite values";
-  if (const std::string g = first_non_finite(model, true); !g.empty()) {
-    return "the gradient of " + g + " is the first non-finite one";
-  }
-  return "every weight and gradient is finite, so the loss itself overflowed";
-}
-
 }  // namespace
 
-std::string first_non_finite(const Model& model, bool grads) {
+namespace {
+
+// The index of the first parameter of `model` whose values (with `grads`: gradients) hold
+// a NaN or an infinity; -1 when none does. One pass, one host read.
+int64_t first_non_finite_index(const Model& model, bool grads) {
   std::vector<at::Tensor> finite;
   for (const auto& p : model.params()) finite.push_back(at::isfinite(grads ? p.grad : p.value).all());
   const at::Tensor flags = at::stack(finite).to(at::kCPU);
   const bool* ok = flags.data_ptr<bool>();
   for (size_t i = 0; i < finite.size(); ++i) {
-    if (!ok[i]) return model.params()[i].name;
+    if (!ok[i]) return static_cast<int64_t>(i);
   }
-  return "";
+  return -1;
+}
+
+}  // namespace
+
+std::string first_non_finite(const Model& model, bool grads) {
+  const int64_t i = first_non_finite_index(model, grads);
+  return i < 0 ? "" : model.params()[static_cast<size_t>(i)].name;
+}
+
+std::string TrainStep::first_non_finite_of_job(bool grads, int64_t step, const char* when) const {
+  const int64_t own = first_non_finite_index(model_, grads);
+  if (ranks_ == nullptr || ranks_->size() == 1) return own < 0 ? "" : model_.params()[static_cast<size_t>(own)].name;
+  // The first in the whole model's order: the earliest stage's first, the lowest rank's
+  // among equals (tensor-parallel ranks hold parts of the same parameters).
+  const int64_t stage = pipe_ != nullptr ? pipe_->rank() : 0;
+  const std::string what = fmt::format("the non-finite check {} step {}", when, step + 1);
+  const auto found = ranks_->all_gather({own < 0 ? 0 : 1, stage, own}, what);
+  int first = -1;
+  for (int r = 0; r < static_cast<int>(found.size()); ++r) {
+    const auto& f = found[static_cast<size_t>(r)];
+    if (f[0] == 0) continue;
+    const auto& best = found[static_cast<size_t>(std::max(first, 0))];
+    if (first < 0 || std::make_pair(f[1], f[2]) < std::make_pair(best[1], best[2])) first = r;
+  }
+  if (first < 0) return "";
+  // Only the rank that holds it knows the parameter's name: it posts it for the others.
+  const std::string key = fmt::format("non-finite/{}/{}/{}", grads ? "gradient" : "value", when, step);
+  std::string name;
+  if (first == ranks_->rank()) {
+    name = model_.params()[static_cast<size_t>(own)].name;
+    ranks_->post(key, name);
+  } else {
+    name = ranks_->await(key, what);
+  }
+  return pipe_ != nullptr ? fmt::format("{} (pipeline stage {}, rank {})", name, found[static_cast<size_t>(first)][1] + 1, first)
+                          : name;
+}
+
+// Where a non-finite step shows first: a weight, else a gradient, else the loss alone.
+std::string TrainStep::where_non_finite(int64_t step) const {
+  if (const std::string w = first_non_finite_of_job(false, step, "before"); !w.empty()) {
+    return "parameter " + w + " holds non-finite values";
+  }
+  if (const std::string g = first_non_finite_of_job(true, step, "before"); !g.empty()) {
+    return "the gradient of " + g + " is the first non-finite one";
+  }
+  return "every weight and gradient is finite, so the loss itself overflowed";
 }
 
 void apply_plan(Model& model, const ActivationPlan& plan, const AcConfig& ac) {
@@ -241,12 +283,12 @@ StepResult TrainStep::run(int64_t step, const data::TokenDataset& data, std::mt1
       throw std::runtime_error(fmt::format(
           "The training loss is {} (gradient norm {}) at step 1, before any update, so the initial model is at fault, "
           "not the learning rate: {}; check model.init_std (now {}) and model.norm_eps (now {}).",
-          r.loss, r.grad_norm, where_non_finite(model_), m.init_std, m.norm_eps));
+          r.loss, r.grad_norm, where_non_finite(step), m.init_std, m.norm_eps));
     }
     throw std::runtime_error(fmt::format(
         "The training loss became {} (gradient norm {}) at step {}: {}; lower train.lr (now {}), raise train.warmup "
         "(now {}) or set train.grad_clip (now {}).",
-        r.loss, r.grad_norm, step + 1, where_non_finite(model_), t.lr, t.warmup, t.grad_clip));
+        r.loss, r.grad_norm, step + 1, where_non_finite(step), t.lr, t.warmup, t.grad_clip));
   }
   {
     const trace::Scope scope("optimizer step", trace::Category::step);
@@ -268,7 +310,7 @@ StepResult TrainStep::run(int64_t step, const data::TokenDataset& data, std::mt1
   r.peak_bytes = mem.peak;
 
   // After the peak is read: the check's temporaries are not the step's memory.
-  if (const std::string w = first_non_finite(model_); !w.empty()) {
+  if (const std::string w = first_non_finite_of_job(false, step, "after"); !w.empty()) {
     throw std::runtime_error(fmt::format(
         "The update of step {} made parameter {} non-finite (the loss was {}, the gradient norm {}); lower train.lr "
         "(now {}) or set train.grad_clip (now {}).", step + 1, w, r.loss, r.grad_norm, r.lr, t.grad_clip));

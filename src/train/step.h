@@ -69,7 +69,8 @@ class TrainStep {
   /// step as a Chrome trace (StepResult::trace). Throws a sentence naming the step, the
   /// first non-finite parameter or gradient and what to change when the loss or the
   /// gradient norm is not finite (then before the update, so the weights stay as they
-  /// were) or when the update made a weight non-finite.
+  /// were) or when the update made a weight non-finite. Over several ranks every rank
+  /// throws, naming the same parameter (and its stage).
   StepResult run(int64_t step, const data::TokenDataset& data, std::mt19937_64& rng, bool traced = false);
 
   /// Writes the training state after `steps` completed steps to `path` as one safetensors
@@ -111,6 +112,16 @@ class TrainStep {
   /// the index of its first, and the model's count.
   int64_t norm_first_ = 0, norm_count_ = 0;
   torch::optim::AdamW optimizer_;
+
+  /// The first parameter whose values (with `grads`: gradients) are not finite over every
+  /// rank, "" when none; with stages, named with the stage and rank that hold it. Every
+  /// rank must call it and gets the same answer, so that all of them stop together with
+  /// the same sentence (a stage alone would leave the others waiting for its activations).
+  /// `when` ("before", "after") and `step` name the check in a failure.
+  std::string first_non_finite_of_job(bool grads, int64_t step, const char* when) const;
+  /// Where a step with a non-finite loss or gradient norm went wrong first, over every
+  /// rank: a weight, else a gradient, else the loss alone.
+  std::string where_non_finite(int64_t step) const;
 };
 
 /// The name of the first parameter, in model order, whose values (with `grads`: whose

@@ -6,12 +6,15 @@
 #include "remat/pipeline.h"
 #include "remat/policy.h"
 #include "train/pipeline_step.h"
+#include "train/step.h"
 #include "util/gloo_ranks.h"
 
 #include <ATen/Parallel.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <map>
+#include <random>
 
 namespace remat {
 namespace {
@@ -205,6 +208,57 @@ TEST(PipelineStep, ALostStageStopsTheOthersWithASentence) {
   // activation (posting one on a closed connection fails too) or a gradient's receive.
   EXPECT_EQ(errors[0].find("rank 1 stopped answering during the "), 0u) << errors[0];
   EXPECT_NE(errors[0].find("stage 2 (step 5)"), std::string::npos) << errors[0];
+}
+
+// A non-finite weight on the last stage alone: before the update (its loss and the
+// shared gradient norm are not finite) and made by the update (the other stage's weights
+// stay finite). Every stage stops at once with the same sentence, naming the parameter and
+// the stage that holds it, where a stage alone stopping would leave the other waiting.
+TEST(PipelineStep, ANonFiniteStageStopsEveryStageNamingIt) {
+  at::set_num_threads(1);
+  const ModelConfig cfg = config("llama-demo");
+  const data::TokenDataset data(at::randint(cfg.vocab_size, {400}, at::detail::createCPUGenerator(3), at::kInt));
+  TrainConfig train;
+  train.batch = kB;
+  train.seq = kT;
+  train.grad_accum = kMicro;
+  train.ce_chunk = kChunk;
+  train.steps = 4;
+  train.warmup = 0;
+  const auto whole = Model::create(cfg, at::kCPU, at::kFloat, kSeed);
+  // The last stage's first matrix (decayed, so the update below overflows it).
+  const Param* target = nullptr;
+  for (const Param& p : whole->params()) {
+    if (p.decay && p.name.find("layers.3.") != std::string::npos && target == nullptr) target = &p;
+  }
+  ASSERT_NE(target, nullptr);
+  const std::string name = target->name + " (pipeline stage 2, rank 1)";
+  const auto run_with = [&](const TrainConfig& t, const std::function<void(Param&)>& spoil) {
+    return testing::gloo_rank_errors(2, 1, 2, std::chrono::seconds(20), [&](dist::Comm& comm) {
+      const int64_t s = comm.pipeline().rank();
+      auto model = Model::create(cfg, at::kCPU, at::kFloat, kSeed, nullptr, false, {2 * s, 2});
+      for (Param& p : model->params()) {
+        if (p.name == target->name) spoil(p);
+      }
+      TrainStep step(*model, t, kSeed, &comm);
+      std::mt19937_64 rng(5);
+      step.run(0, data, rng);
+    });
+  };
+  for (const std::string& e : run_with(train, [](Param& p) { p.value.view(-1)[1] = std::nan(""); })) {
+    EXPECT_NE(e.find("at step 1, before any update, so the initial model is at fault, not the learning rate: parameter " +
+                     name + " holds non-finite values"),
+              std::string::npos)
+        << e;
+  }
+  // A decoupled weight decay of lr x decay = 1e36 on an entry of 1e3 overflows float32;
+  // on the first stage's entries (at most about 0.1) it does not.
+  TrainConfig huge = train;
+  huge.lr = 1e37;
+  huge.min_lr = 0;
+  for (const std::string& e : run_with(huge, [](Param& p) { p.value.view(-1)[0] = 1e3; })) {
+    EXPECT_EQ(e.rfind("The update of step 1 made parameter " + name + " non-finite", 0), 0u) << e;
+  }
 }
 
 }  // namespace
