@@ -88,6 +88,30 @@ bool plot_frontier(const std::string& path, const std::vector<FrontierPoint>& fr
   return util::run_gnuplot(script, path, "", why);
 }
 
+// ColossalAI's least per-stage checkpoint counts (`num_ckpt_layers_per_stage`, each stage's
+// first layers recomputed whole) with which every stage of `pipe`'s split fits `budget`, and
+// their prediction; nullopt when even every layer recomputed does not fit. A stage's peak
+// depends on its own layers alone, so each count grows until its stage fits.
+std::optional<std::pair<std::vector<int64_t>, PipelinePlan>> least_counts(const Config& cfg, const Planner& planner,
+                                                                          const PipelineShape& pipe, int64_t budget) {
+  AcConfig ac;
+  ac.stages = pipe.stages;
+  ac.num_layers_per_stage = fmt::format("{}", fmt::join(pipe.split, ","));
+  std::vector<int64_t> counts(pipe.split.size(), 0);
+  for (;;) {
+    ac.num_ckpt_layers_per_stage = fmt::format("{}", fmt::join(counts, ","));
+    PipelinePlan p = planner.predict_pipeline(compile_policy(ac, cfg.model.n_layer, cfg.model.dropout), pipe);
+    bool fits = true;
+    for (size_t s = 0; s < counts.size(); ++s) {
+      if (p.stages[s].peak <= budget) continue;
+      if (counts[s] == pipe.split[s]) return std::nullopt;
+      ++counts[s];
+      fits = false;
+    }
+    if (fits) return std::make_pair(counts, std::move(p));
+  }
+}
+
 // `remat plan` of a pipeline: the layers of each stage and each layer's plan, solved
 // together within the per-rank budget (time in FLOPs, as above).
 int plan_pipeline(const Config& cfg, const PlanArgs& args, const Planner& planner, const std::string& header) {
@@ -110,6 +134,10 @@ int plan_pipeline(const Config& cfg, const PlanArgs& args, const Planner& planne
     fixed.split = pipeline::even_split(m.n_layer, pipe.stages);
     even = planner.solve_pipeline(budget, fixed);
   }
+  // ColossalAI's way on the same split: whole layers recomputed, counted per stage.
+  PipelineShape counted = pipe;
+  if (counted.split.empty()) counted.split = pipeline::even_split(m.n_layer, pipe.stages);
+  const auto counts = least_counts(cfg, planner, counted, budget);
   if (args.json) {
     nlohmann::json stages = nlohmann::json::array();
     for (size_t s = 0; s < r.stages.size(); ++s) {
@@ -141,7 +169,11 @@ int plan_pipeline(const Config& cfg, const PlanArgs& args, const Planner& planne
                                 {"stages", stages},
                                 {"bottleneck", r.bottleneck + 1},
                                 {"schedule_flops", r.schedule_seconds},
-                                {"even_split_schedule_flops", even ? nlohmann::json(even->schedule_seconds) : nlohmann::json()}};
+                                {"even_split_schedule_flops", even ? nlohmann::json(even->schedule_seconds) : nlohmann::json()},
+                                {"least_ckpt_layers_per_stage",
+                                 counts ? nlohmann::json{{"counts", counts->first},
+                                                         {"schedule_flops", counts->second.schedule_seconds}}
+                                        : nlohmann::json()}};
     fmt::print("{}\n", out.dump(2));
     return 0;
   }
@@ -171,6 +203,12 @@ int plan_pipeline(const Config& cfg, const PlanArgs& args, const Planner& planne
                given.schedule_seconds / r.schedule_seconds,
                given.peak() > budget ? fmt::format(", over the budget by {}", format_bytes(given.peak() - budget)) : "");
   }
+  fmt::print("ColossalAI's least per-stage counts on the {} split ({}): {}\n", pipe.split.empty() ? "even" : "given",
+             fmt::join(counted.split, ","),
+             counts ? fmt::format("num_ckpt_layers_per_stage = [{}], {} FLOPs, {:.3f} x this plan's",
+                                  fmt::join(counts->first, ","), format_count(counts->second.schedule_seconds),
+                                  counts->second.schedule_seconds / r.schedule_seconds)
+                    : std::string("none fit the budget, even with every layer recomputed"));
   if (pipe.split.empty()) {
     fmt::print("the even split ({}) planned stage by stage: {}\n", fmt::join(pipeline::even_split(m.n_layer, pipe.stages), ","),
                even ? fmt::format("{} FLOPs, {:.3f} x this plan's", format_count(even->schedule_seconds),

@@ -294,12 +294,19 @@ TEST_F(Cli, PlanOfAPipelineSplitsTheLayersAndPlansEachStage) {
   EXPECT_EQ(j["stages"][0]["in_flight"], 4);
   EXPECT_EQ(j["stages"][3]["in_flight"], 1);
   EXPECT_LE(j["schedule_flops"].get<double>(), j["even_split_schedule_flops"].get<double>());
+  // ColossalAI's counts on the even split are one of the plans the joint planner weighs.
+  const auto& counts = j["least_ckpt_layers_per_stage"];
+  ASSERT_EQ(counts["counts"].size(), 4u);
+  for (const auto& c : counts["counts"]) EXPECT_LE(c.get<int64_t>(), 2);
+  EXPECT_GT(counts["counts"][0].get<int64_t>(), 0);
+  EXPECT_LE(j["schedule_flops"].get<double>(), counts["schedule_flops"].get<double>());
 
   const Result text = run_remat("plan --budget 0.7 model.preset=llama-demo model.n_layer=8 parallel.pp=4 "
                                 "train.grad_accum=8");
   ASSERT_EQ(text.exit_code, 0) << text.output;
   for (const char* part : {"pipeline: 4 stages, 1f1b schedule, 8 microbatches", "stage 1: layers 1-",
-                           "4 microbatches in flight", "bottleneck: stage ", "the even split (2,2,2,2)"}) {
+                           "4 microbatches in flight", "bottleneck: stage ", "the even split (2,2,2,2)",
+                           "ColossalAI's least per-stage counts on the even split (2,2,2,2): num_ckpt_layers_per_stage = ["}) {
     EXPECT_NE(text.output.find(part), std::string::npos) << part << "\n" << text.output;
   }
   expect_error("plan --budget 1MiB model.preset=llama-demo parallel.pp=2",
