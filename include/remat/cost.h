@@ -93,6 +93,10 @@ struct StepConstants {
 struct NodeTimes {
   std::map<std::string, double> seconds;  ///< by node name
   double flops_per_second = 0;           ///< fallback rate for nodes without a time
+  /// One microbatch's forward and backward, measured, of one layer and of the embedding
+  /// and loss head together (a pipeline stage's parts: train/profile.h's probe); 0 when
+  /// not measured, and then three times the forward nodes' times.
+  double layer_pass_seconds = 0, ends_pass_seconds = 0;
   double node_seconds(const graph::Node& n) const;
   /// The all-gather of a block input kept as shares (graph::kInputGather), measured; 0
   /// when the profile has none (FLOPs price no collective).

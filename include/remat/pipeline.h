@@ -40,6 +40,33 @@ Schedule schedule_of_name(const std::string& name);
 /// Microbatches whose activations stage `stage` (from 0) of `stages` holds at once.
 int64_t in_flight(Schedule schedule, int64_t stages, int64_t stage, int64_t microbatches);
 
+/// One thing a stage does: the forward or the backward of a microbatch.
+struct Action {
+  bool backward = false;
+  int64_t microbatch = 0;
+  bool operator==(const Action& o) const { return backward == o.backward && microbatch == o.microbatch; }
+};
+
+/// The order stage `stage` (from 0) of `stages` runs `microbatches` forwards and backwards
+/// in, the oldest microbatch's backward first. 1F1B: stages - stage - 1 forwards (at most
+/// all), then one forward and one backward alternately, then the remaining backwards; it
+/// holds at most in_flight() microbatches. GPipe: every forward, then every backward.
+std::vector<Action> actions(Schedule schedule, int64_t stages, int64_t stage, int64_t microbatches);
+
+/// One stage's seconds for one microbatch: its forward, and its backward with the
+/// recompute in it.
+struct StageTimes {
+  double forward = 0;
+  double backward = 0;
+};
+
+/// The wall time of `microbatches` microbatches through `stages` (one StageTimes each) in
+/// `schedule`'s order: every stage runs its actions() one after another, a forward once
+/// the previous stage has finished that microbatch's forward, a backward once the next
+/// stage has finished its backward (the last stage's after its own forward), each handed
+/// over `transfer` seconds later. The time from the first forward to the last backward.
+double simulate(Schedule schedule, const std::vector<StageTimes>& stages, int64_t microbatches, double transfer = 0);
+
 /// `layers` split over `stages` as evenly as they go, the first stages taking one more.
 std::vector<int64_t> even_split(int64_t layers, int64_t stages);
 

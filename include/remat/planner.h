@@ -67,8 +67,11 @@ struct PipelinePlan {
   std::vector<double> stage_seconds;         ///< each stage's forward and backward of one microbatch
   int64_t bottleneck = 0;                    ///< the slowest stage (the first of equals)
   /// The schedule's time, (microbatches + stages - 1) x the bottleneck's (the optimizer
-  /// step, which the stages run at once, is not in it).
+  /// step, which the stages run at once, is not in it): what the solver minimises.
   double schedule_seconds = 0;
+  /// The step's microbatches through the stages, simulated (pipeline::simulate) with each
+  /// stage's forward and backward; transfers and the optimizer are not in it.
+  double simulated_seconds = 0;
   int64_t peak() const;                      ///< the highest stage peak
 };
 
@@ -147,9 +150,15 @@ class Planner {
   int64_t head_peak_ = 0;    ///< the loss head's live bytes above the kept layers
   int64_t fixed_peak_ = 0;   ///< peaks that do not depend on the plan (embedding, optimizer)
   double block_seconds_ = 0; ///< one whole block forward
-  // A forward and backward of one microbatch (a backward costs about twice its forward, as
-  // its FLOPs do): of a block without recompute, of the embedding, of the loss head.
+  // A forward and backward of one microbatch: of a block without recompute, of the
+  // embedding, of the loss head; measured where the times have them, else three times the
+  // forward (a backward costs about twice its forward, as its FLOPs do).
   double layer_seconds_ = 0, embed_seconds_ = 0, head_seconds_ = 0;
+  // The embedding's and the loss head's forwards alone.
+  double embed_forward_ = 0, head_forward_ = 0;
+  // A stage's forward and backward (recompute in it) of one microbatch: its `n` layers,
+  // their recompute and its ends.
+  pipeline::StageTimes stage_times(const cost::StepShape& stage, int64_t n, double recompute) const;
 };
 
 /// Parses "12GiB", "96MiB", "1.5e9", "4096" (bytes) or "0.6" / "60%" (a fraction of

@@ -25,6 +25,52 @@ int64_t in_flight(Schedule schedule, int64_t stages, int64_t stage, int64_t micr
   return schedule == Schedule::gpipe ? microbatches : std::min(stages - stage, microbatches);
 }
 
+std::vector<Action> actions(Schedule schedule, int64_t stages, int64_t stage, int64_t microbatches) {
+  std::vector<Action> out;
+  const int64_t warmup = schedule == Schedule::gpipe ? microbatches : std::min(stages - stage - 1, microbatches);
+  int64_t forwards = 0, backwards = 0;
+  for (; forwards < warmup; ++forwards) out.push_back({false, forwards});
+  for (; forwards < microbatches; ++forwards, ++backwards) {
+    out.push_back({false, forwards});
+    out.push_back({true, backwards});
+  }
+  for (; backwards < microbatches; ++backwards) out.push_back({true, backwards});
+  return out;
+}
+
+double simulate(Schedule schedule, const std::vector<StageTimes>& stages, int64_t microbatches, double transfer) {
+  const auto P = static_cast<int64_t>(stages.size());
+  const auto M = static_cast<size_t>(microbatches);
+  // When each stage finished each microbatch's forward and backward; -1: not yet.
+  std::vector<std::vector<double>> fwd(stages.size(), std::vector<double>(M, -1)), bwd = fwd;
+  std::vector<std::vector<Action>> order;
+  for (int64_t s = 0; s < P; ++s) order.push_back(actions(schedule, P, s, microbatches));
+  std::vector<size_t> next(stages.size(), 0);
+  std::vector<double> free_at(stages.size(), 0);
+  // Each round runs every action whose input is ready; every schedule makes progress, since
+  // the oldest unfinished action of the whole pipeline always has its input.
+  for (bool progressed = true; progressed;) {
+    progressed = false;
+    for (int64_t s = 0; s < P; ++s) {
+      const auto i = static_cast<size_t>(s);
+      while (next[i] < order[i].size()) {
+        const Action& a = order[i][next[i]];
+        const auto j = static_cast<size_t>(a.microbatch);
+        double ready = 0;
+        if (!a.backward && s > 0) ready = fwd[i - 1][j] < 0 ? -1 : fwd[i - 1][j] + transfer;
+        if (a.backward) ready = s + 1 < P ? (bwd[i + 1][j] < 0 ? -1 : bwd[i + 1][j] + transfer) : fwd[i][j];
+        if (ready < 0) break;
+        const double start = std::max(ready, free_at[i]);
+        free_at[i] = start + (a.backward ? stages[i].backward : stages[i].forward);
+        (a.backward ? bwd : fwd)[i][j] = free_at[i];
+        ++next[i];
+        progressed = true;
+      }
+    }
+  }
+  return *std::max_element(free_at.begin(), free_at.end());
+}
+
 std::vector<int64_t> even_split(int64_t layers, int64_t stages) {
   std::vector<int64_t> sizes;
   for (int64_t s = 0; s < stages; ++s) sizes.push_back(layers / stages + (s < layers % stages ? 1 : 0));

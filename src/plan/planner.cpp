@@ -103,15 +103,35 @@ Planner::Planner(const ModelConfig& cfg, const cost::StepShape& shape, const cos
   fixed_peak_ = std::max({k.statics.total() + k.embed_peak, emb_base_ + k.embed_backward,
                           k.statics.total() + k.optimizer});
   for (const auto& n : block_.nodes) block_seconds_ += times_.node_seconds(n);
-  const auto fwd_bwd = [&](const graph::BlockGraph& g) {
+  const auto forward = [&](const graph::BlockGraph& g) {
     double t = 0;
     for (const auto& n : g.nodes) t += times_.node_seconds(n);
-    return 3 * t;
+    return t;
   };
-  layer_seconds_ = fwd_bwd(block_);
-  embed_seconds_ = fwd_bwd(graph::embed_graph(cfg_, shape_.batch, shape_.seq, shape_.dtype, shape_.tp, shape_.sp));
-  head_seconds_ = fwd_bwd(
+  embed_forward_ = forward(graph::embed_graph(cfg_, shape_.batch, shape_.seq, shape_.dtype, shape_.tp, shape_.sp));
+  head_forward_ = forward(
       graph::head_graph(cfg_, shape_.batch, shape_.seq, shape_.dtype, shape_.ce_chunk, shape_.tp, shape_.sp));
+  layer_seconds_ = times_.layer_pass_seconds > 0 ? times_.layer_pass_seconds : 3 * block_seconds_;
+  embed_seconds_ = 3 * embed_forward_;
+  head_seconds_ = 3 * head_forward_;
+  // Measured, the ends' pass is shared between them as their forwards are.
+  if (times_.ends_pass_seconds > 0 && embed_forward_ + head_forward_ > 0) {
+    const double share = embed_forward_ / (embed_forward_ + head_forward_);
+    embed_seconds_ = share * times_.ends_pass_seconds;
+    head_seconds_ = (1 - share) * times_.ends_pass_seconds;
+    embed_forward_ = embed_seconds_ / 3;
+    head_forward_ = head_seconds_ / 3;
+  }
+}
+
+pipeline::StageTimes Planner::stage_times(const cost::StepShape& stage, int64_t n, double recompute) const {
+  const bool embedding = stage.has_embedding(), head = stage.has_head(cfg_.n_layer);
+  // A layer's forward is its nodes' times (measured ones are a recompute's), never more
+  // than its whole measured pass.
+  const double forward = static_cast<double>(n) * std::min(block_seconds_, layer_seconds_) +
+                         (embedding ? embed_forward_ : 0.0) + (head ? head_forward_ : 0.0);
+  const double whole = static_cast<double>(n) * layer_seconds_ + recompute + ends_seconds(stage);
+  return {forward, whole - forward};
 }
 
 double Planner::ends_seconds(const cost::StepShape& stage) const {
@@ -212,17 +232,20 @@ PipelinePlan Planner::predict_pipeline(const ActivationPlan& plan, const Pipelin
   PipelinePlan r;
   r.plan = plan;
   r.split = pipe.split.empty() ? pipeline::even_split(cfg_.n_layer, pipe.stages) : pipe.split;
+  std::vector<pipeline::StageTimes> times;
   int64_t first = 0;
   for (int64_t s = 0; s < pipe.stages; ++s) {
     const int64_t n = r.split[static_cast<size_t>(s)];
     const cost::StepShape shape = stage_shape(pipe, s, first, n);
     r.stages.push_back(cost::predict_step(cfg_, shape, plan, options_.early_stop, times_));
     const double recompute = r.stages.back().recompute_seconds / static_cast<double>(shape_.grad_accum);
-    r.stage_seconds.push_back(static_cast<double>(n) * layer_seconds_ + recompute + ends_seconds(shape));
+    times.push_back(stage_times(shape, n, recompute));
+    r.stage_seconds.push_back(times.back().forward + times.back().backward);
     if (r.stage_seconds.back() > r.stage_seconds[static_cast<size_t>(r.bottleneck)]) r.bottleneck = s;
     first += n;
   }
   r.schedule_seconds = static_cast<double>(shape_.grad_accum + pipe.stages - 1) * r.stage_seconds[r.bottleneck];
+  r.simulated_seconds = pipeline::simulate(pipe.schedule, times, shape_.grad_accum);
   return r;
 }
 

@@ -12,21 +12,6 @@
 
 namespace remat {
 
-std::vector<PipelineAction> pipeline_actions(pipeline::Schedule schedule, int64_t stages, int64_t stage,
-                                             int64_t microbatches) {
-  std::vector<PipelineAction> out;
-  const int64_t warmup = schedule == pipeline::Schedule::gpipe ? microbatches
-                                                                : std::min(stages - stage - 1, microbatches);
-  int64_t forwards = 0, backwards = 0;
-  for (; forwards < warmup; ++forwards) out.push_back({false, forwards});
-  for (; forwards < microbatches; ++forwards, ++backwards) {
-    out.push_back({false, forwards});
-    out.push_back({true, backwards});
-  }
-  for (; backwards < microbatches; ++backwards) out.push_back({true, backwards});
-  return out;
-}
-
 namespace {
 
 // Activations of microbatch j travel under tag 2j, their gradients under 2j + 1; the tied
@@ -63,7 +48,7 @@ std::vector<double> run_pipeline(Model& model, dist::Group& pipe, pipeline::Sche
   };
   // Each microbatch's loss: the last stage's, the others adding zeros to it.
   at::Tensor losses = at::zeros({M}, at::kDouble);
-  for (const PipelineAction& a : pipeline_actions(schedule, stages, stage, M)) {
+  for (const pipeline::Action& a : pipeline::actions(schedule, stages, stage, M)) {
     const at::TensorOptions act = at::TensorOptions().dtype(model.compute_dtype()).device(model.device());
     const int64_t C = model.config().d_model;
     if (!a.backward) {

@@ -17,20 +17,6 @@
 
 namespace remat {
 
-/// One thing a stage does: the forward or the backward of a microbatch.
-struct PipelineAction {
-  bool backward = false;
-  int64_t microbatch = 0;
-  bool operator==(const PipelineAction& o) const { return backward == o.backward && microbatch == o.microbatch; }
-};
-
-/// The order stage `stage` (from 0) of `stages` runs `microbatches` forwards and backwards
-/// in, the oldest microbatch's backward first. 1F1B: stages - stage - 1 forwards (at most
-/// all), then one forward and one backward alternately, then the remaining backwards; it
-/// holds at most pipeline::in_flight microbatches. GPipe: every forward, then every backward.
-std::vector<PipelineAction> pipeline_actions(pipeline::Schedule schedule, int64_t stages, int64_t stage,
-                                             int64_t microbatches);
-
 /// A microbatch as every stage samples it: the first stage reads the tokens, the last the
 /// targets, and every stage the context (its dropout keys).
 struct MicrobatchData {
@@ -39,7 +25,7 @@ struct MicrobatchData {
 };
 
 /// Runs `microbatches` microbatches through `model`, this rank's stage, in the order of
-/// pipeline_actions, over `pipe` (whose rank is the stage), accumulating the stage's
+/// pipeline::actions, over `pipe` (whose rank is the stage), accumulating the stage's
 /// parameter gradients of the loss scaled by `loss_scale`. `draw(j)` gives microbatch j
 /// (0, 1, ... in order, each once) when its forward comes, so that a stage holds the
 /// tokens of no more microbatches than it has in flight. Before each forward or backward

@@ -58,8 +58,21 @@ std::vector<LayerGroup> layer_groups(const ActivationPlan& plan, const cost::Ste
   return out;
 }
 
-// Each stage's layers, what they keep, peak and time; the bottleneck.
-std::string pipeline_text(const Config& cfg, const PipelinePlan& r, int64_t stage, bool profiled) {
+// The optimizer step of the slowest stage to update (they update at once): the measured
+// step's time per parameter byte updated, times the bytes each stage updates (half its
+// moments' bytes: its share under ZeRO-1).
+double stages_optimizer_seconds(const TimeProfile& profile, const PipelinePlan& r) {
+  if (profile.optimizer_bytes <= 0) return 0;
+  int64_t most = 0;
+  for (const auto& st : r.stages) most = std::max(most, st.statics.optimizer / 2);
+  return profile.optimizer_seconds * static_cast<double>(most) / static_cast<double>(profile.optimizer_bytes);
+}
+
+// Each stage's layers, what they keep, peak and time; the bottleneck; the predicted step
+// time `step_seconds` (0: none).
+std::string pipeline_text(const Config& cfg, const PipelinePlan& r, int64_t stage, const TimeProfile& profile,
+                          double step_seconds) {
+  const bool profiled = profile.base_seconds > 0;
   const int64_t m = cfg.train.grad_accum;
   std::string text = fmt::format("pipeline: {} stages, {} schedule, {} microbatch{}; this rank is stage {}\n",
                                  r.stages.size(), pipeline::schedule_name(cfg.parallel.schedule), m,
@@ -75,6 +88,11 @@ std::string pipeline_text(const Config& cfg, const PipelinePlan& r, int64_t stag
   text += fmt::format("bottleneck: stage {}; the schedule takes (microbatches + stages - 1) = {} times its {:.1f} ms, "
                       "{:.1f} ms, plus the optimizer\n", r.bottleneck + 1, m + static_cast<int64_t>(r.stages.size()) - 1,
                       1e3 * r.stage_seconds[static_cast<size_t>(r.bottleneck)], 1e3 * r.schedule_seconds);
+  if (step_seconds > 0) {
+    text += fmt::format("predicted step time {:.1f} ms: the schedule simulated stage by stage, {:.1f} ms (transfers "
+                        "not priced), + {:.1f} ms the slowest stage's optimizer\n", 1e3 * step_seconds,
+                        1e3 * r.simulated_seconds, 1e3 * (step_seconds - r.simulated_seconds));
+  }
   return text;
 }
 
@@ -154,7 +172,11 @@ RunPlan plan_run(const Config& cfg, at::ScalarType dtype, const TimeProfile& pro
     r.predicted = planned.stages[static_cast<size_t>(stage)];
     for (const auto& st : planned.stages) r.stage_peaks.push_back(st.peak);
     r.none_peak = none.peak();
-    r.text = explain_plan(r.plan) + pipeline_text(cfg, planned, stage, profile.base_seconds > 0);
+    if (profile.times.layer_pass_seconds > 0) {
+      r.step_seconds = planned.simulated_seconds + stages_optimizer_seconds(profile, planned);
+      r.none_step_seconds = none.simulated_seconds + stages_optimizer_seconds(profile, none);
+    }
+    r.text = explain_plan(r.plan) + pipeline_text(cfg, planned, stage, profile, r.step_seconds);
     if (profile.base_seconds > 0) r.text += fmt::format("time profile {}\n", profile.path);
     if (r.budget > 0) {
       r.text += fmt::format("budget {} (ac.budget = \"{}\") per rank: the busiest stage peaks at {}; without "

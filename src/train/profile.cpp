@@ -27,7 +27,8 @@ namespace fs = std::filesystem;
 int64_t zero_ranks(const Config& cfg) { return cfg.parallel.zero == 1 ? std::max<int64_t>(1, cfg.parallel.dp) : 1; }
 
 // Everything a measured time depends on, as a file name.
-std::string profile_key(const Config& cfg, const Model& model) {
+// `at_once`: the ranks measuring together, sharing the host as they will train.
+std::string profile_key(const Config& cfg, const Model& model, int at_once) {
   const ModelConfig& m = cfg.model;
   const TrainConfig& t = cfg.train;
   // The BLAS and its threading change every matmul's time: a digest of their description.
@@ -41,6 +42,7 @@ std::string profile_key(const Config& cfg, const Model& model) {
       util::sha256_hex(blas_name()).substr(0, 8));
   // ZeRO-1 updates a share of the parameters; without it the key is as it always was.
   if (zero_ranks(cfg) > 1) key += fmt::format("-zero{}", zero_ranks(cfg));
+  if (at_once > 1) key += fmt::format("-ranks{}", at_once);
   std::replace(key.begin(), key.end(), ':', '_');
   return key + ".json";
 }
@@ -85,7 +87,17 @@ TimeProfile measure_time_profile(const Config& cfg, Model& model, const data::To
                                  dist::Comm* together) {
   TimeProfile p;
   const fs::path dir = fs::path(cfg.run.out_dir) / ".profiles";
-  p.path = (dir / profile_key(cfg, model)).string();
+  p.path = (dir / profile_key(cfg, model, together != nullptr ? together->size() : 1)).string();
+  for (const auto& prm : model.params()) p.optimizer_bytes += static_cast<int64_t>(prm.value.nbytes());
+  if (zero_ranks(cfg) > 1) {
+    std::vector<int64_t> numels;
+    for (const auto& prm : model.params()) numels.push_back(prm.value.numel());
+    const std::vector<int> owner = cost::zero_owners(numels, zero_ranks(cfg));
+    p.optimizer_bytes = 0;
+    for (size_t i = 0; i < owner.size(); ++i) {
+      if (owner[i] == 0) p.optimizer_bytes += static_cast<int64_t>(model.params()[i].value.nbytes());
+    }
+  }
   p.cached = fs::exists(p.path) && read_cached(p.path, p);
   if (together != nullptr) {
     for (const auto& found : together->all_gather({p.cached ? 1 : 0}, "reading the cached time profile")) {
@@ -188,14 +200,27 @@ TimeProfile rank_time_profile(const Config& cfg, Model& model, const data::Token
 
 TimeProfile probe_time_profile(const Config& cfg, at::Device device, at::ScalarType dtype,
                                const data::TokenDataset& data, dist::Comm* ranks) {
-  Config probe = cfg;
-  probe.model.n_layer = std::min<int64_t>(cfg.model.n_layer, 2);
-  probe.parallel.pp = 1;
-  probe.ac.stages = 1;
-  // Under tensor parallelism the probe is split over this rank's group, as a stage is.
-  auto model = Model::create(probe.model, device, dtype, static_cast<uint64_t>(cfg.run.seed),
-                             cfg.parallel.tp > 1 ? &ranks->tensor() : nullptr, cfg.parallel.sp);
-  return rank_time_profile(probe, *model, data, ranks);
+  const auto measure = [&](int64_t layers) {
+    Config probe = cfg;
+    probe.model.n_layer = layers;
+    probe.parallel.pp = 1;
+    probe.ac.stages = 1;
+    // Under tensor parallelism the probe is split over this rank's group, as a stage is.
+    auto model = Model::create(probe.model, device, dtype, static_cast<uint64_t>(cfg.run.seed),
+                               cfg.parallel.tp > 1 ? &ranks->tensor() : nullptr, cfg.parallel.sp);
+    // Every rank measures at once: the stages will share the host's cores and memory so.
+    return measure_time_profile(probe, *model, data, ranks);
+  };
+  TimeProfile p = measure(std::min<int64_t>(cfg.model.n_layer, 2));
+  if (cfg.model.n_layer < 2) return p;
+  const TimeProfile one = measure(1);
+  const double layer = p.base_seconds - one.base_seconds, ends = one.base_seconds - layer;
+  // Noise can make a difference of small times meaningless: then the node times decide.
+  if (layer > 0 && ends > 0) {
+    p.times.layer_pass_seconds = layer;
+    p.times.ends_pass_seconds = ends;
+  }
+  return p;
 }
 
 }  // namespace remat

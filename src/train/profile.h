@@ -18,6 +18,7 @@ struct TimeProfile {
   cost::NodeTimes times;          ///< seconds per execution of each recompute node
   double base_seconds = 0;        ///< one microbatch's forward + backward, nothing recomputed
   double optimizer_seconds = 0;   ///< gradient clipping and the AdamW update
+  int64_t optimizer_bytes = 0;    ///< the parameter bytes that update was of
   std::string path;               ///< the cache file
   bool cached = false;            ///< read from the cache rather than measured now
   /// Predicted wall time of a step whose recompute costs `recompute_seconds` in all.
@@ -47,11 +48,14 @@ TimeProfile measure_time_profile(const Config& cfg, Model& model, const data::To
 TimeProfile rank_time_profile(const Config& cfg, Model& model, const data::TokenDataset& data, dist::Comm* ranks);
 
 /// The time profile pipeline stages (parallel.pp > 1) plan with: a stage is not a whole
-/// model, so it is measured (rank_time_profile) on a probe of `cfg`'s model cut to two
-/// layers (split over the tensor-parallel group as the stages are), built in `dtype` on
-/// `device` for this and freed after. Its node times
-/// price every layer's recompute and time; its base and optimizer times are the probe's,
-/// not a stage's, so no step time is predicted from them.
+/// model, so it is measured on probes of `cfg`'s model cut to two layers and to one (split
+/// over the tensor-parallel group as the stages are), each built in `dtype` on `device` for
+/// this and freed after, by every rank of `ranks` at once (measure_time_profile's
+/// `together`), as the stages will run. The two-layer probe's node times price
+/// every layer's recompute; the difference of the two probes' passes is one layer's pass
+/// and the rest the embedding's and head's (NodeTimes::layer_pass_seconds,
+/// ends_pass_seconds), from which the planner times each stage; its base and optimizer
+/// times are the probe's, not a stage's (scale the optimizer's by optimizer_bytes).
 TimeProfile probe_time_profile(const Config& cfg, at::Device device, at::ScalarType dtype,
                                const data::TokenDataset& data, dist::Comm* ranks);
 

@@ -20,6 +20,62 @@ namespace {
 
 using pipeline::Schedule;
 
+TEST(PipelineSchedule, HoldsAtMostItsMicrobatchesInFlight) {
+  EXPECT_EQ(pipeline::actions(Schedule::one_f_one_b, 2, 1, 3),
+            (std::vector<pipeline::Action>{{false, 0}, {true, 0}, {false, 1}, {true, 1}, {false, 2}, {true, 2}}));
+  EXPECT_EQ(pipeline::actions(Schedule::one_f_one_b, 2, 0, 3),
+            (std::vector<pipeline::Action>{{false, 0}, {false, 1}, {true, 0}, {false, 2}, {true, 1}, {true, 2}}));
+  for (const Schedule sched : {Schedule::one_f_one_b, Schedule::gpipe}) {
+    for (int64_t P = 1; P <= 5; ++P) {
+      for (int64_t M = 1; M <= 7; ++M) {
+        for (int64_t s = 0; s < P; ++s) {
+          const auto actions = pipeline::actions(sched, P, s, M);
+          ASSERT_EQ(actions.size(), static_cast<size_t>(2 * M));
+          int64_t held = 0, most = 0, forwards = 0, backwards = 0;
+          for (const auto& a : actions) {
+            // Forwards and backwards each in microbatch order, a backward after its forward.
+            EXPECT_EQ(a.microbatch, a.backward ? backwards++ : forwards++);
+            EXPECT_LT(a.microbatch, forwards);
+            held += a.backward ? -1 : 1;
+            most = std::max(most, held);
+          }
+          EXPECT_EQ(most, pipeline::in_flight(sched, P, s, M)) << P << " stages, stage " << s << ", " << M;
+        }
+      }
+    }
+  }
+}
+
+// The simulated step of balanced stages is the schedules' known (m + p - 1) slots of a
+// forward and a backward; one stage is its microbatches one after another.
+TEST(PipelineSchedule, BalancedStagesTakeTheirSlotsOfTheFillAndDrain) {
+  for (const Schedule sched : {Schedule::one_f_one_b, Schedule::gpipe}) {
+    for (int64_t P = 1; P <= 5; ++P) {
+      for (int64_t M = 1; M <= 7; ++M) {
+        const std::vector<pipeline::StageTimes> stages(static_cast<size_t>(P), {1.5, 2.75});
+        EXPECT_DOUBLE_EQ(pipeline::simulate(sched, stages, M), static_cast<double>(M + P - 1) * 4.25)
+            << pipeline::schedule_name(sched) << ", " << P << " stages, " << M << " microbatches";
+      }
+    }
+  }
+}
+
+// Unbalanced stages and transfers, worked by hand. Two stages, 2 microbatches, stage 1
+// taking 1 + 2 s and stage 2 3 + 4 s, transfers 0.5 s. 1F1B: stage 1 runs F0 [0, 1], F1
+// [1, 2]; stage 2 F0 [1.5, 4.5], B0 [4.5, 8.5], F1 [8.5, 11.5], B1 [11.5, 15.5]; stage 1 B0
+// [9, 11], B1 [16, 18]. GPipe's stage 2 runs F1 first, [4.5, 7.5], then B0 [7.5, 11.5] and
+// B1 [11.5, 15.5]: stage 1's B0 [12, 14], B1 [16, 18].
+// Three microbatches, 1F1B: stage 1 F0 F1 B0 F2 B1 B2 waits for B0 (ready at 9), so F2
+// runs [11, 12], stage 2's F2 [15.5, 18.5] and B2 [18.5, 22.5], stage 1's B2 [23, 25].
+// GPipe: stage 2's forwards end at 10.5, its backwards at 14.5, 18.5, 22.5: B2 [23, 25].
+TEST(PipelineSchedule, UnbalancedStagesWaitForTheirNeighbours) {
+  const std::vector<pipeline::StageTimes> stages{{1, 2}, {3, 4}};
+  for (const Schedule sched : {Schedule::one_f_one_b, Schedule::gpipe}) {
+    EXPECT_DOUBLE_EQ(pipeline::simulate(sched, stages, 2, 0.5), 18) << pipeline::schedule_name(sched);
+    EXPECT_DOUBLE_EQ(pipeline::simulate(sched, stages, 3, 0.5), 25) << pipeline::schedule_name(sched);
+  }
+}
+
 TEST(PipelinePlan, HoldsTheMicrobatchesItsScheduleHasInFlight) {
   // 1F1B: stage s of p (from 0) holds p - s, at most all microbatches; GPipe all of them.
   EXPECT_EQ(pipeline::in_flight(Schedule::one_f_one_b, 4, 0, 8), 4);

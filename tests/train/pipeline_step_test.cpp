@@ -21,32 +21,6 @@ namespace {
 
 using pipeline::Schedule;
 
-TEST(PipelineSchedule, HoldsAtMostItsMicrobatchesInFlight) {
-  EXPECT_EQ(pipeline_actions(Schedule::one_f_one_b, 2, 1, 3),
-            (std::vector<PipelineAction>{{false, 0}, {true, 0}, {false, 1}, {true, 1}, {false, 2}, {true, 2}}));
-  EXPECT_EQ(pipeline_actions(Schedule::one_f_one_b, 2, 0, 3),
-            (std::vector<PipelineAction>{{false, 0}, {false, 1}, {true, 0}, {false, 2}, {true, 1}, {true, 2}}));
-  for (const Schedule sched : {Schedule::one_f_one_b, Schedule::gpipe}) {
-    for (int64_t P = 1; P <= 5; ++P) {
-      for (int64_t M = 1; M <= 7; ++M) {
-        for (int64_t s = 0; s < P; ++s) {
-          const auto actions = pipeline_actions(sched, P, s, M);
-          ASSERT_EQ(actions.size(), static_cast<size_t>(2 * M));
-          int64_t held = 0, most = 0, forwards = 0, backwards = 0;
-          for (const auto& a : actions) {
-            // Forwards and backwards each in microbatch order, a backward after its forward.
-            EXPECT_EQ(a.microbatch, a.backward ? backwards++ : forwards++);
-            EXPECT_LT(a.microbatch, forwards);
-            held += a.backward ? -1 : 1;
-            most = std::max(most, held);
-          }
-          EXPECT_EQ(most, pipeline::in_flight(sched, P, s, M)) << P << " stages, stage " << s << ", " << M;
-        }
-      }
-    }
-  }
-}
-
 constexpr uint64_t kSeed = 11;
 constexpr int64_t kMicro = 3, kB = 2, kT = 8, kChunk = 5, kLayers = 4;
 
