@@ -257,6 +257,38 @@ cost::StepShape shape_of(int64_t B, int64_t T, int64_t microbatches) {
 }
 
 // A stage holds its own layers' parameters and the others' activations in flight.
+// Measured passes time the stages: each stage's forward and backward adds its layers'
+// measured passes, its recompute and its ends' share of their measured pass (the two
+// shares summing to it; shared as their forward nodes' times are, here by FLOPs, of which
+// the embedding's lookup has none). The simulated step lies between the bottleneck's microbatches
+// alone and the (m + p - 1) slots of the bottleneck's time, which bound any order.
+TEST(PipelinePlan, MeasuredPassesTimeEachStage) {
+  const ModelConfig cfg = config("llama-demo", 4);
+  cost::NodeTimes times;
+  times.flops_per_second = 1e9;
+  times.layer_pass_seconds = 0.5;
+  times.ends_pass_seconds = 0.25;
+  PipelineShape pipe;
+  pipe.stages = 2;
+  pipe.split = {1, 3};
+  const int64_t M = 3;
+  const PipelinePlan r =
+      Planner(cfg, shape_of(2, 64, M), times, {}).predict_pipeline(compile_policy("every:2", 4, 0.1), pipe);
+  double ends = 0;
+  for (size_t s = 0; s < 2; ++s) {
+    const double recompute = r.stages[s].recompute_seconds / static_cast<double>(M);
+    const double share = r.stage_seconds[s] - static_cast<double>(r.split[s]) * 0.5 - recompute;
+    EXPECT_GE(share, 0) << "stage " << s + 1;
+    ends += share;
+  }
+  EXPECT_NEAR(ends, 0.25, 1e-12);
+  EXPECT_GT(r.stages[1].recompute_seconds, 0);  // layer 2 and 4 of every:2 recompute
+  EXPECT_EQ(r.bottleneck, 1);
+  EXPECT_GE(r.simulated_seconds, static_cast<double>(M) * r.stage_seconds[1]);
+  EXPECT_LE(r.simulated_seconds, r.schedule_seconds);
+  EXPECT_LT(r.simulated_seconds, r.schedule_seconds);  // stage 1 is the faster: its slots are shorter
+}
+
 TEST(PipelinePlan, StagePredictionsHoldTheirPartsAndTheMicrobatchesInFlight) {
   for (const char* preset : {"gpt2-demo", "llama-demo"}) {
     const ModelConfig cfg = config(preset, 4);
