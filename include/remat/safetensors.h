@@ -20,6 +20,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <utility>
@@ -60,11 +61,29 @@ void save_safetensors(const std::string& path,
                       const std::vector<std::pair<std::string, at::Tensor>>& tensors,
                       const std::map<std::string, std::string>& metadata = {});
 
+/// A tensor of a file written a tensor at a time: what its header entry says.
+struct TensorSpec {
+  std::string name;
+  at::ScalarType dtype;
+  std::vector<int64_t> sizes;
+};
+
+/// Writes the tensors `specs` describe, `next(i)` giving tensor i (of that dtype and shape,
+/// on any device) when its bytes' turn comes, so that a writer of tensors gathered from
+/// elsewhere holds one at a time; atomically, with the checks and layout of the overload
+/// above, which writes through this. Throws naming the tensor when `next` gives another
+/// dtype or shape than its spec, and nothing is left at `path`.
+void save_safetensors(const std::string& path, const std::vector<TensorSpec>& specs,
+                      const std::function<at::Tensor(size_t)>& next,
+                      const std::map<std::string, std::string>& metadata = {});
+
 /// Reads and validates the header only (cheap: no tensor data is read).
 SafeTensorsHeader read_safetensors_header(const std::string& path);
 
-/// Reads and validates the whole file.
-SafeTensors load_safetensors(const std::string& path);
+/// Reads and validates the whole file; with `wanted`, only the tensors whose names it
+/// accepts are read (the header is validated whole), in file order.
+SafeTensors load_safetensors(const std::string& path,
+                             const std::function<bool(const std::string&)>& wanted = nullptr);
 
 /// "F32" for at::kFloat, etc.; throws for a dtype the format cannot hold.
 const char* safetensors_dtype_name(at::ScalarType dtype);

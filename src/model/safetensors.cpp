@@ -239,41 +239,32 @@ const at::Tensor* SafeTensors::find(const std::string& name) const {
   return nullptr;
 }
 
-void save_safetensors(const std::string& path,
-                      const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+void save_safetensors(const std::string& path, const std::vector<TensorSpec>& specs,
+                      const std::function<at::Tensor(size_t)>& next,
                       const std::map<std::string, std::string>& metadata) {
   std::set<std::string> names;
-  std::vector<at::Tensor> data;
   ordered_json header = ordered_json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
   int64_t offset = 0;
-  for (const auto& [name, tensor] : tensors) {
-    const std::string who = "tensor '" + name + "' for " + path;
-    if (name.empty() || name == "__metadata__") {
-      throw std::runtime_error("Cannot save a tensor named '" + name + "' to " + path +
+  for (const TensorSpec& spec : specs) {
+    const std::string who = "tensor '" + spec.name + "' for " + path;
+    if (spec.name.empty() || spec.name == "__metadata__") {
+      throw std::runtime_error("Cannot save a tensor named '" + spec.name + "' to " + path +
                                ": the name is reserved or empty.");
     }
-    if (!names.insert(name).second) {
+    if (!names.insert(spec.name).second) {
       throw std::runtime_error("Cannot save " + who + ": the name occurs twice.");
-    }
-    if (!tensor.defined() || tensor.layout() != at::kStrided) {
-      throw std::runtime_error("Cannot save " + who + ": it is undefined or not a dense tensor.");
     }
     const char* dtype = nullptr;
     try {
-      dtype = safetensors_dtype_name(tensor.scalar_type());
+      dtype = safetensors_dtype_name(spec.dtype);
     } catch (const std::runtime_error&) {
-      throw std::runtime_error("Cannot save " + who + ": its dtype " +
-                               c10::toString(tensor.scalar_type()) + " has no safetensors name.");
+      throw std::runtime_error("Cannot save " + who + ": its dtype " + c10::toString(spec.dtype) +
+                               " has no safetensors name.");
     }
-    // resolve_*: a lazily negated/conjugated view must be written with its logical values.
-    at::Tensor cpu = tensor.resolve_conj().resolve_neg().to(at::kCPU).contiguous();
-    const auto nbytes = static_cast<int64_t>(cpu.nbytes());
-    header[name] = {{"dtype", dtype},
-                    {"shape", cpu.sizes().vec()},
-                    {"data_offsets", {offset, offset + nbytes}}};
+    const int64_t nbytes = c10::multiply_integers(spec.sizes) * static_cast<int64_t>(c10::elementSize(spec.dtype));
+    header[spec.name] = {{"dtype", dtype}, {"shape", spec.sizes}, {"data_offsets", {offset, offset + nbytes}}};
     offset += nbytes;
-    data.push_back(std::move(cpu));
   }
 
   std::string text = header.dump();
@@ -285,8 +276,35 @@ void save_safetensors(const std::string& path,
   util::AtomicFile file(path);
   file.write(prefix, 8);
   file.write(text);
-  for (const at::Tensor& t : data) file.write(t.data_ptr(), t.nbytes());
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const at::Tensor tensor = next(i);
+    if (!tensor.defined() || tensor.layout() != at::kStrided || tensor.scalar_type() != specs[i].dtype ||
+        tensor.sizes() != at::IntArrayRef(specs[i].sizes)) {
+      throw std::runtime_error("Cannot save tensor '" + specs[i].name + "' for " + path + ": it came as " +
+                               (tensor.defined() ? std::string(c10::toString(tensor.scalar_type())) + " " + c10::str(tensor.sizes())
+                                                 : std::string("nothing")) +
+                               " where its header entry says " + std::string(c10::toString(specs[i].dtype)) + " " +
+                               c10::str(at::IntArrayRef(specs[i].sizes)) + ".");
+    }
+    // resolve_*: a lazily negated/conjugated view must be written with its logical values.
+    const at::Tensor cpu = tensor.resolve_conj().resolve_neg().to(at::kCPU).contiguous();
+    file.write(cpu.data_ptr(), cpu.nbytes());
+  }
   file.commit();
+}
+
+void save_safetensors(const std::string& path,
+                      const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                      const std::map<std::string, std::string>& metadata) {
+  std::vector<TensorSpec> specs;
+  for (const auto& [name, tensor] : tensors) {
+    if (!tensor.defined() || tensor.layout() != at::kStrided) {
+      throw std::runtime_error("Cannot save tensor '" + name + "' for " + path +
+                               ": it is undefined or not a dense tensor.");
+    }
+    specs.push_back({name, tensor.scalar_type(), tensor.sizes().vec()});
+  }
+  save_safetensors(path, specs, [&](size_t i) { return tensors[i].second; }, metadata);
 }
 
 SafeTensorsHeader read_safetensors_header(const std::string& path) {
@@ -295,13 +313,14 @@ SafeTensorsHeader read_safetensors_header(const std::string& path) {
   return read_header(file.get(), path, size);
 }
 
-SafeTensors load_safetensors(const std::string& path) {
+SafeTensors load_safetensors(const std::string& path, const std::function<bool(const std::string&)>& wanted) {
   int64_t size = 0;
   File file = open_for_reading(path, size);
   SafeTensorsHeader header = read_header(file.get(), path, size);
   SafeTensors result;
   result.metadata = std::move(header.metadata);
   for (const SafeTensorInfo& info : header.tensors) {
+    if (wanted && !wanted(info.name)) continue;
     at::Tensor t = at::empty(info.shape, at::TensorOptions().dtype(info.dtype));
     read_exactly(file.get(), path, header.data_start + info.begin, t.data_ptr(),
                  info.end - info.begin, "tensor '" + info.name + "'");

@@ -1,5 +1,6 @@
 #include "train/pipeline_step.h"
 
+#include "remat/safetensors.h"
 #include "remat/trace.h"
 
 #include <fmt/format.h>
@@ -147,8 +148,9 @@ double evaluate_pipeline(Model& model, dist::Group& pipe, const at::Tensor& toke
   return loss[0].item<double>();
 }
 
-std::vector<std::pair<std::string, at::Tensor>> gather_on_first_stage(
-    dist::Group& pipe, std::vector<std::pair<std::string, at::Tensor>> mine, const std::string& what) {
+void write_on_first_stage(dist::Group& pipe, std::vector<std::pair<std::string, at::Tensor>> mine,
+                          const std::string& path, const std::map<std::string, std::string>& metadata,
+                          const std::string& what) {
   const int stage = pipe.rank();
   if (stage > 0) {
     // One line per tensor: name, dtype, sizes.
@@ -163,19 +165,31 @@ std::vector<std::pair<std::string, at::Tensor>> gather_on_first_stage(
     std::vector<std::unique_ptr<dist::Transfer>> sends;
     sends.push_back(pipe.send(length, 0, kGatherTag, what));
     sends.push_back(pipe.send(bytes, 0, kGatherTag + 1, what));
+    // Each moves only once the first stage posts its receive, as the file reaches it.
     for (const auto& named : mine) sends.push_back(pipe.send(named.second, 0, kGatherTag + 2, what));
     for (auto& s : sends) s->wait();
-    return {};
+    return;
   }
+  // Every stage's specs first: the header is written before any data.
+  std::vector<model::TensorSpec> specs;
   std::set<std::string> seen;
-  for (const auto& named : mine) seen.insert(named.first);
+  for (const auto& [name, t] : mine) {
+    specs.push_back({name, t.scalar_type(), t.sizes().vec()});
+    seen.insert(name);
+  }
+  struct Source {
+    int stage = 0;
+    size_t index = 0;  ///< in the stage's list; the first stage's own: into `mine`
+  };
+  std::vector<Source> sources;
+  for (size_t i = 0; i < mine.size(); ++i) sources.push_back({0, i});
+  std::vector<std::vector<model::TensorSpec>> sent(static_cast<size_t>(pipe.size()));
   for (int from = 1; from < pipe.size(); ++from) {
     at::Tensor length = at::empty({1}, at::kLong);
     pipe.recv(length, from, kGatherTag, what)->wait();
     at::Tensor bytes = at::empty({length.item<int64_t>()}, at::kByte);
     pipe.recv(bytes, from, kGatherTag + 1, what)->wait();
     std::istringstream lines(std::string(static_cast<const char*>(bytes.data_ptr()), static_cast<size_t>(bytes.numel())));
-    std::vector<std::pair<std::string, at::Tensor>> theirs;
     for (std::string line; std::getline(lines, line);) {
       std::istringstream fields(line);
       std::string name, dtype, sizes_text;
@@ -185,16 +199,32 @@ std::vector<std::pair<std::string, at::Tensor>> gather_on_first_stage(
       std::vector<int64_t> sizes;
       std::istringstream dims(sizes_text);
       for (std::string d; std::getline(dims, d, ',');) sizes.push_back(std::stoll(d));
-      theirs.emplace_back(name, at::empty(sizes, static_cast<at::ScalarType>(std::stoi(dtype))));
-    }
-    std::vector<std::unique_ptr<dist::Transfer>> receives;
-    for (auto& named : theirs) receives.push_back(pipe.recv(named.second, from, kGatherTag + 2, what));
-    for (auto& r : receives) r->wait();
-    for (auto& named : theirs) {
-      if (seen.insert(named.first).second) mine.push_back(std::move(named));
+      auto& theirs = sent[static_cast<size_t>(from)];
+      theirs.push_back({name, static_cast<at::ScalarType>(std::stoi(dtype)), sizes});
+      if (!seen.insert(name).second) continue;  // a copy the file already has
+      specs.push_back(theirs.back());
+      sources.push_back({from, theirs.size() - 1});
     }
   }
-  return mine;
+  // How many of each stage's tensors have been received: they come in the order sent, so
+  // a copy left out of the file is received (and dropped) to reach the next.
+  std::vector<size_t> received(static_cast<size_t>(pipe.size()), 0);
+  const auto receive = [&](int from) {
+    const model::TensorSpec& spec = sent[static_cast<size_t>(from)][received[static_cast<size_t>(from)]++];
+    at::Tensor t = at::empty(spec.sizes, spec.dtype);
+    pipe.recv(t, from, kGatherTag + 2, what)->wait();
+    return t;
+  };
+  model::save_safetensors(path, specs, [&](size_t i) -> at::Tensor {
+    const Source& src = sources[i];
+    if (src.stage == 0) return mine[src.index].second;
+    while (received[static_cast<size_t>(src.stage)] < src.index) receive(src.stage);
+    return receive(src.stage);
+  }, metadata);
+  // The copies after each stage's last written tensor.
+  for (int from = 1; from < pipe.size(); ++from) {
+    while (received[static_cast<size_t>(from)] < sent[static_cast<size_t>(from)].size()) receive(from);
+  }
 }
 
 }  // namespace remat

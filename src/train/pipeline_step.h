@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <map>
 #include <utility>
 #include <vector>
 
@@ -47,12 +48,16 @@ std::vector<double> run_pipeline(Model& model, dist::Group& pipe, pipeline::Sche
 double evaluate_pipeline(Model& model, dist::Group& pipe, const at::Tensor& tokens, const at::Tensor& targets,
                          int64_t ce_chunk, const std::string& what);
 
-/// Named tensors (a checkpoint's, the exported weights) of every stage of `pipe`,
-/// gathered on the first: it returns its own `mine` followed by each later stage's, in
-/// stage order, a name given by two stages (the tied embedding's copies) once; the other
-/// stages send theirs (names, dtypes and shapes first, then the bytes) and return nothing.
-std::vector<std::pair<std::string, at::Tensor>> gather_on_first_stage(
-    dist::Group& pipe, std::vector<std::pair<std::string, at::Tensor>> mine, const std::string& what);
+/// Writes the named tensors (a checkpoint's, the exported weights) of every stage of
+/// `pipe` as one safetensors file at `path` with `metadata` (model::save_safetensors), on
+/// the first stage: its own `mine` followed by each later stage's, in stage order, a name
+/// given by two stages (the tied embedding's copies) once, the first stage's. The later
+/// stages send their names, dtypes and shapes first, then each tensor as the file reaches
+/// it, so the first stage holds its own tensors and one received at a time, never the
+/// whole model; they ignore `path` and `metadata`. `what` names the transfers in a failure.
+void write_on_first_stage(dist::Group& pipe, std::vector<std::pair<std::string, at::Tensor>> mine,
+                          const std::string& path, const std::map<std::string, std::string>& metadata,
+                          const std::string& what);
 
 /// Sums the gradient of each tied parameter (Param::tied: GPT-2's embedding, read by the
 /// first stage's embedding and the last stage's head) between the first and the last

@@ -345,20 +345,29 @@ void TrainStep::save_checkpoint(const std::string& path, int64_t steps, const st
       keep((second ? "exp_avg_sq." : "exp_avg.") + p.name, model_.whole(i, m));
     }
   }
-  if (stage_giver) {
-    tensors = gather_on_first_stage(*pipe_, std::move(tensors),
-                                    fmt::format("gathering the stages' tensors for the checkpoint after step {}", steps));
-  }
-  if (!write) return;
+  if (!write && !stage_giver) return;
   std::ostringstream rng_state;
   rng_state << rng;
-  model::save_safetensors(path, tensors,
-                          {{"format", kCheckpointFormat}, {"steps", std::to_string(steps)},
-                           {"adam_steps", std::to_string(updates_)}, {"rng", rng_state.str()}});
+  const std::map<std::string, std::string> metadata{{"format", kCheckpointFormat},
+                                                    {"steps", std::to_string(steps)},
+                                                    {"adam_steps", std::to_string(updates_)},
+                                                    {"rng", rng_state.str()}};
+  if (stage_giver) {
+    write_on_first_stage(*pipe_, std::move(tensors), path, metadata,
+                         fmt::format("gathering the stages' tensors for the checkpoint after step {}", steps));
+  } else {
+    model::save_safetensors(path, tensors, metadata);
+  }
 }
 
 int64_t TrainStep::load_checkpoint(const std::string& path, std::mt19937_64& rng) {
-  const model::SafeTensors file = model::load_safetensors(path);
+  // This rank's parameters and moments only: a stage reads its own share of the file.
+  std::set<std::string> mine;
+  for (const Param& p : model_.params()) {
+    for (const char* kind : {"param.", "exp_avg.", "exp_avg_sq."}) mine.insert(kind + p.name);
+  }
+  const model::SafeTensors file =
+      model::load_safetensors(path, [&](const std::string& name) { return mine.count(name) > 0; });
   const auto refuse = [&](const std::string& why) {
     return std::runtime_error(fmt::format("{} is not a training checkpoint of this model: {}.", path, why));
   };

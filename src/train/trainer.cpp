@@ -477,13 +477,15 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   // A pipeline's stages give their weights to rank 0, which samples from the whole model
   // once they are written.
   std::vector<std::pair<std::string, at::Tensor>> weights;
+  const std::map<std::string, std::string> export_metadata{
+      {"format", "pt"}, {"remat.arch", arch_name(cfg.model.arch)}, {"remat.preset", cfg.model.preset}};
   if (pipe != nullptr) {
     if (data_ranks->rank() == 0) {
       // Whole from the tensor-parallel parts (every rank of the group), then from the stages.
       auto stage_weights = model->whole_params(tok.vocab_size());
       if (tensor_ranks == nullptr || tensor_ranks->rank() == 0) {
-        weights = gather_on_first_stage(*pipe, std::move(stage_weights),
-                                        "gathering the stages' weights for model.safetensors");
+        write_on_first_stage(*pipe, std::move(stage_weights), lead ? run->file("model.safetensors") : "",
+                             export_metadata, "gathering the stages' weights for model.safetensors");
       }
     }
   } else if (lead || tp > 1) {
@@ -498,9 +500,7 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   if (ranks != nullptr) ranks->finish();
   if (!lead) return sum;
 
-  model::save_safetensors(run->file("model.safetensors"), weights,
-                          {{"format", "pt"}, {"remat.arch", arch_name(cfg.model.arch)},
-                           {"remat.preset", cfg.model.preset}});
+  if (pipe == nullptr) model::save_safetensors(run->file("model.safetensors"), weights, export_metadata);
   if (pipe != nullptr && cfg.run.sample_tokens > 0) {
     model.reset();  // the stage's memory goes before the whole model comes
     model = Model::create(cfg.model, device, dtype, static_cast<uint64_t>(cfg.run.seed));

@@ -123,6 +123,39 @@ TEST(SafeTensors, FailedSaveKeepsTheOldFile) {
   EXPECT_EQ(std::distance(fs::directory_iterator(dir.path()), fs::directory_iterator()), 1);
 }
 
+// Written a tensor at a time, the file is the one written at once; a tensor that comes
+// other than its header entry said is refused by name and leaves the old file.
+TEST(SafeTensors, WritesATensorAtATimeAndReadsOnlyTheWantedOnes) {
+  TempDir dir;
+  const std::string whole = dir / "whole.safetensors", parts = dir / "parts.safetensors";
+  const std::vector<std::pair<std::string, at::Tensor>> tensors{
+      {"a", at::arange(6, at::kFloat).reshape({2, 3})}, {"b", at::arange(4)}, {"c", at::ones({3}, at::kBFloat16)}};
+  save_safetensors(whole, tensors, {{"k", "v"}});
+  std::vector<remat::model::TensorSpec> specs;
+  for (const auto& [name, t] : tensors) specs.push_back({name, t.scalar_type(), t.sizes().vec()});
+  std::vector<size_t> asked;
+  save_safetensors(parts, specs, [&](size_t i) {
+    asked.push_back(i);
+    return tensors[i].second.t().contiguous().t();  // strided: written in row order all the same
+  }, {{"k", "v"}});
+  EXPECT_EQ(asked, (std::vector<size_t>{0, 1, 2}));
+  EXPECT_EQ(read_bytes(parts), read_bytes(whole));
+
+  const std::string error = error_of([&] {
+    save_safetensors(parts, specs, [&](size_t i) { return i == 1 ? at::arange(5) : tensors[i].second; });
+  });
+  EXPECT_NE(error.find("tensor 'b'"), std::string::npos) << error;
+  EXPECT_NE(error.find("[5]"), std::string::npos) << error;
+  EXPECT_EQ(read_bytes(parts), read_bytes(whole));
+
+  const auto some = load_safetensors(whole, [](const std::string& name) { return name != "b"; });
+  ASSERT_EQ(some.tensors.size(), 2u);
+  EXPECT_EQ(some.tensors[0].first, "a");
+  EXPECT_TRUE(some.tensors[0].second.equal(tensors[0].second));
+  EXPECT_EQ(some.tensors[1].first, "c");
+  EXPECT_EQ(some.metadata.at("k"), "v");
+}
+
 // Each corruption, written by hand, must be refused with the file and tensor named.
 TEST(SafeTensors, RefusesCorruptFiles) {
   TempDir dir;

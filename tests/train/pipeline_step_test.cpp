@@ -1,10 +1,12 @@
-// A step through pipeline stages on Gloo ranks (threads of this process): its schedules
-// hold what pipeline::in_flight says, and 2 and 4 stages under 1F1B and GPipe give the
-// whole model's loss and gradients, with and without recompute; a lost stage stops the
-// others with a sentence naming the transfer.
+// A step through pipeline stages on Gloo ranks (threads of this process): 2 and 4 stages
+// under 1F1B and GPipe give the whole model's loss and gradients, with and without
+// recompute; evaluation and the stages' files go through the first stage; a lost stage,
+// or a non-finite one, stops the others with a sentence naming it.
+#include "remat/memory.h"
 #include "remat/model.h"
 #include "remat/pipeline.h"
 #include "remat/policy.h"
+#include "remat/safetensors.h"
 #include "train/pipeline_step.h"
 #include "train/step.h"
 #include "util/gloo_ranks.h"
@@ -12,7 +14,10 @@
 #include <ATen/Parallel.h>
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <cmath>
+#include <filesystem>
 #include <map>
 #include <random>
 
@@ -126,42 +131,59 @@ TEST(PipelineStep, EvaluationThroughStagesIsTheWholeModels) {
   }
 }
 
-// Named tensors of every stage reach the first, in stage order, each name once; the
-// bytes travel as they are, whatever the dtype and shape.
-TEST(PipelineStep, NamedTensorsGatherOnTheFirstStage) {
-  testing::on_gloo_ranks(3, 1, [&](dist::Comm& comm) {
-    const int s = comm.pipeline().rank();
+// Three stages' named tensors written into one file on the first: its own first, then each
+// later stage's in order, the tied copy once (the first stage's), every dtype and shape
+// bit for bit. The first stage holds one received tensor at a time: its tracked memory
+// rises during the write by at most the largest of them (512 KiB), not by the 2 MiB the
+// later stages send in all.
+TEST(PipelineStep, NamedTensorsAreWrittenOnTheFirstStageATensorAtATime) {
+  memory::install_cpu_tracking();
+  const std::string path = (std::filesystem::temp_directory_path() /
+                            ("remat-stages-" + std::to_string(::getpid()) + ".safetensors")).string();
+  const auto made = [](int s) {
     auto gen = at::detail::createCPUGenerator(static_cast<uint64_t>(s) + 1);
     std::vector<std::pair<std::string, at::Tensor>> mine{
-        {"shared", at::full({2}, 1.5f)},  // a tied copy: the first stage's is kept
+        {"shared", at::full({2}, 1.5f + static_cast<float>(s))},  // a tied copy: the first stage's is kept
         {fmt::format("s{}.float", s), at::randn({s + 1, 3}, gen)},
         {fmt::format("s{}.long", s), at::arange(s + 2)},
         {fmt::format("s{}.bf16", s), at::randn({4}, gen).to(at::kBFloat16)},
         {fmt::format("s{}.scalar", s), at::full({}, static_cast<double>(s))},
     };
-    const auto expected = mine;
-    const auto got = gather_on_first_stage(comm.pipeline(), mine, "a test");
     if (s > 0) {
-      EXPECT_TRUE(got.empty());
-      return;
+      for (int k = 0; k < 2; ++k) mine.emplace_back(fmt::format("s{}.big{}", s, k), at::randn({128, 1024}, gen));
     }
-    std::vector<std::string> names;
-    for (const auto& [name, t] : got) names.push_back(name);
-    EXPECT_EQ(names, (std::vector<std::string>{"shared", "s0.float", "s0.long", "s0.bf16", "s0.scalar", "s1.float",
-                                               "s1.long", "s1.bf16", "s1.scalar", "s2.float", "s2.long", "s2.bf16",
-                                               "s2.scalar"}));
-    for (int from = 0; from < 3; ++from) {
-      auto g = at::detail::createCPUGenerator(static_cast<uint64_t>(from) + 1);
-      const at::Tensor f = at::randn({from + 1, 3}, g), b = at::randn({4}, g).to(at::kBFloat16);
-      const size_t at0 = 1 + 4 * static_cast<size_t>(from);
-      EXPECT_TRUE(got[at0].second.equal(f)) << from;
-      EXPECT_TRUE(got[at0 + 1].second.equal(at::arange(from + 2))) << from;
-      EXPECT_TRUE(got[at0 + 2].second.equal(b)) << from;
-      EXPECT_EQ(got[at0 + 3].second.dim(), 0) << from;
-      EXPECT_EQ(got[at0 + 3].second.item<double>(), from);
+    return mine;
+  };
+  int64_t rise = -1;
+  testing::on_gloo_ranks(3, 1, [&](dist::Comm& comm) {
+    const int s = comm.pipeline().rank();
+    auto mine = made(s);
+    comm.barrier("the tensors made");
+    memory::Stats before;
+    if (s == 0) {
+      memory::reset_peak(at::kCPU);
+      before = memory::stats(at::kCPU);
     }
-    EXPECT_TRUE(got[0].second.equal(expected[0].second));
+    write_on_first_stage(comm.pipeline(), std::move(mine), s == 0 ? path : "", {{"k", "v"}}, "a test");
+    if (s == 0) rise = memory::stats(at::kCPU).peak - before.current;
   }, 3);
+  const model::SafeTensors file = model::load_safetensors(path);
+  std::filesystem::remove(path);
+  EXPECT_EQ(file.metadata, (std::map<std::string, std::string>{{"k", "v"}}));
+  std::vector<std::pair<std::string, at::Tensor>> expected;
+  for (int s = 0; s < 3; ++s) {
+    for (auto& named : made(s)) {
+      if (s == 0 || named.first != "shared") expected.push_back(std::move(named));
+    }
+  }
+  ASSERT_EQ(file.tensors.size(), expected.size());
+  for (size_t i = 0; i < expected.size(); ++i) {
+    EXPECT_EQ(file.tensors[i].first, expected[i].first);
+    EXPECT_TRUE(file.tensors[i].second.equal(expected[i].second)) << expected[i].first;
+    EXPECT_EQ(file.tensors[i].second.scalar_type(), expected[i].second.scalar_type()) << expected[i].first;
+  }
+  EXPECT_GE(rise, 128 * 1024 * 4);
+  EXPECT_LT(rise, 128 * 1024 * 4 + 64 * 1024);
 }
 
 // The last stage is lost before its first forward: the first stage stops within the
