@@ -80,8 +80,10 @@ std::string pipeline_text(const Config& cfg, const PipelinePlan& r, int64_t stag
   for (size_t s = 0; s < r.stages.size(); ++s) {
     text += stage_line(r, s, m, cfg.parallel.schedule,
                        fmt::format("{:.1f} ms per microbatch ({})", 1e3 * r.stage_seconds[s],
-                                   profiled ? "its nodes' times in the time profile"
-                                            : "its FLOPs at the measured matmul rate")) +
+                                   profile.times.layer_pass_seconds > 0
+                                       ? "its layers' and ends' measured passes, its recompute's node times"
+                                   : profiled ? "its nodes' times in the time profile"
+                                              : "its FLOPs at the measured matmul rate")) +
             "\n";
     text += layer_groups_text(r.plan, r.stages[s]);
   }
