@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cctype>
 #include <climits>
+#include <cstdlib>
 #include <stdexcept>
 
 #include "data/sentencepiece_shim.h"
@@ -224,6 +225,20 @@ Tokenizer Tokenizer::train(std::string_view text, const TokenizerTrainOptions& o
   ShimBuffer<char> model;
   if (shim().train(keys.data(), values.data(), spec.size(), pointers.data(), lengths.data(),
                    pointers.size(), options.seed, &model.data, &model.size) != 0) {
+    // Too little text for the vocabulary: SentencePiece says so only as an internal check
+    // with the most pieces it could make; say it as the text's size and what to change.
+    const std::string reason = shim().last_error();
+    const std::string most = "Please set it to a value <= ";
+    const size_t at = reason.find(most);
+    if (reason.find("Vocabulary size too high") != std::string::npos && at != std::string::npos) {
+      const long pieces = std::strtol(reason.c_str() + at + most.size(), nullptr, 10);
+      throw std::runtime_error(
+          "The text is too small for a " + std::to_string(options.vocab_size) + "-piece vocabulary: its " +
+          std::to_string(total_bytes) + " bytes (" + std::to_string(sentences.size()) +
+          (sentences.size() == 1 ? " line" : " lines") + ") make at most " +
+          std::to_string(pieces) + " BPE pieces (the 256 bytes among them); set data.vocab_size to at most " +
+          std::to_string(pieces) + ", or give more text (the default corpus, the King James Bible, is 4 MB).");
+    }
     shim_failure("SentencePiece could not train a " + std::to_string(options.vocab_size) +
                  "-piece BPE tokenizer on this text");
   }

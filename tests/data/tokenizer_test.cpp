@@ -101,6 +101,20 @@ TEST(Tokenizer, ErrorsAreSentences) {
   TokenizerTrainOptions tiny;
   tiny.vocab_size = 100;
   EXPECT_THROW(Tokenizer::train("some text", tiny), std::runtime_error);
+  // Too little text for the vocabulary: the most pieces it makes, and what to change.
+  TokenizerTrainOptions many;
+  many.vocab_size = 2048;
+  try {
+    Tokenizer::train("hello world\n", many);
+    FAIL() << "2048 pieces from 12 bytes must be refused";
+  } catch (const std::runtime_error& e) {
+    const std::string what = e.what();
+    EXPECT_EQ(what.rfind("The text is too small for a 2048-piece vocabulary: its 11 bytes (1 line) make at most ", 0),
+              0u) << what;
+    EXPECT_NE(what.find(" BPE pieces (the 256 bytes among them); set data.vocab_size to at most "), std::string::npos)
+        << what;
+    EXPECT_EQ(what.find("Internal"), std::string::npos) << what;
+  }
 
   const Tokenizer tok = Tokenizer::train(remat::testing::make_text(300), small_vocab());
   try {
