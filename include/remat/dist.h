@@ -27,8 +27,9 @@ namespace remat::dist {
 /// How a collective combines the ranks' elements.
 enum class Reduce { sum, max };
 
-/// A point-to-point transfer under way (Group::send, Group::recv). It holds the tensor
-/// until wait() returns, so the caller may drop its own reference at once.
+/// A point-to-point transfer or a collective under way (Group::send, Group::recv,
+/// Group::start_all_reduce). It holds the tensors until wait() returns, so the caller may
+/// drop its own references at once.
 class Transfer {
  public:
   virtual ~Transfer() = default;
@@ -53,6 +54,12 @@ class Group {
   /// or int64; contiguous). `what` names the operation in a failure ("the tensor-parallel
   /// all-reduce of attn_c_proj in layer 3").
   virtual void all_reduce(std::vector<at::Tensor>& tensors, Reduce op, const std::string& what) = 0;
+  /// all_reduce started and returned at once, so that work goes on while it runs (the
+  /// gradients' all-reduce during the backward); the tensors hold the result once wait()
+  /// returns and must not change before. Every rank of the group starts the same
+  /// collectives in the same order.
+  virtual std::unique_ptr<Transfer> start_all_reduce(std::vector<at::Tensor> tensors, Reduce op,
+                                                     const std::string& what) = 0;
   /// Every rank's `t` (the same shape on every rank), concatenated along `dim` in rank
   /// order; a new tensor.
   virtual at::Tensor all_gather(const at::Tensor& t, int64_t dim, const std::string& what) = 0;

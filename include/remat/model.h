@@ -18,6 +18,7 @@
 
 #include <ATen/ATen.h>
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -155,6 +156,12 @@ class Model {
   /// collective; once per step, after the last microbatch's backward. Nothing to do
   /// without sequence parallelism. `what` names the collective in a failure.
   void sum_partial_grads(const std::string& what);
+  /// Called in backward() each time a part's gradients of the microbatch are all in, with
+  /// the index into params() from which on every parameter's are: after the loss head's
+  /// backward, after each layer's, and 0 after the embedding's. A caller may reduce those
+  /// gradients while the rest of the backward runs (data parallelism overlapping its
+  /// all-reduce with the last microbatch's backward). Empty: nothing is called.
+  void set_gradients_ready(std::function<void(size_t first)> hook) { gradients_ready_ = std::move(hook); }
 
   /// One microbatch on a model of every layer: tokens and targets [B, T] int64 (targets
   /// -1 are ignored). Accumulates d(loss * loss_scale)/d(params) into the gradients and
@@ -249,6 +256,7 @@ class Model {
   StageSpan stage_;
   std::vector<Param> params_;
   at::Tensor grad_buffer_;
+  std::function<void(size_t)> gradients_ready_;
 };
 
 }  // namespace remat

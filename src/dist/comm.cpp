@@ -162,6 +162,8 @@ class GlooGroup final : public Group {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   void all_reduce(std::vector<at::Tensor>& tensors, Reduce op, const std::string& what) override;
+  std::unique_ptr<Transfer> start_all_reduce(std::vector<at::Tensor> tensors, Reduce op,
+                                             const std::string& what) override;
   at::Tensor all_gather(const at::Tensor& t, int64_t dim, const std::string& what) override;
   std::unique_ptr<Transfer> send(const at::Tensor& t, int peer, int tag, const std::string& what) override;
   std::unique_ptr<Transfer> recv(at::Tensor& t, int peer, int tag, const std::string& what) override;
@@ -490,15 +492,37 @@ std::unique_ptr<Comm> Comm::connect(const LaunchEnv& env, milliseconds timeout, 
 }
 
 void GlooGroup::all_reduce(std::vector<at::Tensor>& tensors, Reduce op, const std::string& what) {
-  if (!gloo_) return;
-  c10d::AllreduceOptions options;
-  options.reduceOp = op == Reduce::sum ? c10d::ReduceOp::SUM : c10d::ReduceOp::MAX;
+  start_all_reduce(tensors, op, what)->wait();
+}
+
+std::unique_ptr<Transfer> GlooGroup::start_all_reduce(std::vector<at::Tensor> tensors, Reduce op,
+                                                      const std::string& what) {
+  // Each tensor its own collective: Gloo's workers reduce them one after another while
+  // the caller goes on; waiting settles each.
+  class Reduction final : public Transfer {
+   public:
+    Reduction(GlooGroup& group, std::vector<c10::intrusive_ptr<c10d::Work>> works, std::string what)
+        : group_(group), works_(std::move(works)), what_(std::move(what)) {}
+    void wait() override {
+      for (const auto& w : works_) group_.settle(w, what_);
+      works_.clear();
+    }
+
+   private:
+    GlooGroup& group_;
+    std::vector<c10::intrusive_ptr<c10d::Work>> works_;
+    std::string what_;
+  };
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
-  for (at::Tensor& t : tensors) {
-    std::vector<at::Tensor> one{t};
-    works.push_back(gloo_->allreduce(one, options));
+  if (gloo_) {
+    c10d::AllreduceOptions options;
+    options.reduceOp = op == Reduce::sum ? c10d::ReduceOp::SUM : c10d::ReduceOp::MAX;
+    for (at::Tensor& t : tensors) {
+      std::vector<at::Tensor> one{t};
+      works.push_back(gloo_->allreduce(one, options));
+    }
   }
-  for (const auto& w : works) settle(w, what);
+  return std::make_unique<Reduction>(*this, std::move(works), what);
 }
 
 at::Tensor GlooGroup::all_gather(const at::Tensor& t, int64_t dim, const std::string& what) {

@@ -258,11 +258,22 @@ at::Tensor TransformerModel::backward(Microbatch& handle, at::Tensor dy, double 
 
   std::optional<trace::Scope> scope;
   at::Tensor dx = std::move(dy);
+  // Parameters come embedding first, then the layers', then the head's own (a tied one is
+  // the embedding's): each part's backward completes every parameter from its first on.
+  const auto ready = [&](const std::vector<int>& part) {
+    if (gradients_ready_) gradients_ready_(static_cast<size_t>(*std::min_element(part.begin(), part.end())));
+  };
   if (mb->head) {
     scope.emplace("loss head backward", trace::Category::layer);
     Engine e = engine(*mb->head_shape, W, W.head, true, 0, ctx, nullptr);
     dx = mb->head->backward(e, at::scalar_tensor(loss_scale, at::kDouble));
     scope.reset();
+    if (gradients_ready_) {
+      int before = -1;  // the last parameter of the parts below the head
+      for (const auto& layer : W.layers) before = std::max(before, *std::max_element(layer.begin(), layer.end()));
+      for (const int i : W.embed) before = std::max(before, i);
+      gradients_ready_(static_cast<size_t>(before + 1));
+    }
   }
   for (int64_t l = end_layer() - 1; l >= stage_.first; --l) {
     const trace::Scope layer_scope("backward", trace::Category::layer, l);
@@ -272,11 +283,13 @@ at::Tensor TransformerModel::backward(Microbatch& handle, at::Tensor dy, double 
     dx = run->backward(e, std::move(dx));
     run.reset();
     if (store_) store_->finished_backward(l);
+    ready(W.layers[static_cast<size_t>(l - stage_.first)]);
   }
   if (mb->embed) {
     scope.emplace("embedding backward", trace::Category::layer);
     Engine e = engine(*mb->embed_shape, W, W.embed, true, 0, ctx, nullptr);
     dx = mb->embed->backward(e, std::move(dx));  // token ids: undefined
+    ready(W.embed);
   }
   return dx;
 }

@@ -15,14 +15,6 @@
 #include <thread>
 
 namespace remat {
-namespace {
-
-// Gradients are reduced in buckets of this many bytes, each its own collective, all in
-// flight at once: few enough for the per-call latency not to matter.
-constexpr int64_t kBucketBytes = int64_t{16} << 20;
-
-}  // namespace
-
 std::unique_ptr<dist::Comm> join_ranks(const Config& cfg, const std::string& subcommand) {
   const std::optional<dist::LaunchEnv> env = dist::launch_env();
   const int world = env ? env->world_size : 1;
@@ -153,17 +145,48 @@ void rank0_first(dist::Comm* comm, const std::string& what, const std::function<
   work();
 }
 
-void all_reduce_gradients(Model& model, dist::Group& group, double& loss, const std::string& what) {
-  // Buckets are consecutive pieces of the flat gradient buffer, reduced in place; the loss
-  // rides along in float64.
+GradientReduction::GradientReduction(Model& model, dist::Group& group, bool overlap, std::string what,
+                                     int64_t bucket_bytes)
+    : model_(model), group_(group), what_(std::move(what)) {
   const at::Tensor& grads = model.grad_buffer();
-  const int64_t per_bucket = std::max<int64_t>(1, kBucketBytes / static_cast<int64_t>(grads.element_size()));
-  std::vector<at::Tensor> buckets{at::full({1}, loss, at::kDouble)};
-  for (int64_t first = 0; first < grads.numel(); first += per_bucket) {
-    buckets.push_back(grads.narrow(0, first, std::min(per_bucket, grads.numel() - first)));
+  const int64_t per_bucket = std::max<int64_t>(1, bucket_bytes / static_cast<int64_t>(grads.element_size()));
+  for (int64_t end = grads.numel(); end > 0; end -= per_bucket) {
+    const int64_t begin = std::max<int64_t>(0, end - per_bucket);
+    buckets_.push_back(grads.narrow(0, begin, end - begin));
+    begins_.push_back(begin);
   }
-  group.all_reduce(buckets, dist::Reduce::sum, what);
-  loss = buckets[0].item<double>();
+  if (!overlap) return;
+  model.set_gradients_ready([this](size_t first) {
+    const auto& params = model_.params();
+    const at::Tensor& buffer = model_.grad_buffer();
+    const int64_t from = first < params.size()
+                             ? (static_cast<const char*>(params[first].grad.data_ptr()) -
+                                static_cast<const char*>(buffer.data_ptr())) / static_cast<int64_t>(buffer.element_size())
+                             : buffer.numel();
+    const size_t before = started_;
+    start_from(from);
+    if (first > 0) started_early_ += static_cast<int64_t>(started_ - before);  // 0: the backward's last part
+  });
+}
+
+GradientReduction::~GradientReduction() { model_.set_gradients_ready(nullptr); }
+
+void GradientReduction::start_from(int64_t from) {
+  while (started_ < buckets_.size() && begins_[started_] >= from) {
+    running_.push_back(group_.start_all_reduce({buckets_[started_]}, dist::Reduce::sum, what_));
+    ++started_;
+  }
+}
+
+void GradientReduction::finish(double& loss) {
+  model_.set_gradients_ready(nullptr);
+  start_from(0);
+  // The loss rides in float64, a collective of its own after the buckets.
+  std::vector<at::Tensor> total{at::full({1}, loss, at::kDouble)};
+  running_.push_back(group_.start_all_reduce(total, dist::Reduce::sum, what_));
+  for (auto& r : running_) r->wait();
+  running_.clear();
+  loss = total[0].item<double>();
 }
 
 QuietStderr::QuietStderr(bool quiet) {

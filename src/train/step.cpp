@@ -262,9 +262,18 @@ StepResult TrainStep::run(int64_t step, const data::TokenDataset& data, std::mt1
       r.loss += loss / parts;  // in the order one process adds them
     }
     sum_tied_grads(model_, *pipe_, step);
-  } else {
+  }
+  // The data-parallel sum overlaps the last microbatch's backward where nothing else must
+  // come first: partial gradients (sequence parallelism) are summed over the tensor-parallel
+  // group before, and a pipeline's backwards interleave with its transfers.
+  std::optional<GradientReduction> reduction;
+  const std::string reduce_what = fmt::format("the gradient all-reduce of step {}", step + 1);
+  const bool partial = std::any_of(model_.params().begin(), model_.params().end(), [](const Param& p) { return p.partial; });
+  const bool overlap = ranks_ != nullptr && ranks_->data().size() > 1 && pipe_ == nullptr && !partial;
+  if (pipe_ == nullptr) {
     for (int64_t m = 0; m < t.grad_accum; ++m) {
       const MicrobatchData d = draw(m);
+      if (overlap && m == t.grad_accum - 1) reduction.emplace(model_, ranks_->data(), true, reduce_what);
       r.loss += model_.forward_backward(d.tokens, d.targets, d.ctx, 1.0 / parts, t.ce_chunk,
                                         m == 0 ? &r.activations : nullptr) /
                 parts;
@@ -273,7 +282,10 @@ StepResult TrainStep::run(int64_t step, const data::TokenDataset& data, std::mt1
   model_.sum_partial_grads(fmt::format("the sequence-parallel gradient all-reduce of step {}", step + 1));
   if (ranks_ != nullptr) {
     const trace::Scope scope("gradient all-reduce", trace::Category::step);
-    all_reduce_gradients(model_, ranks_->data(), r.loss, fmt::format("the gradient all-reduce of step {}", step + 1));
+    if (!reduction) reduction.emplace(model_, ranks_->data(), false, reduce_what);
+    r.reduce_buckets = reduction->bucket_count();
+    r.reduce_buckets_overlapped = reduction->started_early();
+    reduction->finish(r.loss);
   }
   r.grad_norm = clip_gradients(model_, t.grad_clip, step, pipe_, {norm_first_, norm_count_});
   // Checked before the update, so that a bad step leaves the weights as they were.

@@ -33,6 +33,8 @@ struct StepResult {
   int64_t peak_bytes = 0;       ///< highest tensor bytes held during the step
   ActivationBytes activations;  ///< saved-activation bytes of the first microbatch, measured
   StoreCounters counters;       ///< what the store re-ran during the step (zeros without a store)
+  int64_t reduce_buckets = 0;   ///< data parallel: the gradient buckets all-reduced
+  int64_t reduce_buckets_overlapped = 0;  ///< of them, those started during the backward
   std::string trace;            ///< Chrome-trace JSON of the step when it was traced
 };
 

@@ -434,7 +434,8 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
                  {"predicted_peak_bytes", sum.predicted_peak_bytes},
                  {"ops_recomputed", counters.ops_recomputed}, {"bytes_recomputed", counters.bytes_recomputed},
                  {"pool_hits", counters.pool.hits}, {"pool_misses", counters.pool.misses},
-                 {"pool_bytes_served", counters.pool.bytes_served}});
+                 {"pool_bytes_served", counters.pool.bytes_served},
+                 {"reduce_buckets", r.reduce_buckets}, {"reduce_buckets_overlapped", r.reduce_buckets_overlapped}});
     bar.update(step + 1, fmt::format("loss {:.4f} | {} tok/s | mem {} (peak {})", r.loss,
                                      format_count(tokens_per_step / r.seconds), memory::format_bytes(r.current_bytes),
                                      memory::format_bytes(peak)));

@@ -64,24 +64,34 @@ std::vector<Grads> one_process_parts(const char* preset, int n, double dropout, 
   return parts;
 }
 
-// Every rank's gradients after the all-reduce, and each rank's own part before it.
+// Every rank's gradients after the all-reduce, and each rank's own part before it (none
+// when the reduction overlapped the backward, which sums the parts in place as they come).
 struct Distributed {
   std::vector<Grads> reduced, parts;
+  std::vector<int64_t> buckets, early;  ///< per rank
 };
-Distributed ranks(const char* preset, int n, double dropout, const std::string& policy) {
+Distributed ranks(const char* preset, int n, double dropout, const std::string& policy, bool overlap = false) {
   Distributed d;
   d.reduced.resize(static_cast<size_t>(n));
   d.parts.resize(static_cast<size_t>(n));
+  d.buckets.resize(static_cast<size_t>(n));
+  d.early.resize(static_cast<size_t>(n));
   testing::on_gloo_ranks(n, 1, [&](dist::Comm& comm) {
     auto model = make_model(preset, dropout, policy);
     const auto [tok, tgt] = batch(model->config(), n * kRows);
     model->zero_grad();
+    // Buckets of 4 KiB: the tiny models' gradients fill several.
+    GradientReduction reduction(*model, comm.data(), overlap, "the test's all-reduce", 4 << 10);
     Grads& part = d.parts[static_cast<size_t>(comm.rank())];
     part.loss = rank_part(*model, comm.rank(), n, tok, tgt);
-    for (const auto& p : model->params()) part.grads.push_back(p.grad.clone());
+    if (!overlap) {
+      for (const auto& p : model->params()) part.grads.push_back(p.grad.clone());
+    }
     Grads& out = d.reduced[static_cast<size_t>(comm.rank())];
     out.loss = part.loss;
-    all_reduce_gradients(*model, comm.data(), out.loss, "the test's all-reduce");
+    reduction.finish(out.loss);
+    d.buckets[static_cast<size_t>(comm.rank())] = reduction.bucket_count();
+    d.early[static_cast<size_t>(comm.rank())] = reduction.started_early();
     for (const auto& p : model->params()) out.grads.push_back(p.grad.clone());
   });
   return d;
@@ -108,10 +118,18 @@ TEST(DataParallel, TwoRanksSumOneProcesssPartsBitwise) {
     }
     for (const char* policy : {"none", "full", "modules:[core_attn]"}) {
       const Distributed d = ranks(preset, 2, 0.1, policy);
+      // Overlapped with the backward, the same buckets sum the same terms: the same bits,
+      // the head's and the top layers' buckets started before the backward's end.
+      const Distributed early = ranks(preset, 2, 0.1, policy, true);
       for (int r = 0; r < 2; ++r) {
         const std::string what = std::string(preset) + " " + policy + " rank " + std::to_string(r);
         expect_bitwise(d.parts[static_cast<size_t>(r)], reference[static_cast<size_t>(r)], what + " part");
         expect_bitwise(d.reduced[static_cast<size_t>(r)], sum, what);
+        expect_bitwise(early.reduced[static_cast<size_t>(r)], sum, what + " overlapped");
+        EXPECT_EQ(d.early[static_cast<size_t>(r)], 0) << what;
+        EXPECT_GT(early.buckets[static_cast<size_t>(r)], 2) << what;
+        EXPECT_GT(early.early[static_cast<size_t>(r)], 0) << what;
+        EXPECT_LT(early.early[static_cast<size_t>(r)], early.buckets[static_cast<size_t>(r)]) << what;
       }
     }
   }

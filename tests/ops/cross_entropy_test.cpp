@@ -296,6 +296,10 @@ class NoCollectives final : public remat::dist::Group {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   void all_reduce(std::vector<at::Tensor>&, remat::dist::Reduce, const std::string& what) override { refuse(what); }
+  std::unique_ptr<remat::dist::Transfer> start_all_reduce(std::vector<at::Tensor>, remat::dist::Reduce,
+                                                          const std::string& what) override {
+    refuse(what);
+  }
   at::Tensor all_gather(const at::Tensor&, int64_t, const std::string& what) override { refuse(what); }
   std::unique_ptr<remat::dist::Transfer> send(const at::Tensor&, int, int, const std::string& what) override {
     refuse(what);

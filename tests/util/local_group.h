@@ -55,6 +55,11 @@ class LocalWorld {
   throw std::logic_error(std::string(group) + " has no point-to-point transfers (" + what + "); use on_gloo_ranks.");
 }
 
+/// A collective finished when it was started.
+struct DoneTransfer final : dist::Transfer {
+  void wait() override {}
+};
+
 class LocalGroup final : public dist::Group {
  public:
   LocalGroup(LocalWorld& world, int rank) : world_(world), rank_(rank) {}
@@ -76,6 +81,13 @@ class LocalGroup final : public dist::Group {
     world_.barrier();  // every rank has read every input before any is overwritten
     for (size_t i = 0; i < tensors.size(); ++i) tensors[i].copy_(combined[i]);
     world_.barrier();
+  }
+
+  // Done at once: a local world has no transport to overlap.
+  std::unique_ptr<dist::Transfer> start_all_reduce(std::vector<at::Tensor> tensors, dist::Reduce op,
+                                                   const std::string& what) override {
+    all_reduce(tensors, op, what);
+    return std::make_unique<DoneTransfer>();
   }
 
   at::Tensor all_gather(const at::Tensor& t, int64_t dim, const std::string&) override {
@@ -110,6 +122,10 @@ class AbsentPeers final : public dist::Group {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   void all_reduce(std::vector<at::Tensor>&, dist::Reduce, const std::string&) override {}
+  std::unique_ptr<dist::Transfer> start_all_reduce(std::vector<at::Tensor>, dist::Reduce,
+                                                   const std::string&) override {
+    return std::make_unique<DoneTransfer>();
+  }
   // As Gloo allocates: the ranks' parts, its flat receive buffer while the collective
   // runs, then their concatenation.
   at::Tensor all_gather(const at::Tensor& t, int64_t dim, const std::string&) override {
