@@ -167,7 +167,7 @@ std::string TrainStep::first_non_finite_of_job(bool grads, int64_t step, const c
   // The first in the whole model's order: the earliest stage's first, the lowest rank's
   // among equals (tensor-parallel ranks hold parts of the same parameters).
   const int64_t stage = pipe_ != nullptr ? pipe_->rank() : 0;
-  const std::string what = fmt::format("the non-finite check {} step {}", when, step + 1);
+  const std::string what = fmt::format("the non-finite check {} the update of step {}", when, step + 1);
   const auto found = ranks_->all_gather({own < 0 ? 0 : 1, stage, own}, what);
   int first = -1;
   for (int r = 0; r < static_cast<int>(found.size()); ++r) {
