@@ -12,6 +12,7 @@
 // each layer is exact. It allocates nothing: an 8B model at 8k tokens plans on a laptop.
 #pragma once
 
+#include "remat/budget.h"
 #include "remat/cost.h"
 #include "remat/pipeline.h"
 
@@ -151,9 +152,5 @@ class Planner {
   // its FLOPs do): of a block without recompute, of the embedding, of the loss head.
   double layer_seconds_ = 0, embed_seconds_ = 0, head_seconds_ = 0;
 };
-
-/// Parses "12GiB", "96MiB", "1.5e9", "4096" (bytes) or "0.6" / "60%" (a fraction of
-/// `reference`). Throws std::invalid_argument with a sentence on anything else.
-int64_t parse_budget(const std::string& text, int64_t reference);
 
 }  // namespace remat

@@ -1,5 +1,6 @@
 #include "remat/config.h"
-#include "remat/planner.h"
+
+#include "remat/budget.h"
 #include "remat/policy.h"
 
 #include <fmt/format.h>
