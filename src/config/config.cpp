@@ -64,6 +64,15 @@ LossHead parse_loss_head(const std::string& key, const std::string& v) {
                    key, v));
 }
 
+// Token ids are int32 wherever they are held (the encoder's output, TokenDataset).
+constexpr int64_t kMaxVocab = int64_t{1} << 31;
+
+void check_tp(const Config& c) {
+  if (c.parallel.tp < 1 || c.parallel.tp > 1024) {
+    fail(fmt::format("parallel.tp must be from 1 to 1024 tensor-parallel ranks, got {}.", c.parallel.tp));
+  }
+}
+
 // A TOML basic string: quotes, backslashes and control characters escaped.
 std::string quote(const std::string& s) {
   std::string out = "\"";
@@ -441,7 +450,16 @@ int64_t padded_vocab_size(const Config& c, int64_t vocab) {
                      "Megatron-LM's make_vocab_size_divisible_by).", multiple));
   }
   if (vocab <= 0) return vocab;
-  const int64_t step = multiple * std::max<int64_t>(c.parallel.tp, 1);
+  // load_config pads before validate_config looks at the rest, so the factors are bounded
+  // here: the rounding below stays far inside int64 (a vocabulary near 2^63, or a parallel.tp
+  // near 2^62, had overflowed it).
+  check_tp(c);
+  if (vocab > kMaxVocab) {
+    fail(fmt::format("model.vocab_size = {} is more than 2^31 tokens; token ids are 32-bit integers (the largest "
+                     "real vocabularies hold a few hundred thousand): give the tokenizer's size, or 0 to take it.",
+                     vocab));
+  }
+  const int64_t step = multiple * c.parallel.tp;
   return (vocab + step - 1) / step * step;
 }
 
@@ -586,9 +604,7 @@ void validate_config(const Config& c) {
                      "make train.batch a multiple of {} (it counts the sequences of all ranks together).", t.batch,
                      c.parallel.dp, c.parallel.dp));
   }
-  if (c.parallel.tp < 1 || c.parallel.tp > 1024) {
-    fail(fmt::format("parallel.tp must be from 1 to 1024 tensor-parallel ranks, got {}.", c.parallel.tp));
-  }
+  check_tp(c);
   // Each rank holds an equal share of the heads and the MLP's features; the vocabulary is
   // padded instead (Megatron's padding), since real vocabularies (GPT-2's 50257) are odd.
   for (const auto& [name, size] : {std::pair<const char*, int64_t>{"model.n_head", m.n_head},
