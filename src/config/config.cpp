@@ -2,6 +2,7 @@
 
 #include "remat/budget.h"
 #include "remat/policy.h"
+#include "util/utf8.h"
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -62,6 +63,12 @@ LossHead parse_loss_head(const std::string& key, const std::string& v) {
   fail(fmt::format("{} must be fused (the logits' gradient computed in the forward: one product fewer) or "
                    "recompute (the logits recomputed in the backward: vocab x d_model fewer bytes kept), got '{}'.",
                    key, v));
+}
+
+// `text` quoted as a JSON string, its control characters escaped and any byte that is not
+// UTF-8 shown as U+FFFD (a plain dump() throws on those), for a message about that text.
+std::string printable(const std::string& text) {
+  return nlohmann::json(text).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
 }
 
 // Token ids are int32 wherever they are held (the encoder's output, TokenDataset).
@@ -419,6 +426,14 @@ Config load_config(const std::string& toml_path, const std::vector<std::string>&
     if (eq == std::string::npos || eq == 0) {
       fail(fmt::format("Override '{}' is not of the form key=value (e.g. train.lr=1e-3).", o));
     }
+    // A TOML file is UTF-8 by its grammar (toml++ refuses other bytes); an override is not,
+    // and its value would land in the run's config.toml, which could not be read back.
+    const size_t bad = util::find_invalid_utf8(o);
+    if (bad != std::string::npos) {
+      fail(fmt::format("Override {} is not UTF-8 text (byte {:#04x} at offset {}); config values are UTF-8, as in a "
+                       "TOML file, since a run records them in its config.toml: write it in UTF-8.",
+                       printable(o), static_cast<unsigned char>(o[bad]), bad));
+    }
     settings.emplace_back(o.substr(0, eq), o.substr(eq + 1));
     origins.emplace_back(" (command-line override)");
   }
@@ -478,7 +493,7 @@ void check_path(const std::string& what, const std::string& path) {
       fail(fmt::format("{} = {} holds a control character (byte {:#04x} at offset {}); paths must be printable "
                        "(they are written into plot scripts, logs and tables): remove it, it is usually a stray "
                        "line break in a config file or a shell variable.",
-                       what, nlohmann::json(path).dump(), byte, i));
+                       what, printable(path), byte, i));
     }
   }
 }

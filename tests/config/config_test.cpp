@@ -78,6 +78,22 @@ TEST(Config, BadValuesAndShapesAreRefusedWithSentences) {
   std::remove(path.c_str());
 }
 
+// Found by fuzz/config.cpp: an override is the one way bytes that are not UTF-8 reach a
+// config (toml++ refuses them in a file); the run's config.toml then held them and could
+// not be loaded back.
+TEST(Config, OverridesMustBeUtf8) {
+  EXPECT_EQ(error_of([] { load_config("", {"run.trace=b\x93ock"}); }),
+            "Override \"run.trace=b\xEF\xBF\xBDock\" is not UTF-8 text (byte 0x93 at offset 11); config values are "
+            "UTF-8, as in a TOML file, since a run records them in its config.toml: write it in UTF-8.");
+  EXPECT_EQ(load_config("", {"run.prompt=Grüße"}).run.prompt, "Grüße");
+  // A path option given on the command line (--plot) is checked alone, and its message
+  // must not fail on such bytes either (the JSON quoting threw instead of the sentence).
+  EXPECT_EQ(error_of([] { check_path("--plot", "a\x01\x93.png"); }),
+            "--plot = \"a\\u0001\xEF\xBF\xBD.png\" holds a control character (byte 0x01 at offset 1); paths must be "
+            "printable (they are written into plot scripts, logs and tables): remove it, it is usually a stray line "
+            "break in a config file or a shell variable.");
+}
+
 TEST(Config, SequenceParallelismIsRefusedWhereItCannotRun) {
   EXPECT_EQ(error_of([] { load_config("", {"parallel.sp=true"}); }),
             "parallel.sp = true shares each sequence's positions over the tensor-parallel ranks, but parallel.tp = 1 "
