@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <fstream>
+#include <nlohmann/json.hpp>
 
 #include "data/temp_dir.h"
 #include "data/test_text.h"
@@ -144,6 +145,50 @@ TEST(Corpus, DamagedCacheIsReportedAndRebuilt) {
             std::string::npos);
   EXPECT_FALSE(prepare_corpus(options).cached);
   EXPECT_TRUE(prepare_corpus(options).cached);
+}
+
+// A number out of its field's range in meta.json (a damaged or hand-edited file) was
+// converted with undefined behaviour (1e300 into an int) or overflowed the size check (a
+// count near 2^62 times the token width), as fuzz/corpus_meta.cpp's sanitizers show on
+// these inputs. Its own suite: no SentencePiece, so scripts/sanitize.sh runs it.
+TEST(CorpusMeta, RefusesNumbersOutOfRange) {
+  TempDir dir;
+  for (const char* name : {"tokenizer.model", "train.bin", "val.bin"}) write(dir / name, std::string(8, '\0'));
+  nlohmann::json meta = {
+      {"format", "remat-corpus"},
+      {"recipe", 1},
+      {"source", "test"},
+      {"text", {{"sha256", "00"}, {"bytes", 64}}},
+      {"tokenizer", {{"sha256", "00"}, {"vocab_size", 512}, {"max_training_bytes", 1024}, {"seed", 0}}},
+      {"split", {{"val_fraction", 0.05}, {"val_blocks", 20}}},
+      {"tokens",
+       {{"dtype", "uint16"}, {"train", {{"count", 4}, {"sha256", "aa"}}}, {"val", {{"count", 4}, {"sha256", "bb"}}}}},
+      {"train_unigram_entropy_nats", 1.5},
+  };
+  const auto error_for = [&](const nlohmann::json& changed) {
+    write(dir / "meta.json", changed.dump());
+    return error_of([&] { load_corpus_info(dir.path().string()); });
+  };
+  EXPECT_EQ(error_for(meta), "");
+  nlohmann::json bad = meta;
+  bad["tokenizer"]["vocab_size"] = 1e300;
+  EXPECT_EQ(error_for(bad), dir / "meta.json" +
+                                " is not valid corpus metadata (tokenizer.vocab_size is 1e+300, not a whole number from 1 "
+                                "to 16777216); run `remat prepare` to rebuild it.");
+  bad = meta;
+  bad["tokens"]["train"]["count"] = int64_t{1} << 62;
+  EXPECT_EQ(error_for(bad), dir / "meta.json" +
+                                " is not valid corpus metadata (tokens.train.count is 4611686018427387904, not a whole "
+                                "number from 0 to 1099511627776); run `remat prepare` to rebuild it.");
+  bad = meta;
+  bad["split"]["val_blocks"] = 2.5;
+  EXPECT_NE(error_for(bad).find("(split.val_blocks is 2.5, not a whole number from 1 to 2147483647)"),
+            std::string::npos);
+  bad = meta;
+  bad["format"] = "other";
+  EXPECT_EQ(error_for(bad), dir / "meta.json" +
+                                " is not valid corpus metadata (format is not remat-corpus); run `remat prepare` to "
+                                "rebuild it.");
 }
 
 TEST(Corpus, MissingDirectorySuggestsPrepare) {
