@@ -203,7 +203,9 @@ ConfigKey ac_key(std::string name, std::optional<T> AcConfig::*field, std::strin
       dst = parse_number<double>(name, v);
     }
   };
-  k.get = [field, literal](const Config& c) -> std::string {
+  // [=], not [field, literal]: only the string instantiation reads `literal`, and clang warns
+  // of an unused capture in the others (the fuzz build).
+  k.get = [=](const Config& c) -> std::string {
     const std::optional<T>& src = c.ac.*field;
     if (!src) return "";
     if constexpr (std::is_same_v<T, std::string>) {
