@@ -9,6 +9,7 @@ packages=(
   libcli11-dev libtomlplusplus-dev nlohmann-json3-dev libfmt-dev libspdlog-dev
   libsentencepiece-dev
   libgtest-dev libgmock-dev libbenchmark-dev
+  clang libclang-rt-14-dev
   bible-kjv bible-kjv-text
   gnuplot-nox
   python3-torch

@@ -154,7 +154,8 @@ struct ConfigKey {
 /// The rows added are no token's: the data never holds them and generation never samples
 /// them, but the loss's softmax runs over them (as Megatron's does). 0 stays 0 (the
 /// tokenizer's, resolved later); a padded size is its own padding. Throws a sentence for
-/// a model.vocab_multiple outside [1, 65536].
+/// a model.vocab_multiple outside [1, 65536], and where `vocab` > 0 for a parallel.tp
+/// outside [1, 1024] or a `vocab` above 2^31.
 int64_t padded_vocab_size(const Config& c, int64_t vocab);
 
 /// Sets model.vocab_size for a tokenizer of `tokenizer_vocab` pieces: the tokenizer's,

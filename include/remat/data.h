@@ -27,7 +27,6 @@
 #include <optional>
 #include <random>
 #include <string>
-#include <string_view>
 #include <vector>
 
 namespace remat::data {
@@ -102,10 +101,6 @@ std::string read_kjv_text();
 
 /// `path`'s bytes after checking they are non-empty, valid UTF-8.
 std::string read_utf8_file(const std::string& path);
-
-/// Byte offset of the first invalid UTF-8 sequence in `text` (overlong forms, surrogates
-/// and code points above U+10FFFF are invalid), or npos.
-size_t find_invalid_utf8(std::string_view text);
 
 /// Entropy of the distribution of `ids` (each in [0, vocab_size)), in nats.
 double unigram_entropy(const std::vector<int32_t>& ids, int vocab_size);

@@ -12,6 +12,7 @@
 // each layer is exact. It allocates nothing: an 8B model at 8k tokens plans on a laptop.
 #pragma once
 
+#include "remat/budget.h"
 #include "remat/cost.h"
 #include "remat/pipeline.h"
 
@@ -160,9 +161,5 @@ class Planner {
   // their recompute and its ends.
   pipeline::StageTimes stage_times(const cost::StepShape& stage, int64_t n, double recompute) const;
 };
-
-/// Parses "12GiB", "96MiB", "1.5e9", "4096" (bytes) or "0.6" / "60%" (a fraction of
-/// `reference`). Throws std::invalid_argument with a sentence on anything else.
-int64_t parse_budget(const std::string& text, int64_t reference);
 
 }  // namespace remat

@@ -1,6 +1,8 @@
 #include "remat/config.h"
-#include "remat/planner.h"
+
+#include "remat/budget.h"
 #include "remat/policy.h"
+#include "util/utf8.h"
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -61,6 +63,21 @@ LossHead parse_loss_head(const std::string& key, const std::string& v) {
   fail(fmt::format("{} must be fused (the logits' gradient computed in the forward: one product fewer) or "
                    "recompute (the logits recomputed in the backward: vocab x d_model fewer bytes kept), got '{}'.",
                    key, v));
+}
+
+// `text` quoted as a JSON string, its control characters escaped and any byte that is not
+// UTF-8 shown as U+FFFD (a plain dump() throws on those), for a message about that text.
+std::string printable(const std::string& text) {
+  return nlohmann::json(text).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+}
+
+// Token ids are int32 wherever they are held (the encoder's output, TokenDataset).
+constexpr int64_t kMaxVocab = int64_t{1} << 31;
+
+void check_tp(const Config& c) {
+  if (c.parallel.tp < 1 || c.parallel.tp > 1024) {
+    fail(fmt::format("parallel.tp must be from 1 to 1024 tensor-parallel ranks, got {}.", c.parallel.tp));
+  }
 }
 
 // A TOML basic string: quotes, backslashes and control characters escaped.
@@ -186,7 +203,9 @@ ConfigKey ac_key(std::string name, std::optional<T> AcConfig::*field, std::strin
       dst = parse_number<double>(name, v);
     }
   };
-  k.get = [field, literal](const Config& c) -> std::string {
+  // [=], not [field, literal]: only the string instantiation reads `literal`, and clang warns
+  // of an unused capture in the others (the fuzz build).
+  k.get = [=](const Config& c) -> std::string {
     const std::optional<T>& src = c.ac.*field;
     if (!src) return "";
     if constexpr (std::is_same_v<T, std::string>) {
@@ -409,6 +428,14 @@ Config load_config(const std::string& toml_path, const std::vector<std::string>&
     if (eq == std::string::npos || eq == 0) {
       fail(fmt::format("Override '{}' is not of the form key=value (e.g. train.lr=1e-3).", o));
     }
+    // A TOML file is UTF-8 by its grammar (toml++ refuses other bytes); an override is not,
+    // and its value would land in the run's config.toml, which could not be read back.
+    const size_t bad = util::find_invalid_utf8(o);
+    if (bad != std::string::npos) {
+      fail(fmt::format("Override {} is not UTF-8 text (byte {:#04x} at offset {}); config values are UTF-8, as in a "
+                       "TOML file, since a run records them in its config.toml: write it in UTF-8.",
+                       printable(o), static_cast<unsigned char>(o[bad]), bad));
+    }
     settings.emplace_back(o.substr(0, eq), o.substr(eq + 1));
     origins.emplace_back(" (command-line override)");
   }
@@ -440,7 +467,16 @@ int64_t padded_vocab_size(const Config& c, int64_t vocab) {
                      "Megatron-LM's make_vocab_size_divisible_by).", multiple));
   }
   if (vocab <= 0) return vocab;
-  const int64_t step = multiple * std::max<int64_t>(c.parallel.tp, 1);
+  // load_config pads before validate_config looks at the rest, so the factors are bounded
+  // here: the rounding below stays far inside int64 (a vocabulary near 2^63, or a parallel.tp
+  // near 2^62, had overflowed it).
+  check_tp(c);
+  if (vocab > kMaxVocab) {
+    fail(fmt::format("model.vocab_size = {} is more than 2^31 tokens; token ids are 32-bit integers (the largest "
+                     "real vocabularies hold a few hundred thousand): give the tokenizer's size, or 0 to take it.",
+                     vocab));
+  }
+  const int64_t step = multiple * c.parallel.tp;
   return (vocab + step - 1) / step * step;
 }
 
@@ -459,7 +495,7 @@ void check_path(const std::string& what, const std::string& path) {
       fail(fmt::format("{} = {} holds a control character (byte {:#04x} at offset {}); paths must be printable "
                        "(they are written into plot scripts, logs and tables): remove it, it is usually a stray "
                        "line break in a config file or a shell variable.",
-                       what, nlohmann::json(path).dump(), byte, i));
+                       what, printable(path), byte, i));
     }
   }
 }
@@ -585,9 +621,7 @@ void validate_config(const Config& c) {
                      "make train.batch a multiple of {} (it counts the sequences of all ranks together).", t.batch,
                      c.parallel.dp, c.parallel.dp));
   }
-  if (c.parallel.tp < 1 || c.parallel.tp > 1024) {
-    fail(fmt::format("parallel.tp must be from 1 to 1024 tensor-parallel ranks, got {}.", c.parallel.tp));
-  }
+  check_tp(c);
   // Each rank holds an equal share of the heads and the MLP's features; the vocabulary is
   // padded instead (Megatron's padding), since real vocabularies (GPT-2's 50257) are odd.
   for (const auto& [name, size] : {std::pair<const char*, int64_t>{"model.n_head", m.n_head},

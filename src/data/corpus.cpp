@@ -5,12 +5,14 @@
 
 #include <algorithm>
 #include <chrono>
+#include <climits>
 #include <cmath>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
@@ -20,6 +22,7 @@
 #include "remat/tokenizer.h"
 #include "util/atomic_file.h"
 #include "util/sha256.h"
+#include "util/utf8.h"
 
 namespace remat::data {
 
@@ -228,29 +231,44 @@ json to_json(const CorpusInfo& info) {
   };
 }
 
+[[noreturn]] void bad_meta(const std::string& dir, const std::string& reason) {
+  throw std::runtime_error(dir + "/meta.json is not valid corpus metadata (" + reason + ")");
+}
+
+// The whole number `v` (called `name`) in [lo, hi]. json's get<int>() converts a fraction,
+// or a number out of the type's range (1e300), with undefined behaviour, and a count near
+// 2^63 overflowed the size checks; prepare writes nothing near these bounds.
+int64_t whole(const json& v, const char* name, int64_t lo, int64_t hi, const std::string& dir) {
+  const bool fits = v.is_number_unsigned() ? v.get<uint64_t>() <= static_cast<uint64_t>(hi)
+                    : v.is_number_integer() ? v.get<int64_t>() >= lo && v.get<int64_t>() <= hi
+                                            : false;
+  if (!fits) bad_meta(dir, fmt::format("{} is {}, not a whole number from {} to {}", name, v.dump(), lo, hi));
+  return v.get<int64_t>();
+}
+
 CorpusInfo from_json(const json& j, const std::string& dir) {
-  if (j.at("format").get<std::string>() != "remat-corpus") {
-    throw std::runtime_error("format is not remat-corpus");
-  }
+  if (j.at("format").get<std::string>() != "remat-corpus") bad_meta(dir, "format is not remat-corpus");
+  constexpr int64_t kMaxCount = int64_t{1} << 40;  // bytes or tokens: far beyond any text prepared
+  constexpr int64_t kInt64Min = std::numeric_limits<int64_t>::min(), kInt64Max = std::numeric_limits<int64_t>::max();
   CorpusInfo info;
   info.dir = dir;
   info.source = j.at("source").get<std::string>();
   info.text_sha256 = j.at("text").at("sha256").get<std::string>();
-  info.text_bytes = j.at("text").at("bytes").get<int64_t>();
+  info.text_bytes = whole(j.at("text").at("bytes"), "text.bytes", 0, kMaxCount, dir);
   const json& tok = j.at("tokenizer");
   info.tokenizer_sha256 = tok.at("sha256").get<std::string>();
-  info.vocab_size = tok.at("vocab_size").get<int>();
-  info.max_training_bytes = tok.at("max_training_bytes").get<int64_t>();
-  info.seed = tok.at("seed").get<uint32_t>();
+  info.vocab_size = static_cast<int>(whole(tok.at("vocab_size"), "tokenizer.vocab_size", 1, 1 << 24, dir));
+  info.max_training_bytes = whole(tok.at("max_training_bytes"), "tokenizer.max_training_bytes", kInt64Min, kInt64Max, dir);
+  info.seed = static_cast<uint32_t>(whole(tok.at("seed"), "tokenizer.seed", 0, UINT32_MAX, dir));
   info.val_fraction = j.at("split").at("val_fraction").get<double>();
-  info.val_blocks = j.at("split").at("val_blocks").get<int>();
+  info.val_blocks = static_cast<int>(whole(j.at("split").at("val_blocks"), "split.val_blocks", 1, INT_MAX, dir));
   const json& tokens = j.at("tokens");
   const auto dtype = tokens.at("dtype").get<std::string>();
-  if (dtype != "uint16" && dtype != "uint32") throw std::runtime_error("unknown dtype " + dtype);
+  if (dtype != "uint16" && dtype != "uint32") bad_meta(dir, "unknown dtype " + dtype);
   info.token_bytes = dtype == "uint16" ? 2 : 4;
-  info.train_tokens = tokens.at("train").at("count").get<int64_t>();
+  info.train_tokens = whole(tokens.at("train").at("count"), "tokens.train.count", 0, kMaxCount, dir);
   info.train_sha256 = tokens.at("train").at("sha256").get<std::string>();
-  info.val_tokens = tokens.at("val").at("count").get<int64_t>();
+  info.val_tokens = whole(tokens.at("val").at("count"), "tokens.val.count", 0, kMaxCount, dir);
   info.val_sha256 = tokens.at("val").at("sha256").get<std::string>();
   info.train_unigram_entropy = j.at("train_unigram_entropy_nats").get<double>();
   info.prepare_seconds = j.value("prepare_seconds", 0.0);
@@ -264,14 +282,14 @@ CorpusInfo read_meta(const std::string& dir) {
   json j;
   try {
     j = json::parse(text);
-    if (j.at("recipe").get<int>() != kRecipe) {
+    if (whole(j.at("recipe"), "recipe", INT_MIN, INT_MAX, dir) != kRecipe) {
       throw std::runtime_error(path + " was written by another version of remat (recipe " +
                                j.at("recipe").dump() + ", this one makes " +
                                std::to_string(kRecipe) + ")");
     }
     return from_json(j, dir);
   } catch (const json::exception& e) {
-    throw std::runtime_error(path + " is not valid corpus metadata (" + e.what() + ")");
+    bad_meta(dir, e.what());
   }
 }
 
@@ -356,42 +374,6 @@ std::string with_commas(int64_t n) {
 
 }  // namespace
 
-size_t find_invalid_utf8(std::string_view text) {
-  const auto* s = reinterpret_cast<const unsigned char*>(text.data());
-  const size_t n = text.size();
-  size_t i = 0;
-  while (i < n) {
-    const unsigned char c = s[i];
-    if (c < 0x80) {
-      ++i;
-      continue;
-    }
-    // Lead byte -> sequence length and the allowed range of the second byte (which is
-    // what excludes overlong forms, surrogates and code points above U+10FFFF).
-    size_t length = 0;
-    unsigned char lo = 0x80, hi = 0xBF;
-    if (c >= 0xC2 && c <= 0xDF) {
-      length = 2;
-    } else if (c >= 0xE0 && c <= 0xEF) {
-      length = 3;
-      if (c == 0xE0) lo = 0xA0;
-      if (c == 0xED) hi = 0x9F;
-    } else if (c >= 0xF0 && c <= 0xF4) {
-      length = 4;
-      if (c == 0xF0) lo = 0x90;
-      if (c == 0xF4) hi = 0x8F;
-    } else {
-      return i;
-    }
-    if (i + length > n || s[i + 1] < lo || s[i + 1] > hi) return i;
-    for (size_t k = 2; k < length; ++k) {
-      if ((s[i + k] & 0xC0) != 0x80) return i;
-    }
-    i += length;
-  }
-  return std::string_view::npos;
-}
-
 // Limits on a text file: far above any corpus a model here trains on.
 constexpr size_t kMaxTextBytes = size_t{1} << 30;
 constexpr size_t kMaxLineBytes = size_t{1} << 20;
@@ -440,7 +422,7 @@ std::string read_utf8_file(const std::string& path) {
     line_start = end + 1;
     ++line;
   }
-  const size_t bad = find_invalid_utf8(text);
+  const size_t bad = util::find_invalid_utf8(text);
   if (bad != std::string::npos) {
     char byte[8];
     std::snprintf(byte, sizeof(byte), "0x%02X", static_cast<unsigned char>(text[bad]));

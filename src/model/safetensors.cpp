@@ -173,6 +173,11 @@ SafeTensorsHeader read_header(std::FILE* file, const std::string& path, int64_t 
     header = json::parse(text);
   } catch (const json::parse_error& e) {
     invalid(path, std::string("the header is not valid JSON (") + e.what() + ")");
+  } catch (const json::out_of_range& e) {
+    // Valid JSON, but a number past a double's range (2e400) is refused by the parser with
+    // an error of its own, which named neither the file nor the problem.
+    invalid(path, std::string("the header holds a number too large to read (") + e.what() +
+                      "); shapes and data_offsets are whole numbers no larger than the file");
   }
   if (!header.is_object()) invalid(path, "the header is not a JSON object");
 

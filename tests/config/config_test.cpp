@@ -78,6 +78,22 @@ TEST(Config, BadValuesAndShapesAreRefusedWithSentences) {
   std::remove(path.c_str());
 }
 
+// Found by fuzz/config.cpp: an override is the one way bytes that are not UTF-8 reach a
+// config (toml++ refuses them in a file); the run's config.toml then held them and could
+// not be loaded back.
+TEST(Config, OverridesMustBeUtf8) {
+  EXPECT_EQ(error_of([] { load_config("", {"run.trace=b\x93ock"}); }),
+            "Override \"run.trace=b\xEF\xBF\xBDock\" is not UTF-8 text (byte 0x93 at offset 11); config values are "
+            "UTF-8, as in a TOML file, since a run records them in its config.toml: write it in UTF-8.");
+  EXPECT_EQ(load_config("", {"run.prompt=Grüße"}).run.prompt, "Grüße");
+  // A path option given on the command line (--plot) is checked alone, and its message
+  // must not fail on such bytes either (the JSON quoting threw instead of the sentence).
+  EXPECT_EQ(error_of([] { check_path("--plot", "a\x01\x93.png"); }),
+            "--plot = \"a\\u0001\xEF\xBF\xBD.png\" holds a control character (byte 0x01 at offset 1); paths must be "
+            "printable (they are written into plot scripts, logs and tables): remove it, it is usually a stray line "
+            "break in a config file or a shell variable.");
+}
+
 TEST(Config, SequenceParallelismIsRefusedWhereItCannotRun) {
   EXPECT_EQ(error_of([] { load_config("", {"parallel.sp=true"}); }),
             "parallel.sp = true shares each sequence's positions over the tensor-parallel ranks, but parallel.tp = 1 "
@@ -235,6 +251,17 @@ TEST(Config, VocabularyPaddingIsRefusedWithSentences) {
   EXPECT_EQ(error_of([&] { resolve_vocab_size(c, 5000); }),
             "model.vocab_size (4096) is smaller than the tokenizer's vocabulary (5000); use model.vocab_size=0 to "
             "take the tokenizer's.");
+  // Padding a vocabulary near 2^63, or over a parallel.tp near 2^62 (load_config pads before
+  // it validates), overflowed int64: seen reading the code, shown by fuzz/config.cpp's
+  // UndefinedBehaviorSanitizer on these inputs (now in its seed corpus).
+  EXPECT_EQ(error_of([] { load_config("", {"model.vocab_size=9223372036854775807", "model.vocab_multiple=2"}); }),
+            "model.vocab_size = 9223372036854775807 is more than 2^31 tokens; token ids are 32-bit integers (the "
+            "largest real vocabularies hold a few hundred thousand): give the tokenizer's size, or 0 to take it.");
+  EXPECT_EQ(error_of([] {
+              load_config("", {"parallel.tp=4611686018427387904", "model.vocab_size=5", "model.vocab_multiple=4"});
+            }),
+            "parallel.tp must be from 1 to 1024 tensor-parallel ranks, got 4611686018427387904.");
+  EXPECT_EQ(load_config("", {"model.vocab_size=2147483648"}).model.vocab_size, int64_t{1} << 31);
   // The heads and features are not padded: a tp that does not divide them is refused.
   EXPECT_EQ(error_of([] { load_config("", {"parallel.tp=3"}); }),
             "parallel.tp = 3 gives each tensor-parallel rank an equal share of model.n_head = 4, but 4 is not a "

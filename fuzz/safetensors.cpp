@@ -1,0 +1,30 @@
+// Feeds the safetensors reader (load_safetensors, which validates the header with
+// read_safetensors_header's checks first, then reads every tensor): the input is the file.
+// A finding: anything but a std::runtime_error sentence out of it: a crash, a sanitizer
+// report, a hang, runaway memory, or a c10::Error (LibTorch refusing what the header checks
+// let through).
+#include <c10/util/Exception.h>
+
+#include <cstdint>
+#include <exception>
+#include <string>
+
+#include "harness.h"
+#include "remat/safetensors.h"
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  const remat::fuzz::TempFile file(remat::fuzz::temp_path("safetensors"), data, size);
+  try {
+    const remat::model::SafeTensors loaded = remat::model::load_safetensors(file.path());
+    for (const auto& [name, tensor] : loaded.tensors) {
+      if (!tensor.is_contiguous() || loaded.find(name) == nullptr) {
+        remat::fuzz::finding("tensor '" + name + "' is loaded but not contiguous or not found by name");
+      }
+    }
+  } catch (const c10::Error& e) {
+    remat::fuzz::finding(std::string("LibTorch refused a file the header checks passed: ") + e.what_without_backtrace());
+  } catch (const std::runtime_error&) {
+    return 0;
+  }
+  return 0;
+}
