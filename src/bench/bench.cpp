@@ -91,7 +91,8 @@ BenchRow run_entry(const BenchEntry& entry, const PreparedEntry& p, const BenchO
   const auto seed = static_cast<uint64_t>(cfg.run.seed);
   auto model = create_model(cfg, device, dtype, ranks, p.planned.split);
   apply_plan(*model, p.planned.plan, cfg.ac);
-  TrainStep stepper(*model, p.local.train, seed, ranks, cfg.parallel.zero, cfg.parallel.schedule);
+  TrainStep stepper(*model, p.local.train, seed, ranks, cfg.parallel.zero, cfg.parallel.schedule,
+                    cfg.parallel.overlap_grad_reduce);
   std::mt19937_64 rng(seed);  // the same batches for every entry
 
   BenchRow row;

@@ -283,6 +283,8 @@ std::vector<ConfigKey> make_keys() {
       key("parallel.zero", &C::parallel, &ParallelConfig::zero, "1: shard AdamW's moments over data-parallel ranks"),
       key("parallel.pp", &C::parallel, &ParallelConfig::pp, "pipeline stages the layers split into (sets ac.stages)"),
       key("parallel.schedule", &C::parallel, &ParallelConfig::schedule, "pipeline schedule: 1f1b or gpipe"),
+      key("parallel.overlap_grad_reduce", &C::parallel, &ParallelConfig::overlap_grad_reduce,
+          "all-reduce gradients during the backward"),
       ac_key("ac.policy", &AcConfig::policy, "recompute policy (README: Recompute policies); unset: none"),
       key("ac.budget", &C::ac, &AcConfig::budget, "memory budget: the planner picks the plan (12GiB, 0.6)"),
       key("ac.profile", &C::ac, &AcConfig::profile, "measure node times to predict step time (cached)"),

@@ -211,7 +211,7 @@ void apply_plan(Model& model, const ActivationPlan& plan, const AcConfig& ac) {
 }
 
 TrainStep::TrainStep(Model& model, const TrainConfig& train, uint64_t seed, dist::Comm* ranks, int64_t zero,
-                     pipeline::Schedule schedule)
+                     pipeline::Schedule schedule, bool overlap)
     : model_(model),
       train_(train),
       seed_(seed),
@@ -220,6 +220,7 @@ TrainStep::TrainStep(Model& model, const TrainConfig& train, uint64_t seed, dist
       sharded_(zero == 1 && ranks != nullptr && ranks->data().size() > 1),
       pipe_(ranks != nullptr && ranks->pipeline().size() > 1 ? &ranks->pipeline() : nullptr),
       schedule_(schedule),
+      overlap_(overlap),
       optimizer_(adamw_groups(model, train, owned_), torch::optim::AdamWOptions(train.lr)) {
   TORCH_CHECK(zero == 0 || zero == 1, "[TrainStep] zero must be 0 or 1 (parallel.zero), got ", zero);
   const NormSlots slots = norm_slots(model, pipe_);
@@ -263,13 +264,13 @@ StepResult TrainStep::run(int64_t step, const data::TokenDataset& data, std::mt1
     }
     sum_tied_grads(model_, *pipe_, step);
   }
-  // The data-parallel sum overlaps the last microbatch's backward where nothing else must
-  // come first: partial gradients (sequence parallelism) are summed over the tensor-parallel
-  // group before, and a pipeline's backwards interleave with its transfers.
+  // The data-parallel sum overlaps the last microbatch's backward (when asked) where
+  // nothing else must come first: partial gradients (sequence parallelism) are summed over
+  // the tensor-parallel group before, and a pipeline's backwards interleave with its transfers.
   std::optional<GradientReduction> reduction;
   const std::string reduce_what = fmt::format("the gradient all-reduce of step {}", step + 1);
   const bool partial = std::any_of(model_.params().begin(), model_.params().end(), [](const Param& p) { return p.partial; });
-  const bool overlap = ranks_ != nullptr && ranks_->data().size() > 1 && pipe_ == nullptr && !partial;
+  const bool overlap = overlap_ && ranks_ != nullptr && ranks_->data().size() > 1 && pipe_ == nullptr && !partial;
   if (pipe_ == nullptr) {
     for (int64_t m = 0; m < t.grad_accum; ++m) {
       const MicrobatchData d = draw(m);

@@ -61,8 +61,12 @@ class TrainStep {
   /// microbatches run through the stages in `schedule`'s order (run_pipeline), the tied
   /// embedding's gradient is summed between its two stages and the gradient norm over
   /// every stage; each stage updates its own parameters.
+  ///
+  /// `overlap`: the data-parallel all-reduce runs during the last microbatch's backward
+  /// (GradientReduction) where it can: not under sequence parallelism, whose partial
+  /// gradients are summed over the tensor-parallel group first, nor through pipeline stages.
   TrainStep(Model& model, const TrainConfig& train, uint64_t seed, dist::Comm* ranks = nullptr, int64_t zero = 0,
-            pipeline::Schedule schedule = pipeline::Schedule::one_f_one_b);
+            pipeline::Schedule schedule = pipeline::Schedule::one_f_one_b, bool overlap = false);
 
   /// Runs 0-based `step` at learning_rate(train, step): zero_grad, train.grad_accum
   /// microbatches drawn from `data` with `rng` through forward_backward, the gradients
@@ -110,6 +114,7 @@ class TrainStep {
   /// The pipeline group when the model is one of several stages, else null.
   dist::Group* pipe_;
   pipeline::Schedule schedule_;
+  bool overlap_;
   /// Where this stage's gradients stand in the whole model's order, for the gradient norm:
   /// the index of its first, and the model's count.
   int64_t norm_first_ = 0, norm_count_ = 0;

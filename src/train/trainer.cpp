@@ -272,7 +272,7 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   apply_plan(*model, plan, cfg.ac);
   const ActivationBytes predicted = model->predict_activation_bytes(local.train.batch, t.seq);
   TrainStep stepper(*model, local.train, static_cast<uint64_t>(cfg.run.seed), ranks.get(), cfg.parallel.zero,
-                    cfg.parallel.schedule);
+                    cfg.parallel.schedule, cfg.parallel.overlap_grad_reduce);
   // Each rank's predicted peak: its stage's (rank = stage x dp x tp + ...).
   const std::vector<int64_t> rank_predicted = rank_predictions(planned.stage_peaks, world, dp * tp);
 

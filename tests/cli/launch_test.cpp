@@ -270,6 +270,18 @@ TEST_F(LaunchedTraining, LaunchAndTorchrunTrainAlikeAndOneProcessAgrees) {
   EXPECT_EQ(summary["ranks"], 2);
   EXPECT_EQ(summary["rank_peak_bytes"].size(), 2u);
 
+  // The all-reduce overlapped with the backward sums the same buckets: the same losses.
+  const Result overlapped =
+      run_remat("launch --nproc 2 train " + common_ + steps + "run.name=overlap parallel.overlap_grad_reduce=true");
+  ASSERT_EQ(overlapped.exit_code, 0) << overlapped.output;
+  const auto with_overlap = train_lines("overlap");
+  ASSERT_EQ(with_overlap.size(), lines.size());
+  for (size_t i = 0; i < lines.size(); ++i) {
+    EXPECT_EQ(with_overlap[i]["loss"], lines[i]["loss"]) << "step " << i + 1;
+    EXPECT_EQ(with_overlap[i]["reduce_buckets"], lines[i]["reduce_buckets"]) << "step " << i + 1;
+    EXPECT_GE(with_overlap[i]["reduce_buckets"].get<int64_t>(), 1);
+  }
+
   if (!fs::exists("/usr/bin/torchrun")) GTEST_SKIP() << "no /usr/bin/torchrun (Debian's python3-torch)";
   const Result torchrun = remat::testing::run_shell(
       "/usr/bin/torchrun --no_python -r 1 -t 1 --nproc_per_node 2 --master_port " + std::to_string(free_port()) + " " +
