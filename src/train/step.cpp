@@ -137,10 +137,6 @@ constexpr const char* kCheckpointFormat = "remat training checkpoint 1";
 // The optimizer's key for a parameter's state (LibTorch's own convention).
 std::string state_key(const at::Tensor& param) { return c10::guts::to_string(param.unsafeGetTensorImpl()); }
 
-}  // namespace
-
-namespace {
-
 // The index of the first parameter of `model` whose values (with `grads`: gradients) hold
 // a NaN or an infinity; -1 when none does. One pass, one host read.
 int64_t first_non_finite_index(const Model& model, bool grads) {
