@@ -17,6 +17,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 
 namespace remat {
 namespace {
@@ -47,34 +48,65 @@ std::string profile_key(const Config& cfg, const Model& model, int at_once) {
   return key + ".json";
 }
 
+// Fills `p`'s times from a profile's JSON `text` when it is whole and sane; else says why.
+bool parse_profile(const std::string& text, TimeProfile& p, std::string& why) {
+  const nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  why = "it is not a JSON object";
+  if (!j.is_object()) return false;
+  try {
+    const auto seconds = j.at("node_seconds").get<std::map<std::string, double>>();
+    const double flops = j.at("flops_per_second").get<double>();
+    const double base = j.at("base_seconds").get<double>(), optimizer = j.at("optimizer_seconds").get<double>();
+    const auto time = [](double s) { return std::isfinite(s) && s >= 0; };
+    const bool times_ok = std::all_of(seconds.begin(), seconds.end(), [&](const auto& e) { return time(e.second); });
+    if (times_ok && time(base) && time(optimizer) && std::isfinite(flops) && flops > 0) {
+      p.times.seconds = seconds;
+      p.times.flops_per_second = flops;
+      p.base_seconds = base;
+      p.optimizer_seconds = optimizer;
+      return true;
+    }
+    why = "a time in it is negative or not finite";
+  } catch (const nlohmann::json::exception& e) {
+    why = e.what();
+  }
+  return false;
+}
+
+std::string profile_json(const TimeProfile& p) {
+  return nlohmann::json{{"node_seconds", p.times.seconds},
+                        {"flops_per_second", p.times.flops_per_second},
+                        {"base_seconds", p.base_seconds},
+                        {"optimizer_seconds", p.optimizer_seconds}}
+             .dump(2) +
+         "\n";
+}
+
 // Fills `p` from the cache file at `path` when it is whole and sane. A damaged one (a
 // killed write, a hand edit) is said on stderr and measured again, rather than failing
 // every later run with a bare JSON error.
 bool read_cached(const std::string& path, TimeProfile& p) {
   std::ifstream in(path);
-  const nlohmann::json j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
-  std::string why = "it is not a JSON object";
-  if (j.is_object()) {
-    try {
-      const auto seconds = j.at("node_seconds").get<std::map<std::string, double>>();
-      const double flops = j.at("flops_per_second").get<double>();
-      const double base = j.at("base_seconds").get<double>(), optimizer = j.at("optimizer_seconds").get<double>();
-      const auto time = [](double s) { return std::isfinite(s) && s >= 0; };
-      const bool times_ok = std::all_of(seconds.begin(), seconds.end(), [&](const auto& e) { return time(e.second); });
-      if (times_ok && time(base) && time(optimizer) && std::isfinite(flops) && flops > 0) {
-        p.times.seconds = seconds;
-        p.times.flops_per_second = flops;
-        p.base_seconds = base;
-        p.optimizer_seconds = optimizer;
-        return true;
-      }
-      why = "a time in it is negative or not finite";
-    } catch (const nlohmann::json::exception& e) {
-      why = e.what();
-    }
-  }
+  std::string why;
+  if (parse_profile(std::string(std::istreambuf_iterator<char>(in), {}), p, why)) return true;
   fmt::print(stderr, "The cached time profile {} is damaged ({}); measuring it again.\n", path, why);
   return false;
+}
+
+// Every rank of `ranks` takes rank 0's times: each plans from them, and ranks that plan
+// from their own measurements (or their own hosts' caches) may choose other plans, which
+// the stages' split, the tensor-parallel collectives and the predictions all need alike.
+void take_rank0s(dist::Comm* ranks, TimeProfile& p) {
+  if (ranks == nullptr || ranks->size() == 1) return;
+  const std::string key = "time-profile/" + fs::path(p.path).filename().string();
+  if (ranks->rank() == 0) {
+    ranks->post(key, profile_json(p));
+    return;
+  }
+  std::string why;
+  if (!parse_profile(ranks->await(key, "sharing rank 0's time profile"), p, why)) {
+    throw std::runtime_error("The time profile rank 0 shared could not be read (" + why + ").");
+  }
 }
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
@@ -104,7 +136,10 @@ TimeProfile measure_time_profile(const Config& cfg, Model& model, const data::To
       p.cached = p.cached && found[0] == 1;
     }
   }
-  if (p.cached) return p;
+  if (p.cached) {
+    take_rank0s(together, p);
+    return p;
+  }
 
   const at::Device device = model.device();
   const TrainConfig& t = cfg.train;
@@ -178,15 +213,12 @@ TimeProfile measure_time_profile(const Config& cfg, Model& model, const data::To
     p.optimizer_seconds = seconds_since(t0);  // the second: state already allocated
   }
 
-  if (together != nullptr && together->rank() != 0) return p;
-  std::error_code ec;
-  fs::create_directories(dir, ec);
-  util::write_file_atomically(p.path, nlohmann::json{{"node_seconds", p.times.seconds},
-                                                     {"flops_per_second", p.times.flops_per_second},
-                                                     {"base_seconds", p.base_seconds},
-                                                     {"optimizer_seconds", p.optimizer_seconds}}
-                                              .dump(2) +
-                                          "\n");
+  if (together == nullptr || together->rank() == 0) {
+    std::error_code ec;
+    fs::create_directories(dir, ec);
+    util::write_file_atomically(p.path, profile_json(p));
+  }
+  take_rank0s(together, p);
   return p;
 }
 
@@ -195,6 +227,7 @@ TimeProfile rank_time_profile(const Config& cfg, Model& model, const data::Token
   if (cfg.parallel.tp > 1) return measure_time_profile(cfg, model, data, ranks);
   TimeProfile profile;
   rank0_first(ranks, "measuring the time profile", [&] { profile = measure_time_profile(cfg, model, data); });
+  take_rank0s(ranks, profile);
   return profile;
 }
 

@@ -36,15 +36,17 @@ struct TimeProfile {
 /// gradient all-reduce). The model's weights are untouched; its gradients are zeroed and its
 /// activation plan must be set again afterwards.
 ///
-/// With `together` (tensor parallelism: the passes run the group's collectives), every
-/// rank calls this at once: all read the cache before any writes, measure unless every one
-/// found it, and rank 0 alone writes it.
+/// With `together` (tensor parallelism, whose passes run the group's collectives, or
+/// pipeline stages sharing a host), every rank calls this at once: all read the cache
+/// before any writes, measure unless every one found it, and rank 0 alone writes it; then
+/// every rank takes rank 0's times, so that all of them plan alike.
 TimeProfile measure_time_profile(const Config& cfg, Model& model, const data::TokenDataset& data,
                                  dist::Comm* together = nullptr);
 
 /// measure_time_profile for this rank of the job `ranks` (null: alone), `cfg` its
 /// rank_share: under tensor parallelism every rank measures at once on its `model`;
-/// otherwise rank 0 measures first and the others then read its cache (rank0_first).
+/// otherwise rank 0 measures first while the others wait (rank0_first). Every rank
+/// returns rank 0's times.
 TimeProfile rank_time_profile(const Config& cfg, Model& model, const data::TokenDataset& data, dist::Comm* ranks);
 
 /// The time profile pipeline stages (parallel.pp > 1) plan with: a stage is not a whole

@@ -4,6 +4,7 @@
 #include "remat/cost.h"
 #include "remat/model.h"
 #include "train/profile.h"
+#include "util/gloo_ranks.h"
 
 #include <ATen/Parallel.h>
 #include <gtest/gtest.h>
@@ -74,6 +75,36 @@ TEST(TimeProfile, TimesEveryNodeAFullRecomputeRunsAndIsCached) {
     change(other);
     auto other_model = Model::create(other.model, at::kCPU, at::kFloat, 1);
     EXPECT_FALSE(measure_time_profile(other, *other_model, data).cached);
+  }
+}
+
+// Ranks that measure at once (pipeline stages sharing a host, tensor-parallel groups) each
+// time their own passes, which differ, but all return rank 0's times, so that all plan alike
+// (ranks planning from their own times had run other plans than rank 0 predicted for them,
+// and their stages could have split the layers differently). So do ranks that wait for rank
+// 0's measurement, and every rank finding the cache.
+TEST(TimeProfile, EveryRankTakesRankZerosTimes) {
+  testing::TempDir dir;
+  const Config cfg = tiny(dir, 2, 16);
+  const data::TokenDataset data(at::randint(64, {400}, at::detail::createCPUGenerator(1), at::kInt));
+  for (const bool together : {true, false}) {
+    for (const bool cached : {false, true}) {
+      std::vector<TimeProfile> got(3);
+      testing::on_gloo_ranks(3, 1, [&](dist::Comm& comm) {
+        auto model = Model::create(cfg.model, at::kCPU, at::kFloat, 1);
+        got[static_cast<size_t>(comm.rank())] =
+            together ? measure_time_profile(cfg, *model, data, &comm) : rank_time_profile(cfg, *model, data, &comm);
+      });
+      EXPECT_EQ(got[0].cached, cached);  // the second round finds the first's cache
+      for (int r = 1; r < 3; ++r) {
+        const TimeProfile& p = got[static_cast<size_t>(r)];
+        EXPECT_EQ(p.times.seconds, got[0].times.seconds) << "rank " << r << (together ? ", together" : ", after rank 0");
+        EXPECT_EQ(p.base_seconds, got[0].base_seconds) << "rank " << r;
+        EXPECT_EQ(p.optimizer_seconds, got[0].optimizer_seconds) << "rank " << r;
+        EXPECT_EQ(p.times.flops_per_second, got[0].times.flops_per_second) << "rank " << r;
+      }
+    }
+    std::filesystem::remove_all(dir.path() / ".profiles");
   }
 }
 
