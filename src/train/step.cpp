@@ -159,7 +159,9 @@ std::string first_non_finite(const Model& model, bool grads) {
 
 std::string TrainStep::first_non_finite_of_job(bool grads, int64_t step, const char* when) const {
   const int64_t own = first_non_finite_index(model_, grads);
-  if (ranks_ == nullptr || ranks_->size() == 1) return own < 0 ? "" : model_.params()[static_cast<size_t>(own)].name;
+  // Data-parallel replicas hold the same values and gradients, so a rank's own finding is
+  // every rank's; only stages and tensor-parallel parts differ and must be gathered.
+  if (pipe_ == nullptr && model_.tp_size() == 1) return own < 0 ? "" : model_.params()[static_cast<size_t>(own)].name;
   // The first in the whole model's order: the earliest stage's first, the lowest rank's
   // among equals (tensor-parallel ranks hold parts of the same parameters).
   const int64_t stage = pipe_ != nullptr ? pipe_->rank() : 0;
@@ -216,7 +218,11 @@ TrainStep::TrainStep(Model& model, const TrainConfig& train, uint64_t seed, dist
       sharded_(zero == 1 && ranks != nullptr && ranks->data().size() > 1),
       pipe_(ranks != nullptr && ranks->pipeline().size() > 1 ? &ranks->pipeline() : nullptr),
       schedule_(schedule),
-      overlap_(overlap),
+      // Where nothing else must come first: partial gradients (sequence parallelism) are
+      // summed over the tensor-parallel group before, and a pipeline's backwards interleave
+      // with its transfers.
+      overlap_(overlap && ranks != nullptr && ranks->data().size() > 1 && ranks->pipeline().size() == 1 &&
+               std::none_of(model.params().begin(), model.params().end(), [](const Param& p) { return p.partial; })),
       optimizer_(adamw_groups(model, train, owned_), torch::optim::AdamWOptions(train.lr)) {
   TORCH_CHECK(zero == 0 || zero == 1, "[TrainStep] zero must be 0 or 1 (parallel.zero), got ", zero);
   const NormSlots slots = norm_slots(model, pipe_);
@@ -260,17 +266,13 @@ StepResult TrainStep::run(int64_t step, const data::TokenDataset& data, std::mt1
     }
     sum_tied_grads(model_, *pipe_, step);
   }
-  // The data-parallel sum overlaps the last microbatch's backward (when asked) where
-  // nothing else must come first: partial gradients (sequence parallelism) are summed over
-  // the tensor-parallel group before, and a pipeline's backwards interleave with its transfers.
+  // The data-parallel sum, overlapping the last microbatch's backward where it may.
   std::optional<GradientReduction> reduction;
   const std::string reduce_what = fmt::format("the gradient all-reduce of step {}", step + 1);
-  const bool partial = std::any_of(model_.params().begin(), model_.params().end(), [](const Param& p) { return p.partial; });
-  const bool overlap = overlap_ && ranks_ != nullptr && ranks_->data().size() > 1 && pipe_ == nullptr && !partial;
   if (pipe_ == nullptr) {
     for (int64_t m = 0; m < t.grad_accum; ++m) {
       const MicrobatchData d = draw(m);
-      if (overlap && m == t.grad_accum - 1) reduction.emplace(model_, ranks_->data(), true, reduce_what);
+      if (overlap_ && m == t.grad_accum - 1) reduction.emplace(model_, ranks_->data(), true, reduce_what);
       r.loss += model_.forward_backward(d.tokens, d.targets, d.ctx, 1.0 / parts, t.ce_chunk,
                                         m == 0 ? &r.activations : nullptr) /
                 parts;

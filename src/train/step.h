@@ -114,6 +114,7 @@ class TrainStep {
   /// The pipeline group when the model is one of several stages, else null.
   dist::Group* pipe_;
   pipeline::Schedule schedule_;
+  /// The data-parallel all-reduce overlaps the last backward (asked for, and possible).
   bool overlap_;
   /// Where this stage's gradients stand in the whole model's order, for the gradient norm:
   /// the index of its first, and the model's count.
