@@ -344,9 +344,12 @@ struct Comm::State {
             work->wait(slice);
             return true;
           } catch (const std::exception&) {
-            // A slice that ran out throws too; the work is then still running.
-            if (work->isCompleted()) throw;
-            return false;
+            // A slice that ran out throws too; the work is then still running, or it may
+            // have finished since the slice ran out: a wait on a finished work returns or
+            // throws the work's own failure, never the slice's.
+            if (!work->isCompleted()) return false;
+            work->wait();
+            return true;
           }
         },
         what);
