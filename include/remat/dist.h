@@ -150,7 +150,8 @@ class Comm {
   /// every rank's heartbeat goes on (for work of unknown length on one rank, such as
   /// preparing a corpus); `what` names the wait in a failure.
   std::string await(const std::string& key, const std::string& what);
-  /// Every rank leaves together: the heartbeats stop and a barrier makes sure no rank
+  /// Every rank leaves together: each says it finished (a rank still waiting for it then
+  /// names it as finished, not lost), the heartbeats stop and a barrier makes sure no rank
   /// closes the store (rank 0 hosts it) while another still talks to it. Call at the end
   /// of a successful run; the destructor does not, since after an error no barrier can be
   /// trusted to return.

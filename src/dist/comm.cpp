@@ -36,6 +36,8 @@ const std::string kAbortKey = "abort";
 const std::string kReadAbortKey = "abort_read";
 std::string beat_key(int rank) { return "beat/" + std::to_string(rank); }
 std::string joined_key(int rank) { return "joined/" + std::to_string(rank); }
+// Set by a rank that finished its run (Comm::finish), whose heartbeat then stops.
+std::string finished_key(int rank) { return "finished/" + std::to_string(rank); }
 
 int parse_int(const char* name, const char* text, int lo, int hi) {
   char* end = nullptr;
@@ -247,9 +249,17 @@ struct Comm::State {
                            "raise parallel.timeout or check that every rank runs the same command.",
                            what, rank, error, timeout.count() / 1000.0);
       }
+      // A rank that finished the run is silent too, but not lost: the ranks took other paths.
+      std::vector<int> finished, lost;
+      for (int r : silent) (store->check({finished_key(r)}) ? finished : lost).push_back(r);
+      if (lost.empty()) {
+        return fmt::format("{} finished the run while rank {} still waited in {} ({}): the ranks took different "
+                           "paths; check that every rank runs the same command, settings and files.",
+                           rank_list(finished), rank, what, error);
+      }
       return fmt::format("{} stopped answering during {} (rank {} saw: {}); every rank stops. The output of {} "
-                         "tells why (killed, out of memory, crashed).", rank_list(silent), what, rank, error,
-                         rank_list(silent));
+                         "tells why (killed, out of memory, crashed).", rank_list(lost), what, rank, error,
+                         rank_list(lost));
     } catch (const std::exception&) {
       return fmt::format("rank 0, which hosts the rendezvous store at {}, is gone: {} failed on rank {} ({}); every "
                          "rank stops. Look at rank 0's output for its cause.", endpoint, what, rank, error);
@@ -617,6 +627,11 @@ std::string Comm::await(const std::string& key, const std::string& what) {
 void Comm::barrier(const std::string& what) { state_->wait(state_->group->barrier(), what); }
 
 void Comm::finish() {
+  try {
+    state_->store->set(finished_key(rank_), to_bytes("1"));
+  } catch (const std::exception&) {
+    // No store: the barrier below says so.
+  }
   state_->stop_heart();
   barrier("the barrier at the end of the run");
 }

@@ -89,16 +89,22 @@ int set_threads(int64_t requested) {
 }
 
 std::string blas_name() {
-  const OpenBlas& b = openblas();
-  if (!b.config) return "ATen's BLAS (not OpenBLAS)";
-  std::string config = b.config();
-  while (!config.empty() && config.back() == ' ') config.pop_back();
-  switch (b.threading()) {
-    case BlasThreading::openmp: return config + " (OpenMP: ATen's thread pool)";
-    case BlasThreading::pthreads: return config + " (pthreads: held to 1 thread)";
-    case BlasThreading::none: break;
-  }
-  return config + " (single-threaded)";
+  // Read once: OpenBLAS builds the description in one static buffer (strcpy, then strcat of
+  // the core's name) on every call, so ranks calling at once (threads of one process) could
+  // read it half-written, name different profile files and wait for each other forever.
+  static const std::string name = [] {
+    const OpenBlas& b = openblas();
+    if (!b.config) return std::string("ATen's BLAS (not OpenBLAS)");
+    std::string config = b.config();
+    while (!config.empty() && config.back() == ' ') config.pop_back();
+    switch (b.threading()) {
+      case BlasThreading::openmp: return config + " (OpenMP: ATen's thread pool)";
+      case BlasThreading::pthreads: return config + " (pthreads: held to 1 thread)";
+      case BlasThreading::none: break;
+    }
+    return config + " (single-threaded)";
+  }();
+  return name;
 }
 
 void synchronize(at::Device device) {

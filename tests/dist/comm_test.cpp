@@ -1,0 +1,36 @@
+// How a job of ranks tells a rank that stopped early from one that is lost.
+#include "util/gloo_ranks.h"
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <string>
+#include <vector>
+
+namespace remat {
+namespace {
+
+// A rank that finished the run stops beating like a lost one; a rank still waiting for it
+// must say that the ranks took different paths (different settings or files, or a bug that
+// made them disagree on a key), not send the user looking for a crash that never happened.
+// Seen: ranks naming different profile files waited for each other, blamed as lost.
+TEST(Comm, ARankStillWaitingForOneThatFinishedSaysTheRanksDiverged) {
+  const auto start = std::chrono::steady_clock::now();
+  const std::vector<std::string> errors =
+      testing::gloo_rank_errors(2, 1, 1, std::chrono::seconds(30), [&](dist::Comm& comm) {
+        if (comm.rank() == 1) comm.await("posted by nobody", "the test's wait for a key rank 0 never posts");
+      });
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(errors[static_cast<size_t>(r)].find("rank 0 finished the run while rank 1 still waited in the test's "
+                                                  "wait for a key rank 0 never posts (no heartbeat): the ranks took "
+                                                  "different paths"),
+              std::string::npos)
+        << "rank " << r << ": " << errors[static_cast<size_t>(r)];
+  }
+  // A few missed heartbeats, well before the 30 s timeout.
+  EXPECT_LT(seconds, 15.0);
+}
+
+}  // namespace
+}  // namespace remat
