@@ -6,8 +6,10 @@
 #include "train/progress.h"
 
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <numeric>
 #include <set>
 
 namespace remat {
@@ -133,8 +135,69 @@ std::string pipeline_infeasible(const Config& cfg, const Planner& planner, const
       pipe.schedule == pipeline::Schedule::gpipe ? " (gpipe holds every microbatch; 1f1b at most one per stage)" : "");
 }
 
+namespace {
+
+// Where a resumed run's plan comes from, before the plan itself.
+std::string saved_note(const SavedPlan* saved) {
+  return saved != nullptr ? "plan: the checkpoint's, as the run trained before it stopped\n" : "";
+}
+
+}  // namespace
+
+std::string saved_plan_json(const RunPlan& r) {
+  nlohmann::json layers = nlohmann::json::array();
+  for (const LayerPlan& l : r.plan.layers) {
+    layers.push_back({{"dropped", l.dropped}, {"chunk_begin", l.chunk_begin}, {"input_sharded", l.input_sharded}});
+  }
+  return nlohmann::json{{"policy", r.plan.policy}, {"split", r.split}, {"layers", layers}}.dump();
+}
+
+SavedPlan parse_saved_plan(const std::string& json, int64_t n_layers, int64_t stages) {
+  const auto damaged = [](const std::string& why) {
+    return std::invalid_argument("The checkpoint's plan (its \"plan\" metadata) " + why +
+                                 "; resume from a checkpoint this model's run wrote, or start the run again.");
+  };
+  const nlohmann::json j = nlohmann::json::parse(json, nullptr, /*allow_exceptions=*/false);
+  SavedPlan saved;
+  try {
+    if (!j.is_object()) throw damaged("is not a JSON object");
+    saved.plan.policy = j.at("policy").get<std::string>();
+    saved.split = j.at("split").get<std::vector<int64_t>>();
+    for (const nlohmann::json& l : j.at("layers")) {
+      LayerPlan layer;
+      layer.dropped = l.at("dropped").get<std::set<std::string>>();
+      layer.chunk_begin = l.at("chunk_begin").get<int64_t>();
+      layer.input_sharded = l.at("input_sharded").get<bool>();
+      saved.plan.layers.push_back(std::move(layer));
+    }
+  } catch (const nlohmann::json::exception& e) {
+    throw damaged(fmt::format("is damaged ({})", e.what()));
+  }
+  if (static_cast<int64_t>(saved.plan.layers.size()) != n_layers) {
+    throw damaged(fmt::format("has {} layers where the model has {}", saved.plan.layers.size(), n_layers));
+  }
+  const bool split_ok = static_cast<int64_t>(saved.split.size()) == stages &&
+                        std::all_of(saved.split.begin(), saved.split.end(), [](int64_t n) { return n >= 1; }) &&
+                        std::accumulate(saved.split.begin(), saved.split.end(), int64_t{0}) == n_layers;
+  if (!split_ok) {
+    throw damaged(fmt::format("splits the layers as [{}], but this run puts its {} layers on {} pipeline stage{}",
+                              fmt::join(saved.split, ","), n_layers, stages, stages == 1 ? "" : "s"));
+  }
+  const std::set<std::string> slots(block_slots().begin(), block_slots().end());
+  for (size_t l = 0; l < saved.plan.layers.size(); ++l) {
+    const LayerPlan& layer = saved.plan.layers[l];
+    for (const std::string& slot : layer.dropped) {
+      if (!slots.count(slot)) throw damaged(fmt::format("drops '{}' in layer {}, which no block has", slot, l + 1));
+    }
+    if (layer.chunk_begin < -1 || layer.chunk_begin > static_cast<int64_t>(l)) {
+      throw damaged(fmt::format("begins layer {}'s chunk at layer {}", l + 1, layer.chunk_begin + 1));
+    }
+  }
+  return saved;
+}
+
 RunPlan plan_run(const Config& cfg, at::ScalarType dtype, const TimeProfile& profile, int64_t resident,
-                 int64_t stage) {
+                 int64_t stage, const SavedPlan* saved) {
   const auto& t = cfg.train;
   const int64_t L = cfg.model.n_layer;
   cost::StepShape shape;
@@ -161,10 +224,13 @@ RunPlan plan_run(const Config& cfg, at::ScalarType dtype, const TimeProfile& pro
     fixed.split = stage_sizes(cfg.ac, L);
     const PipelinePlan none = planner.predict_pipeline(compile_policy("none", L), fixed);
     PipelinePlan planned;
-    if (cfg.ac.budget.empty()) {
+    if (!cfg.ac.budget.empty()) r.budget = parse_budget(cfg.ac.budget, none.peak());
+    if (saved != nullptr) {
+      pipe.split = saved->split;
+      planned = planner.predict_pipeline(saved->plan, pipe);
+    } else if (cfg.ac.budget.empty()) {
       planned = planner.predict_pipeline(compile_policy(cfg.ac, L, cfg.model.dropout), pipe);
     } else {
-      r.budget = parse_budget(cfg.ac.budget, none.peak());
       auto solved = planner.solve_pipeline(r.budget, pipe);
       if (!solved) throw std::invalid_argument(pipeline_infeasible(cfg, planner, pipe, r.budget, cfg.ac.budget));
       planned = std::move(*solved);
@@ -178,7 +244,7 @@ RunPlan plan_run(const Config& cfg, at::ScalarType dtype, const TimeProfile& pro
       r.step_seconds = planned.simulated_seconds + stages_optimizer_seconds(profile, planned);
       r.none_step_seconds = none.simulated_seconds + stages_optimizer_seconds(profile, none);
     }
-    r.text = explain_plan(r.plan) + pipeline_text(cfg, planned, stage, profile, r.step_seconds);
+    r.text = saved_note(saved) + explain_plan(r.plan) + pipeline_text(cfg, planned, stage, profile, r.step_seconds);
     if (profile.base_seconds > 0) r.text += fmt::format("time profile {}\n", profile.path);
     if (r.budget > 0) {
       r.text += fmt::format("budget {} (ac.budget = \"{}\") per rank: the busiest stage peaks at {}; without "
@@ -187,7 +253,11 @@ RunPlan plan_run(const Config& cfg, at::ScalarType dtype, const TimeProfile& pro
     }
     return r;
   }
-  if (cfg.ac.budget.empty()) {
+  if (saved != nullptr) {
+    r.plan = saved->plan;
+    r.predicted = planner.predict(r.plan);
+    if (!cfg.ac.budget.empty()) r.budget = parse_budget(cfg.ac.budget, planner.none_peak());
+  } else if (cfg.ac.budget.empty()) {
     r.plan = compile_policy(cfg.ac, L, cfg.model.dropout);
     r.predicted = planner.predict(r.plan);
   } else {
@@ -205,7 +275,7 @@ RunPlan plan_run(const Config& cfg, at::ScalarType dtype, const TimeProfile& pro
     r.step_seconds = profile.step_seconds(t.grad_accum, p.recompute_seconds);
     r.none_step_seconds = profile.step_seconds(t.grad_accum, 0.0);
   }
-  r.text = explain_plan(r.plan) + "\npredicted per microbatch (kept bytes, recompute FLOPs):\n";
+  r.text = saved_note(saved) + explain_plan(r.plan) + "\npredicted per microbatch (kept bytes, recompute FLOPs):\n";
   r.text += fmt::format("  embedding  {:>11}\n", format_bytes(p.embedding));
   for (size_t l = 0; l < p.layers.size(); ++l) {
     r.text += fmt::format("  layer {:<4} {:>11}  {:>8} FLOPs recomputed\n", l + 1, format_bytes(p.layers[l].kept),

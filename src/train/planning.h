@@ -27,15 +27,32 @@ struct RunPlan {
   std::string text;
 };
 
+/// The plan a run trained with, as its training checkpoints keep it: a resumed run runs it
+/// again, whatever planning would choose now (another machine's measured times, a cache
+/// measured again), so that its memory stays what was predicted and printed.
+struct SavedPlan {
+  ActivationPlan plan;        ///< every layer's, of the whole model
+  std::vector<int64_t> split; ///< layers per pipeline stage
+};
+
+/// `r`'s plan and split as one JSON text (a checkpoint's "plan" metadata).
+std::string saved_plan_json(const RunPlan& r);
+
+/// The plan `json` holds, for a model of `n_layers` blocks on `stages` pipeline stages.
+/// Throws std::invalid_argument with a sentence when it is damaged or was made for another
+/// model (the layer count, the split, a slot no block has).
+SavedPlan parse_saved_plan(const std::string& json, int64_t n_layers, int64_t stages);
+
 /// Plans `cfg` (vocab_size set) at its train.* shape in `dtype`, one rank's share (under
 /// parallel.zero = 1 the optimizer sharded over parallel.dp ranks); `profile` prices
 /// recompute (and, when measured, the whole step); `resident` bytes (the token corpus)
 /// stay live through every step. Throws std::invalid_argument with the minimum feasible
 /// budget when ac.budget is below it. With parallel.pp stages, every stage is planned (with
 /// ac.budget the split and the plans together, Planner::solve_pipeline) and `predicted` is
-/// stage `stage`'s.
+/// stage `stage`'s. A `saved` plan (a resumed run's) is predicted as it is, neither
+/// compiled from the policy nor solved again.
 RunPlan plan_run(const Config& cfg, at::ScalarType dtype, const TimeProfile& profile, int64_t resident,
-                 int64_t stage = 0);
+                 int64_t stage = 0, const SavedPlan* saved = nullptr);
 
 /// The layers `pred` predicts (a pipeline stage's, or every layer) under `plan`, runs of
 /// consecutive layers planned alike one line each: "  layers 2-4   keeps 1.2 MiB each   drop ...".

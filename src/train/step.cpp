@@ -330,8 +330,8 @@ StepResult TrainStep::run(int64_t step, const data::TokenDataset& data, std::mt1
   return r;
 }
 
-void TrainStep::save_checkpoint(const std::string& path, int64_t steps, const std::mt19937_64& rng,
-                                bool write) const {
+void TrainStep::save_checkpoint(const std::string& path, int64_t steps, const std::mt19937_64& rng, bool write,
+                                const std::map<std::string, std::string>& extra) const {
   // A rank that does not write takes part in the gathers and keeps nothing, but for the
   // first data- and tensor-parallel rank of each later pipeline stage, which gives its
   // stage's tensors to the first stage's.
@@ -359,10 +359,11 @@ void TrainStep::save_checkpoint(const std::string& path, int64_t steps, const st
   if (!write && !stage_giver) return;
   std::ostringstream rng_state;
   rng_state << rng;
-  const std::map<std::string, std::string> metadata{{"format", kCheckpointFormat},
-                                                    {"steps", std::to_string(steps)},
-                                                    {"adam_steps", std::to_string(updates_)},
-                                                    {"rng", rng_state.str()}};
+  std::map<std::string, std::string> metadata{{"format", kCheckpointFormat},
+                                              {"steps", std::to_string(steps)},
+                                              {"adam_steps", std::to_string(updates_)},
+                                              {"rng", rng_state.str()}};
+  metadata.insert(extra.begin(), extra.end());  // never in place of the step's own
   if (stage_giver) {
     write_on_first_stage(*pipe_, std::move(tensors), path, metadata,
                          fmt::format("gathering the stages' tensors for the checkpoint after step {}", steps));

@@ -13,6 +13,7 @@
 #include <torch/optim/adamw.h>
 
 #include <cstdint>
+#include <map>
 #include <random>
 #include <string>
 #include <vector>
@@ -88,7 +89,9 @@ class TrainStep {
   /// rank that keeps it (then every rank must call this), and under pipeline parallelism
   /// each stage's from the first data-parallel rank of every stage; a rank that does not
   /// `write` only gives its parts. The file is the same with and without ZeRO-1 or stages.
-  void save_checkpoint(const std::string& path, int64_t steps, const std::mt19937_64& rng, bool write = true) const;
+  /// `extra` adds metadata entries of the caller's (the run's plan).
+  void save_checkpoint(const std::string& path, int64_t steps, const std::mt19937_64& rng, bool write = true,
+                       const std::map<std::string, std::string>& extra = {}) const;
   /// Whether this rank must call save_checkpoint although it does not write: it holds a
   /// part another rank writes (a tensor-parallel part, ZeRO-1's moments, a stage).
   bool gives_to_checkpoint() const;

@@ -29,7 +29,9 @@
 #include <csignal>
 #include <cstring>
 #include <filesystem>
+#include <map>
 #include <memory>
+#include <optional>
 #include <random>
 #include <sstream>
 
@@ -134,15 +136,16 @@ std::vector<fs::path> checkpoints(const std::string& run_dir) {
 // the newest `keep` checkpoints. A tensor-parallel rank that does not `write` only gives
 // its parts to the gather.
 void write_checkpoint(const TrainStep& stepper, const std::string& run_dir, int64_t steps, const std::mt19937_64& rng,
-                      int64_t keep, bool write) {
+                      int64_t keep, bool write, const std::string& plan_json) {
   const fs::path dir = checkpoint_dir(run_dir);
   const std::string path = (dir / fmt::format("step-{:08d}.safetensors", steps)).string();
+  const std::map<std::string, std::string> plan{{"plan", plan_json}};
   if (!write) {
-    stepper.save_checkpoint(path, steps, rng, false);
+    stepper.save_checkpoint(path, steps, rng, false, plan);
     return;
   }
   fs::create_directories(dir);
-  stepper.save_checkpoint(path, steps, rng, true);
+  stepper.save_checkpoint(path, steps, rng, true, plan);
   util::sync_directory(dir.string());
   const std::vector<fs::path> all = checkpoints(run_dir);
   for (size_t i = 0; i + static_cast<size_t>(keep) < all.size(); ++i) fs::remove(all[i]);
@@ -241,6 +244,34 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   check_split_fits(train_ds, "training", t.seq);
   check_split_fits(val_ds, "validation", t.seq);
 
+  // A resumed run continues from its newest checkpoint, with the plan it trained with (older
+  // checkpoints hold none: planned again), and the metrics logged up to it.
+  std::vector<fs::path> saved;
+  int64_t first_step = 0;
+  std::vector<nlohmann::json> logged;
+  std::optional<SavedPlan> saved_plan;
+  if (!resume_dir.empty()) {
+    // Rank 0 clears what a killed write left before any rank lists the checkpoints.
+    rank0_first(ranks.get(), "clearing the run's temporary files", [&] {
+      if (lead) remove_temp_files(resume_dir);
+    });
+    saved = checkpoints(resume_dir);
+    if (saved.empty()) {
+      throw std::invalid_argument(fmt::format("{} has no training checkpoint to resume from (none was written before "
+                                              "the run stopped); start the run again.", resume_dir));
+    }
+    const std::map<std::string, std::string> meta = model::read_safetensors_header(saved.back().string()).metadata;
+    first_step = std::stoll(meta.at("steps"));
+    if (first_step >= t.steps) {
+      throw std::invalid_argument(fmt::format("{} finished all {} steps; there is nothing to resume.", resume_dir,
+                                              t.steps));
+    }
+    if (const auto plan = meta.find("plan"); plan != meta.end()) {
+      saved_plan = parse_saved_plan(plan->second, cfg.model.n_layer, pp);
+    }
+    if (lead) logged = keep_metrics(resume_dir, first_step);
+  }
+
   const Config local = rank_share(cfg);
   const auto create = [&](StageSpan span) {
     return Model::create(cfg.model, device, dtype, static_cast<uint64_t>(cfg.run.seed), tensor_ranks, cfg.parallel.sp,
@@ -262,7 +293,8 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   }
   // The token corpus stays in memory (int32) through every step.
   const int64_t corpus_bytes = train_ds.tokens().nbytes() + val_ds.tokens().nbytes();
-  const RunPlan planned = plan_run(local, dtype, profile, corpus_bytes, stage);
+  const RunPlan planned = plan_run(local, dtype, profile, corpus_bytes, stage, saved_plan ? &*saved_plan : nullptr);
+  const std::string plan_json = saved_plan_json(planned);
   if (!model) {
     int64_t first = 0;
     for (int64_t s = 0; s < stage; ++s) first += planned.split[static_cast<size_t>(s)];
@@ -276,27 +308,6 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   // Each rank's predicted peak: its stage's (rank = stage x dp x tp + ...).
   const std::vector<int64_t> rank_predicted = rank_predictions(planned.stage_peaks, world, dp * tp);
 
-  // A resumed run continues from its newest checkpoint and the metrics logged up to it.
-  std::vector<fs::path> saved;
-  int64_t first_step = 0;
-  std::vector<nlohmann::json> logged;
-  if (!resume_dir.empty()) {
-    // Rank 0 clears what a killed write left before any rank lists the checkpoints.
-    rank0_first(ranks.get(), "clearing the run's temporary files", [&] {
-      if (lead) remove_temp_files(resume_dir);
-    });
-    saved = checkpoints(resume_dir);
-    if (saved.empty()) {
-      throw std::invalid_argument(fmt::format("{} has no training checkpoint to resume from (none was written before "
-                                              "the run stopped); start the run again.", resume_dir));
-    }
-    first_step = std::stoll(model::read_safetensors_header(saved.back().string()).metadata.at("steps"));
-    if (first_step >= t.steps) {
-      throw std::invalid_argument(fmt::format("{} finished all {} steps; there is nothing to resume.", resume_dir,
-                                              t.steps));
-    }
-    if (lead) logged = keep_metrics(resume_dir, first_step);
-  }
   // Rank 0 alone writes the run directory.
   std::unique_ptr<RunDir> run;
   if (lead) {
@@ -451,7 +462,7 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
     // its tensor-parallel peers' parts and, under ZeRO-1, the other ranks' moments
     // gathered into it.
     if ((lead || stepper.gives_to_checkpoint()) && ((step + 1) % t.checkpoint_every == 0 || last || stop != 0)) {
-      write_checkpoint(stepper, run_path, step + 1, rng, t.keep_checkpoints, lead);
+      write_checkpoint(stepper, run_path, step + 1, rng, t.keep_checkpoints, lead, plan_json);
     }
     if (stop != 0 && !last) {
       bar.finish();

@@ -1,6 +1,8 @@
 // End-to-end training on a small generated corpus: determinism, the run directory, and
 // sampling back from it.
+#include "remat/safetensors.h"
 #include "remat/trainer.h"
+#include "train/planning.h"
 #include "train/step.h"
 
 #include <gtest/gtest.h>
@@ -133,6 +135,69 @@ TEST_F(Trainer, ResumingFromACheckpointGivesBitwiseTheSameRun) {
   EXPECT_FALSE(fs::exists(run / "checkpoints" / "step-00000003.safetensors.tmp.99999"));
   EXPECT_EQ(failure_of([&] { train(saved, run.string()); }),
             run.string() + " finished all 4 steps; there is nothing to resume.");
+}
+
+// A resumed run runs the plan its checkpoint holds, not what planning gives now (on another
+// machine, measured times can choose another): here the checkpoint's plan is rewritten to
+// recompute every layer, and the resumed run does that, bitwise as before (recompute never
+// changes a value). A damaged plan is refused with a sentence before any step.
+TEST_F(Trainer, AResumedRunRunsThePlanItsCheckpointHolds) {
+  Config cfg = config("plan-kept");
+  cfg.ac.budget = "0.9";
+  cfg.ac.profile = false;
+  cfg.train.checkpoint_every = 1;
+  cfg.train.keep_checkpoints = 4;
+  const TrainSummary whole = train(cfg);
+  const fs::path run = whole.run_dir;
+  const fs::path second = run / "checkpoints" / "step-00000002.safetensors";
+  const SavedPlan planned =
+      parse_saved_plan(model::read_safetensors_header(second.string()).metadata.at("plan"), cfg.model.n_layer, 1);
+  EXPECT_EQ(planned.plan.policy.rfind("budget:", 0), 0u) << planned.plan.policy;
+  EXPECT_EQ(planned.split, std::vector<int64_t>{cfg.model.n_layer});
+  for (const char* later : {"step-00000003.safetensors", "step-00000004.safetensors"}) {
+    fs::remove(run / "checkpoints" / later);
+  }
+  const Config saved = load_config((run / "config.toml").string(), {});
+  // The file is freed before the run: its tensors would count in the run's measured memory.
+  const auto rewrite_plan = [&](const std::string& plan) {
+    model::SafeTensors file = model::load_safetensors(second.string());
+    file.metadata["plan"] = plan;
+    model::save_safetensors(second.string(), file.tensors, file.metadata);
+  };
+
+  RunPlan full;
+  full.plan = compile_policy("full", cfg.model.n_layer);
+  full.split = {cfg.model.n_layer};
+  rewrite_plan(saved_plan_json(full));
+  const TrainSummary resumed = train(saved, run.string());
+  EXPECT_EQ(resumed.losses, whole.losses);
+  EXPECT_EQ(resumed.final_val_loss, whole.final_val_loss);
+  // The steps after the resume peak as full's prediction says, below the budget plan's.
+  EXPECT_LT(resumed.predicted_peak_bytes, whole.predicted_peak_bytes);
+  std::ifstream metrics(run / "metrics.jsonl");
+  int resumed_steps = 0;
+  for (std::string line; std::getline(metrics, line);) {
+    const nlohmann::json j = nlohmann::json::parse(line);
+    if (j["kind"] != "train" || j["step"].get<int64_t>() <= 2) continue;
+    ++resumed_steps;
+    EXPECT_LE(j["peak_bytes"].get<int64_t>(), resumed.predicted_peak_bytes) << line;
+  }
+  EXPECT_EQ(resumed_steps, 2);
+  std::ifstream in(run / "plan.txt");
+  const std::string text(std::istreambuf_iterator<char>(in), {});
+  EXPECT_EQ(text.rfind("plan: the checkpoint's, as the run trained before it stopped\npolicy: full", 0), 0u) << text;
+
+  fs::remove(run / "checkpoints" / "step-00000003.safetensors");
+  fs::remove(run / "checkpoints" / "step-00000004.safetensors");
+  full.split = {1, 1};
+  rewrite_plan(saved_plan_json(full));
+  EXPECT_EQ(failure_of([&] { train(saved, run.string()); }),
+            "The checkpoint's plan (its \"plan\" metadata) splits the layers as [1,1], but this run puts its 2 layers "
+            "on 1 pipeline stage; resume from a checkpoint this model's run wrote, or start the run again.");
+  rewrite_plan("{\"policy\": 3}");
+  EXPECT_NE(failure_of([&] { train(saved, run.string()); }).find("The checkpoint's plan (its \"plan\" metadata) is "
+                                                                 "damaged"),
+            std::string::npos);
 }
 
 // Non-finite weights at the start are the initialisation's fault, said as such, with the

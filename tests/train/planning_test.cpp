@@ -1,0 +1,63 @@
+// A run's plan as its checkpoints keep it: written and read back whole, and refused with a
+// sentence when damaged or made for another model.
+#include "remat/policy.h"
+#include "train/planning.h"
+
+#include <gtest/gtest.h>
+
+#include <stdexcept>
+#include <string>
+
+namespace remat {
+namespace {
+
+std::string refusal(const std::string& json, int64_t n_layers, int64_t stages) {
+  try {
+    parse_saved_plan(json, n_layers, stages);
+  } catch (const std::invalid_argument& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(SavedPlan, ReadsBackChunksSharedInputsAndTheSplit) {
+  RunPlan r;
+  r.plan = compile_policy("layers:[full,modules:[core_attn],none,none,ops:[matmul],full]", 6);
+  // uniform:2's chunk structure on the last two layers, and a sharded kept input.
+  r.plan.layers[4].chunk_begin = 4;
+  r.plan.layers[5].chunk_begin = 4;
+  r.plan.layers[2].input_sharded = true;
+  r.plan.policy = "budget:123";
+  r.split = {2, 4};
+  const SavedPlan back = parse_saved_plan(saved_plan_json(r), 6, 2);
+  EXPECT_TRUE(same_layers(back.plan, r.plan));
+  EXPECT_EQ(back.plan.policy, "budget:123");
+  EXPECT_EQ(back.split, r.split);
+  for (size_t l = 0; l < 6; ++l) {
+    EXPECT_EQ(back.plan.layers[l].chunk_begin, r.plan.layers[l].chunk_begin) << l;
+    EXPECT_EQ(back.plan.layers[l].input_sharded, r.plan.layers[l].input_sharded) << l;
+  }
+}
+
+TEST(SavedPlan, ADamagedPlanOrAnotherModelsIsASentence) {
+  RunPlan r;
+  r.plan = compile_policy("full", 2);
+  r.split = {2};
+  const std::string good = saved_plan_json(r);
+  const std::string tail = "; resume from a checkpoint this model's run wrote, or start the run again.";
+  EXPECT_EQ(refusal(good, 3, 1), "The checkpoint's plan (its \"plan\" metadata) has 2 layers where the model has 3" + tail);
+  EXPECT_EQ(refusal(good, 2, 2), "The checkpoint's plan (its \"plan\" metadata) splits the layers as [2], but this run "
+                                 "puts its 2 layers on 2 pipeline stages" + tail);
+  EXPECT_EQ(refusal("[1]", 2, 1), "The checkpoint's plan (its \"plan\" metadata) is not a JSON object" + tail);
+  EXPECT_EQ(refusal(R"({"policy":"x","split":[2],"layers":[{"dropped":["nope"],"chunk_begin":-1,"input_sharded":false},
+                       {"dropped":[],"chunk_begin":-1,"input_sharded":false}]})", 2, 1),
+            "The checkpoint's plan (its \"plan\" metadata) drops 'nope' in layer 1, which no block has" + tail);
+  EXPECT_EQ(refusal(R"({"policy":"x","split":[2],"layers":[{"dropped":[],"chunk_begin":-1,"input_sharded":false},
+                       {"dropped":[],"chunk_begin":5,"input_sharded":false}]})", 2, 1),
+            "The checkpoint's plan (its \"plan\" metadata) begins layer 2's chunk at layer 6" + tail);
+  EXPECT_EQ(refusal(R"({"policy":"x","split":[2]})", 2, 1).rfind("The checkpoint's plan (its \"plan\" metadata) is "
+                                                                 "damaged (", 0), 0u);
+}
+
+}  // namespace
+}  // namespace remat
