@@ -44,8 +44,11 @@ struct TrainSummary {
 /// then cosine decay reaching train.min_lr at the last step.
 double learning_rate(const TrainConfig& t, int64_t step);
 
-/// Prepares (or finds cached) the corpus `data` describes, under
-/// `<data.dir>/<source>-v<vocab_size>`, logging to stderr.
+/// Where the corpus `data` describes is prepared: `<data.dir>/<source>-v<vocab_size>`.
+std::string corpus_dir(const DataConfig& data);
+
+/// Prepares (or finds cached) the corpus `data` describes, under corpus_dir(data), logging
+/// to stderr.
 data::CorpusInfo prepare_data(const DataConfig& data);
 
 /// Lines of progress and results go to stderr (a progress bar on a terminal).

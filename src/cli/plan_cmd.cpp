@@ -1,9 +1,11 @@
 #include "cli/plan_cmd.h"
 
+#include "remat/data.h"
 #include "remat/memory.h"
 #include "remat/ops.h"
 #include "remat/planner.h"
 #include "remat/policy.h"
+#include "remat/trainer.h"
 #include "train/data_parallel.h"
 #include "train/planning.h"
 #include "train/progress.h"
@@ -40,6 +42,7 @@ nlohmann::json breakdown_json(const cost::StepPrediction& p) {
           {"optimizer", p.statics.optimizer},
           {"compute_copies", p.statics.compute_copies},
           {"batch", p.statics.batch},
+          {"token_corpus", p.statics.resident},
           {"kept_activations", p.peak - p.statics.total() - p.working_set},
           {"working_set", p.working_set},
           {"peak", p.peak},
@@ -53,6 +56,7 @@ std::string breakdown_text(const cost::StepPrediction& p) {
   s += fmt::format("  optimizer state   {:>12}\n", format_bytes(p.statics.optimizer));
   if (p.statics.compute_copies > 0) s += fmt::format("  compute copies    {:>12}\n", format_bytes(p.statics.compute_copies));
   s += fmt::format("  batch             {:>12}\n", format_bytes(p.statics.batch));
+  if (p.statics.resident > 0) s += fmt::format("  token corpus      {:>12}\n", format_bytes(p.statics.resident));
   s += fmt::format("  kept activations  {:>12}\n", format_bytes(p.peak - p.statics.total() - p.working_set));
   s += fmt::format("  working set       {:>12}\n", format_bytes(p.working_set));
   s += fmt::format("  peak              {:>12}   ({})\n", format_bytes(p.peak), p.peak_at);
@@ -236,6 +240,18 @@ int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
   shape.tp = cfg.parallel.tp;
   shape.sp = cfg.parallel.sp;
   shape.zero_ranks = cfg.parallel.zero == 1 ? ranks : 1;
+  // A run holds its token corpus (int32, both splits) through every step, as the trainer
+  // counts it; only a prepared corpus says how many tokens it has.
+  const std::string corpus = corpus_dir(cfg.data);
+  std::string corpus_text;
+  try {
+    const data::CorpusInfo info = data::load_corpus_info(corpus);
+    shape.resident = (info.train_tokens + info.val_tokens) * static_cast<int64_t>(sizeof(int32_t));
+    corpus_text = fmt::format("; its token corpus ({}) holds {}", corpus, format_bytes(shape.resident));
+  } catch (const std::exception&) {
+    corpus_text = fmt::format("; its token corpus is not counted: {} is not prepared yet (remat prepare), and a run "
+                              "holds 4 bytes a token of it", corpus);
+  }
   const std::string tp_text =
       shape.tp > 1 ? fmt::format(", one of {} tensor-parallel ranks (its share of heads, features and vocabulary{})",
                                  shape.tp, shape.sp ? ", and of the positions outside them" : "")
@@ -261,7 +277,7 @@ int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
                               shape.zero_ranks > 1 ? ", AdamW's moments sharded over them: the busiest rank's share"
                                                    : "")
                 : "",
-      tp_text, cfg.run.dtype, shape.grad_accum, shape.grad_accum == 1 ? "" : "es");
+      tp_text, cfg.run.dtype, shape.grad_accum, shape.grad_accum == 1 ? "" : "es") + corpus_text;
   if (cfg.parallel.pp > 1) return plan_pipeline(cfg, args, planner, header);
   const double flops = step_flops(m, planner.block(), shape);
   const int64_t none_peak = planner.none_peak();

@@ -188,13 +188,14 @@ double learning_rate(const TrainConfig& t, int64_t step) {
   return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1.0 + std::cos(kPi * progress));
 }
 
+std::string corpus_dir(const DataConfig& d) {
+  const std::string source = d.text.empty() ? "kjv" : std::filesystem::path(d.text).stem().string();
+  return fmt::format("{}/{}-v{}", d.dir, source, d.vocab_size);
+}
+
 data::CorpusInfo prepare_data(const DataConfig& d) {
   data::PrepareOptions prep;
-  std::string source = "kjv";
-  if (!d.text.empty()) {
-    prep.text_file = d.text;
-    source = std::filesystem::path(d.text).stem().string();
-  }
+  if (!d.text.empty()) prep.text_file = d.text;
   // Fail before minutes of tokenizer training if the cache cannot exist.
   std::error_code ec;
   std::filesystem::create_directories(d.dir, ec);
@@ -203,7 +204,7 @@ data::CorpusInfo prepare_data(const DataConfig& d) {
                                             "writable directory.", ec ? "create" : "write into", d.dir,
                                             ec ? ec.message() : std::strerror(errno)));
   }
-  prep.out_dir = fmt::format("{}/{}-v{}", d.dir, source, d.vocab_size);
+  prep.out_dir = corpus_dir(d);
   prep.vocab_size = static_cast<int>(d.vocab_size);
   prep.val_fraction = d.val_fraction;
   return data::prepare_corpus(prep, [](const std::string& line) { fmt::print(stderr, "{}\n", line); });

@@ -51,6 +51,10 @@ class Cli : public ::testing::Test {
            " run.out_dir=" + (dir_ / "runs").string() + " " + settings;
   }
 
+  // A data directory with no prepared corpus, so that plans are the same wherever the
+  // tests run (remat plan counts a prepared corpus's tokens).
+  std::string no_corpus() const { return " data.dir=" + (dir_ / "no-corpus").string(); }
+
   std::string file(const std::string& name, const std::string& content) {
     const std::string p = (dir_ / name).string();
     std::ofstream(p, std::ios::binary) << content;
@@ -224,7 +228,7 @@ TEST_F(Cli, HelpConfigListsEveryKey) {
 namespace {
 
 TEST_F(Cli, PlanPrintsThePlanAndItsBreakdownAsJson) {
-  const Result r = run_remat("plan --json --budget 0.6 model.preset=gpt2-demo");
+  const Result r = run_remat("plan --json --budget 0.6 model.preset=gpt2-demo" + no_corpus());
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const auto j = nlohmann::json::parse(r.output);
   EXPECT_EQ(j["plan"].size(), 4u);
@@ -236,16 +240,43 @@ TEST_F(Cli, PlanPrintsThePlanAndItsBreakdownAsJson) {
   // The parts of the breakdown add up to the peak.
   const auto& b = j["breakdown"];
   int64_t parts = 0;
-  for (const char* k : {"parameters", "gradients", "optimizer", "compute_copies", "batch", "kept_activations",
-                        "working_set"}) {
+  for (const char* k : {"parameters", "gradients", "optimizer", "compute_copies", "batch", "token_corpus",
+                        "kept_activations", "working_set"}) {
     parts += b[k].get<int64_t>();
   }
   EXPECT_LE(b["peak"].get<int64_t>() - parts, 16 * 1024);  // the allowance for scalars
 }
 
+// A run holds its token corpus through every step (int32); remat plan counts it once the
+// corpus is prepared, and says that it does not before.
+TEST_F(Cli, PlanCountsThePreparedTokenCorpusAsTheTrainerDoes) {
+  const std::string data = " data.vocab_size=512 data.text=" + file("corpus.txt", remat::testing::make_text(1000)) +
+                           " data.dir=" + (dir_ / "data").string();
+  const std::string plan = "plan --json --budget 0.8 model.preset=tiny-gpt2 train.batch=2 train.seq=16" + data;
+  const Result before = run_remat(plan);
+  ASSERT_EQ(before.exit_code, 0) << before.output;
+  EXPECT_EQ(nlohmann::json::parse(before.output)["breakdown"]["token_corpus"], 0);
+  const Result text = run_remat("plan model.preset=tiny-gpt2 train.batch=2 train.seq=16" + data);
+  EXPECT_NE(text.output.find("its token corpus is not counted: " + (dir_ / "data" / "corpus-v512").string() +
+                             " is not prepared yet (remat prepare)"),
+            std::string::npos)
+      << text.output;
+
+  const Result prepared = run_remat("prepare" + data);
+  ASSERT_EQ(prepared.exit_code, 0) << prepared.output;
+  const auto meta = nlohmann::json::parse(read_text(dir_ / "data" / "corpus-v512" / "meta.json"));
+  const int64_t tokens =
+      meta["tokens"]["train"]["count"].get<int64_t>() + meta["tokens"]["val"]["count"].get<int64_t>();
+  const Result after = run_remat(plan);
+  ASSERT_EQ(after.exit_code, 0) << after.output;
+  const auto a = nlohmann::json::parse(after.output), b = nlohmann::json::parse(before.output);
+  EXPECT_EQ(a["breakdown"]["token_corpus"].get<int64_t>(), 4 * tokens);
+  EXPECT_EQ(a["none_peak"].get<int64_t>(), b["none_peak"].get<int64_t>() + 4 * tokens);
+}
+
 TEST_F(Cli, PlanOfAn8BLlamaAt8kTokens) {
   const Result r = run_remat("plan --budget 200GiB model.preset=llama3-8b train.batch=1 train.seq=8192 "
-                             "run.dtype=bfloat16");
+                             "run.dtype=bfloat16" + no_corpus());
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("32 layers"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("minimum feasible 148.92 GiB"), std::string::npos) << r.output;
@@ -327,7 +358,8 @@ TEST_F(Cli, ExplainBlockListsEveryValueWithItsSlot) {
 }
 
 TEST_F(Cli, PlanBelowTheMinimumStatesTheMinimumAndWhatFillsIt) {
-  expect_error("plan --budget 60GiB model.preset=llama3-8b train.batch=1 train.seq=8192 run.dtype=bfloat16",
+  expect_error("plan --budget 60GiB model.preset=llama3-8b train.batch=1 train.seq=8192 run.dtype=bfloat16" +
+                   no_corpus(),
                "is below the minimum feasible 148.92 GiB for llama3-8b at batch 1 x 8192 tokens in bfloat16");
   expect_error("plan --budget '12 parsecs'", "The memory budget \"12 parsecs\" is not a size");
   expect_error("plan --budget 0", "is not a size");
