@@ -1,7 +1,7 @@
 // Feeds `remat prepare`'s text input up to the tokenizer: read_utf8_file (the checks on a
 // --text file: NUL bytes, whitespace only, line length, UTF-8) and util::find_invalid_utf8. The
-// SentencePiece steps after it are not fuzzed: the shim is dlopen'ed with RTLD_DEEPBIND,
-// which the sanitizer runtime refuses.
+// SentencePiece steps after it are the tokenizer harness's (fuzz/tokenizer.cpp): the shim is
+// dlopen'ed with RTLD_DEEPBIND, which AddressSanitizer's runtime refuses.
 // A finding: anything but a std::runtime_error sentence out of read_utf8_file (a crash, a
 // sanitizer report, a hang), a text it accepts that is not the file's bytes, or
 // find_invalid_utf8 disagreeing with the decoder below, written the other way round: it

@@ -239,6 +239,19 @@ Tokenizer Tokenizer::train(std::string_view text, const TokenizerTrainOptions& o
           std::to_string(pieces) + " BPE pieces (the 256 bytes among them); set data.vocab_size to at most " +
           std::to_string(pieces) + ", or give more text (the default corpus, the King James Bible, is 4 MB).");
     }
+    // Too many distinct characters for the vocabulary: each needs a piece of its own
+    // beside the 256 byte pieces and the 3 special ones (found by fuzzing; SentencePiece
+    // says it as an internal check with the count it needs, after "vs").
+    const std::string chars = "Vocabulary size is smaller than required_chars.";
+    const size_t vs = reason.find(" vs ", reason.find(chars));
+    if (reason.find(chars) != std::string::npos && vs != std::string::npos) {
+      const long needed = std::strtol(reason.c_str() + vs + 4, nullptr, 10);
+      throw std::runtime_error(
+          "The text has " + std::to_string(needed - 3 - 256) + " distinct characters, each of which needs a piece of "
+          "its own beside the 256 byte pieces and the 3 special ones, so a " + std::to_string(options.vocab_size) +
+          "-piece vocabulary cannot hold them; set data.vocab_size to at least " + std::to_string(needed) +
+          " (more leaves room for the merges that make tokens longer than a character).");
+    }
     shim_failure("SentencePiece could not train a " + std::to_string(options.vocab_size) +
                  "-piece BPE tokenizer on this text");
   }

@@ -116,6 +116,23 @@ TEST(Tokenizer, ErrorsAreSentences) {
     EXPECT_EQ(what.find("Internal"), std::string::npos) << what;
   }
 
+  // More distinct characters than the vocabulary holds beside the bytes (found by fuzzing;
+  // SentencePiece's own words were "Internal: ... smaller than required_chars. 260 vs 282"):
+  // "abc def" has 6 letters and the space, so 266 pieces, which then train.
+  TokenizerTrainOptions least;
+  least.vocab_size = 260;
+  try {
+    Tokenizer::train("abc def\n", least);
+    FAIL() << "7 characters cannot fit in 260 pieces with the bytes";
+  } catch (const std::runtime_error& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "The text has 7 distinct characters, each of which needs a piece of its own beside the 256 byte pieces "
+              "and the 3 special ones, so a 260-piece vocabulary cannot hold them; set data.vocab_size to at least "
+              "266 (more leaves room for the merges that make tokens longer than a character).");
+  }
+  least.vocab_size = 266;
+  EXPECT_EQ(Tokenizer::train("abc def\n", least).vocab_size(), 266);
+
   const Tokenizer tok = Tokenizer::train(remat::testing::make_text(300), small_vocab());
   try {
     tok.decode(std::vector<int32_t>{5, 512});
