@@ -15,6 +15,7 @@
 #include "train/step.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 #include <unistd.h>
 

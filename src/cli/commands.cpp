@@ -15,6 +15,7 @@
 #include <filesystem>
 #include <c10/util/Exception.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 namespace remat::cli {
 namespace {

@@ -20,6 +20,7 @@
 #include <utility>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 namespace remat::cli {
 namespace {

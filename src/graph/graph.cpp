@@ -7,6 +7,7 @@
 
 #include <ATen/TensorUtils.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <set>

@@ -5,6 +5,7 @@
 #include "remat/safetensors.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <cmath>
 #include <numeric>

@@ -1,6 +1,7 @@
 #include "remat/plan.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <stdexcept>
 

@@ -1,6 +1,7 @@
 #include "remat/config.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <stdexcept>
 

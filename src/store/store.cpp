@@ -1,6 +1,7 @@
 #include "remat/store.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <set>
 #include <tuple>

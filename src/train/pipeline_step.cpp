@@ -4,6 +4,7 @@
 #include "remat/trace.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <cstring>
 #include <functional>

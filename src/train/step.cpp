@@ -10,6 +10,7 @@
 #include "train/pipeline_step.h"
 
 #include <fmt/format.h>
+#include <torch/version.h>
 
 #include <algorithm>
 #include <chrono>
@@ -134,8 +135,13 @@ std::vector<torch::optim::OptimizerParamGroup> adamw_groups(Model& model, const 
 
 constexpr const char* kCheckpointFormat = "remat training checkpoint 1";
 
-// The optimizer's key for a parameter's state (LibTorch's own convention).
+// The optimizer's key for a parameter's state (LibTorch's own convention: the TensorImpl's
+// address, printed as a string before LibTorch 2).
+#if TORCH_VERSION_MAJOR >= 2
+void* state_key(const at::Tensor& param) { return param.unsafeGetTensorImpl(); }
+#else
 std::string state_key(const at::Tensor& param) { return c10::guts::to_string(param.unsafeGetTensorImpl()); }
+#endif
 
 // The index of the first parameter of `model` whose values (with `grads`: gradients) hold
 // a NaN or an infinity; -1 when none does. One pass, one host read.

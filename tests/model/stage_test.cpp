@@ -9,6 +9,7 @@
 #include "remat/policy.h"
 
 #include <ATen/Parallel.h>
+#include <fmt/ranges.h>
 #include <gtest/gtest.h>
 
 #include <map>
