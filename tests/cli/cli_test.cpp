@@ -107,7 +107,9 @@ TEST_F(Cli, GenerateWithoutARunDirectoryIsRefused) {
 TEST_F(Cli, GenerateRefusesAnAbsurdTokenCount) {
   const Result r = run_remat("generate --run " + (dir_ / "no-run").string() + " --tokens 99999999999");
   EXPECT_NE(r.exit_code, 0);
-  EXPECT_NE(r.output.find("--tokens: Value 99999999999 not in range 1 to 100000"), std::string::npos) << r.output;
+  // CLI11's words for the range differ between versions ("1 to 100000", "[1 - 100000]").
+  EXPECT_NE(r.output.find("--tokens: Value 99999999999 not in range"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("100000"), std::string::npos) << r.output;
 }
 
 TEST_F(Cli, DevicesAndDtypesThisMachineLacksAreRefused) {
