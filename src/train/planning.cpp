@@ -134,7 +134,7 @@ std::string pipeline_infeasible(const Config& cfg, const Planner& planner, const
 }
 
 RunPlan plan_run(const Config& cfg, at::ScalarType dtype, const TimeProfile& profile, int64_t resident,
-                 int64_t stage) {
+                 int64_t stage, int64_t budget_reference) {
   const auto& t = cfg.train;
   const int64_t L = cfg.model.n_layer;
   cost::StepShape shape;
@@ -164,9 +164,12 @@ RunPlan plan_run(const Config& cfg, at::ScalarType dtype, const TimeProfile& pro
     if (cfg.ac.budget.empty()) {
       planned = planner.predict_pipeline(compile_policy(cfg.ac, L, cfg.model.dropout), pipe);
     } else {
-      r.budget = parse_budget(cfg.ac.budget, none.peak());
+      r.budget = parse_budget(cfg.ac.budget, budget_reference > 0 ? budget_reference : none.peak());
       auto solved = planner.solve_pipeline(r.budget, pipe);
-      if (!solved) throw std::invalid_argument(pipeline_infeasible(cfg, planner, pipe, r.budget, cfg.ac.budget));
+      if (!solved) {
+        throw BudgetTooSmall(pipeline_infeasible(cfg, planner, pipe, r.budget, cfg.ac.budget),
+                             planner.min_pipeline_budget(pipe));
+      }
       planned = std::move(*solved);
     }
     r.plan = planned.plan;
@@ -191,9 +194,9 @@ RunPlan plan_run(const Config& cfg, at::ScalarType dtype, const TimeProfile& pro
     r.plan = compile_policy(cfg.ac, L, cfg.model.dropout);
     r.predicted = planner.predict(r.plan);
   } else {
-    r.budget = parse_budget(cfg.ac.budget, planner.none_peak());
+    r.budget = parse_budget(cfg.ac.budget, budget_reference > 0 ? budget_reference : planner.none_peak());
     auto solved = planner.solve(r.budget);
-    if (!solved) throw std::invalid_argument(planner.infeasible(r.budget, cfg.ac.budget));
+    if (!solved) throw BudgetTooSmall(planner.infeasible(r.budget, cfg.ac.budget), planner.min_feasible_budget());
     r.plan = solved->plan;
     r.predicted = solved->prediction;
   }
