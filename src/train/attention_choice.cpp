@@ -67,7 +67,7 @@ std::pair<const Planned*, std::string> choose(const Planned& a, const Planned& b
                                  1e3 * faster.plan->step_seconds, attention_name(slower.attention),
                                  1e3 * slower.plan->step_seconds)};
   }
-  return {&a, fmt::format("{}without measured step times (ac.profile = false) {}, the faster op on this CPU "
+  return {&a, fmt::format("{}without measured step times {}, the faster op on this CPU "
                           "(README \"Attention\")", within, attention_name(a.attention))};
 }
 
@@ -83,7 +83,7 @@ RunPlan plan_run_attention(Config& cfg, Config& local, at::ScalarType dtype, con
   Attention chosen = Attention::math;
   std::optional<RunPlan> planned;
   if (local.ac.budget.empty() && !local.ac.profile) {
-    reason = "no ac.budget and no measured step times (ac.profile = false): math, the faster op on this CPU "
+    reason = "no ac.budget and no measured step times: math, the faster op on this CPU "
              "(README \"Attention\")";
     planned = plan_run(math_cfg, dtype, math_profile, resident, stage);
   } else {
