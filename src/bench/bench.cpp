@@ -237,18 +237,18 @@ BenchResult run_bench(const BenchOptions& o) {
     p.local = rank_share(p.config);
   }
 
-  // One time profile for the sweep (every entry has the same shapes), measured on a
-  // scratch model or read from the cache; then every entry's plan and prediction, so an
+  // One time profile per attention op for the sweep (every entry has the same shapes;
+  // under model.attention = auto each entry plans with both ops), measured on a scratch
+  // model or read from the cache; then every entry's plan and prediction, so an
   // infeasible budget fails before anything trains.
   // (Pipeline stages measure it on a probe of two layers, as `remat train` does.)
-  // Under model.attention = auto, one profile per attention op, for the entries choosing.
   std::map<Attention, TimeProfile> profiles;
   const ProfileOf profile_of = [&](const Config& op) {
     const Attention a = op.model.attention;
-    if (profiles.count(a) != 0) return profiles[a];
+    if (const auto found = profiles.find(a); found != profiles.end()) return found->second;
     Config probed = local;
     probed.model.attention = a;
-    TimeProfile& profile = profiles[a];
+    TimeProfile profile;
     if (common.ac.profile && common.parallel.pp == 1) {
       auto probe = create_model(probed, device, dtype, ranks.get());
       profile = rank_time_profile(probed, *probe, train_ds, ranks.get());
@@ -258,7 +258,7 @@ BenchResult run_bench(const BenchOptions& o) {
       profile.times.flops_per_second = measure_matmul_flops(device, dtype, local.train.batch * local.train.seq,
                                                             common.model.d_model, common.model.d_ff);
     }
-    return profile;
+    return profiles[a] = profile;
   };
   const int64_t resident = train_ds.tokens().nbytes();
   for (size_t i = 0; i < prepared.size(); ++i) {
