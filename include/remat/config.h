@@ -27,8 +27,11 @@ const char* arch_name(Arch a);
 /// the probabilities (and dropout mask) for the backward (remat/ops/attention.h); `tiled`
 /// computes over tiles with an online softmax, keeps one log-sum-exp per row and recomputes
 /// the probabilities tile by tile in the backward (remat/ops/tiled_attention.h).
-enum class Attention { math, tiled };
-/// "math" / "tiled", as configs spell it.
+/// `automatic` ("auto") leaves the choice to the planner (src/train/attention_choice.h):
+/// commands resolve it to math or tiled before anything is built or planned, and building
+/// a block with it unresolved throws.
+enum class Attention { math, tiled, automatic };
+/// "math" / "tiled" / "auto", as configs spell it.
 const char* attention_name(Attention a);
 
 /// How the loss head gets the gradient of its [tokens x vocab] logits, a chunk at a time

@@ -168,7 +168,8 @@ const OpDef& rmsnorm();
 const OpDef& linear();
 const OpDef& attention();
 const OpDef& tiled_attention();
-/// The attention op a configuration asks for (model.attention).
+/// The attention op a configuration asks for (model.attention); throws on `auto`, which
+/// names none until resolved.
 const OpDef& attention(Attention kind);
 const OpDef& dropout_mask();
 const OpDef& dropout();

@@ -6,6 +6,7 @@
 #include "remat/model.h"
 #include "remat/policy.h"
 #include "remat/trainer.h"
+#include "train/attention_choice.h"
 #include "train/data_parallel.h"
 #include "train/device.h"
 #include "train/planning.h"
@@ -23,6 +24,7 @@
 #include <array>
 #include <chrono>
 #include <filesystem>
+#include <map>
 #include <memory>
 #include <random>
 #include <stdexcept>
@@ -99,6 +101,7 @@ BenchRow run_entry(const BenchEntry& entry, const PreparedEntry& p, const BenchO
   BenchRow row;
   row.entry = entry.label;
   row.policy = p.planned.plan.policy;
+  row.attention = attention_name(cfg.model.attention);
   const std::vector<int64_t>& stage_peaks = p.planned.stage_peaks;
   row.predicted_peak_bytes = *std::max_element(stage_peaks.begin(), stage_peaks.end());
   row.predicted_rank_peak_bytes =
@@ -165,6 +168,7 @@ std::string to_csv(const std::vector<BenchRow>& rows) {
 nlohmann::json row_json(const BenchRow& r) {
   return {{"entry", r.entry},
           {"policy", r.policy},
+          {"attention", r.attention},
           {"median_step_seconds", r.median_step_seconds},
           {"min_step_seconds", r.min_step_seconds},
           {"max_step_seconds", r.max_step_seconds},
@@ -234,25 +238,34 @@ BenchResult run_bench(const BenchOptions& o) {
     p.local = rank_share(p.config);
   }
 
-  // One time profile for the sweep (every entry has the same shapes), measured on a
-  // scratch model or read from the cache; then every entry's plan and prediction, so an
+  // One time profile per attention op for the sweep (every entry has the same shapes;
+  // under model.attention = auto each entry plans with both ops), measured on a scratch
+  // model or read from the cache; then every entry's plan and prediction, so an
   // infeasible budget fails before anything trains.
   // (Pipeline stages measure it on a probe of two layers, as `remat train` does.)
-  TimeProfile profile;
-  if (common.ac.profile && common.parallel.pp == 1) {
-    auto probe = create_model(common, device, dtype, ranks.get());
-    profile = rank_time_profile(local, *probe, train_ds, ranks.get());
-  } else if (common.ac.profile) {
-    profile = probe_time_profile(local, device, dtype, train_ds, ranks.get());
-  } else {
-    profile.times.flops_per_second = measure_matmul_flops(device, dtype, local.train.batch * local.train.seq,
-                                                          common.model.d_model, common.model.d_ff);
-  }
+  std::map<Attention, TimeProfile> profiles;
+  const ProfileOf profile_of = [&](const Config& op) {
+    const Attention a = op.model.attention;
+    if (const auto found = profiles.find(a); found != profiles.end()) return found->second;
+    Config probed = local;
+    probed.model.attention = a;
+    TimeProfile profile;
+    if (common.ac.profile && common.parallel.pp == 1) {
+      auto probe = create_model(probed, device, dtype, ranks.get());
+      profile = rank_time_profile(probed, *probe, train_ds, ranks.get());
+    } else if (common.ac.profile) {
+      profile = probe_time_profile(probed, device, dtype, train_ds, ranks.get());
+    } else {
+      profile.times.flops_per_second = measure_matmul_flops(device, dtype, local.train.batch * local.train.seq,
+                                                            common.model.d_model, common.model.d_ff);
+    }
+    return profiles[a] = profile;
+  };
   const int64_t resident = train_ds.tokens().nbytes();
   for (size_t i = 0; i < prepared.size(); ++i) {
     try {
-      prepared[i].planned = plan_run(prepared[i].local, dtype, profile, resident,
-                                     common.parallel.pp > 1 ? ranks->pipeline().rank() : 0);
+      prepared[i].planned = plan_run_attention(prepared[i].config, prepared[i].local, dtype, profile_of, resident,
+                                               common.parallel.pp > 1 ? ranks->pipeline().rank() : 0);
     } catch (const std::exception& e) {
       throw std::invalid_argument(fmt::format("Bench entry '{}': {}", o.entries[i].label, e.what()));
     }
@@ -273,6 +286,12 @@ BenchResult run_bench(const BenchOptions& o) {
              "{} on {} ({} threads{}); run dir {}\n", o.entries.size(), o.warmup, o.steps, t.batch, t.seq,
              t.grad_accum, describe_ranks(local), common.model.preset, arch_name(common.model.arch), common.run.dtype,
              device.str(), threads, ranks != nullptr ? " per rank" : "", run ? run->path() : "");
+  if (common.model.attention == Attention::automatic) {
+    for (size_t i = 0; i < prepared.size(); ++i) {
+      const std::string& text = prepared[i].planned.text;
+      fmt::print(stderr, "{}: {}\n", o.entries[i].label, text.substr(0, text.find('\n')));
+    }
+  }
 
   BenchResult result;
   result.rank = ranks != nullptr ? ranks->rank() : 0;

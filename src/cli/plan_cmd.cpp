@@ -6,6 +6,7 @@
 #include "remat/planner.h"
 #include "remat/policy.h"
 #include "remat/trainer.h"
+#include "train/attention_choice.h"
 #include "train/data_parallel.h"
 #include "train/planning.h"
 #include "train/progress.h"
@@ -118,7 +119,8 @@ std::optional<std::pair<std::vector<int64_t>, PipelinePlan>> least_counts(const 
 
 // `remat plan` of a pipeline: the layers of each stage and each layer's plan, solved
 // together within the per-rank budget (time in FLOPs, as above).
-int plan_pipeline(const Config& cfg, const PlanArgs& args, const Planner& planner, const std::string& header) {
+int plan_pipeline(const Config& cfg, const PlanArgs& args, const Planner& planner, const std::string& header,
+                  const std::string& attention_choice) {
   const ModelConfig& m = cfg.model;
   PipelineShape pipe;
   pipe.stages = cfg.parallel.pp;
@@ -165,6 +167,8 @@ int plan_pipeline(const Config& cfg, const PlanArgs& args, const Planner& planne
                         {"flops_per_microbatch", r.stage_seconds[s]}});
     }
     const nlohmann::json out = {{"model", {{"preset", m.preset}, {"arch", arch_name(m.arch)}, {"layers", m.n_layer}}},
+                                {"attention", attention_name(m.attention)},
+                                {"attention_choice", attention_choice},
                                 {"pipeline", {{"stages", pipe.stages},
                                               {"schedule", pipeline::schedule_name(pipe.schedule)},
                                               {"microbatches", microbatches}}},
@@ -252,6 +256,10 @@ int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
     corpus_text = fmt::format("; its token corpus is not counted: {} is not prepared yet (remat prepare), and a run "
                               "holds 4 bytes a token of it", corpus);
   }
+  // model.attention = auto: chosen before any block is declared (empty for a named op).
+  const std::string attention_choice =
+      resolve_planned_attention(cfg, shape.dtype, args.budget.empty() ? cfg.ac.budget : args.budget,
+                                shape.resident);
   const std::string tp_text =
       shape.tp > 1 ? fmt::format(", one of {} tensor-parallel ranks (its share of heads, features and vocabulary{})",
                                  shape.tp, shape.sp ? ", and of the positions outside them" : "")
@@ -277,8 +285,9 @@ int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
                               shape.zero_ranks > 1 ? ", AdamW's moments sharded over them: the busiest rank's share"
                                                    : "")
                 : "",
-      tp_text, cfg.run.dtype, shape.grad_accum, shape.grad_accum == 1 ? "" : "es") + corpus_text;
-  if (cfg.parallel.pp > 1) return plan_pipeline(cfg, args, planner, header);
+      tp_text, cfg.run.dtype, shape.grad_accum, shape.grad_accum == 1 ? "" : "es") + corpus_text +
+      (attention_choice.empty() ? "" : "\n" + attention_choice);
+  if (cfg.parallel.pp > 1) return plan_pipeline(cfg, args, planner, header, attention_choice);
   const double flops = step_flops(m, planner.block(), shape);
   const int64_t none_peak = planner.none_peak();
   const int64_t min_budget = planner.min_feasible_budget();
@@ -316,6 +325,8 @@ int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
     };
     const nlohmann::json out = {
         {"model", {{"preset", m.preset}, {"arch", arch_name(m.arch)}, {"layers", m.n_layer}, {"d_model", m.d_model}}},
+        {"attention", attention_name(m.attention)},
+        {"attention_choice", attention_choice},
         {"shape", {{"batch", shape.batch}, {"ranks", ranks}, {"tp", shape.tp}, {"sp", shape.sp}, {"seq", shape.seq}, {"grad_accum", shape.grad_accum}, {"dtype", cfg.run.dtype}}},
         {"budget", budget},
         {"none_peak", none_peak},

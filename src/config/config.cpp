@@ -53,8 +53,10 @@ Arch parse_arch(const std::string& key, const std::string& v) {
 Attention parse_attention(const std::string& key, const std::string& v) {
   if (v == "math") return Attention::math;
   if (v == "tiled") return Attention::tiled;
-  fail(fmt::format("{} must be tiled (online softmax over tiles, keeps one log-sum-exp per row) or math "
-                   "(keeps the [T x T] probabilities), got '{}'.", key, v));
+  if (v == "auto") return Attention::automatic;
+  fail(fmt::format("{} must be tiled (online softmax over tiles, keeps one log-sum-exp per row), math "
+                   "(keeps the [T x T] probabilities) or auto (the planner chooses one of them for the run), "
+                   "got '{}'.", key, v));
 }
 
 LossHead parse_loss_head(const std::string& key, const std::string& v) {
@@ -239,7 +241,7 @@ std::vector<ConfigKey> make_keys() {
       key("model.vocab_size", &C::model, &ModelConfig::vocab_size, "0: from the tokenizer; padded to vocab_multiple x tp"),
       key("model.vocab_multiple", &C::model, &ModelConfig::vocab_multiple, "pad the vocabulary to a multiple of this x tp"),
       key("model.max_seq", &C::model, &ModelConfig::max_seq, "context length"),
-      key("model.attention", &C::model, &ModelConfig::attention, "tiled or math attention"),
+      key("model.attention", &C::model, &ModelConfig::attention, "tiled, math or auto attention"),
       key("model.attention_tile", &C::model, &ModelConfig::attention_tile, "tiled attention: positions per tile"),
       key("model.loss_head", &C::model, &ModelConfig::loss_head, "fused or recompute loss head"),
       key("model.dropout", &C::model, &ModelConfig::dropout, "dropout probability"),
@@ -402,7 +404,14 @@ void flatten(const toml::table& t, const std::string& prefix, const std::string&
 }  // namespace
 
 const char* arch_name(Arch a) { return a == Arch::gpt2 ? "gpt2" : "llama"; }
-const char* attention_name(Attention a) { return a == Attention::tiled ? "tiled" : "math"; }
+const char* attention_name(Attention a) {
+  switch (a) {
+    case Attention::math: return "math";
+    case Attention::tiled: return "tiled";
+    case Attention::automatic: return "auto";
+  }
+  return "?";
+}
 const char* loss_head_name(LossHead h) { return h == LossHead::fused ? "fused" : "recompute"; }
 
 const std::vector<ConfigKey>& config_keys() {

@@ -424,6 +424,13 @@ const OpDef& op::tiled_attention() {
   return def;
 }
 
-const OpDef& op::attention(Attention kind) { return kind == Attention::tiled ? tiled_attention() : attention(); }
+const OpDef& op::attention(Attention kind) {
+  // Every model and every plan declares its blocks through here, so an unresolved choice
+  // stops before anything is built or priced.
+  TORCH_CHECK(kind != Attention::automatic,
+              "model.attention = auto names no attention op: the command resolves it to math or tiled "
+              "(resolve_attention, src/train/attention_choice.h) before building or planning the model.");
+  return kind == Attention::tiled ? tiled_attention() : attention();
+}
 
 }  // namespace remat::graph

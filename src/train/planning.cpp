@@ -198,7 +198,7 @@ SavedPlan parse_saved_plan(const std::string& json, int64_t n_layers, int64_t st
 }
 
 RunPlan plan_run(const Config& cfg, at::ScalarType dtype, const TimeProfile& profile, int64_t resident,
-                 int64_t stage, const SavedPlan* saved) {
+                 int64_t stage, int64_t budget_reference, const SavedPlan* saved) {
   const auto& t = cfg.train;
   const int64_t L = cfg.model.n_layer;
   cost::StepShape shape;
@@ -225,7 +225,9 @@ RunPlan plan_run(const Config& cfg, at::ScalarType dtype, const TimeProfile& pro
     fixed.split = stage_sizes(cfg.ac, L);
     const PipelinePlan none = planner.predict_pipeline(compile_policy("none", L), fixed);
     PipelinePlan planned;
-    if (!cfg.ac.budget.empty()) r.budget = parse_budget(cfg.ac.budget, none.peak());
+    if (!cfg.ac.budget.empty()) {
+      r.budget = parse_budget(cfg.ac.budget, budget_reference > 0 ? budget_reference : none.peak());
+    }
     if (saved != nullptr) {
       pipe.split = saved->split;
       planned = planner.predict_pipeline(saved->plan, pipe);
@@ -233,7 +235,10 @@ RunPlan plan_run(const Config& cfg, at::ScalarType dtype, const TimeProfile& pro
       planned = planner.predict_pipeline(compile_policy(cfg.ac, L, cfg.model.dropout), pipe);
     } else {
       auto solved = planner.solve_pipeline(r.budget, pipe);
-      if (!solved) throw std::invalid_argument(pipeline_infeasible(cfg, planner, pipe, r.budget, cfg.ac.budget));
+      if (!solved) {
+        throw BudgetTooSmall(pipeline_infeasible(cfg, planner, pipe, r.budget, cfg.ac.budget),
+                             planner.min_pipeline_budget(pipe));
+      }
       planned = std::move(*solved);
     }
     r.plan = planned.plan;
@@ -254,17 +259,18 @@ RunPlan plan_run(const Config& cfg, at::ScalarType dtype, const TimeProfile& pro
     }
     return r;
   }
+  if (!cfg.ac.budget.empty()) {
+    r.budget = parse_budget(cfg.ac.budget, budget_reference > 0 ? budget_reference : planner.none_peak());
+  }
   if (saved != nullptr) {
     r.plan = saved->plan;
     r.predicted = planner.predict(r.plan);
-    if (!cfg.ac.budget.empty()) r.budget = parse_budget(cfg.ac.budget, planner.none_peak());
   } else if (cfg.ac.budget.empty()) {
     r.plan = compile_policy(cfg.ac, L, cfg.model.dropout);
     r.predicted = planner.predict(r.plan);
   } else {
-    r.budget = parse_budget(cfg.ac.budget, planner.none_peak());
     auto solved = planner.solve(r.budget);
-    if (!solved) throw std::invalid_argument(planner.infeasible(r.budget, cfg.ac.budget));
+    if (!solved) throw BudgetTooSmall(planner.infeasible(r.budget, cfg.ac.budget), planner.min_feasible_budget());
     r.plan = solved->plan;
     r.predicted = solved->prediction;
   }

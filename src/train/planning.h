@@ -8,10 +8,18 @@
 #include "remat/planner.h"
 #include "train/profile.h"
 
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 namespace remat {
+
+/// What plan_run throws when ac.budget fits no plan: the sentence, and the least budget
+/// that fits (model.attention = auto compares it between the attention ops).
+struct BudgetTooSmall : std::invalid_argument {
+  BudgetTooSmall(const std::string& sentence, int64_t least) : std::invalid_argument(sentence), min_budget(least) {}
+  int64_t min_budget;  ///< bytes: the minimum feasible budget of the run (of every stage, pipelined)
+};
 
 struct RunPlan {
   ActivationPlan plan;
@@ -46,13 +54,14 @@ SavedPlan parse_saved_plan(const std::string& json, int64_t n_layers, int64_t st
 /// Plans `cfg` (vocab_size set) at its train.* shape in `dtype`, one rank's share (under
 /// parallel.zero = 1 the optimizer sharded over parallel.dp ranks); `profile` prices
 /// recompute (and, when measured, the whole step); `resident` bytes (the token corpus)
-/// stay live through every step. Throws std::invalid_argument with the minimum feasible
-/// budget when ac.budget is below it. With parallel.pp stages, every stage is planned (with
+/// stay live through every step. Throws BudgetTooSmall, with the minimum feasible budget,
+/// when ac.budget is below it; `budget_reference` (bytes, 0: this plan's no-recompute peak)
+/// is what a fractional ac.budget ("0.6") is a fraction of. With parallel.pp stages, every stage is planned (with
 /// ac.budget the split and the plans together, Planner::solve_pipeline) and `predicted` is
 /// stage `stage`'s. A `saved` plan (a resumed run's) is predicted as it is, neither
 /// compiled from the policy nor solved again.
 RunPlan plan_run(const Config& cfg, at::ScalarType dtype, const TimeProfile& profile, int64_t resident,
-                 int64_t stage = 0, const SavedPlan* saved = nullptr);
+                 int64_t stage = 0, int64_t budget_reference = 0, const SavedPlan* saved = nullptr);
 
 /// The layers `pred` predicts (a pipeline stage's, or every layer) under `plan`, runs of
 /// consecutive layers planned alike one line each: "  layers 2-4   keeps 1.2 MiB each   drop ...".

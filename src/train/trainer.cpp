@@ -13,6 +13,7 @@
 #include "train/generate.h"
 #include "train/pipeline_step.h"
 #include "train/planning.h"
+#include "train/attention_choice.h"
 #include "train/profile.h"
 #include "train/progress.h"
 #include "train/run_dir.h"
@@ -273,33 +274,42 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
     if (lead) logged = keep_metrics(resume_dir, first_step);
   }
 
-  const Config local = rank_share(cfg);
-  const auto create = [&](StageSpan span) {
-    return Model::create(cfg.model, device, dtype, static_cast<uint64_t>(cfg.run.seed), tensor_ranks, cfg.parallel.sp,
-                         span);
+  Config local = rank_share(cfg);
+  const auto create = [&](const ModelConfig& m, StageSpan span) {
+    return Model::create(m, device, dtype, static_cast<uint64_t>(cfg.run.seed), tensor_ranks, cfg.parallel.sp, span);
   };
   const double matmul_rate =
       measure_matmul_flops(device, dtype, local.train.batch * t.seq, cfg.model.d_model, cfg.model.d_ff);
   // The time profile is measured on the whole model; a pipeline plans before its stage
-  // exists (the planner chooses its layers), from a probe's.
+  // exists (the planner chooses its layers), from a probe's. Under model.attention = auto,
+  // once per op, and the op chosen is written into cfg and local.
   std::unique_ptr<Model> model;
-  TimeProfile profile;
-  if (cfg.ac.profile && pp == 1) {
-    model = create({});
-    profile = rank_time_profile(local, *model, train_ds, ranks.get());
-  } else if (cfg.ac.profile) {
-    profile = probe_time_profile(local, device, dtype, train_ds, ranks.get());
-  } else {
-    profile.times.flops_per_second = matmul_rate;  // recompute priced by FLOPs; no step time
-  }
+  const auto profile_of = [&](const Config& op) {
+    TimeProfile profile;
+    if (cfg.ac.profile && pp == 1) {
+      model.reset();
+      model = create(op.model, {});
+      profile = rank_time_profile(op, *model, train_ds, ranks.get());
+    } else if (cfg.ac.profile) {
+      profile = probe_time_profile(op, device, dtype, train_ds, ranks.get());
+    } else {
+      profile.times.flops_per_second = matmul_rate;  // recompute priced by FLOPs; no step time
+    }
+    return profile;
+  };
   // The token corpus stays in memory (int32) through every step.
   const int64_t corpus_bytes = train_ds.tokens().nbytes() + val_ds.tokens().nbytes();
-  const RunPlan planned = plan_run(local, dtype, profile, corpus_bytes, stage, saved_plan ? &*saved_plan : nullptr);
+  // A resumed run's config names the op its plan was made for (auto is resolved before
+  // config.toml is written).
+  const RunPlan planned = saved_plan
+                              ? plan_run(local, dtype, profile_of(local), corpus_bytes, stage, 0, &*saved_plan)
+                              : plan_run_attention(cfg, local, dtype, profile_of, corpus_bytes, stage);
+  if (model && model->config().attention != cfg.model.attention) model.reset();  // profiled the other op last
   const std::string plan_json = saved_plan_json(planned);
   if (!model) {
     int64_t first = 0;
     for (int64_t s = 0; s < stage; ++s) first += planned.split[static_cast<size_t>(s)];
-    model = create({first, planned.split[static_cast<size_t>(stage)]});
+    model = create(cfg.model, {first, planned.split[static_cast<size_t>(stage)]});
   }
   const ActivationPlan& plan = planned.plan;
   apply_plan(*model, plan, cfg.ac);

@@ -64,10 +64,14 @@ TEST(Config, BadValuesAndShapesAreRefusedWithSentences) {
             "model.d_model (128) must be divisible by model.n_head (3).");
   EXPECT_EQ(error_of([] { load_config("", {"model.dropout=1"}); }), "model.dropout must be in [0, 1), got 1.");
   EXPECT_EQ(error_of([] { load_config("", {"model.attention=flash"}); }),
-            "model.attention must be tiled (online softmax over tiles, keeps one log-sum-exp per row) or math "
-            "(keeps the [T x T] probabilities), got 'flash'.");
+            "model.attention must be tiled (online softmax over tiles, keeps one log-sum-exp per row), math "
+            "(keeps the [T x T] probabilities) or auto (the planner chooses one of them for the run), got 'flash'.");
   EXPECT_EQ(error_of([] { load_config("", {"model.attention_tile=0"}); }), "model.attention_tile must be positive, got 0.");
   EXPECT_EQ(load_config("", {"model.attention=tiled"}).model.attention, Attention::tiled);
+  EXPECT_EQ(load_config("", {"model.attention=auto"}).model.attention, Attention::automatic);
+  // A run's config.toml holds the op resolved; "auto" itself reads back as written.
+  EXPECT_EQ(load_config("", {"model.attention=auto"}).model.attention,
+            load_config("", {"model.attention=" + std::string(attention_name(Attention::automatic))}).model.attention);
   // One measured default: the config's tile is the op's.
   EXPECT_EQ(load_config("", {}).model.attention_tile, ops::AttentionTiles{}.q);
   EXPECT_EQ(ops::AttentionTiles{}.q, ops::AttentionTiles{}.k);

@@ -1,0 +1,127 @@
+#include "train/attention_choice.h"
+
+#include "remat/memory.h"
+#include "train/data_parallel.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <optional>
+
+namespace remat {
+namespace {
+
+using memory::format_bytes;
+
+// One op's planning: its plan, or why none fits.
+struct Planned {
+  Attention attention = Attention::math;
+  std::optional<RunPlan> plan;
+  std::string unfit;   // the planner's sentence when no plan fits
+  int64_t least = 0;   // the minimum feasible budget when no plan fits
+};
+
+Planned plan_with(const Config& local, Attention a, at::ScalarType dtype, const TimeProfile& profile,
+                  int64_t resident, int64_t stage, int64_t reference) {
+  Config c = local;
+  c.model.attention = a;
+  Planned out;
+  out.attention = a;
+  try {
+    out.plan = plan_run(c, dtype, profile, resident, stage, reference);
+  } catch (const BudgetTooSmall& e) {
+    out.unfit = e.what();
+    out.least = e.min_budget;
+  }
+  return out;
+}
+
+int64_t peak(const RunPlan& r) { return *std::max_element(r.stage_peaks.begin(), r.stage_peaks.end()); }
+
+// The op of `a` and `b` (math first) the run takes, with the reason; both planned.
+std::pair<const Planned*, std::string> choose(const Planned& a, const Planned& b) {
+  if (!a.plan && !b.plan) {
+    const Planned& lower = a.least <= b.least ? a : b;
+    throw std::invalid_argument(fmt::format(
+        "model.attention = auto tried both attention ops and no plan of either fits: {} needs a budget of at least "
+        "{}, {} at least {}. With {}: {}", attention_name(a.attention), format_bytes(a.least),
+        attention_name(b.attention), format_bytes(b.least), attention_name(lower.attention), lower.unfit));
+  }
+  if (!a.plan || !b.plan) {
+    const Planned& fits = a.plan ? a : b;
+    const Planned& over = a.plan ? b : a;
+    return {&fits, fmt::format("{}'s least-memory plan peaks at {}, over the {} budget; {}'s plan peaks at {}",
+                               attention_name(over.attention), format_bytes(over.least),
+                               format_bytes(fits.plan->budget), attention_name(fits.attention),
+                               format_bytes(peak(*fits.plan)))};
+  }
+  const RunPlan &ra = *a.plan, &rb = *b.plan;
+  const std::string within =
+      ra.budget > 0 ? fmt::format("both fit the {} budget (peaks {} and {}); ", format_bytes(ra.budget),
+                                  format_bytes(peak(ra)), format_bytes(peak(rb)))
+                    : "";
+  if (ra.step_seconds > 0 && rb.step_seconds > 0) {
+    const Planned& faster = rb.step_seconds < ra.step_seconds ? b : a;
+    const Planned& slower = &faster == &a ? b : a;
+    return {&faster, fmt::format("{}predicted step {:.1f} ms against {}'s {:.1f} ms", within,
+                                 1e3 * faster.plan->step_seconds, attention_name(slower.attention),
+                                 1e3 * slower.plan->step_seconds)};
+  }
+  return {&a, fmt::format("{}without measured step times {}, the faster op on this CPU "
+                          "(README \"Attention\")", within, attention_name(a.attention))};
+}
+
+}  // namespace
+
+RunPlan plan_run_attention(Config& cfg, Config& local, at::ScalarType dtype, const ProfileOf& profile_of,
+                           int64_t resident, int64_t stage) {
+  if (local.model.attention != Attention::automatic) return plan_run(local, dtype, profile_of(local), resident, stage);
+  Config math_cfg = local;
+  math_cfg.model.attention = Attention::math;
+  const TimeProfile math_profile = profile_of(math_cfg);
+  std::string reason;
+  Attention chosen = Attention::math;
+  std::optional<RunPlan> planned;
+  if (local.ac.budget.empty() && !local.ac.profile) {
+    reason = "no ac.budget and no measured step times: math, the faster op on this CPU "
+             "(README \"Attention\")";
+    planned = plan_run(math_cfg, dtype, math_profile, resident, stage);
+  } else {
+    // Both ops are held to the same bytes: a fraction is of math's no-recompute peak.
+    int64_t reference = 0;
+    if (!local.ac.budget.empty()) {
+      Config unbounded = math_cfg;
+      unbounded.ac.budget.clear();
+      reference = plan_run(unbounded, dtype, math_profile, resident, stage).none_peak;
+    }
+    Config tiled_cfg = local;
+    tiled_cfg.model.attention = Attention::tiled;
+    const Planned math = plan_with(local, Attention::math, dtype, math_profile, resident, stage, reference);
+    const Planned tiled = plan_with(local, Attention::tiled, dtype, profile_of(tiled_cfg), resident, stage, reference);
+    const auto [taken, why] = choose(math, tiled);
+    chosen = taken->attention;
+    reason = why;
+    planned = *taken->plan;
+  }
+  cfg.model.attention = local.model.attention = chosen;
+  planned->text = fmt::format("attention: {} (model.attention = auto): {}\n", attention_name(chosen), reason) +
+                  planned->text;
+  return std::move(*planned);
+}
+
+std::string resolve_planned_attention(Config& cfg, at::ScalarType dtype, const std::string& budget,
+                                      int64_t resident) {
+  if (cfg.model.attention != Attention::automatic) return "";
+  Config local = rank_share(cfg);
+  local.ac.budget = budget;
+  local.ac.profile = false;  // FLOPs, not measured times
+  const ProfileOf flops = [](const Config&) {
+    TimeProfile p;
+    p.times.flops_per_second = 1.0;
+    return p;
+  };
+  const RunPlan planned = plan_run_attention(cfg, local, dtype, flops, resident);
+  return planned.text.substr(0, planned.text.find('\n'));
+}
+
+}  // namespace remat

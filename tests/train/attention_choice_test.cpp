@@ -1,0 +1,195 @@
+// model.attention = auto: which op the planner takes and why, and what a run records.
+#include "train/attention_choice.h"
+
+#include "data/test_text.h"
+#include "remat/graph.h"
+#include "remat/model.h"
+#include "remat/trainer.h"
+#include "util/error_of.h"
+#include "util/processes.h"
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+
+namespace remat {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::error_of;
+
+// tiny-gpt2 at 256 positions: math keeps a [2 x 2 x 256 x 256] probability tensor per layer
+// (and dropout's two), tiled one log-sum-exp per row, so only tiled fits a budget between
+// their least peaks.
+Config long_tiny(const std::string& budget, bool profile = false) {
+  Config c = load_config("", {"model.preset=tiny-gpt2", "model.vocab_size=512", "model.max_seq=256", "train.batch=2",
+                              "train.seq=256", "model.attention=auto", "ac.profile=" + std::string(profile ? "true" : "false")});
+  c.ac.budget = budget;
+  return c;
+}
+
+// Every op's time profile: recompute priced at 1 GFLOP/s, the base pass `base` seconds
+// (0: unmeasured); counts the calls per op.
+struct Profiles {
+  std::map<Attention, double> base;
+  std::map<Attention, int> calls;
+  ProfileOf of() {
+    return [this](const Config& c) {
+      EXPECT_NE(c.model.attention, Attention::automatic);
+      ++calls[c.model.attention];
+      TimeProfile p;
+      p.times.flops_per_second = 1e9;
+      p.base_seconds = base[c.model.attention];
+      return p;
+    };
+  }
+};
+
+// The least budget `cfg` plans in with attention op `a` (the planner's minimum feasible).
+int64_t least_budget(Config cfg, Attention a) {
+  cfg.model.attention = a;
+  cfg.ac.budget = "1KiB";
+  TimeProfile p;
+  p.times.flops_per_second = 1e9;
+  try {
+    plan_run(cfg, at::kFloat, p, 0);
+  } catch (const BudgetTooSmall& e) {
+    return e.min_budget;
+  }
+  ADD_FAILURE() << "1 KiB fits a plan";
+  return 0;
+}
+
+// A budget halfway between tiled's least peak and math's, in bytes.
+std::string only_tiled_fits() {
+  const Config c = long_tiny("");
+  const int64_t math = least_budget(c, Attention::math), tiled = least_budget(c, Attention::tiled);
+  EXPECT_LT(tiled + (1 << 20), math);  // at least a MiB apart: the corpus a run adds does not matter
+  return std::to_string((math + tiled) / 2);
+}
+
+TEST(AttentionChoice, TakesTiledWhenOnlyItsPlansFitTheBudget) {
+  const std::string budget = only_tiled_fits();
+  Config cfg = long_tiny(budget), local = cfg;
+  Profiles profiles;
+  const RunPlan r = plan_run_attention(cfg, local, at::kFloat, profiles.of(), 0);
+  EXPECT_EQ(cfg.model.attention, Attention::tiled);
+  EXPECT_EQ(local.model.attention, Attention::tiled);
+  EXPECT_EQ(r.text.rfind("attention: tiled (model.attention = auto): math's least-memory plan peaks at ", 0), 0u)
+      << r.text;
+  EXPECT_NE(r.text.find("over the "), std::string::npos);
+  EXPECT_EQ(r.budget, std::stoll(budget));
+  EXPECT_LE(r.predicted.peak, r.budget);
+  EXPECT_EQ(profiles.calls[Attention::math], 1);
+  EXPECT_EQ(profiles.calls[Attention::tiled], 1);
+}
+
+TEST(AttentionChoice, TakesMathWhereBothFitWithoutMeasuredTimes) {
+  Config cfg = long_tiny("1GiB"), local = cfg;
+  Profiles profiles;
+  const RunPlan r = plan_run_attention(cfg, local, at::kFloat, profiles.of(), 0);
+  EXPECT_EQ(cfg.model.attention, Attention::math);
+  EXPECT_EQ(r.text.rfind("attention: math (model.attention = auto): both fit the 1.00 GiB budget (peaks ", 0), 0u)
+      << r.text;
+  EXPECT_NE(r.text.find("without measured step times math"), std::string::npos) << r.text;
+}
+
+TEST(AttentionChoice, WithoutBudgetOrProfileTakesMathWithoutPlanningTiled) {
+  Config cfg = long_tiny(""), local = cfg;
+  Profiles profiles;
+  const RunPlan r = plan_run_attention(cfg, local, at::kFloat, profiles.of(), 0);
+  EXPECT_EQ(cfg.model.attention, Attention::math);
+  EXPECT_EQ(r.text.rfind("attention: math (model.attention = auto): no ac.budget and no measured step times", 0), 0u)
+      << r.text;
+  EXPECT_EQ(profiles.calls[Attention::math], 1);
+  EXPECT_EQ(profiles.calls.count(Attention::tiled), 0u);
+}
+
+TEST(AttentionChoice, MeasuredTimesTakeTheLowerPredictedStep) {
+  for (const std::string budget : {"", "1GiB"}) {
+    for (const bool tiled_faster : {false, true}) {
+      Config cfg = long_tiny(budget, /*profile=*/true), local = cfg;
+      Profiles profiles;
+      profiles.base[Attention::math] = tiled_faster ? 0.3 : 0.2;
+      profiles.base[Attention::tiled] = tiled_faster ? 0.2 : 0.3;
+      const RunPlan r = plan_run_attention(cfg, local, at::kFloat, profiles.of(), 0);
+      const Attention faster = tiled_faster ? Attention::tiled : Attention::math;
+      EXPECT_EQ(cfg.model.attention, faster) << budget;
+      EXPECT_NE(r.text.find(fmt::format("predicted step {:.1f} ms against {}'s {:.1f} ms", 1e3 * r.step_seconds,
+                                        tiled_faster ? "math" : "tiled", 1e3 * r.step_seconds + 100)),
+                std::string::npos)
+          << r.text;
+    }
+  }
+}
+
+TEST(AttentionChoice, NeitherFittingGivesTiledsSentenceSayingBothWereTried) {
+  Config cfg = long_tiny("64KiB"), local = cfg;
+  Profiles profiles;
+  const std::string e =
+      error_of<std::invalid_argument>([&] { plan_run_attention(cfg, local, at::kFloat, profiles.of(), 0); });
+  EXPECT_EQ(e.rfind("model.attention = auto tried both attention ops and no plan of either fits: math needs a budget "
+                    "of at least ", 0), 0u) << e;
+  EXPECT_NE(e.find(". With tiled: The memory budget 64.00 KiB (64KiB) is below the minimum feasible"),
+            std::string::npos) << e;
+  EXPECT_EQ(cfg.model.attention, Attention::automatic);
+}
+
+TEST(AttentionChoice, ANamedOpIsPlannedAsItIs) {
+  Config cfg = long_tiny("");
+  cfg.model.attention = Attention::tiled;
+  Config local = cfg;
+  Profiles profiles;
+  const RunPlan r = plan_run_attention(cfg, local, at::kFloat, profiles.of(), 0);
+  EXPECT_EQ(cfg.model.attention, Attention::tiled);
+  EXPECT_EQ(r.text.find("attention:"), std::string::npos);
+  EXPECT_EQ(profiles.calls[Attention::tiled], 1);
+  EXPECT_EQ(resolve_planned_attention(cfg, at::kFloat, "1GiB", 0), "");
+}
+
+TEST(AttentionChoice, PlanCommandsChoiceIsTheRunsOnFlops) {
+  Config cfg = long_tiny("");
+  EXPECT_EQ(resolve_planned_attention(cfg, at::kFloat, only_tiled_fits(), 0)
+                .rfind("attention: tiled (model.attention = auto): math's least-memory plan peaks at ", 0),
+            0u);
+  EXPECT_EQ(cfg.model.attention, Attention::tiled);
+  cfg.model.attention = Attention::automatic;
+  EXPECT_NE(resolve_planned_attention(cfg, at::kFloat, "", 0).find("no ac.budget"), std::string::npos);
+  EXPECT_EQ(cfg.model.attention, Attention::math);
+}
+
+TEST(AttentionChoice, NothingIsBuiltWithTheChoiceUnresolved) {
+  const Config cfg = long_tiny("");
+  const std::string e = error_of<c10::Error>([&] { Model::create(cfg.model, at::kCPU, at::kFloat, 1); });
+  EXPECT_NE(e.find("model.attention = auto names no attention op"), std::string::npos) << e;
+  EXPECT_NE(error_of<c10::Error>([] { graph::op::attention(Attention::automatic); }).find("resolves it"),
+            std::string::npos);
+}
+
+// A training run under a budget only tiled fits: it trains with tiled within the budget,
+// says so before training and in plan.txt, and its config.toml names tiled.
+TEST(AttentionChoice, ARunTakesTiledUnderABudgetOnlyItFitsAndRecordsIt) {
+  const fs::path dir = testing::test_dir("remat-attention-auto-");
+  std::ofstream(dir / "corpus.txt") << testing::make_text(600);
+  Config cfg = load_config("", {"model.preset=tiny-gpt2", "model.vocab_size=0", "model.max_seq=256",
+                                "model.attention=auto", "train.steps=2", "train.batch=2", "train.seq=256",
+                                "train.warmup=1", "train.eval_every=0", "train.eval_batches=1", "data.vocab_size=512",
+                                "data.text=" + (dir / "corpus.txt").string(), "data.dir=" + (dir / "data").string(),
+                                "run.out_dir=" + (dir / "runs").string(), "run.threads=1", "run.sample_tokens=0",
+                                "run.progress=false", "ac.budget=" + only_tiled_fits()});
+  const TrainSummary s = train(cfg);
+  EXPECT_GT(s.peak_bytes, 0);
+  EXPECT_LE(s.peak_bytes, s.budget_bytes);
+  EXPECT_LE(s.predicted_peak_bytes, s.budget_bytes);
+  EXPECT_EQ(load_config((fs::path(s.run_dir) / "config.toml").string(), {}).model.attention, Attention::tiled);
+  EXPECT_EQ(testing::read_text(fs::path(s.run_dir) / "plan.txt")
+                .rfind("attention: tiled (model.attention = auto): math's least-memory plan peaks at ", 0),
+            0u);
+  fs::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace remat
