@@ -171,7 +171,7 @@ TEST(AttentionChoice, NothingIsBuiltWithTheChoiceUnresolved) {
 
 // A training run under a budget only tiled fits: it trains with tiled within the budget,
 // says so before training and in plan.txt, and its config.toml names tiled.
-TEST(AttentionChoice, ARunTakesTiledUnderABudgetOnlyItFitsAndRecordsIt) {
+TEST(AttentionChoiceRun, TakesTiledUnderABudgetOnlyItFitsAndRecordsIt) {
   const fs::path dir = testing::test_dir("remat-attention-auto-");
   std::ofstream(dir / "corpus.txt") << testing::make_text(600);
   Config cfg = load_config("", {"model.preset=tiny-gpt2", "model.vocab_size=0", "model.max_seq=256",
