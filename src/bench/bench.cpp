@@ -249,17 +249,13 @@ BenchResult run_bench(const BenchOptions& o) {
     if (const auto found = profiles.find(a); found != profiles.end()) return found->second;
     Config probed = local;
     probed.model.attention = a;
-    TimeProfile profile;
-    if (common.ac.profile && common.parallel.pp == 1) {
-      auto probe = create_model(probed, device, dtype, ranks.get());
-      profile = rank_time_profile(probed, *probe, train_ds, ranks.get());
-    } else if (common.ac.profile) {
-      profile = probe_time_profile(probed, device, dtype, train_ds, ranks.get());
-    } else {
-      profile.times.flops_per_second = measure_matmul_flops(device, dtype, local.train.batch * local.train.seq,
-                                                            common.model.d_model, common.model.d_ff);
-    }
-    return profiles[a] = profile;
+    const double matmul_rate = probed.ac.profile ? 0.0
+                                                 : measure_matmul_flops(device, dtype,
+                                                                        local.train.batch * local.train.seq,
+                                                                        common.model.d_model, common.model.d_ff);
+    std::unique_ptr<Model> probe;  // freed once measured
+    return profiles[a] = run_time_profile(probed, device, dtype, train_ds, ranks.get(), matmul_rate,
+                                          [&] { return create_model(probed, device, dtype, ranks.get()); }, probe);
   };
   const int64_t resident = train_ds.tokens().nbytes();
   for (size_t i = 0; i < prepared.size(); ++i) {

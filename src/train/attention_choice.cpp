@@ -74,8 +74,10 @@ std::pair<const Planned*, std::string> choose(const Planned& a, const Planned& b
 }  // namespace
 
 RunPlan plan_run_attention(Config& cfg, Config& local, at::ScalarType dtype, const ProfileOf& profile_of,
-                           int64_t resident, int64_t stage) {
-  if (local.model.attention != Attention::automatic) return plan_run(local, dtype, profile_of(local), resident, stage);
+                           int64_t resident, int64_t stage, const SavedPlan* saved) {
+  if (local.model.attention != Attention::automatic) {
+    return plan_run(local, dtype, profile_of(local), resident, stage, 0, saved);
+  }
   Config math_cfg = local;
   math_cfg.model.attention = Attention::math;
   const TimeProfile math_profile = profile_of(math_cfg);

@@ -28,8 +28,10 @@ using ProfileOf = std::function<TimeProfile(const Config& local)>;
 /// The plan's text then begins with a line naming the op and why ("attention: tiled
 /// (model.attention = auto): math's least-memory plan peaks at 812 MiB, over the 300 MiB
 /// budget"). Every rank of a job calls this alike, with profiles alike (rank 0's times).
+/// A `saved` plan (a resumed run's) is for a named op (its config.toml names the op auto
+/// chose) and is predicted as it is (plan_run).
 RunPlan plan_run_attention(Config& cfg, Config& local, at::ScalarType dtype, const ProfileOf& profile_of,
-                           int64_t resident, int64_t stage = 0);
+                           int64_t resident, int64_t stage = 0, const SavedPlan* saved = nullptr);
 
 /// `remat plan`'s choice: resolves `cfg`'s model.attention = auto as plan_run_attention
 /// does for `budget` (as the user wrote it; empty: none), pricing time in FLOPs (so without

@@ -256,4 +256,18 @@ TimeProfile probe_time_profile(const Config& cfg, at::Device device, at::ScalarT
   return p;
 }
 
+TimeProfile run_time_profile(const Config& cfg, at::Device device, at::ScalarType dtype,
+                             const data::TokenDataset& data, dist::Comm* ranks, double matmul_rate,
+                             const std::function<std::unique_ptr<Model>()>& create, std::unique_ptr<Model>& model) {
+  if (cfg.ac.profile && cfg.parallel.pp == 1) {
+    model.reset();
+    model = create();
+    return rank_time_profile(cfg, *model, data, ranks);
+  }
+  if (cfg.ac.profile) return probe_time_profile(cfg, device, dtype, data, ranks);
+  TimeProfile profile;
+  profile.times.flops_per_second = matmul_rate;
+  return profile;
+}
+
 }  // namespace remat

@@ -10,6 +10,8 @@
 #include "remat/dist.h"
 #include "remat/model.h"
 
+#include <functional>
+#include <memory>
 #include <string>
 
 namespace remat {
@@ -60,5 +62,14 @@ TimeProfile rank_time_profile(const Config& cfg, Model& model, const data::Token
 /// times are the probe's, not a stage's (scale the optimizer's by optimizer_bytes).
 TimeProfile probe_time_profile(const Config& cfg, at::Device device, at::ScalarType dtype,
                                const data::TokenDataset& data, dist::Comm* ranks);
+
+/// The profile a run of `cfg` (a rank_share) plans from, as `remat train` and `remat bench`
+/// take it: under ac.profile, rank_time_profile on the whole model `create` builds, left in
+/// `model` for the caller to train (the one there before is freed first), or, with
+/// pipeline stages, probe_time_profile; without ac.profile, `matmul_rate` alone, which
+/// prices recompute by FLOPs and predicts no step time.
+TimeProfile run_time_profile(const Config& cfg, at::Device device, at::ScalarType dtype,
+                             const data::TokenDataset& data, dist::Comm* ranks, double matmul_rate,
+                             const std::function<std::unique_ptr<Model>()>& create, std::unique_ptr<Model>& model);
 
 }  // namespace remat

@@ -284,26 +284,14 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   // exists (the planner chooses its layers), from a probe's. Under model.attention = auto,
   // once per op, and the op chosen is written into cfg and local.
   std::unique_ptr<Model> model;
-  const auto profile_of = [&](const Config& op) {
-    TimeProfile profile;
-    if (cfg.ac.profile && pp == 1) {
-      model.reset();
-      model = create(op.model, {});
-      profile = rank_time_profile(op, *model, train_ds, ranks.get());
-    } else if (cfg.ac.profile) {
-      profile = probe_time_profile(op, device, dtype, train_ds, ranks.get());
-    } else {
-      profile.times.flops_per_second = matmul_rate;  // recompute priced by FLOPs; no step time
-    }
-    return profile;
+  const ProfileOf profile_of = [&](const Config& op) {
+    return run_time_profile(op, device, dtype, train_ds, ranks.get(), matmul_rate,
+                            [&] { return create(op.model, {}); }, model);
   };
   // The token corpus stays in memory (int32) through every step.
   const int64_t corpus_bytes = train_ds.tokens().nbytes() + val_ds.tokens().nbytes();
-  // A resumed run's config names the op its plan was made for (auto is resolved before
-  // config.toml is written).
-  const RunPlan planned = saved_plan
-                              ? plan_run(local, dtype, profile_of(local), corpus_bytes, stage, 0, &*saved_plan)
-                              : plan_run_attention(cfg, local, dtype, profile_of, corpus_bytes, stage);
+  const RunPlan planned = plan_run_attention(cfg, local, dtype, profile_of, corpus_bytes, stage,
+                                             saved_plan ? &*saved_plan : nullptr);
   if (model && model->config().attention != cfg.model.attention) model.reset();  // profiled the other op last
   const std::string plan_json = saved_plan_json(planned);
   if (!model) {
