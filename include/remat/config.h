@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "remat/attention.h"
 #include "remat/pipeline.h"
 #include "remat/policy.h"
 
@@ -22,17 +23,6 @@ namespace remat {
 enum class Arch { gpt2, llama };
 /// "gpt2" / "llama", as configs spell it.
 const char* arch_name(Arch a);
-
-/// How a block computes causal attention: `math` materialises the [T x T] scores and keeps
-/// the probabilities (and dropout mask) for the backward (remat/ops/attention.h); `tiled`
-/// computes over tiles with an online softmax, keeps one log-sum-exp per row and recomputes
-/// the probabilities tile by tile in the backward (remat/ops/tiled_attention.h).
-/// `automatic` ("auto") leaves the choice to the planner (src/train/attention_choice.h):
-/// commands resolve it to math or tiled before anything is built or planned, and building
-/// a block with it unresolved throws.
-enum class Attention { math, tiled, automatic };
-/// "math" / "tiled" / "auto", as configs spell it.
-const char* attention_name(Attention a);
 
 /// How the loss head gets the gradient of its [tokens x vocab] logits, a chunk at a time
 /// (remat/ops/cross_entropy.h): `fused` computes it in the forward, as soon as a chunk's

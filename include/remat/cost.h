@@ -16,6 +16,7 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <set>
 #include <string>
 #include <vector>
@@ -88,6 +89,8 @@ struct StepConstants {
                                ///< the updated parameters is in place and adds none)
 };
 
+struct OtherAttention;
+
 /// Times of the nodes, seconds per execution at the step's shapes (a measured profile),
 /// or empty to price them by FLOPs.
 struct NodeTimes {
@@ -101,6 +104,19 @@ struct NodeTimes {
   /// The all-gather of a block input kept as shares (graph::kInputGather), measured; 0
   /// when the profile has none (FLOPs price no collective).
   double input_gather_seconds() const;
+  /// The attention op a plan may run in some layers instead of the model's
+  /// (LayerPlan::attention), with its own times; null: every layer runs the model's op.
+  std::shared_ptr<const OtherAttention> other_attention;
+};
+
+/// The other attention op of a per-layer choice (model.attention = auto), priced from its
+/// own time profile: a layer running it takes `pass_delta` seconds more (less, when
+/// negative) for its forward and backward than with the model's op, and its recomputes
+/// take `times`.
+struct OtherAttention {
+  Attention op = Attention::tiled;
+  NodeTimes times;
+  double pass_delta = 0;
 };
 
 /// A layer's plan priced: what it keeps and what its backward recomputes and peaks at.
@@ -129,6 +145,9 @@ struct StepPrediction {
   double recompute_seconds = 0; ///< per step
   std::map<std::string, int64_t> ops;  ///< per step
   int64_t recomputed_bytes = 0; ///< per microbatch
+  /// Per step: the forward and backward time the layers running the other attention op
+  /// (LayerPlan::attention) take beyond the model's op in them (OtherAttention::pass_delta).
+  double attention_seconds = 0;
 };
 
 /// Prices one layer's slot choice. `dropped`: slots recomputed; `early_stop` as the store's;
@@ -144,7 +163,8 @@ StepConstants step_constants(const ModelConfig& cfg, const StepShape& shape);
 
 /// Simulates a whole training step (every microbatch, then the optimizer) under `plan`
 /// (one LayerPlan per layer of the model; a pipeline stage reads its own, and none of its
-/// uniform chunks may begin below it). With microbatches in flight, each point of the
+/// uniform chunks may begin below it). A layer whose plan names another attention op is
+/// its graph with that op, priced by times.other_attention (required then). With microbatches in flight, each point of the
 /// step but the optimizer's has the others' kept activations beside it.
 StepPrediction predict_step(const ModelConfig& cfg, const StepShape& shape, const ActivationPlan& plan,
                             bool early_stop, const NodeTimes& times);

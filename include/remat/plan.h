@@ -6,7 +6,10 @@
 // one structure; the engine executes only this.
 #pragma once
 
+#include "remat/attention.h"
+
 #include <cstdint>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -85,6 +88,11 @@ struct LayerPlan {
   /// from its last forward reader on, and all-gathered at the start of the layer's backward
   /// (or of its chunk's recompute). Only for a layer that keeps its input.
   bool input_sharded = false;
+  /// model.attention = auto chosen per layer: the attention op this layer runs where it is
+  /// not the model's (ModelConfig::attention, math or tiled); unset: the model's. The
+  /// planner sets it only with both ops' measured times, and never in a uniform chunk
+  /// (a chunk's layers run the model's op).
+  std::optional<Attention> attention;
   bool keeps_all() const { return dropped.empty() && chunk_begin < 0 && !input_sharded; }
 };
 

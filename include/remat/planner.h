@@ -1,7 +1,8 @@
 // The planner: a memory budget in bytes becomes the fastest activation plan that fits.
 //
 // Per layer it prices every keep-set of the block's slots with the cost model (bytes
-// kept, the peak of that layer's backward with its recompute, recompute time), under
+// kept, the peak of that layer's backward with its recompute, recompute time), with both
+// attention ops where the times price the other one (model.attention = auto), under
 // tensor parallelism without sequence parallelism each also with the block input kept as
 // a share per rank (Megatron's distribute_saved_activations, priced by the measured
 // all-gather), and keeps the Pareto frontier. Across layers a dynamic program over (bytes kept by the layers
@@ -39,12 +40,16 @@ struct LayerOption {
   std::set<std::string> dropped;
   cost::LayerCost cost;
   bool input_sharded = false;  ///< LayerPlan::input_sharded
+  std::optional<Attention> attention;  ///< LayerPlan::attention: the other attention op, or unset
+  /// What the option adds to the step: its recompute, and with the other attention op the
+  /// difference of its pass (cost::OtherAttention::pass_delta).
+  double seconds = 0;
 };
 
 /// A point of the memory/time frontier.
 struct FrontierPoint {
   int64_t peak = 0;
-  double recompute_seconds = 0;
+  double recompute_seconds = 0;  ///< with, per layer, the other attention op's pass difference (auto)
   std::string label;  ///< the policy, or "budget" for solved plans
 };
 
@@ -89,7 +94,8 @@ class Planner {
   int64_t min_feasible_budget() const;
   /// Predicted peak with no recompute.
   int64_t none_peak() const;
-  /// The per-layer frontier (Pareto over kept bytes, backward peak and recompute time).
+  /// The per-layer frontier (Pareto over kept bytes, the layer's highest point forward or
+  /// backward, and LayerOption::seconds).
   const std::vector<LayerOption>& layer_frontier() const { return frontier_; }
   /// Solved plans from the minimum feasible budget to the no-recompute peak, `points`
   /// budgets apart, Pareto-filtered.
@@ -100,6 +106,7 @@ class Planner {
   /// Predicts the step of any plan (for the manual policies on the frontier).
   cost::StepPrediction predict(const ActivationPlan& plan) const;
 
+  /// The block of the model's attention op.
   const graph::BlockGraph& block() const { return block_; }
 
   /// The fastest pipeline plan whose every stage's predicted peak is at most `budget`
@@ -147,6 +154,9 @@ class Planner {
   graph::BlockGraph block_;
   std::vector<LayerOption> frontier_;
   LayerOption whole_;  ///< nothing dropped (what a chunk rebuilds per layer)
+  /// With the other attention op priced (NodeTimes::other_attention): the model's op, which
+  /// the plan names in the layers that run it; else unset.
+  std::optional<Attention> per_layer_op_;
   int64_t emb_base_ = 0;     ///< statics + embedding, under every layer
   int64_t head_peak_ = 0;    ///< the loss head's live bytes above the kept layers
   int64_t fixed_peak_ = 0;   ///< peaks that do not depend on the plan (embedding, optimizer)

@@ -155,6 +155,7 @@ int plan_pipeline(const Config& cfg, const PlanArgs& args, const Planner& planne
                           {"dropped", lp.dropped},
                           {"chunk_begin", lp.chunk_begin < 0 ? -1 : lp.chunk_begin + 1},
                           {"input_sharded", lp.input_sharded},
+                          {"attention", attention_name(lp.attention.value_or(m.attention))},
                           {"kept_bytes", p.layers[i].kept}});
       }
       stages.push_back({{"stage", s + 1},
@@ -315,6 +316,7 @@ int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
                         {"dropped", plan.layers[l].dropped},
                         {"chunk_begin", plan.layers[l].chunk_begin < 0 ? -1 : plan.layers[l].chunk_begin + 1},
                         {"input_sharded", plan.layers[l].input_sharded},
+                        {"attention", attention_name(plan.layers[l].attention.value_or(m.attention))},
                         {"kept_bytes", pred.layers[l].kept},
                         {"recompute_flops", pred.layers[l].recompute_flops}});
     }

@@ -183,9 +183,9 @@ std::unique_ptr<Microbatch> TransformerModel::forward(const at::Tensor& input, c
   const auto [B, T] = check_input(input, targets);
   const Weights& W = compute_weights();
   auto mb = std::make_unique<TransformerMicrobatch>(this, ctx);
-  mb->block_shape = &shaped(Part::block, B, T, 0, sp_);
-  const GraphShape& blk = *mb->block_shape;
+  for (int64_t l = stage_.first; l < end_layer(); ++l) mb->block_shapes.push_back(&shaped(Part::block, B, T, 0, sp_, l));
   if (!first_stage()) {
+    const GraphShape& blk = *mb->block_shapes.front();
     const graph::TensorInfo& in = blk.graph.values[static_cast<size_t>(blk.graph.input)].info;
     TORCH_CHECK(input.sizes() == at::IntArrayRef(in.sizes) && input.scalar_type() == in.dtype,
                 "[model] the stage's input must be the previous stage's output ", at::IntArrayRef(in.sizes), " ",
@@ -206,6 +206,7 @@ std::unique_ptr<Microbatch> TransformerModel::forward(const at::Tensor& input, c
   }
   for (int64_t l = stage_.first; l < end_layer(); ++l) {
     const trace::Scope layer_scope("forward", trace::Category::layer, l);
+    const GraphShape& blk = *mb->block_shapes[static_cast<size_t>(l - stage_.first)];
     Engine e = engine(blk, W, W.layers[l - stage_.first], false, l, ctx, store_.get());
     mb->layers.push_back(std::make_unique<Run>(blk.graph, blk.lifetimes, keeps(l), true, hold(l)));
     x = mb->layers.back()->forward(e, std::move(x));
@@ -241,7 +242,7 @@ at::Tensor TransformerModel::backward(Microbatch& handle, at::Tensor dy, double 
   TORCH_CHECK(mb != nullptr && mb->model == this, "[model] backward of a microbatch another model's forward made");
   TORCH_CHECK(!mb->consumed, "[model] the microbatch's backward already ran; it runs once");
   if (!last_stage()) {
-    const graph::BlockGraph& g = mb->block_shape->graph;
+    const graph::BlockGraph& g = mb->block_shapes.back()->graph;
     const graph::TensorInfo& out = g.values[static_cast<size_t>(g.output)].info;
     TORCH_CHECK(dy.defined(), "[model] a stage before the last needs the gradient of its output");
     TORCH_CHECK(dy.sizes() == at::IntArrayRef(out.sizes) && dy.scalar_type() == out.dtype,
@@ -254,7 +255,6 @@ at::Tensor TransformerModel::backward(Microbatch& handle, at::Tensor dy, double 
   const PoolDrain drain{store_ != nullptr && store_->options().pool};
   const Weights& W = compute_weights();
   const StepContext& ctx = mb->ctx;
-  const GraphShape& blk = *mb->block_shape;
 
   std::optional<trace::Scope> scope;
   at::Tensor dx = std::move(dy);
@@ -278,6 +278,7 @@ at::Tensor TransformerModel::backward(Microbatch& handle, at::Tensor dy, double 
   for (int64_t l = end_layer() - 1; l >= stage_.first; --l) {
     const trace::Scope layer_scope("backward", trace::Category::layer, l);
     auto& run = mb->layers[static_cast<size_t>(l - stage_.first)];
+    const GraphShape& blk = *mb->block_shapes[static_cast<size_t>(l - stage_.first)];
     if (!run->value(blk.graph.input).defined()) recompute_chunk(blk, l, ctx, mb->layers);
     Engine e = engine(blk, W, W.layers[l - stage_.first], true, l, ctx, store_.get());
     dx = run->backward(e, std::move(dx));
@@ -326,9 +327,10 @@ at::Tensor TransformerModel::last_logits(const at::Tensor& tokens) {
 }
 
 double TransformerModel::forward_flops(int64_t seq) const {
-  return (first_stage() ? graph_of(Part::embed, 1, seq).forward_flops() : 0.0) +
-         static_cast<double>(stage_.count) * graph_of(Part::block, 1, seq).forward_flops() +
-         (last_stage() ? graph_of(Part::head, 1, seq, seq).forward_flops() : 0.0);
+  double flops = (first_stage() ? graph_of(Part::embed, 1, seq).forward_flops() : 0.0) +
+                 (last_stage() ? graph_of(Part::head, 1, seq, seq).forward_flops() : 0.0);
+  for (int64_t l = stage_.first; l < end_layer(); ++l) flops += graph_of(Part::block, 1, seq, 0, false, l).forward_flops();
+  return flops;
 }
 
 void TransformerModel::set_activation_plan(const ActivationPlan& plan, const StoreOptions& options) {
@@ -347,18 +349,29 @@ void TransformerModel::set_activation_plan(const ActivationPlan& plan, const Sto
                 "The activation plan keeps block inputs as a share per tensor-parallel rank "
                 "(distribute_saved_activations), which needs parallel.tp > 1 without parallel.sp; this model runs "
                 "with tp = ", tp_size(), sp_ ? " and sequence parallelism" : "", ".");
+    TORCH_CHECK(!lp.attention || *lp.attention != Attention::automatic, "The activation plan leaves layer ", l + 1,
+                "'s attention op to be chosen (auto); a plan names math or tiled.");
+    const bool chunked = lp.chunk_begin >= 0 || (l + 1 < cfg_.n_layer && plan.layers[l + 1].chunk_begin == l);
+    TORCH_CHECK(!chunked || !lp.attention || *lp.attention == cfg_.attention, "The activation plan runs ",
+                attention_name(*lp.attention), " attention in layer ", l + 1, ", which is in a uniform chunk; a "
+                "chunk's layers run the model's attention op (", attention_name(cfg_.attention), ").");
   }
+  attention_.clear();
+  for (const LayerPlan& lp : plan.layers) {
+    if (lp.attention && *lp.attention != cfg_.attention) attention_.resize(plan.layers.size());
+  }
+  for (size_t l = 0; l < attention_.size(); ++l) attention_[l] = plan.layers[l].attention;
   store_ = any ? std::make_unique<ActivationStore>(plan, options, stage_.first, end_layer()) : nullptr;
 }
 
 ActivationBytes TransformerModel::predict_activation_bytes(int64_t B, int64_t T) const {
   // The graphs' saved values: the blocks' by the slot table (the planner prices the same).
-  const graph::BlockGraph g = graph_of(Part::block, B, T, 0, sp_);
   ActivationBytes out;
   if (first_stage()) out.embedding = graph_of(Part::embed, B, T, 0, sp_).saved_bytes();
   if (last_stage()) out.head = graph_of(Part::head, B, T, 1, sp_).saved_bytes();
   for (int64_t l = stage_.first; l < end_layer(); ++l) {
-    out.blocks.push_back(g.kept_bytes(keeps(l), hold(l) == graph::InputHold::sharded));
+    out.blocks.push_back(
+        graph_of(Part::block, B, T, 0, sp_, l).kept_bytes(keeps(l), hold(l) == graph::InputHold::sharded));
   }
   return out;
 }
@@ -387,21 +400,31 @@ void TransformerModel::check_whole(const char* what) const {
               stage_.first + 1, " to ", end_layer(), " (counted from 1) of ", cfg_.n_layer, ".");
 }
 
-graph::BlockGraph TransformerModel::graph_of(Part p, int64_t B, int64_t T, int64_t chunk, bool sp) const {
+Attention TransformerModel::attention(int64_t l) const {
+  return l >= 0 && l < static_cast<int64_t>(attention_.size()) && attention_[static_cast<size_t>(l)]
+             ? *attention_[static_cast<size_t>(l)]
+             : cfg_.attention;
+}
+
+graph::BlockGraph TransformerModel::graph_of(Part p, int64_t B, int64_t T, int64_t chunk, bool sp, int64_t l) const {
   switch (p) {
     case Part::embed:
       return graph::tensor_parallel(decl_.embed(cfg_, B, T, compute_dtype_), decl_.tp_plan, tp_size(), sp);
-    case Part::block:
-      return graph::tensor_parallel(decl_.block(cfg_, B, T, compute_dtype_), decl_.tp_plan, tp_size(), sp);
+    case Part::block: {
+      ModelConfig c = cfg_;
+      c.attention = attention(l);
+      return graph::tensor_parallel(decl_.block(c, B, T, compute_dtype_), decl_.tp_plan, tp_size(), sp);
+    }
     case Part::head:
       return graph::tensor_parallel(decl_.head(cfg_, B, T, compute_dtype_, chunk), decl_.tp_plan, tp_size(), sp);
   }
   TORCH_INTERNAL_ASSERT(false, "unknown part");
 }
 
-const GraphShape& TransformerModel::shaped(Part p, int64_t B, int64_t T, int64_t chunk, bool sp) {
-  auto& slot = parts_[{p, B, T, chunk, sp}];
-  if (!slot) slot = std::make_unique<GraphShape>(graph_of(p, B, T, chunk, sp));
+const GraphShape& TransformerModel::shaped(Part p, int64_t B, int64_t T, int64_t chunk, bool sp, int64_t l) {
+  const Attention op = p == Part::block ? attention(l) : cfg_.attention;
+  auto& slot = parts_[{p, B, T, chunk, sp, op}];
+  if (!slot) slot = std::make_unique<GraphShape>(graph_of(p, B, T, chunk, sp, l));
   return *slot;
 }
 
@@ -467,7 +490,6 @@ at::Tensor TransformerModel::blocks_output(const at::Tensor& input) {
   const Weights& W = compute_weights();
   const StepContext none;
   const int64_t B = input.size(0), T = input.size(1);
-  const GraphShape& blk = shaped(Part::block, B, T);
   const std::vector<bool> keep_none(kSlotCount, false);
   at::Tensor x = input;
   if (first_stage()) {
@@ -476,6 +498,7 @@ at::Tensor TransformerModel::blocks_output(const at::Tensor& input) {
     x = Run(emb.graph, emb.lifetimes, keep_none, /*training=*/false).forward(ee, input);
   }
   for (int64_t l = stage_.first; l < end_layer(); ++l) {
+    const GraphShape& blk = shaped(Part::block, B, T, 0, false, l);
     Engine e = engine(blk, W, W.layers[l - stage_.first], false, l, none, nullptr, /*train=*/false);
     x = Run(blk.graph, blk.lifetimes, keep_none, /*training=*/false).forward(e, std::move(x));
   }

@@ -138,7 +138,7 @@ struct TransformerMicrobatch final : Microbatch {
   const TransformerModel* model;  ///< whose forward made it
   StepContext ctx;
   const GraphShape* embed_shape = nullptr;
-  const GraphShape* block_shape = nullptr;
+  std::vector<const GraphShape*> block_shapes;  ///< the stage's layers', from its first
   const GraphShape* head_shape = nullptr;
   std::unique_ptr<Run> embed;
   std::vector<std::unique_ptr<Run>> layers;  ///< the stage's layers, from its first
@@ -183,10 +183,13 @@ class TransformerModel final : public Model {
   // The stage's end layer (one past its last).
   int64_t end_layer() const { return stage_.first + stage_.count; }
   // A part's graph at [B, T] (the head's also per chunk) as this rank runs it; `sp`: with
-  // the sequence parallelism a training step runs (Model::sequence_parallel).
-  graph::BlockGraph graph_of(Part p, int64_t B, int64_t T, int64_t chunk = 0, bool sp = false) const;
+  // the sequence parallelism a training step runs (Model::sequence_parallel); the block's
+  // as layer l runs it (its attention op: LayerPlan::attention), -1: with the model's op.
+  graph::BlockGraph graph_of(Part p, int64_t B, int64_t T, int64_t chunk = 0, bool sp = false, int64_t l = -1) const;
   // The same, built once per shape.
-  const GraphShape& shaped(Part p, int64_t B, int64_t T, int64_t chunk = 0, bool sp = false);
+  const GraphShape& shaped(Part p, int64_t B, int64_t T, int64_t chunk = 0, bool sp = false, int64_t l = -1);
+  // The attention op layer l runs: the plan's choice for it, else the model's.
+  Attention attention(int64_t l) const;
   // Per slot, whether layer l's forward keeps it.
   std::vector<bool> keeps(int64_t l) const;
   // How layer l holds its kept input (LayerPlan::input_sharded).
@@ -209,8 +212,11 @@ class TransformerModel final : public Model {
 
   const ArchDecl& decl_;
   std::optional<ops::RopeTables> rope_;  ///< rotation tables, when the block rotates
-  std::map<std::tuple<Part, int64_t, int64_t, int64_t, bool>, std::unique_ptr<GraphShape>> parts_;
+  std::map<std::tuple<Part, int64_t, int64_t, int64_t, bool, Attention>, std::unique_ptr<GraphShape>> parts_;
   std::unique_ptr<ActivationStore> store_;  ///< null: every slot kept
+  /// Per layer of the model, the attention op its plan names (LayerPlan::attention); empty
+  /// until a plan names one: every layer runs the model's.
+  std::vector<std::optional<Attention>> attention_;
   /// The whole model's parameters another pipeline stage holds (a checkpoint carries them).
   std::unordered_set<std::string> other_stages_;
   Weights weights_;

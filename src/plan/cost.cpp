@@ -8,6 +8,8 @@
 
 #include <algorithm>
 #include <numeric>
+#include <optional>
+#include <tuple>
 
 namespace remat::cost {
 namespace {
@@ -325,12 +327,31 @@ StepPrediction predict_step(const ModelConfig& cfg, const StepShape& shape, cons
       p.working_set = bytes - base - kept_now;
     }
   };
+  // Layers running the other attention op (LayerPlan::attention): its graph and times.
+  const auto runs_other = [&](const LayerPlan& lp) { return lp.attention && *lp.attention != cfg.attention; };
+  std::optional<graph::BlockGraph> other_block;
+  double other_delta = 0;  // per microbatch
+  for (int64_t l = F; l < E; ++l) {
+    if (!runs_other(plan.layers[l])) continue;
+    const OtherAttention* other = times.other_attention.get();
+    TORCH_CHECK(other != nullptr && other->op == *plan.layers[l].attention, "The activation plan runs ",
+                attention_name(*plan.layers[l].attention), " attention in layer ", l + 1, " of a model of ",
+                attention_name(cfg.attention), " attention, but its times do not price that op");
+    if (!other_block) {
+      ModelConfig c = cfg;
+      c.attention = other->op;
+      other_block = graph::block_graph(c, shape.batch, shape.seq, shape.dtype, shape.tp, shape.sp);
+    }
+    other_delta += other->pass_delta;
+  }
   // Prices per distinct slot choice (layers of one policy mostly share a few).
-  std::map<std::pair<std::set<std::string>, bool>, LayerCost> priced;
-  auto price = [&](const std::set<std::string>& dropped, bool sharded) -> const LayerCost& {
-    auto it = priced.find({dropped, sharded});
+  std::map<std::tuple<std::set<std::string>, bool, bool>, LayerCost> priced;
+  auto price = [&](const std::set<std::string>& dropped, bool sharded, bool other = false) -> const LayerCost& {
+    auto it = priced.find({dropped, sharded, other});
     if (it == priced.end()) {
-      it = priced.emplace(std::pair{dropped, sharded}, price_layer(block, dropped, early_stop, times, sharded)).first;
+      const LayerCost c = other ? price_layer(*other_block, dropped, early_stop, times.other_attention->times, sharded)
+                                : price_layer(block, dropped, early_stop, times, sharded);
+      it = priced.emplace(std::tuple{dropped, sharded, other}, c).first;
     }
     return it->second;
   };
@@ -353,6 +374,8 @@ StepPrediction predict_step(const ModelConfig& cfg, const StepShape& shape, cons
   for (int64_t l = F; l < E; ++l) {
     const LayerPlan& lp = plan.layers[l];
     if (chunk_first(l) >= 0) {
+      TORCH_CHECK(!runs_other(lp), "The activation plan runs ", attention_name(*lp.attention), " attention in layer ",
+                  l + 1, ", which is in a uniform chunk; a chunk's layers run the model's attention op");
       // Its first forward keeps only the chunk's input, if it is the chunk's first layer.
       std::set<std::string> all(block_slots().begin(), block_slots().end());
       if (lp.chunk_begin >= 0) all.insert(slot_name(Slot::input));
@@ -361,7 +384,7 @@ StepPrediction predict_step(const ModelConfig& cfg, const StepShape& shape, cons
       c.backward_peak = whole.backward_peak;
       p.layers.push_back(c);
     } else {
-      p.layers.push_back(price(lp.dropped, lp.input_sharded));
+      p.layers.push_back(price(lp.dropped, lp.input_sharded, runs_other(lp)));
       kept[l - F] = p.layers.back().kept;
     }
   }
@@ -430,6 +453,7 @@ StepPrediction predict_step(const ModelConfig& cfg, const StepShape& shape, cons
   p.recompute_flops = micro * total.recompute_flops;
   p.recompute_seconds = micro * total.recompute_seconds;
   p.recomputed_bytes = total.recomputed_bytes;
+  p.attention_seconds = micro * other_delta;
   return p;
 }
 

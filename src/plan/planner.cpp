@@ -13,12 +13,35 @@
 namespace remat {
 namespace {
 
-bool dominates(const cost::LayerCost& a, const cost::LayerCost& b) {
-  const bool no_worse = a.kept <= b.kept && a.backward_peak <= b.backward_peak &&
-                        a.recompute_seconds <= b.recompute_seconds;
-  const bool better = a.kept < b.kept || a.backward_peak < b.backward_peak ||
-                      a.recompute_seconds < b.recompute_seconds;
+// The most a layer holds at once above the layers below it, forward or backward: what
+// the program checks against the budget.
+int64_t top(const LayerOption& o) { return std::max(o.cost.forward_peak, o.cost.backward_peak); }
+
+bool dominates(const LayerOption& a, const LayerOption& b) {
+  const bool no_worse = a.cost.kept <= b.cost.kept && top(a) <= top(b) && a.seconds <= b.seconds;
+  const bool better = a.cost.kept < b.cost.kept || top(a) < top(b) || a.seconds < b.seconds;
   return no_worse && better;
+}
+
+bool same_cost(const LayerOption& a, const LayerOption& b) {
+  return a.cost.kept == b.cost.kept && top(a) == top(b) && a.seconds == b.seconds;
+}
+
+// Every subset of `block`'s slots that hold bytes, as dropped sets.
+std::vector<std::set<std::string>> keep_sets(const graph::BlockGraph& block) {
+  std::vector<std::string> slots;
+  for (const auto& s : block_slots()) {
+    if (block.slot_bytes(slot_of_name(s)) > 0) slots.push_back(s);
+  }
+  std::vector<std::set<std::string>> out;
+  for (uint32_t mask = 0; mask < (1u << slots.size()); ++mask) {
+    std::set<std::string> dropped;
+    for (size_t i = 0; i < slots.size(); ++i) {
+      if (mask & (1u << i)) dropped.insert(slots[i]);
+    }
+    out.push_back(std::move(dropped));
+  }
+  return out;
 }
 
 // A partial plan of the layers below a position: bytes they keep, recompute time, and
@@ -65,35 +88,36 @@ Planner::Planner(const ModelConfig& cfg, const cost::StepShape& shape, const cos
                  PlannerOptions options)
     : cfg_(cfg), shape_(shape), times_(times), options_(std::move(options)),
       block_(graph::block_graph(cfg, shape.batch, shape.seq, shape.dtype, shape.tp, shape.sp)) {
-  std::vector<std::set<std::string>> candidates = options_.candidates;
-  if (candidates.empty()) {
-    std::vector<std::string> slots;
-    for (const auto& s : block_slots()) {
-      if (block_.slot_bytes(slot_of_name(s)) > 0) slots.push_back(s);
-    }
-    for (uint32_t mask = 0; mask < (1u << slots.size()); ++mask) {
-      std::set<std::string> dropped;
-      for (size_t i = 0; i < slots.size(); ++i) {
-        if (mask & (1u << i)) dropped.insert(slots[i]);
-      }
-      candidates.push_back(std::move(dropped));
-    }
-  }
   std::vector<LayerOption> all;
-  for (const bool sharded : input_holds()) {
-    for (const auto& d : candidates) {
-      all.push_back({d, cost::price_layer(block_, d, options_.early_stop, times_, sharded), sharded});
+  const auto add = [&](const graph::BlockGraph& block, const cost::NodeTimes& times, std::optional<Attention> op,
+                       double delta) {
+    const auto candidates = options_.candidates.empty() ? keep_sets(block) : options_.candidates;
+    for (const bool sharded : input_holds()) {
+      for (const auto& d : candidates) {
+        LayerOption o{d, cost::price_layer(block, d, options_.early_stop, times, sharded), sharded, op};
+        o.seconds = o.cost.recompute_seconds + delta;
+        all.push_back(std::move(o));
+      }
     }
+  };
+  // model.attention = auto per layer: each layer may run the other op instead, and the
+  // plan names every layer's op.
+  const cost::OtherAttention* other = times_.other_attention.get();
+  if (other != nullptr && other->op == cfg.attention) other = nullptr;
+  per_layer_op_ = other != nullptr ? std::optional<Attention>(cfg.attention) : std::nullopt;
+  add(block_, times_, per_layer_op_, 0);
+  if (other != nullptr) {
+    ModelConfig c = cfg;
+    c.attention = other->op;
+    add(graph::block_graph(c, shape.batch, shape.seq, shape.dtype, shape.tp, shape.sp), other->times, other->op,
+        other->pass_delta);
   }
-  whole_ = {{}, cost::price_layer(block_, {}, options_.early_stop, times_)};
+  whole_ = {{}, cost::price_layer(block_, {}, options_.early_stop, times_), false, std::nullopt};
   for (size_t i = 0; i < all.size(); ++i) {
     bool dominated = false;
     for (size_t j = 0; j < all.size() && !dominated; ++j) {
-      // Equal costs: the first (fewest dropped slots) stands for all of them.
-      dominated = dominates(all[j].cost, all[i].cost) ||
-                  (j < i && all[j].cost.kept == all[i].cost.kept &&
-                   all[j].cost.backward_peak == all[i].cost.backward_peak &&
-                   all[j].cost.recompute_seconds == all[i].cost.recompute_seconds);
+      // Equal costs: the first (the model's op, fewest dropped slots) stands for all of them.
+      dominated = dominates(all[j], all[i]) || (j < i && same_cost(all[j], all[i]));
     }
     if (!dominated) frontier_.push_back(all[i]);
   }
@@ -142,12 +166,14 @@ void Planner::place(ActivationPlan& plan, int64_t pos, const Choice& c) const {
   if (c.option >= 0) {
     plan.layers[pos].dropped = frontier_[c.option].dropped;
     plan.layers[pos].input_sharded = frontier_[c.option].input_sharded;
+    plan.layers[pos].attention = frontier_[c.option].attention;
     return;
   }
   const std::set<std::string> everything(block_slots().begin(), block_slots().end());
   for (int64_t j = pos; j < pos + c.chunk; ++j) {
     plan.layers[j].dropped = everything;
     plan.layers[j].chunk_begin = j == pos ? -1 : pos;
+    plan.layers[j].attention = per_layer_op_;
   }
   plan.layers[pos].input_sharded = c.sharded;
 }
@@ -173,7 +199,7 @@ pipeline::Problem Planner::pipeline_problem(int64_t budget, const PipelineShape&
   choices.clear();
   for (int64_t i = 0; i < static_cast<int64_t>(frontier_.size()); ++i) {
     const auto& c = frontier_[i].cost;
-    p.pieces.push_back({1, c.kept, std::max(c.forward_peak, c.backward_peak), layer_seconds_ + c.recompute_seconds});
+    p.pieces.push_back({1, c.kept, top(frontier_[i]), layer_seconds_ + frontier_[i].seconds});
     choices.push_back({i, 0, false});
   }
   for (int64_t n = 2; n <= std::min(options_.max_chunk, L); ++n) {
@@ -238,7 +264,8 @@ PipelinePlan Planner::predict_pipeline(const ActivationPlan& plan, const Pipelin
     const int64_t n = r.split[static_cast<size_t>(s)];
     const cost::StepShape shape = stage_shape(pipe, s, first, n);
     r.stages.push_back(cost::predict_step(cfg_, shape, plan, options_.early_stop, times_));
-    const double recompute = r.stages.back().recompute_seconds / static_cast<double>(shape_.grad_accum);
+    const double recompute = (r.stages.back().recompute_seconds + r.stages.back().attention_seconds) /
+                             static_cast<double>(shape_.grad_accum);
     times.push_back(stage_times(shape, n, recompute));
     r.stage_seconds.push_back(times.back().forward + times.back().backward);
     if (r.stage_seconds.back() > r.stage_seconds[static_cast<size_t>(r.bottleneck)]) r.bottleneck = s;
@@ -282,8 +309,8 @@ std::optional<PlanResult> Planner::solve(int64_t budget) const {
       const State& s = states[pos][si];
       for (int64_t oi = 0; oi < static_cast<int64_t>(frontier_.size()); ++oi) {
         const auto& c = frontier_[oi].cost;
-        if (s.kept + std::max(c.forward_peak, c.backward_peak) > room) continue;
-        states[pos + 1].push_back({s.kept + c.kept, s.seconds + c.recompute_seconds, pos, si, oi, 0});
+        if (s.kept + top(frontier_[oi]) > room) continue;
+        states[pos + 1].push_back({s.kept + c.kept, s.seconds + frontier_[oi].seconds, pos, si, oi, 0});
       }
       for (int64_t n = 2; n <= std::min(options_.max_chunk, L - pos); ++n) {
         for (const bool sharded : input_holds()) {
@@ -332,7 +359,7 @@ int64_t Planner::min_feasible_budget() const {
       const int64_t k = least[pos];
       if (k == kNone) continue;
       for (const auto& o : frontier_) {
-        if (k + std::max(o.cost.forward_peak, o.cost.backward_peak) <= room) least[pos + 1] = std::min(least[pos + 1], k + o.cost.kept);
+        if (k + top(o) <= room) least[pos + 1] = std::min(least[pos + 1], k + o.cost.kept);
       }
       for (int64_t n = 2; n <= std::min(options_.max_chunk, L - pos); ++n) {
         for (const bool sharded : input_holds()) {
@@ -416,7 +443,9 @@ std::vector<FrontierPoint> Planner::frontier(int points) const {
   std::vector<FrontierPoint> all;
   for (int i = 0; i < points; ++i) {
     const int64_t budget = points == 1 ? hi : lo + (hi - lo) * i / (points - 1);
-    if (auto r = solve(budget)) all.push_back({r->prediction.peak, r->prediction.recompute_seconds, "budget"});
+    if (auto r = solve(budget)) {
+      all.push_back({r->prediction.peak, r->prediction.recompute_seconds + r->prediction.attention_seconds, "budget"});
+    }
   }
   std::sort(all.begin(), all.end(), [](const FrontierPoint& a, const FrontierPoint& b) {
     return a.peak != b.peak ? a.peak < b.peak : a.recompute_seconds < b.recompute_seconds;

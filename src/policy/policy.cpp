@@ -608,7 +608,7 @@ bool same_layers(const ActivationPlan& a, const ActivationPlan& b) {
   if (a.layers.size() != b.layers.size()) return false;
   for (size_t i = 0; i < a.layers.size(); ++i) {
     if (a.layers[i].dropped != b.layers[i].dropped || a.layers[i].chunk_begin != b.layers[i].chunk_begin ||
-        a.layers[i].input_sharded != b.layers[i].input_sharded) {
+        a.layers[i].input_sharded != b.layers[i].input_sharded || a.layers[i].attention != b.layers[i].attention) {
       return false;
     }
   }
@@ -690,8 +690,11 @@ ActivationPlan compile_policy(const std::string& policy, int64_t n_layers, doubl
 std::string explain_plan(const ActivationPlan& plan) {
   const auto everything = all_slots();
   struct Row {
-    std::string layers, keeps, drops, chunk;
+    std::string layers, keeps, drops, chunk, attention;
   };
+  // The attention column only where the plan chooses the op per layer (model.attention = auto).
+  const bool per_layer_op =
+      std::any_of(plan.layers.begin(), plan.layers.end(), [](const LayerPlan& l) { return l.attention.has_value(); });
   std::vector<Row> rows;
   const auto n = static_cast<int64_t>(plan.layers.size());
   // The chunk a layer belongs to: its first layer (a chunk's first layer has chunk_begin -1
@@ -704,7 +707,8 @@ std::string explain_plan(const ActivationPlan& plan) {
     int64_t j = i;
     while (j + 1 < n && plan.layers[j + 1].dropped == plan.layers[i].dropped &&
            plan.layers[j + 1].chunk_begin == plan.layers[i].chunk_begin &&
-           plan.layers[j + 1].input_sharded == plan.layers[i].input_sharded && chunk_of(j + 1) == chunk_of(i)) {
+           plan.layers[j + 1].input_sharded == plan.layers[i].input_sharded &&
+           plan.layers[j + 1].attention == plan.layers[i].attention && chunk_of(j + 1) == chunk_of(i)) {
       ++j;
     }
     const LayerPlan& l = plan.layers[i];
@@ -725,6 +729,7 @@ std::string explain_plan(const ActivationPlan& plan) {
       }
     }
     r.drops = dropped.empty() ? "-" : kept.empty() ? "all" : join(dropped, ", ");
+    r.attention = l.attention ? attention_name(*l.attention) : "-";
     const int64_t chunk = chunk_of(i);
     if (chunk >= 0) {
       int64_t end = chunk;
@@ -743,11 +748,13 @@ std::string explain_plan(const ActivationPlan& plan) {
     w_drops = std::max(w_drops, r.drops.size());
   }
   std::string out = fmt::format("policy: {} ({} layers, numbered from 1)\n", plan.policy, n);
-  auto line = [&](const std::string& a, const std::string& b, const std::string& c, const std::string& d) {
-    return fmt::format("{:<{}}  {:<{}}  {:<{}}  {}\n", a, w_layers, b, w_keeps, c, w_drops, d);
+  auto line = [&](const std::string& a, const std::string& b, const std::string& c, const std::string& d,
+                  const std::string& e) {
+    if (!per_layer_op) return fmt::format("{:<{}}  {:<{}}  {:<{}}  {}\n", a, w_layers, b, w_keeps, c, w_drops, d);
+    return fmt::format("{:<{}}  {:<{}}  {:<{}}  {:<5}  {}\n", a, w_layers, b, w_keeps, c, w_drops, d, e);
   };
-  out += line("layers", "keeps", "drops", "chunk");
-  for (const auto& r : rows) out += line(r.layers, r.keeps, r.drops, r.chunk);
+  out += line("layers", "keeps", "drops", "chunk", "attention");
+  for (const auto& r : rows) out += line(r.layers, r.keeps, r.drops, r.chunk, r.attention);
   return out;
 }
 

@@ -38,6 +38,35 @@ Planned plan_with(const Config& local, Attention a, at::ScalarType dtype, const 
 
 int64_t peak(const RunPlan& r) { return *std::max_element(r.stage_peaks.begin(), r.stage_peaks.end()); }
 
+Attention other_op(Attention a) { return a == Attention::math ? Attention::tiled : Attention::math; }
+
+bool measured(const TimeProfile& p) { return p.base_seconds > 0; }
+
+// `base`'s profile, with the other op's times for the layers a plan runs it in: its node
+// times, and a layer's pass with it less with `base`'s (per layer from the pipeline probes,
+// else the whole models' passes over their layers; 0 where either is unmeasured).
+TimeProfile with_other(const TimeProfile& base, const TimeProfile& other, Attention other_attention, int64_t layers) {
+  auto o = std::make_shared<cost::OtherAttention>();
+  o->op = other_attention;
+  o->times = other.times;
+  if (base.times.layer_pass_seconds > 0 && other.times.layer_pass_seconds > 0) {
+    o->pass_delta = other.times.layer_pass_seconds - base.times.layer_pass_seconds;
+  } else if (measured(base) && measured(other)) {
+    o->pass_delta = (other.base_seconds - base.base_seconds) / static_cast<double>(layers);
+  }
+  TimeProfile out = base;
+  out.times.other_attention = std::move(o);
+  return out;
+}
+
+// How many layers of `plan` run which op.
+std::string layer_ops_text(const ActivationPlan& plan, Attention model_op) {
+  const auto other = std::count_if(plan.layers.begin(), plan.layers.end(),
+                                   [&](const LayerPlan& l) { return l.attention && *l.attention != model_op; });
+  return fmt::format("{} of {} layers {}, the others {}", other, plan.layers.size(),
+                     attention_name(other_op(model_op)), attention_name(model_op));
+}
+
 // The op of `a` and `b` (math first) the run takes, with the reason; both planned.
 std::pair<const Planned*, std::string> choose(const Planned& a, const Planned& b) {
   if (!a.plan && !b.plan) {
@@ -76,7 +105,15 @@ std::pair<const Planned*, std::string> choose(const Planned& a, const Planned& b
 RunPlan plan_run_attention(Config& cfg, Config& local, at::ScalarType dtype, const ProfileOf& profile_of,
                            int64_t resident, int64_t stage, const SavedPlan* saved) {
   if (local.model.attention != Attention::automatic) {
-    return plan_run(local, dtype, profile_of(local), resident, stage, 0, saved);
+    const Attention op = local.model.attention;
+    const bool mixed = saved != nullptr && std::any_of(saved->plan.layers.begin(), saved->plan.layers.end(),
+                                                       [&](const LayerPlan& l) { return l.attention && *l.attention != op; });
+    if (!mixed) return plan_run(local, dtype, profile_of(local), resident, stage, 0, saved);
+    // A resumed run whose plan chose the op per layer: both ops' times price it.
+    Config other_cfg = local;
+    other_cfg.model.attention = other_op(op);
+    return plan_run(local, dtype, with_other(profile_of(local), profile_of(other_cfg), other_op(op), local.model.n_layer),
+                    resident, stage, 0, saved);
   }
   Config math_cfg = local;
   math_cfg.model.attention = Attention::math;
@@ -98,12 +135,36 @@ RunPlan plan_run_attention(Config& cfg, Config& local, at::ScalarType dtype, con
     }
     Config tiled_cfg = local;
     tiled_cfg.model.attention = Attention::tiled;
+    const TimeProfile tiled_profile = profile_of(tiled_cfg);
     const Planned math = plan_with(local, Attention::math, dtype, math_profile, resident, stage, reference);
-    const Planned tiled = plan_with(local, Attention::tiled, dtype, profile_of(tiled_cfg), resident, stage, reference);
+    const Planned tiled = plan_with(local, Attention::tiled, dtype, tiled_profile, resident, stage, reference);
     const auto [taken, why] = choose(math, tiled);
     chosen = taken->attention;
     reason = why;
     planned = *taken->plan;
+    // Per layer, where both ops' times are measured and a budget holds the plan: each layer
+    // may run the other op (a layer of the faster op where bytes allow, of the leaner where
+    // they do not). The model keeps the op chosen above; the plan names each layer's.
+    if (!local.ac.budget.empty() && measured(math_profile) && measured(tiled_profile)) {
+      const bool math_base = chosen == Attention::math;
+      const TimeProfile mixed_profile = math_base ? with_other(math_profile, tiled_profile, Attention::tiled, local.model.n_layer)
+                                                  : with_other(tiled_profile, math_profile, Attention::math, local.model.n_layer);
+      Planned mixed = plan_with(local, chosen, dtype, mixed_profile, resident, stage, reference);
+      const bool mixes = mixed.plan && std::any_of(mixed.plan->plan.layers.begin(), mixed.plan->plan.layers.end(),
+                                                   [&](const LayerPlan& l) { return l.attention != chosen; });
+      if (mixes && mixed.plan->step_seconds < planned->step_seconds) {
+        const Planned& other = math_base ? tiled : math;
+        const std::string layers = layer_ops_text(mixed.plan->plan, chosen);
+        reason = fmt::format(
+            "per layer, {}: predicted step {:.1f} ms within the {} budget (peak {}), against {} alone's {:.1f} ms{}",
+            layers, 1e3 * mixed.plan->step_seconds, format_bytes(mixed.plan->budget), format_bytes(peak(*mixed.plan)),
+            attention_name(chosen), 1e3 * planned->step_seconds,
+            other.plan ? fmt::format(" and {} alone's {:.1f} ms", attention_name(other.attention),
+                                     1e3 * other.plan->step_seconds)
+                       : fmt::format(" ({} alone does not fit)", attention_name(other.attention)));
+        planned = std::move(*mixed.plan);
+      }
+    }
   }
   cfg.model.attention = local.model.attention = chosen;
   planned->text = fmt::format("attention: {} (model.attention = auto): {}\n", attention_name(chosen), reason) +

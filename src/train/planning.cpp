@@ -51,6 +51,7 @@ std::vector<LayerGroup> layer_groups(const ActivationPlan& plan, const cost::Ste
       text = slots_text(lp.dropped);
     }
     if (lp.input_sharded) text += ", input as a share per tensor-parallel rank";
+    if (lp.attention) text += fmt::format(", {} attention", attention_name(*lp.attention));
     const auto& c = pred.layers[static_cast<size_t>(l - F)];
     if (!out.empty() && out.back().text == text && out.back().kept == c.kept && !chunk_start && lp.chunk_begin < 0) {
       out.back().last = l;
@@ -148,7 +149,9 @@ std::string saved_note(const SavedPlan* saved) {
 std::string saved_plan_json(const RunPlan& r) {
   nlohmann::json layers = nlohmann::json::array();
   for (const LayerPlan& l : r.plan.layers) {
-    layers.push_back({{"dropped", l.dropped}, {"chunk_begin", l.chunk_begin}, {"input_sharded", l.input_sharded}});
+    nlohmann::json layer{{"dropped", l.dropped}, {"chunk_begin", l.chunk_begin}, {"input_sharded", l.input_sharded}};
+    if (l.attention) layer["attention"] = attention_name(*l.attention);
+    layers.push_back(std::move(layer));
   }
   return nlohmann::json{{"policy", r.plan.policy}, {"split", r.split}, {"layers", layers}}.dump();
 }
@@ -169,6 +172,14 @@ SavedPlan parse_saved_plan(const std::string& json, int64_t n_layers, int64_t st
       layer.dropped = l.at("dropped").get<std::set<std::string>>();
       layer.chunk_begin = l.at("chunk_begin").get<int64_t>();
       layer.input_sharded = l.at("input_sharded").get<bool>();
+      if (l.contains("attention")) {
+        const std::string op = l.at("attention").get<std::string>();
+        if (op != attention_name(Attention::math) && op != attention_name(Attention::tiled)) {
+          throw damaged(fmt::format("runs attention '{}' in layer {}, which is not math or tiled", op,
+                                    saved.plan.layers.size() + 1));
+        }
+        layer.attention = op == attention_name(Attention::math) ? Attention::math : Attention::tiled;
+      }
       saved.plan.layers.push_back(std::move(layer));
     }
   } catch (const nlohmann::json::exception& e) {
@@ -279,7 +290,7 @@ RunPlan plan_run(const Config& cfg, at::ScalarType dtype, const TimeProfile& pro
   const auto& p = r.predicted;
   r.none_peak = planner.none_peak();
   if (profile.base_seconds > 0) {
-    r.step_seconds = profile.step_seconds(t.grad_accum, p.recompute_seconds);
+    r.step_seconds = profile.step_seconds(t.grad_accum, p.recompute_seconds + p.attention_seconds);
     r.none_step_seconds = profile.step_seconds(t.grad_accum, 0.0);
   }
   r.text = saved_note(saved) + explain_plan(r.plan) + "\npredicted per microbatch (kept bytes, recompute FLOPs):\n";
@@ -296,10 +307,14 @@ RunPlan plan_run(const Config& cfg, at::ScalarType dtype, const TimeProfile& pro
                         format_bytes(p.statics.optimizer), format_bytes(p.peak - p.statics.total() - p.working_set),
                         format_bytes(p.working_set), format_bytes(p.statics.resident), format_count(p.recompute_flops), 1e3 * p.recompute_seconds);
   if (r.step_seconds > 0) {
-    r.text += fmt::format("predicted step time {:.1f} ms: {} x {:.1f} ms forward and backward + {:.1f} ms recompute + "
+    const std::string other =
+        p.attention_seconds != 0
+            ? fmt::format(" {:+.1f} ms the layers running the other attention op", 1e3 * p.attention_seconds)
+            : "";
+    r.text += fmt::format("predicted step time {:.1f} ms: {} x {:.1f} ms forward and backward{} + {:.1f} ms recompute + "
                           "{:.1f} ms optimizer (time profile {})\n", 1e3 * r.step_seconds, t.grad_accum,
-                          1e3 * profile.base_seconds, 1e3 * p.recompute_seconds, 1e3 * profile.optimizer_seconds,
-                          profile.path);
+                          1e3 * profile.base_seconds, other, 1e3 * p.recompute_seconds,
+                          1e3 * profile.optimizer_seconds, profile.path);
   }
   if (r.budget > 0) {
     r.text += fmt::format("budget {} (ac.budget = \"{}\"): the planner's plan peaks at {}; without recompute the step "

@@ -16,6 +16,7 @@ struct Case {
   double dropout;
   int64_t ce_chunk;
   Attention attention = Attention::math;  ///< tiled: 4-position tiles, several per sequence
+  bool mixed = false;  ///< the odd layers run the other op (LayerPlan::attention)
 };
 
 double rel_err(const at::Tensor& a, const at::Tensor& b) {
@@ -31,6 +32,14 @@ TEST_P(ModelGrad, LossAndEveryParameterGradientMatchAutograd) {
   cfg.attention = tc.attention;
   cfg.attention_tile = 4;
   auto model = Model::create(cfg, at::kCPU, at::kDouble, /*seed=*/7);
+  if (tc.mixed) {
+    ActivationPlan plan;
+    plan.layers.resize(static_cast<size_t>(cfg.n_layer));
+    for (size_t l = 1; l < plan.layers.size(); l += 2) {
+      plan.layers[l].attention = cfg.attention == Attention::math ? Attention::tiled : Attention::math;
+    }
+    model->set_activation_plan(plan, {});
+  }
   // Larger than init scale so every path carries signal well above rounding.
   auto gen = at::detail::createCPUGenerator(3);
   for (auto& p : model->params()) p.value.add_(at::randn(p.value.sizes(), gen, at::kDouble) * 0.1);
@@ -65,11 +74,14 @@ INSTANTIATE_TEST_SUITE_P(Models, ModelGrad,
                          ::testing::Values(Case{"tiny-gpt2", 2, 7, 0.0, 5}, Case{"tiny-gpt2", 3, 16, 0.2, 1024},
                                            Case{"tiny-llama", 2, 9, 0.0, 4}, Case{"tiny-llama", 1, 16, 0.25, 7},
                                            Case{"tiny-gpt2", 3, 16, 0.2, 1024, Attention::tiled},
-                                           Case{"tiny-llama", 2, 9, 0.25, 4, Attention::tiled}),
+                                           Case{"tiny-llama", 2, 9, 0.25, 4, Attention::tiled},
+                                           Case{"tiny-gpt2", 2, 11, 0.2, 6, Attention::math, true},
+                                           Case{"tiny-llama", 2, 13, 0.25, 5, Attention::tiled, true}),
                          [](const auto& info) {
                            const Case& c = info.param;
-                           return fmt::format("{}_b{}_t{}_p{}_{}", c.preset == "tiny-gpt2" ? "gpt2" : "llama", c.batch,
-                                              c.seq, static_cast<int>(c.dropout * 100), attention_name(c.attention));
+                           return fmt::format("{}_b{}_t{}_p{}_{}{}", c.preset == "tiny-gpt2" ? "gpt2" : "llama", c.batch,
+                                              c.seq, static_cast<int>(c.dropout * 100), attention_name(c.attention),
+                                              c.mixed ? "_mixed" : "");
                          });
 
 TEST(ModelGrad, GradientAccumulationOverMicrobatchesEqualsTheSumOfParts) {

@@ -13,6 +13,7 @@
 #include <fmt/ranges.h>
 #include <gtest/gtest.h>
 
+#include <memory>
 #include <random>
 
 namespace remat {
@@ -125,7 +126,8 @@ TEST(CostModel, TensorParallelRanksPeakWhereTheCostModelSays) {
 }
 
 // Hundreds of random per-layer keep-sets of the 4096 a layer may choose, not only the
-// policies' few: each priced by the cost model and run by the engine.
+// policies' few, each layer running either attention op (LayerPlan::attention): each
+// priced by the cost model and run by the engine.
 TEST(CostModel, RandomKeepSetsPeakWhereTheCostModelSays) {
   std::mt19937 rng(20261122);
   const auto& slots = block_slots();
@@ -139,6 +141,9 @@ TEST(CostModel, RandomKeepSetsPeakWhereTheCostModelSays) {
       shape.batch = B;
       shape.seq = T;
       shape.ce_chunk = chunk;
+      const Attention other = attention == Attention::math ? Attention::tiled : Attention::math;
+      cost::NodeTimes times;
+      times.other_attention = std::make_shared<cost::OtherAttention>(cost::OtherAttention{other, {}, 0});
       for (int trial = 0; trial < 75; ++trial) {
         ActivationPlan plan;
         std::string text;
@@ -147,11 +152,12 @@ TEST(CostModel, RandomKeepSetsPeakWhereTheCostModelSays) {
           for (const auto& s : slots) {
             if (rng() % 2) lp.dropped.insert(s);
           }
-          text += fmt::format("[{}] ", fmt::join(lp.dropped, ","));
+          if (rng() % 3 == 0) lp.attention = other;
+          text += fmt::format("[{}]{} ", fmt::join(lp.dropped, ","), lp.attention ? attention_name(other) : "");
           plan.layers.push_back(lp);
         }
         const bool early_stop = rng() % 4 != 0;
-        const auto pred = cost::predict_step(cfg, shape, plan, early_stop, {});
+        const auto pred = cost::predict_step(cfg, shape, plan, early_stop, times);
         const int64_t predicted = pred.peak - pred.statics.total() + pred.statics.batch;
         const Measured m = measure(cfg, plan, B, T, chunk, early_stop);
         EXPECT_NEAR(predicted, m.peak_above_start, 8 * 1024)

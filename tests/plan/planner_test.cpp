@@ -12,6 +12,8 @@
 
 #include <chrono>
 #include <functional>
+#include <memory>
+#include <optional>
 
 namespace remat {
 namespace {
@@ -26,10 +28,11 @@ cost::StepShape shape_of(int64_t B, int64_t T, at::ScalarType dtype = at::kFloat
 
 // Every plan of `L` layers over `candidates` and uniform chunks up to `max_chunk` (each
 // with its input kept whole, and under tensor parallelism alone also as a share per rank),
-// priced by the step simulator; the least recompute time within `budget`.
+// each single layer also with every op of `ops` (LayerPlan::attention), priced by the step
+// simulator; the least recompute time (and other attention op's pass time) within `budget`.
 double brute_force(const ModelConfig& cfg, const cost::StepShape& shape, const cost::NodeTimes& times,
                    const std::vector<std::set<std::string>>& candidates, int64_t max_chunk, int64_t budget,
-                   int64_t* plans_seen) {
+                   int64_t* plans_seen, const std::vector<std::optional<Attention>>& ops = {std::nullopt}) {
   const int64_t L = cfg.n_layer;
   double best = -1;
   ActivationPlan plan;
@@ -40,16 +43,19 @@ double brute_force(const ModelConfig& cfg, const cost::StepShape& shape, const c
     if (pos == L) {
       ++*plans_seen;
       const auto p = cost::predict_step(cfg, shape, plan, true, times);
-      if (p.peak <= budget && (best < 0 || p.recompute_seconds < best)) best = p.recompute_seconds;
+      const double seconds = p.recompute_seconds + p.attention_seconds;
+      if (p.peak <= budget && (best < 0 || seconds < best)) best = seconds;
       return;
     }
     for (const bool sharded : holds) {
       for (const auto& c : candidates) {
-        plan.layers[pos] = {c, -1, sharded};
-        walk(pos + 1);
+        for (const auto& op : ops) {
+          plan.layers[pos] = {c, -1, sharded, op};
+          walk(pos + 1);
+        }
       }
       for (int64_t n = 2; n <= std::min(max_chunk, L - pos); ++n) {
-        for (int64_t j = pos; j < pos + n; ++j) plan.layers[j] = {everything, j == pos ? -1 : pos, j == pos && sharded};
+        for (int64_t j = pos; j < pos + n; ++j) plan.layers[j] = {everything, j == pos ? -1 : pos, j == pos && sharded, {}};
         walk(pos + n);
       }
     }
@@ -132,6 +138,71 @@ TEST(Planner, EqualsBruteForceWithInputsKeptAsShares) {
     EXPECT_GT(sharing, 0) << preset;
     int64_t seen = 0;
     EXPECT_LT(brute_force(cfg, shape, times, candidates, 3, lo - 1, &seen), 0);
+  }
+}
+
+// model.attention = auto per layer: with the other op's times, each layer may run math or
+// tiled attention. The plans equal brute force over every op and keep-set per layer (the
+// pass difference counted), fit the budget, and mix the ops between the extremes: a
+// loose budget keeps math, the faster pass here, in every layer; tighter ones turn some
+// layers tiled, whose kept log-sum-exp is far smaller than math's probabilities.
+TEST(Planner, ChoosesTheAttentionOpPerLayerAsBruteForceDoes) {
+  const std::vector<std::set<std::string>> candidates = {{}, {"attn.probs", "attn.dropout"}, {"mlp.act_in"}};
+  for (const char* preset : {"gpt2-demo", "llama-demo"}) {
+    ModelConfig cfg = config(preset, 3, 0.1);
+    cfg.attention_tile = 16;
+    const auto shape = shape_of(2, 64);
+    ModelConfig tiled = cfg;
+    tiled.attention = Attention::tiled;
+    cost::NodeTimes times;
+    times.flops_per_second = 1.0;
+    auto other = std::make_shared<cost::OtherAttention>();
+    other->op = Attention::tiled;
+    other->times.flops_per_second = 1.0;
+    // A tiled layer's pass takes a tenth of a math block's forward longer.
+    other->pass_delta = 0.1 * graph::block_graph(cfg, 2, 64, at::kFloat).forward_flops();
+    times.other_attention = other;
+    PlannerOptions opts;
+    opts.candidates = candidates;
+    opts.max_chunk = 2;
+    const Planner planner(cfg, shape, times, opts);
+    cost::NodeTimes flops;
+    flops.flops_per_second = 1.0;
+    const Planner math_only(cfg, shape, flops, opts);
+    const Planner tiled_only(tiled, shape, flops, opts);
+    const int64_t lo = planner.min_feasible_budget(), hi = planner.none_peak();
+    // Its uniform chunks run the model's op (math), so tiled alone, chunks tiled, may fit lower.
+    EXPECT_LE(lo, math_only.min_feasible_budget()) << preset;
+    int mixed = 0;
+    for (int i = 0; i <= 10; ++i) {
+      const int64_t budget = lo + (hi - lo) * i / 10;
+      int64_t seen = 0;
+      const double brute = brute_force(cfg, shape, times, candidates, 2, budget, &seen,
+                                       {Attention::math, Attention::tiled});
+      const auto r = planner.solve(budget);
+      ASSERT_TRUE(r.has_value()) << preset << " budget " << budget;
+      EXPECT_DOUBLE_EQ(r->prediction.recompute_seconds + r->prediction.attention_seconds, brute)
+          << preset << " budget " << budget;
+      EXPECT_LE(r->prediction.peak, budget);
+      EXPECT_EQ(seen, 6 * 6 * 6 + 6 + 6);  // 6 single-layer choices, or a chunk of 2 at either end
+      const auto tiled_layers = std::count_if(r->plan.layers.begin(), r->plan.layers.end(), [](const LayerPlan& l) {
+        EXPECT_TRUE(l.attention.has_value()) << "the plan names every layer's op";
+        return l.attention == Attention::tiled;
+      });
+      mixed += tiled_layers > 0 && tiled_layers < cfg.n_layer;
+      if (i == 10) {
+        EXPECT_EQ(tiled_layers, 0) << preset << ": math fits without recompute, and is faster";
+      }
+      // Never slower than either op alone where that op fits.
+      for (const Planner* alone : {&math_only, &tiled_only}) {
+        if (const auto a = alone->solve(budget)) {
+          EXPECT_LE(r->prediction.recompute_seconds + r->prediction.attention_seconds,
+                    a->prediction.recompute_seconds + (alone == &tiled_only ? 3 * other->pass_delta : 0.0))
+              << preset << " budget " << budget;
+        }
+      }
+    }
+    EXPECT_GT(mixed, 0) << preset << ": some budget mixes the ops";
   }
 }
 

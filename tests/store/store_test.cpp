@@ -17,10 +17,10 @@ struct Outcome {
 };
 
 // Two microbatches accumulated into one gradient, as the trainer does.
-Outcome run(const ModelConfig& cfg, const std::string& policy, int64_t B, int64_t T, StoreOptions opt = {}) {
+Outcome run(const ModelConfig& cfg, const ActivationPlan& plan, int64_t B, int64_t T, StoreOptions opt = {}) {
   at::set_num_threads(1);
   auto model = Model::create(cfg, at::kCPU, at::kFloat, 3);
-  model->set_activation_plan(compile_policy(policy, cfg.n_layer, cfg.dropout), opt);
+  model->set_activation_plan(plan, opt);
   auto gen = at::detail::createCPUGenerator(9);
   Outcome r;
   model->zero_grad();
@@ -32,6 +32,10 @@ Outcome run(const ModelConfig& cfg, const std::string& policy, int64_t B, int64_
   for (const auto& p : model->params()) r.grads.push_back(p.grad.clone());
   if (model->store() != nullptr) r.counters = model->store()->counters();
   return r;
+}
+
+Outcome run(const ModelConfig& cfg, const std::string& policy, int64_t B, int64_t T, StoreOptions opt = {}) {
+  return run(cfg, compile_policy(policy, cfg.n_layer, cfg.dropout), B, T, opt);
 }
 
 ModelConfig shape(const std::string& preset, int64_t layers, double dropout) {
@@ -93,6 +97,35 @@ INSTANTIATE_TEST_SUITE_P(Models, StoreBitwise,
                                               std::get<1>(info.param), std::get<2>(info.param), std::get<3>(info.param),
                                               attention_name(std::get<4>(info.param)));
                          });
+
+// model.attention = auto per layer: a model whose layers run both attention ops trains
+// under every policy exactly as it does under `none` with the same ops.
+TEST(StoreBitwise, LayersRunningBothAttentionOpsEqualNoneBitwise) {
+  for (const char* preset : {"tiny-gpt2", "tiny-llama"}) {
+    for (const Attention model_op : {Attention::math, Attention::tiled}) {
+      ModelConfig cfg = shape(preset, 3, 0.2);
+      cfg.attention = model_op;
+      cfg.attention_tile = 4;
+      const Attention other = model_op == Attention::math ? Attention::tiled : Attention::math;
+      for (const char* policy : kPolicies) {
+        // Every second layer outside a uniform chunk (whose layers run the model's op).
+        ActivationPlan plan = compile_policy(policy, cfg.n_layer, cfg.dropout);
+        ActivationPlan none = compile_policy("none", cfg.n_layer, cfg.dropout);
+        const size_t n = plan.layers.size();
+        for (size_t l = 1; l < n; l += 2) {
+          const bool chunked = plan.layers[l].chunk_begin >= 0 || (l + 1 < n && plan.layers[l + 1].chunk_begin >= 0);
+          if (!chunked) plan.layers[l].attention = none.layers[l].attention = other;
+        }
+        const Outcome base = run(cfg, none, 2, 9);
+        const Outcome r = run(cfg, plan, 2, 9);
+        EXPECT_EQ(r.losses, base.losses) << preset << " " << policy;
+        for (size_t i = 0; i < base.grads.size(); ++i) {
+          ASSERT_TRUE(at::equal(r.grads[i], base.grads[i])) << preset << " " << policy << " parameter " << i;
+        }
+      }
+    }
+  }
+}
 
 TEST(StoreCounts, FullReexecutesEachForwardOpOnceAndEarlyStopSkipsTheTail) {
   const ModelConfig cfg = shape("tiny-gpt2", 3, 0.1);

@@ -13,6 +13,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <algorithm>
 #include <map>
 
 namespace remat {
@@ -124,6 +125,52 @@ TEST(AttentionChoice, MeasuredTimesTakeTheLowerPredictedStep) {
           << r.text;
     }
   }
+}
+
+// With both ops measured, under a budget math alone meets only by recomputing, the plan
+// runs some layers with math (faster: a tiled layer's pass is 0.1 ms slower here) and the
+// others with tiled, whose log-sum-exp leaves room; faster than either op alone.
+TEST(AttentionChoice, MeasuredTimesMixTheOpsPerLayerWhereThatIsFaster) {
+  Config math_cfg = long_tiny("");
+  math_cfg.model.n_layer = 4;
+  math_cfg.model.attention = Attention::math;
+  TimeProfile flops;
+  flops.times.flops_per_second = 1e9;
+  const int64_t none = plan_run(math_cfg, at::kFloat, flops, 0).none_peak;
+  const int64_t least = least_budget(math_cfg, Attention::math);
+  Config cfg = long_tiny(std::to_string((none + least) / 2), /*profile=*/true);
+  cfg.model.n_layer = 4;
+  Config local = cfg;
+  Profiles profiles;
+  profiles.base[Attention::math] = 0.2;
+  profiles.base[Attention::tiled] = 0.2 + 4 * 1e-4;
+  const RunPlan r = plan_run_attention(cfg, local, at::kFloat, profiles.of(), 0);
+  const Attention chosen = cfg.model.attention;
+  ASSERT_NE(chosen, Attention::automatic);
+  EXPECT_EQ(r.text.rfind(fmt::format("attention: {} (model.attention = auto): per layer, ", attention_name(chosen)), 0),
+            0u) << r.text;
+  const auto tiled = std::count_if(r.plan.layers.begin(), r.plan.layers.end(),
+                                   [](const LayerPlan& l) { return l.attention == Attention::tiled; });
+  EXPECT_GT(tiled, 0) << r.text;
+  EXPECT_LT(tiled, 4) << r.text;
+  EXPECT_LE(r.predicted.peak, r.budget);
+  // The step: the model's op's pass, each layer of math 0.1 ms faster than tiled's.
+  EXPECT_NEAR(r.step_seconds, 0.2 + static_cast<double>(tiled) * 1e-4 + r.predicted.recompute_seconds, 1e-12);
+  // Faster than either op alone under the same budget (math alone recomputes to fit).
+  for (const Attention a : {Attention::math, Attention::tiled}) {
+    Config alone = local;
+    alone.model.attention = a;
+    TimeProfile p = flops;
+    p.base_seconds = profiles.base[a];
+    const RunPlan one = plan_run(alone, at::kFloat, p, 0, 0, none);
+    EXPECT_LT(r.step_seconds, one.step_seconds) << attention_name(a);
+  }
+  // A resumed run plans the saved plan with both ops' times again.
+  SavedPlan saved{r.plan, r.split};
+  Config resumed = local;
+  const RunPlan again = plan_run_attention(resumed, resumed, at::kFloat, profiles.of(), 0, 0, &saved);
+  EXPECT_EQ(again.predicted.peak, r.predicted.peak);
+  EXPECT_DOUBLE_EQ(again.step_seconds, r.step_seconds);
 }
 
 TEST(AttentionChoice, NeitherFittingGivesTiledsSentenceSayingBothWereTried) {

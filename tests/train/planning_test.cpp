@@ -27,6 +27,9 @@ TEST(SavedPlan, ReadsBackChunksSharedInputsAndTheSplit) {
   r.plan.layers[4].chunk_begin = 4;
   r.plan.layers[5].chunk_begin = 4;
   r.plan.layers[2].input_sharded = true;
+  // model.attention = auto per layer: the ops named.
+  r.plan.layers[1].attention = Attention::tiled;
+  r.plan.layers[3].attention = Attention::math;
   r.plan.policy = "budget:123";
   r.split = {2, 4};
   const SavedPlan back = parse_saved_plan(saved_plan_json(r), 6, 2);
@@ -36,6 +39,7 @@ TEST(SavedPlan, ReadsBackChunksSharedInputsAndTheSplit) {
   for (size_t l = 0; l < 6; ++l) {
     EXPECT_EQ(back.plan.layers[l].chunk_begin, r.plan.layers[l].chunk_begin) << l;
     EXPECT_EQ(back.plan.layers[l].input_sharded, r.plan.layers[l].input_sharded) << l;
+    EXPECT_EQ(back.plan.layers[l].attention, r.plan.layers[l].attention) << l;
   }
 }
 
@@ -55,6 +59,10 @@ TEST(SavedPlan, ADamagedPlanOrAnotherModelsIsASentence) {
   EXPECT_EQ(refusal(R"({"policy":"x","split":[2],"layers":[{"dropped":[],"chunk_begin":-1,"input_sharded":false},
                        {"dropped":[],"chunk_begin":5,"input_sharded":false}]})", 2, 1),
             "The checkpoint's plan (its \"plan\" metadata) begins layer 2's chunk at layer 6" + tail);
+  EXPECT_EQ(refusal(R"({"policy":"x","split":[2],"layers":[{"dropped":[],"chunk_begin":-1,"input_sharded":false},
+                       {"dropped":[],"chunk_begin":-1,"input_sharded":false,"attention":"flash"}]})", 2, 1),
+            "The checkpoint's plan (its \"plan\" metadata) runs attention 'flash' in layer 2, which is not math or "
+            "tiled" + tail);
   EXPECT_EQ(refusal(R"({"policy":"x","split":[2]})", 2, 1).rfind("The checkpoint's plan (its \"plan\" metadata) is "
                                                                  "damaged (", 0), 0u);
 }
