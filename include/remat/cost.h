@@ -164,8 +164,9 @@ StepConstants step_constants(const ModelConfig& cfg, const StepShape& shape);
 /// Simulates a whole training step (every microbatch, then the optimizer) under `plan`
 /// (one LayerPlan per layer of the model; a pipeline stage reads its own, and none of its
 /// uniform chunks may begin below it). A layer whose plan names another attention op is
-/// its graph with that op, priced by times.other_attention (required then). With microbatches in flight, each point of the
-/// step but the optimizer's has the others' kept activations beside it.
+/// its graph with that op, priced by times.other_attention (required then). With
+/// microbatches in flight, each point of the step but the optimizer's has the others' kept
+/// activations beside it.
 StepPrediction predict_step(const ModelConfig& cfg, const StepShape& shape, const ActivationPlan& plan,
                             bool early_stop, const NodeTimes& times);
 

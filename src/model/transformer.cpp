@@ -183,7 +183,9 @@ std::unique_ptr<Microbatch> TransformerModel::forward(const at::Tensor& input, c
   const auto [B, T] = check_input(input, targets);
   const Weights& W = compute_weights();
   auto mb = std::make_unique<TransformerMicrobatch>(this, ctx);
-  for (int64_t l = stage_.first; l < end_layer(); ++l) mb->block_shapes.push_back(&shaped(Part::block, B, T, 0, sp_, l));
+  for (int64_t l = stage_.first; l < end_layer(); ++l) {
+    mb->block_shapes.push_back(&shaped(Part::block, B, T, 0, sp_, l));
+  }
   if (!first_stage()) {
     const GraphShape& blk = *mb->block_shapes.front();
     const graph::TensorInfo& in = blk.graph.values[static_cast<size_t>(blk.graph.input)].info;
@@ -329,7 +331,9 @@ at::Tensor TransformerModel::last_logits(const at::Tensor& tokens) {
 double TransformerModel::forward_flops(int64_t seq) const {
   double flops = (first_stage() ? graph_of(Part::embed, 1, seq).forward_flops() : 0.0) +
                  (last_stage() ? graph_of(Part::head, 1, seq, seq).forward_flops() : 0.0);
-  for (int64_t l = stage_.first; l < end_layer(); ++l) flops += graph_of(Part::block, 1, seq, 0, false, l).forward_flops();
+  for (int64_t l = stage_.first; l < end_layer(); ++l) {
+    flops += graph_of(Part::block, 1, seq, 0, false, l).forward_flops();
+  }
   return flops;
 }
 

@@ -106,14 +106,15 @@ RunPlan plan_run_attention(Config& cfg, Config& local, at::ScalarType dtype, con
                            int64_t resident, int64_t stage, const SavedPlan* saved) {
   if (local.model.attention != Attention::automatic) {
     const Attention op = local.model.attention;
-    const bool mixed = saved != nullptr && std::any_of(saved->plan.layers.begin(), saved->plan.layers.end(),
-                                                       [&](const LayerPlan& l) { return l.attention && *l.attention != op; });
+    const bool mixed =
+        saved != nullptr && std::any_of(saved->plan.layers.begin(), saved->plan.layers.end(),
+                                        [&](const LayerPlan& l) { return l.attention && *l.attention != op; });
     if (!mixed) return plan_run(local, dtype, profile_of(local), resident, stage, 0, saved);
     // A resumed run whose plan chose the op per layer: both ops' times price it.
     Config other_cfg = local;
     other_cfg.model.attention = other_op(op);
-    return plan_run(local, dtype, with_other(profile_of(local), profile_of(other_cfg), other_op(op), local.model.n_layer),
-                    resident, stage, 0, saved);
+    const TimeProfile both = with_other(profile_of(local), profile_of(other_cfg), other_op(op), local.model.n_layer);
+    return plan_run(local, dtype, both, resident, stage, 0, saved);
   }
   Config math_cfg = local;
   math_cfg.model.attention = Attention::math;
@@ -147,8 +148,9 @@ RunPlan plan_run_attention(Config& cfg, Config& local, at::ScalarType dtype, con
     // they do not). The model keeps the op chosen above; the plan names each layer's.
     if (!local.ac.budget.empty() && measured(math_profile) && measured(tiled_profile)) {
       const bool math_base = chosen == Attention::math;
-      const TimeProfile mixed_profile = math_base ? with_other(math_profile, tiled_profile, Attention::tiled, local.model.n_layer)
-                                                  : with_other(tiled_profile, math_profile, Attention::math, local.model.n_layer);
+      const int64_t L = local.model.n_layer;
+      const TimeProfile mixed_profile = math_base ? with_other(math_profile, tiled_profile, Attention::tiled, L)
+                                                  : with_other(tiled_profile, math_profile, Attention::math, L);
       Planned mixed = plan_with(local, chosen, dtype, mixed_profile, resident, stage, reference);
       const bool mixes = mixed.plan && std::any_of(mixed.plan->plan.layers.begin(), mixed.plan->plan.layers.end(),
                                                    [&](const LayerPlan& l) { return l.attention != chosen; });

@@ -25,11 +25,16 @@ using ProfileOf = std::function<TimeProfile(const Config& local)>;
 ///    Where neither fits, throws std::invalid_argument with tiled's sentence (the op with the
 ///    lower minimum budget) saying both were tried.
 ///  - without, the lower predicted step time under ac.profile, else math (tiled is not planned).
+///  - per layer: with ac.budget and both profiles measured, also plans with the op chosen
+///    above and, in any layer, the other (cost::OtherAttention, its pass difference from the
+///    two profiles), and takes that plan, whose layers each name their op, where it mixes
+///    the ops and is predicted faster.
 /// The plan's text then begins with a line naming the op and why ("attention: tiled
 /// (model.attention = auto): math's least-memory plan peaks at 812 MiB, over the 300 MiB
 /// budget"). Every rank of a job calls this alike, with profiles alike (rank 0's times).
 /// A `saved` plan (a resumed run's) is for a named op (its config.toml names the op auto
-/// chose) and is predicted as it is (plan_run).
+/// chose) and is predicted as it is (plan_run), with the other op's times where its layers
+/// run both.
 RunPlan plan_run_attention(Config& cfg, Config& local, at::ScalarType dtype, const ProfileOf& profile_of,
                            int64_t resident, int64_t stage = 0, const SavedPlan* saved = nullptr);
 

@@ -55,7 +55,9 @@ double brute_force(const ModelConfig& cfg, const cost::StepShape& shape, const c
         }
       }
       for (int64_t n = 2; n <= std::min(max_chunk, L - pos); ++n) {
-        for (int64_t j = pos; j < pos + n; ++j) plan.layers[j] = {everything, j == pos ? -1 : pos, j == pos && sharded, {}};
+        for (int64_t j = pos; j < pos + n; ++j) {
+          plan.layers[j] = {everything, j == pos ? -1 : pos, j == pos && sharded, {}};
+        }
         walk(pos + n);
       }
     }
