@@ -73,6 +73,20 @@ bool BlockGraph::input_shardable() const {
   return tp > 1 && !sp && values[static_cast<size_t>(input)].info.numel() % tp == 0;
 }
 
+LinkTraffic BlockGraph::input_gather() const {
+  return LinkTraffic::gather(values[static_cast<size_t>(input)].info.bytes(), tp);
+}
+
+LinkTraffic LinkTraffic::gather(int64_t whole, int64_t ranks) {
+  if (ranks <= 1) return {};
+  return {static_cast<double>(whole) * static_cast<double>(ranks - 1) / static_cast<double>(ranks), ranks - 1};
+}
+
+LinkTraffic LinkTraffic::all_reduce(int64_t whole, int64_t ranks) {
+  const LinkTraffic half = gather(whole, ranks);
+  return {2 * half.bytes, 2 * half.messages};
+}
+
 int64_t BlockGraph::saved_bytes() const {
   std::set<int> roots;
   int64_t bytes = 0;
