@@ -110,6 +110,16 @@ void take_rank0s(dist::Comm* ranks, TimeProfile& p) {
   }
 }
 
+// Rank 0's `value`, bit for bit, on every rank of `ranks`.
+double rank0s(dist::Comm& ranks, double value, const std::string& what) {
+  static_assert(sizeof(double) == sizeof(int64_t));
+  std::vector<int64_t> bits(1);
+  std::memcpy(bits.data(), &value, sizeof(double));
+  bits = ranks.all_gather(bits, what)[0];
+  std::memcpy(&value, bits.data(), sizeof(double));
+  return value;
+}
+
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
@@ -285,14 +295,9 @@ LinkRate measure_link_rate(dist::Comm& ranks) {
   } else {  // noise swamped the difference: all of the large one's time is bytes
     fit.bytes_per_second = part * static_cast<double>(large) / large_s;
   }
-  // Rank 0's fit, bit for bit: every rank plans with the same numbers.
-  static_assert(sizeof(double) == sizeof(int64_t));
-  std::vector<int64_t> bits(2);
-  std::memcpy(&bits[0], &fit.bytes_per_second, sizeof(double));
-  std::memcpy(&bits[1], &fit.latency_seconds, sizeof(double));
-  bits = ranks.all_gather(bits, "sharing rank 0's measure of the links")[0];
-  std::memcpy(&fit.bytes_per_second, &bits[0], sizeof(double));
-  std::memcpy(&fit.latency_seconds, &bits[1], sizeof(double));
+  // Rank 0's fit: every rank plans with the same numbers.
+  fit.bytes_per_second = rank0s(ranks, fit.bytes_per_second, "sharing rank 0's measure of the links");
+  fit.latency_seconds = rank0s(ranks, fit.latency_seconds, "sharing rank 0's measure of the links");
   return fit;
 }
 
@@ -310,6 +315,9 @@ TimeProfile run_time_profile(const Config& cfg, at::Device device, at::ScalarTyp
     profile.times.flops_per_second = matmul_rate;
   }
   if (cfg.parallel.tp > 1) {
+    // Rank 0's matmul rate too (a profile's is already): bytes weighed against each rank's
+    // own FLOP rate could lead the ranks to different plans, whose collectives never meet.
+    profile.times.flops_per_second = rank0s(*ranks, profile.times.flops_per_second, "sharing rank 0's matmul rate");
     const LinkRate link = measure_link_rate(*ranks);
     profile.times.link_bytes_per_second = link.bytes_per_second;
     profile.times.link_latency_seconds = link.latency_seconds;
