@@ -312,12 +312,13 @@ TimeProfile run_time_profile(const Config& cfg, at::Device device, at::ScalarTyp
   } else if (cfg.ac.profile) {
     profile = probe_time_profile(cfg, device, dtype, data, ranks);
   } else {
-    profile.times.flops_per_second = matmul_rate;
+    // Rank 0's matmul rate, as a profile is rank 0's: ranks pricing by their own rates
+    // could choose different plans (bytes weighed against FLOPs otherwise; a sum rounded
+    // otherwise), whose collectives would never meet.
+    profile.times.flops_per_second =
+        ranks != nullptr && ranks->size() > 1 ? rank0s(*ranks, matmul_rate, "sharing rank 0's matmul rate") : matmul_rate;
   }
   if (cfg.parallel.tp > 1) {
-    // Rank 0's matmul rate too (a profile's is already): bytes weighed against each rank's
-    // own FLOP rate could lead the ranks to different plans, whose collectives never meet.
-    profile.times.flops_per_second = rank0s(*ranks, profile.times.flops_per_second, "sharing rank 0's matmul rate");
     const LinkRate link = measure_link_rate(*ranks);
     profile.times.link_bytes_per_second = link.bytes_per_second;
     profile.times.link_latency_seconds = link.latency_seconds;
