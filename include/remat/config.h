@@ -121,6 +121,13 @@ struct ParallelConfig {
                           ///< evenly; sets ac.stages, so per-stage policies count real stages
   /// The order each stage runs its microbatches (train.grad_accum) in.
   pipeline::Schedule schedule = pipeline::Schedule::one_f_one_b;
+  /// What `remat plan`, which runs no ranks, prices a collective at: the rate in GB/s
+  /// (10^9 bytes per second) each rank sends at in a ring all-gather of a large tensor (the
+  /// "bus bandwidth" nccl-tests' all_gather_perf prints), and the rate in TFLOP/s one
+  /// rank's matmuls reach, which turns those seconds into the plan's FLOPs. A run
+  /// measures both on its own ranks instead (README: Planning to a memory budget).
+  double link_rate = 100;
+  double compute_rate = 400;
   bool overlap_grad_reduce = false;  ///< all-reduce data-parallel gradients during the last
                                      ///< backward (Megatron's --overlap-grad-reduce); off by
                                      ///< default: measured 1.3% slower on 2 cores, where

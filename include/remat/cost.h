@@ -92,18 +92,30 @@ struct StepConstants {
 struct OtherAttention;
 
 /// Times of the nodes, seconds per execution at the step's shapes (a measured profile),
-/// or empty to price them by FLOPs.
+/// or empty to price them by FLOPs and their collectives by the bytes they send.
 struct NodeTimes {
   std::map<std::string, double> seconds;  ///< by node name
   double flops_per_second = 0;           ///< fallback rate for nodes without a time
+  /// The tensor-parallel links, for collectives without a measured time: bytes a rank
+  /// sends per second and seconds per ring step (graph::LinkTraffic); a rate of 0 prices
+  /// them at 0. In the unit of `flops_per_second`'s seconds (`remat plan`'s FLOPs).
+  double link_bytes_per_second = 0, link_latency_seconds = 0;
   /// One microbatch's forward and backward, measured, of one layer and of the embedding
   /// and loss head together (a pipeline stage's parts: train/profile.h's probe); 0 when
   /// not measured, and then three times the forward nodes' times.
   double layer_pass_seconds = 0, ends_pass_seconds = 0;
+  /// A forward of `n`: measured, else its FLOPs at flops_per_second plus its collective
+  /// (Node::forward_link) at the link's rate.
   double node_seconds(const graph::Node& n) const;
-  /// The all-gather of a block input kept as shares (graph::kInputGather), measured; 0
-  /// when the profile has none (FLOPs price no collective).
-  double input_gather_seconds() const;
+  /// The part of node_seconds(n) spent in a collective: for the transform's collective
+  /// nodes their measured time (a bias added after a sum included) or their link time; 0
+  /// for the others.
+  double node_link_seconds(const graph::Node& n) const;
+  /// The all-gather of `block`'s input kept as shares (graph::kInputGather): measured,
+  /// else BlockGraph::input_gather() at the link's rate.
+  double input_gather_seconds(const graph::BlockGraph& block) const;
+  /// `traffic` at the link's rate: latency x messages + bytes / rate (0 without a rate).
+  double link_seconds(const graph::LinkTraffic& traffic) const;
   /// The attention op a plan may run in some layers instead of the model's
   /// (LayerPlan::attention), with its own times; null: every layer runs the model's op.
   std::shared_ptr<const OtherAttention> other_attention;
@@ -127,6 +139,7 @@ struct LayerCost {
   int64_t recomputed_bytes = 0;
   double recompute_flops = 0;
   double recompute_seconds = 0;
+  double recompute_link_seconds = 0;   ///< of recompute_seconds: the collectives it re-runs
   std::map<std::string, int64_t> ops;  ///< re-executed op kinds
 };
 
@@ -143,6 +156,7 @@ struct StepPrediction {
   int64_t working_set = 0;      ///< peak - statics - activations kept at that moment
   double recompute_flops = 0;   ///< per step (all microbatches)
   double recompute_seconds = 0; ///< per step
+  double recompute_link_seconds = 0;  ///< per step: of recompute_seconds, the collectives re-run
   std::map<std::string, int64_t> ops;  ///< per step
   int64_t recomputed_bytes = 0; ///< per microbatch
   /// Per step: the forward and backward time the layers running the other attention op

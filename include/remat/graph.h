@@ -99,6 +99,20 @@ class Events {
 /// the collective runs, then their concatenation.
 void all_gather_events(Events& e, int64_t whole, int64_t index);
 
+/// What a collective sends between the tensor-parallel ranks, per rank, as a ring runs it
+/// (an all-gather or reduce-scatter of a whole tensor of B bytes over t ranks: t - 1
+/// messages of B/t each; an all-reduce is a reduce-scatter then an all-gather, twice
+/// that). The cost model prices it at a link rate where no measured time is at hand.
+struct LinkTraffic {
+  double bytes = 0;      ///< sent by each rank
+  int64_t messages = 0;  ///< ring steps, each paying the link's latency once
+  /// An all-gather (or reduce-scatter) of a tensor of `whole` bytes over `ranks`.
+  static LinkTraffic gather(int64_t whole, int64_t ranks);
+  /// An all-reduce of a tensor of `whole` bytes over `ranks`.
+  static LinkTraffic all_reduce(int64_t whole, int64_t ranks);
+  bool none() const { return messages == 0; }
+};
+
 /// The time profile's name for the all-gather of a block input kept as a share per rank
 /// (LayerPlan::input_sharded): timed as recompute work, beside the nodes.
 inline constexpr const char* kInputGather = "input.all_gather";
@@ -234,6 +248,10 @@ struct Node {
   std::vector<int> inputs, outputs, params;
   Attrs attrs;
   double flops = 0;
+  /// The collectives of the tensor-parallel transform's nodes (tp_copy, tp_reduce,
+  /// sp_gather, sp_scatter) as remat runs them over Gloo: what the forward and the backward
+  /// send. None for every other op.
+  LinkTraffic forward_link, backward_link;
 };
 
 /// One block at fixed shapes: everything the executor and the simulator walk. The same
@@ -275,6 +293,9 @@ struct BlockGraph {
   /// Whether the block input can be kept as a share per tensor-parallel rank: tensor
   /// parallelism without sequence parallelism, and the input's elements divide evenly.
   bool input_shardable() const;
+  /// The all-gather that makes the block input whole again from its shares (kept
+  /// LayerPlan::input_sharded): its elements' bytes, gathered over the tp ranks.
+  LinkTraffic input_gather() const;
   /// Bytes of the distinct memory of every value a backward reads, the caller's inputs
   /// included (what a graph without slots keeps from its forward to its backward).
   int64_t saved_bytes() const;

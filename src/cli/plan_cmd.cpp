@@ -37,6 +37,19 @@ double step_flops(const ModelConfig& m, const graph::BlockGraph& b, const cost::
   return 3.0 * (m.n_layer * b.forward_flops() + ops::cross_entropy_flops(N, m.d_model, m.vocab_size / s.tp));
 }
 
+// Seconds of the collectives one microbatch's forward and backward run without recompute
+// (the blocks', the embedding's and the loss head's), at `times`' links.
+double step_link_seconds(const ModelConfig& m, const graph::BlockGraph& b, const cost::StepShape& s,
+                         const cost::NodeTimes& times) {
+  const auto of = [&](const graph::BlockGraph& g) {
+    double t = 0;
+    for (const auto& n : g.nodes) t += times.link_seconds(n.forward_link) + times.link_seconds(n.backward_link);
+    return t;
+  };
+  return static_cast<double>(m.n_layer) * of(b) + of(graph::embed_graph(m, s.batch, s.seq, s.dtype, s.tp, s.sp)) +
+         of(graph::head_graph(m, s.batch, s.seq, s.dtype, s.ce_chunk, s.tp, s.sp));
+}
+
 nlohmann::json breakdown_json(const cost::StepPrediction& p) {
   return {{"parameters", p.statics.params},
           {"gradients", p.statics.grads},
@@ -273,9 +286,13 @@ int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
     return 0;
   }
   // Time is priced in FLOPs here (a device-independent unit): recompute "seconds" are
-  // FLOPs at one FLOP per second, shown as a share of the step's FLOPs.
+  // FLOPs at one FLOP per second, shown as a share of the step's FLOPs. A collective takes
+  // the FLOPs a rank could compute while it runs: bytes at parallel.link_rate over FLOPs
+  // at parallel.compute_rate.
+  const double flop_rate = cfg.parallel.compute_rate * 1e12;
   cost::NodeTimes times;
   times.flops_per_second = 1.0;
+  times.link_bytes_per_second = cfg.parallel.link_rate * 1e9 / flop_rate;
   PlannerOptions opts;
   opts.early_stop = cfg.ac.early_stop;
   const Planner planner(m, shape, times, opts);
@@ -299,6 +316,11 @@ int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
   const ActivationPlan& plan = solved->plan;
   const cost::StepPrediction& pred = solved->prediction;
   const double overhead = pred.recompute_flops / (flops * shape.grad_accum);
+  // The collectives, in seconds: those the recompute re-runs, and a step's own.
+  const double recompute_link = pred.recompute_link_seconds / flop_rate;
+  cost::NodeTimes link;
+  link.link_bytes_per_second = cfg.parallel.link_rate * 1e9;
+  const double step_link = static_cast<double>(shape.grad_accum) * step_link_seconds(m, planner.block(), shape, link);
 
   std::vector<FrontierPoint> frontier, manual;
   if (args.pareto || args.json) {
@@ -338,6 +360,10 @@ int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
         {"recompute_flops_per_step", pred.recompute_flops},
         {"step_flops", flops * shape.grad_accum},
         {"recompute_overhead", overhead},
+        {"communication", {{"link_rate_gb_per_s", cfg.parallel.link_rate},
+                           {"compute_rate_tflop_per_s", cfg.parallel.compute_rate},
+                           {"recompute_seconds", recompute_link},
+                           {"step_seconds", step_link}}},
         {"frontier", points(frontier)},
         {"manual", points(manual)}};
     fmt::print("{}\n", out.dump(2));
@@ -352,6 +378,13 @@ int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
   fmt::print("\npredicted memory at the peak:\n{}", breakdown_text(pred));
   fmt::print("\nrecompute: {} FLOPs per step, {:.1f}% over the {} FLOPs of a step without recompute\n",
              format_count(pred.recompute_flops), 100.0 * overhead, format_count(flops * shape.grad_accum));
+  if (shape.tp > 1) {
+    fmt::print("communication at parallel.link_rate = {} GB/s: the recompute re-runs {:.3f} ms of collectives per "
+               "step (priced as {} FLOPs at parallel.compute_rate = {} TFLOP/s); without recompute a step's "
+               "collectives take {:.3f} ms\n",
+               cfg.parallel.link_rate, 1e3 * recompute_link, format_count(pred.recompute_link_seconds),
+               cfg.parallel.compute_rate, 1e3 * step_link);
+  }
   if (args.pareto) {
     fmt::print("\nfrontier (budget plans):\n  {:>12}  {:>10}\n", "peak", "recompute");
     for (const auto& p : frontier) {

@@ -285,6 +285,10 @@ std::vector<ConfigKey> make_keys() {
       key("parallel.zero", &C::parallel, &ParallelConfig::zero, "1: shard AdamW's moments over data-parallel ranks"),
       key("parallel.pp", &C::parallel, &ParallelConfig::pp, "pipeline stages the layers split into (sets ac.stages)"),
       key("parallel.schedule", &C::parallel, &ParallelConfig::schedule, "pipeline schedule: 1f1b or gpipe"),
+      key("parallel.link_rate", &C::parallel, &ParallelConfig::link_rate,
+          "GB/s a rank sends in a ring all-gather (remat plan's collectives)"),
+      key("parallel.compute_rate", &C::parallel, &ParallelConfig::compute_rate,
+          "TFLOP/s a rank's matmuls reach (remat plan's FLOPs per second)"),
       key("parallel.overlap_grad_reduce", &C::parallel, &ParallelConfig::overlap_grad_reduce,
           "all-reduce gradients during the backward"),
       ac_key("ac.policy", &AcConfig::policy, "recompute policy (README: Recompute policies); unset: none"),
@@ -686,6 +690,16 @@ void validate_config(const Config& c) {
     fail(fmt::format("parallel.zero must be 0 (every data-parallel rank keeps AdamW's moments whole) or 1 (ZeRO "
                      "stage 1: each keeps the moments of its share of the parameters), got {}; stages 2 and 3 "
                      "(sharded gradients and parameters) are not implemented.", c.parallel.zero));
+  }
+  // Both turn bytes and FLOPs into time; 1 PB/s and 1 EFLOP/s are far past any device.
+  if (!(c.parallel.link_rate > 0 && c.parallel.link_rate <= 1e6)) {
+    fail(fmt::format("parallel.link_rate must be the GB/s a rank sends at over its tensor-parallel links, above 0 and "
+                     "at most 1000000, got {}; for example 20 for PCIe 4, 200 for NVLink 3, 350 for NVLink 4.",
+                     c.parallel.link_rate));
+  }
+  if (!(c.parallel.compute_rate > 0 && c.parallel.compute_rate <= 1e6)) {
+    fail(fmt::format("parallel.compute_rate must be the TFLOP/s a rank's matmuls reach, above 0 and at most 1000000, "
+                     "got {}; for example 300 for an A100 in bfloat16, 600 for an H100.", c.parallel.compute_rate));
   }
   if (c.parallel.pp < 1 || c.parallel.pp > m.n_layer) {
     fail(fmt::format("parallel.pp = {} pipeline stages for {} layers: every stage needs at least one layer; use 1 "

@@ -73,6 +73,20 @@ bool BlockGraph::input_shardable() const {
   return tp > 1 && !sp && values[static_cast<size_t>(input)].info.numel() % tp == 0;
 }
 
+LinkTraffic BlockGraph::input_gather() const {
+  return LinkTraffic::gather(values[static_cast<size_t>(input)].info.bytes(), tp);
+}
+
+LinkTraffic LinkTraffic::gather(int64_t whole, int64_t ranks) {
+  if (ranks <= 1) return {};
+  return {static_cast<double>(whole) * static_cast<double>(ranks - 1) / static_cast<double>(ranks), ranks - 1};
+}
+
+LinkTraffic LinkTraffic::all_reduce(int64_t whole, int64_t ranks) {
+  const LinkTraffic half = gather(whole, ranks);
+  return {2 * half.bytes, 2 * half.messages};
+}
+
 int64_t BlockGraph::saved_bytes() const {
   std::set<int> roots;
   int64_t bytes = 0;
@@ -125,7 +139,7 @@ std::vector<int> Builder::add(const std::string& name, const OpDef& op, std::vec
   for (int p : params) pinfo.push_back({g_.params.at(static_cast<size_t>(p)).sizes, g_.dtype, {}});
   const auto in = g_.infos(inputs);
   const auto out = op.infer(in, pinfo, attrs);
-  Node n{name, &op, std::move(inputs), {}, std::move(params), std::move(attrs), 0.0};
+  Node n{name, &op, std::move(inputs), {}, std::move(params), std::move(attrs), 0.0, {}, {}};
   n.flops = op.flops(in, pinfo, n.attrs);
   const int id = static_cast<int>(g_.nodes.size());
   for (size_t i = 0; i < out.size(); ++i) {

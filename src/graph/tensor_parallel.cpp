@@ -60,6 +60,32 @@ bool position_wise(const OpDef& o) {
          &o == &op::position_embedding();
 }
 
+// What each collective node sends, as src/ops/tensor_parallel.cpp runs them over Gloo:
+// sums in float32 (a narrower tensor is reduced in a float32 copy), a reduce-scatter as an
+// all-reduce of the whole tensor (Gloo in 1.13 has none), gathers in the tensor's own
+// bytes. The vocabulary-parallel loss's own all-reduces (a few floats per token) are left
+// out: they are not the re-run a plan chooses.
+void set_links(BlockGraph& g) {
+  const auto summed = [&](int v) {
+    const TensorInfo& t = g.values[static_cast<size_t>(v)].info;
+    return t.numel() * static_cast<int64_t>(at::elementSize(t.dtype == at::kDouble ? at::kDouble : at::kFloat));
+  };
+  const auto bytes = [&](int v) { return g.values[static_cast<size_t>(v)].info.bytes(); };
+  for (Node& n : g.nodes) {
+    if (n.op == &op::tp_copy()) {
+      n.backward_link = LinkTraffic::all_reduce(summed(n.outputs[0]), g.tp);
+    } else if (n.op == &op::tp_reduce()) {
+      n.forward_link = LinkTraffic::all_reduce(summed(n.inputs[0]), g.tp);
+    } else if (n.op == &op::sp_gather()) {
+      n.forward_link = LinkTraffic::gather(bytes(n.outputs[0]), g.tp);
+      n.backward_link = LinkTraffic::all_reduce(summed(n.outputs[0]), g.tp);
+    } else if (n.op == &op::sp_scatter()) {
+      n.forward_link = LinkTraffic::all_reduce(summed(n.inputs[0]), g.tp);
+      n.backward_link = LinkTraffic::gather(bytes(n.inputs[0]), g.tp);
+    }
+  }
+}
+
 }  // namespace
 
 BlockGraph tensor_parallel(const BlockGraph& g, const TensorParallelPlan& plan, int64_t tp, bool sp) {
@@ -235,6 +261,7 @@ BlockGraph tensor_parallel(const BlockGraph& g, const TensorParallelPlan& plan, 
   const auto on_ranks = [&](BlockGraph out) {
     out.tp = tp;
     out.sp = sp;
+    set_links(out);
     return out;
   };
   if (!has_slots) return on_ranks(b.finish_kept(output));

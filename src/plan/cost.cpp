@@ -92,6 +92,7 @@ struct Simulator {
       if (n.op->kind()[0] != '\0') ++cost.ops[n.op->kind()];
       cost.recompute_flops += n.flops;
       cost.recompute_seconds += times.node_seconds(n);
+      cost.recompute_link_seconds += times.node_link_seconds(n);
     }
     return res;
   }
@@ -125,7 +126,8 @@ struct Simulator {
     graph::all_gather_events(e, whole, 0);
     std::vector<Tensor> res(1);
     replay(e, res, {whole});
-    cost.recompute_seconds += times.input_gather_seconds();
+    cost.recompute_seconds += times.input_gather_seconds(g);
+    cost.recompute_link_seconds += times.input_gather_seconds(g);
     return res[0];
   }
 };
@@ -191,15 +193,26 @@ std::vector<int> zero_owners(const std::vector<int64_t>& numels, int64_t ranks) 
   return owner;
 }
 
+double NodeTimes::link_seconds(const graph::LinkTraffic& traffic) const {
+  if (link_bytes_per_second <= 0) return 0.0;
+  return static_cast<double>(traffic.messages) * link_latency_seconds + traffic.bytes / link_bytes_per_second;
+}
+
 double NodeTimes::node_seconds(const graph::Node& n) const {
   auto it = seconds.find(n.name);
   if (it != seconds.end()) return it->second;
-  return flops_per_second > 0 ? n.flops / flops_per_second : 0.0;
+  return (flops_per_second > 0 ? n.flops / flops_per_second : 0.0) + link_seconds(n.forward_link);
 }
 
-double NodeTimes::input_gather_seconds() const {
+double NodeTimes::node_link_seconds(const graph::Node& n) const {
+  if (n.forward_link.none()) return 0.0;
+  const auto it = seconds.find(n.name);
+  return it != seconds.end() ? it->second : link_seconds(n.forward_link);
+}
+
+double NodeTimes::input_gather_seconds(const graph::BlockGraph& block) const {
   const auto it = seconds.find(graph::kInputGather);
-  return it == seconds.end() ? 0.0 : it->second;
+  return it == seconds.end() ? link_seconds(block.input_gather()) : it->second;
 }
 
 namespace {
@@ -390,8 +403,11 @@ StepPrediction predict_step(const ModelConfig& cfg, const StepShape& shape, cons
   }
   p.kept_activations = embed_saved + std::accumulate(kept.begin(), kept.end(), int64_t{0}) + k.head_saved;
   others = (shape.in_flight - 1) * p.kept_activations;
-  double block_seconds = 0;
-  for (const auto& n : block.nodes) block_seconds += times.node_seconds(n);
+  double block_seconds = 0, block_link_seconds = 0;
+  for (const auto& n : block.nodes) {
+    block_seconds += times.node_seconds(n);
+    block_link_seconds += times.node_link_seconds(n);
+  }
 
   const int64_t emb = base + embed_saved;
   const auto layer_name = [](const char* what, int64_t l) { return fmt::format("{} of layer {}", what, l + 1); };
@@ -412,6 +428,7 @@ StepPrediction predict_step(const ModelConfig& cfg, const StepShape& shape, cons
       for (const auto& [k, n] : c.ops) total.ops[k] += n;
       total.recompute_flops += c.recompute_flops;
       total.recompute_seconds += c.recompute_seconds;
+      total.recompute_link_seconds += c.recompute_link_seconds;
       total.recomputed_bytes += c.recomputed_bytes;
       continue;
     }
@@ -423,7 +440,8 @@ StepPrediction predict_step(const ModelConfig& cfg, const StepShape& shape, cons
       // The input gathered first, beside its share and the output gradient.
       consider(emb + under + out_bytes + kept[first - F] + 2 * input_bytes, embed_saved + under + kept[first - F],
                layer_name("recompute", first));
-      total.recompute_seconds += times.input_gather_seconds();
+      total.recompute_seconds += times.input_gather_seconds(block);
+      total.recompute_link_seconds += times.input_gather_seconds(block);
     }
     int64_t rebuilt = 0;
     const int64_t full = whole.kept;
@@ -436,6 +454,7 @@ StepPrediction predict_step(const ModelConfig& cfg, const StepShape& shape, cons
       }
       total.recompute_flops += block.forward_flops();
       total.recompute_seconds += block_seconds;
+      total.recompute_link_seconds += block_link_seconds;
       total.recomputed_bytes += full - input_bytes;
     }
     for (int64_t j = l; j >= first; --j) {
@@ -452,6 +471,7 @@ StepPrediction predict_step(const ModelConfig& cfg, const StepShape& shape, cons
   for (const auto& [k, n] : total.ops) p.ops[k] = n * shape.grad_accum;
   p.recompute_flops = micro * total.recompute_flops;
   p.recompute_seconds = micro * total.recompute_seconds;
+  p.recompute_link_seconds = micro * total.recompute_link_seconds;
   p.recomputed_bytes = total.recomputed_bytes;
   p.attention_seconds = micro * other_delta;
   return p;

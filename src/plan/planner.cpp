@@ -393,7 +393,7 @@ Planner::ChunkCost Planner::chunk_cost(int64_t n, bool sharded) const {
     // Gloo's all-gather holds the parts and its receive buffer beside the share and the
     // output gradient (graph::all_gather_events).
     c.top = std::max(c.top, block_.output_bytes() + c.kept + 2 * input);
-    c.seconds += times_.input_gather_seconds();
+    c.seconds += times_.input_gather_seconds(block_);
   }
   return c;
 }

@@ -306,6 +306,11 @@ RunPlan plan_run(const Config& cfg, at::ScalarType dtype, const TimeProfile& pro
                         format_bytes(p.peak), p.peak_at, format_bytes(p.statics.params), format_bytes(p.statics.grads),
                         format_bytes(p.statics.optimizer), format_bytes(p.peak - p.statics.total() - p.working_set),
                         format_bytes(p.working_set), format_bytes(p.statics.resident), format_count(p.recompute_flops), 1e3 * p.recompute_seconds);
+  if (profile.times.link_bytes_per_second > 0) {
+    r.text += fmt::format("tensor-parallel links measured at {:.2f} GB/s a rank sends and {:.1f} us a ring step; the "
+                          "recompute re-runs {:.1f} ms of collectives\n", profile.times.link_bytes_per_second / 1e9,
+                          1e6 * profile.times.link_latency_seconds, 1e3 * p.recompute_link_seconds);
+  }
   if (r.step_seconds > 0) {
     const std::string other =
         p.attention_seconds != 0

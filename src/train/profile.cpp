@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -107,6 +108,16 @@ void take_rank0s(dist::Comm* ranks, TimeProfile& p) {
   if (!parse_profile(ranks->await(key, "sharing rank 0's time profile"), p, why)) {
     throw std::runtime_error("The time profile rank 0 shared could not be read (" + why + ").");
   }
+}
+
+// Rank 0's `value`, bit for bit, on every rank of `ranks`.
+double rank0s(dist::Comm& ranks, double value, const std::string& what) {
+  static_assert(sizeof(double) == sizeof(int64_t));
+  std::vector<int64_t> bits(1);
+  std::memcpy(bits.data(), &value, sizeof(double));
+  bits = ranks.all_gather(bits, what)[0];
+  std::memcpy(&value, bits.data(), sizeof(double));
+  return value;
 }
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
@@ -256,17 +267,62 @@ TimeProfile probe_time_profile(const Config& cfg, at::Device device, at::ScalarT
   return p;
 }
 
+LinkRate measure_link_rate(dist::Comm& ranks) {
+  dist::Group& group = ranks.tensor();
+  const int64_t t = group.size();
+  // A small tensor's time is mostly latency, a large one's mostly bytes; both whole
+  // tensors of `whole` bytes, each rank giving its 1/t.
+  const auto time = [&](int64_t whole) {
+    const at::Tensor share = at::zeros({1, whole / t}, at::kByte);
+    std::vector<double> reps;
+    for (int rep = 0; rep <= 5; ++rep) {
+      ranks.barrier("measuring the tensor-parallel links");
+      const auto t0 = std::chrono::steady_clock::now();
+      group.all_gather(share, 1, "measuring the tensor-parallel links");
+      if (rep > 0) reps.push_back(seconds_since(t0));  // rep 0 connects and warms
+    }
+    std::sort(reps.begin(), reps.end());
+    return reps[reps.size() / 2];
+  };
+  const int64_t small = 4096 * t, large = (int64_t{16} << 20) / t * t;
+  const double small_s = time(small), large_s = time(large);
+  const double part = static_cast<double>(t - 1) / static_cast<double>(t);  // of the whole a rank sends
+  LinkRate fit;
+  if (large_s > small_s) {
+    fit.bytes_per_second = part * static_cast<double>(large - small) / (large_s - small_s);
+    fit.latency_seconds =
+        std::max(0.0, (small_s - part * static_cast<double>(small) / fit.bytes_per_second) / static_cast<double>(t - 1));
+  } else {  // noise swamped the difference: all of the large one's time is bytes
+    fit.bytes_per_second = part * static_cast<double>(large) / large_s;
+  }
+  // Rank 0's fit: every rank plans with the same numbers.
+  fit.bytes_per_second = rank0s(ranks, fit.bytes_per_second, "sharing rank 0's measure of the links");
+  fit.latency_seconds = rank0s(ranks, fit.latency_seconds, "sharing rank 0's measure of the links");
+  return fit;
+}
+
 TimeProfile run_time_profile(const Config& cfg, at::Device device, at::ScalarType dtype,
                              const data::TokenDataset& data, dist::Comm* ranks, double matmul_rate,
                              const std::function<std::unique_ptr<Model>()>& create, std::unique_ptr<Model>& model) {
+  TimeProfile profile;
   if (cfg.ac.profile && cfg.parallel.pp == 1) {
     model.reset();
     model = create();
-    return rank_time_profile(cfg, *model, data, ranks);
+    profile = rank_time_profile(cfg, *model, data, ranks);
+  } else if (cfg.ac.profile) {
+    profile = probe_time_profile(cfg, device, dtype, data, ranks);
+  } else {
+    // Rank 0's matmul rate, as a profile is rank 0's: ranks pricing by their own rates
+    // could choose different plans (bytes weighed against FLOPs otherwise; a sum rounded
+    // otherwise), whose collectives would never meet.
+    profile.times.flops_per_second =
+        ranks != nullptr && ranks->size() > 1 ? rank0s(*ranks, matmul_rate, "sharing rank 0's matmul rate") : matmul_rate;
   }
-  if (cfg.ac.profile) return probe_time_profile(cfg, device, dtype, data, ranks);
-  TimeProfile profile;
-  profile.times.flops_per_second = matmul_rate;
+  if (cfg.parallel.tp > 1) {
+    const LinkRate link = measure_link_rate(*ranks);
+    profile.times.link_bytes_per_second = link.bytes_per_second;
+    profile.times.link_latency_seconds = link.latency_seconds;
+  }
   return profile;
 }
 

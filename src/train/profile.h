@@ -63,11 +63,24 @@ TimeProfile rank_time_profile(const Config& cfg, Model& model, const data::Token
 TimeProfile probe_time_profile(const Config& cfg, at::Device device, at::ScalarType dtype,
                                const data::TokenDataset& data, dist::Comm* ranks);
 
+/// The tensor-parallel links of `ranks` measured: every tensor-parallel group times
+/// all-gathers of a small and a large tensor at once (as its collectives will run, groups
+/// sharing a host's links), fits the ring model of graph::LinkTraffic to them (the
+/// latency per ring step and the rate each rank sends at) and every rank takes rank 0's
+/// fit, so that all of them plan alike. Every rank of the job calls it; a second or so.
+struct LinkRate {
+  double bytes_per_second = 0;
+  double latency_seconds = 0;
+};
+LinkRate measure_link_rate(dist::Comm& ranks);
+
 /// The profile a run of `cfg` (a rank_share) plans from, as `remat train` and `remat bench`
 /// take it: under ac.profile, rank_time_profile on the whole model `create` builds, left in
 /// `model` for the caller to train (the one there before is freed first), or, with
 /// pipeline stages, probe_time_profile; without ac.profile, `matmul_rate` alone, which
-/// prices recompute by FLOPs and predicts no step time.
+/// prices recompute by FLOPs and predicts no step time. Under tensor parallelism either
+/// way, with the links measure_link_rate measures, which price the collectives no node
+/// time covers (all of them without ac.profile).
 TimeProfile run_time_profile(const Config& cfg, at::Device device, at::ScalarType dtype,
                              const data::TokenDataset& data, dist::Comm* ranks, double matmul_rate,
                              const std::function<std::unique_ptr<Model>()>& create, std::unique_ptr<Model>& model);

@@ -276,6 +276,43 @@ TEST_F(Cli, PlanCountsThePreparedTokenCorpusAsTheTrainerDoes) {
   EXPECT_EQ(a["none_peak"].get<int64_t>(), b["none_peak"].get<int64_t>() + 4 * tokens);
 }
 
+// Under tensor parallelism remat plan prices the collectives at parallel.link_rate and
+// says what they take: a step's own (twice as long at half the rate) and those the
+// recompute re-runs (none without recompute, some under a tight budget).
+TEST_F(Cli, PlanNamesTheCommunicationTimeItPriced) {
+  const auto line = [&](const std::string& args) {
+    const Result r = run_remat("plan model.preset=gpt2-demo parallel.tp=2 parallel.sp=true " + args + no_corpus());
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    const size_t at = r.output.find("communication at parallel.link_rate = ");
+    EXPECT_NE(at, std::string::npos) << r.output;
+    return at == std::string::npos ? std::string() : r.output.substr(at, r.output.find('\n', at) - at);
+  };
+  const auto step_ms = [](const std::string& l) {
+    const size_t at = l.find("collectives take ");
+    return at == std::string::npos ? -1.0 : std::stod(l.substr(at + 17));
+  };
+  const auto recompute_ms = [](const std::string& l) {
+    const size_t at = l.find("re-runs ");
+    return at == std::string::npos ? -1.0 : std::stod(l.substr(at + 8));
+  };
+  const std::string loose = line("--budget 1.0"), half = line("--budget 1.0 parallel.link_rate=50");
+  EXPECT_NE(loose.find("= 100 GB/s: the recompute re-runs 0.000 ms of collectives per step"), std::string::npos)
+      << loose;
+  EXPECT_NE(half.find("= 50 GB/s"), std::string::npos) << half;
+  EXPECT_GT(step_ms(loose), 0) << loose;
+  EXPECT_NEAR(step_ms(half), 2 * step_ms(loose), 0.002) << loose << "\n" << half;
+  const std::string tight = line("--budget 0.4");
+  EXPECT_GT(recompute_ms(tight), 0) << tight;
+  const Result json = run_remat("plan --json --budget 0.4 model.preset=gpt2-demo parallel.tp=2 parallel.sp=true" +
+                                no_corpus());
+  ASSERT_EQ(json.exit_code, 0) << json.output;
+  const auto c = nlohmann::json::parse(json.output)["communication"];
+  EXPECT_EQ(c["link_rate_gb_per_s"].get<double>(), 100);
+  EXPECT_NEAR(c["recompute_seconds"].get<double>() * 1e3, recompute_ms(tight), 0.001);
+  expect_error("plan parallel.link_rate=0", "parallel.link_rate must be the GB/s a rank sends at");
+  expect_error("plan parallel.compute_rate=-1", "parallel.compute_rate must be the TFLOP/s");
+}
+
 TEST_F(Cli, PlanOfAn8BLlamaAt8kTokens) {
   const Result r = run_remat("plan --budget 200GiB model.preset=llama3-8b train.batch=1 train.seq=8192 "
                              "run.dtype=bfloat16" + no_corpus());

@@ -108,6 +108,19 @@ TEST(TimeProfile, EveryRankTakesRankZerosTimes) {
   }
 }
 
+// The tensor-parallel links are measured by every group at once (two groups of 2 here) and
+// every rank of the job takes rank 0's fit, bit for bit, so all of them plan alike.
+TEST(TimeProfile, EveryRankTakesRankZerosMeasureOfTheLinks) {
+  std::vector<LinkRate> got(4);
+  testing::on_gloo_ranks(4, 2, [&](dist::Comm& comm) { got[static_cast<size_t>(comm.rank())] = measure_link_rate(comm); });
+  EXPECT_GT(got[0].bytes_per_second, 0);
+  EXPECT_GE(got[0].latency_seconds, 0);
+  for (int r = 1; r < 4; ++r) {
+    EXPECT_EQ(got[static_cast<size_t>(r)].bytes_per_second, got[0].bytes_per_second) << "rank " << r;
+    EXPECT_EQ(got[static_cast<size_t>(r)].latency_seconds, got[0].latency_seconds) << "rank " << r;
+  }
+}
+
 // A cache file cut short by a killed run, or of the wrong types, is measured again and
 // rewritten instead of failing every later run.
 TEST(TimeProfile, ADamagedCacheIsMeasuredAgainAndRewritten) {

@@ -1,0 +1,124 @@
+// Collectives priced without a measured profile: by the bytes a ring sends at the link's
+// rate (graph::LinkTraffic, cost::NodeTimes), and the plans that pricing leads to.
+#include "plan/plan_test_util.h"
+#include "remat/cost.h"
+#include "remat/planner.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+
+namespace remat {
+namespace {
+
+// FLOP pricing at 1 GFLOP/s, links of 100 MB/s and 20 us a ring step.
+cost::NodeTimes flop_times() {
+  cost::NodeTimes t;
+  t.flops_per_second = 1e9;
+  t.link_bytes_per_second = 1e8;
+  t.link_latency_seconds = 2e-5;
+  return t;
+}
+
+const graph::Node& node_of(const graph::BlockGraph& g, const graph::OpDef& op) {
+  const auto it = std::find_if(g.nodes.begin(), g.nodes.end(), [&](const graph::Node& n) { return n.op == &op; });
+  TORCH_INTERNAL_ASSERT(it != g.nodes.end());
+  return *it;
+}
+
+// A ring over t ranks: t - 1 steps, each rank sending (t - 1)/t of the whole tensor; an
+// all-reduce twice that.
+TEST(LinkPricing, RingTrafficIsTheWholeTensorsShareOfTheOtherRanks) {
+  const graph::LinkTraffic g = graph::LinkTraffic::gather(8000, 4);
+  EXPECT_EQ(g.bytes, 6000);
+  EXPECT_EQ(g.messages, 3);
+  const graph::LinkTraffic r = graph::LinkTraffic::all_reduce(8000, 4);
+  EXPECT_EQ(r.bytes, 12000);
+  EXPECT_EQ(r.messages, 6);
+  EXPECT_TRUE(graph::LinkTraffic::gather(8000, 1).none());
+}
+
+// Keeping attn.gathered's shard and gathering again (tp_recompute_allgather) costs its
+// all-gather: bytes over the rate plus a latency per step, not 0.
+TEST(LinkPricing, ReGatherCostsItsBytesAtTheLinkRate) {
+  const ModelConfig cfg = testing::plan_config("gpt2-demo", 2, 0.0);
+  const int64_t B = 2, T = 64, C = cfg.d_model;
+  for (const int64_t t : {2, 4}) {
+    const graph::BlockGraph block = graph::block_graph(cfg, B, T, at::kFloat, t, /*sp=*/true);
+    const cost::NodeTimes times = flop_times();
+    const double whole = static_cast<double>(B * T * C * 4);
+    const double gather = static_cast<double>(t - 1) * 2e-5 + whole * static_cast<double>(t - 1) / t / 1e8;
+    EXPECT_DOUBLE_EQ(times.node_seconds(node_of(block, graph::op::sp_gather())), gather) << t;
+    // The reduce-scatter is Gloo's all-reduce of the whole sum, twice the bytes and steps.
+    const graph::Node& scatter = node_of(block, graph::op::sp_scatter());  // its bias added after the sum
+    EXPECT_DOUBLE_EQ(times.node_seconds(scatter), scatter.flops / 1e9 + 2 * gather) << t;
+    EXPECT_DOUBLE_EQ(times.node_link_seconds(scatter), 2 * gather) << t;
+    const cost::LayerCost again = cost::price_layer(block, {"attn.gathered"}, true, times);
+    EXPECT_DOUBLE_EQ(again.recompute_seconds, gather) << t;
+    EXPECT_DOUBLE_EQ(again.recompute_link_seconds, gather) << t;
+    EXPECT_EQ(again.recompute_flops, 0) << t;
+    // A measured time is taken as it is.
+    cost::NodeTimes measured = times;
+    measured.seconds[node_of(block, graph::op::sp_gather()).name] = 0.5;
+    EXPECT_DOUBLE_EQ(cost::price_layer(block, {"attn.gathered"}, true, measured).recompute_seconds, 0.5) << t;
+  }
+}
+
+// The all-gather of a block input kept as shares (distribute_saved_activations), and a
+// tensor-parallel all-reduce of bfloat16 sums, which go through Gloo in float32.
+TEST(LinkPricing, InputGatherAndAllReduceCostTheirBytesAtTheLinkRate) {
+  const ModelConfig cfg = testing::plan_config("gpt2-demo", 2, 0.0);
+  const int64_t B = 2, T = 64, C = cfg.d_model;
+  const cost::NodeTimes times = flop_times();
+  for (const int64_t t : {2, 4}) {
+    const graph::BlockGraph block = graph::block_graph(cfg, B, T, at::kFloat, t);
+    const double whole = static_cast<double>(B * T * C * 4);
+    const double gather = static_cast<double>(t - 1) * 2e-5 + whole * static_cast<double>(t - 1) / t / 1e8;
+    EXPECT_DOUBLE_EQ(times.input_gather_seconds(block), gather) << t;
+    const cost::LayerCost whole_input = cost::price_layer(block, {}, true, times, false);
+    const cost::LayerCost shared = cost::price_layer(block, {}, true, times, true);
+    EXPECT_DOUBLE_EQ(shared.recompute_seconds - whole_input.recompute_seconds, gather) << t;
+    cost::NodeTimes measured = times;
+    measured.seconds[graph::kInputGather] = 0.25;
+    EXPECT_DOUBLE_EQ(measured.input_gather_seconds(block), 0.25) << t;
+
+    const graph::BlockGraph bf16 = graph::block_graph(cfg, B, T, at::kBFloat16, t);
+    const graph::Node& reduce = node_of(bf16, graph::op::tp_reduce());
+    EXPECT_DOUBLE_EQ(reduce.forward_link.bytes, 2.0 * whole * static_cast<double>(t - 1) / t) << t;
+    EXPECT_EQ(reduce.forward_link.messages, 2 * (t - 1)) << t;
+    EXPECT_TRUE(reduce.backward_link.none()) << t;
+    EXPECT_TRUE(node_of(bf16, graph::op::tp_copy()).forward_link.none()) << t;
+    EXPECT_EQ(node_of(bf16, graph::op::tp_copy()).backward_link.messages, 2 * (t - 1)) << t;
+  }
+}
+
+// With the collectives priced, a budget that needs no recompute keeps every tensor whole:
+// no input as shares, no gathered copy dropped; a tight one still shares or gathers again
+// where that is what fits.
+TEST(LinkPricing, PlannerKeepsTensorsWholeWhenTheBudgetDoesNotNeedTheSaving) {
+  for (const bool sp : {false, true}) {
+    for (const char* preset : {"gpt2-demo", "llama-demo"}) {
+      const ModelConfig cfg = testing::plan_config(preset, 3, 0.1);
+      cost::StepShape shape = testing::plan_shape(2, 64);
+      shape.tp = 2;
+      shape.sp = sp;
+      const Planner planner(cfg, shape, flop_times(), PlannerOptions{});
+      const auto whole = [](const ActivationPlan& p) {
+        return std::none_of(p.layers.begin(), p.layers.end(), [](const LayerPlan& l) {
+          return l.input_sharded || l.dropped.count("attn.gathered") > 0 || l.dropped.count("mlp.gathered") > 0;
+        });
+      };
+      const auto loose = planner.solve(planner.none_peak());
+      ASSERT_TRUE(loose.has_value());
+      EXPECT_TRUE(whole(loose->plan)) << preset << " sp " << sp;
+      EXPECT_EQ(loose->prediction.recompute_seconds, 0) << preset << " sp " << sp;
+      const auto tight = planner.solve(planner.min_feasible_budget());
+      ASSERT_TRUE(tight.has_value());
+      EXPECT_FALSE(whole(tight->plan)) << preset << " sp " << sp;
+      EXPECT_GT(tight->prediction.recompute_link_seconds, 0) << preset << " sp " << sp;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace remat
