@@ -18,6 +18,7 @@ Run it from anywhere; remat runs from the repository root (its data/ cache lives
 import argparse
 import json
 import os
+import resource
 import shlex
 import statistics
 import subprocess
@@ -102,8 +103,40 @@ def peers_command(a, arch, policy, shape, setting):
     return cmd + parse_setting(setting) + shlex.split(a.peers_args)
 
 
+def busy_seconds():
+    """CPU seconds every process on the machine has used since boot (/proc/stat: all states
+    but idle and iowait), or None without /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:9]]  # user .. steal; guest is in user
+    except (OSError, ValueError):
+        return None
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def children_seconds():
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
 def run(cmd, env, log_path, timeout):
-    t0 = time.time()
+    """Runs cmd; returns (stdout, error, wall seconds, the CPUs other processes used meanwhile).
+
+    The last is the machine's busy CPU time during the run less the run's own, over its wall
+    time: 2-thread steps stall whenever another process holds a core (OpenMP's threads wait
+    for each other at every parallel region), so a run beside other work can take several
+    times as long and its ratio says nothing."""
+    busy0, own0, t0 = busy_seconds(), children_seconds(), time.time()
+    stdout, error = run_logged(cmd, env, log_path, timeout)
+    wall = time.time() - t0
+    busy1 = busy_seconds()
+    others = None
+    if busy0 is not None and busy1 is not None and wall > 0:
+        others = max(0.0, (busy1 - busy0 - (children_seconds() - own0)) / wall)
+    return stdout, error, wall, others
+
+
+def run_logged(cmd, env, log_path, timeout):
     with open(log_path, "w") as err:
         err.write("$ " + " ".join(shlex.quote(c) for c in cmd) + "\n")
         err.flush()
@@ -111,10 +144,10 @@ def run(cmd, env, log_path, timeout):
             p = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=err, text=True,
                                timeout=timeout)
         except subprocess.TimeoutExpired:
-            return None, f"timed out after {timeout} s", time.time() - t0
+            return None, f"timed out after {timeout} s"
     if p.returncode != 0:
-        return p.stdout, f"exit status {p.returncode} (see {log_path})", time.time() - t0
-    return p.stdout, None, time.time() - t0
+        return p.stdout, f"exit status {p.returncode} (see {log_path})"
+    return p.stdout, None
 
 
 def run_remat(a, arch, policy, shape, rnd, out):
@@ -126,9 +159,9 @@ def run_remat(a, arch, policy, shape, rnd, out):
         env[k] = v
     cmd = remat_command(a, arch, policy, shape, bench_dir)
     log_path = os.path.join(out, "logs", f"remat-{label}.log")
-    stdout, error, wall = run(cmd, env, log_path, a.timeout)
+    stdout, error, wall, others = run(cmd, env, log_path, a.timeout)
     row = {"tool": "remat", "round": rnd, "arch": arch, "policy": policy, "setting": "remat", **shape,
-           "command": cmd, "wall_seconds": wall, "error": error}
+           "command": cmd, "wall_seconds": wall, "other_cpus": others, "error": error}
     if error is None:
         # remat names the directory it wrote ("bench dir X: ..."): X may carry a -2 suffix.
         with open(log_path) as f:
@@ -161,9 +194,9 @@ def run_peers(a, arch, policy, shape, setting, rnd, out):
     label = f"{arch}-{policy}-{setting.replace(',', '_').replace('=', '')}-r{rnd}"
     cmd = peers_command(a, arch, policy, shape, setting)
     log_path = os.path.join(out, "logs", f"pytorch-{label}.log")
-    stdout, error, wall = run(cmd, dict(os.environ), log_path, a.timeout)
+    stdout, error, wall, others = run(cmd, dict(os.environ), log_path, a.timeout)
     row = {"tool": "pytorch", "round": rnd, "arch": arch, "policy": policy, "setting": setting, **shape,
-           "command": cmd, "wall_seconds": wall, "error": error}
+           "command": cmd, "wall_seconds": wall, "other_cpus": others, "error": error}
     if error is None:
         try:
             r = json.loads(stdout.strip().splitlines()[-1])
@@ -187,7 +220,7 @@ def table(rows, archs, policies, settings):
     ok = [r for r in rows if r.get("error") is None]
     lines = []
     head = ["arch", "policy", "pytorch threads", "remat ms", "pytorch ms", "remat/pt time", "remat peak MiB",
-            "pt peak MiB", "remat/pt peak", "rounds"]
+            "pt peak MiB", "remat/pt peak", "rounds", "others"]
     cells = [head]
     notes = []
     for arch in archs:
@@ -205,12 +238,14 @@ def table(rows, archs, policies, settings):
                 p_ms = med([pt[k]["median_step_seconds"] * 1e3 for k in pt])
                 r_peak = med([rm[k]["peak_bytes"] / 2 ** 20 for k in both])
                 p_peak = med([pt[k]["peak_bytes"] / 2 ** 20 for k in pt if pt[k].get("peak_bytes")])
+                busy = [r["other_cpus"] for k in both for r in (rm[k], pt[k]) if r.get("other_cpus") is not None]
                 label = s
                 eff = [pt[k].get("threads") for k in pt if pt[k].get("threads")]
                 if eff:
                     label += f" ({eff[0]['aten_threads']}/{eff[0]['blas_threads']} {eff[0].get('blas_build')})"
                 cells.append([arch, policy, label, fmt(r_ms, ".1f"), fmt(p_ms, ".1f"), fmt(t_ratio, ".3f"),
-                              fmt(r_peak, ".1f"), fmt(p_peak, ".1f"), fmt(p_ratio, ".3f"), str(len(both))])
+                              fmt(r_peak, ".1f"), fmt(p_peak, ".1f"), fmt(p_ratio, ".3f"), str(len(both)),
+                              fmt(max(busy) if busy else None, ".2f")])
                 if p_ms is not None and (best is None or p_ms < best[1]):
                     best = (s, p_ms, t_ratio)
             if best is not None:
@@ -225,7 +260,9 @@ def table(rows, archs, policies, settings):
     lines.append("")
     lines.append("pytorch threads: the setting (effective ATen threads/OpenBLAS threads OpenBLAS build). "
                  "remat/pt < 1: remat is faster "
-                 "(time) or smaller (peak); ratios are medians over rounds of per-round ratios.")
+                 "(time) or smaller (peak); ratios are medians over rounds of per-round ratios. "
+                 "others: the most CPUs other processes used during any of those runs; where it "
+                 "is not near 0, other work shared the cores and the times are not comparable.")
     lines += notes
     errors = [r for r in rows if r.get("error")]
     for r in errors:
@@ -314,7 +351,8 @@ def main():
                             log(f"compare: round {rnd + 1} {arch} {policy} {what}: median step "
                                 f"{row['median_step_seconds'] * 1e3:.1f} ms, peak "
                                 f"{'-' if not peak else f'{peak / 2 ** 20:.1f} MiB'}, final loss "
-                                f"{row['final_loss']:.4f} ({row['wall_seconds']:.0f} s)")
+                                f"{row['final_loss']:.4f} ({row['wall_seconds']:.0f} s; other processes "
+                                f"{fmt(row['other_cpus'], '.2f')} CPUs)")
     text = table(rows, archs, policies, settings)
     with open(os.path.join(out, "table.txt"), "w") as f:
         f.write(text + "\n")
