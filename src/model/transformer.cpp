@@ -361,10 +361,7 @@ void TransformerModel::set_activation_plan(const ActivationPlan& plan, const Sto
                 "chunk's layers run the model's attention op (", attention_name(cfg_.attention), ").");
   }
   attention_.clear();
-  for (const LayerPlan& lp : plan.layers) {
-    if (lp.attention && *lp.attention != cfg_.attention) attention_.resize(plan.layers.size());
-  }
-  for (size_t l = 0; l < attention_.size(); ++l) attention_[l] = plan.layers[l].attention;
+  for (const LayerPlan& lp : plan.layers) attention_.push_back(lp.attention);
   store_ = any ? std::make_unique<ActivationStore>(plan, options, stage_.first, end_layer()) : nullptr;
 }
 

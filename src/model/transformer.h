@@ -215,7 +215,7 @@ class TransformerModel final : public Model {
   std::map<std::tuple<Part, int64_t, int64_t, int64_t, bool, Attention>, std::unique_ptr<GraphShape>> parts_;
   std::unique_ptr<ActivationStore> store_;  ///< null: every slot kept
   /// Per layer of the model, the attention op its plan names (LayerPlan::attention); empty
-  /// until a plan names one: every layer runs the model's.
+  /// before a plan is set, and unset entries: the model's op.
   std::vector<std::optional<Attention>> attention_;
   /// The whole model's parameters another pipeline stage holds (a checkpoint carries them).
   std::unordered_set<std::string> other_stages_;

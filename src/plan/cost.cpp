@@ -126,8 +126,9 @@ struct Simulator {
     graph::all_gather_events(e, whole, 0);
     std::vector<Tensor> res(1);
     replay(e, res, {whole});
-    cost.recompute_seconds += times.input_gather_seconds(g);
-    cost.recompute_link_seconds += times.input_gather_seconds(g);
+    const double gather = times.input_gather_seconds(g);
+    cost.recompute_seconds += gather;
+    cost.recompute_link_seconds += gather;
     return res[0];
   }
 };
@@ -440,8 +441,9 @@ StepPrediction predict_step(const ModelConfig& cfg, const StepShape& shape, cons
       // The input gathered first, beside its share and the output gradient.
       consider(emb + under + out_bytes + kept[first - F] + 2 * input_bytes, embed_saved + under + kept[first - F],
                layer_name("recompute", first));
-      total.recompute_seconds += times.input_gather_seconds(block);
-      total.recompute_link_seconds += times.input_gather_seconds(block);
+      const double gather = times.input_gather_seconds(block);
+      total.recompute_seconds += gather;
+      total.recompute_link_seconds += gather;
     }
     int64_t rebuilt = 0;
     const int64_t full = whole.kept;

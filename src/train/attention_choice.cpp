@@ -148,9 +148,9 @@ RunPlan plan_run_attention(Config& cfg, Config& local, at::ScalarType dtype, con
     // they do not). The model keeps the op chosen above; the plan names each layer's.
     if (!local.ac.budget.empty() && measured(math_profile) && measured(tiled_profile)) {
       const bool math_base = chosen == Attention::math;
-      const int64_t L = local.model.n_layer;
-      const TimeProfile mixed_profile = math_base ? with_other(math_profile, tiled_profile, Attention::tiled, L)
-                                                  : with_other(tiled_profile, math_profile, Attention::math, L);
+      const TimeProfile mixed_profile = with_other(math_base ? math_profile : tiled_profile,
+                                                   math_base ? tiled_profile : math_profile, other_op(chosen),
+                                                   local.model.n_layer);
       Planned mixed = plan_with(local, chosen, dtype, mixed_profile, resident, stage, reference);
       const bool mixes = mixed.plan && std::any_of(mixed.plan->plan.layers.begin(), mixed.plan->plan.layers.end(),
                                                    [&](const LayerPlan& l) { return l.attention != chosen; });

@@ -315,8 +315,8 @@ TimeProfile run_time_profile(const Config& cfg, at::Device device, at::ScalarTyp
     // Rank 0's matmul rate, as a profile is rank 0's: ranks pricing by their own rates
     // could choose different plans (bytes weighed against FLOPs otherwise; a sum rounded
     // otherwise), whose collectives would never meet.
-    profile.times.flops_per_second =
-        ranks != nullptr && ranks->size() > 1 ? rank0s(*ranks, matmul_rate, "sharing rank 0's matmul rate") : matmul_rate;
+    const bool shared = ranks != nullptr && ranks->size() > 1;
+    profile.times.flops_per_second = shared ? rank0s(*ranks, matmul_rate, "sharing rank 0's matmul rate") : matmul_rate;
   }
   if (cfg.parallel.tp > 1) {
     const LinkRate link = measure_link_rate(*ranks);

@@ -5,6 +5,7 @@
 #include <filesystem>
 
 #include "data/test_text.h"
+#include "util/error_of.h"
 
 namespace {
 
@@ -104,32 +105,23 @@ TEST(Tokenizer, ErrorsAreSentences) {
   // Too little text for the vocabulary: the most pieces it makes, and what to change.
   TokenizerTrainOptions many;
   many.vocab_size = 2048;
-  try {
-    Tokenizer::train("hello world\n", many);
-    FAIL() << "2048 pieces from 12 bytes must be refused";
-  } catch (const std::runtime_error& e) {
-    const std::string what = e.what();
-    EXPECT_EQ(what.rfind("The text is too small for a 2048-piece vocabulary: its 11 bytes (1 line) make at most ", 0),
-              0u) << what;
-    EXPECT_NE(what.find(" BPE pieces (the 256 bytes among them); set data.vocab_size to at most "), std::string::npos)
-        << what;
-    EXPECT_EQ(what.find("Internal"), std::string::npos) << what;
-  }
+  const std::string what =
+      remat::testing::error_of<std::runtime_error>([&] { Tokenizer::train("hello world\n", many); });
+  EXPECT_EQ(what.rfind("The text is too small for a 2048-piece vocabulary: its 11 bytes (1 line) make at most ", 0), 0u)
+      << "2048 pieces from 12 bytes must be refused: " << what;
+  EXPECT_NE(what.find(" BPE pieces (the 256 bytes among them); set data.vocab_size to at most "), std::string::npos)
+      << what;
+  EXPECT_EQ(what.find("Internal"), std::string::npos) << what;
 
   // More distinct characters than the vocabulary holds beside the bytes (found by fuzzing;
   // SentencePiece's own words were "Internal: ... smaller than required_chars. 260 vs 282"):
   // "abc def" has 6 letters and the space, so 266 pieces, which then train.
   TokenizerTrainOptions least;
   least.vocab_size = 260;
-  try {
-    Tokenizer::train("abc def\n", least);
-    FAIL() << "7 characters cannot fit in 260 pieces with the bytes";
-  } catch (const std::runtime_error& e) {
-    EXPECT_EQ(std::string(e.what()),
-              "The text has 7 distinct characters, each of which needs a piece of its own beside the 256 byte pieces "
-              "and the 3 special ones, so a 260-piece vocabulary cannot hold them; set data.vocab_size to at least "
-              "266 (more leaves room for the merges that make tokens longer than a character).");
-  }
+  EXPECT_EQ(remat::testing::error_of<std::runtime_error>([&] { Tokenizer::train("abc def\n", least); }),
+            "The text has 7 distinct characters, each of which needs a piece of its own beside the 256 byte pieces "
+            "and the 3 special ones, so a 260-piece vocabulary cannot hold them; set data.vocab_size to at least "
+            "266 (more leaves room for the merges that make tokens longer than a character).");
   least.vocab_size = 266;
   EXPECT_EQ(Tokenizer::train("abc def\n", least).vocab_size(), 266);
 
