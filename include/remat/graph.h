@@ -180,6 +180,8 @@ namespace op {
 const OpDef& layernorm();
 const OpDef& rmsnorm();
 const OpDef& linear();
+/// One input through several weights without biases (q/k/v, gate/up), one output each.
+const OpDef& linears();
 const OpDef& attention();
 const OpDef& tiled_attention();
 /// The attention op a configuration asks for (model.attention); throws on `auto`, which

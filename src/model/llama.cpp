@@ -25,9 +25,10 @@ struct LlamaArch {
     core.tiles = {c.attention_tile, c.attention_tile};
 
     const auto n1 = b.add("input_layernorm", op::rmsnorm(), {b.input()}, {n1_w}, norm);
-    const int q = b.add1("q_proj", op::linear(), {n1[0]}, {wq});
-    const int k = b.add1("k_proj", op::linear(), {n1[0]}, {wk});
-    const int v = b.add1("v_proj", op::linear(), {n1[0]}, {wv});
+    // One node for the three projections of one input: its backward sums their input
+    // gradients in one tensor (and the MLP's two below).
+    const auto qkv = b.add("qkv_proj", op::linears(), {n1[0]}, {wq, wk, wv});
+    const int q = qkv[0], k = qkv[1], v = qkv[2];
     const int qh = b.view("q_heads", q, {B, T, Hq, D});
     const int kh = b.view("k_heads", k, {B, T, Hkv, D});
     const int vh = b.view("v_heads", v, {B, T, Hkv, D});
@@ -38,8 +39,8 @@ struct LlamaArch {
     const int o = b.add1("o_proj", op::linear(), {merged}, {wo});
     const int x1 = b.add1("attn_residual", op::residual(), {b.input(), o});
     const auto n2 = b.add("post_attention_layernorm", op::rmsnorm(), {x1}, {n2_w}, norm);
-    const int gate = b.add1("gate_proj", op::linear(), {n2[0]}, {w_gate});
-    const int up = b.add1("up_proj", op::linear(), {n2[0]}, {w_up});
+    const auto gate_up = b.add("gate_up_proj", op::linears(), {n2[0]}, {w_gate, w_up});
+    const int gate = gate_up[0], up = gate_up[1];
     const int act = b.add1("swiglu", op::swiglu(), {gate, up});
     const int down = b.add1("down_proj", op::linear(), {act}, {w_down});
     const int out = b.add1("mlp_residual", op::residual(), {x1, down});
@@ -92,7 +93,7 @@ const ArchDecl& llama_decl() {
                              "model.layers.",
                              LlamaArch::hf_transposed,
                              LlamaArch::ignorable,
-                             {{"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"},
+                             {{"qkv_proj", "gate_up_proj"},
                               {"o_proj", "down_proj"},
                               {"embed_tokens", "loss"}}};
   return decl;

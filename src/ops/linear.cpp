@@ -15,20 +15,64 @@ Fwd<LinearSaved> linear_forward(const at::Tensor& x, const at::Tensor& w, const 
   return {y, LinearSaved{x}};
 }
 
+namespace {
+
+// dw += dy^T x for dy [rows, out] and x [rows, in] in one GEMM, straight into the
+// accumulator when dtypes agree.
+void accumulate_weight_grad(at::Tensor& dw, const at::Tensor& dy2, const at::Tensor& x2) {
+  if (dw.scalar_type() == dy2.scalar_type()) {
+    dw.addmm_(dy2.t(), x2);
+  } else {
+    accumulate(dw, at::mm(dy2.t(), x2));
+  }
+}
+
+}  // namespace
+
 at::Tensor linear_backward(const at::Tensor& dy, const LinearSaved& saved, const at::Tensor& w,
                            at::Tensor& dw, at::Tensor* db) {
   const trace::Scope trace_scope("linear", trace::Category::backward);
   const int64_t in = w.size(1), out = w.size(0);
   at::Tensor dy2 = dy.reshape({-1, out});
-  at::Tensor x2 = saved.x.reshape({-1, in});
-  // dw += dy^T x in one GEMM, straight into the accumulator when dtypes agree.
-  if (dw.scalar_type() == dy.scalar_type()) {
-    dw.addmm_(dy2.t(), x2);
-  } else {
-    accumulate(dw, at::mm(dy2.t(), x2));
-  }
+  accumulate_weight_grad(dw, dy2, saved.x.reshape({-1, in}));
   if (db != nullptr && db->defined()) accumulate(*db, dy2.sum(0));
   return at::matmul(dy, w);
+}
+
+std::vector<at::Tensor> linears_forward(const at::Tensor& x, const std::vector<at::Tensor>& ws) {
+  const trace::Scope trace_scope("linears", trace::Category::forward);
+  const int64_t in = x.size(-1);
+  for (const auto& w : ws) {
+    TORCH_CHECK(w.dim() == 2 && w.size(1) == in, "[linears] input features must match every weight [out, in], got x ",
+                x.sizes(), " and w ", w.sizes());
+  }
+  // One copy into rows (none when x is contiguous) serves every GEMM.
+  const at::Tensor x2 = x.reshape({-1, in});
+  std::vector<at::Tensor> ys;
+  for (const auto& w : ws) {
+    auto sizes = x.sizes().vec();
+    sizes.back() = w.size(0);
+    ys.push_back(at::mm(x2, w.t()).view(sizes));
+  }
+  return ys;
+}
+
+at::Tensor linears_backward(const std::vector<at::Tensor>& dys, const LinearSaved& saved,
+                            const std::vector<at::Tensor>& ws, const std::vector<at::Tensor*>& dws) {
+  const trace::Scope trace_scope("linears", trace::Category::backward);
+  TORCH_CHECK(!ws.empty() && dys.size() == ws.size() && dws.size() == ws.size(),
+              "[linears] needs one output gradient and one gradient accumulator per weight");
+  const int64_t in = saved.x.size(-1);
+  const at::Tensor x2 = saved.x.reshape({-1, in});
+  std::vector<at::Tensor> dy2;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    dy2.push_back(dys[i].reshape({-1, ws[i].size(0)}));
+    accumulate_weight_grad(*dws[i], dy2[i], x2);
+  }
+  // One [rows, in] result: the first product written, every other added by its GEMM.
+  at::Tensor dx = at::mm(dy2[0], ws[0]);
+  for (size_t i = 1; i < ws.size(); ++i) dx.addmm_(dy2[i], ws[i]);
+  return dx.view(saved.x.sizes());
 }
 
 int64_t linear_saved_bytes(int64_t rows, int64_t in, at::ScalarType dtype) {
@@ -47,6 +91,21 @@ namespace {
 using detail::bytes_of;
 using detail::flags;
 using detail::rows;
+
+// The copy of a strided x into contiguous rows for the GEMMs (-1: x already is rows).
+int64_t row_copy(Events& e, const TensorInfo& x) {
+  return x.reshape_is_view({rows(x), x.sizes.back()}) ? -1 : e.temp(x.bytes());
+}
+
+// A weight gradient of `numel` elements from an x of `dtype`: straight into the float32
+// accumulator where the dtypes agree; a narrower one is computed, cast and added.
+void weight_grad_events(Events& e, at::ScalarType dtype, int64_t numel) {
+  const at::ScalarType acc = dtype == at::kDouble ? at::kDouble : at::kFloat;
+  if (acc == dtype) return;
+  const int64_t mm = e.temp(bytes_of(numel, dtype)), cast = e.temp(bytes_of(numel, acc));
+  e.release(cast);
+  e.release(mm);
+}
 
 // Inputs {x}, parameters {weight} or {weight, bias}; outputs {y}.
 class LinearDef final : public OpDef {
@@ -77,22 +136,16 @@ class LinearDef final : public OpDef {
   // A strided x is copied into contiguous rows for the GEMM.
   void forward_events(Events& e, const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& p,
                       const std::vector<TensorInfo>&, const Attrs&) const override {
-    const int64_t copy = in[0].reshape_is_view({rows(in[0]), in[0].sizes.back()}) ? -1 : e.temp(in[0].bytes());
+    const int64_t copy = row_copy(e, in[0]);
     e.out(0);
     if (copy >= 0) e.release(copy);
   }
-  // The weight gradient goes straight into a float32 accumulator of the same dtype; a
-  // narrower one is computed, cast and added. The bias gradient is a row sum.
+  // The bias gradient is a row sum, cast where the accumulator is wider.
   void backward_events(Events& e, const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& p,
                        const std::vector<TensorInfo>& out, const Attrs&) const override {
-    const int64_t copy = in[0].reshape_is_view({rows(in[0]), in[0].sizes.back()}) ? -1 : e.temp(in[0].bytes());
+    const int64_t copy = row_copy(e, in[0]);
     const at::ScalarType acc = in[0].dtype == at::kDouble ? at::kDouble : at::kFloat;
-    const int64_t W = p[0].numel();
-    if (acc != in[0].dtype) {
-      const int64_t mm = e.temp(bytes_of(W, in[0].dtype)), cast = e.temp(bytes_of(W, acc));
-      e.release(cast);
-      e.release(mm);
-    }
+    weight_grad_events(e, in[0].dtype, p[0].numel());
     if (p.size() == 2) {
       const int64_t sum = e.temp(bytes_of(p[1].numel(), in[0].dtype));
       const int64_t cast = acc != in[0].dtype ? e.temp(bytes_of(p[1].numel(), acc)) : -1;
@@ -104,10 +157,64 @@ class LinearDef final : public OpDef {
   }
 };
 
+// Inputs {x}, parameters {w_1, ..., w_k} (no biases); outputs {y_1, ..., y_k}.
+class LinearsDef final : public OpDef {
+ public:
+  const char* kind() const override { return "linears"; }
+  std::vector<TensorInfo> infer(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& p,
+                                const Attrs&) const override {
+    TORCH_CHECK(in.size() == 1 && !p.empty(), "[linears] needs x [..., in] and at least one weight");
+    std::vector<TensorInfo> out;
+    for (const auto& w : p) {
+      TORCH_CHECK(w.sizes.size() == 2 && w.sizes[1] == in[0].sizes.back(),
+                  "[linears] needs x [..., in] and weights [out, in]");
+      auto s = in[0].sizes;
+      s.back() = w.sizes[0];
+      out.push_back(in[0].with_sizes(s));
+    }
+    return out;
+  }
+  double flops(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& p, const Attrs&) const override {
+    double total = 0;
+    for (const auto& w : p) total += ops::linear_flops(rows(in[0]), w.sizes[1], w.sizes[0], false);
+    return total;
+  }
+  std::vector<bool> saves_inputs(const Attrs&, size_t n) const override { return flags(n, {0}); }
+  std::vector<at::Tensor> forward(const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& p, const Attrs&,
+                                  const RunContext&) const override {
+    return ops::linears_forward(in[0], p);
+  }
+  std::vector<at::Tensor> backward(const std::vector<at::Tensor>& dy, const std::vector<at::Tensor>& in,
+                                   const std::vector<at::Tensor>&, const std::vector<at::Tensor>& p,
+                                   std::vector<at::Tensor*>& g, const Attrs&, const RunContext&) const override {
+    return {ops::linears_backward(dy, ops::LinearSaved{in[0]}, p, g)};
+  }
+  // A strided x is copied into contiguous rows once, for every GEMM.
+  void forward_events(Events& e, const std::vector<TensorInfo>& in, const std::vector<TensorInfo>&,
+                      const std::vector<TensorInfo>& out, const Attrs&) const override {
+    const int64_t copy = row_copy(e, in[0]);
+    for (size_t i = 0; i < out.size(); ++i) e.out(static_cast<int64_t>(i));
+    if (copy >= 0) e.release(copy);
+  }
+  // Each weight's gradient as linear's; then the one input gradient.
+  void backward_events(Events& e, const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& p,
+                       const std::vector<TensorInfo>&, const Attrs&) const override {
+    const int64_t copy = row_copy(e, in[0]);
+    for (const auto& w : p) weight_grad_events(e, in[0].dtype, w.numel());
+    e.out(0);
+    if (copy >= 0) e.release(copy);
+  }
+};
+
 }  // namespace
 
 const OpDef& op::linear() {
   static const LinearDef def;
+  return def;
+}
+
+const OpDef& op::linears() {
+  static const LinearsDef def;
   return def;
 }
 

@@ -110,7 +110,7 @@ void check(const Case& c) {
   // buffers depend on the blocking of each shape: what the op declares is every tensor it makes itself, a lower
   // bound of the measured peak (README: what the cost model leaves out).
   const bool blocked_gemm =
-      (c.op == &op::linear() || c.op == &op::cross_entropy() || c.op == &op::fused_cross_entropy()) && c.in[0].dtype == at::kBFloat16;
+      (c.op == &op::linear() || c.op == &op::linears() || c.op == &op::cross_entropy() || c.op == &op::fused_cross_entropy()) && c.in[0].dtype == at::kBFloat16;
   if (blocked_gemm) {
     EXPECT_GE(fwd.peak, fpeak) << "forward peak";
   } else {
@@ -165,6 +165,7 @@ std::vector<Case> cases() {
       out.push_back({"rmsnorm " + shape, &op::rmsnorm(), {x}, {{C}}, norm});
       out.push_back({"linear+bias " + shape, &op::linear(), {x}, {{F, C}, {F}}, {}});
       out.push_back({"linear " + shape, &op::linear(), {x}, {{F, C}}, {}});
+      out.push_back({"linears " + shape, &op::linears(), {x}, {{C, C}, {F, C}, {8, C}}, {}});
       out.push_back({"gelu " + shape, &op::gelu(), {x}, {}, {}});
       out.push_back({"swiglu " + shape, &op::swiglu(), {x, x}, {}, {}});
       out.push_back({"residual " + shape, &op::residual(), {x, x}, {}, {}});
@@ -240,6 +241,8 @@ std::vector<Case> cases() {
             out.push_back({tname + " strided", &op::tiled_attention(), {qs, ks, ks}, {}, tiled});
           }
           out.push_back({name + " strided linear", &op::linear(), {{{B, T, Hq * D}, f, {T * W, W, 1}}}, {{F, Hq * D}}, {}});
+          out.push_back({name + " strided linears", &op::linears(), {{{B, T, Hq * D}, f, {T * W, W, 1}}},
+                         {{F, Hq * D}, {8, Hq * D}}, {}});
         }
       }
     }

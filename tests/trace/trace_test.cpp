@@ -138,9 +138,10 @@ void expect_common(const Traced& t, int64_t layers, int64_t forward_ops) {
 // mask and its product); per block 2 layernorms, 4 linears, attention, GELU, 2 residual
 // dropouts (each a mask and its product), 2 residual adds; the final layernorm and the loss head.
 int64_t gpt2_forward_ops(int64_t layers) { return 4 + 14 * layers + 2; }
-// Llama: the embedding; per block 2 RMSNorms, 7 linears, 2 RoPEs, attention, SwiGLU, 2
-// residual adds; the final norm and the loss head.
-int64_t llama_forward_ops(int64_t layers) { return 1 + 15 * layers + 2; }
+// Llama: the embedding; per block 2 RMSNorms, the q/k/v and gate/up projections (one op
+// each), 2 more linears, 2 RoPEs, attention, SwiGLU, 2 residual adds; the final norm and
+// the loss head.
+int64_t llama_forward_ops(int64_t layers) { return 1 + 12 * layers + 2; }
 
 TEST(Trace, NoneRecomputesNothing) {
   const Traced t = trace_step(shape("tiny-gpt2", 0.1), "none");

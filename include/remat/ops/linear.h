@@ -17,6 +17,16 @@ Fwd<LinearSaved> linear_forward(const at::Tensor& x, const at::Tensor& w, const 
 at::Tensor linear_backward(const at::Tensor& dy, const LinearSaved& saved, const at::Tensor& w,
                            at::Tensor& dw, at::Tensor* db);
 
+/// One input through several weights, w_i [out_i, in], without biases (Llama's q/k/v and
+/// gate/up projections): y_i = x . w_i^T, one GEMM each. They share one LinearSaved.
+std::vector<at::Tensor> linears_forward(const at::Tensor& x, const std::vector<at::Tensor>& ws);
+
+/// Returns dx = sum_i dy_i . w_i, each product after the first added by its GEMM into the
+/// one result (no [rows, in] tensor per weight, no separate additions); accumulates each
+/// dw_i. The sum runs in the weights' order.
+at::Tensor linears_backward(const std::vector<at::Tensor>& dys, const LinearSaved& saved,
+                            const std::vector<at::Tensor>& ws, const std::vector<at::Tensor*>& dws);
+
 /// Bytes LinearSaved holds for `rows` input rows of `in` features.
 int64_t linear_saved_bytes(int64_t rows, int64_t in, at::ScalarType dtype);
 /// Forward FLOPs: 2 * rows * in * out (+ rows * out with bias).
