@@ -29,9 +29,10 @@ const char* arch_name(Arch a);
 /// logits exist, and keeps the gradients of the hidden states and of the output weight;
 /// `recompute` keeps the hidden states and one log-sum-exp per token and recomputes the
 /// logits in the backward (one more [tokens x d_model x vocab] product, vocab x d_model
-/// fewer bytes kept).
-enum class LossHead { fused, recompute };
-/// "fused" / "recompute", as configs spell it.
+/// fewer bytes kept). `automatic` ("auto") leaves the choice to the planner
+/// (src/train/head_choice.h): the fused head unless a budget is better served by the other.
+enum class LossHead { fused, recompute, automatic };
+/// "fused" / "recompute" / "auto", as configs spell it.
 const char* loss_head_name(LossHead h);
 
 /// Transformer shape.

@@ -6,7 +6,7 @@
 #include "remat/model.h"
 #include "remat/policy.h"
 #include "remat/trainer.h"
-#include "train/attention_choice.h"
+#include "train/head_choice.h"
 #include "train/data_parallel.h"
 #include "train/device.h"
 #include "train/planning.h"
@@ -243,24 +243,25 @@ BenchResult run_bench(const BenchOptions& o) {
   // model or read from the cache; then every entry's plan and prediction, so an
   // infeasible budget fails before anything trains.
   // (Pipeline stages measure it on a probe of two layers, as `remat train` does.)
-  std::map<Attention, TimeProfile> profiles;
+  std::map<std::pair<Attention, LossHead>, TimeProfile> profiles;
   const ProfileOf profile_of = [&](const Config& op) {
-    const Attention a = op.model.attention;
-    if (const auto found = profiles.find(a); found != profiles.end()) return found->second;
+    const std::pair key{op.model.attention, op.model.loss_head};
+    if (const auto found = profiles.find(key); found != profiles.end()) return found->second;
     Config probed = local;
-    probed.model.attention = a;
+    probed.model.attention = op.model.attention;
+    probed.model.loss_head = op.model.loss_head;
     const double matmul_rate = probed.ac.profile ? 0.0
                                                  : measure_matmul_flops(device, dtype,
                                                                         local.train.batch * local.train.seq,
                                                                         common.model.d_model, common.model.d_ff);
     std::unique_ptr<Model> probe;  // freed once measured
-    return profiles[a] = run_time_profile(probed, device, dtype, train_ds, ranks.get(), matmul_rate,
+    return profiles[key] = run_time_profile(probed, device, dtype, train_ds, ranks.get(), matmul_rate,
                                           [&] { return create_model(probed, device, dtype, ranks.get()); }, probe);
   };
   const int64_t resident = train_ds.tokens().nbytes();
   for (size_t i = 0; i < prepared.size(); ++i) {
     try {
-      prepared[i].planned = plan_run_attention(prepared[i].config, prepared[i].local, dtype, profile_of, resident,
+      prepared[i].planned = plan_run_auto(prepared[i].config, prepared[i].local, dtype, profile_of, resident,
                                                common.parallel.pp > 1 ? ranks->pipeline().rank() : 0);
     } catch (const std::exception& e) {
       throw std::invalid_argument(fmt::format("Bench entry '{}': {}", o.entries[i].label, e.what()));

@@ -6,7 +6,7 @@
 #include "remat/planner.h"
 #include "remat/policy.h"
 #include "remat/trainer.h"
-#include "train/attention_choice.h"
+#include "train/head_choice.h"
 #include "train/data_parallel.h"
 #include "train/planning.h"
 #include "train/progress.h"
@@ -133,7 +133,7 @@ std::optional<std::pair<std::vector<int64_t>, PipelinePlan>> least_counts(const 
 // `remat plan` of a pipeline: the layers of each stage and each layer's plan, solved
 // together within the per-rank budget (time in FLOPs, as above).
 int plan_pipeline(const Config& cfg, const PlanArgs& args, const Planner& planner, const std::string& header,
-                  const std::string& attention_choice) {
+                  const AutoChoices& choices) {
   const ModelConfig& m = cfg.model;
   PipelineShape pipe;
   pipe.stages = cfg.parallel.pp;
@@ -182,7 +182,9 @@ int plan_pipeline(const Config& cfg, const PlanArgs& args, const Planner& planne
     }
     const nlohmann::json out = {{"model", {{"preset", m.preset}, {"arch", arch_name(m.arch)}, {"layers", m.n_layer}}},
                                 {"attention", attention_name(m.attention)},
-                                {"attention_choice", attention_choice},
+                                {"attention_choice", choices.attention},
+                                {"loss_head", loss_head_name(m.loss_head)},
+                                {"loss_head_choice", choices.loss_head},
                                 {"pipeline", {{"stages", pipe.stages},
                                               {"schedule", pipeline::schedule_name(pipe.schedule)},
                                               {"microbatches", microbatches}}},
@@ -270,9 +272,10 @@ int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
     corpus_text = fmt::format("; its token corpus is not counted: {} is not prepared yet (remat prepare), and a run "
                               "holds 4 bytes a token of it", corpus);
   }
-  // model.attention = auto: chosen before any block is declared (empty for a named op).
-  const std::string attention_choice =
-      resolve_planned_attention(cfg, shape.dtype, args.budget.empty() ? cfg.ac.budget : args.budget,
+  // model.loss_head = auto and model.attention = auto: chosen before any block is declared
+  // (empty where both are named).
+  const AutoChoices choices =
+      resolve_planned_auto(cfg, shape.dtype, args.budget.empty() ? cfg.ac.budget : args.budget,
                                 shape.resident);
   const std::string tp_text =
       shape.tp > 1 ? fmt::format(", one of {} tensor-parallel ranks (its share of heads, features and vocabulary{})",
@@ -304,8 +307,8 @@ int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
                                                    : "")
                 : "",
       tp_text, cfg.run.dtype, shape.grad_accum, shape.grad_accum == 1 ? "" : "es") + corpus_text +
-      (attention_choice.empty() ? "" : "\n" + attention_choice);
-  if (cfg.parallel.pp > 1) return plan_pipeline(cfg, args, planner, header, attention_choice);
+      (choices.text().empty() ? "" : "\n" + choices.text());
+  if (cfg.parallel.pp > 1) return plan_pipeline(cfg, args, planner, header, choices);
   const double flops = step_flops(m, planner.block(), shape);
   const int64_t none_peak = planner.none_peak();
   const int64_t min_budget = planner.min_feasible_budget();
@@ -350,7 +353,9 @@ int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
     const nlohmann::json out = {
         {"model", {{"preset", m.preset}, {"arch", arch_name(m.arch)}, {"layers", m.n_layer}, {"d_model", m.d_model}}},
         {"attention", attention_name(m.attention)},
-        {"attention_choice", attention_choice},
+        {"attention_choice", choices.attention},
+        {"loss_head", loss_head_name(m.loss_head)},
+        {"loss_head_choice", choices.loss_head},
         {"shape", {{"batch", shape.batch}, {"ranks", ranks}, {"tp", shape.tp}, {"sp", shape.sp}, {"seq", shape.seq}, {"grad_accum", shape.grad_accum}, {"dtype", cfg.run.dtype}}},
         {"budget", budget},
         {"none_peak", none_peak},

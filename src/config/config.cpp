@@ -62,9 +62,10 @@ Attention parse_attention(const std::string& key, const std::string& v) {
 LossHead parse_loss_head(const std::string& key, const std::string& v) {
   if (v == "fused") return LossHead::fused;
   if (v == "recompute") return LossHead::recompute;
-  fail(fmt::format("{} must be fused (the logits' gradient computed in the forward: one product fewer) or "
-                   "recompute (the logits recomputed in the backward: vocab x d_model fewer bytes kept), got '{}'.",
-                   key, v));
+  if (v == "auto") return LossHead::automatic;
+  fail(fmt::format("{} must be fused (the logits' gradient computed in the forward: one product fewer), "
+                   "recompute (the logits recomputed in the backward: vocab x d_model fewer bytes kept) or auto "
+                   "(the planner chooses one of them for the run's budget), got '{}'.", key, v));
 }
 
 // `text` quoted as a JSON string, its control characters escaped and any byte that is not
@@ -243,7 +244,7 @@ std::vector<ConfigKey> make_keys() {
       key("model.max_seq", &C::model, &ModelConfig::max_seq, "context length"),
       key("model.attention", &C::model, &ModelConfig::attention, "tiled, math or auto attention"),
       key("model.attention_tile", &C::model, &ModelConfig::attention_tile, "tiled attention: positions per tile"),
-      key("model.loss_head", &C::model, &ModelConfig::loss_head, "fused or recompute loss head"),
+      key("model.loss_head", &C::model, &ModelConfig::loss_head, "fused, recompute or auto loss head"),
       key("model.dropout", &C::model, &ModelConfig::dropout, "dropout probability"),
       key("model.norm_eps", &C::model, &ModelConfig::norm_eps, "norm epsilon"),
       key("model.rope_theta", &C::model, &ModelConfig::rope_theta, "RoPE base (llama)"),
@@ -416,7 +417,9 @@ const char* attention_name(Attention a) {
   }
   return "?";
 }
-const char* loss_head_name(LossHead h) { return h == LossHead::fused ? "fused" : "recompute"; }
+const char* loss_head_name(LossHead h) {
+  return h == LossHead::fused ? "fused" : h == LossHead::recompute ? "recompute" : "auto";
+}
 
 const std::vector<ConfigKey>& config_keys() {
   static const std::vector<ConfigKey> keys = make_keys();

@@ -71,10 +71,11 @@ std::string layer_ops_text(const ActivationPlan& plan, Attention model_op) {
 std::pair<const Planned*, std::string> choose(const Planned& a, const Planned& b) {
   if (!a.plan && !b.plan) {
     const Planned& lower = a.least <= b.least ? a : b;
-    throw std::invalid_argument(fmt::format(
-        "model.attention = auto tried both attention ops and no plan of either fits: {} needs a budget of at least "
-        "{}, {} at least {}. With {}: {}", attention_name(a.attention), format_bytes(a.least),
-        attention_name(b.attention), format_bytes(b.least), attention_name(lower.attention), lower.unfit));
+    throw BudgetTooSmall(fmt::format("model.attention = auto tried both attention ops and no plan of either fits: {} "
+                                     "needs a budget of at least {}, {} at least {}. With {}: {}",
+                                     attention_name(a.attention), format_bytes(a.least), attention_name(b.attention),
+                                     format_bytes(b.least), attention_name(lower.attention), lower.unfit),
+                         lower.least);
   }
   if (!a.plan || !b.plan) {
     const Planned& fits = a.plan ? a : b;
@@ -103,18 +104,18 @@ std::pair<const Planned*, std::string> choose(const Planned& a, const Planned& b
 }  // namespace
 
 RunPlan plan_run_attention(Config& cfg, Config& local, at::ScalarType dtype, const ProfileOf& profile_of,
-                           int64_t resident, int64_t stage, const SavedPlan* saved) {
+                           int64_t resident, int64_t stage, const SavedPlan* saved, int64_t reference) {
   if (local.model.attention != Attention::automatic) {
     const Attention op = local.model.attention;
     const bool mixed =
         saved != nullptr && std::any_of(saved->plan.layers.begin(), saved->plan.layers.end(),
                                         [&](const LayerPlan& l) { return l.attention && *l.attention != op; });
-    if (!mixed) return plan_run(local, dtype, profile_of(local), resident, stage, 0, saved);
+    if (!mixed) return plan_run(local, dtype, profile_of(local), resident, stage, reference, saved);
     // A resumed run whose plan chose the op per layer: both ops' times price it.
     Config other_cfg = local;
     other_cfg.model.attention = other_op(op);
     const TimeProfile both = with_other(profile_of(local), profile_of(other_cfg), other_op(op), local.model.n_layer);
-    return plan_run(local, dtype, both, resident, stage, 0, saved);
+    return plan_run(local, dtype, both, resident, stage, reference, saved);
   }
   Config math_cfg = local;
   math_cfg.model.attention = Attention::math;
@@ -128,8 +129,7 @@ RunPlan plan_run_attention(Config& cfg, Config& local, at::ScalarType dtype, con
     planned = plan_run(math_cfg, dtype, math_profile, resident, stage);
   } else {
     // Both ops are held to the same bytes: a fraction is of math's no-recompute peak.
-    int64_t reference = 0;
-    if (!local.ac.budget.empty()) {
+    if (!local.ac.budget.empty() && reference == 0) {
       Config unbounded = math_cfg;
       unbounded.ac.budget.clear();
       reference = plan_run(unbounded, dtype, math_profile, resident, stage).none_peak;

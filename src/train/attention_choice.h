@@ -22,8 +22,8 @@ using ProfileOf = std::function<TimeProfile(const Config& local)>;
 ///  - with ac.budget, the only op whose plans fit it; where both fit, the one with the lower
 ///    predicted step time when the profiles are measured (ties: math), else math (measured
 ///    faster on this CPU); a fractional budget is of math's no-recompute peak for both.
-///    Where neither fits, throws std::invalid_argument with tiled's sentence (the op with the
-///    lower minimum budget) saying both were tried.
+///    Where neither fits, throws BudgetTooSmall with the sentence of the op with the lower
+///    minimum budget, saying both were tried.
 ///  - without, the lower predicted step time under ac.profile, else math (tiled is not planned).
 ///  - per layer: with ac.budget and both profiles measured, also plans with the op chosen
 ///    above and, in any layer, the other (cost::OtherAttention, its pass difference from the
@@ -34,9 +34,11 @@ using ProfileOf = std::function<TimeProfile(const Config& local)>;
 /// budget"). Every rank of a job calls this alike, with profiles alike (rank 0's times).
 /// A `saved` plan (a resumed run's) is for a named op (its config.toml names the op auto
 /// chose) and is predicted as it is (plan_run), with the other op's times where its layers
-/// run both.
+/// run both. `reference` (bytes; 0: math's no-recompute peak) is what a fractional budget
+/// is a fraction of (the loss head's choice holds both heads to one).
 RunPlan plan_run_attention(Config& cfg, Config& local, at::ScalarType dtype, const ProfileOf& profile_of,
-                           int64_t resident, int64_t stage = 0, const SavedPlan* saved = nullptr);
+                           int64_t resident, int64_t stage = 0, const SavedPlan* saved = nullptr,
+                           int64_t reference = 0);
 
 /// `remat plan`'s choice: resolves `cfg`'s model.attention = auto as plan_run_attention
 /// does for `budget` (as the user wrote it; empty: none), pricing time in FLOPs (so without

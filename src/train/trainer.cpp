@@ -8,7 +8,7 @@
 #include "remat/store.h"
 #include "remat/tokenizer.h"
 #include "remat/trace.h"
-#include "train/attention_choice.h"
+#include "train/head_choice.h"
 #include "train/data_parallel.h"
 #include "train/device.h"
 #include "train/generate.h"
@@ -290,9 +290,12 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   };
   // The token corpus stays in memory (int32) through every step.
   const int64_t corpus_bytes = train_ds.tokens().nbytes() + val_ds.tokens().nbytes();
-  const RunPlan planned = plan_run_attention(cfg, local, dtype, profile_of, corpus_bytes, stage,
-                                             saved_plan ? &*saved_plan : nullptr);
-  if (model && model->config().attention != cfg.model.attention) model.reset();  // profiled the other op last
+  const RunPlan planned = plan_run_auto(cfg, local, dtype, profile_of, corpus_bytes, stage,
+                                        saved_plan ? &*saved_plan : nullptr);
+  // Profiled another op or head last.
+  if (model && (model->config().attention != cfg.model.attention || model->config().loss_head != cfg.model.loss_head)) {
+    model.reset();
+  }
   const std::string plan_json = saved_plan_json(planned);
   if (!model) {
     int64_t first = 0;
