@@ -38,7 +38,8 @@ double step_flops(const ModelConfig& m, const graph::BlockGraph& b, const cost::
 }
 
 // Seconds of the collectives one microbatch's forward and backward run without recompute
-// (the blocks', the embedding's and the loss head's), at `times`' links.
+// on the ranks of stage `s` (its blocks', and the embedding's and the loss head's where it
+// holds them), at `times`' links.
 double step_link_seconds(const ModelConfig& m, const graph::BlockGraph& b, const cost::StepShape& s,
                          const cost::NodeTimes& times) {
   const auto of = [&](const graph::BlockGraph& g) {
@@ -46,8 +47,62 @@ double step_link_seconds(const ModelConfig& m, const graph::BlockGraph& b, const
     for (const auto& n : g.nodes) t += times.link_seconds(n.forward_link) + times.link_seconds(n.backward_link);
     return t;
   };
-  return static_cast<double>(m.n_layer) * of(b) + of(graph::embed_graph(m, s.batch, s.seq, s.dtype, s.tp, s.sp)) +
-         of(graph::head_graph(m, s.batch, s.seq, s.dtype, s.ce_chunk, s.tp, s.sp));
+  double t = static_cast<double>(s.stage_layers(m.n_layer)) * of(b);
+  if (s.has_embedding()) t += of(graph::embed_graph(m, s.batch, s.seq, s.dtype, s.tp, s.sp));
+  if (s.has_head(m.n_layer)) t += of(graph::head_graph(m, s.batch, s.seq, s.dtype, s.ce_chunk, s.tp, s.sp));
+  return t;
+}
+
+// The links `remat plan` prices collectives at (parallel.link_rate and link_latency), in a
+// unit of time of which a second holds `per_second` (the planner's: FLOPs at
+// parallel.compute_rate).
+cost::NodeTimes configured_links(const ParallelConfig& p, double per_second) {
+  cost::NodeTimes t;
+  t.link_bytes_per_second = p.link_rate * 1e9 / per_second;
+  t.link_latency_seconds = p.link_latency * 1e-6 * per_second;
+  return t;
+}
+
+// The collectives one rank of a stage runs in a step: those its plan's recompute re-runs,
+// as the planner priced them (FLOPs) and in seconds, and the step's own without recompute.
+struct Communication {
+  double recompute_flops = 0, recompute_seconds = 0, step_seconds = 0;
+};
+
+// Of the stage `pred` predicts (all the layers without a pipeline), on ranks of `shape`.
+Communication communication(const Config& cfg, const Planner& planner, const cost::StepShape& shape,
+                            const cost::StepPrediction& pred) {
+  cost::StepShape stage = shape;
+  stage.first_layer = pred.first_layer;
+  stage.layers = static_cast<int64_t>(pred.layers.size());
+  Communication c;
+  c.recompute_flops = pred.recompute_link_seconds;
+  c.recompute_seconds = pred.recompute_link_seconds / (cfg.parallel.compute_rate * 1e12);
+  c.step_seconds = static_cast<double>(stage.grad_accum) *
+                   step_link_seconds(cfg.model, planner.block(), stage, configured_links(cfg.parallel, 1.0));
+  return c;
+}
+
+nlohmann::json communication_json(const Communication& c) {
+  return {{"recompute_seconds", c.recompute_seconds}, {"step_seconds", c.step_seconds}};
+}
+
+// With the links it was priced at.
+nlohmann::json communication_json(const Config& cfg, const Communication& c) {
+  nlohmann::json j = communication_json(c);
+  j["link_rate_gb_per_s"] = cfg.parallel.link_rate;
+  j["link_latency_us"] = cfg.parallel.link_latency;
+  j["compute_rate_tflop_per_s"] = cfg.parallel.compute_rate;
+  return j;
+}
+
+// `whose`: which ranks' collectives, empty when every rank runs the same.
+std::string communication_text(const Config& cfg, const Communication& c, const std::string& whose) {
+  return fmt::format("communication at parallel.link_rate = {} GB/s and parallel.link_latency = {} us{}: the "
+                     "recompute re-runs {:.3f} ms of collectives per step (priced as {} FLOPs at "
+                     "parallel.compute_rate = {} TFLOP/s); without recompute a step's collectives take {:.3f} ms\n",
+                     cfg.parallel.link_rate, cfg.parallel.link_latency, whose, 1e3 * c.recompute_seconds,
+                     format_count(c.recompute_flops), cfg.parallel.compute_rate, 1e3 * c.step_seconds);
 }
 
 nlohmann::json breakdown_json(const cost::StepPrediction& p) {
@@ -287,12 +342,10 @@ int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
   }
   // Time is priced in FLOPs here (a device-independent unit): recompute "seconds" are
   // FLOPs at one FLOP per second, shown as a share of the step's FLOPs. A collective takes
-  // the FLOPs a rank could compute while it runs: bytes at parallel.link_rate over FLOPs
-  // at parallel.compute_rate.
-  const double flop_rate = cfg.parallel.compute_rate * 1e12;
-  cost::NodeTimes times;
+  // the FLOPs a rank could compute while it runs: its ring steps at parallel.link_latency
+  // and its bytes at parallel.link_rate, in FLOPs at parallel.compute_rate.
+  cost::NodeTimes times = configured_links(cfg.parallel, cfg.parallel.compute_rate * 1e12);
   times.flops_per_second = 1.0;
-  times.link_bytes_per_second = cfg.parallel.link_rate * 1e9 / flop_rate;
   PlannerOptions opts;
   opts.early_stop = cfg.ac.early_stop;
   const Planner planner(m, shape, times, opts);
@@ -316,11 +369,7 @@ int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
   const ActivationPlan& plan = solved->plan;
   const cost::StepPrediction& pred = solved->prediction;
   const double overhead = pred.recompute_flops / (flops * shape.grad_accum);
-  // The collectives, in seconds: those the recompute re-runs, and a step's own.
-  const double recompute_link = pred.recompute_link_seconds / flop_rate;
-  cost::NodeTimes link;
-  link.link_bytes_per_second = cfg.parallel.link_rate * 1e9;
-  const double step_link = static_cast<double>(shape.grad_accum) * step_link_seconds(m, planner.block(), shape, link);
+  const Communication link = communication(cfg, planner, shape, pred);
 
   std::vector<FrontierPoint> frontier, manual;
   if (args.pareto || args.json) {
@@ -360,10 +409,7 @@ int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
         {"recompute_flops_per_step", pred.recompute_flops},
         {"step_flops", flops * shape.grad_accum},
         {"recompute_overhead", overhead},
-        {"communication", {{"link_rate_gb_per_s", cfg.parallel.link_rate},
-                           {"compute_rate_tflop_per_s", cfg.parallel.compute_rate},
-                           {"recompute_seconds", recompute_link},
-                           {"step_seconds", step_link}}},
+        {"communication", communication_json(cfg, link)},
         {"frontier", points(frontier)},
         {"manual", points(manual)}};
     fmt::print("{}\n", out.dump(2));
@@ -378,13 +424,7 @@ int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
   fmt::print("\npredicted memory at the peak:\n{}", breakdown_text(pred));
   fmt::print("\nrecompute: {} FLOPs per step, {:.1f}% over the {} FLOPs of a step without recompute\n",
              format_count(pred.recompute_flops), 100.0 * overhead, format_count(flops * shape.grad_accum));
-  if (shape.tp > 1) {
-    fmt::print("communication at parallel.link_rate = {} GB/s: the recompute re-runs {:.3f} ms of collectives per "
-               "step (priced as {} FLOPs at parallel.compute_rate = {} TFLOP/s); without recompute a step's "
-               "collectives take {:.3f} ms\n",
-               cfg.parallel.link_rate, 1e3 * recompute_link, format_count(pred.recompute_link_seconds),
-               cfg.parallel.compute_rate, 1e3 * step_link);
-  }
+  if (shape.tp > 1) fmt::print("{}", communication_text(cfg, link, ""));
   if (args.pareto) {
     fmt::print("\nfrontier (budget plans):\n  {:>12}  {:>10}\n", "peak", "recompute");
     for (const auto& p : frontier) {
