@@ -187,8 +187,8 @@ std::optional<std::pair<std::vector<int64_t>, PipelinePlan>> least_counts(const 
 
 // `remat plan` of a pipeline: the layers of each stage and each layer's plan, solved
 // together within the per-rank budget (time in FLOPs, as above).
-int plan_pipeline(const Config& cfg, const PlanArgs& args, const Planner& planner, const std::string& header,
-                  const std::string& attention_choice) {
+int plan_pipeline(const Config& cfg, const cost::StepShape& shape, const PlanArgs& args, const Planner& planner,
+                  const std::string& header, const std::string& attention_choice) {
   const ModelConfig& m = cfg.model;
   PipelineShape pipe;
   pipe.stages = cfg.parallel.pp;
@@ -212,7 +212,12 @@ int plan_pipeline(const Config& cfg, const PlanArgs& args, const Planner& planne
   PipelineShape counted = pipe;
   if (counted.split.empty()) counted.split = pipeline::even_split(m.n_layer, pipe.stages);
   const auto counts = least_counts(cfg, planner, counted, budget);
+  std::vector<Communication> links;
+  for (const auto& st : r.stages) links.push_back(communication(cfg, planner, shape, st));
   if (args.json) {
+    // The bottleneck's collectives, which the schedule waits on.
+    nlohmann::json bottleneck_links = communication_json(cfg, links[static_cast<size_t>(r.bottleneck)]);
+    bottleneck_links["stage"] = r.bottleneck + 1;
     nlohmann::json stages = nlohmann::json::array();
     for (size_t s = 0; s < r.stages.size(); ++s) {
       const cost::StepPrediction& p = r.stages[s];
@@ -233,7 +238,8 @@ int plan_pipeline(const Config& cfg, const PlanArgs& args, const Planner& planne
                                                           microbatches)},
                         {"plan", layers},
                         {"breakdown", breakdown_json(p)},
-                        {"flops_per_microbatch", r.stage_seconds[s]}});
+                        {"flops_per_microbatch", r.stage_seconds[s]},
+                        {"communication", communication_json(links[s])}});
     }
     const nlohmann::json out = {{"model", {{"preset", m.preset}, {"arch", arch_name(m.arch)}, {"layers", m.n_layer}}},
                                 {"attention", attention_name(m.attention)},
@@ -246,6 +252,7 @@ int plan_pipeline(const Config& cfg, const PlanArgs& args, const Planner& planne
                                 {"stages", stages},
                                 {"bottleneck", r.bottleneck + 1},
                                 {"schedule_flops", r.schedule_seconds},
+                                {"communication", bottleneck_links},
                                 {"even_split_schedule_flops", even ? nlohmann::json(even->schedule_seconds) : nlohmann::json()},
                                 {"least_ckpt_layers_per_stage",
                                  counts ? nlohmann::json{{"counts", counts->first},
@@ -268,6 +275,10 @@ int plan_pipeline(const Config& cfg, const PlanArgs& args, const Planner& planne
   fmt::print("\nbottleneck: stage {} at {} FLOPs per microbatch; the schedule takes (microbatches + stages - 1) = {} "
              "times that, {} FLOPs, plus the optimizer\n", r.bottleneck + 1, format_count(r.stage_seconds[r.bottleneck]),
              microbatches + pipe.stages - 1, format_count(r.schedule_seconds));
+  if (shape.tp > 1) {
+    fmt::print("{}", communication_text(cfg, links[static_cast<size_t>(r.bottleneck)],
+                                        fmt::format(" on stage {}'s ranks (the bottleneck)", r.bottleneck + 1)));
+  }
   // The policy the ac settings name, on the given (or even) split, for comparison.
   const ActivationPlan policy = compile_policy(cfg.ac, m.n_layer, m.dropout);
   if (policy.policy != "none") {
@@ -358,7 +369,7 @@ int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
                 : "",
       tp_text, cfg.run.dtype, shape.grad_accum, shape.grad_accum == 1 ? "" : "es") + corpus_text +
       (attention_choice.empty() ? "" : "\n" + attention_choice);
-  if (cfg.parallel.pp > 1) return plan_pipeline(cfg, args, planner, header, attention_choice);
+  if (cfg.parallel.pp > 1) return plan_pipeline(cfg, shape, args, planner, header, attention_choice);
   const double flops = step_flops(m, planner.block(), shape);
   const int64_t none_peak = planner.none_peak();
   const int64_t min_budget = planner.min_feasible_budget();

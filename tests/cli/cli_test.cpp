@@ -429,6 +429,41 @@ TEST_F(Cli, PlanOfAPipelineSplitsTheLayersAndPlansEachStage) {
                                       "this process runs alone; start the run with `remat launch --nproc 2 train");
 }
 
+// A pipeline over tensor-parallel ranks names the collectives of its bottleneck stage, the
+// one the schedule waits on, and each stage's: together a step's collectives without the
+// pipeline. Without tensor parallelism there are none to name.
+TEST_F(Cli, PlanOfATensorParallelPipelineNamesItsBottlenecksCommunication) {
+  const std::string model = " model.preset=llama-demo model.n_layer=4 parallel.tp=2 train.grad_accum=4" + no_corpus();
+  const Result pipe = run_remat("plan --json --budget 1.0 parallel.pp=2" + model);
+  const Result whole = run_remat("plan --json --budget 1.0" + model);
+  ASSERT_EQ(pipe.exit_code, 0) << pipe.output;
+  ASSERT_EQ(whole.exit_code, 0) << whole.output;
+  const auto p = nlohmann::json::parse(pipe.output);
+  const auto& c = p["communication"];
+  const int64_t bottleneck = p["bottleneck"].get<int64_t>();
+  EXPECT_EQ(c["stage"].get<int64_t>(), bottleneck);
+  EXPECT_EQ(c["link_latency_us"].get<double>(), 2);
+  EXPECT_EQ(c["step_seconds"].get<double>(),
+            p["stages"][static_cast<size_t>(bottleneck - 1)]["communication"]["step_seconds"].get<double>());
+  double stages = 0;
+  for (const auto& st : p["stages"]) {
+    EXPECT_GT(st["communication"]["step_seconds"].get<double>(), 0);
+    stages += st["communication"]["step_seconds"].get<double>();
+  }
+  const double all = nlohmann::json::parse(whole.output)["communication"]["step_seconds"].get<double>();
+  EXPECT_NEAR(stages, all, 1e-12 * all);
+
+  const Result text = run_remat("plan --budget 1.0 parallel.pp=2" + model);
+  ASSERT_EQ(text.exit_code, 0) << text.output;
+  const std::string line = fmt::format("communication at parallel.link_rate = 100 GB/s and parallel.link_latency = 2 "
+                                       "us on stage {}'s ranks (the bottleneck): the recompute re-runs ",
+                                       bottleneck);
+  EXPECT_NE(text.output.find(line), std::string::npos) << line << "\n" << text.output;
+  const Result alone = run_remat("plan --budget 1.0 parallel.pp=2 model.preset=llama-demo model.n_layer=4" + no_corpus());
+  ASSERT_EQ(alone.exit_code, 0) << alone.output;
+  EXPECT_EQ(alone.output.find("communication at"), std::string::npos) << alone.output;
+}
+
 TEST_F(Cli, ExplainBlockListsEveryValueWithItsSlot) {
   const Result r = run_remat("plan --explain-block model.preset=llama-demo train.batch=2 train.seq=16");
   ASSERT_EQ(r.exit_code, 0) << r.output;
