@@ -125,10 +125,15 @@ struct ParallelConfig {
   /// What `remat plan`, which runs no ranks, prices a collective at: the rate in GB/s
   /// (10^9 bytes per second) each rank sends at in a ring all-gather of a large tensor (the
   /// "bus bandwidth" nccl-tests' all_gather_perf prints), and the rate in TFLOP/s one
-  /// rank's matmuls reach, which turns those seconds into the plan's FLOPs. A run
-  /// measures both on its own ranks instead (README: Planning to a memory budget).
+  /// rank's matmuls reach, which turns those seconds into the plan's FLOPs, and the
+  /// microseconds each ring step of a collective waits on the link whatever its size
+  /// (graph::LinkTraffic's messages). A run measures the rate and the latency on its own
+  /// ranks instead (README: Planning to a memory budget). The latency's default, 2 us, lies
+  /// within what NCCL's own tuning model (src/graph/tuning.cc, hwLat) charges a ring step
+  /// over NVLink: about 0.6 us with its protocol for small messages, 3.4 us for large ones.
   double link_rate = 100;
   double compute_rate = 400;
+  double link_latency = 2;
   bool overlap_grad_reduce = false;  ///< all-reduce data-parallel gradients during the last
                                      ///< backward (Megatron's --overlap-grad-reduce); off by
                                      ///< default: measured 1.3% slower on 2 cores, where

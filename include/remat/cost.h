@@ -107,9 +107,9 @@ struct NodeTimes {
   /// A forward of `n`: measured, else its FLOPs at flops_per_second plus its collective
   /// (Node::forward_link) at the link's rate.
   double node_seconds(const graph::Node& n) const;
-  /// The part of node_seconds(n) spent in a collective: for the transform's collective
-  /// nodes their measured time (a bias added after a sum included) or their link time; 0
-  /// for the others.
+  /// The part of node_seconds(n) spent in a collective, for the block nodes a recompute
+  /// runs again: for the transform's collective nodes their measured time (a bias added
+  /// after a sum included) or their link time; 0 for the others.
   double node_link_seconds(const graph::Node& n) const;
   /// The all-gather of `block`'s input kept as shares (graph::kInputGather): measured,
   /// else BlockGraph::input_gather() at the link's rate.

@@ -251,8 +251,9 @@ struct Node {
   Attrs attrs;
   double flops = 0;
   /// The collectives of the tensor-parallel transform's nodes (tp_copy, tp_reduce,
-  /// sp_gather, sp_scatter) as remat runs them over Gloo: what the forward and the backward
-  /// send. None for every other op.
+  /// sp_gather, sp_scatter) and of the vocabulary-parallel loss (its rows' statistics) as
+  /// remat runs them over Gloo: what the forward and the backward send. None for every
+  /// other op.
   LinkTraffic forward_link, backward_link;
 };
 

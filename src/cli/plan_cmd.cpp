@@ -38,7 +38,8 @@ double step_flops(const ModelConfig& m, const graph::BlockGraph& b, const cost::
 }
 
 // Seconds of the collectives one microbatch's forward and backward run without recompute
-// (the blocks', the embedding's and the loss head's), at `times`' links.
+// on the ranks of stage `s` (its blocks', and the embedding's and the loss head's where it
+// holds them), at `times`' links.
 double step_link_seconds(const ModelConfig& m, const graph::BlockGraph& b, const cost::StepShape& s,
                          const cost::NodeTimes& times) {
   const auto of = [&](const graph::BlockGraph& g) {
@@ -46,8 +47,62 @@ double step_link_seconds(const ModelConfig& m, const graph::BlockGraph& b, const
     for (const auto& n : g.nodes) t += times.link_seconds(n.forward_link) + times.link_seconds(n.backward_link);
     return t;
   };
-  return static_cast<double>(m.n_layer) * of(b) + of(graph::embed_graph(m, s.batch, s.seq, s.dtype, s.tp, s.sp)) +
-         of(graph::head_graph(m, s.batch, s.seq, s.dtype, s.ce_chunk, s.tp, s.sp));
+  double t = static_cast<double>(s.stage_layers(m.n_layer)) * of(b);
+  if (s.has_embedding()) t += of(graph::embed_graph(m, s.batch, s.seq, s.dtype, s.tp, s.sp));
+  if (s.has_head(m.n_layer)) t += of(graph::head_graph(m, s.batch, s.seq, s.dtype, s.ce_chunk, s.tp, s.sp));
+  return t;
+}
+
+// The links `remat plan` prices collectives at (parallel.link_rate and link_latency), in a
+// unit of time of which a second holds `per_second` (the planner's: FLOPs at
+// parallel.compute_rate).
+cost::NodeTimes configured_links(const ParallelConfig& p, double per_second) {
+  cost::NodeTimes t;
+  t.link_bytes_per_second = p.link_rate * 1e9 / per_second;
+  t.link_latency_seconds = p.link_latency * 1e-6 * per_second;
+  return t;
+}
+
+// The collectives one rank of a stage runs in a step: those its plan's recompute re-runs,
+// as the planner priced them (FLOPs) and in seconds, and the step's own without recompute.
+struct Communication {
+  double recompute_flops = 0, recompute_seconds = 0, step_seconds = 0;
+};
+
+// Of the stage `pred` predicts (all the layers without a pipeline), on ranks of `shape`.
+Communication communication(const Config& cfg, const Planner& planner, const cost::StepShape& shape,
+                            const cost::StepPrediction& pred) {
+  cost::StepShape stage = shape;
+  stage.first_layer = pred.first_layer;
+  stage.layers = static_cast<int64_t>(pred.layers.size());
+  Communication c;
+  c.recompute_flops = pred.recompute_link_seconds;
+  c.recompute_seconds = pred.recompute_link_seconds / (cfg.parallel.compute_rate * 1e12);
+  c.step_seconds = static_cast<double>(stage.grad_accum) *
+                   step_link_seconds(cfg.model, planner.block(), stage, configured_links(cfg.parallel, 1.0));
+  return c;
+}
+
+nlohmann::json communication_json(const Communication& c) {
+  return {{"recompute_seconds", c.recompute_seconds}, {"step_seconds", c.step_seconds}};
+}
+
+// With the links it was priced at.
+nlohmann::json communication_json(const Config& cfg, const Communication& c) {
+  nlohmann::json j = communication_json(c);
+  j["link_rate_gb_per_s"] = cfg.parallel.link_rate;
+  j["link_latency_us"] = cfg.parallel.link_latency;
+  j["compute_rate_tflop_per_s"] = cfg.parallel.compute_rate;
+  return j;
+}
+
+// `whose`: which ranks' collectives, empty when every rank runs the same.
+std::string communication_text(const Config& cfg, const Communication& c, const std::string& whose) {
+  return fmt::format("communication at parallel.link_rate = {} GB/s and parallel.link_latency = {} us{}: the "
+                     "recompute re-runs {:.3f} ms of collectives per step (priced as {} FLOPs at "
+                     "parallel.compute_rate = {} TFLOP/s); without recompute a step's collectives take {:.3f} ms\n",
+                     cfg.parallel.link_rate, cfg.parallel.link_latency, whose, 1e3 * c.recompute_seconds,
+                     format_count(c.recompute_flops), cfg.parallel.compute_rate, 1e3 * c.step_seconds);
 }
 
 nlohmann::json breakdown_json(const cost::StepPrediction& p) {
@@ -132,8 +187,8 @@ std::optional<std::pair<std::vector<int64_t>, PipelinePlan>> least_counts(const 
 
 // `remat plan` of a pipeline: the layers of each stage and each layer's plan, solved
 // together within the per-rank budget (time in FLOPs, as above).
-int plan_pipeline(const Config& cfg, const PlanArgs& args, const Planner& planner, const std::string& header,
-                  const AutoChoices& choices) {
+int plan_pipeline(const Config& cfg, const cost::StepShape& shape, const PlanArgs& args, const Planner& planner,
+                  const std::string& header, const AutoChoices& choices) {
   const ModelConfig& m = cfg.model;
   PipelineShape pipe;
   pipe.stages = cfg.parallel.pp;
@@ -157,7 +212,12 @@ int plan_pipeline(const Config& cfg, const PlanArgs& args, const Planner& planne
   PipelineShape counted = pipe;
   if (counted.split.empty()) counted.split = pipeline::even_split(m.n_layer, pipe.stages);
   const auto counts = least_counts(cfg, planner, counted, budget);
+  std::vector<Communication> links;
+  for (const auto& st : r.stages) links.push_back(communication(cfg, planner, shape, st));
   if (args.json) {
+    // The bottleneck's collectives, which the schedule waits on.
+    nlohmann::json bottleneck_links = communication_json(cfg, links[static_cast<size_t>(r.bottleneck)]);
+    bottleneck_links["stage"] = r.bottleneck + 1;
     nlohmann::json stages = nlohmann::json::array();
     for (size_t s = 0; s < r.stages.size(); ++s) {
       const cost::StepPrediction& p = r.stages[s];
@@ -178,7 +238,8 @@ int plan_pipeline(const Config& cfg, const PlanArgs& args, const Planner& planne
                                                           microbatches)},
                         {"plan", layers},
                         {"breakdown", breakdown_json(p)},
-                        {"flops_per_microbatch", r.stage_seconds[s]}});
+                        {"flops_per_microbatch", r.stage_seconds[s]},
+                        {"communication", communication_json(links[s])}});
     }
     const nlohmann::json out = {{"model", {{"preset", m.preset}, {"arch", arch_name(m.arch)}, {"layers", m.n_layer}}},
                                 {"attention", attention_name(m.attention)},
@@ -193,6 +254,7 @@ int plan_pipeline(const Config& cfg, const PlanArgs& args, const Planner& planne
                                 {"stages", stages},
                                 {"bottleneck", r.bottleneck + 1},
                                 {"schedule_flops", r.schedule_seconds},
+                                {"communication", bottleneck_links},
                                 {"even_split_schedule_flops", even ? nlohmann::json(even->schedule_seconds) : nlohmann::json()},
                                 {"least_ckpt_layers_per_stage",
                                  counts ? nlohmann::json{{"counts", counts->first},
@@ -215,6 +277,10 @@ int plan_pipeline(const Config& cfg, const PlanArgs& args, const Planner& planne
   fmt::print("\nbottleneck: stage {} at {} FLOPs per microbatch; the schedule takes (microbatches + stages - 1) = {} "
              "times that, {} FLOPs, plus the optimizer\n", r.bottleneck + 1, format_count(r.stage_seconds[r.bottleneck]),
              microbatches + pipe.stages - 1, format_count(r.schedule_seconds));
+  if (shape.tp > 1) {
+    fmt::print("{}", communication_text(cfg, links[static_cast<size_t>(r.bottleneck)],
+                                        fmt::format(" on stage {}'s ranks (the bottleneck)", r.bottleneck + 1)));
+  }
   // The policy the ac settings name, on the given (or even) split, for comparison.
   const ActivationPlan policy = compile_policy(cfg.ac, m.n_layer, m.dropout);
   if (policy.policy != "none") {
@@ -290,12 +356,10 @@ int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
   }
   // Time is priced in FLOPs here (a device-independent unit): recompute "seconds" are
   // FLOPs at one FLOP per second, shown as a share of the step's FLOPs. A collective takes
-  // the FLOPs a rank could compute while it runs: bytes at parallel.link_rate over FLOPs
-  // at parallel.compute_rate.
-  const double flop_rate = cfg.parallel.compute_rate * 1e12;
-  cost::NodeTimes times;
+  // the FLOPs a rank could compute while it runs: its ring steps at parallel.link_latency
+  // and its bytes at parallel.link_rate, in FLOPs at parallel.compute_rate.
+  cost::NodeTimes times = configured_links(cfg.parallel, cfg.parallel.compute_rate * 1e12);
   times.flops_per_second = 1.0;
-  times.link_bytes_per_second = cfg.parallel.link_rate * 1e9 / flop_rate;
   PlannerOptions opts;
   opts.early_stop = cfg.ac.early_stop;
   const Planner planner(m, shape, times, opts);
@@ -308,7 +372,7 @@ int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
                 : "",
       tp_text, cfg.run.dtype, shape.grad_accum, shape.grad_accum == 1 ? "" : "es") + corpus_text +
       (choices.text().empty() ? "" : "\n" + choices.text());
-  if (cfg.parallel.pp > 1) return plan_pipeline(cfg, args, planner, header, choices);
+  if (cfg.parallel.pp > 1) return plan_pipeline(cfg, shape, args, planner, header, choices);
   const double flops = step_flops(m, planner.block(), shape);
   const int64_t none_peak = planner.none_peak();
   const int64_t min_budget = planner.min_feasible_budget();
@@ -319,11 +383,7 @@ int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
   const ActivationPlan& plan = solved->plan;
   const cost::StepPrediction& pred = solved->prediction;
   const double overhead = pred.recompute_flops / (flops * shape.grad_accum);
-  // The collectives, in seconds: those the recompute re-runs, and a step's own.
-  const double recompute_link = pred.recompute_link_seconds / flop_rate;
-  cost::NodeTimes link;
-  link.link_bytes_per_second = cfg.parallel.link_rate * 1e9;
-  const double step_link = static_cast<double>(shape.grad_accum) * step_link_seconds(m, planner.block(), shape, link);
+  const Communication link = communication(cfg, planner, shape, pred);
 
   std::vector<FrontierPoint> frontier, manual;
   if (args.pareto || args.json) {
@@ -365,10 +425,7 @@ int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
         {"recompute_flops_per_step", pred.recompute_flops},
         {"step_flops", flops * shape.grad_accum},
         {"recompute_overhead", overhead},
-        {"communication", {{"link_rate_gb_per_s", cfg.parallel.link_rate},
-                           {"compute_rate_tflop_per_s", cfg.parallel.compute_rate},
-                           {"recompute_seconds", recompute_link},
-                           {"step_seconds", step_link}}},
+        {"communication", communication_json(cfg, link)},
         {"frontier", points(frontier)},
         {"manual", points(manual)}};
     fmt::print("{}\n", out.dump(2));
@@ -383,13 +440,7 @@ int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
   fmt::print("\npredicted memory at the peak:\n{}", breakdown_text(pred));
   fmt::print("\nrecompute: {} FLOPs per step, {:.1f}% over the {} FLOPs of a step without recompute\n",
              format_count(pred.recompute_flops), 100.0 * overhead, format_count(flops * shape.grad_accum));
-  if (shape.tp > 1) {
-    fmt::print("communication at parallel.link_rate = {} GB/s: the recompute re-runs {:.3f} ms of collectives per "
-               "step (priced as {} FLOPs at parallel.compute_rate = {} TFLOP/s); without recompute a step's "
-               "collectives take {:.3f} ms\n",
-               cfg.parallel.link_rate, 1e3 * recompute_link, format_count(pred.recompute_link_seconds),
-               cfg.parallel.compute_rate, 1e3 * step_link);
-  }
+  if (shape.tp > 1) fmt::print("{}", communication_text(cfg, link, ""));
   if (args.pareto) {
     fmt::print("\nfrontier (budget plans):\n  {:>12}  {:>10}\n", "peak", "recompute");
     for (const auto& p : frontier) {

@@ -290,6 +290,8 @@ std::vector<ConfigKey> make_keys() {
           "GB/s a rank sends in a ring all-gather (remat plan's collectives)"),
       key("parallel.compute_rate", &C::parallel, &ParallelConfig::compute_rate,
           "TFLOP/s a rank's matmuls reach (remat plan's FLOPs per second)"),
+      key("parallel.link_latency", &C::parallel, &ParallelConfig::link_latency,
+          "us a ring step of a collective waits (remat plan); 2: NCCL's model on NVLink"),
       key("parallel.overlap_grad_reduce", &C::parallel, &ParallelConfig::overlap_grad_reduce,
           "all-reduce gradients during the backward"),
       ac_key("ac.policy", &AcConfig::policy, "recompute policy (README: Recompute policies); unset: none"),
@@ -703,6 +705,12 @@ void validate_config(const Config& c) {
   if (!(c.parallel.compute_rate > 0 && c.parallel.compute_rate <= 1e6)) {
     fail(fmt::format("parallel.compute_rate must be the TFLOP/s a rank's matmuls reach, above 0 and at most 1000000, "
                      "got {}; for example 300 for an A100 in bfloat16, 600 for an H100.", c.parallel.compute_rate));
+  }
+  // A second a step is past any link that could carry a tensor-parallel group.
+  if (!(c.parallel.link_latency >= 0 && c.parallel.link_latency <= 1e6)) {
+    fail(fmt::format("parallel.link_latency must be the microseconds one ring step of a collective waits on the "
+                     "tensor-parallel links whatever it sends, from 0 to 1000000, got {}; for example 2 for NVLink, "
+                     "5 for PCIe, 10 for a network between hosts.", c.parallel.link_latency));
   }
   if (c.parallel.pp < 1 || c.parallel.pp > m.n_layer) {
     fail(fmt::format("parallel.pp = {} pipeline stages for {} layers: every stage needs at least one layer; use 1 "

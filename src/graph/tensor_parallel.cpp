@@ -60,11 +60,28 @@ bool position_wise(const OpDef& o) {
          &o == &op::position_embedding();
 }
 
+// The vocabulary-parallel loss's forward (ops::cross_entropy_forward and the fused one's
+// chunk_loss): per chunk of rows, three all-reduces of one statistic per row in the
+// statistics' dtype, each its own collective (dist::Group::all_reduce): the row max, then
+// the sums of exp and the target logits. Its backward runs none (the saved log-sum-exp is
+// the whole vocabulary's already).
+LinkTraffic loss_link(const TensorInfo& x, int64_t chunk, int64_t tp) {
+  const int64_t rows = x.sizes.at(0);
+  const int64_t row_bytes = static_cast<int64_t>(at::elementSize(x.dtype == at::kDouble ? at::kDouble : at::kFloat));
+  constexpr int64_t kStatistics = 3;
+  LinkTraffic t;
+  for (int64_t start = 0; start < rows; start += chunk) {
+    const LinkTraffic one = LinkTraffic::all_reduce(std::min(chunk, rows - start) * row_bytes, tp);
+    t.bytes += kStatistics * one.bytes;
+    t.messages += kStatistics * one.messages;
+  }
+  return t;
+}
+
 // What each collective node sends, as src/ops/tensor_parallel.cpp runs them over Gloo:
 // sums in float32 (a narrower tensor is reduced in a float32 copy), a reduce-scatter as an
 // all-reduce of the whole tensor (Gloo in 1.13 has none), gathers in the tensor's own
-// bytes. The vocabulary-parallel loss's own all-reduces (a few floats per token) are left
-// out: they are not the re-run a plan chooses.
+// bytes; and the vocabulary-parallel loss's statistics.
 void set_links(BlockGraph& g) {
   const auto summed = [&](int v) {
     const TensorInfo& t = g.values[static_cast<size_t>(v)].info;
@@ -82,6 +99,8 @@ void set_links(BlockGraph& g) {
     } else if (n.op == &op::sp_scatter()) {
       n.forward_link = LinkTraffic::all_reduce(summed(n.inputs[0]), g.tp);
       n.backward_link = LinkTraffic::gather(bytes(n.inputs[0]), g.tp);
+    } else if ((n.op == &op::cross_entropy() || n.op == &op::fused_cross_entropy()) && n.attrs.sharded) {
+      n.forward_link = loss_link(g.values[static_cast<size_t>(n.inputs[0])].info, n.attrs.chunk, g.tp);
     }
   }
 }

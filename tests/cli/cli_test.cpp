@@ -1,8 +1,11 @@
 // The `remat` binary on bad input: one clear sentence on stderr and a non-zero exit,
 // never a crash or a backtrace.
 #include "data/test_text.h"
+#include "remat/config.h"
+#include "remat/graph.h"
 #include "util/processes.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -295,8 +298,12 @@ TEST_F(Cli, PlanNamesTheCommunicationTimeItPriced) {
     const size_t at = l.find("re-runs ");
     return at == std::string::npos ? -1.0 : std::stod(l.substr(at + 8));
   };
-  const std::string loose = line("--budget 1.0"), half = line("--budget 1.0 parallel.link_rate=50");
-  EXPECT_NE(loose.find("= 100 GB/s: the recompute re-runs 0.000 ms of collectives per step"), std::string::npos)
+  // Without latency the bytes alone take the time, twice as long at half the rate.
+  const std::string loose = line("--budget 1.0 parallel.link_latency=0"),
+                    half = line("--budget 1.0 parallel.link_latency=0 parallel.link_rate=50");
+  EXPECT_NE(loose.find("= 100 GB/s and parallel.link_latency = 0 us: the recompute re-runs 0.000 ms of collectives "
+                       "per step"),
+            std::string::npos)
       << loose;
   EXPECT_NE(half.find("= 50 GB/s"), std::string::npos) << half;
   EXPECT_GT(step_ms(loose), 0) << loose;
@@ -308,9 +315,45 @@ TEST_F(Cli, PlanNamesTheCommunicationTimeItPriced) {
   ASSERT_EQ(json.exit_code, 0) << json.output;
   const auto c = nlohmann::json::parse(json.output)["communication"];
   EXPECT_EQ(c["link_rate_gb_per_s"].get<double>(), 100);
+  EXPECT_EQ(c["link_latency_us"].get<double>(), 2);
   EXPECT_NEAR(c["recompute_seconds"].get<double>() * 1e3, recompute_ms(tight), 0.001);
   expect_error("plan parallel.link_rate=0", "parallel.link_rate must be the GB/s a rank sends at");
   expect_error("plan parallel.compute_rate=-1", "parallel.compute_rate must be the TFLOP/s");
+  expect_error("plan parallel.link_latency=-1", "parallel.link_latency must be the microseconds one ring step");
+}
+
+// Each ring step of a collective waits parallel.link_latency: a step's collectives take
+// exactly its ring steps (the graphs' LinkTraffic messages: blocks, embedding and loss
+// head, per microbatch) times the latency longer than without it.
+TEST_F(Cli, PlanPricesEachRingStepAtTheLinkLatency) {
+  const std::vector<std::string> settings = {"model.preset=gpt2-demo", "model.vocab_size=512", "parallel.tp=2",
+                                             "parallel.sp=true",       "train.batch=2",        "train.seq=64",
+                                             "train.ce_chunk=48",      "train.grad_accum=2"};
+  std::string args;
+  for (const auto& s : settings) args += " " + s;
+  const auto step_seconds = [&](const std::string& latency) {
+    const Result r = run_remat("plan --json --budget 1.0 parallel.link_latency=" + latency + args + no_corpus());
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    return r.exit_code == 0 ? nlohmann::json::parse(r.output)["communication"]["step_seconds"].get<double>() : -1.0;
+  };
+  const remat::Config cfg = remat::load_config("", settings);
+  const remat::ModelConfig& m = cfg.model;
+  const int64_t B = cfg.train.batch, T = cfg.train.seq, tp = cfg.parallel.tp;
+  const auto messages = [](const remat::graph::BlockGraph& g) {
+    int64_t n = 0;
+    for (const auto& node : g.nodes) n += node.forward_link.messages + node.backward_link.messages;
+    return n;
+  };
+  const remat::graph::BlockGraph head =
+      remat::graph::head_graph(m, B, T, at::kFloat, cfg.train.ce_chunk, tp, cfg.parallel.sp);
+  const int64_t steps =
+      cfg.train.grad_accum * (m.n_layer * messages(remat::graph::block_graph(m, B, T, at::kFloat, tp, true)) +
+                              messages(remat::graph::embed_graph(m, B, T, at::kFloat, tp, true)) + messages(head));
+  // The loss head's statistics are among them: three all-reduces in each of its 3 chunks.
+  ASSERT_GE(messages(head), 3 * 3 * 2 * (tp - 1));
+  const double without = step_seconds("0"), with = step_seconds("7.5");
+  EXPECT_GT(without, 0);
+  EXPECT_NEAR(with - without, static_cast<double>(steps) * 7.5e-6, 1e-12 * with);
 }
 
 TEST_F(Cli, PlanOfAn8BLlamaAt8kTokens) {
@@ -384,6 +427,41 @@ TEST_F(Cli, PlanOfAPipelineSplitsTheLayersAndPlansEachStage) {
                "every stage fits is");
   expect_error("train parallel.pp=2", "parallel.dp = 0 x parallel.tp = 1 x parallel.pp = 2 asks for 2 ranks, but "
                                       "this process runs alone; start the run with `remat launch --nproc 2 train");
+}
+
+// A pipeline over tensor-parallel ranks names the collectives of its bottleneck stage, the
+// one the schedule waits on, and each stage's: together a step's collectives without the
+// pipeline. Without tensor parallelism there are none to name.
+TEST_F(Cli, PlanOfATensorParallelPipelineNamesItsBottlenecksCommunication) {
+  const std::string model = " model.preset=llama-demo model.n_layer=4 parallel.tp=2 train.grad_accum=4" + no_corpus();
+  const Result pipe = run_remat("plan --json --budget 1.0 parallel.pp=2" + model);
+  const Result whole = run_remat("plan --json --budget 1.0" + model);
+  ASSERT_EQ(pipe.exit_code, 0) << pipe.output;
+  ASSERT_EQ(whole.exit_code, 0) << whole.output;
+  const auto p = nlohmann::json::parse(pipe.output);
+  const auto& c = p["communication"];
+  const int64_t bottleneck = p["bottleneck"].get<int64_t>();
+  EXPECT_EQ(c["stage"].get<int64_t>(), bottleneck);
+  EXPECT_EQ(c["link_latency_us"].get<double>(), 2);
+  EXPECT_EQ(c["step_seconds"].get<double>(),
+            p["stages"][static_cast<size_t>(bottleneck - 1)]["communication"]["step_seconds"].get<double>());
+  double stages = 0;
+  for (const auto& st : p["stages"]) {
+    EXPECT_GT(st["communication"]["step_seconds"].get<double>(), 0);
+    stages += st["communication"]["step_seconds"].get<double>();
+  }
+  const double all = nlohmann::json::parse(whole.output)["communication"]["step_seconds"].get<double>();
+  EXPECT_NEAR(stages, all, 1e-12 * all);
+
+  const Result text = run_remat("plan --budget 1.0 parallel.pp=2" + model);
+  ASSERT_EQ(text.exit_code, 0) << text.output;
+  const std::string line = fmt::format("communication at parallel.link_rate = 100 GB/s and parallel.link_latency = 2 "
+                                       "us on stage {}'s ranks (the bottleneck): the recompute re-runs ",
+                                       bottleneck);
+  EXPECT_NE(text.output.find(line), std::string::npos) << line << "\n" << text.output;
+  const Result alone = run_remat("plan --budget 1.0 parallel.pp=2 model.preset=llama-demo model.n_layer=4" + no_corpus());
+  ASSERT_EQ(alone.exit_code, 0) << alone.output;
+  EXPECT_EQ(alone.output.find("communication at"), std::string::npos) << alone.output;
 }
 
 TEST_F(Cli, ExplainBlockListsEveryValueWithItsSlot) {

@@ -177,6 +177,20 @@ TEST(Config, ZeroIsStageZeroOrOne) {
   EXPECT_EQ(error_of([] { load_config("", {"parallel.zero=yes"}); }), "parallel.zero must be an integer, got 'yes'.");
 }
 
+// remat plan's link latency: microseconds a ring step waits, 0 (a link priced by its rate
+// alone) included; a negative or absurd one is refused with what to give instead.
+TEST(Config, LinkLatencyIsMicrosecondsARingStepWaits) {
+  EXPECT_EQ(load_config("", {}).parallel.link_latency, 2);
+  EXPECT_EQ(load_config("", {"parallel.link_latency=0"}).parallel.link_latency, 0);
+  EXPECT_EQ(load_config("", {"parallel.link_latency=1000000"}).parallel.link_latency, 1e6);
+  EXPECT_EQ(error_of([] { load_config("", {"parallel.link_latency=-1"}); }),
+            "parallel.link_latency must be the microseconds one ring step of a collective waits on the "
+            "tensor-parallel links whatever it sends, from 0 to 1000000, got -1; for example 2 for NVLink, 5 for "
+            "PCIe, 10 for a network between hosts.");
+  EXPECT_NE(error_of([] { load_config("", {"parallel.link_latency=1000001"}); }).find("got 1000001;"),
+            std::string::npos);
+}
+
 TEST(Config, PresetsHaveTheRealShapes) {
   const ModelConfig g = model_preset("gpt2");
   EXPECT_EQ(g.n_layer, 12);

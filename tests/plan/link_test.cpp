@@ -92,6 +92,37 @@ TEST(LinkPricing, InputGatherAndAllReduceCostTheirBytesAtTheLinkRate) {
   }
 }
 
+// The vocabulary-parallel loss completes its rows' statistics over the ranks in its
+// forward (ops/cross_entropy.cpp, chunk_loss): per chunk of rows, one all-reduce each of
+// the row max, the sums of exp and the target logits, one float32 per row each (bfloat16
+// too: the statistics' dtype), three collectives a chunk. Its backward runs none.
+TEST(LinkPricing, VocabularyParallelLossAllReducesThreeFloatsPerRow) {
+  const int64_t B = 2, T = 64, N = B * T, chunk = 48;  // chunks of 48, 48 and 32 rows
+  const int64_t chunks = (N + chunk - 1) / chunk;
+  const cost::NodeTimes times = flop_times();
+  for (const LossHead head : {LossHead::fused, LossHead::recompute}) {
+    ModelConfig cfg = testing::plan_config("gpt2-demo", 2, 0.0);
+    cfg.loss_head = head;
+    for (const int64_t t : {2, 4}) {
+      for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+        const graph::BlockGraph g = graph::head_graph(cfg, B, T, dtype, chunk, t, /*sp=*/false);
+        const graph::Node& loss = node_of(g, graph::op::loss(head));
+        const double bytes = 3.0 * 2.0 * static_cast<double>(N * 4) * static_cast<double>(t - 1) / t;
+        const int64_t messages = chunks * 3 * 2 * (t - 1);
+        EXPECT_DOUBLE_EQ(loss.forward_link.bytes, bytes) << t;
+        EXPECT_EQ(loss.forward_link.messages, messages) << t;
+        EXPECT_TRUE(loss.backward_link.none()) << t;
+        // The head's forward, which the planner prices, takes them.
+        const double link = static_cast<double>(messages) * 2e-5 + bytes / 1e8;
+        EXPECT_DOUBLE_EQ(times.node_seconds(loss), loss.flops / 1e9 + link) << t;
+      }
+    }
+    // One rank holds the whole vocabulary: nothing to complete.
+    EXPECT_TRUE(node_of(graph::head_graph(cfg, B, T, at::kFloat, chunk, 1, false), graph::op::loss(head))
+                    .forward_link.none());
+  }
+}
+
 // With the collectives priced, a budget that needs no recompute keeps every tensor whole:
 // no input as shares, no gathered copy dropped; a tight one still shares or gathers again
 // where that is what fits.
