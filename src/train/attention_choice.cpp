@@ -1,7 +1,6 @@
 #include "train/attention_choice.h"
 
 #include "remat/memory.h"
-#include "train/data_parallel.h"
 
 #include <fmt/format.h>
 
@@ -172,21 +171,6 @@ RunPlan plan_run_attention(Config& cfg, Config& local, at::ScalarType dtype, con
   planned->text = fmt::format("attention: {} (model.attention = auto): {}\n", attention_name(chosen), reason) +
                   planned->text;
   return std::move(*planned);
-}
-
-std::string resolve_planned_attention(Config& cfg, at::ScalarType dtype, const std::string& budget,
-                                      int64_t resident) {
-  if (cfg.model.attention != Attention::automatic) return "";
-  Config local = rank_share(cfg);
-  local.ac.budget = budget;
-  local.ac.profile = false;  // FLOPs, not measured times
-  const ProfileOf flops = [](const Config&) {
-    TimeProfile p;
-    p.times.flops_per_second = 1.0;
-    return p;
-  };
-  const RunPlan planned = plan_run_attention(cfg, local, dtype, flops, resident);
-  return planned.text.substr(0, planned.text.find('\n'));
 }
 
 }  // namespace remat

@@ -40,12 +40,4 @@ RunPlan plan_run_attention(Config& cfg, Config& local, at::ScalarType dtype, con
                            int64_t resident, int64_t stage = 0, const SavedPlan* saved = nullptr,
                            int64_t reference = 0);
 
-/// `remat plan`'s choice: resolves `cfg`'s model.attention = auto as plan_run_attention
-/// does for `budget` (as the user wrote it; empty: none), pricing time in FLOPs (so without
-/// measured times: math wherever both fit), with `resident` bytes (the token corpus) live
-/// throughout. Returns the line naming the op and why; empty, with `cfg` untouched, for a
-/// named op.
-std::string resolve_planned_attention(Config& cfg, at::ScalarType dtype, const std::string& budget,
-                                      int64_t resident);
-
 }  // namespace remat

@@ -137,7 +137,9 @@ std::string AutoChoices::text() const {
 }
 
 AutoChoices resolve_planned_auto(Config& cfg, at::ScalarType dtype, const std::string& budget, int64_t resident) {
-  if (cfg.model.loss_head != LossHead::automatic) return {"", resolve_planned_attention(cfg, dtype, budget, resident)};
+  const bool head = cfg.model.loss_head == LossHead::automatic;
+  const bool attention = cfg.model.attention == Attention::automatic;
+  if (!head && !attention) return {};
   Config local = rank_share(cfg);
   local.ac.budget = budget;
   local.ac.profile = false;  // FLOPs, not measured times
@@ -147,12 +149,17 @@ AutoChoices resolve_planned_auto(Config& cfg, at::ScalarType dtype, const std::s
     return p;
   };
   const RunPlan planned = plan_run_auto(cfg, local, dtype, flops, resident);
-  // The choices' lines lead the plan's text: the head's, then the attention op's if chosen.
+  // The choices' lines lead the plan's text: the head's, then the attention op's.
   AutoChoices out;
-  size_t end = planned.text.find('\n');
-  out.loss_head = planned.text.substr(0, end);
-  const std::string next = planned.text.substr(end + 1, planned.text.find('\n', end + 1) - end - 1);
-  if (next.rfind("attention: ", 0) == 0) out.attention = next;
+  size_t at = 0;
+  const auto line = [&] {
+    const size_t end = planned.text.find('\n', at);
+    std::string text = planned.text.substr(at, end - at);
+    at = end + 1;
+    return text;
+  };
+  if (head) out.loss_head = line();
+  if (attention) out.attention = line();
   return out;
 }
 

@@ -1,10 +1,11 @@
 // model.attention = auto: which op the planner takes and why, and what a run records.
-#include "train/attention_choice.h"
+#include "train/head_choice.h"
 
 #include "data/test_text.h"
 #include "remat/graph.h"
 #include "remat/model.h"
 #include "remat/trainer.h"
+#include "train/choice_profiles.h"
 #include "util/error_of.h"
 #include "util/processes.h"
 
@@ -32,22 +33,7 @@ Config long_tiny(const std::string& budget, bool profile = false) {
   return c;
 }
 
-// Every op's time profile: recompute priced at 1 GFLOP/s, the base pass `base` seconds
-// (0: unmeasured); counts the calls per op.
-struct Profiles {
-  std::map<Attention, double> base;
-  std::map<Attention, int> calls;
-  ProfileOf of() {
-    return [this](const Config& c) {
-      EXPECT_NE(c.model.attention, Attention::automatic);
-      ++calls[c.model.attention];
-      TimeProfile p;
-      p.times.flops_per_second = 1e9;
-      p.base_seconds = base[c.model.attention];
-      return p;
-    };
-  }
-};
+using Profiles = testing::AttentionProfiles;
 
 // The least budget `cfg` plans in with attention op `a` (the planner's minimum feasible).
 int64_t least_budget(Config cfg, Attention a) {
@@ -194,17 +180,18 @@ TEST(AttentionChoice, ANamedOpIsPlannedAsItIs) {
   EXPECT_EQ(cfg.model.attention, Attention::tiled);
   EXPECT_EQ(r.text.find("attention:"), std::string::npos);
   EXPECT_EQ(profiles.calls[Attention::tiled], 1);
-  EXPECT_EQ(resolve_planned_attention(cfg, at::kFloat, "1GiB", 0), "");
+  EXPECT_EQ(resolve_planned_auto(cfg, at::kFloat, "1GiB", 0).text(), "");
 }
 
 TEST(AttentionChoice, PlanCommandsChoiceIsTheRunsOnFlops) {
   Config cfg = long_tiny("");
-  EXPECT_EQ(resolve_planned_attention(cfg, at::kFloat, only_tiled_fits(), 0)
+  EXPECT_EQ(resolve_planned_auto(cfg, at::kFloat, only_tiled_fits(), 0)
+                .attention
                 .rfind("attention: tiled (model.attention = auto): math's least-memory plan peaks at ", 0),
             0u);
   EXPECT_EQ(cfg.model.attention, Attention::tiled);
   cfg.model.attention = Attention::automatic;
-  EXPECT_NE(resolve_planned_attention(cfg, at::kFloat, "", 0).find("no ac.budget"), std::string::npos);
+  EXPECT_NE(resolve_planned_auto(cfg, at::kFloat, "", 0).attention.find("no ac.budget"), std::string::npos);
   EXPECT_EQ(cfg.model.attention, Attention::math);
 }
 

@@ -3,13 +3,12 @@
 
 #include "remat/graph.h"
 #include "remat/memory.h"
+#include "train/choice_profiles.h"
 #include "util/error_of.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
-#include <fmt/format.h>
-
-#include <map>
 #include <optional>
 #include <set>
 
@@ -29,22 +28,7 @@ Config wide_vocab(const std::string& budget, const std::string& head = "auto", b
   return c;
 }
 
-// Each head's time profile: recompute priced at 1 GFLOP/s, the base pass `base` seconds
-// (0: unmeasured); counts the calls per head.
-struct Profiles {
-  std::map<LossHead, double> base;
-  std::map<LossHead, int> calls;
-  ProfileOf of() {
-    return [this](const Config& c) {
-      EXPECT_NE(c.model.loss_head, LossHead::automatic);
-      ++calls[c.model.loss_head];
-      TimeProfile p;
-      p.times.flops_per_second = 1e9;
-      p.base_seconds = base[c.model.loss_head];
-      return p;
-    };
-  }
-};
+using Profiles = testing::HeadProfiles;
 
 // `cfg` planned with a named head, as plan_run plans it; nullopt where the budget fits no plan.
 std::optional<RunPlan> planned_with(Config cfg, LossHead head) {

@@ -1,0 +1,36 @@
+// Time profiles for the tests of the `auto` choices (attention op, loss head), without a
+// model: recompute priced at 1 GFLOP/s, the base pass `base[k]` seconds (0: unmeasured)
+// for the choice k a config names, and the calls counted per choice.
+#pragma once
+
+#include "train/attention_choice.h"
+
+#include <gtest/gtest.h>
+
+#include <map>
+
+namespace remat::testing {
+
+/// `Key` is the choice's enum; `field` the ModelConfig member naming it; `automatic` its
+/// unresolved value, which no profile may be asked for.
+template <class Key, Key ModelConfig::*field, Key automatic>
+struct ChoiceProfiles {
+  std::map<Key, double> base;
+  std::map<Key, int> calls;
+  ProfileOf of() {
+    return [this](const Config& c) {
+      const Key k = c.model.*field;
+      EXPECT_NE(k, automatic);
+      ++calls[k];
+      TimeProfile p;
+      p.times.flops_per_second = 1e9;
+      p.base_seconds = base[k];
+      return p;
+    };
+  }
+};
+
+using AttentionProfiles = ChoiceProfiles<Attention, &ModelConfig::attention, Attention::automatic>;
+using HeadProfiles = ChoiceProfiles<LossHead, &ModelConfig::loss_head, LossHead::automatic>;
+
+}  // namespace remat::testing
