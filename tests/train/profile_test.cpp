@@ -185,6 +185,13 @@ const data::TokenDataset tiny_data() {
   return data::TokenDataset(at::randint(64, {100}, at::detail::createCPUGenerator(1), at::kInt));
 }
 
+// The profile of `cfg` on `model` measured (or read), and what it said on stderr.
+std::pair<TimeProfile, std::string> measure_saying(const Config& cfg, Model& model) {
+  ::testing::internal::CaptureStderr();
+  TimeProfile p = measure_time_profile(cfg, model, tiny_data());
+  return {std::move(p), ::testing::internal::GetCapturedStderr()};
+}
+
 // Other processes busy every CPU of the machine (more than one thread on it tolerates): the
 // profile is measured three times, used, not cached, and stderr says so with the load.
 TEST(TimeProfile, ALoadedProfileIsMeasuredAgainThenUsedButNotCached) {
@@ -193,9 +200,7 @@ TEST(TimeProfile, ALoadedProfileIsMeasuredAgainThenUsedButNotCached) {
   testing::TempDir dir;
   const Config cfg = tiny(dir, 1, 8);
   auto model = Model::create(cfg.model, at::kCPU, at::kFloat, 1);
-  ::testing::internal::CaptureStderr();
-  const TimeProfile p = measure_time_profile(cfg, *model, tiny_data());
-  const std::string said = ::testing::internal::GetCapturedStderr();
+  const auto [p, said] = measure_saying(cfg, *model);
   EXPECT_EQ(loaded.readings(), 2 * 3) << "the first try and two more";
   EXPECT_FALSE(p.cached);
   EXPECT_FALSE(std::filesystem::exists(p.path));
@@ -230,9 +235,7 @@ TEST(TimeProfile, AnUnknownLoadIsSaidAndCached) {
   testing::TempDir dir;
   const Config cfg = tiny(dir, 1, 8);
   auto model = Model::create(cfg.model, at::kCPU, at::kFloat, 1);
-  ::testing::internal::CaptureStderr();
-  const TimeProfile p = measure_time_profile(cfg, *model, tiny_data());
-  const std::string said = ::testing::internal::GetCapturedStderr();
+  const auto [p, said] = measure_saying(cfg, *model);
   EXPECT_EQ(unknown.readings(), 2);
   EXPECT_FALSE(p.other_cpus);
   EXPECT_NE(said.find("whether other processes slowed the time profile is unknown"), std::string::npos) << said;
