@@ -24,6 +24,7 @@
 #include <limits>
 #include <map>
 #include <optional>
+#include <thread>
 
 #include <unistd.h>
 
@@ -317,7 +318,16 @@ TimeProfile profile_of(const Config& cfg, Model& model, const data::TokenDataset
     while (tries == 0 || (load.suspect() && tries < kTries)) {
       const util::CpuTimes from = cpu_times_reader()();
       measure_times(cfg, model, data, p);
-      load = rank0s_load(together, from, cpu_times_reader()());
+      util::CpuTimes to = cpu_times_reader()();
+      // The busy time counts whole ticks, which a window of a few milliseconds (a small
+      // model's passes) cannot tell from a load: a short one is padded by waiting. Waiting
+      // leaves this run's CPUs to the others, so it reads no less load than the passes met.
+      constexpr double kWindow = 0.5;
+      if (to.wall_seconds - from.wall_seconds < kWindow) {
+        std::this_thread::sleep_for(std::chrono::duration<double>(kWindow - (to.wall_seconds - from.wall_seconds)));
+        to = cpu_times_reader()();
+      }
+      load = rank0s_load(together, from, to);
       ++tries;
     }
     p.other_cpus = load.other_cpus;
