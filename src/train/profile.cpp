@@ -5,6 +5,7 @@
 #include "train/data_parallel.h"
 #include "train/device.h"
 #include "util/atomic_file.h"
+#include "util/cpu_load.h"
 #include "util/sha256.h"
 
 #include <ATen/Parallel.h>
@@ -13,12 +14,19 @@
 #include <torch/optim/adamw.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <limits>
+#include <map>
+#include <optional>
+#include <thread>
+
+#include <unistd.h>
 
 namespace remat {
 namespace {
@@ -49,22 +57,30 @@ std::string profile_key(const Config& cfg, const Model& model, int at_once) {
   return key + ".json";
 }
 
-// Fills `p`'s times from a profile's JSON `text` when it is whole and sane; else says why.
-bool parse_profile(const std::string& text, TimeProfile& p, std::string& why) {
-  const nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+// Fills `p`'s times from a profile's JSON `j` when it is whole and sane; else says why.
+// The load it was measured under and the links are optional: caches written before they
+// were recorded still read (a tensor-parallel one then measures its links once more).
+bool parse_profile(const nlohmann::json& j, TimeProfile& p, std::string& why) {
   why = "it is not a JSON object";
   if (!j.is_object()) return false;
   try {
     const auto seconds = j.at("node_seconds").get<std::map<std::string, double>>();
     const double flops = j.at("flops_per_second").get<double>();
     const double base = j.at("base_seconds").get<double>(), optimizer = j.at("optimizer_seconds").get<double>();
+    const double link_rate = j.value("link_bytes_per_second", 0.0), link_latency = j.value("link_latency_seconds", 0.0);
     const auto time = [](double s) { return std::isfinite(s) && s >= 0; };
     const bool times_ok = std::all_of(seconds.begin(), seconds.end(), [&](const auto& e) { return time(e.second); });
-    if (times_ok && time(base) && time(optimizer) && std::isfinite(flops) && flops > 0) {
+    std::optional<double> other;
+    if (j.contains("other_cpus") && !j.at("other_cpus").is_null()) other = j.at("other_cpus").get<double>();
+    if (times_ok && time(base) && time(optimizer) && std::isfinite(flops) && flops > 0 && time(link_rate) &&
+        time(link_latency) && time(other.value_or(0))) {
       p.times.seconds = seconds;
       p.times.flops_per_second = flops;
       p.base_seconds = base;
       p.optimizer_seconds = optimizer;
+      p.times.link_bytes_per_second = link_rate;
+      p.times.link_latency_seconds = link_latency;
+      p.other_cpus = other;
       return true;
     }
     why = "a time in it is negative or not finite";
@@ -74,13 +90,17 @@ bool parse_profile(const std::string& text, TimeProfile& p, std::string& why) {
   return false;
 }
 
-std::string profile_json(const TimeProfile& p) {
-  return nlohmann::json{{"node_seconds", p.times.seconds},
-                        {"flops_per_second", p.times.flops_per_second},
-                        {"base_seconds", p.base_seconds},
-                        {"optimizer_seconds", p.optimizer_seconds}}
-             .dump(2) +
-         "\n";
+nlohmann::json profile_json(const TimeProfile& p) {
+  nlohmann::json j{{"node_seconds", p.times.seconds},
+                   {"flops_per_second", p.times.flops_per_second},
+                   {"base_seconds", p.base_seconds},
+                   {"optimizer_seconds", p.optimizer_seconds},
+                   {"other_cpus", p.other_cpus ? nlohmann::json(*p.other_cpus) : nlohmann::json(nullptr)}};
+  if (p.times.link_bytes_per_second > 0) {
+    j["link_bytes_per_second"] = p.times.link_bytes_per_second;
+    j["link_latency_seconds"] = p.times.link_latency_seconds;
+  }
+  return j;
 }
 
 // Fills `p` from the cache file at `path` when it is whole and sane. A damaged one (a
@@ -89,7 +109,8 @@ std::string profile_json(const TimeProfile& p) {
 bool read_cached(const std::string& path, TimeProfile& p) {
   std::ifstream in(path);
   std::string why;
-  if (parse_profile(std::string(std::istreambuf_iterator<char>(in), {}), p, why)) return true;
+  const auto j = nlohmann::json::parse(std::istreambuf_iterator<char>(in), {}, nullptr, /*allow_exceptions=*/false);
+  if (parse_profile(j, p, why)) return true;
   fmt::print(stderr, "The cached time profile {} is damaged ({}); measuring it again.\n", path, why);
   return false;
 }
@@ -101,13 +122,17 @@ void take_rank0s(dist::Comm* ranks, TimeProfile& p) {
   if (ranks == nullptr || ranks->size() == 1) return;
   const std::string key = "time-profile/" + fs::path(p.path).filename().string();
   if (ranks->rank() == 0) {
-    ranks->post(key, profile_json(p));
+    nlohmann::json j = profile_json(p);
+    j["cached"] = p.cached;  // whether it is cached is rank 0's word too
+    ranks->post(key, j.dump());
     return;
   }
   std::string why;
-  if (!parse_profile(ranks->await(key, "sharing rank 0's time profile"), p, why)) {
+  const auto j = nlohmann::json::parse(ranks->await(key, "sharing rank 0's time profile"), nullptr, false);
+  if (!parse_profile(j, p, why)) {
     throw std::runtime_error("The time profile rank 0 shared could not be read (" + why + ").");
   }
+  p.cached = j.at("cached").get<bool>();
 }
 
 // Rank 0's `value`, bit for bit, on every rank of `ranks`.
@@ -124,13 +149,61 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-}  // namespace
+// What the profile reads the clocks with; tests give their own readings.
+std::function<util::CpuTimes()>& cpu_times_reader() {
+  static std::function<util::CpuTimes()> reader = util::read_cpu_times;
+  return reader;
+}
 
-TimeProfile measure_time_profile(const Config& cfg, Model& model, const data::TokenDataset& data,
-                                 dist::Comm* together) {
+// How much of the machine other processes used over one try, as rank 0 saw it.
+struct Load {
+  std::optional<double> other_cpus;  // unknown where /proc/stat could not be read
+  double tolerated = 0;              // util::tolerated_other_cpus for this job's threads
+  bool suspect() const { return other_cpus && *other_cpus > tolerated; }
+};
+
+// The load on rank 0's machine between `from` and `to`, on every rank of `together`. The
+// ranks measuring at once on rank 0's host are this job, not other processes: their CPU
+// time is taken off the machine's (each process once: ranks may be threads of one) and
+// their threads count as the job's.
+Load rank0s_load(dist::Comm* together, const util::CpuTimes& from, const util::CpuTimes& to) {
+  const double own = to.own_seconds - from.own_seconds;
+  double job_seconds = own;
+  int job_threads = at::get_num_threads();
+  if (together != nullptr && together->size() > 1) {
+    std::array<char, 256> host{};
+    gethostname(host.data(), host.size() - 1);
+    const auto host_id = static_cast<int64_t>(std::hash<std::string>{}(host.data()));
+    const auto all = together->all_gather({host_id, static_cast<int64_t>(getpid()), std::llround(own * 1e6)},
+                                          "sharing how busy the machine was");
+    // Rank 0's host's processes by id, each with its first rank's time (rank 0's for its
+    // own: its window is the one measured).
+    std::map<int64_t, double> processes;
+    job_threads = 0;
+    for (const auto& r : all) {
+      if (r[0] != all[0][0]) continue;
+      job_threads += at::get_num_threads();
+      processes.emplace(r[1], static_cast<double>(r[2]) * 1e-6);
+    }
+    job_seconds = 0;
+    for (const auto& [pid, seconds] : processes) job_seconds += seconds;
+  }
+  Load load;
+  load.other_cpus = util::other_cpus(from, to, job_seconds);
+  load.tolerated = util::tolerated_other_cpus(util::machine_cpus(), job_threads, to.wall_seconds - from.wall_seconds);
+  if (together != nullptr && together->size() > 1) {
+    constexpr double kUnknown = std::numeric_limits<double>::quiet_NaN();
+    const double other = rank0s(*together, load.other_cpus.value_or(kUnknown), "sharing how busy the machine was");
+    load.other_cpus = std::isnan(other) ? std::nullopt : std::optional<double>(other);
+    load.tolerated = rank0s(*together, load.tolerated, "sharing how busy the machine was");
+  }
+  return load;
+}
+
+// The path and optimizer bytes of the profile of `cfg` on `model`, nothing measured yet.
+TimeProfile unmeasured(const Config& cfg, const Model& model, int at_once) {
   TimeProfile p;
-  const fs::path dir = fs::path(cfg.run.out_dir) / ".profiles";
-  p.path = (dir / profile_key(cfg, model, together != nullptr ? together->size() : 1)).string();
+  p.path = (fs::path(cfg.run.out_dir) / ".profiles" / profile_key(cfg, model, at_once)).string();
   for (const auto& prm : model.params()) p.optimizer_bytes += static_cast<int64_t>(prm.value.nbytes());
   if (zero_ranks(cfg) > 1) {
     std::vector<int64_t> numels;
@@ -141,17 +214,12 @@ TimeProfile measure_time_profile(const Config& cfg, Model& model, const data::To
       if (owner[i] == 0) p.optimizer_bytes += static_cast<int64_t>(model.params()[i].value.nbytes());
     }
   }
-  p.cached = fs::exists(p.path) && read_cached(p.path, p);
-  if (together != nullptr) {
-    for (const auto& found : together->all_gather({p.cached ? 1 : 0}, "reading the cached time profile")) {
-      p.cached = p.cached && found[0] == 1;
-    }
-  }
-  if (p.cached) {
-    take_rank0s(together, p);
-    return p;
-  }
+  return p;
+}
 
+// Measures `p`'s times once: a few passes with every layer recomputed and two updates
+// (measure_time_profile says how).
+void measure_times(const Config& cfg, Model& model, const data::TokenDataset& data, TimeProfile& p) {
   const at::Device device = model.device();
   const TrainConfig& t = cfg.train;
   // Every layer fully recomputed: each node runs once per layer and is timed by the store.
@@ -182,6 +250,7 @@ TimeProfile measure_time_profile(const Config& cfg, Model& model, const data::To
   std::sort(reps.begin(), reps.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
   const auto& [pass_seconds, counters] = reps[reps.size() / 2];
   double recompute = 0;
+  p.times.seconds.clear();
   for (const auto& [name, seconds] : counters.node_seconds) {
     p.times.seconds[name] = seconds / static_cast<double>(counters.node_runs.at(name));
     recompute += seconds;
@@ -223,28 +292,106 @@ TimeProfile measure_time_profile(const Config& cfg, Model& model, const data::To
     synchronize(device);
     p.optimizer_seconds = seconds_since(t0);  // the second: state already allocated
   }
+}
 
-  if (together == nullptr || together->rank() == 0) {
+// Whether every rank of `together` (if any) says `yes`.
+bool all_say(dist::Comm* together, bool yes, const std::string& what) {
+  if (together == nullptr) return yes;
+  for (const auto& said : together->all_gather({yes ? 1 : 0}, what)) yes = yes && said[0] == 1;
+  return yes;
+}
+
+// measure_time_profile, with the tensor-parallel links measured and cached with it where
+// `links` (then `together` is the job).
+TimeProfile profile_of(const Config& cfg, Model& model, const data::TokenDataset& data, dist::Comm* together,
+                       bool links) {
+  TimeProfile p = unmeasured(cfg, model, together != nullptr ? together->size() : 1);
+  p.cached = all_say(together, fs::exists(p.path) && read_cached(p.path, p), "reading the cached time profile");
+  bool store = false;
+  if (!p.cached) {
+    // Times measured beside other work can be several times slow: a loaded try is measured
+    // again, at most kTries in all, each costing about what the first did.
+    constexpr int kTries = 3;
+    const auto t0 = std::chrono::steady_clock::now();
+    Load load;
+    int tries = 0;
+    while (tries == 0 || (load.suspect() && tries < kTries)) {
+      const util::CpuTimes from = cpu_times_reader()();
+      measure_times(cfg, model, data, p);
+      util::CpuTimes to = cpu_times_reader()();
+      // The busy time counts whole ticks, which a window of a few milliseconds (a small
+      // model's passes) cannot tell from a load: a short one is padded by waiting. Waiting
+      // leaves this run's CPUs to the others, so it reads no less load than the passes met.
+      constexpr double kWindow = 0.5;
+      if (to.wall_seconds - from.wall_seconds < kWindow) {
+        std::this_thread::sleep_for(std::chrono::duration<double>(kWindow - (to.wall_seconds - from.wall_seconds)));
+        to = cpu_times_reader()();
+      }
+      load = rank0s_load(together, from, to);
+      ++tries;
+    }
+    p.other_cpus = load.other_cpus;
+    const bool rank0 = together == nullptr || together->rank() == 0;
+    if (rank0 && !load.other_cpus) {
+      fmt::print(stderr,
+                 "This machine's CPU time could not be read from /proc/stat, so whether other processes slowed the "
+                 "time profile is unknown; it is cached as measured: if other work ran beside this run, delete {} "
+                 "to measure it again.\n",
+                 p.path);
+    } else if (rank0 && load.suspect()) {
+      fmt::print(stderr,
+                 "Other processes used {:.1f} of this machine's {} CPUs while the time profile was measured ({} "
+                 "tries, {:.1f} s; more than {:.1f} slows this run's threads): times measured beside other work can "
+                 "be several times slow and a cached profile would mislead later plans, so this run plans from it "
+                 "but does not cache it; run on an idle machine, and the profile will be measured again next run.\n",
+                 *load.other_cpus, util::machine_cpus(), tries, seconds_since(t0), load.tolerated);
+    }
+    store = !load.suspect();
+  }
+  // The links are measured where the profile has none: measured now, or cached before
+  // they were (then added to the cache).
+  if (links && !all_say(together, p.times.link_bytes_per_second > 0, "reading the cached links")) {
+    const LinkRate link = measure_link_rate(*together);
+    p.times.link_bytes_per_second = link.bytes_per_second;
+    p.times.link_latency_seconds = link.latency_seconds;
+    store = store || p.cached;
+  }
+  if (store && (together == nullptr || together->rank() == 0)) {
     std::error_code ec;
-    fs::create_directories(dir, ec);
-    util::write_file_atomically(p.path, profile_json(p));
+    fs::create_directories(fs::path(p.path).parent_path(), ec);
+    util::write_file_atomically(p.path, profile_json(p).dump(2) + "\n");
   }
   take_rank0s(together, p);
   return p;
 }
 
+}  // namespace
+
+void set_cpu_times_reader(std::function<util::CpuTimes()> reader) {
+  cpu_times_reader() = reader ? std::move(reader) : util::read_cpu_times;
+}
+
+TimeProfile measure_time_profile(const Config& cfg, Model& model, const data::TokenDataset& data,
+                                 dist::Comm* together) {
+  return profile_of(cfg, model, data, together, cfg.parallel.tp > 1);
+}
+
 TimeProfile rank_time_profile(const Config& cfg, Model& model, const data::TokenDataset& data, dist::Comm* ranks) {
   // A tensor-parallel rank's passes run its group's collectives: every rank measures.
   if (cfg.parallel.tp > 1) return measure_time_profile(cfg, model, data, ranks);
-  TimeProfile profile;
-  rank0_first(ranks, "measuring the time profile", [&] { profile = measure_time_profile(cfg, model, data); });
+  // Rank 0 measures alone while the others wait (measuring beside it, they would be other
+  // processes slowing it), and every rank takes its profile.
+  TimeProfile profile = unmeasured(cfg, model, 1);
+  rank0_first(ranks, "measuring the time profile", [&] {
+    if (ranks == nullptr || ranks->rank() == 0) profile = measure_time_profile(cfg, model, data);
+  });
   take_rank0s(ranks, profile);
   return profile;
 }
 
 TimeProfile probe_time_profile(const Config& cfg, at::Device device, at::ScalarType dtype,
                                const data::TokenDataset& data, dist::Comm* ranks) {
-  const auto measure = [&](int64_t layers) {
+  const auto measure = [&](int64_t layers, bool links) {
     Config probe = cfg;
     probe.model.n_layer = layers;
     probe.parallel.pp = 1;
@@ -253,11 +400,12 @@ TimeProfile probe_time_profile(const Config& cfg, at::Device device, at::ScalarT
     auto model = Model::create(probe.model, device, dtype, static_cast<uint64_t>(cfg.run.seed),
                                cfg.parallel.tp > 1 ? &ranks->tensor() : nullptr, cfg.parallel.sp);
     // Every rank measures at once: the stages will share the host's cores and memory so.
-    return measure_time_profile(probe, *model, data, ranks);
+    return profile_of(probe, *model, data, ranks, links);
   };
-  TimeProfile p = measure(std::min<int64_t>(cfg.model.n_layer, 2));
+  // The links are measured (and cached) with the first probe alone.
+  TimeProfile p = measure(std::min<int64_t>(cfg.model.n_layer, 2), cfg.parallel.tp > 1);
   if (cfg.model.n_layer < 2) return p;
-  const TimeProfile one = measure(1);
+  const TimeProfile one = measure(1, false);
   const double layer = p.base_seconds - one.base_seconds, ends = one.base_seconds - layer;
   // Noise can make a difference of small times meaningless: then the node times decide.
   if (layer > 0 && ends > 0) {
@@ -318,7 +466,8 @@ TimeProfile run_time_profile(const Config& cfg, at::Device device, at::ScalarTyp
     const bool shared = ranks != nullptr && ranks->size() > 1;
     profile.times.flops_per_second = shared ? rank0s(*ranks, matmul_rate, "sharing rank 0's matmul rate") : matmul_rate;
   }
-  if (cfg.parallel.tp > 1) {
+  // A profile of its own measured (and cached) the links with its times.
+  if (cfg.parallel.tp > 1 && !cfg.ac.profile) {
     const LinkRate link = measure_link_rate(*ranks);
     profile.times.link_bytes_per_second = link.bytes_per_second;
     profile.times.link_latency_seconds = link.latency_seconds;

@@ -9,9 +9,11 @@
 #include "remat/data.h"
 #include "remat/dist.h"
 #include "remat/model.h"
+#include "util/cpu_load.h"
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 
 namespace remat {
@@ -21,6 +23,9 @@ struct TimeProfile {
   double base_seconds = 0;        ///< one microbatch's forward + backward, nothing recomputed
   double optimizer_seconds = 0;   ///< gradient clipping and the AdamW update
   int64_t optimizer_bytes = 0;    ///< the parameter bytes that update was of
+  /// The CPUs other processes used while it was measured (rank 0's machine); unknown where
+  /// /proc/stat could not be read, or read from a cache written before this was recorded.
+  std::optional<double> other_cpus;
   std::string path;               ///< the cache file
   bool cached = false;            ///< read from the cache rather than measured now
   /// Predicted wall time of a step whose recompute costs `recompute_seconds` in all.
@@ -38,17 +43,28 @@ struct TimeProfile {
 /// gradient all-reduce). The model's weights are untouched; its gradients are zeroed and its
 /// activation plan must be set again afterwards.
 ///
+/// Timed beside other work (more of the machine's CPUs busy with other processes than
+/// util::tolerated_other_cpus allows for the run's threads: rank 0's machine governs), it
+/// is measured again, at most twice, and if still loaded used but not cached, which stderr
+/// says. Under tensor parallelism (parallel.tp > 1, `together` the job) the links
+/// measure_link_rate measures are cached with it too, and read from the cache.
+///
 /// With `together` (tensor parallelism, whose passes run the group's collectives, or
 /// pipeline stages sharing a host), every rank calls this at once: all read the cache
 /// before any writes, measure unless every one found it, and rank 0 alone writes it; then
-/// every rank takes rank 0's times, so that all of them plan alike.
+/// every rank takes rank 0's times, so that all of them plan alike, and caches them or not
+/// as rank 0 does.
 TimeProfile measure_time_profile(const Config& cfg, Model& model, const data::TokenDataset& data,
                                  dist::Comm* together = nullptr);
 
+/// Where measure_time_profile reads the clocks that tell how busy the machine was:
+/// util::read_cpu_times, or `reader` (a test's readings); an empty one restores it.
+void set_cpu_times_reader(std::function<util::CpuTimes()> reader);
+
 /// measure_time_profile for this rank of the job `ranks` (null: alone), `cfg` its
 /// rank_share: under tensor parallelism every rank measures at once on its `model`;
-/// otherwise rank 0 measures first while the others wait (rank0_first). Every rank
-/// returns rank 0's times.
+/// otherwise rank 0 measures alone while the others wait (rank0_first). Every rank
+/// returns rank 0's profile.
 TimeProfile rank_time_profile(const Config& cfg, Model& model, const data::TokenDataset& data, dist::Comm* ranks);
 
 /// The time profile pipeline stages (parallel.pp > 1) plan with: a stage is not a whole
@@ -79,8 +95,8 @@ LinkRate measure_link_rate(dist::Comm& ranks);
 /// `model` for the caller to train (the one there before is freed first), or, with
 /// pipeline stages, probe_time_profile; without ac.profile, `matmul_rate` alone, which
 /// prices recompute by FLOPs and predicts no step time. Under tensor parallelism either
-/// way, with the links measure_link_rate measures, which price the collectives no node
-/// time covers (all of them without ac.profile).
+/// way, with the links measure_link_rate measures (cached with the profile under ac.profile),
+/// which price the collectives no node time covers (all of them without ac.profile).
 TimeProfile run_time_profile(const Config& cfg, at::Device device, at::ScalarType dtype,
                              const data::TokenDataset& data, dist::Comm* ranks, double matmul_rate,
                              const std::function<std::unique_ptr<Model>()>& create, std::unique_ptr<Model>& model);

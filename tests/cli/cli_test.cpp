@@ -641,7 +641,10 @@ TEST_F(Cli, TrainingWithABudgetStaysWithinItAndPredictsItsPeak) {
   EXPECT_NE(r.output.find("without recompute the step would peak at"), std::string::npos) << r.output;
   EXPECT_GT(s["predicted_none_peak_bytes"].get<int64_t>(), s["budget_bytes"].get<int64_t>());
   EXPECT_GT(s["predicted_none_step_seconds"].get<double>(), 0.0);
-  EXPECT_TRUE(fs::exists(dir_ / "runs" / ".profiles")) << "the time profile is cached";
+  // The time profile is cached, unless other processes loaded the machine while it was
+  // measured (ctest runs tests side by side), which the run then says.
+  EXPECT_TRUE(fs::exists(dir_ / "runs" / ".profiles") || r.output.find("does not cache it") != std::string::npos)
+      << r.output;
   // A budget below the minimum fails before training, with the minimum.
   const Result low = run_remat("train ac.budget=1KiB run.name=c " + common);
   EXPECT_EQ(low.exit_code, 1) << low.output;

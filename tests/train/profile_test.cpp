@@ -11,9 +11,46 @@
 
 #include <filesystem>
 #include <fstream>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <vector>
 
 namespace remat {
 namespace {
+
+// While it lives, the profile reads this machine's clocks: each reading a second after the
+// last, this process busy all of it, and other processes busy `loads[k]` CPUs in the second
+// before reading 2k+1 or 2k+2 (the profile's try k+1 reads twice; the last load for any
+// later; unknown: /proc/stat unreadable). The real clocks would make the tests' outcome
+// hang on what else the machine runs.
+class FakeMachine {
+ public:
+  explicit FakeMachine(std::vector<std::optional<double>> loads) : loads_(std::move(loads)) {
+    set_cpu_times_reader([this] { return read(); });
+  }
+  ~FakeMachine() { set_cpu_times_reader({}); }
+  FakeMachine(const FakeMachine&) = delete;
+  FakeMachine& operator=(const FakeMachine&) = delete;
+  int readings() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return readings_;
+  }
+
+ private:
+  util::CpuTimes read() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ++readings_;
+    const auto& load = loads_[std::min(static_cast<size_t>(readings_ - 1) / 2, loads_.size() - 1)];
+    busy_ += 1 + load.value_or(0);
+    return {load ? std::optional<double>(busy_) : std::nullopt, static_cast<double>(readings_),
+            static_cast<double>(readings_)};
+  }
+  std::vector<std::optional<double>> loads_;
+  std::mutex mutex_;
+  int readings_ = 0;
+  double busy_ = 0;
+};
 
 // tiny-gpt2 with a 64-token vocabulary at batch x seq, its run directory in `dir`.
 Config tiny(const testing::TempDir& dir, int64_t batch, int64_t seq) {
@@ -28,6 +65,7 @@ Config tiny(const testing::TempDir& dir, int64_t batch, int64_t seq) {
 }
 
 TEST(TimeProfile, TimesEveryNodeAFullRecomputeRunsAndIsCached) {
+  FakeMachine idle({0.0});
   testing::TempDir dir;
   Config cfg = tiny(dir, 2, 16);
   auto model = Model::create(cfg.model, at::kCPU, at::kFloat, 1);
@@ -38,6 +76,8 @@ TEST(TimeProfile, TimesEveryNodeAFullRecomputeRunsAndIsCached) {
   const TimeProfile p = measure_time_profile(cfg, *model, data);
   EXPECT_FALSE(p.cached);
   EXPECT_TRUE(std::filesystem::exists(p.path));
+  EXPECT_EQ(p.other_cpus, 0.0);
+  EXPECT_EQ(idle.readings(), 2) << "one try: idle";
   EXPECT_GT(p.base_seconds, 0.0);
   EXPECT_GT(p.optimizer_seconds, 0.0);
   EXPECT_GT(p.times.flops_per_second, 0.0);
@@ -65,6 +105,7 @@ TEST(TimeProfile, TimesEveryNodeAFullRecomputeRunsAndIsCached) {
   EXPECT_EQ(again.path, p.path);
   EXPECT_EQ(again.base_seconds, p.base_seconds);
   EXPECT_EQ(again.times.seconds, p.times.seconds);
+  EXPECT_EQ(again.other_cpus, 0.0);
   // Another shape is another profile.
   cfg.train.seq = 8;
   EXPECT_FALSE(measure_time_profile(cfg, *model, data).cached);
@@ -84,6 +125,7 @@ TEST(TimeProfile, TimesEveryNodeAFullRecomputeRunsAndIsCached) {
 // and their stages could have split the layers differently). So do ranks that wait for rank
 // 0's measurement, and every rank finding the cache.
 TEST(TimeProfile, EveryRankTakesRankZerosTimes) {
+  FakeMachine idle({0.0});
   testing::TempDir dir;
   const Config cfg = tiny(dir, 2, 16);
   const data::TokenDataset data(at::randint(64, {400}, at::detail::createCPUGenerator(1), at::kInt));
@@ -124,6 +166,7 @@ TEST(TimeProfile, EveryRankTakesRankZerosMeasureOfTheLinks) {
 // A cache file cut short by a killed run, or of the wrong types, is measured again and
 // rewritten instead of failing every later run.
 TEST(TimeProfile, ADamagedCacheIsMeasuredAgainAndRewritten) {
+  FakeMachine idle({0.0});
   testing::TempDir dir;
   const Config cfg = tiny(dir, 1, 8);
   auto model = Model::create(cfg.model, at::kCPU, at::kFloat, 1);
@@ -136,6 +179,159 @@ TEST(TimeProfile, ADamagedCacheIsMeasuredAgainAndRewritten) {
     EXPECT_FALSE(measure_time_profile(cfg, *model, data).cached) << damage;
     EXPECT_TRUE(measure_time_profile(cfg, *model, data).cached) << damage;
   }
+}
+
+const data::TokenDataset tiny_data() {
+  return data::TokenDataset(at::randint(64, {100}, at::detail::createCPUGenerator(1), at::kInt));
+}
+
+// The profile of `cfg` on `model` measured (or read), and what it said on stderr.
+std::pair<TimeProfile, std::string> measure_saying(const Config& cfg, Model& model) {
+  ::testing::internal::CaptureStderr();
+  TimeProfile p = measure_time_profile(cfg, model, tiny_data());
+  return {std::move(p), ::testing::internal::GetCapturedStderr()};
+}
+
+// Other processes busy every CPU of the machine (more than one thread on it tolerates): the
+// profile is measured three times, used, not cached, and stderr says so with the load.
+TEST(TimeProfile, ALoadedProfileIsMeasuredAgainThenUsedButNotCached) {
+  const double load = util::machine_cpus();
+  FakeMachine loaded({load});
+  testing::TempDir dir;
+  const Config cfg = tiny(dir, 1, 8);
+  auto model = Model::create(cfg.model, at::kCPU, at::kFloat, 1);
+  const auto [p, said] = measure_saying(cfg, *model);
+  EXPECT_EQ(loaded.readings(), 2 * 3) << "the first try and two more";
+  EXPECT_FALSE(p.cached);
+  EXPECT_FALSE(std::filesystem::exists(p.path));
+  EXPECT_DOUBLE_EQ(p.other_cpus.value(), load);
+  EXPECT_GT(p.base_seconds, 0.0) << "this run plans from it";
+  EXPECT_NE(said.find(fmt::format("Other processes used {:.1f} of this machine's {} CPUs", load, util::machine_cpus())),
+            std::string::npos)
+      << said;
+  EXPECT_NE(said.find("does not cache it"), std::string::npos) << said;
+  EXPECT_FALSE(measure_time_profile(cfg, *model, tiny_data()).cached) << "the next run measures it again";
+}
+
+// A load that passes before the next try: that try's idle profile is cached.
+TEST(TimeProfile, ALoadThatPassesIsMeasuredAgainAndCached) {
+  FakeMachine passing({util::machine_cpus(), 0.0});
+  testing::TempDir dir;
+  const Config cfg = tiny(dir, 1, 8);
+  auto model = Model::create(cfg.model, at::kCPU, at::kFloat, 1);
+  const TimeProfile p = measure_time_profile(cfg, *model, tiny_data());
+  EXPECT_EQ(passing.readings(), 2 * 2);
+  EXPECT_EQ(p.other_cpus, 0.0);
+  const TimeProfile again = measure_time_profile(cfg, *model, tiny_data());
+  EXPECT_TRUE(again.cached);
+  EXPECT_EQ(again.other_cpus, 0.0);
+  EXPECT_EQ(again.base_seconds, p.base_seconds);
+}
+
+// Without /proc/stat the load is unknown: said, not taken for idle, and cached as measured
+// (the profile cached as it always was; never caching would measure it every run).
+TEST(TimeProfile, AnUnknownLoadIsSaidAndCached) {
+  FakeMachine unknown({std::nullopt});
+  testing::TempDir dir;
+  const Config cfg = tiny(dir, 1, 8);
+  auto model = Model::create(cfg.model, at::kCPU, at::kFloat, 1);
+  const auto [p, said] = measure_saying(cfg, *model);
+  EXPECT_EQ(unknown.readings(), 2);
+  EXPECT_FALSE(p.other_cpus);
+  EXPECT_NE(said.find("whether other processes slowed the time profile is unknown"), std::string::npos) << said;
+  const TimeProfile again = measure_time_profile(cfg, *model, tiny_data());
+  EXPECT_TRUE(again.cached);
+  EXPECT_FALSE(again.other_cpus);
+}
+
+// A cache written before the load and the links were recorded still reads, as it was.
+TEST(TimeProfile, ACacheWithoutTheNewerFiguresStillReads) {
+  FakeMachine idle({0.0});
+  testing::TempDir dir;
+  const Config cfg = tiny(dir, 1, 8);
+  auto model = Model::create(cfg.model, at::kCPU, at::kFloat, 1);
+  const std::string path = measure_time_profile(cfg, *model, tiny_data()).path;
+  std::ofstream(path) << R"({"node_seconds": {"attn": 0.25}, "flops_per_second": 1e9, "base_seconds": 0.5,
+                            "optimizer_seconds": 0.125})";
+  const TimeProfile old = measure_time_profile(cfg, *model, tiny_data());
+  EXPECT_TRUE(old.cached);
+  EXPECT_FALSE(old.other_cpus);
+  EXPECT_EQ(old.times.seconds, (std::map<std::string, double>{{"attn", 0.25}}));
+  EXPECT_EQ(old.base_seconds, 0.5);
+  EXPECT_EQ(old.optimizer_seconds, 0.125);
+  EXPECT_EQ(old.times.link_bytes_per_second, 0.0);
+}
+
+// Ranks measuring at once all cache the profile or all not, as rank 0's load decides, and
+// so do ranks that wait for rank 0's measurement; rank 0's load is every rank's.
+TEST(TimeProfile, EveryRankCachesOrNotAsRankZeroDoes) {
+  const double load = util::machine_cpus() + 1;  // more than any thread count tolerates
+  FakeMachine loaded({load});
+  testing::TempDir dir;
+  const Config cfg = tiny(dir, 1, 8);
+  for (const bool together : {true, false}) {
+    std::vector<TimeProfile> got(3);
+    testing::on_gloo_ranks(3, 1, [&](dist::Comm& comm) {
+      auto model = Model::create(cfg.model, at::kCPU, at::kFloat, 1);
+      got[static_cast<size_t>(comm.rank())] = together ? measure_time_profile(cfg, *model, tiny_data(), &comm)
+                                                       : rank_time_profile(cfg, *model, tiny_data(), &comm);
+    });
+    for (int r = 0; r < 3; ++r) {
+      const TimeProfile& p = got[static_cast<size_t>(r)];
+      EXPECT_FALSE(p.cached) << "rank " << r;
+      EXPECT_FALSE(std::filesystem::exists(p.path)) << "rank " << r;
+      EXPECT_DOUBLE_EQ(p.other_cpus.value(), load) << "rank " << r;
+    }
+  }
+}
+
+// Under tensor parallelism the links' fit is cached with the times and read back by every
+// rank instead of measured (a fit measured again would not equal the one written in the
+// file); a cache without it, as written before, gets it measured and added.
+TEST(TimeProfile, TheLinksAreCachedWithTheProfile) {
+  FakeMachine idle({0.0});
+  testing::TempDir dir;
+  Config cfg = tiny(dir, 1, 8);
+  cfg.parallel.tp = 2;
+  const auto on_ranks = [&] {
+    std::vector<TimeProfile> got(2);
+    testing::on_gloo_ranks(2, 2, [&](dist::Comm& comm) {
+      auto model = Model::create(cfg.model, at::kCPU, at::kFloat, 1, &comm.tensor());
+      got[static_cast<size_t>(comm.rank())] = measure_time_profile(cfg, *model, tiny_data(), &comm);
+    });
+    EXPECT_EQ(got[1].times.link_bytes_per_second, got[0].times.link_bytes_per_second);
+    EXPECT_EQ(got[1].times.link_latency_seconds, got[0].times.link_latency_seconds);
+    EXPECT_EQ(got[1].cached, got[0].cached);
+    return got[0];
+  };
+  const TimeProfile first = on_ranks();
+  EXPECT_FALSE(first.cached);
+  EXPECT_GT(first.times.link_bytes_per_second, 0.0);
+  const auto edit = [&](const std::function<void(nlohmann::json&)>& change) {
+    std::ifstream in(first.path);
+    nlohmann::json j = nlohmann::json::parse(in);
+    change(j);
+    std::ofstream(first.path) << j.dump();
+  };
+  edit([](nlohmann::json& j) {
+    EXPECT_GT(j.at("link_bytes_per_second").get<double>(), 0.0);
+    j["link_bytes_per_second"] = 123.0;
+    j["link_latency_seconds"] = 4.5e-6;
+  });
+  const TimeProfile cached = on_ranks();
+  EXPECT_TRUE(cached.cached);
+  EXPECT_EQ(cached.times.link_bytes_per_second, 123.0);
+  EXPECT_EQ(cached.times.link_latency_seconds, 4.5e-6);
+  edit([](nlohmann::json& j) {
+    j.erase("link_bytes_per_second");
+    j.erase("link_latency_seconds");
+  });
+  const TimeProfile added = on_ranks();
+  EXPECT_TRUE(added.cached) << "the times are read";
+  EXPECT_GT(added.times.link_bytes_per_second, 0.0);
+  EXPECT_NE(added.times.link_bytes_per_second, 123.0);
+  std::ifstream in(first.path);
+  EXPECT_EQ(nlohmann::json::parse(in).at("link_bytes_per_second").get<double>(), added.times.link_bytes_per_second);
 }
 
 }  // namespace
