@@ -154,6 +154,9 @@ class OpDef {
   virtual int grad_alias(size_t input) const { return -1; }
   /// The name of output i in tables ("mean"); null: its index.
   virtual const char* output_name(size_t output) const { return nullptr; }
+  /// Whether output i is named after parameter i (its module: "q_proj" for
+  /// "self_attn.q_proj.weight") rather than after the node: one output per weight.
+  virtual bool outputs_named_by_params() const { return false; }
   /// Whether input i receives a gradient (ids and masks do not).
   virtual bool differentiable(size_t input) const { return true; }
 

@@ -113,6 +113,16 @@ std::vector<TensorInfo> BlockGraph::infos(const std::vector<int>& ids) const {
   return out;
 }
 
+namespace {
+
+// The module a parameter belongs to: "q_proj" for "self_attn.q_proj.weight".
+std::string module_of(const std::string& param) {
+  const std::string path = param.substr(0, param.rfind('.'));
+  return path.substr(path.rfind('.') + 1);
+}
+
+}  // namespace
+
 Builder::Builder(TensorInfo input, at::ScalarType dtype, bool external) {
   g_.values.push_back({"x", std::move(input), -1, -1, external});
   g_.input = 0;
@@ -145,8 +155,9 @@ std::vector<int> Builder::add(const std::string& name, const OpDef& op, std::vec
   for (size_t i = 0; i < out.size(); ++i) {
     const int alias = op.view_of(i);
     const char* part = op.output_name(i);
-    g_.values.push_back({out.size() == 1 ? name : part ? name + "." + part : fmt::format("{}.{}", name, i), out[i], id,
-                         alias >= 0 ? n.inputs.at(static_cast<size_t>(alias)) : -1});
+    std::string value = out.size() == 1 ? name : part ? name + "." + part : fmt::format("{}.{}", name, i);
+    if (op.outputs_named_by_params()) value = module_of(g_.params.at(static_cast<size_t>(n.params.at(i))).name);
+    g_.values.push_back({std::move(value), out[i], id, alias >= 0 ? n.inputs.at(static_cast<size_t>(alias)) : -1});
     n.outputs.push_back(static_cast<int>(g_.values.size()) - 1);
   }
   g_.nodes.push_back(std::move(n));

@@ -161,6 +161,7 @@ class LinearDef final : public OpDef {
 class LinearsDef final : public OpDef {
  public:
   const char* kind() const override { return "linears"; }
+  bool outputs_named_by_params() const override { return true; }
   std::vector<TensorInfo> infer(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& p,
                                 const Attrs&) const override {
     TORCH_CHECK(in.size() == 1 && !p.empty(), "[linears] needs x [..., in] and at least one weight");
