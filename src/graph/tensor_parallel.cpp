@@ -2,6 +2,7 @@
 // shapes, so shape inference, FLOPs and the allocation events of the split graph come
 // from the ops themselves, as for any declared graph.
 #include "remat/graph.h"
+#include "remat/ops/common.h"
 
 #include <fmt/format.h>
 
@@ -67,7 +68,7 @@ bool position_wise(const OpDef& o) {
 // the whole vocabulary's already).
 LinkTraffic loss_link(const TensorInfo& x, int64_t chunk, int64_t tp) {
   const int64_t rows = x.sizes.at(0);
-  const int64_t row_bytes = static_cast<int64_t>(at::elementSize(x.dtype == at::kDouble ? at::kDouble : at::kFloat));
+  const int64_t row_bytes = static_cast<int64_t>(at::elementSize(ops::stats_dtype(x.dtype)));
   constexpr int64_t kStatistics = 3;
   LinkTraffic t;
   for (int64_t start = 0; start < rows; start += chunk) {
