@@ -4,6 +4,7 @@
 
 #include "remat/trace.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -15,6 +16,7 @@ constexpr double kSoftmaxFlopsPerScore = 5.0;
 
 struct Dims {
   int64_t B, T, Hq, Hkv, D, G;  // G = query heads per key/value head
+  int64_t BK() const { return B * Hkv; }
 };
 
 Dims check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
@@ -35,81 +37,149 @@ Dims check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v)
   return {q.size(0), q.size(1), q.size(2), k.size(2), q.size(3), q.size(2) / k.size(2)};
 }
 
-// [B, T, Hq, D] viewed as [B, Hkv, G, T, D]: the G query heads of each key/value group
-// stacked along rows, so one batched matmul against that group's K and V serves them all
+// [B, T, Hq, D] viewed as [B, Hkv, T, G, D]: each key/value head's query rows ordered by
+// position, then query head, so the rows of positions [t0, t1) are the contiguous range
+// [t0 G, t1 G) and one batched matmul against that group's K and V serves all G heads
 // without repeating K or V.
 at::Tensor grouped_view(const at::Tensor& x, const Dims& d) {
-  return x.reshape({d.B, d.T, d.Hkv, d.G, d.D}).permute({0, 2, 3, 1, 4});
+  return x.reshape({d.B, d.T, d.Hkv, d.G, d.D}).permute({0, 2, 1, 3, 4});
 }
 
-// scale * x for x [B, T, Hq, D], as a contiguous [B*Hkv, G*T, D] (one pass: copy and scale).
-at::Tensor grouped_rows(const at::Tensor& x, const Dims& d, double scale) {
-  at::Tensor rows = at::empty({d.B, d.Hkv, d.G, d.T, d.D}, x.options());
+// scale * x for x [B, T, Hq, D], as contiguous rows [B*Hkv, T*G, D] (one pass: copy and scale).
+at::Tensor query_rows(const at::Tensor& x, const Dims& d, double scale) {
+  at::Tensor rows = at::empty({d.B, d.Hkv, d.T, d.G, d.D}, x.options());
   at::mul_out(rows, grouped_view(x, d), at::scalar_tensor(scale, at::kDouble));
-  return rows.view({d.B * d.Hkv, d.G * d.T, d.D});
-}
-
-// scale * rows for rows [B*Hkv, G*T, D], back in the [B, T, Hq, D] layout.
-at::Tensor ungrouped(const at::Tensor& rows, const Dims& d, double scale) {
-  at::Tensor x = at::empty({d.B, d.T, d.Hq, d.D}, rows.options());
-  at::Tensor x_grouped = grouped_view(x, d);  // a view: x is contiguous
-  at::mul_out(x_grouped, rows.view({d.B, d.Hkv, d.G, d.T, d.D}), at::scalar_tensor(scale, at::kDouble));
-  return x;
+  return rows.view({d.BK(), d.T * d.G, d.D});
 }
 
 // [B, T, Hkv, D] -> [B*Hkv, T, D] (a copy unless the layout already allows a view).
 at::Tensor heads_first(const at::Tensor& x, const Dims& d) {
-  return x.transpose(1, 2).reshape({d.B * d.Hkv, d.T, d.D});
+  return x.transpose(1, 2).reshape({d.BK(), d.T, d.D});
 }
 
-// The inverse of heads_first, contiguous.
-at::Tensor heads_last(const at::Tensor& rows, const Dims& d) {
-  return rows.view({d.B, d.Hkv, d.T, d.D}).transpose(1, 2).contiguous();
+// Positions [t0, t0 + n) of the sequence: a block of queries or keys.
+struct Span {
+  int64_t t0, n;
+  int64_t end() const { return t0 + n; }
+};
+
+template <class F>
+void for_each_block(int64_t T, int64_t block, F&& f) {
+  for (int64_t t0 = 0; t0 < T; t0 += block) f(Span{t0, std::min(block, T - t0)});
+}
+
+void check_block(int64_t block) {
+  TORCH_CHECK(block >= 1, "[attention] a block must hold at least one position, got ", block);
 }
 
 }  // namespace
 
+// The causal mask zeroes every score of a key after its query, so each block of queries
+// [t0, t1) multiplies against keys [0, t1) only: the products skip the blocks above the
+// diagonal, and the softmax and its backward run over those keys alone. probs keeps its
+// whole [T x T] rows (zeros above the diagonal), so the dropout mask and the saved bytes
+// are the unblocked op's.
 Fwd<AttentionSaved> attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                      double p, const DropoutKey& key) {
+                                      double p, const DropoutKey& key, int64_t block) {
   const trace::Scope trace_scope("attention", trace::Category::forward);
   const Dims d = check_inputs(q, k, v);
+  check_block(block);
+  const int64_t G = d.G, T = d.T;
+  const at::Tensor kr = heads_first(k, d), vr = heads_first(v, d);
   // The 1/sqrt(D) scale is folded into the copy of q the matmul needs anyway.
-  const double scale = 1.0 / std::sqrt(static_cast<double>(d.D));
-  at::Tensor scores = at::bmm(grouped_rows(q, d, scale), heads_first(k, d).transpose(1, 2));
-  const at::Tensor future = at::ones({d.T, d.T}, q.options().dtype(at::kBool)).triu_(1);
-  scores.view({d.B * d.Hq, d.T, d.T}).masked_fill_(future, -std::numeric_limits<double>::infinity());
-  at::Tensor probs = at::_softmax(scores, -1, false).view({d.B, d.Hq, d.T, d.T});
-  scores = at::Tensor();  // the scores are not kept: release them before dropout allocates
-  Fwd<DropoutSaved> drop = dropout_forward(probs, p, key);
-  at::Tensor out_rows = at::bmm(drop.out.view({d.B * d.Hkv, d.G * d.T, d.T}), heads_first(v, d));
+  const at::Tensor qr = query_rows(q, d, 1.0 / std::sqrt(static_cast<double>(d.D)));
+  at::Tensor probs = at::empty({d.B, d.Hkv, T, G, T}, q.options());
+  const at::Tensor pr = probs.view({d.BK(), T * G, T});
+  const int64_t first = std::min(block, T);
+  at::Tensor future = at::ones({first, first}, q.options().dtype(at::kBool)).triu_(1);
+  for_each_block(T, block, [&](Span b) {
+    at::Tensor s = at::bmm(qr.narrow(1, b.t0 * G, b.n * G), kr.narrow(1, 0, b.end()).transpose(1, 2));
+    s.view({d.BK(), b.n, G, b.end()})
+        .narrow(3, b.t0, b.n)
+        .masked_fill_(future.narrow(0, 0, b.n).narrow(1, 0, b.n).unsqueeze(1),
+                      -std::numeric_limits<double>::infinity());
+    const at::Tensor block_probs = at::_softmax(s, -1, false);
+    s = at::Tensor();
+    const at::Tensor rows = pr.narrow(1, b.t0 * G, b.n * G);
+    rows.narrow(2, 0, b.end()).copy_(block_probs);
+    if (b.end() < T) rows.narrow(2, b.end(), T - b.end()).zero_();
+  });
+  future = at::Tensor();
+  // The mask is drawn in the [B, Hq, T, T] order of the heads, whatever the rows' order.
+  at::Tensor mask = p > 0.0 ? dropout_mask({d.B, d.Hq, T, T}, p, key, q.device()) : at::Tensor();
+  Fwd<DropoutSaved> drop =
+      p > 0.0 ? dropout_apply(probs, mask.view({d.B, d.Hkv, G, T, T}).permute({0, 1, 3, 2, 4}), p)
+              : Fwd<DropoutSaved>{probs, DropoutSaved{}};
+  const at::Tensor pd = drop.out.view({d.BK(), T * G, T});
+  at::Tensor out = at::empty({d.B, T, d.Hq, d.D}, q.options());
+  const at::Tensor out_rows = grouped_view(out, d);  // a view: out is contiguous
+  for_each_block(T, block, [&](Span b) {
+    const at::Tensor o = at::bmm(pd.narrow(1, b.t0 * G, b.n * G).narrow(2, 0, b.end()), vr.narrow(1, 0, b.end()));
+    out_rows.narrow(2, b.t0, b.n).copy_(o.view({d.B, d.Hkv, b.n, G, d.D}));
+  });
   at::Tensor probs_d = p > 0.0 ? drop.out : at::Tensor();
-  return {ungrouped(out_rows, d, 1.0), AttentionSaved{q, k, v, probs, drop.saved.mask, probs_d, p}};
+  return {out, AttentionSaved{q, k, v, probs, mask, probs_d, p}};
 }
 
-AttentionGrads attention_backward(const at::Tensor& dout, const AttentionSaved& saved) {
+AttentionGrads attention_backward(const at::Tensor& dout, const AttentionSaved& saved, int64_t block) {
   const trace::Scope trace_scope("attention", trace::Category::backward);
   const Dims d = check_inputs(saved.q, saved.k, saved.v);
+  check_block(block);
   TORCH_CHECK(dout.sizes() == saved.q.sizes(), "[attention] output gradient must match q's shape ",
               saved.q.sizes(), ", got ", dout.sizes());
   TORCH_CHECK(saved.p == 0.0 || (saved.mask.defined() && saved.probs_d.defined()),
               "[attention] dropout p=", saved.p, " needs the saved mask and probs_d");
+  const int64_t G = d.G, T = d.T;
   const double scale = 1.0 / std::sqrt(static_cast<double>(d.D));
-  const std::vector<int64_t> score_rows{d.B * d.Hkv, d.G * d.T, d.T};
-  const at::Tensor probs = saved.probs.view(score_rows);
-  const at::Tensor probs_d = saved.p > 0.0 ? saved.probs_d.view(score_rows) : probs;
-  const at::Tensor dout_rows = grouped_rows(dout, d, 1.0);
+  const bool drop = saved.p > 0.0;
+  const at::Tensor pr = saved.probs.view({d.BK(), T * G, T});
+  const at::Tensor pd = drop ? saved.probs_d.view({d.BK(), T * G, T}) : pr;
+  const at::Tensor mask = drop ? saved.mask.view({d.B, d.Hkv, G, T, T}).permute({0, 1, 3, 2, 4}) : at::Tensor();
+  const at::Tensor dout_rows = query_rows(dout, d, 1.0);
+  const at::Tensor vr = heads_first(saved.v, d), kr = heads_first(saved.k, d);
 
-  // Each kv group's rows hold all its query heads, so these products already sum dk and dv
-  // over the group.
-  at::Tensor dv_rows = at::bmm(probs_d.transpose(1, 2), dout_rows);
-  at::Tensor dprobs = at::bmm(dout_rows, heads_first(saved.v, d).transpose(1, 2));
-  if (saved.p > 0.0) dprobs.mul_(saved.mask.view(score_rows)).mul_(1.0 / (1.0 - saved.p));
-  at::Tensor dscores = at::_softmax_backward_data(dprobs, probs, -1, probs.scalar_type());
-  dprobs = at::Tensor();
-  // scores = (scale q) k^T, so dk = dscores^T (scale q) and dq = scale (dscores k).
-  at::Tensor dk_rows = at::bmm(dscores.transpose(1, 2), grouped_rows(saved.q, d, scale));
-  at::Tensor dq_rows = at::bmm(dscores, heads_first(saved.k, d));
-  return {ungrouped(dq_rows, d, scale), heads_last(dk_rows, d), heads_last(dv_rows, d)};
+  // By query blocks: the scores' gradient (kept whole for the key blocks below) and dq.
+  at::Tensor dscores = at::empty({d.BK(), T * G, T}, dout.options());
+  at::Tensor dq = at::empty({d.B, T, d.Hq, d.D}, dout.options());
+  const at::Tensor dq_rows = grouped_view(dq, d);
+  for_each_block(T, block, [&](Span b) {
+    at::Tensor dp = at::bmm(dout_rows.narrow(1, b.t0 * G, b.n * G), vr.narrow(1, 0, b.end()).transpose(1, 2));
+    if (drop) {
+      dp.view({d.B, d.Hkv, b.n, G, b.end()})
+          .mul_(mask.narrow(2, b.t0, b.n).narrow(4, 0, b.end()))
+          .mul_(1.0 / (1.0 - saved.p));
+    }
+    // The softmax backward, dscores = probs (dp - rowsum(dp probs)), written in place into
+    // the block's rows of dscores: no block-sized temporary beyond dp.
+    at::Tensor ds = dscores.narrow(1, b.t0 * G, b.n * G).narrow(2, 0, b.end());
+    const at::Tensor probs = pr.narrow(1, b.t0 * G, b.n * G).narrow(2, 0, b.end());
+    at::mul_out(ds, dp, probs);
+    dp = at::Tensor();
+    ds.addcmul_(probs, at::sum(ds, -1, true), -1.0);
+    const at::Tensor dq_block = at::bmm(ds, kr.narrow(1, 0, b.end()));
+    // scores = (scale q) k^T, so dq = scale (dscores k).
+    at::Tensor dq_block_rows = dq_rows.narrow(2, b.t0, b.n);
+    at::mul_out(dq_block_rows, dq_block.view({d.B, d.Hkv, b.n, G, d.D}), at::scalar_tensor(scale, at::kDouble));
+  });
+
+  // By key blocks: each key's gradient sums over the queries at or after it, every query
+  // head of its group included (the rows), so dk and dv need no accumulation across blocks.
+  at::Tensor dk = at::empty({d.B, T, d.Hkv, d.D}, dout.options());
+  at::Tensor dv = at::empty({d.B, T, d.Hkv, d.D}, dout.options());
+  const at::Tensor qr = query_rows(saved.q, d, scale);
+  for_each_block(T, block, [&](Span c) {
+    const int64_t rows = (T - c.t0) * G;
+    // Each block's product is written out and freed before the next one is made.
+    const auto put = [&](at::Tensor& to, const at::Tensor& grad_rows) {
+      to.narrow(1, c.t0, c.n).copy_(grad_rows.view({d.B, d.Hkv, c.n, d.D}).transpose(1, 2));
+    };
+    put(dv, at::bmm(pd.narrow(1, c.t0 * G, rows).narrow(2, c.t0, c.n).transpose(1, 2),
+                    dout_rows.narrow(1, c.t0 * G, rows)));
+    // dk = dscores^T (scale q).
+    put(dk, at::bmm(dscores.narrow(1, c.t0 * G, rows).narrow(2, c.t0, c.n).transpose(1, 2),
+                    qr.narrow(1, c.t0 * G, rows)));
+  });
+  return {dq, dk, dv};
 }
 
 int64_t attention_saved_bytes(const AttentionShape& s, double p, at::ScalarType dtype) {
@@ -120,8 +190,15 @@ int64_t attention_saved_bytes(const AttentionShape& s, double p, at::ScalarType 
   return bytes;
 }
 
-double attention_flops(const AttentionShape& s, double p) {
-  return attention_flops_over(static_cast<double>(s.batch) * s.q_heads * s.seq * s.seq, s.head_dim, p);
+double attention_causal_scores(const AttentionShape& s, int64_t block) {
+  check_block(block);
+  double scores = 0;  // per head: each query block's rows times the keys up to its end
+  for_each_block(s.seq, block, [&](Span b) { scores += static_cast<double>(b.n) * static_cast<double>(b.end()); });
+  return scores * static_cast<double>(s.batch) * static_cast<double>(s.q_heads);
+}
+
+double attention_flops(const AttentionShape& s, double p, int64_t block) {
+  return attention_flops_over(attention_causal_scores(s, block), s.head_dim, p);
 }
 
 double attention_flops_over(double scores, int64_t head_dim, double p) {
@@ -153,10 +230,6 @@ bool heads_first_copies(const TensorInfo& t) {
   return !at::detail::computeStride(at::IntArrayRef(s), at::IntArrayRef(st), at::IntArrayRef(rows)).has_value();
 }
 
-// Whether heads_last() of [B*H, T, D] rows copies: not when the transposed view is
-// contiguous already (one head, or one position).
-bool heads_last_copies(int64_t H, int64_t T) { return H > 1 && T > 1; }
-
 // Inputs {q, k, v} ([B, T, H, D], possibly strided); outputs {out, probs} and, with
 // dropout, {mask, probs_d}. Sharded: q, k, v hold the rank's heads. The backward reads the
 // saved mask, so only the forward (and its recompute) draws one.
@@ -169,9 +242,11 @@ class AttentionDef final : public OpDef {
                     in[1].sizes.size() == 4 && in[0].sizes[2] % in[1].sizes[2] == 0,
                 "[attention] needs q [B, T, Hq, D] and k, v [B, T, Hkv, D]");
     const auto& q = in[0].sizes;
-    const TensorInfo scores{{q[0], q[2], q[1], q[1]}, in[0].dtype, {}};
-    std::vector<TensorInfo> out = {in[0].with_sizes(q), scores};
-    if (a.p > 0) out.insert(out.end(), {TensorInfo{scores.sizes, at::kBool, {}}, scores});
+    const int64_t Hkv = in[1].sizes[2];
+    // probs (and probs_d) in the rows' order [B, Hkv, T, G, T]; the mask in the heads' [B, Hq, T, T].
+    const TensorInfo probs{{q[0], Hkv, q[1], q[2] / Hkv, q[1]}, in[0].dtype, {}};
+    std::vector<TensorInfo> out = {in[0].with_sizes(q), probs};
+    if (a.p > 0) out.insert(out.end(), {TensorInfo{{q[0], q[2], q[1], q[1]}, at::kBool, {}}, probs});
     return out;
   }
   double flops(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>&, const Attrs& a) const override {
@@ -201,73 +276,94 @@ class AttentionDef final : public OpDef {
     auto g = ops::attention_backward(dy[0], s);
     return {g.dq, g.dk, g.dv};
   }
-  // Mirrors attention_forward: scaled query rows, key rows (copied unless a view serves),
-  // the scores, the causal mask, probabilities, dropout (the bool mask is copied to the
-  // compute dtype for the product), value rows and the output rows. The 8-byte temporaries
-  // are the scale scalars of the grouped copies.
+  // Mirrors attention_forward: key and value rows (copied unless a view serves), the scaled
+  // query rows, probs, the diagonal block's causal mask, each query block's scores and
+  // probabilities, dropout (the bool mask is copied to the compute dtype for the product),
+  // the output and each block's rows of it. The 8-byte temporaries are the scale scalars.
   void forward_events(Events& e, const std::vector<TensorInfo>& in, const std::vector<TensorInfo>&,
                       const std::vector<TensorInfo>& out, const Attrs& a) const override {
-    const int64_t T = in[0].sizes[1];
-    const int64_t S = out[1].bytes(), Q = in[0].with_sizes(in[0].sizes).bytes(), K = in[1].with_sizes(in[1].sizes).bytes();
-    const int64_t k = heads_first_copies(in[1]) ? e.temp(K) : -1;
-    const int64_t q = e.temp(Q);
+    const Shape s(in);
+    const int64_t k = heads_first_copies(in[1]) ? e.temp(s.K) : -1;
+    const int64_t v = heads_first_copies(in[2]) ? e.temp(s.K) : -1;
+    const int64_t q = e.temp(s.Q);
     detail::scalar_operand(e, in[0].dtype);
-    const int64_t scores = e.temp(S);
-    e.release(q);
-    if (k >= 0) e.release(k);
-    const int64_t future = e.temp(T * T);
     e.out(1);
-    e.release(scores);
+    const int64_t first = std::min(ops::kAttentionBlock, s.T);
+    const int64_t future = e.temp(first * first);
+    s.each_block([&](ops::Span b) {
+      const int64_t n = b.n, end = b.end();
+      const int64_t scores = e.temp(s.rows(n) * end * s.elt);
+      const int64_t probs = e.temp(s.rows(n) * end * s.elt);
+      e.release(scores);
+      e.release(probs);
+    });
+    e.release(future);
     if (a.p > 0) {
       e.out(2);
-      const int64_t maskf = e.temp(S);
+      const int64_t maskf = e.temp(out[1].bytes());
       e.out(3);
       e.release(maskf);
     }
-    const int64_t v = heads_first_copies(in[2]) ? e.temp(K) : -1;
-    const int64_t rows = e.temp(Q);
-    if (v >= 0) e.release(v);
     e.out(0);
-    detail::scalar_operand(e, in[0].dtype);
-    e.release(rows);
-    e.release(future);
-  }
-  void backward_events(Events& e, const std::vector<TensorInfo>& in, const std::vector<TensorInfo>&,
-                       const std::vector<TensorInfo>& out, const Attrs& a) const override {
-    const int64_t T = in[0].sizes[1], Hkv = in[1].sizes[2];
-    const int64_t S = out[1].bytes(), Q = in[0].with_sizes(in[0].sizes).bytes(), K = in[1].with_sizes(in[1].sizes).bytes();
-    const int64_t dout = e.temp(Q);
-    detail::scalar_operand(e, in[0].dtype);
-    const int64_t dv = e.temp(K);
-    const int64_t v = heads_first_copies(in[2]) ? e.temp(K) : -1;
-    const int64_t dprobs = e.temp(S);
-    if (v >= 0) e.release(v);
-    if (a.p > 0) e.release(e.temp(S));
-    const int64_t dscores = e.temp(S);
-    e.release(dprobs);
-    const int64_t q = e.temp(Q);
-    detail::scalar_operand(e, in[0].dtype);
-    const int64_t dk = e.temp(K);
+    s.each_block([&](ops::Span b) { e.release(e.temp(s.rows(b.n) * s.D * s.elt)); });
     e.release(q);
-    const int64_t k = heads_first_copies(in[1]) ? e.temp(K) : -1;
-    const int64_t dq = e.temp(Q);
+    if (v >= 0) e.release(v);
     if (k >= 0) e.release(k);
-    e.out(0);
-    detail::scalar_operand(e, in[0].dtype);
-    const bool copies = heads_last_copies(Hkv, T);
-    if (copies) {
-      e.out(1);
-      e.out(2);
-    } else {
-      e.adopt(dk, 1);
-      e.adopt(dv, 2);
-    }
-    e.release(dout);
-    if (copies) e.release(dv);
-    e.release(dscores);
-    if (copies) e.release(dk);
-    e.release(dq);
   }
+  // Mirrors attention_backward: the output gradient's rows, value and key rows, the scores'
+  // gradient, dq; per query block the probabilities' gradient (and the dropout mask in the
+  // compute dtype), the row sums of the softmax backward and dq's rows; then dk, dv, the
+  // scaled query rows and per key block dv's and dk's rows.
+  void backward_events(Events& e, const std::vector<TensorInfo>& in, const std::vector<TensorInfo>&,
+                       const std::vector<TensorInfo>&, const Attrs& a) const override {
+    const Shape s(in);
+    const int64_t dout = e.temp(s.Q);
+    detail::scalar_operand(e, in[0].dtype);
+    const int64_t v = heads_first_copies(in[2]) ? e.temp(s.K) : -1;
+    const int64_t k = heads_first_copies(in[1]) ? e.temp(s.K) : -1;
+    const int64_t dscores = e.temp(s.rows(s.T) * s.T * s.elt);
+    e.out(0);
+    s.each_block([&](ops::Span b) {
+      const int64_t n = b.n, end = b.end();
+      const int64_t block = s.rows(n) * end * s.elt;
+      const int64_t dp = e.temp(block);
+      if (a.p > 0) e.release(e.temp(block));
+      e.release(dp);
+      e.release(e.temp(s.rows(n) * s.elt));  // the row sums
+      const int64_t dq = e.temp(s.rows(n) * s.D * s.elt);
+      detail::scalar_operand(e, in[0].dtype);
+      e.release(dq);
+    });
+    e.out(1);
+    e.out(2);
+    const int64_t q = e.temp(s.Q);
+    detail::scalar_operand(e, in[0].dtype);
+    s.each_block([&](ops::Span c) {
+      e.release(e.temp(s.kv_rows(c.n) * s.D * s.elt));
+      e.release(e.temp(s.kv_rows(c.n) * s.D * s.elt));
+    });
+    e.release(q);
+    e.release(dscores);
+    if (k >= 0) e.release(k);
+    if (v >= 0) e.release(v);
+    e.release(dout);
+  }
+
+ private:
+  // The sizes the events count, from the inputs q [B, T, Hq, D] and k, v [B, T, Hkv, D].
+  struct Shape {
+    int64_t B, T, Hq, Hkv, D, elt, Q, K;
+    explicit Shape(const std::vector<TensorInfo>& in)
+        : B(in[0].sizes[0]), T(in[0].sizes[1]), Hq(in[0].sizes[2]), Hkv(in[1].sizes[2]), D(in[0].sizes[3]),
+          elt(detail::bytes_of(1, in[0].dtype)), Q(B * T * Hq * D * elt), K(B * T * Hkv * D * elt) {}
+    int64_t rows(int64_t n) const { return B * Hq * n; }     ///< query rows of n positions, every batch row
+    int64_t kv_rows(int64_t n) const { return B * Hkv * n; }  ///< key rows of n positions
+    /// f(block) for each block of positions the op's loops visit.
+    template <class F>
+    void each_block(F&& f) const {
+      ops::for_each_block(T, ops::kAttentionBlock, f);
+    }
+  };
 };
 
 }  // namespace

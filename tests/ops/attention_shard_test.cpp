@@ -58,9 +58,13 @@ graph::RunContext context(int64_t first_row) {
 // Runs `op` on all heads of first_row + s.B batch rows in one process, then on `ranks` ranks
 // each holding its share of the heads of the last s.B rows (keyed with first_row, as a
 // data-parallel rank holding them is), and expects each rank's outputs and gradients to be
-// bitwise their slice of the one-process ones. `out_head_dim`: per output, its head
-// dimension.
-void expect_head_slices(const graph::OpDef& op, const graph::Attrs& attrs, const std::vector<int64_t>& out_head_dim,
+// bitwise their slice of the one-process ones. `out_heads`: per output, its head dimension
+// and whether it counts key/value heads (grouped rows) or query heads.
+struct HeadDim {
+  int64_t dim;
+  bool kv;
+};
+void expect_head_slices(const graph::OpDef& op, const graph::Attrs& attrs, const std::vector<HeadDim>& out_heads,
                         int ranks, const Shape& s, int64_t first_row) {
   const std::string what = std::string(&op == &graph::op::tiled_attention() ? "tiled" : "math") + " on " +
                            std::to_string(ranks) + " ranks, Hq " + std::to_string(s.Hq) + ", Hkv " +
@@ -71,7 +75,7 @@ void expect_head_slices(const graph::OpDef& op, const graph::Attrs& attrs, const
   const at::Tensor qkv = at::randn({B, s.T, s.Hq + 2 * s.Hkv, s.D}, gen);
   const at::Tensor dout = at::randn({B, s.T, s.Hq, s.D}, gen);
   const Results whole = run(op, attrs, context(0), qkv, s.Hq, s.Hkv, dout);
-  ASSERT_EQ(whole.out.size(), out_head_dim.size()) << what;
+  ASSERT_EQ(whole.out.size(), out_heads.size()) << what;
 
   std::vector<Results> shards(static_cast<size_t>(ranks));
   remat::testing::on_local_ranks(ranks, [&](dist::Group& group) {
@@ -96,7 +100,7 @@ void expect_head_slices(const graph::OpDef& op, const graph::Attrs& attrs, const
     };
     ASSERT_EQ(shard.out.size(), whole.out.size()) << what;
     for (size_t j = 0; j < whole.out.size(); ++j) {
-      EXPECT_TRUE(at::equal(shard.out[j], slice(whole.out[j], out_head_dim[j], Hl)))
+      EXPECT_TRUE(at::equal(shard.out[j], slice(whole.out[j], out_heads[j].dim, out_heads[j].kv ? Kl : Hl)))
           << what << ": output " << op.output_name(j) << " of rank " << r;
     }
     const char* const names[] = {"dq", "dk", "dv"};
@@ -122,15 +126,18 @@ graph::Attrs attention_attrs() {
 
 TEST(ShardedAttention, MathOpRanksHoldTheOneProcessHeadSlices) {
   for (int64_t first_row : {0, 1}) {
-    expect_head_slices(graph::op::attention(), attention_attrs(), {2, 1, 1, 1}, 2, kTwoRanks, first_row);
-    expect_head_slices(graph::op::attention(), attention_attrs(), {2, 1, 1, 1}, 4, kFourRanks, first_row);
+    // out [B, T, Hq, D], probs [B, Hkv, T, G, T], mask [B, Hq, T, T], probs_d as probs.
+    const std::vector<HeadDim> outs = {{2, false}, {1, true}, {1, false}, {1, true}};
+    expect_head_slices(graph::op::attention(), attention_attrs(), outs, 2, kTwoRanks, first_row);
+    expect_head_slices(graph::op::attention(), attention_attrs(), outs, 4, kFourRanks, first_row);
   }
 }
 
 TEST(ShardedAttention, TiledOpRanksHoldTheOneProcessHeadSlices) {
   for (int64_t first_row : {0, 1}) {
-    expect_head_slices(graph::op::tiled_attention(), attention_attrs(), {2, 1}, 2, kTwoRanks, first_row);
-    expect_head_slices(graph::op::tiled_attention(), attention_attrs(), {2, 1}, 4, kFourRanks, first_row);
+    const std::vector<HeadDim> outs = {{2, false}, {1, false}};  // out, lse [B, Hq, T]
+    expect_head_slices(graph::op::tiled_attention(), attention_attrs(), outs, 2, kTwoRanks, first_row);
+    expect_head_slices(graph::op::tiled_attention(), attention_attrs(), outs, 4, kFourRanks, first_row);
   }
 }
 

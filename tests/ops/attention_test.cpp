@@ -4,6 +4,11 @@
 
 #include "ops/testing.h"
 
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
+
 namespace {
 
 using namespace remat::ops;
@@ -23,27 +28,59 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_qkv(const Case& c, at::Scal
   return {qkv.narrow(2, 0, c.Hq), qkv.narrow(2, c.Hq, c.Hkv), qkv.narrow(2, c.Hq + c.Hkv, c.Hkv)};
 }
 
+// Positions per block: one (every block on the diagonal), a few (the last one short), and
+// the default (one block at these lengths).
+const int64_t kBlocks[] = {1, 2, 3, kAttentionBlock};
+
+std::string describe(const Case& c, double p, int64_t block) {
+  return "B" + std::to_string(c.B) + " T" + std::to_string(c.T) + " Hq" + std::to_string(c.Hq) + " Hkv" +
+         std::to_string(c.Hkv) + " p" + std::to_string(p) + " block" + std::to_string(block);
+}
+
 TEST(AttentionOp, MatchesAutogradOfExplicitAttention) {
   at::Generator gen = seeded(1);
   for (const Case& c : kCases) {
     for (double p : {0.0, 0.3}) {
-      auto [q, k, v] = fused_qkv(c, at::kDouble, gen);
-      Fwd<AttentionSaved> f = attention_forward(q, k, v, p, kKey);
-      at::Tensor mask = p > 0 ? dropout_mask({c.B, c.Hq, c.T, c.T}, p, kKey, at::kCPU) : at::Tensor();
-      if (p > 0) {
-        EXPECT_TRUE(at::equal(f.saved.mask, mask));
+      for (int64_t block : kBlocks) {
+        auto [q, k, v] = fused_qkv(c, at::kDouble, gen);
+        Fwd<AttentionSaved> f = attention_forward(q, k, v, p, kKey, block);
+        at::Tensor mask = p > 0 ? dropout_mask({c.B, c.Hq, c.T, c.T}, p, kKey, at::kCPU) : at::Tensor();
+        if (p > 0) {
+          EXPECT_TRUE(at::equal(f.saved.mask, mask));
+        }
+        at::Tensor ql = leaf(q), kl = leaf(k), vl = leaf(v);
+        at::Tensor ref = attention_reference(ql, kl, vl, p, mask);
+        const std::string what = describe(c, p, block);
+        EXPECT_LT(rel_err(f.out, ref.detach()), 1e-12) << what;
+        at::Tensor dout = at::randn(ref.sizes(), gen, ref.options());
+        auto want = grads(ref, dout, {ql, kl, vl});
+        AttentionGrads g = attention_backward(dout, f.saved, block);
+        EXPECT_LT(rel_err(g.dq, want[0]), 1e-10) << what;
+        EXPECT_LT(rel_err(g.dk, want[1]), 1e-10) << what;
+        EXPECT_LT(rel_err(g.dv, want[2]), 1e-10) << what;
       }
-      at::Tensor ql = leaf(q), kl = leaf(k), vl = leaf(v);
-      at::Tensor ref = attention_reference(ql, kl, vl, p, mask);
-      const std::string what = "B" + std::to_string(c.B) + " T" + std::to_string(c.T) + " Hq" +
-                               std::to_string(c.Hq) + " Hkv" + std::to_string(c.Hkv) + " p" + std::to_string(p);
-      EXPECT_LT(rel_err(f.out, ref.detach()), 1e-12) << what;
-      at::Tensor dout = at::randn(ref.sizes(), gen, ref.options());
-      auto want = grads(ref, dout, {ql, kl, vl});
-      AttentionGrads g = attention_backward(dout, f.saved);
-      EXPECT_LT(rel_err(g.dq, want[0]), 1e-10) << what;
-      EXPECT_LT(rel_err(g.dk, want[1]), 1e-10) << what;
-      EXPECT_LT(rel_err(g.dv, want[2]), 1e-10) << what;
+    }
+  }
+}
+
+// probs holds whole rows in the grouped order [B, Hkv, T, G, T]: each query's softmax over
+// the keys up to it, zeros after, whatever the block (the blocks above the diagonal are
+// never computed, so they must be written as zeros).
+TEST(AttentionOp, ProbsAreTheCausalSoftmaxInGroupedRows) {
+  at::Generator gen = seeded(4);
+  for (const Case& c : kCases) {
+    for (int64_t block : kBlocks) {
+      auto [q, k, v] = fused_qkv(c, at::kDouble, gen);
+      const at::Tensor probs = attention_forward(q, k, v, 0.0, kKey, block).saved.probs;
+      const int64_t G = c.Hq / c.Hkv;
+      ASSERT_EQ(probs.sizes(), (std::vector<int64_t>{c.B, c.Hkv, c.T, G, c.T})) << describe(c, 0.0, block);
+      // The reference in the heads' order [B, Hq, T, T], then grouped: [B, Hkv, G, T, T] -> [B, Hkv, T, G, T].
+      at::Tensor scores = at::matmul(q.transpose(1, 2), k.repeat_interleave(G, 2).permute({0, 2, 3, 1})) /
+                          std::sqrt(static_cast<double>(c.D));
+      scores.masked_fill_(at::ones({c.T, c.T}, at::kBool).triu(1), -std::numeric_limits<double>::infinity());
+      const at::Tensor want = scores.softmax(-1).view({c.B, c.Hkv, G, c.T, c.T}).permute({0, 1, 3, 2, 4});
+      EXPECT_LT((probs - want).abs().max().item<double>(), 1e-14) << describe(c, 0.0, block);
+      EXPECT_EQ(probs.masked_select(want == 0).abs().sum().item<double>(), 0.0) << describe(c, 0.0, block);
     }
   }
 }
@@ -62,7 +99,7 @@ TEST(AttentionOp, SavesInputsAsGivenAndNoScores) {
         const AttentionShape shape{c.B, c.T, c.Hq, c.Hkv, c.D};
         EXPECT_EQ(attention_saved_bytes(shape, p, dt), tensors_bytes(f.saved.tensors()));
         EXPECT_TRUE(f.saved.q.is_same(q) && f.saved.k.is_same(k) && f.saved.v.is_same(v));
-        EXPECT_EQ(f.saved.probs.sizes(), (std::vector<int64_t>{c.B, c.Hq, c.T, c.T}));
+        EXPECT_EQ(f.saved.probs.sizes(), (std::vector<int64_t>{c.B, c.Hkv, c.T, c.Hq / c.Hkv, c.T}));
         // Rows of probs sum to one: it is the softmax output, not the scores.
         EXPECT_LT((f.saved.probs.to(at::kDouble).sum(-1) - 1).abs().max().item<double>(), 1e-2);
         EXPECT_EQ(f.saved.mask.defined(), p > 0);
@@ -81,17 +118,28 @@ TEST(AttentionOp, FlopsMatchTheMatmulsItRuns) {
   at::Generator gen = seeded(1);
   for (const Case& c : kCases) {
     for (double p : {0.0, 0.2}) {
-      auto [q, k, v] = fused_qkv(c, at::kFloat, gen);
-      MatmulFlopCounter counter;
-      attention_forward(q, k, v, p, kKey);
-      const AttentionShape shape{c.B, c.T, c.Hq, c.Hkv, c.D};
-      const double scores = double(c.B) * c.Hq * c.T * c.T;
-      // Beyond the matmuls: 5 FLOPs per score for the softmax, 1 for dropout.
-      const double rest = 5 * scores + (p > 0 ? scores : 0.0);
-      EXPECT_EQ(attention_flops(shape, p) - rest, counter.flops());
-      EXPECT_EQ(counter.flops(), 4.0 * scores * c.D);
+      for (int64_t block : kBlocks) {
+        auto [q, k, v] = fused_qkv(c, at::kFloat, gen);
+        MatmulFlopCounter counter;
+        attention_forward(q, k, v, p, kKey, block);
+        const AttentionShape shape{c.B, c.T, c.Hq, c.Hkv, c.D};
+        // Counted here: query positions [t0, t0 + n) of each block read keys [0, t0 + n).
+        double scores = 0;
+        for (int64_t t0 = 0; t0 < c.T; t0 += block) {
+          const int64_t n = std::min(block, c.T - t0);
+          scores += double(c.B) * c.Hq * n * (t0 + n);
+        }
+        EXPECT_EQ(attention_causal_scores(shape, block), scores) << describe(c, p, block);
+        // Beyond the matmuls: 5 FLOPs per score for the softmax, 1 for dropout.
+        const double rest = 5 * scores + (p > 0 ? scores : 0.0);
+        EXPECT_EQ(attention_flops(shape, p, block) - rest, counter.flops()) << describe(c, p, block);
+        EXPECT_EQ(counter.flops(), 4.0 * scores * c.D) << describe(c, p, block);
+      }
     }
   }
+  // One position per block computes the lower triangle and the diagonal only.
+  EXPECT_EQ(attention_causal_scores({1, 64, 1, 1, 8}, 1), 64.0 * 65 / 2);
+  EXPECT_EQ(attention_causal_scores({1, 64, 1, 1, 8}, 64), 64.0 * 64);
 }
 
 TEST(AttentionOp, BFloat16IsCloseToFloat64) {
