@@ -19,21 +19,38 @@ cmake --build build-fuzz -j "$(nproc)"
 export ASAN_OPTIONS=detect_container_overflow=0:detect_leaks=0
 export UBSAN_OPTIONS=print_stacktrace=1
 mkdir -p build-fuzz/artifacts build-fuzz/logs
-for h in "${harnesses[@]}"; do
+# One harness per core at a time: each is one process on one core, so they run side by
+# side for the same seconds each.
+fuzz_one() {
+  local h=$1
   # New inputs go to the first corpus directory, a scratch one: the seeds in the repository
   # stay as written.
   rm -rf "build-fuzz/corpus/$h"
   mkdir -p "build-fuzz/corpus/$h"
-  dict=()
+  local dict=()
   [ -f "fuzz/$h.dict" ] && dict=("-dict=fuzz/$h.dict")
-  log="build-fuzz/logs/$h.log"
-  if ! "build-fuzz/fuzz_$h" -max_total_time="$seconds" -rss_limit_mb=2048 -timeout=10 -print_final_stats=1 \
-      -artifact_prefix="build-fuzz/artifacts/$h-" "${dict[@]}" "build-fuzz/corpus/$h" "fuzz/corpus/$h" >"$log" 2>&1; then
-    tail -n 60 "$log" >&2
-    echo "fuzz: $h failed; the input is saved under build-fuzz/artifacts/, the whole log is $log" >&2
-    exit 1
-  fi
-  runs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log")
-  rss=$(sed -n 's/^stat::peak_rss_mb: *//p' "$log")
-  echo "fuzz: $h: ${runs} inputs in ${seconds} s, 0 crashes (peak RSS ${rss} MB)"
+  "build-fuzz/fuzz_$h" -max_total_time="$seconds" -rss_limit_mb=2048 -timeout=10 -print_final_stats=1 \
+    -artifact_prefix="build-fuzz/artifacts/$h-" "${dict[@]}" "build-fuzz/corpus/$h" "fuzz/corpus/$h" \
+    >"build-fuzz/logs/$h.log" 2>&1
+}
+jobs=$(nproc)
+for ((first = 0; first < ${#harnesses[@]}; first += jobs)); do
+  batch=("${harnesses[@]:first:jobs}")
+  pids=()
+  for h in "${batch[@]}"; do
+    fuzz_one "$h" &
+    pids+=($!)
+  done
+  for i in "${!batch[@]}"; do
+    h=${batch[$i]}
+    log="build-fuzz/logs/$h.log"
+    if ! wait "${pids[$i]}"; then
+      tail -n 60 "$log" >&2
+      echo "fuzz: $h failed; the input is saved under build-fuzz/artifacts/, the whole log is $log" >&2
+      exit 1
+    fi
+    runs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log")
+    rss=$(sed -n 's/^stat::peak_rss_mb: *//p' "$log")
+    echo "fuzz: $h: ${runs} inputs in ${seconds} s, 0 crashes (peak RSS ${rss} MB)"
+  done
 done

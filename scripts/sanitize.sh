@@ -16,4 +16,24 @@ cmake --build build-sanitize -j "$(nproc)" --target remat_tests
 # process-lifetime registries as leaks.
 export ASAN_OPTIONS=detect_container_overflow=0:detect_leaks=0
 export UBSAN_OPTIONS=print_stacktrace=1
-build-sanitize/remat_tests --gtest_filter='-Tokenizer.*:Corpus.*:TokenDataset.*:Trainer.*:AttentionChoiceRun.*:Cli.*:Peers.*:LaunchedTraining.*:PipelineTraining.*:Hosts.*' --gtest_brief=1
+# One shard of the tests per core, run side by side (as ctest runs the main build's): the
+# tests already run concurrently there, and one sanitized process used one core.
+shards=$(nproc)
+pids=()
+for ((i = 0; i < shards; i++)); do
+  GTEST_TOTAL_SHARDS=$shards GTEST_SHARD_INDEX=$i build-sanitize/remat_tests --gtest_brief=1 \
+    --gtest_filter='-Tokenizer.*:Corpus.*:TokenDataset.*:Trainer.*:AttentionChoiceRun.*:Cli.*:Peers.*:LaunchedTraining.*:PipelineTraining.*:Hosts.*' \
+    >"build-sanitize/shard-$i.log" 2>&1 &
+  pids+=($!)
+done
+failed=0
+for ((i = 0; i < shards; i++)); do
+  status=0
+  wait "${pids[$i]}" || status=$?
+  cat "build-sanitize/shard-$i.log"
+  if [ "$status" -ne 0 ]; then
+    echo "sanitize: shard $i of $shards failed (exit $status); its log is build-sanitize/shard-$i.log" >&2
+    failed=1
+  fi
+done
+exit "$failed"
