@@ -36,6 +36,25 @@ namespace fs = std::filesystem;
 // The data-parallel ranks ZeRO-1 shards the optimizer over (1: none).
 int64_t zero_ranks(const Config& cfg) { return cfg.parallel.zero == 1 ? std::max<int64_t>(1, cfg.parallel.dp) : 1; }
 
+// The executable measuring: a rebuilt remat may run its ops at other speeds (its kernels
+// changed), so a profile cached by another build must not be read. Its path, size and
+// modification time stand for it (a digest of its bytes would cost a read of the whole
+// binary every run); "unknown" where /proc/self/exe cannot be read.
+std::string build_identity() {
+  static const std::string id = [] {
+    std::error_code ec;
+    const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+    if (ec) return std::string("unknown");
+    const auto size = fs::file_size(exe, ec);
+    if (ec) return std::string("unknown");
+    const auto modified = fs::last_write_time(exe, ec);
+    if (ec) return std::string("unknown");
+    return util::sha256_hex(fmt::format("{}:{}:{}", exe.string(), size, modified.time_since_epoch().count()))
+        .substr(0, 8);
+  }();
+  return id;
+}
+
 // Everything a measured time depends on, as a file name.
 // `at_once`: the ranks measuring together, sharing the host as they will train.
 std::string profile_key(const Config& cfg, const Model& model, int at_once) {
@@ -44,12 +63,13 @@ std::string profile_key(const Config& cfg, const Model& model, int at_once) {
   // The BLAS and its threading change every matmul's time: a digest of their description.
   // "ig": tensor parallelism alone, whose profile times the gather of a sharded input.
   std::string key = fmt::format(
-      "{}-{}-{}-L{}-C{}-H{}-KV{}-F{}-V{}-p{}-{}{}-B{}-T{}-tp{}{}-ce{}{}-es{}-threads{}-blas{}", model.device().str(),
+      "{}-{}-{}-L{}-C{}-H{}-KV{}-F{}-V{}-p{}-{}{}-B{}-T{}-tp{}{}-ce{}{}-es{}-threads{}-blas{}-build{}",
+      model.device().str(),
       cfg.run.dtype, arch_name(m.arch), m.n_layer, m.d_model, m.n_head, m.n_kv_head, m.d_ff, m.vocab_size, m.dropout,
       attention_name(m.attention), m.attention == Attention::tiled ? m.attention_tile : 0, t.batch, t.seq,
       model.tp_size(), model.sequence_parallel() ? "sp" : model.tp_size() > 1 ? "ig" : "", t.ce_chunk,
       loss_head_name(m.loss_head), cfg.ac.early_stop ? 1 : 0, at::get_num_threads(),
-      util::sha256_hex(blas_name()).substr(0, 8));
+      util::sha256_hex(blas_name()).substr(0, 8), build_identity());
   // ZeRO-1 updates a share of the parameters; without it the key is as it always was.
   if (zero_ranks(cfg) > 1) key += fmt::format("-zero{}", zero_ranks(cfg));
   if (at_once > 1) key += fmt::format("-ranks{}", at_once);
