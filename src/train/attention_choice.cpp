@@ -168,8 +168,8 @@ RunPlan plan_run_attention(Config& cfg, Config& local, at::ScalarType dtype, con
     }
   }
   cfg.model.attention = local.model.attention = chosen;
-  planned->text = fmt::format("attention: {} (model.attention = auto): {}\n", attention_name(chosen), reason) +
-                  planned->text;
+  planned->attention_choice = fmt::format("attention: {} (model.attention = auto): {}", attention_name(chosen), reason);
+  planned->text = planned->attention_choice + "\n" + planned->text;
   return std::move(*planned);
 }
 

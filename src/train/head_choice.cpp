@@ -127,8 +127,9 @@ RunPlan plan_run_auto(Config& cfg, Config& local, at::ScalarType dtype, const Pr
   cfg = taken->cfg;
   local = taken->local;
   RunPlan planned = std::move(*taken->plan);
-  planned.text = fmt::format("loss head: {} (model.loss_head = auto): {}\n", loss_head_name(taken->head), reason) +
-                 planned.text;
+  planned.loss_head_choice =
+      fmt::format("loss head: {} (model.loss_head = auto): {}", loss_head_name(taken->head), reason);
+  planned.text = planned.loss_head_choice + "\n" + planned.text;
   return planned;
 }
 
@@ -149,18 +150,7 @@ AutoChoices resolve_planned_auto(Config& cfg, at::ScalarType dtype, const std::s
     return p;
   };
   const RunPlan planned = plan_run_auto(cfg, local, dtype, flops, resident);
-  // The choices' lines lead the plan's text: the head's, then the attention op's.
-  AutoChoices out;
-  size_t at = 0;
-  const auto line = [&] {
-    const size_t end = planned.text.find('\n', at);
-    std::string text = planned.text.substr(at, end - at);
-    at = end + 1;
-    return text;
-  };
-  if (head) out.loss_head = line();
-  if (attention) out.attention = line();
-  return out;
+  return {planned.loss_head_choice, planned.attention_choice};
 }
 
 }  // namespace remat

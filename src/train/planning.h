@@ -33,6 +33,10 @@ struct RunPlan {
   /// Per layer: what is kept, its bytes and its predicted recompute FLOPs; then the
   /// predicted peak and its breakdown (printed before the first step and in plan.txt).
   std::string text;
+  /// The lines naming what `auto` chose and why ("loss head: fused (model.loss_head =
+  /// auto): ...", "attention: ..."), without newline; empty where the config named the
+  /// head or op. Each also leads `text`.
+  std::string loss_head_choice, attention_choice;
 };
 
 /// The plan a run trained with, as its training checkpoints keep it: a resumed run runs it
