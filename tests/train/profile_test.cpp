@@ -165,24 +165,6 @@ TEST(TimeProfile, EveryRankTakesRankZerosMeasureOfTheLinks) {
   }
 }
 
-// The cache's file is named after the build that measured it (a digest of this test
-// binary's path, size and modification time): a rebuilt remat, whose ops may run at other
-// speeds, measures again instead of reading an older build's times.
-TEST(TimeProfile, TheCacheKeyNamesTheBuild) {
-  FakeMachine idle({0.0});
-  testing::TempDir dir;
-  const Config cfg = tiny(dir, 1, 8);
-  auto model = Model::create(cfg.model, at::kCPU, at::kFloat, 1);
-  const data::TokenDataset data(at::randint(64, {100}, at::detail::createCPUGenerator(1), at::kInt));
-  const std::string name = std::filesystem::path(measure_time_profile(cfg, *model, data).path).filename().string();
-  const auto exe = std::filesystem::read_symlink("/proc/self/exe");
-  const std::string build =
-      util::sha256_hex(fmt::format("{}:{}:{}", exe.string(), std::filesystem::file_size(exe),
-                                   std::filesystem::last_write_time(exe).time_since_epoch().count()))
-          .substr(0, 8);
-  EXPECT_NE(name.find("-build" + build), std::string::npos) << name;
-}
-
 // A cache file cut short by a killed run, or of the wrong types, is measured again and
 // rewritten instead of failing every later run.
 TEST(TimeProfile, ADamagedCacheIsMeasuredAgainAndRewritten) {
@@ -262,6 +244,24 @@ TEST(TimeProfile, AnUnknownLoadIsSaidAndCached) {
   const TimeProfile again = measure_time_profile(cfg, *model, tiny_data());
   EXPECT_TRUE(again.cached);
   EXPECT_FALSE(again.other_cpus);
+}
+
+// The cache's file is named after the build that measured it (a digest of this test
+// binary's path, size and modification time): a rebuilt remat, whose ops may run at other
+// speeds, measures again instead of reading an older build's times.
+TEST(TimeProfile, TheCacheKeyNamesTheBuild) {
+  FakeMachine idle({0.0});
+  testing::TempDir dir;
+  const Config cfg = tiny(dir, 1, 8);
+  auto model = Model::create(cfg.model, at::kCPU, at::kFloat, 1);
+  const std::string name =
+      std::filesystem::path(measure_time_profile(cfg, *model, tiny_data()).path).filename().string();
+  const auto exe = std::filesystem::read_symlink("/proc/self/exe");
+  const std::string build =
+      util::sha256_hex(fmt::format("{}:{}:{}", exe.string(), std::filesystem::file_size(exe),
+                                   std::filesystem::last_write_time(exe).time_since_epoch().count()))
+          .substr(0, 8);
+  EXPECT_NE(name.find("-build" + build), std::string::npos) << name;
 }
 
 // A cache written before the load and the links were recorded still reads, as it was.
