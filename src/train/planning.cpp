@@ -322,8 +322,13 @@ RunPlan plan_run(const Config& cfg, at::ScalarType dtype, const TimeProfile& pro
                           1e3 * profile.optimizer_seconds, profile.path);
   }
   if (r.budget > 0) {
-    r.text += fmt::format("budget {} (ac.budget = \"{}\"): the planner's plan peaks at {}; without recompute the step "
-                          "would peak at {}{}\n", format_bytes(r.budget), cfg.ac.budget, format_bytes(p.peak),
+    // A plan mixing the attention ops per layer is compared with the model's op in every
+    // layer, as a run without recompute would train.
+    const bool mixed = std::any_of(r.plan.layers.begin(), r.plan.layers.end(),
+                                   [](const LayerPlan& lp) { return lp.attention.has_value(); });
+    const std::string every = mixed ? fmt::format(" ({} attention in every layer)", attention_name(cfg.model.attention)) : "";
+    r.text += fmt::format("budget {} (ac.budget = \"{}\"): the planner's plan peaks at {}; without recompute{} the step "
+                          "would peak at {}{}\n", format_bytes(r.budget), cfg.ac.budget, format_bytes(p.peak), every,
                           format_bytes(r.none_peak),
                           r.none_step_seconds > 0 ? fmt::format(" and take {:.1f} ms", 1e3 * r.none_step_seconds) : "");
   }

@@ -140,6 +140,11 @@ TEST(AttentionChoice, MeasuredTimesMixTheOpsPerLayerWhereThatIsFaster) {
   EXPECT_GT(tiled, 0) << r.text;
   EXPECT_LT(tiled, 4) << r.text;
   EXPECT_LE(r.predicted.peak, r.budget);
+  // The peak without recompute it is compared with is the model's op's in every layer.
+  EXPECT_NE(r.text.find(fmt::format("without recompute ({} attention in every layer) the step would peak at {}",
+                                    attention_name(chosen), memory::format_bytes(r.none_peak))),
+            std::string::npos)
+      << r.text;
   // The step: the model's op's pass, each layer of math 0.1 ms faster than tiled's.
   EXPECT_NEAR(r.step_seconds, 0.2 + static_cast<double>(tiled) * 1e-4 + r.predicted.recompute_seconds, 1e-12);
   // Faster than either op alone under the same budget (math alone recomputes to fit).
