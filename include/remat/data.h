@@ -123,6 +123,12 @@ class TokenDataset {
   /// Wraps ids already in memory (a 1-D integer tensor); `name` appears in errors.
   explicit TokenDataset(const at::Tensor& tokens, std::string name = "the token stream");
 
+  /// Bytes a token takes in memory once opened (int32), whatever the file's width.
+  static constexpr int64_t kBytesPerToken = sizeof(int32_t);
+  /// Bytes both splits of `info` take in memory once opened: what a run holds through
+  /// every step (the planner counts it as resident).
+  static int64_t held_bytes(const CorpusInfo& info) { return (info.train_tokens + info.val_tokens) * kBytesPerToken; }
+
   /// Number of tokens.
   int64_t size() const { return tokens_.numel(); }
   /// The ids, [N] int32.

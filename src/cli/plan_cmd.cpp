@@ -326,17 +326,17 @@ int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
   shape.tp = cfg.parallel.tp;
   shape.sp = cfg.parallel.sp;
   shape.zero_ranks = cfg.parallel.zero == 1 ? ranks : 1;
-  // A run holds its token corpus (int32, both splits) through every step, as the trainer
-  // counts it; only a prepared corpus says how many tokens it has.
+  // A run holds its token corpus (both splits) through every step, as the trainer counts
+  // it; only a prepared corpus says how many tokens it has.
   const std::string corpus = corpus_dir(cfg.data);
   std::string corpus_text;
   try {
     const data::CorpusInfo info = data::load_corpus_info(corpus);
-    shape.resident = (info.train_tokens + info.val_tokens) * static_cast<int64_t>(sizeof(int32_t));
+    shape.resident = data::TokenDataset::held_bytes(info);
     corpus_text = fmt::format("; its token corpus ({}) holds {}", corpus, format_bytes(shape.resident));
   } catch (const std::exception&) {
     corpus_text = fmt::format("; its token corpus is not counted: {} is not prepared yet (remat prepare), and a run "
-                              "holds 4 bytes a token of it", corpus);
+                              "holds {} bytes a token of it", corpus, data::TokenDataset::kBytesPerToken);
   }
   // model.loss_head = auto and model.attention = auto: chosen before any block is declared
   // (empty where both are named).

@@ -62,6 +62,8 @@ TEST(Corpus, PreparesSmallTextIntoTokenFiles) {
   const TokenDataset val = TokenDataset::open(info, Split::val);
   ASSERT_EQ(train.size(), info.train_tokens);
   ASSERT_EQ(val.size(), info.val_tokens);
+  // What the planner counts as resident is what the opened splits hold (2-byte ids on disk).
+  EXPECT_EQ(TokenDataset::held_bytes(info), static_cast<int64_t>(train.tokens().nbytes() + val.tokens().nbytes()));
   const at::Tensor tt = train.tokens(), vt = val.tokens();
   const std::string train_text = tok.decode(tt.data_ptr<int32_t>(), tt.numel());
   const std::string val_text = tok.decode(vt.data_ptr<int32_t>(), vt.numel());
