@@ -49,6 +49,7 @@ struct BenchRow {
   std::string entry;                       ///< BenchEntry::label
   std::string policy;                      ///< canonical policy it ran (ActivationPlan::policy)
   std::string attention;                   ///< the attention op it ran (model.attention = auto resolved)
+  std::string loss_head;                   ///< the loss head it ran (model.loss_head = auto resolved)
   std::vector<double> step_seconds;        ///< every measured step, in order (rank 0's: each step
                                            ///< ends in a collective, so it spans the slowest rank's)
   double median_step_seconds = 0;

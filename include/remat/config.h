@@ -30,7 +30,7 @@ const char* arch_name(Arch a);
 /// `recompute` keeps the hidden states and one log-sum-exp per token and recomputes the
 /// logits in the backward (one more [tokens x d_model x vocab] product, vocab x d_model
 /// fewer bytes kept). `automatic` ("auto") leaves the choice to the planner
-/// (src/train/head_choice.h): the fused head unless a budget is better served by the other.
+/// (src/run/auto.h): the fused head unless a budget is better served by the other.
 enum class LossHead { fused, recompute, automatic };
 /// "fused" / "recompute" / "auto", as configs spell it.
 const char* loss_head_name(LossHead h);
@@ -53,7 +53,7 @@ struct ModelConfig {
   int64_t max_seq = 256;     ///< context length (learned positions / RoPE tables)
   Attention attention = Attention::math;
   int64_t attention_tile = 64;   ///< tiled attention: query and key positions per tile
-                                 ///< (ops::AttentionTiles' default; measured, README)
+                                 ///< (ops::AttentionTiles' default; docs/attention.md)
   LossHead loss_head = LossHead::fused;
   double dropout = 0.1;      ///< gpt2: embedding, attention-probability and residual dropout;
                              ///< llama: attention-probability dropout only
@@ -128,7 +128,7 @@ struct ParallelConfig {
   /// rank's matmuls reach, which turns those seconds into the plan's FLOPs, and the
   /// microseconds each ring step of a collective waits on the link whatever its size
   /// (graph::LinkTraffic's messages). A run measures the rate and the latency on its own
-  /// ranks instead (README: Planning to a memory budget). The latency's default, 2 us, lies
+  /// ranks instead (docs/planning.md). The latency's default, 2 us, lies
   /// within what NCCL's own tuning model (src/graph/tuning.cc, hwLat) charges a ring step
   /// over NVLink: about 0.6 us with its protocol for small messages, 3.4 us for large ones.
   double link_rate = 100;
@@ -136,8 +136,8 @@ struct ParallelConfig {
   double link_latency = 2;
   bool overlap_grad_reduce = false;  ///< all-reduce data-parallel gradients during the last
                                      ///< backward (Megatron's --overlap-grad-reduce); off by
-                                     ///< default: measured 1.3% slower on 2 cores, where
-                                     ///< Gloo's threads take the backward's cores
+                                     ///< default: on few cores Gloo's threads take the
+                                     ///< backward's (docs/results.md)
 };
 
 struct Config {

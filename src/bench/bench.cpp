@@ -6,10 +6,9 @@
 #include "remat/model.h"
 #include "remat/policy.h"
 #include "remat/trainer.h"
-#include "train/head_choice.h"
+#include "run/run.h"
 #include "train/data_parallel.h"
 #include "train/device.h"
-#include "train/planning.h"
 #include "train/profile.h"
 #include "train/progress.h"
 #include "train/run_dir.h"
@@ -32,11 +31,10 @@
 namespace remat {
 namespace {
 
-// An entry's configuration, loaded and checked before any entry runs.
+// An entry's configuration, loaded and checked before any entry runs, then resolved.
 struct PreparedEntry {
   Config config;
-  Config local;     ///< what one rank runs of it (rank_share)
-  RunPlan planned;  ///< the plan (a budget entry's solved by the planner) and its prediction
+  RunSpec spec;
 };
 
 PreparedEntry prepare_entry(const BenchOptions& o, const BenchEntry& entry) {
@@ -90,27 +88,28 @@ std::unique_ptr<Model> create_model(const Config& cfg, at::Device device, at::Sc
 BenchRow run_entry(const BenchEntry& entry, const PreparedEntry& p, const BenchOptions& o,
                    const data::TokenDataset& train_ds, at::Device device, at::ScalarType dtype, dist::Comm* ranks,
                    RunDir* run, ProgressBar& bar, int64_t& steps_done) {
-  const Config& cfg = p.config;
+  const Config& cfg = p.spec.cfg;
+  const RunPlan& planned = p.spec.plan;
   const auto seed = static_cast<uint64_t>(cfg.run.seed);
-  auto model = create_model(cfg, device, dtype, ranks, p.planned.split);
-  apply_plan(*model, p.planned.plan, cfg.ac);
-  TrainStep stepper(*model, p.local.train, seed, ranks, cfg.parallel.zero, cfg.parallel.schedule,
+  auto model = create_model(cfg, device, dtype, ranks, planned.split);
+  apply_plan(*model, planned.plan, cfg.ac);
+  TrainStep stepper(*model, p.spec.local.train, seed, ranks, cfg.parallel.zero, cfg.parallel.schedule,
                     cfg.parallel.overlap_grad_reduce);
   std::mt19937_64 rng(seed);  // the same batches for every entry
 
   BenchRow row;
   row.entry = entry.label;
-  row.policy = p.planned.plan.policy;
+  row.policy = planned.plan.policy;
   row.attention = attention_name(cfg.model.attention);
-  const std::vector<int64_t>& stage_peaks = p.planned.stage_peaks;
-  row.predicted_peak_bytes = *std::max_element(stage_peaks.begin(), stage_peaks.end());
+  row.loss_head = loss_head_name(cfg.model.loss_head);
+  row.predicted_peak_bytes = planned.peak();
   row.predicted_rank_peak_bytes =
-      rank_predictions(stage_peaks, ranks != nullptr ? ranks->size() : 1,
+      rank_predictions(planned.stage_peaks, ranks != nullptr ? ranks->size() : 1,
                        ranks != nullptr ? ranks->data().size() * cfg.parallel.tp : 1);
-  row.stage_layers = p.planned.split;
-  row.predicted_step_seconds = p.planned.step_seconds;
-  row.budget_bytes = p.planned.budget;
-  row.predicted_activation_bytes = model->predict_activation_bytes(p.local.train.batch, cfg.train.seq).total();
+  row.stage_layers = planned.split;
+  row.predicted_step_seconds = planned.step_seconds;
+  row.budget_bytes = planned.budget;
+  row.predicted_activation_bytes = model->predict_activation_bytes(p.spec.local.train.batch, cfg.train.seq).total();
   for (int64_t step = 0; step < o.warmup + o.steps; ++step) {
     const StepResult r = stepper.run(step, train_ds, rng);
     // After the timed step, so the gather costs the step time nothing.
@@ -169,6 +168,7 @@ nlohmann::json row_json(const BenchRow& r) {
   return {{"entry", r.entry},
           {"policy", r.policy},
           {"attention", r.attention},
+          {"loss_head", r.loss_head},
           {"median_step_seconds", r.median_step_seconds},
           {"min_step_seconds", r.min_step_seconds},
           {"max_step_seconds", r.max_step_seconds},
@@ -222,29 +222,23 @@ BenchResult run_bench(const BenchOptions& o) {
   memory::install_cpu_tracking();
   data::CorpusInfo corpus;
   rank0_first(ranks.get(), "preparing the corpus", [&] { corpus = prepare_data(common.data); });
+  // Both splits, as a training run holds them (its plan counts them).
   const data::TokenDataset train_ds = data::TokenDataset::open(corpus, data::Split::train);
-  // As in training: the vocabulary from the tokenizer unless given (checked again, since
-  // tensor-parallel ranks share it), and a schedule that spans exactly the steps each
-  // entry runs.
-  auto complete = [&](Config& c) {
-    resolve_vocab_size(c, corpus.vocab_size);
-    c.train.steps = o.warmup + o.steps;
-    validate_config(c);
-  };
-  complete(common);
-  const Config local = rank_share(common);
-  for (auto& p : prepared) {
-    complete(p.config);
-    p.local = rank_share(p.config);
-  }
-
-  // One time profile per attention op for the sweep (every entry has the same shapes;
-  // under model.attention = auto each entry plans with both ops), measured on a scratch
-  // model or read from the cache; then every entry's plan and prediction, so an
-  // infeasible budget fails before anything trains.
+  const data::TokenDataset val_ds = data::TokenDataset::open(corpus, data::Split::val);
+  // Every entry's learning-rate schedule spans exactly the steps it runs.
+  const int64_t entry_steps = o.warmup + o.steps;
+  common.train.steps = entry_steps;
+  RunInputs in;
+  in.dtype = dtype;
+  in.stage = common.parallel.pp > 1 ? ranks->pipeline().rank() : 0;
+  in.corpus = corpus;
+  in.corpus_dir = corpus_dir(common.data);
+  // One time profile per attention op and loss head for the sweep (every entry has the same
+  // shapes), measured on a scratch model of the sweep's settings or read from the cache.
   // (Pipeline stages measure it on a probe of two layers, as `remat train` does.)
+  const Config local = rank_share(resolve_config(common, corpus));
   std::map<std::pair<Attention, LossHead>, TimeProfile> profiles;
-  const ProfileOf profile_of = [&](const Config& op) {
+  in.profile_of = [&](const Config& op) {
     const std::pair key{op.model.attention, op.model.loss_head};
     if (const auto found = profiles.find(key); found != profiles.end()) return found->second;
     Config probed = local;
@@ -256,13 +250,13 @@ BenchResult run_bench(const BenchOptions& o) {
                                                                         common.model.d_model, common.model.d_ff);
     std::unique_ptr<Model> probe;  // freed once measured
     return profiles[key] = run_time_profile(probed, device, dtype, train_ds, ranks.get(), matmul_rate,
-                                          [&] { return create_model(probed, device, dtype, ranks.get()); }, probe);
+                                            [&] { return create_model(probed, device, dtype, ranks.get()); }, probe);
   };
-  const int64_t resident = train_ds.tokens().nbytes();
+  // Every entry's plan and prediction, so an infeasible budget fails before anything trains.
   for (size_t i = 0; i < prepared.size(); ++i) {
     try {
-      prepared[i].planned = plan_run_auto(prepared[i].config, prepared[i].local, dtype, profile_of, resident,
-                                               common.parallel.pp > 1 ? ranks->pipeline().rank() : 0);
+      prepared[i].config.train.steps = entry_steps;
+      prepared[i].spec = resolve_run(prepared[i].config, in);
     } catch (const std::exception& e) {
       throw std::invalid_argument(fmt::format("Bench entry '{}': {}", o.entries[i].label, e.what()));
     }
@@ -283,11 +277,8 @@ BenchResult run_bench(const BenchOptions& o) {
              "{} on {} ({} threads{}); run dir {}\n", o.entries.size(), o.warmup, o.steps, t.batch, t.seq,
              t.grad_accum, describe_ranks(local), common.model.preset, arch_name(common.model.arch), common.run.dtype,
              device.str(), threads, ranks != nullptr ? " per rank" : "", run ? run->path() : "");
-  if (common.model.attention == Attention::automatic) {
-    for (size_t i = 0; i < prepared.size(); ++i) {
-      const std::string& text = prepared[i].planned.text;
-      fmt::print(stderr, "{}: {}\n", o.entries[i].label, text.substr(0, text.find('\n')));
-    }
+  for (size_t i = 0; i < prepared.size(); ++i) {
+    for (const Choice& c : prepared[i].spec.plan.choices) fmt::print(stderr, "{}: {}\n", o.entries[i].label, c.line());
   }
 
   BenchResult result;

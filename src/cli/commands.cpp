@@ -118,11 +118,12 @@ int run(int argc, char** argv) {
                         "Continue the run in this directory from its newest checkpoint, with its own config.toml");
   train_cmd->add_option("overrides", overrides, "key=value settings, e.g. train.steps=200 model.preset=llama-demo");
 
-  auto* plan_cmd = app.add_subcommand("plan", "The fastest recompute plan within a memory budget (allocates nothing)");
+  auto* plan_cmd = app.add_subcommand("plan", "The run `remat train` would run, its plan and predicted step (allocates nothing)");
   PlanArgs plan_args;
   plan_cmd->add_option("--config", config_file, "TOML config file (see configs/)")->check(CLI::ExistingFile);
   plan_cmd->add_option("--budget", plan_args.budget,
-                       "Memory budget: bytes with a unit (12GiB, 96MiB) or a fraction of the no-recompute peak (0.6)");
+                       "Memory budget, as ac.budget: bytes with a unit (12GiB, 96MiB) or a fraction of the "
+                       "no-recompute peak (0.6); without it, the plan the ac settings name");
   plan_cmd->add_flag("--pareto", plan_args.pareto, "Print and plot the memory/time frontier with the manual policies");
   plan_cmd->add_option("--plot", plan_args.plot, "PNG file --pareto draws (default pareto.png)");
   plan_cmd->add_flag("--json", plan_args.json, "Print the plan, memory breakdown and frontier as JSON");
@@ -220,7 +221,7 @@ int run(int argc, char** argv) {
     if (plan_cmd->parsed()) {
       if (plan_cmd->count("--budget") > 0 && plan_args.budget.empty()) {
         throw std::invalid_argument("--budget \"\" gives --budget an empty value; give a budget (e.g. --budget 12GiB "
-                                    "or --budget 0.6) or leave the option out for the no-recompute peak.");
+                                    "or --budget 0.6) or leave the option out for the plan the ac settings name.");
       }
       check_path("--plot", plan_args.plot);
       return cmd_plan(load_config(config_file, overrides), plan_args);

@@ -1,4 +1,5 @@
-// `remat plan`: the fastest recompute plan within a memory budget, without allocating.
+// `remat plan`: the run `remat train` would run, resolved and priced without allocating,
+// then what else is worth knowing before choosing a budget (minimum, frontier, collectives).
 #pragma once
 
 #include "remat/config.h"
@@ -8,7 +9,7 @@
 namespace remat::cli {
 
 struct PlanArgs {
-  std::string budget;             ///< overrides ac.budget; empty: ac.budget, else the no-recompute peak
+  std::string budget;             ///< sets ac.budget; empty: the config's ac settings decide
   bool pareto = false;            ///< print and plot the memory/time frontier
   bool json = false;              ///< everything as JSON on stdout
   std::string plot = "pareto.png";  ///< where --pareto draws
@@ -16,9 +17,11 @@ struct PlanArgs {
   bool explain_block = false;     ///< print the block graph's value table instead of a plan
 };
 
-/// Plans `cfg`'s model at train.batch x train.seq in run.dtype and prints the result (or,
-/// with explain_block, the table of one block's values, shapes, bytes and slots).
-/// Throws std::invalid_argument with a sentence for a budget below the minimum.
+/// Resolves the run `cfg` describes (resolve_run: the prepared corpus counted where there is
+/// one, time priced by FLOPs) and prints it as `remat train` does before its first step,
+/// then the analyses (or, with explain_block, the table of one block's values, shapes,
+/// bytes and slots). Throws std::invalid_argument with a sentence for a budget below the
+/// minimum.
 int cmd_plan(const Config& cfg, const PlanArgs& args);
 
 }  // namespace remat::cli

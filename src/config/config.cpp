@@ -294,7 +294,7 @@ std::vector<ConfigKey> make_keys() {
           "us a ring step of a collective waits (remat plan); 2: NCCL's model on NVLink"),
       key("parallel.overlap_grad_reduce", &C::parallel, &ParallelConfig::overlap_grad_reduce,
           "all-reduce gradients during the backward"),
-      ac_key("ac.policy", &AcConfig::policy, "recompute policy (README: Recompute policies); unset: none"),
+      ac_key("ac.policy", &AcConfig::policy, "recompute policy (docs/policies.md); unset: none"),
       key("ac.budget", &C::ac, &AcConfig::budget, "memory budget: the planner picks the plan (12GiB, 0.6)"),
       key("ac.profile", &C::ac, &AcConfig::profile, "measure node times to predict step time (cached)"),
       key("ac.preserve_rng_state", &C::ac, &AcConfig::preserve_rng_state, "replay dropout RNG in recompute"),

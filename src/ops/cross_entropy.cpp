@@ -480,7 +480,7 @@ const OpDef& op::loss(LossHead head) {
   // anything is built or priced.
   TORCH_CHECK(head != LossHead::automatic,
               "model.loss_head = auto names no loss head: the command resolves it to fused or recompute "
-              "(plan_run_auto, src/train/head_choice.h) before building or planning the model.");
+              "(plan_run_auto, src/run/auto.h) before building or planning the model.");
   return head == LossHead::fused ? fused_cross_entropy() : cross_entropy();
 }
 

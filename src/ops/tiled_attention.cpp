@@ -429,7 +429,7 @@ const OpDef& op::attention(Attention kind) {
   // stops before anything is built or priced.
   TORCH_CHECK(kind != Attention::automatic,
               "model.attention = auto names no attention op: the command resolves it to math or tiled "
-              "(plan_run_attention, src/train/attention_choice.h) before building or planning the model.");
+              "(plan_run_auto, src/run/auto.h) before building or planning the model.");
   return kind == Attention::tiled ? tiled_attention() : attention();
 }
 

@@ -32,17 +32,20 @@ at::Device parse_device(const std::string& spec) {
   throw std::invalid_argument(fmt::format("run.device must be cpu or cuda[:N], got '{}'.", spec));
 }
 
-at::ScalarType parse_dtype(const std::string& name, at::Device device) {
+at::ScalarType dtype_of(const std::string& name) {
   if (name == "float32") return at::kFloat;
-  if (name == "bfloat16") {
-    if (!device.is_cuda()) {
-      throw std::invalid_argument(
-          "run.dtype=bfloat16 needs a CUDA device: CPU matmuls in bfloat16 are emulated and slower than float32 "
-          "here; use run.dtype=float32 on CPU.");
-    }
-    return at::kBFloat16;
-  }
+  if (name == "bfloat16") return at::kBFloat16;
   throw std::invalid_argument(fmt::format("run.dtype must be float32 or bfloat16, got '{}'.", name));
+}
+
+at::ScalarType parse_dtype(const std::string& name, at::Device device) {
+  const at::ScalarType dtype = dtype_of(name);
+  if (dtype == at::kBFloat16 && !device.is_cuda()) {
+    throw std::invalid_argument(
+        "run.dtype=bfloat16 needs a CUDA device: CPU matmuls in bfloat16 are emulated and slower than float32 "
+        "here; use run.dtype=float32 on CPU.");
+  }
+  return dtype;
 }
 
 namespace {

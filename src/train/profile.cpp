@@ -484,13 +484,17 @@ TimeProfile run_time_profile(const Config& cfg, at::Device device, at::ScalarTyp
     // could choose different plans (bytes weighed against FLOPs otherwise; a sum rounded
     // otherwise), whose collectives would never meet.
     const bool shared = ranks != nullptr && ranks->size() > 1;
-    profile.times.flops_per_second = shared ? rank0s(*ranks, matmul_rate, "sharing rank 0's matmul rate") : matmul_rate;
+    const double rate = shared ? rank0s(*ranks, matmul_rate, "sharing rank 0's matmul rate") : matmul_rate;
+    // Time in FLOPs, as `remat plan` prices it, so that both take the same plan (a rate
+    // scales every time alike, but rounds ties apart).
+    profile.times.flops_per_second = 1.0;
+    profile.seconds_per_unit = 1.0 / rate;
   }
   // A profile of its own measured (and cached) the links with its times.
   if (cfg.parallel.tp > 1 && !cfg.ac.profile) {
     const LinkRate link = measure_link_rate(*ranks);
-    profile.times.link_bytes_per_second = link.bytes_per_second;
-    profile.times.link_latency_seconds = link.latency_seconds;
+    profile.times.link_bytes_per_second = link.bytes_per_second * profile.seconds_per_unit;
+    profile.times.link_latency_seconds = link.latency_seconds / profile.seconds_per_unit;
   }
   return profile;
 }

@@ -26,6 +26,10 @@ struct TimeProfile {
   /// The CPUs other processes used while it was measured (rank 0's machine); unknown where
   /// /proc/stat could not be read, or read from a cache written before this was recorded.
   std::optional<double> other_cpus;
+  /// The seconds one unit of `times` stands for: 1 where measured; without a measured
+  /// profile time is priced in FLOPs (times.flops_per_second = 1), and this is the inverse
+  /// of the matmul rate measured.
+  double seconds_per_unit = 1;
   std::string path;               ///< the cache file
   bool cached = false;            ///< read from the cache rather than measured now
   /// Predicted wall time of a step whose recompute costs `recompute_seconds` in all.
@@ -93,8 +97,8 @@ LinkRate measure_link_rate(dist::Comm& ranks);
 /// The profile a run of `cfg` (a rank_share) plans from, as `remat train` and `remat bench`
 /// take it: under ac.profile, rank_time_profile on the whole model `create` builds, left in
 /// `model` for the caller to train (the one there before is freed first), or, with
-/// pipeline stages, probe_time_profile; without ac.profile, `matmul_rate` alone, which
-/// prices recompute by FLOPs and predicts no step time. Under tensor parallelism either
+/// pipeline stages, probe_time_profile; without ac.profile, time in FLOPs (as `remat plan`
+/// prices it; seconds_per_unit from `matmul_rate`), which predicts no step time. Under tensor parallelism either
 /// way, with the links measure_link_rate measures (cached with the profile under ac.profile),
 /// which price the collectives no node time covers (all of them without ac.profile).
 TimeProfile run_time_profile(const Config& cfg, at::Device device, at::ScalarType dtype,

@@ -8,12 +8,11 @@
 #include "remat/store.h"
 #include "remat/tokenizer.h"
 #include "remat/trace.h"
-#include "train/head_choice.h"
+#include "run/run.h"
 #include "train/data_parallel.h"
 #include "train/device.h"
 #include "train/generate.h"
 #include "train/pipeline_step.h"
-#include "train/planning.h"
 #include "train/profile.h"
 #include "train/progress.h"
 #include "train/run_dir.h"
@@ -239,8 +238,7 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   data::CorpusInfo corpus;
   rank0_first(ranks.get(), "preparing the corpus", [&] { corpus = prepare_data(cfg.data); });
   const data::Tokenizer tok = data::Tokenizer::load(corpus.tokenizer_path());
-  resolve_vocab_size(cfg, tok.vocab_size());
-  validate_config(cfg);
+  cfg = resolve_config(cfg, corpus);
   data::TokenDataset train_ds = data::TokenDataset::open(corpus, data::Split::train);
   data::TokenDataset val_ds = data::TokenDataset::open(corpus, data::Split::val);
   check_split_fits(train_ds, "training", t.seq);
@@ -274,24 +272,29 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
     if (lead) logged = keep_metrics(resume_dir, first_step);
   }
 
-  Config local = rank_share(cfg);
   const auto create = [&](const ModelConfig& m, StageSpan span) {
     return Model::create(m, device, dtype, static_cast<uint64_t>(cfg.run.seed), tensor_ranks, cfg.parallel.sp, span);
   };
   const double matmul_rate =
-      measure_matmul_flops(device, dtype, local.train.batch * t.seq, cfg.model.d_model, cfg.model.d_ff);
+      measure_matmul_flops(device, dtype, rank_share(cfg).train.batch * t.seq, cfg.model.d_model, cfg.model.d_ff);
   // The time profile is measured on the whole model; a pipeline plans before its stage
   // exists (the planner chooses its layers), from a probe's. Under model.attention = auto,
-  // once per op, and the op chosen is written into cfg and local.
+  // once per op.
   std::unique_ptr<Model> model;
-  const ProfileOf profile_of = [&](const Config& op) {
+  RunInputs in;
+  in.dtype = dtype;
+  in.stage = stage;
+  in.corpus = corpus;
+  in.corpus_dir = corpus_dir(cfg.data);
+  in.saved = saved_plan ? &*saved_plan : nullptr;
+  in.profile_of = [&](const Config& op) {
     return run_time_profile(op, device, dtype, train_ds, ranks.get(), matmul_rate,
                             [&] { return create(op.model, {}); }, model);
   };
-  // The token corpus stays in memory (int32) through every step.
-  const int64_t corpus_bytes = train_ds.tokens().nbytes() + val_ds.tokens().nbytes();
-  const RunPlan planned = plan_run_auto(cfg, local, dtype, profile_of, corpus_bytes, stage,
-                                        saved_plan ? &*saved_plan : nullptr);
+  const RunSpec spec = resolve_run(cfg, in);
+  cfg = spec.cfg;  // the autos resolved
+  const Config& local = spec.local;
+  const RunPlan& planned = spec.plan;
   // Profiled another op or head last.
   if (model && (model->config().attention != cfg.model.attention || model->config().loss_head != cfg.model.loss_head)) {
     model.reset();
@@ -351,7 +354,7 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   const double flops_per_token = 3.0 * forward_flops / static_cast<double>(t.seq);
   // The job's rate: each rank measured its own, at its threads, beside the others.
   sum.matmul_flops_per_second = matmul_rate * world;
-  sum.predicted_peak_bytes = *std::max_element(planned.stage_peaks.begin(), planned.stage_peaks.end());
+  sum.predicted_peak_bytes = planned.peak();
   sum.budget_bytes = planned.budget;
   sum.predicted_step_seconds = planned.step_seconds;
 
@@ -370,9 +373,16 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
              corpus.train_unigram_entropy);
   fmt::print(stderr, "training: {} steps x {} tokens ({} x {} x {} accum{}); run dir {}\n", t.steps,
              tokens_per_step, t.batch, t.seq, t.grad_accum, describe_ranks(local), run_path);
-  const std::string& plan_text = planned.text;
+  const std::string plan_text = render_text(spec);
   fmt::print(stderr, "{}", plan_text);
-  if (run) run->write_text("plan.txt", plan_text);
+  if (tp > 1) {
+    const cost::NodeTimes& links = planned.profile.times;
+    const double unit = planned.profile.seconds_per_unit;
+    fmt::print(stderr, "tensor-parallel links measured at {:.2f} GB/s a rank sends and {:.1f} us a ring step; the "
+               "recompute re-runs {:.1f} ms of collectives\n", links.link_bytes_per_second / unit / 1e9,
+               1e6 * links.link_latency_seconds * unit, 1e3 * planned.predicted.recompute_link_seconds * unit);
+  }
+  if (run) run->write_text("plan.txt", plan_text + "\n" + plan_listing(spec));
 
   std::mt19937_64 rng(static_cast<uint64_t>(cfg.run.seed));
   std::vector<std::pair<int64_t, double>> train_curve, val_curve;

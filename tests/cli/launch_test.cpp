@@ -139,15 +139,15 @@ TEST_F(Launch, EveryRankRunsTheSubcommandWithItsArguments) {
   // --budget would be refused by launch itself: it must reach the ranks untouched.
   const Result r = run_remat("launch --nproc 2 plan --budget 0.6 model.preset=gpt2-demo");
   EXPECT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_EQ(count(r.output, "remat plan: gpt2-demo (gpt2)"), 2u) << r.output;
-  EXPECT_EQ(count(r.output, "(\"0.6\"); no-recompute peak"), 2u) << r.output;
+  EXPECT_EQ(count(r.output, "run: gpt2-demo (gpt2)"), 2u) << r.output;
+  EXPECT_EQ(count(r.output, "plan: the planner's for ac.budget = \"0.6\""), 2u) << r.output;
   EXPECT_EQ(count(r.output, "remat launch:"), 0u) << r.output;
 }
 
 TEST_F(Launch, PlanningUnderLaunchPlansARanksShareOfTheBatch) {
   const Result r = run_remat("launch --nproc 2 plan model.preset=gpt2-demo train.batch=16");
   EXPECT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_EQ(count(r.output, "batch 8 x 128 tokens per rank (train.batch = 16 over 2 data-parallel ranks)"), 2u)
+  EXPECT_EQ(count(r.output, "step: 16 x 128 tokens, 1 microbatch, float32, data parallel over 2 ranks of 8 sequences\n"), 2u)
       << r.output;
   const Result odd = run_remat("launch --nproc 2 plan model.preset=gpt2-demo train.batch=15");
   EXPECT_EQ(odd.exit_code, 1) << odd.output;

@@ -2,7 +2,7 @@
 // sampling back from it.
 #include "remat/safetensors.h"
 #include "remat/trainer.h"
-#include "train/planning.h"
+#include "run/planning.h"
 #include "train/step.h"
 
 #include <gtest/gtest.h>
@@ -185,7 +185,9 @@ TEST_F(Trainer, AResumedRunRunsThePlanItsCheckpointHolds) {
   EXPECT_EQ(resumed_steps, 2);
   std::ifstream in(run / "plan.txt");
   const std::string text(std::istreambuf_iterator<char>(in), {});
-  EXPECT_EQ(text.rfind("plan: the checkpoint's, as the run trained before it stopped\npolicy: full", 0), 0u) << text;
+  EXPECT_NE(text.find("\nplan: full, the checkpoint's, as the run trained before it stopped, 2 layers\n"),
+            std::string::npos) << text;
+  EXPECT_NE(text.find("\npolicy: full ("), std::string::npos) << text;
 
   fs::remove(run / "checkpoints" / "step-00000003.safetensors");
   fs::remove(run / "checkpoints" / "step-00000004.safetensors");

@@ -14,8 +14,7 @@
 namespace remat::ops {
 
 /// Query and key positions per tile. A tile's working set is (Hq/Hkv) q x k scores per
-/// batch row and key/value head. The defaults were measured on the development machine
-/// (README, "Attention").
+/// batch row and key/value head. The defaults were measured (docs/attention.md).
 struct AttentionTiles {
   int64_t q = 64;
   int64_t k = 64;

@@ -3,7 +3,7 @@
 // for the choice k a config names, and the calls counted per choice.
 #pragma once
 
-#include "train/attention_choice.h"
+#include "run/auto.h"
 
 #include <gtest/gtest.h>
 

@@ -1,9 +1,10 @@
 // model.loss_head = auto: which head the planner takes and why.
-#include "train/head_choice.h"
+#include "run/auto.h"
+#include "run/run.h"
 
 #include "remat/graph.h"
 #include "remat/memory.h"
-#include "train/choice_profiles.h"
+#include "run/choice_profiles.h"
 #include "util/error_of.h"
 
 #include <fmt/format.h>
@@ -61,7 +62,7 @@ TEST(LossHeadChoice, WithoutBudgetTakesTheFusedHeadAlone) {
   const RunPlan r = plan_run_auto(cfg, local, at::kFloat, profiles.of(), 0);
   EXPECT_EQ(cfg.model.loss_head, LossHead::fused);
   EXPECT_EQ(local.model.loss_head, LossHead::fused);
-  EXPECT_EQ(r.text.rfind("loss head: fused (model.loss_head = auto): no ac.budget", 0), 0u) << r.text;
+  EXPECT_EQ(plan_text(cfg, r).rfind("loss head: fused (model.loss_head = auto): no ac.budget", 0), 0u) << plan_text(cfg, r);
   EXPECT_EQ(profiles.calls[LossHead::fused], 1);
   EXPECT_EQ(profiles.calls.count(LossHead::recompute), 0u);
 }
@@ -75,8 +76,8 @@ TEST(LossHeadChoice, TakesTheRecomputingHeadWhereOnlyItFits) {
   const RunPlan r = plan_run_auto(cfg, local, at::kFloat, profiles.of(), 0);
   EXPECT_EQ(cfg.model.loss_head, LossHead::recompute);
   EXPECT_EQ(local.model.loss_head, LossHead::recompute);
-  EXPECT_EQ(r.text.rfind("loss head: recompute (model.loss_head = auto): the fused head's least-memory plan peaks "
-                         "at " + memory::format_bytes(fused) + ", over the ", 0), 0u) << r.text;
+  EXPECT_EQ(plan_text(cfg, r).rfind("loss head: recompute (model.loss_head = auto): the fused head's least-memory plan peaks "
+                         "at " + memory::format_bytes(fused) + ", over the ", 0), 0u) << plan_text(cfg, r);
   EXPECT_EQ(r.budget, between);
   EXPECT_LE(r.predicted.peak, between);
 }
@@ -107,7 +108,7 @@ TEST(LossHeadChoice, WithoutMeasuredTimesTakesTheFewerFlopsAtEveryBudget) {
     EXPECT_LE(r.predicted.peak, std::stoll(budget));
     taken.insert(cfg.model.loss_head);
     if (fused) {
-      EXPECT_NE(r.text.find("both fit the "), std::string::npos) << r.text;
+      EXPECT_NE(plan_text(cfg, r).find("both fit the "), std::string::npos) << plan_text(cfg, r);
     }
   }
   EXPECT_EQ(taken.size(), 2u) << "the sweep should reach both heads";
@@ -122,36 +123,45 @@ TEST(LossHeadChoice, MeasuredTimesTakeTheLowerPredictedStep) {
     const RunPlan r = plan_run_auto(cfg, local, at::kFloat, profiles.of(), 0);
     const LossHead faster = recompute_faster ? LossHead::recompute : LossHead::fused;
     EXPECT_EQ(cfg.model.loss_head, faster);
-    EXPECT_NE(r.text.find(fmt::format("predicted step {:.1f} ms against the {} head's", 1e3 * r.step_seconds,
+    EXPECT_NE(plan_text(cfg, r).find(fmt::format("predicted step {:.1f} ms against the {} head's", 1e3 * r.step_seconds,
                                       loss_head_name(recompute_faster ? LossHead::fused : LossHead::recompute))),
-              std::string::npos) << r.text;
+              std::string::npos) << plan_text(cfg, r);
   }
 }
 
-TEST(LossHeadChoice, NeitherFittingGivesTheFusedHeadsSentenceAndTheOthersMinimum) {
+TEST(LossHeadChoice, NeitherFittingNamesEveryHeadsMinimumAndTheLowersSentence) {
   Config cfg = wide_vocab("64KiB"), local = cfg;
   Profiles profiles;
-  const std::string e = error_of<std::invalid_argument>([&] { plan_run_auto(cfg, local, at::kFloat, profiles.of(), 0); });
-  EXPECT_EQ(e.rfind("The memory budget 64.00 KiB (64KiB) is below the minimum feasible", 0), 0u) << e;
-  EXPECT_NE(e.find("model.loss_head = auto tried the recompute head too, whose least-memory plan needs " +
-                   memory::format_bytes(least_budget(LossHead::recompute)) + "."),
-            std::string::npos) << e;
+  const int64_t least = least_budget(LossHead::recompute);
+  const std::string e = error_of<BudgetTooSmall>([&] { plan_run_auto(cfg, local, at::kFloat, profiles.of(), 0); });
+  EXPECT_EQ(e.rfind("model.loss_head = auto tried both loss heads and no plan of either fits: the fused head needs a "
+                    "budget of at least " + memory::format_bytes(least_budget(LossHead::fused)) +
+                        " and the recompute head needs a budget of at least " + memory::format_bytes(least) +
+                        ". With the recompute head: The memory budget 64.00 KiB (64KiB) is below the minimum feasible",
+                    0),
+            0u) << e;
   EXPECT_EQ(cfg.model.loss_head, LossHead::automatic);
 }
 
-// Both choices at once: the head's line, then the attention op's, as `remat plan` prints them.
-TEST(LossHeadChoice, PlanCommandsChoicesAreTheRunsOnFlops) {
+// Both choices at once: the head's line, then the attention op's, as `remat plan` prints
+// them, each typed.
+TEST(LossHeadChoice, BothChoicesAreSaidHeadFirst) {
   Config cfg = wide_vocab("");
   cfg.model.attention = Attention::automatic;
-  const AutoChoices both = resolve_planned_auto(cfg, at::kFloat, "", 0);
-  EXPECT_EQ(both.loss_head.rfind("loss head: fused (model.loss_head = auto): no ac.budget", 0), 0u) << both.loss_head;
-  EXPECT_EQ(both.attention.rfind("attention: math (model.attention = auto): ", 0), 0u) << both.attention;
-  EXPECT_EQ(both.text(), both.loss_head + "\n" + both.attention);
+  Config local = cfg;
+  Profiles profiles;
+  const RunPlan r = plan_run_auto(cfg, local, at::kFloat, profiles.of(), 0);
+  ASSERT_EQ(r.choices.size(), 2u);
+  EXPECT_EQ(r.choices[0].line().rfind("loss head: fused (model.loss_head = auto): no ac.budget", 0), 0u)
+      << r.choices[0].line();
+  EXPECT_EQ(r.choices[0].reason, ChoiceReason::only_candidate);
+  EXPECT_EQ(r.choices[1].line().rfind("attention: math (model.attention = auto): ", 0), 0u) << r.choices[1].line();
+  EXPECT_EQ(plan_text(cfg, r).rfind(r.choices[0].line() + "\n" + r.choices[1].line() + "\n", 0), 0u);
   EXPECT_EQ(cfg.model.loss_head, LossHead::fused);
   EXPECT_EQ(cfg.model.attention, Attention::math);
   // Named, nothing is said or changed.
-  const AutoChoices none = resolve_planned_auto(cfg, at::kFloat, "", 0);
-  EXPECT_EQ(none.text(), "");
+  local = cfg;
+  EXPECT_TRUE(plan_run_auto(cfg, local, at::kFloat, profiles.of(), 0).choices.empty());
 }
 
 TEST(LossHeadChoice, NothingIsDeclaredWithTheChoiceUnresolved) {

@@ -1,11 +1,12 @@
 // model.attention = auto: which op the planner takes and why, and what a run records.
-#include "train/head_choice.h"
+#include "run/auto.h"
+#include "run/run.h"
 
 #include "data/test_text.h"
 #include "remat/graph.h"
 #include "remat/model.h"
 #include "remat/trainer.h"
-#include "train/choice_profiles.h"
+#include "run/choice_profiles.h"
 #include "util/error_of.h"
 #include "util/processes.h"
 
@@ -62,12 +63,12 @@ TEST(AttentionChoice, TakesTiledWhenOnlyItsPlansFitTheBudget) {
   const std::string budget = only_tiled_fits();
   Config cfg = long_tiny(budget), local = cfg;
   Profiles profiles;
-  const RunPlan r = plan_run_attention(cfg, local, at::kFloat, profiles.of(), 0);
+  const RunPlan r = plan_run_auto(cfg, local, at::kFloat, profiles.of(), 0);
   EXPECT_EQ(cfg.model.attention, Attention::tiled);
   EXPECT_EQ(local.model.attention, Attention::tiled);
-  EXPECT_EQ(r.text.rfind("attention: tiled (model.attention = auto): math's least-memory plan peaks at ", 0), 0u)
-      << r.text;
-  EXPECT_NE(r.text.find("over the "), std::string::npos);
+  EXPECT_EQ(plan_text(cfg, r).rfind("attention: tiled (model.attention = auto): math's least-memory plan peaks at ", 0), 0u)
+      << plan_text(cfg, r);
+  EXPECT_NE(plan_text(cfg, r).find("over the "), std::string::npos);
   EXPECT_EQ(r.budget, std::stoll(budget));
   EXPECT_LE(r.predicted.peak, r.budget);
   EXPECT_EQ(profiles.calls[Attention::math], 1);
@@ -77,20 +78,20 @@ TEST(AttentionChoice, TakesTiledWhenOnlyItsPlansFitTheBudget) {
 TEST(AttentionChoice, TakesMathWhereBothFitWithoutMeasuredTimes) {
   Config cfg = long_tiny("1GiB"), local = cfg;
   Profiles profiles;
-  const RunPlan r = plan_run_attention(cfg, local, at::kFloat, profiles.of(), 0);
+  const RunPlan r = plan_run_auto(cfg, local, at::kFloat, profiles.of(), 0);
   EXPECT_EQ(cfg.model.attention, Attention::math);
-  EXPECT_EQ(r.text.rfind("attention: math (model.attention = auto): both fit the 1.00 GiB budget (peaks ", 0), 0u)
-      << r.text;
-  EXPECT_NE(r.text.find("without measured step times math"), std::string::npos) << r.text;
+  EXPECT_EQ(plan_text(cfg, r).rfind("attention: math (model.attention = auto): both fit the 1.00 GiB budget (peaks ", 0), 0u)
+      << plan_text(cfg, r);
+  EXPECT_NE(plan_text(cfg, r).find("without measured step times math"), std::string::npos) << plan_text(cfg, r);
 }
 
 TEST(AttentionChoice, WithoutBudgetOrProfileTakesMathWithoutPlanningTiled) {
   Config cfg = long_tiny(""), local = cfg;
   Profiles profiles;
-  const RunPlan r = plan_run_attention(cfg, local, at::kFloat, profiles.of(), 0);
+  const RunPlan r = plan_run_auto(cfg, local, at::kFloat, profiles.of(), 0);
   EXPECT_EQ(cfg.model.attention, Attention::math);
-  EXPECT_EQ(r.text.rfind("attention: math (model.attention = auto): no ac.budget and no measured step times", 0), 0u)
-      << r.text;
+  EXPECT_EQ(plan_text(cfg, r).rfind("attention: math (model.attention = auto): no ac.budget and no measured step times", 0), 0u)
+      << plan_text(cfg, r);
   EXPECT_EQ(profiles.calls[Attention::math], 1);
   EXPECT_EQ(profiles.calls.count(Attention::tiled), 0u);
 }
@@ -102,13 +103,13 @@ TEST(AttentionChoice, MeasuredTimesTakeTheLowerPredictedStep) {
       Profiles profiles;
       profiles.base[Attention::math] = tiled_faster ? 0.3 : 0.2;
       profiles.base[Attention::tiled] = tiled_faster ? 0.2 : 0.3;
-      const RunPlan r = plan_run_attention(cfg, local, at::kFloat, profiles.of(), 0);
+      const RunPlan r = plan_run_auto(cfg, local, at::kFloat, profiles.of(), 0);
       const Attention faster = tiled_faster ? Attention::tiled : Attention::math;
       EXPECT_EQ(cfg.model.attention, faster) << budget;
-      EXPECT_NE(r.text.find(fmt::format("predicted step {:.1f} ms against {}'s {:.1f} ms", 1e3 * r.step_seconds,
+      EXPECT_NE(plan_text(cfg, r).find(fmt::format("predicted step {:.1f} ms against {}'s {:.1f} ms", 1e3 * r.step_seconds,
                                         tiled_faster ? "math" : "tiled", 1e3 * r.step_seconds + 100)),
                 std::string::npos)
-          << r.text;
+          << plan_text(cfg, r);
     }
   }
 }
@@ -130,21 +131,21 @@ TEST(AttentionChoice, MeasuredTimesMixTheOpsPerLayerWhereThatIsFaster) {
   Profiles profiles;
   profiles.base[Attention::math] = 0.2;
   profiles.base[Attention::tiled] = 0.2 + 4 * 1e-4;
-  const RunPlan r = plan_run_attention(cfg, local, at::kFloat, profiles.of(), 0);
+  const RunPlan r = plan_run_auto(cfg, local, at::kFloat, profiles.of(), 0);
   const Attention chosen = cfg.model.attention;
   ASSERT_NE(chosen, Attention::automatic);
-  EXPECT_EQ(r.text.rfind(fmt::format("attention: {} (model.attention = auto): per layer, ", attention_name(chosen)), 0),
-            0u) << r.text;
+  EXPECT_EQ(plan_text(cfg, r).rfind(fmt::format("attention: {} (model.attention = auto): per layer, ", attention_name(chosen)), 0),
+            0u) << plan_text(cfg, r);
   const auto tiled = std::count_if(r.plan.layers.begin(), r.plan.layers.end(),
                                    [](const LayerPlan& l) { return l.attention == Attention::tiled; });
-  EXPECT_GT(tiled, 0) << r.text;
-  EXPECT_LT(tiled, 4) << r.text;
+  EXPECT_GT(tiled, 0) << plan_text(cfg, r);
+  EXPECT_LT(tiled, 4) << plan_text(cfg, r);
   EXPECT_LE(r.predicted.peak, r.budget);
   // The peak without recompute it is compared with is the model's op's in every layer.
-  EXPECT_NE(r.text.find(fmt::format("without recompute ({} attention in every layer) the step would peak at {}",
+  EXPECT_NE(plan_text(cfg, r).find(fmt::format("without recompute ({} attention in every layer) the step would peak at {}",
                                     attention_name(chosen), memory::format_bytes(r.none_peak))),
             std::string::npos)
-      << r.text;
+      << plan_text(cfg, r);
   // The step: the model's op's pass, each layer of math 0.1 ms faster than tiled's.
   EXPECT_NEAR(r.step_seconds, 0.2 + static_cast<double>(tiled) * 1e-4 + r.predicted.recompute_seconds, 1e-12);
   // Faster than either op alone under the same budget (math alone recomputes to fit).
@@ -159,7 +160,7 @@ TEST(AttentionChoice, MeasuredTimesMixTheOpsPerLayerWhereThatIsFaster) {
   // A resumed run plans the saved plan with both ops' times again.
   SavedPlan saved{r.plan, r.split};
   Config resumed = local;
-  const RunPlan again = plan_run_attention(resumed, resumed, at::kFloat, profiles.of(), 0, 0, &saved);
+  const RunPlan again = plan_run_auto(resumed, resumed, at::kFloat, profiles.of(), 0, 0, &saved);
   EXPECT_EQ(again.predicted.peak, r.predicted.peak);
   EXPECT_DOUBLE_EQ(again.step_seconds, r.step_seconds);
 }
@@ -168,7 +169,7 @@ TEST(AttentionChoice, NeitherFittingGivesTiledsSentenceSayingBothWereTried) {
   Config cfg = long_tiny("64KiB"), local = cfg;
   Profiles profiles;
   const std::string e =
-      error_of<std::invalid_argument>([&] { plan_run_attention(cfg, local, at::kFloat, profiles.of(), 0); });
+      error_of<std::invalid_argument>([&] { plan_run_auto(cfg, local, at::kFloat, profiles.of(), 0); });
   EXPECT_EQ(e.rfind("model.attention = auto tried both attention ops and no plan of either fits: math needs a budget "
                     "of at least ", 0), 0u) << e;
   EXPECT_NE(e.find(". With tiled: The memory budget 64.00 KiB (64KiB) is below the minimum feasible"),
@@ -181,23 +182,28 @@ TEST(AttentionChoice, ANamedOpIsPlannedAsItIs) {
   cfg.model.attention = Attention::tiled;
   Config local = cfg;
   Profiles profiles;
-  const RunPlan r = plan_run_attention(cfg, local, at::kFloat, profiles.of(), 0);
+  const RunPlan r = plan_run_auto(cfg, local, at::kFloat, profiles.of(), 0);
   EXPECT_EQ(cfg.model.attention, Attention::tiled);
-  EXPECT_EQ(r.text.find("attention:"), std::string::npos);
+  EXPECT_EQ(plan_text(cfg, r).find("attention:"), std::string::npos);
+  EXPECT_TRUE(r.choices.empty());
   EXPECT_EQ(profiles.calls[Attention::tiled], 1);
-  EXPECT_EQ(resolve_planned_auto(cfg, at::kFloat, "1GiB", 0).text(), "");
 }
 
-TEST(AttentionChoice, PlanCommandsChoiceIsTheRunsOnFlops) {
-  Config cfg = long_tiny("");
-  EXPECT_EQ(resolve_planned_auto(cfg, at::kFloat, only_tiled_fits(), 0)
-                .attention
-                .rfind("attention: tiled (model.attention = auto): math's least-memory plan peaks at ", 0),
-            0u);
-  EXPECT_EQ(cfg.model.attention, Attention::tiled);
-  cfg.model.attention = Attention::automatic;
-  EXPECT_NE(resolve_planned_auto(cfg, at::kFloat, "", 0).attention.find("no ac.budget"), std::string::npos);
-  EXPECT_EQ(cfg.model.attention, Attention::math);
+// The choice is typed: what was taken and why, beside its sentence.
+TEST(AttentionChoice, ChoicesSayWhatWasTakenAndWhy) {
+  Config cfg = long_tiny(only_tiled_fits()), local = cfg;
+  Profiles profiles;
+  const RunPlan r = plan_run_auto(cfg, local, at::kFloat, profiles.of(), 0);
+  ASSERT_EQ(r.choices.size(), 1u);
+  EXPECT_EQ(r.choices[0].setting, "model.attention");
+  EXPECT_EQ(r.choices[0].taken, "tiled");
+  EXPECT_EQ(r.choices[0].reason, ChoiceReason::only_fit);
+  Config unbounded = long_tiny(""), unbounded_local = unbounded;
+  const RunPlan alone = plan_run_auto(unbounded, unbounded_local, at::kFloat, profiles.of(), 0);
+  ASSERT_EQ(alone.choices.size(), 1u);
+  EXPECT_EQ(alone.choices[0].reason, ChoiceReason::only_candidate);
+  EXPECT_NE(alone.choices[0].why.find("no ac.budget"), std::string::npos);
+  EXPECT_EQ(unbounded.model.attention, Attention::math);
 }
 
 TEST(AttentionChoice, NothingIsBuiltWithTheChoiceUnresolved) {
@@ -224,9 +230,9 @@ TEST(AttentionChoiceRun, TakesTiledUnderABudgetOnlyItFitsAndRecordsIt) {
   EXPECT_LE(s.peak_bytes, s.budget_bytes);
   EXPECT_LE(s.predicted_peak_bytes, s.budget_bytes);
   EXPECT_EQ(load_config((fs::path(s.run_dir) / "config.toml").string(), {}).model.attention, Attention::tiled);
-  EXPECT_EQ(testing::read_text(fs::path(s.run_dir) / "plan.txt")
-                .rfind("attention: tiled (model.attention = auto): math's least-memory plan peaks at ", 0),
-            0u);
+  EXPECT_NE(testing::read_text(fs::path(s.run_dir) / "plan.txt")
+                .find("\nattention: tiled (model.attention = auto): math's least-memory plan peaks at "),
+            std::string::npos);
   fs::remove_all(dir);
 }
 

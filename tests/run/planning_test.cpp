@@ -1,7 +1,7 @@
 // A run's plan as its checkpoints keep it: written and read back whole, and refused with a
 // sentence when damaged or made for another model.
 #include "remat/policy.h"
-#include "train/planning.h"
+#include "run/planning.h"
 
 #include <gtest/gtest.h>
 

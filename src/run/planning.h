@@ -8,6 +8,8 @@
 #include "remat/planner.h"
 #include "train/profile.h"
 
+#include <algorithm>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -21,22 +23,48 @@ struct BudgetTooSmall : std::invalid_argument {
   int64_t min_budget;  ///< bytes: the minimum feasible budget of the run (of every stage, pipelined)
 };
 
+/// Why an `auto` setting's candidate was taken (run/choice.h).
+enum class ChoiceReason {
+  only_candidate,    ///< the setting had one candidate worth planning (the text says why)
+  only_fit,          ///< the only candidate whose plans fit the budget
+  faster_predicted,  ///< every fitting candidate has a measured step time: the lowest
+  fewer_flops,       ///< no measured times: the fewest weighed FLOPs
+  preferred,         ///< no measured times, nor FLOPs to weigh: the default candidate
+  mixed_per_layer,   ///< model.attention: a plan running the ops per layer, predicted faster
+};
+
+/// What an `auto` setting resolved to, and why.
+struct Choice {
+  std::string label;    ///< "attention", "loss head"
+  std::string setting;  ///< "model.attention"
+  std::string taken;    ///< the value taken: "tiled"
+  ChoiceReason reason = ChoiceReason::preferred;
+  std::string why;      ///< the reason with its figures, a clause
+  /// "attention: tiled (model.attention = auto): <why>", without newline.
+  std::string line() const;
+};
+
+/// A run's activation plan and what the cost model predicts of its step.
 struct RunPlan {
   ActivationPlan plan;
   cost::StepPrediction predicted;  ///< peak, breakdown and recompute of one step (of this rank's stage)
   std::vector<int64_t> split;        ///< layers per pipeline stage (one stage: every layer)
   std::vector<int64_t> stage_peaks;  ///< each stage's predicted peak (one stage: predicted.peak)
+  /// The highest stage peak: what a per-rank budget holds.
+  int64_t peak() const { return *std::max_element(stage_peaks.begin(), stage_peaks.end()); }
+  /// With pipeline stages: every stage's prediction, the bottleneck and the schedule's time.
+  std::optional<PipelinePlan> pipeline;
+  int64_t stage = 0;               ///< the stage `predicted` is of
   int64_t budget = 0;              ///< bytes; 0 without ac.budget
   double step_seconds = 0;         ///< predicted step time; 0 without a measured profile
   int64_t none_peak = 0;           ///< predicted peak of the same step keeping everything
   double none_step_seconds = 0;    ///< its predicted time; 0 without a measured profile
-  /// Per layer: what is kept, its bytes and its predicted recompute FLOPs; then the
-  /// predicted peak and its breakdown (printed before the first step and in plan.txt).
-  std::string text;
-  /// The lines naming what `auto` chose and why ("loss head: fused (model.loss_head =
-  /// auto): ...", "attention: ..."), without newline; empty where the config named the
-  /// head or op. Each also leads `text`.
-  std::string loss_head_choice, attention_choice;
+  bool resumed = false;            ///< the plan is a checkpoint's (SavedPlan), predicted as it is
+  std::vector<std::string> slots;  ///< the slots the model's block has (of block_slots()), in order
+  TimeProfile profile;             ///< the times it was priced with
+  /// What the `auto` settings resolved to (loss head first), none where the config named
+  /// them.
+  std::vector<Choice> choices;
 };
 
 /// The plan a run trained with, as its training checkpoints keep it: a resumed run runs it
@@ -55,6 +83,10 @@ std::string saved_plan_json(const RunPlan& r);
 /// model (the layer count, the split, a slot no block has).
 SavedPlan parse_saved_plan(const std::string& json, int64_t n_layers, int64_t stages);
 
+/// The shape of one microbatch of `local` (a rank share: train.batch is the rank's rows)
+/// in `dtype`, with `resident` bytes held besides the model, as the cost model prices it.
+cost::StepShape step_shape(const Config& local, at::ScalarType dtype, int64_t resident);
+
 /// Plans `cfg` (vocab_size set) at its train.* shape in `dtype`, one rank's share (under
 /// parallel.zero = 1 the optimizer sharded over parallel.dp ranks); `profile` prices
 /// recompute (and, when measured, the whole step); `resident` bytes (the token corpus)
@@ -66,15 +98,6 @@ SavedPlan parse_saved_plan(const std::string& json, int64_t n_layers, int64_t st
 /// compiled from the policy nor solved again.
 RunPlan plan_run(const Config& cfg, at::ScalarType dtype, const TimeProfile& profile, int64_t resident,
                  int64_t stage = 0, int64_t budget_reference = 0, const SavedPlan* saved = nullptr);
-
-/// The layers `pred` predicts (a pipeline stage's, or every layer) under `plan`, runs of
-/// consecutive layers planned alike one line each: "  layers 2-4   keeps 1.2 MiB each   drop ...".
-std::string layer_groups_text(const ActivationPlan& plan, const cost::StepPrediction& pred);
-
-/// One line on stage `s` of `r` (from 0): its layers, microbatches in flight under
-/// `schedule`, its predicted peak and where, then `work` (its time per microbatch).
-std::string stage_line(const PipelinePlan& r, size_t s, int64_t microbatches, pipeline::Schedule schedule,
-                       const std::string& work);
 
 /// The sentence for a per-rank `budget` (as the user wrote it: `given`) that no plan of
 /// `cfg`'s pipeline `pipe` fits: the least budget that does, and what else to change.

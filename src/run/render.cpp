@@ -1,0 +1,354 @@
+// The one text and JSON rendering of a resolved run (run/run.h).
+#include "remat/memory.h"
+#include "remat/policy.h"
+#include "run/run.h"
+#include "train/data_parallel.h"
+#include "train/progress.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <map>
+#include <set>
+
+namespace remat {
+namespace {
+
+using memory::format_bytes;
+
+constexpr size_t kColumns = 100;
+
+// Whether `r`'s times are measured (seconds of this machine) rather than FLOPs at a rate.
+bool measured(const RunPlan& r) { return r.profile.base_seconds > 0 || r.profile.times.layer_pass_seconds > 0; }
+
+// `seconds` priced by `r`'s profile, as a reader takes it: milliseconds where measured,
+// else the FLOPs they stand for.
+std::string work(const RunPlan& r, double seconds) {
+  if (measured(r)) return fmt::format("{:.1f} ms", 1e3 * seconds);
+  return format_count(seconds * r.profile.times.flops_per_second) + " FLOPs";
+}
+
+// The slots of `names`, by module: "attn.{norm,probs} mlp.{act_in}" (a slot without a
+// module, "input", as it is).
+std::string by_module(const std::vector<std::string>& names) {
+  std::vector<std::pair<std::string, std::vector<std::string>>> modules;
+  for (const std::string& n : names) {
+    const size_t dot = n.find('.');
+    const std::string module = dot == std::string::npos ? n : n.substr(0, dot);
+    if (modules.empty() || modules.back().first != module) modules.push_back({module, {}});
+    if (dot != std::string::npos) modules.back().second.push_back(n.substr(dot + 1));
+  }
+  std::vector<std::string> parts;
+  for (const auto& [module, slots] : modules) {
+    if (slots.empty()) {
+      parts.push_back(module);
+    } else {
+      parts.push_back(slots.size() == 1 ? module + "." + slots[0]
+                                        : fmt::format("{}.{{{}}}", module, fmt::join(slots, ",")));
+    }
+  }
+  return fmt::format("{}", fmt::join(parts, " "));
+}
+
+// Whether layer `l` of `plan` begins a uniform:N chunk (keeps its input for the chunk).
+bool begins_chunk(const ActivationPlan& plan, size_t l) {
+  return plan.layers[l].chunk_begin < 0 && l + 1 < plan.layers.size() &&
+         plan.layers[l + 1].chunk_begin == static_cast<int64_t>(l);
+}
+
+// What layer `l` of `plan` keeps of a block with `slots`, in a few words.
+std::string layer_words(const ActivationPlan& plan, const std::vector<std::string>& slots, size_t l) {
+  const LayerPlan& lp = plan.layers[l];
+  const bool chunk_start = begins_chunk(plan, l);
+  std::string text;
+  if (lp.chunk_begin >= 0) {
+    text = fmt::format("nothing: recomputed with the chunk from layer {}", lp.chunk_begin + 1);
+  } else if (chunk_start) {
+    text = "input: the chunk's forward is recomputed in its last layer's backward";
+  } else if (lp.dropped.empty()) {
+    text = "all";
+  } else {
+    std::vector<std::string> kept, dropped;
+    for (const std::string& s : slots) {
+      if (s == "input") continue;
+      (lp.dropped.count(s) ? dropped : kept).push_back(s);
+    }
+    // The shorter of the two lists.
+    text = kept.empty() ? "input only"
+           : kept.size() < dropped.size() ? "input, " + by_module(kept)
+                                          : "all but " + by_module(dropped);
+  }
+  if (lp.input_sharded) text += "; input as a share per tensor-parallel rank";
+  if (lp.attention) text += fmt::format("; {} attention", attention_name(*lp.attention));
+  return text;
+}
+
+const std::set<std::string>& units() {
+  static const std::set<std::string> u{"B", "KiB", "MiB", "GiB", "TiB", "FLOPs", "ms", "s", "us"};
+  return u;
+}
+
+std::string line(const std::string& text) { return text + "\n"; }
+
+// `text` after `prefix`, wrapped within kColumns: at the last ", " or "; " of a line where
+// that leaves it at least half full, else at its last space; continuation lines are
+// indented by `indent`.
+std::string wrapped(const std::string& prefix, const std::string& text, size_t indent) {
+  std::string out = prefix;
+  size_t width = prefix.size(), from = 0;
+  while (text.size() - from > kColumns - width) {
+    const size_t room = kColumns - width;
+    size_t end = std::string::npos;
+    for (const char* mark : {", ", "; "}) {
+      const size_t at = text.rfind(mark, from + room - 1);
+      if (at != std::string::npos && at > from + room / 2 && (end == std::string::npos || at > end)) end = at + 1;
+    }
+    // A space before a unit ("29.12 MiB") does not break.
+    for (size_t at = from + room; end == std::string::npos && at > from; --at) {
+      if (text[at] != ' ') continue;
+      const std::string next = text.substr(at + 1, text.find(' ', at + 1) - at - 1);
+      if (!units().count(next.substr(0, next.find_first_of(",;)")))) end = at;
+    }
+    if (end == std::string::npos || end <= from) end = from + room;
+    out += text.substr(from, end - from) + "\n" + std::string(indent, ' ');
+    width = indent;
+    from = end < text.size() && text[end] == ' ' ? end + 1 : end;
+  }
+  return out + text.substr(from) + "\n";
+}
+
+// The parts of `p`'s peak, two indented lines.
+std::string breakdown(const cost::StepPrediction& p) {
+  std::string s = fmt::format("  parameters {}, gradients {}, optimizer {}", format_bytes(p.statics.params),
+                              format_bytes(p.statics.grads), format_bytes(p.statics.optimizer));
+  if (p.statics.compute_copies > 0) s += fmt::format(", compute copies {}", format_bytes(p.statics.compute_copies));
+  s += fmt::format(", batch {}\n  kept activations {}, working set {}", format_bytes(p.statics.batch),
+                   format_bytes(p.peak - p.statics.total() - p.working_set), format_bytes(p.working_set));
+  if (p.statics.resident > 0) s += fmt::format(", token corpus {}", format_bytes(p.statics.resident));
+  return s + "\n";
+}
+
+nlohmann::json breakdown_json(const cost::StepPrediction& p) {
+  return {{"parameters", p.statics.params},
+          {"gradients", p.statics.grads},
+          {"optimizer", p.statics.optimizer},
+          {"compute_copies", p.statics.compute_copies},
+          {"batch", p.statics.batch},
+          {"token_corpus", p.statics.resident},
+          {"kept_activations", p.peak - p.statics.total() - p.working_set},
+          {"working_set", p.working_set},
+          {"peak", p.peak},
+          {"peak_at", p.peak_at}};
+}
+
+}  // namespace
+
+std::string layer_table(const ActivationPlan& plan, const std::vector<std::string>& slots,
+                        const cost::StepPrediction& pred) {
+  struct Group {
+    int64_t first, last;
+    std::string words;
+    int64_t kept;
+    double flops;
+  };
+  std::vector<Group> groups;
+  for (size_t i = 0; i < pred.layers.size(); ++i) {
+    const auto l = static_cast<size_t>(pred.first_layer) + i;
+    const std::string words = layer_words(plan, slots, l);
+    const auto& c = pred.layers[i];
+    const bool chunked = plan.layers[l].chunk_begin >= 0 || begins_chunk(plan, l);
+    if (!groups.empty() && !chunked && groups.back().words == words && groups.back().kept == c.kept &&
+        groups.back().flops == c.recompute_flops) {
+      groups.back().last = static_cast<int64_t>(l);
+    } else {
+      groups.push_back({static_cast<int64_t>(l), static_cast<int64_t>(l), words, c.kept, c.recompute_flops});
+    }
+  }
+  std::string out = fmt::format("  {:<10} {:>11} {:>16}  {}\n", "layers", "kept each", "recompute each", "keeps");
+  for (const Group& g : groups) {
+    const std::string range = g.first == g.last ? fmt::format("{}", g.first + 1) : fmt::format("{}-{}", g.first + 1, g.last + 1);
+    const std::string flops = g.flops > 0 ? format_count(g.flops) + " FLOPs" : "-";
+    out += wrapped(fmt::format("  {:<10} {:>11} {:>16}  ", range, format_bytes(g.kept), flops), g.words, 43);
+  }
+  return out;
+}
+
+std::string stage_line(const PipelinePlan& r, size_t s, int64_t microbatches, pipeline::Schedule schedule,
+                       const std::string& work) {
+  const cost::StepPrediction& p = r.stages[s];
+  const int64_t first = p.first_layer + 1, last = p.first_layer + static_cast<int64_t>(p.layers.size());
+  const int64_t held =
+      pipeline::in_flight(schedule, static_cast<int64_t>(r.stages.size()), static_cast<int64_t>(s), microbatches);
+  return fmt::format("stage {}: {}, {} microbatch{} in flight, peak {} ({}), {}", s + 1,
+                     first == last ? fmt::format("layer {} (1)", first)
+                                   : fmt::format("layers {}-{} ({})", first, last, last - first + 1),
+                     held, held == 1 ? "" : "es", format_bytes(p.peak), p.peak_at, work);
+}
+
+std::string plan_text(const Config& cfg, const RunPlan& r) {
+  std::string text;
+  for (const Choice& c : r.choices) text += c.line() + "\n";
+  const std::string how = r.resumed ? fmt::format("{}, the checkpoint's, as the run trained before it stopped",
+                                                  r.plan.policy)
+                          : !cfg.ac.budget.empty()
+                              ? fmt::format("the planner's for ac.budget = \"{}\" ({})", cfg.ac.budget, format_bytes(r.budget))
+                              : fmt::format("policy {}", r.plan.policy);
+  text += fmt::format("plan: {}, {} layers\n", how, r.plan.layers.size());
+  const cost::StepPrediction& p = r.predicted;
+  if (r.pipeline) {
+    const PipelinePlan& pp = *r.pipeline;
+    const int64_t m = cfg.train.grad_accum;
+    text += fmt::format("pipeline: {} stages, {} schedule, {} microbatch{}; this rank is stage {}\n", pp.stages.size(),
+                        pipeline::schedule_name(cfg.parallel.schedule), m, m == 1 ? "" : "es", r.stage + 1);
+    for (size_t s = 0; s < pp.stages.size(); ++s) {
+      text += line(stage_line(pp, s, m, cfg.parallel.schedule, work(r, pp.stage_seconds[s]) + " per microbatch"));
+      text += layer_table(r.plan, r.slots, pp.stages[s]);
+    }
+    text += line(fmt::format("bottleneck: stage {}; the schedule takes (microbatches + stages - 1) = {} times "
+                                    "its {}, {}, plus the optimizer", pp.bottleneck + 1,
+                                    m + static_cast<int64_t>(pp.stages.size()) - 1,
+                                    work(r, pp.stage_seconds[static_cast<size_t>(pp.bottleneck)]),
+                                    work(r, pp.schedule_seconds)));
+  } else {
+    text += layer_table(r.plan, r.slots, p);
+  }
+  text += fmt::format("predicted step{}: peak {} in the {}\n", r.pipeline ? " of this stage" : "",
+                      format_bytes(p.peak), p.peak_at);
+  text += breakdown(p);
+  text += line(fmt::format("recompute: {} FLOPs a step{}", format_count(p.recompute_flops),
+                           measured(r) && p.recompute_flops > 0 ? fmt::format(", {}", work(r, p.recompute_seconds)) : ""));
+  if (r.step_seconds > 0) {
+    const TimeProfile& prof = r.profile;
+    const std::string parts =
+        r.pipeline ? fmt::format("the schedule simulated stage by stage, {:.1f} ms (transfers not priced), + {:.1f} ms "
+                                 "the slowest stage's optimizer", 1e3 * r.pipeline->simulated_seconds,
+                                 1e3 * (r.step_seconds - r.pipeline->simulated_seconds))
+                   : fmt::format("{} x {:.1f} ms forward and backward{} + {:.1f} ms recompute + {:.1f} ms optimizer",
+                                 cfg.train.grad_accum, 1e3 * prof.base_seconds,
+                                 p.attention_seconds != 0 ? fmt::format(" {:+.1f} ms the layers running the other "
+                                                                        "attention op", 1e3 * p.attention_seconds)
+                                                          : "",
+                                 1e3 * p.recompute_seconds, 1e3 * prof.optimizer_seconds);
+    text += line(fmt::format("predicted step time {:.1f} ms: {}", 1e3 * r.step_seconds, parts));
+    if (!prof.path.empty()) text += line("time profile: " + prof.path);
+  }
+  if (r.budget > 0) {
+    // A plan mixing the attention ops per layer is compared with the model's op in every
+    // layer, as a run without recompute would train.
+    const bool mixed = std::any_of(r.plan.layers.begin(), r.plan.layers.end(),
+                                   [](const LayerPlan& lp) { return lp.attention.has_value(); });
+    const std::string every = mixed ? fmt::format(" ({} attention in every layer)", attention_name(cfg.model.attention)) : "";
+    text += line(fmt::format("budget {}{}: the plan peaks at {}; without recompute{} the step would peak at {}{}",
+                                    format_bytes(r.budget), r.pipeline ? " per rank" : "", format_bytes(r.peak()),
+                                    every, format_bytes(r.none_peak),
+                                    r.none_step_seconds > 0 ? fmt::format(" and take {:.1f} ms", 1e3 * r.none_step_seconds)
+                                                            : ""));
+  }
+  return text;
+}
+
+std::string render_text(const RunSpec& spec) {
+  const ModelConfig& m = spec.cfg.model;
+  const std::string corpus =
+      spec.corpus ? fmt::format("token corpus: {}, {} held through every step", spec.corpus_dir,
+                                format_bytes(spec.resident))
+                  : fmt::format("token corpus: {}, not prepared yet (remat prepare), so its {} bytes a token are not "
+                                "counted", spec.corpus_dir, data::TokenDataset::kBytesPerToken);
+  const int64_t accum = spec.cfg.train.grad_accum;
+  std::string text = line(fmt::format("run: {} ({}), {} layers, d_model {}, {} heads, vocabulary {}", m.preset,
+                                             arch_name(m.arch), m.n_layer, m.d_model, m.n_head, m.vocab_size));
+  text += line(fmt::format("step: {} x {} tokens, {} microbatch{}, {}{}", spec.cfg.train.batch,
+                                  spec.cfg.train.seq, accum, accum == 1 ? "" : "es", spec.cfg.run.dtype,
+                                  describe_ranks(spec.local)));
+  text += line(corpus);
+  return text + plan_text(spec.cfg, spec.plan);
+}
+
+std::string plan_listing(const RunSpec& spec) {
+  const RunPlan& r = spec.plan;
+  std::string text = explain_plan(r.plan);
+  text += "\nkept bytes and recompute FLOPs per layer (of one microbatch; this rank's stage):\n";
+  const cost::StepPrediction& p = r.predicted;
+  text += fmt::format("  embedding  {:>11}\n", format_bytes(p.embedding));
+  for (size_t i = 0; i < p.layers.size(); ++i) {
+    text += fmt::format("  layer {:<4} {:>11}  {:>8} FLOPs recomputed\n", p.first_layer + static_cast<int64_t>(i) + 1,
+                        format_bytes(p.layers[i].kept), format_count(p.layers[i].recompute_flops));
+  }
+  text += fmt::format("  head       {:>11}  ({} loss head)\n", format_bytes(p.head), loss_head_name(spec.cfg.model.loss_head));
+  return text;
+}
+
+nlohmann::json render_json(const RunSpec& spec) {
+  const ModelConfig& m = spec.cfg.model;
+  const RunPlan& r = spec.plan;
+  const auto layers_of = [&](const cost::StepPrediction& p) {
+    nlohmann::json layers = nlohmann::json::array();
+    for (size_t i = 0; i < p.layers.size(); ++i) {
+      const LayerPlan& lp = r.plan.layers[static_cast<size_t>(p.first_layer) + i];
+      layers.push_back({{"layer", p.first_layer + static_cast<int64_t>(i) + 1},
+                        {"dropped", lp.dropped},
+                        {"chunk_begin", lp.chunk_begin < 0 ? -1 : lp.chunk_begin + 1},
+                        {"input_sharded", lp.input_sharded},
+                        {"attention", attention_name(lp.attention.value_or(m.attention))},
+                        {"kept_bytes", p.layers[i].kept},
+                        {"recompute_flops", p.layers[i].recompute_flops}});
+    }
+    return layers;
+  };
+  nlohmann::json choices = nlohmann::json::array();
+  std::map<std::string, std::string> lines;
+  for (const Choice& c : r.choices) {
+    choices.push_back({{"setting", c.setting}, {"taken", c.taken}, {"why", c.why}});
+    lines[c.setting] = c.line();
+  }
+  const auto line_of = [&](const std::string& setting) {
+    const auto found = lines.find(setting);
+    return found == lines.end() ? std::string() : found->second;
+  };
+  nlohmann::json out = {
+      {"model", {{"preset", m.preset}, {"arch", arch_name(m.arch)}, {"layers", m.n_layer}, {"d_model", m.d_model},
+                 {"vocab_size", m.vocab_size}}},
+      {"attention", attention_name(m.attention)},
+      {"attention_choice", line_of("model.attention")},
+      {"loss_head", loss_head_name(m.loss_head)},
+      {"loss_head_choice", line_of("model.loss_head")},
+      {"choices", choices},
+      {"shape", {{"batch", spec.shape.batch}, {"ranks", spec.layout.dp}, {"tp", spec.layout.tp}, {"sp", spec.layout.sp},
+                 {"seq", spec.shape.seq}, {"grad_accum", spec.shape.grad_accum}, {"dtype", spec.cfg.run.dtype}}},
+      {"token_corpus_bytes", spec.resident},
+      {"policy", r.plan.policy},
+      {"budget", r.budget},
+      {"none_peak", r.none_peak},
+      {"predicted_step_seconds", r.step_seconds},
+      {"none_step_seconds", r.none_step_seconds},
+  };
+  if (r.pipeline) {
+    const PipelinePlan& pp = *r.pipeline;
+    nlohmann::json stages = nlohmann::json::array();
+    for (size_t s = 0; s < pp.stages.size(); ++s) {
+      const cost::StepPrediction& p = pp.stages[s];
+      stages.push_back({{"stage", s + 1},
+                        {"first_layer", p.first_layer + 1},
+                        {"layers", pp.split[s]},
+                        {"in_flight", pipeline::in_flight(spec.cfg.parallel.schedule, spec.layout.pp,
+                                                          static_cast<int64_t>(s), spec.cfg.train.grad_accum)},
+                        {"plan", layers_of(p)},
+                        {"breakdown", breakdown_json(p)},
+                        {"recompute_flops", p.recompute_flops}});
+    }
+    out["pipeline"] = {{"stages", spec.layout.pp},
+                       {"schedule", pipeline::schedule_name(spec.cfg.parallel.schedule)},
+                       {"microbatches", spec.cfg.train.grad_accum}};
+    out["stages"] = stages;
+    out["bottleneck"] = pp.bottleneck + 1;
+  } else {
+    out["plan"] = layers_of(r.predicted);
+    out["breakdown"] = breakdown_json(r.predicted);
+    out["recompute_flops_per_step"] = r.predicted.recompute_flops;
+  }
+  return out;
+}
+
+}  // namespace remat

@@ -1,0 +1,93 @@
+// A run resolved once: `remat train`, `remat bench` and `remat plan` turn a config, the
+// launch, the corpus and a source of time profiles into one RunSpec here, and print it with
+// one renderer, so that `remat plan` shows what `remat train` runs.
+#pragma once
+
+#include "remat/config.h"
+#include "remat/data.h"
+#include "run/auto.h"
+#include "run/planning.h"
+
+#include <nlohmann/json_fwd.hpp>
+
+#include <optional>
+#include <string>
+
+namespace remat {
+
+/// How a run's ranks share the work, as parallel.* and the launch decide it.
+struct Layout {
+  int64_t dp = 1;     ///< data-parallel ranks (each a share of train.batch)
+  int64_t tp = 1;     ///< tensor-parallel ranks sharing every layer
+  bool sp = false;    ///< sequence parallelism over the tensor-parallel ranks
+  int64_t pp = 1;     ///< pipeline stages
+  int64_t stage = 0;  ///< this rank's stage (from 0)
+  int64_t zero = 0;   ///< ZeRO stage (1: AdamW's moments sharded over the dp ranks)
+};
+
+/// What a run is resolved against besides its config.
+struct RunInputs {
+  at::ScalarType dtype = at::kFloat;
+  int64_t stage = 0;  ///< this rank's pipeline stage
+  /// The prepared corpus the run trains on: its tokenizer sets the vocabulary and its
+  /// tokens (both splits) stay in memory through every step. nullopt: not prepared (remat
+  /// plan), then the vocabulary is data.vocab_size's and the tokens are not counted.
+  std::optional<data::CorpusInfo> corpus;
+  std::string corpus_dir;  ///< where the corpus is or would be prepared (corpus_dir(data))
+  ProfileOf profile_of;    ///< the time profile of a rank share with every auto named
+  const SavedPlan* saved = nullptr;  ///< a resumed run's plan, run again as it is
+};
+
+/// A run, resolved: what every command that runs or prices it works from.
+struct RunSpec {
+  Config cfg;    ///< every auto decided, model.vocab_size set
+  Config local;  ///< this rank's share of it (rank_share)
+  Layout layout;
+  at::ScalarType dtype = at::kFloat;
+  cost::StepShape shape;  ///< one microbatch of this rank, as the cost model prices it
+  int64_t resident = 0;   ///< bytes held besides the model: the token corpus
+  std::optional<data::CorpusInfo> corpus;
+  std::string corpus_dir;
+  RunPlan plan;  ///< the activation plan, its prediction and the auto choices
+};
+
+/// `cfg` (as loaded) with its vocabulary set, from `corpus`'s tokenizer (padded; a given
+/// size is checked against it) or, without one, data.vocab_size's, and validated.
+Config resolve_config(const Config& cfg, const std::optional<data::CorpusInfo>& corpus);
+
+/// Resolves `cfg` (as loaded: vocabulary perhaps 0, autos unresolved) against `in`:
+/// vocabulary, validation, the rank share, the plan with both autos resolved. Throws
+/// std::invalid_argument sentences (BudgetTooSmall where no plan fits ac.budget).
+RunSpec resolve_run(const Config& cfg, const RunInputs& in);
+
+/// The run as text: three lines on the run, the choices `auto` made, the plan (layers
+/// planned alike grouped, what they keep by module, wrapped within 100 columns), and the
+/// predicted step. `remat plan` prints it, `remat train` before its first step; plan.txt
+/// holds it and then plan_listing's.
+std::string render_text(const RunSpec& spec);
+
+/// Every layer's plan spelled out (every slot kept and dropped, its kept bytes and
+/// recompute FLOPs): plan.txt's second part.
+std::string plan_listing(const RunSpec& spec);
+
+/// The run as JSON: model, shape, ranks, choices, budget, every layer's plan with its
+/// bytes and FLOPs, the predicted breakdown and times (pipeline: per stage).
+nlohmann::json render_json(const RunSpec& spec);
+
+/// The plan's lines of render_text for `cfg` alone (no run line): its choices, the layer
+/// table and the predicted step.
+std::string plan_text(const Config& cfg, const RunPlan& plan);
+
+/// The layers `pred` predicts (a pipeline stage's, or every layer) under `plan` of a block
+/// with `slots` (RunPlan::slots), runs of
+/// consecutive layers planned alike one line each (wrapped within 100 columns), under a
+/// heading line.
+std::string layer_table(const ActivationPlan& plan, const std::vector<std::string>& slots,
+                        const cost::StepPrediction& pred);
+
+/// One line on stage `s` of `r` (from 0): its layers, microbatches in flight under
+/// `schedule`, its predicted peak and where, then `work` (its time per microbatch).
+std::string stage_line(const PipelinePlan& r, size_t s, int64_t microbatches, pipeline::Schedule schedule,
+                       const std::string& work);
+
+}  // namespace remat
