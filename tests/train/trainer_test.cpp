@@ -3,6 +3,7 @@
 #include "remat/safetensors.h"
 #include "remat/trainer.h"
 #include "train/planning.h"
+#include "train/checkpoint_files.h"
 #include "train/step.h"
 
 #include <gtest/gtest.h>
@@ -160,9 +161,7 @@ TEST_F(Trainer, AResumedRunRunsThePlanItsCheckpointHolds) {
   const Config saved = load_config((run / "config.toml").string(), {});
   // The file is freed before the run: its tensors would count in the run's measured memory.
   const auto rewrite_plan = [&](const std::string& plan) {
-    model::SafeTensors file = model::load_safetensors(second.string());
-    file.metadata["plan"] = plan;
-    model::save_safetensors(second.string(), file.tensors, file.metadata);
+    testing::rewrite_checkpoint(second.string(), [&](model::SafeTensors& file) { file.metadata["plan"] = plan; });
   };
 
   RunPlan full;
