@@ -374,7 +374,8 @@ void TrainStep::save_checkpoint(const std::string& path, int64_t steps, const st
   metadata.insert(extra.begin(), extra.end());  // never in place of the step's own
   if (stage_giver) {
     write_on_first_stage(*pipe_, std::move(tensors), path, metadata,
-                         fmt::format("gathering the stages' tensors for the checkpoint after step {}", steps));
+                         fmt::format("gathering the stages' tensors for the checkpoint after step {}", steps),
+                         /*checksum=*/true);
   } else {
     model::save_safetensors(path, tensors, metadata, /*checksum=*/true);
   }
