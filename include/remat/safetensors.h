@@ -57,9 +57,14 @@ struct SafeTensors {
 /// device and have any strides; a contiguous CPU copy is written where needed. Names must
 /// be unique, non-empty and not "__metadata__". The header is padded with spaces to a
 /// multiple of 8 bytes so the data section is 8-byte aligned.
+///
+/// `checksum`: the file ends in one more tensor, kChecksumTensor (U8, 64 bytes), the
+/// SHA-256 in hex of every byte before it (length prefix, header with its metadata, the
+/// other tensors), so that a reader can tell a whole file from a damaged one
+/// (verify_safetensors_checksum). It is still a plain safetensors file.
 void save_safetensors(const std::string& path,
                       const std::vector<std::pair<std::string, at::Tensor>>& tensors,
-                      const std::map<std::string, std::string>& metadata = {});
+                      const std::map<std::string, std::string>& metadata = {}, bool checksum = false);
 
 /// A tensor of a file written a tensor at a time: what its header entry says.
 struct TensorSpec {
@@ -75,7 +80,21 @@ struct TensorSpec {
 /// dtype or shape than its spec, and nothing is left at `path`.
 void save_safetensors(const std::string& path, const std::vector<TensorSpec>& specs,
                       const std::function<at::Tensor(size_t)>& next,
-                      const std::map<std::string, std::string>& metadata = {});
+                      const std::map<std::string, std::string>& metadata = {}, bool checksum = false);
+
+/// The name of the checksum tensor save_safetensors appends when asked.
+inline constexpr const char* kChecksumTensor = "remat.sha256";
+
+/// What verify_safetensors_checksum found.
+enum class Checksum {
+  absent,   ///< the file has no checksum tensor (written without one)
+  matches,  ///< every byte before the checksum is as written
+  differs,  ///< some byte changed since the file was written
+};
+
+/// Reads the whole file (its header validated as read_safetensors_header does, which
+/// throws for a malformed one) and checks its checksum tensor, if it has one.
+Checksum verify_safetensors_checksum(const std::string& path);
 
 /// Reads and validates the header only (cheap: no tensor data is read).
 SafeTensorsHeader read_safetensors_header(const std::string& path);

@@ -68,9 +68,10 @@ using TextSink = std::function<void(std::string_view)>;
 
 /// Samples `tokens` tokens after `prompt` from the weights of a finished run, on `device`
 /// ("cpu", "cuda[:N]"; empty: the run's own device). On CPU the model runs in float32
-/// whatever dtype it was trained in. `on_text` streams the text (sample_text).
+/// whatever dtype it was trained in. `on_text` streams the text and `generated` receives
+/// the tokens sampled (sample_text).
 std::string generate_from_run(const std::string& run_dir, const std::string& prompt, int64_t tokens,
                               double temperature, int64_t top_k, uint64_t seed, const std::string& device = "",
-                              const TextSink& on_text = {});
+                              const TextSink& on_text = {}, int64_t* generated = nullptr);
 
 }  // namespace remat

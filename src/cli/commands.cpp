@@ -8,9 +8,11 @@
 #include "remat/policy.h"
 #include "remat/trainer.h"
 #include "train/device.h"
+#include "util/utf8.h"
 
 #include <CLI/CLI.hpp>
 #include <malloc.h>
+#include <unistd.h>
 #include <csignal>
 #include <filesystem>
 #include <c10/util/Exception.h>
@@ -78,6 +80,29 @@ std::vector<std::string> split_list(const std::vector<std::string>& args, const 
                                             "out.", option, option, example));
   }
   return items;
+}
+
+// An error message as printed: whole up to 2,000 bytes (every sentence remat writes), else
+// its start and end around a note, so that no message repeats megabytes of an input.
+std::string bounded(const std::string& message) {
+  constexpr size_t kMost = 2000, kEnd = 600;
+  if (message.size() <= kMost) return message;
+  const std::string head = util::clip(message, kMost - kEnd);
+  size_t tail = message.size() - kEnd;
+  while (tail < message.size() && (static_cast<unsigned char>(message[tail]) & 0xC0) == 0x80) ++tail;
+  const size_t kept = head.rfind("... (");  // clip's note, replaced by the one below
+  return fmt::format("{} [... {} bytes left out ...] {}", head.substr(0, kept), tail - kept, message.substr(tail));
+}
+
+// The directory a --plot file goes to must exist and be writable.
+void check_plot_directory(const std::string& plot) {
+  const std::filesystem::path dir = std::filesystem::absolute(plot).parent_path();
+  std::error_code ec;
+  if (!std::filesystem::is_directory(dir, ec) || ::access(dir.c_str(), W_OK) != 0) {
+    throw std::invalid_argument(fmt::format("--plot {} cannot be written: {} is not {}; give a path in a writable "
+                                            "directory.", util::clip(plot), util::clip(dir.string()),
+                                            std::filesystem::is_directory(dir, ec) ? "writable" : "a directory"));
+  }
 }
 
 }  // namespace
@@ -159,7 +184,8 @@ int run(int argc, char** argv) {
   // Each token re-runs the context and the streamed text is decoded whole each time.
   gen->add_option("--tokens", tokens, "Tokens to generate (1 to 100000), printed as they come")
       ->check(CLI::Range(int64_t{1}, int64_t{100000}));
-  gen->add_option("--temperature", temperature, "Sampling temperature (0: greedy)")->check(CLI::NonNegativeNumber);
+  gen->add_option("--temperature", temperature, "Sampling temperature (0: greedy; at most 100)")
+      ->check(CLI::Range(0.0, 100.0));
   gen->add_option("--top-k", top_k, "Sample among the k most likely tokens (0: all)")->check(CLI::NonNegativeNumber);
   gen->add_option("--seed", seed, "Sampling seed");
   std::string gen_device;
@@ -216,6 +242,12 @@ int run(int argc, char** argv) {
         fmt::print("{}", explain_plan(compile_policy(cfg.ac, cfg.model.n_layer, cfg.model.dropout)));
         return 0;
       }
+      // An empty --resume (an unset shell variable) would otherwise start a fresh run.
+      if (train_cmd->count("--resume") > 0 && resume_dir.empty()) {
+        throw std::invalid_argument("--resume \"\" names no run directory; give the directory of the run to continue "
+                                    "(e.g. --resume runs/20260101-120000-gpt2-demo), or leave the option out to start a "
+                                    "new run.");
+      }
       return cmd_train(config_file, overrides, resume_dir);
     }
     if (plan_cmd->parsed()) {
@@ -224,6 +256,8 @@ int run(int argc, char** argv) {
                                     "or --budget 0.6) or leave the option out for the plan the ac settings name.");
       }
       check_path("--plot", plan_args.plot);
+      // Refused before the sweep rather than reported after it, when the plot cannot be written.
+      if (plan_args.pareto) check_plot_directory(plan_args.plot);
       return cmd_plan(load_config(config_file, overrides), plan_args);
     }
     if (bench_cmd->parsed()) {
@@ -244,19 +278,24 @@ int run(int argc, char** argv) {
     if (gen->parsed()) {
       check_path("--run", run_dir);
       set_threads(0);
+      int64_t generated = 0;
       generate_from_run(run_dir, prompt, tokens, temperature, top_k, static_cast<uint64_t>(seed), gen_device,
                         [](std::string_view piece) {
                           fmt::print("{}", piece);
                           std::fflush(stdout);
-                        });
+                        }, &generated);
       fmt::print("\n");
+      if (generated < tokens) {
+        fmt::print(stderr, "(the model ended the text with its end-of-text token after {} of the {} tokens asked for)\n",
+                   generated, tokens);
+      }
       return 0;
     }
   } catch (const c10::Error& e) {
-    fmt::print(stderr, "error: {}\n", e.what_without_backtrace());
+    fmt::print(stderr, "error: {}\n", bounded(e.what_without_backtrace()));
     return 1;
   } catch (const std::exception& e) {
-    fmt::print(stderr, "error: {}\n", e.what());
+    fmt::print(stderr, "error: {}\n", bounded(e.what()));
     return 1;
   }
   return 0;

@@ -2,6 +2,7 @@
 
 #include "remat/budget.h"
 #include "remat/policy.h"
+#include "util/atomic_file.h"
 #include "util/utf8.h"
 
 #include <fmt/format.h>
@@ -34,20 +35,23 @@ T parse_number(const std::string& key, const std::string& v) {
   }
   bool ok = used != 0 && used == v.size();
   if constexpr (!std::is_integral_v<T>) ok = ok && std::isfinite(out);
-  if (!ok) fail(fmt::format("{} must be {}, got '{}'.", key, std::is_integral_v<T> ? "an integer" : "a number", v));
+  if (!ok) {
+    fail(fmt::format("{} must be {}, got '{}'.", key, std::is_integral_v<T> ? "an integer" : "a number",
+                     util::clip(v)));
+  }
   return out;
 }
 
 bool parse_bool(const std::string& key, const std::string& v) {
   if (v == "true" || v == "1" || v == "on") return true;
   if (v == "false" || v == "0" || v == "off") return false;
-  fail(fmt::format("{} must be true or false, got '{}'.", key, v));
+  fail(fmt::format("{} must be true or false, got '{}'.", key, util::clip(v)));
 }
 
 Arch parse_arch(const std::string& key, const std::string& v) {
   if (v == "gpt2") return Arch::gpt2;
   if (v == "llama") return Arch::llama;
-  fail(fmt::format("{} must be gpt2 or llama, got '{}'.", key, v));
+  fail(fmt::format("{} must be gpt2 or llama, got '{}'.", key, util::clip(v)));
 }
 
 Attention parse_attention(const std::string& key, const std::string& v) {
@@ -56,7 +60,7 @@ Attention parse_attention(const std::string& key, const std::string& v) {
   if (v == "auto") return Attention::automatic;
   fail(fmt::format("{} must be tiled (online softmax over tiles, keeps one log-sum-exp per row), math "
                    "(keeps the [T x T] probabilities) or auto (the planner chooses one of them for the run), "
-                   "got '{}'.", key, v));
+                   "got '{}'.", key, util::clip(v)));
 }
 
 LossHead parse_loss_head(const std::string& key, const std::string& v) {
@@ -65,13 +69,14 @@ LossHead parse_loss_head(const std::string& key, const std::string& v) {
   if (v == "auto") return LossHead::automatic;
   fail(fmt::format("{} must be fused (the logits' gradient computed in the forward: one product fewer), "
                    "recompute (the logits recomputed in the backward: vocab x d_model fewer bytes kept) or auto "
-                   "(the planner chooses one of them for the run's budget), got '{}'.", key, v));
+                   "(the planner chooses one of them for the run's budget), got '{}'.", key, util::clip(v)));
 }
 
 // `text` quoted as a JSON string, its control characters escaped and any byte that is not
 // UTF-8 shown as U+FFFD (a plain dump() throws on those), for a message about that text.
+// At most 200 bytes of it: a message never repeats a huge value.
 std::string printable(const std::string& text) {
-  return nlohmann::json(text).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+  return nlohmann::json(util::clip(text)).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
 }
 
 // Token ids are int32 wherever they are held (the encoder's output, TokenDataset).
@@ -347,6 +352,10 @@ const ConfigKey& find_key(const std::string& name, const std::string& where) {
   for (const auto& k : keys) {
     if (k.name == name) return k;
   }
+  // The edit distance costs the product of the lengths: a key this long is no typo.
+  if (name.size() > 100) {
+    fail(fmt::format("Unknown config key {}{}; `remat train --help-config` lists every key.", printable(name), where));
+  }
   // Suggest the closest key, also matching a bare field name ("lr" -> "train.lr").
   const ConfigKey* best = nullptr;
   size_t best_d = SIZE_MAX;
@@ -358,13 +367,66 @@ const ConfigKey& find_key(const std::string& name, const std::string& where) {
       best = &k;
     }
   }
-  std::string msg = fmt::format("Unknown config key '{}'{}", name, where);
+  std::string msg = fmt::format("Unknown config key '{}'{}", util::clip(name), where);
   if (best != nullptr && best_d <= std::max<size_t>(3, name.size() / 3)) {
     msg += fmt::format("; did you mean '{}'?", best->name);
   } else {
     msg += "; `remat train --help-config` lists every key.";
   }
   fail(msg);
+}
+
+// A config is a few kilobytes; a megabyte is no config remat wrote or a person would.
+constexpr int64_t kMaxConfigBytes = int64_t{1} << 20;
+
+// toml++ makes a table per part of a dotted key and parses nested arrays and inline tables
+// by recursion, so a key of 30,000 parts overflows the stack (SIGSEGV) before it can refuse
+// it. remat's keys have two or three parts, so more than kMaxKeyParts, or brackets nested
+// deeper than kMaxNesting, are refused before toml++ parses. Strings and comments are
+// skipped: their dots and brackets are text.
+void check_toml_nesting(const std::string& text, const std::string& path) {
+  constexpr int kMaxKeyParts = 32, kMaxNesting = 32;
+  int dots = 0, depth = 0;
+  size_t line = 1;
+  const auto refuse = [&](const std::string& what) {
+    fail(fmt::format("Cannot read config {}: line {} {}; remat's keys have two or three parts (train.lr, "
+                     "model.preset), so this is not a remat config.", path, line, what));
+  };
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char ch = text[i];
+    if (ch == '\n') {
+      ++line;
+      dots = 0;
+    } else if (ch == '#') {
+      const size_t end = text.find('\n', i);
+      i = (end == std::string::npos ? text.size() : end) - 1;
+    } else if (ch == '"' || ch == '\'') {
+      const std::string triple(3, ch);
+      size_t end;
+      if (text.compare(i, 3, triple) == 0) {
+        end = text.find(triple, i + 3);
+        end = end == std::string::npos ? text.size() : end + 2;
+      } else {
+        end = i + 1;
+        while (end < text.size() && text[end] != ch && text[end] != '\n') end += ch == '"' && text[end] == '\\' ? 2 : 1;
+        if (end < text.size() && text[end] == '\n') --end;  // an unclosed string: toml++ says so
+      }
+      end = std::min(end, text.size() - 1);
+      line += static_cast<size_t>(std::count(text.begin() + static_cast<std::ptrdiff_t>(i),
+                                              text.begin() + static_cast<std::ptrdiff_t>(end) + 1, '\n'));
+      i = end;
+    } else if (ch == '.') {
+      if (++dots >= kMaxKeyParts) refuse(fmt::format("has a key of more than {} dotted parts", kMaxKeyParts));
+    } else if (ch == '[' || ch == '{') {
+      dots = 0;
+      if (++depth > kMaxNesting) refuse(fmt::format("nests arrays or tables more than {} deep", kMaxNesting));
+    } else if (ch == ']' || ch == '}') {
+      dots = 0;
+      depth = std::max(0, depth - 1);
+    } else if (ch == '=' || ch == ',') {
+      dots = 0;
+    }
+  }
 }
 
 // TOML file -> ordered (key, value-as-text) pairs, tables flattened to dotted names.
@@ -432,9 +494,12 @@ Config load_config(const std::string& toml_path, const std::vector<std::string>&
   std::vector<std::pair<std::string, std::string>> settings;
   std::vector<std::string> origins;
   if (!toml_path.empty()) {
+    // Read here rather than by toml++: a FIFO or device is refused instead of waited on.
+    const std::string text = util::read_file(toml_path, "the config", kMaxConfigBytes);
+    check_toml_nesting(text, toml_path);
     toml::table table;
     try {
-      table = toml::parse_file(toml_path);
+      table = toml::parse(text, toml_path);
     } catch (const toml::parse_error& e) {
       const auto& src = e.source();
       fail(fmt::format("Cannot read config {}: {} (line {}, column {}).", toml_path,
@@ -446,7 +511,7 @@ Config load_config(const std::string& toml_path, const std::vector<std::string>&
   for (const auto& o : overrides) {
     const auto eq = o.find('=');
     if (eq == std::string::npos || eq == 0) {
-      fail(fmt::format("Override '{}' is not of the form key=value (e.g. train.lr=1e-3).", o));
+      fail(fmt::format("Override '{}' is not of the form key=value (e.g. train.lr=1e-3).", util::clip(o)));
     }
     // A TOML file is UTF-8 by its grammar (toml++ refuses other bytes); an override is not,
     // and its value would land in the run's config.toml, which could not be read back.
@@ -581,6 +646,22 @@ void validate_config(const Config& c) {
   // published transformer.
   at_most("model.n_layer", m.n_layer, 1024, "layers");
   at_most("model.max_seq", m.max_seq, int64_t{1} << 24, "16M tokens of context");
+  // Eight times the widest published transformers (Llama 3 405B: d_model 16384, d_ff
+  // 53248, 128 heads), so that no shape product can overflow before the planner counts it.
+  at_most("model.d_model", m.d_model, int64_t{1} << 17, "eight times Llama 3 405B's 16384");
+  at_most("model.d_ff", m.d_ff, int64_t{1} << 19, "about ten times Llama 3 405B's 53248");
+  at_most("model.n_head", m.n_head, 1024, "eight times Llama 3 405B's 128 heads");
+  at_most("model.n_kv_head", m.n_kv_head, 1024, "as many as model.n_head may have");
+  // Parameters, counted as the matrices alone: above 2^42 (16 TiB of float32) no machine
+  // holds them, and the byte counts that follow would leave int64.
+  const double d = static_cast<double>(m.d_model), vocab = static_cast<double>(std::max<int64_t>(m.vocab_size, 0));
+  const double params = vocab * d + static_cast<double>(m.n_layer) * (4.0 * d * d + 3.0 * d * static_cast<double>(m.d_ff));
+  if (params > 0x1p42) {
+    fail(fmt::format("A model of {} layers, d_model {}, d_ff {} and {} vocabulary rows has about {:.3g} parameters "
+                     "({:.3g} bytes in float32), more than remat trains or plans (2^42); lower model.n_layer, "
+                     "model.d_model, model.d_ff or model.vocab_size.", m.n_layer, m.d_model, m.d_ff, m.vocab_size, params,
+                     4 * params));
+  }
   at_most("train.seq", t.seq, int64_t{1} << 24, "16M tokens per sequence");
   at_most("train.eval_batches", t.eval_batches, int64_t{1} << 20, "validation microbatches");
   // The planner adds bytes in int64; its largest terms are the attention probabilities,
@@ -627,10 +708,10 @@ void validate_config(const Config& c) {
     fail(fmt::format("run.threads must be in [0, 1024] (0: all cores), got {}.", c.run.threads));
   }
   if (c.run.dtype != "float32" && c.run.dtype != "bfloat16") {
-    fail(fmt::format("run.dtype must be float32 or bfloat16, got '{}'.", c.run.dtype));
+    fail(fmt::format("run.dtype must be float32 or bfloat16, got '{}'.", util::clip(c.run.dtype)));
   }
   if (c.run.device != "cpu" && c.run.device != "cuda" && c.run.device.rfind("cuda:", 0) != 0) {
-    fail(fmt::format("run.device must be cpu or cuda[:N], got '{}'.", c.run.device));
+    fail(fmt::format("run.device must be cpu or cuda[:N], got '{}'.", util::clip(c.run.device)));
   }
   if (c.run.sample_tokens < 0) fail("run.sample_tokens must be >= 0.");
   if (c.parallel.dp < 0 || c.parallel.dp > 1 << 20) {
@@ -747,7 +828,12 @@ void validate_config(const Config& c) {
   if (c.run.name.find_first_not_of("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-") !=
           std::string::npos ||
       c.run.name == "." || c.run.name == "..") {
-    fail(fmt::format("run.name may hold only letters, digits, '.', '_' and '-', got '{}'.", c.run.name));
+    fail(fmt::format("run.name may hold only letters, digits, '.', '_' and '-', got '{}'.", util::clip(c.run.name)));
+  }
+  // A directory name holds at most 255 bytes, and remat may add a "-N" suffix.
+  if (c.run.name.size() > 200) {
+    fail(fmt::format("run.name is {} bytes long; a run directory's name holds at most 200 (file systems allow 255, and "
+                     "remat may add a suffix): give a shorter name.", c.run.name.size()));
   }
 }
 

@@ -1,4 +1,5 @@
 #include <fmt/format.h>
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -387,8 +388,20 @@ std::string read_utf8_file(const std::string& path) {
   }
   // Read in chunks so that an endless or binary source (/dev/zero, a device) is refused
   // at its first NUL byte or at the size limit, not after filling memory.
-  std::unique_ptr<std::FILE, int (*)(std::FILE*)> file(std::fopen(path.c_str(), "rb"), &std::fclose);
-  if (!file) throw std::runtime_error("Cannot open the text file " + path + ": " + std::strerror(errno) + ".");
+  // O_NONBLOCK: a FIFO with no writer is refused below instead of waited on for ever.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) throw std::runtime_error("Cannot open the text file " + path + ": " + std::strerror(errno) + ".");
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(fd);
+    throw std::runtime_error("The text file " + path + " is not a regular file (a FIFO, device or socket); remat reads "
+                             "text only from regular files, which cannot make it wait or read for ever: give a file.");
+  }
+  std::unique_ptr<std::FILE, int (*)(std::FILE*)> file(::fdopen(fd, "rb"), &std::fclose);
+  if (!file) {
+    ::close(fd);
+    throw std::runtime_error("Cannot open the text file " + path + ": " + std::strerror(errno) + ".");
+  }
   std::string text;
   std::vector<char> chunk(size_t{1} << 20);
   for (size_t n; (n = std::fread(chunk.data(), 1, chunk.size(), file.get())) > 0;) {

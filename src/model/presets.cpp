@@ -1,4 +1,5 @@
 #include "remat/config.h"
+#include "util/utf8.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -72,7 +73,7 @@ ModelConfig model_preset(const std::string& name) {
       return m;
     }
   }
-  throw std::invalid_argument(fmt::format("Unknown model preset '{}'; valid presets: {}.", name,
+  throw std::invalid_argument(fmt::format("Unknown model preset '{}'; valid presets: {}.", util::clip(name),
                                           fmt::join(preset_names(), ", ")));
 }
 

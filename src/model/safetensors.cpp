@@ -12,6 +12,7 @@
 #include <stdexcept>
 
 #include "util/atomic_file.h"
+#include "util/sha256.h"
 
 namespace remat::model {
 
@@ -244,9 +245,12 @@ const at::Tensor* SafeTensors::find(const std::string& name) const {
   return nullptr;
 }
 
-void save_safetensors(const std::string& path, const std::vector<TensorSpec>& specs,
+void save_safetensors(const std::string& path, const std::vector<TensorSpec>& given,
                       const std::function<at::Tensor(size_t)>& next,
-                      const std::map<std::string, std::string>& metadata) {
+                      const std::map<std::string, std::string>& metadata, bool checksum) {
+  std::vector<TensorSpec> specs = given;
+  // Last in the data section, so that its digest can cover every byte before it.
+  if (checksum) specs.push_back({kChecksumTensor, at::kByte, {64}});
   std::set<std::string> names;
   ordered_json header = ordered_json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
@@ -279,9 +283,14 @@ void save_safetensors(const std::string& path, const std::vector<TensorSpec>& sp
     prefix[i] = static_cast<unsigned char>(uint64_t{text.size()} >> (8 * i));
 
   util::AtomicFile file(path);
-  file.write(prefix, 8);
-  file.write(text);
-  for (size_t i = 0; i < specs.size(); ++i) {
+  util::Sha256 digest;
+  const auto write = [&](const void* data, size_t size) {
+    file.write(data, size);
+    if (checksum) digest.update(data, size);
+  };
+  write(prefix, 8);
+  write(text.data(), text.size());
+  for (size_t i = 0; i < given.size(); ++i) {
     const at::Tensor tensor = next(i);
     if (!tensor.defined() || tensor.layout() != at::kStrided || tensor.scalar_type() != specs[i].dtype ||
         tensor.sizes() != at::IntArrayRef(specs[i].sizes)) {
@@ -293,14 +302,36 @@ void save_safetensors(const std::string& path, const std::vector<TensorSpec>& sp
     }
     // resolve_*: a lazily negated/conjugated view must be written with its logical values.
     const at::Tensor cpu = tensor.resolve_conj().resolve_neg().to(at::kCPU).contiguous();
-    file.write(cpu.data_ptr(), cpu.nbytes());
+    write(cpu.data_ptr(), cpu.nbytes());
   }
+  if (checksum) file.write(digest.hex_digest());
   file.commit();
+}
+
+Checksum verify_safetensors_checksum(const std::string& path) {
+  int64_t size = 0;
+  File file = open_for_reading(path, size);
+  const SafeTensorsHeader header = read_header(file.get(), path, size);
+  if (header.tensors.empty()) return Checksum::absent;
+  const SafeTensorInfo& last = header.tensors.back();
+  if (last.name != kChecksumTensor || last.dtype != at::kByte || last.end - last.begin != 64) return Checksum::absent;
+  util::Sha256 digest;
+  std::vector<char> chunk(size_t{1} << 20);
+  const int64_t covered = header.data_start + last.begin;
+  for (int64_t at = 0; at < covered;) {
+    const int64_t n = std::min<int64_t>(static_cast<int64_t>(chunk.size()), covered - at);
+    read_exactly(file.get(), path, at, chunk.data(), n, "the data");
+    digest.update(chunk.data(), static_cast<size_t>(n));
+    at += n;
+  }
+  std::string recorded(64, '\0');
+  read_exactly(file.get(), path, covered, recorded.data(), 64, "the checksum");
+  return recorded == digest.hex_digest() ? Checksum::matches : Checksum::differs;
 }
 
 void save_safetensors(const std::string& path,
                       const std::vector<std::pair<std::string, at::Tensor>>& tensors,
-                      const std::map<std::string, std::string>& metadata) {
+                      const std::map<std::string, std::string>& metadata, bool checksum) {
   std::vector<TensorSpec> specs;
   for (const auto& [name, tensor] : tensors) {
     if (!tensor.defined() || tensor.layout() != at::kStrided) {
@@ -309,7 +340,7 @@ void save_safetensors(const std::string& path,
     }
     specs.push_back({name, tensor.scalar_type(), tensor.sizes().vec()});
   }
-  save_safetensors(path, specs, [&](size_t i) { return tensors[i].second; }, metadata);
+  save_safetensors(path, specs, [&](size_t i) { return tensors[i].second; }, metadata, checksum);
 }
 
 SafeTensorsHeader read_safetensors_header(const std::string& path) {

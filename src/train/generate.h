@@ -1,5 +1,6 @@
-// Autoregressive sampling from a model (no KV cache: each token re-runs the context,
-// which is what the demo sizes need).
+// Autoregressive sampling from a model. No KV cache: each token re-runs its context (at
+// most model.max_seq tokens), which is what the demo sizes need; past the context every
+// token costs the same, so a long generation takes time linear in its length.
 #pragma once
 
 #include "remat/model.h"
@@ -11,11 +12,17 @@
 
 namespace remat {
 
+/// Throws a sentence unless `temperature` is a number from 0 to 100.
+void check_temperature(double temperature);
+
 /// Continues `prompt` by `tokens` tokens, sampling with `temperature` (0: greedy) from the
 /// `top_k` most likely tokens (0: all). Deterministic for a seed. `on_text`, when given,
 /// receives the text as it grows (the prompt first), so a long generation shows at once;
-/// the pieces add up to the returned text.
+/// the pieces add up to the returned text. `temperature` must be finite, from 0 to 100.
+/// Sampling stops early at the end-of-text token; `generated`, when given, receives the
+/// number of tokens sampled before it (`tokens` when it never came).
 std::string sample_text(Model& model, const data::Tokenizer& tok, const std::string& prompt, int64_t tokens,
-                        double temperature, int64_t top_k, uint64_t seed, const TextSink& on_text = {});
+                        double temperature, int64_t top_k, uint64_t seed, const TextSink& on_text = {},
+                        int64_t* generated = nullptr);
 
 }  // namespace remat

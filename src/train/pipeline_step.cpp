@@ -151,7 +151,7 @@ double evaluate_pipeline(Model& model, dist::Group& pipe, const at::Tensor& toke
 
 void write_on_first_stage(dist::Group& pipe, std::vector<std::pair<std::string, at::Tensor>> mine,
                           const std::string& path, const std::map<std::string, std::string>& metadata,
-                          const std::string& what) {
+                          const std::string& what, bool checksum) {
   const int stage = pipe.rank();
   if (stage > 0) {
     // One line per tensor: name, dtype, sizes.
@@ -221,7 +221,7 @@ void write_on_first_stage(dist::Group& pipe, std::vector<std::pair<std::string, 
     if (src.stage == 0) return mine[src.index].second;
     while (received[static_cast<size_t>(src.stage)] < src.index) receive(src.stage);
     return receive(src.stage);
-  }, metadata);
+  }, metadata, checksum);
   // The copies after each stage's last written tensor.
   for (int from = 1; from < pipe.size(); ++from) {
     while (received[static_cast<size_t>(from)] < sent[static_cast<size_t>(from)].size()) receive(from);

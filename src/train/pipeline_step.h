@@ -55,9 +55,10 @@ double evaluate_pipeline(Model& model, dist::Group& pipe, const at::Tensor& toke
 /// stages send their names, dtypes and shapes first, then each tensor as the file reaches
 /// it, so the first stage holds its own tensors and one received at a time, never the
 /// whole model; they ignore `path` and `metadata`. `what` names the transfers in a failure.
+/// `checksum`: as model::save_safetensors's.
 void write_on_first_stage(dist::Group& pipe, std::vector<std::pair<std::string, at::Tensor>> mine,
                           const std::string& path, const std::map<std::string, std::string>& metadata,
-                          const std::string& what);
+                          const std::string& what, bool checksum = false);
 
 /// Sums the gradient of each tied parameter (Param::tied: GPT-2's embedding, read by the
 /// first stage's embedding and the last stage's head) between the first and the last

@@ -4,8 +4,15 @@
 
 #include <fmt/format.h>
 
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
+#include <cstring>
 #include <ctime>
 #include <filesystem>
 #include <numeric>
@@ -16,23 +23,67 @@ namespace fs = std::filesystem;
 namespace remat {
 using util::gnuplot_quote;
 
+RunLock::RunLock(const std::string& dir) {
+  const std::string path = dir + "/remat.lock";
+  fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644);
+  if (fd_ < 0) {
+    throw std::runtime_error(fmt::format("Cannot open the lock file {}: {}; a run directory must be writable.", path,
+                                         std::strerror(errno)));
+  }
+  if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
+    const int error = errno;
+    char text[32] = {};
+    const ssize_t n = ::pread(fd_, text, sizeof text - 1, 0);
+    const std::string pid = n > 0 ? std::string(text, static_cast<size_t>(n)) : "";
+    ::close(fd_);
+    if (error == EWOULDBLOCK) {
+      throw std::runtime_error(fmt::format(
+          "{} is in use by another remat process{}: one process at a time writes a run directory; wait for it to "
+          "finish (or stop it) before resuming the run.", dir,
+          pid.find_first_not_of("0123456789") == std::string::npos && !pid.empty() ? " (pid " + pid + ")" : ""));
+    }
+    throw std::runtime_error(fmt::format("Cannot lock {}: {}.", path, std::strerror(error)));
+  }
+  const std::string pid = std::to_string(::getpid());
+  if (::ftruncate(fd_, 0) != 0 || ::pwrite(fd_, pid.data(), pid.size(), 0) != static_cast<ssize_t>(pid.size())) {
+    const std::string error = std::strerror(errno);
+    ::close(fd_);
+    throw std::runtime_error(fmt::format("Cannot write the lock file {}: {}.", path, error));
+  }
+}
+
+RunLock::~RunLock() { ::close(fd_); }
+
+namespace {
+
+// `what` failed on `path` with `ec`: a sentence, not the library's "filesystem error: ...".
+[[noreturn]] void cannot(const std::string& what, const std::string& path, const std::error_code& ec,
+                         const std::string& hint) {
+  throw std::runtime_error(fmt::format("Cannot {} {}: {}; {}", what, path, ec.message(), hint));
+}
+
+}  // namespace
+
 RunDir::RunDir(const std::string& out_dir, const std::string& name, const std::string& preset) {
   const std::string base = name.empty() ? fmt::format("{}-{}", timestamp(), preset) : name;
   std::error_code ec;
   fs::create_directories(out_dir, ec);
-  if (ec) {
-    throw std::runtime_error(fmt::format("Cannot create the run output directory {}: {}.", out_dir, ec.message()));
-  }
+  if (ec) cannot("create the run output directory", out_dir, ec, "set run.out_dir to a writable directory.");
   path_ = out_dir + "/" + base;
-  for (int i = 2; fs::exists(path_); ++i) path_ = fmt::format("{}/{}-{}", out_dir, base, i);
-  fs::create_directories(path_);
-  metrics_.open(file("metrics.jsonl"));
-  if (!metrics_) throw std::runtime_error(fmt::format("Cannot write {}.", file("metrics.jsonl")));
+  // mkdir fails on an existing directory: whichever process makes it owns it.
+  for (int i = 2; ::mkdir(path_.c_str(), 0755) != 0; ++i) {
+    if (errno != EEXIST || i > 10000) {
+      cannot("create the run directory", path_, std::error_code(errno, std::generic_category()),
+             "set run.out_dir to a writable directory.");
+    }
+    path_ = fmt::format("{}/{}-{}", out_dir, base, i);
+  }
+  lock_ = std::make_unique<RunLock>(path_);
+  metrics_ = std::make_unique<util::AppendFile>(file("metrics.jsonl"), true);
 }
 
-RunDir::RunDir(const std::string& path) : path_(path) {
-  metrics_.open(file("metrics.jsonl"), std::ios::app);
-  if (!metrics_) throw std::runtime_error(fmt::format("Cannot append to {}.", file("metrics.jsonl")));
+RunDir::RunDir(const std::string& path, std::unique_ptr<RunLock> lock) : path_(path), lock_(std::move(lock)) {
+  metrics_ = std::make_unique<util::AppendFile>(file("metrics.jsonl"), false);
 }
 
 std::string RunDir::timestamp() {
@@ -43,14 +94,19 @@ std::string RunDir::timestamp() {
 }
 
 void RunDir::log_metrics(const nlohmann::json& record) {
-  metrics_ << record.dump() << '\n';
-  metrics_.flush();
+  try {
+    metrics_->append(record.dump() + "\n");
+  } catch (const std::runtime_error& e) {
+    const auto step = record.find("step");
+    throw std::runtime_error(fmt::format(
+        "{} The metrics{} are lost, so the run stops here; free space (or fix the file) and continue it from its "
+        "last checkpoint with `remat train --resume {}`.", e.what(),
+        step != record.end() ? fmt::format(" of step {}", step->dump()) : "", path_));
+  }
 }
 
 void RunDir::write_text(const std::string& name, const std::string& text) const {
-  std::ofstream out(file(name));
-  out << text;
-  if (!out) throw std::runtime_error(fmt::format("Cannot write {}.", file(name)));
+  util::write_file_atomically(file(name), text);
 }
 
 bool RunDir::plot_loss(const std::vector<std::pair<int64_t, double>>& train,

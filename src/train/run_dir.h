@@ -1,9 +1,11 @@
 // A run's directory: resolved config, metrics JSONL, weights, tokenizer, sample, plots.
 #pragma once
 
+#include "util/atomic_file.h"
+
 #include <nlohmann/json.hpp>
 
-#include <fstream>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -17,20 +19,39 @@ struct PlotPoint {
   std::string label;
 };
 
+/// One process's ownership of a run directory: an exclusive flock on "<dir>/remat.lock",
+/// which holds the owner's pid, kept until this object is destroyed (or the process ends,
+/// however it ends: the kernel releases the lock). A second owner is refused with a
+/// sentence naming the first one's pid.
+class RunLock {
+ public:
+  explicit RunLock(const std::string& dir);
+  ~RunLock();
+  RunLock(const RunLock&) = delete;
+  RunLock& operator=(const RunLock&) = delete;
+
+ private:
+  int fd_ = -1;
+};
+
 class RunDir {
  public:
-  /// Creates `<out_dir>/<name>` (name empty: "<YYYYmmdd-HHMMSS>-<preset>"; an existing
-  /// directory gets a numeric suffix rather than being overwritten).
+  /// Creates `<out_dir>/<name>` (name empty: "<YYYYmmdd-HHMMSS>-<preset>") and takes its
+  /// lock. The directory is created by this call alone: an existing one, even one another
+  /// process creates at the same moment, makes it try "<name>-2", "<name>-3", ...
   RunDir(const std::string& out_dir, const std::string& name, const std::string& preset);
-  /// Opens the existing run directory `path` to continue it: metrics are appended.
-  explicit RunDir(const std::string& path);
+  /// Continues the existing run directory `path`, whose lock the caller already holds
+  /// (`lock`, taken before anything in it was read): metrics are appended.
+  RunDir(const std::string& path, std::unique_ptr<RunLock> lock);
 
   const std::string& path() const { return path_; }
   std::string file(const std::string& name) const { return path_ + "/" + name; }
 
-  /// Appends one JSON object as a line of metrics.jsonl (flushed: a crash keeps it).
+  /// Appends one JSON object as a line of metrics.jsonl (written through: a crash keeps
+  /// it). A failed write (a full disk) throws a sentence naming the file and the reason.
   void log_metrics(const nlohmann::json& record);
-  /// Writes a whole text file in the run directory.
+  /// Writes a whole text file in the run directory, atomically; throws a sentence when it
+  /// cannot be written whole.
   void write_text(const std::string& name, const std::string& text) const;
 
   /// Renders loss.png with gnuplot: train and validation loss per step, and a dashed
@@ -50,7 +71,8 @@ class RunDir {
 
  private:
   std::string path_;
-  std::ofstream metrics_;
+  std::unique_ptr<RunLock> lock_;
+  std::unique_ptr<util::AppendFile> metrics_;
 };
 
 }  // namespace remat

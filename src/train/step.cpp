@@ -8,8 +8,10 @@
 #include "train/data_parallel.h"
 #include "train/device.h"
 #include "train/pipeline_step.h"
+#include "util/utf8.h"
 
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 #include <torch/version.h>
 
 #include <algorithm>
@@ -372,10 +374,50 @@ void TrainStep::save_checkpoint(const std::string& path, int64_t steps, const st
   metadata.insert(extra.begin(), extra.end());  // never in place of the step's own
   if (stage_giver) {
     write_on_first_stage(*pipe_, std::move(tensors), path, metadata,
-                         fmt::format("gathering the stages' tensors for the checkpoint after step {}", steps));
+                         fmt::format("gathering the stages' tensors for the checkpoint after step {}", steps),
+                         /*checksum=*/true);
   } else {
-    model::save_safetensors(path, tensors, metadata);
+    model::save_safetensors(path, tensors, metadata, /*checksum=*/true);
   }
+}
+
+std::string checkpoint_metadata_problem(const std::map<std::string, std::string>& metadata, CheckpointState* state) {
+  const auto field = [&](const std::string& key) -> const std::string* {
+    const auto it = metadata.find(key);
+    return it == metadata.end() ? nullptr : &it->second;
+  };
+  const std::string* format = field("format");
+  if (format == nullptr) return "its metadata has no 'format': it is no remat training checkpoint";
+  if (*format != kCheckpointFormat) {
+    return fmt::format("its format is {}, not '{}'", nlohmann::json(util::clip(*format)).dump(-1, ' ', false,
+                       nlohmann::json::error_handler_t::replace), kCheckpointFormat);
+  }
+  // A whole decimal count in [lowest, 2^30] (train.steps' bound), else why not.
+  const auto count = [&](const std::string& key, int64_t lowest, int64_t& out) -> std::string {
+    const std::string* text = field(key);
+    if (text == nullptr) return "its metadata has no '" + key + "'";
+    if (text->empty() || text->size() > 10 || text->find_first_not_of("0123456789") != std::string::npos ||
+        (out = std::stoll(*text)) < lowest || out > (int64_t{1} << 30)) {
+      return fmt::format("its '{}' is '{}', not a count from {} to 2^30", key, util::clip(*text, 40), lowest);
+    }
+    return "";
+  };
+  CheckpointState parsed;
+  if (std::string why = count("steps", 1, parsed.steps); !why.empty()) return why;
+  if (std::string why = count("adam_steps", 0, parsed.adam_steps); !why.empty()) return why;
+  // Every step ends in one AdamW update (a non-finite one stops the run before it).
+  if (parsed.adam_steps != parsed.steps) {
+    return fmt::format("its 'adam_steps' ({}) is not its 'steps' ({}): every step makes one optimizer update",
+                       parsed.adam_steps, parsed.steps);
+  }
+  const std::string* rng = field("rng");
+  if (rng == nullptr) return "its metadata has no 'rng'";
+  // The engine's text form: 312 words of state and the position, nothing else.
+  std::istringstream in(*rng);
+  in >> parsed.rng;
+  if (in.fail() || !(in >> std::ws).eof()) return "its 'rng' is not the state of the data sampler's generator";
+  if (state != nullptr) *state = std::move(parsed);
+  return "";
 }
 
 int64_t TrainStep::load_checkpoint(const std::string& path, std::mt19937_64& rng) {
@@ -389,12 +431,8 @@ int64_t TrainStep::load_checkpoint(const std::string& path, std::mt19937_64& rng
   const auto refuse = [&](const std::string& why) {
     return std::runtime_error(fmt::format("{} is not a training checkpoint of this model: {}.", path, why));
   };
-  const auto meta = [&](const std::string& key) {
-    const auto it = file.metadata.find(key);
-    if (it == file.metadata.end()) throw refuse("its metadata has no '" + key + "'");
-    return it->second;
-  };
-  if (meta("format") != kCheckpointFormat) throw refuse("its format is '" + meta("format") + "'");
+  CheckpointState state;
+  if (const std::string why = checkpoint_metadata_problem(file.metadata, &state); !why.empty()) throw refuse(why);
   // Everything is checked before anything is written.
   // Checked against the whole parameters (a tensor-parallel rank holds a part of each).
   const auto tensor = [&](const std::string& name, size_t i, bool required) -> const at::Tensor* {
@@ -408,16 +446,24 @@ int64_t TrainStep::load_checkpoint(const std::string& path, std::mt19937_64& rng
     }
     return t;
   };
-  const int64_t adam_steps = std::stoll(meta("adam_steps"));
+  const int64_t adam_steps = state.adam_steps;
   for (size_t i = 0; i < model_.params().size(); ++i) {
     const std::string& name = model_.params()[i].name;
     tensor("param." + name, i, true);
     tensor("exp_avg." + name, i, adam_steps > 0);
     tensor("exp_avg_sq." + name, i, adam_steps > 0);
   }
-  std::mt19937_64 restored;
-  std::istringstream(meta("rng")) >> restored;
-  const int64_t steps = std::stoll(meta("steps"));
+  // A non-finite value would be blamed on the learning rate a step later; it is the file's.
+  for (const auto& [name, t] : file.tensors) {
+    if (at::isFloatingType(t.scalar_type()) && !at::isfinite(t).all().item<bool>()) {
+      throw std::runtime_error(fmt::format(
+          "The checkpoint {} holds a NaN or an infinity in '{}', which training never saves, so the file was damaged "
+          "after it was written (not by the learning rate); remove it to resume from an earlier checkpoint, or start "
+          "the run again.", path, name));
+    }
+  }
+  const std::mt19937_64 restored = state.rng;
+  const int64_t steps = state.steps;
 
   c10::NoGradGuard no_grad;
   optimizer_.state().clear();

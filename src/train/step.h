@@ -135,6 +135,19 @@ class TrainStep {
   std::string where_non_finite(int64_t step) const;
 };
 
+/// The training state a checkpoint's metadata records.
+struct CheckpointState {
+  int64_t steps = 0;       ///< completed steps
+  int64_t adam_steps = 0;  ///< AdamW updates (one per step)
+  std::mt19937_64 rng;     ///< the data sampler's generator after `steps` steps
+};
+
+/// Why the metadata of a file TrainStep::save_checkpoint wrote cannot be a checkpoint's
+/// (its format, each count out of range, an unreadable rng state), as a clause ("its
+/// 'steps' is ..."); "" when it can, and then `state` (if given) gets its values.
+std::string checkpoint_metadata_problem(const std::map<std::string, std::string>& metadata,
+                                        CheckpointState* state = nullptr);
+
 /// The name of the first parameter, in model order, whose values (with `grads`: whose
 /// gradients) hold a NaN or an infinity; empty when none does. One pass, one host read.
 std::string first_non_finite(const Model& model, bool grads = false);

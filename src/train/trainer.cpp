@@ -9,6 +9,7 @@
 #include "remat/tokenizer.h"
 #include "remat/trace.h"
 #include "run/run.h"
+#include "train/checkpoints.h"
 #include "train/data_parallel.h"
 #include "train/device.h"
 #include "train/generate.h"
@@ -118,67 +119,6 @@ class StopSignals {
   struct sigaction old_term_ {};
 };
 
-fs::path checkpoint_dir(const std::string& run_dir) { return fs::path(run_dir) / "checkpoints"; }
-
-// The run's checkpoints, oldest first (the zero-padded step orders the names).
-std::vector<fs::path> checkpoints(const std::string& run_dir) {
-  std::vector<fs::path> out;
-  std::error_code ec;
-  for (const auto& e : fs::directory_iterator(checkpoint_dir(run_dir), ec)) {
-    const std::string name = e.path().filename().string();
-    if (name.rfind("step-", 0) == 0 && e.path().extension() == ".safetensors") out.push_back(e.path());
-  }
-  std::sort(out.begin(), out.end());
-  return out;
-}
-
-// Writes the state after `steps` steps, flushes the directory entry, then removes all but
-// the newest `keep` checkpoints. A tensor-parallel rank that does not `write` only gives
-// its parts to the gather.
-void write_checkpoint(const TrainStep& stepper, const std::string& run_dir, int64_t steps, const std::mt19937_64& rng,
-                      int64_t keep, bool write, const std::string& plan_json) {
-  const fs::path dir = checkpoint_dir(run_dir);
-  const std::string path = (dir / fmt::format("step-{:08d}.safetensors", steps)).string();
-  const std::map<std::string, std::string> plan{{"plan", plan_json}};
-  if (!write) {
-    stepper.save_checkpoint(path, steps, rng, false, plan);
-    return;
-  }
-  fs::create_directories(dir);
-  stepper.save_checkpoint(path, steps, rng, true, plan);
-  util::sync_directory(dir.string());
-  const std::vector<fs::path> all = checkpoints(run_dir);
-  for (size_t i = 0; i + static_cast<size_t>(keep) < all.size(); ++i) fs::remove(all[i]);
-}
-
-// What a killed write leaves behind: "<file>.tmp.<pid>" in the run or checkpoint directory.
-void remove_temp_files(const std::string& run_dir) {
-  for (const fs::path& dir : {fs::path(run_dir), checkpoint_dir(run_dir)}) {
-    std::error_code ec;
-    for (const auto& e : fs::directory_iterator(dir, ec)) {
-      if (e.path().filename().string().find(".tmp.") != std::string::npos) fs::remove(e.path(), ec);
-    }
-  }
-}
-
-// Keeps the metrics of the first `steps` steps (and the validations up to them), dropping
-// what a stopped run logged after its last checkpoint; returns them.
-std::vector<nlohmann::json> keep_metrics(const std::string& run_dir, int64_t steps) {
-  const std::string path = (fs::path(run_dir) / "metrics.jsonl").string();
-  std::istringstream lines(util::read_file(path, "the metrics"));
-  std::vector<nlohmann::json> kept;
-  std::string text;
-  for (std::string line; std::getline(lines, line);) {
-    const nlohmann::json j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
-    // A line cut short by a kill is not JSON; everything after the checkpoint goes too.
-    if (!j.is_object() || !j.contains("step") || j["step"].get<int64_t>() > steps) continue;
-    kept.push_back(j);
-    text += line + "\n";
-  }
-  util::write_file_atomically(path, text);
-  return kept;
-}
-
 }  // namespace
 
 double learning_rate(const TrainConfig& t, int64_t step) {
@@ -244,28 +184,33 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   check_split_fits(train_ds, "training", t.seq);
   check_split_fits(val_ds, "validation", t.seq);
 
-  // A resumed run continues from its newest checkpoint, with the plan it trained with (older
-  // checkpoints hold none: planned again), and the metrics logged up to it.
-  std::vector<fs::path> saved;
+  // A resumed run continues from its newest whole checkpoint, with the plan it trained with
+  // (older checkpoints hold none: planned again), and the metrics logged up to it. One that
+  // stopped after its last step but before its final files writes those.
+  ResumePoint resumed;
   int64_t first_step = 0;
   std::vector<nlohmann::json> logged;
   std::optional<SavedPlan> saved_plan;
+  std::unique_ptr<RunLock> run_lock;
   if (!resume_dir.empty()) {
-    // Rank 0 clears what a killed write left before any rank lists the checkpoints.
-    rank0_first(ranks.get(), "clearing the run's temporary files", [&] {
-      if (lead) remove_temp_files(resume_dir);
+    // Rank 0 takes the directory's lock (held to the end) before anything in it is read or
+    // removed, clears what a killed write left and sets damaged checkpoints aside, before
+    // any other rank lists them; a refusal there ends every rank.
+    rank0_first(ranks.get(), "checking the run's checkpoints", [&] {
+      if (lead) {
+        run_lock = std::make_unique<RunLock>(resume_dir);
+        remove_temp_files(resume_dir);
+      }
+      resumed = resume_point(resume_dir, lead, [](const std::string& note) { fmt::print(stderr, "{}\n", note); });
     });
-    saved = checkpoints(resume_dir);
-    if (saved.empty()) {
-      throw std::invalid_argument(fmt::format("{} has no training checkpoint to resume from (none was written before "
-                                              "the run stopped); start the run again.", resume_dir));
-    }
-    const std::map<std::string, std::string> meta = model::read_safetensors_header(saved.back().string()).metadata;
-    first_step = std::stoll(meta.at("steps"));
-    if (first_step >= t.steps) {
+    first_step = resumed.steps;
+    const std::map<std::string, std::string>& meta = resumed.metadata;
+    if (first_step >= t.steps && fs::exists(fs::path(resume_dir) / "summary.json") &&
+        fs::exists(fs::path(resume_dir) / "model.safetensors")) {
       throw std::invalid_argument(fmt::format("{} finished all {} steps; there is nothing to resume.", resume_dir,
                                               t.steps));
     }
+    check_same_data(resume_dir, corpus, meta);
     if (const auto plan = meta.find("plan"); plan != meta.end()) {
       saved_plan = parse_saved_plan(plan->second, cfg.model.n_layer, pp);
     }
@@ -317,10 +262,12 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   std::unique_ptr<RunDir> run;
   if (lead) {
     run = resume_dir.empty() ? std::make_unique<RunDir>(cfg.run.out_dir, cfg.run.name, cfg.model.preset)
-                             : std::make_unique<RunDir>(resume_dir);
+                             : std::make_unique<RunDir>(resume_dir, std::move(run_lock));
     run->write_text("config.toml", config_to_toml(cfg));
-    std::filesystem::copy_file(corpus.tokenizer_path(), run->file("tokenizer.model"),
-                               std::filesystem::copy_options::overwrite_existing);
+    // A resumed run keeps the tokenizer it trained with (check_same_data held it to it).
+    if (resume_dir.empty()) {
+      run->write_text("tokenizer.model", util::read_file(corpus.tokenizer_path(), "the prepared tokenizer"));
+    }
   }
 
   TrainSummary sum;
@@ -386,12 +333,13 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
 
   std::mt19937_64 rng(static_cast<uint64_t>(cfg.run.seed));
   std::vector<std::pair<int64_t, double>> train_curve, val_curve;
+  std::vector<double> step_times;
   if (first_step == 0) {
     sum.initial_val_loss = validation_loss(*model, val_ds, t, 0, data_ranks, pipe);
     val_curve.emplace_back(0, sum.initial_val_loss);
     log_metrics({{"kind", "val"}, {"step", 0}, {"val_loss", sum.initial_val_loss}});
   } else {
-    stepper.load_checkpoint(saved.back().string(), rng);
+    stepper.load_checkpoint(resumed.path.string(), rng);
     for (const nlohmann::json& j : logged) {
       const int64_t s = j["step"].get<int64_t>();
       if (j["kind"] == "val") {
@@ -399,6 +347,7 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
         (s == 0 ? sum.initial_val_loss : sum.final_val_loss) = j["val_loss"].get<double>();
       } else if (j["kind"] == "train") {
         train_curve.emplace_back(s, j["loss"].get<double>());
+        step_times.push_back(j["step_seconds"].get<double>());
         sum.losses.push_back(j["loss"].get<double>());
         sum.tokens += tokens_per_step;
         sum.peak_bytes = std::max(sum.peak_bytes, j["peak_bytes"].get<int64_t>());
@@ -410,12 +359,12 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
         }
       }
     }
-    fmt::print(stderr, "resuming {} after step {} from {}\n", run_path, first_step, saved.back().string());
+    fmt::print(stderr, "{} {} after step {} from {}\n", first_step < t.steps ? "resuming" : "writing the final files of",
+               run_path, first_step, resumed.path.string());
   }
 
   ProgressBar bar(t.steps, cfg.run.progress);
   if (first_step == 0) bar.message(fmt::format("step 0: validation loss {:.4f}", sum.initial_val_loss));
-  std::vector<double> step_times;
   // The traced step is the third (or the last of fewer): the first two pay for allocation and caches.
   const int64_t traced_step = cfg.run.trace.empty() ? -1 : std::min<int64_t>(2, t.steps - 1);
   const StopSignals signals;
@@ -474,7 +423,9 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
     // its tensor-parallel peers' parts and, under ZeRO-1, the other ranks' moments
     // gathered into it.
     if ((lead || stepper.gives_to_checkpoint()) && ((step + 1) % t.checkpoint_every == 0 || last || stop != 0)) {
-      write_checkpoint(stepper, run_path, step + 1, rng, t.keep_checkpoints, lead, plan_json);
+      std::map<std::string, std::string> extra = data_digests(corpus);
+      extra.emplace("plan", plan_json);
+      write_checkpoint(stepper, run_path, step + 1, rng, t.keep_checkpoints, lead, extra);
     }
     if (stop != 0 && !last) {
       bar.finish();
@@ -491,7 +442,8 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
 
   sum.steps = t.steps;
   // The first steps pay for allocation and caches; the median of the rest is the rate.
-  const std::vector<double> steady(step_times.begin() + std::min<size_t>(step_times.size() - 1, 2), step_times.end());
+  const std::vector<double> steady(
+      step_times.begin() + (step_times.empty() ? 0 : std::min<size_t>(step_times.size() - 1, 2)), step_times.end());
   sum.median_step_seconds = median(steady);
   sum.tokens_per_second = tokens_per_step / sum.median_step_seconds;
   sum.model_flops_per_second = flops_per_token * sum.tokens_per_second;
@@ -542,7 +494,7 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
       {"parameters", sum.num_params},
       {"initial_val_loss", sum.initial_val_loss},
       {"final_val_loss", sum.final_val_loss},
-      {"final_train_loss", sum.losses.back()},
+      {"final_train_loss", sum.losses.empty() ? nlohmann::json() : nlohmann::json(sum.losses.back())},
       {"unigram_entropy", sum.unigram_entropy},
       {"median_step_seconds", sum.median_step_seconds},
       {"tokens_per_second", sum.tokens_per_second},

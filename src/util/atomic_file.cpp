@@ -1,12 +1,11 @@
 #include "util/atomic_file.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
-#include <fstream>
-#include <sstream>
 #include <stdexcept>
 
 namespace remat::util {
@@ -17,8 +16,19 @@ std::string errno_text() { return std::strerror(errno); }
 
 }  // namespace
 
-AtomicFile::AtomicFile(std::string path)
-    : path_(std::move(path)), temp_path_(path_ + ".tmp." + std::to_string(::getpid())) {
+std::string temp_path_of(const std::string& path) { return path + ".tmp." + std::to_string(::getpid()); }
+
+bool is_temp_name_of(std::string_view name, std::string_view base) {
+  const std::string_view infix = ".tmp.";
+  if (name.size() <= base.size() + infix.size() || name.substr(0, base.size()) != base ||
+      name.substr(base.size(), infix.size()) != infix) {
+    return false;
+  }
+  const std::string_view pid = name.substr(base.size() + infix.size());
+  return pid.size() <= 10 && pid.find_first_not_of("0123456789") == std::string_view::npos;
+}
+
+AtomicFile::AtomicFile(std::string path) : path_(std::move(path)), temp_path_(temp_path_of(path_)) {
   file_ = std::fopen(temp_path_.c_str(), "wb");
   if (file_ == nullptr) {
     throw std::runtime_error("Cannot create " + temp_path_ + ": " + errno_text() + ".");
@@ -73,13 +83,92 @@ void write_file_atomically(const std::string& path, std::string_view bytes) {
   file.commit();
 }
 
-std::string read_file(const std::string& path, const std::string& what) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw std::runtime_error("Cannot open " + what + " " + path + ": " + errno_text() + ".");
-  std::ostringstream content;
-  content << in.rdbuf();
-  if (in.bad()) throw std::runtime_error("Cannot read " + what + " " + path + ".");
-  return std::move(content).str();
+namespace {
+
+std::string kind_of(mode_t mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISFIFO(mode)) return "a FIFO (named pipe)";
+  if (S_ISSOCK(mode)) return "a socket";
+  if (S_ISCHR(mode) || S_ISBLK(mode)) return "a device";
+  return "not a regular file";
+}
+
+std::string not_regular(const std::string& what, const std::string& path, mode_t mode) {
+  return "Cannot read " + what + " " + path + ": it is " + kind_of(mode) +
+         ", not a regular file; remat reads only regular files (a FIFO or device could make it wait or read for "
+         "ever): give the path of a file.";
+}
+
+}  // namespace
+
+std::string read_file(const std::string& path, const std::string& what, int64_t max_bytes) {
+  // O_NONBLOCK: opening a FIFO with no writer returns at once instead of waiting; fstat
+  // then refuses it, and the descriptor that is checked is the one read.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) throw std::runtime_error("Cannot open " + what + " " + path + ": " + errno_text() + ".");
+  struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }
+  } closer{fd};
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) throw std::runtime_error("Cannot read " + what + " " + path + ": " + errno_text() + ".");
+  if (!S_ISREG(st.st_mode)) throw std::runtime_error(not_regular(what, path, st.st_mode));
+  if (st.st_size > max_bytes) {
+    throw std::runtime_error("Cannot read " + what + " " + path + ": it holds " + std::to_string(st.st_size) +
+                             " bytes, more than the " + std::to_string(max_bytes) + " such a file can hold.");
+  }
+  std::string content;
+  char chunk[1 << 16];
+  for (;;) {
+    const ssize_t n = ::read(fd, chunk, sizeof chunk);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) throw std::runtime_error("Cannot read " + what + " " + path + ": " + errno_text() + ".");
+    if (n == 0) break;
+    if (static_cast<int64_t>(content.size()) + n > max_bytes) {
+      throw std::runtime_error("Cannot read " + what + " " + path + ": it grew past the " +
+                               std::to_string(max_bytes) + " bytes such a file can hold while being read.");
+    }
+    content.append(chunk, static_cast<size_t>(n));
+  }
+  return content;
+}
+
+void check_regular_file(const std::string& path, const std::string& what) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode)) throw std::runtime_error(not_regular(what, path, st.st_mode));
+}
+
+AppendFile::AppendFile(std::string path, bool truncate) : path_(std::move(path)) {
+  // O_NONBLOCK for the open only: a FIFO without a reader fails at once (ENXIO) instead of
+  // waiting, and one with a reader is refused by the check below.
+  fd_ = ::open(path_.c_str(), O_WRONLY | O_APPEND | O_CREAT | O_NONBLOCK | O_CLOEXEC | (truncate ? O_TRUNC : 0), 0644);
+  if (fd_ < 0) {
+    const std::string error = errno_text();
+    struct stat st {};
+    if (::stat(path_.c_str(), &st) == 0 && !S_ISREG(st.st_mode)) {
+      throw std::runtime_error("Cannot write " + path_ + ": it is " + kind_of(st.st_mode) +
+                               ", not a regular file; remove it.");
+    }
+    throw std::runtime_error("Cannot open " + path_ + " for writing: " + error + ".");
+  }
+  struct stat st {};
+  if (::fstat(fd_, &st) != 0 || !S_ISREG(st.st_mode) || ::fcntl(fd_, F_SETFL, O_WRONLY | O_APPEND) != 0) {
+    const std::string kind = kind_of(st.st_mode);
+    ::close(fd_);
+    throw std::runtime_error("Cannot write " + path_ + ": it is " + kind + ", not a regular file; remove it.");
+  }
+}
+
+AppendFile::~AppendFile() { ::close(fd_); }
+
+void AppendFile::append(std::string_view bytes) {
+  while (!bytes.empty()) {
+    const ssize_t n = ::write(fd_, bytes.data(), bytes.size());
+    if (n < 0 && errno == EINTR) continue;
+    // write() returning 0 for a non-empty buffer is a full device as well.
+    if (n <= 0) throw std::runtime_error("Cannot write " + path_ + ": " + (n < 0 ? errno_text() : "nothing was written") + ".");
+    bytes.remove_prefix(static_cast<size_t>(n));
+  }
 }
 
 }  // namespace remat::util

@@ -2,13 +2,15 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
+#include <limits>
 #include <cstdio>
 #include <string>
 #include <string_view>
 
 namespace remat::util {
 
-/// Writes go to "<path>.tmp.<pid>" in the same directory; commit() flushes them to disk
+/// Writes go to temp_path_of(path), "<path>.tmp.<pid>" in the same directory; commit() flushes them to disk
 /// and renames the file over `path`. Destroyed without commit() (an error on the way),
 /// it removes the temporary file and `path` keeps its old content, if any.
 class AtomicFile {
@@ -28,6 +30,12 @@ class AtomicFile {
   std::FILE* file_ = nullptr;
 };
 
+/// "<path>.tmp.<pid of this process>": where AtomicFile writes before the rename.
+std::string temp_path_of(const std::string& path);
+/// Whether the file name `name` is one AtomicFile wrote for a file named `base` (in the same
+/// directory): base + ".tmp." + a process id, nothing else.
+bool is_temp_name_of(std::string_view name, std::string_view base);
+
 /// Flushes `dir`'s entries to disk, so that a rename into it survives a crash.
 void sync_directory(const std::string& dir);
 
@@ -35,6 +43,32 @@ void sync_directory(const std::string& dir);
 void write_file_atomically(const std::string& path, std::string_view bytes);
 
 /// The whole content of `path`; `what` names the file in the error ("the tokenizer model").
-std::string read_file(const std::string& path, const std::string& what = "file");
+/// A path that is not a regular file (a FIFO, device, socket or directory) is refused
+/// without waiting on it, and so is a file larger than `max_bytes`.
+std::string read_file(const std::string& path, const std::string& what = "file",
+                      int64_t max_bytes = std::numeric_limits<int64_t>::max());
+
+/// Throws a sentence naming `what` and `path` when `path` exists and is not a regular file
+/// (opening a FIFO waits for a writer for ever), for files a library opens by name.
+void check_regular_file(const std::string& path, const std::string& what);
+
+/// A file appended to a record at a time (a run's metrics): each append() is written whole
+/// or throws a sentence naming the file and the system's reason (a full disk), so that a
+/// lost record is never silent. Refuses a path that is not a regular file.
+class AppendFile {
+ public:
+  /// Opens `path` for appending, creating it; `truncate` empties it first.
+  AppendFile(std::string path, bool truncate);
+  ~AppendFile();
+  AppendFile(const AppendFile&) = delete;
+  AppendFile& operator=(const AppendFile&) = delete;
+
+  void append(std::string_view bytes);
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+  int fd_ = -1;
+};
 
 }  // namespace remat::util

@@ -38,4 +38,12 @@ size_t find_invalid_utf8(std::string_view text) {
   return std::string_view::npos;
 }
 
+std::string clip(std::string_view text, size_t max_bytes) {
+  if (text.size() <= max_bytes) return std::string(text);
+  size_t end = max_bytes;
+  // Back over continuation bytes to the start of the character that would be cut.
+  while (end > 0 && (static_cast<unsigned char>(text[end]) & 0xC0) == 0x80) --end;
+  return std::string(text.substr(0, end)) + "... (" + std::to_string(text.size()) + " bytes in all)";
+}
+
 }  // namespace remat::util

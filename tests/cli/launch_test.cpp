@@ -1,7 +1,8 @@
 // `remat launch`: the arguments reach every rank, a failing rank stops the job with a
 // sentence, bad arguments start nothing, and signals reach the ranks. Ranks that must stay
-// alive run `plan --config FIFO`: they block opening the FIFO, which costs no CPU and ends
-// only by a signal, so every timing here is a wait on an event, not a guess.
+// alive are the first node's of a two-node job whose second node never comes: they wait in
+// the rendezvous for parallel.timeout (far longer than any test), which ends only by a
+// signal here, so every timing here is a wait on an event, not a guess.
 #include "cli/launch.h"
 #include "remat/cost.h"
 #include "remat/model.h"
@@ -78,19 +79,20 @@ class Launch : public ::testing::Test {
  protected:
   void SetUp() override {
     dir_ = remat::testing::test_dir("remat-launch-");
-    fifo_ = (dir_ / "config.fifo").string();
-    ASSERT_EQ(::mkfifo(fifo_.c_str(), 0600), 0);
   }
   void TearDown() override { fs::remove_all(dir_); }
 
-  // Starts `remat launch --nproc 2 [extra] plan --config FIFO`, output to dir_/log, SIGTERM
-  // ignored from the start when `ignore_sigterm` (its ranks inherit that); returns its pid
-  // once both ranks run `remat`, or -1.
+  // Starts the first node of a two-node `remat launch --nproc 2 [extra] train`, output to
+  // dir_/log, SIGTERM ignored from the start when `ignore_sigterm` (its ranks inherit that);
+  // returns its pid once both ranks run `remat`, or -1.
   pid_t start_blocked_launch(const std::vector<std::string>& extra, bool ignore_sigterm) {
     std::string cmd = std::string(ignore_sigterm ? "trap '' TERM; " : "") + "exec " + REMAT_BINARY;
-    cmd += " launch --nproc 2";
+    cmd += " launch --nproc 2 --nnodes 2 --node-rank 0 --master-addr 127.0.0.1 --master-port " +
+           std::to_string(free_port());
     for (const std::string& a : extra) cmd += " " + a;
-    const pid_t pid = remat::testing::start_shell(cmd + " plan --config " + fifo_, dir_ / "log");
+    const pid_t pid = remat::testing::start_shell(
+        cmd + " train model.preset=tiny-gpt2 parallel.timeout=3600 run.out_dir=" + (dir_ / "runs").string() +
+            " data.dir=" + (dir_ / "data").string(), dir_ / "log");
     for (auto waited = 0ms; waited < 20s; waited += 10ms) {
       if (ranks_of(pid).size() == 2) return pid;
       std::this_thread::sleep_for(10ms);
@@ -102,7 +104,6 @@ class Launch : public ::testing::Test {
   }
 
   fs::path dir_;
-  std::string fifo_;
 };
 
 TEST(LaunchEnvironment, SetsTheTorchrunVariablesAndDropsTheAgentStore) {

@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <sys/stat.h>
 
 #include "data/temp_dir.h"
 #include "data/test_text.h"
@@ -223,10 +224,22 @@ TEST(Corpus, RefusesMissingEmptyAndNonUtf8Files) {
                        " is not valid UTF-8: the sequence at byte offset 27 (starting 0xE9) is "
                        "invalid.");
 
-  options.text_file = "/dev/zero";  // endless: refused at its first byte, not after filling memory
+  options.text_file = dir / "binary.txt";
+  write(*options.text_file, std::string("text\0more", 9));
   error = error_of([&] { prepare_corpus(options); });
-  EXPECT_EQ(error, "The text file /dev/zero holds a NUL byte at offset 0: it is binary data, not text; give a UTF-8 "
-                   "text file.");
+  EXPECT_EQ(error, "The text file " + *options.text_file + " holds a NUL byte at offset 4: it is binary data, not "
+                   "text; give a UTF-8 text file.");
+
+  // Endless or blocking sources: refused before a byte is read, not after filling memory
+  // or waiting for a writer for ever.
+  const std::string fifo = dir / "text.fifo";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  for (const std::string& source : {std::string("/dev/zero"), fifo}) {
+    options.text_file = source;
+    error = error_of([&] { prepare_corpus(options); });
+    EXPECT_EQ(error, "The text file " + source + " is not a regular file (a FIFO, device or socket); remat reads text "
+                     "only from regular files, which cannot make it wait or read for ever: give a file.");
+  }
 
   options.text_file = dir / "blank.txt";
   write(*options.text_file, " \n\n\t\n");

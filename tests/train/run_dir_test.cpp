@@ -3,10 +3,14 @@
 #include "train/run_dir.h"
 
 #include "data/temp_dir.h"
+#include "util/error_of.h"
+#include "util/file_limit.h"
 
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <filesystem>
+#include <fstream>
 #include <string>
 
 namespace remat {
@@ -30,6 +34,59 @@ TEST(RunDirPlots, ADirectoryNameThatWouldBreakTheScriptIsOnlyAName) {
     }
     EXPECT_FALSE(fs::exists(marker)) << name;
   }
+}
+
+std::string error_of(const std::function<void()>& f) { return remat::testing::error_of<std::runtime_error>(f); }
+
+// One process at a time writes a run directory: a second owner (here a second lock in
+// this process, as flock locks belong to open files) is refused with the first's pid.
+TEST(RunDirOwnership, ASecondOwnerIsRefusedNamingTheFirst) {
+  testing::TempDir dir;
+  const RunDir run(dir / "runs", "x", "tiny-gpt2");
+  EXPECT_EQ(error_of([&] { RunLock again(run.path()); }),
+            run.path() + " is in use by another remat process (pid " + std::to_string(::getpid()) +
+                "): one process at a time writes a run directory; wait for it to finish (or stop it) before resuming "
+                "the run.");
+  // Two runs given the same name get a directory each, never a shared one.
+  const RunDir twin(dir / "runs", "x", "tiny-gpt2");
+  EXPECT_EQ(twin.path(), dir / "runs/x-2");
+  // A name taken by a file (another process's, made between a check and a mkdir) is skipped.
+  std::ofstream(dir / "runs/x-3") << "not a directory";
+  EXPECT_EQ(RunDir(dir / "runs", "x", "tiny-gpt2").path(), dir / "runs/x-4");
+}
+
+TEST(RunDirOwnership, TheLockEndsWithItsOwner) {
+  testing::TempDir dir;
+  std::string path;
+  { path = RunDir(dir / "runs", "x", "tiny-gpt2").path(); }
+  EXPECT_EQ(error_of([&] { RunLock again(path); }), "");
+}
+
+TEST(RunDirWrites, AFailedMetricsWriteStopsTheRunWithASentence) {
+  testing::TempDir dir;
+  RunDir run(dir / "runs", "x", "tiny-gpt2");
+  const nlohmann::json record = {{"kind", "train"}, {"step", 2}, {"loss", 1.5}, {"pad", std::string(100, 'p')}};
+  std::string error;
+  {
+    const testing::FileSizeLimit full(200);
+    run.log_metrics(record);
+    error = error_of([&] { run.log_metrics(record); });
+  }
+  EXPECT_EQ(error, "Cannot write " + run.file("metrics.jsonl") + ": File too large. The metrics of step 2 are lost, so "
+                   "the run stops here; free space (or fix the file) and continue it from its last checkpoint with "
+                   "`remat train --resume " + run.path() + "`.");
+}
+
+TEST(RunDirWrites, AnOutputDirectoryThatCannotExistIsASentence) {
+  testing::TempDir dir;
+  std::ofstream(dir / "file") << "a file, not a directory";
+  EXPECT_EQ(error_of([&] { RunDir(dir / "file/runs", "x", "tiny-gpt2"); }),
+            "Cannot create the run output directory " + (dir / "file/runs") +
+                ": Not a directory; set run.out_dir to a writable directory.");
+  std::filesystem::create_symlink(dir / "loop", dir / "loop");
+  EXPECT_EQ(error_of([&] { RunDir(dir / "loop", "x", "tiny-gpt2"); }).find("Cannot create the run output directory " +
+                                                                             (dir / "loop") + ": "),
+            0u);
 }
 
 }  // namespace

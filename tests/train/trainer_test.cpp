@@ -3,6 +3,7 @@
 #include "remat/safetensors.h"
 #include "remat/trainer.h"
 #include "run/planning.h"
+#include "train/checkpoint_files.h"
 #include "train/step.h"
 
 #include <gtest/gtest.h>
@@ -99,6 +100,21 @@ TEST_F(Trainer, GenerateFromARunReproducesTheFinalSample) {
   EXPECT_EQ(text.rfind(cfg.run.prompt, 0), 0u);
 }
 
+// Far past the context (32 tokens here) every token still streams: the stream once stopped
+// for good at the first character split over byte pieces (decoded as U+FFFD until its last
+// byte came), printing the same text for any longer --tokens.
+TEST_F(Trainer, GenerateStreamsEveryTokenPastTheContext) {
+  const TrainSummary s = train(config("long-gen"));
+  std::string streamed;
+  int64_t generated = 0;
+  const std::string text = generate_from_run(s.run_dir, "the", 400, 1.0, 40, 3, "",
+                                             [&](std::string_view piece) { streamed += piece; }, &generated);
+  EXPECT_EQ(generated, 400);
+  EXPECT_EQ(streamed, text);
+  EXPECT_GT(text.size(), 400u);
+  EXPECT_LT(generate_from_run(s.run_dir, "the", 200, 1.0, 40, 3).size(), text.size());
+}
+
 // The message a failed run gives, or "" when it trains to the end.
 std::string failure_of(const std::function<void()>& f) {
   try {
@@ -160,9 +176,7 @@ TEST_F(Trainer, AResumedRunRunsThePlanItsCheckpointHolds) {
   const Config saved = load_config((run / "config.toml").string(), {});
   // The file is freed before the run: its tensors would count in the run's measured memory.
   const auto rewrite_plan = [&](const std::string& plan) {
-    model::SafeTensors file = model::load_safetensors(second.string());
-    file.metadata["plan"] = plan;
-    model::save_safetensors(second.string(), file.tensors, file.metadata);
+    testing::rewrite_checkpoint(second.string(), [&](model::SafeTensors& file) { file.metadata["plan"] = plan; });
   };
 
   RunPlan full;
