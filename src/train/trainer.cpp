@@ -32,6 +32,7 @@
 #include <filesystem>
 #include <map>
 #include <memory>
+#include <numeric>
 #include <optional>
 #include <random>
 #include <sstream>
@@ -119,6 +120,348 @@ class StopSignals {
   struct sigaction old_term_ {};
 };
 
+// This process's place in the job (alone: rank 0 of one, no groups).
+struct Ranks {
+  std::unique_ptr<dist::Comm> comm;
+  bool lead = true;
+  int dp = 1, world = 1;
+  dist::Group* data = nullptr;    // the data-parallel ranks
+  dist::Group* tensor = nullptr;  // the tensor-parallel ranks sharing every layer
+  dist::Group* pipe = nullptr;    // the pipeline's stages
+  int64_t stage = 0;
+};
+
+// Several ranks: each data-parallel rank trains on its share of every batch, each group
+// of parallel.tp ranks shares every layer; rank 0 alone prints and writes the run directory.
+Ranks join(const Config& cfg) {
+  Ranks r;
+  r.comm = join_ranks(cfg, "train");
+  if (r.comm == nullptr) return r;
+  r.lead = r.comm->rank() == 0;
+  r.dp = r.comm->data().size();
+  r.world = r.comm->size();
+  r.data = &r.comm->data();
+  if (cfg.parallel.tp > 1) r.tensor = &r.comm->tensor();
+  if (cfg.parallel.pp > 1) {
+    r.pipe = &r.comm->pipeline();
+    r.stage = r.pipe->rank();
+  }
+  return r;
+}
+
+// Where a resumed run starts: its newest whole checkpoint, the plan it trained with (older
+// checkpoints hold none: planned again), the metrics logged up to it (rank 0's), and the
+// directory's lock.
+struct Resumed {
+  ResumePoint point;
+  std::vector<nlohmann::json> logged;
+  std::optional<SavedPlan> plan;
+  std::unique_ptr<RunLock> lock;
+};
+
+Resumed open_resume(const std::string& dir, const Ranks& ranks, const data::CorpusInfo& corpus, const Config& cfg) {
+  Resumed r;
+  // Rank 0 takes the directory's lock (held to the end) before anything in it is read or
+  // removed, clears what a killed write left and sets damaged checkpoints aside, before
+  // any other rank lists them; a refusal there ends every rank.
+  rank0_first(ranks.comm.get(), "checking the run's checkpoints", [&] {
+    if (ranks.lead) {
+      r.lock = std::make_unique<RunLock>(dir);
+      remove_temp_files(dir);
+    }
+    r.point = resume_point(dir, ranks.lead, [](const std::string& note) { fmt::print(stderr, "{}\n", note); });
+  });
+  // One that stopped after its last step but before its final files writes those.
+  if (r.point.steps >= cfg.train.steps && fs::exists(fs::path(dir) / "summary.json") &&
+      fs::exists(fs::path(dir) / "model.safetensors")) {
+    throw std::invalid_argument(fmt::format("{} finished all {} steps; there is nothing to resume.", dir,
+                                            cfg.train.steps));
+  }
+  check_same_data(dir, corpus, r.point.metadata);
+  if (const auto plan = r.point.metadata.find("plan"); plan != r.point.metadata.end()) {
+    r.plan = parse_saved_plan(plan->second, cfg.model.n_layer, cfg.parallel.pp);
+  }
+  if (ranks.lead) r.logged = keep_metrics(dir, r.point.steps);
+  return r;
+}
+
+// Rank 0's run directory: a new one, or the resumed one under its lock.
+std::unique_ptr<RunDir> open_run_dir(const Config& cfg, const std::string& resume_dir, std::unique_ptr<RunLock> lock,
+                                     const data::CorpusInfo& corpus) {
+  auto run = resume_dir.empty() ? std::make_unique<RunDir>(cfg.run.out_dir, cfg.run.name, cfg.model.preset)
+                                : std::make_unique<RunDir>(resume_dir, std::move(lock));
+  run->write_text("config.toml", config_to_toml(cfg));
+  // A resumed run keeps the tokenizer it trained with (check_same_data held it to it).
+  if (resume_dir.empty()) {
+    run->write_text("tokenizer.model", util::read_file(corpus.tokenizer_path(), "the prepared tokenizer"));
+  }
+  return run;
+}
+
+// The loss curves and step times of a run.
+struct Curves {
+  std::vector<std::pair<int64_t, double>> train, val;
+  std::vector<double> step_times;
+};
+
+// What a resumed run's kept metrics said, into `sum` and `curves`, as if it ran them now.
+void replay_metrics(const std::vector<nlohmann::json>& logged, int64_t tokens_per_step, TrainSummary& sum,
+                    Curves& curves) {
+  for (const nlohmann::json& j : logged) {
+    const int64_t s = j["step"].get<int64_t>();
+    if (j["kind"] == "val") {
+      curves.val.emplace_back(s, j["val_loss"].get<double>());
+      (s == 0 ? sum.initial_val_loss : sum.final_val_loss) = j["val_loss"].get<double>();
+    } else if (j["kind"] == "train") {
+      curves.train.emplace_back(s, j["loss"].get<double>());
+      curves.step_times.push_back(j["step_seconds"].get<double>());
+      sum.losses.push_back(j["loss"].get<double>());
+      sum.tokens += tokens_per_step;
+      sum.peak_bytes = std::max(sum.peak_bytes, j["peak_bytes"].get<int64_t>());
+      keep_highest(sum.rank_peak_bytes, j.value("rank_peak_bytes", std::vector<int64_t>{}));
+      sum.activation_bytes = j["activation_bytes"].get<int64_t>();
+      if (s == 1) {
+        sum.recompute_ops_per_step = j["ops_recomputed"].get<int64_t>();
+        sum.recomputed_bytes_per_step = j["bytes_recomputed"].get<int64_t>();
+      }
+    }
+  }
+}
+
+// The job's parameters (sum.num_params) and model FLOPs per training token: what every rank
+// computes per token of its data-parallel share. A tensor-parallel group does each token's
+// work once between its ranks (and the whole parts on each); a pipeline's stages each hold
+// and run their own layers (the tied embedding's copy on the last stage counted once).
+double count_work(Model& model, const Ranks& ranks, const Config& cfg, TrainSummary& sum) {
+  const int64_t seq = cfg.train.seq, tp = cfg.parallel.tp;
+  sum.num_params = model.num_params();
+  double forward_flops = model.forward_flops(seq) * static_cast<double>(tp);
+  if (ranks.pipe != nullptr) {
+    int64_t own = model.num_params();
+    for (const Param& p : model.params()) own -= p.tied && !model.first_stage() ? p.value.numel() : 0;
+    forward_flops = 0;
+    sum.num_params = 0;
+    // Each rank's FLOPs are its share; its parameters are counted whole on every
+    // tensor-parallel rank.
+    for (const auto& f : ranks.comm->all_gather({std::llround(model.forward_flops(seq)), own},
+                                                "gathering the stages' parameter counts and FLOPs")) {
+      forward_flops += static_cast<double>(f[0]) / ranks.dp;
+      sum.num_params += f[1] / (ranks.dp * tp);
+    }
+  }
+  return 3.0 * forward_flops / static_cast<double>(seq);
+}
+
+// The lines before the first step: the model, the data, the steps, then the run as
+// `remat plan` prints it (and plan.txt, with every layer spelled out).
+void print_header(const RunSpec& spec, const TrainSummary& sum, const std::string& where, const data::Tokenizer& tok,
+                  RunDir* run) {
+  const Config& cfg = spec.cfg;
+  const TrainConfig& t = cfg.train;
+  fmt::print(stderr, "remat: {} ({}), {} parameters, {} layers, d_model {}, context {}; {}\n", cfg.model.preset,
+             arch_name(cfg.model.arch), format_count(static_cast<double>(sum.num_params)), cfg.model.n_layer,
+             cfg.model.d_model, cfg.model.max_seq, where);
+  // Padding rows (model.vocab_multiple x parallel.tp, or a larger model.vocab_size) are said
+  // here, since the config shows only the padded size.
+  const data::CorpusInfo& corpus = *spec.corpus;
+  const int64_t padding = cfg.model.vocab_size - tok.vocab_size();
+  fmt::print(stderr, "data: {} train / {} validation tokens, vocabulary {}{}, unigram entropy {:.3f} nats/token\n",
+             format_count(static_cast<double>(corpus.train_tokens)), format_count(static_cast<double>(corpus.val_tokens)),
+             tok.vocab_size(),
+             padding > 0 ? fmt::format(" (the model's {} rows: {} padding rows no token uses)", cfg.model.vocab_size,
+                                       padding)
+                         : "",
+             corpus.train_unigram_entropy);
+  fmt::print(stderr, "training: {} steps x {} tokens ({} x {} x {} accum{}); run dir {}\n", t.steps,
+             t.batch * t.seq * t.grad_accum, t.batch, t.seq, t.grad_accum, describe_ranks(spec.local), sum.run_dir);
+  const std::string plan_text = render_text(spec);
+  fmt::print(stderr, "{}", plan_text);
+  const RunPlan& planned = spec.plan;
+  if (spec.layout.tp > 1) {
+    const cost::NodeTimes& links = planned.profile.times;
+    const double unit = planned.profile.seconds_per_unit;
+    fmt::print(stderr, "tensor-parallel links measured at {:.2f} GB/s a rank sends and {:.1f} us a ring step; the "
+               "recompute re-runs {:.1f} ms of collectives\n", links.link_bytes_per_second / unit / 1e9,
+               1e6 * links.link_latency_seconds * unit, 1e3 * planned.predicted.recompute_link_seconds * unit);
+  }
+  if (run != nullptr) run->write_text("plan.txt", plan_text + "\n" + plan_listing(spec));
+}
+
+// One step's line of metrics.jsonl; `peaks` every rank's.
+nlohmann::json step_metrics(int64_t step, const StepResult& r, const std::vector<int64_t>& peaks,
+                            int64_t tokens_per_step, int64_t predicted_activations, int64_t predicted_peak) {
+  const StoreCounters& c = r.counters;
+  return {{"kind", "train"}, {"step", step}, {"loss", r.loss}, {"lr", r.lr},
+          {"grad_norm", r.grad_norm}, {"step_seconds", r.seconds},
+          {"tokens_per_second", tokens_per_step / r.seconds}, {"memory_bytes", r.current_bytes},
+          {"peak_bytes", *std::max_element(peaks.begin(), peaks.end())}, {"rank_peak_bytes", peaks},
+          {"activation_bytes", r.activations.total()}, {"predicted_activation_bytes", predicted_activations},
+          {"predicted_peak_bytes", predicted_peak},
+          {"ops_recomputed", c.ops_recomputed}, {"bytes_recomputed", c.bytes_recomputed},
+          {"pool_hits", c.pool.hits}, {"pool_misses", c.pool.misses}, {"pool_bytes_served", c.pool.bytes_served},
+          {"reduce_buckets", r.reduce_buckets}, {"reduce_buckets_overlapped", r.reduce_buckets_overlapped}};
+}
+
+// The first step's word on what it saved and recomputed, beside the prediction.
+std::string first_step_line(const StepResult& r, int64_t peak, int64_t predicted_activations) {
+  const StoreCounters& c = r.counters;
+  const int64_t pooled = c.pool.hits + c.pool.misses;
+  return fmt::format("step 1: saved activations {} (predicted {}), peak {}; recompute re-ran {} ops, {} recomputed{}",
+                     memory::format_bytes(r.activations.total()), memory::format_bytes(predicted_activations),
+                     memory::format_bytes(peak), c.ops_recomputed, memory::format_bytes(c.bytes_recomputed),
+                     pooled > 0 ? fmt::format(", {} of {} allocations from the pool", c.pool.hits, pooled) : "");
+}
+
+// The trained weights into model.safetensors (the tokenizer's rows only: the shapes
+// Hugging Face expects; the training checkpoints keep the padding rows, so that a resume
+// continues bitwise) and the sample. Tensor-parallel ranks gather the weights and sample
+// together (each token's logits gathered from the vocabulary's shares); a pipeline's stages
+// give their weights to rank 0, which samples from the whole model once they are written.
+// The ranks part here: what follows is rank 0's.
+void export_weights(std::unique_ptr<Model>& model, const RunSpec& spec, at::Device device, const Ranks& ranks,
+                    const data::Tokenizer& tok, RunDir* run, TrainSummary& sum) {
+  const Config& cfg = spec.cfg;
+  const auto sample = [&] {
+    sum.sample = sample_text(*model, tok, cfg.run.prompt, cfg.run.sample_tokens, 0.8, 40,
+                             static_cast<uint64_t>(cfg.run.seed));
+  };
+  std::vector<std::pair<std::string, at::Tensor>> weights;
+  const std::map<std::string, std::string> metadata{
+      {"format", "pt"}, {"remat.arch", arch_name(cfg.model.arch)}, {"remat.preset", cfg.model.preset}};
+  if (ranks.pipe != nullptr) {
+    if (ranks.data->rank() == 0) {
+      // Whole from the tensor-parallel parts (every rank of the group), then from the stages.
+      auto stage_weights = model->whole_params(tok.vocab_size());
+      if (ranks.tensor == nullptr || ranks.tensor->rank() == 0) {
+        write_on_first_stage(*ranks.pipe, std::move(stage_weights), ranks.lead ? run->file("model.safetensors") : "",
+                             metadata, "gathering the stages' weights for model.safetensors");
+      }
+    }
+  } else if (ranks.lead || ranks.tensor != nullptr) {
+    weights = model->whole_params(tok.vocab_size());
+    if (cfg.run.sample_tokens > 0) sample();
+  }
+  if (ranks.comm != nullptr) ranks.comm->finish();
+  if (!ranks.lead) return;
+  if (ranks.pipe == nullptr) model::save_safetensors(run->file("model.safetensors"), weights, metadata);
+  if (ranks.pipe != nullptr && cfg.run.sample_tokens > 0) {
+    model.reset();  // the stage's memory goes before the whole model comes
+    model = Model::create(cfg.model, device, spec.dtype, static_cast<uint64_t>(cfg.run.seed));
+    model->load(run->file("model.safetensors"));
+    sample();
+  }
+  if (cfg.run.sample_tokens > 0) run->write_text("sample.txt", sum.sample + "\n");
+}
+
+// The median step time past the first steps, which pay for allocation and caches.
+double steady_median(const std::vector<double>& times) {
+  return median({times.begin() + (times.empty() ? 0 : std::min<size_t>(times.size() - 1, 2)), times.end()});
+}
+
+// What a run stopped by `signal` after `step` says: where its checkpoint is and how to go on.
+std::string stopped_line(int signal, int64_t step, const std::string& run_dir, int world) {
+  return fmt::format("{} after step {}: the checkpoint is in {}; continue with `remat {}train --resume {}`\n",
+                     signal == SIGINT ? "interrupted (SIGINT)" : "terminated (SIGTERM)", step,
+                     checkpoint_dir(run_dir).string(), world > 1 ? fmt::format("launch --nproc {} ", world) : "",
+                     run_dir);
+}
+
+// The machine a run trained on, as summary.json and the report name it.
+struct Machine {
+  at::Device device;
+  int threads = 0;
+  double matmul_rate = 0;  // this rank's measured matmul FLOP/s
+};
+
+// summary.json and the lines after the last step: loss, speed against the machine's
+// matmul rate, and the measured peak against the prediction and the budget.
+void report(const RunSpec& spec, const Ranks& ranks, const Machine& machine, const TrainSummary& sum,
+            int64_t predicted_activations, const std::vector<int64_t>& rank_predicted, RunDir& run,
+            const Curves& curves, int64_t traced_step) {
+  const Config& cfg = spec.cfg;
+  const RunPlan& planned = spec.plan;
+  std::string why;
+  const bool plotted = run.plot_loss(curves.train, curves.val, sum.unigram_entropy, &why);
+  const nlohmann::json summary = {
+      {"steps", sum.steps},
+      {"tokens", sum.tokens},
+      {"parameters", sum.num_params},
+      {"initial_val_loss", sum.initial_val_loss},
+      {"final_val_loss", sum.final_val_loss},
+      {"final_train_loss", sum.losses.empty() ? nlohmann::json() : nlohmann::json(sum.losses.back())},
+      {"unigram_entropy", sum.unigram_entropy},
+      {"median_step_seconds", sum.median_step_seconds},
+      {"tokens_per_second", sum.tokens_per_second},
+      {"model_flops_per_second", sum.model_flops_per_second},
+      {"matmul_flops_per_second", sum.matmul_flops_per_second},
+      {"efficiency", sum.model_flops_per_second / sum.matmul_flops_per_second},
+      {"peak_bytes", sum.peak_bytes},
+      {"ranks", ranks.dp},
+      {"tp", cfg.parallel.tp},
+      {"pp", cfg.parallel.pp},
+      {"stage_layers", planned.split},
+      {"predicted_rank_peak_bytes", rank_predicted},
+      {"sp", cfg.parallel.sp},
+      {"rank_peak_bytes", sum.rank_peak_bytes},
+      {"activation_bytes", sum.activation_bytes},
+      {"threads", machine.threads},
+      {"blas", blas_name()},
+      {"device", machine.device.str()},
+      {"dtype", cfg.run.dtype},
+      {"recompute", planned.plan.policy},
+      {"predicted_activation_bytes", predicted_activations},
+      {"recompute_ops_per_step", sum.recompute_ops_per_step},
+      {"recomputed_bytes_per_step", sum.recomputed_bytes_per_step},
+      {"predicted_peak_bytes", sum.predicted_peak_bytes},
+      {"predicted_recompute_flops_per_step", planned.predicted.recompute_flops},
+      {"budget_bytes", sum.budget_bytes},
+      {"predicted_step_seconds", sum.predicted_step_seconds},
+      {"predicted_none_peak_bytes", planned.none_peak},
+      {"predicted_none_step_seconds", planned.none_step_seconds},
+  };
+  run.write_text("summary.json", summary.dump(2) + "\n");
+
+  fmt::print(stderr, "\n");
+  if (cfg.run.sample_tokens > 0) fmt::print(stderr, "sample: {}\n\n", sum.sample);
+  fmt::print(stderr, "validation loss {:.4f} -> {:.4f} nats/token (unigram entropy of the corpus {:.4f})\n",
+             sum.initial_val_loss, sum.final_val_loss, sum.unigram_entropy);
+  fmt::print(stderr, "step time {:.1f} ms (median, recompute {}), {} tokens/s\n", sum.median_step_seconds * 1e3,
+             planned.plan.policy, format_count(sum.tokens_per_second));
+  if (sum.predicted_step_seconds > 0) {
+    fmt::print(stderr, "predicted step time {:.1f} ms: measured {:+.1f}%\n", sum.predicted_step_seconds * 1e3,
+               100.0 * (sum.median_step_seconds - sum.predicted_step_seconds) / sum.predicted_step_seconds);
+  }
+  fmt::print(stderr, "compute {} FLOP/s of a measured {} FLOP/s {} matmul peak{}: efficiency {:.0f}%\n",
+             format_count(sum.model_flops_per_second), format_count(sum.matmul_flops_per_second), cfg.run.dtype,
+             ranks.world > 1 ? fmt::format(" ({} ranks x {})", ranks.world, format_count(machine.matmul_rate)) : "",
+             100.0 * sum.model_flops_per_second / sum.matmul_flops_per_second);
+  fmt::print(stderr, "memory peak {} per step (predicted {}, {:+.1f}%), of which saved activations {} per "
+             "microbatch (predicted {})\n", memory::format_bytes(sum.peak_bytes),
+             memory::format_bytes(sum.predicted_peak_bytes),
+             100.0 * static_cast<double>(sum.peak_bytes - sum.predicted_peak_bytes) /
+                 static_cast<double>(sum.predicted_peak_bytes),
+             memory::format_bytes(sum.activation_bytes), memory::format_bytes(predicted_activations));
+  if (ranks.world > 1) {
+    fmt::print(stderr, "memory peak per rank: {}\n", format_rank_peaks(sum.rank_peak_bytes, rank_predicted));
+  }
+  if (sum.budget_bytes > 0) {
+    fmt::print(stderr, "budget {}: measured peak {} it; without recompute the step would peak at {} (predicted){}\n",
+               memory::format_bytes(sum.budget_bytes), sum.peak_bytes <= sum.budget_bytes ? "stayed within" : "EXCEEDED",
+               memory::format_bytes(planned.none_peak),
+               planned.none_step_seconds > 0
+                   ? fmt::format(" and take {:.1f} ms (predicted; this plan: {:.1f} ms measured, {:.1f} ms predicted)",
+                                 1e3 * planned.none_step_seconds, 1e3 * sum.median_step_seconds,
+                                 1e3 * sum.predicted_step_seconds)
+                   : "");
+  }
+  fmt::print(stderr, "run directory {}: config.toml, plan.txt, metrics.jsonl, model.safetensors, tokenizer.model{}{}, "
+             "summary.json\n", run.path(), plotted ? ", loss.png" : "", cfg.run.sample_tokens > 0 ? ", sample.txt" : "");
+  if (!plotted) fmt::print(stderr, "no loss plot: {}\n", why);
+  if (traced_step >= 0) {
+    fmt::print(stderr, "trace of step {}: {} (open it in https://ui.perfetto.dev)\n", traced_step + 1, cfg.run.trace);
+  }
+}
+
 }  // namespace
 
 double learning_rate(const TrainConfig& t, int64_t step) {
@@ -153,20 +496,8 @@ data::CorpusInfo prepare_data(const DataConfig& d) {
 TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   Config cfg = cfg_in;
   const auto& t = cfg.train;
-  // Several ranks: each data-parallel rank trains on its share of every batch, each group
-  // of parallel.tp ranks shares every layer; rank 0 alone prints and writes the run
-  // directory.
-  const std::unique_ptr<dist::Comm> ranks = join_ranks(cfg, "train");
-  const bool lead = ranks == nullptr || ranks->rank() == 0;
-  const int dp = ranks != nullptr ? ranks->data().size() : 1;
-  const int64_t tp = cfg.parallel.tp, pp = cfg.parallel.pp;
-  const int world = ranks != nullptr ? ranks->size() : 1;
-  dist::Group* data_ranks = ranks != nullptr ? &ranks->data() : nullptr;
-  dist::Group* tensor_ranks = tp > 1 ? &ranks->tensor() : nullptr;
-  // Pipeline parallel: this rank's stage, and the ranks of its pipeline.
-  dist::Group* pipe = pp > 1 ? &ranks->pipeline() : nullptr;
-  const int64_t stage = pipe != nullptr ? pipe->rank() : 0;
-  const QuietStderr quiet(!lead);
+  const Ranks ranks = join(cfg);
+  const QuietStderr quiet(!ranks.lead);
   const int threads = set_threads(rank_threads(cfg));
   const at::Device device = parse_device(cfg.run.device);
   const at::ScalarType dtype = parse_dtype(cfg.run.dtype, device);
@@ -176,245 +507,112 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
 
   // Data: prepared once per (text, vocabulary) and cached.
   data::CorpusInfo corpus;
-  rank0_first(ranks.get(), "preparing the corpus", [&] { corpus = prepare_data(cfg.data); });
+  rank0_first(ranks.comm.get(), "preparing the corpus", [&] { corpus = prepare_data(cfg.data); });
   const data::Tokenizer tok = data::Tokenizer::load(corpus.tokenizer_path());
   cfg = resolve_config(cfg, corpus);
   data::TokenDataset train_ds = data::TokenDataset::open(corpus, data::Split::train);
   data::TokenDataset val_ds = data::TokenDataset::open(corpus, data::Split::val);
   check_split_fits(train_ds, "training", t.seq);
   check_split_fits(val_ds, "validation", t.seq);
+  Resumed resumed = resume_dir.empty() ? Resumed{} : open_resume(resume_dir, ranks, corpus, cfg);
+  const int64_t first_step = resumed.point.steps;
 
-  // A resumed run continues from its newest whole checkpoint, with the plan it trained with
-  // (older checkpoints hold none: planned again), and the metrics logged up to it. One that
-  // stopped after its last step but before its final files writes those.
-  ResumePoint resumed;
-  int64_t first_step = 0;
-  std::vector<nlohmann::json> logged;
-  std::optional<SavedPlan> saved_plan;
-  std::unique_ptr<RunLock> run_lock;
-  if (!resume_dir.empty()) {
-    // Rank 0 takes the directory's lock (held to the end) before anything in it is read or
-    // removed, clears what a killed write left and sets damaged checkpoints aside, before
-    // any other rank lists them; a refusal there ends every rank.
-    rank0_first(ranks.get(), "checking the run's checkpoints", [&] {
-      if (lead) {
-        run_lock = std::make_unique<RunLock>(resume_dir);
-        remove_temp_files(resume_dir);
-      }
-      resumed = resume_point(resume_dir, lead, [](const std::string& note) { fmt::print(stderr, "{}\n", note); });
-    });
-    first_step = resumed.steps;
-    const std::map<std::string, std::string>& meta = resumed.metadata;
-    if (first_step >= t.steps && fs::exists(fs::path(resume_dir) / "summary.json") &&
-        fs::exists(fs::path(resume_dir) / "model.safetensors")) {
-      throw std::invalid_argument(fmt::format("{} finished all {} steps; there is nothing to resume.", resume_dir,
-                                              t.steps));
-    }
-    check_same_data(resume_dir, corpus, meta);
-    if (const auto plan = meta.find("plan"); plan != meta.end()) {
-      saved_plan = parse_saved_plan(plan->second, cfg.model.n_layer, pp);
-    }
-    if (lead) logged = keep_metrics(resume_dir, first_step);
-  }
-
+  // The run resolved: the time profile is measured on the whole model (a pipeline plans
+  // before its stage exists, from a probe's), once per attention op and loss head.
   const auto create = [&](const ModelConfig& m, StageSpan span) {
-    return Model::create(m, device, dtype, static_cast<uint64_t>(cfg.run.seed), tensor_ranks, cfg.parallel.sp, span);
+    return Model::create(m, device, dtype, static_cast<uint64_t>(cfg.run.seed), ranks.tensor, cfg.parallel.sp, span);
   };
-  const double matmul_rate =
-      measure_matmul_flops(device, dtype, rank_share(cfg).train.batch * t.seq, cfg.model.d_model, cfg.model.d_ff);
-  // The time profile is measured on the whole model; a pipeline plans before its stage
-  // exists (the planner chooses its layers), from a probe's. Under model.attention = auto,
-  // once per op.
+  const Machine machine{device, threads, measure_matmul_flops(device, dtype, rank_share(cfg).train.batch * t.seq,
+                                                              cfg.model.d_model, cfg.model.d_ff)};
   std::unique_ptr<Model> model;
-  RunInputs in;
-  in.dtype = dtype;
-  in.stage = stage;
-  in.corpus = corpus;
-  in.corpus_dir = corpus_dir(cfg.data);
-  in.saved = saved_plan ? &*saved_plan : nullptr;
+  RunInputs in{dtype, ranks.stage, corpus, corpus_dir(cfg.data), {}, resumed.plan ? &*resumed.plan : nullptr};
   in.profile_of = [&](const Config& op) {
-    return run_time_profile(op, device, dtype, train_ds, ranks.get(), matmul_rate,
+    return run_time_profile(op, device, dtype, train_ds, ranks.comm.get(), machine.matmul_rate,
                             [&] { return create(op.model, {}); }, model);
   };
   const RunSpec spec = resolve_run(cfg, in);
   cfg = spec.cfg;  // the autos resolved
-  const Config& local = spec.local;
   const RunPlan& planned = spec.plan;
-  // Profiled another op or head last.
+  // Profiled another op or head last, or a pipeline's probe.
   if (model && (model->config().attention != cfg.model.attention || model->config().loss_head != cfg.model.loss_head)) {
     model.reset();
   }
-  const std::string plan_json = saved_plan_json(planned);
   if (!model) {
-    int64_t first = 0;
-    for (int64_t s = 0; s < stage; ++s) first += planned.split[static_cast<size_t>(s)];
-    model = create(cfg.model, {first, planned.split[static_cast<size_t>(stage)]});
+    const auto& split = planned.split;
+    const int64_t first = std::accumulate(split.begin(), split.begin() + ranks.stage, int64_t{0});
+    model = create(cfg.model, {first, split[static_cast<size_t>(ranks.stage)]});
   }
-  const ActivationPlan& plan = planned.plan;
-  apply_plan(*model, plan, cfg.ac);
-  const ActivationBytes predicted = model->predict_activation_bytes(local.train.batch, t.seq);
-  TrainStep stepper(*model, local.train, static_cast<uint64_t>(cfg.run.seed), ranks.get(), cfg.parallel.zero,
-                    cfg.parallel.schedule, cfg.parallel.overlap_grad_reduce);
+  apply_plan(*model, planned.plan, cfg.ac);
+  const int64_t predicted = model->predict_activation_bytes(spec.local.train.batch, t.seq).total();
+  TrainStep stepper(*model, spec.local.train, static_cast<uint64_t>(cfg.run.seed), ranks.comm.get(),
+                    cfg.parallel.zero, cfg.parallel.schedule, cfg.parallel.overlap_grad_reduce);
   // Each rank's predicted peak: its stage's (rank = stage x dp x tp + ...).
-  const std::vector<int64_t> rank_predicted = rank_predictions(planned.stage_peaks, world, dp * tp);
-
-  // Rank 0 alone writes the run directory.
+  const std::vector<int64_t> rank_predicted = rank_predictions(planned.stage_peaks, ranks.world, ranks.dp * cfg.parallel.tp);
   std::unique_ptr<RunDir> run;
-  if (lead) {
-    run = resume_dir.empty() ? std::make_unique<RunDir>(cfg.run.out_dir, cfg.run.name, cfg.model.preset)
-                             : std::make_unique<RunDir>(resume_dir, std::move(run_lock));
-    run->write_text("config.toml", config_to_toml(cfg));
-    // A resumed run keeps the tokenizer it trained with (check_same_data held it to it).
-    if (resume_dir.empty()) {
-      run->write_text("tokenizer.model", util::read_file(corpus.tokenizer_path(), "the prepared tokenizer"));
-    }
-  }
+  if (ranks.lead) run = open_run_dir(cfg, resume_dir, std::move(resumed.lock), corpus);
 
   TrainSummary sum;
-  const std::string run_path = run ? run->path() : resume_dir;
-  sum.run_dir = run_path;
-  const auto log_metrics = [&](const nlohmann::json& record) {
-    if (run) run->log_metrics(record);
-  };
+  sum.run_dir = run ? run->path() : resume_dir;
   sum.unigram_entropy = corpus.train_unigram_entropy;
-  sum.num_params = model->num_params();
-  sum.predicted_activation_bytes = predicted.total();
-  const int64_t tokens_per_step = t.batch * t.seq * t.grad_accum;
-  // What every rank computes per token of its data-parallel share: a tensor-parallel group
-  // does each token's work once between its ranks (and the whole parts on each).
-  // A pipeline's stages each hold and run their own layers: parameters (the tied
-  // embedding's copy on the last stage counted once) and FLOPs summed over the stages.
-  double forward_flops = model->forward_flops(t.seq) * static_cast<double>(tp);
-  if (pipe != nullptr) {
-    int64_t own = model->num_params();
-    for (const Param& p : model->params()) own -= p.tied && !model->first_stage() ? p.value.numel() : 0;
-    forward_flops = 0;
-    sum.num_params = 0;
-    // Each rank's FLOPs are its share; its parameters are counted whole on every
-    // tensor-parallel rank.
-    for (const auto& f : ranks->all_gather({std::llround(model->forward_flops(t.seq)), own},
-                                           "gathering the stages' parameter counts and FLOPs")) {
-      forward_flops += static_cast<double>(f[0]) / dp;
-      sum.num_params += f[1] / (dp * tp);
-    }
-  }
-  const double flops_per_token = 3.0 * forward_flops / static_cast<double>(t.seq);
+  sum.predicted_activation_bytes = predicted;
+  const double flops_per_token = count_work(*model, ranks, cfg, sum);
   // The job's rate: each rank measured its own, at its threads, beside the others.
-  sum.matmul_flops_per_second = matmul_rate * world;
+  sum.matmul_flops_per_second = machine.matmul_rate * ranks.world;
   sum.predicted_peak_bytes = planned.peak();
   sum.budget_bytes = planned.budget;
   sum.predicted_step_seconds = planned.step_seconds;
-
-  fmt::print(stderr, "remat: {} ({}), {} parameters, {} layers, d_model {}, context {}; {} on {} ({} threads)\n",
-             cfg.model.preset, arch_name(cfg.model.arch), format_count(static_cast<double>(sum.num_params)), cfg.model.n_layer,
-             cfg.model.d_model, cfg.model.max_seq, cfg.run.dtype, device.str(), threads);
-  // Padding rows (model.vocab_multiple x parallel.tp, or a larger model.vocab_size) are said
-  // here, since the config shows only the padded size.
-  const int64_t padding = cfg.model.vocab_size - tok.vocab_size();
-  fmt::print(stderr, "data: {} train / {} validation tokens, vocabulary {}{}, unigram entropy {:.3f} nats/token\n",
-             format_count(static_cast<double>(corpus.train_tokens)), format_count(static_cast<double>(corpus.val_tokens)),
-             tok.vocab_size(),
-             padding > 0 ? fmt::format(" (the model's {} rows: {} padding rows no token uses)", cfg.model.vocab_size,
-                                       padding)
-                         : "",
-             corpus.train_unigram_entropy);
-  fmt::print(stderr, "training: {} steps x {} tokens ({} x {} x {} accum{}); run dir {}\n", t.steps,
-             tokens_per_step, t.batch, t.seq, t.grad_accum, describe_ranks(local), run_path);
-  const std::string plan_text = render_text(spec);
-  fmt::print(stderr, "{}", plan_text);
-  if (tp > 1) {
-    const cost::NodeTimes& links = planned.profile.times;
-    const double unit = planned.profile.seconds_per_unit;
-    fmt::print(stderr, "tensor-parallel links measured at {:.2f} GB/s a rank sends and {:.1f} us a ring step; the "
-               "recompute re-runs {:.1f} ms of collectives\n", links.link_bytes_per_second / unit / 1e9,
-               1e6 * links.link_latency_seconds * unit, 1e3 * planned.predicted.recompute_link_seconds * unit);
-  }
-  if (run) run->write_text("plan.txt", plan_text + "\n" + plan_listing(spec));
-
+  print_header(spec, sum, fmt::format("{} on {} ({} threads)", cfg.run.dtype, device.str(), threads), tok, run.get());
+  const auto log_metrics = [&](const nlohmann::json& record) {
+    if (run) run->log_metrics(record);
+  };
+  const int64_t tokens_per_step = t.batch * t.seq * t.grad_accum;
   std::mt19937_64 rng(static_cast<uint64_t>(cfg.run.seed));
-  std::vector<std::pair<int64_t, double>> train_curve, val_curve;
-  std::vector<double> step_times;
+  Curves curves;
   if (first_step == 0) {
-    sum.initial_val_loss = validation_loss(*model, val_ds, t, 0, data_ranks, pipe);
-    val_curve.emplace_back(0, sum.initial_val_loss);
+    sum.initial_val_loss = validation_loss(*model, val_ds, t, 0, ranks.data, ranks.pipe);
+    curves.val.emplace_back(0, sum.initial_val_loss);
     log_metrics({{"kind", "val"}, {"step", 0}, {"val_loss", sum.initial_val_loss}});
   } else {
-    stepper.load_checkpoint(resumed.path.string(), rng);
-    for (const nlohmann::json& j : logged) {
-      const int64_t s = j["step"].get<int64_t>();
-      if (j["kind"] == "val") {
-        val_curve.emplace_back(s, j["val_loss"].get<double>());
-        (s == 0 ? sum.initial_val_loss : sum.final_val_loss) = j["val_loss"].get<double>();
-      } else if (j["kind"] == "train") {
-        train_curve.emplace_back(s, j["loss"].get<double>());
-        step_times.push_back(j["step_seconds"].get<double>());
-        sum.losses.push_back(j["loss"].get<double>());
-        sum.tokens += tokens_per_step;
-        sum.peak_bytes = std::max(sum.peak_bytes, j["peak_bytes"].get<int64_t>());
-        keep_highest(sum.rank_peak_bytes, j.value("rank_peak_bytes", std::vector<int64_t>{}));
-        sum.activation_bytes = j["activation_bytes"].get<int64_t>();
-        if (s == 1) {
-          sum.recompute_ops_per_step = j["ops_recomputed"].get<int64_t>();
-          sum.recomputed_bytes_per_step = j["bytes_recomputed"].get<int64_t>();
-        }
-      }
-    }
+    stepper.load_checkpoint(resumed.point.path.string(), rng);
+    replay_metrics(resumed.logged, tokens_per_step, sum, curves);
     fmt::print(stderr, "{} {} after step {} from {}\n", first_step < t.steps ? "resuming" : "writing the final files of",
-               run_path, first_step, resumed.path.string());
+               sum.run_dir, first_step, resumed.point.path.string());
   }
 
   ProgressBar bar(t.steps, cfg.run.progress);
   if (first_step == 0) bar.message(fmt::format("step 0: validation loss {:.4f}", sum.initial_val_loss));
   // The traced step is the third (or the last of fewer): the first two pay for allocation and caches.
   const int64_t traced_step = cfg.run.trace.empty() ? -1 : std::min<int64_t>(2, t.steps - 1);
+  std::map<std::string, std::string> checkpoint_metadata = data_digests(corpus);
+  checkpoint_metadata.emplace("plan", saved_plan_json(planned));
   const StopSignals signals;
   for (int64_t step = first_step; step < t.steps; ++step) {
     const StepResult r = stepper.run(step, train_ds, rng, step == traced_step);
-    if (step == traced_step && lead) util::write_file_atomically(cfg.run.trace, r.trace);
+    if (step == traced_step && ranks.lead) util::write_file_atomically(cfg.run.trace, r.trace);
     // Every rank's peak, and whether a signal reached any rank: they all stop after the
     // same step.
-    const RankStep gathered = gather_step(ranks.get(), r.peak_bytes, signals.caught(), step + 1);
-    const std::vector<int64_t>& rank_peaks = gathered.peaks;
-    const int stop = gathered.stop;
-    const int64_t peak = *std::max_element(rank_peaks.begin(), rank_peaks.end());
-    step_times.push_back(r.seconds);
+    const RankStep gathered = gather_step(ranks.comm.get(), r.peak_bytes, signals.caught(), step + 1);
+    const int64_t peak = *std::max_element(gathered.peaks.begin(), gathered.peaks.end());
+    curves.step_times.push_back(r.seconds);
+    curves.train.emplace_back(step + 1, r.loss);
     sum.losses.push_back(r.loss);
     sum.tokens += tokens_per_step;
     sum.peak_bytes = std::max(sum.peak_bytes, peak);
-    keep_highest(sum.rank_peak_bytes, rank_peaks);
+    keep_highest(sum.rank_peak_bytes, gathered.peaks);
     sum.activation_bytes = r.activations.total();
-    const StoreCounters& counters = r.counters;
     if (step == 0) {
-      const int64_t pooled = counters.pool.hits + counters.pool.misses;
-      bar.message(fmt::format("step 1: saved activations {} (predicted {}), peak {}; recompute re-ran {} ops, "
-                              "{} recomputed{}", memory::format_bytes(r.activations.total()),
-                              memory::format_bytes(predicted.total()), memory::format_bytes(peak),
-                              counters.ops_recomputed, memory::format_bytes(counters.bytes_recomputed),
-                              pooled > 0 ? fmt::format(", {} of {} allocations from the pool", counters.pool.hits,
-                                                       pooled)
-                                         : ""));
-      sum.recompute_ops_per_step = counters.ops_recomputed;
-      sum.recomputed_bytes_per_step = counters.bytes_recomputed;
+      bar.message(first_step_line(r, peak, predicted));
+      sum.recompute_ops_per_step = r.counters.ops_recomputed;
+      sum.recomputed_bytes_per_step = r.counters.bytes_recomputed;
     }
-    train_curve.emplace_back(step + 1, r.loss);
-    log_metrics({{"kind", "train"}, {"step", step + 1}, {"loss", r.loss}, {"lr", r.lr},
-                 {"grad_norm", r.grad_norm}, {"step_seconds", r.seconds},
-                 {"tokens_per_second", tokens_per_step / r.seconds}, {"memory_bytes", r.current_bytes},
-                 {"peak_bytes", peak}, {"rank_peak_bytes", rank_peaks},
-                 {"activation_bytes", r.activations.total()},
-                 {"predicted_activation_bytes", predicted.total()},
-                 {"predicted_peak_bytes", sum.predicted_peak_bytes},
-                 {"ops_recomputed", counters.ops_recomputed}, {"bytes_recomputed", counters.bytes_recomputed},
-                 {"pool_hits", counters.pool.hits}, {"pool_misses", counters.pool.misses},
-                 {"pool_bytes_served", counters.pool.bytes_served},
-                 {"reduce_buckets", r.reduce_buckets}, {"reduce_buckets_overlapped", r.reduce_buckets_overlapped}});
+    log_metrics(step_metrics(step + 1, r, gathered.peaks, tokens_per_step, predicted, sum.predicted_peak_bytes));
     bar.update(step + 1, fmt::format("loss {:.4f} | {} tok/s | mem {} (peak {})", r.loss,
                                      format_count(tokens_per_step / r.seconds), memory::format_bytes(r.current_bytes),
                                      memory::format_bytes(peak)));
     const bool last = step + 1 == t.steps;
     if (last || (t.eval_every > 0 && (step + 1) % t.eval_every == 0)) {
-      const double v = validation_loss(*model, val_ds, t, step + 1, data_ranks, pipe);
-      val_curve.emplace_back(step + 1, v);
+      const double v = validation_loss(*model, val_ds, t, step + 1, ranks.data, ranks.pipe);
+      curves.val.emplace_back(step + 1, v);
       log_metrics({{"kind", "val"}, {"step", step + 1}, {"val_loss", v}});
       bar.message(fmt::format("step {}: validation loss {:.4f}", step + 1, v));
       sum.final_val_loss = v;
@@ -422,148 +620,27 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
     // Every data-parallel rank holds the same parameters: rank 0's copy is the checkpoint,
     // its tensor-parallel peers' parts and, under ZeRO-1, the other ranks' moments
     // gathered into it.
-    if ((lead || stepper.gives_to_checkpoint()) && ((step + 1) % t.checkpoint_every == 0 || last || stop != 0)) {
-      std::map<std::string, std::string> extra = data_digests(corpus);
-      extra.emplace("plan", plan_json);
-      write_checkpoint(stepper, run_path, step + 1, rng, t.keep_checkpoints, lead, extra);
+    const int stop = gathered.stop;
+    if ((ranks.lead || stepper.gives_to_checkpoint()) && ((step + 1) % t.checkpoint_every == 0 || last || stop != 0)) {
+      write_checkpoint(stepper, sum.run_dir, step + 1, rng, t.keep_checkpoints, ranks.lead, checkpoint_metadata);
     }
     if (stop != 0 && !last) {
       bar.finish();
-      fmt::print(stderr, "{} after step {}: the checkpoint is in {}; continue with `remat {}train --resume {}`\n",
-                 stop == SIGINT ? "interrupted (SIGINT)" : "terminated (SIGTERM)", step + 1,
-                 checkpoint_dir(run_path).string(), world > 1 ? fmt::format("launch --nproc {} ", world) : "",
-                 run_path);
+      fmt::print(stderr, "{}", stopped_line(stop, step + 1, sum.run_dir, ranks.world));
       sum.stopped_by = stop;
-      if (ranks != nullptr) ranks->finish();
+      if (ranks.comm != nullptr) ranks.comm->finish();
       return sum;
     }
   }
   bar.finish();
 
   sum.steps = t.steps;
-  // The first steps pay for allocation and caches; the median of the rest is the rate.
-  const std::vector<double> steady(
-      step_times.begin() + (step_times.empty() ? 0 : std::min<size_t>(step_times.size() - 1, 2)), step_times.end());
-  sum.median_step_seconds = median(steady);
+  sum.median_step_seconds = steady_median(curves.step_times);
   sum.tokens_per_second = tokens_per_step / sum.median_step_seconds;
   sum.model_flops_per_second = flops_per_token * sum.tokens_per_second;
-  // Tensor-parallel ranks gather the weights and sample together (each token's logits are
-  // gathered from the vocabulary's shares); the ranks part here, and the rest (the files,
-  // the report) is rank 0's.
-  // A pipeline's stages give their weights to rank 0, which samples from the whole model
-  // once they are written.
-  std::vector<std::pair<std::string, at::Tensor>> weights;
-  const std::map<std::string, std::string> export_metadata{
-      {"format", "pt"}, {"remat.arch", arch_name(cfg.model.arch)}, {"remat.preset", cfg.model.preset}};
-  if (pipe != nullptr) {
-    if (data_ranks->rank() == 0) {
-      // Whole from the tensor-parallel parts (every rank of the group), then from the stages.
-      auto stage_weights = model->whole_params(tok.vocab_size());
-      if (tensor_ranks == nullptr || tensor_ranks->rank() == 0) {
-        write_on_first_stage(*pipe, std::move(stage_weights), lead ? run->file("model.safetensors") : "",
-                             export_metadata, "gathering the stages' weights for model.safetensors");
-      }
-    }
-  } else if (lead || tp > 1) {
-    // The export has the tokenizer's rows only (the shapes Hugging Face expects); the
-    // training checkpoints keep the padding rows, so that a resume continues bitwise.
-    weights = model->whole_params(tok.vocab_size());
-    if (cfg.run.sample_tokens > 0) {
-      sum.sample = sample_text(*model, tok, cfg.run.prompt, cfg.run.sample_tokens, 0.8, 40,
-                               static_cast<uint64_t>(cfg.run.seed));
-    }
-  }
-  if (ranks != nullptr) ranks->finish();
-  if (!lead) return sum;
-
-  if (pipe == nullptr) model::save_safetensors(run->file("model.safetensors"), weights, export_metadata);
-  if (pipe != nullptr && cfg.run.sample_tokens > 0) {
-    model.reset();  // the stage's memory goes before the whole model comes
-    model = Model::create(cfg.model, device, dtype, static_cast<uint64_t>(cfg.run.seed));
-    model->load(run->file("model.safetensors"));
-    sum.sample = sample_text(*model, tok, cfg.run.prompt, cfg.run.sample_tokens, 0.8, 40,
-                             static_cast<uint64_t>(cfg.run.seed));
-  }
-  if (cfg.run.sample_tokens > 0) run->write_text("sample.txt", sum.sample + "\n");
-  std::string why;
-  const bool plotted = run->plot_loss(train_curve, val_curve, sum.unigram_entropy, &why);
-
-  const nlohmann::json summary = {
-      {"steps", sum.steps},
-      {"tokens", sum.tokens},
-      {"parameters", sum.num_params},
-      {"initial_val_loss", sum.initial_val_loss},
-      {"final_val_loss", sum.final_val_loss},
-      {"final_train_loss", sum.losses.empty() ? nlohmann::json() : nlohmann::json(sum.losses.back())},
-      {"unigram_entropy", sum.unigram_entropy},
-      {"median_step_seconds", sum.median_step_seconds},
-      {"tokens_per_second", sum.tokens_per_second},
-      {"model_flops_per_second", sum.model_flops_per_second},
-      {"matmul_flops_per_second", sum.matmul_flops_per_second},
-      {"efficiency", sum.model_flops_per_second / sum.matmul_flops_per_second},
-      {"peak_bytes", sum.peak_bytes},
-      {"ranks", dp},
-      {"tp", tp},
-      {"pp", pp},
-      {"stage_layers", planned.split},
-      {"predicted_rank_peak_bytes", rank_predicted},
-      {"sp", cfg.parallel.sp},
-      {"rank_peak_bytes", sum.rank_peak_bytes},
-      {"activation_bytes", sum.activation_bytes},
-      {"threads", threads},
-      {"blas", blas_name()},
-      {"device", device.str()},
-      {"dtype", cfg.run.dtype},
-      {"recompute", plan.policy},
-      {"predicted_activation_bytes", predicted.total()},
-      {"recompute_ops_per_step", sum.recompute_ops_per_step},
-      {"recomputed_bytes_per_step", sum.recomputed_bytes_per_step},
-      {"predicted_peak_bytes", sum.predicted_peak_bytes},
-      {"predicted_recompute_flops_per_step", planned.predicted.recompute_flops},
-      {"budget_bytes", sum.budget_bytes},
-      {"predicted_step_seconds", sum.predicted_step_seconds},
-      {"predicted_none_peak_bytes", planned.none_peak},
-      {"predicted_none_step_seconds", planned.none_step_seconds},
-  };
-  run->write_text("summary.json", summary.dump(2) + "\n");
-
-  fmt::print(stderr, "\n");
-  if (cfg.run.sample_tokens > 0) fmt::print(stderr, "sample: {}\n\n", sum.sample);
-  fmt::print(stderr, "validation loss {:.4f} -> {:.4f} nats/token (unigram entropy of the corpus {:.4f})\n",
-             sum.initial_val_loss, sum.final_val_loss, sum.unigram_entropy);
-  fmt::print(stderr, "step time {:.1f} ms (median, recompute {}), {} tokens/s\n", sum.median_step_seconds * 1e3,
-             plan.policy, format_count(sum.tokens_per_second));
-  if (sum.predicted_step_seconds > 0) {
-    fmt::print(stderr, "predicted step time {:.1f} ms: measured {:+.1f}%\n", sum.predicted_step_seconds * 1e3,
-               100.0 * (sum.median_step_seconds - sum.predicted_step_seconds) / sum.predicted_step_seconds);
-  }
-  fmt::print(stderr, "compute {} FLOP/s of a measured {} FLOP/s {} matmul peak{}: efficiency {:.0f}%\n",
-             format_count(sum.model_flops_per_second), format_count(sum.matmul_flops_per_second), cfg.run.dtype,
-             world > 1 ? fmt::format(" ({} ranks x {})", world, format_count(matmul_rate)) : "",
-             100.0 * sum.model_flops_per_second / sum.matmul_flops_per_second);
-  fmt::print(stderr, "memory peak {} per step (predicted {}, {:+.1f}%), of which saved activations {} per "
-             "microbatch (predicted {})\n", memory::format_bytes(sum.peak_bytes),
-             memory::format_bytes(sum.predicted_peak_bytes),
-             100.0 * static_cast<double>(sum.peak_bytes - sum.predicted_peak_bytes) /
-                 static_cast<double>(sum.predicted_peak_bytes),
-             memory::format_bytes(sum.activation_bytes), memory::format_bytes(predicted.total()));
-  if (world > 1) fmt::print(stderr, "memory peak per rank: {}\n", format_rank_peaks(sum.rank_peak_bytes, rank_predicted));
-  if (sum.budget_bytes > 0) {
-    fmt::print(stderr, "budget {}: measured peak {} it; without recompute the step would peak at {} (predicted){}\n",
-               memory::format_bytes(sum.budget_bytes), sum.peak_bytes <= sum.budget_bytes ? "stayed within" : "EXCEEDED",
-               memory::format_bytes(planned.none_peak),
-               planned.none_step_seconds > 0
-                   ? fmt::format(" and take {:.1f} ms (predicted; this plan: {:.1f} ms measured, {:.1f} ms predicted)",
-                                 1e3 * planned.none_step_seconds, 1e3 * sum.median_step_seconds,
-                                 1e3 * sum.predicted_step_seconds)
-                   : "");
-  }
-  fmt::print(stderr, "run directory {}: config.toml, plan.txt, metrics.jsonl, model.safetensors, tokenizer.model{}{}, "
-             "summary.json\n", run_path, plotted ? ", loss.png" : "", cfg.run.sample_tokens > 0 ? ", sample.txt" : "");
-  if (!plotted) fmt::print(stderr, "no loss plot: {}\n", why);
-  if (traced_step >= 0) {
-    fmt::print(stderr, "trace of step {}: {} (open it in https://ui.perfetto.dev)\n", traced_step + 1, cfg.run.trace);
-  }
+  export_weights(model, spec, device, ranks, tok, run.get(), sum);
+  if (!ranks.lead) return sum;
+  report(spec, ranks, machine, sum, predicted, rank_predicted, *run, curves, traced_step);
   return sum;
 }
 
