@@ -12,6 +12,7 @@
 
 #include <CLI/CLI.hpp>
 #include <malloc.h>
+#include <cctype>
 #include <unistd.h>
 #include <csignal>
 #include <filesystem>
@@ -82,8 +83,7 @@ std::vector<std::string> split_list(const std::vector<std::string>& args, const 
   return items;
 }
 
-// An error message as printed: whole up to 2,000 bytes (every sentence remat writes), else
-// its start and end around a note, so that no message repeats megabytes of an input.
+// error_text's cut of a long message: its start and end around a note.
 std::string bounded(const std::string& message) {
   constexpr size_t kMost = 2000, kEnd = 600;
   if (message.size() <= kMost) return message;
@@ -106,6 +106,21 @@ void check_plot_directory(const std::string& plot) {
 }
 
 }  // namespace
+
+std::string error_text(const std::string& message) {
+  const std::string marker = "you tried to allocate ";
+  const size_t at = message.find(marker);
+  const size_t digits = at == std::string::npos ? 0 : at + marker.size();
+  if (message.find("can't allocate memory") == std::string::npos || at == std::string::npos ||
+      digits >= message.size() || std::isdigit(static_cast<unsigned char>(message[digits])) == 0) {
+    return bounded(message);
+  }
+  const std::string count = message.substr(digits, message.find_first_not_of("0123456789", digits) - digits);
+  return fmt::format("This machine could not allocate {} bytes for one tensor{}: the model, batch or sequence is "
+                     "too large for its memory; lower model.d_model, model.d_ff, model.vocab_size, train.batch or "
+                     "train.seq (`remat plan` with the same settings shows what a step needs, allocating nothing).",
+                     count, count.size() <= 18 ? " (" + memory::format_bytes(std::stoll(count)) + ")" : "");
+}
 
 int run(int argc, char** argv) {
   memory::install_cpu_tracking();
@@ -292,10 +307,10 @@ int run(int argc, char** argv) {
       return 0;
     }
   } catch (const c10::Error& e) {
-    fmt::print(stderr, "error: {}\n", bounded(e.what_without_backtrace()));
+    fmt::print(stderr, "error: {}\n", error_text(e.what_without_backtrace()));
     return 1;
   } catch (const std::exception& e) {
-    fmt::print(stderr, "error: {}\n", bounded(e.what()));
+    fmt::print(stderr, "error: {}\n", error_text(e.what()));
     return 1;
   }
   return 0;

@@ -90,9 +90,9 @@ class Launch : public ::testing::Test {
     cmd += " launch --nproc 2 --nnodes 2 --node-rank 0 --master-addr 127.0.0.1 --master-port " +
            std::to_string(free_port());
     for (const std::string& a : extra) cmd += " " + a;
-    const pid_t pid = remat::testing::start_shell(
-        cmd + " train model.preset=tiny-gpt2 parallel.timeout=3600 run.out_dir=" + (dir_ / "runs").string() +
-            " data.dir=" + (dir_ / "data").string(), dir_ / "log");
+    const pid_t pid = remat::testing::start_shell(cmd + " train model.preset=tiny-gpt2 train.seq=16 parallel.timeout=3600 "
+                                                  "run.out_dir=" + (dir_ / "runs").string() +
+                                                  " data.dir=" + (dir_ / "data").string(), dir_ / "log");
     for (auto waited = 0ms; waited < 20s; waited += 10ms) {
       if (ranks_of(pid).size() == 2) return pid;
       std::this_thread::sleep_for(10ms);

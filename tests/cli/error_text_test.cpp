@@ -1,0 +1,36 @@
+// What the CLI prints for an error: the allocator's refusal as a sentence, and no message
+// repeating megabytes of input.
+#include "cli/commands.h"
+
+#include <gtest/gtest.h>
+
+#include <string>
+
+namespace {
+
+using remat::cli::error_text;
+
+TEST(ErrorText, TheAllocatorsRefusalBecomesASentence) {
+  const std::string c10 =
+      "[enforce fail at alloc_cpu.cpp:75] err == 0. DefaultCPUAllocator: can't allocate memory: you tried to allocate "
+      "274877906944 bytes. Error code 12 (Cannot allocate memory)";
+  const std::string text = error_text(c10);
+  EXPECT_EQ(text.rfind("This machine could not allocate 274877906944 bytes for one tensor (", 0), 0u) << text;
+  EXPECT_NE(text.find("): the model, batch or sequence is too large for its memory; lower model.d_model"),
+            std::string::npos)
+      << text;
+  EXPECT_EQ(text.find("enforce fail"), std::string::npos) << text;
+}
+
+TEST(ErrorText, ALongMessageKeepsItsStartAndEnd) {
+  const std::string shortish = "model.d_ff must be at most 524288, got 1048576.";
+  EXPECT_EQ(error_text(shortish), shortish);
+  const std::string huge = "Override '" + std::string(100000, 'x') + "' is not of the form key=value.";
+  const std::string text = error_text(huge);
+  EXPECT_LT(text.size(), 2100u);
+  EXPECT_EQ(text.rfind("Override 'xxx", 0), 0u);
+  EXPECT_NE(text.find(" bytes left out ...] "), std::string::npos) << text.substr(0, 200);
+  EXPECT_EQ(text.substr(text.size() - 30), huge.substr(huge.size() - 30));
+}
+
+}  // namespace
