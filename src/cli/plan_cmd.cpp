@@ -299,11 +299,11 @@ int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
       fmt::print("  {:>12}  {:>9.1f}%  {}\n", format_bytes(p.peak), 100.0 * p.recompute_seconds / flops, p.label);
     }
     std::string why;
-    if (plot_frontier(args.plot, frontier, manual, flops, &why)) {
-      fmt::print("plot: {}\n", args.plot);
-    } else {
-      fmt::print("no plot: {}\n", why);
+    if (!plot_frontier(args.plot, frontier, manual, flops, &why)) {
+      throw std::runtime_error(fmt::format("The frontier could not be plotted to --plot = \"{}\": {}; the tables above "
+                                           "hold the same figures.", args.plot, why));
     }
+    fmt::print("plot: {}\n", args.plot);
   }
   return 0;
 }
