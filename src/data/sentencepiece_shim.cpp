@@ -177,9 +177,14 @@ REMAT_SP_EXPORT int remat_sp_encode(const remat_sp_model* model, const char* tex
 REMAT_SP_EXPORT int remat_sp_decode(const remat_sp_model* model, const int32_t* ids, size_t num_ids,
                                     char** text_out, size_t* length) {
   return guarded([&] {
-    const std::vector<int> id_vector(ids, ids + num_ids);
     std::string text;
-    auto status = model->processor.Decode(id_vector, &text);
+#ifdef ABSL_TYPES_SPAN_H_
+    // SentencePiece 0.2 (built on absl) reads the ids in place and deprecates its
+    // std::vector overload, the only one 0.1 has.
+    auto status = model->processor.Decode(absl::Span<const int>(ids, num_ids), &text);
+#else
+    auto status = model->processor.Decode(std::vector<int>(ids, ids + num_ids), &text);
+#endif
     if (!status.ok()) return status;
     *length = text.size();
     return copy_out(text.data(), text.size(), text_out);
