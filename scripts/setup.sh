@@ -9,11 +9,20 @@ packages=(
   libcli11-dev libtomlplusplus-dev nlohmann-json3-dev libfmt-dev libspdlog-dev
   libsentencepiece-dev
   libgtest-dev libgmock-dev libbenchmark-dev
-  clang libclang-rt-14-dev
   bible-kjv bible-kjv-text
   gnuplot-nox
   python3-torch
+  iproute2
 )
+# `setup.sh --list` prints the packages above, which build and test remat on any suite
+# (scripts/test_libtorch2.sh installs them in its sid root). Those below serve this
+# machine's other lanes: clang for the sanitizer and fuzzing builds, clang-format for the
+# layout check (its version decides the layout), debootstrap for roots.
+if [ "${1:-}" = --list ]; then
+  printf '%s\n' "${packages[@]}"
+  exit 0
+fi
+packages+=(clang clang-format libclang-rt-14-dev debootstrap)
 
 missing=()
 for p in "${packages[@]}"; do

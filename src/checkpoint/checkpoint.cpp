@@ -14,6 +14,7 @@
 
 #include <mutex>
 #include <optional>
+#include <utility>
 
 namespace remat {
 namespace {
@@ -185,7 +186,10 @@ class Frame : public std::enable_shared_from_this<Frame> {
 
   CheckpointFn fn_;
   CheckpointOptions options_;
-  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
+  // Whatever owning pointer LibTorch hands out: std::shared_ptr<Node> up to 2.x's early
+  // releases, c10::intrusive_ptr<Node> in current ones (2.14).
+  std::vector<decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()))>
+      accumulators_;
   std::vector<SavedVariable> inputs_;
   std::optional<RngStates> rng_;
   size_t num_saved_ = 0;

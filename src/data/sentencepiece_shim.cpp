@@ -12,6 +12,7 @@
 #include <memory>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #define REMAT_SP_EXPORT extern "C" __attribute__((visibility("default")))
@@ -21,6 +22,11 @@ struct remat_sp_model {
 };
 
 namespace {
+
+// The status SentencePiece's API returns: sentencepiece::util::Status up to 0.1.x,
+// absl::Status from 0.2 on. Both have the same codes and a (code, message) constructor.
+using Status = decltype(std::declval<sentencepiece::SentencePieceProcessor&>().status());
+using StatusCode = decltype(std::declval<const Status&>().code());
 
 thread_local std::string last_error;
 
@@ -33,7 +39,7 @@ int fail(const std::string& message) {
 template <typename F>
 int guarded(F&& body) {
   try {
-    const sentencepiece::util::Status status = body();
+    const Status status = body();
     if (!status.ok()) return fail(status.ToString());
     last_error.clear();
     return 0;
@@ -46,14 +52,13 @@ int guarded(F&& body) {
 
 // Copies bytes into a malloc'ed buffer the caller frees with remat_sp_free_buffer.
 template <typename T>
-sentencepiece::util::Status copy_out(const T* data, size_t count, T** out) {
+Status copy_out(const T* data, size_t count, T** out) {
   *out = static_cast<T*>(std::malloc(count == 0 ? 1 : count * sizeof(T)));
   if (*out == nullptr) {
-    return sentencepiece::util::Status(sentencepiece::util::StatusCode::kResourceExhausted,
-                                       "out of memory");
+    return Status(StatusCode::kResourceExhausted, "out of memory");
   }
   if (count != 0) std::memcpy(*out, data, count * sizeof(T));
-  return sentencepiece::util::Status();
+  return Status();
 }
 
 // Feeds the caller's in-memory sentences to the trainer without a temporary file.
@@ -69,7 +74,7 @@ class ArrayIterator : public sentencepiece::SentenceIterator {
     load();
   }
   const std::string& value() const override { return value_; }
-  sentencepiece::util::Status status() const override { return sentencepiece::util::Status(); }
+  Status status() const override { return Status(); }
 
  private:
   void load() {
@@ -148,9 +153,8 @@ REMAT_SP_EXPORT int remat_sp_id_to_piece(const remat_sp_model* model, int id, ch
                                          size_t* length) {
   return guarded([&] {
     if (id < 0 || id >= model->processor.GetPieceSize()) {
-      return sentencepiece::util::Status(
-          sentencepiece::util::StatusCode::kOutOfRange,
-          "token id " + std::to_string(id) + " is outside the vocabulary");
+      return Status(StatusCode::kOutOfRange,
+                    "token id " + std::to_string(id) + " is outside the vocabulary");
     }
     const std::string& piece = model->processor.IdToPiece(id);
     *length = piece.size();
@@ -173,9 +177,14 @@ REMAT_SP_EXPORT int remat_sp_encode(const remat_sp_model* model, const char* tex
 REMAT_SP_EXPORT int remat_sp_decode(const remat_sp_model* model, const int32_t* ids, size_t num_ids,
                                     char** text_out, size_t* length) {
   return guarded([&] {
-    const std::vector<int> id_vector(ids, ids + num_ids);
     std::string text;
-    auto status = model->processor.Decode(id_vector, &text);
+#ifdef ABSL_TYPES_SPAN_H_
+    // SentencePiece 0.2 (built on absl) reads the ids in place and deprecates its
+    // std::vector overload, the only one 0.1 has.
+    auto status = model->processor.Decode(absl::Span<const int>(ids, num_ids), &text);
+#else
+    auto status = model->processor.Decode(std::vector<int>(ids, ids + num_ids), &text);
+#endif
     if (!status.ok()) return status;
     *length = text.size();
     return copy_out(text.data(), text.size(), text_out);

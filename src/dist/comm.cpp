@@ -3,6 +3,7 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <torch/version.h>
 
 #include <fmt/format.h>
 #include <netdb.h>
@@ -437,6 +438,11 @@ std::unique_ptr<Comm> Comm::connect(const LaunchEnv& env, milliseconds timeout, 
   s->hosts_store = options.isServer;
   options.waitWorkers = false;  // the join below names who is missing
   options.timeout = timeout;
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+  // 2.4 made the libuv backend the default, which a LibTorch built without libuv
+  // (Debian's) refuses; the classic backend, 1.13's, is in every build and serves a few ranks.
+  options.useLibUV = false;
+#endif
   c10::intrusive_ptr<c10d::Store> base;
   try {
     base = c10::make_intrusive<c10d::TCPStore>(env.master_addr, options);

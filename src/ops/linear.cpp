@@ -113,8 +113,8 @@ class LinearDef final : public OpDef {
   const char* kind() const override { return "linear"; }
   std::vector<TensorInfo> infer(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& p,
                                 const Attrs&) const override {
-    TORCH_CHECK(in.size() == 1 && (p.size() == 1 || p.size() == 2) && p[0].sizes.size() == 2 &&
-                    p[0].sizes[1] == in[0].sizes.back(),
+    TORCH_CHECK(in.size() == 1 && !in[0].sizes.empty() && (p.size() == 1 || p.size() == 2) &&
+                    p[0].sizes.size() == 2 && p[0].sizes[1] == in[0].sizes.back(),
                 "[linear] needs x [..., in] and weight [out, in]");
     auto s = in[0].sizes;
     s.back() = p[0].sizes[0];
@@ -164,13 +164,14 @@ class LinearsDef final : public OpDef {
   bool outputs_named_by_params() const override { return true; }
   std::vector<TensorInfo> infer(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& p,
                                 const Attrs&) const override {
-    TORCH_CHECK(in.size() == 1 && !p.empty(), "[linears] needs x [..., in] and at least one weight");
+    TORCH_CHECK(in.size() == 1 && !in[0].sizes.empty() && !p.empty(),
+                "[linears] needs x [..., in] and at least one weight");
     std::vector<TensorInfo> out;
     for (const auto& w : p) {
       TORCH_CHECK(w.sizes.size() == 2 && w.sizes[1] == in[0].sizes.back(),
                   "[linears] needs x [..., in] and weights [out, in]");
-      auto s = in[0].sizes;
-      s.back() = w.sizes[0];
+      std::vector<int64_t> s(in[0].sizes.begin(), in[0].sizes.end() - 1);
+      s.push_back(w.sizes[0]);
       out.push_back(in[0].with_sizes(s));
     }
     return out;

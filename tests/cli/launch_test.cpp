@@ -287,6 +287,13 @@ TEST_F(LaunchedTraining, LaunchAndTorchrunTrainAlikeAndOneProcessAgrees) {
   const Result torchrun = remat::testing::run_shell(
       "/usr/bin/torchrun --no_python -r 1 -t 1 --nproc_per_node 2 --master_port " + std::to_string(free_port()) + " " +
       REMAT_BINARY + " train " + common_ + steps + "run.name=torchrun");
+  // From PyTorch 2.4 on torchrun's rendezvous asks for the store's libuv backend, and
+  // USE_LIBUV=0 does not reach it: a PyTorch built without libuv (Debian sid's 2.14) cannot
+  // start torchrun at all, before any rank of remat's runs.
+  if (torchrun.exit_code != 0 &&
+      torchrun.output.find("PyTorch was built without libuv support") != std::string::npos) {
+    GTEST_SKIP() << "this PyTorch's torchrun cannot open its rendezvous store (built without libuv)";
+  }
   ASSERT_EQ(torchrun.exit_code, 0) << torchrun.output;
   const auto by_torchrun = train_lines("torchrun");
   ASSERT_EQ(by_torchrun.size(), lines.size());

@@ -49,7 +49,7 @@ std::vector<MicrobatchData> microbatches(const ModelConfig& cfg) {
 
 ActivationPlan plan_of(const ModelConfig& cfg, const std::string& policy, int64_t stages) {
   AcConfig ac;
-  ac.policy = policy;
+  ac.policy.emplace(policy);
   ac.stages = stages;
   return compile_policy(ac, cfg.n_layer, cfg.dropout);
 }

@@ -63,8 +63,8 @@ TEST(CpuLoad, ASpinningChildIsCountedAsOtherProcesses) {
   const pid_t child = fork();
   ASSERT_GE(child, 0);
   if (child == 0) {
-    for (volatile uint64_t i = 0;; i = i + 1) {
-    }
+    volatile uint64_t spin = 0;
+    for (;;) spin = spin + 1;
   }
   std::this_thread::sleep_for(std::chrono::milliseconds(500));
   kill(child, SIGKILL);

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The LibTorch 2.x lane: builds remat and runs every test against Debian sid's
+# libtorch-dev (a current LibTorch and GCC), in a root that scripts/root.sh makes once per
+# machine, with this tree mounted at /src and built into build-libtorch2/. Needs root.
+# Extra arguments go to ctest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# sid's names for what scripts/setup.sh installs here; its libsentencepiece-dev includes
+# absl headers without depending on libabsl-dev.
+mapfile -t packages < <(bash scripts/setup.sh --list)
+packages+=(libabsl-dev)
+bash scripts/root.sh make sid sid main "${packages[@]}" >/dev/null
+
+# ccache's files stay in the root (/root/.cache/ccache), its compiler being the root's;
+# the sloppiness lets it cache the precompiled header's users, as on this machine.
+bash scripts/root.sh run sid --bind "$PWD:/src" -- \
+  env CCACHE_BASEDIR=/src CCACHE_MAXSIZE=5G \
+  CCACHE_SLOPPINESS=include_file_ctime,include_file_mtime,pch_defines,time_macros \
+  bash -c 'set -e
+    cd /src
+    cmake -S . -B build-libtorch2 -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+    cmake --build build-libtorch2 -j "$(nproc)"
+    cd build-libtorch2
+    ctest --output-on-failure -j "$(nproc)" "$@"' bash "$@"
