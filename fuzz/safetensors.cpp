@@ -22,7 +22,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       }
     }
   } catch (const c10::Error& e) {
-    remat::fuzz::finding(std::string("LibTorch refused a file the header checks passed: ") + e.what_without_backtrace());
+    remat::fuzz::finding(std::string("LibTorch refused a file the header checks passed: ") +
+                         e.what_without_backtrace());
   } catch (const std::runtime_error&) {
     return 0;
   }

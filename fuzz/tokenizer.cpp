@@ -47,8 +47,8 @@ void check_round_trip(const remat::data::Tokenizer& tok, std::string_view text, 
 // A model trained once on generated words, as the tests' corpora are.
 const remat::data::Tokenizer& fixed_model() {
   static const remat::data::Tokenizer tok = [] {
-    const char* words[] = {"the", "lord", "said", "unto", "moses", "and", "it", "was", "so", "light",
-                           "darkness", "waters", "earth", "heaven", "day", "night", "good", "made"};
+    const char* words[] = {"the",   "lord",     "said",   "unto",  "moses",  "and", "it",    "was",  "so",
+                           "light", "darkness", "waters", "earth", "heaven", "day", "night", "good", "made"};
     std::string text;
     uint64_t x = 12345;
     for (int line = 0; line < 1500; ++line) {
@@ -93,8 +93,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       if (attempt == 1) remat::fuzz::finding("the vocabulary the sentence asked for does not train: " + said);
       options.vocab_size = std::stoi(said.substr(at + ask.size()));
     } catch (const std::exception& e) {
-      remat::fuzz::finding(std::string("training threw a ") + typeid(e).name() + " instead of a sentence: " +
-                           e.what());
+      remat::fuzz::finding(std::string("training threw a ") + typeid(e).name() + " instead of a sentence: " + e.what());
     }
   }
   return 0;

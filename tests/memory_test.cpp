@@ -93,7 +93,7 @@ TEST(RecomputePool, BuffersReturnWhenFreedOnAnyThreadAndLeaveOnRelease) {
   EXPECT_EQ(remat::memory::stats(cpu).pool_idle, 16384);
   remat::memory::release_pool();
   EXPECT_EQ(remat::memory::stats(cpu).current - before, 16384);  // b, still in use
-  b.reset();  // released before it was freed: it goes to the system
+  b.reset();                                                     // released before it was freed: it goes to the system
   EXPECT_EQ(remat::memory::stats(cpu).pool_idle, 0);
   EXPECT_EQ(remat::memory::stats(cpu).current, before);
 }

@@ -46,12 +46,12 @@ struct BenchOptions {
 /// Beside the measured figures, the cost model's predicted step peak and the step time
 /// predicted from the sweep's measured time profile.
 struct BenchRow {
-  std::string entry;                       ///< BenchEntry::label
-  std::string policy;                      ///< canonical policy it ran (ActivationPlan::policy)
-  std::string attention;                   ///< the attention op it ran (model.attention = auto resolved)
-  std::string loss_head;                   ///< the loss head it ran (model.loss_head = auto resolved)
-  std::vector<double> step_seconds;        ///< every measured step, in order (rank 0's: each step
-                                           ///< ends in a collective, so it spans the slowest rank's)
+  std::string entry;                 ///< BenchEntry::label
+  std::string policy;                ///< canonical policy it ran (ActivationPlan::policy)
+  std::string attention;             ///< the attention op it ran (model.attention = auto resolved)
+  std::string loss_head;             ///< the loss head it ran (model.loss_head = auto resolved)
+  std::vector<double> step_seconds;  ///< every measured step, in order (rank 0's: each step
+                                     ///< ends in a collective, so it spans the slowest rank's)
   double median_step_seconds = 0;
   double min_step_seconds = 0;
   double max_step_seconds = 0;
@@ -62,12 +62,12 @@ struct BenchRow {
   int64_t predicted_activation_bytes = 0;  ///< the same, predicted from the plan before running
   int64_t predicted_peak_bytes = 0;        ///< the cost model's step peak for the entry's plan (the busiest rank's)
   std::vector<int64_t> predicted_rank_peak_bytes;  ///< per rank: its pipeline stage's (all alike without stages)
-  std::vector<int64_t> stage_layers;       ///< layers per pipeline stage (one: every layer)
-  double predicted_step_seconds = 0;       ///< from the time profile (0 with ac.profile=false)
-  int64_t budget_bytes = 0;                ///< ac.budget of a budget entry, else 0
-  int64_t ops_recomputed = 0;              ///< forward ops the store re-ran in the last step
-  int64_t bytes_recomputed = 0;            ///< bytes it recomputed in the last step
-  double final_loss = 0;                   ///< training loss of the last step
+  std::vector<int64_t> stage_layers;               ///< layers per pipeline stage (one: every layer)
+  double predicted_step_seconds = 0;               ///< from the time profile (0 with ac.profile=false)
+  int64_t budget_bytes = 0;                        ///< ac.budget of a budget entry, else 0
+  int64_t ops_recomputed = 0;                      ///< forward ops the store re-ran in the last step
+  int64_t bytes_recomputed = 0;                    ///< bytes it recomputed in the last step
+  double final_loss = 0;                           ///< training loss of the last step
 };
 
 struct BenchResult {

@@ -38,10 +38,10 @@ namespace remat {
 
 /// What a checkpoint verifies about what the recompute produced.
 enum class DeterminismCheck {
-  none,   ///< only what correctness needs: the number of saved tensors (and of outputs)
-  meta,   ///< also each saved tensor's shape, dtype and device (the default)
-  values, ///< also a hash of each saved tensor's bytes, taken at forward (costs a read of
-          ///< every saved tensor at forward and at recompute; for debugging)
+  none,    ///< only what correctness needs: the number of saved tensors (and of outputs)
+  meta,    ///< also each saved tensor's shape, dtype and device (the default)
+  values,  ///< also a hash of each saved tensor's bytes, taken at forward (costs a read of
+           ///< every saved tensor at forward and at recompute; for debugging)
 };
 
 struct CheckpointOptions {
@@ -118,8 +118,7 @@ struct CheckpointSegment {
 ///  - `uniform:N`: chunks of N consecutive modules, each checkpointed as one region (only
 ///    the chunk's input is kept); the last chunk may be shorter; 1 <= N <= num_modules.
 /// Throws with a sentence saying what was wrong and what is valid.
-std::vector<CheckpointSegment> plan_checkpoint_segments(const std::string& policy,
-                                                        size_t num_modules);
+std::vector<CheckpointSegment> plan_checkpoint_segments(const std::string& policy, size_t num_modules);
 
 /// Runs a stack of modules with the segments a policy chose. It wraps calls, not modules:
 /// it holds (shares) the user's container and calls its modules in order, checkpointing
@@ -132,9 +131,8 @@ class CheckpointedStack {
   using Layer = std::function<at::Tensor(size_t index, const at::Tensor& x)>;
 
   /// Use apply_checkpointing() rather than this.
-  CheckpointedStack(std::shared_ptr<torch::nn::Module> container, size_t num_modules,
-                    Layer layer, std::vector<CheckpointSegment> segments,
-                    CheckpointOptions options);
+  CheckpointedStack(std::shared_ptr<torch::nn::Module> container, size_t num_modules, Layer layer,
+                    std::vector<CheckpointSegment> segments, CheckpointOptions options);
 
   /// Runs the whole stack on `x`. Throws if the container's size changed since planning.
   at::Tensor forward(const at::Tensor& x) const;
@@ -151,8 +149,7 @@ class CheckpointedStack {
 
 /// Checkpoints a Sequential by policy (see plan_checkpoint_segments). Every module must
 /// take and return one tensor (Sequential's own forward requires the same).
-CheckpointedStack apply_checkpointing(const torch::nn::Sequential& sequential,
-                                      const std::string& policy,
+CheckpointedStack apply_checkpointing(const torch::nn::Sequential& sequential, const std::string& policy,
                                       const CheckpointOptions& options = {});
 
 /// How to call one module of a ModuleList (which has no forward of its own), e.g.
@@ -160,7 +157,7 @@ CheckpointedStack apply_checkpointing(const torch::nn::Sequential& sequential,
 using ModuleCall = std::function<at::Tensor(torch::nn::Module& module, const at::Tensor& x)>;
 
 /// Checkpoints a ModuleList by policy, calling each module through `call`.
-CheckpointedStack apply_checkpointing(const torch::nn::ModuleList& list, const std::string& policy,
-                                      ModuleCall call, const CheckpointOptions& options = {});
+CheckpointedStack apply_checkpointing(const torch::nn::ModuleList& list, const std::string& policy, ModuleCall call,
+                                      const CheckpointOptions& options = {});
 
 }  // namespace remat

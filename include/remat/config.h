@@ -41,22 +41,22 @@ struct ModelConfig {
   Arch arch = Arch::gpt2;
   int64_t n_layer = 4;
   int64_t n_head = 4;
-  int64_t n_kv_head = 4;     ///< key/value heads (llama GQA); equals n_head for gpt2
+  int64_t n_kv_head = 4;  ///< key/value heads (llama GQA); equals n_head for gpt2
   int64_t d_model = 128;
-  int64_t d_ff = 512;        ///< MLP hidden width
-  int64_t vocab_size = 0;    ///< rows of the embedding and the loss head; 0: the prepared
-                             ///< corpus's tokenizer's. Padded (padded_vocab_size) wherever it
-                             ///< is resolved, so it may exceed the tokenizer's
+  int64_t d_ff = 512;          ///< MLP hidden width
+  int64_t vocab_size = 0;      ///< rows of the embedding and the loss head; 0: the prepared
+                               ///< corpus's tokenizer's. Padded (padded_vocab_size) wherever it
+                               ///< is resolved, so it may exceed the tokenizer's
   int64_t vocab_multiple = 1;  ///< the vocabulary is padded to a multiple of this times
                                ///< parallel.tp (Megatron's make_vocab_size_divisible_by); 1:
                                ///< only as far as the tensor-parallel split needs
-  int64_t max_seq = 256;     ///< context length (learned positions / RoPE tables)
+  int64_t max_seq = 256;       ///< context length (learned positions / RoPE tables)
   Attention attention = Attention::math;
-  int64_t attention_tile = 64;   ///< tiled attention: query and key positions per tile
-                                 ///< (ops::AttentionTiles' default; docs/attention.md)
+  int64_t attention_tile = 64;  ///< tiled attention: query and key positions per tile
+                                ///< (ops::AttentionTiles' default; docs/attention.md)
   LossHead loss_head = LossHead::fused;
-  double dropout = 0.1;      ///< gpt2: embedding, attention-probability and residual dropout;
-                             ///< llama: attention-probability dropout only
+  double dropout = 0.1;  ///< gpt2: embedding, attention-probability and residual dropout;
+                         ///< llama: attention-probability dropout only
   double norm_eps = 1e-5;
   double rope_theta = 10000.0;
   double init_std = 0.02;
@@ -75,10 +75,10 @@ struct TrainConfig {
   double weight_decay = 0.1;  ///< on matrices only (not norms, biases)
   double beta1 = 0.9;
   double beta2 = 0.95;
-  double grad_clip = 1.0;     ///< global L2 norm; 0 disables
-  int64_t eval_every = 100;   ///< steps between validation passes; 0: only at the end
-  int64_t eval_batches = 8;   ///< validation microbatches per pass
-  int64_t ce_chunk = 1024;    ///< tokens per chunk of the loss head
+  double grad_clip = 1.0;          ///< global L2 norm; 0 disables
+  int64_t eval_every = 100;        ///< steps between validation passes; 0: only at the end
+  int64_t eval_batches = 8;        ///< validation microbatches per pass
+  int64_t ce_chunk = 1024;         ///< tokens per chunk of the loss head
   int64_t checkpoint_every = 200;  ///< steps between training checkpoints (about a minute of
                                    ///< the default run); one is also written at the end and on
                                    ///< SIGINT or SIGTERM
@@ -86,9 +86,9 @@ struct TrainConfig {
 };
 
 struct DataConfig {
-  std::string text;            ///< UTF-8 text file to train on; empty: the King James Bible
-  std::string dir = "data";    ///< where prepared corpora are cached
-  int64_t vocab_size = 2048;   ///< SentencePiece BPE vocabulary
+  std::string text;           ///< UTF-8 text file to train on; empty: the King James Bible
+  std::string dir = "data";   ///< where prepared corpora are cached
+  int64_t vocab_size = 2048;  ///< SentencePiece BPE vocabulary
   double val_fraction = 0.05;
 };
 
@@ -97,29 +97,29 @@ struct RunConfig {
   std::string name;              ///< run directory name; empty: timestamp + preset
   int64_t threads = 0;           ///< intra-op threads; 0: all cores
   int64_t seed = 1337;
-  std::string device = "cpu";    ///< "cpu" or "cuda[:N]"
-  std::string dtype = "float32"; ///< activation/compute dtype: float32 or bfloat16
-  int64_t sample_tokens = 120;   ///< tokens generated at the end of training
+  std::string device = "cpu";     ///< "cpu" or "cuda[:N]"
+  std::string dtype = "float32";  ///< activation/compute dtype: float32 or bfloat16
+  int64_t sample_tokens = 120;    ///< tokens generated at the end of training
   std::string prompt = "And God said";
-  bool progress = true;          ///< progress bar on a terminal
-  std::string trace;             ///< Chrome-trace JSON of step 3 (or the last) goes here; empty: none
+  bool progress = true;  ///< progress bar on a terminal
+  std::string trace;     ///< Chrome-trace JSON of step 3 (or the last) goes here; empty: none
 };
 
 /// Several processes (ranks) training one model; see include/remat/dist.h.
 struct ParallelConfig {
-  int64_t dp = 0;         ///< data-parallel ranks; 0: every rank the launcher started (over tp)
-  int64_t tp = 1;         ///< tensor-parallel ranks sharing each layer (Megatron); must divide
-                          ///< the heads, KV heads and d_ff (the vocabulary is padded to it)
-  bool sp = false;        ///< sequence parallelism over the tp ranks (Megatron): norms, dropout
-                          ///< and residuals on a rank's share of the positions
-  double timeout = 300;   ///< seconds the rendezvous or any collective may take before every
-                          ///< rank stops with a sentence naming the lost rank
-  int64_t zero = 0;       ///< 1: ZeRO stage 1, each data-parallel rank keeps AdamW's moments of
-                          ///< its share of the parameters only (TrainStep); 0: every rank keeps
-                          ///< them all. With one data-parallel rank 1 changes nothing.
-  int64_t pp = 1;         ///< pipeline stages (remat/pipeline.h): the layers split by
-                          ///< ac.num_layers_per_stage, else by the planner under ac.budget, else
-                          ///< evenly; sets ac.stages, so per-stage policies count real stages
+  int64_t dp = 0;        ///< data-parallel ranks; 0: every rank the launcher started (over tp)
+  int64_t tp = 1;        ///< tensor-parallel ranks sharing each layer (Megatron); must divide
+                         ///< the heads, KV heads and d_ff (the vocabulary is padded to it)
+  bool sp = false;       ///< sequence parallelism over the tp ranks (Megatron): norms, dropout
+                         ///< and residuals on a rank's share of the positions
+  double timeout = 300;  ///< seconds the rendezvous or any collective may take before every
+                         ///< rank stops with a sentence naming the lost rank
+  int64_t zero = 0;      ///< 1: ZeRO stage 1, each data-parallel rank keeps AdamW's moments of
+                         ///< its share of the parameters only (TrainStep); 0: every rank keeps
+                         ///< them all. With one data-parallel rank 1 changes nothing.
+  int64_t pp = 1;        ///< pipeline stages (remat/pipeline.h): the layers split by
+                         ///< ac.num_layers_per_stage, else by the planner under ac.budget, else
+                         ///< evenly; sets ac.stages, so per-stage policies count real stages
   /// The order each stage runs its microbatches (train.grad_accum) in.
   pipeline::Schedule schedule = pipeline::Schedule::one_f_one_b;
   /// What `remat plan`, which runs no ranks, prices a collective at: the rate in GB/s

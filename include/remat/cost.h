@@ -95,7 +95,7 @@ struct OtherAttention;
 /// or empty to price them by FLOPs and their collectives by the bytes they send.
 struct NodeTimes {
   std::map<std::string, double> seconds;  ///< by node name
-  double flops_per_second = 0;           ///< fallback rate for nodes without a time
+  double flops_per_second = 0;            ///< fallback rate for nodes without a time
   /// The tensor-parallel links, for collectives without a measured time: bytes a rank
   /// sends per second and seconds per ring step (graph::LinkTraffic); a rate of 0 prices
   /// them at 0. In the unit of `flops_per_second`'s seconds (`remat plan`'s FLOPs).
@@ -133,9 +133,9 @@ struct OtherAttention {
 
 /// A layer's plan priced: what it keeps and what its backward recomputes and peaks at.
 struct LayerCost {
-  int64_t kept = 0;            ///< bytes kept from its forward to its backward
-  int64_t forward_peak = 0;    ///< highest live bytes of its forward, its kept input included
-  int64_t backward_peak = 0;   ///< highest live bytes of its backward, "dy" and kept slots included
+  int64_t kept = 0;           ///< bytes kept from its forward to its backward
+  int64_t forward_peak = 0;   ///< highest live bytes of its forward, its kept input included
+  int64_t backward_peak = 0;  ///< highest live bytes of its backward, "dy" and kept slots included
   int64_t recomputed_bytes = 0;
   double recompute_flops = 0;
   double recompute_seconds = 0;
@@ -146,19 +146,19 @@ struct LayerCost {
 /// The whole step under one plan (of one pipeline stage: its layers, its ends).
 struct StepPrediction {
   StaticBytes statics;
-  int64_t first_layer = 0;      ///< the model's layer layers[0] is (StepShape::first_layer)
-  int64_t embedding = 0;        ///< saved by the embedding
-  int64_t head = 0;             ///< saved by the final norm and loss head
-  std::vector<LayerCost> layers; ///< the stage's, from first_layer
-  int64_t kept_activations = 0; ///< embedding + blocks + head at the end of one microbatch's forward
-  int64_t peak = 0;             ///< highest live bytes of the step
-  std::string peak_at;          ///< where: "forward of layer 3", "backward of layer 1", ...
-  int64_t working_set = 0;      ///< peak - statics - activations kept at that moment
-  double recompute_flops = 0;   ///< per step (all microbatches)
-  double recompute_seconds = 0; ///< per step
-  double recompute_link_seconds = 0;  ///< per step: of recompute_seconds, the collectives re-run
+  int64_t first_layer = 0;             ///< the model's layer layers[0] is (StepShape::first_layer)
+  int64_t embedding = 0;               ///< saved by the embedding
+  int64_t head = 0;                    ///< saved by the final norm and loss head
+  std::vector<LayerCost> layers;       ///< the stage's, from first_layer
+  int64_t kept_activations = 0;        ///< embedding + blocks + head at the end of one microbatch's forward
+  int64_t peak = 0;                    ///< highest live bytes of the step
+  std::string peak_at;                 ///< where: "forward of layer 3", "backward of layer 1", ...
+  int64_t working_set = 0;             ///< peak - statics - activations kept at that moment
+  double recompute_flops = 0;          ///< per step (all microbatches)
+  double recompute_seconds = 0;        ///< per step
+  double recompute_link_seconds = 0;   ///< per step: of recompute_seconds, the collectives re-run
   std::map<std::string, int64_t> ops;  ///< per step
-  int64_t recomputed_bytes = 0; ///< per microbatch
+  int64_t recomputed_bytes = 0;        ///< per microbatch
   /// Per step: the forward and backward time the layers running the other attention op
   /// (LayerPlan::attention) take beyond the model's op in them (OtherAttention::pass_delta).
   double attention_seconds = 0;
@@ -181,7 +181,7 @@ StepConstants step_constants(const ModelConfig& cfg, const StepShape& shape);
 /// its graph with that op, priced by times.other_attention (required then). With
 /// microbatches in flight, each point of the step but the optimizer's has the others' kept
 /// activations beside it.
-StepPrediction predict_step(const ModelConfig& cfg, const StepShape& shape, const ActivationPlan& plan,
-                            bool early_stop, const NodeTimes& times);
+StepPrediction predict_step(const ModelConfig& cfg, const StepShape& shape, const ActivationPlan& plan, bool early_stop,
+                            const NodeTimes& times);
 
 }  // namespace remat::cost

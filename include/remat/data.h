@@ -89,8 +89,7 @@ struct CorpusInfo {
 /// damaged or stale directory is rebuilt, saying why through `log`. Every file is written
 /// atomically and meta.json last, so an interrupted run never looks complete.
 /// `log` receives progress lines (no trailing newline); may be empty.
-CorpusInfo prepare_corpus(const PrepareOptions& options,
-                          const std::function<void(const std::string&)>& log = {});
+CorpusInfo prepare_corpus(const PrepareOptions& options, const std::function<void(const std::string&)>& log = {});
 
 /// Reads `dir`/meta.json and checks that the files it names exist with the recorded sizes.
 /// A missing directory or file is an error that suggests running `remat prepare`.

@@ -124,8 +124,7 @@ class Comm {
   /// tensor-parallel groups; a pipeline group the ranks at the same replica and place in
   /// every stage, its rank() the stage. `tp` must divide the world size, and `pp` the
   /// world size over `tp` (a sentence says so before any rank connects).
-  static std::unique_ptr<Comm> connect(const LaunchEnv& env, std::chrono::milliseconds timeout, int tp = 1,
-                                       int pp = 1);
+  static std::unique_ptr<Comm> connect(const LaunchEnv& env, std::chrono::milliseconds timeout, int tp = 1, int pp = 1);
   ~Comm();
   Comm(const Comm&) = delete;
   Comm& operator=(const Comm&) = delete;

@@ -51,15 +51,15 @@ struct TensorInfo {
 
 /// Attributes of a node; each op reads the fields it needs.
 struct Attrs {
-  double eps = 0.0;                  ///< norms
-  double p = 0.0;                    ///< dropout probability (dropout mask, attention)
-  ops::AttentionTiles tiles;         ///< tiled attention: query and key positions per tile
+  double eps = 0.0;                                     ///< norms
+  double p = 0.0;                                       ///< dropout probability (dropout mask, attention)
+  ops::AttentionTiles tiles;                            ///< tiled attention: query and key positions per tile
   ops::DropoutSite site = ops::DropoutSite::embedding;  ///< which dropout key
-  std::vector<int64_t> sizes;        ///< view, dropout mask: the output's sizes
-  std::vector<int64_t> from;         ///< view: the input's sizes
-  std::vector<int64_t> split_heads;  ///< split: the heads of each part (views [B, T, heads, D])
-  int64_t head_dim = 0;              ///< split
-  int64_t chunk = 0;                 ///< cross_entropy: tokens per chunk of logits
+  std::vector<int64_t> sizes;                           ///< view, dropout mask: the output's sizes
+  std::vector<int64_t> from;                            ///< view: the input's sizes
+  std::vector<int64_t> split_heads;                     ///< split: the heads of each part (views [B, T, heads, D])
+  int64_t head_dim = 0;                                 ///< split
+  int64_t chunk = 0;                                    ///< cross_entropy: tokens per chunk of logits
   /// Set by the tensor-parallel transform: the op holds this rank's share of a dimension
   /// its RunContext's `tp` group splits (attention: heads; embedding, loss: vocabulary
   /// rows; under sequence parallelism, dropout masks and position embeddings: sequence
@@ -238,7 +238,7 @@ at::Tensor take_part(const at::Tensor& full, const Shard& shard, int64_t tp, int
 at::Tensor join_parts(const at::Tensor& gathered, const Shard& shard, int64_t tp);
 
 struct Param {
-  std::string name;  ///< relative to the layer ("ln_1.weight")
+  std::string name;            ///< relative to the layer ("ln_1.weight")
   std::vector<int64_t> sizes;  ///< this rank's (its share, when split)
   Shard shard;
   /// Sequence parallelism: a parameter every rank holds whole but applies to its own
@@ -268,10 +268,10 @@ struct BlockGraph {
   std::vector<Value> values;
   std::vector<Node> nodes;
   std::vector<Param> params;
-  at::ScalarType dtype = at::kFloat;  ///< the compute dtype: parameters and activations
-  int input = -1;   ///< the block input [B, T, C] (the embedding's: token ids)
-  std::vector<int> side_inputs;  ///< further inputs from the caller (the loss head's targets)
-  int output = -1;  ///< the block output (the loss head's: the loss)
+  at::ScalarType dtype = at::kFloat;    ///< the compute dtype: parameters and activations
+  int input = -1;                       ///< the block input [B, T, C] (the embedding's: token ids)
+  std::vector<int> side_inputs;         ///< further inputs from the caller (the loss head's targets)
+  int output = -1;                      ///< the block output (the loss head's: the loss)
   std::vector<std::vector<int>> slots;  ///< per Slot: its values
   /// Per value: the slot holding it, or -1 (values no backward reads).
   std::vector<int> slot_of;

@@ -17,9 +17,9 @@
 namespace remat::memory {
 
 struct Stats {
-  int64_t current = 0;  ///< bytes held now: live tensors and, on CPU, idle pooled buffers
-  int64_t peak = 0;     ///< highest `current` since the last reset_peak()
-  int64_t reserved = 0; ///< CUDA: bytes the caching allocator holds (0 on CPU)
+  int64_t current = 0;   ///< bytes held now: live tensors and, on CPU, idle pooled buffers
+  int64_t peak = 0;      ///< highest `current` since the last reset_peak()
+  int64_t reserved = 0;  ///< CUDA: bytes the caching allocator holds (0 on CPU)
   int64_t reserved_peak = 0;
   int64_t pool_idle = 0;  ///< CPU: bytes idle in the recompute pool (part of `current`)
 };

@@ -117,9 +117,9 @@ class Model {
   /// a multiple of the group's size); evaluation and generation run without it.
   ///
   /// `stage`: the layers the model holds (StageSpan); at least one, within the model's.
-  static std::unique_ptr<Model> create(const ModelConfig& cfg, at::Device device,
-                                       at::ScalarType compute_dtype, uint64_t seed, dist::Group* tp = nullptr,
-                                       bool sequence_parallel = false, StageSpan stage = {});
+  static std::unique_ptr<Model> create(const ModelConfig& cfg, at::Device device, at::ScalarType compute_dtype,
+                                       uint64_t seed, dist::Group* tp = nullptr, bool sequence_parallel = false,
+                                       StageSpan stage = {});
   virtual ~Model() = default;
 
   const ModelConfig& config() const { return cfg_; }

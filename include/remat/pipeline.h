@@ -95,9 +95,9 @@ struct Frame {
 /// A pipeline to plan.
 struct Problem {
   int64_t layers = 0;
-  int64_t budget = 0;                ///< bytes per rank
-  std::vector<int64_t> in_flight;    ///< per stage (in_flight()); its size is the stage count
-  std::vector<Piece> pieces;         ///< the choices for any layer (span 1) or chunk
+  int64_t budget = 0;              ///< bytes per rank
+  std::vector<int64_t> in_flight;  ///< per stage (in_flight()); its size is the stage count
+  std::vector<Piece> pieces;       ///< the choices for any layer (span 1) or chunk
   /// The frame of `stage` holding `n` layers (called once per stage and count).
   std::function<Frame(int64_t stage, int64_t n)> frame;
   /// Layers per stage, fixed (ac.num_layers_per_stage); empty: the solver chooses.
@@ -110,18 +110,18 @@ struct Problem {
 
 /// One stage of a solution.
 struct StagePlan {
-  int64_t first = 0;             ///< its first layer (of the model)
+  int64_t first = 0;  ///< its first layer (of the model)
   int64_t layers = 0;
-  std::vector<int64_t> pieces;   ///< indices into Problem::pieces, bottom to top
-  int64_t kept = 0;              ///< per microbatch: under + the pieces' + over
-  int64_t peak = 0;              ///< predicted, with its microbatches in flight
-  double seconds = 0;            ///< forward and backward of one microbatch
+  std::vector<int64_t> pieces;  ///< indices into Problem::pieces, bottom to top
+  int64_t kept = 0;             ///< per microbatch: under + the pieces' + over
+  int64_t peak = 0;             ///< predicted, with its microbatches in flight
+  double seconds = 0;           ///< forward and backward of one microbatch
 };
 
 struct Solution {
   std::vector<StagePlan> stages;
-  int64_t bottleneck = 0;        ///< the slowest stage (the first of equals)
-  double seconds = 0;            ///< its time: the step takes (m + p - 1) times it
+  int64_t bottleneck = 0;  ///< the slowest stage (the first of equals)
+  double seconds = 0;      ///< its time: the step takes (m + p - 1) times it
 };
 
 /// The peak of a stage holding `in_flight` microbatches whose layers run `pieces`

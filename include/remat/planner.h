@@ -24,8 +24,8 @@
 namespace remat {
 
 struct PlannerOptions {
-  bool early_stop = true;        ///< as the store runs recomputes
-  int64_t max_chunk = 4;         ///< largest uniform chunk considered (1: none)
+  bool early_stop = true;  ///< as the store runs recomputes
+  int64_t max_chunk = 4;   ///< largest uniform chunk considered (1: none)
   /// Keep-set candidates per layer: every subset of the block's non-empty slots when
   /// empty, else exactly these (each a set of dropped slots; for tests and experiments).
   std::vector<std::set<std::string>> candidates;
@@ -39,7 +39,7 @@ struct PlannerOptions {
 struct LayerOption {
   std::set<std::string> dropped;
   cost::LayerCost cost;
-  bool input_sharded = false;  ///< LayerPlan::input_sharded
+  bool input_sharded = false;          ///< LayerPlan::input_sharded
   std::optional<Attention> attention;  ///< LayerPlan::attention: the other attention op, or unset
   /// What the option adds to the step: its recompute, and with the other attention op the
   /// difference of its pass (cost::OtherAttention::pass_delta).
@@ -50,7 +50,7 @@ struct LayerOption {
 struct FrontierPoint {
   int64_t peak = 0;
   double recompute_seconds = 0;  ///< with, per layer, the other attention op's pass difference (auto)
-  std::string label;  ///< the policy, or "budget" for solved plans
+  std::string label;             ///< the policy, or "budget" for solved plans
 };
 
 struct PlanResult {
@@ -78,7 +78,7 @@ struct PipelinePlan {
   /// The step's microbatches through the stages, simulated (pipeline::simulate) with each
   /// stage's forward and backward; transfers and the optimizer are not in it.
   double simulated_seconds = 0;
-  int64_t peak() const;                      ///< the highest stage peak
+  int64_t peak() const;  ///< the highest stage peak
 };
 
 class Planner {
@@ -157,10 +157,10 @@ class Planner {
   /// With the other attention op priced (NodeTimes::other_attention): the model's op, which
   /// the plan names in the layers that run it; else unset.
   std::optional<Attention> per_layer_op_;
-  int64_t emb_base_ = 0;     ///< statics + embedding, under every layer
-  int64_t head_peak_ = 0;    ///< the loss head's live bytes above the kept layers
-  int64_t fixed_peak_ = 0;   ///< peaks that do not depend on the plan (embedding, optimizer)
-  double block_seconds_ = 0; ///< one whole block forward
+  int64_t emb_base_ = 0;      ///< statics + embedding, under every layer
+  int64_t head_peak_ = 0;     ///< the loss head's live bytes above the kept layers
+  int64_t fixed_peak_ = 0;    ///< peaks that do not depend on the plan (embedding, optimizer)
+  double block_seconds_ = 0;  ///< one whole block forward
   // A forward and backward of one microbatch: of a block without recompute, of the
   // embedding, of the loss head; measured where the times have them, else three times the
   // forward (a backward costs about twice its forward, as its FLOPs do).

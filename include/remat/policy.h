@@ -62,7 +62,7 @@ struct AcConfig {
   // torchtune
   std::optional<bool> enable_activation_checkpointing;  ///< true alone: full
   std::optional<std::string> ac_mode;                   ///< "full" | "selective"
-  std::optional<std::string> ac_option;  ///< selective: K (every:K) or "op" (ops:[matmul,attention])
+  std::optional<std::string> ac_option;                 ///< selective: K (every:K) or "op" (ops:[matmul,attention])
 
   // Megatron-LM
   std::optional<std::string> recompute_granularity;  ///< "full" | "selective"
@@ -73,7 +73,7 @@ struct AcConfig {
   std::optional<bool> distribute_saved_activations;  ///< true: layers that keep only their input shard it over TP
 
   // ColossalAI
-  std::optional<double> gradient_checkpointing_ratio;   ///< ratio:R
+  std::optional<double> gradient_checkpointing_ratio;    ///< ratio:R
   std::optional<std::string> num_ckpt_layers_per_stage;  ///< comma list, one per stage
   std::optional<std::string> num_layers_per_stage;       ///< comma list, sums to the layers
 

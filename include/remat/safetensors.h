@@ -62,8 +62,7 @@ struct SafeTensors {
 /// SHA-256 in hex of every byte before it (length prefix, header with its metadata, the
 /// other tensors), so that a reader can tell a whole file from a damaged one
 /// (verify_safetensors_checksum). It is still a plain safetensors file.
-void save_safetensors(const std::string& path,
-                      const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+void save_safetensors(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
                       const std::map<std::string, std::string>& metadata = {}, bool checksum = false);
 
 /// A tensor of a file written a tensor at a time: what its header entry says.
@@ -101,8 +100,7 @@ SafeTensorsHeader read_safetensors_header(const std::string& path);
 
 /// Reads and validates the whole file; with `wanted`, only the tensors whose names it
 /// accepts are read (the header is validated whole), in file order.
-SafeTensors load_safetensors(const std::string& path,
-                             const std::function<bool(const std::string&)>& wanted = nullptr);
+SafeTensors load_safetensors(const std::string& path, const std::function<bool(const std::string&)>& wanted = nullptr);
 
 /// "F32" for at::kFloat, etc.; throws for a dtype the format cannot hold.
 const char* safetensors_dtype_name(at::ScalarType dtype);

@@ -47,14 +47,14 @@ struct StoreOptions {
 
 /// What the store did over the microbatches since reset().
 struct StoreCounters {
-  int64_t bytes_kept = 0;        ///< saved bytes held after each forward (distinct storages), summed
-  int64_t bytes_dropped = 0;     ///< bytes the plan dropped at forward
-  int64_t bytes_recomputed = 0;  ///< bytes recompute wrote back into slots
-  int64_t ops_recomputed = 0;    ///< forward ops re-executed
+  int64_t bytes_kept = 0;                      ///< saved bytes held after each forward (distinct storages), summed
+  int64_t bytes_dropped = 0;                   ///< bytes the plan dropped at forward
+  int64_t bytes_recomputed = 0;                ///< bytes recompute wrote back into slots
+  int64_t ops_recomputed = 0;                  ///< forward ops re-executed
   std::map<std::string, int64_t> ops_by_kind;  ///< "linear", "layernorm", "attention", ...
   std::map<std::string, double> node_seconds;  ///< with time_nodes: seconds per node, summed
   std::map<std::string, int64_t> node_runs;    ///< with time_nodes: executions per node
-  memory::PoolCounts pool;       ///< recompute allocations served from the pool, or not
+  memory::PoolCounts pool;                     ///< recompute allocations served from the pool, or not
 };
 
 class ActivationStore {
@@ -76,8 +76,7 @@ class ActivationStore {
   /// bytes unless `view_of_dropped` (a view of another tensor of the slot, whose drop counts
   /// the memory; the caller releases it). Records of several microbatches in flight at
   /// once (a pipeline stage's) stay apart by `mb`.
-  void drop(uint64_t mb, int64_t l, const std::string& slot, size_t index, const at::Tensor& t,
-            bool view_of_dropped);
+  void drop(uint64_t mb, int64_t l, const std::string& slot, size_t index, const at::Tensor& t, bool view_of_dropped);
   /// Backward of microbatch `mb`: the recompute refilled `slot` of layer `l` with
   /// `tensors`; checks them against the record and counts their bytes (a view of all of
   /// another counted once).

@@ -59,9 +59,7 @@ class Tokenizer {
   std::vector<int32_t> encode(std::string_view text) const;
   /// The text of `ids`; every id must be in [0, vocab_size()).
   std::string decode(const int32_t* ids, size_t count) const;
-  std::string decode(const std::vector<int32_t>& ids) const {
-    return decode(ids.data(), ids.size());
-  }
+  std::string decode(const std::vector<int32_t>& ids) const { return decode(ids.data(), ids.size()); }
 
   int vocab_size() const;
   int unk_id() const;

@@ -16,28 +16,28 @@ namespace remat {
 struct TrainSummary {
   std::string run_dir;
   int64_t steps = 0;
-  int64_t tokens = 0;                   ///< training tokens consumed
-  std::vector<double> losses;           ///< mean training loss of every step
-  double initial_val_loss = 0;          ///< before the first step
+  int64_t tokens = 0;           ///< training tokens consumed
+  std::vector<double> losses;   ///< mean training loss of every step
+  double initial_val_loss = 0;  ///< before the first step
   double final_val_loss = 0;
-  double unigram_entropy = 0;           ///< of the training tokens, nats/token
+  double unigram_entropy = 0;  ///< of the training tokens, nats/token
   double median_step_seconds = 0;
   double tokens_per_second = 0;
-  double model_flops_per_second = 0;    ///< 3 x forward FLOPs per token x tokens/s
-  double matmul_flops_per_second = 0;   ///< measured on this machine, same dtype; summed over the ranks
-  int64_t peak_bytes = 0;               ///< highest per-step peak of tensor bytes (of any rank)
-  std::vector<int64_t> rank_peak_bytes; ///< the same, per data-parallel rank
-  int64_t predicted_peak_bytes = 0;     ///< the cost model's step peak for the plan, before the first step
-  int64_t budget_bytes = 0;             ///< ac.budget in bytes (0: no budget)
-  double predicted_step_seconds = 0;    ///< from the measured time profile (0: ac.profile=false)
-  int64_t activation_bytes = 0;         ///< saved-activation bytes of one microbatch, measured
+  double model_flops_per_second = 0;       ///< 3 x forward FLOPs per token x tokens/s
+  double matmul_flops_per_second = 0;      ///< measured on this machine, same dtype; summed over the ranks
+  int64_t peak_bytes = 0;                  ///< highest per-step peak of tensor bytes (of any rank)
+  std::vector<int64_t> rank_peak_bytes;    ///< the same, per data-parallel rank
+  int64_t predicted_peak_bytes = 0;        ///< the cost model's step peak for the plan, before the first step
+  int64_t budget_bytes = 0;                ///< ac.budget in bytes (0: no budget)
+  double predicted_step_seconds = 0;       ///< from the measured time profile (0: ac.profile=false)
+  int64_t activation_bytes = 0;            ///< saved-activation bytes of one microbatch, measured
   int64_t predicted_activation_bytes = 0;  ///< the same, predicted from the plan before the first step
-  int64_t recompute_ops_per_step = 0;   ///< forward ops the store re-executed in the first step
+  int64_t recompute_ops_per_step = 0;      ///< forward ops the store re-executed in the first step
   int64_t recomputed_bytes_per_step = 0;
   int64_t num_params = 0;
-  std::string sample;                   ///< text generated at the end
-  int stopped_by = 0;                   ///< SIGINT or SIGTERM when one stopped the run after a
-                                        ///< checkpoint (no final weights then); 0: it ran to the end
+  std::string sample;  ///< text generated at the end
+  int stopped_by = 0;  ///< SIGINT or SIGTERM when one stopped the run after a
+                       ///< checkpoint (no final weights then); 0: it ran to the end
 };
 
 /// Learning rate of 0-based `step`: linear warmup over train.warmup steps to train.lr,
@@ -70,8 +70,8 @@ using TextSink = std::function<void(std::string_view)>;
 /// ("cpu", "cuda[:N]"; empty: the run's own device). On CPU the model runs in float32
 /// whatever dtype it was trained in. `on_text` streams the text and `generated` receives
 /// the tokens sampled (sample_text).
-std::string generate_from_run(const std::string& run_dir, const std::string& prompt, int64_t tokens,
-                              double temperature, int64_t top_k, uint64_t seed, const std::string& device = "",
+std::string generate_from_run(const std::string& run_dir, const std::string& prompt, int64_t tokens, double temperature,
+                              int64_t top_k, uint64_t seed, const std::string& device = "",
                               const TextSink& on_text = {}, int64_t* generated = nullptr);
 
 }  // namespace remat

@@ -44,16 +44,16 @@ PreparedEntry prepare_entry(const BenchOptions& o, const BenchEntry& entry) {
     const std::string key = kv.substr(0, kv.find('='));
     const auto& keys = config_keys();
     if (std::none_of(keys.begin(), keys.end(), [&](const ConfigKey& k) { return k.name == key; })) {
-      throw std::invalid_argument(fmt::format(
-          "Bench entry '{}' sets {}, which is an unknown config key; leave the entry out of the sweep.", entry.label,
-          key));
+      throw std::invalid_argument(
+          fmt::format("Bench entry '{}' sets {}, which is an unknown config key; leave the entry out of the sweep.",
+                      entry.label, key));
     }
     // The ranks join once, before the first entry, as the sweep's settings group them.
     if (key.rfind("parallel.", 0) == 0) {
       throw std::invalid_argument(fmt::format(
           "Bench entry '{}' sets {}, but every entry of a sweep runs on the same ranks, joined once; set {} for the "
-          "whole sweep (a key=value beside the options) and bench each value in its own sweep.", entry.label, key,
-          key));
+          "whole sweep (a key=value beside the options) and bench each value in its own sweep.",
+          entry.label, key, key));
     }
   }
   std::vector<std::string> overrides = o.overrides;
@@ -103,9 +103,8 @@ BenchRow run_entry(const BenchEntry& entry, const PreparedEntry& p, const BenchO
   row.attention = attention_name(cfg.model.attention);
   row.loss_head = loss_head_name(cfg.model.loss_head);
   row.predicted_peak_bytes = planned.peak();
-  row.predicted_rank_peak_bytes =
-      rank_predictions(planned.stage_peaks, ranks != nullptr ? ranks->size() : 1,
-                       ranks != nullptr ? ranks->data().size() * cfg.parallel.tp : 1);
+  row.predicted_rank_peak_bytes = rank_predictions(planned.stage_peaks, ranks != nullptr ? ranks->size() : 1,
+                                                   ranks != nullptr ? ranks->data().size() * cfg.parallel.tp : 1);
   row.stage_layers = planned.split;
   row.predicted_step_seconds = planned.step_seconds;
   row.budget_bytes = planned.budget;
@@ -124,10 +123,15 @@ BenchRow run_entry(const BenchEntry& entry, const PreparedEntry& p, const BenchO
     row.bytes_recomputed = r.counters.bytes_recomputed;
     row.final_loss = r.loss;
     if (run != nullptr) {
-      run->log_metrics({{"entry", entry.label}, {"step", step + 1}, {"measured", measured}, {"loss", r.loss},
-                        {"step_seconds", r.seconds}, {"memory_bytes", r.current_bytes},
+      run->log_metrics({{"entry", entry.label},
+                        {"step", step + 1},
+                        {"measured", measured},
+                        {"loss", r.loss},
+                        {"step_seconds", r.seconds},
+                        {"memory_bytes", r.current_bytes},
                         {"peak_bytes", *std::max_element(gathered.peaks.begin(), gathered.peaks.end())},
-                        {"rank_peak_bytes", gathered.peaks}, {"activation_bytes", r.activations.total()},
+                        {"rank_peak_bytes", gathered.peaks},
+                        {"activation_bytes", r.activations.total()},
                         {"ops_recomputed", r.counters.ops_recomputed}});
     }
     bar.update(++steps_done, fmt::format("{} step {}/{}", entry.label, step + 1, o.warmup + o.steps));
@@ -156,10 +160,10 @@ std::string to_csv(const std::vector<BenchRow>& rows) {
       "predicted_peak_bytes,predicted_step_seconds,budget_bytes,rank_peak_bytes\n";
   for (const auto& r : rows) {
     out += fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}\n", csv_field(r.entry), csv_field(r.policy),
-                       r.median_step_seconds, r.min_step_seconds, r.max_step_seconds, r.tokens_per_second,
-                       r.peak_bytes, r.activation_bytes, r.predicted_activation_bytes, r.ops_recomputed,
-                       r.bytes_recomputed, r.final_loss, r.predicted_peak_bytes, r.predicted_step_seconds,
-                       r.budget_bytes, fmt::join(r.rank_peak_bytes, " "));
+                       r.median_step_seconds, r.min_step_seconds, r.max_step_seconds, r.tokens_per_second, r.peak_bytes,
+                       r.activation_bytes, r.predicted_activation_bytes, r.ops_recomputed, r.bytes_recomputed,
+                       r.final_loss, r.predicted_peak_bytes, r.predicted_step_seconds, r.budget_bytes,
+                       fmt::join(r.rank_peak_bytes, " "));
   }
   return out;
 }
@@ -202,7 +206,8 @@ std::vector<BenchEntry> bench_entries(const std::vector<std::string>& policies,
 
 BenchResult run_bench(const BenchOptions& o) {
   if (o.entries.empty()) {
-    throw std::invalid_argument("The sweep has no entries; give at least one policy (--policies) or budget (--budgets).");
+    throw std::invalid_argument(
+        "The sweep has no entries; give at least one policy (--policies) or budget (--budgets).");
   }
   if (o.steps < 1) throw std::invalid_argument(fmt::format("--steps must be at least 1, got {}.", o.steps));
   if (o.warmup < 0) throw std::invalid_argument(fmt::format("--warmup must be 0 or more, got {}.", o.warmup));
@@ -244,13 +249,14 @@ BenchResult run_bench(const BenchOptions& o) {
     Config probed = local;
     probed.model.attention = op.model.attention;
     probed.model.loss_head = op.model.loss_head;
-    const double matmul_rate = probed.ac.profile ? 0.0
-                                                 : measure_matmul_flops(device, dtype,
-                                                                        local.train.batch * local.train.seq,
-                                                                        common.model.d_model, common.model.d_ff);
+    const double matmul_rate = probed.ac.profile
+                                   ? 0.0
+                                   : measure_matmul_flops(device, dtype, local.train.batch * local.train.seq,
+                                                          common.model.d_model, common.model.d_ff);
     std::unique_ptr<Model> probe;  // freed once measured
-    return profiles[key] = run_time_profile(probed, device, dtype, train_ds, ranks.get(), matmul_rate,
-                                            [&] { return create_model(probed, device, dtype, ranks.get()); }, probe);
+    return profiles[key] = run_time_profile(
+               probed, device, dtype, train_ds, ranks.get(), matmul_rate,
+               [&] { return create_model(probed, device, dtype, ranks.get()); }, probe);
   };
   // Every entry's plan and prediction, so an infeasible budget fails before anything trains.
   for (size_t i = 0; i < prepared.size(); ++i) {
@@ -273,10 +279,12 @@ BenchResult run_bench(const BenchOptions& o) {
   }
 
   const auto& t = common.train;
-  fmt::print(stderr, "bench: {} entries x ({} warm-up + {} measured) steps of {} x {} tokens x {} accum{}; {} ({}) "
-             "{} on {} ({} threads{}); run dir {}\n", o.entries.size(), o.warmup, o.steps, t.batch, t.seq,
-             t.grad_accum, describe_ranks(local), common.model.preset, arch_name(common.model.arch), common.run.dtype,
-             device.str(), threads, ranks != nullptr ? " per rank" : "", run ? run->path() : "");
+  fmt::print(stderr,
+             "bench: {} entries x ({} warm-up + {} measured) steps of {} x {} tokens x {} accum{}; {} ({}) "
+             "{} on {} ({} threads{}); run dir {}\n",
+             o.entries.size(), o.warmup, o.steps, t.batch, t.seq, t.grad_accum, describe_ranks(local),
+             common.model.preset, arch_name(common.model.arch), common.run.dtype, device.str(), threads,
+             ranks != nullptr ? " per rank" : "", run ? run->path() : "");
   for (size_t i = 0; i < prepared.size(); ++i) {
     for (const Choice& c : prepared[i].spec.plan.choices) fmt::print(stderr, "{}: {}\n", o.entries[i].label, c.line());
   }
@@ -315,22 +323,34 @@ BenchResult run_bench(const BenchOptions& o) {
   if (!lead) return result;
   if (!result.losses_equal) {
     std::string losses;
-    for (const auto& r : result.rows) losses += fmt::format("{}{} {}", losses.empty() ? "" : ", ", r.entry, r.final_loss);
-    fmt::print(stderr, "warning: the final losses differ across entries ({}); every policy is meant to be bitwise "
-               "exact, so this is a bug worth reporting with {}.\n", losses,
-               run->file("bench.json"));
+    for (const auto& r : result.rows)
+      losses += fmt::format("{}{} {}", losses.empty() ? "" : ", ", r.entry, r.final_loss);
+    fmt::print(stderr,
+               "warning: the final losses differ across entries ({}); every policy is meant to be bitwise "
+               "exact, so this is a bug worth reporting with {}.\n",
+               losses, run->file("bench.json"));
   }
 
   run->write_text("bench.csv", to_csv(result.rows));
   nlohmann::json rows = nlohmann::json::array();
   for (const auto& r : result.rows) rows.push_back(row_json(r));
   const nlohmann::json json = {
-      {"machine", {{"device", device.str()}, {"threads", threads}, {"blas", blas_name()}, {"dtype", common.run.dtype},
-                   {"preset", common.model.preset}, {"batch", t.batch}, {"seq", t.seq},
-                   {"grad_accum", t.grad_accum}}},
-      {"ranks", {{"dp", local.parallel.dp}, {"tp", common.parallel.tp}, {"sp", common.parallel.sp},
-                 {"zero", common.parallel.zero}, {"pp", common.parallel.pp},
-                 {"schedule", pipeline::schedule_name(common.parallel.schedule)}}},
+      {"machine",
+       {{"device", device.str()},
+        {"threads", threads},
+        {"blas", blas_name()},
+        {"dtype", common.run.dtype},
+        {"preset", common.model.preset},
+        {"batch", t.batch},
+        {"seq", t.seq},
+        {"grad_accum", t.grad_accum}}},
+      {"ranks",
+       {{"dp", local.parallel.dp},
+        {"tp", common.parallel.tp},
+        {"sp", common.parallel.sp},
+        {"zero", common.parallel.zero},
+        {"pp", common.parallel.pp},
+        {"schedule", pipeline::schedule_name(common.parallel.schedule)}}},
       {"warmup", o.warmup},
       {"steps", o.steps},
       {"reference", result.rows[result.reference].entry},
@@ -343,9 +363,9 @@ BenchResult run_bench(const BenchOptions& o) {
   for (const auto& r : result.rows) points.push_back({mib(r.peak_bytes), r.median_step_seconds * 1e3, r.entry});
   std::string why;
   const bool plotted = run->plot_points(
-      "bench.png", fmt::format("remat bench: {} on {} ({} threads{}), {} x {} tokens{}", common.model.preset,
-                               device.str(), threads, ranks != nullptr ? " per rank" : "", t.batch, t.seq,
-                               describe_ranks(local)),
+      "bench.png",
+      fmt::format("remat bench: {} on {} ({} threads{}), {} x {} tokens{}", common.model.preset, device.str(), threads,
+                  ranks != nullptr ? " per rank" : "", t.batch, t.seq, describe_ranks(local)),
       ranks != nullptr ? "step peak of the highest rank (MiB)" : "step peak (MiB)", "median step (ms)", points, &why);
   fmt::print(stderr, "bench dir {}: bench.csv, bench.json{}, config.toml, metrics.jsonl\n", run->path(),
              plotted ? ", bench.png" : "");
@@ -382,7 +402,8 @@ std::string format_bench_table(const BenchResult& result) {
   // Several ranks: the peak above is the highest rank's; each rank's beside its prediction.
   for (const auto& r : result.rows) {
     if (r.rank_peak_bytes.size() > 1) {
-      out += fmt::format("{} peaks per rank: {}\n", r.entry, format_rank_peaks(r.rank_peak_bytes, r.predicted_rank_peak_bytes));
+      out += fmt::format("{} peaks per rank: {}\n", r.entry,
+                         format_rank_peaks(r.rank_peak_bytes, r.predicted_rank_peak_bytes));
     }
   }
   // Each budget entry against the fastest manual policy whose measured peak fits the

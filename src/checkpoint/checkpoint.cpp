@@ -49,14 +49,11 @@ void check_outputs(const CheckpointOptions& o, const std::vector<TensorRecord>& 
   const bool values = o.determinism_check == DeterminismCheck::values;
   for (const auto i : c10::irange(forward.size())) {
     const TensorRecord now = TensorRecord::of(recomputed[i], values);
-    const bool meta_ok = o.determinism_check == DeterminismCheck::none
-                             ? now.same_shape(forward[i])
-                             : now.same_meta(forward[i]);
+    const bool meta_ok =
+        o.determinism_check == DeterminismCheck::none ? now.same_shape(forward[i]) : now.same_meta(forward[i]);
     TORCH_CHECK(meta_ok, label(o), ": output ", i, " is ", now.describe(), " on recompute but was ",
-                forward[i].describe(),
-                " in the forward pass; fn must return the same outputs every time it runs.");
-    TORCH_CHECK(!values || now.hash == forward[i].hash, label(o), ": output ", i, " (",
-                now.describe(),
+                forward[i].describe(), " in the forward pass; fn must return the same outputs every time it runs.");
+    TORCH_CHECK(!values || now.hash == forward[i].hash, label(o), ": output ", i, " (", now.describe(),
                 ") has different values on recompute (determinism_check=values): fn is not "
                 "deterministic. It may draw from a random generator that preserve_rng_state does "
                 "not restore, or read state that changed since the forward pass.");
@@ -155,8 +152,7 @@ class Frame : public std::enable_shared_from_this<Frame> {
   // Pack hook of a placeholder: records the tensor's metadata, not the tensor.
   size_t record_saved(const at::Tensor& t) {
     if (options_.determinism_check != DeterminismCheck::none) {
-      saved_.push_back(
-          TensorRecord::of(t, options_.determinism_check == DeterminismCheck::values));
+      saved_.push_back(TensorRecord::of(t, options_.determinism_check == DeterminismCheck::values));
     }
     return num_saved_++;
   }
@@ -188,8 +184,7 @@ class Frame : public std::enable_shared_from_this<Frame> {
   CheckpointOptions options_;
   // Whatever owning pointer LibTorch hands out: std::shared_ptr<Node> up to 2.x's early
   // releases, c10::intrusive_ptr<Node> in current ones (2.14).
-  std::vector<decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()))>
-      accumulators_;
+  std::vector<decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()))> accumulators_;
   std::vector<SavedVariable> inputs_;
   std::optional<RngStates> rng_;
   size_t num_saved_ = 0;
@@ -214,9 +209,7 @@ class Placeholder final : public SavedVariableHooks {
 class PlaceholderFactory final : public detail::HookFactory {
  public:
   explicit PlaceholderFactory(std::shared_ptr<Frame> frame) : frame_(std::move(frame)) {}
-  std::unique_ptr<SavedVariableHooks> make_hooks() override {
-    return std::make_unique<Placeholder>(frame_);
-  }
+  std::unique_ptr<SavedVariableHooks> make_hooks() override { return std::make_unique<Placeholder>(frame_); }
 
  private:
   std::shared_ptr<Frame> frame_;
@@ -289,20 +282,19 @@ void Frame::check_saved(const Recompute& r) const {
   const bool values = options_.determinism_check == DeterminismCheck::values;
   for (const auto i : c10::irange(num_saved_)) {
     const TensorRecord now = TensorRecord::of(r.tensors[i], values);
-    TORCH_CHECK(now.same_meta(saved_[i]), label(options_), ": saved tensor ", i, " of ",
-                num_saved_, " is ", now.describe(), " on recompute but was ", saved_[i].describe(),
+    TORCH_CHECK(now.same_meta(saved_[i]), label(options_), ": saved tensor ", i, " of ", num_saved_, " is ",
+                now.describe(), " on recompute but was ", saved_[i].describe(),
                 " in the forward pass (determinism_check=meta); fn took another path on "
                 "recompute.");
-    TORCH_CHECK(!values || now.hash == saved_[i].hash, label(options_), ": saved tensor ", i,
-                " of ", num_saved_, " (", now.describe(),
+    TORCH_CHECK(!values || now.hash == saved_[i].hash, label(options_), ": saved tensor ", i, " of ", num_saved_, " (",
+                now.describe(),
                 ") has different values on recompute (determinism_check=values): fn is not "
                 "deterministic. It may draw from a random generator that preserve_rng_state does "
                 "not restore, or read state that changed since the forward pass.");
   }
 }
 
-std::vector<at::Tensor> checkpoint_non_reentrant(CheckpointFn fn,
-                                                 const std::vector<at::Tensor>& inputs,
+std::vector<at::Tensor> checkpoint_non_reentrant(CheckpointFn fn, const std::vector<at::Tensor>& inputs,
                                                  const CheckpointOptions& options) {
   detail::ensure_hook_engine();
   auto frame = std::make_shared<Frame>(std::move(fn), options, inputs);
@@ -322,8 +314,7 @@ struct ReentrantState : torch::CustomClassHolder {
 
 struct ReentrantCheckpoint : public torch::autograd::Function<ReentrantCheckpoint> {
   // Function::apply runs this with grad mode off, so fn records nothing.
-  static variable_list forward(torch::autograd::AutogradContext* ctx,
-                               const c10::intrusive_ptr<ReentrantState>& state,
+  static variable_list forward(torch::autograd::AutogradContext* ctx, const c10::intrusive_ptr<ReentrantState>& state,
                                at::TensorList inputs) {
     if (state->options.preserve_rng_state) {
       state->rng = RngStates::capture();
@@ -340,8 +331,7 @@ struct ReentrantCheckpoint : public torch::autograd::Function<ReentrantCheckpoin
   }
 
   static variable_list backward(torch::autograd::AutogradContext* ctx, variable_list grad_outputs) {
-    const auto state =
-        c10::static_intrusive_pointer_cast<ReentrantState>(ctx->saved_data["state"].toCapsule());
+    const auto state = c10::static_intrusive_pointer_cast<ReentrantState>(ctx->saved_data["state"].toCapsule());
     const CheckpointOptions& o = state->options;
     check_not_double_backward(o);
     // False inside torch::autograd::grad and backward(inputs=...): those collect gradients
@@ -417,9 +407,7 @@ std::vector<at::Tensor> checkpoint(CheckpointFn fn, const std::vector<at::Tensor
 at::Tensor checkpoint(std::function<at::Tensor(const at::Tensor&)> fn, const at::Tensor& input,
                       const CheckpointOptions& options) {
   TORCH_CHECK(fn, label(options), ": fn is empty.");
-  auto wrapped = [fn = std::move(fn)](const std::vector<at::Tensor>& in) {
-    return std::vector<at::Tensor>{fn(in[0])};
-  };
+  auto wrapped = [fn = std::move(fn)](const std::vector<at::Tensor>& in) { return std::vector<at::Tensor>{fn(in[0])}; };
   return checkpoint(std::move(wrapped), {input}, options)[0];
 }
 

@@ -21,8 +21,7 @@ void set_state(at::Generator gen, const at::Tensor& state) {
 }
 
 at::Generator cuda_generator(size_t index) {
-  return at::globalContext().defaultGenerator(
-      at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(index)));
+  return at::globalContext().defaultGenerator(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(index)));
 }
 
 }  // namespace

@@ -31,9 +31,7 @@ TensorRecord TensorRecord::of(const at::Tensor& t, bool with_hash) {
   return r;
 }
 
-bool TensorRecord::same_shape(const TensorRecord& o) const {
-  return defined == o.defined && sizes == o.sizes;
-}
+bool TensorRecord::same_shape(const TensorRecord& o) const { return defined == o.defined && sizes == o.sizes; }
 
 bool TensorRecord::same_meta(const TensorRecord& o) const {
   return same_shape(o) && dtype == o.dtype && device == o.device;

@@ -42,8 +42,10 @@ int cmd_prepare(const std::string& config_file, const std::vector<std::string>& 
   fmt::print("tokenizer  {}-piece BPE, {}\n", info.vocab_size, info.tokenizer_path());
   fmt::print("tokens     {} train + {} validation ({}), {:.2f} bytes/token\n", info.train_tokens, info.val_tokens,
              info.token_bytes == 2 ? "uint16" : "uint32", info.bytes_per_token());
-  fmt::print("entropy    {:.4f} nats/token (unigram, train): a trained model's validation loss must fall well "
-             "below it\n", info.train_unigram_entropy);
+  fmt::print(
+      "entropy    {:.4f} nats/token (unigram, train): a trained model's validation loss must fall well "
+      "below it\n",
+      info.train_unigram_entropy);
   return 0;
 }
 
@@ -51,7 +53,8 @@ int cmd_train(const std::string& config_file, const std::vector<std::string>& ov
   if (!resume.empty() && (!config_file.empty() || !overrides.empty())) {
     throw std::invalid_argument(fmt::format(
         "--resume continues {} with its own config.toml, so its settings cannot change on the way; drop --config and "
-        "the key=value settings.", resume));
+        "the key=value settings.",
+        resume));
   }
   if (!resume.empty()) check_path("--resume", resume);
   const TrainSummary s = resume.empty()
@@ -77,8 +80,10 @@ std::vector<std::string> split_list(const std::vector<std::string>& args, const 
     }
   }
   if (!args.empty() && items.empty()) {
-    throw std::invalid_argument(fmt::format("{} is empty; give at least one item, e.g. {} '{}', or leave the option "
-                                            "out.", option, option, example));
+    throw std::invalid_argument(
+        fmt::format("{} is empty; give at least one item, e.g. {} '{}', or leave the option "
+                    "out.",
+                    option, option, example));
   }
   return items;
 }
@@ -99,9 +104,11 @@ void check_plot_directory(const std::string& plot) {
   const std::filesystem::path dir = std::filesystem::absolute(plot).parent_path();
   std::error_code ec;
   if (!std::filesystem::is_directory(dir, ec) || ::access(dir.c_str(), W_OK) != 0) {
-    throw std::invalid_argument(fmt::format("--plot {} cannot be written: {} is not {}; give a path in a writable "
-                                            "directory.", util::clip(plot), util::clip(dir.string()),
-                                            std::filesystem::is_directory(dir, ec) ? "writable" : "a directory"));
+    throw std::invalid_argument(
+        fmt::format("--plot {} cannot be written: {} is not {}; give a path in a writable "
+                    "directory.",
+                    util::clip(plot), util::clip(dir.string()),
+                    std::filesystem::is_directory(dir, ec) ? "writable" : "a directory"));
   }
 }
 
@@ -116,10 +123,11 @@ std::string error_text(const std::string& message) {
     return bounded(message);
   }
   const std::string count = message.substr(digits, message.find_first_not_of("0123456789", digits) - digits);
-  return fmt::format("This machine could not allocate {} bytes for one tensor{}: the model, batch or sequence is "
-                     "too large for its memory; lower model.d_model, model.d_ff, model.vocab_size, train.batch or "
-                     "train.seq (`remat plan` with the same settings shows what a step needs, allocating nothing).",
-                     count, count.size() <= 18 ? " (" + memory::format_bytes(std::stoll(count)) + ")" : "");
+  return fmt::format(
+      "This machine could not allocate {} bytes for one tensor{}: the model, batch or sequence is "
+      "too large for its memory; lower model.d_model, model.d_ff, model.vocab_size, train.batch or "
+      "train.seq (`remat plan` with the same settings shows what a step needs, allocating nothing).",
+      count, count.size() <= 18 ? " (" + memory::format_bytes(std::stoll(count)) + ")" : "");
 }
 
 int run(int argc, char** argv) {
@@ -158,7 +166,8 @@ int run(int argc, char** argv) {
                         "Continue the run in this directory from its newest checkpoint, with its own config.toml");
   train_cmd->add_option("overrides", overrides, "key=value settings, e.g. train.steps=200 model.preset=llama-demo");
 
-  auto* plan_cmd = app.add_subcommand("plan", "The run `remat train` would run, its plan and predicted step (allocates nothing)");
+  auto* plan_cmd =
+      app.add_subcommand("plan", "The run `remat train` would run, its plan and predicted step (allocates nothing)");
   PlanArgs plan_args;
   plan_cmd->add_option("--config", config_file, "TOML config file (see configs/)")->check(CLI::ExistingFile);
   plan_cmd->add_option("--budget", plan_args.budget,
@@ -171,18 +180,21 @@ int run(int argc, char** argv) {
                      "Print one block's values (shape, bytes, slot, producer) as its graph declares them");
   plan_cmd->add_option("overrides", overrides, "key=value settings, e.g. model.preset=llama3-8b train.seq=8192");
   auto* bench_cmd = app.add_subcommand(
-      "bench", "Measure the peak memory and step time of recompute policies on this machine (under remat launch: "
-               "every rank's)");
+      "bench",
+      "Measure the peak memory and step time of recompute policies on this machine (under remat launch: "
+      "every rank's)");
   std::vector<std::string> policy_args, budget_args;
   BenchOptions bench;
   bench_cmd->add_option("--config", config_file, "TOML config file (see configs/)")->check(CLI::ExistingFile);
-  bench_cmd->add_option("--policies", policy_args,
-                        "Policies to sweep, ';'-separated or repeated "
-                        "(default: none;modules:[core_attn];every:2;uniform:2;full)")
+  bench_cmd
+      ->add_option("--policies", policy_args,
+                   "Policies to sweep, ';'-separated or repeated "
+                   "(default: none;modules:[core_attn];every:2;uniform:2;full)")
       ->allow_extra_args(false);
-  bench_cmd->add_option("--budgets", budget_args,
-                        "Memory budgets to sweep (ac.budget: a size like 96MiB or a fraction like 0.6 of the "
-                        "no-recompute peak), ';'-separated or repeated (default: no budgets)")
+  bench_cmd
+      ->add_option("--budgets", budget_args,
+                   "Memory budgets to sweep (ac.budget: a size like 96MiB or a fraction like 0.6 of the "
+                   "no-recompute peak), ';'-separated or repeated (default: no budgets)")
       ->allow_extra_args(false);
   bench_cmd->add_option("--steps", bench.steps, "Measured steps per entry, after the warm-up")->capture_default_str();
   bench_cmd->add_option("--warmup", bench.warmup, "Unmeasured steps per entry before the measured ones")
@@ -218,19 +230,21 @@ int run(int argc, char** argv) {
                          "Node 0's address as every node reaches it (default: 127.0.0.1, one node only)");
   launch_cmd->add_option("--master-port", launch_args.master_port,
                          "Port of rank 0's store (default: a free one, one node only)");
-  launch_cmd->add_option("--grace", launch_args.grace,
-                         "Seconds the ranks get to stop after SIGTERM, before SIGKILL")->capture_default_str();
+  launch_cmd->add_option("--grace", launch_args.grace, "Seconds the ranks get to stop after SIGTERM, before SIGKILL")
+      ->capture_default_str();
   // From the subcommand's name on, everything goes to the ranks unparsed, options included.
   launch_cmd->prefix_command();
-  launch_cmd->footer(fmt::format("The subcommand ({}) and its arguments follow these options; every rank gets them "
-                                 "unchanged.", fmt::join(launchable_subcommands(), ", ")));
+  launch_cmd->footer(
+      fmt::format("The subcommand ({}) and its arguments follow these options; every rank gets them "
+                  "unchanged.",
+                  fmt::join(launchable_subcommands(), ", ")));
 
   // CLI11 reads "--budget=" as "--budget" and takes the next argument for its value.
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg.size() > 3 && arg.rfind("--", 0) == 0 && arg.find('=') == arg.size() - 1) {
-      fmt::print(stderr, "error: {} gives {} an empty value; write the value after '=' or leave the option out.\n",
-                 arg, arg.substr(0, arg.size() - 1));
+      fmt::print(stderr, "error: {} gives {} an empty value; write the value after '=' or leave the option out.\n", arg,
+                 arg.substr(0, arg.size() - 1));
       return 1;
     }
   }
@@ -252,23 +266,26 @@ int run(int argc, char** argv) {
         if (!cfg.ac.budget.empty()) {
           throw std::invalid_argument(fmt::format(
               "--explain-ac prints the plan a policy compiles to, but ac.budget = \"{}\" leaves the plan to the "
-              "planner; see it with `remat plan --budget {}` and the same settings.", cfg.ac.budget, cfg.ac.budget));
+              "planner; see it with `remat plan --budget {}` and the same settings.",
+              cfg.ac.budget, cfg.ac.budget));
         }
         fmt::print("{}", explain_plan(compile_policy(cfg.ac, cfg.model.n_layer, cfg.model.dropout)));
         return 0;
       }
       // An empty --resume (an unset shell variable) would otherwise start a fresh run.
       if (train_cmd->count("--resume") > 0 && resume_dir.empty()) {
-        throw std::invalid_argument("--resume \"\" names no run directory; give the directory of the run to continue "
-                                    "(e.g. --resume runs/20260101-120000-gpt2-demo), or leave the option out to start a "
-                                    "new run.");
+        throw std::invalid_argument(
+            "--resume \"\" names no run directory; give the directory of the run to continue "
+            "(e.g. --resume runs/20260101-120000-gpt2-demo), or leave the option out to start a "
+            "new run.");
       }
       return cmd_train(config_file, overrides, resume_dir);
     }
     if (plan_cmd->parsed()) {
       if (plan_cmd->count("--budget") > 0 && plan_args.budget.empty()) {
-        throw std::invalid_argument("--budget \"\" gives --budget an empty value; give a budget (e.g. --budget 12GiB "
-                                    "or --budget 0.6) or leave the option out for the plan the ac settings name.");
+        throw std::invalid_argument(
+            "--budget \"\" gives --budget an empty value; give a budget (e.g. --budget 12GiB "
+            "or --budget 0.6) or leave the option out for the plan the ac settings name.");
       }
       check_path("--plot", plan_args.plot);
       // Refused before the sweep rather than reported after it, when the plot cannot be written.
@@ -294,14 +311,17 @@ int run(int argc, char** argv) {
       check_path("--run", run_dir);
       set_threads(0);
       int64_t generated = 0;
-      generate_from_run(run_dir, prompt, tokens, temperature, top_k, static_cast<uint64_t>(seed), gen_device,
-                        [](std::string_view piece) {
-                          fmt::print("{}", piece);
-                          std::fflush(stdout);
-                        }, &generated);
+      generate_from_run(
+          run_dir, prompt, tokens, temperature, top_k, static_cast<uint64_t>(seed), gen_device,
+          [](std::string_view piece) {
+            fmt::print("{}", piece);
+            std::fflush(stdout);
+          },
+          &generated);
       fmt::print("\n");
       if (generated < tokens) {
-        fmt::print(stderr, "(the model ended the text with its end-of-text token after {} of the {} tokens asked for)\n",
+        fmt::print(stderr,
+                   "(the model ended the text with its end-of-text token after {} of the {} tokens asked for)\n",
                    generated, tokens);
       }
       return 0;

@@ -35,29 +35,32 @@ void check_args(const LaunchArgs& args) {
       "`remat launch --nnodes 2 --node-rank 0 --nproc 2 --master-addr 10.0.0.1 --master-port 29500 train ...` on "
       "node 0 (whose address is 10.0.0.1) and the same with --node-rank 1 on the other";
   if (args.nproc < 1 || args.nproc > kMaxRanks) {
-    throw std::invalid_argument(fmt::format(
-        "--nproc {} is out of range; remat launch starts from 1 to {} local ranks.", args.nproc, kMaxRanks));
+    throw std::invalid_argument(fmt::format("--nproc {} is out of range; remat launch starts from 1 to {} local ranks.",
+                                            args.nproc, kMaxRanks));
   }
   if (args.nnodes < 1 || args.nnodes > kMaxNodes) {
-    throw std::invalid_argument(fmt::format(
-        "--nnodes {} is out of range; a job spans from 1 to {} nodes, each running one remat launch.", args.nnodes,
-        kMaxNodes));
+    throw std::invalid_argument(
+        fmt::format("--nnodes {} is out of range; a job spans from 1 to {} nodes, each running one remat launch.",
+                    args.nnodes, kMaxNodes));
   }
   if (args.node_rank < 0 || args.node_rank >= args.nnodes) {
     throw std::invalid_argument(fmt::format(
         "--node-rank {} is out of range for --nnodes {}; number the nodes from 0 to {}, node 0 being the one at "
-        "--master-addr.", args.node_rank, args.nnodes, args.nnodes - 1));
+        "--master-addr.",
+        args.node_rank, args.nnodes, args.nnodes - 1));
   }
   // One default address or port per node would not be the same on every node.
   if (args.nnodes > 1 && args.master_addr.empty()) {
     throw std::invalid_argument(fmt::format(
         "--nnodes {} needs --master-addr, node 0's address as every node reaches it (the default, 127.0.0.1, is "
-        "each node's own loopback), e.g. {}.", args.nnodes, nodes_example));
+        "each node's own loopback), e.g. {}.",
+        args.nnodes, nodes_example));
   }
   if (args.nnodes > 1 && args.master_port == 0) {
     throw std::invalid_argument(fmt::format(
         "--nnodes {} needs --master-port, the same free port on every node (a free port picked on one node is "
-        "unknown to the others), e.g. {}.", args.nnodes, nodes_example));
+        "unknown to the others), e.g. {}.",
+        args.nnodes, nodes_example));
   }
   if (!args.master_addr.empty()) {
     addrinfo hints{};
@@ -68,7 +71,8 @@ void check_args(const LaunchArgs& args) {
     if (rc != 0) {
       throw std::invalid_argument(fmt::format(
           "--master-addr {} does not resolve to an address ({}); give node 0's IP address, or a name every node "
-          "resolves.", args.master_addr, ::gai_strerror(rc)));
+          "resolves.",
+          args.master_addr, ::gai_strerror(rc)));
     }
   }
   if (args.master_port < 0 || args.master_port > 65535) {
@@ -77,8 +81,8 @@ void check_args(const LaunchArgs& args) {
                                             args.nnodes == 1 ? ", or leave the option out for a free one" : ""));
   }
   if (!std::isfinite(args.grace) || args.grace < 0) {
-    throw std::invalid_argument(fmt::format(
-        "--grace {} is not a number of seconds; give 0 or more (default 30).", args.grace));
+    throw std::invalid_argument(
+        fmt::format("--grace {} is not a number of seconds; give 0 or more (default 30).", args.grace));
   }
   if (args.command.empty()) {
     throw std::invalid_argument(fmt::format(
@@ -87,8 +91,8 @@ void check_args(const LaunchArgs& args) {
   }
   const std::string& sub = args.command.front();
   if (sub == "launch") {
-    throw std::invalid_argument(fmt::format(
-        "remat launch cannot run launch in its ranks; give it the subcommand itself, e.g. {}.", example));
+    throw std::invalid_argument(
+        fmt::format("remat launch cannot run launch in its ranks; give it the subcommand itself, e.g. {}.", example));
   }
   if (sub.rfind('-', 0) == 0) {
     throw std::invalid_argument(fmt::format(
@@ -98,8 +102,8 @@ void check_args(const LaunchArgs& args) {
   }
   const auto& names = launchable_subcommands();
   if (std::find(names.begin(), names.end(), sub) == names.end()) {
-    throw std::invalid_argument(fmt::format(
-        "'{}' is not a subcommand remat launch can run; valid subcommands: {}.", sub, valid));
+    throw std::invalid_argument(
+        fmt::format("'{}' is not a subcommand remat launch can run; valid subcommands: {}.", sub, valid));
   }
 }
 
@@ -127,9 +131,9 @@ int free_port() {
   const int err = errno;
   if (fd >= 0) ::close(fd);
   if (!ok) {
-    throw std::runtime_error(fmt::format(
-        "remat launch could not find a free TCP port on 127.0.0.1 ({}); give one with --master-port.",
-        std::strerror(err)));
+    throw std::runtime_error(
+        fmt::format("remat launch could not find a free TCP port on 127.0.0.1 ({}); give one with --master-port.",
+                    std::strerror(err)));
   }
   return ntohs(addr.sin_port);
 }

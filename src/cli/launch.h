@@ -12,9 +12,9 @@
 namespace remat::cli {
 
 struct LaunchArgs {
-  int nproc = 0;                     ///< ranks to start on this node, 1 to 1024; the same on every node
-  int nnodes = 1;                    ///< nodes in the job, 1 to 1024, each running one `remat launch`
-  int node_rank = 0;                 ///< this node's index, 0 to nnodes - 1
+  int nproc = 0;      ///< ranks to start on this node, 1 to 1024; the same on every node
+  int nnodes = 1;     ///< nodes in the job, 1 to 1024, each running one `remat launch`
+  int node_rank = 0;  ///< this node's index, 0 to nnodes - 1
   /// Node 0's address as every node reaches it; empty: 127.0.0.1, allowed only for one node.
   std::string master_addr;
   int master_port = 0;               ///< rank 0's store port; 0: a port free on 127.0.0.1 now (one node only)

@@ -92,11 +92,12 @@ nlohmann::json communication_json(const Config& cfg, const Communication& c) {
 
 // `whose`: which ranks' collectives, empty when every rank runs the same.
 std::string communication_text(const Config& cfg, const Communication& c, const std::string& whose) {
-  return fmt::format("communication at parallel.link_rate = {} GB/s and parallel.link_latency = {} us{}: the "
-                     "recompute re-runs {:.3f} ms of collectives per step (priced as {} FLOPs at "
-                     "parallel.compute_rate = {} TFLOP/s); without recompute a step's collectives take {:.3f} ms\n",
-                     cfg.parallel.link_rate, cfg.parallel.link_latency, whose, 1e3 * c.recompute_seconds,
-                     format_count(c.recompute_flops), cfg.parallel.compute_rate, 1e3 * c.step_seconds);
+  return fmt::format(
+      "communication at parallel.link_rate = {} GB/s and parallel.link_latency = {} us{}: the "
+      "recompute re-runs {:.3f} ms of collectives per step (priced as {} FLOPs at "
+      "parallel.compute_rate = {} TFLOP/s); without recompute a step's collectives take {:.3f} ms\n",
+      cfg.parallel.link_rate, cfg.parallel.link_latency, whose, 1e3 * c.recompute_seconds,
+      format_count(c.recompute_flops), cfg.parallel.compute_rate, 1e3 * c.step_seconds);
 }
 
 // The manual policies drawn on the frontier, those valid for `layers`.
@@ -117,14 +118,16 @@ bool plot_frontier(const std::string& path, const std::vector<FrontierPoint>& fr
       "set terminal pngcairo size 900,560 noenhanced\nset output ARG1\nset title 'remat plan: memory/time frontier'\n"
       "set xlabel 'predicted peak (MiB)'\nset ylabel 'recompute (% of the step FLOPs)'\nset grid\nset key top right\n"
       "$budget << EOD\n";
-  for (const auto& p : frontier) script += fmt::format("{} {}\n", p.peak / 1048576.0, 100.0 * p.recompute_seconds / flops);
+  for (const auto& p : frontier)
+    script += fmt::format("{} {}\n", p.peak / 1048576.0, 100.0 * p.recompute_seconds / flops);
   script += "EOD\n$manual << EOD\n";
   for (const auto& p : manual) {
     script += fmt::format("{} {} \"{}\"\n", p.peak / 1048576.0, 100.0 * p.recompute_seconds / flops, p.label);
   }
-  script += "EOD\nplot $budget using 1:2 with linespoints lw 2 pt 7 lc rgb '#d04020' title 'budget plans', "
-            "$manual using 1:2 with points pt 5 ps 1.2 lc rgb '#3060b0' title 'manual policies', "
-            "$manual using 1:2:3 with labels offset 1,0.6 left font ',8' notitle\n";
+  script +=
+      "EOD\nplot $budget using 1:2 with linespoints lw 2 pt 7 lc rgb '#d04020' title 'budget plans', "
+      "$manual using 1:2 with points pt 5 ps 1.2 lc rgb '#3060b0' title 'manual policies', "
+      "$manual using 1:2:3 with labels offset 1,0.6 left font ',8' notitle\n";
   return util::run_gnuplot(script, path, "", why);
 }
 
@@ -205,7 +208,8 @@ void pipeline_extras(const RunSpec& spec, const PlanArgs& args, const Planner& p
                                   counts->second.schedule_seconds / r.schedule_seconds)
                     : std::string("none fit the budget, even with every layer recomputed"));
   if (pipe.split.empty()) {
-    fmt::print("the even split ({}) planned stage by stage: {}\n", fmt::join(pipeline::even_split(m.n_layer, pipe.stages), ","),
+    fmt::print("the even split ({}) planned stage by stage: {}\n",
+               fmt::join(pipeline::even_split(m.n_layer, pipe.stages), ","),
                even ? fmt::format("{} FLOPs, {:.3f} x this plan's", format_count(even->schedule_seconds),
                                   even->schedule_seconds / r.schedule_seconds)
                     : "no plan fits the budget");
@@ -242,10 +246,10 @@ int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
   const cost::StepShape& shape = spec.shape;
   if (args.explain_block) {
     const graph::BlockGraph g = graph::block_graph(m, shape.batch, shape.seq, shape.dtype, shape.tp, shape.sp);
-    fmt::print("One {} block at batch {} x {} tokens in {}{}: every value its forward makes, and the slot that "
-               "keeps it for the backward (- : freed after its last forward reader).\n\n{}",
-               arch_name(m.arch), shape.batch, shape.seq, spec.cfg.run.dtype, describe_ranks(spec.local),
-               graph::explain(g));
+    fmt::print(
+        "One {} block at batch {} x {} tokens in {}{}: every value its forward makes, and the slot that "
+        "keeps it for the backward (- : freed after its last forward reader).\n\n{}",
+        arch_name(m.arch), shape.batch, shape.seq, spec.cfg.run.dtype, describe_ranks(spec.local), graph::explain(g));
     return 0;
   }
   PlannerOptions opts;
@@ -274,7 +278,8 @@ int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
   if (args.json) {
     auto points = [&](const std::vector<FrontierPoint>& v) {
       nlohmann::json a = nlohmann::json::array();
-      for (const auto& p : v) a.push_back({{"label", p.label}, {"peak", p.peak}, {"recompute_flops", p.recompute_seconds}});
+      for (const auto& p : v)
+        a.push_back({{"label", p.label}, {"peak", p.peak}, {"recompute_flops", p.recompute_seconds}});
       return a;
     };
     json["min_feasible_budget"] = min_budget;
@@ -300,8 +305,10 @@ int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
     }
     std::string why;
     if (!plot_frontier(args.plot, frontier, manual, flops, &why)) {
-      throw std::runtime_error(fmt::format("The frontier could not be plotted to --plot = \"{}\": {}; the tables above "
-                                           "hold the same figures.", args.plot, why));
+      throw std::runtime_error(
+          fmt::format("The frontier could not be plotted to --plot = \"{}\": {}; the tables above "
+                      "hold the same figures.",
+                      args.plot, why));
     }
     fmt::print("plot: {}\n", args.plot);
   }

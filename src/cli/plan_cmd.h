@@ -9,12 +9,12 @@
 namespace remat::cli {
 
 struct PlanArgs {
-  std::string budget;             ///< sets ac.budget; empty: the config's ac settings decide
-  bool pareto = false;            ///< print and plot the memory/time frontier
-  bool json = false;              ///< everything as JSON on stdout
+  std::string budget;               ///< sets ac.budget; empty: the config's ac settings decide
+  bool pareto = false;              ///< print and plot the memory/time frontier
+  bool json = false;                ///< everything as JSON on stdout
   std::string plot = "pareto.png";  ///< where --pareto draws
-  int points = 24;                ///< budgets sampled along the frontier
-  bool explain_block = false;     ///< print the block graph's value table instead of a plan
+  int points = 24;                  ///< budgets sampled along the frontier
+  bool explain_block = false;       ///< print the block graph's value table instead of a plan
 };
 
 /// Resolves the run `cfg` describes (resolve_run: the prepared corpus counted where there is

@@ -36,8 +36,8 @@ T parse_number(const std::string& key, const std::string& v) {
   bool ok = used != 0 && used == v.size();
   if constexpr (!std::is_integral_v<T>) ok = ok && std::isfinite(out);
   if (!ok) {
-    fail(fmt::format("{} must be {}, got '{}'.", key, std::is_integral_v<T> ? "an integer" : "a number",
-                     util::clip(v)));
+    fail(
+        fmt::format("{} must be {}, got '{}'.", key, std::is_integral_v<T> ? "an integer" : "a number", util::clip(v)));
   }
   return out;
 }
@@ -58,18 +58,22 @@ Attention parse_attention(const std::string& key, const std::string& v) {
   if (v == "math") return Attention::math;
   if (v == "tiled") return Attention::tiled;
   if (v == "auto") return Attention::automatic;
-  fail(fmt::format("{} must be tiled (online softmax over tiles, keeps one log-sum-exp per row), math "
-                   "(keeps the [T x T] probabilities) or auto (the planner chooses one of them for the run), "
-                   "got '{}'.", key, util::clip(v)));
+  fail(
+      fmt::format("{} must be tiled (online softmax over tiles, keeps one log-sum-exp per row), math "
+                  "(keeps the [T x T] probabilities) or auto (the planner chooses one of them for the run), "
+                  "got '{}'.",
+                  key, util::clip(v)));
 }
 
 LossHead parse_loss_head(const std::string& key, const std::string& v) {
   if (v == "fused") return LossHead::fused;
   if (v == "recompute") return LossHead::recompute;
   if (v == "auto") return LossHead::automatic;
-  fail(fmt::format("{} must be fused (the logits' gradient computed in the forward: one product fewer), "
-                   "recompute (the logits recomputed in the backward: vocab x d_model fewer bytes kept) or auto "
-                   "(the planner chooses one of them for the run's budget), got '{}'.", key, util::clip(v)));
+  fail(
+      fmt::format("{} must be fused (the logits' gradient computed in the forward: one product fewer), "
+                  "recompute (the logits recomputed in the backward: vocab x d_model fewer bytes kept) or auto "
+                  "(the planner chooses one of them for the run's budget), got '{}'.",
+                  key, util::clip(v)));
 }
 
 // `text` quoted as a JSON string, its control characters escaped and any byte that is not
@@ -218,8 +222,7 @@ ConfigKey ac_key(std::string name, std::optional<T> AcConfig::*field, std::strin
     if (!src) return "";
     if constexpr (std::is_same_v<T, std::string>) {
       if (literal == Literal::List) return list_literal(*src);
-      if (literal == Literal::WordOrInt && !src->empty() &&
-          src->find_first_not_of("0123456789") == std::string::npos) {
+      if (literal == Literal::WordOrInt && !src->empty() && src->find_first_not_of("0123456789") == std::string::npos) {
         return *src;
       }
       return quote(*src);
@@ -244,8 +247,10 @@ std::vector<ConfigKey> make_keys() {
       key("model.n_kv_head", &C::model, &ModelConfig::n_kv_head, "key/value heads (llama GQA)"),
       key("model.d_model", &C::model, &ModelConfig::d_model, "hidden size"),
       key("model.d_ff", &C::model, &ModelConfig::d_ff, "MLP hidden size"),
-      key("model.vocab_size", &C::model, &ModelConfig::vocab_size, "0: from the tokenizer; padded to vocab_multiple x tp"),
-      key("model.vocab_multiple", &C::model, &ModelConfig::vocab_multiple, "pad the vocabulary to a multiple of this x tp"),
+      key("model.vocab_size", &C::model, &ModelConfig::vocab_size,
+          "0: from the tokenizer; padded to vocab_multiple x tp"),
+      key("model.vocab_multiple", &C::model, &ModelConfig::vocab_multiple,
+          "pad the vocabulary to a multiple of this x tp"),
       key("model.max_seq", &C::model, &ModelConfig::max_seq, "context length"),
       key("model.attention", &C::model, &ModelConfig::attention, "tiled, math or auto attention"),
       key("model.attention_tile", &C::model, &ModelConfig::attention_tile, "tiled attention: positions per tile"),
@@ -315,17 +320,14 @@ std::vector<ConfigKey> make_keys() {
       ac_key("ac.recompute_granularity", &AcConfig::recompute_granularity, "Megatron: full or selective"),
       ac_key("ac.recompute_method", &AcConfig::recompute_method, "Megatron: uniform or block"),
       ac_key("ac.recompute_num_layers", &AcConfig::recompute_num_layers, "Megatron: N of the method"),
-      ac_key("ac.recompute_modules", &AcConfig::recompute_modules, "Megatron: selective modules",
-             Literal::List),
+      ac_key("ac.recompute_modules", &AcConfig::recompute_modules, "Megatron: selective modules", Literal::List),
       ac_key("ac.recompute_activations", &AcConfig::recompute_activations, "Megatron: selective core_attn"),
       ac_key("ac.distribute_saved_activations", &AcConfig::distribute_saved_activations,
              "Megatron: needs tensor parallelism"),
-      ac_key("ac.gradient_checkpointing_ratio", &AcConfig::gradient_checkpointing_ratio,
-             "ColossalAI: ratio:R"),
+      ac_key("ac.gradient_checkpointing_ratio", &AcConfig::gradient_checkpointing_ratio, "ColossalAI: ratio:R"),
       ac_key("ac.num_ckpt_layers_per_stage", &AcConfig::num_ckpt_layers_per_stage,
              "ColossalAI: recomputed layers per stage", Literal::List),
-      ac_key("ac.num_layers_per_stage", &AcConfig::num_layers_per_stage, "ColossalAI: layers per stage",
-             Literal::List),
+      ac_key("ac.num_layers_per_stage", &AcConfig::num_layers_per_stage, "ColossalAI: layers per stage", Literal::List),
       ac_key("ac.recompute_layer", &AcConfig::recompute_layer, "nanotron: true = full"),
       ac_key("ac.tp_recompute_allgather", &AcConfig::tp_recompute_allgather,
              "nanotron: gather again in the backward (parallel.sp)"),
@@ -389,8 +391,10 @@ void check_toml_nesting(const std::string& text, const std::string& path) {
   int dots = 0, depth = 0;
   size_t line = 1;
   const auto refuse = [&](const std::string& what) {
-    fail(fmt::format("Cannot read config {}: line {} {}; remat's keys have two or three parts (train.lr, "
-                     "model.preset), so this is not a remat config.", path, line, what));
+    fail(
+        fmt::format("Cannot read config {}: line {} {}; remat's keys have two or three parts (train.lr, "
+                    "model.preset), so this is not a remat config.",
+                    path, line, what));
   };
   for (size_t i = 0; i < text.size(); ++i) {
     const char ch = text[i];
@@ -413,7 +417,7 @@ void check_toml_nesting(const std::string& text, const std::string& path) {
       }
       end = std::min(end, text.size() - 1);
       line += static_cast<size_t>(std::count(text.begin() + static_cast<std::ptrdiff_t>(i),
-                                              text.begin() + static_cast<std::ptrdiff_t>(end) + 1, '\n'));
+                                             text.begin() + static_cast<std::ptrdiff_t>(end) + 1, '\n'));
       i = end;
     } else if (ch == '.') {
       if (++dots >= kMaxKeyParts) refuse(fmt::format("has a key of more than {} dotted parts", kMaxKeyParts));
@@ -475,9 +479,12 @@ void flatten(const toml::table& t, const std::string& prefix, const std::string&
 const char* arch_name(Arch a) { return a == Arch::gpt2 ? "gpt2" : "llama"; }
 const char* attention_name(Attention a) {
   switch (a) {
-    case Attention::math: return "math";
-    case Attention::tiled: return "tiled";
-    case Attention::automatic: return "auto";
+    case Attention::math:
+      return "math";
+    case Attention::tiled:
+      return "tiled";
+    case Attention::automatic:
+      return "auto";
   }
   return "?";
 }
@@ -502,8 +509,8 @@ Config load_config(const std::string& toml_path, const std::vector<std::string>&
       table = toml::parse(text, toml_path);
     } catch (const toml::parse_error& e) {
       const auto& src = e.source();
-      fail(fmt::format("Cannot read config {}: {} (line {}, column {}).", toml_path,
-                       std::string(e.description()), src.begin.line, src.begin.column));
+      fail(fmt::format("Cannot read config {}: {} (line {}, column {}).", toml_path, std::string(e.description()),
+                       src.begin.line, src.begin.column));
     }
     flatten(table, "", toml_path, settings);
     origins.assign(settings.size(), " in " + toml_path);
@@ -517,9 +524,10 @@ Config load_config(const std::string& toml_path, const std::vector<std::string>&
     // and its value would land in the run's config.toml, which could not be read back.
     const size_t bad = util::find_invalid_utf8(o);
     if (bad != std::string::npos) {
-      fail(fmt::format("Override {} is not UTF-8 text (byte {:#04x} at offset {}); config values are UTF-8, as in a "
-                       "TOML file, since a run records them in its config.toml: write it in UTF-8.",
-                       printable(o), static_cast<unsigned char>(o[bad]), bad));
+      fail(
+          fmt::format("Override {} is not UTF-8 text (byte {:#04x} at offset {}); config values are UTF-8, as in a "
+                      "TOML file, since a run records them in its config.toml: write it in UTF-8.",
+                      printable(o), static_cast<unsigned char>(o[bad]), bad));
     }
     settings.emplace_back(o.substr(0, eq), o.substr(eq + 1));
     origins.emplace_back(" (command-line override)");
@@ -547,9 +555,11 @@ int64_t padded_vocab_size(const Config& c, int64_t vocab) {
   const int64_t multiple = c.model.vocab_multiple;
   // Far above the 64 or 128 rows accelerators want; more would pad rows for nothing.
   if (multiple < 1 || multiple > 65536) {
-    fail(fmt::format("model.vocab_multiple must be from 1 to 65536, got {}; the vocabulary is padded to a multiple "
-                     "of it times parallel.tp (1: only as far as the tensor-parallel split needs; 128 is "
-                     "Megatron-LM's make_vocab_size_divisible_by).", multiple));
+    fail(
+        fmt::format("model.vocab_multiple must be from 1 to 65536, got {}; the vocabulary is padded to a multiple "
+                    "of it times parallel.tp (1: only as far as the tensor-parallel split needs; 128 is "
+                    "Megatron-LM's make_vocab_size_divisible_by).",
+                    multiple));
   }
   if (vocab <= 0) return vocab;
   // load_config pads before validate_config looks at the rest, so the factors are bounded
@@ -557,9 +567,10 @@ int64_t padded_vocab_size(const Config& c, int64_t vocab) {
   // near 2^62, had overflowed it).
   check_tp(c);
   if (vocab > kMaxVocab) {
-    fail(fmt::format("model.vocab_size = {} is more than 2^31 tokens; token ids are 32-bit integers (the largest "
-                     "real vocabularies hold a few hundred thousand): give the tokenizer's size, or 0 to take it.",
-                     vocab));
+    fail(
+        fmt::format("model.vocab_size = {} is more than 2^31 tokens; token ids are 32-bit integers (the largest "
+                    "real vocabularies hold a few hundred thousand): give the tokenizer's size, or 0 to take it.",
+                    vocab));
   }
   const int64_t step = multiple * c.parallel.tp;
   return (vocab + step - 1) / step * step;
@@ -568,8 +579,10 @@ int64_t padded_vocab_size(const Config& c, int64_t vocab) {
 void resolve_vocab_size(Config& c, int64_t tokenizer_vocab) {
   if (c.model.vocab_size == 0) c.model.vocab_size = padded_vocab_size(c, tokenizer_vocab);
   if (c.model.vocab_size < tokenizer_vocab) {
-    fail(fmt::format("model.vocab_size ({}) is smaller than the tokenizer's vocabulary ({}); use model.vocab_size=0 "
-                     "to take the tokenizer's.", c.model.vocab_size, tokenizer_vocab));
+    fail(
+        fmt::format("model.vocab_size ({}) is smaller than the tokenizer's vocabulary ({}); use model.vocab_size=0 "
+                    "to take the tokenizer's.",
+                    c.model.vocab_size, tokenizer_vocab));
   }
 }
 
@@ -577,10 +590,11 @@ void check_path(const std::string& what, const std::string& path) {
   for (size_t i = 0; i < path.size(); ++i) {
     const auto byte = static_cast<unsigned char>(path[i]);
     if (byte < 0x20 || byte == 0x7f) {
-      fail(fmt::format("{} = {} holds a control character (byte {:#04x} at offset {}); paths must be printable "
-                       "(they are written into plot scripts, logs and tables): remove it, it is usually a stray "
-                       "line break in a config file or a shell variable.",
-                       what, printable(path), byte, i));
+      fail(
+          fmt::format("{} = {} holds a control character (byte {:#04x} at offset {}); paths must be printable "
+                      "(they are written into plot scripts, logs and tables): remove it, it is usually a stray "
+                      "line break in a config file or a shell variable.",
+                      what, printable(path), byte, i));
     }
   }
 }
@@ -597,17 +611,19 @@ void validate_config(const Config& c) {
   positive("model.d_ff", m.d_ff);
   positive("model.max_seq", m.max_seq);
   positive("model.attention_tile", m.attention_tile);
-  if (m.vocab_size < 0) fail(fmt::format("model.vocab_size must be >= 0 (0: from the tokenizer), got {}.", m.vocab_size));
+  if (m.vocab_size < 0)
+    fail(fmt::format("model.vocab_size must be >= 0 (0: from the tokenizer), got {}.", m.vocab_size));
   if (m.d_model % m.n_head != 0) {
     fail(fmt::format("model.d_model ({}) must be divisible by model.n_head ({}).", m.d_model, m.n_head));
   }
   if (m.n_head % m.n_kv_head != 0) {
-    fail(fmt::format("model.n_head ({}) must be a multiple of model.n_kv_head ({}).", m.n_head,
-                     m.n_kv_head));
+    fail(fmt::format("model.n_head ({}) must be a multiple of model.n_kv_head ({}).", m.n_head, m.n_kv_head));
   }
   if (m.arch == Arch::gpt2 && m.n_kv_head != m.n_head) {
-    fail(fmt::format("gpt2 has no grouped-query attention: model.n_kv_head ({}) must equal "
-                     "model.n_head ({}).", m.n_kv_head, m.n_head));
+    fail(
+        fmt::format("gpt2 has no grouped-query attention: model.n_kv_head ({}) must equal "
+                    "model.n_head ({}).",
+                    m.n_kv_head, m.n_head));
   }
   if (m.arch == Arch::llama && m.head_dim() % 2 != 0) {
     fail(fmt::format("RoPE needs an even head dimension; d_model / n_head = {}.", m.head_dim()));
@@ -617,12 +633,16 @@ void validate_config(const Config& c) {
   }
   if (m.norm_eps <= 0) fail(fmt::format("model.norm_eps must be positive, got {}.", m.norm_eps));
   if (!(m.rope_theta > 1)) {
-    fail(fmt::format("model.rope_theta must be greater than 1 (the RoPE base: 10000 in GPT-NeoX, 500000 in Llama 3), "
-                     "got {}; at or below 1 the rotation frequencies are infinite or do not decrease.", m.rope_theta));
+    fail(
+        fmt::format("model.rope_theta must be greater than 1 (the RoPE base: 10000 in GPT-NeoX, 500000 in Llama 3), "
+                    "got {}; at or below 1 the rotation frequencies are infinite or do not decrease.",
+                    m.rope_theta));
   }
   if (!(m.init_std > 0 && m.init_std <= 1)) {
-    fail(fmt::format("model.init_std must be in (0, 1] (0.02 is usual), got {}; larger weights overflow the first "
-                     "forward.", m.init_std));
+    fail(
+        fmt::format("model.init_std must be in (0, 1] (0.02 is usual), got {}; larger weights overflow the first "
+                    "forward.",
+                    m.init_std));
   }
 
   const auto& t = c.train;
@@ -655,12 +675,14 @@ void validate_config(const Config& c) {
   // Parameters, counted as the matrices alone: above 2^42 (16 TiB of float32) no machine
   // holds them, and the byte counts that follow would leave int64.
   const double d = static_cast<double>(m.d_model), vocab = static_cast<double>(std::max<int64_t>(m.vocab_size, 0));
-  const double params = vocab * d + static_cast<double>(m.n_layer) * (4.0 * d * d + 3.0 * d * static_cast<double>(m.d_ff));
+  const double params =
+      vocab * d + static_cast<double>(m.n_layer) * (4.0 * d * d + 3.0 * d * static_cast<double>(m.d_ff));
   if (params > 0x1p42) {
-    fail(fmt::format("A model of {} layers, d_model {}, d_ff {} and {} vocabulary rows has about {:.3g} parameters "
-                     "({:.3g} bytes in float32), more than remat trains or plans (2^42); lower model.n_layer, "
-                     "model.d_model, model.d_ff or model.vocab_size.", m.n_layer, m.d_model, m.d_ff, m.vocab_size, params,
-                     4 * params));
+    fail(
+        fmt::format("A model of {} layers, d_model {}, d_ff {} and {} vocabulary rows has about {:.3g} parameters "
+                    "({:.3g} bytes in float32), more than remat trains or plans (2^42); lower model.n_layer, "
+                    "model.d_model, model.d_ff or model.vocab_size.",
+                    m.n_layer, m.d_model, m.d_ff, m.vocab_size, params, 4 * params));
   }
   at_most("train.seq", t.seq, int64_t{1} << 24, "16M tokens per sequence");
   at_most("train.eval_batches", t.eval_batches, int64_t{1} << 20, "validation microbatches");
@@ -669,28 +691,37 @@ void validate_config(const Config& c) {
   const double attention = 8.0 * static_cast<double>(t.batch) * static_cast<double>(m.n_head) *
                            static_cast<double>(t.seq) * static_cast<double>(t.seq) * static_cast<double>(m.n_layer);
   if (attention > 0x1p60) {
-    fail(fmt::format("The attention probabilities of {} layers at train.batch = {} x train.seq = {} with {} heads "
-                     "would take {:.3g} bytes, more than remat can count (2^60); lower train.seq or train.batch.",
-                     m.n_layer, t.batch, t.seq, m.n_head, attention));
+    fail(
+        fmt::format("The attention probabilities of {} layers at train.batch = {} x train.seq = {} with {} heads "
+                    "would take {:.3g} bytes, more than remat can count (2^60); lower train.seq or train.batch.",
+                    m.n_layer, t.batch, t.seq, m.n_head, attention));
   }
   if (t.batch * t.seq > (int64_t{1} << 31)) {
-    fail(fmt::format("train.batch x train.seq = {} x {} is more than 2^31 tokens per microbatch; lower one of them "
-                     "(train.grad_accum adds microbatches to a step).", t.batch, t.seq));
+    fail(
+        fmt::format("train.batch x train.seq = {} x {} is more than 2^31 tokens per microbatch; lower one of them "
+                    "(train.grad_accum adds microbatches to a step).",
+                    t.batch, t.seq));
   }
   if (t.seq > m.max_seq) {
-    fail(fmt::format("train.seq ({}) is longer than the model's context (model.max_seq = {}); "
-                     "use train.seq <= {} or raise model.max_seq.", t.seq, m.max_seq, m.max_seq));
+    fail(
+        fmt::format("train.seq ({}) is longer than the model's context (model.max_seq = {}); "
+                    "use train.seq <= {} or raise model.max_seq.",
+                    t.seq, m.max_seq, m.max_seq));
   }
   // Above 10 an AdamW step moves a weight by more than any model survives, and the
   // optimizer's float32 step size overflows long before 1e38.
   if (t.lr <= 0 || t.lr > 10 || t.min_lr < 0 || t.min_lr > t.lr) {
-    fail(fmt::format("Learning rates must satisfy 0 <= train.min_lr <= train.lr and 0 < train.lr <= 10; "
-                     "got lr {} and min_lr {}.", t.lr, t.min_lr));
+    fail(
+        fmt::format("Learning rates must satisfy 0 <= train.min_lr <= train.lr and 0 < train.lr <= 10; "
+                    "got lr {} and min_lr {}.",
+                    t.lr, t.min_lr));
   }
   if (t.warmup < 0 || t.eval_every < 0) fail("train.warmup and train.eval_every must be >= 0.");
   if (t.weight_decay < 0) {
-    fail(fmt::format("train.weight_decay must be >= 0 (0 disables it; 0.1 is usual), got {}; a negative decay grows "
-                     "the weights every step.", t.weight_decay));
+    fail(
+        fmt::format("train.weight_decay must be >= 0 (0 disables it; 0.1 is usual), got {}; a negative decay grows "
+                    "the weights every step.",
+                    t.weight_decay));
   }
   if (t.grad_clip < 0) fail(fmt::format("train.grad_clip must be >= 0 (0 disables), got {}.", t.grad_clip));
   if (!(t.beta1 >= 0 && t.beta1 < 1 && t.beta2 >= 0 && t.beta2 < 1)) {
@@ -718,52 +749,61 @@ void validate_config(const Config& c) {
     fail(fmt::format("parallel.dp must be in [0, 2^20] (0: every rank the launcher starts), got {}.", c.parallel.dp));
   }
   if (c.parallel.dp > 0 && t.batch % c.parallel.dp != 0) {
-    fail(fmt::format("train.batch = {} sequences cannot be split evenly over parallel.dp = {} data-parallel ranks; "
-                     "make train.batch a multiple of {} (it counts the sequences of all ranks together).", t.batch,
-                     c.parallel.dp, c.parallel.dp));
+    fail(
+        fmt::format("train.batch = {} sequences cannot be split evenly over parallel.dp = {} data-parallel ranks; "
+                    "make train.batch a multiple of {} (it counts the sequences of all ranks together).",
+                    t.batch, c.parallel.dp, c.parallel.dp));
   }
   check_tp(c);
   // Each rank holds an equal share of the heads and the MLP's features; the vocabulary is
   // padded instead (Megatron's padding), since real vocabularies (GPT-2's 50257) are odd.
   for (const auto& [name, size] : {std::pair<const char*, int64_t>{"model.n_head", m.n_head},
-                                   {"model.n_kv_head", m.n_kv_head}, {"model.d_ff", m.d_ff}}) {
+                                   {"model.n_kv_head", m.n_kv_head},
+                                   {"model.d_ff", m.d_ff}}) {
     if (size % c.parallel.tp != 0) {
-      fail(fmt::format("parallel.tp = {} gives each tensor-parallel rank an equal share of {} = {}, but {} is not a "
-                       "multiple of {}; choose a parallel.tp dividing model.n_head ({}), model.n_kv_head ({}) and "
-                       "model.d_ff ({}).", c.parallel.tp, name, size, size, c.parallel.tp, m.n_head, m.n_kv_head,
-                       m.d_ff));
+      fail(
+          fmt::format("parallel.tp = {} gives each tensor-parallel rank an equal share of {} = {}, but {} is not a "
+                      "multiple of {}; choose a parallel.tp dividing model.n_head ({}), model.n_kv_head ({}) and "
+                      "model.d_ff ({}).",
+                      c.parallel.tp, name, size, size, c.parallel.tp, m.n_head, m.n_kv_head, m.d_ff));
     }
   }
   const int64_t padded = padded_vocab_size(c, m.vocab_size);
   if (padded != m.vocab_size) {
-    fail(fmt::format("model.vocab_size = {} is not padded to a multiple of model.vocab_multiple x parallel.tp = {} x "
-                     "{}, so the tensor-parallel ranks cannot share its rows equally; set it to {} (load_config and "
-                     "the trainer pad it so; a Config built in code must call padded_vocab_size).", m.vocab_size,
-                     m.vocab_multiple, c.parallel.tp, padded));
+    fail(
+        fmt::format("model.vocab_size = {} is not padded to a multiple of model.vocab_multiple x parallel.tp = {} x "
+                    "{}, so the tensor-parallel ranks cannot share its rows equally; set it to {} (load_config and "
+                    "the trainer pad it so; a Config built in code must call padded_vocab_size).",
+                    m.vocab_size, m.vocab_multiple, c.parallel.tp, padded));
   }
   if (c.parallel.sp && c.parallel.tp < 2) {
-    fail("parallel.sp = true shares each sequence's positions over the tensor-parallel ranks, but parallel.tp = 1 "
-         "has one rank; set parallel.tp to 2 or more, or parallel.sp = false.");
+    fail(
+        "parallel.sp = true shares each sequence's positions over the tensor-parallel ranks, but parallel.tp = 1 "
+        "has one rank; set parallel.tp to 2 or more, or parallel.sp = false.");
   }
   if (c.parallel.sp && t.seq % c.parallel.tp != 0) {
-    fail(fmt::format("parallel.sp = true gives each of the parallel.tp = {} ranks an equal share of the {} positions "
-                     "of a sequence (train.seq), but {} is not a multiple of {}; choose a train.seq that is.",
-                     c.parallel.tp, t.seq, t.seq, c.parallel.tp));
+    fail(
+        fmt::format("parallel.sp = true gives each of the parallel.tp = {} ranks an equal share of the {} positions "
+                    "of a sequence (train.seq), but {} is not a multiple of {}; choose a train.seq that is.",
+                    c.parallel.tp, t.seq, t.seq, c.parallel.tp));
   }
   if (c.ac.tp_recompute_allgather && *c.ac.tp_recompute_allgather && !c.parallel.sp) {
-    fail("ac.tp_recompute_allgather = true keeps the sequence-parallel input of each column-parallel linear and "
-         "gathers it again in the backward, but without parallel.sp = true (and parallel.tp > 1) nothing is "
-         "gathered; set parallel.sp = true, or drop ac.tp_recompute_allgather.");
+    fail(
+        "ac.tp_recompute_allgather = true keeps the sequence-parallel input of each column-parallel linear and "
+        "gathers it again in the backward, but without parallel.sp = true (and parallel.tp > 1) nothing is "
+        "gathered; set parallel.sp = true, or drop ac.tp_recompute_allgather.");
   }
   if (c.ac.distribute_saved_activations && *c.ac.distribute_saved_activations) {
     if (c.parallel.tp < 2) {
-      fail("ac.distribute_saved_activations = true keeps each recomputed layer's input as a share per "
-           "tensor-parallel rank, but parallel.tp = 1 has one rank; set parallel.tp to 2 or more, or drop "
-           "ac.distribute_saved_activations.");
+      fail(
+          "ac.distribute_saved_activations = true keeps each recomputed layer's input as a share per "
+          "tensor-parallel rank, but parallel.tp = 1 has one rank; set parallel.tp to 2 or more, or drop "
+          "ac.distribute_saved_activations.");
     }
     if (c.parallel.sp) {
-      fail("ac.distribute_saved_activations = true shares the layers' inputs over the tensor-parallel ranks, but "
-           "with parallel.sp = true they already hold a share of the positions each; drop one of the two.");
+      fail(
+          "ac.distribute_saved_activations = true shares the layers' inputs over the tensor-parallel ranks, but "
+          "with parallel.sp = true they already hold a share of the positions each; drop one of the two.");
     }
   }
   // Below a few heartbeats a busy machine would name live ranks as lost.
@@ -773,52 +813,68 @@ void validate_config(const Config& c) {
   // One data-parallel rank with zero = 1 is accepted (it shards over one rank: nothing),
   // so that one configuration serves any number of ranks, as parallel.dp = 0 does.
   if (c.parallel.zero != 0 && c.parallel.zero != 1) {
-    fail(fmt::format("parallel.zero must be 0 (every data-parallel rank keeps AdamW's moments whole) or 1 (ZeRO "
-                     "stage 1: each keeps the moments of its share of the parameters), got {}; stages 2 and 3 "
-                     "(sharded gradients and parameters) are not implemented.", c.parallel.zero));
+    fail(
+        fmt::format("parallel.zero must be 0 (every data-parallel rank keeps AdamW's moments whole) or 1 (ZeRO "
+                    "stage 1: each keeps the moments of its share of the parameters), got {}; stages 2 and 3 "
+                    "(sharded gradients and parameters) are not implemented.",
+                    c.parallel.zero));
   }
   // Both turn bytes and FLOPs into time; 1 PB/s and 1 EFLOP/s are far past any device.
   if (!(c.parallel.link_rate > 0 && c.parallel.link_rate <= 1e6)) {
-    fail(fmt::format("parallel.link_rate must be the GB/s a rank sends at over its tensor-parallel links, above 0 and "
-                     "at most 1000000, got {}; for example 20 for PCIe 4, 200 for NVLink 3, 350 for NVLink 4.",
-                     c.parallel.link_rate));
+    fail(
+        fmt::format("parallel.link_rate must be the GB/s a rank sends at over its tensor-parallel links, above 0 and "
+                    "at most 1000000, got {}; for example 20 for PCIe 4, 200 for NVLink 3, 350 for NVLink 4.",
+                    c.parallel.link_rate));
   }
   if (!(c.parallel.compute_rate > 0 && c.parallel.compute_rate <= 1e6)) {
-    fail(fmt::format("parallel.compute_rate must be the TFLOP/s a rank's matmuls reach, above 0 and at most 1000000, "
-                     "got {}; for example 300 for an A100 in bfloat16, 600 for an H100.", c.parallel.compute_rate));
+    fail(
+        fmt::format("parallel.compute_rate must be the TFLOP/s a rank's matmuls reach, above 0 and at most 1000000, "
+                    "got {}; for example 300 for an A100 in bfloat16, 600 for an H100.",
+                    c.parallel.compute_rate));
   }
   // A second a step is past any link that could carry a tensor-parallel group.
   if (!(c.parallel.link_latency >= 0 && c.parallel.link_latency <= 1e6)) {
-    fail(fmt::format("parallel.link_latency must be the microseconds one ring step of a collective waits on the "
-                     "tensor-parallel links whatever it sends, from 0 to 1000000, got {}; for example 2 for NVLink, "
-                     "5 for PCIe, 10 for a network between hosts.", c.parallel.link_latency));
+    fail(
+        fmt::format("parallel.link_latency must be the microseconds one ring step of a collective waits on the "
+                    "tensor-parallel links whatever it sends, from 0 to 1000000, got {}; for example 2 for NVLink, "
+                    "5 for PCIe, 10 for a network between hosts.",
+                    c.parallel.link_latency));
   }
   if (c.parallel.pp < 1 || c.parallel.pp > m.n_layer) {
-    fail(fmt::format("parallel.pp = {} pipeline stages for {} layers: every stage needs at least one layer; use 1 "
-                     "(no pipeline) to {}.", c.parallel.pp, m.n_layer, m.n_layer));
+    fail(
+        fmt::format("parallel.pp = {} pipeline stages for {} layers: every stage needs at least one layer; use 1 "
+                    "(no pipeline) to {}.",
+                    c.parallel.pp, m.n_layer, m.n_layer));
   }
   if (c.parallel.pp > 1 && c.ac.stages != c.parallel.pp) {
-    fail(fmt::format("ac.stages = {} but parallel.pp = {}: with a pipeline the per-stage policies count its real "
-                     "stages; drop ac.stages or set it to {}.", c.ac.stages, c.parallel.pp, c.parallel.pp));
+    fail(
+        fmt::format("ac.stages = {} but parallel.pp = {}: with a pipeline the per-stage policies count its real "
+                    "stages; drop ac.stages or set it to {}.",
+                    c.ac.stages, c.parallel.pp, c.parallel.pp));
   }
   // The recompute policy is compiled once here, so a bad one is refused before anything runs.
   const ActivationPlan plan = compile_policy(c.ac, m.n_layer, m.dropout);
   if (!c.ac.budget.empty()) {
     parse_budget(c.ac.budget, 1);
     if (c.ac.tp_recompute_allgather && *c.ac.tp_recompute_allgather) {
-      fail(fmt::format("ac.budget = \"{}\" lets the planner choose, per layer, whether to keep each gathered input "
-                       "or gather it again, but ac.tp_recompute_allgather = true fixes that choice; keep one of "
-                       "them.", c.ac.budget));
+      fail(
+          fmt::format("ac.budget = \"{}\" lets the planner choose, per layer, whether to keep each gathered input "
+                      "or gather it again, but ac.tp_recompute_allgather = true fixes that choice; keep one of "
+                      "them.",
+                      c.ac.budget));
     }
     if (c.ac.distribute_saved_activations && *c.ac.distribute_saved_activations) {
-      fail(fmt::format("ac.budget = \"{}\" lets the planner choose, per layer, whether to keep its input whole or "
-                       "as a share per tensor-parallel rank, but ac.distribute_saved_activations = true fixes that "
-                       "choice; keep one of them.", c.ac.budget));
+      fail(
+          fmt::format("ac.budget = \"{}\" lets the planner choose, per layer, whether to keep its input whole or "
+                      "as a share per tensor-parallel rank, but ac.distribute_saved_activations = true fixes that "
+                      "choice; keep one of them.",
+                      c.ac.budget));
     }
     if (c.ac.policy || plan.policy != "none") {
       throw std::invalid_argument(fmt::format(
           "ac.budget = \"{}\" asks the planner for the plan, but the ac settings also choose the policy \"{}\"; "
-          "keep one of them.", c.ac.budget, plan.policy));
+          "keep one of them.",
+          c.ac.budget, plan.policy));
     }
   }
   check_path("run.out_dir", c.run.out_dir);
@@ -832,8 +888,10 @@ void validate_config(const Config& c) {
   }
   // A directory name holds at most 255 bytes, and remat may add a "-N" suffix.
   if (c.run.name.size() > 200) {
-    fail(fmt::format("run.name is {} bytes long; a run directory's name holds at most 200 (file systems allow 255, and "
-                     "remat may add a suffix): give a shorter name.", c.run.name.size()));
+    fail(
+        fmt::format("run.name is {} bytes long; a run directory's name holds at most 200 (file systems allow 255, and "
+                    "remat may add a suffix): give a shorter name.",
+                    c.run.name.size()));
   }
 }
 

@@ -43,8 +43,7 @@ constexpr int kRecipe = 1;
 constexpr int kEncodeThreads = 2;
 constexpr int kTrainThreads = 2;
 
-static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
-              "token files are little-endian and written from memory as is");
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "token files are little-endian and written from memory as is");
 
 using Log = std::function<void(const std::string&)>;
 
@@ -102,8 +101,7 @@ std::string clean_kjv(std::string_view raw) {
 // Encodes line by line (SentencePiece's cost grows superlinearly within one string, and no
 // piece spans a newline), on a few threads over contiguous parts. `line_starts` receives
 // the token offset where each line begins.
-std::vector<int32_t> encode_text(const Tokenizer& tok, std::string_view text,
-                                 std::vector<int64_t>& line_starts) {
+std::vector<int32_t> encode_text(const Tokenizer& tok, std::string_view text, std::vector<int64_t>& line_starts) {
   std::vector<size_t> bounds = {0};
   for (int part = 1; part < kEncodeThreads; ++part) {
     size_t cut = text.size() * part / kEncodeThreads;
@@ -162,9 +160,8 @@ int64_t snap_to_line(int64_t x, int64_t tolerance, const std::vector<int64_t>& l
 }
 
 // See the split rule in remat/data.h.
-void split_tokens(const std::vector<int32_t>& ids, const std::vector<int64_t>& line_starts,
-                  double val_fraction, int val_blocks, std::vector<int32_t>& train,
-                  std::vector<int32_t>& val) {
+void split_tokens(const std::vector<int32_t>& ids, const std::vector<int64_t>& line_starts, double val_fraction,
+                  int val_blocks, std::vector<int32_t>& train, std::vector<int32_t>& val) {
   const auto n = static_cast<int64_t>(ids.size());
   train.clear();
   val.clear();
@@ -223,8 +220,7 @@ json to_json(const CorpusInfo& info) {
       {"split", {{"val_fraction", info.val_fraction}, {"val_blocks", info.val_blocks}}},
       {"tokens",
        {{"dtype", dtype_name(info.token_bytes)},
-        {"train",
-         {{"file", "train.bin"}, {"count", info.train_tokens}, {"sha256", info.train_sha256}}},
+        {"train", {{"file", "train.bin"}, {"count", info.train_tokens}, {"sha256", info.train_sha256}}},
         {"val", {{"file", "val.bin"}, {"count", info.val_tokens}, {"sha256", info.val_sha256}}}}},
       {"train_unigram_entropy_nats", info.train_unigram_entropy},
       {"bytes_per_token", info.bytes_per_token()},
@@ -240,7 +236,7 @@ json to_json(const CorpusInfo& info) {
 // or a number out of the type's range (1e300), with undefined behaviour, and a count near
 // 2^63 overflowed the size checks; prepare writes nothing near these bounds.
 int64_t whole(const json& v, const char* name, int64_t lo, int64_t hi, const std::string& dir) {
-  const bool fits = v.is_number_unsigned() ? v.get<uint64_t>() <= static_cast<uint64_t>(hi)
+  const bool fits = v.is_number_unsigned()  ? v.get<uint64_t>() <= static_cast<uint64_t>(hi)
                     : v.is_number_integer() ? v.get<int64_t>() >= lo && v.get<int64_t>() <= hi
                                             : false;
   if (!fits) bad_meta(dir, fmt::format("{} is {}, not a whole number from {} to {}", name, v.dump(), lo, hi));
@@ -259,7 +255,8 @@ CorpusInfo from_json(const json& j, const std::string& dir) {
   const json& tok = j.at("tokenizer");
   info.tokenizer_sha256 = tok.at("sha256").get<std::string>();
   info.vocab_size = static_cast<int>(whole(tok.at("vocab_size"), "tokenizer.vocab_size", 1, 1 << 24, dir));
-  info.max_training_bytes = whole(tok.at("max_training_bytes"), "tokenizer.max_training_bytes", kInt64Min, kInt64Max, dir);
+  info.max_training_bytes =
+      whole(tok.at("max_training_bytes"), "tokenizer.max_training_bytes", kInt64Min, kInt64Max, dir);
   info.seed = static_cast<uint32_t>(whole(tok.at("seed"), "tokenizer.seed", 0, UINT32_MAX, dir));
   info.val_fraction = j.at("split").at("val_fraction").get<double>();
   info.val_blocks = static_cast<int>(whole(j.at("split").at("val_blocks"), "split.val_blocks", 1, INT_MAX, dir));
@@ -284,9 +281,8 @@ CorpusInfo read_meta(const std::string& dir) {
   try {
     j = json::parse(text);
     if (whole(j.at("recipe"), "recipe", INT_MIN, INT_MAX, dir) != kRecipe) {
-      throw std::runtime_error(path + " was written by another version of remat (recipe " +
-                               j.at("recipe").dump() + ", this one makes " +
-                               std::to_string(kRecipe) + ")");
+      throw std::runtime_error(path + " was written by another version of remat (recipe " + j.at("recipe").dump() +
+                               ", this one makes " + std::to_string(kRecipe) + ")");
     }
     return from_json(j, dir);
   } catch (const json::exception& e) {
@@ -309,8 +305,8 @@ std::string check_sizes(const CorpusInfo& info) {
     const int64_t size = file_size_or(path, -1);
     if (size < 0) return path + " is missing";
     if (size != count * info.token_bytes) {
-      return path + " has " + std::to_string(size) + " bytes but meta.json records " +
-             std::to_string(count) + " tokens of " + std::to_string(info.token_bytes) + " bytes";
+      return path + " has " + std::to_string(size) + " bytes but meta.json records " + std::to_string(count) +
+             " tokens of " + std::to_string(info.token_bytes) + " bytes";
     }
   }
   return "";
@@ -318,10 +314,9 @@ std::string check_sizes(const CorpusInfo& info) {
 
 // Empty when every file's SHA-256 matches meta.json; else what is wrong.
 std::string check_hashes(const CorpusInfo& info) {
-  const std::pair<std::string, std::string> files[] = {
-      {info.tokenizer_path(), info.tokenizer_sha256},
-      {info.train_path(), info.train_sha256},
-      {info.val_path(), info.val_sha256}};
+  const std::pair<std::string, std::string> files[] = {{info.tokenizer_path(), info.tokenizer_sha256},
+                                                       {info.train_path(), info.train_sha256},
+                                                       {info.val_path(), info.val_sha256}};
   for (const auto& [path, expected] : files) {
     if (util::sha256_hex(util::read_file(path)) != expected) {
       return path + " does not match the checksum in meta.json";
@@ -332,12 +327,10 @@ std::string check_hashes(const CorpusInfo& info) {
 
 // Empty when a corpus built with `options` from text hashing to `text_sha256` would
 // equal `info`; else the first difference.
-std::string cache_mismatch(const CorpusInfo& info, const PrepareOptions& options,
-                           const std::string& text_sha256) {
+std::string cache_mismatch(const CorpusInfo& info, const PrepareOptions& options, const std::string& text_sha256) {
   if (info.text_sha256 != text_sha256) return "the text changed";
   if (info.vocab_size != options.vocab_size) {
-    return "vocab_size was " + std::to_string(info.vocab_size) + ", now " +
-           std::to_string(options.vocab_size);
+    return "vocab_size was " + std::to_string(info.vocab_size) + ", now " + std::to_string(options.vocab_size);
   }
   if (info.val_fraction != options.val_fraction || info.val_blocks != options.val_blocks) {
     return "the validation split changed";
@@ -355,12 +348,12 @@ void check_options(const PrepareOptions& o) {
                              std::to_string(o.vocab_size) + ".");
   }
   if (!(o.val_fraction >= 0 && o.val_fraction <= 0.5)) {
-    throw std::runtime_error("The validation fraction must be in [0, 0.5], got " +
-                             std::to_string(o.val_fraction) + ".");
+    throw std::runtime_error("The validation fraction must be in [0, 0.5], got " + std::to_string(o.val_fraction) +
+                             ".");
   }
   if (o.val_blocks < 1) {
-    throw std::runtime_error("The validation split needs at least one block, got " +
-                             std::to_string(o.val_blocks) + ".");
+    throw std::runtime_error("The validation split needs at least one block, got " + std::to_string(o.val_blocks) +
+                             ".");
   }
 }
 
@@ -394,7 +387,8 @@ std::string read_utf8_file(const std::string& path) {
   struct stat st {};
   if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
     ::close(fd);
-    throw std::runtime_error("The text file " + path + " is not a regular file (a FIFO, device or socket); remat reads "
+    throw std::runtime_error("The text file " + path +
+                             " is not a regular file (a FIFO, device or socket); remat reads "
                              "text only from regular files, which cannot make it wait or read for ever: give a file.");
   }
   std::unique_ptr<std::FILE, int (*)(std::FILE*)> file(::fdopen(fd, "rb"), &std::fclose);
@@ -407,9 +401,10 @@ std::string read_utf8_file(const std::string& path) {
   for (size_t n; (n = std::fread(chunk.data(), 1, chunk.size(), file.get())) > 0;) {
     const void* nul = std::memchr(chunk.data(), '\0', n);
     if (nul != nullptr) {
-      throw std::runtime_error("The text file " + path + " holds a NUL byte at offset " +
-                               std::to_string(text.size() + static_cast<size_t>(static_cast<const char*>(nul) - chunk.data())) +
-                               ": it is binary data, not text; give a UTF-8 text file.");
+      throw std::runtime_error(
+          "The text file " + path + " holds a NUL byte at offset " +
+          std::to_string(text.size() + static_cast<size_t>(static_cast<const char*>(nul) - chunk.data())) +
+          ": it is binary data, not text; give a UTF-8 text file.");
     }
     if (text.size() + n > kMaxTextBytes) {
       throw std::runtime_error("The text file " + path + " is larger than the " + std::to_string(kMaxTextBytes >> 30) +
@@ -439,8 +434,7 @@ std::string read_utf8_file(const std::string& path) {
   if (bad != std::string::npos) {
     char byte[8];
     std::snprintf(byte, sizeof(byte), "0x%02X", static_cast<unsigned char>(text[bad]));
-    throw std::runtime_error("The text file " + path +
-                             " is not valid UTF-8: the sequence at byte offset " +
+    throw std::runtime_error("The text file " + path + " is not valid UTF-8: the sequence at byte offset " +
                              std::to_string(bad) + " (starting " + byte + ") is invalid.");
   }
   return text;
@@ -467,11 +461,10 @@ std::string read_kjv_text() {
   if (!ok || text.size() < 1000000) {
     std::string first_line = raw.substr(0, raw.find('\n'));
     if (first_line.size() > 200) first_line.resize(200);
-    throw std::runtime_error(std::string("`") + kBibleCommand + "` did not print the Bible (" +
-                             (ok ? "only " + std::to_string(raw.size()) + " bytes"
-                                 : "exit status " + std::to_string(WEXITSTATUS(status))) +
-                             (first_line.empty() ? "" : ": " + first_line) +
-                             "); reinstall Debian's bible-kjv and bible-kjv-text.");
+    throw std::runtime_error(
+        std::string("`") + kBibleCommand + "` did not print the Bible (" +
+        (ok ? "only " + std::to_string(raw.size()) + " bytes" : "exit status " + std::to_string(WEXITSTATUS(status))) +
+        (first_line.empty() ? "" : ": " + first_line) + "); reinstall Debian's bible-kjv and bible-kjv-text.");
   }
   return text;
 }
@@ -492,12 +485,10 @@ double unigram_entropy(const std::vector<int32_t>& ids, int vocab_size) {
 
 CorpusInfo load_corpus_info(const std::string& dir) {
   if (!fs::is_directory(dir)) {
-    throw std::runtime_error("The corpus directory " + dir +
-                             " does not exist; run `remat prepare` to create it.");
+    throw std::runtime_error("The corpus directory " + dir + " does not exist; run `remat prepare` to create it.");
   }
   if (!fs::exists(dir + "/meta.json")) {
-    throw std::runtime_error("The corpus directory " + dir +
-                             " has no meta.json; run `remat prepare` to (re)build it.");
+    throw std::runtime_error("The corpus directory " + dir + " has no meta.json; run `remat prepare` to (re)build it.");
   }
   CorpusInfo info;
   try {
@@ -575,9 +566,9 @@ CorpusInfo prepare_corpus(const PrepareOptions& options, const Log& log) {
   t = std::chrono::steady_clock::now();
   std::vector<int64_t> line_starts;
   const std::vector<int32_t> ids = encode_text(tok, text, line_starts);
-  say(log, fmt::format("encoded {} tokens in {:.2f} s ({:.2f} bytes/token)",
-                       with_commas(static_cast<int64_t>(ids.size())), seconds_since(t),
-                       static_cast<double>(text.size()) / static_cast<double>(ids.size())));
+  say(log,
+      fmt::format("encoded {} tokens in {:.2f} s ({:.2f} bytes/token)", with_commas(static_cast<int64_t>(ids.size())),
+                  seconds_since(t), static_cast<double>(text.size()) / static_cast<double>(ids.size())));
 
   std::vector<int32_t> train, val;
   split_tokens(ids, line_starts, options.val_fraction, options.val_blocks, train, val);
@@ -594,8 +585,7 @@ CorpusInfo prepare_corpus(const PrepareOptions& options, const Log& log) {
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (!fs::is_directory(dir)) {
-    throw std::runtime_error("Cannot create the corpus directory " + dir + ": " + ec.message() +
-                             ".");
+    throw std::runtime_error("Cannot create the corpus directory " + dir + ": " + ec.message() + ".");
   }
   // Until the new meta.json lands, the directory must not look complete.
   fs::remove(dir + "/meta.json", ec);
@@ -605,11 +595,10 @@ CorpusInfo prepare_corpus(const PrepareOptions& options, const Log& log) {
   info.prepare_seconds = seconds_since(start);
   util::write_file_atomically(info.meta_path(), to_json(info).dump(2) + "\n");
 
-  say(log,
-      fmt::format("wrote {}: {} train + {} val tokens ({}), unigram entropy {:.3f} "
-                  "nats/token, in {:.2f} s",
-                  dir, with_commas(info.train_tokens), with_commas(info.val_tokens),
-                  dtype_name(info.token_bytes), info.train_unigram_entropy, info.prepare_seconds));
+  say(log, fmt::format("wrote {}: {} train + {} val tokens ({}), unigram entropy {:.3f} "
+                       "nats/token, in {:.2f} s",
+                       dir, with_commas(info.train_tokens), with_commas(info.val_tokens), dtype_name(info.token_bytes),
+                       info.train_unigram_entropy, info.prepare_seconds));
   return info;
 }
 

@@ -32,16 +32,13 @@ Batch gather_windows(const at::Tensor& tokens, const at::Tensor& starts, int64_t
 }  // namespace
 
 TokenDataset::TokenDataset(const at::Tensor& tokens, std::string name) : name_(std::move(name)) {
-  TORCH_CHECK(tokens.dim() == 1 && !at::isFloatingType(tokens.scalar_type()) &&
-                  tokens.scalar_type() != at::kBool,
-              "[TokenDataset] needs a 1-D integer tensor of token ids, got ", tokens.scalar_type(),
-              " ", tokens.sizes());
+  TORCH_CHECK(tokens.dim() == 1 && !at::isFloatingType(tokens.scalar_type()) && tokens.scalar_type() != at::kBool,
+              "[TokenDataset] needs a 1-D integer tensor of token ids, got ", tokens.scalar_type(), " ",
+              tokens.sizes());
   tokens_ = tokens.to(at::kCPU, at::kInt).contiguous();
 }
 
-TokenDataset TokenDataset::open(const std::string& dir, Split split) {
-  return open(load_corpus_info(dir), split);
-}
+TokenDataset TokenDataset::open(const std::string& dir, Split split) { return open(load_corpus_info(dir), split); }
 
 TokenDataset TokenDataset::open(const CorpusInfo& info, Split split) {
   const bool train = split == Split::train;
@@ -50,9 +47,8 @@ TokenDataset TokenDataset::open(const CorpusInfo& info, Split split) {
   const std::string bytes = util::read_file(path, "the token file");
   if (static_cast<int64_t>(bytes.size()) != count * info.token_bytes) {
     throw std::runtime_error("The token file " + path + " has " + std::to_string(bytes.size()) +
-                             " bytes but meta.json records " + std::to_string(count) +
-                             " tokens of " + std::to_string(info.token_bytes) +
-                             " bytes; run `remat prepare` to rebuild the corpus.");
+                             " bytes but meta.json records " + std::to_string(count) + " tokens of " +
+                             std::to_string(info.token_bytes) + " bytes; run `remat prepare` to rebuild the corpus.");
   }
   at::Tensor tokens = at::empty({count}, at::kInt);
   int32_t* out = tokens.data_ptr<int32_t>();
@@ -61,9 +57,8 @@ TokenDataset TokenDataset::open(const CorpusInfo& info, Split split) {
     uint32_t id = 0;
     std::memcpy(&id, bytes.data() + i * info.token_bytes, static_cast<size_t>(info.token_bytes));
     if (id >= static_cast<uint32_t>(info.vocab_size)) {
-      throw std::runtime_error("The token file " + path + " holds id " + std::to_string(id) +
-                               " at position " + std::to_string(i) + ", outside the " +
-                               std::to_string(info.vocab_size) +
+      throw std::runtime_error("The token file " + path + " holds id " + std::to_string(id) + " at position " +
+                               std::to_string(i) + ", outside the " + std::to_string(info.vocab_size) +
                                "-piece vocabulary; run `remat prepare` to rebuild the corpus.");
     }
     out[i] = static_cast<int32_t>(id);
@@ -73,14 +68,13 @@ TokenDataset TokenDataset::open(const CorpusInfo& info, Split split) {
 
 void TokenDataset::check_shape(int64_t batch, int64_t seq) const {
   if (batch < 1 || seq < 1) {
-    throw std::runtime_error("A batch needs at least one sequence of at least one token, got " +
-                             std::to_string(batch) + " x " + std::to_string(seq) + ".");
+    throw std::runtime_error("A batch needs at least one sequence of at least one token, got " + std::to_string(batch) +
+                             " x " + std::to_string(seq) + ".");
   }
   if (seq + 1 > size()) {
     throw std::runtime_error("A sequence of " + std::to_string(seq) + " tokens needs at least " +
-                             std::to_string(seq + 1) +
-                             " tokens (inputs and next-token targets), but " + name_ + " has " +
-                             std::to_string(size()) + ".");
+                             std::to_string(seq + 1) + " tokens (inputs and next-token targets), but " + name_ +
+                             " has " + std::to_string(size()) + ".");
   }
 }
 
@@ -102,9 +96,9 @@ int64_t TokenDataset::num_sequential_batches(int64_t batch, int64_t seq) const {
 Batch TokenDataset::sequential(int64_t index, int64_t batch, int64_t seq) const {
   const int64_t count = num_sequential_batches(batch, seq);
   if (index < 0 || index >= count) {
-    throw std::runtime_error("Sequential batch " + std::to_string(index) + " does not exist: " +
-                             name_ + " has " + std::to_string(count) + " batches of " +
-                             std::to_string(batch) + " x " + std::to_string(seq) + " tokens.");
+    throw std::runtime_error("Sequential batch " + std::to_string(index) + " does not exist: " + name_ + " has " +
+                             std::to_string(count) + " batches of " + std::to_string(batch) + " x " +
+                             std::to_string(seq) + " tokens.");
   }
   const int64_t windows = (size() - 1) / seq;
   const int64_t rows = std::min(batch, windows - index * batch);

@@ -93,10 +93,9 @@ REMAT_SP_EXPORT int remat_sp_abi_version(void) { return REMAT_SP_ABI_VERSION; }
 
 REMAT_SP_EXPORT const char* remat_sp_last_error(void) { return last_error.c_str(); }
 
-REMAT_SP_EXPORT int remat_sp_train(const char* const* keys, const char* const* values,
-                                   size_t num_options, const char* const* sentences,
-                                   const size_t* lengths, size_t num_sentences, uint32_t seed,
-                                   char** model_out, size_t* model_size) {
+REMAT_SP_EXPORT int remat_sp_train(const char* const* keys, const char* const* values, size_t num_options,
+                                   const char* const* sentences, const size_t* lengths, size_t num_sentences,
+                                   uint32_t seed, char** model_out, size_t* model_size) {
   return guarded([&] {
     std::unordered_map<std::string, std::string> options;
     for (size_t i = 0; i < num_options; ++i) options[keys[i]] = values[i];
@@ -124,9 +123,7 @@ REMAT_SP_EXPORT remat_sp_model* remat_sp_load(const char* model, size_t size) {
 
 REMAT_SP_EXPORT void remat_sp_free(remat_sp_model* model) { delete model; }
 
-REMAT_SP_EXPORT int remat_sp_vocab_size(const remat_sp_model* model) {
-  return model->processor.GetPieceSize();
-}
+REMAT_SP_EXPORT int remat_sp_vocab_size(const remat_sp_model* model) { return model->processor.GetPieceSize(); }
 
 REMAT_SP_EXPORT int remat_sp_special_id(const remat_sp_model* model, int which) {
   const auto& p = model->processor;
@@ -144,17 +141,14 @@ REMAT_SP_EXPORT int remat_sp_special_id(const remat_sp_model* model, int which) 
   }
 }
 
-REMAT_SP_EXPORT int remat_sp_piece_to_id(const remat_sp_model* model, const char* piece,
-                                         size_t length) {
+REMAT_SP_EXPORT int remat_sp_piece_to_id(const remat_sp_model* model, const char* piece, size_t length) {
   return model->processor.PieceToId(std::string_view(piece, length));
 }
 
-REMAT_SP_EXPORT int remat_sp_id_to_piece(const remat_sp_model* model, int id, char** piece_out,
-                                         size_t* length) {
+REMAT_SP_EXPORT int remat_sp_id_to_piece(const remat_sp_model* model, int id, char** piece_out, size_t* length) {
   return guarded([&] {
     if (id < 0 || id >= model->processor.GetPieceSize()) {
-      return Status(StatusCode::kOutOfRange,
-                    "token id " + std::to_string(id) + " is outside the vocabulary");
+      return Status(StatusCode::kOutOfRange, "token id " + std::to_string(id) + " is outside the vocabulary");
     }
     const std::string& piece = model->processor.IdToPiece(id);
     *length = piece.size();
@@ -162,8 +156,8 @@ REMAT_SP_EXPORT int remat_sp_id_to_piece(const remat_sp_model* model, int id, ch
   });
 }
 
-REMAT_SP_EXPORT int remat_sp_encode(const remat_sp_model* model, const char* text, size_t length,
-                                    int32_t** ids_out, size_t* num_ids) {
+REMAT_SP_EXPORT int remat_sp_encode(const remat_sp_model* model, const char* text, size_t length, int32_t** ids_out,
+                                    size_t* num_ids) {
   return guarded([&] {
     std::vector<int> ids;
     auto status = model->processor.Encode(std::string_view(text, length), &ids);
@@ -174,8 +168,8 @@ REMAT_SP_EXPORT int remat_sp_encode(const remat_sp_model* model, const char* tex
   });
 }
 
-REMAT_SP_EXPORT int remat_sp_decode(const remat_sp_model* model, const int32_t* ids, size_t num_ids,
-                                    char** text_out, size_t* length) {
+REMAT_SP_EXPORT int remat_sp_decode(const remat_sp_model* model, const int32_t* ids, size_t num_ids, char** text_out,
+                                    size_t* length) {
   return guarded([&] {
     std::string text;
 #ifdef ABSL_TYPES_SPAN_H_

@@ -39,9 +39,8 @@ const char* remat_sp_last_error(void);
 /// (e.g. "model_type" -> "bpe"); `seed` seeds SentencePiece's sampling of sentences.
 /// On success *model_out holds the serialized model proto (*model_size bytes); nothing
 /// is written to disk.
-int remat_sp_train(const char* const* keys, const char* const* values, size_t num_options,
-                   const char* const* sentences, const size_t* lengths, size_t num_sentences,
-                   uint32_t seed, char** model_out, size_t* model_size);
+int remat_sp_train(const char* const* keys, const char* const* values, size_t num_options, const char* const* sentences,
+                   const size_t* lengths, size_t num_sentences, uint32_t seed, char** model_out, size_t* model_size);
 
 /// Loads a serialized model proto; returns NULL on failure. Free with remat_sp_free.
 remat_sp_model* remat_sp_load(const char* model, size_t size);
@@ -54,10 +53,8 @@ int remat_sp_special_id(const remat_sp_model* model, int which);
 int remat_sp_piece_to_id(const remat_sp_model* model, const char* piece, size_t length);
 int remat_sp_id_to_piece(const remat_sp_model* model, int id, char** piece_out, size_t* length);
 
-int remat_sp_encode(const remat_sp_model* model, const char* text, size_t length, int32_t** ids_out,
-                    size_t* num_ids);
-int remat_sp_decode(const remat_sp_model* model, const int32_t* ids, size_t num_ids,
-                    char** text_out, size_t* length);
+int remat_sp_encode(const remat_sp_model* model, const char* text, size_t length, int32_t** ids_out, size_t* num_ids);
+int remat_sp_decode(const remat_sp_model* model, const int32_t* ids, size_t num_ids, char** text_out, size_t* length);
 
 void remat_sp_free_buffer(void* buffer);
 

@@ -47,8 +47,7 @@ template <typename F>
 void resolve(void* library, const std::string& path, const char* name, F& out) {
   void* symbol = ::dlsym(library, name);
   if (symbol == nullptr) {
-    throw std::runtime_error("The SentencePiece helper library " + path + " lacks " + name +
-                             "; rebuild remat.");
+    throw std::runtime_error("The SentencePiece helper library " + path + " lacks " + name + "; rebuild remat.");
   }
   out = reinterpret_cast<F>(symbol);
 }
@@ -91,8 +90,7 @@ ShimApi open_shim() {
     resolve(library, path, "remat_sp_free_buffer", api.free_buffer);
     return api;
   }
-  throw std::runtime_error(std::string("Cannot load the SentencePiece helper library ") +
-                           kShimName + " (" + tried +
+  throw std::runtime_error(std::string("Cannot load the SentencePiece helper library ") + kShimName + " (" + tried +
                            "); build the remat_sentencepiece target or keep the library next "
                            "to the remat executable.");
 }
@@ -116,8 +114,7 @@ struct ShimBuffer {
 
 [[noreturn]] void shim_failure(const std::string& what) {
   std::string reason = shim().last_error();
-  while (!reason.empty() &&
-         (reason.back() == '.' || std::isspace(static_cast<unsigned char>(reason.back())))) {
+  while (!reason.empty() && (reason.back() == '.' || std::isspace(static_cast<unsigned char>(reason.back())))) {
     reason.pop_back();
   }
   throw std::runtime_error(what + ": " + reason + ".");
@@ -193,8 +190,7 @@ Tokenizer Tokenizer::train(std::string_view text, const TokenizerTrainOptions& o
   if (total_bytes > options.max_training_bytes && options.max_training_bytes > 0) {
     max_sentences = std::max<int64_t>(
         101, static_cast<int64_t>(static_cast<double>(sentences.size()) *
-                                  static_cast<double>(options.max_training_bytes) /
-                                  static_cast<double>(total_bytes)));
+                                  static_cast<double>(options.max_training_bytes) / static_cast<double>(total_bytes)));
   }
 
   const std::vector<std::pair<std::string, std::string>> spec = {
@@ -223,8 +219,8 @@ Tokenizer Tokenizer::train(std::string_view text, const TokenizerTrainOptions& o
   }
 
   ShimBuffer<char> model;
-  if (shim().train(keys.data(), values.data(), spec.size(), pointers.data(), lengths.data(),
-                   pointers.size(), options.seed, &model.data, &model.size) != 0) {
+  if (shim().train(keys.data(), values.data(), spec.size(), pointers.data(), lengths.data(), pointers.size(),
+                   options.seed, &model.data, &model.size) != 0) {
     // Too little text for the vocabulary: SentencePiece says so only as an internal check
     // with the most pieces it could make; say it as the text's size and what to change.
     const std::string reason = shim().last_error();
@@ -235,9 +231,9 @@ Tokenizer Tokenizer::train(std::string_view text, const TokenizerTrainOptions& o
       throw std::runtime_error(
           "The text is too small for a " + std::to_string(options.vocab_size) + "-piece vocabulary: its " +
           std::to_string(total_bytes) + " bytes (" + std::to_string(sentences.size()) +
-          (sentences.size() == 1 ? " line" : " lines") + ") make at most " +
-          std::to_string(pieces) + " BPE pieces (the 256 bytes among them); set data.vocab_size to at most " +
-          std::to_string(pieces) + ", or give more text (the default corpus, the King James Bible, is 4 MB).");
+          (sentences.size() == 1 ? " line" : " lines") + ") make at most " + std::to_string(pieces) +
+          " BPE pieces (the 256 bytes among them); set data.vocab_size to at most " + std::to_string(pieces) +
+          ", or give more text (the default corpus, the King James Bible, is 4 MB).");
     }
     // Too many distinct characters for the vocabulary: each needs a piece of its own
     // beside the 256 byte pieces and the 3 special ones (found by fuzzing; SentencePiece
@@ -247,10 +243,11 @@ Tokenizer Tokenizer::train(std::string_view text, const TokenizerTrainOptions& o
     if (reason.find(chars) != std::string::npos && vs != std::string::npos) {
       const long needed = std::strtol(reason.c_str() + vs + 4, nullptr, 10);
       throw std::runtime_error(
-          "The text has " + std::to_string(needed - 3 - 256) + " distinct characters, each of which needs a piece of "
-          "its own beside the 256 byte pieces and the 3 special ones, so a " + std::to_string(options.vocab_size) +
-          "-piece vocabulary cannot hold them; set data.vocab_size to at least " + std::to_string(needed) +
-          " (more leaves room for the merges that make tokens longer than a character).");
+          "The text has " + std::to_string(needed - 3 - 256) +
+          " distinct characters, each of which needs a piece of "
+          "its own beside the 256 byte pieces and the 3 special ones, so a " +
+          std::to_string(options.vocab_size) + "-piece vocabulary cannot hold them; set data.vocab_size to at least " +
+          std::to_string(needed) + " (more leaves room for the merges that make tokens longer than a character).");
     }
     shim_failure("SentencePiece could not train a " + std::to_string(options.vocab_size) +
                  "-piece BPE tokenizer on this text");
@@ -272,9 +269,7 @@ Tokenizer Tokenizer::load(const std::string& model_path) {
   return Tokenizer(std::move(handle), std::move(serialized));
 }
 
-void Tokenizer::save(const std::string& model_path) const {
-  util::write_file_atomically(model_path, model_);
-}
+void Tokenizer::save(const std::string& model_path) const { util::write_file_atomically(model_path, model_); }
 
 std::vector<int32_t> Tokenizer::encode(std::string_view text) const {
   ShimBuffer<int32_t> ids;
@@ -288,9 +283,8 @@ std::string Tokenizer::decode(const int32_t* ids, size_t count) const {
   const int vocab = vocab_size();
   for (size_t i = 0; i < count; ++i) {
     if (ids[i] < 0 || ids[i] >= vocab) {
-      throw std::runtime_error("Cannot decode token id " + std::to_string(ids[i]) +
-                               " at position " + std::to_string(i) + ": the vocabulary has " +
-                               std::to_string(vocab) + " pieces.");
+      throw std::runtime_error("Cannot decode token id " + std::to_string(ids[i]) + " at position " +
+                               std::to_string(i) + ": the vocabulary has " + std::to_string(vocab) + " pieces.");
     }
   }
   ShimBuffer<char> text;

@@ -45,9 +45,10 @@ int parse_int(const char* name, const char* text, int lo, int hi) {
   errno = 0;
   const long v = std::strtol(text, &end, 10);
   if (errno != 0 || end == text || *end != '\0' || v < lo || v > hi) {
-    throw std::invalid_argument(fmt::format("The environment variable {} is '{}', but it must be a whole number from "
-                                            "{} to {}; the launcher (remat launch, torchrun, mpirun, srun) sets it.",
-                                            name, text, lo, hi));
+    throw std::invalid_argument(
+        fmt::format("The environment variable {} is '{}', but it must be a whole number from "
+                    "{} to {}; the launcher (remat launch, torchrun, mpirun, srun) sets it.",
+                    name, text, lo, hi));
   }
   return static_cast<int>(v);
 }
@@ -75,8 +76,8 @@ std::string address_towards_master(const LaunchEnv& env) {
   const int rc = ::getaddrinfo(env.master_addr.c_str(), std::to_string(env.master_port).c_str(), &hints, &found);
   if (rc != 0) {
     throw std::runtime_error(fmt::format(
-        "Rank {} cannot resolve MASTER_ADDR {} ({}); set it to rank 0's IP address as every host reaches it.",
-        env.rank, env.master_addr, ::gai_strerror(rc)));
+        "Rank {} cannot resolve MASTER_ADDR {} ({}); set it to rank 0's IP address as every host reaches it.", env.rank,
+        env.master_addr, ::gai_strerror(rc)));
   }
   const std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)> owned(found, &::freeaddrinfo);
   for (const addrinfo* a = found; a != nullptr; a = a->ai_next) {
@@ -89,14 +90,15 @@ std::string address_towards_master(const LaunchEnv& env) {
                         ::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) == 0;
     ::close(fd);
     char text[NI_MAXHOST];
-    if (routed && ::getnameinfo(reinterpret_cast<sockaddr*>(&local), len, text, sizeof text, nullptr, 0,
-                                NI_NUMERICHOST) == 0) {
+    if (routed &&
+        ::getnameinfo(reinterpret_cast<sockaddr*>(&local), len, text, sizeof text, nullptr, 0, NI_NUMERICHOST) == 0) {
       return text;
     }
   }
   throw std::runtime_error(fmt::format(
       "Rank {} has no route to MASTER_ADDR {}; set it to rank 0's address as this host reaches it, or name the "
-      "network interface to use with GLOO_SOCKET_IFNAME.", env.rank, env.master_addr));
+      "network interface to use with GLOO_SOCKET_IFNAME.",
+      env.rank, env.master_addr));
 }
 
 // The Gloo device: the interface GLOO_SOCKET_IFNAME names (PyTorch's variable, for a host
@@ -128,9 +130,10 @@ std::optional<LaunchEnv> launch_env(const std::function<const char*(const char*)
     LaunchEnv env;
     env.world_size = parse_int(n.size, var(n.size), 1, 1 << 20);
     if (var(n.rank) == nullptr) {
-      throw std::invalid_argument(fmt::format("{} = {} is set but {} is not; start every rank through one launcher "
-                                              "(remat launch, torchrun, mpirun or srun), which sets both.", n.size,
-                                              env.world_size, n.rank));
+      throw std::invalid_argument(
+          fmt::format("{} = {} is set but {} is not; start every rank through one launcher "
+                      "(remat launch, torchrun, mpirun or srun), which sets both.",
+                      n.size, env.world_size, n.rank));
     }
     env.rank = parse_int(n.rank, var(n.rank), 0, env.world_size - 1);
     env.local_rank = var(n.local) != nullptr ? parse_int(n.local, var(n.local), 0, 1 << 20) : 0;
@@ -154,7 +157,9 @@ std::optional<LaunchEnv> launch_env(const std::function<const char*(const char*)
   return std::nullopt;
 }
 
-std::optional<LaunchEnv> launch_env() { return launch_env([](const char* name) { return std::getenv(name); }); }
+std::optional<LaunchEnv> launch_env() {
+  return launch_env([](const char* name) { return std::getenv(name); });
+}
 
 // One Gloo group over some of the job's ranks, its waits and failures those of the job.
 class GlooGroup final : public Group {
@@ -245,25 +250,30 @@ struct Comm::State {
     try {
       const std::vector<int> silent = silent_ranks();
       if (silent.empty()) {
-        return fmt::format("{} failed on rank {} ({}), but every rank still answers: one rank is slower than "
-                           "parallel.timeout = {} s allows, or diverged from the others (different settings?); "
-                           "raise parallel.timeout or check that every rank runs the same command.",
-                           what, rank, error, timeout.count() / 1000.0);
+        return fmt::format(
+            "{} failed on rank {} ({}), but every rank still answers: one rank is slower than "
+            "parallel.timeout = {} s allows, or diverged from the others (different settings?); "
+            "raise parallel.timeout or check that every rank runs the same command.",
+            what, rank, error, timeout.count() / 1000.0);
       }
       // A rank that finished the run is silent too, but not lost: the ranks took other paths.
       std::vector<int> finished, lost;
       for (int r : silent) (store->check({finished_key(r)}) ? finished : lost).push_back(r);
       if (lost.empty()) {
-        return fmt::format("{} finished the run while rank {} still waited in {} ({}): the ranks took different "
-                           "paths; check that every rank runs the same command, settings and files.",
-                           rank_list(finished), rank, what, error);
+        return fmt::format(
+            "{} finished the run while rank {} still waited in {} ({}): the ranks took different "
+            "paths; check that every rank runs the same command, settings and files.",
+            rank_list(finished), rank, what, error);
       }
-      return fmt::format("{} stopped answering during {} (rank {} saw: {}); every rank stops. The output of {} "
-                         "tells why (killed, out of memory, crashed).", rank_list(lost), what, rank, error,
-                         rank_list(lost));
+      return fmt::format(
+          "{} stopped answering during {} (rank {} saw: {}); every rank stops. The output of {} "
+          "tells why (killed, out of memory, crashed).",
+          rank_list(lost), what, rank, error, rank_list(lost));
     } catch (const std::exception&) {
-      return fmt::format("rank 0, which hosts the rendezvous store at {}, is gone: {} failed on rank {} ({}); every "
-                         "rank stops. Look at rank 0's output for its cause.", endpoint, what, rank, error);
+      return fmt::format(
+          "rank 0, which hosts the rendezvous store at {}, is gone: {} failed on rank {} ({}); every "
+          "rank stops. Look at rank 0's output for its cause.",
+          endpoint, what, rank, error);
     }
   }
 
@@ -424,7 +434,8 @@ std::unique_ptr<Comm> Comm::connect(const LaunchEnv& env, milliseconds timeout, 
   if (pp < 1 || env.world_size / tp % pp != 0) {
     throw std::invalid_argument(fmt::format(
         "pp = {} pipeline stages must divide the {} tensor-parallel groups of the {} ranks started (parallel.tp = "
-        "{}): every stage holds as many of them.", pp, env.world_size / tp, env.world_size, tp));
+        "{}): every stage holds as many of them.",
+        pp, env.world_size / tp, env.world_size, tp));
   }
   auto s = std::make_unique<State>();
   s->timeout = timeout;
@@ -468,8 +479,8 @@ std::unique_ptr<Comm> Comm::connect(const LaunchEnv& env, milliseconds timeout, 
     } catch (const std::exception& e) {
       throw std::runtime_error(fmt::format(
           "Rank {} lost the rendezvous store at {} while the ranks were joining ({}): rank 0 hosts it and stopped; "
-          "its output tells why (often a rank that did not join within parallel.timeout = {} s).", env.rank,
-          s->endpoint, e.what(), timeout.count() / 1000.0));
+          "its output tells why (often a rank that did not join within parallel.timeout = {} s).",
+          env.rank, s->endpoint, e.what(), timeout.count() / 1000.0));
     }
   };
   while (!all_joined()) {
@@ -488,8 +499,8 @@ std::unique_ptr<Comm> Comm::connect(const LaunchEnv& env, milliseconds timeout, 
 
   auto gloo = c10d::ProcessGroupGloo::Options::create(timeout);
   gloo->devices.push_back(gloo_device(env));
-  s->group = c10::make_intrusive<c10d::ProcessGroupGloo>(
-      c10::make_intrusive<c10d::PrefixStore>("gloo", s->store), env.rank, env.world_size, gloo);
+  s->group = c10::make_intrusive<c10d::ProcessGroupGloo>(c10::make_intrusive<c10d::PrefixStore>("gloo", s->store),
+                                                         env.rank, env.world_size, gloo);
   s->world = std::make_unique<GlooGroup>(*s, s->group, env.rank, env.world_size);
   // A group of the ranks `first + i * stride`, i < n, this rank among them; one rank alone
   // needs no Gloo group. Every rank creates only its own groups, under names all members

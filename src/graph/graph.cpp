@@ -250,7 +250,8 @@ BlockGraph Builder::finish(int output) {
       owner = s;
     }
   }
-  TORCH_INTERNAL_ASSERT(g_.slot(Slot::input) == std::vector<int>{g_.input}, "block graph: Slot::input must hold "
+  TORCH_INTERNAL_ASSERT(g_.slot(Slot::input) == std::vector<int>{g_.input},
+                        "block graph: Slot::input must hold "
                         "exactly the block input");
   for (size_t v = 0; v < V; ++v) {
     TORCH_INTERNAL_ASSERT(!g_.saved[v] || g_.slot_of[v] >= 0, "block graph: value ", g_.values[v].name,
@@ -264,8 +265,10 @@ BlockGraph Builder::finish(int output) {
 }
 
 Lifetimes::Lifetimes(const BlockGraph& g)
-    : last_forward_reader(g.values.size(), -1), last_backward_reader(g.values.size(), INT_MAX),
-      grad_readers(g.values.size()), runs_backward(g.nodes.size(), false) {
+    : last_forward_reader(g.values.size(), -1),
+      last_backward_reader(g.values.size(), INT_MAX),
+      grad_readers(g.values.size()),
+      runs_backward(g.nodes.size(), false) {
   for (size_t i = 0; i < g.nodes.size(); ++i) {
     const Node& n = g.nodes[i];
     const int id = static_cast<int>(i);
@@ -298,11 +301,16 @@ Lifetimes::Lifetimes(const BlockGraph& g)
 std::string explain(const BlockGraph& g) {
   const auto dtype = [](at::ScalarType t) -> std::string {
     switch (t) {
-      case at::kFloat: return "float32";
-      case at::kBFloat16: return "bfloat16";
-      case at::kDouble: return "float64";
-      case at::kBool: return "bool";
-      default: return c10::toString(t);
+      case at::kFloat:
+        return "float32";
+      case at::kBFloat16:
+        return "bfloat16";
+      case at::kDouble:
+        return "float64";
+      case at::kBool:
+        return "bool";
+      default:
+        return c10::toString(t);
     }
   };
   size_t width = 5;
@@ -311,7 +319,7 @@ std::string explain(const BlockGraph& g) {
                                 "slot", "producer (op)");
   for (size_t v = 0; v < g.values.size(); ++v) {
     const Value& val = g.values[v];
-    const std::string slot = g.slot_of[v] >= 0                  ? slot_name(static_cast<Slot>(g.slot_of[v]))
+    const std::string slot = g.slot_of[v] >= 0                 ? slot_name(static_cast<Slot>(g.slot_of[v]))
                              : static_cast<int>(v) == g.output ? "(output)"
                                                                : "-";
     const std::string bytes = val.alias >= 0 ? "view" : memory::format_bytes(val.info.bytes());
@@ -321,9 +329,9 @@ std::string explain(const BlockGraph& g) {
       producer = fmt::format("{} ({})", n.name, n.op->kind()[0] ? n.op->kind() : "view");
       if (val.alias >= 0) producer += ", view of " + g.values[static_cast<size_t>(val.alias)].name;
     }
-    out += fmt::format("{:<{}}  {:<18} {:<8} {:>10}  {:<14} {}\n", val.name, width,
-                       fmt::format("[{}]", fmt::join(val.info.sizes, ", ")), dtype(val.info.dtype), bytes, slot,
-                       producer);
+    out +=
+        fmt::format("{:<{}}  {:<18} {:<8} {:>10}  {:<14} {}\n", val.name, width,
+                    fmt::format("[{}]", fmt::join(val.info.sizes, ", ")), dtype(val.info.dtype), bytes, slot, producer);
   }
   return out;
 }

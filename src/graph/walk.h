@@ -34,10 +34,10 @@ bool defined(const std::shared_ptr<P>& p) {
 
 /// Where each value dies, derived from the graph alone.
 struct Lifetimes {
-  std::vector<int> last_forward_reader;         ///< per value: last node reading it, -1: none
-  std::vector<int> last_backward_reader;        ///< per value: lowest node whose backward reads it
-  std::vector<std::vector<int>> grad_readers;   ///< per value: nodes it feeds a gradient from, ascending
-  std::vector<bool> runs_backward;              ///< per node: whether any output carries a gradient
+  std::vector<int> last_forward_reader;        ///< per value: last node reading it, -1: none
+  std::vector<int> last_backward_reader;       ///< per value: lowest node whose backward reads it
+  std::vector<std::vector<int>> grad_readers;  ///< per value: nodes it feeds a gradient from, ascending
+  std::vector<bool> runs_backward;             ///< per node: whether any output carries a gradient
   explicit Lifetimes(const BlockGraph& g);
 };
 
@@ -54,8 +54,14 @@ class BlockRun {
   /// rank's share from its last forward reader on, until gather_input.
   BlockRun(const BlockGraph& g, const Lifetimes& lt, std::vector<bool> keep, bool training = true,
            InputHold hold = InputHold::whole)
-      : g_(g), lt_(lt), keep_(std::move(keep)), training_(training), hold_(hold), vals_(g.values.size()),
-        missing_(g.values.size(), false), slot_missing_(kSlotCount, 0) {
+      : g_(g),
+        lt_(lt),
+        keep_(std::move(keep)),
+        training_(training),
+        hold_(hold),
+        vals_(g.values.size()),
+        missing_(g.values.size(), false),
+        slot_missing_(kSlotCount, 0) {
     TORCH_INTERNAL_ASSERT(hold_ == InputHold::whole || g_.input_shardable(),
                           "a sharded block input needs tensor parallelism without sequence parallelism");
   }

@@ -203,8 +203,7 @@ Stats stats(at::Device device) {
 void reset_peak(at::Device device) {
   if (device.is_cuda()) {
 #ifdef REMAT_WITH_CUDA
-    c10::cuda::CUDACachingAllocator::resetPeakStats(device.has_index() ? device.index()
-                                                                       : c10::cuda::current_device());
+    c10::cuda::CUDACachingAllocator::resetPeakStats(device.has_index() ? device.index() : c10::cuda::current_device());
 #endif
     return;
   }

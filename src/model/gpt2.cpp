@@ -2,7 +2,6 @@
 // attention probabilities and both residual branches.
 #include "model/transformer.h"
 
-
 namespace remat::detail {
 namespace {
 
@@ -63,7 +62,8 @@ struct Gpt2Arch {
   static graph::BlockGraph embed(const ModelConfig& c, int64_t B, int64_t T, at::ScalarType dtype) {
     using namespace graph;
     Builder b({{B, T}, at::kLong, {}}, dtype, /*external=*/true);
-    const int wte = b.param("wte.weight", {c.vocab_size, c.d_model}), wpe = b.param("wpe.weight", {c.max_seq, c.d_model});
+    const int wte = b.param("wte.weight", {c.vocab_size, c.d_model}),
+              wpe = b.param("wpe.weight", {c.max_seq, c.d_model});
     const int tok = b.add1("wte", op::embedding(), {b.input()}, {wte});
     const int pos = b.add1("wpe", op::position_embedding(), {tok}, {wpe});
     return b.finish_kept(b.dropout("embed_dropout", pos, c.dropout, ops::DropoutSite::embedding).first);

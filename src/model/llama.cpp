@@ -2,7 +2,6 @@
 // head; dropout (model.dropout) on the attention probabilities only.
 #include "model/transformer.h"
 
-
 namespace remat::detail {
 namespace {
 
@@ -93,9 +92,7 @@ const ArchDecl& llama_decl() {
                              "model.layers.",
                              LlamaArch::hf_transposed,
                              LlamaArch::ignorable,
-                             {{"qkv_proj", "gate_up_proj"},
-                              {"o_proj", "down_proj"},
-                              {"embed_tokens", "loss"}}};
+                             {{"qkv_proj", "gate_up_proj"}, {"o_proj", "down_proj"}, {"embed_tokens", "loss"}}};
   return decl;
 }
 

@@ -34,14 +34,17 @@ std::unique_ptr<Model> Model::create(const ModelConfig& cfg, at::Device device, 
               cfg.n_layer - 1, " (counted from 0) and ends by the last, got first = ", stage.first,
               " and count = ", stage.count, " for ", cfg.n_layer, " layers.");
   if (stage.count == -1) stage.count = cfg.n_layer - stage.first;
-  return std::make_unique<detail::TransformerModel>(detail::arch_decl(cfg.arch), cfg, device, compute_dtype, seed,
-                                                    tp, sequence_parallel, stage);
+  return std::make_unique<detail::TransformerModel>(detail::arch_decl(cfg.arch), cfg, device, compute_dtype, seed, tp,
+                                                    sequence_parallel, stage);
 }
 
 double Model::forward_backward(const at::Tensor& tokens, const at::Tensor& targets, const StepContext& ctx,
                                double loss_scale, int64_t ce_chunk, ActivationBytes* measured) {
-  TORCH_CHECK(first_stage() && last_stage(), "forward_backward runs every layer, but this model is the pipeline "
-              "stage of layers ", stage_.first + 1, " to ", stage_.first + stage_.count, " (counted from 1); run its "
+  TORCH_CHECK(first_stage() && last_stage(),
+              "forward_backward runs every layer, but this model is the pipeline "
+              "stage of layers ",
+              stage_.first + 1, " to ", stage_.first + stage_.count,
+              " (counted from 1); run its "
               "forward() and backward().");
   const std::unique_ptr<Microbatch> mb = forward(tokens, targets, ctx, ce_chunk, measured);
   backward(*mb, at::Tensor(), loss_scale);
@@ -71,14 +74,12 @@ std::vector<int64_t> Model::whole_sizes(size_t i) const {
 
 namespace graph {
 
-BlockGraph block_graph(const ModelConfig& cfg, int64_t batch, int64_t seq, at::ScalarType dtype, int64_t tp,
-                       bool sp) {
+BlockGraph block_graph(const ModelConfig& cfg, int64_t batch, int64_t seq, at::ScalarType dtype, int64_t tp, bool sp) {
   const auto& decl = detail::arch_decl(cfg.arch);
   return tensor_parallel(decl.block(cfg, batch, seq, dtype), decl.tp_plan, tp, sp);
 }
 
-BlockGraph embed_graph(const ModelConfig& cfg, int64_t batch, int64_t seq, at::ScalarType dtype, int64_t tp,
-                       bool sp) {
+BlockGraph embed_graph(const ModelConfig& cfg, int64_t batch, int64_t seq, at::ScalarType dtype, int64_t tp, bool sp) {
   const auto& decl = detail::arch_decl(cfg.arch);
   return tensor_parallel(decl.embed(cfg, batch, seq, dtype), decl.tp_plan, tp, sp);
 }
@@ -144,8 +145,10 @@ void Model::load(const std::string& path) {
     const bool strip = cfg_.arch == Arch::gpt2 && name.rfind(prefix, 0) == 0;
     const std::string key = strip ? name.substr(prefix.size()) : name;
     if (!file.emplace(key, t).second) {
-      throw std::runtime_error(fmt::format("{} holds '{}' both with and without the 'transformer.' prefix; it is "
-                                           "ambiguous which to load (nothing was loaded).", path, key));
+      throw std::runtime_error(
+          fmt::format("{} holds '{}' both with and without the 'transformer.' prefix; it is "
+                      "ambiguous which to load (nothing was loaded).",
+                      path, key));
     }
   }
 
@@ -157,9 +160,10 @@ void Model::load(const std::string& path) {
     const Param& p = params_[i];
     auto it = file.find(p.name);
     if (it == file.end()) {
-      throw std::runtime_error(fmt::format("{} has no tensor '{}', which this {} model needs; it is not a "
-                                           "checkpoint of this model (nothing was loaded).",
-                                           path, p.name, arch_name(cfg_.arch)));
+      throw std::runtime_error(
+          fmt::format("{} has no tensor '{}', which this {} model needs; it is not a "
+                      "checkpoint of this model (nothing was loaded).",
+                      path, p.name, arch_name(cfg_.arch)));
     }
     at::Tensor t = hf_transposed(p.name) && it->second.dim() == 2 ? it->second.t() : it->second;
     const std::vector<int64_t> want = whole_sizes(i);
@@ -168,7 +172,8 @@ void Model::load(const std::string& path) {
       if (t.size(0) != file_vocab) {
         throw std::runtime_error(fmt::format(
             "Tensor '{}' in {} has {} vocabulary rows but another of its vocabulary tensors has {}; it is not a "
-            "checkpoint of one vocabulary (nothing was loaded).", p.name, path, t.size(0), file_vocab));
+            "checkpoint of one vocabulary (nothing was loaded).",
+            p.name, path, t.size(0), file_vocab));
       }
       // An unpadded checkpoint: the padding rows get the mean row (the header says why).
       if (t.size(0) >= 1 && t.size(0) < want[0] && t.size(1) == want[1] && at::isFloatingType(t.scalar_type())) {
@@ -176,13 +181,14 @@ void Model::load(const std::string& path) {
       }
     }
     if (t.sizes() != at::IntArrayRef(want)) {
-      throw std::runtime_error(fmt::format(
-          "Tensor '{}' in {} has shape [{}] but the model expects [{}] (nothing was loaded).", p.name, path,
-          fmt::join(t.sizes(), ", "), fmt::join(want, ", ")));
+      throw std::runtime_error(
+          fmt::format("Tensor '{}' in {} has shape [{}] but the model expects [{}] (nothing was loaded).", p.name, path,
+                      fmt::join(t.sizes(), ", "), fmt::join(want, ", ")));
     }
     if (!at::isFloatingType(t.scalar_type())) {
-      throw std::runtime_error(fmt::format("Tensor '{}' in {} is of dtype {}, not a floating type (nothing was loaded).",
-                                           p.name, path, std::string(c10::toString(t.scalar_type()))));
+      throw std::runtime_error(
+          fmt::format("Tensor '{}' in {} is of dtype {}, not a floating type (nothing was loaded).", p.name, path,
+                      std::string(c10::toString(t.scalar_type()))));
     }
     staged.push_back(part(i, t));
     used.insert(it->first);
@@ -192,9 +198,10 @@ void Model::load(const std::string& path) {
     if (!used.count(name) && !ignorable(name)) extra.push_back(name);
   }
   if (!extra.empty()) {
-    throw std::runtime_error(fmt::format("{} holds tensors this {} model does not have ({}); it is a checkpoint "
-                                         "of another model shape (nothing was loaded).",
-                                         path, arch_name(cfg_.arch), fmt::join(extra, ", ")));
+    throw std::runtime_error(
+        fmt::format("{} holds tensors this {} model does not have ({}); it is a checkpoint "
+                    "of another model shape (nothing was loaded).",
+                    path, arch_name(cfg_.arch), fmt::join(extra, ", ")));
   }
   for (size_t i = 0; i < params_.size(); ++i) params_[i].value.copy_(staged[i]);
 }
@@ -230,8 +237,8 @@ void init_param(const std::string& name, at::Tensor& t, const ModelConfig& cfg, 
   } else {
     // Residual-branch outputs are scaled down so the residual stream's variance does not
     // grow with depth (GPT-2's initialisation).
-    const bool residual_out = ends("attn.c_proj.weight") || ends("mlp.c_proj.weight") || ends("o_proj.weight") ||
-                              ends("down_proj.weight");
+    const bool residual_out =
+        ends("attn.c_proj.weight") || ends("mlp.c_proj.weight") || ends("o_proj.weight") || ends("down_proj.weight");
     const double std = residual_out ? cfg.init_std / std::sqrt(2.0 * cfg.n_layer) : cfg.init_std;
     t.normal_(0.0, std, gen);
   }

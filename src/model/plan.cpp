@@ -9,8 +9,8 @@ namespace remat {
 
 const std::vector<std::string>& block_slots() {
   static const std::vector<std::string> slots = {
-      "attn.norm", "attn.qkv_in", "attn.gathered", "attn.qkv",  "attn.probs",  "attn.dropout", "attn.proj_in",
-      "attn.resid", "mlp.norm",   "mlp.fc_in",     "mlp.gathered", "mlp.act_in", "mlp.proj_in", "mlp.resid"};
+      "attn.norm",  "attn.qkv_in", "attn.gathered", "attn.qkv",     "attn.probs", "attn.dropout", "attn.proj_in",
+      "attn.resid", "mlp.norm",    "mlp.fc_in",     "mlp.gathered", "mlp.act_in", "mlp.proj_in",  "mlp.resid"};
   return slots;
 }
 

@@ -28,8 +28,8 @@ ModelConfig gpt2(int64_t layers, int64_t heads, int64_t d, int64_t vocab, int64_
   return m;
 }
 
-ModelConfig llama(int64_t layers, int64_t heads, int64_t kv, int64_t d, int64_t ff, int64_t vocab,
-                  int64_t ctx, double theta, double eps) {
+ModelConfig llama(int64_t layers, int64_t heads, int64_t kv, int64_t d, int64_t ff, int64_t vocab, int64_t ctx,
+                  double theta, double eps) {
   ModelConfig m;
   m.arch = Arch::llama;
   m.n_layer = layers;
@@ -73,8 +73,8 @@ ModelConfig model_preset(const std::string& name) {
       return m;
     }
   }
-  throw std::invalid_argument(fmt::format("Unknown model preset '{}'; valid presets: {}.", util::clip(name),
-                                          fmt::join(preset_names(), ", ")));
+  throw std::invalid_argument(
+      fmt::format("Unknown model preset '{}'; valid presets: {}.", util::clip(name), fmt::join(preset_names(), ", ")));
 }
 
 }  // namespace remat

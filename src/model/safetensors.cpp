@@ -33,9 +33,8 @@ struct DtypeName {
   const char* name;
 };
 constexpr DtypeName kDtypes[] = {
-    {at::kDouble, "F64"}, {at::kFloat, "F32"}, {at::kHalf, "F16"},  {at::kBFloat16, "BF16"},
-    {at::kLong, "I64"},   {at::kInt, "I32"},   {at::kShort, "I16"}, {at::kChar, "I8"},
-    {at::kByte, "U8"},    {at::kBool, "BOOL"},
+    {at::kDouble, "F64"}, {at::kFloat, "F32"}, {at::kHalf, "F16"}, {at::kBFloat16, "BF16"}, {at::kLong, "I64"},
+    {at::kInt, "I32"},    {at::kShort, "I16"}, {at::kChar, "I8"},  {at::kByte, "U8"},       {at::kBool, "BOOL"},
 };
 
 [[noreturn]] void invalid(const std::string& path, const std::string& reason) {
@@ -62,19 +61,17 @@ File open_for_reading(const std::string& path, int64_t& size) {
   }
   File file(std::fopen(path.c_str(), "rb"));
   if (!file) {
-    throw std::runtime_error("Cannot open the safetensors file " + path + ": " +
-                             std::strerror(errno) + ".");
+    throw std::runtime_error("Cannot open the safetensors file " + path + ": " + std::strerror(errno) + ".");
   }
   if (std::fseek(file.get(), 0, SEEK_END) != 0 || (size = std::ftell(file.get())) < 0 ||
       std::fseek(file.get(), 0, SEEK_SET) != 0) {
-    throw std::runtime_error("Cannot read the safetensors file " + path +
-                             " (not a regular file?).");
+    throw std::runtime_error("Cannot read the safetensors file " + path + " (not a regular file?).");
   }
   return file;
 }
 
-void read_exactly(std::FILE* file, const std::string& path, int64_t offset, void* out,
-                  int64_t bytes, const std::string& what) {
+void read_exactly(std::FILE* file, const std::string& path, int64_t offset, void* out, int64_t bytes,
+                  const std::string& what) {
   if (bytes == 0) return;
   if (std::fseek(file, offset, SEEK_SET) != 0 ||
       std::fread(out, 1, static_cast<size_t>(bytes), file) != static_cast<size_t>(bytes)) {
@@ -84,22 +81,19 @@ void read_exactly(std::FILE* file, const std::string& path, int64_t offset, void
 }
 
 // Parses one header entry; throws (via invalid) naming the tensor.
-SafeTensorInfo parse_entry(const std::string& path, const std::string& name, const json& entry,
-                           int64_t data_bytes) {
+SafeTensorInfo parse_entry(const std::string& path, const std::string& name, const json& entry, int64_t data_bytes) {
   const std::string who = "tensor '" + name + "'";
   if (!entry.is_object()) invalid(path, who + " is not described by a JSON object");
   SafeTensorInfo info;
   info.name = name;
 
   const auto dtype_it = entry.find("dtype");
-  if (dtype_it == entry.end() || !dtype_it->is_string())
-    invalid(path, who + " has no dtype string");
+  if (dtype_it == entry.end() || !dtype_it->is_string()) invalid(path, who + " has no dtype string");
   const auto dtype = dtype_it->get<std::string>();
-  const auto known = std::find_if(std::begin(kDtypes), std::end(kDtypes),
-                                  [&](const DtypeName& d) { return dtype == d.name; });
+  const auto known =
+      std::find_if(std::begin(kDtypes), std::end(kDtypes), [&](const DtypeName& d) { return dtype == d.name; });
   if (known == std::end(kDtypes)) {
-    invalid(path, who + " has dtype \"" + dtype +
-                      "\", not one of F64, F32, F16, BF16, I64, I32, I16, I8, U8, BOOL");
+    invalid(path, who + " has dtype \"" + dtype + "\", not one of F64, F32, F16, BF16, I64, I32, I16, I8, U8, BOOL");
   }
   info.dtype = known->dtype;
 
@@ -133,16 +127,14 @@ SafeTensorInfo parse_entry(const std::string& path, const std::string& name, con
                       "] that end before they begin");
   }
   if (end > static_cast<uint64_t>(data_bytes)) {
-    invalid(path, who + " has data_offsets [" + std::to_string(begin) + ", " + std::to_string(end) +
-                      "] beyond the " + std::to_string(data_bytes) +
-                      "-byte data section (is the file truncated?)");
+    invalid(path, who + " has data_offsets [" + std::to_string(begin) + ", " + std::to_string(end) + "] beyond the " +
+                      std::to_string(data_bytes) + "-byte data section (is the file truncated?)");
   }
   info.begin = static_cast<int64_t>(begin);
   info.end = static_cast<int64_t>(end);
   if (info.end - info.begin != nbytes) {
-    invalid(path, who + " has shape " + shape_string(info.shape) + " of " + dtype + " (" +
-                      std::to_string(nbytes) + " bytes) but data_offsets [" +
-                      std::to_string(begin) + ", " + std::to_string(end) + "] span " +
+    invalid(path, who + " has shape " + shape_string(info.shape) + " of " + dtype + " (" + std::to_string(nbytes) +
+                      " bytes) but data_offsets [" + std::to_string(begin) + ", " + std::to_string(end) + "] span " +
                       std::to_string(end - begin) + " bytes");
   }
   return info;
@@ -150,8 +142,7 @@ SafeTensorInfo parse_entry(const std::string& path, const std::string& name, con
 
 SafeTensorsHeader read_header(std::FILE* file, const std::string& path, int64_t file_size) {
   if (file_size < 8) {
-    invalid(path,
-            "it has " + std::to_string(file_size) + " bytes, fewer than the 8-byte header length");
+    invalid(path, "it has " + std::to_string(file_size) + " bytes, fewer than the 8-byte header length");
   }
   unsigned char prefix[8];
   read_exactly(file, path, 0, prefix, 8, "the header length");
@@ -199,31 +190,27 @@ SafeTensorsHeader read_header(std::FILE* file, const std::string& path, int64_t 
 
   // The tensors must tile the data section: sorted by offset, each starts where the
   // previous one ended, and the last ends at the end of the file.
-  std::sort(result.tensors.begin(), result.tensors.end(),
-            [](const SafeTensorInfo& a, const SafeTensorInfo& b) {
-              return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
-            });
+  std::sort(result.tensors.begin(), result.tensors.end(), [](const SafeTensorInfo& a, const SafeTensorInfo& b) {
+    return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
+  });
   int64_t covered = 0;
   const SafeTensorInfo* previous = nullptr;
   for (const SafeTensorInfo& t : result.tensors) {
     if (t.begin < covered) {
-      invalid(path, "tensor '" + t.name + "' bytes [" + std::to_string(t.begin) + ", " +
-                        std::to_string(t.end) + ") overlap tensor '" + previous->name +
-                        "' bytes [" + std::to_string(previous->begin) + ", " +
+      invalid(path, "tensor '" + t.name + "' bytes [" + std::to_string(t.begin) + ", " + std::to_string(t.end) +
+                        ") overlap tensor '" + previous->name + "' bytes [" + std::to_string(previous->begin) + ", " +
                         std::to_string(previous->end) + ")");
     }
     if (t.begin > covered) {
       invalid(path, "tensor '" + t.name + "' starts at data byte " + std::to_string(t.begin) +
-                        " but the data before it ends at byte " + std::to_string(covered) +
-                        " (a gap)");
+                        " but the data before it ends at byte " + std::to_string(covered) + " (a gap)");
     }
     covered = t.end;
     previous = &t;
   }
   if (covered != data_bytes) {
-    invalid(path, "the data section has " + std::to_string(data_bytes) +
-                      " bytes but the tensors cover " + std::to_string(covered) +
-                      (previous ? " (the last is '" + previous->name + "')" : std::string()));
+    invalid(path, "the data section has " + std::to_string(data_bytes) + " bytes but the tensors cover " +
+                      std::to_string(covered) + (previous ? " (the last is '" + previous->name + "')" : std::string()));
   }
   return result;
 }
@@ -246,8 +233,8 @@ const at::Tensor* SafeTensors::find(const std::string& name) const {
 }
 
 void save_safetensors(const std::string& path, const std::vector<TensorSpec>& given,
-                      const std::function<at::Tensor(size_t)>& next,
-                      const std::map<std::string, std::string>& metadata, bool checksum) {
+                      const std::function<at::Tensor(size_t)>& next, const std::map<std::string, std::string>& metadata,
+                      bool checksum) {
   std::vector<TensorSpec> specs = given;
   // Last in the data section, so that its digest can cover every byte before it.
   if (checksum) specs.push_back({kChecksumTensor, at::kByte, {64}});
@@ -279,8 +266,7 @@ void save_safetensors(const std::string& path, const std::vector<TensorSpec>& gi
   std::string text = header.dump();
   text.append((8 - (text.size() % 8)) % 8, ' ');  // data section 8-byte aligned
   unsigned char prefix[8];
-  for (int i = 0; i < 8; ++i)
-    prefix[i] = static_cast<unsigned char>(uint64_t{text.size()} >> (8 * i));
+  for (int i = 0; i < 8; ++i) prefix[i] = static_cast<unsigned char>(uint64_t{text.size()} >> (8 * i));
 
   util::AtomicFile file(path);
   util::Sha256 digest;
@@ -295,8 +281,9 @@ void save_safetensors(const std::string& path, const std::vector<TensorSpec>& gi
     if (!tensor.defined() || tensor.layout() != at::kStrided || tensor.scalar_type() != specs[i].dtype ||
         tensor.sizes() != at::IntArrayRef(specs[i].sizes)) {
       throw std::runtime_error("Cannot save tensor '" + specs[i].name + "' for " + path + ": it came as " +
-                               (tensor.defined() ? std::string(c10::toString(tensor.scalar_type())) + " " + c10::str(tensor.sizes())
-                                                 : std::string("nothing")) +
+                               (tensor.defined()
+                                    ? std::string(c10::toString(tensor.scalar_type())) + " " + c10::str(tensor.sizes())
+                                    : std::string("nothing")) +
                                " where its header entry says " + std::string(c10::toString(specs[i].dtype)) + " " +
                                c10::str(at::IntArrayRef(specs[i].sizes)) + ".");
     }
@@ -329,8 +316,7 @@ Checksum verify_safetensors_checksum(const std::string& path) {
   return recorded == digest.hex_digest() ? Checksum::matches : Checksum::differs;
 }
 
-void save_safetensors(const std::string& path,
-                      const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+void save_safetensors(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
                       const std::map<std::string, std::string>& metadata, bool checksum) {
   std::vector<TensorSpec> specs;
   for (const auto& [name, tensor] : tensors) {
@@ -340,7 +326,8 @@ void save_safetensors(const std::string& path,
     }
     specs.push_back({name, tensor.scalar_type(), tensor.sizes().vec()});
   }
-  save_safetensors(path, specs, [&](size_t i) { return tensors[i].second; }, metadata, checksum);
+  save_safetensors(
+      path, specs, [&](size_t i) { return tensors[i].second; }, metadata, checksum);
 }
 
 SafeTensorsHeader read_safetensors_header(const std::string& path) {
@@ -358,15 +345,15 @@ SafeTensors load_safetensors(const std::string& path, const std::function<bool(c
   for (const SafeTensorInfo& info : header.tensors) {
     if (wanted && !wanted(info.name)) continue;
     at::Tensor t = at::empty(info.shape, at::TensorOptions().dtype(info.dtype));
-    read_exactly(file.get(), path, header.data_start + info.begin, t.data_ptr(),
-                 info.end - info.begin, "tensor '" + info.name + "'");
+    read_exactly(file.get(), path, header.data_start + info.begin, t.data_ptr(), info.end - info.begin,
+                 "tensor '" + info.name + "'");
     if (info.dtype == at::kBool) {
       // Any byte but 0 and 1 in a bool tensor is undefined behaviour once used.
       const auto* bytes = static_cast<const uint8_t*>(t.data_ptr());
       for (int64_t i = 0; i < t.numel(); ++i) {
         if (bytes[i] > 1) {
-          invalid(path, "tensor '" + info.name + "' of dtype BOOL holds byte " +
-                            std::to_string(bytes[i]) + " at element " + std::to_string(i));
+          invalid(path, "tensor '" + info.name + "' of dtype BOOL holds byte " + std::to_string(bytes[i]) +
+                            " at element " + std::to_string(i));
         }
       }
     }

@@ -126,8 +126,8 @@ at::Tensor Engine::gather(const at::Tensor& share) {
 }
 
 TransformerModel::TransformerModel(const ArchDecl& decl, const ModelConfig& cfg, at::Device device,
-                                   at::ScalarType compute_dtype, uint64_t seed, dist::Group* tp,
-                                   bool sequence_parallel, StageSpan stage)
+                                   at::ScalarType compute_dtype, uint64_t seed, dist::Group* tp, bool sequence_parallel,
+                                   StageSpan stage)
     : Model(cfg, device, compute_dtype, tp, sequence_parallel, stage), decl_(decl) {
   // Masters are float32, or float64 when computing in float64 (gradient tests).
   const auto f32 = at::TensorOptions().dtype(compute_dtype == at::kDouble ? at::kDouble : at::kFloat);
@@ -178,8 +178,8 @@ TransformerModel::TransformerModel(const ArchDecl& decl, const ModelConfig& cfg,
 }
 
 std::unique_ptr<Microbatch> TransformerModel::forward(const at::Tensor& input, const at::Tensor& targets,
-                                                       const StepContext& ctx, int64_t ce_chunk,
-                                                       ActivationBytes* measured) {
+                                                      const StepContext& ctx, int64_t ce_chunk,
+                                                      ActivationBytes* measured) {
   const auto [B, T] = check_input(input, targets);
   const Weights& W = compute_weights();
   auto mb = std::make_unique<TransformerMicrobatch>(this, ctx);
@@ -248,8 +248,8 @@ at::Tensor TransformerModel::backward(Microbatch& handle, at::Tensor dy, double 
     const graph::TensorInfo& out = g.values[static_cast<size_t>(g.output)].info;
     TORCH_CHECK(dy.defined(), "[model] a stage before the last needs the gradient of its output");
     TORCH_CHECK(dy.sizes() == at::IntArrayRef(out.sizes) && dy.scalar_type() == out.dtype,
-                "[model] the output gradient must have the output's shape and dtype ", at::IntArrayRef(out.sizes),
-                " ", out.dtype, ", got ", dy.sizes(), " ", dy.scalar_type());
+                "[model] the output gradient must have the output's shape and dtype ", at::IntArrayRef(out.sizes), " ",
+                out.dtype, ", got ", dy.sizes(), " ", dy.scalar_type());
   }
   mb->consumed = true;
   // Idle pooled buffers go back to the system when the backward ends, also when a
@@ -299,7 +299,8 @@ at::Tensor TransformerModel::backward(Microbatch& handle, at::Tensor dy, double 
 
 double TransformerModel::evaluate(const at::Tensor& input, const at::Tensor& targets, int64_t ce_chunk,
                                   at::Tensor* output) {
-  TORCH_CHECK(last_stage() || output != nullptr, "[model] the evaluation of a stage before the last needs somewhere "
+  TORCH_CHECK(last_stage() || output != nullptr,
+              "[model] the evaluation of a stage before the last needs somewhere "
               "to put its output");
   const auto [B, T] = check_input(input, targets, /*sharded=*/false);
   at::Tensor x = blocks_output(input);
@@ -338,27 +339,31 @@ double TransformerModel::forward_flops(int64_t seq) const {
 }
 
 void TransformerModel::set_activation_plan(const ActivationPlan& plan, const StoreOptions& options) {
-  TORCH_CHECK(static_cast<int64_t>(plan.layers.size()) == cfg_.n_layer, "The activation plan has ",
-              plan.layers.size(), " layers but the model has ", cfg_.n_layer);
+  TORCH_CHECK(static_cast<int64_t>(plan.layers.size()) == cfg_.n_layer, "The activation plan has ", plan.layers.size(),
+              " layers but the model has ", cfg_.n_layer);
   bool any = false;
   for (int64_t l = stage_.first; l < end_layer(); ++l) {
     const LayerPlan& lp = plan.layers[static_cast<size_t>(l)];
     TORCH_CHECK(lp.chunk_begin < 0 || lp.chunk_begin >= stage_.first, "The activation plan's chunk of layer ", l + 1,
                 " (counted from 1) begins at layer ", lp.chunk_begin + 1, ", before this pipeline stage's first layer ",
-                stage_.first + 1, "; a chunk cannot cross a stage boundary: compile the policy with the stage split "
+                stage_.first + 1,
+                "; a chunk cannot cross a stage boundary: compile the policy with the stage split "
                 "(ac.stages, ac.num_layers_per_stage).");
     any = any || !lp.keeps_all();
     for (const auto& slot : lp.dropped) slot_of_name(slot);  // refuses a slot no block has
     TORCH_CHECK(!lp.input_sharded || (tp_size() > 1 && !sp_),
                 "The activation plan keeps block inputs as a share per tensor-parallel rank "
                 "(distribute_saved_activations), which needs parallel.tp > 1 without parallel.sp; this model runs "
-                "with tp = ", tp_size(), sp_ ? " and sequence parallelism" : "", ".");
+                "with tp = ",
+                tp_size(), sp_ ? " and sequence parallelism" : "", ".");
     TORCH_CHECK(!lp.attention || *lp.attention != Attention::automatic, "The activation plan leaves layer ", l + 1,
                 "'s attention op to be chosen (auto); a plan names math or tiled.");
     const bool chunked = lp.chunk_begin >= 0 || (l + 1 < cfg_.n_layer && plan.layers[l + 1].chunk_begin == l);
     TORCH_CHECK(!chunked || !lp.attention || *lp.attention == cfg_.attention, "The activation plan runs ",
-                attention_name(*lp.attention), " attention in layer ", l + 1, ", which is in a uniform chunk; a "
-                "chunk's layers run the model's attention op (", attention_name(cfg_.attention), ").");
+                attention_name(*lp.attention), " attention in layer ", l + 1,
+                ", which is in a uniform chunk; a "
+                "chunk's layers run the model's attention op (",
+                attention_name(cfg_.attention), ").");
   }
   attention_.clear();
   for (const LayerPlan& lp : plan.layers) attention_.push_back(lp.attention);
@@ -444,10 +449,9 @@ graph::InputHold TransformerModel::hold(int64_t l) const {
 }
 
 Engine TransformerModel::engine(const GraphShape& s, const Weights& W, const std::vector<int>& params, bool backward,
-                                int64_t l,
-                                const StepContext& ctx, ActivationStore* store, bool train) {
-  graph::RunContext run{ctx.seed, ctx.step, ctx.microbatch, ctx.first_row, l, train, device_,
-                        rope_ ? &*rope_ : nullptr, tp_};
+                                int64_t l, const StepContext& ctx, ActivationStore* store, bool train) {
+  graph::RunContext run{ctx.seed, ctx.step, ctx.microbatch, ctx.first_row, l, train, device_, rope_ ? &*rope_ : nullptr,
+                        tp_};
   graph::RunContext again = run;
   if (store != nullptr) {
     const StepContext k = recompute_context(ctx, *store);
@@ -455,8 +459,7 @@ Engine TransformerModel::engine(const GraphShape& s, const Weights& W, const std
     again.step = k.step;
     again.microbatch = k.microbatch;
   }
-  return Engine{s.graph, W.of(params), backward ? grads_.of(params) : std::vector<at::Tensor>{},
-                run, again, store, l};
+  return Engine{s.graph, W.of(params), backward ? grads_.of(params) : std::vector<at::Tensor>{}, run, again, store, l};
 }
 
 void TransformerModel::recompute_chunk(const GraphShape& blk, int64_t last, const StepContext& ctx,

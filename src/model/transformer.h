@@ -28,8 +28,7 @@ struct ArchDecl {
   Graph block;  ///< one block
   /// The final norm and, for chunk > 0, the loss (graph::head_graph). A head parameter
   /// named like an embedding parameter is that parameter (a tied head).
-  graph::BlockGraph (*head)(const ModelConfig& cfg, int64_t batch, int64_t seq, at::ScalarType dtype,
-                            int64_t chunk);
+  graph::BlockGraph (*head)(const ModelConfig& cfg, int64_t batch, int64_t seq, at::ScalarType dtype, int64_t chunk);
   /// Checkpoint name of a block parameter: prefix, layer index, ".", its name in the block.
   const char* layer_prefix;
   /// Whether a parameter is stored transposed ([in, out]) in Hugging Face files.
@@ -85,10 +84,10 @@ struct Weights {
   std::vector<std::string> names;
   std::vector<at::Tensor> tensors;
   std::vector<graph::Shard> shards;
-  std::vector<bool> partial;  ///< graph::Param::partial
-  std::vector<bool> vocab;    ///< Param::vocab
-  std::vector<bool> tied;     ///< Param::tied
-  std::vector<int> embed, head;  ///< empty where the stage does not hold the part
+  std::vector<bool> partial;             ///< graph::Param::partial
+  std::vector<bool> vocab;               ///< Param::vocab
+  std::vector<bool> tied;                ///< Param::tied
+  std::vector<int> embed, head;          ///< empty where the stage does not hold the part
   std::vector<std::vector<int>> layers;  ///< the stage's layers, from its first
   /// The tensors of one graph's parameters, in the graph's order (handles: in-place
   /// accumulation into them reaches these tensors).

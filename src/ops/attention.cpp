@@ -21,19 +21,18 @@ struct Dims {
 
 Dims check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
-              "[attention] q, k and v must be [B, T, heads, head_dim], got q ", q.sizes(), ", k ",
-              k.sizes(), " and v ", v.sizes());
-  TORCH_CHECK(k.sizes() == v.sizes(), "[attention] k and v must have the same shape, got k ", k.sizes(),
-              " and v ", v.sizes());
+              "[attention] q, k and v must be [B, T, heads, head_dim], got q ", q.sizes(), ", k ", k.sizes(), " and v ",
+              v.sizes());
+  TORCH_CHECK(k.sizes() == v.sizes(), "[attention] k and v must have the same shape, got k ", k.sizes(), " and v ",
+              v.sizes());
   TORCH_CHECK(q.size(0) == k.size(0) && q.size(1) == k.size(1) && q.size(3) == k.size(3),
-              "[attention] q [B, T, Hq, D] and k, v [B, T, Hkv, D] must agree on B, T and D, got q ",
-              q.sizes(), " and k ", k.sizes());
-  TORCH_CHECK(k.size(2) > 0 && q.size(2) % k.size(2) == 0,
-              "[attention] query heads must be a multiple of key/value heads, got q ", q.sizes(),
+              "[attention] q [B, T, Hq, D] and k, v [B, T, Hkv, D] must agree on B, T and D, got q ", q.sizes(),
               " and k ", k.sizes());
+  TORCH_CHECK(k.size(2) > 0 && q.size(2) % k.size(2) == 0,
+              "[attention] query heads must be a multiple of key/value heads, got q ", q.sizes(), " and k ", k.sizes());
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
-              "[attention] q, k and v must share a dtype, got ", q.scalar_type(), ", ", k.scalar_type(),
-              " and ", v.scalar_type());
+              "[attention] q, k and v must share a dtype, got ", q.scalar_type(), ", ", k.scalar_type(), " and ",
+              v.scalar_type());
   return {q.size(0), q.size(1), q.size(2), k.size(2), q.size(3), q.size(2) / k.size(2)};
 }
 
@@ -53,9 +52,7 @@ at::Tensor query_rows(const at::Tensor& x, const Dims& d, double scale) {
 }
 
 // [B, T, Hkv, D] -> [B*Hkv, T, D] (a copy unless the layout already allows a view).
-at::Tensor heads_first(const at::Tensor& x, const Dims& d) {
-  return x.transpose(1, 2).reshape({d.BK(), d.T, d.D});
-}
+at::Tensor heads_first(const at::Tensor& x, const Dims& d) { return x.transpose(1, 2).reshape({d.BK(), d.T, d.D}); }
 
 // Positions [t0, t0 + n) of the sequence: a block of queries or keys.
 struct Span {
@@ -79,8 +76,8 @@ void check_block(int64_t block) {
 // diagonal, and the softmax and its backward run over those keys alone. probs keeps its
 // whole [T x T] rows (zeros above the diagonal), so the dropout mask and the saved bytes
 // are the unblocked op's.
-Fwd<AttentionSaved> attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                      double p, const DropoutKey& key, int64_t block) {
+Fwd<AttentionSaved> attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double p,
+                                      const DropoutKey& key, int64_t block) {
   const trace::Scope trace_scope("attention", trace::Category::forward);
   const Dims d = check_inputs(q, k, v);
   check_block(block);
@@ -107,9 +104,8 @@ Fwd<AttentionSaved> attention_forward(const at::Tensor& q, const at::Tensor& k, 
   future = at::Tensor();
   // The mask is drawn in the [B, Hq, T, T] order of the heads, whatever the rows' order.
   at::Tensor mask = p > 0.0 ? dropout_mask({d.B, d.Hq, T, T}, p, key, q.device()) : at::Tensor();
-  Fwd<DropoutSaved> drop =
-      p > 0.0 ? dropout_apply(probs, mask.view({d.B, d.Hkv, G, T, T}).permute({0, 1, 3, 2, 4}), p)
-              : Fwd<DropoutSaved>{probs, DropoutSaved{}};
+  Fwd<DropoutSaved> drop = p > 0.0 ? dropout_apply(probs, mask.view({d.B, d.Hkv, G, T, T}).permute({0, 1, 3, 2, 4}), p)
+                                   : Fwd<DropoutSaved>{probs, DropoutSaved{}};
   const at::Tensor pd = drop.out.view({d.BK(), T * G, T});
   at::Tensor out = at::empty({d.B, T, d.Hq, d.D}, q.options());
   const at::Tensor out_rows = grouped_view(out, d);  // a view: out is contiguous
@@ -125,10 +121,10 @@ AttentionGrads attention_backward(const at::Tensor& dout, const AttentionSaved& 
   const trace::Scope trace_scope("attention", trace::Category::backward);
   const Dims d = check_inputs(saved.q, saved.k, saved.v);
   check_block(block);
-  TORCH_CHECK(dout.sizes() == saved.q.sizes(), "[attention] output gradient must match q's shape ",
-              saved.q.sizes(), ", got ", dout.sizes());
-  TORCH_CHECK(saved.p == 0.0 || (saved.mask.defined() && saved.probs_d.defined()),
-              "[attention] dropout p=", saved.p, " needs the saved mask and probs_d");
+  TORCH_CHECK(dout.sizes() == saved.q.sizes(), "[attention] output gradient must match q's shape ", saved.q.sizes(),
+              ", got ", dout.sizes());
+  TORCH_CHECK(saved.p == 0.0 || (saved.mask.defined() && saved.probs_d.defined()), "[attention] dropout p=", saved.p,
+              " needs the saved mask and probs_d");
   const int64_t G = d.G, T = d.T;
   const double scale = 1.0 / std::sqrt(static_cast<double>(d.D));
   const bool drop = saved.p > 0.0;
@@ -176,16 +172,15 @@ AttentionGrads attention_backward(const at::Tensor& dout, const AttentionSaved& 
     put(dv, at::bmm(pd.narrow(1, c.t0 * G, rows).narrow(2, c.t0, c.n).transpose(1, 2),
                     dout_rows.narrow(1, c.t0 * G, rows)));
     // dk = dscores^T (scale q).
-    put(dk, at::bmm(dscores.narrow(1, c.t0 * G, rows).narrow(2, c.t0, c.n).transpose(1, 2),
-                    qr.narrow(1, c.t0 * G, rows)));
+    put(dk,
+        at::bmm(dscores.narrow(1, c.t0 * G, rows).narrow(2, c.t0, c.n).transpose(1, 2), qr.narrow(1, c.t0 * G, rows)));
   });
   return {dq, dk, dv};
 }
 
 int64_t attention_saved_bytes(const AttentionShape& s, double p, at::ScalarType dtype) {
   const int64_t scores = s.batch * s.q_heads * s.seq * s.seq;
-  int64_t bytes = nbytes(s.batch * s.seq * (s.q_heads + 2 * s.kv_heads) * s.head_dim, dtype) +
-                  nbytes(scores, dtype);
+  int64_t bytes = nbytes(s.batch * s.seq * (s.q_heads + 2 * s.kv_heads) * s.head_dim, dtype) + nbytes(scores, dtype);
   if (p > 0.0) bytes += dropout_saved_bytes(scores, p) + nbytes(scores, dtype);
   return bytes;
 }
@@ -238,8 +233,8 @@ class AttentionDef final : public OpDef {
   const char* kind() const override { return "attention"; }
   std::vector<TensorInfo> infer(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>&,
                                 const Attrs& a) const override {
-    TORCH_CHECK(in.size() == 3 && in[0].sizes.size() == 4 && in[1].sizes == in[2].sizes &&
-                    in[1].sizes.size() == 4 && in[0].sizes[2] % in[1].sizes[2] == 0,
+    TORCH_CHECK(in.size() == 3 && in[0].sizes.size() == 4 && in[1].sizes == in[2].sizes && in[1].sizes.size() == 4 &&
+                    in[0].sizes[2] % in[1].sizes[2] == 0,
                 "[attention] needs q [B, T, Hq, D] and k, v [B, T, Hkv, D]");
     const auto& q = in[0].sizes;
     const int64_t Hkv = in[1].sizes[2];
@@ -261,8 +256,7 @@ class AttentionDef final : public OpDef {
   }
   std::vector<at::Tensor> forward(const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&, const Attrs& a,
                                   const RunContext& ctx) const override {
-    auto r = ops::attention_forward(in[0], in[1], in[2], ctx.train ? a.p : 0.0,
-                                    detail::attention_key(in[0], a, ctx));
+    auto r = ops::attention_forward(in[0], in[1], in[2], ctx.train ? a.p : 0.0, detail::attention_key(in[0], a, ctx));
     std::vector<at::Tensor> out = {r.out, r.saved.probs};
     if (a.p > 0) out.insert(out.end(), {r.saved.mask, r.saved.probs_d});
     return out;
@@ -271,8 +265,8 @@ class AttentionDef final : public OpDef {
                                    const std::vector<at::Tensor>& out, const std::vector<at::Tensor>&,
                                    std::vector<at::Tensor*>&, const Attrs& a, const RunContext&) const override {
     const bool drop = a.p > 0;
-    const ops::AttentionSaved s{in[0], in[1], in[2], out[1], drop ? out[2] : at::Tensor(),
-                                drop ? out[3] : at::Tensor(), a.p};
+    const ops::AttentionSaved s{in[0], in[1], in[2], out[1], drop ? out[2] : at::Tensor(), drop ? out[3] : at::Tensor(),
+                                a.p};
     auto g = ops::attention_backward(dy[0], s);
     return {g.dq, g.dk, g.dv};
   }
@@ -354,9 +348,15 @@ class AttentionDef final : public OpDef {
   struct Shape {
     int64_t B, T, Hq, Hkv, D, elt, Q, K;
     explicit Shape(const std::vector<TensorInfo>& in)
-        : B(in[0].sizes[0]), T(in[0].sizes[1]), Hq(in[0].sizes[2]), Hkv(in[1].sizes[2]), D(in[0].sizes[3]),
-          elt(detail::bytes_of(1, in[0].dtype)), Q(B * T * Hq * D * elt), K(B * T * Hkv * D * elt) {}
-    int64_t rows(int64_t n) const { return B * Hq * n; }     ///< query rows of n positions, every batch row
+        : B(in[0].sizes[0]),
+          T(in[0].sizes[1]),
+          Hq(in[0].sizes[2]),
+          Hkv(in[1].sizes[2]),
+          D(in[0].sizes[3]),
+          elt(detail::bytes_of(1, in[0].dtype)),
+          Q(B * T * Hq * D * elt),
+          K(B * T * Hkv * D * elt) {}
+    int64_t rows(int64_t n) const { return B * Hq * n; }      ///< query rows of n positions, every batch row
     int64_t kv_rows(int64_t n) const { return B * Hkv * n; }  ///< key rows of n positions
     /// f(block) for each block of positions the op's loops visit.
     template <class F>

@@ -16,16 +16,15 @@ namespace {
 constexpr double kLseFlopsPerLogit = 4.0;
 
 // Logits of rows [start, start + n) in `sd`: x's dtype is rounded up for the reductions.
-at::Tensor chunk_logits(const at::Tensor& x, const at::Tensor& w, int64_t start, int64_t n,
-                        at::ScalarType sd) {
+at::Tensor chunk_logits(const at::Tensor& x, const at::Tensor& w, int64_t start, int64_t n, at::ScalarType sd) {
   return at::mm(x.narrow(0, start, n), w.t()).to(sd);
 }
 
 void check_weight(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),
               "[cross_entropy] x must be [N, C] and w [V, C], got x ", x.sizes(), " and w ", w.sizes());
-  TORCH_CHECK(x.scalar_type() == w.scalar_type(), "[cross_entropy] x and w must share a dtype, got ",
-              x.scalar_type(), " and ", w.scalar_type());
+  TORCH_CHECK(x.scalar_type() == w.scalar_type(), "[cross_entropy] x and w must share a dtype, got ", x.scalar_type(),
+              " and ", w.scalar_type());
 }
 
 // Both forwards' inputs, the targets' range (read back to the host) and the vocabulary
@@ -34,8 +33,8 @@ void check_inputs(const at::Tensor& x, const at::Tensor& w, const at::Tensor& ta
                   const std::optional<VocabShard>& shard, const dist::Group* group) {
   check_weight(x, w);
   TORCH_CHECK(targets.dim() == 1 && targets.size(0) == x.size(0) && targets.scalar_type() == at::kLong,
-              "[cross_entropy] targets must be [N] int64 for x [N, C], got ", targets.scalar_type(),
-              " targets ", targets.sizes(), " for x ", x.sizes());
+              "[cross_entropy] targets must be [N] int64 for x [N, C], got ", targets.scalar_type(), " targets ",
+              targets.sizes(), " for x ", x.sizes());
   TORCH_CHECK(chunk_tokens >= 1, "[cross_entropy] chunk_tokens must be at least 1, got ", chunk_tokens);
   TORCH_CHECK(shard || group == nullptr,
               "[cross_entropy] a group is for a vocabulary split over it: give the weight's share of it too");
@@ -49,8 +48,8 @@ void check_inputs(const at::Tensor& x, const at::Tensor& w, const at::Tensor& ta
   if (x.size(0) > 0) {
     auto [lo, hi] = at::aminmax(targets);
     const int64_t lo_v = lo.item<int64_t>(), hi_v = hi.item<int64_t>();
-    TORCH_CHECK(lo_v >= kIgnoreIndex && hi_v < V, "[cross_entropy] targets must lie in [0, ", V,
-                ") or be ", kIgnoreIndex, " (ignored), got targets in [", lo_v, ", ", hi_v, "]");
+    TORCH_CHECK(lo_v >= kIgnoreIndex && hi_v < V, "[cross_entropy] targets must lie in [0, ", V, ") or be ",
+                kIgnoreIndex, " (ignored), got targets in [", lo_v, ", ", hi_v, "]");
   }
 }
 
@@ -80,7 +79,10 @@ struct Chunk {
   int64_t start, n;
   at::Tensor safe, counted, foreign;
   Chunk(const Rows& rows, int64_t start, int64_t n)
-      : start(start), n(n), safe(rows.safe.narrow(0, start, n)), counted(rows.counted.narrow(0, start, n)),
+      : start(start),
+        n(n),
+        safe(rows.safe.narrow(0, start, n)),
+        counted(rows.counted.narrow(0, start, n)),
         foreign(rows.foreign.defined() ? rows.foreign.narrow(0, start, n) : at::Tensor()) {}
 };
 
@@ -148,9 +150,9 @@ void chunk_grads(const at::Tensor& dlogits, const at::Tensor& x_c, const at::Ten
 
 }  // namespace
 
-Fwd<CrossEntropySaved> cross_entropy_forward(const at::Tensor& x, const at::Tensor& w,
-                                             const at::Tensor& targets, int64_t chunk_tokens,
-                                             std::optional<VocabShard> shard, dist::Group* group) {
+Fwd<CrossEntropySaved> cross_entropy_forward(const at::Tensor& x, const at::Tensor& w, const at::Tensor& targets,
+                                             int64_t chunk_tokens, std::optional<VocabShard> shard,
+                                             dist::Group* group) {
   const trace::Scope trace_scope("cross_entropy", trace::Category::forward);
   check_inputs(x, w, targets, chunk_tokens, shard, group);
   const int64_t N = x.size(0);
@@ -168,13 +170,11 @@ Fwd<CrossEntropySaved> cross_entropy_forward(const at::Tensor& x, const at::Tens
   return {loss, CrossEntropySaved{x, targets, lse, chunk_tokens, shard}};
 }
 
-at::Tensor cross_entropy_backward(double dloss, const CrossEntropySaved& saved, const at::Tensor& w,
-                                  at::Tensor& dw) {
+at::Tensor cross_entropy_backward(double dloss, const CrossEntropySaved& saved, const at::Tensor& w, at::Tensor& dw) {
   const trace::Scope trace_scope("cross_entropy", trace::Category::backward);
   const at::Tensor& x = saved.x;
   check_weight(x, w);
-  TORCH_CHECK(dw.sizes() == w.sizes(), "[cross_entropy] dw must have w's shape ", w.sizes(), ", got ",
-              dw.sizes());
+  TORCH_CHECK(dw.sizes() == w.sizes(), "[cross_entropy] dw must have w's shape ", w.sizes(), ", got ", dw.sizes());
   const int64_t N = x.size(0);
   at::Tensor dx = at::zeros({N, x.size(1)}, x.options());
   const Rows rows(saved.targets, saved.shard, w.size(0));
@@ -195,9 +195,8 @@ at::Tensor cross_entropy_backward(double dloss, const CrossEntropySaved& saved, 
 }
 
 Fwd<FusedCrossEntropySaved> fused_cross_entropy_forward(const at::Tensor& x, const at::Tensor& w,
-                                                        const at::Tensor& targets, int64_t chunk_tokens,
-                                                        bool grads, std::optional<VocabShard> shard,
-                                                        dist::Group* group) {
+                                                        const at::Tensor& targets, int64_t chunk_tokens, bool grads,
+                                                        std::optional<VocabShard> shard, dist::Group* group) {
   const trace::Scope trace_scope("fused_cross_entropy", trace::Category::forward);
   check_inputs(x, w, targets, chunk_tokens, shard, group);
   const int64_t N = x.size(0);
@@ -266,8 +265,14 @@ struct LossSizes {
   at::ScalarType f, sd;
   bool narrower, sharded;
   LossSizes(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& p, const Attrs& a)
-      : N(in[0].sizes[0]), C(in[0].sizes[1]), V(p[0].sizes[0]), n(std::min(a.chunk, N)), f(in[0].dtype),
-        sd(stats_of(f)), narrower(sd != f), sharded(a.sharded) {}
+      : N(in[0].sizes[0]),
+        C(in[0].sizes[1]),
+        V(p[0].sizes[0]),
+        n(std::min(a.chunk, N)),
+        f(in[0].dtype),
+        sd(stats_of(f)),
+        narrower(sd != f),
+        sharded(a.sharded) {}
 };
 
 // The targets' range check: two scalars, gone before anything else is made.
@@ -310,7 +315,7 @@ void chunk_loss_events(Events& e, const LossSizes& s) {
   const int64_t target = e.temp(bytes_of(s.n, s.sd)), max = e.temp(bytes_of(s.n, s.sd));
   const int64_t term = e.temp(bytes_of(s.n, s.sd));
   e.release(e.temp(bytes_of(s.n, s.sd)));  // the row mask cast for the product
-  e.release(e.temp(bytes_of(1, s.sd)));     // the sum
+  e.release(e.temp(bytes_of(1, s.sd)));    // the sum
   e.release(term);
   e.release(max);
   e.release(target);

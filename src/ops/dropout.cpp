@@ -13,9 +13,7 @@
 namespace remat::ops {
 namespace {
 
-void check_p(double p) {
-  TORCH_CHECK(p >= 0.0 && p < 1.0, "[dropout] drop probability must be in [0, 1), got ", p);
-}
+void check_p(double p) { TORCH_CHECK(p >= 0.0 && p < 1.0, "[dropout] drop probability must be in [0, 1), got ", p); }
 
 // A dimension-1 window must lie inside dimension 1 of the global mask: one reaching past it
 // would draw the elements of the next row's window.
@@ -58,7 +56,7 @@ DropoutDraw::DropoutDraw(const DropoutKey& key, double p, at::IntArrayRef sizes)
   check_p(p);
   check_window(key, sizes);
   threshold_ = static_cast<uint64_t>(std::ldexp(1.0 - p, 53));  // exact: p is a double
-  if (sizes.empty()) return;  // one element and no rows: nothing to place
+  if (sizes.empty()) return;                                    // one element and no rows: nothing to place
   const int64_t n1 = sizes.size() >= 2 ? sizes[1] : 1;
   const int64_t global = key.dim1_global == 0 ? n1 : key.dim1_global;
   int64_t inner = 1;
@@ -126,14 +124,12 @@ Fwd<DropoutSaved> dropout_apply(const at::Tensor& x, const at::Tensor& mask, dou
 at::Tensor dropout_backward(const at::Tensor& dy, const DropoutSaved& saved) {
   if (saved.p == 0.0) return dy;
   const trace::Scope trace_scope("dropout", trace::Category::backward);
-  TORCH_CHECK(dy.sizes() == saved.mask.sizes(), "[dropout] gradient shape must match the mask, got dy ",
-              dy.sizes(), " and mask ", saved.mask.sizes());
+  TORCH_CHECK(dy.sizes() == saved.mask.sizes(), "[dropout] gradient shape must match the mask, got dy ", dy.sizes(),
+              " and mask ", saved.mask.sizes());
   return at::mul(dy, saved.mask).mul_(1.0 / (1.0 - saved.p));
 }
 
-int64_t dropout_saved_bytes(int64_t numel, double p) {
-  return p > 0.0 ? nbytes(numel, at::kBool) : 0;
-}
+int64_t dropout_saved_bytes(int64_t numel, double p) { return p > 0.0 ? nbytes(numel, at::kBool) : 0; }
 
 double dropout_flops(int64_t numel, double p) { return p > 0.0 ? static_cast<double>(numel) : 0.0; }
 

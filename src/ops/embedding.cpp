@@ -6,19 +6,17 @@
 
 namespace remat::ops {
 
-Fwd<EmbeddingSaved> embedding_forward(const at::Tensor& ids, const at::Tensor& w,
-                                      std::optional<VocabShard> shard) {
+Fwd<EmbeddingSaved> embedding_forward(const at::Tensor& ids, const at::Tensor& w, std::optional<VocabShard> shard) {
   const trace::Scope trace_scope("embedding", trace::Category::forward);
   TORCH_CHECK(w.dim() == 2, "[embedding] weight must be [vocab, channels], got ", w.sizes());
-  TORCH_CHECK(ids.scalar_type() == at::kLong, "[embedding] token ids must be int64, got ",
-              ids.scalar_type());
+  TORCH_CHECK(ids.scalar_type() == at::kLong, "[embedding] token ids must be int64, got ", ids.scalar_type());
   if (shard) shard->check("embedding", w.size(0));
   const int64_t V = shard ? shard->vocab : w.size(0);
   if (ids.numel() > 0) {
     auto [lo, hi] = at::aminmax(ids);
     const int64_t lo_v = lo.item<int64_t>(), hi_v = hi.item<int64_t>();
-    TORCH_CHECK(lo_v >= 0 && hi_v < V, "[embedding] token ids must lie in [0, ", V,
-                ") for a vocabulary of ", V, ", got ids in [", lo_v, ", ", hi_v, "]");
+    TORCH_CHECK(lo_v >= 0 && hi_v < V, "[embedding] token ids must lie in [0, ", V, ") for a vocabulary of ", V,
+                ", got ids in [", lo_v, ", ", hi_v, "]");
   }
   std::vector<int64_t> out_sizes = ids.sizes().vec();
   out_sizes.push_back(w.size(1));
@@ -34,10 +32,9 @@ Fwd<EmbeddingSaved> embedding_forward(const at::Tensor& ids, const at::Tensor& w
 void embedding_backward(const at::Tensor& dy, const EmbeddingSaved& saved, at::Tensor& dw) {
   const trace::Scope trace_scope("embedding", trace::Category::backward);
   const int64_t C = dw.size(1);
-  TORCH_CHECK(dy.dim() == saved.ids.dim() + 1 && dy.size(-1) == C &&
-                  dy.sizes().slice(0, saved.ids.dim()) == saved.ids.sizes(),
-              "[embedding] gradient must be ids' shape plus [", C, "], got dy ", dy.sizes(),
-              " for ids ", saved.ids.sizes());
+  TORCH_CHECK(
+      dy.dim() == saved.ids.dim() + 1 && dy.size(-1) == C && dy.sizes().slice(0, saved.ids.dim()) == saved.ids.sizes(),
+      "[embedding] gradient must be ids' shape plus [", C, "], got dy ", dy.sizes(), " for ids ", saved.ids.sizes());
   std::optional<ShardIds> local;
   if (saved.shard) local = shard_ids(saved.ids, *saved.shard, dw.size(0));
   // Scatter-add straight into the accumulator: no [V, C] temporary. With a share, the rows of
@@ -51,20 +48,18 @@ int64_t embedding_saved_bytes(int64_t tokens) { return nbytes(tokens, at::kLong)
 
 Fwd<PositionEmbeddingSaved> position_embedding_forward(int64_t seq_len, const at::Tensor& w, int64_t first) {
   const trace::Scope trace_scope("position_embedding", trace::Category::forward);
-  TORCH_CHECK(w.dim() == 2, "[position_embedding] weight must be [max_positions, channels], got ",
-              w.sizes());
+  TORCH_CHECK(w.dim() == 2, "[position_embedding] weight must be [max_positions, channels], got ", w.sizes());
   TORCH_CHECK(seq_len >= 1 && first >= 0 && first + seq_len <= w.size(0), "[position_embedding] sequence length ",
               first + seq_len, " does not fit the model's context length of ", w.size(0),
               " positions; use sequences of at most ", w.size(0), " tokens");
   return {w.narrow(0, first, seq_len), PositionEmbeddingSaved{seq_len, first}};
 }
 
-void position_embedding_backward(const at::Tensor& dy, const PositionEmbeddingSaved& saved,
-                                 at::Tensor& dw) {
+void position_embedding_backward(const at::Tensor& dy, const PositionEmbeddingSaved& saved, at::Tensor& dw) {
   const trace::Scope trace_scope("position_embedding", trace::Category::backward);
   const int64_t T = saved.seq_len, C = dw.size(1);
-  TORCH_CHECK(dy.dim() >= 2 && dy.size(-2) == T && dy.size(-1) == C,
-              "[position_embedding] gradient must be [..., ", T, ", ", C, "], got ", dy.sizes());
+  TORCH_CHECK(dy.dim() >= 2 && dy.size(-2) == T && dy.size(-1) == C, "[position_embedding] gradient must be [..., ", T,
+              ", ", C, "], got ", dy.sizes());
   at::Tensor rows = dw.narrow(0, saved.first, T);
   accumulate(rows, dy.reshape({-1, T, C}).sum(0));
 }
@@ -152,9 +147,8 @@ class PositionEmbeddingDef final : public detail::Elementwise {
     TORCH_CHECK(in.size() == 1 && in[0].sizes.size() == 3 && p.size() == 1 && p[0].sizes.size() == 2 &&
                     p[0].sizes[1] == in[0].sizes[2],
                 "[position_embedding] needs x [B, T, C] and a weight [positions, C]");
-    TORCH_CHECK(in[0].sizes[1] <= p[0].sizes[0], "The sequence has ", in[0].sizes[1],
-                " tokens but the model has ", p[0].sizes[0], " positions (model.max_seq); use sequences of at most ",
-                p[0].sizes[0], " tokens.");
+    TORCH_CHECK(in[0].sizes[1] <= p[0].sizes[0], "The sequence has ", in[0].sizes[1], " tokens but the model has ",
+                p[0].sizes[0], " positions (model.max_seq); use sequences of at most ", p[0].sizes[0], " tokens.");
     return Elementwise::infer(in, p, a);
   }
   double flops(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>&, const Attrs&) const override {

@@ -13,8 +13,8 @@ Fwd<GeluSaved> gelu_forward(const at::Tensor& x) {
 
 at::Tensor gelu_backward(const at::Tensor& dy, const GeluSaved& saved) {
   const trace::Scope trace_scope("gelu", trace::Category::backward);
-  TORCH_CHECK(dy.sizes() == saved.x.sizes(), "[gelu] gradient must match the input shape ",
-              saved.x.sizes(), ", got ", dy.sizes());
+  TORCH_CHECK(dy.sizes() == saved.x.sizes(), "[gelu] gradient must match the input shape ", saved.x.sizes(), ", got ",
+              dy.sizes());
   return at::gelu_backward(dy, saved.x, "tanh");
 }
 

@@ -9,8 +9,7 @@ namespace remat::ops {
 Fwd<LinearSaved> linear_forward(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
   const trace::Scope trace_scope("linear", trace::Category::forward);
   TORCH_CHECK(x.dim() >= 1 && w.dim() == 2 && x.size(-1) == w.size(1),
-              "[linear] input features must match weight [out, in], got x ", x.sizes(), " and w ",
-              w.sizes());
+              "[linear] input features must match weight [out, in], got x ", x.sizes(), " and w ", w.sizes());
   at::Tensor y = b.defined() ? at::linear(x, w, b) : at::matmul(x, w.t());
   return {y, LinearSaved{x}};
 }
@@ -29,8 +28,8 @@ void accumulate_weight_grad(at::Tensor& dw, const at::Tensor& dy2, const at::Ten
 
 }  // namespace
 
-at::Tensor linear_backward(const at::Tensor& dy, const LinearSaved& saved, const at::Tensor& w,
-                           at::Tensor& dw, at::Tensor* db) {
+at::Tensor linear_backward(const at::Tensor& dy, const LinearSaved& saved, const at::Tensor& w, at::Tensor& dw,
+                           at::Tensor* db) {
   const trace::Scope trace_scope("linear", trace::Category::backward);
   const int64_t in = w.size(1), out = w.size(0);
   at::Tensor dy2 = dy.reshape({-1, out});
@@ -75,9 +74,7 @@ at::Tensor linears_backward(const std::vector<at::Tensor>& dys, const LinearSave
   return dx.view(saved.x.sizes());
 }
 
-int64_t linear_saved_bytes(int64_t rows, int64_t in, at::ScalarType dtype) {
-  return nbytes(rows * in, dtype);
-}
+int64_t linear_saved_bytes(int64_t rows, int64_t in, at::ScalarType dtype) { return nbytes(rows * in, dtype); }
 
 double linear_flops(int64_t rows, int64_t in, int64_t out, bool bias) {
   return 2.0 * rows * in * out + (bias ? 1.0 * rows * out : 0.0);
@@ -113,8 +110,8 @@ class LinearDef final : public OpDef {
   const char* kind() const override { return "linear"; }
   std::vector<TensorInfo> infer(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& p,
                                 const Attrs&) const override {
-    TORCH_CHECK(in.size() == 1 && !in[0].sizes.empty() && (p.size() == 1 || p.size() == 2) &&
-                    p[0].sizes.size() == 2 && p[0].sizes[1] == in[0].sizes.back(),
+    TORCH_CHECK(in.size() == 1 && !in[0].sizes.empty() && (p.size() == 1 || p.size() == 2) && p[0].sizes.size() == 2 &&
+                    p[0].sizes[1] == in[0].sizes.back(),
                 "[linear] needs x [..., in] and weight [out, in]");
     auto s = in[0].sizes;
     s.back() = p[0].sizes[0];

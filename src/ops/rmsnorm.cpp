@@ -9,8 +9,7 @@ namespace remat::ops {
 Fwd<RMSNormSaved> rmsnorm_forward(const at::Tensor& x, const at::Tensor& w, double eps) {
   const trace::Scope trace_scope("rmsnorm", trace::Category::forward);
   TORCH_CHECK(x.dim() >= 1 && w.dim() == 1 && w.size(0) == x.size(-1),
-              "[rmsnorm] weight must be [C] for input [..., C], got x ", x.sizes(), " and w ",
-              w.sizes());
+              "[rmsnorm] weight must be [C] for input [..., C], got x ", x.sizes(), " and w ", w.sizes());
   const int64_t C = x.size(-1);
   const at::ScalarType sd = stats_dtype(x.scalar_type());
   // The 2-norm reduction squares and sums in `sd` without an x-sized temporary.
@@ -21,12 +20,11 @@ Fwd<RMSNormSaved> rmsnorm_forward(const at::Tensor& x, const at::Tensor& w, doub
   return {y, RMSNormSaved{x, rstd}};
 }
 
-at::Tensor rmsnorm_backward(const at::Tensor& dy, const RMSNormSaved& saved, const at::Tensor& w,
-                            at::Tensor& dw) {
+at::Tensor rmsnorm_backward(const at::Tensor& dy, const RMSNormSaved& saved, const at::Tensor& w, at::Tensor& dw) {
   const trace::Scope trace_scope("rmsnorm", trace::Category::backward);
   const at::Tensor& x = saved.x;
-  TORCH_CHECK(dy.sizes() == x.sizes(), "[rmsnorm] gradient must match the input shape ", x.sizes(),
-              ", got ", dy.sizes());
+  TORCH_CHECK(dy.sizes() == x.sizes(), "[rmsnorm] gradient must match the input shape ", x.sizes(), ", got ",
+              dy.sizes());
   const int64_t C = x.size(-1);
   const at::ScalarType sd = saved.rstd.scalar_type();
   const at::Tensor r = saved.rstd.unsqueeze(-1);

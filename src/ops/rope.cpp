@@ -22,21 +22,20 @@ at::Tensor rotate(const at::Tensor& x, const RopeTables& tables, double sign) {
 }
 
 void check(const at::Tensor& x, const RopeTables& tables, const char* what) {
-  TORCH_CHECK(x.dim() == 4 && x.size(3) % 2 == 0, "[rope] ", what,
-              " must be [B, T, H, D] with D even, got ", x.sizes());
+  TORCH_CHECK(x.dim() == 4 && x.size(3) % 2 == 0, "[rope] ", what, " must be [B, T, H, D] with D even, got ",
+              x.sizes());
   TORCH_CHECK(tables.cos.dim() == 2 && tables.cos.sizes() == tables.sin.sizes() &&
                   tables.cos.size(1) * 2 == x.size(3) && tables.cos.size(0) >= x.size(1),
-              "[rope] tables must be [>= T, D/2] for ", what, " ", x.sizes(), ", got cos ",
-              tables.cos.sizes(), " and sin ", tables.sin.sizes());
+              "[rope] tables must be [>= T, D/2] for ", what, " ", x.sizes(), ", got cos ", tables.cos.sizes(),
+              " and sin ", tables.sin.sizes());
 }
 
 }  // namespace
 
-RopeTables rope_tables(int64_t seq_len, int64_t head_dim, double theta, at::ScalarType dtype,
-                       at::Device device) {
+RopeTables rope_tables(int64_t seq_len, int64_t head_dim, double theta, at::ScalarType dtype, at::Device device) {
   TORCH_CHECK(seq_len >= 1 && head_dim >= 2 && head_dim % 2 == 0,
-              "[rope] tables need seq_len >= 1 and an even head_dim, got seq_len ", seq_len,
-              " and head_dim ", head_dim);
+              "[rope] tables need seq_len >= 1 and an even head_dim, got seq_len ", seq_len, " and head_dim ",
+              head_dim);
   const auto f64 = at::TensorOptions().dtype(at::kDouble);
   // inv_freq[i] = theta^(-2i/D); angle[t, i] = t * inv_freq[i].
   const at::Tensor inv_freq = at::pow(theta, at::arange(0, head_dim, 2, f64).div_(head_dim)).reciprocal_();

@@ -55,8 +55,9 @@ at::Tensor reduce_scatter_positions(at::Tensor x, dist::Group& group, const std:
 
 at::Tensor share_of_elements(const at::Tensor& x, dist::Group& group) {
   const int64_t n = x.numel() / group.size();
-  TORCH_CHECK(x.is_contiguous() && n * group.size() == x.numel(), "[share_of_elements] needs a contiguous tensor whose ",
-              x.numel(), " elements divide over ", group.size(), " ranks, got ", x.sizes());
+  TORCH_CHECK(x.is_contiguous() && n * group.size() == x.numel(),
+              "[share_of_elements] needs a contiguous tensor whose ", x.numel(), " elements divide over ", group.size(),
+              " ranks, got ", x.sizes());
   return x.view({1, -1}).narrow(1, group.rank() * n, n).clone();
 }
 
@@ -112,7 +113,6 @@ void reduce_events(Events& e, const TensorInfo& t) {
   if (t.dtype == at::kFloat || t.dtype == at::kDouble) return;
   e.release(e.temp(bytes_of(t.numel(), at::kFloat)));
 }
-
 
 // reduce_scatter_positions of `whole` into result `index`: the reduction, then the copy.
 void scatter_events(Events& e, const TensorInfo& whole, int64_t index) {

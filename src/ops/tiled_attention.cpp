@@ -26,14 +26,14 @@ Dims check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v)
   TORCH_CHECK(k.sizes() == v.sizes(), "[tiled_attention] k and v must have the same shape, got k ", k.sizes(),
               " and v ", v.sizes());
   TORCH_CHECK(q.size(0) == k.size(0) && q.size(1) == k.size(1) && q.size(3) == k.size(3),
-              "[tiled_attention] q [B, T, Hq, D] and k, v [B, T, Hkv, D] must agree on B, T and D, got q ",
-              q.sizes(), " and k ", k.sizes());
+              "[tiled_attention] q [B, T, Hq, D] and k, v [B, T, Hkv, D] must agree on B, T and D, got q ", q.sizes(),
+              " and k ", k.sizes());
   TORCH_CHECK(k.size(2) > 0 && q.size(2) % k.size(2) == 0,
               "[tiled_attention] query heads must be a multiple of key/value heads, got q ", q.sizes(), " and k ",
               k.sizes());
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
-              "[tiled_attention] q, k and v must share a dtype, got ", q.scalar_type(), ", ", k.scalar_type(),
-              " and ", v.scalar_type());
+              "[tiled_attention] q, k and v must share a dtype, got ", q.scalar_type(), ", ", k.scalar_type(), " and ",
+              v.scalar_type());
   return {q.size(0), q.size(1), q.size(2), k.size(2), q.size(3), q.size(2) / k.size(2)};
 }
 
@@ -102,8 +102,8 @@ int64_t grain(int64_t cols) { return std::max<int64_t>(1, 16384 / std::max<int64
 // and output rows o [rows, D] are rescaled to the new maximum (initialised on the first
 // key tile). The sum l is taken before dropout: dropout does not change the normaliser.
 template <class scalar_t>
-void online_softmax(scalar_t* s, scalar_t* o, scalar_t* m, scalar_t* l, const Tile& t, const Dims& d,
-                    scalar_t scale, const DropoutDraw* draw, scalar_t keep_scale) {
+void online_softmax(scalar_t* s, scalar_t* o, scalar_t* m, scalar_t* l, const Tile& t, const Dims& d, scalar_t scale,
+                    const DropoutDraw* draw, scalar_t keep_scale) {
   const int64_t C = t.cols(), n = d.BK() * t.rows(d);
   const bool first = t.j0 == 0;
   at::parallel_for(0, n, grain(C), [&](int64_t begin, int64_t end) {
@@ -170,8 +170,8 @@ void recompute_probs(scalar_t* s, scalar_t* pd, const scalar_t* lse, const Tile&
 // gradient of the scaled scores' input, scale P (dropout'(dp) - delta): the softmax backward
 // with delta = rowsum(dO o) = rowsum(P dropout'(dp)), and the 1/sqrt(D) folded in.
 template <class scalar_t>
-void score_grads(scalar_t* dp, const scalar_t* p, const scalar_t* delta, const Tile& t, const Dims& d,
-                 scalar_t scale, const DropoutDraw* draw, scalar_t keep_scale) {
+void score_grads(scalar_t* dp, const scalar_t* p, const scalar_t* delta, const Tile& t, const Dims& d, scalar_t scale,
+                 const DropoutDraw* draw, scalar_t keep_scale) {
   const int64_t C = t.cols();
   at::parallel_for(0, d.BK() * t.rows(d), grain(C), [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
@@ -209,8 +209,10 @@ Fwd<TiledAttentionSaved> tiled_attention_forward(const at::Tensor& q, const at::
   const Dims d = check_inputs(q, k, v);
   check_tiles(tiles);
   const DropoutDraw draw(key, p, {d.B, d.Hq, d.T, d.T});  // the math op's mask
-  TORCH_CHECK(p == 0.0 || q.device().is_cpu(), "[tiled_attention] dropout inside tiles draws its mask on the CPU, "
-              "but the inputs are on ", q.device(), "; use model.attention=math with dropout there");
+  TORCH_CHECK(p == 0.0 || q.device().is_cpu(),
+              "[tiled_attention] dropout inside tiles draws its mask on the CPU, "
+              "but the inputs are on ",
+              q.device(), "; use model.attention=math with dropout there");
   const at::ScalarType acc = stats_dtype(q.scalar_type());
   const at::TensorOptions fa = q.options().dtype(acc);
   const int64_t tq = std::min(tiles.q, d.T), tk = std::min(tiles.k, d.T), BK = d.BK();
@@ -251,9 +253,8 @@ AttentionGrads tiled_attention_backward(const at::Tensor& dout, const TiledAtten
   TORCH_CHECK(dout.sizes() == saved.q.sizes(), "[tiled_attention] output gradient must match q's shape ",
               saved.q.sizes(), ", got ", dout.sizes());
   const at::ScalarType acc = stats_dtype(saved.q.scalar_type());
-  TORCH_CHECK(saved.out.sizes() == saved.q.sizes() &&
-                  saved.lse.sizes() == at::IntArrayRef({d.B, d.Hq, d.T}) && saved.lse.scalar_type() == acc &&
-                  saved.lse.is_contiguous(),
+  TORCH_CHECK(saved.out.sizes() == saved.q.sizes() && saved.lse.sizes() == at::IntArrayRef({d.B, d.Hq, d.T}) &&
+                  saved.lse.scalar_type() == acc && saved.lse.is_contiguous(),
               "[tiled_attention] the saved output must be [B, T, Hq, D] and the log-sum-exp contiguous [B, Hq, T] ",
               acc, ", got ", saved.out.sizes(), " and ", saved.lse.sizes(), " ", saved.lse.scalar_type());
   const double p = saved.p;
@@ -276,8 +277,8 @@ AttentionGrads tiled_attention_backward(const at::Tensor& dout, const TiledAtten
     const auto scale = static_cast<scalar_t>(1.0 / std::sqrt(static_cast<double>(d.D)));
     const auto keep_scale = static_cast<scalar_t>(p > 0.0 ? 1.0 / (1.0 - p) : 1.0);
     const DropoutDraw* dr = p > 0.0 ? &draw : nullptr;
-    row_dots<scalar_t>(dor.data_ptr<scalar_t>(), dqr.data_ptr<scalar_t>(), delta.data_ptr<scalar_t>(),
-                       BK * d.T * d.G, d.D);
+    row_dots<scalar_t>(dor.data_ptr<scalar_t>(), dqr.data_ptr<scalar_t>(), delta.data_ptr<scalar_t>(), BK * d.T * d.G,
+                       d.D);
     dqr.zero_();
     // FlashAttention-2's order: each key tile's dk and dv accumulate over the query tiles
     // that see it (from the one holding its first key), dq over the key tiles.
@@ -343,8 +344,8 @@ class TiledAttentionDef final : public OpDef {
   const char* kind() const override { return "attention"; }
   std::vector<TensorInfo> infer(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>&,
                                 const Attrs&) const override {
-    TORCH_CHECK(in.size() == 3 && in[0].sizes.size() == 4 && in[1].sizes == in[2].sizes &&
-                    in[1].sizes.size() == 4 && in[0].sizes[2] % in[1].sizes[2] == 0,
+    TORCH_CHECK(in.size() == 3 && in[0].sizes.size() == 4 && in[1].sizes == in[2].sizes && in[1].sizes.size() == 4 &&
+                    in[0].sizes[2] % in[1].sizes[2] == 0,
                 "[tiled_attention] needs q [B, T, Hq, D] and k, v [B, T, Hkv, D]");
     const auto& q = in[0].sizes;
     return {in[0].with_sizes(q), TensorInfo{{q[0], q[2], q[1]}, ops::stats_dtype(in[0].dtype), {}}};
@@ -368,7 +369,7 @@ class TiledAttentionDef final : public OpDef {
   std::vector<at::Tensor> backward(const std::vector<at::Tensor>& dy, const std::vector<at::Tensor>& in,
                                    const std::vector<at::Tensor>& out, const std::vector<at::Tensor>&,
                                    std::vector<at::Tensor*>&, const Attrs& a, const RunContext& ctx) const override {
-    const ops::TiledAttentionSaved s{in[0], in[1], in[2], out[0], out[1], a.p, detail::attention_key(in[0], a, ctx),
+    const ops::TiledAttentionSaved s{in[0],  in[1], in[2], out[0], out[1], a.p, detail::attention_key(in[0], a, ctx),
                                      a.tiles};
     auto g = ops::tiled_attention_backward(dy[0], s);
     return {g.dq, g.dk, g.dv};
@@ -380,8 +381,8 @@ class TiledAttentionDef final : public OpDef {
     const Sizes z(in, out[1].dtype, a.tiles);
     e.out(0);
     e.out(1);
-    const int64_t held[] = {e.temp(z.q), e.temp(z.kv), e.temp(z.kv), e.temp(z.scores), e.temp(z.rows * z.D),
-                            e.temp(z.rows), e.temp(z.rows)};
+    const int64_t held[] = {e.temp(z.q),          e.temp(z.kv),   e.temp(z.kv),  e.temp(z.scores),
+                            e.temp(z.rows * z.D), e.temp(z.rows), e.temp(z.rows)};
     for (int64_t h : held) e.release(h);
   }
   // Mirrors tiled_attention_backward: the gradients, the working copies (q, k, v, dout,
@@ -393,8 +394,8 @@ class TiledAttentionDef final : public OpDef {
     e.out(0);
     e.out(1);
     e.out(2);
-    std::vector<int64_t> held = {e.temp(z.q),    e.temp(z.kv), e.temp(z.kv), e.temp(z.q), e.temp(z.q),
-                                 e.temp(z.q / z.D), e.temp(z.scores)};
+    std::vector<int64_t> held = {e.temp(z.q), e.temp(z.kv),      e.temp(z.kv),    e.temp(z.q),
+                                 e.temp(z.q), e.temp(z.q / z.D), e.temp(z.scores)};
     if (a.p > 0) held.push_back(e.temp(z.scores));
     for (int64_t b : {z.scores, z.rows * z.D, z.keys * z.D, z.keys * z.D}) held.push_back(e.temp(b));
     for (int64_t h : held) e.release(h);

@@ -48,8 +48,7 @@ class SplitDef final : public OpDef {
                                 const Attrs& a) const override {
     int64_t heads = 0;
     for (int64_t h : a.split_heads) heads += h;
-    TORCH_CHECK(in.size() == 1 && in[0].sizes.size() == 3 && in[0].contiguous() &&
-                    in[0].sizes[2] == heads * a.head_dim,
+    TORCH_CHECK(in.size() == 1 && in[0].sizes.size() == 3 && in[0].contiguous() && in[0].sizes[2] == heads * a.head_dim,
                 "[split] needs a contiguous [B, T, heads x head_dim] input");
     const int64_t B = in[0].sizes[0], T = in[0].sizes[1], W = in[0].sizes[2];
     std::vector<TensorInfo> out;
@@ -99,10 +98,17 @@ const OpDef& op::split() {
 }
 
 std::vector<const OpDef*> op::all() {
-  return {&layernorm(), &rmsnorm(), &linear(), &linears(), &attention(), &tiled_attention(), &dropout_mask(),
-          &dropout(),   &residual(), &gelu(),   &swiglu(),    &rope(),            &view(),
-          &split(),     &embedding(), &position_embedding(), &cross_entropy(), &fused_cross_entropy(),
-          &tp_copy(),   &tp_reduce(), &sp_gather(), &sp_scatter()};
+  return {&layernorm(),     &rmsnorm(),
+          &linear(),        &linears(),
+          &attention(),     &tiled_attention(),
+          &dropout_mask(),  &dropout(),
+          &residual(),      &gelu(),
+          &swiglu(),        &rope(),
+          &view(),          &split(),
+          &embedding(),     &position_embedding(),
+          &cross_entropy(), &fused_cross_entropy(),
+          &tp_copy(),       &tp_reduce(),
+          &sp_gather(),     &sp_scatter()};
 }
 
 }  // namespace remat::graph

@@ -12,7 +12,8 @@ int64_t parse_budget(const std::string& text, int64_t reference) {
   const auto fail = [&] {
     return std::invalid_argument(fmt::format(
         "The memory budget \"{}\" is not a size; write bytes with an optional unit (e.g. 12GiB, 512MiB, 3e9) "
-        "or a fraction of the no-recompute peak (e.g. 0.6 or 60%).", text));
+        "or a fraction of the no-recompute peak (e.g. 0.6 or 60%).",
+        text));
   };
   size_t used = 0;
   double value = 0;
@@ -27,9 +28,10 @@ int64_t parse_budget(const std::string& text, int64_t reference) {
   // Bytes past int64 would wrap to a negative budget; 2^62 (4 EiB) is beyond any device.
   const auto bytes = [&](double b) {
     if (b >= 0x1p62) {
-      throw std::invalid_argument(fmt::format("The memory budget \"{}\" is {:.3g} bytes, beyond any device (the most "
-                                              "accepted is 4 EiB); give a size such as 12GiB or a fraction such as 0.6.",
-                                              text, b));
+      throw std::invalid_argument(
+          fmt::format("The memory budget \"{}\" is {:.3g} bytes, beyond any device (the most "
+                      "accepted is 4 EiB); give a size such as 12GiB or a fraction such as 0.6.",
+                      text, b));
     }
     return static_cast<int64_t>(std::floor(b));
   };
@@ -40,11 +42,12 @@ int64_t parse_budget(const std::string& text, int64_t reference) {
   if (unit.empty() && value != std::floor(value)) {
     throw std::invalid_argument(fmt::format(
         "The memory budget \"{}\" is neither a fraction of the no-recompute peak (at most 1) nor a whole number of "
-        "bytes; write e.g. 0.6, 60% or 512MiB.", text));
+        "bytes; write e.g. 0.6, 60% or 512MiB.",
+        text));
   }
   static const std::pair<const char*, double> kUnits[] = {
-      {"", 1.0},          {"B", 1.0},          {"KB", 1e3},  {"MB", 1e6},  {"GB", 1e9},  {"TB", 1e12},
-      {"KiB", 1024.0},    {"MiB", 1048576.0},  {"GiB", 1073741824.0},      {"TiB", 1099511627776.0}};
+      {"", 1.0},    {"B", 1.0},      {"KB", 1e3},        {"MB", 1e6},           {"GB", 1e9},
+      {"TB", 1e12}, {"KiB", 1024.0}, {"MiB", 1048576.0}, {"GiB", 1073741824.0}, {"TiB", 1099511627776.0}};
   for (const auto& [name, scale] : kUnits) {
     if (unit == name) return bytes(value * scale);
   }

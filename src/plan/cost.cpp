@@ -270,9 +270,8 @@ StaticBytes static_bytes(const ModelConfig& cfg, const StepShape& shape) {
   const at::ScalarType master = shape.dtype == at::kDouble ? at::kDouble : at::kFloat;
   TORCH_CHECK(shape.first_layer >= 0 && shape.in_flight >= 1 && shape.stage_layers(cfg.n_layer) >= 1 &&
                   shape.first_layer + shape.stage_layers(cfg.n_layer) <= cfg.n_layer,
-              "The pipeline stage of layers [", shape.first_layer, ", ", shape.first_layer + shape.layers,
-              ") with ", shape.in_flight, " microbatches in flight is not a stage of a model of ", cfg.n_layer,
-              " layers");
+              "The pipeline stage of layers [", shape.first_layer, ", ", shape.first_layer + shape.layers, ") with ",
+              shape.in_flight, " microbatches in flight is not a stage of a model of ", cfg.n_layer, " layers");
   const std::vector<int64_t> numels = param_numels(cfg, shape);
   const int64_t P = std::accumulate(numels.begin(), numels.end(), int64_t{0});
   StaticBytes s;
@@ -301,8 +300,8 @@ StepConstants step_constants(const ModelConfig& cfg, const StepShape& shape) {
     k.embed_backward = embed.backward_peak - embed.kept;
   }
   if (shape.has_head(cfg.n_layer)) {
-    const LayerCost head = simulate_kept(
-        graph::head_graph(cfg, shape.batch, shape.seq, shape.dtype, shape.ce_chunk, shape.tp, shape.sp));
+    const LayerCost head =
+        simulate_kept(graph::head_graph(cfg, shape.batch, shape.seq, shape.dtype, shape.ce_chunk, shape.tp, shape.sp));
     k.head_peak = std::max(head.forward_peak, head.backward_peak);
     k.head_saved = head.kept;
   }
@@ -314,10 +313,10 @@ StepConstants step_constants(const ModelConfig& cfg, const StepShape& shape) {
   return k;
 }
 
-StepPrediction predict_step(const ModelConfig& cfg, const StepShape& shape, const ActivationPlan& plan,
-                            bool early_stop, const NodeTimes& times) {
-  TORCH_CHECK(static_cast<int64_t>(plan.layers.size()) == cfg.n_layer, "The activation plan has ",
-              plan.layers.size(), " layers but the model has ", cfg.n_layer);
+StepPrediction predict_step(const ModelConfig& cfg, const StepShape& shape, const ActivationPlan& plan, bool early_stop,
+                            const NodeTimes& times) {
+  TORCH_CHECK(static_cast<int64_t>(plan.layers.size()) == cfg.n_layer, "The activation plan has ", plan.layers.size(),
+              " layers but the model has ", cfg.n_layer);
   const StepConstants k = step_constants(cfg, shape);  // checks the stage
   // The stage's layers [F, E).
   const int64_t F = shape.first_layer, E = F + shape.stage_layers(cfg.n_layer);
@@ -461,8 +460,7 @@ StepPrediction predict_step(const ModelConfig& cfg, const StepShape& shape, cons
     }
     for (int64_t j = l; j >= first; --j) {
       rebuilt -= full;
-      consider(emb + under + rebuilt + whole.backward_peak, embed_saved + under + rebuilt,
-               layer_name("backward", j));
+      consider(emb + under + rebuilt + whole.backward_peak, embed_saved + under + rebuilt, layer_name("backward", j));
     }
   }
   if (shape.has_embedding()) consider(emb + k.embed_backward, embed_saved, "embedding backward");

@@ -18,7 +18,8 @@ Schedule schedule_of_name(const std::string& name) {
   throw std::invalid_argument(fmt::format(
       "parallel.schedule = \"{}\" is not a pipeline schedule; use 1f1b (each stage alternates forwards and "
       "backwards once the pipeline is full, holding at most one microbatch per later stage) or gpipe (every "
-      "forward, then every backward, holding all microbatches).", name));
+      "forward, then every backward, holding all microbatches).",
+      name));
 }
 
 int64_t in_flight(Schedule schedule, int64_t stages, int64_t stage, int64_t microbatches) {
@@ -102,7 +103,7 @@ int64_t finish(const Frame& f, int64_t in_flight, const Walk& w) {
 struct State {
   Walk walk;
   double seconds = 0;
-  int64_t prev = -1;   ///< index in the states of position pos - span
+  int64_t prev = -1;  ///< index in the states of position pos - span
   int64_t piece = -1;
 };
 
@@ -217,12 +218,14 @@ std::optional<Solution> solve(const Problem& p) {
   const auto P = static_cast<int64_t>(p.in_flight.size());
   const int64_t L = p.layers;
   if (P < 1 || L < P) {
-    throw std::invalid_argument(fmt::format("A pipeline of {} stages cannot split {} layers: every stage needs at "
-                                            "least one layer.", P, L));
+    throw std::invalid_argument(
+        fmt::format("A pipeline of {} stages cannot split {} layers: every stage needs at "
+                    "least one layer.",
+                    P, L));
   }
   if (!p.split.empty() && static_cast<int64_t>(p.split.size()) != P) {
-    throw std::invalid_argument(fmt::format("The layer split lists {} stages but the pipeline has {}.",
-                                            p.split.size(), P));
+    throw std::invalid_argument(
+        fmt::format("The layer split lists {} stages but the pipeline has {}.", p.split.size(), P));
   }
   std::vector<std::vector<StageBest>> best;
   for (int64_t s = 0; s < P; ++s) {

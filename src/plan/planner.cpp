@@ -51,17 +51,16 @@ struct State {
   double seconds = 0;
   int64_t prev_pos = -1;
   int64_t prev_index = -1;
-  int64_t option = -1;  ///< index into the layer frontier, or -1 for a chunk
-  int64_t chunk = 0;    ///< chunk length when option == -1
-  bool sharded = false; ///< a chunk's input kept as a share per rank
+  int64_t option = -1;   ///< index into the layer frontier, or -1 for a chunk
+  int64_t chunk = 0;     ///< chunk length when option == -1
+  bool sharded = false;  ///< a chunk's input kept as a share per rank
 };
 
 // Pareto filter: ascending kept bytes with strictly falling time; above `max_states`,
 // states closer than `width` bytes merge into the faster one.
 void prune(std::vector<State>& v, int64_t max_states, int64_t width) {
-  std::sort(v.begin(), v.end(), [](const State& a, const State& b) {
-    return a.kept != b.kept ? a.kept < b.kept : a.seconds < b.seconds;
-  });
+  std::sort(v.begin(), v.end(),
+            [](const State& a, const State& b) { return a.kept != b.kept ? a.kept < b.kept : a.seconds < b.seconds; });
   std::vector<State> out;
   for (const auto& s : v) {
     if (out.empty() || s.seconds < out.back().seconds) out.push_back(s);
@@ -86,7 +85,10 @@ void prune(std::vector<State>& v, int64_t max_states, int64_t width) {
 
 Planner::Planner(const ModelConfig& cfg, const cost::StepShape& shape, const cost::NodeTimes& times,
                  PlannerOptions options)
-    : cfg_(cfg), shape_(shape), times_(times), options_(std::move(options)),
+    : cfg_(cfg),
+      shape_(shape),
+      times_(times),
+      options_(std::move(options)),
       block_(graph::block_graph(cfg, shape.batch, shape.seq, shape.dtype, shape.tp, shape.sp)) {
   std::vector<LayerOption> all;
   const auto add = [&](const graph::BlockGraph& block, const cost::NodeTimes& times, std::optional<Attention> op,
@@ -124,8 +126,8 @@ Planner::Planner(const ModelConfig& cfg, const cost::StepShape& shape, const cos
   const cost::StepConstants k = cost::step_constants(cfg_, shape_);
   emb_base_ = k.statics.total() + k.embed_saved;
   head_peak_ = k.head_peak;
-  fixed_peak_ = std::max({k.statics.total() + k.embed_peak, emb_base_ + k.embed_backward,
-                          k.statics.total() + k.optimizer});
+  fixed_peak_ =
+      std::max({k.statics.total() + k.embed_peak, emb_base_ + k.embed_backward, k.statics.total() + k.optimizer});
   for (const auto& n : block_.nodes) block_seconds_ += times_.node_seconds(n);
   const auto forward = [&](const graph::BlockGraph& g) {
     double t = 0;
@@ -133,8 +135,8 @@ Planner::Planner(const ModelConfig& cfg, const cost::StepShape& shape, const cos
     return t;
   };
   embed_forward_ = forward(graph::embed_graph(cfg_, shape_.batch, shape_.seq, shape_.dtype, shape_.tp, shape_.sp));
-  head_forward_ = forward(
-      graph::head_graph(cfg_, shape_.batch, shape_.seq, shape_.dtype, shape_.ce_chunk, shape_.tp, shape_.sp));
+  head_forward_ =
+      forward(graph::head_graph(cfg_, shape_.batch, shape_.seq, shape_.dtype, shape_.ce_chunk, shape_.tp, shape_.sp));
   layer_seconds_ = times_.layer_pass_seconds > 0 ? times_.layer_pass_seconds : 3 * block_seconds_;
   embed_seconds_ = 3 * embed_forward_;
   head_seconds_ = 3 * head_forward_;
@@ -248,8 +250,9 @@ std::optional<PipelinePlan> Planner::solve_pipeline(int64_t budget, const Pipeli
   plan.policy = fmt::format("budget:{}", budget);
   PipelinePlan r = predict_pipeline(plan, fixed);
   for (size_t s = 0; s < r.stages.size(); ++s) {
-    TORCH_INTERNAL_ASSERT(r.stages[s].peak <= solved->stages[s].peak, "stage ", s + 1, " of the pipeline plan peaks at ",
-                          r.stages[s].peak, " above the ", solved->stages[s].peak, " its solver priced");
+    TORCH_INTERNAL_ASSERT(r.stages[s].peak <= solved->stages[s].peak, "stage ", s + 1,
+                          " of the pipeline plan peaks at ", r.stages[s].peak, " above the ", solved->stages[s].peak,
+                          " its solver priced");
   }
   return r;
 }
@@ -386,8 +389,8 @@ Planner::ChunkCost Planner::chunk_cost(int64_t n, bool sharded) const {
   const int64_t fwd = whole_.cost.forward_peak, input = block_.slot_bytes(Slot::input), full = whole_.cost.kept;
   ChunkCost c;
   c.kept = sharded ? input / block_.tp : input;
-  c.top = std::max({input + fwd, block_.output_bytes() + (n - 1) * full + fwd,
-                    (n - 1) * full + whole_.cost.backward_peak});
+  c.top =
+      std::max({input + fwd, block_.output_bytes() + (n - 1) * full + fwd, (n - 1) * full + whole_.cost.backward_peak});
   c.seconds = static_cast<double>(n) * block_seconds_;
   if (sharded) {
     // Gloo's all-gather holds the parts and its receive buffer beside the share and the
@@ -420,9 +423,11 @@ std::string Planner::infeasible(int64_t budget, const std::string& given) const 
       "least-memory plan peaks in the {} with parameters {}, gradients {}, optimizer state {}, kept activations {} "
       "and a working set of {}; give a budget of at least {}, or lower train.batch or train.seq.",
       format_bytes(budget), given, format_bytes(least), cfg_.preset, shape_.batch, shape_.seq,
-      shape_.dtype == at::kBFloat16 ? "bfloat16" : shape_.dtype == at::kDouble ? "float64" : "float32", p.peak_at, format_bytes(p.statics.params), format_bytes(p.statics.grads),
-      format_bytes(p.statics.optimizer), format_bytes(p.peak - p.statics.total() - p.working_set),
-      format_bytes(p.working_set), format_bytes(least));
+      shape_.dtype == at::kBFloat16 ? "bfloat16"
+      : shape_.dtype == at::kDouble ? "float64"
+                                    : "float32",
+      p.peak_at, format_bytes(p.statics.params), format_bytes(p.statics.grads), format_bytes(p.statics.optimizer),
+      format_bytes(p.peak - p.statics.total() - p.working_set), format_bytes(p.working_set), format_bytes(least));
   // The fused head keeps the output weight's gradient; the recomputing one may fit lower.
   if (cfg_.loss_head == LossHead::fused) {
     ModelConfig other = cfg_;

@@ -145,16 +145,19 @@ class Parser {
     plan.layers.assign(static_cast<size_t>(n_), LayerPlan{});
     const auto plus = split_top(s, '+');
     if (plus.size() > 2) {
-      fail(fmt::format("{}: a composition has exactly one '+' (X+Y: the layers X selects are full, "
-                       "the others follow Y), got {} terms.", origin_, plus.size()));
+      fail(
+          fmt::format("{}: a composition has exactly one '+' (X+Y: the layers X selects are full, "
+                      "the others follow Y), got {} terms.",
+                      origin_, plus.size()));
     }
     if (plus.size() == 2) {
       const auto selected = select(plus[0]);
       const auto rest = selective(plus[1]);
       if (!selected || !rest) {
-        fail(fmt::format("{}: in a composition X+Y, X must select layers (every:K, block:N or ratio:R) "
-                         "and Y must be selective (modules:[...] or ops:[...]); got X = '{}' and Y = '{}'.",
-                         origin_, plus[0], plus[1]));
+        fail(
+            fmt::format("{}: in a composition X+Y, X must select layers (every:K, block:N or ratio:R) "
+                        "and Y must be selective (modules:[...] or ops:[...]); got X = '{}' and Y = '{}'.",
+                        origin_, plus[0], plus[1]));
       }
       for (int64_t i = 0; i < n_; ++i) {
         plan.layers[i].dropped = selected->second[i] ? all_slots() : rest->dropped(i);
@@ -210,9 +213,9 @@ class Parser {
   }
 
   std::string model_size() const {
-    return layout_.size.size() == 1 ? fmt::format("the model, which has {} layers", n_)
-                                    : fmt::format("the smallest pipeline stage, which has {} layers",
-                                                  layout_.smallest());
+    return layout_.size.size() == 1
+               ? fmt::format("the model, which has {} layers", n_)
+               : fmt::format("the smallest pipeline stage, which has {} layers", layout_.smallest());
   }
 
   // The whole number of every:K / uniform:N / block:N, checked against the model.
@@ -223,14 +226,14 @@ class Parser {
       fail(fmt::format("{}: {} must be a whole number ({}), got '{}'.", origin_, letter, meaning, text));
     }
     if (*v < 1) {
-      fail(fmt::format("{}: {} = {} must be at least 1 ({}); use none to recompute nothing.", origin_, letter,
-                       *v, meaning));
+      fail(fmt::format("{}: {} = {} must be at least 1 ({}); use none to recompute nothing.", origin_, letter, *v,
+                       meaning));
     }
     const int64_t limit = kind == "every" ? n_ : layout_.smallest();
     if (*v > limit) {
       fail(fmt::format("{}: {} = {} is larger than {}; use {} between 1 and {}.", origin_, letter, *v,
-                       kind == "every" ? fmt::format("the model, which has {} layers", n_) : model_size(),
-                       letter, limit));
+                       kind == "every" ? fmt::format("the model, which has {} layers", n_) : model_size(), letter,
+                       limit));
     }
     return *v;
   }
@@ -239,14 +242,13 @@ class Parser {
   std::optional<std::pair<std::string, std::vector<bool>>> select(const std::string& s) const {
     std::vector<bool> full(static_cast<size_t>(n_), false);
     if (starts_with(s, "every:")) {
-      const int64_t k = count(s, "every", "K", s.substr(6),
-                              "every:K recomputes layers K, 2K, 3K, ... counted from 1");
+      const int64_t k = count(s, "every", "K", s.substr(6), "every:K recomputes layers K, 2K, 3K, ... counted from 1");
       for (int64_t i = k - 1; i < n_; i += k) full[i] = true;
       return std::make_pair("every:" + std::to_string(k), full);
     }
     if (starts_with(s, "block:")) {
-      const int64_t b = count(s, "block", "N", s.substr(6),
-                              "block:N recomputes the first N layers of each pipeline stage");
+      const int64_t b =
+          count(s, "block", "N", s.substr(6), "block:N recomputes the first N layers of each pipeline stage");
       for (size_t st = 0; st < layout_.size.size(); ++st) {
         for (int64_t j = 0; j < b; ++j) full[layout_.first[st] + j] = true;
       }
@@ -255,9 +257,10 @@ class Parser {
     if (starts_with(s, "ratio:")) {
       const auto r = parse_real(s.substr(6));
       if (!r || *r < 0.0 || *r > 1.0) {
-        fail(fmt::format("{}: R = {} is not a number in [0, 1]; ratio:R recomputes the first ceil(R x layers) "
-                         "layers of each pipeline stage, e.g. ratio:0.5 for half of them.",
-                         origin_, s.substr(6)));
+        fail(
+            fmt::format("{}: R = {} is not a number in [0, 1]; ratio:R recomputes the first ceil(R x layers) "
+                        "layers of each pipeline stage, e.g. ratio:0.5 for half of them.",
+                        origin_, s.substr(6)));
       }
       for (size_t st = 0; st < layout_.size.size(); ++st) {
         // The small slack keeps 0.3 x 10 at 3 although the product rounds to 3.0000000000000004.
@@ -313,8 +316,10 @@ class Parser {
       const auto ops = names(s, 4, "op kind", valid);
       const bool every_other = std::find(ops.begin(), ops.end(), "matmul/2") != ops.end();
       if (every_other && std::find(ops.begin(), ops.end(), "matmul") != ops.end()) {
-        fail(fmt::format("{}: '{}' lists both matmul (keep every layer's matmul outputs) and matmul/2 (keep "
-                         "them in every other layer); give one of them.", origin_, s));
+        fail(
+            fmt::format("{}: '{}' lists both matmul (keep every layer's matmul outputs) and matmul/2 (keep "
+                        "them in every other layer); give one of them.",
+                        origin_, s));
       }
       std::set<std::string> kept_always;
       for (const auto& o : op_kinds()) {
@@ -344,8 +349,10 @@ class Parser {
     }
     const auto entries = split_top(s.substr(8, s.size() - 9), ',');
     if (static_cast<int64_t>(entries.size()) != n_) {
-      fail(fmt::format("{}: layers:[...] lists {} entries but the model has {} layers; give exactly one entry "
-                       "per layer.", origin_, entries.size(), n_));
+      fail(
+          fmt::format("{}: layers:[...] lists {} entries but the model has {} layers; give exactly one entry "
+                      "per layer.",
+                      origin_, entries.size(), n_));
     }
     ActivationPlan plan;
     plan.layers.assign(static_cast<size_t>(n_), LayerPlan{});
@@ -364,8 +371,10 @@ class Parser {
       if (starts_with(e, "modules:") && e.size() > 8 && e[8] != '[') e = "modules:[" + e.substr(8) + "]";
       const auto part = selective(e);
       if (!part) {
-        fail(fmt::format("{}: entry {} of layers:[...] is '{}'; an entry is full, none, modules:NAME, "
-                         "modules:[...] or ops:[...].", origin_, i + 1, e));
+        fail(
+            fmt::format("{}: entry {} of layers:[...] is '{}'; an entry is full, none, modules:NAME, "
+                        "modules:[...] or ops:[...].",
+                        origin_, i + 1, e));
       }
       plan.layers[i].dropped = part->dropped(i);
       canon.push_back(part->canonical);
@@ -400,8 +409,10 @@ Layout stage_layout(const AcConfig& ac, int64_t n) {
   if (ac.num_layers_per_stage) {
     const auto sizes = int_list("ac.num_layers_per_stage", *ac.num_layers_per_stage);
     if (static_cast<int64_t>(sizes.size()) != ac.stages) {
-      fail(fmt::format("ac.num_layers_per_stage = {} lists {} stages but ac.stages = {}; give one entry per "
-                       "pipeline stage.", list_text(sizes), sizes.size(), ac.stages));
+      fail(
+          fmt::format("ac.num_layers_per_stage = {} lists {} stages but ac.stages = {}; give one entry per "
+                      "pipeline stage.",
+                      list_text(sizes), sizes.size(), ac.stages));
     }
     int64_t sum = 0;
     for (size_t i = 0; i < sizes.size(); ++i) {
@@ -412,8 +423,10 @@ Layout stage_layout(const AcConfig& ac, int64_t n) {
       sum += sizes[i];
     }
     if (sum != n) {
-      fail(fmt::format("ac.num_layers_per_stage = {} sums to {} layers but the model has {}; the stages must "
-                       "split exactly the model's layers.", list_text(sizes), sum, n));
+      fail(
+          fmt::format("ac.num_layers_per_stage = {} sums to {} layers but the model has {}; the stages must "
+                      "split exactly the model's layers.",
+                      list_text(sizes), sum, n));
     }
     layout.size = sizes;
   } else {
@@ -427,40 +440,50 @@ Layout stage_layout(const AcConfig& ac, int64_t n) {
   return layout;
 }
 
-void torchtune(const AcConfig& ac, std::vector<Candidate>& out, const std::function<ActivationPlan(std::string, std::string)>& compile) {
+void torchtune(const AcConfig& ac, std::vector<Candidate>& out,
+               const std::function<ActivationPlan(std::string, std::string)>& compile) {
   const bool mode_or_option = ac.ac_mode || ac.ac_option;
   const std::string what = ac.ac_mode     ? "ac.ac_mode = " + quoted(ac.ac_mode)
                            : ac.ac_option ? "ac.ac_option = " + option_text(ac.ac_option)
                                           : "";
   if (!ac.enable_activation_checkpointing) {
     if (mode_or_option) {
-      fail(fmt::format("{} is given without ac.enable_activation_checkpointing; set "
-                       "ac.enable_activation_checkpointing = true with it (or use ac.policy).", what));
+      fail(
+          fmt::format("{} is given without ac.enable_activation_checkpointing; set "
+                      "ac.enable_activation_checkpointing = true with it (or use ac.policy).",
+                      what));
     }
     return;
   }
   if (!*ac.enable_activation_checkpointing) {
     if (mode_or_option) {
-      fail(fmt::format("ac.enable_activation_checkpointing = false turns recompute off, but {} asks for it: two "
-                       "spellings of the same setting disagree. Set ac.enable_activation_checkpointing = true to use "
-                       "it, or drop {}.", what, ac.ac_mode ? "ac.ac_mode" : "ac.ac_option"));
+      fail(
+          fmt::format("ac.enable_activation_checkpointing = false turns recompute off, but {} asks for it: two "
+                      "spellings of the same setting disagree. Set ac.enable_activation_checkpointing = true to use "
+                      "it, or drop {}.",
+                      what, ac.ac_mode ? "ac.ac_mode" : "ac.ac_option"));
     }
-    out.push_back({"ac.enable_activation_checkpointing = false", compile("none", "ac.enable_activation_checkpointing = false")});
+    out.push_back(
+        {"ac.enable_activation_checkpointing = false", compile("none", "ac.enable_activation_checkpointing = false")});
     return;
   }
   if (!ac.ac_mode) {
     if (ac.ac_option) {
-      fail(fmt::format("ac.ac_option = {} needs ac.ac_mode = \"selective\"; it chooses which layers or ops "
-                       "selective recompute covers.", option_text(ac.ac_option)));
+      fail(
+          fmt::format("ac.ac_option = {} needs ac.ac_mode = \"selective\"; it chooses which layers or ops "
+                      "selective recompute covers.",
+                      option_text(ac.ac_option)));
     }
-    out.push_back({"ac.enable_activation_checkpointing = true", compile("full", "ac.enable_activation_checkpointing = true")});
+    out.push_back(
+        {"ac.enable_activation_checkpointing = true", compile("full", "ac.enable_activation_checkpointing = true")});
     return;
   }
   if (*ac.ac_mode == "full") {
     if (ac.ac_option) {
-      fail(fmt::format("ac.ac_option = {} applies only to ac.ac_mode = \"selective\"; with ac.ac_mode = \"full\" "
-                       "every layer is recomputed. Drop ac.ac_option or set ac.ac_mode = \"selective\".",
-                       option_text(ac.ac_option)));
+      fail(
+          fmt::format("ac.ac_option = {} applies only to ac.ac_mode = \"selective\"; with ac.ac_mode = \"full\" "
+                      "every layer is recomputed. Drop ac.ac_option or set ac.ac_mode = \"selective\".",
+                      option_text(ac.ac_option)));
     }
     out.push_back({"ac.ac_mode = \"full\"", compile("full", "ac.ac_mode = \"full\"")});
     return;
@@ -469,8 +492,9 @@ void torchtune(const AcConfig& ac, std::vector<Candidate>& out, const std::funct
     fail(fmt::format("ac.ac_mode must be \"full\" or \"selective\", got {}.", quoted(ac.ac_mode)));
   }
   if (!ac.ac_option) {
-    fail("ac.ac_mode = \"selective\" needs ac.ac_option: a whole number K (recompute every K-th layer, every:K) "
-         "or \"op\" (keep matmul and attention outputs, ops:[matmul,attention]).");
+    fail(
+        "ac.ac_mode = \"selective\" needs ac.ac_option: a whole number K (recompute every K-th layer, every:K) "
+        "or \"op\" (keep matmul and attention outputs, ops:[matmul,attention]).");
   }
   const std::string origin = "ac.ac_option = " + option_text(ac.ac_option);
   if (*ac.ac_option == "op") {
@@ -489,8 +513,10 @@ void megatron(const AcConfig& ac, std::vector<Candidate>& out,
   std::string gran_origin = gran ? "ac.recompute_granularity = " + quoted(gran) : "";
   if (ac.recompute_activations && *ac.recompute_activations) {
     if (gran && *gran != "selective") {
-      fail(fmt::format("ac.recompute_activations = true means selective recompute, but {} asks for another "
-                       "granularity: two spellings of the same setting disagree. Drop one of them.", gran_origin));
+      fail(
+          fmt::format("ac.recompute_activations = true means selective recompute, but {} asks for another "
+                      "granularity: two spellings of the same setting disagree. Drop one of them.",
+                      gran_origin));
     }
     if (!gran) gran_origin = "ac.recompute_activations = true";
     gran = "selective";
@@ -499,37 +525,44 @@ void megatron(const AcConfig& ac, std::vector<Candidate>& out,
     fail(fmt::format("ac.recompute_granularity must be \"full\" or \"selective\", got {}.", quoted(gran)));
   }
   if (ac.recompute_num_layers && *ac.recompute_num_layers < 1) {
-    fail(fmt::format("ac.recompute_num_layers must be at least 1, got {}; it is the chunk size of "
-                     "recompute_method = \"uniform\" or the layers per stage of \"block\".", *ac.recompute_num_layers));
+    fail(
+        fmt::format("ac.recompute_num_layers must be at least 1, got {}; it is the chunk size of "
+                    "recompute_method = \"uniform\" or the layers per stage of \"block\".",
+                    *ac.recompute_num_layers));
   }
   const bool selective = gran && *gran == "selective";
   if (ac.recompute_method && (selective || !gran)) {
-    fail(fmt::format("ac.recompute_method = {} is given with {}; a recompute method chooses layers to recompute "
-                     "whole, which only full granularity does. Set ac.recompute_granularity = \"full\" with the "
-                     "method, or drop ac.recompute_method (to combine both, write e.g. "
-                     "ac.policy = \"block:2+modules:[core_attn]\").",
-                     quoted(ac.recompute_method),
-                     selective ? "selective granularity (" + gran_origin + ")" : "no ac.recompute_granularity"));
+    fail(
+        fmt::format("ac.recompute_method = {} is given with {}; a recompute method chooses layers to recompute "
+                    "whole, which only full granularity does. Set ac.recompute_granularity = \"full\" with the "
+                    "method, or drop ac.recompute_method (to combine both, write e.g. "
+                    "ac.policy = \"block:2+modules:[core_attn]\").",
+                    quoted(ac.recompute_method),
+                    selective ? "selective granularity (" + gran_origin + ")" : "no ac.recompute_granularity"));
   }
   if (ac.recompute_num_layers && (selective || !gran)) {
-    fail(fmt::format("ac.recompute_num_layers = {} is given with {}; it only counts layers for full granularity "
-                     "with a recompute method. Drop it, or set ac.recompute_granularity = \"full\" and "
-                     "ac.recompute_method.", *ac.recompute_num_layers,
-                     selective ? "selective granularity (" + gran_origin + ")" : "no ac.recompute_granularity"));
+    fail(
+        fmt::format("ac.recompute_num_layers = {} is given with {}; it only counts layers for full granularity "
+                    "with a recompute method. Drop it, or set ac.recompute_granularity = \"full\" and "
+                    "ac.recompute_method.",
+                    *ac.recompute_num_layers,
+                    selective ? "selective granularity (" + gran_origin + ")" : "no ac.recompute_granularity"));
   }
   if (gran && *gran == "full") {
     if (ac.recompute_modules) {
-      fail(fmt::format("ac.recompute_modules = {} applies only to selective granularity, but "
-                       "ac.recompute_granularity = \"full\" recomputes whole layers. Drop one of them.",
-                       quoted(ac.recompute_modules)));
+      fail(
+          fmt::format("ac.recompute_modules = {} applies only to selective granularity, but "
+                      "ac.recompute_granularity = \"full\" recomputes whole layers. Drop one of them.",
+                      quoted(ac.recompute_modules)));
     }
     if (!ac.recompute_method || !ac.recompute_num_layers) {
-      fail(fmt::format("ac.recompute_granularity = \"full\" needs {}: \"uniform\" with N recomputes chunks of N "
-                       "layers, \"block\" with N the first N layers of each stage (e.g. recompute_method = "
-                       "\"uniform\", recompute_num_layers = 1). To recompute every layer, use ac.policy = \"full\".",
-                       !ac.recompute_method && !ac.recompute_num_layers
-                           ? "ac.recompute_method and ac.recompute_num_layers"
-                           : !ac.recompute_method ? "ac.recompute_method" : "ac.recompute_num_layers"));
+      fail(fmt::format(
+          "ac.recompute_granularity = \"full\" needs {}: \"uniform\" with N recomputes chunks of N "
+          "layers, \"block\" with N the first N layers of each stage (e.g. recompute_method = "
+          "\"uniform\", recompute_num_layers = 1). To recompute every layer, use ac.policy = \"full\".",
+          !ac.recompute_method && !ac.recompute_num_layers ? "ac.recompute_method and ac.recompute_num_layers"
+          : !ac.recompute_method                           ? "ac.recompute_method"
+                                                           : "ac.recompute_num_layers"));
     }
     if (*ac.recompute_method != "uniform" && *ac.recompute_method != "block") {
       fail(fmt::format("ac.recompute_method must be \"uniform\" or \"block\", got {}.", quoted(ac.recompute_method)));
@@ -557,8 +590,10 @@ void colossalai(const AcConfig& ac, const Layout& layout, std::vector<Candidate>
     const double r = *ac.gradient_checkpointing_ratio;
     const std::string origin = fmt::format("ac.gradient_checkpointing_ratio = {}", r);
     if (!(r >= 0.0 && r <= 1.0)) {
-      fail(fmt::format("{} is outside [0, 1]; it is the share of each pipeline stage's layers that is recomputed, "
-                       "e.g. 0.5 for half of them.", origin));
+      fail(
+          fmt::format("{} is outside [0, 1]; it is the share of each pipeline stage's layers that is recomputed, "
+                      "e.g. 0.5 for half of them.",
+                      origin));
     }
     out.push_back({origin, compile(fmt::format("ratio:{}", r), origin)});
   }
@@ -571,8 +606,10 @@ void colossalai(const AcConfig& ac, const Layout& layout, std::vector<Candidate>
     }
     for (size_t s = 0; s < counts.size(); ++s) {
       if (counts[s] < 0 || counts[s] > layout.size[s]) {
-        fail(fmt::format("{} asks for {} recomputed layers in stage {}, which has {} layers; each entry must be "
-                         "between 0 and its stage's layer count.", origin, counts[s], s + 1, layout.size[s]));
+        fail(
+            fmt::format("{} asks for {} recomputed layers in stage {}, which has {} layers; each entry must be "
+                        "between 0 and its stage's layer count.",
+                        origin, counts[s], s + 1, layout.size[s]));
       }
     }
     const bool same = std::all_of(counts.begin(), counts.end(), [&](int64_t c) { return c == counts.front(); });
@@ -640,9 +677,10 @@ ActivationPlan compile_policy(const AcConfig& ac, int64_t n_layers, double dropo
   ActivationPlan plan = asked.empty() ? compile("none", "ac.policy") : asked.front().plan;
   for (size_t i = 1; i < asked.size(); ++i) {
     if (!same_layers(asked.front().plan, asked[i].plan)) {
-      fail(fmt::format("{} asks for {} but {} asks for {}: two spellings of the recompute policy disagree. "
-                       "Set only one of them.", asked.front().origin, asked.front().plan.policy, asked[i].origin,
-                       asked[i].plan.policy));
+      fail(
+          fmt::format("{} asks for {} but {} asks for {}: two spellings of the recompute policy disagree. "
+                      "Set only one of them.",
+                      asked.front().origin, asked.front().plan.policy, asked[i].origin, asked[i].plan.policy));
     }
   }
 
@@ -664,19 +702,23 @@ ActivationPlan compile_policy(const AcConfig& ac, int64_t n_layers, double dropo
     for (auto& l : plan.layers) l.input_sharded = l.chunk_begin < 0 && l.dropped == everything;
     if (std::none_of(plan.layers.begin(), plan.layers.end(), [](const LayerPlan& l) { return l.input_sharded; })) {
       if (recomputes_anything(plan)) {
-        fail(fmt::format("ac.distribute_saved_activations = true keeps the input of each layer recomputed whole as a "
-                         "share per tensor-parallel rank, but the policy {} recomputes no layer whole; choose full, "
-                         "uniform:N or block:N (Megatron: ac.recompute_granularity = \"full\" with a method), or "
-                         "drop ac.distribute_saved_activations.", plan.policy));
+        fail(
+            fmt::format("ac.distribute_saved_activations = true keeps the input of each layer recomputed whole as a "
+                        "share per tensor-parallel rank, but the policy {} recomputes no layer whole; choose full, "
+                        "uniform:N or block:N (Megatron: ac.recompute_granularity = \"full\" with a method), or "
+                        "drop ac.distribute_saved_activations.",
+                        plan.policy));
       }
     } else {
       plan.policy += " (distribute_saved_activations)";
     }
   }
   if (dropout > 0.0 && !ac.preserve_rng_state && !ac.allow_rng_mismatch && recomputes_anything(plan)) {
-    fail(fmt::format("ac.preserve_rng_state = false with dropout {} makes recomputed dropout draw other masks than "
-                     "the forward did, which silently changes training; keep ac.preserve_rng_state = true, or set "
-                     "ac.allow_rng_mismatch = true to accept the mismatch.", dropout));
+    fail(
+        fmt::format("ac.preserve_rng_state = false with dropout {} makes recomputed dropout draw other masks than "
+                    "the forward did, which silently changes training; keep ac.preserve_rng_state = true, or set "
+                    "ac.allow_rng_mismatch = true to accept the mismatch.",
+                    dropout));
   }
   return plan;
 }

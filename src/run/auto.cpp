@@ -90,10 +90,14 @@ RunPlan resolve_attention(Config& cfg, Config& local, at::ScalarType dtype, cons
     ops.push_back(a);
     profiles.push_back(profile_of(with_op(a)));
   }
-  rules.preferred_why = alone ? fmt::format("no ac.budget and no measured step times: {}, the faster op on this CPU "
-                                            "(docs/attention.md)", attention_name(ops[0]))
-                              : fmt::format("without measured step times {}, the faster op on this CPU "
-                                            "(docs/attention.md)", attention_name(ops[0]));
+  rules.preferred_why = alone ? fmt::format(
+                                    "no ac.budget and no measured step times: {}, the faster op on this CPU "
+                                    "(docs/attention.md)",
+                                    attention_name(ops[0]))
+                              : fmt::format(
+                                    "without measured step times {}, the faster op on this CPU "
+                                    "(docs/attention.md)",
+                                    attention_name(ops[0]));
   // Every op is held to the same bytes: a fraction is of the default op's no-recompute peak.
   if (!local.ac.budget.empty() && reference == 0) {
     Config unbounded = with_op(ops[0]);
@@ -116,7 +120,8 @@ RunPlan resolve_attention(Config& cfg, Config& local, at::ScalarType dtype, cons
   for (size_t i = 0; i < ops.size() && !local.ac.budget.empty() && all_measured; ++i) {
     if (i == chosen.index) continue;
     const TimeProfile mixed_profile = with_other(profiles[chosen.index], profiles[i], ops[i], local.model.n_layer);
-    Candidate mixed = candidate("", [&] { return plan_run(with_op(op), dtype, mixed_profile, resident, stage, reference); });
+    Candidate mixed =
+        candidate("", [&] { return plan_run(with_op(op), dtype, mixed_profile, resident, stage, reference); });
     const bool mixes = mixed.plan && std::any_of(mixed.plan->plan.layers.begin(), mixed.plan->plan.layers.end(),
                                                  [&](const LayerPlan& l) { return l.attention != op; });
     if (!mixes || mixed.plan->step_seconds >= planned.step_seconds) continue;
@@ -125,9 +130,9 @@ RunPlan resolve_attention(Config& cfg, Config& local, at::ScalarType dtype, cons
         "per layer, {}: predicted step {:.1f} ms within the {} budget (peak {}), against {} alone's {:.1f} ms{}",
         layer_ops_text(mixed.plan->plan, op, ops[i]), 1e3 * mixed.plan->step_seconds, format_bytes(mixed.plan->budget),
         format_bytes(mixed.plan->peak()), attention_name(op), 1e3 * planned.step_seconds,
-        candidates[i].plan ? fmt::format(" and {} alone's {:.1f} ms", attention_name(ops[i]),
-                                         1e3 * candidates[i].plan->step_seconds)
-                           : fmt::format(" ({} alone does not fit)", attention_name(ops[i])));
+        candidates[i].plan
+            ? fmt::format(" and {} alone's {:.1f} ms", attention_name(ops[i]), 1e3 * candidates[i].plan->step_seconds)
+            : fmt::format(" ({} alone does not fit)", attention_name(ops[i])));
     planned = std::move(*mixed.plan);
   }
   cfg.model.attention = local.model.attention = op;
@@ -143,15 +148,16 @@ double head_flops(const Config& local, const RunPlan& plan) {
   if (local.model.loss_head == LossHead::recompute) {
     const auto& t = local.train;
     const double vocab = static_cast<double>(local.model.vocab_size / std::max<int64_t>(1, local.parallel.tp));
-    flops += 2.0 * static_cast<double>(t.batch * t.seq * t.grad_accum) * vocab * static_cast<double>(local.model.d_model);
+    flops +=
+        2.0 * static_cast<double>(t.batch * t.seq * t.grad_accum) * vocab * static_cast<double>(local.model.d_model);
   }
   return flops;
 }
 
 }  // namespace
 
-RunPlan plan_run_auto(Config& cfg, Config& local, at::ScalarType dtype, const ProfileOf& profile_of,
-                      int64_t resident, int64_t stage, const SavedPlan* saved) {
+RunPlan plan_run_auto(Config& cfg, Config& local, at::ScalarType dtype, const ProfileOf& profile_of, int64_t resident,
+                      int64_t stage, const SavedPlan* saved) {
   if (local.model.loss_head != LossHead::automatic) {
     return resolve_attention(cfg, local, dtype, profile_of, resident, stage, saved, 0);
   }

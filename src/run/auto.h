@@ -38,7 +38,7 @@ using ProfileOf = std::function<TimeProfile(const Config& local)>;
 /// alike. A `saved` plan (a resumed run's) is for named settings (its config.toml names what
 /// auto chose) and is predicted as it is, with the other op's times where its layers run
 /// both. Where no candidate fits, throws BudgetTooSmall with every candidate's minimum.
-RunPlan plan_run_auto(Config& cfg, Config& local, at::ScalarType dtype, const ProfileOf& profile_of,
-                      int64_t resident, int64_t stage = 0, const SavedPlan* saved = nullptr);
+RunPlan plan_run_auto(Config& cfg, Config& local, at::ScalarType dtype, const ProfileOf& profile_of, int64_t resident,
+                      int64_t stage = 0, const SavedPlan* saved = nullptr);
 
 }  // namespace remat

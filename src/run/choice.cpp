@@ -37,15 +37,15 @@ Chosen choose(const std::vector<Candidate>& c, const ChoiceRules& rules) {
     }
     throw BudgetTooSmall(fmt::format("{} = auto tried {} {} and no plan of {} fits: {}. With {}: {}", rules.setting,
                                      c.size() == 2 ? "both" : fmt::format("all {}", c.size()), rules.candidates,
-                                     c.size() == 2 ? "either" : "any",
-                                     listed(needs), c[lowest].name, c[lowest].unfit),
+                                     c.size() == 2 ? "either" : "any", listed(needs), c[lowest].name, c[lowest].unfit),
                          c[lowest].least);
   }
   if (c.size() == 1) return {0, ChoiceReason::only_candidate, rules.preferred_why};
   const RunPlan& first = *c[fit.front()].plan;
   if (fit.size() == 1) {
     std::vector<std::string> peaks;
-    for (size_t i : over) peaks.push_back(fmt::format("{}'s least-memory plan peaks at {}", c[i].name, format_bytes(c[i].least)));
+    for (size_t i : over)
+      peaks.push_back(fmt::format("{}'s least-memory plan peaks at {}", c[i].name, format_bytes(c[i].least)));
     return {fit.front(), ChoiceReason::only_fit,
             fmt::format("{}, over the {} budget; {}'s plan peaks at {}", listed(peaks), format_bytes(first.budget),
                         c[fit.front()].name, format_bytes(first.peak()))};
@@ -67,20 +67,19 @@ Chosen choose(const std::vector<Candidate>& c, const ChoiceRules& rules) {
   };
   const bool timed = std::all_of(fit.begin(), fit.end(), [&](size_t i) { return c[i].plan->step_seconds > 0; });
   if (timed) {
-    const size_t best = *std::min_element(fit.begin(), fit.end(), [&](size_t a, size_t b) {
-      return c[a].plan->step_seconds < c[b].plan->step_seconds;
-    });
+    const size_t best = *std::min_element(
+        fit.begin(), fit.end(), [&](size_t a, size_t b) { return c[a].plan->step_seconds < c[b].plan->step_seconds; });
     const auto ms = [](const Candidate& x) { return fmt::format("{:.1f} ms", 1e3 * x.plan->step_seconds); };
     return {best, ChoiceReason::faster_predicted,
             fmt::format("{}predicted step {} against {}", within, ms(c[best]), others(best, ms))};
   }
   if (rules.weigh_flops) {
-    const size_t best = *std::min_element(
-        fit.begin(), fit.end(), [&](size_t a, size_t b) { return c[a].weighed_flops < c[b].weighed_flops; });
+    const size_t best = *std::min_element(fit.begin(), fit.end(),
+                                          [&](size_t a, size_t b) { return c[a].weighed_flops < c[b].weighed_flops; });
     const auto flops = [](const Candidate& x) { return format_count(x.weighed_flops); };
-    return {best, ChoiceReason::fewer_flops,
-            fmt::format("{}{} FLOPs a step {} against {}", within, flops(c[best]), rules.flops_what,
-                        others(best, flops))};
+    return {
+        best, ChoiceReason::fewer_flops,
+        fmt::format("{}{} FLOPs a step {} against {}", within, flops(c[best]), rules.flops_what, others(best, flops))};
   }
   return {fit.front(), ChoiceReason::preferred, within + rules.preferred_why};
 }

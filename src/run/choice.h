@@ -13,10 +13,10 @@ namespace remat {
 
 /// One candidate configuration of an `auto` setting, planned.
 struct Candidate {
-  std::string name;            ///< as sentences name it: "math", "the fused head"
+  std::string name;             ///< as sentences name it: "math", "the fused head"
   std::optional<RunPlan> plan;  ///< its plan, or nullopt when no plan fits the budget
-  std::string unfit;           ///< then the planner's sentence
-  int64_t least = 0;           ///< and the least budget that fits (bytes)
+  std::string unfit;            ///< then the planner's sentence
+  int64_t least = 0;            ///< and the least budget that fits (bytes)
   /// FLOPs a step spends that the candidates differ by (recompute, and what the candidate
   /// runs more), weighed where no time is measured and the setting weighs FLOPs.
   double weighed_flops = 0;
@@ -31,12 +31,12 @@ struct Chosen {
 
 /// How a setting breaks a tie where no time is measured.
 struct ChoiceRules {
-  std::string setting;       ///< "model.attention"
-  std::string candidates;    ///< what the candidates are, for the sentence where none fits: "attention ops"
+  std::string setting;     ///< "model.attention"
+  std::string candidates;  ///< what the candidates are, for the sentence where none fits: "attention ops"
   /// Weigh FLOPs without measured times (fewer_flops); else the first candidate is taken.
   bool weigh_flops = false;
-  std::string flops_what;    ///< what the weighed FLOPs are: "of recompute and head products"
-  std::string preferred_why; ///< why the first candidate is the default: "math, the faster op on this CPU"
+  std::string flops_what;     ///< what the weighed FLOPs are: "of recompute and head products"
+  std::string preferred_why;  ///< why the first candidate is the default: "math, the faster op on this CPU"
 };
 
 /// Takes one of `candidates` (first: the default), all planned for the same budget:

@@ -37,8 +37,9 @@ std::string pipeline_infeasible(const Config& cfg, const Planner& planner, const
   return fmt::format(
       "The memory budget {} (\"{}\") fits no plan of {} on {} pipeline stages ({} schedule, {} microbatch{}): the "
       "least budget every stage fits is {}; give at least that, lower train.batch, train.seq or train.grad_accum{}, "
-      "or use more stages.", format_bytes(budget), given, cfg.model.preset, pipe.stages,
-      pipeline::schedule_name(pipe.schedule), m, m == 1 ? "" : "es", format_bytes(planner.min_pipeline_budget(pipe)),
+      "or use more stages.",
+      format_bytes(budget), given, cfg.model.preset, pipe.stages, pipeline::schedule_name(pipe.schedule), m,
+      m == 1 ? "" : "es", format_bytes(planner.min_pipeline_budget(pipe)),
       pipe.schedule == pipeline::Schedule::gpipe ? " (gpipe holds every microbatch; 1f1b at most one per stage)" : "");
 }
 
@@ -119,8 +120,8 @@ cost::StepShape step_shape(const Config& local, at::ScalarType dtype, int64_t re
   return shape;
 }
 
-RunPlan plan_run(const Config& cfg, at::ScalarType dtype, const TimeProfile& profile, int64_t resident,
-                 int64_t stage, int64_t budget_reference, const SavedPlan* saved) {
+RunPlan plan_run(const Config& cfg, at::ScalarType dtype, const TimeProfile& profile, int64_t resident, int64_t stage,
+                 int64_t budget_reference, const SavedPlan* saved) {
   const int64_t L = cfg.model.n_layer;
   PlannerOptions opts;
   opts.early_stop = cfg.ac.early_stop;
@@ -189,7 +190,8 @@ RunPlan plan_run(const Config& cfg, at::ScalarType dtype, const TimeProfile& pro
   r.stage_peaks = {r.predicted.peak};
   r.none_peak = planner.none_peak();
   if (profile.base_seconds > 0) {
-    r.step_seconds = profile.step_seconds(cfg.train.grad_accum, r.predicted.recompute_seconds + r.predicted.attention_seconds);
+    r.step_seconds =
+        profile.step_seconds(cfg.train.grad_accum, r.predicted.recompute_seconds + r.predicted.attention_seconds);
     r.none_step_seconds = profile.step_seconds(cfg.train.grad_accum, 0.0);
   }
   return r;

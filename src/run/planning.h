@@ -39,7 +39,7 @@ struct Choice {
   std::string setting;  ///< "model.attention"
   std::string taken;    ///< the value taken: "tiled"
   ChoiceReason reason = ChoiceReason::preferred;
-  std::string why;      ///< the reason with its figures, a clause
+  std::string why;  ///< the reason with its figures, a clause
   /// "attention: tiled (model.attention = auto): <why>", without newline.
   std::string line() const;
 };
@@ -47,7 +47,7 @@ struct Choice {
 /// A run's activation plan and what the cost model predicts of its step.
 struct RunPlan {
   ActivationPlan plan;
-  cost::StepPrediction predicted;  ///< peak, breakdown and recompute of one step (of this rank's stage)
+  cost::StepPrediction predicted;    ///< peak, breakdown and recompute of one step (of this rank's stage)
   std::vector<int64_t> split;        ///< layers per pipeline stage (one stage: every layer)
   std::vector<int64_t> stage_peaks;  ///< each stage's predicted peak (one stage: predicted.peak)
   /// The highest stage peak: what a per-rank budget holds.
@@ -71,8 +71,8 @@ struct RunPlan {
 /// again, whatever planning would choose now (another machine's measured times, a cache
 /// measured again), so that its memory stays what was predicted and printed.
 struct SavedPlan {
-  ActivationPlan plan;        ///< every layer's, of the whole model
-  std::vector<int64_t> split; ///< layers per pipeline stage
+  ActivationPlan plan;         ///< every layer's, of the whole model
+  std::vector<int64_t> split;  ///< layers per pipeline stage
 };
 
 /// `r`'s plan and split as one JSON text (a checkpoint's "plan" metadata).

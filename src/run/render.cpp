@@ -76,7 +76,7 @@ std::string layer_words(const ActivationPlan& plan, const std::vector<std::strin
       (lp.dropped.count(s) ? dropped : kept).push_back(s);
     }
     // The shorter of the two lists.
-    text = kept.empty() ? "input only"
+    text = kept.empty()                   ? "input only"
            : kept.size() < dropped.size() ? "input, " + by_module(kept)
                                           : "all but " + by_module(dropped);
   }
@@ -168,7 +168,8 @@ std::string layer_table(const ActivationPlan& plan, const std::vector<std::strin
   }
   std::string out = fmt::format("  {:<10} {:>11} {:>16}  {}\n", "layers", "kept each", "recompute each", "keeps");
   for (const Group& g : groups) {
-    const std::string range = g.first == g.last ? fmt::format("{}", g.first + 1) : fmt::format("{}-{}", g.first + 1, g.last + 1);
+    const std::string range =
+        g.first == g.last ? fmt::format("{}", g.first + 1) : fmt::format("{}-{}", g.first + 1, g.last + 1);
     const std::string flops = g.flops > 0 ? format_count(g.flops) + " FLOPs" : "-";
     out += wrapped(fmt::format("  {:<10} {:>11} {:>16}  ", range, format_bytes(g.kept), flops), g.words, 43);
   }
@@ -190,11 +191,11 @@ std::string stage_line(const PipelinePlan& r, size_t s, int64_t microbatches, pi
 std::string plan_text(const Config& cfg, const RunPlan& r) {
   std::string text;
   for (const Choice& c : r.choices) text += c.line() + "\n";
-  const std::string how = r.resumed ? fmt::format("{}, the checkpoint's, as the run trained before it stopped",
-                                                  r.plan.policy)
-                          : !cfg.ac.budget.empty()
-                              ? fmt::format("the planner's for ac.budget = \"{}\" ({})", cfg.ac.budget, format_bytes(r.budget))
-                              : fmt::format("policy {}", r.plan.policy);
+  const std::string how =
+      r.resumed ? fmt::format("{}, the checkpoint's, as the run trained before it stopped", r.plan.policy)
+      : !cfg.ac.budget.empty()
+          ? fmt::format("the planner's for ac.budget = \"{}\" ({})", cfg.ac.budget, format_bytes(r.budget))
+          : fmt::format("policy {}", r.plan.policy);
   text += fmt::format("plan: {}, {} layers\n", how, r.plan.layers.size());
   const cost::StepPrediction& p = r.predicted;
   if (r.pipeline) {
@@ -206,29 +207,32 @@ std::string plan_text(const Config& cfg, const RunPlan& r) {
       text += line(stage_line(pp, s, m, cfg.parallel.schedule, work(r, pp.stage_seconds[s]) + " per microbatch"));
       text += layer_table(r.plan, r.slots, pp.stages[s]);
     }
-    text += line(fmt::format("bottleneck: stage {}; the schedule takes (microbatches + stages - 1) = {} times "
-                                    "its {}, {}, plus the optimizer", pp.bottleneck + 1,
-                                    m + static_cast<int64_t>(pp.stages.size()) - 1,
-                                    work(r, pp.stage_seconds[static_cast<size_t>(pp.bottleneck)]),
-                                    work(r, pp.schedule_seconds)));
+    text +=
+        line(fmt::format("bottleneck: stage {}; the schedule takes (microbatches + stages - 1) = {} times "
+                         "its {}, {}, plus the optimizer",
+                         pp.bottleneck + 1, m + static_cast<int64_t>(pp.stages.size()) - 1,
+                         work(r, pp.stage_seconds[static_cast<size_t>(pp.bottleneck)]), work(r, pp.schedule_seconds)));
   } else {
     text += layer_table(r.plan, r.slots, p);
   }
-  text += fmt::format("predicted step{}: peak {} in the {}\n", r.pipeline ? " of this stage" : "",
-                      format_bytes(p.peak), p.peak_at);
+  text += fmt::format("predicted step{}: peak {} in the {}\n", r.pipeline ? " of this stage" : "", format_bytes(p.peak),
+                      p.peak_at);
   text += breakdown(p);
-  text += line(fmt::format("recompute: {} FLOPs a step{}", format_count(p.recompute_flops),
-                           measured(r) && p.recompute_flops > 0 ? fmt::format(", {}", work(r, p.recompute_seconds)) : ""));
+  text +=
+      line(fmt::format("recompute: {} FLOPs a step{}", format_count(p.recompute_flops),
+                       measured(r) && p.recompute_flops > 0 ? fmt::format(", {}", work(r, p.recompute_seconds)) : ""));
   if (r.step_seconds > 0) {
     const TimeProfile& prof = r.profile;
     const std::string parts =
-        r.pipeline ? fmt::format("the schedule simulated stage by stage, {:.1f} ms (transfers not priced), + {:.1f} ms "
-                                 "the slowest stage's optimizer", 1e3 * r.pipeline->simulated_seconds,
-                                 1e3 * (r.step_seconds - r.pipeline->simulated_seconds))
+        r.pipeline ? fmt::format(
+                         "the schedule simulated stage by stage, {:.1f} ms (transfers not priced), + {:.1f} ms "
+                         "the slowest stage's optimizer",
+                         1e3 * r.pipeline->simulated_seconds, 1e3 * (r.step_seconds - r.pipeline->simulated_seconds))
                    : fmt::format("{} x {:.1f} ms forward and backward{} + {:.1f} ms recompute + {:.1f} ms optimizer",
                                  cfg.train.grad_accum, 1e3 * prof.base_seconds,
                                  p.attention_seconds != 0 ? fmt::format(" {:+.1f} ms the layers running the other "
-                                                                        "attention op", 1e3 * p.attention_seconds)
+                                                                        "attention op",
+                                                                        1e3 * p.attention_seconds)
                                                           : "",
                                  1e3 * p.recompute_seconds, 1e3 * prof.optimizer_seconds);
     text += line(fmt::format("predicted step time {:.1f} ms: {}", 1e3 * r.step_seconds, parts));
@@ -239,12 +243,12 @@ std::string plan_text(const Config& cfg, const RunPlan& r) {
     // layer, as a run without recompute would train.
     const bool mixed = std::any_of(r.plan.layers.begin(), r.plan.layers.end(),
                                    [](const LayerPlan& lp) { return lp.attention.has_value(); });
-    const std::string every = mixed ? fmt::format(" ({} attention in every layer)", attention_name(cfg.model.attention)) : "";
-    text += line(fmt::format("budget {}{}: the plan peaks at {}; without recompute{} the step would peak at {}{}",
-                                    format_bytes(r.budget), r.pipeline ? " per rank" : "", format_bytes(r.peak()),
-                                    every, format_bytes(r.none_peak),
-                                    r.none_step_seconds > 0 ? fmt::format(" and take {:.1f} ms", 1e3 * r.none_step_seconds)
-                                                            : ""));
+    const std::string every =
+        mixed ? fmt::format(" ({} attention in every layer)", attention_name(cfg.model.attention)) : "";
+    text += line(fmt::format(
+        "budget {}{}: the plan peaks at {}; without recompute{} the step would peak at {}{}", format_bytes(r.budget),
+        r.pipeline ? " per rank" : "", format_bytes(r.peak()), every, format_bytes(r.none_peak),
+        r.none_step_seconds > 0 ? fmt::format(" and take {:.1f} ms", 1e3 * r.none_step_seconds) : ""));
   }
   return text;
 }
@@ -252,16 +256,17 @@ std::string plan_text(const Config& cfg, const RunPlan& r) {
 std::string render_text(const RunSpec& spec) {
   const ModelConfig& m = spec.cfg.model;
   const std::string corpus =
-      spec.corpus ? fmt::format("token corpus: {}, {} held through every step", spec.corpus_dir,
-                                format_bytes(spec.resident))
-                  : fmt::format("token corpus: {}, not prepared yet (remat prepare), so its {} bytes a token are not "
-                                "counted", spec.corpus_dir, data::TokenDataset::kBytesPerToken);
+      spec.corpus
+          ? fmt::format("token corpus: {}, {} held through every step", spec.corpus_dir, format_bytes(spec.resident))
+          : fmt::format(
+                "token corpus: {}, not prepared yet (remat prepare), so its {} bytes a token are not "
+                "counted",
+                spec.corpus_dir, data::TokenDataset::kBytesPerToken);
   const int64_t accum = spec.cfg.train.grad_accum;
   std::string text = line(fmt::format("run: {} ({}), {} layers, d_model {}, {} heads, vocabulary {}", m.preset,
-                                             arch_name(m.arch), m.n_layer, m.d_model, m.n_head, m.vocab_size));
-  text += line(fmt::format("step: {} x {} tokens, {} microbatch{}, {}{}", spec.cfg.train.batch,
-                                  spec.cfg.train.seq, accum, accum == 1 ? "" : "es", spec.cfg.run.dtype,
-                                  describe_ranks(spec.local)));
+                                      arch_name(m.arch), m.n_layer, m.d_model, m.n_head, m.vocab_size));
+  text += line(fmt::format("step: {} x {} tokens, {} microbatch{}, {}{}", spec.cfg.train.batch, spec.cfg.train.seq,
+                           accum, accum == 1 ? "" : "es", spec.cfg.run.dtype, describe_ranks(spec.local)));
   text += line(corpus);
   return text + plan_text(spec.cfg, spec.plan);
 }
@@ -276,7 +281,8 @@ std::string plan_listing(const RunSpec& spec) {
     text += fmt::format("  layer {:<4} {:>11}  {:>8} FLOPs recomputed\n", p.first_layer + static_cast<int64_t>(i) + 1,
                         format_bytes(p.layers[i].kept), format_count(p.layers[i].recompute_flops));
   }
-  text += fmt::format("  head       {:>11}  ({} loss head)\n", format_bytes(p.head), loss_head_name(spec.cfg.model.loss_head));
+  text += fmt::format("  head       {:>11}  ({} loss head)\n", format_bytes(p.head),
+                      loss_head_name(spec.cfg.model.loss_head));
   return text;
 }
 
@@ -308,15 +314,25 @@ nlohmann::json render_json(const RunSpec& spec) {
     return found == lines.end() ? std::string() : found->second;
   };
   nlohmann::json out = {
-      {"model", {{"preset", m.preset}, {"arch", arch_name(m.arch)}, {"layers", m.n_layer}, {"d_model", m.d_model},
-                 {"vocab_size", m.vocab_size}}},
+      {"model",
+       {{"preset", m.preset},
+        {"arch", arch_name(m.arch)},
+        {"layers", m.n_layer},
+        {"d_model", m.d_model},
+        {"vocab_size", m.vocab_size}}},
       {"attention", attention_name(m.attention)},
       {"attention_choice", line_of("model.attention")},
       {"loss_head", loss_head_name(m.loss_head)},
       {"loss_head_choice", line_of("model.loss_head")},
       {"choices", choices},
-      {"shape", {{"batch", spec.shape.batch}, {"ranks", spec.layout.dp}, {"tp", spec.layout.tp}, {"sp", spec.layout.sp},
-                 {"seq", spec.shape.seq}, {"grad_accum", spec.shape.grad_accum}, {"dtype", spec.cfg.run.dtype}}},
+      {"shape",
+       {{"batch", spec.shape.batch},
+        {"ranks", spec.layout.dp},
+        {"tp", spec.layout.tp},
+        {"sp", spec.layout.sp},
+        {"seq", spec.shape.seq},
+        {"grad_accum", spec.shape.grad_accum},
+        {"dtype", spec.cfg.run.dtype}}},
       {"token_corpus_bytes", spec.resident},
       {"policy", r.plan.policy},
       {"budget", r.budget},

@@ -33,8 +33,8 @@ struct RunInputs {
   /// tokens (both splits) stay in memory through every step. nullopt: not prepared (remat
   /// plan), then the vocabulary is data.vocab_size's and the tokens are not counted.
   std::optional<data::CorpusInfo> corpus;
-  std::string corpus_dir;  ///< where the corpus is or would be prepared (corpus_dir(data))
-  ProfileOf profile_of;    ///< the time profile of a rank share with every auto named
+  std::string corpus_dir;            ///< where the corpus is or would be prepared (corpus_dir(data))
+  ProfileOf profile_of;              ///< the time profile of a rank share with every auto named
   const SavedPlan* saved = nullptr;  ///< a resumed run's plan, run again as it is
 };
 

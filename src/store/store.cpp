@@ -101,10 +101,10 @@ void ActivationStore::refilled(uint64_t mb, int64_t l, const std::string& slot,
   }
   for (size_t i = 0; i < defined.size(); ++i) {
     if (defined[i].sizes().vec() != r.sizes[i] || defined[i].scalar_type() != r.dtypes[i]) {
-      throw std::runtime_error(fmt::format(
-          "Recompute of {} is not what the forward saved: tensor {} is {} {} on recompute but was {} {}.", where, i,
-          shape(defined[i].sizes().vec()), std::string(c10::toString(defined[i].scalar_type())), shape(r.sizes[i]),
-          std::string(c10::toString(r.dtypes[i]))));
+      throw std::runtime_error(
+          fmt::format("Recompute of {} is not what the forward saved: tensor {} is {} {} on recompute but was {} {}.",
+                      where, i, shape(defined[i].sizes().vec()), std::string(c10::toString(defined[i].scalar_type())),
+                      shape(r.sizes[i]), std::string(c10::toString(r.dtypes[i]))));
     }
     if (options_.check == DeterminismCheck::values && hash_bytes(defined[i]) != r.hashes[i]) {
       throw std::runtime_error(fmt::format(

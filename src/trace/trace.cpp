@@ -67,11 +67,16 @@ int thread_number() {
 
 const char* category_name(Category c) {
   switch (c) {
-    case Category::forward: return "forward";
-    case Category::backward: return "backward";
-    case Category::recompute: return "recompute";
-    case Category::layer: return "layer";
-    case Category::step: return "step";
+    case Category::forward:
+      return "forward";
+    case Category::backward:
+      return "backward";
+    case Category::recompute:
+      return "recompute";
+    case Category::layer:
+      return "layer";
+    case Category::step:
+      return "step";
   }
   return "";
 }
@@ -160,7 +165,8 @@ void check_writable(const std::string& path) {
   }
   throw std::invalid_argument(fmt::format(
       "Cannot write the trace to '{}' (run.trace, --trace): {}; give a new file path in an existing, writable "
-      "directory.", path, why));
+      "directory.",
+      path, why));
 }
 
 void Scope::begin(const char* name, Category category, int64_t layer) {

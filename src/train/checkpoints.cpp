@@ -29,8 +29,8 @@ bool is_checkpoint_name(const std::string& name) {
 }
 
 // The files remat writes atomically in a run directory (a temporary copy first).
-constexpr const char* kRunFiles[] = {"config.toml", "plan.txt",        "metrics.jsonl", "model.safetensors",
-                                     "sample.txt",  "summary.json",    "tokenizer.model"};
+constexpr const char* kRunFiles[] = {"config.toml", "plan.txt",     "metrics.jsonl",  "model.safetensors",
+                                     "sample.txt",  "summary.json", "tokenizer.model"};
 
 }  // namespace
 
@@ -131,7 +131,8 @@ ResumePoint resume_point(const std::string& run_dir, bool verify, const std::fun
       damaged.push_back(fmt::format("{} ({})", path, why));
       if (note) {
         note(fmt::format("The checkpoint {} cannot be resumed from: {}; it is kept as {}.damaged{}.", path, why,
-                         it->filename().string(), std::next(it) != saved.rend() ? ", and the previous one is tried" : ""));
+                         it->filename().string(),
+                         std::next(it) != saved.rend() ? ", and the previous one is tried" : ""));
       }
       continue;
     }
@@ -146,11 +147,15 @@ ResumePoint resume_point(const std::string& run_dir, bool verify, const std::fun
     return point;
   }
   if (!damaged.empty()) {
-    throw std::invalid_argument(fmt::format("{} has no whole checkpoint to resume from: every one is damaged ({}); "
-                                            "start the run again.", run_dir, fmt::join(damaged, "; ")));
+    throw std::invalid_argument(
+        fmt::format("{} has no whole checkpoint to resume from: every one is damaged ({}); "
+                    "start the run again.",
+                    run_dir, fmt::join(damaged, "; ")));
   }
-  throw std::invalid_argument(fmt::format("{} has no training checkpoint to resume from (none was written before the "
-                                          "run stopped); start the run again.", run_dir));
+  throw std::invalid_argument(
+      fmt::format("{} has no training checkpoint to resume from (none was written before the "
+                  "run stopped); start the run again.",
+                  run_dir));
 }
 
 std::map<std::string, std::string> data_digests(const data::CorpusInfo& corpus) {
@@ -165,14 +170,15 @@ void check_same_data(const std::string& run_dir, const data::CorpusInfo& corpus,
     throw std::invalid_argument(fmt::format(
         "The tokenizer prepared now from the run's data ({}) differs from {}, the one the run trained with: the "
         "training text (data.text) changed since the run started, so its token ids would mean other pieces; restore "
-        "the text the run trained on, or start a new run.", corpus.source, own));
+        "the text the run trained on, or start a new run.",
+        corpus.source, own));
   }
   const auto text = metadata.find("data.text_sha256");
   if (text != metadata.end() && text->second != corpus.text_sha256) {
-    throw std::invalid_argument(fmt::format(
-        "The training text ({}, SHA-256 {}) is not the one the run trained on (SHA-256 {}, recorded in its "
-        "checkpoint): it changed since the run started; restore it, or start a new run.", corpus.source,
-        corpus.text_sha256, text->second));
+    throw std::invalid_argument(
+        fmt::format("The training text ({}, SHA-256 {}) is not the one the run trained on (SHA-256 {}, recorded in its "
+                    "checkpoint): it changed since the run started; restore it, or start a new run.",
+                    corpus.source, corpus.text_sha256, text->second));
   }
 }
 

@@ -33,7 +33,8 @@ std::unique_ptr<dist::Comm> join_ranks(const Config& cfg, const std::string& sub
   if (cfg.run.device != "cpu") {
     throw std::invalid_argument(fmt::format(
         "Several ranks train on the CPU only so far (Gloo); run.device = {} with {} ranks needs NCCL, which this "
-        "build does not have. Set run.device=cpu or start one rank.", cfg.run.device, world));
+        "build does not have. Set run.device=cpu or start one rank.",
+        cfg.run.device, world));
   }
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(std::llround(cfg.parallel.timeout * 1000)));
   return dist::Comm::connect(*env, timeout, static_cast<int>(tp), static_cast<int>(pp));
@@ -46,13 +47,15 @@ int64_t data_parallel_ranks(const Config& cfg) {
   if (env && env->world_size % tp != 0) {
     throw std::invalid_argument(fmt::format(
         "parallel.tp = {} x parallel.pp = {} ranks hold one copy of the model, so they must divide the {} ranks "
-        "started; start a multiple of {} ranks.", cfg.parallel.tp, cfg.parallel.pp, env->world_size, tp));
+        "started; start a multiple of {} ranks.",
+        cfg.parallel.tp, cfg.parallel.pp, env->world_size, tp));
   }
   const int64_t ranks = cfg.parallel.dp > 0 ? cfg.parallel.dp : env ? env->world_size / tp : 1;
   if (cfg.train.batch % ranks != 0) {
     throw std::invalid_argument(fmt::format(
         "train.batch = {} sequences cannot be split evenly over {} data-parallel ranks; make train.batch a multiple "
-        "of {} (it counts the sequences of all ranks together).", cfg.train.batch, ranks, ranks));
+        "of {} (it counts the sequences of all ranks together).",
+        cfg.train.batch, ranks, ranks));
   }
   return ranks;
 }
@@ -160,10 +163,11 @@ GradientReduction::GradientReduction(Model& model, dist::Group& group, bool over
   model.set_gradients_ready([this](size_t first) {
     const auto& params = model_.params();
     const at::Tensor& buffer = model_.grad_buffer();
-    const int64_t from = first < params.size()
-                             ? (static_cast<const char*>(params[first].grad.data_ptr()) -
-                                static_cast<const char*>(buffer.data_ptr())) / static_cast<int64_t>(buffer.element_size())
-                             : buffer.numel();
+    const int64_t from =
+        first < params.size()
+            ? (static_cast<const char*>(params[first].grad.data_ptr()) - static_cast<const char*>(buffer.data_ptr())) /
+                  static_cast<int64_t>(buffer.element_size())
+            : buffer.numel();
     const size_t before = started_;
     start_from(from);
     if (first > 0) started_early_ += static_cast<int64_t>(started_ - before);  // 0: the backward's last part

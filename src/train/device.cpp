@@ -24,8 +24,8 @@ at::Device parse_device(const std::string& spec) {
     const bool digits = !idx.empty() && idx.size() < 4 && idx.find_first_not_of("0123456789") == std::string::npos;
     const int64_t n = static_cast<int64_t>(at::getNumGPUs());
     if (!digits || std::stoll(idx) >= n) {
-      throw std::invalid_argument(fmt::format("run.device={} names no GPU here; this machine has {} (cuda:0 to cuda:{}).",
-                                              spec, n, n - 1));
+      throw std::invalid_argument(
+          fmt::format("run.device={} names no GPU here; this machine has {} (cuda:0 to cuda:{}).", spec, n, n - 1));
     }
     return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(std::stoll(idx)));
   }
@@ -77,9 +77,7 @@ const OpenBlas& openblas() {
 // ATen's own pool (and on one thread inside ATen's parallel regions), so it takes them all.
 // The pthread build keeps a pool of its own whose workers spin after every call while
 // OpenMP's spin in turn (over half the CPU time of a step on 2 cores): it is held to one.
-int blas_threads(int threads) {
-  return openblas().threading() == BlasThreading::pthreads ? 1 : threads;
-}
+int blas_threads(int threads) { return openblas().threading() == BlasThreading::pthreads ? 1 : threads; }
 
 }  // namespace
 
@@ -101,9 +99,12 @@ std::string blas_name() {
     std::string config = b.config();
     while (!config.empty() && config.back() == ' ') config.pop_back();
     switch (b.threading()) {
-      case BlasThreading::openmp: return config + " (OpenMP: ATen's thread pool)";
-      case BlasThreading::pthreads: return config + " (pthreads: held to 1 thread)";
-      case BlasThreading::none: break;
+      case BlasThreading::openmp:
+        return config + " (OpenMP: ATen's thread pool)";
+      case BlasThreading::pthreads:
+        return config + " (pthreads: held to 1 thread)";
+      case BlasThreading::none:
+        break;
     }
     return config + " (single-threaded)";
   }();

@@ -12,8 +12,10 @@ namespace remat {
 void check_temperature(double temperature) {
   // NaN fails both comparisons: ATen's sampler would refuse it with a message of its own.
   if (!(temperature >= 0 && temperature <= 100)) {
-    throw std::invalid_argument(fmt::format("The sampling temperature must be a number from 0 (greedy) to 100, got "
-                                            "{}; 0.8 is usual.", temperature));
+    throw std::invalid_argument(
+        fmt::format("The sampling temperature must be a number from 0 (greedy) to 100, got "
+                    "{}; 0.8 is usual.",
+                    temperature));
   }
 }
 
@@ -22,15 +24,14 @@ namespace {
 constexpr std::string_view kReplacement = "\xEF\xBF\xBD";  // U+FFFD, what an incomplete character decodes to
 
 bool ends_in_replacement(const std::string& text) {
-  return text.size() >= kReplacement.size() && text.compare(text.size() - kReplacement.size(), kReplacement.size(),
-                                                            kReplacement) == 0;
+  return text.size() >= kReplacement.size() &&
+         text.compare(text.size() - kReplacement.size(), kReplacement.size(), kReplacement) == 0;
 }
 
 }  // namespace
 
 std::string sample_text(Model& model, const data::Tokenizer& tok, const std::string& prompt, int64_t tokens,
-                        double temperature, int64_t top_k, uint64_t seed, const TextSink& on_text,
-                        int64_t* generated) {
+                        double temperature, int64_t top_k, uint64_t seed, const TextSink& on_text, int64_t* generated) {
   check_temperature(temperature);
   std::vector<int32_t> ids = tok.encode(prompt);
   if (ids.empty()) ids.push_back(tok.bos_id() >= 0 ? tok.bos_id() : 0);
@@ -70,7 +71,8 @@ std::string sample_text(Model& model, const data::Tokenizer& tok, const std::str
     if (!at::isfinite(logits).all().item<bool>()) {
       throw std::runtime_error(fmt::format(
           "The model's logits for generated token {} are not finite although its weights are: the forward overflows "
-          "on this prompt; try a shorter prompt, or train the model again with a lower train.lr.", made + 1));
+          "on this prompt; try a shorter prompt, or train the model again with a lower train.lr.",
+          made + 1));
     }
     int64_t next = 0;
     if (temperature <= 0) {
@@ -105,9 +107,9 @@ std::string sample_text(Model& model, const data::Tokenizer& tok, const std::str
 
 namespace remat {
 
-std::string generate_from_run(const std::string& run_dir, const std::string& prompt, int64_t tokens,
-                              double temperature, int64_t top_k, uint64_t seed, const std::string& device,
-                              const TextSink& on_text, int64_t* generated) {
+std::string generate_from_run(const std::string& run_dir, const std::string& prompt, int64_t tokens, double temperature,
+                              int64_t top_k, uint64_t seed, const std::string& device, const TextSink& on_text,
+                              int64_t* generated) {
   namespace fs = std::filesystem;
   check_temperature(temperature);
   for (const char* f : {"config.toml", "model.safetensors", "tokenizer.model"}) {
@@ -143,7 +145,8 @@ std::string generate_from_run(const std::string& run_dir, const std::string& pro
   if (const std::string bad = first_non_finite(*model); !bad.empty()) {
     throw std::invalid_argument(fmt::format(
         "The weights in {} hold non-finite values (first: {}), so every sample would be noise; the run that wrote "
-        "them diverged: train again with a lower train.lr.", (fs::path(run_dir) / "model.safetensors").string(), bad));
+        "them diverged: train again with a lower train.lr.",
+        (fs::path(run_dir) / "model.safetensors").string(), bad));
   }
   const auto tok = data::Tokenizer::load((fs::path(run_dir) / "tokenizer.model").string());
   return sample_text(*model, tok, prompt, tokens, temperature, top_k, seed, on_text, generated);

@@ -27,9 +27,9 @@ constexpr int kGatherTag = kTiedTag + 2;
 
 }  // namespace
 
-std::vector<double> run_pipeline(Model& model, dist::Group& pipe, pipeline::Schedule schedule,
-                                 int64_t microbatches, const std::function<MicrobatchData(int64_t)>& draw,
-                                 double loss_scale, int64_t ce_chunk, int64_t step, ActivationBytes* measured) {
+std::vector<double> run_pipeline(Model& model, dist::Group& pipe, pipeline::Schedule schedule, int64_t microbatches,
+                                 const std::function<MicrobatchData(int64_t)>& draw, double loss_scale,
+                                 int64_t ce_chunk, int64_t step, ActivationBytes* measured) {
   const int stage = pipe.rank(), stages = pipe.size();
   const bool first = stage == 0, last = stage == stages - 1;
   TORCH_CHECK(model.first_stage() == first && model.last_stage() == last, "[run_pipeline] the model holds layers ",
@@ -121,8 +121,8 @@ void sum_tied_grads(Model& model, dist::Group& pipe, int64_t step) {
   for (Param& p : model.params()) {
     if (!p.tied) continue;
     at::Tensor theirs = at::empty_like(p.grad);
-    const std::string what = fmt::format("the exchange of {}'s gradient between the first and last stage (step {})",
-                                         p.name, step + 1);
+    const std::string what =
+        fmt::format("the exchange of {}'s gradient between the first and last stage (step {})", p.name, step + 1);
     auto r = pipe.recv(theirs, peer, kTiedTag, what);
     auto s = pipe.send(p.grad, peer, kTiedTag, what);
     r->wait();
@@ -190,7 +190,8 @@ void write_on_first_stage(dist::Group& pipe, std::vector<std::pair<std::string, 
     pipe.recv(length, from, kGatherTag, what)->wait();
     at::Tensor bytes = at::empty({length.item<int64_t>()}, at::kByte);
     pipe.recv(bytes, from, kGatherTag + 1, what)->wait();
-    std::istringstream lines(std::string(static_cast<const char*>(bytes.data_ptr()), static_cast<size_t>(bytes.numel())));
+    std::istringstream lines(
+        std::string(static_cast<const char*>(bytes.data_ptr()), static_cast<size_t>(bytes.numel())));
     for (std::string line; std::getline(lines, line);) {
       std::istringstream fields(line);
       std::string name, dtype, sizes_text;
@@ -216,12 +217,15 @@ void write_on_first_stage(dist::Group& pipe, std::vector<std::pair<std::string, 
     pipe.recv(t, from, kGatherTag + 2, what)->wait();
     return t;
   };
-  model::save_safetensors(path, specs, [&](size_t i) -> at::Tensor {
-    const Source& src = sources[i];
-    if (src.stage == 0) return mine[src.index].second;
-    while (received[static_cast<size_t>(src.stage)] < src.index) receive(src.stage);
-    return receive(src.stage);
-  }, metadata, checksum);
+  model::save_safetensors(
+      path, specs,
+      [&](size_t i) -> at::Tensor {
+        const Source& src = sources[i];
+        if (src.stage == 0) return mine[src.index].second;
+        while (received[static_cast<size_t>(src.stage)] < src.index) receive(src.stage);
+        return receive(src.stage);
+      },
+      metadata, checksum);
   // The copies after each stage's last written tensor.
   for (int from = 1; from < pipe.size(); ++from) {
     while (received[static_cast<size_t>(from)] < sent[static_cast<size_t>(from)].size()) receive(from);

@@ -36,10 +36,9 @@ struct MicrobatchData {
 /// step nothing is under way. Returns each microbatch's mean loss, in order, on every stage
 /// (the last stage's, shared over `pipe`). `step` names the transfers in a failure.
 /// `measured`, when given, receives the bytes the first microbatch's forward kept here.
-std::vector<double> run_pipeline(Model& model, dist::Group& pipe, pipeline::Schedule schedule,
-                                 int64_t microbatches, const std::function<MicrobatchData(int64_t)>& draw,
-                                 double loss_scale, int64_t ce_chunk, int64_t step,
-                                 ActivationBytes* measured = nullptr);
+std::vector<double> run_pipeline(Model& model, dist::Group& pipe, pipeline::Schedule schedule, int64_t microbatches,
+                                 const std::function<MicrobatchData(int64_t)>& draw, double loss_scale,
+                                 int64_t ce_chunk, int64_t step, ActivationBytes* measured = nullptr);
 
 /// The mean loss of `tokens` against `targets` (Model::evaluate: no dropout, nothing kept)
 /// through the stages of `pipe`, each stage's output sent to the next; returned on every

@@ -62,14 +62,16 @@ std::string profile_key(const Config& cfg, const Model& model, int at_once) {
   const TrainConfig& t = cfg.train;
   // The BLAS and its threading change every matmul's time: a digest of their description.
   // "ig": tensor parallelism alone, whose profile times the gather of a sharded input.
-  std::string key = fmt::format(
-      "{}-{}-{}-L{}-C{}-H{}-KV{}-F{}-V{}-p{}-{}{}-B{}-T{}-tp{}{}-ce{}{}-es{}-threads{}-blas{}-build{}",
-      model.device().str(),
-      cfg.run.dtype, arch_name(m.arch), m.n_layer, m.d_model, m.n_head, m.n_kv_head, m.d_ff, m.vocab_size, m.dropout,
-      attention_name(m.attention), m.attention == Attention::tiled ? m.attention_tile : 0, t.batch, t.seq,
-      model.tp_size(), model.sequence_parallel() ? "sp" : model.tp_size() > 1 ? "ig" : "", t.ce_chunk,
-      loss_head_name(m.loss_head), cfg.ac.early_stop ? 1 : 0, at::get_num_threads(),
-      util::sha256_hex(blas_name()).substr(0, 8), build_identity());
+  std::string key =
+      fmt::format("{}-{}-{}-L{}-C{}-H{}-KV{}-F{}-V{}-p{}-{}{}-B{}-T{}-tp{}{}-ce{}{}-es{}-threads{}-blas{}-build{}",
+                  model.device().str(), cfg.run.dtype, arch_name(m.arch), m.n_layer, m.d_model, m.n_head, m.n_kv_head,
+                  m.d_ff, m.vocab_size, m.dropout, attention_name(m.attention),
+                  m.attention == Attention::tiled ? m.attention_tile : 0, t.batch, t.seq, model.tp_size(),
+                  model.sequence_parallel() ? "sp"
+                  : model.tp_size() > 1     ? "ig"
+                                            : "",
+                  t.ce_chunk, loss_head_name(m.loss_head), cfg.ac.early_stop ? 1 : 0, at::get_num_threads(),
+                  util::sha256_hex(blas_name()).substr(0, 8), build_identity());
   // ZeRO-1 updates a share of the parameters; without it the key is as it always was.
   if (zero_ranks(cfg) > 1) key += fmt::format("-zero{}", zero_ranks(cfg));
   if (at_once > 1) key += fmt::format("-ranks{}", at_once);
@@ -246,8 +248,8 @@ void measure_times(const Config& cfg, Model& model, const data::TokenDataset& da
   StoreOptions options;
   options.early_stop = cfg.ac.early_stop;
   options.time_nodes = true;
-  const graph::BlockGraph block = graph::block_graph(cfg.model, t.batch, t.seq, model.compute_dtype(),
-                                                     model.tp_size(), model.sequence_parallel());
+  const graph::BlockGraph block =
+      graph::block_graph(cfg.model, t.batch, t.seq, model.compute_dtype(), model.tp_size(), model.sequence_parallel());
   ActivationPlan full = compile_policy("full", cfg.model.n_layer, cfg.model.dropout);
   // Where a layer may keep its input as a share, each does, so that the all-gather a plan
   // may choose (graph::kInputGather) is timed too.
@@ -261,8 +263,7 @@ void measure_times(const Config& cfg, Model& model, const data::TokenDataset& da
     model.store()->reset_counters();
     synchronize(device);
     const auto t0 = std::chrono::steady_clock::now();
-    model.forward_backward(tokens, targets, StepContext{static_cast<uint64_t>(cfg.run.seed), 0, 0}, 1.0,
-                           t.ce_chunk);
+    model.forward_backward(tokens, targets, StepContext{static_cast<uint64_t>(cfg.run.seed), 0, 0}, 1.0, t.ce_chunk);
     synchronize(device);
     if (rep > 0) reps.emplace_back(seconds_since(t0), model.store()->counters());  // rep 0 warms caches
   }
@@ -458,8 +459,8 @@ LinkRate measure_link_rate(dist::Comm& ranks) {
   LinkRate fit;
   if (large_s > small_s) {
     fit.bytes_per_second = part * static_cast<double>(large - small) / (large_s - small_s);
-    fit.latency_seconds =
-        std::max(0.0, (small_s - part * static_cast<double>(small) / fit.bytes_per_second) / static_cast<double>(t - 1));
+    fit.latency_seconds = std::max(
+        0.0, (small_s - part * static_cast<double>(small) / fit.bytes_per_second) / static_cast<double>(t - 1));
   } else {  // noise swamped the difference: all of the large one's time is bytes
     fit.bytes_per_second = part * static_cast<double>(large) / large_s;
   }
@@ -469,8 +470,8 @@ LinkRate measure_link_rate(dist::Comm& ranks) {
   return fit;
 }
 
-TimeProfile run_time_profile(const Config& cfg, at::Device device, at::ScalarType dtype,
-                             const data::TokenDataset& data, dist::Comm* ranks, double matmul_rate,
+TimeProfile run_time_profile(const Config& cfg, at::Device device, at::ScalarType dtype, const data::TokenDataset& data,
+                             dist::Comm* ranks, double matmul_rate,
                              const std::function<std::unique_ptr<Model>()>& create, std::unique_ptr<Model>& model) {
   TimeProfile profile;
   if (cfg.ac.profile && cfg.parallel.pp == 1) {

@@ -19,10 +19,10 @@
 namespace remat {
 
 struct TimeProfile {
-  cost::NodeTimes times;          ///< seconds per execution of each recompute node
-  double base_seconds = 0;        ///< one microbatch's forward + backward, nothing recomputed
-  double optimizer_seconds = 0;   ///< gradient clipping and the AdamW update
-  int64_t optimizer_bytes = 0;    ///< the parameter bytes that update was of
+  cost::NodeTimes times;         ///< seconds per execution of each recompute node
+  double base_seconds = 0;       ///< one microbatch's forward + backward, nothing recomputed
+  double optimizer_seconds = 0;  ///< gradient clipping and the AdamW update
+  int64_t optimizer_bytes = 0;   ///< the parameter bytes that update was of
   /// The CPUs other processes used while it was measured (rank 0's machine); unknown where
   /// /proc/stat could not be read, or read from a cache written before this was recorded.
   std::optional<double> other_cpus;
@@ -30,8 +30,8 @@ struct TimeProfile {
   /// profile time is priced in FLOPs (times.flops_per_second = 1), and this is the inverse
   /// of the matmul rate measured.
   double seconds_per_unit = 1;
-  std::string path;               ///< the cache file
-  bool cached = false;            ///< read from the cache rather than measured now
+  std::string path;     ///< the cache file
+  bool cached = false;  ///< read from the cache rather than measured now
   /// Predicted wall time of a step whose recompute costs `recompute_seconds` in all.
   double step_seconds(int64_t grad_accum, double recompute_seconds) const {
     return static_cast<double>(grad_accum) * base_seconds + recompute_seconds + optimizer_seconds;
@@ -101,8 +101,8 @@ LinkRate measure_link_rate(dist::Comm& ranks);
 /// prices it; seconds_per_unit from `matmul_rate`), which predicts no step time. Under tensor parallelism either
 /// way, with the links measure_link_rate measures (cached with the profile under ac.profile),
 /// which price the collectives no node time covers (all of them without ac.profile).
-TimeProfile run_time_profile(const Config& cfg, at::Device device, at::ScalarType dtype,
-                             const data::TokenDataset& data, dist::Comm* ranks, double matmul_rate,
+TimeProfile run_time_profile(const Config& cfg, at::Device device, at::ScalarType dtype, const data::TokenDataset& data,
+                             dist::Comm* ranks, double matmul_rate,
                              const std::function<std::unique_ptr<Model>()>& create, std::unique_ptr<Model>& model);
 
 }  // namespace remat

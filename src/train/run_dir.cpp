@@ -27,8 +27,8 @@ RunLock::RunLock(const std::string& dir) {
   const std::string path = dir + "/remat.lock";
   fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644);
   if (fd_ < 0) {
-    throw std::runtime_error(fmt::format("Cannot open the lock file {}: {}; a run directory must be writable.", path,
-                                         std::strerror(errno)));
+    throw std::runtime_error(
+        fmt::format("Cannot open the lock file {}: {}; a run directory must be writable.", path, std::strerror(errno)));
   }
   if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
     const int error = errno;
@@ -39,8 +39,8 @@ RunLock::RunLock(const std::string& dir) {
     if (error == EWOULDBLOCK) {
       throw std::runtime_error(fmt::format(
           "{} is in use by another remat process{}: one process at a time writes a run directory; wait for it to "
-          "finish (or stop it) before resuming the run.", dir,
-          pid.find_first_not_of("0123456789") == std::string::npos && !pid.empty() ? " (pid " + pid + ")" : ""));
+          "finish (or stop it) before resuming the run.",
+          dir, pid.find_first_not_of("0123456789") == std::string::npos && !pid.empty() ? " (pid " + pid + ")" : ""));
     }
     throw std::runtime_error(fmt::format("Cannot lock {}: {}.", path, std::strerror(error)));
   }
@@ -100,8 +100,8 @@ void RunDir::log_metrics(const nlohmann::json& record) {
     const auto step = record.find("step");
     throw std::runtime_error(fmt::format(
         "{} The metrics{} are lost, so the run stops here; free space (or fix the file) and continue it from its "
-        "last checkpoint with `remat train --resume {}`.", e.what(),
-        step != record.end() ? fmt::format(" of step {}", step->dump()) : "", path_));
+        "last checkpoint with `remat train --resume {}`.",
+        e.what(), step != record.end() ? fmt::format(" of step {}", step->dump()) : "", path_));
   }
 }
 
@@ -143,8 +143,8 @@ bool RunDir::plot_points(const std::string& name, const std::string& title, cons
   std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return points[a].x < points[b].x; });
   for (size_t rank = 0; rank < order.size(); ++rank) {
     const PlotPoint& p = points[order[rank]];
-    script += fmt::format("set label {} {} at {},{} offset 1,{} font ',9'\n", rank + 1, gnuplot_quote(p.label), p.x, p.y,
-                          rank % 2 == 0 ? "0.7" : "-0.7");
+    script += fmt::format("set label {} {} at {},{} offset 1,{} font ',9'\n", rank + 1, gnuplot_quote(p.label), p.x,
+                          p.y, rank % 2 == 0 ? "0.7" : "-0.7");
   }
   script += "$points << EOD\n";
   for (const auto& p : points) script += fmt::format("{} {}\n", p.x, p.y);

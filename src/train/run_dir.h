@@ -57,8 +57,7 @@ class RunDir {
   /// Renders loss.png with gnuplot: train and validation loss per step, and a dashed
   /// reference line. Returns false, with `why` set, when gnuplot is missing or fails.
   bool plot_loss(const std::vector<std::pair<int64_t, double>>& train,
-                 const std::vector<std::pair<int64_t, double>>& val, double reference_loss,
-                 std::string* why) const;
+                 const std::vector<std::pair<int64_t, double>>& val, double reference_loss, std::string* why) const;
 
   /// Renders `name` (a PNG) with gnuplot: one labelled point per entry of `points`, both
   /// axes from 0 so that distances read as ratios. Returns false, with `why` set, when

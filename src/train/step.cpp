@@ -77,8 +77,7 @@ double clip_gradients(Model& model, double max_norm, int64_t step, dist::Group* 
     pipe->all_reduce(all, dist::Reduce::sum, what);
     squares = all[0];
   }
-  const double norm =
-      std::sqrt(parts[0].item<double>() + (squares.defined() ? total(squares).item<double>() : 0.0));
+  const double norm = std::sqrt(parts[0].item<double>() + (squares.defined() ? total(squares).item<double>() : 0.0));
   if (max_norm > 0 && norm > max_norm) {
     const double scale = max_norm / (norm + 1e-6);
     for (auto& p : model.params()) p.grad.mul_(scale);
@@ -130,8 +129,10 @@ std::vector<torch::optim::OptimizerParamGroup> adamw_groups(Model& model, const 
   }
   using torch::optim::AdamWOptions;
   std::vector<torch::optim::OptimizerParamGroup> groups;
-  groups.emplace_back(decay, std::make_unique<AdamWOptions>(AdamWOptions(t.lr).betas({t.beta1, t.beta2}).weight_decay(t.weight_decay)));
-  groups.emplace_back(no_decay, std::make_unique<AdamWOptions>(AdamWOptions(t.lr).betas({t.beta1, t.beta2}).weight_decay(0.0)));
+  groups.emplace_back(
+      decay, std::make_unique<AdamWOptions>(AdamWOptions(t.lr).betas({t.beta1, t.beta2}).weight_decay(t.weight_decay)));
+  groups.emplace_back(no_decay,
+                      std::make_unique<AdamWOptions>(AdamWOptions(t.lr).betas({t.beta1, t.beta2}).weight_decay(0.0)));
   return groups;
 }
 
@@ -192,8 +193,9 @@ std::string TrainStep::first_non_finite_of_job(bool grads, int64_t step, const c
   } else {
     name = ranks_->await(key, what);
   }
-  return pipe_ != nullptr ? fmt::format("{} (pipeline stage {}, rank {})", name, found[static_cast<size_t>(first)][1] + 1, first)
-                          : name;
+  return pipe_ != nullptr
+             ? fmt::format("{} (pipeline stage {}, rank {})", name, found[static_cast<size_t>(first)][1] + 1, first)
+             : name;
 }
 
 // Where a non-finite step shows first: a weight, else a gradient, else the loss alone.
@@ -268,8 +270,8 @@ StepResult TrainStep::run(int64_t step, const data::TokenDataset& data, std::mt1
                           StepContext{seed_, static_cast<uint64_t>(step), static_cast<uint64_t>(m), first_row}};
   };
   if (pipe_ != nullptr) {
-    for (const double loss : run_pipeline(model_, *pipe_, schedule_, t.grad_accum, draw, 1.0 / parts, t.ce_chunk,
-                                          step, &r.activations)) {
+    for (const double loss :
+         run_pipeline(model_, *pipe_, schedule_, t.grad_accum, draw, 1.0 / parts, t.ce_chunk, step, &r.activations)) {
       r.loss += loss / parts;  // in the order one process adds them
     }
     sum_tied_grads(model_, *pipe_, step);
@@ -332,7 +334,8 @@ StepResult TrainStep::run(int64_t step, const data::TokenDataset& data, std::mt1
   if (const std::string w = first_non_finite_of_job(false, step, "after"); !w.empty()) {
     throw std::runtime_error(fmt::format(
         "The update of step {} made parameter {} non-finite (the loss was {}, the gradient norm {}); lower train.lr "
-        "(now {}) or set train.grad_clip (now {}).", step + 1, w, r.loss, r.grad_norm, r.lr, t.grad_clip));
+        "(now {}) or set train.grad_clip (now {}).",
+        step + 1, w, r.loss, r.grad_norm, r.lr, t.grad_clip));
   }
   if (model_.store() != nullptr) r.counters = model_.store()->counters();
   return r;
@@ -389,8 +392,10 @@ std::string checkpoint_metadata_problem(const std::map<std::string, std::string>
   const std::string* format = field("format");
   if (format == nullptr) return "its metadata has no 'format': it is no remat training checkpoint";
   if (*format != kCheckpointFormat) {
-    return fmt::format("its format is {}, not '{}'", nlohmann::json(util::clip(*format)).dump(-1, ' ', false,
-                       nlohmann::json::error_handler_t::replace), kCheckpointFormat);
+    return fmt::format(
+        "its format is {}, not '{}'",
+        nlohmann::json(util::clip(*format)).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace),
+        kCheckpointFormat);
   }
   // A whole decimal count in [lowest, 2^30] (train.steps' bound), else why not.
   const auto count = [&](const std::string& key, int64_t lowest, int64_t& out) -> std::string {
@@ -459,7 +464,8 @@ int64_t TrainStep::load_checkpoint(const std::string& path, std::mt19937_64& rng
       throw std::runtime_error(fmt::format(
           "The checkpoint {} holds a NaN or an infinity in '{}', which training never saves, so the file was damaged "
           "after it was written (not by the learning rate); remove it to resume from an earlier checkpoint, or start "
-          "the run again.", path, name));
+          "the run again.",
+          path, name));
     }
   }
   const std::mt19937_64 restored = state.rng;

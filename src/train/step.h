@@ -26,17 +26,17 @@ void apply_plan(Model& model, const ActivationPlan& plan, const AcConfig& ac);
 
 /// What one optimizer step did and what it cost.
 struct StepResult {
-  double loss = 0;              ///< mean training loss over the step's microbatches
-  double lr = 0;                ///< learning rate the step used
-  double grad_norm = 0;         ///< global L2 gradient norm before clipping
-  double seconds = 0;           ///< wall time, the device synchronized before and after
-  int64_t current_bytes = 0;    ///< tensor bytes held after the step
-  int64_t peak_bytes = 0;       ///< highest tensor bytes held during the step
-  ActivationBytes activations;  ///< saved-activation bytes of the first microbatch, measured
-  StoreCounters counters;       ///< what the store re-ran during the step (zeros without a store)
-  int64_t reduce_buckets = 0;   ///< data parallel: the gradient buckets all-reduced
+  double loss = 0;                        ///< mean training loss over the step's microbatches
+  double lr = 0;                          ///< learning rate the step used
+  double grad_norm = 0;                   ///< global L2 gradient norm before clipping
+  double seconds = 0;                     ///< wall time, the device synchronized before and after
+  int64_t current_bytes = 0;              ///< tensor bytes held after the step
+  int64_t peak_bytes = 0;                 ///< highest tensor bytes held during the step
+  ActivationBytes activations;            ///< saved-activation bytes of the first microbatch, measured
+  StoreCounters counters;                 ///< what the store re-ran during the step (zeros without a store)
+  int64_t reduce_buckets = 0;             ///< data parallel: the gradient buckets all-reduced
   int64_t reduce_buckets_overlapped = 0;  ///< of them, those started during the backward
-  std::string trace;            ///< Chrome-trace JSON of the step when it was traced
+  std::string trace;                      ///< Chrome-trace JSON of the step when it was traced
 };
 
 /// The optimizer of one model and its training step. AdamW in two groups: weight decay

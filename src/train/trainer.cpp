@@ -85,8 +85,8 @@ void check_split_fits(const data::TokenDataset& ds, const char* split, int64_t s
   if (ds.size() < seq + 1) {
     throw std::invalid_argument(fmt::format(
         "The {} split has {} tokens, fewer than one sequence of train.seq = {} plus its next token; lower train.seq{}, "
-        "or train on a longer text.", split, ds.size(), seq, std::string(split) == "validation" ?
-        " or raise data.val_fraction" : ""));
+        "or train on a longer text.",
+        split, ds.size(), seq, std::string(split) == "validation" ? " or raise data.val_fraction" : ""));
   }
 }
 
@@ -174,8 +174,8 @@ Resumed open_resume(const std::string& dir, const Ranks& ranks, const data::Corp
   // One that stopped after its last step but before its final files writes those.
   if (r.point.steps >= cfg.train.steps && fs::exists(fs::path(dir) / "summary.json") &&
       fs::exists(fs::path(dir) / "model.safetensors")) {
-    throw std::invalid_argument(fmt::format("{} finished all {} steps; there is nothing to resume.", dir,
-                                            cfg.train.steps));
+    throw std::invalid_argument(
+        fmt::format("{} finished all {} steps; there is nothing to resume.", dir, cfg.train.steps));
   }
   check_same_data(dir, corpus, r.point.metadata);
   if (const auto plan = r.point.metadata.find("plan"); plan != r.point.metadata.end()) {
@@ -266,11 +266,11 @@ void print_header(const RunSpec& spec, const TrainSummary& sum, const std::strin
   const data::CorpusInfo& corpus = *spec.corpus;
   const int64_t padding = cfg.model.vocab_size - tok.vocab_size();
   fmt::print(stderr, "data: {} train / {} validation tokens, vocabulary {}{}, unigram entropy {:.3f} nats/token\n",
-             format_count(static_cast<double>(corpus.train_tokens)), format_count(static_cast<double>(corpus.val_tokens)),
-             tok.vocab_size(),
-             padding > 0 ? fmt::format(" (the model's {} rows: {} padding rows no token uses)", cfg.model.vocab_size,
-                                       padding)
-                         : "",
+             format_count(static_cast<double>(corpus.train_tokens)),
+             format_count(static_cast<double>(corpus.val_tokens)), tok.vocab_size(),
+             padding > 0
+                 ? fmt::format(" (the model's {} rows: {} padding rows no token uses)", cfg.model.vocab_size, padding)
+                 : "",
              corpus.train_unigram_entropy);
   fmt::print(stderr, "training: {} steps x {} tokens ({} x {} x {} accum{}); run dir {}\n", t.steps,
              t.batch * t.seq * t.grad_accum, t.batch, t.seq, t.grad_accum, describe_ranks(spec.local), sum.run_dir);
@@ -280,9 +280,11 @@ void print_header(const RunSpec& spec, const TrainSummary& sum, const std::strin
   if (spec.layout.tp > 1) {
     const cost::NodeTimes& links = planned.profile.times;
     const double unit = planned.profile.seconds_per_unit;
-    fmt::print(stderr, "tensor-parallel links measured at {:.2f} GB/s a rank sends and {:.1f} us a ring step; the "
-               "recompute re-runs {:.1f} ms of collectives\n", links.link_bytes_per_second / unit / 1e9,
-               1e6 * links.link_latency_seconds * unit, 1e3 * planned.predicted.recompute_link_seconds * unit);
+    fmt::print(stderr,
+               "tensor-parallel links measured at {:.2f} GB/s a rank sends and {:.1f} us a ring step; the "
+               "recompute re-runs {:.1f} ms of collectives\n",
+               links.link_bytes_per_second / unit / 1e9, 1e6 * links.link_latency_seconds * unit,
+               1e3 * planned.predicted.recompute_link_seconds * unit);
   }
   if (run != nullptr) run->write_text("plan.txt", plan_text + "\n" + plan_listing(spec));
 }
@@ -291,15 +293,26 @@ void print_header(const RunSpec& spec, const TrainSummary& sum, const std::strin
 nlohmann::json step_metrics(int64_t step, const StepResult& r, const std::vector<int64_t>& peaks,
                             int64_t tokens_per_step, int64_t predicted_activations, int64_t predicted_peak) {
   const StoreCounters& c = r.counters;
-  return {{"kind", "train"}, {"step", step}, {"loss", r.loss}, {"lr", r.lr},
-          {"grad_norm", r.grad_norm}, {"step_seconds", r.seconds},
-          {"tokens_per_second", tokens_per_step / r.seconds}, {"memory_bytes", r.current_bytes},
-          {"peak_bytes", *std::max_element(peaks.begin(), peaks.end())}, {"rank_peak_bytes", peaks},
-          {"activation_bytes", r.activations.total()}, {"predicted_activation_bytes", predicted_activations},
+  return {{"kind", "train"},
+          {"step", step},
+          {"loss", r.loss},
+          {"lr", r.lr},
+          {"grad_norm", r.grad_norm},
+          {"step_seconds", r.seconds},
+          {"tokens_per_second", tokens_per_step / r.seconds},
+          {"memory_bytes", r.current_bytes},
+          {"peak_bytes", *std::max_element(peaks.begin(), peaks.end())},
+          {"rank_peak_bytes", peaks},
+          {"activation_bytes", r.activations.total()},
+          {"predicted_activation_bytes", predicted_activations},
           {"predicted_peak_bytes", predicted_peak},
-          {"ops_recomputed", c.ops_recomputed}, {"bytes_recomputed", c.bytes_recomputed},
-          {"pool_hits", c.pool.hits}, {"pool_misses", c.pool.misses}, {"pool_bytes_served", c.pool.bytes_served},
-          {"reduce_buckets", r.reduce_buckets}, {"reduce_buckets_overlapped", r.reduce_buckets_overlapped}};
+          {"ops_recomputed", c.ops_recomputed},
+          {"bytes_recomputed", c.bytes_recomputed},
+          {"pool_hits", c.pool.hits},
+          {"pool_misses", c.pool.misses},
+          {"pool_bytes_served", c.pool.bytes_served},
+          {"reduce_buckets", r.reduce_buckets},
+          {"reduce_buckets_overlapped", r.reduce_buckets_overlapped}};
 }
 
 // The first step's word on what it saved and recomputed, beside the prediction.
@@ -322,8 +335,8 @@ void export_weights(std::unique_ptr<Model>& model, const RunSpec& spec, at::Devi
                     const data::Tokenizer& tok, RunDir* run, TrainSummary& sum) {
   const Config& cfg = spec.cfg;
   const auto sample = [&] {
-    sum.sample = sample_text(*model, tok, cfg.run.prompt, cfg.run.sample_tokens, 0.8, 40,
-                             static_cast<uint64_t>(cfg.run.seed));
+    sum.sample =
+        sample_text(*model, tok, cfg.run.prompt, cfg.run.sample_tokens, 0.8, 40, static_cast<uint64_t>(cfg.run.seed));
   };
   std::vector<std::pair<std::string, at::Tensor>> weights;
   const std::map<std::string, std::string> metadata{
@@ -435,9 +448,10 @@ void report(const RunSpec& spec, const Ranks& ranks, const Machine& machine, con
              format_count(sum.model_flops_per_second), format_count(sum.matmul_flops_per_second), cfg.run.dtype,
              ranks.world > 1 ? fmt::format(" ({} ranks x {})", ranks.world, format_count(machine.matmul_rate)) : "",
              100.0 * sum.model_flops_per_second / sum.matmul_flops_per_second);
-  fmt::print(stderr, "memory peak {} per step (predicted {}, {:+.1f}%), of which saved activations {} per "
-             "microbatch (predicted {})\n", memory::format_bytes(sum.peak_bytes),
-             memory::format_bytes(sum.predicted_peak_bytes),
+  fmt::print(stderr,
+             "memory peak {} per step (predicted {}, {:+.1f}%), of which saved activations {} per "
+             "microbatch (predicted {})\n",
+             memory::format_bytes(sum.peak_bytes), memory::format_bytes(sum.predicted_peak_bytes),
              100.0 * static_cast<double>(sum.peak_bytes - sum.predicted_peak_bytes) /
                  static_cast<double>(sum.predicted_peak_bytes),
              memory::format_bytes(sum.activation_bytes), memory::format_bytes(predicted_activations));
@@ -446,7 +460,8 @@ void report(const RunSpec& spec, const Ranks& ranks, const Machine& machine, con
   }
   if (sum.budget_bytes > 0) {
     fmt::print(stderr, "budget {}: measured peak {} it; without recompute the step would peak at {} (predicted){}\n",
-               memory::format_bytes(sum.budget_bytes), sum.peak_bytes <= sum.budget_bytes ? "stayed within" : "EXCEEDED",
+               memory::format_bytes(sum.budget_bytes),
+               sum.peak_bytes <= sum.budget_bytes ? "stayed within" : "EXCEEDED",
                memory::format_bytes(planned.none_peak),
                planned.none_step_seconds > 0
                    ? fmt::format(" and take {:.1f} ms (predicted; this plan: {:.1f} ms measured, {:.1f} ms predicted)",
@@ -454,8 +469,10 @@ void report(const RunSpec& spec, const Ranks& ranks, const Machine& machine, con
                                  1e3 * sum.predicted_step_seconds)
                    : "");
   }
-  fmt::print(stderr, "run directory {}: config.toml, plan.txt, metrics.jsonl, model.safetensors, tokenizer.model{}{}, "
-             "summary.json\n", run.path(), plotted ? ", loss.png" : "", cfg.run.sample_tokens > 0 ? ", sample.txt" : "");
+  fmt::print(stderr,
+             "run directory {}: config.toml, plan.txt, metrics.jsonl, model.safetensors, tokenizer.model{}{}, "
+             "summary.json\n",
+             run.path(), plotted ? ", loss.png" : "", cfg.run.sample_tokens > 0 ? ", sample.txt" : "");
   if (!plotted) fmt::print(stderr, "no loss plot: {}\n", why);
   if (traced_step >= 0) {
     fmt::print(stderr, "trace of step {}: {} (open it in https://ui.perfetto.dev)\n", traced_step + 1, cfg.run.trace);
@@ -483,9 +500,10 @@ data::CorpusInfo prepare_data(const DataConfig& d) {
   std::error_code ec;
   std::filesystem::create_directories(d.dir, ec);
   if (ec || ::access(d.dir.c_str(), W_OK) != 0) {
-    throw std::invalid_argument(fmt::format("Cannot {} the data directory {} (data.dir): {}; set data.dir to a "
-                                            "writable directory.", ec ? "create" : "write into", d.dir,
-                                            ec ? ec.message() : std::strerror(errno)));
+    throw std::invalid_argument(
+        fmt::format("Cannot {} the data directory {} (data.dir): {}; set data.dir to a "
+                    "writable directory.",
+                    ec ? "create" : "write into", d.dir, ec ? ec.message() : std::strerror(errno)));
   }
   prep.out_dir = corpus_dir(d);
   prep.vocab_size = static_cast<int>(d.vocab_size);
@@ -522,13 +540,15 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   const auto create = [&](const ModelConfig& m, StageSpan span) {
     return Model::create(m, device, dtype, static_cast<uint64_t>(cfg.run.seed), ranks.tensor, cfg.parallel.sp, span);
   };
-  const Machine machine{device, threads, measure_matmul_flops(device, dtype, rank_share(cfg).train.batch * t.seq,
-                                                              cfg.model.d_model, cfg.model.d_ff)};
+  const Machine machine{
+      device, threads,
+      measure_matmul_flops(device, dtype, rank_share(cfg).train.batch * t.seq, cfg.model.d_model, cfg.model.d_ff)};
   std::unique_ptr<Model> model;
   RunInputs in{dtype, ranks.stage, corpus, corpus_dir(cfg.data), {}, resumed.plan ? &*resumed.plan : nullptr};
   in.profile_of = [&](const Config& op) {
-    return run_time_profile(op, device, dtype, train_ds, ranks.comm.get(), machine.matmul_rate,
-                            [&] { return create(op.model, {}); }, model);
+    return run_time_profile(
+        op, device, dtype, train_ds, ranks.comm.get(), machine.matmul_rate, [&] { return create(op.model, {}); },
+        model);
   };
   const RunSpec spec = resolve_run(cfg, in);
   cfg = spec.cfg;  // the autos resolved
@@ -544,10 +564,11 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   }
   apply_plan(*model, planned.plan, cfg.ac);
   const int64_t predicted = model->predict_activation_bytes(spec.local.train.batch, t.seq).total();
-  TrainStep stepper(*model, spec.local.train, static_cast<uint64_t>(cfg.run.seed), ranks.comm.get(),
-                    cfg.parallel.zero, cfg.parallel.schedule, cfg.parallel.overlap_grad_reduce);
+  TrainStep stepper(*model, spec.local.train, static_cast<uint64_t>(cfg.run.seed), ranks.comm.get(), cfg.parallel.zero,
+                    cfg.parallel.schedule, cfg.parallel.overlap_grad_reduce);
   // Each rank's predicted peak: its stage's (rank = stage x dp x tp + ...).
-  const std::vector<int64_t> rank_predicted = rank_predictions(planned.stage_peaks, ranks.world, ranks.dp * cfg.parallel.tp);
+  const std::vector<int64_t> rank_predicted =
+      rank_predictions(planned.stage_peaks, ranks.world, ranks.dp * cfg.parallel.tp);
   std::unique_ptr<RunDir> run;
   if (ranks.lead) run = open_run_dir(cfg, resume_dir, std::move(resumed.lock), corpus);
 
@@ -575,8 +596,9 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   } else {
     stepper.load_checkpoint(resumed.point.path.string(), rng);
     replay_metrics(resumed.logged, tokens_per_step, sum, curves);
-    fmt::print(stderr, "{} {} after step {} from {}\n", first_step < t.steps ? "resuming" : "writing the final files of",
-               sum.run_dir, first_step, resumed.point.path.string());
+    fmt::print(stderr, "{} {} after step {} from {}\n",
+               first_step < t.steps ? "resuming" : "writing the final files of", sum.run_dir, first_step,
+               resumed.point.path.string());
   }
 
   ProgressBar bar(t.steps, cfg.run.progress);

@@ -59,8 +59,7 @@ void AtomicFile::commit() {
   file_ = nullptr;
   if (!flushed || !closed) {
     std::remove(temp_path_.c_str());
-    throw std::runtime_error("Cannot write " + temp_path_ + ": " +
-                             (flushed ? errno_text() : flush_error) + ".");
+    throw std::runtime_error("Cannot write " + temp_path_ + ": " + (flushed ? errno_text() : flush_error) + ".");
   }
   if (std::rename(temp_path_.c_str(), path_.c_str()) != 0) {
     const std::string error = errno_text();
@@ -125,8 +124,8 @@ std::string read_file(const std::string& path, const std::string& what, int64_t 
     if (n < 0) throw std::runtime_error("Cannot read " + what + " " + path + ": " + errno_text() + ".");
     if (n == 0) break;
     if (static_cast<int64_t>(content.size()) + n > max_bytes) {
-      throw std::runtime_error("Cannot read " + what + " " + path + ": it grew past the " +
-                               std::to_string(max_bytes) + " bytes such a file can hold while being read.");
+      throw std::runtime_error("Cannot read " + what + " " + path + ": it grew past the " + std::to_string(max_bytes) +
+                               " bytes such a file can hold while being read.");
     }
     content.append(chunk, static_cast<size_t>(n));
   }
@@ -135,7 +134,8 @@ std::string read_file(const std::string& path, const std::string& what, int64_t 
 
 void check_regular_file(const std::string& path, const std::string& what) {
   struct stat st {};
-  if (::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode)) throw std::runtime_error(not_regular(what, path, st.st_mode));
+  if (::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode))
+    throw std::runtime_error(not_regular(what, path, st.st_mode));
 }
 
 AppendFile::AppendFile(std::string path, bool truncate) : path_(std::move(path)) {
@@ -166,7 +166,8 @@ void AppendFile::append(std::string_view bytes) {
     const ssize_t n = ::write(fd_, bytes.data(), bytes.size());
     if (n < 0 && errno == EINTR) continue;
     // write() returning 0 for a non-empty buffer is a full device as well.
-    if (n <= 0) throw std::runtime_error("Cannot write " + path_ + ": " + (n < 0 ? errno_text() : "nothing was written") + ".");
+    if (n <= 0)
+      throw std::runtime_error("Cannot write " + path_ + ": " + (n < 0 ? errno_text() : "nothing was written") + ".");
     bytes.remove_prefix(static_cast<size_t>(n));
   }
 }

@@ -23,9 +23,10 @@ std::string gnuplot_quote(const std::string& s) {
   std::string out = "'";
   for (char c : s) {
     if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) {
-      throw std::invalid_argument(fmt::format("The plot text '{}' holds a control character (byte {:#04x}); plot "
-                                              "titles and labels must be printable.",
-                                              s, static_cast<unsigned char>(c)));
+      throw std::invalid_argument(
+          fmt::format("The plot text '{}' holds a control character (byte {:#04x}); plot "
+                      "titles and labels must be printable.",
+                      s, static_cast<unsigned char>(c)));
     }
     out += c == '\'' ? std::string("''") : std::string(1, c);
   }
@@ -38,8 +39,9 @@ bool run_gnuplot(const std::string& script, const std::string& output, const std
     return false;
   }
   // `-c FILE ARGS` runs FILE with ARGS as ARG1..; the script arrives on stdin.
-  const std::string command = fmt::format("gnuplot -c /dev/stdin {} 2>{}", sh_quote(std::filesystem::absolute(output).string()),
-                                          log.empty() ? "/dev/null" : sh_quote(log));
+  const std::string command =
+      fmt::format("gnuplot -c /dev/stdin {} 2>{}", sh_quote(std::filesystem::absolute(output).string()),
+                  log.empty() ? "/dev/null" : sh_quote(log));
   std::FILE* pipe = popen(command.c_str(), "w");
   if (pipe == nullptr) {
     *why = "could not start gnuplot";

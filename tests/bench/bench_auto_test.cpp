@@ -37,11 +37,19 @@ TEST(BenchAuto, RowsNameTheChoicesEachEntryRan) {
   std::ofstream(dir / "corpus.txt") << testing::make_text(600);
   // tiny-gpt2 at 256 positions: math keeps the [T x T] probabilities, tiled does not, so a
   // budget between their least peaks fits tiled alone.
-  const std::vector<std::string> common = {
-      "model.preset=tiny-gpt2", "model.vocab_size=512", "model.max_seq=256", "train.batch=2", "train.seq=256",
-      "model.attention=auto", "model.loss_head=auto", "ac.profile=false", "data.vocab_size=512",
-      "data.text=" + (dir / "corpus.txt").string(), "data.dir=" + (dir / "data").string(), "run.threads=1",
-      "run.progress=false"};
+  const std::vector<std::string> common = {"model.preset=tiny-gpt2",
+                                           "model.vocab_size=512",
+                                           "model.max_seq=256",
+                                           "train.batch=2",
+                                           "train.seq=256",
+                                           "model.attention=auto",
+                                           "model.loss_head=auto",
+                                           "ac.profile=false",
+                                           "data.vocab_size=512",
+                                           "data.text=" + (dir / "corpus.txt").string(),
+                                           "data.dir=" + (dir / "data").string(),
+                                           "run.threads=1",
+                                           "run.progress=false"};
   const Config base = load_config("", common);
   const int64_t math = least_budget(base, Attention::math), tiled = least_budget(base, Attention::tiled);
   ASSERT_LT(tiled + (1 << 20), math);  // a MiB apart: the corpus the run holds does not matter

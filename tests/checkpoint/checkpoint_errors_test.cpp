@@ -25,9 +25,7 @@ CheckpointOptions named(const std::string& name, bool reentrant = false) {
 remat::CheckpointFn changing(std::function<std::vector<at::Tensor>(const at::Tensor&)> first,
                              std::function<std::vector<at::Tensor>(const at::Tensor&)> later) {
   auto calls = std::make_shared<int>(0);
-  return [=](const std::vector<at::Tensor>& in) {
-    return (*calls)++ == 0 ? first(in[0]) : later(in[0]);
-  };
+  return [=](const std::vector<at::Tensor>& in) { return (*calls)++ == 0 ? first(in[0]) : later(in[0]); };
 }
 
 TEST(CheckpointErrors, DoubleBackwardIsRefusedInBothModes) {
@@ -35,13 +33,9 @@ TEST(CheckpointErrors, DoubleBackwardIsRefusedInBothModes) {
   for (const bool reentrant : {false, true}) {
     SCOPED_TRACE(reentrant ? "reentrant" : "non-reentrant");
     const at::Tensor x = at::randn({3}, gen).requires_grad_(true);
-    const at::Tensor y = remat::checkpoint([](const at::Tensor& t) { return t.tanh(); }, x,
-                                           named("blk", reentrant));
-    expect_error(
-        [&] {
-          torch::autograd::grad({y.sum()}, {x}, {}, /*retain_graph=*/true, /*create_graph=*/true);
-        },
-        "remat::checkpoint 'blk': double backward through a checkpoint is not supported");
+    const at::Tensor y = remat::checkpoint([](const at::Tensor& t) { return t.tanh(); }, x, named("blk", reentrant));
+    expect_error([&] { torch::autograd::grad({y.sum()}, {x}, {}, /*retain_graph=*/true, /*create_graph=*/true); },
+                 "remat::checkpoint 'blk': double backward through a checkpoint is not supported");
   }
 }
 
@@ -49,7 +43,9 @@ TEST(CheckpointErrors, ReentrantOutputCountChangeOnRecompute) {
   at::Generator gen = seeded(1);
   const at::Tensor x = at::randn({2, 3}, gen).requires_grad_(true);
   auto fn = changing([](const at::Tensor& t) { return std::vector<at::Tensor>{t * 2}; },
-                     [](const at::Tensor& t) { return std::vector<at::Tensor>{t * 2, t * 3}; });
+                     [](const at::Tensor& t) {
+                       return std::vector<at::Tensor>{t * 2, t * 3};
+                     });
   const auto out = remat::checkpoint(fn, {x}, named("r", true));
   expect_error([&] { out[0].sum().backward(); },
                "remat::checkpoint 'r': fn returned 2 outputs on recompute but 1 in the forward pass");
@@ -58,9 +54,10 @@ TEST(CheckpointErrors, ReentrantOutputCountChangeOnRecompute) {
 TEST(CheckpointErrors, ReentrantOutputShapeChangeOnRecompute) {
   at::Generator gen = seeded(1);
   const at::Tensor x = at::randn({2, 3}, gen).requires_grad_(true);
-  auto fn = changing(
-      [](const at::Tensor& t) { return std::vector<at::Tensor>{t * 2}; },
-      [](const at::Tensor& t) { return std::vector<at::Tensor>{at::cat({t, t}, 1)}; });
+  auto fn = changing([](const at::Tensor& t) { return std::vector<at::Tensor>{t * 2}; },
+                     [](const at::Tensor& t) {
+                       return std::vector<at::Tensor>{at::cat({t, t}, 1)};
+                     });
   const auto out = remat::checkpoint(fn, {x}, named("r", true));
   expect_error([&] { out[0].sum().backward(); },
                "remat::checkpoint 'r': output 0 is Float [2, 6] on cpu on recompute but was "
@@ -71,7 +68,9 @@ TEST(CheckpointErrors, NonReentrantOutputCountChangeWhenFnRunsToItsEnd) {
   at::Generator gen = seeded(1);
   const at::Tensor x = at::randn({3}, gen).requires_grad_(true);
   auto fn = changing([](const at::Tensor& t) { return std::vector<at::Tensor>{t.tanh()}; },
-                     [](const at::Tensor& t) { return std::vector<at::Tensor>{t.tanh(), t}; });
+                     [](const at::Tensor& t) {
+                       return std::vector<at::Tensor>{t.tanh(), t};
+                     });
   CheckpointOptions o = named("nr");
   o.early_stop = false;
   const auto out = remat::checkpoint(fn, {x}, o);
@@ -95,9 +94,8 @@ TEST(CheckpointErrors, NonReentrantSavedTensorMetaChange) {
   at::Generator gen = seeded(1);
   const at::Tensor x = at::randn({4}, gen).requires_grad_(true);
   // narrow saves no tensor; tanh saves its result, 2 then 3 elements; the output is a sum.
-  auto fn = changing(
-      [](const at::Tensor& t) { return std::vector<at::Tensor>{t.narrow(0, 0, 2).tanh().sum()}; },
-      [](const at::Tensor& t) { return std::vector<at::Tensor>{t.narrow(0, 0, 3).tanh().sum()}; });
+  auto fn = changing([](const at::Tensor& t) { return std::vector<at::Tensor>{t.narrow(0, 0, 2).tanh().sum()}; },
+                     [](const at::Tensor& t) { return std::vector<at::Tensor>{t.narrow(0, 0, 3).tanh().sum()}; });
   const auto out = remat::checkpoint(fn, {x}, named("nr"));
   expect_error([&] { out[0].backward(); },
                "remat::checkpoint 'nr': saved tensor 0 of 1 is Float [3] on cpu on recompute but "
@@ -143,8 +141,8 @@ TEST(CheckpointErrors, ValuesCheckPassesForDropoutAndFailsWithoutRngPreservation
     CheckpointOptions o = named("drop");
     o.determinism_check = DeterminismCheck::values;
     o.preserve_rng_state = preserve;
-    const at::Tensor y = remat::checkpoint(
-        [](const at::Tensor& t) { return at::dropout(t, 0.5, /*train=*/true).tanh(); }, x, o);
+    const at::Tensor y =
+        remat::checkpoint([](const at::Tensor& t) { return at::dropout(t, 0.5, /*train=*/true).tanh(); }, x, o);
     if (preserve) {
       EXPECT_NO_THROW(y.sum().backward());
     } else {
@@ -179,8 +177,7 @@ TEST(CheckpointErrors, ReentrantValuesCheckComparesOutputs) {
   auto calls = std::make_shared<double>(1.0);
   CheckpointOptions o = named("r", true);
   o.determinism_check = DeterminismCheck::values;
-  const at::Tensor y =
-      remat::checkpoint([calls](const at::Tensor& t) { return t * (*calls)++; }, x, o);
+  const at::Tensor y = remat::checkpoint([calls](const at::Tensor& t) { return t * (*calls)++; }, x, o);
   expect_error([&] { y.sum().backward(); },
                "remat::checkpoint 'r': output 0 (Float [4] on cpu) has different values on "
                "recompute (determinism_check=values)");
@@ -189,8 +186,7 @@ TEST(CheckpointErrors, ReentrantValuesCheckComparesOutputs) {
 TEST(CheckpointErrors, ReentrantRefusesAutogradGradAndBackwardWithInputs) {
   at::Generator gen = seeded(1);
   const at::Tensor x = at::randn({3}, gen).requires_grad_(true);
-  const at::Tensor y =
-      remat::checkpoint([](const at::Tensor& t) { return t.tanh(); }, x, named("r", true));
+  const at::Tensor y = remat::checkpoint([](const at::Tensor& t) { return t.tanh(); }, x, named("r", true));
   expect_error([&] { torch::autograd::grad({y.sum()}, {x}, {}, /*retain_graph=*/true); },
                "remat::checkpoint 'r': use_reentrant=true does not work with "
                "torch::autograd::grad or with backward given `inputs`");
@@ -203,12 +199,8 @@ TEST(CheckpointErrors, ReentrantRefusesWhenNoInputRequiresGrad) {
   const std::shared_ptr<torch::nn::LinearImpl> lin = torch::nn::Linear(3, 3).ptr();
   at::Generator gen = seeded(1);
   const at::Tensor x = at::randn({2, 3}, gen);
-  expect_error(
-      [&] {
-        remat::checkpoint([lin](const at::Tensor& t) { return lin->forward(t); }, x,
-                          named("r", true));
-      },
-      "remat::checkpoint 'r': use_reentrant=true needs at least one input that requires grad");
+  expect_error([&] { remat::checkpoint([lin](const at::Tensor& t) { return lin->forward(t); }, x, named("r", true)); },
+               "remat::checkpoint 'r': use_reentrant=true needs at least one input that requires grad");
 }
 
 TEST(CheckpointErrors, NonReentrantRefusesABackwardInsideItsOwnRegion) {
@@ -236,8 +228,7 @@ TEST(CheckpointErrors, InputModifiedInPlaceBeforeBackwardIsReported) {
   at::Generator gen = seeded(1);
   const at::Tensor w = at::randn({3}, gen).requires_grad_(true);
   at::Tensor x = at::randn({3}, gen);
-  const at::Tensor loss =
-      remat::checkpoint([w](const at::Tensor& t) { return (t * w).tanh(); }, x).sum();
+  const at::Tensor loss = remat::checkpoint([w](const at::Tensor& t) { return (t * w).tanh(); }, x).sum();
   x.add_(1.0);
   expect_error([&] { loss.backward(); }, "modified by an inplace operation");
 }

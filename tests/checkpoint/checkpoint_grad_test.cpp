@@ -28,8 +28,8 @@ struct Step {
   at::Tensor next_random;
 };
 
-Step run_step(const Forward& forward, torch::nn::Module& model, const at::Tensor& input,
-              const at::Tensor& probe, Api api, bool input_requires_grad = true) {
+Step run_step(const Forward& forward, torch::nn::Module& model, const at::Tensor& input, const at::Tensor& probe,
+              Api api, bool input_requires_grad = true) {
   clear_grads(model);
   const at::Tensor x = input.clone().requires_grad_(input_requires_grad);
   torch::manual_seed(1234);
@@ -77,9 +77,7 @@ torch::nn::ModuleList attention_stack(int64_t blocks, double p) {
   return list;
 }
 
-at::Tensor call_attention(torch::nn::Module& m, const at::Tensor& x) {
-  return m.as<AttentionBlock>()->forward(x);
-}
+at::Tensor call_attention(torch::nn::Module& m, const at::Tensor& x) { return m.as<AttentionBlock>()->forward(x); }
 
 // Parameterised by use_reentrant.
 class CheckpointGradTest : public ::testing::TestWithParam<bool> {
@@ -98,11 +96,9 @@ TEST_P(CheckpointGradTest, MlpSequentialFullWithDropoutIsBitwise) {
   at::Generator gen = seeded(1);
   const at::Tensor input = at::randn({8, 16}, gen);
   const at::Tensor probe = at::randn({8, 16}, gen);
-  const Step plain =
-      run_step([&](const at::Tensor& x) { return seq->forward(x); }, *seq, input, probe, Api::backward);
+  const Step plain = run_step([&](const at::Tensor& x) { return seq->forward(x); }, *seq, input, probe, Api::backward);
   const remat::CheckpointedStack stack = remat::apply_checkpointing(seq, "full", options());
-  const Step ckpt =
-      run_step([&](const at::Tensor& x) { return stack.forward(x); }, *seq, input, probe, Api::backward);
+  const Step ckpt = run_step([&](const at::Tensor& x) { return stack.forward(x); }, *seq, input, probe, Api::backward);
   expect_same_step(ckpt, plain);
 }
 
@@ -113,13 +109,11 @@ TEST_P(CheckpointGradTest, UnrestoredGeneratorChangesGradients) {
   at::Generator gen = seeded(1);
   const at::Tensor input = at::randn({8, 16}, gen);
   const at::Tensor probe = at::randn({8, 16}, gen);
-  const Step plain =
-      run_step([&](const at::Tensor& x) { return seq->forward(x); }, *seq, input, probe, Api::backward);
+  const Step plain = run_step([&](const at::Tensor& x) { return seq->forward(x); }, *seq, input, probe, Api::backward);
   remat::CheckpointOptions o = options();
   o.preserve_rng_state = false;
   const remat::CheckpointedStack stack = remat::apply_checkpointing(seq, "full", o);
-  const Step ckpt =
-      run_step([&](const at::Tensor& x) { return stack.forward(x); }, *seq, input, probe, Api::backward);
+  const Step ckpt = run_step([&](const at::Tensor& x) { return stack.forward(x); }, *seq, input, probe, Api::backward);
   EXPECT_TRUE(bitwise_equal(ckpt.out, plain.out));
   EXPECT_FALSE(bitwise_equal(ckpt.grads.front(), plain.grads.front()));
 }
@@ -139,10 +133,9 @@ TEST_P(CheckpointGradTest, AttentionModuleListUnderEveryPolicyIsBitwise) {
   const Step plain = run_step(plain_forward, *list, input, probe, Api::backward);
   for (const char* policy : {"full", "every:2", "uniform:3"}) {
     SCOPED_TRACE(policy);
-    const remat::CheckpointedStack stack =
-        remat::apply_checkpointing(list, policy, call_attention, options());
-    const Step ckpt = run_step([&](const at::Tensor& x) { return stack.forward(x); }, *list, input,
-                               probe, Api::backward);
+    const remat::CheckpointedStack stack = remat::apply_checkpointing(list, policy, call_attention, options());
+    const Step ckpt =
+        run_step([&](const at::Tensor& x) { return stack.forward(x); }, *list, input, probe, Api::backward);
     expect_same_step(ckpt, plain);
   }
 }
@@ -154,16 +147,14 @@ TEST_P(CheckpointGradTest, NestedCheckpointsAreBitwise) {
   at::Generator gen = seeded(1);
   const at::Tensor input = at::randn({8, 16}, gen);
   const at::Tensor probe = at::randn({8, 16}, gen);
-  const Step plain =
-      run_step([&](const at::Tensor& x) { return seq->forward(x); }, *seq, input, probe, Api::backward);
+  const Step plain = run_step([&](const at::Tensor& x) { return seq->forward(x); }, *seq, input, probe, Api::backward);
   for (const bool inner_reentrant : {false, true}) {
     SCOPED_TRACE(inner_reentrant ? "inner reentrant" : "inner non-reentrant");
     remat::CheckpointOptions inner;
     inner.use_reentrant = inner_reentrant;
     const remat::CheckpointedStack blocks = remat::apply_checkpointing(seq, "full", inner);
     auto outer = [&](const at::Tensor& x) {
-      return remat::checkpoint([blocks](const at::Tensor& h) { return blocks.forward(h); }, x,
-                               options());
+      return remat::checkpoint([blocks](const at::Tensor& h) { return blocks.forward(h); }, x, options());
     };
     expect_same_step(run_step(outer, *seq, input, probe, Api::backward), plain);
   }
@@ -205,13 +196,10 @@ TEST(CheckpointGrad, AutogradGradNonReentrantIsBitwise) {
   at::Generator gen = seeded(1);
   const at::Tensor input = at::randn({5, 2, 16}, gen);
   const at::Tensor probe = at::randn({5, 2, 16}, gen);
-  auto plain_forward = [&](const at::Tensor& x) {
-    return call_attention(*list[1], call_attention(*list[0], x));
-  };
+  auto plain_forward = [&](const at::Tensor& x) { return call_attention(*list[1], call_attention(*list[0], x)); };
   const Step plain = run_step(plain_forward, *list, input, probe, Api::grad);
   const remat::CheckpointedStack stack = remat::apply_checkpointing(list, "full", call_attention);
-  const Step ckpt =
-      run_step([&](const at::Tensor& x) { return stack.forward(x); }, *list, input, probe, Api::grad);
+  const Step ckpt = run_step([&](const at::Tensor& x) { return stack.forward(x); }, *list, input, probe, Api::grad);
   expect_same_step(ckpt, plain);
   // Nested, through grad() as well.
   auto nested = [&](const at::Tensor& x) {
@@ -247,11 +235,11 @@ TEST(CheckpointGrad, NonReentrantWorksWhenOnlyParametersRequireGrad) {
   at::Generator gen = seeded(1);
   const at::Tensor input = at::randn({8, 16}, gen);
   const at::Tensor probe = at::randn({8, 16}, gen);
-  const Step plain = run_step([&](const at::Tensor& x) { return seq->forward(x); }, *seq, input,
-                              probe, Api::backward, /*input_requires_grad=*/false);
+  const Step plain = run_step([&](const at::Tensor& x) { return seq->forward(x); }, *seq, input, probe, Api::backward,
+                              /*input_requires_grad=*/false);
   const remat::CheckpointedStack stack = remat::apply_checkpointing(seq, "full");
-  const Step ckpt = run_step([&](const at::Tensor& x) { return stack.forward(x); }, *seq, input,
-                             probe, Api::backward, /*input_requires_grad=*/false);
+  const Step ckpt = run_step([&](const at::Tensor& x) { return stack.forward(x); }, *seq, input, probe, Api::backward,
+                             /*input_requires_grad=*/false);
   ASSERT_TRUE(plain.grads.front().defined());
   expect_same_step(ckpt, plain);
 }

@@ -30,7 +30,7 @@ struct TanhBlockImpl : torch::nn::Module {
 };
 TORCH_MODULE(TanhBlock);
 
-constexpr int64_t kInputBytes = kBatch * kDim * kFloat;       // a block input (and output)
+constexpr int64_t kInputBytes = kBatch * kDim * kFloat;          // a block input (and output)
 constexpr int64_t kActivationBytes = kBatch * kHidden * kFloat;  // t, one per block
 
 int64_t rng_state_bytes() {
@@ -134,8 +134,7 @@ TEST_F(CheckpointMemory, FullKeepsBlockInputsInsteadOfActivations) {
   for (const at::Tensor& p : stack_->parameters()) {
     param_grad_bytes += static_cast<int64_t>(p.nbytes());
   }
-  EXPECT_LE(full.backward_peak, n * (kInputBytes + rng_state_bytes()) + param_grad_bytes +
-                                    2 * block_working_set);
+  EXPECT_LE(full.backward_peak, n * (kInputBytes + rng_state_bytes()) + param_grad_bytes + 2 * block_working_set);
   EXPECT_LT(full.backward_peak, plain.retained);
 }
 
@@ -148,8 +147,7 @@ TEST_F(CheckpointMemory, NestedCheckpointKeepsOnlyTheOutermostInput) {
     remat::CheckpointOptions outer;
     outer.use_reentrant = outer_reentrant;
     const Measured m = measure([&](const at::Tensor& x) {
-      return remat::checkpoint([blocks](const at::Tensor& h) { return blocks.forward(h); }, x,
-                               outer);
+      return remat::checkpoint([blocks](const at::Tensor& h) { return blocks.forward(h); }, x, outer);
     });
     // The output, the outer generator state and, when the outer forward records a graph
     // (non-reentrant), each inner checkpoint's generator state.

@@ -17,8 +17,8 @@ using remat::testing::seeded;
 std::string render(const std::vector<CheckpointSegment>& segments) {
   std::string s;
   for (const auto& seg : segments) {
-    s += (s.empty() ? "" : " ") + std::string(seg.checkpointed ? "c" : "p") + "[" +
-         std::to_string(seg.begin) + ".." + std::to_string(seg.end) + ")";
+    s += (s.empty() ? "" : " ") + std::string(seg.checkpointed ? "c" : "p") + "[" + std::to_string(seg.begin) + ".." +
+         std::to_string(seg.end) + ")";
   }
   return s;
 }
@@ -36,8 +36,7 @@ TEST(CheckpointPolicy, SegmentsOfEachPolicy) {
 
 TEST(CheckpointPolicy, PlansDependOnlyOnPosition) {
   // The same call gives the same plan every time: no counter survives between calls.
-  EXPECT_EQ(render(plan_checkpoint_segments("every:2", 4)),
-            render(plan_checkpoint_segments("every:2", 4)));
+  EXPECT_EQ(render(plan_checkpoint_segments("every:2", 4)), render(plan_checkpoint_segments("every:2", 4)));
 }
 
 TEST(CheckpointPolicy, RefusalsSayWhatIsValid) {
@@ -48,14 +47,11 @@ TEST(CheckpointPolicy, RefusalsSayWhatIsValid) {
   expect_error([] { plan_checkpoint_segments("every:5", 4); },
                "remat::apply_checkpointing: policy 'every:5': K = 5 is larger than the stack, "
                "which has 4 modules; use K between 1 and 4.");
-  expect_error([] { plan_checkpoint_segments("uniform:0", 4); },
-               "policy 'uniform:0': N must be at least 1");
+  expect_error([] { plan_checkpoint_segments("uniform:0", 4); }, "policy 'uniform:0': N must be at least 1");
   expect_error([] { plan_checkpoint_segments("uniform:9", 4); },
                "policy 'uniform:9': N = 9 is larger than the stack, which has 4 modules");
-  expect_error([] { plan_checkpoint_segments("every:two", 4); },
-               "policy 'every:two': K must be a whole number");
-  expect_error([] { plan_checkpoint_segments("every:-1", 4); },
-               "policy 'every:-1': K must be a whole number");
+  expect_error([] { plan_checkpoint_segments("every:two", 4); }, "policy 'every:two': K must be a whole number");
+  expect_error([] { plan_checkpoint_segments("every:-1", 4); }, "policy 'every:-1': K must be a whole number");
   expect_error([] { plan_checkpoint_segments("every:99999999999999999999999", 4); },
                "is larger than the stack, which has 4 modules");
   expect_error([] { plan_checkpoint_segments("selective", 4); },
@@ -88,8 +84,7 @@ TEST(CheckpointPolicy, ApplyingLeavesTheModuleTreeUntouched) {
 }
 
 TEST(CheckpointPolicy, SegmentsAreNamedInErrors) {
-  torch::nn::Sequential seq(torch::nn::Linear(4, 4), torch::nn::Linear(4, 4),
-                            torch::nn::Linear(4, 4));
+  torch::nn::Sequential seq(torch::nn::Linear(4, 4), torch::nn::Linear(4, 4), torch::nn::Linear(4, 4));
   remat::CheckpointOptions o;
   o.name = "encoder";
   o.use_reentrant = true;
@@ -106,9 +101,12 @@ TEST(CheckpointPolicy, ChangedContainerIsRefused) {
   const remat::CheckpointedStack stack = remat::apply_checkpointing(seq, "every:2");
   seq->push_back(torch::nn::Linear(4, 4));
   at::Generator gen = seeded(1);
-  expect_error([&] { stack.forward(at::randn({2, 4}, gen)); },
-               "remat::apply_checkpointing: the container has 3 modules now but had 2 when its "
-               "checkpointing was planned");
+  expect_error(
+      [&] {
+        stack.forward(at::randn({2, 4}, gen));
+      },
+      "remat::apply_checkpointing: the container has 3 modules now but had 2 when its "
+      "checkpointing was planned");
 }
 
 }  // namespace

@@ -28,9 +28,7 @@ struct MlpBlockImpl : torch::nn::Module {
         drop(register_module("drop", torch::nn::Dropout(p))),
         fc2(register_module("fc2", torch::nn::Linear(hidden, d))) {}
 
-  at::Tensor forward(const at::Tensor& x) {
-    return x + fc2(drop(at::gelu(fc1(norm(x)))));
-  }
+  at::Tensor forward(const at::Tensor& x) { return x + fc2(drop(at::gelu(fc1(norm(x))))); }
 
   torch::nn::LayerNorm norm;
   torch::nn::Linear fc1;
@@ -43,9 +41,8 @@ TORCH_MODULE(MlpBlock);
 struct AttentionBlockImpl : torch::nn::Module {
   AttentionBlockImpl(int64_t d, int64_t heads, double p)
       : norm(register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})))),
-        attn(register_module(
-            "attn", torch::nn::MultiheadAttention(
-                        torch::nn::MultiheadAttentionOptions(d, heads).dropout(p)))),
+        attn(register_module("attn",
+                             torch::nn::MultiheadAttention(torch::nn::MultiheadAttentionOptions(d, heads).dropout(p)))),
         mlp(register_module("mlp", MlpBlock(d, 4 * d, p))) {}
 
   at::Tensor forward(const at::Tensor& x) {
@@ -77,8 +74,8 @@ inline bool bitwise_equal(const at::Tensor& a, const at::Tensor& b) {
   return ca.nbytes() == 0 || std::memcmp(ca.data_ptr(), cb.data_ptr(), ca.nbytes()) == 0;
 }
 
-inline void expect_bitwise_equal(const std::vector<at::Tensor>& got,
-                                 const std::vector<at::Tensor>& want, const std::string& what) {
+inline void expect_bitwise_equal(const std::vector<at::Tensor>& got, const std::vector<at::Tensor>& want,
+                                 const std::string& what) {
   ASSERT_EQ(got.size(), want.size()) << what;
   for (size_t i = 0; i < got.size(); ++i) {
     EXPECT_TRUE(bitwise_equal(got[i], want[i])) << what << " #" << i;

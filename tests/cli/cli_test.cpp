@@ -71,9 +71,7 @@ TEST_F(Cli, UnknownPresetListsTheValidOnes) {
   expect_error("train model.preset=gpt5", "Unknown model preset 'gpt5'; valid presets: tiny-gpt2,");
 }
 
-TEST_F(Cli, UnknownKeySuggestsTheNearest) {
-  expect_error("train train.stepz=3", "did you mean 'train.steps'?");
-}
+TEST_F(Cli, UnknownKeySuggestsTheNearest) { expect_error("train train.stepz=3", "did you mean 'train.steps'?"); }
 
 TEST_F(Cli, SequenceLongerThanTheContextIsRefused) {
   expect_error("train train.seq=4096", "train.seq (4096) is longer than the model's context (model.max_seq = 256)");
@@ -90,8 +88,7 @@ TEST_F(Cli, NonUtf8TextFileIsRefusedWithTheOffset) {
 }
 
 TEST_F(Cli, MissingTextFileIsRefused) {
-  expect_error("prepare --text " + (dir_ / "nope.txt").string() + " data.dir=" + (dir_ / "data").string(),
-               "nope.txt");
+  expect_error("prepare --text " + (dir_ / "nope.txt").string() + " data.dir=" + (dir_ / "data").string(), "nope.txt");
 }
 
 TEST_F(Cli, DataDirectoryThatCannotExistIsRefused) {
@@ -122,8 +119,9 @@ TEST_F(Cli, DevicesAndDtypesThisMachineLacksAreRefused) {
 }
 
 TEST_F(Cli, ExplainAcPrintsTheCanonicalPlanOfAnAliasSpelling) {
-  const Result r = run_remat("train --explain-ac ac.recompute_granularity=full ac.recompute_method=uniform "
-                             "ac.recompute_num_layers=2");
+  const Result r = run_remat(
+      "train --explain-ac ac.recompute_granularity=full ac.recompute_method=uniform "
+      "ac.recompute_num_layers=2");
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("policy: uniform:2"), std::string::npos) << r.output;
   expect_error("train --explain-ac ac.recompute_granularity=selective ac.recompute_method=block",
@@ -135,9 +133,8 @@ TEST_F(Cli, TraceWritesTheThirdStepAsJson) {
   const std::string trace = (dir_ / "step.json").string();
   const Result r = run_remat("train --trace " + trace + " model.preset=tiny-gpt2 model.vocab_size=0 train.steps=4 " +
                              "train.batch=2 train.seq=16 train.warmup=1 train.eval_batches=1 data.vocab_size=512 " +
-                             "data.text=" + text + " data.dir=" + (dir_ / "data").string() +
-                             " run.out_dir=" + (dir_ / "runs").string() +
-                             " run.threads=1 run.sample_tokens=0 run.progress=false");
+                             "data.text=" + text + " data.dir=" + (dir_ / "data").string() + " run.out_dir=" +
+                             (dir_ / "runs").string() + " run.threads=1 run.sample_tokens=0 run.progress=false");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("trace of step 3: " + trace), std::string::npos) << r.output;
   std::ifstream in(trace);
@@ -158,12 +155,13 @@ TEST_F(Cli, TraceIntoAMissingDirectoryIsRefusedBeforeTraining) {
 }
 
 TEST_F(Cli, BenchSweepsPoliciesAndWritesCsvJsonAndTheTable) {
-  const std::string common = "--steps 2 --warmup 1 model.preset=tiny-gpt2 model.vocab_size=0 train.batch=4 "
-                             "train.seq=32 data.vocab_size=512 run.threads=1 data.text=" +
-                             file("corpus.txt", remat::testing::make_text(1500)) +
-                             " data.dir=" + (dir_ / "data").string();
+  const std::string common =
+      "--steps 2 --warmup 1 model.preset=tiny-gpt2 model.vocab_size=0 train.batch=4 "
+      "train.seq=32 data.vocab_size=512 run.threads=1 data.text=" +
+      file("corpus.txt", remat::testing::make_text(1500)) + " data.dir=" + (dir_ / "data").string();
   const std::string out = (dir_ / "bench").string();
-  const Result r = run_remat("bench --policies 'none;ops:[matmul,attention]' --policies full --out " + out + " " + common);
+  const Result r =
+      run_remat("bench --policies 'none;ops:[matmul,attention]' --policies full --out " + out + " " + common);
   ASSERT_EQ(r.exit_code, 0) << r.output;
 
   std::ifstream csv(out + "/bench.csv");
@@ -208,7 +206,8 @@ TEST_F(Cli, BenchSweepsPoliciesAndWritesCsvJsonAndTheTable) {
 
 TEST_F(Cli, BenchRefusesABadEntryBeforeRunningAnything) {
   const std::string out = (dir_ / "bench").string();
-  expect_error("bench --policies 'none;every:0' model.preset=tiny-gpt2 train.seq=32 --out " + out, "Bench entry 'every:0': ");
+  expect_error("bench --policies 'none;every:0' model.preset=tiny-gpt2 train.seq=32 --out " + out,
+               "Bench entry 'every:0': ");
   EXPECT_FALSE(fs::exists(out));
   expect_error("bench --policies ''", "--policies is empty");
   expect_error("bench --policies ' ; '", "--policies is empty");
@@ -257,7 +256,8 @@ TEST_F(Cli, PlanPrintsThePlanAndItsBreakdownAsJson) {
 TEST_F(Cli, PlanCountsThePreparedTokenCorpusAsTheTrainerDoes) {
   const std::string data = " data.vocab_size=512 data.text=" + file("corpus.txt", remat::testing::make_text(1000)) +
                            " data.dir=" + (dir_ / "data").string();
-  const std::string plan = "plan --json --budget 0.9 model.preset=tiny-gpt2 model.vocab_size=0 train.batch=2 train.seq=16" + data;
+  const std::string plan =
+      "plan --json --budget 0.9 model.preset=tiny-gpt2 model.vocab_size=0 train.batch=2 train.seq=16" + data;
   const Result before = run_remat(plan);
   ASSERT_EQ(before.exit_code, 0) << before.output;
   EXPECT_EQ(nlohmann::json::parse(before.output)["breakdown"]["token_corpus"], 0);
@@ -310,8 +310,8 @@ TEST_F(Cli, PlanNamesTheCommunicationTimeItPriced) {
   EXPECT_NEAR(step_ms(half), 2 * step_ms(loose), 0.002) << loose << "\n" << half;
   const std::string tight = line("--budget 0.4");
   EXPECT_GT(recompute_ms(tight), 0) << tight;
-  const Result json = run_remat("plan --json --budget 0.4 model.preset=gpt2-demo parallel.tp=2 parallel.sp=true" +
-                                no_corpus());
+  const Result json =
+      run_remat("plan --json --budget 0.4 model.preset=gpt2-demo parallel.tp=2 parallel.sp=true" + no_corpus());
   ASSERT_EQ(json.exit_code, 0) << json.output;
   const auto c = nlohmann::json::parse(json.output)["communication"];
   EXPECT_EQ(c["link_rate_gb_per_s"].get<double>(), 100);
@@ -357,8 +357,10 @@ TEST_F(Cli, PlanPricesEachRingStepAtTheLinkLatency) {
 }
 
 TEST_F(Cli, PlanOfAn8BLlamaAt8kTokens) {
-  const Result r = run_remat("plan --budget 200GiB model.preset=llama3-8b train.batch=1 train.seq=8192 "
-                             "run.dtype=bfloat16" + no_corpus());
+  const Result r = run_remat(
+      "plan --budget 200GiB model.preset=llama3-8b train.batch=1 train.seq=8192 "
+      "run.dtype=bfloat16" +
+      no_corpus());
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("32 layers"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("minimum feasible 145.06 GiB"), std::string::npos) << r.output;
@@ -372,8 +374,8 @@ TEST_F(Cli, PlanOfGpt2OverTensorParallelRanksPadsItsVocabulary) {
   // One rank's float32 parameters: its rows of wte, all of wpe, per layer the norms, its share
   // of c_attn, c_fc (weights and biases) and of the projections' weights, their biases whole.
   const auto param_bytes = [](int64_t C, int64_t L, int64_t t, int64_t vocab) {
-    const int64_t layer = 2 * C + (C * 3 * C + 3 * C) / t + C * C / t + C + 2 * C + (C * 4 * C + 4 * C) / t +
-                          4 * C * C / t + C;
+    const int64_t layer =
+        2 * C + (C * 3 * C + 3 * C) / t + C * C / t + C + 2 * C + (C * 4 * C + 4 * C) / t + 4 * C * C / t + C;
     return 4 * (vocab / t * C + 1024 * C + L * layer + 2 * C);
   };
   const std::tuple<std::string, int64_t> cases[] = {
@@ -390,8 +392,9 @@ TEST_F(Cli, PlanOfGpt2OverTensorParallelRanksPadsItsVocabulary) {
 // A pipeline's plan: each stage's layers, what they keep and its peak within the per-rank
 // budget, the bottleneck, and the even split for comparison; training one is refused.
 TEST_F(Cli, PlanOfAPipelineSplitsTheLayersAndPlansEachStage) {
-  const Result r = run_remat("plan --json --budget 0.7 model.preset=llama-demo model.n_layer=8 parallel.pp=4 "
-                             "train.grad_accum=8");
+  const Result r = run_remat(
+      "plan --json --budget 0.7 model.preset=llama-demo model.n_layer=8 parallel.pp=4 "
+      "train.grad_accum=8");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const auto j = nlohmann::json::parse(r.output);
   ASSERT_EQ(j["stages"].size(), 4u);
@@ -412,19 +415,22 @@ TEST_F(Cli, PlanOfAPipelineSplitsTheLayersAndPlansEachStage) {
   EXPECT_GT(counts["counts"][0].get<int64_t>(), 0);
   EXPECT_LE(j["schedule_flops"].get<double>(), counts["schedule_flops"].get<double>());
 
-  const Result text = run_remat("plan --budget 0.7 model.preset=llama-demo model.n_layer=8 parallel.pp=4 "
-                                "train.grad_accum=8");
+  const Result text = run_remat(
+      "plan --budget 0.7 model.preset=llama-demo model.n_layer=8 parallel.pp=4 "
+      "train.grad_accum=8");
   ASSERT_EQ(text.exit_code, 0) << text.output;
-  for (const char* part : {"pipeline: 4 stages, 1f1b schedule, 8 microbatches", "stage 1: layers 1-",
-                           "4 microbatches in flight", "bottleneck: stage ", "the even split (2,2,2,2)",
-                           "ColossalAI's least per-stage counts on the even split (2,2,2,2): num_ckpt_layers_per_stage = ["}) {
+  for (const char* part :
+       {"pipeline: 4 stages, 1f1b schedule, 8 microbatches", "stage 1: layers 1-", "4 microbatches in flight",
+        "bottleneck: stage ", "the even split (2,2,2,2)",
+        "ColossalAI's least per-stage counts on the even split (2,2,2,2): num_ckpt_layers_per_stage = ["}) {
     EXPECT_NE(text.output.find(part), std::string::npos) << part << "\n" << text.output;
   }
   expect_error("plan --budget 1MiB model.preset=llama-demo parallel.pp=2",
                "fits no plan of llama-demo on 2 pipeline stages (1f1b schedule, 1 microbatch): the least budget "
                "every stage fits is");
-  expect_error("train parallel.pp=2", "parallel.dp = 0 x parallel.tp = 1 x parallel.pp = 2 asks for 2 ranks, but "
-                                      "this process runs alone; start the run with `remat launch --nproc 2 train");
+  expect_error("train parallel.pp=2",
+               "parallel.dp = 0 x parallel.tp = 1 x parallel.pp = 2 asks for 2 ranks, but "
+               "this process runs alone; start the run with `remat launch --nproc 2 train");
 }
 
 // A pipeline over tensor-parallel ranks names the collectives of its bottleneck stage, the
@@ -453,11 +459,13 @@ TEST_F(Cli, PlanOfATensorParallelPipelineNamesItsBottlenecksCommunication) {
 
   const Result text = run_remat("plan --budget 1.0 parallel.pp=2" + model);
   ASSERT_EQ(text.exit_code, 0) << text.output;
-  const std::string line = fmt::format("communication at parallel.link_rate = 100 GB/s and parallel.link_latency = 2 "
-                                       "us on stage {}'s ranks (the bottleneck): the recompute re-runs ",
-                                       bottleneck);
+  const std::string line = fmt::format(
+      "communication at parallel.link_rate = 100 GB/s and parallel.link_latency = 2 "
+      "us on stage {}'s ranks (the bottleneck): the recompute re-runs ",
+      bottleneck);
   EXPECT_NE(text.output.find(line), std::string::npos) << line << "\n" << text.output;
-  const Result alone = run_remat("plan --budget 1.0 parallel.pp=2 model.preset=llama-demo model.n_layer=4" + no_corpus());
+  const Result alone =
+      run_remat("plan --budget 1.0 parallel.pp=2 model.preset=llama-demo model.n_layer=4" + no_corpus());
   ASSERT_EQ(alone.exit_code, 0) << alone.output;
   EXPECT_EQ(alone.output.find("communication at"), std::string::npos) << alone.output;
 }
@@ -469,14 +477,15 @@ TEST_F(Cli, ExplainBlockListsEveryValueWithItsSlot) {
   // in the rows' order: 2 key/value heads x 16 positions x 2 query heads each.
   EXPECT_NE(r.output.find("attention.probs"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("[2, 2, 16, 2, 16]  float32    8.00 KiB  attn.probs     attention (attention)"),
-            std::string::npos) << r.output;
+            std::string::npos)
+      << r.output;
   EXPECT_NE(r.output.find("view  attn.qkv       v_heads (view), view of v_proj"), std::string::npos) << r.output;
 }
 
 TEST_F(Cli, PlanBelowTheMinimumStatesTheMinimumAndWhatFillsIt) {
-  expect_error("plan --budget 60GiB model.preset=llama3-8b train.batch=1 train.seq=8192 run.dtype=bfloat16" +
-                   no_corpus(),
-               "is below the minimum feasible 145.06 GiB for llama3-8b at batch 1 x 8192 tokens in bfloat16");
+  expect_error(
+      "plan --budget 60GiB model.preset=llama3-8b train.batch=1 train.seq=8192 run.dtype=bfloat16" + no_corpus(),
+      "is below the minimum feasible 145.06 GiB for llama3-8b at batch 1 x 8192 tokens in bfloat16");
   expect_error("plan --budget '12 parsecs'", "The memory budget \"12 parsecs\" is not a size");
   expect_error("plan --budget 0", "is not a size");
 }
@@ -515,9 +524,9 @@ TEST_F(Cli, PlotPathsNeverRunAsGnuplotCode) {
 TEST_F(Cli, AControlCharacterInAPathIsRefusedBeforeAnythingRuns) {
   const std::string marker = (dir_ / "injected").string();
   const std::string cfg = file("shared.toml", "[run]\nout_dir = \"runs\\nsystem('touch " + marker + "')\\n\"\n");
-  expect_error("train --config " + cfg + " train.steps=1",
-               "run.out_dir = \"runs\\nsystem('touch " + marker + "')\\n\" holds a control character (byte 0x0a at "
-               "offset 4); paths must be printable");
+  expect_error("train --config " + cfg + " train.steps=1", "run.out_dir = \"runs\\nsystem('touch " + marker +
+                                                               "')\\n\" holds a control character (byte 0x0a at "
+                                                               "offset 4); paths must be printable");
   expect_error("plan --pareto --plot \"$(printf 'a\\tb.png')\"", "--plot = \"a\\tb.png\" holds a control character");
   EXPECT_FALSE(fs::exists(marker));
 }
@@ -606,11 +615,13 @@ TEST_F(Cli, OutOfRangeSettingsAreRefusedBeforeAnythingRuns) {
       {"plan model.preset=llama3-8b model.max_seq=16777216 train.seq=16777216 train.batch=64",
        "The attention probabilities of 32 layers at train.batch = 64 x train.seq = 16777216 with 32 heads"},
       {"plan --budget '' model.n_layer=2", "--budget \"\" gives --budget an empty value; give a budget"},
-      {"plan --budget= model.n_layer=2", "--budget= gives --budget an empty value; write the value after '=' or "
-                                         "leave the option out."},
+      {"plan --budget= model.n_layer=2",
+       "--budget= gives --budget an empty value; write the value after '=' or "
+       "leave the option out."},
       {"plan model.n_layer=10000", "model.n_layer must be at most 1024 (layers), got 10000."},
       {"plan --budget 1.5", "is neither a fraction of the no-recompute peak"},
-      {"train --explain-ac ac.budget=0.6", "--explain-ac prints the plan a policy compiles to, but ac.budget = \"0.6\""}};
+      {"train --explain-ac ac.budget=0.6",
+       "--explain-ac prints the plan a policy compiles to, but ac.budget = \"0.6\""}};
   for (const auto& [args, sentence] : cases) expect_error(args, sentence);
 }
 
@@ -629,11 +640,12 @@ TEST_F(Cli, AnExistingTraceFileIsNeverReplaced) {
 }
 
 TEST_F(Cli, TrainingWithABudgetStaysWithinItAndPredictsItsPeak) {
-  const std::string common = "model.preset=tiny-gpt2 model.vocab_size=0 train.steps=3 train.batch=4 train.seq=32 "
-                             "train.warmup=1 train.eval_batches=1 data.vocab_size=512 run.threads=1 "
-                             "run.sample_tokens=0 run.progress=false data.text=" +
-                             file("corpus.txt", remat::testing::make_text(1500)) +
-                             " data.dir=" + (dir_ / "data").string() + " run.out_dir=" + (dir_ / "runs").string();
+  const std::string common =
+      "model.preset=tiny-gpt2 model.vocab_size=0 train.steps=3 train.batch=4 train.seq=32 "
+      "train.warmup=1 train.eval_batches=1 data.vocab_size=512 run.threads=1 "
+      "run.sample_tokens=0 run.progress=false data.text=" +
+      file("corpus.txt", remat::testing::make_text(1500)) + " data.dir=" + (dir_ / "data").string() +
+      " run.out_dir=" + (dir_ / "runs").string();
   const Result r = run_remat("train ac.budget=0.7 run.name=b " + common);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("stayed within it"), std::string::npos) << r.output;

@@ -33,7 +33,7 @@ class TwoHosts {
     const std::string id = std::to_string(::getpid());
     names_ = {"remat-a-" + id, "remat-b-" + id};
     const std::array<std::string, 2> veth = {"rma" + id, "rmb" + id};  // interface names: at most 15 characters
-    std::vector<std::pair<std::string, std::string>> steps;             // a command and what undoes it
+    std::vector<std::pair<std::string, std::string>> steps;            // a command and what undoes it
     for (int i = 0; i < 2; ++i) steps.emplace_back("ip netns add " + names_[i], "ip netns del " + names_[i]);
     steps.emplace_back("ip link add " + veth[0] + " type veth peer name " + veth[1], "ip link del " + veth[0]);
     for (int i = 0; i < 2; ++i) {
@@ -94,8 +94,8 @@ TEST_F(Hosts, TwoNodesInNetworkNamespacesTrainLikeOneHost) {
     std::array<pid_t, 2> nodes{};
     for (int n = 0; n < 2; ++n) {
       // exec: the pid waited for is the launcher's (`ip netns exec` execs it too).
-      const std::string cmd = "exec " + hosts.in(n, launch + " --node-rank " + std::to_string(n) + " train " + run +
-                                                        " run.name=" + two);
+      const std::string cmd =
+          "exec " + hosts.in(n, launch + " --node-rank " + std::to_string(n) + " train " + run + " run.name=" + two);
       nodes[n] = remat::testing::start_shell(cmd, dir_ / ("node" + std::to_string(n)));
     }
     // parallel.timeout bounds a rank that cannot reach the other; this bounds the rest.

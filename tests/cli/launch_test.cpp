@@ -77,9 +77,7 @@ std::vector<pid_t> ranks_of(pid_t parent) {
 
 class Launch : public ::testing::Test {
  protected:
-  void SetUp() override {
-    dir_ = remat::testing::test_dir("remat-launch-");
-  }
+  void SetUp() override { dir_ = remat::testing::test_dir("remat-launch-"); }
   void TearDown() override { fs::remove_all(dir_); }
 
   // Starts the first node of a two-node `remat launch --nproc 2 [extra] train`, output to
@@ -90,9 +88,12 @@ class Launch : public ::testing::Test {
     cmd += " launch --nproc 2 --nnodes 2 --node-rank 0 --master-addr 127.0.0.1 --master-port " +
            std::to_string(free_port());
     for (const std::string& a : extra) cmd += " " + a;
-    const pid_t pid = remat::testing::start_shell(cmd + " train model.preset=tiny-gpt2 train.seq=16 parallel.timeout=3600 "
-                                                  "run.out_dir=" + (dir_ / "runs").string() +
-                                                  " data.dir=" + (dir_ / "data").string(), dir_ / "log");
+    const pid_t pid =
+        remat::testing::start_shell(cmd +
+                                        " train model.preset=tiny-gpt2 train.seq=16 parallel.timeout=3600 "
+                                        "run.out_dir=" +
+                                        (dir_ / "runs").string() + " data.dir=" + (dir_ / "data").string(),
+                                    dir_ / "log");
     for (auto waited = 0ms; waited < 20s; waited += 10ms) {
       if (ranks_of(pid).size() == 2) return pid;
       std::this_thread::sleep_for(10ms);
@@ -107,16 +108,17 @@ class Launch : public ::testing::Test {
 };
 
 TEST(LaunchEnvironment, SetsTheTorchrunVariablesAndDropsTheAgentStore) {
-  const char* base[] = {"PATH=/usr/bin", "RANK=7", "TORCHELASTIC_USE_AGENT_STORE=True", "MASTER_PORT=1", "HOME=/root",
-                        nullptr};
+  const char* base[] = {"PATH=/usr/bin", "RANK=7",     "TORCHELASTIC_USE_AGENT_STORE=True",
+                        "MASTER_PORT=1", "HOME=/root", nullptr};
   remat::cli::LaunchArgs args;
   args.nproc = 3;
   const std::vector<std::string> env = remat::cli::rank_environment(args, 2, 29511, base);
   const std::set<std::string> got(env.begin(), env.end());
   EXPECT_EQ(got.size(), env.size()) << "a variable appears twice";
-  const std::set<std::string> expected = {
-      "PATH=/usr/bin",      "HOME=/root",   "RANK=2",             "LOCAL_RANK=2",          "WORLD_SIZE=3",
-      "LOCAL_WORLD_SIZE=3", "GROUP_RANK=0", "GROUP_WORLD_SIZE=1", "MASTER_ADDR=127.0.0.1", "MASTER_PORT=29511"};
+  const std::set<std::string> expected = {"PATH=/usr/bin",    "HOME=/root",         "RANK=2",
+                                          "LOCAL_RANK=2",     "WORLD_SIZE=3",       "LOCAL_WORLD_SIZE=3",
+                                          "GROUP_RANK=0",     "GROUP_WORLD_SIZE=1", "MASTER_ADDR=127.0.0.1",
+                                          "MASTER_PORT=29511"};
   EXPECT_EQ(got, expected);
   args.nproc = 1;
   EXPECT_EQ(remat::cli::rank_environment(args, 0, 5, nullptr).size(), 8u);
@@ -130,9 +132,9 @@ TEST(LaunchEnvironment, NumbersTheRanksOfEveryNode) {
   args.node_rank = 2;
   args.master_addr = "10.0.0.1";
   const std::vector<std::string> env = remat::cli::rank_environment(args, 1, 29500, nullptr);
-  const std::set<std::string> expected = {"RANK=5", "LOCAL_RANK=1", "WORLD_SIZE=6", "LOCAL_WORLD_SIZE=2",
-                                          "GROUP_RANK=2", "GROUP_WORLD_SIZE=3", "MASTER_ADDR=10.0.0.1",
-                                          "MASTER_PORT=29500"};
+  const std::set<std::string> expected = {
+      "RANK=5",       "LOCAL_RANK=1",       "WORLD_SIZE=6",         "LOCAL_WORLD_SIZE=2",
+      "GROUP_RANK=2", "GROUP_WORLD_SIZE=3", "MASTER_ADDR=10.0.0.1", "MASTER_PORT=29500"};
   EXPECT_EQ(std::set<std::string>(env.begin(), env.end()), expected);
 }
 
@@ -148,12 +150,16 @@ TEST_F(Launch, EveryRankRunsTheSubcommandWithItsArguments) {
 TEST_F(Launch, PlanningUnderLaunchPlansARanksShareOfTheBatch) {
   const Result r = run_remat("launch --nproc 2 plan model.preset=gpt2-demo train.batch=16");
   EXPECT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_EQ(count(r.output, "step: 16 x 128 tokens, 1 microbatch, float32, data parallel over 2 ranks of 8 sequences\n"), 2u)
+  EXPECT_EQ(
+      count(r.output, "step: 16 x 128 tokens, 1 microbatch, float32, data parallel over 2 ranks of 8 sequences\n"), 2u)
       << r.output;
   const Result odd = run_remat("launch --nproc 2 plan model.preset=gpt2-demo train.batch=15");
   EXPECT_EQ(odd.exit_code, 1) << odd.output;
-  EXPECT_GE(count(odd.output, "error: train.batch = 15 sequences cannot be split evenly over 2 data-parallel ranks; "
-                              "make train.batch a multiple of 2"), 1u) << odd.output;
+  EXPECT_GE(count(odd.output,
+                  "error: train.batch = 15 sequences cannot be split evenly over 2 data-parallel ranks; "
+                  "make train.batch a multiple of 2"),
+            1u)
+      << odd.output;
 }
 
 TEST_F(Launch, AFailingRankEndsTheLaunchWithItsStatus) {
@@ -290,8 +296,7 @@ TEST_F(LaunchedTraining, LaunchAndTorchrunTrainAlikeAndOneProcessAgrees) {
   // From PyTorch 2.4 on torchrun's rendezvous asks for the store's libuv backend, and
   // USE_LIBUV=0 does not reach it: a PyTorch built without libuv (Debian sid's 2.14) cannot
   // start torchrun at all, before any rank of remat's runs.
-  if (torchrun.exit_code != 0 &&
-      torchrun.output.find("PyTorch was built without libuv support") != std::string::npos) {
+  if (torchrun.exit_code != 0 && torchrun.output.find("PyTorch was built without libuv support") != std::string::npos) {
     GTEST_SKIP() << "this PyTorch's torchrun cannot open its rendezvous store (built without libuv)";
   }
   ASSERT_EQ(torchrun.exit_code, 0) << torchrun.output;
@@ -332,7 +337,8 @@ TEST_F(LaunchedTraining, TensorParallelRanksTrainTheOneProcessModel) {
     EXPECT_EQ(sample.exit_code, 0) << sample.output;
   }
   // A layer that does not split evenly is refused before anything starts.
-  const Result odd = run_remat("launch --nproc 2 train " + common_ + steps + "parallel.tp=2 model.n_head=1 model.n_kv_head=1");
+  const Result odd =
+      run_remat("launch --nproc 2 train " + common_ + steps + "parallel.tp=2 model.n_head=1 model.n_kv_head=1");
   EXPECT_NE(odd.exit_code, 0);
   EXPECT_NE(odd.output.find("parallel.tp = 2 gives each tensor-parallel rank an equal share of model.n_head = 1"),
             std::string::npos)
@@ -343,8 +349,9 @@ TEST_F(LaunchedTraining, TensorParallelRanksTrainTheOneProcessModel) {
 // slack (32 KiB, eight times the prediction's allowance for small tensors), and the peak is in
 // the loss head, where Gloo's worker once held a reduced activation past its collective,
 // about 1,000,000 bytes above the plan on one rank or the other (3 runs in 3).
-const std::string kPeakShape = " model.preset=gpt2-demo model.vocab_size=2048 train.batch=16 train.seq=128 "
-                               "ac.profile=false ";
+const std::string kPeakShape =
+    " model.preset=gpt2-demo model.vocab_size=2048 train.batch=16 train.seq=128 "
+    "ac.profile=false ";
 constexpr int64_t kPeakSlack = 32 * 1024;
 
 // Every tensor-parallel rank peaks where the planner said, at that shape; the same with
@@ -352,7 +359,10 @@ constexpr int64_t kPeakSlack = 32 * 1024;
 // without it, keeping the inputs of uniform chunks as a share per rank.
 TEST_F(LaunchedTraining, TensorParallelRanksPeakWhereThePlannerSaid) {
   const std::vector<std::string> policies{
-      "ac.policy=none", "ac.policy=full", "ac.policy=none parallel.sp=true", "ac.policy=full parallel.sp=true",
+      "ac.policy=none",
+      "ac.policy=full",
+      "ac.policy=none parallel.sp=true",
+      "ac.policy=full parallel.sp=true",
       "ac.policy=none parallel.sp=true ac.tp_recompute_allgather=true",
       "ac.recompute_granularity=full ac.recompute_method=uniform ac.recompute_num_layers=2 "
       "ac.distribute_saved_activations=true"};
@@ -392,8 +402,8 @@ TEST_F(LaunchedTraining, ZeroOneShardsTheMomentsAndPeaksWhereThePlannerSaid) {
   std::map<int, nlohmann::json> summary, last;
   for (const int zero : {0, 1}) {
     const std::string name = "zero" + std::to_string(zero);
-    const Result r = run_remat("launch --nproc 2 train " + common_ + kPeakShape + "train.steps=3 parallel.zero=" +
-                               std::to_string(zero) + " run.name=" + name);
+    const Result r = run_remat("launch --nproc 2 train " + common_ + kPeakShape +
+                               "train.steps=3 parallel.zero=" + std::to_string(zero) + " run.name=" + name);
     ASSERT_EQ(r.exit_code, 0) << r.output;
     summary[zero] = nlohmann::json::parse(read_text(dir_ / "runs" / name / "summary.json"));
     last[zero] = train_lines(name).back();
@@ -458,8 +468,8 @@ TEST_F(LaunchedTraining, BenchGivesEveryRanksPeakBesideItsPrediction) {
       for (const int64_t peak : row["rank_peak_bytes"]) {
         EXPECT_NEAR(peak, predicted, kPeakSlack) << c.settings << " " << row["entry"];
       }
-      EXPECT_EQ(row["peak_bytes"], std::max(row["rank_peak_bytes"][0].get<int64_t>(),
-                                            row["rank_peak_bytes"][1].get<int64_t>()));
+      EXPECT_EQ(row["peak_bytes"],
+                std::max(row["rank_peak_bytes"][0].get<int64_t>(), row["rank_peak_bytes"][1].get<int64_t>()));
     }
     // Every step of both entries, each with both ranks' peaks.
     std::ifstream metrics(out / "metrics.jsonl");

@@ -25,7 +25,10 @@ nlohmann::json json_in(const std::string& output) {
 }
 
 TEST(Peers, ParameterCountsEqualRemats) {
-  struct Arch { const char* name; int64_t kv, ff; };
+  struct Arch {
+    const char* name;
+    int64_t kv, ff;
+  };
   for (const Arch a : {Arch{"gpt2", 4, 256}, Arch{"llama", 2, 176}}) {
     const std::string shape = " --layers 2 --d-model 64 --heads 4 --kv-heads " + std::to_string(a.kv) + " --d-ff " +
                               std::to_string(a.ff) + " --vocab 512 --seq 32";
@@ -35,10 +38,11 @@ TEST(Peers, ParameterCountsEqualRemats) {
     const nlohmann::json p = json_in(peers.output);
     ASSERT_TRUE(p.is_object()) << peers.output;
 
-    const Result plan = run_remat(std::string("plan --json model.preset=") + a.name +
-                                  "-demo model.n_layer=2 model.d_model=64 model.n_head=4 model.n_kv_head=" +
-                                  std::to_string(a.kv) + " model.d_ff=" + std::to_string(a.ff) +
-                                  " model.vocab_size=512 model.max_seq=32 train.seq=32 run.dtype=float32");
+    const Result plan =
+        run_remat(std::string("plan --json model.preset=") + a.name +
+                  "-demo model.n_layer=2 model.d_model=64 model.n_head=4 model.n_kv_head=" + std::to_string(a.kv) +
+                  " model.d_ff=" + std::to_string(a.ff) +
+                  " model.vocab_size=512 model.max_seq=32 train.seq=32 run.dtype=float32");
     ASSERT_EQ(plan.exit_code, 0) << plan.output;
     const nlohmann::json r = json_in(plan.output);
     ASSERT_TRUE(r.is_object()) << plan.output;

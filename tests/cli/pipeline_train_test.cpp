@@ -67,8 +67,8 @@ TEST_F(PipelineTraining, StagesTrainTheOneProcessModelBitwise) {
   for (const auto& line : train_lines("one")) EXPECT_GT(line["grad_norm"].get<double>(), 0.1) << "clipped";
   for (const std::string schedule : {"1f1b", "gpipe"}) {
     const std::string name = "pp-" + schedule;
-    const Result r = run_remat("launch --nproc 2 train " + common_ + kLlama + steps + "parallel.pp=2 parallel.schedule=" +
-                               schedule + " run.name=" + name);
+    const Result r = run_remat("launch --nproc 2 train " + common_ + kLlama + steps +
+                               "parallel.pp=2 parallel.schedule=" + schedule + " run.name=" + name);
     ASSERT_EQ(r.exit_code, 0) << r.output;
     EXPECT_NE(r.output.find("the layers in 2 pipeline stages (" + schedule + " schedule)"), std::string::npos)
         << r.output;
@@ -107,9 +107,12 @@ TEST_F(PipelineTraining, EveryPerStagePolicyTrainsBitwiseAsWithoutRecompute) {
   const Result none = run_remat(base + "run.name=none");
   ASSERT_EQ(none.exit_code, 0) << none.output;
   const std::vector<std::string> policies{
-      "ac.policy=full", "ac.recompute_granularity=full ac.recompute_method=block ac.recompute_num_layers=1",
-      "ac.gradient_checkpointing_ratio=0.5", "ac.num_ckpt_layers_per_stage=2,1",
-      "ac.num_layers_per_stage=3,1 ac.num_ckpt_layers_per_stage=2,0", "ac.policy=uniform:2",
+      "ac.policy=full",
+      "ac.recompute_granularity=full ac.recompute_method=block ac.recompute_num_layers=1",
+      "ac.gradient_checkpointing_ratio=0.5",
+      "ac.num_ckpt_layers_per_stage=2,1",
+      "ac.num_layers_per_stage=3,1 ac.num_ckpt_layers_per_stage=2,0",
+      "ac.policy=uniform:2",
       "ac.policy=layers:[full,modules:core_attn,none,full]"};
   for (size_t i = 0; i < policies.size(); ++i) {
     const std::string name = "policy-" + std::to_string(i);
@@ -166,8 +169,9 @@ TEST_F(PipelineTraining, AResumedPipelineContinuesBitwise) {
 }
 
 // The gpt2-demo shape of the launch tests' peak checks: activations dwarf the bound.
-const std::string kPeakShape = " model.preset=gpt2-demo model.vocab_size=2048 train.batch=16 train.seq=128 "
-                               "ac.profile=false train.steps=2 train.grad_accum=3 parallel.pp=2 ";
+const std::string kPeakShape =
+    " model.preset=gpt2-demo model.vocab_size=2048 train.batch=16 train.seq=128 "
+    "ac.profile=false train.steps=2 train.grad_accum=3 parallel.pp=2 ";
 constexpr int64_t kPeakSlack = 8 * 1024;
 
 // Each stage peaks within 8 KiB of where the planner said for its layers and microbatches
@@ -180,19 +184,20 @@ TEST_F(PipelineTraining, EveryStagePeaksWhereThePlannerSaid) {
   for (size_t i = 0; i < cases.size(); ++i) {
     const std::string name = "peak-" + std::to_string(i);
     const size_t ranks = cases[i].find("parallel.tp=2") != std::string::npos ? 4 : 2;
-    const Result r = run_remat("launch --nproc " + std::to_string(ranks) + " train " + common_ + kPeakShape +
-                               cases[i] + " run.name=" + name);
+    const Result r = run_remat("launch --nproc " + std::to_string(ranks) + " train " + common_ + kPeakShape + cases[i] +
+                               " run.name=" + name);
     ASSERT_EQ(r.exit_code, 0) << r.output;
     const auto s = summary(name);
     ASSERT_EQ(s["rank_peak_bytes"].size(), ranks);
     for (size_t rank = 0; rank < ranks; ++rank) {
       EXPECT_NEAR(s["rank_peak_bytes"][rank].get<int64_t>(), s["predicted_rank_peak_bytes"][rank].get<int64_t>(),
-                  kPeakSlack) << cases[i] << ", rank " << rank;
+                  kPeakSlack)
+          << cases[i] << ", rank " << rank;
     }
     EXPECT_NE(r.output.find("memory peak per rank: rank 0 "), std::string::npos) << r.output;
     if (i == 0) {
-      const int64_t predicted = s["predicted_rank_peak_bytes"][0].get<int64_t>() -
-                                s["predicted_rank_peak_bytes"][1].get<int64_t>();
+      const int64_t predicted =
+          s["predicted_rank_peak_bytes"][0].get<int64_t>() - s["predicted_rank_peak_bytes"][1].get<int64_t>();
       EXPECT_GT(predicted, 0);
       EXPECT_NEAR(s["rank_peak_bytes"][0].get<int64_t>() - s["rank_peak_bytes"][1].get<int64_t>(), predicted,
                   2 * kPeakSlack);
@@ -225,7 +230,8 @@ TEST_F(PipelineTraining, BenchRunsEachEntryOnItsOwnSplit) {
     ASSERT_EQ(row["rank_peak_bytes"].size(), 2u);
     for (size_t rank = 0; rank < 2; ++rank) {
       EXPECT_NEAR(row["rank_peak_bytes"][rank].get<int64_t>(), row["predicted_rank_peak_bytes"][rank].get<int64_t>(),
-                  kPeakSlack) << row["entry"] << ", rank " << rank;
+                  kPeakSlack)
+          << row["entry"] << ", rank " << rank;
     }
     if (row["budget_bytes"] > 0) {
       EXPECT_LE(row["predicted_peak_bytes"], row["budget_bytes"]);

@@ -45,8 +45,9 @@ TEST(PlanAttention, NeitherFittingSaysBothWereTried) {
 // Two GPT-2 layers at 32 x 64 tokens: the fused head keeps the tied [50257, 768] weight's
 // gradient, so only the recomputing head fits a budget between the two heads' minimums.
 TEST(PlanLossHead, PrintsTheHeadChosenAndWhy) {
-  const std::string wide = "model.preset=gpt2 model.n_layer=2 model.attention=tiled train.batch=32 train.seq=64 "
-                           "train.ce_chunk=1024 model.loss_head=";
+  const std::string wide =
+      "model.preset=gpt2 model.n_layer=2 model.attention=tiled train.batch=32 train.seq=64 "
+      "train.ce_chunk=1024 model.loss_head=";
   const auto least = [&](const std::string& head) {
     const Result r = run_remat("plan --json " + wide + head);
     EXPECT_EQ(r.exit_code, 0) << r.output;

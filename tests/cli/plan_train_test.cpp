@@ -23,8 +23,8 @@ class PlanAsTrained : public ::testing::Test {
   void SetUp() override {
     dir_ = remat::testing::test_dir("remat-plan-train-");
     std::ofstream(dir_ / "corpus.txt") << remat::testing::make_text(1500);
-    common_ = " model.vocab_size=0 data.vocab_size=512 data.text=" + (dir_ / "corpus.txt").string() + " data.dir=" +
-              (dir_ / "data").string() + " train.batch=4 train.seq=32 ac.profile=false";
+    common_ = " model.vocab_size=0 data.vocab_size=512 data.text=" + (dir_ / "corpus.txt").string() +
+              " data.dir=" + (dir_ / "data").string() + " train.batch=4 train.seq=32 ac.profile=false";
     const Result prepared = run_remat("prepare" + common_);
     ASSERT_EQ(prepared.exit_code, 0) << prepared.output;
   }
@@ -38,8 +38,8 @@ class PlanAsTrained : public ::testing::Test {
     const std::string name = "run" + std::to_string(runs_++);
     const Result train = run_remat(launch + "train" + common_ + " " + settings +
                                    " train.steps=1 train.warmup=1 train.eval_batches=1 run.threads=1 "
-                                   "run.progress=false run.sample_tokens=0 run.out_dir=" + (dir_ / "runs").string() +
-                                   " run.name=" + name);
+                                   "run.progress=false run.sample_tokens=0 run.out_dir=" +
+                                   (dir_ / "runs").string() + " run.name=" + name);
     ASSERT_EQ(train.exit_code, 0) << train.output;
     // plan.txt: the run block, a blank line, every layer spelled out.
     const std::string written = read_text(dir_ / "runs" / name / "plan.txt");
@@ -47,8 +47,11 @@ class PlanAsTrained : public ::testing::Test {
     ASSERT_NE(blank, std::string::npos) << written;
     const std::string block = written.substr(0, blank + 1);
     EXPECT_EQ(block.rfind("run: ", 0), 0u) << block;
-    EXPECT_EQ(plan.output.rfind(block, 0), 0u) << settings << "\nplan.txt:\n" << block << "\nremat plan:\n" << plan.output;
-    EXPECT_NE(train.output.find(block), std::string::npos) << settings << "\nplan.txt:\n" << block << "\ntrain:\n"
+    EXPECT_EQ(plan.output.rfind(block, 0), 0u) << settings << "\nplan.txt:\n"
+                                               << block << "\nremat plan:\n"
+                                               << plan.output;
+    EXPECT_NE(train.output.find(block), std::string::npos) << settings << "\nplan.txt:\n"
+                                                           << block << "\ntrain:\n"
                                                            << train.output;
   }
 

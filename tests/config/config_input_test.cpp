@@ -34,23 +34,26 @@ TEST(ConfigInput, DeeplyDottedOrNestedTomlIsRefusedBeforeParsing) {
   const remat::testing::TempDir dir;
   const std::string dotted = write(dir, "dotted.toml", repeated("a", 100000, ".") + " = 1\n");
   EXPECT_EQ(error_of([&] { load_config(dotted, {}); }),
-            "Cannot read config " + dotted + ": line 1 has a key of more than 32 dotted parts; remat's keys have two "
-            "or three parts (train.lr, model.preset), so this is not a remat config.");
+            "Cannot read config " + dotted +
+                ": line 1 has a key of more than 32 dotted parts; remat's keys have two "
+                "or three parts (train.lr, model.preset), so this is not a remat config.");
   const std::string header = write(dir, "header.toml", "# a comment.with.dots\n[" + repeated("t", 40, ".") + "]\n");
   EXPECT_NE(error_of([&] { load_config(header, {}); }).find("line 2 has a key of more than 32 dotted parts"),
             std::string::npos);
-  for (const auto& [name, text] : {std::pair<std::string, std::string>{"arrays.toml", "a = " + std::string(100000, '[')},
-                                   {"tables.toml", "a = " + repeated("{b = ", 100000, "")}}) {
+  for (const auto& [name, text] :
+       {std::pair<std::string, std::string>{"arrays.toml", "a = " + std::string(100000, '[')},
+        {"tables.toml", "a = " + repeated("{b = ", 100000, "")}}) {
     const std::string path = write(dir, name, text);
     EXPECT_EQ(error_of([&] { load_config(path, {}); }),
-              "Cannot read config " + path + ": line 1 nests arrays or tables more than 32 deep; remat's keys have "
-              "two or three parts (train.lr, model.preset), so this is not a remat config.");
+              "Cannot read config " + path +
+                  ": line 1 nests arrays or tables more than 32 deep; remat's keys have "
+                  "two or three parts (train.lr, model.preset), so this is not a remat config.");
   }
   // Dots, brackets and quotes inside strings and comments are text, not structure.
   const std::string fine =
-      write(dir, "fine.toml", "# " + repeated("x", 50, ".") + "\n[run]\nprompt = \"" + repeated("a", 50, ".") +
-                                  "[{'\\\"\"\n\"name\" = 'x.y'\n[model]\npreset = '''tiny\n" +
-                                  repeated("g", 40, ".") + "'''\n");
+      write(dir, "fine.toml",
+            "# " + repeated("x", 50, ".") + "\n[run]\nprompt = \"" + repeated("a", 50, ".") +
+                "[{'\\\"\"\n\"name\" = 'x.y'\n[model]\npreset = '''tiny\n" + repeated("g", 40, ".") + "'''\n");
   EXPECT_NE(error_of([&] { load_config(fine, {}); }).find("Unknown model preset"), std::string::npos);
 }
 
@@ -59,8 +62,9 @@ TEST(ConfigInput, AConfigThatIsNotARegularFileIsRefusedWithoutWaiting) {
   const std::string fifo = dir / "config.fifo";
   ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
   EXPECT_EQ(error_of([&] { load_config(fifo, {}); }),
-            "Cannot read the config " + fifo + ": it is a FIFO (named pipe), not a regular file; remat reads only "
-            "regular files (a FIFO or device could make it wait or read for ever): give the path of a file.");
+            "Cannot read the config " + fifo +
+                ": it is a FIFO (named pipe), not a regular file; remat reads only "
+                "regular files (a FIFO or device could make it wait or read for ever): give the path of a file.");
   EXPECT_EQ(error_of([&] { load_config(dir.path().string(), {}); }).find("it is a directory, not a regular file"),
             std::string("Cannot read the config " + dir.path().string() + ": ").size());
   const std::string huge = write(dir, "huge.toml", "# " + std::string(2 << 20, 'x') + "\n");
@@ -88,11 +92,15 @@ TEST(ConfigInput, ModelDimensionsHaveUpperBoundsAboveEveryPreset) {
   for (const std::string& preset : preset_names()) {
     EXPECT_EQ(error_of([&] { load_config("", {"model.preset=" + preset, "train.seq=16"}); }), "") << preset;
   }
-  EXPECT_EQ(error_of([&] { load_config("", {"model.d_model=262144", "model.n_head=4", "model.n_kv_head=4"}); }),
+  EXPECT_EQ(error_of([&] {
+              load_config("", {"model.d_model=262144", "model.n_head=4", "model.n_kv_head=4"});
+            }),
             "model.d_model must be at most 131072 (eight times Llama 3 405B's 16384), got 262144.");
   EXPECT_EQ(error_of([&] { load_config("", {"model.d_ff=1048576"}); }),
             "model.d_ff must be at most 524288 (about ten times Llama 3 405B's 53248), got 1048576.");
-  EXPECT_EQ(error_of([&] { load_config("", {"model.n_head=2048", "model.n_kv_head=2048", "model.d_model=4096"}); }),
+  EXPECT_EQ(error_of([&] {
+              load_config("", {"model.n_head=2048", "model.n_kv_head=2048", "model.d_model=4096"});
+            }),
             "model.n_head must be at most 1024 (eight times Llama 3 405B's 128 heads), got 2048.");
   EXPECT_NE(error_of([&] {
               load_config("", {"model.n_layer=1024", "model.d_model=131072", "model.n_head=128", "model.n_kv_head=128",

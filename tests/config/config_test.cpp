@@ -34,9 +34,9 @@ TEST(Config, DefaultsAreValidAndRoundTripThroughToml) {
 TEST(Config, OverridesWinOverTheFileAndPresetGoesFirst) {
   const std::string path = write_temp("[model]\nn_layer = 3\npreset = \"tiny-llama\"\n[train]\nlr = 0.01\n");
   const Config c = load_config(path, {"train.lr=0.002", "model.d_model=64", "train.seq=16", "ac.pool=false"});
-  EXPECT_EQ(c.model.arch, Arch::llama);   // from the preset
-  EXPECT_EQ(c.model.n_layer, 3);      // the file's key, though written before the preset
-  EXPECT_EQ(c.model.d_model, 64);     // override
+  EXPECT_EQ(c.model.arch, Arch::llama);  // from the preset
+  EXPECT_EQ(c.model.n_layer, 3);         // the file's key, though written before the preset
+  EXPECT_EQ(c.model.d_model, 64);        // override
   EXPECT_DOUBLE_EQ(c.train.lr, 0.002);
   EXPECT_FALSE(c.ac.pool);
   std::remove(path.c_str());
@@ -66,7 +66,8 @@ TEST(Config, BadValuesAndShapesAreRefusedWithSentences) {
   EXPECT_EQ(error_of([] { load_config("", {"model.attention=flash"}); }),
             "model.attention must be tiled (online softmax over tiles, keeps one log-sum-exp per row), math "
             "(keeps the [T x T] probabilities) or auto (the planner chooses one of them for the run), got 'flash'.");
-  EXPECT_EQ(error_of([] { load_config("", {"model.attention_tile=0"}); }), "model.attention_tile must be positive, got 0.");
+  EXPECT_EQ(error_of([] { load_config("", {"model.attention_tile=0"}); }),
+            "model.attention_tile must be positive, got 0.");
   EXPECT_EQ(load_config("", {"model.attention=tiled"}).model.attention, Attention::tiled);
   EXPECT_EQ(load_config("", {"model.attention=auto"}).model.attention, Attention::automatic);
   // A run's config.toml holds the op resolved; "auto" itself reads back as written.
@@ -102,18 +103,23 @@ TEST(Config, SequenceParallelismIsRefusedWhereItCannotRun) {
   EXPECT_EQ(error_of([] { load_config("", {"parallel.sp=true"}); }),
             "parallel.sp = true shares each sequence's positions over the tensor-parallel ranks, but parallel.tp = 1 "
             "has one rank; set parallel.tp to 2 or more, or parallel.sp = false.");
-  EXPECT_EQ(error_of([] { load_config("", {"parallel.sp=true", "parallel.tp=2", "train.seq=255"}); }),
+  EXPECT_EQ(error_of([] {
+              load_config("", {"parallel.sp=true", "parallel.tp=2", "train.seq=255"});
+            }),
             "parallel.sp = true gives each of the parallel.tp = 2 ranks an equal share of the 255 positions of a "
             "sequence (train.seq), but 255 is not a multiple of 2; choose a train.seq that is.");
-  EXPECT_EQ(error_of([] { load_config("", {"parallel.tp=2", "ac.tp_recompute_allgather=true"}); }),
+  EXPECT_EQ(error_of([] {
+              load_config("", {"parallel.tp=2", "ac.tp_recompute_allgather=true"});
+            }),
             "ac.tp_recompute_allgather = true keeps the sequence-parallel input of each column-parallel linear and "
             "gathers it again in the backward, but without parallel.sp = true (and parallel.tp > 1) nothing is "
             "gathered; set parallel.sp = true, or drop ac.tp_recompute_allgather.");
-  EXPECT_EQ(error_of([] {
-              load_config("", {"parallel.tp=2", "parallel.sp=true", "ac.tp_recompute_allgather=true", "ac.budget=1GiB"});
-            }),
-            "ac.budget = \"1GiB\" lets the planner choose, per layer, whether to keep each gathered input or gather "
-            "it again, but ac.tp_recompute_allgather = true fixes that choice; keep one of them.");
+  EXPECT_EQ(
+      error_of([] {
+        load_config("", {"parallel.tp=2", "parallel.sp=true", "ac.tp_recompute_allgather=true", "ac.budget=1GiB"});
+      }),
+      "ac.budget = \"1GiB\" lets the planner choose, per layer, whether to keep each gathered input or gather "
+      "it again, but ac.tp_recompute_allgather = true fixes that choice; keep one of them.");
   EXPECT_NO_THROW(load_config("", {"parallel.tp=2", "parallel.sp=true", "ac.tp_recompute_allgather=true"}));
 }
 
@@ -152,7 +158,9 @@ TEST(Config, PipelineStagesAreThePolicysStages) {
   EXPECT_EQ(error_of([] { load_config("", {"parallel.pp=5"}); }),
             "parallel.pp = 5 pipeline stages for 4 layers: every stage needs at least one layer; use 1 (no pipeline) "
             "to 4.");
-  EXPECT_EQ(error_of([] { load_config("", {"parallel.pp=2", "ac.stages=4"}); }),
+  EXPECT_EQ(error_of([] {
+              load_config("", {"parallel.pp=2", "ac.stages=4"});
+            }),
             "ac.stages = 4 but parallel.pp = 2: with a pipeline the per-stage policies count its real stages; drop "
             "ac.stages or set it to 2.");
   EXPECT_EQ(error_of([] { load_config("", {"parallel.schedule=zb"}); }),
@@ -214,14 +222,14 @@ TEST(Config, TheVocabularyIsPaddedToAMultipleOfTheTensorParallelRanks) {
     c.parallel.tp = tp;
     return padded_vocab_size(c, vocab);
   };
-  EXPECT_EQ(padded(50257, 1, 1), 50257);   // one process: unchanged by default
+  EXPECT_EQ(padded(50257, 1, 1), 50257);  // one process: unchanged by default
   EXPECT_EQ(padded(50257, 1, 8), 50264);
   EXPECT_EQ(padded(50257, 128, 1), 50304);  // nanoGPT's padded GPT-2 vocabulary
   EXPECT_EQ(padded(50257, 128, 8), 51200);  // Megatron-LM's default at tp = 8
   EXPECT_EQ(padded(2048, 1, 3), 2049);
-  EXPECT_EQ(padded(2049, 1, 3), 2049);      // a padded size is its own padding
+  EXPECT_EQ(padded(2049, 1, 3), 2049);  // a padded size is its own padding
   EXPECT_EQ(padded(128256, 1, 8), 128256);
-  EXPECT_EQ(padded(0, 64, 4), 0);           // the tokenizer's, padded when known
+  EXPECT_EQ(padded(0, 64, 4), 0);  // the tokenizer's, padded when known
   for (int64_t vocab : {1, 7, 300, 50257}) {
     for (int64_t multiple : {1, 3, 64}) {
       for (int64_t tp : {1, 2, 6, 8}) {
@@ -272,7 +280,9 @@ TEST(Config, VocabularyPaddingIsRefusedWithSentences) {
   // Padding a vocabulary near 2^63, or over a parallel.tp near 2^62 (load_config pads before
   // it validates), overflowed int64: seen reading the code, shown by fuzz/config.cpp's
   // UndefinedBehaviorSanitizer on these inputs (now in its seed corpus).
-  EXPECT_EQ(error_of([] { load_config("", {"model.vocab_size=9223372036854775807", "model.vocab_multiple=2"}); }),
+  EXPECT_EQ(error_of([] {
+              load_config("", {"model.vocab_size=9223372036854775807", "model.vocab_multiple=2"});
+            }),
             "model.vocab_size = 9223372036854775807 is more than 2^31 tokens; token ids are 32-bit integers (the "
             "largest real vocabularies hold a few hundred thousand): give the tokenizer's size, or 0 to take it.");
   EXPECT_EQ(error_of([] {

@@ -19,9 +19,7 @@ namespace fs = std::filesystem;
 using namespace remat::data;
 using remat::testing::TempDir;
 
-void write(const std::string& path, const std::string& bytes) {
-  std::ofstream(path, std::ios::binary) << bytes;
-}
+void write(const std::string& path, const std::string& bytes) { std::ofstream(path, std::ios::binary) << bytes; }
 
 std::string error_of(const std::function<void()>& f) { return remat::testing::error_of<std::runtime_error>(f); }
 
@@ -40,8 +38,7 @@ TEST(Corpus, PreparesSmallTextIntoTokenFiles) {
   const std::string text = remat::testing::make_text(2000);
   const PrepareOptions options = small_options(dir, text);
   std::vector<std::string> lines;
-  const CorpusInfo info =
-      prepare_corpus(options, [&](const std::string& l) { lines.push_back(l); });
+  const CorpusInfo info = prepare_corpus(options, [&](const std::string& l) { lines.push_back(l); });
 
   EXPECT_FALSE(info.cached);
   EXPECT_FALSE(lines.empty());
@@ -54,8 +51,8 @@ TEST(Corpus, PreparesSmallTextIntoTokenFiles) {
   // Every token of the text is in exactly one split, and the split is ~5%.
   const Tokenizer tok = Tokenizer::load(info.tokenizer_path());
   EXPECT_EQ(info.train_tokens + info.val_tokens, static_cast<int64_t>(tok.encode(text).size()));
-  const double val_share = static_cast<double>(info.val_tokens) /
-                           static_cast<double>(info.train_tokens + info.val_tokens);
+  const double val_share =
+      static_cast<double>(info.val_tokens) / static_cast<double>(info.train_tokens + info.val_tokens);
   EXPECT_NEAR(val_share, 0.05, 0.01);
 
   // The train and val text together are the whole text (ASCII, so no byte piece splits).
@@ -126,8 +123,7 @@ TEST(Corpus, DamagedCacheIsReportedAndRebuilt) {
   EXPECT_NE(error.find("train.bin has 10 bytes"), std::string::npos) << error;
   EXPECT_NE(error.find("remat prepare"), std::string::npos) << error;
   std::vector<std::string> log;
-  const CorpusInfo rebuilt =
-      prepare_corpus(options, [&](const std::string& l) { log.push_back(l); });
+  const CorpusInfo rebuilt = prepare_corpus(options, [&](const std::string& l) { log.push_back(l); });
   EXPECT_FALSE(rebuilt.cached);
   EXPECT_EQ(rebuilt.train_sha256, info.train_sha256);  // deterministic
 
@@ -144,8 +140,7 @@ TEST(Corpus, DamagedCacheIsReportedAndRebuilt) {
   fs::remove(info.tokenizer_path());
   EXPECT_FALSE(prepare_corpus(options).cached);
   write(info.meta_path(), "{not json");
-  EXPECT_NE(error_of([&] { load_corpus_info(options.out_dir); }).find("meta.json"),
-            std::string::npos);
+  EXPECT_NE(error_of([&] { load_corpus_info(options.out_dir); }).find("meta.json"), std::string::npos);
   EXPECT_FALSE(prepare_corpus(options).cached);
   EXPECT_TRUE(prepare_corpus(options).cached);
 }
@@ -175,9 +170,10 @@ TEST(CorpusMeta, RefusesNumbersOutOfRange) {
   EXPECT_EQ(error_for(meta), "");
   nlohmann::json bad = meta;
   bad["tokenizer"]["vocab_size"] = 1e300;
-  EXPECT_EQ(error_for(bad), dir / "meta.json" +
-                                " is not valid corpus metadata (tokenizer.vocab_size is 1e+300, not a whole number from 1 "
-                                "to 16777216); run `remat prepare` to rebuild it.");
+  EXPECT_EQ(error_for(bad),
+            dir / "meta.json" +
+                " is not valid corpus metadata (tokenizer.vocab_size is 1e+300, not a whole number from 1 "
+                "to 16777216); run `remat prepare` to rebuild it.");
   bad = meta;
   bad["tokens"]["train"]["count"] = int64_t{1} << 62;
   EXPECT_EQ(error_for(bad), dir / "meta.json" +
@@ -227,8 +223,9 @@ TEST(Corpus, RefusesMissingEmptyAndNonUtf8Files) {
   options.text_file = dir / "binary.txt";
   write(*options.text_file, std::string("text\0more", 9));
   error = error_of([&] { prepare_corpus(options); });
-  EXPECT_EQ(error, "The text file " + *options.text_file + " holds a NUL byte at offset 4: it is binary data, not "
-                   "text; give a UTF-8 text file.");
+  EXPECT_EQ(error, "The text file " + *options.text_file +
+                       " holds a NUL byte at offset 4: it is binary data, not "
+                       "text; give a UTF-8 text file.");
 
   // Endless or blocking sources: refused before a byte is read, not after filling memory
   // or waiting for a writer for ever.
@@ -237,8 +234,9 @@ TEST(Corpus, RefusesMissingEmptyAndNonUtf8Files) {
   for (const std::string& source : {std::string("/dev/zero"), fifo}) {
     options.text_file = source;
     error = error_of([&] { prepare_corpus(options); });
-    EXPECT_EQ(error, "The text file " + source + " is not a regular file (a FIFO, device or socket); remat reads text "
-                     "only from regular files, which cannot make it wait or read for ever: give a file.");
+    EXPECT_EQ(error, "The text file " + source +
+                         " is not a regular file (a FIFO, device or socket); remat reads text "
+                         "only from regular files, which cannot make it wait or read for ever: give a file.");
   }
 
   options.text_file = dir / "blank.txt";
@@ -304,10 +302,8 @@ TEST(Corpus, KingJamesBible) {
   } catch (const std::runtime_error& e) {
     GTEST_SKIP() << e.what();
   }
-  EXPECT_EQ(text.rfind("Genesis 1\nIn the beginning God created the heaven and the earth.\n", 0),
-            0u);
-  EXPECT_NE(text.find("\n\nGenesis 2\nThus the heavens and the earth were finished"),
-            std::string::npos);
+  EXPECT_EQ(text.rfind("Genesis 1\nIn the beginning God created the heaven and the earth.\n", 0), 0u);
+  EXPECT_NE(text.find("\n\nGenesis 2\nThus the heavens and the earth were finished"), std::string::npos);
   EXPECT_NE(text.find("\n\nRevelation 22\n"), std::string::npos);
   const std::string last_verse = "\nThe grace of our Lord Jesus Christ be with you all. Amen.\n";
   EXPECT_EQ(text.substr(text.size() - last_verse.size()), last_verse);
@@ -317,10 +313,8 @@ TEST(Corpus, KingJamesBible) {
   options.out_dir = dir / "kjv";
   const auto start = std::chrono::steady_clock::now();
   // The log goes to the test output: it is the record of what the default corpus is.
-  const CorpusInfo info =
-      prepare_corpus(options, [](const std::string& line) { std::printf("  %s\n", line.c_str()); });
-  const double seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const CorpusInfo info = prepare_corpus(options, [](const std::string& line) { std::printf("  %s\n", line.c_str()); });
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   EXPECT_LT(seconds, 20.0);
   EXPECT_EQ(info.vocab_size, 2048);
   EXPECT_GT(info.train_tokens, 900000);

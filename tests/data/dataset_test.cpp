@@ -15,9 +15,7 @@ using namespace remat::data;
 std::string error_of(const std::function<void()>& f) { return remat::testing::error_of<std::runtime_error>(f); }
 
 // Token i has id (i * 7) % 1000: distinct neighbours, so shifted windows are checkable.
-TokenDataset ramp(int64_t n) {
-  return TokenDataset((at::arange(n, at::kLong) * 7) % 1000, "the ramp");
-}
+TokenDataset ramp(int64_t n) { return TokenDataset((at::arange(n, at::kLong) * 7) % 1000, "the ramp"); }
 
 TEST(TokenDataset, SamplesAreNextTokenPairs) {
   const TokenDataset data = ramp(5000);
@@ -75,8 +73,7 @@ TEST(TokenDataset, RefusesSequencesLongerThanTheData) {
             "A sequence of 100 tokens needs at least 101 tokens (inputs and next-token "
             "targets), but the ramp has 100.");
   EXPECT_NO_THROW(data.sample(2, 99, rng));
-  EXPECT_NE(error_of([&] { data.num_sequential_batches(1, 200); }).find("the ramp has 100"),
-            std::string::npos);
+  EXPECT_NE(error_of([&] { data.num_sequential_batches(1, 200); }).find("the ramp has 100"), std::string::npos);
   EXPECT_NE(error_of([&] { data.sample(0, 10, rng); }).find("0 x 10"), std::string::npos);
 }
 

@@ -10,14 +10,12 @@ namespace remat::testing {
 /// `lines` lines of 6-14 words drawn from a fixed word list by a fixed LCG.
 inline std::string make_text(int lines, uint64_t seed = 1) {
   static const char* const words[] = {
-      "the",    "and",     "of",      "to",        "in",       "that",       "shall",    "he",
-      "unto",   "for",     "his",     "a",         "they",     "be",         "is",       "him",
-      "not",    "them",    "with",    "all",       "thou",     "thy",        "was",      "which",
-      "king",   "people",  "house",   "children",  "land",     "said",       "came",     "went",
-      "before", "upon",    "against", "according", "gathered", "brought",    "mountain", "river",
-      "city",   "morning", "evening", "servants",  "brethren", "wilderness", "covenant", "garden",
-      "water",  "bread",   "fire",    "stone",     "silver",   "golden",     "twelve",   "forty",
-      "seven"};
+      "the",  "and",     "of",      "to",       "in",       "that",       "shall",    "he",       "unto",     "for",
+      "his",  "a",       "they",    "be",       "is",       "him",        "not",      "them",     "with",     "all",
+      "thou", "thy",     "was",     "which",    "king",     "people",     "house",    "children", "land",     "said",
+      "came", "went",    "before",  "upon",     "against",  "according",  "gathered", "brought",  "mountain", "river",
+      "city", "morning", "evening", "servants", "brethren", "wilderness", "covenant", "garden",   "water",    "bread",
+      "fire", "stone",   "silver",  "golden",   "twelve",   "forty",      "seven"};
   constexpr uint64_t num_words = sizeof(words) / sizeof(words[0]);
   uint64_t state = seed * 6364136223846793005ULL + 1442695040888963407ULL;
   auto next = [&state](uint64_t n) {

@@ -63,8 +63,7 @@ TEST(Tokenizer, TrainsOnTextWithoutLineBreaks) {
 
 TEST(Tokenizer, TrainingIsDeterministic) {
   const std::string text = remat::testing::make_text(300);
-  EXPECT_EQ(Tokenizer::train(text, small_vocab()).serialized(),
-            Tokenizer::train(text, small_vocab()).serialized());
+  EXPECT_EQ(Tokenizer::train(text, small_vocab()).serialized(), Tokenizer::train(text, small_vocab()).serialized());
   // Subsampled (a 6 kB budget for ~18 kB of text): still deterministic for a seed.
   TokenizerTrainOptions capped = small_vocab();
   capped.vocab_size = 400;
@@ -96,8 +95,7 @@ TEST(Tokenizer, ErrorsAreSentences) {
     Tokenizer::load("/nonexistent/tokenizer.model");
     FAIL() << "loading a missing model must fail";
   } catch (const std::runtime_error& e) {
-    EXPECT_NE(std::string(e.what()).find("/nonexistent/tokenizer.model"), std::string::npos)
-        << e.what();
+    EXPECT_NE(std::string(e.what()).find("/nonexistent/tokenizer.model"), std::string::npos) << e.what();
   }
   TokenizerTrainOptions tiny;
   tiny.vocab_size = 100;

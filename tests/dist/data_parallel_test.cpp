@@ -40,15 +40,15 @@ std::unique_ptr<Model> make_model(const char* preset, double dropout, const std:
 
 std::pair<at::Tensor, at::Tensor> batch(const ModelConfig& cfg, int64_t rows) {
   auto gen = testing::seeded(9);
-  return {at::randint(cfg.vocab_size, {rows, 8}, gen, at::kLong), at::randint(cfg.vocab_size, {rows, 8}, gen, at::kLong)};
+  return {at::randint(cfg.vocab_size, {rows, 8}, gen, at::kLong),
+          at::randint(cfg.vocab_size, {rows, 8}, gen, at::kLong)};
 }
 
 // Rank r's rows, its dropout keyed by their global position, its loss scaled by 1 / n.
 double rank_part(Model& model, int r, int n, const at::Tensor& tok, const at::Tensor& tgt) {
   StepContext ctx = kStep;
   ctx.first_row = r * kRows;
-  return model.forward_backward(tok.narrow(0, r * kRows, kRows), tgt.narrow(0, r * kRows, kRows), ctx, 1.0 / n, 64) /
-         n;
+  return model.forward_backward(tok.narrow(0, r * kRows, kRows), tgt.narrow(0, r * kRows, kRows), ctx, 1.0 / n, 64) / n;
 }
 
 // One process computing each rank's part from zeroed gradients.

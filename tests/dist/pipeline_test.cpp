@@ -79,8 +79,9 @@ TEST(Pipeline, StagesThatDoNotDivideTheRanksAreASentenceBeforeAnyRankConnects) {
     dist::Comm::connect(env, std::chrono::seconds(1), 2, 3);
     FAIL() << "connect accepted 3 stages of 8 ranks in pairs";
   } catch (const std::invalid_argument& e) {
-    EXPECT_STREQ(e.what(), "pp = 3 pipeline stages must divide the 4 tensor-parallel groups of the 8 ranks started "
-                           "(parallel.tp = 2): every stage holds as many of them.");
+    EXPECT_STREQ(e.what(),
+                 "pp = 3 pipeline stages must divide the 4 tensor-parallel groups of the 8 ranks started "
+                 "(parallel.tp = 2): every stage holds as many of them.");
   }
 }
 

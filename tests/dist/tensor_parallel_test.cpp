@@ -90,8 +90,8 @@ Result step(Model& model, bool parts, int64_t chunk = 5, int64_t tokens = 0) {
 }
 
 // Every rank's result, run as `tp` threads.
-std::vector<Result> on_tp(int tp, const ModelConfig& cfg, at::ScalarType dtype, const std::string& policy,
-                          bool parts, LossHead head = LossHead::fused, bool sp = false) {
+std::vector<Result> on_tp(int tp, const ModelConfig& cfg, at::ScalarType dtype, const std::string& policy, bool parts,
+                          LossHead head = LossHead::fused, bool sp = false) {
   std::vector<Result> out(static_cast<size_t>(tp));
   testing::on_local_ranks(tp, [&](dist::Group& group) {
     ModelConfig c = cfg;
@@ -117,8 +117,8 @@ TEST(TensorParallel, PartsJoinBackToTheWhole) {
   }
   // A fused q/k/v projection: each rank holds its rows of each of the three parts.
   const at::Tensor rows = at::arange(12).reshape({12, 1});
-  EXPECT_TRUE(at::equal(graph::take_part(rows, {0, {4, 4, 4}}, 2, 1).flatten(),
-                        at::tensor({2, 3, 6, 7, 10, 11}, at::kLong)));
+  EXPECT_TRUE(
+      at::equal(graph::take_part(rows, {0, {4, 4, 4}}, 2, 1).flatten(), at::tensor({2, 3, 6, 7, 10, 11}, at::kLong)));
 }
 
 // Each rank's parameters are its part of what one process initialises for the seed.
@@ -154,21 +154,21 @@ TEST(TensorParallel, LossAndGradientsEqualOneProcessInFloat64) {
     for (int tp : {2, 4}) {
       for (const LossHead head : {LossHead::fused, LossHead::recompute}) {
         for (const bool sp : {false, true}) {
-        ModelConfig cfg = shape_for(arch, tp, 0.1);
-        cfg.loss_head = head;
-        const auto one = make_model(cfg, at::kDouble, "none", nullptr);
-        const Result want = step(*one, false);
-        const std::vector<Result> got = on_tp(tp, cfg, at::kDouble, "none", false, head, sp);
-        for (int r = 0; r < tp; ++r) {
-          const std::string what =
-              fmt::format("{} tp {} sp {} rank {} head {}", arch, tp, sp, r, static_cast<int>(head));
-          const Result& g = got[static_cast<size_t>(r)];
-          EXPECT_LE(std::abs(g.loss - want.loss), 1e-12 * std::abs(want.loss)) << what;
-          for (size_t i = 0; i < want.grads.size(); ++i) {
-            EXPECT_LE(max_abs(g.grads[i] - want.grads[i]), 1e-10 * max_abs(want.grads[i]))
-                << what << " " << one->params()[i].name;
+          ModelConfig cfg = shape_for(arch, tp, 0.1);
+          cfg.loss_head = head;
+          const auto one = make_model(cfg, at::kDouble, "none", nullptr);
+          const Result want = step(*one, false);
+          const std::vector<Result> got = on_tp(tp, cfg, at::kDouble, "none", false, head, sp);
+          for (int r = 0; r < tp; ++r) {
+            const std::string what =
+                fmt::format("{} tp {} sp {} rank {} head {}", arch, tp, sp, r, static_cast<int>(head));
+            const Result& g = got[static_cast<size_t>(r)];
+            EXPECT_LE(std::abs(g.loss - want.loss), 1e-12 * std::abs(want.loss)) << what;
+            for (size_t i = 0; i < want.grads.size(); ++i) {
+              EXPECT_LE(max_abs(g.grads[i] - want.grads[i]), 1e-10 * max_abs(want.grads[i]))
+                  << what << " " << one->params()[i].name;
+            }
           }
-        }
         }
       }
     }
@@ -194,7 +194,8 @@ TEST(TensorParallel, APaddedVocabularyEqualsOneProcessInFloat64) {
       const Result want = step(*one, false, 5, real);
       std::vector<Result> got(static_cast<size_t>(tp));
       testing::on_local_ranks(tp, [&](dist::Group& group) {
-        got[static_cast<size_t>(group.rank())] = step(*make_model(c.model, at::kDouble, "none", &group), false, 5, real);
+        got[static_cast<size_t>(group.rank())] =
+            step(*make_model(c.model, at::kDouble, "none", &group), false, 5, real);
       });
       for (int r = 0; r < tp; ++r) {
         const std::string what = fmt::format("{} tp {} vocab {} of {} rank {}", arch, tp, real, c.model.vocab_size, r);
@@ -233,22 +234,22 @@ TEST(TensorParallel, APaddedVocabularyEqualsOneProcessInFloat64) {
 TEST(TensorParallel, EveryPolicyIsBitwiseTheSameRanksWithoutRecompute) {
   for (const char* arch : {"gpt2", "llama"}) {
     for (const bool sp : {false, true}) {
-    const ModelConfig cfg = shape_for(arch, 2, 0.1);
-    const std::vector<Result> none = on_tp(2, cfg, at::kFloat, "none", true, LossHead::fused, sp);
-    for (const char* policy : {"full", "modules:[core_attn]", "ops:[matmul]", "every:2", "uniform:2", "none+",
-                               "modules:[core_attn]+", "uniform:1*", "uniform:2*", "block:1*"}) {
-      const char mark = std::string(policy).back();
-      if ((mark == '+' && !sp) || (mark == '*' && sp)) continue;
-      const std::vector<Result> got = on_tp(2, cfg, at::kFloat, policy, true, LossHead::fused, sp);
-      for (int r = 0; r < 2; ++r) {
-        const std::string what = fmt::format("{} sp {} {} rank {}", arch, sp, policy, r);
-        EXPECT_EQ(got[static_cast<size_t>(r)].loss, none[static_cast<size_t>(r)].loss) << what;
-        for (size_t i = 0; i < none[0].grads.size(); ++i) {
-          EXPECT_TRUE(at::equal(got[static_cast<size_t>(r)].grads[i], none[static_cast<size_t>(r)].grads[i]))
-              << what << " grad " << i;
+      const ModelConfig cfg = shape_for(arch, 2, 0.1);
+      const std::vector<Result> none = on_tp(2, cfg, at::kFloat, "none", true, LossHead::fused, sp);
+      for (const char* policy : {"full", "modules:[core_attn]", "ops:[matmul]", "every:2", "uniform:2", "none+",
+                                 "modules:[core_attn]+", "uniform:1*", "uniform:2*", "block:1*"}) {
+        const char mark = std::string(policy).back();
+        if ((mark == '+' && !sp) || (mark == '*' && sp)) continue;
+        const std::vector<Result> got = on_tp(2, cfg, at::kFloat, policy, true, LossHead::fused, sp);
+        for (int r = 0; r < 2; ++r) {
+          const std::string what = fmt::format("{} sp {} {} rank {}", arch, sp, policy, r);
+          EXPECT_EQ(got[static_cast<size_t>(r)].loss, none[static_cast<size_t>(r)].loss) << what;
+          for (size_t i = 0; i < none[0].grads.size(); ++i) {
+            EXPECT_TRUE(at::equal(got[static_cast<size_t>(r)].grads[i], none[static_cast<size_t>(r)].grads[i]))
+                << what << " grad " << i;
+          }
         }
       }
-    }
     }
   }
 }

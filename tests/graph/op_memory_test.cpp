@@ -129,7 +129,8 @@ void check(const Case& c) {
 
   // Backward, with the saved values and the output gradients live.
   std::vector<at::Tensor> dy;
-  for (size_t j = 0; j < out.size(); ++j) dy.push_back(out_info[j].dtype == at::kBool ? at::Tensor() : make(out_info[j].with_sizes(out_info[j].sizes), gen));
+  for (size_t j = 0; j < out.size(); ++j)
+    dy.push_back(out_info[j].dtype == at::kBool ? at::Tensor() : make(out_info[j].with_sizes(out_info[j].sizes), gen));
   std::vector<int64_t> grad_bytes;
   for (const auto& i : c.in) grad_bytes.push_back(i.with_sizes(i.sizes).bytes());
   std::vector<at::Tensor*> gp;
@@ -199,24 +200,42 @@ std::vector<Case> cases() {
       const TensorInfo ids{{B, T}, at::kLong, {}};
       out.push_back({"embedding " + shape, &op::embedding(), {ids}, {{kIds + 4, C}}, {}, f});
       for (AbsentPeers* rank : {&first, &second}) {
-        out.push_back({fmt::format("embedding sharded rank {} {}", rank->rank(), shape), &op::embedding(), {ids},
-                       {{kIds + 4, C}}, sharded, f, rank});
+        out.push_back({fmt::format("embedding sharded rank {} {}", rank->rank(), shape),
+                       &op::embedding(),
+                       {ids},
+                       {{kIds + 4, C}},
+                       sharded,
+                       f,
+                       rank});
       }
       out.push_back({"position_embedding " + shape, &op::position_embedding(), {x}, {{T + 3, C}}, {}});
-      out.push_back({"position_embedding sharded " + shape, &op::position_embedding(), {x}, {{2 * T + 3, C}}, sharded,
-                     {}, &second});
+      out.push_back({"position_embedding sharded " + shape,
+                     &op::position_embedding(),
+                     {x},
+                     {{2 * T + 3, C}},
+                     sharded,
+                     {},
+                     &second});
       for (int64_t chunk : {int64_t{3}, int64_t{64}}) {
         Attrs loss;
         loss.chunk = chunk;
         const TensorInfo rows{{B * T, C}, f, {}}, targets{{B * T}, at::kLong, {}};
         for (const OpDef* head : {&op::cross_entropy(), &op::fused_cross_entropy()}) {
-          out.push_back({fmt::format("{} {} chunk {}", head->kind(), shape, chunk), head, {rows, targets},
-                         {{kIds + 10, C}}, loss});
+          out.push_back({fmt::format("{} {} chunk {}", head->kind(), shape, chunk),
+                         head,
+                         {rows, targets},
+                         {{kIds + 10, C}},
+                         loss});
           Attrs split = loss;
           split.sharded = true;
           for (AbsentPeers* rank : {&first, &second}) {
             out.push_back({fmt::format("{} sharded rank {} {} chunk {}", head->kind(), rank->rank(), shape, chunk),
-                           head, {rows, targets}, {{kIds + 10, C}}, split, {}, rank});
+                           head,
+                           {rows, targets},
+                           {{kIds + 10, C}},
+                           split,
+                           {},
+                           rank});
           }
         }
       }
@@ -225,7 +244,8 @@ std::vector<Case> cases() {
         Attrs split;
         split.split_heads = {Hq, Hkv, Hkv};
         split.head_dim = D;
-        out.push_back({fmt::format("split {} Hq{} Hkv{}", shape, Hq, Hkv), &op::split(), {{{B, T, W}, f, {}}}, {}, split});
+        out.push_back(
+            {fmt::format("split {} Hq{} Hkv{}", shape, Hq, Hkv), &op::split(), {{{B, T, W}, f, {}}}, {}, split});
         for (double p : {0.0, 0.2}) {
           Attrs core;
           core.p = p;
@@ -243,9 +263,13 @@ std::vector<Case> cases() {
             out.push_back({tname, &op::tiled_attention(), {q, k, k}, {}, tiled});
             out.push_back({tname + " strided", &op::tiled_attention(), {qs, ks, ks}, {}, tiled});
           }
-          out.push_back({name + " strided linear", &op::linear(), {{{B, T, Hq * D}, f, {T * W, W, 1}}}, {{F, Hq * D}}, {}});
-          out.push_back({name + " strided linears", &op::linears(), {{{B, T, Hq * D}, f, {T * W, W, 1}}},
-                         {{F, Hq * D}, {8, Hq * D}}, {}});
+          out.push_back(
+              {name + " strided linear", &op::linear(), {{{B, T, Hq * D}, f, {T * W, W, 1}}}, {{F, Hq * D}}, {}});
+          out.push_back({name + " strided linears",
+                         &op::linears(),
+                         {{{B, T, Hq * D}, f, {T * W, W, 1}}},
+                         {{F, Hq * D}, {8, Hq * D}},
+                         {}});
         }
       }
     }

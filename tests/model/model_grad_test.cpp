@@ -16,7 +16,7 @@ struct Case {
   double dropout;
   int64_t ce_chunk;
   Attention attention = Attention::math;  ///< tiled: 4-position tiles, several per sequence
-  bool mixed = false;  ///< the odd layers run the other op (LayerPlan::attention)
+  bool mixed = false;                     ///< the odd layers run the other op (LayerPlan::attention)
 };
 
 double rel_err(const at::Tensor& a, const at::Tensor& b) {
@@ -79,9 +79,9 @@ INSTANTIATE_TEST_SUITE_P(Models, ModelGrad,
                                            Case{"tiny-llama", 2, 13, 0.25, 5, Attention::tiled, true}),
                          [](const auto& info) {
                            const Case& c = info.param;
-                           return fmt::format("{}_b{}_t{}_p{}_{}{}", c.preset == "tiny-gpt2" ? "gpt2" : "llama", c.batch,
-                                              c.seq, static_cast<int>(c.dropout * 100), attention_name(c.attention),
-                                              c.mixed ? "_mixed" : "");
+                           return fmt::format("{}_b{}_t{}_p{}_{}{}", c.preset == "tiny-gpt2" ? "gpt2" : "llama",
+                                              c.batch, c.seq, static_cast<int>(c.dropout * 100),
+                                              attention_name(c.attention), c.mixed ? "_mixed" : "");
                          });
 
 TEST(ModelGrad, GradientAccumulationOverMicrobatchesEqualsTheSumOfParts) {

@@ -51,7 +51,8 @@ at::Tensor gpt2_loss(const ModelConfig& c, const std::map<std::string, at::Tenso
                      const at::Tensor& targets, const StepContext& ctx) {
   const int64_t B = tokens.size(0), T = tokens.size(1), C = c.d_model, H = c.n_head, D = c.head_dim();
   auto p = [&](const std::string& n) { return P.at(n); };
-  at::Tensor x = p("wte.weight").index_select(0, tokens.reshape({-1})).view({B, T, C}) + p("wpe.weight").narrow(0, 0, T);
+  at::Tensor x =
+      p("wte.weight").index_select(0, tokens.reshape({-1})).view({B, T, C}) + p("wpe.weight").narrow(0, 0, T);
   x = dropout(x, c.dropout, ctx, 0, DropoutSite::embedding);
   for (int64_t l = 0; l < c.n_layer; ++l) {
     const std::string pre = "h." + std::to_string(l) + ".";
@@ -116,7 +117,7 @@ at::Tensor llama_loss(const ModelConfig& c, const std::map<std::string, at::Tens
 at::Tensor reference_loss(const ModelConfig& cfg, const std::map<std::string, at::Tensor>& params,
                           const at::Tensor& tokens, const at::Tensor& targets, const StepContext& ctx) {
   return cfg.arch == Arch::gpt2 ? gpt2_loss(cfg, params, tokens, targets, ctx)
-                            : llama_loss(cfg, params, tokens, targets, ctx);
+                                : llama_loss(cfg, params, tokens, targets, ctx);
 }
 
 }  // namespace remat::testing

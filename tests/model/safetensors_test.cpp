@@ -25,9 +25,7 @@ std::string read_bytes(const std::string& path) {
   return s.str();
 }
 
-void write_bytes(const std::string& path, const std::string& bytes) {
-  std::ofstream(path, std::ios::binary) << bytes;
-}
+void write_bytes(const std::string& path, const std::string& bytes) { std::ofstream(path, std::ios::binary) << bytes; }
 
 // A file made by hand: the 8-byte length, `header`, then `data`.
 std::string raw_file(const std::string& header, const std::string& data) {
@@ -37,8 +35,8 @@ std::string raw_file(const std::string& header, const std::string& data) {
 }
 
 bool bitwise_equal(const at::Tensor& a, const at::Tensor& b) {
-  return a.scalar_type() == b.scalar_type() && a.sizes() == b.sizes() && a.is_contiguous() &&
-         b.is_contiguous() && (a.nbytes() == 0 || std::memcmp(a.data_ptr(), b.data_ptr(), a.nbytes()) == 0);
+  return a.scalar_type() == b.scalar_type() && a.sizes() == b.sizes() && a.is_contiguous() && b.is_contiguous() &&
+         (a.nbytes() == 0 || std::memcmp(a.data_ptr(), b.data_ptr(), a.nbytes()) == 0);
 }
 
 TEST(SafeTensors, RoundTripsEveryDtypeBitwise) {
@@ -80,8 +78,7 @@ TEST(SafeTensors, RoundTripsEveryDtypeBitwise) {
   ASSERT_EQ(loaded.tensors.size(), tensors.size());
   for (size_t i = 0; i < tensors.size(); ++i) {
     EXPECT_EQ(loaded.tensors[i].first, tensors[i].first);  // save order is data order
-    EXPECT_TRUE(bitwise_equal(loaded.tensors[i].second, tensors[i].second.contiguous()))
-        << tensors[i].first;
+    EXPECT_TRUE(bitwise_equal(loaded.tensors[i].second, tensors[i].second.contiguous())) << tensors[i].first;
   }
   ASSERT_NE(loaded.find("transposed"), nullptr);
   EXPECT_TRUE(at::equal(*loaded.find("transposed"), at::arange(12, at::kFloat).view({3, 4}).t()));
@@ -134,16 +131,17 @@ TEST(SafeTensors, WritesATensorAtATimeAndReadsOnlyTheWantedOnes) {
   std::vector<remat::model::TensorSpec> specs;
   for (const auto& [name, t] : tensors) specs.push_back({name, t.scalar_type(), t.sizes().vec()});
   std::vector<size_t> asked;
-  save_safetensors(parts, specs, [&](size_t i) {
-    asked.push_back(i);
-    return tensors[i].second.t().contiguous().t();  // strided: written in row order all the same
-  }, {{"k", "v"}});
+  save_safetensors(parts, specs,
+                   [&](size_t i) {
+                     asked.push_back(i);
+                     return tensors[i].second.t().contiguous().t();  // strided: written in row order all the same
+                   },
+                   {{"k", "v"}});
   EXPECT_EQ(asked, (std::vector<size_t>{0, 1, 2}));
   EXPECT_EQ(read_bytes(parts), read_bytes(whole));
 
-  const std::string error = error_of([&] {
-    save_safetensors(parts, specs, [&](size_t i) { return i == 1 ? at::arange(5) : tensors[i].second; });
-  });
+  const std::string error = error_of(
+      [&] { save_safetensors(parts, specs, [&](size_t i) { return i == 1 ? at::arange(5) : tensors[i].second; }); });
   EXPECT_NE(error.find("tensor 'b'"), std::string::npos) << error;
   EXPECT_NE(error.find("[5]"), std::string::npos) << error;
   EXPECT_EQ(read_bytes(parts), read_bytes(whole));
@@ -177,10 +175,8 @@ TEST(SafeTensors, RefusesCorruptFiles) {
   write_bytes(path, raw_file(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", f32x2));
   EXPECT_EQ(load_safetensors(path).tensors.size(), 1u);
 
-  expect_has(error_for(std::string("\x05\x00\x00", 3)),
-             "has 3 bytes, fewer than the 8-byte header length");
-  expect_has(error_for(raw_file("{}", "").substr(0, 8) + "{"),
-             "the header length is 2 bytes but only 1 follow it");
+  expect_has(error_for(std::string("\x05\x00\x00", 3)), "has 3 bytes, fewer than the 8-byte header length");
+  expect_has(error_for(raw_file("{}", "").substr(0, 8) + "{"), "the header length is 2 bytes but only 1 follow it");
   expect_has(error_for(raw_file("{\"a\": [", "")), "not valid JSON");
   expect_has(error_for(raw_file("[1, 2]", "")), "not a JSON object");
   // Found by fuzz/safetensors.cpp: a number past a double's range escaped as the JSON
@@ -190,18 +186,13 @@ TEST(SafeTensors, RefusesCorruptFiles) {
              "'2305843009213e93952'); shapes and data_offsets are whole numbers no larger than the file");
   expect_has(error_for(raw_file(R"({"a":{"dtype":"F8","shape":[2],"data_offsets":[0,2]}})", "xx")),
              "tensor 'a' has dtype \"F8\"");
-  expect_has(
-      error_for(raw_file(R"({"w":{"dtype":"F32","shape":[2,3],"data_offsets":[0,20]}})",
-                         std::string(20, '\0'))),
-      "tensor 'w' has shape [2, 3] of F32 (24 bytes) but data_offsets [0, 20] span 20 bytes");
-  expect_has(
-      error_for(raw_file(R"({"w":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}})", f32x2)),
-      "tensor 'w' has a shape entry");
-  expect_has(
-      error_for(raw_file(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[8,0]}})", f32x2)),
-      "tensor 'w' has data_offsets [8, 0] that end before they begin");
-  expect_has(error_for(raw_file(R"({"w":{"dtype":"F32","shape":[2]}})", f32x2)),
-             "tensor 'w' has no data_offsets");
+  expect_has(error_for(raw_file(R"({"w":{"dtype":"F32","shape":[2,3],"data_offsets":[0,20]}})", std::string(20, '\0'))),
+             "tensor 'w' has shape [2, 3] of F32 (24 bytes) but data_offsets [0, 20] span 20 bytes");
+  expect_has(error_for(raw_file(R"({"w":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}})", f32x2)),
+             "tensor 'w' has a shape entry");
+  expect_has(error_for(raw_file(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[8,0]}})", f32x2)),
+             "tensor 'w' has data_offsets [8, 0] that end before they begin");
+  expect_has(error_for(raw_file(R"({"w":{"dtype":"F32","shape":[2]}})", f32x2)), "tensor 'w' has no data_offsets");
   // Truncated: the last tensor runs past the end of the file.
   expect_has(error_for(raw_file(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
                                 R"("b":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}})",
@@ -215,22 +206,16 @@ TEST(SafeTensors, RefusesCorruptFiles) {
                                 R"("b":{"dtype":"F32","shape":[2],"data_offsets":[12,20]}})",
                                 std::string(20, '\0'))),
              "tensor 'b' starts at data byte 12 but the data before it ends at byte 8");
-  expect_has(error_for(raw_file(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})",
-                                std::string(10, '\0'))),
+  expect_has(error_for(raw_file(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", std::string(10, '\0'))),
              "the data section has 10 bytes but the tensors cover 8 (the last is 'a')");
+  expect_has(error_for(raw_file(R"({"a":{"dtype":"U8","shape":[4611686018427387904,4],"data_offsets":[0,8]}})", f32x2)),
+             "tensor 'a' has shape");
   expect_has(
-      error_for(raw_file(
-          R"({"a":{"dtype":"U8","shape":[4611686018427387904,4],"data_offsets":[0,8]}})", f32x2)),
-      "tensor 'a' has shape");
-  expect_has(error_for(raw_file(
-                 R"({"__metadata__":{"k":1},"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})",
-                 f32x2)),
-             "__metadata__ entry 'k' is not a string");
+      error_for(raw_file(R"({"__metadata__":{"k":1},"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", f32x2)),
+      "__metadata__ entry 'k' is not a string");
   // Only reading the data can see a bad BOOL byte.
-  write_bytes(path, raw_file(R"({"m":{"dtype":"BOOL","shape":[2],"data_offsets":[0,2]}})",
-                             std::string("\x01\x02", 2)));
-  expect_has(error_of([&] { load_safetensors(path); }),
-             "tensor 'm' of dtype BOOL holds byte 2 at element 1");
+  write_bytes(path, raw_file(R"({"m":{"dtype":"BOOL","shape":[2],"data_offsets":[0,2]}})", std::string("\x01\x02", 2)));
+  expect_has(error_of([&] { load_safetensors(path); }), "tensor 'm' of dtype BOOL holds byte 2 at element 1");
 
   const std::string missing = error_of([&] { load_safetensors(dir / "missing.safetensors"); });
   expect_has(missing, "missing.safetensors");
@@ -248,8 +233,9 @@ TEST(SafeTensors, RefusesHugeHeadersAndFilesThatAreNotRegular) {
   write_bytes(path, prefix);
   fs::resize_file(path, 8 + header);  // sparse: no disk, and no memory unless read
   EXPECT_EQ(error_of([&] { load_safetensors(path); }),
-            "The safetensors file " + path + " is invalid: the header length 100000000 bytes is more than the 8 MiB "
-            "remat reads (over 50,000 tensors' worth); it is not a model file remat can load.");
+            "The safetensors file " + path +
+                " is invalid: the header length 100000000 bytes is more than the 8 MiB "
+                "remat reads (over 50,000 tensors' worth); it is not a model file remat can load.");
 
   const std::string fifo = dir / "fifo.safetensors";
   ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);

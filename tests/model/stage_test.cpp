@@ -73,8 +73,8 @@ std::vector<Batch> batches(const ModelConfig& cfg) {
   auto gen = at::detail::createCPUGenerator(9);
   std::vector<Batch> out;
   for (int64_t m = 0; m < kMicrobatches; ++m) {
-    out.push_back({at::randint(cfg.vocab_size, {kB, kT}, gen, at::kLong),
-                   at::randint(cfg.vocab_size, {kB, kT}, gen, at::kLong)});
+    out.push_back(
+        {at::randint(cfg.vocab_size, {kB, kT}, gen, at::kLong), at::randint(cfg.vocab_size, {kB, kT}, gen, at::kLong)});
   }
   out[1].targets.index_put_({0, 0}, -1);  // an ignored position
   return out;

@@ -31,7 +31,7 @@ struct Results {
 // The forward, then what a backward finding the op's outputs dropped does: recompute them
 // (checked bitwise against the forward's) and run the backward on the recomputed ones.
 Results run(const graph::OpDef& op, const graph::Attrs& a, const graph::RunContext& ctx, const at::Tensor& qkv,
-        int64_t Hq, int64_t Hkv, const at::Tensor& dout) {
+            int64_t Hq, int64_t Hkv, const at::Tensor& dout) {
   const std::vector<at::Tensor> in = {qkv.narrow(2, 0, Hq), qkv.narrow(2, Hq, Hkv), qkv.narrow(2, Hq + Hkv, Hkv)};
   Results r{op.forward(in, {}, a, ctx), {}};
   const std::vector<at::Tensor> again = op.forward(in, {}, a, ctx);
@@ -86,9 +86,8 @@ void expect_head_slices(const graph::OpDef& op, const graph::Attrs& attrs, const
     ctx.tp = &group;
     // The rank's rows and heads, fused as its share of a column-parallel projection gives them.
     const at::Tensor rows = qkv.narrow(0, first_row, s.B);
-    const at::Tensor own = at::cat({rows.narrow(2, r * Hl, Hl), rows.narrow(2, s.Hq + r * Kl, Kl),
-                                    rows.narrow(2, s.Hq + s.Hkv + r * Kl, Kl)},
-                                   2);
+    const at::Tensor own = at::cat(
+        {rows.narrow(2, r * Hl, Hl), rows.narrow(2, s.Hq + r * Kl, Kl), rows.narrow(2, s.Hq + s.Hkv + r * Kl, Kl)}, 2);
     shards[static_cast<size_t>(r)] =
         run(op, sharded, ctx, own, Hl, Kl, dout.narrow(0, first_row, s.B).narrow(2, r * Hl, Hl).contiguous());
   });

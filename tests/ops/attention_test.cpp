@@ -22,8 +22,7 @@ struct Case {
 const Case kCases[] = {{2, 5, 4, 2, 3}, {1, 7, 3, 3, 4}, {3, 4, 6, 1, 5}, {1, 1, 2, 1, 2}, {2, 9, 8, 2, 8}};
 
 // q, k and v as slices of one fused projection output, as the models produce them.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_qkv(const Case& c, at::ScalarType dt,
-                                                         at::Generator& gen) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_qkv(const Case& c, at::ScalarType dt, at::Generator& gen) {
   at::Tensor qkv = at::randn({c.B, c.T, c.Hq + 2 * c.Hkv, c.D}, gen).to(dt);
   return {qkv.narrow(2, 0, c.Hq), qkv.narrow(2, c.Hq, c.Hkv), qkv.narrow(2, c.Hq + c.Hkv, c.Hkv)};
 }
@@ -166,8 +165,11 @@ TEST(AttentionOp, RefusesMismatchedShapes) {
   at::Tensor k5 = at::randn({2, 5, 3, 8}, gen);
   expect_error([&] { attention_forward(q, k5, k5, 0.0, kKey); }, {"[attention]", "B, T and D", "[2, 5, 3, 8]"});
   at::Tensor k3 = at::randn({2, 4, 3, 8}, gen);
-  expect_error([&] { attention_forward(q, k3, at::randn({2, 4, 3, 7}, gen), 0.0, kKey); },
-               {"[attention]", "same shape", "[2, 4, 3, 7]"});
+  expect_error(
+      [&] {
+        attention_forward(q, k3, at::randn({2, 4, 3, 7}, gen), 0.0, kKey);
+      },
+      {"[attention]", "same shape", "[2, 4, 3, 7]"});
   expect_error([&] { attention_forward(at::randn({4, 6, 8}, gen), k3, k3, 0.0, kKey); }, {"[attention]", "[4, 6, 8]"});
   expect_error([&] { attention_forward(q, k3, k3, 1.0, kKey); }, {"[dropout]"});
   auto f = attention_forward(q, k3, k3, 0.0, kKey);

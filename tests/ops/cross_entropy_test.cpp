@@ -38,14 +38,16 @@ at::Tensor make_targets(int64_t N, int64_t V, at::Generator& gen) {
 // A head's forward gives the loss and its backward: from dloss and a dw to accumulate
 // into, dx.
 using Backward = std::function<at::Tensor(double, at::Tensor&)>;
-using Head = std::function<std::pair<at::Tensor, Backward>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                           int64_t)>;
+using Head =
+    std::function<std::pair<at::Tensor, Backward>(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t)>;
 
 // Against autograd of log-softmax over the whole logits, in float64. For a head whose
 // vocabulary `ranks` split, each case's vocabulary is rounded up to a multiple of them and
 // the targets include each share's first row and an ignored one.
 void expect_matches_autograd(const Head& head, uint64_t seed, int64_t ranks = 1) {
-  struct Case { int64_t N, C, V; };
+  struct Case {
+    int64_t N, C, V;
+  };
   at::Generator gen = seeded(seed);
   for (Case c : {Case{7, 5, 11}, Case{13, 4, 6}, Case{1, 3, 2}, Case{32, 6, 17}}) {
     const int64_t V = (c.V + ranks - 1) / ranks * ranks;
@@ -92,10 +94,9 @@ TEST(CrossEntropyOp, MatchesAutogradOfLogSoftmaxOnFullLogits) {
   expect_matches_autograd(
       [](const at::Tensor& x, const at::Tensor& w, const at::Tensor& targets, int64_t chunk) {
         Fwd<CrossEntropySaved> f = cross_entropy_forward(x, w, targets, chunk);
-        return std::pair<at::Tensor, Backward>(
-            f.out, [saved = f.saved, w](double dloss, at::Tensor& dw) {
-              return cross_entropy_backward(dloss, saved, w, dw);
-            });
+        return std::pair<at::Tensor, Backward>(f.out, [saved = f.saved, w](double dloss, at::Tensor& dw) {
+          return cross_entropy_backward(dloss, saved, w, dw);
+        });
       },
       1);
 }
@@ -168,8 +169,8 @@ TEST(CrossEntropyOp, PeakStaysWithinOneChunkOfLogits) {
 
 TEST(CrossEntropyOp, FlopsMatchTheMatmulsItRuns) {
   at::Generator gen = seeded(1);
-  for (auto [N, C, V, chunk] : {std::tuple<int64_t, int64_t, int64_t, int64_t>{7, 5, 11, 3}, {40, 8, 33, 16},
-                                {5, 2, 3, 100}}) {
+  for (auto [N, C, V, chunk] :
+       {std::tuple<int64_t, int64_t, int64_t, int64_t>{7, 5, 11, 3}, {40, 8, 33, 16}, {5, 2, 3, 100}}) {
     at::Tensor x = at::randn({N, C}, gen), w = at::randn({V, C}, gen);
     MatmulFlopCounter counter;
     cross_entropy_forward(x, w, make_targets(N, V, gen), chunk);
@@ -205,10 +206,9 @@ TEST(FusedCrossEntropyOp, MatchesAutogradOfLogSoftmaxOnFullLogits) {
         Fwd<FusedCrossEntropySaved> f = fused_cross_entropy_forward(x, w, targets, chunk, true);
         // The same loss as the recomputing head's, to the bit: the same reductions in the same order.
         EXPECT_TRUE(at::equal(f.out, cross_entropy_forward(x, w, targets, chunk).out));
-        return std::pair<at::Tensor, Backward>(
-            f.out, [saved = f.saved](double dloss, at::Tensor& dw) {
-              return fused_cross_entropy_backward(dloss, saved, dw);
-            });
+        return std::pair<at::Tensor, Backward>(f.out, [saved = f.saved](double dloss, at::Tensor& dw) {
+          return fused_cross_entropy_backward(dloss, saved, dw);
+        });
       },
       2);
 }
@@ -251,8 +251,8 @@ TEST(FusedCrossEntropyOp, RunsOneProductFewerThanTheRecomputingHead) {
     fused = counter.flops();
   }
   const double product = 2.0 * N * C * V;  // one [N, C] x [C, V] product, over every chunk
-  EXPECT_EQ(recompute, 4 * product);        // logits; logits again, dx, dw
-  EXPECT_EQ(fused, 3 * product);            // logits, dx, dw
+  EXPECT_EQ(recompute, 4 * product);       // logits; logits again, dx, dw
+  EXPECT_EQ(fused, 3 * product);           // logits, dx, dw
 }
 
 TEST(FusedCrossEntropyOp, KeepsTheGradientsOnlyAndEvaluationKeepsNothing) {
@@ -304,9 +304,7 @@ class NoCollectives final : public remat::dist::Group {
   std::unique_ptr<remat::dist::Transfer> send(const at::Tensor&, int, int, const std::string& what) override {
     refuse(what);
   }
-  std::unique_ptr<remat::dist::Transfer> recv(at::Tensor&, int, int, const std::string& what) override {
-    refuse(what);
-  }
+  std::unique_ptr<remat::dist::Transfer> recv(at::Tensor&, int, int, const std::string& what) override { refuse(what); }
 
  private:
   [[noreturn]] static void refuse(const std::string& what) {
@@ -441,33 +439,63 @@ TEST(CrossEntropyOp, VocabularyShareChecksTargetsAgainstTheWholeVocabulary) {
   at::Generator gen = seeded(1);
   at::Tensor x = at::randn({3, 4}, gen), w = at::randn({5, 4}, gen);
   const at::Tensor beyond = at::tensor({0, 10, -1}, at::kLong);
-  expect_error([&] { cross_entropy_forward(x, w, beyond, 2, VocabShard{0, 5}); },
-               {"[cross_entropy]", "[0, 5)", "[-1, 10]"});
-  expect_error([&] { fused_cross_entropy_forward(x, w, beyond, 2, true, VocabShard{0, 5}); },
-               {"[cross_entropy]", "[0, 5)", "[-1, 10]"});
-  expect_error([&] { cross_entropy_forward(x, w, at::tensor({0, 1, 2}, at::kLong), 2, VocabShard{6, 10}); },
-               {"[cross_entropy]", "5 vocabulary rows from row 6", "vocabulary of 10"});
+  expect_error(
+      [&] {
+        cross_entropy_forward(x, w, beyond, 2, VocabShard{0, 5});
+      },
+      {"[cross_entropy]", "[0, 5)", "[-1, 10]"});
+  expect_error(
+      [&] {
+        fused_cross_entropy_forward(x, w, beyond, 2, true, VocabShard{0, 5});
+      },
+      {"[cross_entropy]", "[0, 5)", "[-1, 10]"});
+  expect_error(
+      [&] {
+        cross_entropy_forward(x, w, at::tensor({0, 1, 2}, at::kLong), 2, VocabShard{6, 10});
+      },
+      {"[cross_entropy]", "5 vocabulary rows from row 6", "vocabulary of 10"});
   // Half a vocabulary with no group to hold the other half, and a group with no share.
-  expect_error([&] { cross_entropy_forward(x, w, at::tensor({0, 1, 2}, at::kLong), 2, VocabShard{0, 10}); },
-               {"[cross_entropy]", "1 rank(s) holding 5", "vocabulary of 10"});
+  expect_error(
+      [&] {
+        cross_entropy_forward(x, w, at::tensor({0, 1, 2}, at::kLong), 2, VocabShard{0, 10});
+      },
+      {"[cross_entropy]", "1 rank(s) holding 5", "vocabulary of 10"});
   NoCollectives group(0, 2);
-  expect_error([&] { cross_entropy_forward(x, w, at::tensor({0, 1, 2}, at::kLong), 2, std::nullopt, &group); },
-               {"[cross_entropy]", "share"});
+  expect_error(
+      [&] {
+        cross_entropy_forward(x, w, at::tensor({0, 1, 2}, at::kLong), 2, std::nullopt, &group);
+      },
+      {"[cross_entropy]", "share"});
 }
 
 TEST(CrossEntropyOp, RefusesBadTargetsAndShapes) {
   at::Generator gen = seeded(1);
   at::Tensor x = at::randn({3, 4}, gen), w = at::randn({5, 4}, gen);
-  expect_error([&] { cross_entropy_forward(x, w, at::tensor({0, 5, 1}, at::kLong), 2); },
-               {"[cross_entropy]", "[0, 5)", "[0, 5]"});
-  expect_error([&] { cross_entropy_forward(x, w, at::tensor({0, -2, 1}, at::kLong), 2); },
-               {"[cross_entropy]", "[-2, 1]"});
-  expect_error([&] { cross_entropy_forward(x, w, at::tensor({0, 1}, at::kLong), 2); },
-               {"[cross_entropy]", "[2]", "[3, 4]"});
-  expect_error([&] { cross_entropy_forward(x, at::randn({5, 3}, gen), at::tensor({0, 1, 2}, at::kLong), 2); },
-               {"[cross_entropy]", "[3, 4]", "[5, 3]"});
-  expect_error([&] { cross_entropy_forward(x, w, at::tensor({0, 1, 2}, at::kLong), 0); },
-               {"[cross_entropy]", "chunk_tokens"});
+  expect_error(
+      [&] {
+        cross_entropy_forward(x, w, at::tensor({0, 5, 1}, at::kLong), 2);
+      },
+      {"[cross_entropy]", "[0, 5)", "[0, 5]"});
+  expect_error(
+      [&] {
+        cross_entropy_forward(x, w, at::tensor({0, -2, 1}, at::kLong), 2);
+      },
+      {"[cross_entropy]", "[-2, 1]"});
+  expect_error(
+      [&] {
+        cross_entropy_forward(x, w, at::tensor({0, 1}, at::kLong), 2);
+      },
+      {"[cross_entropy]", "[2]", "[3, 4]"});
+  expect_error(
+      [&] {
+        cross_entropy_forward(x, at::randn({5, 3}, gen), at::tensor({0, 1, 2}, at::kLong), 2);
+      },
+      {"[cross_entropy]", "[3, 4]", "[5, 3]"});
+  expect_error(
+      [&] {
+        cross_entropy_forward(x, w, at::tensor({0, 1, 2}, at::kLong), 0);
+      },
+      {"[cross_entropy]", "chunk_tokens"});
 }
 
 }  // namespace

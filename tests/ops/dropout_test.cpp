@@ -73,11 +73,12 @@ TEST(DropoutOp, ADimensionOneWindowDrawsTheWholeMasksSlice) {
     std::vector<int64_t> global;
     int64_t r0, n0, f, n1;
   };
-  const Case cases[] = {
-      {{4, 8, 6, 6}, 0, 4, 2, 2},   {{4, 8, 6, 6}, 1, 2, 4, 4},  {{4, 8, 6, 6}, 3, 1, 0, 8},
-      {{3, 5, 7}, 1, 2, 1, 3},      {{5, 7}, 2, 3, 3, 4},        {{2, 6, 1, 3, 2}, 1, 1, 5, 1},
-      {{4, 8, 48, 48}, 1, 3, 2, 4},  // 27648 elements: 2 threads split a row
-  };
+  const Case cases[] =
+      {
+          {{4, 8, 6, 6}, 0, 4, 2, 2},   {{4, 8, 6, 6}, 1, 2, 4, 4}, {{4, 8, 6, 6}, 3, 1, 0, 8},
+          {{3, 5, 7}, 1, 2, 1, 3},      {{5, 7}, 2, 3, 3, 4},       {{2, 6, 1, 3, 2}, 1, 1, 5, 1},
+          {{4, 8, 48, 48}, 1, 3, 2, 4},  // 27648 elements: 2 threads split a row
+      };
   const int saved_threads = at::get_num_threads();
   for (int threads : {1, 2}) {
     at::set_num_threads(threads);

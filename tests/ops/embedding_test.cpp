@@ -42,13 +42,10 @@ TEST(EmbeddingOp, SavesOnlyTheIds) {
 TEST(EmbeddingOp, RefusesIdsOutOfRange) {
   at::Generator gen = seeded(1);
   at::Tensor w = at::randn({10, 4}, gen);
-  expect_error([&] { embedding_forward(at::tensor({1, 10}, at::kLong), w); },
-               {"[embedding]", "[0, 10)", "10]"});
-  expect_error([&] { embedding_forward(at::tensor({-1, 3}, at::kLong), w); },
-               {"[embedding]", "[-1, 3]"});
+  expect_error([&] { embedding_forward(at::tensor({1, 10}, at::kLong), w); }, {"[embedding]", "[0, 10)", "10]"});
+  expect_error([&] { embedding_forward(at::tensor({-1, 3}, at::kLong), w); }, {"[embedding]", "[-1, 3]"});
   expect_error([&] { embedding_forward(at::tensor({1, 2}, at::kInt), w); }, {"[embedding]", "int64"});
-  expect_error([&] { embedding_forward(at::tensor({1}, at::kLong), at::randn({10}, gen)); },
-               {"[embedding]", "[10]"});
+  expect_error([&] { embedding_forward(at::tensor({1}, at::kLong), at::randn({10}, gen)); }, {"[embedding]", "[10]"});
 }
 
 TEST(EmbeddingOp, WorksInBFloat16) {
@@ -123,10 +120,16 @@ TEST(EmbeddingOp, VocabularyShareChecksIdsAgainstTheWholeVocabulary) {
   const VocabShard second{5, 10};
   // Ids of the other share are fine (zero rows); ids outside the vocabulary are refused.
   EXPECT_TRUE(at::equal(embedding_forward(at::tensor({0, 4}, at::kLong), w, second).out, at::zeros({2, 4})));
-  expect_error([&] { embedding_forward(at::tensor({1, 10}, at::kLong), w, second); },
-               {"[embedding]", "[0, 10)", "10]"});
-  expect_error([&] { embedding_forward(at::tensor({1}, at::kLong), w, VocabShard{8, 10}); },
-               {"[embedding]", "5 vocabulary rows from row 8", "vocabulary of 10"});
+  expect_error(
+      [&] {
+        embedding_forward(at::tensor({1, 10}, at::kLong), w, second);
+      },
+      {"[embedding]", "[0, 10)", "10]"});
+  expect_error(
+      [&] {
+        embedding_forward(at::tensor({1}, at::kLong), w, VocabShard{8, 10});
+      },
+      {"[embedding]", "5 vocabulary rows from row 8", "vocabulary of 10"});
 }
 
 TEST(PositionEmbeddingOp, MatchesAutogradOfBroadcastAdd) {
@@ -155,8 +158,11 @@ TEST(PositionEmbeddingOp, RefusesSequencesLongerThanTheContext) {
   expect_error([&] { position_embedding_forward(0, w); }, {"[position_embedding]"});
   at::Tensor dw = at::zeros({1024, 8});
   auto f = position_embedding_forward(4, w);
-  expect_error([&] { position_embedding_backward(at::randn({2, 5, 8}, gen), f.saved, dw); },
-               {"[position_embedding]", "[2, 5, 8]"});
+  expect_error(
+      [&] {
+        position_embedding_backward(at::randn({2, 5, 8}, gen), f.saved, dw);
+      },
+      {"[position_embedding]", "[2, 5, 8]"});
 }
 
 }  // namespace

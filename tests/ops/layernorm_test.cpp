@@ -19,8 +19,8 @@ at::Tensor reference(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
 TEST(LayerNormOp, MatchesAutogradOfTheMath) {
   const double eps = 1e-5;
   at::Generator gen = seeded(1);
-  for (auto shape : {std::vector<int64_t>{2, 3, 7}, std::vector<int64_t>{5, 16},
-                     std::vector<int64_t>{13}, std::vector<int64_t>{3, 1}}) {
+  for (auto shape : {std::vector<int64_t>{2, 3, 7}, std::vector<int64_t>{5, 16}, std::vector<int64_t>{13},
+                     std::vector<int64_t>{3, 1}}) {
     const int64_t C = shape.back();
     at::Tensor x = at::randn(shape, gen, f64()) * 3 + 1, w = at::randn({C}, gen, f64()), b = at::randn({C}, gen, f64());
     Fwd<LayerNormSaved> f = layernorm_forward(x, w, b, eps);
@@ -80,8 +80,8 @@ TEST(LayerNormOp, BFloat16IsCloseToFloat64) {
   at::Tensor x = at::randn({4, 33}, gen, f64()), w = at::randn({33}, gen, f64()), b = at::randn({33}, gen, f64());
   auto bf = [](const at::Tensor& t) { return t.to(at::kBFloat16); };
   Fwd<LayerNormSaved> f = layernorm_forward(bf(x), bf(w), bf(b), 1e-5);
-  Fwd<LayerNormSaved> f64r = layernorm_forward(bf(x).to(at::kDouble), bf(w).to(at::kDouble),
-                                               bf(b).to(at::kDouble), 1e-5);
+  Fwd<LayerNormSaved> f64r =
+      layernorm_forward(bf(x).to(at::kDouble), bf(w).to(at::kDouble), bf(b).to(at::kDouble), 1e-5);
   EXPECT_LT(rel_err(f.out, f64r.out), 1e-2);
   at::Tensor dy = at::randn({4, 33}, gen, f64());
   at::Tensor dw = at::zeros({33}), db = at::zeros({33});  // float32 accumulators
@@ -97,12 +97,14 @@ TEST(LayerNormOp, BFloat16IsCloseToFloat64) {
 TEST(LayerNormOp, RefusesMismatchedParameters) {
   at::Generator gen = seeded(1);
   at::Tensor x = at::randn({2, 8}, gen);
-  expect_error([&] { layernorm_forward(x, at::ones({7}), at::zeros({8}), 1e-5); },
-               {"[layernorm]", "[2, 8]", "[7]"});
+  expect_error([&] { layernorm_forward(x, at::ones({7}), at::zeros({8}), 1e-5); }, {"[layernorm]", "[2, 8]", "[7]"});
   auto f = layernorm_forward(x, at::ones({8}), at::zeros({8}), 1e-5);
   at::Tensor dw = at::zeros({8}), db = at::zeros({8});
-  expect_error([&] { layernorm_backward(at::randn({3, 8}, gen), f.saved, at::ones({8}), dw, db); },
-               {"[layernorm]", "[3, 8]"});
+  expect_error(
+      [&] {
+        layernorm_backward(at::randn({3, 8}, gen), f.saved, at::ones({8}), dw, db);
+      },
+      {"[layernorm]", "[3, 8]"});
 }
 
 }  // namespace

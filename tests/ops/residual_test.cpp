@@ -33,8 +33,11 @@ TEST(ResidualOp, FlopsAndRefusals) {
   EXPECT_EQ(residual_flops(200), 2 * residual_flops(100));
   EXPECT_EQ(residual_flops(100), 100.0);
   at::Generator gen = seeded(1);
-  expect_error([&] { residual_forward(at::randn({2, 3}, gen), at::randn({2, 4}, gen)); },
-               {"[residual]", "[2, 3]", "[2, 4]"});
+  expect_error(
+      [&] {
+        residual_forward(at::randn({2, 3}, gen), at::randn({2, 4}, gen));
+      },
+      {"[residual]", "[2, 3]", "[2, 4]"});
   expect_error([&] { residual_forward(at::randn({3}, gen), at::randn({2, 3}, gen)); }, {"[residual]"});
 }
 

@@ -18,8 +18,8 @@ TEST(RMSNormOp, MatchesAutogradOfTheMath) {
   at::Generator gen = seeded(1);
   // Not C == 1: there dx is eps-sized, the difference of two nearly equal terms, and its
   // relative error sits at the 1e-10 bound whatever the implementation.
-  for (auto shape : {std::vector<int64_t>{2, 3, 7}, std::vector<int64_t>{5, 16},
-                     std::vector<int64_t>{11}, std::vector<int64_t>{4, 2}}) {
+  for (auto shape : {std::vector<int64_t>{2, 3, 7}, std::vector<int64_t>{5, 16}, std::vector<int64_t>{11},
+                     std::vector<int64_t>{4, 2}}) {
     const int64_t C = shape.back();
     at::Tensor x = at::randn(shape, gen, f64()) * 2 + 0.5, w = at::randn({C}, gen, f64());
     Fwd<RMSNormSaved> f = rmsnorm_forward(x, w, eps);
@@ -74,8 +74,7 @@ TEST(RMSNormOp, BFloat16IsCloseToFloat64) {
 
 TEST(RMSNormOp, RefusesMismatchedWeight) {
   at::Generator gen = seeded(1);
-  expect_error([&] { rmsnorm_forward(at::randn({2, 8}, gen), at::ones({9}), 1e-6); },
-               {"[rmsnorm]", "[2, 8]", "[9]"});
+  expect_error([&] { rmsnorm_forward(at::randn({2, 8}, gen), at::ones({9}), 1e-6); }, {"[rmsnorm]", "[2, 8]", "[9]"});
 }
 
 }  // namespace

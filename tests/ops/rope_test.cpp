@@ -44,7 +44,9 @@ TEST(RopeOp, TablesMatchTheDefinition) {
 }
 
 TEST(RopeOp, MatchesAutogradOfRotateHalf) {
-  struct Case { int64_t B, T, H, D, table_len; };
+  struct Case {
+    int64_t B, T, H, D, table_len;
+  };
   at::Generator gen = seeded(1);
   for (Case c : {Case{2, 5, 3, 8, 5}, Case{1, 7, 2, 2, 12}, Case{3, 1, 1, 6, 4}}) {
     RopeTables tab = rope_tables(c.table_len, c.D, 10000.0, at::kDouble, kCPU);

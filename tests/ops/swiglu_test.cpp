@@ -7,9 +7,7 @@ namespace {
 using namespace remat::ops;
 using namespace remat::testing;
 
-at::Tensor reference(const at::Tensor& gate, const at::Tensor& up) {
-  return gate / (1 + at::exp(-gate)) * up;
-}
+at::Tensor reference(const at::Tensor& gate, const at::Tensor& up) { return gate / (1 + at::exp(-gate)) * up; }
 
 TEST(SwiGLUOp, MatchesAutogradOfTheMath) {
   at::Generator gen = seeded(1);
@@ -60,8 +58,11 @@ TEST(SwiGLUOp, BFloat16IsCloseToFloat64) {
 
 TEST(SwiGLUOp, RefusesMismatchedShapes) {
   at::Generator gen = seeded(1);
-  expect_error([&] { swiglu_forward(at::randn({2, 8}, gen), at::randn({2, 9}, gen)); },
-               {"[swiglu]", "[2, 8]", "[2, 9]"});
+  expect_error(
+      [&] {
+        swiglu_forward(at::randn({2, 8}, gen), at::randn({2, 9}, gen));
+      },
+      {"[swiglu]", "[2, 8]", "[2, 9]"});
 }
 
 }  // namespace

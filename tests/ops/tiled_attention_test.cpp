@@ -197,12 +197,18 @@ TEST(TiledAttentionOp, RefusesBadShapesAndTiles) {
   expect_error([&] { tiled_attention_forward(q, kv, kv, 0.0, kKey); },
                {"[tiled_attention]", "multiple", "[2, 4, 6, 8]", "[2, 4, 4, 8]"});
   at::Tensor k3 = at::zeros({2, 4, 3, 8});
-  expect_error([&] { tiled_attention_forward(q, k3, k3, 0.0, kKey, {0, 4}); },
-               {"[tiled_attention]", "at least one", "0 x 4"});
+  expect_error(
+      [&] {
+        tiled_attention_forward(q, k3, k3, 0.0, kKey, {0, 4});
+      },
+      {"[tiled_attention]", "at least one", "0 x 4"});
   expect_error([&] { tiled_attention_forward(q, k3, k3, 1.0, kKey); }, {"[dropout]"});
   auto f = tiled_attention_forward(q, k3, k3, 0.0, kKey);
-  expect_error([&] { tiled_attention_backward(at::zeros({2, 4, 6, 7}), f.saved); },
-               {"[tiled_attention]", "[2, 4, 6, 7]"});
+  expect_error(
+      [&] {
+        tiled_attention_backward(at::zeros({2, 4, 6, 7}), f.saved);
+      },
+      {"[tiled_attention]", "[2, 4, 6, 7]"});
 }
 
 }  // namespace

@@ -56,9 +56,19 @@ ModelConfig config(const std::string& preset, int64_t layers, double dropout) {
   return testing::plan_config(preset, layers, dropout);
 }
 
-const char* kPolicies[] = {"none", "full", "every:2", "uniform:2", "block:1", "modules:[core_attn]",
-                           "modules:[qkv]", "modules:[norm]", "modules:[act]", "modules:[mlp]",
-                           "ops:[matmul,attention]", "ops:[matmul/2,softmax]", "every:2+modules:[core_attn]"};
+const char* kPolicies[] = {"none",
+                           "full",
+                           "every:2",
+                           "uniform:2",
+                           "block:1",
+                           "modules:[core_attn]",
+                           "modules:[qkv]",
+                           "modules:[norm]",
+                           "modules:[act]",
+                           "modules:[mlp]",
+                           "ops:[matmul,attention]",
+                           "ops:[matmul/2,softmax]",
+                           "every:2+modules:[core_attn]"};
 
 TEST(CostModel, PeakOfAMicrobatchMatchesTheMeasuredPeak) {
   // Programs mirror the code statement by statement, so the match is to the kilobyte.
@@ -80,14 +90,19 @@ TEST(CostModel, PeakOfAMicrobatchMatchesTheMeasuredPeak) {
         const int64_t predicted = pred.peak - pred.statics.total() + pred.statics.batch;
         const Measured m = measure(cfg, policy, B, T, chunk);
         // Exact but for the scalars the simulation leaves out (a few KiB).
-        EXPECT_NEAR(predicted, m.peak_above_start, 8 * 1024) << preset << " p=" << p << " " << attention_name(attention) << " " << policy;
-        EXPECT_EQ(pred.ops, m.counters.ops_by_kind) << preset << " p=" << p << " " << attention_name(attention) << " " << policy;
-        EXPECT_EQ(pred.recomputed_bytes, m.counters.bytes_recomputed) << preset << " p=" << p << " " << attention_name(attention) << " " << policy;
+        EXPECT_NEAR(predicted, m.peak_above_start, 8 * 1024)
+            << preset << " p=" << p << " " << attention_name(attention) << " " << policy;
+        EXPECT_EQ(pred.ops, m.counters.ops_by_kind)
+            << preset << " p=" << p << " " << attention_name(attention) << " " << policy;
+        EXPECT_EQ(pred.recomputed_bytes, m.counters.bytes_recomputed)
+            << preset << " p=" << p << " " << attention_name(attention) << " " << policy;
         const Measured slow = measure(cfg, policy, B, T, chunk, /*early_stop=*/false);
         const auto pred_slow = cost::predict_step(cfg, shape, plan, false, {});
-        EXPECT_EQ(pred_slow.ops, slow.counters.ops_by_kind) << preset << " p=" << p << " " << attention_name(attention) << " " << policy;
+        EXPECT_EQ(pred_slow.ops, slow.counters.ops_by_kind)
+            << preset << " p=" << p << " " << attention_name(attention) << " " << policy;
         EXPECT_NEAR(pred_slow.peak - pred_slow.statics.total() + pred_slow.statics.batch, slow.peak_above_start,
-                    8 * 1024) << preset << " p=" << p << " " << attention_name(attention) << " " << policy;
+                    8 * 1024)
+            << preset << " p=" << p << " " << attention_name(attention) << " " << policy;
       }
     }
   }
@@ -114,8 +129,8 @@ TEST(CostModel, TensorParallelRanksPeakWhereTheCostModelSays) {
             const auto plan = compile_policy(policy, cfg.n_layer, cfg.dropout);
             const auto pred = cost::predict_step(cfg, shape, plan, true, {});
             const Measured m = measure(cfg, plan, B, T, chunk, true, tp > 1 ? &group : nullptr);
-            const std::string what = fmt::format("{} head {} tp {} rank {} {}", preset, static_cast<int>(head), tp,
-                                                 rank, policy);
+            const std::string what =
+                fmt::format("{} head {} tp {} rank {} {}", preset, static_cast<int>(head), tp, rank, policy);
             EXPECT_NEAR(pred.peak - pred.statics.total() + pred.statics.batch, m.peak_above_start, 8 * 1024) << what;
             EXPECT_EQ(pred.recomputed_bytes, m.counters.bytes_recomputed) << what;
           }
@@ -162,7 +177,8 @@ TEST(CostModel, RandomKeepSetsPeakWhereTheCostModelSays) {
         const Measured m = measure(cfg, plan, B, T, chunk, early_stop);
         EXPECT_NEAR(predicted, m.peak_above_start, 8 * 1024)
             << preset << " " << attention_name(attention) << " early_stop=" << early_stop << " " << text;
-        EXPECT_EQ(pred.recomputed_bytes, m.counters.bytes_recomputed) << preset << " " << attention_name(attention) << " " << text;
+        EXPECT_EQ(pred.recomputed_bytes, m.counters.bytes_recomputed)
+            << preset << " " << attention_name(attention) << " " << text;
       }
     }
   }

@@ -118,8 +118,8 @@ TEST(LinkPricing, VocabularyParallelLossAllReducesThreeFloatsPerRow) {
       }
     }
     // One rank holds the whole vocabulary: nothing to complete.
-    EXPECT_TRUE(node_of(graph::head_graph(cfg, B, T, at::kFloat, chunk, 1, false), graph::op::loss(head))
-                    .forward_link.none());
+    EXPECT_TRUE(
+        node_of(graph::head_graph(cfg, B, T, at::kFloat, chunk, 1, false), graph::op::loss(head)).forward_link.none());
   }
 }
 

@@ -208,8 +208,8 @@ TEST(PipelinePlan, SolverEqualsBruteForceOnRandomProblems) {
     for (int64_t s = 0; s < P; ++s) p.in_flight.push_back(pipeline::in_flight(sched, P, s, m));
     for (int64_t i = uniform(2, 4); i > 0; --i) {
       const int64_t kept = uniform(1, 100);
-      p.pieces.push_back({uniform(1, 10) <= 7 ? 1 : uniform(2, 3), kept, kept + uniform(0, 120),
-                          static_cast<double>(uniform(1, 20))});
+      p.pieces.push_back(
+          {uniform(1, 10) <= 7 ? 1 : uniform(2, 3), kept, kept + uniform(0, 120), static_cast<double>(uniform(1, 20))});
     }
     if (std::none_of(p.pieces.begin(), p.pieces.end(), [](const pipeline::Piece& c) { return c.span == 1; })) {
       p.pieces[0].span = 1;
@@ -352,7 +352,7 @@ TEST(PipelinePlan, PlannerEqualsBruteForceOverSimulatedPlans) {
         ActivationPlan plan;
         plan.layers.resize(4);
         std::function<void(const std::vector<int64_t>&, int64_t)> walk = [&](const std::vector<int64_t>& split,
-                                                                            int64_t pos) {
+                                                                             int64_t pos) {
           if (pos == 4) {
             const PipelinePlan r = planner.predict_pipeline(plan, {P, sched, split});
             all.push_back({r.peak(), r.stage_seconds[r.bottleneck]});

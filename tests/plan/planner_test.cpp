@@ -67,9 +67,11 @@ double brute_force(const ModelConfig& cfg, const cost::StepShape& shape, const c
 }
 
 TEST(Planner, EqualsBruteForceOnSmallInstances) {
-  const std::vector<std::set<std::string>> candidates = {
-      {}, {"attn.probs", "attn.dropout"}, {"mlp.act_in"}, {"attn.qkv", "attn.probs", "attn.dropout"},
-      {"mlp.proj_in", "mlp.fc_in"}};
+  const std::vector<std::set<std::string>> candidates = {{},
+                                                         {"attn.probs", "attn.dropout"},
+                                                         {"mlp.act_in"},
+                                                         {"attn.qkv", "attn.probs", "attn.dropout"},
+                                                         {"mlp.proj_in", "mlp.fc_in"}};
   cost::NodeTimes times;
   times.flops_per_second = 1.0;
   for (const char* preset : {"gpt2-demo", "llama-demo"}) {
@@ -179,8 +181,8 @@ TEST(Planner, ChoosesTheAttentionOpPerLayerAsBruteForceDoes) {
     for (int i = 0; i <= 10; ++i) {
       const int64_t budget = lo + (hi - lo) * i / 10;
       int64_t seen = 0;
-      const double brute = brute_force(cfg, shape, times, candidates, 2, budget, &seen,
-                                       {Attention::math, Attention::tiled});
+      const double brute =
+          brute_force(cfg, shape, times, candidates, 2, budget, &seen, {Attention::math, Attention::tiled});
       const auto r = planner.solve(budget);
       ASSERT_TRUE(r.has_value()) << preset << " budget " << budget;
       EXPECT_DOUBLE_EQ(r->prediction.recompute_seconds + r->prediction.attention_seconds, brute)
@@ -274,7 +276,9 @@ TEST(Planner, NamesTheRecomputingLossHeadWhereOnlyItFits) {
 // exactly that set plus each LayerNorm's mean and rstd (float32, of the rank's positions);
 // with tiled attention, 34 sbh plus the log-sum-exp rows and those statistics.
 TEST(Planner, GptLayerBytesEqualKorthikantisFormula) {
-  struct Shape { int64_t s, b, h, a; };
+  struct Shape {
+    int64_t s, b, h, a;
+  };
   for (const Shape sh : {Shape{128, 4, 256, 4}, Shape{512, 2, 768, 12}, Shape{2048, 1, 1024, 16}}) {
     ModelConfig cfg = config("gpt2", 3, 0.1);
     cfg.d_model = sh.h;
@@ -303,8 +307,7 @@ TEST(Planner, GptLayerBytesEqualKorthikantisFormula) {
       EXPECT_EQ(cost::price_layer(sp, regather, true, times).kept, sbh * 34 / t + attention + stats) << "t " << t;
       EXPECT_EQ(cost::price_layer(sp, selective, true, times).kept, sbh * 34 / t + stats) << "t " << t;
       EXPECT_EQ(cost::price_layer(sp, all, true, times).kept, 2 * sbh / t) << "t " << t;
-      EXPECT_EQ(cost::price_layer(sp, {}, true, times).kept,
-                sbh * 34 / t + 2 * 2 * (sbh - sbh / t) + attention + stats)
+      EXPECT_EQ(cost::price_layer(sp, {}, true, times).kept, sbh * 34 / t + 2 * 2 * (sbh - sbh / t) + attention + stats)
           << "t " << t;
     }
     // Tiled attention keeps no [s x s] tensor: the 5as/h term becomes one float32
@@ -380,11 +383,13 @@ TEST(Budget, PercentagesFractionsAndBytesParseAsWritten) {
     }
     return std::string("accepted");
   };
-  EXPECT_EQ(refusal("1e30"), "The memory budget \"1e30\" is 1e+30 bytes, beyond any device (the most accepted is 4 "
-                             "EiB); give a size such as 12GiB or a fraction such as 0.6.");
+  EXPECT_EQ(refusal("1e30"),
+            "The memory budget \"1e30\" is 1e+30 bytes, beyond any device (the most accepted is 4 "
+            "EiB); give a size such as 12GiB or a fraction such as 0.6.");
   EXPECT_NE(refusal("9000000TiB").find("beyond any device"), std::string::npos);
-  EXPECT_EQ(refusal("1.5"), "The memory budget \"1.5\" is neither a fraction of the no-recompute peak (at most 1) "
-                            "nor a whole number of bytes; write e.g. 0.6, 60% or 512MiB.");
+  EXPECT_EQ(refusal("1.5"),
+            "The memory budget \"1.5\" is neither a fraction of the no-recompute peak (at most 1) "
+            "nor a whole number of bytes; write e.g. 0.6, 60% or 512MiB.");
 }
 
 }  // namespace

@@ -87,15 +87,30 @@ TEST(PolicyPlans, UniformChunksPointAtTheirFirstLayer) {
   EXPECT_EQ(chunks(compile_policy("uniform:3", 7)), (std::vector<int64_t>{-1, 0, 0, -1, 3, 3, -1}));
   EXPECT_EQ(chunks(compile_policy("uniform:1", 3)), (std::vector<int64_t>{-1, -1, -1}));
   // Chunks stay inside a pipeline stage.
-  const auto staged = compile_ac([](AcConfig& a) { a.policy = "uniform:2"; a.stages = 2; }, 6);
+  const auto staged = compile_ac(
+      [](AcConfig& a) {
+        a.policy = "uniform:2";
+        a.stages = 2;
+      },
+      6);
   EXPECT_EQ(chunks(staged), (std::vector<int64_t>{-1, 0, -1, -1, 3, -1}));
 }
 
 TEST(PolicyPlans, BlockAndRatioCountPerStage) {
   EXPECT_EQ(drops(compile_policy("block:2", 4)), (std::vector<Slots>{all(), all(), {}, {}}));
-  const auto block = compile_ac([](AcConfig& a) { a.policy = "block:1"; a.stages = 2; }, 4);
+  const auto block = compile_ac(
+      [](AcConfig& a) {
+        a.policy = "block:1";
+        a.stages = 2;
+      },
+      4);
   EXPECT_EQ(drops(block), (std::vector<Slots>{all(), {}, all(), {}}));
-  const auto ratio = compile_ac([](AcConfig& a) { a.policy = "ratio:0.5"; a.stages = 2; }, 6);
+  const auto ratio = compile_ac(
+      [](AcConfig& a) {
+        a.policy = "ratio:0.5";
+        a.stages = 2;
+      },
+      6);
   EXPECT_EQ(drops(ratio), (std::vector<Slots>{all(), all(), {}, all(), all(), {}}));  // ceil(1.5) = 2
   EXPECT_EQ(ratio.policy, "ratio:0.5");
   // 0.3 x 10 is 3 layers, not 4, although the product rounds above 3.
@@ -105,10 +120,20 @@ TEST(PolicyPlans, BlockAndRatioCountPerStage) {
   EXPECT_EQ(drops(compile_policy("ratio:1", 3)), std::vector<Slots>(3, all()));
   // Uneven stages from ac.num_layers_per_stage.
   const auto uneven = compile_ac(
-      [](AcConfig& a) { a.policy = "block:1"; a.stages = 2; a.num_layers_per_stage = "1,3"; }, 4);
+      [](AcConfig& a) {
+        a.policy = "block:1";
+        a.stages = 2;
+        a.num_layers_per_stage = "1,3";
+      },
+      4);
   EXPECT_EQ(drops(uneven), (std::vector<Slots>{all(), all(), {}, {}}));
   // Stages that do not divide the layers: as even as they go, the first taking one more.
-  const auto five = compile_ac([](AcConfig& a) { a.policy = "block:1"; a.stages = 2; }, 5);
+  const auto five = compile_ac(
+      [](AcConfig& a) {
+        a.policy = "block:1";
+        a.stages = 2;
+      },
+      5);
   EXPECT_EQ(drops(five), (std::vector<Slots>{all(), {}, {}, all(), {}}));
   AcConfig three;
   three.stages = 3;
@@ -120,10 +145,11 @@ TEST(PolicyPlans, ModulesDropTheUnionOfTheirSlots) {
   EXPECT_EQ(p.policy, "modules:[core_attn,qkv]");
   EXPECT_EQ(drops(p), std::vector<Slots>(3, (Slots{"attn.probs", "attn.dropout", "attn.qkv"})));
   const auto mlp = compile_policy("modules:[act,mlp]", 2);
-  EXPECT_EQ(drops(mlp), std::vector<Slots>(
-                            2, (Slots{"mlp.fc_in", "mlp.gathered", "mlp.act_in", "mlp.proj_in", "mlp.resid"})));
+  EXPECT_EQ(drops(mlp),
+            std::vector<Slots>(2, (Slots{"mlp.fc_in", "mlp.gathered", "mlp.act_in", "mlp.proj_in", "mlp.resid"})));
   // The sequence-gathered copies alone, and with the norms' outputs they are gathered from.
-  EXPECT_EQ(drops(compile_policy("modules:[gathered]", 1)), std::vector<Slots>(1, (Slots{"attn.gathered", "mlp.gathered"})));
+  EXPECT_EQ(drops(compile_policy("modules:[gathered]", 1)),
+            std::vector<Slots>(1, (Slots{"attn.gathered", "mlp.gathered"})));
   EXPECT_EQ(drops(compile_policy("modules:[norm]", 1)),
             std::vector<Slots>(1, (Slots{"attn.norm", "attn.qkv_in", "attn.gathered", "mlp.fc_in", "mlp.gathered"})));
 }
@@ -152,7 +178,12 @@ TEST(PolicyPlans, ExplicitLayerListsAndCompositions) {
   const auto c = compile_policy("every:2 + modules:[core_attn]", 4);
   EXPECT_EQ(c.policy, "every:2+modules:[core_attn]");
   EXPECT_EQ(drops(c), (std::vector<Slots>{kCoreAttn, all(), kCoreAttn, all()}));
-  const auto b = compile_ac([](AcConfig& a) { a.policy = "block:1+ops:[matmul]"; a.stages = 2; }, 4);
+  const auto b = compile_ac(
+      [](AcConfig& a) {
+        a.policy = "block:1+ops:[matmul]";
+        a.stages = 2;
+      },
+      4);
   const Slots keep_mm = all_but({"attn.qkv", "mlp.act_in"});
   EXPECT_EQ(drops(b), (std::vector<Slots>{all(), keep_mm, all(), keep_mm}));
   const auto r = compile_policy("ratio:0.5+modules:[qkv]", 4);
@@ -173,55 +204,98 @@ void expect_same(const ActivationPlan& alias, const std::string& canonical, int6
 TEST(PolicyAliases, TorchtuneSpellings) {
   expect_same(compile_ac([](AcConfig& a) { a.enable_activation_checkpointing = true; }, 4), "full", 4);
   expect_same(compile_ac([](AcConfig& a) { a.enable_activation_checkpointing = false; }, 4), "none", 4);
-  expect_same(compile_ac([](AcConfig& a) {
-                a.enable_activation_checkpointing = true;
-                a.ac_mode = "full";
-              }, 4), "full", 4);
-  expect_same(compile_ac([](AcConfig& a) {
-                a.enable_activation_checkpointing = true;
-                a.ac_mode = "selective";
-                a.ac_option = "2";
-              }, 6), "every:2", 6);
-  expect_same(compile_ac([](AcConfig& a) {
-                a.enable_activation_checkpointing = true;
-                a.ac_mode = "selective";
-                a.ac_option = "op";
-              }, 3), "ops:[matmul,attention]", 3);
+  expect_same(compile_ac(
+                  [](AcConfig& a) {
+                    a.enable_activation_checkpointing = true;
+                    a.ac_mode = "full";
+                  },
+                  4),
+              "full", 4);
+  expect_same(compile_ac(
+                  [](AcConfig& a) {
+                    a.enable_activation_checkpointing = true;
+                    a.ac_mode = "selective";
+                    a.ac_option = "2";
+                  },
+                  6),
+              "every:2", 6);
+  expect_same(compile_ac(
+                  [](AcConfig& a) {
+                    a.enable_activation_checkpointing = true;
+                    a.ac_mode = "selective";
+                    a.ac_option = "op";
+                  },
+                  3),
+              "ops:[matmul,attention]", 3);
 }
 
 TEST(PolicyAliases, MegatronSpellings) {
-  expect_same(compile_ac([](AcConfig& a) {
-                a.recompute_granularity = "full";
-                a.recompute_method = "uniform";
-                a.recompute_num_layers = 2;
-              }, 5), "uniform:2", 5);
-  expect_same(compile_ac([](AcConfig& a) {
-                a.recompute_granularity = "full";
-                a.recompute_method = "block";
-                a.recompute_num_layers = 1;
-                a.stages = 2;
-              }, 4), "block:1", 4, 2);
+  expect_same(compile_ac(
+                  [](AcConfig& a) {
+                    a.recompute_granularity = "full";
+                    a.recompute_method = "uniform";
+                    a.recompute_num_layers = 2;
+                  },
+                  5),
+              "uniform:2", 5);
+  expect_same(compile_ac(
+                  [](AcConfig& a) {
+                    a.recompute_granularity = "full";
+                    a.recompute_method = "block";
+                    a.recompute_num_layers = 1;
+                    a.stages = 2;
+                  },
+                  4),
+              "block:1", 4, 2);
   expect_same(compile_ac([](AcConfig& a) { a.recompute_granularity = "selective"; }, 3), "modules:[core_attn]", 3);
   expect_same(compile_ac([](AcConfig& a) { a.recompute_activations = true; }, 3), "modules:[core_attn]", 3);
-  expect_same(compile_ac([](AcConfig& a) {
-                a.recompute_granularity = "selective";
-                a.recompute_modules = "mlp, core_attn";
-              }, 3), "modules:[core_attn,mlp]", 3);
+  expect_same(compile_ac(
+                  [](AcConfig& a) {
+                    a.recompute_granularity = "selective";
+                    a.recompute_modules = "mlp, core_attn";
+                  },
+                  3),
+              "modules:[core_attn,mlp]", 3);
   expect_same(compile_ac([](AcConfig& a) { a.recompute_modules = "[qkv]"; }, 2), "modules:[qkv]", 2);
   expect_same(compile_ac([](AcConfig& a) { a.distribute_saved_activations = false; }, 2), "none", 2);
 }
 
 TEST(PolicyAliases, ColossalAiAndNanotronSpellings) {
-  expect_same(compile_ac([](AcConfig& a) { a.gradient_checkpointing_ratio = 0.5; a.stages = 2; }, 8), "ratio:0.5", 8, 2);
-  expect_same(compile_ac([](AcConfig& a) { a.num_ckpt_layers_per_stage = "2,2"; a.stages = 2; }, 8), "block:2", 8, 2);
-  expect_same(compile_ac([](AcConfig& a) { a.num_ckpt_layers_per_stage = "0,0"; a.stages = 2; }, 4), "none", 4, 2);
-  const auto differing = compile_ac([](AcConfig& a) { a.num_ckpt_layers_per_stage = "3,1"; a.stages = 2; }, 8);
+  expect_same(compile_ac(
+                  [](AcConfig& a) {
+                    a.gradient_checkpointing_ratio = 0.5;
+                    a.stages = 2;
+                  },
+                  8),
+              "ratio:0.5", 8, 2);
+  expect_same(compile_ac(
+                  [](AcConfig& a) {
+                    a.num_ckpt_layers_per_stage = "2,2";
+                    a.stages = 2;
+                  },
+                  8),
+              "block:2", 8, 2);
+  expect_same(compile_ac(
+                  [](AcConfig& a) {
+                    a.num_ckpt_layers_per_stage = "0,0";
+                    a.stages = 2;
+                  },
+                  4),
+              "none", 4, 2);
+  const auto differing = compile_ac(
+      [](AcConfig& a) {
+        a.num_ckpt_layers_per_stage = "3,1";
+        a.stages = 2;
+      },
+      8);
   expect_same(differing, "layers:[full,full,full,none,full,none,none,none]", 8);
-  const auto uneven = compile_ac([](AcConfig& a) {
-    a.num_layers_per_stage = "3,5";
-    a.num_ckpt_layers_per_stage = "1,2";
-    a.stages = 2;
-  }, 8);
+  const auto uneven = compile_ac(
+      [](AcConfig& a) {
+        a.num_layers_per_stage = "3,5";
+        a.num_ckpt_layers_per_stage = "1,2";
+        a.stages = 2;
+      },
+      8);
   expect_same(uneven, "layers:[full,none,none,full,full,none,none,none]", 8);
   expect_same(compile_ac([](AcConfig& a) { a.recompute_layer = true; }, 3), "full", 3);
   expect_same(compile_ac([](AcConfig& a) { a.recompute_layer = false; }, 3), "none", 3);
@@ -229,20 +303,29 @@ TEST(PolicyAliases, ColossalAiAndNanotronSpellings) {
 }
 
 TEST(PolicyAliases, AgreeingSpellingsAreAccepted) {
-  expect_same(compile_ac([](AcConfig& a) {
-                a.policy = "full";
-                a.recompute_layer = true;
-                a.enable_activation_checkpointing = true;
-              }, 4), "full", 4);
-  expect_same(compile_ac([](AcConfig& a) {
-                a.policy = "modules:[core_attn]";
-                a.recompute_activations = true;
-              }, 4), "modules:[core_attn]", 4);
+  expect_same(compile_ac(
+                  [](AcConfig& a) {
+                    a.policy = "full";
+                    a.recompute_layer = true;
+                    a.enable_activation_checkpointing = true;
+                  },
+                  4),
+              "full", 4);
+  expect_same(compile_ac(
+                  [](AcConfig& a) {
+                    a.policy = "modules:[core_attn]";
+                    a.recompute_activations = true;
+                  },
+                  4),
+              "modules:[core_attn]", 4);
   // Different spellings of one plan agree: block:2 on one stage of 2 layers is full.
-  expect_same(compile_ac([](AcConfig& a) {
-                a.policy = "block:2";
-                a.recompute_layer = true;
-              }, 2), "block:2", 2);
+  expect_same(compile_ac(
+                  [](AcConfig& a) {
+                    a.policy = "block:2";
+                    a.recompute_layer = true;
+                  },
+                  2),
+              "block:2", 2);
 }
 
 // ---- refusals ----------------------------------------------------------------------------
@@ -259,7 +342,12 @@ TEST(PolicyErrors, CountsOutOfRange) {
   EXPECT_EQ(error_of([] { compile_policy("every:two", 4); }),
             "ac.policy = \"every:two\": K must be a whole number (every:K recomputes layers K, 2K, 3K, ... counted "
             "from 1), got 'two'.");
-  EXPECT_EQ(error_ac([](AcConfig& a) { a.policy = "block:3"; a.stages = 2; }, 4),
+  EXPECT_EQ(error_ac(
+                [](AcConfig& a) {
+                  a.policy = "block:3";
+                  a.stages = 2;
+                },
+                4),
             "ac.policy = \"block:3\": N = 3 is larger than the smallest pipeline stage, which has 2 layers; use N "
             "between 1 and 2.");
   EXPECT_EQ(error_of([] { compile_policy("uniform:0", 4); }),
@@ -268,10 +356,22 @@ TEST(PolicyErrors, CountsOutOfRange) {
   EXPECT_EQ(error_of([] { compile_policy("ratio:1.5", 4); }),
             "ac.policy = \"ratio:1.5\": R = 1.5 is not a number in [0, 1]; ratio:R recomputes the first ceil(R x "
             "layers) layers of each pipeline stage, e.g. ratio:0.5 for half of them.");
-  EXPECT_EQ(error_ac([](AcConfig& a) { a.enable_activation_checkpointing = true; a.ac_mode = "selective"; a.ac_option = "0"; }, 4),
+  EXPECT_EQ(error_ac(
+                [](AcConfig& a) {
+                  a.enable_activation_checkpointing = true;
+                  a.ac_mode = "selective";
+                  a.ac_option = "0";
+                },
+                4),
             "ac.ac_option = 0: K = 0 must be at least 1 (every:K recomputes layers K, 2K, 3K, ... counted from 1); "
             "use none to recompute nothing.");
-  EXPECT_EQ(error_ac([](AcConfig& a) { a.enable_activation_checkpointing = true; a.ac_mode = "selective"; a.ac_option = "9"; }, 4),
+  EXPECT_EQ(error_ac(
+                [](AcConfig& a) {
+                  a.enable_activation_checkpointing = true;
+                  a.ac_mode = "selective";
+                  a.ac_option = "9";
+                },
+                4),
             "ac.ac_option = 9: K = 9 is larger than the model, which has 4 layers; use K between 1 and 4.");
 }
 
@@ -311,10 +411,12 @@ TEST(PolicyErrors, LayerListsAndCompositions) {
 }
 
 TEST(PolicyErrors, MegatronCombinations) {
-  EXPECT_EQ(error_ac([](AcConfig& a) {
-              a.recompute_granularity = "selective";
-              a.recompute_method = "block";
-            }, 4),
+  EXPECT_EQ(error_ac(
+                [](AcConfig& a) {
+                  a.recompute_granularity = "selective";
+                  a.recompute_method = "block";
+                },
+                4),
             "ac.recompute_method = \"block\" is given with selective granularity (ac.recompute_granularity = "
             "\"selective\"); a recompute method chooses layers to recompute whole, which only full granularity "
             "does. Set ac.recompute_granularity = \"full\" with the method, or drop ac.recompute_method (to combine "
@@ -324,34 +426,42 @@ TEST(PolicyErrors, MegatronCombinations) {
             "with N recomputes chunks of N layers, \"block\" with N the first N layers of each stage (e.g. "
             "recompute_method = \"uniform\", recompute_num_layers = 1). To recompute every layer, use ac.policy = "
             "\"full\".");
-  EXPECT_EQ(error_ac([](AcConfig& a) {
-              a.recompute_granularity = "full";
-              a.recompute_method = "uniform";
-            }, 4),
+  EXPECT_EQ(error_ac(
+                [](AcConfig& a) {
+                  a.recompute_granularity = "full";
+                  a.recompute_method = "uniform";
+                },
+                4),
             "ac.recompute_granularity = \"full\" needs ac.recompute_num_layers: \"uniform\" with N recomputes "
             "chunks of N layers, \"block\" with N the first N layers of each stage (e.g. recompute_method = "
             "\"uniform\", recompute_num_layers = 1). To recompute every layer, use ac.policy = \"full\".");
-  EXPECT_EQ(error_ac([](AcConfig& a) {
-              a.recompute_granularity = "full";
-              a.recompute_method = "block";
-              a.recompute_num_layers = 5;
-            }, 4),
+  EXPECT_EQ(error_ac(
+                [](AcConfig& a) {
+                  a.recompute_granularity = "full";
+                  a.recompute_method = "block";
+                  a.recompute_num_layers = 5;
+                },
+                4),
             "ac.recompute_method = \"block\" with ac.recompute_num_layers = 5: N = 5 is larger than the model, "
             "which has 4 layers; use N between 1 and 4.");
   EXPECT_EQ(error_ac([](AcConfig& a) { a.recompute_num_layers = 2; }, 4),
             "ac.recompute_num_layers = 2 is given with no ac.recompute_granularity; it only counts layers for full "
             "granularity with a recompute method. Drop it, or set ac.recompute_granularity = \"full\" and "
             "ac.recompute_method.");
-  EXPECT_EQ(error_ac([](AcConfig& a) {
-              a.recompute_granularity = "full";
-              a.recompute_activations = true;
-            }, 4),
+  EXPECT_EQ(error_ac(
+                [](AcConfig& a) {
+                  a.recompute_granularity = "full";
+                  a.recompute_activations = true;
+                },
+                4),
             "ac.recompute_activations = true means selective recompute, but ac.recompute_granularity = \"full\" "
             "asks for another granularity: two spellings of the same setting disagree. Drop one of them.");
-  EXPECT_EQ(error_ac([](AcConfig& a) {
-              a.recompute_activations = true;
-              a.distribute_saved_activations = true;
-            }, 4),
+  EXPECT_EQ(error_ac(
+                [](AcConfig& a) {
+                  a.recompute_activations = true;
+                  a.distribute_saved_activations = true;
+                },
+                4),
             "ac.distribute_saved_activations = true keeps the input of each layer recomputed whole as a share per "
             "tensor-parallel rank, but the policy modules:[core_attn] recomputes no layer whole; choose full, "
             "uniform:N or block:N (Megatron: ac.recompute_granularity = \"full\" with a method), or drop "
@@ -414,50 +524,62 @@ TEST(PolicyPlans, TpRecomputeAllgatherDropsTheGatheredCopiesOfEveryLayer) {
 }
 
 TEST(PolicyErrors, TorchtuneCombinations) {
-  EXPECT_EQ(error_ac([](AcConfig& a) {
-              a.enable_activation_checkpointing = false;
-              a.ac_mode = "selective";
-              a.ac_option = "2";
-            }, 4),
+  EXPECT_EQ(error_ac(
+                [](AcConfig& a) {
+                  a.enable_activation_checkpointing = false;
+                  a.ac_mode = "selective";
+                  a.ac_option = "2";
+                },
+                4),
             "ac.enable_activation_checkpointing = false turns recompute off, but ac.ac_mode = \"selective\" asks "
             "for it: two spellings of the same setting disagree. Set ac.enable_activation_checkpointing = true to "
             "use it, or drop ac.ac_mode.");
   EXPECT_EQ(error_ac([](AcConfig& a) { a.ac_mode = "full"; }, 4),
             "ac.ac_mode = \"full\" is given without ac.enable_activation_checkpointing; set "
             "ac.enable_activation_checkpointing = true with it (or use ac.policy).");
-  EXPECT_EQ(error_ac([](AcConfig& a) {
-              a.enable_activation_checkpointing = true;
-              a.ac_mode = "selective";
-            }, 4),
+  EXPECT_EQ(error_ac(
+                [](AcConfig& a) {
+                  a.enable_activation_checkpointing = true;
+                  a.ac_mode = "selective";
+                },
+                4),
             "ac.ac_mode = \"selective\" needs ac.ac_option: a whole number K (recompute every K-th layer, every:K) "
             "or \"op\" (keep matmul and attention outputs, ops:[matmul,attention]).");
-  EXPECT_EQ(error_ac([](AcConfig& a) {
-              a.enable_activation_checkpointing = true;
-              a.ac_mode = "full";
-              a.ac_option = "2";
-            }, 4),
+  EXPECT_EQ(error_ac(
+                [](AcConfig& a) {
+                  a.enable_activation_checkpointing = true;
+                  a.ac_mode = "full";
+                  a.ac_option = "2";
+                },
+                4),
             "ac.ac_option = 2 applies only to ac.ac_mode = \"selective\"; with ac.ac_mode = \"full\" every layer is "
             "recomputed. Drop ac.ac_option or set ac.ac_mode = \"selective\".");
 }
 
 TEST(PolicyErrors, DisagreeingSpellings) {
-  EXPECT_EQ(error_ac([](AcConfig& a) {
-              a.policy = "full";
-              a.recompute_granularity = "selective";
-            }, 4),
+  EXPECT_EQ(error_ac(
+                [](AcConfig& a) {
+                  a.policy = "full";
+                  a.recompute_granularity = "selective";
+                },
+                4),
             "ac.policy = \"full\" asks for full but ac.recompute_granularity = \"selective\" asks for "
             "modules:[core_attn]: two spellings of the recompute policy disagree. Set only one of them.");
-  EXPECT_EQ(error_ac([](AcConfig& a) {
-              a.policy = "every:2";
-              a.recompute_layer = false;
-            }, 4),
+  EXPECT_EQ(error_ac(
+                [](AcConfig& a) {
+                  a.policy = "every:2";
+                  a.recompute_layer = false;
+                },
+                4),
             "ac.policy = \"every:2\" asks for every:2 but ac.recompute_layer = false asks for none: two spellings "
             "of the recompute policy disagree. Set only one of them.");
-  EXPECT_EQ(error_ac([](AcConfig& a) {
-              a.gradient_checkpointing_ratio = 0.5;
-              a.num_ckpt_layers_per_stage = "1,1";
-              a.stages = 2;
-            }, 8),
+  EXPECT_EQ(error_ac(
+                [](AcConfig& a) {
+                  a.gradient_checkpointing_ratio = 0.5;
+                  a.num_ckpt_layers_per_stage = "1,1";
+                  a.stages = 2;
+                },
+                8),
             "ac.gradient_checkpointing_ratio = 0.5 asks for ratio:0.5 but ac.num_ckpt_layers_per_stage = [1, 1] "
             "asks for block:1: two spellings of the recompute policy disagree. Set only one of them.");
 }
@@ -465,42 +587,70 @@ TEST(PolicyErrors, DisagreeingSpellings) {
 // An explicit "none" is a choice like any other: an alias that recomputes contradicts it.
 TEST(PolicyErrors, AnExplicitNoneDisagreesWithAnAliasThatRecomputes) {
   const std::vector<std::pair<std::function<void(AcConfig&)>, std::string>> aliases = {
-      {[](AcConfig& a) { a.enable_activation_checkpointing = true; }, "ac.enable_activation_checkpointing = true asks for full"},
+      {[](AcConfig& a) { a.enable_activation_checkpointing = true; },
+       "ac.enable_activation_checkpointing = true asks for full"},
       {[](AcConfig& a) { a.recompute_layer = true; }, "ac.recompute_layer = true asks for full"},
       {[](AcConfig& a) { a.recompute_granularity = "selective"; },
        "ac.recompute_granularity = \"selective\" asks for modules:[core_attn]"},
-      {[](AcConfig& a) { a.gradient_checkpointing_ratio = 0.5; }, "ac.gradient_checkpointing_ratio = 0.5 asks for ratio:0.5"}};
+      {[](AcConfig& a) { a.gradient_checkpointing_ratio = 0.5; },
+       "ac.gradient_checkpointing_ratio = 0.5 asks for ratio:0.5"}};
   for (const auto& [set, asks] : aliases) {
-    EXPECT_EQ(error_ac([&](AcConfig& a) {
-                a.policy = "none";
-                set(a);
-              }, 4),
+    EXPECT_EQ(error_ac(
+                  [&](AcConfig& a) {
+                    a.policy = "none";
+                    set(a);
+                  },
+                  4),
               "ac.policy = \"none\" asks for none but " + asks +
                   ": two spellings of the recompute policy disagree. Set only one of them.");
     // Unset, the policy defers to the alias.
     EXPECT_NE(compile_ac(set, 4).policy, "none");
   }
   // An alias that asks for no recompute agrees with it.
-  EXPECT_EQ(compile_ac([](AcConfig& a) {
-              a.policy = "none";
-              a.recompute_layer = false;
-            }, 4).policy, "none");
+  EXPECT_EQ(compile_ac(
+                [](AcConfig& a) {
+                  a.policy = "none";
+                  a.recompute_layer = false;
+                },
+                4)
+                .policy,
+            "none");
 }
 
 TEST(PolicyErrors, StagesAndPerStageLists) {
   EXPECT_EQ(error_ac([](AcConfig& a) { a.gradient_checkpointing_ratio = -0.1; }, 4),
             "ac.gradient_checkpointing_ratio = -0.1 is outside [0, 1]; it is the share of each pipeline stage's "
             "layers that is recomputed, e.g. 0.5 for half of them.");
-  EXPECT_EQ(error_ac([](AcConfig& a) { a.num_ckpt_layers_per_stage = "1,1,1"; a.stages = 2; }, 4),
+  EXPECT_EQ(error_ac(
+                [](AcConfig& a) {
+                  a.num_ckpt_layers_per_stage = "1,1,1";
+                  a.stages = 2;
+                },
+                4),
             "ac.num_ckpt_layers_per_stage = [1, 1, 1] lists 3 stages but ac.stages = 2; give one entry per "
             "pipeline stage.");
-  EXPECT_EQ(error_ac([](AcConfig& a) { a.num_ckpt_layers_per_stage = "3,1"; a.stages = 2; }, 4),
+  EXPECT_EQ(error_ac(
+                [](AcConfig& a) {
+                  a.num_ckpt_layers_per_stage = "3,1";
+                  a.stages = 2;
+                },
+                4),
             "ac.num_ckpt_layers_per_stage = [3, 1] asks for 3 recomputed layers in stage 1, which has 2 layers; "
             "each entry must be between 0 and its stage's layer count.");
-  EXPECT_EQ(error_ac([](AcConfig& a) { a.num_layers_per_stage = "2,3"; a.stages = 2; }, 4),
+  EXPECT_EQ(error_ac(
+                [](AcConfig& a) {
+                  a.num_layers_per_stage = "2,3";
+                  a.stages = 2;
+                },
+                4),
             "ac.num_layers_per_stage = [2, 3] sums to 5 layers but the model has 4; the stages must split exactly "
             "the model's layers.");
-  EXPECT_EQ(error_ac([](AcConfig& a) { a.num_layers_per_stage = "4"; a.stages = 2; }, 4),
+  EXPECT_EQ(error_ac(
+                [](AcConfig& a) {
+                  a.num_layers_per_stage = "4";
+                  a.stages = 2;
+                },
+                4),
             "ac.num_layers_per_stage = [4] lists 1 stages but ac.stages = 2; give one entry per pipeline stage.");
   EXPECT_EQ(error_ac([](AcConfig& a) { a.check = "all"; }, 4),
             "ac.check must be \"none\", \"meta\" or \"values\", got \"all\".");
@@ -516,7 +666,13 @@ TEST(PolicyErrors, DropoutWithoutRngPreservation) {
             "forward did, which silently changes training; keep ac.preserve_rng_state = true, or set "
             "ac.allow_rng_mismatch = true to accept the mismatch.");
   EXPECT_EQ(error_ac(no_rng, 4, 0.0), "");  // no dropout: nothing to replay
-  EXPECT_EQ(error_ac([&](AcConfig& a) { no_rng(a); a.allow_rng_mismatch = true; }, 4, 0.1), "");
+  EXPECT_EQ(error_ac(
+                [&](AcConfig& a) {
+                  no_rng(a);
+                  a.allow_rng_mismatch = true;
+                },
+                4, 0.1),
+            "");
   EXPECT_EQ(error_ac([](AcConfig& a) { a.preserve_rng_state = false; }, 4, 0.1), "");  // nothing recomputed
 }
 
@@ -592,22 +748,25 @@ TEST(PolicyConfig, AcKeysLoadFromTomlAndOverridesAndRoundTrip) {
   EXPECT_FALSE(o.ac.recompute_num_layers.has_value());
   const std::string o_toml = config_to_toml(o);
   EXPECT_NE(o_toml.find("\nnum_ckpt_layers_per_stage = [1, 2]\n"), std::string::npos) << o_toml;
-  const Config t = load_config("", {"ac.enable_activation_checkpointing=true", "ac.ac_mode=selective",
-                                    "ac.ac_option=2"});
+  const Config t =
+      load_config("", {"ac.enable_activation_checkpointing=true", "ac.ac_mode=selective", "ac.ac_option=2"});
   EXPECT_NE(config_to_toml(t).find("\nac_option = 2\n"), std::string::npos);
   EXPECT_EQ(compile_policy(t.ac, t.model.n_layer, t.model.dropout).policy, "every:2");
 }
 
 TEST(PolicyConfig, AnExplicitNoneAndARecomputingAliasAreRefusedInEitherOrderAndInToml) {
-  const std::string refusal = "ac.policy = \"none\" asks for none but ac.enable_activation_checkpointing = true asks "
-                              "for full: two spellings of the recompute policy disagree. Set only one of them.";
+  const std::string refusal =
+      "ac.policy = \"none\" asks for none but ac.enable_activation_checkpointing = true asks "
+      "for full: two spellings of the recompute policy disagree. Set only one of them.";
   EXPECT_EQ(error_of([] { load_config("", {"ac.policy=none", "ac.enable_activation_checkpointing=true"}); }), refusal);
   EXPECT_EQ(error_of([] { load_config("", {"ac.enable_activation_checkpointing=true", "ac.policy=none"}); }), refusal);
   const std::string path = write_temp("[ac]\npolicy = \"none\"\nenable_activation_checkpointing = true\n");
   EXPECT_EQ(error_of([&] { load_config(path, {}); }), refusal);
   std::remove(path.c_str());
   // And with a budget, which asks the planner: an explicit policy of any kind is a second answer.
-  EXPECT_NE(error_of([] { load_config("", {"ac.policy=none", "ac.budget=0.6"}); }).find("keep one of them"),
+  EXPECT_NE(error_of([] {
+              load_config("", {"ac.policy=none", "ac.budget=0.6"});
+            }).find("keep one of them"),
             std::string::npos);
 }
 

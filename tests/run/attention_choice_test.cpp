@@ -28,8 +28,9 @@ using testing::error_of;
 // (and dropout's two), tiled one log-sum-exp per row, so only tiled fits a budget between
 // their least peaks.
 Config long_tiny(const std::string& budget, bool profile = false) {
-  Config c = load_config("", {"model.preset=tiny-gpt2", "model.vocab_size=512", "model.max_seq=256", "train.batch=2",
-                              "train.seq=256", "model.attention=auto", "ac.profile=" + std::string(profile ? "true" : "false")});
+  Config c = load_config(
+      "", {"model.preset=tiny-gpt2", "model.vocab_size=512", "model.max_seq=256", "train.batch=2", "train.seq=256",
+           "model.attention=auto", "ac.profile=" + std::string(profile ? "true" : "false")});
   c.ac.budget = budget;
   return c;
 }
@@ -66,7 +67,8 @@ TEST(AttentionChoice, TakesTiledWhenOnlyItsPlansFitTheBudget) {
   const RunPlan r = plan_run_auto(cfg, local, at::kFloat, profiles.of(), 0);
   EXPECT_EQ(cfg.model.attention, Attention::tiled);
   EXPECT_EQ(local.model.attention, Attention::tiled);
-  EXPECT_EQ(plan_text(cfg, r).rfind("attention: tiled (model.attention = auto): math's least-memory plan peaks at ", 0), 0u)
+  EXPECT_EQ(plan_text(cfg, r).rfind("attention: tiled (model.attention = auto): math's least-memory plan peaks at ", 0),
+            0u)
       << plan_text(cfg, r);
   EXPECT_NE(plan_text(cfg, r).find("over the "), std::string::npos);
   EXPECT_EQ(r.budget, std::stoll(budget));
@@ -80,7 +82,8 @@ TEST(AttentionChoice, TakesMathWhereBothFitWithoutMeasuredTimes) {
   Profiles profiles;
   const RunPlan r = plan_run_auto(cfg, local, at::kFloat, profiles.of(), 0);
   EXPECT_EQ(cfg.model.attention, Attention::math);
-  EXPECT_EQ(plan_text(cfg, r).rfind("attention: math (model.attention = auto): both fit the 1.00 GiB budget (peaks ", 0), 0u)
+  EXPECT_EQ(
+      plan_text(cfg, r).rfind("attention: math (model.attention = auto): both fit the 1.00 GiB budget (peaks ", 0), 0u)
       << plan_text(cfg, r);
   EXPECT_NE(plan_text(cfg, r).find("without measured step times math"), std::string::npos) << plan_text(cfg, r);
 }
@@ -90,7 +93,9 @@ TEST(AttentionChoice, WithoutBudgetOrProfileTakesMathWithoutPlanningTiled) {
   Profiles profiles;
   const RunPlan r = plan_run_auto(cfg, local, at::kFloat, profiles.of(), 0);
   EXPECT_EQ(cfg.model.attention, Attention::math);
-  EXPECT_EQ(plan_text(cfg, r).rfind("attention: math (model.attention = auto): no ac.budget and no measured step times", 0), 0u)
+  EXPECT_EQ(
+      plan_text(cfg, r).rfind("attention: math (model.attention = auto): no ac.budget and no measured step times", 0),
+      0u)
       << plan_text(cfg, r);
   EXPECT_EQ(profiles.calls[Attention::math], 1);
   EXPECT_EQ(profiles.calls.count(Attention::tiled), 0u);
@@ -106,9 +111,10 @@ TEST(AttentionChoice, MeasuredTimesTakeTheLowerPredictedStep) {
       const RunPlan r = plan_run_auto(cfg, local, at::kFloat, profiles.of(), 0);
       const Attention faster = tiled_faster ? Attention::tiled : Attention::math;
       EXPECT_EQ(cfg.model.attention, faster) << budget;
-      EXPECT_NE(plan_text(cfg, r).find(fmt::format("predicted step {:.1f} ms against {}'s {:.1f} ms", 1e3 * r.step_seconds,
-                                        tiled_faster ? "math" : "tiled", 1e3 * r.step_seconds + 100)),
-                std::string::npos)
+      EXPECT_NE(
+          plan_text(cfg, r).find(fmt::format("predicted step {:.1f} ms against {}'s {:.1f} ms", 1e3 * r.step_seconds,
+                                             tiled_faster ? "math" : "tiled", 1e3 * r.step_seconds + 100)),
+          std::string::npos)
           << plan_text(cfg, r);
     }
   }
@@ -134,17 +140,20 @@ TEST(AttentionChoice, MeasuredTimesMixTheOpsPerLayerWhereThatIsFaster) {
   const RunPlan r = plan_run_auto(cfg, local, at::kFloat, profiles.of(), 0);
   const Attention chosen = cfg.model.attention;
   ASSERT_NE(chosen, Attention::automatic);
-  EXPECT_EQ(plan_text(cfg, r).rfind(fmt::format("attention: {} (model.attention = auto): per layer, ", attention_name(chosen)), 0),
-            0u) << plan_text(cfg, r);
+  EXPECT_EQ(plan_text(cfg, r).rfind(
+                fmt::format("attention: {} (model.attention = auto): per layer, ", attention_name(chosen)), 0),
+            0u)
+      << plan_text(cfg, r);
   const auto tiled = std::count_if(r.plan.layers.begin(), r.plan.layers.end(),
                                    [](const LayerPlan& l) { return l.attention == Attention::tiled; });
   EXPECT_GT(tiled, 0) << plan_text(cfg, r);
   EXPECT_LT(tiled, 4) << plan_text(cfg, r);
   EXPECT_LE(r.predicted.peak, r.budget);
   // The peak without recompute it is compared with is the model's op's in every layer.
-  EXPECT_NE(plan_text(cfg, r).find(fmt::format("without recompute ({} attention in every layer) the step would peak at {}",
-                                    attention_name(chosen), memory::format_bytes(r.none_peak))),
-            std::string::npos)
+  EXPECT_NE(
+      plan_text(cfg, r).find(fmt::format("without recompute ({} attention in every layer) the step would peak at {}",
+                                         attention_name(chosen), memory::format_bytes(r.none_peak))),
+      std::string::npos)
       << plan_text(cfg, r);
   // The step: the model's op's pass, each layer of math 0.1 ms faster than tiled's.
   EXPECT_NEAR(r.step_seconds, 0.2 + static_cast<double>(tiled) * 1e-4 + r.predicted.recompute_seconds, 1e-12);
@@ -171,9 +180,13 @@ TEST(AttentionChoice, NeitherFittingGivesTiledsSentenceSayingBothWereTried) {
   const std::string e =
       error_of<std::invalid_argument>([&] { plan_run_auto(cfg, local, at::kFloat, profiles.of(), 0); });
   EXPECT_EQ(e.rfind("model.attention = auto tried both attention ops and no plan of either fits: math needs a budget "
-                    "of at least ", 0), 0u) << e;
+                    "of at least ",
+                    0),
+            0u)
+      << e;
   EXPECT_NE(e.find(". With tiled: The memory budget 64.00 KiB (64KiB) is below the minimum feasible"),
-            std::string::npos) << e;
+            std::string::npos)
+      << e;
   EXPECT_EQ(cfg.model.attention, Attention::automatic);
 }
 
@@ -219,12 +232,12 @@ TEST(AttentionChoice, NothingIsBuiltWithTheChoiceUnresolved) {
 TEST(AttentionChoiceRun, TakesTiledUnderABudgetOnlyItFitsAndRecordsIt) {
   const fs::path dir = testing::test_dir("remat-attention-auto-");
   std::ofstream(dir / "corpus.txt") << testing::make_text(600);
-  Config cfg = load_config("", {"model.preset=tiny-gpt2", "model.vocab_size=0", "model.max_seq=256",
-                                "model.attention=auto", "train.steps=2", "train.batch=2", "train.seq=256",
-                                "train.warmup=1", "train.eval_every=0", "train.eval_batches=1", "data.vocab_size=512",
-                                "data.text=" + (dir / "corpus.txt").string(), "data.dir=" + (dir / "data").string(),
-                                "run.out_dir=" + (dir / "runs").string(), "run.threads=1", "run.sample_tokens=0",
-                                "run.progress=false", "ac.budget=" + only_tiled_fits()});
+  Config cfg =
+      load_config("", {"model.preset=tiny-gpt2", "model.vocab_size=0", "model.max_seq=256", "model.attention=auto",
+                       "train.steps=2", "train.batch=2", "train.seq=256", "train.warmup=1", "train.eval_every=0",
+                       "train.eval_batches=1", "data.vocab_size=512", "data.text=" + (dir / "corpus.txt").string(),
+                       "data.dir=" + (dir / "data").string(), "run.out_dir=" + (dir / "runs").string(), "run.threads=1",
+                       "run.sample_tokens=0", "run.progress=false", "ac.budget=" + only_tiled_fits()});
   const TrainSummary s = train(cfg);
   EXPECT_GT(s.peak_bytes, 0);
   EXPECT_LE(s.peak_bytes, s.budget_bytes);

@@ -62,7 +62,8 @@ TEST(LossHeadChoice, WithoutBudgetTakesTheFusedHeadAlone) {
   const RunPlan r = plan_run_auto(cfg, local, at::kFloat, profiles.of(), 0);
   EXPECT_EQ(cfg.model.loss_head, LossHead::fused);
   EXPECT_EQ(local.model.loss_head, LossHead::fused);
-  EXPECT_EQ(plan_text(cfg, r).rfind("loss head: fused (model.loss_head = auto): no ac.budget", 0), 0u) << plan_text(cfg, r);
+  EXPECT_EQ(plan_text(cfg, r).rfind("loss head: fused (model.loss_head = auto): no ac.budget", 0), 0u)
+      << plan_text(cfg, r);
   EXPECT_EQ(profiles.calls[LossHead::fused], 1);
   EXPECT_EQ(profiles.calls.count(LossHead::recompute), 0u);
 }
@@ -76,8 +77,13 @@ TEST(LossHeadChoice, TakesTheRecomputingHeadWhereOnlyItFits) {
   const RunPlan r = plan_run_auto(cfg, local, at::kFloat, profiles.of(), 0);
   EXPECT_EQ(cfg.model.loss_head, LossHead::recompute);
   EXPECT_EQ(local.model.loss_head, LossHead::recompute);
-  EXPECT_EQ(plan_text(cfg, r).rfind("loss head: recompute (model.loss_head = auto): the fused head's least-memory plan peaks "
-                         "at " + memory::format_bytes(fused) + ", over the ", 0), 0u) << plan_text(cfg, r);
+  EXPECT_EQ(
+      plan_text(cfg, r).rfind("loss head: recompute (model.loss_head = auto): the fused head's least-memory plan peaks "
+                              "at " +
+                                  memory::format_bytes(fused) + ", over the ",
+                              0),
+      0u)
+      << plan_text(cfg, r);
   EXPECT_EQ(r.budget, between);
   EXPECT_LE(r.predicted.peak, between);
 }
@@ -123,9 +129,11 @@ TEST(LossHeadChoice, MeasuredTimesTakeTheLowerPredictedStep) {
     const RunPlan r = plan_run_auto(cfg, local, at::kFloat, profiles.of(), 0);
     const LossHead faster = recompute_faster ? LossHead::recompute : LossHead::fused;
     EXPECT_EQ(cfg.model.loss_head, faster);
-    EXPECT_NE(plan_text(cfg, r).find(fmt::format("predicted step {:.1f} ms against the {} head's", 1e3 * r.step_seconds,
-                                      loss_head_name(recompute_faster ? LossHead::fused : LossHead::recompute))),
-              std::string::npos) << plan_text(cfg, r);
+    EXPECT_NE(
+        plan_text(cfg, r).find(fmt::format("predicted step {:.1f} ms against the {} head's", 1e3 * r.step_seconds,
+                                           loss_head_name(recompute_faster ? LossHead::fused : LossHead::recompute))),
+        std::string::npos)
+        << plan_text(cfg, r);
   }
 }
 
@@ -135,11 +143,13 @@ TEST(LossHeadChoice, NeitherFittingNamesEveryHeadsMinimumAndTheLowersSentence) {
   const int64_t least = least_budget(LossHead::recompute);
   const std::string e = error_of<BudgetTooSmall>([&] { plan_run_auto(cfg, local, at::kFloat, profiles.of(), 0); });
   EXPECT_EQ(e.rfind("model.loss_head = auto tried both loss heads and no plan of either fits: the fused head needs a "
-                    "budget of at least " + memory::format_bytes(least_budget(LossHead::fused)) +
+                    "budget of at least " +
+                        memory::format_bytes(least_budget(LossHead::fused)) +
                         " and the recompute head needs a budget of at least " + memory::format_bytes(least) +
                         ". With the recompute head: The memory budget 64.00 KiB (64KiB) is below the minimum feasible",
                     0),
-            0u) << e;
+            0u)
+      << e;
   EXPECT_EQ(cfg.model.loss_head, LossHead::automatic);
 }
 

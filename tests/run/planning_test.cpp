@@ -49,22 +49,32 @@ TEST(SavedPlan, ADamagedPlanOrAnotherModelsIsASentence) {
   r.split = {2};
   const std::string good = saved_plan_json(r);
   const std::string tail = "; resume from a checkpoint this model's run wrote, or start the run again.";
-  EXPECT_EQ(refusal(good, 3, 1), "The checkpoint's plan (its \"plan\" metadata) has 2 layers where the model has 3" + tail);
-  EXPECT_EQ(refusal(good, 2, 2), "The checkpoint's plan (its \"plan\" metadata) splits the layers as [2], but this run "
-                                 "puts its 2 layers on 2 pipeline stages" + tail);
+  EXPECT_EQ(refusal(good, 3, 1),
+            "The checkpoint's plan (its \"plan\" metadata) has 2 layers where the model has 3" + tail);
+  EXPECT_EQ(refusal(good, 2, 2),
+            "The checkpoint's plan (its \"plan\" metadata) splits the layers as [2], but this run "
+            "puts its 2 layers on 2 pipeline stages" +
+                tail);
   EXPECT_EQ(refusal("[1]", 2, 1), "The checkpoint's plan (its \"plan\" metadata) is not a JSON object" + tail);
   EXPECT_EQ(refusal(R"({"policy":"x","split":[2],"layers":[{"dropped":["nope"],"chunk_begin":-1,"input_sharded":false},
-                       {"dropped":[],"chunk_begin":-1,"input_sharded":false}]})", 2, 1),
+                       {"dropped":[],"chunk_begin":-1,"input_sharded":false}]})",
+                    2, 1),
             "The checkpoint's plan (its \"plan\" metadata) drops 'nope' in layer 1, which no block has" + tail);
   EXPECT_EQ(refusal(R"({"policy":"x","split":[2],"layers":[{"dropped":[],"chunk_begin":-1,"input_sharded":false},
-                       {"dropped":[],"chunk_begin":5,"input_sharded":false}]})", 2, 1),
+                       {"dropped":[],"chunk_begin":5,"input_sharded":false}]})",
+                    2, 1),
             "The checkpoint's plan (its \"plan\" metadata) begins layer 2's chunk at layer 6" + tail);
   EXPECT_EQ(refusal(R"({"policy":"x","split":[2],"layers":[{"dropped":[],"chunk_begin":-1,"input_sharded":false},
-                       {"dropped":[],"chunk_begin":-1,"input_sharded":false,"attention":"flash"}]})", 2, 1),
+                       {"dropped":[],"chunk_begin":-1,"input_sharded":false,"attention":"flash"}]})",
+                    2, 1),
             "The checkpoint's plan (its \"plan\" metadata) runs attention 'flash' in layer 2, which is not math or "
-            "tiled" + tail);
-  EXPECT_EQ(refusal(R"({"policy":"x","split":[2]})", 2, 1).rfind("The checkpoint's plan (its \"plan\" metadata) is "
-                                                                 "damaged (", 0), 0u);
+            "tiled" +
+                tail);
+  EXPECT_EQ(refusal(R"({"policy":"x","split":[2]})", 2, 1)
+                .rfind("The checkpoint's plan (its \"plan\" metadata) is "
+                       "damaged (",
+                       0),
+            0u);
 }
 
 }  // namespace

@@ -65,8 +65,7 @@ const char* kPolicies[] = {"full",
                            "every:2+modules:[core_attn]",
                            "layers:[full,none,modules:core_attn]"};
 
-class StoreBitwise
-    : public ::testing::TestWithParam<std::tuple<std::string, int64_t, int64_t, int64_t, Attention>> {};
+class StoreBitwise : public ::testing::TestWithParam<std::tuple<std::string, int64_t, int64_t, int64_t, Attention>> {};
 
 TEST_P(StoreBitwise, EveryPolicyEqualsNoneBitwise) {
   const auto& [preset, layers, B, T, attention] = GetParam();
@@ -93,7 +92,8 @@ INSTANTIATE_TEST_SUITE_P(Models, StoreBitwise,
                                            std::make_tuple("tiny-gpt2", 3, 2, 9, Attention::tiled),
                                            std::make_tuple("tiny-llama", 3, 2, 11, Attention::tiled)),
                          [](const auto& info) {
-                           return fmt::format("{}_L{}_B{}_T{}_{}", std::get<0>(info.param) == "tiny-gpt2" ? "gpt2" : "llama",
+                           return fmt::format("{}_L{}_B{}_T{}_{}",
+                                              std::get<0>(info.param) == "tiny-gpt2" ? "gpt2" : "llama",
                                               std::get<1>(info.param), std::get<2>(info.param), std::get<3>(info.param),
                                               attention_name(std::get<4>(info.param)));
                          });
@@ -232,7 +232,8 @@ TEST(StoreCheck, ValuesCheckCatchesARecomputeWithTheWrongRandomKeys) {
     run(shape("tiny-gpt2", 2, 0.2), "full", 2, 8, broken);
     FAIL() << "a recompute with other dropout masks passed the values check";
   } catch (const std::runtime_error& e) {
-    EXPECT_NE(std::string(e.what()).find("Recompute of layer 2 (counted from 1), slot mlp.resid is not what the forward saved"),
+    EXPECT_NE(std::string(e.what()).find(
+                  "Recompute of layer 2 (counted from 1), slot mlp.resid is not what the forward saved"),
               std::string::npos)
         << e.what();
   }

@@ -72,7 +72,7 @@ Traced trace_step(const ModelConfig& cfg, const std::string& policy, StoreOption
   if (model->store() != nullptr) r.counters = model->store()->counters();
   EXPECT_EQ(file.at("displayTimeUnit"), "ms");
   const auto& events = file.at("traceEvents");
-  r.slices.reserve(events.size());  // parents are pointed to: no reallocation
+  r.slices.reserve(events.size());          // parents are pointed to: no reallocation
   std::map<int, std::vector<Slice*>> open;  // per thread: the chain of enclosing slices
   for (const auto& e : events) {
     const std::string ph = e.at("ph");
@@ -86,8 +86,8 @@ Traced trace_step(const ModelConfig& cfg, const std::string& policy, StoreOption
       EXPECT_TRUE(e.contains(key)) << key << " missing in " << e.dump();
     }
     const int64_t begin = to_ns(e.at("ts"));
-    r.slices.push_back({e.at("name").get<std::string>(), e.at("cat").get<std::string>(), begin,
-                        begin + to_ns(e.at("dur"))});
+    r.slices.push_back(
+        {e.at("name").get<std::string>(), e.at("cat").get<std::string>(), begin, begin + to_ns(e.at("dur"))});
     Slice& s = r.slices.back();
     auto& chain = open[e.at("tid").get<int>()];
     while (!chain.empty() && chain.back()->end <= s.begin) chain.pop_back();

@@ -64,7 +64,8 @@ Whole whole_run(const ModelConfig& cfg, const ActivationPlan& plan) {
   model->set_activation_plan(plan, {});
   model->zero_grad();
   Whole w;
-  for (const auto& d : microbatches(cfg)) w.loss += model->forward_backward(d.tokens, d.targets, d.ctx, 1.0 / kMicro, kChunk);
+  for (const auto& d : microbatches(cfg))
+    w.loss += model->forward_backward(d.tokens, d.targets, d.ctx, 1.0 / kMicro, kChunk);
   for (const auto& p : model->params()) w.grads[p.name] = p.grad.clone();
   return w;
 }
@@ -78,34 +79,38 @@ TEST(PipelineStep, StagesOnGlooRanksTrainLikeTheWholeModel) {
       for (const char* policy : {"none", "full", "block:1"}) whole[policy] = whole_run(cfg, plan_of(cfg, policy, P));
       for (const Schedule sched : {Schedule::one_f_one_b, Schedule::gpipe}) {
         SCOPED_TRACE(fmt::format("{}, {} stages, {}", preset, P, pipeline::schedule_name(sched)));
-        testing::on_gloo_ranks(static_cast<int>(P), 1, [&](dist::Comm& comm) {
-          const int64_t s = comm.pipeline().rank();
-          const auto split = pipeline::even_split(kLayers, P);
-          int64_t first = 0;
-          for (int64_t i = 0; i < s; ++i) first += split[static_cast<size_t>(i)];
-          auto model = Model::create(cfg, at::kCPU, at::kFloat, kSeed, nullptr, false, {first, split[s]});
-          for (const auto& [policy, w] : whole) {
-            model->set_activation_plan(plan_of(cfg, policy, P), {});
-            model->zero_grad();
-            double loss = 0;
-            const std::vector<MicrobatchData> data = microbatches(cfg);
-            const auto draw = [&](int64_t m) { return data[static_cast<size_t>(m)]; };
-            for (const double l : run_pipeline(*model, comm.pipeline(), sched, kMicro, draw, 1.0 / kMicro, kChunk, 0)) {
-              loss += l;
-            }
-            sum_tied_grads(*model, comm.pipeline(), 0);
-            EXPECT_EQ(loss, w.loss) << policy << ", stage " << s;
-            for (const auto& p : model->params()) {
-              const at::Tensor& want = w.grads.at(p.name);
-              if (p.tied) {
-                // Summed over two stages, not accumulated into one tensor: rounding apart.
-                EXPECT_TRUE(at::allclose(p.grad, want, 1e-5, 1e-7)) << policy << " " << p.name;
-              } else {
-                EXPECT_TRUE(at::equal(p.grad, want)) << policy << " " << p.name << ", stage " << s;
+        testing::on_gloo_ranks(
+            static_cast<int>(P), 1,
+            [&](dist::Comm& comm) {
+              const int64_t s = comm.pipeline().rank();
+              const auto split = pipeline::even_split(kLayers, P);
+              int64_t first = 0;
+              for (int64_t i = 0; i < s; ++i) first += split[static_cast<size_t>(i)];
+              auto model = Model::create(cfg, at::kCPU, at::kFloat, kSeed, nullptr, false, {first, split[s]});
+              for (const auto& [policy, w] : whole) {
+                model->set_activation_plan(plan_of(cfg, policy, P), {});
+                model->zero_grad();
+                double loss = 0;
+                const std::vector<MicrobatchData> data = microbatches(cfg);
+                const auto draw = [&](int64_t m) { return data[static_cast<size_t>(m)]; };
+                for (const double l :
+                     run_pipeline(*model, comm.pipeline(), sched, kMicro, draw, 1.0 / kMicro, kChunk, 0)) {
+                  loss += l;
+                }
+                sum_tied_grads(*model, comm.pipeline(), 0);
+                EXPECT_EQ(loss, w.loss) << policy << ", stage " << s;
+                for (const auto& p : model->params()) {
+                  const at::Tensor& want = w.grads.at(p.name);
+                  if (p.tied) {
+                    // Summed over two stages, not accumulated into one tensor: rounding apart.
+                    EXPECT_TRUE(at::allclose(p.grad, want, 1e-5, 1e-7)) << policy << " " << p.name;
+                  } else {
+                    EXPECT_TRUE(at::equal(p.grad, want)) << policy << " " << p.name << ", stage " << s;
+                  }
+                }
               }
-            }
-          }
-        }, static_cast<int>(P));
+            },
+            static_cast<int>(P));
       }
     }
   }
@@ -118,16 +123,19 @@ TEST(PipelineStep, EvaluationThroughStagesIsTheWholeModels) {
   for (const char* preset : {"gpt2-demo", "llama-demo"}) {
     const ModelConfig cfg = config(preset);
     const std::vector<MicrobatchData> data = microbatches(cfg);
-    const double want = Model::create(cfg, at::kCPU, at::kFloat, kSeed)->evaluate(data[0].tokens, data[0].targets,
-                                                                                   kChunk);
-    testing::on_gloo_ranks(3, 1, [&](dist::Comm& comm) {
-      const int64_t s = comm.pipeline().rank();
-      const auto split = pipeline::even_split(kLayers, 3);  // 2, 1, 1
-      const int64_t first = s == 0 ? 0 : 1 + s;
-      auto model = Model::create(cfg, at::kCPU, at::kFloat, kSeed, nullptr, false, {first, split[s]});
-      EXPECT_EQ(evaluate_pipeline(*model, comm.pipeline(), data[0].tokens, data[0].targets, kChunk, "a test"), want)
-          << preset << ", stage " << s;
-    }, 3);
+    const double want =
+        Model::create(cfg, at::kCPU, at::kFloat, kSeed)->evaluate(data[0].tokens, data[0].targets, kChunk);
+    testing::on_gloo_ranks(
+        3, 1,
+        [&](dist::Comm& comm) {
+          const int64_t s = comm.pipeline().rank();
+          const auto split = pipeline::even_split(kLayers, 3);  // 2, 1, 1
+          const int64_t first = s == 0 ? 0 : 1 + s;
+          auto model = Model::create(cfg, at::kCPU, at::kFloat, kSeed, nullptr, false, {first, split[s]});
+          EXPECT_EQ(evaluate_pipeline(*model, comm.pipeline(), data[0].tokens, data[0].targets, kChunk, "a test"), want)
+              << preset << ", stage " << s;
+        },
+        3);
   }
 }
 
@@ -138,8 +146,9 @@ TEST(PipelineStep, EvaluationThroughStagesIsTheWholeModels) {
 // later stages send in all.
 TEST(PipelineStep, NamedTensorsAreWrittenOnTheFirstStageATensorAtATime) {
   memory::install_cpu_tracking();
-  const std::string path = (std::filesystem::temp_directory_path() /
-                            ("remat-stages-" + std::to_string(::getpid()) + ".safetensors")).string();
+  const std::string path =
+      (std::filesystem::temp_directory_path() / ("remat-stages-" + std::to_string(::getpid()) + ".safetensors"))
+          .string();
   const auto made = [](int s) {
     auto gen = at::detail::createCPUGenerator(static_cast<uint64_t>(s) + 1);
     std::vector<std::pair<std::string, at::Tensor>> mine{
@@ -155,18 +164,21 @@ TEST(PipelineStep, NamedTensorsAreWrittenOnTheFirstStageATensorAtATime) {
     return mine;
   };
   int64_t rise = -1;
-  testing::on_gloo_ranks(3, 1, [&](dist::Comm& comm) {
-    const int s = comm.pipeline().rank();
-    auto mine = made(s);
-    comm.barrier("the tensors made");
-    memory::Stats before;
-    if (s == 0) {
-      memory::reset_peak(at::kCPU);
-      before = memory::stats(at::kCPU);
-    }
-    write_on_first_stage(comm.pipeline(), std::move(mine), s == 0 ? path : "", {{"k", "v"}}, "a test");
-    if (s == 0) rise = memory::stats(at::kCPU).peak - before.current;
-  }, 3);
+  testing::on_gloo_ranks(
+      3, 1,
+      [&](dist::Comm& comm) {
+        const int s = comm.pipeline().rank();
+        auto mine = made(s);
+        comm.barrier("the tensors made");
+        memory::Stats before;
+        if (s == 0) {
+          memory::reset_peak(at::kCPU);
+          before = memory::stats(at::kCPU);
+        }
+        write_on_first_stage(comm.pipeline(), std::move(mine), s == 0 ? path : "", {{"k", "v"}}, "a test");
+        if (s == 0) rise = memory::stats(at::kCPU).peak - before.current;
+      },
+      3);
   const model::SafeTensors file = model::load_safetensors(path);
   std::filesystem::remove(path);
   EXPECT_EQ(file.metadata, (std::map<std::string, std::string>{{"k", "v"}}));
@@ -196,8 +208,9 @@ TEST(PipelineStep, ALostStageStopsTheOthersWithASentence) {
     auto model = Model::create(cfg, at::kCPU, at::kFloat, kSeed, nullptr, false, {2 * s, 2});
     if (s == 1) throw std::runtime_error("stage 2 is lost");
     const std::vector<MicrobatchData> data = microbatches(cfg);
-    run_pipeline(*model, comm.pipeline(), Schedule::one_f_one_b, kMicro,
-                 [&](int64_t m) { return data[static_cast<size_t>(m)]; }, 1.0 / kMicro, kChunk, 4);
+    run_pipeline(
+        *model, comm.pipeline(), Schedule::one_f_one_b, kMicro, [&](int64_t m) { return data[static_cast<size_t>(m)]; },
+        1.0 / kMicro, kChunk, 4);
   });
   EXPECT_EQ(errors[1], "stage 2 is lost");
   // It stops at the first transfer with stage 2 that finds it gone: the send of an
@@ -242,9 +255,10 @@ TEST(PipelineStep, ANonFiniteStageStopsEveryStageNamingIt) {
     });
   };
   for (const std::string& e : run_with(train, [](Param& p) { p.value.view(-1)[1] = std::nan(""); })) {
-    EXPECT_NE(e.find("at step 1, before any update, so the initial model is at fault, not the learning rate: parameter " +
-                     name + " holds non-finite values"),
-              std::string::npos)
+    EXPECT_NE(
+        e.find("at step 1, before any update, so the initial model is at fault, not the learning rate: parameter " +
+               name + " holds non-finite values"),
+        std::string::npos)
         << e;
   }
   // A decoupled weight decay of lr x decay = 1e36 on an entry of 1e3 overflows float32;

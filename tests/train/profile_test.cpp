@@ -142,7 +142,8 @@ TEST(TimeProfile, EveryRankTakesRankZerosTimes) {
       EXPECT_EQ(got[0].cached, cached);  // the second round finds the first's cache
       for (int r = 1; r < 3; ++r) {
         const TimeProfile& p = got[static_cast<size_t>(r)];
-        EXPECT_EQ(p.times.seconds, got[0].times.seconds) << "rank " << r << (together ? ", together" : ", after rank 0");
+        EXPECT_EQ(p.times.seconds, got[0].times.seconds)
+            << "rank " << r << (together ? ", together" : ", after rank 0");
         EXPECT_EQ(p.base_seconds, got[0].base_seconds) << "rank " << r;
         EXPECT_EQ(p.optimizer_seconds, got[0].optimizer_seconds) << "rank " << r;
         EXPECT_EQ(p.times.flops_per_second, got[0].times.flops_per_second) << "rank " << r;
@@ -156,7 +157,8 @@ TEST(TimeProfile, EveryRankTakesRankZerosTimes) {
 // every rank of the job takes rank 0's fit, bit for bit, so all of them plan alike.
 TEST(TimeProfile, EveryRankTakesRankZerosMeasureOfTheLinks) {
   std::vector<LinkRate> got(4);
-  testing::on_gloo_ranks(4, 2, [&](dist::Comm& comm) { got[static_cast<size_t>(comm.rank())] = measure_link_rate(comm); });
+  testing::on_gloo_ranks(4, 2,
+                         [&](dist::Comm& comm) { got[static_cast<size_t>(comm.rank())] = measure_link_rate(comm); });
   EXPECT_GT(got[0].bytes_per_second, 0);
   EXPECT_GE(got[0].latency_seconds, 0);
   for (int r = 1; r < 4; ++r) {

@@ -47,10 +47,10 @@ class Resume : public ::testing::Test {
   // 1,500 lines of ten words drawn by `seed` from a small vocabulary, or another one.
   static void write_text(const fs::path& path, uint64_t seed, bool other_words = false) {
     std::ofstream text(path);
-    const char* some[] = {"the", "lord", "said", "unto", "moses", "and", "it", "was", "so", "light",
-                          "darkness", "waters", "earth", "heaven", "day", "night", "good", "made"};
-    const char* others[] = {"a", "ship", "sailed", "over", "quiet", "grey", "seas", "while", "gulls", "cried",
-                            "above", "its", "masts", "in", "cold", "wind", "at", "dawn"};
+    const char* some[] = {"the",   "lord",     "said",   "unto",  "moses",  "and", "it",    "was",  "so",
+                          "light", "darkness", "waters", "earth", "heaven", "day", "night", "good", "made"};
+    const char* others[] = {"a",     "ship",  "sailed", "over",  "quiet", "grey", "seas", "while", "gulls",
+                            "cried", "above", "its",    "masts", "in",    "cold", "wind", "at",    "dawn"};
     const char** words = other_words ? others : some;
     uint64_t x = seed;
     for (int line = 0; line < 1500; ++line) {
@@ -64,12 +64,12 @@ class Resume : public ::testing::Test {
   // Four steps, a checkpoint after each, all kept.
   static Config config(const std::string& name, const fs::path& text = dir_ / "corpus.txt",
                        const fs::path& data = dir_ / "data") {
-    return load_config("", {"model.preset=tiny-gpt2", "model.vocab_size=0", "train.steps=4", "train.batch=2",
-                            "train.seq=16", "train.warmup=1", "train.eval_every=2", "train.eval_batches=2",
-                            "train.checkpoint_every=1", "train.keep_checkpoints=4", "data.vocab_size=300",
-                            "data.text=" + text.string(), "data.dir=" + data.string(),
-                            "run.out_dir=" + (dir_ / "runs").string(), "run.name=" + name, "run.threads=1",
-                            "run.sample_tokens=8", "run.progress=false"});
+    return load_config(
+        "", {"model.preset=tiny-gpt2", "model.vocab_size=0", "train.steps=4", "train.batch=2", "train.seq=16",
+             "train.warmup=1", "train.eval_every=2", "train.eval_batches=2", "train.checkpoint_every=1",
+             "train.keep_checkpoints=4", "data.vocab_size=300", "data.text=" + text.string(),
+             "data.dir=" + data.string(), "run.out_dir=" + (dir_ / "runs").string(), "run.name=" + name,
+             "run.threads=1", "run.sample_tokens=8", "run.progress=false"});
   }
   static Config saved_config(const fs::path& run) { return load_config((run / "config.toml").string(), {}); }
   static fs::path checkpoint(const fs::path& run, int steps) {
@@ -105,9 +105,12 @@ TEST_F(Resume, ARunStoppedBeforeItsFinalFilesIsFinishedByResume) {
   const std::string weights = bytes(run / "model.safetensors");
   for (const char* f : {"model.safetensors", "summary.json", "sample.txt", "loss.png"}) fs::remove(run / f);
   EXPECT_EQ(failure_of([&] { generate_from_run(run.string(), "the", 4, 0.8, 40, 0); }),
-            run.string() + " has no model.safetensors; the run stopped before writing its final weights: `remat train "
-            "--resume " + run.string() + "` writes them (from its last checkpoint, training the steps it had left "
-            "first).");
+            run.string() +
+                " has no model.safetensors; the run stopped before writing its final weights: `remat train "
+                "--resume " +
+                run.string() +
+                "` writes them (from its last checkpoint, training the steps it had left "
+                "first).");
   std::ofstream(run / "model.safetensors.tmp.4242") << "cut short";
   std::ofstream(run / "checkpoints" / "step-00000005.safetensors.tmp.77") << "cut short";
   for (const char* theirs : {"notes.tmp.1", "metrics.jsonl.tmp.old", "checkpoints/mine.tmp.3"}) {
@@ -127,15 +130,17 @@ TEST_F(Resume, ARunStoppedBeforeItsFinalFilesIsFinishedByResume) {
   }
   EXPECT_EQ(failure_of([&] { train(saved_config(run), run.string()); }),
             run.string() + " finished all 4 steps; there is nothing to resume.");
-  EXPECT_NE(failure_of([&] { generate_from_run(run.string(), "the", 4, std::nan(""), 40, 0); }).find(
-                "The sampling temperature must be a number from 0 (greedy) to 100, got nan"),
+  EXPECT_NE(failure_of([&] {
+              generate_from_run(run.string(), "the", 4, std::nan(""), 40, 0);
+            }).find("The sampling temperature must be a number from 0 (greedy) to 100, got nan"),
             std::string::npos);
   // An edited config.toml asking for a far larger model is refused before any allocation.
   Config edited = saved_config(run);
   edited.model.d_ff = 1 << 18;
   std::ofstream(run / "config.toml") << config_to_toml(edited);
-  EXPECT_NE(failure_of([&] { generate_from_run(run.string(), "the", 4, 0.8, 40, 0); })
-                .find("bytes: the config was changed after the run; restore the config.toml the run wrote."),
+  EXPECT_NE(failure_of([&] {
+              generate_from_run(run.string(), "the", 4, 0.8, 40, 0);
+            }).find("bytes: the config was changed after the run; restore the config.toml the run wrote."),
             std::string::npos);
 }
 
@@ -163,12 +168,14 @@ TEST_F(Resume, DamagedCheckpointsAreSetAsideAndTheWholeOneBeforeThemUsed) {
   const std::string log = ::testing::internal::GetCapturedStderr();
   EXPECT_EQ(resumed.losses, whole.losses);
   EXPECT_EQ(bytes(run / "model.safetensors"), weights);
-  EXPECT_NE(log.find("The checkpoint " + checkpoint(run, 9).string() + " cannot be resumed from: The safetensors file " +
-                     checkpoint(run, 9).string() + " is invalid: it has 4 bytes, fewer than the 8-byte header length; "
+  EXPECT_NE(log.find("The checkpoint " + checkpoint(run, 9).string() +
+                     " cannot be resumed from: The safetensors file " + checkpoint(run, 9).string() +
+                     " is invalid: it has 4 bytes, fewer than the 8-byte header length; "
                      "it is kept as step-00000009.safetensors.damaged, and the previous one is tried."),
             std::string::npos)
       << log;
-  EXPECT_NE(log.find("The checkpoint " + checkpoint(run, 3).string() + " cannot be resumed from: its bytes are not "
+  EXPECT_NE(log.find("The checkpoint " + checkpoint(run, 3).string() +
+                     " cannot be resumed from: its bytes are not "
                      "those written (the checksum over its tensors and metadata differs); it is kept as "
                      "step-00000003.safetensors.damaged, and the previous one is tried."),
             std::string::npos)
@@ -232,8 +239,9 @@ TEST_F(Resume, AChangedTrainingTextIsRefused) {
   fs::remove(checkpoint(run, 4));
   const std::string tokenizer = bytes(run / "tokenizer.model");
   write_text(text, 4242, /*other_words=*/true);
-  EXPECT_NE(failure_of([&] { train(saved_config(run), run.string()); })
-                .find("the one the run trained with: the training text (data.text) changed since the run started"),
+  EXPECT_NE(failure_of([&] {
+              train(saved_config(run), run.string());
+            }).find("the one the run trained with: the training text (data.text) changed since the run started"),
             std::string::npos);
   EXPECT_EQ(bytes(run / "tokenizer.model"), tokenizer);
 

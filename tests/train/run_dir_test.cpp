@@ -23,8 +23,8 @@ TEST(RunDirPlots, ADirectoryNameThatWouldBreakTheScriptIsOnlyAName) {
   const std::string marker = dir / "injected";
   // A quote ending gnuplot's string, a newline ending its line (config validation refuses
   // it before a RunDir exists; this holds even without that), a backquote substitution.
-  for (const std::string& name : {"q' . system('touch " + marker + "') . '", "n\nsystem('touch " + marker + "')\n",
-                                 "b`touch " + marker + "`"}) {
+  for (const std::string& name :
+       {"q' . system('touch " + marker + "') . '", "n\nsystem('touch " + marker + "')\n", "b`touch " + marker + "`"}) {
     const RunDir run(dir / name, "run", "tiny-gpt2");
     std::string why;
     const bool plotted = run.plot_loss({{1, 3.0}, {2, 2.5}}, {{2, 2.7}}, 2.0, &why);
@@ -72,9 +72,11 @@ TEST(RunDirWrites, AFailedMetricsWriteStopsTheRunWithASentence) {
     run.log_metrics(record);
     error = error_of([&] { run.log_metrics(record); });
   }
-  EXPECT_EQ(error, "Cannot write " + run.file("metrics.jsonl") + ": File too large. The metrics of step 2 are lost, so "
-                   "the run stops here; free space (or fix the file) and continue it from its last checkpoint with "
-                   "`remat train --resume " + run.path() + "`.");
+  EXPECT_EQ(error, "Cannot write " + run.file("metrics.jsonl") +
+                       ": File too large. The metrics of step 2 are lost, so "
+                       "the run stops here; free space (or fix the file) and continue it from its last checkpoint with "
+                       "`remat train --resume " +
+                       run.path() + "`.");
 }
 
 TEST(RunDirWrites, AnOutputDirectoryThatCannotExistIsASentence) {
@@ -84,8 +86,9 @@ TEST(RunDirWrites, AnOutputDirectoryThatCannotExistIsASentence) {
             "Cannot create the run output directory " + (dir / "file/runs") +
                 ": Not a directory; set run.out_dir to a writable directory.");
   std::filesystem::create_symlink(dir / "loop", dir / "loop");
-  EXPECT_EQ(error_of([&] { RunDir(dir / "loop", "x", "tiny-gpt2"); }).find("Cannot create the run output directory " +
-                                                                             (dir / "loop") + ": "),
+  EXPECT_EQ(error_of([&] {
+              RunDir(dir / "loop", "x", "tiny-gpt2");
+            }).find("Cannot create the run output directory " + (dir / "loop") + ": "),
             0u);
 }
 

@@ -26,8 +26,8 @@ class Trainer : public ::testing::Test {
     dir_ = fs::temp_directory_path() / ("remat-train-" + std::to_string(::getpid()));
     fs::create_directories(dir_);
     std::ofstream text(dir_ / "corpus.txt");
-    const char* words[] = {"the", "lord", "said", "unto", "moses", "and", "it", "was", "so", "light",
-                           "darkness", "waters", "earth", "heaven", "day", "night", "good", "made"};
+    const char* words[] = {"the",   "lord",     "said",   "unto",  "moses",  "and", "it",    "was",  "so",
+                           "light", "darkness", "waters", "earth", "heaven", "day", "night", "good", "made"};
     uint64_t x = 12345;
     for (int line = 0; line < 1500; ++line) {
       for (int w = 0; w < 10; ++w) {
@@ -39,11 +39,12 @@ class Trainer : public ::testing::Test {
   static void TearDownTestSuite() { fs::remove_all(dir_); }
 
   static Config config(const std::string& name) {
-    return load_config("", {"model.preset=tiny-gpt2", "model.vocab_size=0", "train.steps=4", "train.batch=2", "train.seq=16",
-                            "train.grad_accum=2", "train.warmup=1", "train.eval_every=2", "train.eval_batches=2",
-                            "data.vocab_size=300", "data.text=" + (dir_ / "corpus.txt").string(),
-                            "data.dir=" + (dir_ / "data").string(), "run.out_dir=" + (dir_ / "runs").string(),
-                            "run.name=" + name, "run.threads=1", "run.sample_tokens=8", "run.progress=false"});
+    return load_config(
+        "", {"model.preset=tiny-gpt2", "model.vocab_size=0", "train.steps=4", "train.batch=2", "train.seq=16",
+             "train.grad_accum=2", "train.warmup=1", "train.eval_every=2", "train.eval_batches=2",
+             "data.vocab_size=300", "data.text=" + (dir_ / "corpus.txt").string(),
+             "data.dir=" + (dir_ / "data").string(), "run.out_dir=" + (dir_ / "runs").string(), "run.name=" + name,
+             "run.threads=1", "run.sample_tokens=8", "run.progress=false"});
   }
 
   static fs::path dir_;
@@ -64,8 +65,8 @@ TEST_F(Trainer, SameSeedGivesBitwiseTheSameLosses) {
 
 TEST_F(Trainer, WritesTheRunDirectory) {
   const TrainSummary s = train(config("files"));
-  for (const char* f : {"config.toml", "plan.txt", "metrics.jsonl", "model.safetensors", "tokenizer.model", "sample.txt",
-                        "summary.json", "loss.png"}) {
+  for (const char* f : {"config.toml", "plan.txt", "metrics.jsonl", "model.safetensors", "tokenizer.model",
+                        "sample.txt", "summary.json", "loss.png"}) {
     EXPECT_TRUE(fs::exists(fs::path(s.run_dir) / f)) << f;
   }
   std::ifstream metrics(fs::path(s.run_dir) / "metrics.jsonl");
@@ -92,9 +93,9 @@ TEST_F(Trainer, GenerateFromARunReproducesTheFinalSample) {
   const Config cfg = config("gen");
   const TrainSummary s = train(cfg);
   std::string streamed;
-  const std::string text = generate_from_run(s.run_dir, cfg.run.prompt, cfg.run.sample_tokens, 0.8, 40,
-                                             static_cast<uint64_t>(cfg.run.seed), "",
-                                             [&](std::string_view piece) { streamed += piece; });
+  const std::string text =
+      generate_from_run(s.run_dir, cfg.run.prompt, cfg.run.sample_tokens, 0.8, 40, static_cast<uint64_t>(cfg.run.seed),
+                        "", [&](std::string_view piece) { streamed += piece; });
   EXPECT_EQ(text, s.sample);
   EXPECT_EQ(streamed, text);
   EXPECT_EQ(text.rfind(cfg.run.prompt, 0), 0u);
@@ -107,8 +108,8 @@ TEST_F(Trainer, GenerateStreamsEveryTokenPastTheContext) {
   const TrainSummary s = train(config("long-gen"));
   std::string streamed;
   int64_t generated = 0;
-  const std::string text = generate_from_run(s.run_dir, "the", 400, 1.0, 40, 3, "",
-                                             [&](std::string_view piece) { streamed += piece; }, &generated);
+  const std::string text = generate_from_run(
+      s.run_dir, "the", 400, 1.0, 40, 3, "", [&](std::string_view piece) { streamed += piece; }, &generated);
   EXPECT_EQ(generated, 400);
   EXPECT_EQ(streamed, text);
   EXPECT_GT(text.size(), 400u);
@@ -200,7 +201,8 @@ TEST_F(Trainer, AResumedRunRunsThePlanItsCheckpointHolds) {
   std::ifstream in(run / "plan.txt");
   const std::string text(std::istreambuf_iterator<char>(in), {});
   EXPECT_NE(text.find("\nplan: full, the checkpoint's, as the run trained before it stopped, 2 layers\n"),
-            std::string::npos) << text;
+            std::string::npos)
+      << text;
   EXPECT_NE(text.find("\npolicy: full ("), std::string::npos) << text;
 
   fs::remove(run / "checkpoints" / "step-00000003.safetensors");
@@ -211,8 +213,9 @@ TEST_F(Trainer, AResumedRunRunsThePlanItsCheckpointHolds) {
             "The checkpoint's plan (its \"plan\" metadata) splits the layers as [1,1], but this run puts its 2 layers "
             "on 1 pipeline stage; resume from a checkpoint this model's run wrote, or start the run again.");
   rewrite_plan("{\"policy\": 3}");
-  EXPECT_NE(failure_of([&] { train(saved, run.string()); }).find("The checkpoint's plan (its \"plan\" metadata) is "
-                                                                 "damaged"),
+  EXPECT_NE(failure_of([&] { train(saved, run.string()); })
+                .find("The checkpoint's plan (its \"plan\" metadata) is "
+                      "damaged"),
             std::string::npos);
 }
 
@@ -238,7 +241,8 @@ TEST_F(Trainer, NonFiniteWeightsAreNamedAndRefusedBeforeTheyAreUsed) {
   std::mt19937_64 rng(1);
   const std::string failure = failure_of([&] { step.run(0, data, rng); });
   EXPECT_NE(failure.find("at step 1, before any update, so the initial model is at fault, not the learning rate: "
-                         "parameter " + p.name + " holds non-finite values; check model.init_std"),
+                         "parameter " +
+                         p.name + " holds non-finite values; check model.init_std"),
             std::string::npos)
       << failure;
   EXPECT_TRUE(at::equal(p.value.nan_to_num(0), before.nan_to_num(0)));

@@ -31,15 +31,18 @@ TEST(AtomicFile, AFifoOrDeviceIsRefusedWithoutWaiting) {
   const remat::testing::TempDir dir;
   const std::string fifo = dir / "x.fifo";
   ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
-  const std::string refusal = ": it is a FIFO (named pipe), not a regular file; remat reads only regular files (a FIFO "
-                              "or device could make it wait or read for ever): give the path of a file.";
+  const std::string refusal =
+      ": it is a FIFO (named pipe), not a regular file; remat reads only regular files (a FIFO "
+      "or device could make it wait or read for ever): give the path of a file.";
   EXPECT_EQ(error_of([&] { read_file(fifo, "the metrics"); }), "Cannot read the metrics " + fifo + refusal);
-  EXPECT_EQ(error_of([&] { check_regular_file(fifo, "the tokenizer"); }), "Cannot read the tokenizer " + fifo + refusal);
+  EXPECT_EQ(error_of([&] { check_regular_file(fifo, "the tokenizer"); }),
+            "Cannot read the tokenizer " + fifo + refusal);
   EXPECT_EQ(error_of([&] { read_file("/dev/zero", "the text"); }),
             "Cannot read the text /dev/zero: it is a device, not a regular file; remat reads only regular files (a "
             "FIFO or device could make it wait or read for ever): give the path of a file.");
-  EXPECT_EQ(error_of([&] { AppendFile(fifo, false); }), "Cannot write " + fifo + ": it is a FIFO (named pipe), not a "
-                                                        "regular file; remove it.");
+  EXPECT_EQ(error_of([&] { AppendFile(fifo, false); }), "Cannot write " + fifo +
+                                                            ": it is a FIFO (named pipe), not a "
+                                                            "regular file; remove it.");
 }
 
 TEST(AtomicFile, AFailedAppendIsAnErrorNamingTheFile) {

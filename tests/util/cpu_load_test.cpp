@@ -72,7 +72,9 @@ TEST(CpuLoad, ASpinningChildIsCountedAsOtherProcesses) {
   const CpuTimes to = read_cpu_times();
   rusage after{};
   getrusage(RUSAGE_CHILDREN, &after);
-  const auto secs = [](const timeval& t) { return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_usec) * 1e-6; };
+  const auto secs = [](const timeval& t) {
+    return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_usec) * 1e-6;
+  };
   const double child_seconds =
       secs(after.ru_utime) + secs(after.ru_stime) - secs(before.ru_utime) - secs(before.ru_stime);
   const double wall = to.wall_seconds - from.wall_seconds;

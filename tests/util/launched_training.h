@@ -24,10 +24,11 @@ class LaunchedTraining : public ::testing::Test {
     dir_ = test_dir("remat-dp-");
     const std::filesystem::path text = dir_ / "corpus.txt";
     std::ofstream(text, std::ios::binary) << make_text(1000);
-    common_ = "model.preset=tiny-gpt2 model.vocab_size=0 model.dropout=0.1 train.batch=4 train.seq=16 "
-              "train.warmup=1 train.eval_batches=1 data.vocab_size=512 run.threads=1 run.progress=false "
-              "run.sample_tokens=0 data.text=" + text.string() + " data.dir=" + (dir_ / "data").string() +
-              " run.out_dir=" + (dir_ / "runs").string();
+    common_ =
+        "model.preset=tiny-gpt2 model.vocab_size=0 model.dropout=0.1 train.batch=4 train.seq=16 "
+        "train.warmup=1 train.eval_batches=1 data.vocab_size=512 run.threads=1 run.progress=false "
+        "run.sample_tokens=0 data.text=" +
+        text.string() + " data.dir=" + (dir_ / "data").string() + " run.out_dir=" + (dir_ / "runs").string();
     // Once, so that no rank races another building the corpus.
     const Result r = run_remat("prepare " + common_);
     ASSERT_EQ(r.exit_code, 0) << r.output;

@@ -122,8 +122,7 @@ class AbsentPeers final : public dist::Group {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   void all_reduce(std::vector<at::Tensor>&, dist::Reduce, const std::string&) override {}
-  std::unique_ptr<dist::Transfer> start_all_reduce(std::vector<at::Tensor>, dist::Reduce,
-                                                   const std::string&) override {
+  std::unique_ptr<dist::Transfer> start_all_reduce(std::vector<at::Tensor>, dist::Reduce, const std::string&) override {
     return std::make_unique<DoneTransfer>();
   }
   // As Gloo allocates: the ranks' parts, its flat receive buffer while the collective

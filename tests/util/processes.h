@@ -67,7 +67,8 @@ inline int wait_exit(pid_t pid, std::chrono::milliseconds limit = std::chrono::s
   const auto step = std::chrono::milliseconds(10);
   for (auto waited = std::chrono::milliseconds(0); waited < limit; waited += step) {
     int status = 0;
-    if (::waitpid(pid, &status, WNOHANG) == pid) return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    if (::waitpid(pid, &status, WNOHANG) == pid)
+      return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
     std::this_thread::sleep_for(step);
   }
   ::kill(pid, SIGKILL);
@@ -77,9 +78,9 @@ inline int wait_exit(pid_t pid, std::chrono::milliseconds limit = std::chrono::s
 
 /// A fresh directory for the running test, named by `prefix`, the process and the test.
 inline std::filesystem::path test_dir(const std::string& prefix) {
-  const auto dir = std::filesystem::temp_directory_path() /
-                   (prefix + std::to_string(::getpid()) + "-" +
-                    ::testing::UnitTest::GetInstance()->current_test_info()->name());
+  const auto dir =
+      std::filesystem::temp_directory_path() /
+      (prefix + std::to_string(::getpid()) + "-" + ::testing::UnitTest::GetInstance()->current_test_info()->name());
   std::filesystem::create_directories(dir);
   return dir;
 }

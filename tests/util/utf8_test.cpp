@@ -9,8 +9,7 @@ namespace {
 
 TEST(Utf8, FindsTheFirstInvalidSequence) {
   EXPECT_EQ(find_invalid_utf8("plain ascii"), std::string::npos);
-  EXPECT_EQ(find_invalid_utf8("\xC3\xA9\xE2\x82\xAC\xF0\x9F\x99\x82\xF4\x8F\xBF\xBF"),
-            std::string::npos);
+  EXPECT_EQ(find_invalid_utf8("\xC3\xA9\xE2\x82\xAC\xF0\x9F\x99\x82\xF4\x8F\xBF\xBF"), std::string::npos);
   EXPECT_EQ(find_invalid_utf8("ab\xC0\x80"), 2u);        // overlong NUL
   EXPECT_EQ(find_invalid_utf8("ab\xE0\x80\x80"), 2u);    // overlong 3-byte
   EXPECT_EQ(find_invalid_utf8("a\xED\xA0\x80"), 1u);     // UTF-16 surrogate

@@ -40,8 +40,8 @@ struct AttentionSaved {
 /// keep-mask is dropout_mask({B, Hq, T, T}, p, key, q.device()), so it can be regenerated.
 /// K and V are never repeated per query head; the scores are freed before returning.
 /// `block`: positions per block (tests vary it; the results differ only in rounding).
-Fwd<AttentionSaved> attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                      double p, const DropoutKey& key, int64_t block = kAttentionBlock);
+Fwd<AttentionSaved> attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double p,
+                                      const DropoutKey& key, int64_t block = kAttentionBlock);
 
 struct AttentionGrads {
   at::Tensor dq;  ///< [B, T, Hq, D]
@@ -49,8 +49,7 @@ struct AttentionGrads {
   at::Tensor dv;  ///< [B, T, Hkv, D]
 };
 /// dk and dv are summed over each key/value head's group of query heads; all contiguous.
-AttentionGrads attention_backward(const at::Tensor& dout, const AttentionSaved& saved,
-                                  int64_t block = kAttentionBlock);
+AttentionGrads attention_backward(const at::Tensor& dout, const AttentionSaved& saved, int64_t block = kAttentionBlock);
 
 /// Bytes AttentionSaved holds for `shape` (q, k, v, probs; mask and probs_d when p > 0).
 int64_t attention_saved_bytes(const AttentionShape& shape, double p, at::ScalarType dtype);

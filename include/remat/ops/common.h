@@ -38,9 +38,7 @@ inline int64_t tensors_bytes(const std::vector<at::Tensor>& ts) {
 }
 
 /// The dtype norms keep their statistics in: float32, or float64 for float64 inputs.
-inline at::ScalarType stats_dtype(at::ScalarType x) {
-  return x == at::kDouble ? at::kDouble : at::kFloat;
-}
+inline at::ScalarType stats_dtype(at::ScalarType x) { return x == at::kDouble ? at::kDouble : at::kFloat; }
 
 /// Adds `g` into the gradient accumulator `acc` (same shape as the parameter).
 inline void accumulate(at::Tensor& acc, const at::Tensor& g) {

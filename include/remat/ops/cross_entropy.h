@@ -31,10 +31,10 @@ namespace remat::ops {
 constexpr int64_t kIgnoreIndex = -1;
 
 struct CrossEntropySaved {
-  at::Tensor x;        ///< final hidden states, [N, C]
-  at::Tensor targets;  ///< [N] int64
-  at::Tensor lse;      ///< log-sum-exp of each token's logits, [N] float32 (float64 for float64 x)
-  int64_t chunk = 0;   ///< tokens per chunk
+  at::Tensor x;                     ///< final hidden states, [N, C]
+  at::Tensor targets;               ///< [N] int64
+  at::Tensor lse;                   ///< log-sum-exp of each token's logits, [N] float32 (float64 for float64 x)
+  int64_t chunk = 0;                ///< tokens per chunk
   std::optional<VocabShard> shard;  ///< the rows w holds, when it holds a share of the vocabulary
   std::vector<at::Tensor> tensors() const { return {x, targets, lse}; }
 };
@@ -48,16 +48,14 @@ struct CrossEntropySaved {
 /// shard->vocab, the other ranks of `group` (rank r the r-th rows; null: one rank, whose
 /// share is the whole vocabulary) the rest, and every rank calls this with the same x and
 /// targets; the loss and the saved log-sum-exp are then the same on every rank.
-Fwd<CrossEntropySaved> cross_entropy_forward(const at::Tensor& x, const at::Tensor& w,
-                                             const at::Tensor& targets, int64_t chunk_tokens,
-                                             std::optional<VocabShard> shard = std::nullopt,
+Fwd<CrossEntropySaved> cross_entropy_forward(const at::Tensor& x, const at::Tensor& w, const at::Tensor& targets,
+                                             int64_t chunk_tokens, std::optional<VocabShard> shard = std::nullopt,
                                              dist::Group* group = nullptr);
 /// `dloss` scales the gradient of the mean (1 for a plain backward). Returns dx [N, C];
 /// accumulates dw [V, C] (a float32 dw for bfloat16 x takes the float32 dlogits). With
 /// saved.shard, dx is this rank's part (the sum over the ranks is x's gradient) and dw its
 /// rows; no collective runs (the saved log-sum-exp is already the whole vocabulary's).
-at::Tensor cross_entropy_backward(double dloss, const CrossEntropySaved& saved, const at::Tensor& w,
-                                  at::Tensor& dw);
+at::Tensor cross_entropy_backward(double dloss, const CrossEntropySaved& saved, const at::Tensor& w, at::Tensor& dw);
 
 /// What the fused head's backward reads: the gradients of the mean loss (dloss = 1).
 struct FusedCrossEntropySaved {
@@ -71,8 +69,8 @@ struct FusedCrossEntropySaved {
 /// forward for evaluation passes grads = false and keeps nothing). `shard` and `group` as
 /// there: dx is then this rank's part and dw its rows.
 Fwd<FusedCrossEntropySaved> fused_cross_entropy_forward(const at::Tensor& x, const at::Tensor& w,
-                                                        const at::Tensor& targets, int64_t chunk_tokens,
-                                                        bool grads, std::optional<VocabShard> shard = std::nullopt,
+                                                        const at::Tensor& targets, int64_t chunk_tokens, bool grads,
+                                                        std::optional<VocabShard> shard = std::nullopt,
                                                         dist::Group* group = nullptr);
 /// Returns dx = dloss * saved.dx (new memory); accumulates dloss * saved.dw into dw.
 at::Tensor fused_cross_entropy_backward(double dloss, const FusedCrossEntropySaved& saved, at::Tensor& dw);

@@ -9,7 +9,7 @@
 namespace remat::ops {
 
 struct EmbeddingSaved {
-  at::Tensor ids;  ///< token ids, [...] int64
+  at::Tensor ids;                   ///< token ids, [...] int64
   std::optional<VocabShard> shard;  ///< the rows w holds, when it holds a share of the vocabulary
   std::vector<at::Tensor> tensors() const { return {ids}; }
 };
@@ -40,7 +40,6 @@ struct PositionEmbeddingSaved {
 /// in the message.
 Fwd<PositionEmbeddingSaved> position_embedding_forward(int64_t seq_len, const at::Tensor& w, int64_t first = 0);
 /// dy is [..., T, C]; accumulates its sum over leading dims into dw[first:first+T, :].
-void position_embedding_backward(const at::Tensor& dy, const PositionEmbeddingSaved& saved,
-                                 at::Tensor& dw);
+void position_embedding_backward(const at::Tensor& dy, const PositionEmbeddingSaved& saved, at::Tensor& dw);
 
 }  // namespace remat::ops

@@ -15,11 +15,10 @@ struct LayerNormSaved {
 /// y = (x - mean) * rstd * w + b, statistics over the last dim (biased variance). Output in
 /// x's dtype; on CPU, half/bfloat16 x is normalised in float32 (the native CPU kernel would
 /// keep its statistics in x's dtype).
-Fwd<LayerNormSaved> layernorm_forward(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
-                                      double eps);
+Fwd<LayerNormSaved> layernorm_forward(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, double eps);
 /// Returns dx; accumulates dw[C] and db[C].
-at::Tensor layernorm_backward(const at::Tensor& dy, const LayerNormSaved& saved, const at::Tensor& w,
-                              at::Tensor& dw, at::Tensor& db);
+at::Tensor layernorm_backward(const at::Tensor& dy, const LayerNormSaved& saved, const at::Tensor& w, at::Tensor& dw,
+                              at::Tensor& db);
 /// Bytes LayerNormSaved holds for `rows` rows of `C` features of `dtype`.
 int64_t layernorm_saved_bytes(int64_t rows, int64_t C, at::ScalarType dtype);
 /// Forward FLOPs (about 8 per element).

@@ -14,8 +14,8 @@ struct LinearSaved {
 Fwd<LinearSaved> linear_forward(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b);
 
 /// Returns dx[..., in]; accumulates dw[out, in] and, when defined, db[out].
-at::Tensor linear_backward(const at::Tensor& dy, const LinearSaved& saved, const at::Tensor& w,
-                           at::Tensor& dw, at::Tensor* db);
+at::Tensor linear_backward(const at::Tensor& dy, const LinearSaved& saved, const at::Tensor& w, at::Tensor& dw,
+                           at::Tensor* db);
 
 /// One input through several weights, w_i [out_i, in], without biases (Llama's q/k/v and
 /// gate/up projections): y_i = x . w_i^T, one GEMM each. They share one LinearSaved.

@@ -12,8 +12,7 @@ struct RopeTables {
   at::Tensor cos;
   at::Tensor sin;
 };
-RopeTables rope_tables(int64_t seq_len, int64_t head_dim, double theta, at::ScalarType dtype,
-                       at::Device device);
+RopeTables rope_tables(int64_t seq_len, int64_t head_dim, double theta, at::ScalarType dtype, at::Device device);
 /// Bytes of the tables rope_tables() builds.
 int64_t rope_tables_bytes(int64_t seq_len, int64_t head_dim, at::ScalarType dtype);
 

@@ -52,8 +52,7 @@ at::Tensor reduce_scatter_positions(at::Tensor x, dist::Group& group, const std:
 at::Tensor share_of_elements(const at::Tensor& x, dist::Group& group);
 /// The whole tensor of `sizes` from every rank's share_of_elements, a new tensor (bytes
 /// gathered, as gather_positions).
-at::Tensor gather_elements(const at::Tensor& share, at::IntArrayRef sizes, dist::Group& group,
-                           const std::string& what);
+at::Tensor gather_elements(const at::Tensor& share, at::IntArrayRef sizes, dist::Group& group, const std::string& what);
 
 /// y = gather_positions(x).
 Fwd<TpSaved> sp_gather_forward(const at::Tensor& x, dist::Group& group, const std::string& what);
