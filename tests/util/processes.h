@@ -40,7 +40,10 @@ inline Result run_shell(const std::string& cmd, const std::filesystem::path& cwd
 
 /// `remat ARGS`, the binary this build made.
 inline Result run_remat(const std::string& args, const std::filesystem::path& cwd = {}) {
-  return run_shell(std::string(REMAT_BINARY) + " " + args, cwd);
+  // Appended in place: GCC 12 misreads an inlined operator+ on a temporary as out of bounds.
+  std::string cmd = REMAT_BINARY;
+  cmd.append(" ").append(args);
+  return run_shell(cmd, cwd);
 }
 
 /// Starts the shell command `cmd` as a child of this process, its stdout and stderr
