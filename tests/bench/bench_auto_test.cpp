@@ -3,6 +3,7 @@
 #include "data/test_text.h"
 #include "remat/bench.h"
 #include "remat/trainer.h"
+#include "run/choice_profiles.h"
 #include "run/run.h"
 #include "util/processes.h"
 
@@ -15,22 +16,6 @@ namespace remat {
 namespace {
 
 namespace fs = std::filesystem;
-
-// The least budget `cfg` plans in with attention op `a` and the fused head.
-int64_t least_budget(Config cfg, Attention a) {
-  cfg.model.attention = a;
-  cfg.model.loss_head = LossHead::fused;
-  cfg.ac.budget = "1KiB";
-  TimeProfile p;
-  p.times.flops_per_second = 1e9;
-  try {
-    plan_run(cfg, at::kFloat, p, 0);
-  } catch (const BudgetTooSmall& e) {
-    return e.min_budget;
-  }
-  ADD_FAILURE() << "1 KiB fits a plan";
-  return 0;
-}
 
 TEST(BenchAuto, RowsNameTheChoicesEachEntryRan) {
   const fs::path dir = testing::test_dir("remat-bench-auto-");
@@ -50,8 +35,10 @@ TEST(BenchAuto, RowsNameTheChoicesEachEntryRan) {
                                            "data.dir=" + (dir / "data").string(),
                                            "run.threads=1",
                                            "run.progress=false"};
-  const Config base = load_config("", common);
-  const int64_t math = least_budget(base, Attention::math), tiled = least_budget(base, Attention::tiled);
+  Config base = load_config("", common);
+  base.model.loss_head = LossHead::fused;
+  const int64_t math = testing::least_budget(base, Attention::math),
+                tiled = testing::least_budget(base, Attention::tiled);
   ASSERT_LT(tiled + (1 << 20), math);  // a MiB apart: the corpus the run holds does not matter
   const std::string between = std::to_string((math + tiled) / 2);
 

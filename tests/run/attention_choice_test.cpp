@@ -37,20 +37,7 @@ Config long_tiny(const std::string& budget, bool profile = false) {
 
 using Profiles = testing::AttentionProfiles;
 
-// The least budget `cfg` plans in with attention op `a` (the planner's minimum feasible).
-int64_t least_budget(Config cfg, Attention a) {
-  cfg.model.attention = a;
-  cfg.ac.budget = "1KiB";
-  TimeProfile p;
-  p.times.flops_per_second = 1e9;
-  try {
-    plan_run(cfg, at::kFloat, p, 0);
-  } catch (const BudgetTooSmall& e) {
-    return e.min_budget;
-  }
-  ADD_FAILURE() << "1 KiB fits a plan";
-  return 0;
-}
+using testing::least_budget;
 
 // A budget halfway between tiled's least peak and math's, in bytes.
 std::string only_tiled_fits() {

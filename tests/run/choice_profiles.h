@@ -31,6 +31,22 @@ struct ChoiceProfiles {
 };
 
 using AttentionProfiles = ChoiceProfiles<Attention, &ModelConfig::attention, Attention::automatic>;
+
+/// The least budget `cfg` (its loss head named) plans in with attention op `a`: the
+/// planner's minimum feasible.
+inline int64_t least_budget(Config cfg, Attention a) {
+  cfg.model.attention = a;
+  cfg.ac.budget = "1KiB";
+  TimeProfile p;
+  p.times.flops_per_second = 1e9;
+  try {
+    plan_run(cfg, at::kFloat, p, 0);
+  } catch (const BudgetTooSmall& e) {
+    return e.min_budget;
+  }
+  ADD_FAILURE() << "1 KiB fits a plan";
+  return 0;
+}
 using HeadProfiles = ChoiceProfiles<LossHead, &ModelConfig::loss_head, LossHead::automatic>;
 
 }  // namespace remat::testing
