@@ -29,8 +29,8 @@ double stages_optimizer_seconds(const TimeProfile& profile, const PipelinePlan& 
   return profile.optimizer_seconds * static_cast<double>(most) / static_cast<double>(profile.optimizer_bytes);
 }
 
-}  // namespace
-
+// The sentence for a per-rank `budget` (as the user wrote it: `given`) that no plan of
+// `cfg`'s pipeline `pipe` fits: the least budget that does, and what else to change.
 std::string pipeline_infeasible(const Config& cfg, const Planner& planner, const PipelineShape& pipe, int64_t budget,
                                 const std::string& given) {
   const int64_t m = cfg.train.grad_accum;
@@ -42,6 +42,8 @@ std::string pipeline_infeasible(const Config& cfg, const Planner& planner, const
       m == 1 ? "" : "es", format_bytes(planner.min_pipeline_budget(pipe)),
       pipe.schedule == pipeline::Schedule::gpipe ? " (gpipe holds every microbatch; 1f1b at most one per stage)" : "");
 }
+
+}  // namespace
 
 std::string saved_plan_json(const RunPlan& r) {
   nlohmann::json layers = nlohmann::json::array();

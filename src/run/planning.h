@@ -99,9 +99,4 @@ cost::StepShape step_shape(const Config& local, at::ScalarType dtype, int64_t re
 RunPlan plan_run(const Config& cfg, at::ScalarType dtype, const TimeProfile& profile, int64_t resident,
                  int64_t stage = 0, int64_t budget_reference = 0, const SavedPlan* saved = nullptr);
 
-/// The sentence for a per-rank `budget` (as the user wrote it: `given`) that no plan of
-/// `cfg`'s pipeline `pipe` fits: the least budget that does, and what else to change.
-std::string pipeline_infeasible(const Config& cfg, const Planner& planner, const PipelineShape& pipe, int64_t budget,
-                                const std::string& given);
-
 }  // namespace remat

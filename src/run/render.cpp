@@ -143,8 +143,9 @@ nlohmann::json breakdown_json(const cost::StepPrediction& p) {
           {"peak_at", p.peak_at}};
 }
 
-}  // namespace
-
+// The layers `pred` predicts (a pipeline stage's, or every layer) under `plan` of a block
+// with `slots` (RunPlan::slots), runs of consecutive layers planned alike one line each
+// (wrapped within 100 columns), under a heading line.
 std::string layer_table(const ActivationPlan& plan, const std::vector<std::string>& slots,
                         const cost::StepPrediction& pred) {
   struct Group {
@@ -176,6 +177,8 @@ std::string layer_table(const ActivationPlan& plan, const std::vector<std::strin
   return out;
 }
 
+// One line on stage `s` of `r` (from 0): its layers, microbatches in flight under
+// `schedule`, its predicted peak and where, then `work` (its time per microbatch).
 std::string stage_line(const PipelinePlan& r, size_t s, int64_t microbatches, pipeline::Schedule schedule,
                        const std::string& work) {
   const cost::StepPrediction& p = r.stages[s];
@@ -187,6 +190,8 @@ std::string stage_line(const PipelinePlan& r, size_t s, int64_t microbatches, pi
                                    : fmt::format("layers {}-{} ({})", first, last, last - first + 1),
                      held, held == 1 ? "" : "es", format_bytes(p.peak), p.peak_at, work);
 }
+
+}  // namespace
 
 std::string plan_text(const Config& cfg, const RunPlan& r) {
   std::string text;

@@ -78,16 +78,4 @@ nlohmann::json render_json(const RunSpec& spec);
 /// table and the predicted step.
 std::string plan_text(const Config& cfg, const RunPlan& plan);
 
-/// The layers `pred` predicts (a pipeline stage's, or every layer) under `plan` of a block
-/// with `slots` (RunPlan::slots), runs of
-/// consecutive layers planned alike one line each (wrapped within 100 columns), under a
-/// heading line.
-std::string layer_table(const ActivationPlan& plan, const std::vector<std::string>& slots,
-                        const cost::StepPrediction& pred);
-
-/// One line on stage `s` of `r` (from 0): its layers, microbatches in flight under
-/// `schedule`, its predicted peak and where, then `work` (its time per microbatch).
-std::string stage_line(const PipelinePlan& r, size_t s, int64_t microbatches, pipeline::Schedule schedule,
-                       const std::string& work);
-
 }  // namespace remat
