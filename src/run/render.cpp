@@ -11,7 +11,6 @@
 
 #include <algorithm>
 #include <map>
-#include <set>
 
 namespace remat {
 namespace {
@@ -85,33 +84,16 @@ std::string layer_words(const ActivationPlan& plan, const std::vector<std::strin
   return text;
 }
 
-const std::set<std::string>& units() {
-  static const std::set<std::string> u{"B", "KiB", "MiB", "GiB", "TiB", "FLOPs", "ms", "s", "us"};
-  return u;
-}
-
 std::string line(const std::string& text) { return text + "\n"; }
 
-// `text` after `prefix`, wrapped within kColumns: at the last ", " or "; " of a line where
-// that leaves it at least half full, else at its last space; continuation lines are
-// indented by `indent`.
+// `text` after `prefix`, wrapped at its last space within kColumns; continuation lines
+// are indented by `indent`.
 std::string wrapped(const std::string& prefix, const std::string& text, size_t indent) {
   std::string out = prefix;
   size_t width = prefix.size(), from = 0;
   while (text.size() - from > kColumns - width) {
-    const size_t room = kColumns - width;
-    size_t end = std::string::npos;
-    for (const char* mark : {", ", "; "}) {
-      const size_t at = text.rfind(mark, from + room - 1);
-      if (at != std::string::npos && at > from + room / 2 && (end == std::string::npos || at > end)) end = at + 1;
-    }
-    // A space before a unit ("29.12 MiB") does not break.
-    for (size_t at = from + room; end == std::string::npos && at > from; --at) {
-      if (text[at] != ' ') continue;
-      const std::string next = text.substr(at + 1, text.find(' ', at + 1) - at - 1);
-      if (!units().count(next.substr(0, next.find_first_of(",;)")))) end = at;
-    }
-    if (end == std::string::npos || end <= from) end = from + room;
+    size_t end = text.rfind(' ', from + kColumns - width);
+    if (end == std::string::npos || end <= from) end = from + kColumns - width;
     out += text.substr(from, end - from) + "\n" + std::string(indent, ' ');
     width = indent;
     from = end < text.size() && text[end] == ' ' ? end + 1 : end;
