@@ -12,8 +12,8 @@ import os, re, sys, unicodedata
 LINK = re.compile(r'(?<!\!)\[(?:[^\]\\]|\\.)*\]\(([^)\s]+)(?:\s+"[^"]*")?\)')
 FENCE = re.compile(r'^\s*(```|~~~)')
 
-def prose_lines(path):
-    """(line number, text) of the lines outside fenced code blocks, inline code removed."""
+def outside_fences(path):
+    """(line number, line) of the lines outside fenced code blocks."""
     in_fence = None
     with open(path, encoding='utf-8') as f:
         for n, line in enumerate(f, 1):
@@ -25,7 +25,12 @@ def prose_lines(path):
                     in_fence = None
                 continue
             if in_fence is None:
-                yield n, re.sub(r'`[^`]*`', '', line)
+                yield n, line
+
+def prose_lines(path):
+    """(line number, text) of the lines outside fenced code blocks, inline code removed."""
+    for n, line in outside_fences(path):
+        yield n, re.sub(r'`[^`]*`', '', line)
 
 def slug(heading):
     """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
@@ -51,20 +56,10 @@ def anchors(path):
     return anchors_of[path]
 
 def headings(path):
-    in_fence = None
-    with open(path, encoding='utf-8') as f:
-        for n, line in enumerate(f, 1):
-            m = FENCE.match(line)
-            if m:
-                if in_fence is None:
-                    in_fence = m.group(1)
-                elif m.group(1) == in_fence:
-                    in_fence = None
-                continue
-            if in_fence is None:
-                h = re.match(r'^#{1,6}\s+(.*?)\s*#*\s*$', line)
-                if h:
-                    yield n, h.group(1)
+    for n, line in outside_fences(path):
+        h = re.match(r'^#{1,6}\s+(.*?)\s*#*\s*$', line)
+        if h:
+            yield n, h.group(1)
 
 broken = 0
 checked = 0
