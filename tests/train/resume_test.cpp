@@ -6,6 +6,7 @@
 #include "train/checkpoint_files.h"
 #include "train/checkpoints.h"
 #include "train/run_dir.h"
+#include "util/error_of.h"
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -26,14 +27,7 @@ std::string bytes(const fs::path& p) {
   return std::string(std::istreambuf_iterator<char>(in), {});
 }
 
-std::string failure_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
-}
+using testing::error_of;
 
 class Resume : public ::testing::Test {
  protected:
@@ -88,7 +82,7 @@ TEST_F(Resume, ARunInUseIsRefusedNamingItsOwner) {
   fs::remove(checkpoint(run, 4));
   const std::string metrics = bytes(run / "metrics.jsonl");
   const RunLock owner(run.string());
-  EXPECT_EQ(failure_of([&] { train(saved_config(run), run.string()); }),
+  EXPECT_EQ(error_of<std::exception>([&] { train(saved_config(run), run.string()); }),
             run.string() + " is in use by another remat process (pid " + std::to_string(::getpid()) +
                 "): one process at a time writes a run directory; wait for it to finish (or stop it) before resuming "
                 "the run.");
@@ -104,7 +98,7 @@ TEST_F(Resume, ARunStoppedBeforeItsFinalFilesIsFinishedByResume) {
   const fs::path run = whole.run_dir;
   const std::string weights = bytes(run / "model.safetensors");
   for (const char* f : {"model.safetensors", "summary.json", "sample.txt", "loss.png"}) fs::remove(run / f);
-  EXPECT_EQ(failure_of([&] { generate_from_run(run.string(), "the", 4, 0.8, 40, 0); }),
+  EXPECT_EQ(error_of<std::exception>([&] { generate_from_run(run.string(), "the", 4, 0.8, 40, 0); }),
             run.string() +
                 " has no model.safetensors; the run stopped before writing its final weights: `remat train "
                 "--resume " +
@@ -128,9 +122,9 @@ TEST_F(Resume, ARunStoppedBeforeItsFinalFilesIsFinishedByResume) {
   for (const char* theirs : {"notes.tmp.1", "metrics.jsonl.tmp.old", "checkpoints/mine.tmp.3"}) {
     EXPECT_TRUE(fs::exists(run / theirs)) << theirs;
   }
-  EXPECT_EQ(failure_of([&] { train(saved_config(run), run.string()); }),
+  EXPECT_EQ(error_of<std::exception>([&] { train(saved_config(run), run.string()); }),
             run.string() + " finished all 4 steps; there is nothing to resume.");
-  EXPECT_NE(failure_of([&] {
+  EXPECT_NE(error_of<std::exception>([&] {
               generate_from_run(run.string(), "the", 4, std::nan(""), 40, 0);
             }).find("The sampling temperature must be a number from 0 (greedy) to 100, got nan"),
             std::string::npos);
@@ -138,7 +132,7 @@ TEST_F(Resume, ARunStoppedBeforeItsFinalFilesIsFinishedByResume) {
   Config edited = saved_config(run);
   edited.model.d_ff = 1 << 18;
   std::ofstream(run / "config.toml") << config_to_toml(edited);
-  EXPECT_NE(failure_of([&] {
+  EXPECT_NE(error_of<std::exception>([&] {
               generate_from_run(run.string(), "the", 4, 0.8, 40, 0);
             }).find("bytes: the config was changed after the run; restore the config.toml the run wrote."),
             std::string::npos);
@@ -224,7 +218,7 @@ TEST_F(Resume, CheckpointMetadataIsCheckedFieldByField) {
       }
     }
   });
-  const std::string error = failure_of([&] { train(saved_config(run), run.string()); });
+  const std::string error = error_of<std::exception>([&] { train(saved_config(run), run.string()); });
   EXPECT_EQ(error.rfind("The checkpoint " + second + " holds a NaN or an infinity in 'param.", 0), 0u) << error;
   EXPECT_NE(error.find("so the file was damaged after it was written (not by the learning rate)"), std::string::npos);
 }
@@ -239,7 +233,7 @@ TEST_F(Resume, AChangedTrainingTextIsRefused) {
   fs::remove(checkpoint(run, 4));
   const std::string tokenizer = bytes(run / "tokenizer.model");
   write_text(text, 4242, /*other_words=*/true);
-  EXPECT_NE(failure_of([&] {
+  EXPECT_NE(error_of<std::exception>([&] {
               train(saved_config(run), run.string());
             }).find("the one the run trained with: the training text (data.text) changed since the run started"),
             std::string::npos);
@@ -250,7 +244,7 @@ TEST_F(Resume, AChangedTrainingTextIsRefused) {
   testing::rewrite_checkpoint(checkpoint(run, 3).string(), [](model::SafeTensors& file) {
     file.metadata["data.text_sha256"] = std::string(64, '0');
   });
-  EXPECT_NE(failure_of([&] { train(saved_config(run), run.string()); })
+  EXPECT_NE(error_of<std::exception>([&] { train(saved_config(run), run.string()); })
                 .find("is not the one the run trained on (SHA-256 " + std::string(64, '0') +
                       ", recorded in its checkpoint): it changed since the run started"),
             std::string::npos);

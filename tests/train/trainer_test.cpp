@@ -5,6 +5,7 @@
 #include "run/planning.h"
 #include "train/checkpoint_files.h"
 #include "train/step.h"
+#include "util/error_of.h"
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -116,15 +117,7 @@ TEST_F(Trainer, GenerateStreamsEveryTokenPastTheContext) {
   EXPECT_LT(generate_from_run(s.run_dir, "the", 200, 1.0, 40, 3).size(), text.size());
 }
 
-// The message a failed run gives, or "" when it trains to the end.
-std::string failure_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
-}
+using testing::error_of;
 
 // A run resumed from an earlier checkpoint (the later ones and the final weights gone, as
 // after a crash) ends bitwise where the uninterrupted run ended.
@@ -150,7 +143,7 @@ TEST_F(Trainer, ResumingFromACheckpointGivesBitwiseTheSameRun) {
   EXPECT_EQ(resumed.final_val_loss, whole.final_val_loss);
   EXPECT_EQ(bytes(run / "model.safetensors"), weights);
   EXPECT_FALSE(fs::exists(run / "checkpoints" / "step-00000003.safetensors.tmp.99999"));
-  EXPECT_EQ(failure_of([&] { train(saved, run.string()); }),
+  EXPECT_EQ(error_of<std::exception>([&] { train(saved, run.string()); }),
             run.string() + " finished all 4 steps; there is nothing to resume.");
 }
 
@@ -209,11 +202,11 @@ TEST_F(Trainer, AResumedRunRunsThePlanItsCheckpointHolds) {
   fs::remove(run / "checkpoints" / "step-00000004.safetensors");
   full.split = {1, 1};
   rewrite_plan(saved_plan_json(full));
-  EXPECT_EQ(failure_of([&] { train(saved, run.string()); }),
+  EXPECT_EQ(error_of<std::exception>([&] { train(saved, run.string()); }),
             "The checkpoint's plan (its \"plan\" metadata) splits the layers as [1,1], but this run puts its 2 layers "
             "on 1 pipeline stage; resume from a checkpoint this model's run wrote, or start the run again.");
   rewrite_plan("{\"policy\": 3}");
-  EXPECT_NE(failure_of([&] { train(saved, run.string()); })
+  EXPECT_NE(error_of<std::exception>([&] { train(saved, run.string()); })
                 .find("The checkpoint's plan (its \"plan\" metadata) is "
                       "damaged"),
             std::string::npos);
@@ -230,7 +223,7 @@ TEST_F(Trainer, NonFiniteWeightsAreNamedAndRefusedBeforeTheyAreUsed) {
   Param& p = model->params()[3];
   p.value.view(-1)[1] = std::nan("");
   model->save(weights, {});
-  EXPECT_EQ(failure_of([&] { generate_from_run(s.run_dir, "the", 4, 0.0, 0, 1); }),
+  EXPECT_EQ(error_of<std::exception>([&] { generate_from_run(s.run_dir, "the", 4, 0.0, 0, 1); }),
             "The weights in " + weights + " hold non-finite values (first: " + p.name +
                 "), so every sample would be noise; the run that wrote them diverged: train again with a lower "
                 "train.lr.");
@@ -239,7 +232,7 @@ TEST_F(Trainer, NonFiniteWeightsAreNamedAndRefusedBeforeTheyAreUsed) {
   const data::TokenDataset data(at::randint(cfg.model.vocab_size, {200}, at::detail::createCPUGenerator(1), at::kInt));
   TrainStep step(*model, cfg.train, 1);
   std::mt19937_64 rng(1);
-  const std::string failure = failure_of([&] { step.run(0, data, rng); });
+  const std::string failure = error_of<std::exception>([&] { step.run(0, data, rng); });
   EXPECT_NE(failure.find("at step 1, before any update, so the initial model is at fault, not the learning rate: "
                          "parameter " +
                          p.name + " holds non-finite values; check model.init_std"),
@@ -257,7 +250,7 @@ TEST_F(Trainer, NonFiniteWeightsAreNamedAndRefusedBeforeTheyAreUsed) {
   huge.lr = 1e37;
   huge.min_lr = 0;
   TrainStep overflowing(*model, huge, 1);
-  const std::string update = failure_of([&] { overflowing.run(0, data, rng); });
+  const std::string update = error_of<std::exception>([&] { overflowing.run(0, data, rng); });
   EXPECT_EQ(update.rfind("The update of step 1 made parameter " + matrix.name + " non-finite", 0), 0u) << update;
 }
 
