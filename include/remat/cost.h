@@ -10,6 +10,7 @@
 
 #include "remat/config.h"
 #include "remat/graph.h"
+#include "remat/pipeline.h"
 #include "remat/plan.h"
 
 #include <ATen/ATen.h>
@@ -39,13 +40,17 @@ struct StepShape {
   /// the optimizer bytes are the busiest rank's share (zero_owners); 1: every rank holds
   /// all of them.
   int64_t zero_ranks = 1;
-  /// Pipeline parallelism (remat/pipeline.h): this rank's stage holds layers
-  /// [first_layer, first_layer + layers) of the model (layers = -1: all of them), the
-  /// embedding when it holds the first layer and the loss head when it holds the last, and
-  /// the activations of `in_flight` microbatches at once.
+  /// Pipeline parallelism (remat/pipeline.h): this rank's stage, `stage` of `stages`
+  /// (from 0), holds layers [first_layer, first_layer + layers) of the model (layers = -1:
+  /// all of them), the embedding when it holds the first layer and the loss head when it
+  /// holds the last, and runs the step's grad_accum microbatches in `schedule`'s order.
   int64_t first_layer = 0;
   int64_t layers = -1;
-  int64_t in_flight = 1;
+  int64_t stages = 1;
+  int64_t stage = 0;
+  pipeline::Schedule schedule = pipeline::Schedule::one_f_one_b;
+  /// The microbatches whose activations the stage holds at once (pipeline::in_flight).
+  int64_t in_flight() const { return pipeline::in_flight(schedule, stages, stage, grad_accum); }
   /// The layers the stage holds, of a model of `n_layer`.
   int64_t stage_layers(int64_t n_layer) const { return layers < 0 ? n_layer - first_layer : layers; }
   bool has_embedding() const { return first_layer == 0; }
@@ -166,8 +171,8 @@ struct StepPrediction {
 
 /// Prices one layer's slot choice. `dropped`: slots recomputed; `early_stop` as the store's;
 /// `input_sharded`: LayerPlan::input_sharded (the block must be input_shardable).
-LayerCost price_layer(const graph::BlockGraph& block, const std::set<std::string>& dropped, bool early_stop,
-                      const NodeTimes& times, bool input_sharded = false);
+LayerCost price_layer(const graph::BlockGraph& block, SlotMask dropped, bool early_stop, const NodeTimes& times,
+                      bool input_sharded = false);
 
 /// Bytes of parameters, gradients, optimizer state and batch for `cfg` (vocab_size set).
 StaticBytes static_bytes(const ModelConfig& cfg, const StepShape& shape);
@@ -175,12 +180,11 @@ StaticBytes static_bytes(const ModelConfig& cfg, const StepShape& shape);
 /// The embedding, loss head and optimizer of `cfg` at `shape`.
 StepConstants step_constants(const ModelConfig& cfg, const StepShape& shape);
 
-/// Simulates a whole training step (every microbatch, then the optimizer) under `plan`
-/// (one LayerPlan per layer of the model; a pipeline stage reads its own, and none of its
-/// uniform chunks may begin below it). A layer whose plan names another attention op is
-/// its graph with that op, priced by times.other_attention (required then). With
-/// microbatches in flight, each point of the step but the optimizer's has the others' kept
-/// activations beside it.
+/// Simulates a whole training step under `plan` (one LayerPlan per layer of the model; a
+/// pipeline stage reads its own, and none of its uniform chunks may begin below it): the
+/// actions of schedule::step for the stage, in order, each microbatch's kept activations
+/// held from its forward to its backward. A layer whose plan names another attention op
+/// is its graph with that op, priced by times.other_attention (required then).
 StepPrediction predict_step(const ModelConfig& cfg, const StepShape& shape, const ActivationPlan& plan, bool early_stop,
                             const NodeTimes& times);
 

@@ -63,6 +63,30 @@ class RecomputeScope {
   PoolCounts* outer_;
 };
 
+/// While alive, the CPU allocations of the thread that made it are charged to it, until
+/// freed on whichever thread: the live bytes and their peak of one in-process rank (a
+/// pipeline stage on a thread) among others sharing the tracking allocator. Pooled bytes
+/// count while in use, not while idle. Needs install_cpu_tracking(). Accounts nest (the
+/// innermost one is charged); one is destroyed on the thread that made it.
+class Account {
+ public:
+  Account();
+  ~Account();
+  Account(const Account&) = delete;
+  Account& operator=(const Account&) = delete;
+  /// Bytes of the allocations charged to it that are still live, and their highest sum.
+  int64_t current() const;
+  int64_t peak() const;
+  /// Starts a new peak window: peak := current.
+  void reset_peak();
+
+ private:
+  friend struct AccountBook;
+  int64_t current_ = 0;  // guarded by the allocator's lock
+  int64_t peak_ = 0;
+  Account* outer_;
+};
+
 /// Returns every idle pooled buffer to the system. Pooled buffers still in use leave the
 /// pool: they go to the system when freed. Process-wide.
 void release_pool();

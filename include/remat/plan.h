@@ -9,6 +9,7 @@
 #include "remat/attention.h"
 
 #include <cstdint>
+#include <initializer_list>
 #include <optional>
 #include <set>
 #include <string>
@@ -76,8 +77,45 @@ const std::string& slot_name(Slot s);
 /// The slot a name denotes ("input" too); throws std::invalid_argument naming the slots.
 Slot slot_of_name(const std::string& name);
 
+/// A set of slots, a bit each. Plans hold these; slot names appear only where a policy is
+/// read or a plan is printed (names(), of_names()).
+class SlotMask {
+ public:
+  constexpr SlotMask() = default;
+  constexpr SlotMask(std::initializer_list<Slot> slots) {
+    for (Slot s : slots) add(s);
+  }
+  /// Every slot of block_slots() (the block input is not one of them).
+  static SlotMask droppable();
+  /// The slots `names` name (block_slots() spellings); throws std::invalid_argument naming
+  /// the slots at the first name that is not one.
+  static SlotMask of_names(const std::vector<std::string>& names);
+  /// The names of its slots, in forward order.
+  std::vector<std::string> names() const;
+  /// Its slots, in forward order.
+  std::vector<Slot> slots() const;
+
+  constexpr bool has(Slot s) const { return (bits_ >> static_cast<int>(s) & 1u) != 0; }
+  constexpr void add(Slot s) { bits_ |= 1u << static_cast<int>(s); }
+  constexpr void remove(Slot s) { bits_ &= ~(1u << static_cast<int>(s)); }
+  constexpr bool empty() const { return bits_ == 0; }
+  constexpr uint32_t bits() const { return bits_; }
+  constexpr SlotMask& operator|=(SlotMask o) {
+    bits_ |= o.bits_;
+    return *this;
+  }
+  friend constexpr SlotMask operator|(SlotMask a, SlotMask b) { return a |= b; }
+  friend constexpr bool operator==(SlotMask a, SlotMask b) { return a.bits_ == b.bits_; }
+  friend constexpr bool operator!=(SlotMask a, SlotMask b) { return a.bits_ != b.bits_; }
+  friend constexpr bool operator<(SlotMask a, SlotMask b) { return a.bits_ < b.bits_; }
+
+ private:
+  uint32_t bits_ = 0;
+};
+static_assert(kSlotCount <= 32, "a SlotMask holds a bit per slot");
+
 struct LayerPlan {
-  std::set<std::string> dropped;  ///< slots recomputed in this layer's backward
+  SlotMask dropped;  ///< slots recomputed in this layer's backward
   /// uniform:N: the first layer of this layer's chunk. When it differs from this layer,
   /// the layer's input is not kept either; the chunk's backward recomputes the whole
   /// chunk from its first layer's input. -1: not in a chunk.
@@ -99,6 +137,11 @@ struct LayerPlan {
 struct ActivationPlan {
   std::vector<LayerPlan> layers;
   std::string policy = "none";  ///< canonical spelling of the policy that produced it
+  /// The first layer of layer l's uniform chunk (a chunk's first layer has chunk_begin -1
+  /// and is recognised by the next layer pointing at it), or -1 outside a chunk.
+  int64_t chunk_of(int64_t l) const;
+  /// The last layer of the chunk that begins at `first` (chunk_of(first) == first).
+  int64_t chunk_end(int64_t first) const;
 };
 
 }  // namespace remat

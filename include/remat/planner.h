@@ -28,7 +28,7 @@ struct PlannerOptions {
   int64_t max_chunk = 4;   ///< largest uniform chunk considered (1: none)
   /// Keep-set candidates per layer: every subset of the block's non-empty slots when
   /// empty, else exactly these (each a set of dropped slots; for tests and experiments).
-  std::vector<std::set<std::string>> candidates;
+  std::vector<SlotMask> candidates;
   /// Above this many partial plans per layer the program merges those whose kept bytes
   /// differ by less than budget / max_states (keeping the faster, which keeps more), so
   /// the plan still fits; exact below it.
@@ -37,7 +37,7 @@ struct PlannerOptions {
 
 /// One priced keep-set of a layer.
 struct LayerOption {
-  std::set<std::string> dropped;
+  SlotMask dropped;
   cost::LayerCost cost;
   bool input_sharded = false;          ///< LayerPlan::input_sharded
   std::optional<Attention> attention;  ///< LayerPlan::attention: the other attention op, or unset

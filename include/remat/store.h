@@ -68,19 +68,16 @@ class ActivationStore {
   const StoreCounters& counters() const { return counters_; }
   void reset_counters() { counters_ = {}; }
 
-  /// Whether layer `l` drops `slot`.
-  bool drops(int64_t l, const std::string& slot) const;
-
   /// Forward of microbatch `mb` (StepContext::microbatch): tensor `index` of `slot` of
   /// layer `l` is being dropped; records what the determinism check needs and counts its
   /// bytes unless `view_of_dropped` (a view of another tensor of the slot, whose drop counts
   /// the memory; the caller releases it). Records of several microbatches in flight at
   /// once (a pipeline stage's) stay apart by `mb`.
-  void drop(uint64_t mb, int64_t l, const std::string& slot, size_t index, const at::Tensor& t, bool view_of_dropped);
+  void drop(uint64_t mb, int64_t l, Slot slot, size_t index, const at::Tensor& t, bool view_of_dropped);
   /// Backward of microbatch `mb`: the recompute refilled `slot` of layer `l` with
   /// `tensors`; checks them against the record and counts their bytes (a view of all of
   /// another counted once).
-  void refilled(uint64_t mb, int64_t l, const std::string& slot, const std::vector<at::Tensor>& tensors);
+  void refilled(uint64_t mb, int64_t l, Slot slot, const std::vector<at::Tensor>& tensors);
   /// Counts one re-executed forward op of `kind`.
   void count_op(const std::string& kind);
   void add_kept_bytes(int64_t bytes) { counters_.bytes_kept += bytes; }
@@ -125,7 +122,7 @@ class ActivationStore {
   ActivationPlan plan_;
   StoreOptions options_;
   StoreCounters counters_;
-  std::map<std::tuple<uint64_t, int64_t, std::string>, Record> records_;  ///< by microbatch, layer, slot
+  std::map<std::tuple<uint64_t, int64_t, Slot>, Record> records_;  ///< by microbatch, layer, slot
   int64_t lowest_recompute_ = -1;  ///< lowest layer of the model's range whose plan drops anything
 };
 

@@ -29,6 +29,19 @@
 #endif
 
 namespace remat::memory {
+
+// Charges and credits accounts; every call holds g_mutex.
+struct AccountBook {
+  static void charge(Account* a, int64_t bytes) {
+    if (a == nullptr) return;
+    a->current_ += bytes;
+    a->peak_ = std::max(a->peak_, a->current_);
+  }
+  static void credit(Account* a, int64_t bytes) {
+    if (a != nullptr) a->current_ -= bytes;
+  }
+};
+
 namespace {
 
 std::atomic<int64_t> g_current{0};  // live plus idle pooled bytes
@@ -48,6 +61,7 @@ struct Allocation {
   int64_t bytes;
   c10::DeleterFnPtr inner_deleter;
   uint64_t pool_generation;  // 0: not pooled
+  Account* account;          // charged with it, or null
 };
 struct IdleBuffer {
   void* data;
@@ -71,6 +85,7 @@ std::atomic<int64_t> g_idle_bytes{0};
 uint64_t g_generation = 1;
 
 thread_local PoolCounts* t_scope = nullptr;  // non-null inside a RecomputeScope
+thread_local Account* t_account = nullptr;   // non-null while an Account of this thread lives
 
 IdleBuffer take_idle(std::map<int64_t, std::vector<IdleBuffer>>::iterator it) {
   IdleBuffer b = it->second.back();
@@ -107,6 +122,7 @@ void release(void* data) {
     TORCH_INTERNAL_ASSERT(it != live().end(), "tracking allocator: freeing an unknown pointer");
     a = it->second;
     live().erase(it);
+    AccountBook::credit(a.account, a.bytes);
     if (a.pool_generation == g_generation) {
       idle()[a.bytes].push_back(IdleBuffer{data, a.inner_deleter});
       g_idle_bytes += a.bytes;
@@ -129,7 +145,8 @@ class TrackingAllocator final : public c10::Allocator {
       auto it = idle().find(bytes);
       if (it != idle().end()) {
         const IdleBuffer b = take_idle(it);
-        live()[b.data] = Allocation{bytes, b.inner_deleter, g_generation};
+        live()[b.data] = Allocation{bytes, b.inner_deleter, g_generation, t_account};
+        AccountBook::charge(t_account, bytes);
         ++scope->hits;
         scope->bytes_served += bytes;
         return {b.data, b.data, &release, c10::Device(c10::DeviceType::CPU)};
@@ -143,7 +160,8 @@ class TrackingAllocator final : public c10::Allocator {
     {
       std::lock_guard<std::mutex> lock(g_mutex);
       if (g_idle_bytes > 0) make_room(bytes);
-      live()[data] = Allocation{bytes, p.get_deleter(), scope != nullptr ? g_generation : 0};
+      live()[data] = Allocation{bytes, p.get_deleter(), scope != nullptr ? g_generation : 0, t_account};
+      AccountBook::charge(t_account, bytes);
       if (scope != nullptr) ++scope->misses;
       raise_peak(g_current += bytes);
     }
@@ -213,6 +231,32 @@ void reset_peak(at::Device device) {
 RecomputeScope::RecomputeScope(PoolCounts& counts) : outer_(t_scope) { t_scope = &counts; }
 
 RecomputeScope::~RecomputeScope() { t_scope = outer_; }
+
+Account::Account() : outer_(t_account) { t_account = this; }
+
+Account::~Account() {
+  t_account = outer_;
+  // Allocations that outlive it are charged to nobody from now on.
+  std::lock_guard<std::mutex> lock(g_mutex);
+  for (auto& [data, a] : live()) {
+    if (a.account == this) a.account = nullptr;
+  }
+}
+
+int64_t Account::current() const {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  return current_;
+}
+
+int64_t Account::peak() const {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  return peak_;
+}
+
+void Account::reset_peak() {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  peak_ = current_;
+}
 
 void release_pool() {
   std::vector<IdleBuffer> freed;

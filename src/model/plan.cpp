@@ -29,6 +29,39 @@ Slot slot_of_name(const std::string& name) {
       fmt::format("'{}' is not a slot of a block; the slots are {}.", name, fmt::join(names, ", ")));
 }
 
+SlotMask SlotMask::droppable() {
+  SlotMask m;
+  for (int s = 1; s < kSlotCount; ++s) m.add(static_cast<Slot>(s));
+  return m;
+}
+
+SlotMask SlotMask::of_names(const std::vector<std::string>& names) {
+  SlotMask m;
+  for (const std::string& name : names) {
+    const Slot s = slot_of_name(name);
+    if (s == Slot::input) {
+      throw std::invalid_argument(
+          fmt::format("'{}' is not a slot of a block; the slots are {}.", name, fmt::join(block_slots(), ", ")));
+    }
+    m.add(s);
+  }
+  return m;
+}
+
+std::vector<Slot> SlotMask::slots() const {
+  std::vector<Slot> out;
+  for (int s = 0; s < kSlotCount; ++s) {
+    if (has(static_cast<Slot>(s))) out.push_back(static_cast<Slot>(s));
+  }
+  return out;
+}
+
+std::vector<std::string> SlotMask::names() const {
+  std::vector<std::string> out;
+  for (Slot s : slots()) out.push_back(slot_name(s));
+  return out;
+}
+
 const std::vector<std::pair<std::string, std::vector<std::string>>>& block_modules() {
   static const std::vector<std::pair<std::string, std::vector<std::string>>> modules = {
       {"core_attn", {"attn.probs", "attn.dropout"}},
@@ -42,6 +75,20 @@ const std::vector<std::pair<std::string, std::vector<std::string>>>& block_modul
       {"gathered", {"attn.gathered", "mlp.gathered"}},
   };
   return modules;
+}
+
+int64_t ActivationPlan::chunk_of(int64_t l) const {
+  const auto n = static_cast<int64_t>(layers.size());
+  if (layers.at(static_cast<size_t>(l)).chunk_begin >= 0) return layers[static_cast<size_t>(l)].chunk_begin;
+  return l + 1 < n && layers[static_cast<size_t>(l + 1)].chunk_begin == l ? l : -1;
+}
+
+int64_t ActivationPlan::chunk_end(int64_t first) const {
+  int64_t end = first;
+  while (end + 1 < static_cast<int64_t>(layers.size()) && layers[static_cast<size_t>(end + 1)].chunk_begin == first) {
+    ++end;
+  }
+  return end;
 }
 
 }  // namespace remat

@@ -107,8 +107,8 @@ void Engine::dropped(int v, const at::Tensor& t) {
   const auto& vs = g.slot(s);
   const int root = g.root(v);
   const bool view_of_dropped = root != v && g.saved[root] && g.slot_of[root] == g.slot_of[v];
-  store->drop(ctx.microbatch, layer, slot_name(s), static_cast<size_t>(std::find(vs.begin(), vs.end(), v) - vs.begin()),
-              t, view_of_dropped);
+  store->drop(ctx.microbatch, layer, s, static_cast<size_t>(std::find(vs.begin(), vs.end(), v) - vs.begin()), t,
+              view_of_dropped);
 }
 
 at::Tensor Engine::shard(const at::Tensor& whole) {
@@ -129,6 +129,7 @@ TransformerModel::TransformerModel(const ArchDecl& decl, const ModelConfig& cfg,
                                    at::ScalarType compute_dtype, uint64_t seed, dist::Group* tp, bool sequence_parallel,
                                    StageSpan stage)
     : Model(cfg, device, compute_dtype, tp, sequence_parallel, stage), decl_(decl) {
+  keep_all_.layers.resize(static_cast<size_t>(cfg.n_layer));
   // Masters are float32, or float64 when computing in float64 (gradient tests).
   const auto f32 = at::TensorOptions().dtype(compute_dtype == at::kDouble ? at::kDouble : at::kFloat);
   weights_ = make_weights(decl, cfg, tp_size(), sp_, f32, stage_);
@@ -197,33 +198,42 @@ std::unique_ptr<Microbatch> TransformerModel::forward(const at::Tensor& input, c
   // Coarse trace slices around the parts outside the blocks.
   std::optional<trace::Scope> scope;
   at::Tensor x = input;
-  if (first_stage()) {
-    scope.emplace("embedding forward", trace::Category::layer);
-    mb->embed_shape = &shaped(Part::embed, B, T, 0, sp_);
-    const GraphShape& emb = *mb->embed_shape;
-    mb->embed = std::make_unique<Run>(emb.graph, emb.lifetimes, kKeepAll);
-    Engine e = engine(emb, W, W.embed, false, 0, ctx, nullptr);
-    x = mb->embed->forward(e, input);
-    scope.reset();
+  for (const schedule::Action& a : schedule::forward(plan(), parts(), static_cast<int64_t>(ctx.microbatch))) {
+    switch (a.kind) {
+      case schedule::Kind::embed_forward: {
+        scope.emplace("embedding forward", trace::Category::layer);
+        mb->embed_shape = &shaped(Part::embed, B, T, 0, sp_);
+        const GraphShape& emb = *mb->embed_shape;
+        mb->embed = std::make_unique<Run>(emb.graph, emb.lifetimes, kKeepAll);
+        Engine e = engine(emb, W, W.embed, false, 0, ctx, nullptr);
+        x = mb->embed->forward(e, input);
+        scope.reset();
+        break;
+      }
+      case schedule::Kind::forward: {
+        const int64_t l = a.layer;
+        const trace::Scope layer_scope("forward", trace::Category::layer, l);
+        const GraphShape& blk = *mb->block_shapes[static_cast<size_t>(l - stage_.first)];
+        Engine e = engine(blk, W, W.layers[l - stage_.first], false, l, ctx, store_.get());
+        mb->layers.push_back(std::make_unique<Run>(blk.graph, blk.lifetimes, keeps(l), true, hold(l)));
+        x = mb->layers.back()->forward(e, std::move(x));
+        break;
+      }
+      case schedule::Kind::head_forward: {
+        scope.emplace("loss head forward", trace::Category::layer);
+        mb->head_shape = &shaped(Part::head, B, T, ce_chunk, sp_);
+        const GraphShape& head = *mb->head_shape;
+        mb->head = std::make_unique<Run>(head.graph, head.lifetimes, kKeepAll);
+        Engine e = engine(head, W, W.head, false, 0, ctx, nullptr);
+        mb->loss = mb->head->forward(e, std::move(x), false, {targets.reshape({-1})}).item<double>();
+        scope.reset();
+        break;
+      }
+      default:
+        TORCH_INTERNAL_ASSERT(false, "a microbatch's forward schedules a backward action");
+    }
   }
-  for (int64_t l = stage_.first; l < end_layer(); ++l) {
-    const trace::Scope layer_scope("forward", trace::Category::layer, l);
-    const GraphShape& blk = *mb->block_shapes[static_cast<size_t>(l - stage_.first)];
-    Engine e = engine(blk, W, W.layers[l - stage_.first], false, l, ctx, store_.get());
-    mb->layers.push_back(std::make_unique<Run>(blk.graph, blk.lifetimes, keeps(l), true, hold(l)));
-    x = mb->layers.back()->forward(e, std::move(x));
-  }
-  if (last_stage()) {
-    scope.emplace("loss head forward", trace::Category::layer);
-    mb->head_shape = &shaped(Part::head, B, T, ce_chunk, sp_);
-    const GraphShape& head = *mb->head_shape;
-    mb->head = std::make_unique<Run>(head.graph, head.lifetimes, kKeepAll);
-    Engine e = engine(head, W, W.head, false, 0, ctx, nullptr);
-    mb->loss = mb->head->forward(e, std::move(x), false, {targets.reshape({-1})}).item<double>();
-    scope.reset();
-  } else {
-    mb->output = std::move(x);
-  }
+  if (!last_stage()) mb->output = std::move(x);
 
   if (store_) {
     std::unordered_set<const void*> seen;
@@ -265,34 +275,46 @@ at::Tensor TransformerModel::backward(Microbatch& handle, at::Tensor dy, double 
   const auto ready = [&](const std::vector<int>& part) {
     if (gradients_ready_) gradients_ready_(static_cast<size_t>(*std::min_element(part.begin(), part.end())));
   };
-  if (mb->head) {
-    scope.emplace("loss head backward", trace::Category::layer);
-    Engine e = engine(*mb->head_shape, W, W.head, true, 0, ctx, nullptr);
-    dx = mb->head->backward(e, at::scalar_tensor(loss_scale, at::kDouble));
-    scope.reset();
-    if (gradients_ready_) {
-      int before = -1;  // the last parameter of the parts below the head
-      for (const auto& layer : W.layers) before = std::max(before, *std::max_element(layer.begin(), layer.end()));
-      for (const int i : W.embed) before = std::max(before, i);
-      gradients_ready_(static_cast<size_t>(before + 1));
+  for (const schedule::Action& a : schedule::backward(plan(), parts(), static_cast<int64_t>(ctx.microbatch))) {
+    switch (a.kind) {
+      case schedule::Kind::head_backward: {
+        scope.emplace("loss head backward", trace::Category::layer);
+        Engine e = engine(*mb->head_shape, W, W.head, true, 0, ctx, nullptr);
+        dx = mb->head->backward(e, at::scalar_tensor(loss_scale, at::kDouble));
+        scope.reset();
+        if (gradients_ready_) {
+          int before = -1;  // the last parameter of the parts below the head
+          for (const auto& layer : W.layers) before = std::max(before, *std::max_element(layer.begin(), layer.end()));
+          for (const int i : W.embed) before = std::max(before, i);
+          gradients_ready_(static_cast<size_t>(before + 1));
+        }
+        break;
+      }
+      case schedule::Kind::recompute:
+        recompute_chunk(a.layer, a.last, ctx, mb->block_shapes, mb->layers);
+        break;
+      case schedule::Kind::backward: {
+        const int64_t l = a.layer;
+        const trace::Scope layer_scope("backward", trace::Category::layer, l);
+        auto& run = mb->layers[static_cast<size_t>(l - stage_.first)];
+        const GraphShape& blk = *mb->block_shapes[static_cast<size_t>(l - stage_.first)];
+        Engine e = engine(blk, W, W.layers[l - stage_.first], true, l, ctx, store_.get());
+        dx = run->backward(e, std::move(dx));
+        run.reset();
+        if (store_) store_->finished_backward(l);
+        ready(W.layers[static_cast<size_t>(l - stage_.first)]);
+        break;
+      }
+      case schedule::Kind::embed_backward: {
+        scope.emplace("embedding backward", trace::Category::layer);
+        Engine e = engine(*mb->embed_shape, W, W.embed, true, 0, ctx, nullptr);
+        dx = mb->embed->backward(e, std::move(dx));  // token ids: undefined
+        ready(W.embed);
+        break;
+      }
+      default:
+        TORCH_INTERNAL_ASSERT(false, "a microbatch's backward schedules a forward action");
     }
-  }
-  for (int64_t l = end_layer() - 1; l >= stage_.first; --l) {
-    const trace::Scope layer_scope("backward", trace::Category::layer, l);
-    auto& run = mb->layers[static_cast<size_t>(l - stage_.first)];
-    const GraphShape& blk = *mb->block_shapes[static_cast<size_t>(l - stage_.first)];
-    if (!run->value(blk.graph.input).defined()) recompute_chunk(blk, l, ctx, mb->layers);
-    Engine e = engine(blk, W, W.layers[l - stage_.first], true, l, ctx, store_.get());
-    dx = run->backward(e, std::move(dx));
-    run.reset();
-    if (store_) store_->finished_backward(l);
-    ready(W.layers[static_cast<size_t>(l - stage_.first)]);
-  }
-  if (mb->embed) {
-    scope.emplace("embedding backward", trace::Category::layer);
-    Engine e = engine(*mb->embed_shape, W, W.embed, true, 0, ctx, nullptr);
-    dx = mb->embed->backward(e, std::move(dx));  // token ids: undefined
-    ready(W.embed);
   }
   return dx;
 }
@@ -350,7 +372,6 @@ void TransformerModel::set_activation_plan(const ActivationPlan& plan, const Sto
                 "; a chunk cannot cross a stage boundary: compile the policy with the stage split "
                 "(ac.stages, ac.num_layers_per_stage).");
     any = any || !lp.keeps_all();
-    for (const auto& slot : lp.dropped) slot_of_name(slot);  // refuses a slot no block has
     TORCH_CHECK(!lp.input_sharded || (tp_size() > 1 && !sp_),
                 "The activation plan keeps block inputs as a share per tensor-parallel rank "
                 "(distribute_saved_activations), which needs parallel.tp > 1 without parallel.sp; this model runs "
@@ -358,7 +379,7 @@ void TransformerModel::set_activation_plan(const ActivationPlan& plan, const Sto
                 tp_size(), sp_ ? " and sequence parallelism" : "", ".");
     TORCH_CHECK(!lp.attention || *lp.attention != Attention::automatic, "The activation plan leaves layer ", l + 1,
                 "'s attention op to be chosen (auto); a plan names math or tiled.");
-    const bool chunked = lp.chunk_begin >= 0 || (l + 1 < cfg_.n_layer && plan.layers[l + 1].chunk_begin == l);
+    const bool chunked = plan.chunk_of(l) >= 0;
     TORCH_CHECK(!chunked || !lp.attention || *lp.attention == cfg_.attention, "The activation plan runs ",
                 attention_name(*lp.attention), " attention in layer ", l + 1,
                 ", which is in a uniform chunk; a "
@@ -438,7 +459,7 @@ std::vector<bool> TransformerModel::keeps(int64_t l) const {
   std::vector<bool> keep(kSlotCount, true);
   if (!store_) return keep;
   const LayerPlan& lp = store_->plan().layers[static_cast<size_t>(l)];
-  for (const auto& slot : lp.dropped) keep[static_cast<size_t>(slot_of_name(slot))] = false;
+  for (const Slot slot : lp.dropped.slots()) keep[static_cast<size_t>(slot)] = false;
   if (lp.chunk_begin >= 0 && lp.chunk_begin != l) keep[static_cast<size_t>(Slot::input)] = false;
   return keep;
 }
@@ -462,12 +483,13 @@ Engine TransformerModel::engine(const GraphShape& s, const Weights& W, const std
   return Engine{s.graph, W.of(params), backward ? grads_.of(params) : std::vector<at::Tensor>{}, run, again, store, l};
 }
 
-void TransformerModel::recompute_chunk(const GraphShape& blk, int64_t last, const StepContext& ctx,
+void TransformerModel::recompute_chunk(int64_t first, int64_t last, const StepContext& ctx,
+                                       const std::vector<const GraphShape*>& shapes,
                                        std::vector<std::unique_ptr<Run>>& runs) {
-  const int64_t first = store_->plan().layers[static_cast<size_t>(last)].chunk_begin;
   const Weights& W = compute_weights();
   // The stage's runs and weights count from its first layer.
   const auto local = [&](int64_t l) { return static_cast<size_t>(l - stage_.first); };
+  const GraphShape& blk = *shapes[local(first)];  // a chunk's layers run the model's op
   store_->recompute([&] {
     {
       Engine e = engine(blk, W, W.layers[local(first)], false, first, ctx, store_.get());
@@ -483,7 +505,7 @@ void TransformerModel::recompute_chunk(const GraphShape& blk, int64_t last, cons
         if (!runs[local(j)]->missing(static_cast<Slot>(s))) continue;
         std::vector<at::Tensor> ts;
         for (int v : blk.graph.slot(static_cast<Slot>(s))) ts.push_back(fresh->value(v));
-        store_->refilled(ctx.microbatch, j, slot_name(static_cast<Slot>(s)), ts);
+        store_->refilled(ctx.microbatch, j, static_cast<Slot>(s), ts);
       }
       runs[local(j)] = std::move(fresh);
     }

@@ -11,6 +11,7 @@
 #include "remat/graph.h"
 #include "remat/model.h"
 #include "remat/ops.h"
+#include "remat/schedule.h"
 #include "remat/store.h"
 #include "remat/trace.h"
 
@@ -112,7 +113,7 @@ struct Engine {
   at::Tensor add(const at::Tensor& a, const at::Tensor& b) { return a + b; }
   void dropped(int v, const at::Tensor& t);
   void refilled(Slot s, const std::vector<at::Tensor>& ts) {
-    if (store != nullptr) store->refilled(ctx.microbatch, layer, slot_name(s), ts);
+    if (store != nullptr) store->refilled(ctx.microbatch, layer, s, ts);
   }
   template <class F>
   void recompute(F&& f) {
@@ -197,11 +198,15 @@ class TransformerModel final : public Model {
   // (or the embedding's, l = 0, or the head's), with their gradients when `backward`.
   Engine engine(const GraphShape& s, const Weights& W, const std::vector<int>& params, bool backward, int64_t l,
                 const StepContext& ctx, ActivationStore* store, bool train = true);
-  // uniform:N: the backward of a chunk's last layer re-runs the whole chunk's forward from
-  // its first layer's kept input, keeping everything, as one recompute. `runs`: the
-  // stage's, from its first layer.
-  void recompute_chunk(const GraphShape& blk, int64_t last, const StepContext& ctx,
-                       std::vector<std::unique_ptr<Run>>& runs);
+  // uniform:N (schedule::Kind::recompute): the forward of the chunk [first, last] again,
+  // from its first layer's kept input, keeping everything, as one recompute. `shapes` and
+  // `runs`: the stage's, from its first layer.
+  void recompute_chunk(int64_t first, int64_t last, const StepContext& ctx,
+                       const std::vector<const GraphShape*>& shapes, std::vector<std::unique_ptr<Run>>& runs);
+  // The activation plan the model runs: the store's, else one keeping everything.
+  const ActivationPlan& plan() const { return store_ ? store_->plan() : keep_all_; }
+  // The part of the model this stage runs, as the step schedule names it.
+  schedule::Stage parts() const { return {stage_.first, end_layer(), first_stage(), last_stage()}; }
   // The stage's last block's output [B, T, C] from its input (token ids on the first
   // stage) without dropout; nothing is kept for a backward.
   at::Tensor blocks_output(const at::Tensor& input);
@@ -213,6 +218,7 @@ class TransformerModel final : public Model {
   std::optional<ops::RopeTables> rope_;  ///< rotation tables, when the block rotates
   std::map<std::tuple<Part, int64_t, int64_t, int64_t, bool, Attention>, std::unique_ptr<GraphShape>> parts_;
   std::unique_ptr<ActivationStore> store_;  ///< null: every slot kept
+  ActivationPlan keep_all_;                 ///< a LayerPlan per layer, keeping everything
   /// Per layer of the model, the attention op its plan names (LayerPlan::attention); empty
   /// before a plan is set, and unset entries: the model's op.
   std::vector<std::optional<Attention>> attention_;

@@ -2,6 +2,8 @@
 
 #include "remat/ops.h"
 
+#include "remat/schedule.h"
+
 #include "graph/walk.h"
 
 #include <fmt/format.h>
@@ -242,10 +244,10 @@ LayerCost simulate(const graph::BlockGraph& g, const std::vector<bool>& keep, bo
 }
 
 // A block's walk under the slots `dropped`, its input held whole or as this rank's share.
-LayerCost simulate(const graph::BlockGraph& g, const std::set<std::string>& dropped, bool early_stop,
-                   const NodeTimes& times, bool backward, bool input_sharded = false) {
+LayerCost simulate(const graph::BlockGraph& g, SlotMask dropped, bool early_stop, const NodeTimes& times, bool backward,
+                   bool input_sharded = false) {
   std::vector<bool> keep(kSlotCount, true);
-  for (const auto& s : dropped) keep[static_cast<size_t>(slot_of_name(s))] = false;
+  for (const Slot s : dropped.slots()) keep[static_cast<size_t>(s)] = false;
   LayerCost lc = simulate(g, keep, early_stop, times, backward,
                           input_sharded ? graph::InputHold::sharded : graph::InputHold::whole);
   const int64_t table = g.kept_bytes(keep, input_sharded);
@@ -260,18 +262,18 @@ LayerCost simulate_kept(const graph::BlockGraph& g) {
 
 }  // namespace
 
-LayerCost price_layer(const graph::BlockGraph& g, const std::set<std::string>& dropped, bool early_stop,
-                      const NodeTimes& times, bool input_sharded) {
+LayerCost price_layer(const graph::BlockGraph& g, SlotMask dropped, bool early_stop, const NodeTimes& times,
+                      bool input_sharded) {
   return simulate(g, dropped, early_stop, times, /*backward=*/true, input_sharded);
 }
 
 StaticBytes static_bytes(const ModelConfig& cfg, const StepShape& shape) {
   TORCH_CHECK(cfg.vocab_size > 0, "The cost model needs model.vocab_size");
   const at::ScalarType master = shape.dtype == at::kDouble ? at::kDouble : at::kFloat;
-  TORCH_CHECK(shape.first_layer >= 0 && shape.in_flight >= 1 && shape.stage_layers(cfg.n_layer) >= 1 &&
+  TORCH_CHECK(shape.first_layer >= 0 && shape.in_flight() >= 1 && shape.stage_layers(cfg.n_layer) >= 1 &&
                   shape.first_layer + shape.stage_layers(cfg.n_layer) <= cfg.n_layer,
               "The pipeline stage of layers [", shape.first_layer, ", ", shape.first_layer + shape.layers, ") with ",
-              shape.in_flight, " microbatches in flight is not a stage of a model of ", cfg.n_layer, " layers");
+              shape.in_flight(), " microbatches in flight is not a stage of a model of ", cfg.n_layer, " layers");
   const std::vector<int64_t> numels = param_numels(cfg, shape);
   const int64_t P = std::accumulate(numels.begin(), numels.end(), int64_t{0});
   StaticBytes s;
@@ -284,7 +286,7 @@ StaticBytes static_bytes(const ModelConfig& cfg, const StepShape& shape) {
   }
   // Ids for the embedding, targets for the head, of each microbatch in flight.
   const int64_t ends = (shape.has_embedding() ? 1 : 0) + (shape.has_head(cfg.n_layer) ? 1 : 0);
-  s.batch = shape.in_flight * ends * nbytes(shape.batch * shape.seq, at::kLong);
+  s.batch = shape.in_flight() * ends * nbytes(shape.batch * shape.seq, at::kLong);
   s.resident = shape.resident;
   return s;
 }
@@ -317,6 +319,7 @@ StepPrediction predict_step(const ModelConfig& cfg, const StepShape& shape, cons
                             const NodeTimes& times) {
   TORCH_CHECK(static_cast<int64_t>(plan.layers.size()) == cfg.n_layer, "The activation plan has ", plan.layers.size(),
               " layers but the model has ", cfg.n_layer);
+  TORCH_CHECK(shape.grad_accum >= 1, "A step runs at least one microbatch, got ", shape.grad_accum);
   const StepConstants k = step_constants(cfg, shape);  // checks the stage
   // The stage's layers [F, E).
   const int64_t F = shape.first_layer, E = F + shape.stage_layers(cfg.n_layer);
@@ -325,41 +328,25 @@ StepPrediction predict_step(const ModelConfig& cfg, const StepShape& shape, cons
   StepPrediction p;
   p.statics = k.statics;
   p.first_layer = F;
-  const int64_t embed_peak = k.embed_peak, embed_saved = k.embed_saved;
-  p.embedding = embed_saved;
+  p.embedding = k.embed_saved;
   p.head = k.head_saved;
-  const int64_t base = p.statics.total();
 
-  // Every point but the optimizer step's has the other microbatches in flight beside it,
-  // each holding all its forward keeps (`others`, known once the layers are priced).
-  int64_t others = 0;
-  auto consider = [&](int64_t bytes, int64_t kept_now, const std::string& where) {
-    if (bytes + others > p.peak) {
-      p.peak = bytes + others;
-      p.peak_at = where;
-      p.working_set = bytes - base - kept_now;
-    }
-  };
   // Layers running the other attention op (LayerPlan::attention): its graph and times.
   const auto runs_other = [&](const LayerPlan& lp) { return lp.attention && *lp.attention != cfg.attention; };
   std::optional<graph::BlockGraph> other_block;
-  double other_delta = 0;  // per microbatch
   for (int64_t l = F; l < E; ++l) {
-    if (!runs_other(plan.layers[l])) continue;
+    if (!runs_other(plan.layers[l]) || other_block) continue;
     const OtherAttention* other = times.other_attention.get();
     TORCH_CHECK(other != nullptr && other->op == *plan.layers[l].attention, "The activation plan runs ",
                 attention_name(*plan.layers[l].attention), " attention in layer ", l + 1, " of a model of ",
                 attention_name(cfg.attention), " attention, but its times do not price that op");
-    if (!other_block) {
-      ModelConfig c = cfg;
-      c.attention = other->op;
-      other_block = graph::block_graph(c, shape.batch, shape.seq, shape.dtype, shape.tp, shape.sp);
-    }
-    other_delta += other->pass_delta;
+    ModelConfig c = cfg;
+    c.attention = other->op;
+    other_block = graph::block_graph(c, shape.batch, shape.seq, shape.dtype, shape.tp, shape.sp);
   }
   // Prices per distinct slot choice (layers of one policy mostly share a few).
-  std::map<std::tuple<std::set<std::string>, bool, bool>, LayerCost> priced;
-  auto price = [&](const std::set<std::string>& dropped, bool sharded, bool other = false) -> const LayerCost& {
+  std::map<std::tuple<SlotMask, bool, bool>, LayerCost> priced;
+  auto price = [&](SlotMask dropped, bool sharded, bool other = false) -> const LayerCost& {
     auto it = priced.find({dropped, sharded, other});
     if (it == priced.end()) {
       const LayerCost c = other ? price_layer(*other_block, dropped, early_stop, times.other_attention->times, sharded)
@@ -368,112 +355,124 @@ StepPrediction predict_step(const ModelConfig& cfg, const StepShape& shape, cons
     }
     return it->second;
   };
+  // A uniform chunk's layers: their first forward keeps only the chunk's input (its first
+  // layer), and the chunk's recompute rebuilds each whole.
   const LayerCost& whole = price({}, false);
-  // A uniform:N chunk: its first layer keeps its input, the others nothing; the chunk's
-  // last layer re-runs all of it.
-  auto chunk_first = [&](int64_t l) {
-    const int64_t b = plan.layers[l].chunk_begin;
-    if (b >= 0) return b;
-    return l + 1 < E && plan.layers[l + 1].chunk_begin == l ? l : int64_t{-1};
-  };
-  auto chunk_last = [&](int64_t l) {
-    const int64_t first = chunk_first(l);
-    return first >= 0 && (l + 1 == E || plan.layers[l + 1].chunk_begin != first);
-  };
-  TORCH_CHECK(plan.layers[F].chunk_begin < 0, "The activation plan's uniform chunk from layer ",
-              plan.layers[F].chunk_begin + 1, " crosses into the pipeline stage that begins at layer ", F + 1,
-              "; a chunk must lie within one stage");
-  std::vector<int64_t> kept(E - F);
   for (int64_t l = F; l < E; ++l) {
     const LayerPlan& lp = plan.layers[l];
-    if (chunk_first(l) >= 0) {
-      TORCH_CHECK(!runs_other(lp), "The activation plan runs ", attention_name(*lp.attention), " attention in layer ",
-                  l + 1, ", which is in a uniform chunk; a chunk's layers run the model's attention op");
-      // Its first forward keeps only the chunk's input, if it is the chunk's first layer.
-      std::set<std::string> all(block_slots().begin(), block_slots().end());
-      if (lp.chunk_begin >= 0) all.insert(slot_name(Slot::input));
-      LayerCost c = simulate(block, all, early_stop, times, /*backward=*/false, lp.input_sharded);
-      kept[l - F] = c.kept;
-      c.backward_peak = whole.backward_peak;
-      p.layers.push_back(c);
-    } else {
+    if (plan.chunk_of(l) < 0) {
       p.layers.push_back(price(lp.dropped, lp.input_sharded, runs_other(lp)));
-      kept[l - F] = p.layers.back().kept;
+      continue;
     }
+    TORCH_CHECK(!runs_other(lp), "The activation plan runs ", attention_name(*lp.attention), " attention in layer ",
+                l + 1, ", which is in a uniform chunk; a chunk's layers run the model's attention op");
+    SlotMask all = SlotMask::droppable();
+    if (lp.chunk_begin >= 0) all.add(Slot::input);
+    p.layers.push_back(simulate(block, all, early_stop, times, /*backward=*/false, lp.input_sharded));
+    p.layers.back().backward_peak = whole.backward_peak;
   }
-  p.kept_activations = embed_saved + std::accumulate(kept.begin(), kept.end(), int64_t{0}) + k.head_saved;
-  others = (shape.in_flight - 1) * p.kept_activations;
+  p.kept_activations = k.embed_saved + k.head_saved;
+  for (const LayerCost& c : p.layers) p.kept_activations += c.kept;
   double block_seconds = 0, block_link_seconds = 0;
   for (const auto& n : block.nodes) {
     block_seconds += times.node_seconds(n);
     block_link_seconds += times.node_link_seconds(n);
   }
 
-  const int64_t emb = base + embed_saved;
+  // The step's actions in the order the engine runs them: `live` is what is held between
+  // actions (the statics and every microbatch's kept activations, `held` per layer), and
+  // each action's own working bytes rise above it.
+  const int64_t base = p.statics.total();
+  int64_t live = base;
+  std::vector<std::vector<int64_t>> held(static_cast<size_t>(shape.grad_accum), std::vector<int64_t>(E - F));
+  const auto consider = [&](int64_t bytes, int64_t kept_now, const std::string& where) {
+    if (bytes > p.peak) {
+      p.peak = bytes;
+      p.peak_at = where;
+      p.working_set = bytes - kept_now;
+    }
+  };
   const auto layer_name = [](const char* what, int64_t l) { return fmt::format("{} of layer {}", what, l + 1); };
-  if (shape.has_embedding()) consider(base + embed_peak, 0, "embedding forward");
-  int64_t below = 0;  // kept by the stage's layers under the current one
-  for (int64_t l = F; l < E; ++l) {
-    consider(emb + below + p.layers[l - F].forward_peak, embed_saved + below, layer_name("forward", l));
-    below += kept[l - F];
+  const auto add_recompute = [&](const LayerCost& c, bool first_microbatch) {
+    for (const auto& [kind, n] : c.ops) p.ops[kind] += n;
+    p.recompute_flops += c.recompute_flops;
+    p.recompute_seconds += c.recompute_seconds;
+    p.recompute_link_seconds += c.recompute_link_seconds;
+    if (first_microbatch) p.recomputed_bytes += c.recomputed_bytes;
+  };
+  LayerCost rebuild;  // the recompute of one whole layer of a chunk
+  for (const auto& n : block.nodes) {
+    if (n.op->kind()[0] != '\0') ++rebuild.ops[n.op->kind()];
   }
-  if (shape.has_head(cfg.n_layer)) consider(emb + below + k.head_peak, embed_saved + below, "loss head");
-  LayerCost total;
-  for (int64_t l = E - 1; l >= F; --l) {
-    below -= kept[l - F];
-    const int64_t first = chunk_first(l);
-    if (first < 0) {
-      const LayerCost& c = p.layers[l - F];
-      consider(emb + below + c.backward_peak, embed_saved + below, layer_name("backward", l));
-      for (const auto& [k, n] : c.ops) total.ops[k] += n;
-      total.recompute_flops += c.recompute_flops;
-      total.recompute_seconds += c.recompute_seconds;
-      total.recompute_link_seconds += c.recompute_link_seconds;
-      total.recomputed_bytes += c.recomputed_bytes;
-      continue;
-    }
-    if (!chunk_last(l)) continue;
-    // The chunk [first, l]: its forward again with the output gradient live, then each
-    // layer's backward with the rebuilt layers under it still held.
-    const int64_t under = below - kept[first - F];  // kept by the layers under the chunk
-    if (plan.layers[first].input_sharded) {
-      // The input gathered first, beside its share and the output gradient.
-      consider(emb + under + out_bytes + kept[first - F] + 2 * input_bytes, embed_saved + under + kept[first - F],
-               layer_name("recompute", first));
-      const double gather = times.input_gather_seconds(block);
-      total.recompute_seconds += gather;
-      total.recompute_link_seconds += gather;
-    }
-    int64_t rebuilt = 0;
-    const int64_t full = whole.kept;
-    for (int64_t j = first; j <= l; ++j) {
-      consider(emb + under + out_bytes + rebuilt + whole.forward_peak, embed_saved + under + rebuilt,
-               layer_name("recompute", j));
-      rebuilt += full;
-      for (const auto& n : block.nodes) {
-        if (n.op->kind()[0] != '\0') ++total.ops[n.op->kind()];
+  rebuild.recompute_flops = block.forward_flops();
+  rebuild.recompute_seconds = block_seconds;
+  rebuild.recompute_link_seconds = block_link_seconds;
+  rebuild.recomputed_bytes = whole.kept - input_bytes;
+  const schedule::Stage stage{F, E, shape.has_embedding(), shape.has_head(cfg.n_layer)};
+  for (const schedule::Action& a :
+       schedule::step(plan, stage, shape.schedule, shape.stages, shape.stage, shape.grad_accum)) {
+    const bool first_microbatch = a.microbatch == 0;
+    std::vector<int64_t>* mine = a.microbatch >= 0 ? &held[static_cast<size_t>(a.microbatch)] : nullptr;
+    const auto at = [&](int64_t l) -> int64_t& { return (*mine)[static_cast<size_t>(l - F)]; };
+    switch (a.kind) {
+      case schedule::Kind::embed_forward:
+        consider(live + k.embed_peak, live, "embedding forward");
+        live += k.embed_saved;
+        break;
+      case schedule::Kind::forward: {
+        const LayerCost& c = p.layers[static_cast<size_t>(a.layer - F)];
+        consider(live + c.forward_peak, live, layer_name("forward", a.layer));
+        at(a.layer) = c.kept;
+        live += c.kept;
+        if (runs_other(plan.layers[a.layer])) p.attention_seconds += times.other_attention->pass_delta;
+        break;
       }
-      total.recompute_flops += block.forward_flops();
-      total.recompute_seconds += block_seconds;
-      total.recompute_link_seconds += block_link_seconds;
-      total.recomputed_bytes += full - input_bytes;
-    }
-    for (int64_t j = l; j >= first; --j) {
-      rebuilt -= full;
-      consider(emb + under + rebuilt + whole.backward_peak, embed_saved + under + rebuilt, layer_name("backward", j));
+      case schedule::Kind::head_forward:
+        consider(live + k.head_peak, live, "loss head");
+        live += k.head_saved;
+        break;
+      case schedule::Kind::head_backward:  // its peak is the head's, taken at its forward
+        live -= k.head_saved;
+        break;
+      case schedule::Kind::recompute: {
+        // With the output gradient live, the chunk's layers are rebuilt whole, each over
+        // the ones under it; a sharded input is gathered first, beside its share.
+        for (int64_t j = a.layer; j <= a.last; ++j) live -= at(j);
+        if (plan.layers[a.layer].input_sharded) {
+          consider(live + out_bytes + at(a.layer) + 2 * input_bytes, live + at(a.layer),
+                   layer_name("recompute", a.layer));
+          const double gather = times.input_gather_seconds(block);
+          p.recompute_seconds += gather;
+          p.recompute_link_seconds += gather;
+        }
+        for (int64_t j = a.layer; j <= a.last; ++j) {
+          consider(live + out_bytes + whole.forward_peak, live, layer_name("recompute", j));
+          at(j) = whole.kept;
+          live += whole.kept;
+          add_recompute(rebuild, first_microbatch);
+        }
+        break;
+      }
+      case schedule::Kind::backward: {
+        const bool chunked = plan.chunk_of(a.layer) >= 0;
+        const LayerCost& c = p.layers[static_cast<size_t>(a.layer - F)];
+        live -= at(a.layer);
+        at(a.layer) = 0;
+        consider(live + c.backward_peak, live, layer_name("backward", a.layer));
+        if (!chunked) add_recompute(c, first_microbatch);
+        break;
+      }
+      case schedule::Kind::embed_backward:
+        consider(live + k.embed_backward, live, "embedding backward");
+        live -= k.embed_saved;
+        break;
+      case schedule::Kind::optimizer:
+        TORCH_INTERNAL_ASSERT(live == base, "the simulated step ends its microbatches with ", live - base,
+                              " bytes of activations still held");
+        consider(live + k.optimizer, live, "optimizer step");
+        break;
     }
   }
-  if (shape.has_embedding()) consider(emb + k.embed_backward, embed_saved, "embedding backward");
-  others = 0;  // the optimizer runs after the last backward
-  consider(base + k.optimizer, 0, "optimizer step");
-
-  const double micro = static_cast<double>(shape.grad_accum);
-  for (const auto& [k, n] : total.ops) p.ops[k] = n * shape.grad_accum;
-  p.recompute_flops = micro * total.recompute_flops;
-  p.recompute_seconds = micro * total.recompute_seconds;
-  p.recompute_link_seconds = micro * total.recompute_link_seconds;
-  p.recomputed_bytes = total.recomputed_bytes;
-  p.attention_seconds = micro * other_delta;
   return p;
 }
 

@@ -28,18 +28,18 @@ bool same_cost(const LayerOption& a, const LayerOption& b) {
 }
 
 // Every subset of `block`'s slots that hold bytes, as dropped sets.
-std::vector<std::set<std::string>> keep_sets(const graph::BlockGraph& block) {
-  std::vector<std::string> slots;
-  for (const auto& s : block_slots()) {
-    if (block.slot_bytes(slot_of_name(s)) > 0) slots.push_back(s);
+std::vector<SlotMask> keep_sets(const graph::BlockGraph& block) {
+  std::vector<Slot> slots;
+  for (const Slot s : SlotMask::droppable().slots()) {
+    if (block.slot_bytes(s) > 0) slots.push_back(s);
   }
-  std::vector<std::set<std::string>> out;
+  std::vector<SlotMask> out;
   for (uint32_t mask = 0; mask < (1u << slots.size()); ++mask) {
-    std::set<std::string> dropped;
+    SlotMask dropped;
     for (size_t i = 0; i < slots.size(); ++i) {
-      if (mask & (1u << i)) dropped.insert(slots[i]);
+      if (mask & (1u << i)) dropped.add(slots[i]);
     }
-    out.push_back(std::move(dropped));
+    out.push_back(dropped);
   }
   return out;
 }
@@ -171,7 +171,7 @@ void Planner::place(ActivationPlan& plan, int64_t pos, const Choice& c) const {
     plan.layers[pos].attention = frontier_[c.option].attention;
     return;
   }
-  const std::set<std::string> everything(block_slots().begin(), block_slots().end());
+  const SlotMask everything = SlotMask::droppable();
   for (int64_t j = pos; j < pos + c.chunk; ++j) {
     plan.layers[j].dropped = everything;
     plan.layers[j].chunk_begin = j == pos ? -1 : pos;
@@ -184,7 +184,9 @@ cost::StepShape Planner::stage_shape(const PipelineShape& pipe, int64_t s, int64
   cost::StepShape shape = shape_;
   shape.first_layer = first;
   shape.layers = n;
-  shape.in_flight = pipeline::in_flight(pipe.schedule, pipe.stages, s, shape_.grad_accum);
+  shape.stages = pipe.stages;
+  shape.stage = s;
+  shape.schedule = pipe.schedule;
   return shape;
 }
 

@@ -115,11 +115,6 @@ const std::vector<std::pair<std::string, std::vector<std::string>>>& op_kinds() 
   return ops;
 }
 
-std::set<std::string> all_slots() {
-  const auto& s = block_slots();
-  return {s.begin(), s.end()};
-}
-
 /// How the layers are split across pipeline stages.
 struct Layout {
   std::vector<int64_t> first;  ///< first layer of each stage
@@ -130,7 +125,7 @@ struct Layout {
 /// A per-layer slot choice of a selective policy (the layer index matters for matmul/2).
 struct Selective {
   std::string canonical;
-  std::function<std::set<std::string>(int64_t)> dropped;
+  std::function<SlotMask(int64_t)> dropped;
 };
 
 class Parser {
@@ -160,7 +155,7 @@ class Parser {
                         origin_, plus[0], plus[1]));
       }
       for (int64_t i = 0; i < n_; ++i) {
-        plan.layers[i].dropped = selected->second[i] ? all_slots() : rest->dropped(i);
+        plan.layers[i].dropped = selected->second[i] ? SlotMask::droppable() : rest->dropped(i);
       }
       plan.policy = selected->first + "+" + rest->canonical;
       return plan;
@@ -170,7 +165,7 @@ class Parser {
       return plan;
     }
     if (s == "full") {
-      for (auto& l : plan.layers) l.dropped = all_slots();
+      for (auto& l : plan.layers) l.dropped = SlotMask::droppable();
       plan.policy = "full";
       return plan;
     }
@@ -180,7 +175,7 @@ class Parser {
       for (size_t st = 0; st < layout_.size.size(); ++st) {
         for (int64_t j = 0; j < layout_.size[st]; ++j) {
           const int64_t i = layout_.first[st] + j;
-          plan.layers[i].dropped = all_slots();
+          plan.layers[i].dropped = SlotMask::droppable();
           // The chunk's first layer keeps its input like a full layer (-1); the others
           // point at it. uniform:1 is therefore the same plan as full.
           const int64_t begin = layout_.first[st] + (j / size) * size;
@@ -193,7 +188,7 @@ class Parser {
     if (starts_with(s, "layers:")) return layers(s);
     if (const auto sel = select(s)) {
       for (int64_t i = 0; i < n_; ++i) {
-        if (sel->second[i]) plan.layers[i].dropped = all_slots();
+        if (sel->second[i]) plan.layers[i].dropped = SlotMask::droppable();
       }
       plan.policy = sel->first;
       return plan;
@@ -299,11 +294,9 @@ class Parser {
       std::vector<std::string> valid;
       for (const auto& m : block_modules()) valid.push_back(m.first);
       const auto mods = names(s, 8, "module", valid);
-      std::set<std::string> dropped;
+      SlotMask dropped;
       for (const auto& m : block_modules()) {
-        if (std::find(mods.begin(), mods.end(), m.first) != mods.end()) {
-          dropped.insert(m.second.begin(), m.second.end());
-        }
+        if (std::find(mods.begin(), mods.end(), m.first) != mods.end()) dropped |= SlotMask::of_names(m.second);
       }
       return Selective{"modules:[" + join(mods, ",") + "]", [dropped](int64_t) { return dropped; }};
     }
@@ -321,19 +314,16 @@ class Parser {
                         "them in every other layer); give one of them.",
                         origin_, s));
       }
-      std::set<std::string> kept_always;
+      SlotMask kept_always;
       for (const auto& o : op_kinds()) {
-        if (std::find(ops.begin(), ops.end(), o.first) != ops.end()) {
-          kept_always.insert(o.second.begin(), o.second.end());
-        }
+        if (std::find(ops.begin(), ops.end(), o.first) != ops.end()) kept_always |= SlotMask::of_names(o.second);
       }
-      const std::vector<std::string> matmul_slots = op_kinds().front().second;
+      const SlotMask matmul_slots = SlotMask::of_names(op_kinds().front().second);
       auto dropped = [kept_always, every_other, matmul_slots](int64_t layer) {
-        std::set<std::string> kept = kept_always;
-        if (every_other && layer % 2 == 0) kept.insert(matmul_slots.begin(), matmul_slots.end());
-        std::set<std::string> out;
-        for (const auto& slot : block_slots()) {
-          if (!kept.count(slot)) out.insert(slot);
+        const SlotMask kept = every_other && layer % 2 == 0 ? kept_always | matmul_slots : kept_always;
+        SlotMask out;
+        for (const Slot slot : SlotMask::droppable().slots()) {
+          if (!kept.has(slot)) out.add(slot);
         }
         return out;
       };
@@ -360,7 +350,7 @@ class Parser {
     for (int64_t i = 0; i < n_; ++i) {
       std::string e = entries[i];
       if (e == "full") {
-        plan.layers[i].dropped = all_slots();
+        plan.layers[i].dropped = SlotMask::droppable();
         canon.push_back(e);
         continue;
       }
@@ -688,7 +678,7 @@ ActivationPlan compile_policy(const AcConfig& ac, int64_t n_layers, double dropo
     // nanotron's default: the gathered inputs of the column-parallel linears are never kept.
     for (auto& l : plan.layers) {
       for (const auto& m : block_modules()) {
-        if (m.first == "gathered") l.dropped.insert(m.second.begin(), m.second.end());
+        if (m.first == "gathered") l.dropped |= SlotMask::of_names(m.second);
       }
     }
     plan.policy += " (tp_recompute_allgather)";
@@ -696,7 +686,7 @@ ActivationPlan compile_policy(const AcConfig& ac, int64_t n_layers, double dropo
   if (ac.distribute_saved_activations && *ac.distribute_saved_activations) {
     // Megatron's: the input of every layer recomputed whole (a uniform chunk's first layer,
     // a block:N layer, a full layer) is kept as this rank's share.
-    const auto everything = all_slots();
+    const auto everything = SlotMask::droppable();
     // With no recompute it has nothing to act on (a sweep's `none`); a selective policy
     // alone is a misunderstanding: it keeps every input whole.
     for (auto& l : plan.layers) l.input_sharded = l.chunk_begin < 0 && l.dropped == everything;
@@ -723,14 +713,21 @@ ActivationPlan compile_policy(const AcConfig& ac, int64_t n_layers, double dropo
   return plan;
 }
 
+// GCC 12 warns, wrongly, that assigning the empty optional reads an uninitialized string.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 ActivationPlan compile_policy(const std::string& policy, int64_t n_layers, double dropout) {
   AcConfig ac;
   ac.policy = policy;
   return compile_policy(ac, n_layers, dropout);
 }
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
 
 std::string explain_plan(const ActivationPlan& plan) {
-  const auto everything = all_slots();
   struct Row {
     std::string layers, keeps, drops, chunk, attention;
   };
@@ -739,25 +736,19 @@ std::string explain_plan(const ActivationPlan& plan) {
       std::any_of(plan.layers.begin(), plan.layers.end(), [](const LayerPlan& l) { return l.attention.has_value(); });
   std::vector<Row> rows;
   const auto n = static_cast<int64_t>(plan.layers.size());
-  // The chunk a layer belongs to: its first layer (a chunk's first layer has chunk_begin -1
-  // and is recognised by the next layer pointing at it), or -1.
-  auto chunk_of = [&](int64_t i) -> int64_t {
-    if (plan.layers[i].chunk_begin >= 0) return plan.layers[i].chunk_begin;
-    return i + 1 < n && plan.layers[i + 1].chunk_begin == i ? i : -1;
-  };
   for (int64_t i = 0; i < n;) {
     int64_t j = i;
     while (j + 1 < n && plan.layers[j + 1].dropped == plan.layers[i].dropped &&
            plan.layers[j + 1].chunk_begin == plan.layers[i].chunk_begin &&
            plan.layers[j + 1].input_sharded == plan.layers[i].input_sharded &&
-           plan.layers[j + 1].attention == plan.layers[i].attention && chunk_of(j + 1) == chunk_of(i)) {
+           plan.layers[j + 1].attention == plan.layers[i].attention && plan.chunk_of(j + 1) == plan.chunk_of(i)) {
       ++j;
     }
     const LayerPlan& l = plan.layers[i];
     Row r;
     r.layers = i == j ? std::to_string(i + 1) : fmt::format("{}-{}", i + 1, j + 1);
     std::vector<std::string> kept, dropped;
-    for (const auto& s : block_slots()) (l.dropped.count(s) ? dropped : kept).push_back(s);
+    for (const auto& s : block_slots()) (l.dropped.has(slot_of_name(s)) ? dropped : kept).push_back(s);
     if (l.chunk_begin >= 0) {
       r.keeps = fmt::format("nothing (recomputed from layer {}'s input)", l.chunk_begin + 1);
     } else {
@@ -772,11 +763,9 @@ std::string explain_plan(const ActivationPlan& plan) {
     }
     r.drops = dropped.empty() ? "-" : kept.empty() ? "all" : join(dropped, ", ");
     r.attention = l.attention ? attention_name(*l.attention) : "-";
-    const int64_t chunk = chunk_of(i);
+    const int64_t chunk = plan.chunk_of(i);
     if (chunk >= 0) {
-      int64_t end = chunk;
-      while (end + 1 < n && plan.layers[end + 1].chunk_begin == chunk) ++end;
-      r.chunk = fmt::format("{}-{}", chunk + 1, end + 1);
+      r.chunk = fmt::format("{}-{}", chunk + 1, plan.chunk_end(chunk) + 1);
     } else {
       r.chunk = "-";
     }

@@ -48,7 +48,8 @@ std::string pipeline_infeasible(const Config& cfg, const Planner& planner, const
 std::string saved_plan_json(const RunPlan& r) {
   nlohmann::json layers = nlohmann::json::array();
   for (const LayerPlan& l : r.plan.layers) {
-    nlohmann::json layer{{"dropped", l.dropped}, {"chunk_begin", l.chunk_begin}, {"input_sharded", l.input_sharded}};
+    nlohmann::json layer{
+        {"dropped", l.dropped.names()}, {"chunk_begin", l.chunk_begin}, {"input_sharded", l.input_sharded}};
     if (l.attention) layer["attention"] = attention_name(*l.attention);
     layers.push_back(std::move(layer));
   }
@@ -68,7 +69,13 @@ SavedPlan parse_saved_plan(const std::string& json, int64_t n_layers, int64_t st
     saved.split = j.at("split").get<std::vector<int64_t>>();
     for (const nlohmann::json& l : j.at("layers")) {
       LayerPlan layer;
-      layer.dropped = l.at("dropped").get<std::set<std::string>>();
+      const auto dropped = l.at("dropped").get<std::vector<std::string>>();
+      for (const std::string& slot : dropped) {
+        if (std::find(block_slots().begin(), block_slots().end(), slot) == block_slots().end()) {
+          throw damaged(fmt::format("drops '{}' in layer {}, which no block has", slot, saved.plan.layers.size() + 1));
+        }
+      }
+      layer.dropped = SlotMask::of_names(dropped);
       layer.chunk_begin = l.at("chunk_begin").get<int64_t>();
       layer.input_sharded = l.at("input_sharded").get<bool>();
       if (l.contains("attention")) {
@@ -94,12 +101,8 @@ SavedPlan parse_saved_plan(const std::string& json, int64_t n_layers, int64_t st
     throw damaged(fmt::format("splits the layers as [{}], but this run puts its {} layers on {} pipeline stage{}",
                               fmt::join(saved.split, ","), n_layers, stages, stages == 1 ? "" : "s"));
   }
-  const std::set<std::string> slots(block_slots().begin(), block_slots().end());
   for (size_t l = 0; l < saved.plan.layers.size(); ++l) {
     const LayerPlan& layer = saved.plan.layers[l];
-    for (const std::string& slot : layer.dropped) {
-      if (!slots.count(slot)) throw damaged(fmt::format("drops '{}' in layer {}, which no block has", slot, l + 1));
-    }
     if (layer.chunk_begin < -1 || layer.chunk_begin > static_cast<int64_t>(l)) {
       throw damaged(fmt::format("begins layer {}'s chunk at layer {}", l + 1, layer.chunk_begin + 1));
     }

@@ -51,16 +51,10 @@ std::string by_module(const std::vector<std::string>& names) {
   return fmt::format("{}", fmt::join(parts, " "));
 }
 
-// Whether layer `l` of `plan` begins a uniform:N chunk (keeps its input for the chunk).
-bool begins_chunk(const ActivationPlan& plan, size_t l) {
-  return plan.layers[l].chunk_begin < 0 && l + 1 < plan.layers.size() &&
-         plan.layers[l + 1].chunk_begin == static_cast<int64_t>(l);
-}
-
 // What layer `l` of `plan` keeps of a block with `slots`, in a few words.
 std::string layer_words(const ActivationPlan& plan, const std::vector<std::string>& slots, size_t l) {
   const LayerPlan& lp = plan.layers[l];
-  const bool chunk_start = begins_chunk(plan, l);
+  const bool chunk_start = plan.chunk_of(static_cast<int64_t>(l)) == static_cast<int64_t>(l);
   std::string text;
   if (lp.chunk_begin >= 0) {
     text = fmt::format("nothing: recomputed with the chunk from layer {}", lp.chunk_begin + 1);
@@ -72,7 +66,7 @@ std::string layer_words(const ActivationPlan& plan, const std::vector<std::strin
     std::vector<std::string> kept, dropped;
     for (const std::string& s : slots) {
       if (s == "input") continue;
-      (lp.dropped.count(s) ? dropped : kept).push_back(s);
+      (lp.dropped.has(slot_of_name(s)) ? dropped : kept).push_back(s);
     }
     // The shorter of the two lists.
     text = kept.empty()                   ? "input only"
@@ -141,7 +135,7 @@ std::string layer_table(const ActivationPlan& plan, const std::vector<std::strin
     const auto l = static_cast<size_t>(pred.first_layer) + i;
     const std::string words = layer_words(plan, slots, l);
     const auto& c = pred.layers[i];
-    const bool chunked = plan.layers[l].chunk_begin >= 0 || begins_chunk(plan, l);
+    const bool chunked = plan.chunk_of(static_cast<int64_t>(l)) >= 0;
     if (!groups.empty() && !chunked && groups.back().words == words && groups.back().kept == c.kept &&
         groups.back().flops == c.recompute_flops) {
       groups.back().last = static_cast<int64_t>(l);
@@ -281,7 +275,7 @@ nlohmann::json render_json(const RunSpec& spec) {
     for (size_t i = 0; i < p.layers.size(); ++i) {
       const LayerPlan& lp = r.plan.layers[static_cast<size_t>(p.first_layer) + i];
       layers.push_back({{"layer", p.first_layer + static_cast<int64_t>(i) + 1},
-                        {"dropped", lp.dropped},
+                        {"dropped", lp.dropped.names()},
                         {"chunk_begin", lp.chunk_begin < 0 ? -1 : lp.chunk_begin + 1},
                         {"input_sharded", lp.input_sharded},
                         {"attention", attention_name(lp.attention.value_or(m.attention))},

@@ -56,12 +56,7 @@ ActivationStore::ActivationStore(ActivationPlan plan, StoreOptions options, int6
   }
 }
 
-bool ActivationStore::drops(int64_t l, const std::string& slot) const {
-  return plan_.layers[static_cast<size_t>(l)].dropped.count(slot) > 0;
-}
-
-void ActivationStore::drop(uint64_t mb, int64_t l, const std::string& slot, size_t index, const at::Tensor& t,
-                           bool view_of_dropped) {
+void ActivationStore::drop(uint64_t mb, int64_t l, Slot slot, size_t index, const at::Tensor& t, bool view_of_dropped) {
   if (!t.defined()) return;
   if (!view_of_dropped) counters_.bytes_dropped += t.numel() * static_cast<int64_t>(t.element_size());
   if (options_.check == DeterminismCheck::none) return;
@@ -76,8 +71,7 @@ void ActivationStore::drop(uint64_t mb, int64_t l, const std::string& slot, size
   if (options_.check == DeterminismCheck::values) r.hashes[index] = hash_bytes(t);
 }
 
-void ActivationStore::refilled(uint64_t mb, int64_t l, const std::string& slot,
-                               const std::vector<at::Tensor>& tensors) {
+void ActivationStore::refilled(uint64_t mb, int64_t l, Slot slot, const std::vector<at::Tensor>& tensors) {
   std::vector<at::Tensor> defined;
   for (const auto& t : tensors) {
     if (t.defined()) defined.push_back(t);
@@ -94,7 +88,7 @@ void ActivationStore::refilled(uint64_t mb, int64_t l, const std::string& slot,
   auto it = records_.find({mb, l, slot});
   if (it == records_.end()) return;
   const Record& r = it->second;
-  const std::string where = fmt::format("layer {} (counted from 1), slot {}", l + 1, slot);
+  const std::string where = fmt::format("layer {} (counted from 1), slot {}", l + 1, slot_name(slot));
   if (defined.size() != r.sizes.size()) {
     throw std::runtime_error(fmt::format("Recompute of {} produced {} tensors, the forward saved {}.", where,
                                          defined.size(), r.sizes.size()));

@@ -145,7 +145,7 @@ TEST(CostModel, TensorParallelRanksPeakWhereTheCostModelSays) {
 // priced by the cost model and run by the engine.
 TEST(CostModel, RandomKeepSetsPeakWhereTheCostModelSays) {
   std::mt19937 rng(20261122);
-  const auto& slots = block_slots();
+  const auto slots = SlotMask::droppable().slots();
   for (const char* preset : {"gpt2-demo", "llama-demo"}) {
     for (Attention attention : {Attention::math, Attention::tiled}) {
       ModelConfig cfg = config(preset, 2, 0.1);
@@ -164,11 +164,11 @@ TEST(CostModel, RandomKeepSetsPeakWhereTheCostModelSays) {
         std::string text;
         for (int64_t l = 0; l < cfg.n_layer; ++l) {
           LayerPlan lp;
-          for (const auto& s : slots) {
-            if (rng() % 2) lp.dropped.insert(s);
+          for (const Slot s : slots) {
+            if (rng() % 2) lp.dropped.add(s);
           }
           if (rng() % 3 == 0) lp.attention = other;
-          text += fmt::format("[{}]{} ", fmt::join(lp.dropped, ","), lp.attention ? attention_name(other) : "");
+          text += fmt::format("[{}]{} ", fmt::join(lp.dropped.names(), ","), lp.attention ? attention_name(other) : "");
           plan.layers.push_back(lp);
         }
         const bool early_stop = rng() % 4 != 0;

@@ -53,14 +53,14 @@ TEST(LinkPricing, ReGatherCostsItsBytesAtTheLinkRate) {
     const graph::Node& scatter = node_of(block, graph::op::sp_scatter());  // its bias added after the sum
     EXPECT_DOUBLE_EQ(times.node_seconds(scatter), scatter.flops / 1e9 + 2 * gather) << t;
     EXPECT_DOUBLE_EQ(times.node_link_seconds(scatter), 2 * gather) << t;
-    const cost::LayerCost again = cost::price_layer(block, {"attn.gathered"}, true, times);
+    const cost::LayerCost again = cost::price_layer(block, {Slot::attn_gathered}, true, times);
     EXPECT_DOUBLE_EQ(again.recompute_seconds, gather) << t;
     EXPECT_DOUBLE_EQ(again.recompute_link_seconds, gather) << t;
     EXPECT_EQ(again.recompute_flops, 0) << t;
     // A measured time is taken as it is.
     cost::NodeTimes measured = times;
     measured.seconds[node_of(block, graph::op::sp_gather()).name] = 0.5;
-    EXPECT_DOUBLE_EQ(cost::price_layer(block, {"attn.gathered"}, true, measured).recompute_seconds, 0.5) << t;
+    EXPECT_DOUBLE_EQ(cost::price_layer(block, {Slot::attn_gathered}, true, measured).recompute_seconds, 0.5) << t;
   }
 }
 
@@ -136,7 +136,7 @@ TEST(LinkPricing, PlannerKeepsTensorsWholeWhenTheBudgetDoesNotNeedTheSaving) {
       const Planner planner(cfg, shape, flop_times(), PlannerOptions{});
       const auto whole = [](const ActivationPlan& p) {
         return std::none_of(p.layers.begin(), p.layers.end(), [](const LayerPlan& l) {
-          return l.input_sharded || l.dropped.count("attn.gathered") > 0 || l.dropped.count("mlp.gathered") > 0;
+          return l.input_sharded || l.dropped.has(Slot::attn_gathered) || l.dropped.has(Slot::mlp_gathered);
         });
       };
       const auto loose = planner.solve(planner.none_peak());

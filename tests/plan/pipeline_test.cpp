@@ -316,9 +316,10 @@ TEST(PipelinePlan, StagePredictionsHoldTheirPartsAndTheMicrobatchesInFlight) {
     EXPECT_EQ(a.statics.grads + b.statics.grads, all.statics.grads + tied) << preset;
     EXPECT_EQ(a.kept_activations + b.kept_activations, all.kept_activations) << preset;
     EXPECT_EQ(a.recompute_seconds + b.recompute_seconds, all.recompute_seconds) << preset;
-    // Three microbatches in flight: every point but the optimizer's has two more beside it.
+    // The first of three stages under 1F1B holds three of its four microbatches at once:
+    // the peak has two more beside it.
     cost::StepShape three = first;
-    three.in_flight = 3;
+    three.stages = 3;
     const auto c = cost::predict_step(cfg, three, plan, true, times);
     ASSERT_NE(a.peak_at, "optimizer step");
     EXPECT_EQ(c.peak - c.statics.batch, a.peak - a.statics.batch + 2 * a.kept_activations) << preset;
@@ -330,10 +331,10 @@ TEST(PipelinePlan, StagePredictionsHoldTheirPartsAndTheMicrobatchesInFlight) {
 // Every plan of a small pipeline over a few keep-sets and uniform chunks of two, priced by
 // the step simulator stage by stage: the solver's plan is the fastest that fits.
 TEST(PipelinePlan, PlannerEqualsBruteForceOverSimulatedPlans) {
-  const std::vector<std::set<std::string>> candidates = {{}, {"attn.probs", "attn.dropout"}, {"mlp.act_in"}};
+  const std::vector<SlotMask> candidates = {{}, {Slot::attn_probs, Slot::attn_dropout}, {Slot::mlp_act_in}};
   cost::NodeTimes times;
   times.flops_per_second = 1.0;
-  const std::set<std::string> everything(block_slots().begin(), block_slots().end());
+  const SlotMask everything = SlotMask::droppable();
   for (const char* preset : {"gpt2-demo", "llama-demo"}) {
     const ModelConfig cfg = config(preset, 4);
     const cost::StepShape shape = shape_of(2, 64, 3);

@@ -31,13 +31,13 @@ cost::StepShape shape_of(int64_t B, int64_t T, at::ScalarType dtype = at::kFloat
 // each single layer also with every op of `ops` (LayerPlan::attention), priced by the step
 // simulator; the least recompute time (and other attention op's pass time) within `budget`.
 double brute_force(const ModelConfig& cfg, const cost::StepShape& shape, const cost::NodeTimes& times,
-                   const std::vector<std::set<std::string>>& candidates, int64_t max_chunk, int64_t budget,
-                   int64_t* plans_seen, const std::vector<std::optional<Attention>>& ops = {std::nullopt}) {
+                   const std::vector<SlotMask>& candidates, int64_t max_chunk, int64_t budget, int64_t* plans_seen,
+                   const std::vector<std::optional<Attention>>& ops = {std::nullopt}) {
   const int64_t L = cfg.n_layer;
   double best = -1;
   ActivationPlan plan;
   plan.layers.resize(L);
-  const std::set<std::string> everything(block_slots().begin(), block_slots().end());
+  const SlotMask everything = SlotMask::droppable();
   const std::vector<bool> holds = shape.tp > 1 && !shape.sp ? std::vector<bool>{false, true} : std::vector<bool>{false};
   std::function<void(int64_t)> walk = [&](int64_t pos) {
     if (pos == L) {
@@ -67,11 +67,11 @@ double brute_force(const ModelConfig& cfg, const cost::StepShape& shape, const c
 }
 
 TEST(Planner, EqualsBruteForceOnSmallInstances) {
-  const std::vector<std::set<std::string>> candidates = {{},
-                                                         {"attn.probs", "attn.dropout"},
-                                                         {"mlp.act_in"},
-                                                         {"attn.qkv", "attn.probs", "attn.dropout"},
-                                                         {"mlp.proj_in", "mlp.fc_in"}};
+  const std::vector<SlotMask> candidates = {{},
+                                            {Slot::attn_probs, Slot::attn_dropout},
+                                            {Slot::mlp_act_in},
+                                            {Slot::attn_qkv, Slot::attn_probs, Slot::attn_dropout},
+                                            {Slot::mlp_proj_in, Slot::mlp_fc_in}};
   cost::NodeTimes times;
   times.flops_per_second = 1.0;
   for (const char* preset : {"gpt2-demo", "llama-demo"}) {
@@ -107,7 +107,7 @@ TEST(Planner, EqualsBruteForceOnSmallInstances) {
 // all-gathered before its backward at a measured cost: still the brute force's optimum;
 // tighter budgets share inputs, and the loosest (no recompute) keeps them whole.
 TEST(Planner, EqualsBruteForceWithInputsKeptAsShares) {
-  const std::vector<std::set<std::string>> candidates = {{}, {"attn.probs", "attn.dropout"}, {"mlp.act_in"}};
+  const std::vector<SlotMask> candidates = {{}, {Slot::attn_probs, Slot::attn_dropout}, {Slot::mlp_act_in}};
   for (const char* preset : {"gpt2-demo", "llama-demo"}) {
     const ModelConfig cfg = config(preset, 3, 0.1);
     cost::StepShape shape = shape_of(2, 64);
@@ -151,7 +151,7 @@ TEST(Planner, EqualsBruteForceWithInputsKeptAsShares) {
 // loose budget keeps math, the faster pass here, in every layer; tighter ones turn some
 // layers tiled, whose kept log-sum-exp is far smaller than math's probabilities.
 TEST(Planner, ChoosesTheAttentionOpPerLayerAsBruteForceDoes) {
-  const std::vector<std::set<std::string>> candidates = {{}, {"attn.probs", "attn.dropout"}, {"mlp.act_in"}};
+  const std::vector<SlotMask> candidates = {{}, {Slot::attn_probs, Slot::attn_dropout}, {Slot::mlp_act_in}};
   for (const char* preset : {"gpt2-demo", "llama-demo"}) {
     ModelConfig cfg = config(preset, 3, 0.1);
     cfg.attention_tile = 16;
@@ -289,7 +289,7 @@ TEST(Planner, GptLayerBytesEqualKorthikantisFormula) {
     const cost::NodeTimes times;
     const int64_t sbh = sh.s * sh.b * sh.h;
     const int64_t layernorm_stats = 2 * 2 * sh.s * sh.b * 4;
-    std::set<std::string> all(block_slots().begin(), block_slots().end());
+    const SlotMask all = SlotMask::droppable();
     for (int64_t t : {1, 2, 4}) {
       const auto block = graph::block_graph(cfg, sh.b, sh.s, at::kBFloat16, t);
       EXPECT_EQ(cost::price_layer(block, {}, true, times).kept,
@@ -300,9 +300,8 @@ TEST(Planner, GptLayerBytesEqualKorthikantisFormula) {
       // distribute_saved_activations: the input of a layer recomputed whole, as a share.
       EXPECT_EQ(cost::price_layer(block, all, true, times, true).kept, 2 * sbh / t) << "t " << t << " h " << sh.h;
       const auto sp = graph::block_graph(cfg, sh.b, sh.s, at::kBFloat16, t, true);
-      const std::set<std::string> regather{"attn.gathered", "mlp.gathered"};
-      std::set<std::string> selective = regather;
-      selective.insert({"attn.probs", "attn.dropout"});
+      const SlotMask regather{Slot::attn_gathered, Slot::mlp_gathered};
+      const SlotMask selective = regather | SlotMask{Slot::attn_probs, Slot::attn_dropout};
       const int64_t attention = 5 * sh.a * sh.s * sh.s * sh.b / t, stats = layernorm_stats / t;
       EXPECT_EQ(cost::price_layer(sp, regather, true, times).kept, sbh * 34 / t + attention + stats) << "t " << t;
       EXPECT_EQ(cost::price_layer(sp, selective, true, times).kept, sbh * 34 / t + stats) << "t " << t;

@@ -28,7 +28,10 @@ Slots all_but(const Slots& kept) {
 
 std::vector<Slots> drops(const ActivationPlan& p) {
   std::vector<Slots> out;
-  for (const auto& l : p.layers) out.push_back(l.dropped);
+  for (const auto& l : p.layers) {
+    const auto names = l.dropped.names();
+    out.emplace_back(names.begin(), names.end());
+  }
   return out;
 }
 

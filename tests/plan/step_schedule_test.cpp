@@ -1,0 +1,228 @@
+// The step schedule: the order of a step's actions, and the cost model's simulation of it
+// against the engine running it, over random steps: policies and random keep-sets,
+// uniform chunks, microbatches, pipeline stages on threads (2 and 4 stages, both
+// schedules), both attention ops.
+#include "plan/plan_test_util.h"
+#include "remat/cost.h"
+#include "remat/memory.h"
+#include "remat/model.h"
+#include "remat/policy.h"
+#include "remat/schedule.h"
+#include "train/pipeline_step.h"
+#include "util/gloo_ranks.h"
+
+#include <ATen/Parallel.h>
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <random>
+
+namespace remat {
+namespace {
+
+using schedule::Action;
+using schedule::Kind;
+
+TEST(StepSchedule, AMicrobatchRunsItsPartsAndRecomputesAChunkBeforeItsLastLayersBackward) {
+  const ActivationPlan plan = compile_policy("uniform:2", 4, 0.0);
+  const schedule::Stage whole{0, 4, true, true};
+  EXPECT_EQ(schedule::forward(plan, whole, 1),
+            (std::vector<Action>{{Kind::embed_forward, 1},
+                                 {Kind::forward, 1, 0},
+                                 {Kind::forward, 1, 1},
+                                 {Kind::forward, 1, 2},
+                                 {Kind::forward, 1, 3},
+                                 {Kind::head_forward, 1}}));
+  EXPECT_EQ(schedule::backward(plan, whole, 1), (std::vector<Action>{{Kind::head_backward, 1},
+                                                                      {Kind::recompute, 1, 2, 3},
+                                                                      {Kind::backward, 1, 3},
+                                                                      {Kind::backward, 1, 2},
+                                                                      {Kind::recompute, 1, 0, 1},
+                                                                      {Kind::backward, 1, 1},
+                                                                      {Kind::backward, 1, 0},
+                                                                      {Kind::embed_backward, 1}}));
+  // A middle stage holds neither end.
+  EXPECT_EQ(schedule::backward(plan, {2, 4, false, false}, 0),
+            (std::vector<Action>{{Kind::recompute, 0, 2, 3}, {Kind::backward, 0, 3}, {Kind::backward, 0, 2}}));
+}
+
+TEST(StepSchedule, AStepRunsTheMicrobatchesInThePipelinesOrderThenTheOptimizer) {
+  const ActivationPlan plan = compile_policy("none", 2, 0.0);
+  const schedule::Stage last{1, 2, false, true};
+  // The last of two stages under 1F1B: each forward followed by its backward.
+  EXPECT_EQ(schedule::step(plan, last, pipeline::Schedule::one_f_one_b, 2, 1, 2),
+            (std::vector<Action>{{Kind::forward, 0, 1},
+                                 {Kind::head_forward, 0},
+                                 {Kind::head_backward, 0},
+                                 {Kind::backward, 0, 1},
+                                 {Kind::forward, 1, 1},
+                                 {Kind::head_forward, 1},
+                                 {Kind::head_backward, 1},
+                                 {Kind::backward, 1, 1},
+                                 {Kind::optimizer}}));
+  // The first under GPipe: every forward, then every backward.
+  const auto gpipe = schedule::step(plan, {0, 1, true, false}, pipeline::Schedule::gpipe, 2, 0, 2);
+  EXPECT_EQ(gpipe, (std::vector<Action>{{Kind::embed_forward, 0},
+                                        {Kind::forward, 0, 0},
+                                        {Kind::embed_forward, 1},
+                                        {Kind::forward, 1, 0},
+                                        {Kind::backward, 0, 0},
+                                        {Kind::embed_backward, 0},
+                                        {Kind::backward, 1, 0},
+                                        {Kind::embed_backward, 1},
+                                        {Kind::optimizer}}));
+}
+
+TEST(StepSchedule, AChunkCrossingIntoAStageIsRefused) {
+  const ActivationPlan plan = compile_policy("uniform:4", 4, 0.0);
+  try {
+    schedule::backward(plan, {2, 4, false, true}, 0);
+    FAIL() << "a chunk from layer 1 ran on the stage of layers 3 and 4";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what_without_backtrace()).find("crosses into the pipeline stage that begins at layer 3"),
+              std::string::npos)
+        << e.what_without_backtrace();
+  }
+}
+
+// One random step: the model, its plan, and how it runs.
+struct RandomStep {
+  ModelConfig cfg;
+  ActivationPlan plan;
+  int64_t stages = 1;
+  int64_t microbatches = 1;
+  pipeline::Schedule schedule = pipeline::Schedule::one_f_one_b;
+  bool early_stop = true;
+  std::string text;
+};
+
+constexpr int64_t kB = 3, kT = 48, kChunk = 40;
+
+RandomStep random_step(std::mt19937& rng, int64_t stages) {
+  static const char* const kPolicies[] = {"none",      "full",         "every:2",    "uniform:2",
+                                          "block:1",   "modules:[qkv]", "ops:[matmul/2,softmax]",
+                                          "modules:[core_attn]"};
+  RandomStep r;
+  r.stages = stages;
+  // Two layers a stage at least, so that uniform:2 chunks fit in one.
+  r.cfg = testing::plan_config(rng() % 2 ? "gpt2-demo" : "llama-demo", std::max<int64_t>(4, 2 * stages),
+                               rng() % 2 ? 0.1 : 0.0);
+  r.cfg.attention = rng() % 2 ? Attention::tiled : Attention::math;
+  r.cfg.attention_tile = 20;  // three query tiles, the last one short
+  r.microbatches = 1 + static_cast<int64_t>(rng() % 4);
+  // One stage accumulates its microbatches one after another (TrainStep).
+  r.schedule = stages > 1 && rng() % 2 ? pipeline::Schedule::gpipe : pipeline::Schedule::one_f_one_b;
+  r.early_stop = rng() % 4 != 0;
+  if (rng() % 3 == 0) {
+    // A random keep-set per layer.
+    for (int64_t l = 0; l < r.cfg.n_layer; ++l) {
+      LayerPlan lp;
+      for (const Slot s : SlotMask::droppable().slots()) {
+        if (rng() % 2) lp.dropped.add(s);
+      }
+      r.plan.layers.push_back(lp);
+    }
+    r.text = "random keep-sets";
+  } else {
+    AcConfig ac;
+    r.text = kPolicies[rng() % std::size(kPolicies)];
+    ac.policy.emplace(r.text);
+    ac.stages = stages;
+    r.plan = compile_policy(ac, r.cfg.n_layer, r.cfg.dropout);
+  }
+  r.text = fmt::format("{} {} p={}, {} microbatches, {} stages, {}, early_stop={}: {}", r.cfg.arch == Arch::gpt2 ? "gpt2" : "llama",
+                       attention_name(r.cfg.attention), r.cfg.dropout, r.microbatches, r.stages,
+                       pipeline::schedule_name(r.schedule), r.early_stop, r.text);
+  return r;
+}
+
+std::vector<MicrobatchData> random_data(const ModelConfig& cfg, int64_t microbatches, uint64_t seed) {
+  auto gen = at::detail::createCPUGenerator(seed);
+  std::vector<MicrobatchData> out;
+  for (int64_t m = 0; m < microbatches; ++m) {
+    out.push_back({at::randint(cfg.vocab_size, {kB, kT}, gen, at::kLong),
+                   at::randint(cfg.vocab_size, {kB, kT}, gen, at::kLong), StepContext{7, 1, static_cast<uint64_t>(m)}});
+  }
+  return out;
+}
+
+// The prediction for stage `stage` of the step, as the bytes the step adds to what is live
+// before it: the statics are (the batch too, made beforehand), but for the optimizer's,
+// which is not run.
+int64_t predicted_rise(const RandomStep& r, int64_t stage, int64_t first, int64_t layers) {
+  cost::StepShape shape = testing::plan_shape(kB, kT, at::kFloat, r.microbatches);
+  shape.ce_chunk = kChunk;
+  shape.first_layer = first;
+  shape.layers = layers;
+  shape.stages = r.stages;
+  shape.stage = stage;
+  shape.schedule = r.schedule;
+  const cost::StepPrediction p = cost::predict_step(r.cfg, shape, r.plan, r.early_stop, {});
+  EXPECT_NE(p.peak_at, "optimizer step") << r.text;
+  return p.peak - p.statics.total();
+}
+
+StoreOptions options(const RandomStep& r) {
+  StoreOptions o;
+  o.early_stop = r.early_stop;
+  o.pool = false;  // the pool keeps freed buffers charged to whoever freed them last
+  return o;
+}
+
+// The engine's step on one thread: its microbatches one after another.
+int64_t measured_rise(const RandomStep& r, uint64_t seed) {
+  auto model = Model::create(r.cfg, at::kCPU, at::kFloat, 3);
+  model->set_activation_plan(r.plan, options(r));
+  const std::vector<MicrobatchData> data = random_data(r.cfg, r.microbatches, seed);
+  model->zero_grad();
+  const memory::Account account;
+  for (const auto& d : data) model->forward_backward(d.tokens, d.targets, d.ctx, 1.0, kChunk);
+  return account.peak();
+}
+
+TEST(StepSchedule, RandomStepsPeakWhereTheCostModelSimulatesThem) {
+  memory::install_cpu_tracking();
+  at::set_num_threads(1);
+  std::mt19937 rng(20261126);
+  int trials = 0;
+  for (const int64_t stages : {1, 2, 4}) {
+    for (int trial = 0; trial < 70; ++trial, ++trials) {
+      const RandomStep r = random_step(rng, stages);
+      const auto seed = static_cast<uint64_t>(trial);
+      if (stages == 1) {
+        EXPECT_NEAR(predicted_rise(r, 0, 0, -1), measured_rise(r, seed), 8 * 1024) << r.text;
+        continue;
+      }
+      const auto split = pipeline::even_split(r.cfg.n_layer, stages);
+      const std::vector<MicrobatchData> data = random_data(r.cfg, r.microbatches, seed);
+      std::vector<int64_t> rise(static_cast<size_t>(stages), -1);
+      testing::on_gloo_ranks(
+          static_cast<int>(stages), 1,
+          [&](dist::Comm& comm) {
+            at::set_num_threads(1);  // kernels allocate on the rank's own thread, where it is charged
+            const int64_t s = comm.pipeline().rank();
+            int64_t first = 0;
+            for (int64_t i = 0; i < s; ++i) first += split[static_cast<size_t>(i)];
+            auto model = Model::create(r.cfg, at::kCPU, at::kFloat, 3, nullptr, false, {first, split[s]});
+            model->set_activation_plan(r.plan, options(r));
+            model->zero_grad();
+            const auto draw = [&](int64_t m) { return data[static_cast<size_t>(m)]; };
+            const memory::Account account;
+            run_pipeline(*model, comm.pipeline(), r.schedule, r.microbatches, draw, 1.0, kChunk, 0);
+            rise[static_cast<size_t>(s)] = account.peak();
+          },
+          static_cast<int>(stages));
+      int64_t first = 0;
+      for (int64_t s = 0; s < stages; ++s) {
+        EXPECT_NEAR(predicted_rise(r, s, first, split[static_cast<size_t>(s)]), rise[static_cast<size_t>(s)],
+                    8 * 1024)
+            << r.text << ", stage " << s + 1;
+        first += split[static_cast<size_t>(s)];
+      }
+    }
+  }
+  EXPECT_GE(trials, 200);
+}
+
+}  // namespace
+}  // namespace remat
