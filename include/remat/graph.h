@@ -178,7 +178,8 @@ class OpDef {
                                const std::vector<TensorInfo>& out, const Attrs& a) const = 0;
 };
 
-/// The op definitions (src/ops/*.cpp); each a singleton.
+/// The op definitions (src/ops/*.cpp); each a singleton. A new op is its file and a line
+/// in op::all (src/ops/registry.cpp).
 namespace op {
 const OpDef& layernorm();
 const OpDef& rmsnorm();
@@ -208,7 +209,7 @@ const OpDef& sp_gather();
 const OpDef& sp_scatter();
 /// The loss op a configuration asks for (model.loss_head).
 const OpDef& loss(LossHead head);
-/// Every op definition, for tests that must cover each one.
+/// Every op definition (src/ops/registry.cpp), for tests that must cover each one.
 std::vector<const OpDef*> all();
 }  // namespace op
 
