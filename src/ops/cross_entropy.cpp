@@ -351,6 +351,7 @@ void check_loss_inputs(const char* op, const std::vector<TensorInfo>& in, const 
 class CrossEntropyDef final : public OpDef {
  public:
   const char* kind() const override { return "cross_entropy"; }
+  TensorParallel tensor_parallel() const override { return TensorParallel::vocab_loss; }
   std::vector<TensorInfo> infer(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& p,
                                 const Attrs& a) const override {
     check_loss_inputs(kind(), in, p, a);
@@ -414,6 +415,7 @@ class CrossEntropyDef final : public OpDef {
 class FusedCrossEntropyDef final : public OpDef {
  public:
   const char* kind() const override { return "fused_cross_entropy"; }
+  TensorParallel tensor_parallel() const override { return TensorParallel::vocab_loss; }
   std::vector<TensorInfo> infer(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& p,
                                 const Attrs& a) const override {
     check_loss_inputs(kind(), in, p, a);

@@ -149,6 +149,7 @@ std::vector<TensorInfo> positions_infer(const char* kind, const std::vector<Tens
 class TpCopyDef final : public detail::Elementwise {
  public:
   TpCopyDef() : Elementwise("tp_copy", 1) {}
+  TensorParallel tensor_parallel() const override { return TensorParallel::whole; }
   double flops(const std::vector<TensorInfo>&, const std::vector<TensorInfo>&, const Attrs&) const override {
     return 0.0;
   }
@@ -176,6 +177,7 @@ class TpCopyDef final : public detail::Elementwise {
 class TpReduceDef final : public detail::Elementwise {
  public:
   TpReduceDef() : Elementwise("tp_reduce", 1) {}
+  TensorParallel tensor_parallel() const override { return TensorParallel::whole; }
   double flops(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& p, const Attrs&) const override {
     return p.empty() ? 0.0 : static_cast<double>(in[0].numel());
   }
@@ -208,6 +210,7 @@ class TpReduceDef final : public detail::Elementwise {
 class SpGatherDef final : public OpDef {
  public:
   const char* kind() const override { return "sp_gather"; }
+  TensorParallel tensor_parallel() const override { return TensorParallel::whole; }
   std::vector<TensorInfo> infer(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>&,
                                 const Attrs& a) const override {
     return positions_infer(kind(), in, a, true);
@@ -239,6 +242,7 @@ class SpGatherDef final : public OpDef {
 class SpScatterDef final : public OpDef {
  public:
   const char* kind() const override { return "sp_scatter"; }
+  TensorParallel tensor_parallel() const override { return TensorParallel::whole; }
   std::vector<TensorInfo> infer(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>&,
                                 const Attrs& a) const override {
     return positions_infer(kind(), in, a, false);
