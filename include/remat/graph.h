@@ -204,6 +204,16 @@ class OpDef {
   virtual Attrs on_share(const Attrs& a, const std::vector<TensorInfo>& in, int64_t tp, const std::string& node) const {
     return a;
   }
+  /// What the collectives of the forward and of the backward send (Node::forward_link)
+  /// over `tp` ranks; none for an op that runs none.
+  virtual LinkTraffic forward_link(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& out,
+                                   const Attrs& a, int64_t tp) const {
+    return {};
+  }
+  virtual LinkTraffic backward_link(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& out,
+                                    const Attrs& a, int64_t tp) const {
+    return {};
+  }
 };
 
 /// The op definitions (src/ops/*.cpp); each a singleton. A new op is its file and a line
@@ -284,8 +294,8 @@ struct Node {
   double flops = 0;
   /// The collectives of the tensor-parallel transform's nodes (tp_copy, tp_reduce,
   /// sp_gather, sp_scatter) and of the vocabulary-parallel loss (its rows' statistics) as
-  /// remat runs them over Gloo: what the forward and the backward send. None for every
-  /// other op.
+  /// remat runs them over Gloo: what the forward and the backward send, as the op
+  /// declares it (OpDef::forward_link). None for every other op.
   LinkTraffic forward_link, backward_link;
 };
 

@@ -3,7 +3,6 @@
 // from the ops themselves, as for any declared graph.
 #include "ops/op_def.h"
 #include "remat/graph.h"
-#include "remat/ops/common.h"
 
 #include <algorithm>
 #include <map>
@@ -17,48 +16,12 @@ bool listed(const std::vector<std::string>& names, const std::string& name) {
 
 using detail::tp_share;
 
-// The vocabulary-parallel loss's forward (ops::cross_entropy_forward and the fused one's
-// chunk_loss): per chunk of rows, three all-reduces of one statistic per row in the
-// statistics' dtype, each its own collective (dist::Group::all_reduce): the row max, then
-// the sums of exp and the target logits. Its backward runs none (the saved log-sum-exp is
-// the whole vocabulary's already).
-LinkTraffic loss_link(const TensorInfo& x, int64_t chunk, int64_t tp) {
-  const int64_t rows = x.sizes.at(0);
-  const int64_t row_bytes = static_cast<int64_t>(at::elementSize(ops::stats_dtype(x.dtype)));
-  constexpr int64_t kStatistics = 3;
-  LinkTraffic t;
-  for (int64_t start = 0; start < rows; start += chunk) {
-    const LinkTraffic one = LinkTraffic::all_reduce(std::min(chunk, rows - start) * row_bytes, tp);
-    t.bytes += kStatistics * one.bytes;
-    t.messages += kStatistics * one.messages;
-  }
-  return t;
-}
-
-// What each collective node sends, as src/ops/tensor_parallel.cpp runs them over Gloo:
-// sums in float32 (a narrower tensor is reduced in a float32 copy), a reduce-scatter as an
-// all-reduce of the whole tensor (Gloo in 1.13 has none), gathers in the tensor's own
-// bytes; and the vocabulary-parallel loss's statistics.
+// Each node's collectives as its op declares them, at the graph's tp ranks.
 void set_links(BlockGraph& g) {
-  const auto summed = [&](int v) {
-    const TensorInfo& t = g.values[static_cast<size_t>(v)].info;
-    return t.numel() * static_cast<int64_t>(at::elementSize(t.dtype == at::kDouble ? at::kDouble : at::kFloat));
-  };
-  const auto bytes = [&](int v) { return g.values[static_cast<size_t>(v)].info.bytes(); };
   for (Node& n : g.nodes) {
-    if (n.op == &op::tp_copy()) {
-      n.backward_link = LinkTraffic::all_reduce(summed(n.outputs[0]), g.tp);
-    } else if (n.op == &op::tp_reduce()) {
-      n.forward_link = LinkTraffic::all_reduce(summed(n.inputs[0]), g.tp);
-    } else if (n.op == &op::sp_gather()) {
-      n.forward_link = LinkTraffic::gather(bytes(n.outputs[0]), g.tp);
-      n.backward_link = LinkTraffic::all_reduce(summed(n.outputs[0]), g.tp);
-    } else if (n.op == &op::sp_scatter()) {
-      n.forward_link = LinkTraffic::all_reduce(summed(n.inputs[0]), g.tp);
-      n.backward_link = LinkTraffic::gather(bytes(n.inputs[0]), g.tp);
-    } else if ((n.op == &op::cross_entropy() || n.op == &op::fused_cross_entropy()) && n.attrs.sharded) {
-      n.forward_link = loss_link(g.values[static_cast<size_t>(n.inputs[0])].info, n.attrs.chunk, g.tp);
-    }
+    const std::vector<TensorInfo> in = g.infos(n.inputs), out = g.infos(n.outputs);
+    n.forward_link = n.op->forward_link(in, out, n.attrs, g.tp);
+    n.backward_link = n.op->backward_link(in, out, n.attrs, g.tp);
   }
 }
 
