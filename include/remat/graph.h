@@ -132,6 +132,26 @@ struct RunContext {
   int tp_size() const;
 };
 
+/// What an op means to the tensor-parallel transform (tensor_parallel): which share of a
+/// value a rank may hand it between the regions the plan's linears open and close.
+enum class TensorParallel {
+  /// Reads whole values only: a share reaching it is refused. Linears and embeddings are
+  /// split by the plan's names instead; the collectives are the transform's own.
+  whole,
+  /// Works per head or per feature (activations, rotations, attention, splits): reads a
+  /// rank's share of the heads or features between a column- and a row-parallel linear.
+  share_wise,
+  /// Works per position (norms, dropout, additions, position embeddings): reads a rank's
+  /// share of the sequence positions (sequence parallelism) between the regions.
+  position_wise,
+  /// Moves no data (a view): views a share of heads or features as a share, but merges
+  /// positions into rows only once they are gathered (the loss head's rows).
+  view,
+  /// A loss over the vocabulary: split by the plan's vocab names, it reads whole rows
+  /// through a copy as a column-parallel linear does, and its result is whole.
+  vocab_loss,
+};
+
 /// One op as the graph sees it. Implementations live beside the op's typed functions.
 class OpDef {
  public:
@@ -176,9 +196,28 @@ class OpDef {
   /// Allocations of the backward (input gradients not aliased, temporaries) on the CPU.
   virtual void backward_events(Events& e, const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& params,
                                const std::vector<TensorInfo>& out, const Attrs& a) const = 0;
+
+  /// What the op means to the tensor-parallel transform; each op declares it.
+  virtual TensorParallel tensor_parallel() const = 0;
+  /// The attributes of a node that reads a rank's share (share_wise, position_wise, view):
+  /// `in` its inputs as the rank holds them, of `tp` ranks; `node` names it in a refusal.
+  virtual Attrs on_share(const Attrs& a, const std::vector<TensorInfo>& in, int64_t tp, const std::string& node) const {
+    return a;
+  }
+  /// What the collectives of the forward and of the backward send (Node::forward_link)
+  /// over `tp` ranks; none for an op that runs none.
+  virtual LinkTraffic forward_link(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& out,
+                                   const Attrs& a, int64_t tp) const {
+    return {};
+  }
+  virtual LinkTraffic backward_link(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& out,
+                                    const Attrs& a, int64_t tp) const {
+    return {};
+  }
 };
 
-/// The op definitions (src/ops/*.cpp); each a singleton.
+/// The op definitions (src/ops/*.cpp); each a singleton. A new op is its file and a line
+/// in op::all (src/ops/registry.cpp).
 namespace op {
 const OpDef& layernorm();
 const OpDef& rmsnorm();
@@ -208,7 +247,7 @@ const OpDef& sp_gather();
 const OpDef& sp_scatter();
 /// The loss op a configuration asks for (model.loss_head).
 const OpDef& loss(LossHead head);
-/// Every op definition, for tests that must cover each one.
+/// Every op definition (src/ops/registry.cpp), for tests that must cover each one.
 std::vector<const OpDef*> all();
 }  // namespace op
 
@@ -255,8 +294,8 @@ struct Node {
   double flops = 0;
   /// The collectives of the tensor-parallel transform's nodes (tp_copy, tp_reduce,
   /// sp_gather, sp_scatter) and of the vocabulary-parallel loss (its rows' statistics) as
-  /// remat runs them over Gloo: what the forward and the backward send. None for every
-  /// other op.
+  /// remat runs them over Gloo: what the forward and the backward send, as the op
+  /// declares it (OpDef::forward_link). None for every other op.
   LinkTraffic forward_link, backward_link;
 };
 
@@ -378,18 +417,19 @@ struct TensorParallelPlan {
 /// `g` as one of `tp` ranks runs it (Megatron's tensor parallelism): the split nodes'
 /// parameters hold a rank's share (Param::shard); a tp_copy node enters each
 /// column-parallel region (and feeds a vocabulary-parallel loss), a tp_reduce node ends
-/// each row-parallel one (and follows a vocabulary-parallel embedding); views, splits and
-/// attention between them work on a rank's heads (attention marked `sharded`), and the
-/// slots hold the same roles at the smaller shapes. Refuses, naming the node and the
-/// size, a split that does not divide evenly or an op between the regions with no rule.
-/// `tp` == 1 returns `g`.
+/// each row-parallel one (and follows a vocabulary-parallel embedding); the ops between
+/// them work on a rank's heads as each declares (OpDef::tensor_parallel, its attributes
+/// from OpDef::on_share: attention marked `sharded`), and the slots hold the same roles
+/// at the smaller shapes. Refuses, naming the node and the size, a split that does not
+/// divide evenly or an op between the regions that declares no such share. `tp` == 1
+/// returns `g`.
 ///
 /// With `sp` (Megatron's sequence parallelism) the values outside the regions hold a
 /// rank's share of the sequence (dimension 1): an sp_gather enters each region in place
 /// of the tp_copy (its gathered value in the slot attn.gathered or mlp.gathered, paired
-/// with the shard's), an sp_scatter ends it in place of the tp_reduce; norms, dropout,
-/// residuals and position embeddings between the regions run on the rank's positions
-/// (their parameters Param::partial).
+/// with the shard's), an sp_scatter ends it in place of the tp_reduce; the position-wise
+/// ops between the regions (norms, dropout, residuals, position embeddings) run on the
+/// rank's positions (their parameters Param::partial).
 BlockGraph tensor_parallel(const BlockGraph& g, const TensorParallelPlan& plan, int64_t tp, bool sp = false);
 
 /// The block of `cfg`'s architecture at [batch, seq] in `dtype` (src/model/{gpt2,llama}.cpp),

@@ -1,14 +1,11 @@
 // The tensor-parallel transform: one pass over a graph, re-adding each node at a rank's
 // shapes, so shape inference, FLOPs and the allocation events of the split graph come
 // from the ops themselves, as for any declared graph.
+#include "ops/op_def.h"
 #include "remat/graph.h"
-#include "remat/ops/common.h"
-
-#include <fmt/format.h>
 
 #include <algorithm>
 #include <map>
-#include <numeric>
 
 namespace remat::graph {
 namespace {
@@ -17,92 +14,14 @@ bool listed(const std::vector<std::string>& names, const std::string& name) {
   return std::find(names.begin(), names.end(), name) != names.end();
 }
 
-int64_t product(const std::vector<int64_t>& s, size_t n) {
-  return std::accumulate(s.begin(), s.begin() + static_cast<std::ptrdiff_t>(n), int64_t{1}, std::multiplies<>());
-}
+using detail::tp_share;
 
-// `size` split over tp ranks, refused with the node's name when it does not divide.
-int64_t share(int64_t size, int64_t tp, const std::string& node, const char* what) {
-  TORCH_CHECK(size % tp == 0, "Tensor parallelism over ", tp, " ranks splits the ", what, " of ", node, " (", size,
-              ") into equal shares, but ", size, " is not a multiple of ", tp, "; choose parallel.tp dividing it.");
-  return size / tp;
-}
-
-// The sizes of a view whose input `from` lost a factor tp in one dimension (`split_from`
-// its sizes now): the view's dimension that starts where that one starts (the last such,
-// when dimensions of size 1 make several start there). Heads are the outer factor of the
-// features they merge into, so a rank's heads are a block of them.
-std::vector<int64_t> view_share(const std::vector<int64_t>& from, const std::vector<int64_t>& split_from,
-                                std::vector<int64_t> to, int64_t tp, const std::string& node) {
-  size_t k = 0;
-  while (k < from.size() && from[k] == split_from[k]) ++k;
-  TORCH_INTERNAL_ASSERT(k < from.size(), "[tensor_parallel] ", node, " reads a split value of unchanged shape");
-  const int64_t before = product(from, k);
-  for (size_t m = to.size(); m-- > 0;) {
-    if (product(to, m) == before) {
-      to[m] = share(to[m], tp, node, "viewed dimension");
-      return to;
-    }
-  }
-  TORCH_CHECK(false, "[tensor_parallel] the view ", node, " mixes the split dimension with the ones before it");
-}
-
-// Ops that may read a rank's share of heads or features between the regions: they work
-// per head or per element, so a share needs no other rank's part.
-bool share_wise(const OpDef& o) {
-  return &o == &op::view() || &o == &op::split() || &o == &op::rope() || &o == &op::attention() ||
-         &o == &op::tiled_attention() || &o == &op::gelu() || &o == &op::swiglu();
-}
-
-// Ops that may read a rank's share of the sequence positions between the regions: they
-// work per position (norms, dropout, additions) or know which positions they hold.
-bool position_wise(const OpDef& o) {
-  return &o == &op::layernorm() || &o == &op::rmsnorm() || &o == &op::dropout() || &o == &op::residual() ||
-         &o == &op::position_embedding();
-}
-
-// The vocabulary-parallel loss's forward (ops::cross_entropy_forward and the fused one's
-// chunk_loss): per chunk of rows, three all-reduces of one statistic per row in the
-// statistics' dtype, each its own collective (dist::Group::all_reduce): the row max, then
-// the sums of exp and the target logits. Its backward runs none (the saved log-sum-exp is
-// the whole vocabulary's already).
-LinkTraffic loss_link(const TensorInfo& x, int64_t chunk, int64_t tp) {
-  const int64_t rows = x.sizes.at(0);
-  const int64_t row_bytes = static_cast<int64_t>(at::elementSize(ops::stats_dtype(x.dtype)));
-  constexpr int64_t kStatistics = 3;
-  LinkTraffic t;
-  for (int64_t start = 0; start < rows; start += chunk) {
-    const LinkTraffic one = LinkTraffic::all_reduce(std::min(chunk, rows - start) * row_bytes, tp);
-    t.bytes += kStatistics * one.bytes;
-    t.messages += kStatistics * one.messages;
-  }
-  return t;
-}
-
-// What each collective node sends, as src/ops/tensor_parallel.cpp runs them over Gloo:
-// sums in float32 (a narrower tensor is reduced in a float32 copy), a reduce-scatter as an
-// all-reduce of the whole tensor (Gloo in 1.13 has none), gathers in the tensor's own
-// bytes; and the vocabulary-parallel loss's statistics.
+// Each node's collectives as its op declares them, at the graph's tp ranks.
 void set_links(BlockGraph& g) {
-  const auto summed = [&](int v) {
-    const TensorInfo& t = g.values[static_cast<size_t>(v)].info;
-    return t.numel() * static_cast<int64_t>(at::elementSize(t.dtype == at::kDouble ? at::kDouble : at::kFloat));
-  };
-  const auto bytes = [&](int v) { return g.values[static_cast<size_t>(v)].info.bytes(); };
   for (Node& n : g.nodes) {
-    if (n.op == &op::tp_copy()) {
-      n.backward_link = LinkTraffic::all_reduce(summed(n.outputs[0]), g.tp);
-    } else if (n.op == &op::tp_reduce()) {
-      n.forward_link = LinkTraffic::all_reduce(summed(n.inputs[0]), g.tp);
-    } else if (n.op == &op::sp_gather()) {
-      n.forward_link = LinkTraffic::gather(bytes(n.outputs[0]), g.tp);
-      n.backward_link = LinkTraffic::all_reduce(summed(n.outputs[0]), g.tp);
-    } else if (n.op == &op::sp_scatter()) {
-      n.forward_link = LinkTraffic::all_reduce(summed(n.inputs[0]), g.tp);
-      n.backward_link = LinkTraffic::gather(bytes(n.inputs[0]), g.tp);
-    } else if ((n.op == &op::cross_entropy() || n.op == &op::fused_cross_entropy()) && n.attrs.sharded) {
-      n.forward_link = loss_link(g.values[static_cast<size_t>(n.inputs[0])].info, n.attrs.chunk, g.tp);
-    }
+    const std::vector<TensorInfo> in = g.infos(n.inputs), out = g.infos(n.outputs);
+    n.forward_link = n.op->forward_link(in, out, n.attrs, g.tp);
+    n.backward_link = n.op->backward_link(in, out, n.attrs, g.tp);
   }
 }
 
@@ -120,7 +39,7 @@ BlockGraph tensor_parallel(const BlockGraph& g, const TensorParallelPlan& plan, 
   TensorInfo input_info = input.info;
   if (sp && !input.external) {  // the hidden states a block or the head starts from
     auto& T = input_info.sizes.at(1);
-    T = share(T, tp, "the sequence", "positions");
+    T = tp_share(T, tp, "the sequence", "positions");
     held[static_cast<size_t>(g.input)] = Held::positions;
   }
   Builder b(input_info, g.dtype, input.external);
@@ -153,8 +72,8 @@ BlockGraph tensor_parallel(const BlockGraph& g, const TensorParallelPlan& plan, 
     std::vector<int64_t> sizes = g.params[p].sizes;
     if (shards[p].split()) {
       auto& d = sizes[static_cast<size_t>(shards[p].dim)];
-      d = share(d, tp, g.params[p].name, "parameter");
-      for (int64_t blk : shards[p].blocks) share(blk, tp, g.params[p].name, "fused parts");
+      d = tp_share(d, tp, g.params[p].name, "parameter");
+      for (int64_t blk : shards[p].blocks) tp_share(blk, tp, g.params[p].name, "fused parts");
     }
     pmap[p] = b.param(g.params[p].name, sizes, shards[p]);
   }
@@ -176,8 +95,15 @@ BlockGraph tensor_parallel(const BlockGraph& g, const TensorParallelPlan& plan, 
   const auto positions = [&](int v, bool gather, const std::string& node) {
     Attrs a;
     a.sizes = b.info(v).sizes;
-    a.sizes.at(1) = gather ? a.sizes[1] * tp : share(a.sizes[1], tp, node, "positions");
+    a.sizes.at(1) = gather ? a.sizes[1] * tp : tp_share(a.sizes[1], tp, node, "positions");
     return a;
+  };
+
+  // The descriptions of the split graph's values `vs` (the inputs a rank hands a node).
+  const auto infos = [&](const std::vector<int>& vs) {
+    std::vector<TensorInfo> out;
+    for (int v : vs) out.push_back(b.info(v));
+    return out;
   };
 
   // The copy (tp_copy) or gathered value (sp_gather) through which a value enters the
@@ -205,7 +131,8 @@ BlockGraph tensor_parallel(const BlockGraph& g, const TensorParallelPlan& plan, 
     Attrs a = n.attrs;
     std::vector<int> out;
     Held out_held = Held::all;
-    const bool loss = n.op == &op::cross_entropy() || n.op == &op::fused_cross_entropy();
+    const TensorParallel meaning = n.op->tensor_parallel();
+    const bool loss = meaning == TensorParallel::vocab_loss;
     if (listed(plan.column, n.name) || (loss && listed(plan.vocab, n.name))) {
       // A column-parallel linear, or a vocabulary-parallel loss (hidden rows, targets): the
       // input enters through a tp_copy, or is gathered from the ranks' positions.
@@ -232,30 +159,23 @@ BlockGraph tensor_parallel(const BlockGraph& g, const TensorParallelPlan& plan, 
         out = {b.add1(n.name + "_tp_reduce", op::tp_reduce(), {part}, bias)};
       }
     } else if (reads_split) {
-      TORCH_CHECK(share_wise(*n.op), "[tensor_parallel] ", n.name, " (", n.op->kind(), ") reads a rank's share of ",
-                  "heads or features, but has no rule for it; only views, splits, rotations, attention and "
-                  "elementwise activations may sit between a column- and a row-parallel linear.");
-      if (n.op == &op::view()) {
-        a.from = b.info(in[0]).sizes;
-        a.sizes = view_share(n.attrs.from, a.from, n.attrs.sizes, tp, n.name);
-      } else if (n.op == &op::split()) {
-        for (auto& h : a.split_heads) h = share(h, tp, n.name, "heads");
-      } else if (n.op == &op::attention() || n.op == &op::tiled_attention()) {
-        a.sharded = true;
-      }
-      out = b.add(n.name, *n.op, in, params_of(n, true), a);
+      TORCH_CHECK(meaning == TensorParallel::share_wise || meaning == TensorParallel::view, "[tensor_parallel] ",
+                  n.name, " (", n.op->kind(), ") reads a rank's share of heads or features, but has no rule for it; ",
+                  "only views, splits, rotations, attention and elementwise activations may sit between a column- "
+                  "and a row-parallel linear.");
+      out = b.add(n.name, *n.op, in, params_of(n, true), n.op->on_share(a, infos(in), tp, n.name));
       out_held = Held::features;
-    } else if (reads_positions && n.op == &op::view()) {
+    } else if (reads_positions && meaning == TensorParallel::view) {
       // A view that merges the positions into rows (the loss head's): it views them all.
       in[0] = enter(n.inputs[0], n.name);
       out = b.add(n.name, *n.op, in, {}, a);
       out_held = Held::gathered;
     } else if (reads_positions) {
-      TORCH_CHECK(position_wise(*n.op), "[tensor_parallel] ", n.name, " (", n.op->kind(), ") reads a rank's share of ",
-                  "the sequence positions (parallel.sp), but has no rule for it; only norms, dropout, residual "
-                  "additions and position embeddings may sit between the tensor-parallel regions.");
-      a.sharded = n.op == &op::position_embedding();
-      out = b.add(n.name, *n.op, in, params_of(n, true), a);
+      TORCH_CHECK(meaning == TensorParallel::position_wise, "[tensor_parallel] ", n.name, " (", n.op->kind(),
+                  ") reads a rank's share of the sequence positions (parallel.sp), but has no rule for it; only "
+                  "norms, dropout, residual additions and position embeddings may sit between the tensor-parallel "
+                  "regions.");
+      out = b.add(n.name, *n.op, in, params_of(n, true), n.op->on_share(a, infos(in), tp, n.name));
       out_held = Held::positions;
       partial(n.params);
     } else {

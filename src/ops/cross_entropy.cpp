@@ -342,6 +342,25 @@ void check_loss_inputs(const char* op, const std::vector<TensorInfo>& in, const 
               "[", op, "] needs x [N, C], int64 targets [N], a weight [V, C] and a chunk of at least 1");
 }
 
+// The vocabulary-parallel loss's forward (ops::cross_entropy_forward and the fused one's
+// chunk_loss): per chunk of rows, three all-reduces of one statistic per row in the
+// statistics' dtype, each its own collective (dist::Group::all_reduce): the row max, then
+// the sums of exp and the target logits. Its backward runs none (the saved log-sum-exp is
+// the whole vocabulary's already). Unsharded, it runs none at all.
+LinkTraffic loss_link(const std::vector<TensorInfo>& in, const Attrs& a, int64_t tp) {
+  if (!a.sharded) return {};
+  const int64_t rows = in[0].sizes.at(0);
+  constexpr int64_t kStatistics = 3;
+  LinkTraffic t;
+  for (int64_t start = 0; start < rows; start += a.chunk) {
+    const LinkTraffic one =
+        LinkTraffic::all_reduce(bytes_of(std::min(a.chunk, rows - start), stats_of(in[0].dtype)), tp);
+    t.bytes += kStatistics * one.bytes;
+    t.messages += kStatistics * one.messages;
+  }
+  return t;
+}
+
 // Inputs {x [N, C], targets [N] int64}; params {w [V, C]}; attribute chunk; outputs
 // {mean loss [], log-sum-exp [N]}. The backward reads x, the targets and the log-sum-exp,
 // and takes the loss's gradient (a scalar) as the scale of its own. Sharded, w is this
@@ -351,6 +370,11 @@ void check_loss_inputs(const char* op, const std::vector<TensorInfo>& in, const 
 class CrossEntropyDef final : public OpDef {
  public:
   const char* kind() const override { return "cross_entropy"; }
+  TensorParallel tensor_parallel() const override { return TensorParallel::vocab_loss; }
+  LinkTraffic forward_link(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>&, const Attrs& a,
+                           int64_t tp) const override {
+    return loss_link(in, a, tp);
+  }
   std::vector<TensorInfo> infer(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& p,
                                 const Attrs& a) const override {
     check_loss_inputs(kind(), in, p, a);
@@ -414,6 +438,11 @@ class CrossEntropyDef final : public OpDef {
 class FusedCrossEntropyDef final : public OpDef {
  public:
   const char* kind() const override { return "fused_cross_entropy"; }
+  TensorParallel tensor_parallel() const override { return TensorParallel::vocab_loss; }
+  LinkTraffic forward_link(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>&, const Attrs& a,
+                           int64_t tp) const override {
+    return loss_link(in, a, tp);
+  }
   std::vector<TensorInfo> infer(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& p,
                                 const Attrs& a) const override {
     check_loss_inputs(kind(), in, p, a);

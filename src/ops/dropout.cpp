@@ -146,6 +146,7 @@ using detail::flags;
 class DropoutMaskDef final : public OpDef {
  public:
   const char* kind() const override { return "dropout_mask"; }
+  TensorParallel tensor_parallel() const override { return TensorParallel::whole; }
   std::vector<TensorInfo> infer(const std::vector<TensorInfo>&, const std::vector<TensorInfo>&,
                                 const Attrs& a) const override {
     return {TensorInfo{a.sizes, at::kBool, {}}};
@@ -181,6 +182,7 @@ class DropoutMaskDef final : public OpDef {
 class DropoutDef final : public detail::Elementwise {
  public:
   DropoutDef() : Elementwise("dropout", 2) {}
+  TensorParallel tensor_parallel() const override { return TensorParallel::position_wise; }
   double flops(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>&, const Attrs& a) const override {
     return ops::dropout_flops(in[0].numel(), a.p);
   }

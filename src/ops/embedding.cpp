@@ -80,6 +80,7 @@ using detail::stats_of;
 class EmbeddingDef final : public OpDef {
  public:
   const char* kind() const override { return "embedding"; }
+  TensorParallel tensor_parallel() const override { return TensorParallel::whole; }
   std::vector<TensorInfo> infer(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& p,
                                 const Attrs&) const override {
     TORCH_CHECK(in.size() == 1 && in[0].dtype == at::kLong && p.size() == 1 && p[0].sizes.size() == 2,
@@ -142,6 +143,11 @@ class PositionEmbeddingDef final : public detail::Elementwise {
 
  public:
   PositionEmbeddingDef() : Elementwise("position_embedding", 1) {}
+  TensorParallel tensor_parallel() const override { return TensorParallel::position_wise; }
+  // A rank adds the embeddings of its own positions.
+  Attrs on_share(const Attrs& a, const std::vector<TensorInfo>&, int64_t, const std::string&) const override {
+    return detail::sharded(a);
+  }
   std::vector<TensorInfo> infer(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& p,
                                 const Attrs& a) const override {
     TORCH_CHECK(in.size() == 1 && in[0].sizes.size() == 3 && p.size() == 1 && p[0].sizes.size() == 2 &&

@@ -31,6 +31,7 @@ namespace {
 class GeluDef final : public detail::Elementwise {
  public:
   GeluDef() : Elementwise("gelu", 1) {}
+  TensorParallel tensor_parallel() const override { return TensorParallel::share_wise; }
   double flops(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>&, const Attrs&) const override {
     return ops::gelu_flops(in[0].numel());
   }

@@ -74,6 +74,7 @@ int64_t partials(int64_t C, at::ScalarType ct) { return bytes_of(2 * at::get_num
 class LayerNormDef final : public OpDef {
  public:
   const char* kind() const override { return "layernorm"; }
+  TensorParallel tensor_parallel() const override { return TensorParallel::position_wise; }
   std::vector<TensorInfo> infer(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& p,
                                 const Attrs&) const override {
     TORCH_CHECK(in.size() == 1 && p.size() == 2 && p[0].sizes == std::vector<int64_t>{in[0].sizes.back()},

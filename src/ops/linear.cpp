@@ -108,6 +108,7 @@ void weight_grad_events(Events& e, at::ScalarType dtype, int64_t numel) {
 class LinearDef final : public OpDef {
  public:
   const char* kind() const override { return "linear"; }
+  TensorParallel tensor_parallel() const override { return TensorParallel::whole; }
   std::vector<TensorInfo> infer(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& p,
                                 const Attrs&) const override {
     TORCH_CHECK(in.size() == 1 && !in[0].sizes.empty() && (p.size() == 1 || p.size() == 2) && p[0].sizes.size() == 2 &&
@@ -158,6 +159,7 @@ class LinearDef final : public OpDef {
 class LinearsDef final : public OpDef {
  public:
   const char* kind() const override { return "linears"; }
+  TensorParallel tensor_parallel() const override { return TensorParallel::whole; }
   bool outputs_named_by_params() const override { return true; }
   std::vector<TensorInfo> infer(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& p,
                                 const Attrs&) const override {

@@ -1,4 +1,5 @@
-// Helpers shared by the op definitions (the graph's view of each op, remat/graph.h).
+// Helpers shared by the op definitions (the graph's view of each op, remat/graph.h) and
+// the tensor-parallel transform.
 #pragma once
 
 #include "remat/graph.h"
@@ -76,6 +77,20 @@ inline ShardIdsEvents shard_ids_events(Events& e, int64_t n) {
 inline void release_shard_ids(Events& e, const ShardIdsEvents& s) {
   e.release(s.foreign);
   e.release(s.rows);
+}
+
+/// A rank's share of `size` split over `tp` ranks (the tensor-parallel transform), refused
+/// with the node's name and `what` it splits when it does not divide.
+inline int64_t tp_share(int64_t size, int64_t tp, const std::string& node, const char* what) {
+  TORCH_CHECK(size % tp == 0, "Tensor parallelism over ", tp, " ranks splits the ", what, " of ", node, " (", size,
+              ") into equal shares, but ", size, " is not a multiple of ", tp, "; choose parallel.tp dividing it.");
+  return size / tp;
+}
+
+/// `a` marked Attrs::sharded: the on_share of an op told that it holds a rank's share.
+inline Attrs sharded(Attrs a) {
+  a.sharded = true;
+  return a;
 }
 
 /// The dtype norms and losses compute statistics in (float32, float64 for float64).

@@ -28,6 +28,7 @@ namespace {
 class ResidualDef final : public detail::Elementwise {
  public:
   ResidualDef() : Elementwise("residual", 2) {}
+  TensorParallel tensor_parallel() const override { return TensorParallel::position_wise; }
   double flops(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>&, const Attrs&) const override {
     return ops::residual_flops(in[0].numel());
   }

@@ -57,6 +57,7 @@ using detail::stats_of;
 class RMSNormDef final : public OpDef {
  public:
   const char* kind() const override { return "rmsnorm"; }
+  TensorParallel tensor_parallel() const override { return TensorParallel::position_wise; }
   std::vector<TensorInfo> infer(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& p,
                                 const Attrs&) const override {
     TORCH_CHECK(in.size() == 1 && p.size() == 1 && p[0].sizes == std::vector<int64_t>{in[0].sizes.back()},

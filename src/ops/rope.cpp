@@ -72,6 +72,7 @@ namespace {
 class RopeDef final : public detail::Elementwise {
  public:
   RopeDef() : Elementwise("rope", 1) {}
+  TensorParallel tensor_parallel() const override { return TensorParallel::share_wise; }
   std::vector<TensorInfo> infer(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& p,
                                 const Attrs& a) const override {
     TORCH_CHECK(in.size() == 1 && in[0].sizes.size() == 4 && in[0].sizes[3] % 2 == 0,

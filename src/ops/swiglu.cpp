@@ -36,6 +36,7 @@ namespace {
 class SwiGLUDef final : public detail::Elementwise {
  public:
   SwiGLUDef() : Elementwise("swiglu", 2) {}
+  TensorParallel tensor_parallel() const override { return TensorParallel::share_wise; }
   double flops(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>&, const Attrs&) const override {
     return ops::swiglu_flops(in[0].numel());
   }

@@ -114,6 +114,12 @@ void reduce_events(Events& e, const TensorInfo& t) {
   e.release(e.temp(bytes_of(t.numel(), at::kFloat)));
 }
 
+// What a sum of `t` over the ranks sends, as all_reduce_in_place runs it over Gloo: an
+// all-reduce in float32 (float64 for float64), a reduce-scatter too (Gloo in 1.13 has none).
+LinkTraffic sum_link(const TensorInfo& t, int64_t tp) {
+  return LinkTraffic::all_reduce(bytes_of(t.numel(), detail::stats_of(t.dtype)), tp);
+}
+
 // reduce_scatter_positions of `whole` into result `index`: the reduction, then the copy.
 void scatter_events(Events& e, const TensorInfo& whole, int64_t index) {
   reduce_events(e, whole);
@@ -149,6 +155,11 @@ std::vector<TensorInfo> positions_infer(const char* kind, const std::vector<Tens
 class TpCopyDef final : public detail::Elementwise {
  public:
   TpCopyDef() : Elementwise("tp_copy", 1) {}
+  TensorParallel tensor_parallel() const override { return TensorParallel::whole; }
+  LinkTraffic backward_link(const std::vector<TensorInfo>&, const std::vector<TensorInfo>& out, const Attrs&,
+                            int64_t tp) const override {
+    return sum_link(out[0], tp);
+  }
   double flops(const std::vector<TensorInfo>&, const std::vector<TensorInfo>&, const Attrs&) const override {
     return 0.0;
   }
@@ -176,6 +187,11 @@ class TpCopyDef final : public detail::Elementwise {
 class TpReduceDef final : public detail::Elementwise {
  public:
   TpReduceDef() : Elementwise("tp_reduce", 1) {}
+  TensorParallel tensor_parallel() const override { return TensorParallel::whole; }
+  LinkTraffic forward_link(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>&, const Attrs&,
+                           int64_t tp) const override {
+    return sum_link(in[0], tp);
+  }
   double flops(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& p, const Attrs&) const override {
     return p.empty() ? 0.0 : static_cast<double>(in[0].numel());
   }
@@ -208,6 +224,15 @@ class TpReduceDef final : public detail::Elementwise {
 class SpGatherDef final : public OpDef {
  public:
   const char* kind() const override { return "sp_gather"; }
+  TensorParallel tensor_parallel() const override { return TensorParallel::whole; }
+  LinkTraffic forward_link(const std::vector<TensorInfo>&, const std::vector<TensorInfo>& out, const Attrs&,
+                           int64_t tp) const override {
+    return LinkTraffic::gather(out[0].bytes(), tp);
+  }
+  LinkTraffic backward_link(const std::vector<TensorInfo>&, const std::vector<TensorInfo>& out, const Attrs&,
+                            int64_t tp) const override {
+    return sum_link(out[0], tp);
+  }
   std::vector<TensorInfo> infer(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>&,
                                 const Attrs& a) const override {
     return positions_infer(kind(), in, a, true);
@@ -239,6 +264,15 @@ class SpGatherDef final : public OpDef {
 class SpScatterDef final : public OpDef {
  public:
   const char* kind() const override { return "sp_scatter"; }
+  TensorParallel tensor_parallel() const override { return TensorParallel::whole; }
+  LinkTraffic forward_link(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>&, const Attrs&,
+                           int64_t tp) const override {
+    return sum_link(in[0], tp);
+  }
+  LinkTraffic backward_link(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>&, const Attrs&,
+                            int64_t tp) const override {
+    return LinkTraffic::gather(in[0].bytes(), tp);
+  }
   std::vector<TensorInfo> infer(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>&,
                                 const Attrs& a) const override {
     return positions_infer(kind(), in, a, false);

@@ -342,6 +342,11 @@ using detail::flags;
 class TiledAttentionDef final : public OpDef {
  public:
   const char* kind() const override { return "attention"; }
+  TensorParallel tensor_parallel() const override { return TensorParallel::share_wise; }
+  // A rank holds a block of the heads, so its dropout mask is that window (attention_key).
+  Attrs on_share(const Attrs& a, const std::vector<TensorInfo>&, int64_t, const std::string&) const override {
+    return detail::sharded(a);
+  }
   std::vector<TensorInfo> infer(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>&,
                                 const Attrs&) const override {
     TORCH_CHECK(in.size() == 3 && in[0].sizes.size() == 4 && in[1].sizes == in[2].sizes && in[1].sizes.size() == 4 &&

@@ -5,13 +5,46 @@
 
 #include <ATen/TensorUtils.h>
 
+#include <numeric>
+
 namespace remat::graph {
 namespace {
+
+int64_t product(const std::vector<int64_t>& s, size_t n) {
+  return std::accumulate(s.begin(), s.begin() + static_cast<std::ptrdiff_t>(n), int64_t{1}, std::multiplies<>());
+}
+
+// The sizes of a view whose input `from` lost a factor tp in one dimension (`split_from`
+// its sizes now): the view's dimension that starts where that one starts (the last such,
+// when dimensions of size 1 make several start there). Heads are the outer factor of the
+// features they merge into, so a rank's heads are a block of them.
+std::vector<int64_t> view_share(const std::vector<int64_t>& from, const std::vector<int64_t>& split_from,
+                                std::vector<int64_t> to, int64_t tp, const std::string& node) {
+  size_t k = 0;
+  while (k < from.size() && from[k] == split_from[k]) ++k;
+  TORCH_INTERNAL_ASSERT(k < from.size(), "[tensor_parallel] ", node, " reads a split value of unchanged shape");
+  const int64_t before = product(from, k);
+  for (size_t m = to.size(); m-- > 0;) {
+    if (product(to, m) == before) {
+      to[m] = detail::tp_share(to[m], tp, node, "viewed dimension");
+      return to;
+    }
+  }
+  TORCH_CHECK(false, "[tensor_parallel] the view ", node, " mixes the split dimension with the ones before it");
+}
 
 // Inputs {x}; attributes sizes and from (x's sizes); outputs {x viewed as sizes}.
 class ViewDef final : public OpDef {
  public:
   const char* kind() const override { return ""; }
+  TensorParallel tensor_parallel() const override { return TensorParallel::view; }
+  Attrs on_share(const Attrs& a, const std::vector<TensorInfo>& in, int64_t tp,
+                 const std::string& node) const override {
+    Attrs s = a;
+    s.from = in[0].sizes;
+    s.sizes = view_share(a.from, s.from, a.sizes, tp, node);
+    return s;
+  }
   std::vector<TensorInfo> infer(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>&,
                                 const Attrs& a) const override {
     TORCH_CHECK(in.size() == 1 && in[0].with_sizes(a.sizes).numel() == in[0].numel() && in[0].contiguous() &&
@@ -44,6 +77,13 @@ class ViewDef final : public OpDef {
 class SplitDef final : public OpDef {
  public:
   const char* kind() const override { return ""; }
+  TensorParallel tensor_parallel() const override { return TensorParallel::share_wise; }
+  // A rank holds its share of each part's heads.
+  Attrs on_share(const Attrs& a, const std::vector<TensorInfo>&, int64_t tp, const std::string& node) const override {
+    Attrs s = a;
+    for (auto& h : s.split_heads) h = detail::tp_share(h, tp, node, "heads");
+    return s;
+  }
   std::vector<TensorInfo> infer(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>&,
                                 const Attrs& a) const override {
     int64_t heads = 0;
@@ -95,20 +135,6 @@ const OpDef& op::view() {
 const OpDef& op::split() {
   static const SplitDef def;
   return def;
-}
-
-std::vector<const OpDef*> op::all() {
-  return {&layernorm(),     &rmsnorm(),
-          &linear(),        &linears(),
-          &attention(),     &tiled_attention(),
-          &dropout_mask(),  &dropout(),
-          &residual(),      &gelu(),
-          &swiglu(),        &rope(),
-          &view(),          &split(),
-          &embedding(),     &position_embedding(),
-          &cross_entropy(), &fused_cross_entropy(),
-          &tp_copy(),       &tp_reduce(),
-          &sp_gather(),     &sp_scatter()};
 }
 
 }  // namespace remat::graph
