@@ -51,7 +51,7 @@ std::vector<int64_t> view_share(const std::vector<int64_t>& from, const std::vec
 // per head or per element, so a share needs no other rank's part.
 bool share_wise(const OpDef& o) {
   return &o == &op::view() || &o == &op::split() || &o == &op::rope() || &o == &op::attention() ||
-         &o == &op::tiled_attention() || &o == &op::gelu() || &o == &op::swiglu();
+         &o == &op::tiled_attention() || &o == &op::sdpa_attention() || &o == &op::gelu() || &o == &op::swiglu();
 }
 
 // Ops that may read a rank's share of the sequence positions between the regions: they

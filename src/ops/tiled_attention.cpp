@@ -407,9 +407,9 @@ const OpDef& op::attention(Attention kind) {
   // Every model and every plan declares its blocks through here, so an unresolved choice
   // stops before anything is built or priced.
   TORCH_CHECK(kind != Attention::automatic,
-              "model.attention = auto names no attention op: the command resolves it to math or tiled "
+              "model.attention = auto names no attention op: the command resolves it to one of them "
               "(plan_run_auto, src/run/auto.h) before building or planning the model.");
-  return kind == Attention::tiled ? tiled_attention() : attention();
+  return kind == Attention::tiled ? tiled_attention() : kind == Attention::sdpa ? sdpa_attention() : attention();
 }
 
 }  // namespace remat::graph
