@@ -74,8 +74,8 @@ AttentionGrads sdpa_attention_backward(const at::Tensor& dout, const SdpaAttenti
 #if REMAT_SDPA_BUILT
   const auto heads_second = [](const at::Tensor& x) { return x.transpose(1, 2); };
   auto [dq, dk, dv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
-      heads_second(dout), heads_second(saved.q), heads_second(saved.k), heads_second(saved.v),
-      heads_second(saved.out), heads_second(saved.lse), 0.0, /*is_causal=*/true);
+      heads_second(dout), heads_second(saved.q), heads_second(saved.k), heads_second(saved.v), heads_second(saved.out),
+      heads_second(saved.lse), 0.0, /*is_causal=*/true);
   return {heads_second(dq), heads_second(dk), heads_second(dv)};
 #else
   TORCH_CHECK(false, "[sdpa_attention] ", attention_refusal(Attention::sdpa, 0.0, false));
@@ -179,7 +179,8 @@ class SdpaAttentionDef final : public OpDef {
   // Whether the kernel's output, which at::empty_like lays out like q seen as [B, H, T, D],
   // is not [B, T, H, D] contiguous (q a strided view): decided by ATen on a meta tensor.
   static bool output_copied(const TensorInfo& q) {
-    const at::Tensor meta = at::empty_strided(q.sizes, detail::strides_of(q), at::TensorOptions(at::kMeta).dtype(q.dtype));
+    const at::Tensor meta =
+        at::empty_strided(q.sizes, detail::strides_of(q), at::TensorOptions(at::kMeta).dtype(q.dtype));
     return !at::empty_like(meta.transpose(1, 2)).transpose(1, 2).is_contiguous();
   }
 };

@@ -24,7 +24,7 @@ struct Case {
 };
 // GQA (8 query heads over 2, 4 over 1), T = 1, one key block, several query blocks (32
 // queries each below 192 positions, 64 from there), T not a multiple of a block.
-const Case kCases[] = {{2, 9, 8, 2, 4},  {1, 1, 2, 1, 2},  {2, 5, 4, 2, 3},  {1, 45, 3, 3, 4},
+const Case kCases[] = {{2, 9, 8, 2, 4},  {1, 1, 2, 1, 2},   {2, 5, 4, 2, 3}, {1, 45, 3, 3, 4},
                        {2, 70, 4, 1, 5}, {1, 200, 2, 2, 4}, {3, 16, 4, 4, 2}};
 
 // q, k and v as slices of one fused projection output, as the models produce them.
