@@ -3,6 +3,7 @@
 #include "ops/op_def.h"
 
 #include "remat/trace.h"
+#include "util/openblas.h"
 
 #include <ATen/Parallel.h>
 #include <fmt/format.h>
@@ -50,6 +51,7 @@ Fwd<SdpaAttentionSaved> sdpa_attention_forward(const at::Tensor& q, const at::Te
   attention_dims("sdpa_attention", q, k, v);
   TORCH_CHECK(q.device().is_cpu(), "[sdpa_attention] ", attention_refusal(Attention::sdpa, 0.0, true));
 #if REMAT_SDPA_BUILT
+  const util::SerialBlas serial_blas;  // the kernel multiplies its blocks inside its parallel region
   auto [kernel_out, lse] = at::_scaled_dot_product_flash_attention_for_cpu(q.transpose(1, 2), k.transpose(1, 2),
                                                                            v.transpose(1, 2), 0.0, /*is_causal=*/true);
   // The kernel lays its output out like q (at::empty_like): a strided q's is [B, H, T, D].
@@ -73,6 +75,7 @@ AttentionGrads sdpa_attention_backward(const at::Tensor& dout, const SdpaAttenti
               saved.lse.scalar_type());
 #if REMAT_SDPA_BUILT
   const auto heads_second = [](const at::Tensor& x) { return x.transpose(1, 2); };
+  const util::SerialBlas serial_blas;
   auto [dq, dk, dv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
       heads_second(dout), heads_second(saved.q), heads_second(saved.k), heads_second(saved.v), heads_second(saved.out),
       heads_second(saved.lse), 0.0, /*is_causal=*/true);

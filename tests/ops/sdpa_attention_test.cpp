@@ -6,6 +6,7 @@
 #include "remat/memory.h"
 
 #include "ops/testing.h"
+#include "util/openblas.h"
 #include "util/sdpa.h"
 
 #include <ATen/Parallel.h>
@@ -111,6 +112,28 @@ TEST(SdpaAttentionOp, ARecomputeIsBitwiseTheForward) {
   EXPECT_TRUE(at::equal(a.out, b.out));
   EXPECT_TRUE(at::equal(a.saved.lse, b.saved.lse));
   EXPECT_TRUE(at::equal(ga.dq, gb.dq) && at::equal(ga.dk, gb.dk) && at::equal(ga.dv, gb.dv));
+}
+
+TEST(SdpaAttentionOp, RunsOnTwoThreadsWithTheBlasAsItWas) {
+  // The kernel multiplies its blocks inside its own parallel region; OpenBLAS's OpenMP
+  // build, left on several threads there, hangs. The op holds it to one and restores it.
+  REMAT_SKIP_WITHOUT_SDPA();
+  const Case c{2, 512, 4, 2, 32};
+  auto [q, k, v] = fused_qkv(c, at::kFloat, 13);
+  const int threads = at::get_num_threads();
+  at::set_num_threads(2);
+  const remat::util::OpenBlas& blas = remat::util::openblas();
+  const int blas_threads = blas.get_threads != nullptr ? blas.get_threads() : 0;
+  if (blas.set_threads != nullptr) blas.set_threads(2);
+  auto f = sdpa_attention_forward(q, k, v);
+  const AttentionGrads g = sdpa_attention_backward(at::randn(q.sizes(), seeded(14)), f.saved);
+  if (blas.get_threads != nullptr) {
+    EXPECT_EQ(blas.get_threads(), 2);
+  }
+  if (blas.set_threads != nullptr) blas.set_threads(blas_threads);
+  at::set_num_threads(threads);
+  EXPECT_LT(rel_err(f.out, attention_forward(q, k, v, 0.0, kKey).out), 1e-5);
+  EXPECT_TRUE(g.dq.isfinite().all().item<bool>());
 }
 
 TEST(SdpaAttentionOp, KeepsWhatTiledKeeps) {
