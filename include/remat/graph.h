@@ -226,6 +226,7 @@ const OpDef& linear();
 const OpDef& linears();
 const OpDef& attention();
 const OpDef& tiled_attention();
+const OpDef& sdpa_attention();
 /// The attention op a configuration asks for (model.attention); throws on `auto`, which
 /// names none until resolved.
 const OpDef& attention(Attention kind);

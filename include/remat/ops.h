@@ -12,5 +12,6 @@
 #include "remat/ops/residual.h"
 #include "remat/ops/rmsnorm.h"
 #include "remat/ops/rope.h"
+#include "remat/ops/sdpa_attention.h"
 #include "remat/ops/swiglu.h"
 #include "remat/ops/tiled_attention.h"

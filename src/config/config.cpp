@@ -57,11 +57,13 @@ Arch parse_arch(const std::string& key, const std::string& v) {
 Attention parse_attention(const std::string& key, const std::string& v) {
   if (v == "math") return Attention::math;
   if (v == "tiled") return Attention::tiled;
+  if (v == "sdpa") return Attention::sdpa;
   if (v == "auto") return Attention::automatic;
   fail(
       fmt::format("{} must be tiled (online softmax over tiles, keeps one log-sum-exp per row), math "
-                  "(keeps the [T x T] probabilities) or auto (the planner chooses one of them for the run), "
-                  "got '{}'.",
+                  "(keeps the [T x T] probabilities), sdpa (ATen's fused attention, keeps what tiled keeps; "
+                  "LibTorch 2.9 and later, no attention dropout) or auto (the planner chooses one of them for the "
+                  "run), got '{}'.",
                   key, util::clip(v)));
 }
 
@@ -252,7 +254,7 @@ std::vector<ConfigKey> make_keys() {
       key("model.vocab_multiple", &C::model, &ModelConfig::vocab_multiple,
           "pad the vocabulary to a multiple of this x tp"),
       key("model.max_seq", &C::model, &ModelConfig::max_seq, "context length"),
-      key("model.attention", &C::model, &ModelConfig::attention, "tiled, math or auto attention"),
+      key("model.attention", &C::model, &ModelConfig::attention, "tiled, math, sdpa or auto attention"),
       key("model.attention_tile", &C::model, &ModelConfig::attention_tile, "tiled attention: positions per tile"),
       key("model.loss_head", &C::model, &ModelConfig::loss_head, "fused, recompute or auto loss head"),
       key("model.dropout", &C::model, &ModelConfig::dropout, "dropout probability"),
@@ -483,6 +485,8 @@ const char* attention_name(Attention a) {
       return "math";
     case Attention::tiled:
       return "tiled";
+    case Attention::sdpa:
+      return "sdpa";
     case Attention::automatic:
       return "auto";
   }
@@ -744,6 +748,7 @@ void validate_config(const Config& c) {
   if (c.run.device != "cpu" && c.run.device != "cuda" && c.run.device.rfind("cuda:", 0) != 0) {
     fail(fmt::format("run.device must be cpu or cuda[:N], got '{}'.", util::clip(c.run.device)));
   }
+  if (const std::string why = attention_refusal(m.attention, m.dropout, c.run.device != "cpu"); !why.empty()) fail(why);
   if (c.run.sample_tokens < 0) fail("run.sample_tokens must be >= 0.");
   if (c.parallel.dp < 0 || c.parallel.dp > 1 << 20) {
     fail(fmt::format("parallel.dp must be in [0, 2^20] (0: every rank the launcher starts), got {}.", c.parallel.dp));

@@ -14,45 +14,25 @@ namespace {
 // Softmax cost per score: max, subtract, exp, sum, divide.
 constexpr double kSoftmaxFlopsPerScore = 5.0;
 
-struct Dims {
-  int64_t B, T, Hq, Hkv, D, G;  // G = query heads per key/value head
-  int64_t BK() const { return B * Hkv; }
-};
-
-Dims check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
-              "[attention] q, k and v must be [B, T, heads, head_dim], got q ", q.sizes(), ", k ", k.sizes(), " and v ",
-              v.sizes());
-  TORCH_CHECK(k.sizes() == v.sizes(), "[attention] k and v must have the same shape, got k ", k.sizes(), " and v ",
-              v.sizes());
-  TORCH_CHECK(q.size(0) == k.size(0) && q.size(1) == k.size(1) && q.size(3) == k.size(3),
-              "[attention] q [B, T, Hq, D] and k, v [B, T, Hkv, D] must agree on B, T and D, got q ", q.sizes(),
-              " and k ", k.sizes());
-  TORCH_CHECK(k.size(2) > 0 && q.size(2) % k.size(2) == 0,
-              "[attention] query heads must be a multiple of key/value heads, got q ", q.sizes(), " and k ", k.sizes());
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
-              "[attention] q, k and v must share a dtype, got ", q.scalar_type(), ", ", k.scalar_type(), " and ",
-              v.scalar_type());
-  return {q.size(0), q.size(1), q.size(2), k.size(2), q.size(3), q.size(2) / k.size(2)};
-}
-
 // [B, T, Hq, D] viewed as [B, Hkv, T, G, D]: each key/value head's query rows ordered by
 // position, then query head, so the rows of positions [t0, t1) are the contiguous range
 // [t0 G, t1 G) and one batched matmul against that group's K and V serves all G heads
 // without repeating K or V.
-at::Tensor grouped_view(const at::Tensor& x, const Dims& d) {
+at::Tensor grouped_view(const at::Tensor& x, const AttentionDims& d) {
   return x.reshape({d.B, d.T, d.Hkv, d.G, d.D}).permute({0, 2, 1, 3, 4});
 }
 
 // scale * x for x [B, T, Hq, D], as contiguous rows [B*Hkv, T*G, D] (one pass: copy and scale).
-at::Tensor query_rows(const at::Tensor& x, const Dims& d, double scale) {
+at::Tensor query_rows(const at::Tensor& x, const AttentionDims& d, double scale) {
   at::Tensor rows = at::empty({d.B, d.Hkv, d.T, d.G, d.D}, x.options());
   at::mul_out(rows, grouped_view(x, d), at::scalar_tensor(scale, at::kDouble));
   return rows.view({d.BK(), d.T * d.G, d.D});
 }
 
 // [B, T, Hkv, D] -> [B*Hkv, T, D] (a copy unless the layout already allows a view).
-at::Tensor heads_first(const at::Tensor& x, const Dims& d) { return x.transpose(1, 2).reshape({d.BK(), d.T, d.D}); }
+at::Tensor heads_first(const at::Tensor& x, const AttentionDims& d) {
+  return x.transpose(1, 2).reshape({d.BK(), d.T, d.D});
+}
 
 // Positions [t0, t0 + n) of the sequence: a block of queries or keys.
 struct Span {
@@ -71,6 +51,23 @@ void check_block(int64_t block) {
 
 }  // namespace
 
+AttentionDims attention_dims(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "[", op,
+              "] q, k and v must be [B, T, heads, head_dim], got q ", q.sizes(), ", k ", k.sizes(), " and v ",
+              v.sizes());
+  TORCH_CHECK(k.sizes() == v.sizes(), "[", op, "] k and v must have the same shape, got k ", k.sizes(), " and v ",
+              v.sizes());
+  TORCH_CHECK(q.size(0) == k.size(0) && q.size(1) == k.size(1) && q.size(3) == k.size(3), "[", op,
+              "] q [B, T, Hq, D] and k, v [B, T, Hkv, D] must agree on B, T and D, got q ", q.sizes(), " and k ",
+              k.sizes());
+  TORCH_CHECK(k.size(2) > 0 && q.size(2) % k.size(2) == 0, "[", op,
+              "] query heads must be a multiple of key/value heads, got q ", q.sizes(), " and k ", k.sizes());
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(), "[", op,
+              "] q, k and v must share a dtype, got ", q.scalar_type(), ", ", k.scalar_type(), " and ",
+              v.scalar_type());
+  return {q.size(0), q.size(1), q.size(2), k.size(2), q.size(3), q.size(2) / k.size(2)};
+}
+
 // The causal mask zeroes every score of a key after its query, so each block of queries
 // [t0, t1) multiplies against keys [0, t1) only: the products skip the blocks above the
 // diagonal, and the softmax and its backward run over those keys alone. probs keeps its
@@ -79,7 +76,7 @@ void check_block(int64_t block) {
 Fwd<AttentionSaved> attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double p,
                                       const DropoutKey& key, int64_t block) {
   const trace::Scope trace_scope("attention", trace::Category::forward);
-  const Dims d = check_inputs(q, k, v);
+  const AttentionDims d = attention_dims("attention", q, k, v);
   check_block(block);
   const int64_t G = d.G, T = d.T;
   const at::Tensor kr = heads_first(k, d), vr = heads_first(v, d);
@@ -119,7 +116,7 @@ Fwd<AttentionSaved> attention_forward(const at::Tensor& q, const at::Tensor& k, 
 
 AttentionGrads attention_backward(const at::Tensor& dout, const AttentionSaved& saved, int64_t block) {
   const trace::Scope trace_scope("attention", trace::Category::backward);
-  const Dims d = check_inputs(saved.q, saved.k, saved.v);
+  const AttentionDims d = attention_dims("attention", saved.q, saved.k, saved.v);
   check_block(block);
   TORCH_CHECK(dout.sizes() == saved.q.sizes(), "[attention] output gradient must match q's shape ", saved.q.sizes(),
               ", got ", dout.sizes());
@@ -208,17 +205,10 @@ namespace {
 
 using detail::flags;
 
-std::vector<int64_t> strides_of(const TensorInfo& t) {
-  if (!t.contiguous()) return t.strides;
-  std::vector<int64_t> s(t.sizes.size(), 1);
-  for (size_t i = s.size() - 1; i-- > 0;) s[i] = s[i + 1] * t.sizes[i + 1];
-  return s;
-}
-
 // Whether heads_first() of a [B, T, H, D] tensor copies (a view needs a compatible layout).
 bool heads_first_copies(const TensorInfo& t) {
   auto s = t.sizes;
-  auto st = strides_of(t);
+  auto st = detail::strides_of(t);
   std::swap(s[1], s[2]);
   std::swap(st[1], st[2]);
   const std::vector<int64_t> rows = {s[0] * s[1], s[2], s[3]};

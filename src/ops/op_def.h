@@ -23,6 +23,14 @@ inline int64_t bytes_of(int64_t numel, at::ScalarType dtype) {
   return numel * static_cast<int64_t>(c10::elementSize(dtype));
 }
 
+/// The element strides of `t` (a contiguous one's computed from its sizes).
+inline std::vector<int64_t> strides_of(const TensorInfo& t) {
+  if (!t.contiguous()) return t.strides;
+  std::vector<int64_t> s(t.sizes.size(), 1);
+  for (size_t i = s.size() - 1; i-- > 0;) s[i] = s[i + 1] * t.sizes[i + 1];
+  return s;
+}
+
 /// Rows of a [..., C] tensor.
 inline int64_t rows(const TensorInfo& t) { return t.numel() / t.sizes.back(); }
 

@@ -5,17 +5,29 @@
 namespace remat::graph {
 
 std::vector<const OpDef*> op::all() {
-  return {&layernorm(),     &rmsnorm(),
-          &linear(),        &linears(),
-          &attention(),     &tiled_attention(),
-          &dropout_mask(),  &dropout(),
-          &residual(),      &gelu(),
-          &swiglu(),        &rope(),
-          &view(),          &split(),
-          &embedding(),     &position_embedding(),
-          &cross_entropy(), &fused_cross_entropy(),
-          &tp_copy(),       &tp_reduce(),
-          &sp_gather(),     &sp_scatter()};
+  return {&layernorm(),
+          &rmsnorm(),
+          &linear(),
+          &linears(),
+          &attention(),
+          &tiled_attention(),
+          &sdpa_attention(),
+          &dropout_mask(),
+          &dropout(),
+          &residual(),
+          &gelu(),
+          &swiglu(),
+          &rope(),
+          &view(),
+          &split(),
+          &embedding(),
+          &position_embedding(),
+          &cross_entropy(),
+          &fused_cross_entropy(),
+          &tp_copy(),
+          &tp_reduce(),
+          &sp_gather(),
+          &sp_scatter()};
 }
 
 }  // namespace remat::graph

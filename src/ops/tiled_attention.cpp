@@ -14,29 +14,6 @@
 namespace remat::ops {
 namespace {
 
-struct Dims {
-  int64_t B, T, Hq, Hkv, D, G;  // G = query heads per key/value head
-  int64_t BK() const { return B * Hkv; }
-};
-
-Dims check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
-              "[tiled_attention] q, k and v must be [B, T, heads, head_dim], got q ", q.sizes(), ", k ", k.sizes(),
-              " and v ", v.sizes());
-  TORCH_CHECK(k.sizes() == v.sizes(), "[tiled_attention] k and v must have the same shape, got k ", k.sizes(),
-              " and v ", v.sizes());
-  TORCH_CHECK(q.size(0) == k.size(0) && q.size(1) == k.size(1) && q.size(3) == k.size(3),
-              "[tiled_attention] q [B, T, Hq, D] and k, v [B, T, Hkv, D] must agree on B, T and D, got q ", q.sizes(),
-              " and k ", k.sizes());
-  TORCH_CHECK(k.size(2) > 0 && q.size(2) % k.size(2) == 0,
-              "[tiled_attention] query heads must be a multiple of key/value heads, got q ", q.sizes(), " and k ",
-              k.sizes());
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
-              "[tiled_attention] q, k and v must share a dtype, got ", q.scalar_type(), ", ", k.scalar_type(), " and ",
-              v.scalar_type());
-  return {q.size(0), q.size(1), q.size(2), k.size(2), q.size(3), q.size(2) / k.size(2)};
-}
-
 void check_tiles(const AttentionTiles& t) {
   TORCH_CHECK(t.q >= 1 && t.k >= 1, "[tiled_attention] tiles must hold at least one query and one key, got ", t.q,
               " x ", t.k);
@@ -45,7 +22,7 @@ void check_tiles(const AttentionTiles& t) {
 // [B, T, Hq, D] seen as [B, Hkv, T, G, D] (a view): each key/value head's query rows ordered
 // by position, then query head, so the rows of a query tile [i0, i1) are the contiguous
 // range [i0 G, i1 G) and one matmul against the group's key tile serves all G heads.
-at::Tensor grouped(const at::Tensor& x, const Dims& d) {
+at::Tensor grouped(const at::Tensor& x, const AttentionDims& d) {
   return x.reshape({d.B, d.T, d.Hkv, d.G, d.D}).permute({0, 2, 1, 3, 4});
 }
 
@@ -54,12 +31,12 @@ at::Tensor heads_first(const at::Tensor& x) { return x.permute({0, 2, 1, 3}); }
 
 // Contiguous working copies in the arithmetic dtype: query-like rows [B*Hkv, T*G, D] and
 // key-like rows [B*Hkv, T, D].
-at::Tensor query_rows(const at::Tensor& x, const Dims& d, at::ScalarType acc) {
+at::Tensor query_rows(const at::Tensor& x, const AttentionDims& d, at::ScalarType acc) {
   at::Tensor rows = at::empty({d.B, d.Hkv, d.T, d.G, d.D}, x.options().dtype(acc));
   rows.copy_(grouped(x, d));
   return rows.view({d.BK(), d.T * d.G, d.D});
 }
-at::Tensor key_rows(const at::Tensor& x, const Dims& d, at::ScalarType acc) {
+at::Tensor key_rows(const at::Tensor& x, const AttentionDims& d, at::ScalarType acc) {
   at::Tensor rows = at::empty({d.B, d.Hkv, d.T, d.D}, x.options().dtype(acc));
   rows.copy_(heads_first(x));
   return rows.view({d.BK(), d.T, d.D});
@@ -74,7 +51,7 @@ at::Tensor front(const at::Tensor& buf, int64_t a, int64_t b, int64_t c) {
 // One (query tile, key tile) pair: query positions [i0, i1), keys [j0, j1).
 struct Tile {
   int64_t i0, i1, j0, j1;
-  int64_t rows(const Dims& d) const { return (i1 - i0) * d.G; }
+  int64_t rows(const AttentionDims& d) const { return (i1 - i0) * d.G; }
   int64_t cols() const { return j1 - j0; }
 };
 
@@ -86,7 +63,7 @@ struct RowAt {
   int64_t i, lse, mask;
   int64_t valid;  // keys of the tile at or before the query (causal)
 };
-RowAt row_at(int64_t row, const Tile& t, const Dims& d, const DropoutDraw* draw) {
+RowAt row_at(int64_t row, const Tile& t, const AttentionDims& d, const DropoutDraw* draw) {
   const int64_t R = t.rows(d), bk = row / R, r = row % R;
   const int64_t i = t.i0 + r / d.G, b = bk / d.Hkv;
   const int64_t head = b * d.Hq + (bk % d.Hkv) * d.G + r % d.G;  // b Hq + h
@@ -102,8 +79,8 @@ int64_t grain(int64_t cols) { return std::max<int64_t>(1, 16384 / std::max<int64
 // and output rows o [rows, D] are rescaled to the new maximum (initialised on the first
 // key tile). The sum l is taken before dropout: dropout does not change the normaliser.
 template <class scalar_t>
-void online_softmax(scalar_t* s, scalar_t* o, scalar_t* m, scalar_t* l, const Tile& t, const Dims& d, scalar_t scale,
-                    const DropoutDraw* draw, scalar_t keep_scale) {
+void online_softmax(scalar_t* s, scalar_t* o, scalar_t* m, scalar_t* l, const Tile& t, const AttentionDims& d,
+                    scalar_t scale, const DropoutDraw* draw, scalar_t keep_scale) {
   const int64_t C = t.cols(), n = d.BK() * t.rows(d);
   const bool first = t.j0 == 0;
   at::parallel_for(0, n, grain(C), [&](int64_t begin, int64_t end) {
@@ -135,7 +112,8 @@ void online_softmax(scalar_t* s, scalar_t* o, scalar_t* m, scalar_t* l, const Ti
 
 // After a query tile's last key tile: o /= l and lse = m + log l.
 template <class scalar_t>
-void finish_rows(scalar_t* o, const scalar_t* m, const scalar_t* l, scalar_t* lse, const Tile& t, const Dims& d) {
+void finish_rows(scalar_t* o, const scalar_t* m, const scalar_t* l, scalar_t* lse, const Tile& t,
+                 const AttentionDims& d) {
   at::parallel_for(0, d.BK() * t.rows(d), grain(d.D), [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const scalar_t inv = scalar_t(1) / l[row];
@@ -148,8 +126,8 @@ void finish_rows(scalar_t* o, const scalar_t* m, const scalar_t* l, scalar_t* ls
 // The backward's recompute of a tile's probabilities from q k^T (in s, unscaled) and the
 // log-sum-exp: s becomes P (masked keys 0); with dropout, pd the dropped-out P.
 template <class scalar_t>
-void recompute_probs(scalar_t* s, scalar_t* pd, const scalar_t* lse, const Tile& t, const Dims& d, scalar_t scale,
-                     const DropoutDraw* draw, scalar_t keep_scale) {
+void recompute_probs(scalar_t* s, scalar_t* pd, const scalar_t* lse, const Tile& t, const AttentionDims& d,
+                     scalar_t scale, const DropoutDraw* draw, scalar_t keep_scale) {
   const int64_t C = t.cols();
   at::parallel_for(0, d.BK() * t.rows(d), grain(C), [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
@@ -170,8 +148,8 @@ void recompute_probs(scalar_t* s, scalar_t* pd, const scalar_t* lse, const Tile&
 // gradient of the scaled scores' input, scale P (dropout'(dp) - delta): the softmax backward
 // with delta = rowsum(dO o) = rowsum(P dropout'(dp)), and the 1/sqrt(D) folded in.
 template <class scalar_t>
-void score_grads(scalar_t* dp, const scalar_t* p, const scalar_t* delta, const Tile& t, const Dims& d, scalar_t scale,
-                 const DropoutDraw* draw, scalar_t keep_scale) {
+void score_grads(scalar_t* dp, const scalar_t* p, const scalar_t* delta, const Tile& t, const AttentionDims& d,
+                 scalar_t scale, const DropoutDraw* draw, scalar_t keep_scale) {
   const int64_t C = t.cols();
   at::parallel_for(0, d.BK() * t.rows(d), grain(C), [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
@@ -206,7 +184,7 @@ void row_dots(const scalar_t* a, const scalar_t* b, scalar_t* out, int64_t n, in
 Fwd<TiledAttentionSaved> tiled_attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                  double p, const DropoutKey& key, AttentionTiles tiles) {
   const trace::Scope trace_scope("tiled_attention", trace::Category::forward);
-  const Dims d = check_inputs(q, k, v);
+  const AttentionDims d = attention_dims("tiled_attention", q, k, v);
   check_tiles(tiles);
   const DropoutDraw draw(key, p, {d.B, d.Hq, d.T, d.T});  // the math op's mask
   TORCH_CHECK(p == 0.0 || q.device().is_cpu(),
@@ -248,7 +226,7 @@ Fwd<TiledAttentionSaved> tiled_attention_forward(const at::Tensor& q, const at::
 
 AttentionGrads tiled_attention_backward(const at::Tensor& dout, const TiledAttentionSaved& saved) {
   const trace::Scope trace_scope("tiled_attention", trace::Category::backward);
-  const Dims d = check_inputs(saved.q, saved.k, saved.v);
+  const AttentionDims d = attention_dims("tiled_attention", saved.q, saved.k, saved.v);
   check_tiles(saved.tiles);
   TORCH_CHECK(dout.sizes() == saved.q.sizes(), "[tiled_attention] output gradient must match q's shape ",
               saved.q.sizes(), ", got ", dout.sizes());
@@ -434,9 +412,9 @@ const OpDef& op::attention(Attention kind) {
   // Every model and every plan declares its blocks through here, so an unresolved choice
   // stops before anything is built or priced.
   TORCH_CHECK(kind != Attention::automatic,
-              "model.attention = auto names no attention op: the command resolves it to math or tiled "
+              "model.attention = auto names no attention op: the command resolves it to one of them "
               "(plan_run_auto, src/run/auto.h) before building or planning the model.");
-  return kind == Attention::tiled ? tiled_attention() : attention();
+  return kind == Attention::tiled ? tiled_attention() : kind == Attention::sdpa ? sdpa_attention() : attention();
 }
 
 }  // namespace remat::graph

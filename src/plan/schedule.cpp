@@ -7,9 +7,9 @@
 namespace remat::schedule {
 
 std::vector<Action> forward(const ActivationPlan& plan, const Stage& stage, int64_t m) {
-  TORCH_INTERNAL_ASSERT(stage.first >= 0 && stage.first < stage.end &&
-                            stage.end <= static_cast<int64_t>(plan.layers.size()),
-                        "a stage of layers [", stage.first, ", ", stage.end, ") of a plan of ", plan.layers.size());
+  TORCH_INTERNAL_ASSERT(
+      stage.first >= 0 && stage.first < stage.end && stage.end <= static_cast<int64_t>(plan.layers.size()),
+      "a stage of layers [", stage.first, ", ", stage.end, ") of a plan of ", plan.layers.size());
   std::vector<Action> out;
   if (stage.embedding) out.push_back({Kind::embed_forward, m});
   for (int64_t l = stage.first; l < stage.end; ++l) out.push_back({Kind::forward, m, l});

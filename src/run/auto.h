@@ -27,11 +27,13 @@ using ProfileOf = std::function<TimeProfile(const Config& local)>;
 /// recompute head's extra [tokens x d_model x vocab] product (one stage only: a pipeline's
 /// ranks each see their own stage's FLOPs, so there fused).
 ///
-/// model.attention = auto, candidates math then tiled: without ac.budget and ac.profile,
-/// math alone (measured faster on this CPU); otherwise both ops are planned (a fraction of
-/// math's no-recompute peak) and choose() takes one, the first without measured times.
-/// With a budget and both profiles measured, a plan running either op per layer
-/// (cost::OtherAttention) is taken instead where it mixes the ops and is predicted faster.
+/// model.attention = auto, candidates kAttentionOps (math, tiled, then sdpa where this build
+/// has it and the model has no attention dropout: attention_refusal): without ac.budget and
+/// ac.profile, math alone (measured faster on this CPU); otherwise every candidate is
+/// planned (a fraction of math's no-recompute peak) and choose() takes one, the first
+/// without measured times. With a budget and every profile measured, a plan running the
+/// chosen op and one other per layer (cost::OtherAttention) is taken instead where it mixes
+/// the ops and is predicted faster.
 ///
 /// The plan's `choices` and the lines leading its text say what was taken and why. Every
 /// rank of a job calls this alike, with profiles alike (rank 0's times), and so chooses

@@ -80,11 +80,15 @@ SavedPlan parse_saved_plan(const std::string& json, int64_t n_layers, int64_t st
       layer.input_sharded = l.at("input_sharded").get<bool>();
       if (l.contains("attention")) {
         const std::string op = l.at("attention").get<std::string>();
-        if (op != attention_name(Attention::math) && op != attention_name(Attention::tiled)) {
-          throw damaged(fmt::format("runs attention '{}' in layer {}, which is not math or tiled", op,
-                                    saved.plan.layers.size() + 1));
+        const auto* known = std::find_if(std::begin(kAttentionOps), std::end(kAttentionOps),
+                                         [&](Attention a) { return op == attention_name(a); });
+        if (known == std::end(kAttentionOps)) {
+          std::vector<std::string> names;
+          for (Attention a : kAttentionOps) names.emplace_back(attention_name(a));
+          throw damaged(fmt::format("runs attention '{}' in layer {}, which is none of this build's ops ({})", op,
+                                    saved.plan.layers.size() + 1, fmt::join(names, ", ")));
         }
-        layer.attention = op == attention_name(Attention::math) ? Attention::math : Attention::tiled;
+        layer.attention = *known;
       }
       saved.plan.layers.push_back(std::move(layer));
     }

@@ -1,10 +1,10 @@
 #include "train/device.h"
 
+#include "util/openblas.h"
+
 #include <ATen/Parallel.h>
 #include <ATen/Context.h>
 #include <fmt/format.h>
-
-#include <dlfcn.h>
 
 #include <algorithm>
 #include <chrono>
@@ -50,31 +50,12 @@ at::ScalarType parse_dtype(const std::string& name, at::Device device) {
 
 namespace {
 
-// OpenBLAS's threading, as openblas_get_parallel() reports it.
-enum class BlasThreading { none = 0, pthreads = 1, openmp = 2 };
-
-// The OpenBLAS that serves ATen's matrix multiplies, looked up in the loaded libraries; null
-// functions where ATen's BLAS is another (MKL, ATen's own kernels).
-struct OpenBlas {
-  void (*set_threads)(int) = nullptr;
-  int (*parallel)() = nullptr;
-  char* (*config)() = nullptr;
-
-  OpenBlas() {
-    set_threads = reinterpret_cast<void (*)(int)>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"));
-    parallel = reinterpret_cast<int (*)()>(dlsym(RTLD_DEFAULT, "openblas_get_parallel"));
-    config = reinterpret_cast<char* (*)()>(dlsym(RTLD_DEFAULT, "openblas_get_config"));
-  }
-  BlasThreading threading() const { return parallel ? static_cast<BlasThreading>(parallel()) : BlasThreading::none; }
-};
-
-const OpenBlas& openblas() {
-  static const OpenBlas blas;
-  return blas;
-}
+using util::BlasThreading;
+using util::openblas;
 
 // The thread count OpenBLAS is given beside `threads` ATen threads. The OpenMP build runs in
-// ATen's own pool (and on one thread inside ATen's parallel regions), so it takes them all.
+// ATen's own pool, so it takes them all (a kernel calling it inside ATen's parallel regions
+// holds it to one: util::SerialBlas).
 // The pthread build keeps a pool of its own whose workers spin after every call while
 // OpenMP's spin in turn (over half the CPU time of a step on 2 cores): it is held to one.
 int blas_threads(int threads) { return openblas().threading() == BlasThreading::pthreads ? 1 : threads; }
@@ -94,7 +75,7 @@ std::string blas_name() {
   // the core's name) on every call, so ranks calling at once (threads of one process) could
   // read it half-written, name different profile files and wait for each other forever.
   static const std::string name = [] {
-    const OpenBlas& b = openblas();
+    const util::OpenBlas& b = openblas();
     if (!b.config) return std::string("ATen's BLAS (not OpenBLAS)");
     std::string config = b.config();
     while (!config.empty() && config.back() == ' ') config.pop_back();
@@ -122,7 +103,7 @@ double measure_matmul_flops(at::Device device, at::ScalarType dtype, int64_t row
   const auto opts = at::TensorOptions().dtype(dtype).device(device);
   // The denominator is what this process's cores sustain: a BLAS held to one thread (the
   // pthread build) is let use them all while measuring, so its throttle shows as lost efficiency.
-  const OpenBlas& blas = openblas();
+  const util::OpenBlas& blas = openblas();
   const int threads = at::get_num_threads();
   if (blas.set_threads) blas.set_threads(threads);
   double best = 0.0;

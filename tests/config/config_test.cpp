@@ -2,6 +2,7 @@
 #include "remat/config.h"
 #include "remat/ops/tiled_attention.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <cstdio>
@@ -65,7 +66,31 @@ TEST(Config, BadValuesAndShapesAreRefusedWithSentences) {
   EXPECT_EQ(error_of([] { load_config("", {"model.dropout=1"}); }), "model.dropout must be in [0, 1), got 1.");
   EXPECT_EQ(error_of([] { load_config("", {"model.attention=flash"}); }),
             "model.attention must be tiled (online softmax over tiles, keeps one log-sum-exp per row), math "
-            "(keeps the [T x T] probabilities) or auto (the planner chooses one of them for the run), got 'flash'.");
+            "(keeps the [T x T] probabilities), sdpa (ATen's fused attention, keeps what tiled keeps; LibTorch 2.9 "
+            "and later, no attention dropout) or auto (the planner chooses one of them for the run), got 'flash'.");
+  // sdpa: refused where this build lacks the kernel, and with attention dropout anywhere.
+  if (kSdpaBuilt) {
+    EXPECT_EQ(load_config("", {"model.attention=sdpa", "model.dropout=0"}).model.attention, Attention::sdpa);
+    EXPECT_EQ(error_of([] {
+                load_config("", {"model.attention=sdpa", "model.dropout=0.1"});
+              }),
+              "model.attention = sdpa cannot drop attention probabilities: ATen's fused attention draws its dropout "
+              "mask inside the kernel (from the global generator, and not at all on the CPU), so a recompute could "
+              "not draw the forward's mask again, and model.dropout = 0.1 applies to them; set model.dropout = 0, or "
+              "use model.attention = math or tiled (their masks are keyed, so a recompute is exact).");
+    EXPECT_EQ(error_of([] {
+                load_config("", {"model.attention=sdpa", "model.dropout=0", "run.device=cuda"});
+              }),
+              "model.attention = sdpa runs ATen's fused CPU kernel, and run.device is CUDA; use model.attention = "
+              "math or tiled there.");
+  } else {
+    EXPECT_EQ(error_of([] {
+                load_config("", {"model.attention=sdpa", "model.dropout=0"});
+              }),
+              fmt::format("model.attention = sdpa needs LibTorch 2.9 or later (ATen's fused attention, with "
+                          "grouped-query heads); this build has LibTorch {}.{}; use model.attention = math or tiled.",
+                          TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR));
+  }
   EXPECT_EQ(error_of([] { load_config("", {"model.attention_tile=0"}); }),
             "model.attention_tile must be positive, got 0.");
   EXPECT_EQ(load_config("", {"model.attention=tiled"}).model.attention, Attention::tiled);

@@ -2,6 +2,7 @@
 // tokens and dropout masks, in float64.
 #include "model/reference.h"
 #include "remat/model.h"
+#include "util/sdpa.h"
 
 #include <ATen/Parallel.h>
 #include <gtest/gtest.h>
@@ -16,7 +17,7 @@ struct Case {
   double dropout;
   int64_t ce_chunk;
   Attention attention = Attention::math;  ///< tiled: 4-position tiles, several per sequence
-  bool mixed = false;                     ///< the odd layers run the other op (LayerPlan::attention)
+  bool mixed = false;  ///< the odd layers run another op (LayerPlan::attention): tiled with math, else math
 };
 
 double rel_err(const at::Tensor& a, const at::Tensor& b) {
@@ -27,6 +28,7 @@ class ModelGrad : public ::testing::TestWithParam<Case> {};
 
 TEST_P(ModelGrad, LossAndEveryParameterGradientMatchAutograd) {
   const Case tc = GetParam();
+  if (tc.attention == Attention::sdpa) REMAT_SKIP_WITHOUT_SDPA();
   ModelConfig cfg = model_preset(tc.preset);
   cfg.dropout = tc.dropout;
   cfg.attention = tc.attention;
@@ -76,7 +78,9 @@ INSTANTIATE_TEST_SUITE_P(Models, ModelGrad,
                                            Case{"tiny-gpt2", 3, 16, 0.2, 1024, Attention::tiled},
                                            Case{"tiny-llama", 2, 9, 0.25, 4, Attention::tiled},
                                            Case{"tiny-gpt2", 2, 11, 0.2, 6, Attention::math, true},
-                                           Case{"tiny-llama", 2, 13, 0.25, 5, Attention::tiled, true}),
+                                           Case{"tiny-llama", 2, 13, 0.25, 5, Attention::tiled, true},
+                                           Case{"tiny-gpt2", 2, 7, 0.0, 5, Attention::sdpa},
+                                           Case{"tiny-llama", 2, 13, 0.0, 4, Attention::sdpa, true}),
                          [](const auto& info) {
                            const Case& c = info.param;
                            return fmt::format("{}_b{}_t{}_p{}_{}{}", c.preset == "tiny-gpt2" ? "gpt2" : "llama",

@@ -5,6 +5,7 @@
 
 #include "ops/testing.h"
 #include "util/local_group.h"
+#include "util/sdpa.h"
 
 #include <stdexcept>
 #include <string>
@@ -22,7 +23,7 @@ struct Shape {
 };
 
 // What one run of an attention op gives: its forward's outputs (math: out, probs, mask,
-// probs_d; tiled: out, lse) and its input gradients (dq, dk, dv).
+// probs_d; tiled and sdpa: out, lse) and its input gradients (dq, dk, dv).
 struct Results {
   std::vector<at::Tensor> out;
   std::vector<at::Tensor> grads;
@@ -66,8 +67,10 @@ struct HeadDim {
 };
 void expect_head_slices(const graph::OpDef& op, const graph::Attrs& attrs, const std::vector<HeadDim>& out_heads,
                         int ranks, const Shape& s, int64_t first_row) {
-  const std::string what = std::string(&op == &graph::op::tiled_attention() ? "tiled" : "math") + " on " +
-                           std::to_string(ranks) + " ranks, Hq " + std::to_string(s.Hq) + ", Hkv " +
+  const std::string what = std::string(&op == &graph::op::tiled_attention()  ? "tiled"
+                                       : &op == &graph::op::sdpa_attention() ? "sdpa"
+                                                                             : "math") +
+                           " on " + std::to_string(ranks) + " ranks, Hq " + std::to_string(s.Hq) + ", Hkv " +
                            std::to_string(s.Hkv) + ", first_row " + std::to_string(first_row);
   const int64_t B = first_row + s.B, Hl = s.Hq / ranks, Kl = s.Hkv / ranks;
   at::Generator gen = seeded(static_cast<uint64_t>(17 + ranks + first_row));
@@ -137,6 +140,18 @@ TEST(ShardedAttention, TiledOpRanksHoldTheOneProcessHeadSlices) {
     const std::vector<HeadDim> outs = {{2, false}, {1, false}};  // out, lse [B, Hq, T]
     expect_head_slices(graph::op::tiled_attention(), attention_attrs(), outs, 2, kTwoRanks, first_row);
     expect_head_slices(graph::op::tiled_attention(), attention_attrs(), outs, 4, kFourRanks, first_row);
+  }
+}
+
+// sdpa draws no dropout: its shares are the one-process head slices all the same.
+TEST(ShardedAttention, SdpaOpRanksHoldTheOneProcessHeadSlices) {
+  REMAT_SKIP_WITHOUT_SDPA();
+  graph::Attrs attrs = attention_attrs();
+  attrs.p = 0;
+  for (int64_t first_row : {0, 1}) {
+    const std::vector<HeadDim> outs = {{2, false}, {2, false}};  // out, lse [B, T, Hq]
+    expect_head_slices(graph::op::sdpa_attention(), attrs, outs, 2, kTwoRanks, first_row);
+    expect_head_slices(graph::op::sdpa_attention(), attrs, outs, 4, kFourRanks, first_row);
   }
 }
 

@@ -73,8 +73,10 @@ const char* kPolicies[] = {"none",
 TEST(CostModel, PeakOfAMicrobatchMatchesTheMeasuredPeak) {
   // Programs mirror the code statement by statement, so the match is to the kilobyte.
   for (const char* preset : {"gpt2-demo", "llama-demo"}) {
-    for (auto [p, attention] : {std::pair{0.0, Attention::math}, std::pair{0.1, Attention::math},
-                                std::pair{0.0, Attention::tiled}, std::pair{0.1, Attention::tiled}}) {
+    for (auto [p, attention] :
+         {std::pair{0.0, Attention::math}, std::pair{0.1, Attention::math}, std::pair{0.0, Attention::tiled},
+          std::pair{0.1, Attention::tiled}, std::pair{0.0, Attention::sdpa}}) {
+      if (attention == Attention::sdpa && !kSdpaBuilt) continue;
       ModelConfig cfg = config(preset, 4, p);
       cfg.attention = attention;
       cfg.attention_tile = 24;  // three query tiles, the last one short
@@ -141,14 +143,15 @@ TEST(CostModel, TensorParallelRanksPeakWhereTheCostModelSays) {
 }
 
 // Hundreds of random per-layer keep-sets of the 4096 a layer may choose, not only the
-// policies' few, each layer running either attention op (LayerPlan::attention): each
-// priced by the cost model and run by the engine.
+// policies' few, each layer running the model's attention op or another (LayerPlan::attention):
+// each priced by the cost model and run by the engine.
 TEST(CostModel, RandomKeepSetsPeakWhereTheCostModelSays) {
   std::mt19937 rng(20261122);
   const auto slots = SlotMask::droppable().slots();
   for (const char* preset : {"gpt2-demo", "llama-demo"}) {
-    for (Attention attention : {Attention::math, Attention::tiled}) {
-      ModelConfig cfg = config(preset, 2, 0.1);
+    for (Attention attention : kAttentionOps) {
+      // sdpa has no attention dropout, so neither have the models that run it in any layer.
+      ModelConfig cfg = config(preset, 2, attention == Attention::sdpa ? 0.0 : 0.1);
       cfg.attention = attention;
       cfg.attention_tile = 12;
       const int64_t B = 2, T = 32, chunk = 48;

@@ -26,21 +26,20 @@ using schedule::Kind;
 TEST(StepSchedule, AMicrobatchRunsItsPartsAndRecomputesAChunkBeforeItsLastLayersBackward) {
   const ActivationPlan plan = compile_policy("uniform:2", 4, 0.0);
   const schedule::Stage whole{0, 4, true, true};
-  EXPECT_EQ(schedule::forward(plan, whole, 1),
-            (std::vector<Action>{{Kind::embed_forward, 1},
-                                 {Kind::forward, 1, 0},
-                                 {Kind::forward, 1, 1},
-                                 {Kind::forward, 1, 2},
-                                 {Kind::forward, 1, 3},
-                                 {Kind::head_forward, 1}}));
+  EXPECT_EQ(schedule::forward(plan, whole, 1), (std::vector<Action>{{Kind::embed_forward, 1},
+                                                                    {Kind::forward, 1, 0},
+                                                                    {Kind::forward, 1, 1},
+                                                                    {Kind::forward, 1, 2},
+                                                                    {Kind::forward, 1, 3},
+                                                                    {Kind::head_forward, 1}}));
   EXPECT_EQ(schedule::backward(plan, whole, 1), (std::vector<Action>{{Kind::head_backward, 1},
-                                                                      {Kind::recompute, 1, 2, 3},
-                                                                      {Kind::backward, 1, 3},
-                                                                      {Kind::backward, 1, 2},
-                                                                      {Kind::recompute, 1, 0, 1},
-                                                                      {Kind::backward, 1, 1},
-                                                                      {Kind::backward, 1, 0},
-                                                                      {Kind::embed_backward, 1}}));
+                                                                     {Kind::recompute, 1, 2, 3},
+                                                                     {Kind::backward, 1, 3},
+                                                                     {Kind::backward, 1, 2},
+                                                                     {Kind::recompute, 1, 0, 1},
+                                                                     {Kind::backward, 1, 1},
+                                                                     {Kind::backward, 1, 0},
+                                                                     {Kind::embed_backward, 1}}));
   // A middle stage holds neither end.
   EXPECT_EQ(schedule::backward(plan, {2, 4, false, false}, 0),
             (std::vector<Action>{{Kind::recompute, 0, 2, 3}, {Kind::backward, 0, 3}, {Kind::backward, 0, 2}}));
@@ -99,8 +98,13 @@ struct RandomStep {
 constexpr int64_t kB = 3, kT = 48, kChunk = 40;
 
 RandomStep random_step(std::mt19937& rng, int64_t stages) {
-  static const char* const kPolicies[] = {"none",      "full",         "every:2",    "uniform:2",
-                                          "block:1",   "modules:[qkv]", "ops:[matmul/2,softmax]",
+  static const char* const kPolicies[] = {"none",
+                                          "full",
+                                          "every:2",
+                                          "uniform:2",
+                                          "block:1",
+                                          "modules:[qkv]",
+                                          "ops:[matmul/2,softmax]",
                                           "modules:[core_attn]"};
   RandomStep r;
   r.stages = stages;
@@ -130,9 +134,9 @@ RandomStep random_step(std::mt19937& rng, int64_t stages) {
     ac.stages = stages;
     r.plan = compile_policy(ac, r.cfg.n_layer, r.cfg.dropout);
   }
-  r.text = fmt::format("{} {} p={}, {} microbatches, {} stages, {}, early_stop={}: {}", r.cfg.arch == Arch::gpt2 ? "gpt2" : "llama",
-                       attention_name(r.cfg.attention), r.cfg.dropout, r.microbatches, r.stages,
-                       pipeline::schedule_name(r.schedule), r.early_stop, r.text);
+  r.text = fmt::format("{} {} p={}, {} microbatches, {} stages, {}, early_stop={}: {}",
+                       r.cfg.arch == Arch::gpt2 ? "gpt2" : "llama", attention_name(r.cfg.attention), r.cfg.dropout,
+                       r.microbatches, r.stages, pipeline::schedule_name(r.schedule), r.early_stop, r.text);
   return r;
 }
 
@@ -214,8 +218,7 @@ TEST(StepSchedule, RandomStepsPeakWhereTheCostModelSimulatesThem) {
           static_cast<int>(stages));
       int64_t first = 0;
       for (int64_t s = 0; s < stages; ++s) {
-        EXPECT_NEAR(predicted_rise(r, s, first, split[static_cast<size_t>(s)]), rise[static_cast<size_t>(s)],
-                    8 * 1024)
+        EXPECT_NEAR(predicted_rise(r, s, first, split[static_cast<size_t>(s)]), rise[static_cast<size_t>(s)], 8 * 1024)
             << r.text << ", stage " << s + 1;
         first += split[static_cast<size_t>(s)];
       }

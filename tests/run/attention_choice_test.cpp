@@ -107,6 +107,24 @@ TEST(AttentionChoice, MeasuredTimesTakeTheLowerPredictedStep) {
   }
 }
 
+// sdpa is a candidate where this build has it and the model drops no attention
+// probabilities: measured fastest there, it is taken; with attention dropout (tiny-gpt2's
+// 0.1) it is never planned.
+TEST(AttentionChoice, TakesSdpaWhereItRunsAndIsMeasuredFastest) {
+  for (const double dropout : {0.0, 0.1}) {
+    Config cfg = long_tiny("1GiB", /*profile=*/true);
+    cfg.model.dropout = dropout;
+    Config local = cfg;
+    Profiles profiles;
+    profiles.base[Attention::math] = profiles.base[Attention::tiled] = 0.3;
+    profiles.base[Attention::sdpa] = 0.2;
+    const RunPlan r = plan_run_auto(cfg, local, at::kFloat, profiles.of(), 0);
+    const bool candidate = kSdpaBuilt && dropout == 0;
+    EXPECT_EQ(cfg.model.attention, candidate ? Attention::sdpa : Attention::math) << plan_text(cfg, r);
+    EXPECT_EQ(profiles.calls.count(Attention::sdpa), candidate ? 1u : 0u) << dropout;
+  }
+}
+
 // With both ops measured, under a budget math alone meets only by recomputing, the plan
 // runs some layers with math (faster: a tiled layer's pass is 0.1 ms slower here) and the
 // others with tiled, whose log-sum-exp leaves room; faster than either op alone.

@@ -3,6 +3,7 @@
 #include "remat/policy.h"
 #include "run/planning.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <stdexcept>
@@ -67,9 +68,9 @@ TEST(SavedPlan, ADamagedPlanOrAnotherModelsIsASentence) {
   EXPECT_EQ(refusal(R"({"policy":"x","split":[2],"layers":[{"dropped":[],"chunk_begin":-1,"input_sharded":false},
                        {"dropped":[],"chunk_begin":-1,"input_sharded":false,"attention":"flash"}]})",
                     2, 1),
-            "The checkpoint's plan (its \"plan\" metadata) runs attention 'flash' in layer 2, which is not math or "
-            "tiled" +
-                tail);
+            fmt::format("The checkpoint's plan (its \"plan\" metadata) runs attention 'flash' in layer 2, which is "
+                        "none of this build's ops ({}){}",
+                        kSdpaBuilt ? "math, tiled, sdpa" : "math, tiled", tail));
   EXPECT_EQ(refusal(R"({"policy":"x","split":[2]})", 2, 1)
                 .rfind("The checkpoint's plan (its \"plan\" metadata) is "
                        "damaged (",

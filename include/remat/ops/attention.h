@@ -19,6 +19,15 @@ struct AttentionShape {
   int64_t head_dim = 0;
 };
 
+/// The sizes of the attention ops' inputs q [B, T, Hq, D] and k, v [B, T, Hkv, D].
+struct AttentionDims {
+  int64_t B, T, Hq, Hkv, D, G;  ///< G = query heads per key/value head
+  int64_t BK() const { return B * Hkv; }
+};
+/// The sizes of q, k and v after checking them as every attention op takes them (4-D, k
+/// and v alike, B, T and D shared, Hq a multiple of Hkv, one dtype); `op` heads the error.
+AttentionDims attention_dims(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
+
 /// Positions per block of the products (queries in the forward and dq, keys in dk and dv).
 /// At 64, head dimension 64 and 256 positions, the blocked forward took 0.70x the unblocked
 /// products' time on 2 cores; 32 positions per block were slower again.
