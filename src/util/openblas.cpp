@@ -1,6 +1,10 @@
 #include "util/openblas.h"
 
+#include <ATen/Parallel.h>
+
 #include <dlfcn.h>
+
+#include <algorithm>
 
 #include <mutex>
 
@@ -39,8 +43,11 @@ SerialBlas::SerialBlas() {
   Held& h = held();
   const std::lock_guard<std::mutex> lock(h.mutex);
   if (h.holders++ > 0) return;
-  h.threads = b.get_threads();
-  if (h.threads > 1) b.set_threads(1);
+  // The OpenMP build must not be given more threads than ATen's pool has: its level-3 kernels
+  // split work for that many and wait for each share, so a smaller team never finishes.
+  h.threads =
+      b.threading() == BlasThreading::openmp ? std::min(b.get_threads(), at::get_num_threads()) : b.get_threads();
+  b.set_threads(1);
 }
 
 SerialBlas::~SerialBlas() {
@@ -48,7 +55,7 @@ SerialBlas::~SerialBlas() {
   if (b.set_threads == nullptr || b.get_threads == nullptr) return;
   Held& h = held();
   const std::lock_guard<std::mutex> lock(h.mutex);
-  if (--h.holders == 0 && h.threads > 1) b.set_threads(h.threads);
+  if (--h.holders == 0) b.set_threads(h.threads);
 }
 
 }  // namespace remat::util

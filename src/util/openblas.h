@@ -21,7 +21,8 @@ const OpenBlas& openblas();
 /// own parallel region (ATen's fused attention: each thread multiplies its own blocks).
 /// There OpenBLAS 0.3.34's OpenMP build, given more threads, starts a team per call and
 /// hangs. Nested holders (ranks that are threads of one process) restore the count once,
-/// when the last one ends. No-op where ATen's BLAS is not OpenBLAS or runs one thread.
+/// when the last one ends; the OpenMP build gets at most ATen's thread count back. No-op
+/// where ATen's BLAS is not OpenBLAS.
 class SerialBlas {
  public:
   SerialBlas();

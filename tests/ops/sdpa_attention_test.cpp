@@ -136,6 +136,26 @@ TEST(SdpaAttentionOp, RunsOnTwoThreadsWithTheBlasAsItWas) {
   EXPECT_TRUE(g.dq.isfinite().all().item<bool>());
 }
 
+TEST(SdpaAttentionOp, LeavesTheBlasNoMoreThreadsThanAtensPool) {
+  // OpenBLAS's OpenMP build splits a multiply for the count it was given and runs it in
+  // ATen's pool: given 2 threads beside a pool of 1, its next large multiply never ends.
+  REMAT_SKIP_WITHOUT_SDPA();
+  const remat::util::OpenBlas& blas = remat::util::openblas();
+  if (blas.threading() != remat::util::BlasThreading::openmp)
+    GTEST_SKIP() << "ATen's BLAS is not OpenBLAS's OpenMP build";
+  const Case c{2, 64, 4, 2, 32};
+  auto [q, k, v] = fused_qkv(c, at::kFloat, 15);
+  const int threads = at::get_num_threads();
+  const int blas_threads = blas.get_threads();
+  at::set_num_threads(1);
+  blas.set_threads(2);
+  auto f = sdpa_attention_forward(q, k, v);
+  sdpa_attention_backward(at::randn(q.sizes(), seeded(16)), f.saved);
+  EXPECT_EQ(blas.get_threads(), 1);
+  blas.set_threads(blas_threads);
+  at::set_num_threads(threads);
+}
+
 TEST(SdpaAttentionOp, KeepsWhatTiledKeeps) {
   REMAT_SKIP_WITHOUT_SDPA();
   remat::memory::install_cpu_tracking();
