@@ -103,6 +103,9 @@ struct RunConfig {
   std::string prompt = "And God said";
   bool progress = true;  ///< progress bar on a terminal
   std::string trace;     ///< Chrome-trace JSON of step 3 (or the last) goes here; empty: none
+  /// CUDA: the caching allocator grows one segment per stream instead of rounding each new
+  /// segment up (PyTorch's expandable_segments), which reserves less beside the same tensors.
+  bool expandable_segments = false;
 };
 
 /// Several processes (ranks) training one model; see include/remat/dist.h.

@@ -22,6 +22,11 @@
 #include <string>
 #include <vector>
 
+namespace remat::memory {
+struct AllocatorEvent;  // remat/caching_allocator.h
+struct AllocatorRules;
+}  // namespace remat::memory
+
 namespace remat::cost {
 
 /// The fixed costs of a step around the blocks.
@@ -187,5 +192,32 @@ StepConstants step_constants(const ModelConfig& cfg, const StepShape& shape);
 /// is its graph with that op, priced by times.other_attention (required then).
 StepPrediction predict_step(const ModelConfig& cfg, const StepShape& shape, const ActivationPlan& plan, bool early_stop,
                             const NodeTimes& times);
+
+/// The slots layer l's first forward drops: its plan's, or in a uniform chunk every
+/// droppable slot and, but for the chunk's first layer, the input.
+SlotMask first_forward_drops(const ActivationPlan& plan, int64_t l);
+
+/// The requests the caching allocator of a CUDA device sees over `steps` training steps of
+/// the stage, each tensor its own: first what the step holds throughout (each parameter,
+/// the rotary tables, the gradients' flat buffer, the token ids and targets in flight, a
+/// BLAS workspace of `workspace` bytes), then per step the compute dtype's parameter
+/// copies, the actions of schedule::step walked buffer by buffer as predict_step prices
+/// them, the gradient norm's squares, and AdamW's moments (made at the first update) and
+/// its denominators. The live bytes peak at predict_step's peak less the caller's
+/// resident bytes and StaticBytes::small, plus `workspace`.
+std::vector<memory::AllocatorEvent> step_allocations(const ModelConfig& cfg, const StepShape& shape,
+                                                     const ActivationPlan& plan, bool early_stop, int64_t steps,
+                                                     int64_t workspace);
+
+/// What the CUDA caching allocator holds at its highest over a stage's first two steps
+/// (the second has AdamW's moments from its start; later ones repeat it).
+struct DeviceMemory {
+  int64_t allocated_peak = 0;  ///< bytes of blocks handed out (requests rounded up)
+  int64_t reserved_peak = 0;   ///< bytes of segments the allocator took from the device: what runs out
+};
+
+/// step_allocations of two steps replayed by the model of the caching allocator.
+DeviceMemory predict_device_memory(const ModelConfig& cfg, const StepShape& shape, const ActivationPlan& plan,
+                                   bool early_stop, const memory::AllocatorRules& rules, int64_t workspace);
 
 }  // namespace remat::cost

@@ -30,6 +30,12 @@ void install_cpu_tracking();
 /// Whether install_cpu_tracking() has run.
 bool cpu_tracking_installed();
 
+/// CUDA: makes the caching allocator grow one segment per stream (PyTorch's
+/// expandable_segments) or round each new segment up, as run.expandable_segments says,
+/// by adding the setting to PYTORCH_CUDA_ALLOC_CONF (its other settings stay as the user
+/// gave them). Takes effect only before the process's first CUDA allocation.
+void configure_cuda_allocator(bool expandable_segments);
+
 /// Current and peak bytes on `device`'s type (CPU: the tracking allocator; CUDA: the
 /// caching allocator of that device).
 Stats stats(at::Device device);

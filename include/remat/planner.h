@@ -118,6 +118,9 @@ class Planner {
   PipelinePlan predict_pipeline(const ActivationPlan& plan, const PipelineShape& pipe) const;
   /// The smallest budget the pipeline planner finds a plan for (to the byte).
   int64_t min_pipeline_budget(const PipelineShape& pipe) const;
+  /// Stage `s` of `pipe` holding `n` layers from `first`, as the step simulator sees it
+  /// (one stage: pipe = {}, first = 0, n = every layer).
+  cost::StepShape stage_shape(const PipelineShape& pipe, int64_t s, int64_t first, int64_t n) const;
 
  private:
   // A uniform chunk of n layers, its input kept whole or as a share per tensor-parallel
@@ -142,8 +145,6 @@ class Planner {
   void place(ActivationPlan& plan, int64_t pos, const Choice& c) const;
   // The forward and backward seconds of a stage's embedding and loss head, those it holds.
   double ends_seconds(const cost::StepShape& stage) const;
-  // Stage `s` of `pipe` holding `n` layers from `first`, as the step simulator sees it.
-  cost::StepShape stage_shape(const PipelineShape& pipe, int64_t s, int64_t first, int64_t n) const;
   // The pipeline problem of `pipe` within `budget`, with the choice behind each piece.
   pipeline::Problem pipeline_problem(int64_t budget, const PipelineShape& pipe, std::vector<Choice>& choices) const;
 

@@ -223,6 +223,7 @@ BenchResult run_bench(const BenchOptions& o) {
   const QuietStderr quiet(!lead);
   const int threads = set_threads(rank_threads(common));
   const at::Device device = parse_device(common.run.device);
+  if (device.is_cuda()) memory::configure_cuda_allocator(common.run.expandable_segments);
   const at::ScalarType dtype = parse_dtype(common.run.dtype, device);
   memory::install_cpu_tracking();
   data::CorpusInfo corpus;

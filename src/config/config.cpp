@@ -291,6 +291,8 @@ std::vector<ConfigKey> make_keys() {
       key("run.prompt", &C::run, &RunConfig::prompt, "prompt of the final sample"),
       key("run.progress", &C::run, &RunConfig::progress, "progress bar on a terminal"),
       key("run.trace", &C::run, &RunConfig::trace, "Chrome-trace JSON of step 3; empty: none"),
+      key("run.expandable_segments", &C::run, &RunConfig::expandable_segments,
+          "CUDA: growing allocator segments (PyTorch's expandable_segments)"),
       key("parallel.dp", &C::parallel, &ParallelConfig::dp, "data-parallel ranks; 0: all launched"),
       key("parallel.tp", &C::parallel, &ParallelConfig::tp, "tensor-parallel ranks splitting each layer"),
       key("parallel.sp", &C::parallel, &ParallelConfig::sp, "sequence parallelism over the tp ranks"),

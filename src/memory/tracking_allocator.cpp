@@ -7,10 +7,12 @@
 
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <iterator>
 #include <map>
 #include <mutex>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -194,6 +196,14 @@ void install_cpu_tracking() {
 }
 
 bool cpu_tracking_installed() { return g_installed; }
+
+void configure_cuda_allocator(bool expandable_segments) {
+  const char* given = std::getenv("PYTORCH_CUDA_ALLOC_CONF");
+  std::string conf = given != nullptr ? given : "";
+  // The allocator reads the settings left to right; the last one of a key holds.
+  conf += fmt::format("{}expandable_segments:{}", conf.empty() ? "" : ",", expandable_segments ? "True" : "False");
+  setenv("PYTORCH_CUDA_ALLOC_CONF", conf.c_str(), 1);
+}
 
 Stats stats(at::Device device) {
   Stats s;

@@ -1,5 +1,7 @@
 #include "remat/cost.h"
 
+#include "remat/caching_allocator.h"
+
 #include "remat/ops.h"
 
 #include "remat/schedule.h"
@@ -18,19 +20,30 @@ namespace {
 
 using ops::nbytes;
 
-// Live bytes of a simulated timeline and the highest total they reached.
+// Live bytes of a simulated timeline and the highest total they reached; given a list,
+// also each allocation and free of a nonzero size, in order (the caching allocator's view).
 class Live {
  public:
-  void alloc(int64_t bytes) {
+  explicit Live(std::vector<memory::AllocatorEvent>* events = nullptr) : events_(events) {}
+  // Returns the allocation's id in the event list (-1 when not listed).
+  int64_t alloc(int64_t bytes) {
     current_ += bytes;
     peak_ = std::max(peak_, current_);
+    if (events_ == nullptr || bytes == 0) return -1;
+    events_->push_back({memory::AllocatorEvent::Kind::malloc, next_id_, bytes, 0});
+    return next_id_++;
   }
-  void free(int64_t bytes) { current_ -= bytes; }
+  void free(int64_t id, int64_t bytes) {
+    current_ -= bytes;
+    if (id >= 0) events_->push_back({memory::AllocatorEvent::Kind::free, id, 0, 0});
+  }
   void reset_peak() { peak_ = current_; }
   int64_t current() const { return current_; }
   int64_t peak() const { return peak_; }
 
  private:
+  std::vector<memory::AllocatorEvent>* events_;
+  int64_t next_id_ = 0;
   int64_t current_ = 0;
   int64_t peak_ = 0;
 };
@@ -40,8 +53,9 @@ class Live {
 struct Buffer {
   Live* live;
   int64_t bytes;
-  Buffer(Live* l, int64_t b) : live(l), bytes(b) { live->alloc(b); }
-  ~Buffer() { live->free(bytes); }
+  int64_t id;
+  Buffer(Live* l, int64_t b) : live(l), bytes(b), id(l->alloc(b)) {}
+  ~Buffer() { live->free(id, bytes); }
   Buffer(const Buffer&) = delete;
   Buffer& operator=(const Buffer&) = delete;
 };
@@ -135,24 +149,30 @@ struct Simulator {
   }
 };
 
-// Every parameter's elements on one tensor-parallel rank of the stage `shape` places,
-// from the declared graphs: a tied head parameter counted once where the stage holds the
-// embedding too, and as the last stage's own copy where it does not.
-std::vector<int64_t> param_numels(const ModelConfig& c, const StepShape& shape) {
-  const auto numel = [](const graph::Param& p) { return graph::TensorInfo{p.sizes, at::kFloat, {}}.numel(); };
-  std::vector<int64_t> numels;
+// Every parameter on one tensor-parallel rank of the stage `shape` places, in the model's
+// order (embedding, layers, loss head), from the declared graphs: a tied head parameter
+// counted once where the stage holds the embedding too, and as the last stage's own copy
+// where it does not.
+std::vector<graph::Param> stage_params(const ModelConfig& c, const StepShape& shape) {
+  std::vector<graph::Param> params;
   std::set<std::string> named;
   const auto add = [&](const graph::BlockGraph& g) {
     for (const auto& p : g.params) {
-      if (named.insert(p.name).second) numels.push_back(numel(p));
+      if (named.insert(p.name).second) params.push_back(p);
     }
   };
   if (shape.has_embedding()) add(graph::embed_graph(c, 1, 1, at::kFloat, shape.tp));
-  if (shape.has_head(c.n_layer)) add(graph::head_graph(c, 1, 1, at::kFloat, 1, shape.tp));
   const auto block = graph::block_graph(c, 1, 1, at::kFloat, shape.tp).params;
-  for (int64_t l = 0; l < shape.stage_layers(c.n_layer); ++l) {
-    for (const auto& p : block) numels.push_back(numel(p));
-  }
+  for (int64_t l = 0; l < shape.stage_layers(c.n_layer); ++l) params.insert(params.end(), block.begin(), block.end());
+  if (shape.has_head(c.n_layer)) add(graph::head_graph(c, 1, 1, at::kFloat, 1, shape.tp));
+  return params;
+}
+
+int64_t numel(const graph::Param& p) { return graph::TensorInfo{p.sizes, at::kFloat, {}}.numel(); }
+
+std::vector<int64_t> param_numels(const ModelConfig& c, const StepShape& shape) {
+  std::vector<int64_t> numels;
+  for (const graph::Param& p : stage_params(c, shape)) numels.push_back(numel(p));
   return numels;
 }
 
@@ -162,20 +182,24 @@ std::vector<int64_t> param_numels(const ModelConfig& c, const StepShape& shape) 
 struct OptimizerShare {
   int64_t moments = 0;  // elements, for each of the two moments
   int64_t step = 0;     // max over ranks of 2 x moments + 2 x largest updated, elements
+  int rank = 0;         // the rank of that max (the lowest of equals)
+  std::vector<int> owner;
 };
-OptimizerShare optimizer_share(const ModelConfig& c, const StepShape& shape) {
-  const std::vector<int64_t> numels = param_numels(c, shape);
-  const std::vector<int> owner = zero_owners(numels, shape.zero_ranks);
-  std::vector<int64_t> load(static_cast<size_t>(shape.zero_ranks)), largest(load.size());
+OptimizerShare optimizer_share(const std::vector<int64_t>& numels, int64_t ranks) {
+  OptimizerShare s;
+  s.owner = zero_owners(numels, ranks);
+  std::vector<int64_t> load(static_cast<size_t>(ranks)), largest(load.size());
   for (size_t i = 0; i < numels.size(); ++i) {
-    const auto r = static_cast<size_t>(owner[i]);
+    const auto r = static_cast<size_t>(s.owner[i]);
     load[r] += numels[i];
     largest[r] = std::max(largest[r], numels[i]);
   }
-  OptimizerShare s;
   for (size_t r = 0; r < load.size(); ++r) {
     s.moments = std::max(s.moments, load[r]);
-    s.step = std::max(s.step, 2 * load[r] + 2 * largest[r]);
+    if (2 * load[r] + 2 * largest[r] > s.step) {
+      s.step = 2 * load[r] + 2 * largest[r];
+      s.rank = static_cast<int>(r);
+    }
   }
   return s;
 }
@@ -279,7 +303,7 @@ StaticBytes static_bytes(const ModelConfig& cfg, const StepShape& shape) {
   StaticBytes s;
   s.params = nbytes(P, master);
   s.grads = nbytes(P, master);
-  s.optimizer = 2 * nbytes(optimizer_share(cfg, shape).moments, master);
+  s.optimizer = 2 * nbytes(optimizer_share(numels, shape.zero_ranks).moments, master);
   s.compute_copies = shape.dtype != master ? nbytes(P, shape.dtype) : 0;
   if (graph::block_graph(cfg, 1, 1, shape.dtype).uses(graph::op::rope())) {
     s.params += ops::rope_tables_bytes(cfg.max_seq, cfg.head_dim(), shape.dtype);
@@ -311,7 +335,7 @@ StepConstants step_constants(const ModelConfig& cfg, const StepShape& shape) {
   // with the moments of the same rank, so that under ZeRO-1 the step's point is the
   // highest of any rank's, not the busiest rank's moments plus another's parameter.
   const at::ScalarType master = shape.dtype == at::kDouble ? at::kDouble : at::kFloat;
-  k.optimizer = nbytes(optimizer_share(cfg, shape).step, master) - k.statics.optimizer;
+  k.optimizer = nbytes(optimizer_share(param_numels(cfg, shape), shape.zero_ranks).step, master) - k.statics.optimizer;
   return k;
 }
 
@@ -366,9 +390,8 @@ StepPrediction predict_step(const ModelConfig& cfg, const StepShape& shape, cons
     }
     TORCH_CHECK(!runs_other(lp), "The activation plan runs ", attention_name(*lp.attention), " attention in layer ",
                 l + 1, ", which is in a uniform chunk; a chunk's layers run the model's attention op");
-    SlotMask all = SlotMask::droppable();
-    if (lp.chunk_begin >= 0) all.add(Slot::input);
-    p.layers.push_back(simulate(block, all, early_stop, times, /*backward=*/false, lp.input_sharded));
+    p.layers.push_back(
+        simulate(block, first_forward_drops(plan, l), early_stop, times, /*backward=*/false, lp.input_sharded));
     p.layers.back().backward_peak = whole.backward_peak;
   }
   p.kept_activations = k.embed_saved + k.head_saved;
@@ -474,6 +497,216 @@ StepPrediction predict_step(const ModelConfig& cfg, const StepShape& shape, cons
     }
   }
   return p;
+}
+
+}  // namespace remat::cost
+
+namespace remat::cost {
+namespace {
+
+// A graph with its lifetimes, at a stable address for the runs that refer to both.
+struct Shaped {
+  graph::BlockGraph g;
+  graph::Lifetimes lt;
+  explicit Shaped(graph::BlockGraph graph) : g(std::move(graph)), lt(g) {}
+};
+using Run = graph::BlockRun<Simulator>;
+
+// A microbatch's runs between its forward and its backward, and the tensor between parts.
+struct MicrobatchRuns {
+  std::unique_ptr<Run> embed, head;
+  std::vector<std::unique_ptr<Run>> layers;  // from the stage's first layer
+  SimTensor x, dx;
+};
+
+}  // namespace
+
+SlotMask first_forward_drops(const ActivationPlan& plan, int64_t l) {
+  const LayerPlan& lp = plan.layers.at(static_cast<size_t>(l));
+  if (plan.chunk_of(l) < 0) return lp.dropped;
+  SlotMask all = SlotMask::droppable();
+  if (lp.chunk_begin >= 0) all.add(Slot::input);
+  return all;
+}
+
+DeviceMemory predict_device_memory(const ModelConfig& cfg, const StepShape& shape, const ActivationPlan& plan,
+                                   bool early_stop, const memory::AllocatorRules& rules, int64_t workspace) {
+  memory::CachingAllocatorModel allocator(rules);
+  for (const auto& e : step_allocations(cfg, shape, plan, early_stop, 2, workspace)) allocator.apply(e);
+  return {allocator.peak_allocated(), allocator.peak_reserved()};
+}
+
+std::vector<memory::AllocatorEvent> step_allocations(const ModelConfig& cfg, const StepShape& shape,
+                                                     const ActivationPlan& plan, bool early_stop, int64_t steps,
+                                                     int64_t workspace) {
+  TORCH_CHECK(static_cast<int64_t>(plan.layers.size()) == cfg.n_layer, "The activation plan has ", plan.layers.size(),
+              " layers but the model has ", cfg.n_layer);
+  TORCH_CHECK(shape.grad_accum >= 1 && steps >= 1, "A step runs at least one microbatch, got ", shape.grad_accum,
+              ", and at least one step is simulated, got ", steps);
+  static_bytes(cfg, shape);  // checks the stage
+  const int64_t F = shape.first_layer, E = F + shape.stage_layers(cfg.n_layer);
+  const bool has_head = shape.has_head(cfg.n_layer);
+  std::vector<memory::AllocatorEvent> events;
+  Live live(&events);
+  LayerCost unused;
+  const NodeTimes untimed;
+  const auto sim = [&](const Shaped& s) { return Simulator{s.g, live, untimed, early_stop, unused}; };
+  const auto make = [&](int64_t bytes) { return std::make_shared<Buffer>(&live, bytes); };
+  // The caller's inputs (token ids, targets) are in the batch bytes, as in the walk of a part.
+  const auto input = [&](const Shaped& s, int v) {
+    return make(s.g.values[v].external ? 0 : s.g.values[v].info.bytes());
+  };
+
+  const Shaped embed(graph::embed_graph(cfg, shape.batch, shape.seq, shape.dtype, shape.tp, shape.sp));
+  const Shaped head(graph::head_graph(cfg, shape.batch, shape.seq, shape.dtype, shape.ce_chunk, shape.tp, shape.sp));
+  std::map<Attention, std::unique_ptr<Shaped>> blocks;
+  const auto block_of = [&](int64_t l) -> const Shaped& {
+    const Attention op = plan.layers[static_cast<size_t>(l)].attention.value_or(cfg.attention);
+    auto& b = blocks[op];
+    if (!b) {
+      ModelConfig c = cfg;
+      c.attention = op;
+      b = std::make_unique<Shaped>(graph::block_graph(c, shape.batch, shape.seq, shape.dtype, shape.tp, shape.sp));
+    }
+    return *b;
+  };
+  const std::vector<bool> keep_all(kSlotCount, true);
+
+  // What the step holds throughout, as the model and trainer allocate it: each parameter,
+  // the rotary tables, the gradients' one flat buffer, the batches in flight, the BLAS workspace.
+  const at::ScalarType master = shape.dtype == at::kDouble ? at::kDouble : at::kFloat;
+  const std::vector<graph::Param> params = stage_params(cfg, shape);
+  std::vector<SimTensor> held;
+  int64_t P = 0;
+  for (const graph::Param& p : params) {
+    held.push_back(make(nbytes(numel(p), master)));
+    P += numel(p);
+  }
+  if (block_of(F).g.uses(graph::op::rope())) {
+    held.push_back(make(ops::rope_tables_bytes(cfg.max_seq, cfg.head_dim(), shape.dtype)));
+  }
+  held.push_back(make(nbytes(P, master)));
+  const int64_t ends = (shape.has_embedding() ? 1 : 0) + (has_head ? 1 : 0);
+  for (int64_t b = 0; b < shape.in_flight() * ends; ++b)
+    held.push_back(make(nbytes(shape.batch * shape.seq, at::kLong)));
+  held.push_back(make(workspace));
+
+  // The busiest rank's parameters, in AdamW's order: its group of matrices, then the rest.
+  std::vector<int64_t> numels;
+  for (const graph::Param& p : params) numels.push_back(numel(p));
+  const OptimizerShare share = optimizer_share(numels, shape.zero_ranks);
+  std::vector<size_t> updated;
+  for (const bool matrices : {true, false}) {
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (share.owner[i] == share.rank && (params[i].sizes.size() >= 2) == matrices) updated.push_back(i);
+    }
+  }
+
+  std::vector<SimTensor> copies, moments;
+  const schedule::Stage stage{F, E, shape.has_embedding(), has_head};
+  for (int64_t step = 0; step < steps; ++step) {
+    std::vector<MicrobatchRuns> mbs(static_cast<size_t>(shape.grad_accum));
+    for (auto& mb : mbs) mb.layers.resize(static_cast<size_t>(E - F));
+    // The compute dtype's copies of the parameters, cast again after every update.
+    if (shape.dtype != master) {
+      copies.clear();
+      for (const int64_t n : numels) copies.push_back(make(nbytes(n, shape.dtype)));
+    }
+    for (const schedule::Action& a :
+         schedule::step(plan, stage, shape.schedule, shape.stages, shape.stage, shape.grad_accum)) {
+      MicrobatchRuns* mb = a.microbatch >= 0 ? &mbs[static_cast<size_t>(a.microbatch)] : nullptr;
+      const auto run_of = [&](int64_t l) -> std::unique_ptr<Run>& { return mb->layers[static_cast<size_t>(l - F)]; };
+      switch (a.kind) {
+        case schedule::Kind::embed_forward: {
+          Simulator s = sim(embed);
+          mb->embed = std::make_unique<Run>(embed.g, embed.lt, keep_all);
+          mb->x = mb->embed->forward(s, input(embed, embed.g.input));
+          break;
+        }
+        case schedule::Kind::forward: {
+          const Shaped& b = block_of(a.layer);
+          Simulator s = sim(b);
+          if (!mb->x) mb->x = input(b, b.g.input);  // a later stage receives its input
+          std::vector<bool> keep(keep_all);
+          for (const Slot slot : first_forward_drops(plan, a.layer).slots()) keep[static_cast<size_t>(slot)] = false;
+          const LayerPlan& lp = plan.layers[static_cast<size_t>(a.layer)];
+          run_of(a.layer) = std::make_unique<Run>(
+              b.g, b.lt, keep, true, lp.input_sharded ? graph::InputHold::sharded : graph::InputHold::whole);
+          mb->x = run_of(a.layer)->forward(s, std::move(mb->x));
+          if (a.layer == E - 1 && !has_head) mb->x.reset();  // sent to the next stage
+          break;
+        }
+        case schedule::Kind::head_forward: {
+          Simulator s = sim(head);
+          std::vector<SimTensor> side;
+          for (const int v : head.g.side_inputs) side.push_back(input(head, v));
+          mb->head = std::make_unique<Run>(head.g, head.lt, keep_all);
+          mb->head->forward(s, std::move(mb->x), false, std::move(side)).reset();
+          break;
+        }
+        case schedule::Kind::head_backward: {
+          Simulator s = sim(head);
+          mb->dx = mb->head->backward(s, make(head.g.output_bytes()));
+          mb->head.reset();
+          break;
+        }
+        case schedule::Kind::recompute: {
+          const Shaped& b = block_of(a.layer);  // a chunk's layers run the model's op
+          Simulator s = sim(b);
+          if (!mb->dx) mb->dx = make(b.g.output_bytes());  // an earlier stage receives its output's gradient
+          run_of(a.layer)->gather_input(s);
+          SimTensor x = run_of(a.layer)->value(b.g.input);
+          for (int64_t j = a.layer; j <= a.last; ++j) {
+            auto fresh = std::make_unique<Run>(b.g, b.lt, keep_all);
+            x = fresh->forward(s, std::move(x), /*recompute=*/true);
+            run_of(j) = std::move(fresh);
+          }
+          break;
+        }
+        case schedule::Kind::backward: {
+          const Shaped& b = block_of(a.layer);
+          Simulator s = sim(b);
+          if (!mb->dx) mb->dx = make(b.g.output_bytes());  // an earlier stage receives its output's gradient
+          mb->dx = run_of(a.layer)->backward(s, std::move(mb->dx));
+          run_of(a.layer).reset();
+          if (a.layer == F && !shape.has_embedding()) mb->dx.reset();  // sent to the previous stage
+          break;
+        }
+        case schedule::Kind::embed_backward: {
+          Simulator s = sim(embed);
+          mb->embed->backward(s, std::move(mb->dx)).reset();
+          mb->embed.reset();
+          break;
+        }
+        case schedule::Kind::optimizer: {
+          // The gradient norm: each gradient squared, then summed to one element.
+          std::vector<SimTensor> sums;
+          for (const int64_t n : numels) {
+            const SimTensor squared = make(nbytes(n, master));
+            sums.push_back(make(nbytes(1, master)));
+          }
+          sums.clear();
+          // AdamW creates an updated parameter's moments at its first update; its
+          // denominator is a square root and that root's quotient, both live at once.
+          for (const size_t i : updated) {
+            const int64_t bytes = nbytes(numels[i], master);
+            if (step == 0) {
+              moments.push_back(make(bytes));
+              moments.push_back(make(bytes));
+            }
+            SimTensor root = make(bytes);
+            const SimTensor quotient = make(bytes);
+            root.reset();
+          }
+          break;
+        }
+      }
+    }
+  }
+  // What the steps hold throughout stays live: the list ends with the last step.
+  std::vector<memory::AllocatorEvent> out;
+  out.swap(events);
+  return out;
 }
 
 }  // namespace remat::cost

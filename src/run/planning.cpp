@@ -1,5 +1,6 @@
 #include "run/planning.h"
 
+#include "remat/caching_allocator.h"
 #include "remat/memory.h"
 #include "remat/planner.h"
 #include "remat/policy.h"
@@ -41,6 +42,48 @@ std::string pipeline_infeasible(const Config& cfg, const Planner& planner, const
       format_bytes(budget), given, cfg.model.preset, pipe.stages, pipeline::schedule_name(pipe.schedule), m,
       m == 1 ? "" : "es", format_bytes(planner.min_pipeline_budget(pipe)),
       pipe.schedule == pipeline::Schedule::gpipe ? " (gpipe holds every microbatch; 1f1b at most one per stage)" : "");
+}
+
+// The least step, as a share of the range from the budget to the least feasible one, by
+// which the cost model's budget goes down until a plan's reserved bytes fit.
+constexpr int64_t kReservedSteps = 16;
+// The cuBLAS workspace of one handle and stream, as PyTorch sizes it on Hopper.
+const int64_t kCudaWorkspace = memory::cublas_workspace_bytes(9, 0);
+
+bool on_cuda(const RunConfig& run) { return run.device != "cpu"; }
+
+memory::AllocatorRules allocator_rules(const RunConfig& run) {
+  memory::AllocatorRules rules;
+  rules.expandable_segments = run.expandable_segments;
+  return rules;
+}
+
+// The sentence for a budget whose plans fit as the cost model counts bytes but not once
+// the caching allocator's rounding and segments are counted; `last`: the last plan's.
+std::string reserved_infeasible(const Config& cfg, int64_t budget, const std::vector<cost::DeviceMemory>& last) {
+  int64_t reserved = 0;
+  for (const cost::DeviceMemory& m : last) reserved = std::max(reserved, m.reserved_peak);
+  return fmt::format(
+      "The memory budget {} (\"{}\") fits no plan of {} once the CUDA caching allocator's segments are counted: the "
+      "closest plan found reserves {}; give at least that, lower train.batch or train.seq, or set "
+      "run.expandable_segments = true (segments that grow instead of being rounded up).",
+      format_bytes(budget), cfg.ac.budget, cfg.model.preset, format_bytes(reserved));
+}
+
+// What the caching allocator of `cfg`'s CUDA device holds at its highest on each stage of
+// `r`'s plan (each stage's shape as the planner prices it); empty on the CPU.
+std::vector<cost::DeviceMemory> device_memory(const Config& cfg, const Planner& planner, const RunPlan& r,
+                                              const PipelineShape& pipe) {
+  if (!on_cuda(cfg.run)) return {};
+  std::vector<cost::DeviceMemory> out;
+  int64_t first = 0;
+  for (size_t s = 0; s < r.split.size(); ++s) {
+    const cost::StepShape shape = planner.stage_shape(pipe, static_cast<int64_t>(s), first, r.split[s]);
+    out.push_back(cost::predict_device_memory(cfg.model, shape, r.plan, cfg.ac.early_stop, allocator_rules(cfg.run),
+                                              kCudaWorkspace));
+    first += r.split[s];
+  }
+  return out;
 }
 
 }  // namespace
@@ -142,62 +185,85 @@ RunPlan plan_run(const Config& cfg, at::ScalarType dtype, const TimeProfile& pro
   r.profile = profile;
   r.stage = stage;
   r.resumed = saved != nullptr;
+  PipelineShape pipe;
   if (cfg.parallel.pp > 1) {
-    PipelineShape pipe;
     pipe.stages = cfg.parallel.pp;
     pipe.schedule = cfg.parallel.schedule;
     // The policy's stages are stage_sizes'; the planner chooses them unless they are given.
     if (cfg.ac.budget.empty() || cfg.ac.num_layers_per_stage) pipe.split = stage_sizes(cfg.ac, L);
-    PipelineShape fixed = pipe;
-    fixed.split = stage_sizes(cfg.ac, L);
-    const PipelinePlan none = planner.predict_pipeline(compile_policy("none", L), fixed);
-    PipelinePlan planned;
-    if (!cfg.ac.budget.empty()) {
-      r.budget = parse_budget(cfg.ac.budget, budget_reference > 0 ? budget_reference : none.peak());
-    }
-    if (saved != nullptr) {
-      pipe.split = saved->split;
-      planned = planner.predict_pipeline(saved->plan, pipe);
-    } else if (cfg.ac.budget.empty()) {
-      planned = planner.predict_pipeline(compile_policy(cfg.ac, L, cfg.model.dropout), pipe);
-    } else {
-      auto solved = planner.solve_pipeline(r.budget, pipe);
-      if (!solved) {
-        throw BudgetTooSmall(pipeline_infeasible(cfg, planner, pipe, r.budget, cfg.ac.budget),
-                             planner.min_pipeline_budget(pipe));
-      }
-      planned = std::move(*solved);
-    }
+  }
+  // Takes a pipeline plan (one stage: split {L}) as the run's.
+  const auto take = [&](PipelinePlan planned) {
     r.plan = planned.plan;
     r.split = planned.split;
     r.predicted = planned.stages[static_cast<size_t>(stage)];
+    r.stage_peaks.clear();
     for (const auto& st : planned.stages) r.stage_peaks.push_back(st.peak);
-    r.none_peak = none.peak();
+    r.pipeline = std::move(planned);
+    r.device = device_memory(cfg, planner, r, pipe);
+  };
+  const auto one_stage = [&](const ActivationPlan& plan, const cost::StepPrediction& p) {
+    PipelinePlan one;
+    one.plan = plan;
+    one.split = {L};
+    one.stages = {p};
+    return one;
+  };
+  // The plan for `bytes` of budget as the cost model counts them, or nullopt.
+  const auto solve = [&](int64_t bytes) -> std::optional<PipelinePlan> {
+    if (cfg.parallel.pp > 1) return planner.solve_pipeline(bytes, pipe);
+    auto solved = planner.solve(bytes);
+    if (!solved) return std::nullopt;
+    return one_stage(solved->plan, solved->prediction);
+  };
+  const auto too_small = [&](int64_t budget) {
+    return cfg.parallel.pp > 1
+               ? BudgetTooSmall(pipeline_infeasible(cfg, planner, pipe, budget, cfg.ac.budget),
+                                planner.min_pipeline_budget(pipe))
+               : BudgetTooSmall(planner.infeasible(budget, cfg.ac.budget), planner.min_feasible_budget());
+  };
+
+  PipelineShape fixed = pipe;
+  fixed.split = stage_sizes(cfg.ac, L);
+  const ActivationPlan none_plan = compile_policy("none", L, cfg.model.dropout);
+  const PipelinePlan none = cfg.parallel.pp > 1 ? planner.predict_pipeline(compile_policy("none", L), fixed)
+                                                : one_stage(none_plan, planner.predict(none_plan));
+  r.none_peak = none.peak();
+  if (!cfg.ac.budget.empty())
+    r.budget = parse_budget(cfg.ac.budget, budget_reference > 0 ? budget_reference : r.none_peak);
+  if (saved != nullptr) {
+    pipe.split = saved->split;
+    take(cfg.parallel.pp > 1 ? planner.predict_pipeline(saved->plan, pipe)
+                             : one_stage(saved->plan, planner.predict(saved->plan)));
+  } else if (cfg.ac.budget.empty()) {
+    const ActivationPlan plan = compile_policy(cfg.ac, L, cfg.model.dropout);
+    take(cfg.parallel.pp > 1 ? planner.predict_pipeline(plan, pipe) : one_stage(plan, planner.predict(plan)));
+  } else {
+    // On CUDA the budget holds the caching allocator's reserved bytes, which move in
+    // segments, not with the cost model's bytes: the cost model's budget goes down, by the
+    // excess or a step of the range to the least feasible, until a plan reserves few enough.
+    const int64_t least = cfg.parallel.pp > 1 ? planner.min_pipeline_budget(pipe) : planner.min_feasible_budget();
+    const int64_t step = std::max<int64_t>(1, (r.budget - least) / kReservedSteps);
+    for (int64_t bytes = r.budget;;) {
+      auto solved = solve(bytes);
+      if (!solved && bytes == r.budget) throw too_small(r.budget);
+      if (!solved) throw BudgetTooSmall(reserved_infeasible(cfg, r.budget, r.device), least);
+      take(std::move(*solved));
+      int64_t over = 0;
+      for (const cost::DeviceMemory& m : r.device) over = std::max(over, m.reserved_peak - r.budget);
+      if (over <= 0) break;
+      if (bytes == least) throw BudgetTooSmall(reserved_infeasible(cfg, r.budget, r.device), least);
+      bytes = std::max(least, bytes - std::max(over, step));
+    }
+  }
+  if (cfg.parallel.pp > 1) {
     if (profile.times.layer_pass_seconds > 0) {
-      r.step_seconds = planned.simulated_seconds + stages_optimizer_seconds(profile, planned);
+      r.step_seconds = r.pipeline->simulated_seconds + stages_optimizer_seconds(profile, *r.pipeline);
       r.none_step_seconds = none.simulated_seconds + stages_optimizer_seconds(profile, none);
     }
-    r.pipeline = std::move(planned);
     return r;
   }
-  if (!cfg.ac.budget.empty()) {
-    r.budget = parse_budget(cfg.ac.budget, budget_reference > 0 ? budget_reference : planner.none_peak());
-  }
-  if (saved != nullptr) {
-    r.plan = saved->plan;
-    r.predicted = planner.predict(r.plan);
-  } else if (cfg.ac.budget.empty()) {
-    r.plan = compile_policy(cfg.ac, L, cfg.model.dropout);
-    r.predicted = planner.predict(r.plan);
-  } else {
-    auto solved = planner.solve(r.budget);
-    if (!solved) throw BudgetTooSmall(planner.infeasible(r.budget, cfg.ac.budget), planner.min_feasible_budget());
-    r.plan = solved->plan;
-    r.predicted = solved->prediction;
-  }
-  r.split = {L};
-  r.stage_peaks = {r.predicted.peak};
-  r.none_peak = planner.none_peak();
+  r.pipeline.reset();
   if (profile.base_seconds > 0) {
     r.step_seconds =
         profile.step_seconds(cfg.train.grad_accum, r.predicted.recompute_seconds + r.predicted.attention_seconds);

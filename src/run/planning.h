@@ -62,6 +62,10 @@ struct RunPlan {
   bool resumed = false;            ///< the plan is a checkpoint's (SavedPlan), predicted as it is
   std::vector<std::string> slots;  ///< the slots the model's block has (of block_slots()), in order
   TimeProfile profile;             ///< the times it was priced with
+  /// On CUDA, what the caching allocator holds at its highest on each stage (the cost
+  /// model's allocations replayed by its model); what a budget holds there is the reserved
+  /// bytes. Empty on the CPU.
+  std::vector<cost::DeviceMemory> device;
   /// What the `auto` settings resolved to (loss head first), none where the config named
   /// them.
   std::vector<Choice> choices;

@@ -199,6 +199,15 @@ std::string plan_text(const Config& cfg, const RunPlan& r) {
   text += fmt::format("predicted step{}: peak {} in the {}\n", r.pipeline ? " of this stage" : "", format_bytes(p.peak),
                       p.peak_at);
   text += breakdown(p);
+  if (!r.device.empty()) {
+    const cost::DeviceMemory& d = r.device[static_cast<size_t>(r.stage)];
+    text += line(fmt::format(
+        "CUDA caching allocator{}: reserves {} at most, {} allocated (requests rounded up, a 32 MiB cuBLAS workspace "
+        "counted), expandable_segments {}; the CUDA context and NCCL's buffers, outside it, take about 0.3 to 0.5 GiB "
+        "more (not modelled)",
+        r.pipeline ? ", this stage" : "", format_bytes(d.reserved_peak), format_bytes(d.allocated_peak),
+        cfg.run.expandable_segments ? "on" : "off"));
+  }
   text +=
       line(fmt::format("recompute: {} FLOPs a step{}", format_count(p.recompute_flops),
                        measured(r) && p.recompute_flops > 0 ? fmt::format(", {}", work(r, p.recompute_seconds)) : ""));
@@ -226,10 +235,14 @@ std::string plan_text(const Config& cfg, const RunPlan& r) {
                                    [](const LayerPlan& lp) { return lp.attention.has_value(); });
     const std::string every =
         mixed ? fmt::format(" ({} attention in every layer)", attention_name(cfg.model.attention)) : "";
-    text += line(fmt::format(
-        "budget {}{}: the plan peaks at {}; without recompute{} the step would peak at {}{}", format_bytes(r.budget),
-        r.pipeline ? " per rank" : "", format_bytes(r.peak()), every, format_bytes(r.none_peak),
-        r.none_step_seconds > 0 ? fmt::format(" and take {:.1f} ms", 1e3 * r.none_step_seconds) : ""));
+    int64_t reserved = 0;
+    for (const cost::DeviceMemory& d : r.device) reserved = std::max(reserved, d.reserved_peak);
+    text += line(
+        fmt::format("budget {}{}: the plan peaks at {}{}; without recompute{} the step would peak at {}{}",
+                    format_bytes(r.budget), r.pipeline ? " per rank" : "", format_bytes(r.peak()),
+                    r.device.empty() ? "" : fmt::format(" and the CUDA allocator reserves {}", format_bytes(reserved)),
+                    every, format_bytes(r.none_peak),
+                    r.none_step_seconds > 0 ? fmt::format(" and take {:.1f} ms", 1e3 * r.none_step_seconds) : ""));
   }
   return text;
 }
@@ -344,6 +357,13 @@ nlohmann::json render_json(const RunSpec& spec) {
     out["plan"] = layers_of(r.predicted);
     out["breakdown"] = breakdown_json(r.predicted);
     out["recompute_flops_per_step"] = r.predicted.recompute_flops;
+  }
+  if (!r.device.empty()) {
+    nlohmann::json stages = nlohmann::json::array();
+    for (const cost::DeviceMemory& d : r.device) {
+      stages.push_back({{"allocated_peak", d.allocated_peak}, {"reserved_peak", d.reserved_peak}});
+    }
+    out["cuda_allocator"] = {{"expandable_segments", spec.cfg.run.expandable_segments}, {"stages", stages}};
   }
   return out;
 }

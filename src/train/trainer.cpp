@@ -518,6 +518,7 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   const QuietStderr quiet(!ranks.lead);
   const int threads = set_threads(rank_threads(cfg));
   const at::Device device = parse_device(cfg.run.device);
+  if (device.is_cuda()) memory::configure_cuda_allocator(cfg.run.expandable_segments);
   const at::ScalarType dtype = parse_dtype(cfg.run.dtype, device);
   memory::install_cpu_tracking();
   // A bad trace path should cost nothing, not the minutes before the traced step.

@@ -3,6 +3,13 @@
 
 #include "remat/config.h"
 #include "remat/cost.h"
+#include "remat/pipeline.h"
+#include "remat/policy.h"
+
+#include <fmt/format.h>
+
+#include <iterator>
+#include <random>
 
 #include <string>
 
@@ -28,6 +35,60 @@ inline cost::StepShape plan_shape(int64_t B, int64_t T, at::ScalarType dtype = a
   s.dtype = dtype;
   s.grad_accum = microbatches;
   return s;
+}
+
+/// One random step: the model, its plan, and how it runs.
+struct RandomStep {
+  ModelConfig cfg;
+  ActivationPlan plan;
+  int64_t stages = 1;
+  int64_t microbatches = 1;
+  pipeline::Schedule schedule = pipeline::Schedule::one_f_one_b;
+  bool early_stop = true;
+  std::string text;
+};
+
+/// A step of either preset with at least two layers a stage (so that uniform:2 chunks fit
+/// in one), math or tiled attention, dropout 0 or 0.1, 1 to 4 microbatches, either pipeline
+/// schedule, and a policy's plan or random keep-sets.
+inline RandomStep random_step(std::mt19937& rng, int64_t stages) {
+  static const char* const kPolicies[] = {"none",
+                                          "full",
+                                          "every:2",
+                                          "uniform:2",
+                                          "block:1",
+                                          "modules:[qkv]",
+                                          "ops:[matmul/2,softmax]",
+                                          "modules:[core_attn]"};
+  RandomStep r;
+  r.stages = stages;
+  r.cfg = plan_config(rng() % 2 ? "gpt2-demo" : "llama-demo", std::max<int64_t>(4, 2 * stages), rng() % 2 ? 0.1 : 0.0);
+  r.cfg.attention = rng() % 2 ? Attention::tiled : Attention::math;
+  r.cfg.attention_tile = 20;  // three query tiles, the last one short
+  r.microbatches = 1 + static_cast<int64_t>(rng() % 4);
+  // One stage accumulates its microbatches one after another (TrainStep).
+  r.schedule = stages > 1 && rng() % 2 ? pipeline::Schedule::gpipe : pipeline::Schedule::one_f_one_b;
+  r.early_stop = rng() % 4 != 0;
+  if (rng() % 3 == 0) {
+    for (int64_t l = 0; l < r.cfg.n_layer; ++l) {
+      LayerPlan lp;
+      for (const Slot s : SlotMask::droppable().slots()) {
+        if (rng() % 2) lp.dropped.add(s);
+      }
+      r.plan.layers.push_back(lp);
+    }
+    r.text = "random keep-sets";
+  } else {
+    AcConfig ac;
+    r.text = kPolicies[rng() % std::size(kPolicies)];
+    ac.policy.emplace(r.text);
+    ac.stages = stages;
+    r.plan = compile_policy(ac, r.cfg.n_layer, r.cfg.dropout);
+  }
+  r.text = fmt::format("{} {} p={}, {} microbatches, {} stages, {}, early_stop={}: {}",
+                       r.cfg.arch == Arch::gpt2 ? "gpt2" : "llama", attention_name(r.cfg.attention), r.cfg.dropout,
+                       r.microbatches, r.stages, pipeline::schedule_name(r.schedule), r.early_stop, r.text);
+  return r;
 }
 
 }  // namespace remat::testing

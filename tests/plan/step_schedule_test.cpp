@@ -84,61 +84,7 @@ TEST(StepSchedule, AChunkCrossingIntoAStageIsRefused) {
   }
 }
 
-// One random step: the model, its plan, and how it runs.
-struct RandomStep {
-  ModelConfig cfg;
-  ActivationPlan plan;
-  int64_t stages = 1;
-  int64_t microbatches = 1;
-  pipeline::Schedule schedule = pipeline::Schedule::one_f_one_b;
-  bool early_stop = true;
-  std::string text;
-};
-
 constexpr int64_t kB = 3, kT = 48, kChunk = 40;
-
-RandomStep random_step(std::mt19937& rng, int64_t stages) {
-  static const char* const kPolicies[] = {"none",
-                                          "full",
-                                          "every:2",
-                                          "uniform:2",
-                                          "block:1",
-                                          "modules:[qkv]",
-                                          "ops:[matmul/2,softmax]",
-                                          "modules:[core_attn]"};
-  RandomStep r;
-  r.stages = stages;
-  // Two layers a stage at least, so that uniform:2 chunks fit in one.
-  r.cfg = testing::plan_config(rng() % 2 ? "gpt2-demo" : "llama-demo", std::max<int64_t>(4, 2 * stages),
-                               rng() % 2 ? 0.1 : 0.0);
-  r.cfg.attention = rng() % 2 ? Attention::tiled : Attention::math;
-  r.cfg.attention_tile = 20;  // three query tiles, the last one short
-  r.microbatches = 1 + static_cast<int64_t>(rng() % 4);
-  // One stage accumulates its microbatches one after another (TrainStep).
-  r.schedule = stages > 1 && rng() % 2 ? pipeline::Schedule::gpipe : pipeline::Schedule::one_f_one_b;
-  r.early_stop = rng() % 4 != 0;
-  if (rng() % 3 == 0) {
-    // A random keep-set per layer.
-    for (int64_t l = 0; l < r.cfg.n_layer; ++l) {
-      LayerPlan lp;
-      for (const Slot s : SlotMask::droppable().slots()) {
-        if (rng() % 2) lp.dropped.add(s);
-      }
-      r.plan.layers.push_back(lp);
-    }
-    r.text = "random keep-sets";
-  } else {
-    AcConfig ac;
-    r.text = kPolicies[rng() % std::size(kPolicies)];
-    ac.policy.emplace(r.text);
-    ac.stages = stages;
-    r.plan = compile_policy(ac, r.cfg.n_layer, r.cfg.dropout);
-  }
-  r.text = fmt::format("{} {} p={}, {} microbatches, {} stages, {}, early_stop={}: {}",
-                       r.cfg.arch == Arch::gpt2 ? "gpt2" : "llama", attention_name(r.cfg.attention), r.cfg.dropout,
-                       r.microbatches, r.stages, pipeline::schedule_name(r.schedule), r.early_stop, r.text);
-  return r;
-}
 
 std::vector<MicrobatchData> random_data(const ModelConfig& cfg, int64_t microbatches, uint64_t seed) {
   auto gen = at::detail::createCPUGenerator(seed);
@@ -153,7 +99,7 @@ std::vector<MicrobatchData> random_data(const ModelConfig& cfg, int64_t microbat
 // The prediction for stage `stage` of the step, as the bytes the step adds to what is live
 // before it: the statics are (the batch too, made beforehand), but for the optimizer's,
 // which is not run.
-int64_t predicted_rise(const RandomStep& r, int64_t stage, int64_t first, int64_t layers) {
+int64_t predicted_rise(const testing::RandomStep& r, int64_t stage, int64_t first, int64_t layers) {
   cost::StepShape shape = testing::plan_shape(kB, kT, at::kFloat, r.microbatches);
   shape.ce_chunk = kChunk;
   shape.first_layer = first;
@@ -166,7 +112,7 @@ int64_t predicted_rise(const RandomStep& r, int64_t stage, int64_t first, int64_
   return p.peak - p.statics.total();
 }
 
-StoreOptions options(const RandomStep& r) {
+StoreOptions options(const testing::RandomStep& r) {
   StoreOptions o;
   o.early_stop = r.early_stop;
   o.pool = false;  // the pool keeps freed buffers charged to whoever freed them last
@@ -174,7 +120,7 @@ StoreOptions options(const RandomStep& r) {
 }
 
 // The engine's step on one thread: its microbatches one after another.
-int64_t measured_rise(const RandomStep& r, uint64_t seed) {
+int64_t measured_rise(const testing::RandomStep& r, uint64_t seed) {
   auto model = Model::create(r.cfg, at::kCPU, at::kFloat, 3);
   model->set_activation_plan(r.plan, options(r));
   const std::vector<MicrobatchData> data = random_data(r.cfg, r.microbatches, seed);
@@ -191,7 +137,7 @@ TEST(StepSchedule, RandomStepsPeakWhereTheCostModelSimulatesThem) {
   int trials = 0;
   for (const int64_t stages : {1, 2, 4}) {
     for (int trial = 0; trial < 70; ++trial, ++trials) {
-      const RandomStep r = random_step(rng, stages);
+      const testing::RandomStep r = testing::random_step(rng, stages);
       const auto seed = static_cast<uint64_t>(trial);
       if (stages == 1) {
         EXPECT_NEAR(predicted_rise(r, 0, 0, -1), measured_rise(r, seed), 8 * 1024) << r.text;

@@ -1,0 +1,114 @@
+// The allocations of a step as the CUDA caching allocator sees them: the same walk as the
+// cost model's, buffer by buffer, so its live bytes peak where predict_step says; and what
+// the allocator's model makes of them.
+#include "plan/plan_test_util.h"
+#include "remat/caching_allocator.h"
+#include "remat/cost.h"
+
+#include <gtest/gtest.h>
+
+#include <map>
+#include <random>
+
+namespace remat {
+namespace {
+
+using memory::AllocatorEvent;
+
+// The live bytes of `events` at their highest, checking that each free follows its
+// allocation and that what stays live is `held_after` bytes.
+int64_t live_peak(const std::vector<AllocatorEvent>& events, int64_t* held_after) {
+  std::map<int64_t, int64_t> live;
+  int64_t current = 0, peak = 0;
+  for (const AllocatorEvent& e : events) {
+    if (e.kind == AllocatorEvent::Kind::malloc) {
+      EXPECT_GT(e.bytes, 0);
+      EXPECT_TRUE(live.emplace(e.id, e.bytes).second) << "id " << e.id << " allocated twice";
+      current += e.bytes;
+      peak = std::max(peak, current);
+    } else {
+      const auto it = live.find(e.id);
+      EXPECT_NE(it, live.end()) << "id " << e.id << " freed but not live";
+      if (it == live.end()) continue;
+      current -= it->second;
+      live.erase(it);
+    }
+  }
+  *held_after = current;
+  return peak;
+}
+
+cost::StepShape shape_of(const testing::RandomStep& r, int64_t stage, at::ScalarType dtype, int64_t tp, int64_t zero) {
+  cost::StepShape shape = testing::plan_shape(3, 48, dtype, r.microbatches);
+  shape.ce_chunk = 40;
+  shape.tp = tp;
+  shape.zero_ranks = zero;
+  shape.stages = r.stages;
+  shape.stage = stage;
+  shape.schedule = r.schedule;
+  const auto split = pipeline::even_split(r.cfg.n_layer, r.stages);
+  for (int64_t s = 0; s < stage; ++s) shape.first_layer += split[static_cast<size_t>(s)];
+  shape.layers = r.stages > 1 ? split[static_cast<size_t>(stage)] : -1;
+  return shape;
+}
+
+TEST(StepAllocations, LiveBytesPeakWherePredictStepSays) {
+  // Two steps: the first makes AdamW's moments, which predict_step counts from the start.
+  std::mt19937 rng(20261126);
+  for (const int64_t stages : {1, 2, 4}) {
+    for (int trial = 0; trial < 40; ++trial) {
+      const testing::RandomStep r = testing::random_step(rng, stages);
+      const at::ScalarType dtype = rng() % 3 == 0 ? at::kBFloat16 : at::kFloat;
+      const int64_t tp = rng() % 3 == 0 ? 2 : 1, zero = rng() % 2 ? 2 : 1, workspace = 4096 * (rng() % 2);
+      const int64_t stage = static_cast<int64_t>(rng() % static_cast<uint64_t>(stages));
+      const cost::StepShape shape = shape_of(r, stage, dtype, tp, zero);
+      const std::string what = fmt::format("{}, stage {}, {}, tp {}, zero {}, workspace {}", r.text, stage,
+                                           c10::toString(dtype), tp, zero, workspace);
+      const cost::StepPrediction p = cost::predict_step(r.cfg, shape, r.plan, r.early_stop, {});
+      int64_t held = 0;
+      const int64_t peak = live_peak(cost::step_allocations(r.cfg, shape, r.plan, r.early_stop, 2, workspace), &held);
+      EXPECT_EQ(peak, p.peak - p.statics.small - p.statics.resident + workspace) << what;
+      // What stays is what a step holds throughout: the statics and the workspace.
+      EXPECT_EQ(held, p.statics.total() - p.statics.small - p.statics.resident + workspace) << what;
+    }
+  }
+}
+
+TEST(StepAllocations, TheSecondStepRepeatsTheFirstWithTheMomentsMade) {
+  const ModelConfig cfg = testing::plan_config("gpt2-demo", 2, 0.0);
+  const cost::StepShape shape = testing::plan_shape(2, 32);
+  const ActivationPlan plan = compile_policy("every:2", cfg.n_layer, cfg.dropout);
+  const auto one = cost::step_allocations(cfg, shape, plan, true, 1, 0);
+  const auto two = cost::step_allocations(cfg, shape, plan, true, 2, 0);
+  const auto three = cost::step_allocations(cfg, shape, plan, true, 3, 0);
+  // The second step's events are the third's: sizes and kinds, in order.
+  const size_t first = one.size(), second = two.size() - one.size();
+  ASSERT_EQ(three.size(), first + 2 * second);
+  EXPECT_GT(first, second);  // the first step also makes AdamW's moments
+  for (size_t i = 0; i < second; ++i) {
+    const AllocatorEvent& a = two[first + i];
+    const AllocatorEvent& b = three[first + second + i];
+    EXPECT_EQ(a.kind, b.kind) << i;
+    EXPECT_EQ(a.bytes, b.bytes) << i;
+  }
+}
+
+TEST(DeviceMemory, ReservedHoldsTheAllocatedWhichHoldsTheLivePeak) {
+  const ModelConfig cfg = testing::plan_config("llama-demo", 4, 0.0);
+  const cost::StepShape shape = testing::plan_shape(4, 64, at::kBFloat16, 2);
+  for (const char* policy : {"none", "full", "uniform:2", "modules:[core_attn]"}) {
+    const ActivationPlan plan = compile_policy(policy, cfg.n_layer, cfg.dropout);
+    const cost::StepPrediction p = cost::predict_step(cfg, shape, plan, true, {});
+    for (const bool expandable : {false, true}) {
+      memory::AllocatorRules rules;
+      rules.expandable_segments = expandable;
+      const cost::DeviceMemory m = cost::predict_device_memory(cfg, shape, plan, true, rules, 0);
+      // Each request rounds up to 512 bytes, and segments hold whole blocks.
+      EXPECT_GE(m.allocated_peak, p.peak - p.statics.small - p.statics.resident) << policy;
+      EXPECT_GE(m.reserved_peak, m.allocated_peak) << policy;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace remat
