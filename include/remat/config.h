@@ -106,6 +106,10 @@ struct RunConfig {
   /// CUDA: the caching allocator grows one segment per stream instead of rounding each new
   /// segment up (PyTorch's expandable_segments), which reserves less beside the same tensors.
   bool expandable_segments = false;
+  /// Every allocation and free of the run's device up to the end of its second step, with
+  /// the allocator's allocated and reserved bytes after each, goes here as an allocation
+  /// trace (remat/caching_allocator.h); empty: none.
+  std::string record_allocations;
 };
 
 /// Several processes (ranks) training one model; see include/remat/dist.h.

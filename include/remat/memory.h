@@ -13,8 +13,16 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <memory>
+#include <vector>
+
+namespace c10 {
+class DebugInfoGuard;
+}  // namespace c10
 
 namespace remat::memory {
+
+struct AllocationTraceEntry;  // remat/caching_allocator.h
 
 struct Stats {
   int64_t current = 0;   ///< bytes held now: live tensors and, on CPU, idle pooled buffers
@@ -29,6 +37,27 @@ struct Stats {
 void install_cpu_tracking();
 /// Whether install_cpu_tracking() has run.
 bool cpu_tracking_installed();
+
+/// Records every allocation and free the constructing thread makes on devices of one type
+/// while it lives, each with the allocator's allocated and reserved bytes after it (as
+/// LibTorch reports them to its profiler): on CUDA, a trace the model of the caching
+/// allocator must reproduce (remat/caching_allocator.h). A request appears with its
+/// block's size; frees of blocks allocated before the recorder are left out. Another
+/// recorder or LibTorch's profiler must not run on the thread meanwhile.
+class AllocationRecorder {
+ public:
+  explicit AllocationRecorder(at::DeviceType type);
+  ~AllocationRecorder();
+  AllocationRecorder(const AllocationRecorder&) = delete;
+  AllocationRecorder& operator=(const AllocationRecorder&) = delete;
+  /// The events recorded so far.
+  std::vector<AllocationTraceEntry> entries() const;
+
+ private:
+  struct Reporter;
+  std::shared_ptr<Reporter> reporter_;
+  std::unique_ptr<c10::DebugInfoGuard> guard_;
+};
 
 /// CUDA: makes the caching allocator grow one segment per stream (PyTorch's
 /// expandable_segments) or round each new segment up, as run.expandable_segments says,

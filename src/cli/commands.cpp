@@ -161,6 +161,10 @@ int run(int argc, char** argv) {
   train_cmd->add_option("--trace", trace_file,
                         "Write step 3 (or the last) as Chrome-trace JSON to this file (sets run.trace); "
                         "open it in https://ui.perfetto.dev");
+  std::string allocations_file;
+  train_cmd->add_option("--record-allocations", allocations_file,
+                        "Write every allocation and free up to the end of step 2, with the allocator's allocated and "
+                        "reserved bytes after each, to this file (sets run.record_allocations)");
   std::string resume_dir;
   train_cmd->add_option("--resume", resume_dir,
                         "Continue the run in this directory from its newest checkpoint, with its own config.toml");
@@ -257,6 +261,7 @@ int run(int argc, char** argv) {
     }
     if (train_cmd->parsed()) {
       if (!trace_file.empty()) overrides.push_back("run.trace=" + trace_file);
+      if (!allocations_file.empty()) overrides.push_back("run.record_allocations=" + allocations_file);
       if (help_config) {
         print_config_keys();
         return 0;

@@ -293,6 +293,8 @@ std::vector<ConfigKey> make_keys() {
       key("run.trace", &C::run, &RunConfig::trace, "Chrome-trace JSON of step 3; empty: none"),
       key("run.expandable_segments", &C::run, &RunConfig::expandable_segments,
           "CUDA: growing allocator segments (PyTorch's expandable_segments)"),
+      key("run.record_allocations", &C::run, &RunConfig::record_allocations,
+          "allocation trace of the first two steps; empty: none"),
       key("parallel.dp", &C::parallel, &ParallelConfig::dp, "data-parallel ranks; 0: all launched"),
       key("parallel.tp", &C::parallel, &ParallelConfig::tp, "tensor-parallel ranks splitting each layer"),
       key("parallel.sp", &C::parallel, &ParallelConfig::sp, "sequence parallelism over the tp ranks"),
@@ -886,6 +888,7 @@ void validate_config(const Config& c) {
   }
   check_path("run.out_dir", c.run.out_dir);
   check_path("run.trace", c.run.trace);
+  check_path("run.record_allocations", c.run.record_allocations);
   check_path("data.dir", c.data.dir);
   check_path("data.text", c.data.text);
   if (c.run.name.find_first_not_of("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-") !=

@@ -1,16 +1,15 @@
 #include "remat/trace.h"
 
+#include "util/atomic_file.h"
+
 #include "remat/memory.h"
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
-#include <unistd.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <chrono>
 #include <cstring>
-#include <filesystem>
 #include <mutex>
 #include <stdexcept>
 #include <tuple>
@@ -144,30 +143,7 @@ std::string stop() {
   return nlohmann::json{{"traceEvents", std::move(events)}, {"displayTimeUnit", "ms"}}.dump();
 }
 
-void check_writable(const std::string& path) {
-  namespace fs = std::filesystem;
-  const fs::path p(path);
-  const fs::path dir = p.has_parent_path() ? p.parent_path() : fs::path(".");
-  std::error_code ec;
-  std::string why;
-  if (!p.has_filename()) {
-    why = "it names no file";
-  } else if (!fs::is_directory(dir, ec)) {
-    why = fmt::format("the directory {} does not exist", dir.string());
-  } else if (fs::is_directory(p, ec)) {
-    why = "it is a directory";
-  } else if (::access(dir.c_str(), W_OK) != 0) {
-    why = fmt::format("the directory {} is not writable ({})", dir.string(), std::strerror(errno));
-  } else if (fs::exists(p, ec)) {
-    why = "a file is there already, and a trace never replaces one";
-  } else {
-    return;
-  }
-  throw std::invalid_argument(fmt::format(
-      "Cannot write the trace to '{}' (run.trace, --trace): {}; give a new file path in an existing, writable "
-      "directory.",
-      path, why));
-}
+void check_writable(const std::string& path) { util::check_new_file(path, "the trace", "run.trace, --trace"); }
 
 void Scope::begin(const char* name, Category category, int64_t layer) {
   Recorder& r = recorder();

@@ -1,5 +1,6 @@
 #include "remat/trainer.h"
 
+#include "remat/caching_allocator.h"
 #include "remat/data.h"
 #include "remat/memory.h"
 #include "remat/model.h"
@@ -21,6 +22,7 @@
 #include "util/atomic_file.h"
 
 #include <fmt/format.h>
+#include <torch/version.h>
 
 #include <algorithm>
 #include <unistd.h>
@@ -41,6 +43,32 @@ namespace remat {
 namespace {
 
 constexpr double kPi = 3.14159265358979323846;
+
+// run.record_allocations: the device's allocations from the run's start (before any, so
+// that the allocator's model replays them from empty) to the end of its second step.
+class AllocationTrace {
+ public:
+  AllocationTrace(const RunConfig& run, at::Device device) : path_(run.record_allocations) {
+    if (path_.empty()) return;
+    util::check_new_file(path_, "the allocation trace", "run.record_allocations, --record-allocations");
+    header_ = fmt::format("# allocations on {} (LibTorch {}), expandable_segments {}\n", device.str(), TORCH_VERSION,
+                          run.expandable_segments ? "on" : "off");
+    recorder_.emplace(device.type());
+  }
+  // Writes the trace after the second step of the run (or its last, of fewer).
+  void after_step(int64_t step, int64_t steps, bool lead) {
+    if (!recorder_ || (step < 1 && step + 1 < steps)) return;
+    std::ostringstream out;
+    out << header_;
+    memory::write_allocation_trace(out, recorder_->entries());
+    recorder_.reset();
+    if (lead) util::write_file_atomically(path_, out.str());
+  }
+
+ private:
+  std::string path_, header_;
+  std::optional<memory::AllocationRecorder> recorder_;
+};
 
 // Mean loss per token over the first eval_batches sequential batches of train.batch
 // sequences (the last may be short). With `ranks`, each data-parallel rank evaluates its
@@ -523,6 +551,7 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   memory::install_cpu_tracking();
   // A bad trace path should cost nothing, not the minutes before the traced step.
   if (!cfg.run.trace.empty()) trace::check_writable(cfg.run.trace);
+  AllocationTrace allocations(cfg.run, device);
 
   // Data: prepared once per (text, vocabulary) and cached.
   data::CorpusInfo corpus;
@@ -612,6 +641,7 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   for (int64_t step = first_step; step < t.steps; ++step) {
     const StepResult r = stepper.run(step, train_ds, rng, step == traced_step);
     if (step == traced_step && ranks.lead) util::write_file_atomically(cfg.run.trace, r.trace);
+    allocations.after_step(step, t.steps, ranks.lead);
     // Every rank's peak, and whether a signal reached any rank: they all stop after the
     // same step.
     const RankStep gathered = gather_step(ranks.comm.get(), r.peak_bytes, signals.caught(), step + 1);

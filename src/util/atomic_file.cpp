@@ -1,11 +1,13 @@
 #include "util/atomic_file.h"
 
 #include <fcntl.h>
+#include <fmt/format.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
 #include <stdexcept>
 
 namespace remat::util {
@@ -172,4 +174,27 @@ void AppendFile::append(std::string_view bytes) {
   }
 }
 
+void check_new_file(const std::string& path, const std::string& what, const std::string& setting) {
+  namespace fs = std::filesystem;
+  const fs::path p(path);
+  const fs::path dir = p.has_parent_path() ? p.parent_path() : fs::path(".");
+  std::error_code ec;
+  std::string why;
+  if (!p.has_filename()) {
+    why = "it names no file";
+  } else if (!fs::is_directory(dir, ec)) {
+    why = fmt::format("the directory {} does not exist", dir.string());
+  } else if (fs::is_directory(p, ec)) {
+    why = "it is a directory";
+  } else if (::access(dir.c_str(), W_OK) != 0) {
+    why = fmt::format("the directory {} is not writable ({})", dir.string(), std::strerror(errno));
+  } else if (fs::exists(p, ec)) {
+    why = fmt::format("a file is there already, and {} never replaces one", what);
+  } else {
+    return;
+  }
+  throw std::invalid_argument(
+      fmt::format("Cannot write {} to '{}' ({}): {}; give a new file path in an existing, writable directory.", what,
+                  path, setting, why));
+}
 }  // namespace remat::util

@@ -71,4 +71,10 @@ class AppendFile {
   int fd_ = -1;
 };
 
+/// Throws std::invalid_argument, a sentence naming `path`, `what` is written there and the
+/// `setting` that named it, unless a new file can be written there (its directory exists
+/// and is writable, and nothing is there yet: an earlier one is never replaced); run
+/// before the work so a bad path costs nothing.
+void check_new_file(const std::string& path, const std::string& what, const std::string& setting);
+
 }  // namespace remat::util

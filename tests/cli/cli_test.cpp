@@ -2,7 +2,9 @@
 // never a crash or a backtrace.
 #include "data/test_text.h"
 #include "remat/config.h"
+#include "remat/caching_allocator.h"
 #include "remat/graph.h"
+#include "remat/memory.h"
 #include "util/processes.h"
 
 #include <fmt/format.h>
@@ -14,6 +16,7 @@
 #include <csignal>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <random>
 #include <string>
 #include <tuple>
@@ -148,6 +151,29 @@ TEST_F(Cli, TraceWritesTheThirdStepAsJson) {
   EXPECT_EQ(steps, 1);
   EXPECT_GT(ops, 0);
   EXPECT_GT(samples, 0);
+}
+
+TEST_F(Cli, RecordAllocationsWritesTheRunsFirstTwoStepsAsATrace) {
+  const std::string path = (dir_ / "allocations.txt").string();
+  const Result r = run_remat(tiny_training("train.steps=3 run.sample_tokens=0 run.record_allocations=" + path));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::ifstream in(path);
+  const auto entries = remat::memory::read_allocation_trace(in);
+  ASSERT_FALSE(entries.empty());
+  // Every free is of a block the trace allocated; the totals move by each event's block.
+  std::map<int64_t, int64_t> live;
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const auto& e = entries[i];
+    const bool malloc = e.event.kind == remat::memory::AllocatorEvent::Kind::malloc;
+    if (malloc) live[e.event.id] = e.event.bytes;
+    ASSERT_TRUE(live.count(e.event.id)) << "line " << i + 1 << " frees a block the trace never allocated";
+    const int64_t bytes = live[e.event.id];
+    if (i > 0) {
+      EXPECT_EQ(e.state.allocated - entries[i - 1].state.allocated, malloc ? bytes : -bytes) << i + 1;
+    }
+    if (!malloc) live.erase(e.event.id);
+  }
+  expect_error("train --record-allocations " + path, "a file is there already, and the allocation trace never");
 }
 
 TEST_F(Cli, TraceIntoAMissingDirectoryIsRefusedBeforeTraining) {
@@ -634,7 +660,7 @@ TEST_F(Cli, AModelVocabularyLargerThanTheTokenizersSamplesOnlyItsPieces) {
 
 TEST_F(Cli, AnExistingTraceFileIsNeverReplaced) {
   const std::string old = file("step.json", "an earlier trace");
-  expect_error("train --trace " + old, "a file is there already, and a trace never replaces one");
+  expect_error("train --trace " + old, "a file is there already, and the trace never replaces one");
   std::ifstream in(old);
   EXPECT_EQ(std::string(std::istreambuf_iterator<char>(in), {}), "an earlier trace");
 }
