@@ -53,6 +53,18 @@ struct FrontierPoint {
   std::string label;             ///< the policy, or "budget" for solved plans
 };
 
+/// A sweep of budgets (Planner::frontier).
+struct Frontier {
+  std::vector<FrontierPoint> points;  ///< Pareto-filtered, by peak
+  int asked = 0;                      ///< budgets the sweep was to solve
+  int solved = 0;                     ///< budgets solved before the time limit
+  double seconds = 0;                 ///< the sweep's time
+};
+
+/// The order a sweep of `points` evenly spaced budgets is solved in, coarse to fine: the
+/// two ends, then each gap's middle, level by level; every index once.
+std::vector<int> sweep_order(int points);
+
 struct PlanResult {
   ActivationPlan plan;
   cost::StepPrediction prediction;  ///< of `plan`, by the step simulator
@@ -98,8 +110,10 @@ class Planner {
   /// backward, and LayerOption::seconds).
   const std::vector<LayerOption>& layer_frontier() const { return frontier_; }
   /// Solved plans from the minimum feasible budget to the no-recompute peak, `points`
-  /// budgets apart, Pareto-filtered.
-  std::vector<FrontierPoint> frontier(int points = 24) const;
+  /// budgets apart, Pareto-filtered. The budgets are solved coarse to fine (both ends,
+  /// then the middle of each gap), and none is started once `seconds` have passed (0: no
+  /// limit), so a long model's sweep is coarser rather than minutes long.
+  Frontier frontier(int points = 24, double seconds = 0) const;
   /// The sentence for a budget no plan fits: the minimum feasible budget and what fills
   /// the least-memory plan's peak. `given` is the budget as the user wrote it.
   std::string infeasible(int64_t budget, const std::string& given) const;

@@ -100,6 +100,9 @@ std::string communication_text(const Config& cfg, const Communication& c, const 
       format_count(c.recompute_flops), cfg.parallel.compute_rate, 1e3 * c.step_seconds);
 }
 
+// How long --pareto and --json sweep budgets before they stop starting solves.
+constexpr double kSweepSeconds = 10;
+
 // The manual policies drawn on the frontier, those valid for `layers`.
 std::vector<std::string> manual_policies(int64_t layers) {
   std::vector<std::string> out = {"none", "full", "modules:[core_attn]", "ops:[matmul,attention]",
@@ -267,9 +270,10 @@ int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
   const double overhead = pred.recompute_flops / (flops * shape.grad_accum);
   const int64_t min_budget = planner.min_feasible_budget();
   const Communication link = communication(spec.cfg, planner, shape, pred);
-  std::vector<FrontierPoint> frontier, manual;
+  Frontier sweep;
+  std::vector<FrontierPoint> manual;
   if (args.pareto || args.json) {
-    frontier = planner.frontier(args.points);
+    sweep = planner.frontier(args.points, kSweepSeconds);
     for (const auto& policy : manual_policies(m.n_layer)) {
       const auto p = planner.predict(compile_policy(policy, m.n_layer, m.dropout));
       manual.push_back({p.peak, p.recompute_seconds, policy});
@@ -286,7 +290,8 @@ int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
     json["step_flops"] = flops * shape.grad_accum;
     json["recompute_overhead"] = overhead;
     json["communication"] = communication_json(spec.cfg, link);
-    json["frontier"] = points(frontier);
+    json["frontier"] = points(sweep.points);
+    json["frontier_budgets"] = {{"asked", sweep.asked}, {"solved", sweep.solved}, {"seconds", sweep.seconds}};
     json["manual"] = points(manual);
     fmt::print("{}\n", json.dump(2));
     return 0;
@@ -296,7 +301,7 @@ int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
   if (shape.tp > 1) fmt::print("{}", communication_text(spec.cfg, link, ""));
   if (args.pareto) {
     fmt::print("\nfrontier (budget plans):\n  {:>12}  {:>10}\n", "peak", "recompute");
-    for (const auto& p : frontier) {
+    for (const auto& p : sweep.points) {
       fmt::print("  {:>12}  {:>9.1f}%\n", format_bytes(p.peak), 100.0 * p.recompute_seconds / flops);
     }
     fmt::print("manual policies:\n");
@@ -304,7 +309,13 @@ int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
       fmt::print("  {:>12}  {:>9.1f}%  {}\n", format_bytes(p.peak), 100.0 * p.recompute_seconds / flops, p.label);
     }
     std::string why;
-    if (!plot_frontier(args.plot, frontier, manual, flops, &why)) {
+    if (sweep.solved < sweep.asked) {
+      fmt::print(
+          "(the frontier is coarser: {} of {} budgets solved in {:.1f} s, the sweep starting none after {:.0f} s; "
+          "the ends and the middles of the gaps come first)\n",
+          sweep.solved, sweep.asked, sweep.seconds, kSweepSeconds);
+    }
+    if (!plot_frontier(args.plot, sweep.points, manual, flops, &why)) {
       throw std::runtime_error(
           fmt::format("The frontier could not be plotted to --plot = \"{}\": {}; the tables above "
                       "hold the same figures.",

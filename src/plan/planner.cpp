@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <limits>
 #include <stdexcept>
@@ -58,9 +59,30 @@ struct State {
 
 // Pareto filter: ascending kept bytes with strictly falling time; above `max_states`,
 // states closer than `width` bytes merge into the faster one.
-void prune(std::vector<State>& v, int64_t max_states, int64_t width) {
-  std::sort(v.begin(), v.end(),
-            [](const State& a, const State& b) { return a.kept != b.kept ? a.kept < b.kept : a.seconds < b.seconds; });
+// `v` as runs that each ascend (starting at `starts`, the first at 0), merged pairwise
+// into one ascending by kept bytes, then time: a sort's order for a merge's cost.
+void merge_runs(std::vector<State>& v, std::vector<size_t> starts) {
+  const auto before = [](const State& a, const State& b) {
+    return a.kept != b.kept ? a.kept < b.kept : a.seconds < b.seconds;
+  };
+  starts.push_back(v.size());
+  while (starts.size() > 2) {
+    const size_t runs = starts.size() - 1;
+    std::vector<size_t> next;
+    for (size_t i = 0; i + 1 < runs; i += 2) {
+      std::inplace_merge(v.begin() + static_cast<std::ptrdiff_t>(starts[i]),
+                         v.begin() + static_cast<std::ptrdiff_t>(starts[i + 1]),
+                         v.begin() + static_cast<std::ptrdiff_t>(starts[i + 2]), before);
+      next.push_back(starts[i]);
+    }
+    if (runs % 2 == 1) next.push_back(starts[runs - 1]);
+    next.push_back(v.size());
+    starts = std::move(next);
+  }
+}
+
+void prune(std::vector<State>& v, const std::vector<size_t>& runs, int64_t max_states, int64_t width) {
+  merge_runs(v, runs);
   std::vector<State> out;
   for (const auto& s : v) {
     if (out.empty() || s.seconds < out.back().seconds) out.push_back(s);
@@ -306,27 +328,40 @@ std::optional<PlanResult> Planner::solve(int64_t budget) const {
   if (fixed_peak_ > budget) return std::nullopt;
   const int64_t room = budget - emb_base_;  // for the layers' bytes
   std::vector<std::vector<State>> states(L + 1);
+  // Where each run of states reaching a position begins: one run per choice from each
+  // earlier position, ascending because the states it extends were pruned.
+  std::vector<std::vector<size_t>> runs(L + 1);
   states[0].push_back({});
   const int64_t width = std::max<int64_t>(1, budget / std::max<int64_t>(1, options_.max_states));
-  for (int64_t pos = 0; pos < L; ++pos) {
-    prune(states[pos], options_.max_states, width);
-    for (int64_t si = 0; si < static_cast<int64_t>(states[pos].size()); ++si) {
-      const State& s = states[pos][si];
-      for (int64_t oi = 0; oi < static_cast<int64_t>(frontier_.size()); ++oi) {
-        const auto& c = frontier_[oi].cost;
-        if (s.kept + top(frontier_[oi]) > room) continue;
-        states[pos + 1].push_back({s.kept + c.kept, s.seconds + frontier_[oi].seconds, pos, si, oi, 0});
-      }
-      for (int64_t n = 2; n <= std::min(options_.max_chunk, L - pos); ++n) {
-        for (const bool sharded : input_holds()) {
-          const ChunkCost c = chunk_cost(n, sharded);
-          if (s.kept + c.top > room) continue;
-          states[pos + n].push_back({s.kept + c.kept, s.seconds + c.seconds, pos, si, -1, n, sharded});
-        }
-      }
+  std::vector<ChunkCost> chunks;
+  std::vector<std::pair<int64_t, bool>> chunk_shapes;
+  for (int64_t n = 2; n <= std::min(options_.max_chunk, L); ++n) {
+    for (const bool sharded : input_holds()) {
+      chunks.push_back(chunk_cost(n, sharded));
+      chunk_shapes.emplace_back(n, sharded);
     }
   }
-  prune(states[L], options_.max_states, width);
+  for (int64_t pos = 0; pos < L; ++pos) {
+    prune(states[pos], runs[pos], options_.max_states, width);
+    const std::vector<State>& from = states[pos];
+    const auto extend = [&](int64_t to, int64_t top, int64_t kept, double seconds, int64_t option, int64_t n,
+                            bool sharded) {
+      runs[to].push_back(states[to].size());
+      for (int64_t si = 0; si < static_cast<int64_t>(from.size()); ++si) {
+        const State& s = from[si];
+        if (s.kept + top > room) continue;
+        states[to].push_back({s.kept + kept, s.seconds + seconds, pos, si, option, n, sharded});
+      }
+    };
+    for (int64_t oi = 0; oi < static_cast<int64_t>(frontier_.size()); ++oi) {
+      extend(pos + 1, top(frontier_[oi]), frontier_[oi].cost.kept, frontier_[oi].seconds, oi, 0, false);
+    }
+    for (size_t c = 0; c < chunks.size(); ++c) {
+      const auto [n, sharded] = chunk_shapes[c];
+      if (n <= L - pos) extend(pos + n, chunks[c].top, chunks[c].kept, chunks[c].seconds, -1, n, sharded);
+    }
+  }
+  prune(states[L], runs[L], options_.max_states, width);
   int64_t best = -1;
   for (int64_t i = 0; i < static_cast<int64_t>(states[L].size()); ++i) {
     const State& s = states[L][i];
@@ -445,11 +480,35 @@ std::string Planner::infeasible(int64_t budget, const std::string& given) const 
   return text;
 }
 
-std::vector<FrontierPoint> Planner::frontier(int points) const {
+std::vector<int> sweep_order(int points) {
+  std::vector<int> order;
+  if (points <= 0) return order;
+  std::vector<bool> taken(static_cast<size_t>(points), false);
+  const auto take = [&](int i) {
+    if (!taken[static_cast<size_t>(i)]) order.push_back(i);
+    taken[static_cast<size_t>(i)] = true;
+  };
+  take(0);
+  take(points - 1);
+  // Halve the gaps between taken indices until none is left.
+  for (int step = points - 1; step > 1; step = (step + 1) / 2) {
+    for (int lo = 0; lo + 1 < points; lo += step) take(std::min(points - 1, lo + step / 2));
+  }
+  for (int i = 0; i < points; ++i) take(i);
+  return order;
+}
+
+Frontier Planner::frontier(int points, double seconds) const {
+  const auto start = std::chrono::steady_clock::now();
+  const auto elapsed = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(); };
   const int64_t lo = min_feasible_budget(), hi = none_peak();
+  Frontier f;
+  f.asked = points;
   std::vector<FrontierPoint> all;
-  for (int i = 0; i < points; ++i) {
+  for (const int i : sweep_order(points)) {
+    if (seconds > 0 && f.solved >= 2 && elapsed() > seconds) break;
     const int64_t budget = points == 1 ? hi : lo + (hi - lo) * i / (points - 1);
+    ++f.solved;
     if (auto r = solve(budget)) {
       all.push_back({r->prediction.peak, r->prediction.recompute_seconds + r->prediction.attention_seconds, "budget"});
     }
@@ -457,11 +516,11 @@ std::vector<FrontierPoint> Planner::frontier(int points) const {
   std::sort(all.begin(), all.end(), [](const FrontierPoint& a, const FrontierPoint& b) {
     return a.peak != b.peak ? a.peak < b.peak : a.recompute_seconds < b.recompute_seconds;
   });
-  std::vector<FrontierPoint> out;
   for (const auto& p : all) {
-    if (out.empty() || p.recompute_seconds < out.back().recompute_seconds) out.push_back(p);
+    if (f.points.empty() || p.recompute_seconds < f.points.back().recompute_seconds) f.points.push_back(p);
   }
-  return out;
+  f.seconds = elapsed();
+  return f;
 }
 
 }  // namespace remat

@@ -14,6 +14,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <set>
 
 namespace remat {
 namespace {
@@ -230,6 +231,32 @@ TEST(Planner, PlansA128LayerModelWithinItsBudget) {
   EXPECT_LT(r->prediction.recompute_flops, planner.predict(compile_policy("full", 128)).recompute_flops);
   std::printf("128 layers, %zu frontier points per layer, planned in %.3f s\n", planner.layer_frontier().size(),
               seconds);
+}
+
+TEST(Planner, SweepsBudgetsCoarseToFineEachOnce) {
+  EXPECT_EQ(sweep_order(1), std::vector<int>{0});
+  EXPECT_EQ(sweep_order(2), (std::vector<int>{0, 1}));
+  EXPECT_EQ(sweep_order(5), (std::vector<int>{0, 4, 2, 1, 3}));
+  const std::vector<int> order = sweep_order(24);
+  ASSERT_EQ(order.size(), 24U);
+  EXPECT_EQ(std::vector<int>(order.begin(), order.begin() + 5), (std::vector<int>{0, 23, 11, 6, 18}));
+  EXPECT_EQ(std::set<int>(order.begin(), order.end()).size(), 24U);
+}
+
+TEST(Planner, AFrontierPastItsTimeSolvesOnlyItsEnds) {
+  const ModelConfig cfg = config("gpt2-demo", 4, 0.0);
+  cost::NodeTimes times;
+  times.flops_per_second = 1.0;
+  const Planner planner(cfg, shape_of(2, 64, at::kFloat), times);
+  const Frontier all = planner.frontier(12);
+  EXPECT_EQ(all.asked, 12);
+  EXPECT_EQ(all.solved, 12);
+  // A limit every solve passes: the two ends, the least-memory and the fastest plans.
+  const Frontier ends = planner.frontier(12, 1e-12);
+  EXPECT_EQ(ends.solved, 2);
+  ASSERT_FALSE(ends.points.empty());
+  EXPECT_EQ(ends.points.front().peak, all.points.front().peak);
+  EXPECT_EQ(ends.points.back().recompute_seconds, all.points.back().recompute_seconds);
 }
 
 // The fused loss head keeps the output weight's gradient ([V, C], float32) where the
