@@ -65,9 +65,15 @@ struct BenchRow {
   std::vector<int64_t> stage_layers;               ///< layers per pipeline stage (one: every layer)
   double predicted_step_seconds = 0;               ///< from the time profile (0 with ac.profile=false)
   int64_t budget_bytes = 0;                        ///< ac.budget of a budget entry, else 0
-  int64_t ops_recomputed = 0;                      ///< forward ops the store re-ran in the last step
-  int64_t bytes_recomputed = 0;                    ///< bytes it recomputed in the last step
-  double final_loss = 0;                           ///< training loss of the last step
+  /// CUDA: the caching allocator's reserved peak over the measured steps (this rank's),
+  /// and the allocated and reserved peaks its model predicts for the plan (the busiest
+  /// stage's); 0 on the CPU.
+  int64_t reserved_peak_bytes = 0;
+  int64_t predicted_cuda_allocated_bytes = 0;
+  int64_t predicted_cuda_reserved_bytes = 0;
+  int64_t ops_recomputed = 0;    ///< forward ops the store re-ran in the last step
+  int64_t bytes_recomputed = 0;  ///< bytes it recomputed in the last step
+  double final_loss = 0;         ///< training loss of the last step
 };
 
 struct BenchResult {

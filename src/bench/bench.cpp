@@ -108,6 +108,10 @@ BenchRow run_entry(const BenchEntry& entry, const PreparedEntry& p, const BenchO
   row.stage_layers = planned.split;
   row.predicted_step_seconds = planned.step_seconds;
   row.budget_bytes = planned.budget;
+  for (const cost::DeviceMemory& d : planned.device) {
+    row.predicted_cuda_allocated_bytes = std::max(row.predicted_cuda_allocated_bytes, d.allocated_peak);
+    row.predicted_cuda_reserved_bytes = std::max(row.predicted_cuda_reserved_bytes, d.reserved_peak);
+  }
   row.predicted_activation_bytes = model->predict_activation_bytes(p.spec.local.train.batch, cfg.train.seq).total();
   for (int64_t step = 0; step < o.warmup + o.steps; ++step) {
     const StepResult r = stepper.run(step, train_ds, rng);
@@ -117,6 +121,7 @@ BenchRow run_entry(const BenchEntry& entry, const PreparedEntry& p, const BenchO
     if (measured) {
       row.step_seconds.push_back(r.seconds);
       keep_highest(row.rank_peak_bytes, gathered.peaks);
+      row.reserved_peak_bytes = std::max(row.reserved_peak_bytes, r.reserved_peak_bytes);
     }
     row.activation_bytes = r.activations.total();
     row.ops_recomputed = r.counters.ops_recomputed;
@@ -157,13 +162,15 @@ std::string to_csv(const std::vector<BenchRow>& rows) {
   std::string out =
       "entry,policy,median_step_seconds,min_step_seconds,max_step_seconds,tokens_per_second,peak_bytes,"
       "activation_bytes,predicted_activation_bytes,ops_recomputed,bytes_recomputed,final_loss,"
-      "predicted_peak_bytes,predicted_step_seconds,budget_bytes,rank_peak_bytes\n";
+      "predicted_peak_bytes,predicted_step_seconds,budget_bytes,rank_peak_bytes,reserved_peak_bytes,"
+      "predicted_cuda_allocated_bytes,predicted_cuda_reserved_bytes\n";
   for (const auto& r : rows) {
-    out += fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}\n", csv_field(r.entry), csv_field(r.policy),
-                       r.median_step_seconds, r.min_step_seconds, r.max_step_seconds, r.tokens_per_second, r.peak_bytes,
-                       r.activation_bytes, r.predicted_activation_bytes, r.ops_recomputed, r.bytes_recomputed,
-                       r.final_loss, r.predicted_peak_bytes, r.predicted_step_seconds, r.budget_bytes,
-                       fmt::join(r.rank_peak_bytes, " "));
+    out += fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}\n", csv_field(r.entry),
+                       csv_field(r.policy), r.median_step_seconds, r.min_step_seconds, r.max_step_seconds,
+                       r.tokens_per_second, r.peak_bytes, r.activation_bytes, r.predicted_activation_bytes,
+                       r.ops_recomputed, r.bytes_recomputed, r.final_loss, r.predicted_peak_bytes,
+                       r.predicted_step_seconds, r.budget_bytes, fmt::join(r.rank_peak_bytes, " "),
+                       r.reserved_peak_bytes, r.predicted_cuda_allocated_bytes, r.predicted_cuda_reserved_bytes);
   }
   return out;
 }
@@ -186,6 +193,9 @@ nlohmann::json row_json(const BenchRow& r) {
           {"predicted_peak_bytes", r.predicted_peak_bytes},
           {"predicted_step_seconds", r.predicted_step_seconds},
           {"budget_bytes", r.budget_bytes},
+          {"reserved_peak_bytes", r.reserved_peak_bytes},
+          {"predicted_cuda_allocated_bytes", r.predicted_cuda_allocated_bytes},
+          {"predicted_cuda_reserved_bytes", r.predicted_cuda_reserved_bytes},
           {"rank_peak_bytes", r.rank_peak_bytes},
           {"predicted_rank_peak_bytes", r.predicted_rank_peak_bytes},
           {"stage_layers", r.stage_layers},
@@ -399,6 +409,14 @@ std::string format_bench_table(const BenchResult& result) {
     out += fmt::format("{:<{}}", row[0], width[0]);
     for (size_t c = 1; c < row.size(); ++c) out += fmt::format("  {:>{}}", row[c], width[c]);
     out += "\n";
+  }
+  // CUDA: the allocator's model beside what the allocator did.
+  for (const auto& r : result.rows) {
+    if (r.predicted_cuda_reserved_bytes == 0) continue;
+    out +=
+        fmt::format("{} on CUDA: allocated {} (model {}), reserved {} (model {})\n", r.entry,
+                    memory::format_bytes(r.peak_bytes), memory::format_bytes(r.predicted_cuda_allocated_bytes),
+                    memory::format_bytes(r.reserved_peak_bytes), memory::format_bytes(r.predicted_cuda_reserved_bytes));
   }
   // Several ranks: the peak above is the highest rank's; each rank's beside its prediction.
   for (const auto& r : result.rows) {

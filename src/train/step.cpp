@@ -329,6 +329,7 @@ StepResult TrainStep::run(int64_t step, const data::TokenDataset& data, std::mt1
   const auto mem = memory::stats(device);
   r.current_bytes = mem.current;
   r.peak_bytes = mem.peak;
+  r.reserved_peak_bytes = mem.reserved_peak;
 
   // After the peak is read: the check's temporaries are not the step's memory.
   if (const std::string w = first_non_finite_of_job(false, step, "after"); !w.empty()) {

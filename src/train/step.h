@@ -32,6 +32,7 @@ struct StepResult {
   double seconds = 0;                     ///< wall time, the device synchronized before and after
   int64_t current_bytes = 0;              ///< tensor bytes held after the step
   int64_t peak_bytes = 0;                 ///< highest tensor bytes held during the step
+  int64_t reserved_peak_bytes = 0;        ///< CUDA: the caching allocator's highest reserved bytes (0 on CPU)
   ActivationBytes activations;            ///< saved-activation bytes of the first microbatch, measured
   StoreCounters counters;                 ///< what the store re-ran during the step (zeros without a store)
   int64_t reduce_buckets = 0;             ///< data parallel: the gradient buckets all-reduced

@@ -93,5 +93,18 @@ TEST(Bench, TableGivesEveryRanksPeakBesideThePrediction) {
       << format_bench_table(two);
 }
 
+TEST(Bench, TableGivesTheCudaAllocatorsPeaksBesideItsModel) {
+  BenchResult run;
+  run.rows = {row("none", 100 << 20, 0.2), row("full", 50 << 20, 0.3)};
+  run.rows[1].reserved_peak_bytes = 62 << 20;
+  run.rows[1].predicted_cuda_allocated_bytes = 51 << 20;
+  run.rows[1].predicted_cuda_reserved_bytes = 60 << 20;
+  const std::string t = format_bench_table(run);
+  EXPECT_NE(t.find("\nfull on CUDA: allocated 50.00 MiB (model 51.00 MiB), reserved 62.00 MiB (model 60.00 MiB)\n"),
+            std::string::npos)
+      << t;
+  EXPECT_EQ(t.find("none on CUDA"), std::string::npos) << "a row without the model's figures (CPU) has no line: " << t;
+}
+
 }  // namespace
 }  // namespace remat

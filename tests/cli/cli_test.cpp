@@ -210,6 +210,9 @@ TEST_F(Cli, BenchSweepsPoliciesAndWritesCsvJsonAndTheTable) {
     EXPECT_EQ(row["final_loss"].get<double>(), rows[0]["final_loss"].get<double>()) << row["entry"];
     EXPECT_EQ(row["step_seconds"].size(), 2u);
     EXPECT_EQ(row["activation_bytes"], row["predicted_activation_bytes"]) << row["entry"];
+    // The CPU has no caching allocator.
+    EXPECT_EQ(row["reserved_peak_bytes"], 0) << row["entry"];
+    EXPECT_EQ(row["predicted_cuda_reserved_bytes"], 0) << row["entry"];
   }
   EXPECT_TRUE(json["losses_equal"].get<bool>());
   EXPECT_LT(rows[2]["peak_bytes"].get<int64_t>(), rows[0]["peak_bytes"].get<int64_t>());
