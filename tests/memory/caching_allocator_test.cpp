@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <filesystem>
+#include <fstream>
 #include <functional>
 #include <random>
 #include <sstream>
@@ -363,6 +365,41 @@ TEST(CachingAllocatorModel, BadTraceLinesFailNamingTheLineAndWhatWasExpected) {
       remat::memory::read_allocation_trace(in);
     });
     EXPECT_TRUE(contains(error, expected)) << "for " << text << "got: " << error;
+  }
+}
+
+// The traces recorded on GPUs (scripts/gpu-check.sh, `remat train --record-allocations`),
+// each replayed from an empty allocator under the setting its first line names: the
+// model must give the real allocator's bytes after every event.
+TEST(CachingAllocatorModel, ReplaysEveryTraceRecordedOnAGpuExactly) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::path(REMAT_SOURCE_DIR) / "tests" / "memory" / "traces";
+  std::vector<fs::path> traces;
+  if (fs::is_directory(dir)) {
+    for (const auto& e : fs::directory_iterator(dir)) {
+      if (e.path().extension() == ".txt") traces.push_back(e.path());
+    }
+  }
+  if (traces.empty()) GTEST_SKIP() << "no trace recorded on a GPU in " << dir << " yet";
+  for (const fs::path& path : traces) {
+    std::ifstream in(path);
+    std::string first;
+    std::getline(in, first);
+    in.seekg(0);
+    AllocatorRules rules;
+    rules.expandable_segments = contains(first, "expandable_segments on");
+    const auto entries = remat::memory::read_allocation_trace(in);
+    std::vector<AllocatorEvent> events;
+    for (const auto& e : entries) events.push_back(e.event);
+    const auto states = remat::memory::replay(events, rules);
+    size_t same = 0;
+    while (same < entries.size() && states[same] == entries[same].state) ++same;
+    EXPECT_EQ(same, entries.size()) << path.filename() << ": event " << same + 1 << " of " << entries.size()
+                                    << " is the first the model replays differently (recorded allocated "
+                                    << entries[std::min(same, entries.size() - 1)].state.allocated << ", reserved "
+                                    << entries[std::min(same, entries.size() - 1)].state.reserved << "; model "
+                                    << states[std::min(same, entries.size() - 1)].allocated << ", "
+                                    << states[std::min(same, entries.size() - 1)].reserved << ")";
   }
 }
 
