@@ -29,6 +29,10 @@ struct TrainSummary {
   std::vector<int64_t> rank_peak_bytes;    ///< the same, per data-parallel rank
   int64_t predicted_peak_bytes = 0;        ///< the cost model's step peak for the plan, before the first step
   int64_t budget_bytes = 0;                ///< ac.budget in bytes (0: no budget)
+  /// CUDA: the caching allocator's highest reserved bytes (this rank's), what a budget
+  /// holds there, and what its model predicted for the plan's busiest stage; 0 on CPU.
+  int64_t reserved_peak_bytes = 0;
+  int64_t predicted_reserved_bytes = 0;
   double predicted_step_seconds = 0;       ///< from the measured time profile (0: ac.profile=false)
   int64_t activation_bytes = 0;            ///< saved-activation bytes of one microbatch, measured
   int64_t predicted_activation_bytes = 0;  ///< the same, predicted from the plan before the first step

@@ -456,6 +456,8 @@ void report(const RunSpec& spec, const Ranks& ranks, const Machine& machine, con
       {"predicted_peak_bytes", sum.predicted_peak_bytes},
       {"predicted_recompute_flops_per_step", planned.predicted.recompute_flops},
       {"budget_bytes", sum.budget_bytes},
+      {"reserved_peak_bytes", sum.reserved_peak_bytes},
+      {"predicted_reserved_bytes", sum.predicted_reserved_bytes},
       {"predicted_step_seconds", sum.predicted_step_seconds},
       {"predicted_none_peak_bytes", planned.none_peak},
       {"predicted_none_step_seconds", planned.none_step_seconds},
@@ -486,10 +488,16 @@ void report(const RunSpec& spec, const Ranks& ranks, const Machine& machine, con
   if (ranks.world > 1) {
     fmt::print(stderr, "memory peak per rank: {}\n", format_rank_peaks(sum.rank_peak_bytes, rank_predicted));
   }
+  if (sum.predicted_reserved_bytes > 0) {
+    fmt::print(stderr, "CUDA caching allocator: reserved peak {} (its model predicted {})\n",
+               memory::format_bytes(sum.reserved_peak_bytes), memory::format_bytes(sum.predicted_reserved_bytes));
+  }
   if (sum.budget_bytes > 0) {
-    fmt::print(stderr, "budget {}: measured peak {} it; without recompute the step would peak at {} (predicted){}\n",
-               memory::format_bytes(sum.budget_bytes),
-               sum.peak_bytes <= sum.budget_bytes ? "stayed within" : "EXCEEDED",
+    // On CUDA the budget holds the reserved bytes.
+    const int64_t held = sum.predicted_reserved_bytes > 0 ? sum.reserved_peak_bytes : sum.peak_bytes;
+    fmt::print(stderr, "budget {}: measured {} {} it; without recompute the step would peak at {} (predicted){}\n",
+               memory::format_bytes(sum.budget_bytes), sum.predicted_reserved_bytes > 0 ? "reserved peak" : "peak",
+               held <= sum.budget_bytes ? "stayed within" : "EXCEEDED",
                memory::format_bytes(planned.none_peak),
                planned.none_step_seconds > 0
                    ? fmt::format(" and take {:.1f} ms (predicted; this plan: {:.1f} ms measured, {:.1f} ms predicted)",
@@ -611,6 +619,9 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   sum.matmul_flops_per_second = machine.matmul_rate * ranks.world;
   sum.predicted_peak_bytes = planned.peak();
   sum.budget_bytes = planned.budget;
+  for (const cost::DeviceMemory& d : planned.device) {
+    sum.predicted_reserved_bytes = std::max(sum.predicted_reserved_bytes, d.reserved_peak);
+  }
   sum.predicted_step_seconds = planned.step_seconds;
   print_header(spec, sum, fmt::format("{} on {} ({} threads)", cfg.run.dtype, device.str(), threads), tok, run.get());
   const auto log_metrics = [&](const nlohmann::json& record) {
@@ -651,6 +662,7 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
     sum.losses.push_back(r.loss);
     sum.tokens += tokens_per_step;
     sum.peak_bytes = std::max(sum.peak_bytes, peak);
+    sum.reserved_peak_bytes = std::max(sum.reserved_peak_bytes, r.reserved_peak_bytes);
     keep_highest(sum.rank_peak_bytes, gathered.peaks);
     sum.activation_bytes = r.activations.total();
     if (step == 0) {
