@@ -23,12 +23,12 @@ struct TrainSummary {
   double unigram_entropy = 0;  ///< of the training tokens, nats/token
   double median_step_seconds = 0;
   double tokens_per_second = 0;
-  double model_flops_per_second = 0;       ///< 3 x forward FLOPs per token x tokens/s
-  double matmul_flops_per_second = 0;      ///< measured on this machine, same dtype; summed over the ranks
-  int64_t peak_bytes = 0;                  ///< highest per-step peak of tensor bytes (of any rank)
-  std::vector<int64_t> rank_peak_bytes;    ///< the same, per data-parallel rank
-  int64_t predicted_peak_bytes = 0;        ///< the cost model's step peak for the plan, before the first step
-  int64_t budget_bytes = 0;                ///< ac.budget in bytes (0: no budget)
+  double model_flops_per_second = 0;     ///< 3 x forward FLOPs per token x tokens/s
+  double matmul_flops_per_second = 0;    ///< measured on this machine, same dtype; summed over the ranks
+  int64_t peak_bytes = 0;                ///< highest per-step peak of tensor bytes (of any rank)
+  std::vector<int64_t> rank_peak_bytes;  ///< the same, per data-parallel rank
+  int64_t predicted_peak_bytes = 0;      ///< the cost model's step peak for the plan, before the first step
+  int64_t budget_bytes = 0;              ///< ac.budget in bytes (0: no budget)
   /// CUDA: the caching allocator's highest reserved bytes (this rank's), what a budget
   /// holds there, and what its model predicted for the plan's busiest stage; 0 on CPU.
   int64_t reserved_peak_bytes = 0;

@@ -229,8 +229,9 @@ RunPlan plan_run(const Config& cfg, at::ScalarType dtype, const TimeProfile& pro
   const PipelinePlan none = cfg.parallel.pp > 1 ? planner.predict_pipeline(compile_policy("none", L), fixed)
                                                 : one_stage(none_plan, planner.predict(none_plan));
   r.none_peak = none.peak();
-  if (!cfg.ac.budget.empty())
+  if (!cfg.ac.budget.empty()) {
     r.budget = parse_budget(cfg.ac.budget, budget_reference > 0 ? budget_reference : r.none_peak);
+  }
   if (saved != nullptr) {
     pipe.split = saved->split;
     take(cfg.parallel.pp > 1 ? planner.predict_pipeline(saved->plan, pipe)
@@ -242,18 +243,19 @@ RunPlan plan_run(const Config& cfg, at::ScalarType dtype, const TimeProfile& pro
     // On CUDA the budget holds the caching allocator's reserved bytes, which move in
     // segments, not with the cost model's bytes: the cost model's budget goes down, by the
     // excess or a step of the range to the least feasible, until a plan reserves few enough.
-    const int64_t least = cfg.parallel.pp > 1 ? planner.min_pipeline_budget(pipe) : planner.min_feasible_budget();
-    const int64_t step = std::max<int64_t>(1, (r.budget - least) / kReservedSteps);
+    std::optional<int64_t> least;
     for (int64_t bytes = r.budget;;) {
       auto solved = solve(bytes);
       if (!solved && bytes == r.budget) throw too_small(r.budget);
-      if (!solved) throw BudgetTooSmall(reserved_infeasible(cfg, r.budget, r.device), least);
+      if (!solved) throw BudgetTooSmall(reserved_infeasible(cfg, r.budget, r.device), *least);
       take(std::move(*solved));
       int64_t over = 0;
       for (const cost::DeviceMemory& m : r.device) over = std::max(over, m.reserved_peak - r.budget);
       if (over <= 0) break;
-      if (bytes == least) throw BudgetTooSmall(reserved_infeasible(cfg, r.budget, r.device), least);
-      bytes = std::max(least, bytes - std::max(over, step));
+      if (!least) least = cfg.parallel.pp > 1 ? planner.min_pipeline_budget(pipe) : planner.min_feasible_budget();
+      if (bytes == *least) throw BudgetTooSmall(reserved_infeasible(cfg, r.budget, r.device), *least);
+      const int64_t step = std::max<int64_t>(1, (r.budget - *least) / kReservedSteps);
+      bytes = std::max(*least, bytes - std::max(over, step));
     }
   }
   if (cfg.parallel.pp > 1) {

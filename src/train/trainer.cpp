@@ -497,8 +497,7 @@ void report(const RunSpec& spec, const Ranks& ranks, const Machine& machine, con
     const int64_t held = sum.predicted_reserved_bytes > 0 ? sum.reserved_peak_bytes : sum.peak_bytes;
     fmt::print(stderr, "budget {}: measured {} {} it; without recompute the step would peak at {} (predicted){}\n",
                memory::format_bytes(sum.budget_bytes), sum.predicted_reserved_bytes > 0 ? "reserved peak" : "peak",
-               held <= sum.budget_bytes ? "stayed within" : "EXCEEDED",
-               memory::format_bytes(planned.none_peak),
+               held <= sum.budget_bytes ? "stayed within" : "EXCEEDED", memory::format_bytes(planned.none_peak),
                planned.none_step_seconds > 0
                    ? fmt::format(" and take {:.1f} ms (predicted; this plan: {:.1f} ms measured, {:.1f} ms predicted)",
                                  1e3 * planned.none_step_seconds, 1e3 * sum.median_step_seconds,
