@@ -496,6 +496,29 @@ const char* attention_name(Attention a) {
   }
   return "?";
 }
+
+std::string attention_refusal(Attention a, double dropout, bool cuda) {
+  if (a != Attention::sdpa) return "";
+  if (!kSdpaBuilt) {
+    return fmt::format(
+        "model.attention = sdpa needs LibTorch 2.9 or later (ATen's fused attention, with grouped-query heads); this "
+        "build has LibTorch {}.{}; use model.attention = math or tiled.",
+        TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR);
+  }
+  if (cuda) {
+    return "model.attention = sdpa runs ATen's fused CPU kernel, and run.device is CUDA; use model.attention = math "
+           "or tiled there.";
+  }
+  if (dropout > 0) {
+    return fmt::format(
+        "model.attention = sdpa cannot drop attention probabilities: ATen's fused attention draws its dropout mask "
+        "inside the kernel (from the global generator, and not at all on the CPU), so a recompute could not draw "
+        "the forward's mask again, and model.dropout = {} applies to them; set model.dropout = 0, or use "
+        "model.attention = math or tiled (their masks are keyed, so a recompute is exact).",
+        dropout);
+  }
+  return "";
+}
 const char* loss_head_name(LossHead h) {
   return h == LossHead::fused ? "fused" : h == LossHead::recompute ? "recompute" : "auto";
 }

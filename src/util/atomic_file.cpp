@@ -1,7 +1,6 @@
 #include "util/atomic_file.h"
 
 #include <fcntl.h>
-#include <fmt/format.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -183,18 +182,17 @@ void check_new_file(const std::string& path, const std::string& what, const std:
   if (!p.has_filename()) {
     why = "it names no file";
   } else if (!fs::is_directory(dir, ec)) {
-    why = fmt::format("the directory {} does not exist", dir.string());
+    why = "the directory " + dir.string() + " does not exist";
   } else if (fs::is_directory(p, ec)) {
     why = "it is a directory";
   } else if (::access(dir.c_str(), W_OK) != 0) {
-    why = fmt::format("the directory {} is not writable ({})", dir.string(), std::strerror(errno));
+    why = "the directory " + dir.string() + " is not writable (" + std::strerror(errno) + ")";
   } else if (fs::exists(p, ec)) {
-    why = fmt::format("a file is there already, and {} never replaces one", what);
+    why = "a file is there already, and " + what + " never replaces one";
   } else {
     return;
   }
-  throw std::invalid_argument(
-      fmt::format("Cannot write {} to '{}' ({}): {}; give a new file path in an existing, writable directory.", what,
-                  path, setting, why));
+  throw std::invalid_argument("Cannot write " + what + " to '" + path + "' (" + setting + "): " + why +
+                              "; give a new file path in an existing, writable directory.");
 }
 }  // namespace remat::util
