@@ -108,10 +108,8 @@ BenchRow run_entry(const BenchEntry& entry, const PreparedEntry& p, const BenchO
   row.stage_layers = planned.split;
   row.predicted_step_seconds = planned.step_seconds;
   row.budget_bytes = planned.budget;
-  for (const cost::DeviceMemory& d : planned.device) {
-    row.predicted_cuda_allocated_bytes = std::max(row.predicted_cuda_allocated_bytes, d.allocated_peak);
-    row.predicted_cuda_reserved_bytes = std::max(row.predicted_cuda_reserved_bytes, d.reserved_peak);
-  }
+  row.predicted_cuda_allocated_bytes = planned.device_peak().allocated_peak;
+  row.predicted_cuda_reserved_bytes = planned.device_peak().reserved_peak;
   row.predicted_activation_bytes = model->predict_activation_bytes(p.spec.local.train.batch, cfg.train.seq).total();
   for (int64_t step = 0; step < o.warmup + o.steps; ++step) {
     const StepResult r = stepper.run(step, train_ds, rng);

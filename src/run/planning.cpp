@@ -59,10 +59,8 @@ memory::AllocatorRules allocator_rules(const RunConfig& run) {
 }
 
 // The sentence for a budget whose plans fit as the cost model counts bytes but not once
-// the caching allocator's rounding and segments are counted; `last`: the last plan's.
-std::string reserved_infeasible(const Config& cfg, int64_t budget, const std::vector<cost::DeviceMemory>& last) {
-  int64_t reserved = 0;
-  for (const cost::DeviceMemory& m : last) reserved = std::max(reserved, m.reserved_peak);
+// the caching allocator's rounding and segments are counted; `reserved`: the last plan's.
+std::string reserved_infeasible(const Config& cfg, int64_t budget, int64_t reserved) {
   return fmt::format(
       "The memory budget {} (\"{}\") fits no plan of {} once the CUDA caching allocator's segments are counted: the "
       "closest plan found reserves {}; give at least that, lower train.batch or train.seq, or set "
@@ -87,6 +85,15 @@ std::vector<cost::DeviceMemory> device_memory(const Config& cfg, const Planner& 
 }
 
 }  // namespace
+
+cost::DeviceMemory RunPlan::device_peak() const {
+  cost::DeviceMemory most;
+  for (const cost::DeviceMemory& d : device) {
+    most.allocated_peak = std::max(most.allocated_peak, d.allocated_peak);
+    most.reserved_peak = std::max(most.reserved_peak, d.reserved_peak);
+  }
+  return most;
+}
 
 std::string saved_plan_json(const RunPlan& r) {
   nlohmann::json layers = nlohmann::json::array();
@@ -247,13 +254,14 @@ RunPlan plan_run(const Config& cfg, at::ScalarType dtype, const TimeProfile& pro
     for (int64_t bytes = r.budget;;) {
       auto solved = solve(bytes);
       if (!solved && bytes == r.budget) throw too_small(r.budget);
-      if (!solved) throw BudgetTooSmall(reserved_infeasible(cfg, r.budget, r.device), *least);
+      if (!solved) throw BudgetTooSmall(reserved_infeasible(cfg, r.budget, r.device_peak().reserved_peak), *least);
       take(std::move(*solved));
-      int64_t over = 0;
-      for (const cost::DeviceMemory& m : r.device) over = std::max(over, m.reserved_peak - r.budget);
+      const int64_t over = r.device_peak().reserved_peak - r.budget;
       if (over <= 0) break;
       if (!least) least = cfg.parallel.pp > 1 ? planner.min_pipeline_budget(pipe) : planner.min_feasible_budget();
-      if (bytes == *least) throw BudgetTooSmall(reserved_infeasible(cfg, r.budget, r.device), *least);
+      if (bytes == *least) {
+        throw BudgetTooSmall(reserved_infeasible(cfg, r.budget, r.device_peak().reserved_peak), *least);
+      }
       const int64_t step = std::max<int64_t>(1, (r.budget - *least) / kReservedSteps);
       bytes = std::max(*least, bytes - std::max(over, step));
     }

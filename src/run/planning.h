@@ -66,6 +66,8 @@ struct RunPlan {
   /// model's allocations replayed by its model); what a budget holds there is the reserved
   /// bytes. Empty on the CPU.
   std::vector<cost::DeviceMemory> device;
+  /// The highest allocated and reserved peaks of `device` over the stages (zeros on the CPU).
+  cost::DeviceMemory device_peak() const;
   /// What the `auto` settings resolved to (loss head first), none where the config named
   /// them.
   std::vector<Choice> choices;

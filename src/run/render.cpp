@@ -235,14 +235,14 @@ std::string plan_text(const Config& cfg, const RunPlan& r) {
                                    [](const LayerPlan& lp) { return lp.attention.has_value(); });
     const std::string every =
         mixed ? fmt::format(" ({} attention in every layer)", attention_name(cfg.model.attention)) : "";
-    int64_t reserved = 0;
-    for (const cost::DeviceMemory& d : r.device) reserved = std::max(reserved, d.reserved_peak);
-    text += line(
-        fmt::format("budget {}{}: the plan peaks at {}{}; without recompute{} the step would peak at {}{}",
-                    format_bytes(r.budget), r.pipeline ? " per rank" : "", format_bytes(r.peak()),
-                    r.device.empty() ? "" : fmt::format(" and the CUDA allocator reserves {}", format_bytes(reserved)),
-                    every, format_bytes(r.none_peak),
-                    r.none_step_seconds > 0 ? fmt::format(" and take {:.1f} ms", 1e3 * r.none_step_seconds) : ""));
+    text +=
+        line(fmt::format("budget {}{}: the plan peaks at {}{}; without recompute{} the step would peak at {}{}",
+                         format_bytes(r.budget), r.pipeline ? " per rank" : "", format_bytes(r.peak()),
+                         r.device.empty() ? ""
+                                          : fmt::format(" and the CUDA allocator reserves {}",
+                                                        format_bytes(r.device_peak().reserved_peak)),
+                         every, format_bytes(r.none_peak),
+                         r.none_step_seconds > 0 ? fmt::format(" and take {:.1f} ms", 1e3 * r.none_step_seconds) : ""));
   }
   return text;
 }

@@ -618,9 +618,7 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   sum.matmul_flops_per_second = machine.matmul_rate * ranks.world;
   sum.predicted_peak_bytes = planned.peak();
   sum.budget_bytes = planned.budget;
-  for (const cost::DeviceMemory& d : planned.device) {
-    sum.predicted_reserved_bytes = std::max(sum.predicted_reserved_bytes, d.reserved_peak);
-  }
+  sum.predicted_reserved_bytes = planned.device_peak().reserved_peak;
   sum.predicted_step_seconds = planned.step_seconds;
   print_header(spec, sum, fmt::format("{} on {} ({} threads)", cfg.run.dtype, device.str(), threads), tok, run.get());
   const auto log_metrics = [&](const nlohmann::json& record) {

@@ -7,7 +7,6 @@
 
 #include <gtest/gtest.h>
 
-#include <algorithm>
 #include <stdexcept>
 #include <string>
 
@@ -26,9 +25,7 @@ Config demo(const std::string& device, const std::string& budget, int64_t pp, bo
 int64_t reserved_under(const std::string& policy, int64_t pp, bool expandable) {
   Config c = demo("cuda", "", pp, expandable);
   c.ac.policy.emplace(policy);
-  int64_t most = 0;
-  for (const auto& d : plan_run(c, at::kFloat, {}, 0).device) most = std::max(most, d.reserved_peak);
-  return most;
+  return plan_run(c, at::kFloat, {}, 0).device_peak().reserved_peak;
 }
 
 TEST(CudaBudget, EveryStagesReservedPeakHoldsTheBudget) {
