@@ -247,6 +247,7 @@ BenchResult run_bench(const BenchOptions& o) {
   in.stage = common.parallel.pp > 1 ? ranks->pipeline().rank() : 0;
   in.corpus = corpus;
   in.corpus_dir = corpus_dir(common.data);
+  in.memory_available = rank_memory(device, ranks.get());
   // One time profile per attention op and loss head for the sweep (every entry has the same
   // shapes), measured on a scratch model of the sweep's settings or read from the cache.
   // (Pipeline stages measure it on a probe of two layers, as `remat train` does.)

@@ -115,6 +115,19 @@ void check_plot_directory(const std::string& plot) {
 }  // namespace
 
 std::string error_text(const std::string& message) {
+  // The CUDA caching allocator's refusal: its first sentence names the request and the GPU.
+  if (const size_t oom = message.find("CUDA out of memory."); oom != std::string::npos) {
+    const size_t tried = message.find("Tried to allocate", oom);
+    // "Tried to allocate 2.00 GiB. GPU 0 ..." or "... 20.00 MiB (GPU 0; ...": up to its end.
+    const size_t end =
+        tried == std::string::npos ? tried : std::min(message.find(". ", tried), message.find(" (", tried));
+    return fmt::format(
+        "The GPU ran out of memory{}: it had less free than the run's plan predicted, through other processes on it "
+        "(see nvidia-smi) or the allocator's fragmentation. Give ac.budget a value below the GPU's free memory (remat "
+        "plans the caching allocator's reserved bytes under it), set run.expandable_segments=true, or lower "
+        "train.batch or train.seq.",
+        tried == std::string::npos ? "" : " (" + util::clip(message.substr(tried, end - tried), 200) + ")");
+  }
   const std::string marker = "you tried to allocate ";
   const size_t at = message.find(marker);
   const size_t digits = at == std::string::npos ? 0 : at + marker.size();

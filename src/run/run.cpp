@@ -1,8 +1,71 @@
 #include "run/run.h"
 
+#include "remat/memory.h"
 #include "train/data_parallel.h"
 
+#include <fmt/format.h>
+
 namespace remat {
+
+namespace {
+
+// What a rank's tensors may take of the memory it has free: on the CPU, the heap holds
+// more than the tensors' bytes (fragmentation, the process's own), which the cost model
+// does not count; an eighth of the tensors' peak and 256 MiB are left to it.
+struct Room {
+  int64_t bytes = -1;  ///< -1: unchecked
+  std::string what;    ///< as the sentences below name it
+};
+
+Room room_of(const RunSpec& spec, int64_t available) {
+  if (available < 0) return {};
+  if (spec.cfg.run.device != "cpu") {
+    return {available, fmt::format("the {} free on {}", memory::format_bytes(available), spec.cfg.run.device)};
+  }
+  const int64_t bytes = std::max<int64_t>(0, available - (int64_t{256} << 20)) / 9 * 8;
+  return {bytes, fmt::format("the {} this rank's tensors can take on this machine (its share of MemAvailable, {}, "
+                             "less an eighth and 256 MiB for the heap)",
+                             memory::format_bytes(bytes), memory::format_bytes(available))};
+}
+
+// Throws where the parameters, gradients and AdamW moments alone exceed the room: no
+// plan fits, and a time profile would allocate the model first. (Pipeline stages profile
+// a probe of two layers and are split by the plan: its peak is checked after.)
+void check_statics_fit(const RunSpec& spec, const Room& room) {
+  if (room.bytes < 0 || spec.layout.pp > 1) return;
+  // Before the autos are resolved: the parameters are the same whichever op and head run.
+  ModelConfig model = spec.local.model;
+  model.attention = Attention::math;
+  model.loss_head = LossHead::fused;
+  const cost::StaticBytes statics = cost::static_bytes(model, spec.shape);
+  if (statics.total() <= room.bytes) return;
+  throw std::invalid_argument(fmt::format(
+      "{} ({} layers, d_model {}, d_ff {}) needs {} per rank for its parameters, gradients and AdamW moments alone, "
+      "more than {}: no recompute plan fits; lower model.n_layer, model.d_model or model.d_ff, or share the model "
+      "over more ranks (parallel.tp, parallel.pp, parallel.zero=1).",
+      spec.cfg.model.preset, spec.cfg.model.n_layer, spec.cfg.model.d_model, spec.cfg.model.d_ff,
+      memory::format_bytes(statics.total()), room.what));
+}
+
+// Throws where the plan's predicted peak (on CUDA: the allocator's reserved bytes)
+// exceeds the room.
+void check_plan_fits(const RunSpec& spec, const Room& room) {
+  const bool cuda = spec.cfg.run.device != "cpu";
+  const int64_t peak = cuda ? spec.plan.device_peak().reserved_peak : spec.plan.peak();
+  if (room.bytes < 0 || peak <= room.bytes) return;
+  const std::string fits = fmt::format("ac.budget={}MiB", room.bytes >> 20);
+  throw std::invalid_argument(fmt::format(
+      "The plan {} peaks at {} per rank (predicted{}), more than {}; {} for the fastest plan that fits, or lower "
+      "train.batch or train.seq.",
+      spec.plan.plan.policy, memory::format_bytes(peak), cuda ? ", the caching allocator's reserved bytes" : "",
+      room.what,
+      spec.cfg.ac.budget.empty()
+          ? fmt::format("give a memory budget of at most that, {}{},", fits,
+                        spec.cfg.ac.policy ? " in place of ac.policy" : "")
+          : fmt::format("ac.budget={} is more than that: give at most {}", spec.cfg.ac.budget, fits)));
+}
+
+}  // namespace
 
 Config resolve_config(const Config& cfg, const std::optional<data::CorpusInfo>& corpus) {
   Config out = cfg;
@@ -26,8 +89,11 @@ RunSpec resolve_run(const Config& cfg, const RunInputs& in) {
   const ParallelConfig& p = spec.local.parallel;
   spec.layout = {p.dp, p.tp, p.sp, p.pp, in.stage, p.zero};
   spec.dtype = in.dtype;
-  spec.plan = plan_run_auto(spec.cfg, spec.local, in.dtype, in.profile_of, spec.resident, in.stage, in.saved);
   spec.shape = step_shape(spec.local, in.dtype, spec.resident);
+  const Room room = room_of(spec, in.memory_available);
+  check_statics_fit(spec, room);
+  spec.plan = plan_run_auto(spec.cfg, spec.local, in.dtype, in.profile_of, spec.resident, in.stage, in.saved);
+  check_plan_fits(spec, room);
   return spec;
 }
 

@@ -36,6 +36,10 @@ struct RunInputs {
   std::string corpus_dir;            ///< where the corpus is or would be prepared (corpus_dir(data))
   ProfileOf profile_of;              ///< the time profile of a rank share with every auto named
   const SavedPlan* saved = nullptr;  ///< a resumed run's plan, run again as it is
+  /// Bytes this rank may still allocate on its device (its share of what the machine has
+  /// free), which the run's statics and its plan's peak must fit (on the CPU with room left
+  /// for the heap's own bytes); -1: unchecked (remat plan prices runs for other machines).
+  int64_t memory_available = -1;
 };
 
 /// A run, resolved: what every command that runs or prices it works from.
@@ -57,7 +61,9 @@ Config resolve_config(const Config& cfg, const std::optional<data::CorpusInfo>& 
 
 /// Resolves `cfg` (as loaded: vocabulary perhaps 0, autos unresolved) against `in`:
 /// vocabulary, validation, the rank share, the plan with both autos resolved. Throws
-/// std::invalid_argument sentences (BudgetTooSmall where no plan fits ac.budget).
+/// std::invalid_argument sentences (BudgetTooSmall where no plan fits ac.budget), also
+/// where the run would not fit `in.memory_available`: its parameters, gradients and
+/// moments checked before any time profile allocates a model, its plan's peak after.
 RunSpec resolve_run(const Config& cfg, const RunInputs& in);
 
 /// The run as text: three lines on the run, the choices `auto` made, the plan (layers

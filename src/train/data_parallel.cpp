@@ -2,6 +2,7 @@
 
 #include "remat/memory.h"
 #include "remat/pipeline.h"
+#include "train/device.h"
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -126,6 +127,16 @@ int64_t rank_threads(const Config& cfg) {
   if (cfg.run.threads > 0 || !env || env->local_world_size <= 1) return cfg.run.threads;
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   return std::max(1, cores / env->local_world_size);
+}
+
+int64_t rank_memory(at::Device device, dist::Comm* ranks) {
+  int64_t available = memory_available(device);
+  const std::optional<dist::LaunchEnv> env = dist::launch_env();
+  if (available >= 0 && !device.is_cuda() && env) available /= std::max<int64_t>(1, env->local_world_size);
+  if (ranks == nullptr || ranks->size() == 1) return available;
+  const auto all = ranks->all_gather(std::vector<int64_t>{available}, "sharing the memory each rank has free");
+  for (const auto& r : all) available = r[0] < 0 ? -1 : std::min(available, r[0]);
+  return available;
 }
 
 void rank0_first(dist::Comm* comm, const std::string& what, const std::function<void()>& work) {

@@ -66,6 +66,12 @@ std::string format_rank_peaks(const std::vector<int64_t>& peaks, const std::vect
 /// evenly by the ranks the launcher started on it (at least one).
 int64_t rank_threads(const Config& cfg);
 
+/// The memory a rank may still allocate on `device` (memory_available): a GPU's free
+/// bytes, or the host's shared evenly by the ranks the launcher started on it; the least
+/// over `ranks` (null: this process alone), so that every rank judges a plan alike; -1
+/// where any rank cannot tell.
+int64_t rank_memory(at::Device device, dist::Comm* ranks);
+
 /// Rank 0 runs `work` first while the others wait for it (with no timeout, as long as its
 /// heartbeat goes on: preparing a corpus may take minutes), then the others run it: for
 /// work that fills a cache on disk they share (the prepared corpus, the time profile). A

@@ -6,8 +6,16 @@
 #include <ATen/Context.h>
 #include <fmt/format.h>
 
+#ifdef REMAT_WITH_CUDA
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_runtime_api.h>
+#endif
+
 #include <algorithm>
 #include <chrono>
+#include <fstream>
+#include <limits>
 #include <stdexcept>
 #include <thread>
 
@@ -90,6 +98,47 @@ std::string blas_name() {
     return config + " (single-threaded)";
   }();
   return name;
+}
+
+namespace {
+
+// The number after `key` in a /proc-style "key value" file, times `unit`; -1 if absent.
+int64_t read_field(const char* path, const std::string& key, int64_t unit) {
+  std::ifstream in(path);
+  std::string k;
+  int64_t v = 0;
+  while (in >> k) {
+    if (k == key && in >> v) return v * unit;
+    in.ignore(std::numeric_limits<std::streamsize>::max(), '\n');
+  }
+  return -1;
+}
+
+// cgroup v2's limit minus its usage; -1 without a limit ("max") or a cgroup file.
+int64_t cgroup_available() {
+  std::ifstream max_file("/sys/fs/cgroup/memory.max"), current_file("/sys/fs/cgroup/memory.current");
+  int64_t limit = 0, used = 0;
+  if (!(max_file >> limit) || !(current_file >> used)) return -1;
+  return std::max<int64_t>(0, limit - used);
+}
+
+}  // namespace
+
+int64_t memory_available(at::Device device) {
+  if (device.is_cuda()) {
+#ifdef REMAT_WITH_CUDA
+    const c10::cuda::CUDAGuard guard(device);
+    size_t free = 0, total = 0;
+    C10_CUDA_CHECK(cudaMemGetInfo(&free, &total));
+    return static_cast<int64_t>(free);
+#else
+    return -1;
+#endif
+  }
+  const int64_t meminfo = read_field("/proc/meminfo", "MemAvailable:", 1024);
+  const int64_t cgroup = cgroup_available();
+  if (meminfo < 0 || cgroup < 0) return std::max(meminfo, cgroup);
+  return std::min(meminfo, cgroup);
 }
 
 void synchronize(at::Device device) {

@@ -28,6 +28,11 @@ std::string blas_name();
 /// GEMMs (rows x k x n); takes about half a second.
 double measure_matmul_flops(at::Device device, at::ScalarType dtype, int64_t rows, int64_t k, int64_t n);
 
+/// Bytes this process could still allocate on `device`: the GPU's free memory (CUDA); on
+/// the CPU the kernel's MemAvailable, or less where the process's cgroup allows less. -1
+/// where neither can be read.
+int64_t memory_available(at::Device device);
+
 /// Waits for the device's queued work (CUDA); no-op on CPU.
 void synchronize(at::Device device);
 

@@ -581,7 +581,13 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
       device, threads,
       measure_matmul_flops(device, dtype, rank_share(cfg).train.batch * t.seq, cfg.model.d_model, cfg.model.d_ff)};
   std::unique_ptr<Model> model;
-  RunInputs in{dtype, ranks.stage, corpus, corpus_dir(cfg.data), {}, resumed.plan ? &*resumed.plan : nullptr};
+  RunInputs in{dtype,
+               ranks.stage,
+               corpus,
+               corpus_dir(cfg.data),
+               {},
+               resumed.plan ? &*resumed.plan : nullptr,
+               rank_memory(device, ranks.comm.get())};
   in.profile_of = [&](const Config& op) {
     return run_time_profile(
         op, device, dtype, train_ds, ranks.comm.get(), machine.matmul_rate, [&] { return create(op.model, {}); },

@@ -22,6 +22,24 @@ TEST(ErrorText, TheAllocatorsRefusalBecomesASentence) {
   EXPECT_EQ(text.find("enforce fail"), std::string::npos) << text;
 }
 
+TEST(ErrorText, TheCudaAllocatorsRefusalBecomesASentence) {
+  // LibTorch 2.x's wording, then 1.13's.
+  const std::string current =
+      "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.11 GiB of which 1.23 GiB is "
+      "free. Of the allocated memory 75.10 GiB is allocated by PyTorch, and 1.50 GiB is reserved by PyTorch but "
+      "unallocated.";
+  const std::string old =
+      "CUDA out of memory. Tried to allocate 20.00 MiB (GPU 0; 79.15 GiB total capacity; 77.01 GiB already "
+      "allocated; 9.69 MiB free; 78.20 GiB reserved in total by PyTorch)";
+  for (const auto& [message, request] :
+       {std::pair{current, "Tried to allocate 2.00 GiB"}, std::pair{old, "Tried to allocate 20.00 MiB"}}) {
+    const std::string text = error_text(message);
+    EXPECT_EQ(text.rfind(std::string("The GPU ran out of memory (") + request + "): ", 0), 0u) << text;
+    EXPECT_NE(text.find("ac.budget"), std::string::npos) << text;
+    EXPECT_NE(text.find("run.expandable_segments=true"), std::string::npos) << text;
+  }
+}
+
 TEST(ErrorText, ALongMessageKeepsItsStartAndEnd) {
   const std::string shortish = "model.d_ff must be at most 524288, got 1048576.";
   EXPECT_EQ(error_text(shortish), shortish);

@@ -1,0 +1,101 @@
+// A run that cannot fit the memory its machine has free is refused before it allocates:
+// its parameters, gradients and moments before any time profile builds a model, its plan's
+// peak after planning, with the budget that would fit named.
+#include "run/run.h"
+
+#include <gtest/gtest.h>
+
+#include <stdexcept>
+#include <string>
+
+namespace remat {
+namespace {
+
+struct Resolved {
+  std::string error;  ///< empty: resolved
+  int64_t peak = 0;
+  int profiles = 0;  ///< time profiles asked for (each would build a model)
+};
+
+Resolved resolve(const std::vector<std::string>& overrides, int64_t available) {
+  Resolved r;
+  RunInputs in;
+  in.memory_available = available;
+  in.profile_of = [&](const Config&) {
+    ++r.profiles;
+    TimeProfile p;
+    p.times.flops_per_second = 1.0;
+    return p;
+  };
+  try {
+    r.peak = resolve_run(load_config("", overrides), in).plan.peak();
+  } catch (const std::invalid_argument& e) {
+    r.error = e.what();
+  }
+  return r;
+}
+
+int64_t statics(const std::vector<std::string>& overrides) {
+  RunInputs in;
+  in.profile_of = [](const Config&) { return TimeProfile{}; };
+  const RunSpec spec = resolve_run(load_config("", overrides), in);
+  return cost::static_bytes(spec.local.model, spec.shape).total();
+}
+
+// The memory free that leaves a CPU rank's tensors `room` bytes: an eighth of them and
+// 256 MiB go to the heap.
+int64_t free_for(int64_t room) { return (int64_t{256} << 20) + room / 8 * 9; }
+
+const std::vector<std::string> kNone = {"model.preset=gpt2-demo", "ac.policy=none", "ac.profile=false"};
+const std::vector<std::string> kAutos = {"model.preset=gpt2-demo", "model.attention=auto", "model.loss_head=auto",
+                                         "ac.profile=false"};
+
+TEST(MachineFit, UncheckedOrAmpleMemoryResolvesAsBefore) {
+  const Resolved unchecked = resolve(kNone, -1);
+  ASSERT_EQ(unchecked.error, "");
+  const Resolved ample = resolve(kNone, free_for(unchecked.peak + 8));
+  EXPECT_EQ(ample.error, "");
+  EXPECT_EQ(ample.peak, unchecked.peak);
+  const Resolved autos = resolve(kAutos, free_for(resolve(kAutos, -1).peak + 8));
+  EXPECT_EQ(autos.error, "");
+}
+
+TEST(MachineFit, StaticsAboveTheMachineAreRefusedBeforeAnyProfile) {
+  // Both autos unresolved: the statics are counted before either op is chosen.
+  const Resolved r = resolve(kAutos, free_for(statics(kNone) - 1));
+  EXPECT_EQ(r.profiles, 0);
+  EXPECT_NE(r.error.find("for its parameters, gradients and AdamW moments alone, more than the "), std::string::npos)
+      << r.error;
+  EXPECT_NE(r.error.find("no recompute plan fits; lower model.n_layer"), std::string::npos) << r.error;
+}
+
+TEST(MachineFit, APlanAboveTheMachineNamesABudgetThatFits) {
+  const int64_t none = resolve(kNone, -1).peak;
+  std::vector<std::string> full = kNone;
+  full[1] = "ac.policy=full";
+  const int64_t least = resolve(full, -1).peak;
+  ASSERT_LT(least + (2 << 20), none);
+  const int64_t room = (none + least) / 2 / 8 * 8, available = free_for(room);
+
+  const Resolved r = resolve(kNone, available);
+  const std::string budget = "ac.budget=" + std::to_string(room >> 20) + "MiB";
+  EXPECT_EQ(r.error.rfind("The plan none peaks at ", 0), 0u) << r.error;
+  EXPECT_NE(r.error.find("give a memory budget of at most that, " + budget + " in place of ac.policy,"), std::string::npos) << r.error;
+
+  // The budget named resolves to a plan under what the machine has.
+  std::vector<std::string> budgeted = kNone;
+  budgeted[1] = budget;
+  const Resolved fits = resolve(budgeted, available);
+  ASSERT_EQ(fits.error, "");
+  EXPECT_LE(fits.peak, room);
+
+  // A budget above the machine is named as such.
+  budgeted[1] = "ac.budget=" + std::to_string(none);
+  const Resolved over = resolve(budgeted, available);
+  EXPECT_NE(over.error.find("ac.budget=" + std::to_string(none) + " is more than that: give at most " + budget),
+            std::string::npos)
+      << over.error;
+}
+
+}  // namespace
+}  // namespace remat
