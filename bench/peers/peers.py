@@ -6,8 +6,9 @@ ops in src/ops/), and a step is what remat's TrainStep::run times (src/train/ste
 draw a batch, zero the gradients, forward, backward, clip the global gradient norm,
 AdamW step. One JSON object goes to stdout per run; the human-readable lines go to stderr.
 
-Run it with Debian's python (/usr/bin/python3), which has torch 1.13; only the standard
-library and torch are used. See README.md beside this file.
+Run it with Debian's python: bookworm's /usr/bin/python3 has torch 1.13; the sid root of
+scripts/root.sh has torch 2.x, which adds sdpa, sac, --compile and --memory-budget. Only the
+standard library and torch are used. See README.md beside this file.
 """
 
 import argparse
@@ -57,8 +58,8 @@ import torch.nn.functional as F  # noqa: E402
 import torch.utils.checkpoint as torch_checkpoint  # noqa: E402
 
 
-# torch 1.13's profiler touches torch.distributed.reduce_op, which warns on every use.
-warnings.filterwarnings("ignore", message=".*torch.distributed.reduce_op is deprecated.*")
+# The profiler touches torch.distributed.reduce_op, which warns on every use (2.x quotes the name).
+warnings.filterwarnings("ignore", message=".*torch.distributed.reduce_op`? is deprecated.*")
 
 
 def log(msg):
@@ -204,18 +205,37 @@ def attention_math(q, k, v, p, training, future):
     return out_rows.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, Hq * D)
 
 
+def sdpa_has_enable_gqa():
+    """Whether F.scaled_dot_product_attention takes enable_gqa (PyTorch >= 2.5): tried on
+    tiny tensors, since the builtin has no inspectable signature."""
+    try:
+        x = torch.zeros(1, 2, 1, 2)
+        F.scaled_dot_product_attention(x, x[:, :1], x[:, :1], enable_gqa=True)
+        return True
+    except TypeError:
+        return False
+
+
 def attention_sdpa(q, k, v, p, training, future):
-    """torch.nn.functional.scaled_dot_product_attention (PyTorch >= 2.0), causal."""
+    """torch.nn.functional.scaled_dot_product_attention (PyTorch >= 2.0), causal.
+
+    Grouped heads go to the kernel as they are with enable_gqa (2.5+: query head h reads
+    key/value head h // G); before 2.5, K and V are repeated G times (repeat_interleave
+    over heads, Hugging Face's repeat_kv). On CPU, PyTorch 2.x runs its flash kernel
+    without dropout and its math path (bmm, softmax, bernoulli_) with it."""
     B, T, Hq, D = q.shape
     Hkv = k.shape[2]
     G = Hq // Hkv
     qh = q.transpose(1, 2)
     kh = k.transpose(1, 2)
     vh = v.transpose(1, 2)
-    if G > 1:  # the query heads of group g read key/value head g (repeat_kv)
+    kwargs = {}
+    if G > 1 and SDPA_GQA:
+        kwargs["enable_gqa"] = True
+    elif G > 1:
         kh = kh[:, :, None].expand(B, Hkv, G, T, D).reshape(B, Hq, T, D)
         vh = vh[:, :, None].expand(B, Hkv, G, T, D).reshape(B, Hq, T, D)
-    out = F.scaled_dot_product_attention(qh, kh, vh, dropout_p=p if training else 0.0, is_causal=True)
+    out = F.scaled_dot_product_attention(qh, kh, vh, dropout_p=p if training else 0.0, is_causal=True, **kwargs)
     return out.transpose(1, 2).reshape(B, T, Hq * D)
 
 
@@ -413,13 +433,13 @@ class Model(nn.Module):
         else:
             x = F.embedding(tokens, self.embed_tokens)
             blocks = self.layers
-        for block in blocks:
-            if c.policy == "full":
+        for i, block in enumerate(blocks):
+            if c.checkpoint_every and (i + 1) % c.checkpoint_every == 0:
                 # use_reentrant=False: torch 1.13's checkpoint accepts it (the saved-tensor-hooks
                 # implementation, which also works when the block input needs no grad);
                 # preserve_rng_state defaults to True, so recomputed dropout masks match the
                 # forward's (as remat's ac.preserve_rng_state=true).
-                x = torch_checkpoint.checkpoint(self.run_block, block, x, **CHECKPOINT_KWARGS)
+                x = torch_checkpoint.checkpoint(self.run_block, block, x, **c.checkpoint_kwargs)
             else:
                 x = self.run_block(block, x)
         if c.arch == "gpt2":
@@ -435,6 +455,39 @@ try:
         CHECKPOINT_KWARGS = {"use_reentrant": False}
 except (TypeError, ValueError):
     pass
+
+SDPA_GQA = hasattr(F, "scaled_dot_product_attention") and sdpa_has_enable_gqa()
+
+
+def sac_save_ops():
+    """The ops whose outputs selective checkpointing keeps: the matrix products and the fused
+    attention kernels (torchtitan's op-level list, every mm kept); the overloads this torch
+    lacks are left out."""
+    aten = torch.ops.aten
+    names = [("mm", "default"), ("addmm", "default"), ("bmm", "default"), ("baddbmm", "default"),
+             ("_scaled_dot_product_flash_attention_for_cpu", "default"),
+             ("_scaled_dot_product_flash_attention", "default"),
+             ("_scaled_dot_product_efficient_attention", "default"),
+             ("_scaled_dot_product_cudnn_attention", "default")]
+    ops = set()
+    for op, overload in names:
+        try:
+            ops.add(getattr(getattr(aten, op), overload))
+        except AttributeError:
+            pass
+    return ops
+
+
+def sac_context_fn():
+    """context_fn for torch.utils.checkpoint: MUST_SAVE the products' outputs, PREFER_RECOMPUTE
+    every other op (norms, activations, rope, softmax, dropout, adds) in the backward."""
+    save = sac_save_ops()
+    policy_type = torch_checkpoint.CheckpointPolicy
+
+    def policy(ctx, op, *args, **kwargs):
+        return policy_type.MUST_SAVE if op in save else policy_type.PREFER_RECOMPUTE
+
+    return torch_checkpoint.create_selective_checkpoint_contexts(policy)
 
 
 # --------------------------------------------------------------------------------------------
@@ -501,9 +554,12 @@ def live_tensor_bytes(extra_tensors):
     seen = {}
 
     def add(t):
-        if not isinstance(t, torch.Tensor) or t.is_sparse or t.device.type != "cpu":
+        # Subclasses other than Parameter are torch.compile's data-less tensors (FakeTensor,
+        # FunctionalTensor), which its caches keep alive.
+        if type(t) not in (torch.Tensor, nn.Parameter) or t.is_sparse or t.device.type != "cpu":
             return
-        s = t.storage()
+        # untyped_storage (2.x) spares TypedStorage's deprecation warning.
+        s = t.untyped_storage() if hasattr(t, "untyped_storage") else t.storage()
         ptr = s.data_ptr()
         if ptr:
             seen[ptr] = s.nbytes()
@@ -530,7 +586,10 @@ def profiled_peak(fn):
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         result = fn()
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    events.sort(key=lambda e: e.start_us())  # stable: same-microsecond events keep their order
+    if events and hasattr(events[0], "start_ns"):  # 2.x: start_us is gone, start_ns replaces it
+        events.sort(key=lambda e: e.start_ns())  # stable: same-instant events keep their order
+    else:
+        events.sort(key=lambda e: e.start_us())
     running = peak = 0
     for e in events:
         running += e.nbytes()
@@ -560,8 +619,16 @@ def parse_args(argv=None):
         description="Plain-PyTorch GPT-2 / Llama training steps with remat's math, for side-by-side timing.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--arch", choices=["gpt2", "llama"], default="gpt2")
-    ap.add_argument("--policy", choices=["none", "full"], default="none",
-                    help="full: torch.utils.checkpoint around every block")
+    ap.add_argument("--policy", default="none",
+                    help="none; full: torch.utils.checkpoint around every block; every:K: around blocks K, 2K, ... "
+                         "(counting from 1, as remat's every:K); sac: selective checkpointing of every block that "
+                         "keeps the matrix products' outputs and recomputes the rest (PyTorch >= 2.4)")
+    ap.add_argument("--compile", action="store_true",
+                    help="torch.compile the model (forward and backward, default mode; PyTorch >= 2.0); the "
+                         "warm-up steps cover the compilation")
+    ap.add_argument("--memory-budget", type=float, default=None,
+                    help="with --compile: torch._functorch.config.activation_memory_budget (0 to 1; 1 keeps what "
+                         "the default partitioner keeps, lower recomputes more; PyTorch >= 2.4)")
     ap.add_argument("--attention", choices=["math", "sdpa"], default="math",
                     help="math: scores, mask, softmax, dropout, matmul (remat's math op); "
                          "sdpa: F.scaled_dot_product_attention (PyTorch >= 2.0)")
@@ -629,6 +696,38 @@ def parse_args(argv=None):
         v = getattr(args, name)
         if v is not None and v < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1.")
+    need = f"this is torch {torch.__version__}, which does not have it"
+    args.checkpoint_kwargs = dict(CHECKPOINT_KWARGS)
+    if args.policy == "none":
+        args.checkpoint_every = 0
+    elif args.policy == "full":
+        args.checkpoint_every = 1
+    elif args.policy.startswith("every:") and args.policy[6:].isdigit() and 1 <= int(args.policy[6:]) <= args.layers:
+        args.checkpoint_every = int(args.policy[6:])
+    elif args.policy == "sac":
+        if not hasattr(torch_checkpoint, "create_selective_checkpoint_contexts"):
+            sys.exit(f"peers.py: --policy sac needs torch.utils.checkpoint.create_selective_checkpoint_contexts, "
+                     f"which PyTorch 2.4 added; {need}.")
+        args.checkpoint_every = 1
+        args.checkpoint_kwargs["context_fn"] = sac_context_fn
+    else:
+        ap.error(f"--policy {args.policy}: use none, full, every:K (1 <= K <= --layers) or sac.")
+    if args.compile and not hasattr(torch, "compile"):
+        sys.exit(f"peers.py: --compile needs torch.compile, which PyTorch 2.0 added; {need}.")
+    if args.memory_budget is not None:
+        if not args.compile:
+            ap.error("--memory-budget sets torch.compile's activation budget: give --compile too.")
+        if not 0.0 <= args.memory_budget <= 1.0:
+            ap.error(f"--memory-budget must be within [0, 1], got {args.memory_budget}.")
+        try:
+            import torch._functorch.config as functorch_config
+            functorch_config.activation_memory_budget  # noqa: B018  (raises where absent)
+        except (ImportError, AttributeError):
+            sys.exit(f"peers.py: --memory-budget needs torch._functorch.config.activation_memory_budget, which "
+                     f"PyTorch 2.4 added; {need}.")
+    if args.compile and args.warmup < 1:
+        ap.error("--compile compiles during the first step: give --warmup 1 or more so that no timed step "
+                 "includes it.")
     if args.attention == "sdpa":
         if not hasattr(F, "scaled_dot_product_attention"):
             sys.exit(f"peers.py: --attention sdpa needs torch.nn.functional.scaled_dot_product_attention, which "
@@ -657,7 +756,8 @@ def main(argv=None):
         f"attention {c.attention}, {c.batch} x {c.seq} tokens; threads: aten {threads['aten_threads']} "
         f"(default {threads['default_aten_threads']}), OpenBLAS {threads['blas_threads']} "
         f"(default {threads['default_blas_threads']}; {threads['blas_build']} build) from {threads['blas_library']}; "
-        f"checkpoint kwargs {CHECKPOINT_KWARGS}")
+        f"checkpoint kwargs {c.checkpoint_kwargs}; "
+        f"compile {'off' if not c.compile else 'on, memory budget ' + str(c.memory_budget)}")
     mm = mm_threads = None
     if not c.no_matmul_check:
         mm, mm_threads = matmul_check()
@@ -671,12 +771,19 @@ def main(argv=None):
     torch.manual_seed(c.seed)  # dropout's masks: the same whether or not the matmul check drew numbers
     opt = make_optimizer(model, c)
     gen = torch.Generator().manual_seed(c.seed)
-    losses, times = [], []
+    step_model = model
+    if c.compile:
+        if c.memory_budget is not None:
+            torch._functorch.config.activation_memory_budget = c.memory_budget  # read when the graph is split
+        step_model = torch.compile(model)  # the same parameters; compiles forward and backward in step 1
+    losses, times, warmup_times = [], [], []
     for step in range(c.warmup + c.steps):
-        loss, seconds = train_step(model, opt, params, c, step, gen)
+        if c.compile and step == c.warmup and hasattr(torch._dynamo.config, "error_on_recompile"):
+            # No timed step may compile: a recompile after the warm-up fails the run instead.
+            torch._dynamo.config.error_on_recompile = True
+        loss, seconds = train_step(step_model, opt, params, c, step, gen)
         losses.append(loss)
-        if step >= c.warmup:
-            times.append(seconds)
+        (times if step >= c.warmup else warmup_times).append(seconds)
         log(f"peers: step {step + 1}/{c.warmup + c.steps}{'' if step >= c.warmup else ' (warm-up)'}: "
             f"loss {loss:.4f}, {seconds * 1e3:.1f} ms")
     if abs(losses[0] - math.log(c.vocab)) > 0.5:
@@ -688,18 +795,27 @@ def main(argv=None):
         extra = [p.grad for p in params if p.grad is not None]
         extra += [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
         static = live_tensor_bytes(extra)
-        delta, _, _ = profiled_peak(lambda: train_step(model, opt, params, c, c.warmup + c.steps, gen))
+        delta, _, _ = profiled_peak(lambda: train_step(step_model, opt, params, c, c.warmup + c.steps, gen))
         peak = static + delta
         log(f"peers: peak {peak / 2 ** 20:.1f} MiB of live tensors in a step "
             f"({static / 2 ** 20:.1f} MiB live at its start + {delta / 2 ** 20:.1f} MiB)")
 
     med = sorted(times)[len(times) // 2]  # remat's median(): the upper middle of an even count
     maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    # Compiling happens inside the first step: its excess over a compiled step's median.
+    compile_seconds = max(0.0, warmup_times[0] - med) if c.compile else None
+    if c.compile:
+        log(f"peers: torch.compile: first step {warmup_times[0]:.1f} s, about {compile_seconds:.1f} s of it compiling")
     out = {
         "tool": "pytorch",
         "arch": c.arch,
         "policy": c.policy,
         "attention": c.attention,
+        "sdpa_gqa": ("enable_gqa" if SDPA_GQA else "repeat_kv") if c.attention == "sdpa" else None,
+        "compile": c.compile,
+        "memory_budget": c.memory_budget,
+        "compile_seconds": compile_seconds,
+        "warmup_step_seconds": warmup_times,
         "ce_chunk": c.ce_chunk,
         "threads": threads,
         **shape,
@@ -718,7 +834,7 @@ def main(argv=None):
         "final_loss": losses[-1],
         "matmul_1024_seconds": mm,
         "matmul_1024_threads": mm_threads,
-        "checkpoint_kwargs": {k: str(v) for k, v in CHECKPOINT_KWARGS.items()},
+        "checkpoint_kwargs": {k: getattr(v, "__name__", str(v)) for k, v in c.checkpoint_kwargs.items()},
         "torch_version": torch.__version__,
         "python": platform.python_version(),
     }
