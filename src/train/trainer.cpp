@@ -280,6 +280,26 @@ double count_work(Model& model, const Ranks& ranks, const Config& cfg, TrainSumm
   return 3.0 * forward_flops / static_cast<double>(seq);
 }
 
+// The model the run trains: the one the time profile measured if it runs the chosen
+// attention op and loss head (not a pipeline's probe), else this stage's, made anew.
+void keep_or_create(std::unique_ptr<Model>& model, const RunSpec& spec, int64_t stage,
+                    const std::function<std::unique_ptr<Model>(const ModelConfig&, StageSpan)>& create) {
+  const ModelConfig& m = spec.cfg.model;
+  if (model && (model->config().attention != m.attention || model->config().loss_head != m.loss_head)) model.reset();
+  if (model) return;
+  const auto& split = spec.plan.split;
+  const int64_t first = std::accumulate(split.begin(), split.begin() + stage, int64_t{0});
+  model = create(m, {first, split[static_cast<size_t>(stage)]});
+}
+
+// The plan's predictions and budget, as the summary reports them beside the measured.
+void take_predictions(const RunPlan& planned, TrainSummary& sum) {
+  sum.predicted_peak_bytes = planned.peak();
+  sum.budget_bytes = planned.budget;
+  sum.predicted_reserved_bytes = planned.device_peak().reserved_peak;
+  sum.predicted_step_seconds = planned.step_seconds;
+}
+
 // The lines before the first step: the model, the data, the steps, then the run as
 // `remat plan` prints it (and plan.txt, with every layer spelled out).
 void print_header(const RunSpec& spec, const TrainSummary& sum, const std::string& where, const data::Tokenizer& tok,
@@ -581,13 +601,9 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
       device, threads,
       measure_matmul_flops(device, dtype, rank_share(cfg).train.batch * t.seq, cfg.model.d_model, cfg.model.d_ff)};
   std::unique_ptr<Model> model;
-  RunInputs in{dtype,
-               ranks.stage,
-               corpus,
-               corpus_dir(cfg.data),
-               {},
-               resumed.plan ? &*resumed.plan : nullptr,
-               rank_memory(device, ranks.comm.get())};
+  RunInputs in{dtype, ranks.stage, corpus, corpus_dir(cfg.data), {}};
+  in.saved = resumed.plan ? &*resumed.plan : nullptr;
+  in.memory_available = rank_memory(device, ranks.comm.get());
   in.profile_of = [&](const Config& op) {
     return run_time_profile(
         op, device, dtype, train_ds, ranks.comm.get(), machine.matmul_rate, [&] { return create(op.model, {}); },
@@ -596,15 +612,7 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   const RunSpec spec = resolve_run(cfg, in);
   cfg = spec.cfg;  // the autos resolved
   const RunPlan& planned = spec.plan;
-  // Profiled another op or head last, or a pipeline's probe.
-  if (model && (model->config().attention != cfg.model.attention || model->config().loss_head != cfg.model.loss_head)) {
-    model.reset();
-  }
-  if (!model) {
-    const auto& split = planned.split;
-    const int64_t first = std::accumulate(split.begin(), split.begin() + ranks.stage, int64_t{0});
-    model = create(cfg.model, {first, split[static_cast<size_t>(ranks.stage)]});
-  }
+  keep_or_create(model, spec, ranks.stage, create);
   apply_plan(*model, planned.plan, cfg.ac);
   const int64_t predicted = model->predict_activation_bytes(spec.local.train.batch, t.seq).total();
   TrainStep stepper(*model, spec.local.train, static_cast<uint64_t>(cfg.run.seed), ranks.comm.get(), cfg.parallel.zero,
@@ -622,10 +630,7 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   const double flops_per_token = count_work(*model, ranks, cfg, sum);
   // The job's rate: each rank measured its own, at its threads, beside the others.
   sum.matmul_flops_per_second = machine.matmul_rate * ranks.world;
-  sum.predicted_peak_bytes = planned.peak();
-  sum.budget_bytes = planned.budget;
-  sum.predicted_reserved_bytes = planned.device_peak().reserved_peak;
-  sum.predicted_step_seconds = planned.step_seconds;
+  take_predictions(planned, sum);
   print_header(spec, sum, fmt::format("{} on {} ({} threads)", cfg.run.dtype, device.str(), threads), tok, run.get());
   const auto log_metrics = [&](const nlohmann::json& record) {
     if (run) run->log_metrics(record);
