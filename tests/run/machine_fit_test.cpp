@@ -80,7 +80,9 @@ TEST(MachineFit, APlanAboveTheMachineNamesABudgetThatFits) {
   const Resolved r = resolve(kNone, available);
   const std::string budget = "ac.budget=" + std::to_string(room >> 20) + "MiB";
   EXPECT_EQ(r.error.rfind("The plan none peaks at ", 0), 0u) << r.error;
-  EXPECT_NE(r.error.find("give a memory budget of at most that, " + budget + " in place of ac.policy,"), std::string::npos) << r.error;
+  EXPECT_NE(r.error.find("give a memory budget of at most that, " + budget + " in place of ac.policy,"),
+            std::string::npos)
+      << r.error;
 
   // The budget named resolves to a plan under what the machine has.
   std::vector<std::string> budgeted = kNone;
