@@ -37,7 +37,10 @@ PYTHON = "/usr/bin/python3"
 # PyTorch measured there; sac keeps the products' outputs as ops:[matmul,attention] does.
 REMAT_POLICY = {"none": "none", "full": "full", "sac": "ops:[matmul,attention]", "compile": "none"}
 TORCH2_POLICIES = "none,full,every:2,sac,compile,compile:0.1,compile:0.3,compile:0.5,compile:0.7,compile:0.9"
-TORCH2_THREADS = "default;aten=2,blas=2,build=openmp"
+# PyTorch 2.14's fastest settings here: GPT-2 with the OpenMP OpenBLAS in ATen's pool, Llama
+# with one ATen thread and two of the pthread OpenBLAS (its step deadlocked with the OpenMP
+# build); its default (two of each, pthread) took twice as long (docs/results.md).
+TORCH2_THREADS = "aten=1,blas=2;aten=2,blas=2,build=openmp"
 # In a root, the repository is mounted here and the output directory (when outside it) at /out.
 ROOT_REPO, ROOT_OUT = "/src", "/out"
 
@@ -146,14 +149,19 @@ def data_vocab(vocab):
     return max(below) if below else vocab
 
 
-def remat_command(a, arch, policy, budgets, shape, out_dir):
-    overrides = [
+def remat_overrides(a, arch, shape):
+    """remat's key=value settings for the shape, the user's last so that they win."""
+    return [
         f"model.preset={arch}-demo", f"model.n_layer={shape['layers']}", f"model.n_head={shape['heads']}",
         f"model.n_kv_head={shape['kv_heads']}", f"model.d_model={shape['d_model']}", f"model.d_ff={shape['d_ff']}",
         f"model.max_seq={shape['max_seq']}", f"model.vocab_size={shape['vocab']}",
         f"data.vocab_size={data_vocab(shape['vocab'])}", f"model.dropout={shape['dropout']}", "model.attention=math",
         f"train.batch={shape['batch']}", f"train.seq={shape['seq']}", "run.progress=false", "ac.profile=false",
-    ] + a.remat_override  # the user's last, so they win
+    ] + a.remat_override
+
+
+def remat_command(a, arch, policy, budgets, shape, out_dir):
+    overrides = remat_overrides(a, arch, shape)
     # remat bench needs a policy beside its budgets: the budget entries follow that one.
     return ([a.remat, "bench", "--policies", policy] + (["--budgets", ";".join(budgets)] if budgets else []) +
             ["--steps", str(a.steps), "--warmup", str(a.warmup), "--out", out_dir] + overrides)
@@ -430,6 +438,8 @@ def main():
     a = ap.parse_args()
     if a.torch2:
         a.root = a.root or "sid"
+        # A run that hangs (a BLAS deadlock) costs a row, not the measurement.
+        a.timeout = a.timeout or 600
     a.remat = os.path.abspath(a.remat or os.path.join(REPO, "build-libtorch2" if a.torch2 else "build", "remat"))
     a.pt_attention = a.pt_attention or ("sdpa" if a.torch2 else "math")
     a.policies = a.policies or (TORCH2_POLICIES if a.torch2 else "none,full")
