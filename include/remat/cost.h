@@ -179,7 +179,8 @@ struct StepPrediction {
 LayerCost price_layer(const graph::BlockGraph& block, SlotMask dropped, bool early_stop, const NodeTimes& times,
                       bool input_sharded = false);
 
-/// Bytes of parameters, gradients, optimizer state and batch for `cfg` (vocab_size set).
+/// Bytes of parameters, gradients, optimizer state and batch for `cfg` (vocab_size set;
+/// its attention op and loss head may still be `auto`: the parameters do not depend on them).
 StaticBytes static_bytes(const ModelConfig& cfg, const StepShape& shape);
 
 /// The embedding, loss head and optimizer of `cfg` at `shape`.

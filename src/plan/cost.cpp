@@ -291,7 +291,12 @@ LayerCost price_layer(const graph::BlockGraph& g, SlotMask dropped, bool early_s
   return simulate(g, dropped, early_stop, times, /*backward=*/true, input_sharded);
 }
 
-StaticBytes static_bytes(const ModelConfig& cfg, const StepShape& shape) {
+StaticBytes static_bytes(const ModelConfig& model, const StepShape& shape) {
+  // The parameters are the same whichever attention op and loss head run: a config whose
+  // autos are not resolved yet has them too.
+  ModelConfig cfg = model;
+  if (cfg.attention == Attention::automatic) cfg.attention = Attention::math;
+  if (cfg.loss_head == LossHead::automatic) cfg.loss_head = LossHead::fused;
   TORCH_CHECK(cfg.vocab_size > 0, "The cost model needs model.vocab_size");
   const at::ScalarType master = shape.dtype == at::kDouble ? at::kDouble : at::kFloat;
   TORCH_CHECK(shape.first_layer >= 0 && shape.in_flight() >= 1 && shape.stage_layers(cfg.n_layer) >= 1 &&

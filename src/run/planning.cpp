@@ -50,8 +50,6 @@ constexpr int64_t kReservedSteps = 16;
 // The cuBLAS workspace of one handle and stream, as PyTorch sizes it on Hopper.
 const int64_t kCudaWorkspace = memory::cublas_workspace_bytes(9, 0);
 
-bool on_cuda(const RunConfig& run) { return run.device != "cpu"; }
-
 memory::AllocatorRules allocator_rules(const RunConfig& run) {
   memory::AllocatorRules rules;
   rules.expandable_segments = run.expandable_segments;
@@ -85,6 +83,8 @@ std::vector<cost::DeviceMemory> device_memory(const Config& cfg, const Planner& 
 }
 
 }  // namespace
+
+bool on_cuda(const RunConfig& run) { return run.device != "cpu"; }
 
 cost::DeviceMemory RunPlan::device_peak() const {
   cost::DeviceMemory most;

@@ -45,6 +45,9 @@ struct Choice {
 };
 
 /// A run's activation plan and what the cost model predicts of its step.
+/// Whether the run trains on a CUDA device (its memory is the caching allocator's).
+bool on_cuda(const RunConfig& run);
+
 struct RunPlan {
   ActivationPlan plan;
   cost::StepPrediction predicted;    ///< peak, breakdown and recompute of one step (of this rank's stage)

@@ -19,7 +19,7 @@ struct Room {
 
 Room room_of(const RunSpec& spec, int64_t available) {
   if (available < 0) return {};
-  if (spec.cfg.run.device != "cpu") {
+  if (on_cuda(spec.cfg.run)) {
     return {available, fmt::format("the {} free on {}", memory::format_bytes(available), spec.cfg.run.device)};
   }
   const int64_t bytes = std::max<int64_t>(0, available - (int64_t{256} << 20)) / 9 * 8;
@@ -33,11 +33,7 @@ Room room_of(const RunSpec& spec, int64_t available) {
 // a probe of two layers and are split by the plan: its peak is checked after.)
 void check_statics_fit(const RunSpec& spec, const Room& room) {
   if (room.bytes < 0 || spec.layout.pp > 1) return;
-  // Before the autos are resolved: the parameters are the same whichever op and head run.
-  ModelConfig model = spec.local.model;
-  model.attention = Attention::math;
-  model.loss_head = LossHead::fused;
-  const cost::StaticBytes statics = cost::static_bytes(model, spec.shape);
+  const cost::StaticBytes statics = cost::static_bytes(spec.local.model, spec.shape);
   if (statics.total() <= room.bytes) return;
   throw std::invalid_argument(fmt::format(
       "{} ({} layers, d_model {}, d_ff {}) needs {} per rank for its parameters, gradients and AdamW moments alone, "
@@ -50,7 +46,7 @@ void check_statics_fit(const RunSpec& spec, const Room& room) {
 // Throws where the plan's predicted peak (on CUDA: the allocator's reserved bytes)
 // exceeds the room.
 void check_plan_fits(const RunSpec& spec, const Room& room) {
-  const bool cuda = spec.cfg.run.device != "cpu";
+  const bool cuda = on_cuda(spec.cfg.run);
   const int64_t peak = cuda ? spec.plan.device_peak().reserved_peak : spec.plan.peak();
   if (room.bytes < 0 || peak <= room.bytes) return;
   const std::string fits = fmt::format("ac.budget={}MiB", room.bytes >> 20);
