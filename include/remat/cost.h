@@ -110,6 +110,14 @@ struct NodeTimes {
   /// sends per second and seconds per ring step (graph::LinkTraffic); a rate of 0 prices
   /// them at 0. In the unit of `flops_per_second`'s seconds (`remat plan`'s FLOPs).
   double link_bytes_per_second = 0, link_latency_seconds = 0;
+  /// Offloaded slots (LayerPlan::offloaded): bytes a second copied between the device and
+  /// host memory, each way (measured: train/profile.h's measure_host_copy_rate); 0 prices
+  /// the copies at 0. In the unit of `flops_per_second`'s seconds.
+  double host_bytes_per_second = 0;
+  /// `bytes` copied to host memory and back.
+  double copy_seconds(int64_t bytes) const {
+    return host_bytes_per_second > 0 ? 2.0 * static_cast<double>(bytes) / host_bytes_per_second : 0.0;
+  }
   /// One microbatch's forward and backward, measured, of one layer and of the embedding
   /// and loss head together (a pipeline stage's parts: train/profile.h's probe); 0 when
   /// not measured, and then three times the forward nodes' times.
@@ -143,7 +151,8 @@ struct OtherAttention {
 
 /// A layer's plan priced: what it keeps and what its backward recomputes and peaks at.
 struct LayerCost {
-  int64_t kept = 0;           ///< bytes kept from its forward to its backward
+  int64_t kept = 0;           ///< bytes kept on the device from its forward to its backward
+  int64_t host = 0;           ///< bytes it keeps in host memory meanwhile (LayerPlan::offloaded)
   int64_t forward_peak = 0;   ///< highest live bytes of its forward, its kept input included
   int64_t backward_peak = 0;  ///< highest live bytes of its backward, "dy" and kept slots included
   int64_t recomputed_bytes = 0;
@@ -169,15 +178,40 @@ struct StepPrediction {
   double recompute_link_seconds = 0;   ///< per step: of recompute_seconds, the collectives re-run
   std::map<std::string, int64_t> ops;  ///< per step
   int64_t recomputed_bytes = 0;        ///< per microbatch
+  int64_t host_peak = 0;               ///< the most bytes offloaded to host memory at once
+  int64_t offloaded_bytes = 0;         ///< per step: bytes copied to host memory, and as many back
+  double copy_seconds = 0;             ///< per step: those copies (NodeTimes::copy_seconds)
   /// Per step: the forward and backward time the layers running the other attention op
   /// (LayerPlan::attention) take beyond the model's op in them (OtherAttention::pass_delta).
   double attention_seconds = 0;
+  /// Per step: what the plan adds to a step that recomputes nothing, runs the model's
+  /// attention op and offloads nothing.
+  double added_seconds() const { return recompute_seconds + attention_seconds + copy_seconds; }
 };
 
 /// Prices one layer's slot choice. `dropped`: slots recomputed; `early_stop` as the store's;
-/// `input_sharded`: LayerPlan::input_sharded (the block must be input_shardable).
+/// `input_sharded`: LayerPlan::input_sharded (the block must be input_shardable);
+/// `offloaded`: LayerPlan::offloaded. Replays every allocation each op declares, one by
+/// one: the reference LayerPricer is held to.
 LayerCost price_layer(const graph::BlockGraph& block, SlotMask dropped, bool early_stop, const NodeTimes& times,
-                      bool input_sharded = false);
+                      bool input_sharded = false, SlotMask offloaded = {});
+
+/// price_layer for many slot choices of one block: each node's declared allocations are
+/// folded once (how far they rise above the live bytes, what they leave), so a price walks
+/// the block's nodes rather than their events, which grow with the sequence (the math
+/// attention declares some per block of query rows). Equal to price_layer. Holds `block`
+/// by reference: it must outlive the pricer.
+class LayerPricer {
+ public:
+  LayerPricer(const graph::BlockGraph& block, bool early_stop, NodeTimes times);
+  LayerCost price(SlotMask dropped, bool input_sharded = false, SlotMask offloaded = {}) const;
+  /// The forward alone (forward_peak, kept and host; no backward_peak).
+  LayerCost forward(SlotMask dropped, bool input_sharded = false, SlotMask offloaded = {}) const;
+
+ private:
+  struct Prepared;
+  std::shared_ptr<const Prepared> p_;
+};
 
 /// Bytes of parameters, gradients, optimizer state and batch for `cfg` (vocab_size set;
 /// its attention op and loss head may still be `auto`: the parameters do not depend on them).

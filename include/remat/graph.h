@@ -69,14 +69,13 @@ struct Attrs {
 
 /// What a forward or backward allocates, in order, as the simulator replays it.
 /// `out(i)` is the op's i-th result (forward: output i; backward: input gradient i) taking
-/// new memory; `temp(bytes)` a temporary that lives until `release(handle)`, or becomes
-/// result i with `adopt(handle, i)` (a kernel returning its scratch as a result).
+/// new memory; `temp(bytes)` a temporary that lives until `release(handle)`.
 class Events {
  public:
   struct Event {
-    enum class Kind { out, temp, release, adopt } kind;
-    int64_t handle = 0;  ///< temp, release, adopt: the temporary
-    int64_t index = 0;   ///< out, adopt: the result
+    enum class Kind { out, temp, release } kind;
+    int64_t handle = 0;  ///< temp, release: the temporary
+    int64_t index = 0;   ///< out: the result
     int64_t bytes = 0;   ///< temp
   };
   void out(int64_t index) { ev_.push_back({Event::Kind::out, -1, index, 0}); }
@@ -85,7 +84,6 @@ class Events {
     return next_++;
   }
   void release(int64_t handle) { ev_.push_back({Event::Kind::release, handle, 0, 0}); }
-  void adopt(int64_t handle, int64_t index) { ev_.push_back({Event::Kind::adopt, handle, index, 0}); }
   const std::vector<Event>& list() const { return ev_; }
 
  private:
@@ -336,6 +334,15 @@ struct BlockGraph {
   /// Bytes of the distinct memory of the values kept under `keep` (views counted once);
   /// `input_sharded`: the kept input counts as one rank's share (LayerPlan::input_sharded).
   int64_t kept_bytes(const std::vector<bool>& keep, bool input_sharded = false) const;
+  /// What a forward keeping by `keep` moves to host memory for the slots `offloaded`
+  /// (LayerPlan::offloaded): the kept values grouped by the memory they share (a value and
+  /// its views, by root), each group whose kept values are all in offloaded slots; a group
+  /// with a value of another kept slot stays on the device. `input_sharded`: the input is
+  /// held as a share and stays. In value order.
+  std::vector<std::vector<int>> offload_groups(const std::vector<bool>& keep, SlotMask offloaded,
+                                               bool input_sharded = false) const;
+  /// Bytes of the memory offload_groups moves (each group's root's).
+  int64_t offload_bytes(const std::vector<bool>& keep, SlotMask offloaded, bool input_sharded = false) const;
   /// Whether the block input can be kept as a share per tensor-parallel rank: tensor
   /// parallelism without sequence parallelism, and the input's elements divide evenly.
   bool input_shardable() const;

@@ -122,6 +122,32 @@ class Account {
   Account* outer_;
 };
 
+/// Host memory for offloaded activations (LayerPlan::offloaded): one buffer of exactly the
+/// bytes of each storage moved there (never rounded up), outside the tracking allocator,
+/// kept idle when its tensors die for a later move of the same size (the next microbatch's
+/// or step's), and freed with the pool. Copies between it and the device are synchronous.
+class HostPool {
+ public:
+  HostPool();
+  /// Copies `ts` into host memory, one buffer per distinct storage among them, and returns
+  /// the copies, each at its tensor's offset, sizes and strides (views stay views).
+  std::vector<at::Tensor> to_host(const std::vector<at::Tensor>& ts);
+  /// Copies host tensors (of to_host) into new memory on `device` the same way.
+  static std::vector<at::Tensor> to_device(const std::vector<at::Tensor>& ts, at::Device device);
+
+  struct Counts {
+    int64_t in_use = 0;       ///< bytes of buffers some tensor holds now
+    int64_t peak_in_use = 0;  ///< the highest in_use
+    int64_t reserved = 0;     ///< bytes of every buffer the pool holds, idle or not
+    int64_t moved = 0;        ///< bytes copied to host so far
+  };
+  Counts counts() const;
+
+ private:
+  struct State;
+  std::shared_ptr<State> state_;
+};
+
 /// Returns every idle pooled buffer to the system. Pooled buffers still in use leave the
 /// pool: they go to the system when freed. Process-wide.
 void release_pool();

@@ -1,5 +1,6 @@
-// The activation plan: per layer, which saved-tensor slots are kept through the forward
-// and which are dropped and recomputed in that layer's backward.
+// The activation plan: per layer, which saved-tensor slots are kept through the forward,
+// which are dropped and recomputed in that layer's backward, and which of the kept ones
+// wait in host memory.
 //
 // Every recompute policy (none, full, every:K, uniform:N, block:N, ratio:R, modules:[..],
 // ops:[..], explicit per-layer lists and the seed frameworks' spellings) compiles to this
@@ -131,7 +132,12 @@ struct LayerPlan {
   /// planner sets it only with both ops' measured times, and never in a uniform chunk
   /// (a chunk's layers run the model's op).
   std::optional<Attention> attention;
-  bool keeps_all() const { return dropped.empty() && chunk_begin < 0 && !input_sharded; }
+  /// Slots (Slot::input too) the forward moves to host memory once the layer's forward
+  /// ends, and that come back to the device when its backward (or its chunk's recompute)
+  /// starts: kept, but not on the device in between. Never a dropped slot; memory a kept
+  /// slot outside the set shares stays on the device (BlockGraph::offload_groups).
+  SlotMask offloaded;
+  bool keeps_all() const { return dropped.empty() && chunk_begin < 0 && !input_sharded && offloaded.empty(); }
 };
 
 struct ActivationPlan {

@@ -63,6 +63,7 @@ struct AcConfig {
   std::optional<bool> enable_activation_checkpointing;  ///< true alone: full
   std::optional<std::string> ac_mode;                   ///< "full" | "selective"
   std::optional<std::string> ac_option;                 ///< selective: K (every:K) or "op" (ops:[matmul,attention])
+  std::optional<bool> enable_activation_offloading;     ///< true: every slot the policy keeps waits in host memory
 
   // Megatron-LM
   std::optional<std::string> recompute_granularity;  ///< "full" | "selective"

@@ -112,6 +112,10 @@ class ActivationStore {
   /// memory::RecomputeScope). Between two backwards nothing is pooled: another microbatch's
   /// forward may run there (a pipeline), and it does not recompute.
   void finished_backward(int64_t l);
+  /// Where the plan's offloaded slots (LayerPlan::offloaded) wait between a layer's forward
+  /// and its backward.
+  memory::HostPool& host() { return host_; }
+  const memory::HostPool& host() const { return host_; }
 
  private:
   struct Record {
@@ -124,6 +128,7 @@ class ActivationStore {
   StoreCounters counters_;
   std::map<std::tuple<uint64_t, int64_t, Slot>, Record> records_;  ///< by microbatch, layer, slot
   int64_t lowest_recompute_ = -1;  ///< lowest layer of the model's range whose plan drops anything
+  memory::HostPool host_;
 };
 
 }  // namespace remat

@@ -33,6 +33,10 @@ struct TrainSummary {
   /// holds there, and what its model predicted for the plan's busiest stage; 0 on CPU.
   int64_t reserved_peak_bytes = 0;
   int64_t predicted_reserved_bytes = 0;
+  /// Offloaded slots (LayerPlan::offloaded): the most bytes this rank held in host memory,
+  /// and the cost model's figure; 0 without offload.
+  int64_t host_peak_bytes = 0;
+  int64_t predicted_host_peak_bytes = 0;
   double predicted_step_seconds = 0;       ///< from the measured time profile (0: ac.profile=false)
   int64_t activation_bytes = 0;            ///< saved-activation bytes of one microbatch, measured
   int64_t predicted_activation_bytes = 0;  ///< the same, predicted from the plan before the first step

@@ -323,6 +323,8 @@ std::vector<ConfigKey> make_keys() {
              "torchtune: true alone = full"),
       ac_key("ac.ac_mode", &AcConfig::ac_mode, "torchtune: full or selective"),
       ac_key("ac.ac_option", &AcConfig::ac_option, "torchtune: K (every:K) or op", Literal::WordOrInt),
+      ac_key("ac.enable_activation_offloading", &AcConfig::enable_activation_offloading,
+             "torchtune: every kept slot in host memory"),
       ac_key("ac.recompute_granularity", &AcConfig::recompute_granularity, "Megatron: full or selective"),
       ac_key("ac.recompute_method", &AcConfig::recompute_method, "Megatron: uniform or block"),
       ac_key("ac.recompute_num_layers", &AcConfig::recompute_num_layers, "Megatron: N of the method"),

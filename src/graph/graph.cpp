@@ -10,6 +10,7 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <map>
 #include <set>
 
 namespace remat::graph {
@@ -65,6 +66,34 @@ int64_t BlockGraph::kept_bytes(const std::vector<bool>& keep, bool input_sharded
     if (!kept(static_cast<int>(v), keep) || !roots.insert(r).second) continue;
     const int64_t b = values[static_cast<size_t>(r)].info.bytes();
     bytes += input_sharded && r == input ? b / tp : b;
+  }
+  return bytes;
+}
+
+std::vector<std::vector<int>> BlockGraph::offload_groups(const std::vector<bool>& keep, SlotMask offloaded,
+                                                         bool input_sharded) const {
+  std::map<int, std::vector<int>> by_root;
+  std::set<int> stays;
+  for (size_t i = 0; i < values.size(); ++i) {
+    const int v = static_cast<int>(i);
+    if (v == output || !kept(v, keep)) continue;
+    const int r = root(v);
+    by_root[r].push_back(v);
+    const int s = slot_of[i];
+    if (s < 0 || !offloaded.has(static_cast<Slot>(s)) || (input_sharded && r == input)) stays.insert(r);
+  }
+  std::vector<std::vector<int>> groups;
+  for (auto& [r, vs] : by_root) {
+    if (stays.count(r) == 0) groups.push_back(std::move(vs));
+  }
+  std::sort(groups.begin(), groups.end());
+  return groups;
+}
+
+int64_t BlockGraph::offload_bytes(const std::vector<bool>& keep, SlotMask offloaded, bool input_sharded) const {
+  int64_t bytes = 0;
+  for (const auto& group : offload_groups(keep, offloaded, input_sharded)) {
+    bytes += values[static_cast<size_t>(root(group.front()))].info.bytes();
   }
   return bytes;
 }

@@ -16,6 +16,8 @@
 //   bool early_stop() const;
 //   Tensor shard(const Tensor& whole);              this rank's share of a kept input
 //   Tensor gather(const Tensor& share);             the whole input from every rank's share
+//   std::vector<Tensor> offload(const std::vector<Tensor>& group);  values sharing memory, to host
+//   std::vector<Tensor> fetch(const std::vector<Tensor>& group);    and back to the device
 #pragma once
 
 #include "remat/graph.h"
@@ -51,9 +53,10 @@ class BlockRun {
 
   /// `keep`: per Slot, whether the forward keeps it; `training`: false keeps nothing and
   /// records nothing (inference); `hold`: sharded keeps the input (when kept) as this
-  /// rank's share from its last forward reader on, until gather_input.
+  /// rank's share from its last forward reader on, until restore; `offloaded`: the slots
+  /// whose memory waits in host memory from the forward's end until restore.
   BlockRun(const BlockGraph& g, const Lifetimes& lt, std::vector<bool> keep, bool training = true,
-           InputHold hold = InputHold::whole)
+           InputHold hold = InputHold::whole, SlotMask offloaded = {})
       : g_(g),
         lt_(lt),
         keep_(std::move(keep)),
@@ -64,6 +67,7 @@ class BlockRun {
         slot_missing_(kSlotCount, 0) {
     TORCH_INTERNAL_ASSERT(hold_ == InputHold::whole || g_.input_shardable(),
                           "a sharded block input needs tensor parallelism without sequence parallelism");
+    if (training_ && !offloaded.empty()) groups_ = g_.offload_groups(keep_, offloaded, hold_ == InputHold::sharded);
   }
 
   /// The forward from the block input (and the graph's side inputs, in order);
@@ -88,12 +92,14 @@ class BlockRun {
         if (lt_.last_forward_reader[v] < 0) release_forward(b, v);
       }
     }
+    for (const auto& group : groups_) move(group, b.offload(take(group)));
+    on_host_ = !groups_.empty();
     return std::exchange(vals_[g_.output], T());
   }
 
   /// The backward from the output gradient; returns the input gradient.
   T backward(B& b, T dy) {
-    gather_input(b);
+    restore(b);
     std::vector<T> grads(g_.values.size());
     std::vector<std::vector<T>> parts(g_.values.size());
     grads[g_.output] = std::move(dy);
@@ -147,9 +153,14 @@ class BlockRun {
     return std::exchange(grads[g_.input], T());
   }
 
-  /// Makes a kept input held as this rank's share whole again (the backward's first step,
-  /// and a chunk recompute's before it reads the input); nothing if it is whole.
-  void gather_input(B& b) {
+  /// Brings the offloaded memory back to the device and makes a kept input held as this
+  /// rank's share whole again (the backward's first step, and a chunk recompute's before
+  /// it reads the input); nothing if neither is away.
+  void restore(B& b) {
+    if (on_host_) {
+      for (const auto& group : groups_) move(group, b.fetch(take(group)));
+      on_host_ = false;
+    }
     if (!input_is_share_) return;
     vals_[g_.input] = b.gather(vals_[g_.input]);
     input_is_share_ = false;
@@ -159,16 +170,33 @@ class BlockRun {
   bool missing(Slot s) const { return slot_missing_[static_cast<size_t>(s)] > 0; }
   /// The current handle of value v (kept or recomputed), for the chunk recompute.
   const T& value(int v) const { return vals_[v]; }
-  /// Every value held now: after the forward, what the layer keeps for its backward.
+  /// Every value held on the device now: after the forward, what the layer keeps there
+  /// for its backward.
   std::vector<T> held() const {
+    std::vector<bool> away(vals_.size(), false);
+    if (on_host_) {
+      for (const auto& group : groups_) {
+        for (int v : group) away[v] = true;
+      }
+    }
     std::vector<T> out;
-    for (const auto& t : vals_) {
-      if (defined(t)) out.push_back(t);
+    for (size_t v = 0; v < vals_.size(); ++v) {
+      if (defined(vals_[v]) && !away[v]) out.push_back(vals_[v]);
     }
     return out;
   }
 
  private:
+  // The group's values, released from the run (the backend's copy replaces them).
+  std::vector<T> take(const std::vector<int>& group) {
+    std::vector<T> ts;
+    for (int v : group) ts.push_back(std::exchange(vals_[v], T()));
+    return ts;
+  }
+  void move(const std::vector<int>& group, std::vector<T> ts) {
+    for (size_t k = 0; k < group.size(); ++k) vals_[group[k]] = std::move(ts[k]);
+  }
+
   // A value's last forward reader ran: kept values stay, dropped ones are recorded and freed.
   void release_forward(B& b, int v) {
     if (v == g_.output) return;
@@ -263,6 +291,8 @@ class BlockRun {
   bool training_;
   InputHold hold_;
   bool input_is_share_ = false;
+  std::vector<std::vector<int>> groups_;  // BlockGraph::offload_groups
+  bool on_host_ = false;
   std::vector<T> vals_;
   std::vector<bool> missing_;
   std::vector<int> slot_missing_;

@@ -125,6 +125,17 @@ at::Tensor Engine::gather(const at::Tensor& share) {
                               fmt::format("the all-gather of layer {}'s kept input (step {})", layer, ctx.step + 1));
 }
 
+std::vector<at::Tensor> Engine::offload(const std::vector<at::Tensor>& group) {
+  TORCH_INTERNAL_ASSERT(store != nullptr, "an offloaded slot outside a planned block");
+  const trace::Scope trace_scope("offload", trace::Category::layer, layer);
+  return store->host().to_host(group);
+}
+
+std::vector<at::Tensor> Engine::fetch(const std::vector<at::Tensor>& group) {
+  const trace::Scope trace_scope("fetch", trace::Category::backward, layer);
+  return memory::HostPool::to_device(group, ctx.device);
+}
+
 TransformerModel::TransformerModel(const ArchDecl& decl, const ModelConfig& cfg, at::Device device,
                                    at::ScalarType compute_dtype, uint64_t seed, dist::Group* tp, bool sequence_parallel,
                                    StageSpan stage)
@@ -215,7 +226,8 @@ std::unique_ptr<Microbatch> TransformerModel::forward(const at::Tensor& input, c
         const trace::Scope layer_scope("forward", trace::Category::layer, l);
         const GraphShape& blk = *mb->block_shapes[static_cast<size_t>(l - stage_.first)];
         Engine e = engine(blk, W, W.layers[l - stage_.first], false, l, ctx, store_.get());
-        mb->layers.push_back(std::make_unique<Run>(blk.graph, blk.lifetimes, keeps(l), true, hold(l)));
+        mb->layers.push_back(std::make_unique<Run>(blk.graph, blk.lifetimes, keeps(l), true, hold(l),
+                                                   plan().layers[static_cast<size_t>(l)].offloaded));
         x = mb->layers.back()->forward(e, std::move(x));
         break;
       }
@@ -396,9 +408,12 @@ ActivationBytes TransformerModel::predict_activation_bytes(int64_t B, int64_t T)
   ActivationBytes out;
   if (first_stage()) out.embedding = graph_of(Part::embed, B, T, 0, sp_).saved_bytes();
   if (last_stage()) out.head = graph_of(Part::head, B, T, 1, sp_).saved_bytes();
+  // The device's: offloaded slots wait in host memory.
   for (int64_t l = stage_.first; l < end_layer(); ++l) {
-    out.blocks.push_back(
-        graph_of(Part::block, B, T, 0, sp_, l).kept_bytes(keeps(l), hold(l) == graph::InputHold::sharded));
+    const graph::BlockGraph g = graph_of(Part::block, B, T, 0, sp_, l);
+    const bool sharded = hold(l) == graph::InputHold::sharded;
+    const SlotMask offloaded = plan().layers[static_cast<size_t>(l)].offloaded;
+    out.blocks.push_back(g.kept_bytes(keeps(l), sharded) - g.offload_bytes(keeps(l), offloaded, sharded));
   }
   return out;
 }
@@ -493,7 +508,7 @@ void TransformerModel::recompute_chunk(int64_t first, int64_t last, const StepCo
   store_->recompute([&] {
     {
       Engine e = engine(blk, W, W.layers[local(first)], false, first, ctx, store_.get());
-      runs[local(first)]->gather_input(e);
+      runs[local(first)]->restore(e);
     }
     at::Tensor x = runs[local(first)]->value(blk.graph.input);
     for (int64_t j = first; j <= last; ++j) {

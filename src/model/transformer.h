@@ -126,6 +126,8 @@ struct Engine {
   bool early_stop() const { return store == nullptr || store->options().early_stop; }
   at::Tensor shard(const at::Tensor& whole);
   at::Tensor gather(const at::Tensor& share);
+  std::vector<at::Tensor> offload(const std::vector<at::Tensor>& group);
+  std::vector<at::Tensor> fetch(const std::vector<at::Tensor>& group);
 };
 
 using Run = graph::BlockRun<Engine>;

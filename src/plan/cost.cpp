@@ -37,6 +37,11 @@ class Live {
     current_ -= bytes;
     if (id >= 0) events_->push_back({memory::AllocatorEvent::Kind::free, id, 0, 0});
   }
+  // A rise of `bytes` above the live bytes and back, counted but not listed (a folded node).
+  void rise(int64_t bytes) {
+    TORCH_INTERNAL_ASSERT(events_ == nullptr, "a timeline that lists its allocations replays every one");
+    peak_ = std::max(peak_, current_ + bytes);
+  }
   void reset_peak() { peak_ = current_; }
   int64_t current() const { return current_; }
   int64_t peak() const { return peak_; }
@@ -61,7 +66,83 @@ struct Buffer {
 };
 using SimTensor = std::shared_ptr<Buffer>;
 
-// The cost model's backend of the block walk: each op replays its declared allocations.
+std::vector<graph::TensorInfo> param_infos(const graph::BlockGraph& g, const graph::Node& n) {
+  std::vector<graph::TensorInfo> out;
+  for (int k : n.params) out.push_back({g.params[k].sizes, g.values[g.input].info.dtype, {}});
+  return out;
+}
+
+// Node i's forward allocations as its op declares them; `bytes`: each output's.
+graph::Events forward_events(const graph::BlockGraph& g, int i, std::vector<int64_t>& bytes) {
+  const graph::Node& n = g.nodes[i];
+  const auto outs = g.infos(n.outputs);
+  for (const auto& o : outs) bytes.push_back(o.bytes());
+  graph::Events e;
+  n.op->forward_events(e, g.infos(n.inputs), param_infos(g, n), outs, n.attrs);
+  return e;
+}
+
+// Node i's backward allocations; `bytes`: each input gradient's.
+graph::Events backward_events(const graph::BlockGraph& g, int i, std::vector<int64_t>& bytes) {
+  const graph::Node& n = g.nodes[i];
+  const auto ins = g.infos(n.inputs);
+  for (const auto& in : ins) bytes.push_back(in.with_sizes(in.sizes).bytes());
+  graph::Events e;
+  n.op->backward_events(e, ins, param_infos(g, n), g.infos(n.outputs), n.attrs);
+  return e;
+}
+
+// A node's declared allocations as a timeline that only counts bytes sees them: how far
+// they rise above the live bytes they start from, and the results they leave, in order.
+struct Folded {
+  int64_t rise = 0;
+  std::vector<std::pair<int64_t, int64_t>> results;  // result index, bytes
+};
+
+Folded fold(const graph::Events& e, const std::vector<int64_t>& bytes) {
+  Folded f;
+  std::vector<int64_t> temps;  // by handle
+  int64_t now = 0;
+  for (const auto& ev : e.list()) {
+    using K = graph::Events::Event::Kind;
+    if (ev.kind == K::out) {
+      now += bytes.at(ev.index);
+      f.results.emplace_back(ev.index, bytes.at(ev.index));
+    }
+    if (ev.kind == K::temp) {
+      temps.resize(std::max(temps.size(), static_cast<size_t>(ev.handle) + 1));
+      temps[ev.handle] = ev.bytes;
+      now += ev.bytes;
+    }
+    if (ev.kind == K::release) now -= temps.at(ev.handle);
+    f.rise = std::max(f.rise, now);
+  }
+  int64_t left = 0;
+  for (const auto& r : f.results) left += r.second;
+  TORCH_INTERNAL_ASSERT(now == left, "an op's events leave a temporary live");
+  return f;
+}
+
+// Every node's forward and backward folded once, for walks that price many slot choices.
+struct Folds {
+  std::vector<Folded> forward, backward;
+  Folds(const graph::BlockGraph& g, const graph::Lifetimes& lt) {
+    for (int i = 0; i < static_cast<int>(g.nodes.size()); ++i) {
+      std::vector<int64_t> out_bytes, grad_bytes;
+      const graph::Events f = forward_events(g, i, out_bytes);
+      forward.push_back(fold(f, out_bytes));
+      if (!lt.runs_backward[i]) {
+        backward.emplace_back();
+        continue;
+      }
+      const graph::Events b = backward_events(g, i, grad_bytes);
+      backward.push_back(fold(b, grad_bytes));
+    }
+  }
+};
+
+// The cost model's backend of the block walk: each op replays its declared allocations,
+// event by event, or folded where `folds` is given (a timeline that only counts).
 struct Simulator {
   using Tensor = SimTensor;
   const graph::BlockGraph& g;
@@ -69,13 +150,15 @@ struct Simulator {
   const NodeTimes& times;
   bool early;
   LayerCost& cost;
+  const Folds* folds = nullptr;
+  Live* host = nullptr;  // where offloaded memory waits (LayerPlan::offloaded)
 
   Tensor make(int64_t bytes) { return std::make_shared<Buffer>(&live, bytes); }
 
-  std::vector<graph::TensorInfo> params(const graph::Node& n) const {
-    std::vector<graph::TensorInfo> out;
-    for (int k : n.params) out.push_back({g.params[k].sizes, g.values[g.input].info.dtype, {}});
-    return out;
+  // The results of a folded node: their bytes come after its rise, which covers them.
+  void replay(const Folded& f, std::vector<Tensor>& results) {
+    live.rise(f.rise);
+    for (const auto& [index, bytes] : f.results) results.at(index) = make(bytes);
   }
 
   // Replays `e`; result i that the events allocate takes `bytes[i]`.
@@ -86,24 +169,23 @@ struct Simulator {
       if (ev.kind == K::out) results.at(ev.index) = make(bytes.at(ev.index));
       if (ev.kind == K::temp) temps[ev.handle] = make(ev.bytes);
       if (ev.kind == K::release) temps.erase(ev.handle);
-      if (ev.kind == K::adopt) results.at(ev.index) = std::move(temps.at(ev.handle));
     }
-    TORCH_INTERNAL_ASSERT(std::all_of(temps.begin(), temps.end(), [](const auto& t) { return !t.second; }),
-                          "an op's events leave a temporary live");
+    TORCH_INTERNAL_ASSERT(temps.empty(), "an op's events leave a temporary live");
   }
 
   std::vector<Tensor> forward(int i, const std::vector<Tensor>& in, bool recompute) {
     const graph::Node& n = g.nodes[i];
-    const auto outs = g.infos(n.outputs);
-    std::vector<Tensor> res(outs.size());
-    std::vector<int64_t> bytes;
-    for (size_t j = 0; j < outs.size(); ++j) {
-      bytes.push_back(outs[j].bytes());
+    std::vector<Tensor> res(n.outputs.size());
+    for (size_t j = 0; j < res.size(); ++j) {
       if (n.op->view_of(j) >= 0) res[j] = in[n.op->view_of(j)];
     }
-    graph::Events e;
-    n.op->forward_events(e, g.infos(n.inputs), params(n), outs, n.attrs);
-    replay(e, res, bytes);
+    if (folds != nullptr) {
+      replay(folds->forward[i], res);
+    } else {
+      std::vector<int64_t> bytes;
+      const graph::Events e = forward_events(g, i, bytes);
+      replay(e, res, bytes);
+    }
     if (recompute) {
       if (n.op->kind()[0] != '\0') ++cost.ops[n.op->kind()];
       cost.recompute_flops += n.flops;
@@ -115,16 +197,17 @@ struct Simulator {
   std::vector<Tensor> backward(int i, const std::vector<Tensor>& dy, const std::vector<Tensor>&,
                                const std::vector<Tensor>&) {
     const graph::Node& n = g.nodes[i];
-    const auto ins = g.infos(n.inputs);
-    std::vector<Tensor> res(ins.size());
-    std::vector<int64_t> bytes;
-    for (size_t j = 0; j < ins.size(); ++j) {
-      bytes.push_back(ins[j].with_sizes(ins[j].sizes).bytes());
+    std::vector<Tensor> res(n.inputs.size());
+    for (size_t j = 0; j < res.size(); ++j) {
       if (n.op->differentiable(j) && n.op->grad_alias(j) >= 0) res[j] = dy[n.op->grad_alias(j)];
     }
-    graph::Events e;
-    n.op->backward_events(e, ins, params(n), g.infos(n.outputs), n.attrs);
-    replay(e, res, bytes);
+    if (folds != nullptr) {
+      replay(folds->backward[i], res);
+    } else {
+      std::vector<int64_t> bytes;
+      const graph::Events e = backward_events(g, i, bytes);
+      replay(e, res, bytes);
+    }
     return res;
   }
   Tensor add(const Tensor& a, const Tensor&) { return make(a->bytes); }
@@ -146,6 +229,19 @@ struct Simulator {
     cost.recompute_seconds += gather;
     cost.recompute_link_seconds += gather;
     return res[0];
+  }
+  std::vector<Tensor> offload(const std::vector<Tensor>& group) { return relocate(group, *host); }
+  std::vector<Tensor> fetch(const std::vector<Tensor>& group) { return relocate(group, live); }
+  // A buffer per distinct buffer of `group` on `to`, as the engine copies per storage.
+  static std::vector<Tensor> relocate(const std::vector<Tensor>& group, Live& to) {
+    std::map<const Buffer*, Tensor> copies;
+    std::vector<Tensor> out;
+    for (const Tensor& t : group) {
+      Tensor& c = copies[t.get()];
+      if (!c) c = std::make_shared<Buffer>(&to, t->bytes);
+      out.push_back(c);
+    }
+    return out;
   }
 };
 
@@ -246,20 +342,22 @@ namespace {
 
 // The walk of `g` on the simulator: its forward from its inputs (the caller's take no
 // bytes here), keeping by `keep`, and, when `backward`, its backward from the output
-// gradient. `kept`: what the forward leaves live for the backward.
-LayerCost simulate(const graph::BlockGraph& g, const std::vector<bool>& keep, bool early_stop, const NodeTimes& times,
-                   bool backward, graph::InputHold hold = graph::InputHold::whole) {
+// gradient. `kept`: what the forward leaves live for the backward. `folds`: g's, or null
+// to replay every declared event.
+LayerCost simulate(const graph::BlockGraph& g, const graph::Lifetimes& lt, const Folds* folds,
+                   const std::vector<bool>& keep, bool early_stop, const NodeTimes& times, bool backward,
+                   graph::InputHold hold = graph::InputHold::whole, SlotMask offloaded = {}) {
   LayerCost lc;
-  const graph::Lifetimes lt(g);
-  Live live;
-  Simulator sim{g, live, times, early_stop, lc};
+  Live live, host;
+  Simulator sim{g, live, times, early_stop, lc, folds, &host};
   const auto input = [&](int v) { return sim.make(g.values[v].external ? 0 : g.values[v].info.bytes()); };
   std::vector<SimTensor> side;
   for (int v : g.side_inputs) side.push_back(input(v));
-  graph::BlockRun<Simulator> run(g, lt, keep, true, hold);
+  graph::BlockRun<Simulator> run(g, lt, keep, true, hold, offloaded);
   run.forward(sim, input(g.input), false, std::move(side)).reset();
   lc.forward_peak = live.peak();
   lc.kept = live.current();
+  lc.host = host.current();
   if (!backward) return lc;
   live.reset_peak();
   run.backward(sim, sim.make(g.output_bytes())).reset();
@@ -267,28 +365,56 @@ LayerCost simulate(const graph::BlockGraph& g, const std::vector<bool>& keep, bo
   return lc;
 }
 
-// A block's walk under the slots `dropped`, its input held whole or as this rank's share.
-LayerCost simulate(const graph::BlockGraph& g, SlotMask dropped, bool early_stop, const NodeTimes& times, bool backward,
-                   bool input_sharded = false) {
+// A block's walk under the slots `dropped`, its input held whole or as this rank's share,
+// the slots `offloaded` in host memory between its forward and its backward.
+LayerCost simulate(const graph::BlockGraph& g, const graph::Lifetimes& lt, const Folds* folds, SlotMask dropped,
+                   bool early_stop, const NodeTimes& times, bool backward, bool input_sharded, SlotMask offloaded) {
   std::vector<bool> keep(kSlotCount, true);
   for (const Slot s : dropped.slots()) keep[static_cast<size_t>(s)] = false;
-  LayerCost lc = simulate(g, keep, early_stop, times, backward,
-                          input_sharded ? graph::InputHold::sharded : graph::InputHold::whole);
-  const int64_t table = g.kept_bytes(keep, input_sharded);
-  TORCH_INTERNAL_ASSERT(lc.kept == table, "the walk keeps ", lc.kept, " bytes but the slot table ", table);
+  LayerCost lc = simulate(g, lt, folds, keep, early_stop, times, backward,
+                          input_sharded ? graph::InputHold::sharded : graph::InputHold::whole, offloaded);
+  const int64_t away = g.offload_bytes(keep, offloaded, input_sharded);
+  const int64_t table = g.kept_bytes(keep, input_sharded) - away;
+  TORCH_INTERNAL_ASSERT(lc.kept == table && lc.host == away, "the walk keeps ", lc.kept, " bytes on the device and ",
+                        lc.host, " in host memory but the slot table ", table, " and ", away);
   return lc;
 }
 
 // The walk of a graph no plan applies to (the embedding, the loss head).
 LayerCost simulate_kept(const graph::BlockGraph& g) {
-  return simulate(g, std::vector<bool>(kSlotCount, true), true, NodeTimes{}, /*backward=*/true);
+  const graph::Lifetimes lt(g);
+  return simulate(g, lt, nullptr, std::vector<bool>(kSlotCount, true), true, NodeTimes{}, /*backward=*/true);
 }
 
 }  // namespace
 
+struct LayerPricer::Prepared {
+  const graph::BlockGraph& g;
+  graph::Lifetimes lt;
+  Folds folds;
+  bool early_stop;
+  NodeTimes times;
+  Prepared(const graph::BlockGraph& block, bool early, NodeTimes t)
+      : g(block), lt(block), folds(block, lt), early_stop(early), times(std::move(t)) {}
+};
+
+LayerPricer::LayerPricer(const graph::BlockGraph& block, bool early_stop, NodeTimes times)
+    : p_(std::make_shared<const Prepared>(block, early_stop, std::move(times))) {}
+
+LayerCost LayerPricer::price(SlotMask dropped, bool input_sharded, SlotMask offloaded) const {
+  return simulate(p_->g, p_->lt, &p_->folds, dropped, p_->early_stop, p_->times, /*backward=*/true, input_sharded,
+                  offloaded);
+}
+
+LayerCost LayerPricer::forward(SlotMask dropped, bool input_sharded, SlotMask offloaded) const {
+  return simulate(p_->g, p_->lt, &p_->folds, dropped, p_->early_stop, p_->times, /*backward=*/false, input_sharded,
+                  offloaded);
+}
+
 LayerCost price_layer(const graph::BlockGraph& g, SlotMask dropped, bool early_stop, const NodeTimes& times,
-                      bool input_sharded) {
-  return simulate(g, dropped, early_stop, times, /*backward=*/true, input_sharded);
+                      bool input_sharded, SlotMask offloaded) {
+  const graph::Lifetimes lt(g);
+  return simulate(g, lt, nullptr, dropped, early_stop, times, /*backward=*/true, input_sharded, offloaded);
 }
 
 StaticBytes static_bytes(const ModelConfig& model, const StepShape& shape) {
@@ -374,29 +500,31 @@ StepPrediction predict_step(const ModelConfig& cfg, const StepShape& shape, cons
     other_block = graph::block_graph(c, shape.batch, shape.seq, shape.dtype, shape.tp, shape.sp);
   }
   // Prices per distinct slot choice (layers of one policy mostly share a few).
-  std::map<std::tuple<SlotMask, bool, bool>, LayerCost> priced;
-  auto price = [&](SlotMask dropped, bool sharded, bool other = false) -> const LayerCost& {
-    auto it = priced.find({dropped, sharded, other});
+  const LayerPricer pricer(block, early_stop, times);
+  std::optional<LayerPricer> other_pricer;
+  if (other_block) other_pricer.emplace(*other_block, early_stop, times.other_attention->times);
+  std::map<std::tuple<SlotMask, bool, SlotMask, bool>, LayerCost> priced;
+  auto price = [&](const LayerPlan& lp, bool other) -> const LayerCost& {
+    const auto key = std::tuple{lp.dropped, lp.input_sharded, lp.offloaded, other};
+    auto it = priced.find(key);
     if (it == priced.end()) {
-      const LayerCost c = other ? price_layer(*other_block, dropped, early_stop, times.other_attention->times, sharded)
-                                : price_layer(block, dropped, early_stop, times, sharded);
-      it = priced.emplace(std::tuple{dropped, sharded, other}, c).first;
+      it =
+          priced.emplace(key, (other ? *other_pricer : pricer).price(lp.dropped, lp.input_sharded, lp.offloaded)).first;
     }
     return it->second;
   };
   // A uniform chunk's layers: their first forward keeps only the chunk's input (its first
   // layer), and the chunk's recompute rebuilds each whole.
-  const LayerCost& whole = price({}, false);
+  const LayerCost& whole = price(LayerPlan{}, false);
   for (int64_t l = F; l < E; ++l) {
     const LayerPlan& lp = plan.layers[l];
     if (plan.chunk_of(l) < 0) {
-      p.layers.push_back(price(lp.dropped, lp.input_sharded, runs_other(lp)));
+      p.layers.push_back(price(lp, runs_other(lp)));
       continue;
     }
     TORCH_CHECK(!runs_other(lp), "The activation plan runs ", attention_name(*lp.attention), " attention in layer ",
                 l + 1, ", which is in a uniform chunk; a chunk's layers run the model's attention op");
-    p.layers.push_back(
-        simulate(block, first_forward_drops(plan, l), early_stop, times, /*backward=*/false, lp.input_sharded));
+    p.layers.push_back(pricer.forward(first_forward_drops(plan, l), lp.input_sharded, lp.offloaded));
     p.layers.back().backward_peak = whole.backward_peak;
   }
   p.kept_activations = k.embed_saved + k.head_saved;
@@ -413,6 +541,10 @@ StepPrediction predict_step(const ModelConfig& cfg, const StepShape& shape, cons
   const int64_t base = p.statics.total();
   int64_t live = base;
   std::vector<std::vector<int64_t>> held(static_cast<size_t>(shape.grad_accum), std::vector<int64_t>(E - F));
+  // Host memory the same way: what each microbatch's layers offloaded, until their backward
+  // (or their chunk's recompute) brings it back.
+  int64_t host = 0;
+  std::vector<std::vector<int64_t>> away(held);
   const auto consider = [&](int64_t bytes, int64_t kept_now, const std::string& where) {
     if (bytes > p.peak) {
       p.peak = bytes;
@@ -442,6 +574,10 @@ StepPrediction predict_step(const ModelConfig& cfg, const StepShape& shape, cons
     const bool first_microbatch = a.microbatch == 0;
     std::vector<int64_t>* mine = a.microbatch >= 0 ? &held[static_cast<size_t>(a.microbatch)] : nullptr;
     const auto at = [&](int64_t l) -> int64_t& { return (*mine)[static_cast<size_t>(l - F)]; };
+    const auto bring_back = [&](int64_t l) {
+      int64_t& bytes = away[static_cast<size_t>(a.microbatch)][static_cast<size_t>(l - F)];
+      host -= std::exchange(bytes, 0);
+    };
     switch (a.kind) {
       case schedule::Kind::embed_forward:
         consider(live + k.embed_peak, live, "embedding forward");
@@ -452,6 +588,11 @@ StepPrediction predict_step(const ModelConfig& cfg, const StepShape& shape, cons
         consider(live + c.forward_peak, live, layer_name("forward", a.layer));
         at(a.layer) = c.kept;
         live += c.kept;
+        away[static_cast<size_t>(a.microbatch)][static_cast<size_t>(a.layer - F)] = c.host;
+        host += c.host;
+        p.host_peak = std::max(p.host_peak, host);
+        p.offloaded_bytes += c.host;
+        p.copy_seconds += times.copy_seconds(c.host);
         if (runs_other(plan.layers[a.layer])) p.attention_seconds += times.other_attention->pass_delta;
         break;
       }
@@ -465,7 +606,10 @@ StepPrediction predict_step(const ModelConfig& cfg, const StepShape& shape, cons
       case schedule::Kind::recompute: {
         // With the output gradient live, the chunk's layers are rebuilt whole, each over
         // the ones under it; a sharded input is gathered first, beside its share.
-        for (int64_t j = a.layer; j <= a.last; ++j) live -= at(j);
+        for (int64_t j = a.layer; j <= a.last; ++j) {
+          live -= at(j);
+          bring_back(j);
+        }
         if (plan.layers[a.layer].input_sharded) {
           consider(live + out_bytes + at(a.layer) + 2 * input_bytes, live + at(a.layer),
                    layer_name("recompute", a.layer));
@@ -486,6 +630,7 @@ StepPrediction predict_step(const ModelConfig& cfg, const StepShape& shape, cons
         const LayerCost& c = p.layers[static_cast<size_t>(a.layer - F)];
         live -= at(a.layer);
         at(a.layer) = 0;
+        bring_back(a.layer);
         consider(live + c.backward_peak, live, layer_name("backward", a.layer));
         if (!chunked) add_recompute(c, first_microbatch);
         break;
@@ -495,8 +640,8 @@ StepPrediction predict_step(const ModelConfig& cfg, const StepShape& shape, cons
         live -= k.embed_saved;
         break;
       case schedule::Kind::optimizer:
-        TORCH_INTERNAL_ASSERT(live == base, "the simulated step ends its microbatches with ", live - base,
-                              " bytes of activations still held");
+        TORCH_INTERNAL_ASSERT(live == base && host == 0, "the simulated step ends its microbatches with ", live - base,
+                              " bytes of activations still held and ", host, " in host memory");
         consider(live + k.optimizer, live, "optimizer step");
         break;
     }
@@ -552,10 +697,10 @@ std::vector<memory::AllocatorEvent> step_allocations(const ModelConfig& cfg, con
   const int64_t F = shape.first_layer, E = F + shape.stage_layers(cfg.n_layer);
   const bool has_head = shape.has_head(cfg.n_layer);
   std::vector<memory::AllocatorEvent> events;
-  Live live(&events);
+  Live live(&events), host;
   LayerCost unused;
   const NodeTimes untimed;
-  const auto sim = [&](const Shaped& s) { return Simulator{s.g, live, untimed, early_stop, unused}; };
+  const auto sim = [&](const Shaped& s) { return Simulator{s.g, live, untimed, early_stop, unused, nullptr, &host}; };
   const auto make = [&](int64_t bytes) { return std::make_shared<Buffer>(&live, bytes); };
   // The caller's inputs (token ids, targets) are in the batch bytes, as in the walk of a part.
   const auto input = [&](const Shaped& s, int v) {
@@ -636,7 +781,8 @@ std::vector<memory::AllocatorEvent> step_allocations(const ModelConfig& cfg, con
           for (const Slot slot : first_forward_drops(plan, a.layer).slots()) keep[static_cast<size_t>(slot)] = false;
           const LayerPlan& lp = plan.layers[static_cast<size_t>(a.layer)];
           run_of(a.layer) = std::make_unique<Run>(
-              b.g, b.lt, keep, true, lp.input_sharded ? graph::InputHold::sharded : graph::InputHold::whole);
+              b.g, b.lt, keep, true, lp.input_sharded ? graph::InputHold::sharded : graph::InputHold::whole,
+              lp.offloaded);
           mb->x = run_of(a.layer)->forward(s, std::move(mb->x));
           if (a.layer == E - 1 && !has_head) mb->x.reset();  // sent to the next stage
           break;
@@ -659,7 +805,7 @@ std::vector<memory::AllocatorEvent> step_allocations(const ModelConfig& cfg, con
           const Shaped& b = block_of(a.layer);  // a chunk's layers run the model's op
           Simulator s = sim(b);
           if (!mb->dx) mb->dx = make(b.g.output_bytes());  // an earlier stage receives its output's gradient
-          run_of(a.layer)->gather_input(s);
+          run_of(a.layer)->restore(s);
           SimTensor x = run_of(a.layer)->value(b.g.input);
           for (int64_t j = a.layer; j <= a.last; ++j) {
             auto fresh = std::make_unique<Run>(b.g, b.lt, keep_all);

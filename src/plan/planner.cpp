@@ -113,12 +113,12 @@ Planner::Planner(const ModelConfig& cfg, const cost::StepShape& shape, const cos
       options_(std::move(options)),
       block_(graph::block_graph(cfg, shape.batch, shape.seq, shape.dtype, shape.tp, shape.sp)) {
   std::vector<LayerOption> all;
-  const auto add = [&](const graph::BlockGraph& block, const cost::NodeTimes& times, std::optional<Attention> op,
+  const auto add = [&](const graph::BlockGraph& block, const cost::LayerPricer& pricer, std::optional<Attention> op,
                        double delta) {
     const auto candidates = options_.candidates.empty() ? keep_sets(block) : options_.candidates;
     for (const bool sharded : input_holds()) {
       for (const auto& d : candidates) {
-        LayerOption o{d, cost::price_layer(block, d, options_.early_stop, times, sharded), sharded, op};
+        LayerOption o{d, pricer.price(d, sharded), sharded, op};
         o.seconds = o.cost.recompute_seconds + delta;
         all.push_back(std::move(o));
       }
@@ -129,14 +129,15 @@ Planner::Planner(const ModelConfig& cfg, const cost::StepShape& shape, const cos
   const cost::OtherAttention* other = times_.other_attention.get();
   if (other != nullptr && other->op == cfg.attention) other = nullptr;
   per_layer_op_ = other != nullptr ? std::optional<Attention>(cfg.attention) : std::nullopt;
-  add(block_, times_, per_layer_op_, 0);
+  const cost::LayerPricer pricer(block_, options_.early_stop, times_);
+  add(block_, pricer, per_layer_op_, 0);
   if (other != nullptr) {
     ModelConfig c = cfg;
     c.attention = other->op;
-    add(graph::block_graph(c, shape.batch, shape.seq, shape.dtype, shape.tp, shape.sp), other->times, other->op,
-        other->pass_delta);
+    const graph::BlockGraph block = graph::block_graph(c, shape.batch, shape.seq, shape.dtype, shape.tp, shape.sp);
+    add(block, cost::LayerPricer(block, options_.early_stop, other->times), other->op, other->pass_delta);
   }
-  whole_ = {{}, cost::price_layer(block_, {}, options_.early_stop, times_), false, std::nullopt};
+  whole_ = {{}, pricer.price({}), false, std::nullopt};
   for (size_t i = 0; i < all.size(); ++i) {
     bool dominated = false;
     for (size_t j = 0; j < all.size() && !dominated; ++j) {
@@ -291,8 +292,7 @@ PipelinePlan Planner::predict_pipeline(const ActivationPlan& plan, const Pipelin
     const int64_t n = r.split[static_cast<size_t>(s)];
     const cost::StepShape shape = stage_shape(pipe, s, first, n);
     r.stages.push_back(cost::predict_step(cfg_, shape, plan, options_.early_stop, times_));
-    const double recompute = (r.stages.back().recompute_seconds + r.stages.back().attention_seconds) /
-                             static_cast<double>(shape_.grad_accum);
+    const double recompute = r.stages.back().added_seconds() / static_cast<double>(shape_.grad_accum);
     times.push_back(stage_times(shape, n, recompute));
     r.stage_seconds.push_back(times.back().forward + times.back().backward);
     if (r.stage_seconds.back() > r.stage_seconds[static_cast<size_t>(r.bottleneck)]) r.bottleneck = s;
@@ -510,7 +510,7 @@ Frontier Planner::frontier(int points, double seconds) const {
     const int64_t budget = points == 1 ? hi : lo + (hi - lo) * i / (points - 1);
     ++f.solved;
     if (auto r = solve(budget)) {
-      all.push_back({r->prediction.peak, r->prediction.recompute_seconds + r->prediction.attention_seconds, "budget"});
+      all.push_back({r->prediction.peak, r->prediction.added_seconds(), "budget"});
     }
   }
   std::sort(all.begin(), all.end(), [](const FrontierPoint& a, const FrontierPoint& b) {

@@ -136,6 +136,23 @@ class Parser {
   ActivationPlan parse(const std::string& raw) {
     const std::string s = strip_spaces(raw);
     if (s.empty()) fail(fmt::format("{}: the policy is empty; {}", origin_, valid_forms()));
+    auto terms = split_top(s, '+');
+    for (size_t i = 0; i + 1 < terms.size(); ++i) {
+      if (starts_with(terms[i], "offload:")) {
+        fail(fmt::format("{}: offload:[...] is the last term of a policy (X+offload:[...]), got it before {}.", origin_,
+                         terms[i + 1]));
+      }
+    }
+    if (!starts_with(terms.back(), "offload:")) return recompute(s);
+    const std::string term = terms.back();
+    terms.pop_back();
+    ActivationPlan plan = recompute(terms.empty() ? "none" : join(terms, "+"));
+    offload(term, plan);
+    return plan;
+  }
+
+  // The policy without its offload term.
+  ActivationPlan recompute(const std::string& s) {
     ActivationPlan plan;
     plan.layers.assign(static_cast<size_t>(n_), LayerPlan{});
     const auto plus = split_top(s, '+');
@@ -201,10 +218,51 @@ class Parser {
     fail(fmt::format("{}: '{}' is not a recompute policy; {}", origin_, s, valid_forms()));
   }
 
+  // "+offload:[...]": each layer offloads the named slots (a module: its slots) that it
+  // keeps; a slot it recomputes is not kept, so not offloaded.
+  void offload(const std::string& term, ActivationPlan& plan) const {
+    for (const auto& l : plan.layers) {
+      if (!l.offloaded.empty()) {
+        fail(fmt::format("{}: the policy {} already offloads; give one offload:[...].", origin_, plan.policy));
+      }
+    }
+    std::vector<std::string> valid{slot_name(Slot::input)};
+    for (const auto& n : block_slots()) valid.push_back(n);
+    for (const auto& m : block_modules()) valid.push_back(m.first);
+    SlotMask asked;
+    for (const auto& n : names(term, 8, "slot or module", valid)) {
+      const auto m = std::find_if(block_modules().begin(), block_modules().end(),
+                                  [&](const auto& module) { return module.first == n; });
+      if (m != block_modules().end()) {
+        asked |= SlotMask::of_names(m->second);
+      } else {
+        asked.add(slot_of_name(n));
+      }
+    }
+    bool any = false;
+    for (auto& l : plan.layers) {
+      for (const Slot slot : asked.slots()) {
+        const bool kept = slot == Slot::input ? l.chunk_begin < 0 : !l.dropped.has(slot);
+        if (kept) l.offloaded.add(slot);
+      }
+      any = any || !l.offloaded.empty();
+    }
+    if (!any) {
+      fail(
+          fmt::format("{}: {} moves nothing to host memory: the policy {} recomputes every slot it names in "
+                      "every layer, and a recomputed slot is not kept; offload slots the policy keeps, e.g. "
+                      "full+offload:[input].",
+                      origin_, term, plan.policy));
+    }
+    const std::string moved = "offload:[" + join(asked.names(), ",") + "]";
+    plan.policy = plan.policy == "none" ? moved : plan.policy + "+" + moved;
+  }
+
  private:
   static std::string valid_forms() {
     return "valid forms are none, full, every:K, uniform:N, block:N, ratio:R, modules:[...], ops:[...], "
-           "layers:[...] and X+Y (X one of every:K, block:N, ratio:R; Y one of modules:[...], ops:[...]).";
+           "layers:[...] and X+Y (X one of every:K, block:N, ratio:R; Y one of modules:[...], ops:[...]), each "
+           "optionally followed by +offload:[slots or modules].";
   }
 
   std::string model_size() const {
@@ -626,7 +684,8 @@ void nanotron(const AcConfig& ac, std::vector<Candidate>& out,
 }
 
 bool recomputes_anything(const ActivationPlan& p) {
-  return std::any_of(p.layers.begin(), p.layers.end(), [](const LayerPlan& l) { return !l.keeps_all(); });
+  return std::any_of(p.layers.begin(), p.layers.end(),
+                     [](const LayerPlan& l) { return !l.dropped.empty() || l.chunk_begin >= 0; });
 }
 
 }  // namespace
@@ -635,7 +694,8 @@ bool same_layers(const ActivationPlan& a, const ActivationPlan& b) {
   if (a.layers.size() != b.layers.size()) return false;
   for (size_t i = 0; i < a.layers.size(); ++i) {
     if (a.layers[i].dropped != b.layers[i].dropped || a.layers[i].chunk_begin != b.layers[i].chunk_begin ||
-        a.layers[i].input_sharded != b.layers[i].input_sharded || a.layers[i].attention != b.layers[i].attention) {
+        a.layers[i].input_sharded != b.layers[i].input_sharded || a.layers[i].attention != b.layers[i].attention ||
+        a.layers[i].offloaded != b.layers[i].offloaded) {
       return false;
     }
   }
@@ -673,12 +733,23 @@ ActivationPlan compile_policy(const AcConfig& ac, int64_t n_layers, double dropo
                       asked.front().origin, asked.front().plan.policy, asked[i].origin, asked[i].plan.policy));
     }
   }
+  if (ac.enable_activation_offloading && *ac.enable_activation_offloading) {
+    // torchtune's: every saved activation waits on the CPU (with checkpointing, the
+    // checkpointed inputs).
+    const std::string origin = "ac.enable_activation_offloading = true";
+    Parser(origin, n_layers, layout).offload("offload:[input,attn,mlp,mlp.norm]", plan);
+  }
 
   if (ac.tp_recompute_allgather && *ac.tp_recompute_allgather) {
-    // nanotron's default: the gathered inputs of the column-parallel linears are never kept.
+    // nanotron's default: the gathered inputs of the column-parallel linears are never kept
+    // (so not offloaded either).
     for (auto& l : plan.layers) {
       for (const auto& m : block_modules()) {
-        if (m.first == "gathered") l.dropped |= SlotMask::of_names(m.second);
+        if (m.first != "gathered") continue;
+        for (const Slot s : SlotMask::of_names(m.second).slots()) {
+          l.dropped.add(s);
+          l.offloaded.remove(s);
+        }
       }
     }
     plan.policy += " (tp_recompute_allgather)";
@@ -701,6 +772,16 @@ ActivationPlan compile_policy(const AcConfig& ac, int64_t n_layers, double dropo
       }
     } else {
       plan.policy += " (distribute_saved_activations)";
+    }
+    for (size_t i = 0; i < plan.layers.size(); ++i) {
+      if (plan.layers[i].input_sharded && plan.layers[i].offloaded.has(Slot::input)) {
+        fail(
+            fmt::format("ac.distribute_saved_activations = true keeps layer {}'s input as a share per "
+                        "tensor-parallel rank, and the policy {} offloads that input to host memory: a kept input "
+                        "is held one way. Drop input from offload:[...], or drop "
+                        "ac.distribute_saved_activations.",
+                        i + 1, plan.policy));
+      }
     }
   }
   if (dropout > 0.0 && !ac.preserve_rng_state && !ac.allow_rng_mismatch && recomputes_anything(plan)) {
@@ -729,11 +810,14 @@ ActivationPlan compile_policy(const std::string& policy, int64_t n_layers, doubl
 
 std::string explain_plan(const ActivationPlan& plan) {
   struct Row {
-    std::string layers, keeps, drops, chunk, attention;
+    std::string layers, keeps, drops, chunk, attention, offloads;
   };
-  // The attention column only where the plan chooses the op per layer (model.attention = auto).
+  // The attention column only where the plan chooses the op per layer (model.attention =
+  // auto), the offload column only where it offloads.
   const bool per_layer_op =
       std::any_of(plan.layers.begin(), plan.layers.end(), [](const LayerPlan& l) { return l.attention.has_value(); });
+  const bool offloads =
+      std::any_of(plan.layers.begin(), plan.layers.end(), [](const LayerPlan& l) { return !l.offloaded.empty(); });
   std::vector<Row> rows;
   const auto n = static_cast<int64_t>(plan.layers.size());
   for (int64_t i = 0; i < n;) {
@@ -741,7 +825,8 @@ std::string explain_plan(const ActivationPlan& plan) {
     while (j + 1 < n && plan.layers[j + 1].dropped == plan.layers[i].dropped &&
            plan.layers[j + 1].chunk_begin == plan.layers[i].chunk_begin &&
            plan.layers[j + 1].input_sharded == plan.layers[i].input_sharded &&
-           plan.layers[j + 1].attention == plan.layers[i].attention && plan.chunk_of(j + 1) == plan.chunk_of(i)) {
+           plan.layers[j + 1].attention == plan.layers[i].attention &&
+           plan.layers[j + 1].offloaded == plan.layers[i].offloaded && plan.chunk_of(j + 1) == plan.chunk_of(i)) {
       ++j;
     }
     const LayerPlan& l = plan.layers[i];
@@ -763,6 +848,7 @@ std::string explain_plan(const ActivationPlan& plan) {
     }
     r.drops = dropped.empty() ? "-" : kept.empty() ? "all" : join(dropped, ", ");
     r.attention = l.attention ? attention_name(*l.attention) : "-";
+    r.offloads = l.offloaded.empty() ? "-" : join(l.offloaded.names(), ", ");
     const int64_t chunk = plan.chunk_of(i);
     if (chunk >= 0) {
       r.chunk = fmt::format("{}-{}", chunk + 1, plan.chunk_end(chunk) + 1);
@@ -779,13 +865,16 @@ std::string explain_plan(const ActivationPlan& plan) {
     w_drops = std::max(w_drops, r.drops.size());
   }
   std::string out = fmt::format("policy: {} ({} layers, numbered from 1)\n", plan.policy, n);
-  auto line = [&](const std::string& a, const std::string& b, const std::string& c, const std::string& d,
-                  const std::string& e) {
-    if (!per_layer_op) return fmt::format("{:<{}}  {:<{}}  {:<{}}  {}\n", a, w_layers, b, w_keeps, c, w_drops, d);
-    return fmt::format("{:<{}}  {:<{}}  {:<{}}  {:<5}  {}\n", a, w_layers, b, w_keeps, c, w_drops, d, e);
+  const auto line = [&](const Row& r) {
+    std::string text =
+        fmt::format("{:<{}}  {:<{}}  {:<{}}  {:<5}", r.layers, w_layers, r.keeps, w_keeps, r.drops, w_drops, r.chunk);
+    if (per_layer_op) text += fmt::format("  {:<9}", r.attention);
+    if (offloads) text += "  " + r.offloads;
+    while (!text.empty() && text.back() == ' ') text.pop_back();
+    return text + "\n";
   };
-  out += line("layers", "keeps", "drops", "chunk", "attention");
-  for (const auto& r : rows) out += line(r.layers, r.keeps, r.drops, r.chunk, r.attention);
+  out += line({"layers", "keeps", "drops", "chunk", "attention", "offloaded to host"});
+  for (const auto& r : rows) out += line(r);
   return out;
 }
 

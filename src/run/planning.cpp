@@ -275,8 +275,7 @@ RunPlan plan_run(const Config& cfg, at::ScalarType dtype, const TimeProfile& pro
   }
   r.pipeline.reset();
   if (profile.base_seconds > 0) {
-    r.step_seconds =
-        profile.step_seconds(cfg.train.grad_accum, r.predicted.recompute_seconds + r.predicted.attention_seconds);
+    r.step_seconds = profile.step_seconds(cfg.train.grad_accum, r.predicted.added_seconds());
     r.none_step_seconds = profile.step_seconds(cfg.train.grad_accum, 0.0);
   }
   return r;

@@ -75,6 +75,7 @@ std::string layer_words(const ActivationPlan& plan, const std::vector<std::strin
   }
   if (lp.input_sharded) text += "; input as a share per tensor-parallel rank";
   if (lp.attention) text += fmt::format("; {} attention", attention_name(*lp.attention));
+  if (!lp.offloaded.empty()) text += "; offloads " + by_module(lp.offloaded.names()) + " to host memory";
   return text;
 }
 
@@ -103,6 +104,10 @@ std::string breakdown(const cost::StepPrediction& p) {
   s += fmt::format(", batch {}\n  kept activations {}, working set {}", format_bytes(p.statics.batch),
                    format_bytes(p.peak - p.statics.total() - p.working_set), format_bytes(p.working_set));
   if (p.statics.resident > 0) s += fmt::format(", token corpus {}", format_bytes(p.statics.resident));
+  if (p.host_peak > 0) {
+    s += fmt::format("\n  host memory {} at most (offloaded slots), {} copied there and back a step",
+                     format_bytes(p.host_peak), format_bytes(p.offloaded_bytes));
+  }
   return s + "\n";
 }
 
@@ -116,7 +121,9 @@ nlohmann::json breakdown_json(const cost::StepPrediction& p) {
           {"kept_activations", p.peak - p.statics.total() - p.working_set},
           {"working_set", p.working_set},
           {"peak", p.peak},
-          {"peak_at", p.peak_at}};
+          {"peak_at", p.peak_at},
+          {"host_peak", p.host_peak},
+          {"offloaded_bytes", p.offloaded_bytes}};
 }
 
 // The layers `pred` predicts (a pipeline stage's, or every layer) under `plan` of a block
@@ -218,13 +225,17 @@ std::string plan_text(const Config& cfg, const RunPlan& r) {
                          "the schedule simulated stage by stage, {:.1f} ms (transfers not priced), + {:.1f} ms "
                          "the slowest stage's optimizer",
                          1e3 * r.pipeline->simulated_seconds, 1e3 * (r.step_seconds - r.pipeline->simulated_seconds))
-                   : fmt::format("{} x {:.1f} ms forward and backward{} + {:.1f} ms recompute + {:.1f} ms optimizer",
+                   : fmt::format("{} x {:.1f} ms forward and backward{} + {:.1f} ms recompute{} + {:.1f} ms optimizer",
                                  cfg.train.grad_accum, 1e3 * prof.base_seconds,
                                  p.attention_seconds != 0 ? fmt::format(" {:+.1f} ms the layers running the other "
                                                                         "attention op",
                                                                         1e3 * p.attention_seconds)
                                                           : "",
-                                 1e3 * p.recompute_seconds, 1e3 * prof.optimizer_seconds);
+                                 1e3 * p.recompute_seconds,
+                                 p.offloaded_bytes > 0
+                                     ? fmt::format(" + {:.1f} ms copies to host memory and back", 1e3 * p.copy_seconds)
+                                     : "",
+                                 1e3 * prof.optimizer_seconds);
     text += line(fmt::format("predicted step time {:.1f} ms: {}", 1e3 * r.step_seconds, parts));
     if (!prof.path.empty()) text += line("time profile: " + prof.path);
   }

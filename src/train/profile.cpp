@@ -470,6 +470,22 @@ LinkRate measure_link_rate(dist::Comm& ranks) {
   return fit;
 }
 
+double measure_host_copy_rate(at::Device device) {
+  const int64_t bytes = int64_t{16} << 20;
+  memory::HostPool pool;
+  const std::vector<at::Tensor> tensor{at::zeros({bytes}, at::TensorOptions().dtype(at::kByte).device(device))};
+  std::vector<double> reps;
+  for (int rep = 0; rep <= 3; ++rep) {
+    synchronize(device);
+    const auto t0 = std::chrono::steady_clock::now();
+    const std::vector<at::Tensor> back = memory::HostPool::to_device(pool.to_host(tensor), device);
+    synchronize(device);
+    if (rep > 0) reps.push_back(seconds_since(t0));  // rep 0 takes the pool's buffer
+  }
+  std::sort(reps.begin(), reps.end());
+  return 2.0 * static_cast<double>(bytes) / reps[reps.size() / 2];
+}
+
 TimeProfile run_time_profile(const Config& cfg, at::Device device, at::ScalarType dtype, const data::TokenDataset& data,
                              dist::Comm* ranks, double matmul_rate,
                              const std::function<std::unique_ptr<Model>()>& create, std::unique_ptr<Model>& model) {
@@ -497,6 +513,10 @@ TimeProfile run_time_profile(const Config& cfg, at::Device device, at::ScalarTyp
     profile.times.link_bytes_per_second = link.bytes_per_second * profile.seconds_per_unit;
     profile.times.link_latency_seconds = link.latency_seconds / profile.seconds_per_unit;
   }
+  // Measured at every start (milliseconds), rank 0's for every rank as the rest of the profile.
+  double copy = measure_host_copy_rate(device);
+  if (ranks != nullptr && ranks->size() > 1) copy = rank0s(*ranks, copy, "sharing rank 0's measure of host copies");
+  profile.times.host_bytes_per_second = copy * profile.seconds_per_unit;
   return profile;
 }
 

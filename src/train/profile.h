@@ -94,13 +94,18 @@ struct LinkRate {
 };
 LinkRate measure_link_rate(dist::Comm& ranks);
 
+/// Bytes a second the offloaded slots' copies move between `device` and host memory
+/// (memory::HostPool), each way: the median of a few round trips of 16 MiB.
+double measure_host_copy_rate(at::Device device);
+
 /// The profile a run of `cfg` (a rank_share) plans from, as `remat train` and `remat bench`
 /// take it: under ac.profile, rank_time_profile on the whole model `create` builds, left in
 /// `model` for the caller to train (the one there before is freed first), or, with
 /// pipeline stages, probe_time_profile; without ac.profile, time in FLOPs (as `remat plan`
 /// prices it; seconds_per_unit from `matmul_rate`), which predicts no step time. Under tensor parallelism either
 /// way, with the links measure_link_rate measures (cached with the profile under ac.profile),
-/// which price the collectives no node time covers (all of them without ac.profile).
+/// which price the collectives no node time covers (all of them without ac.profile). Always
+/// with the host copy rate, measured anew (measure_host_copy_rate).
 TimeProfile run_time_profile(const Config& cfg, at::Device device, at::ScalarType dtype, const data::TokenDataset& data,
                              dist::Comm* ranks, double matmul_rate,
                              const std::function<std::unique_ptr<Model>()>& create, std::unique_ptr<Model>& model);

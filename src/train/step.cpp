@@ -338,7 +338,10 @@ StepResult TrainStep::run(int64_t step, const data::TokenDataset& data, std::mt1
         "(now {}) or set train.grad_clip (now {}).",
         step + 1, w, r.loss, r.grad_norm, r.lr, t.grad_clip));
   }
-  if (model_.store() != nullptr) r.counters = model_.store()->counters();
+  if (model_.store() != nullptr) {
+    r.counters = model_.store()->counters();
+    r.host_peak_bytes = model_.store()->host().counts().peak_in_use;
+  }
   return r;
 }
 

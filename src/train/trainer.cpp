@@ -297,6 +297,7 @@ void take_predictions(const RunPlan& planned, TrainSummary& sum) {
   sum.predicted_peak_bytes = planned.peak();
   sum.budget_bytes = planned.budget;
   sum.predicted_reserved_bytes = planned.device_peak().reserved_peak;
+  sum.predicted_host_peak_bytes = planned.predicted.host_peak;
   sum.predicted_step_seconds = planned.step_seconds;
 }
 
@@ -359,6 +360,7 @@ nlohmann::json step_metrics(int64_t step, const StepResult& r, const std::vector
           {"pool_hits", c.pool.hits},
           {"pool_misses", c.pool.misses},
           {"pool_bytes_served", c.pool.bytes_served},
+          {"host_peak_bytes", r.host_peak_bytes},
           {"reduce_buckets", r.reduce_buckets},
           {"reduce_buckets_overlapped", r.reduce_buckets_overlapped}};
 }
@@ -478,6 +480,8 @@ void report(const RunSpec& spec, const Ranks& ranks, const Machine& machine, con
       {"budget_bytes", sum.budget_bytes},
       {"reserved_peak_bytes", sum.reserved_peak_bytes},
       {"predicted_reserved_bytes", sum.predicted_reserved_bytes},
+      {"host_peak_bytes", sum.host_peak_bytes},
+      {"predicted_host_peak_bytes", sum.predicted_host_peak_bytes},
       {"predicted_step_seconds", sum.predicted_step_seconds},
       {"predicted_none_peak_bytes", planned.none_peak},
       {"predicted_none_step_seconds", planned.none_step_seconds},
@@ -507,6 +511,10 @@ void report(const RunSpec& spec, const Ranks& ranks, const Machine& machine, con
              memory::format_bytes(sum.activation_bytes), memory::format_bytes(predicted_activations));
   if (ranks.world > 1) {
     fmt::print(stderr, "memory peak per rank: {}\n", format_rank_peaks(sum.rank_peak_bytes, rank_predicted));
+  }
+  if (sum.predicted_host_peak_bytes > 0) {
+    fmt::print(stderr, "host memory of the offloaded slots: peak {} (predicted {})\n",
+               memory::format_bytes(sum.host_peak_bytes), memory::format_bytes(sum.predicted_host_peak_bytes));
   }
   if (sum.predicted_reserved_bytes > 0) {
     fmt::print(stderr, "CUDA caching allocator: reserved peak {} (its model predicted {})\n",
@@ -671,6 +679,7 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
     sum.tokens += tokens_per_step;
     sum.peak_bytes = std::max(sum.peak_bytes, peak);
     sum.reserved_peak_bytes = std::max(sum.reserved_peak_bytes, r.reserved_peak_bytes);
+    sum.host_peak_bytes = r.host_peak_bytes;
     keep_highest(sum.rank_peak_bytes, gathered.peaks);
     sum.activation_bytes = r.activations.total();
     if (step == 0) {

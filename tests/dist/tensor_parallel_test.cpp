@@ -230,14 +230,16 @@ TEST(TensorParallel, APaddedVocabularyEqualsOneProcessInFloat64) {
 // gradient parts are bitwise those of the same ranks without recompute; with sequence
 // parallelism also gathering the column-parallel inputs again (tp_recompute_allgather)
 // instead of keeping them, alone or with a policy; without it, keeping the inputs of the
-// layers recomputed whole as a share per rank (distribute_saved_activations).
+// layers recomputed whole as a share per rank (distribute_saved_activations); or moving
+// kept slots to host memory until the backward (offload).
 TEST(TensorParallel, EveryPolicyIsBitwiseTheSameRanksWithoutRecompute) {
   for (const char* arch : {"gpt2", "llama"}) {
     for (const bool sp : {false, true}) {
       const ModelConfig cfg = shape_for(arch, 2, 0.1);
       const std::vector<Result> none = on_tp(2, cfg, at::kFloat, "none", true, LossHead::fused, sp);
       for (const char* policy : {"full", "modules:[core_attn]", "ops:[matmul]", "every:2", "uniform:2", "none+",
-                                 "modules:[core_attn]+", "uniform:1*", "uniform:2*", "block:1*"}) {
+                                 "modules:[core_attn]+", "uniform:1*", "uniform:2*", "block:1*", "full+offload:[input]",
+                                 "modules:[core_attn]+offload:[input,mlp,attn.gathered]"}) {
         const char mark = std::string(policy).back();
         if ((mark == '+' && !sp) || (mark == '*' && sp)) continue;
         const std::vector<Result> got = on_tp(2, cfg, at::kFloat, policy, true, LossHead::fused, sp);

@@ -45,7 +45,6 @@ std::pair<int64_t, int64_t> replay(const Events& e, const std::vector<int64_t>& 
       current += ev.bytes;
     }
     if (ev.kind == K::release) current -= temps.at(ev.handle);
-    if (ev.kind == K::adopt) temps.erase(ev.handle);  // its bytes stay, as a result
     peak = std::max(peak, current);
   }
   return {peak, current};

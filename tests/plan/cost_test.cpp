@@ -22,6 +22,7 @@ namespace {
 struct Measured {
   int64_t peak_above_start = 0;  ///< peak of one forward_backward minus the bytes live before it
   StoreCounters counters;
+  memory::HostPool::Counts host;  ///< over both forward_backwards
 };
 
 Measured measure(const ModelConfig& cfg, const ActivationPlan& plan, int64_t B, int64_t T, int64_t ce_chunk,
@@ -43,7 +44,10 @@ Measured measure(const ModelConfig& cfg, const ActivationPlan& plan, int64_t B, 
   model->forward_backward(tok, tgt, {5, 2, 0}, 1.0, ce_chunk);
   Measured m;
   m.peak_above_start = memory::stats(at::kCPU).peak - before;
-  if (model->store() != nullptr) m.counters = model->store()->counters();
+  if (model->store() != nullptr) {
+    m.counters = model->store()->counters();
+    m.host = model->store()->host().counts();
+  }
   return m;
 }
 
@@ -182,6 +186,86 @@ TEST(CostModel, RandomKeepSetsPeakWhereTheCostModelSays) {
             << preset << " " << attention_name(attention) << " early_stop=" << early_stop << " " << text;
         EXPECT_EQ(pred.recomputed_bytes, m.counters.bytes_recomputed)
             << preset << " " << attention_name(attention) << " " << text;
+      }
+    }
+  }
+}
+
+// The planner's folded walk against the walk replaying every declared event: equal in
+// every field, for every attention op, tensor and sequence parallelism, either store.
+TEST(CostModel, FoldedPricesEqualTheEventByEventWalk) {
+  std::mt19937 rng(20261126);
+  const auto slots = SlotMask::droppable().slots();
+  for (const char* preset : {"gpt2-demo", "llama-demo"}) {
+    for (Attention attention : kAttentionOps) {
+      ModelConfig cfg = config(preset, 1, attention == Attention::sdpa ? 0.0 : 0.1);
+      cfg.attention = attention;
+      cfg.attention_tile = 12;
+      for (const auto& [tp, sp] : {std::pair{1, false}, std::pair{2, false}, std::pair{2, true}}) {
+        const graph::BlockGraph g = graph::block_graph(cfg, 2, 200, at::kFloat, tp, sp);
+        cost::NodeTimes times;
+        times.flops_per_second = 1e9;
+        times.link_bytes_per_second = 1e8;
+        for (const bool early_stop : {true, false}) {
+          const cost::LayerPricer pricer(g, early_stop, times);
+          for (int trial = 0; trial < 12; ++trial) {
+            SlotMask dropped;
+            for (const Slot s : slots) {
+              if (rng() % 2) dropped.add(s);
+            }
+            const bool sharded = g.input_shardable() && rng() % 2;
+            const cost::LayerCost want = cost::price_layer(g, dropped, early_stop, times, sharded);
+            const cost::LayerCost got = pricer.price(dropped, sharded);
+            const std::string what =
+                fmt::format("{} {} tp={} sp={} early_stop={} [{}] sharded={}", preset, attention_name(attention), tp,
+                            sp, early_stop, fmt::join(dropped.names(), ","), sharded);
+            EXPECT_EQ(got.kept, want.kept) << what;
+            EXPECT_EQ(got.forward_peak, want.forward_peak) << what;
+            EXPECT_EQ(got.backward_peak, want.backward_peak) << what;
+            EXPECT_EQ(got.recomputed_bytes, want.recomputed_bytes) << what;
+            EXPECT_EQ(got.recompute_flops, want.recompute_flops) << what;
+            EXPECT_EQ(got.recompute_seconds, want.recompute_seconds) << what;
+            EXPECT_EQ(got.recompute_link_seconds, want.recompute_link_seconds) << what;
+            EXPECT_EQ(got.ops, want.ops) << what;
+            const cost::LayerCost forward = pricer.forward(dropped, sharded);
+            EXPECT_EQ(forward.forward_peak, want.forward_peak) << what;
+            EXPECT_EQ(forward.kept, want.kept) << what;
+          }
+        }
+      }
+    }
+  }
+}
+
+// Plans mixing the three fates per slot (kept, recomputed, offloaded) peak on the device
+// where the cost model says, and hold in host memory exactly the bytes it predicts, in
+// buffers of exactly their storages' bytes: the pool reserves no more than its peak.
+TEST(CostModel, OffloadPlansPeakAndHoldHostBytesWhereTheCostModelSays) {
+  std::mt19937 rng(20261127);
+  for (const char* preset : {"gpt2-demo", "llama-demo"}) {
+    for (Attention attention : {Attention::math, Attention::tiled}) {
+      ModelConfig cfg = config(preset, 3, 0.1);
+      cfg.attention = attention;
+      cfg.attention_tile = 12;
+      const int64_t B = 2, T = 32, chunk = 48;
+      cost::StepShape shape = testing::plan_shape(B, T);
+      shape.ce_chunk = chunk;
+      for (int trial = 0; trial < 12; ++trial) {
+        std::string text;
+        const ActivationPlan plan = testing::random_fates(rng, cfg.n_layer, text);
+        const bool early_stop = rng() % 4 != 0;
+        const auto pred = cost::predict_step(cfg, shape, plan, early_stop, {});
+        const int64_t predicted = pred.peak - pred.statics.total() + pred.statics.batch;
+        const Measured m = measure(cfg, plan, B, T, chunk, early_stop);
+        const std::string what =
+            fmt::format("{} {} early_stop={} {}", preset, attention_name(attention), early_stop, text);
+        EXPECT_NEAR(predicted, m.peak_above_start, 8 * 1024) << what;
+        EXPECT_EQ(pred.recomputed_bytes, m.counters.bytes_recomputed) << what;
+        EXPECT_GT(pred.host_peak, 0) << what;
+        EXPECT_EQ(m.host.peak_in_use, pred.host_peak) << what;
+        EXPECT_EQ(m.host.reserved, pred.host_peak) << what;
+        EXPECT_EQ(m.host.moved, 2 * pred.offloaded_bytes) << what;  // the warm-up's step and the measured one
+        EXPECT_EQ(m.host.in_use, 0) << what;
       }
     }
   }

@@ -365,12 +365,12 @@ TEST(PipelinePlan, PlannerEqualsBruteForceOverSimulatedPlans) {
             if (end > pos) break;
           }
           for (const auto& c : candidates) {
-            plan.layers[pos] = {c, -1, false, {}};
+            plan.layers[pos] = {c, -1, false, {}, {}};
             walk(split, pos + 1);
           }
           if (pos + 2 <= end) {
-            plan.layers[pos] = {everything, -1, false, {}};
-            plan.layers[pos + 1] = {everything, pos, false, {}};
+            plan.layers[pos] = {everything, -1, false, {}, {}};
+            plan.layers[pos + 1] = {everything, pos, false, {}, {}};
             walk(split, pos + 2);
           }
         };

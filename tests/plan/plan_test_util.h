@@ -7,6 +7,7 @@
 #include "remat/policy.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <iterator>
 #include <random>
@@ -35,6 +36,26 @@ inline cost::StepShape plan_shape(int64_t B, int64_t T, at::ScalarType dtype = a
   s.dtype = dtype;
   s.grad_accum = microbatches;
   return s;
+}
+
+/// Per layer, the input kept or offloaded and each droppable slot kept, recomputed or
+/// offloaded, at random (LayerPlan::offloaded); `text` gets each layer's choice.
+inline ActivationPlan random_fates(std::mt19937& rng, int64_t layers, std::string& text) {
+  ActivationPlan plan;
+  plan.policy = "random";
+  for (int64_t l = 0; l < layers; ++l) {
+    LayerPlan lp;
+    if (rng() % 2) lp.offloaded.add(Slot::input);
+    for (const Slot s : SlotMask::droppable().slots()) {
+      const auto fate = rng() % 3;
+      if (fate == 1) lp.dropped.add(s);
+      if (fate == 2) lp.offloaded.add(s);
+    }
+    text +=
+        fmt::format("[drop {} offload {}] ", fmt::join(lp.dropped.names(), ","), fmt::join(lp.offloaded.names(), ","));
+    plan.layers.push_back(lp);
+  }
+  return plan;
 }
 
 /// One random step: the model, its plan, and how it runs.

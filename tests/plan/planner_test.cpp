@@ -51,13 +51,13 @@ double brute_force(const ModelConfig& cfg, const cost::StepShape& shape, const c
     for (const bool sharded : holds) {
       for (const auto& c : candidates) {
         for (const auto& op : ops) {
-          plan.layers[pos] = {c, -1, sharded, op};
+          plan.layers[pos] = {c, -1, sharded, op, {}};
           walk(pos + 1);
         }
       }
       for (int64_t n = 2; n <= std::min(max_chunk, L - pos); ++n) {
         for (int64_t j = pos; j < pos + n; ++j) {
-          plan.layers[j] = {everything, j == pos ? -1 : pos, j == pos && sharded, {}};
+          plan.layers[j] = {everything, j == pos ? -1 : pos, j == pos && sharded, {}, {}};
         }
         walk(pos + n);
       }

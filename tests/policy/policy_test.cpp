@@ -9,6 +9,12 @@
 
 #include "remat/config.h"
 
+// GCC 12 warns, wrongly, that assigning an AcConfig's empty optionals reads uninitialized
+// strings (as in src/policy/policy.cpp).
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
 namespace remat {
 namespace {
 
@@ -394,7 +400,8 @@ TEST(PolicyErrors, UnknownNamesListTheValidOnes) {
   EXPECT_EQ(error_of([] { compile_policy("selective", 2); }),
             "ac.policy = \"selective\": 'selective' is not a recompute policy; valid forms are none, full, every:K, "
             "uniform:N, block:N, ratio:R, modules:[...], ops:[...], layers:[...] and X+Y (X one of every:K, "
-            "block:N, ratio:R; Y one of modules:[...], ops:[...]).");
+            "block:N, ratio:R; Y one of modules:[...], ops:[...]), each optionally followed by "
+            "+offload:[slots or modules].");
 }
 
 TEST(PolicyErrors, LayerListsAndCompositions) {
@@ -707,6 +714,86 @@ TEST(PolicyExplain, GroupsIdenticalLayersAndShowsChunks) {
                       "attn.probs, attn.dropout  -\n"),
             std::string::npos)
       << mods;
+}
+
+// ---- offload ---------------------------------------------------------------------------------
+
+std::vector<Slots> offloads(const ActivationPlan& p) {
+  std::vector<Slots> out;
+  for (const auto& l : p.layers) {
+    const auto names = l.offloaded.names();
+    out.emplace_back(names.begin(), names.end());
+  }
+  return out;
+}
+
+TEST(PolicyOffload, EachLayerOffloadsTheNamedSlotsItKeeps) {
+  const ActivationPlan full = compile_policy("full + offload:[mlp, input]", 3);
+  EXPECT_EQ(full.policy, "full+offload:[input,mlp.fc_in,mlp.gathered,mlp.act_in,mlp.proj_in,mlp.resid]");
+  EXPECT_EQ(offloads(full), std::vector<Slots>(3, Slots{"input"}));  // the mlp slots are recomputed
+  EXPECT_EQ(drops(full), std::vector<Slots>(3, all()));
+
+  const ActivationPlan alone = compile_policy("none+offload:[attn]", 2);
+  EXPECT_EQ(alone.policy,
+            "offload:[attn.norm,attn.qkv_in,attn.gathered,attn.qkv,attn.probs,attn.dropout,"
+            "attn.proj_in,attn.resid]");
+  EXPECT_EQ(drops(alone), std::vector<Slots>(2, Slots{}));
+  const ActivationPlan selective = compile_policy("modules:[core_attn]+offload:[attn]", 2);
+  EXPECT_EQ(offloads(selective)[1],
+            (Slots{"attn.norm", "attn.qkv_in", "attn.gathered", "attn.qkv", "attn.proj_in", "attn.resid"}));
+
+  // A uniform chunk keeps only its first layer's input: that is what moves.
+  const ActivationPlan uniform = compile_policy("uniform:2+offload:[input]", 3);
+  EXPECT_EQ(offloads(uniform), (std::vector<Slots>{{"input"}, {}, {"input"}}));
+  // A composition keeps its layers and adds the offload.
+  const ActivationPlan three = compile_policy("every:2+modules:[act]+offload:[qkv]", 4);
+  EXPECT_EQ(three.policy, "every:2+modules:[act]+offload:[attn.qkv]");
+  EXPECT_EQ(offloads(three), (std::vector<Slots>{{"attn.qkv"}, {}, {"attn.qkv"}, {}}));
+  EXPECT_EQ(drops(three)[0], Slots{"mlp.proj_in"});
+
+  EXPECT_FALSE(same_layers(compile_policy("full", 2), compile_policy("full+offload:[input]", 2)));
+  EXPECT_NE(explain_plan(full).find("offloaded to host\n1-3     block input only  all    -      input\n"),
+            std::string::npos)
+      << explain_plan(full);
+}
+
+TEST(PolicyOffload, TorchtunesActivationOffloadingOffloadsEveryKeptSlot) {
+  AcConfig checkpointed;
+  checkpointed.enable_activation_checkpointing = true;
+  checkpointed.enable_activation_offloading = true;
+  const ActivationPlan full = compile_policy(checkpointed, 3, 0.0);
+  EXPECT_EQ(offloads(full), std::vector<Slots>(3, Slots{"input"}));
+  EXPECT_EQ(full.policy.rfind("full+offload:[input,attn.norm,", 0), 0u) << full.policy;
+  AcConfig alone;
+  alone.enable_activation_offloading = true;
+  Slots every = all();
+  every.insert("input");
+  EXPECT_EQ(offloads(compile_policy(alone, 2, 0.0)), std::vector<Slots>(2, every));
+  alone.policy = "offload:[input]";
+  EXPECT_EQ(error_of([&] { compile_policy(alone, 2, 0.0); }),
+            "ac.enable_activation_offloading = true: the policy offload:[input] already offloads; give one "
+            "offload:[...].");
+}
+
+TEST(PolicyOffload, AnOffloadThatCannotWorkIsASentence) {
+  EXPECT_EQ(error_of([] { compile_policy("full+offload:[mlp]", 2); }),
+            "ac.policy = \"full+offload:[mlp]\": offload:[mlp] moves nothing to host memory: the policy full "
+            "recomputes every slot it names in every layer, and a recomputed slot is not kept; offload slots the "
+            "policy keeps, e.g. full+offload:[input].");
+  EXPECT_NE(error_of([] { compile_policy("offload:[bogus]", 2); })
+                .find("unknown slot or module 'bogus'; valid slot "
+                      "or modules are input, attn.norm"),
+            std::string::npos);
+  EXPECT_EQ(error_of([] { compile_policy("offload:[input]+full", 2); }),
+            "ac.policy = \"offload:[input]+full\": offload:[...] is the last term of a policy (X+offload:[...]), "
+            "got it before full.");
+  AcConfig ac;
+  ac.policy = "full+offload:[input]";
+  ac.distribute_saved_activations = true;
+  EXPECT_NE(error_of([&] {
+              compile_policy(ac, 2, 0.0);
+            }).find("offloads that input to host memory: a kept input is held one way"),
+            std::string::npos);
 }
 
 // ---- configuration -------------------------------------------------------------------------

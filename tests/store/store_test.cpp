@@ -3,37 +3,19 @@
 // re-executes exactly the ops the plan implies.
 #include "remat/model.h"
 #include "remat/policy.h"
+#include "store/store_run.h"
 
 #include "util/sdpa.h"
 
-#include <ATen/Parallel.h>
 #include <gtest/gtest.h>
 
 namespace remat {
 namespace {
 
-struct Outcome {
-  std::vector<double> losses;
-  std::vector<at::Tensor> grads;
-  StoreCounters counters;
-};
+using Outcome = testing::StoreOutcome;
 
-// Two microbatches accumulated into one gradient, as the trainer does.
 Outcome run(const ModelConfig& cfg, const ActivationPlan& plan, int64_t B, int64_t T, StoreOptions opt = {}) {
-  at::set_num_threads(1);
-  auto model = Model::create(cfg, at::kCPU, at::kFloat, 3);
-  model->set_activation_plan(plan, opt);
-  auto gen = at::detail::createCPUGenerator(9);
-  Outcome r;
-  model->zero_grad();
-  for (uint64_t micro = 0; micro < 2; ++micro) {
-    auto tok = at::randint(cfg.vocab_size, {B, T}, gen, at::kLong);
-    auto tgt = at::randint(cfg.vocab_size, {B, T}, gen, at::kLong);
-    r.losses.push_back(model->forward_backward(tok, tgt, {5, 2, micro}, 0.5, 7));
-  }
-  for (const auto& p : model->params()) r.grads.push_back(p.grad.clone());
-  if (model->store() != nullptr) r.counters = model->store()->counters();
-  return r;
+  return testing::run_two_microbatches(cfg, plan, B, T, opt);
 }
 
 Outcome run(const ModelConfig& cfg, const std::string& policy, int64_t B, int64_t T, StoreOptions opt = {}) {

@@ -76,7 +76,9 @@ TEST(PipelineStep, StagesOnGlooRanksTrainLikeTheWholeModel) {
     const ModelConfig cfg = config(preset);
     for (const int64_t P : {2, 4}) {
       std::map<std::string, Whole> whole;
-      for (const char* policy : {"none", "full", "block:1"}) whole[policy] = whole_run(cfg, plan_of(cfg, policy, P));
+      for (const char* policy : {"none", "full", "block:1", "modules:[core_attn]+offload:[input,mlp]"}) {
+        whole[policy] = whole_run(cfg, plan_of(cfg, policy, P));
+      }
       for (const Schedule sched : {Schedule::one_f_one_b, Schedule::gpipe}) {
         SCOPED_TRACE(fmt::format("{}, {} stages, {}", preset, P, pipeline::schedule_name(sched)));
         testing::on_gloo_ranks(

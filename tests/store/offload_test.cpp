@@ -1,0 +1,72 @@
+// Offloaded slots (LayerPlan::offloaded) train exactly like `none`: the same losses and
+// bitwise the same gradients, for every policy with an offload term and for random plans
+// mixing keep, recompute and offload per slot, on both architectures and every attention op.
+#include "plan/plan_test_util.h"
+#include "remat/policy.h"
+#include "store/store_run.h"
+
+#include "util/sdpa.h"
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <random>
+
+namespace remat {
+namespace {
+
+const char* kOffloadPolicies[] = {"offload:[input]",
+                                  "full+offload:[input]",
+                                  "offload:[attn,mlp]",
+                                  "modules:[core_attn]+offload:[input,mlp]",
+                                  "uniform:2+offload:[input]",
+                                  "every:2+modules:[act]+offload:[qkv,norm]",
+                                  "ops:[matmul]+offload:[attn.qkv,mlp.act_in]",
+                                  "offload:[attn.probs,attn.dropout,mlp.proj_in]"};
+
+class OffloadBitwise : public ::testing::TestWithParam<std::tuple<std::string, Attention>> {};
+
+TEST_P(OffloadBitwise, EveryOffloadPlanEqualsNoneBitwise) {
+  const auto& [preset, attention] = GetParam();
+  if (attention == Attention::sdpa) REMAT_SKIP_WITHOUT_SDPA();
+  ModelConfig cfg = model_preset(preset);
+  cfg.n_layer = 4;
+  cfg.dropout = attention == Attention::sdpa ? 0.0 : 0.2;  // sdpa has no attention dropout
+  cfg.attention = attention;
+  cfg.attention_tile = 4;
+  const int64_t B = 2, T = 9;
+  const testing::StoreOutcome base =
+      testing::run_two_microbatches(cfg, compile_policy("none", cfg.n_layer, cfg.dropout), B, T);
+  const auto check = [&](const ActivationPlan& plan, const std::string& what) {
+    const testing::StoreOutcome r = testing::run_two_microbatches(cfg, plan, B, T);
+    EXPECT_EQ(r.losses, base.losses) << what;
+    for (size_t i = 0; i < base.grads.size(); ++i) {
+      ASSERT_TRUE(at::equal(r.grads[i], base.grads[i])) << what << " parameter " << i;
+    }
+    // Every buffer is back in the pool after the backwards; some memory went through it.
+    EXPECT_EQ(r.host.in_use, 0) << what;
+    EXPECT_GT(r.host.moved, 0) << what;
+  };
+  for (const char* policy : kOffloadPolicies) check(compile_policy(policy, cfg.n_layer, cfg.dropout), policy);
+  std::mt19937 rng(20261126);
+  for (int trial = 0; trial < 6; ++trial) {
+    std::string text;
+    const ActivationPlan plan = testing::random_fates(rng, cfg.n_layer, text);
+    check(plan, text);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, OffloadBitwise,
+                         ::testing::Values(std::make_tuple("tiny-gpt2", Attention::math),
+                                           std::make_tuple("tiny-llama", Attention::math),
+                                           std::make_tuple("tiny-gpt2", Attention::tiled),
+                                           std::make_tuple("tiny-llama", Attention::tiled),
+                                           std::make_tuple("tiny-gpt2", Attention::sdpa),
+                                           std::make_tuple("tiny-llama", Attention::sdpa)),
+                         [](const auto& info) {
+                           return fmt::format("{}_{}", std::get<0>(info.param) == "tiny-gpt2" ? "gpt2" : "llama",
+                                              attention_name(std::get<1>(info.param)));
+                         });
+
+}  // namespace
+}  // namespace remat
