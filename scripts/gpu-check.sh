@@ -61,7 +61,7 @@ grep -E "first the model|OK \]|FAILED \]" "$out/replay.log" | head -8 | tee -a "
 rm -rf tests/memory/traces  # they come back in $OUT/traces, to be committed there
 
 step "peaks: the allocator's model against the allocator (remat bench)"
-policies='none;full;every:2;uniform:2;modules:[core_attn]'
+policies='none;full;every:2;uniform:2;modules:[core_attn];full+offload:[input];modules:[core_attn]+offload:[input,mlp]'
 llama_1b=(model.preset=llama3-8b model.n_layer=16 model.d_model=2048 model.n_head=32 model.n_kv_head=8
   model.d_ff=8192 model.max_seq=1024 train.seq=1024 train.batch=4 run.dtype=bfloat16)
 models=(gpt2-demo llama-demo)

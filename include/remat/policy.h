@@ -95,7 +95,10 @@ struct AcConfig {
   std::string check = "none";       ///< "none" | "meta" | "values": verify recompute
   bool early_stop = true;           ///< stop a recompute once the needed tensors exist
   bool pool = true;                 ///< recompute into recycled buffers (StoreOptions::pool)
-  int64_t stages = 1;               ///< pipeline stages the layers are split across
+  /// GB/s each way between the device and host memory that `remat plan` prices offloaded
+  /// slots' copies at (a run measures its own); 25: about a PCIe 4 x16 link, 55 PCIe 5.
+  double offload_rate = 25;
+  int64_t stages = 1;  ///< pipeline stages the layers are split across
 };
 
 /// Resolves the aliases to one canonical policy, validates it for a model of `n_layers`

@@ -318,6 +318,7 @@ std::vector<ConfigKey> make_keys() {
       key("ac.check", &C::ac, &AcConfig::check, "verify recompute: none, meta or values"),
       key("ac.early_stop", &C::ac, &AcConfig::early_stop, "stop recompute once outputs exist"),
       key("ac.pool", &C::ac, &AcConfig::pool, "recompute into recycled buffers"),
+      key("ac.offload_rate", &C::ac, &AcConfig::offload_rate, "GB/s device to host and back (remat plan's copies)"),
       key("ac.stages", &C::ac, &AcConfig::stages, "pipeline stages the layers split into"),
       ac_key("ac.enable_activation_checkpointing", &AcConfig::enable_activation_checkpointing,
              "torchtune: true alone = full"),
@@ -859,6 +860,12 @@ void validate_config(const Config& c) {
         fmt::format("parallel.link_rate must be the GB/s a rank sends at over its tensor-parallel links, above 0 and "
                     "at most 1000000, got {}; for example 20 for PCIe 4, 200 for NVLink 3, 350 for NVLink 4.",
                     c.parallel.link_rate));
+  }
+  if (!(c.ac.offload_rate > 0 && c.ac.offload_rate <= 1e6)) {
+    fail(
+        fmt::format("ac.offload_rate must be the GB/s copies move between the device and host memory, above 0 and "
+                    "at most 1000000 (25 for PCIe 4, 55 for PCIe 5), got {}.",
+                    c.ac.offload_rate));
   }
   if (!(c.parallel.compute_rate > 0 && c.parallel.compute_rate <= 1e6)) {
     fail(

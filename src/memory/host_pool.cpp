@@ -20,12 +20,13 @@ std::vector<at::Tensor> relocate(const std::vector<at::Tensor>& ts, const std::f
     if (it == copies.end()) {
       const auto n = static_cast<int64_t>(s.nbytes());
       at::Tensor dst = bytes_on(n);
-      const at::Tensor src = at::empty({0}, at::TensorOptions().dtype(at::kByte).device(t.device())).set_(s, 0, {n}, {1});
+      const at::Tensor src =
+          at::empty({0}, at::TensorOptions().dtype(at::kByte).device(t.device())).set_(s, 0, {n}, {1});
       dst.copy_(src);
       it = copies.emplace(s.unsafeGetStorageImpl(), std::move(dst)).first;
     }
-    out.push_back(at::empty({0}, t.options().device(to)).set_(it->second.storage(), t.storage_offset(), t.sizes(),
-                                                             t.strides()));
+    out.push_back(
+        at::empty({0}, t.options().device(to)).set_(it->second.storage(), t.storage_offset(), t.sizes(), t.strides()));
   }
   return out;
 }

@@ -351,6 +351,27 @@ TEST_F(Cli, PlanNamesTheCommunicationTimeItPriced) {
   expect_error("plan parallel.link_latency=-1", "parallel.link_latency must be the microseconds one ring step");
 }
 
+// An offload policy's copies at ac.offload_rate: every layer's input (B x T x C float32)
+// to host memory and back, its seconds the bytes both ways at that rate, in text and JSON.
+TEST_F(Cli, PlanPricesOffloadCopiesAtTheOffloadRate) {
+  const std::string args = " model.preset=gpt2-demo train.batch=2 train.seq=64 ac.policy=full+offload:[input]";
+  const Result json = run_remat("plan --json ac.offload_rate=10" + args + no_corpus());
+  ASSERT_EQ(json.exit_code, 0) << json.output;
+  const auto o = nlohmann::json::parse(json.output)["offload"];
+  const remat::ModelConfig m = remat::model_preset("gpt2-demo");
+  const int64_t input = 2 * 64 * m.d_model * 4;
+  EXPECT_EQ(o["bytes_each_way"].get<int64_t>(), m.n_layer * input);
+  EXPECT_EQ(o["host_peak"].get<int64_t>(), m.n_layer * input);
+  EXPECT_NEAR(o["seconds"].get<double>(), 2.0 * static_cast<double>(m.n_layer * input) / 10e9, 1e-12);
+  const Result text = run_remat("plan ac.offload_rate=10" + args + no_corpus());
+  ASSERT_EQ(text.exit_code, 0) << text.output;
+  EXPECT_NE(text.output.find("offload copies at ac.offload_rate = 10 GB/s: 256.00 KiB to host memory and back a "
+                             "step, 0.1 ms not overlapped with compute"),
+            std::string::npos)
+      << text.output;
+  expect_error("plan ac.offload_rate=0", "ac.offload_rate must be the GB/s copies move between the device and host");
+}
+
 // Each ring step of a collective waits parallel.link_latency: a step's collectives take
 // exactly its ring steps (the graphs' LinkTraffic messages: blocks, embedding and loss
 // head, per microbatch) times the latency longer than without it.

@@ -56,17 +56,15 @@ TEST_P(OffloadBitwise, EveryOffloadPlanEqualsNoneBitwise) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Models, OffloadBitwise,
-                         ::testing::Values(std::make_tuple("tiny-gpt2", Attention::math),
-                                           std::make_tuple("tiny-llama", Attention::math),
-                                           std::make_tuple("tiny-gpt2", Attention::tiled),
-                                           std::make_tuple("tiny-llama", Attention::tiled),
-                                           std::make_tuple("tiny-gpt2", Attention::sdpa),
-                                           std::make_tuple("tiny-llama", Attention::sdpa)),
-                         [](const auto& info) {
-                           return fmt::format("{}_{}", std::get<0>(info.param) == "tiny-gpt2" ? "gpt2" : "llama",
-                                              attention_name(std::get<1>(info.param)));
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Models, OffloadBitwise,
+    ::testing::Values(std::make_tuple("tiny-gpt2", Attention::math), std::make_tuple("tiny-llama", Attention::math),
+                      std::make_tuple("tiny-gpt2", Attention::tiled), std::make_tuple("tiny-llama", Attention::tiled),
+                      std::make_tuple("tiny-gpt2", Attention::sdpa), std::make_tuple("tiny-llama", Attention::sdpa)),
+    [](const auto& info) {
+      return fmt::format("{}_{}", std::get<0>(info.param) == "tiny-gpt2" ? "gpt2" : "llama",
+                         attention_name(std::get<1>(info.param)));
+    });
 
 }  // namespace
 }  // namespace remat
