@@ -111,12 +111,15 @@ struct NodeTimes {
   /// them at 0. In the unit of `flops_per_second`'s seconds (`remat plan`'s FLOPs).
   double link_bytes_per_second = 0, link_latency_seconds = 0;
   /// Offloaded slots (LayerPlan::offloaded): bytes a second copied between the device and
-  /// host memory, each way (measured: train/profile.h's measure_host_copy_rate); 0 prices
-  /// the copies at 0. In the unit of `flops_per_second`'s seconds.
-  double host_bytes_per_second = 0;
-  /// `bytes` copied to host memory and back.
-  double copy_seconds(int64_t bytes) const {
-    return host_bytes_per_second > 0 ? 2.0 * static_cast<double>(bytes) / host_bytes_per_second : 0.0;
+  /// host memory, each way, and seconds each copied storage takes besides (measured:
+  /// train/profile.h's measure_host_copy); a rate of 0 prices the copies at 0. In the unit
+  /// of `flops_per_second`'s seconds.
+  double host_bytes_per_second = 0, host_copy_latency_seconds = 0;
+  /// `bytes` in `storages` copied to host memory and back.
+  double copy_seconds(int64_t bytes, int64_t storages) const {
+    if (host_bytes_per_second <= 0) return 0.0;
+    return 2.0 * (static_cast<double>(storages) * host_copy_latency_seconds +
+                  static_cast<double>(bytes) / host_bytes_per_second);
   }
   /// One microbatch's forward and backward, measured, of one layer and of the embedding
   /// and loss head together (a pipeline stage's parts: train/profile.h's probe); 0 when
@@ -153,6 +156,7 @@ struct OtherAttention {
 struct LayerCost {
   int64_t kept = 0;           ///< bytes kept on the device from its forward to its backward
   int64_t host = 0;           ///< bytes it keeps in host memory meanwhile (LayerPlan::offloaded)
+  int64_t host_storages = 0;  ///< the distinct storages those bytes are, each copied apart
   int64_t forward_peak = 0;   ///< highest live bytes of its forward, its kept input included
   int64_t backward_peak = 0;  ///< highest live bytes of its backward, "dy" and kept slots included
   int64_t recomputed_bytes = 0;

@@ -133,7 +133,9 @@ std::vector<at::Tensor> Engine::offload(const std::vector<at::Tensor>& group) {
 
 std::vector<at::Tensor> Engine::fetch(const std::vector<at::Tensor>& group) {
   const trace::Scope trace_scope("fetch", trace::Category::backward, layer);
-  return memory::HostPool::to_device(group, ctx.device);
+  std::vector<at::Tensor> back;
+  store->recompute([&] { back = memory::HostPool::to_device(group, ctx.device); });
+  return back;
 }
 
 TransformerModel::TransformerModel(const ArchDecl& decl, const ModelConfig& cfg, at::Device device,

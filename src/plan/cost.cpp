@@ -230,7 +230,11 @@ struct Simulator {
     cost.recompute_link_seconds += gather;
     return res[0];
   }
-  std::vector<Tensor> offload(const std::vector<Tensor>& group) { return relocate(group, *host); }
+  std::vector<Tensor> offload(const std::vector<Tensor>& group) {
+    std::vector<Tensor> moved = relocate(group, *host);
+    cost.host_storages += static_cast<int64_t>(std::set<Tensor>(moved.begin(), moved.end()).size());
+    return moved;
+  }
   std::vector<Tensor> fetch(const std::vector<Tensor>& group) { return relocate(group, live); }
   // A buffer per distinct buffer of `group` on `to`, as the engine copies per storage.
   static std::vector<Tensor> relocate(const std::vector<Tensor>& group, Live& to) {
@@ -592,7 +596,7 @@ StepPrediction predict_step(const ModelConfig& cfg, const StepShape& shape, cons
         host += c.host;
         p.host_peak = std::max(p.host_peak, host);
         p.offloaded_bytes += c.host;
-        p.copy_seconds += times.copy_seconds(c.host);
+        p.copy_seconds += times.copy_seconds(c.host, c.host_storages);
         if (runs_other(plan.layers[a.layer])) p.attention_seconds += times.other_attention->pass_delta;
         break;
       }

@@ -470,20 +470,37 @@ LinkRate measure_link_rate(dist::Comm& ranks) {
   return fit;
 }
 
-double measure_host_copy_rate(at::Device device) {
-  const int64_t bytes = int64_t{16} << 20;
-  memory::HostPool pool;
-  const std::vector<at::Tensor> tensor{at::zeros({bytes}, at::TensorOptions().dtype(at::kByte).device(device))};
-  std::vector<double> reps;
-  for (int rep = 0; rep <= 3; ++rep) {
-    synchronize(device);
-    const auto t0 = std::chrono::steady_clock::now();
-    const std::vector<at::Tensor> back = memory::HostPool::to_device(pool.to_host(tensor), device);
-    synchronize(device);
-    if (rep > 0) reps.push_back(seconds_since(t0));  // rep 0 takes the pool's buffer
-  }
-  std::sort(reps.begin(), reps.end());
-  return 2.0 * static_cast<double>(bytes) / reps[reps.size() / 2];
+HostCopy measure_host_copy(at::Device device) {
+  // One round trip of `count` tensors of `bytes` each, the median of a few.
+  const auto time = [&](int64_t bytes, int count) {
+    memory::HostPool pool;
+    std::vector<at::Tensor> tensors;
+    for (int i = 0; i < count; ++i) {
+      tensors.push_back(at::zeros({bytes}, at::TensorOptions().dtype(at::kByte).device(device)));
+    }
+    std::vector<double> reps;
+    for (int rep = 0; rep <= 3; ++rep) {
+      synchronize(device);
+      const auto t0 = std::chrono::steady_clock::now();
+      const std::vector<at::Tensor> back = memory::HostPool::to_device(pool.to_host(tensors), device);
+      synchronize(device);
+      if (rep > 0) reps.push_back(seconds_since(t0));  // rep 0 fills the pool
+    }
+    std::sort(reps.begin(), reps.end());
+    return reps[reps.size() / 2];
+  };
+  const int64_t small = 4096, large = int64_t{64} << 20;
+  const int count = 64;
+  const double small_s = time(small, count), large_s = time(large, 1);
+  // A round trip of n storages of B bytes in all: 2 x (n x latency + B / rate). The large
+  // one is almost all bytes, the small ones almost all latency; one refinement separates them.
+  const auto bytes = [](int64_t b) { return static_cast<double>(b); };
+  HostCopy fit;
+  fit.bytes_per_second = 2.0 * bytes(large) / large_s;
+  fit.latency_seconds = std::max(0.0, (small_s - 2.0 * bytes(count * small) / fit.bytes_per_second) / (2.0 * count));
+  if (large_s > 2.0 * fit.latency_seconds)
+    fit.bytes_per_second = 2.0 * bytes(large) / (large_s - 2.0 * fit.latency_seconds);
+  return fit;
 }
 
 TimeProfile run_time_profile(const Config& cfg, at::Device device, at::ScalarType dtype, const data::TokenDataset& data,
@@ -514,9 +531,13 @@ TimeProfile run_time_profile(const Config& cfg, at::Device device, at::ScalarTyp
     profile.times.link_latency_seconds = link.latency_seconds / profile.seconds_per_unit;
   }
   // Measured at every start (milliseconds), rank 0's for every rank as the rest of the profile.
-  double copy = measure_host_copy_rate(device);
-  if (ranks != nullptr && ranks->size() > 1) copy = rank0s(*ranks, copy, "sharing rank 0's measure of host copies");
-  profile.times.host_bytes_per_second = copy * profile.seconds_per_unit;
+  HostCopy copy = measure_host_copy(device);
+  if (ranks != nullptr && ranks->size() > 1) {
+    copy.bytes_per_second = rank0s(*ranks, copy.bytes_per_second, "sharing rank 0's measure of host copies");
+    copy.latency_seconds = rank0s(*ranks, copy.latency_seconds, "sharing rank 0's measure of host copies");
+  }
+  profile.times.host_bytes_per_second = copy.bytes_per_second * profile.seconds_per_unit;
+  profile.times.host_copy_latency_seconds = copy.latency_seconds / profile.seconds_per_unit;
   return profile;
 }
 

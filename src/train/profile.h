@@ -94,9 +94,14 @@ struct LinkRate {
 };
 LinkRate measure_link_rate(dist::Comm& ranks);
 
-/// Bytes a second the offloaded slots' copies move between `device` and host memory
-/// (memory::HostPool), each way: the median of a few round trips of 16 MiB.
-double measure_host_copy_rate(at::Device device);
+/// How fast the offloaded slots' copies move between `device` and host memory
+/// (memory::HostPool), each way: bytes a second and seconds a storage, fitted to the
+/// median round trips of one 64 MiB tensor (beyond the caches) and of 64 tensors of 4 KiB.
+struct HostCopy {
+  double bytes_per_second = 0;
+  double latency_seconds = 0;
+};
+HostCopy measure_host_copy(at::Device device);
 
 /// The profile a run of `cfg` (a rank_share) plans from, as `remat train` and `remat bench`
 /// take it: under ac.profile, rank_time_profile on the whole model `create` builds, left in
@@ -105,7 +110,7 @@ double measure_host_copy_rate(at::Device device);
 /// prices it; seconds_per_unit from `matmul_rate`), which predicts no step time. Under tensor parallelism either
 /// way, with the links measure_link_rate measures (cached with the profile under ac.profile),
 /// which price the collectives no node time covers (all of them without ac.profile). Always
-/// with the host copy rate, measured anew (measure_host_copy_rate).
+/// with the host copies' rate and latency, measured anew (measure_host_copy).
 TimeProfile run_time_profile(const Config& cfg, at::Device device, at::ScalarType dtype, const data::TokenDataset& data,
                              dist::Comm* ranks, double matmul_rate,
                              const std::function<std::unique_ptr<Model>()>& create, std::unique_ptr<Model>& model);
