@@ -5,6 +5,7 @@
 #include "util/processes.h"
 
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include <filesystem>
 #include <fstream>
@@ -63,6 +64,15 @@ class PlanAsTrained : public ::testing::Test {
 TEST_F(PlanAsTrained, UnderABudget) { expect_same("model.preset=tiny-gpt2 ac.budget=0.85"); }
 
 TEST_F(PlanAsTrained, UnderAPolicy) { expect_same("model.preset=tiny-llama ac.policy=every:2"); }
+
+// An offload policy: the host bytes are in the plan's block, and the run held in host
+// memory exactly the bytes it predicted.
+TEST_F(PlanAsTrained, UnderAnOffloadPolicy) {
+  expect_same("model.preset=tiny-gpt2 ac.policy=modules:[core_attn]+offload:[input,mlp]");
+  const auto summary = nlohmann::json::parse(read_text(dir_ / "runs" / "run0" / "summary.json"));
+  EXPECT_GT(summary["predicted_host_peak_bytes"].get<int64_t>(), 0);
+  EXPECT_EQ(summary["host_peak_bytes"], summary["predicted_host_peak_bytes"]);
+}
 
 TEST_F(PlanAsTrained, WithBothAutosUnderABudget) {
   expect_same("model.preset=tiny-llama model.attention=auto model.loss_head=auto ac.budget=0.7");
