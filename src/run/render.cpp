@@ -283,8 +283,9 @@ std::string plan_listing(const RunSpec& spec) {
   const cost::StepPrediction& p = r.predicted;
   text += fmt::format("  embedding  {:>11}\n", format_bytes(p.embedding));
   for (size_t i = 0; i < p.layers.size(); ++i) {
-    text += fmt::format("  layer {:<4} {:>11}  {:>8} FLOPs recomputed\n", p.first_layer + static_cast<int64_t>(i) + 1,
-                        format_bytes(p.layers[i].kept), format_count(p.layers[i].recompute_flops));
+    text += fmt::format("  layer {:<4} {:>11}  {:>8} FLOPs recomputed{}\n", p.first_layer + static_cast<int64_t>(i) + 1,
+                        format_bytes(p.layers[i].kept), format_count(p.layers[i].recompute_flops),
+                        p.layers[i].host > 0 ? fmt::format(", {} in host memory", format_bytes(p.layers[i].host)) : "");
   }
   text += fmt::format("  head       {:>11}  ({} loss head)\n", format_bytes(p.head),
                       loss_head_name(spec.cfg.model.loss_head));
@@ -304,6 +305,8 @@ nlohmann::json render_json(const RunSpec& spec) {
                         {"input_sharded", lp.input_sharded},
                         {"attention", attention_name(lp.attention.value_or(m.attention))},
                         {"kept_bytes", p.layers[i].kept},
+                        {"offloaded", lp.offloaded.names()},
+                        {"host_bytes", p.layers[i].host},
                         {"recompute_flops", p.layers[i].recompute_flops}});
     }
     return layers;

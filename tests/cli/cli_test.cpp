@@ -363,6 +363,12 @@ TEST_F(Cli, PlanPricesOffloadCopiesAtTheOffloadRate) {
   EXPECT_EQ(o["bytes_each_way"].get<int64_t>(), m.n_layer * input);
   EXPECT_EQ(o["host_peak"].get<int64_t>(), m.n_layer * input);
   EXPECT_NEAR(o["seconds"].get<double>(), 2.0 * static_cast<double>(m.n_layer * input) / 10e9, 1e-12);
+  const auto layers = nlohmann::json::parse(json.output)["plan"];
+  EXPECT_EQ(static_cast<int64_t>(layers.size()), m.n_layer);
+  for (const auto& layer : layers) {
+    EXPECT_EQ(layer["offloaded"], nlohmann::json::array({"input"}));
+    EXPECT_EQ(layer["host_bytes"].get<int64_t>(), input);
+  }
   const Result text = run_remat("plan ac.offload_rate=10" + args + no_corpus());
   ASSERT_EQ(text.exit_code, 0) << text.output;
   EXPECT_NE(text.output.find("offload copies at ac.offload_rate = 10 GB/s: 256.00 KiB to host memory and back a "
