@@ -230,14 +230,11 @@ struct Simulator {
     cost.recompute_link_seconds += gather;
     return res[0];
   }
-  std::vector<Tensor> offload(const std::vector<Tensor>& group) {
-    std::vector<Tensor> moved = relocate(group, *host);
-    cost.host_storages += static_cast<int64_t>(std::set<Tensor>(moved.begin(), moved.end()).size());
-    return moved;
-  }
+  std::vector<Tensor> offload(const std::vector<Tensor>& group) { return relocate(group, *host, &cost.host_storages); }
   std::vector<Tensor> fetch(const std::vector<Tensor>& group) { return relocate(group, live); }
-  // A buffer per distinct buffer of `group` on `to`, as the engine copies per storage.
-  static std::vector<Tensor> relocate(const std::vector<Tensor>& group, Live& to) {
+  // A buffer per distinct buffer of `group` on `to`, as the engine copies per storage;
+  // `storages`, when given, counts them.
+  static std::vector<Tensor> relocate(const std::vector<Tensor>& group, Live& to, int64_t* storages = nullptr) {
     std::map<const Buffer*, Tensor> copies;
     std::vector<Tensor> out;
     for (const Tensor& t : group) {
@@ -245,6 +242,7 @@ struct Simulator {
       if (!c) c = std::make_shared<Buffer>(&to, t->bytes);
       out.push_back(c);
     }
+    if (storages != nullptr) *storages += static_cast<int64_t>(copies.size());
     return out;
   }
 };

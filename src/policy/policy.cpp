@@ -151,6 +151,47 @@ class Parser {
     return plan;
   }
 
+  // "+offload:[...]": each layer offloads the named slots (a module: its slots) that it
+  // keeps; a slot it recomputes is not kept, so not offloaded.
+  void offload(const std::string& term, ActivationPlan& plan) const {
+    for (const auto& l : plan.layers) {
+      if (!l.offloaded.empty()) {
+        fail(fmt::format("{}: the policy {} already offloads; give one offload:[...].", origin_, plan.policy));
+      }
+    }
+    std::vector<std::string> valid{slot_name(Slot::input)};
+    for (const auto& n : block_slots()) valid.push_back(n);
+    for (const auto& m : block_modules()) valid.push_back(m.first);
+    SlotMask asked;
+    for (const auto& n : names(term, 8, "slot or module", valid)) {
+      const auto m = std::find_if(block_modules().begin(), block_modules().end(),
+                                  [&](const auto& module) { return module.first == n; });
+      if (m != block_modules().end()) {
+        asked |= SlotMask::of_names(m->second);
+      } else {
+        asked.add(slot_of_name(n));
+      }
+    }
+    bool any = false;
+    for (auto& l : plan.layers) {
+      for (const Slot slot : asked.slots()) {
+        const bool kept = slot == Slot::input ? l.chunk_begin < 0 : !l.dropped.has(slot);
+        if (kept) l.offloaded.add(slot);
+      }
+      any = any || !l.offloaded.empty();
+    }
+    if (!any) {
+      fail(
+          fmt::format("{}: {} moves nothing to host memory: the policy {} recomputes every slot it names in "
+                      "every layer, and a recomputed slot is not kept; offload slots the policy keeps, e.g. "
+                      "full+offload:[input].",
+                      origin_, term, plan.policy));
+    }
+    const std::string moved = "offload:[" + join(asked.names(), ",") + "]";
+    plan.policy = plan.policy == "none" ? moved : plan.policy + "+" + moved;
+  }
+
+ private:
   // The policy without its offload term.
   ActivationPlan recompute(const std::string& s) {
     ActivationPlan plan;
@@ -218,47 +259,6 @@ class Parser {
     fail(fmt::format("{}: '{}' is not a recompute policy; {}", origin_, s, valid_forms()));
   }
 
-  // "+offload:[...]": each layer offloads the named slots (a module: its slots) that it
-  // keeps; a slot it recomputes is not kept, so not offloaded.
-  void offload(const std::string& term, ActivationPlan& plan) const {
-    for (const auto& l : plan.layers) {
-      if (!l.offloaded.empty()) {
-        fail(fmt::format("{}: the policy {} already offloads; give one offload:[...].", origin_, plan.policy));
-      }
-    }
-    std::vector<std::string> valid{slot_name(Slot::input)};
-    for (const auto& n : block_slots()) valid.push_back(n);
-    for (const auto& m : block_modules()) valid.push_back(m.first);
-    SlotMask asked;
-    for (const auto& n : names(term, 8, "slot or module", valid)) {
-      const auto m = std::find_if(block_modules().begin(), block_modules().end(),
-                                  [&](const auto& module) { return module.first == n; });
-      if (m != block_modules().end()) {
-        asked |= SlotMask::of_names(m->second);
-      } else {
-        asked.add(slot_of_name(n));
-      }
-    }
-    bool any = false;
-    for (auto& l : plan.layers) {
-      for (const Slot slot : asked.slots()) {
-        const bool kept = slot == Slot::input ? l.chunk_begin < 0 : !l.dropped.has(slot);
-        if (kept) l.offloaded.add(slot);
-      }
-      any = any || !l.offloaded.empty();
-    }
-    if (!any) {
-      fail(
-          fmt::format("{}: {} moves nothing to host memory: the policy {} recomputes every slot it names in "
-                      "every layer, and a recomputed slot is not kept; offload slots the policy keeps, e.g. "
-                      "full+offload:[input].",
-                      origin_, term, plan.policy));
-    }
-    const std::string moved = "offload:[" + join(asked.names(), ",") + "]";
-    plan.policy = plan.policy == "none" ? moved : plan.policy + "+" + moved;
-  }
-
- private:
   static std::string valid_forms() {
     return "valid forms are none, full, every:K, uniform:N, block:N, ratio:R, modules:[...], ops:[...], "
            "layers:[...] and X+Y (X one of every:K, block:N, ratio:R; Y one of modules:[...], ops:[...]), each "

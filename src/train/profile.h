@@ -109,8 +109,9 @@ HostCopy measure_host_copy(at::Device device);
 /// pipeline stages, probe_time_profile; without ac.profile, time in FLOPs (as `remat plan`
 /// prices it; seconds_per_unit from `matmul_rate`), which predicts no step time. Under tensor parallelism either
 /// way, with the links measure_link_rate measures (cached with the profile under ac.profile),
-/// which price the collectives no node time covers (all of them without ac.profile). Always
-/// with the host copies' rate and latency, measured anew (measure_host_copy).
+/// which price the collectives no node time covers (all of them without ac.profile). When
+/// the policy offloads, with the host copies' rate and latency, measured anew
+/// (measure_host_copy).
 TimeProfile run_time_profile(const Config& cfg, at::Device device, at::ScalarType dtype, const data::TokenDataset& data,
                              dist::Comm* ranks, double matmul_rate,
                              const std::function<std::unique_ptr<Model>()>& create, std::unique_ptr<Model>& model);
