@@ -2,20 +2,28 @@
 # The GPU check, one command on a lent GPU machine (no package registry, its own PyTorch):
 # builds remat against that PyTorch with every core, records allocation traces, replays
 # them through the caching allocator's model, measures predicted against measured
-# allocated and reserved peaks for 15 plans of three models (remat bench), and runs the
-# suite. Everything goes to $OUT (default gpu-check-out/); summary.txt is printed last.
+# allocated and reserved peaks for policies and budgets of three models (remat bench),
+# compares tokens/s with PyTorch on the same GPU, and runs the suite. Each step has a
+# time cap inside the script's own (CHECK_SECONDS, default 560), so that a lease's one
+# call brings back whatever was done.
 #
 # Prepare here, then carry both to the machine (they are git-ignored):
-#   bash scripts/gpu_deps.sh        # .cache/gpu-deps: the C++ dependencies, about 8 MB
+#   bash scripts/gpu_deps.sh        # .cache/gpu-deps: the C++ dependencies and corpus text, 12 MB
 #   ./build/remat prepare           # data/: the tokenized corpus
-# On the machine: bash scripts/gpu-check.sh (about 8 minutes on 16 cores and an H100).
-# A rehearsal here, without the build and the 1B model: DEVICE=cpu BUILD=build bash scripts/gpu-check.sh
+# On the machine: bash scripts/gpu-check.sh. Everything goes to $WORK (default
+# gpu-check-out/); with $OUT set (a lease's folder that comes back, a few files at most),
+# summary.txt and all of it as results.tgz are copied there after every step.
+# A rehearsal here, without the build, the 1B model and the suite:
+#   DEVICE=cpu BUILD=build bash scripts/gpu-check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=$(realpath -m "${OUT:-gpu-check-out}")
+work=$(realpath -m "${WORK:-gpu-check-out}")
+back=${OUT:-}
 device=${DEVICE:-cuda}
 build=${BUILD:-}
-mkdir -p "$out/traces"
+deadline=$((SECONDS + ${CHECK_SECONDS:-560}))
+mkdir -p "$work/traces"
+: > "$work/summary.txt"
 deps=$PWD/.cache/gpu-deps
 for need in "$deps" data; do
   [ -d "$need" ] || { echo "gpu-check: $need is missing; make it on the development machine and carry it" >&2; exit 1; }
@@ -26,39 +34,83 @@ export PKG_CONFIG_SYSROOT_DIR=$deps
 # supplies Gloo's headers, which LibTorch's ProcessGroupGloo.hpp includes.
 export CPLUS_INCLUDE_PATH=$deps/usr/include
 export LD_LIBRARY_PATH=$deps/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-step() { echo "== $1 ($(date +%T))" | tee -a "$out/summary.txt"; }
+# The prepared corpus is checked against its text, which Debian's `bible` prints; a machine
+# without it gets that output, which scripts/gpu_deps.sh recorded.
+if ! command -v bible > /dev/null && [ -f "$deps/bible-kjv.out" ]; then
+  mkdir -p "$work/bin"
+  printf '#!/bin/sh\ncat %q\n' "$deps/bible-kjv.out" > "$work/bin/bible"
+  chmod +x "$work/bin/bible"
+  export PATH=$work/bin:$PATH
+fi
+
+say() { echo "$*" | tee -a "$work/summary.txt"; }
+# Copies what exists so far to $OUT: a call stopped at its limit still brings it back.
+pack() {
+  [ -n "$back" ] || return 0
+  cp "$work/summary.txt" "$back/summary.txt"
+  tar czf "$back/results.tgz" --exclude=checkpoints --exclude='*.pt' --exclude='*.safetensors' -C "$work" . 2>/dev/null
+}
+step() {
+  pack
+  say "== $1 ($(date +%T), $((deadline - SECONDS)) s left)"
+}
+# cap SECONDS command...: runs the command for at most SECONDS, and never past the deadline.
+cap() {
+  local s=$1 left=$((deadline - SECONDS - 5))
+  shift
+  ((left < s)) && s=$left
+  ((s > 0)) || { say "skipped for want of time: $*"; return 124; }
+  timeout -k 5 "$s" "$@"
+}
 
 step machine
-{ [ "$device" = cpu ] || nvidia-smi; python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name())'; } \
-  > "$out/machine.txt" 2>&1
-tail -1 "$out/machine.txt" | tee -a "$out/summary.txt"
+{ [ "$device" = cpu ] || nvidia-smi; nproc; free -g; python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU")'; } \
+  > "$work/machine.txt" 2>&1
+tail -1 "$work/machine.txt" | tee -a "$work/summary.txt"
+# Names the traces: the device and the PyTorch that recorded them.
+tag=$(python3 -c 'import re, torch
+name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+print(re.sub("[^a-z0-9.]+", "-", f"{name} torch{torch.__version__.split(chr(43))[0]}".lower()))' 2>/dev/null || echo cpu)
 
 if [ -z "$build" ]; then
   step build
   build=build-gpu
   torch_prefix=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')
-  if ! { cmake -S . -B $build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_PREFIX_PATH="$torch_prefix;$deps/usr" &&
-    cmake --build $build -j "$(nproc)"; } > "$out/build.log" 2>&1; then
-    grep -m 20 -E "error|Error" "$out/build.log" | tee -a "$out/summary.txt"
+  generator=Ninja
+  command -v ninja > /dev/null || generator="Unix Makefiles"
+  # -O2 without debug information: the build is most of the lease.
+  if ! { cmake -S . -B $build -G "$generator" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_FLAGS_RELEASE="-O2 -DNDEBUG" \
+    -DCMAKE_PREFIX_PATH="$torch_prefix;$deps/usr" && cap 330 cmake --build $build -j "$(nproc)"; } > "$work/build.log" 2>&1; then
+    grep -m 20 -E "error|Error" "$work/build.log" | tee -a "$work/summary.txt"
+    tail -5 "$work/build.log" >> "$work/summary.txt"
+    pack
     exit 1
   fi
 fi
 remat=$build/remat
-common=(run.device=$device run.progress=false data.dir=data run.out_dir="$out/runs")
+common=(run.device=$device run.progress=false data.dir=data run.out_dir="$work/runs")
 
 step "allocation traces, replayed by the model"
-for expandable in false true; do
-  for preset in gpt2-demo llama-demo; do
-    name=$preset-expandable-$expandable
-    "$remat" train model.preset=$preset train.steps=2 run.sample_tokens=0 run.expandable_segments=$expandable \
-      run.record_allocations="$out/traces/$name.txt" "${common[@]}" > "$out/train-$name.log" 2>&1 ||
-      echo "train $name failed: $(tail -1 "$out/train-$name.log")" | tee -a "$out/summary.txt"
-  done
+# Fixed policies, so that a trace can be set beside the cost model's allocations of the
+# same plan (cost::step_allocations); the default budget plan under expandable segments.
+for run in "gpt2-demo none false" "gpt2-demo full false" "llama-demo none false" "llama-demo full false" \
+  "gpt2-demo budget true" "llama-demo budget true"; do
+  read -r preset policy expandable <<< "$run"
+  name=$tag-$preset-$policy-expandable-$expandable
+  args=(model.preset=$preset train.steps=2 run.sample_tokens=0 run.expandable_segments=$expandable)
+  [ $policy = budget ] || args+=(ac.policy=$policy)
+  cap 40 "$remat" train "${args[@]}" ac.profile=false run.record_allocations="$work/traces/$name.txt" "${common[@]}" \
+    > "$work/train-$name.log" 2>&1 || say "train $name failed: $(tail -1 "$work/train-$name.log")"
 done
-mkdir -p tests/memory/traces && cp "$out"/traces/*.txt tests/memory/traces/ 2>/dev/null
-$build/remat_tests --gtest_filter='CachingAllocatorModel.ReplaysEvery*' > "$out/replay.log" 2>&1
-grep -E "first the model|OK \]|FAILED \]" "$out/replay.log" | head -8 | tee -a "$out/summary.txt"
-rm -rf tests/memory/traces  # they come back in $OUT/traces, to be committed there
+# Replayed beside the committed ones; they come back in traces/, to be committed there.
+added=()
+for f in "$work"/traces/*.txt; do
+  t=tests/memory/traces/$(basename "$f")
+  [ -e "$t" ] || { cp "$f" "$t" && added+=("$t"); }
+done
+cap 60 $build/remat_tests --gtest_filter='CachingAllocatorModel.ReplaysEvery*' > "$work/replay.log" 2>&1
+grep -E "first the model|OK \]|FAILED \]" "$work/replay.log" | head -8 | tee -a "$work/summary.txt"
+rm -f "${added[@]}"
 
 step "peaks: the allocator's model against the allocator (remat bench)"
 policies='none;full;every:2;uniform:2;modules:[core_attn];full+offload:[input];modules:[core_attn]+offload:[input,mlp]'
@@ -68,14 +120,34 @@ models=(gpt2-demo llama-demo)
 [ "$device" = cpu ] || models+=(llama-1b)
 for model in "${models[@]}"; do
   if [ $model = llama-1b ]; then args=("${llama_1b[@]}"); else args=(model.preset=$model); fi
-  "$remat" bench --policies "$policies" --steps 3 --warmup 1 --out "$out/bench-$model" "${args[@]}" "${common[@]}" \
-    > "$out/bench-$model.log" 2>&1 || echo "bench $model failed: $(tail -1 "$out/bench-$model.log")"
-  grep " on CUDA: " "$out/bench-$model.log" | sed "s/^/$model /" | tee -a "$out/summary.txt"
+  cap $([ $model = llama-1b ] && echo 100 || echo 60) "$remat" bench --policies "$policies" --budgets "${BUDGETS:-0.8;0.9}" --steps 3 --warmup 1 --out "$work/bench-$model" \
+    "${args[@]}" "${common[@]}" > "$work/bench-$model.log" 2>&1 ||
+    say "bench $model failed: $(tail -1 "$work/bench-$model.log")"
+  grep " on CUDA: " "$work/bench-$model.log" | sed "s/^/$model /" | tee -a "$work/summary.txt"
 done
 
+[ "$device" = cpu ] && { step done; exit 0; }  # the rehearsal's peer and suite are CI's
+
+step "PyTorch on the same GPU (bench/peers/compare.py)"
+# Each side at its fastest attention: PyTorch's fused SDPA, and the op remat's `auto`
+# picks from measured times (its sdpa op is CPU-only so far); no dropout, which fused
+# kernels draw their own way. One round each of gpt2's default shape and the 1B Llama in
+# bfloat16.
+peer=(--device "$device" --remat "$remat" --python python3 --rounds 1 --steps 5 --warmup 2 --timeout 100
+  --pt-attention sdpa --remat-override model.attention=auto --remat-override ac.profile=true --dropout-gpt2 0)
+cap 80 python3 bench/peers/compare.py "${peer[@]}" --archs gpt2 --policies none,full,sac --out "$work/peers-gpt2" > "$work/peers-gpt2.log" 2>&1 ||
+  say "compare.py gpt2 stopped: $(tail -1 "$work/peers-gpt2.log")"
+tail -12 "$work/peers-gpt2.log" >> "$work/summary.txt"
+pack
+cap 150 python3 bench/peers/compare.py "${peer[@]}" --archs llama --policies none,sac --dtype bfloat16 --layers 16 --d-model 2048 --heads 32 \
+  --kv-heads 8 --d-ff-llama 8192 --seq 1024 --batch 4 --out "$work/peers-llama-1b" > "$work/peers-llama-1b.log" 2>&1 ||
+  say "compare.py llama-1b stopped: $(tail -1 "$work/peers-llama-1b.log")"
+tail -12 "$work/peers-llama-1b.log" >> "$work/summary.txt"
+
+[ -n "${SKIP_SUITE:-}" ] && { step done; exit 0; }
 step suite
-[ "$device" = cpu ] && { step done; exit 0; }  # the rehearsal's suite is CI's
-(cd $build && ctest -j "$(nproc)" --timeout 300 > "$out/ctest.log" 2>&1)
-grep -E "tests passed|tests failed" "$out/ctest.log" | tee -a "$out/summary.txt"
-grep -E "\*\*\*(Failed|Timeout)|Exception" "$out/ctest.log" | head -10 | tee -a "$out/summary.txt"
+cap $((deadline - SECONDS)) ctest --test-dir $build -j "$(nproc)" --timeout 60 --output-on-failure > "$work/ctest.log" 2>&1
+grep -E "tests passed|tests failed" "$work/ctest.log" | tee -a "$work/summary.txt"
+grep -E "\*\*\*(Failed|Timeout)|Exception|Failure|Expected|Which is" "$work/ctest.log" | head -40 | tee -a "$work/summary.txt"
 step done
+pack

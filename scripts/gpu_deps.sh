@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Packs what a GPU machine without a package registry lacks to build remat against its own
 # PyTorch (CLI11, toml++, nlohmann-json, fmt's headers, GoogleTest, SentencePiece, Gloo's
-# headers, and the libraries they link) from this machine's Debian packages into .cache/gpu-deps/, a prefix to carry
-# there (about 8 MB). Run scripts/setup.sh first. scripts/gpu-check.sh uses it.
+# headers, and the libraries they link) and the text of the default corpus from this
+# machine's Debian packages into .cache/gpu-deps/, a prefix to carry there (about 12 MB).
+# Run scripts/setup.sh first. scripts/gpu-check.sh uses it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=.cache/gpu-deps
@@ -21,4 +22,7 @@ for p in libcli11-dev libtomlplusplus-dev nlohmann-json3-dev libfmt-dev libgtest
     fi
   done
 done
+# What Debian's `bible` prints, which the default corpus is checked against (gpu-check.sh
+# puts it on a machine that lacks the program).
+bible -l 100000 gen1:1-rev22:21 > "$out/bible-kjv.out"
 du -sh "$out"
