@@ -150,14 +150,16 @@ def data_vocab(vocab):
 
 
 def remat_overrides(a, arch, shape):
-    """remat's key=value settings for the shape, the user's last so that they win."""
+    """remat's key=value settings for the shape, device and dtype, the user's last so that they win."""
+    device = [f"run.device={a.device}"] if a.device != "cpu" else []
+    dtype = [f"run.dtype={a.dtype}"] if a.dtype else []
     return [
         f"model.preset={arch}-demo", f"model.n_layer={shape['layers']}", f"model.n_head={shape['heads']}",
         f"model.n_kv_head={shape['kv_heads']}", f"model.d_model={shape['d_model']}", f"model.d_ff={shape['d_ff']}",
         f"model.max_seq={shape['max_seq']}", f"model.vocab_size={shape['vocab']}",
         f"data.vocab_size={data_vocab(shape['vocab'])}", f"model.dropout={shape['dropout']}", "model.attention=math",
         f"train.batch={shape['batch']}", f"train.seq={shape['seq']}", "run.progress=false", "ac.profile=false",
-    ] + a.remat_override
+    ] + device + dtype + a.remat_override
 
 
 def remat_command(a, arch, policy, budgets, shape, out_dir):
@@ -174,6 +176,7 @@ def peers_command(a, arch, policy, shape, setting):
            "--kv-heads", str(shape["kv_heads"]), "--d-ff", str(shape["d_ff"]), "--vocab", str(shape["vocab"]),
            "--seq", str(shape["seq"]), "--max-seq", str(shape["max_seq"]), "--batch", str(shape["batch"]),
            "--dropout", str(shape["dropout"]), "--warmup", str(a.warmup), "--steps", str(a.steps)]
+    cmd += (["--device", a.device] if a.device != "cpu" else []) + (["--dtype", a.dtype] if a.dtype else [])
     return cmd + parse_setting(setting) + shlex.split(a.peers_args)
 
 
@@ -278,8 +281,9 @@ def run_remat(a, arch, jobs, shape, rnd, out):
             row["error"] = f"no entry '{entry}' in {bench_dir}/bench.json"
             continue
         row.update({k: r.get(k) for k in ("median_step_seconds", "min_step_seconds", "max_step_seconds",
-                                          "tokens_per_second", "peak_bytes", "final_loss", "step_seconds",
-                                          "activation_bytes", "ops_recomputed", "predicted_peak_bytes")})
+                                          "tokens_per_second", "peak_bytes", "reserved_peak_bytes", "final_loss",
+                                          "step_seconds", "activation_bytes", "ops_recomputed",
+                                          "predicted_peak_bytes")})
         row["threads"] = threads
         row["bench_dir"] = bench_dir
     return rows
@@ -400,6 +404,12 @@ def main():
     ap.add_argument("--python", default=PYTHON, help="the Python that runs peers.py (inside --root, the root's)")
     ap.add_argument("--pt-attention", choices=["math", "sdpa"], default=None,
                     help="peers.py --attention (default: math; sdpa with --torch2)")
+    ap.add_argument("--device", default="cpu",
+                    help="cpu, cuda or cuda:N: remat's run.device and peers.py --device; on CUDA one PyTorch run per "
+                         "setting at its default threads unless --torch-threads is given")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                    help="remat's run.dtype and peers.py --dtype (both default to float32; bfloat16 needs CUDA in "
+                         "remat)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--archs", default="gpt2,llama")
     ap.add_argument("--policies", default=None,
@@ -443,7 +453,8 @@ def main():
     a.remat = os.path.abspath(a.remat or os.path.join(REPO, "build-libtorch2" if a.torch2 else "build", "remat"))
     a.pt_attention = a.pt_attention or ("sdpa" if a.torch2 else "math")
     a.policies = a.policies or (TORCH2_POLICIES if a.torch2 else "none,full")
-    a.torch_threads = a.torch_threads or (TORCH2_THREADS if a.torch2 else
+    # The thread sweeps tune the CPU's GEMMs: a CUDA step's matmuls are the GPU's.
+    a.torch_threads = a.torch_threads or ("default" if a.device != "cpu" else TORCH2_THREADS if a.torch2 else
                                           "default;aten=1,blas=2;aten=2,blas=1;aten=2,blas=2,build=openmp")
 
     archs = [x.strip() for x in a.archs.split(",") if x.strip()]
@@ -461,6 +472,10 @@ def main():
         raise SystemExit("compare: --archs takes gpt2,llama; --seq and --policies need at least one item.")
     if a.rounds < 1:
         raise SystemExit("compare: --rounds must be at least 1.")
+    if not (a.device in ("cpu", "cuda") or (a.device.startswith("cuda:") and a.device[5:].isdigit())):
+        raise SystemExit(f"compare: --device {a.device}: use cpu, cuda or cuda:N.")
+    if a.dtype == "bfloat16" and a.device == "cpu":
+        raise SystemExit("compare: --dtype bfloat16 needs --device cuda: remat refuses run.dtype=bfloat16 on the CPU.")
     if not os.access(a.remat, os.X_OK):
         raise SystemExit(f"compare: {a.remat} is not an executable remat binary (build it, or pass --remat).")
     if a.root and not a.remat.startswith(REPO + "/"):
@@ -469,7 +484,8 @@ def main():
     os.makedirs(os.path.join(out, "logs"), exist_ok=True)
     os.makedirs(os.path.join(out, "remat"), exist_ok=True)
     rows_path = os.path.join(out, "rows.jsonl")
-    log(f"compare: {a.rounds} round(s) x {archs} x seq {seqs} x {policies}; PyTorch settings {settings}"
+    log(f"compare: {a.rounds} round(s) x {archs} x seq {seqs} x {policies} on {a.device}"
+        f"{f' in {a.dtype}' if a.dtype else ''}; PyTorch settings {settings}"
         f"{f' in root {a.root}' if a.root else ''}; remat {a.remat}; {a.warmup} warm-up + {a.steps} measured "
         f"steps; out {out}")
     dv = data_vocab(a.vocab)

@@ -259,23 +259,43 @@ def rope(x, cos, sin):
 
 
 def rmsnorm(x, w, eps):
-    """y = x / sqrt(mean(x^2) + eps) * w (remat's rmsnorm: normalise, then scale)."""
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+    """y = x / sqrt(mean(x^2) + eps) * w (remat's rmsnorm: normalise in float32, round to x's
+    dtype, then scale; in float32 the casts are no-ops)."""
+    rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True, dtype=torch.float32) + eps)
+    return (x * rstd).to(x.dtype) * w
+
+
+def linear(x, w, name):
+    """The layer `name` of the weights w: x w[name.weight]^T + w[name.bias] (no bias where absent)."""
+    return F.linear(x, w[name + ".weight"], w.get(name + ".bias"))
+
+
+def layer_norm(x, w, name, eps):
+    return F.layer_norm(x, x.shape[-1:], w[name + ".weight"], w[name + ".bias"], eps)
+
+
+def compute_weights(module, dtype):
+    """remat's compute_weights(): the module's parameters in the compute dtype, by name. In
+    float32 they are the parameters themselves; in bfloat16 a cast copy of each, made once a
+    step outside any checkpoint (as remat's is), through which the gradients reach the
+    float32 parameters."""
+    return {n: p.to(dtype) for n, p in module.named_parameters()}
 
 
 class ChunkedCrossEntropy(torch.autograd.Function):
     """remat's loss head (src/ops/cross_entropy.cpp), for --ce-chunk N > 0: the logits of N
     tokens at a time, never all [tokens, vocab] at once; the forward keeps x, the targets
-    and each row's log-sum-exp, and the backward recomputes each chunk's logits."""
+    and each row's log-sum-exp, and the backward recomputes each chunk's logits. The logits,
+    log-sum-exps, loss and dw are float32 whatever the compute dtype, as remat's are."""
 
     @staticmethod
     def forward(ctx, x, w, targets, chunk):
         n_rows = x.shape[0]
-        lse = x.new_empty(n_rows)
-        loss = x.new_zeros(())
+        lse = x.new_empty(n_rows, dtype=torch.float32)
+        loss = x.new_zeros((), dtype=torch.float32)
         for start in range(0, n_rows, chunk):
             n = min(chunk, n_rows - start)
-            logits = torch.mm(x[start:start + n], w.t())
+            logits = torch.mm(x[start:start + n], w.t()).float()
             target_logit = logits.gather(1, targets[start:start + n, None]).squeeze(1)
             mx = logits.amax(1, keepdim=True)
             logits.sub_(mx).exp_()
@@ -294,16 +314,16 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         n_rows = x.shape[0]
         scale = dloss / n_rows
         dx = torch.empty_like(x)
-        dw = torch.zeros_like(w)
+        dw = torch.zeros_like(w, dtype=torch.float32)
         for start in range(0, n_rows, ctx.chunk):
             n = min(ctx.chunk, n_rows - start)
             x_c = x[start:start + n]
-            dl = torch.mm(x_c, w.t())
+            dl = torch.mm(x_c, w.t()).float()
             dl.sub_(lse[start:start + n, None]).exp_().mul_(scale)
             dl.scatter_add_(1, targets[start:start + n, None], (-scale).expand(n, 1).contiguous())
-            torch.mm(dl, w, out=dx[start:start + n])
-            dw.addmm_(dl.t(), x_c)
-        return dx, dw, None, None
+            torch.mm(dl.to(x.dtype), w, out=dx[start:start + n])
+            dw.addmm_(dl.t(), x_c.float())
+        return dx, dw.to(w.dtype), None, None
 
 
 def loss_head(h, w, targets, ce_chunk):
@@ -322,7 +342,8 @@ def loss_head(h, w, targets, ce_chunk):
 class Gpt2Block(nn.Module):
     """Pre-LN block (src/model/gpt2.cpp): x1 = x + drop(c_proj(attn(ln_1(x)))),
     out = x1 + drop(mlp_c_proj(gelu_tanh(c_fc(ln_2(x1))))); attention dropout on the
-    probabilities."""
+    probabilities. The modules hold the float32 parameters; forward reads the compute
+    weights w (compute_weights) by the same names."""
 
     def __init__(self, c):
         super().__init__()
@@ -335,22 +356,23 @@ class Gpt2Block(nn.Module):
         self.mlp_c_proj = nn.Linear(F_, C)
         self.c = c
 
-    def forward(self, x, future):
+    def forward(self, x, w, future):
         c = self.c
         B, T, C = x.shape
         H, D = c.heads, C // c.heads
-        qkv = self.c_attn(self.ln_1(x))
+        qkv = linear(layer_norm(x, w, "ln_1", c.norm_eps), w, "c_attn")
         q, k, v = (t.view(B, T, H, D) for t in qkv.split(C, dim=-1))
         a = c.attention_fn(q, k, v, c.dropout, self.training, future)
-        x1 = x + F.dropout(self.c_proj(a), c.dropout, self.training)
-        m = self.mlp_c_proj(F.gelu(self.c_fc(self.ln_2(x1)), approximate="tanh"))
+        x1 = x + F.dropout(linear(a, w, "c_proj"), c.dropout, self.training)
+        m = linear(F.gelu(linear(layer_norm(x1, w, "ln_2", c.norm_eps), w, "c_fc"), approximate="tanh"), w,
+                   "mlp_c_proj")
         return x1 + F.dropout(m, c.dropout, self.training)
 
 
 class LlamaBlock(nn.Module):
     """Block of src/model/llama.cpp: RMSNorm, q/k/v projections without bias, RoPE on q and k,
     grouped-query attention (dropout model.dropout on the probabilities), o_proj, residual;
-    RMSNorm, SwiGLU (silu(gate) * up), down_proj, residual."""
+    RMSNorm, SwiGLU (silu(gate) * up), down_proj, residual. The weights w as Gpt2Block's."""
 
     def __init__(self, c):
         super().__init__()
@@ -367,17 +389,17 @@ class LlamaBlock(nn.Module):
         self.down_proj = nn.Linear(F_, C, bias=False)
         self.c = c
 
-    def forward(self, x, future, cos, sin):
+    def forward(self, x, w, future, cos, sin):
         c = self.c
         B, T, C = x.shape
         Hq, Hkv, D = c.heads, c.kv_heads, C // c.heads
-        n1 = rmsnorm(x, self.input_layernorm, c.norm_eps)
-        q = rope(self.q_proj(n1).view(B, T, Hq, D), cos, sin)
-        k = rope(self.k_proj(n1).view(B, T, Hkv, D), cos, sin)
-        v = self.v_proj(n1).view(B, T, Hkv, D)
-        x1 = x + self.o_proj(c.attention_fn(q, k, v, c.dropout, self.training, future))
-        n2 = rmsnorm(x1, self.post_attention_layernorm, c.norm_eps)
-        return x1 + self.down_proj(F.silu(self.gate_proj(n2)) * self.up_proj(n2))
+        n1 = rmsnorm(x, w["input_layernorm"], c.norm_eps)
+        q = rope(linear(n1, w, "q_proj").view(B, T, Hq, D), cos, sin)
+        k = rope(linear(n1, w, "k_proj").view(B, T, Hkv, D), cos, sin)
+        v = linear(n1, w, "v_proj").view(B, T, Hkv, D)
+        x1 = x + linear(c.attention_fn(q, k, v, c.dropout, self.training, future), w, "o_proj")
+        n2 = rmsnorm(x1, w["post_attention_layernorm"], c.norm_eps)
+        return x1 + linear(F.silu(linear(n2, w, "gate_proj")) * linear(n2, w, "up_proj"), w, "down_proj")
 
 
 class Model(nn.Module):
@@ -395,7 +417,7 @@ class Model(nn.Module):
             self.layers = nn.ModuleList(LlamaBlock(c) for _ in range(c.layers))
             self.norm = nn.Parameter(torch.ones(C))
             self.lm_head = nn.Parameter(torch.empty(V, C))
-            cos, sin = rope_tables(c.max_seq, C // c.heads, c.rope_theta, torch.float32)
+            cos, sin = rope_tables(c.max_seq, C // c.heads, c.rope_theta, c.compute_dtype)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
         future = torch.ones(c.max_seq, c.max_seq, dtype=torch.bool).triu_(1)
@@ -419,34 +441,37 @@ class Model(nn.Module):
                         std /= math.sqrt(2.0 * self.c.layers)
                     p.normal_(0.0, std, generator=gen)
 
-    def run_block(self, block, x):
+    def run_block(self, block, x, w):
         if self.c.arch == "gpt2":
-            return block(x, self.future)
-        return block(x, self.future, self.rope_cos, self.rope_sin)
+            return block(x, w, self.future)
+        return block(x, w, self.future, self.rope_cos, self.rope_sin)
 
     def forward(self, tokens, targets):
         c = self.c
         T = tokens.shape[1]
         if c.arch == "gpt2":
-            x = F.dropout(F.embedding(tokens, self.wte) + self.wpe[:T], c.dropout, self.training)
+            wte = self.wte.to(c.compute_dtype)  # one copy for the embedding and the tied head
+            x = F.dropout(F.embedding(tokens, wte) + self.wpe.to(c.compute_dtype)[:T], c.dropout, self.training)
             blocks = self.h
         else:
-            x = F.embedding(tokens, self.embed_tokens)
+            x = F.embedding(tokens, self.embed_tokens.to(c.compute_dtype))
             blocks = self.layers
         for i, block in enumerate(blocks):
+            w = compute_weights(block, c.compute_dtype)
             if c.checkpoint_every and (i + 1) % c.checkpoint_every == 0:
                 # use_reentrant=False: torch 1.13's checkpoint accepts it (the saved-tensor-hooks
                 # implementation, which also works when the block input needs no grad);
                 # preserve_rng_state defaults to True, so recomputed dropout masks match the
                 # forward's (as remat's ac.preserve_rng_state=true).
-                x = torch_checkpoint.checkpoint(self.run_block, block, x, **c.checkpoint_kwargs)
+                x = torch_checkpoint.checkpoint(self.run_block, block, x, w, **c.checkpoint_kwargs)
             else:
-                x = self.run_block(block, x)
+                x = self.run_block(block, x, w)
         if c.arch == "gpt2":
-            h = self.ln_f(x)
-            return loss_head(h, self.wte, targets, c.ce_chunk)  # tied head
-        h = rmsnorm(x, self.norm, c.norm_eps)
-        return loss_head(h, self.lm_head, targets, c.ce_chunk)  # untied head
+            ln_f = compute_weights(self.ln_f, c.compute_dtype)
+            h = F.layer_norm(x, x.shape[-1:], ln_f["weight"], ln_f["bias"], c.norm_eps)
+            return loss_head(h, wte, targets, c.ce_chunk)  # tied head
+        h = rmsnorm(x, self.norm.to(c.compute_dtype), c.norm_eps)
+        return loss_head(h, self.lm_head.to(c.compute_dtype), targets, c.ce_chunk)  # untied head
 
 
 CHECKPOINT_KWARGS = {}
@@ -459,12 +484,15 @@ except (TypeError, ValueError):
 SDPA_GQA = hasattr(F, "scaled_dot_product_attention") and sdpa_has_enable_gqa()
 
 
-def sac_save_ops():
+def sac_save_ops(attention):
     """The ops whose outputs selective checkpointing keeps: the matrix products and the fused
     attention kernels (torchtitan's op-level list, every mm kept); the overloads this torch
-    lacks are left out."""
+    lacks are left out. Math attention keeps its probabilities (_softmax), as remat's
+    attention op does, not its scores (baddbmm): they are masked in place, which SAC refuses
+    for a kept tensor."""
     aten = torch.ops.aten
-    names = [("mm", "default"), ("addmm", "default"), ("bmm", "default"), ("baddbmm", "default"),
+    names = [("mm", "default"), ("addmm", "default"), ("bmm", "default"),
+             ("_softmax" if attention == "math" else "baddbmm", "default"),
              ("_scaled_dot_product_flash_attention_for_cpu", "default"),
              ("_scaled_dot_product_flash_attention", "default"),
              ("_scaled_dot_product_efficient_attention", "default"),
@@ -478,16 +506,19 @@ def sac_save_ops():
     return ops
 
 
-def sac_context_fn():
-    """context_fn for torch.utils.checkpoint: MUST_SAVE the products' outputs, PREFER_RECOMPUTE
-    every other op (norms, activations, rope, softmax, dropout, adds) in the backward."""
-    save = sac_save_ops()
-    policy_type = torch_checkpoint.CheckpointPolicy
+def sac_context(attention):
+    """context_fn for torch.utils.checkpoint: MUST_SAVE the outputs of sac_save_ops,
+    PREFER_RECOMPUTE every other op (norms, activations, rope, dropout, adds) in the backward."""
+    def sac_context_fn():
+        save = sac_save_ops(attention)
+        policy_type = torch_checkpoint.CheckpointPolicy
 
-    def policy(ctx, op, *args, **kwargs):
-        return policy_type.MUST_SAVE if op in save else policy_type.PREFER_RECOMPUTE
+        def policy(ctx, op, *args, **kwargs):
+            return policy_type.MUST_SAVE if op in save else policy_type.PREFER_RECOMPUTE
 
-    return torch_checkpoint.create_selective_checkpoint_contexts(policy)
+        return torch_checkpoint.create_selective_checkpoint_contexts(policy)
+
+    return sac_context_fn
 
 
 # --------------------------------------------------------------------------------------------
@@ -527,18 +558,27 @@ def clip_gradients(params, max_norm):
     return norm
 
 
+def sync(device):
+    """Waits for the kernels queued on a CUDA device, which run asynchronously to Python."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def train_step(model, opt, params, c, step, gen):
     for g in opt.param_groups:
         g["lr"] = learning_rate(c, step)
+    sync(c.device)
     t0 = time.perf_counter()
-    # A fresh batch each step, drawn inside the timed region as remat's data.sample is.
-    seq = torch.randint(0, c.vocab, (c.batch, c.seq + 1), generator=gen)
+    # A fresh batch each step, drawn inside the timed region as remat's data.sample is; drawn
+    # on the CPU and moved, so that every device trains on the same tokens.
+    seq = torch.randint(0, c.vocab, (c.batch, c.seq + 1), generator=gen).to(c.device)
     tokens, targets = seq[:, :-1], seq[:, 1:]
     opt.zero_grad(set_to_none=False)  # persistent gradients, as remat's flat gradient buffer
     loss = model(tokens, targets)
     loss.backward()
     clip_gradients(params, c.grad_clip)
     opt.step()
+    sync(c.device)
     seconds = time.perf_counter() - t0
     return loss.item(), seconds
 
@@ -619,6 +659,12 @@ def parse_args(argv=None):
         description="Plain-PyTorch GPT-2 / Llama training steps with remat's math, for side-by-side timing.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--arch", choices=["gpt2", "llama"], default="gpt2")
+    ap.add_argument("--device", default="cpu",
+                    help="cpu, cuda or cuda:N: where the model, its gradients, AdamW's state and the batches live")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="remat's run.dtype: bfloat16 keeps the parameters, gradients and AdamW state in float32 "
+                         "and computes in a bfloat16 copy of the weights (activations bfloat16, norm and loss "
+                         "statistics float32)")
     ap.add_argument("--policy", default="none",
                     help="none; full: torch.utils.checkpoint around every block; every:K: around blocks K, 2K, ... "
                          "(counting from 1, as remat's every:K); sac: selective checkpointing of every block that "
@@ -696,6 +742,18 @@ def parse_args(argv=None):
         v = getattr(args, name)
         if v is not None and v < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1.")
+    try:
+        args.device = torch.device(args.device)
+    except RuntimeError:
+        ap.error(f"--device {args.device}: use cpu, cuda or cuda:N.")
+    if args.device.type not in ("cpu", "cuda"):
+        ap.error(f"--device {args.device}: use cpu, cuda or cuda:N.")
+    if args.device.type == "cuda" and (not torch.cuda.is_available() or
+                                       (args.device.index or 0) >= torch.cuda.device_count()):
+        sys.exit(f"peers.py: --device {args.device} names no GPU that torch {torch.__version__} sees "
+                 f"({torch.cuda.device_count()} here).")
+    # remat's run.dtype=bfloat16: float32 masters, a bfloat16 compute copy (compute_weights), not bfloat16 storage.
+    args.compute_dtype = getattr(torch, args.dtype)
     need = f"this is torch {torch.__version__}, which does not have it"
     args.checkpoint_kwargs = dict(CHECKPOINT_KWARGS)
     if args.policy == "none":
@@ -709,7 +767,7 @@ def parse_args(argv=None):
             sys.exit(f"peers.py: --policy sac needs torch.utils.checkpoint.create_selective_checkpoint_contexts, "
                      f"which PyTorch 2.4 added; {need}.")
         args.checkpoint_every = 1
-        args.checkpoint_kwargs["context_fn"] = sac_context_fn
+        args.checkpoint_kwargs["context_fn"] = sac_context(args.attention)
     else:
         ap.error(f"--policy {args.policy}: use none, full, every:K (1 <= K <= --layers) or sac.")
     if args.compile and not hasattr(torch, "compile"):
@@ -741,7 +799,8 @@ def parse_args(argv=None):
 
 def main(argv=None):
     c = parse_args(argv)
-    model = Model(c)  # initialised from its own generator of --seed
+    # Initialised on the CPU from its own generator of --seed, then moved (as remat's model).
+    model = Model(c).to(c.device)
     params = list(model.parameters())
     n_params = sum(p.numel() for p in params)
     shape = {"layers": c.layers, "d_model": c.d_model, "heads": c.heads, "kv_heads": c.kv_heads,
@@ -753,13 +812,17 @@ def main(argv=None):
 
     threads = apply_threads(c)
     log(f"peers: torch {torch.__version__}, {c.arch} ({n_params:,} parameters), policy {c.policy}, "
-        f"attention {c.attention}, {c.batch} x {c.seq} tokens; threads: aten {threads['aten_threads']} "
+        f"attention {c.attention}, {c.batch} x {c.seq} tokens on {c.device} in {c.dtype}; "
+        f"threads: aten {threads['aten_threads']} "
         f"(default {threads['default_aten_threads']}), OpenBLAS {threads['blas_threads']} "
         f"(default {threads['default_blas_threads']}; {threads['blas_build']} build) from {threads['blas_library']}; "
         f"checkpoint kwargs {c.checkpoint_kwargs}; "
         f"compile {'off' if not c.compile else 'on, memory budget ' + str(c.memory_budget)}")
     mm = mm_threads = None
-    if not c.no_matmul_check:
+    if c.device.type == "cuda":
+        log(f"peers: {torch.cuda.get_device_name(c.device)}; the CPU matmul check is skipped (a CUDA step's "
+            f"matmuls are the GPU's)")
+    elif not c.no_matmul_check:
         mm, mm_threads = matmul_check()
         log(f"peers: one 1024^3 float32 matmul at these settings: {mm * 1e3:.1f} ms "
             f"({2 * 1024 ** 3 / mm / 1e9:.1f} GFLOP/s), computed by {mm_threads} thread(s) (per-thread CPU time)")
@@ -789,8 +852,18 @@ def main(argv=None):
     if abs(losses[0] - math.log(c.vocab)) > 0.5:
         log(f"peers: warning: the first loss {losses[0]:.4f} is far from ln(vocab) = {math.log(c.vocab):.4f}")
 
-    peak = static = None
-    if not c.no_peak:
+    peak = static = reserved = None
+    if not c.no_peak and c.device.type == "cuda":
+        # A separate, untimed step under the CUDA allocator's high-water marks (remat's peak_bytes
+        # and reserved_peak_bytes on CUDA are its allocator's too).
+        static = torch.cuda.memory_allocated(c.device)
+        torch.cuda.reset_peak_memory_stats(c.device)
+        train_step(step_model, opt, params, c, c.warmup + c.steps, gen)
+        peak = torch.cuda.max_memory_allocated(c.device)
+        reserved = torch.cuda.max_memory_reserved(c.device)
+        log(f"peers: peak {peak / 2 ** 20:.1f} MiB allocated in a step ({static / 2 ** 20:.1f} MiB at its start), "
+            f"{reserved / 2 ** 20:.1f} MiB reserved by the caching allocator")
+    elif not c.no_peak:
         # A separate, untimed step: the profiler slows what it records.
         extra = [p.grad for p in params if p.grad is not None]
         extra += [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
@@ -828,6 +901,7 @@ def main(argv=None):
         "step_seconds": times,
         "tokens_per_second": c.batch * c.seq / med,
         "peak_bytes": peak,
+        "reserved_peak_bytes": reserved,
         "step_start_bytes": static,
         "maxrss_bytes": maxrss,
         "first_loss": losses[0],
@@ -835,6 +909,8 @@ def main(argv=None):
         "matmul_1024_seconds": mm,
         "matmul_1024_threads": mm_threads,
         "checkpoint_kwargs": {k: getattr(v, "__name__", str(v)) for k, v in c.checkpoint_kwargs.items()},
+        "device": str(c.device),
+        "dtype": c.dtype,
         "torch_version": torch.__version__,
         "python": platform.python_version(),
     }
