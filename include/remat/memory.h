@@ -70,6 +70,10 @@ void configure_cuda_allocator(bool expandable_segments);
 Stats stats(at::Device device);
 /// Starts a new peak window: peak := current.
 void reset_peak(at::Device device);
+/// CUDA: returns the caching allocator's unused segments, so that what the next run
+/// reserves is its own (a process's reserved peak otherwise keeps an earlier run's
+/// segments). The CPU's tracking allocator caches nothing.
+void release_cached(at::Device device);
 
 /// Allocations made inside RecomputeScopes, counted by the scope's owner.
 struct PoolCounts {

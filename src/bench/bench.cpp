@@ -24,6 +24,7 @@
 #include <chrono>
 #include <filesystem>
 #include <map>
+#include <tuple>
 #include <memory>
 #include <random>
 #include <stdexcept>
@@ -91,6 +92,7 @@ BenchRow run_entry(const BenchEntry& entry, const PreparedEntry& p, const BenchO
   const Config& cfg = p.spec.cfg;
   const RunPlan& planned = p.spec.plan;
   const auto seed = static_cast<uint64_t>(cfg.run.seed);
+  memory::release_cached(device);  // the earlier entries' segments are not this entry's
   auto model = create_model(cfg, device, dtype, ranks, planned.split);
   apply_plan(*model, planned.plan, cfg.ac);
   TrainStep stepper(*model, p.spec.local.train, seed, ranks, cfg.parallel.zero, cfg.parallel.schedule,
@@ -249,16 +251,19 @@ BenchResult run_bench(const BenchOptions& o) {
   in.corpus_dir = corpus_dir(common.data);
   in.memory_available = rank_memory(device, ranks.get());
   // One time profile per attention op and loss head for the sweep (every entry has the same
-  // shapes), measured on a scratch model of the sweep's settings or read from the cache.
+  // shapes), measured on a scratch model of the sweep's settings or read from the cache,
+  // and for entries that offload, with the host copies measured as `remat train` does.
   // (Pipeline stages measure it on a probe of two layers, as `remat train` does.)
   const Config local = rank_share(resolve_config(common, corpus));
-  std::map<std::pair<Attention, LossHead>, TimeProfile> profiles;
+  std::map<std::tuple<Attention, LossHead, bool>, TimeProfile> profiles;
   in.profile_of = [&](const Config& op) {
-    const std::pair key{op.model.attention, op.model.loss_head};
+    const bool offloads = policy_offloads(op);
+    const std::tuple key{op.model.attention, op.model.loss_head, offloads};
     if (const auto found = profiles.find(key); found != profiles.end()) return found->second;
     Config probed = local;
     probed.model.attention = op.model.attention;
     probed.model.loss_head = op.model.loss_head;
+    if (offloads) probed.ac = op.ac;
     const double matmul_rate = probed.ac.profile
                                    ? 0.0
                                    : measure_matmul_flops(device, dtype, local.train.batch * local.train.seq,

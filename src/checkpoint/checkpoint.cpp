@@ -143,7 +143,7 @@ class Frame : public std::enable_shared_from_this<Frame> {
       inputs_.emplace_back(x, /*is_output=*/false);
     }
     if (options_.preserve_rng_state) {
-      rng_ = RngStates::capture();
+      rng_ = RngStates::capture(inputs);
     }
   }
 
@@ -317,7 +317,7 @@ struct ReentrantCheckpoint : public torch::autograd::Function<ReentrantCheckpoin
   static variable_list forward(torch::autograd::AutogradContext* ctx, const c10::intrusive_ptr<ReentrantState>& state,
                                at::TensorList inputs) {
     if (state->options.preserve_rng_state) {
-      state->rng = RngStates::capture();
+      state->rng = RngStates::capture(inputs);
     }
     const std::vector<at::Tensor> args(inputs.begin(), inputs.end());
     variable_list outputs = state->fn(args);

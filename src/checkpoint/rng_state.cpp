@@ -2,8 +2,8 @@
 
 #include <ATen/Context.h>
 #include <ATen/core/Generator.h>
-#include <c10/util/irange.h>
 
+#include <algorithm>
 #include <mutex>
 
 namespace remat::detail {
@@ -20,31 +20,41 @@ void set_state(at::Generator gen, const at::Tensor& state) {
   gen.set_state(state);
 }
 
-at::Generator cuda_generator(size_t index) {
-  return at::globalContext().defaultGenerator(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(index)));
+at::Generator cuda_generator(c10::DeviceIndex index) {
+  return at::globalContext().defaultGenerator(at::Device(at::kCUDA, index));
+}
+
+std::vector<c10::DeviceIndex> devices_of(const RngStates& s) {
+  std::vector<c10::DeviceIndex> devices;
+  for (const auto& [d, state] : s.cuda) devices.push_back(d);
+  return devices;
 }
 
 }  // namespace
 
-RngStates RngStates::capture() {
-  RngStates s;
-  s.cpu = state_of(at::globalContext().defaultGenerator(at::kCPU));
-  if (at::hasCUDA()) {
-    for (const auto i : c10::irange(at::getNumGPUs())) {
-      s.cuda.push_back(state_of(cuda_generator(i)));
+RngStates RngStates::capture(at::TensorList inputs) {
+  std::vector<c10::DeviceIndex> devices;
+  for (const at::Tensor& x : inputs) {
+    if (x.defined() && x.is_cuda() && std::find(devices.begin(), devices.end(), x.get_device()) == devices.end()) {
+      devices.push_back(x.get_device());
     }
   }
+  return capture_on(devices);
+}
+
+RngStates RngStates::capture_on(const std::vector<c10::DeviceIndex>& devices) {
+  RngStates s;
+  s.cpu = state_of(at::globalContext().defaultGenerator(at::kCPU));
+  for (const c10::DeviceIndex d : devices) s.cuda.emplace_back(d, state_of(cuda_generator(d)));
   return s;
 }
 
 void RngStates::restore() const {
   set_state(at::globalContext().defaultGenerator(at::kCPU), cpu);
-  for (const auto i : c10::irange(cuda.size())) {
-    set_state(cuda_generator(i), cuda[i]);
-  }
+  for (const auto& [d, state] : cuda) set_state(cuda_generator(d), state);
 }
 
-RngFork::RngFork(const RngStates& replay) : resume_(RngStates::capture()) { replay.restore(); }
+RngFork::RngFork(const RngStates& replay) : resume_(RngStates::capture_on(devices_of(replay))) { replay.restore(); }
 
 RngFork::~RngFork() { resume_.restore(); }
 

@@ -4,16 +4,21 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <utility>
 #include <vector>
 
 namespace remat::detail {
 
 struct RngStates {
-  at::Tensor cpu;                // the default CPU generator's state
-  std::vector<at::Tensor> cuda;  // each CUDA device's default generator, by index
+  at::Tensor cpu;  // the default CPU generator's state
+  /// The default generators' states of the CUDA devices the checkpointed inputs live on.
+  std::vector<std::pair<c10::DeviceIndex, at::Tensor>> cuda;
 
-  /// The CPU generator and, when CUDA is available, every CUDA device's generator.
-  static RngStates capture();
+  /// The CPU generator and the generators of the CUDA devices that `inputs` live on, as
+  /// torch.utils.checkpoint takes them: a checkpoint of CPU tensors leaves the GPUs' alone.
+  static RngStates capture(at::TensorList inputs);
+  /// The CPU generator and those of `devices`.
+  static RngStates capture_on(const std::vector<c10::DeviceIndex>& devices);
   void restore() const;
 };
 

@@ -238,6 +238,12 @@ void reset_peak(at::Device device) {
   g_peak.store(g_current.load());
 }
 
+void release_cached(at::Device device) {
+#ifdef REMAT_WITH_CUDA
+  if (device.is_cuda()) c10::cuda::CUDACachingAllocator::emptyCache();
+#endif
+}
+
 RecomputeScope::RecomputeScope(PoolCounts& counts) : outer_(t_scope) { t_scope = &counts; }
 
 RecomputeScope::~RecomputeScope() { t_scope = outer_; }

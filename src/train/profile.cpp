@@ -503,6 +503,11 @@ HostCopy measure_host_copy(at::Device device) {
   return fit;
 }
 
+bool policy_offloads(const Config& cfg) {
+  const ActivationPlan plan = compile_policy(cfg.ac, cfg.model.n_layer, cfg.model.dropout);
+  return std::any_of(plan.layers.begin(), plan.layers.end(), [](const LayerPlan& l) { return !l.offloaded.empty(); });
+}
+
 TimeProfile run_time_profile(const Config& cfg, at::Device device, at::ScalarType dtype, const data::TokenDataset& data,
                              dist::Comm* ranks, double matmul_rate,
                              const std::function<std::unique_ptr<Model>()>& create, std::unique_ptr<Model>& model) {
@@ -530,12 +535,9 @@ TimeProfile run_time_profile(const Config& cfg, at::Device device, at::ScalarTyp
     profile.times.link_bytes_per_second = link.bytes_per_second * profile.seconds_per_unit;
     profile.times.link_latency_seconds = link.latency_seconds / profile.seconds_per_unit;
   }
-  // Measured at every start whose policy offloads (the planner offloads nothing yet), rank
-  // 0's for every rank as the rest of the profile.
-  const ActivationPlan plan = compile_policy(cfg.ac, cfg.model.n_layer, cfg.model.dropout);
-  if (std::all_of(plan.layers.begin(), plan.layers.end(), [](const LayerPlan& l) { return l.offloaded.empty(); })) {
-    return profile;
-  }
+  // Measured at every start whose policy offloads, rank 0's for every rank as the rest of
+  // the profile.
+  if (!policy_offloads(cfg)) return profile;
   HostCopy copy = measure_host_copy(device);
   if (ranks != nullptr && ranks->size() > 1) {
     copy.bytes_per_second = rank0s(*ranks, copy.bytes_per_second, "sharing rank 0's measure of host copies");

@@ -103,6 +103,9 @@ struct HostCopy {
 };
 HostCopy measure_host_copy(at::Device device);
 
+/// Whether the policy `cfg` names offloads a slot of any layer (a budget plan offloads none yet).
+bool policy_offloads(const Config& cfg);
+
 /// The profile a run of `cfg` (a rank_share) plans from, as `remat train` and `remat bench`
 /// take it: under ac.profile, rank_time_profile on the whole model `create` builds, left in
 /// `model` for the caller to train (the one there before is freed first), or, with
