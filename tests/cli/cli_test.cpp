@@ -233,6 +233,22 @@ TEST_F(Cli, BenchSweepsPoliciesAndWritesCsvJsonAndTheTable) {
   EXPECT_TRUE(fs::exists(out + "-2/bench.csv")) << q.output;  // the first run's directory is kept
 }
 
+TEST_F(Cli, BenchPricesTheCopiesOfAnEntryThatOffloads) {
+  const std::string out = (dir_ / "bench").string();
+  const Result r = run_remat(
+      "bench --policies 'full;full+offload:[input]' --steps 1 --warmup 0 --out " + out +
+      " model.preset=tiny-gpt2 model.vocab_size=0 train.batch=4 train.seq=32 data.vocab_size=512 run.threads=1 "
+      "data.text=" +
+      file("corpus.txt", remat::testing::make_text(1500)) + " data.dir=" + (dir_ / "data").string());
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::ifstream json_file(out + "/bench.json");
+  const auto rows = nlohmann::json::parse(json_file)["rows"];
+  ASSERT_EQ(rows.size(), 2u);
+  // The same plan but for the copies there and back, which the host copies measured price.
+  EXPECT_GT(rows[0]["predicted_step_seconds"].get<double>(), 0.0);
+  EXPECT_GT(rows[1]["predicted_step_seconds"].get<double>(), rows[0]["predicted_step_seconds"].get<double>());
+}
+
 TEST_F(Cli, BenchRefusesABadEntryBeforeRunningAnything) {
   const std::string out = (dir_ / "bench").string();
   expect_error("bench --policies 'none;every:0' model.preset=tiny-gpt2 train.seq=32 --out " + out,
