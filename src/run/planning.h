@@ -71,6 +71,9 @@ struct RunPlan {
   std::vector<cost::DeviceMemory> device;
   /// The highest allocated and reserved peaks of `device` over the stages (zeros on the CPU).
   cost::DeviceMemory device_peak() const;
+  /// The prediction of the peak a run measures: on CUDA the allocator model's allocated
+  /// bytes (requests rounded up, the cuBLAS workspace among them), on the CPU peak().
+  int64_t measured_peak() const { return device.empty() ? peak() : device_peak().allocated_peak; }
   /// What the `auto` settings resolved to (loss head first), none where the config named
   /// them.
   std::vector<Choice> choices;

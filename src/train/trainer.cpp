@@ -294,9 +294,7 @@ void keep_or_create(std::unique_ptr<Model>& model, const RunSpec& spec, int64_t 
 
 // The plan's predictions and budget, as the summary reports them beside the measured.
 void take_predictions(const RunPlan& planned, TrainSummary& sum) {
-  // On CUDA the measured peak is the caching allocator's allocated bytes (requests rounded
-  // up, the cuBLAS workspace among them): its model's figure is the one to set beside it.
-  sum.predicted_peak_bytes = planned.device.empty() ? planned.peak() : planned.device_peak().allocated_peak;
+  sum.predicted_peak_bytes = planned.measured_peak();
   sum.budget_bytes = planned.budget;
   sum.predicted_reserved_bytes = planned.device_peak().reserved_peak;
   sum.predicted_host_peak_bytes = planned.predicted.host_peak;

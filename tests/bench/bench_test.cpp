@@ -106,5 +106,24 @@ TEST(Bench, TableGivesTheCudaAllocatorsPeaksBesideItsModel) {
   EXPECT_EQ(t.find("none on CUDA"), std::string::npos) << "a row without the model's figures (CPU) has no line: " << t;
 }
 
+TEST(Bench, OnCudaABudgetHoldsTheReservedPeak) {
+  const auto on_cuda = [](BenchRow r, int64_t reserved) {
+    r.reserved_peak_bytes = reserved;
+    r.predicted_cuda_allocated_bytes = r.peak_bytes;
+    r.predicted_cuda_reserved_bytes = reserved;
+    return r;
+  };
+  BenchResult run;
+  // full's allocated peak fits 64 MiB but its reserved one does not; every:2 fits both.
+  run.rows = {on_cuda(row("full", 50 << 20, 0.3), 70 << 20), on_cuda(row("every:2", 60 << 20, 0.4), 64 << 20),
+              on_cuda(row("budget=64MiB", 55 << 20, 0.2), 66 << 20)};
+  run.rows[2].budget_bytes = 64 << 20;
+  const std::string t = format_bench_table(run);
+  EXPECT_NE(t.find("\nbudget=64MiB (64.00 MiB): reserved peak OVER the budget; 0.50x the step time of every:2, the "
+                   "fastest manual policy that fits\n"),
+            std::string::npos)
+      << t;
+}
+
 }  // namespace
 }  // namespace remat
