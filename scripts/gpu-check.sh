@@ -112,6 +112,12 @@ cap 60 $build/remat_tests --gtest_filter='CachingAllocatorModel.ReplaysEvery*' >
 grep -E "first the model|OK \]|FAILED \]" "$work/replay.log" | head -8 | tee -a "$work/summary.txt"
 rm -f "${added[@]}"
 
+step "each op's allocations on the GPU against its declared events"
+cap 120 $build/remat_tests --gtest_filter='OpMemory.OnAGpu*' > "$work/op-memory.log" 2>&1
+say "$(grep -c "Failure" "$work/op-memory.log") mismatches, by case:"
+grep -E -A1 "^Google Test trace:" "$work/op-memory.log" | grep -vE "^Google Test trace:|^--" | sort | uniq -c |
+  head -20 | tee -a "$work/summary.txt"
+
 step "peaks: the allocator's model against the allocator (remat bench)"
 policies='none;full;every:2;uniform:2;modules:[core_attn];full+offload:[input];modules:[core_attn]+offload:[input,mlp]'
 llama_1b=(model.preset=llama3-8b model.n_layer=16 model.d_model=2048 model.n_head=32 model.n_kv_head=8

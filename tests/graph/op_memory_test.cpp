@@ -3,12 +3,15 @@
 // and strided inputs, sharded over a tensor-parallel group or not, the peak above the start
 // and the bytes retained that the tracking allocator measures equal the replay of the op's
 // events. The cost model is exact because each op is; an op without cases here fails the
-// coverage check.
+// coverage check. Where a GPU is, the same cases run on it against the caching allocator's
+// allocated bytes (each request rounded up to its 512-byte blocks): what the CUDA kernels
+// allocate otherwise than the declared events, op by op (scripts/gpu-check.sh).
 #include "remat/graph.h"
 #include "remat/memory.h"
 #include "util/local_group.h"
 #include "util/sdpa.h"
 
+#include <ATen/Context.h>
 #include <ATen/Parallel.h>
 #include <fmt/format.h>
 #include <gtest/gtest.h>
@@ -33,16 +36,17 @@ struct Case {
 };
 
 // Peak above the start and bytes left at the end of a replay of `e`; results not views
-// take the given bytes.
-std::pair<int64_t, int64_t> replay(const Events& e, const std::vector<int64_t>& result_bytes) {
+// take the given bytes, and every allocation rounds up to a multiple of `block` (1: none).
+std::pair<int64_t, int64_t> replay(const Events& e, const std::vector<int64_t>& result_bytes, int64_t block = 1) {
+  const auto rounded = [block](int64_t b) { return (b + block - 1) / block * block; };
   int64_t current = 0, peak = 0;
   std::map<int64_t, int64_t> temps;
   for (const auto& ev : e.list()) {
     using K = Events::Event::Kind;
-    if (ev.kind == K::out) current += result_bytes.at(ev.index);
+    if (ev.kind == K::out) current += rounded(result_bytes.at(ev.index));
     if (ev.kind == K::temp) {
-      temps[ev.handle] = ev.bytes;
-      current += ev.bytes;
+      temps[ev.handle] = rounded(ev.bytes);
+      current += temps[ev.handle];
     }
     if (ev.kind == K::release) current -= temps.at(ev.handle);
     peak = std::max(peak, current);
@@ -53,14 +57,15 @@ std::pair<int64_t, int64_t> replay(const Events& e, const std::vector<int64_t>& 
 // Ids and targets are drawn below this (every vocabulary in the cases is larger).
 constexpr int64_t kIds = 7;
 
-// A tensor of `info`'s shape, dtype and strides (a strided one is a slice of a wider one).
-at::Tensor make(const TensorInfo& info, at::Generator& gen) {
-  if (info.dtype == at::kBool) return at::rand(info.sizes, gen) > 0.3;
-  if (info.dtype == at::kLong) return at::randint(0, kIds, info.sizes, gen);  // token ids, targets
-  if (info.contiguous()) return at::randn(info.sizes, gen).to(info.dtype);
+// A tensor of `info`'s shape, dtype and strides on `device`, drawn on the CPU (a strided
+// one is a slice of a wider one).
+at::Tensor make(const TensorInfo& info, at::Generator& gen, at::Device device) {
+  if (info.dtype == at::kBool) return (at::rand(info.sizes, gen) > 0.3).to(device);
+  if (info.dtype == at::kLong) return at::randint(0, kIds, info.sizes, gen).to(device);  // token ids, targets
+  if (info.contiguous()) return at::randn(info.sizes, gen).to(device, info.dtype);
   // Strides of a split view: [B, T, ...] inside [B, T, W] rows.
   const int64_t W = info.strides[1];
-  at::Tensor wide = at::randn({info.sizes[0], info.sizes[1], W}, gen).to(info.dtype);
+  at::Tensor wide = at::randn({info.sizes[0], info.sizes[1], W}, gen).to(device, info.dtype);
   return wide.narrow(-1, 0, info.numel() / (info.sizes[0] * info.sizes[1])).view(info.sizes);
 }
 
@@ -68,28 +73,36 @@ struct Measured {
   int64_t peak = 0, retained = 0;
 };
 
-void check(const Case& c) {
+// The caching allocator hands out blocks of multiples of 512 bytes.
+constexpr int64_t kCudaBlock = 512;
+
+void check(const Case& c, at::Device device = at::kCPU) {
   SCOPED_TRACE(c.name);
-  memory::install_cpu_tracking();
-  at::set_num_threads(1);
+  const bool cuda = device.is_cuda();
+  const int64_t block = cuda ? kCudaBlock : 1;
+  if (!cuda) {
+    memory::install_cpu_tracking();
+    at::set_num_threads(1);
+  }
   auto gen = at::detail::createCPUGenerator(17);
   const at::ScalarType dtype = c.dtype ? *c.dtype : c.in.empty() ? at::kFloat : c.in[0].dtype;
   std::vector<TensorInfo> pinfo;
   std::vector<at::Tensor> params, grads;
   for (const auto& s : c.params) {
     pinfo.push_back({s, dtype, {}});
-    params.push_back(at::randn(s, gen).to(dtype));
-    grads.push_back(at::zeros(s, at::kFloat));
+    params.push_back(at::randn(s, gen).to(device, dtype));
+    grads.push_back(at::zeros(s, at::TensorOptions(device).dtype(at::kFloat)));
   }
   const auto out_info = c.op->infer(c.in, pinfo, c.attrs);
   std::vector<at::Tensor> in;
-  for (const auto& i : c.in) in.push_back(make(i, gen));
+  for (const auto& i : c.in) in.push_back(make(i, gen, device));
   RunContext ctx;
   ctx.layer = 1;
   ctx.tp = c.tp;
+  ctx.device = device;
   // Tables for the rotation's head size (only the rope op reads them).
   const ops::RopeTables tables =
-      ops::rope_tables(64, c.op == &op::rope() ? c.in[0].sizes.back() : 2, 10000.0, dtype, at::kCPU);
+      ops::rope_tables(64, c.op == &op::rope() ? c.in[0].sizes.back() : 2, 10000.0, dtype, device);
   ctx.rope = &tables;
 
   // Forward.
@@ -101,17 +114,18 @@ void check(const Case& c) {
   }
   Events fe;
   c.op->forward_events(fe, c.in, pinfo, out_info, c.attrs);
-  int64_t before = memory::stats(at::kCPU).current;
-  memory::reset_peak(at::kCPU);
+  int64_t before = memory::stats(device).current;
+  memory::reset_peak(device);
   std::vector<at::Tensor> out = c.op->forward(in, params, c.attrs, ctx);
-  const Measured fwd{memory::stats(at::kCPU).peak - before, memory::stats(at::kCPU).current - before};
-  const auto [fpeak, fleft] = replay(fe, out_bytes);
+  const Measured fwd{memory::stats(device).peak - before, memory::stats(device).current - before};
+  const auto [fpeak, fleft] = replay(fe, out_bytes, block);
   // A bfloat16 GEMM (linear, the loss's logits) runs ATen's blocked CPU kernel, whose packing
   // buffers depend on the blocking of each shape, and so does a bfloat16 batched product of
   // strided blocks (the math attention's: oneDNN copies them where the CPU has AVX-512):
   // what the op declares is every tensor it makes itself, a lower bound of the measured
   // peak (README: what the cost model leaves out).
-  const bool blocked_gemm = (c.op == &op::linear() || c.op == &op::linears() || c.op == &op::cross_entropy() ||
+  const bool blocked_gemm = !cuda &&
+                            (c.op == &op::linear() || c.op == &op::linears() || c.op == &op::cross_entropy() ||
                              c.op == &op::fused_cross_entropy() || c.op == &op::attention()) &&
                             c.in[0].dtype == at::kBFloat16;
   // So do the bfloat16 block products of the sdpa kernel's backward: oneDNN allocates each
@@ -123,7 +137,8 @@ void check(const Case& c) {
     EXPECT_EQ(fwd.peak, fpeak) << "forward peak";
   }
   EXPECT_EQ(fwd.retained, fleft) << "forward retained";
-  EXPECT_EQ(fleft, new_bytes) << "the forward events must allocate every output that is not a view";
+  EXPECT_EQ(replay(fe, out_bytes).second, new_bytes)
+      << "the forward events must allocate every output that is not a view";
   ASSERT_EQ(out.size(), out_info.size());
   for (size_t j = 0; j < out.size(); ++j) {
     EXPECT_EQ(out[j].sizes().vec(), out_info[j].sizes) << "output " << j;
@@ -133,18 +148,19 @@ void check(const Case& c) {
   // Backward, with the saved values and the output gradients live.
   std::vector<at::Tensor> dy;
   for (size_t j = 0; j < out.size(); ++j)
-    dy.push_back(out_info[j].dtype == at::kBool ? at::Tensor() : make(out_info[j].with_sizes(out_info[j].sizes), gen));
+    dy.push_back(out_info[j].dtype == at::kBool ? at::Tensor()
+                                                : make(out_info[j].with_sizes(out_info[j].sizes), gen, device));
   std::vector<int64_t> grad_bytes;
   for (const auto& i : c.in) grad_bytes.push_back(i.with_sizes(i.sizes).bytes());
   std::vector<at::Tensor*> gp;
   for (auto& g : grads) gp.push_back(&g);
   Events be;
   c.op->backward_events(be, c.in, pinfo, out_info, c.attrs);
-  before = memory::stats(at::kCPU).current;
-  memory::reset_peak(at::kCPU);
+  before = memory::stats(device).current;
+  memory::reset_peak(device);
   std::vector<at::Tensor> din = c.op->backward(dy, in, out, params, gp, c.attrs, ctx);
-  const Measured bwd{memory::stats(at::kCPU).peak - before, memory::stats(at::kCPU).current - before};
-  const auto [bpeak, bleft] = replay(be, grad_bytes);
+  const Measured bwd{memory::stats(device).peak - before, memory::stats(device).current - before};
+  const auto [bpeak, bleft] = replay(be, grad_bytes, block);
   if (blocked_backward) {
     EXPECT_GE(bwd.peak, bpeak) << "backward peak";
   } else {
@@ -321,6 +337,23 @@ TEST(OpMemory, DeclaredEventsEqualTheMeasuredAllocations) {
   for (const OpDef* op : op::all()) {
     if (op == &op::sdpa_attention() && !kSdpaBuilt) continue;  // no kernel to measure in this build
     EXPECT_TRUE(covered.count(op)) << "no memory case for op " << op->kind();
+  }
+}
+
+TEST(OpMemory, OnAGpuDeclaredEventsEqualTheCachingAllocatorsBlocks) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no GPU here; scripts/gpu-check.sh runs this where one is";
+  const at::Device gpu(at::kCUDA, 0);
+  // The cuBLAS handles' workspaces come from the caching allocator on first use and stay:
+  // made before any measurement (a product of each dtype, with and without a bias).
+  for (const at::ScalarType t : {at::kFloat, at::kBFloat16}) {
+    const at::Tensor a = at::ones({64, 64}, at::TensorOptions(gpu).dtype(t));
+    at::addmm(a, a, a);
+    at::bmm(a.unsqueeze(0), a.unsqueeze(0));
+  }
+  for (const Case& c : cases()) {
+    // Sharded cases run over CPU groups; the sdpa op runs ATen's CPU kernel only.
+    if (c.tp != nullptr || c.op == &op::sdpa_attention()) continue;
+    check(c, gpu);
   }
 }
 
