@@ -8,7 +8,8 @@
 //
 // Grammar of `ac.policy` (whitespace is ignored):
 //
-//   policy    := term | select '+' selective
+//   policy    := recompute ('+' offload)?
+//   recompute := term | select '+' selective
 //   term      := 'none' | 'full' | 'every:' K | 'uniform:' N | 'block:' N | 'ratio:' R
 //              | selective | 'layers:[' entry (',' entry)* ']'
 //   select    := 'every:' K | 'block:' N | 'ratio:' R        (layer-selecting policies)
@@ -16,6 +17,8 @@
 //   entry     := 'full' | 'none' | 'modules:' module | selective
 //   module    := core_attn | qkv | norm | attn | act | mlp   (see block_modules())
 //   op        := matmul | matmul/2 | attention | softmax | dropout | norm | act | add
+//   offload   := 'offload' ('(' select ')')? ':[' name (',' name)* ']'
+//   name      := input | a slot of block_slots() | module
 //
 //   none          every layer keeps every slot
 //   full          every layer drops every slot (the block input stays)
@@ -35,6 +38,10 @@
 //                 layer's position alone, so the same model always gets the same plan.
 //   layers:[..]   one entry per layer, in order; the count must equal the layer count
 //   X+Y           the layers X selects are full, every other layer follows Y
+//   P+offload:[..]    every layer moves the named slots P keeps (a module: its slots) to
+//                     host memory between its forward and its backward
+//   P+offload(S):[..] only the layers S selects do (offload(block:2): the first two of
+//                     each stage, TransformerEngine's num_layers = 2)
 //
 // Canonical spelling (ActivationPlan::policy): no whitespace, module and op lists in the
 // order of the tables above without duplicates, single modules in brackets
@@ -72,6 +79,8 @@ struct AcConfig {
   std::optional<std::string> recompute_modules;      ///< comma list; selective default core_attn
   std::optional<bool> recompute_activations;         ///< true: selective core_attn
   std::optional<bool> distribute_saved_activations;  ///< true: layers that keep only their input shard it over TP
+  std::optional<std::string> offload_modules;        ///< comma list: the saved inputs of those modules in host memory
+  std::optional<int64_t> cpu_offloading_num_layers;  ///< N: the first N layers of each stage offload every kept slot
 
   // ColossalAI
   std::optional<double> gradient_checkpointing_ratio;    ///< ratio:R

@@ -33,6 +33,8 @@ std::string strip_spaces(const std::string& s) {
 
 bool starts_with(const std::string& s, const std::string& prefix) { return s.rfind(prefix, 0) == 0; }
 
+bool is_offload(const std::string& term) { return starts_with(term, "offload:") || starts_with(term, "offload("); }
+
 // Splits at `sep` outside brackets.
 std::vector<std::string> split_top(const std::string& s, char sep) {
   std::vector<std::string> out;
@@ -138,12 +140,12 @@ class Parser {
     if (s.empty()) fail(fmt::format("{}: the policy is empty; {}", origin_, valid_forms()));
     auto terms = split_top(s, '+');
     for (size_t i = 0; i + 1 < terms.size(); ++i) {
-      if (starts_with(terms[i], "offload:")) {
+      if (is_offload(terms[i])) {
         fail(fmt::format("{}: offload:[...] is the last term of a policy (X+offload:[...]), got it before {}.", origin_,
                          terms[i + 1]));
       }
     }
-    if (!starts_with(terms.back(), "offload:")) return recompute(s);
+    if (!is_offload(terms.back())) return recompute(s);
     const std::string term = terms.back();
     terms.pop_back();
     ActivationPlan plan = recompute(terms.empty() ? "none" : join(terms, "+"));
@@ -151,19 +153,30 @@ class Parser {
     return plan;
   }
 
-  // "+offload:[...]": each layer offloads the named slots (a module: its slots) that it
-  // keeps; a slot it recomputes is not kept, so not offloaded.
+  // "+offload:[...]": each layer (with "(S)", each layer S selects) offloads the named slots
+  // (a module: its slots) that it keeps; a slot it recomputes is not kept, so not offloaded.
   void offload(const std::string& term, ActivationPlan& plan) const {
-    for (const auto& l : plan.layers) {
-      if (!l.offloaded.empty()) {
-        fail(fmt::format("{}: the policy {} already offloads; give one offload:[...].", origin_, plan.policy));
+    std::vector<bool> chosen(static_cast<size_t>(n_), true);
+    std::string where;  // the canonical "(S)", empty for every layer
+    size_t open = 8;    // where the bracketed list starts
+    if (starts_with(term, "offload(")) {
+      const size_t close = term.find("):");
+      const auto sel = close == std::string::npos ? std::nullopt : select(term.substr(8, close - 8), "offloads");
+      if (!sel) {
+        fail(
+            fmt::format("{}: '{}' must be offload(S):[...] with S one of every:K, block:N or ratio:R, the layers "
+                        "that offload, e.g. offload(block:2):[input].",
+                        origin_, term));
       }
+      chosen = sel->second;
+      where = "(" + sel->first + ")";
+      open = close + 2;
     }
     std::vector<std::string> valid{slot_name(Slot::input)};
     for (const auto& n : block_slots()) valid.push_back(n);
     for (const auto& m : block_modules()) valid.push_back(m.first);
     SlotMask asked;
-    for (const auto& n : names(term, 8, "slot or module", valid)) {
+    for (const auto& n : names(term, open, "slot or module", valid)) {
       const auto m = std::find_if(block_modules().begin(), block_modules().end(),
                                   [&](const auto& module) { return module.first == n; });
       if (m != block_modules().end()) {
@@ -173,7 +186,9 @@ class Parser {
       }
     }
     bool any = false;
-    for (auto& l : plan.layers) {
+    for (size_t i = 0; i < plan.layers.size(); ++i) {
+      if (!chosen[i]) continue;
+      auto& l = plan.layers[i];
       for (const Slot slot : asked.slots()) {
         const bool kept = slot == Slot::input ? l.chunk_begin < 0 : !l.dropped.has(slot);
         if (kept) l.offloaded.add(slot);
@@ -183,11 +198,11 @@ class Parser {
     if (!any) {
       fail(
           fmt::format("{}: {} moves nothing to host memory: the policy {} recomputes every slot it names in "
-                      "every layer, and a recomputed slot is not kept; offload slots the policy keeps, e.g. "
+                      "{}, and a recomputed slot is not kept; offload slots the policy keeps, e.g. "
                       "full+offload:[input].",
-                      origin_, term, plan.policy));
+                      origin_, term, plan.policy, where.empty() ? "every layer" : "every layer it selects"));
     }
-    const std::string moved = "offload:[" + join(asked.names(), ",") + "]";
+    const std::string moved = "offload" + where + ":[" + join(asked.names(), ",") + "]";
     plan.policy = plan.policy == "none" ? moved : plan.policy + "+" + moved;
   }
 
@@ -262,7 +277,7 @@ class Parser {
   static std::string valid_forms() {
     return "valid forms are none, full, every:K, uniform:N, block:N, ratio:R, modules:[...], ops:[...], "
            "layers:[...] and X+Y (X one of every:K, block:N, ratio:R; Y one of modules:[...], ops:[...]), each "
-           "optionally followed by +offload:[slots or modules].";
+           "optionally followed by +offload:[slots or modules] (in some layers: +offload(block:N):[...]).";
   }
 
   std::string model_size() const {
@@ -291,17 +306,20 @@ class Parser {
     return *v;
   }
 
-  // every:K, block:N, ratio:R -> canonical spelling and which layers are fully recomputed.
-  std::optional<std::pair<std::string, std::vector<bool>>> select(const std::string& s) const {
+  // every:K, block:N, ratio:R -> canonical spelling and which layers are chosen: fully
+  // recomputed, or (verb "offloads") offloading.
+  std::optional<std::pair<std::string, std::vector<bool>>> select(const std::string& s,
+                                                                  const std::string& verb = "recomputes") const {
     std::vector<bool> full(static_cast<size_t>(n_), false);
     if (starts_with(s, "every:")) {
-      const int64_t k = count(s, "every", "K", s.substr(6), "every:K recomputes layers K, 2K, 3K, ... counted from 1");
+      const int64_t k =
+          count(s, "every", "K", s.substr(6), "every:K " + verb + " layers K, 2K, 3K, ... counted from 1");
       for (int64_t i = k - 1; i < n_; i += k) full[i] = true;
       return std::make_pair("every:" + std::to_string(k), full);
     }
     if (starts_with(s, "block:")) {
       const int64_t b =
-          count(s, "block", "N", s.substr(6), "block:N recomputes the first N layers of each pipeline stage");
+          count(s, "block", "N", s.substr(6), "block:N " + verb + " the first N layers of each pipeline stage");
       for (size_t st = 0; st < layout_.size.size(); ++st) {
         for (int64_t j = 0; j < b; ++j) full[layout_.first[st] + j] = true;
       }
@@ -311,9 +329,9 @@ class Parser {
       const auto r = parse_real(s.substr(6));
       if (!r || *r < 0.0 || *r > 1.0) {
         fail(
-            fmt::format("{}: R = {} is not a number in [0, 1]; ratio:R recomputes the first ceil(R x layers) "
+            fmt::format("{}: R = {} is not a number in [0, 1]; ratio:R {} the first ceil(R x layers) "
                         "layers of each pipeline stage, e.g. ratio:0.5 for half of them.",
-                        origin_, s.substr(6)));
+                        origin_, s.substr(6), verb));
       }
       for (size_t st = 0; st < layout_.size.size(); ++st) {
         // The small slack keeps 0.3 x 10 at 3 although the product rounds to 3.0000000000000004.
@@ -683,6 +701,106 @@ void nanotron(const AcConfig& ac, std::vector<Candidate>& out,
   }
 }
 
+// Megatron's --offload-modules names that have a remat counterpart, and the slots each
+// moves: what its module saves for the backward (core attention: q, k, v and the softmax).
+const std::vector<std::pair<std::string, SlotMask>>& megatron_offload_names() {
+  static const std::vector<std::pair<std::string, SlotMask>> modules = {
+      {"attn_norm", {Slot::input, Slot::attn_norm}},
+      {"qkv_linear", {Slot::attn_qkv_in, Slot::attn_gathered}},
+      {"core_attn", {Slot::attn_qkv, Slot::attn_probs, Slot::attn_dropout}},
+      {"attn_proj", {Slot::attn_proj_in}},
+      {"mlp_norm", {Slot::mlp_norm}},
+      {"layer_input", {Slot::input}},
+  };
+  return modules;
+}
+
+/// An offload asked for by a framework's key: where it came from and its offload term.
+struct OffloadAsk {
+  std::string origin;
+  std::string term;
+};
+
+// Every slot a layer keeps: torchtune's and TransformerEngine's whole-layer offload.
+const char* const kEveryKeptSlot = ":[input,attn,mlp,mlp.norm]";
+
+OffloadAsk offload_modules_alias(const std::string& value, const ActivationPlan& plan) {
+  const std::string origin = "ac.offload_modules = \"" + value + "\"";
+  std::vector<std::string> mapped;
+  for (const auto& m : megatron_offload_names()) mapped.push_back(m.first);
+  const auto names = split_list(value);
+  if (names.empty()) {
+    fail(
+        fmt::format("ac.offload_modules is empty; list the modules whose saved inputs go to host memory ({}), "
+                    "or drop it.",
+                    join(mapped, ", ")));
+  }
+  SlotMask slots;
+  for (const auto& n : names) {
+    const auto m = std::find_if(megatron_offload_names().begin(), megatron_offload_names().end(),
+                                [&](const auto& module) { return module.first == n; });
+    if (m != megatron_offload_names().end()) {
+      slots |= m->second;
+      continue;
+    }
+    const bool moe = n == "expert_fc1" || n == "moe_act" || n == "fused_group_mlp";
+    fail(fmt::format("{}: {}; the names that map are {} (the dense MLP's slots: ac.policy = \"P+offload:[mlp]\").",
+                     origin,
+                     moe ? n + " offloads activations of MoE experts, and remat's blocks have none"
+                         : "'" + n + "' is not one of Megatron's offload modules",
+                     join(mapped, ", ")));
+  }
+  if (std::find(names.begin(), names.end(), "layer_input") != names.end()) {
+    // Megatron's layer_input is the input a full recompute restarts from; it needs full
+    // granularity, where every input a layer keeps is one.
+    const auto everything = SlotMask::droppable();
+    for (size_t i = 0; i < plan.layers.size(); ++i) {
+      if (plan.layers[i].chunk_begin < 0 && plan.layers[i].dropped != everything) {
+        fail(
+            fmt::format("{}: layer_input moves the input each recomputed layer restarts from, but the policy {} "
+                        "keeps layer {}'s input without recomputing that layer whole; Megatron allows layer_input "
+                        "only with full recompute, so choose full or uniform:N (ac.recompute_granularity = "
+                        "\"full\" with ac.recompute_method = \"uniform\"), or drop layer_input.",
+                        origin, plan.policy, i + 1));
+      }
+    }
+  }
+  return {origin, "offload:[" + join(slots.names(), ",") + "]"};
+}
+
+// The offloads the framework keys ask for, each checked.
+std::vector<OffloadAsk> offload_aliases(const AcConfig& ac, const Layout& layout, const ActivationPlan& plan) {
+  std::vector<OffloadAsk> out;
+  if (ac.enable_activation_offloading && *ac.enable_activation_offloading) {
+    out.push_back({"ac.enable_activation_offloading = true", std::string("offload") + kEveryKeptSlot});
+  }
+  if (ac.offload_modules) out.push_back(offload_modules_alias(*ac.offload_modules, plan));
+  if (ac.cpu_offloading_num_layers) {
+    // Megatron's --cpu-offloading: TransformerEngine offloads every activation of the first
+    // N layers and allows 0 <= N < layers; N = 0 would offload nothing.
+    const int64_t n = *ac.cpu_offloading_num_layers;
+    const std::string origin = fmt::format("ac.cpu_offloading_num_layers = {}", n);
+    const int64_t most = layout.smallest() - 1;
+    const std::string where =
+        layout.size.size() == 1 ? "the model's layers" : "the layers of the smallest pipeline stage";
+    if (n < 1) {
+      fail(
+          fmt::format("{} offloads no layer; give N of at least 1 (the first N layers of each pipeline stage keep "
+                      "every slot in host memory), or drop it.",
+                      origin));
+    }
+    if (n > most) {
+      fail(
+          fmt::format("{} is not less than {} ({}): Megatron offloads all but the last layer at most, whose "
+                      "backward follows its forward at once; give N below {}, or offload every layer with "
+                      "ac.enable_activation_offloading = true.",
+                      origin, where, layout.smallest(), layout.smallest()));
+    }
+    out.push_back({origin, fmt::format("offload(block:{}){}", n, kEveryKeptSlot)});
+  }
+  return out;
+}
+
 bool recomputes_anything(const ActivationPlan& p) {
   return std::any_of(p.layers.begin(), p.layers.end(),
                      [](const LayerPlan& l) { return !l.dropped.empty() || l.chunk_begin >= 0; });
@@ -733,11 +851,21 @@ ActivationPlan compile_policy(const AcConfig& ac, int64_t n_layers, double dropo
                       asked.front().origin, asked.front().plan.policy, asked[i].origin, asked[i].plan.policy));
     }
   }
-  if (ac.enable_activation_offloading && *ac.enable_activation_offloading) {
-    // torchtune's: every saved activation waits on the CPU (with checkpointing, the
-    // checkpointed inputs).
-    const std::string origin = "ac.enable_activation_offloading = true";
-    Parser(origin, n_layers, layout).offload("offload:[input,attn,mlp,mlp.norm]", plan);
+  // The offload keys add their term to the recompute plan the other keys agreed on; a
+  // second offload, or an offload term in ac.policy beside them, is refused.
+  const auto offloads = offload_aliases(ac, layout, plan);
+  if (!offloads.empty()) {
+    const bool policy_offloads =
+        std::any_of(plan.layers.begin(), plan.layers.end(), [](const LayerPlan& l) { return !l.offloaded.empty(); });
+    const std::string first = policy_offloads ? asked.front().origin : offloads[0].origin;
+    const std::string second = policy_offloads ? offloads[0].origin : offloads.size() > 1 ? offloads[1].origin : "";
+    if (!second.empty()) {
+      fail(
+          fmt::format("{} and {} both choose what moves to host memory; give the offload once (ac.policy = "
+                      "\"P+offload:[...]\" or one of the offload keys).",
+                      first, second));
+    }
+    Parser(offloads[0].origin, n_layers, layout).offload(offloads[0].term, plan);
   }
 
   if (ac.tp_recompute_allgather && *ac.tp_recompute_allgather) {

@@ -401,7 +401,7 @@ TEST(PolicyErrors, UnknownNamesListTheValidOnes) {
             "ac.policy = \"selective\": 'selective' is not a recompute policy; valid forms are none, full, every:K, "
             "uniform:N, block:N, ratio:R, modules:[...], ops:[...], layers:[...] and X+Y (X one of every:K, "
             "block:N, ratio:R; Y one of modules:[...], ops:[...]), each optionally followed by "
-            "+offload:[slots or modules].");
+            "+offload:[slots or modules] (in some layers: +offload(block:N):[...]).");
 }
 
 TEST(PolicyErrors, LayerListsAndCompositions) {
@@ -771,8 +771,181 @@ TEST(PolicyOffload, TorchtunesActivationOffloadingOffloadsEveryKeptSlot) {
   EXPECT_EQ(offloads(compile_policy(alone, 2, 0.0)), std::vector<Slots>(2, every));
   alone.policy = "offload:[input]";
   EXPECT_EQ(error_of([&] { compile_policy(alone, 2, 0.0); }),
-            "ac.enable_activation_offloading = true: the policy offload:[input] already offloads; give one "
-            "offload:[...].");
+            "ac.policy = \"offload:[input]\" and ac.enable_activation_offloading = true both choose what moves to "
+            "host memory; give the offload once (ac.policy = \"P+offload:[...]\" or one of the offload keys).");
+}
+
+TEST(PolicyOffload, ASelectionOffloadsOnlyItsLayers) {
+  const ActivationPlan first = compile_policy("full+offload(block:2):[input]", 4);
+  EXPECT_EQ(first.policy, "full+offload(block:2):[input]");
+  EXPECT_EQ(offloads(first), (std::vector<Slots>{{"input"}, {"input"}, {}, {}}));
+  EXPECT_EQ(offloads(compile_policy("offload(every:2):[qkv]", 4)),
+            (std::vector<Slots>{{}, {"attn.qkv"}, {}, {"attn.qkv"}}));
+  EXPECT_EQ(compile_policy("offload( ratio : 0.5 ):[input]", 4).policy, "offload(ratio:0.5):[input]");
+  AcConfig staged;
+  staged.policy = "offload(block:1):[input]";
+  staged.stages = 2;
+  EXPECT_EQ(offloads(compile_policy(staged, 4, 0.0)), (std::vector<Slots>{{"input"}, {}, {"input"}, {}}));
+  EXPECT_NE(explain_plan(first).find("policy: full+offload(block:2):[input] (4 layers"), std::string::npos)
+      << explain_plan(first);
+
+  EXPECT_EQ(error_of([] { compile_policy("offload(first:2):[input]", 4); }),
+            "ac.policy = \"offload(first:2):[input]\": 'offload(first:2):[input]' must be offload(S):[...] with S "
+            "one of every:K, block:N or ratio:R, the layers that offload, e.g. offload(block:2):[input].");
+  EXPECT_EQ(error_of([] { compile_policy("offload(block:5):[input]", 4); }),
+            "ac.policy = \"offload(block:5):[input]\": N = 5 is larger than the model, which has 4 layers; use N "
+            "between 1 and 4.");
+  EXPECT_EQ(error_of([] { compile_policy("offload(ratio:0):[input]", 4); }),
+            "ac.policy = \"offload(ratio:0):[input]\": offload(ratio:0):[input] moves nothing to host memory: the "
+            "policy none recomputes every slot it names in every layer it selects, and a recomputed slot is not "
+            "kept; offload slots the policy keeps, e.g. full+offload:[input].");
+}
+
+TEST(PolicyOffload, MegatronsOffloadModulesMapToTheSlotsTheyMove) {
+  const auto modules = [](const std::string& names, int64_t layers = 3) {
+    return compile_ac([&](AcConfig& a) { a.offload_modules = names; }, layers);
+  };
+  expect_same(modules("core_attn, attn_proj"), "offload:[attn.qkv,attn.probs,attn.dropout,attn.proj_in]", 3);
+  expect_same(modules("[attn_norm]"), "offload:[input,attn.norm]", 3);
+  expect_same(modules("qkv_linear"), "offload:[attn.qkv_in,attn.gathered]", 3);
+  expect_same(modules("mlp_norm,attn_proj"), "offload:[attn.proj_in,mlp.norm]", 3);
+  EXPECT_EQ(modules("core_attn").policy, "offload:[attn.qkv,attn.probs,attn.dropout]");
+
+  // With Megatron's recompute keys, as its docs combine them.
+  expect_same(compile_ac(
+                  [](AcConfig& a) {
+                    a.recompute_granularity = "selective";
+                    a.recompute_modules = "core_attn";
+                    a.offload_modules = "core_attn,attn_proj";
+                  },
+                  3),
+              "modules:[core_attn]+offload:[attn.qkv,attn.probs,attn.dropout,attn.proj_in]", 3);
+  // The canonical term lists what was asked; the recomputed slots among them stay put.
+  EXPECT_TRUE(same_layers(compile_policy("modules:[core_attn]+offload:[attn.qkv,attn.proj_in]", 3),
+                          compile_policy("modules:[core_attn]+offload:[qkv,attn.proj_in,core_attn]", 3)));
+  const ActivationPlan chunks = compile_ac(
+      [](AcConfig& a) {
+        a.recompute_granularity = "full";
+        a.recompute_method = "uniform";
+        a.recompute_num_layers = 2;
+        a.offload_modules = "layer_input";
+      },
+      5);
+  expect_same(chunks, "uniform:2+offload:[input]", 5);
+  EXPECT_EQ(offloads(chunks), (std::vector<Slots>{{"input"}, {}, {"input"}, {}, {"input"}}));
+}
+
+TEST(PolicyOffload, MegatronsOffloadModulesRefuseWhatDoesNotMap) {
+  const std::string mapped =
+      "the names that map are attn_norm, qkv_linear, core_attn, attn_proj, mlp_norm, layer_input (the dense MLP's "
+      "slots: ac.policy = \"P+offload:[mlp]\").";
+  EXPECT_EQ(error_ac([](AcConfig& a) { a.offload_modules = "core_attn,expert_fc1"; }, 3),
+            "ac.offload_modules = \"core_attn,expert_fc1\": expert_fc1 offloads activations of MoE experts, and "
+            "remat's blocks have none; " +
+                mapped);
+  EXPECT_EQ(error_ac([](AcConfig& a) { a.offload_modules = "core_atn"; }, 3),
+            "ac.offload_modules = \"core_atn\": 'core_atn' is not one of Megatron's offload modules; " + mapped);
+  EXPECT_EQ(error_ac([](AcConfig& a) { a.offload_modules = ""; }, 3),
+            "ac.offload_modules is empty; list the modules whose saved inputs go to host memory (attn_norm, "
+            "qkv_linear, core_attn, attn_proj, mlp_norm, layer_input), or drop it.");
+  EXPECT_EQ(error_ac(
+                [](AcConfig& a) {
+                  a.recompute_granularity = "full";
+                  a.recompute_method = "block";
+                  a.recompute_num_layers = 1;
+                  a.offload_modules = "layer_input";
+                },
+                3),
+            "ac.offload_modules = \"layer_input\": layer_input moves the input each recomputed layer restarts from, "
+            "but the policy block:1 keeps layer 2's input without recomputing that layer whole; Megatron allows "
+            "layer_input only with full recompute, so choose full or uniform:N (ac.recompute_granularity = "
+            "\"full\" with ac.recompute_method = \"uniform\"), or drop layer_input.");
+  // Recomputed whole, every slot but the input is gone: what mlp_norm names is not kept.
+  EXPECT_EQ(error_ac(
+                [](AcConfig& a) {
+                  a.policy = "full";
+                  a.offload_modules = "mlp_norm";
+                },
+                3),
+            "ac.offload_modules = \"mlp_norm\": offload:[mlp.norm] moves nothing to host memory: the policy full "
+            "recomputes every slot it names in every layer, and a recomputed slot is not kept; offload slots the "
+            "policy keeps, e.g. full+offload:[input].");
+}
+
+TEST(PolicyOffload, TransformerEnginesNumLayersOffloadsTheFirstLayers) {
+  const auto first = [](int64_t n, int64_t layers, int64_t stages = 1) {
+    return compile_ac(
+        [&](AcConfig& a) {
+          a.cpu_offloading_num_layers = n;
+          a.stages = stages;
+        },
+        layers);
+  };
+  expect_same(first(2, 4), "offload(block:2):[input,attn,mlp,mlp.norm]", 4);
+  Slots every = all();
+  every.insert("input");
+  EXPECT_EQ(offloads(first(2, 4)), (std::vector<Slots>{every, every, {}, {}}));
+  // Counted within each pipeline stage, as block:N is.
+  expect_same(first(1, 6, 2), "offload(block:1):[input,attn,mlp,mlp.norm]", 6, 2);
+  EXPECT_EQ(offloads(first(1, 4, 2)), (std::vector<Slots>{every, {}, every, {}}));
+  // Composed with Megatron's recompute keys (Megatron itself refuses the pair): the
+  // recomputed layers keep, and so move, only their inputs.
+  const ActivationPlan full = compile_ac(
+      [](AcConfig& a) {
+        a.recompute_granularity = "full";
+        a.recompute_method = "uniform";
+        a.recompute_num_layers = 1;
+        a.cpu_offloading_num_layers = 3;
+      },
+      4);
+  expect_same(full, "uniform:1+offload(block:3):[input,attn,mlp,mlp.norm]", 4);
+  EXPECT_EQ(offloads(full), (std::vector<Slots>{{"input"}, {"input"}, {"input"}, {}}));
+
+  EXPECT_EQ(error_of([&] { first(0, 4); }),
+            "ac.cpu_offloading_num_layers = 0 offloads no layer; give N of at least 1 (the first N layers of each "
+            "pipeline stage keep every slot in host memory), or drop it.");
+  EXPECT_EQ(error_of([&] { first(4, 4); }),
+            "ac.cpu_offloading_num_layers = 4 is not less than the model's layers (4): Megatron offloads all but "
+            "the last layer at most, whose backward follows its forward at once; give N below 4, or offload every "
+            "layer with ac.enable_activation_offloading = true.");
+  EXPECT_EQ(error_of([&] { first(3, 6, 2); }),
+            "ac.cpu_offloading_num_layers = 3 is not less than the layers of the smallest pipeline stage (3): "
+            "Megatron offloads all but the last layer at most, whose backward follows its forward at once; give N "
+            "below 3, or offload every layer with ac.enable_activation_offloading = true.");
+}
+
+TEST(PolicyOffload, OneOffloadSpellingAtATime) {
+  EXPECT_EQ(error_ac(
+                [](AcConfig& a) {
+                  a.policy = "full+offload:[input]";
+                  a.cpu_offloading_num_layers = 1;
+                },
+                3),
+            "ac.policy = \"full+offload:[input]\" and ac.cpu_offloading_num_layers = 1 both choose what moves to "
+            "host memory; give the offload once (ac.policy = \"P+offload:[...]\" or one of the offload keys).");
+  EXPECT_EQ(error_ac(
+                [](AcConfig& a) {
+                  a.offload_modules = "core_attn";
+                  a.cpu_offloading_num_layers = 1;
+                },
+                3),
+            "ac.offload_modules = \"core_attn\" and ac.cpu_offloading_num_layers = 1 both choose what moves to host "
+            "memory; give the offload once (ac.policy = \"P+offload:[...]\" or one of the offload keys).");
+  EXPECT_NE(error_ac(
+                [](AcConfig& a) {
+                  a.enable_activation_offloading = true;
+                  a.offload_modules = "core_attn";
+                },
+                3)
+                .find("ac.enable_activation_offloading = true and ac.offload_modules = \"core_attn\" both choose"),
+            std::string::npos);
+  // A false torchtune switch asks for nothing.
+  EXPECT_NO_THROW(compile_ac(
+      [](AcConfig& a) {
+        a.enable_activation_offloading = false;
+        a.offload_modules = "core_attn";
+      },
+      3));
 }
 
 TEST(PolicyOffload, AnOffloadThatCannotWorkIsASentence) {
@@ -842,6 +1015,13 @@ TEST(PolicyConfig, AcKeysLoadFromTomlAndOverridesAndRoundTrip) {
       load_config("", {"ac.enable_activation_checkpointing=true", "ac.ac_mode=selective", "ac.ac_option=2"});
   EXPECT_NE(config_to_toml(t).find("\nac_option = 2\n"), std::string::npos);
   EXPECT_EQ(compile_policy(t.ac, t.model.n_layer, t.model.dropout).policy, "every:2");
+  const Config m = load_config("", {"ac.offload_modules=core_attn,attn_proj", "ac.recompute_granularity=selective"});
+  EXPECT_NE(config_to_toml(m).find("\noffload_modules = [\"core_attn\", \"attn_proj\"]\n"), std::string::npos);
+  EXPECT_EQ(compile_policy(m.ac, m.model.n_layer, m.model.dropout).policy,
+            "modules:[core_attn]+offload:[attn.qkv,attn.probs,attn.dropout,attn.proj_in]");
+  const Config te = load_config("", {"ac.cpu_offloading_num_layers=2"});
+  EXPECT_EQ(te.ac.cpu_offloading_num_layers, std::optional<int64_t>(2));
+  EXPECT_EQ(compile_policy(te.ac, te.model.n_layer, te.model.dropout).policy.rfind("offload(block:2):[input,", 0), 0u);
 }
 
 TEST(PolicyConfig, AnExplicitNoneAndARecomputingAliasAreRefusedInEitherOrderAndInToml) {

@@ -22,7 +22,9 @@ const char* kOffloadPolicies[] = {"offload:[input]",
                                   "uniform:2+offload:[input]",
                                   "every:2+modules:[act]+offload:[qkv,norm]",
                                   "ops:[matmul]+offload:[attn.qkv,mlp.act_in]",
-                                  "offload:[attn.probs,attn.dropout,mlp.proj_in]"};
+                                  "offload:[attn.probs,attn.dropout,mlp.proj_in]",
+                                  "full+offload(block:1):[input]",
+                                  "modules:[core_attn]+offload(every:2):[input,mlp]"};
 
 class OffloadBitwise : public ::testing::TestWithParam<std::tuple<std::string, Attention>> {};
 
