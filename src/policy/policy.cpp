@@ -171,6 +171,12 @@ class Parser {
       chosen = sel->second;
       where = "(" + sel->first + ")";
       open = close + 2;
+      if (std::none_of(chosen.begin(), chosen.end(), [](bool c) { return c; })) {
+        fail(
+            fmt::format("{}: {} selects no layer, so it moves nothing to host memory; select at least one, e.g. "
+                        "offload(ratio:0.5):[input], or drop the offload term.",
+                        origin_, "offload" + where));
+      }
     }
     std::vector<std::string> valid{slot_name(Slot::input)};
     for (const auto& n : block_slots()) valid.push_back(n);
@@ -288,14 +294,13 @@ class Parser {
 
   // The whole number of every:K / uniform:N / block:N, checked against the model.
   int64_t count(const std::string& whole, const std::string& kind, const char* letter, const std::string& text,
-                const std::string& meaning) const {
+                const std::string& meaning, const std::string& none = "use none to recompute nothing") const {
     const auto v = parse_int(text);
     if (!v) {
       fail(fmt::format("{}: {} must be a whole number ({}), got '{}'.", origin_, letter, meaning, text));
     }
     if (*v < 1) {
-      fail(fmt::format("{}: {} = {} must be at least 1 ({}); use none to recompute nothing.", origin_, letter, *v,
-                       meaning));
+      fail(fmt::format("{}: {} = {} must be at least 1 ({}); {}.", origin_, letter, *v, meaning, none));
     }
     const int64_t limit = kind == "every" ? n_ : layout_.smallest();
     if (*v > limit) {
@@ -311,15 +316,17 @@ class Parser {
   std::optional<std::pair<std::string, std::vector<bool>>> select(const std::string& s,
                                                                   const std::string& verb = "recomputes") const {
     std::vector<bool> full(static_cast<size_t>(n_), false);
+    const std::string none =
+        verb == "offloads" ? "drop the offload term to offload nothing" : "use none to recompute nothing";
     if (starts_with(s, "every:")) {
       const int64_t k =
-          count(s, "every", "K", s.substr(6), "every:K " + verb + " layers K, 2K, 3K, ... counted from 1");
+          count(s, "every", "K", s.substr(6), "every:K " + verb + " layers K, 2K, 3K, ... counted from 1", none);
       for (int64_t i = k - 1; i < n_; i += k) full[i] = true;
       return std::make_pair("every:" + std::to_string(k), full);
     }
     if (starts_with(s, "block:")) {
       const int64_t b =
-          count(s, "block", "N", s.substr(6), "block:N " + verb + " the first N layers of each pipeline stage");
+          count(s, "block", "N", s.substr(6), "block:N " + verb + " the first N layers of each pipeline stage", none);
       for (size_t st = 0; st < layout_.size.size(); ++st) {
         for (int64_t j = 0; j < b; ++j) full[layout_.first[st] + j] = true;
       }

@@ -796,8 +796,11 @@ TEST(PolicyOffload, ASelectionOffloadsOnlyItsLayers) {
             "ac.policy = \"offload(block:5):[input]\": N = 5 is larger than the model, which has 4 layers; use N "
             "between 1 and 4.");
   EXPECT_EQ(error_of([] { compile_policy("offload(ratio:0):[input]", 4); }),
-            "ac.policy = \"offload(ratio:0):[input]\": offload(ratio:0):[input] moves nothing to host memory: the "
-            "policy none recomputes every slot it names in every layer it selects, and a recomputed slot is not "
+            "ac.policy = \"offload(ratio:0):[input]\": offload(ratio:0) selects no layer, so it moves nothing to "
+            "host memory; select at least one, e.g. offload(ratio:0.5):[input], or drop the offload term.");
+  EXPECT_EQ(error_of([] { compile_policy("full+offload(every:2):[mlp]", 4); }),
+            "ac.policy = \"full+offload(every:2):[mlp]\": offload(every:2):[mlp] moves nothing to host memory: the "
+            "policy full recomputes every slot it names in every layer it selects, and a recomputed slot is not "
             "kept; offload slots the policy keeps, e.g. full+offload:[input].");
 }
 
