@@ -9,6 +9,7 @@
 
 #include "remat/attention.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <initializer_list>
 #include <optional>
@@ -148,6 +149,10 @@ struct ActivationPlan {
   int64_t chunk_of(int64_t l) const;
   /// The last layer of the chunk that begins at `first` (chunk_of(first) == first).
   int64_t chunk_end(int64_t first) const;
+  /// Whether some layer offloads a slot to host memory.
+  bool offloads() const {
+    return std::any_of(layers.begin(), layers.end(), [](const LayerPlan& l) { return !l.offloaded.empty(); });
+  }
 };
 
 }  // namespace remat

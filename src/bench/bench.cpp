@@ -24,7 +24,6 @@
 #include <chrono>
 #include <filesystem>
 #include <map>
-#include <tuple>
 #include <memory>
 #include <random>
 #include <stdexcept>
@@ -251,19 +250,17 @@ BenchResult run_bench(const BenchOptions& o) {
   in.corpus_dir = corpus_dir(common.data);
   in.memory_available = rank_memory(device, ranks.get());
   // One time profile per attention op and loss head for the sweep (every entry has the same
-  // shapes), measured on a scratch model of the sweep's settings or read from the cache,
-  // and for entries that offload, with the host copies measured as `remat train` does.
+  // shapes), measured on a scratch model of the sweep's settings or read from the cache;
+  // for an entry that offloads, with the host copies measured as `remat train` does.
   // (Pipeline stages measure it on a probe of two layers, as `remat train` does.)
   const Config local = rank_share(resolve_config(common, corpus));
-  std::map<std::tuple<Attention, LossHead, bool>, TimeProfile> profiles;
-  in.profile_of = [&](const Config& op) {
-    const bool offloads = policy_offloads(op);
-    const std::tuple key{op.model.attention, op.model.loss_head, offloads};
+  std::map<std::pair<Attention, LossHead>, TimeProfile> profiles;
+  const auto profile_of = [&](const Config& op) {
+    const std::pair key{op.model.attention, op.model.loss_head};
     if (const auto found = profiles.find(key); found != profiles.end()) return found->second;
     Config probed = local;
     probed.model.attention = op.model.attention;
     probed.model.loss_head = op.model.loss_head;
-    if (offloads) probed.ac = op.ac;
     const double matmul_rate = probed.ac.profile
                                    ? 0.0
                                    : measure_matmul_flops(device, dtype, local.train.batch * local.train.seq,
@@ -272,6 +269,11 @@ BenchResult run_bench(const BenchOptions& o) {
     return profiles[key] = run_time_profile(
                probed, device, dtype, train_ds, ranks.get(), matmul_rate,
                [&] { return create_model(probed, device, dtype, ranks.get()); }, probe);
+  };
+  in.profile_of = [&](const Config& op) {
+    TimeProfile profile = profile_of(op);
+    if (policy_offloads(op)) add_host_copy(profile, device, ranks.get());
+    return profile;
   };
   // Every entry's plan and prediction, so an infeasible budget fails before anything trains.
   for (size_t i = 0; i < prepared.size(); ++i) {

@@ -862,10 +862,8 @@ ActivationPlan compile_policy(const AcConfig& ac, int64_t n_layers, double dropo
   // second offload, or an offload term in ac.policy beside them, is refused.
   const auto offloads = offload_aliases(ac, layout, plan);
   if (!offloads.empty()) {
-    const bool policy_offloads =
-        std::any_of(plan.layers.begin(), plan.layers.end(), [](const LayerPlan& l) { return !l.offloaded.empty(); });
-    const std::string first = policy_offloads ? asked.front().origin : offloads[0].origin;
-    const std::string second = policy_offloads ? offloads[0].origin : offloads.size() > 1 ? offloads[1].origin : "";
+    const std::string first = plan.offloads() ? asked.front().origin : offloads[0].origin;
+    const std::string second = plan.offloads() ? offloads[0].origin : offloads.size() > 1 ? offloads[1].origin : "";
     if (!second.empty()) {
       fail(
           fmt::format("{} and {} both choose what moves to host memory; give the offload once (ac.policy = "
@@ -951,8 +949,7 @@ std::string explain_plan(const ActivationPlan& plan) {
   // auto), the offload column only where it offloads.
   const bool per_layer_op =
       std::any_of(plan.layers.begin(), plan.layers.end(), [](const LayerPlan& l) { return l.attention.has_value(); });
-  const bool offloads =
-      std::any_of(plan.layers.begin(), plan.layers.end(), [](const LayerPlan& l) { return !l.offloaded.empty(); });
+  const bool offloads = plan.offloads();
   std::vector<Row> rows;
   const auto n = static_cast<int64_t>(plan.layers.size());
   for (int64_t i = 0; i < n;) {

@@ -504,8 +504,7 @@ HostCopy measure_host_copy(at::Device device) {
 }
 
 bool policy_offloads(const Config& cfg) {
-  const ActivationPlan plan = compile_policy(cfg.ac, cfg.model.n_layer, cfg.model.dropout);
-  return std::any_of(plan.layers.begin(), plan.layers.end(), [](const LayerPlan& l) { return !l.offloaded.empty(); });
+  return compile_policy(cfg.ac, cfg.model.n_layer, cfg.model.dropout).offloads();
 }
 
 TimeProfile run_time_profile(const Config& cfg, at::Device device, at::ScalarType dtype, const data::TokenDataset& data,
@@ -535,9 +534,12 @@ TimeProfile run_time_profile(const Config& cfg, at::Device device, at::ScalarTyp
     profile.times.link_bytes_per_second = link.bytes_per_second * profile.seconds_per_unit;
     profile.times.link_latency_seconds = link.latency_seconds / profile.seconds_per_unit;
   }
-  // Measured at every start whose policy offloads, rank 0's for every rank as the rest of
-  // the profile.
-  if (!policy_offloads(cfg)) return profile;
+  // Measured at every start whose policy offloads.
+  if (policy_offloads(cfg)) add_host_copy(profile, device, ranks);
+  return profile;
+}
+
+void add_host_copy(TimeProfile& profile, at::Device device, dist::Comm* ranks) {
   HostCopy copy = measure_host_copy(device);
   if (ranks != nullptr && ranks->size() > 1) {
     copy.bytes_per_second = rank0s(*ranks, copy.bytes_per_second, "sharing rank 0's measure of host copies");
@@ -545,7 +547,6 @@ TimeProfile run_time_profile(const Config& cfg, at::Device device, at::ScalarTyp
   }
   profile.times.host_bytes_per_second = copy.bytes_per_second * profile.seconds_per_unit;
   profile.times.host_copy_latency_seconds = copy.latency_seconds / profile.seconds_per_unit;
-  return profile;
 }
 
 }  // namespace remat

@@ -106,6 +106,10 @@ HostCopy measure_host_copy(at::Device device);
 /// Whether the policy `cfg` names offloads a slot of any layer (a budget plan offloads none yet).
 bool policy_offloads(const Config& cfg);
 
+/// Sets `profile`'s host copy rate and latency to those measure_host_copy measures on
+/// `device` now, rank 0's for every rank of `ranks` (as the rest of a profile is).
+void add_host_copy(TimeProfile& profile, at::Device device, dist::Comm* ranks);
+
 /// The profile a run of `cfg` (a rank_share) plans from, as `remat train` and `remat bench`
 /// take it: under ac.profile, rank_time_profile on the whole model `create` builds, left in
 /// `model` for the caller to train (the one there before is freed first), or, with
