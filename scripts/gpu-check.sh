@@ -92,13 +92,14 @@ common=(run.device=$device run.progress=false data.dir=data run.out_dir="$work/r
 
 step "allocation traces, replayed by the model"
 # Fixed policies, so that a trace can be set beside the cost model's allocations of the
-# same plan (cost::step_allocations); the default budget plan under expandable segments.
+# same plan (cost::step_allocations), and a budget plan under expandable segments, whose
+# reserved peak the budget holds.
 for run in "gpt2-demo none false" "gpt2-demo full false" "llama-demo none false" "llama-demo full false" \
-  "gpt2-demo budget true" "llama-demo budget true"; do
+  "gpt2-demo budget0.8 true" "llama-demo budget0.8 true"; do
   read -r preset policy expandable <<< "$run"
   name=$tag-$preset-$policy-expandable-$expandable
   args=(model.preset=$preset train.steps=2 run.sample_tokens=0 run.expandable_segments=$expandable)
-  [ $policy = budget ] || args+=(ac.policy=$policy)
+  if [ $policy = budget0.8 ]; then args+=(ac.budget=0.8); else args+=(ac.policy=$policy); fi
   cap 40 "$remat" train "${args[@]}" ac.profile=false run.record_allocations="$work/traces/$name.txt" "${common[@]}" \
     > "$work/train-$name.log" 2>&1 || say "train $name failed: $(tail -1 "$work/train-$name.log")"
 done
