@@ -12,4 +12,9 @@ namespace remat {
 /// `reference`). Throws std::invalid_argument with a sentence on anything else.
 int64_t parse_budget(const std::string& text, int64_t reference);
 
+/// Parses ac.host_budget: "0" (offload nothing), bytes as parse_budget reads them, or a
+/// fraction of `reference` (the host memory free). Throws std::invalid_argument with a
+/// sentence on anything else.
+int64_t parse_host_budget(const std::string& text, int64_t reference);
+
 }  // namespace remat

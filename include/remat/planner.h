@@ -11,6 +11,11 @@
 // backward, the loss head, the optimizer) stays within the budget. The layers below a
 // layer are what it stacks on, so the program walks them in order and the constraint of
 // each layer is exact. It allocates nothing: an 8B model at 8k tokens plans on a laptop.
+//
+// With a host budget (PlannerOptions::host_budget) a kept slot may also wait in host
+// memory between its layer's forward and backward (LayerPlan::offloaded), its copies
+// priced at the times' host rate: the program then also carries the host bytes below each
+// layer, so that the plan's offloaded bytes stay within the host budget.
 #pragma once
 
 #include "remat/budget.h"
@@ -33,16 +38,27 @@ struct PlannerOptions {
   /// differ by less than budget / max_states (keeping the faster, which keeps more), so
   /// the plan still fits; exact below it.
   int64_t max_states = 4096;
+  /// Bytes the offloaded slots may hold in host memory at once; 0, or a time source
+  /// without a host copy rate (NodeTimes::host_bytes_per_second): nothing is offloaded.
+  int64_t host_budget = 0;
 };
+
+/// The offload sets a layer's keep-set `dropped` is priced with under a host budget:
+/// none, then its kept slots (the block input too, unless held as shares) largest first,
+/// one more at a time. A copy costs by the byte and by the storage, so for a number of
+/// bytes moved, which slots move them matters little and the fewest storages are the
+/// largest.
+std::vector<SlotMask> offload_sets(const graph::BlockGraph& block, SlotMask dropped, bool input_sharded);
 
 /// One priced keep-set of a layer.
 struct LayerOption {
   SlotMask dropped;
+  SlotMask offloaded;  ///< LayerPlan::offloaded
   cost::LayerCost cost;
   bool input_sharded = false;          ///< LayerPlan::input_sharded
   std::optional<Attention> attention;  ///< LayerPlan::attention: the other attention op, or unset
-  /// What the option adds to the step: its recompute, and with the other attention op the
-  /// difference of its pass (cost::OtherAttention::pass_delta).
+  /// What the option adds to the step: its recompute, its host copies, and with the other
+  /// attention op the difference of its pass (cost::OtherAttention::pass_delta).
   double seconds = 0;
 };
 
@@ -107,7 +123,7 @@ class Planner {
   /// Predicted peak with no recompute.
   int64_t none_peak() const;
   /// The per-layer frontier (Pareto over kept bytes, the layer's highest point forward or
-  /// backward, and LayerOption::seconds).
+  /// backward, LayerOption::seconds and the bytes offloaded).
   const std::vector<LayerOption>& layer_frontier() const { return frontier_; }
   /// Solved plans from the minimum feasible budget to the no-recompute peak, `points`
   /// budgets apart, Pareto-filtered. The budgets are solved coarse to fine (both ends,
@@ -126,6 +142,7 @@ class Planner {
   /// The fastest pipeline plan whose every stage's predicted peak is at most `budget`
   /// bytes: the layers of each stage (unless `pipe.split` fixes them) and every layer's
   /// keep-set or uniform chunk, solved together (pipeline::solve); nullopt when none fits.
+  /// It offloads nothing (the host budget is the single-stage planner's).
   /// The shape's own stage fields are ignored: each stage gets its own.
   std::optional<PipelinePlan> solve_pipeline(int64_t budget, const PipelineShape& pipe) const;
   /// Predicts each stage of `plan` on `pipe.split` (the even split when empty).
@@ -168,6 +185,9 @@ class Planner {
   PlannerOptions options_;
   graph::BlockGraph block_;
   std::vector<LayerOption> frontier_;
+  /// Whether the host budget can bind: every layer's most offloading option together
+  /// exceed it. Else the program ignores the host bytes, which then cannot decide a plan.
+  bool host_binds_ = false;
   LayerOption whole_;  ///< nothing dropped (what a chunk rebuilds per layer)
   /// With the other attention op priced (NodeTimes::other_attention): the model's op, which
   /// the plan names in the layers that run it; else unset.

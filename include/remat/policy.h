@@ -94,6 +94,11 @@ struct AcConfig {
   /// A memory budget ("12GiB", "96MiB", or "0.6" of the no-recompute peak): the planner
   /// chooses the plan (remat/planner.h). Empty: the policy above decides.
   std::string budget;
+  /// Host memory the budget's plan may fill with offloaded slots: bytes ("64GiB"), a
+  /// fraction of the host memory free ("0.5"), or "0" (offload nothing). Empty: on a CUDA
+  /// device the rank's share of the host memory free, on the CPU nothing, as its host
+  /// memory is the device's. A resolved run's config holds it in bytes.
+  std::string host_budget;
   /// Measure a time profile (cached per device and shape) before training, so recompute
   /// and the step time are predicted from measured node times; false: FLOPs only.
   bool profile = true;

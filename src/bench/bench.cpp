@@ -249,6 +249,7 @@ BenchResult run_bench(const BenchOptions& o) {
   in.corpus = corpus;
   in.corpus_dir = corpus_dir(common.data);
   in.memory_available = rank_memory(device, ranks.get());
+  in.host_available = rank_memory(at::kCPU, ranks.get());
   // One time profile per attention op and loss head for the sweep (every entry has the same
   // shapes), measured on a scratch model of the sweep's settings or read from the cache;
   // for an entry that offloads, with the host copies measured as `remat train` does.
@@ -272,7 +273,7 @@ BenchResult run_bench(const BenchOptions& o) {
   };
   in.profile_of = [&](const Config& op) {
     TimeProfile profile = profile_of(op);
-    if (policy_offloads(op)) add_host_copy(profile, device, ranks.get());
+    if (may_offload(op)) add_host_copy(profile, device, ranks.get());
     return profile;
   };
   // Every entry's plan and prediction, so an infeasible budget fails before anything trains.

@@ -256,9 +256,7 @@ int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
         arch_name(m.arch), shape.batch, shape.seq, spec.cfg.run.dtype, describe_ranks(spec.local), graph::explain(g));
     return 0;
   }
-  PlannerOptions opts;
-  opts.early_stop = spec.cfg.ac.early_stop;
-  const Planner planner(m, shape, times, opts);
+  const Planner planner(m, shape, times, planner_options(spec.local));
   nlohmann::json json = render_json(spec);
   if (!args.json) fmt::print("{}", render_text(spec));
   if (spec.plan.pipeline) {

@@ -312,6 +312,8 @@ std::vector<ConfigKey> make_keys() {
           "all-reduce gradients during the backward"),
       ac_key("ac.policy", &AcConfig::policy, "recompute policy (docs/policies.md); unset: none"),
       key("ac.budget", &C::ac, &AcConfig::budget, "memory budget: the planner picks the plan (12GiB, 0.6)"),
+      key("ac.host_budget", &C::ac, &AcConfig::host_budget,
+          "host memory the budget's plan may offload to (64GiB, 0.5, 0); default: free on CUDA, none on CPU"),
       key("ac.profile", &C::ac, &AcConfig::profile, "measure node times to predict step time (cached)"),
       key("ac.preserve_rng_state", &C::ac, &AcConfig::preserve_rng_state, "replay dropout RNG in recompute"),
       key("ac.allow_rng_mismatch", &C::ac, &AcConfig::allow_rng_mismatch, "allow dropout without RNG replay"),
@@ -899,6 +901,7 @@ void validate_config(const Config& c) {
   }
   // The recompute policy is compiled once here, so a bad one is refused before anything runs.
   const ActivationPlan plan = compile_policy(c.ac, m.n_layer, m.dropout);
+  if (!c.ac.host_budget.empty()) parse_host_budget(c.ac.host_budget, 1);
   if (!c.ac.budget.empty()) {
     parse_budget(c.ac.budget, 1);
     if (c.ac.tp_recompute_allgather && *c.ac.tp_recompute_allgather) {

@@ -54,4 +54,16 @@ int64_t parse_budget(const std::string& text, int64_t reference) {
   throw fail();
 }
 
+int64_t parse_host_budget(const std::string& text, int64_t reference) {
+  if (text == "0") return 0;
+  try {
+    return parse_budget(text, reference);
+  } catch (const std::invalid_argument&) {
+    throw std::invalid_argument(fmt::format(
+        "ac.host_budget = \"{}\" is not a size; write bytes with an optional unit (e.g. 64GiB), a fraction of the "
+        "host memory free (e.g. 0.5 or 50%), or 0 to offload nothing.",
+        text));
+  }
+}
+
 }  // namespace remat

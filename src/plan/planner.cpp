@@ -8,8 +8,10 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <limits>
+#include <map>
+#include <numeric>
 #include <stdexcept>
+#include <tuple>
 
 namespace remat {
 namespace {
@@ -18,14 +20,32 @@ namespace {
 // the program checks against the budget.
 int64_t top(const LayerOption& o) { return std::max(o.cost.forward_peak, o.cost.backward_peak); }
 
-bool dominates(const LayerOption& a, const LayerOption& b) {
-  const bool no_worse = a.cost.kept <= b.cost.kept && top(a) <= top(b) && a.seconds <= b.seconds;
-  const bool better = a.cost.kept < b.cost.kept || top(a) < top(b) || a.seconds < b.seconds;
-  return no_worse && better;
+// Whether `a` is no worse than `b` in every measure the program weighs.
+bool no_worse(const LayerOption& a, const LayerOption& b) {
+  return a.cost.kept <= b.cost.kept && top(a) <= top(b) && a.seconds <= b.seconds && a.cost.host <= b.cost.host;
 }
 
-bool same_cost(const LayerOption& a, const LayerOption& b) {
-  return a.cost.kept == b.cost.kept && top(a) == top(b) && a.seconds == b.seconds;
+// The options no other is better than, in their given order. Taken by ascending measures,
+// an option can only be bettered by one taken before it, so each is checked against the
+// frontier so far; of equal ones the first given stands for all (the model's op, fewest
+// dropped, least offloaded).
+std::vector<LayerOption> pareto(const std::vector<LayerOption>& all) {
+  std::vector<size_t> order(all.size());
+  std::iota(order.begin(), order.end(), size_t{0});
+  const auto measures = [&](size_t i) {
+    return std::make_tuple(all[i].cost.kept, top(all[i]), all[i].seconds, all[i].cost.host);
+  };
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return measures(a) < measures(b); });
+  std::vector<size_t> taken;
+  for (const size_t i : order) {
+    if (std::none_of(taken.begin(), taken.end(), [&](size_t j) { return no_worse(all[j], all[i]); })) {
+      taken.push_back(i);
+    }
+  }
+  std::sort(taken.begin(), taken.end());
+  std::vector<LayerOption> out;
+  for (const size_t i : taken) out.push_back(all[i]);
+  return out;
 }
 
 // Every subset of `block`'s slots that hold bytes, as dropped sets.
@@ -55,10 +75,9 @@ struct State {
   int64_t option = -1;   ///< index into the layer frontier, or -1 for a chunk
   int64_t chunk = 0;     ///< chunk length when option == -1
   bool sharded = false;  ///< a chunk's input kept as a share per rank
+  int64_t host = 0;      ///< bytes the layers below offload
 };
 
-// Pareto filter: ascending kept bytes with strictly falling time; above `max_states`,
-// states closer than `width` bytes merge into the faster one.
 // `v` as runs that each ascend (starting at `starts`, the first at 0), merged pairwise
 // into one ascending by kept bytes, then time: a sort's order for a merge's cost.
 void merge_runs(std::vector<State>& v, std::vector<size_t> starts) {
@@ -81,22 +100,55 @@ void merge_runs(std::vector<State>& v, std::vector<size_t> starts) {
   }
 }
 
-void prune(std::vector<State>& v, const std::vector<size_t>& runs, int64_t max_states, int64_t width) {
+// Pareto filter: ascending kept bytes with strictly falling time; above `max_states`,
+// states closer than `width` bytes merge into the faster one. With `host_width` (a host
+// budget that binds) the host bytes are a third measure: a state stays unless one with no
+// more kept bytes, host bytes and time is taken, and the merge is by both byte counts.
+void prune(std::vector<State>& v, const std::vector<size_t>& runs, int64_t max_states, int64_t width,
+           int64_t host_width) {
   merge_runs(v, runs);
   std::vector<State> out;
-  for (const auto& s : v) {
-    if (out.empty() || s.seconds < out.back().seconds) out.push_back(s);
+  if (host_width == 0) {
+    for (const auto& s : v) {
+      if (out.empty() || s.seconds < out.back().seconds) out.push_back(s);
+    }
+  } else {
+    // The states taken so far (no more kept bytes than the next) as a staircase of host
+    // bytes against time: the least time at or below a host count is its step's.
+    std::map<int64_t, double> stairs;
+    for (const auto& s : v) {
+      auto it = stairs.upper_bound(s.host);
+      if (it != stairs.begin() && std::prev(it)->second <= s.seconds) continue;
+      while (it != stairs.end() && it->second >= s.seconds) it = stairs.erase(it);
+      stairs[s.host] = s.seconds;
+      out.push_back(s);
+    }
   }
   if (static_cast<int64_t>(out.size()) > max_states && width > 0) {
     std::vector<State> merged;
-    for (const auto& s : out) {
-      // Sorted by kept bytes with falling time: the later state of a bucket is the
-      // faster one, and it stands for the bucket with its own (larger) kept bytes.
-      if (!merged.empty() && s.kept / width == merged.back().kept / width) {
-        merged.back() = s;
-      } else {
-        merged.push_back(s);
+    if (host_width == 0) {
+      for (const auto& s : out) {
+        // Sorted by kept bytes with falling time: the later state of a bucket is the
+        // faster one, and it stands for the bucket with its own (larger) kept bytes.
+        if (!merged.empty() && s.kept / width == merged.back().kept / width) {
+          merged.back() = s;
+        } else {
+          merged.push_back(s);
+        }
       }
+    } else {
+      std::map<std::pair<int64_t, int64_t>, size_t> bucket;
+      for (const auto& s : out) {
+        const auto [at, added] = bucket.try_emplace({s.kept / width, s.host / host_width}, merged.size());
+        if (added) {
+          merged.push_back(s);
+        } else if (s.seconds < merged[at->second].seconds) {
+          merged[at->second] = s;
+        }
+      }
+      std::sort(merged.begin(), merged.end(), [](const State& a, const State& b) {
+        return a.kept != b.kept ? a.kept < b.kept : a.seconds < b.seconds;
+      });
     }
     out = std::move(merged);
   }
@@ -113,14 +165,20 @@ Planner::Planner(const ModelConfig& cfg, const cost::StepShape& shape, const cos
       options_(std::move(options)),
       block_(graph::block_graph(cfg, shape.batch, shape.seq, shape.dtype, shape.tp, shape.sp)) {
   std::vector<LayerOption> all;
+  // Copies priced at no rate would look free: without one nothing is offloaded.
+  const bool offload = options_.host_budget > 0 && times_.host_bytes_per_second > 0;
   const auto add = [&](const graph::BlockGraph& block, const cost::LayerPricer& pricer, std::optional<Attention> op,
                        double delta) {
     const auto candidates = options_.candidates.empty() ? keep_sets(block) : options_.candidates;
     for (const bool sharded : input_holds()) {
       for (const auto& d : candidates) {
-        LayerOption o{d, pricer.price(d, sharded), sharded, op};
-        o.seconds = o.cost.recompute_seconds + delta;
-        all.push_back(std::move(o));
+        for (const SlotMask moved : offload ? offload_sets(block, d, sharded) : std::vector<SlotMask>{{}}) {
+          LayerOption o{d, moved, pricer.price(d, sharded, moved), sharded, op};
+          // A set whose every slot shares memory the device keeps moves nothing.
+          if (!moved.empty() && o.cost.host == 0) continue;
+          o.seconds = o.cost.recompute_seconds + delta + times_.copy_seconds(o.cost.host, o.cost.host_storages);
+          all.push_back(std::move(o));
+        }
       }
     }
   };
@@ -137,15 +195,11 @@ Planner::Planner(const ModelConfig& cfg, const cost::StepShape& shape, const cos
     const graph::BlockGraph block = graph::block_graph(c, shape.batch, shape.seq, shape.dtype, shape.tp, shape.sp);
     add(block, cost::LayerPricer(block, options_.early_stop, other->times), other->op, other->pass_delta);
   }
-  whole_ = {{}, pricer.price({}), false, std::nullopt};
-  for (size_t i = 0; i < all.size(); ++i) {
-    bool dominated = false;
-    for (size_t j = 0; j < all.size() && !dominated; ++j) {
-      // Equal costs: the first (the model's op, fewest dropped slots) stands for all of them.
-      dominated = dominates(all[j], all[i]) || (j < i && same_cost(all[j], all[i]));
-    }
-    if (!dominated) frontier_.push_back(all[i]);
-  }
+  whole_ = {{}, {}, pricer.price({}), false, std::nullopt};
+  frontier_ = pareto(all);
+  int64_t most_host = 0;
+  for (const auto& o : frontier_) most_host = std::max(most_host, o.cost.host);
+  host_binds_ = most_host * cfg_.n_layer > options_.host_budget;
   const cost::StepConstants k = cost::step_constants(cfg_, shape_);
   emb_base_ = k.statics.total() + k.embed_saved;
   head_peak_ = k.head_peak;
@@ -190,6 +244,7 @@ double Planner::ends_seconds(const cost::StepShape& stage) const {
 void Planner::place(ActivationPlan& plan, int64_t pos, const Choice& c) const {
   if (c.option >= 0) {
     plan.layers[pos].dropped = frontier_[c.option].dropped;
+    plan.layers[pos].offloaded = frontier_[c.option].offloaded;
     plan.layers[pos].input_sharded = frontier_[c.option].input_sharded;
     plan.layers[pos].attention = frontier_[c.option].attention;
     return;
@@ -226,6 +281,7 @@ pipeline::Problem Planner::pipeline_problem(int64_t budget, const PipelineShape&
   choices.clear();
   for (int64_t i = 0; i < static_cast<int64_t>(frontier_.size()); ++i) {
     const auto& c = frontier_[i].cost;
+    if (c.host > 0) continue;
     p.pieces.push_back({1, c.kept, top(frontier_[i]), layer_seconds_ + frontier_[i].seconds});
     choices.push_back({i, 0, false});
   }
@@ -333,6 +389,8 @@ std::optional<PlanResult> Planner::solve(int64_t budget) const {
   std::vector<std::vector<size_t>> runs(L + 1);
   states[0].push_back({});
   const int64_t width = std::max<int64_t>(1, budget / std::max<int64_t>(1, options_.max_states));
+  const int64_t host_width =
+      host_binds_ ? std::max<int64_t>(1, options_.host_budget / std::max<int64_t>(1, options_.max_states)) : 0;
   std::vector<ChunkCost> chunks;
   std::vector<std::pair<int64_t, bool>> chunk_shapes;
   for (int64_t n = 2; n <= std::min(options_.max_chunk, L); ++n) {
@@ -342,26 +400,27 @@ std::optional<PlanResult> Planner::solve(int64_t budget) const {
     }
   }
   for (int64_t pos = 0; pos < L; ++pos) {
-    prune(states[pos], runs[pos], options_.max_states, width);
+    prune(states[pos], runs[pos], options_.max_states, width, host_width);
     const std::vector<State>& from = states[pos];
-    const auto extend = [&](int64_t to, int64_t top, int64_t kept, double seconds, int64_t option, int64_t n,
-                            bool sharded) {
+    const auto extend = [&](int64_t to, int64_t top, int64_t kept, int64_t host, double seconds, int64_t option,
+                            int64_t n, bool sharded) {
       runs[to].push_back(states[to].size());
       for (int64_t si = 0; si < static_cast<int64_t>(from.size()); ++si) {
         const State& s = from[si];
-        if (s.kept + top > room) continue;
-        states[to].push_back({s.kept + kept, s.seconds + seconds, pos, si, option, n, sharded});
+        if (s.kept + top > room || s.host + host > options_.host_budget) continue;
+        states[to].push_back({s.kept + kept, s.seconds + seconds, pos, si, option, n, sharded, s.host + host});
       }
     };
     for (int64_t oi = 0; oi < static_cast<int64_t>(frontier_.size()); ++oi) {
-      extend(pos + 1, top(frontier_[oi]), frontier_[oi].cost.kept, frontier_[oi].seconds, oi, 0, false);
+      const LayerOption& o = frontier_[oi];
+      extend(pos + 1, top(o), o.cost.kept, o.cost.host, o.seconds, oi, 0, false);
     }
     for (size_t c = 0; c < chunks.size(); ++c) {
       const auto [n, sharded] = chunk_shapes[c];
-      if (n <= L - pos) extend(pos + n, chunks[c].top, chunks[c].kept, chunks[c].seconds, -1, n, sharded);
+      if (n <= L - pos) extend(pos + n, chunks[c].top, chunks[c].kept, 0, chunks[c].seconds, -1, n, sharded);
     }
   }
-  prune(states[L], runs[L], options_.max_states, width);
+  prune(states[L], runs[L], options_.max_states, width, host_width);
   int64_t best = -1;
   for (int64_t i = 0; i < static_cast<int64_t>(states[L].size()); ++i) {
     const State& s = states[L][i];
@@ -382,33 +441,61 @@ std::optional<PlanResult> Planner::solve(int64_t budget) const {
   PlanResult r{plan, predict(plan)};
   TORCH_INTERNAL_ASSERT(r.prediction.peak <= budget, "the planner's plan peaks at ", r.prediction.peak,
                         " over the budget ", budget);
+  TORCH_INTERNAL_ASSERT(r.prediction.host_peak <= options_.host_budget, "the planner's plan offloads ",
+                        r.prediction.host_peak, " bytes, over the host budget ", options_.host_budget);
   return r;
 }
 
 int64_t Planner::min_feasible_budget() const {
   const int64_t L = cfg_.n_layer;
-  // Feasibility depends only on the bytes kept below each layer, so the least-kept
-  // partial plan at each position decides it.
+  // Feasibility depends only on the bytes kept below each layer, and with a binding host
+  // budget on the bytes offloaded there: the partial plans no other keeps and offloads
+  // less than at each position decide it (one, the least-kept, when the host cannot bind).
+  using Reach = std::pair<int64_t, int64_t>;  // kept, host
+  const auto host_of = [&](int64_t host) { return host_binds_ ? host : 0; };
+  const int64_t width = std::max<int64_t>(1, none_peak() / std::max<int64_t>(1, options_.max_states));
   auto feasible = [&](int64_t budget) {
     if (fixed_peak_ > budget) return false;
     const int64_t room = budget - emb_base_;
-    constexpr int64_t kNone = std::numeric_limits<int64_t>::max();
-    std::vector<int64_t> least(L + 1, kNone);
-    least[0] = 0;
-    for (int64_t pos = 0; pos < L; ++pos) {
-      const int64_t k = least[pos];
-      if (k == kNone) continue;
-      for (const auto& o : frontier_) {
-        if (k + top(o) <= room) least[pos + 1] = std::min(least[pos + 1], k + o.cost.kept);
+    std::vector<std::vector<Reach>> reach(L + 1);
+    reach[0].push_back({0, 0});
+    for (int64_t pos = 0; pos <= L; ++pos) {
+      // By kept bytes, with strictly falling host bytes; above max_states, those closer than
+      // `width` kept bytes merge into the one offloading least.
+      std::vector<Reach>& here = reach[pos];
+      std::sort(here.begin(), here.end());
+      std::vector<Reach> front;
+      for (const Reach& r : here) {
+        if (front.empty() || r.second < front.back().second) front.push_back(r);
       }
-      for (int64_t n = 2; n <= std::min(options_.max_chunk, L - pos); ++n) {
-        for (const bool sharded : input_holds()) {
-          const ChunkCost c = chunk_cost(n, sharded);
-          if (k + c.top <= room) least[pos + n] = std::min(least[pos + n], k + c.kept);
+      if (static_cast<int64_t>(front.size()) > options_.max_states) {
+        std::vector<Reach> merged;
+        for (const Reach& r : front) {
+          if (!merged.empty() && merged.back().first / width == r.first / width) {
+            merged.back() = r;
+          } else {
+            merged.push_back(r);
+          }
+        }
+        front = std::move(merged);
+      }
+      here = std::move(front);
+      if (pos == L) break;
+      for (const auto& [k, h] : here) {
+        for (const auto& o : frontier_) {
+          if (k + top(o) <= room && h + host_of(o.cost.host) <= options_.host_budget) {
+            reach[pos + 1].push_back({k + o.cost.kept, h + host_of(o.cost.host)});
+          }
+        }
+        for (int64_t n = 2; n <= std::min(options_.max_chunk, L - pos); ++n) {
+          for (const bool sharded : input_holds()) {
+            const ChunkCost c = chunk_cost(n, sharded);
+            if (k + c.top <= room) reach[pos + n].push_back({k + c.kept, h});
+          }
         }
       }
     }
-    return least[L] != kNone && least[L] + head_peak_ <= room;
+    return !reach[L].empty() && reach[L].front().first + head_peak_ <= room;
   };
   int64_t lo = 0, hi = none_peak();
   while (lo < hi) {
@@ -478,6 +565,22 @@ std::string Planner::infeasible(int64_t budget, const std::string& given) const 
     }
   }
   return text;
+}
+
+std::vector<SlotMask> offload_sets(const graph::BlockGraph& block, SlotMask dropped, bool input_sharded) {
+  std::vector<Slot> kept;
+  if (!input_sharded && block.slot_bytes(Slot::input) > 0) kept.push_back(Slot::input);
+  for (const Slot s : SlotMask::droppable().slots()) {
+    if (!dropped.has(s) && block.slot_bytes(s) > 0) kept.push_back(s);
+  }
+  std::stable_sort(kept.begin(), kept.end(), [&](Slot a, Slot b) { return block.slot_bytes(a) > block.slot_bytes(b); });
+  std::vector<SlotMask> out{SlotMask{}};
+  SlotMask moved;
+  for (const Slot s : kept) {
+    moved.add(s);
+    out.push_back(moved);
+  }
+  return out;
 }
 
 std::vector<int> sweep_order(int points) {

@@ -1,5 +1,6 @@
 #include "run/planning.h"
 
+#include "remat/budget.h"
 #include "remat/caching_allocator.h"
 #include "remat/memory.h"
 #include "remat/planner.h"
@@ -101,6 +102,7 @@ std::string saved_plan_json(const RunPlan& r) {
     nlohmann::json layer{
         {"dropped", l.dropped.names()}, {"chunk_begin", l.chunk_begin}, {"input_sharded", l.input_sharded}};
     if (l.attention) layer["attention"] = attention_name(*l.attention);
+    if (!l.offloaded.empty()) layer["offloaded"] = l.offloaded.names();
     layers.push_back(std::move(layer));
   }
   return nlohmann::json{{"policy", r.plan.policy}, {"split", r.split}, {"layers", layers}}.dump();
@@ -126,6 +128,15 @@ SavedPlan parse_saved_plan(const std::string& json, int64_t n_layers, int64_t st
         }
       }
       layer.dropped = SlotMask::of_names(dropped);
+      // Older checkpoints offload nothing and say nothing of it.
+      const auto offloaded = l.value("offloaded", std::vector<std::string>{});
+      for (const std::string& slot : offloaded) {
+        if (slot != "input" && std::find(block_slots().begin(), block_slots().end(), slot) == block_slots().end()) {
+          throw damaged(
+              fmt::format("offloads '{}' in layer {}, which no block has", slot, saved.plan.layers.size() + 1));
+        }
+        layer.offloaded.add(slot_of_name(slot));
+      }
       layer.chunk_begin = l.at("chunk_begin").get<int64_t>();
       layer.input_sharded = l.at("input_sharded").get<bool>();
       if (l.contains("attention")) {
@@ -164,6 +175,13 @@ SavedPlan parse_saved_plan(const std::string& json, int64_t n_layers, int64_t st
   return saved;
 }
 
+PlannerOptions planner_options(const Config& cfg) {
+  PlannerOptions opts;
+  opts.early_stop = cfg.ac.early_stop;
+  opts.host_budget = cfg.ac.host_budget.empty() ? 0 : parse_host_budget(cfg.ac.host_budget, 0);
+  return opts;
+}
+
 cost::StepShape step_shape(const Config& local, at::ScalarType dtype, int64_t resident) {
   const TrainConfig& t = local.train;
   cost::StepShape shape;
@@ -182,9 +200,7 @@ cost::StepShape step_shape(const Config& local, at::ScalarType dtype, int64_t re
 RunPlan plan_run(const Config& cfg, at::ScalarType dtype, const TimeProfile& profile, int64_t resident, int64_t stage,
                  int64_t budget_reference, const SavedPlan* saved) {
   const int64_t L = cfg.model.n_layer;
-  PlannerOptions opts;
-  opts.early_stop = cfg.ac.early_stop;
-  const Planner planner(cfg.model, step_shape(cfg, dtype, resident), profile.times, opts);
+  const Planner planner(cfg.model, step_shape(cfg, dtype, resident), profile.times, planner_options(cfg));
   RunPlan r;
   for (int s = 0; s < kSlotCount; ++s) {
     if (!planner.block().slot(static_cast<Slot>(s)).empty()) r.slots.push_back(slot_name(static_cast<Slot>(s)));

@@ -99,6 +99,10 @@ SavedPlan parse_saved_plan(const std::string& json, int64_t n_layers, int64_t st
 /// in `dtype`, with `resident` bytes held besides the model, as the cost model prices it.
 cost::StepShape step_shape(const Config& local, at::ScalarType dtype, int64_t resident);
 
+/// The planner's options a run of `cfg` takes: ac.early_stop, and ac.host_budget's bytes
+/// (as resolve_run writes them; unset: nothing offloaded).
+PlannerOptions planner_options(const Config& cfg);
+
 /// Plans `cfg` (vocab_size set) at its train.* shape in `dtype`, one rank's share (under
 /// parallel.zero = 1 the optimizer sharded over parallel.dp ranks); `profile` prices
 /// recompute (and, when measured, the whole step); `resident` bytes (the token corpus)

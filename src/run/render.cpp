@@ -246,14 +246,18 @@ std::string plan_text(const Config& cfg, const RunPlan& r) {
                                    [](const LayerPlan& lp) { return lp.attention.has_value(); });
     const std::string every =
         mixed ? fmt::format(" ({} attention in every layer)", attention_name(cfg.model.attention)) : "";
-    text +=
-        line(fmt::format("budget {}{}: the plan peaks at {}{}; without recompute{} the step would peak at {}{}",
-                         format_bytes(r.budget), r.pipeline ? " per rank" : "", format_bytes(r.peak()),
-                         r.device.empty() ? ""
-                                          : fmt::format(" and the CUDA allocator reserves {}",
-                                                        format_bytes(r.device_peak().reserved_peak)),
-                         every, format_bytes(r.none_peak),
-                         r.none_step_seconds > 0 ? fmt::format(" and take {:.1f} ms", 1e3 * r.none_step_seconds) : ""));
+    const int64_t host_budget = planner_options(cfg).host_budget;
+    text += line(fmt::format(
+        "budget {}{}{}: the plan peaks at {}{}; without recompute{} the step would peak at {}{}",
+        format_bytes(r.budget), r.pipeline ? " per rank" : "",
+        host_budget > 0 && !r.pipeline ? fmt::format(", host memory {} (ac.host_budget)", format_bytes(host_budget))
+                                       : "",
+        format_bytes(r.peak()),
+        r.device.empty()
+            ? ""
+            : fmt::format(" and the CUDA allocator reserves {}", format_bytes(r.device_peak().reserved_peak)),
+        every, format_bytes(r.none_peak),
+        r.none_step_seconds > 0 ? fmt::format(" and take {:.1f} ms", 1e3 * r.none_step_seconds) : ""));
   }
   return text;
 }
@@ -344,6 +348,7 @@ nlohmann::json render_json(const RunSpec& spec) {
       {"token_corpus_bytes", spec.resident},
       {"policy", r.plan.policy},
       {"budget", r.budget},
+      {"host_budget", planner_options(spec.cfg).host_budget},
       {"none_peak", r.none_peak},
       {"predicted_step_seconds", r.step_seconds},
       {"none_step_seconds", r.none_step_seconds},

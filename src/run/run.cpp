@@ -1,6 +1,8 @@
 #include "run/run.h"
 
+#include "remat/budget.h"
 #include "remat/memory.h"
+#include "train/device.h"
 #include "train/data_parallel.h"
 
 #include <fmt/format.h>
@@ -61,6 +63,16 @@ void check_plan_fits(const RunSpec& spec, const Room& room) {
           : fmt::format("ac.budget={} is more than that: give at most {}", spec.cfg.ac.budget, fits)));
 }
 
+// ac.host_budget in bytes: as given (a fraction of the host memory free), else all of that
+// free memory on a CUDA device and none on the CPU, whose host memory is its device's.
+std::string resolved_host_budget(const Config& cfg, int64_t host_available) {
+  const int64_t free = std::max<int64_t>(0, host_available >= 0 ? host_available : memory_available(at::kCPU));
+  const int64_t bytes = !cfg.ac.host_budget.empty() ? parse_host_budget(cfg.ac.host_budget, free)
+                        : on_cuda(cfg.run)          ? free
+                                                    : 0;
+  return bytes == 0 ? "0" : fmt::format("{}B", bytes);
+}
+
 }  // namespace
 
 Config resolve_config(const Config& cfg, const std::optional<data::CorpusInfo>& corpus) {
@@ -78,6 +90,7 @@ Config resolve_config(const Config& cfg, const std::optional<data::CorpusInfo>& 
 RunSpec resolve_run(const Config& cfg, const RunInputs& in) {
   RunSpec spec;
   spec.cfg = resolve_config(cfg, in.corpus);
+  spec.cfg.ac.host_budget = resolved_host_budget(spec.cfg, in.host_available);
   spec.corpus = in.corpus;
   spec.corpus_dir = in.corpus_dir;
   if (in.corpus) spec.resident = data::TokenDataset::held_bytes(*in.corpus);

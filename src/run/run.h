@@ -40,6 +40,9 @@ struct RunInputs {
   /// free), which the run's statics and its plan's peak must fit (on the CPU with room left
   /// for the heap's own bytes); -1: unchecked (remat plan prices runs for other machines).
   int64_t memory_available = -1;
+  /// Bytes of host memory this rank has free (its share of the machine's): what a
+  /// fractional or default ac.host_budget is of; -1: this machine's MemAvailable (remat plan).
+  int64_t host_available = -1;
 };
 
 /// A run, resolved: what every command that runs or prices it works from.
@@ -60,7 +63,7 @@ struct RunSpec {
 Config resolve_config(const Config& cfg, const std::optional<data::CorpusInfo>& corpus);
 
 /// Resolves `cfg` (as loaded: vocabulary perhaps 0, autos unresolved) against `in`:
-/// vocabulary, validation, the rank share, the plan with both autos resolved. Throws
+/// vocabulary, validation, ac.host_budget in bytes (AcConfig::host_budget), the rank share, the plan with both autos resolved. Throws
 /// std::invalid_argument sentences (BudgetTooSmall where no plan fits ac.budget), also
 /// where the run would not fit `in.memory_available`: its parameters, gradients and
 /// moments checked before any time profile allocates a model, its plan's peak after.

@@ -1,5 +1,6 @@
 #include "train/profile.h"
 
+#include "remat/budget.h"
 #include "remat/cost.h"
 #include "remat/policy.h"
 #include "train/data_parallel.h"
@@ -503,8 +504,10 @@ HostCopy measure_host_copy(at::Device device) {
   return fit;
 }
 
-bool policy_offloads(const Config& cfg) {
-  return compile_policy(cfg.ac, cfg.model.n_layer, cfg.model.dropout).offloads();
+bool may_offload(const Config& cfg) {
+  const bool budget_may =
+      !cfg.ac.budget.empty() && !cfg.ac.host_budget.empty() && parse_host_budget(cfg.ac.host_budget, 0) > 0;
+  return budget_may || compile_policy(cfg.ac, cfg.model.n_layer, cfg.model.dropout).offloads();
 }
 
 TimeProfile run_time_profile(const Config& cfg, at::Device device, at::ScalarType dtype, const data::TokenDataset& data,
@@ -534,8 +537,8 @@ TimeProfile run_time_profile(const Config& cfg, at::Device device, at::ScalarTyp
     profile.times.link_bytes_per_second = link.bytes_per_second * profile.seconds_per_unit;
     profile.times.link_latency_seconds = link.latency_seconds / profile.seconds_per_unit;
   }
-  // Measured at every start whose policy offloads.
-  if (policy_offloads(cfg)) add_host_copy(profile, device, ranks);
+  // Measured at every start that may offload.
+  if (may_offload(cfg)) add_host_copy(profile, device, ranks);
   return profile;
 }
 

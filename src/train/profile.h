@@ -103,8 +103,9 @@ struct HostCopy {
 };
 HostCopy measure_host_copy(at::Device device);
 
-/// Whether the policy `cfg` names offloads a slot of any layer (a budget plan offloads none yet).
-bool policy_offloads(const Config& cfg);
+/// Whether a run of `cfg` may offload slots: its policy does, or its budget plan may (a
+/// host budget above 0, as resolve_run writes it). Such a run measures its host copies.
+bool may_offload(const Config& cfg);
 
 /// Sets `profile`'s host copy rate and latency to those measure_host_copy measures on
 /// `device` now, rank 0's for every rank of `ranks` (as the rest of a profile is).

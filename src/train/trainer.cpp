@@ -612,6 +612,7 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   RunInputs in{dtype, ranks.stage, corpus, corpus_dir(cfg.data), {}};
   in.saved = resumed.plan ? &*resumed.plan : nullptr;
   in.memory_available = rank_memory(device, ranks.comm.get());
+  in.host_available = rank_memory(at::kCPU, ranks.comm.get());
   in.profile_of = [&](const Config& op) {
     return run_time_profile(
         op, device, dtype, train_ds, ranks.comm.get(), machine.matmul_rate, [&] { return create(op.model, {}); },

@@ -394,6 +394,36 @@ TEST_F(Cli, PlanPricesOffloadCopiesAtTheOffloadRate) {
   expect_error("plan ac.offload_rate=0", "ac.offload_rate must be the GB/s copies move between the device and host");
 }
 
+// ac.host_budget lets a budget's plan offload: below the least budget recompute alone fits,
+// the plan offloads within the host budget; without one (the CPU's default, 0) the same
+// budget is refused. A CUDA run's default host budget is the host memory free.
+TEST_F(Cli, PlanOffloadsWithinTheHostBudgetWhereRecomputeAloneCannotFit) {
+  const std::string args = " model.preset=gpt2-demo train.batch=2 train.seq=64" + no_corpus();
+  const Result alone = run_remat("plan --json ac.budget=0.9" + args);
+  ASSERT_EQ(alone.exit_code, 0) << alone.output;
+  const auto a = nlohmann::json::parse(alone.output);
+  EXPECT_EQ(a["host_budget"].get<int64_t>(), 0);
+  const int64_t least = a["min_feasible_budget"].get<int64_t>();
+  const std::string below = fmt::format(" ac.budget={}", least - 1);
+  const Result refused = run_remat("plan" + below + args);
+  EXPECT_NE(refused.exit_code, 0) << refused.output;
+  const Result json = run_remat("plan --json ac.host_budget=1GiB" + below + args);
+  ASSERT_EQ(json.exit_code, 0) << json.output;
+  const auto j = nlohmann::json::parse(json.output);
+  EXPECT_EQ(j["host_budget"].get<int64_t>(), int64_t{1} << 30);
+  EXPECT_LT(j["min_feasible_budget"].get<int64_t>(), least);
+  EXPECT_GT(j["offload"]["host_peak"].get<int64_t>(), 0);
+  EXPECT_LE(j["offload"]["host_peak"].get<int64_t>(), int64_t{1} << 30);
+  const Result text = run_remat("plan ac.host_budget=1GiB" + below + args);
+  ASSERT_EQ(text.exit_code, 0) << text.output;
+  EXPECT_NE(text.output.find("to host memory"), std::string::npos) << text.output;
+  EXPECT_NE(text.output.find("host memory 1.00 GiB (ac.host_budget)"), std::string::npos) << text.output;
+  const Result cuda = run_remat("plan --json run.device=cuda" + args);
+  ASSERT_EQ(cuda.exit_code, 0) << cuda.output;
+  EXPECT_GT(nlohmann::json::parse(cuda.output)["host_budget"].get<int64_t>(), 0);
+  expect_error("plan ac.host_budget=lots", "ac.host_budget = \"lots\" is not a size");
+}
+
 // Each ring step of a collective waits parallel.link_latency: a step's collectives take
 // exactly its ring steps (the graphs' LinkTraffic messages: blocks, embedding and loss
 // head, per microbatch) times the latency longer than without it.

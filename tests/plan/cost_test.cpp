@@ -5,6 +5,7 @@
 #include "remat/cost.h"
 #include "remat/memory.h"
 #include "remat/model.h"
+#include "remat/planner.h"
 #include "remat/policy.h"
 #include "util/local_group.h"
 
@@ -268,6 +269,36 @@ TEST(CostModel, OffloadPlansPeakAndHoldHostBytesWhereTheCostModelSays) {
         EXPECT_EQ(m.host.in_use, 0) << what;
       }
     }
+  }
+}
+
+// The planner's plans under a host budget, which mix the three fates, peak on the device
+// where they are priced and hold in host memory the bytes priced, from the loosest budget
+// to the least one that fits.
+TEST(CostModel, PlansOffloadingUnderAHostBudgetPeakWhereTheyArePriced) {
+  for (const char* preset : {"gpt2-demo", "llama-demo"}) {
+    const ModelConfig cfg = config(preset, 4, 0.1);
+    const int64_t B = 2, T = 32, chunk = 48;
+    cost::StepShape shape = testing::plan_shape(B, T);
+    shape.ce_chunk = chunk;
+    const graph::BlockGraph block = graph::block_graph(cfg, B, T, at::kFloat);
+    PlannerOptions opts;
+    opts.host_budget = 2 * block.saved_bytes();
+    const Planner planner(cfg, shape, testing::offload_times(block), opts);
+    const int64_t lo = planner.min_feasible_budget(), hi = planner.none_peak();
+    int offloading = 0;
+    for (int i = 0; i <= 4; ++i) {
+      const auto r = planner.solve(lo + (hi - lo) * i / 4);
+      ASSERT_TRUE(r.has_value()) << preset;
+      const auto& pred = r->prediction;
+      const Measured m = measure(cfg, r->plan, B, T, chunk);
+      const std::string what = fmt::format("{} {}", preset, explain_plan(r->plan));
+      EXPECT_NEAR(pred.peak - pred.statics.total() + pred.statics.batch, m.peak_above_start, 8 * 1024) << what;
+      EXPECT_EQ(m.host.peak_in_use, pred.host_peak) << what;
+      EXPECT_EQ(m.host.in_use, 0) << what;
+      offloading += pred.host_peak > 0;
+    }
+    EXPECT_GT(offloading, 0) << preset << ": some budget's plan offloads";
   }
 }
 

@@ -3,6 +3,7 @@
 
 #include "remat/config.h"
 #include "remat/cost.h"
+#include "remat/graph.h"
 #include "remat/pipeline.h"
 #include "remat/policy.h"
 
@@ -36,6 +37,15 @@ inline cost::StepShape plan_shape(int64_t B, int64_t T, at::ScalarType dtype = a
   s.dtype = dtype;
   s.grad_accum = microbatches;
   return s;
+}
+
+/// Times by FLOPs (one a second) under which copying `block`'s kept bytes to host memory
+/// and back costs about its forward: some offloads pay against recompute, others do not.
+inline cost::NodeTimes offload_times(const graph::BlockGraph& block) {
+  cost::NodeTimes times;
+  times.flops_per_second = 1.0;
+  times.host_bytes_per_second = 2.0 * static_cast<double>(block.saved_bytes()) / block.forward_flops();
+  return times;
 }
 
 /// Per layer, the input kept or offloaded and each droppable slot kept, recomputed or

@@ -29,11 +29,14 @@ cost::StepShape shape_of(int64_t B, int64_t T, at::ScalarType dtype = at::kFloat
 
 // Every plan of `L` layers over `candidates` and uniform chunks up to `max_chunk` (each
 // with its input kept whole, and under tensor parallelism alone also as a share per rank),
-// each single layer also with every op of `ops` (LayerPlan::attention), priced by the step
-// simulator; the least recompute time (and other attention op's pass time) within `budget`.
+// each single layer also with every op of `ops` (LayerPlan::attention) and, with a
+// `host_budget`, every offload set of offload_sets, priced by the step simulator; the least
+// time it adds (recompute, the other attention op's pass, host copies) within `budget` and
+// `host_budget`.
 double brute_force(const ModelConfig& cfg, const cost::StepShape& shape, const cost::NodeTimes& times,
                    const std::vector<SlotMask>& candidates, int64_t max_chunk, int64_t budget, int64_t* plans_seen,
-                   const std::vector<std::optional<Attention>>& ops = {std::nullopt}) {
+                   const std::vector<std::optional<Attention>>& ops = {std::nullopt}, int64_t host_budget = 0) {
+  const graph::BlockGraph block = graph::block_graph(cfg, shape.batch, shape.seq, shape.dtype, shape.tp, shape.sp);
   const int64_t L = cfg.n_layer;
   double best = -1;
   ActivationPlan plan;
@@ -44,15 +47,17 @@ double brute_force(const ModelConfig& cfg, const cost::StepShape& shape, const c
     if (pos == L) {
       ++*plans_seen;
       const auto p = cost::predict_step(cfg, shape, plan, true, times);
-      const double seconds = p.recompute_seconds + p.attention_seconds;
-      if (p.peak <= budget && (best < 0 || seconds < best)) best = seconds;
+      const double seconds = p.added_seconds();
+      if (p.peak <= budget && p.host_peak <= host_budget && (best < 0 || seconds < best)) best = seconds;
       return;
     }
     for (const bool sharded : holds) {
       for (const auto& c : candidates) {
         for (const auto& op : ops) {
-          plan.layers[pos] = {c, -1, sharded, op, {}};
-          walk(pos + 1);
+          for (const SlotMask moved : host_budget > 0 ? offload_sets(block, c, sharded) : std::vector<SlotMask>{{}}) {
+            plan.layers[pos] = {c, -1, sharded, op, moved};
+            walk(pos + 1);
+          }
         }
       }
       for (int64_t n = 2; n <= std::min(max_chunk, L - pos); ++n) {
@@ -209,6 +214,84 @@ TEST(Planner, ChoosesTheAttentionOpPerLayerAsBruteForceDoes) {
     }
     EXPECT_GT(mixed, 0) << preset << ": some budget mixes the ops";
   }
+}
+
+// With a host budget a kept slot may also wait in host memory, its copies priced at the
+// host rate: the plans equal brute force over every keep-set, offload set and chunking,
+// with the host budget loose (the offloaded bytes never bind) and tight (they do), fit
+// both budgets, are never slower than the plans that offload nothing, and fit budgets those
+// cannot; the least budget is exact.
+TEST(Planner, OffloadsAsBruteForceDoesWithinBothBudgets) {
+  const std::vector<SlotMask> candidates = {{}, {Slot::attn_probs, Slot::attn_dropout}};
+  for (const char* preset : {"gpt2-demo", "llama-demo"}) {
+    const ModelConfig cfg = config(preset, 3, 0.1);
+    const auto shape = shape_of(2, 32);
+    const graph::BlockGraph block = graph::block_graph(cfg, 2, 32, at::kFloat);
+    cost::NodeTimes times = testing::offload_times(block);
+    times.host_copy_latency_seconds = block.forward_flops() / 200;
+    PlannerOptions keep_only;
+    keep_only.candidates = candidates;
+    keep_only.max_chunk = 2;
+    const Planner without(cfg, shape, times, keep_only);
+    const int64_t layer_bytes = block.saved_bytes();
+    for (const int64_t host_budget : {int64_t{1} << 40, layer_bytes + layer_bytes / 2}) {
+      PlannerOptions opts = keep_only;
+      opts.host_budget = host_budget;
+      const Planner planner(cfg, shape, times, opts);
+      const int64_t lo = planner.min_feasible_budget(), hi = planner.none_peak();
+      EXPECT_LT(lo, without.min_feasible_budget()) << preset << ": offload fits below recompute alone";
+      int offloading = 0;
+      for (int i = 0; i <= 2; ++i) {
+        const int64_t budget = lo + (hi - lo) * i / 3;
+        int64_t seen = 0;
+        const double brute = brute_force(cfg, shape, times, candidates, 2, budget, &seen, {std::nullopt}, host_budget);
+        const auto r = planner.solve(budget);
+        ASSERT_TRUE(r.has_value()) << preset << " budget " << budget;
+        EXPECT_DOUBLE_EQ(r->prediction.added_seconds(), brute)
+            << preset << " budget " << budget << " host " << host_budget;
+        EXPECT_LE(r->prediction.peak, budget);
+        EXPECT_LE(r->prediction.host_peak, host_budget);
+        offloading += r->prediction.host_peak > 0;
+        if (const auto w = without.solve(budget)) {
+          EXPECT_LE(r->prediction.added_seconds(), w->prediction.added_seconds()) << preset << " budget " << budget;
+        }
+      }
+      EXPECT_GT(offloading, 0) << preset;
+      int64_t seen = 0;
+      EXPECT_LT(brute_force(cfg, shape, times, candidates, 2, lo - 1, &seen, {std::nullopt}, host_budget), 0)
+          << preset << " host " << host_budget;
+    }
+    // Without a host copy rate offload would look free: nothing is offloaded.
+    cost::NodeTimes free_copies = times;
+    free_copies.host_bytes_per_second = 0;
+    PlannerOptions opts = keep_only;
+    opts.host_budget = int64_t{1} << 40;
+    EXPECT_EQ(Planner(cfg, shape, free_copies, opts).min_feasible_budget(), without.min_feasible_budget());
+  }
+}
+
+// Every offload set priced for a keep-set moves only kept slots, grows by one slot at a
+// time, largest first, and leaves the input alone when it is held as shares.
+TEST(Planner, OffloadSetsGrowByTheLargestKeptSlot) {
+  const ModelConfig cfg = config("gpt2-demo", 2, 0.1);
+  const graph::BlockGraph block = graph::block_graph(cfg, 2, 64, at::kFloat);
+  const SlotMask dropped{Slot::attn_probs, Slot::attn_dropout};
+  const std::vector<SlotMask> sets = offload_sets(block, dropped, false);
+  ASSERT_GE(sets.size(), 3u);
+  EXPECT_TRUE(sets.front().empty());
+  int64_t last = std::numeric_limits<int64_t>::max();
+  for (size_t i = 1; i < sets.size(); ++i) {
+    EXPECT_EQ(sets[i].slots().size(), i);
+    EXPECT_TRUE((sets[i].bits() & dropped.bits()) == 0) << "offloads a dropped slot";
+    Slot added = Slot::input;
+    for (const Slot s : sets[i].slots()) {
+      if (!sets[i - 1].has(s)) added = s;
+    }
+    EXPECT_LE(block.slot_bytes(added), last);
+    last = block.slot_bytes(added);
+  }
+  EXPECT_TRUE(sets.back().has(Slot::input));
+  for (const SlotMask& s : offload_sets(block, dropped, true)) EXPECT_FALSE(s.has(Slot::input));
 }
 
 // The state merging keeps a 128-layer plan exact enough to fit; how long it takes is

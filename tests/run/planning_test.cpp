@@ -31,6 +31,8 @@ TEST(SavedPlan, ReadsBackChunksSharedInputsAndTheSplit) {
   // model.attention = auto per layer: the ops named.
   r.plan.layers[1].attention = Attention::tiled;
   r.plan.layers[3].attention = Attention::math;
+  // A budget plan's offloaded slots, the input among them.
+  r.plan.layers[2].offloaded = {Slot::input, Slot::mlp_act_in};
   r.plan.policy = "budget:123";
   r.split = {2, 4};
   const SavedPlan back = parse_saved_plan(saved_plan_json(r), 6, 2);
@@ -41,6 +43,7 @@ TEST(SavedPlan, ReadsBackChunksSharedInputsAndTheSplit) {
     EXPECT_EQ(back.plan.layers[l].chunk_begin, r.plan.layers[l].chunk_begin) << l;
     EXPECT_EQ(back.plan.layers[l].input_sharded, r.plan.layers[l].input_sharded) << l;
     EXPECT_EQ(back.plan.layers[l].attention, r.plan.layers[l].attention) << l;
+    EXPECT_EQ(back.plan.layers[l].offloaded, r.plan.layers[l].offloaded) << l;
   }
 }
 

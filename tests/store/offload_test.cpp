@@ -1,7 +1,9 @@
 // Offloaded slots (LayerPlan::offloaded) train exactly like `none`: the same losses and
-// bitwise the same gradients, for every policy with an offload term and for random plans
-// mixing keep, recompute and offload per slot, on both architectures and every attention op.
+// bitwise the same gradients, for every policy with an offload term, for random plans
+// mixing keep, recompute and offload per slot, and for the planner's plans under a host
+// budget, on both architectures and every attention op.
 #include "plan/plan_test_util.h"
+#include "remat/planner.h"
 #include "remat/policy.h"
 #include "store/store_run.h"
 
@@ -56,6 +58,20 @@ TEST_P(OffloadBitwise, EveryOffloadPlanEqualsNoneBitwise) {
     const ActivationPlan plan = testing::random_fates(rng, cfg.n_layer, text);
     check(plan, text);
   }
+  const graph::BlockGraph block = graph::block_graph(cfg, B, T, at::kFloat);
+  PlannerOptions opts;
+  opts.host_budget = 2 * block.saved_bytes();
+  const Planner planner(cfg, testing::plan_shape(B, T), testing::offload_times(block), opts);
+  const int64_t lo = planner.min_feasible_budget(), hi = planner.none_peak();
+  int offloading = 0;
+  for (int i = 0; i < 3; ++i) {
+    const auto r = planner.solve(lo + (hi - lo) * i / 4);
+    ASSERT_TRUE(r.has_value());
+    if (r->prediction.host_peak == 0) continue;
+    ++offloading;
+    check(r->plan, explain_plan(r->plan));
+  }
+  EXPECT_GT(offloading, 0) << "some budget's plan offloads";
 }
 
 INSTANTIATE_TEST_SUITE_P(

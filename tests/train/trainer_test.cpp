@@ -83,9 +83,11 @@ TEST_F(Trainer, WritesTheRunDirectory) {
   }
   EXPECT_EQ(train_lines, 4);
   EXPECT_EQ(val_lines, 3);  // before the first step, at step 2 and at the end
-  // The resolved config is the given one with the vocabulary filled in from the tokenizer.
+  // The resolved config is the given one with the vocabulary filled in from the tokenizer
+  // and the host budget in bytes (none on the CPU).
   Config expected = config("files");
   expected.model.vocab_size = 300;
+  expected.ac.host_budget = "0";
   const Config again = load_config((fs::path(s.run_dir) / "config.toml").string(), {});
   EXPECT_EQ(config_to_toml(again), config_to_toml(expected));
 }
