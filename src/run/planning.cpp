@@ -83,6 +83,27 @@ std::vector<cost::DeviceMemory> device_memory(const Config& cfg, const Planner& 
   return out;
 }
 
+// `plan` offloading only the slots `block` has: a slot another architecture's block has
+// (llama's has no attn.resid) moves nothing, so the plan does not name it. Throws a
+// sentence where the policy's offload term moves nothing at all on this block.
+ActivationPlan offloading_what_exists(ActivationPlan plan, const graph::BlockGraph& block, Arch arch,
+                                      const std::vector<std::string>& slots) {
+  if (!plan.offloads()) return plan;
+  SlotMask absent;
+  for (LayerPlan& l : plan.layers) {
+    for (const Slot s : l.offloaded.slots()) {
+      if (!block.slot(s).empty()) continue;
+      l.offloaded.remove(s);
+      absent.add(s);
+    }
+  }
+  if (plan.offloads()) return plan;
+  throw std::invalid_argument(fmt::format(
+      "The policy \"{}\" offloads only {}, which a {} block does not have, so it would move nothing; offload "
+      "some of its slots: {}.",
+      plan.policy, fmt::join(absent.names(), ", "), arch_name(arch), fmt::join(slots, ", ")));
+}
+
 }  // namespace
 
 bool on_cuda(const RunConfig& run) { return run.device != "cpu"; }
@@ -260,7 +281,8 @@ RunPlan plan_run(const Config& cfg, at::ScalarType dtype, const TimeProfile& pro
     take(cfg.parallel.pp > 1 ? planner.predict_pipeline(saved->plan, pipe)
                              : one_stage(saved->plan, planner.predict(saved->plan)));
   } else if (cfg.ac.budget.empty()) {
-    const ActivationPlan plan = compile_policy(cfg.ac, L, cfg.model.dropout);
+    const ActivationPlan plan =
+        offloading_what_exists(compile_policy(cfg.ac, L, cfg.model.dropout), planner.block(), cfg.model.arch, r.slots);
     take(cfg.parallel.pp > 1 ? planner.predict_pipeline(plan, pipe) : one_stage(plan, planner.predict(plan)));
   } else {
     // On CUDA the budget holds the caching allocator's reserved bytes, which move in

@@ -424,6 +424,20 @@ TEST_F(Cli, PlanOffloadsWithinTheHostBudgetWhereRecomputeAloneCannotFit) {
   expect_error("plan ac.host_budget=lots", "ac.host_budget = \"lots\" is not a size");
 }
 
+// An offload term names slots of every architecture's block; a slot this one lacks (a
+// llama block keeps no attn.resid) moves nothing, so the plan does not claim it, and a term
+// that moves nothing at all is refused.
+TEST_F(Cli, PlanOffloadsOnlySlotsTheBlockHas) {
+  const std::string llama = " model.preset=llama-demo" + no_corpus();
+  const Result some = run_remat("plan ac.policy=offload:[input,attn.resid]" + llama);
+  ASSERT_EQ(some.exit_code, 0) << some.output;
+  EXPECT_NE(some.output.find("offloads input to host memory"), std::string::npos) << some.output;
+  EXPECT_EQ(some.output.find("attn.resid"), some.output.find("offload:[input,attn.resid]") + 15) << some.output;
+  expect_error("plan ac.policy=offload:[attn.resid]" + llama,
+               "The policy \"offload:[attn.resid]\" offloads only attn.resid, which a llama block does not have, so "
+               "it would move nothing; offload some of its slots: input, attn.norm");
+}
+
 // Each ring step of a collective waits parallel.link_latency: a step's collectives take
 // exactly its ring steps (the graphs' LinkTraffic messages: blocks, embedding and loss
 // head, per microbatch) times the latency longer than without it.
