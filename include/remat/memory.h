@@ -130,6 +130,9 @@ class Account {
 /// bytes of each storage moved there (never rounded up), outside the tracking allocator,
 /// kept idle when its tensors die for a later move of the same size (the next microbatch's
 /// or step's), and freed with the pool. Copies between it and the device are synchronous.
+/// A buffer that holds a CUDA tensor's memory is page-locked (cudaHostRegister on its own
+/// exact bytes), so that its copies go by DMA at the link's rate rather than through the
+/// driver's staging buffers; where the system refuses to lock it, it stays pageable.
 class HostPool {
  public:
   HostPool();
@@ -144,6 +147,7 @@ class HostPool {
     int64_t peak_in_use = 0;  ///< the highest in_use
     int64_t reserved = 0;     ///< bytes of every buffer the pool holds, idle or not
     int64_t moved = 0;        ///< bytes copied to host so far
+    int64_t pinned = 0;       ///< of reserved: page-locked for copies from and to a CUDA device
   };
   Counts counts() const;
 

@@ -1,9 +1,15 @@
 #include "remat/memory.h"
 
+#ifdef REMAT_WITH_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+#include <algorithm>
 #include <cstdlib>
 #include <functional>
 #include <map>
 #include <mutex>
+#include <utility>
 
 namespace remat::memory {
 namespace {
@@ -31,37 +37,70 @@ std::vector<at::Tensor> relocate(const std::vector<at::Tensor>& ts, const std::f
   return out;
 }
 
+// Page-locks `bytes` at `p` for a CUDA device's copies; false where this build has no CUDA
+// or the system refuses (its locked-memory limit), and then the memory stays pageable.
+bool lock_pages(void* p, int64_t bytes) {
+#ifdef REMAT_WITH_CUDA
+  if (cudaHostRegister(p, static_cast<size_t>(bytes), cudaHostRegisterDefault) == cudaSuccess) return true;
+  (void)cudaGetLastError();  // the refusal is not a sticky error: clear it for the next call
+#else
+  (void)p;
+  (void)bytes;
+#endif
+  return false;
+}
+
+void unlock_pages(void* p) {
+#ifdef REMAT_WITH_CUDA
+  (void)cudaHostUnregister(p);
+#else
+  (void)p;
+#endif
+}
+
 }  // namespace
 
 struct HostPool::State {
+  // A buffer's bytes and whether it was to be page-locked (for a CUDA tensor), and whether it is.
+  using Key = std::pair<int64_t, bool>;
+  struct Buffer {
+    void* p;
+    bool locked;
+  };
   std::mutex mu;
-  std::multimap<int64_t, void*> idle;  // by bytes
+  std::multimap<Key, Buffer> idle;
   Counts counts;
   ~State() {
-    for (auto& [bytes, p] : idle) std::free(p);
+    for (auto& [key, b] : idle) {
+      if (b.locked) unlock_pages(b.p);
+      std::free(b.p);
+    }
   }
-  void* take(int64_t bytes) {
+  Buffer take(int64_t bytes, bool for_cuda) {
     const std::lock_guard<std::mutex> lock(mu);
-    void* p = nullptr;
-    const auto it = idle.find(bytes);
+    Buffer b{nullptr, false};
+    const auto it = idle.find({bytes, for_cuda});
     if (it != idle.end()) {
-      p = it->second;
+      b = it->second;
       idle.erase(it);
     } else {
-      p = std::malloc(static_cast<size_t>(bytes));
-      TORCH_CHECK(p != nullptr, "Offloading activations needs ", format_bytes(bytes),
-                  " more host memory, which the system refused; offload fewer slots (ac.policy's offload:[...]).");
+      b.p = std::malloc(static_cast<size_t>(bytes));
+      TORCH_CHECK(b.p != nullptr, "Offloading activations needs ", format_bytes(bytes),
+                  " more host memory, which the system refused; offload fewer slots (ac.policy's offload:[...], or "
+                  "a smaller ac.host_budget).");
+      b.locked = for_cuda && lock_pages(b.p, bytes);
       counts.reserved += bytes;
+      if (b.locked) counts.pinned += bytes;
     }
     counts.in_use += bytes;
     counts.peak_in_use = std::max(counts.peak_in_use, counts.in_use);
     counts.moved += bytes;
-    return p;
+    return b;
   }
-  void give_back(void* p, int64_t bytes) {
+  void give_back(Buffer b, int64_t bytes, bool for_cuda) {
     const std::lock_guard<std::mutex> lock(mu);
     counts.in_use -= bytes;
-    idle.emplace(bytes, p);
+    idle.emplace(Key{bytes, for_cuda}, b);
   }
 };
 
@@ -69,14 +108,16 @@ HostPool::HostPool() : state_(std::make_shared<State>()) {}
 
 std::vector<at::Tensor> HostPool::to_host(const std::vector<at::Tensor>& ts) {
   const std::shared_ptr<State> state = state_;
+  const bool for_cuda = std::any_of(ts.begin(), ts.end(), [](const at::Tensor& t) { return t.is_cuda(); });
   return relocate(
       ts,
-      [state](int64_t n) {
+      [state, for_cuda](int64_t n) {
         // An empty storage has no memory to move.
         if (n == 0) return at::empty({0}, at::TensorOptions().dtype(at::kByte));
-        void* p = state->take(n);
+        const State::Buffer b = state->take(n, for_cuda);
         return at::from_blob(
-            p, {n}, [state, n](void* q) { state->give_back(q, n); }, at::TensorOptions().dtype(at::kByte));
+            b.p, {n}, [state, b, n, for_cuda](void*) { state->give_back(b, n, for_cuda); },
+            at::TensorOptions().dtype(at::kByte));
       },
       at::kCPU);
 }

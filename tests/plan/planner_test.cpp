@@ -270,6 +270,45 @@ TEST(Planner, OffloadsAsBruteForceDoesWithinBothBudgets) {
   }
 }
 
+// Under tensor parallelism alone a kept input may also be held as a share per rank, which
+// is never offloaded: with both, the plans still equal brute force, within both budgets.
+TEST(Planner, OffloadsAsBruteForceDoesWithInputsKeptAsShares) {
+  const std::vector<SlotMask> candidates = {{}, {Slot::attn_probs, Slot::attn_dropout}};
+  for (const char* preset : {"gpt2-demo", "llama-demo"}) {
+    const ModelConfig cfg = config(preset, 2, 0.1);
+    cost::StepShape shape = shape_of(2, 32);
+    shape.tp = 2;
+    const graph::BlockGraph block = graph::block_graph(cfg, 2, 32, at::kFloat, 2);
+    cost::NodeTimes times = testing::offload_times(block);
+    times.seconds[graph::kInputGather] = block.forward_flops() / 1000;
+    PlannerOptions opts;
+    opts.candidates = candidates;
+    opts.max_chunk = 2;
+    opts.host_budget = block.saved_bytes();
+    const Planner planner(cfg, shape, times, opts);
+    const int64_t lo = planner.min_feasible_budget(), hi = planner.none_peak();
+    int offloading = 0;
+    for (int i = 0; i <= 4; ++i) {
+      const int64_t budget = lo + (hi - lo) * i / 4;
+      int64_t seen = 0;
+      const double brute =
+          brute_force(cfg, shape, times, candidates, 2, budget, &seen, {std::nullopt}, opts.host_budget);
+      const auto r = planner.solve(budget);
+      ASSERT_TRUE(r.has_value()) << preset << " budget " << budget;
+      EXPECT_DOUBLE_EQ(r->prediction.added_seconds(), brute) << preset << " budget " << budget;
+      EXPECT_LE(r->prediction.peak, budget);
+      EXPECT_LE(r->prediction.host_peak, opts.host_budget);
+      offloading += r->prediction.host_peak > 0;
+      for (const LayerPlan& l : r->plan.layers) {
+        EXPECT_FALSE(l.input_sharded && l.offloaded.has(Slot::input)) << preset;
+      }
+    }
+    EXPECT_GT(offloading, 0) << preset;
+    int64_t seen = 0;
+    EXPECT_LT(brute_force(cfg, shape, times, candidates, 2, lo - 1, &seen, {std::nullopt}, opts.host_budget), 0);
+  }
+}
+
 // Every offload set priced for a keep-set moves only kept slots, grows by one slot at a
 // time, largest first, and leaves the input alone when it is held as shares.
 TEST(Planner, OffloadSetsGrowByTheLargestKeptSlot) {

@@ -3,6 +3,7 @@
 // mixing keep, recompute and offload per slot, and for the planner's plans under a host
 // budget, on both architectures and every attention op.
 #include "plan/plan_test_util.h"
+#include "remat/memory.h"
 #include "remat/planner.h"
 #include "remat/policy.h"
 #include "store/store_run.h"
@@ -72,6 +73,27 @@ TEST_P(OffloadBitwise, EveryOffloadPlanEqualsNoneBitwise) {
     check(r->plan, explain_plan(r->plan));
   }
   EXPECT_GT(offloading, 0) << "some budget's plan offloads";
+}
+
+// The pool's buffers hold exactly their storages' bytes; on a CUDA device each is
+// page-locked, and a round trip gives back the same bytes, views as views.
+TEST(HostPool, BuffersAreExactAndOnCudaPageLocked) {
+  const auto round_trip = [](at::Device device) {
+    auto gen = at::detail::createCPUGenerator(20261126);
+    const at::Tensor whole = at::randn({3, 1000}, gen).to(device);
+    memory::HostPool pool;
+    const std::vector<at::Tensor> host = pool.to_host({whole, whole.narrow(1, 10, 20)});
+    const memory::HostPool::Counts c = pool.counts();
+    EXPECT_EQ(c.reserved, 3 * 1000 * 4) << "one buffer for the storage both tensors view";
+    EXPECT_EQ(c.pinned, device.is_cuda() ? c.reserved : 0);
+    const std::vector<at::Tensor> back = memory::HostPool::to_device(host, device);
+    EXPECT_TRUE(at::equal(back[0], whole));
+    EXPECT_TRUE(at::equal(back[1], whole.narrow(1, 10, 20)));
+    EXPECT_EQ(back[0].storage().unsafeGetStorageImpl(), back[1].storage().unsafeGetStorageImpl());
+  };
+  round_trip(at::kCPU);
+  if (!at::hasCUDA()) GTEST_SKIP() << "no GPU here; scripts/gpu-check.sh runs this where one is";
+  round_trip(at::Device(at::kCUDA, 0));
 }
 
 INSTANTIATE_TEST_SUITE_P(
