@@ -73,6 +73,18 @@ std::string resolved_host_budget(const Config& cfg, int64_t host_available) {
   return bytes == 0 ? "0" : fmt::format("{}B", bytes);
 }
 
+// Throws where the plan's offloaded slots would need more host memory at once than this
+// rank has free: the host pool would fail in the middle of a step.
+void check_host_fits(const RunSpec& spec, int64_t host_available) {
+  const int64_t host = spec.plan.predicted.host_peak;
+  if (host_available < 0 || host <= host_available) return;
+  throw std::invalid_argument(fmt::format(
+      "The plan {} keeps {} of offloaded slots in host memory at once (predicted), more than the {} this rank has "
+      "free; offload fewer slots{}, or lower train.batch or train.seq.",
+      spec.plan.plan.policy, memory::format_bytes(host), memory::format_bytes(host_available),
+      spec.cfg.ac.budget.empty() ? "" : " (a smaller ac.host_budget)"));
+}
+
 }  // namespace
 
 Config resolve_config(const Config& cfg, const std::optional<data::CorpusInfo>& corpus) {
@@ -103,6 +115,7 @@ RunSpec resolve_run(const Config& cfg, const RunInputs& in) {
   check_statics_fit(spec, room);
   spec.plan = plan_run_auto(spec.cfg, spec.local, in.dtype, in.profile_of, spec.resident, in.stage, in.saved);
   check_plan_fits(spec, room);
+  check_host_fits(spec, in.host_available);
   return spec;
 }
 

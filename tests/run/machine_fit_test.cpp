@@ -14,21 +14,26 @@ namespace {
 struct Resolved {
   std::string error;  ///< empty: resolved
   int64_t peak = 0;
+  int64_t host = 0;  ///< predicted host bytes of the offloaded slots
   int profiles = 0;  ///< time profiles asked for (each would build a model)
 };
 
-Resolved resolve(const std::vector<std::string>& overrides, int64_t available) {
+Resolved resolve(const std::vector<std::string>& overrides, int64_t available, int64_t host_available = -1) {
   Resolved r;
   RunInputs in;
   in.memory_available = available;
+  in.host_available = host_available;
   in.profile_of = [&](const Config&) {
     ++r.profiles;
     TimeProfile p;
     p.times.flops_per_second = 1.0;
+    p.times.host_bytes_per_second = 1.0;  // a byte copied costs a FLOP: offload is priced
     return p;
   };
   try {
-    r.peak = resolve_run(load_config("", overrides), in).plan.peak();
+    const RunSpec spec = resolve_run(load_config("", overrides), in);
+    r.peak = spec.plan.peak();
+    r.host = spec.plan.predicted.host_peak;
   } catch (const std::invalid_argument& e) {
     r.error = e.what();
   }
@@ -97,6 +102,26 @@ TEST(MachineFit, APlanAboveTheMachineNamesABudgetThatFits) {
   EXPECT_NE(over.error.find("ac.budget=" + std::to_string(none) + " is more than that: give at most " + budget),
             std::string::npos)
       << over.error;
+}
+
+// Offloaded slots need host memory: a plan whose host bytes exceed what the rank has free
+// is refused before anything runs, whether a policy or the planner (under a host budget
+// given above that) chose it.
+TEST(MachineFit, OffloadAboveTheHostMemoryFreeIsRefused) {
+  std::vector<std::string> offload = kNone;
+  offload[1] = "ac.policy=full+offload:[input]";
+  const int64_t host = resolve(offload, -1).host;
+  ASSERT_GT(host, 0);
+  EXPECT_EQ(resolve(offload, -1, host).error, "");
+  const Resolved r = resolve(offload, -1, host - 1);
+  EXPECT_EQ(r.error.rfind("The plan full+offload:[input] keeps ", 0), 0u) << r.error;
+  EXPECT_NE(r.error.find("this rank has free; offload fewer slots, or lower train.batch"), std::string::npos)
+      << r.error;
+
+  const std::vector<std::string> planned = {kNone[0], "ac.budget=" + std::to_string(resolve(offload, -1).peak),
+                                            kNone[2], std::string("ac.host_budget=1GiB")};
+  const Resolved over = resolve(planned, -1, 1);
+  EXPECT_NE(over.error.find("offload fewer slots (a smaller ac.host_budget)"), std::string::npos) << over.error;
 }
 
 }  // namespace
