@@ -63,10 +63,12 @@ struct RunSpec {
 Config resolve_config(const Config& cfg, const std::optional<data::CorpusInfo>& corpus);
 
 /// Resolves `cfg` (as loaded: vocabulary perhaps 0, autos unresolved) against `in`:
-/// vocabulary, validation, ac.host_budget in bytes (AcConfig::host_budget), the rank share, the plan with both autos resolved. Throws
-/// std::invalid_argument sentences (BudgetTooSmall where no plan fits ac.budget), also
-/// where the run would not fit `in.memory_available`: its parameters, gradients and
-/// moments checked before any time profile allocates a model, its plan's peak after.
+/// vocabulary, validation, ac.host_budget in bytes (AcConfig::host_budget), the rank
+/// share, the plan with both autos resolved. Throws std::invalid_argument sentences
+/// (BudgetTooSmall where no plan fits ac.budget), also where the run would not fit
+/// `in.memory_available`: its parameters, gradients and moments checked before any time
+/// profile allocates a model, its plan's peak after; and where its offloaded slots would
+/// not fit `in.host_available`.
 RunSpec resolve_run(const Config& cfg, const RunInputs& in);
 
 /// The run as text: three lines on the run, the choices `auto` made, the plan (layers
