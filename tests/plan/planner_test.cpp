@@ -218,13 +218,15 @@ TEST(Planner, ChoosesTheAttentionOpPerLayerAsBruteForceDoes) {
 
 // With a host budget a kept slot may also wait in host memory, its copies priced at the
 // host rate: the plans equal brute force over every keep-set, offload set and chunking,
-// with the host budget loose (the offloaded bytes never bind) and tight (they do), fit
-// both budgets, are never slower than the plans that offload nothing, and fit budgets those
-// cannot; the least budget is exact.
+// with the host budget loose (the offloaded bytes never bind) and tight under copies so
+// cheap that every plan would rather offload more (they bind), fit both budgets, are never
+// slower than the plans that offload nothing, and fit budgets those cannot; the least
+// budget is exact.
 TEST(Planner, OffloadsAsBruteForceDoesWithinBothBudgets) {
   const std::vector<SlotMask> candidates = {{}, {Slot::attn_probs, Slot::attn_dropout}};
   for (const char* preset : {"gpt2-demo", "llama-demo"}) {
-    const ModelConfig cfg = config(preset, 3, 0.1);
+    // Two layers: the second's options depend on the host bytes the first offloads.
+    const ModelConfig cfg = config(preset, 2, 0.1);
     const auto shape = shape_of(2, 32);
     const graph::BlockGraph block = graph::block_graph(cfg, 2, 32, at::kFloat);
     cost::NodeTimes times = testing::offload_times(block);
@@ -234,32 +236,42 @@ TEST(Planner, OffloadsAsBruteForceDoesWithinBothBudgets) {
     keep_only.max_chunk = 2;
     const Planner without(cfg, shape, times, keep_only);
     const int64_t layer_bytes = block.saved_bytes();
-    for (const int64_t host_budget : {int64_t{1} << 40, layer_bytes + layer_bytes / 2}) {
+    struct Case {
+      int64_t host_budget;
+      double copy_speedup;
+    };
+    for (const Case c : {Case{int64_t{1} << 40, 1.0}, Case{layer_bytes / 2, 100.0}}) {
+      cost::NodeTimes priced = times;
+      priced.host_bytes_per_second *= c.copy_speedup;
+      priced.host_copy_latency_seconds /= c.copy_speedup;
       PlannerOptions opts = keep_only;
-      opts.host_budget = host_budget;
-      const Planner planner(cfg, shape, times, opts);
+      opts.host_budget = c.host_budget;
+      const Planner planner(cfg, shape, priced, opts);
       const int64_t lo = planner.min_feasible_budget(), hi = planner.none_peak();
       EXPECT_LT(lo, without.min_feasible_budget()) << preset << ": offload fits below recompute alone";
       int offloading = 0;
-      for (int i = 0; i <= 2; ++i) {
-        const int64_t budget = lo + (hi - lo) * i / 3;
+      for (int i = 0; i <= 6; ++i) {
+        const int64_t budget = lo + (hi - lo) * i / 6;
         int64_t seen = 0;
-        const double brute = brute_force(cfg, shape, times, candidates, 2, budget, &seen, {std::nullopt}, host_budget);
+        const double brute =
+            brute_force(cfg, shape, priced, candidates, 2, budget, &seen, {std::nullopt}, c.host_budget);
         const auto r = planner.solve(budget);
         ASSERT_TRUE(r.has_value()) << preset << " budget " << budget;
         EXPECT_DOUBLE_EQ(r->prediction.added_seconds(), brute)
-            << preset << " budget " << budget << " host " << host_budget;
+            << preset << " budget " << budget << " host " << c.host_budget;
         EXPECT_LE(r->prediction.peak, budget);
-        EXPECT_LE(r->prediction.host_peak, host_budget);
+        EXPECT_LE(r->prediction.host_peak, c.host_budget);
         offloading += r->prediction.host_peak > 0;
-        if (const auto w = without.solve(budget)) {
-          EXPECT_LE(r->prediction.added_seconds(), w->prediction.added_seconds()) << preset << " budget " << budget;
+        if (c.copy_speedup == 1.0) {
+          if (const auto w = without.solve(budget)) {
+            EXPECT_LE(r->prediction.added_seconds(), w->prediction.added_seconds()) << preset << " budget " << budget;
+          }
         }
       }
       EXPECT_GT(offloading, 0) << preset;
       int64_t seen = 0;
-      EXPECT_LT(brute_force(cfg, shape, times, candidates, 2, lo - 1, &seen, {std::nullopt}, host_budget), 0)
-          << preset << " host " << host_budget;
+      EXPECT_LT(brute_force(cfg, shape, priced, candidates, 2, lo - 1, &seen, {std::nullopt}, c.host_budget), 0)
+          << preset << " host " << c.host_budget;
     }
     // Without a host copy rate offload would look free: nothing is offloaded.
     cost::NodeTimes free_copies = times;
@@ -288,8 +300,8 @@ TEST(Planner, OffloadsAsBruteForceDoesWithInputsKeptAsShares) {
     const Planner planner(cfg, shape, times, opts);
     const int64_t lo = planner.min_feasible_budget(), hi = planner.none_peak();
     int offloading = 0;
-    for (int i = 0; i <= 4; ++i) {
-      const int64_t budget = lo + (hi - lo) * i / 4;
+    for (int i = 0; i <= 2; ++i) {
+      const int64_t budget = lo + (hi - lo) * i / 3;
       int64_t seen = 0;
       const double brute =
           brute_force(cfg, shape, times, candidates, 2, budget, &seen, {std::nullopt}, opts.host_budget);
