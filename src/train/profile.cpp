@@ -1,8 +1,8 @@
 #include "train/profile.h"
 
-#include "remat/budget.h"
 #include "remat/cost.h"
 #include "remat/policy.h"
+#include "run/planning.h"
 #include "train/data_parallel.h"
 #include "train/device.h"
 #include "util/atomic_file.h"
@@ -505,8 +505,7 @@ HostCopy measure_host_copy(at::Device device) {
 }
 
 bool may_offload(const Config& cfg) {
-  const bool budget_may =
-      !cfg.ac.budget.empty() && !cfg.ac.host_budget.empty() && parse_host_budget(cfg.ac.host_budget, 0) > 0;
+  const bool budget_may = !cfg.ac.budget.empty() && planner_options(cfg).host_budget > 0;
   return budget_may || compile_policy(cfg.ac, cfg.model.n_layer, cfg.model.dropout).offloads();
 }
 

@@ -216,6 +216,25 @@ TEST(Planner, ChoosesTheAttentionOpPerLayerAsBruteForceDoes) {
   }
 }
 
+// Solves `budget` with `planner` (options `opts`, times `times`, uniform chunks up to 2)
+// and checks the plan against brute force over the same keep-sets and offload sets: equal
+// added time, within the budget and the host budget. Returns the plan.
+std::optional<PlanResult> expect_offload_plan_as_brute_force(const Planner& planner, const ModelConfig& cfg,
+                                                             const cost::StepShape& shape, const cost::NodeTimes& times,
+                                                             const PlannerOptions& opts, int64_t budget,
+                                                             const std::string& what) {
+  int64_t seen = 0;
+  const double brute =
+      brute_force(cfg, shape, times, opts.candidates, 2, budget, &seen, {std::nullopt}, opts.host_budget);
+  auto r = planner.solve(budget);
+  EXPECT_TRUE(r.has_value()) << what;
+  if (!r) return r;
+  EXPECT_DOUBLE_EQ(r->prediction.added_seconds(), brute) << what;
+  EXPECT_LE(r->prediction.peak, budget) << what;
+  EXPECT_LE(r->prediction.host_peak, opts.host_budget) << what;
+  return r;
+}
+
 // With a host budget a kept slot may also wait in host memory, its copies priced at the
 // host rate: the plans equal brute force over every keep-set, offload set and chunking,
 // with the host budget loose (the offloaded bytes never bind) and tight under copies so
@@ -252,15 +271,10 @@ TEST(Planner, OffloadsAsBruteForceDoesWithinBothBudgets) {
       int offloading = 0;
       for (int i = 0; i <= 6; ++i) {
         const int64_t budget = lo + (hi - lo) * i / 6;
-        int64_t seen = 0;
-        const double brute =
-            brute_force(cfg, shape, priced, candidates, 2, budget, &seen, {std::nullopt}, c.host_budget);
-        const auto r = planner.solve(budget);
-        ASSERT_TRUE(r.has_value()) << preset << " budget " << budget;
-        EXPECT_DOUBLE_EQ(r->prediction.added_seconds(), brute)
-            << preset << " budget " << budget << " host " << c.host_budget;
-        EXPECT_LE(r->prediction.peak, budget);
-        EXPECT_LE(r->prediction.host_peak, c.host_budget);
+        const auto r =
+            expect_offload_plan_as_brute_force(planner, cfg, shape, priced, opts, budget,
+                                               fmt::format("{} budget {} host {}", preset, budget, c.host_budget));
+        ASSERT_TRUE(r.has_value());
         offloading += r->prediction.host_peak > 0;
         if (c.copy_speedup == 1.0) {
           if (const auto w = without.solve(budget)) {
@@ -302,14 +316,9 @@ TEST(Planner, OffloadsAsBruteForceDoesWithInputsKeptAsShares) {
     int offloading = 0;
     for (int i = 0; i <= 2; ++i) {
       const int64_t budget = lo + (hi - lo) * i / 3;
-      int64_t seen = 0;
-      const double brute =
-          brute_force(cfg, shape, times, candidates, 2, budget, &seen, {std::nullopt}, opts.host_budget);
-      const auto r = planner.solve(budget);
-      ASSERT_TRUE(r.has_value()) << preset << " budget " << budget;
-      EXPECT_DOUBLE_EQ(r->prediction.added_seconds(), brute) << preset << " budget " << budget;
-      EXPECT_LE(r->prediction.peak, budget);
-      EXPECT_LE(r->prediction.host_peak, opts.host_budget);
+      const auto r = expect_offload_plan_as_brute_force(planner, cfg, shape, times, opts, budget,
+                                                        fmt::format("{} budget {}", preset, budget));
+      ASSERT_TRUE(r.has_value());
       offloading += r->prediction.host_peak > 0;
       for (const LayerPlan& l : r->plan.layers) {
         EXPECT_FALSE(l.input_sharded && l.offloaded.has(Slot::input)) << preset;
