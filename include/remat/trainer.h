@@ -36,6 +36,7 @@ struct TrainSummary {
   /// Offloaded slots (LayerPlan::offloaded): the most bytes this rank held in host memory,
   /// and the cost model's figure; 0 without offload.
   int64_t host_peak_bytes = 0;
+  int64_t host_pinned_bytes = 0;  ///< of the host pool's buffers, page-locked for CUDA copies
   int64_t predicted_host_peak_bytes = 0;
   double predicted_step_seconds = 0;       ///< from the measured time profile (0: ac.profile=false)
   int64_t activation_bytes = 0;            ///< saved-activation bytes of one microbatch, measured

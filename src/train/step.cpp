@@ -340,7 +340,9 @@ StepResult TrainStep::run(int64_t step, const data::TokenDataset& data, std::mt1
   }
   if (model_.store() != nullptr) {
     r.counters = model_.store()->counters();
-    r.host_peak_bytes = model_.store()->host().counts().peak_in_use;
+    const memory::HostPool::Counts host = model_.store()->host().counts();
+    r.host_peak_bytes = host.peak_in_use;
+    r.host_pinned_bytes = host.pinned;
   }
   return r;
 }

@@ -35,6 +35,7 @@ struct StepResult {
   int64_t reserved_peak_bytes = 0;        ///< CUDA: the caching allocator's highest reserved bytes (0 on CPU)
   ActivationBytes activations;            ///< saved-activation bytes of the first microbatch, measured
   int64_t host_peak_bytes = 0;            ///< offloaded slots: the most bytes in host memory so far
+  int64_t host_pinned_bytes = 0;          ///< of the host pool's buffers, those page-locked for CUDA copies
   StoreCounters counters;                 ///< what the store re-ran during the step (zeros without a store)
   int64_t reduce_buckets = 0;             ///< data parallel: the gradient buckets all-reduced
   int64_t reduce_buckets_overlapped = 0;  ///< of them, those started during the backward

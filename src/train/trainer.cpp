@@ -361,6 +361,7 @@ nlohmann::json step_metrics(int64_t step, const StepResult& r, const std::vector
           {"pool_misses", c.pool.misses},
           {"pool_bytes_served", c.pool.bytes_served},
           {"host_peak_bytes", r.host_peak_bytes},
+          {"host_pinned_bytes", r.host_pinned_bytes},
           {"reduce_buckets", r.reduce_buckets},
           {"reduce_buckets_overlapped", r.reduce_buckets_overlapped}};
 }
@@ -481,6 +482,7 @@ void report(const RunSpec& spec, const Ranks& ranks, const Machine& machine, con
       {"reserved_peak_bytes", sum.reserved_peak_bytes},
       {"predicted_reserved_bytes", sum.predicted_reserved_bytes},
       {"host_peak_bytes", sum.host_peak_bytes},
+      {"host_pinned_bytes", sum.host_pinned_bytes},
       {"predicted_host_peak_bytes", sum.predicted_host_peak_bytes},
       {"predicted_step_seconds", sum.predicted_step_seconds},
       {"predicted_none_peak_bytes", planned.none_peak},
@@ -513,8 +515,10 @@ void report(const RunSpec& spec, const Ranks& ranks, const Machine& machine, con
     fmt::print(stderr, "memory peak per rank: {}\n", format_rank_peaks(sum.rank_peak_bytes, rank_predicted));
   }
   if (sum.predicted_host_peak_bytes > 0) {
-    fmt::print(stderr, "host memory of the offloaded slots: peak {} (predicted {})\n",
-               memory::format_bytes(sum.host_peak_bytes), memory::format_bytes(sum.predicted_host_peak_bytes));
+    fmt::print(
+        stderr, "host memory of the offloaded slots: peak {} (predicted {}){}\n",
+        memory::format_bytes(sum.host_peak_bytes), memory::format_bytes(sum.predicted_host_peak_bytes),
+        cfg.run.device != "cpu" ? fmt::format(", page-locked {}", memory::format_bytes(sum.host_pinned_bytes)) : "");
   }
   if (sum.predicted_reserved_bytes > 0) {
     fmt::print(stderr, "CUDA caching allocator: reserved peak {} (its model predicted {})\n",
@@ -681,6 +685,7 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
     sum.peak_bytes = std::max(sum.peak_bytes, peak);
     sum.reserved_peak_bytes = std::max(sum.reserved_peak_bytes, r.reserved_peak_bytes);
     sum.host_peak_bytes = r.host_peak_bytes;
+    sum.host_pinned_bytes = r.host_pinned_bytes;
     keep_highest(sum.rank_peak_bytes, gathered.peaks);
     sum.activation_bytes = r.activations.total();
     if (step == 0) {
