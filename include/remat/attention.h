@@ -2,8 +2,10 @@
 // from the config so that activation plans name them without the whole configuration.
 #pragma once
 
+#include <c10/core/ScalarType.h>
 #include <torch/version.h>
 
+#include <cstdint>
 #include <string>
 
 namespace remat {
@@ -11,9 +13,10 @@ namespace remat {
 /// How a block computes causal attention: `math` materialises the [T x T] scores and keeps
 /// the probabilities (and dropout mask) for the backward (remat/ops/attention.h); `tiled`
 /// computes over tiles with an online softmax, keeps one log-sum-exp per row and recomputes
-/// the probabilities tile by tile in the backward (remat/ops/tiled_attention.h); `sdpa` does
-/// what tiled does through ATen's fused CPU kernel, without dropout, on LibTorch 2.9 and
-/// later (remat/ops/sdpa_attention.h).
+/// the probabilities tile by tile in the backward, in loops of its own on the CPU
+/// (remat/ops/tiled_attention.h); `sdpa` does
+/// what tiled does through ATen's fused kernels (the CPU's, and the flash kernel in 16-bit
+/// on CUDA), without dropout, on LibTorch 2.9 and later (remat/ops/sdpa_attention.h).
 /// `automatic` ("auto") leaves the choice to the planner (src/run/auto.h):
 /// commands resolve it to one of kAttentionOps before anything is built or planned (under a
 /// budget with the ops' measured times, the plan may run another op in some layers), and
@@ -35,8 +38,9 @@ constexpr Attention kAttentionOps[] = {Attention::math, Attention::tiled};
 /// "math" / "tiled" / "sdpa" / "auto", as configs spell it.
 const char* attention_name(Attention a);
 
-/// Why op `a` cannot run a model whose attention dropout is `dropout`, on CUDA or not, in
-/// this build, as a sentence a user can act on; empty where it can. `auto` skips such ops.
-std::string attention_refusal(Attention a, double dropout, bool cuda);
+/// Why op `a` cannot run a model whose attention dropout is `dropout`, in `dtype` with heads
+/// of `head_dim`, on CUDA or not, in this build, as a sentence a user can act on; empty where
+/// it can. `auto` skips such ops.
+std::string attention_refusal(Attention a, double dropout, bool cuda, at::ScalarType dtype, int64_t head_dim);
 
 }  // namespace remat

@@ -36,6 +36,7 @@ struct StepShape {
   int64_t grad_accum = 1;
   int64_t ce_chunk = 1024;
   at::ScalarType dtype = at::kFloat;  ///< activations (compute dtype)
+  at::DeviceType device = at::kCPU;   ///< where the kernels run: the ops' events are theirs (graph::Events)
   int64_t resident = 0;               ///< bytes the caller holds besides the model (StaticBytes::resident)
   /// Tensor-parallel ranks: the graphs, parameters and bytes are one rank's share.
   int64_t tp = 1;
@@ -61,6 +62,10 @@ struct StepShape {
   bool has_embedding() const { return first_layer == 0; }
   bool has_head(int64_t n_layer) const { return first_layer + stage_layers(n_layer) == n_layer; }
 };
+
+/// The block of `cfg` as `shape` runs it (graph::block_graph at its sizes, dtype and
+/// tensor-parallel share), its events those of `shape.device`'s kernels.
+graph::BlockGraph shape_block(const ModelConfig& cfg, const StepShape& shape);
 
 /// ZeRO-1's partition of the optimizer over `ranks` data-parallel ranks: for each
 /// parameter, given its elements in model order, the rank that keeps its AdamW moments and

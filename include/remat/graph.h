@@ -72,6 +72,10 @@ struct Attrs {
 /// new memory; `temp(bytes)` a temporary that lives until `release(handle)`.
 class Events {
  public:
+  /// Events of the kernels of `device`: an op whose CUDA kernels allocate otherwise than its
+  /// CPU ones (sdpa) declares each.
+  explicit Events(at::DeviceType device = at::kCPU) : device_(device) {}
+  at::DeviceType device() const { return device_; }
   struct Event {
     enum class Kind { out, temp, release } kind;
     int64_t handle = 0;  ///< temp, release: the temporary
@@ -87,6 +91,7 @@ class Events {
   const std::vector<Event>& list() const { return ev_; }
 
  private:
+  at::DeviceType device_;
   std::vector<Event> ev_;
   int64_t next_ = 0;
 };
@@ -307,6 +312,7 @@ struct BlockGraph {
   std::vector<Node> nodes;
   std::vector<Param> params;
   at::ScalarType dtype = at::kFloat;    ///< the compute dtype: parameters and activations
+  at::DeviceType device = at::kCPU;     ///< whose kernels its nodes' events follow (Events::device)
   int input = -1;                       ///< the block input [B, T, C] (the embedding's: token ids)
   std::vector<int> side_inputs;         ///< further inputs from the caller (the loss head's targets)
   int output = -1;                      ///< the block output (the loss head's: the loss)

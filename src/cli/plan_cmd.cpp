@@ -249,7 +249,7 @@ int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
   const ModelConfig& m = spec.cfg.model;
   const cost::StepShape& shape = spec.shape;
   if (args.explain_block) {
-    const graph::BlockGraph g = graph::block_graph(m, shape.batch, shape.seq, shape.dtype, shape.tp, shape.sp);
+    const graph::BlockGraph g = cost::shape_block(m, shape);
     fmt::print(
         "One {} block at batch {} x {} tokens in {}{}: every value its forward makes, and the slot that "
         "keeps it for the backward (- : freed after its last forward reader).\n\n{}",

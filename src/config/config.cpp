@@ -506,7 +506,11 @@ const char* attention_name(Attention a) {
   return "?";
 }
 
-std::string attention_refusal(Attention a, double dropout, bool cuda) {
+std::string attention_refusal(Attention a, double dropout, bool cuda, at::ScalarType dtype, int64_t head_dim) {
+  if (a == Attention::tiled && cuda) {
+    return "model.attention = tiled runs remat's own loops over tiles on the CPU, and run.device is CUDA; use "
+           "model.attention = sdpa (ATen's flash kernel, bfloat16) or math there.";
+  }
   if (a != Attention::sdpa) return "";
   if (!kSdpaBuilt) {
     return fmt::format(
@@ -514,9 +518,17 @@ std::string attention_refusal(Attention a, double dropout, bool cuda) {
         "build has LibTorch {}.{}; use model.attention = math or tiled.",
         TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR);
   }
-  if (cuda) {
-    return "model.attention = sdpa runs ATen's fused CPU kernel, and run.device is CUDA; use model.attention = math "
-           "or tiled there.";
+  if (cuda && dtype != at::kBFloat16 && dtype != at::kHalf) {
+    return fmt::format(
+        "model.attention = sdpa on CUDA runs ATen's flash kernel, which takes bfloat16 or float16, and run.dtype is "
+        "{}; set run.dtype = bfloat16, or use model.attention = math or tiled.",
+        dtype == at::kFloat ? "float32" : c10::toString(dtype));
+  }
+  if (cuda && head_dim % 8 != 0) {
+    return fmt::format(
+        "model.attention = sdpa on CUDA runs ATen's flash kernel, which takes heads of a multiple of 8 values, and "
+        "model.d_model / model.n_head = {}; choose model.n_head so that it is, or use model.attention = math.",
+        head_dim);
   }
   if (dropout > 0) {
     return fmt::format(
@@ -784,7 +796,11 @@ void validate_config(const Config& c) {
   if (c.run.device != "cpu" && c.run.device != "cuda" && c.run.device.rfind("cuda:", 0) != 0) {
     fail(fmt::format("run.device must be cpu or cuda[:N], got '{}'.", util::clip(c.run.device)));
   }
-  if (const std::string why = attention_refusal(m.attention, m.dropout, c.run.device != "cpu"); !why.empty()) fail(why);
+  if (const std::string why = attention_refusal(m.attention, m.dropout, c.run.device != "cpu",
+                                                c.run.dtype == "bfloat16" ? at::kBFloat16 : at::kFloat, m.head_dim());
+      !why.empty()) {
+    fail(why);
+  }
   if (c.run.sample_tokens < 0) fail("run.sample_tokens must be >= 0.");
   if (c.parallel.dp < 0 || c.parallel.dp > 1 << 20) {
     fail(fmt::format("parallel.dp must be in [0, 2^20] (0: every rank the launcher starts), got {}.", c.parallel.dp));

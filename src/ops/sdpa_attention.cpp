@@ -7,7 +7,13 @@
 
 #include <ATen/Parallel.h>
 
+#ifdef REMAT_WITH_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
 #include <algorithm>
+#include <cmath>
+#include <vector>
 
 namespace remat::ops {
 
@@ -16,22 +22,81 @@ AttentionTiles sdpa_attention_blocks(int64_t seq) {
   return {std::min(q, seq), std::min<int64_t>(512, seq)};
 }
 
-// The kernel takes [B, H, T, D] views (it reads any strides whose last is 1) and returns
-// views of [B, T, H, D] memory where q's layout allows: each transposed back here.
+int64_t cuda_multiprocessors() {
+#ifdef REMAT_WITH_CUDA
+  int device = 0, count = 0;
+  if (cudaGetDevice(&device) == cudaSuccess &&
+      cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) == cudaSuccess) {
+    return count;
+  }
+  (void)cudaGetLastError();  // no device: not a sticky error
+#endif
+  return 132;
+}
+
+int64_t flash_key_splits(int64_t B, int64_t T, int64_t Hq, int64_t D, int64_t multiprocessors) {
+  const int64_t key_block = D <= 64 ? 256 : D <= 128 ? 128 : 64;
+  const int64_t key_blocks = (T + key_block - 1) / key_block, tiles = B * Hq * ((T + 63) / 64);
+  const int64_t waves = kFlashStateOnDevice ? 2 * multiprocessors : multiprocessors;
+  // In ATen's float arithmetic, so that the choice at the thresholds is its.
+  if (static_cast<float>(tiles) >= 0.8f * static_cast<float>(waves)) return 1;
+  const int64_t most = std::min({int64_t{128}, waves, key_blocks});
+  const auto eligible = [&](int64_t s) { return s == 1 || (key_blocks + s - 1) / s != (key_blocks + s - 2) / (s - 1); };
+  std::vector<float> efficiency(static_cast<size_t>(most), 0.f);
+  float best = 0.f;
+  for (int64_t s = 1; s <= most; ++s) {
+    if (!eligible(s)) continue;
+    const float n_waves = static_cast<float>(tiles * s) / static_cast<float>(waves);
+    efficiency[s - 1] = n_waves / std::ceil(n_waves);
+    best = std::max(best, efficiency[s - 1]);
+  }
+  for (int64_t s = 1; s <= most; ++s) {
+    if (eligible(s) && efficiency[s - 1] >= 0.85 * best) return s;
+  }
+  return 1;
+}
+
+namespace {
+
+#if REMAT_SDPA_BUILT
+// ATen's kernels take [B, H, T, D] views of remat's [B, T, H, D] tensors.
+at::Tensor heads_second(const at::Tensor& x) { return x.transpose(1, 2); }
+#endif
+
+void check_runs(const at::Tensor& q) {
+  const std::string why = attention_refusal(Attention::sdpa, 0.0, q.is_cuda(), q.scalar_type(), q.size(-1));
+  TORCH_CHECK(why.empty() && (q.is_cpu() || q.is_cuda()), "[sdpa_attention] ",
+              why.empty() ? "runs on the CPU or CUDA, got " + q.device().str() : why);
+}
+
+}  // namespace
+
+// The kernels read any strides whose last is 1, and return views of [B, T, H, D] memory
+// where q's layout allows: each transposed back here.
 Fwd<SdpaAttentionSaved> sdpa_attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   const trace::Scope trace_scope("sdpa_attention", trace::Category::forward);
   attention_dims("sdpa_attention", q, k, v);
-  TORCH_CHECK(q.device().is_cpu(), "[sdpa_attention] ", attention_refusal(Attention::sdpa, 0.0, true));
+  check_runs(q);
 #if REMAT_SDPA_BUILT
-  const util::SerialBlas serial_blas;  // the kernel multiplies its blocks inside its parallel region
-  auto [kernel_out, lse] = at::_scaled_dot_product_flash_attention_for_cpu(q.transpose(1, 2), k.transpose(1, 2),
-                                                                           v.transpose(1, 2), 0.0, /*is_causal=*/true);
-  // The kernel lays its output out like q (at::empty_like): a strided q's is [B, H, T, D].
-  at::Tensor out = kernel_out.transpose(1, 2).contiguous();
+  at::Tensor kernel_out, lse;
+  if (q.is_cuda()) {
+    // The flash kernel: grouped-query heads as they are, the log-sum-exp in float32.
+    auto r = at::_scaled_dot_product_flash_attention(heads_second(q), heads_second(k), heads_second(v), 0.0,
+                                                     /*is_causal=*/true);
+    kernel_out = std::get<0>(r);
+    lse = std::get<1>(r);
+  } else {
+    const util::SerialBlas serial_blas;  // the kernel multiplies its blocks inside its parallel region
+    std::tie(kernel_out, lse) =
+        at::_scaled_dot_product_flash_attention_for_cpu(heads_second(q), heads_second(k), heads_second(v), 0.0,
+                                                        /*is_causal=*/true);
+  }
+  // The CPU kernel lays its output out like q (at::empty_like): a strided q's is [B, H, T, D].
+  at::Tensor out = heads_second(kernel_out).contiguous();
   kernel_out = at::Tensor();
-  return {out, SdpaAttentionSaved{q, k, v, out, lse.transpose(1, 2)}};
+  return {out, SdpaAttentionSaved{q, k, v, out, heads_second(lse)}};
 #else
-  TORCH_CHECK(false, "[sdpa_attention] ", attention_refusal(Attention::sdpa, 0.0, false));
+  TORCH_CHECK(false, "[sdpa_attention] unreachable: check_runs refuses this build");
 #endif
 }
 
@@ -45,15 +110,26 @@ AttentionGrads sdpa_attention_backward(const at::Tensor& dout, const SdpaAttenti
               "[sdpa_attention] the saved output must be [B, T, Hq, D] and the log-sum-exp [B, T, Hq] ",
               stats_dtype(saved.q.scalar_type()), ", got ", saved.out.sizes(), " and ", saved.lse.sizes(), " ",
               saved.lse.scalar_type());
+  check_runs(saved.q);
 #if REMAT_SDPA_BUILT
-  const auto heads_second = [](const at::Tensor& x) { return x.transpose(1, 2); };
-  const util::SerialBlas serial_blas;
-  auto [dq, dk, dv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
-      heads_second(dout), heads_second(saved.q), heads_second(saved.k), heads_second(saved.v), heads_second(saved.out),
-      heads_second(saved.lse), 0.0, /*is_causal=*/true);
+  at::Tensor dq, dk, dv;
+  if (saved.q.is_cuda()) {
+    // Dense batches (no cumulative lengths) of T positions; without dropout the kernel reads
+    // no random state, so the seed and offset are empty placeholders.
+    const at::Tensor no_seed = at::empty({}, at::kLong), no_offset = at::empty({}, at::kLong);
+    std::tie(dq, dk, dv) = at::_scaled_dot_product_flash_attention_backward(
+        heads_second(dout), heads_second(saved.q), heads_second(saved.k), heads_second(saved.v),
+        heads_second(saved.out), heads_second(saved.lse), at::Tensor(), at::Tensor(), d.T, d.T, 0.0,
+        /*is_causal=*/true, no_seed, no_offset);
+  } else {
+    const util::SerialBlas serial_blas;
+    std::tie(dq, dk, dv) = at::_scaled_dot_product_flash_attention_for_cpu_backward(
+        heads_second(dout), heads_second(saved.q), heads_second(saved.k), heads_second(saved.v),
+        heads_second(saved.out), heads_second(saved.lse), 0.0, /*is_causal=*/true);
+  }
   return {heads_second(dq), heads_second(dk), heads_second(dv)};
 #else
-  TORCH_CHECK(false, "[sdpa_attention] ", attention_refusal(Attention::sdpa, 0.0, false));
+  TORCH_CHECK(false, "[sdpa_attention] unreachable: check_runs refuses this build");
 #endif
 }
 
@@ -75,7 +151,8 @@ class SdpaAttentionDef final : public OpDef {
     TORCH_CHECK(in.size() == 3 && in[0].sizes.size() == 4 && in[1].sizes == in[2].sizes && in[1].sizes.size() == 4 &&
                     in[0].sizes[2] % in[1].sizes[2] == 0,
                 "[sdpa_attention] needs q [B, T, Hq, D] and k, v [B, T, Hkv, D]");
-    TORCH_CHECK(a.p == 0, "[sdpa_attention] ", attention_refusal(Attention::sdpa, a.p, false));
+    TORCH_CHECK(a.p == 0, "[sdpa_attention] ",
+                attention_refusal(Attention::sdpa, a.p, false, in[0].dtype, in[0].sizes[3]));
     const auto& q = in[0].sizes;
     return {in[0].with_sizes(q), TensorInfo{{q[0], q[1], q[2]}, ops::stats_dtype(in[0].dtype), {}}};
   }
@@ -105,6 +182,7 @@ class SdpaAttentionDef final : public OpDef {
   // row maxima and sums and output rows in the accumulation dtype (and of 16-bit scores).
   void forward_events(Events& e, const std::vector<TensorInfo>& in, const std::vector<TensorInfo>&,
                       const std::vector<TensorInfo>& out, const Attrs&) const override {
+    if (e.device() == at::kCUDA) return flash_forward_events(e, Flash(in));
     const Sizes z(in);
     const bool copied = output_copied(in[0]);
     const int64_t kernel_out = copied ? e.temp(out[0].bytes()) : -1;
@@ -124,6 +202,7 @@ class SdpaAttentionDef final : public OpDef {
   // per thread that takes a share of the B x Hkv heads.
   void backward_events(Events& e, const std::vector<TensorInfo>& in, const std::vector<TensorInfo>&,
                        const std::vector<TensorInfo>&, const Attrs&) const override {
+    if (e.device() == at::kCUDA) return flash_backward_events(e, Flash(in));
     const Sizes z(in);
     e.out(0);
     e.out(1);
@@ -152,6 +231,54 @@ class SdpaAttentionDef final : public OpDef {
           acc(detail::bytes_of(1, ops::stats_dtype(in[0].dtype))),
           reduced(c10::elementSize(in[0].dtype) == 2 ? detail::bytes_of(1, in[0].dtype) : 0) {}
   };
+  // The CUDA flash kernel's shapes: its head size rounded for its accumulators, its query
+  // positions rounded to its 128-row blocks, and the key splits of its forward.
+  struct Flash {
+    int64_t B, T, Hq, Hkv, D, elem, rounded_D, rounded_T, splits;
+    explicit Flash(const std::vector<TensorInfo>& in)
+        : B(in[0].sizes[0]),
+          T(in[0].sizes[1]),
+          Hq(in[0].sizes[2]),
+          Hkv(in[1].sizes[2]),
+          D(in[0].sizes[3]),
+          elem(detail::bytes_of(1, in[0].dtype)),
+          rounded_D((D + (D <= 128 ? 31 : 63)) / (D <= 128 ? 32 : 64) * (D <= 128 ? 32 : 64)),
+          rounded_T((T + 127) / 128 * 128),
+          splits(ops::flash_key_splits(B, T, Hq, D)) {}
+  };
+  // ATen's flash forward (mha_fwd): the output, laid out [B, T, H, D] whatever q's strides,
+  // the float32 log-sum-exp, the split keys' partial results, then its random state (on the
+  // device from LibTorch 2.10), all but the results freed on return.
+  static void flash_forward_events(Events& e, const Flash& f) {
+    e.out(0);
+    e.out(1);
+    std::vector<int64_t> temps;
+    if (f.splits > 1) {
+      temps.push_back(e.temp(f.splits * f.B * f.Hq * f.T * 4));
+      temps.push_back(e.temp(f.splits * f.B * f.Hq * f.T * f.rounded_D * 4));
+    }
+    if (ops::kFlashStateOnDevice) {
+      temps.push_back(e.temp(16));
+      temps.push_back(e.temp(8));
+    }
+    for (int64_t t : temps) e.release(t);
+  }
+  // ATen's flash backward (mha_bwd, deterministic algorithms off; dO contiguous, as the
+  // block's output projection gives it): dq, dk, dv, the row sums
+  // of dO * O and dq's float32 accumulator at rounded sizes, and with grouped-query heads dk
+  // and dv for every query head before their sum.
+  static void flash_backward_events(Events& e, const Flash& f) {
+    e.out(0);
+    e.out(1);
+    e.out(2);
+    std::vector<int64_t> temps{e.temp(f.B * f.Hq * f.rounded_T * 4),
+                               e.temp(f.B * f.rounded_T * f.Hq * f.rounded_D * 4)};
+    if (f.Hkv != f.Hq) {
+      temps.push_back(e.temp(f.B * f.T * f.Hq * f.D * f.elem));
+      temps.push_back(e.temp(f.B * f.T * f.Hq * f.D * f.elem));
+    }
+    for (int64_t t : temps) e.release(t);
+  }
   // Whether the kernel's output, which at::empty_like lays out like q seen as [B, H, T, D],
   // is not [B, T, H, D] contiguous (q a strided view): decided by ATen on a meta tensor.
   static bool output_copied(const TensorInfo& q) {

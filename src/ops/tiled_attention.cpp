@@ -19,6 +19,13 @@ void check_tiles(const AttentionTiles& t) {
               " x ", t.k);
 }
 
+// The tiles run in loops over raw CPU memory: a CUDA tensor would be read from the host.
+void check_cpu(const at::Tensor& q) {
+  TORCH_CHECK(q.is_cpu(), "[tiled_attention] ",
+              attention_refusal(Attention::tiled, 0.0, true, q.scalar_type(), q.size(-1)), " Got inputs on ",
+              q.device(), ".");
+}
+
 // [B, T, Hq, D] seen as [B, Hkv, T, G, D] (a view): each key/value head's query rows ordered
 // by position, then query head, so the rows of a query tile [i0, i1) are the contiguous
 // range [i0 G, i1 G) and one matmul against the group's key tile serves all G heads.
@@ -186,11 +193,8 @@ Fwd<TiledAttentionSaved> tiled_attention_forward(const at::Tensor& q, const at::
   const trace::Scope trace_scope("tiled_attention", trace::Category::forward);
   const AttentionDims d = attention_dims("tiled_attention", q, k, v);
   check_tiles(tiles);
+  check_cpu(q);
   const DropoutDraw draw(key, p, {d.B, d.Hq, d.T, d.T});  // the math op's mask
-  TORCH_CHECK(p == 0.0 || q.device().is_cpu(),
-              "[tiled_attention] dropout inside tiles draws its mask on the CPU, "
-              "but the inputs are on ",
-              q.device(), "; use model.attention=math with dropout there");
   const at::ScalarType acc = stats_dtype(q.scalar_type());
   const at::TensorOptions fa = q.options().dtype(acc);
   const int64_t tq = std::min(tiles.q, d.T), tk = std::min(tiles.k, d.T), BK = d.BK();
@@ -228,6 +232,7 @@ AttentionGrads tiled_attention_backward(const at::Tensor& dout, const TiledAtten
   const trace::Scope trace_scope("tiled_attention", trace::Category::backward);
   const AttentionDims d = attention_dims("tiled_attention", saved.q, saved.k, saved.v);
   check_tiles(saved.tiles);
+  check_cpu(saved.q);
   TORCH_CHECK(dout.sizes() == saved.q.sizes(), "[tiled_attention] output gradient must match q's shape ",
               saved.q.sizes(), ", got ", dout.sizes());
   const at::ScalarType acc = stats_dtype(saved.q.scalar_type());

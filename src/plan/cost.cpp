@@ -77,7 +77,7 @@ graph::Events forward_events(const graph::BlockGraph& g, int i, std::vector<int6
   const graph::Node& n = g.nodes[i];
   const auto outs = g.infos(n.outputs);
   for (const auto& o : outs) bytes.push_back(o.bytes());
-  graph::Events e;
+  graph::Events e(g.device);
   n.op->forward_events(e, g.infos(n.inputs), param_infos(g, n), outs, n.attrs);
   return e;
 }
@@ -87,7 +87,7 @@ graph::Events backward_events(const graph::BlockGraph& g, int i, std::vector<int
   const graph::Node& n = g.nodes[i];
   const auto ins = g.infos(n.inputs);
   for (const auto& in : ins) bytes.push_back(in.with_sizes(in.sizes).bytes());
-  graph::Events e;
+  graph::Events e(g.device);
   n.op->backward_events(e, ins, param_infos(g, n), g.infos(n.outputs), n.attrs);
   return e;
 }
@@ -303,6 +303,12 @@ OptimizerShare optimizer_share(const std::vector<int64_t>& numels, int64_t ranks
 }
 }  // namespace
 
+graph::BlockGraph shape_block(const ModelConfig& cfg, const StepShape& shape) {
+  graph::BlockGraph g = graph::block_graph(cfg, shape.batch, shape.seq, shape.dtype, shape.tp, shape.sp);
+  g.device = shape.device;
+  return g;
+}
+
 std::vector<int> zero_owners(const std::vector<int64_t>& numels, int64_t ranks) {
   TORCH_CHECK(ranks >= 1, "zero_owners needs at least one rank, got ", ranks);
   std::vector<size_t> order(numels.size());
@@ -480,7 +486,7 @@ StepPrediction predict_step(const ModelConfig& cfg, const StepShape& shape, cons
   const StepConstants k = step_constants(cfg, shape);  // checks the stage
   // The stage's layers [F, E).
   const int64_t F = shape.first_layer, E = F + shape.stage_layers(cfg.n_layer);
-  const graph::BlockGraph block = graph::block_graph(cfg, shape.batch, shape.seq, shape.dtype, shape.tp, shape.sp);
+  const graph::BlockGraph block = shape_block(cfg, shape);
   const int64_t input_bytes = block.slot_bytes(Slot::input), out_bytes = block.values[block.output].info.bytes();
   StepPrediction p;
   p.statics = k.statics;
@@ -499,7 +505,7 @@ StepPrediction predict_step(const ModelConfig& cfg, const StepShape& shape, cons
                 attention_name(cfg.attention), " attention, but its times do not price that op");
     ModelConfig c = cfg;
     c.attention = other->op;
-    other_block = graph::block_graph(c, shape.batch, shape.seq, shape.dtype, shape.tp, shape.sp);
+    other_block = shape_block(c, shape);
   }
   // Prices per distinct slot choice (layers of one policy mostly share a few).
   const LayerPricer pricer(block, early_stop, times);
@@ -718,7 +724,7 @@ std::vector<memory::AllocatorEvent> step_allocations(const ModelConfig& cfg, con
     if (!b) {
       ModelConfig c = cfg;
       c.attention = op;
-      b = std::make_unique<Shaped>(graph::block_graph(c, shape.batch, shape.seq, shape.dtype, shape.tp, shape.sp));
+      b = std::make_unique<Shaped>(shape_block(c, shape));
     }
     return *b;
   };

@@ -159,11 +159,7 @@ void prune(std::vector<State>& v, const std::vector<size_t>& runs, int64_t max_s
 
 Planner::Planner(const ModelConfig& cfg, const cost::StepShape& shape, const cost::NodeTimes& times,
                  PlannerOptions options)
-    : cfg_(cfg),
-      shape_(shape),
-      times_(times),
-      options_(std::move(options)),
-      block_(graph::block_graph(cfg, shape.batch, shape.seq, shape.dtype, shape.tp, shape.sp)) {
+    : cfg_(cfg), shape_(shape), times_(times), options_(std::move(options)), block_(cost::shape_block(cfg, shape)) {
   std::vector<LayerOption> all;
   // Copies priced at no rate would look free: without one nothing is offloaded.
   const bool offload = options_.host_budget > 0 && times_.host_bytes_per_second > 0;
@@ -192,7 +188,7 @@ Planner::Planner(const ModelConfig& cfg, const cost::StepShape& shape, const cos
   if (other != nullptr) {
     ModelConfig c = cfg;
     c.attention = other->op;
-    const graph::BlockGraph block = graph::block_graph(c, shape.batch, shape.seq, shape.dtype, shape.tp, shape.sp);
+    const graph::BlockGraph block = cost::shape_block(c, shape);
     add(block, cost::LayerPricer(block, options_.early_stop, other->times), other->op, other->pass_delta);
   }
   whole_ = {{}, {}, pricer.price({}), false, std::nullopt};

@@ -211,6 +211,7 @@ cost::StepShape step_shape(const Config& local, at::ScalarType dtype, int64_t re
   shape.grad_accum = t.grad_accum;
   shape.ce_chunk = t.ce_chunk;
   shape.dtype = dtype;
+  shape.device = local.run.device == "cpu" ? at::kCPU : at::kCUDA;
   shape.resident = resident;
   shape.tp = local.parallel.tp;
   shape.sp = local.parallel.sp;

@@ -81,8 +81,18 @@ TEST(Config, BadValuesAndShapesAreRefusedWithSentences) {
     EXPECT_EQ(error_of([] {
                 load_config("", {"model.attention=sdpa", "model.dropout=0", "run.device=cuda"});
               }),
-              "model.attention = sdpa runs ATen's fused CPU kernel, and run.device is CUDA; use model.attention = "
-              "math or tiled there.");
+              "model.attention = sdpa on CUDA runs ATen's flash kernel, which takes bfloat16 or float16, and "
+              "run.dtype is float32; set run.dtype = bfloat16, or use model.attention = math or tiled.");
+    EXPECT_EQ(load_config("", {"model.attention=sdpa", "model.dropout=0", "run.device=cuda", "run.dtype=bfloat16"})
+                  .model.attention,
+              Attention::sdpa);
+    EXPECT_EQ(error_of([] {
+                load_config("", {"model.attention=sdpa", "model.dropout=0", "run.device=cuda", "run.dtype=bfloat16",
+                                 "model.n_head=32", "model.n_kv_head=32"});
+              }),
+              "model.attention = sdpa on CUDA runs ATen's flash kernel, which takes heads of a multiple of 8 "
+              "values, and model.d_model / model.n_head = 4; choose model.n_head so that it is, or use "
+              "model.attention = math.");
   } else {
     EXPECT_EQ(error_of([] {
                 load_config("", {"model.attention=sdpa", "model.dropout=0"});
@@ -91,6 +101,11 @@ TEST(Config, BadValuesAndShapesAreRefusedWithSentences) {
                           "grouped-query heads); this build has LibTorch {}.{}; use model.attention = math or tiled.",
                           TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR));
   }
+  EXPECT_EQ(error_of([] {
+              load_config("", {"model.attention=tiled", "run.device=cuda"});
+            }),
+            "model.attention = tiled runs remat's own loops over tiles on the CPU, and run.device is CUDA; use "
+            "model.attention = sdpa (ATen's flash kernel, bfloat16) or math there.");
   EXPECT_EQ(error_of([] { load_config("", {"model.attention_tile=0"}); }),
             "model.attention_tile must be positive, got 0.");
   EXPECT_EQ(load_config("", {"model.attention=tiled"}).model.attention, Attention::tiled);

@@ -16,6 +16,7 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <array>
 #include <map>
 #include <optional>
 #include <set>
@@ -112,7 +113,7 @@ void check(const Case& c, at::Device device = at::kCPU) {
     out_bytes.push_back(out_info[j].bytes());
     if (c.op->view_of(j) < 0) new_bytes += out_info[j].bytes();
   }
-  Events fe;
+  Events fe(device.type());
   c.op->forward_events(fe, c.in, pinfo, out_info, c.attrs);
   int64_t before = memory::stats(device).current;
   memory::reset_peak(device);
@@ -154,7 +155,7 @@ void check(const Case& c, at::Device device = at::kCPU) {
   for (const auto& i : c.in) grad_bytes.push_back(i.with_sizes(i.sizes).bytes());
   std::vector<at::Tensor*> gp;
   for (auto& g : grads) gp.push_back(&g);
-  Events be;
+  Events be(device.type());
   c.op->backward_events(be, c.in, pinfo, out_info, c.attrs);
   before = memory::stats(device).current;
   memory::reset_peak(device);
@@ -351,9 +352,30 @@ TEST(OpMemory, OnAGpuDeclaredEventsEqualTheCachingAllocatorsBlocks) {
     at::bmm(a.unsqueeze(0), a.unsqueeze(0));
   }
   for (const Case& c : cases()) {
-    // Sharded cases run over CPU groups; the sdpa op runs ATen's CPU kernel only.
-    if (c.tp != nullptr || c.op == &op::sdpa_attention()) continue;
+    // Sharded cases run over CPU groups; the tiled op runs on the CPU only, and the sdpa op's
+    // flash kernel takes 16-bit inputs.
+    if (c.tp != nullptr || c.op == &op::tiled_attention() ||
+        (c.op == &op::sdpa_attention() && c.in[0].dtype != at::kBFloat16)) {
+      continue;
+    }
     check(c, gpu);
+  }
+}
+
+TEST(OpMemory, OnAGpuTheFlashKernelsEventsAreExact) {
+  // At the head sizes and lengths models have, grouped-query heads too, and lengths whose
+  // forward splits its keys (remat::ops::flash_key_splits).
+  if (!at::hasCUDA()) GTEST_SKIP() << "no GPU here; scripts/gpu-check.sh runs this where one is";
+  const at::Device gpu(at::kCUDA, 0);
+  for (auto [B, T, Hq, Hkv, D] :
+       {std::array<int64_t, 5>{2, 256, 8, 2, 64}, {1, 1024, 16, 4, 128}, {4, 512, 12, 12, 64}, {1, 2048, 32, 8, 128}}) {
+    if (!kSdpaBuilt) break;
+    const int64_t W = (Hq + 2 * Hkv) * D;
+    const TensorInfo q{{B, T, Hq, D}, at::kBFloat16, {}}, k{{B, T, Hkv, D}, at::kBFloat16, {}};
+    const TensorInfo qs{q.sizes, at::kBFloat16, {T * W, W, D, 1}}, ks{k.sizes, at::kBFloat16, {T * W, W, D, 1}};
+    const std::string name = fmt::format("sdpa_attention bf16 B{} T{} Hq{} Hkv{} D{}", B, T, Hq, Hkv, D);
+    check({name, &op::sdpa_attention(), {q, k, k}, {}, {}}, gpu);
+    check({name + " strided", &op::sdpa_attention(), {qs, ks, ks}, {}, {}}, gpu);
   }
 }
 

@@ -189,6 +189,19 @@ TEST(SdpaAttentionOp, BlocksAreThoseAtenChoosesAndItsFlopsCountThem) {
   EXPECT_EQ(tiled_attention_flops(s, 0.0, sdpa_attention_blocks(1024)), 256.0 * 512 * 6 * (4 * 8 + 5));
 }
 
+TEST(SdpaAttentionOp, FlashKeySplitsFollowAtensHeuristic) {
+  // Worked by hand on 132 multiprocessors: 1 x 8 heads x 16 query blocks are 128 tiles, under
+  // 0.8 of 264 waves, and 8 key blocks of 128; two parts fill 0.97 of a wave (one 0.48), as
+  // the best does. Before 2.10 the 128 tiles fill 0.8 of 132 and nothing is split.
+  EXPECT_EQ(flash_key_splits(1, 1024, 8, 128, 132), kFlashStateOnDevice ? 2 : 1);
+  // One key block (256 positions at head size 64) cannot be split; enough tiles are not.
+  EXPECT_EQ(flash_key_splits(1, 256, 8, 64, 132), 1);
+  EXPECT_EQ(flash_key_splits(16, 1024, 16, 64, 132), 1);
+  // 1 x 2 heads x 32 query blocks = 64 tiles against 264 waves: 16 key blocks of 128; 4 parts
+  // fill 0.97, the first within 0.85 of the best.
+  EXPECT_EQ(flash_key_splits(1, 2048, 2, 128, 132), kFlashStateOnDevice ? 4 : 2);
+}
+
 TEST(SdpaAttentionOp, RefusesWhatItCannotRun) {
   at::Tensor q = at::zeros({2, 4, 6, 8}), kv = at::zeros({2, 4, 4, 8});
   expect_error([&] { sdpa_attention_forward(q, kv, kv); },
@@ -198,6 +211,43 @@ TEST(SdpaAttentionOp, RefusesWhatItCannotRun) {
     expect_error([&] { sdpa_attention_forward(x, x, x); },
                  {"model.attention = sdpa needs LibTorch 2.9 or later", "use model.attention = math or tiled"});
   }
+}
+
+TEST(SdpaAttentionOp, OnAGpuAgreesWithTheMathOpAndRefusesWhatTheKernelCannotRun) {
+  // The flash kernel in bfloat16 against the math op on the same GPU, to bfloat16's rounding
+  // as on the CPU; its output and log-sum-exp, and a second backward, bit for bit again.
+  REMAT_SKIP_WITHOUT_SDPA();
+  if (!at::hasCUDA()) GTEST_SKIP() << "no GPU here; scripts/gpu-check.sh runs this where one is";
+  const at::Device gpu(at::kCUDA, 0);
+  // Heads of a multiple of 8 values, as the kernel takes them; GQA, one position, several
+  // key blocks (whose dq the kernel accumulates block by block).
+  for (const Case& c : {Case{2, 9, 8, 2, 8}, Case{1, 1, 2, 1, 8}, Case{2, 70, 4, 1, 16}, Case{1, 200, 2, 2, 64},
+                        Case{2, 1024, 8, 2, 64}, Case{1, 300, 4, 4, 128}}) {
+    const std::string what = c.name();
+    auto [qc, kc, vc] = fused_qkv(c, at::kBFloat16, 8);
+    const at::Tensor q = qc.to(gpu), k = kc.to(gpu), v = vc.to(gpu);
+    auto sdpa = sdpa_attention_forward(q, k, v);
+    auto math = attention_forward(q, k, v, 0.0, kKey);
+    EXPECT_TRUE(sdpa.out.is_cuda() && sdpa.out.is_contiguous()) << what;
+    EXPECT_LT(rel_err(sdpa.out.cpu(), math.out.cpu()), 3e-2) << what;
+    EXPECT_EQ(sdpa.saved.lse.scalar_type(), at::kFloat) << what;
+    const at::Tensor dout = at::randn(q.sizes(), seeded(9)).to(gpu, at::kBFloat16);
+    AttentionGrads gs = sdpa_attention_backward(dout, sdpa.saved), gm = attention_backward(dout, math.saved);
+    EXPECT_LT(rel_err(gs.dq.cpu(), gm.dq.cpu()), 3e-1) << what;
+    EXPECT_LT(rel_err(gs.dk.cpu(), gm.dk.cpu()), 3e-1) << what;
+    EXPECT_LT(rel_err(gs.dv.cpu(), gm.dv.cpu()), 3e-1) << what;
+    auto again = sdpa_attention_forward(q, k, v);
+    EXPECT_TRUE(at::equal(again.out, sdpa.out) && at::equal(again.saved.lse, sdpa.saved.lse)) << what;
+    AttentionGrads g2 = sdpa_attention_backward(dout, again.saved);
+    EXPECT_TRUE(at::equal(g2.dq, gs.dq) && at::equal(g2.dk, gs.dk) && at::equal(g2.dv, gs.dv))
+        << what << ": the backward is not deterministic";
+  }
+  const at::Tensor x = at::zeros({1, 3, 2, 8}, at::TensorOptions(gpu));
+  expect_error([&] { sdpa_attention_forward(x, x, x); },
+               {"[sdpa_attention]", "flash kernel", "run.dtype is float32", "set run.dtype = bfloat16"});
+  const at::Tensor odd = at::zeros({1, 3, 2, 4}, at::TensorOptions(gpu).dtype(at::kBFloat16));
+  expect_error([&] { sdpa_attention_forward(odd, odd, odd); },
+               {"[sdpa_attention]", "a multiple of 8 values", "model.n_head = 4"});
 }
 
 }  // namespace

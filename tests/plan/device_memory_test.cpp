@@ -110,5 +110,26 @@ TEST(DeviceMemory, ReservedHoldsTheAllocatedWhichHoldsTheLivePeak) {
   }
 }
 
+TEST(StepAllocations, OnCudaTheSdpaOpAllocatesAsTheFlashKernelDoes) {
+  // The flash backward's float32 dq accumulator, [B, T rounded up to 128, Hq, D rounded up
+  // to 32] (ATen's flash kernel), is requested once per layer's backward where the
+  // shape's kernels are CUDA's, and never where they are the CPU's (it accumulates by thread).
+  ModelConfig cfg = testing::plan_config("llama-demo", 2, 0.0);
+  cfg.attention = Attention::sdpa;
+  cost::StepShape shape = testing::plan_shape(2, 200, at::kBFloat16);
+  const ActivationPlan plan = compile_policy("none", cfg.n_layer, cfg.dropout);
+  ASSERT_EQ(cfg.head_dim(), 32);
+  const int64_t accumulator = 2 * 256 * cfg.n_head * 32 * 4;
+  const auto requests = [&](at::DeviceType device) {
+    shape.device = device;
+    int64_t n = 0;
+    for (const AllocatorEvent& e : cost::step_allocations(cfg, shape, plan, true, 1, 0)) {
+      n += e.kind == AllocatorEvent::Kind::malloc && e.bytes == accumulator;
+    }
+    return n;
+  };
+  EXPECT_EQ(requests(at::kCUDA) - requests(at::kCPU), cfg.n_layer);
+}
+
 }  // namespace
 }  // namespace remat

@@ -6,7 +6,8 @@
 #include <gtest/gtest.h>
 
 /// Skips the test, saying why, where this build has no sdpa op (LibTorch before 2.9).
-#define REMAT_SKIP_WITHOUT_SDPA()                                                                         \
-  do {                                                                                                    \
-    if (!::remat::kSdpaBuilt) GTEST_SKIP() << ::remat::attention_refusal(::remat::Attention::sdpa, 0, 0); \
+#define REMAT_SKIP_WITHOUT_SDPA()                                                                    \
+  do {                                                                                               \
+    if (!::remat::kSdpaBuilt)                                                                        \
+      GTEST_SKIP() << ::remat::attention_refusal(::remat::Attention::sdpa, 0, false, at::kFloat, 8); \
   } while (false)
