@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The GPU check, one command on a lent GPU machine (no package registry, its own PyTorch):
-# builds remat against that PyTorch with every core, records allocation traces, replays
-# them through the caching allocator's model, measures predicted against measured
-# allocated and reserved peaks for policies and budgets of three models (remat bench),
-# compares tokens/s with PyTorch on the same GPU, and runs the suite. Each step has a
+# builds remat against that PyTorch with every core; checks each op's allocations against
+# its declared events and the sdpa op's flash kernel against the math op; trains with
+# offload and sdpa against `none` for bitwise losses; measures predicted against measured
+# peaks and step times of a 1B Llama with sdpa and offload (remat bench); compares
+# tokens/s with PyTorch on the same GPU; records allocation traces where none of this
+# device and PyTorch are committed; and runs the suite with the time left. Each step has a
 # time cap inside the script's own (CHECK_SECONDS, default 560), so that a lease's one
 # call brings back whatever was done.
 #
@@ -13,8 +15,10 @@
 # On the machine: bash scripts/gpu-check.sh. Everything goes to $WORK (default
 # gpu-check-out/); with $OUT set (a lease's folder that comes back, a few files at most),
 # summary.txt and all of it as results.tgz are copied there after every step.
-# A rehearsal here, without the build, the 1B model and the suite:
+# A rehearsal here, without the build, in float32 with llama-demo, the peer and the suite:
 #   DEVICE=cpu BUILD=build bash scripts/gpu-check.sh
+# STEPS names the steps to run after the build (default: all of them, in this order):
+#   tests bitwise bench peers traces suite
 set -uo pipefail
 cd "$(dirname "$0")/.."
 work=$(realpath -m "${WORK:-gpu-check-out}")
@@ -43,6 +47,8 @@ if ! command -v bible > /dev/null && [ -f "$deps/bible-kjv.out" ]; then
   export PATH=$work/bin:$PATH
 fi
 
+steps=" ${STEPS:-tests bitwise bench peers traces suite} "
+want() { [[ $steps == *" $1 "* ]]; }
 say() { echo "$*" | tee -a "$work/summary.txt"; }
 # Copies what exists so far to $OUT: a call stopped at its limit still brings it back.
 pack() {
@@ -90,68 +96,106 @@ fi
 remat=$build/remat
 common=(run.device=$device run.progress=false data.dir=data run.out_dir="$work/runs")
 
-step "allocation traces, replayed by the model"
-# Fixed policies, so that a trace can be set beside the cost model's allocations of the
-# same plan (cost::step_allocations), and a budget plan under expandable segments, whose
-# reserved peak the budget holds.
-for run in "gpt2-demo none false" "gpt2-demo full false" "llama-demo none false" "llama-demo full false" \
-  "gpt2-demo budget0.8 true" "llama-demo budget0.8 true"; do
-  read -r preset policy expandable <<< "$run"
-  name=$tag-$preset-$policy-expandable-$expandable
-  args=(model.preset=$preset train.steps=2 run.sample_tokens=0 run.expandable_segments=$expandable)
-  if [ $policy = budget0.8 ]; then args+=(ac.budget=0.8); else args+=(ac.policy=$policy); fi
-  cap 40 "$remat" train "${args[@]}" ac.profile=false run.record_allocations="$work/traces/$name.txt" "${common[@]}" \
-    > "$work/train-$name.log" 2>&1 || say "train $name failed: $(tail -1 "$work/train-$name.log")"
-done
-# Replayed beside the committed ones; they come back in traces/, to be committed there.
-added=()
-for f in "$work"/traces/*.txt; do
-  t=tests/memory/traces/$(basename "$f")
-  [ -e "$t" ] || { cp "$f" "$t" && added+=("$t"); }
-done
-cap 60 $build/remat_tests --gtest_filter='CachingAllocatorModel.ReplaysEvery*' > "$work/replay.log" 2>&1
-grep -E "first the model|OK \]|FAILED \]" "$work/replay.log" | head -8 | tee -a "$work/summary.txt"
-rm -f "${added[@]}"
+if want tests; then
+  step "each op's allocations on the GPU against its declared events, and the sdpa op's flash kernel"
+  # One process each, so that one that dies leaves the others' results.
+  : > "$work/gpu-tests.log"
+  for t in OpMemory.OnAGpuDeclaredEventsEqualTheCachingAllocatorsBlocks OpMemory.OnAGpuTheFlashKernelsEventsAreExact \
+    'SdpaAttentionOp.*' 'HostPool.*'; do
+    cap 60 $build/remat_tests --gtest_filter="$t" >> "$work/gpu-tests.log" 2>&1 || say "$t: failed or died ($?)"
+  done
+  grep -E "OK \]|FAILED \]" "$work/gpu-tests.log" | sort -u | head -20 | tee -a "$work/summary.txt"
+  say "$(grep -c "Failure" "$work/gpu-tests.log") mismatches, by case:"
+  grep -E -A1 "^Google Test trace:" "$work/gpu-tests.log" | grep -vE "^Google Test trace:|^--" | sort | uniq -c |
+    head -30 | tee -a "$work/summary.txt"
+fi
 
-step "each op's allocations on the GPU against its declared events"
-cap 120 $build/remat_tests --gtest_filter='OpMemory.OnAGpu*' > "$work/op-memory.log" 2>&1
-say "$(grep -c "Failure" "$work/op-memory.log") mismatches, by case:"
-grep -E -A1 "^Google Test trace:" "$work/op-memory.log" | grep -vE "^Google Test trace:|^--" | sort | uniq -c |
-  head -20 | tee -a "$work/summary.txt"
+if want bitwise; then
+step "bitwise on CUDA: offload and sdpa against none, the losses of 4 steps"
+# Each group against its first run; the second `none` shows whether the GPU's kernels
+# repeat themselves bit for bit at all.
+gpt2=(model.preset=gpt2-demo)
+llama=(model.preset=llama-demo run.dtype=bfloat16 model.attention=sdpa model.dropout=0)
+# The CPU's rehearsal: float32, and an op every LibTorch has.
+[ "$device" = cpu ] && llama=(model.preset=llama-demo model.attention=tiled model.dropout=0)
+for run in "gpt2 none none" "gpt2 none-again none" "gpt2 full full" "gpt2 full-again full" "gpt2 offload-input full+offload:[input]" \
+  "gpt2 offload-mlp modules:[core_attn]+offload:[input,mlp]" "llama none none" "llama none-again none" \
+  "llama full full" "llama offload-input full+offload:[input]"; do
+  read -r arch name policy <<< "$run"
+  if [ $arch = gpt2 ]; then args=("${gpt2[@]}"); else args=("${llama[@]}"); fi
+  cap 40 "$remat" train "${args[@]}" ac.policy="$policy" train.steps=4 train.eval_every=0 run.sample_tokens=0 \
+    ac.profile=false "${common[@]}" run.out_dir="$work/bitwise/$arch-$name" > "$work/bitwise-$arch-$name.log" 2>&1 ||
+    say "train $arch-$name failed: $(tail -1 "$work/bitwise-$arch-$name.log")"
+  grep -h "host memory of the offloaded" "$work/bitwise-$arch-$name.log" | sed "s/^/$arch-$name: /" | tee -a "$work/summary.txt"
+done
+python3 - "$work/bitwise" << 'PY' | tee -a "$work/summary.txt"
+import glob, json, os, sys
+runs = {}
+for f in sorted(glob.glob(f"{sys.argv[1]}/*/**/metrics.jsonl", recursive=True)):
+    name = os.path.relpath(f, sys.argv[1]).split("/")[0]
+    runs[name] = [json.loads(l)["loss"] for l in open(f) if '"loss"' in l]
+for arch in ("gpt2", "llama"):
+    ref = runs.get(f"{arch}-none")
+    for name, losses in runs.items():
+        if name.startswith(arch + "-") and name != f"{arch}-none" and ref:
+            same = losses == ref
+            diff = max((abs(a - b) for a, b in zip(losses, ref)), default=float("nan"))
+            print(f"{name}: {'bitwise equal to none' if same else f'differs from none, at most {diff:.3g}'} ({len(losses)} steps)")
+PY
+fi
 
-step "peaks: the allocator's model against the allocator (remat bench)"
-policies='none;full;every:2;uniform:2;modules:[core_attn];full+offload:[input];modules:[core_attn]+offload:[input,mlp]'
+if want bench; then
+step "peaks and step times: the sdpa op, offload to page-locked memory (remat bench)"
 llama_1b=(model.preset=llama3-8b model.n_layer=16 model.d_model=2048 model.n_head=32 model.n_kv_head=8
   model.d_ff=8192 model.max_seq=1024 train.seq=1024 train.batch=4 run.dtype=bfloat16)
-models=(gpt2-demo llama-demo)
-[ "$device" = cpu ] || models+=(llama-1b)
-for model in "${models[@]}"; do
-  if [ $model = llama-1b ]; then args=("${llama_1b[@]}"); else args=(model.preset=$model); fi
-  cap $([ $model = llama-1b ] && echo 100 || echo 60) "$remat" bench --policies "$policies" --budgets "${BUDGETS:-0.8;0.9}" --steps 3 --warmup 1 --out "$work/bench-$model" \
-    "${args[@]}" "${common[@]}" > "$work/bench-$model.log" 2>&1 ||
-    say "bench $model failed: $(tail -1 "$work/bench-$model.log")"
-  grep " on CUDA: " "$work/bench-$model.log" | sed "s/^/$model /" | tee -a "$work/summary.txt"
+attentions="sdpa math"
+[ "$device" = cpu ] && llama_1b=(model.preset=llama-demo) attentions="tiled math"
+for attention in $attentions; do
+  policies='none;full;modules:[core_attn];full+offload:[input];modules:[core_attn]+offload:[input,mlp]'
+  [ $attention = math ] && policies='none;full'
+  cap 110 "$remat" bench --policies "$policies" --budgets "${BUDGETS:-0.9}" --steps 3 --warmup 1 \
+    --out "$work/bench-llama-1b-$attention" "${llama_1b[@]}" model.attention=$attention "${common[@]}" \
+    > "$work/bench-llama-1b-$attention.log" 2>&1 || say "bench llama-1b $attention failed: $(tail -1 "$work/bench-llama-1b-$attention.log")"
+  grep " on CUDA: " "$work/bench-llama-1b-$attention.log" | sed "s/^/llama-1b $attention /" | tee -a "$work/summary.txt"
 done
+fi
 
 [ "$device" = cpu ] && { step done; exit 0; }  # the rehearsal's peer and suite are CI's
 
+if want peers; then
 step "PyTorch on the same GPU (bench/peers/compare.py)"
-# Each side at its fastest attention: PyTorch's fused SDPA, and the op remat's `auto`
-# picks from measured times (its sdpa op is CPU-only so far); no dropout, which fused
-# kernels draw their own way. One round each of gpt2's default shape and the 1B Llama in
-# bfloat16.
+# Both sides at fused attention: PyTorch's SDPA and remat's sdpa op (the same flash
+# kernel); no dropout, which fused kernels draw their own way. The 1B Llama in bfloat16.
 peer=(--device "$device" --remat "$remat" --python python3 --rounds 1 --steps 5 --warmup 2 --timeout 100
-  --pt-attention sdpa --remat-override model.attention=auto --remat-override ac.profile=true --dropout-gpt2 0)
-cap 80 python3 bench/peers/compare.py "${peer[@]}" --archs gpt2 --policies none,full,sac --out "$work/peers-gpt2" > "$work/peers-gpt2.log" 2>&1 ||
-  say "compare.py gpt2 stopped: $(tail -1 "$work/peers-gpt2.log")"
-tail -12 "$work/peers-gpt2.log" >> "$work/summary.txt"
-pack
-cap 150 python3 bench/peers/compare.py "${peer[@]}" --archs llama --policies none,sac --dtype bfloat16 --layers 16 --d-model 2048 --heads 32 \
-  --kv-heads 8 --d-ff-llama 8192 --seq 1024 --batch 4 --out "$work/peers-llama-1b" > "$work/peers-llama-1b.log" 2>&1 ||
-  say "compare.py llama-1b stopped: $(tail -1 "$work/peers-llama-1b.log")"
+  --pt-attention sdpa --remat-override model.attention=sdpa --remat-override ac.profile=true --dropout-gpt2 0)
+cap 150 python3 bench/peers/compare.py "${peer[@]}" --archs llama --policies none,full,sac --dtype bfloat16 --layers 16 \
+  --d-model 2048 --heads 32 --kv-heads 8 --d-ff-llama 8192 --seq 1024 --batch 4 --out "$work/peers-llama-1b" \
+  > "$work/peers-llama-1b.log" 2>&1 || say "compare.py llama-1b stopped: $(tail -1 "$work/peers-llama-1b.log")"
 tail -12 "$work/peers-llama-1b.log" >> "$work/summary.txt"
+pack
+fi
 
-[ -n "${SKIP_SUITE:-}" ] && { step done; exit 0; }
+if want traces; then
+step "allocation traces, replayed by the model"
+# Fixed policies, so that a trace can be set beside the cost model's allocations of the
+# same plan (cost::step_allocations), and a budget plan under expandable segments, whose
+# reserved peak the budget holds. Recorded once per device and PyTorch.
+if ls tests/memory/traces/$tag-* > /dev/null 2>&1; then
+  say "traces of $tag are committed already"
+else
+  for run in "gpt2-demo none false" "gpt2-demo full false" "llama-demo none false" "llama-demo full false" \
+    "gpt2-demo budget0.8 true" "llama-demo budget0.8 true"; do
+    read -r preset policy expandable <<< "$run"
+    name=$tag-$preset-$policy-expandable-$expandable
+    args=(model.preset=$preset train.steps=2 run.sample_tokens=0 run.expandable_segments=$expandable)
+    if [ $policy = budget0.8 ]; then args+=(ac.budget=0.8); else args+=(ac.policy=$policy); fi
+    cap 40 "$remat" train "${args[@]}" ac.profile=false run.record_allocations="$work/traces/$name.txt" "${common[@]}" \
+      > "$work/train-$name.log" 2>&1 || say "train $name failed: $(tail -1 "$work/train-$name.log")"
+  done
+fi
+fi
+
+want suite || { step done; exit 0; }
 step suite
 cap $((deadline - SECONDS)) ctest --test-dir $build -j "$(nproc)" --timeout 60 --output-on-failure > "$work/ctest.log" 2>&1
 grep -E "tests passed|tests failed" "$work/ctest.log" | tee -a "$work/summary.txt"
