@@ -14,9 +14,9 @@ namespace remat {
 /// the probabilities (and dropout mask) for the backward (remat/ops/attention.h); `tiled`
 /// computes over tiles with an online softmax, keeps one log-sum-exp per row and recomputes
 /// the probabilities tile by tile in the backward, in loops of its own on the CPU
-/// (remat/ops/tiled_attention.h); `sdpa` does
-/// what tiled does through ATen's fused kernels (the CPU's, and the flash kernel in 16-bit
-/// on CUDA), without dropout, on LibTorch 2.9 and later (remat/ops/sdpa_attention.h).
+/// (remat/ops/tiled_attention.h); `sdpa` does what tiled does through ATen's fused kernels
+/// (the CPU's, and the flash kernel in 16-bit on CUDA), without dropout, on LibTorch 2.9
+/// and later (remat/ops/sdpa_attention.h).
 /// `automatic` ("auto") leaves the choice to the planner (src/run/auto.h):
 /// commands resolve it to one of kAttentionOps before anything is built or planned (under a
 /// budget with the ops' measured times, the plan may run another op in some layers), and

@@ -1,11 +1,12 @@
 // Causal grouped-query attention through ATen's fused kernels, the FlashAttention-2
 // algorithm (LibTorch 2.9 and later): at::_scaled_dot_product_flash_attention_for_cpu and
 // its backward on the CPU, at::_scaled_dot_product_flash_attention and its backward on
-// CUDA in bfloat16 or float16: out = softmax(q k^T / sqrt(D) + causal mask) v, as attention.h computes it
-// without dropout. Like tiled_attention.h it keeps q, k, v, the output and one log-sum-exp
-// per row, and no [T x T] tensor exists; the kernel reads q, k and v where they lie (strided
-// views of a fused projection too) and takes grouped-query heads without repeating K and V.
-// It draws no dropout, so attention dropout is refused (remat::attention_refusal).
+// CUDA in bfloat16 or float16: out = softmax(q k^T / sqrt(D) + causal mask) v, as
+// attention.h computes it without dropout. Like tiled_attention.h it keeps q, k, v, the
+// output and one log-sum-exp per row, and no [T x T] tensor exists; the kernels read q, k
+// and v where they lie (strided views of a fused projection too) and take grouped-query
+// heads without repeating K and V. They draw no dropout, so attention dropout is refused
+// (remat::attention_refusal).
 #pragma once
 
 #include "remat/ops/attention.h"
@@ -27,8 +28,8 @@ struct SdpaAttentionSaved {
 
 /// Output [B, T, Hq, D], contiguous; scale 1/sqrt(D); query head h reads key/value head
 /// h / (Hq / Hkv). The kernel accumulates in float32 (float64 for float64 inputs). Refuses
-/// float32 on CUDA (the flash kernel's), and any input where this build's LibTorch lacks
-/// the kernel.
+/// float32 and heads of other than a multiple of 8 values on CUDA (the flash kernel's), and
+/// any input where this build's LibTorch lacks the kernel.
 Fwd<SdpaAttentionSaved> sdpa_attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
 
 /// dq, dk, dv in the inputs' dtype, contiguous; dk and dv summed over each key/value head's
