@@ -215,7 +215,9 @@ TEST(SdpaAttentionOp, RefusesWhatItCannotRun) {
 
 TEST(SdpaAttentionOp, OnAGpuAgreesWithTheMathOpAndRefusesWhatTheKernelCannotRun) {
   // The flash kernel in bfloat16 against the math op on the same GPU, to bfloat16's rounding
-  // as on the CPU; its output and log-sum-exp, and a second backward, bit for bit again.
+  // as on the CPU; a second forward bit for bit the first. A second backward only to
+  // bfloat16's rounding: the kernel adds dq over key blocks atomically, in an order that
+  // varies (seen at 1024 positions), so each element may round the other way once.
   REMAT_SKIP_WITHOUT_SDPA();
   if (!at::hasCUDA()) GTEST_SKIP() << "no GPU here; scripts/gpu-check.sh runs this where one is";
   const at::Device gpu(at::kCUDA, 0);
@@ -239,8 +241,8 @@ TEST(SdpaAttentionOp, OnAGpuAgreesWithTheMathOpAndRefusesWhatTheKernelCannotRun)
     auto again = sdpa_attention_forward(q, k, v);
     EXPECT_TRUE(at::equal(again.out, sdpa.out) && at::equal(again.saved.lse, sdpa.saved.lse)) << what;
     AttentionGrads g2 = sdpa_attention_backward(dout, again.saved);
-    EXPECT_TRUE(at::equal(g2.dq, gs.dq) && at::equal(g2.dk, gs.dk) && at::equal(g2.dv, gs.dv))
-        << what << ": the backward is not deterministic";
+    EXPECT_LT(rel_err(g2.dq.cpu(), gs.dq.cpu()), 1e-2) << what;
+    EXPECT_TRUE(at::equal(g2.dk, gs.dk) && at::equal(g2.dv, gs.dv)) << what;
   }
   const at::Tensor x = at::zeros({1, 3, 2, 8}, at::TensorOptions(gpu));
   expect_error([&] { sdpa_attention_forward(x, x, x); },
