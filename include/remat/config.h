@@ -112,6 +112,10 @@ struct RunConfig {
   std::string record_allocations;
 };
 
+/// run.dtype's "float32" / "bfloat16" -> dtype, wherever it runs (remat plan prices
+/// either); a sentence otherwise.
+at::ScalarType dtype_of(const std::string& name);
+
 /// Several processes (ranks) training one model; see include/remat/dist.h.
 struct ParallelConfig {
   int64_t dp = 0;        ///< data-parallel ranks; 0: every rank the launcher started (over tp)

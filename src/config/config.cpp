@@ -491,6 +491,12 @@ void flatten(const toml::table& t, const std::string& prefix, const std::string&
 
 }  // namespace
 
+at::ScalarType dtype_of(const std::string& name) {
+  if (name == "float32") return at::kFloat;
+  if (name == "bfloat16") return at::kBFloat16;
+  fail(fmt::format("run.dtype must be float32 or bfloat16, got '{}'.", util::clip(name)));
+}
+
 const char* arch_name(Arch a) { return a == Arch::gpt2 ? "gpt2" : "llama"; }
 const char* attention_name(Attention a) {
   switch (a) {
@@ -790,14 +796,11 @@ void validate_config(const Config& c) {
   if (c.run.threads < 0 || c.run.threads > 1024) {
     fail(fmt::format("run.threads must be in [0, 1024] (0: all cores), got {}.", c.run.threads));
   }
-  if (c.run.dtype != "float32" && c.run.dtype != "bfloat16") {
-    fail(fmt::format("run.dtype must be float32 or bfloat16, got '{}'.", util::clip(c.run.dtype)));
-  }
+  const at::ScalarType dtype = dtype_of(c.run.dtype);
   if (c.run.device != "cpu" && c.run.device != "cuda" && c.run.device.rfind("cuda:", 0) != 0) {
     fail(fmt::format("run.device must be cpu or cuda[:N], got '{}'.", util::clip(c.run.device)));
   }
-  if (const std::string why = attention_refusal(m.attention, m.dropout, c.run.device != "cpu",
-                                                c.run.dtype == "bfloat16" ? at::kBFloat16 : at::kFloat, m.head_dim());
+  if (const std::string why = attention_refusal(m.attention, m.dropout, c.run.device != "cpu", dtype, m.head_dim());
       !why.empty()) {
     fail(why);
   }

@@ -23,15 +23,19 @@ AttentionTiles sdpa_attention_blocks(int64_t seq) {
 }
 
 int64_t cuda_multiprocessors() {
+  // Read once: the cost model prices the sdpa node's events many times a plan.
+  static const int64_t count = [] {
 #ifdef REMAT_WITH_CUDA
-  int device = 0, count = 0;
-  if (cudaGetDevice(&device) == cudaSuccess &&
-      cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) == cudaSuccess) {
-    return count;
-  }
-  (void)cudaGetLastError();  // no device: not a sticky error
+    int device = 0, n = 0;
+    if (cudaGetDevice(&device) == cudaSuccess &&
+        cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) == cudaSuccess) {
+      return static_cast<int64_t>(n);
+    }
+    (void)cudaGetLastError();  // no device: not a sticky error
 #endif
-  return 132;
+    return int64_t{132};
+  }();
+  return count;
 }
 
 int64_t flash_key_splits(int64_t B, int64_t T, int64_t Hq, int64_t D, int64_t multiprocessors) {
@@ -140,6 +144,8 @@ namespace {
 
 using detail::flags;
 
+int64_t round_up(int64_t n, int64_t unit) { return (n + unit - 1) / unit * unit; }
+
 // Inputs {q, k, v} ([B, T, H, D], possibly strided; sharded: the rank's heads); outputs
 // {out, lse}. Its backward reads q, k, v, out and lse: no [T x T] value exists.
 class SdpaAttentionDef final : public OpDef {
@@ -242,8 +248,8 @@ class SdpaAttentionDef final : public OpDef {
           Hkv(in[1].sizes[2]),
           D(in[0].sizes[3]),
           elem(detail::bytes_of(1, in[0].dtype)),
-          rounded_D((D + (D <= 128 ? 31 : 63)) / (D <= 128 ? 32 : 64) * (D <= 128 ? 32 : 64)),
-          rounded_T((T + 127) / 128 * 128),
+          rounded_D(round_up(D, D <= 128 ? 32 : 64)),
+          rounded_T(round_up(T, 128)),
           splits(ops::flash_key_splits(B, T, Hq, D)) {}
   };
   // ATen's flash forward (mha_fwd): the output, laid out [B, T, H, D] whatever q's strides,

@@ -1,5 +1,7 @@
 #include "train/device.h"
 
+#include "remat/config.h"
+
 #include "util/openblas.h"
 
 #include <ATen/Parallel.h>
@@ -38,12 +40,6 @@ at::Device parse_device(const std::string& spec) {
     return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(std::stoll(idx)));
   }
   throw std::invalid_argument(fmt::format("run.device must be cpu or cuda[:N], got '{}'.", spec));
-}
-
-at::ScalarType dtype_of(const std::string& name) {
-  if (name == "float32") return at::kFloat;
-  if (name == "bfloat16") return at::kBFloat16;
-  throw std::invalid_argument(fmt::format("run.dtype must be float32 or bfloat16, got '{}'.", name));
 }
 
 at::ScalarType parse_dtype(const std::string& name, at::Device device) {

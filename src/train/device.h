@@ -9,10 +9,7 @@ namespace remat {
 
 /// "cpu", "cuda" or "cuda:N" -> a device that exists here; a sentence otherwise.
 at::Device parse_device(const std::string& spec);
-/// "float32" / "bfloat16" -> dtype, wherever it runs (remat plan prices either); a
-/// sentence otherwise.
-at::ScalarType dtype_of(const std::string& name);
-/// dtype_of(name), refusing bfloat16 where `device` lacks it.
+/// dtype_of(name) (remat/config.h), refusing bfloat16 where `device` lacks it.
 at::ScalarType parse_dtype(const std::string& name, at::Device device);
 /// Sets the intra-op thread count (0: all cores) and returns the count in effect. OpenBLAS's
 /// OpenMP build runs its matrix multiplies on as many threads, in ATen's pool; its pthread
