@@ -120,11 +120,14 @@ struct NodeTimes {
   /// train/profile.h's measure_host_copy); a rate of 0 prices the copies at 0. In the unit
   /// of `flops_per_second`'s seconds.
   double host_bytes_per_second = 0, host_copy_latency_seconds = 0;
-  /// `bytes` in `storages` copied to host memory and back.
-  double copy_seconds(int64_t bytes, int64_t storages) const {
+  /// Whether those copies run beside the compute, on copy engines of their own (CUDA's), or
+  /// take the cores the compute runs on (the CPU's), which then waits for each whole.
+  bool host_copies_overlap = true;
+  /// `bytes` in `storages` copied to host memory, or back.
+  double host_copy_seconds(int64_t bytes, int64_t storages) const {
     if (host_bytes_per_second <= 0) return 0.0;
-    return 2.0 * (static_cast<double>(storages) * host_copy_latency_seconds +
-                  static_cast<double>(bytes) / host_bytes_per_second);
+    return static_cast<double>(storages) * host_copy_latency_seconds +
+           static_cast<double>(bytes) / host_bytes_per_second;
   }
   /// One microbatch's forward and backward, measured, of one layer and of the embedding
   /// and loss head together (a pipeline stage's parts: train/profile.h's probe); 0 when
@@ -169,6 +172,10 @@ struct LayerCost {
   double recompute_seconds = 0;
   double recompute_link_seconds = 0;   ///< of recompute_seconds: the collectives it re-runs
   std::map<std::string, int64_t> ops;  ///< re-executed op kinds
+  /// Its copies to host memory and back (NodeTimes::host_copy_seconds), one after another
+  /// beside its compute, and the time its compute waits for them: the clock of the walk
+  /// (graph::BlockRun) over its nodes' forward and backward times.
+  double copy_seconds = 0, copy_wait_seconds = 0;
 };
 
 /// The whole step under one plan (of one pipeline stage: its layers, its ends).
@@ -189,13 +196,14 @@ struct StepPrediction {
   int64_t recomputed_bytes = 0;        ///< per microbatch
   int64_t host_peak = 0;               ///< the most bytes offloaded to host memory at once
   int64_t offloaded_bytes = 0;         ///< per step: bytes copied to host memory, and as many back
-  double copy_seconds = 0;             ///< per step: those copies (NodeTimes::copy_seconds)
+  double copy_seconds = 0;             ///< per step: those copies (LayerCost::copy_seconds)
+  double copy_wait_seconds = 0;        ///< per step: the time the compute waits for them
   /// Per step: the forward and backward time the layers running the other attention op
   /// (LayerPlan::attention) take beyond the model's op in them (OtherAttention::pass_delta).
   double attention_seconds = 0;
   /// Per step: what the plan adds to a step that recomputes nothing, runs the model's
   /// attention op and offloads nothing.
-  double added_seconds() const { return recompute_seconds + attention_seconds + copy_seconds; }
+  double added_seconds() const { return recompute_seconds + attention_seconds + copy_wait_seconds; }
 };
 
 /// Prices one layer's slot choice. `dropped`: slots recomputed; `early_stop` as the store's;
@@ -214,7 +222,8 @@ class LayerPricer {
  public:
   LayerPricer(const graph::BlockGraph& block, bool early_stop, NodeTimes times);
   LayerCost price(SlotMask dropped, bool input_sharded = false, SlotMask offloaded = {}) const;
-  /// The forward alone (forward_peak, kept and host; no backward_peak).
+  /// The forward alone (forward_peak, kept and host; no backward_peak), its copies back
+  /// priced as a chunk's recompute awaits them: at once.
   LayerCost forward(SlotMask dropped, bool input_sharded = false, SlotMask offloaded = {}) const;
 
  private:

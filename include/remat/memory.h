@@ -129,18 +129,33 @@ class Account {
 /// Host memory for offloaded activations (LayerPlan::offloaded): one buffer of exactly the
 /// bytes of each storage moved there (never rounded up), outside the tracking allocator,
 /// kept idle when its tensors die for a later move of the same size (the next microbatch's
-/// or step's), and freed with the pool. Copies between it and the device are synchronous.
-/// A buffer that holds a CUDA tensor's memory is page-locked (cudaHostRegister on its own
-/// exact bytes), so that its copies go by DMA at the link's rate rather than through the
-/// driver's staging buffers; where the system refuses to lock it, it stays pageable.
+/// or step's), and freed with the pool. A buffer that holds a CUDA tensor's memory is
+/// page-locked (cudaHostRegister on its own exact bytes), so that its copies go by DMA at
+/// the link's rate rather than through the driver's staging buffers; where the system
+/// refuses to lock it, it stays pageable.
+///
+/// Copies run beside the compute, in the order they were started: on CUDA on a copy
+/// stream of their own, after what the current stream had queued when they started; on
+/// the CPU on a copy thread. A copy's result may be read only after await(its ticket); the
+/// pool holds each copy's source and result until then, so the caller may drop either.
 class HostPool {
  public:
   HostPool();
-  /// Copies `ts` into host memory, one buffer per distinct storage among them, and returns
-  /// the copies, each at its tensor's offset, sizes and strides (views stay views).
-  std::vector<at::Tensor> to_host(const std::vector<at::Tensor>& ts);
-  /// Copies host tensors (of to_host) into new memory on `device` the same way.
-  static std::vector<at::Tensor> to_device(const std::vector<at::Tensor>& ts, at::Device device);
+  /// Started copies: one tensor per tensor given, and the ticket to await.
+  struct Moved {
+    std::vector<at::Tensor> tensors;
+    uint64_t ticket = 0;
+  };
+  /// Starts copying `ts` into host memory, one buffer per distinct storage among them, and
+  /// returns the copies, each at its tensor's offset, sizes and strides (views stay views).
+  Moved to_host(const std::vector<at::Tensor>& ts);
+  /// Starts copying host tensors (of to_host) into new memory on `device` the same way;
+  /// the memory is allocated now, by the calling thread.
+  Moved to_device(const std::vector<at::Tensor>& ts, at::Device device);
+  /// Orders what the caller does next after the copy `ticket` and every copy started
+  /// before it: the CPU waits for the copy thread; on CUDA the current stream waits for
+  /// the copy stream (the host does not).
+  void await(uint64_t ticket);
 
   struct Counts {
     int64_t in_use = 0;       ///< bytes of buffers some tensor holds now
@@ -153,7 +168,9 @@ class HostPool {
 
  private:
   struct State;
+  struct Copier;
   std::shared_ptr<State> state_;
+  std::shared_ptr<Copier> copier_;
 };
 
 /// Returns every idle pooled buffer to the system. Pooled buffers still in use leave the

@@ -108,6 +108,8 @@ BenchRow run_entry(const BenchEntry& entry, const PreparedEntry& p, const BenchO
                                                    ranks != nullptr ? ranks->data().size() * cfg.parallel.tp : 1);
   row.stage_layers = planned.split;
   row.predicted_step_seconds = planned.step_seconds;
+  row.predicted_copy_seconds = planned.predicted.copy_seconds;
+  row.predicted_copy_wait_seconds = planned.predicted.copy_wait_seconds;
   row.budget_bytes = planned.budget;
   row.predicted_cuda_allocated_bytes = planned.device_peak().allocated_peak;
   row.predicted_cuda_reserved_bytes = planned.device_peak().reserved_peak;
@@ -191,6 +193,8 @@ nlohmann::json row_json(const BenchRow& r) {
           {"final_loss", r.final_loss},
           {"predicted_peak_bytes", r.predicted_peak_bytes},
           {"predicted_step_seconds", r.predicted_step_seconds},
+          {"predicted_copy_seconds", r.predicted_copy_seconds},
+          {"predicted_copy_wait_seconds", r.predicted_copy_wait_seconds},
           {"budget_bytes", r.budget_bytes},
           {"reserved_peak_bytes", r.reserved_peak_bytes},
           {"predicted_cuda_allocated_bytes", r.predicted_cuda_allocated_bytes},

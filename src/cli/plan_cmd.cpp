@@ -231,6 +231,7 @@ int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
   cost::NodeTimes times = configured_links(cfg.parallel, cfg.parallel.compute_rate * 1e12);
   times.flops_per_second = 1.0;
   times.host_bytes_per_second = cfg.ac.offload_rate * 1e9 / (cfg.parallel.compute_rate * 1e12);
+  times.host_copies_overlap = cfg.run.device != "cpu";
   RunInputs in;
   in.dtype = dtype_of(cfg.run.dtype);
   in.profile_of = [&](const Config&) {
@@ -292,7 +293,8 @@ int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
     json["offload"] = {{"rate_gb_per_s", spec.cfg.ac.offload_rate},
                        {"bytes_each_way", pred.offloaded_bytes},
                        {"host_peak", pred.host_peak},
-                       {"seconds", pred.copy_seconds / (spec.cfg.parallel.compute_rate * 1e12)}};
+                       {"seconds", pred.copy_seconds / (spec.cfg.parallel.compute_rate * 1e12)},
+                       {"wait_seconds", pred.copy_wait_seconds / (spec.cfg.parallel.compute_rate * 1e12)}};
     json["frontier"] = points(sweep.points);
     json["frontier_budgets"] = {{"asked", sweep.asked}, {"solved", sweep.solved}, {"seconds", sweep.seconds}};
     json["manual"] = points(manual);
@@ -303,12 +305,15 @@ int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
              format_bytes(min_budget), 100.0 * overhead, format_count(flops * shape.grad_accum));
   if (shape.tp > 1) fmt::print("{}", communication_text(spec.cfg, link, ""));
   if (pred.offloaded_bytes > 0) {
+    const double rate = spec.cfg.parallel.compute_rate * 1e12;
     fmt::print(
-        "offload copies at ac.offload_rate = {} GB/s: {} to host memory and back a step, {:.1f} ms not overlapped "
-        "with compute, {:.1f}% over the step's FLOPs at parallel.compute_rate = {} TFLOP/s\n",
-        spec.cfg.ac.offload_rate, format_bytes(pred.offloaded_bytes),
-        1e3 * pred.copy_seconds / (spec.cfg.parallel.compute_rate * 1e12),
-        100.0 * pred.copy_seconds / (flops * static_cast<double>(shape.grad_accum)), spec.cfg.parallel.compute_rate);
+        "offload copies at ac.offload_rate = {} GB/s: {} to host memory and back a step, {:.1f} ms of copies beside "
+        "the compute, which waits {:.1f} ms for them ({:.1f}% over the step's FLOPs at parallel.compute_rate = {} "
+        "TFLOP/s)\n",
+        spec.cfg.ac.offload_rate, format_bytes(pred.offloaded_bytes), 1e3 * pred.copy_seconds / rate,
+        1e3 * pred.copy_wait_seconds / rate,
+        100.0 * pred.copy_wait_seconds / (flops * static_cast<double>(shape.grad_accum)),
+        spec.cfg.parallel.compute_rate);
   }
   if (args.pareto) {
     fmt::print("\nfrontier (budget plans):\n  {:>12}  {:>10}\n", "peak", "recompute");

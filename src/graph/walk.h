@@ -16,14 +16,17 @@
 //   bool early_stop() const;
 //   Tensor shard(const Tensor& whole);              this rank's share of a kept input
 //   Tensor gather(const Tensor& share);             the whole input from every rank's share
-//   std::vector<Tensor> offload(const std::vector<Tensor>& group);  values sharing memory, to host
-//   std::vector<Tensor> fetch(const std::vector<Tensor>& group);    and back to the device
+//   M offload(const std::vector<Tensor>& group);  starts copying values sharing memory to host
+//   M fetch(const std::vector<Tensor>& group);    and back to the device
+//     (M has `tensors`, the copies, and `ticket`: copies run in the order they started)
+//   void await(uint64_t ticket);                  the copy `ticket` and those before it are done
 #pragma once
 
 #include "remat/graph.h"
 
 #include <algorithm>
 #include <climits>
+#include <cstdint>
 #include <memory>
 
 namespace remat::graph {
@@ -54,7 +57,10 @@ class BlockRun {
   /// `keep`: per Slot, whether the forward keeps it; `training`: false keeps nothing and
   /// records nothing (inference); `hold`: sharded keeps the input (when kept) as this
   /// rank's share from its last forward reader on, until restore; `offloaded`: the slots
-  /// whose memory waits in host memory from the forward's end until restore.
+  /// whose memory waits in host memory from the forward's end until restore. A group of
+  /// them starts its copy to host memory once its values are all produced, and the
+  /// forward's end awaits them all; restore starts the copies back, the group the
+  /// backward reads first first, and each is awaited where the backward first reads it.
   BlockRun(const BlockGraph& g, const Lifetimes& lt, std::vector<bool> keep, bool training = true,
            InputHold hold = InputHold::whole, SlotMask offloaded = {})
       : g_(g),
@@ -67,7 +73,7 @@ class BlockRun {
         slot_missing_(kSlotCount, 0) {
     TORCH_INTERNAL_ASSERT(hold_ == InputHold::whole || g_.input_shardable(),
                           "a sharded block input needs tensor parallelism without sequence parallelism");
-    if (training_ && !offloaded.empty()) groups_ = g_.offload_groups(keep_, offloaded, hold_ == InputHold::sharded);
+    if (training_ && !offloaded.empty()) order_copies(offloaded);
   }
 
   /// The forward from the block input (and the graph's side inputs, in order);
@@ -77,6 +83,7 @@ class BlockRun {
                           " side inputs, given ", side.size());
     vals_[g_.input] = std::move(x);
     for (size_t k = 0; k < side.size(); ++k) vals_[g_.side_inputs[k]] = std::move(side[k]);
+    start_offloads(b, -1);
     for (size_t i = 0; i < g_.nodes.size(); ++i) {
       const Node& n = g_.nodes[i];
       {
@@ -85,6 +92,7 @@ class BlockRun {
         std::vector<T> out = b.forward(static_cast<int>(i), in, recompute);
         for (size_t j = 0; j < out.size(); ++j) vals_[n.outputs[j]] = std::move(out[j]);
       }
+      start_offloads(b, static_cast<int>(i));
       for (int v : n.inputs) {
         if (lt_.last_forward_reader[v] == static_cast<int>(i)) release_forward(b, v);
       }
@@ -92,8 +100,11 @@ class BlockRun {
         if (lt_.last_forward_reader[v] < 0) release_forward(b, v);
       }
     }
-    for (const auto& group : groups_) move(group, b.offload(take(group)));
-    on_host_ = !groups_.empty();
+    if (!groups_.empty()) {
+      b.await(last_ticket_);
+      for (size_t k = 0; k < groups_.size(); ++k) move(groups_[k], std::exchange(copies_[k], {}));
+      on_host_ = true;
+    }
     return std::exchange(vals_[g_.output], T());
   }
 
@@ -116,6 +127,7 @@ class BlockRun {
         if (so[j]) need.push_back(n.outputs[j]);
       }
       ensure(b, need);
+      for (int v : need) ready(b, v);
       std::vector<T> gin;
       {
         std::vector<T> gout, in(n.inputs.size()), out(n.outputs.size());
@@ -150,15 +162,21 @@ class BlockRun {
         grads[v] = std::move(sum);
       }
     }
+    settle(b);
     return std::exchange(grads[g_.input], T());
   }
 
-  /// Brings the offloaded memory back to the device and makes a kept input held as this
-  /// rank's share whole again (the backward's first step, and a chunk recompute's before
-  /// it reads the input); nothing if neither is away.
+  /// Starts bringing the offloaded memory back to the device and makes a kept input held
+  /// as this rank's share whole again (the backward's first step, and a chunk recompute's
+  /// before it reads the input); nothing if neither is away.
   void restore(B& b) {
     if (on_host_) {
-      for (const auto& group : groups_) move(group, b.fetch(take(group)));
+      for (const size_t k : fetch_order_) {
+        auto m = b.fetch(take(groups_[k]));
+        move(groups_[k], std::move(m.tensors));
+        tickets_[k] = m.ticket;
+        pending_[k] = true;
+      }
       on_host_ = false;
     }
     if (!input_is_share_) return;
@@ -166,10 +184,22 @@ class BlockRun {
     input_is_share_ = false;
   }
 
+  /// Awaits every copy back that restore started.
+  void settle(B& b) {
+    for (size_t k = 0; k < groups_.size(); ++k) {
+      if (pending_[k]) await_through(b, tickets_[k]);
+    }
+  }
+
   /// Values the plan dropped and no recompute has refilled yet, per slot.
   bool missing(Slot s) const { return slot_missing_[static_cast<size_t>(s)] > 0; }
-  /// The current handle of value v (kept or recomputed), for the chunk recompute.
-  const T& value(int v) const { return vals_[v]; }
+  /// The current handle of value v (kept or recomputed), for the chunk recompute (after
+  /// restore and settle).
+  const T& value(int v) const {
+    TORCH_INTERNAL_ASSERT(group_of_.empty() || group_of_[v] < 0 || !pending_[group_of_[v]],
+                          "a value read while its copy back to the device may still run");
+    return vals_[v];
+  }
   /// Every value held on the device now: after the forward, what the layer keeps there
   /// for its backward.
   std::vector<T> held() const {
@@ -187,6 +217,60 @@ class BlockRun {
   }
 
  private:
+  // The offloaded slots' groups (BlockGraph::offload_groups), when each starts its copy to
+  // host memory and the order the copies back start in.
+  void order_copies(SlotMask offloaded) {
+    groups_ = g_.offload_groups(keep_, offloaded, hold_ == InputHold::sharded);
+    const size_t n = groups_.size();
+    group_of_.assign(g_.values.size(), -1);
+    produced_by_.assign(n, -1);
+    std::vector<int> first_read(n, -1);  // the highest node reading the group: the backward's first
+    for (size_t k = 0; k < n; ++k) {
+      for (int v : groups_[k]) {
+        group_of_[v] = static_cast<int>(k);
+        produced_by_[k] = std::max(produced_by_[k], g_.values[v].producer);
+      }
+    }
+    for (size_t i = 0; i < g_.nodes.size(); ++i) {
+      for (const auto* vs : {&g_.nodes[i].inputs, &g_.nodes[i].outputs}) {
+        for (int v : *vs) {
+          if (group_of_[v] >= 0) first_read[group_of_[v]] = static_cast<int>(i);
+        }
+      }
+    }
+    for (size_t k = 0; k < n; ++k) fetch_order_.push_back(k);
+    std::stable_sort(fetch_order_.begin(), fetch_order_.end(),
+                     [&](size_t a, size_t c) { return first_read[a] > first_read[c]; });
+    copies_.resize(n);
+    tickets_.assign(n, 0);
+    pending_.assign(n, false);
+  }
+
+  // Starts the copies to host memory of the groups whose last value node `i` produced (-1:
+  // the block's inputs); the values stay until the forward's end awaits them.
+  void start_offloads(B& b, int i) {
+    for (size_t k = 0; k < groups_.size(); ++k) {
+      if (produced_by_[k] != i) continue;
+      std::vector<T> ts;
+      for (int v : groups_[k]) ts.push_back(vals_[v]);
+      auto m = b.offload(ts);
+      copies_[k] = std::move(m.tensors);
+      last_ticket_ = m.ticket;
+    }
+  }
+
+  // Awaits the copy back of value v's group, if it may still run.
+  void ready(B& b, int v) {
+    if (group_of_.empty() || group_of_[v] < 0 || !pending_[group_of_[v]]) return;
+    await_through(b, tickets_[group_of_[v]]);
+  }
+  void await_through(B& b, uint64_t ticket) {
+    b.await(ticket);
+    for (size_t k = 0; k < groups_.size(); ++k) {
+      if (tickets_[k] <= ticket) pending_[k] = false;
+    }
+  }
+
   // The group's values, released from the run (the backend's copy replaces them).
   std::vector<T> take(const std::vector<int>& group) {
     std::vector<T> ts;
@@ -257,7 +341,10 @@ class BlockRun {
       const Node& n = g_.nodes[i];
       {
         std::vector<T> in;
-        for (int u : n.inputs) in.push_back(defined(fresh[u]) ? fresh[u] : vals_[u]);
+        for (int u : n.inputs) {
+          if (!defined(fresh[u])) ready(b, u);
+          in.push_back(defined(fresh[u]) ? fresh[u] : vals_[u]);
+        }
         std::vector<T> out = b.forward(static_cast<int>(i), in, true);
         for (size_t j = 0; j < out.size(); ++j) {
           const int v = n.outputs[j];
@@ -292,6 +379,13 @@ class BlockRun {
   InputHold hold_;
   bool input_is_share_ = false;
   std::vector<std::vector<int>> groups_;  // BlockGraph::offload_groups
+  std::vector<int> group_of_;             // per value: its group, -1: none
+  std::vector<int> produced_by_;          // per group: the node producing its last value, -1: an input
+  std::vector<size_t> fetch_order_;       // groups by when the backward first reads them
+  std::vector<std::vector<T>> copies_;    // per group: its copies to host memory, until the forward's end
+  std::vector<uint64_t> tickets_;         // per group: its copy back's
+  std::vector<bool> pending_;             // per group: its copy back may still run
+  uint64_t last_ticket_ = 0;
   bool on_host_ = false;
   std::vector<T> vals_;
   std::vector<bool> missing_;

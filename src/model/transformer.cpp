@@ -125,17 +125,22 @@ at::Tensor Engine::gather(const at::Tensor& share) {
                               fmt::format("the all-gather of layer {}'s kept input (step {})", layer, ctx.step + 1));
 }
 
-std::vector<at::Tensor> Engine::offload(const std::vector<at::Tensor>& group) {
+memory::HostPool::Moved Engine::offload(const std::vector<at::Tensor>& group) {
   TORCH_INTERNAL_ASSERT(store != nullptr, "an offloaded slot outside a planned block");
   const trace::Scope trace_scope("offload", trace::Category::layer, layer);
   return store->host().to_host(group);
 }
 
-std::vector<at::Tensor> Engine::fetch(const std::vector<at::Tensor>& group) {
+memory::HostPool::Moved Engine::fetch(const std::vector<at::Tensor>& group) {
   const trace::Scope trace_scope("fetch", trace::Category::backward, layer);
-  std::vector<at::Tensor> back;
-  store->recompute([&] { back = memory::HostPool::to_device(group, ctx.device); });
+  memory::HostPool::Moved back;
+  store->recompute([&] { back = store->host().to_device(group, ctx.device); });
   return back;
+}
+
+void Engine::await(uint64_t ticket) {
+  const trace::Scope trace_scope("copy wait", trace::Category::layer, layer);
+  store->host().await(ticket);
 }
 
 TransformerModel::TransformerModel(const ArchDecl& decl, const ModelConfig& cfg, at::Device device,
@@ -511,6 +516,7 @@ void TransformerModel::recompute_chunk(int64_t first, int64_t last, const StepCo
     {
       Engine e = engine(blk, W, W.layers[local(first)], false, first, ctx, store_.get());
       runs[local(first)]->restore(e);
+      runs[local(first)]->settle(e);
     }
     at::Tensor x = runs[local(first)]->value(blk.graph.input);
     for (int64_t j = first; j <= last; ++j) {

@@ -126,8 +126,9 @@ struct Engine {
   bool early_stop() const { return store == nullptr || store->options().early_stop; }
   at::Tensor shard(const at::Tensor& whole);
   at::Tensor gather(const at::Tensor& share);
-  std::vector<at::Tensor> offload(const std::vector<at::Tensor>& group);
-  std::vector<at::Tensor> fetch(const std::vector<at::Tensor>& group);
+  memory::HostPool::Moved offload(const std::vector<at::Tensor>& group);
+  memory::HostPool::Moved fetch(const std::vector<at::Tensor>& group);
+  void await(uint64_t ticket);
 };
 
 using Run = graph::BlockRun<Engine>;

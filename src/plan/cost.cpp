@@ -141,6 +141,48 @@ struct Folds {
   }
 };
 
+// One layer's copies of offloaded slots against its compute: the compute's clock (its
+// nodes' times), when the copies started so far end (one after another, beside the
+// compute where they `overlap` it, else in its place), and how long the compute waited.
+struct CopyClock {
+  bool overlap = true;
+  double now = 0;
+  std::vector<double> ends;  // per ticket, from 1
+  double copies = 0, waited = 0;
+  uint64_t start(double seconds) {
+    copies += seconds;
+    if (overlap) {
+      ends.push_back(std::max(ends.empty() ? 0.0 : ends.back(), now) + seconds);
+    } else {
+      waited += seconds;
+      now += seconds;
+      ends.push_back(now);
+    }
+    return ends.size();
+  }
+  void await(uint64_t ticket) {
+    const double end = ends.at(ticket - 1);
+    if (end > now) waited += end - std::exchange(now, end);
+  }
+};
+
+// Seconds each node's backward takes: the layer's measured pass less its forward, shared
+// in proportion to the nodes' forward times; without a measured pass, twice its forward.
+std::vector<double> backward_seconds(const graph::BlockGraph& g, const graph::Lifetimes& lt, const NodeTimes& times) {
+  double forward = 0, differentiated = 0;
+  std::vector<double> out(g.nodes.size(), 0.0);
+  for (size_t i = 0; i < g.nodes.size(); ++i) {
+    out[i] = times.node_seconds(g.nodes[i]);
+    forward += out[i];
+    if (lt.runs_backward[i]) differentiated += out[i];
+  }
+  const double backward = times.layer_pass_seconds > forward ? times.layer_pass_seconds - forward : 2 * forward;
+  for (size_t i = 0; i < out.size(); ++i) {
+    out[i] = lt.runs_backward[i] && differentiated > 0 ? out[i] * backward / differentiated : 0.0;
+  }
+  return out;
+}
+
 // The cost model's backend of the block walk: each op replays its declared allocations,
 // event by event, or folded where `folds` is given (a timeline that only counts).
 struct Simulator {
@@ -151,7 +193,9 @@ struct Simulator {
   bool early;
   LayerCost& cost;
   const Folds* folds = nullptr;
-  Live* host = nullptr;  // where offloaded memory waits (LayerPlan::offloaded)
+  Live* host = nullptr;                                 // where offloaded memory waits (LayerPlan::offloaded)
+  CopyClock* clock = nullptr;                           // null: copies untimed
+  const std::vector<double>* backward_times = nullptr;  // per node: its backward's seconds (backward_seconds)
 
   Tensor make(int64_t bytes) { return std::make_shared<Buffer>(&live, bytes); }
 
@@ -186,6 +230,7 @@ struct Simulator {
       const graph::Events e = forward_events(g, i, bytes);
       replay(e, res, bytes);
     }
+    if (clock != nullptr) clock->now += times.node_seconds(n);
     if (recompute) {
       if (n.op->kind()[0] != '\0') ++cost.ops[n.op->kind()];
       cost.recompute_flops += n.flops;
@@ -208,6 +253,7 @@ struct Simulator {
       const graph::Events e = backward_events(g, i, bytes);
       replay(e, res, bytes);
     }
+    if (clock != nullptr) clock->now += backward_times->at(static_cast<size_t>(i));
     return res;
   }
   Tensor add(const Tensor& a, const Tensor&) { return make(a->bytes); }
@@ -228,22 +274,36 @@ struct Simulator {
     const double gather = times.input_gather_seconds(g);
     cost.recompute_seconds += gather;
     cost.recompute_link_seconds += gather;
+    if (clock != nullptr) clock->now += gather;
     return res[0];
   }
-  std::vector<Tensor> offload(const std::vector<Tensor>& group) { return relocate(group, *host, &cost.host_storages); }
-  std::vector<Tensor> fetch(const std::vector<Tensor>& group) { return relocate(group, live); }
-  // A buffer per distinct buffer of `group` on `to`, as the engine copies per storage;
-  // `storages`, when given, counts them.
-  static std::vector<Tensor> relocate(const std::vector<Tensor>& group, Live& to, int64_t* storages = nullptr) {
+  struct Moved {
+    std::vector<Tensor> tensors;
+    uint64_t ticket = 0;
+  };
+  Moved offload(const std::vector<Tensor>& group) { return relocate(group, *host, &cost.host_storages); }
+  Moved fetch(const std::vector<Tensor>& group) { return relocate(group, live); }
+  void await(uint64_t ticket) {
+    if (clock != nullptr) clock->await(ticket);
+  }
+  // A buffer per distinct buffer of `group` on `to`, as the engine copies per storage, and
+  // the copy started on the clock; `storages`, when given, counts them.
+  Moved relocate(const std::vector<Tensor>& group, Live& to, int64_t* storages = nullptr) {
     std::map<const Buffer*, Tensor> copies;
-    std::vector<Tensor> out;
+    Moved m;
+    int64_t bytes = 0;
     for (const Tensor& t : group) {
       Tensor& c = copies[t.get()];
-      if (!c) c = std::make_shared<Buffer>(&to, t->bytes);
-      out.push_back(c);
+      if (!c) {
+        c = std::make_shared<Buffer>(&to, t->bytes);
+        bytes += t->bytes;
+      }
+      m.tensors.push_back(c);
     }
-    if (storages != nullptr) *storages += static_cast<int64_t>(copies.size());
-    return out;
+    const auto n = static_cast<int64_t>(copies.size());
+    if (storages != nullptr) *storages += n;
+    if (clock != nullptr) m.ticket = clock->start(times.host_copy_seconds(bytes, n));
+    return m;
   }
 };
 
@@ -357,7 +417,10 @@ LayerCost simulate(const graph::BlockGraph& g, const graph::Lifetimes& lt, const
                    graph::InputHold hold = graph::InputHold::whole, SlotMask offloaded = {}) {
   LayerCost lc;
   Live live, host;
-  Simulator sim{g, live, times, early_stop, lc, folds, &host};
+  CopyClock clock;
+  clock.overlap = times.host_copies_overlap;
+  const std::vector<double> backward_times = backward_seconds(g, lt, times);
+  Simulator sim{g, live, times, early_stop, lc, folds, &host, &clock, &backward_times};
   const auto input = [&](int v) { return sim.make(g.values[v].external ? 0 : g.values[v].info.bytes()); };
   std::vector<SimTensor> side;
   for (int v : g.side_inputs) side.push_back(input(v));
@@ -366,10 +429,17 @@ LayerCost simulate(const graph::BlockGraph& g, const graph::Lifetimes& lt, const
   lc.forward_peak = live.peak();
   lc.kept = live.current();
   lc.host = host.current();
-  if (!backward) return lc;
+  if (!backward) {
+    // Copied back as a chunk's recompute does: awaited at once.
+    lc.copy_seconds = 2 * clock.copies;
+    lc.copy_wait_seconds = clock.waited + clock.copies;
+    return lc;
+  }
   live.reset_peak();
   run.backward(sim, sim.make(g.output_bytes())).reset();
   lc.backward_peak = live.peak();
+  lc.copy_seconds = clock.copies;
+  lc.copy_wait_seconds = clock.waited;
   return lc;
 }
 
@@ -600,7 +670,8 @@ StepPrediction predict_step(const ModelConfig& cfg, const StepShape& shape, cons
         host += c.host;
         p.host_peak = std::max(p.host_peak, host);
         p.offloaded_bytes += c.host;
-        p.copy_seconds += times.copy_seconds(c.host, c.host_storages);
+        p.copy_seconds += c.copy_seconds;
+        p.copy_wait_seconds += c.copy_wait_seconds;
         if (runs_other(plan.layers[a.layer])) p.attention_seconds += times.other_attention->pass_delta;
         break;
       }
@@ -814,6 +885,7 @@ std::vector<memory::AllocatorEvent> step_allocations(const ModelConfig& cfg, con
           Simulator s = sim(b);
           if (!mb->dx) mb->dx = make(b.g.output_bytes());  // an earlier stage receives its output's gradient
           run_of(a.layer)->restore(s);
+          run_of(a.layer)->settle(s);
           SimTensor x = run_of(a.layer)->value(b.g.input);
           for (int64_t j = a.layer; j <= a.last; ++j) {
             auto fresh = std::make_unique<Run>(b.g, b.lt, keep_all);

@@ -168,11 +168,11 @@ Planner::Planner(const ModelConfig& cfg, const cost::StepShape& shape, const cos
     const auto candidates = options_.candidates.empty() ? keep_sets(block) : options_.candidates;
     for (const bool sharded : input_holds()) {
       for (const auto& d : candidates) {
-        for (const SlotMask moved : offload ? offload_sets(block, d, sharded) : std::vector<SlotMask>{{}}) {
+        for (const SlotMask moved : offload ? offload_sets(block, pricer, d, sharded) : std::vector<SlotMask>{{}}) {
           LayerOption o{d, moved, pricer.price(d, sharded, moved), sharded, op};
           // A set whose every slot shares memory the device keeps moves nothing.
           if (!moved.empty() && o.cost.host == 0) continue;
-          o.seconds = o.cost.recompute_seconds + delta + times_.copy_seconds(o.cost.host, o.cost.host_storages);
+          o.seconds = o.cost.recompute_seconds + delta + o.cost.copy_wait_seconds;
           all.push_back(std::move(o));
         }
       }
@@ -563,13 +563,22 @@ std::string Planner::infeasible(int64_t budget, const std::string& given) const 
   return text;
 }
 
-std::vector<SlotMask> offload_sets(const graph::BlockGraph& block, SlotMask dropped, bool input_sharded) {
+std::vector<SlotMask> offload_sets(const graph::BlockGraph& block, const cost::LayerPricer& pricer, SlotMask dropped,
+                                   bool input_sharded) {
   std::vector<Slot> kept;
   if (!input_sharded && block.slot_bytes(Slot::input) > 0) kept.push_back(Slot::input);
   for (const Slot s : SlotMask::droppable().slots()) {
     if (!dropped.has(s) && block.slot_bytes(s) > 0) kept.push_back(s);
   }
-  std::stable_sort(kept.begin(), kept.end(), [&](Slot a, Slot b) { return block.slot_bytes(a) > block.slot_bytes(b); });
+  std::map<Slot, double> wait_per_byte;
+  for (const Slot s : kept) {
+    const cost::LayerCost c = pricer.price(dropped, input_sharded, SlotMask{s});
+    wait_per_byte[s] = c.host > 0 ? c.copy_wait_seconds / static_cast<double>(c.host) : 0.0;
+  }
+  std::stable_sort(kept.begin(), kept.end(), [&](Slot a, Slot b) {
+    if (wait_per_byte[a] != wait_per_byte[b]) return wait_per_byte[a] < wait_per_byte[b];
+    return block.slot_bytes(a) > block.slot_bytes(b);
+  });
   std::vector<SlotMask> out{SlotMask{}};
   SlotMask moved;
   for (const Slot s : kept) {

@@ -123,7 +123,9 @@ nlohmann::json breakdown_json(const cost::StepPrediction& p) {
           {"peak", p.peak},
           {"peak_at", p.peak_at},
           {"host_peak", p.host_peak},
-          {"offloaded_bytes", p.offloaded_bytes}};
+          {"offloaded_bytes", p.offloaded_bytes},
+          {"copy_seconds", p.copy_seconds},
+          {"copy_wait_seconds", p.copy_wait_seconds}};
 }
 
 // The layers `pred` predicts (a pipeline stage's, or every layer) under `plan` of a block
@@ -233,7 +235,9 @@ std::string plan_text(const Config& cfg, const RunPlan& r) {
                                                           : "",
                                  1e3 * p.recompute_seconds,
                                  p.offloaded_bytes > 0
-                                     ? fmt::format(" + {:.1f} ms copies to host memory and back", 1e3 * p.copy_seconds)
+                                     ? fmt::format(" + {:.1f} ms waiting for the {:.1f} ms of copies to host memory "
+                                                   "and back",
+                                                   1e3 * p.copy_wait_seconds, 1e3 * p.copy_seconds)
                                      : "",
                                  1e3 * prof.optimizer_seconds);
     text += line(fmt::format("predicted step time {:.1f} ms: {}", 1e3 * r.step_seconds, parts));

@@ -483,7 +483,10 @@ HostCopy measure_host_copy(at::Device device) {
     for (int rep = 0; rep <= 3; ++rep) {
       synchronize(device);
       const auto t0 = std::chrono::steady_clock::now();
-      const std::vector<at::Tensor> back = memory::HostPool::to_device(pool.to_host(tensors), device);
+      const memory::HostPool::Moved host = pool.to_host(tensors);
+      pool.await(host.ticket);
+      const memory::HostPool::Moved back = pool.to_device(host.tensors, device);
+      pool.await(back.ticket);
       synchronize(device);
       if (rep > 0) reps.push_back(seconds_since(t0));  // rep 0 fills the pool
     }
@@ -548,6 +551,7 @@ void add_host_copy(TimeProfile& profile, at::Device device, dist::Comm* ranks) {
     copy.latency_seconds = rank0s(*ranks, copy.latency_seconds, "sharing rank 0's measure of host copies");
   }
   profile.times.host_bytes_per_second = copy.bytes_per_second * profile.seconds_per_unit;
+  profile.times.host_copies_overlap = device.is_cuda();
   profile.times.host_copy_latency_seconds = copy.latency_seconds / profile.seconds_per_unit;
 }
 

@@ -108,7 +108,8 @@ HostCopy measure_host_copy(at::Device device);
 bool may_offload(const Config& cfg);
 
 /// Sets `profile`'s host copy rate and latency to those measure_host_copy measures on
-/// `device` now, rank 0's for every rank of `ranks` (as the rest of a profile is).
+/// `device` now, rank 0's for every rank of `ranks` (as the rest of a profile is), and
+/// whether the copies overlap the compute (on CUDA; NodeTimes::host_copies_overlap).
 void add_host_copy(TimeProfile& profile, at::Device device, dist::Comm* ranks);
 
 /// The profile a run of `cfg` (a rank_share) plans from, as `remat train` and `remat bench`

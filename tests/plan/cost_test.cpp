@@ -1,6 +1,7 @@
 // The cost model against the engine: the simulated walk of the block graph predicts the
 // measured peak of a microbatch, the store's recompute counts and the kept bytes, for
 // every policy on both architectures.
+#include "graph/walk.h"
 #include "plan/plan_test_util.h"
 #include "remat/cost.h"
 #include "remat/memory.h"
@@ -207,6 +208,7 @@ TEST(CostModel, FoldedPricesEqualTheEventByEventWalk) {
         cost::NodeTimes times;
         times.flops_per_second = 1e9;
         times.link_bytes_per_second = 1e8;
+        times.host_bytes_per_second = 1e8;
         for (const bool early_stop : {true, false}) {
           const cost::LayerPricer pricer(g, early_stop, times);
           for (int trial = 0; trial < 12; ++trial) {
@@ -215,11 +217,15 @@ TEST(CostModel, FoldedPricesEqualTheEventByEventWalk) {
               if (rng() % 2) dropped.add(s);
             }
             const bool sharded = g.input_shardable() && rng() % 2;
-            const cost::LayerCost want = cost::price_layer(g, dropped, early_stop, times, sharded);
-            const cost::LayerCost got = pricer.price(dropped, sharded);
-            const std::string what =
-                fmt::format("{} {} tp={} sp={} early_stop={} [{}] sharded={}", preset, attention_name(attention), tp,
-                            sp, early_stop, fmt::join(dropped.names(), ","), sharded);
+            SlotMask offloaded;
+            for (const Slot s : slots) {
+              if (!dropped.has(s) && rng() % 3 == 0) offloaded.add(s);
+            }
+            const cost::LayerCost want = cost::price_layer(g, dropped, early_stop, times, sharded, offloaded);
+            const cost::LayerCost got = pricer.price(dropped, sharded, offloaded);
+            const std::string what = fmt::format(
+                "{} {} tp={} sp={} early_stop={} [{}] sharded={} offloaded [{}]", preset, attention_name(attention), tp,
+                sp, early_stop, fmt::join(dropped.names(), ","), sharded, fmt::join(offloaded.names(), ","));
             EXPECT_EQ(got.kept, want.kept) << what;
             EXPECT_EQ(got.forward_peak, want.forward_peak) << what;
             EXPECT_EQ(got.backward_peak, want.backward_peak) << what;
@@ -228,13 +234,54 @@ TEST(CostModel, FoldedPricesEqualTheEventByEventWalk) {
             EXPECT_EQ(got.recompute_seconds, want.recompute_seconds) << what;
             EXPECT_EQ(got.recompute_link_seconds, want.recompute_link_seconds) << what;
             EXPECT_EQ(got.ops, want.ops) << what;
-            const cost::LayerCost forward = pricer.forward(dropped, sharded);
+            EXPECT_EQ(got.host, want.host) << what;
+            EXPECT_EQ(got.copy_seconds, want.copy_seconds) << what;
+            EXPECT_EQ(got.copy_wait_seconds, want.copy_wait_seconds) << what;
+            const cost::LayerCost forward = pricer.forward(dropped, sharded, offloaded);
             EXPECT_EQ(forward.forward_peak, want.forward_peak) << what;
             EXPECT_EQ(forward.kept, want.kept) << what;
           }
         }
       }
     }
+  }
+}
+
+// An offloaded block input starts its copy to host memory with the forward and is awaited
+// at its end; its copy back starts with the backward and is awaited before the first node
+// whose backward reads it, the block's first node (its norm). With copies twice the
+// forward long (F) and, without a measured pass, a backward of 2F shared as the
+// differentiated nodes' forwards (D of F), the compute waits F in the forward, and in the
+// backward all but the nodes above the first: 2F - (2F - 2F f0 / D).
+TEST(CostModel, PricesTheTimeTheComputeWaitsForItsCopies) {
+  for (const char* preset : {"gpt2-demo", "llama-demo"}) {
+    const ModelConfig cfg = config(preset, 1, 0.0);
+    const graph::BlockGraph g = graph::block_graph(cfg, 2, 32, at::kFloat);
+    const graph::Lifetimes lt(g);
+    ASSERT_TRUE(lt.runs_backward[0]);
+    for (size_t i = 0; i < g.nodes.size(); ++i) {
+      const graph::Node& n = g.nodes[i];
+      const auto saves = n.op->saves_inputs(n.attrs, n.inputs.size());
+      for (size_t j = 0; j < n.inputs.size(); ++j) {
+        if (n.inputs[j] == g.input && saves[j]) {
+          ASSERT_EQ(i, 0u) << preset << ": only the first node saves the input";
+        }
+      }
+    }
+    const double F = g.forward_flops(), f0 = g.nodes[0].flops;
+    double D = 0;
+    for (size_t i = 0; i < g.nodes.size(); ++i) D += lt.runs_backward[i] ? g.nodes[i].flops : 0.0;
+    cost::NodeTimes times;
+    times.flops_per_second = 1;
+    times.host_bytes_per_second = static_cast<double>(g.slot_bytes(Slot::input)) / (2 * F);
+    const cost::LayerCost c = cost::price_layer(g, {}, true, times, false, SlotMask{Slot::input});
+    // Sums over the nodes round: within 1e-12 of the exact figures.
+    EXPECT_NEAR(c.copy_seconds, 4 * F, 1e-12 * F) << preset;
+    EXPECT_NEAR(c.copy_wait_seconds, F + 2 * F * f0 / D, 1e-12 * F) << preset;
+    // Copies as long as the forward's first node hide entirely.
+    times.host_bytes_per_second = static_cast<double>(g.slot_bytes(Slot::input)) / f0;
+    EXPECT_DOUBLE_EQ(cost::price_layer(g, {}, true, times, false, SlotMask{Slot::input}).copy_wait_seconds, 0.0)
+        << preset;
   }
 }
 

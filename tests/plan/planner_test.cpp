@@ -42,6 +42,7 @@ double brute_force(const ModelConfig& cfg, const cost::StepShape& shape, const c
   ActivationPlan plan;
   plan.layers.resize(L);
   const SlotMask everything = SlotMask::droppable();
+  const cost::LayerPricer pricer(block, true, times);
   const std::vector<bool> holds = shape.tp > 1 && !shape.sp ? std::vector<bool>{false, true} : std::vector<bool>{false};
   std::function<void(int64_t)> walk = [&](int64_t pos) {
     if (pos == L) {
@@ -54,7 +55,8 @@ double brute_force(const ModelConfig& cfg, const cost::StepShape& shape, const c
     for (const bool sharded : holds) {
       for (const auto& c : candidates) {
         for (const auto& op : ops) {
-          for (const SlotMask moved : host_budget > 0 ? offload_sets(block, c, sharded) : std::vector<SlotMask>{{}}) {
+          for (const SlotMask moved :
+               host_budget > 0 ? offload_sets(block, pricer, c, sharded) : std::vector<SlotMask>{{}}) {
             plan.layers[pos] = {c, -1, sharded, op, moved};
             walk(pos + 1);
           }
@@ -330,16 +332,20 @@ TEST(Planner, OffloadsAsBruteForceDoesWithInputsKeptAsShares) {
   }
 }
 
-// Every offload set priced for a keep-set moves only kept slots, grows by one slot at a
-// time, largest first, and leaves the input alone when it is held as shares.
-TEST(Planner, OffloadSetsGrowByTheLargestKeptSlot) {
+// Every offload set priced for a keep-set moves only kept slots and grows by one slot at a
+// time, the one whose copies the compute waits for least per byte first: the block input,
+// copied behind the whole forward and back behind the whole backward, hides entirely and
+// comes before every slot that waits. A shared input is left alone.
+TEST(Planner, OffloadSetsGrowByTheSlotWhoseCopiesWaitLeast) {
   const ModelConfig cfg = config("gpt2-demo", 2, 0.1);
-  const graph::BlockGraph block = graph::block_graph(cfg, 2, 64, at::kFloat);
   const SlotMask dropped{Slot::attn_probs, Slot::attn_dropout};
-  const std::vector<SlotMask> sets = offload_sets(block, dropped, false);
+  const graph::BlockGraph block = graph::block_graph(cfg, 2, 64, at::kFloat);
+  const cost::LayerPricer pricer(block, true, testing::offload_times(block));
+  const std::vector<SlotMask> sets = offload_sets(block, pricer, dropped, false);
   ASSERT_GE(sets.size(), 3u);
   EXPECT_TRUE(sets.front().empty());
-  int64_t last = std::numeric_limits<int64_t>::max();
+  double last = 0;
+  size_t input_at = 0, first_waiting = sets.size();
   for (size_t i = 1; i < sets.size(); ++i) {
     EXPECT_EQ(sets[i].slots().size(), i);
     EXPECT_TRUE((sets[i].bits() & dropped.bits()) == 0) << "offloads a dropped slot";
@@ -347,11 +353,19 @@ TEST(Planner, OffloadSetsGrowByTheLargestKeptSlot) {
     for (const Slot s : sets[i].slots()) {
       if (!sets[i - 1].has(s)) added = s;
     }
-    EXPECT_LE(block.slot_bytes(added), last);
-    last = block.slot_bytes(added);
+    const cost::LayerCost alone = pricer.price(dropped, false, SlotMask{added});
+    const double per_byte = alone.copy_wait_seconds / static_cast<double>(alone.host);
+    EXPECT_GE(per_byte, last) << slot_name(added);
+    last = per_byte;
+    if (added == Slot::input) input_at = i;
+    if (per_byte > 0 && first_waiting == sets.size()) first_waiting = i;
   }
-  EXPECT_TRUE(sets.back().has(Slot::input));
-  for (const SlotMask& s : offload_sets(block, dropped, true)) EXPECT_FALSE(s.has(Slot::input));
+  EXPECT_GT(input_at, 0u);
+  EXPECT_LT(input_at, first_waiting) << "the input's copies hide";
+  EXPECT_LT(first_waiting, sets.size()) << "some slot's copies cannot hide";
+  const graph::BlockGraph shared = graph::block_graph(cfg, 2, 64, at::kFloat, 2, false);
+  const cost::LayerPricer shared_pricer(shared, true, testing::offload_times(shared));
+  for (const SlotMask& s : offload_sets(shared, shared_pricer, dropped, true)) EXPECT_FALSE(s.has(Slot::input));
 }
 
 // The state merging keeps a 128-layer plan exact enough to fit; how long it takes is

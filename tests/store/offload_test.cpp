@@ -82,11 +82,15 @@ TEST(HostPool, BuffersAreExactAndOnCudaPageLocked) {
     auto gen = at::detail::createCPUGenerator(20261126);
     const at::Tensor whole = at::randn({3, 1000}, gen).to(device);
     memory::HostPool pool;
-    const std::vector<at::Tensor> host = pool.to_host({whole, whole.narrow(1, 10, 20)});
+    const memory::HostPool::Moved moved = pool.to_host({whole, whole.narrow(1, 10, 20)});
+    pool.await(moved.ticket);
+    const std::vector<at::Tensor>& host = moved.tensors;
     const memory::HostPool::Counts c = pool.counts();
     EXPECT_EQ(c.reserved, 3 * 1000 * 4) << "one buffer for the storage both tensors view";
     EXPECT_EQ(c.pinned, device.is_cuda() ? c.reserved : 0);
-    const std::vector<at::Tensor> back = memory::HostPool::to_device(host, device);
+    const memory::HostPool::Moved fetched = pool.to_device(host, device);
+    pool.await(fetched.ticket);
+    const std::vector<at::Tensor>& back = fetched.tensors;
     EXPECT_TRUE(at::equal(back[0], whole));
     EXPECT_TRUE(at::equal(back[1], whole.narrow(1, 10, 20)));
     EXPECT_EQ(back[0].storage().unsafeGetStorageImpl(), back[1].storage().unsafeGetStorageImpl());
@@ -94,6 +98,33 @@ TEST(HostPool, BuffersAreExactAndOnCudaPageLocked) {
   round_trip(at::kCPU);
   if (!at::hasCUDA()) GTEST_SKIP() << "no GPU here; scripts/gpu-check.sh runs this where one is";
   round_trip(at::Device(at::kCUDA, 0));
+}
+
+// Copies run on the pool's copy thread in the order they started: a copy back started
+// before the copy out was awaited still reads its result. The pool holds what a copy reads
+// and writes until it is done, so the caller may drop the sources at once; awaiting the
+// last copy frees them.
+TEST(HostPool, CopiesRunInOrderAndHoldTheirTensorsUntilDone) {
+  memory::install_cpu_tracking();
+  auto gen = at::detail::createCPUGenerator(20261127);
+  std::vector<at::Tensor> sources, want;
+  for (int i = 0; i < 8; ++i) {
+    sources.push_back(at::randn({1 << 16}, gen));
+    want.push_back(sources.back().clone());
+  }
+  const int64_t bytes = 8 * (int64_t{1} << 16) * 4;
+  memory::HostPool pool;
+  const int64_t before = memory::stats(at::kCPU).current;
+  memory::HostPool::Moved host = pool.to_host(sources);
+  sources.clear();
+  const memory::HostPool::Moved back = pool.to_device(host.tensors, at::kCPU);
+  host.tensors.clear();
+  pool.await(back.ticket);
+  EXPECT_EQ(memory::stats(at::kCPU).current, before)
+      << "the sources went once copied, and the copies back took as many bytes";
+  for (size_t i = 0; i < want.size(); ++i) EXPECT_TRUE(at::equal(back.tensors[i], want[i])) << i;
+  EXPECT_EQ(pool.counts().in_use, 0) << "the host buffers went back to the pool once read";
+  EXPECT_EQ(pool.counts().moved, bytes);
 }
 
 INSTANTIATE_TEST_SUITE_P(
