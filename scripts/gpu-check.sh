@@ -151,12 +151,22 @@ llama_1b=(model.preset=llama3-8b model.n_layer=16 model.d_model=2048 model.n_hea
 attentions="sdpa math"
 [ "$device" = cpu ] && llama_1b=(model.preset=llama-demo) attentions="tiled math"
 for attention in $attentions; do
-  policies='none;full;modules:[core_attn];full+offload:[input];modules:[core_attn]+offload:[input,mlp]'
+  # modules:[core_attn]+offload:[input]'s copies are predicted to hide behind the layer's
+  # compute, full+offload:[input]'s copies back not (the recompute reads the input first).
+  policies='none;full;modules:[core_attn];full+offload:[input];modules:[core_attn]+offload:[input];modules:[core_attn]+offload:[input,mlp]'
   [ $attention = math ] && policies='none;full'
-  cap 110 "$remat" bench --policies "$policies" --budgets "${BUDGETS:-0.9}" --steps 3 --warmup 1 \
+  cap 130 "$remat" bench --policies "$policies" --budgets "${BUDGETS:-0.9}" --steps 3 --warmup 1 \
     --out "$work/bench-llama-1b-$attention" "${llama_1b[@]}" model.attention=$attention "${common[@]}" \
     > "$work/bench-llama-1b-$attention.log" 2>&1 || say "bench llama-1b $attention failed: $(tail -1 "$work/bench-llama-1b-$attention.log")"
   grep " on CUDA: " "$work/bench-llama-1b-$attention.log" | sed "s/^/llama-1b $attention /" | tee -a "$work/summary.txt"
+  # The copies' overlap: each entry's predicted copies and the part the compute waits for,
+  # beside its measured and predicted step.
+  [ -f "$work/bench-llama-1b-$attention/bench.json" ] && python3 - "$work/bench-llama-1b-$attention/bench.json" <<'PY' | sed "s/^/llama-1b $attention /" | tee -a "$work/summary.txt"
+import json, sys
+for r in json.load(open(sys.argv[1]))["rows"]:
+    print(f"{r['entry']}: step {1e3 * r['median_step_seconds']:.1f} ms, predicted {1e3 * r['predicted_step_seconds']:.1f} ms; "
+          f"copies {1e3 * r['predicted_copy_seconds']:.1f} ms, waited {1e3 * r['predicted_copy_wait_seconds']:.1f} ms predicted")
+PY
 done
 fi
 
