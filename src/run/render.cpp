@@ -123,41 +123,57 @@ nlohmann::json breakdown_json(const cost::StepPrediction& p) {
           {"peak", p.peak},
           {"peak_at", p.peak_at},
           {"host_peak", p.host_peak},
-          {"offloaded_bytes", p.offloaded_bytes},
-          {"copy_seconds", p.copy_seconds},
-          {"copy_wait_seconds", p.copy_wait_seconds}};
+          {"offloaded_bytes", p.offloaded_bytes}};
+}
+
+// Of a layer's copies to host memory and back, the share that runs beside its compute
+// (LayerCost::copy_wait_seconds); -1 without copies.
+double copies_hidden(const cost::LayerCost& c) {
+  return c.copy_seconds > 0 ? 1.0 - c.copy_wait_seconds / c.copy_seconds : -1.0;
 }
 
 // The layers `pred` predicts (a pipeline stage's, or every layer) under `plan` of a block
 // with `slots` (RunPlan::slots), runs of consecutive layers planned alike one line each
-// (wrapped within 100 columns), under a heading line.
+// (wrapped within 100 columns), under a heading line; where some layer offloads, with its
+// host bytes and the share of its copies hidden behind its compute.
 std::string layer_table(const ActivationPlan& plan, const std::vector<std::string>& slots,
                         const cost::StepPrediction& pred) {
   struct Group {
     int64_t first, last;
     std::string words;
-    int64_t kept;
-    double flops;
+    int64_t kept, host;
+    double flops, hidden;
   };
   std::vector<Group> groups;
+  bool offloads = false;
   for (size_t i = 0; i < pred.layers.size(); ++i) {
     const auto l = static_cast<size_t>(pred.first_layer) + i;
     const std::string words = layer_words(plan, slots, l);
     const auto& c = pred.layers[i];
+    const double hidden = copies_hidden(c);
+    offloads = offloads || c.host > 0;
     const bool chunked = plan.chunk_of(static_cast<int64_t>(l)) >= 0;
-    if (!groups.empty() && !chunked && groups.back().words == words && groups.back().kept == c.kept &&
-        groups.back().flops == c.recompute_flops) {
+    const Group* last = groups.empty() ? nullptr : &groups.back();
+    if (last != nullptr && !chunked && last->words == words && last->kept == c.kept && last->host == c.host &&
+        last->flops == c.recompute_flops && last->hidden == hidden) {
       groups.back().last = static_cast<int64_t>(l);
     } else {
-      groups.push_back({static_cast<int64_t>(l), static_cast<int64_t>(l), words, c.kept, c.recompute_flops});
+      groups.push_back(
+          {static_cast<int64_t>(l), static_cast<int64_t>(l), words, c.kept, c.host, c.recompute_flops, hidden});
     }
   }
-  std::string out = fmt::format("  {:<10} {:>11} {:>16}  {}\n", "layers", "kept each", "recompute each", "keeps");
+  const std::string host_heading = offloads ? fmt::format(" {:>11} {:>7}", "host each", "hidden") : "";
+  std::string out =
+      fmt::format("  {:<10} {:>11} {:>16}{}  {}\n", "layers", "kept each", "recompute each", host_heading, "keeps");
   for (const Group& g : groups) {
     const std::string range =
         g.first == g.last ? fmt::format("{}", g.first + 1) : fmt::format("{}-{}", g.first + 1, g.last + 1);
     const std::string flops = g.flops > 0 ? format_count(g.flops) + " FLOPs" : "-";
-    out += wrapped(fmt::format("  {:<10} {:>11} {:>16}  ", range, format_bytes(g.kept), flops), g.words, 43);
+    const std::string host = !offloads ? ""
+                                       : fmt::format(" {:>11} {:>7}", g.host > 0 ? format_bytes(g.host) : "-",
+                                                     g.hidden >= 0 ? fmt::format("{:.0f}%", 100 * g.hidden) : "-");
+    out += wrapped(fmt::format("  {:<10} {:>11} {:>16}{}  ", range, format_bytes(g.kept), flops, host), g.words,
+                   offloads ? 63 : 43);
   }
   return out;
 }
@@ -315,6 +331,8 @@ nlohmann::json render_json(const RunSpec& spec) {
                         {"kept_bytes", p.layers[i].kept},
                         {"offloaded", lp.offloaded.names()},
                         {"host_bytes", p.layers[i].host},
+                        {"copies_hidden", copies_hidden(p.layers[i]) >= 0 ? nlohmann::json(copies_hidden(p.layers[i]))
+                                                                          : nlohmann::json(nullptr)},
                         {"recompute_flops", p.layers[i].recompute_flops}});
     }
     return layers;

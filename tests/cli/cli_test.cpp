@@ -397,6 +397,16 @@ TEST_F(Cli, PlanPricesOffloadCopiesAtTheOffloadRate) {
   EXPECT_DOUBLE_EQ(beside["seconds"].get<double>(), o["seconds"].get<double>());
   EXPECT_LT(beside["wait_seconds"].get<double>(), beside["seconds"].get<double>());
   EXPECT_GT(beside["wait_seconds"].get<double>(), 0.9 * beside["seconds"].get<double>());
+  // Per layer, the share of its copies hidden: none on the CPU; all of them on CUDA where
+  // the compute is slow enough to cover them, and the input is read last by the backward.
+  for (const auto& layer : nlohmann::json::parse(json.output)["plan"]) EXPECT_EQ(layer["copies_hidden"], 0.0);
+  const std::string slow =
+      " model.preset=gpt2-demo train.batch=2 train.seq=64 run.device=cuda parallel.compute_rate=0.001"
+      " ac.offload_rate=10 ac.policy=modules:[core_attn]+offload:[input]";
+  const Result hidden = run_remat("plan --json" + slow + no_corpus());
+  ASSERT_EQ(hidden.exit_code, 0) << hidden.output;
+  for (const auto& layer : nlohmann::json::parse(hidden.output)["plan"]) EXPECT_EQ(layer["copies_hidden"], 1.0);
+  EXPECT_EQ(nlohmann::json::parse(hidden.output)["offload"]["wait_seconds"].get<double>(), 0.0);
   const auto layers = nlohmann::json::parse(json.output)["plan"];
   EXPECT_EQ(static_cast<int64_t>(layers.size()), m.n_layer);
   for (const auto& layer : layers) {
@@ -409,6 +419,9 @@ TEST_F(Cli, PlanPricesOffloadCopiesAtTheOffloadRate) {
                              "step, 0.1 ms of copies beside the compute, which waits 0.1 ms for them"),
             std::string::npos)
       << text.output;
+  EXPECT_NE(text.output.find("layers       kept each   recompute each   host each  hidden  keeps"), std::string::npos)
+      << text.output;
+  EXPECT_NE(text.output.find(" 64.00 KiB      0%  "), std::string::npos) << text.output;
   expect_error("plan ac.offload_rate=0", "ac.offload_rate must be the GB/s copies move between the device and host");
 }
 
