@@ -64,9 +64,10 @@ struct BenchRow {
   std::vector<int64_t> predicted_rank_peak_bytes;  ///< per rank: its pipeline stage's (all alike without stages)
   std::vector<int64_t> stage_layers;               ///< layers per pipeline stage (one: every layer)
   double predicted_step_seconds = 0;               ///< from the time profile (0 with ac.profile=false)
-  /// Of the prediction: the copies of offloaded slots to host memory and back, and the time
-  /// the compute waits for them (cost::StepPrediction::copy_seconds, copy_wait_seconds).
-  double predicted_copy_seconds = 0, predicted_copy_wait_seconds = 0;
+  /// Of the prediction: the copies of offloaded slots to host memory and back, the time the
+  /// compute waits for them and the time it runs longer beside them
+  /// (cost::StepPrediction::copy_seconds, copy_wait_seconds, copy_slowdown_seconds).
+  double predicted_copy_seconds = 0, predicted_copy_wait_seconds = 0, predicted_copy_slowdown_seconds = 0;
   int64_t budget_bytes = 0;  ///< ac.budget of a budget entry, else 0
   /// CUDA: the caching allocator's reserved peak over the measured steps (this rank's),
   /// and the allocated and reserved peaks its model predicts for the plan (the busiest

@@ -123,6 +123,9 @@ struct NodeTimes {
   /// Whether those copies run beside the compute, on copy engines of their own (CUDA's), or
   /// take the cores the compute runs on (the CPU's), which then waits for each whole.
   bool host_copies_overlap = true;
+  /// Where they overlap: of each second a copy runs beside the compute, the share the
+  /// compute loses, from 0 to below 1 (measured: train/profile.h's measure_host_copy).
+  double host_copy_slowdown = 0;
   /// `bytes` in `storages` copied to host memory, or back.
   double host_copy_seconds(int64_t bytes, int64_t storages) const {
     if (host_bytes_per_second <= 0) return 0.0;
@@ -173,9 +176,12 @@ struct LayerCost {
   double recompute_link_seconds = 0;   ///< of recompute_seconds: the collectives it re-runs
   std::map<std::string, int64_t> ops;  ///< re-executed op kinds
   /// Its copies to host memory and back (NodeTimes::host_copy_seconds), one after another
-  /// beside its compute, and the time its compute waits for them: the clock of the walk
-  /// (graph::BlockRun) over its nodes' forward and backward times.
-  double copy_seconds = 0, copy_wait_seconds = 0;
+  /// beside its compute, the time its compute waits for them, and the time it runs longer
+  /// beside them (NodeTimes::host_copy_slowdown): the clock of the walk (graph::BlockRun)
+  /// over its nodes' forward and backward times.
+  double copy_seconds = 0, copy_wait_seconds = 0, copy_slowdown_seconds = 0;
+  /// What its copies add to its step: the waits and the slowdown.
+  double copy_added_seconds() const { return copy_wait_seconds + copy_slowdown_seconds; }
 };
 
 /// The whole step under one plan (of one pipeline stage: its layers, its ends).
@@ -198,12 +204,15 @@ struct StepPrediction {
   int64_t offloaded_bytes = 0;         ///< per step: bytes copied to host memory, and as many back
   double copy_seconds = 0;             ///< per step: those copies (LayerCost::copy_seconds)
   double copy_wait_seconds = 0;        ///< per step: the time the compute waits for them
+  double copy_slowdown_seconds = 0;    ///< per step: the time it runs longer beside them
   /// Per step: the forward and backward time the layers running the other attention op
   /// (LayerPlan::attention) take beyond the model's op in them (OtherAttention::pass_delta).
   double attention_seconds = 0;
   /// Per step: what the plan adds to a step that recomputes nothing, runs the model's
   /// attention op and offloads nothing.
-  double added_seconds() const { return recompute_seconds + attention_seconds + copy_wait_seconds; }
+  double added_seconds() const {
+    return recompute_seconds + attention_seconds + copy_wait_seconds + copy_slowdown_seconds;
+  }
 };
 
 /// Prices one layer's slot choice. `dropped`: slots recomputed; `early_stop` as the store's;

@@ -45,9 +45,9 @@ struct PlannerOptions {
 
 /// The offload sets a layer's keep-set `dropped` is priced with under a host budget:
 /// none, then its kept slots (the block input too, unless held as shares) one more at a
-/// time, those whose copies the compute waits for least per byte moved first (each
-/// offloaded alone, priced by `pricer`, a pricer of `block`), the largest first among
-/// equals. A slot's copies hide behind the compute between its production and the
+/// time, those whose copies add least to the step per byte (LayerCost::copy_added_seconds)
+/// moved first (each offloaded alone, priced by `pricer`, a pricer of `block`), the largest
+/// first among equals. A slot's copies hide behind the compute between its production and the
 /// forward's end and between the backward's start and its first reader, so the block
 /// input, written first and read last, usually leads.
 std::vector<SlotMask> offload_sets(const graph::BlockGraph& block, const cost::LayerPricer& pricer, SlotMask dropped,

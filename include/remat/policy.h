@@ -112,6 +112,9 @@ struct AcConfig {
   /// GB/s each way between the device and host memory that `remat plan` prices offloaded
   /// slots' copies at (a run measures its own); 25: about a PCIe 4 x16 link, 55 PCIe 5.
   double offload_rate = 25;
+  /// Of each second such a copy runs beside the compute (on a device whose copies overlap
+  /// it), the share the compute loses (a run measures its own): 0.17, an H200's matmuls'.
+  double offload_slowdown = 0.17;
   int64_t stages = 1;  ///< pipeline stages the layers are split across
 };
 

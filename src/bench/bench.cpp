@@ -110,6 +110,7 @@ BenchRow run_entry(const BenchEntry& entry, const PreparedEntry& p, const BenchO
   row.predicted_step_seconds = planned.step_seconds;
   row.predicted_copy_seconds = planned.predicted.copy_seconds;
   row.predicted_copy_wait_seconds = planned.predicted.copy_wait_seconds;
+  row.predicted_copy_slowdown_seconds = planned.predicted.copy_slowdown_seconds;
   row.budget_bytes = planned.budget;
   row.predicted_cuda_allocated_bytes = planned.device_peak().allocated_peak;
   row.predicted_cuda_reserved_bytes = planned.device_peak().reserved_peak;
@@ -195,6 +196,7 @@ nlohmann::json row_json(const BenchRow& r) {
           {"predicted_step_seconds", r.predicted_step_seconds},
           {"predicted_copy_seconds", r.predicted_copy_seconds},
           {"predicted_copy_wait_seconds", r.predicted_copy_wait_seconds},
+          {"predicted_copy_slowdown_seconds", r.predicted_copy_slowdown_seconds},
           {"budget_bytes", r.budget_bytes},
           {"reserved_peak_bytes", r.reserved_peak_bytes},
           {"predicted_cuda_allocated_bytes", r.predicted_cuda_allocated_bytes},
@@ -277,7 +279,7 @@ BenchResult run_bench(const BenchOptions& o) {
   };
   in.profile_of = [&](const Config& op) {
     TimeProfile profile = profile_of(op);
-    if (may_offload(op)) add_host_copy(profile, device, ranks.get());
+    if (may_offload(op)) add_host_copy(profile, device, dtype, ranks.get());
     return profile;
   };
   // Every entry's plan and prediction, so an infeasible budget fails before anything trains.

@@ -232,6 +232,7 @@ int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
   times.flops_per_second = 1.0;
   times.host_bytes_per_second = cfg.ac.offload_rate * 1e9 / (cfg.parallel.compute_rate * 1e12);
   times.host_copies_overlap = cfg.run.device != "cpu";
+  times.host_copy_slowdown = cfg.ac.offload_slowdown;
   RunInputs in;
   in.dtype = dtype_of(cfg.run.dtype);
   in.profile_of = [&](const Config&) {
@@ -294,7 +295,8 @@ int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
                        {"bytes_each_way", pred.offloaded_bytes},
                        {"host_peak", pred.host_peak},
                        {"seconds", pred.copy_seconds / (spec.cfg.parallel.compute_rate * 1e12)},
-                       {"wait_seconds", pred.copy_wait_seconds / (spec.cfg.parallel.compute_rate * 1e12)}};
+                       {"wait_seconds", pred.copy_wait_seconds / (spec.cfg.parallel.compute_rate * 1e12)},
+                       {"slowdown_seconds", pred.copy_slowdown_seconds / (spec.cfg.parallel.compute_rate * 1e12)}};
     json["frontier"] = points(sweep.points);
     json["frontier_budgets"] = {{"asked", sweep.asked}, {"solved", sweep.solved}, {"seconds", sweep.seconds}};
     json["manual"] = points(manual);
@@ -308,11 +310,11 @@ int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
     const double rate = spec.cfg.parallel.compute_rate * 1e12;
     fmt::print(
         "offload copies at ac.offload_rate = {} GB/s: {} to host memory and back a step, {:.1f} ms of copies beside "
-        "the compute, which waits {:.1f} ms for them ({:.1f}% over the step's FLOPs at parallel.compute_rate = {} "
-        "TFLOP/s)\n",
+        "the compute, which waits {:.1f} ms for them and runs {:.1f} ms longer beside them (ac.offload_slowdown = "
+        "{}): {:.1f}% over the step's FLOPs at parallel.compute_rate = {} TFLOP/s\n",
         spec.cfg.ac.offload_rate, format_bytes(pred.offloaded_bytes), 1e3 * pred.copy_seconds / rate,
-        1e3 * pred.copy_wait_seconds / rate,
-        100.0 * pred.copy_wait_seconds / (flops * static_cast<double>(shape.grad_accum)),
+        1e3 * pred.copy_wait_seconds / rate, 1e3 * pred.copy_slowdown_seconds / rate, spec.cfg.ac.offload_slowdown,
+        100.0 * (pred.copy_wait_seconds + pred.copy_slowdown_seconds) / (flops * static_cast<double>(shape.grad_accum)),
         spec.cfg.parallel.compute_rate);
   }
   if (args.pareto) {

@@ -321,6 +321,8 @@ std::vector<ConfigKey> make_keys() {
       key("ac.early_stop", &C::ac, &AcConfig::early_stop, "stop recompute once outputs exist"),
       key("ac.pool", &C::ac, &AcConfig::pool, "recompute into recycled buffers"),
       key("ac.offload_rate", &C::ac, &AcConfig::offload_rate, "GB/s device to host and back (remat plan's copies)"),
+      key("ac.offload_slowdown", &C::ac, &AcConfig::offload_slowdown,
+          "share of compute lost beside copies (remat plan's)"),
       key("ac.stages", &C::ac, &AcConfig::stages, "pipeline stages the layers split into"),
       ac_key("ac.enable_activation_checkpointing", &AcConfig::enable_activation_checkpointing,
              "torchtune: true alone = full"),
@@ -891,6 +893,13 @@ void validate_config(const Config& c) {
         fmt::format("ac.offload_rate must be the GB/s copies move between the device and host memory, above 0 and "
                     "at most 1000000 (25 for PCIe 4, 55 for PCIe 5), got {}.",
                     c.ac.offload_rate));
+  }
+  if (!(c.ac.offload_slowdown >= 0 && c.ac.offload_slowdown < 1)) {
+    fail(
+        fmt::format("ac.offload_slowdown must be the share of each second a copy to or from host memory runs beside "
+                    "the compute that the compute loses, from 0 to below 1 (0.17: it does 0.83 s of its work), got "
+                    "{}.",
+                    c.ac.offload_slowdown));
   }
   if (!(c.parallel.compute_rate > 0 && c.parallel.compute_rate <= 1e6)) {
     fail(

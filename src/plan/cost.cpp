@@ -142,26 +142,57 @@ struct Folds {
 };
 
 // One layer's copies of offloaded slots against its compute: the compute's clock (its
-// nodes' times), when the copies started so far end (one after another, beside the
-// compute where they `overlap` it, else in its place), and how long the compute waited.
+// nodes' times; of each second a copy runs beside it, it loses `slowdown`), when the copies
+// started so far run (one after another, beside the compute where they `overlap` it, else
+// in its place), how long the compute waited for them and how much longer it ran.
 struct CopyClock {
   bool overlap = true;
+  double slowdown = 0;
   double now = 0;
-  std::vector<double> ends;  // per ticket, from 1
-  double copies = 0, waited = 0;
+  std::vector<std::pair<double, double>> runs;  // per ticket, from 1: when it starts and ends
+  size_t running = 0;                           // the first of `runs` not over at `now`
+  double copies = 0, waited = 0, slowed = 0;
   uint64_t start(double seconds) {
     copies += seconds;
     if (overlap) {
-      ends.push_back(std::max(ends.empty() ? 0.0 : ends.back(), now) + seconds);
+      const double from = std::max(runs.empty() ? 0.0 : runs.back().second, now);
+      runs.emplace_back(from, from + seconds);
     } else {
       waited += seconds;
       now += seconds;
-      ends.push_back(now);
+      runs.emplace_back(now - seconds, now);
     }
-    return ends.size();
+    return runs.size();
+  }
+  // `seconds` of compute, alone on the device: slower where a copy runs.
+  void compute(double seconds) {
+    while (seconds > 0) {
+      while (running < runs.size() && runs[running].second <= now) ++running;
+      if (running == runs.size() || slowdown <= 0) {
+        now += seconds;
+        return;
+      }
+      const auto [from, to] = runs[running];
+      if (from > now) {  // no copy before `from`
+        const double alone = std::min(seconds, from - now);
+        now += alone;
+        seconds -= alone;
+        continue;
+      }
+      const double beside = (to - now) * (1 - slowdown);  // compute done while this copy runs
+      if (seconds <= beside) {
+        const double wall = seconds / (1 - slowdown);
+        slowed += wall - seconds;
+        now += wall;
+        return;
+      }
+      slowed += (to - now) - beside;
+      now = to;
+      seconds -= beside;
+    }
   }
   void await(uint64_t ticket) {
-    const double end = ends.at(ticket - 1);
+    const double end = runs.at(ticket - 1).second;
     if (end > now) waited += end - std::exchange(now, end);
   }
 };
@@ -230,7 +261,7 @@ struct Simulator {
       const graph::Events e = forward_events(g, i, bytes);
       replay(e, res, bytes);
     }
-    if (clock != nullptr) clock->now += times.node_seconds(n);
+    if (clock != nullptr) clock->compute(times.node_seconds(n));
     if (recompute) {
       if (n.op->kind()[0] != '\0') ++cost.ops[n.op->kind()];
       cost.recompute_flops += n.flops;
@@ -253,7 +284,7 @@ struct Simulator {
       const graph::Events e = backward_events(g, i, bytes);
       replay(e, res, bytes);
     }
-    if (clock != nullptr) clock->now += backward_times->at(static_cast<size_t>(i));
+    if (clock != nullptr) clock->compute(backward_times->at(static_cast<size_t>(i)));
     return res;
   }
   Tensor add(const Tensor& a, const Tensor&) { return make(a->bytes); }
@@ -274,7 +305,7 @@ struct Simulator {
     const double gather = times.input_gather_seconds(g);
     cost.recompute_seconds += gather;
     cost.recompute_link_seconds += gather;
-    if (clock != nullptr) clock->now += gather;
+    if (clock != nullptr) clock->compute(gather);
     return res[0];
   }
   struct Moved {
@@ -419,6 +450,7 @@ LayerCost simulate(const graph::BlockGraph& g, const graph::Lifetimes& lt, const
   Live live, host;
   CopyClock clock;
   clock.overlap = times.host_copies_overlap;
+  clock.slowdown = times.host_copy_slowdown;
   const std::vector<double> backward_times = backward_seconds(g, lt, times);
   Simulator sim{g, live, times, early_stop, lc, folds, &host, &clock, &backward_times};
   const auto input = [&](int v) { return sim.make(g.values[v].external ? 0 : g.values[v].info.bytes()); };
@@ -433,6 +465,7 @@ LayerCost simulate(const graph::BlockGraph& g, const graph::Lifetimes& lt, const
     // Copied back as a chunk's recompute does: awaited at once.
     lc.copy_seconds = 2 * clock.copies;
     lc.copy_wait_seconds = clock.waited + clock.copies;
+    lc.copy_slowdown_seconds = clock.slowed;
     return lc;
   }
   live.reset_peak();
@@ -440,6 +473,7 @@ LayerCost simulate(const graph::BlockGraph& g, const graph::Lifetimes& lt, const
   lc.backward_peak = live.peak();
   lc.copy_seconds = clock.copies;
   lc.copy_wait_seconds = clock.waited;
+  lc.copy_slowdown_seconds = clock.slowed;
   return lc;
 }
 
@@ -672,6 +706,7 @@ StepPrediction predict_step(const ModelConfig& cfg, const StepShape& shape, cons
         p.offloaded_bytes += c.host;
         p.copy_seconds += c.copy_seconds;
         p.copy_wait_seconds += c.copy_wait_seconds;
+        p.copy_slowdown_seconds += c.copy_slowdown_seconds;
         if (runs_other(plan.layers[a.layer])) p.attention_seconds += times.other_attention->pass_delta;
         break;
       }

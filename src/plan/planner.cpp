@@ -172,7 +172,7 @@ Planner::Planner(const ModelConfig& cfg, const cost::StepShape& shape, const cos
           LayerOption o{d, moved, pricer.price(d, sharded, moved), sharded, op};
           // A set whose every slot shares memory the device keeps moves nothing.
           if (!moved.empty() && o.cost.host == 0) continue;
-          o.seconds = o.cost.recompute_seconds + delta + o.cost.copy_wait_seconds;
+          o.seconds = o.cost.recompute_seconds + delta + o.cost.copy_added_seconds();
           all.push_back(std::move(o));
         }
       }
@@ -570,13 +570,13 @@ std::vector<SlotMask> offload_sets(const graph::BlockGraph& block, const cost::L
   for (const Slot s : SlotMask::droppable().slots()) {
     if (!dropped.has(s) && block.slot_bytes(s) > 0) kept.push_back(s);
   }
-  std::map<Slot, double> wait_per_byte;
+  std::map<Slot, double> added_per_byte;
   for (const Slot s : kept) {
     const cost::LayerCost c = pricer.price(dropped, input_sharded, SlotMask{s});
-    wait_per_byte[s] = c.host > 0 ? c.copy_wait_seconds / static_cast<double>(c.host) : 0.0;
+    added_per_byte[s] = c.host > 0 ? c.copy_added_seconds() / static_cast<double>(c.host) : 0.0;
   }
   std::stable_sort(kept.begin(), kept.end(), [&](Slot a, Slot b) {
-    if (wait_per_byte[a] != wait_per_byte[b]) return wait_per_byte[a] < wait_per_byte[b];
+    if (added_per_byte[a] != added_per_byte[b]) return added_per_byte[a] < added_per_byte[b];
     return block.slot_bytes(a) > block.slot_bytes(b);
   });
   std::vector<SlotMask> out{SlotMask{}};

@@ -252,8 +252,9 @@ std::string plan_text(const Config& cfg, const RunPlan& r) {
                                  1e3 * p.recompute_seconds,
                                  p.offloaded_bytes > 0
                                      ? fmt::format(" + {:.1f} ms waiting for the {:.1f} ms of copies to host memory "
-                                                   "and back",
-                                                   1e3 * p.copy_wait_seconds, 1e3 * p.copy_seconds)
+                                                   "and back + {:.1f} ms slower compute beside them",
+                                                   1e3 * p.copy_wait_seconds, 1e3 * p.copy_seconds,
+                                                   1e3 * p.copy_slowdown_seconds)
                                      : "",
                                  1e3 * prof.optimizer_seconds);
     text += line(fmt::format("predicted step time {:.1f} ms: {}", 1e3 * r.step_seconds, parts));

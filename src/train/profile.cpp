@@ -471,7 +471,55 @@ LinkRate measure_link_rate(dist::Comm& ranks) {
   return fit;
 }
 
-HostCopy measure_host_copy(at::Device device) {
+namespace {
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// How much longer `dtype` matmuls take while a copy of `bytes` (taking `copy_seconds`)
+// runs beside them, as a share of the copy's time (NodeTimes::host_copy_slowdown): the
+// mean of a copy to host memory and one back, each beside matmuls that outlast it.
+double measure_copy_slowdown(at::Device device, at::ScalarType dtype, int64_t bytes, double copy_seconds) {
+  const auto opts = at::TensorOptions().dtype(dtype).device(device);
+  const at::Tensor a = at::randn({4096, 4096}, opts), b = at::randn({4096, 4096}, opts);
+  at::Tensor c = at::mm(a, b);
+  const auto matmuls = [&](int n) {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < n; ++i) at::mm_out(c, a, b);
+    synchronize(device);
+    return seconds_since(t0);
+  };
+  synchronize(device);
+  const int n = std::max(1, static_cast<int>(std::ceil(2 * copy_seconds / (matmuls(8) / 8))));
+  memory::HostPool pool;
+  const at::Tensor source = at::zeros({bytes}, at::TensorOptions().dtype(at::kByte).device(device));
+  memory::HostPool::Moved host = pool.to_host({source});  // fills the pool
+  pool.await(host.ticket);
+  synchronize(device);
+  std::vector<double> alone, out, back;
+  for (int rep = 0; rep < 5; ++rep) {
+    alone.push_back(matmuls(n));
+    const memory::HostPool::Moved to_host = pool.to_host({source});
+    out.push_back(matmuls(n));
+    pool.await(to_host.ticket);
+    const memory::HostPool::Moved to_device = pool.to_device(host.tensors, device);
+    back.push_back(matmuls(n));
+    pool.await(to_device.ticket);
+    synchronize(device);
+  }
+  const double base = median(alone);
+  // Below 1, or compute beside a copy would never end; noise can make it lie outside.
+  const auto slowdown = [&](const std::vector<double>& beside) {
+    return std::clamp((median(beside) - base) / copy_seconds, 0.0, 0.9);
+  };
+  return (slowdown(out) + slowdown(back)) / 2;
+}
+
+}  // namespace
+
+HostCopy measure_host_copy(at::Device device, at::ScalarType dtype) {
   // One round trip of `count` tensors of `bytes` each, the median of a few.
   const auto time = [&](int64_t bytes, int count) {
     memory::HostPool pool;
@@ -490,8 +538,7 @@ HostCopy measure_host_copy(at::Device device) {
       synchronize(device);
       if (rep > 0) reps.push_back(seconds_since(t0));  // rep 0 fills the pool
     }
-    std::sort(reps.begin(), reps.end());
-    return reps[reps.size() / 2];
+    return median(reps);
   };
   const int64_t small = 4096, large = int64_t{64} << 20;
   const int count = 64;
@@ -504,6 +551,11 @@ HostCopy measure_host_copy(at::Device device) {
   fit.latency_seconds = std::max(0.0, (small_s - 2.0 * bytes(count * small) / fit.bytes_per_second) / (2.0 * count));
   if (large_s > 2.0 * fit.latency_seconds)
     fit.bytes_per_second = 2.0 * bytes(large) / (large_s - 2.0 * fit.latency_seconds);
+  // The CPU's copies take the compute's cores and are priced whole (host_copies_overlap).
+  if (device.is_cuda()) {
+    const int64_t beside = int64_t{256} << 20;
+    fit.compute_slowdown = measure_copy_slowdown(device, dtype, beside, bytes(beside) / fit.bytes_per_second);
+  }
   return fit;
 }
 
@@ -540,19 +592,22 @@ TimeProfile run_time_profile(const Config& cfg, at::Device device, at::ScalarTyp
     profile.times.link_latency_seconds = link.latency_seconds / profile.seconds_per_unit;
   }
   // Measured at every start that may offload.
-  if (may_offload(cfg)) add_host_copy(profile, device, ranks);
+  if (may_offload(cfg)) add_host_copy(profile, device, dtype, ranks);
   return profile;
 }
 
-void add_host_copy(TimeProfile& profile, at::Device device, dist::Comm* ranks) {
-  HostCopy copy = measure_host_copy(device);
+void add_host_copy(TimeProfile& profile, at::Device device, at::ScalarType dtype, dist::Comm* ranks) {
+  HostCopy copy = measure_host_copy(device, dtype);
   if (ranks != nullptr && ranks->size() > 1) {
-    copy.bytes_per_second = rank0s(*ranks, copy.bytes_per_second, "sharing rank 0's measure of host copies");
-    copy.latency_seconds = rank0s(*ranks, copy.latency_seconds, "sharing rank 0's measure of host copies");
+    const char* what = "sharing rank 0's measure of host copies";
+    copy.bytes_per_second = rank0s(*ranks, copy.bytes_per_second, what);
+    copy.latency_seconds = rank0s(*ranks, copy.latency_seconds, what);
+    copy.compute_slowdown = rank0s(*ranks, copy.compute_slowdown, what);
   }
   profile.times.host_bytes_per_second = copy.bytes_per_second * profile.seconds_per_unit;
   profile.times.host_copies_overlap = device.is_cuda();
   profile.times.host_copy_latency_seconds = copy.latency_seconds / profile.seconds_per_unit;
+  profile.times.host_copy_slowdown = copy.compute_slowdown;
 }
 
 }  // namespace remat

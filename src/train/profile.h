@@ -96,21 +96,25 @@ LinkRate measure_link_rate(dist::Comm& ranks);
 
 /// How fast the offloaded slots' copies move between `device` and host memory
 /// (memory::HostPool), each way: bytes a second and seconds a storage, fitted to the
-/// median round trips of one 64 MiB tensor (beyond the caches) and of 64 tensors of 4 KiB.
+/// median round trips of one 64 MiB tensor (beyond the caches) and of 64 tensors of 4 KiB;
+/// on CUDA, whose copies run beside the compute, also how much slower `dtype` matmuls of
+/// 4096 x 4096 run beside a copy of 256 MiB each way (NodeTimes::host_copy_slowdown).
 struct HostCopy {
   double bytes_per_second = 0;
   double latency_seconds = 0;
+  double compute_slowdown = 0;
 };
-HostCopy measure_host_copy(at::Device device);
+HostCopy measure_host_copy(at::Device device, at::ScalarType dtype);
 
 /// Whether a run of `cfg` may offload slots: its policy does, or its budget plan may (a
 /// host budget above 0, as resolve_run writes it). Such a run measures its host copies.
 bool may_offload(const Config& cfg);
 
-/// Sets `profile`'s host copy rate and latency to those measure_host_copy measures on
-/// `device` now, rank 0's for every rank of `ranks` (as the rest of a profile is), and
-/// whether the copies overlap the compute (on CUDA; NodeTimes::host_copies_overlap).
-void add_host_copy(TimeProfile& profile, at::Device device, dist::Comm* ranks);
+/// Sets `profile`'s host copy rate, latency and compute slowdown to those
+/// measure_host_copy measures on `device` in `dtype` now, rank 0's for every rank of
+/// `ranks` (as the rest of a profile is), and whether the copies overlap the compute (on
+/// CUDA; NodeTimes::host_copies_overlap).
+void add_host_copy(TimeProfile& profile, at::Device device, at::ScalarType dtype, dist::Comm* ranks);
 
 /// The profile a run of `cfg` (a rank_share) plans from, as `remat train` and `remat bench`
 /// take it: under ac.profile, rank_time_profile on the whole model `create` builds, left in

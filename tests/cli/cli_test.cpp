@@ -406,7 +406,14 @@ TEST_F(Cli, PlanPricesOffloadCopiesAtTheOffloadRate) {
   const Result hidden = run_remat("plan --json" + slow + no_corpus());
   ASSERT_EQ(hidden.exit_code, 0) << hidden.output;
   for (const auto& layer : nlohmann::json::parse(hidden.output)["plan"]) EXPECT_EQ(layer["copies_hidden"], 1.0);
-  EXPECT_EQ(nlohmann::json::parse(hidden.output)["offload"]["wait_seconds"].get<double>(), 0.0);
+  const auto hidden_copies = nlohmann::json::parse(hidden.output)["offload"];
+  EXPECT_EQ(hidden_copies["wait_seconds"].get<double>(), 0.0);
+  // Compute beside every copy throughout: it loses ac.offload_slowdown of each copy's time.
+  EXPECT_NEAR(hidden_copies["slowdown_seconds"].get<double>(), 0.17 * hidden_copies["seconds"].get<double>(),
+              1e-9 * hidden_copies["seconds"].get<double>());
+  const Result lossless = run_remat("plan --json ac.offload_slowdown=0" + slow + no_corpus());
+  ASSERT_EQ(lossless.exit_code, 0) << lossless.output;
+  EXPECT_EQ(nlohmann::json::parse(lossless.output)["offload"]["slowdown_seconds"].get<double>(), 0.0);
   const auto layers = nlohmann::json::parse(json.output)["plan"];
   EXPECT_EQ(static_cast<int64_t>(layers.size()), m.n_layer);
   for (const auto& layer : layers) {
@@ -423,6 +430,7 @@ TEST_F(Cli, PlanPricesOffloadCopiesAtTheOffloadRate) {
       << text.output;
   EXPECT_NE(text.output.find(" 64.00 KiB      0%  "), std::string::npos) << text.output;
   expect_error("plan ac.offload_rate=0", "ac.offload_rate must be the GB/s copies move between the device and host");
+  expect_error("plan ac.offload_slowdown=1", "ac.offload_slowdown must be the share of each second a copy");
 }
 
 // ac.host_budget lets a budget's plan offload: below the least budget recompute alone fits,

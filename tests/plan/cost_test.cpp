@@ -209,6 +209,7 @@ TEST(CostModel, FoldedPricesEqualTheEventByEventWalk) {
         times.flops_per_second = 1e9;
         times.link_bytes_per_second = 1e8;
         times.host_bytes_per_second = 1e8;
+        times.host_copy_slowdown = 0.2;
         for (const bool early_stop : {true, false}) {
           const cost::LayerPricer pricer(g, early_stop, times);
           for (int trial = 0; trial < 12; ++trial) {
@@ -237,6 +238,7 @@ TEST(CostModel, FoldedPricesEqualTheEventByEventWalk) {
             EXPECT_EQ(got.host, want.host) << what;
             EXPECT_EQ(got.copy_seconds, want.copy_seconds) << what;
             EXPECT_EQ(got.copy_wait_seconds, want.copy_wait_seconds) << what;
+            EXPECT_EQ(got.copy_slowdown_seconds, want.copy_slowdown_seconds) << what;
             const cost::LayerCost forward = pricer.forward(dropped, sharded, offloaded);
             EXPECT_EQ(forward.forward_peak, want.forward_peak) << what;
             EXPECT_EQ(forward.kept, want.kept) << what;
@@ -282,6 +284,36 @@ TEST(CostModel, PricesTheTimeTheComputeWaitsForItsCopies) {
     times.host_bytes_per_second = static_cast<double>(g.slot_bytes(Slot::input)) / f0;
     EXPECT_DOUBLE_EQ(cost::price_layer(g, {}, true, times, false, SlotMask{Slot::input}).copy_wait_seconds, 0.0)
         << preset;
+  }
+}
+
+// Of each second a copy runs beside it, the compute loses s. With the copies of the test
+// above (2F each way) and s = 1/4: the forward's F of compute takes 4F/3 of the copy out
+// and waits 2F/3 for the rest; the backward's W = 2F - 2F f0 / D before the first node
+// outlasts the copy back (W > 2F (1 - s)), doing 3F/2 of it beside the copy: no wait,
+// F/2 longer.
+TEST(CostModel, PricesTheComputeSlowedBesideItsCopies) {
+  for (const char* preset : {"gpt2-demo", "llama-demo"}) {
+    const graph::BlockGraph g = graph::block_graph(config(preset, 1, 0.0), 2, 32, at::kFloat);
+    const graph::Lifetimes lt(g);
+    const double F = g.forward_flops(), f0 = g.nodes[0].flops, s = 0.25;
+    double D = 0;
+    for (size_t i = 0; i < g.nodes.size(); ++i) D += lt.runs_backward[i] ? g.nodes[i].flops : 0.0;
+    ASSERT_GT(2 * F - 2 * F * f0 / D, 2 * F * (1 - s)) << preset;
+    cost::NodeTimes times;
+    times.flops_per_second = 1;
+    times.host_bytes_per_second = static_cast<double>(g.slot_bytes(Slot::input)) / (2 * F);
+    times.host_copy_slowdown = s;
+    const cost::LayerCost c = cost::price_layer(g, {}, true, times, false, SlotMask{Slot::input});
+    EXPECT_NEAR(c.copy_seconds, 4 * F, 1e-12 * F) << preset;
+    EXPECT_NEAR(c.copy_wait_seconds, 2 * F / 3, 1e-12 * F) << preset;
+    EXPECT_NEAR(c.copy_slowdown_seconds, F / 3 + F / 2, 1e-12 * F) << preset;
+    EXPECT_DOUBLE_EQ(c.copy_added_seconds(), c.copy_wait_seconds + c.copy_slowdown_seconds) << preset;
+    // Copies priced whole (the CPU's) slow nothing: the compute waits for each.
+    times.host_copies_overlap = false;
+    const cost::LayerCost whole = cost::price_layer(g, {}, true, times, false, SlotMask{Slot::input});
+    EXPECT_EQ(whole.copy_slowdown_seconds, 0.0) << preset;
+    EXPECT_NEAR(whole.copy_wait_seconds, 4 * F, 1e-12 * F) << preset;
   }
 }
 
