@@ -442,16 +442,16 @@ namespace {
 // The walk of `g` on the simulator: its forward from its inputs (the caller's take no
 // bytes here), keeping by `keep`, and, when `backward`, its backward from the output
 // gradient. `kept`: what the forward leaves live for the backward. `folds`: g's, or null
-// to replay every declared event.
+// to replay every declared event. `backward_times`: backward_seconds(g, lt, times).
 LayerCost simulate(const graph::BlockGraph& g, const graph::Lifetimes& lt, const Folds* folds,
-                   const std::vector<bool>& keep, bool early_stop, const NodeTimes& times, bool backward,
+                   const std::vector<bool>& keep, bool early_stop, const NodeTimes& times,
+                   const std::vector<double>& backward_times, bool backward,
                    graph::InputHold hold = graph::InputHold::whole, SlotMask offloaded = {}) {
   LayerCost lc;
   Live live, host;
   CopyClock clock;
   clock.overlap = times.host_copies_overlap;
   clock.slowdown = times.host_copy_slowdown;
-  const std::vector<double> backward_times = backward_seconds(g, lt, times);
   Simulator sim{g, live, times, early_stop, lc, folds, &host, &clock, &backward_times};
   const auto input = [&](int v) { return sim.make(g.values[v].external ? 0 : g.values[v].info.bytes()); };
   std::vector<SimTensor> side;
@@ -480,10 +480,11 @@ LayerCost simulate(const graph::BlockGraph& g, const graph::Lifetimes& lt, const
 // A block's walk under the slots `dropped`, its input held whole or as this rank's share,
 // the slots `offloaded` in host memory between its forward and its backward.
 LayerCost simulate(const graph::BlockGraph& g, const graph::Lifetimes& lt, const Folds* folds, SlotMask dropped,
-                   bool early_stop, const NodeTimes& times, bool backward, bool input_sharded, SlotMask offloaded) {
+                   bool early_stop, const NodeTimes& times, const std::vector<double>& backward_times, bool backward,
+                   bool input_sharded, SlotMask offloaded) {
   std::vector<bool> keep(kSlotCount, true);
   for (const Slot s : dropped.slots()) keep[static_cast<size_t>(s)] = false;
-  LayerCost lc = simulate(g, lt, folds, keep, early_stop, times, backward,
+  LayerCost lc = simulate(g, lt, folds, keep, early_stop, times, backward_times, backward,
                           input_sharded ? graph::InputHold::sharded : graph::InputHold::whole, offloaded);
   const int64_t away = g.offload_bytes(keep, offloaded, input_sharded);
   const int64_t table = g.kept_bytes(keep, input_sharded) - away;
@@ -495,7 +496,8 @@ LayerCost simulate(const graph::BlockGraph& g, const graph::Lifetimes& lt, const
 // The walk of a graph no plan applies to (the embedding, the loss head).
 LayerCost simulate_kept(const graph::BlockGraph& g) {
   const graph::Lifetimes lt(g);
-  return simulate(g, lt, nullptr, std::vector<bool>(kSlotCount, true), true, NodeTimes{}, /*backward=*/true);
+  return simulate(g, lt, nullptr, std::vector<bool>(kSlotCount, true), true, NodeTimes{},
+                  std::vector<double>(g.nodes.size(), 0.0), /*backward=*/true);
 }
 
 }  // namespace
@@ -506,27 +508,34 @@ struct LayerPricer::Prepared {
   Folds folds;
   bool early_stop;
   NodeTimes times;
+  std::vector<double> backward_times;
   Prepared(const graph::BlockGraph& block, bool early, NodeTimes t)
-      : g(block), lt(block), folds(block, lt), early_stop(early), times(std::move(t)) {}
+      : g(block),
+        lt(block),
+        folds(block, lt),
+        early_stop(early),
+        times(std::move(t)),
+        backward_times(backward_seconds(block, lt, times)) {}
 };
 
 LayerPricer::LayerPricer(const graph::BlockGraph& block, bool early_stop, NodeTimes times)
     : p_(std::make_shared<const Prepared>(block, early_stop, std::move(times))) {}
 
 LayerCost LayerPricer::price(SlotMask dropped, bool input_sharded, SlotMask offloaded) const {
-  return simulate(p_->g, p_->lt, &p_->folds, dropped, p_->early_stop, p_->times, /*backward=*/true, input_sharded,
-                  offloaded);
+  return simulate(p_->g, p_->lt, &p_->folds, dropped, p_->early_stop, p_->times, p_->backward_times,
+                  /*backward=*/true, input_sharded, offloaded);
 }
 
 LayerCost LayerPricer::forward(SlotMask dropped, bool input_sharded, SlotMask offloaded) const {
-  return simulate(p_->g, p_->lt, &p_->folds, dropped, p_->early_stop, p_->times, /*backward=*/false, input_sharded,
-                  offloaded);
+  return simulate(p_->g, p_->lt, &p_->folds, dropped, p_->early_stop, p_->times, p_->backward_times,
+                  /*backward=*/false, input_sharded, offloaded);
 }
 
 LayerCost price_layer(const graph::BlockGraph& g, SlotMask dropped, bool early_stop, const NodeTimes& times,
                       bool input_sharded, SlotMask offloaded) {
   const graph::Lifetimes lt(g);
-  return simulate(g, lt, nullptr, dropped, early_stop, times, /*backward=*/true, input_sharded, offloaded);
+  return simulate(g, lt, nullptr, dropped, early_stop, times, backward_seconds(g, lt, times), /*backward=*/true,
+                  input_sharded, offloaded);
 }
 
 StaticBytes static_bytes(const ModelConfig& model, const StepShape& shape) {

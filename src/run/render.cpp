@@ -324,6 +324,7 @@ nlohmann::json render_json(const RunSpec& spec) {
     nlohmann::json layers = nlohmann::json::array();
     for (size_t i = 0; i < p.layers.size(); ++i) {
       const LayerPlan& lp = r.plan.layers[static_cast<size_t>(p.first_layer) + i];
+      const double hidden = copies_hidden(p.layers[i]);
       layers.push_back({{"layer", p.first_layer + static_cast<int64_t>(i) + 1},
                         {"dropped", lp.dropped.names()},
                         {"chunk_begin", lp.chunk_begin < 0 ? -1 : lp.chunk_begin + 1},
@@ -332,8 +333,7 @@ nlohmann::json render_json(const RunSpec& spec) {
                         {"kept_bytes", p.layers[i].kept},
                         {"offloaded", lp.offloaded.names()},
                         {"host_bytes", p.layers[i].host},
-                        {"copies_hidden", copies_hidden(p.layers[i]) >= 0 ? nlohmann::json(copies_hidden(p.layers[i]))
-                                                                          : nlohmann::json(nullptr)},
+                        {"copies_hidden", hidden >= 0 ? nlohmann::json(hidden) : nlohmann::json(nullptr)},
                         {"recompute_flops", p.layers[i].recompute_flops}});
     }
     return layers;
