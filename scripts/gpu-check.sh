@@ -19,6 +19,8 @@
 #   DEVICE=cpu BUILD=build bash scripts/gpu-check.sh
 # STEPS names the steps to run after the build (default: all of them, in this order):
 #   tests bitwise bench peers traces suite
+# and ATTENTIONS (default "sdpa math"), POLICIES (;-separated) and BUDGETS narrow the bench's
+# entries, for a lease with little time left.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 work=$(realpath -m "${WORK:-gpu-check-out}")
@@ -101,7 +103,7 @@ if want tests; then
   # One process each, so that one that dies leaves the others' results.
   : > "$work/gpu-tests.log"
   for t in OpMemory.OnAGpuDeclaredEventsEqualTheCachingAllocatorsBlocks OpMemory.OnAGpuTheFlashKernelsEventsAreExact \
-    'SdpaAttentionOp.*' 'HostPool.*'; do
+    OpMemory.OnAGpuTheNormsAndLossAtModelShapesAreExact 'SdpaAttentionOp.*' 'HostPool.*'; do
     cap 60 $build/remat_tests --gtest_filter="$t" >> "$work/gpu-tests.log" 2>&1 || say "$t: failed or died ($?)"
   done
   grep -E "OK \]|FAILED \]" "$work/gpu-tests.log" | sort -u | head -20 | tee -a "$work/summary.txt"
@@ -148,13 +150,13 @@ if want bench; then
 step "peaks and step times: the sdpa op, offload to page-locked memory (remat bench)"
 llama_1b=(model.preset=llama3-8b model.n_layer=16 model.d_model=2048 model.n_head=32 model.n_kv_head=8
   model.d_ff=8192 model.max_seq=1024 train.seq=1024 train.batch=4 run.dtype=bfloat16)
-attentions="sdpa math"
+attentions=${ATTENTIONS:-sdpa math}
 [ "$device" = cpu ] && llama_1b=(model.preset=llama-demo) attentions="tiled math"
 for attention in $attentions; do
   # modules:[core_attn]+offload:[input]'s copies are predicted to hide behind the layer's
   # compute, full+offload:[input]'s copies back not (the recompute reads the input first).
-  policies='none;full;modules:[core_attn];full+offload:[input];modules:[core_attn]+offload:[input];modules:[core_attn]+offload:[input,mlp]'
-  [ $attention = math ] && policies='none;full'
+  policies=${POLICIES:-'none;full;modules:[core_attn];full+offload:[input];modules:[core_attn]+offload:[input];modules:[core_attn]+offload:[input,mlp]'}
+  [ $attention = math ] && policies=${POLICIES:-'none;full'}
   cap 130 "$remat" bench --policies "$policies" --budgets "${BUDGETS:-0.9}" --steps 3 --warmup 1 \
     --out "$work/bench-llama-1b-$attention" "${llama_1b[@]}" model.attention=$attention "${common[@]}" \
     > "$work/bench-llama-1b-$attention.log" 2>&1 || say "bench llama-1b $attention failed: $(tail -1 "$work/bench-llama-1b-$attention.log")"
@@ -165,7 +167,8 @@ for attention in $attentions; do
 import json, sys
 for r in json.load(open(sys.argv[1]))["rows"]:
     print(f"{r['entry']}: step {1e3 * r['median_step_seconds']:.1f} ms, predicted {1e3 * r['predicted_step_seconds']:.1f} ms; "
-          f"copies {1e3 * r['predicted_copy_seconds']:.1f} ms, waited {1e3 * r['predicted_copy_wait_seconds']:.1f} ms predicted")
+          f"copies {1e3 * r['predicted_copy_seconds']:.1f} ms, waited {1e3 * r['predicted_copy_wait_seconds']:.1f} ms, "
+          f"slowed {1e3 * r['predicted_copy_slowdown_seconds']:.1f} ms predicted")
 PY
 done
 fi

@@ -269,13 +269,15 @@ class AttentionDef final : public OpDef {
   // query rows, probs, the diagonal block's causal mask, each query block's scores and
   // probabilities, dropout (the bool mask is copied to the compute dtype for the product),
   // the output and each block's rows of it. The 8-byte temporaries are the scale scalars.
+  // CUDA kernels take the scale as an argument and cast the mask as they read it
+  // (TensorIteratorBase::compute_types copies operands for the CPU only): neither is made.
   void forward_events(Events& e, const std::vector<TensorInfo>& in, const std::vector<TensorInfo>&,
                       const std::vector<TensorInfo>& out, const Attrs& a) const override {
-    const Shape s(in);
+    const Shape s(in, e);
     const int64_t k = heads_first_copies(in[1]) ? e.temp(s.K) : -1;
     const int64_t v = heads_first_copies(in[2]) ? e.temp(s.K) : -1;
     const int64_t q = e.temp(s.Q);
-    detail::scalar_operand(e, in[0].dtype);
+    s.scalar(e);
     e.out(1);
     const int64_t first = std::min(ops::kAttentionBlock, s.T);
     const int64_t future = e.temp(first * first);
@@ -289,9 +291,9 @@ class AttentionDef final : public OpDef {
     e.release(future);
     if (a.p > 0) {
       e.out(2);
-      const int64_t maskf = e.temp(out[1].bytes());
+      const int64_t maskf = s.cuda ? -1 : e.temp(out[1].bytes());
       e.out(3);
-      e.release(maskf);
+      if (maskf >= 0) e.release(maskf);
     }
     e.out(0);
     s.each_block([&](ops::Span b) { e.release(e.temp(s.rows(b.n) * s.D * s.elt)); });
@@ -302,12 +304,13 @@ class AttentionDef final : public OpDef {
   // Mirrors attention_backward: the output gradient's rows, value and key rows, the scores'
   // gradient, dq; per query block the probabilities' gradient (and the dropout mask in the
   // compute dtype), the row sums of the softmax backward and dq's rows; then dk, dv, the
-  // scaled query rows and per key block dv's and dk's rows.
+  // scaled query rows and per key block dv's and dk's rows. On CUDA no scalar nor mask copy
+  // is made, as in the forward.
   void backward_events(Events& e, const std::vector<TensorInfo>& in, const std::vector<TensorInfo>&,
                        const std::vector<TensorInfo>&, const Attrs& a) const override {
-    const Shape s(in);
+    const Shape s(in, e);
     const int64_t dout = e.temp(s.Q);
-    detail::scalar_operand(e, in[0].dtype);
+    s.scalar(e);
     const int64_t v = heads_first_copies(in[2]) ? e.temp(s.K) : -1;
     const int64_t k = heads_first_copies(in[1]) ? e.temp(s.K) : -1;
     const int64_t dscores = e.temp(s.rows(s.T) * s.T * s.elt);
@@ -316,17 +319,17 @@ class AttentionDef final : public OpDef {
       const int64_t n = b.n, end = b.end();
       const int64_t block = s.rows(n) * end * s.elt;
       const int64_t dp = e.temp(block);
-      if (a.p > 0) e.release(e.temp(block));
+      if (a.p > 0 && !s.cuda) e.release(e.temp(block));
       e.release(dp);
       e.release(e.temp(s.rows(n) * s.elt));  // the row sums
       const int64_t dq = e.temp(s.rows(n) * s.D * s.elt);
-      detail::scalar_operand(e, in[0].dtype);
+      s.scalar(e);
       e.release(dq);
     });
     e.out(1);
     e.out(2);
     const int64_t q = e.temp(s.Q);
-    detail::scalar_operand(e, in[0].dtype);
+    s.scalar(e);
     s.each_block([&](ops::Span c) {
       e.release(e.temp(s.kv_rows(c.n) * s.D * s.elt));
       e.release(e.temp(s.kv_rows(c.n) * s.D * s.elt));
@@ -342,7 +345,9 @@ class AttentionDef final : public OpDef {
   // The sizes the events count, from the inputs q [B, T, Hq, D] and k, v [B, T, Hkv, D].
   struct Shape {
     int64_t B, T, Hq, Hkv, D, elt, Q, K;
-    explicit Shape(const std::vector<TensorInfo>& in)
+    at::ScalarType dtype;
+    bool cuda;  ///< CUDA kernels' events (Events::device)
+    Shape(const std::vector<TensorInfo>& in, const Events& e)
         : B(in[0].sizes[0]),
           T(in[0].sizes[1]),
           Hq(in[0].sizes[2]),
@@ -350,9 +355,15 @@ class AttentionDef final : public OpDef {
           D(in[0].sizes[3]),
           elt(detail::bytes_of(1, in[0].dtype)),
           Q(B * T * Hq * D * elt),
-          K(B * T * Hkv * D * elt) {}
+          K(B * T * Hkv * D * elt),
+          dtype(in[0].dtype),
+          cuda(e.device() == at::kCUDA) {}
     int64_t rows(int64_t n) const { return B * Hq * n; }      ///< query rows of n positions, every batch row
     int64_t kv_rows(int64_t n) const { return B * Hkv * n; }  ///< key rows of n positions
+    /// A scale's double scalar tensor multiplied in: copied on the CPU, an argument on CUDA.
+    void scalar(Events& e) const {
+      if (!cuda) detail::scalar_operand(e, dtype);
+    }
     /// f(block) for each block of positions the op's loops visit.
     template <class F>
     void each_block(F&& f) const {

@@ -259,12 +259,14 @@ using detail::bytes_of;
 using detail::flags;
 using detail::stats_of;
 
-// The sizes both loss ops' events are written in (V: the rows this rank's weight holds).
+// The sizes both loss ops' events are written in (V: the rows this rank's weight holds), and
+// whether CUDA kernels run them: those read a double scalar as an argument and cast other
+// operands as they read them, where the CPU's copy both first (TensorIteratorBase::compute_types).
 struct LossSizes {
   int64_t N, C, V, n;
   at::ScalarType f, sd;
-  bool narrower, sharded;
-  LossSizes(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& p, const Attrs& a)
+  bool narrower, sharded, cuda;
+  LossSizes(const Events& e, const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& p, const Attrs& a)
       : N(in[0].sizes[0]),
         C(in[0].sizes[1]),
         V(p[0].sizes[0]),
@@ -272,7 +274,8 @@ struct LossSizes {
         f(in[0].dtype),
         sd(stats_of(f)),
         narrower(sd != f),
-        sharded(a.sharded) {}
+        sharded(a.sharded),
+        cuda(e.device() == at::kCUDA) {}
 };
 
 // The targets' range check: two scalars, gone before anything else is made.
@@ -314,8 +317,8 @@ int64_t chunk_logits_events(Events& e, const LossSizes& s) {
 void chunk_loss_events(Events& e, const LossSizes& s) {
   const int64_t target = e.temp(bytes_of(s.n, s.sd)), max = e.temp(bytes_of(s.n, s.sd));
   const int64_t term = e.temp(bytes_of(s.n, s.sd));
-  e.release(e.temp(bytes_of(s.n, s.sd)));  // the row mask cast for the product
-  e.release(e.temp(bytes_of(1, s.sd)));    // the sum
+  if (!s.cuda) e.release(e.temp(bytes_of(s.n, s.sd)));  // the row mask cast for the product
+  e.release(e.temp(bytes_of(1, s.sd)));                 // the sum
   e.release(term);
   e.release(max);
   e.release(target);
@@ -325,7 +328,7 @@ void chunk_loss_events(Events& e, const LossSizes& s) {
 // the dlogits in x's dtype and x's rows widened for the wider dw.
 void chunk_grads_events(Events& e, const LossSizes& s) {
   const int64_t scale = e.temp(bytes_of(s.n, s.sd));
-  detail::scalar_operand(e, s.sd);
+  if (!s.cuda) detail::scalar_operand(e, s.sd);
   e.release(e.temp(bytes_of(s.n, s.sd)));  // the negated scale
   e.release(scale);
   if (!s.narrower) return;
@@ -404,7 +407,7 @@ class CrossEntropyDef final : public OpDef {
   // The forward: the row masks, then per chunk the logits and the loss terms.
   void forward_events(Events& e, const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& p,
                       const std::vector<TensorInfo>&, const Attrs& a) const override {
-    const LossSizes s(in, p, a);
+    const LossSizes s(e, in, p, a);
     range_check_events(e);
     const RowEvents rows = rows_events(e, s);
     e.out(1);
@@ -420,7 +423,7 @@ class CrossEntropyDef final : public OpDef {
   // their gradient's products.
   void backward_events(Events& e, const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& p,
                        const std::vector<TensorInfo>&, const Attrs& a) const override {
-    const LossSizes s(in, p, a);
+    const LossSizes s(e, in, p, a);
     e.out(0);
     const RowEvents rows = rows_events(e, s);
     if (s.N > 0) {
@@ -473,7 +476,7 @@ class FusedCrossEntropyDef final : public OpDef {
   // log-sum-exp, the loss terms and the gradient products.
   void forward_events(Events& e, const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& p,
                       const std::vector<TensorInfo>&, const Attrs& a) const override {
-    const LossSizes s(in, p, a);
+    const LossSizes s(e, in, p, a);
     range_check_events(e);
     const RowEvents rows = rows_events(e, s);
     e.out(2);
@@ -489,11 +492,12 @@ class FusedCrossEntropyDef final : public OpDef {
     }
     release_rows(e, rows);
   }
-  // The backward: the scaled copy of dx (a double scalar multiplied in).
+  // The backward: the scaled copy of dx (a double scalar multiplied in; a CUDA kernel takes
+  // it as an argument).
   void backward_events(Events& e, const std::vector<TensorInfo>& in, const std::vector<TensorInfo>&,
                        const std::vector<TensorInfo>&, const Attrs&) const override {
     e.out(0);
-    detail::scalar_operand(e, in[0].dtype);
+    if (e.device() != at::kCUDA) detail::scalar_operand(e, in[0].dtype);
   }
 };
 

@@ -2,9 +2,12 @@
 
 #include "ops/op_def.h"
 
+#include "remat/ops/sdpa_attention.h"
 #include "remat/trace.h"
 
 #include <ATen/Parallel.h>
+
+#include <algorithm>
 
 namespace remat::ops {
 namespace {
@@ -70,6 +73,17 @@ using detail::stats_of;
 // The backward kernel's per-thread partial sums of the weight and bias gradients.
 int64_t partials(int64_t C, at::ScalarType ct) { return bytes_of(2 * at::get_num_threads() * C, ct); }
 
+// Rows of the CUDA backward's partial weight and bias gradients, as ATen's
+// LaunchGammaBetaBackwardCUDAKernel splits them: past 64Ki rows with C / 32 below half the
+// multiprocessors (C < 2112 on an H100's 132), one row of partial sums per 32 rows, at most
+// 32Ki / ceil(C / 32); otherwise none (the kernel sums straight into dgamma and dbeta).
+int64_t cuda_partial_rows(int64_t M, int64_t C, int64_t multiprocessors) {
+  constexpr int64_t kBlockX = 32, kRowsPerBlock = 32;
+  if (M <= 64 * 1024 || C / kBlockX >= multiprocessors / 2) return 0;
+  const int64_t blocks_x = (C + kBlockX - 1) / kBlockX;
+  return std::min((32 * 1024) / blocks_x, (M + kRowsPerBlock - 1) / kRowsPerBlock);
+}
+
 // Inputs {x}, parameters {weight, bias}; outputs {y, mean, rstd}.
 class LayerNormDef final : public OpDef {
  public:
@@ -100,11 +114,12 @@ class LayerNormDef final : public OpDef {
     return {ops::layernorm_backward(dy[0], ops::LayerNormSaved{in[0], out[1], out[2]}, p[0], *g[0], *g[1])};
   }
   // CPU: the kernel normalises a contiguous float32 (float64) copy of a narrower or strided
-  // x, with float32 copies of the parameters, and returns its output cast back.
+  // x, with float32 copies of the parameters, and returns its output cast back. CUDA: it
+  // normalises x in its own dtype (a copy only when strided), statistics in float32.
   void forward_events(Events& e, const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& p,
                       const std::vector<TensorInfo>&, const Attrs&) const override {
     const at::ScalarType ct = stats_of(in[0].dtype);
-    const bool cast = ct != in[0].dtype;
+    const bool cast = ct != in[0].dtype && e.device() != at::kCUDA;
     const int64_t n = in[0].numel(), C = in[0].sizes.back();
     if (!cast) {
       const int64_t copy = in[0].contiguous() ? -1 : e.temp(in[0].bytes());
@@ -124,6 +139,7 @@ class LayerNormDef final : public OpDef {
   }
   void backward_events(Events& e, const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& p,
                        const std::vector<TensorInfo>&, const Attrs&) const override {
+    if (e.device() == at::kCUDA) return cuda_backward_events(e, in[0]);
     const at::ScalarType ct = stats_of(in[0].dtype);
     const int64_t n = in[0].numel(), C = in[0].sizes.back();
     if (ct == in[0].dtype) {
@@ -146,6 +162,35 @@ class LayerNormDef final : public OpDef {
     e.out(0);
     e.release(dx);
     e.release(w);
+  }
+
+ private:
+  // ATen's CUDA backward (layer_norm_backward_cuda) in x's dtype: a contiguous copy of a
+  // strided x, dx, dgamma and dbeta, the partial sums of large inputs (cuda_partial_rows)
+  // summed into new dgamma and dbeta; then the float32 accumulators take widened copies of
+  // a narrower dtype's dgamma and dbeta.
+  static void cuda_backward_events(Events& e, const TensorInfo& x) {
+    const at::ScalarType f = x.dtype, sd = stats_of(f);
+    const int64_t C = x.sizes.back();
+    const int64_t copy = x.contiguous() ? -1 : e.temp(x.bytes());
+    e.out(0);
+    int64_t dw = e.temp(bytes_of(C, f)), db = e.temp(bytes_of(C, f));
+    if (const int64_t partial = cuda_partial_rows(rows(x), C, ops::cuda_multiprocessors()); partial > 0) {
+      const int64_t dw_rows = e.temp(bytes_of(partial * C, f)), db_rows = e.temp(bytes_of(partial * C, f));
+      for (int64_t* sum : {&dw, &db}) {  // each sum replaces the kernel's empty gradient
+        const int64_t replaced = *sum;
+        *sum = e.temp(bytes_of(C, f));
+        e.release(replaced);
+      }
+      e.release(db_rows);
+      e.release(dw_rows);
+    }
+    if (copy >= 0) e.release(copy);
+    if (sd != f) {
+      for (int i = 0; i < 2; ++i) e.release(e.temp(bytes_of(C, sd)));
+    }
+    e.release(dw);
+    e.release(db);
   }
 };
 

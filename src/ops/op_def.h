@@ -5,6 +5,7 @@
 #include "remat/graph.h"
 #include "remat/ops/vocab_shard.h"
 
+#include <algorithm>
 #include <optional>
 
 namespace remat::graph::detail {
@@ -103,6 +104,43 @@ inline Attrs sharded(Attrs a) {
 
 /// The dtype norms and losses compute statistics in (float32, float64 for float64).
 inline at::ScalarType stats_of(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
+
+/// What ATen's CUDA sum over the rows of a contiguous [rows, cols] float32 (float64) tensor
+/// allocates besides its result (Reduce.cuh): where each thread of a block would still sum
+/// 256 rows or more and the blocks of columns leave the resident threads (taken as 2048 a
+/// multiprocessor, as on the V100 to the H200) unfilled, setReduceConfig splits each column's
+/// rows over ctas_per_output blocks, and gpu_reduce_kernel holds their partial sums
+/// (global_memory_size) and a semaphore per block of columns through the launch. Inputs past
+/// 2 GiB are summed by halves of the rows, one launch at a time (with_32bit_indexing); a
+/// single column, a whole-tensor sum, is not modelled.
+struct ReduceScratch {
+  int64_t buffer = 0, semaphores = 0;
+};
+inline ReduceScratch cuda_column_sum_scratch(int64_t rows, int64_t cols, at::ScalarType dtype,
+                                             int64_t multiprocessors) {
+  const int64_t size = bytes_of(1, dtype);
+  while (rows > 1 && rows * cols * size > (int64_t{1} << 31)) rows -= rows / 2;
+  if (cols < 2) return {};
+  const auto div_up = [](int64_t a, int64_t b) { return (a + b - 1) / b; };
+  const auto pow2_below = [](int64_t n) {
+    int64_t p = 1;
+    while (2 * p <= n) p *= 2;
+    return p;
+  };
+  // get_output_vec_size, then set_block_dimension: a thread reads up to 4 adjacent columns.
+  const int64_t vec = cols % 4 == 0 ? 4 : cols % 2 == 0 ? 2 : 1, threads = 512 / vec;
+  const int64_t dim0 = std::min(pow2_below(cols / vec), threads), dim1 = std::min(pow2_below(rows), threads);
+  int64_t width = std::min<int64_t>(dim0, 32);
+  const int64_t height = std::min(dim1, threads / width);
+  width = std::min(dim0, threads / height);
+  if (rows < 16 * height && rows < 256) return {};  // each warp sums its own columns
+  const int64_t per_thread = div_up(rows, height), grid = div_up(cols / vec, width);
+  const int64_t target = multiprocessors * (2048 / (width * height));
+  if (per_thread < 256 || grid > target) return {};
+  const int64_t ctas = std::max(std::min(div_up(target, grid), div_up(per_thread, 16)), div_up(per_thread, 256));
+  if (ctas < 2) return {};
+  return {size * cols * ctas * width * vec, 4 * grid};
+}
 
 /// An op whose output has its inputs' shape (they all share one) and the first input's
 /// dtype, and whose forward and backward allocate just their results: each elementwise

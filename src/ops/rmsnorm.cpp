@@ -2,6 +2,7 @@
 
 #include "ops/op_def.h"
 
+#include "remat/ops/sdpa_attention.h"
 #include "remat/trace.h"
 
 namespace remat::ops {
@@ -82,7 +83,9 @@ class RMSNormDef final : public OpDef {
     return {ops::rmsnorm_backward(dy[0], ops::RMSNormSaved{in[0], out[1]}, p[0], *g[0])};
   }
   // CPU: a product of a narrower x with the float32 statistics first casts x to float32
-  // (TensorIterator promotes inputs by copies), then the result is cast back.
+  // (TensorIterator promotes inputs by copies), then the result is cast back. CUDA kernels
+  // cast as they read (TensorIteratorBase::compute_types copies for the CPU only): the
+  // float32 product alone.
   void forward_events(Events& e, const std::vector<TensorInfo>& in, const std::vector<TensorInfo>&,
                       const std::vector<TensorInfo>&, const Attrs&) const override {
     const at::ScalarType sd = stats_of(in[0].dtype);
@@ -92,8 +95,9 @@ class RMSNormDef final : public OpDef {
       return;
     }
     const int64_t n = in[0].numel();
-    const int64_t x = e.temp(bytes_of(n, sd)), y = e.temp(bytes_of(n, sd));
-    e.release(x);
+    const int64_t x = e.device() == at::kCUDA ? -1 : e.temp(bytes_of(n, sd));
+    const int64_t y = e.temp(bytes_of(n, sd));
+    if (x >= 0) e.release(x);
     e.out(0);
     e.release(y);
   }
@@ -113,6 +117,13 @@ class RMSNormDef final : public OpDef {
       e.out(0);
     }
     int64_t prod = e.temp(bytes_of(n, sd)), sum = e.temp(bytes_of(C, sd));
+    if (e.device() == at::kCUDA) {  // the weight gradient's sum over many rows splits them over blocks
+      if (const auto s = detail::cuda_column_sum_scratch(N, C, sd, ops::cuda_multiprocessors()); s.buffer > 0) {
+        const int64_t buffer = e.temp(s.buffer), semaphores = e.temp(s.semaphores);
+        e.release(semaphores);
+        e.release(buffer);
+      }
+    }
     e.release(prod);
     e.release(sum);
     const int64_t wf = cast ? e.temp(bytes_of(C, sd)) : -1;
@@ -120,7 +131,7 @@ class RMSNormDef final : public OpDef {
     if (wf >= 0) e.release(wf);
     prod = e.temp(bytes_of(n, sd));
     const int64_t dot = e.temp(bytes_of(N, sd));
-    detail::scalar_operand(e, sd);  // the mean's divisor
+    if (e.device() != at::kCUDA) detail::scalar_operand(e, sd);  // the CPU mean's divisor
     e.release(prod);
     if (cast) {
       e.out(0);

@@ -8,6 +8,7 @@
 // allocate otherwise than the declared events, op by op (scripts/gpu-check.sh).
 #include "remat/graph.h"
 #include "remat/memory.h"
+#include "remat/ops/sdpa_attention.h"
 #include "util/local_group.h"
 #include "util/sdpa.h"
 
@@ -168,6 +169,20 @@ void check(const Case& c, at::Device device = at::kCPU) {
     EXPECT_EQ(bwd.peak, bpeak) << "backward peak";
   }
   EXPECT_EQ(bwd.retained, bleft) << "backward retained";
+}
+
+// The cuBLAS handle's workspace comes from the caching allocator on a process's first product
+// and stays, cuBLASLt's on its first bias epilogue: both made before any GPU measurement, by
+// products of the kinds the ops run (each dtype; plain, transposed, accumulating into a 2-D
+// operand, batched, and with a 1-D bias).
+void warm_up_gemms(at::Device gpu) {
+  for (const at::ScalarType t : {at::kFloat, at::kBFloat16}) {
+    const at::Tensor a = at::ones({64, 64}, at::TensorOptions(gpu).dtype(t));
+    at::mm(a, a.t());
+    at::addmm(a, a.t(), a);
+    at::bmm(a.unsqueeze(0), a.unsqueeze(0));
+    at::linear(a, a, a[0]);
+  }
 }
 
 std::vector<Case> cases() {
@@ -344,13 +359,7 @@ TEST(OpMemory, DeclaredEventsEqualTheMeasuredAllocations) {
 TEST(OpMemory, OnAGpuDeclaredEventsEqualTheCachingAllocatorsBlocks) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no GPU here; scripts/gpu-check.sh runs this where one is";
   const at::Device gpu(at::kCUDA, 0);
-  // The cuBLAS handles' workspaces come from the caching allocator on first use and stay:
-  // made before any measurement (a product of each dtype, with and without a bias).
-  for (const at::ScalarType t : {at::kFloat, at::kBFloat16}) {
-    const at::Tensor a = at::ones({64, 64}, at::TensorOptions(gpu).dtype(t));
-    at::addmm(a, a, a);
-    at::bmm(a.unsqueeze(0), a.unsqueeze(0));
-  }
+  warm_up_gemms(gpu);
   for (const Case& c : cases()) {
     // Sharded cases run over CPU groups; the tiled op runs on the CPU only, and the sdpa op's
     // flash kernel takes 16-bit inputs.
@@ -362,11 +371,102 @@ TEST(OpMemory, OnAGpuDeclaredEventsEqualTheCachingAllocatorsBlocks) {
   }
 }
 
+// Forward and backward peaks of `c`'s CUDA events, in the caching allocator's blocks.
+std::pair<int64_t, int64_t> cuda_peaks(const Case& c) {
+  std::vector<TensorInfo> pinfo;
+  for (const auto& s : c.params) pinfo.push_back({s, c.dtype ? *c.dtype : c.in[0].dtype, {}});
+  const auto out = c.op->infer(c.in, pinfo, c.attrs);
+  std::vector<int64_t> out_bytes, grad_bytes;
+  for (const auto& o : out) out_bytes.push_back(o.bytes());
+  for (const auto& i : c.in) grad_bytes.push_back(i.with_sizes(i.sizes).bytes());
+  Events fe(at::kCUDA), be(at::kCUDA);
+  c.op->forward_events(fe, c.in, pinfo, out, c.attrs);
+  c.op->backward_events(be, c.in, pinfo, out, c.attrs);
+  return {replay(fe, out_bytes, kCudaBlock).first, replay(be, grad_bytes, kCudaBlock).first};
+}
+
+TEST(OpMemory, CudaEventsReplayWhatAnH200Measured) {
+  // Forward and backward peaks in 512-byte blocks as PyTorch 2.11 allocated them on an H200
+  // (scripts/gpu-check.sh), where the CPU's events declare casts, scalar copies and per-thread
+  // partial sums that the CUDA kernels do not make.
+  const std::map<std::string, std::pair<int64_t, int64_t>> measured = {
+      {"layernorm f32 B2 T8", {3072, 3072}},
+      {"layernorm bf16 B2 T8", {2048, 2560}},
+      {"rmsnorm bf16 B2 T8", {3584, 8704}},
+      {"rmsnorm bf16 B1 T5", {2048, 4608}},
+      {"dropout bf16 B2 T8", {1024, 1024}},
+      {"cross_entropy f32 B2 T8 chunk 3", {4608, 4608}},
+      {"fused_cross_entropy bf16 B1 T5 chunk 3", {7680, 512}},
+      {"attention f32 B1 T131 Hq2 Hkv2 p0.2", {331776, 220672}},
+      {"attention bf16 B1 T131 Hq4 Hkv2 p0.2 strided", {366080, 220672}},
+  };
+  size_t found = 0;
+  for (const Case& c : cases()) {
+    const auto it = measured.find(c.name);
+    if (it == measured.end()) continue;
+    SCOPED_TRACE(c.name);
+    ++found;
+    EXPECT_EQ(cuda_peaks(c), it->second);
+  }
+  EXPECT_EQ(found, measured.size()) << "a case named above is gone from cases()";
+
+  // At model shapes (OnAGpuTheNormsAndLossAtModelShapesAreExact), where the weight gradient's
+  // sum splits its rows over as many thread blocks as fill the H200's 132 multiprocessors:
+  // not on a device with another count.
+  if (ops::cuda_multiprocessors() != 132) return;
+  Attrs norm;
+  norm.eps = 1e-5;
+  const auto rmsnorm = [&](int64_t B, int64_t T, int64_t C) {
+    return Case{fmt::format("rmsnorm bf16 B{} T{} C{}", B, T, C),
+                &op::rmsnorm(),
+                {{{B, T, C}, at::kBFloat16, {}}},
+                {{C}},
+                norm};
+  };
+  const std::pair<Case, std::pair<int64_t, int64_t>> at_model_shapes[] = {
+      {rmsnorm(4, 1024, 2048), {50348032, 167780864}},
+      {rmsnorm(1, 8192, 4096), {201359360, 541082112}},
+  };
+  for (const auto& [c, peaks] : at_model_shapes) {
+    SCOPED_TRACE(c.name);
+    EXPECT_EQ(cuda_peaks(c), peaks);
+  }
+}
+
+TEST(OpMemory, OnAGpuTheNormsAndLossAtModelShapesAreExact) {
+  // At a 1B and an 8B Llama's rows and widths, where CUDA reductions may split rows over
+  // thread blocks (and the layer norm's weight gradient sums partial rows) as the small
+  // cases never do; the loss at the 1B's rows, width and 128,256-token vocabulary.
+  if (!at::hasCUDA()) GTEST_SKIP() << "no GPU here; scripts/gpu-check.sh runs this where one is";
+  const at::Device gpu(at::kCUDA, 0);
+  warm_up_gemms(gpu);
+  Attrs norm;
+  norm.eps = 1e-5;
+  for (auto [B, T, C] : {std::array<int64_t, 3>{4, 1024, 2048}, {1, 8192, 4096}}) {
+    const TensorInfo x{{B, T, C}, at::kBFloat16, {}};
+    const std::string shape = fmt::format("bf16 B{} T{} C{}", B, T, C);
+    check({"rmsnorm " + shape, &op::rmsnorm(), {x}, {{C}}, norm}, gpu);
+    check({"layernorm " + shape, &op::layernorm(), {x}, {{C}, {C}}, norm}, gpu);
+  }
+  Attrs loss;
+  loss.chunk = 1024;
+  const TensorInfo rows{{4096, 2048}, at::kBFloat16, {}}, targets{{4096}, at::kLong, {}};
+  for (const OpDef* head : {&op::cross_entropy(), &op::fused_cross_entropy()}) {
+    check({fmt::format("{} bf16 N4096 C2048 V128256 chunk 1024", head->kind()),
+           head,
+           {rows, targets},
+           {{128256, 2048}},
+           loss},
+          gpu);
+  }
+}
+
 TEST(OpMemory, OnAGpuTheFlashKernelsEventsAreExact) {
   // At the head sizes and lengths models have, grouped-query heads too, and lengths whose
   // forward splits its keys (remat::ops::flash_key_splits).
   if (!at::hasCUDA()) GTEST_SKIP() << "no GPU here; scripts/gpu-check.sh runs this where one is";
   const at::Device gpu(at::kCUDA, 0);
+  warm_up_gemms(gpu);
   for (auto [B, T, Hq, Hkv, D] :
        {std::array<int64_t, 5>{2, 256, 8, 2, 64}, {1, 1024, 16, 4, 128}, {4, 512, 12, 12, 64}, {1, 2048, 32, 8, 128}}) {
     if (!kSdpaBuilt) break;
