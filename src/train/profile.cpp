@@ -1,6 +1,7 @@
 #include "train/profile.h"
 
 #include "remat/cost.h"
+#include "remat/memory.h"
 #include "remat/policy.h"
 #include "run/planning.h"
 #include "train/data_parallel.h"
@@ -555,6 +556,7 @@ HostCopy measure_host_copy(at::Device device, at::ScalarType dtype) {
   if (device.is_cuda()) {
     const int64_t beside = int64_t{256} << 20;
     fit.compute_slowdown = measure_copy_slowdown(device, dtype, beside, bytes(beside) / fit.bytes_per_second);
+    memory::release_cached(device);  // the measure's segments are not the run's to reserve
   }
   return fit;
 }
