@@ -205,14 +205,14 @@ struct StepPrediction {
   double copy_seconds = 0;             ///< per step: those copies (LayerCost::copy_seconds)
   double copy_wait_seconds = 0;        ///< per step: the time the compute waits for them
   double copy_slowdown_seconds = 0;    ///< per step: the time it runs longer beside them
+  /// Per step: what the copies add to it, the waits and the slowdown.
+  double copy_added_seconds() const { return copy_wait_seconds + copy_slowdown_seconds; }
   /// Per step: the forward and backward time the layers running the other attention op
   /// (LayerPlan::attention) take beyond the model's op in them (OtherAttention::pass_delta).
   double attention_seconds = 0;
   /// Per step: what the plan adds to a step that recomputes nothing, runs the model's
   /// attention op and offloads nothing.
-  double added_seconds() const {
-    return recompute_seconds + attention_seconds + copy_wait_seconds + copy_slowdown_seconds;
-  }
+  double added_seconds() const { return recompute_seconds + attention_seconds + copy_added_seconds(); }
 };
 
 /// Prices one layer's slot choice. `dropped`: slots recomputed; `early_stop` as the store's;

@@ -314,7 +314,7 @@ int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
         "{}): {:.1f}% over the step's FLOPs at parallel.compute_rate = {} TFLOP/s\n",
         spec.cfg.ac.offload_rate, format_bytes(pred.offloaded_bytes), 1e3 * pred.copy_seconds / rate,
         1e3 * pred.copy_wait_seconds / rate, 1e3 * pred.copy_slowdown_seconds / rate, spec.cfg.ac.offload_slowdown,
-        100.0 * (pred.copy_wait_seconds + pred.copy_slowdown_seconds) / (flops * static_cast<double>(shape.grad_accum)),
+        100.0 * pred.copy_added_seconds() / (flops * static_cast<double>(shape.grad_accum)),
         spec.cfg.parallel.compute_rate);
   }
   if (args.pareto) {

@@ -2,7 +2,6 @@
 
 #include "ops/op_def.h"
 
-#include "remat/ops/sdpa_attention.h"
 #include "remat/trace.h"
 
 namespace remat::ops {

@@ -6,6 +6,7 @@
 #include "run/planning.h"
 #include "train/data_parallel.h"
 #include "train/device.h"
+#include "train/step.h"
 #include "util/atomic_file.h"
 #include "util/cpu_load.h"
 #include "util/sha256.h"
@@ -473,11 +474,6 @@ LinkRate measure_link_rate(dist::Comm& ranks) {
 }
 
 namespace {
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
 
 // How much longer `dtype` matmuls take while a copy of `bytes` (taking `copy_seconds`)
 // runs beside them, as a share of the copy's time (NodeTimes::host_copy_slowdown): the

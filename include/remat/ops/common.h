@@ -46,4 +46,9 @@ inline void accumulate(at::Tensor& acc, const at::Tensor& g) {
   acc.add_(g.to(acc.scalar_type()));
 }
 
+/// The multiprocessors of the CUDA device current when first asked (read once a process;
+/// ATen's CUDA kernels size their grids by it); where this build or machine has none, an
+/// H100's or H200's 132 (what `remat plan run.device=cuda` prices on a CPU machine).
+int64_t cuda_multiprocessors();
+
 }  // namespace remat::ops

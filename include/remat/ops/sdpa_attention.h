@@ -42,11 +42,6 @@ AttentionGrads sdpa_attention_backward(const at::Tensor& dout, const SdpaAttenti
 /// ATen's source, as measured on 2.11.
 constexpr bool kFlashStateOnDevice = TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 10);
 
-/// The multiprocessors of the CUDA device current when first asked (read once a process);
-/// where this build or machine has none, an H100's or H200's 132 (what `remat plan
-/// run.device=cuda` prices on a CPU machine).
-int64_t cuda_multiprocessors();
-
 /// How many parts ATen's CUDA flash forward splits each row's keys into (its split-KV
 /// heuristic without dropout): one where the B x Hq x (query blocks of 64) tiles nearly fill
 /// the device's waves (twice its multiprocessors from LibTorch 2.10, once before), else the
