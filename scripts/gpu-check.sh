@@ -102,8 +102,8 @@ if want tests; then
   step "each op's allocations on the GPU against its declared events, and the sdpa op's flash kernel"
   # One process each, so that one that dies leaves the others' results.
   : > "$work/gpu-tests.log"
-  for t in OpMemory.OnAGpuDeclaredEventsEqualTheCachingAllocatorsBlocks OpMemory.OnAGpuTheFlashKernelsEventsAreExact \
-    OpMemory.OnAGpuTheNormsAndLossAtModelShapesAreExact 'SdpaAttentionOp.*' 'HostPool.*'; do
+  for t in OpMemory.OnAGpuDeclaredEventsEqualTheBytesRequested OpMemory.OnAGpuTheFlashKernelsEventsAreExact \
+    OpMemory.OnAGpuModelShapesAreExact 'SdpaAttentionOp.*' 'HostPool.*'; do
     cap 60 $build/remat_tests --gtest_filter="$t" >> "$work/gpu-tests.log" 2>&1 || say "$t: failed or died ($?)"
   done
   grep -E "OK \]|FAILED \]" "$work/gpu-tests.log" | sort -u | head -20 | tee -a "$work/summary.txt"

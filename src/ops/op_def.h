@@ -3,6 +3,7 @@
 #pragma once
 
 #include "remat/graph.h"
+#include "remat/ops/common.h"
 #include "remat/ops/vocab_shard.h"
 
 #include <algorithm>
@@ -140,6 +141,17 @@ inline ReduceScratch cuda_column_sum_scratch(int64_t rows, int64_t cols, at::Sca
   const int64_t ctas = std::max(std::min(div_up(target, grid), div_up(per_thread, 16)), div_up(per_thread, 256));
   if (ctas < 2) return {};
   return {size * cols * ctas * width * vec, 4 * grid};
+}
+
+/// On CUDA: the scratch of such a sum, made and freed within its launch (nothing
+/// elsewhere).
+inline void cuda_column_sum_events(Events& e, int64_t rows, int64_t cols, at::ScalarType dtype) {
+  if (e.device() != at::kCUDA) return;
+  const ReduceScratch s = cuda_column_sum_scratch(rows, cols, dtype, ops::cuda_multiprocessors());
+  if (s.buffer == 0) return;
+  const int64_t buffer = e.temp(s.buffer), semaphores = e.temp(s.semaphores);
+  e.release(semaphores);
+  e.release(buffer);
 }
 
 /// An op whose output has its inputs' shape (they all share one) and the first input's

@@ -116,13 +116,7 @@ class RMSNormDef final : public OpDef {
       e.out(0);
     }
     int64_t prod = e.temp(bytes_of(n, sd)), sum = e.temp(bytes_of(C, sd));
-    if (e.device() == at::kCUDA) {  // the weight gradient's sum over many rows splits them over blocks
-      if (const auto s = detail::cuda_column_sum_scratch(N, C, sd, ops::cuda_multiprocessors()); s.buffer > 0) {
-        const int64_t buffer = e.temp(s.buffer), semaphores = e.temp(s.semaphores);
-        e.release(semaphores);
-        e.release(buffer);
-      }
-    }
+    detail::cuda_column_sum_events(e, N, C, sd);  // the weight gradient's sum over the rows
     e.release(prod);
     e.release(sum);
     const int64_t wf = cast ? e.temp(bytes_of(C, sd)) : -1;
