@@ -3,7 +3,8 @@
 # builds remat against that PyTorch with every core; checks each op's allocations against
 # its declared events and the sdpa op's flash kernel against the math op; trains with
 # offload and sdpa against `none` for bitwise losses; measures predicted against measured
-# peaks and step times of a 1B Llama with sdpa and offload (remat bench); compares
+# peaks and step times of a 1B Llama with sdpa and offload (remat bench), and one step's
+# parts in a timeline beside the predicted ones; compares
 # tokens/s with PyTorch on the same GPU; records allocation traces where none of this
 # device and PyTorch are committed; and runs the suite with the time left. Each step has a
 # time cap inside the script's own (CHECK_SECONDS, default 560), so that a lease's one
@@ -18,7 +19,7 @@
 # A rehearsal here, without the build, in float32 with llama-demo, the peer and the suite:
 #   DEVICE=cpu BUILD=build bash scripts/gpu-check.sh
 # STEPS names the steps to run after the build (default: all of them, in this order):
-#   tests bitwise bench peers traces suite
+#   tests bitwise bench timeline peers traces suite
 # and ATTENTIONS (default "sdpa math"), POLICIES (;-separated) and BUDGETS narrow the bench's
 # entries, for a lease with little time left.
 set -uo pipefail
@@ -49,7 +50,7 @@ if ! command -v bible > /dev/null && [ -f "$deps/bible-kjv.out" ]; then
   export PATH=$work/bin:$PATH
 fi
 
-steps=" ${STEPS:-tests bitwise bench peers traces suite} "
+steps=" ${STEPS:-tests bitwise bench timeline peers traces suite} "
 want() { [[ $steps == *" $1 "* ]]; }
 say() { echo "$*" | tee -a "$work/summary.txt"; }
 # Copies what exists so far to $OUT: a call stopped at its limit still brings it back.
@@ -146,12 +147,13 @@ for arch in ("gpt2", "llama"):
 PY
 fi
 
-if want bench; then
-step "peaks and step times: the sdpa op, offload to page-locked memory (remat bench)"
 llama_1b=(model.preset=llama3-8b model.n_layer=16 model.d_model=2048 model.n_head=32 model.n_kv_head=8
   model.d_ff=8192 model.max_seq=1024 train.seq=1024 train.batch=4 run.dtype=bfloat16)
 attentions=${ATTENTIONS:-sdpa math}
 [ "$device" = cpu ] && llama_1b=(model.preset=llama-demo) attentions="tiled math"
+
+if want bench; then
+step "peaks and step times: the sdpa op, offload to page-locked memory (remat bench)"
 for attention in $attentions; do
   # modules:[core_attn]+offload:[input]'s copies are predicted to hide behind the layer's
   # compute, full+offload:[input]'s copies back not (the recompute reads the input first).
@@ -171,6 +173,27 @@ for r in json.load(open(sys.argv[1]))["rows"]:
           f"slowed {1e3 * r['predicted_copy_slowdown_seconds']:.1f} ms predicted")
 PY
 done
+fi
+
+if want timeline; then
+step "one step's timeline beside its predicted parts: the 1B Llama, none"
+# The trace waits for the device at every slice boundary, so its slices are the kernels'
+# times: the step's parts outside the passes, against the profile's base and update.
+attention=${attentions%% *}
+cap 90 "$remat" train "${llama_1b[@]}" model.attention=$attention ac.policy=none train.steps=3 train.eval_every=0 \
+  run.sample_tokens=0 run.trace="$work/timeline-llama-1b.json" "${common[@]}" run.out_dir="$work/timeline" \
+  > "$work/timeline.log" 2>&1 || say "the timeline run failed: $(tail -1 "$work/timeline.log")"
+grep -h "predicted step time" "$work/timeline.log" | tee -a "$work/summary.txt"
+[ -f "$work/timeline-llama-1b.json" ] && python3 - "$work/timeline-llama-1b.json" <<'PY' | tee -a "$work/summary.txt"
+import collections, json, re, sys
+events = [e for e in json.load(open(sys.argv[1]))["traceEvents"] if e.get("ph") == "X"]
+total = collections.Counter()
+for e in events:
+    if e["cat"] in ("step", "layer"):
+        total[re.sub(r"^layer \d+ ", "layer ", e["name"])] += e["dur"] / 1e3
+for name, ms in total.most_common(14):
+    print(f"timeline: {name}: {ms:.1f} ms")
+PY
 fi
 
 [ "$device" = cpu ] && { step done; exit 0; }  # the rehearsal's peer and suite are CI's

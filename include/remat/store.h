@@ -19,6 +19,7 @@
 #include <chrono>
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -38,7 +39,9 @@ struct StoreOptions {
   /// demonstrating what the determinism check catches.
   bool preserve_rng = true;
   /// Profiling: time each recompute node (one group of forward ops, named as the cost
-  /// model's nodes) into StoreCounters::node_seconds; synchronizes the device around each.
+  /// model's nodes) into StoreCounters::node_seconds. On CUDA a node's time is its work's on
+  /// the stream, between two timing events, so the kernels queue as in any step;
+  /// ActivationStore::settle_node_times reads them.
   bool time_nodes = false;
   /// Serve recompute allocations from the recompute buffer pool (memory::RecomputeScope)
   /// instead of fresh memory; false allocates them from the system as any tensor.
@@ -66,7 +69,10 @@ class ActivationStore {
   const ActivationPlan& plan() const { return plan_; }
   const StoreOptions& options() const { return options_; }
   const StoreCounters& counters() const { return counters_; }
-  void reset_counters() { counters_ = {}; }
+  void reset_counters();
+  /// With time_nodes on CUDA: waits for the timed nodes' work and adds their times to
+  /// counters().node_seconds and node_runs, which hold them from then on.
+  void settle_node_times();
 
   /// Forward of microbatch `mb` (StepContext::microbatch): tensor `index` of `slot` of
   /// layer `l` is being dropped; records what the determinism check needs and counts its
@@ -95,6 +101,7 @@ class ActivationStore {
     const char* name_;
     at::Device device_;
     std::chrono::steady_clock::time_point start_;
+    size_t event_ = 0;  ///< CUDA: the node's pair in store_->node_events_
   };
 
   /// Runs `recompute()`, a recompute of dropped slots, with its allocations pooled (when
@@ -129,6 +136,10 @@ class ActivationStore {
   std::map<std::tuple<uint64_t, int64_t, Slot>, Record> records_;  ///< by microbatch, layer, slot
   int64_t lowest_recompute_ = -1;  ///< lowest layer of the model's range whose plan drops anything
   memory::HostPool host_;
+  /// CUDA: the timed nodes' event pairs not yet settled (defined in store.cpp, which
+  /// alone includes the CUDA runtime).
+  struct NodeEvents;
+  std::shared_ptr<NodeEvents> node_events_;
 };
 
 }  // namespace remat

@@ -11,7 +11,8 @@
 // Categories say what a slice is: the op slices are `forward`, `backward` or
 // `recompute` (forward ops the activation store re-executes inside a backward); `layer`
 // marks the coarse per-layer slices ("layer 3 forward", "layer 3 recompute", "loss head
-// backward") and `step` the trainer's (the whole step, gradient clipping, the optimizer).
+// backward") and `step` the trainer's (the whole step, zeroing and clipping the gradients,
+// the optimizer, the weights' compute-dtype copies).
 //
 // On CUDA every slice boundary waits for the device while recording, so a slice measures
 // its kernels rather than their launch; the traced step runs slower for it.

@@ -559,6 +559,7 @@ const Weights& TransformerModel::compute_weights() {
   int64_t version = 0;
   for (const auto& t : weights_.tensors) version += t._version();
   if (!cast_valid_ || version != cast_version_) {
+    const trace::Scope scope("compute copies", trace::Category::step);
     cast_ = weights_;
     for (auto& t : cast_.tensors) t = t.to(compute_dtype_);
     cast_version_ = version;

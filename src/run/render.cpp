@@ -239,24 +239,26 @@ std::string plan_text(const Config& cfg, const RunPlan& r) {
   if (r.step_seconds > 0) {
     const TimeProfile& prof = r.profile;
     const std::string parts =
-        r.pipeline ? fmt::format(
-                         "the schedule simulated stage by stage, {:.1f} ms (transfers not priced), + {:.1f} ms "
-                         "the slowest stage's optimizer",
-                         1e3 * r.pipeline->simulated_seconds, 1e3 * (r.step_seconds - r.pipeline->simulated_seconds))
-                   : fmt::format("{} x {:.1f} ms forward and backward{} + {:.1f} ms recompute{} + {:.1f} ms optimizer",
-                                 cfg.train.grad_accum, 1e3 * prof.base_seconds,
-                                 p.attention_seconds != 0 ? fmt::format(" {:+.1f} ms the layers running the other "
-                                                                        "attention op",
-                                                                        1e3 * p.attention_seconds)
-                                                          : "",
-                                 1e3 * p.recompute_seconds,
-                                 p.offloaded_bytes > 0
-                                     ? fmt::format(" + {:.1f} ms waiting for the {:.1f} ms of copies to host memory "
-                                                   "and back + {:.1f} ms slower compute beside them",
-                                                   1e3 * p.copy_wait_seconds, 1e3 * p.copy_seconds,
-                                                   1e3 * p.copy_slowdown_seconds)
-                                     : "",
-                                 1e3 * prof.optimizer_seconds);
+        r.pipeline
+            ? fmt::format(
+                  "the schedule simulated stage by stage, {:.1f} ms (transfers not priced), + {:.1f} ms "
+                  "the slowest stage's update",
+                  1e3 * r.pipeline->simulated_seconds, 1e3 * (r.step_seconds - r.pipeline->simulated_seconds))
+            : fmt::format(
+                  "{} x {:.1f} ms forward and backward{} + {:.1f} ms recompute{} + {:.1f} ms the update around the "
+                  "passes",
+                  cfg.train.grad_accum, 1e3 * prof.base_seconds,
+                  p.attention_seconds != 0 ? fmt::format(" {:+.1f} ms the layers running the other "
+                                                         "attention op",
+                                                         1e3 * p.attention_seconds)
+                                           : "",
+                  1e3 * p.recompute_seconds,
+                  p.offloaded_bytes > 0
+                      ? fmt::format(" + {:.1f} ms waiting for the {:.1f} ms of copies to host memory "
+                                    "and back + {:.1f} ms slower compute beside them",
+                                    1e3 * p.copy_wait_seconds, 1e3 * p.copy_seconds, 1e3 * p.copy_slowdown_seconds)
+                      : "",
+                  1e3 * prof.optimizer_seconds);
     text += line(fmt::format("predicted step time {:.1f} ms: {}", 1e3 * r.step_seconds, parts));
     if (!prof.path.empty()) text += line("time profile: " + prof.path);
   }

@@ -3,13 +3,13 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <deque>
 #include <set>
+#include <stdexcept>
 #include <tuple>
 
-#include <stdexcept>
-
 #ifdef REMAT_WITH_CUDA
-#include <c10/cuda/CUDAFunctions.h>
+#include <ATen/cuda/CUDAEvent.h>
 #endif
 
 namespace remat {
@@ -23,15 +23,6 @@ uint64_t hash_bytes(const at::Tensor& t) {
   uint64_t h = 1469598103934665603ULL;
   for (size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 1099511628211ULL;
   return h;
-}
-
-// Kernels run asynchronously on CUDA: a node's time is the time to finish its work.
-void sync(at::Device device) {
-#ifdef REMAT_WITH_CUDA
-  if (device.is_cuda()) c10::cuda::device_synchronize();
-#else
-  (void)device;
-#endif
 }
 
 std::string shape(const std::vector<int64_t>& s) { return fmt::format("[{}]", fmt::join(s, ", ")); }
@@ -119,16 +110,59 @@ void ActivationStore::count_op(const std::string& kind) {
   ++counters_.ops_by_kind[kind];
 }
 
+// A device synchronization around each node would add a launch latency to every node's
+// time and drain the queue that the kernels of a step run from.
+struct ActivationStore::NodeEvents {
+#ifdef REMAT_WITH_CUDA
+  struct Timed {
+    std::string name;
+    at::cuda::CUDAEvent start{cudaEventDefault}, end{cudaEventDefault};
+  };
+  std::deque<Timed> timed;
+#endif
+};
+
+void ActivationStore::reset_counters() {
+  counters_ = {};
+  node_events_.reset();
+}
+
+void ActivationStore::settle_node_times() {
+#ifdef REMAT_WITH_CUDA
+  if (node_events_ == nullptr) return;
+  for (auto& t : node_events_->timed) {
+    t.end.synchronize();
+    counters_.node_seconds[t.name] += 1e-3 * static_cast<double>(t.start.elapsed_time(t.end));
+    ++counters_.node_runs[t.name];
+  }
+  node_events_.reset();
+#endif
+}
+
 ActivationStore::NodeTimer::NodeTimer(ActivationStore& store, const char* name, at::Device device)
     : store_(store.options().time_nodes ? &store : nullptr), name_(name), device_(device) {
   if (store_ == nullptr) return;
-  sync(device_);
+#ifdef REMAT_WITH_CUDA
+  if (device_.is_cuda()) {
+    if (store_->node_events_ == nullptr) store_->node_events_ = std::make_shared<NodeEvents>();
+    auto& timed = store_->node_events_->timed;
+    event_ = timed.size();
+    timed.push_back({name_});
+    timed.back().start.record();
+    return;
+  }
+#endif
   start_ = std::chrono::steady_clock::now();
 }
 
 ActivationStore::NodeTimer::~NodeTimer() {
   if (store_ == nullptr) return;
-  sync(device_);
+#ifdef REMAT_WITH_CUDA
+  if (device_.is_cuda()) {
+    store_->node_events_->timed[event_].end.record();
+    return;
+  }
+#endif
   store_->counters_.node_seconds[name_] +=
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
   ++store_->counters_.node_runs[name_];

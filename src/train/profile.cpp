@@ -268,7 +268,9 @@ void measure_times(const Config& cfg, Model& model, const data::TokenDataset& da
     const auto t0 = std::chrono::steady_clock::now();
     model.forward_backward(tokens, targets, StepContext{static_cast<uint64_t>(cfg.run.seed), 0, 0}, 1.0, t.ce_chunk);
     synchronize(device);
-    if (rep > 0) reps.emplace_back(seconds_since(t0), model.store()->counters());  // rep 0 warms caches
+    const double seconds = seconds_since(t0);
+    model.store()->settle_node_times();
+    if (rep > 0) reps.emplace_back(seconds, model.store()->counters());  // rep 0 warms caches
   }
   model.zero_grad();
   std::sort(reps.begin(), reps.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
@@ -306,13 +308,19 @@ void measure_times(const Config& cfg, Model& model, const data::TokenDataset& da
     copies.push_back(c);
   }
   torch::optim::AdamW scratch(copies, torch::optim::AdamWOptions(t.lr).weight_decay(t.weight_decay));
+  const at::ScalarType compute = model.compute_dtype();
   for (int rep = 0; rep < 2; ++rep) {
     synchronize(device);
     const auto t0 = std::chrono::steady_clock::now();
+    model.zero_grad();
     std::vector<at::Tensor> squares;
     for (const auto& g : grads) squares.push_back(g.pow(2).sum());
     at::stack(squares).sum().item<double>();
     scratch.step();
+    // An update changes every weight, so the next pass casts each to the compute dtype anew.
+    for (const auto& prm : model.params()) {
+      if (prm.value.scalar_type() != compute) (void)prm.value.to(compute);
+    }
     synchronize(device);
     p.optimizer_seconds = seconds_since(t0);  // the second: state already allocated
   }

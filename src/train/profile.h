@@ -19,10 +19,12 @@
 namespace remat {
 
 struct TimeProfile {
-  cost::NodeTimes times;         ///< seconds per execution of each recompute node
-  double base_seconds = 0;       ///< one microbatch's forward + backward, nothing recomputed
-  double optimizer_seconds = 0;  ///< gradient clipping and the AdamW update
-  int64_t optimizer_bytes = 0;   ///< the parameter bytes that update was of
+  cost::NodeTimes times;    ///< seconds per execution of each recompute node
+  double base_seconds = 0;  ///< one microbatch's forward + backward, nothing recomputed
+  /// The step's work besides the passes: zeroing the gradients, clipping them, the AdamW
+  /// update and the compute-dtype copies of the updated weights.
+  double optimizer_seconds = 0;
+  int64_t optimizer_bytes = 0;  ///< the parameter bytes that update was of
   /// The CPUs other processes used while it was measured (rank 0's machine); unknown where
   /// /proc/stat could not be read, or read from a cache written before this was recorded.
   std::optional<double> other_cpus;

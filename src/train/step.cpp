@@ -252,7 +252,10 @@ StepResult TrainStep::run(int64_t step, const data::TokenDataset& data, std::mt1
   const auto t0 = std::chrono::steady_clock::now();
   std::optional<trace::Scope> step_scope(std::in_place, "step", trace::Category::step);
 
-  model_.zero_grad();
+  {
+    const trace::Scope scope("zero gradients", trace::Category::step);
+    model_.zero_grad();
+  }
   if (model_.store() != nullptr) model_.store()->reset_counters();
   const int ranks = ranks_ != nullptr ? ranks_->data().size() : 1;
   const int64_t first_row = ranks_ != nullptr ? ranks_->data().rank() * t.batch : 0;
