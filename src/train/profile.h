@@ -1,6 +1,6 @@
 // The measured time profile a plan's step time is predicted from: how long each
 // recompute node takes at the run's shapes on this device, how long a microbatch's
-// forward and backward take without recompute, and the optimizer step. Measured once
+// forward and backward take without recompute, and the update around them. Measured once
 // per device and shape and cached on disk.
 #pragma once
 
@@ -43,10 +43,11 @@ struct TimeProfile {
 /// Reads the profile of `cfg`'s model and train shape on `model`'s device from
 /// `<run.out_dir>/.profiles/`, or measures it there: a few forward/backward passes of one
 /// batch of `data` with every layer recomputed (the store times each node; the base time
-/// is the pass minus its measured recompute), and two AdamW updates of scratch copies of
-/// the parameters (under parallel.zero = 1, of data-parallel rank 0's share of them over
-/// parallel.dp ranks; the exchange of the updated parameters is not timed, nor is the
-/// gradient all-reduce). The model's weights are untouched; its gradients are zeroed and its
+/// is the pass minus its measured recompute), and twice the update around the passes:
+/// the gradients zeroed and clipped, AdamW on scratch copies of the parameters (under
+/// parallel.zero = 1, of data-parallel rank 0's share of them over parallel.dp ranks; the
+/// exchange of the updated parameters is not timed, nor is the gradient all-reduce) and
+/// every weight cast to the compute dtype. The model's weights are untouched; its gradients are zeroed and its
 /// activation plan must be set again afterwards.
 ///
 /// Timed beside other work (more of the machine's CPUs busy with other processes than
