@@ -126,10 +126,12 @@ void scatter_events(Events& e, const TensorInfo& whole, int64_t index) {
   e.out(index);
 }
 
-// A row sum into a bias gradient, cast when the accumulator is wider (tp_reduce, sp_scatter).
+// A row sum into a bias gradient, cast when the accumulator is wider (tp_reduce, sp_scatter);
+// on CUDA in float32 (float64), the linear's split column sum.
 void bias_grad_events(Events& e, const TensorInfo& dy, const TensorInfo& bias) {
   const at::ScalarType acc = detail::stats_of(dy.dtype);
   const int64_t sum = e.temp(bytes_of(bias.numel(), dy.dtype));
+  if (acc == dy.dtype) detail::cuda_column_sum_events(e, dy.numel() / dy.sizes.back(), bias.numel(), acc);
   if (acc != dy.dtype) e.release(e.temp(bytes_of(bias.numel(), acc)));
   e.release(sum);
 }
