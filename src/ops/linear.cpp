@@ -138,21 +138,11 @@ class LinearDef final : public OpDef {
     e.out(0);
     if (copy >= 0) e.release(copy);
   }
-  // The bias gradient is a row sum, cast where the accumulator is wider.
   void backward_events(Events& e, const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& p,
                        const std::vector<TensorInfo>& out, const Attrs&) const override {
     const int64_t copy = row_copy(e, in[0]);
-    const at::ScalarType acc = in[0].dtype == at::kDouble ? at::kDouble : at::kFloat;
     weight_grad_events(e, in[0].dtype, p[0].numel());
-    if (p.size() == 2) {
-      const int64_t sum = e.temp(bytes_of(p[1].numel(), in[0].dtype));
-      // The float32 (float64) rows' sum is the RMS norm's weight-gradient kernel; for narrower
-      // rows ATen vectorizes and accumulates otherwise, which is not modelled.
-      if (acc == in[0].dtype) detail::cuda_column_sum_events(e, in[0].numel() / in[0].sizes.back(), p[1].numel(), acc);
-      const int64_t cast = acc != in[0].dtype ? e.temp(bytes_of(p[1].numel(), acc)) : -1;
-      if (cast >= 0) e.release(cast);
-      e.release(sum);
-    }
+    if (p.size() == 2) detail::bias_grad_events(e, out[0], p[1]);
     e.out(0);
     if (copy >= 0) e.release(copy);
   }

@@ -154,6 +154,17 @@ inline void cuda_column_sum_events(Events& e, int64_t rows, int64_t cols, at::Sc
   e.release(buffer);
 }
 
+/// A bias gradient: the row sum of `dy` (the linear's and the tensor-parallel ops'), cast
+/// when the accumulator is wider. On CUDA a float32 (float64) sum is the column sum above;
+/// narrower rows ATen vectorizes and accumulates otherwise, which is not modelled.
+inline void bias_grad_events(Events& e, const TensorInfo& dy, const TensorInfo& bias) {
+  const at::ScalarType acc = stats_of(dy.dtype);
+  const int64_t sum = e.temp(bytes_of(bias.numel(), dy.dtype));
+  if (acc == dy.dtype) cuda_column_sum_events(e, dy.numel() / dy.sizes.back(), bias.numel(), acc);
+  if (acc != dy.dtype) e.release(e.temp(bytes_of(bias.numel(), acc)));
+  e.release(sum);
+}
+
 /// An op whose output has its inputs' shape (they all share one) and the first input's
 /// dtype, and whose forward and backward allocate just their results: each elementwise
 /// op. Subclasses give the kernels and FLOPs, and override what differs.

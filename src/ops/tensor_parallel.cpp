@@ -126,16 +126,6 @@ void scatter_events(Events& e, const TensorInfo& whole, int64_t index) {
   e.out(index);
 }
 
-// A row sum into a bias gradient, cast when the accumulator is wider (tp_reduce, sp_scatter);
-// on CUDA in float32 (float64), the linear's split column sum.
-void bias_grad_events(Events& e, const TensorInfo& dy, const TensorInfo& bias) {
-  const at::ScalarType acc = detail::stats_of(dy.dtype);
-  const int64_t sum = e.temp(bytes_of(bias.numel(), dy.dtype));
-  if (acc == dy.dtype) detail::cuda_column_sum_events(e, dy.numel() / dy.sizes.back(), bias.numel(), acc);
-  if (acc != dy.dtype) e.release(e.temp(bytes_of(bias.numel(), acc)));
-  e.release(sum);
-}
-
 // The shapes of the sequence-parallel collectives: the output's sizes are the attribute
 // `sizes` (the transform knows the group's size; the op does not until it runs), equal to
 // the input's but in dimension 1, which `gathers` (or scatters) by a whole factor.
@@ -216,7 +206,7 @@ class TpReduceDef final : public detail::Elementwise {
   }
   void backward_events(Events& e, const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& p,
                        const std::vector<TensorInfo>&, const Attrs&) const override {
-    if (!p.empty()) bias_grad_events(e, in[0], p[0]);
+    if (!p.empty()) detail::bias_grad_events(e, in[0], p[0]);
   }
 };
 
@@ -300,7 +290,7 @@ class SpScatterDef final : public OpDef {
   }
   void backward_events(Events& e, const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& p,
                        const std::vector<TensorInfo>& out, const Attrs&) const override {
-    if (!p.empty()) bias_grad_events(e, out[0], p[0]);
+    if (!p.empty()) detail::bias_grad_events(e, out[0], p[0]);
     all_gather_events(e, in[0].bytes(), 0);
   }
 };

@@ -47,8 +47,8 @@ struct TimeProfile {
 /// the gradients zeroed and clipped, AdamW on scratch copies of the parameters (under
 /// parallel.zero = 1, of data-parallel rank 0's share of them over parallel.dp ranks; the
 /// exchange of the updated parameters is not timed, nor is the gradient all-reduce) and
-/// every weight cast to the compute dtype. The model's weights are untouched; its gradients are zeroed and its
-/// activation plan must be set again afterwards.
+/// every weight cast to the compute dtype. The model's weights are untouched; its
+/// gradients are zeroed and its activation plan must be set again afterwards.
 ///
 /// Timed beside other work (more of the machine's CPUs busy with other processes than
 /// util::tolerated_other_cpus allows for the run's threads: rank 0's machine governs), it
