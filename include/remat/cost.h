@@ -180,6 +180,11 @@ struct LayerCost {
   /// beside them (NodeTimes::host_copy_slowdown): the clock of the walk (graph::BlockRun)
   /// over its nodes' forward and backward times.
   double copy_seconds = 0, copy_wait_seconds = 0, copy_slowdown_seconds = 0;
+  /// On that clock: how long its backward runs (its nodes, its recompute, its waits and
+  /// slowdown), and when its last copy back ends, from its backward's start (0: before it).
+  /// The layer below it, when it prefetches, starts its copies back after that end and has
+  /// the rest of this backward to hide them behind.
+  double backward_clock_seconds = 0, fetched_by_seconds = 0;
   /// What its copies add to its step: the waits and the slowdown.
   double copy_added_seconds() const { return copy_wait_seconds + copy_slowdown_seconds; }
 };
@@ -230,7 +235,9 @@ LayerCost price_layer(const graph::BlockGraph& block, SlotMask dropped, bool ear
 class LayerPricer {
  public:
   LayerPricer(const graph::BlockGraph& block, bool early_stop, NodeTimes times);
-  LayerCost price(SlotMask dropped, bool input_sharded = false, SlotMask offloaded = {}) const;
+  /// `fetch_ahead`: seconds before its backward from which its copies back may run (a
+  /// prefetch, ActivationPlan::prefetches); 0: they start with it.
+  LayerCost price(SlotMask dropped, bool input_sharded = false, SlotMask offloaded = {}, double fetch_ahead = 0) const;
   /// The forward alone (forward_peak, kept and host; no backward_peak), its copies back
   /// priced as a chunk's recompute awaits them: at once.
   LayerCost forward(SlotMask dropped, bool input_sharded = false, SlotMask offloaded = {}) const;

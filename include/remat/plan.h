@@ -138,6 +138,12 @@ struct LayerPlan {
   /// starts: kept, but not on the device in between. Never a dropped slot; memory a kept
   /// slot outside the set shares stays on the device (BlockGraph::offload_groups).
   SlotMask offloaded;
+  /// Its offloaded slots start their copies back when the backward of the layer above
+  /// begins, behind that layer's own, not when its own backward does: they hide behind that
+  /// backward too, and their device memory is held through it. Only where
+  /// ActivationPlan::may_prefetch allows; the planner sets it where the step is then faster
+  /// and still fits the budget.
+  bool prefetch = false;
   bool keeps_all() const { return dropped.empty() && chunk_begin < 0 && !input_sharded && offloaded.empty(); }
 };
 
@@ -149,6 +155,14 @@ struct ActivationPlan {
   int64_t chunk_of(int64_t l) const;
   /// The last layer of the chunk that begins at `first` (chunk_of(first) == first).
   int64_t chunk_end(int64_t first) const;
+  /// Whether layer l may start its copies back before the backward of layer l + 1 in a
+  /// stage whose layers end before `end`: a layer that offloads, outside a uniform chunk,
+  /// below a layer of its stage outside one.
+  bool may_prefetch(int64_t l, int64_t end) const;
+  /// Whether it does: may_prefetch, and its LayerPlan::prefetch is set.
+  bool prefetches(int64_t l, int64_t end) const {
+    return layers.at(static_cast<size_t>(l)).prefetch && may_prefetch(l, end);
+  }
   /// Whether some layer offloads a slot to host memory.
   bool offloads() const {
     return std::any_of(layers.begin(), layers.end(), [](const LayerPlan& l) { return !l.offloaded.empty(); });

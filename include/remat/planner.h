@@ -15,7 +15,10 @@
 // With a host budget (PlannerOptions::host_budget) a kept slot may also wait in host
 // memory between its layer's forward and backward (LayerPlan::offloaded), its copies
 // priced at the times' host rate: the program then also carries the host bytes below each
-// layer, so that the plan's offloaded bytes stay within the host budget.
+// layer, so that the plan's offloaded bytes stay within the host budget. Where copies run
+// beside the compute, the solved plan then prefetches each offloading layer's copies back
+// during the backward of the layer above where the whole step's prediction is faster and
+// still within the budget (LayerPlan::prefetch), layer by layer from the bottom.
 #pragma once
 
 #include "remat/budget.h"
@@ -166,6 +169,10 @@ class Planner {
     double seconds = 0;
   };
   ChunkCost chunk_cost(int64_t n, bool sharded) const;
+  // Sets LayerPlan::prefetch in `r`'s layers, from the bottom, where the step it predicts
+  // then adds less and still peaks within `budget`: a layer's prefetch holds its offloaded
+  // bytes through the backward of the layer above, which the program does not weigh.
+  void prefetch_where_it_pays(PlanResult& r, int64_t budget) const;
   // How a layer may hold its kept input: whole, and as a share when the block allows it.
   std::vector<bool> input_holds() const;
   // One way to plan the layers from a position: frontier option `option`, or (-1) a

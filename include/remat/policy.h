@@ -109,6 +109,10 @@ struct AcConfig {
   std::string check = "none";       ///< "none" | "meta" | "values": verify recompute
   bool early_stop = true;           ///< stop a recompute once the needed tensors exist
   bool pool = true;                 ///< recompute into recycled buffers (StoreOptions::pool)
+  /// Each layer that offloads starts its copies back when the backward of the layer above
+  /// begins, not its own (LayerPlan::prefetch), where ActivationPlan::may_prefetch allows. A
+  /// budget's plan chooses that per layer itself.
+  bool offload_prefetch = false;
   /// GB/s each way between the device and host memory that `remat plan` prices offloaded
   /// slots' copies at (a run measures its own); 25: about a PCIe 4 x16 link, 55 PCIe 5.
   double offload_rate = 25;

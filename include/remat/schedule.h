@@ -20,6 +20,7 @@ enum class Kind {
   head_forward,    ///< the final norm and the loss (the last stage only)
   head_backward,   ///< their backward, from the loss
   recompute,       ///< a uniform chunk's forward again, layers [layer, last], keeping all
+  fetch,           ///< layer `layer`'s offloaded memory starts coming back (ActivationPlan::prefetches)
   backward,        ///< layer `layer`'s backward (its dropped slots recomputed within it)
   embed_backward,  ///< the embedding's backward
   optimizer,       ///< after every microbatch: the gradient reductions and the update
@@ -49,7 +50,8 @@ struct Stage {
 std::vector<Action> forward(const ActivationPlan& plan, const Stage& stage, int64_t m);
 
 /// Microbatch `m`'s backward: the head, each layer from the top, a uniform chunk's
-/// recompute right before its last layer's backward, the embedding.
+/// recompute right before its last layer's backward, the embedding. Before the backward of
+/// a layer above one that prefetches, the copies back of that layer, then of the one below.
 std::vector<Action> backward(const ActivationPlan& plan, const Stage& stage, int64_t m);
 
 /// A whole step of stage `index` (from 0) of `stages`: the microbatches' forwards and

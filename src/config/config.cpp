@@ -320,6 +320,8 @@ std::vector<ConfigKey> make_keys() {
       key("ac.check", &C::ac, &AcConfig::check, "verify recompute: none, meta or values"),
       key("ac.early_stop", &C::ac, &AcConfig::early_stop, "stop recompute once outputs exist"),
       key("ac.pool", &C::ac, &AcConfig::pool, "recompute into recycled buffers"),
+      key("ac.offload_prefetch", &C::ac, &AcConfig::offload_prefetch,
+          "offloaded slots come back during the layer above's backward"),
       key("ac.offload_rate", &C::ac, &AcConfig::offload_rate, "GB/s device to host and back (remat plan's copies)"),
       key("ac.offload_slowdown", &C::ac, &AcConfig::offload_slowdown,
           "share of compute lost beside copies (remat plan's)"),

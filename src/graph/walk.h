@@ -166,19 +166,24 @@ class BlockRun {
     return std::exchange(grads[g_.input], T());
   }
 
-  /// Starts bringing the offloaded memory back to the device and makes a kept input held
-  /// as this rank's share whole again (the backward's first step, and a chunk recompute's
-  /// before it reads the input); nothing if neither is away.
-  void restore(B& b) {
-    if (on_host_) {
-      for (const size_t k : fetch_order_) {
-        auto m = b.fetch(take(groups_[k]));
-        move(groups_[k], std::move(m.tensors));
-        tickets_[k] = m.ticket;
-        pending_[k] = true;
-      }
-      on_host_ = false;
+  /// Starts bringing the offloaded memory back to the device, the group the backward reads
+  /// first first; nothing if none is away. restore's first step, which a prefetch
+  /// (schedule::Kind::fetch) takes earlier, alone.
+  void start_fetch(B& b) {
+    if (!on_host_) return;
+    for (const size_t k : fetch_order_) {
+      auto m = b.fetch(take(groups_[k]));
+      move(groups_[k], std::move(m.tensors));
+      tickets_[k] = m.ticket;
+      pending_[k] = true;
     }
+    on_host_ = false;
+  }
+
+  /// start_fetch, and makes a kept input held as this rank's share whole again (the
+  /// backward's first step, and a chunk recompute's before it reads the input).
+  void restore(B& b) {
+    start_fetch(b);
     if (!input_is_share_) return;
     vals_[g_.input] = b.gather(vals_[g_.input]);
     input_is_share_ = false;

@@ -91,4 +91,8 @@ int64_t ActivationPlan::chunk_end(int64_t first) const {
   return end;
 }
 
+bool ActivationPlan::may_prefetch(int64_t l, int64_t end) const {
+  return !layers.at(static_cast<size_t>(l)).offloaded.empty() && l + 1 < end && chunk_of(l) < 0 && chunk_of(l + 1) < 0;
+}
+
 }  // namespace remat

@@ -312,6 +312,12 @@ at::Tensor TransformerModel::backward(Microbatch& handle, at::Tensor dy, double 
       case schedule::Kind::recompute:
         recompute_chunk(a.layer, a.last, ctx, mb->block_shapes, mb->layers);
         break;
+      case schedule::Kind::fetch: {
+        const size_t l = static_cast<size_t>(a.layer - stage_.first);
+        Engine e = engine(*mb->block_shapes[l], W, W.layers[l], false, a.layer, ctx, store_.get());
+        mb->layers[l]->start_fetch(e);
+        break;
+      }
       case schedule::Kind::backward: {
         const int64_t l = a.layer;
         const trace::Scope layer_scope("backward", trace::Category::layer, l);

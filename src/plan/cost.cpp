@@ -149,14 +149,25 @@ struct CopyClock {
   bool overlap = true;
   double slowdown = 0;
   double now = 0;
+  double free = 0;                              // when the copies started so far end
+  double ahead = 0;                             // seconds before `now` from which a copy may start (fetch_ahead)
   std::vector<std::pair<double, double>> runs;  // per ticket, from 1: when it starts and ends
   size_t running = 0;                           // the first of `runs` not over at `now`
   double copies = 0, waited = 0, slowed = 0;
+  /// The copies started next may run from `seconds` before now, one after another (a
+  /// prefetch: the backward above, once its own copies back end), the compute beside them
+  /// slowed as beside any other.
+  void fetch_ahead(double seconds) {
+    ahead = seconds;
+    free = now - seconds;
+  }
   uint64_t start(double seconds) {
     copies += seconds;
     if (overlap) {
-      const double from = std::max(runs.empty() ? 0.0 : runs.back().second, now);
+      const double from = std::max(free, now - ahead);
       runs.emplace_back(from, from + seconds);
+      free = from + seconds;
+      if (from < now) slowed += slowdown * (std::min(now, free) - from);
     } else {
       waited += seconds;
       now += seconds;
@@ -446,7 +457,7 @@ namespace {
 LayerCost simulate(const graph::BlockGraph& g, const graph::Lifetimes& lt, const Folds* folds,
                    const std::vector<bool>& keep, bool early_stop, const NodeTimes& times,
                    const std::vector<double>& backward_times, bool backward,
-                   graph::InputHold hold = graph::InputHold::whole, SlotMask offloaded = {}) {
+                   graph::InputHold hold = graph::InputHold::whole, SlotMask offloaded = {}, double fetch_ahead = 0) {
   LayerCost lc;
   Live live, host;
   CopyClock clock;
@@ -469,8 +480,12 @@ LayerCost simulate(const graph::BlockGraph& g, const graph::Lifetimes& lt, const
     return lc;
   }
   live.reset_peak();
+  const double start = clock.now;
+  clock.fetch_ahead(fetch_ahead);
   run.backward(sim, sim.make(g.output_bytes())).reset();
   lc.backward_peak = live.peak();
+  lc.backward_clock_seconds = clock.now - start;
+  if (!clock.runs.empty()) lc.fetched_by_seconds = std::max(0.0, clock.runs.back().second - start);
   lc.copy_seconds = clock.copies;
   lc.copy_wait_seconds = clock.waited;
   lc.copy_slowdown_seconds = clock.slowed;
@@ -481,11 +496,11 @@ LayerCost simulate(const graph::BlockGraph& g, const graph::Lifetimes& lt, const
 // the slots `offloaded` in host memory between its forward and its backward.
 LayerCost simulate(const graph::BlockGraph& g, const graph::Lifetimes& lt, const Folds* folds, SlotMask dropped,
                    bool early_stop, const NodeTimes& times, const std::vector<double>& backward_times, bool backward,
-                   bool input_sharded, SlotMask offloaded) {
+                   bool input_sharded, SlotMask offloaded, double fetch_ahead = 0) {
   std::vector<bool> keep(kSlotCount, true);
   for (const Slot s : dropped.slots()) keep[static_cast<size_t>(s)] = false;
   LayerCost lc = simulate(g, lt, folds, keep, early_stop, times, backward_times, backward,
-                          input_sharded ? graph::InputHold::sharded : graph::InputHold::whole, offloaded);
+                          input_sharded ? graph::InputHold::sharded : graph::InputHold::whole, offloaded, fetch_ahead);
   const int64_t away = g.offload_bytes(keep, offloaded, input_sharded);
   const int64_t table = g.kept_bytes(keep, input_sharded) - away;
   TORCH_INTERNAL_ASSERT(lc.kept == table && lc.host == away, "the walk keeps ", lc.kept, " bytes on the device and ",
@@ -521,9 +536,9 @@ struct LayerPricer::Prepared {
 LayerPricer::LayerPricer(const graph::BlockGraph& block, bool early_stop, NodeTimes times)
     : p_(std::make_shared<const Prepared>(block, early_stop, std::move(times))) {}
 
-LayerCost LayerPricer::price(SlotMask dropped, bool input_sharded, SlotMask offloaded) const {
+LayerCost LayerPricer::price(SlotMask dropped, bool input_sharded, SlotMask offloaded, double fetch_ahead) const {
   return simulate(p_->g, p_->lt, &p_->folds, dropped, p_->early_stop, p_->times, p_->backward_times,
-                  /*backward=*/true, input_sharded, offloaded);
+                  /*backward=*/true, input_sharded, offloaded, fetch_ahead);
 }
 
 LayerCost LayerPricer::forward(SlotMask dropped, bool input_sharded, SlotMask offloaded) const {
@@ -624,13 +639,15 @@ StepPrediction predict_step(const ModelConfig& cfg, const StepShape& shape, cons
   const LayerPricer pricer(block, early_stop, times);
   std::optional<LayerPricer> other_pricer;
   if (other_block) other_pricer.emplace(*other_block, early_stop, times.other_attention->times);
-  std::map<std::tuple<SlotMask, bool, SlotMask, bool>, LayerCost> priced;
-  auto price = [&](const LayerPlan& lp, bool other) -> const LayerCost& {
-    const auto key = std::tuple{lp.dropped, lp.input_sharded, lp.offloaded, other};
+  std::map<std::tuple<SlotMask, bool, SlotMask, bool, double>, LayerCost> priced;
+  auto price = [&](const LayerPlan& lp, bool other, double fetch_ahead = 0) -> const LayerCost& {
+    const auto key = std::tuple{lp.dropped, lp.input_sharded, lp.offloaded, other, fetch_ahead};
     auto it = priced.find(key);
     if (it == priced.end()) {
-      it =
-          priced.emplace(key, (other ? *other_pricer : pricer).price(lp.dropped, lp.input_sharded, lp.offloaded)).first;
+      it = priced
+               .emplace(key,
+                        (other ? *other_pricer : pricer).price(lp.dropped, lp.input_sharded, lp.offloaded, fetch_ahead))
+               .first;
     }
     return it->second;
   };
@@ -647,6 +664,15 @@ StepPrediction predict_step(const ModelConfig& cfg, const StepShape& shape, cons
                 l + 1, ", which is in a uniform chunk; a chunk's layers run the model's attention op");
     p.layers.push_back(pricer.forward(first_forward_drops(plan, l), lp.input_sharded, lp.offloaded));
     p.layers.back().backward_peak = whole.backward_peak;
+  }
+  // A layer that prefetches starts its copies back once the layer above's have ended, and
+  // has the rest of that layer's backward (priced first, from the top) ahead of its own.
+  for (int64_t l = E - 2; l >= F; --l) {
+    if (!plan.prefetches(l, E)) continue;
+    const LayerCost& above = p.layers[static_cast<size_t>(l + 1 - F)];
+    const LayerPlan& lp = plan.layers[static_cast<size_t>(l)];
+    p.layers[static_cast<size_t>(l - F)] =
+        price(lp, runs_other(lp), above.backward_clock_seconds - above.fetched_by_seconds);
   }
   p.kept_activations = k.embed_saved + k.head_saved;
   for (const LayerCost& c : p.layers) p.kept_activations += c.kept;
@@ -695,8 +721,12 @@ StepPrediction predict_step(const ModelConfig& cfg, const StepShape& shape, cons
     const bool first_microbatch = a.microbatch == 0;
     std::vector<int64_t>* mine = a.microbatch >= 0 ? &held[static_cast<size_t>(a.microbatch)] : nullptr;
     const auto at = [&](int64_t l) -> int64_t& { return (*mine)[static_cast<size_t>(l - F)]; };
-    const auto bring_back = [&](int64_t l) {
+    // The layer's offloaded bytes back on the device, held with its kept ones until its
+    // backward (whose peak counts both).
+    const auto fetch = [&](int64_t l) {
       int64_t& bytes = away[static_cast<size_t>(a.microbatch)][static_cast<size_t>(l - F)];
+      at(l) += bytes;
+      live += bytes;
       host -= std::exchange(bytes, 0);
     };
     switch (a.kind) {
@@ -730,8 +760,8 @@ StepPrediction predict_step(const ModelConfig& cfg, const StepShape& shape, cons
         // With the output gradient live, the chunk's layers are rebuilt whole, each over
         // the ones under it; a sharded input is gathered first, beside its share.
         for (int64_t j = a.layer; j <= a.last; ++j) {
+          fetch(j);
           live -= at(j);
-          bring_back(j);
         }
         if (plan.layers[a.layer].input_sharded) {
           consider(live + out_bytes + at(a.layer) + 2 * input_bytes, live + at(a.layer),
@@ -748,12 +778,15 @@ StepPrediction predict_step(const ModelConfig& cfg, const StepShape& shape, cons
         }
         break;
       }
+      case schedule::Kind::fetch:
+        fetch(a.layer);
+        break;
       case schedule::Kind::backward: {
         const bool chunked = plan.chunk_of(a.layer) >= 0;
         const LayerCost& c = p.layers[static_cast<size_t>(a.layer - F)];
+        fetch(a.layer);
         live -= at(a.layer);
         at(a.layer) = 0;
-        bring_back(a.layer);
         consider(live + c.backward_peak, live, layer_name("backward", a.layer));
         if (!chunked) add_recompute(c, first_microbatch);
         break;
@@ -922,6 +955,11 @@ std::vector<memory::AllocatorEvent> step_allocations(const ModelConfig& cfg, con
           Simulator s = sim(head);
           mb->dx = mb->head->backward(s, make(head.g.output_bytes()));
           mb->head.reset();
+          break;
+        }
+        case schedule::Kind::fetch: {
+          Simulator s = sim(block_of(a.layer));
+          run_of(a.layer)->start_fetch(s);
           break;
         }
         case schedule::Kind::recompute: {

@@ -435,6 +435,7 @@ std::optional<PlanResult> Planner::solve(int64_t budget) const {
   }
   plan.policy = fmt::format("budget:{}", budget);
   PlanResult r{plan, predict(plan)};
+  prefetch_where_it_pays(r, budget);
   TORCH_INTERNAL_ASSERT(r.prediction.peak <= budget, "the planner's plan peaks at ", r.prediction.peak,
                         " over the budget ", budget);
   TORCH_INTERNAL_ASSERT(r.prediction.host_peak <= options_.host_budget, "the planner's plan offloads ",
@@ -527,6 +528,21 @@ std::vector<bool> Planner::input_holds() const {
 }
 
 int64_t Planner::none_peak() const { return predict(compile_policy("none", cfg_.n_layer, cfg_.dropout)).peak; }
+
+void Planner::prefetch_where_it_pays(PlanResult& r, int64_t budget) const {
+  // Where copies take the compute's cores (the CPU's) they are priced whole wherever they run.
+  if (!times_.host_copies_overlap) return;
+  for (int64_t l = 0; l + 1 < cfg_.n_layer; ++l) {
+    if (!r.plan.may_prefetch(l, cfg_.n_layer)) continue;
+    r.plan.layers[static_cast<size_t>(l)].prefetch = true;
+    cost::StepPrediction p = predict(r.plan);
+    if (p.peak <= budget && p.added_seconds() < r.prediction.added_seconds()) {
+      r.prediction = std::move(p);
+    } else {
+      r.plan.layers[static_cast<size_t>(l)].prefetch = false;
+    }
+  }
+}
 
 cost::StepPrediction Planner::predict(const ActivationPlan& plan) const {
   return cost::predict_step(cfg_, shape_, plan, options_.early_stop, times_);

@@ -30,6 +30,11 @@ std::vector<Action> backward(const ActivationPlan& plan, const Stage& stage, int
                   "ac.num_layers_per_stage).");
       out.push_back({Kind::recompute, m, first, l});
     }
+    // The layer's own copies back queue first: its backward reads them first.
+    if (l > stage.first && plan.prefetches(l - 1, stage.end)) {
+      if (!plan.prefetches(l, stage.end)) out.push_back({Kind::fetch, m, l});
+      out.push_back({Kind::fetch, m, l - 1});
+    }
     out.push_back({Kind::backward, m, l});
   }
   if (stage.embedding) out.push_back({Kind::embed_backward, m});

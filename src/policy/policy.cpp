@@ -820,7 +820,7 @@ bool same_layers(const ActivationPlan& a, const ActivationPlan& b) {
   for (size_t i = 0; i < a.layers.size(); ++i) {
     if (a.layers[i].dropped != b.layers[i].dropped || a.layers[i].chunk_begin != b.layers[i].chunk_begin ||
         a.layers[i].input_sharded != b.layers[i].input_sharded || a.layers[i].attention != b.layers[i].attention ||
-        a.layers[i].offloaded != b.layers[i].offloaded) {
+        a.layers[i].offloaded != b.layers[i].offloaded || a.layers[i].prefetch != b.layers[i].prefetch) {
       return false;
     }
   }
@@ -917,6 +917,29 @@ ActivationPlan compile_policy(const AcConfig& ac, int64_t n_layers, double dropo
       }
     }
   }
+  if (ac.offload_prefetch) {
+    if (!ac.budget.empty()) {
+      fail(
+          fmt::format("ac.budget = \"{}\" lets the planner choose, per layer, when offloaded slots come back, but "
+                      "ac.offload_prefetch = true fixes that choice; keep one of them.",
+                      ac.budget));
+    }
+    for (size_t s = 0; s < layout.first.size(); ++s) {
+      const int64_t end = layout.first[s] + layout.size[s];
+      for (int64_t l = layout.first[s]; l < end; ++l) {
+        plan.layers[static_cast<size_t>(l)].prefetch = plan.may_prefetch(l, end);
+      }
+    }
+    if (std::none_of(plan.layers.begin(), plan.layers.end(), [](const LayerPlan& l) { return l.prefetch; })) {
+      fail(
+          fmt::format("ac.offload_prefetch = true brings a layer's offloaded slots back during the backward of the "
+                      "layer above, but under the policy {} no layer offloads below another of its stage outside a "
+                      "uniform chunk; add an offload term (ac.policy = \"P+offload:[input,mlp]\") or drop "
+                      "ac.offload_prefetch.",
+                      plan.policy));
+    }
+    plan.policy += " (offload_prefetch)";
+  }
   if (dropout > 0.0 && !ac.preserve_rng_state && !ac.allow_rng_mismatch && recomputes_anything(plan)) {
     fail(
         fmt::format("ac.preserve_rng_state = false with dropout {} makes recomputed dropout draw other masks than "
@@ -958,7 +981,8 @@ std::string explain_plan(const ActivationPlan& plan) {
            plan.layers[j + 1].chunk_begin == plan.layers[i].chunk_begin &&
            plan.layers[j + 1].input_sharded == plan.layers[i].input_sharded &&
            plan.layers[j + 1].attention == plan.layers[i].attention &&
-           plan.layers[j + 1].offloaded == plan.layers[i].offloaded && plan.chunk_of(j + 1) == plan.chunk_of(i)) {
+           plan.layers[j + 1].offloaded == plan.layers[i].offloaded &&
+           plan.layers[j + 1].prefetch == plan.layers[i].prefetch && plan.chunk_of(j + 1) == plan.chunk_of(i)) {
       ++j;
     }
     const LayerPlan& l = plan.layers[i];
@@ -981,6 +1005,7 @@ std::string explain_plan(const ActivationPlan& plan) {
     r.drops = dropped.empty() ? "-" : kept.empty() ? "all" : join(dropped, ", ");
     r.attention = l.attention ? attention_name(*l.attention) : "-";
     r.offloads = l.offloaded.empty() ? "-" : join(l.offloaded.names(), ", ");
+    if (l.prefetch) r.offloads += " (back during the backward of the layer above)";
     const int64_t chunk = plan.chunk_of(i);
     if (chunk >= 0) {
       r.chunk = fmt::format("{}-{}", chunk + 1, plan.chunk_end(chunk) + 1);

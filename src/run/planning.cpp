@@ -96,6 +96,7 @@ ActivationPlan offloading_what_exists(ActivationPlan plan, const graph::BlockGra
       l.offloaded.remove(s);
       absent.add(s);
     }
+    l.prefetch = l.prefetch && !l.offloaded.empty();
   }
   if (plan.offloads()) return plan;
   throw std::invalid_argument(fmt::format(
@@ -124,6 +125,7 @@ std::string saved_plan_json(const RunPlan& r) {
         {"dropped", l.dropped.names()}, {"chunk_begin", l.chunk_begin}, {"input_sharded", l.input_sharded}};
     if (l.attention) layer["attention"] = attention_name(*l.attention);
     if (!l.offloaded.empty()) layer["offloaded"] = l.offloaded.names();
+    if (l.prefetch) layer["prefetch"] = true;
     layers.push_back(std::move(layer));
   }
   return nlohmann::json{{"policy", r.plan.policy}, {"split", r.split}, {"layers", layers}}.dump();
@@ -158,6 +160,7 @@ SavedPlan parse_saved_plan(const std::string& json, int64_t n_layers, int64_t st
         }
         layer.offloaded.add(slot_of_name(slot));
       }
+      layer.prefetch = l.value("prefetch", false);
       layer.chunk_begin = l.at("chunk_begin").get<int64_t>();
       layer.input_sharded = l.at("input_sharded").get<bool>();
       if (l.contains("attention")) {

@@ -76,6 +76,7 @@ std::string layer_words(const ActivationPlan& plan, const std::vector<std::strin
   if (lp.input_sharded) text += "; input as a share per tensor-parallel rank";
   if (lp.attention) text += fmt::format("; {} attention", attention_name(*lp.attention));
   if (!lp.offloaded.empty()) text += "; offloads " + by_module(lp.offloaded.names()) + " to host memory";
+  if (lp.prefetch) text += fmt::format(", back from the start of layer {}'s backward", l + 2);
   return text;
 }
 
@@ -334,6 +335,7 @@ nlohmann::json render_json(const RunSpec& spec) {
                         {"attention", attention_name(lp.attention.value_or(m.attention))},
                         {"kept_bytes", p.layers[i].kept},
                         {"offloaded", lp.offloaded.names()},
+                        {"prefetch", lp.prefetch},
                         {"host_bytes", p.layers[i].host},
                         {"copies_hidden", hidden >= 0 ? nlohmann::json(hidden) : nlohmann::json(nullptr)},
                         {"recompute_flops", p.layers[i].recompute_flops}});

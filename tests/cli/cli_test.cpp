@@ -429,6 +429,27 @@ TEST_F(Cli, PlanPricesOffloadCopiesAtTheOffloadRate) {
   EXPECT_NE(text.output.find("layers       kept each   recompute each   host each  hidden  keeps"), std::string::npos)
       << text.output;
   EXPECT_NE(text.output.find(" 64.00 KiB      0%  "), std::string::npos) << text.output;
+  // `full` recomputes a layer from its input as its backward starts, so with slow compute
+  // each layer waits for its whole copy back; started with the backward of the layer above
+  // (every layer but the top one), they hide behind it, and only the top layer waits.
+  const std::string full_slow =
+      " model.preset=gpt2-demo train.batch=2 train.seq=64 run.device=cuda parallel.compute_rate=0.001"
+      " ac.offload_rate=10 ac.policy=full+offload:[input]";
+  const Result late = run_remat("plan --json" + full_slow + no_corpus());
+  const Result early = run_remat("plan --json ac.offload_prefetch=true" + full_slow + no_corpus());
+  ASSERT_EQ(late.exit_code, 0) << late.output;
+  ASSERT_EQ(early.exit_code, 0) << early.output;
+  const auto waited = nlohmann::json::parse(late.output)["offload"];
+  const auto prefetched = nlohmann::json::parse(early.output);
+  EXPECT_EQ(prefetched["offload"]["seconds"].get<double>(), waited["seconds"].get<double>());
+  EXPECT_NEAR(prefetched["offload"]["wait_seconds"].get<double>(),
+              waited["wait_seconds"].get<double>() / static_cast<double>(m.n_layer),
+              1e-9 * waited["wait_seconds"].get<double>());
+  for (const auto& layer : prefetched["plan"]) {
+    EXPECT_EQ(layer["prefetch"], layer["layer"].get<int64_t>() < m.n_layer) << layer;
+  }
+  expect_error("plan ac.offload_prefetch=true", "ac.offload_prefetch = true brings a layer's offloaded slots back");
+  expect_error("plan ac.offload_prefetch=true ac.budget=0.8", "fixes that choice; keep one of them");
   expect_error("plan ac.offload_rate=0", "ac.offload_rate must be the GB/s copies move between the device and host");
   expect_error("plan ac.offload_slowdown=1", "ac.offload_slowdown must be the share of each second a copy");
 }

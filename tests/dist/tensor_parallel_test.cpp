@@ -32,13 +32,13 @@ ModelConfig shape_for(const char* arch, int tp, double dropout) {
 }
 
 // A recompute setting by name: a policy; with "+", the same policy with
-// ac.tp_recompute_allgather; "uniform:N*" or "block:N*", Megatron's full granularity by that
-// method with ac.distribute_saved_activations.
+// ac.tp_recompute_allgather; with "^", with ac.offload_prefetch; "uniform:N*" or
+// "block:N*", Megatron's full granularity by that method with ac.distribute_saved_activations.
 AcConfig ac_of(std::string name) {
   AcConfig ac;
   ac.allow_rng_mismatch = true;
   const char mark = name.back();
-  if (mark == '+' || mark == '*') name.pop_back();
+  if (mark == '+' || mark == '*' || mark == '^') name.pop_back();
   if (mark == '*') {
     const size_t colon = name.find(':');
     ac.recompute_granularity = "full";
@@ -49,6 +49,7 @@ AcConfig ac_of(std::string name) {
     ac.policy = name;
   }
   if (mark == '+') ac.tp_recompute_allgather = true;
+  ac.offload_prefetch = mark == '^';
   return ac;
 }
 
@@ -231,7 +232,8 @@ TEST(TensorParallel, APaddedVocabularyEqualsOneProcessInFloat64) {
 // parallelism also gathering the column-parallel inputs again (tp_recompute_allgather)
 // instead of keeping them, alone or with a policy; without it, keeping the inputs of the
 // layers recomputed whole as a share per rank (distribute_saved_activations); or moving
-// kept slots to host memory until the backward (offload).
+// kept slots to host memory until the backward (offload), or the backward of the layer
+// above (offload_prefetch).
 TEST(TensorParallel, EveryPolicyIsBitwiseTheSameRanksWithoutRecompute) {
   for (const char* arch : {"gpt2", "llama"}) {
     for (const bool sp : {false, true}) {
@@ -239,7 +241,8 @@ TEST(TensorParallel, EveryPolicyIsBitwiseTheSameRanksWithoutRecompute) {
       const std::vector<Result> none = on_tp(2, cfg, at::kFloat, "none", true, LossHead::fused, sp);
       for (const char* policy : {"full", "modules:[core_attn]", "ops:[matmul]", "every:2", "uniform:2", "none+",
                                  "modules:[core_attn]+", "uniform:1*", "uniform:2*", "block:1*", "full+offload:[input]",
-                                 "modules:[core_attn]+offload:[input,mlp,attn.gathered]"}) {
+                                 "modules:[core_attn]+offload:[input,mlp,attn.gathered]",
+                                 "modules:[core_attn]+offload:[input,mlp,attn.gathered]^"}) {
         const char mark = std::string(policy).back();
         if ((mark == '+' && !sp) || (mark == '*' && sp)) continue;
         const std::vector<Result> got = on_tp(2, cfg, at::kFloat, policy, true, LossHead::fused, sp);

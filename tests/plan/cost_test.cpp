@@ -249,6 +249,19 @@ TEST(CostModel, FoldedPricesEqualTheEventByEventWalk) {
   }
 }
 
+// A block's forward F, its first node's f0 and its differentiated nodes' D, in FLOPs priced
+// at one a second, and times under which a copy of its input takes 2F each way.
+struct InputCopies {
+  double F = 0, f0 = 0, D = 0;
+  cost::NodeTimes times;
+  explicit InputCopies(const graph::BlockGraph& g) : F(g.forward_flops()), f0(g.nodes[0].flops) {
+    const graph::Lifetimes lt(g);
+    for (size_t i = 0; i < g.nodes.size(); ++i) D += lt.runs_backward[i] ? g.nodes[i].flops : 0.0;
+    times.flops_per_second = 1;
+    times.host_bytes_per_second = static_cast<double>(g.slot_bytes(Slot::input)) / (2 * F);
+  }
+};
+
 // An offloaded block input starts its copy to host memory with the forward and is awaited
 // at its end; its copy back starts with the backward and is awaited before the first node
 // whose backward reads it, the block's first node (its norm). With copies twice the
@@ -270,12 +283,9 @@ TEST(CostModel, PricesTheTimeTheComputeWaitsForItsCopies) {
         }
       }
     }
-    const double F = g.forward_flops(), f0 = g.nodes[0].flops;
-    double D = 0;
-    for (size_t i = 0; i < g.nodes.size(); ++i) D += lt.runs_backward[i] ? g.nodes[i].flops : 0.0;
-    cost::NodeTimes times;
-    times.flops_per_second = 1;
-    times.host_bytes_per_second = static_cast<double>(g.slot_bytes(Slot::input)) / (2 * F);
+    const InputCopies k(g);
+    const double F = k.F, f0 = k.f0, D = k.D;
+    cost::NodeTimes times = k.times;
     const cost::LayerCost c = cost::price_layer(g, {}, true, times, false, SlotMask{Slot::input});
     // Sums over the nodes round: within 1e-12 of the exact figures.
     EXPECT_NEAR(c.copy_seconds, 4 * F, 1e-12 * F) << preset;
@@ -295,14 +305,10 @@ TEST(CostModel, PricesTheTimeTheComputeWaitsForItsCopies) {
 TEST(CostModel, PricesTheComputeSlowedBesideItsCopies) {
   for (const char* preset : {"gpt2-demo", "llama-demo"}) {
     const graph::BlockGraph g = graph::block_graph(config(preset, 1, 0.0), 2, 32, at::kFloat);
-    const graph::Lifetimes lt(g);
-    const double F = g.forward_flops(), f0 = g.nodes[0].flops, s = 0.25;
-    double D = 0;
-    for (size_t i = 0; i < g.nodes.size(); ++i) D += lt.runs_backward[i] ? g.nodes[i].flops : 0.0;
-    ASSERT_GT(2 * F - 2 * F * f0 / D, 2 * F * (1 - s)) << preset;
-    cost::NodeTimes times;
-    times.flops_per_second = 1;
-    times.host_bytes_per_second = static_cast<double>(g.slot_bytes(Slot::input)) / (2 * F);
+    const InputCopies k(g);
+    const double F = k.F, s = 0.25;
+    ASSERT_GT(2 * F - 2 * F * k.f0 / k.D, 2 * F * (1 - s)) << preset;
+    cost::NodeTimes times = k.times;
     times.host_copy_slowdown = s;
     const cost::LayerCost c = cost::price_layer(g, {}, true, times, false, SlotMask{Slot::input});
     EXPECT_NEAR(c.copy_seconds, 4 * F, 1e-12 * F) << preset;
@@ -314,6 +320,44 @@ TEST(CostModel, PricesTheComputeSlowedBesideItsCopies) {
     const cost::LayerCost whole = cost::price_layer(g, {}, true, times, false, SlotMask{Slot::input});
     EXPECT_EQ(whole.copy_slowdown_seconds, 0.0) << preset;
     EXPECT_NEAR(whole.copy_wait_seconds, 4 * F, 1e-12 * F) << preset;
+  }
+}
+
+// A prefetching layer's copy back may start `a` before its backward (LayerPricer::price's
+// fetch_ahead). With the copies of the test above (2F each way, no slowdown) the backward's
+// wait of 2F f0 / D shrinks by a, to none once a reaches it; the forward's F stays. In a
+// step, a layer below one that keeps everything and offloads nothing gets that layer's
+// whole backward, 2F: its copy back hides. Its offloaded input is back on the device
+// during that backward: the step peaks higher by at most the input's bytes (the measured
+// peaks of random plans that prefetch are OffloadPlansPeakAndHoldHostBytesWhereTheCostModelSays').
+TEST(CostModel, APrefetchHidesTheCopyBackBehindTheBackwardOfTheLayerAbove) {
+  for (const char* preset : {"gpt2-demo", "llama-demo"}) {
+    const ModelConfig cfg = config(preset, 2, 0.0);
+    const graph::BlockGraph g = graph::block_graph(cfg, 2, 32, at::kFloat);
+    const InputCopies k(g);
+    const double F = k.F, f0 = k.f0, D = k.D;
+    const cost::NodeTimes& times = k.times;
+    const cost::LayerPricer pricer(g, true, times);
+    const SlotMask input{Slot::input};
+    EXPECT_NEAR(pricer.price({}, false, input, F * f0 / D).copy_wait_seconds, F + F * f0 / D, 1e-12 * F) << preset;
+    EXPECT_NEAR(pricer.price({}, false, input, 2 * F).copy_wait_seconds, F, 1e-12 * F) << preset;
+    const cost::LayerCost plain = pricer.price({}, false, {});
+    EXPECT_NEAR(plain.backward_clock_seconds, 2 * F, 1e-12 * F) << preset;
+    EXPECT_EQ(plain.fetched_by_seconds, 0.0) << preset;
+    const cost::LayerCost late = pricer.price({}, false, input);
+    EXPECT_NEAR(late.fetched_by_seconds, 2 * F, 1e-12 * F) << preset;
+
+    ActivationPlan plan = compile_policy("none", 2, 0.0);
+    plan.layers[0].offloaded = input;
+    const cost::StepPrediction without = cost::predict_step(cfg, testing::plan_shape(2, 32), plan, true, times);
+    plan.layers[0].prefetch = true;
+    const cost::StepPrediction with = cost::predict_step(cfg, testing::plan_shape(2, 32), plan, true, times);
+    EXPECT_NEAR(without.copy_wait_seconds, F + 2 * F * f0 / D, 1e-12 * F) << preset;
+    EXPECT_NEAR(with.copy_wait_seconds, F, 1e-12 * F) << preset;
+    EXPECT_EQ(with.copy_seconds, without.copy_seconds) << preset;
+    EXPECT_EQ(with.host_peak, without.host_peak) << preset;
+    EXPECT_GE(with.peak, without.peak) << preset;
+    EXPECT_LE(with.peak, without.peak + g.slot_bytes(Slot::input)) << preset;
   }
 }
 

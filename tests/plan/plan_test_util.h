@@ -61,8 +61,9 @@ inline ActivationPlan random_fates(std::mt19937& rng, int64_t layers, std::strin
       if (fate == 1) lp.dropped.add(s);
       if (fate == 2) lp.offloaded.add(s);
     }
-    text +=
-        fmt::format("[drop {} offload {}] ", fmt::join(lp.dropped.names(), ","), fmt::join(lp.offloaded.names(), ","));
+    lp.prefetch = rng() % 2 == 0;
+    text += fmt::format("[drop {} offload {}{}] ", fmt::join(lp.dropped.names(), ","),
+                        fmt::join(lp.offloaded.names(), ","), lp.prefetch ? " prefetch" : "");
     plan.layers.push_back(lp);
   }
   return plan;
@@ -81,7 +82,7 @@ struct RandomStep {
 
 /// A step of either preset with at least two layers a stage (so that uniform:2 chunks fit
 /// in one), math or tiled attention, dropout 0 or 0.1, 1 to 4 microbatches, either pipeline
-/// schedule, and a policy's plan or random keep-sets.
+/// schedule, and a policy's plan or random fates per slot (random_fates).
 inline RandomStep random_step(std::mt19937& rng, int64_t stages) {
   static const char* const kPolicies[] = {"none",
                                           "full",
@@ -101,14 +102,7 @@ inline RandomStep random_step(std::mt19937& rng, int64_t stages) {
   r.schedule = stages > 1 && rng() % 2 ? pipeline::Schedule::gpipe : pipeline::Schedule::one_f_one_b;
   r.early_stop = rng() % 4 != 0;
   if (rng() % 3 == 0) {
-    for (int64_t l = 0; l < r.cfg.n_layer; ++l) {
-      LayerPlan lp;
-      for (const Slot s : SlotMask::droppable().slots()) {
-        if (rng() % 2) lp.dropped.add(s);
-      }
-      r.plan.layers.push_back(lp);
-    }
-    r.text = "random keep-sets";
+    r.plan = random_fates(rng, r.cfg.n_layer, r.text);
   } else {
     AcConfig ac;
     r.text = kPolicies[rng() % std::size(kPolicies)];

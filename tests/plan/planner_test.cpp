@@ -30,12 +30,14 @@ cost::StepShape shape_of(int64_t B, int64_t T, at::ScalarType dtype = at::kFloat
 // Every plan of `L` layers over `candidates` and uniform chunks up to `max_chunk` (each
 // with its input kept whole, and under tensor parallelism alone also as a share per rank),
 // each single layer also with every op of `ops` (LayerPlan::attention) and, with a
-// `host_budget`, every offload set of offload_sets, priced by the step simulator; the least
-// time it adds (recompute, the other attention op's pass, host copies) within `budget` and
+// `host_budget`, every offload set of offload_sets, and with `prefetch` every choice of the
+// layers that prefetch (LayerPlan::prefetch), priced by the step simulator; the least time
+// it adds (recompute, the other attention op's pass, host copies) within `budget` and
 // `host_budget`.
 double brute_force(const ModelConfig& cfg, const cost::StepShape& shape, const cost::NodeTimes& times,
                    const std::vector<SlotMask>& candidates, int64_t max_chunk, int64_t budget, int64_t* plans_seen,
-                   const std::vector<std::optional<Attention>>& ops = {std::nullopt}, int64_t host_budget = 0) {
+                   const std::vector<std::optional<Attention>>& ops = {std::nullopt}, int64_t host_budget = 0,
+                   bool prefetch = false) {
   const graph::BlockGraph block = graph::block_graph(cfg, shape.batch, shape.seq, shape.dtype, shape.tp, shape.sp);
   const int64_t L = cfg.n_layer;
   double best = -1;
@@ -46,10 +48,18 @@ double brute_force(const ModelConfig& cfg, const cost::StepShape& shape, const c
   const std::vector<bool> holds = shape.tp > 1 && !shape.sp ? std::vector<bool>{false, true} : std::vector<bool>{false};
   std::function<void(int64_t)> walk = [&](int64_t pos) {
     if (pos == L) {
-      ++*plans_seen;
-      const auto p = cost::predict_step(cfg, shape, plan, true, times);
-      const double seconds = p.added_seconds();
-      if (p.peak <= budget && p.host_peak <= host_budget && (best < 0 || seconds < best)) best = seconds;
+      for (uint32_t mask = 0; mask < (prefetch ? 1u << L : 1u); ++mask) {
+        bool counted = false;  // a flag that does not prefetch repeats the plan without it
+        for (int64_t l = 0; l < L; ++l) {
+          plan.layers[l].prefetch = (mask >> l & 1u) != 0;
+          counted = counted || (plan.layers[l].prefetch && !plan.may_prefetch(l, L));
+        }
+        if (counted) continue;
+        ++*plans_seen;
+        const auto p = cost::predict_step(cfg, shape, plan, true, times);
+        const double seconds = p.added_seconds();
+        if (p.peak <= budget && p.host_peak <= host_budget && (best < 0 || seconds < best)) best = seconds;
+      }
       return;
     }
     for (const bool sharded : holds) {
@@ -228,18 +238,26 @@ std::optional<PlanResult> expect_offload_plan_as_brute_force(const Planner& plan
   int64_t seen = 0;
   const double brute =
       brute_force(cfg, shape, times, opts.candidates, 2, budget, &seen, {std::nullopt}, opts.host_budget);
+  const double with_prefetch =
+      brute_force(cfg, shape, times, opts.candidates, 2, budget, &seen, {std::nullopt}, opts.host_budget, true);
   auto r = planner.solve(budget);
   EXPECT_TRUE(r.has_value()) << what;
   if (!r) return r;
-  EXPECT_DOUBLE_EQ(r->prediction.added_seconds(), brute) << what;
+  // The program is exact over the three fates; the prefetches it adds after only take time off.
+  ActivationPlan unfetched = r->plan;
+  for (LayerPlan& l : unfetched.layers) l.prefetch = false;
+  EXPECT_DOUBLE_EQ(planner.predict(unfetched).added_seconds(), brute) << what;
+  EXPECT_LE(r->prediction.added_seconds(), planner.predict(unfetched).added_seconds()) << what;
+  EXPECT_GE(r->prediction.added_seconds(), with_prefetch * (1 - 1e-12)) << what;
   EXPECT_LE(r->prediction.peak, budget) << what;
   EXPECT_LE(r->prediction.host_peak, opts.host_budget) << what;
   return r;
 }
 
 // With a host budget a kept slot may also wait in host memory, its copies priced at the
-// host rate: the plans equal brute force over every keep-set, offload set and chunking,
-// with the host budget loose (the offloaded bytes never bind) and tight under copies so
+// host rate: the plans (before the prefetches added after the program, which take time off
+// but never below brute force with prefetch) equal brute force over every keep-set,
+// offload set and chunking, with the host budget loose (the offloaded bytes never bind) and tight under copies so
 // cheap that every plan would rather offload more (they bind), fit both budgets, are never
 // slower than the plans that offload nothing, and fit budgets those cannot; the least
 // budget is exact.
@@ -295,6 +313,44 @@ TEST(Planner, OffloadsAsBruteForceDoesWithinBothBudgets) {
     PlannerOptions opts = keep_only;
     opts.host_budget = int64_t{1} << 40;
     EXPECT_EQ(Planner(cfg, shape, free_copies, opts).min_feasible_budget(), without.min_feasible_budget());
+  }
+}
+
+// Where copies run beside the compute, the solved plan starts a layer's copies back during
+// the backward of the layer above wherever the step's prediction then gains and the budget
+// still holds: over a sweep of budgets some plans do, each only where ActivationPlan::
+// prefetches allows, within the budget, and faster than the same plan without.
+TEST(Planner, PrefetchesWhereTheStepGainsAndTheBudgetHolds) {
+  for (const char* preset : {"gpt2-demo", "llama-demo"}) {
+    const ModelConfig cfg = config(preset, 4, 0.1);
+    const auto shape = shape_of(2, 32);
+    const graph::BlockGraph block = graph::block_graph(cfg, 2, 32, at::kFloat);
+    cost::NodeTimes times = testing::offload_times(block);
+    times.host_bytes_per_second /= 8;  // copies the compute waits for
+    PlannerOptions opts;
+    opts.candidates = {{}, {Slot::attn_probs, Slot::attn_dropout}};
+    opts.host_budget = int64_t{1} << 40;
+    const Planner planner(cfg, shape, times, opts);
+    const int64_t lo = planner.min_feasible_budget(), hi = planner.none_peak();
+    int prefetching = 0;
+    for (int i = 0; i <= 24; ++i) {
+      const int64_t budget = lo + (hi - lo) * i / 24;
+      const auto r = planner.solve(budget);
+      ASSERT_TRUE(r.has_value()) << preset << " budget " << budget;
+      ActivationPlan unfetched = r->plan;
+      bool any = false;
+      for (int64_t l = 0; l < cfg.n_layer; ++l) {
+        const LayerPlan& lp = r->plan.layers[static_cast<size_t>(l)];
+        EXPECT_EQ(lp.prefetch, r->plan.prefetches(l, cfg.n_layer)) << preset << " layer " << l;
+        any = any || lp.prefetch;
+        unfetched.layers[static_cast<size_t>(l)].prefetch = false;
+      }
+      EXPECT_LE(r->prediction.peak, budget) << preset;
+      if (!any) continue;
+      ++prefetching;
+      EXPECT_LT(r->prediction.added_seconds(), planner.predict(unfetched).added_seconds()) << preset;
+    }
+    EXPECT_GT(prefetching, 0) << preset;
   }
 }
 

@@ -45,6 +45,42 @@ TEST(StepSchedule, AMicrobatchRunsItsPartsAndRecomputesAChunkBeforeItsLastLayers
             (std::vector<Action>{{Kind::recompute, 0, 2, 3}, {Kind::backward, 0, 3}, {Kind::backward, 0, 2}}));
 }
 
+// A layer that prefetches has its copies back started before the backward of the layer
+// above, behind that layer's own (unless that layer's started earlier still); a layer at a
+// stage's top, or beside a uniform chunk, starts its own with its backward.
+TEST(StepSchedule, APrefetchingLayersCopiesBackStartBeforeTheBackwardOfTheLayerAbove) {
+  ActivationPlan plan = compile_policy("uniform:2", 6, 0.0);
+  for (int64_t l = 2; l < 6; ++l) plan.layers[static_cast<size_t>(l)] = LayerPlan{};
+  for (LayerPlan& lp : plan.layers) {
+    lp.offloaded.add(Slot::input);
+    lp.prefetch = true;
+  }
+  const schedule::Stage whole{0, 6, false, false};
+  EXPECT_FALSE(plan.may_prefetch(1, 6)) << "in a chunk";
+  EXPECT_FALSE(plan.may_prefetch(5, 6)) << "no layer above";
+  EXPECT_EQ(schedule::backward(plan, whole, 0), (std::vector<Action>{{Kind::fetch, 0, 5},
+                                                                     {Kind::fetch, 0, 4},
+                                                                     {Kind::backward, 0, 5},
+                                                                     {Kind::fetch, 0, 3},
+                                                                     {Kind::backward, 0, 4},
+                                                                     {Kind::fetch, 0, 2},
+                                                                     {Kind::backward, 0, 3},
+                                                                     {Kind::backward, 0, 2},
+                                                                     {Kind::recompute, 0, 0, 1},
+                                                                     {Kind::backward, 0, 1},
+                                                                     {Kind::backward, 0, 0}}));
+  // Layer 3 (from 0) tops the stage of layers 2 and 3.
+  EXPECT_EQ(
+      schedule::backward(plan, {2, 4, false, false}, 0),
+      (std::vector<Action>{{Kind::fetch, 0, 3}, {Kind::fetch, 0, 2}, {Kind::backward, 0, 3}, {Kind::backward, 0, 2}}));
+  plan.layers[4].prefetch = false;
+  EXPECT_EQ(schedule::backward(plan, {3, 6, false, false}, 0), (std::vector<Action>{{Kind::backward, 0, 5},
+                                                                                    {Kind::fetch, 0, 4},
+                                                                                    {Kind::fetch, 0, 3},
+                                                                                    {Kind::backward, 0, 4},
+                                                                                    {Kind::backward, 0, 3}}));
+}
+
 TEST(StepSchedule, AStepRunsTheMicrobatchesInThePipelinesOrderThenTheOptimizer) {
   const ActivationPlan plan = compile_policy("none", 2, 0.0);
   const schedule::Stage last{1, 2, false, true};

@@ -1,5 +1,6 @@
 // Offloaded slots (LayerPlan::offloaded) train exactly like `none`: the same losses and
-// bitwise the same gradients, for every policy with an offload term, for random plans
+// bitwise the same gradients, for every policy with an offload term, with their copies back
+// started early (ac.offload_prefetch) or not, for random plans
 // mixing keep, recompute and offload per slot, and for the planner's plans under a host
 // budget, on both architectures and every attention op.
 #include "plan/plan_test_util.h"
@@ -53,6 +54,14 @@ TEST_P(OffloadBitwise, EveryOffloadPlanEqualsNoneBitwise) {
     EXPECT_GT(r.host.moved, 0) << what;
   };
   for (const char* policy : kOffloadPolicies) check(compile_policy(policy, cfg.n_layer, cfg.dropout), policy);
+  // Copies back started in the backward of the layer above.
+  for (const char* policy : {"offload:[input]", "modules:[core_attn]+offload:[input,mlp]",
+                             "every:2+modules:[act]+offload:[qkv,norm]", "full+offload(block:1):[input]"}) {
+    AcConfig ac;
+    ac.policy = policy;
+    ac.offload_prefetch = true;
+    check(compile_policy(ac, cfg.n_layer, cfg.dropout), std::string(policy) + " (offload_prefetch)");
+  }
   std::mt19937 rng(20261126);
   for (int trial = 0; trial < 6; ++trial) {
     std::string text;

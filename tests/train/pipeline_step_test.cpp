@@ -47,8 +47,11 @@ std::vector<MicrobatchData> microbatches(const ModelConfig& cfg) {
   return out;
 }
 
-ActivationPlan plan_of(const ModelConfig& cfg, const std::string& policy, int64_t stages) {
+// The plan of `policy` on `stages`; a trailing "^" adds ac.offload_prefetch.
+ActivationPlan plan_of(const ModelConfig& cfg, std::string policy, int64_t stages) {
   AcConfig ac;
+  ac.offload_prefetch = policy.back() == '^';
+  if (ac.offload_prefetch) policy.pop_back();
   ac.policy.emplace(policy);
   ac.stages = stages;
   return compile_policy(ac, cfg.n_layer, cfg.dropout);
@@ -76,7 +79,10 @@ TEST(PipelineStep, StagesOnGlooRanksTrainLikeTheWholeModel) {
     const ModelConfig cfg = config(preset);
     for (const int64_t P : {2, 4}) {
       std::map<std::string, Whole> whole;
-      for (const char* policy : {"none", "full", "block:1", "modules:[core_attn]+offload:[input,mlp]"}) {
+      std::vector<std::string> policies = {"none", "full", "block:1", "modules:[core_attn]+offload:[input,mlp]"};
+      // A stage of one layer has no layer above to prefetch behind.
+      if (P == 2) policies.emplace_back("offload:[input,mlp]^");
+      for (const std::string& policy : policies) {
         whole[policy] = whole_run(cfg, plan_of(cfg, policy, P));
       }
       for (const Schedule sched : {Schedule::one_f_one_b, Schedule::gpipe}) {
