@@ -152,6 +152,18 @@ llama_1b=(model.preset=llama3-8b model.n_layer=16 model.d_model=2048 model.n_hea
 attentions=${ATTENTIONS:-sdpa math}
 [ "$device" = cpu ] && llama_1b=(model.preset=llama-demo) attentions="tiled math"
 
+# Each entry of the bench in $1: its predicted copies and the part the compute waits for,
+# beside its measured and predicted step, each line after $2.
+copies() {
+  [ -f "$1/bench.json" ] && python3 - "$1/bench.json" <<'PY' | sed "s/^/$2 /" | tee -a "$work/summary.txt"
+import json, sys
+for r in json.load(open(sys.argv[1]))["rows"]:
+    print(f"{r['entry']}: step {1e3 * r['median_step_seconds']:.1f} ms, predicted {1e3 * r['predicted_step_seconds']:.1f} ms; "
+          f"copies {1e3 * r['predicted_copy_seconds']:.1f} ms, waited {1e3 * r['predicted_copy_wait_seconds']:.1f} ms, "
+          f"slowed {1e3 * r['predicted_copy_slowdown_seconds']:.1f} ms predicted")
+PY
+}
+
 if want bench; then
 step "peaks and step times: the sdpa op, offload to page-locked memory (remat bench)"
 for attention in $attentions; do
@@ -163,15 +175,15 @@ for attention in $attentions; do
     --out "$work/bench-llama-1b-$attention" "${llama_1b[@]}" model.attention=$attention "${common[@]}" \
     > "$work/bench-llama-1b-$attention.log" 2>&1 || say "bench llama-1b $attention failed: $(tail -1 "$work/bench-llama-1b-$attention.log")"
   grep " on CUDA: " "$work/bench-llama-1b-$attention.log" | sed "s/^/llama-1b $attention /" | tee -a "$work/summary.txt"
-  # The copies' overlap: each entry's predicted copies and the part the compute waits for,
-  # beside its measured and predicted step.
-  [ -f "$work/bench-llama-1b-$attention/bench.json" ] && python3 - "$work/bench-llama-1b-$attention/bench.json" <<'PY' | sed "s/^/llama-1b $attention /" | tee -a "$work/summary.txt"
-import json, sys
-for r in json.load(open(sys.argv[1]))["rows"]:
-    print(f"{r['entry']}: step {1e3 * r['median_step_seconds']:.1f} ms, predicted {1e3 * r['predicted_step_seconds']:.1f} ms; "
-          f"copies {1e3 * r['predicted_copy_seconds']:.1f} ms, waited {1e3 * r['predicted_copy_wait_seconds']:.1f} ms, "
-          f"slowed {1e3 * r['predicted_copy_slowdown_seconds']:.1f} ms predicted")
-PY
+  copies "$work/bench-llama-1b-$attention" "llama-1b $attention"
+  [ $attention = math ] && continue
+  # The MLP offload again, each layer's copies back started with the backward above it.
+  out="$work/bench-llama-1b-$attention-prefetch"
+  cap 60 "$remat" bench --policies 'modules:[core_attn]+offload:[input,mlp]' --steps 3 --warmup 1 --out "$out" \
+    "${llama_1b[@]}" model.attention=$attention ac.offload_prefetch=true "${common[@]}" > "$out.log" 2>&1 ||
+    say "bench llama-1b $attention prefetch failed: $(tail -1 "$out.log")"
+  grep " on CUDA: " "$out.log" | sed "s/^/llama-1b $attention prefetch /" | tee -a "$work/summary.txt"
+  copies "$out" "llama-1b $attention prefetch"
 done
 # GPT-2's biased products: whether cuBLASLt's 1 MiB workspace, made by the first product
 # with a bias and left out of the model, is what its allocated peak lacks.
