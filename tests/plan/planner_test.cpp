@@ -257,10 +257,10 @@ std::optional<PlanResult> expect_offload_plan_as_brute_force(const Planner& plan
 // With a host budget a kept slot may also wait in host memory, its copies priced at the
 // host rate: the plans (before the prefetches added after the program, which take time off
 // but never below brute force with prefetch) equal brute force over every keep-set,
-// offload set and chunking, with the host budget loose (the offloaded bytes never bind) and tight under copies so
-// cheap that every plan would rather offload more (they bind), fit both budgets, are never
-// slower than the plans that offload nothing, and fit budgets those cannot; the least
-// budget is exact.
+// offload set and chunking, with the host budget loose (the offloaded bytes never bind)
+// and tight under copies so cheap that every plan would rather offload more (they bind),
+// fit both budgets, are never slower than the plans that offload nothing, and fit budgets
+// those cannot; the least budget is exact.
 TEST(Planner, OffloadsAsBruteForceDoesWithinBothBudgets) {
   const std::vector<SlotMask> candidates = {{}, {Slot::attn_probs, Slot::attn_dropout}};
   for (const char* preset : {"gpt2-demo", "llama-demo"}) {
@@ -318,8 +318,8 @@ TEST(Planner, OffloadsAsBruteForceDoesWithinBothBudgets) {
 
 // Where copies run beside the compute, the solved plan starts a layer's copies back during
 // the backward of the layer above wherever the step's prediction then gains and the budget
-// still holds: over a sweep of budgets some plans do, each only where ActivationPlan::
-// prefetches allows, within the budget, and faster than the same plan without.
+// still holds: over a sweep of budgets some plans do, each only where
+// ActivationPlan::may_prefetch allows, within the budget, and faster than without.
 TEST(Planner, PrefetchesWhereTheStepGainsAndTheBudgetHolds) {
   for (const char* preset : {"gpt2-demo", "llama-demo"}) {
     const ModelConfig cfg = config(preset, 4, 0.1);
