@@ -652,27 +652,23 @@ StepPrediction predict_step(const ModelConfig& cfg, const StepShape& shape, cons
     return it->second;
   };
   // A uniform chunk's layers: their first forward keeps only the chunk's input (its first
-  // layer), and the chunk's recompute rebuilds each whole.
+  // layer), and the chunk's recompute rebuilds each whole. Priced from the top: a layer that
+  // prefetches starts its copies back once the layer above's have ended, and has the rest
+  // of that layer's backward ahead of its own.
   const LayerCost& whole = price(LayerPlan{}, false);
-  for (int64_t l = F; l < E; ++l) {
+  p.layers.resize(static_cast<size_t>(E - F));
+  for (int64_t l = E - 1; l >= F; --l) {
     const LayerPlan& lp = plan.layers[l];
+    LayerCost& c = p.layers[static_cast<size_t>(l - F)];
     if (plan.chunk_of(l) < 0) {
-      p.layers.push_back(price(lp, runs_other(lp)));
+      const LayerCost* above = plan.prefetches(l, E) ? &p.layers[static_cast<size_t>(l + 1 - F)] : nullptr;
+      c = price(lp, runs_other(lp), above ? above->backward_clock_seconds - above->fetched_by_seconds : 0.0);
       continue;
     }
     TORCH_CHECK(!runs_other(lp), "The activation plan runs ", attention_name(*lp.attention), " attention in layer ",
                 l + 1, ", which is in a uniform chunk; a chunk's layers run the model's attention op");
-    p.layers.push_back(pricer.forward(first_forward_drops(plan, l), lp.input_sharded, lp.offloaded));
-    p.layers.back().backward_peak = whole.backward_peak;
-  }
-  // A layer that prefetches starts its copies back once the layer above's have ended, and
-  // has the rest of that layer's backward (priced first, from the top) ahead of its own.
-  for (int64_t l = E - 2; l >= F; --l) {
-    if (!plan.prefetches(l, E)) continue;
-    const LayerCost& above = p.layers[static_cast<size_t>(l + 1 - F)];
-    const LayerPlan& lp = plan.layers[static_cast<size_t>(l)];
-    p.layers[static_cast<size_t>(l - F)] =
-        price(lp, runs_other(lp), above.backward_clock_seconds - above.fetched_by_seconds);
+    c = pricer.forward(first_forward_drops(plan, l), lp.input_sharded, lp.offloaded);
+    c.backward_peak = whole.backward_peak;
   }
   p.kept_activations = k.embed_saved + k.head_saved;
   for (const LayerCost& c : p.layers) p.kept_activations += c.kept;
