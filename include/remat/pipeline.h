@@ -16,6 +16,9 @@
 // microbatch (the pipeline's fill and drain are p - 1 slots), so the step time the solver
 // minimises is that slowest stage's time; transfers between stages are not priced.
 //
+// A layer may also offload slots to host memory: its stage's rank holds them once per
+// microbatch in flight, within that rank's host budget.
+//
 // The solver is exact over the model it is given (a dynamic program over stages and
 // layers, equal to brute force on small instances); the planner (remat/planner.h) gives it
 // the measured or FLOP-priced layer options of the real block, and a test gives it the
@@ -74,9 +77,10 @@ std::vector<int64_t> even_split(int64_t layers, int64_t stages);
 /// uniform chunk of `span` layers recomputed from its first layer's input.
 struct Piece {
   int64_t span = 1;
-  int64_t kept = 0;    ///< bytes kept from the forward to the backward, per microbatch
+  int64_t kept = 0;    ///< bytes kept on the device from the forward to the backward, per microbatch
   int64_t top = 0;     ///< most bytes live at once above the layers below, while it runs
-  double seconds = 0;  ///< its forward, backward and recompute, per microbatch
+  double seconds = 0;  ///< its forward, backward, recompute and waits for copies, per microbatch
+  int64_t host = 0;    ///< bytes it offloads to host memory meanwhile, per microbatch
 };
 
 /// What a stage holds and does besides its layers' pieces, for a given layer count: only
@@ -102,9 +106,12 @@ struct Problem {
   std::function<Frame(int64_t stage, int64_t n)> frame;
   /// Layers per stage, fixed (ac.num_layers_per_stage); empty: the solver chooses.
   std::vector<int64_t> split;
-  /// Above this many partial plans per stage and layer count, those within budget /
-  /// max_states bytes of each other in both kept bytes and working peak merge into the
-  /// fastest; exact below it.
+  /// Bytes per rank its pieces may offload at once: every microbatch in flight holds its
+  /// stage's pieces' host bytes at the last forward before the first backward.
+  int64_t host_budget = 0;
+  /// Above this many partial plans per stage and layer count, those in one cell of
+  /// budget / max_states bytes on both kept bytes and working peak merge into the fastest,
+  /// the cells doubling until at most this many are left; exact below it.
   int64_t max_states = 2048;
 };
 
@@ -115,6 +122,7 @@ struct StagePlan {
   std::vector<int64_t> pieces;  ///< indices into Problem::pieces, bottom to top
   int64_t kept = 0;             ///< per microbatch: under + the pieces' + over
   int64_t peak = 0;             ///< predicted, with its microbatches in flight
+  int64_t host = 0;             ///< in host memory at once: in flight x the pieces' host bytes
   double seconds = 0;           ///< forward and backward of one microbatch
 };
 

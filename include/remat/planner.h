@@ -147,8 +147,9 @@ class Planner {
 
   /// The fastest pipeline plan whose every stage's predicted peak is at most `budget`
   /// bytes: the layers of each stage (unless `pipe.split` fixes them) and every layer's
-  /// keep-set or uniform chunk, solved together (pipeline::solve); nullopt when none fits.
-  /// It offloads nothing (the host budget is the single-stage planner's).
+  /// keep-set, offload set or uniform chunk, solved together (pipeline::solve), each
+  /// stage's offloaded bytes, times its microbatches in flight, within the host budget
+  /// (a stage's rank's); nullopt when none fits.
   /// The shape's own stage fields are ignored: each stage gets its own.
   std::optional<PipelinePlan> solve_pipeline(int64_t budget, const PipelineShape& pipe) const;
   /// Predicts each stage of `plan` on `pipe.split` (the even split when empty).
@@ -169,10 +170,12 @@ class Planner {
     double seconds = 0;
   };
   ChunkCost chunk_cost(int64_t n, bool sharded) const;
-  // Sets LayerPlan::prefetch in `r`'s layers, from the bottom, where the step it predicts
-  // then adds less and still peaks within `budget`: a layer's prefetch holds its offloaded
-  // bytes through the backward of the layer above, which the program does not weigh.
-  void prefetch_where_it_pays(PlanResult& r, int64_t budget) const;
+  // Sets LayerPlan::prefetch in the layers `shape` holds, from the bottom, where the step
+  // `predicted` (that shape's, kept current) then adds less and still peaks within
+  // `budget`: a layer's prefetch holds its offloaded bytes through the backward of the
+  // layer above, which the programs do not weigh.
+  void prefetch_where_it_pays(ActivationPlan& plan, const cost::StepShape& shape, int64_t budget,
+                              cost::StepPrediction& predicted) const;
   // How a layer may hold its kept input: whole, and as a share when the block allows it.
   std::vector<bool> input_holds() const;
   // One way to plan the layers from a position: frontier option `option`, or (-1) a
@@ -186,8 +189,10 @@ class Planner {
   void place(ActivationPlan& plan, int64_t pos, const Choice& c) const;
   // The forward and backward seconds of a stage's embedding and loss head, those it holds.
   double ends_seconds(const cost::StepShape& stage) const;
-  // The pipeline problem of `pipe` within `budget`, with the choice behind each piece.
-  pipeline::Problem pipeline_problem(int64_t budget, const PipelineShape& pipe, std::vector<Choice>& choices) const;
+  // The pipeline problem of `pipe` within `budget`, with the choice behind each piece;
+  // without `offload`, only the pieces that keep everything on the device.
+  pipeline::Problem pipeline_problem(int64_t budget, const PipelineShape& pipe, std::vector<Choice>& choices,
+                                     bool offload = true) const;
 
   ModelConfig cfg_;
   cost::StepShape shape_;

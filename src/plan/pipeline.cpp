@@ -7,6 +7,7 @@
 #include <limits>
 #include <map>
 #include <stdexcept>
+#include <tuple>
 
 namespace remat::pipeline {
 
@@ -85,9 +86,11 @@ namespace {
 struct Walk {
   int64_t below = 0;
   int64_t high = 0;
+  int64_t host = 0;  // offloaded by the pieces so far
   void add(const Piece& c) {
     high = std::max(high, below + c.top);
     below += c.kept;
+    host += c.host;
   }
 };
 
@@ -108,17 +111,21 @@ struct State {
 };
 
 // Keeps the states no other beats in all of kept bytes, highest point and time (sorted by
-// kept bytes, a staircase of the others' points); above `max_states`, those in one cell of
-// `width` bytes on both axes merge into the fastest.
-void prune(std::vector<State>& v, int64_t max_states, int64_t width) {
-  std::sort(v.begin(), v.end(), [](const State& a, const State& b) {
-    if (a.walk.below != b.walk.below) return a.walk.below < b.walk.below;
-    if (a.walk.high != b.walk.high) return a.walk.high < b.walk.high;
-    return a.seconds < b.seconds;
+// kept bytes, a staircase of the others' points); where `host_width` (a host budget that
+// binds), only among states whose host bytes are in one cell of `host_width` bytes. Above
+// `max_states`, those in one cell of `width` bytes on the device axes (and `host_width` on
+// the host one) merge into the fastest.
+void prune(std::vector<State>& v, int64_t max_states, int64_t width, int64_t host_width) {
+  const auto host_cell = [&](const State& s) { return host_width > 0 ? s.walk.host / host_width : 0; };
+  std::sort(v.begin(), v.end(), [&](const State& a, const State& b) {
+    return std::tuple{host_cell(a), a.walk.below, a.walk.high, a.seconds} <
+           std::tuple{host_cell(b), b.walk.below, b.walk.high, b.seconds};
   });
   std::map<int64_t, double> stairs;  // highest point -> least time of the states seen, falling
   std::vector<State> out;
-  for (const State& s : v) {
+  for (size_t i = 0; i < v.size(); ++i) {
+    const State& s = v[i];
+    if (i > 0 && host_cell(s) != host_cell(v[i - 1])) stairs.clear();
     auto it = stairs.upper_bound(s.walk.high);
     if (it != stairs.begin() && std::prev(it)->second <= s.seconds) continue;  // beaten
     out.push_back(s);
@@ -126,10 +133,13 @@ void prune(std::vector<State>& v, int64_t max_states, int64_t width) {
     while (it != stairs.end() && it->second >= s.seconds) it = stairs.erase(it);
     stairs[s.walk.high] = s.seconds;
   }
-  if (static_cast<int64_t>(out.size()) > max_states && width > 0) {
-    std::map<std::pair<int64_t, int64_t>, State> cells;
+  // The cells widen until at most `max_states` are left: every piece multiplies the
+  // states, and offloading pieces spread them over many more cells than the budget's.
+  for (int64_t w = width, hw = host_width; static_cast<int64_t>(out.size()) > max_states && w > 0; w *= 2, hw *= 2) {
+    std::map<std::tuple<int64_t, int64_t, int64_t>, State> cells;
     for (const State& s : out) {
-      auto [it, fresh] = cells.emplace(std::pair{s.walk.below / width, s.walk.high / width}, s);
+      const int64_t host = hw > 0 ? s.walk.host / hw : 0;
+      auto [it, fresh] = cells.emplace(std::tuple{s.walk.below / w, s.walk.high / w, host}, s);
       if (!fresh && s.seconds < it->second.seconds) it->second = s;
     }
     out.clear();
@@ -144,6 +154,7 @@ struct StageBest {
   double seconds = 0;
   int64_t peak = 0;
   int64_t kept = 0;
+  int64_t host = 0;
   std::vector<int64_t> pieces;
 };
 
@@ -156,6 +167,13 @@ std::vector<StageBest> solve_stage(const Problem& p, int64_t stage, int64_t min_
   int64_t floor = least.statics;
   for (int64_t n = min_n; n <= max_n; ++n) floor = std::min(floor, frames[static_cast<size_t>(n)].statics);
   const int64_t width = std::max<int64_t>(1, p.budget / std::max<int64_t>(1, p.max_states));
+  // Where the most offloading pieces of every layer together fit the host budget, host
+  // bytes cannot decide a plan and the states are pruned without them.
+  int64_t most_host = 0;
+  for (const Piece& c : p.pieces) most_host = std::max(most_host, c.host / c.span);
+  const int64_t host_width = k * most_host * max_n > p.host_budget
+                                 ? std::max<int64_t>(1, p.host_budget / std::max<int64_t>(1, p.max_states))
+                                 : 0;
   std::vector<std::vector<State>> states(static_cast<size_t>(max_n + 1));
   State start;
   start.walk.below = least.under;
@@ -164,7 +182,7 @@ std::vector<StageBest> solve_stage(const Problem& p, int64_t stage, int64_t min_
   std::vector<StageBest> best(static_cast<size_t>(max_n + 1));
   for (int64_t pos = 0; pos <= max_n; ++pos) {
     auto& here = states[static_cast<size_t>(pos)];
-    prune(here, p.max_states, width);
+    prune(here, p.max_states, width, host_width);
     if (pos >= min_n) {
       const Frame& f = frames[static_cast<size_t>(pos)];
       for (const State& s : here) {
@@ -176,6 +194,7 @@ std::vector<StageBest> solve_stage(const Problem& p, int64_t stage, int64_t min_
           b.seconds = t;
           b.peak = peak;
           b.kept = s.walk.below + f.over;
+          b.host = k * s.walk.host;
           b.pieces.clear();
           for (int64_t at = pos, i = &s - here.data(); at > 0;) {
             const State& x = states[static_cast<size_t>(at)][static_cast<size_t>(i)];
@@ -197,6 +216,7 @@ std::vector<StageBest> solve_stage(const Problem& p, int64_t stage, int64_t min_
         next.walk.add(c);
         // Everything below only grows: over the budget now, over it with any more layers.
         if (floor + (k - 1) * (next.walk.below + least.over) + next.walk.high > p.budget) continue;
+        if (k * next.walk.host > p.host_budget) continue;
         states[static_cast<size_t>(pos + c.span)].push_back(next);
       }
     }
@@ -264,7 +284,7 @@ std::optional<Solution> solve(const Problem& p) {
   for (int64_t s = 0, used = 0; s < P; ++s) {
     const int64_t n = rest[static_cast<size_t>(s)][static_cast<size_t>(used)].n;
     const StageBest& b = best[static_cast<size_t>(s)][static_cast<size_t>(n)];
-    sol.stages.push_back({used, n, b.pieces, b.kept, b.peak, b.seconds});
+    sol.stages.push_back({used, n, b.pieces, b.kept, b.peak, b.host, b.seconds});
     if (b.seconds > sol.stages[static_cast<size_t>(sol.bottleneck)].seconds) sol.bottleneck = s;
     used += n;
   }

@@ -264,8 +264,8 @@ cost::StepShape Planner::stage_shape(const PipelineShape& pipe, int64_t s, int64
   return shape;
 }
 
-pipeline::Problem Planner::pipeline_problem(int64_t budget, const PipelineShape& pipe,
-                                            std::vector<Choice>& choices) const {
+pipeline::Problem Planner::pipeline_problem(int64_t budget, const PipelineShape& pipe, std::vector<Choice>& choices,
+                                            bool offload) const {
   const int64_t L = cfg_.n_layer;
   pipeline::Problem p;
   p.layers = L;
@@ -275,10 +275,11 @@ pipeline::Problem Planner::pipeline_problem(int64_t budget, const PipelineShape&
     p.in_flight.push_back(pipeline::in_flight(pipe.schedule, pipe.stages, s, shape_.grad_accum));
   }
   choices.clear();
+  p.host_budget = options_.host_budget;
   for (int64_t i = 0; i < static_cast<int64_t>(frontier_.size()); ++i) {
     const auto& c = frontier_[i].cost;
-    if (c.host > 0) continue;
-    p.pieces.push_back({1, c.kept, top(frontier_[i]), layer_seconds_ + frontier_[i].seconds});
+    if (!offload && c.host > 0) continue;
+    p.pieces.push_back({1, c.kept, top(frontier_[i]), layer_seconds_ + frontier_[i].seconds, c.host});
     choices.push_back({i, 0, false});
   }
   for (int64_t n = 2; n <= std::min(options_.max_chunk, L); ++n) {
@@ -309,8 +310,20 @@ pipeline::Problem Planner::pipeline_problem(int64_t budget, const PipelineShape&
 
 std::optional<PipelinePlan> Planner::solve_pipeline(int64_t budget, const PipelineShape& pipe) const {
   std::vector<Choice> choices;
-  const pipeline::Problem problem = pipeline_problem(budget, pipe, choices);
-  const auto solved = pipeline::solve(problem);
+  pipeline::Problem problem = pipeline_problem(budget, pipe, choices);
+  auto solved = pipeline::solve(problem);
+  // Offloading pieces multiply the partial plans past where the program merges them, which
+  // may lose the best plan without offload: solved alone, it stands where it is faster.
+  if (std::any_of(problem.pieces.begin(), problem.pieces.end(), [](const pipeline::Piece& c) { return c.host > 0; })) {
+    std::vector<Choice> device_choices;
+    pipeline::Problem device = pipeline_problem(budget, pipe, device_choices, false);
+    auto alone = pipeline::solve(device);
+    if (alone && (!solved || alone->seconds < solved->seconds)) {
+      solved = std::move(alone);
+      problem = std::move(device);
+      choices = std::move(device_choices);
+    }
+  }
   if (!solved) return std::nullopt;
   ActivationPlan plan;
   plan.layers.resize(cfg_.n_layer);
@@ -330,8 +343,17 @@ std::optional<PipelinePlan> Planner::solve_pipeline(int64_t budget, const Pipeli
     TORCH_INTERNAL_ASSERT(r.stages[s].peak <= solved->stages[s].peak, "stage ", s + 1,
                           " of the pipeline plan peaks at ", r.stages[s].peak, " above the ", solved->stages[s].peak,
                           " its solver priced");
+    TORCH_INTERNAL_ASSERT(r.stages[s].host_peak == solved->stages[s].host, "stage ", s + 1,
+                          " of the pipeline plan offloads ", r.stages[s].host_peak, " bytes, not the ",
+                          solved->stages[s].host, " its solver priced");
   }
-  return r;
+  // Each stage's prefetches lower its own time only, so the pipeline's split stands.
+  if (!times_.host_copies_overlap || !plan.offloads()) return r;
+  for (int64_t s = 0, first = 0; s < pipe.stages; first += fixed.split[static_cast<size_t>(s)], ++s) {
+    const cost::StepShape stage = stage_shape(pipe, s, first, fixed.split[static_cast<size_t>(s)]);
+    prefetch_where_it_pays(plan, stage, budget, r.stages[static_cast<size_t>(s)]);
+  }
+  return predict_pipeline(plan, fixed);
 }
 
 PipelinePlan Planner::predict_pipeline(const ActivationPlan& plan, const PipelineShape& pipe) const {
@@ -435,7 +457,7 @@ std::optional<PlanResult> Planner::solve(int64_t budget) const {
   }
   plan.policy = fmt::format("budget:{}", budget);
   PlanResult r{plan, predict(plan)};
-  prefetch_where_it_pays(r, budget);
+  prefetch_where_it_pays(r.plan, shape_, budget, r.prediction);
   TORCH_INTERNAL_ASSERT(r.prediction.peak <= budget, "the planner's plan peaks at ", r.prediction.peak,
                         " over the budget ", budget);
   TORCH_INTERNAL_ASSERT(r.prediction.host_peak <= options_.host_budget, "the planner's plan offloads ",
@@ -529,17 +551,19 @@ std::vector<bool> Planner::input_holds() const {
 
 int64_t Planner::none_peak() const { return predict(compile_policy("none", cfg_.n_layer, cfg_.dropout)).peak; }
 
-void Planner::prefetch_where_it_pays(PlanResult& r, int64_t budget) const {
+void Planner::prefetch_where_it_pays(ActivationPlan& plan, const cost::StepShape& shape, int64_t budget,
+                                     cost::StepPrediction& predicted) const {
   // Where copies take the compute's cores (the CPU's) they are priced whole wherever they run.
   if (!times_.host_copies_overlap) return;
-  for (int64_t l = 0; l + 1 < cfg_.n_layer; ++l) {
-    if (!r.plan.may_prefetch(l, cfg_.n_layer)) continue;
-    r.plan.layers[static_cast<size_t>(l)].prefetch = true;
-    cost::StepPrediction p = predict(r.plan);
-    if (p.peak <= budget && p.added_seconds() < r.prediction.added_seconds()) {
-      r.prediction = std::move(p);
+  const int64_t end = shape.first_layer + shape.stage_layers(cfg_.n_layer);
+  for (int64_t l = shape.first_layer; l + 1 < end; ++l) {
+    if (!plan.may_prefetch(l, end)) continue;
+    plan.layers[static_cast<size_t>(l)].prefetch = true;
+    cost::StepPrediction p = cost::predict_step(cfg_, shape, plan, options_.early_stop, times_);
+    if (p.peak <= budget && p.added_seconds() < predicted.added_seconds()) {
+      predicted = std::move(p);
     } else {
-      r.plan.layers[static_cast<size_t>(l)].prefetch = false;
+      plan.layers[static_cast<size_t>(l)].prefetch = false;
     }
   }
 }

@@ -274,8 +274,7 @@ std::string plan_text(const Config& cfg, const RunPlan& r) {
     text += line(fmt::format(
         "budget {}{}{}: the plan peaks at {}{}; without recompute{} the step would peak at {}{}",
         format_bytes(r.budget), r.pipeline ? " per rank" : "",
-        host_budget > 0 && !r.pipeline ? fmt::format(", host memory {} (ac.host_budget)", format_bytes(host_budget))
-                                       : "",
+        host_budget > 0 ? fmt::format(", host memory {} (ac.host_budget)", format_bytes(host_budget)) : "",
         format_bytes(r.peak()),
         r.device.empty()
             ? ""

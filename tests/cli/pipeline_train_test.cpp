@@ -176,11 +176,15 @@ constexpr int64_t kPeakSlack = 8 * 1024;
 
 // Each stage peaks within 8 KiB of where the planner said for its layers and microbatches
 // in flight, under either schedule, a policy or a budget, and split over a tensor-parallel
-// pair with sequence parallelism; under the budget the planner chose the split. Without recompute under 1F1B the first stage, holding two microbatches,
-// peaks above the last, holding one (with the loss head), by what the planner predicted.
+// pair with sequence parallelism; under the budget the planner chose the split. Without
+// recompute under 1F1B the first stage, holding two microbatches, peaks above the last,
+// holding one (with the loss head), by what the planner predicted. Below the least budget
+// recompute alone fits, the planner offloads, and the first stage's host memory is its
+// prediction to the byte.
 TEST_F(PipelineTraining, EveryStagePeaksWhereThePlannerSaid) {
   const std::vector<std::string> cases{"ac.policy=none", "ac.policy=full parallel.schedule=gpipe", "ac.budget=0.6",
-                                       "ac.policy=full parallel.tp=2 parallel.sp=true"};
+                                       "ac.policy=full parallel.tp=2 parallel.sp=true",
+                                       "ac.budget=0.37 ac.host_budget=1GiB"};
   for (size_t i = 0; i < cases.size(); ++i) {
     const std::string name = "peak-" + std::to_string(i);
     const size_t ranks = cases[i].find("parallel.tp=2") != std::string::npos ? 4 : 2;
@@ -205,6 +209,10 @@ TEST_F(PipelineTraining, EveryStagePeaksWhereThePlannerSaid) {
     if (s["budget_bytes"] > 0) {
       EXPECT_LE(s["predicted_peak_bytes"].get<int64_t>(), s["budget_bytes"].get<int64_t>());
       EXPECT_EQ(s["stage_layers"][0].get<int64_t>() + s["stage_layers"][1].get<int64_t>(), 4);
+    }
+    if (cases[i].find("ac.host_budget") != std::string::npos) {
+      EXPECT_GT(s["predicted_host_peak_bytes"].get<int64_t>(), 0) << r.output;
+      EXPECT_EQ(s["host_peak_bytes"], s["predicted_host_peak_bytes"]);
     }
   }
 }

@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cmath>
 #include <functional>
+#include <limits>
 #include <random>
 
 namespace remat {
@@ -169,6 +170,9 @@ std::optional<std::pair<double, double>> brute_force(const pipeline::Problem& p)
           const pipeline::Frame f = p.frame(s, n);
           const std::vector<int64_t> mine(ids.begin() + static_cast<std::ptrdiff_t>(begin), ids.end());
           if (walk_peak(p, f, p.in_flight[s], mine) > p.budget) return;
+          int64_t host = 0;
+          for (const int64_t i : mine) host += p.pieces[i].host;
+          if (p.in_flight[s] * host > p.host_budget) return;
           double t = f.seconds;
           for (const int64_t i : mine) t += p.pieces[i].seconds;
           stage(s + 1, used + n, std::max(slow, t), total + t);
@@ -198,7 +202,13 @@ std::optional<std::pair<double, double>> brute_force(const pipeline::Problem& p)
 TEST(PipelinePlan, SolverEqualsBruteForceOnRandomProblems) {
   std::mt19937_64 rng(20261124);
   const auto uniform = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
-  int feasible = 0;
+  // Offloaded bytes from a generator of their own: the problems are otherwise those
+  // without offload. Two in three problems offload; their host budgets bind or not.
+  std::mt19937_64 host_rng(20261127);
+  const auto host_uniform = [&](int64_t lo, int64_t hi) {
+    return std::uniform_int_distribution<int64_t>(lo, hi)(host_rng);
+  };
+  int feasible = 0, offloading = 0, host_bound = 0, coarse_found = 0, coarse_lost = 0;
   for (int trial = 0; trial < 150; ++trial) {
     pipeline::Problem p;
     p.layers = uniform(2, 6);
@@ -214,6 +224,9 @@ TEST(PipelinePlan, SolverEqualsBruteForceOnRandomProblems) {
     if (std::none_of(p.pieces.begin(), p.pieces.end(), [](const pipeline::Piece& c) { return c.span == 1; })) {
       p.pieces[0].span = 1;
     }
+    const bool offloads = host_uniform(0, 2) > 0;
+    for (auto& c : p.pieces) c.host = offloads && c.span == 1 && host_uniform(0, 1) == 1 ? host_uniform(1, 80) : 0;
+    p.host_budget = offloads ? host_uniform(0, 600) : 0;
     const int64_t fixed = uniform(0, 200), per_layer = uniform(0, 60), under = uniform(0, 50), over = uniform(0, 50);
     const int64_t head = uniform(0, 150), outside = uniform(0, 150), opt = uniform(0, 500);
     p.frame = [=](int64_t s, int64_t n) {
@@ -234,20 +247,50 @@ TEST(PipelinePlan, SolverEqualsBruteForceOnRandomProblems) {
     if (!solved) continue;
     ++feasible;
     EXPECT_EQ(solved->seconds, brute->first) << "trial " << trial;
-    double total = 0;
-    int64_t layers = 0;
-    for (size_t s = 0; s < solved->stages.size(); ++s) {
-      const auto& st = solved->stages[s];
-      total += st.seconds;
-      EXPECT_EQ(st.first, layers) << "trial " << trial;
-      layers += st.layers;
-      EXPECT_EQ(st.peak, walk_peak(p, p.frame(static_cast<int64_t>(s), st.layers), p.in_flight[s], st.pieces));
-      EXPECT_LE(st.peak, p.budget) << "trial " << trial;
-    }
-    EXPECT_EQ(layers, p.layers);
+    // A solution's stages as the problem prices them: each stage's sum of times.
+    const auto check = [&](const pipeline::Solution& sol) {
+      double total = 0;
+      int64_t layers = 0;
+      for (size_t s = 0; s < sol.stages.size(); ++s) {
+        const auto& st = sol.stages[s];
+        total += st.seconds;
+        EXPECT_EQ(st.first, layers) << "trial " << trial;
+        layers += st.layers;
+        EXPECT_EQ(st.peak, walk_peak(p, p.frame(static_cast<int64_t>(s), st.layers), p.in_flight[s], st.pieces));
+        EXPECT_LE(st.peak, p.budget) << "trial " << trial;
+        int64_t host = 0;
+        for (const int64_t i : st.pieces) host += p.pieces[static_cast<size_t>(i)].host;
+        EXPECT_EQ(st.host, p.in_flight[s] * host) << "trial " << trial;
+        EXPECT_LE(st.host, p.host_budget) << "trial " << trial;
+      }
+      EXPECT_EQ(layers, p.layers);
+      return total;
+    };
+    const double total = check(*solved);
+    for (const auto& st : solved->stages) offloading += st.host > 0;
     EXPECT_EQ(total, brute->second) << "trial " << trial;
+    // Whether the plan without the host budget would have offloaded more than it allows.
+    pipeline::Problem loose = p;
+    loose.host_budget = std::numeric_limits<int64_t>::max() / 8;
+    const auto free = pipeline::solve(loose);
+    host_bound += free.has_value() && free->seconds < solved->seconds;
+    // With two states kept per position the cells widen until two are left: a plan found
+    // is still one the problem prices as solved, and no faster than the best.
+    pipeline::Problem narrow = p;
+    narrow.max_states = 2;
+    const auto coarse = pipeline::solve(narrow);
+    coarse_found += coarse.has_value();
+    coarse_lost += !coarse || coarse->seconds > solved->seconds;
+    if (coarse) {
+      check(*coarse);
+      EXPECT_GE(coarse->seconds, solved->seconds) << "trial " << trial;
+    }
   }
   EXPECT_GT(feasible, 40) << "the random budgets should fit many problems";
+  EXPECT_GT(coarse_found, feasible / 2) << "two states a position should still plan most problems";
+  EXPECT_GT(coarse_lost, 0) << "two states a position should lose some plans";
+  EXPECT_GT(offloading, 20) << "some plans offload";
+  EXPECT_GT(host_bound, 5) << "some host budgets bind";
 }
 
 ModelConfig config(const std::string& preset, int64_t layers) { return testing::plan_config(preset, layers, 0.1); }
@@ -407,6 +450,168 @@ TEST(PipelinePlan, PlannerEqualsBruteForceOverSimulatedPlans) {
         }
         EXPECT_FALSE(planner.solve_pipeline(lo - 1, {P, sched, {}}).has_value());
       }
+    }
+  }
+}
+
+// With a host budget the pipeline planner also offloads, each stage holding its offloaded
+// bytes once per microbatch in flight: its plans equal brute force over every split, every
+// layer's keep-set and offload set and every chunk, with the host budget binding, and no
+// stage offloads more than it.
+TEST(PipelinePlan, OffloadsAsBruteForceDoesWithinTheHostBudget) {
+  const std::vector<SlotMask> candidates = {{Slot::attn_probs, Slot::attn_dropout}};
+  const SlotMask everything = SlotMask::droppable();
+  for (const char* preset : {"gpt2-demo", "llama-demo"}) {
+    const ModelConfig cfg = config(preset, 3);
+    const cost::StepShape shape = shape_of(2, 32, 3);
+    const graph::BlockGraph block = graph::block_graph(cfg, 2, 32, at::kFloat);
+    const cost::NodeTimes times = testing::offload_times(block);
+    PlannerOptions opts;
+    opts.candidates = candidates;
+    opts.max_chunk = 2;
+    opts.host_budget = block.saved_bytes() / 2;  // binds: less than one layer's saved bytes
+    const Planner planner(cfg, shape, times, opts);
+    const cost::LayerPricer pricer(block, true, times);
+    const std::vector<SlotMask> sets = offload_sets(block, pricer, candidates[0], false);
+    const pipeline::Schedule sched = Schedule::one_f_one_b;
+    for (const int64_t P : {1, 2}) {
+      struct Priced {
+        int64_t peak, host;
+        double slowest;
+      };
+      std::vector<Priced> all;
+      ActivationPlan plan;
+      plan.layers.resize(3);
+      std::function<void(const std::vector<int64_t>&, int64_t)> walk = [&](const std::vector<int64_t>& split,
+                                                                           int64_t pos) {
+        if (pos == 3) {
+          const PipelinePlan r = planner.predict_pipeline(plan, {P, sched, split});
+          int64_t host = 0;
+          for (const auto& st : r.stages) host = std::max(host, st.host_peak);
+          all.push_back({r.peak(), host, r.stage_seconds[r.bottleneck]});
+          return;
+        }
+        int64_t end = 0;  // the end of the stage holding `pos`
+        for (const int64_t n : split) {
+          end += n;
+          if (end > pos) break;
+        }
+        for (const SlotMask moved : sets) {
+          plan.layers[pos] = {candidates[0], -1, false, {}, moved};
+          walk(split, pos + 1);
+        }
+        if (pos + 2 <= end) {
+          plan.layers[pos] = {everything, -1, false, {}, {}};
+          plan.layers[pos + 1] = {everything, pos, false, {}, {}};
+          walk(split, pos + 2);
+        }
+      };
+      for (const std::vector<int64_t>& split :
+           P == 1 ? std::vector<std::vector<int64_t>>{{3}} : std::vector<std::vector<int64_t>>{{1, 2}, {2, 1}}) {
+        walk(split, 0);
+      }
+      int64_t lo = std::numeric_limits<int64_t>::max(), hi = 0;
+      for (const auto& a : all) {
+        if (a.host > opts.host_budget) continue;
+        lo = std::min(lo, a.peak);
+        hi = std::max(hi, a.peak);
+      }
+      EXPECT_EQ(planner.min_pipeline_budget({P, sched, {}}), lo) << preset << " P " << P;
+      int offloading = 0, bound = 0;
+      for (int i = 0; i <= 6; ++i) {
+        const int64_t budget = lo + (hi - lo) * i / 6;
+        double brute = -1, unbounded = -1;
+        for (const auto& a : all) {
+          if (a.peak > budget) continue;
+          if (unbounded < 0 || a.slowest < unbounded) unbounded = a.slowest;
+          if (a.host <= opts.host_budget && (brute < 0 || a.slowest < brute)) brute = a.slowest;
+        }
+        const auto r = planner.solve_pipeline(budget, {P, sched, {}});
+        ASSERT_TRUE(r.has_value()) << preset << " P " << P << " budget " << budget;
+        // The program's plan is the one before its prefetches, which only take time off.
+        ActivationPlan unfetched = r->plan;
+        for (LayerPlan& l : unfetched.layers) l.prefetch = false;
+        const PipelinePlan program = planner.predict_pipeline(unfetched, {P, sched, r->split});
+        EXPECT_NEAR(program.stage_seconds[program.bottleneck], brute, 1e-9 * brute) << preset << " P " << P << " " << i;
+        EXPECT_LE(r->stage_seconds[r->bottleneck], program.stage_seconds[program.bottleneck]);
+        EXPECT_LE(r->peak(), budget);
+        for (const auto& st : r->stages) {
+          EXPECT_LE(st.host_peak, opts.host_budget);
+          offloading += st.host_peak > 0;
+        }
+        bound += unbounded < brute;
+      }
+      EXPECT_GT(offloading, 0) << preset << " P " << P;
+      EXPECT_GT(bound, 0) << preset << " P " << P << ": the host budget binds";
+    }
+  }
+}
+
+// Where the copies back would keep the compute waiting, each stage's layers below another
+// of the stage prefetch where that stage's step gains and its peak stays within the budget;
+// none prefetches at a stage's top, whose layer above is on the next rank. One microbatch:
+// with two in flight, each prefetch here would raise its stage's peak over the budget.
+TEST(PipelinePlan, EachStagePrefetchesWhereItsStepGains) {
+  for (const char* preset : {"gpt2-demo", "llama-demo"}) {
+    const ModelConfig cfg = config(preset, 8);
+    const Planner planner = testing::waiting_copies_planner(cfg, shape_of(2, 32, 1));
+    const PipelineShape pipe{2, Schedule::one_f_one_b, {}};
+    const int64_t lo = planner.min_pipeline_budget(pipe);
+    const int64_t hi = planner.predict_pipeline(compile_policy("none", cfg.n_layer), pipe).peak();
+    int prefetching = 0;
+    for (int i = 0; i <= 12; ++i) {
+      const int64_t budget = lo + (hi - lo) * i / 12;
+      const auto r = planner.solve_pipeline(budget, pipe);
+      ASSERT_TRUE(r.has_value()) << preset << " budget " << budget;
+      EXPECT_LE(r->peak(), budget) << preset;
+      ActivationPlan unfetched = r->plan;
+      bool any = false;
+      for (int64_t l = 0, end = 0, s = 0; l < cfg.n_layer; ++l) {
+        if (l == end) end += r->split[static_cast<size_t>(s++)];
+        EXPECT_EQ(r->plan.layers[static_cast<size_t>(l)].prefetch, r->plan.prefetches(l, end))
+            << preset << " layer " << l;
+        any = any || r->plan.layers[static_cast<size_t>(l)].prefetch;
+        unfetched.layers[static_cast<size_t>(l)].prefetch = false;
+      }
+      if (!any) continue;
+      ++prefetching;
+      const PipelinePlan before = planner.predict_pipeline(unfetched, {2, Schedule::one_f_one_b, r->split});
+      double gained = 0;
+      for (size_t s = 0; s < r->stages.size(); ++s) {
+        EXPECT_LE(r->stages[s].added_seconds(), before.stages[s].added_seconds()) << preset << " stage " << s;
+        gained += before.stages[s].added_seconds() - r->stages[s].added_seconds();
+      }
+      EXPECT_GT(gained, 0) << preset;
+    }
+    EXPECT_GT(prefetching, 0) << preset;
+  }
+}
+
+// Past the program's merge of its partial plans, offload options may crowd out the best
+// plan without them: the planner with a host budget is never slower than without one
+// (at these sizes, it was at some budgets before it solved the plan without offload too).
+TEST(PipelinePlan, OffloadNeverSlowsThePlanPastTheMerge) {
+  for (const char* preset : {"gpt2-demo", "llama-demo"}) {
+    const ModelConfig cfg = config(preset, 8);
+    const cost::StepShape shape = shape_of(2, 32, 4);
+    const graph::BlockGraph block = graph::block_graph(cfg, 2, 32, at::kFloat);
+    cost::NodeTimes times = testing::offload_times(block);
+    times.host_bytes_per_second /= 16;  // copies that often do not pay
+    PlannerOptions opts;
+    opts.max_states = 16;
+    const Planner device(cfg, shape, times, opts);
+    opts.host_budget = int64_t{1} << 40;
+    const Planner offloading(cfg, shape, times, opts);
+    const PipelineShape pipe{2, Schedule::one_f_one_b, {}};
+    const int64_t lo = device.min_pipeline_budget(pipe);
+    const int64_t hi = device.predict_pipeline(compile_policy("none", cfg.n_layer), pipe).peak();
+    for (int i = 0; i <= 12; ++i) {
+      const int64_t budget = lo + (hi - lo) * i / 12;
+      const auto alone = device.solve_pipeline(budget, pipe);
+      const auto r = offloading.solve_pipeline(budget, pipe);
+      ASSERT_TRUE(alone.has_value() && r.has_value()) << preset << " budget " << budget;
+      EXPECT_LE(r->stage_seconds[r->bottleneck], alone->stage_seconds[alone->bottleneck]) << preset << " " << i;
+      EXPECT_LE(r->peak(), budget) << preset;
     }
   }
 }

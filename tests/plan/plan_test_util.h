@@ -5,6 +5,7 @@
 #include "remat/cost.h"
 #include "remat/graph.h"
 #include "remat/pipeline.h"
+#include "remat/planner.h"
 #include "remat/policy.h"
 
 #include <fmt/format.h>
@@ -46,6 +47,18 @@ inline cost::NodeTimes offload_times(const graph::BlockGraph& block) {
   times.flops_per_second = 1.0;
   times.host_bytes_per_second = 2.0 * static_cast<double>(block.saved_bytes()) / block.forward_flops();
   return times;
+}
+
+/// The prefetch tests' planner of `shape`'s block: copies at an eighth of offload_times'
+/// rate, which the compute waits for, two keep-sets, and all the host memory it asks.
+inline Planner waiting_copies_planner(const ModelConfig& cfg, const cost::StepShape& shape) {
+  const graph::BlockGraph block = graph::block_graph(cfg, shape.batch, shape.seq, shape.dtype);
+  cost::NodeTimes times = offload_times(block);
+  times.host_bytes_per_second /= 8;
+  PlannerOptions opts;
+  opts.candidates = {{}, {Slot::attn_probs, Slot::attn_dropout}};
+  opts.host_budget = int64_t{1} << 40;
+  return Planner(cfg, shape, times, opts);
 }
 
 /// Per layer, the input kept or offloaded and each droppable slot kept, recomputed or

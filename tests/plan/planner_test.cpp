@@ -323,14 +323,7 @@ TEST(Planner, OffloadsAsBruteForceDoesWithinBothBudgets) {
 TEST(Planner, PrefetchesWhereTheStepGainsAndTheBudgetHolds) {
   for (const char* preset : {"gpt2-demo", "llama-demo"}) {
     const ModelConfig cfg = config(preset, 4, 0.1);
-    const auto shape = shape_of(2, 32);
-    const graph::BlockGraph block = graph::block_graph(cfg, 2, 32, at::kFloat);
-    cost::NodeTimes times = testing::offload_times(block);
-    times.host_bytes_per_second /= 8;  // copies the compute waits for
-    PlannerOptions opts;
-    opts.candidates = {{}, {Slot::attn_probs, Slot::attn_dropout}};
-    opts.host_budget = int64_t{1} << 40;
-    const Planner planner(cfg, shape, times, opts);
+    const Planner planner = testing::waiting_copies_planner(cfg, shape_of(2, 32));
     const int64_t lo = planner.min_feasible_budget(), hi = planner.none_peak();
     int prefetching = 0;
     for (int i = 0; i <= 24; ++i) {
