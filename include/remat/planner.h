@@ -154,7 +154,8 @@ class Planner {
   std::optional<PipelinePlan> solve_pipeline(int64_t budget, const PipelineShape& pipe) const;
   /// Predicts each stage of `plan` on `pipe.split` (the even split when empty).
   PipelinePlan predict_pipeline(const ActivationPlan& plan, const PipelineShape& pipe) const;
-  /// The smallest budget the pipeline planner finds a plan for (to the byte).
+  /// The smallest budget the pipeline planner finds a plan for (to the byte): the least
+  /// its stages' bytes admit, searched with every time zero, where it plans there.
   int64_t min_pipeline_budget(const PipelineShape& pipe) const;
   /// Stage `s` of `pipe` holding `n` layers from `first`, as the step simulator sees it
   /// (one stage: pipe = {}, first = 0, n = every layer).

@@ -114,7 +114,8 @@ struct State {
 // kept bytes, a staircase of the others' points); where `host_width` (a host budget that
 // binds), only among states whose host bytes are in one cell of `host_width` bytes. Above
 // `max_states`, those in one cell of `width` bytes on the device axes (and `host_width` on
-// the host one) merge into the fastest.
+// the host one) merge into two: the fastest, and the one holding least (kept bytes plus
+// highest point), which may fit where the fastest will not.
 void prune(std::vector<State>& v, int64_t max_states, int64_t width, int64_t host_width) {
   const auto host_cell = [&](const State& s) { return host_width > 0 ? s.walk.host / host_width : 0; };
   std::sort(v.begin(), v.end(), [&](const State& a, const State& b) {
@@ -136,14 +137,22 @@ void prune(std::vector<State>& v, int64_t max_states, int64_t width, int64_t hos
   // The cells widen until at most `max_states` are left: every piece multiplies the
   // states, and offloading pieces spread them over many more cells than the budget's.
   for (int64_t w = width, hw = host_width; static_cast<int64_t>(out.size()) > max_states && w > 0; w *= 2, hw *= 2) {
-    std::map<std::tuple<int64_t, int64_t, int64_t>, State> cells;
+    std::map<std::tuple<int64_t, int64_t, int64_t>, std::pair<State, State>> cells;
     for (const State& s : out) {
       const int64_t host = hw > 0 ? s.walk.host / hw : 0;
-      auto [it, fresh] = cells.emplace(std::tuple{s.walk.below / w, s.walk.high / w, host}, s);
-      if (!fresh && s.seconds < it->second.seconds) it->second = s;
+      auto [it, fresh] = cells.emplace(std::tuple{s.walk.below / w, s.walk.high / w, host}, std::pair{s, s});
+      if (fresh) continue;
+      if (s.seconds < it->second.first.seconds) it->second.first = s;
+      const State& l = it->second.second;
+      if (std::pair{s.walk.below + s.walk.high, s.seconds} < std::pair{l.walk.below + l.walk.high, l.seconds}) {
+        it->second.second = s;
+      }
     }
     out.clear();
-    for (auto& [cell, s] : cells) out.push_back(s);
+    for (auto& [cell, s] : cells) {
+      out.push_back(s.first);
+      if (s.second.prev != s.first.prev || s.second.piece != s.first.piece) out.push_back(s.second);
+    }
   }
   v = std::move(out);
 }

@@ -379,16 +379,37 @@ PipelinePlan Planner::predict_pipeline(const ActivationPlan& plan, const Pipelin
 
 int64_t Planner::min_pipeline_budget(const PipelineShape& pipe) const {
   std::vector<Choice> choices;
-  int64_t lo = 0, hi = predict_pipeline(compile_policy("none", cfg_.n_layer), pipe).peak();
-  while (lo < hi) {
-    const int64_t mid = lo + (hi - lo) / 2;
-    if (pipeline::solve(pipeline_problem(mid, pipe, choices))) {
-      hi = mid;
-    } else {
-      lo = mid + 1;
+  const auto solves = [&](int64_t budget) {
+    return pipeline::solve(pipeline_problem(budget, pipe, choices)).has_value();
+  };
+  // Whether a budget fits is a matter of bytes alone: with no time to weigh, the program
+  // keeps only the partial plans no other betters in kept bytes and peak, far fewer.
+  const auto fits = [&](int64_t budget) {
+    pipeline::Problem p = pipeline_problem(budget, pipe, choices);
+    for (pipeline::Piece& c : p.pieces) c.seconds = 0;
+    p.frame = [frame = p.frame](int64_t s, int64_t n) {
+      pipeline::Frame f = frame(s, n);
+      f.seconds = 0;
+      return f;
+    };
+    return pipeline::solve(p).has_value();
+  };
+  const auto least = [](int64_t lo, int64_t hi, const auto& feasible) {
+    while (lo < hi) {
+      const int64_t mid = lo + (hi - lo) / 2;
+      if (feasible(mid)) {
+        hi = mid;
+      } else {
+        lo = mid + 1;
+      }
     }
-  }
-  return hi;
+    return hi;
+  };
+  const int64_t none = predict_pipeline(compile_policy("none", cfg_.n_layer), pipe).peak();
+  const int64_t by_bytes = least(0, none, fits);
+  // Past max_states the timed program merges partial plans and may miss the plan the
+  // bytes admit there: then the least budget it plans.
+  return solves(by_bytes) ? by_bytes : least(by_bytes + 1, none, solves);
 }
 
 int64_t PipelinePlan::peak() const {
