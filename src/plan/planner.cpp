@@ -155,6 +155,21 @@ void prune(std::vector<State>& v, const std::vector<size_t>& runs, int64_t max_s
   v = std::move(out);
 }
 
+// The least budget in [lo, hi] that `feasible` admits, feasibility rising with the budget
+// (hi admitted).
+template <typename Feasible>
+int64_t least_budget(int64_t lo, int64_t hi, const Feasible& feasible) {
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (feasible(mid)) {
+      hi = mid;
+    } else {
+      lo = mid + 1;
+    }
+  }
+  return hi;
+}
+
 }  // namespace
 
 Planner::Planner(const ModelConfig& cfg, const cost::StepShape& shape, const cost::NodeTimes& times,
@@ -394,22 +409,11 @@ int64_t Planner::min_pipeline_budget(const PipelineShape& pipe) const {
     };
     return pipeline::solve(p).has_value();
   };
-  const auto least = [](int64_t lo, int64_t hi, const auto& feasible) {
-    while (lo < hi) {
-      const int64_t mid = lo + (hi - lo) / 2;
-      if (feasible(mid)) {
-        hi = mid;
-      } else {
-        lo = mid + 1;
-      }
-    }
-    return hi;
-  };
   const int64_t none = predict_pipeline(compile_policy("none", cfg_.n_layer), pipe).peak();
-  const int64_t by_bytes = least(0, none, fits);
+  const int64_t by_bytes = least_budget(0, none, fits);
   // Past max_states the timed program merges partial plans and may miss the plan the
   // bytes admit there: then the least budget it plans.
-  return solves(by_bytes) ? by_bytes : least(by_bytes + 1, none, solves);
+  return solves(by_bytes) ? by_bytes : least_budget(by_bytes + 1, none, solves);
 }
 
 int64_t PipelinePlan::peak() const {
@@ -537,16 +541,7 @@ int64_t Planner::min_feasible_budget() const {
     }
     return !reach[L].empty() && reach[L].front().first + head_peak_ <= room;
   };
-  int64_t lo = 0, hi = none_peak();
-  while (lo < hi) {
-    const int64_t mid = lo + (hi - lo) / 2;
-    if (feasible(mid)) {
-      hi = mid;
-    } else {
-      lo = mid + 1;
-    }
-  }
-  return hi;
+  return least_budget(0, none_peak(), feasible);
 }
 
 Planner::ChunkCost Planner::chunk_cost(int64_t n, bool sharded) const {
