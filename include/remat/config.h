@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "remat/attention.h"
-#include "remat/pipeline.h"
+#include "remat/layout.h"
 #include "remat/policy.h"
 
 namespace remat {

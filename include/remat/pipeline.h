@@ -25,6 +25,8 @@
 // numbers of ColossalAI's issue #5509.
 #pragma once
 
+#include "remat/layout.h"
+
 #include <cstdint>
 #include <functional>
 #include <optional>
@@ -32,16 +34,6 @@
 #include <vector>
 
 namespace remat::pipeline {
-
-/// The order in which a stage runs its microbatches' forwards and backwards.
-enum class Schedule { one_f_one_b, gpipe };
-/// "1f1b" / "gpipe", as configs spell it.
-const char* schedule_name(Schedule s);
-/// The schedule a name denotes; throws std::invalid_argument naming the valid ones.
-Schedule schedule_of_name(const std::string& name);
-
-/// Microbatches whose activations stage `stage` (from 0) of `stages` holds at once.
-int64_t in_flight(Schedule schedule, int64_t stages, int64_t stage, int64_t microbatches);
 
 /// One thing a stage does: the forward or the backward of a microbatch.
 struct Action {
@@ -69,9 +61,6 @@ struct StageTimes {
 /// stage has finished its backward (the last stage's after its own forward), each handed
 /// over `transfer` seconds later. The time from the first forward to the last backward.
 double simulate(Schedule schedule, const std::vector<StageTimes>& stages, int64_t microbatches, double transfer = 0);
-
-/// `layers` split over `stages` as evenly as they go, the first stages taking one more.
-std::vector<int64_t> even_split(int64_t layers, int64_t stages);
 
 /// One way to plan consecutive layers of a stage: one layer's keep-set (span 1), or a
 /// uniform chunk of `span` layers recomputed from its first layer's input.
