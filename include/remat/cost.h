@@ -3,14 +3,15 @@
 //
 // A block is its graph (remat/graph.h), the one the engine runs. The simulator walks that
 // graph with the engine's own walk (src/graph/walk.h) on byte counters, each op replaying
-// the allocations it declares beside its kernels, and returns the peak of live bytes at
-// every point of the step, the bytes every layer keeps, and the recompute work (ops,
-// FLOPs, time). Every size comes from the ops' shape inference; nothing is sampled.
+// the allocations it declares beside its kernels; the step walk below runs the step's
+// actions so, and returns the peak of live bytes at every point of the step, the bytes
+// every layer keeps, and the recompute work (ops, FLOPs, time). Every size comes from the
+// ops' shape inference; nothing is sampled.
 #pragma once
 
 #include "remat/config.h"
 #include "remat/graph.h"
-#include "remat/pipeline.h"
+#include "remat/layout.h"
 #include "remat/plan.h"
 
 #include <ATen/ATen.h>
@@ -29,7 +30,9 @@ struct AllocatorRules;
 
 namespace remat::cost {
 
-/// The fixed costs of a step around the blocks.
+/// The sizes of one rank's step: its microbatches, their tokens and dtype, the device whose
+/// kernels run them. How the ranks share the work is a Layout (remat/layout.h), passed
+/// beside it.
 struct StepShape {
   int64_t batch = 1;
   int64_t seq = 1;
@@ -38,34 +41,11 @@ struct StepShape {
   at::ScalarType dtype = at::kFloat;  ///< activations (compute dtype)
   at::DeviceType device = at::kCPU;   ///< where the kernels run: the ops' events are theirs (graph::Events)
   int64_t resident = 0;               ///< bytes the caller holds besides the model (StaticBytes::resident)
-  /// Tensor-parallel ranks: the graphs, parameters and bytes are one rank's share.
-  int64_t tp = 1;
-  /// Sequence parallelism over the tp ranks: the blocks' inputs are a rank's positions.
-  bool sp = false;
-  /// Data-parallel ranks AdamW's moments are sharded over (ZeRO-1, parallel.zero = 1):
-  /// the optimizer bytes are the busiest rank's share (zero_owners); 1: every rank holds
-  /// all of them.
-  int64_t zero_ranks = 1;
-  /// Pipeline parallelism (remat/pipeline.h): this rank's stage, `stage` of `stages`
-  /// (from 0), holds layers [first_layer, first_layer + layers) of the model (layers = -1:
-  /// all of them), the embedding when it holds the first layer and the loss head when it
-  /// holds the last, and runs the step's grad_accum microbatches in `schedule`'s order.
-  int64_t first_layer = 0;
-  int64_t layers = -1;
-  int64_t stages = 1;
-  int64_t stage = 0;
-  pipeline::Schedule schedule = pipeline::Schedule::one_f_one_b;
-  /// The microbatches whose activations the stage holds at once (pipeline::in_flight).
-  int64_t in_flight() const { return pipeline::in_flight(schedule, stages, stage, grad_accum); }
-  /// The layers the stage holds, of a model of `n_layer`.
-  int64_t stage_layers(int64_t n_layer) const { return layers < 0 ? n_layer - first_layer : layers; }
-  bool has_embedding() const { return first_layer == 0; }
-  bool has_head(int64_t n_layer) const { return first_layer + stage_layers(n_layer) == n_layer; }
 };
 
-/// The block of `cfg` as `shape` runs it (graph::block_graph at its sizes, dtype and
-/// tensor-parallel share), its events those of `shape.device`'s kernels.
-graph::BlockGraph shape_block(const ModelConfig& cfg, const StepShape& shape);
+/// The block of `cfg` as a rank of `layout` runs it at `shape` (graph::block_graph at its
+/// sizes, dtype and tensor-parallel share), its events those of `shape.device`'s kernels.
+graph::BlockGraph shape_block(const ModelConfig& cfg, const StepShape& shape, const Layout& layout);
 
 /// ZeRO-1's partition of the optimizer over `ranks` data-parallel ranks: for each
 /// parameter, given its elements in model order, the rank that keeps its AdamW moments and
@@ -247,36 +227,49 @@ class LayerPricer {
   std::shared_ptr<const Prepared> p_;
 };
 
-/// Bytes of parameters, gradients, optimizer state and batch for `cfg` (vocab_size set;
-/// its attention op and loss head may still be `auto`: the parameters do not depend on them).
-StaticBytes static_bytes(const ModelConfig& cfg, const StepShape& shape);
+/// Bytes of parameters, gradients, optimizer state and batch of the stage `layout` places
+/// this rank on, for `cfg` (vocab_size set; its attention op and loss head may still be
+/// `auto`: the parameters do not depend on them).
+StaticBytes static_bytes(const ModelConfig& cfg, const StepShape& shape, const Layout& layout);
 
-/// The embedding, loss head and optimizer of `cfg` at `shape`.
-StepConstants step_constants(const ModelConfig& cfg, const StepShape& shape);
+/// The embedding, loss head and optimizer of `cfg` at `shape` on `layout`'s stage, each
+/// run alone on the step walk's simulator: what the planner composes layer costs with.
+StepConstants step_constants(const ModelConfig& cfg, const StepShape& shape, const Layout& layout);
 
-/// Simulates a whole training step under `plan` (one LayerPlan per layer of the model; a
-/// pipeline stage reads its own, and none of its uniform chunks may begin below it): the
-/// actions of schedule::step for the stage, in order, each microbatch's kept activations
-/// held from its forward to its backward. A layer whose plan names another attention op
-/// is its graph with that op, priced by times.other_attention (required then).
-StepPrediction predict_step(const ModelConfig& cfg, const StepShape& shape, const ActivationPlan& plan, bool early_stop,
-                            const NodeTimes& times);
+// The step walk. One simulation of schedule::step for `layout`'s stage: each action runs
+// the graph it concerns through the engine's block walk (graph::BlockRun) on the
+// simulator, each microbatch's kept activations held from its forward to its backward,
+// what the step holds throughout allocated tensor by tensor as the model and the trainer
+// allocate it, and the update as AdamW runs it. Its bytes go to one of two ledgers:
+// - the peak ledger (predict_step) counts bytes and prices time; a layer outside a uniform
+//   chunk is priced once per distinct plan (LayerPricer) and held as its priced bytes, the
+//   rest replays each node's folded events;
+// - the allocator ledger (step_allocations) lists every allocation and free, each
+//   declared event replayed, for the model of the caching allocator.
+// Both see the same bytes: the allocator ledger's live bytes peak at the peak ledger's
+// less what it counts outside the device's requests (StaticBytes::resident and ::small),
+// plus the BLAS workspace.
+
+/// The peak ledger of a step under `plan` (one LayerPlan per layer of the model; a
+/// pipeline stage reads its own, and none of its uniform chunks may begin below it), AdamW's
+/// moments made (a step after the first). A layer whose plan names another attention op is
+/// its graph with that op, priced by times.other_attention (required then).
+StepPrediction predict_step(const ModelConfig& cfg, const StepShape& shape, const Layout& layout,
+                            const ActivationPlan& plan, bool early_stop, const NodeTimes& times);
 
 /// The slots layer l's first forward drops: its plan's, or in a uniform chunk every
 /// droppable slot and, but for the chunk's first layer, the input.
 SlotMask first_forward_drops(const ActivationPlan& plan, int64_t l);
 
-/// The requests the caching allocator of a CUDA device sees over `steps` training steps of
-/// the stage, each tensor its own: first what the step holds throughout (each parameter,
-/// the rotary tables, the gradients' flat buffer, the token ids and targets in flight, a
-/// BLAS workspace of `workspace` bytes), then per step the compute dtype's parameter
-/// copies, the actions of schedule::step walked buffer by buffer as predict_step prices
-/// them, the gradient norm's squares, and AdamW's moments (made at the first update) and
-/// its denominators. The live bytes peak at predict_step's peak less the caller's
-/// resident bytes and StaticBytes::small, plus `workspace`.
+/// The allocator ledger of `steps` training steps of the stage, from a device holding
+/// nothing: first what the step holds throughout (each parameter, the rotary tables, the
+/// gradients' flat buffer, the token ids and targets in flight, a BLAS workspace of
+/// `workspace` bytes), then per step the compute dtype's parameter copies, the actions,
+/// the gradient norm's squares, and AdamW's moments (made at the first update) and its
+/// denominators.
 std::vector<memory::AllocatorEvent> step_allocations(const ModelConfig& cfg, const StepShape& shape,
-                                                     const ActivationPlan& plan, bool early_stop, int64_t steps,
-                                                     int64_t workspace);
+                                                     const Layout& layout, const ActivationPlan& plan, bool early_stop,
+                                                     int64_t steps, int64_t workspace);
 
 /// What the CUDA caching allocator holds at its highest over a stage's first two steps
 /// (the second has AdamW's moments from its start; later ones repeat it).
@@ -285,8 +278,12 @@ struct DeviceMemory {
   int64_t reserved_peak = 0;   ///< bytes of segments the allocator took from the device: what runs out
 };
 
+/// The highest allocated and reserved peaks over `stages` (zeros when empty).
+DeviceMemory highest(const std::vector<DeviceMemory>& stages);
+
 /// step_allocations of two steps replayed by the model of the caching allocator.
-DeviceMemory predict_device_memory(const ModelConfig& cfg, const StepShape& shape, const ActivationPlan& plan,
-                                   bool early_stop, const memory::AllocatorRules& rules, int64_t workspace);
+DeviceMemory predict_device_memory(const ModelConfig& cfg, const StepShape& shape, const Layout& layout,
+                                   const ActivationPlan& plan, bool early_stop, const memory::AllocatorRules& rules,
+                                   int64_t workspace);
 
 }  // namespace remat::cost

@@ -14,6 +14,7 @@
 #pragma once
 
 #include "remat/config.h"
+#include "remat/layout.h"
 #include "remat/ops/dropout.h"
 #include "remat/ops/rope.h"
 #include "remat/ops/tiled_attention.h"
@@ -447,18 +448,18 @@ struct TensorParallelPlan {
 BlockGraph tensor_parallel(const BlockGraph& g, const TensorParallelPlan& plan, int64_t tp, bool sp = false);
 
 /// The block of `cfg`'s architecture at [batch, seq] in `dtype` (src/model/{gpt2,llama}.cpp),
-/// as one of `tp` tensor-parallel ranks runs it (tensor_parallel with the architecture's
-/// plan; `sp`: with sequence parallelism, the block's input and output a rank's positions).
-BlockGraph block_graph(const ModelConfig& cfg, int64_t batch, int64_t seq, at::ScalarType dtype, int64_t tp = 1,
-                       bool sp = false);
+/// as a rank of `layout` runs it (tensor_parallel with the architecture's plan over
+/// layout.tp ranks; with layout.sp, the block's input and output a rank's positions).
+BlockGraph block_graph(const ModelConfig& cfg, int64_t batch, int64_t seq, at::ScalarType dtype,
+                       const Layout& layout = {});
 /// What runs before the first block: token ids [batch, seq] (the caller's) to its input.
-BlockGraph embed_graph(const ModelConfig& cfg, int64_t batch, int64_t seq, at::ScalarType dtype, int64_t tp = 1,
-                       bool sp = false);
+BlockGraph embed_graph(const ModelConfig& cfg, int64_t batch, int64_t seq, at::ScalarType dtype,
+                       const Layout& layout = {});
 /// What runs after the last block: the final norm and, for `chunk` > 0, the mean loss over
 /// the targets (a side input, [batch * seq] int64) with logits `chunk` tokens at a time;
 /// for `chunk` == 0 the output is the final hidden states (generation reads them).
 BlockGraph head_graph(const ModelConfig& cfg, int64_t batch, int64_t seq, at::ScalarType dtype, int64_t chunk,
-                      int64_t tp = 1, bool sp = false);
+                      const Layout& layout = {});
 
 /// Renders the derived table of a block (value, shape, dtype, bytes, slot, producer).
 std::string explain(const BlockGraph& g);

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace remat {
@@ -62,8 +63,14 @@ struct Layout {
   bool has_embedding() const { return stage == 0; }
   bool has_head() const { return stage == pp - 1; }
   /// The microbatches whose activations the stage holds at once, of `microbatches`.
-  int64_t in_flight(int64_t microbatches) const {
-    return pipeline::in_flight(schedule, pp, stage, microbatches);
+  int64_t in_flight(int64_t microbatches) const { return pipeline::in_flight(schedule, pp, stage, microbatches); }
+  /// Stage `s` of a pipeline whose stages hold `split` layers each.
+  static Layout pipeline_stage(std::vector<int64_t> split, int64_t s) {
+    Layout l;
+    l.pp = static_cast<int64_t>(split.size());
+    l.stage = s;
+    l.split = std::move(split);
+    return l;
   }
   /// The same layout seen from stage `s`.
   Layout at_stage(int64_t s) const {

@@ -12,6 +12,7 @@
 #pragma once
 
 #include "remat/config.h"
+#include "remat/layout.h"
 #include "remat/graph.h"
 #include "remat/plan.h"
 #include "remat/store.h"
@@ -112,14 +113,14 @@ class Model {
   /// forward runs the group's collectives, so every rank of the group must make the same
   /// calls. The group must outlive the model.
   ///
-  /// `sequence_parallel` (a group of more than one rank): forward_backward() runs with
-  /// Megatron's sequence parallelism (graph::tensor_parallel's `sp`; the sequence length
-  /// a multiple of the group's size); evaluation and generation run without it.
-  ///
-  /// `stage`: the layers the model holds (StageSpan); at least one, within the model's.
+  /// `layout` says which share: layout.tp must be the group's size (one rank without a
+  /// group); with layout.sp (a group of more than one rank), forward_backward() runs with
+  /// Megatron's sequence parallelism (graph::tensor_parallel's `sp`; the sequence length a
+  /// multiple of the group's size), while evaluation and generation run without it; the
+  /// model holds the layers of layout.stage (StageSpan) of layout.split (even when empty),
+  /// at least one.
   static std::unique_ptr<Model> create(const ModelConfig& cfg, at::Device device, at::ScalarType compute_dtype,
-                                       uint64_t seed, dist::Group* tp = nullptr, bool sequence_parallel = false,
-                                       StageSpan stage = {});
+                                       uint64_t seed, const Layout& layout = {}, dist::Group* tp = nullptr);
   virtual ~Model() = default;
 
   const ModelConfig& config() const { return cfg_; }

@@ -150,6 +150,12 @@ struct LayerPlan {
 struct ActivationPlan {
   std::vector<LayerPlan> layers;
   std::string policy = "none";  ///< canonical spelling of the policy that produced it
+  /// `layers` layers keeping everything (the policy `none`).
+  static ActivationPlan none(int64_t layers) {
+    ActivationPlan p;
+    p.layers.resize(static_cast<size_t>(layers));
+    return p;
+  }
   /// The first layer of layer l's uniform chunk (a chunk's first layer has chunk_begin -1
   /// and is recognised by the next layer pointing at it), or -1 outside a chunk.
   int64_t chunk_of(int64_t l) const;

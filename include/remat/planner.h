@@ -1,35 +1,60 @@
-// The planner: a memory budget in bytes becomes the fastest activation plan that fits.
+// The planner: memory budgets in bytes become the fastest activation plan that fits, for
+// any number of pipeline stages (one stage is a pipeline of one). It is the one door to
+// planning: a plan within budgets, the prediction of any plan, the least budget, the
+// memory/time frontier, and the sentence for budgets no plan fits.
 //
 // Per layer it prices every keep-set of the block's slots with the cost model (bytes
 // kept, the peak of that layer's backward with its recompute, recompute time), with both
 // attention ops where the times price the other one (model.attention = auto), under
 // tensor parallelism without sequence parallelism each also with the block input kept as
 // a share per rank (Megatron's distribute_saved_activations, priced by the measured
-// all-gather), and keeps the Pareto frontier. Across layers a dynamic program over (bytes kept by the layers
-// below, time) picks one frontier point per layer, or a uniform chunk of several layers,
-// so that predicted time is least and every point of the step (each layer's forward and
-// backward, the loss head, the optimizer) stays within the budget. The layers below a
-// layer are what it stacks on, so the program walks them in order and the constraint of
-// each layer is exact. It allocates nothing: an 8B model at 8k tokens plans on a laptop.
+// all-gather), and keeps the Pareto frontier. Across layers a dynamic program over (bytes
+// kept by the layers below, time) picks one frontier point per layer, or a uniform chunk
+// of several layers, so that predicted time is least and every point of the step (each
+// layer's forward and backward, the loss head, the optimizer) stays within the budget.
+// The layers below a layer are what it stacks on, so the program walks them in order and
+// the constraint of each layer is exact. With several stages the layers of each stage and
+// every layer's choice are solved together (remat/pipeline.h) to minimise the slowest
+// stage. It allocates nothing: an 8B model at 8k tokens plans on a laptop.
 //
-// With a host budget (PlannerOptions::host_budget) a kept slot may also wait in host
-// memory between its layer's forward and backward (LayerPlan::offloaded), its copies
-// priced at the times' host rate: the program then also carries the host bytes below each
-// layer, so that the plan's offloaded bytes stay within the host budget. Where copies run
-// beside the compute, the solved plan then prefetches each offloading layer's copies back
-// during the backward of the layer above where the whole step's prediction is faster and
-// still within the budget (LayerPlan::prefetch), layer by layer from the bottom.
+// With a host budget a kept slot may also wait in host memory between its layer's forward
+// and backward (LayerPlan::offloaded), its copies priced at the times' host rate: the
+// program then also carries the host bytes below each layer, so that the plan's offloaded
+// bytes stay within the host budget. Where copies run beside the compute, the solved plan
+// then prefetches each offloading layer's copies back during the backward of the layer
+// above where the whole step's prediction is faster and still within the budget
+// (LayerPlan::prefetch), layer by layer from the bottom.
+//
+// On a CUDA device (StepShape::device) a device budget holds the caching allocator's
+// reserved bytes (remat/caching_allocator.h), which move in segments, not with the cost
+// model's bytes: the plan is solved for a lower cost-model budget until it reserves few
+// enough.
 #pragma once
 
-#include "remat/budget.h"
+#include "remat/caching_allocator.h"
 #include "remat/cost.h"
+#include "remat/layout.h"
 #include "remat/pipeline.h"
 
+#include <memory>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 namespace remat {
+
+/// What a plan may hold, per rank, in bytes.
+struct Budgets {
+  int64_t device = 0;  ///< the device's bytes (on CUDA the caching allocator's reserved bytes)
+  int64_t host = 0;    ///< host memory the offloaded slots may hold at once; 0: nothing offloaded
+};
+
+/// Thrown where budgets fit no plan: the sentence, and the least device budget that fits.
+struct BudgetTooSmall : std::invalid_argument {
+  BudgetTooSmall(const std::string& sentence, int64_t least) : std::invalid_argument(sentence), min_budget(least) {}
+  int64_t min_budget;  ///< bytes: the minimum feasible budget (of every stage, pipelined)
+};
 
 struct PlannerOptions {
   bool early_stop = true;  ///< as the store runs recomputes
@@ -39,11 +64,11 @@ struct PlannerOptions {
   std::vector<SlotMask> candidates;
   /// Above this many partial plans per layer the program merges those whose kept bytes
   /// differ by less than budget / max_states (keeping the faster, which keeps more), so
-  /// the plan still fits; exact below it.
+  /// the plan still fits; exact below it. A pipeline's program merges alike
+  /// (pipeline::Problem::max_states).
   int64_t max_states = 4096;
-  /// Bytes the offloaded slots may hold in host memory at once; 0, or a time source
-  /// without a host copy rate (NodeTimes::host_bytes_per_second): nothing is offloaded.
-  int64_t host_budget = 0;
+  /// The caching allocator's settings (run.expandable_segments), for a CUDA device.
+  memory::AllocatorRules allocator;
 };
 
 /// The offload sets a layer's keep-set `dropped` is priced with under a host budget:
@@ -87,81 +112,80 @@ struct Frontier {
 /// two ends, then each gap's middle, level by level; every index once.
 std::vector<int> sweep_order(int points);
 
+/// A plan of every stage, predicted (one stage: the whole model).
 struct PlanResult {
-  ActivationPlan plan;
-  cost::StepPrediction prediction;  ///< of `plan`, by the step simulator
-};
-
-/// A pipeline of `stages` ranks (remat/pipeline.h), one microbatch per train.grad_accum.
-struct PipelineShape {
-  int64_t stages = 1;
-  pipeline::Schedule schedule = pipeline::Schedule::one_f_one_b;
-  std::vector<int64_t> split;  ///< layers per stage (ac.num_layers_per_stage); empty: the planner's
-};
-
-/// A plan of every stage of a pipeline, predicted.
-struct PipelinePlan {
   ActivationPlan plan;                       ///< every layer of the model
   std::vector<int64_t> split;                ///< layers per stage
-  std::vector<cost::StepPrediction> stages;  ///< each stage's step, by the step simulator
+  std::vector<cost::StepPrediction> stages;  ///< each stage's step, by the step walk
   std::vector<double> stage_seconds;         ///< each stage's forward and backward of one microbatch
   int64_t bottleneck = 0;                    ///< the slowest stage (the first of equals)
   /// The schedule's time, (microbatches + stages - 1) x the bottleneck's (the optimizer
-  /// step, which the stages run at once, is not in it): what the solver minimises.
+  /// step, which the stages run at once, is not in it): what the pipeline solver minimises.
   double schedule_seconds = 0;
   /// The step's microbatches through the stages, simulated (pipeline::simulate) with each
   /// stage's forward and backward; transfers and the optimizer are not in it.
   double simulated_seconds = 0;
+  /// On a CUDA device, what its caching allocator holds at its highest on each stage (the
+  /// allocator ledger replayed by its model); empty on the CPU.
+  std::vector<cost::DeviceMemory> device;
   int64_t peak() const;  ///< the highest stage peak
+  /// The highest allocated and reserved peaks of `device` over the stages (zeros on the CPU).
+  cost::DeviceMemory device_peak() const;
 };
 
 class Planner {
  public:
-  /// Prices the block of `cfg` at `shape` once; `times` prices recompute (a measured
-  /// profile, or FLOPs at a rate).
-  Planner(const ModelConfig& cfg, const cost::StepShape& shape, const cost::NodeTimes& times,
+  /// Prices the block of `cfg` at `shape` on `layout` once; `times` (Prices::times, in
+  /// seconds) price recompute and copies: measured nodes, or FLOPs at a rate, which the
+  /// planner then weighs in FLOPs, so that one plan is chosen at any rate (a rate scales
+  /// every time alike, but would round ties apart). Every time it answers is in seconds.
+  /// `layout.split` fixes the layers per stage; empty, the planner chooses them for a
+  /// budget and predicts the even split otherwise.
+  Planner(const ModelConfig& cfg, const cost::StepShape& shape, const Layout& layout, const cost::NodeTimes& times,
           PlannerOptions options = {});
 
-  /// The fastest plan whose predicted peak is at most `budget` bytes, or nullopt.
-  std::optional<PlanResult> solve(int64_t budget) const;
-  /// The smallest budget any plan fits (to the byte).
-  int64_t min_feasible_budget() const;
-  /// Predicted peak with no recompute.
-  int64_t none_peak() const;
-  /// The per-layer frontier (Pareto over kept bytes, the layer's highest point forward or
-  /// backward, LayerOption::seconds and the bytes offloaded).
-  const std::vector<LayerOption>& layer_frontier() const { return frontier_; }
-  /// Solved plans from the minimum feasible budget to the no-recompute peak, `points`
-  /// budgets apart, Pareto-filtered. The budgets are solved coarse to fine (both ends,
-  /// then the middle of each gap), and none is started once `seconds` have passed (0: no
-  /// limit), so a long model's sweep is coarser rather than minutes long.
-  Frontier frontier(int points = 24, double seconds = 0) const;
-  /// The sentence for a budget no plan fits: the minimum feasible budget and what fills
-  /// the least-memory plan's peak. `given` is the budget as the user wrote it.
-  std::string infeasible(int64_t budget, const std::string& given) const;
-  /// Predicts the step of any plan (for the manual policies on the frontier).
-  cost::StepPrediction predict(const ActivationPlan& plan) const;
+  /// The fastest plan whose every stage's predicted peak is within `budgets`, or nullopt;
+  /// on `split` where given (layers per stage), else on the layout's.
+  std::optional<PlanResult> plan(const Budgets& budgets, const std::vector<int64_t>& split = {}) const;
+  /// Predicts every stage of `plan`, on `split` (layout's split, or the even one, when empty).
+  PlanResult predict(const ActivationPlan& plan, const std::vector<int64_t>& split = {}) const;
+  /// The smallest device budget any plan fits with `host` bytes of host budget (to the
+  /// byte, as the cost model counts bytes).
+  int64_t least_budget(int64_t host = 0) const;
+  /// Solved plans from the least budget to the no-recompute peak, `points` budgets apart,
+  /// Pareto-filtered. The budgets are solved coarse to fine (both ends, then the middle of
+  /// each gap), and none is started once `seconds` have passed (0: no limit), so a long
+  /// model's sweep is coarser rather than minutes long.
+  Frontier frontier(int64_t host = 0, int points = 24, double seconds = 0) const;
+  /// The sentence for budgets no plan fits (`given`: the device budget as the user wrote
+  /// it): the least budget and what fills the least-memory plan's peak, or, on CUDA where
+  /// the cost model's bytes fit, the caching allocator's reserved bytes of the closest plan.
+  std::string explain_infeasible(const Budgets& budgets, const std::string& given) const;
 
+  /// Predicted peak (the highest stage's, on the even or given split) with no recompute.
+  int64_t none_peak() const;
   /// The block of the model's attention op.
   const graph::BlockGraph& block() const { return block_; }
-
-  /// The fastest pipeline plan whose every stage's predicted peak is at most `budget`
-  /// bytes: the layers of each stage (unless `pipe.split` fixes them) and every layer's
-  /// keep-set, offload set or uniform chunk, solved together (pipeline::solve), each
-  /// stage's offloaded bytes, times its microbatches in flight, within the host budget
-  /// (a stage's rank's); nullopt when none fits.
-  /// The shape's own stage fields are ignored: each stage gets its own.
-  std::optional<PipelinePlan> solve_pipeline(int64_t budget, const PipelineShape& pipe) const;
-  /// Predicts each stage of `plan` on `pipe.split` (the even split when empty).
-  PipelinePlan predict_pipeline(const ActivationPlan& plan, const PipelineShape& pipe) const;
-  /// The smallest budget the pipeline planner finds a plan for (to the byte): the least
-  /// its stages' bytes admit, searched with every time zero, where it plans there.
-  int64_t min_pipeline_budget(const PipelineShape& pipe) const;
-  /// Stage `s` of `pipe` holding `n` layers from `first`, as the step simulator sees it
-  /// (one stage: pipe = {}, first = 0, n = every layer).
-  cost::StepShape stage_shape(const PipelineShape& pipe, int64_t s, int64_t first, int64_t n) const;
+  /// The per-layer frontier with `host` bytes of host budget (Pareto over kept bytes, the
+  /// layer's highest point forward or backward, LayerOption::seconds and the bytes offloaded).
+  std::vector<LayerOption> layer_frontier(int64_t host = 0) const;
+  const Layout& layout() const { return layout_; }
 
  private:
+  // The layer options a host budget admits: every option priced keeping all on the device,
+  // with `host` > 0 (and a host copy rate) the offloading ones too; whether that budget can
+  // bind (every layer's most offloading option together exceed it; else the programs
+  // ignore the host bytes, which then cannot decide a plan).
+  struct Options {
+    const std::vector<LayerOption>* frontier = nullptr;
+    bool host_binds = false;
+    int64_t host = 0;
+    std::vector<int64_t> split;  ///< layers per stage; empty: the program's choice
+  };
+  Options options(int64_t host) const;
+  const std::vector<LayerOption>& offload_frontier() const;
+  std::vector<LayerOption> price_options(bool offload) const;
+
   // A uniform chunk of n layers, its input kept whole or as a share per tensor-parallel
   // rank: the bytes it keeps, the most it holds at once above the layers below it (its
   // first forward, the gather of its input, its recompute, its backward), and its time.
@@ -171,12 +195,6 @@ class Planner {
     double seconds = 0;
   };
   ChunkCost chunk_cost(int64_t n, bool sharded) const;
-  // Sets LayerPlan::prefetch in the layers `shape` holds, from the bottom, where the step
-  // `predicted` (that shape's, kept current) then adds less and still peaks within
-  // `budget`: a layer's prefetch holds its offloaded bytes through the backward of the
-  // layer above, which the programs do not weigh.
-  void prefetch_where_it_pays(ActivationPlan& plan, const cost::StepShape& shape, int64_t budget,
-                              cost::StepPrediction& predicted) const;
   // How a layer may hold its kept input: whole, and as a share when the block allows it.
   std::vector<bool> input_holds() const;
   // One way to plan the layers from a position: frontier option `option`, or (-1) a
@@ -187,28 +205,66 @@ class Planner {
     bool sharded = false;
   };
   // Writes `c` into the plan's layers from `pos`.
-  void place(ActivationPlan& plan, int64_t pos, const Choice& c) const;
-  // The forward and backward seconds of a stage's embedding and loss head, those it holds.
-  double ends_seconds(const cost::StepShape& stage) const;
-  // The pipeline problem of `pipe` within `budget`, with the choice behind each piece;
-  // without `offload`, only the pieces that keep everything on the device.
-  pipeline::Problem pipeline_problem(int64_t budget, const PipelineShape& pipe, std::vector<Choice>& choices,
+  void place(ActivationPlan& plan, int64_t pos, const Choice& c, const Options& o) const;
+
+  // One stage (src/plan/one_stage.cpp): the fastest plan within `budget` bytes as the cost
+  // model counts them, and whether a budget admits any plan.
+  std::optional<PlanResult> solve_one(int64_t budget, const Options& o) const;
+  bool fits_one(int64_t budget, const Options& o) const;
+  // A one-stage plan solved for `budget`, prefetching where it pays, predicted.
+  std::optional<PlanResult> predicted_within(ActivationPlan plan, int64_t budget, const Options& o) const;
+  // Several stages (src/plan/stages.cpp), likewise.
+  std::optional<PlanResult> solve_stages(int64_t budget, const Options& o) const;
+  bool fits_stages(int64_t budget, const Options& o) const;
+  // The pipeline problem within `budget`, with the choice behind each piece; without
+  // `offload`, only the pieces that keep everything on the device.
+  pipeline::Problem pipeline_problem(int64_t budget, const Options& o, std::vector<Choice>& choices,
                                      bool offload = true) const;
+  // The plan within `budget` bytes as the cost model counts them, of any stage count.
+  std::optional<PlanResult> solve(int64_t budget, const Options& o) const;
+  int64_t least_model_budget(const Options& o) const;
+  // Sets LayerPlan::prefetch in stage `s`'s layers, from the bottom, where its step
+  // `predicted` (kept current) then adds less and still peaks within `budget`: a layer's
+  // prefetch holds its offloaded bytes through the backward of the layer above, which the
+  // programs do not weigh.
+  void prefetch_where_it_pays(ActivationPlan& plan, const Layout& stage, int64_t budget,
+                              cost::StepPrediction& predicted) const;
+  // Every stage of `plan` on `split` (layout's, or the even one, when empty), in the
+  // planner's unit of time.
+  PlanResult predict_units(const ActivationPlan& plan, const std::vector<int64_t>& split = {}) const;
+  // `r`, its times in seconds.
+  PlanResult in_seconds(PlanResult r) const;
+  // Stage `s` of `split` as the step walk sees it.
+  Layout stage_layout(const std::vector<int64_t>& split, int64_t s) const;
+  // The forward and backward seconds of a stage's embedding and loss head, those it holds.
+  double ends_seconds(const Layout& stage) const;
+  // A stage's forward and backward (recompute in it) of one microbatch: its `n` layers,
+  // their recompute and its ends.
+  pipeline::StageTimes stage_times(const Layout& stage, int64_t n, double recompute) const;
+  // `plan` on `split` with each stage's prediction: the stages' times and, on CUDA, the
+  // caching allocator's peaks.
+  PlanResult assemble(ActivationPlan plan, std::vector<int64_t> split, std::vector<cost::StepPrediction> stages) const;
+  // The plan within `budgets` on CUDA: solved for less and less cost-model bytes until it
+  // reserves few enough; `reserved`: the last plan's reserved bytes.
+  std::optional<PlanResult> solve_reserved(const Budgets& budgets, const Options& o, int64_t& reserved) const;
+  bool on_cuda() const { return shape_.device == at::kCUDA; }
 
   ModelConfig cfg_;
   cost::StepShape shape_;
+  Layout layout_;
+  /// Units of the planner's time a second holds: 1 with measured nodes, else the FLOP rate
+  /// (its unit a FLOP). times_ are in those units.
+  double per_second_ = 1;
   cost::NodeTimes times_;
   PlannerOptions options_;
   graph::BlockGraph block_;
-  std::vector<LayerOption> frontier_;
-  /// Whether the host budget can bind: every layer's most offloading option together
-  /// exceed it. Else the program ignores the host bytes, which then cannot decide a plan.
-  bool host_binds_ = false;
+  std::vector<LayerOption> device_frontier_;
+  mutable std::shared_ptr<const std::vector<LayerOption>> offload_frontier_;  // priced at the first ask
   LayerOption whole_;  ///< nothing dropped (what a chunk rebuilds per layer)
   /// With the other attention op priced (NodeTimes::other_attention): the model's op, which
   /// the plan names in the layers that run it; else unset.
   std::optional<Attention> per_layer_op_;
-  int64_t emb_base_ = 0;      ///< statics + embedding, under every layer
+  int64_t emb_base_ = 0;      ///< statics + embedding, under every layer (one stage)
   int64_t head_peak_ = 0;     ///< the loss head's live bytes above the kept layers
   int64_t fixed_peak_ = 0;    ///< peaks that do not depend on the plan (embedding, optimizer)
   double block_seconds_ = 0;  ///< one whole block forward
@@ -218,9 +274,7 @@ class Planner {
   double layer_seconds_ = 0, embed_seconds_ = 0, head_seconds_ = 0;
   // The embedding's and the loss head's forwards alone.
   double embed_forward_ = 0, head_forward_ = 0;
-  // A stage's forward and backward (recompute in it) of one microbatch: its `n` layers,
-  // their recompute and its ends.
-  pipeline::StageTimes stage_times(const cost::StepShape& stage, int64_t n, double recompute) const;
+  mutable std::optional<int64_t> none_peak_;
 };
 
 }  // namespace remat

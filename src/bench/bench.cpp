@@ -7,10 +7,11 @@
 #include "remat/policy.h"
 #include "remat/trainer.h"
 #include "run/run.h"
+#include "dist/ranks.h"
 #include "train/data_parallel.h"
-#include "train/device.h"
-#include "train/profile.h"
-#include "train/progress.h"
+#include "util/device.h"
+#include "profile/profile.h"
+#include "util/progress.h"
 #include "train/run_dir.h"
 #include "train/step.h"
 
@@ -69,18 +70,12 @@ PreparedEntry prepare_entry(const BenchOptions& o, const BenchEntry& entry) {
   return p;
 }
 
-// This rank's model of `cfg`: its share of every layer under tensor parallelism, its
-// stage's layers of `split` (layers per stage) under pipeline parallelism.
-std::unique_ptr<Model> create_model(const Config& cfg, at::Device device, at::ScalarType dtype, dist::Comm* ranks,
-                                    const std::vector<int64_t>& split = {}) {
-  StageSpan span;
-  if (cfg.parallel.pp > 1) {
-    const int stage = ranks->pipeline().rank();
-    for (int s = 0; s < stage; ++s) span.first += split[static_cast<size_t>(s)];
-    span.count = split[static_cast<size_t>(stage)];
-  }
-  return Model::create(cfg.model, device, dtype, static_cast<uint64_t>(cfg.run.seed),
-                       cfg.parallel.tp > 1 ? &ranks->tensor() : nullptr, cfg.parallel.sp, span);
+// This rank's model of `cfg` on `layout`: its share of every layer under tensor
+// parallelism, its stage's layers under pipeline parallelism.
+std::unique_ptr<Model> create_model(const Config& cfg, const Layout& layout, at::Device device, at::ScalarType dtype,
+                                    dist::Comm* ranks) {
+  return Model::create(cfg.model, device, dtype, static_cast<uint64_t>(cfg.run.seed), layout,
+                       layout.tp > 1 ? &ranks->tensor() : nullptr);
 }
 
 // Trains one entry on a fresh model and measures the steps after the warm-up: on every
@@ -92,7 +87,7 @@ BenchRow run_entry(const BenchEntry& entry, const PreparedEntry& p, const BenchO
   const RunPlan& planned = p.spec.plan;
   const auto seed = static_cast<uint64_t>(cfg.run.seed);
   memory::release_cached(device);  // the earlier entries' segments are not this entry's
-  auto model = create_model(cfg, device, dtype, ranks, planned.split);
+  auto model = create_model(cfg, p.spec.layout, device, dtype, ranks);
   apply_plan(*model, planned.plan, cfg.ac);
   TrainStep stepper(*model, p.spec.local.train, seed, ranks, cfg.parallel.zero, cfg.parallel.schedule,
                     cfg.parallel.overlap_grad_reduce);
@@ -239,7 +234,7 @@ BenchResult run_bench(const BenchOptions& o) {
   const int threads = set_threads(rank_threads(common));
   const at::Device device = parse_device(common.run.device);
   if (device.is_cuda()) memory::configure_cuda_allocator(common.run.expandable_segments);
-  const at::ScalarType dtype = parse_dtype(common.run.dtype, device);
+  const at::ScalarType dtype = device_dtype(dtype_of(common.run.dtype), device);
   memory::install_cpu_tracking();
   data::CorpusInfo corpus;
   rank0_first(ranks.get(), "preparing the corpus", [&] { corpus = prepare_data(common.data); });
@@ -256,32 +251,24 @@ BenchResult run_bench(const BenchOptions& o) {
   in.corpus_dir = corpus_dir(common.data);
   in.memory_available = rank_memory(device, ranks.get());
   in.host_available = rank_memory(at::kCPU, ranks.get());
-  // One time profile per attention op and loss head for the sweep (every entry has the same
+  // One price list per attention op and loss head for the sweep (every entry has the same
   // shapes), measured on a scratch model of the sweep's settings or read from the cache;
-  // for an entry that offloads, with the host copies measured as `remat train` does.
+  // for the entries that offload, with the host copies measured as `remat train` does.
   // (Pipeline stages measure it on a probe of two layers, as `remat train` does.)
   const Config local = rank_share(resolve_config(common, corpus));
-  std::map<std::pair<Attention, LossHead>, TimeProfile> profiles;
-  const auto profile_of = [&](const Config& op) {
-    const std::pair key{op.model.attention, op.model.loss_head};
-    if (const auto found = profiles.find(key); found != profiles.end()) return found->second;
+  const double matmul_rate = local.ac.profile ? 0.0
+                                              : measure_matmul_flops(device, dtype, local.train.batch * local.train.seq,
+                                                                     common.model.d_model, common.model.d_ff);
+  PriceSource prices([&](const Config& op, bool host_copies) {
     Config probed = local;
     probed.model.attention = op.model.attention;
     probed.model.loss_head = op.model.loss_head;
-    const double matmul_rate = probed.ac.profile
-                                   ? 0.0
-                                   : measure_matmul_flops(device, dtype, local.train.batch * local.train.seq,
-                                                          common.model.d_model, common.model.d_ff);
     std::unique_ptr<Model> probe;  // freed once measured
-    return profiles[key] = run_time_profile(
-               probed, device, dtype, train_ds, ranks.get(), matmul_rate,
-               [&] { return create_model(probed, device, dtype, ranks.get()); }, probe);
-  };
-  in.profile_of = [&](const Config& op) {
-    TimeProfile profile = profile_of(op);
-    if (may_offload(op)) add_host_copy(profile, device, dtype, ranks.get());
-    return profile;
-  };
+    return run_prices(
+        probed, device, dtype, train_ds, ranks.get(), matmul_rate, host_copies,
+        [&] { return create_model(probed, layout_of(probed, 0), device, dtype, ranks.get()); }, probe);
+  });
+  in.prices = &prices;
   // Every entry's plan and prediction, so an infeasible budget fails before anything trains.
   for (size_t i = 0; i < prepared.size(); ++i) {
     try {

@@ -7,7 +7,7 @@
 #include "remat/memory.h"
 #include "remat/policy.h"
 #include "remat/trainer.h"
-#include "train/device.h"
+#include "util/device.h"
 #include "util/utf8.h"
 
 #include <CLI/CLI.hpp>
@@ -195,6 +195,9 @@ int run(int argc, char** argv) {
   plan_cmd->add_flag("--json", plan_args.json, "Print the plan, memory breakdown and frontier as JSON");
   plan_cmd->add_flag("--explain-block", plan_args.explain_block,
                      "Print one block's values (shape, bytes, slot, producer) as its graph declares them");
+  plan_cmd->add_option("--prices", plan_args.prices,
+                       "A run directory (or its prices.json): price the plan as that run did, with its "
+                       "config.toml unless --config names one, to print the plan it ran");
   plan_cmd->add_option("overrides", overrides, "key=value settings, e.g. model.preset=llama3-8b train.seq=8192");
   auto* bench_cmd = app.add_subcommand(
       "bench",
@@ -308,6 +311,10 @@ int run(int argc, char** argv) {
       check_path("--plot", plan_args.plot);
       // Refused before the sweep rather than reported after it, when the plot cannot be written.
       if (plan_args.pareto) check_plot_directory(plan_args.plot);
+      // A run's prices come with its settings, unless other ones are given.
+      if (!plan_args.prices.empty() && config_file.empty() && std::filesystem::is_directory(plan_args.prices)) {
+        config_file = (std::filesystem::path(plan_args.prices) / "config.toml").string();
+      }
       return cmd_plan(load_config(config_file, overrides), plan_args);
     }
     if (bench_cmd->parsed()) {

@@ -7,9 +7,9 @@
 #include "remat/policy.h"
 #include "remat/trainer.h"
 #include "run/run.h"
-#include "train/data_parallel.h"
-#include "train/device.h"
-#include "train/progress.h"
+#include "dist/ranks.h"
+#include "util/device.h"
+#include "util/progress.h"
 #include "util/gnuplot.h"
 
 #include <fmt/format.h>
@@ -26,54 +26,41 @@ using memory::format_bytes;
 
 // One rank's FLOPs of one microbatch's forward and backward without recompute (a backward costs
 // about twice its forward).
-double step_flops(const ModelConfig& m, const graph::BlockGraph& b, const cost::StepShape& s) {
+double step_flops(const ModelConfig& m, const graph::BlockGraph& b, const cost::StepShape& s, const Layout& layout) {
   const int64_t N = s.batch * s.seq;
-  return 3.0 * (m.n_layer * b.forward_flops() + ops::cross_entropy_flops(N, m.d_model, m.vocab_size / s.tp));
+  return 3.0 * (m.n_layer * b.forward_flops() + ops::cross_entropy_flops(N, m.d_model, m.vocab_size / layout.tp));
 }
 
 // Seconds of the collectives one microbatch's forward and backward run without recompute
-// on the ranks of stage `s` (its blocks', and the embedding's and the loss head's where it
+// on the ranks of `stage` (its blocks', and the embedding's and the loss head's where it
 // holds them), at `times`' links.
 double step_link_seconds(const ModelConfig& m, const graph::BlockGraph& b, const cost::StepShape& s,
-                         const cost::NodeTimes& times) {
+                         const Layout& stage, const cost::NodeTimes& times) {
   const auto of = [&](const graph::BlockGraph& g) {
     double t = 0;
     for (const auto& n : g.nodes) t += times.link_seconds(n.forward_link) + times.link_seconds(n.backward_link);
     return t;
   };
-  double t = static_cast<double>(s.stage_layers(m.n_layer)) * of(b);
-  if (s.has_embedding()) t += of(graph::embed_graph(m, s.batch, s.seq, s.dtype, s.tp, s.sp));
-  if (s.has_head(m.n_layer)) t += of(graph::head_graph(m, s.batch, s.seq, s.dtype, s.ce_chunk, s.tp, s.sp));
-  return t;
-}
-
-// The links `remat plan` prices collectives at (parallel.link_rate and link_latency), in a
-// unit of time of which a second holds `per_second` (the planner's: FLOPs at
-// parallel.compute_rate).
-cost::NodeTimes configured_links(const ParallelConfig& p, double per_second) {
-  cost::NodeTimes t;
-  t.link_bytes_per_second = p.link_rate * 1e9 / per_second;
-  t.link_latency_seconds = p.link_latency * 1e-6 * per_second;
+  double t = static_cast<double>(stage.stage_layers(m.n_layer)) * of(b);
+  if (stage.has_embedding()) t += of(graph::embed_graph(m, s.batch, s.seq, s.dtype, stage));
+  if (stage.has_head()) t += of(graph::head_graph(m, s.batch, s.seq, s.dtype, s.ce_chunk, stage));
   return t;
 }
 
 // The collectives one rank of a stage runs in a step: those its plan's recompute re-runs,
-// as the planner priced them (FLOPs) and in seconds, and the step's own without recompute.
+// in seconds and in the FLOPs the prices weigh them as, and the step's own without recompute.
 struct Communication {
   double recompute_flops = 0, recompute_seconds = 0, step_seconds = 0;
 };
 
-// Of the stage `pred` predicts (all the layers without a pipeline), on ranks of `shape`.
-Communication communication(const Config& cfg, const Planner& planner, const cost::StepShape& shape,
-                            const cost::StepPrediction& pred) {
-  cost::StepShape stage = shape;
-  stage.first_layer = pred.first_layer;
-  stage.layers = static_cast<int64_t>(pred.layers.size());
+// Of the stage `pred` predicts on the ranks of `stage` (all the layers without a pipeline).
+Communication communication(const RunSpec& spec, const Layout& stage, const cost::StepPrediction& pred) {
+  const cost::NodeTimes& times = spec.plan.prices.times;
   Communication c;
-  c.recompute_flops = pred.recompute_link_seconds;
-  c.recompute_seconds = pred.recompute_link_seconds / (cfg.parallel.compute_rate * 1e12);
-  c.step_seconds = static_cast<double>(stage.grad_accum) *
-                   step_link_seconds(cfg.model, planner.block(), stage, configured_links(cfg.parallel, 1.0));
+  c.recompute_seconds = pred.recompute_link_seconds;
+  c.recompute_flops = pred.recompute_link_seconds * times.flops_per_second;
+  c.step_seconds = static_cast<double>(spec.shape.grad_accum) *
+                   step_link_seconds(spec.cfg.model, spec.plan.planner->block(), spec.shape, stage, times);
   return c;
 }
 
@@ -81,23 +68,31 @@ nlohmann::json communication_json(const Communication& c) {
   return {{"recompute_seconds", c.recompute_seconds}, {"step_seconds", c.step_seconds}};
 }
 
-// With the links it was priced at.
-nlohmann::json communication_json(const Config& cfg, const Communication& c) {
+// With the links it was priced at: the config's rates, or a run's (`recorded`).
+nlohmann::json communication_json(const RunSpec& spec, const Communication& c, bool recorded) {
+  const ParallelConfig& p = spec.cfg.parallel;
+  const cost::NodeTimes& times = spec.plan.prices.times;
   nlohmann::json j = communication_json(c);
-  j["link_rate_gb_per_s"] = cfg.parallel.link_rate;
-  j["link_latency_us"] = cfg.parallel.link_latency;
-  j["compute_rate_tflop_per_s"] = cfg.parallel.compute_rate;
+  j["link_rate_gb_per_s"] = recorded ? times.link_bytes_per_second / 1e9 : p.link_rate;
+  j["link_latency_us"] = recorded ? times.link_latency_seconds * 1e6 : p.link_latency;
+  j["compute_rate_tflop_per_s"] = recorded ? times.flops_per_second / 1e12 : p.compute_rate;
   return j;
 }
 
 // `whose`: which ranks' collectives, empty when every rank runs the same.
-std::string communication_text(const Config& cfg, const Communication& c, const std::string& whose) {
+std::string communication_text(const RunSpec& spec, const Communication& c, const std::string& whose, bool recorded) {
+  const ParallelConfig& p = spec.cfg.parallel;
+  const cost::NodeTimes& times = spec.plan.prices.times;
+  const std::string links = recorded ? fmt::format("the run's links, {:.2f} GB/s and {:.2f} us a ring step",
+                                                   times.link_bytes_per_second / 1e9, times.link_latency_seconds * 1e6)
+                                     : fmt::format("parallel.link_rate = {} GB/s and parallel.link_latency = {} us",
+                                                   p.link_rate, p.link_latency);
+  const std::string rate = recorded ? fmt::format("the run's {} FLOP/s", format_count(times.flops_per_second))
+                                    : fmt::format("parallel.compute_rate = {} TFLOP/s", p.compute_rate);
   return fmt::format(
-      "communication at parallel.link_rate = {} GB/s and parallel.link_latency = {} us{}: the "
-      "recompute re-runs {:.3f} ms of collectives per step (priced as {} FLOPs at "
-      "parallel.compute_rate = {} TFLOP/s); without recompute a step's collectives take {:.3f} ms\n",
-      cfg.parallel.link_rate, cfg.parallel.link_latency, whose, 1e3 * c.recompute_seconds,
-      format_count(c.recompute_flops), cfg.parallel.compute_rate, 1e3 * c.step_seconds);
+      "communication at {}{}: the recompute re-runs {:.3f} ms of collectives per step (priced as {} FLOPs at {}); "
+      "without recompute a step's collectives take {:.3f} ms\n",
+      links, whose, 1e3 * c.recompute_seconds, format_count(c.recompute_flops), rate, 1e3 * c.step_seconds);
 }
 
 // How long --pareto and --json sweep budgets before they stop starting solves.
@@ -115,17 +110,18 @@ std::vector<std::string> manual_policies(int64_t layers) {
   return out;
 }
 
+// `step_seconds`: a step's without recompute, which the recompute's is a share of.
 bool plot_frontier(const std::string& path, const std::vector<FrontierPoint>& frontier,
-                   const std::vector<FrontierPoint>& manual, double flops, std::string* why) {
+                   const std::vector<FrontierPoint>& manual, double step_seconds, std::string* why) {
   std::string script =
       "set terminal pngcairo size 900,560 noenhanced\nset output ARG1\nset title 'remat plan: memory/time frontier'\n"
       "set xlabel 'predicted peak (MiB)'\nset ylabel 'recompute (% of the step FLOPs)'\nset grid\nset key top right\n"
       "$budget << EOD\n";
   for (const auto& p : frontier)
-    script += fmt::format("{} {}\n", p.peak / 1048576.0, 100.0 * p.recompute_seconds / flops);
+    script += fmt::format("{} {}\n", p.peak / 1048576.0, 100.0 * p.recompute_seconds / step_seconds);
   script += "EOD\n$manual << EOD\n";
   for (const auto& p : manual) {
-    script += fmt::format("{} {} \"{}\"\n", p.peak / 1048576.0, 100.0 * p.recompute_seconds / flops, p.label);
+    script += fmt::format("{} {} \"{}\"\n", p.peak / 1048576.0, 100.0 * p.recompute_seconds / step_seconds, p.label);
   }
   script +=
       "EOD\nplot $budget using 1:2 with linespoints lw 2 pt 7 lc rgb '#d04020' title 'budget plans', "
@@ -135,22 +131,23 @@ bool plot_frontier(const std::string& path, const std::vector<FrontierPoint>& fr
 }
 
 // ColossalAI's least per-stage checkpoint counts (`num_ckpt_layers_per_stage`, each stage's
-// first layers recomputed whole) with which every stage of `pipe`'s split fits `budget`, and
-// their prediction; nullopt when even every layer recomputed does not fit. A stage's peak
-// depends on its own layers alone, so each count grows until its stage fits.
-std::optional<std::pair<std::vector<int64_t>, PipelinePlan>> least_counts(const Config& cfg, const Planner& planner,
-                                                                          const PipelineShape& pipe, int64_t budget) {
+// first layers recomputed whole) with which every stage of `split` fits `budget`, and their
+// prediction; nullopt when even every layer recomputed does not fit. A stage's peak depends
+// on its own layers alone, so each count grows until its stage fits.
+std::optional<std::pair<std::vector<int64_t>, PlanResult>> least_counts(const Config& cfg, const Planner& planner,
+                                                                        const std::vector<int64_t>& split,
+                                                                        int64_t budget) {
   AcConfig ac;
-  ac.stages = pipe.stages;
-  ac.num_layers_per_stage = fmt::format("{}", fmt::join(pipe.split, ","));
-  std::vector<int64_t> counts(pipe.split.size(), 0);
+  ac.stages = static_cast<int64_t>(split.size());
+  ac.num_layers_per_stage = fmt::format("{}", fmt::join(split, ","));
+  std::vector<int64_t> counts(split.size(), 0);
   for (;;) {
     ac.num_ckpt_layers_per_stage = fmt::format("{}", fmt::join(counts, ","));
-    PipelinePlan p = planner.predict_pipeline(compile_policy(ac, cfg.model.n_layer, cfg.model.dropout), pipe);
+    PlanResult p = planner.predict(compile_policy(ac, cfg.model.n_layer, cfg.model.dropout), split);
     bool fits = true;
     for (size_t s = 0; s < counts.size(); ++s) {
       if (p.stages[s].peak <= budget) continue;
-      if (counts[s] == pipe.split[s]) return std::nullopt;
+      if (counts[s] == split[s]) return std::nullopt;
       ++counts[s];
       fits = false;
     }
@@ -161,59 +158,59 @@ std::optional<std::pair<std::vector<int64_t>, PipelinePlan>> least_counts(const 
 // What `remat plan` adds to a pipeline's plan: the collectives of every stage (JSON) and
 // of the bottleneck (text), the layers split evenly and planned stage by stage, and
 // ColossalAI's least per-stage counts, against the plan's schedule (time in FLOPs).
-void pipeline_extras(const RunSpec& spec, const PlanArgs& args, const Planner& planner, nlohmann::json& json) {
+void pipeline_extras(const RunSpec& spec, const PlanArgs& args, nlohmann::json& json) {
   const Config& cfg = spec.cfg;
   const ModelConfig& m = cfg.model;
-  const PipelinePlan& r = *spec.plan.pipeline;
-  PipelineShape pipe;
-  pipe.stages = cfg.parallel.pp;
-  pipe.schedule = cfg.parallel.schedule;
-  if (cfg.ac.num_layers_per_stage) pipe.split = stage_sizes(cfg.ac, m.n_layer);
+  const Planner& planner = *spec.plan.planner;
+  const PlanResult& r = *spec.plan.pipeline;
   const int64_t budget = spec.plan.budget;
+  // Seconds as the FLOPs the prices weigh them as.
+  const double rate = spec.plan.prices.times.flops_per_second;
+  const bool recorded = !args.prices.empty();
+  // The split the run was given, or the even one the planner's is compared with.
+  const bool given = !planner.layout().split.empty();
+  const std::vector<int64_t> counted =
+      given ? planner.layout().split : pipeline::even_split(m.n_layer, cfg.parallel.pp);
   // What splitting the layers evenly and planning each stage alone would give.
-  std::optional<PipelinePlan> even;
-  if (pipe.split.empty() && budget > 0) {
-    PipelineShape fixed = pipe;
-    fixed.split = pipeline::even_split(m.n_layer, pipe.stages);
-    even = planner.solve_pipeline(budget, fixed);
-  }
+  const std::optional<PlanResult> even =
+      !given && budget > 0 ? planner.plan({budget, spec.plan.host_budget}, counted) : std::nullopt;
   // ColossalAI's way on the same split: whole layers recomputed, counted per stage.
-  PipelineShape counted = pipe;
-  if (counted.split.empty()) counted.split = pipeline::even_split(m.n_layer, pipe.stages);
   const auto counts = budget > 0 ? least_counts(cfg, planner, counted, budget) : std::nullopt;
   std::vector<Communication> links;
-  for (const auto& st : r.stages) links.push_back(communication(cfg, planner, spec.shape, st));
+  for (size_t s = 0; s < r.stages.size(); ++s) {
+    links.push_back(communication(spec, spec.layout.at_stage(static_cast<int64_t>(s)), r.stages[s]));
+  }
   const auto bottleneck = static_cast<size_t>(r.bottleneck);
   if (args.json) {
     for (size_t s = 0; s < r.stages.size(); ++s) {
-      json["stages"][s]["flops_per_microbatch"] = r.stage_seconds[s];
+      json["stages"][s]["flops_per_microbatch"] = r.stage_seconds[s] * rate;
       json["stages"][s]["communication"] = communication_json(links[s]);
     }
-    json["schedule_flops"] = r.schedule_seconds;
+    json["schedule_flops"] = r.schedule_seconds * rate;
     // The bottleneck's collectives, which the schedule waits on.
-    json["communication"] = communication_json(cfg, links[bottleneck]);
+    json["communication"] = communication_json(spec, links[bottleneck], recorded);
     json["communication"]["stage"] = r.bottleneck + 1;
-    json["even_split_schedule_flops"] = even ? nlohmann::json(even->schedule_seconds) : nlohmann::json();
+    json["even_split_schedule_flops"] = even ? nlohmann::json(even->schedule_seconds * rate) : nlohmann::json();
     json["least_ckpt_layers_per_stage"] =
-        counts ? nlohmann::json{{"counts", counts->first}, {"schedule_flops", counts->second.schedule_seconds}}
+        counts ? nlohmann::json{{"counts", counts->first}, {"schedule_flops", counts->second.schedule_seconds * rate}}
                : nlohmann::json();
     return;
   }
   if (spec.layout.tp > 1) {
-    fmt::print("{}", communication_text(cfg, links[bottleneck],
-                                        fmt::format(" on stage {}'s ranks (the bottleneck)", r.bottleneck + 1)));
+    fmt::print("{}",
+               communication_text(spec, links[bottleneck],
+                                  fmt::format(" on stage {}'s ranks (the bottleneck)", r.bottleneck + 1), recorded));
   }
   if (budget == 0) return;
-  fmt::print("ColossalAI's least per-stage counts on the {} split ({}): {}\n", pipe.split.empty() ? "even" : "given",
-             fmt::join(counted.split, ","),
+  fmt::print("ColossalAI's least per-stage counts on the {} split ({}): {}\n", given ? "given" : "even",
+             fmt::join(counted, ","),
              counts ? fmt::format("num_ckpt_layers_per_stage = [{}], {} FLOPs, {:.3f} x this plan's",
-                                  fmt::join(counts->first, ","), format_count(counts->second.schedule_seconds),
+                                  fmt::join(counts->first, ","), format_count(counts->second.schedule_seconds * rate),
                                   counts->second.schedule_seconds / r.schedule_seconds)
                     : std::string("none fit the budget, even with every layer recomputed"));
-  if (pipe.split.empty()) {
-    fmt::print("the even split ({}) planned stage by stage: {}\n",
-               fmt::join(pipeline::even_split(m.n_layer, pipe.stages), ","),
-               even ? fmt::format("{} FLOPs, {:.3f} x this plan's", format_count(even->schedule_seconds),
+  if (!given) {
+    fmt::print("the even split ({}) planned stage by stage: {}\n", fmt::join(counted, ","),
+               even ? fmt::format("{} FLOPs, {:.3f} x this plan's", format_count(even->schedule_seconds * rate),
                                   even->schedule_seconds / r.schedule_seconds)
                     : "no plan fits the budget");
   }
@@ -224,22 +221,13 @@ void pipeline_extras(const RunSpec& spec, const PlanArgs& args, const Planner& p
 int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
   Config cfg = cfg_in;
   if (!args.budget.empty()) cfg.ac.budget = args.budget;
-  // Time is priced in FLOPs here (a device-independent unit): recompute "seconds" are
-  // FLOPs at one FLOP per second. A collective takes the FLOPs a rank could compute while
-  // it runs: its ring steps at parallel.link_latency and its bytes at parallel.link_rate,
-  // in FLOPs at parallel.compute_rate.
-  cost::NodeTimes times = configured_links(cfg.parallel, cfg.parallel.compute_rate * 1e12);
-  times.flops_per_second = 1.0;
-  times.host_bytes_per_second = cfg.ac.offload_rate * 1e9 / (cfg.parallel.compute_rate * 1e12);
-  times.host_copies_overlap = cfg.run.device != "cpu";
-  times.host_copy_slowdown = cfg.ac.offload_slowdown;
+  // Priced as declared (FLOPs at parallel.compute_rate, links at parallel.link_rate and
+  // link_latency, copies at ac.offload_rate), or as a run recorded its prices.
+  const bool recorded = !args.prices.empty();
+  PriceSource prices = recorded ? PriceSource::recorded(args.prices) : PriceSource::declared();
   RunInputs in;
   in.dtype = dtype_of(cfg.run.dtype);
-  in.profile_of = [&](const Config&) {
-    TimeProfile p;
-    p.times = times;
-    return p;
-  };
+  in.prices = &prices;
   // A run holds its token corpus (both splits) through every step; only a prepared corpus
   // says how many tokens it has.
   in.corpus_dir = corpus_dir(cfg.data);
@@ -251,32 +239,35 @@ int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
   const ModelConfig& m = spec.cfg.model;
   const cost::StepShape& shape = spec.shape;
   if (args.explain_block) {
-    const graph::BlockGraph g = cost::shape_block(m, shape);
+    const graph::BlockGraph g = cost::shape_block(m, shape, spec.layout);
     fmt::print(
         "One {} block at batch {} x {} tokens in {}{}: every value its forward makes, and the slot that "
         "keeps it for the backward (- : freed after its last forward reader).\n\n{}",
         arch_name(m.arch), shape.batch, shape.seq, spec.cfg.run.dtype, describe_ranks(spec.local), graph::explain(g));
     return 0;
   }
-  const Planner planner(m, shape, times, planner_options(spec.local));
+  const Planner& planner = *spec.plan.planner;
   nlohmann::json json = render_json(spec);
   if (!args.json) fmt::print("{}", render_text(spec));
   if (spec.plan.pipeline) {
-    pipeline_extras(spec, args, planner, json);
+    pipeline_extras(spec, args, json);
     if (args.json) fmt::print("{}\n", json.dump(2));
     return 0;
   }
   const cost::StepPrediction& pred = spec.plan.predicted;
-  const double flops = step_flops(m, planner.block(), shape);
+  const double flops = step_flops(m, planner.block(), shape, spec.layout);
   const double overhead = pred.recompute_flops / (flops * shape.grad_accum);
-  const int64_t min_budget = planner.min_feasible_budget();
-  const Communication link = communication(spec.cfg, planner, shape, pred);
+  const int64_t min_budget = planner.least_budget(spec.plan.host_budget);
+  const Communication link = communication(spec, spec.layout, pred);
+  // A step without recompute, in seconds at the prices' FLOP rate: what a share of it is.
+  const double rate = spec.plan.prices.times.flops_per_second;
+  const double step_seconds = flops / rate;
   Frontier sweep;
   std::vector<FrontierPoint> manual;
   if (args.pareto || args.json) {
-    sweep = planner.frontier(args.points, kSweepSeconds);
+    sweep = planner.frontier(spec.plan.host_budget, args.points, kSweepSeconds);
     for (const auto& policy : manual_policies(m.n_layer)) {
-      const auto p = planner.predict(compile_policy(policy, m.n_layer, m.dropout));
+      const cost::StepPrediction p = planner.predict(compile_policy(policy, m.n_layer, m.dropout)).stages[0];
       manual.push_back({p.peak, p.recompute_seconds, policy});
     }
   }
@@ -284,19 +275,20 @@ int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
     auto points = [&](const std::vector<FrontierPoint>& v) {
       nlohmann::json a = nlohmann::json::array();
       for (const auto& p : v)
-        a.push_back({{"label", p.label}, {"peak", p.peak}, {"recompute_flops", p.recompute_seconds}});
+        a.push_back({{"label", p.label}, {"peak", p.peak}, {"recompute_flops", p.recompute_seconds * rate}});
       return a;
     };
     json["min_feasible_budget"] = min_budget;
     json["step_flops"] = flops * shape.grad_accum;
     json["recompute_overhead"] = overhead;
-    json["communication"] = communication_json(spec.cfg, link);
-    json["offload"] = {{"rate_gb_per_s", spec.cfg.ac.offload_rate},
-                       {"bytes_each_way", pred.offloaded_bytes},
-                       {"host_peak", pred.host_peak},
-                       {"seconds", pred.copy_seconds / (spec.cfg.parallel.compute_rate * 1e12)},
-                       {"wait_seconds", pred.copy_wait_seconds / (spec.cfg.parallel.compute_rate * 1e12)},
-                       {"slowdown_seconds", pred.copy_slowdown_seconds / (spec.cfg.parallel.compute_rate * 1e12)}};
+    json["communication"] = communication_json(spec, link, recorded);
+    json["offload"] = {
+        {"rate_gb_per_s", recorded ? spec.plan.prices.times.host_bytes_per_second / 1e9 : spec.cfg.ac.offload_rate},
+        {"bytes_each_way", pred.offloaded_bytes},
+        {"host_peak", pred.host_peak},
+        {"seconds", pred.copy_seconds},
+        {"wait_seconds", pred.copy_wait_seconds},
+        {"slowdown_seconds", pred.copy_slowdown_seconds}};
     json["frontier"] = points(sweep.points);
     json["frontier_budgets"] = {{"asked", sweep.asked}, {"solved", sweep.solved}, {"seconds", sweep.seconds}};
     json["manual"] = points(manual);
@@ -305,26 +297,31 @@ int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
   }
   fmt::print("minimum feasible {}; recompute {:.1f}% over the {} FLOPs of a step without recompute\n",
              format_bytes(min_budget), 100.0 * overhead, format_count(flops * shape.grad_accum));
-  if (shape.tp > 1) fmt::print("{}", communication_text(spec.cfg, link, ""));
+  if (spec.layout.tp > 1) fmt::print("{}", communication_text(spec, link, "", recorded));
   if (pred.offloaded_bytes > 0) {
-    const double rate = spec.cfg.parallel.compute_rate * 1e12;
+    const cost::NodeTimes& t = spec.plan.prices.times;
     fmt::print(
-        "offload copies at ac.offload_rate = {} GB/s: {} to host memory and back a step, {:.1f} ms of copies beside "
-        "the compute, which waits {:.1f} ms for them and runs {:.1f} ms longer beside them (ac.offload_slowdown = "
-        "{}): {:.1f}% over the step's FLOPs at parallel.compute_rate = {} TFLOP/s\n",
-        spec.cfg.ac.offload_rate, format_bytes(pred.offloaded_bytes), 1e3 * pred.copy_seconds / rate,
-        1e3 * pred.copy_wait_seconds / rate, 1e3 * pred.copy_slowdown_seconds / rate, spec.cfg.ac.offload_slowdown,
-        100.0 * pred.copy_added_seconds() / (flops * static_cast<double>(shape.grad_accum)),
-        spec.cfg.parallel.compute_rate);
+        "offload copies at {}: {} to host memory and back a step, {:.1f} ms of copies beside the compute, which waits "
+        "{:.1f} ms for them and runs {:.1f} ms longer beside them ({}): {:.1f}% over the step's FLOPs at {}\n",
+        recorded ? fmt::format("the run's {:.2f} GB/s", t.host_bytes_per_second / 1e9)
+                 : fmt::format("ac.offload_rate = {} GB/s", spec.cfg.ac.offload_rate),
+        format_bytes(pred.offloaded_bytes), 1e3 * pred.copy_seconds, 1e3 * pred.copy_wait_seconds,
+        1e3 * pred.copy_slowdown_seconds,
+        recorded ? fmt::format("the run's slowdown {:.3f}", t.host_copy_slowdown)
+                 : fmt::format("ac.offload_slowdown = {}", spec.cfg.ac.offload_slowdown),
+        100.0 * pred.copy_added_seconds() / (step_seconds * static_cast<double>(shape.grad_accum)),
+        recorded ? fmt::format("the run's {} FLOP/s", format_count(rate))
+                 : fmt::format("parallel.compute_rate = {} TFLOP/s", spec.cfg.parallel.compute_rate));
   }
   if (args.pareto) {
     fmt::print("\nfrontier (budget plans):\n  {:>12}  {:>10}\n", "peak", "recompute");
     for (const auto& p : sweep.points) {
-      fmt::print("  {:>12}  {:>9.1f}%\n", format_bytes(p.peak), 100.0 * p.recompute_seconds / flops);
+      fmt::print("  {:>12}  {:>9.1f}%\n", format_bytes(p.peak), 100.0 * p.recompute_seconds / step_seconds);
     }
     fmt::print("manual policies:\n");
     for (const auto& p : manual) {
-      fmt::print("  {:>12}  {:>9.1f}%  {}\n", format_bytes(p.peak), 100.0 * p.recompute_seconds / flops, p.label);
+      fmt::print("  {:>12}  {:>9.1f}%  {}\n", format_bytes(p.peak), 100.0 * p.recompute_seconds / step_seconds,
+                 p.label);
     }
     std::string why;
     if (sweep.solved < sweep.asked) {
@@ -333,7 +330,7 @@ int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
           "the ends and the middles of the gaps come first)\n",
           sweep.solved, sweep.asked, sweep.seconds, kSweepSeconds);
     }
-    if (!plot_frontier(args.plot, sweep.points, manual, flops, &why)) {
+    if (!plot_frontier(args.plot, sweep.points, manual, step_seconds, &why)) {
       throw std::runtime_error(
           fmt::format("The frontier could not be plotted to --plot = \"{}\": {}; the tables above "
                       "hold the same figures.",

@@ -21,21 +21,26 @@ int64_t ActivationBytes::total() const {
 }
 
 std::unique_ptr<Model> Model::create(const ModelConfig& cfg, at::Device device, at::ScalarType compute_dtype,
-                                     uint64_t seed, dist::Group* tp, bool sequence_parallel, StageSpan stage) {
+                                     uint64_t seed, const Layout& layout, dist::Group* tp) {
   TORCH_CHECK(cfg.vocab_size > 0, "The model needs a vocabulary size (model.vocab_size), got ", cfg.vocab_size);
   TORCH_CHECK(compute_dtype == at::kFloat || compute_dtype == at::kBFloat16 || compute_dtype == at::kDouble,
               "The compute dtype must be float32, bfloat16 or float64, got ", compute_dtype);
-  TORCH_CHECK(!sequence_parallel || (tp != nullptr && tp->size() > 1),
+  TORCH_CHECK(layout.tp == (tp != nullptr ? tp->size() : 1), "The layout shares each layer over ", layout.tp,
+              " tensor-parallel ranks, but the model's group has ", tp != nullptr ? tp->size() : 1);
+  TORCH_CHECK(!layout.sp || layout.tp > 1,
               "Sequence parallelism shares the positions over a tensor-parallel group, but the model has none; "
               "set parallel.tp > 1 with parallel.sp = true.");
-  TORCH_CHECK(stage.first >= 0 && stage.first < cfg.n_layer &&
-                  (stage.count == -1 || (stage.count >= 1 && stage.first + stage.count <= cfg.n_layer)),
-              "A pipeline stage holds at least one of the model's layers: it starts at one of layers 0 to ",
-              cfg.n_layer - 1, " (counted from 0) and ends by the last, got first = ", stage.first,
-              " and count = ", stage.count, " for ", cfg.n_layer, " layers.");
-  if (stage.count == -1) stage.count = cfg.n_layer - stage.first;
+  const std::vector<int64_t> split = layout.stage_split(cfg.n_layer);
+  const bool valid = layout.pp >= 1 && static_cast<int64_t>(split.size()) == layout.pp && layout.stage >= 0 &&
+                     layout.stage < layout.pp &&
+                     std::all_of(split.begin(), split.end(), [](int64_t n) { return n >= 1; }) &&
+                     std::accumulate(split.begin(), split.end(), int64_t{0}) == cfg.n_layer;
+  TORCH_CHECK(valid, "A pipeline of ", layout.pp, " stages splits the model's ", cfg.n_layer,
+              " layers into as many runs of at least one layer each; got the split [", c10::Join(",", split),
+              "] and stage ", layout.stage + 1, ".");
+  const StageSpan stage{layout.first_layer(cfg.n_layer), layout.stage_layers(cfg.n_layer)};
   return std::make_unique<detail::TransformerModel>(detail::arch_decl(cfg.arch), cfg, device, compute_dtype, seed, tp,
-                                                    sequence_parallel, stage);
+                                                    layout.sp, stage);
 }
 
 double Model::forward_backward(const at::Tensor& tokens, const at::Tensor& targets, const StepContext& ctx,
@@ -74,20 +79,20 @@ std::vector<int64_t> Model::whole_sizes(size_t i) const {
 
 namespace graph {
 
-BlockGraph block_graph(const ModelConfig& cfg, int64_t batch, int64_t seq, at::ScalarType dtype, int64_t tp, bool sp) {
+BlockGraph block_graph(const ModelConfig& cfg, int64_t batch, int64_t seq, at::ScalarType dtype, const Layout& layout) {
   const auto& decl = detail::arch_decl(cfg.arch);
-  return tensor_parallel(decl.block(cfg, batch, seq, dtype), decl.tp_plan, tp, sp);
+  return tensor_parallel(decl.block(cfg, batch, seq, dtype), decl.tp_plan, layout.tp, layout.sp);
 }
 
-BlockGraph embed_graph(const ModelConfig& cfg, int64_t batch, int64_t seq, at::ScalarType dtype, int64_t tp, bool sp) {
+BlockGraph embed_graph(const ModelConfig& cfg, int64_t batch, int64_t seq, at::ScalarType dtype, const Layout& layout) {
   const auto& decl = detail::arch_decl(cfg.arch);
-  return tensor_parallel(decl.embed(cfg, batch, seq, dtype), decl.tp_plan, tp, sp);
+  return tensor_parallel(decl.embed(cfg, batch, seq, dtype), decl.tp_plan, layout.tp, layout.sp);
 }
 
 BlockGraph head_graph(const ModelConfig& cfg, int64_t batch, int64_t seq, at::ScalarType dtype, int64_t chunk,
-                      int64_t tp, bool sp) {
+                      const Layout& layout) {
   const auto& decl = detail::arch_decl(cfg.arch);
-  return tensor_parallel(decl.head(cfg, batch, seq, dtype, chunk), decl.tp_plan, tp, sp);
+  return tensor_parallel(decl.head(cfg, batch, seq, dtype, chunk), decl.tp_plan, layout.tp, layout.sp);
 }
 
 }  // namespace graph

@@ -2,7 +2,7 @@
 
 #include "remat/memory.h"
 #include "run/choice.h"
-#include "train/progress.h"
+#include "util/progress.h"
 
 #include <fmt/format.h>
 
@@ -14,7 +14,7 @@ namespace {
 
 using memory::format_bytes;
 
-bool measured(const TimeProfile& p) { return p.base_seconds > 0; }
+bool measured(const Prices& p) { return p.base_seconds > 0; }
 
 // The candidate `name`, planned by `plan`, or the planner's word that no plan fits.
 Candidate candidate(const std::string& name, const std::function<RunPlan()>& plan) {
@@ -29,10 +29,10 @@ Candidate candidate(const std::string& name, const std::function<RunPlan()>& pla
   return out;
 }
 
-// `base`'s profile, with `other`'s times for the layers a plan runs op `other_op` in: its
+// `base`'s prices, with `other`'s times for the layers a plan runs op `other_op` in: its
 // node times, and a layer's pass with it less with `base`'s (per layer from the pipeline
 // probes, else the whole models' passes over their layers; 0 where either is unmeasured).
-TimeProfile with_other(const TimeProfile& base, const TimeProfile& other, Attention other_op, int64_t layers) {
+Prices with_other(const Prices& base, const Prices& other, Attention other_op, int64_t layers) {
   auto o = std::make_shared<cost::OtherAttention>();
   o->op = other_op;
   o->times = other.times;
@@ -41,7 +41,7 @@ TimeProfile with_other(const TimeProfile& base, const TimeProfile& other, Attent
   } else if (measured(base) && measured(other)) {
     o->pass_delta = (other.base_seconds - base.base_seconds) / static_cast<double>(layers);
   }
-  TimeProfile out = base;
+  Prices out = base;
   out.times.other_attention = std::move(o);
   return out;
 }
@@ -61,8 +61,8 @@ RunPlan with_choice(RunPlan planned, Choice choice) {
 
 // plan_run_auto for a named loss head: model.attention resolved. `reference` (bytes; 0:
 // math's no-recompute peak) is what a fractional budget is a fraction of.
-RunPlan resolve_attention(Config& cfg, Config& local, at::ScalarType dtype, const ProfileOf& profile_of,
-                          int64_t resident, int64_t stage, const SavedPlan* saved, int64_t reference) {
+RunPlan resolve_attention(Config& cfg, Config& local, at::ScalarType dtype, const PricesOf& prices_of, int64_t resident,
+                          int64_t stage, const SavedPlan* saved, int64_t reference, int64_t host_budget) {
   if (local.model.attention != Attention::automatic) {
     const Attention op = local.model.attention;
     // A resumed run whose plan chose the op per layer: both ops' times price it.
@@ -70,10 +70,10 @@ RunPlan resolve_attention(Config& cfg, Config& local, at::ScalarType dtype, cons
       if (!l.attention || *l.attention == op) continue;
       Config other = local;
       other.model.attention = *l.attention;
-      const TimeProfile both = with_other(profile_of(local), profile_of(other), *l.attention, local.model.n_layer);
-      return plan_run(local, dtype, both, resident, stage, reference, saved);
+      const Prices both = with_other(prices_of(local), prices_of(other), *l.attention, local.model.n_layer);
+      return plan_run(local, dtype, both, resident, stage, reference, saved, host_budget);
     }
-    return plan_run(local, dtype, profile_of(local), resident, stage, reference, saved);
+    return plan_run(local, dtype, prices_of(local), resident, stage, reference, saved, host_budget);
   }
   const auto with_op = [&](Attention a) {
     Config c = local;
@@ -84,7 +84,7 @@ RunPlan resolve_attention(Config& cfg, Config& local, at::ScalarType dtype, cons
   // Only the default op where nothing could tell the ops apart (neither bytes nor times).
   const bool alone = local.ac.budget.empty() && !local.ac.profile;
   std::vector<Attention> ops;
-  std::vector<TimeProfile> profiles;
+  std::vector<Prices> profiles;
   for (Attention a : kAttentionOps) {
     if (alone && !ops.empty()) break;
     // An op that cannot run this model (sdpa with attention dropout) is no candidate.
@@ -92,7 +92,7 @@ RunPlan resolve_attention(Config& cfg, Config& local, at::ScalarType dtype, cons
       continue;
     }
     ops.push_back(a);
-    profiles.push_back(profile_of(with_op(a)));
+    profiles.push_back(prices_of(with_op(a)));
   }
   rules.preferred_why = alone ? fmt::format(
                                     "no ac.budget and no measured step times: {}, the faster op on this CPU "
@@ -106,12 +106,12 @@ RunPlan resolve_attention(Config& cfg, Config& local, at::ScalarType dtype, cons
   if (!local.ac.budget.empty() && reference == 0) {
     Config unbounded = with_op(ops[0]);
     unbounded.ac.budget.clear();
-    reference = plan_run(unbounded, dtype, profiles[0], resident, stage).none_peak;
+    reference = plan_run(unbounded, dtype, profiles[0], resident, stage, 0, nullptr, host_budget).none_peak;
   }
   std::vector<Candidate> candidates;
   for (size_t i = 0; i < ops.size(); ++i) {
     candidates.push_back(candidate(attention_name(ops[i]), [&] {
-      return plan_run(with_op(ops[i]), dtype, profiles[i], resident, stage, reference);
+      return plan_run(with_op(ops[i]), dtype, profiles[i], resident, stage, reference, nullptr, host_budget);
     }));
   }
   Chosen chosen = choose(candidates, rules);
@@ -123,9 +123,10 @@ RunPlan resolve_attention(Config& cfg, Config& local, at::ScalarType dtype, cons
   const bool all_measured = std::all_of(profiles.begin(), profiles.end(), measured);
   for (size_t i = 0; i < ops.size() && !local.ac.budget.empty() && all_measured; ++i) {
     if (i == chosen.index) continue;
-    const TimeProfile mixed_profile = with_other(profiles[chosen.index], profiles[i], ops[i], local.model.n_layer);
-    Candidate mixed =
-        candidate("", [&] { return plan_run(with_op(op), dtype, mixed_profile, resident, stage, reference); });
+    const Prices mixed_profile = with_other(profiles[chosen.index], profiles[i], ops[i], local.model.n_layer);
+    Candidate mixed = candidate("", [&] {
+      return plan_run(with_op(op), dtype, mixed_profile, resident, stage, reference, nullptr, host_budget);
+    });
     const bool mixes = mixed.plan && std::any_of(mixed.plan->plan.layers.begin(), mixed.plan->plan.layers.end(),
                                                  [&](const LayerPlan& l) { return l.attention != op; });
     if (!mixes || mixed.plan->step_seconds >= planned.step_seconds) continue;
@@ -160,17 +161,17 @@ double head_flops(const Config& local, const RunPlan& plan) {
 
 }  // namespace
 
-RunPlan plan_run_auto(Config& cfg, Config& local, at::ScalarType dtype, const ProfileOf& profile_of, int64_t resident,
-                      int64_t stage, const SavedPlan* saved) {
+RunPlan plan_run_auto(Config& cfg, Config& local, at::ScalarType dtype, const PricesOf& prices_of, int64_t resident,
+                      int64_t stage, const SavedPlan* saved, int64_t host_budget) {
   if (local.model.loss_head != LossHead::automatic) {
-    return resolve_attention(cfg, local, dtype, profile_of, resident, stage, saved, 0);
+    return resolve_attention(cfg, local, dtype, prices_of, resident, stage, saved, 0, host_budget);
   }
   // Each head's and op's profile is taken once, however often the planning asks for it.
-  std::map<std::pair<Attention, LossHead>, TimeProfile> taken;
-  const ProfileOf once = [&](const Config& c) {
+  std::map<std::pair<Attention, LossHead>, Prices> taken;
+  const PricesOf once = [&](const Config& c) {
     const std::pair key{c.model.attention, c.model.loss_head};
     if (const auto found = taken.find(key); found != taken.end()) return found->second;
-    return taken[key] = profile_of(c);
+    return taken[key] = prices_of(c);
   };
   const std::vector<LossHead> heads =
       local.ac.budget.empty() ? std::vector{LossHead::fused} : std::vector{LossHead::fused, LossHead::recompute};
@@ -182,7 +183,7 @@ RunPlan plan_run_auto(Config& cfg, Config& local, at::ScalarType dtype, const Pr
     unbounded.ac.budget.clear();
     unbounded.model.loss_head = LossHead::fused;
     if (unbounded.model.attention == Attention::automatic) unbounded.model.attention = kAttentionOps[0];
-    reference = plan_run(unbounded, dtype, once(unbounded), resident, stage).none_peak;
+    reference = plan_run(unbounded, dtype, once(unbounded), resident, stage, 0, nullptr, host_budget).none_peak;
   }
   std::vector<std::pair<Config, Config>> configs;
   std::vector<Candidate> candidates;
@@ -191,7 +192,7 @@ RunPlan plan_run_auto(Config& cfg, Config& local, at::ScalarType dtype, const Pr
     auto& [c, l] = configs.back();
     c.model.loss_head = l.model.loss_head = h;
     candidates.push_back(candidate(fmt::format("the {} head", loss_head_name(h)), [&] {
-      return resolve_attention(c, l, dtype, once, resident, stage, nullptr, reference);
+      return resolve_attention(c, l, dtype, once, resident, stage, nullptr, reference, host_budget);
     }));
     if (candidates.back().plan) candidates.back().weighed_flops = head_flops(l, *candidates.back().plan);
   }

@@ -5,18 +5,17 @@
 
 #include "remat/config.h"
 #include "run/planning.h"
-#include "train/profile.h"
+#include "remat/prices.h"
 
 #include <functional>
 
 namespace remat {
 
-/// The time profile of a run's rank share `local`, whose model.attention and
-/// model.loss_head are named (not auto): measured or read from the cache under ac.profile
-/// (each op and head has its own), else the matmul rate alone.
-using ProfileOf = std::function<TimeProfile(const Config& local)>;
+/// The prices of a run's rank share `local`, whose model.attention and model.loss_head are
+/// named (not auto): each op and head has its own (PriceSource::of).
+using PricesOf = std::function<Prices(const Config& local)>;
 
-/// plan_run of `local` (the rank share of `cfg`) with profile_of(local)'s times, with both
+/// plan_run of `local` (the rank share of `cfg`) with prices_of(local)'s times, with both
 /// `auto` settings resolved and written into both configs (each profile taken once).
 ///
 /// model.loss_head = auto, candidates fused then recompute: without ac.budget, fused alone
@@ -40,7 +39,8 @@ using ProfileOf = std::function<TimeProfile(const Config& local)>;
 /// alike. A `saved` plan (a resumed run's) is for named settings (its config.toml names what
 /// auto chose) and is predicted as it is, with the other op's times where its layers run
 /// both. Where no candidate fits, throws BudgetTooSmall with every candidate's minimum.
-RunPlan plan_run_auto(Config& cfg, Config& local, at::ScalarType dtype, const ProfileOf& profile_of, int64_t resident,
-                      int64_t stage = 0, const SavedPlan* saved = nullptr);
+/// A budget plan's offloaded slots may hold `host_budget` bytes (plan_run).
+RunPlan plan_run_auto(Config& cfg, Config& local, at::ScalarType dtype, const PricesOf& prices_of, int64_t resident,
+                      int64_t stage = 0, const SavedPlan* saved = nullptr, int64_t host_budget = 0);
 
 }  // namespace remat

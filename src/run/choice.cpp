@@ -1,7 +1,7 @@
 #include "run/choice.h"
 
 #include "remat/memory.h"
-#include "train/progress.h"
+#include "util/progress.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>

@@ -1,27 +1,23 @@
 // The activation plan of a training run: from the policy the ac.* settings name, or,
-// with ac.budget, solved by the planner; with the cost model's prediction of the step.
+// with ac.budget, the planner's (remat/planner.h); with the cost model's prediction of the
+// step.
 #pragma once
 
 #include "remat/config.h"
 #include "remat/cost.h"
+#include "remat/layout.h"
 #include "remat/plan.h"
 #include "remat/planner.h"
-#include "train/profile.h"
+#include "remat/prices.h"
+#include "run/saved_plan.h"
 
 #include <algorithm>
+#include <memory>
 #include <optional>
-#include <stdexcept>
 #include <string>
 #include <vector>
 
 namespace remat {
-
-/// What plan_run throws when ac.budget fits no plan: the sentence, and the least budget
-/// that fits (model.attention = auto compares it between the attention ops).
-struct BudgetTooSmall : std::invalid_argument {
-  BudgetTooSmall(const std::string& sentence, int64_t least) : std::invalid_argument(sentence), min_budget(least) {}
-  int64_t min_budget;  ///< bytes: the minimum feasible budget of the run (of every stage, pipelined)
-};
 
 /// Why an `auto` setting's candidate was taken (run/choice.h).
 enum class ChoiceReason {
@@ -44,10 +40,10 @@ struct Choice {
   std::string line() const;
 };
 
-/// A run's activation plan and what the cost model predicts of its step.
 /// Whether the run trains on a CUDA device (its memory is the caching allocator's).
 bool on_cuda(const RunConfig& run);
 
+/// A run's activation plan and what the cost model predicts of its step.
 struct RunPlan {
   ActivationPlan plan;
   cost::StepPrediction predicted;    ///< peak, breakdown and recompute of one step (of this rank's stage)
@@ -56,15 +52,16 @@ struct RunPlan {
   /// The highest stage peak: what a per-rank budget holds.
   int64_t peak() const { return *std::max_element(stage_peaks.begin(), stage_peaks.end()); }
   /// With pipeline stages: every stage's prediction, the bottleneck and the schedule's time.
-  std::optional<PipelinePlan> pipeline;
+  std::optional<PlanResult> pipeline;
   int64_t stage = 0;               ///< the stage `predicted` is of
   int64_t budget = 0;              ///< bytes; 0 without ac.budget
+  int64_t host_budget = 0;         ///< bytes the offloaded slots may hold at once (ac.host_budget resolved)
   double step_seconds = 0;         ///< predicted step time; 0 without a measured profile
   int64_t none_peak = 0;           ///< predicted peak of the same step keeping everything
   double none_step_seconds = 0;    ///< its predicted time; 0 without a measured profile
   bool resumed = false;            ///< the plan is a checkpoint's (SavedPlan), predicted as it is
   std::vector<std::string> slots;  ///< the slots the model's block has (of block_slots()), in order
-  TimeProfile profile;             ///< the times it was priced with
+  Prices prices;                   ///< what it was priced with
   /// On CUDA, what the caching allocator holds at its highest on each stage (the cost
   /// model's allocations replayed by its model); what a budget holds there is the reserved
   /// bytes. Empty on the CPU.
@@ -77,42 +74,29 @@ struct RunPlan {
   /// What the `auto` settings resolved to (loss head first), none where the config named
   /// them.
   std::vector<Choice> choices;
+  /// The planner that planned it: `remat plan` asks it for the frontier and the least budget.
+  std::shared_ptr<const Planner> planner;
 };
-
-/// The plan a run trained with, as its training checkpoints keep it: a resumed run runs it
-/// again, whatever planning would choose now (another machine's measured times, a cache
-/// measured again), so that its memory stays what was predicted and printed.
-struct SavedPlan {
-  ActivationPlan plan;         ///< every layer's, of the whole model
-  std::vector<int64_t> split;  ///< layers per pipeline stage
-};
-
-/// `r`'s plan and split as one JSON text (a checkpoint's "plan" metadata).
-std::string saved_plan_json(const RunPlan& r);
-
-/// The plan `json` holds, for a model of `n_layers` blocks on `stages` pipeline stages.
-/// Throws std::invalid_argument with a sentence when it is damaged or was made for another
-/// model (the layer count, the split, a slot no block has).
-SavedPlan parse_saved_plan(const std::string& json, int64_t n_layers, int64_t stages);
 
 /// The shape of one microbatch of `local` (a rank share: train.batch is the rank's rows)
 /// in `dtype`, with `resident` bytes held besides the model, as the cost model prices it.
 cost::StepShape step_shape(const Config& local, at::ScalarType dtype, int64_t resident);
 
-/// The planner's options a run of `cfg` takes: ac.early_stop, and ac.host_budget's bytes
-/// (as resolve_run writes them; unset: nothing offloaded).
-PlannerOptions planner_options(const Config& cfg);
+/// The layout of stage `stage`'s ranks of `local`: the parallel.* groups, and the layers
+/// per stage ac.num_layers_per_stage gives, or, without ac.budget, the even split (with
+/// one, the planner chooses them).
+Layout layout_of(const Config& local, int64_t stage);
 
-/// Plans `cfg` (vocab_size set) at its train.* shape in `dtype`, one rank's share (under
-/// parallel.zero = 1 the optimizer sharded over parallel.dp ranks); `profile` prices
-/// recompute (and, when measured, the whole step); `resident` bytes (the token corpus)
-/// stay live through every step. Throws BudgetTooSmall, with the minimum feasible budget,
-/// when ac.budget is below it; `budget_reference` (bytes, 0: this plan's no-recompute peak)
-/// is what a fractional ac.budget ("0.6") is a fraction of. With parallel.pp stages, every stage is planned (with
-/// ac.budget the split and the plans together, Planner::solve_pipeline) and `predicted` is
-/// stage `stage`'s. A `saved` plan (a resumed run's) is predicted as it is, neither
-/// compiled from the policy nor solved again.
-RunPlan plan_run(const Config& cfg, at::ScalarType dtype, const TimeProfile& profile, int64_t resident,
-                 int64_t stage = 0, int64_t budget_reference = 0, const SavedPlan* saved = nullptr);
+/// Plans `cfg` (vocab_size set; a rank share: under parallel.zero = 1 the optimizer sharded
+/// over parallel.dp ranks) at its train.* shape in `dtype`, for stage `stage`'s ranks
+/// (layout_of); `prices` price recompute (and, when measured, the whole step); `resident`
+/// bytes (the token corpus) stay live through every step. Throws BudgetTooSmall, with the
+/// minimum feasible budget, when ac.budget is below it; `budget_reference` (bytes, 0: this
+/// plan's no-recompute peak) is what a fractional ac.budget ("0.6") is a fraction of; the
+/// offloaded slots of a budget plan may hold `host_budget` bytes. With several pipeline
+/// stages every stage is planned and `predicted` is stage `stage`'s. A `saved` plan (a
+/// resumed run's) is predicted as it is, neither compiled from the policy nor solved again.
+RunPlan plan_run(const Config& cfg, at::ScalarType dtype, const Prices& prices, int64_t resident, int64_t stage = 0,
+                 int64_t budget_reference = 0, const SavedPlan* saved = nullptr, int64_t host_budget = 0);
 
 }  // namespace remat

@@ -2,8 +2,8 @@
 #include "remat/memory.h"
 #include "remat/policy.h"
 #include "run/run.h"
-#include "train/data_parallel.h"
-#include "train/progress.h"
+#include "dist/ranks.h"
+#include "util/progress.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -20,13 +20,13 @@ using memory::format_bytes;
 constexpr size_t kColumns = 100;
 
 // Whether `r`'s times are measured (seconds of this machine) rather than FLOPs at a rate.
-bool measured(const RunPlan& r) { return r.profile.base_seconds > 0 || r.profile.times.layer_pass_seconds > 0; }
+bool measured(const RunPlan& r) { return r.prices.base_seconds > 0 || r.prices.times.layer_pass_seconds > 0; }
 
-// `seconds` priced by `r`'s profile, as a reader takes it: milliseconds where measured,
+// `seconds` priced by `r`'s prices, as a reader takes it: milliseconds where measured,
 // else the FLOPs they stand for.
 std::string work(const RunPlan& r, double seconds) {
   if (measured(r)) return fmt::format("{:.1f} ms", 1e3 * seconds);
-  return format_count(seconds * r.profile.times.flops_per_second) + " FLOPs";
+  return format_count(seconds * r.prices.times.flops_per_second) + " FLOPs";
 }
 
 // The slots of `names`, by module: "attn.{norm,probs} mlp.{act_in}" (a slot without a
@@ -181,7 +181,7 @@ std::string layer_table(const ActivationPlan& plan, const std::vector<std::strin
 
 // One line on stage `s` of `r` (from 0): its layers, microbatches in flight under
 // `schedule`, its predicted peak and where, then `work` (its time per microbatch).
-std::string stage_line(const PipelinePlan& r, size_t s, int64_t microbatches, pipeline::Schedule schedule,
+std::string stage_line(const PlanResult& r, size_t s, int64_t microbatches, pipeline::Schedule schedule,
                        const std::string& work) {
   const cost::StepPrediction& p = r.stages[s];
   const int64_t first = p.first_layer + 1, last = p.first_layer + static_cast<int64_t>(p.layers.size());
@@ -206,7 +206,7 @@ std::string plan_text(const Config& cfg, const RunPlan& r) {
   text += fmt::format("plan: {}, {} layers\n", how, r.plan.layers.size());
   const cost::StepPrediction& p = r.predicted;
   if (r.pipeline) {
-    const PipelinePlan& pp = *r.pipeline;
+    const PlanResult& pp = *r.pipeline;
     const int64_t m = cfg.train.grad_accum;
     text += fmt::format("pipeline: {} stages, {} schedule, {} microbatch{}; this rank is stage {}\n", pp.stages.size(),
                         pipeline::schedule_name(cfg.parallel.schedule), m, m == 1 ? "" : "es", r.stage + 1);
@@ -238,7 +238,7 @@ std::string plan_text(const Config& cfg, const RunPlan& r) {
       line(fmt::format("recompute: {} FLOPs a step{}", format_count(p.recompute_flops),
                        measured(r) && p.recompute_flops > 0 ? fmt::format(", {}", work(r, p.recompute_seconds)) : ""));
   if (r.step_seconds > 0) {
-    const TimeProfile& prof = r.profile;
+    const Prices& prof = r.prices;
     const std::string parts =
         r.pipeline
             ? fmt::format(
@@ -270,7 +270,7 @@ std::string plan_text(const Config& cfg, const RunPlan& r) {
                                    [](const LayerPlan& lp) { return lp.attention.has_value(); });
     const std::string every =
         mixed ? fmt::format(" ({} attention in every layer)", attention_name(cfg.model.attention)) : "";
-    const int64_t host_budget = planner_options(cfg).host_budget;
+    const int64_t host_budget = r.host_budget;
     text += line(fmt::format(
         "budget {}{}{}: the plan peaks at {}{}; without recompute{} the step would peak at {}{}",
         format_bytes(r.budget), r.pipeline ? " per rank" : "",
@@ -374,13 +374,13 @@ nlohmann::json render_json(const RunSpec& spec) {
       {"token_corpus_bytes", spec.resident},
       {"policy", r.plan.policy},
       {"budget", r.budget},
-      {"host_budget", planner_options(spec.cfg).host_budget},
+      {"host_budget", r.host_budget},
       {"none_peak", r.none_peak},
       {"predicted_step_seconds", r.step_seconds},
       {"none_step_seconds", r.none_step_seconds},
   };
   if (r.pipeline) {
-    const PipelinePlan& pp = *r.pipeline;
+    const PlanResult& pp = *r.pipeline;
     nlohmann::json stages = nlohmann::json::array();
     for (size_t s = 0; s < pp.stages.size(); ++s) {
       const cost::StepPrediction& p = pp.stages[s];

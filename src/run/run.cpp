@@ -2,8 +2,9 @@
 
 #include "remat/budget.h"
 #include "remat/memory.h"
-#include "train/device.h"
-#include "train/data_parallel.h"
+#include "remat/policy.h"
+#include "util/device.h"
+#include "dist/ranks.h"
 
 #include <fmt/format.h>
 
@@ -31,11 +32,13 @@ Room room_of(const RunSpec& spec, int64_t available) {
 }
 
 // Throws where the parameters, gradients and AdamW moments alone exceed the room: no
-// plan fits, and a time profile would allocate the model first. (Pipeline stages profile
-// a probe of two layers and are split by the plan: its peak is checked after.)
+// plan fits, and a time profile would allocate the model first. (A pipeline stage's
+// profile measures a probe of two layers, and its layers may be the plan's to choose: its
+// peak is checked after.)
 void check_statics_fit(const RunSpec& spec, const Room& room) {
-  if (room.bytes < 0 || spec.layout.pp > 1) return;
-  const cost::StaticBytes statics = cost::static_bytes(spec.local.model, spec.shape);
+  const bool whole_model = spec.layout.has_embedding() && spec.layout.has_head();
+  if (room.bytes < 0 || !whole_model) return;
+  const cost::StaticBytes statics = cost::static_bytes(spec.local.model, spec.shape, spec.layout);
   if (statics.total() <= room.bytes) return;
   throw std::invalid_argument(fmt::format(
       "{} ({} layers, d_model {}, d_ff {}) needs {} per rank for its parameters, gradients and AdamW moments alone, "
@@ -65,12 +68,9 @@ void check_plan_fits(const RunSpec& spec, const Room& room) {
 
 // ac.host_budget in bytes: as given (a fraction of the host memory free), else all of that
 // free memory on a CUDA device and none on the CPU, whose host memory is its device's.
-std::string resolved_host_budget(const Config& cfg, int64_t host_available) {
+int64_t host_budget_bytes(const Config& cfg, int64_t host_available) {
   const int64_t free = std::max<int64_t>(0, host_available >= 0 ? host_available : memory_available(at::kCPU));
-  const int64_t bytes = !cfg.ac.host_budget.empty() ? parse_host_budget(cfg.ac.host_budget, free)
-                        : on_cuda(cfg.run)          ? free
-                                                    : 0;
-  return bytes == 0 ? "0" : fmt::format("{}B", bytes);
+  return !cfg.ac.host_budget.empty() ? parse_host_budget(cfg.ac.host_budget, free) : on_cuda(cfg.run) ? free : 0;
 }
 
 // Throws where the plan's offloaded slots would need more host memory at once than this
@@ -102,18 +102,25 @@ Config resolve_config(const Config& cfg, const std::optional<data::CorpusInfo>& 
 RunSpec resolve_run(const Config& cfg, const RunInputs& in) {
   RunSpec spec;
   spec.cfg = resolve_config(cfg, in.corpus);
-  spec.cfg.ac.host_budget = resolved_host_budget(spec.cfg, in.host_available);
+  const int64_t host_budget = host_budget_bytes(spec.cfg, in.host_available);
+  // The run records the bytes it planned with (config.toml), so that its plan can be made again.
+  spec.cfg.ac.host_budget = host_budget == 0 ? "0" : fmt::format("{}B", host_budget);
   spec.corpus = in.corpus;
   spec.corpus_dir = in.corpus_dir;
   if (in.corpus) spec.resident = data::TokenDataset::held_bytes(*in.corpus);
   spec.local = rank_share(spec.cfg);
-  const ParallelConfig& p = spec.local.parallel;
-  spec.layout = {p.dp, p.tp, p.sp, p.pp, in.stage, p.zero};
+  spec.layout = layout_of(spec.local, in.stage);
   spec.dtype = in.dtype;
   spec.shape = step_shape(spec.local, in.dtype, spec.resident);
   const Room room = room_of(spec, in.memory_available);
   check_statics_fit(spec, room);
-  spec.plan = plan_run_auto(spec.cfg, spec.local, in.dtype, in.profile_of, spec.resident, in.stage, in.saved);
+  // The prices hold the host copies' where the policy offloads or a budget plan may.
+  const bool host_copies = (!spec.local.ac.budget.empty() && host_budget > 0) ||
+                           compile_policy(spec.local.ac, spec.local.model.n_layer, spec.local.model.dropout).offloads();
+  TORCH_CHECK(in.prices != nullptr, "[resolve_run] a run is resolved against a source of prices");
+  const PricesOf prices_of = [&](const Config& local) { return in.prices->of(local, host_copies); };
+  spec.plan = plan_run_auto(spec.cfg, spec.local, in.dtype, prices_of, spec.resident, in.stage, in.saved, host_budget);
+  spec.layout.split = spec.plan.split;
   check_plan_fits(spec, room);
   check_host_fits(spec, in.host_available);
   return spec;

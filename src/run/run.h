@@ -7,23 +7,15 @@
 #include "remat/data.h"
 #include "run/auto.h"
 #include "run/planning.h"
+#include "run/price_source.h"
 
 #include <nlohmann/json_fwd.hpp>
 
+#include <functional>
 #include <optional>
 #include <string>
 
 namespace remat {
-
-/// How a run's ranks share the work, as parallel.* and the launch decide it.
-struct Layout {
-  int64_t dp = 1;     ///< data-parallel ranks (each a share of train.batch)
-  int64_t tp = 1;     ///< tensor-parallel ranks sharing every layer
-  bool sp = false;    ///< sequence parallelism over the tensor-parallel ranks
-  int64_t pp = 1;     ///< pipeline stages
-  int64_t stage = 0;  ///< this rank's stage (from 0)
-  int64_t zero = 0;   ///< ZeRO stage (1: AdamW's moments sharded over the dp ranks)
-};
 
 /// What a run is resolved against besides its config.
 struct RunInputs {
@@ -33,8 +25,10 @@ struct RunInputs {
   /// tokens (both splits) stay in memory through every step. nullopt: not prepared (remat
   /// plan), then the vocabulary is data.vocab_size's and the tokens are not counted.
   std::optional<data::CorpusInfo> corpus;
-  std::string corpus_dir;            ///< where the corpus is or would be prepared (corpus_dir(data))
-  ProfileOf profile_of;              ///< the time profile of a rank share with every auto named
+  std::string corpus_dir;  ///< where the corpus is or would be prepared (corpus_dir(data))
+  /// Where the prices of a rank share with every auto named come from (required); the run
+  /// asks for the host copies' rate where its policy offloads or its budget plan may.
+  PriceSource* prices = nullptr;
   const SavedPlan* saved = nullptr;  ///< a resumed run's plan, run again as it is
   /// Bytes this rank may still allocate on its device (its share of what the machine has
   /// free), which the run's statics and its plan's peak must fit (on the CPU with room left
@@ -47,9 +41,9 @@ struct RunInputs {
 
 /// A run, resolved: what every command that runs or prices it works from.
 struct RunSpec {
-  Config cfg;    ///< every auto decided, model.vocab_size set
-  Config local;  ///< this rank's share of it (rank_share)
-  Layout layout;
+  Config cfg;     ///< every auto decided, model.vocab_size set
+  Config local;   ///< this rank's share of it (rank_share)
+  Layout layout;  ///< this rank's (layout_of), its split the plan's
   at::ScalarType dtype = at::kFloat;
   cost::StepShape shape;  ///< one microbatch of this rank, as the cost model prices it
   int64_t resident = 0;   ///< bytes held besides the model: the token corpus
@@ -63,8 +57,8 @@ struct RunSpec {
 Config resolve_config(const Config& cfg, const std::optional<data::CorpusInfo>& corpus);
 
 /// Resolves `cfg` (as loaded: vocabulary perhaps 0, autos unresolved) against `in`:
-/// vocabulary, validation, ac.host_budget in bytes (AcConfig::host_budget), the rank
-/// share, the plan with both autos resolved. Throws std::invalid_argument sentences
+/// vocabulary, validation, ac.host_budget in bytes (written into the config as bytes, as
+/// the run records it), the rank share and layout, the plan with both autos resolved. Throws std::invalid_argument sentences
 /// (BudgetTooSmall where no plan fits ac.budget), also where the run would not fit
 /// `in.memory_available`: its parameters, gradients and moments checked before any time
 /// profile allocates a model, its plan's peak after; and where its offloaded slots would

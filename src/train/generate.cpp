@@ -98,7 +98,7 @@ std::string sample_text(Model& model, const data::Tokenizer& tok, const std::str
 }  // namespace remat
 
 #include "remat/trainer.h"
-#include "train/device.h"
+#include "util/device.h"
 #include "remat/safetensors.h"
 #include "train/checkpoints.h"
 #include "train/step.h"
@@ -140,7 +140,8 @@ std::string generate_from_run(const std::string& run_dir, const std::string& pro
         weights, file_bytes));
   }
   const at::Device dev = parse_device(device.empty() ? cfg.run.device : device);
-  auto model = Model::create(cfg.model, dev, dev.is_cuda() ? parse_dtype(cfg.run.dtype, dev) : at::kFloat, 0);
+  auto model =
+      Model::create(cfg.model, dev, dev.is_cuda() ? device_dtype(dtype_of(cfg.run.dtype), dev) : at::kFloat, 0);
   model->load(weights);
   if (const std::string bad = first_non_finite(*model); !bad.empty()) {
     throw std::invalid_argument(fmt::format(

@@ -6,7 +6,7 @@
 #include "remat/trace.h"
 #include "remat/trainer.h"
 #include "train/data_parallel.h"
-#include "train/device.h"
+#include "util/device.h"
 #include "train/pipeline_step.h"
 #include "util/utf8.h"
 
@@ -499,12 +499,6 @@ int64_t TrainStep::load_checkpoint(const std::string& path, std::mt19937_64& rng
 
 bool TrainStep::gives_to_checkpoint() const {
   return model_.tp_size() > 1 || sharded_ || (pipe_ != nullptr && ranks_->data().rank() == 0);
-}
-
-double median(std::vector<double> v) {
-  if (v.empty()) return 0.0;
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
 }
 
 }  // namespace remat

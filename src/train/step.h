@@ -155,7 +155,4 @@ std::string checkpoint_metadata_problem(const std::map<std::string, std::string>
 /// gradients) hold a NaN or an infinity; empty when none does. One pass, one host read.
 std::string first_non_finite(const Model& model, bool grads = false);
 
-/// The median of `v` (the upper one of an even count); 0 when empty.
-double median(std::vector<double> v);
-
 }  // namespace remat

@@ -11,12 +11,13 @@
 #include "remat/trace.h"
 #include "run/run.h"
 #include "train/checkpoints.h"
+#include "dist/ranks.h"
 #include "train/data_parallel.h"
-#include "train/device.h"
+#include "util/device.h"
 #include "train/generate.h"
 #include "train/pipeline_step.h"
-#include "train/profile.h"
-#include "train/progress.h"
+#include "profile/profile.h"
+#include "util/progress.h"
 #include "train/run_dir.h"
 #include "train/step.h"
 #include "util/atomic_file.h"
@@ -282,14 +283,11 @@ double count_work(Model& model, const Ranks& ranks, const Config& cfg, TrainSumm
 
 // The model the run trains: the one the time profile measured if it runs the chosen
 // attention op and loss head (not a pipeline's probe), else this stage's, made anew.
-void keep_or_create(std::unique_ptr<Model>& model, const RunSpec& spec, int64_t stage,
-                    const std::function<std::unique_ptr<Model>(const ModelConfig&, StageSpan)>& create) {
+void keep_or_create(std::unique_ptr<Model>& model, const RunSpec& spec,
+                    const std::function<std::unique_ptr<Model>(const ModelConfig&, const Layout&)>& create) {
   const ModelConfig& m = spec.cfg.model;
   if (model && (model->config().attention != m.attention || model->config().loss_head != m.loss_head)) model.reset();
-  if (model) return;
-  const auto& split = spec.plan.split;
-  const int64_t first = std::accumulate(split.begin(), split.begin() + stage, int64_t{0});
-  model = create(m, {first, split[static_cast<size_t>(stage)]});
+  if (!model) model = create(m, spec.layout);
 }
 
 // The plan's predictions and budget, as the summary reports them beside the measured.
@@ -327,13 +325,12 @@ void print_header(const RunSpec& spec, const TrainSummary& sum, const std::strin
   fmt::print(stderr, "{}", plan_text);
   const RunPlan& planned = spec.plan;
   if (spec.layout.tp > 1) {
-    const cost::NodeTimes& links = planned.profile.times;
-    const double unit = planned.profile.seconds_per_unit;
+    const cost::NodeTimes& links = planned.prices.times;
     fmt::print(stderr,
                "tensor-parallel links measured at {:.2f} GB/s a rank sends and {:.1f} us a ring step; the "
                "recompute re-runs {:.1f} ms of collectives\n",
-               links.link_bytes_per_second / unit / 1e9, 1e6 * links.link_latency_seconds * unit,
-               1e3 * planned.predicted.recompute_link_seconds * unit);
+               links.link_bytes_per_second / 1e9, 1e6 * links.link_latency_seconds,
+               1e3 * planned.predicted.recompute_link_seconds);
   }
   if (run != nullptr) run->write_text("plan.txt", plan_text + "\n" + plan_listing(spec));
 }
@@ -536,10 +533,11 @@ void report(const RunSpec& spec, const Ranks& ranks, const Machine& machine, con
                                  1e3 * sum.predicted_step_seconds)
                    : "");
   }
-  fmt::print(stderr,
-             "run directory {}: config.toml, plan.txt, metrics.jsonl, model.safetensors, tokenizer.model{}{}, "
-             "summary.json\n",
-             run.path(), plotted ? ", loss.png" : "", cfg.run.sample_tokens > 0 ? ", sample.txt" : "");
+  fmt::print(
+      stderr,
+      "run directory {}: config.toml, prices.json, plan.txt, metrics.jsonl, model.safetensors, tokenizer.model{}{}, "
+      "summary.json\n",
+      run.path(), plotted ? ", loss.png" : "", cfg.run.sample_tokens > 0 ? ", sample.txt" : "");
   if (!plotted) fmt::print(stderr, "no loss plot: {}\n", why);
   if (traced_step >= 0) {
     fmt::print(stderr, "trace of step {}: {} (open it in https://ui.perfetto.dev)\n", traced_step + 1, cfg.run.trace);
@@ -586,7 +584,7 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   const int threads = set_threads(rank_threads(cfg));
   const at::Device device = parse_device(cfg.run.device);
   if (device.is_cuda()) memory::configure_cuda_allocator(cfg.run.expandable_segments);
-  const at::ScalarType dtype = parse_dtype(cfg.run.dtype, device);
+  const at::ScalarType dtype = device_dtype(dtype_of(cfg.run.dtype), device);
   memory::install_cpu_tracking();
   // A bad trace path should cost nothing, not the minutes before the traced step.
   if (!cfg.run.trace.empty()) trace::check_writable(cfg.run.trace);
@@ -606,8 +604,8 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
 
   // The run resolved: the time profile is measured on the whole model (a pipeline plans
   // before its stage exists, from a probe's), once per attention op and loss head.
-  const auto create = [&](const ModelConfig& m, StageSpan span) {
-    return Model::create(m, device, dtype, static_cast<uint64_t>(cfg.run.seed), ranks.tensor, cfg.parallel.sp, span);
+  const auto create = [&](const ModelConfig& m, const Layout& layout) {
+    return Model::create(m, device, dtype, static_cast<uint64_t>(cfg.run.seed), layout, ranks.tensor);
   };
   const Machine machine{
       device, threads,
@@ -617,15 +615,16 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   in.saved = resumed.plan ? &*resumed.plan : nullptr;
   in.memory_available = rank_memory(device, ranks.comm.get());
   in.host_available = rank_memory(at::kCPU, ranks.comm.get());
-  in.profile_of = [&](const Config& op) {
-    return run_time_profile(
-        op, device, dtype, train_ds, ranks.comm.get(), machine.matmul_rate, [&] { return create(op.model, {}); },
-        model);
-  };
+  PriceSource prices([&](const Config& op, bool host_copies) {
+    return run_prices(
+        op, device, dtype, train_ds, ranks.comm.get(), machine.matmul_rate, host_copies,
+        [&] { return create(op.model, layout_of(op, 0)); }, model);
+  });
+  in.prices = &prices;
   const RunSpec spec = resolve_run(cfg, in);
   cfg = spec.cfg;  // the autos resolved
   const RunPlan& planned = spec.plan;
-  keep_or_create(model, spec, ranks.stage, create);
+  keep_or_create(model, spec, create);
   apply_plan(*model, planned.plan, cfg.ac);
   const int64_t predicted = model->predict_activation_bytes(spec.local.train.batch, t.seq).total();
   TrainStep stepper(*model, spec.local.train, static_cast<uint64_t>(cfg.run.seed), ranks.comm.get(), cfg.parallel.zero,
@@ -634,7 +633,10 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   const std::vector<int64_t> rank_predicted =
       rank_predictions(planned.stage_peaks, ranks.world, ranks.dp * cfg.parallel.tp);
   std::unique_ptr<RunDir> run;
-  if (ranks.lead) run = open_run_dir(cfg, resume_dir, std::move(resumed.lock), corpus);
+  if (ranks.lead) {
+    run = open_run_dir(cfg, resume_dir, std::move(resumed.lock), corpus);
+    run->write_text("prices.json", prices.record());
+  }
 
   TrainSummary sum;
   sum.run_dir = run ? run->path() : resume_dir;
@@ -668,7 +670,7 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   // The traced step is the third (or the last of fewer): the first two pay for allocation and caches.
   const int64_t traced_step = cfg.run.trace.empty() ? -1 : std::min<int64_t>(2, t.steps - 1);
   std::map<std::string, std::string> checkpoint_metadata = data_digests(corpus);
-  checkpoint_metadata.emplace("plan", saved_plan_json(planned));
+  checkpoint_metadata.emplace("plan", saved_plan_json(planned.plan, planned.split));
   const StopSignals signals;
   for (int64_t step = first_step; step < t.steps; ++step) {
     const StepResult r = stepper.run(step, train_ds, rng, step == traced_step);

@@ -54,11 +54,12 @@ TEST(BenchAuto, RowsNameTheChoicesEachEntryRan) {
   // What remat plan resolves for each entry, on the same corpus.
   RunInputs in;
   in.corpus = data::load_corpus_info(corpus_dir(base.data));
-  in.profile_of = [](const Config&) {
-    TimeProfile p;
+  PriceSource prices([](const Config&, bool) {
+    Prices p;
     p.times.flops_per_second = 1.0;
     return p;
-  };
+  });
+  in.prices = &prices;
   for (size_t i = 0; i < o.entries.size(); ++i) {
     std::vector<std::string> overrides = common;
     overrides.push_back(o.entries[i].overrides[0]);

@@ -520,11 +520,14 @@ TEST_F(Cli, PlanPricesEachRingStepAtTheLinkLatency) {
     for (const auto& node : g.nodes) n += node.forward_link.messages + node.backward_link.messages;
     return n;
   };
-  const remat::graph::BlockGraph head =
-      remat::graph::head_graph(m, B, T, at::kFloat, cfg.train.ce_chunk, tp, cfg.parallel.sp);
+  remat::Layout layout;
+  layout.tp = tp;
+  layout.sp = cfg.parallel.sp;
+  const remat::graph::BlockGraph head = remat::graph::head_graph(m, B, T, at::kFloat, cfg.train.ce_chunk, layout);
+  layout.sp = true;
   const int64_t steps =
-      cfg.train.grad_accum * (m.n_layer * messages(remat::graph::block_graph(m, B, T, at::kFloat, tp, true)) +
-                              messages(remat::graph::embed_graph(m, B, T, at::kFloat, tp, true)) + messages(head));
+      cfg.train.grad_accum * (m.n_layer * messages(remat::graph::block_graph(m, B, T, at::kFloat, layout)) +
+                              messages(remat::graph::embed_graph(m, B, T, at::kFloat, layout)) + messages(head));
   // The loss head's statistics are among them: three all-reduces in each of its 3 chunks.
   ASSERT_GE(messages(head), 3 * 3 * 2 * (tp - 1));
   const double without = step_seconds("0"), with = step_seconds("7.5");

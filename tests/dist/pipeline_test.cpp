@@ -126,10 +126,10 @@ bool same_bits(const at::Tensor& a, const at::Tensor& b) {
 // one peer, told apart by the tag. Received bits equal sent bits, for float32, bfloat16
 // (which Gloo's collectives refuse) and int64, small and 4 MB (past a socket's buffer).
 TEST(Pipeline, StagesExchangeWithBothNeighboursAtOnceBitExact) {
-  struct Layout {
+  struct Ranks {
     int ranks, tp, pp;
   };
-  for (const Layout l : {Layout{4, 2, 2}, Layout{4, 1, 4}}) {
+  for (const Ranks l : {Ranks{4, 2, 2}, Ranks{4, 1, 4}}) {
     testing::on_gloo_ranks(
         l.ranks, l.tp,
         [&](dist::Comm& comm) {

@@ -55,7 +55,10 @@ AcConfig ac_of(std::string name) {
 
 std::unique_ptr<Model> make_model(const ModelConfig& cfg, at::ScalarType dtype, const std::string& policy,
                                   dist::Group* tp, bool sp = false) {
-  auto model = Model::create(cfg, at::kCPU, dtype, 1, tp, sp);
+  Layout layout;
+  layout.tp = tp != nullptr ? tp->size() : 1;
+  layout.sp = sp;
+  auto model = Model::create(cfg, at::kCPU, dtype, 1, layout, tp);
   const AcConfig ac = ac_of(policy);
   apply_plan(*model, compile_policy(ac, cfg.n_layer, cfg.dropout), ac);
   return model;

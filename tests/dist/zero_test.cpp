@@ -52,7 +52,9 @@ const data::TokenDataset& dataset() {
 // gradient stays 0, so they stay -0.0 through every update, and an exchange that turned
 // them into +0.0 would show.
 std::unique_ptr<Model> make_model(dist::Group* tp) {
-  auto model = Model::create(model_preset("tiny-gpt2"), at::kCPU, at::kFloat, 1, tp);
+  Layout layout;
+  layout.tp = tp != nullptr ? tp->size() : 1;
+  auto model = Model::create(model_preset("tiny-gpt2"), at::kCPU, at::kFloat, 1, layout, tp);
   for (Param& p : model->params()) {
     if (p.name == "wpe.weight") p.value[kSeq + 1].narrow(0, 0, 4).fill_(-0.0);
   }
@@ -191,17 +193,19 @@ TEST(Zero, TheCostModelHoldsTheBusiestRanksMoments) {
   for (const Param& p : model->params()) numels.push_back(p.value.numel());
   cost::StepShape shape;
   shape.seq = kSeq;
-  const cost::StaticBytes whole = cost::static_bytes(cfg, shape);
+  Layout layout;
+  const cost::StaticBytes whole = cost::static_bytes(cfg, shape, layout);
   EXPECT_EQ(whole.optimizer, 2 * 4 * model->num_params());
   for (const int64_t ranks : {2, 3}) {
-    shape.zero_ranks = ranks;
+    layout.dp = ranks;
+    layout.zero = 1;
     const std::vector<int> owner = cost::zero_owners(numels, ranks);
     std::vector<int64_t> load(static_cast<size_t>(ranks)), largest(load.size());
     for (size_t i = 0; i < numels.size(); ++i) {
       load[static_cast<size_t>(owner[i])] += numels[i];
       largest[static_cast<size_t>(owner[i])] = std::max(largest[static_cast<size_t>(owner[i])], numels[i]);
     }
-    const cost::StaticBytes sharded = cost::static_bytes(cfg, shape);
+    const cost::StaticBytes sharded = cost::static_bytes(cfg, shape, layout);
     EXPECT_EQ(sharded.optimizer, 2 * 4 * *std::max_element(load.begin(), load.end())) << ranks;
     EXPECT_EQ(sharded.params, whole.params);
     EXPECT_EQ(sharded.grads, whole.grads);
@@ -209,7 +213,7 @@ TEST(Zero, TheCostModelHoldsTheBusiestRanksMoments) {
     // temporaries, the highest over the ranks.
     int64_t step = 0;
     for (size_t r = 0; r < load.size(); ++r) step = std::max(step, 2 * 4 * (load[r] + largest[r]));
-    EXPECT_EQ(sharded.optimizer + cost::step_constants(cfg, shape).optimizer, step) << ranks;
+    EXPECT_EQ(sharded.optimizer + cost::step_constants(cfg, shape, layout).optimizer, step) << ranks;
   }
 }
 

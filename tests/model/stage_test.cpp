@@ -57,10 +57,9 @@ ActivationPlan plan_of(const ModelConfig& cfg, const std::string& policy, const 
 
 std::vector<std::unique_ptr<Model>> make_stages(const ModelConfig& cfg, const Split& split) {
   std::vector<std::unique_ptr<Model>> stages;
-  int64_t first = 0;
-  for (int64_t n : split) {
-    stages.push_back(Model::create(cfg, at::kCPU, at::kFloat, kSeed, nullptr, false, {first, n}));
-    first += n;
+  for (size_t s = 0; s < split.size(); ++s) {
+    stages.push_back(Model::create(cfg, at::kCPU, at::kFloat, kSeed,
+                                   Layout::pipeline_stage({split.begin(), split.end()}, static_cast<int64_t>(s))));
   }
   return stages;
 }
@@ -308,7 +307,7 @@ INSTANTIATE_TEST_SUITE_P(Splits, Stage,
 
 TEST(StagePlan, AChunkAcrossAStageBoundaryIsRefused) {
   const ModelConfig cfg = config("tiny-llama");
-  auto middle = Model::create(cfg, at::kCPU, at::kFloat, kSeed, nullptr, false, {1, 2});
+  auto middle = Model::create(cfg, at::kCPU, at::kFloat, kSeed, Layout::pipeline_stage({1, 2, 1}, 1));
   try {
     middle->set_activation_plan(compile_policy("uniform:2", cfg.n_layer, cfg.dropout), {});  // chunks 1-2, 3-4
     FAIL() << "a chunk beginning in the previous stage was accepted";
@@ -322,11 +321,16 @@ TEST(StagePlan, AChunkAcrossAStageBoundaryIsRefused) {
 
 TEST(StageSpan, OutOfRangeSpansAndWholeModelCallsAreRefused) {
   const ModelConfig cfg = config("tiny-gpt2");
-  for (const StageSpan bad : {StageSpan{4, -1}, StageSpan{-1, 2}, StageSpan{1, 0}, StageSpan{2, 3}}) {
-    EXPECT_THROW(Model::create(cfg, at::kCPU, at::kFloat, kSeed, nullptr, false, bad), c10::Error)
-        << bad.first << " " << bad.count;
+  ASSERT_EQ(cfg.n_layer, 4);
+  // A stage past the last, before the first, one of no layers, and splits of too many or
+  // too few layers.
+  for (const Layout& bad :
+       {Layout::pipeline_stage({2, 2}, 2), Layout::pipeline_stage({2, 2}, -1), Layout::pipeline_stage({4, 0}, 1),
+        Layout::pipeline_stage({2, 3}, 0), Layout::pipeline_stage({1, 2}, 0)}) {
+    EXPECT_THROW(Model::create(cfg, at::kCPU, at::kFloat, kSeed, bad), c10::Error)
+        << fmt::format("stage {} of [{}]", bad.stage, fmt::join(bad.split, ","));
   }
-  auto first = Model::create(cfg, at::kCPU, at::kFloat, kSeed, nullptr, false, {0, 2});
+  auto first = Model::create(cfg, at::kCPU, at::kFloat, kSeed, Layout::pipeline_stage({2, 2}, 0));
   const Batch b = batches(cfg)[0];
   EXPECT_THROW(first->forward_backward(b.tokens, b.targets, context(0), 1.0, kChunk), c10::Error);
   EXPECT_THROW(first->evaluate(b.tokens, b.targets, kChunk), c10::Error);  // nowhere for its output
@@ -341,7 +345,7 @@ TEST(StageSpan, AStageLoadsItsParametersFromAWholeCheckpoint) {
   const ModelConfig cfg = config("tiny-gpt2");
   auto whole = Model::create(cfg, at::kCPU, at::kFloat, kSeed);
   whole->save(dir / "whole.safetensors");
-  auto last = Model::create(cfg, at::kCPU, at::kFloat, kSeed + 1, nullptr, false, {2, -1});
+  auto last = Model::create(cfg, at::kCPU, at::kFloat, kSeed + 1, Layout::pipeline_stage({2, 2}, 1));
   last->load(dir / "whole.safetensors");
   std::map<std::string, at::Tensor> saved;
   for (const auto& p : whole->params()) saved[p.name] = p.value;

@@ -31,7 +31,7 @@ Measured measure(const ModelConfig& cfg, const ActivationPlan& plan, int64_t B, 
                  bool early_stop = true, dist::Group* tp = nullptr) {
   memory::install_cpu_tracking();
   at::set_num_threads(1);
-  auto model = Model::create(cfg, at::kCPU, at::kFloat, 3, tp);
+  auto model = Model::create(cfg, at::kCPU, at::kFloat, 3, testing::tp_layout(tp != nullptr ? tp->size() : 1), tp);
   StoreOptions opt;
   opt.early_stop = early_stop;
   model->set_activation_plan(plan, opt);
@@ -93,7 +93,7 @@ TEST(CostModel, PeakOfAMicrobatchMatchesTheMeasuredPeak) {
       shape.ce_chunk = chunk;
       for (const char* policy : kPolicies) {
         const auto plan = compile_policy(policy, cfg.n_layer, cfg.dropout);
-        const auto pred = cost::predict_step(cfg, shape, plan, true, {});
+        const auto pred = cost::predict_step(cfg, shape, {}, plan, true, {});
         // The measurement starts with the batch live and without optimizer state.
         const int64_t predicted = pred.peak - pred.statics.total() + pred.statics.batch;
         const Measured m = measure(cfg, policy, B, T, chunk);
@@ -105,7 +105,7 @@ TEST(CostModel, PeakOfAMicrobatchMatchesTheMeasuredPeak) {
         EXPECT_EQ(pred.recomputed_bytes, m.counters.bytes_recomputed)
             << preset << " p=" << p << " " << attention_name(attention) << " " << policy;
         const Measured slow = measure(cfg, policy, B, T, chunk, /*early_stop=*/false);
-        const auto pred_slow = cost::predict_step(cfg, shape, plan, false, {});
+        const auto pred_slow = cost::predict_step(cfg, shape, {}, plan, false, {});
         EXPECT_EQ(pred_slow.ops, slow.counters.ops_by_kind)
             << preset << " p=" << p << " " << attention_name(attention) << " " << policy;
         EXPECT_NEAR(pred_slow.peak - pred_slow.statics.total() + pred_slow.statics.batch, slow.peak_above_start,
@@ -132,10 +132,10 @@ TEST(CostModel, TensorParallelRanksPeakWhereTheCostModelSays) {
           shape.batch = B;
           shape.seq = T;
           shape.ce_chunk = chunk;
-          shape.tp = tp;
+          const Layout layout = testing::tp_layout(tp);
           for (const char* policy : {"none", "full", "modules:[core_attn]", "uniform:2", "ops:[matmul/2,softmax]"}) {
             const auto plan = compile_policy(policy, cfg.n_layer, cfg.dropout);
-            const auto pred = cost::predict_step(cfg, shape, plan, true, {});
+            const auto pred = cost::predict_step(cfg, shape, layout, plan, true, {});
             const Measured m = measure(cfg, plan, B, T, chunk, true, tp > 1 ? &group : nullptr);
             const std::string what =
                 fmt::format("{} head {} tp {} rank {} {}", preset, static_cast<int>(head), tp, rank, policy);
@@ -181,7 +181,7 @@ TEST(CostModel, RandomKeepSetsPeakWhereTheCostModelSays) {
           plan.layers.push_back(lp);
         }
         const bool early_stop = rng() % 4 != 0;
-        const auto pred = cost::predict_step(cfg, shape, plan, early_stop, times);
+        const auto pred = cost::predict_step(cfg, shape, {}, plan, early_stop, times);
         const int64_t predicted = pred.peak - pred.statics.total() + pred.statics.batch;
         const Measured m = measure(cfg, plan, B, T, chunk, early_stop);
         EXPECT_NEAR(predicted, m.peak_above_start, 8 * 1024)
@@ -204,7 +204,7 @@ TEST(CostModel, FoldedPricesEqualTheEventByEventWalk) {
       cfg.attention = attention;
       cfg.attention_tile = 12;
       for (const auto& [tp, sp] : {std::pair{1, false}, std::pair{2, false}, std::pair{2, true}}) {
-        const graph::BlockGraph g = graph::block_graph(cfg, 2, 200, at::kFloat, tp, sp);
+        const graph::BlockGraph g = graph::block_graph(cfg, 2, 200, at::kFloat, testing::tp_layout(tp, sp));
         cost::NodeTimes times;
         times.flops_per_second = 1e9;
         times.link_bytes_per_second = 1e8;
@@ -349,9 +349,9 @@ TEST(CostModel, APrefetchHidesTheCopyBackBehindTheBackwardOfTheLayerAbove) {
 
     ActivationPlan plan = compile_policy("none", 2, 0.0);
     plan.layers[0].offloaded = input;
-    const cost::StepPrediction without = cost::predict_step(cfg, testing::plan_shape(2, 32), plan, true, times);
+    const cost::StepPrediction without = cost::predict_step(cfg, testing::plan_shape(2, 32), {}, plan, true, times);
     plan.layers[0].prefetch = true;
-    const cost::StepPrediction with = cost::predict_step(cfg, testing::plan_shape(2, 32), plan, true, times);
+    const cost::StepPrediction with = cost::predict_step(cfg, testing::plan_shape(2, 32), {}, plan, true, times);
     EXPECT_NEAR(without.copy_wait_seconds, F + 2 * F * f0 / D, 1e-12 * F) << preset;
     EXPECT_NEAR(with.copy_wait_seconds, F, 1e-12 * F) << preset;
     EXPECT_EQ(with.copy_seconds, without.copy_seconds) << preset;
@@ -378,7 +378,7 @@ TEST(CostModel, OffloadPlansPeakAndHoldHostBytesWhereTheCostModelSays) {
         std::string text;
         const ActivationPlan plan = testing::random_fates(rng, cfg.n_layer, text);
         const bool early_stop = rng() % 4 != 0;
-        const auto pred = cost::predict_step(cfg, shape, plan, early_stop, {});
+        const auto pred = cost::predict_step(cfg, shape, {}, plan, early_stop, {});
         const int64_t predicted = pred.peak - pred.statics.total() + pred.statics.batch;
         const Measured m = measure(cfg, plan, B, T, chunk, early_stop);
         const std::string what =
@@ -405,13 +405,12 @@ TEST(CostModel, PlansOffloadingUnderAHostBudgetPeakWhereTheyArePriced) {
     cost::StepShape shape = testing::plan_shape(B, T);
     shape.ce_chunk = chunk;
     const graph::BlockGraph block = graph::block_graph(cfg, B, T, at::kFloat);
-    PlannerOptions opts;
-    opts.host_budget = 2 * block.saved_bytes();
-    const Planner planner(cfg, shape, testing::offload_times(block), opts);
-    const int64_t lo = planner.min_feasible_budget(), hi = planner.none_peak();
+    const int64_t host = 2 * block.saved_bytes();
+    const Planner planner(cfg, shape, {}, testing::offload_times(block));
+    const int64_t lo = planner.least_budget(host), hi = planner.none_peak();
     int offloading = 0;
     for (int i = 0; i <= 4; ++i) {
-      const auto r = planner.solve(lo + (hi - lo) * i / 4);
+      const auto r = testing::solve(planner, lo + (hi - lo) * i / 4, host);
       ASSERT_TRUE(r.has_value()) << preset;
       const auto& pred = r->prediction;
       const Measured m = measure(cfg, r->plan, B, T, chunk);

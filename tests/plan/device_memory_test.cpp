@@ -38,18 +38,13 @@ int64_t live_peak(const std::vector<AllocatorEvent>& events, int64_t* held_after
   return peak;
 }
 
-cost::StepShape shape_of(const testing::RandomStep& r, int64_t stage, at::ScalarType dtype, int64_t tp, int64_t zero) {
-  cost::StepShape shape = testing::plan_shape(3, 48, dtype, r.microbatches);
-  shape.ce_chunk = 40;
-  shape.tp = tp;
-  shape.zero_ranks = zero;
-  shape.stages = r.stages;
-  shape.stage = stage;
-  shape.schedule = r.schedule;
-  const auto split = pipeline::even_split(r.cfg.n_layer, r.stages);
-  for (int64_t s = 0; s < stage; ++s) shape.first_layer += split[static_cast<size_t>(s)];
-  shape.layers = r.stages > 1 ? split[static_cast<size_t>(stage)] : -1;
-  return shape;
+// Stage `stage` of `r` on one of `tp` tensor-parallel ranks, the moments over `zero` ranks.
+Layout layout_of(const testing::RandomStep& r, int64_t stage, int64_t tp, int64_t zero) {
+  Layout l = testing::stage_layout(r.cfg.n_layer, r.stages, stage, r.schedule);
+  l.tp = tp;
+  l.dp = zero;
+  l.zero = 1;
+  return l;
 }
 
 TEST(StepAllocations, LiveBytesPeakWherePredictStepSays) {
@@ -61,12 +56,15 @@ TEST(StepAllocations, LiveBytesPeakWherePredictStepSays) {
       const at::ScalarType dtype = rng() % 3 == 0 ? at::kBFloat16 : at::kFloat;
       const int64_t tp = rng() % 3 == 0 ? 2 : 1, zero = rng() % 2 ? 2 : 1, workspace = 4096 * (rng() % 2);
       const int64_t stage = static_cast<int64_t>(rng() % static_cast<uint64_t>(stages));
-      const cost::StepShape shape = shape_of(r, stage, dtype, tp, zero);
+      cost::StepShape shape = testing::plan_shape(3, 48, dtype, r.microbatches);
+      shape.ce_chunk = 40;
+      const Layout layout = layout_of(r, stage, tp, zero);
       const std::string what = fmt::format("{}, stage {}, {}, tp {}, zero {}, workspace {}", r.text, stage,
                                            c10::toString(dtype), tp, zero, workspace);
-      const cost::StepPrediction p = cost::predict_step(r.cfg, shape, r.plan, r.early_stop, {});
+      const cost::StepPrediction p = cost::predict_step(r.cfg, shape, layout, r.plan, r.early_stop, {});
       int64_t held = 0;
-      const int64_t peak = live_peak(cost::step_allocations(r.cfg, shape, r.plan, r.early_stop, 2, workspace), &held);
+      const int64_t peak =
+          live_peak(cost::step_allocations(r.cfg, shape, layout, r.plan, r.early_stop, 2, workspace), &held);
       EXPECT_EQ(peak, p.peak - p.statics.small - p.statics.resident + workspace) << what;
       // What stays is what a step holds throughout: the statics and the workspace.
       EXPECT_EQ(held, p.statics.total() - p.statics.small - p.statics.resident + workspace) << what;
@@ -78,9 +76,9 @@ TEST(StepAllocations, TheSecondStepRepeatsTheFirstWithTheMomentsMade) {
   const ModelConfig cfg = testing::plan_config("gpt2-demo", 2, 0.0);
   const cost::StepShape shape = testing::plan_shape(2, 32);
   const ActivationPlan plan = compile_policy("every:2", cfg.n_layer, cfg.dropout);
-  const auto one = cost::step_allocations(cfg, shape, plan, true, 1, 0);
-  const auto two = cost::step_allocations(cfg, shape, plan, true, 2, 0);
-  const auto three = cost::step_allocations(cfg, shape, plan, true, 3, 0);
+  const auto one = cost::step_allocations(cfg, shape, {}, plan, true, 1, 0);
+  const auto two = cost::step_allocations(cfg, shape, {}, plan, true, 2, 0);
+  const auto three = cost::step_allocations(cfg, shape, {}, plan, true, 3, 0);
   // The second step's events are the third's: sizes and kinds, in order.
   const size_t first = one.size(), second = two.size() - one.size();
   ASSERT_EQ(three.size(), first + 2 * second);
@@ -98,11 +96,11 @@ TEST(DeviceMemory, ReservedHoldsTheAllocatedWhichHoldsTheLivePeak) {
   const cost::StepShape shape = testing::plan_shape(4, 64, at::kBFloat16, 2);
   for (const char* policy : {"none", "full", "uniform:2", "modules:[core_attn]"}) {
     const ActivationPlan plan = compile_policy(policy, cfg.n_layer, cfg.dropout);
-    const cost::StepPrediction p = cost::predict_step(cfg, shape, plan, true, {});
+    const cost::StepPrediction p = cost::predict_step(cfg, shape, {}, plan, true, {});
     for (const bool expandable : {false, true}) {
       memory::AllocatorRules rules;
       rules.expandable_segments = expandable;
-      const cost::DeviceMemory m = cost::predict_device_memory(cfg, shape, plan, true, rules, 0);
+      const cost::DeviceMemory m = cost::predict_device_memory(cfg, shape, {}, plan, true, rules, 0);
       // Each request rounds up to 512 bytes, and segments hold whole blocks.
       EXPECT_GE(m.allocated_peak, p.peak - p.statics.small - p.statics.resident) << policy;
       EXPECT_GE(m.reserved_peak, m.allocated_peak) << policy;
@@ -123,7 +121,7 @@ TEST(StepAllocations, OnCudaTheSdpaOpAllocatesAsTheFlashKernelDoes) {
   const auto requests = [&](at::DeviceType device) {
     shape.device = device;
     int64_t n = 0;
-    for (const AllocatorEvent& e : cost::step_allocations(cfg, shape, plan, true, 1, 0)) {
+    for (const AllocatorEvent& e : cost::step_allocations(cfg, shape, {}, plan, true, 1, 0)) {
       n += e.kind == AllocatorEvent::Kind::malloc && e.bytes == accumulator;
     }
     return n;

@@ -44,7 +44,7 @@ TEST(LinkPricing, ReGatherCostsItsBytesAtTheLinkRate) {
   const ModelConfig cfg = testing::plan_config("gpt2-demo", 2, 0.0);
   const int64_t B = 2, T = 64, C = cfg.d_model;
   for (const int64_t t : {2, 4}) {
-    const graph::BlockGraph block = graph::block_graph(cfg, B, T, at::kFloat, t, /*sp=*/true);
+    const graph::BlockGraph block = graph::block_graph(cfg, B, T, at::kFloat, testing::tp_layout(t, true));
     const cost::NodeTimes times = flop_times();
     const double whole = static_cast<double>(B * T * C * 4);
     const double gather = static_cast<double>(t - 1) * 2e-5 + whole * static_cast<double>(t - 1) / t / 1e8;
@@ -71,7 +71,7 @@ TEST(LinkPricing, InputGatherAndAllReduceCostTheirBytesAtTheLinkRate) {
   const int64_t B = 2, T = 64, C = cfg.d_model;
   const cost::NodeTimes times = flop_times();
   for (const int64_t t : {2, 4}) {
-    const graph::BlockGraph block = graph::block_graph(cfg, B, T, at::kFloat, t);
+    const graph::BlockGraph block = graph::block_graph(cfg, B, T, at::kFloat, testing::tp_layout(t));
     const double whole = static_cast<double>(B * T * C * 4);
     const double gather = static_cast<double>(t - 1) * 2e-5 + whole * static_cast<double>(t - 1) / t / 1e8;
     EXPECT_DOUBLE_EQ(times.input_gather_seconds(block), gather) << t;
@@ -82,7 +82,7 @@ TEST(LinkPricing, InputGatherAndAllReduceCostTheirBytesAtTheLinkRate) {
     measured.seconds[graph::kInputGather] = 0.25;
     EXPECT_DOUBLE_EQ(measured.input_gather_seconds(block), 0.25) << t;
 
-    const graph::BlockGraph bf16 = graph::block_graph(cfg, B, T, at::kBFloat16, t);
+    const graph::BlockGraph bf16 = graph::block_graph(cfg, B, T, at::kBFloat16, testing::tp_layout(t));
     const graph::Node& reduce = node_of(bf16, graph::op::tp_reduce());
     EXPECT_DOUBLE_EQ(reduce.forward_link.bytes, 2.0 * whole * static_cast<double>(t - 1) / t) << t;
     EXPECT_EQ(reduce.forward_link.messages, 2 * (t - 1)) << t;
@@ -105,7 +105,7 @@ TEST(LinkPricing, VocabularyParallelLossAllReducesThreeFloatsPerRow) {
     cfg.loss_head = head;
     for (const int64_t t : {2, 4}) {
       for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
-        const graph::BlockGraph g = graph::head_graph(cfg, B, T, dtype, chunk, t, /*sp=*/false);
+        const graph::BlockGraph g = graph::head_graph(cfg, B, T, dtype, chunk, testing::tp_layout(t));
         const graph::Node& loss = node_of(g, graph::op::loss(head));
         const double bytes = 3.0 * 2.0 * static_cast<double>(N * 4) * static_cast<double>(t - 1) / t;
         const int64_t messages = chunks * 3 * 2 * (t - 1);
@@ -118,8 +118,7 @@ TEST(LinkPricing, VocabularyParallelLossAllReducesThreeFloatsPerRow) {
       }
     }
     // One rank holds the whole vocabulary: nothing to complete.
-    EXPECT_TRUE(
-        node_of(graph::head_graph(cfg, B, T, at::kFloat, chunk, 1, false), graph::op::loss(head)).forward_link.none());
+    EXPECT_TRUE(node_of(graph::head_graph(cfg, B, T, at::kFloat, chunk), graph::op::loss(head)).forward_link.none());
   }
 }
 
@@ -130,20 +129,17 @@ TEST(LinkPricing, PlannerKeepsTensorsWholeWhenTheBudgetDoesNotNeedTheSaving) {
   for (const bool sp : {false, true}) {
     for (const char* preset : {"gpt2-demo", "llama-demo"}) {
       const ModelConfig cfg = testing::plan_config(preset, 3, 0.1);
-      cost::StepShape shape = testing::plan_shape(2, 64);
-      shape.tp = 2;
-      shape.sp = sp;
-      const Planner planner(cfg, shape, flop_times(), PlannerOptions{});
+      const Planner planner(cfg, testing::plan_shape(2, 64), testing::tp_layout(2, sp), flop_times(), PlannerOptions{});
       const auto whole = [](const ActivationPlan& p) {
         return std::none_of(p.layers.begin(), p.layers.end(), [](const LayerPlan& l) {
           return l.input_sharded || l.dropped.has(Slot::attn_gathered) || l.dropped.has(Slot::mlp_gathered);
         });
       };
-      const auto loose = planner.solve(planner.none_peak());
+      const auto loose = testing::solve(planner, planner.none_peak());
       ASSERT_TRUE(loose.has_value());
       EXPECT_TRUE(whole(loose->plan)) << preset << " sp " << sp;
       EXPECT_EQ(loose->prediction.recompute_seconds, 0) << preset << " sp " << sp;
-      const auto tight = planner.solve(planner.min_feasible_budget());
+      const auto tight = testing::solve(planner, planner.least_budget());
       ASSERT_TRUE(tight.has_value());
       EXPECT_FALSE(whole(tight->plan)) << preset << " sp " << sp;
       EXPECT_GT(tight->prediction.recompute_link_seconds, 0) << preset << " sp " << sp;

@@ -311,12 +311,9 @@ TEST(PipelinePlan, MeasuredPassesTimeEachStage) {
   times.flops_per_second = 1e9;
   times.layer_pass_seconds = 0.5;
   times.ends_pass_seconds = 0.25;
-  PipelineShape pipe;
-  pipe.stages = 2;
-  pipe.split = {1, 3};
   const int64_t M = 3;
-  const PipelinePlan r =
-      Planner(cfg, shape_of(2, 64, M), times, {}).predict_pipeline(compile_policy("every:2", 4, 0.1), pipe);
+  const PlanResult r = Planner(cfg, shape_of(2, 64, M), testing::pipeline_layout(2, Schedule::one_f_one_b), times, {})
+                           .predict(compile_policy("every:2", 4, 0.1), {1, 3});
   double ends = 0;
   for (size_t s = 0; s < 2; ++s) {
     const double recompute = r.stages[s].recompute_seconds / static_cast<double>(M);
@@ -338,13 +335,11 @@ TEST(PipelinePlan, StagePredictionsHoldTheirPartsAndTheMicrobatchesInFlight) {
     cost::NodeTimes times;
     times.flops_per_second = 1.0;
     const ActivationPlan plan = compile_policy("block:1", 4, 0.1);
-    cost::StepShape whole = shape_of(2, 64, 4);
-    const cost::StepPrediction all = cost::predict_step(cfg, whole, plan, true, times);
-    cost::StepShape first = whole, last = whole;
-    first.layers = 2;
-    last.first_layer = 2;
-    const auto a = cost::predict_step(cfg, first, plan, true, times);
-    const auto b = cost::predict_step(cfg, last, plan, true, times);
+    const cost::StepShape shape = shape_of(2, 64, 4);
+    const cost::StepPrediction all = cost::predict_step(cfg, shape, {}, plan, true, times);
+    const Layout first = testing::stage_layout(4, 2, 0), last = testing::stage_layout(4, 2, 1);
+    const auto a = cost::predict_step(cfg, shape, first, plan, true, times);
+    const auto b = cost::predict_step(cfg, shape, last, plan, true, times);
     EXPECT_EQ(a.layers.size(), 2u);
     EXPECT_EQ(b.first_layer, 2);
     EXPECT_EQ(a.head, 0);
@@ -361,9 +356,10 @@ TEST(PipelinePlan, StagePredictionsHoldTheirPartsAndTheMicrobatchesInFlight) {
     EXPECT_EQ(a.recompute_seconds + b.recompute_seconds, all.recompute_seconds) << preset;
     // The first of three stages under 1F1B holds three of its four microbatches at once:
     // the peak has two more beside it.
-    cost::StepShape three = first;
-    three.stages = 3;
-    const auto c = cost::predict_step(cfg, three, plan, true, times);
+    Layout three = first;
+    three.pp = 3;
+    three.split = {2, 1, 1};
+    const auto c = cost::predict_step(cfg, shape, three, plan, true, times);
     ASSERT_NE(a.peak_at, "optimizer step");
     EXPECT_EQ(c.peak - c.statics.batch, a.peak - a.statics.batch + 2 * a.kept_activations) << preset;
     EXPECT_EQ(c.statics.batch, 3 * a.statics.batch);
@@ -384,9 +380,9 @@ TEST(PipelinePlan, PlannerEqualsBruteForceOverSimulatedPlans) {
     PlannerOptions opts;
     opts.candidates = candidates;
     opts.max_chunk = 2;
-    const Planner planner(cfg, shape, times, opts);
     for (const int64_t P : {2, 3}) {
       for (const Schedule sched : {Schedule::one_f_one_b, Schedule::gpipe}) {
+        const Planner planner(cfg, shape, testing::pipeline_layout(P, sched), times, opts);
         // Every split and every plan of it, predicted once.
         struct Priced {
           int64_t peak;
@@ -398,7 +394,7 @@ TEST(PipelinePlan, PlannerEqualsBruteForceOverSimulatedPlans) {
         std::function<void(const std::vector<int64_t>&, int64_t)> walk = [&](const std::vector<int64_t>& split,
                                                                              int64_t pos) {
           if (pos == 4) {
-            const PipelinePlan r = planner.predict_pipeline(plan, {P, sched, split});
+            const PlanResult r = planner.predict(plan, split);
             all.push_back({r.peak(), r.stage_seconds[r.bottleneck]});
             return;
           }
@@ -435,20 +431,20 @@ TEST(PipelinePlan, PlannerEqualsBruteForceOverSimulatedPlans) {
           lo = std::min(lo, a.peak);
           hi = std::max(hi, a.peak);
         }
-        EXPECT_EQ(planner.min_pipeline_budget({P, sched, {}}), lo) << preset << " P " << P;
+        EXPECT_EQ(planner.least_budget(), lo) << preset << " P " << P;
         for (int i = 0; i <= 10; ++i) {
           const int64_t budget = lo + (hi - lo) * i / 10;
           double brute = -1;
           for (const auto& a : all) {
             if (a.peak <= budget && (brute < 0 || a.slowest < brute)) brute = a.slowest;
           }
-          const auto r = planner.solve_pipeline(budget, {P, sched, {}});
+          const auto r = planner.plan({budget, 0});
           ASSERT_TRUE(r.has_value()) << preset << " P " << P << " budget " << budget;
           EXPECT_NEAR(r->stage_seconds[r->bottleneck], brute, 1e-9 * brute) << preset << " P " << P << " " << i;
           EXPECT_LE(r->peak(), budget);
           EXPECT_NEAR(r->schedule_seconds, (3 + P - 1) * r->stage_seconds[r->bottleneck], 1e-9 * brute);
         }
-        EXPECT_FALSE(planner.solve_pipeline(lo - 1, {P, sched, {}}).has_value());
+        EXPECT_FALSE(planner.plan({lo - 1, 0}).has_value());
       }
     }
   }
@@ -469,12 +465,12 @@ TEST(PipelinePlan, OffloadsAsBruteForceDoesWithinTheHostBudget) {
     PlannerOptions opts;
     opts.candidates = candidates;
     opts.max_chunk = 2;
-    opts.host_budget = block.saved_bytes() / 2;  // binds: less than one layer's saved bytes
-    const Planner planner(cfg, shape, times, opts);
+    const int64_t host_budget = block.saved_bytes() / 2;  // binds: less than one layer's saved bytes
     const cost::LayerPricer pricer(block, true, times);
     const std::vector<SlotMask> sets = offload_sets(block, pricer, candidates[0], false);
     const pipeline::Schedule sched = Schedule::one_f_one_b;
     for (const int64_t P : {1, 2}) {
+      const Planner planner(cfg, shape, testing::pipeline_layout(P, sched), times, opts);
       struct Priced {
         int64_t peak, host;
         double slowest;
@@ -485,7 +481,7 @@ TEST(PipelinePlan, OffloadsAsBruteForceDoesWithinTheHostBudget) {
       std::function<void(const std::vector<int64_t>&, int64_t)> walk = [&](const std::vector<int64_t>& split,
                                                                            int64_t pos) {
         if (pos == 3) {
-          const PipelinePlan r = planner.predict_pipeline(plan, {P, sched, split});
+          const PlanResult r = planner.predict(plan, split);
           int64_t host = 0;
           for (const auto& st : r.stages) host = std::max(host, st.host_peak);
           all.push_back({r.peak(), host, r.stage_seconds[r.bottleneck]});
@@ -512,11 +508,11 @@ TEST(PipelinePlan, OffloadsAsBruteForceDoesWithinTheHostBudget) {
       }
       int64_t lo = std::numeric_limits<int64_t>::max(), hi = 0;
       for (const auto& a : all) {
-        if (a.host > opts.host_budget) continue;
+        if (a.host > host_budget) continue;
         lo = std::min(lo, a.peak);
         hi = std::max(hi, a.peak);
       }
-      EXPECT_EQ(planner.min_pipeline_budget({P, sched, {}}), lo) << preset << " P " << P;
+      EXPECT_EQ(planner.least_budget(host_budget), lo) << preset << " P " << P;
       int offloading = 0, bound = 0;
       for (int i = 0; i <= 6; ++i) {
         const int64_t budget = lo + (hi - lo) * i / 6;
@@ -524,19 +520,19 @@ TEST(PipelinePlan, OffloadsAsBruteForceDoesWithinTheHostBudget) {
         for (const auto& a : all) {
           if (a.peak > budget) continue;
           if (unbounded < 0 || a.slowest < unbounded) unbounded = a.slowest;
-          if (a.host <= opts.host_budget && (brute < 0 || a.slowest < brute)) brute = a.slowest;
+          if (a.host <= host_budget && (brute < 0 || a.slowest < brute)) brute = a.slowest;
         }
-        const auto r = planner.solve_pipeline(budget, {P, sched, {}});
+        const auto r = planner.plan({budget, host_budget});
         ASSERT_TRUE(r.has_value()) << preset << " P " << P << " budget " << budget;
         // The program's plan is the one before its prefetches, which only take time off.
         ActivationPlan unfetched = r->plan;
         for (LayerPlan& l : unfetched.layers) l.prefetch = false;
-        const PipelinePlan program = planner.predict_pipeline(unfetched, {P, sched, r->split});
+        const PlanResult program = planner.predict(unfetched, r->split);
         EXPECT_NEAR(program.stage_seconds[program.bottleneck], brute, 1e-9 * brute) << preset << " P " << P << " " << i;
         EXPECT_LE(r->stage_seconds[r->bottleneck], program.stage_seconds[program.bottleneck]);
         EXPECT_LE(r->peak(), budget);
         for (const auto& st : r->stages) {
-          EXPECT_LE(st.host_peak, opts.host_budget);
+          EXPECT_LE(st.host_peak, host_budget);
           offloading += st.host_peak > 0;
         }
         bound += unbounded < brute;
@@ -554,14 +550,14 @@ TEST(PipelinePlan, OffloadsAsBruteForceDoesWithinTheHostBudget) {
 TEST(PipelinePlan, EachStagePrefetchesWhereItsStepGains) {
   for (const char* preset : {"gpt2-demo", "llama-demo"}) {
     const ModelConfig cfg = config(preset, 8);
-    const Planner planner = testing::waiting_copies_planner(cfg, shape_of(2, 32, 1));
-    const PipelineShape pipe{2, Schedule::one_f_one_b, {}};
-    const int64_t lo = planner.min_pipeline_budget(pipe);
-    const int64_t hi = planner.predict_pipeline(compile_policy("none", cfg.n_layer), pipe).peak();
+    const Planner planner =
+        testing::waiting_copies_planner(cfg, shape_of(2, 32, 1), testing::pipeline_layout(2, Schedule::one_f_one_b));
+    const int64_t lo = planner.least_budget(testing::kAllHost);
+    const int64_t hi = planner.none_peak();
     int prefetching = 0;
     for (int i = 0; i <= 12; ++i) {
       const int64_t budget = lo + (hi - lo) * i / 12;
-      const auto r = planner.solve_pipeline(budget, pipe);
+      const auto r = planner.plan({budget, testing::kAllHost});
       ASSERT_TRUE(r.has_value()) << preset << " budget " << budget;
       EXPECT_LE(r->peak(), budget) << preset;
       ActivationPlan unfetched = r->plan;
@@ -575,7 +571,7 @@ TEST(PipelinePlan, EachStagePrefetchesWhereItsStepGains) {
       }
       if (!any) continue;
       ++prefetching;
-      const PipelinePlan before = planner.predict_pipeline(unfetched, {2, Schedule::one_f_one_b, r->split});
+      const PlanResult before = planner.predict(unfetched, r->split);
       double gained = 0;
       for (size_t s = 0; s < r->stages.size(); ++s) {
         EXPECT_LE(r->stages[s].added_seconds(), before.stages[s].added_seconds()) << preset << " stage " << s;
@@ -599,16 +595,13 @@ TEST(PipelinePlan, OffloadNeverSlowsThePlanPastTheMerge) {
     times.host_bytes_per_second /= 16;  // copies that often do not pay
     PlannerOptions opts;
     opts.max_states = 16;
-    const Planner device(cfg, shape, times, opts);
-    opts.host_budget = int64_t{1} << 40;
-    const Planner offloading(cfg, shape, times, opts);
-    const PipelineShape pipe{2, Schedule::one_f_one_b, {}};
-    const int64_t lo = device.min_pipeline_budget(pipe);
-    const int64_t hi = device.predict_pipeline(compile_policy("none", cfg.n_layer), pipe).peak();
+    const Planner planner(cfg, shape, testing::pipeline_layout(2, Schedule::one_f_one_b), times, opts);
+    const int64_t lo = planner.least_budget();
+    const int64_t hi = planner.none_peak();
     for (int i = 0; i <= 12; ++i) {
       const int64_t budget = lo + (hi - lo) * i / 12;
-      const auto alone = device.solve_pipeline(budget, pipe);
-      const auto r = offloading.solve_pipeline(budget, pipe);
+      const auto alone = planner.plan({budget, 0});
+      const auto r = planner.plan({budget, testing::kAllHost});
       ASSERT_TRUE(alone.has_value() && r.has_value()) << preset << " budget " << budget;
       EXPECT_LE(r->stage_seconds[r->bottleneck], alone->stage_seconds[alone->bottleneck]) << preset << " " << i;
       EXPECT_LE(r->peak(), budget) << preset;
@@ -622,11 +615,10 @@ TEST(PipelinePlan, Plans32LayersOn8Stages) {
   const ModelConfig cfg = config("llama-demo", 32);
   cost::NodeTimes times;
   times.flops_per_second = 1.0;
-  const Planner planner(cfg, shape_of(4, 128, 16), times);
-  const PipelineShape pipe{8, Schedule::one_f_one_b, {}};
-  const int64_t none = planner.predict_pipeline(compile_policy("none", 32), pipe).peak();
+  const Planner planner(cfg, shape_of(4, 128, 16), testing::pipeline_layout(8, Schedule::one_f_one_b), times);
+  const int64_t none = planner.none_peak();
   const auto t0 = std::chrono::steady_clock::now();
-  const auto r = planner.solve_pipeline(none * 6 / 10, pipe);
+  const auto r = planner.plan({none * 6 / 10, 0});
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   ASSERT_TRUE(r.has_value());
   EXPECT_LE(r->peak(), none * 6 / 10);

@@ -12,6 +12,7 @@
 #include <fmt/ranges.h>
 
 #include <iterator>
+#include <optional>
 #include <random>
 
 #include <string>
@@ -40,6 +41,48 @@ inline cost::StepShape plan_shape(int64_t B, int64_t T, at::ScalarType dtype = a
   return s;
 }
 
+/// The layout of one of `tp` tensor-parallel ranks (with sequence parallelism: `sp`).
+inline Layout tp_layout(int64_t tp, bool sp = false) {
+  Layout l;
+  l.tp = tp;
+  l.sp = sp;
+  return l;
+}
+
+/// Stage `stage` of `stages` of a pipeline of `layers` layers split evenly, in `schedule`.
+inline Layout stage_layout(int64_t layers, int64_t stages, int64_t stage,
+                           pipeline::Schedule schedule = pipeline::Schedule::one_f_one_b) {
+  Layout l;
+  l.pp = stages;
+  l.stage = stage;
+  l.schedule = schedule;
+  l.split = pipeline::even_split(layers, stages);
+  return l;
+}
+
+/// A one-stage plan and its prediction.
+struct Solved {
+  ActivationPlan plan;
+  cost::StepPrediction prediction;
+};
+
+/// `planner`'s one-stage plan within `budget` and `host` bytes of host memory, or nullopt.
+inline std::optional<Solved> solve(const Planner& planner, int64_t budget, int64_t host = 0) {
+  auto r = planner.plan({budget, host});
+  if (!r) return std::nullopt;
+  return Solved{r->plan, r->stages.at(0)};
+}
+
+/// A pipeline of `stages` in `schedule`, seen from its first stage: the split fixed where
+/// given, else the planner's.
+inline Layout pipeline_layout(int64_t stages, pipeline::Schedule schedule, std::vector<int64_t> split = {}) {
+  Layout l;
+  l.pp = stages;
+  l.schedule = schedule;
+  l.split = std::move(split);
+  return l;
+}
+
 /// Times by FLOPs (one a second) under which copying `block`'s kept bytes to host memory
 /// and back costs about its forward: some offloads pay against recompute, others do not.
 inline cost::NodeTimes offload_times(const graph::BlockGraph& block) {
@@ -50,16 +93,19 @@ inline cost::NodeTimes offload_times(const graph::BlockGraph& block) {
 }
 
 /// The prefetch tests' planner of `shape`'s block: copies at an eighth of offload_times'
-/// rate, which the compute waits for, two keep-sets, and all the host memory it asks.
-inline Planner waiting_copies_planner(const ModelConfig& cfg, const cost::StepShape& shape) {
+/// rate, which the compute waits for, and two keep-sets
+/// (Plan with kAllHost bytes of host budget.)
+inline Planner waiting_copies_planner(const ModelConfig& cfg, const cost::StepShape& shape, const Layout& layout = {}) {
   const graph::BlockGraph block = graph::block_graph(cfg, shape.batch, shape.seq, shape.dtype);
   cost::NodeTimes times = offload_times(block);
   times.host_bytes_per_second /= 8;
   PlannerOptions opts;
   opts.candidates = {{}, {Slot::attn_probs, Slot::attn_dropout}};
-  opts.host_budget = int64_t{1} << 40;
-  return Planner(cfg, shape, times, opts);
+  return Planner(cfg, shape, layout, times, opts);
 }
+
+/// All the host memory a test asks.
+constexpr int64_t kAllHost = int64_t{1} << 40;
 
 /// Per layer, the input kept or offloaded and each droppable slot kept, recomputed or
 /// offloaded, at random (LayerPlan::offloaded); `text` gets each layer's choice.

@@ -1,6 +1,7 @@
 // The planner: its plans equal brute force over every plan of small instances, fit the
 // budget as the engine measures it, and its bytes equal Korthikanti et al.'s formula.
 #include "plan/plan_test_util.h"
+#include "remat/budget.h"
 #include "remat/cost.h"
 #include "remat/memory.h"
 #include "remat/model.h"
@@ -34,18 +35,20 @@ cost::StepShape shape_of(int64_t B, int64_t T, at::ScalarType dtype = at::kFloat
 // layers that prefetch (LayerPlan::prefetch), priced by the step simulator; the least time
 // it adds (recompute, the other attention op's pass, host copies) within `budget` and
 // `host_budget`.
-double brute_force(const ModelConfig& cfg, const cost::StepShape& shape, const cost::NodeTimes& times,
-                   const std::vector<SlotMask>& candidates, int64_t max_chunk, int64_t budget, int64_t* plans_seen,
+double brute_force(const ModelConfig& cfg, const cost::StepShape& shape, const Layout& layout,
+                   const cost::NodeTimes& times, const std::vector<SlotMask>& candidates, int64_t max_chunk,
+                   int64_t budget, int64_t* plans_seen,
                    const std::vector<std::optional<Attention>>& ops = {std::nullopt}, int64_t host_budget = 0,
                    bool prefetch = false) {
-  const graph::BlockGraph block = graph::block_graph(cfg, shape.batch, shape.seq, shape.dtype, shape.tp, shape.sp);
+  const graph::BlockGraph block = graph::block_graph(cfg, shape.batch, shape.seq, shape.dtype, layout);
   const int64_t L = cfg.n_layer;
   double best = -1;
   ActivationPlan plan;
   plan.layers.resize(L);
   const SlotMask everything = SlotMask::droppable();
   const cost::LayerPricer pricer(block, true, times);
-  const std::vector<bool> holds = shape.tp > 1 && !shape.sp ? std::vector<bool>{false, true} : std::vector<bool>{false};
+  const std::vector<bool> holds =
+      layout.tp > 1 && !layout.sp ? std::vector<bool>{false, true} : std::vector<bool>{false};
   std::function<void(int64_t)> walk = [&](int64_t pos) {
     if (pos == L) {
       for (uint32_t mask = 0; mask < (prefetch ? 1u << L : 1u); ++mask) {
@@ -56,7 +59,7 @@ double brute_force(const ModelConfig& cfg, const cost::StepShape& shape, const c
         }
         if (counted) continue;
         ++*plans_seen;
-        const auto p = cost::predict_step(cfg, shape, plan, true, times);
+        const auto p = cost::predict_step(cfg, shape, layout, plan, true, times);
         const double seconds = p.added_seconds();
         if (p.peak <= budget && p.host_peak <= host_budget && (best < 0 || seconds < best)) best = seconds;
       }
@@ -95,17 +98,18 @@ TEST(Planner, EqualsBruteForceOnSmallInstances) {
   for (const char* preset : {"gpt2-demo", "llama-demo"}) {
     const ModelConfig cfg = config(preset, 4, 0.1);
     const auto shape = shape_of(2, 64);
+    const Layout layout;
     PlannerOptions opts;
     opts.candidates = candidates;
     opts.max_chunk = 3;
-    const Planner planner(cfg, shape, times, opts);
-    const int64_t lo = planner.min_feasible_budget(), hi = planner.none_peak();
+    const Planner planner(cfg, shape, layout, times, opts);
+    const int64_t lo = planner.least_budget(), hi = planner.none_peak();
     int solved = 0;
     for (int i = -1; i <= 12; ++i) {
       const int64_t budget = lo + (hi - lo) * i / 12;
       int64_t seen = 0;
-      const double brute = brute_force(cfg, shape, times, candidates, 3, budget, &seen);
-      const auto r = planner.solve(budget);
+      const double brute = brute_force(cfg, shape, layout, times, candidates, 3, budget, &seen);
+      const auto r = testing::solve(planner, budget);
       ASSERT_EQ(r.has_value(), brute >= 0) << preset << " budget " << budget;
       if (!r) continue;
       ++solved;
@@ -116,8 +120,8 @@ TEST(Planner, EqualsBruteForceOnSmallInstances) {
     EXPECT_EQ(solved, 13) << "every budget from the minimum up fits";
     // The minimum is exact: one byte less fits nothing.
     int64_t seen = 0;
-    EXPECT_LT(brute_force(cfg, shape, times, candidates, 3, lo - 1, &seen), 0);
-    EXPECT_GE(brute_force(cfg, shape, times, candidates, 3, lo, &seen), 0);
+    EXPECT_LT(brute_force(cfg, shape, layout, times, candidates, 3, lo - 1, &seen), 0);
+    EXPECT_GE(brute_force(cfg, shape, layout, times, candidates, 3, lo, &seen), 0);
   }
 }
 
@@ -128,22 +132,22 @@ TEST(Planner, EqualsBruteForceWithInputsKeptAsShares) {
   const std::vector<SlotMask> candidates = {{}, {Slot::attn_probs, Slot::attn_dropout}, {Slot::mlp_act_in}};
   for (const char* preset : {"gpt2-demo", "llama-demo"}) {
     const ModelConfig cfg = config(preset, 3, 0.1);
-    cost::StepShape shape = shape_of(2, 64);
-    shape.tp = 2;
+    const cost::StepShape shape = shape_of(2, 64);
+    const Layout layout = testing::tp_layout(2);
     cost::NodeTimes times;
     times.flops_per_second = 1.0;
-    times.seconds[graph::kInputGather] = graph::block_graph(cfg, 2, 64, at::kFloat, 2).forward_flops() / 1000;
+    times.seconds[graph::kInputGather] = graph::block_graph(cfg, 2, 64, at::kFloat, layout).forward_flops() / 1000;
     PlannerOptions opts;
     opts.candidates = candidates;
     opts.max_chunk = 3;
-    const Planner planner(cfg, shape, times, opts);
-    const int64_t lo = planner.min_feasible_budget(), hi = planner.none_peak();
+    const Planner planner(cfg, shape, layout, times, opts);
+    const int64_t lo = planner.least_budget(), hi = planner.none_peak();
     int sharing = 0;  // plans that keep some input as a share
     for (int i = 0; i <= 12; ++i) {
       const int64_t budget = lo + (hi - lo) * i / 12;
       int64_t seen = 0;
-      const double brute = brute_force(cfg, shape, times, candidates, 3, budget, &seen);
-      const auto r = planner.solve(budget);
+      const double brute = brute_force(cfg, shape, layout, times, candidates, 3, budget, &seen);
+      const auto r = testing::solve(planner, budget);
       ASSERT_TRUE(r.has_value()) << preset << " budget " << budget;
       EXPECT_DOUBLE_EQ(r->prediction.recompute_seconds, brute) << preset << " budget " << budget;
       EXPECT_LE(r->prediction.peak, budget);
@@ -159,7 +163,7 @@ TEST(Planner, EqualsBruteForceWithInputsKeptAsShares) {
     }
     EXPECT_GT(sharing, 0) << preset;
     int64_t seen = 0;
-    EXPECT_LT(brute_force(cfg, shape, times, candidates, 3, lo - 1, &seen), 0);
+    EXPECT_LT(brute_force(cfg, shape, layout, times, candidates, 3, lo - 1, &seen), 0);
   }
 }
 
@@ -174,6 +178,7 @@ TEST(Planner, ChoosesTheAttentionOpPerLayerAsBruteForceDoes) {
     ModelConfig cfg = config(preset, 3, 0.1);
     cfg.attention_tile = 16;
     const auto shape = shape_of(2, 64);
+    const Layout layout;
     ModelConfig tiled = cfg;
     tiled.attention = Attention::tiled;
     cost::NodeTimes times;
@@ -187,21 +192,21 @@ TEST(Planner, ChoosesTheAttentionOpPerLayerAsBruteForceDoes) {
     PlannerOptions opts;
     opts.candidates = candidates;
     opts.max_chunk = 2;
-    const Planner planner(cfg, shape, times, opts);
+    const Planner planner(cfg, shape, layout, times, opts);
     cost::NodeTimes flops;
     flops.flops_per_second = 1.0;
-    const Planner math_only(cfg, shape, flops, opts);
-    const Planner tiled_only(tiled, shape, flops, opts);
-    const int64_t lo = planner.min_feasible_budget(), hi = planner.none_peak();
+    const Planner math_only(cfg, shape, layout, flops, opts);
+    const Planner tiled_only(tiled, shape, layout, flops, opts);
+    const int64_t lo = planner.least_budget(), hi = planner.none_peak();
     // Its uniform chunks run the model's op (math), so tiled alone, chunks tiled, may fit lower.
-    EXPECT_LE(lo, math_only.min_feasible_budget()) << preset;
+    EXPECT_LE(lo, math_only.least_budget()) << preset;
     int mixed = 0;
     for (int i = 0; i <= 10; ++i) {
       const int64_t budget = lo + (hi - lo) * i / 10;
       int64_t seen = 0;
       const double brute =
-          brute_force(cfg, shape, times, candidates, 2, budget, &seen, {Attention::math, Attention::tiled});
-      const auto r = planner.solve(budget);
+          brute_force(cfg, shape, layout, times, candidates, 2, budget, &seen, {Attention::math, Attention::tiled});
+      const auto r = testing::solve(planner, budget);
       ASSERT_TRUE(r.has_value()) << preset << " budget " << budget;
       EXPECT_DOUBLE_EQ(r->prediction.recompute_seconds + r->prediction.attention_seconds, brute)
           << preset << " budget " << budget;
@@ -217,7 +222,7 @@ TEST(Planner, ChoosesTheAttentionOpPerLayerAsBruteForceDoes) {
       }
       // Never slower than either op alone where that op fits.
       for (const Planner* alone : {&math_only, &tiled_only}) {
-        if (const auto a = alone->solve(budget)) {
+        if (const auto a = testing::solve(*alone, budget)) {
           EXPECT_LE(r->prediction.recompute_seconds + r->prediction.attention_seconds,
                     a->prediction.recompute_seconds + (alone == &tiled_only ? 3 * other->pass_delta : 0.0))
               << preset << " budget " << budget;
@@ -228,29 +233,31 @@ TEST(Planner, ChoosesTheAttentionOpPerLayerAsBruteForceDoes) {
   }
 }
 
-// Solves `budget` with `planner` (options `opts`, times `times`, uniform chunks up to 2)
-// and checks the plan against brute force over the same keep-sets and offload sets: equal
-// added time, within the budget and the host budget. Returns the plan.
-std::optional<PlanResult> expect_offload_plan_as_brute_force(const Planner& planner, const ModelConfig& cfg,
-                                                             const cost::StepShape& shape, const cost::NodeTimes& times,
-                                                             const PlannerOptions& opts, int64_t budget,
-                                                             const std::string& what) {
+// Solves `budget` and `host` bytes of host budget with `planner` (options `opts`, times
+// `times`, uniform chunks up to 2) and checks the plan against brute force over the same
+// keep-sets and offload sets: equal added time, within the budget and the host budget.
+// Returns the plan.
+std::optional<testing::Solved> expect_offload_plan_as_brute_force(const Planner& planner, const ModelConfig& cfg,
+                                                                  const cost::StepShape& shape,
+                                                                  const cost::NodeTimes& times,
+                                                                  const PlannerOptions& opts, int64_t budget,
+                                                                  int64_t host, const std::string& what) {
+  const Layout& layout = planner.layout();
   int64_t seen = 0;
-  const double brute =
-      brute_force(cfg, shape, times, opts.candidates, 2, budget, &seen, {std::nullopt}, opts.host_budget);
+  const double brute = brute_force(cfg, shape, layout, times, opts.candidates, 2, budget, &seen, {std::nullopt}, host);
   const double with_prefetch =
-      brute_force(cfg, shape, times, opts.candidates, 2, budget, &seen, {std::nullopt}, opts.host_budget, true);
-  auto r = planner.solve(budget);
+      brute_force(cfg, shape, layout, times, opts.candidates, 2, budget, &seen, {std::nullopt}, host, true);
+  auto r = testing::solve(planner, budget, host);
   EXPECT_TRUE(r.has_value()) << what;
   if (!r) return r;
   // The program is exact over the three fates; the prefetches it adds after only take time off.
   ActivationPlan unfetched = r->plan;
   for (LayerPlan& l : unfetched.layers) l.prefetch = false;
-  EXPECT_DOUBLE_EQ(planner.predict(unfetched).added_seconds(), brute) << what;
-  EXPECT_LE(r->prediction.added_seconds(), planner.predict(unfetched).added_seconds()) << what;
+  EXPECT_DOUBLE_EQ(planner.predict(unfetched).stages[0].added_seconds(), brute) << what;
+  EXPECT_LE(r->prediction.added_seconds(), planner.predict(unfetched).stages[0].added_seconds()) << what;
   EXPECT_GE(r->prediction.added_seconds(), with_prefetch * (1 - 1e-12)) << what;
   EXPECT_LE(r->prediction.peak, budget) << what;
-  EXPECT_LE(r->prediction.host_peak, opts.host_budget) << what;
+  EXPECT_LE(r->prediction.host_peak, host) << what;
   return r;
 }
 
@@ -267,13 +274,14 @@ TEST(Planner, OffloadsAsBruteForceDoesWithinBothBudgets) {
     // Two layers: the second's options depend on the host bytes the first offloads.
     const ModelConfig cfg = config(preset, 2, 0.1);
     const auto shape = shape_of(2, 32);
+    const Layout layout;
     const graph::BlockGraph block = graph::block_graph(cfg, 2, 32, at::kFloat);
     cost::NodeTimes times = testing::offload_times(block);
     times.host_copy_latency_seconds = block.forward_flops() / 200;
-    PlannerOptions keep_only;
-    keep_only.candidates = candidates;
-    keep_only.max_chunk = 2;
-    const Planner without(cfg, shape, times, keep_only);
+    PlannerOptions opts;
+    opts.candidates = candidates;
+    opts.max_chunk = 2;
+    const Planner without(cfg, shape, layout, times, opts);
     const int64_t layer_bytes = block.saved_bytes();
     struct Case {
       int64_t host_budget;
@@ -283,36 +291,32 @@ TEST(Planner, OffloadsAsBruteForceDoesWithinBothBudgets) {
       cost::NodeTimes priced = times;
       priced.host_bytes_per_second *= c.copy_speedup;
       priced.host_copy_latency_seconds /= c.copy_speedup;
-      PlannerOptions opts = keep_only;
-      opts.host_budget = c.host_budget;
-      const Planner planner(cfg, shape, priced, opts);
-      const int64_t lo = planner.min_feasible_budget(), hi = planner.none_peak();
-      EXPECT_LT(lo, without.min_feasible_budget()) << preset << ": offload fits below recompute alone";
+      const Planner planner(cfg, shape, layout, priced, opts);
+      const int64_t lo = planner.least_budget(c.host_budget), hi = planner.none_peak();
+      EXPECT_LT(lo, without.least_budget()) << preset << ": offload fits below recompute alone";
       int offloading = 0;
       for (int i = 0; i <= 6; ++i) {
         const int64_t budget = lo + (hi - lo) * i / 6;
         const auto r =
-            expect_offload_plan_as_brute_force(planner, cfg, shape, priced, opts, budget,
+            expect_offload_plan_as_brute_force(planner, cfg, shape, priced, opts, budget, c.host_budget,
                                                fmt::format("{} budget {} host {}", preset, budget, c.host_budget));
         ASSERT_TRUE(r.has_value());
         offloading += r->prediction.host_peak > 0;
         if (c.copy_speedup == 1.0) {
-          if (const auto w = without.solve(budget)) {
+          if (const auto w = testing::solve(without, budget)) {
             EXPECT_LE(r->prediction.added_seconds(), w->prediction.added_seconds()) << preset << " budget " << budget;
           }
         }
       }
       EXPECT_GT(offloading, 0) << preset;
       int64_t seen = 0;
-      EXPECT_LT(brute_force(cfg, shape, priced, candidates, 2, lo - 1, &seen, {std::nullopt}, c.host_budget), 0)
+      EXPECT_LT(brute_force(cfg, shape, layout, priced, candidates, 2, lo - 1, &seen, {std::nullopt}, c.host_budget), 0)
           << preset << " host " << c.host_budget;
     }
     // Without a host copy rate offload would look free: nothing is offloaded.
     cost::NodeTimes free_copies = times;
     free_copies.host_bytes_per_second = 0;
-    PlannerOptions opts = keep_only;
-    opts.host_budget = int64_t{1} << 40;
-    EXPECT_EQ(Planner(cfg, shape, free_copies, opts).min_feasible_budget(), without.min_feasible_budget());
+    EXPECT_EQ(Planner(cfg, shape, layout, free_copies, opts).least_budget(testing::kAllHost), without.least_budget());
   }
 }
 
@@ -324,11 +328,11 @@ TEST(Planner, PrefetchesWhereTheStepGainsAndTheBudgetHolds) {
   for (const char* preset : {"gpt2-demo", "llama-demo"}) {
     const ModelConfig cfg = config(preset, 4, 0.1);
     const Planner planner = testing::waiting_copies_planner(cfg, shape_of(2, 32));
-    const int64_t lo = planner.min_feasible_budget(), hi = planner.none_peak();
+    const int64_t lo = planner.least_budget(testing::kAllHost), hi = planner.none_peak();
     int prefetching = 0;
     for (int i = 0; i <= 24; ++i) {
       const int64_t budget = lo + (hi - lo) * i / 24;
-      const auto r = planner.solve(budget);
+      const auto r = testing::solve(planner, budget, testing::kAllHost);
       ASSERT_TRUE(r.has_value()) << preset << " budget " << budget;
       ActivationPlan unfetched = r->plan;
       bool any = false;
@@ -341,7 +345,7 @@ TEST(Planner, PrefetchesWhereTheStepGainsAndTheBudgetHolds) {
       EXPECT_LE(r->prediction.peak, budget) << preset;
       if (!any) continue;
       ++prefetching;
-      EXPECT_LT(r->prediction.added_seconds(), planner.predict(unfetched).added_seconds()) << preset;
+      EXPECT_LT(r->prediction.added_seconds(), planner.predict(unfetched).stages[0].added_seconds()) << preset;
     }
     EXPECT_GT(prefetching, 0) << preset;
   }
@@ -353,21 +357,21 @@ TEST(Planner, OffloadsAsBruteForceDoesWithInputsKeptAsShares) {
   const std::vector<SlotMask> candidates = {{}, {Slot::attn_probs, Slot::attn_dropout}};
   for (const char* preset : {"gpt2-demo", "llama-demo"}) {
     const ModelConfig cfg = config(preset, 2, 0.1);
-    cost::StepShape shape = shape_of(2, 32);
-    shape.tp = 2;
-    const graph::BlockGraph block = graph::block_graph(cfg, 2, 32, at::kFloat, 2);
+    const cost::StepShape shape = shape_of(2, 32);
+    const Layout layout = testing::tp_layout(2);
+    const graph::BlockGraph block = graph::block_graph(cfg, 2, 32, at::kFloat, layout);
     cost::NodeTimes times = testing::offload_times(block);
     times.seconds[graph::kInputGather] = block.forward_flops() / 1000;
     PlannerOptions opts;
     opts.candidates = candidates;
     opts.max_chunk = 2;
-    opts.host_budget = block.saved_bytes();
-    const Planner planner(cfg, shape, times, opts);
-    const int64_t lo = planner.min_feasible_budget(), hi = planner.none_peak();
+    const int64_t host = block.saved_bytes();
+    const Planner planner(cfg, shape, layout, times, opts);
+    const int64_t lo = planner.least_budget(host), hi = planner.none_peak();
     int offloading = 0;
     for (int i = 0; i <= 2; ++i) {
       const int64_t budget = lo + (hi - lo) * i / 3;
-      const auto r = expect_offload_plan_as_brute_force(planner, cfg, shape, times, opts, budget,
+      const auto r = expect_offload_plan_as_brute_force(planner, cfg, shape, times, opts, budget, host,
                                                         fmt::format("{} budget {}", preset, budget));
       ASSERT_TRUE(r.has_value());
       offloading += r->prediction.host_peak > 0;
@@ -377,7 +381,7 @@ TEST(Planner, OffloadsAsBruteForceDoesWithInputsKeptAsShares) {
     }
     EXPECT_GT(offloading, 0) << preset;
     int64_t seen = 0;
-    EXPECT_LT(brute_force(cfg, shape, times, candidates, 2, lo - 1, &seen, {std::nullopt}, opts.host_budget), 0);
+    EXPECT_LT(brute_force(cfg, shape, layout, times, candidates, 2, lo - 1, &seen, {std::nullopt}, host), 0);
   }
 }
 
@@ -414,7 +418,7 @@ TEST(Planner, OffloadSetsGrowByTheSlotWhoseCopiesCostLeast) {
   EXPECT_GT(input_at, 0u);
   EXPECT_LT(input_at, first_waiting) << "the input's copies hide";
   EXPECT_LT(first_waiting, sets.size()) << "some slot's copies cannot hide";
-  const graph::BlockGraph shared = graph::block_graph(cfg, 2, 64, at::kFloat, 2, false);
+  const graph::BlockGraph shared = graph::block_graph(cfg, 2, 64, at::kFloat, testing::tp_layout(2));
   const cost::LayerPricer shared_pricer(shared, true, testing::offload_times(shared));
   for (const SlotMask& s : offload_sets(shared, shared_pricer, dropped, true)) EXPECT_FALSE(s.has(Slot::input));
 }
@@ -426,17 +430,17 @@ TEST(Planner, PlansA128LayerModelWithinItsBudget) {
   cost::NodeTimes times;
   times.flops_per_second = 1.0;
   const auto start = std::chrono::steady_clock::now();
-  const Planner planner(cfg, shape_of(1, 4096, at::kBFloat16), times);
-  const int64_t lo = planner.min_feasible_budget();
+  const Planner planner(cfg, shape_of(1, 4096, at::kBFloat16), {}, times);
+  const int64_t lo = planner.least_budget();
   const int64_t budget = lo + (planner.none_peak() - lo) / 3;
-  const auto r = planner.solve(budget);
+  const auto r = testing::solve(planner, budget);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   ASSERT_TRUE(r.has_value());
   EXPECT_LE(r->prediction.peak, budget);
   EXPECT_EQ(r->plan.layers.size(), 128u);
   // Between the extremes the plan recomputes some layers' slots and keeps others'.
   EXPECT_GT(r->prediction.recompute_flops, 0.0);
-  EXPECT_LT(r->prediction.recompute_flops, planner.predict(compile_policy("full", 128)).recompute_flops);
+  EXPECT_LT(r->prediction.recompute_flops, planner.predict(compile_policy("full", 128)).stages[0].recompute_flops);
   std::printf("128 layers, %zu frontier points per layer, planned in %.3f s\n", planner.layer_frontier().size(),
               seconds);
 }
@@ -455,12 +459,12 @@ TEST(Planner, AFrontierPastItsTimeSolvesOnlyItsEnds) {
   const ModelConfig cfg = config("gpt2-demo", 4, 0.0);
   cost::NodeTimes times;
   times.flops_per_second = 1.0;
-  const Planner planner(cfg, shape_of(2, 64, at::kFloat), times);
-  const Frontier all = planner.frontier(12);
+  const Planner planner(cfg, shape_of(2, 64, at::kFloat), {}, times);
+  const Frontier all = planner.frontier(0, 12);
   EXPECT_EQ(all.asked, 12);
   EXPECT_EQ(all.solved, 12);
   // A limit every solve passes: the two ends, the least-memory and the fastest plans.
-  const Frontier ends = planner.frontier(12, 1e-12);
+  const Frontier ends = planner.frontier(0, 12, 1e-12);
   EXPECT_EQ(ends.solved, 2);
   ASSERT_FALSE(ends.points.empty());
   EXPECT_EQ(ends.points.front().peak, all.points.front().peak);
@@ -482,21 +486,22 @@ TEST(Planner, NamesTheRecomputingLossHeadWhereOnlyItFits) {
   shape.ce_chunk = 1024;
   ModelConfig recompute = cfg;
   recompute.loss_head = LossHead::recompute;
-  const Planner fused_planner(cfg, shape, times), recompute_planner(recompute, shape, times);
-  const int64_t fused_min = fused_planner.min_feasible_budget();
-  const int64_t recompute_min = recompute_planner.min_feasible_budget();
+  const Planner fused_planner(cfg, shape, {}, times), recompute_planner(recompute, shape, {}, times);
+  const int64_t fused_min = fused_planner.least_budget();
+  const int64_t recompute_min = recompute_planner.least_budget();
   ASSERT_LT(recompute_min, fused_min);
   const int64_t between = (fused_min + recompute_min) / 2;
-  EXPECT_FALSE(fused_planner.solve(between).has_value());
-  EXPECT_TRUE(recompute_planner.solve(between).has_value());
-  const std::string why = fused_planner.infeasible(between, "between");
+  EXPECT_FALSE(fused_planner.plan({between, 0}).has_value());
+  EXPECT_TRUE(recompute_planner.plan({between, 0}).has_value());
+  const std::string why = fused_planner.explain_infeasible({between, 0}, "between");
   EXPECT_NE(why.find("With model.loss_head=recompute"), std::string::npos) << why;
   EXPECT_NE(why.find(memory::format_bytes(recompute_min) + ", within this budget"), std::string::npos) << why;
   // Below both minimums the other head's minimum is still given, without the claim.
-  const std::string low = fused_planner.infeasible(recompute_min - 1, "low");
+  const std::string low = fused_planner.explain_infeasible({recompute_min - 1, 0}, "low");
   EXPECT_NE(low.find("the minimum is " + memory::format_bytes(recompute_min) + "."), std::string::npos) << low;
   // The recomputing head's own sentence has nothing to add.
-  EXPECT_EQ(recompute_planner.infeasible(recompute_min - 1, "low").find("model.loss_head"), std::string::npos);
+  EXPECT_EQ(recompute_planner.explain_infeasible({recompute_min - 1, 0}, "low").find("model.loss_head"),
+            std::string::npos);
 }
 
 // Korthikanti et al. 2022, Table 2: with 16-bit activations and 1-byte dropout masks a
@@ -526,7 +531,7 @@ TEST(Planner, GptLayerBytesEqualKorthikantisFormula) {
     const int64_t layernorm_stats = 2 * 2 * sh.s * sh.b * 4;
     const SlotMask all = SlotMask::droppable();
     for (int64_t t : {1, 2, 4}) {
-      const auto block = graph::block_graph(cfg, sh.b, sh.s, at::kBFloat16, t);
+      const auto block = graph::block_graph(cfg, sh.b, sh.s, at::kBFloat16, testing::tp_layout(t));
       EXPECT_EQ(cost::price_layer(block, {}, true, times).kept,
                 sbh * 10 + sbh * 24 / t + 5 * sh.a * sh.s * sh.s * sh.b / t + layernorm_stats)
           << "t " << t << " h " << sh.h;
@@ -534,7 +539,7 @@ TEST(Planner, GptLayerBytesEqualKorthikantisFormula) {
       if (t == 1) continue;
       // distribute_saved_activations: the input of a layer recomputed whole, as a share.
       EXPECT_EQ(cost::price_layer(block, all, true, times, true).kept, 2 * sbh / t) << "t " << t << " h " << sh.h;
-      const auto sp = graph::block_graph(cfg, sh.b, sh.s, at::kBFloat16, t, true);
+      const auto sp = graph::block_graph(cfg, sh.b, sh.s, at::kBFloat16, testing::tp_layout(t, true));
       const SlotMask regather{Slot::attn_gathered, Slot::mlp_gathered};
       const SlotMask selective = regather | SlotMask{Slot::attn_probs, Slot::attn_dropout};
       const int64_t attention = 5 * sh.a * sh.s * sh.s * sh.b / t, stats = layernorm_stats / t;
@@ -564,11 +569,11 @@ TEST(Planner, BudgetPlansFitWhenTheEngineRunsThem) {
     auto shape = shape_of(B, T);
     cost::NodeTimes times;
     times.flops_per_second = 1e9;
-    const Planner planner(cfg, shape, times);
-    const int64_t lo = planner.min_feasible_budget(), hi = planner.none_peak();
+    const Planner planner(cfg, shape, {}, times);
+    const int64_t lo = planner.least_budget(), hi = planner.none_peak();
     for (int i = 0; i <= 4; ++i) {
       const int64_t budget = lo + (hi - lo) * i / 4;
-      const auto r = planner.solve(budget);
+      const auto r = testing::solve(planner, budget);
       ASSERT_TRUE(r.has_value());
       auto model = Model::create(cfg, at::kCPU, at::kFloat, 3);
       model->set_activation_plan(r->plan, {});

@@ -135,15 +135,11 @@ std::vector<MicrobatchData> random_data(const ModelConfig& cfg, int64_t microbat
 // The prediction for stage `stage` of the step, as the bytes the step adds to what is live
 // before it: the statics are (the batch too, made beforehand), but for the optimizer's,
 // which is not run.
-int64_t predicted_rise(const testing::RandomStep& r, int64_t stage, int64_t first, int64_t layers) {
+int64_t predicted_rise(const testing::RandomStep& r, int64_t stage) {
   cost::StepShape shape = testing::plan_shape(kB, kT, at::kFloat, r.microbatches);
   shape.ce_chunk = kChunk;
-  shape.first_layer = first;
-  shape.layers = layers;
-  shape.stages = r.stages;
-  shape.stage = stage;
-  shape.schedule = r.schedule;
-  const cost::StepPrediction p = cost::predict_step(r.cfg, shape, r.plan, r.early_stop, {});
+  const Layout layout = testing::stage_layout(r.cfg.n_layer, r.stages, stage, r.schedule);
+  const cost::StepPrediction p = cost::predict_step(r.cfg, shape, layout, r.plan, r.early_stop, {});
   EXPECT_NE(p.peak_at, "optimizer step") << r.text;
   return p.peak - p.statics.total();
 }
@@ -176,10 +172,9 @@ TEST(StepSchedule, RandomStepsPeakWhereTheCostModelSimulatesThem) {
       const testing::RandomStep r = testing::random_step(rng, stages);
       const auto seed = static_cast<uint64_t>(trial);
       if (stages == 1) {
-        EXPECT_NEAR(predicted_rise(r, 0, 0, -1), measured_rise(r, seed), 8 * 1024) << r.text;
+        EXPECT_NEAR(predicted_rise(r, 0), measured_rise(r, seed), 8 * 1024) << r.text;
         continue;
       }
-      const auto split = pipeline::even_split(r.cfg.n_layer, stages);
       const std::vector<MicrobatchData> data = random_data(r.cfg, r.microbatches, seed);
       std::vector<int64_t> rise(static_cast<size_t>(stages), -1);
       testing::on_gloo_ranks(
@@ -187,9 +182,8 @@ TEST(StepSchedule, RandomStepsPeakWhereTheCostModelSimulatesThem) {
           [&](dist::Comm& comm) {
             at::set_num_threads(1);  // kernels allocate on the rank's own thread, where it is charged
             const int64_t s = comm.pipeline().rank();
-            int64_t first = 0;
-            for (int64_t i = 0; i < s; ++i) first += split[static_cast<size_t>(i)];
-            auto model = Model::create(r.cfg, at::kCPU, at::kFloat, 3, nullptr, false, {first, split[s]});
+            auto model = Model::create(r.cfg, at::kCPU, at::kFloat, 3,
+                                       testing::stage_layout(r.cfg.n_layer, stages, s, r.schedule));
             model->set_activation_plan(r.plan, options(r));
             model->zero_grad();
             const auto draw = [&](int64_t m) { return data[static_cast<size_t>(m)]; };
@@ -198,11 +192,8 @@ TEST(StepSchedule, RandomStepsPeakWhereTheCostModelSimulatesThem) {
             rise[static_cast<size_t>(s)] = account.peak();
           },
           static_cast<int>(stages));
-      int64_t first = 0;
       for (int64_t s = 0; s < stages; ++s) {
-        EXPECT_NEAR(predicted_rise(r, s, first, split[static_cast<size_t>(s)]), rise[static_cast<size_t>(s)], 8 * 1024)
-            << r.text << ", stage " << s + 1;
-        first += split[static_cast<size_t>(s)];
+        EXPECT_NEAR(predicted_rise(r, s), rise[static_cast<size_t>(s)], 8 * 1024) << r.text << ", stage " << s + 1;
       }
     }
   }

@@ -132,7 +132,7 @@ TEST(AttentionChoice, MeasuredTimesMixTheOpsPerLayerWhereThatIsFaster) {
   Config math_cfg = long_tiny("");
   math_cfg.model.n_layer = 4;
   math_cfg.model.attention = Attention::math;
-  TimeProfile flops;
+  Prices flops;
   flops.times.flops_per_second = 1e9;
   const int64_t none = plan_run(math_cfg, at::kFloat, flops, 0).none_peak;
   const int64_t least = least_budget(math_cfg, Attention::math);
@@ -166,7 +166,7 @@ TEST(AttentionChoice, MeasuredTimesMixTheOpsPerLayerWhereThatIsFaster) {
   for (const Attention a : {Attention::math, Attention::tiled}) {
     Config alone = local;
     alone.model.attention = a;
-    TimeProfile p = flops;
+    Prices p = flops;
     p.base_seconds = profiles.base[a];
     const RunPlan one = plan_run(alone, at::kFloat, p, 0, 0, none);
     EXPECT_LT(r.step_seconds, one.step_seconds) << attention_name(a);

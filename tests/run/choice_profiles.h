@@ -17,12 +17,12 @@ template <class Key, Key ModelConfig::*field, Key automatic>
 struct ChoiceProfiles {
   std::map<Key, double> base;
   std::map<Key, int> calls;
-  ProfileOf of() {
+  PricesOf of() {
     return [this](const Config& c) {
       const Key k = c.model.*field;
       EXPECT_NE(k, automatic);
       ++calls[k];
-      TimeProfile p;
+      Prices p;
       p.times.flops_per_second = 1e9;
       p.base_seconds = base[k];
       return p;
@@ -37,7 +37,7 @@ using AttentionProfiles = ChoiceProfiles<Attention, &ModelConfig::attention, Att
 inline int64_t least_budget(Config cfg, Attention a) {
   cfg.model.attention = a;
   cfg.ac.budget = "1KiB";
-  TimeProfile p;
+  Prices p;
   p.times.flops_per_second = 1e9;
   try {
     plan_run(cfg, at::kFloat, p, 0);

@@ -34,7 +34,7 @@ using Profiles = testing::HeadProfiles;
 // `cfg` planned with a named head, as plan_run plans it; nullopt where the budget fits no plan.
 std::optional<RunPlan> planned_with(Config cfg, LossHead head) {
   cfg.model.loss_head = head;
-  TimeProfile p;
+  Prices p;
   p.times.flops_per_second = 1e9;
   try {
     return plan_run(cfg, at::kFloat, p, 0);
@@ -45,7 +45,7 @@ std::optional<RunPlan> planned_with(Config cfg, LossHead head) {
 
 int64_t least_budget(LossHead head) {
   Config c = wide_vocab("1KiB", loss_head_name(head));
-  TimeProfile p;
+  Prices p;
   p.times.flops_per_second = 1e9;
   try {
     plan_run(c, at::kFloat, p, 0);

@@ -23,13 +23,14 @@ Resolved resolve(const std::vector<std::string>& overrides, int64_t available, i
   RunInputs in;
   in.memory_available = available;
   in.host_available = host_available;
-  in.profile_of = [&](const Config&) {
+  PriceSource prices([&](const Config&, bool) {
     ++r.profiles;
-    TimeProfile p;
+    Prices p;
     p.times.flops_per_second = 1.0;
     p.times.host_bytes_per_second = 1.0;  // a byte copied costs a FLOP: offload is priced
     return p;
-  };
+  });
+  in.prices = &prices;
   try {
     const RunSpec spec = resolve_run(load_config("", overrides), in);
     r.peak = spec.plan.peak();
@@ -42,9 +43,10 @@ Resolved resolve(const std::vector<std::string>& overrides, int64_t available, i
 
 int64_t statics(const std::vector<std::string>& overrides) {
   RunInputs in;
-  in.profile_of = [](const Config&) { return TimeProfile{}; };
+  PriceSource prices([](const Config&, bool) { return Prices{}; });
+  in.prices = &prices;
   const RunSpec spec = resolve_run(load_config("", overrides), in);
-  return cost::static_bytes(spec.local.model, spec.shape).total();
+  return cost::static_bytes(spec.local.model, spec.shape, spec.layout).total();
 }
 
 // The memory free that leaves a CPU rank's tensors `room` bytes: an eighth of them and

@@ -35,7 +35,7 @@ TEST(SavedPlan, ReadsBackChunksSharedInputsAndTheSplit) {
   r.plan.layers[2].offloaded = {Slot::input, Slot::mlp_act_in};
   r.plan.policy = "budget:123";
   r.split = {2, 4};
-  const SavedPlan back = parse_saved_plan(saved_plan_json(r), 6, 2);
+  const SavedPlan back = parse_saved_plan(saved_plan_json(r.plan, r.split), 6, 2);
   EXPECT_TRUE(same_layers(back.plan, r.plan));
   EXPECT_EQ(back.plan.policy, "budget:123");
   EXPECT_EQ(back.split, r.split);
@@ -51,7 +51,7 @@ TEST(SavedPlan, ADamagedPlanOrAnotherModelsIsASentence) {
   RunPlan r;
   r.plan = compile_policy("full", 2);
   r.split = {2};
-  const std::string good = saved_plan_json(r);
+  const std::string good = saved_plan_json(r.plan, r.split);
   const std::string tail = "; resume from a checkpoint this model's run wrote, or start the run again.";
   EXPECT_EQ(refusal(good, 3, 1),
             "The checkpoint's plan (its \"plan\" metadata) has 2 layers where the model has 3" + tail);

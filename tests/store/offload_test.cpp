@@ -69,13 +69,12 @@ TEST_P(OffloadBitwise, EveryOffloadPlanEqualsNoneBitwise) {
     check(plan, text);
   }
   const graph::BlockGraph block = graph::block_graph(cfg, B, T, at::kFloat);
-  PlannerOptions opts;
-  opts.host_budget = 2 * block.saved_bytes();
-  const Planner planner(cfg, testing::plan_shape(B, T), testing::offload_times(block), opts);
-  const int64_t lo = planner.min_feasible_budget(), hi = planner.none_peak();
+  const int64_t host = 2 * block.saved_bytes();
+  const Planner planner(cfg, testing::plan_shape(B, T), {}, testing::offload_times(block));
+  const int64_t lo = planner.least_budget(host), hi = planner.none_peak();
   int offloading = 0;
   for (int i = 0; i < 3; ++i) {
-    const auto r = planner.solve(lo + (hi - lo) * i / 4);
+    const auto r = testing::solve(planner, lo + (hi - lo) * i / 4, host);
     ASSERT_TRUE(r.has_value());
     if (r->prediction.host_peak == 0) continue;
     ++offloading;

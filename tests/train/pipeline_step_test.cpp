@@ -91,10 +91,8 @@ TEST(PipelineStep, StagesOnGlooRanksTrainLikeTheWholeModel) {
             static_cast<int>(P), 1,
             [&](dist::Comm& comm) {
               const int64_t s = comm.pipeline().rank();
-              const auto split = pipeline::even_split(kLayers, P);
-              int64_t first = 0;
-              for (int64_t i = 0; i < s; ++i) first += split[static_cast<size_t>(i)];
-              auto model = Model::create(cfg, at::kCPU, at::kFloat, kSeed, nullptr, false, {first, split[s]});
+              auto model = Model::create(cfg, at::kCPU, at::kFloat, kSeed,
+                                         Layout::pipeline_stage(pipeline::even_split(kLayers, P), s));
               for (const auto& [policy, w] : whole) {
                 model->set_activation_plan(plan_of(cfg, policy, P), {});
                 model->zero_grad();
@@ -137,9 +135,7 @@ TEST(PipelineStep, EvaluationThroughStagesIsTheWholeModels) {
         3, 1,
         [&](dist::Comm& comm) {
           const int64_t s = comm.pipeline().rank();
-          const auto split = pipeline::even_split(kLayers, 3);  // 2, 1, 1
-          const int64_t first = s == 0 ? 0 : 1 + s;
-          auto model = Model::create(cfg, at::kCPU, at::kFloat, kSeed, nullptr, false, {first, split[s]});
+          auto model = Model::create(cfg, at::kCPU, at::kFloat, kSeed, Layout::pipeline_stage({2, 1, 1}, s));
           EXPECT_EQ(evaluate_pipeline(*model, comm.pipeline(), data[0].tokens, data[0].targets, kChunk, "a test"), want)
               << preset << ", stage " << s;
         },
@@ -213,7 +209,7 @@ TEST(PipelineStep, ALostStageStopsTheOthersWithASentence) {
   const ModelConfig cfg = config("llama-demo");
   const auto errors = testing::gloo_rank_errors(2, 1, 2, std::chrono::seconds(3), [&](dist::Comm& comm) {
     const int64_t s = comm.pipeline().rank();
-    auto model = Model::create(cfg, at::kCPU, at::kFloat, kSeed, nullptr, false, {2 * s, 2});
+    auto model = Model::create(cfg, at::kCPU, at::kFloat, kSeed, Layout::pipeline_stage({2, 2}, s));
     if (s == 1) throw std::runtime_error("stage 2 is lost");
     const std::vector<MicrobatchData> data = microbatches(cfg);
     run_pipeline(
@@ -253,7 +249,7 @@ TEST(PipelineStep, ANonFiniteStageStopsEveryStageNamingIt) {
   const auto run_with = [&](const TrainConfig& t, const std::function<void(Param&)>& spoil) {
     return testing::gloo_rank_errors(2, 1, 2, std::chrono::seconds(20), [&](dist::Comm& comm) {
       const int64_t s = comm.pipeline().rank();
-      auto model = Model::create(cfg, at::kCPU, at::kFloat, kSeed, nullptr, false, {2 * s, 2});
+      auto model = Model::create(cfg, at::kCPU, at::kFloat, kSeed, Layout::pipeline_stage({2, 2}, s));
       for (Param& p : model->params()) {
         if (p.name == target->name) spoil(p);
       }

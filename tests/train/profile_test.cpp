@@ -3,7 +3,7 @@
 #include "data/temp_dir.h"
 #include "remat/cost.h"
 #include "remat/model.h"
-#include "train/profile.h"
+#include "profile/profile.h"
 #include "util/gloo_ranks.h"
 #include "util/sha256.h"
 
@@ -318,7 +318,9 @@ TEST(TimeProfile, TheLinksAreCachedWithTheProfile) {
   const auto on_ranks = [&] {
     std::vector<TimeProfile> got(2);
     testing::on_gloo_ranks(2, 2, [&](dist::Comm& comm) {
-      auto model = Model::create(cfg.model, at::kCPU, at::kFloat, 1, &comm.tensor());
+      Layout layout;
+      layout.tp = 2;
+      auto model = Model::create(cfg.model, at::kCPU, at::kFloat, 1, layout, &comm.tensor());
       got[static_cast<size_t>(comm.rank())] = measure_time_profile(cfg, *model, tiny_data(), &comm);
     });
     EXPECT_EQ(got[1].times.link_bytes_per_second, got[0].times.link_bytes_per_second);

@@ -175,10 +175,8 @@ TEST_F(Trainer, AResumedRunRunsThePlanItsCheckpointHolds) {
     testing::rewrite_checkpoint(second.string(), [&](model::SafeTensors& file) { file.metadata["plan"] = plan; });
   };
 
-  RunPlan full;
-  full.plan = compile_policy("full", cfg.model.n_layer);
-  full.split = {cfg.model.n_layer};
-  rewrite_plan(saved_plan_json(full));
+  const ActivationPlan full = compile_policy("full", cfg.model.n_layer);
+  rewrite_plan(saved_plan_json(full, {cfg.model.n_layer}));
   const TrainSummary resumed = train(saved, run.string());
   EXPECT_EQ(resumed.losses, whole.losses);
   EXPECT_EQ(resumed.final_val_loss, whole.final_val_loss);
@@ -202,8 +200,7 @@ TEST_F(Trainer, AResumedRunRunsThePlanItsCheckpointHolds) {
 
   fs::remove(run / "checkpoints" / "step-00000003.safetensors");
   fs::remove(run / "checkpoints" / "step-00000004.safetensors");
-  full.split = {1, 1};
-  rewrite_plan(saved_plan_json(full));
+  rewrite_plan(saved_plan_json(full, {1, 1}));
   EXPECT_EQ(error_of<std::exception>([&] { train(saved, run.string()); }),
             "The checkpoint's plan (its \"plan\" metadata) splits the layers as [1,1], but this run puts its 2 layers "
             "on 1 pipeline stage; resume from a checkpoint this model's run wrote, or start the run again.");

@@ -1,29 +1,20 @@
-#include "train/profile.h"
-
+#include "dist/ranks.h"
+#include "profile/cache.h"
 #include "remat/cost.h"
 #include "remat/memory.h"
 #include "remat/policy.h"
-#include "run/planning.h"
-#include "train/data_parallel.h"
-#include "train/device.h"
-#include "train/step.h"
-#include "util/atomic_file.h"
 #include "util/cpu_load.h"
-#include "util/sha256.h"
+#include "util/device.h"
 
 #include <ATen/Parallel.h>
 #include <fmt/format.h>
-#include <nlohmann/json.hpp>
 #include <torch/optim/adamw.h>
 
 #include <algorithm>
 #include <array>
 #include <chrono>
 #include <cmath>
-#include <cstring>
 #include <filesystem>
-#include <fstream>
-#include <iterator>
 #include <limits>
 #include <map>
 #include <optional>
@@ -34,141 +25,7 @@
 namespace remat {
 namespace {
 
-namespace fs = std::filesystem;
-
-// The data-parallel ranks ZeRO-1 shards the optimizer over (1: none).
-int64_t zero_ranks(const Config& cfg) { return cfg.parallel.zero == 1 ? std::max<int64_t>(1, cfg.parallel.dp) : 1; }
-
-// The executable measuring: a rebuilt remat may run its ops at other speeds (its kernels
-// changed), so a profile cached by another build must not be read. Its path, size and
-// modification time stand for it (a digest of its bytes would cost a read of the whole
-// binary every run); "unknown" where /proc/self/exe cannot be read.
-std::string build_identity() {
-  static const std::string id = [] {
-    std::error_code ec;
-    const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
-    if (ec) return std::string("unknown");
-    const auto size = fs::file_size(exe, ec);
-    if (ec) return std::string("unknown");
-    const auto modified = fs::last_write_time(exe, ec);
-    if (ec) return std::string("unknown");
-    return util::sha256_hex(fmt::format("{}:{}:{}", exe.string(), size, modified.time_since_epoch().count()))
-        .substr(0, 8);
-  }();
-  return id;
-}
-
-// Everything a measured time depends on, as a file name.
-// `at_once`: the ranks measuring together, sharing the host as they will train.
-std::string profile_key(const Config& cfg, const Model& model, int at_once) {
-  const ModelConfig& m = cfg.model;
-  const TrainConfig& t = cfg.train;
-  // The BLAS and its threading change every matmul's time: a digest of their description.
-  // "ig": tensor parallelism alone, whose profile times the gather of a sharded input.
-  std::string key =
-      fmt::format("{}-{}-{}-L{}-C{}-H{}-KV{}-F{}-V{}-p{}-{}{}-B{}-T{}-tp{}{}-ce{}{}-es{}-threads{}-blas{}-build{}",
-                  model.device().str(), cfg.run.dtype, arch_name(m.arch), m.n_layer, m.d_model, m.n_head, m.n_kv_head,
-                  m.d_ff, m.vocab_size, m.dropout, attention_name(m.attention),
-                  m.attention == Attention::tiled ? m.attention_tile : 0, t.batch, t.seq, model.tp_size(),
-                  model.sequence_parallel() ? "sp"
-                  : model.tp_size() > 1     ? "ig"
-                                            : "",
-                  t.ce_chunk, loss_head_name(m.loss_head), cfg.ac.early_stop ? 1 : 0, at::get_num_threads(),
-                  util::sha256_hex(blas_name()).substr(0, 8), build_identity());
-  // ZeRO-1 updates a share of the parameters; without it the key is as it always was.
-  if (zero_ranks(cfg) > 1) key += fmt::format("-zero{}", zero_ranks(cfg));
-  if (at_once > 1) key += fmt::format("-ranks{}", at_once);
-  std::replace(key.begin(), key.end(), ':', '_');
-  return key + ".json";
-}
-
-// Fills `p`'s times from a profile's JSON `j` when it is whole and sane; else says why.
-// The load it was measured under and the links are optional: caches written before they
-// were recorded still read (a tensor-parallel one then measures its links once more).
-bool parse_profile(const nlohmann::json& j, TimeProfile& p, std::string& why) {
-  why = "it is not a JSON object";
-  if (!j.is_object()) return false;
-  try {
-    const auto seconds = j.at("node_seconds").get<std::map<std::string, double>>();
-    const double flops = j.at("flops_per_second").get<double>();
-    const double base = j.at("base_seconds").get<double>(), optimizer = j.at("optimizer_seconds").get<double>();
-    const double link_rate = j.value("link_bytes_per_second", 0.0), link_latency = j.value("link_latency_seconds", 0.0);
-    const auto time = [](double s) { return std::isfinite(s) && s >= 0; };
-    const bool times_ok = std::all_of(seconds.begin(), seconds.end(), [&](const auto& e) { return time(e.second); });
-    std::optional<double> other;
-    if (j.contains("other_cpus") && !j.at("other_cpus").is_null()) other = j.at("other_cpus").get<double>();
-    if (times_ok && time(base) && time(optimizer) && std::isfinite(flops) && flops > 0 && time(link_rate) &&
-        time(link_latency) && time(other.value_or(0))) {
-      p.times.seconds = seconds;
-      p.times.flops_per_second = flops;
-      p.base_seconds = base;
-      p.optimizer_seconds = optimizer;
-      p.times.link_bytes_per_second = link_rate;
-      p.times.link_latency_seconds = link_latency;
-      p.other_cpus = other;
-      return true;
-    }
-    why = "a time in it is negative or not finite";
-  } catch (const nlohmann::json::exception& e) {
-    why = e.what();
-  }
-  return false;
-}
-
-nlohmann::json profile_json(const TimeProfile& p) {
-  nlohmann::json j{{"node_seconds", p.times.seconds},
-                   {"flops_per_second", p.times.flops_per_second},
-                   {"base_seconds", p.base_seconds},
-                   {"optimizer_seconds", p.optimizer_seconds},
-                   {"other_cpus", p.other_cpus ? nlohmann::json(*p.other_cpus) : nlohmann::json(nullptr)}};
-  if (p.times.link_bytes_per_second > 0) {
-    j["link_bytes_per_second"] = p.times.link_bytes_per_second;
-    j["link_latency_seconds"] = p.times.link_latency_seconds;
-  }
-  return j;
-}
-
-// Fills `p` from the cache file at `path` when it is whole and sane. A damaged one (a
-// killed write, a hand edit) is said on stderr and measured again, rather than failing
-// every later run with a bare JSON error.
-bool read_cached(const std::string& path, TimeProfile& p) {
-  std::ifstream in(path);
-  std::string why;
-  const auto j = nlohmann::json::parse(std::istreambuf_iterator<char>(in), {}, nullptr, /*allow_exceptions=*/false);
-  if (parse_profile(j, p, why)) return true;
-  fmt::print(stderr, "The cached time profile {} is damaged ({}); measuring it again.\n", path, why);
-  return false;
-}
-
-// Every rank of `ranks` takes rank 0's times: each plans from them, and ranks that plan
-// from their own measurements (or their own hosts' caches) may choose other plans, which
-// the stages' split, the tensor-parallel collectives and the predictions all need alike.
-void take_rank0s(dist::Comm* ranks, TimeProfile& p) {
-  if (ranks == nullptr || ranks->size() == 1) return;
-  const std::string key = "time-profile/" + fs::path(p.path).filename().string();
-  if (ranks->rank() == 0) {
-    nlohmann::json j = profile_json(p);
-    j["cached"] = p.cached;  // whether it is cached is rank 0's word too
-    ranks->post(key, j.dump());
-    return;
-  }
-  std::string why;
-  const auto j = nlohmann::json::parse(ranks->await(key, "sharing rank 0's time profile"), nullptr, false);
-  if (!parse_profile(j, p, why)) {
-    throw std::runtime_error("The time profile rank 0 shared could not be read (" + why + ").");
-  }
-  p.cached = j.at("cached").get<bool>();
-}
-
-// Rank 0's `value`, bit for bit, on every rank of `ranks`.
-double rank0s(dist::Comm& ranks, double value, const std::string& what) {
-  static_assert(sizeof(double) == sizeof(int64_t));
-  std::vector<int64_t> bits(1);
-  std::memcpy(bits.data(), &value, sizeof(double));
-  bits = ranks.all_gather(bits, what)[0];
-  std::memcpy(&value, bits.data(), sizeof(double));
-  return value;
-}
+using profile::rank0s;
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -225,23 +82,6 @@ Load rank0s_load(dist::Comm* together, const util::CpuTimes& from, const util::C
   return load;
 }
 
-// The path and optimizer bytes of the profile of `cfg` on `model`, nothing measured yet.
-TimeProfile unmeasured(const Config& cfg, const Model& model, int at_once) {
-  TimeProfile p;
-  p.path = (fs::path(cfg.run.out_dir) / ".profiles" / profile_key(cfg, model, at_once)).string();
-  for (const auto& prm : model.params()) p.optimizer_bytes += static_cast<int64_t>(prm.value.nbytes());
-  if (zero_ranks(cfg) > 1) {
-    std::vector<int64_t> numels;
-    for (const auto& prm : model.params()) numels.push_back(prm.value.numel());
-    const std::vector<int> owner = cost::zero_owners(numels, zero_ranks(cfg));
-    p.optimizer_bytes = 0;
-    for (size_t i = 0; i < owner.size(); ++i) {
-      if (owner[i] == 0) p.optimizer_bytes += static_cast<int64_t>(model.params()[i].value.nbytes());
-    }
-  }
-  return p;
-}
-
 // Measures `p`'s times once: a few passes with every layer recomputed and two updates
 // (measure_time_profile says how).
 void measure_times(const Config& cfg, Model& model, const data::TokenDataset& data, TimeProfile& p) {
@@ -251,8 +91,10 @@ void measure_times(const Config& cfg, Model& model, const data::TokenDataset& da
   StoreOptions options;
   options.early_stop = cfg.ac.early_stop;
   options.time_nodes = true;
-  const graph::BlockGraph block =
-      graph::block_graph(cfg.model, t.batch, t.seq, model.compute_dtype(), model.tp_size(), model.sequence_parallel());
+  Layout layout;
+  layout.tp = model.tp_size();
+  layout.sp = model.sequence_parallel();
+  const graph::BlockGraph block = graph::block_graph(cfg.model, t.batch, t.seq, model.compute_dtype(), layout);
   ActivationPlan full = compile_policy("full", cfg.model.n_layer, cfg.model.dropout);
   // Where a layer may keep its input as a share, each does, so that the all-gather a plan
   // may choose (graph::kInputGather) is timed too.
@@ -298,7 +140,7 @@ void measure_times(const Config& cfg, Model& model, const data::TokenDataset& da
   // the largest parameter); the clipping still reads every gradient.
   std::vector<int64_t> numels;
   for (const auto& prm : model.params()) numels.push_back(prm.value.numel());
-  const std::vector<int> owner = cost::zero_owners(numels, zero_ranks(cfg));
+  const std::vector<int> owner = cost::zero_owners(numels, profile::zero_ranks(cfg));
   std::vector<at::Tensor> copies, grads;
   for (size_t i = 0; i < model.params().size(); ++i) {
     grads.push_back(at::zeros_like(model.params()[i].grad));
@@ -337,8 +179,9 @@ bool all_say(dist::Comm* together, bool yes, const std::string& what) {
 // `links` (then `together` is the job).
 TimeProfile profile_of(const Config& cfg, Model& model, const data::TokenDataset& data, dist::Comm* together,
                        bool links) {
-  TimeProfile p = unmeasured(cfg, model, together != nullptr ? together->size() : 1);
-  p.cached = all_say(together, fs::exists(p.path) && read_cached(p.path, p), "reading the cached time profile");
+  TimeProfile p = profile::unmeasured(cfg, model, together != nullptr ? together->size() : 1);
+  p.cached =
+      all_say(together, std::filesystem::exists(p.path) && profile::read_cached(p), "reading the cached time profile");
   bool store = false;
   if (!p.cached) {
     // Times measured beside other work can be several times slow: a loaded try is measured
@@ -388,12 +231,8 @@ TimeProfile profile_of(const Config& cfg, Model& model, const data::TokenDataset
     p.times.link_latency_seconds = link.latency_seconds;
     store = store || p.cached;
   }
-  if (store && (together == nullptr || together->rank() == 0)) {
-    std::error_code ec;
-    fs::create_directories(fs::path(p.path).parent_path(), ec);
-    util::write_file_atomically(p.path, profile_json(p).dump(2) + "\n");
-  }
-  take_rank0s(together, p);
+  if (store && (together == nullptr || together->rank() == 0)) profile::write_cached(p);
+  profile::take_rank0s(together, p);
   return p;
 }
 
@@ -413,12 +252,12 @@ TimeProfile rank_time_profile(const Config& cfg, Model& model, const data::Token
   if (cfg.parallel.tp > 1) return measure_time_profile(cfg, model, data, ranks);
   // Rank 0 measures alone while the others wait (measuring beside it, they would be other
   // processes slowing it), and every rank takes its profile.
-  TimeProfile profile = unmeasured(cfg, model, 1);
+  TimeProfile p = profile::unmeasured(cfg, model, 1);
   rank0_first(ranks, "measuring the time profile", [&] {
-    if (ranks == nullptr || ranks->rank() == 0) profile = measure_time_profile(cfg, model, data);
+    if (ranks == nullptr || ranks->rank() == 0) p = measure_time_profile(cfg, model, data);
   });
-  take_rank0s(ranks, profile);
-  return profile;
+  profile::take_rank0s(ranks, p);
+  return p;
 }
 
 TimeProfile probe_time_profile(const Config& cfg, at::Device device, at::ScalarType dtype,
@@ -429,8 +268,11 @@ TimeProfile probe_time_profile(const Config& cfg, at::Device device, at::ScalarT
     probe.parallel.pp = 1;
     probe.ac.stages = 1;
     // Under tensor parallelism the probe is split over this rank's group, as a stage is.
-    auto model = Model::create(probe.model, device, dtype, static_cast<uint64_t>(cfg.run.seed),
-                               cfg.parallel.tp > 1 ? &ranks->tensor() : nullptr, cfg.parallel.sp);
+    Layout layout;
+    layout.tp = cfg.parallel.tp;
+    layout.sp = cfg.parallel.sp;
+    auto model = Model::create(probe.model, device, dtype, static_cast<uint64_t>(cfg.run.seed), layout,
+                               cfg.parallel.tp > 1 ? &ranks->tensor() : nullptr);
     // Every rank measures at once: the stages will share the host's cores and memory so.
     return profile_of(probe, *model, data, ranks, links);
   };
@@ -565,44 +407,35 @@ HostCopy measure_host_copy(at::Device device, at::ScalarType dtype) {
   return fit;
 }
 
-bool may_offload(const Config& cfg) {
-  const bool budget_may = !cfg.ac.budget.empty() && planner_options(cfg).host_budget > 0;
-  return budget_may || compile_policy(cfg.ac, cfg.model.n_layer, cfg.model.dropout).offloads();
-}
-
-TimeProfile run_time_profile(const Config& cfg, at::Device device, at::ScalarType dtype, const data::TokenDataset& data,
-                             dist::Comm* ranks, double matmul_rate,
-                             const std::function<std::unique_ptr<Model>()>& create, std::unique_ptr<Model>& model) {
-  TimeProfile profile;
+Prices run_prices(const Config& cfg, at::Device device, at::ScalarType dtype, const data::TokenDataset& data,
+                  dist::Comm* ranks, double matmul_rate, bool host_copies,
+                  const std::function<std::unique_ptr<Model>()>& create, std::unique_ptr<Model>& model) {
+  Prices prices;
   if (cfg.ac.profile && cfg.parallel.pp == 1) {
     model.reset();
     model = create();
-    profile = rank_time_profile(cfg, *model, data, ranks);
+    prices = rank_time_profile(cfg, *model, data, ranks);
   } else if (cfg.ac.profile) {
-    profile = probe_time_profile(cfg, device, dtype, data, ranks);
+    prices = probe_time_profile(cfg, device, dtype, data, ranks);
   } else {
     // Rank 0's matmul rate, as a profile is rank 0's: ranks pricing by their own rates
     // could choose different plans (bytes weighed against FLOPs otherwise; a sum rounded
     // otherwise), whose collectives would never meet.
     const bool shared = ranks != nullptr && ranks->size() > 1;
-    const double rate = shared ? rank0s(*ranks, matmul_rate, "sharing rank 0's matmul rate") : matmul_rate;
-    // Time in FLOPs, as `remat plan` prices it, so that both take the same plan (a rate
-    // scales every time alike, but rounds ties apart).
-    profile.times.flops_per_second = 1.0;
-    profile.seconds_per_unit = 1.0 / rate;
+    prices.times.flops_per_second = shared ? rank0s(*ranks, matmul_rate, "sharing rank 0's matmul rate") : matmul_rate;
   }
   // A profile of its own measured (and cached) the links with its times.
   if (cfg.parallel.tp > 1 && !cfg.ac.profile) {
     const LinkRate link = measure_link_rate(*ranks);
-    profile.times.link_bytes_per_second = link.bytes_per_second * profile.seconds_per_unit;
-    profile.times.link_latency_seconds = link.latency_seconds / profile.seconds_per_unit;
+    prices.times.link_bytes_per_second = link.bytes_per_second;
+    prices.times.link_latency_seconds = link.latency_seconds;
   }
   // Measured at every start that may offload.
-  if (may_offload(cfg)) add_host_copy(profile, device, dtype, ranks);
-  return profile;
+  if (host_copies) add_host_copy(prices, device, dtype, ranks);
+  return prices;
 }
 
-void add_host_copy(TimeProfile& profile, at::Device device, at::ScalarType dtype, dist::Comm* ranks) {
+void add_host_copy(Prices& prices, at::Device device, at::ScalarType dtype, dist::Comm* ranks) {
   HostCopy copy = measure_host_copy(device, dtype);
   if (ranks != nullptr && ranks->size() > 1) {
     const char* what = "sharing rank 0's measure of host copies";
@@ -610,10 +443,10 @@ void add_host_copy(TimeProfile& profile, at::Device device, at::ScalarType dtype
     copy.latency_seconds = rank0s(*ranks, copy.latency_seconds, what);
     copy.compute_slowdown = rank0s(*ranks, copy.compute_slowdown, what);
   }
-  profile.times.host_bytes_per_second = copy.bytes_per_second * profile.seconds_per_unit;
-  profile.times.host_copies_overlap = device.is_cuda();
-  profile.times.host_copy_latency_seconds = copy.latency_seconds / profile.seconds_per_unit;
-  profile.times.host_copy_slowdown = copy.compute_slowdown;
+  prices.times.host_bytes_per_second = copy.bytes_per_second;
+  prices.times.host_copies_overlap = device.is_cuda();
+  prices.times.host_copy_latency_seconds = copy.latency_seconds;
+  prices.times.host_copy_slowdown = copy.compute_slowdown;
 }
 
 }  // namespace remat

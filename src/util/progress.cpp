@@ -1,4 +1,4 @@
-#include "train/progress.h"
+#include "util/progress.h"
 
 #include <fmt/format.h>
 #include <unistd.h>

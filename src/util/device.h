@@ -4,13 +4,15 @@
 #include <ATen/ATen.h>
 
 #include <string>
+#include <vector>
 
 namespace remat {
 
 /// "cpu", "cuda" or "cuda:N" -> a device that exists here; a sentence otherwise.
 at::Device parse_device(const std::string& spec);
-/// dtype_of(name) (remat/config.h), refusing bfloat16 where `device` lacks it.
-at::ScalarType parse_dtype(const std::string& name, at::Device device);
+/// `dtype` (run.dtype's, remat/config.h's dtype_of), refusing bfloat16 where `device`
+/// lacks it.
+at::ScalarType device_dtype(at::ScalarType dtype, at::Device device);
 /// Sets the intra-op thread count (0: all cores) and returns the count in effect. OpenBLAS's
 /// OpenMP build runs its matrix multiplies on as many threads, in ATen's pool; its pthread
 /// build, whose own pool would fight ATen's for the cores, is held to one thread.
@@ -32,5 +34,8 @@ int64_t memory_available(at::Device device);
 
 /// Waits for the device's queued work (CUDA); no-op on CPU.
 void synchronize(at::Device device);
+
+/// The median of `v` (the upper one of an even count); 0 when empty.
+double median(std::vector<double> v);
 
 }  // namespace remat

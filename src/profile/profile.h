@@ -1,7 +1,8 @@
-// The measured time profile a plan's step time is predicted from: how long each
+// The measured prices (remat/prices.h) a plan's time is predicted from: how long each
 // recompute node takes at the run's shapes on this device, how long a microbatch's
-// forward and backward take without recompute, and the update around them. Measured once
-// per device and shape and cached on disk.
+// forward and backward take without recompute, and the update around them; the
+// tensor-parallel links and the host copies. Measured once per device and shape and cached
+// on disk (src/profile/cache.cpp), measured here (measure.cpp).
 #pragma once
 
 #include "remat/config.h"
@@ -9,6 +10,7 @@
 #include "remat/data.h"
 #include "remat/dist.h"
 #include "remat/model.h"
+#include "remat/prices.h"
 #include "util/cpu_load.h"
 
 #include <functional>
@@ -18,26 +20,10 @@
 
 namespace remat {
 
-struct TimeProfile {
-  cost::NodeTimes times;    ///< seconds per execution of each recompute node
-  double base_seconds = 0;  ///< one microbatch's forward + backward, nothing recomputed
-  /// The step's work besides the passes: zeroing the gradients, clipping them, the AdamW
-  /// update and the compute-dtype copies of the updated weights.
-  double optimizer_seconds = 0;
-  int64_t optimizer_bytes = 0;  ///< the parameter bytes that update was of
-  /// The CPUs other processes used while it was measured (rank 0's machine); unknown where
-  /// /proc/stat could not be read, or read from a cache written before this was recorded.
-  std::optional<double> other_cpus;
-  /// The seconds one unit of `times` stands for: 1 where measured; without a measured
-  /// profile time is priced in FLOPs (times.flops_per_second = 1), and this is the inverse
-  /// of the matmul rate measured.
-  double seconds_per_unit = 1;
+/// Prices measured on this machine, and where they are cached.
+struct TimeProfile : Prices {
   std::string path;     ///< the cache file
   bool cached = false;  ///< read from the cache rather than measured now
-  /// Predicted wall time of a step whose recompute costs `recompute_seconds` in all.
-  double step_seconds(int64_t grad_accum, double recompute_seconds) const {
-    return static_cast<double>(grad_accum) * base_seconds + recompute_seconds + optimizer_seconds;
-  }
 };
 
 /// Reads the profile of `cfg`'s model and train shape on `model`'s device from
@@ -109,27 +95,23 @@ struct HostCopy {
 };
 HostCopy measure_host_copy(at::Device device, at::ScalarType dtype);
 
-/// Whether a run of `cfg` may offload slots: its policy does, or its budget plan may (a
-/// host budget above 0, as resolve_run writes it). Such a run measures its host copies.
-bool may_offload(const Config& cfg);
-
-/// Sets `profile`'s host copy rate, latency and compute slowdown to those
+/// Sets `prices`' host copy rate, latency and compute slowdown to those
 /// measure_host_copy measures on `device` in `dtype` now, rank 0's for every rank of
 /// `ranks` (as the rest of a profile is), and whether the copies overlap the compute (on
 /// CUDA; NodeTimes::host_copies_overlap).
-void add_host_copy(TimeProfile& profile, at::Device device, at::ScalarType dtype, dist::Comm* ranks);
+void add_host_copy(Prices& prices, at::Device device, at::ScalarType dtype, dist::Comm* ranks);
 
-/// The profile a run of `cfg` (a rank_share) plans from, as `remat train` and `remat bench`
-/// take it: under ac.profile, rank_time_profile on the whole model `create` builds, left in
-/// `model` for the caller to train (the one there before is freed first), or, with
-/// pipeline stages, probe_time_profile; without ac.profile, time in FLOPs (as `remat plan`
-/// prices it; seconds_per_unit from `matmul_rate`), which predicts no step time. Under tensor parallelism either
-/// way, with the links measure_link_rate measures (cached with the profile under ac.profile),
-/// which price the collectives no node time covers (all of them without ac.profile). When
-/// the policy offloads, with the host copies' rate and latency, measured anew
-/// (measure_host_copy).
-TimeProfile run_time_profile(const Config& cfg, at::Device device, at::ScalarType dtype, const data::TokenDataset& data,
-                             dist::Comm* ranks, double matmul_rate,
-                             const std::function<std::unique_ptr<Model>()>& create, std::unique_ptr<Model>& model);
+/// The prices a run of `cfg` (a rank_share) plans from, as `remat train` and `remat bench`
+/// take them: under ac.profile, rank_time_profile on the whole model `create` builds, left
+/// in `model` for the caller to train (the one there before is freed first), or, with
+/// pipeline stages, probe_time_profile; without ac.profile, FLOPs at `matmul_rate`, which
+/// predict no step time. Under tensor parallelism either way, with the links
+/// measure_link_rate measures (cached with the profile under ac.profile), which price the
+/// collectives no node time covers (all of them without ac.profile). Where `host_copies`
+/// (the run's policy offloads, or its budget plan may), with the host copies' rate and
+/// latency, measured anew (measure_host_copy).
+Prices run_prices(const Config& cfg, at::Device device, at::ScalarType dtype, const data::TokenDataset& data,
+                  dist::Comm* ranks, double matmul_rate, bool host_copies,
+                  const std::function<std::unique_ptr<Model>()>& create, std::unique_ptr<Model>& model);
 
 }  // namespace remat

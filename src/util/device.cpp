@@ -1,6 +1,4 @@
-#include "train/device.h"
-
-#include "remat/config.h"
+#include "util/device.h"
 
 #include "util/openblas.h"
 
@@ -42,8 +40,7 @@ at::Device parse_device(const std::string& spec) {
   throw std::invalid_argument(fmt::format("run.device must be cpu or cuda[:N], got '{}'.", spec));
 }
 
-at::ScalarType parse_dtype(const std::string& name, at::Device device) {
-  const at::ScalarType dtype = dtype_of(name);
+at::ScalarType device_dtype(at::ScalarType dtype, at::Device device) {
   if (dtype == at::kBFloat16 && !device.is_cuda()) {
     throw std::invalid_argument(
         "run.dtype=bfloat16 needs a CUDA device: CPU matmuls in bfloat16 are emulated and slower than float32 "
@@ -171,6 +168,12 @@ double measure_matmul_flops(at::Device device, at::ScalarType dtype, int64_t row
   }
   if (blas.set_threads) blas.set_threads(blas_threads(threads));
   return best;
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0.0;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
 }
 
 }  // namespace remat

@@ -1,0 +1,164 @@
+#include "plan/statics.h"
+
+#include "remat/ops.h"
+
+#include <algorithm>
+#include <numeric>
+#include <set>
+
+namespace remat::cost {
+
+using ops::nbytes;
+
+std::vector<graph::Param> stage_params(const ModelConfig& c, const Layout& layout) {
+  std::vector<graph::Param> params;
+  std::set<std::string> named;
+  const auto add = [&](const graph::BlockGraph& g) {
+    for (const auto& p : g.params) {
+      if (named.insert(p.name).second) params.push_back(p);
+    }
+  };
+  Layout shard;  // the parameters are a tensor-parallel rank's, whatever the sequence split
+  shard.tp = layout.tp;
+  if (layout.has_embedding()) add(graph::embed_graph(c, 1, 1, at::kFloat, shard));
+  const auto block = graph::block_graph(c, 1, 1, at::kFloat, shard).params;
+  for (int64_t l = 0; l < layout.stage_layers(c.n_layer); ++l) params.insert(params.end(), block.begin(), block.end());
+  if (layout.has_head()) add(graph::head_graph(c, 1, 1, at::kFloat, 1, shard));
+  return params;
+}
+
+int64_t numel(const graph::Param& p) { return graph::TensorInfo{p.sizes, at::kFloat, {}}.numel(); }
+
+at::ScalarType master_dtype(at::ScalarType compute) { return compute == at::kDouble ? at::kDouble : at::kFloat; }
+
+OptimizerShare optimizer_share(const std::vector<graph::Param>& params, int64_t ranks) {
+  std::vector<int64_t> numels;
+  for (const graph::Param& p : params) numels.push_back(numel(p));
+  const std::vector<int> owner = zero_owners(numels, ranks);
+  std::vector<int64_t> load(static_cast<size_t>(ranks)), largest(load.size());
+  for (size_t i = 0; i < numels.size(); ++i) {
+    const auto r = static_cast<size_t>(owner[i]);
+    load[r] += numels[i];
+    largest[r] = std::max(largest[r], numels[i]);
+  }
+  OptimizerShare s;
+  int64_t highest = -1;
+  for (size_t r = 0; r < load.size(); ++r) {
+    s.moments = std::max(s.moments, load[r]);
+    if (2 * load[r] + 2 * largest[r] > highest) {
+      highest = 2 * load[r] + 2 * largest[r];
+      s.rank = static_cast<int>(r);
+    }
+  }
+  s.rank_moments = load[static_cast<size_t>(s.rank)];
+  for (const bool matrices : {true, false}) {
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (owner[i] == s.rank && (params[i].sizes.size() >= 2) == matrices) s.updated.push_back(i);
+    }
+  }
+  return s;
+}
+
+void simulate_update(Live& live, const std::vector<graph::Param>& params, const OptimizerShare& share,
+                     at::ScalarType master, std::vector<SimTensor>* moments) {
+  const auto make = [&](int64_t bytes) { return std::make_shared<Buffer>(&live, bytes); };
+  std::vector<SimTensor> sums;
+  for (const graph::Param& p : params) {
+    const SimTensor squared = make(nbytes(numel(p), master));
+    sums.push_back(make(nbytes(1, master)));
+  }
+  sums.clear();
+  const bool first = moments != nullptr && moments->empty();
+  for (const size_t i : share.updated) {
+    const int64_t bytes = nbytes(numel(params[i]), master);
+    if (first) {
+      moments->push_back(make(bytes));
+      moments->push_back(make(bytes));
+    }
+    SimTensor root = make(bytes);
+    const SimTensor quotient = make(bytes);
+    root.reset();
+  }
+}
+
+graph::BlockGraph shape_block(const ModelConfig& cfg, const StepShape& shape, const Layout& layout) {
+  graph::BlockGraph g = graph::block_graph(cfg, shape.batch, shape.seq, shape.dtype, layout);
+  g.device = shape.device;
+  return g;
+}
+
+std::vector<int> zero_owners(const std::vector<int64_t>& numels, int64_t ranks) {
+  TORCH_CHECK(ranks >= 1, "zero_owners needs at least one rank, got ", ranks);
+  std::vector<size_t> order(numels.size());
+  std::iota(order.begin(), order.end(), size_t{0});
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return numels[a] > numels[b]; });
+  std::vector<int64_t> load(static_cast<size_t>(ranks));
+  std::vector<int> owner(numels.size());
+  for (size_t i : order) {
+    const auto least = std::min_element(load.begin(), load.end());  // the first of equal loads
+    owner[i] = static_cast<int>(least - load.begin());
+    *least += numels[i];
+  }
+  return owner;
+}
+
+StaticBytes static_bytes(const ModelConfig& model, const StepShape& shape, const Layout& layout) {
+  // The parameters are the same whichever attention op and loss head run: a config whose
+  // autos are not resolved yet has them too.
+  ModelConfig cfg = model;
+  if (cfg.attention == Attention::automatic) cfg.attention = Attention::math;
+  if (cfg.loss_head == LossHead::automatic) cfg.loss_head = LossHead::fused;
+  TORCH_CHECK(cfg.vocab_size > 0, "The cost model needs model.vocab_size");
+  const std::vector<int64_t> split = layout.stage_split(cfg.n_layer);
+  TORCH_CHECK(layout.pp >= 1 && static_cast<int64_t>(split.size()) == layout.pp && layout.stage >= 0 &&
+                  layout.stage < layout.pp && split[static_cast<size_t>(layout.stage)] >= 1 &&
+                  std::accumulate(split.begin(), split.end(), int64_t{0}) == cfg.n_layer &&
+                  layout.in_flight(shape.grad_accum) >= 1,
+              "Stage ", layout.stage + 1, " of the split [", c10::Join(",", split), "] over ", layout.pp,
+              " stages with ", shape.grad_accum, " microbatches is not a stage of a model of ", cfg.n_layer, " layers");
+  const at::ScalarType master = master_dtype(shape.dtype);
+  const std::vector<graph::Param> params = stage_params(cfg, layout);
+  int64_t P = 0;
+  for (const graph::Param& p : params) P += numel(p);
+  StaticBytes s;
+  s.params = nbytes(P, master);
+  s.grads = nbytes(P, master);
+  s.optimizer = 2 * nbytes(optimizer_share(params, layout.zero_ranks()).moments, master);
+  s.compute_copies = shape.dtype != master ? nbytes(P, shape.dtype) : 0;
+  if (graph::block_graph(cfg, 1, 1, shape.dtype).uses(graph::op::rope())) {
+    s.params += ops::rope_tables_bytes(cfg.max_seq, cfg.head_dim(), shape.dtype);
+  }
+  // Ids for the embedding, targets for the head, of each microbatch in flight.
+  const int64_t ends = (layout.has_embedding() ? 1 : 0) + (layout.has_head() ? 1 : 0);
+  s.batch = layout.in_flight(shape.grad_accum) * ends * nbytes(shape.batch * shape.seq, at::kLong);
+  s.resident = shape.resident;
+  return s;
+}
+
+StepConstants step_constants(const ModelConfig& cfg, const StepShape& shape, const Layout& layout) {
+  StepConstants k;
+  k.statics = static_bytes(cfg, shape, layout);
+  if (layout.has_embedding()) {
+    const LayerCost embed = simulate_kept(graph::embed_graph(cfg, shape.batch, shape.seq, shape.dtype, layout));
+    k.embed_peak = embed.forward_peak;
+    k.embed_saved = embed.kept;
+    k.embed_backward = embed.backward_peak - embed.kept;
+  }
+  if (layout.has_head()) {
+    const LayerCost head =
+        simulate_kept(graph::head_graph(cfg, shape.batch, shape.seq, shape.dtype, shape.ce_chunk, layout));
+    k.head_peak = std::max(head.forward_peak, head.backward_peak);
+    k.head_saved = head.kept;
+  }
+  // The update point is the rank of OptimizerShare's: its moments, not the busiest rank's,
+  // under the temporaries of its update.
+  const at::ScalarType master = master_dtype(shape.dtype);
+  const std::vector<graph::Param> params = stage_params(cfg, layout);
+  const OptimizerShare share = optimizer_share(params, layout.zero_ranks());
+  Live live;
+  simulate_update(live, params, share, master, nullptr);
+  k.optimizer = live.peak() - 2 * nbytes(share.moments - share.rank_moments, master);
+  return k;
+}
+
+}  // namespace remat::cost

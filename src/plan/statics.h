@@ -1,0 +1,43 @@
+// What a step holds outside its blocks' activations (parameters, gradients, AdamW's
+// moments, the batch) and what its update allocates: for the step walk and step_constants.
+#pragma once
+
+#include "plan/block_sim.h"
+
+#include <vector>
+
+namespace remat::cost {
+
+/// Every parameter on one tensor-parallel rank of `layout`'s stage, in the model's order
+/// (embedding, layers, loss head), from the declared graphs: a tied head parameter counted
+/// once where the stage holds the embedding too, and as the last stage's own copy where it
+/// does not.
+std::vector<graph::Param> stage_params(const ModelConfig& cfg, const Layout& layout);
+
+/// The elements of `p`.
+int64_t numel(const graph::Param& p);
+
+/// The dtype of the master weights, gradients and moments of a run computing in `compute`.
+at::ScalarType master_dtype(at::ScalarType compute);
+
+/// What the optimizer of the ranks holds: the elements whose moments the busiest rank
+/// keeps, and the rank whose update peaks highest (its moments plus the two temporaries of
+/// its largest parameter), with the parameters it updates in AdamW's order (its group of
+/// matrices, then the rest). One rank: every parameter.
+struct OptimizerShare {
+  int64_t moments = 0;          ///< elements, for each of the two moments, of the busiest rank
+  int rank = 0;                 ///< the rank whose update peaks highest (the lowest of equals)
+  int64_t rank_moments = 0;     ///< elements, for each moment, of that rank
+  std::vector<size_t> updated;  ///< that rank's parameters, by index into the stage's
+};
+OptimizerShare optimizer_share(const std::vector<graph::Param>& params, int64_t ranks);
+
+/// The update of `share`'s rank on `live`, as the trainer runs it: every gradient squared
+/// for the norm (one at a time, the sums kept until the total), then per updated parameter
+/// AdamW's denominator, a square root and its quotient, live at once. Where `moments` is
+/// given and empty (a first update), each updated parameter's two moments are made into it
+/// first, as AdamW makes them.
+void simulate_update(Live& live, const std::vector<graph::Param>& params, const OptimizerShare& share,
+                     at::ScalarType master, std::vector<SimTensor>* moments);
+
+}  // namespace remat::cost
