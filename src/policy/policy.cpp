@@ -118,7 +118,7 @@ const std::vector<std::pair<std::string, std::vector<std::string>>>& op_kinds() 
 }
 
 /// How the layers are split across pipeline stages.
-struct Layout {
+struct StageSplit {
   std::vector<int64_t> first;  ///< first layer of each stage
   std::vector<int64_t> size;   ///< layers of each stage
   int64_t smallest() const { return *std::min_element(size.begin(), size.end()); }
@@ -132,7 +132,7 @@ struct Selective {
 
 class Parser {
  public:
-  Parser(std::string origin, int64_t n_layers, Layout layout)
+  Parser(std::string origin, int64_t n_layers, StageSplit layout)
       : origin_(std::move(origin)), n_(n_layers), layout_(std::move(layout)) {}
 
   ActivationPlan parse(const std::string& raw) {
@@ -458,7 +458,7 @@ class Parser {
 
   std::string origin_;
   int64_t n_;
-  Layout layout_;
+  StageSplit layout_;
 };
 
 std::string quoted(const std::optional<std::string>& v) { return "\"" + *v + "\""; }
@@ -472,13 +472,13 @@ struct Candidate {
   ActivationPlan plan;
 };
 
-Layout stage_layout(const AcConfig& ac, int64_t n) {
+StageSplit stage_layout(const AcConfig& ac, int64_t n) {
   if (ac.stages < 1) fail(fmt::format("ac.stages must be at least 1 (pipeline stages), got {}.", ac.stages));
   if (ac.stages > n) {
     fail(fmt::format("ac.stages = {} is more pipeline stages than the model has layers ({}); use at most {}.",
                      ac.stages, n, n));
   }
-  Layout layout;
+  StageSplit layout;
   if (ac.num_layers_per_stage) {
     const auto sizes = int_list("ac.num_layers_per_stage", *ac.num_layers_per_stage);
     if (static_cast<int64_t>(sizes.size()) != ac.stages) {
@@ -657,7 +657,7 @@ void megatron(const AcConfig& ac, std::vector<Candidate>& out,
   }
 }
 
-void colossalai(const AcConfig& ac, const Layout& layout, std::vector<Candidate>& out,
+void colossalai(const AcConfig& ac, const StageSplit& layout, std::vector<Candidate>& out,
                 const std::function<ActivationPlan(std::string, std::string)>& compile) {
   if (ac.gradient_checkpointing_ratio) {
     const double r = *ac.gradient_checkpointing_ratio;
@@ -776,7 +776,7 @@ OffloadAsk offload_modules_alias(const std::string& value, const ActivationPlan&
 }
 
 // The offloads the framework keys ask for, each checked.
-std::vector<OffloadAsk> offload_aliases(const AcConfig& ac, const Layout& layout, const ActivationPlan& plan) {
+std::vector<OffloadAsk> offload_aliases(const AcConfig& ac, const StageSplit& layout, const ActivationPlan& plan) {
   std::vector<OffloadAsk> out;
   if (ac.enable_activation_offloading && *ac.enable_activation_offloading) {
     out.push_back({"ac.enable_activation_offloading = true", std::string("offload") + kEveryKeptSlot});
@@ -834,7 +834,7 @@ ActivationPlan compile_policy(const AcConfig& ac, int64_t n_layers, double dropo
   if (ac.check != "none" && ac.check != "meta" && ac.check != "values") {
     fail(fmt::format("ac.check must be \"none\", \"meta\" or \"values\", got \"{}\".", ac.check));
   }
-  const Layout layout = stage_layout(ac, n_layers);
+  const StageSplit layout = stage_layout(ac, n_layers);
   auto compile = [&](const std::string& policy, const std::string& origin) {
     return Parser(origin, n_layers, layout).parse(policy);
   };

@@ -108,7 +108,7 @@ RunSpec resolve_run(const Config& cfg, const RunInputs& in) {
   if (in.corpus) spec.resident = data::TokenDataset::held_bytes(*in.corpus);
   spec.local = rank_share(spec.cfg);
   const ParallelConfig& p = spec.local.parallel;
-  spec.layout = {p.dp, p.tp, p.sp, p.pp, in.stage, p.zero};
+  spec.layout = {p.dp, p.tp, p.sp, p.pp, in.stage, p.zero, p.schedule, {}};
   spec.dtype = in.dtype;
   spec.shape = step_shape(spec.local, in.dtype, spec.resident);
   const Room room = room_of(spec, in.memory_available);

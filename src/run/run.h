@@ -5,6 +5,7 @@
 
 #include "remat/config.h"
 #include "remat/data.h"
+#include "remat/layout.h"
 #include "run/auto.h"
 #include "run/planning.h"
 
@@ -14,16 +15,6 @@
 #include <string>
 
 namespace remat {
-
-/// How a run's ranks share the work, as parallel.* and the launch decide it.
-struct Layout {
-  int64_t dp = 1;     ///< data-parallel ranks (each a share of train.batch)
-  int64_t tp = 1;     ///< tensor-parallel ranks sharing every layer
-  bool sp = false;    ///< sequence parallelism over the tensor-parallel ranks
-  int64_t pp = 1;     ///< pipeline stages
-  int64_t stage = 0;  ///< this rank's stage (from 0)
-  int64_t zero = 0;   ///< ZeRO stage (1: AdamW's moments sharded over the dp ranks)
-};
 
 /// What a run is resolved against besides its config.
 struct RunInputs {
