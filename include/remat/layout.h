@@ -62,9 +62,7 @@ struct Layout {
   bool has_embedding() const { return stage == 0; }
   bool has_head() const { return stage == pp - 1; }
   /// The microbatches whose activations the stage holds at once, of `microbatches`.
-  int64_t in_flight(int64_t microbatches) const {
-    return pipeline::in_flight(schedule, pp, stage, microbatches);
-  }
+  int64_t in_flight(int64_t microbatches) const { return pipeline::in_flight(schedule, pp, stage, microbatches); }
   /// The same layout seen from stage `s`.
   Layout at_stage(int64_t s) const {
     Layout l = *this;
