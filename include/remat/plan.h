@@ -150,6 +150,12 @@ struct LayerPlan {
 struct ActivationPlan {
   std::vector<LayerPlan> layers;
   std::string policy = "none";  ///< canonical spelling of the policy that produced it
+  /// The plan of the policy `none` for `n_layers` layers: each keeps every slot.
+  static ActivationPlan none(int64_t n_layers) {
+    ActivationPlan plan;
+    plan.layers.assign(static_cast<size_t>(n_layers), LayerPlan{});
+    return plan;
+  }
   /// The first layer of layer l's uniform chunk (a chunk's first layer has chunk_begin -1
   /// and is recognised by the next layer pointing at it), or -1 outside a chunk.
   int64_t chunk_of(int64_t l) const;

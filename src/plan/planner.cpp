@@ -1,7 +1,6 @@
 #include "remat/planner.h"
 
 #include "remat/memory.h"
-#include "remat/policy.h"
 
 #include <fmt/format.h>
 
@@ -409,7 +408,7 @@ int64_t Planner::min_pipeline_budget(const PipelineShape& pipe) const {
     };
     return pipeline::solve(p).has_value();
   };
-  const int64_t none = predict_pipeline(compile_policy("none", cfg_.n_layer), pipe).peak();
+  const int64_t none = predict_pipeline(ActivationPlan::none(cfg_.n_layer), pipe).peak();
   const int64_t by_bytes = least_budget(0, none, fits);
   // Past max_states the timed program merges partial plans and may miss the plan the
   // bytes admit there: then the least budget it plans.
@@ -565,7 +564,7 @@ std::vector<bool> Planner::input_holds() const {
   return {false};
 }
 
-int64_t Planner::none_peak() const { return predict(compile_policy("none", cfg_.n_layer, cfg_.dropout)).peak; }
+int64_t Planner::none_peak() const { return predict(ActivationPlan::none(cfg_.n_layer)).peak; }
 
 void Planner::prefetch_where_it_pays(ActivationPlan& plan, const cost::StepShape& shape, int64_t budget,
                                      cost::StepPrediction& predicted) const {
