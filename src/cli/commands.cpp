@@ -33,7 +33,7 @@ void print_config_keys() {
 }
 
 int cmd_prepare(const std::string& config_file, const std::vector<std::string>& overrides) {
-  const Config cfg = load_config(config_file, overrides);
+  const Config cfg = load_run_config(config_file, overrides);
   set_threads(cfg.run.threads);
   const data::CorpusInfo info = prepare_data(cfg.data);
   fmt::print("corpus     {}{}\n", info.dir, info.cached ? " (cached)" : "");
@@ -57,9 +57,9 @@ int cmd_train(const std::string& config_file, const std::vector<std::string>& ov
         resume));
   }
   if (!resume.empty()) check_path("--resume", resume);
-  const TrainSummary s = resume.empty()
-                             ? train(load_config(config_file, overrides))
-                             : train(load_config((std::filesystem::path(resume) / "config.toml").string(), {}), resume);
+  const TrainSummary s =
+      resume.empty() ? train(load_run_config(config_file, overrides))
+                     : train(load_run_config((std::filesystem::path(resume) / "config.toml").string(), {}), resume);
   // Stopped by a signal after its checkpoint, it exits as the shell expects of that signal.
   return s.stopped_by == 0 ? 0 : 128 + s.stopped_by;
 }

@@ -1,7 +1,5 @@
 #include "remat/config.h"
 
-#include "remat/budget.h"
-#include "remat/policy.h"
 #include "util/atomic_file.h"
 #include "util/utf8.h"
 
@@ -501,59 +499,6 @@ at::ScalarType dtype_of(const std::string& name) {
   fail(fmt::format("run.dtype must be float32 or bfloat16, got '{}'.", util::clip(name)));
 }
 
-const char* arch_name(Arch a) { return a == Arch::gpt2 ? "gpt2" : "llama"; }
-const char* attention_name(Attention a) {
-  switch (a) {
-    case Attention::math:
-      return "math";
-    case Attention::tiled:
-      return "tiled";
-    case Attention::sdpa:
-      return "sdpa";
-    case Attention::automatic:
-      return "auto";
-  }
-  return "?";
-}
-
-std::string attention_refusal(Attention a, double dropout, bool cuda, at::ScalarType dtype, int64_t head_dim) {
-  if (a == Attention::tiled && cuda) {
-    return "model.attention = tiled runs remat's own loops over tiles on the CPU, and run.device is CUDA; use "
-           "model.attention = sdpa (ATen's flash kernel, bfloat16) or math there.";
-  }
-  if (a != Attention::sdpa) return "";
-  if (!kSdpaBuilt) {
-    return fmt::format(
-        "model.attention = sdpa needs LibTorch 2.9 or later (ATen's fused attention, with grouped-query heads); this "
-        "build has LibTorch {}.{}; use model.attention = math or tiled.",
-        TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR);
-  }
-  if (cuda && dtype != at::kBFloat16 && dtype != at::kHalf) {
-    return fmt::format(
-        "model.attention = sdpa on CUDA runs ATen's flash kernel, which takes bfloat16 or float16, and run.dtype is "
-        "{}; set run.dtype = bfloat16, or use model.attention = math or tiled.",
-        dtype == at::kFloat ? "float32" : c10::toString(dtype));
-  }
-  if (cuda && head_dim % 8 != 0) {
-    return fmt::format(
-        "model.attention = sdpa on CUDA runs ATen's flash kernel, which takes heads of a multiple of 8 values, and "
-        "model.d_model / model.n_head = {}; choose model.n_head so that it is, or use model.attention = math.",
-        head_dim);
-  }
-  if (dropout > 0) {
-    return fmt::format(
-        "model.attention = sdpa cannot drop attention probabilities: ATen's fused attention draws its dropout mask "
-        "inside the kernel (from the global generator, and not at all on the CPU), so a recompute could not draw "
-        "the forward's mask again, and model.dropout = {} applies to them; set model.dropout = 0, or use "
-        "model.attention = math or tiled (their masks are keyed, so a recompute is exact).",
-        dropout);
-  }
-  return "";
-}
-const char* loss_head_name(LossHead h) {
-  return h == LossHead::fused ? "fused" : h == LossHead::recompute ? "recompute" : "auto";
-}
-
 const std::vector<ConfigKey>& config_keys() {
   static const std::vector<ConfigKey> keys = make_keys();
   return keys;
@@ -800,13 +745,9 @@ void validate_config(const Config& c) {
   if (c.run.threads < 0 || c.run.threads > 1024) {
     fail(fmt::format("run.threads must be in [0, 1024] (0: all cores), got {}.", c.run.threads));
   }
-  const at::ScalarType dtype = dtype_of(c.run.dtype);
+  dtype_of(c.run.dtype);
   if (c.run.device != "cpu" && c.run.device != "cuda" && c.run.device.rfind("cuda:", 0) != 0) {
     fail(fmt::format("run.device must be cpu or cuda[:N], got '{}'.", util::clip(c.run.device)));
-  }
-  if (const std::string why = attention_refusal(m.attention, m.dropout, c.run.device != "cpu", dtype, m.head_dim());
-      !why.empty()) {
-    fail(why);
   }
   if (c.run.sample_tokens < 0) fail("run.sample_tokens must be >= 0.");
   if (c.parallel.dp < 0 || c.parallel.dp > 1 << 20) {
@@ -929,11 +870,7 @@ void validate_config(const Config& c) {
                     "stages; drop ac.stages or set it to {}.",
                     c.ac.stages, c.parallel.pp, c.parallel.pp));
   }
-  // The recompute policy is compiled once here, so a bad one is refused before anything runs.
-  const ActivationPlan plan = compile_policy(c.ac, m.n_layer, m.dropout);
-  if (!c.ac.host_budget.empty()) parse_host_budget(c.ac.host_budget, 1);
   if (!c.ac.budget.empty()) {
-    parse_budget(c.ac.budget, 1);
     if (c.ac.tp_recompute_allgather && *c.ac.tp_recompute_allgather) {
       fail(
           fmt::format("ac.budget = \"{}\" lets the planner choose, per layer, whether to keep each gathered input "
@@ -947,12 +884,6 @@ void validate_config(const Config& c) {
                       "as a share per tensor-parallel rank, but ac.distribute_saved_activations = true fixes that "
                       "choice; keep one of them.",
                       c.ac.budget));
-    }
-    if (c.ac.policy || plan.policy != "none") {
-      throw std::invalid_argument(fmt::format(
-          "ac.budget = \"{}\" asks the planner for the plan, but the ac settings also choose the policy \"{}\"; "
-          "keep one of them.",
-          c.ac.budget, plan.policy));
     }
   }
   check_path("run.out_dir", c.run.out_dir);

@@ -1,5 +1,7 @@
 #include "remat/policy.h"
 
+#include "remat/budget.h"
+#include "remat/ops/attention.h"
 #include "remat/pipeline.h"
 
 #include <fmt/format.h>
@@ -1033,6 +1035,30 @@ std::string explain_plan(const ActivationPlan& plan) {
   out += line({"layers", "keeps", "drops", "chunk", "attention", "offloaded to host"});
   for (const auto& r : rows) out += line(r);
   return out;
+}
+
+ActivationPlan validate_plan(const Config& c) {
+  const std::string why = ops::attention_refusal(c.model.attention, c.model.dropout, c.run.device != "cpu",
+                                                 dtype_of(c.run.dtype), c.model.head_dim());
+  if (!why.empty()) fail(why);
+  const ActivationPlan plan = compile_policy(c.ac, c.model.n_layer, c.model.dropout);
+  if (!c.ac.host_budget.empty()) parse_host_budget(c.ac.host_budget, 1);
+  if (!c.ac.budget.empty()) {
+    parse_budget(c.ac.budget, 1);
+    if (c.ac.policy || plan.policy != "none") {
+      fail(
+          fmt::format("ac.budget = \"{}\" asks the planner for the plan, but the ac settings also choose the policy "
+                      "\"{}\"; keep one of them.",
+                      c.ac.budget, plan.policy));
+    }
+  }
+  return plan;
+}
+
+Config load_run_config(const std::string& toml_path, const std::vector<std::string>& overrides) {
+  Config c = load_config(toml_path, overrides);
+  validate_plan(c);
+  return c;
 }
 
 }  // namespace remat

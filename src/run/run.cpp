@@ -2,6 +2,7 @@
 
 #include "remat/budget.h"
 #include "remat/memory.h"
+#include "remat/policy.h"
 #include "train/device.h"
 #include "train/data_parallel.h"
 
@@ -96,6 +97,7 @@ Config resolve_config(const Config& cfg, const std::optional<data::CorpusInfo>& 
     out.model.vocab_size = padded_vocab_size(out, out.data.vocab_size);
   }
   validate_config(out);
+  validate_plan(out);
   return out;
 }
 

@@ -1,5 +1,6 @@
 #include "util/error_of.h"
 #include "remat/config.h"
+#include "remat/policy.h"
 #include "remat/ops/tiled_attention.h"
 
 #include <fmt/format.h>
@@ -68,41 +69,42 @@ TEST(Config, BadValuesAndShapesAreRefusedWithSentences) {
             "model.attention must be tiled (online softmax over tiles, keeps one log-sum-exp per row), math "
             "(keeps the [T x T] probabilities), sdpa (ATen's fused attention, keeps what tiled keeps; LibTorch 2.9 "
             "and later, no attention dropout) or auto (the planner chooses one of them for the run), got 'flash'.");
-  // sdpa: refused where this build lacks the kernel, and with attention dropout anywhere.
+  // sdpa: refused where this build lacks the kernel, and with attention dropout anywhere (by
+  // validate_plan, which the commands call on every config they load).
   if (kSdpaBuilt) {
-    EXPECT_EQ(load_config("", {"model.attention=sdpa", "model.dropout=0"}).model.attention, Attention::sdpa);
+    EXPECT_EQ(load_run_config("", {"model.attention=sdpa", "model.dropout=0"}).model.attention, Attention::sdpa);
     EXPECT_EQ(error_of([] {
-                load_config("", {"model.attention=sdpa", "model.dropout=0.1"});
+                load_run_config("", {"model.attention=sdpa", "model.dropout=0.1"});
               }),
               "model.attention = sdpa cannot drop attention probabilities: ATen's fused attention draws its dropout "
               "mask inside the kernel (from the global generator, and not at all on the CPU), so a recompute could "
               "not draw the forward's mask again, and model.dropout = 0.1 applies to them; set model.dropout = 0, or "
               "use model.attention = math or tiled (their masks are keyed, so a recompute is exact).");
     EXPECT_EQ(error_of([] {
-                load_config("", {"model.attention=sdpa", "model.dropout=0", "run.device=cuda"});
+                load_run_config("", {"model.attention=sdpa", "model.dropout=0", "run.device=cuda"});
               }),
               "model.attention = sdpa on CUDA runs ATen's flash kernel, which takes bfloat16 or float16, and "
               "run.dtype is float32; set run.dtype = bfloat16, or use model.attention = math or tiled.");
-    EXPECT_EQ(load_config("", {"model.attention=sdpa", "model.dropout=0", "run.device=cuda", "run.dtype=bfloat16"})
+    EXPECT_EQ(load_run_config("", {"model.attention=sdpa", "model.dropout=0", "run.device=cuda", "run.dtype=bfloat16"})
                   .model.attention,
               Attention::sdpa);
     EXPECT_EQ(error_of([] {
-                load_config("", {"model.attention=sdpa", "model.dropout=0", "run.device=cuda", "run.dtype=bfloat16",
-                                 "model.n_head=32", "model.n_kv_head=32"});
+                load_run_config("", {"model.attention=sdpa", "model.dropout=0", "run.device=cuda", "run.dtype=bfloat16",
+                                     "model.n_head=32", "model.n_kv_head=32"});
               }),
               "model.attention = sdpa on CUDA runs ATen's flash kernel, which takes heads of a multiple of 8 "
               "values, and model.d_model / model.n_head = 4; choose model.n_head so that it is, or use "
               "model.attention = math.");
   } else {
     EXPECT_EQ(error_of([] {
-                load_config("", {"model.attention=sdpa", "model.dropout=0"});
+                load_run_config("", {"model.attention=sdpa", "model.dropout=0"});
               }),
               fmt::format("model.attention = sdpa needs LibTorch 2.9 or later (ATen's fused attention, with "
                           "grouped-query heads); this build has LibTorch {}.{}; use model.attention = math or tiled.",
                           TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR));
   }
   EXPECT_EQ(error_of([] {
-              load_config("", {"model.attention=tiled", "run.device=cuda"});
+              load_run_config("", {"model.attention=tiled", "run.device=cuda"});
             }),
             "model.attention = tiled runs remat's own loops over tiles on the CPU, and run.device is CUDA; use "
             "model.attention = sdpa (ATen's flash kernel, bfloat16) or math there.");
@@ -168,7 +170,7 @@ TEST(Config, DistributedSavedActivationsNeedTensorParallelismAlone) {
                                       "ac.recompute_num_layers=1", "ac.distribute_saved_activations=true"};
   const auto with = [&](std::vector<std::string> more) {
     more.insert(more.end(), full.begin(), full.end());
-    return error_of([&] { load_config("", more); });
+    return error_of([&] { load_run_config("", more); });
   };
   EXPECT_EQ(with({}),
             "ac.distribute_saved_activations = true keeps each recomputed layer's input as a share per "
