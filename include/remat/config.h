@@ -212,7 +212,8 @@ struct AcConfig {
   /// slots' copies at (a run measures its own); 25: about a PCIe 4 x16 link, 55 PCIe 5.
   double offload_rate = 25;
   /// Of each second such a copy runs beside the compute (on a device whose copies overlap
-  /// it), the share the compute loses (a run measures its own): 0.17, an H200's matmuls'.
+  /// it), the share the compute loses (a run measures its own); the default is what an
+  /// H200's matmuls lost beside such copies (docs/results.md).
   double offload_slowdown = 0.17;
   int64_t stages = 1;  ///< pipeline stages the layers are split across
 };
