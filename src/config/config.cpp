@@ -1,6 +1,7 @@
 #include "remat/config.h"
 
 #include "util/atomic_file.h"
+#include "util/number.h"
 #include "util/utf8.h"
 
 #include <fmt/format.h>
@@ -20,24 +21,18 @@ namespace {
 // A whole-string integer or finite number; anything else is refused naming the key.
 template <class T>
 T parse_number(const std::string& key, const std::string& v) {
-  size_t used = 0;
-  T out = 0;
-  try {
+  const std::optional<T> out = [&] {
     if constexpr (std::is_integral_v<T>) {
-      out = std::stoll(v, &used);
+      return util::parse_int(v);
     } else {
-      out = std::stod(v, &used);
+      return util::parse_real(v);
     }
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  bool ok = used != 0 && used == v.size();
-  if constexpr (!std::is_integral_v<T>) ok = ok && std::isfinite(out);
-  if (!ok) {
+  }();
+  if (!out) {
     fail(
         fmt::format("{} must be {}, got '{}'.", key, std::is_integral_v<T> ? "an integer" : "a number", util::clip(v)));
   }
-  return out;
+  return *out;
 }
 
 bool parse_bool(const std::string& key, const std::string& v) {

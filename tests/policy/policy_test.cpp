@@ -10,7 +10,7 @@
 #include "remat/config.h"
 
 // GCC 12 warns, wrongly, that assigning an AcConfig's empty optionals reads uninitialized
-// strings (as in src/policy/policy.cpp).
+// strings (as in src/policy/compile.cpp).
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
