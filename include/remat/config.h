@@ -2,8 +2,9 @@
 // preset, a TOML file and `key=value` overrides, in that order (later wins).
 //
 // Keys are dotted `section.field` names (`train.lr`, `model.n_layer`). One table
-// (config_keys()) declares every key once; TOML parsing, overrides, the resolved-config
-// dump and "did you mean" suggestions all read it, so they cannot drift apart.
+// (config_keys()) declares every key once, with the range a number key accepts; TOML
+// parsing, overrides, the range checks, the resolved-config dump, `remat train
+// --help-config` and "did you mean" suggestions all read it, so they cannot drift apart.
 #pragma once
 
 #include <c10/core/ScalarType.h>
@@ -227,6 +228,22 @@ struct Config {
   AcConfig ac;  ///< recompute policy (compiled by include/remat/policy.h)
 };
 
+/// The values a number key accepts, what they count and values that work. validate_config
+/// refuses a value outside with one sentence built from these: the key, the range and its
+/// unit, the value given, why, and the example.
+struct KeyRange {
+  std::optional<double> min;  ///< the least value accepted; unset: no lower bound
+  std::optional<double> max;  ///< the largest value accepted; unset: no upper bound
+  bool above_min = false;     ///< min itself is refused: a value must lie above it
+  bool below_max = false;     ///< max itself is refused: a value must lie below it
+  std::string unit;           ///< what the number counts ("layers", "GB/s"); empty: a bare number
+  std::string why;            ///< a clause on why the bounds lie where they do, or what a bound means
+  std::string example;        ///< values that work, as a user would choose them ("0.02", "200 for NVLink 3")
+  /// The range in words, with its unit: "from 1 to 1024 layers", "above 0 and at most
+  /// 1000000 GB/s", "at least 0".
+  std::string text() const;
+};
+
 /// One settable key.
 struct ConfigKey {
   std::string name;  ///< "section.field"
@@ -234,6 +251,9 @@ struct ConfigKey {
   std::function<void(Config&, const std::string&)> set;  ///< parses and stores; throws on bad value
   std::function<std::string(const Config&)> get;         ///< TOML literal of the current value;
                                                          ///< empty: unset (an optional alias key)
+  /// A number key's value, which `range` bounds; absent for the other keys.
+  std::function<double(const Config&)> number;
+  std::optional<KeyRange> range;  ///< the values a number key accepts; unset: any it parses
 };
 
 /// The vocabulary a model of `c` is built with for `vocab` tokens: `vocab` rounded up to a
@@ -242,8 +262,8 @@ struct ConfigKey {
 /// The rows added are no token's: the data never holds them and generation never samples
 /// them, but the loss's softmax runs over them (as Megatron's does). 0 stays 0 (the
 /// tokenizer's, resolved later); a padded size is its own padding. Throws a sentence for
-/// a model.vocab_multiple outside [1, 65536], and where `vocab` > 0 for a parallel.tp
-/// outside [1, 1024] or a `vocab` above 2^31.
+/// a model.vocab_multiple outside its key's range, and where `vocab` > 0 for a parallel.tp
+/// outside its key's range or a `vocab` above 2^31.
 int64_t padded_vocab_size(const Config& c, int64_t vocab);
 
 /// Sets model.vocab_size for a tokenizer of `tokenizer_vocab` pieces: the tokenizer's,
@@ -266,9 +286,10 @@ ModelConfig model_preset(const std::string& name);
 /// (padded_vocab_size); the result is validated (validate_config).
 Config load_config(const std::string& toml_path, const std::vector<std::string>& overrides);
 
-/// Refuses inconsistent settings with a sentence (heads not dividing d_model, ...). What
-/// needs the layers above the configuration, the recompute policy's grammar and the
-/// attention ops' limits, is validate_plan's (remat/policy.h), which commands call beside it.
+/// Refuses, with a sentence, a number outside its key's range (ConfigKey::range) and
+/// settings that contradict each other (heads not dividing d_model, ...). What needs the
+/// layers above the configuration, the recompute policy's grammar and the attention ops'
+/// limits, is validate_plan's (remat/policy.h), which commands call beside it.
 void validate_config(const Config& c);
 
 /// Refuses a path holding a control character (a newline, a tab, an escape), with a

@@ -23,11 +23,16 @@
 namespace remat::cli {
 namespace {
 
+// Each key with its default, what it sets and, for a number, the values it accepts.
 void print_config_keys() {
   const Config defaults;
   for (const auto& k : config_keys()) {
     const std::string v = k.get(defaults);
-    fmt::print("  {:<34} {:<14} {}\n", k.name, v.empty() || v[0] == '#' ? "(unset)" : v, k.help);
+    std::string help = k.help;
+    if (k.range) {
+      help += " [" + k.range->text() + (k.range->example.empty() ? "" : "; e.g. " + k.range->example) + "]";
+    }
+    fmt::print("  {:<34} {:<14} {}\n", k.name, v.empty() || v[0] == '#' ? "(unset)" : v, help);
   }
   fmt::print("\npresets: {}\n", fmt::join(preset_names(), ", "));
 }

@@ -64,7 +64,8 @@ TEST(Config, BadValuesAndShapesAreRefusedWithSentences) {
             "raise model.max_seq.");
   EXPECT_EQ(error_of([] { load_config("", {"model.n_head=3"}); }),
             "model.d_model (128) must be divisible by model.n_head (3).");
-  EXPECT_EQ(error_of([] { load_config("", {"model.dropout=1"}); }), "model.dropout must be in [0, 1), got 1.");
+  EXPECT_EQ(error_of([] { load_config("", {"model.dropout=1"}); }),
+            "model.dropout must be from 0 to below 1, got 1; at 1 nothing passes; for example 0.1, or 0.");
   EXPECT_EQ(error_of([] { load_config("", {"model.attention=flash"}); }),
             "model.attention must be tiled (online softmax over tiles, keeps one log-sum-exp per row), math "
             "(keeps the [T x T] probabilities), sdpa (ATen's fused attention, keeps what tiled keeps; LibTorch 2.9 "
@@ -109,7 +110,7 @@ TEST(Config, BadValuesAndShapesAreRefusedWithSentences) {
             "model.attention = tiled runs remat's own loops over tiles on the CPU, and run.device is CUDA; use "
             "model.attention = sdpa (ATen's flash kernel, bfloat16) or math there.");
   EXPECT_EQ(error_of([] { load_config("", {"model.attention_tile=0"}); }),
-            "model.attention_tile must be positive, got 0.");
+            "model.attention_tile must be at least 1, got 0; for example 64.");
   EXPECT_EQ(load_config("", {"model.attention=tiled"}).model.attention, Attention::tiled);
   EXPECT_EQ(load_config("", {"model.attention=auto"}).model.attention, Attention::automatic);
   // A run's config.toml holds the op resolved; "auto" itself reads back as written.
@@ -220,9 +221,9 @@ TEST(Config, ZeroIsStageZeroOrOne) {
   EXPECT_EQ(load_config("", {"parallel.zero=1"}).parallel.zero, 1);
   EXPECT_EQ(load_config("", {"parallel.zero=1", "parallel.dp=1"}).parallel.zero, 1);
   EXPECT_EQ(error_of([] { load_config("", {"parallel.zero=2"}); }),
-            "parallel.zero must be 0 (every data-parallel rank keeps AdamW's moments whole) or 1 (ZeRO stage 1: each "
-            "keeps the moments of its share of the parameters), got 2; stages 2 and 3 (sharded gradients and "
-            "parameters) are not implemented.");
+            "parallel.zero must be from 0 to 1, got 2; 0 keeps AdamW's moments whole on every data-parallel rank, 1 "
+            "(ZeRO stage 1) keeps each rank's share of them; stages 2 and 3 (sharded gradients and parameters) are not "
+            "implemented.");
   EXPECT_NE(error_of([] { load_config("", {"parallel.zero=-1"}); }).find("got -1;"), std::string::npos);
   EXPECT_EQ(error_of([] { load_config("", {"parallel.zero=yes"}); }), "parallel.zero must be an integer, got 'yes'.");
 }
@@ -234,9 +235,9 @@ TEST(Config, LinkLatencyIsMicrosecondsARingStepWaits) {
   EXPECT_EQ(load_config("", {"parallel.link_latency=0"}).parallel.link_latency, 0);
   EXPECT_EQ(load_config("", {"parallel.link_latency=1000000"}).parallel.link_latency, 1e6);
   EXPECT_EQ(error_of([] { load_config("", {"parallel.link_latency=-1"}); }),
-            "parallel.link_latency must be the microseconds one ring step of a collective waits on the "
-            "tensor-parallel links whatever it sends, from 0 to 1000000, got -1; for example 2 for NVLink, 5 for "
-            "PCIe, 10 for a network between hosts.");
+            "parallel.link_latency must be from 0 to 1000000 microseconds, got -1; it is what one ring step of a "
+            "collective waits on the tensor-parallel links, whatever it sends; for example 2 for NVLink, 5 for PCIe, "
+            "10 for a network between hosts.");
   EXPECT_NE(error_of([] { load_config("", {"parallel.link_latency=1000001"}); }).find("got 1000001;"),
             std::string::npos);
 }
