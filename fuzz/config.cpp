@@ -1,7 +1,8 @@
-// Feeds the configuration loader (load_config, hence validate_config, the [ac] aliases'
-// compile_policy and parse_budget): the input up to a line "%%" is the TOML file, every
-// line after it one `key=value` override, as on the command line.
-// A finding: anything but a std::exception out of load_config (a crash, a sanitizer report,
+// Feeds the configuration loader as the commands call it (load_run_config: load_config,
+// hence validate_config, then validate_plan, the [ac] aliases' compile_policy and
+// parse_budget): the input up to a line "%%" is the TOML file, every line after it one
+// `key=value` override, as on the command line.
+// A finding: anything but a std::exception out of load_run_config (a crash, a sanitizer report,
 // a hang, runaway memory), or a loaded config whose resolved TOML (config_to_toml, what a
 // run directory records) does not load back to the same resolved TOML.
 #include <cstdint>
@@ -11,6 +12,7 @@
 
 #include "harness.h"
 #include "remat/config.h"
+#include "remat/policy.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string input(reinterpret_cast<const char*>(data), size);
@@ -31,7 +33,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const remat::fuzz::TempFile file(remat::fuzz::temp_path("config"), bytes(toml), toml.size());
   std::string resolved;
   try {
-    resolved = remat::config_to_toml(remat::load_config(file.path(), overrides));
+    resolved = remat::config_to_toml(remat::load_run_config(file.path(), overrides));
   } catch (const std::exception&) {
     return 0;
   }

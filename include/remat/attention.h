@@ -2,11 +2,7 @@
 // from the config so that activation plans name them without the whole configuration.
 #pragma once
 
-#include <c10/core/ScalarType.h>
 #include <torch/version.h>
-
-#include <cstdint>
-#include <string>
 
 namespace remat {
 
@@ -37,10 +33,5 @@ constexpr Attention kAttentionOps[] = {Attention::math, Attention::tiled};
 
 /// "math" / "tiled" / "sdpa" / "auto", as configs spell it.
 const char* attention_name(Attention a);
-
-/// Why op `a` cannot run a model whose attention dropout is `dropout`, in `dtype` with heads
-/// of `head_dim`, on CUDA or not, in this build, as a sentence a user can act on; empty where
-/// it can. `auto` skips such ops.
-std::string attention_refusal(Attention a, double dropout, bool cuda, at::ScalarType dtype, int64_t head_dim);
 
 }  // namespace remat

@@ -2,19 +2,22 @@
 // preset, a TOML file and `key=value` overrides, in that order (later wins).
 //
 // Keys are dotted `section.field` names (`train.lr`, `model.n_layer`). One table
-// (config_keys()) declares every key once; TOML parsing, overrides, the resolved-config
-// dump and "did you mean" suggestions all read it, so they cannot drift apart.
+// (config_keys()) declares every key once, with the range a number key accepts; TOML
+// parsing, overrides, the range checks, the resolved-config dump, `remat train
+// --help-config` and "did you mean" suggestions all read it, so they cannot drift apart.
 #pragma once
+
+#include <c10/core/ScalarType.h>
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "remat/attention.h"
 #include "remat/layout.h"
-#include "remat/policy.h"
 
 namespace remat {
 
@@ -151,13 +154,94 @@ struct ParallelConfig {
                                      ///< backward's (docs/results.md)
 };
 
+/// `[ac]`: the recompute policy (compiled by remat/policy.h's compile_policy). Every alias
+/// field is unset unless given; a set alias must agree with `policy` and with every other
+/// set alias (they must compile to the same plan).
+struct AcConfig {
+  /// Canonical policy string (the grammar in remat/policy.h). Unset: "none", unless another spelling
+  /// below chooses; set, even to "none", it is a choice the other spellings must agree with.
+  std::optional<std::string> policy;
+
+  // torchtune
+  std::optional<bool> enable_activation_checkpointing;  ///< true alone: full
+  std::optional<std::string> ac_mode;                   ///< "full" | "selective"
+  std::optional<std::string> ac_option;                 ///< selective: K (every:K) or "op" (ops:[matmul,attention])
+  std::optional<bool> enable_activation_offloading;     ///< true: every slot the policy keeps waits in host memory
+
+  // Megatron-LM
+  std::optional<std::string> recompute_granularity;  ///< "full" | "selective"
+  std::optional<std::string> recompute_method;       ///< "uniform" | "block" (full only)
+  std::optional<int64_t> recompute_num_layers;       ///< chunk size (uniform) / count (block)
+  std::optional<std::string> recompute_modules;      ///< comma list; selective default core_attn
+  std::optional<bool> recompute_activations;         ///< true: selective core_attn
+  std::optional<bool> distribute_saved_activations;  ///< true: layers that keep only their input shard it over TP
+  std::optional<std::string> offload_modules;        ///< comma list: the saved inputs of those modules in host memory
+  std::optional<int64_t> cpu_offloading_num_layers;  ///< N: the first N layers of each stage offload every kept slot
+
+  // ColossalAI
+  std::optional<double> gradient_checkpointing_ratio;    ///< ratio:R
+  std::optional<std::string> num_ckpt_layers_per_stage;  ///< comma list, one per stage
+  std::optional<std::string> num_layers_per_stage;       ///< comma list, sums to the layers
+
+  // nanotron
+  std::optional<bool> recompute_layer;         ///< true: full; false: none
+  std::optional<bool> tp_recompute_allgather;  ///< true: gather the column-parallel inputs again (sp)
+
+  /// A memory budget ("12GiB", "96MiB", or "0.6" of the no-recompute peak): the planner
+  /// chooses the plan (remat/planner.h). Empty: the policy above decides.
+  std::string budget;
+  /// Host memory the budget's plan may fill with offloaded slots: bytes ("64GiB"), a
+  /// fraction of the host memory free ("0.5"), or "0" (offload nothing). Empty: on a CUDA
+  /// device the rank's share of the host memory free, on the CPU nothing, as its host
+  /// memory is the device's. A resolved run's config holds it in bytes.
+  std::string host_budget;
+  /// Measure a time profile (cached per device and shape) before training, so recompute
+  /// and the step time are predicted from measured node times; false: FLOPs only.
+  bool profile = true;
+
+  // Options
+  bool preserve_rng_state = true;   ///< replay dropout's RNG in recompute
+  bool allow_rng_mismatch = false;  ///< permit dropout > 0 with preserve_rng_state = false
+  std::string check = "none";       ///< "none" | "meta" | "values": verify recompute
+  bool early_stop = true;           ///< stop a recompute once the needed tensors exist
+  bool pool = true;                 ///< recompute into recycled buffers (StoreOptions::pool)
+  /// Each layer that offloads starts its copies back when the backward of the layer above
+  /// begins, not its own (LayerPlan::prefetch), where ActivationPlan::may_prefetch allows. A
+  /// budget's plan chooses that per layer itself.
+  bool offload_prefetch = false;
+  /// GB/s each way between the device and host memory that `remat plan` prices offloaded
+  /// slots' copies at (a run measures its own); 25: about a PCIe 4 x16 link, 55 PCIe 5.
+  double offload_rate = 25;
+  /// Of each second such a copy runs beside the compute (on a device whose copies overlap
+  /// it), the share the compute loses (a run measures its own); the default is what an
+  /// H200's matmuls lost beside such copies (docs/results.md).
+  double offload_slowdown = 0.17;
+  int64_t stages = 1;  ///< pipeline stages the layers are split across
+};
+
 struct Config {
   ModelConfig model;
   TrainConfig train;
   DataConfig data;
   RunConfig run;
   ParallelConfig parallel;
-  AcConfig ac;  ///< recompute policy (include/remat/policy.h)
+  AcConfig ac;  ///< recompute policy (compiled by include/remat/policy.h)
+};
+
+/// The values a number key accepts, what they count and values that work. validate_config
+/// refuses a value outside with one sentence built from these: the key, the range and its
+/// unit, the value given, why, and the example.
+struct KeyRange {
+  std::optional<double> min;  ///< the least value accepted; unset: no lower bound
+  std::optional<double> max;  ///< the largest value accepted; unset: no upper bound
+  bool above_min = false;     ///< min itself is refused: a value must lie above it
+  bool below_max = false;     ///< max itself is refused: a value must lie below it
+  std::string unit;           ///< what the number counts ("layers", "GB/s"); empty: a bare number
+  std::string why;            ///< a clause on why the bounds lie where they do, or what a bound means
+  std::string example;        ///< values that work, as a user would choose them ("0.02", "200 for NVLink 3")
+  /// The range in words, with its unit: "from 1 to 1024 layers", "above 0 and at most
+  /// 1000000 GB/s", "at least 0".
+  std::string text() const;
 };
 
 /// One settable key.
@@ -167,6 +251,9 @@ struct ConfigKey {
   std::function<void(Config&, const std::string&)> set;  ///< parses and stores; throws on bad value
   std::function<std::string(const Config&)> get;         ///< TOML literal of the current value;
                                                          ///< empty: unset (an optional alias key)
+  /// A number key's value, which `range` bounds; absent for the other keys.
+  std::function<double(const Config&)> number;
+  std::optional<KeyRange> range;  ///< the values a number key accepts; unset: any it parses
 };
 
 /// The vocabulary a model of `c` is built with for `vocab` tokens: `vocab` rounded up to a
@@ -175,8 +262,8 @@ struct ConfigKey {
 /// The rows added are no token's: the data never holds them and generation never samples
 /// them, but the loss's softmax runs over them (as Megatron's does). 0 stays 0 (the
 /// tokenizer's, resolved later); a padded size is its own padding. Throws a sentence for
-/// a model.vocab_multiple outside [1, 65536], and where `vocab` > 0 for a parallel.tp
-/// outside [1, 1024] or a `vocab` above 2^31.
+/// a model.vocab_multiple outside its key's range, and where `vocab` > 0 for a parallel.tp
+/// outside its key's range or a `vocab` above 2^31.
 int64_t padded_vocab_size(const Config& c, int64_t vocab);
 
 /// Sets model.vocab_size for a tokenizer of `tokenizer_vocab` pieces: the tokenizer's,
@@ -199,8 +286,10 @@ ModelConfig model_preset(const std::string& name);
 /// (padded_vocab_size); the result is validated (validate_config).
 Config load_config(const std::string& toml_path, const std::vector<std::string>& overrides);
 
-/// Refuses inconsistent settings with a sentence (heads not dividing d_model, ...), the
-/// recompute policy included (compile_policy against model.n_layer and model.dropout).
+/// Refuses, with a sentence, a number outside its key's range (ConfigKey::range) and
+/// settings that contradict each other (heads not dividing d_model, ...). What needs the
+/// layers above the configuration, the recompute policy's grammar and the attention ops'
+/// limits, is validate_plan's (remat/policy.h), which commands call beside it.
 void validate_config(const Config& c);
 
 /// Refuses a path holding a control character (a newline, a tab, an escape), with a

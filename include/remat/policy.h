@@ -1,4 +1,5 @@
-// Recompute policies: the `[ac]` configuration and its compilation to one ActivationPlan.
+// Recompute policies: the `[ac]` configuration's (AcConfig, remat/config.h) compilation to
+// one ActivationPlan.
 //
 // A policy is given either as one canonical string (`ac.policy`) or through the spellings
 // of other training frameworks (torchtune, Megatron-LM, ColossalAI, nanotron), which are
@@ -55,72 +56,24 @@
 #include <string>
 #include <vector>
 
+#include "remat/config.h"
 #include "remat/plan.h"
 
 namespace remat {
 
-/// `[ac]`: the recompute policy. Every alias field is unset unless given; a set alias must
-/// agree with `policy` and with every other set alias (they must compile to the same plan).
-struct AcConfig {
-  /// Canonical policy string (grammar above). Unset: "none", unless another spelling
-  /// below chooses; set, even to "none", it is a choice the other spellings must agree with.
-  std::optional<std::string> policy;
+/// What validate_config cannot check below the policy and the ops, for a config that has
+/// passed it: the attention op must run the model on run.device in run.dtype
+/// (ops::attention_refusal), c.ac must compile for model.n_layer layers and model.dropout
+/// (compile_policy), ac.budget and ac.host_budget must be sizes, and a budget must not come
+/// with a policy. Throws std::invalid_argument with the sentence of the first that fails;
+/// returns the plan c.ac compiles to. `remat prepare`, `train` and `bench` load their configs
+/// through load_run_config, and resolve_config (every run, `remat plan`'s too) calls it, so
+/// that a bad config is refused before anything runs.
+ActivationPlan validate_plan(const Config& c);
 
-  // torchtune
-  std::optional<bool> enable_activation_checkpointing;  ///< true alone: full
-  std::optional<std::string> ac_mode;                   ///< "full" | "selective"
-  std::optional<std::string> ac_option;                 ///< selective: K (every:K) or "op" (ops:[matmul,attention])
-  std::optional<bool> enable_activation_offloading;     ///< true: every slot the policy keeps waits in host memory
-
-  // Megatron-LM
-  std::optional<std::string> recompute_granularity;  ///< "full" | "selective"
-  std::optional<std::string> recompute_method;       ///< "uniform" | "block" (full only)
-  std::optional<int64_t> recompute_num_layers;       ///< chunk size (uniform) / count (block)
-  std::optional<std::string> recompute_modules;      ///< comma list; selective default core_attn
-  std::optional<bool> recompute_activations;         ///< true: selective core_attn
-  std::optional<bool> distribute_saved_activations;  ///< true: layers that keep only their input shard it over TP
-  std::optional<std::string> offload_modules;        ///< comma list: the saved inputs of those modules in host memory
-  std::optional<int64_t> cpu_offloading_num_layers;  ///< N: the first N layers of each stage offload every kept slot
-
-  // ColossalAI
-  std::optional<double> gradient_checkpointing_ratio;    ///< ratio:R
-  std::optional<std::string> num_ckpt_layers_per_stage;  ///< comma list, one per stage
-  std::optional<std::string> num_layers_per_stage;       ///< comma list, sums to the layers
-
-  // nanotron
-  std::optional<bool> recompute_layer;         ///< true: full; false: none
-  std::optional<bool> tp_recompute_allgather;  ///< true: gather the column-parallel inputs again (sp)
-
-  /// A memory budget ("12GiB", "96MiB", or "0.6" of the no-recompute peak): the planner
-  /// chooses the plan (remat/planner.h). Empty: the policy above decides.
-  std::string budget;
-  /// Host memory the budget's plan may fill with offloaded slots: bytes ("64GiB"), a
-  /// fraction of the host memory free ("0.5"), or "0" (offload nothing). Empty: on a CUDA
-  /// device the rank's share of the host memory free, on the CPU nothing, as its host
-  /// memory is the device's. A resolved run's config holds it in bytes.
-  std::string host_budget;
-  /// Measure a time profile (cached per device and shape) before training, so recompute
-  /// and the step time are predicted from measured node times; false: FLOPs only.
-  bool profile = true;
-
-  // Options
-  bool preserve_rng_state = true;   ///< replay dropout's RNG in recompute
-  bool allow_rng_mismatch = false;  ///< permit dropout > 0 with preserve_rng_state = false
-  std::string check = "none";       ///< "none" | "meta" | "values": verify recompute
-  bool early_stop = true;           ///< stop a recompute once the needed tensors exist
-  bool pool = true;                 ///< recompute into recycled buffers (StoreOptions::pool)
-  /// Each layer that offloads starts its copies back when the backward of the layer above
-  /// begins, not its own (LayerPlan::prefetch), where ActivationPlan::may_prefetch allows. A
-  /// budget's plan chooses that per layer itself.
-  bool offload_prefetch = false;
-  /// GB/s each way between the device and host memory that `remat plan` prices offloaded
-  /// slots' copies at (a run measures its own); 25: about a PCIe 4 x16 link, 55 PCIe 5.
-  double offload_rate = 25;
-  /// Of each second such a copy runs beside the compute (on a device whose copies overlap
-  /// it), the share the compute loses (a run measures its own): 0.17, an H200's matmuls'.
-  double offload_slowdown = 0.17;
-  int64_t stages = 1;  ///< pipeline stages the layers are split across
-};
+/// A config as `remat prepare`, `train` and `bench` load it: load_config (the keys, their
+/// ranges and the rules between them), then validate_plan.
+Config load_run_config(const std::string& toml_path, const std::vector<std::string>& overrides);
 
 /// Resolves the aliases to one canonical policy, validates it for a model of `n_layers`
 /// blocks with dropout probability `dropout` and returns its plan (plan.policy is the

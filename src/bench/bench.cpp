@@ -63,7 +63,7 @@ PreparedEntry prepare_entry(const BenchOptions& o, const BenchEntry& entry) {
   try {
     // Validates the entry (its policy or budget syntax); the plan itself is solved once
     // the vocabulary is known.
-    p.config = load_config(o.config_file, overrides);
+    p.config = load_run_config(o.config_file, overrides);
   } catch (const std::exception& e) {
     throw std::invalid_argument(fmt::format("Bench entry '{}': {}", entry.label, e.what()));
   }

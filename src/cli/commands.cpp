@@ -23,17 +23,22 @@
 namespace remat::cli {
 namespace {
 
+// Each key with its default, what it sets and, for a number, the values it accepts.
 void print_config_keys() {
   const Config defaults;
   for (const auto& k : config_keys()) {
     const std::string v = k.get(defaults);
-    fmt::print("  {:<34} {:<14} {}\n", k.name, v.empty() || v[0] == '#' ? "(unset)" : v, k.help);
+    std::string help = k.help;
+    if (k.range) {
+      help += " [" + k.range->text() + (k.range->example.empty() ? "" : "; e.g. " + k.range->example) + "]";
+    }
+    fmt::print("  {:<34} {:<14} {}\n", k.name, v.empty() || v[0] == '#' ? "(unset)" : v, help);
   }
   fmt::print("\npresets: {}\n", fmt::join(preset_names(), ", "));
 }
 
 int cmd_prepare(const std::string& config_file, const std::vector<std::string>& overrides) {
-  const Config cfg = load_config(config_file, overrides);
+  const Config cfg = load_run_config(config_file, overrides);
   set_threads(cfg.run.threads);
   const data::CorpusInfo info = prepare_data(cfg.data);
   fmt::print("corpus     {}{}\n", info.dir, info.cached ? " (cached)" : "");
@@ -57,9 +62,9 @@ int cmd_train(const std::string& config_file, const std::vector<std::string>& ov
         resume));
   }
   if (!resume.empty()) check_path("--resume", resume);
-  const TrainSummary s = resume.empty()
-                             ? train(load_config(config_file, overrides))
-                             : train(load_config((std::filesystem::path(resume) / "config.toml").string(), {}), resume);
+  const TrainSummary s =
+      resume.empty() ? train(load_run_config(config_file, overrides))
+                     : train(load_run_config((std::filesystem::path(resume) / "config.toml").string(), {}), resume);
   // Stopped by a signal after its checkpoint, it exits as the shell expects of that signal.
   return s.stopped_by == 0 ? 0 : 128 + s.stopped_by;
 }

@@ -143,6 +143,7 @@ namespace remat::graph {
 namespace {
 
 using detail::flags;
+using ops::attention_refusal;
 
 int64_t round_up(int64_t n, int64_t unit) { return (n + unit - 1) / unit * unit; }
 

@@ -1,6 +1,7 @@
 #include "run/auto.h"
 
 #include "remat/memory.h"
+#include "remat/ops/attention.h"
 #include "run/choice.h"
 #include "util/progress.h"
 
@@ -13,6 +14,7 @@ namespace remat {
 namespace {
 
 using memory::format_bytes;
+using ops::attention_refusal;
 
 bool measured(const Prices& p) { return p.base_seconds > 0; }
 

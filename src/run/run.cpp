@@ -96,6 +96,7 @@ Config resolve_config(const Config& cfg, const std::optional<data::CorpusInfo>& 
     out.model.vocab_size = padded_vocab_size(out, out.data.vocab_size);
   }
   validate_config(out);
+  validate_plan(out);
   return out;
 }
 

@@ -5,6 +5,7 @@
 
 #include "remat/config.h"
 #include "remat/data.h"
+#include "remat/layout.h"
 #include "run/auto.h"
 #include "run/planning.h"
 #include "run/price_source.h"

@@ -277,6 +277,10 @@ TEST_F(Cli, HelpConfigListsEveryKey) {
   const Result r = run_remat("train --help-config");
   EXPECT_EQ(r.exit_code, 0);
   EXPECT_NE(r.output.find("train.grad_accum"), std::string::npos);
+  // A number key shows the values it accepts, and some that work.
+  EXPECT_NE(r.output.find("transformer blocks [from 1 to 1024 layers; e.g. 12 (GPT-2), 32 (Llama 3 8B)]"),
+            std::string::npos)
+      << r.output;
   EXPECT_NE(r.output.find("llama3-8b"), std::string::npos);
 }
 
@@ -370,9 +374,13 @@ TEST_F(Cli, PlanNamesTheCommunicationTimeItPriced) {
   EXPECT_EQ(c["link_rate_gb_per_s"].get<double>(), 100);
   EXPECT_EQ(c["link_latency_us"].get<double>(), 2);
   EXPECT_NEAR(c["recompute_seconds"].get<double>() * 1e3, recompute_ms(tight), 0.001);
-  expect_error("plan parallel.link_rate=0", "parallel.link_rate must be the GB/s a rank sends at");
-  expect_error("plan parallel.compute_rate=-1", "parallel.compute_rate must be the TFLOP/s");
-  expect_error("plan parallel.link_latency=-1", "parallel.link_latency must be the microseconds one ring step");
+  expect_error("plan parallel.link_rate=0",
+               "parallel.link_rate must be above 0 and at most 1000000 GB/s, got 0; it is the rate a rank sends at");
+  expect_error("plan parallel.compute_rate=-1",
+               "parallel.compute_rate must be above 0 and at most 1000000 TFLOP/s, got -1; it is the rate one rank's "
+               "matmuls reach");
+  expect_error("plan parallel.link_latency=-1",
+               "parallel.link_latency must be from 0 to 1000000 microseconds, got -1; it is what one ring step");
 }
 
 // An offload policy's copies at ac.offload_rate: every layer's input (B x T x C float32)
@@ -450,8 +458,11 @@ TEST_F(Cli, PlanPricesOffloadCopiesAtTheOffloadRate) {
   }
   expect_error("plan ac.offload_prefetch=true", "ac.offload_prefetch = true brings a layer's offloaded slots back");
   expect_error("plan ac.offload_prefetch=true ac.budget=0.8", "fixes that choice; keep one of them");
-  expect_error("plan ac.offload_rate=0", "ac.offload_rate must be the GB/s copies move between the device and host");
-  expect_error("plan ac.offload_slowdown=1", "ac.offload_slowdown must be the share of each second a copy");
+  expect_error("plan ac.offload_rate=0",
+               "ac.offload_rate must be above 0 and at most 1000000 GB/s, got 0; it is the rate copies move at between "
+               "the device and host");
+  expect_error("plan ac.offload_slowdown=1",
+               "ac.offload_slowdown must be from 0 to below 1, got 1; it is the share of each second a copy");
 }
 
 // ac.host_budget lets a budget's plan offload: below the least budget recompute alone fits,
@@ -780,24 +791,35 @@ TEST_F(Cli, ARunKilledAtRandomPointsAndResumedIsBitwiseTheUninterruptedRun) {
 TEST_F(Cli, OutOfRangeSettingsAreRefusedBeforeAnythingRuns) {
   const std::string huge = "9223372036854775807";
   const std::vector<std::pair<std::string, std::string>> cases = {
-      {"train run.threads=100000", "run.threads must be in [0, 1024] (0: all cores), got 100000."},
-      {"train train.grad_accum=" + huge, "train.grad_accum must be at most 65536 (microbatches per step), got " + huge},
-      {"train train.steps=" + huge, "train.steps must be at most 1073741824 (a billion steps), got " + huge},
-      {"train train.batch=" + huge, "train.batch must be at most 1048576 (sequences per microbatch), got " + huge},
+      {"train run.threads=100000", "run.threads must be from 0 to 1024, got 100000; 0 takes all cores."},
+      {"train train.grad_accum=" + huge,
+       "train.grad_accum must be from 1 to 65536 microbatches, got " + huge + "; 65536 a step is far past any run."},
+      {"train train.steps=" + huge,
+       "train.steps must be from 1 to 1073741824 steps, got " + huge + "; a billion is far past any run."},
+      {"train train.batch=" + huge,
+       "train.batch must be from 1 to 1048576 sequences, got " + huge + "; a million is far past any microbatch."},
       {"train ac.budget=1e30", "The memory budget \"1e30\" is 1e+30 bytes, beyond any device"},
-      {"train train.lr=3e38", "Learning rates must satisfy 0 <= train.min_lr <= train.lr and 0 < train.lr <= 10"},
-      {"train train.weight_decay=-1", "train.weight_decay must be >= 0 (0 disables it; 0.1 is usual), got -1"},
-      {"train model.preset=tiny-llama model.rope_theta=0", "model.rope_theta must be greater than 1"},
-      {"train model.init_std=1e30", "model.init_std must be in (0, 1] (0.02 is usual), got 1e+30"},
+      {"train train.lr=3e38",
+       "train.lr must be above 0 and at most 10, got 3e+38; above 10 an AdamW step moves a weight by more than any "
+       "model survives"},
+      {"train train.weight_decay=-1",
+       "train.weight_decay must be at least 0, got -1; a negative decay grows the weights every step; for example "
+       "0.1, or 0 (off)."},
+      {"train model.preset=tiny-llama model.rope_theta=0",
+       "model.rope_theta must be above 1, got 0; at or below 1 the rotation frequencies are infinite"},
+      {"train model.init_std=1e30", "model.init_std must be above 0 and at most 1, got 1e+30; larger weights overflow"},
       {"plan model.preset=llama3-8b model.max_seq=268435456 train.seq=268435456",
-       "model.max_seq must be at most 16777216 (16M tokens of context), got 268435456."},
+       "model.max_seq must be from 1 to 16777216 tokens, got 268435456; 16M tokens of context is far past any "
+       "published model's"},
       {"plan model.preset=llama3-8b model.max_seq=16777216 train.seq=16777216 train.batch=64",
        "The attention probabilities of 32 layers at train.batch = 64 x train.seq = 16777216 with 32 heads"},
       {"plan --budget '' model.n_layer=2", "--budget \"\" gives --budget an empty value; give a budget"},
       {"plan --budget= model.n_layer=2",
        "--budget= gives --budget an empty value; write the value after '=' or "
        "leave the option out."},
-      {"plan model.n_layer=10000", "model.n_layer must be at most 1024 (layers), got 10000."},
+      {"plan model.n_layer=10000",
+       "model.n_layer must be from 1 to 1024 layers, got 10000; 1024 is eight times the deepest published "
+       "transformer"},
       {"plan --budget 1.5", "is neither a fraction of the no-recompute peak"},
       {"train --explain-ac ac.budget=0.6",
        "--explain-ac prints the plan a policy compiles to, but ac.budget = \"0.6\""}};

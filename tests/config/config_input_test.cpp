@@ -95,13 +95,16 @@ TEST(ConfigInput, ModelDimensionsHaveUpperBoundsAboveEveryPreset) {
   EXPECT_EQ(error_of([&] {
               load_config("", {"model.d_model=262144", "model.n_head=4", "model.n_kv_head=4"});
             }),
-            "model.d_model must be at most 131072 (eight times Llama 3 405B's 16384), got 262144.");
+            "model.d_model must be from 1 to 131072, got 262144; 131072 is eight times Llama 3 405B's 16384; for "
+            "example 768 (GPT-2), 4096 (Llama 3 8B).");
   EXPECT_EQ(error_of([&] { load_config("", {"model.d_ff=1048576"}); }),
-            "model.d_ff must be at most 524288 (about ten times Llama 3 405B's 53248), got 1048576.");
+            "model.d_ff must be from 1 to 524288, got 1048576; 524288 is about ten times Llama 3 405B's 53248; for "
+            "example 3072 (GPT-2), 14336 (Llama 3 8B).");
   EXPECT_EQ(error_of([&] {
               load_config("", {"model.n_head=2048", "model.n_kv_head=2048", "model.d_model=4096"});
             }),
-            "model.n_head must be at most 1024 (eight times Llama 3 405B's 128 heads), got 2048.");
+            "model.n_head must be from 1 to 1024 heads, got 2048; 1024 is eight times Llama 3 405B's 128; for "
+            "example 12 (GPT-2), 32 (Llama 3 8B).");
   EXPECT_NE(error_of([&] {
               load_config("", {"model.n_layer=1024", "model.d_model=131072", "model.n_head=128", "model.n_kv_head=128",
                                "model.d_ff=524288"});

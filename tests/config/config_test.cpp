@@ -1,5 +1,6 @@
 #include "util/error_of.h"
 #include "remat/config.h"
+#include "remat/policy.h"
 #include "remat/ops/tiled_attention.h"
 
 #include <fmt/format.h>
@@ -63,51 +64,53 @@ TEST(Config, BadValuesAndShapesAreRefusedWithSentences) {
             "raise model.max_seq.");
   EXPECT_EQ(error_of([] { load_config("", {"model.n_head=3"}); }),
             "model.d_model (128) must be divisible by model.n_head (3).");
-  EXPECT_EQ(error_of([] { load_config("", {"model.dropout=1"}); }), "model.dropout must be in [0, 1), got 1.");
+  EXPECT_EQ(error_of([] { load_config("", {"model.dropout=1"}); }),
+            "model.dropout must be from 0 to below 1, got 1; at 1 nothing passes; for example 0.1, or 0.");
   EXPECT_EQ(error_of([] { load_config("", {"model.attention=flash"}); }),
             "model.attention must be tiled (online softmax over tiles, keeps one log-sum-exp per row), math "
             "(keeps the [T x T] probabilities), sdpa (ATen's fused attention, keeps what tiled keeps; LibTorch 2.9 "
             "and later, no attention dropout) or auto (the planner chooses one of them for the run), got 'flash'.");
-  // sdpa: refused where this build lacks the kernel, and with attention dropout anywhere.
+  // sdpa: refused where this build lacks the kernel, and with attention dropout anywhere (by
+  // validate_plan, which the commands call on every config they load).
   if (kSdpaBuilt) {
-    EXPECT_EQ(load_config("", {"model.attention=sdpa", "model.dropout=0"}).model.attention, Attention::sdpa);
+    EXPECT_EQ(load_run_config("", {"model.attention=sdpa", "model.dropout=0"}).model.attention, Attention::sdpa);
     EXPECT_EQ(error_of([] {
-                load_config("", {"model.attention=sdpa", "model.dropout=0.1"});
+                load_run_config("", {"model.attention=sdpa", "model.dropout=0.1"});
               }),
               "model.attention = sdpa cannot drop attention probabilities: ATen's fused attention draws its dropout "
               "mask inside the kernel (from the global generator, and not at all on the CPU), so a recompute could "
               "not draw the forward's mask again, and model.dropout = 0.1 applies to them; set model.dropout = 0, or "
               "use model.attention = math or tiled (their masks are keyed, so a recompute is exact).");
     EXPECT_EQ(error_of([] {
-                load_config("", {"model.attention=sdpa", "model.dropout=0", "run.device=cuda"});
+                load_run_config("", {"model.attention=sdpa", "model.dropout=0", "run.device=cuda"});
               }),
               "model.attention = sdpa on CUDA runs ATen's flash kernel, which takes bfloat16 or float16, and "
               "run.dtype is float32; set run.dtype = bfloat16, or use model.attention = math or tiled.");
-    EXPECT_EQ(load_config("", {"model.attention=sdpa", "model.dropout=0", "run.device=cuda", "run.dtype=bfloat16"})
+    EXPECT_EQ(load_run_config("", {"model.attention=sdpa", "model.dropout=0", "run.device=cuda", "run.dtype=bfloat16"})
                   .model.attention,
               Attention::sdpa);
     EXPECT_EQ(error_of([] {
-                load_config("", {"model.attention=sdpa", "model.dropout=0", "run.device=cuda", "run.dtype=bfloat16",
-                                 "model.n_head=32", "model.n_kv_head=32"});
+                load_run_config("", {"model.attention=sdpa", "model.dropout=0", "run.device=cuda", "run.dtype=bfloat16",
+                                     "model.n_head=32", "model.n_kv_head=32"});
               }),
               "model.attention = sdpa on CUDA runs ATen's flash kernel, which takes heads of a multiple of 8 "
               "values, and model.d_model / model.n_head = 4; choose model.n_head so that it is, or use "
               "model.attention = math.");
   } else {
     EXPECT_EQ(error_of([] {
-                load_config("", {"model.attention=sdpa", "model.dropout=0"});
+                load_run_config("", {"model.attention=sdpa", "model.dropout=0"});
               }),
               fmt::format("model.attention = sdpa needs LibTorch 2.9 or later (ATen's fused attention, with "
                           "grouped-query heads); this build has LibTorch {}.{}; use model.attention = math or tiled.",
                           TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR));
   }
   EXPECT_EQ(error_of([] {
-              load_config("", {"model.attention=tiled", "run.device=cuda"});
+              load_run_config("", {"model.attention=tiled", "run.device=cuda"});
             }),
             "model.attention = tiled runs remat's own loops over tiles on the CPU, and run.device is CUDA; use "
             "model.attention = sdpa (ATen's flash kernel, bfloat16) or math there.");
   EXPECT_EQ(error_of([] { load_config("", {"model.attention_tile=0"}); }),
-            "model.attention_tile must be positive, got 0.");
+            "model.attention_tile must be at least 1, got 0; for example 64.");
   EXPECT_EQ(load_config("", {"model.attention=tiled"}).model.attention, Attention::tiled);
   EXPECT_EQ(load_config("", {"model.attention=auto"}).model.attention, Attention::automatic);
   // A run's config.toml holds the op resolved; "auto" itself reads back as written.
@@ -168,7 +171,7 @@ TEST(Config, DistributedSavedActivationsNeedTensorParallelismAlone) {
                                       "ac.recompute_num_layers=1", "ac.distribute_saved_activations=true"};
   const auto with = [&](std::vector<std::string> more) {
     more.insert(more.end(), full.begin(), full.end());
-    return error_of([&] { load_config("", more); });
+    return error_of([&] { load_run_config("", more); });
   };
   EXPECT_EQ(with({}),
             "ac.distribute_saved_activations = true keeps each recomputed layer's input as a share per "
@@ -218,9 +221,9 @@ TEST(Config, ZeroIsStageZeroOrOne) {
   EXPECT_EQ(load_config("", {"parallel.zero=1"}).parallel.zero, 1);
   EXPECT_EQ(load_config("", {"parallel.zero=1", "parallel.dp=1"}).parallel.zero, 1);
   EXPECT_EQ(error_of([] { load_config("", {"parallel.zero=2"}); }),
-            "parallel.zero must be 0 (every data-parallel rank keeps AdamW's moments whole) or 1 (ZeRO stage 1: each "
-            "keeps the moments of its share of the parameters), got 2; stages 2 and 3 (sharded gradients and "
-            "parameters) are not implemented.");
+            "parallel.zero must be from 0 to 1, got 2; 0 keeps AdamW's moments whole on every data-parallel rank, 1 "
+            "(ZeRO stage 1) keeps each rank's share of them; stages 2 and 3 (sharded gradients and parameters) are not "
+            "implemented.");
   EXPECT_NE(error_of([] { load_config("", {"parallel.zero=-1"}); }).find("got -1;"), std::string::npos);
   EXPECT_EQ(error_of([] { load_config("", {"parallel.zero=yes"}); }), "parallel.zero must be an integer, got 'yes'.");
 }
@@ -232,9 +235,9 @@ TEST(Config, LinkLatencyIsMicrosecondsARingStepWaits) {
   EXPECT_EQ(load_config("", {"parallel.link_latency=0"}).parallel.link_latency, 0);
   EXPECT_EQ(load_config("", {"parallel.link_latency=1000000"}).parallel.link_latency, 1e6);
   EXPECT_EQ(error_of([] { load_config("", {"parallel.link_latency=-1"}); }),
-            "parallel.link_latency must be the microseconds one ring step of a collective waits on the "
-            "tensor-parallel links whatever it sends, from 0 to 1000000, got -1; for example 2 for NVLink, 5 for "
-            "PCIe, 10 for a network between hosts.");
+            "parallel.link_latency must be from 0 to 1000000 microseconds, got -1; it is what one ring step of a "
+            "collective waits on the tensor-parallel links, whatever it sends; for example 2 for NVLink, 5 for PCIe, "
+            "10 for a network between hosts.");
   EXPECT_NE(error_of([] { load_config("", {"parallel.link_latency=1000001"}); }).find("got 1000001;"),
             std::string::npos);
 }

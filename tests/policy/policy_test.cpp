@@ -10,7 +10,7 @@
 #include "remat/config.h"
 
 // GCC 12 warns, wrongly, that assigning an AcConfig's empty optionals reads uninitialized
-// strings (as in src/policy/policy.cpp).
+// strings (as in src/policy/compile.cpp).
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
@@ -1031,20 +1031,26 @@ TEST(PolicyConfig, AnExplicitNoneAndARecomputingAliasAreRefusedInEitherOrderAndI
   const std::string refusal =
       "ac.policy = \"none\" asks for none but ac.enable_activation_checkpointing = true asks "
       "for full: two spellings of the recompute policy disagree. Set only one of them.";
-  EXPECT_EQ(error_of([] { load_config("", {"ac.policy=none", "ac.enable_activation_checkpointing=true"}); }), refusal);
-  EXPECT_EQ(error_of([] { load_config("", {"ac.enable_activation_checkpointing=true", "ac.policy=none"}); }), refusal);
+  EXPECT_EQ(error_of([] {
+              load_run_config("", {"ac.policy=none", "ac.enable_activation_checkpointing=true"});
+            }),
+            refusal);
+  EXPECT_EQ(error_of([] {
+              load_run_config("", {"ac.enable_activation_checkpointing=true", "ac.policy=none"});
+            }),
+            refusal);
   const std::string path = write_temp("[ac]\npolicy = \"none\"\nenable_activation_checkpointing = true\n");
-  EXPECT_EQ(error_of([&] { load_config(path, {}); }), refusal);
+  EXPECT_EQ(error_of([&] { load_run_config(path, {}); }), refusal);
   std::remove(path.c_str());
   // And with a budget, which asks the planner: an explicit policy of any kind is a second answer.
   EXPECT_NE(error_of([] {
-              load_config("", {"ac.policy=none", "ac.budget=0.6"});
+              load_run_config("", {"ac.policy=none", "ac.budget=0.6"});
             }).find("keep one of them"),
             std::string::npos);
 }
 
 TEST(PolicyConfig, LoadRefusesABadPolicyAndSuggestsAcKeys) {
-  EXPECT_EQ(error_of([] { load_config("", {"ac.policy=every:9"}); }),
+  EXPECT_EQ(error_of([] { load_run_config("", {"ac.policy=every:9"}); }),
             "ac.policy = \"every:9\": K = 9 is larger than the model, which has 4 layers; use K between 1 and 4.");
   EXPECT_EQ(error_of([] { load_config("", {"ac.recompute_granularty=full"}); }),
             "Unknown config key 'ac.recompute_granularty' (command-line override); did you mean "

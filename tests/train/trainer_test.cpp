@@ -1,6 +1,7 @@
 // End-to-end training on a small generated corpus: determinism, the run directory, and
 // sampling back from it.
 #include "remat/safetensors.h"
+#include "remat/policy.h"
 #include "remat/trainer.h"
 #include "run/planning.h"
 #include "train/checkpoint_files.h"

@@ -6,8 +6,11 @@
 // diagonal, all zeros after the mask, are never computed.
 #pragma once
 
+#include "remat/attention.h"
 #include "remat/ops/common.h"
 #include "remat/ops/dropout.h"
+
+#include <string>
 
 namespace remat::ops {
 
@@ -27,6 +30,12 @@ struct AttentionDims {
 /// The sizes of q, k and v after checking them as every attention op takes them (4-D, k
 /// and v alike, B, T and D shared, Hq a multiple of Hkv, one dtype); `op` heads the error.
 AttentionDims attention_dims(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
+
+/// Why attention op `a` cannot run a model whose attention dropout is `dropout`, in `dtype`
+/// with heads of `head_dim`, on CUDA or not, in this build, as a sentence a user can act on;
+/// empty where it can. The ops refuse their inputs with it, validate_plan (remat/policy.h)
+/// a config, and `auto` skips such ops.
+std::string attention_refusal(Attention a, double dropout, bool cuda, at::ScalarType dtype, int64_t head_dim);
 
 /// Positions per block of the products (queries in the forward and dq, keys in dk and dv).
 /// At 64, head dimension 64 and 256 positions, the blocked forward took 0.70x the unblocked

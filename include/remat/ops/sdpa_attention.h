@@ -6,7 +6,7 @@
 // output and one log-sum-exp per row, and no [T x T] tensor exists; the kernels read q, k
 // and v where they lie (strided views of a fused projection too) and take grouped-query
 // heads without repeating K and V. They draw no dropout, so attention dropout is refused
-// (remat::attention_refusal).
+// (ops::attention_refusal).
 #pragma once
 
 #include "remat/ops/attention.h"

@@ -1,0 +1,28 @@
+// The names configs spell the model's enums with, beside nothing else, so that whatever
+// prints a plan or a config (src/policy, src/run) names them without the config's loader.
+#include "remat/attention.h"
+#include "remat/config.h"
+
+namespace remat {
+
+const char* arch_name(Arch a) { return a == Arch::gpt2 ? "gpt2" : "llama"; }
+
+const char* loss_head_name(LossHead h) {
+  return h == LossHead::fused ? "fused" : h == LossHead::recompute ? "recompute" : "auto";
+}
+
+const char* attention_name(Attention a) {
+  switch (a) {
+    case Attention::math:
+      return "math";
+    case Attention::tiled:
+      return "tiled";
+    case Attention::sdpa:
+      return "sdpa";
+    case Attention::automatic:
+      return "auto";
+  }
+  return "?";
+}
+
+}  // namespace remat
