@@ -7,6 +7,7 @@
 // --help-config` and "did you mean" suggestions all read it, so they cannot drift apart.
 #pragma once
 
+#include <c10/core/Device.h>
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
@@ -100,7 +101,7 @@ struct RunConfig {
   std::string name;              ///< run directory name; empty: timestamp + preset
   int64_t threads = 0;           ///< intra-op threads; 0: all cores
   int64_t seed = 1337;
-  std::string device = "cpu";     ///< "cpu" or "cuda[:N]"
+  c10::Device device{c10::kCPU};  ///< cpu or cuda[:N] (device_of), typed where it is read
   std::string dtype = "float32";  ///< activation/compute dtype: float32 or bfloat16
   int64_t sample_tokens = 120;    ///< tokens generated at the end of training
   std::string prompt = "And God said";
@@ -118,6 +119,10 @@ struct RunConfig {
 /// run.dtype's "float32" / "bfloat16" -> dtype, wherever it runs (remat plan prices
 /// either); a sentence otherwise.
 at::ScalarType dtype_of(const std::string& name);
+
+/// run.device's "cpu", "cuda" or "cuda:N" -> the device (whether it exists here is checked
+/// where a run starts: util/device.h); a sentence otherwise.
+c10::Device device_of(const std::string& name);
 
 /// Several processes (ranks) training one model; see include/remat/dist.h.
 struct ParallelConfig {

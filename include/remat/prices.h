@@ -32,6 +32,7 @@ struct Prices {
   /// The CPUs other processes used while it was measured (rank 0's machine); unknown where
   /// /proc/stat could not be read.
   std::optional<double> other_cpus;
+  std::string path;  ///< where a measured profile is cached; empty where declared
 
   /// Whether the nodes' times are measured (seconds of this machine) rather than FLOPs at
   /// a rate: then a plan's time is compared in seconds, else in FLOPs (Planner).

@@ -214,13 +214,115 @@ std::vector<BenchEntry> bench_entries(const std::vector<std::string>& policies,
   return entries;
 }
 
-BenchResult run_bench(const BenchOptions& o) {
+namespace {
+
+void check_options(const BenchOptions& o) {
   if (o.entries.empty()) {
     throw std::invalid_argument(
         "The sweep has no entries; give at least one policy (--policies) or budget (--budgets).");
   }
   if (o.steps < 1) throw std::invalid_argument(fmt::format("--steps must be at least 1, got {}.", o.steps));
   if (o.warmup < 0) throw std::invalid_argument(fmt::format("--warmup must be 0 or more, got {}.", o.warmup));
+}
+
+// The sweep's directory (rank 0's): under --out, or a new one under run.out_dir.
+std::unique_ptr<RunDir> open_bench_dir(const BenchOptions& o, const Config& common) {
+  std::filesystem::path out(o.out);
+  if (!out.has_filename()) out = out.parent_path();  // "dir/" names dir
+  auto run = std::make_unique<RunDir>(
+      o.out.empty() ? common.run.out_dir : (out.has_parent_path() ? out.parent_path().string() : "."),
+      o.out.empty() ? "bench-" + RunDir::timestamp() : out.filename().string(), common.model.preset);
+  run->write_text("config.toml", config_to_toml(common));
+  return run;
+}
+
+// The reference row (the first `none`, else the first) and whether every final loss is
+// its, which every policy's is meant to be; warns on the lead rank where one is not.
+void compare_losses(BenchResult& result, const Config& common, at::Device device, const RunDir* run) {
+  for (size_t i = 0; i < result.rows.size(); ++i) {
+    if (result.rows[i].policy == "none") {
+      result.reference = i;
+      break;
+    }
+  }
+  const double reference_loss = result.rows[result.reference].final_loss;
+  for (const auto& r : result.rows) result.losses_equal = result.losses_equal && r.final_loss == reference_loss;
+  if (run == nullptr || result.losses_equal) return;
+  std::string losses;
+  for (const auto& r : result.rows) losses += fmt::format("{}{} {}", losses.empty() ? "" : ", ", r.entry, r.final_loss);
+  if (device.is_cuda() && common.model.attention == Attention::sdpa) {
+    // ATen's flash backward adds dq's key blocks in a varying order (docs/results.md).
+    fmt::print(stderr,
+               "warning: the final losses differ across entries ({}): on CUDA the sdpa op's flash backward sums "
+               "each query's gradient over key blocks in an order that varies from run to run, so policies agree "
+               "to rounding there, not bit for bit; model.attention = math is bitwise exact.\n",
+               losses);
+  } else {
+    fmt::print(stderr,
+               "warning: the final losses differ across entries ({}); every policy is meant to be bitwise "
+               "exact, so this is a bug worth reporting with {}.\n",
+               losses, run->file("bench.json"));
+  }
+}
+
+// What the sweep ran on, for bench.json and the plot's title.
+struct Machine {
+  at::Device device;
+  int threads = 0;
+  bool ranked = false;  ///< several ranks (the peaks are the highest rank's)
+};
+
+// bench.csv, bench.json and bench.png in `run`.
+void write_results(const BenchResult& result, const BenchOptions& o, const Config& common, const Config& local,
+                   const Machine& machine, RunDir& run) {
+  const auto& t = common.train;
+  const at::Device device = machine.device;
+  const int threads = machine.threads;
+  run.write_text("bench.csv", to_csv(result.rows));
+  nlohmann::json rows = nlohmann::json::array();
+  for (const auto& r : result.rows) rows.push_back(row_json(r));
+  const nlohmann::json json = {
+      {"machine",
+       {{"device", device.str()},
+        {"threads", threads},
+        {"blas", blas_name()},
+        {"dtype", common.run.dtype},
+        {"preset", common.model.preset},
+        {"batch", t.batch},
+        {"seq", t.seq},
+        {"grad_accum", t.grad_accum}}},
+      {"ranks",
+       {{"dp", local.parallel.dp},
+        {"tp", common.parallel.tp},
+        {"sp", common.parallel.sp},
+        {"zero", common.parallel.zero},
+        {"pp", common.parallel.pp},
+        {"schedule", pipeline::schedule_name(common.parallel.schedule)}}},
+      {"warmup", o.warmup},
+      {"steps", o.steps},
+      {"reference", result.rows[result.reference].entry},
+      {"losses_equal", result.losses_equal},
+      {"rows", rows},
+  };
+  run.write_text("bench.json", json.dump(2) + "\n");
+
+  std::vector<PlotPoint> points;
+  for (const auto& r : result.rows) points.push_back({mib(r.peak_bytes), r.median_step_seconds * 1e3, r.entry});
+  std::string why;
+  const bool plotted = run.plot_points(
+      "bench.png",
+      fmt::format("remat bench: {} on {} ({} threads{}), {} x {} tokens{}", common.model.preset, device.str(), threads,
+                  machine.ranked ? " per rank" : "", t.batch, t.seq, describe_ranks(local)),
+      machine.ranked ? "step peak of the highest rank (MiB)" : "step peak (MiB)", "median step (ms)", points, &why);
+  fmt::print(stderr, "bench dir {}: bench.csv, bench.json{}, config.toml, metrics.jsonl\n", run.path(),
+             plotted ? ", bench.png" : "");
+  if (!plotted) fmt::print(stderr, "no plot: {}\n", why);
+}
+
+}  // namespace
+
+BenchResult run_bench(const BenchOptions& o) {
+  check_options(o);
 
   Config common = load_config(o.config_file, o.overrides);
   std::vector<PreparedEntry> prepared;
@@ -232,7 +334,7 @@ BenchResult run_bench(const BenchOptions& o) {
   const bool lead = ranks == nullptr || ranks->rank() == 0;
   const QuietStderr quiet(!lead);
   const int threads = set_threads(rank_threads(common));
-  const at::Device device = parse_device(common.run.device);
+  const at::Device device = available_device(common.run.device);
   if (device.is_cuda()) memory::configure_cuda_allocator(common.run.expandable_segments);
   const at::ScalarType dtype = device_dtype(dtype_of(common.run.dtype), device);
   memory::install_cpu_tracking();
@@ -280,14 +382,7 @@ BenchResult run_bench(const BenchOptions& o) {
   }
 
   std::unique_ptr<RunDir> run;
-  if (lead) {
-    std::filesystem::path out(o.out);
-    if (!out.has_filename()) out = out.parent_path();  // "dir/" names dir
-    run = std::make_unique<RunDir>(
-        o.out.empty() ? common.run.out_dir : (out.has_parent_path() ? out.parent_path().string() : "."),
-        o.out.empty() ? "bench-" + RunDir::timestamp() : out.filename().string(), common.model.preset);
-    run->write_text("config.toml", config_to_toml(common));
-  }
+  if (lead) run = open_bench_dir(o, common);
 
   const auto& t = common.train;
   fmt::print(stderr,
@@ -323,73 +418,9 @@ BenchResult run_bench(const BenchOptions& o) {
   // Every collective is done: the ranks part, and the report is rank 0's.
   if (ranks != nullptr) ranks->finish();
 
-  for (size_t i = 0; i < result.rows.size(); ++i) {
-    if (result.rows[i].policy == "none") {
-      result.reference = i;
-      break;
-    }
-  }
-  const double reference_loss = result.rows[result.reference].final_loss;
-  for (const auto& r : result.rows) result.losses_equal = result.losses_equal && r.final_loss == reference_loss;
+  compare_losses(result, common, device, run.get());
   if (!lead) return result;
-  if (!result.losses_equal) {
-    std::string losses;
-    for (const auto& r : result.rows)
-      losses += fmt::format("{}{} {}", losses.empty() ? "" : ", ", r.entry, r.final_loss);
-    if (device.is_cuda() && common.model.attention == Attention::sdpa) {
-      // ATen's flash backward adds dq's key blocks in a varying order (docs/results.md).
-      fmt::print(stderr,
-                 "warning: the final losses differ across entries ({}): on CUDA the sdpa op's flash backward sums "
-                 "each query's gradient over key blocks in an order that varies from run to run, so policies agree "
-                 "to rounding there, not bit for bit; model.attention = math is bitwise exact.\n",
-                 losses);
-    } else {
-      fmt::print(stderr,
-                 "warning: the final losses differ across entries ({}); every policy is meant to be bitwise "
-                 "exact, so this is a bug worth reporting with {}.\n",
-                 losses, run->file("bench.json"));
-    }
-  }
-
-  run->write_text("bench.csv", to_csv(result.rows));
-  nlohmann::json rows = nlohmann::json::array();
-  for (const auto& r : result.rows) rows.push_back(row_json(r));
-  const nlohmann::json json = {
-      {"machine",
-       {{"device", device.str()},
-        {"threads", threads},
-        {"blas", blas_name()},
-        {"dtype", common.run.dtype},
-        {"preset", common.model.preset},
-        {"batch", t.batch},
-        {"seq", t.seq},
-        {"grad_accum", t.grad_accum}}},
-      {"ranks",
-       {{"dp", local.parallel.dp},
-        {"tp", common.parallel.tp},
-        {"sp", common.parallel.sp},
-        {"zero", common.parallel.zero},
-        {"pp", common.parallel.pp},
-        {"schedule", pipeline::schedule_name(common.parallel.schedule)}}},
-      {"warmup", o.warmup},
-      {"steps", o.steps},
-      {"reference", result.rows[result.reference].entry},
-      {"losses_equal", result.losses_equal},
-      {"rows", rows},
-  };
-  run->write_text("bench.json", json.dump(2) + "\n");
-
-  std::vector<PlotPoint> points;
-  for (const auto& r : result.rows) points.push_back({mib(r.peak_bytes), r.median_step_seconds * 1e3, r.entry});
-  std::string why;
-  const bool plotted = run->plot_points(
-      "bench.png",
-      fmt::format("remat bench: {} on {} ({} threads{}), {} x {} tokens{}", common.model.preset, device.str(), threads,
-                  ranks != nullptr ? " per rank" : "", t.batch, t.seq, describe_ranks(local)),
-      ranks != nullptr ? "step peak of the highest rank (MiB)" : "step peak (MiB)", "median step (ms)", points, &why);
-  fmt::print(stderr, "bench dir {}: bench.csv, bench.json{}, config.toml, metrics.jsonl\n", run->path(),
-             plotted ? ", bench.png" : "");
-  if (!plotted) fmt::print(stderr, "no plot: {}\n", why);
+  write_results(result, o, common, local, {device, threads, ranks != nullptr}, *run);
   return result;
 }
 

@@ -216,88 +216,71 @@ void pipeline_extras(const RunSpec& spec, const PlanArgs& args, nlohmann::json& 
   }
 }
 
-}  // namespace
-
-int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
-  Config cfg = cfg_in;
-  if (!args.budget.empty()) cfg.ac.budget = args.budget;
-  // Priced as declared (FLOPs at parallel.compute_rate, links at parallel.link_rate and
-  // link_latency, copies at ac.offload_rate), or as a run recorded its prices.
-  const bool recorded = !args.prices.empty();
-  PriceSource prices = recorded ? PriceSource::recorded(args.prices) : PriceSource::declared();
-  RunInputs in;
-  in.dtype = dtype_of(cfg.run.dtype);
-  in.prices = &prices;
-  // A run holds its token corpus (both splits) through every step; only a prepared corpus
-  // says how many tokens it has.
-  in.corpus_dir = corpus_dir(cfg.data);
-  try {
-    in.corpus = data::load_corpus_info(in.corpus_dir);
-  } catch (const std::exception&) {
-  }
-  const RunSpec spec = resolve_run(cfg, in);
-  const ModelConfig& m = spec.cfg.model;
-  const cost::StepShape& shape = spec.shape;
-  if (args.explain_block) {
-    const graph::BlockGraph g = cost::shape_block(m, shape, spec.layout);
-    fmt::print(
-        "One {} block at batch {} x {} tokens in {}{}: every value its forward makes, and the slot that "
-        "keeps it for the backward (- : freed after its last forward reader).\n\n{}",
-        arch_name(m.arch), shape.batch, shape.seq, spec.cfg.run.dtype, describe_ranks(spec.local), graph::explain(g));
-    return 0;
-  }
-  const Planner& planner = *spec.plan.planner;
-  nlohmann::json json = render_json(spec);
-  if (!args.json) fmt::print("{}", render_text(spec));
-  if (spec.plan.pipeline) {
-    pipeline_extras(spec, args, json);
-    if (args.json) fmt::print("{}\n", json.dump(2));
-    return 0;
-  }
-  const cost::StepPrediction& pred = spec.plan.predicted;
-  const double flops = step_flops(m, planner.block(), shape, spec.layout);
-  const double overhead = pred.recompute_flops / (flops * shape.grad_accum);
-  const int64_t min_budget = planner.least_budget(spec.plan.host_budget);
-  const Communication link = communication(spec, spec.layout, pred);
-  // A step without recompute, in seconds at the prices' FLOP rate: what a share of it is.
-  const double rate = spec.plan.prices.times.flops_per_second;
-  const double step_seconds = flops / rate;
+// What `remat plan` adds to a one-stage plan: the least budget, the recompute's share of
+// the step, the collectives, and with --pareto or --json the frontier and the manual
+// policies beside it.
+struct Extras {
+  double flops = 0;         ///< a step's without recompute, of one microbatch
+  double rate = 0;          ///< the prices' FLOP rate: seconds as the FLOPs they weigh
+  double step_seconds = 0;  ///< a microbatch's without recompute at that rate
+  int64_t min_budget = 0;
+  Communication link;
   Frontier sweep;
   std::vector<FrontierPoint> manual;
+};
+
+Extras one_stage_extras(const RunSpec& spec, const PlanArgs& args) {
+  const ModelConfig& m = spec.cfg.model;
+  const Planner& planner = *spec.plan.planner;
+  Extras x;
+  x.flops = step_flops(m, planner.block(), spec.shape, spec.layout);
+  x.rate = spec.plan.prices.times.flops_per_second;
+  x.step_seconds = x.flops / x.rate;
+  x.min_budget = planner.least_budget(spec.plan.host_budget);
+  x.link = communication(spec, spec.layout, spec.plan.predicted);
   if (args.pareto || args.json) {
-    sweep = planner.frontier(spec.plan.host_budget, args.points, kSweepSeconds);
+    x.sweep = planner.frontier(spec.plan.host_budget, args.points, kSweepSeconds);
     for (const auto& policy : manual_policies(m.n_layer)) {
       const cost::StepPrediction p = planner.predict(compile_policy(policy, m.n_layer, m.dropout)).stages[0];
-      manual.push_back({p.peak, p.recompute_seconds, policy});
+      x.manual.push_back({p.peak, p.recompute_seconds, policy});
     }
   }
-  if (args.json) {
-    auto points = [&](const std::vector<FrontierPoint>& v) {
-      nlohmann::json a = nlohmann::json::array();
-      for (const auto& p : v)
-        a.push_back({{"label", p.label}, {"peak", p.peak}, {"recompute_flops", p.recompute_seconds * rate}});
-      return a;
-    };
-    json["min_feasible_budget"] = min_budget;
-    json["step_flops"] = flops * shape.grad_accum;
-    json["recompute_overhead"] = overhead;
-    json["communication"] = communication_json(spec, link, recorded);
-    json["offload"] = {
-        {"rate_gb_per_s", recorded ? spec.plan.prices.times.host_bytes_per_second / 1e9 : spec.cfg.ac.offload_rate},
-        {"bytes_each_way", pred.offloaded_bytes},
-        {"host_peak", pred.host_peak},
-        {"seconds", pred.copy_seconds},
-        {"wait_seconds", pred.copy_wait_seconds},
-        {"slowdown_seconds", pred.copy_slowdown_seconds}};
-    json["frontier"] = points(sweep.points);
-    json["frontier_budgets"] = {{"asked", sweep.asked}, {"solved", sweep.solved}, {"seconds", sweep.seconds}};
-    json["manual"] = points(manual);
-    fmt::print("{}\n", json.dump(2));
-    return 0;
-  }
+  return x;
+}
+
+void print_json(const RunSpec& spec, const Extras& x, bool recorded, nlohmann::json& json) {
+  const cost::StepPrediction& pred = spec.plan.predicted;
+  const auto points = [&](const std::vector<FrontierPoint>& v) {
+    nlohmann::json a = nlohmann::json::array();
+    for (const auto& p : v) {
+      a.push_back({{"label", p.label}, {"peak", p.peak}, {"recompute_flops", p.recompute_seconds * x.rate}});
+    }
+    return a;
+  };
+  const int64_t m = spec.shape.grad_accum;
+  json["min_feasible_budget"] = x.min_budget;
+  json["step_flops"] = x.flops * m;
+  json["recompute_overhead"] = pred.recompute_flops / (x.flops * m);
+  json["communication"] = communication_json(spec, x.link, recorded);
+  json["offload"] = {
+      {"rate_gb_per_s", recorded ? spec.plan.prices.times.host_bytes_per_second / 1e9 : spec.cfg.ac.offload_rate},
+      {"bytes_each_way", pred.offloaded_bytes},
+      {"host_peak", pred.host_peak},
+      {"seconds", pred.copy_seconds},
+      {"wait_seconds", pred.copy_wait_seconds},
+      {"slowdown_seconds", pred.copy_slowdown_seconds}};
+  json["frontier"] = points(x.sweep.points);
+  json["frontier_budgets"] = {{"asked", x.sweep.asked}, {"solved", x.sweep.solved}, {"seconds", x.sweep.seconds}};
+  json["manual"] = points(x.manual);
+  fmt::print("{}\n", json.dump(2));
+}
+
+void print_text(const RunSpec& spec, const Extras& x, bool recorded) {
+  const cost::StepPrediction& pred = spec.plan.predicted;
+  const auto m = static_cast<double>(spec.shape.grad_accum);
   fmt::print("minimum feasible {}; recompute {:.1f}% over the {} FLOPs of a step without recompute\n",
-             format_bytes(min_budget), 100.0 * overhead, format_count(flops * shape.grad_accum));
-  if (spec.layout.tp > 1) fmt::print("{}", communication_text(spec, link, "", recorded));
+             format_bytes(x.min_budget), 100.0 * pred.recompute_flops / (x.flops * m), format_count(x.flops * m));
+  if (spec.layout.tp > 1) fmt::print("{}", communication_text(spec, x.link, "", recorded));
   if (pred.offloaded_bytes > 0) {
     const cost::NodeTimes& t = spec.plan.prices.times;
     fmt::print(
@@ -309,35 +292,87 @@ int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
         1e3 * pred.copy_slowdown_seconds,
         recorded ? fmt::format("the run's slowdown {:.3f}", t.host_copy_slowdown)
                  : fmt::format("ac.offload_slowdown = {}", spec.cfg.ac.offload_slowdown),
-        100.0 * pred.copy_added_seconds() / (step_seconds * static_cast<double>(shape.grad_accum)),
-        recorded ? fmt::format("the run's {} FLOP/s", format_count(rate))
+        100.0 * pred.copy_added_seconds() / (x.step_seconds * m),
+        recorded ? fmt::format("the run's {} FLOP/s", format_count(x.rate))
                  : fmt::format("parallel.compute_rate = {} TFLOP/s", spec.cfg.parallel.compute_rate));
   }
-  if (args.pareto) {
-    fmt::print("\nfrontier (budget plans):\n  {:>12}  {:>10}\n", "peak", "recompute");
-    for (const auto& p : sweep.points) {
-      fmt::print("  {:>12}  {:>9.1f}%\n", format_bytes(p.peak), 100.0 * p.recompute_seconds / step_seconds);
-    }
-    fmt::print("manual policies:\n");
-    for (const auto& p : manual) {
-      fmt::print("  {:>12}  {:>9.1f}%  {}\n", format_bytes(p.peak), 100.0 * p.recompute_seconds / step_seconds,
-                 p.label);
-    }
-    std::string why;
-    if (sweep.solved < sweep.asked) {
-      fmt::print(
-          "(the frontier is coarser: {} of {} budgets solved in {:.1f} s, the sweep starting none after {:.0f} s; "
-          "the ends and the middles of the gaps come first)\n",
-          sweep.solved, sweep.asked, sweep.seconds, kSweepSeconds);
-    }
-    if (!plot_frontier(args.plot, sweep.points, manual, step_seconds, &why)) {
-      throw std::runtime_error(
-          fmt::format("The frontier could not be plotted to --plot = \"{}\": {}; the tables above "
-                      "hold the same figures.",
-                      args.plot, why));
-    }
-    fmt::print("plot: {}\n", args.plot);
+}
+
+void print_pareto(const Extras& x, const PlanArgs& args) {
+  fmt::print("\nfrontier (budget plans):\n  {:>12}  {:>10}\n", "peak", "recompute");
+  for (const auto& p : x.sweep.points) {
+    fmt::print("  {:>12}  {:>9.1f}%\n", format_bytes(p.peak), 100.0 * p.recompute_seconds / x.step_seconds);
   }
+  fmt::print("manual policies:\n");
+  for (const auto& p : x.manual) {
+    fmt::print("  {:>12}  {:>9.1f}%  {}\n", format_bytes(p.peak), 100.0 * p.recompute_seconds / x.step_seconds,
+               p.label);
+  }
+  if (x.sweep.solved < x.sweep.asked) {
+    fmt::print(
+        "(the frontier is coarser: {} of {} budgets solved in {:.1f} s, the sweep starting none after {:.0f} s; "
+        "the ends and the middles of the gaps come first)\n",
+        x.sweep.solved, x.sweep.asked, x.sweep.seconds, kSweepSeconds);
+  }
+  std::string why;
+  if (!plot_frontier(args.plot, x.sweep.points, x.manual, x.step_seconds, &why)) {
+    throw std::runtime_error(
+        fmt::format("The frontier could not be plotted to --plot = \"{}\": {}; the tables above "
+                    "hold the same figures.",
+                    args.plot, why));
+  }
+  fmt::print("plot: {}\n", args.plot);
+}
+
+// The run `cfg` describes, resolved as `remat train` would, priced as `args` says.
+RunSpec resolve(const Config& cfg, const PlanArgs& args) {
+  // Priced as declared (FLOPs at parallel.compute_rate, links at parallel.link_rate and
+  // link_latency, copies at ac.offload_rate), or as a run recorded its prices.
+  PriceSource prices = args.prices.empty() ? PriceSource::declared() : PriceSource::recorded(args.prices);
+  RunInputs in;
+  in.dtype = dtype_of(cfg.run.dtype);
+  in.prices = &prices;
+  // A run holds its token corpus (both splits) through every step; only a prepared corpus
+  // says how many tokens it has.
+  in.corpus_dir = corpus_dir(cfg.data);
+  try {
+    in.corpus = data::load_corpus_info(in.corpus_dir);
+  } catch (const std::exception&) {
+  }
+  return resolve_run(cfg, in);
+}
+
+}  // namespace
+
+int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
+  Config cfg = cfg_in;
+  if (!args.budget.empty()) cfg.ac.budget = args.budget;
+  const RunSpec spec = resolve(cfg, args);
+  if (args.explain_block) {
+    const ModelConfig& m = spec.cfg.model;
+    const cost::StepShape& shape = spec.shape;
+    fmt::print(
+        "One {} block at batch {} x {} tokens in {}{}: every value its forward makes, and the slot that "
+        "keeps it for the backward (- : freed after its last forward reader).\n\n{}",
+        arch_name(m.arch), shape.batch, shape.seq, spec.cfg.run.dtype, describe_ranks(spec.local),
+        graph::explain(cost::shape_block(m, shape, spec.layout)));
+    return 0;
+  }
+  nlohmann::json json = render_json(spec);
+  if (!args.json) fmt::print("{}", render_text(spec));
+  if (spec.plan.pipeline) {
+    pipeline_extras(spec, args, json);
+    if (args.json) fmt::print("{}\n", json.dump(2));
+    return 0;
+  }
+  const Extras x = one_stage_extras(spec, args);
+  const bool recorded = !args.prices.empty();
+  if (args.json) {
+    print_json(spec, x, recorded, json);
+    return 0;
+  }
+  print_text(spec, x, recorded);
+  if (args.pareto) print_pareto(x, args);
   return 0;
 }
 

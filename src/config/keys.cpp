@@ -106,6 +106,8 @@ ConfigKey key(std::string name, S Config::*section, T S::*field, std::string hel
       dst = parse_loss_head(name, v);
     } else if constexpr (std::is_same_v<T, pipeline::Schedule>) {
       dst = pipeline::schedule_of_name(v);
+    } else if constexpr (std::is_same_v<T, c10::Device>) {
+      dst = device_of(v);
     } else if constexpr (std::is_same_v<T, bool>) {
       dst = parse_bool(name, v);
     } else if constexpr (std::is_integral_v<T>) {
@@ -126,6 +128,8 @@ ConfigKey key(std::string name, S Config::*section, T S::*field, std::string hel
       return quote(loss_head_name(src));
     } else if constexpr (std::is_same_v<T, pipeline::Schedule>) {
       return quote(pipeline::schedule_name(src));
+    } else if constexpr (std::is_same_v<T, c10::Device>) {
+      return quote(src.str());
     } else if constexpr (std::is_same_v<T, bool>) {
       return std::string(src ? "true" : "false");
     } else if constexpr (std::is_integral_v<T>) {

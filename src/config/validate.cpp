@@ -205,13 +205,10 @@ void check_ac_parallel(const Config& c) {
   }
 }
 
-// The device and dtype must name one; paths and the run's name are written where a stray
+// The dtype must name one; paths and the run's name are written where a stray
 // character would break them.
 void check_run(const Config& c) {
   dtype_of(c.run.dtype);
-  if (c.run.device != "cpu" && c.run.device != "cuda" && c.run.device.rfind("cuda:", 0) != 0) {
-    fail(fmt::format("run.device must be cpu or cuda[:N], got '{}'.", util::clip(c.run.device)));
-  }
   check_path("run.out_dir", c.run.out_dir);
   check_path("run.trace", c.run.trace);
   check_path("run.record_allocations", c.run.record_allocations);

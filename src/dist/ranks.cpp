@@ -28,11 +28,11 @@ std::unique_ptr<dist::Comm> join_ranks(const Config& cfg, const std::string& sub
         env ? fmt::format("the launcher started {}", world) : "this process runs alone", want, subcommand, want));
   }
   if (data_parallel_ranks(cfg) * tp * pp == 1) return nullptr;
-  if (cfg.run.device != "cpu") {
+  if (cfg.run.device.is_cuda()) {
     throw std::invalid_argument(fmt::format(
         "Several ranks train on the CPU only so far (Gloo); run.device = {} with {} ranks needs NCCL, which this "
         "build does not have. Set run.device=cpu or start one rank.",
-        cfg.run.device, world));
+        cfg.run.device.str(), world));
   }
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(std::llround(cfg.parallel.timeout * 1000)));
   return dist::Comm::connect(*env, timeout, static_cast<int>(tp), static_cast<int>(pp));

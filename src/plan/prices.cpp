@@ -16,7 +16,7 @@ Prices Prices::declared(const Config& cfg) {
   p.times.link_latency_seconds = cfg.parallel.link_latency * 1e-6;
   p.times.host_bytes_per_second = cfg.ac.offload_rate * 1e9;
   // A GPU's copy engines run beside its compute; the CPU's copies take its cores.
-  p.times.host_copies_overlap = cfg.run.device != "cpu";
+  p.times.host_copies_overlap = cfg.run.device.is_cuda();
   p.times.host_copy_slowdown = cfg.ac.offload_slowdown;
   return p;
 }
@@ -56,7 +56,8 @@ nlohmann::json to_json(const Prices& p) {
           {"base_seconds", p.base_seconds},
           {"optimizer_seconds", p.optimizer_seconds},
           {"optimizer_bytes", p.optimizer_bytes},
-          {"other_cpus", p.other_cpus ? nlohmann::json(*p.other_cpus) : nlohmann::json(nullptr)}};
+          {"other_cpus", p.other_cpus ? nlohmann::json(*p.other_cpus) : nlohmann::json(nullptr)},
+          {"path", p.path}};
 }
 
 Prices prices_from_json(const nlohmann::json& j) {
@@ -96,6 +97,7 @@ Prices prices_from_json(const nlohmann::json& j) {
   p.optimizer_seconds = price("optimizer_seconds", true);
   p.optimizer_bytes = static_cast<int64_t>(price("optimizer_bytes", false));
   if (j.contains("other_cpus") && !j.at("other_cpus").is_null()) p.other_cpus = price("other_cpus", false);
+  p.path = j.value("path", std::string());
   return p;
 }
 

@@ -297,7 +297,7 @@ std::string explain_plan(const ActivationPlan& plan) {
 }
 
 ActivationPlan validate_plan(const Config& c) {
-  const std::string why = ops::attention_refusal(c.model.attention, c.model.dropout, c.run.device != "cpu",
+  const std::string why = ops::attention_refusal(c.model.attention, c.model.dropout, c.run.device.is_cuda(),
                                                  dtype_of(c.run.dtype), c.model.head_dim());
   if (!why.empty()) policy::fail(why);
   const ActivationPlan plan = compile_policy(c.ac, c.model.n_layer, c.model.dropout);

@@ -65,8 +65,10 @@ std::string profile_key(const Config& cfg, const Model& model, int at_once) {
 // `p`'s prices from `j`, its path and optimizer bytes (the model's, not measured) kept.
 void take_prices(TimeProfile& p, const nlohmann::json& j) {
   const int64_t bytes = p.optimizer_bytes;
+  const std::string path = p.path;
   static_cast<Prices&>(p) = prices_from_json(j);
   p.optimizer_bytes = bytes;
+  p.path = path;
 }
 
 }  // namespace

@@ -82,6 +82,43 @@ Load rank0s_load(dist::Comm* together, const util::CpuTimes& from, const util::C
   return load;
 }
 
+// Times the update around the passes twice into `p` (measure_time_profile says how).
+void measure_update(const Config& cfg, Model& model, TimeProfile& p) {
+  const at::Device device = model.device();
+  const TrainConfig& t = cfg.train;
+  // The update on scratch copies: the same tensors' sizes, the model untouched. Under
+  // ZeRO-1, those of data-parallel rank 0's share (the ranks' shares differ by less than
+  // the largest parameter); the clipping still reads every gradient.
+  std::vector<int64_t> numels;
+  for (const auto& prm : model.params()) numels.push_back(prm.value.numel());
+  const std::vector<int> owner = cost::zero_owners(numels, profile::zero_ranks(cfg));
+  std::vector<at::Tensor> copies, grads;
+  for (size_t i = 0; i < model.params().size(); ++i) {
+    grads.push_back(at::zeros_like(model.params()[i].grad));
+    if (owner[i] != 0) continue;
+    at::Tensor c = model.params()[i].value.detach().clone();
+    c.mutable_grad() = grads.back();
+    copies.push_back(c);
+  }
+  torch::optim::AdamW scratch(copies, torch::optim::AdamWOptions(t.lr).weight_decay(t.weight_decay));
+  const at::ScalarType compute = model.compute_dtype();
+  for (int rep = 0; rep < 2; ++rep) {
+    synchronize(device);
+    const auto t0 = std::chrono::steady_clock::now();
+    model.zero_grad();
+    std::vector<at::Tensor> squares;
+    for (const auto& g : grads) squares.push_back(g.pow(2).sum());
+    at::stack(squares).sum().item<double>();
+    scratch.step();
+    // An update changes every weight, so the next pass casts each to the compute dtype anew.
+    for (const auto& prm : model.params()) {
+      if (prm.value.scalar_type() != compute) (void)prm.value.to(compute);
+    }
+    synchronize(device);
+    p.optimizer_seconds = seconds_since(t0);  // the second: state already allocated
+  }
+}
+
 // Measures `p`'s times once: a few passes with every layer recomputed and two updates
 // (measure_time_profile says how).
 void measure_times(const Config& cfg, Model& model, const data::TokenDataset& data, TimeProfile& p) {
@@ -134,38 +171,7 @@ void measure_times(const Config& cfg, Model& model, const data::TokenDataset& da
     timed += it->second;
   }
   p.times.flops_per_second = timed > 0 ? flops / timed : 0.0;
-
-  // The update on scratch copies: the same tensors' sizes, the model untouched. Under
-  // ZeRO-1, those of data-parallel rank 0's share (the ranks' shares differ by less than
-  // the largest parameter); the clipping still reads every gradient.
-  std::vector<int64_t> numels;
-  for (const auto& prm : model.params()) numels.push_back(prm.value.numel());
-  const std::vector<int> owner = cost::zero_owners(numels, profile::zero_ranks(cfg));
-  std::vector<at::Tensor> copies, grads;
-  for (size_t i = 0; i < model.params().size(); ++i) {
-    grads.push_back(at::zeros_like(model.params()[i].grad));
-    if (owner[i] != 0) continue;
-    at::Tensor c = model.params()[i].value.detach().clone();
-    c.mutable_grad() = grads.back();
-    copies.push_back(c);
-  }
-  torch::optim::AdamW scratch(copies, torch::optim::AdamWOptions(t.lr).weight_decay(t.weight_decay));
-  const at::ScalarType compute = model.compute_dtype();
-  for (int rep = 0; rep < 2; ++rep) {
-    synchronize(device);
-    const auto t0 = std::chrono::steady_clock::now();
-    model.zero_grad();
-    std::vector<at::Tensor> squares;
-    for (const auto& g : grads) squares.push_back(g.pow(2).sum());
-    at::stack(squares).sum().item<double>();
-    scratch.step();
-    // An update changes every weight, so the next pass casts each to the compute dtype anew.
-    for (const auto& prm : model.params()) {
-      if (prm.value.scalar_type() != compute) (void)prm.value.to(compute);
-    }
-    synchronize(device);
-    p.optimizer_seconds = seconds_since(t0);  // the second: state already allocated
-  }
+  measure_update(cfg, model, p);
 }
 
 // Whether every rank of `together` (if any) says `yes`.

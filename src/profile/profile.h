@@ -20,9 +20,9 @@
 
 namespace remat {
 
-/// Prices measured on this machine, and where they are cached.
+/// Prices measured on this machine (their path the cache file), and whether they were read
+/// from it.
 struct TimeProfile : Prices {
-  std::string path;     ///< the cache file
   bool cached = false;  ///< read from the cache rather than measured now
 };
 

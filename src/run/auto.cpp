@@ -90,7 +90,7 @@ RunPlan resolve_attention(Config& cfg, Config& local, at::ScalarType dtype, cons
   for (Attention a : kAttentionOps) {
     if (alone && !ops.empty()) break;
     // An op that cannot run this model (sdpa with attention dropout) is no candidate.
-    if (!attention_refusal(a, local.model.dropout, local.run.device != "cpu", dtype, local.model.head_dim()).empty()) {
+    if (!attention_refusal(a, local.model.dropout, local.run.device.is_cuda(), dtype, local.model.head_dim()).empty()) {
       continue;
     }
     ops.push_back(a);

@@ -36,7 +36,7 @@ ActivationPlan offloading_what_exists(ActivationPlan plan, const graph::BlockGra
 
 }  // namespace
 
-bool on_cuda(const RunConfig& run) { return run.device != "cpu"; }
+bool on_cuda(const RunConfig& run) { return run.device.is_cuda(); }
 
 cost::DeviceMemory RunPlan::device_peak() const { return cost::highest(device); }
 

@@ -23,7 +23,7 @@ struct Room {
 Room room_of(const RunSpec& spec, int64_t available) {
   if (available < 0) return {};
   if (on_cuda(spec.cfg.run)) {
-    return {available, fmt::format("the {} free on {}", memory::format_bytes(available), spec.cfg.run.device)};
+    return {available, fmt::format("the {} free on {}", memory::format_bytes(available), spec.cfg.run.device.str())};
   }
   const int64_t bytes = std::max<int64_t>(0, available - (int64_t{256} << 20)) / 9 * 8;
   return {bytes, fmt::format("the {} this rank's tensors can take on this machine (its share of MemAvailable, {}, "

@@ -515,7 +515,7 @@ void report(const RunSpec& spec, const Ranks& ranks, const Machine& machine, con
     fmt::print(
         stderr, "host memory of the offloaded slots: peak {} (predicted {}){}\n",
         memory::format_bytes(sum.host_peak_bytes), memory::format_bytes(sum.predicted_host_peak_bytes),
-        cfg.run.device != "cpu" ? fmt::format(", page-locked {}", memory::format_bytes(sum.host_pinned_bytes)) : "");
+        cfg.run.device.is_cuda() ? fmt::format(", page-locked {}", memory::format_bytes(sum.host_pinned_bytes)) : "");
   }
   if (sum.predicted_reserved_bytes > 0) {
     fmt::print(stderr, "CUDA caching allocator: reserved peak {} (its model predicted {})\n",
@@ -582,7 +582,7 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   const Ranks ranks = join(cfg);
   const QuietStderr quiet(!ranks.lead);
   const int threads = set_threads(rank_threads(cfg));
-  const at::Device device = parse_device(cfg.run.device);
+  const at::Device device = available_device(cfg.run.device);
   if (device.is_cuda()) memory::configure_cuda_allocator(cfg.run.expandable_segments);
   const at::ScalarType dtype = device_dtype(dtype_of(cfg.run.dtype), device);
   memory::install_cpu_tracking();

@@ -21,23 +21,20 @@
 
 namespace remat {
 
-at::Device parse_device(const std::string& spec) {
-  if (spec == "cpu") return at::Device(at::kCPU);
-  if (spec == "cuda" || spec.rfind("cuda:", 0) == 0) {
-    if (!at::hasCUDA()) {
-      throw std::invalid_argument(fmt::format(
-          "run.device={} was asked for, but this LibTorch has no CUDA device available; use run.device=cpu.", spec));
-    }
-    const std::string idx = spec.size() > 5 ? spec.substr(5) : "0";
-    const bool digits = !idx.empty() && idx.size() < 4 && idx.find_first_not_of("0123456789") == std::string::npos;
-    const int64_t n = static_cast<int64_t>(at::getNumGPUs());
-    if (!digits || std::stoll(idx) >= n) {
-      throw std::invalid_argument(
-          fmt::format("run.device={} names no GPU here; this machine has {} (cuda:0 to cuda:{}).", spec, n, n - 1));
-    }
-    return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(std::stoll(idx)));
+at::Device available_device(at::Device device) {
+  if (!device.is_cuda()) return device;
+  if (!at::hasCUDA()) {
+    throw std::invalid_argument(
+        fmt::format("run.device={} was asked for, but this LibTorch has no CUDA device available; use run.device=cpu.",
+                    device.str()));
   }
-  throw std::invalid_argument(fmt::format("run.device must be cpu or cuda[:N], got '{}'.", spec));
+  const int64_t n = static_cast<int64_t>(at::getNumGPUs());
+  const int64_t index = device.has_index() ? device.index() : 0;
+  if (index >= n) {
+    throw std::invalid_argument(fmt::format("run.device={} names no GPU here; this machine has {} (cuda:0 to cuda:{}).",
+                                            device.str(), n, n - 1));
+  }
+  return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(index));
 }
 
 at::ScalarType device_dtype(at::ScalarType dtype, at::Device device) {

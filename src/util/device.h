@@ -8,8 +8,8 @@
 
 namespace remat {
 
-/// "cpu", "cuda" or "cuda:N" -> a device that exists here; a sentence otherwise.
-at::Device parse_device(const std::string& spec);
+/// `device` (run.device's) where it exists here: "cuda" the first GPU; a sentence otherwise.
+at::Device available_device(at::Device device);
 /// `dtype` (run.dtype's, remat/config.h's dtype_of), refusing bfloat16 where `device`
 /// lacks it.
 at::ScalarType device_dtype(at::ScalarType dtype, at::Device device);

@@ -115,8 +115,9 @@ TEST_F(PlanAsTrained, ARunsRecordedPricesGiveItsPlan) {
   std::mt19937 rng(20261128);
   const auto pick = [&](const std::vector<std::string>& from) { return from[rng() % from.size()]; };
   for (int trial = 0; trial < 10; ++trial) {
-    std::string settings = "model.preset=" + pick({"tiny-gpt2", "tiny-llama"}) + " train.grad_accum=" +
-                           pick({"1", "2"}) + " ac.host_budget=" + pick({"64KiB", "256KiB", "4MiB"});
+    std::string settings = "model.preset=" + pick({"tiny-gpt2", "tiny-llama"}) +
+                           " train.grad_accum=" + pick({"1", "2"}) +
+                           " ac.host_budget=" + pick({"64KiB", "256KiB", "4MiB"});
     if (trial % 3 == 2) {
       settings += " ac.policy=" + pick({"modules:[core_attn]+offload:[input,mlp]", "full+offload:[input]",
                                         "every:2+offload:[input,attn]"});
@@ -140,7 +141,8 @@ TEST_F(PlanAsTrained, ARunsRecordedPricesGiveItsPlan) {
 // Prices from a run that priced other settings are refused with a sentence naming them.
 TEST_F(PlanAsTrained, PricesARunDidNotTakeAreRefused) {
   const fs::path run = train("model.preset=tiny-gpt2 ac.policy=full");
-  const Result plan = run_remat("plan --prices " + run.string() + common_ + " model.preset=tiny-gpt2 model.attention=tiled");
+  const Result plan =
+      run_remat("plan --prices " + run.string() + common_ + " model.preset=tiny-gpt2 model.attention=tiled");
   EXPECT_NE(plan.exit_code, 0);
   EXPECT_NE(plan.output.find("priced math attention with the fused head, not tiled attention with the fused head"),
             std::string::npos)
