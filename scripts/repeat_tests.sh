@@ -1,22 +1,19 @@
 #!/usr/bin/env bash
-# Flake hunt over the op, checkpoint and store suites, on an existing build/:
+# Flake hunt over the unit tests (cmake/test_labels.cmake) of tests/ops, tests/checkpoint
+# and tests/store, on an existing build/:
 # 1. every test alone, in a process of its own, REMAT_REPEAT_ALONE times (default 60): a
 #    test failing one run in 20 passes 60 runs in a row with probability 0.95^60 = 4.6%,
 #    and alone no other test's draws or reseeds can mask it;
-# 2. the three suites together, shuffled into a new order on each of REMAT_REPEAT_SHUFFLED
+# 2. all of them together, shuffled into a new order on each of REMAT_REPEAT_SHUFFLED
 #    repeats (default 10), for tests that pass alone but depend on what ran before.
 # Extra arguments go to every remat_tests call.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bin=build/remat_tests
-suites='*Op.*:Checkpoint*:*Store*:Pool.*'
+tests=$(bash scripts/gtest_names.sh build -L '^(ops|checkpoint|store)$' -L '^unit$')
 alone=${REMAT_REPEAT_ALONE:-60}
 shuffled=${REMAT_REPEAT_SHUFFLED:-10}
 
-# --gtest_list_tests prints "Suite." lines followed by indented test names (a
-# parameterised one with a "# GetParam() = ..." comment).
-tests=$("$bin" --gtest_list_tests --gtest_filter="$suites" |
-  awk '/^[^ ]/ { suite = $1; next } { print suite $1 }')
 count=$(wc -l <<<"$tests")
 echo "repeating $count tests alone, $alone times each"
 # A failing test's name on stdout, its log on stderr.
@@ -29,5 +26,5 @@ if [ -n "$failed" ]; then
   echo "$failed" >&2
   exit 1
 fi
-echo "repeating the suites shuffled, $shuffled orders"
-"$bin" --gtest_filter="$suites" --gtest_shuffle --gtest_repeat="$shuffled" --gtest_brief=1 "$@"
+echo "repeating them together shuffled, $shuffled orders"
+"$bin" --gtest_filter="$(paste -sd: <<<"$tests")" --gtest_shuffle --gtest_repeat="$shuffled" --gtest_brief=1 "$@"

@@ -17,12 +17,13 @@ packages=(
 # `setup.sh --list` prints the packages above, which build and test remat on any suite
 # (scripts/test_libtorch2.sh installs them in its sid root). Those below serve this
 # machine's other lanes: clang for the sanitizer and fuzzing builds, clang-format for the
-# layout check (its version decides the layout), debootstrap for roots.
+# layout check (its version decides the layout), universal-ctags for the function-size
+# check, debootstrap for roots.
 if [ "${1:-}" = --list ]; then
   printf '%s\n' "${packages[@]}"
   exit 0
 fi
-packages+=(clang clang-format libclang-rt-14-dev debootstrap)
+packages+=(clang clang-format libclang-rt-14-dev universal-ctags debootstrap)
 
 missing=()
 for p in "${packages[@]}"; do

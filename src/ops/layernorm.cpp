@@ -74,8 +74,8 @@ int64_t partials(int64_t C, at::ScalarType ct) { return bytes_of(2 * at::get_num
 
 // Rows of the CUDA backward's partial weight and bias gradients, as ATen's
 // LaunchGammaBetaBackwardCUDAKernel splits them: past 64Ki rows with C / 32 below half the
-// multiprocessors (C < 2112 on an H100's 132), one row of partial sums per 32 rows, at most
-// 32Ki / ceil(C / 32); otherwise none (the kernel sums straight into dgamma and dbeta).
+// multiprocessors, one row of partial sums per 32 rows, at most 32Ki / ceil(C / 32);
+// otherwise none (the kernel sums straight into dgamma and dbeta).
 int64_t cuda_partial_rows(int64_t M, int64_t C, int64_t multiprocessors) {
   constexpr int64_t kBlockX = 32, kRowsPerBlock = 32;
   if (M <= 64 * 1024 || C / kBlockX >= multiprocessors / 2) return 0;

@@ -1,8 +1,8 @@
-// Helpers shared by the op definitions (the graph's view of each op, remat/graph.h) and
+// Helpers shared by the op definitions (the graph's view of each op, remat/ops/op.h) and
 // the tensor-parallel transform.
 #pragma once
 
-#include "remat/graph.h"
+#include "remat/ops/op.h"
 #include "remat/ops/common.h"
 #include "remat/ops/vocab_shard.h"
 

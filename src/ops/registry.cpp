@@ -1,6 +1,6 @@
 // The op registry: every op definition, so that the tests that cover each op (its memory
 // events, tests/graph/op_memory_test.cpp) cannot miss a new one.
-#include "remat/graph.h"
+#include "remat/ops/op.h"
 
 namespace remat::graph {
 

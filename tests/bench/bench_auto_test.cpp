@@ -5,7 +5,7 @@
 #include "remat/trainer.h"
 #include "run/choice_profiles.h"
 #include "run/run.h"
-#include "util/processes.h"
+#include "util/temp_dir.h"
 
 #include <gtest/gtest.h>
 
@@ -18,7 +18,7 @@ namespace {
 namespace fs = std::filesystem;
 
 TEST(BenchAuto, RowsNameTheChoicesEachEntryRan) {
-  const fs::path dir = testing::test_dir("remat-bench-auto-");
+  const testing::TempDir dir;
   std::ofstream(dir / "corpus.txt") << testing::make_text(600);
   // tiny-gpt2 at 256 positions: math keeps the [T x T] probabilities, tiled does not, so a
   // budget between their least peaks fits tiled alone.
@@ -72,7 +72,6 @@ TEST(BenchAuto, RowsNameTheChoicesEachEntryRan) {
   EXPECT_EQ(result.rows[0].loss_head, "fused");
   EXPECT_EQ(result.rows[1].attention, "tiled");
   EXPECT_LE(result.rows[1].peak_bytes, std::stoll(between));
-  fs::remove_all(dir);
 }
 
 }  // namespace

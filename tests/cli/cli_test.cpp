@@ -6,6 +6,7 @@
 #include "remat/graph.h"
 #include "remat/memory.h"
 #include "util/processes.h"
+#include "util/temp_dir.h"
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
@@ -32,9 +33,6 @@ using remat::testing::run_remat;
 
 class Cli : public ::testing::Test {
  protected:
-  void SetUp() override { dir_ = remat::testing::test_dir("remat-cli-"); }
-  void TearDown() override { fs::remove_all(dir_); }
-
   // Exit code 1 and, after any progress lines, one last line "error: ..." containing
   // `expected`; no backtrace.
   void expect_error(const std::string& args, const std::string& expected) {
@@ -67,7 +65,7 @@ class Cli : public ::testing::Test {
     return p;
   }
 
-  fs::path dir_;
+  remat::testing::TempDir dir_;
 };
 
 TEST_F(Cli, UnknownPresetListsTheValidOnes) {
@@ -703,7 +701,7 @@ TEST_F(Cli, AFailedPlotIsAnError) {
 // makes gnuplot pipe the plot into a shell command. Both must be plain file names.
 TEST_F(Cli, PlotPathsNeverRunAsGnuplotCode) {
   for (const std::string png : {"a' . system('touch injected') . '.png", "|touch injected"}) {
-    const Result r = run_remat("plan --pareto --budget 0.5 --plot \"" + png + "\"", dir_);
+    const Result r = run_remat("plan --pareto --budget 0.5 --plot \"" + png + "\"", dir_.path());
     ASSERT_EQ(r.exit_code, 0) << r.output;
     EXPECT_TRUE(fs::exists(dir_ / png)) << r.output;
     EXPECT_FALSE(fs::exists(dir_ / "injected")) << png;
@@ -762,7 +760,7 @@ TEST_F(Cli, ARunKilledAtRandomPointsAndResumedIsBitwiseTheUninterruptedRun) {
   std::string args = tiny_training(settings + " run.name=cut");
   int kills = 0;
   for (int attempt = 0; attempt < 8; ++attempt) {
-    const pid_t pid = spawn_remat(args, dir_);
+    const pid_t pid = spawn_remat(args, dir_.path());
     // Until a first checkpoint exists there is nothing to resume; then a random moment.
     while (!fs::exists(run / "checkpoints") && ::waitpid(pid, nullptr, WNOHANG) == 0) ::usleep(1000);
     ::usleep(std::uniform_int_distribution<useconds_t>(0, 400000)(rng));

@@ -1,6 +1,7 @@
 // The `remat` binary on inputs that crashed it, made it wait for ever or made it print
 // megabytes: one sentence on stderr and exit status 1.
 #include "util/processes.h"
+#include "util/temp_dir.h"
 
 #include <gtest/gtest.h>
 #include <sys/stat.h>
@@ -18,9 +19,6 @@ using remat::testing::run_remat;
 
 class InputCli : public ::testing::Test {
  protected:
-  void SetUp() override { dir_ = remat::testing::test_dir("remat-input-"); }
-  void TearDown() override { fs::remove_all(dir_); }
-
   std::string file(const std::string& name, const std::string& content) {
     const std::string p = (dir_ / name).string();
     std::ofstream(p, std::ios::binary) << content;
@@ -33,7 +31,7 @@ class InputCli : public ::testing::Test {
     EXPECT_NE(r.output.find(expected), std::string::npos) << r.output;
   }
 
-  fs::path dir_;
+  remat::testing::TempDir dir_;
 };
 
 // 100,000 dotted key parts ended `remat train` and `remat generate` with SIGSEGV (rc 139).

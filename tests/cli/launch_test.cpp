@@ -8,6 +8,7 @@
 #include "remat/model.h"
 #include "util/launched_training.h"
 #include "util/processes.h"
+#include "util/temp_dir.h"
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -77,9 +78,6 @@ std::vector<pid_t> ranks_of(pid_t parent) {
 
 class Launch : public ::testing::Test {
  protected:
-  void SetUp() override { dir_ = remat::testing::test_dir("remat-launch-"); }
-  void TearDown() override { fs::remove_all(dir_); }
-
   // Starts the first node of a two-node `remat launch --nproc 2 [extra] train`, output to
   // dir_/log, SIGTERM ignored from the start when `ignore_sigterm` (its ranks inherit that);
   // returns its pid once both ranks run `remat`, or -1.
@@ -104,7 +102,7 @@ class Launch : public ::testing::Test {
     return -1;
   }
 
-  fs::path dir_;
+  remat::testing::TempDir dir_;
 };
 
 TEST(LaunchEnvironment, SetsTheTorchrunVariablesAndDropsTheAgentStore) {

@@ -5,6 +5,7 @@
 // copies as it measured them.
 #include "data/test_text.h"
 #include "util/processes.h"
+#include "util/temp_dir.h"
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -25,14 +26,12 @@ using remat::testing::run_remat;
 class PlanAsTrained : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = remat::testing::test_dir("remat-plan-train-");
     std::ofstream(dir_ / "corpus.txt") << remat::testing::make_text(1500);
     common_ = " model.vocab_size=0 data.vocab_size=512 data.text=" + (dir_ / "corpus.txt").string() +
               " data.dir=" + (dir_ / "data").string() + " train.batch=4 train.seq=32 ac.profile=false";
     const Result prepared = run_remat("prepare" + common_);
     ASSERT_EQ(prepared.exit_code, 0) << prepared.output;
   }
-  void TearDown() override { fs::remove_all(dir_); }
 
   // Trains `settings` one step (under `launch`, e.g. "launch --nproc 2 ") in a run
   // directory of its own, which it returns.
@@ -73,7 +72,7 @@ class PlanAsTrained : public ::testing::Test {
     EXPECT_EQ(planned.rfind(block, 0), 0u) << settings << "\nplan.txt:\n" << block << "\nremat plan:\n" << planned;
   }
 
-  fs::path dir_;
+  remat::testing::TempDir dir_;
   std::string common_;
   std::string last_output_;
   int runs_ = 0;

@@ -1,6 +1,6 @@
 // Config files and values a user or an attacker controls: nothing crashes, waits for ever
 // or repeats megabytes of input; every refusal is a sentence.
-#include "data/temp_dir.h"
+#include "util/temp_dir.h"
 #include "remat/config.h"
 #include "remat/model.h"
 #include "util/error_of.h"

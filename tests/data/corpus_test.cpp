@@ -8,7 +8,7 @@
 #include <nlohmann/json.hpp>
 #include <sys/stat.h>
 
-#include "data/temp_dir.h"
+#include "util/temp_dir.h"
 #include "data/test_text.h"
 #include "remat/data.h"
 #include "remat/tokenizer.h"
@@ -171,12 +171,12 @@ TEST(CorpusMeta, RefusesNumbersOutOfRange) {
   nlohmann::json bad = meta;
   bad["tokenizer"]["vocab_size"] = 1e300;
   EXPECT_EQ(error_for(bad),
-            dir / "meta.json" +
+            (dir / "meta.json").string() +
                 " is not valid corpus metadata (tokenizer.vocab_size is 1e+300, not a whole number from 1 "
                 "to 16777216); run `remat prepare` to rebuild it.");
   bad = meta;
   bad["tokens"]["train"]["count"] = int64_t{1} << 62;
-  EXPECT_EQ(error_for(bad), dir / "meta.json" +
+  EXPECT_EQ(error_for(bad), (dir / "meta.json").string() +
                                 " is not valid corpus metadata (tokens.train.count is 4611686018427387904, not a whole "
                                 "number from 0 to 1099511627776); run `remat prepare` to rebuild it.");
   bad = meta;
@@ -185,7 +185,7 @@ TEST(CorpusMeta, RefusesNumbersOutOfRange) {
             std::string::npos);
   bad = meta;
   bad["format"] = "other";
-  EXPECT_EQ(error_for(bad), dir / "meta.json" +
+  EXPECT_EQ(error_for(bad), (dir / "meta.json").string() +
                                 " is not valid corpus metadata (format is not remat-corpus); run `remat prepare` to "
                                 "rebuild it.");
 }

@@ -4,7 +4,7 @@
 #include <fstream>
 #include <set>
 
-#include "data/temp_dir.h"
+#include "util/temp_dir.h"
 #include "data/test_text.h"
 #include "remat/data.h"
 

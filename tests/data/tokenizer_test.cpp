@@ -6,6 +6,7 @@
 
 #include "data/test_text.h"
 #include "util/error_of.h"
+#include "util/temp_dir.h"
 
 namespace {
 
@@ -82,12 +83,12 @@ TEST(Tokenizer, TrainingIsDeterministic) {
 TEST(Tokenizer, SavesAndLoads) {
   const std::string text = remat::testing::make_text(300);
   const Tokenizer tok = Tokenizer::train(text, small_vocab());
-  const auto path = std::filesystem::path(::testing::TempDir()) / "remat_tokenizer_test.model";
+  const remat::testing::TempDir dir;
+  const auto path = dir / "tokenizer.model";
   tok.save(path.string());
   const Tokenizer loaded = Tokenizer::load(path.string());
   EXPECT_EQ(loaded.encode(text), tok.encode(text));
   EXPECT_EQ(loaded.piece_to_id(tok.piece(300)), 300);
-  std::filesystem::remove(path);
 }
 
 TEST(Tokenizer, ErrorsAreSentences) {

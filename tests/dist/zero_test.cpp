@@ -12,9 +12,9 @@
 #include "train/step.h"
 #include "util/gloo_ranks.h"
 #include "util/seeded.h"
+#include "util/temp_dir.h"
 
 #include <gtest/gtest.h>
-#include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
@@ -134,8 +134,7 @@ std::string file_bytes(const fs::path& p) {
 // A checkpoint holds whole moments whatever parallel.zero wrote it: the files are byte for
 // byte alike, and a run resumed under the other setting continues bit for bit.
 TEST(Zero, CheckpointsAreTheSameFileAndResumeUnderEitherSetting) {
-  const fs::path dir = fs::temp_directory_path() / ("remat-zero-" + std::to_string(::getpid()));
-  fs::create_directories(dir);
+  const remat::testing::TempDir dir;
   const std::string with = (dir / "zero1.safetensors").string(), without = (dir / "zero0.safetensors").string();
   const std::vector<Weights> plain = train_on_ranks(2, 1, 0, 4, "", without, 2);
   train_on_ranks(2, 1, 1, 2, "", with, 2);
@@ -157,7 +156,6 @@ TEST(Zero, CheckpointsAreTheSameFileAndResumeUnderEitherSetting) {
       expect_bitwise(resumed[static_cast<size_t>(r)], plain[0], from + " resumed with zero " + std::to_string(zero));
     }
   }
-  fs::remove_all(dir);
 }
 
 // The partition: whole parameters, largest first to the least loaded rank (the lowest on a

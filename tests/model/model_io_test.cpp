@@ -1,6 +1,7 @@
 // safetensors round trip of a whole model, and refusal of files that do not fit it.
 #include "remat/model.h"
 #include "remat/safetensors.h"
+#include "util/temp_dir.h"
 
 #include <gtest/gtest.h>
 
@@ -16,12 +17,9 @@ namespace fs = std::filesystem;
 class ModelIO : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = fs::temp_directory_path() / ("remat-io-" + std::to_string(::getpid()));
-    fs::create_directories(dir_);
     cfg_ = model_preset("tiny-gpt2");
     tok_ = at::randint(cfg_.vocab_size, {2, 12}, at::detail::createCPUGenerator(1), at::kLong);
   }
-  void TearDown() override { fs::remove_all(dir_); }
 
   std::string path(const std::string& n) const { return (dir_ / n).string(); }
   double loss(Model& m) { return m.evaluate(tok_, tok_, 64); }
@@ -45,7 +43,7 @@ class ModelIO : public ::testing::Test {
     return "";
   }
 
-  fs::path dir_;
+  remat::testing::TempDir dir_;
   ModelConfig cfg_;
   at::Tensor tok_;
 };

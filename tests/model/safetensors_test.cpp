@@ -8,7 +8,7 @@
 #include <fstream>
 #include <sstream>
 
-#include "data/temp_dir.h"
+#include "util/temp_dir.h"
 
 namespace {
 

@@ -3,7 +3,7 @@
 // flight, trains exactly like the whole model: the same losses, bitwise the same gradients
 // (the tied embedding's summed over its two stages), the same recompute work, and each
 // stage's predicted activation bytes are what its forward keeps.
-#include "data/temp_dir.h"
+#include "util/temp_dir.h"
 #include "remat/memory.h"
 #include "remat/model.h"
 #include "remat/policy.h"

@@ -9,6 +9,7 @@
 #include "run/choice_profiles.h"
 #include "util/error_of.h"
 #include "util/processes.h"
+#include "util/temp_dir.h"
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
@@ -235,7 +236,7 @@ TEST(AttentionChoice, NothingIsBuiltWithTheChoiceUnresolved) {
 // A training run under a budget only tiled fits: it trains with tiled within the budget,
 // says so before training and in plan.txt, and its config.toml names tiled.
 TEST(AttentionChoiceRun, TakesTiledUnderABudgetOnlyItFitsAndRecordsIt) {
-  const fs::path dir = testing::test_dir("remat-attention-auto-");
+  const testing::TempDir dir;
   std::ofstream(dir / "corpus.txt") << testing::make_text(600);
   Config cfg =
       load_config("", {"model.preset=tiny-gpt2", "model.vocab_size=0", "model.max_seq=256", "model.attention=auto",
@@ -251,7 +252,6 @@ TEST(AttentionChoiceRun, TakesTiledUnderABudgetOnlyItFitsAndRecordsIt) {
   EXPECT_NE(testing::read_text(fs::path(s.run_dir) / "plan.txt")
                 .find("\nattention: tiled (model.attention = auto): math's least-memory plan peaks at "),
             std::string::npos);
-  fs::remove_all(dir);
 }
 
 }  // namespace

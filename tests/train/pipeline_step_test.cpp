@@ -10,11 +10,10 @@
 #include "train/pipeline_step.h"
 #include "train/step.h"
 #include "util/gloo_ranks.h"
+#include "util/temp_dir.h"
 
 #include <ATen/Parallel.h>
 #include <gtest/gtest.h>
-
-#include <unistd.h>
 
 #include <cmath>
 #include <filesystem>
@@ -150,9 +149,8 @@ TEST(PipelineStep, EvaluationThroughStagesIsTheWholeModels) {
 // later stages send in all.
 TEST(PipelineStep, NamedTensorsAreWrittenOnTheFirstStageATensorAtATime) {
   memory::install_cpu_tracking();
-  const std::string path =
-      (std::filesystem::temp_directory_path() / ("remat-stages-" + std::to_string(::getpid()) + ".safetensors"))
-          .string();
+  const remat::testing::TempDir dir;
+  const std::string path = (dir / "stages.safetensors").string();
   const auto made = [](int s) {
     auto gen = at::detail::createCPUGenerator(static_cast<uint64_t>(s) + 1);
     std::vector<std::pair<std::string, at::Tensor>> mine{
@@ -184,7 +182,6 @@ TEST(PipelineStep, NamedTensorsAreWrittenOnTheFirstStageATensorAtATime) {
       },
       3);
   const model::SafeTensors file = model::load_safetensors(path);
-  std::filesystem::remove(path);
   EXPECT_EQ(file.metadata, (std::map<std::string, std::string>{{"k", "v"}}));
   std::vector<std::pair<std::string, at::Tensor>> expected;
   for (int s = 0; s < 3; ++s) {

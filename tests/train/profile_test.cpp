@@ -1,6 +1,6 @@
 // The measured time profile: every node a full recompute runs gets a time, the model is
 // left as it was, and the profile is cached per device and shape.
-#include "data/temp_dir.h"
+#include "util/temp_dir.h"
 #include "remat/cost.h"
 #include "remat/model.h"
 #include "profile/profile.h"

@@ -7,6 +7,7 @@
 #include "train/checkpoints.h"
 #include "train/run_dir.h"
 #include "util/error_of.h"
+#include "util/temp_dir.h"
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -16,6 +17,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <optional>
 
 namespace remat {
 namespace {
@@ -32,11 +34,10 @@ using testing::error_of;
 class Resume : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    dir_ = fs::temp_directory_path() / ("remat-resume-" + std::to_string(::getpid()));
-    fs::create_directories(dir_);
-    write_text(dir_ / "corpus.txt", 12345);
+    dir_.emplace();
+    write_text(*dir_ / "corpus.txt", 12345);
   }
-  static void TearDownTestSuite() { fs::remove_all(dir_); }
+  static void TearDownTestSuite() { dir_.reset(); }
 
   // 1,500 lines of ten words drawn by `seed` from a small vocabulary, or another one.
   static void write_text(const fs::path& path, uint64_t seed, bool other_words = false) {
@@ -56,13 +57,13 @@ class Resume : public ::testing::Test {
   }
 
   // Four steps, a checkpoint after each, all kept.
-  static Config config(const std::string& name, const fs::path& text = dir_ / "corpus.txt",
-                       const fs::path& data = dir_ / "data") {
+  static Config config(const std::string& name, const fs::path& text = *dir_ / "corpus.txt",
+                       const fs::path& data = *dir_ / "data") {
     return load_config(
         "", {"model.preset=tiny-gpt2", "model.vocab_size=0", "train.steps=4", "train.batch=2", "train.seq=16",
              "train.warmup=1", "train.eval_every=2", "train.eval_batches=2", "train.checkpoint_every=1",
              "train.keep_checkpoints=4", "data.vocab_size=300", "data.text=" + text.string(),
-             "data.dir=" + data.string(), "run.out_dir=" + (dir_ / "runs").string(), "run.name=" + name,
+             "data.dir=" + data.string(), "run.out_dir=" + (*dir_ / "runs").string(), "run.name=" + name,
              "run.threads=1", "run.sample_tokens=8", "run.progress=false"});
   }
   static Config saved_config(const fs::path& run) { return load_config((run / "config.toml").string(), {}); }
@@ -70,9 +71,8 @@ class Resume : public ::testing::Test {
     return run / "checkpoints" / fmt::format("step-{:08d}.safetensors", steps);
   }
 
-  static fs::path dir_;
+  static inline std::optional<remat::testing::TempDir> dir_;  // the suite's scratch directory
 };
-fs::path Resume::dir_;
 
 // `--resume` of a run another process is training lost that run's metrics; it is refused
 // with the owner's pid before anything in the directory is touched.
@@ -226,9 +226,9 @@ TEST_F(Resume, CheckpointMetadataIsCheckedFieldByField) {
 // Resuming after the training text changed retrained the tokenizer, overwrote the run's and
 // went on with other token ids; it is refused, and the run's tokenizer kept.
 TEST_F(Resume, AChangedTrainingTextIsRefused) {
-  const fs::path text = dir_ / "changing.txt";
+  const fs::path text = *dir_ / "changing.txt";
   write_text(text, 777);
-  const TrainSummary s = train(config("text", text, dir_ / "changing-data"));
+  const TrainSummary s = train(config("text", text, *dir_ / "changing-data"));
   const fs::path run = s.run_dir;
   fs::remove(checkpoint(run, 4));
   const std::string tokenizer = bytes(run / "tokenizer.model");

@@ -2,7 +2,7 @@
 // plot lands in it and nothing in the name runs.
 #include "train/run_dir.h"
 
-#include "data/temp_dir.h"
+#include "util/temp_dir.h"
 #include "util/error_of.h"
 #include "util/file_limit.h"
 
@@ -83,12 +83,12 @@ TEST(RunDirWrites, AnOutputDirectoryThatCannotExistIsASentence) {
   testing::TempDir dir;
   std::ofstream(dir / "file") << "a file, not a directory";
   EXPECT_EQ(error_of([&] { RunDir(dir / "file/runs", "x", "tiny-gpt2"); }),
-            "Cannot create the run output directory " + (dir / "file/runs") +
+            "Cannot create the run output directory " + (dir / "file/runs").string() +
                 ": Not a directory; set run.out_dir to a writable directory.");
   std::filesystem::create_symlink(dir / "loop", dir / "loop");
   EXPECT_EQ(error_of([&] {
               RunDir(dir / "loop", "x", "tiny-gpt2");
-            }).find("Cannot create the run output directory " + (dir / "loop") + ": "),
+            }).find("Cannot create the run output directory " + (dir / "loop").string() + ": "),
             0u);
 }
 

@@ -7,6 +7,7 @@
 #include "train/checkpoint_files.h"
 #include "train/step.h"
 #include "util/error_of.h"
+#include "util/temp_dir.h"
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -15,6 +16,7 @@
 #include <fstream>
 #include <algorithm>
 #include <functional>
+#include <optional>
 #include <random>
 
 namespace remat {
@@ -25,9 +27,8 @@ namespace fs = std::filesystem;
 class Trainer : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    dir_ = fs::temp_directory_path() / ("remat-train-" + std::to_string(::getpid()));
-    fs::create_directories(dir_);
-    std::ofstream text(dir_ / "corpus.txt");
+    dir_.emplace();
+    std::ofstream text(*dir_ / "corpus.txt");
     const char* words[] = {"the",   "lord",     "said",   "unto",  "moses",  "and", "it",    "was",  "so",
                            "light", "darkness", "waters", "earth", "heaven", "day", "night", "good", "made"};
     uint64_t x = 12345;
@@ -38,20 +39,19 @@ class Trainer : public ::testing::Test {
       }
     }
   }
-  static void TearDownTestSuite() { fs::remove_all(dir_); }
+  static void TearDownTestSuite() { dir_.reset(); }
 
   static Config config(const std::string& name) {
     return load_config(
         "", {"model.preset=tiny-gpt2", "model.vocab_size=0", "train.steps=4", "train.batch=2", "train.seq=16",
              "train.grad_accum=2", "train.warmup=1", "train.eval_every=2", "train.eval_batches=2",
-             "data.vocab_size=300", "data.text=" + (dir_ / "corpus.txt").string(),
-             "data.dir=" + (dir_ / "data").string(), "run.out_dir=" + (dir_ / "runs").string(), "run.name=" + name,
+             "data.vocab_size=300", "data.text=" + (*dir_ / "corpus.txt").string(),
+             "data.dir=" + (*dir_ / "data").string(), "run.out_dir=" + (*dir_ / "runs").string(), "run.name=" + name,
              "run.threads=1", "run.sample_tokens=8", "run.progress=false"});
   }
 
-  static fs::path dir_;
+  static inline std::optional<remat::testing::TempDir> dir_;  // the suite's scratch directory
 };
-fs::path Trainer::dir_;
 
 TEST_F(Trainer, SameSeedGivesBitwiseTheSameLosses) {
   const TrainSummary a = train(config("a"));

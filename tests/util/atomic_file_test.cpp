@@ -1,7 +1,7 @@
 // The file primitives every run-directory write and read goes through: a failed write is
 // an error naming the file, a FIFO is never waited on, and the temporary files remat's own
 // writes leave are told apart from anyone else's.
-#include "data/temp_dir.h"
+#include "util/temp_dir.h"
 #include "util/atomic_file.h"
 #include "util/error_of.h"
 #include "util/file_limit.h"

@@ -5,6 +5,7 @@
 
 #include "data/test_text.h"
 #include "util/processes.h"
+#include "util/temp_dir.h"
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -21,7 +22,6 @@ namespace remat::testing {
 class LaunchedTraining : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = test_dir("remat-dp-");
     const std::filesystem::path text = dir_ / "corpus.txt";
     std::ofstream(text, std::ios::binary) << make_text(1000);
     common_ =
@@ -33,7 +33,6 @@ class LaunchedTraining : public ::testing::Test {
     const Result r = run_remat("prepare " + common_);
     ASSERT_EQ(r.exit_code, 0) << r.output;
   }
-  void TearDown() override { std::filesystem::remove_all(dir_); }
 
   /// The "kind":"train" lines of a run's metrics.
   std::vector<nlohmann::json> train_lines(const std::string& run) const {
@@ -55,8 +54,8 @@ class LaunchedTraining : public ::testing::Test {
                         "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + std::to_string(port)});
   }
 
-  std::filesystem::path dir_;  ///< this test's scratch directory
-  std::string common_;         ///< the settings of every run: model, batch, corpus, output
+  TempDir dir_;         ///< this test's scratch directory
+  std::string common_;  ///< the settings of every run: model, batch, corpus, output
 };
 
 }  // namespace remat::testing

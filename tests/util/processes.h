@@ -1,5 +1,4 @@
-// Running the `remat` binary and other processes from tests: their output, and a
-// scratch directory per test.
+// Running the `remat` binary and other processes from tests, and their output.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -77,15 +76,6 @@ inline int wait_exit(pid_t pid, std::chrono::milliseconds limit = std::chrono::s
   ::kill(pid, SIGKILL);
   ::waitpid(pid, nullptr, 0);
   return -1;
-}
-
-/// A fresh directory for the running test, named by `prefix`, the process and the test.
-inline std::filesystem::path test_dir(const std::string& prefix) {
-  const auto dir =
-      std::filesystem::temp_directory_path() /
-      (prefix + std::to_string(::getpid()) + "-" + ::testing::UnitTest::GetInstance()->current_test_info()->name());
-  std::filesystem::create_directories(dir);
-  return dir;
 }
 
 /// A file's bytes ("" when it cannot be read).

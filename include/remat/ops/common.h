@@ -47,8 +47,9 @@ inline void accumulate(at::Tensor& acc, const at::Tensor& g) {
 }
 
 /// The multiprocessors of the CUDA device current when first asked (read once a process;
-/// ATen's CUDA kernels size their grids by it); where this build or machine has none, an
-/// H100's or H200's 132 (what `remat plan run.device=cuda` prices on a CPU machine).
+/// ATen's CUDA kernels size their grids by it); where this build or machine has none, those
+/// of the GPU the CUDA figures were recorded on (docs/results.md), so that `remat plan
+/// run.device=cuda` on a CPU machine prices that GPU.
 int64_t cuda_multiprocessors();
 
 }  // namespace remat::ops
