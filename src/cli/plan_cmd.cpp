@@ -16,6 +16,7 @@
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
+#include <cmath>
 #include <optional>
 #include <stdexcept>
 
@@ -47,6 +48,10 @@ double step_link_seconds(const ModelConfig& m, const graph::BlockGraph& b, const
   return t;
 }
 
+// The FLOPs that `seconds` of work weigh at `rate` FLOP/s: whole, as the planner counts
+// them (its seconds came from FLOPs at that rate).
+double as_flops(double seconds, double rate) { return std::round(seconds * rate); }
+
 // The collectives one rank of a stage runs in a step: those its plan's recompute re-runs,
 // in seconds and in the FLOPs the prices weigh them as, and the step's own without recompute.
 struct Communication {
@@ -58,7 +63,7 @@ Communication communication(const RunSpec& spec, const Layout& stage, const cost
   const cost::NodeTimes& times = spec.plan.prices.times;
   Communication c;
   c.recompute_seconds = pred.recompute_link_seconds;
-  c.recompute_flops = pred.recompute_link_seconds * times.flops_per_second;
+  c.recompute_flops = as_flops(pred.recompute_link_seconds, times.flops_per_second);
   c.step_seconds = static_cast<double>(spec.shape.grad_accum) *
                    step_link_seconds(spec.cfg.model, spec.plan.planner->block(), spec.shape, stage, times);
   return c;
@@ -183,16 +188,18 @@ void pipeline_extras(const RunSpec& spec, const PlanArgs& args, nlohmann::json& 
   const auto bottleneck = static_cast<size_t>(r.bottleneck);
   if (args.json) {
     for (size_t s = 0; s < r.stages.size(); ++s) {
-      json["stages"][s]["flops_per_microbatch"] = r.stage_seconds[s] * rate;
+      json["stages"][s]["flops_per_microbatch"] = as_flops(r.stage_seconds[s], rate);
       json["stages"][s]["communication"] = communication_json(links[s]);
     }
-    json["schedule_flops"] = r.schedule_seconds * rate;
+    json["schedule_flops"] = as_flops(r.schedule_seconds, rate);
     // The bottleneck's collectives, which the schedule waits on.
     json["communication"] = communication_json(spec, links[bottleneck], recorded);
     json["communication"]["stage"] = r.bottleneck + 1;
-    json["even_split_schedule_flops"] = even ? nlohmann::json(even->schedule_seconds * rate) : nlohmann::json();
+    json["even_split_schedule_flops"] =
+        even ? nlohmann::json(as_flops(even->schedule_seconds, rate)) : nlohmann::json();
     json["least_ckpt_layers_per_stage"] =
-        counts ? nlohmann::json{{"counts", counts->first}, {"schedule_flops", counts->second.schedule_seconds * rate}}
+        counts ? nlohmann::json{{"counts", counts->first},
+                                {"schedule_flops", as_flops(counts->second.schedule_seconds, rate)}}
                : nlohmann::json();
     return;
   }
@@ -202,17 +209,19 @@ void pipeline_extras(const RunSpec& spec, const PlanArgs& args, nlohmann::json& 
                                   fmt::format(" on stage {}'s ranks (the bottleneck)", r.bottleneck + 1), recorded));
   }
   if (budget == 0) return;
-  fmt::print("ColossalAI's least per-stage counts on the {} split ({}): {}\n", given ? "given" : "even",
-             fmt::join(counted, ","),
-             counts ? fmt::format("num_ckpt_layers_per_stage = [{}], {} FLOPs, {:.3f} x this plan's",
-                                  fmt::join(counts->first, ","), format_count(counts->second.schedule_seconds * rate),
-                                  counts->second.schedule_seconds / r.schedule_seconds)
-                    : std::string("none fit the budget, even with every layer recomputed"));
+  fmt::print(
+      "ColossalAI's least per-stage counts on the {} split ({}): {}\n", given ? "given" : "even",
+      fmt::join(counted, ","),
+      counts ? fmt::format("num_ckpt_layers_per_stage = [{}], {} FLOPs, {:.3f} x this plan's",
+                           fmt::join(counts->first, ","), format_count(as_flops(counts->second.schedule_seconds, rate)),
+                           counts->second.schedule_seconds / r.schedule_seconds)
+             : std::string("none fit the budget, even with every layer recomputed"));
   if (!given) {
     fmt::print("the even split ({}) planned stage by stage: {}\n", fmt::join(counted, ","),
-               even ? fmt::format("{} FLOPs, {:.3f} x this plan's", format_count(even->schedule_seconds * rate),
-                                  even->schedule_seconds / r.schedule_seconds)
-                    : "no plan fits the budget");
+               even
+                   ? fmt::format("{} FLOPs, {:.3f} x this plan's", format_count(as_flops(even->schedule_seconds, rate)),
+                                 even->schedule_seconds / r.schedule_seconds)
+                   : "no plan fits the budget");
   }
 }
 
@@ -253,7 +262,7 @@ void print_json(const RunSpec& spec, const Extras& x, bool recorded, nlohmann::j
   const auto points = [&](const std::vector<FrontierPoint>& v) {
     nlohmann::json a = nlohmann::json::array();
     for (const auto& p : v) {
-      a.push_back({{"label", p.label}, {"peak", p.peak}, {"recompute_flops", p.recompute_seconds * x.rate}});
+      a.push_back({{"label", p.label}, {"peak", p.peak}, {"recompute_flops", as_flops(p.recompute_seconds, x.rate)}});
     }
     return a;
   };

@@ -121,7 +121,7 @@ TEST_F(PlanAsTrained, ARunsRecordedPricesGiveItsPlan) {
       settings += " ac.policy=" + pick({"modules:[core_attn]+offload:[input,mlp]", "full+offload:[input]",
                                         "every:2+offload:[input,attn]"});
     } else {
-      settings += " ac.budget=" + pick({"0.6", "0.7", "0.8", "0.9"});
+      settings += " ac.budget=" + pick({"0.75", "0.8", "0.85", "0.9"});
     }
     if (trial % 4 == 1) settings += " model.attention=auto model.loss_head=auto";
     const fs::path run = train(settings);
