@@ -45,8 +45,10 @@ struct TrainSummary {
   int64_t recomputed_bytes_per_step = 0;
   int64_t num_params = 0;
   std::string sample;  ///< text generated at the end
-  int stopped_by = 0;  ///< SIGINT or SIGTERM when one stopped the run after a
-                       ///< checkpoint (no final weights then); 0: it ran to the end
+  /// SIGINT, SIGTERM or SIGHUP when one stopped the run: after a step and its checkpoint
+  /// (no final weights then), or during the final sample (cut short, the weights written);
+  /// 0: it ran to the end.
+  int stopped_by = 0;
 };
 
 /// Learning rate of 0-based `step`: linear warmup over train.warmup steps to train.lr,

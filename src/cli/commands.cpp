@@ -15,7 +15,10 @@
 #include <cctype>
 #include <unistd.h>
 #include <csignal>
+#include <algorithm>
+#include <array>
 #include <filesystem>
+#include <string_view>
 #include <c10/util/Exception.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -54,18 +57,27 @@ int cmd_prepare(const std::string& config_file, const std::vector<std::string>& 
   return 0;
 }
 
+// What a resumed run may change: what it writes after its last step, not how it trains.
+constexpr std::array<std::string_view, 3> kResumeKeys = {"run.sample_tokens", "run.prompt", "run.progress"};
+
 int cmd_train(const std::string& config_file, const std::vector<std::string>& overrides, const std::string& resume) {
-  if (!resume.empty() && (!config_file.empty() || !overrides.empty())) {
+  const auto changes_training = [](const std::string& o) {
+    const std::string_view key = std::string_view(o).substr(0, o.find('='));
+    return std::find(kResumeKeys.begin(), kResumeKeys.end(), key) == kResumeKeys.end();
+  };
+  if (!resume.empty() && (!config_file.empty() || std::any_of(overrides.begin(), overrides.end(), changes_training))) {
     throw std::invalid_argument(fmt::format(
         "--resume continues {} with its own config.toml, so its settings cannot change on the way; drop --config and "
-        "the key=value settings.",
-        resume));
+        "the key=value settings (all but {}, which change only the final sample and the display).",
+        resume, fmt::join(kResumeKeys, ", ")));
   }
   if (!resume.empty()) check_path("--resume", resume);
   const TrainSummary s =
-      resume.empty() ? train(load_run_config(config_file, overrides))
-                     : train(load_run_config((std::filesystem::path(resume) / "config.toml").string(), {}), resume);
-  // Stopped by a signal after its checkpoint, it exits as the shell expects of that signal.
+      resume.empty()
+          ? train(load_run_config(config_file, overrides))
+          : train(load_run_config((std::filesystem::path(resume) / "config.toml").string(), overrides), resume);
+  // Stopped by a signal (after a checkpoint, or in its final sample), it exits as the shell
+  // expects of that signal.
   return s.stopped_by == 0 ? 0 : 128 + s.stopped_by;
 }
 

@@ -370,7 +370,11 @@ std::vector<ConfigKey> data_and_run_keys() {
       key("run.device", &C::run, &RunConfig::device, "cpu or cuda[:N]"),
       key("run.dtype", &C::run, &RunConfig::dtype, "float32 or bfloat16"),
       key("run.sample_tokens", &C::run, &RunConfig::sample_tokens, "tokens sampled at the end",
-          KeyRange{.min = 0, .why = "0 samples nothing"}),
+          KeyRange{.min = 0,
+                   .max = 10000,
+                   .unit = "tokens",
+                   .why = "the final sample is a glance at the model (0 samples nothing); `remat generate --tokens` "
+                          "writes up to 100000 from the run's weights"}),
       key("run.prompt", &C::run, &RunConfig::prompt, "prompt of the final sample"),
       key("run.progress", &C::run, &RunConfig::progress, "progress bar on a terminal"),
       key("run.trace", &C::run, &RunConfig::trace, "Chrome-trace JSON of step 3; empty: none"),

@@ -94,6 +94,13 @@ RankStep gather_step(dist::Comm* ranks, int64_t peak_bytes, int signal, int64_t 
   return s;
 }
 
+int agreed_signal(dist::Group* group, int signal) {
+  if (group == nullptr) return signal;
+  std::vector<at::Tensor> flag{at::tensor({static_cast<int64_t>(signal)}, at::kLong)};
+  group->all_reduce(flag, dist::Reduce::max, "agreeing whether a signal stops the sample");
+  return static_cast<int>(flag[0].item<int64_t>());
+}
+
 void keep_highest(std::vector<int64_t>& highest, const std::vector<int64_t>& peaks) {
   highest.resize(std::max(highest.size(), peaks.size()));
   for (size_t i = 0; i < peaks.size(); ++i) highest[i] = std::max(highest[i], peaks[i]);

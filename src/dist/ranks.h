@@ -49,6 +49,10 @@ struct RankStep {
 /// Gathers them for 1-based `step` (named in a failure's sentence); every rank must call it.
 RankStep gather_step(dist::Comm* ranks, int64_t peak_bytes, int signal, int64_t step);
 
+/// The stop signal the ranks of `group` act on together: 0 when none caught one, else the
+/// highest any caught; every rank of the group must call it. Without a group, `signal`.
+int agreed_signal(dist::Group* group, int signal);
+
 /// Raises `highest[i]` to `peaks[i]` for every rank i, growing `highest` to their count:
 /// the highest peak of each rank over the steps seen so far.
 void keep_highest(std::vector<int64_t>& highest, const std::vector<int64_t>& peaks);

@@ -107,8 +107,15 @@ std::vector<nlohmann::json> keep_metrics(const std::string& run_dir, int64_t ste
 
 std::string checkpoint_problem(const std::string& path) {
   try {
-    if (model::verify_safetensors_checksum(path) == model::Checksum::differs) {
-      return "its bytes are not those written (the checksum over its tensors and metadata differs)";
+    switch (model::verify_safetensors_checksum(path)) {
+      case model::Checksum::differs:
+        return "its bytes are not those written (the checksum over its tensors and metadata differs)";
+      case model::Checksum::absent:
+        return fmt::format("it has no checksum (the '{}' tensor every checkpoint remat writes ends with), so its "
+                           "bytes cannot be verified",
+                           model::kChecksumTensor);
+      case model::Checksum::matches:
+        break;
     }
     return checkpoint_metadata_problem(model::read_safetensors_header(path).metadata);
   } catch (const std::exception& e) {

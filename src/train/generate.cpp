@@ -31,7 +31,8 @@ bool ends_in_replacement(const std::string& text) {
 }  // namespace
 
 std::string sample_text(Model& model, const data::Tokenizer& tok, const std::string& prompt, int64_t tokens,
-                        double temperature, int64_t top_k, uint64_t seed, const TextSink& on_text, int64_t* generated) {
+                        double temperature, int64_t top_k, uint64_t seed, const TextSink& on_text, int64_t* generated,
+                        const std::function<bool(int64_t)>& go_on) {
   check_temperature(temperature);
   std::vector<int32_t> ids = tok.encode(prompt);
   if (ids.empty()) ids.push_back(tok.bos_id() >= 0 ? tok.bos_id() : 0);
@@ -62,7 +63,7 @@ std::string sample_text(Model& model, const data::Tokenizer& tok, const std::str
   auto gen = at::detail::createCPUGenerator(seed);
   const int64_t ctx = model.config().max_seq;
   int64_t made = 0;
-  for (; made < tokens; ++made) {
+  for (; made < tokens && (!go_on || go_on(made)); ++made) {
     const int64_t start = std::max<int64_t>(0, static_cast<int64_t>(ids.size()) - ctx);
     std::vector<int64_t> window(ids.begin() + start, ids.end());
     at::Tensor input = at::tensor(window, at::kLong).view({1, -1}).to(model.device());

@@ -18,6 +18,7 @@
 #include "train/pipeline_step.h"
 #include "profile/profile.h"
 #include "util/progress.h"
+#include "util/stop_signals.h"
 #include "train/run_dir.h"
 #include "train/step.h"
 #include "util/atomic_file.h"
@@ -30,7 +31,6 @@
 
 #include <cerrno>
 #include <cmath>
-#include <csignal>
 #include <cstring>
 #include <filesystem>
 #include <map>
@@ -120,34 +120,6 @@ void check_split_fits(const data::TokenDataset& ds, const char* split, int64_t s
 }
 
 namespace fs = std::filesystem;
-
-volatile std::sig_atomic_t g_stop_signal = 0;
-extern "C" void on_stop_signal(int signal) { g_stop_signal = signal; }
-
-// SIGINT and SIGTERM, for the training loop only: they ask it to stop after the step in
-// progress and its checkpoint. The previous handlers come back afterwards.
-class StopSignals {
- public:
-  StopSignals() {
-    g_stop_signal = 0;
-    struct sigaction action {};
-    action.sa_handler = on_stop_signal;
-    sigemptyset(&action.sa_mask);
-    sigaction(SIGINT, &action, &old_int_);
-    sigaction(SIGTERM, &action, &old_term_);
-  }
-  ~StopSignals() {
-    sigaction(SIGINT, &old_int_, nullptr);
-    sigaction(SIGTERM, &old_term_, nullptr);
-  }
-  StopSignals(const StopSignals&) = delete;
-  StopSignals& operator=(const StopSignals&) = delete;
-  int caught() const { return g_stop_signal; }
-
- private:
-  struct sigaction old_int_ {};
-  struct sigaction old_term_ {};
-};
 
 // This process's place in the job (alone: rank 0 of one, no groups).
 struct Ranks {
@@ -380,11 +352,26 @@ std::string first_step_line(const StepResult& r, int64_t peak, int64_t predicted
 // give their weights to rank 0, which samples from the whole model once they are written.
 // The ranks part here: what follows is rank 0's.
 void export_weights(std::unique_ptr<Model>& model, const RunSpec& spec, at::Device device, const Ranks& ranks,
-                    const data::Tokenizer& tok, RunDir* run, TrainSummary& sum) {
+                    const data::Tokenizer& tok, RunDir* run, TrainSummary& sum, const util::StopSignals& signals) {
   const Config& cfg = spec.cfg;
-  const auto sample = [&] {
-    sum.sample =
-        sample_text(*model, tok, cfg.run.prompt, cfg.run.sample_tokens, 0.8, 40, static_cast<uint64_t>(cfg.run.seed));
+  // A signal ends the sample after the token under way; the tensor-parallel ranks, which
+  // sample together, agree on it first so that they stop at the same token.
+  const auto sample = [&](dist::Group* together) {
+    ProgressBar bar(cfg.run.sample_tokens, cfg.run.progress && ranks.lead);
+    int stop = 0;
+    int64_t made = 0;
+    sum.sample = sample_text(*model, tok, cfg.run.prompt, cfg.run.sample_tokens, 0.8, 40,
+                             static_cast<uint64_t>(cfg.run.seed), {}, &made, [&](int64_t done) {
+                               bar.update(done, "sampling");
+                               stop = agreed_signal(together, signals.caught());
+                               return stop == 0;
+                             });
+    bar.finish();
+    sum.stopped_by = stop;
+    if (stop != 0 && ranks.lead) {
+      fmt::print(stderr, "{} while sampling: the sample ends after {} of its {} tokens; the weights are written\n",
+                 util::stop_name(stop), made, cfg.run.sample_tokens);
+    }
   };
   std::vector<std::pair<std::string, at::Tensor>> weights;
   const std::map<std::string, std::string> metadata{
@@ -400,7 +387,7 @@ void export_weights(std::unique_ptr<Model>& model, const RunSpec& spec, at::Devi
     }
   } else if (ranks.lead || ranks.tensor != nullptr) {
     weights = model->whole_params(tok.vocab_size());
-    if (cfg.run.sample_tokens > 0) sample();
+    if (cfg.run.sample_tokens > 0) sample(ranks.tensor);
   }
   if (ranks.comm != nullptr) ranks.comm->finish();
   if (!ranks.lead) return;
@@ -409,7 +396,7 @@ void export_weights(std::unique_ptr<Model>& model, const RunSpec& spec, at::Devi
     model.reset();  // the stage's memory goes before the whole model comes
     model = Model::create(cfg.model, device, spec.dtype, static_cast<uint64_t>(cfg.run.seed));
     model->load(run->file("model.safetensors"));
-    sample();
+    sample(nullptr);
   }
   if (cfg.run.sample_tokens > 0) run->write_text("sample.txt", sum.sample + "\n");
 }
@@ -422,9 +409,8 @@ double steady_median(const std::vector<double>& times) {
 // What a run stopped by `signal` after `step` says: where its checkpoint is and how to go on.
 std::string stopped_line(int signal, int64_t step, const std::string& run_dir, int world) {
   return fmt::format("{} after step {}: the checkpoint is in {}; continue with `remat {}train --resume {}`\n",
-                     signal == SIGINT ? "interrupted (SIGINT)" : "terminated (SIGTERM)", step,
-                     checkpoint_dir(run_dir).string(), world > 1 ? fmt::format("launch --nproc {} ", world) : "",
-                     run_dir);
+                     util::stop_name(signal), step, checkpoint_dir(run_dir).string(),
+                     world > 1 ? fmt::format("launch --nproc {} ", world) : "", run_dir);
 }
 
 // The machine a run trained on, as summary.json and the report name it.
@@ -671,7 +657,7 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   const int64_t traced_step = cfg.run.trace.empty() ? -1 : std::min<int64_t>(2, t.steps - 1);
   std::map<std::string, std::string> checkpoint_metadata = data_digests(corpus);
   checkpoint_metadata.emplace("plan", saved_plan_json(planned.plan, planned.split));
-  const StopSignals signals;
+  const util::StopSignals signals;
   for (int64_t step = first_step; step < t.steps; ++step) {
     const StepResult r = stepper.run(step, train_ds, rng, step == traced_step);
     if (step == traced_step && ranks.lead) util::write_file_atomically(cfg.run.trace, r.trace);
@@ -728,9 +714,8 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   sum.median_step_seconds = steady_median(curves.step_times);
   sum.tokens_per_second = tokens_per_step / sum.median_step_seconds;
   sum.model_flops_per_second = flops_per_token * sum.tokens_per_second;
-  export_weights(model, spec, device, ranks, tok, run.get(), sum);
-  if (!ranks.lead) return sum;
-  report(spec, ranks, machine, sum, predicted, rank_predicted, *run, curves, traced_step);
+  export_weights(model, spec, device, ranks, tok, run.get(), sum, signals);
+  if (ranks.lead) report(spec, ranks, machine, sum, predicted, rank_predicted, *run, curves, traced_step);
   return sum;
 }
 

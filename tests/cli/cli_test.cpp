@@ -784,12 +784,61 @@ TEST_F(Cli, ARunKilledAtRandomPointsAndResumedIsBitwiseTheUninterruptedRun) {
   }
 }
 
+// A closed terminal (SIGHUP) once killed a run where it stood, with no checkpoint and no
+// word; it now stops the run after the step under way, as SIGTERM does.
+TEST_F(Cli, AHangUpStopsTheRunAfterItsCheckpoint) {
+  const fs::path run = dir_ / "runs" / "hup", log = dir_ / "hup.log";
+  const pid_t pid = remat::testing::start_shell(
+      "exec " + std::string(REMAT_BINARY) + " " +
+          tiny_training("train.steps=100000 train.checkpoint_every=100000 run.sample_tokens=0 run.name=hup"),
+      log);
+  // A step's metrics line means the training loop runs.
+  const auto stepped = [&] {
+    std::ifstream in(run / "metrics.jsonl");
+    for (std::string line; std::getline(in, line);) {
+      if (line.find("\"train\"") != std::string::npos) return true;
+    }
+    return false;
+  };
+  while (!stepped() && ::waitpid(pid, nullptr, WNOHANG) == 0) ::usleep(1000);
+  ::kill(pid, SIGHUP);
+  EXPECT_EQ(remat::testing::wait_exit(pid), 128 + SIGHUP);
+  const std::string output = read_text(log);
+  EXPECT_NE(output.find("hung up (SIGHUP) after step "), std::string::npos) << output;
+  EXPECT_NE(output.find("continue with `remat train --resume " + run.string() + "`"), std::string::npos) << output;
+  EXPECT_TRUE(fs::exists(run / "checkpoints")) << output;
+}
+
+// --resume takes the keys of what a run writes after its last step (the sample may be
+// skipped), and still refuses any that would change its training, naming those it takes.
+TEST_F(Cli, AResumeMaySkipTheFinalSampleButNotChangeTheTraining) {
+  const fs::path run = dir_ / "runs" / "finals";
+  const Result first = run_remat(tiny_training("train.steps=2 run.sample_tokens=40 run.name=finals"));
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  fs::remove(run / "model.safetensors");
+  fs::remove(run / "sample.txt");
+  fs::remove(run / "summary.json");
+  const Result refused = run_remat("train --resume " + run.string() + " run.sample_tokens=0 train.lr=1");
+  EXPECT_NE(refused.exit_code, 0);
+  EXPECT_NE(refused.output.find("(all but run.sample_tokens, run.prompt, run.progress, which change only the final "
+                                "sample and the display)"),
+            std::string::npos)
+      << refused.output;
+  const Result resumed = run_remat("train --resume " + run.string() + " run.sample_tokens=0");
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_TRUE(fs::exists(run / "model.safetensors"));
+  EXPECT_FALSE(fs::exists(run / "sample.txt"));
+}
+
 // Out-of-range numbers that once spawned 100000 threads, looped for ever, wrapped to
 // negative sizes or overflowed the planner: each is refused before anything runs.
 TEST_F(Cli, OutOfRangeSettingsAreRefusedBeforeAnythingRuns) {
   const std::string huge = "9223372036854775807";
   const std::vector<std::pair<std::string, std::string>> cases = {
       {"train run.threads=100000", "run.threads must be from 0 to 1024, got 100000; 0 takes all cores."},
+      {"train run.sample_tokens=99999999999",
+       "run.sample_tokens must be from 0 to 10000 tokens, got 99999999999; the final sample is a glance at the model "
+       "(0 samples nothing); `remat generate --tokens` writes up to 100000 from the run's weights."},
       {"train train.grad_accum=" + huge,
        "train.grad_accum must be from 1 to 65536 microbatches, got " + huge + "; 65536 a step is far past any run."},
       {"train train.steps=" + huge,

@@ -206,6 +206,14 @@ TEST_F(Resume, CheckpointMetadataIsCheckedFieldByField) {
   EXPECT_EQ(problem_with("steps", "-1"), "its 'steps' is '-1', not a count from 1 to 2^30");
   EXPECT_EQ(problem_with("format", "something else"),
             "its format is \"something else\", not 'remat training checkpoint 1'");
+  // A checkpoint without its checksum was once resumed from unverified, and silently.
+  model::SafeTensors unsummed = model::load_safetensors(second);
+  std::erase_if(unsummed.tensors, [](const auto& named) { return named.first == model::kChecksumTensor; });
+  const std::string copy = (run / "unsummed.safetensors").string();
+  model::save_safetensors(copy, unsummed.tensors, unsummed.metadata, /*checksum=*/false);
+  EXPECT_EQ(checkpoint_problem(copy),
+            "it has no checksum (the 'remat.sha256' tensor every checkpoint remat writes ends with), so its bytes "
+            "cannot be verified");
 
   // Only whole older checkpoints left, one of them holding a NaN the checksum vouches for.
   for (int s : {3, 4}) fs::remove(checkpoint(run, s));

@@ -2,6 +2,7 @@
 // sampling back from it.
 #include "remat/safetensors.h"
 #include "remat/policy.h"
+#include "remat/tokenizer.h"
 #include "remat/trainer.h"
 #include "run/planning.h"
 #include "train/checkpoint_files.h"
@@ -12,12 +13,15 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <chrono>
+#include <csignal>
 #include <filesystem>
 #include <fstream>
 #include <algorithm>
 #include <functional>
 #include <optional>
 #include <random>
+#include <thread>
 
 namespace remat {
 namespace {
@@ -118,6 +122,34 @@ TEST_F(Trainer, GenerateStreamsEveryTokenPastTheContext) {
   EXPECT_EQ(streamed, text);
   EXPECT_GT(text.size(), 400u);
   EXPECT_LT(generate_from_run(s.run_dir, "the", 200, 1.0, 40, 3).size(), text.size());
+}
+
+// A signal during the final sample ends it at the next token (SIGTERM once waited for all
+// of run.sample_tokens, then exited 0): the weights are written, and the run says it was
+// stopped. The signal comes once the last step's checkpoint is written, seconds before
+// 10000 tokens could be sampled.
+TEST_F(Trainer, ASignalEndsTheFinalSampleWithTheWeightsWritten) {
+  Config cfg = config("signalled");
+  cfg.run.sample_tokens = 10000;
+  const fs::path run = fs::path(cfg.run.out_dir) / "signalled";
+  // Ignored outside train(), which catches it: a signal sent late must not end the test.
+  struct sigaction ignore {
+  }, previous{};
+  ignore.sa_handler = SIG_IGN;
+  sigaction(SIGTERM, &ignore, &previous);
+  std::thread signaller([&] {
+    while (!fs::exists(run / "checkpoints" / "step-00000004.safetensors")) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    ::kill(::getpid(), SIGTERM);
+  });
+  const TrainSummary s = train(cfg);
+  signaller.join();
+  sigaction(SIGTERM, &previous, nullptr);
+  EXPECT_EQ(s.stopped_by, SIGTERM);
+  EXPECT_TRUE(fs::exists(run / "model.safetensors"));
+  const auto tok = data::Tokenizer::load((run / "tokenizer.model").string());
+  EXPECT_LT(tok.encode(s.sample).size(), 10000u);
 }
 
 using testing::error_of;
