@@ -133,6 +133,10 @@ struct PlanResult {
   cost::DeviceMemory device_peak() const;
 };
 
+/// What a prediction replays: the peak ledger alone (the cost model's bytes and times), or
+/// also the allocator ledger through the model of CUDA's caching allocator (PlanResult::device).
+enum class Ledgers { peak, peak_and_allocator };
+
 class Planner {
  public:
   /// Prices the block of `cfg` at `shape` on `layout` once; `times` (Prices::times, in
@@ -145,10 +149,15 @@ class Planner {
           PlannerOptions options = {});
 
   /// The fastest plan whose every stage's predicted peak is within `budgets`, or nullopt;
-  /// on `split` where given (layers per stage), else on the layout's.
-  std::optional<PlanResult> plan(const Budgets& budgets, const std::vector<int64_t>& split = {}) const;
-  /// Predicts every stage of `plan`, on `split` (layout's split, or the even one, when empty).
-  PlanResult predict(const ActivationPlan& plan, const std::vector<int64_t>& split = {}) const;
+  /// on `split` where given (layers per stage), else on the layout's. On CUDA the device
+  /// budget holds the allocator ledger's reserved bytes, unless `ledgers` says peak (the
+  /// cost model's bytes alone, as a comparison that needs no allocator may ask).
+  std::optional<PlanResult> plan(const Budgets& budgets, const std::vector<int64_t>& split = {},
+                                 Ledgers ledgers = Ledgers::peak_and_allocator) const;
+  /// Predicts every stage of `plan`, on `split` (layout's split, or the even one, when empty):
+  /// its peak ledger, and on CUDA its allocator ledger too unless `ledgers` says peak.
+  PlanResult predict(const ActivationPlan& plan, const std::vector<int64_t>& split = {},
+                     Ledgers ledgers = Ledgers::peak_and_allocator) const;
   /// The smallest device budget any plan fits with `host` bytes of host budget (to the
   /// byte, as the cost model counts bytes).
   int64_t least_budget(int64_t host = 0) const;
@@ -232,6 +241,8 @@ class Planner {
   // Every stage of `plan` on `split` (layout's, or the even one, when empty), in the
   // planner's unit of time.
   PlanResult predict_units(const ActivationPlan& plan, const std::vector<int64_t>& split = {}) const;
+  // On CUDA, each stage's allocator ledger replayed into r.device.
+  void replay_allocator(PlanResult& r) const;
   // `r`, its times in seconds.
   PlanResult in_seconds(PlanResult r) const;
   // Stage `s` of `split` as the step walk sees it.

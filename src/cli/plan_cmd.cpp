@@ -148,7 +148,7 @@ std::optional<std::pair<std::vector<int64_t>, PlanResult>> least_counts(const Co
   std::vector<int64_t> counts(split.size(), 0);
   for (;;) {
     ac.num_ckpt_layers_per_stage = fmt::format("{}", fmt::join(counts, ","));
-    PlanResult p = planner.predict(compile_policy(ac, cfg.model.n_layer, cfg.model.dropout), split);
+    PlanResult p = planner.predict(compile_policy(ac, cfg.model.n_layer, cfg.model.dropout), split, Ledgers::peak);
     bool fits = true;
     for (size_t s = 0; s < counts.size(); ++s) {
       if (p.stages[s].peak <= budget) continue;
@@ -178,7 +178,7 @@ void pipeline_extras(const RunSpec& spec, const PlanArgs& args, nlohmann::json& 
       given ? planner.layout().split : pipeline::even_split(m.n_layer, cfg.parallel.pp);
   // What splitting the layers evenly and planning each stage alone would give.
   const std::optional<PlanResult> even =
-      !given && budget > 0 ? planner.plan({budget, spec.plan.host_budget}, counted) : std::nullopt;
+      !given && budget > 0 ? planner.plan({budget, spec.plan.host_budget}, counted, Ledgers::peak) : std::nullopt;
   // ColossalAI's way on the same split: whole layers recomputed, counted per stage.
   const auto counts = budget > 0 ? least_counts(cfg, planner, counted, budget) : std::nullopt;
   std::vector<Communication> links;
@@ -250,7 +250,8 @@ Extras one_stage_extras(const RunSpec& spec, const PlanArgs& args) {
   if (args.pareto || args.json) {
     x.sweep = planner.frontier(spec.plan.host_budget, args.points, kSweepSeconds);
     for (const auto& policy : manual_policies(m.n_layer)) {
-      const cost::StepPrediction p = planner.predict(compile_policy(policy, m.n_layer, m.dropout)).stages[0];
+      const cost::StepPrediction p =
+          planner.predict(compile_policy(policy, m.n_layer, m.dropout), {}, Ledgers::peak).stages[0];
       x.manual.push_back({p.peak, p.recompute_seconds, policy});
     }
   }

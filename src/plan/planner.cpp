@@ -114,8 +114,10 @@ int64_t Planner::none_peak() const {
   return *none_peak_;
 }
 
-PlanResult Planner::predict(const ActivationPlan& plan, const std::vector<int64_t>& split) const {
-  return in_seconds(predict_units(plan, split));
+PlanResult Planner::predict(const ActivationPlan& plan, const std::vector<int64_t>& split, Ledgers ledgers) const {
+  PlanResult r = predict_units(plan, split);
+  if (ledgers == Ledgers::peak_and_allocator) replay_allocator(r);
+  return in_seconds(std::move(r));
 }
 
 PlanResult Planner::in_seconds(PlanResult r) const {
@@ -155,11 +157,13 @@ int64_t Planner::least_model_budget(const Options& o) const {
 
 int64_t Planner::least_budget(int64_t host) const { return least_model_budget(options(host)); }
 
-std::optional<PlanResult> Planner::plan(const Budgets& budgets, const std::vector<int64_t>& split) const {
+std::optional<PlanResult> Planner::plan(const Budgets& budgets, const std::vector<int64_t>& split,
+                                        Ledgers ledgers) const {
   Options o = options(budgets.host);
   if (!split.empty()) o.split = split;
   int64_t reserved = 0;
-  auto r = on_cuda() ? solve_reserved(budgets, o, reserved) : solve(budgets.device, o);
+  auto r = on_cuda() && ledgers == Ledgers::peak_and_allocator ? solve_reserved(budgets, o, reserved)
+                                                               : solve(budgets.device, o);
   if (!r) return r;
   return in_seconds(std::move(*r));
 }
@@ -169,6 +173,7 @@ std::optional<PlanResult> Planner::solve_reserved(const Budgets& budgets, const 
   for (int64_t bytes = budgets.device;;) {
     auto solved = solve(bytes, o);
     if (!solved) return std::nullopt;
+    replay_allocator(*solved);
     reserved = solved->device_peak().reserved_peak;
     const int64_t over = reserved - budgets.device;
     if (over <= 0) return solved;

@@ -180,15 +180,18 @@ PlanResult Planner::assemble(ActivationPlan plan, std::vector<int64_t> split,
   r.schedule_seconds =
       static_cast<double>(shape_.grad_accum + layout_.pp - 1) * r.stage_seconds[static_cast<size_t>(r.bottleneck)];
   r.simulated_seconds = pipeline::simulate(layout_.schedule, times, shape_.grad_accum);
-  if (on_cuda()) {
-    // The cuBLAS workspace of one handle and stream, as PyTorch sizes it on Hopper.
-    const int64_t workspace = memory::cublas_workspace_bytes(9, 0);
-    for (int64_t s = 0; s < layout_.pp; ++s) {
-      r.device.push_back(cost::predict_device_memory(cfg_, shape_, stage_layout(r.split, s), r.plan,
-                                                     options_.early_stop, options_.allocator, workspace));
-    }
-  }
   return r;
+}
+
+void Planner::replay_allocator(PlanResult& r) const {
+  if (!on_cuda()) return;
+  // The cuBLAS workspace of one handle and stream, as PyTorch sizes it on Hopper.
+  const int64_t workspace = memory::cublas_workspace_bytes(9, 0);
+  r.device.clear();
+  for (int64_t s = 0; s < layout_.pp; ++s) {
+    r.device.push_back(cost::predict_device_memory(cfg_, shape_, stage_layout(r.split, s), r.plan, options_.early_stop,
+                                                   options_.allocator, workspace));
+  }
 }
 
 }  // namespace remat

@@ -80,7 +80,7 @@ RunPlan plan_run(const Config& cfg, at::ScalarType dtype, const Prices& prices, 
     if (!planner->block().slot(static_cast<Slot>(s)).empty()) r.slots.push_back(slot_name(static_cast<Slot>(s)));
   }
   // The same step keeping everything, on the split a policy's plan runs.
-  const PlanResult none = planner->predict(ActivationPlan::none(L), stage_sizes(cfg.ac, L));
+  const PlanResult none = planner->predict(ActivationPlan::none(L), stage_sizes(cfg.ac, L), Ledgers::peak);
   r.none_peak = none.peak();
   r.none_step_seconds = predicted_step_seconds(prices, none, layout.stage, cfg.train.grad_accum);
   PlanResult planned;

@@ -111,9 +111,10 @@ std::string checkpoint_problem(const std::string& path) {
       case model::Checksum::differs:
         return "its bytes are not those written (the checksum over its tensors and metadata differs)";
       case model::Checksum::absent:
-        return fmt::format("it has no checksum (the '{}' tensor every checkpoint remat writes ends with), so its "
-                           "bytes cannot be verified",
-                           model::kChecksumTensor);
+        return fmt::format(
+            "it has no checksum (the '{}' tensor every checkpoint remat writes ends with), so its "
+            "bytes cannot be verified",
+            model::kChecksumTensor);
       case model::Checksum::matches:
         break;
     }
