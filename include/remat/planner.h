@@ -126,7 +126,8 @@ struct PlanResult {
   /// stage's forward and backward; transfers and the optimizer are not in it.
   double simulated_seconds = 0;
   /// On a CUDA device, what its caching allocator holds at its highest on each stage (the
-  /// allocator ledger replayed by its model); empty on the CPU.
+  /// allocator ledger replayed by its model); empty on the CPU and where a prediction asked
+  /// for peaks alone (Ledgers::peak).
   std::vector<cost::DeviceMemory> device;
   int64_t peak() const;  ///< the highest stage peak
   /// The highest allocated and reserved peaks of `device` over the stages (zeros on the CPU).
