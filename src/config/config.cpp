@@ -170,8 +170,10 @@ c10::Device device_of(const std::string& name) {
   if (name == "cpu") return c10::Device(c10::kCPU);
   const std::string index = name.size() > 5 ? name.substr(5) : "";
   const bool digits = index.size() < 4 && index.find_first_not_of("0123456789") == std::string::npos;
-  if (name == "cuda" || (name.rfind("cuda:", 0) == 0 && !index.empty() && digits)) {
-    return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(index.empty() ? 0 : std::stoi(index)));
+  // "cuda" stays without an index (the process's GPU), as the user wrote it.
+  if (name == "cuda") return c10::Device(c10::kCUDA);
+  if (name.rfind("cuda:", 0) == 0 && !index.empty() && digits) {
+    return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(std::stoi(index)));
   }
   fail(fmt::format("run.device must be cpu or cuda[:N], got '{}'.", util::clip(name)));
 }
