@@ -361,15 +361,17 @@ BenchResult run_bench(const BenchOptions& o) {
   const double matmul_rate = local.ac.profile ? 0.0
                                               : measure_matmul_flops(device, dtype, local.train.batch * local.train.seq,
                                                                      common.model.d_model, common.model.d_ff);
-  PriceSource prices([&](const Config& op, bool host_copies) {
-    Config probed = local;
-    probed.model.attention = op.model.attention;
-    probed.model.loss_head = op.model.loss_head;
-    std::unique_ptr<Model> probe;  // freed once measured
-    return run_prices(
-        probed, device, dtype, train_ds, ranks.get(), matmul_rate, host_copies,
-        [&] { return create_model(probed, layout_of(probed, 0), device, dtype, ranks.get()); }, probe);
-  });
+  PriceSource prices(
+      [&](const Config& op) {
+        Config probed = local;
+        probed.model.attention = op.model.attention;
+        probed.model.loss_head = op.model.loss_head;
+        std::unique_ptr<Model> probe;  // freed once measured
+        return run_prices(
+            probed, device, dtype, train_ds, ranks.get(), matmul_rate,
+            [&] { return create_model(probed, layout_of(probed, 0), device, dtype, ranks.get()); }, probe);
+      },
+      [&](const Config&, Prices& p) { add_host_copy(p, device, dtype, ranks.get()); });
   in.prices = &prices;
   // Every entry's plan and prediction, so an infeasible budget fails before anything trains.
   for (size_t i = 0; i < prepared.size(); ++i) {

@@ -414,8 +414,8 @@ HostCopy measure_host_copy(at::Device device, at::ScalarType dtype) {
 }
 
 Prices run_prices(const Config& cfg, at::Device device, at::ScalarType dtype, const data::TokenDataset& data,
-                  dist::Comm* ranks, double matmul_rate, bool host_copies,
-                  const std::function<std::unique_ptr<Model>()>& create, std::unique_ptr<Model>& model) {
+                  dist::Comm* ranks, double matmul_rate, const std::function<std::unique_ptr<Model>()>& create,
+                  std::unique_ptr<Model>& model) {
   Prices prices;
   if (cfg.ac.profile && cfg.parallel.pp == 1) {
     model.reset();
@@ -436,8 +436,6 @@ Prices run_prices(const Config& cfg, at::Device device, at::ScalarType dtype, co
     prices.times.link_bytes_per_second = link.bytes_per_second;
     prices.times.link_latency_seconds = link.latency_seconds;
   }
-  // Measured at every start that may offload.
-  if (host_copies) add_host_copy(prices, device, dtype, ranks);
   return prices;
 }
 

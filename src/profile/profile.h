@@ -107,11 +107,10 @@ void add_host_copy(Prices& prices, at::Device device, at::ScalarType dtype, dist
 /// pipeline stages, probe_time_profile; without ac.profile, FLOPs at `matmul_rate`, which
 /// predict no step time. Under tensor parallelism either way, with the links
 /// measure_link_rate measures (cached with the profile under ac.profile), which price the
-/// collectives no node time covers (all of them without ac.profile). Where `host_copies`
-/// (the run's policy offloads, or its budget plan may), with the host copies' rate and
-/// latency, measured anew (measure_host_copy).
+/// collectives no node time covers (all of them without ac.profile). The host copies are
+/// add_host_copy's, measured apart: a run that offloads prices its ops as one that does not.
 Prices run_prices(const Config& cfg, at::Device device, at::ScalarType dtype, const data::TokenDataset& data,
-                  dist::Comm* ranks, double matmul_rate, bool host_copies,
-                  const std::function<std::unique_ptr<Model>()>& create, std::unique_ptr<Model>& model);
+                  dist::Comm* ranks, double matmul_rate, const std::function<std::unique_ptr<Model>()>& create,
+                  std::unique_ptr<Model>& model);
 
 }  // namespace remat

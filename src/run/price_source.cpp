@@ -29,10 +29,12 @@ constexpr LossHead kHeads[] = {LossHead::fused, LossHead::recompute};
 
 }  // namespace
 
-PriceSource::PriceSource(Measure measure) : measure_(std::move(measure)) {}
+PriceSource::PriceSource(Measure measure, AddCopies add_copies)
+    : measure_(std::move(measure)), add_copies_(std::move(add_copies)) {}
 
 PriceSource PriceSource::declared() {
-  return PriceSource([](const Config& local, bool) { return Prices::declared(local); });
+  // Declared prices hold ac.offload_rate already.
+  return PriceSource([](const Config& local) { return Prices::declared(local); }, [](const Config&, Prices&) {});
 }
 
 PriceSource PriceSource::recorded(const std::string& path) {
@@ -58,21 +60,22 @@ PriceSource PriceSource::recorded(const std::string& path) {
   } catch (const std::exception& e) {
     throw damaged(fmt::format("is damaged ({})", e.what()));
   }
-  PriceSource source([taken, path](const Config& local, bool host_copies) -> Prices {
-    const Key key{local.model.attention, local.model.loss_head, host_copies};
-    if (const auto it = taken->find(key); it != taken->end()) return it->second;
+  // Every price the run took is in `taken_`; asked for another, the source refuses it.
+  const auto refuse = [taken, path](const Config& local, bool host_copies) {
     std::string priced;
     for (const auto& [k, p] : *taken) {
       priced +=
           fmt::format("{}{} attention with the {} head{}", priced.empty() ? "" : "; ", attention_name(std::get<0>(k)),
                       loss_head_name(std::get<1>(k)), std::get<2>(k) ? " and host copies" : "");
     }
-    throw std::invalid_argument(fmt::format(
+    return std::invalid_argument(fmt::format(
         "The run at --prices {} priced {}, not {} attention with the {} head{}: plan it with its own config.toml "
         "(--config), whose settings it priced.",
         path, priced.empty() ? "nothing" : priced, attention_name(local.model.attention),
         loss_head_name(local.model.loss_head), host_copies ? " and host copies" : ""));
-  });
+  };
+  PriceSource source([refuse](const Config& local) -> Prices { throw refuse(local, false); },
+                     [refuse](const Config& local, Prices&) { throw refuse(local, true); });
   source.taken_ = *taken;
   return source;
 }
@@ -80,7 +83,12 @@ PriceSource PriceSource::recorded(const std::string& path) {
 Prices PriceSource::of(const Config& local, bool host_copies) {
   const Key key{local.model.attention, local.model.loss_head, host_copies};
   if (const auto it = taken_.find(key); it != taken_.end()) return it->second;
-  return taken_[key] = measure_(local, host_copies);
+  const Key ops{local.model.attention, local.model.loss_head, false};
+  const auto it = taken_.find(ops);
+  Prices p = it != taken_.end() ? it->second : measure_(local);
+  if (it == taken_.end()) taken_[ops] = p;
+  if (host_copies) add_copies_(local, p);
+  return taken_[key] = p;
 }
 
 std::string PriceSource::record() const {

@@ -17,10 +17,12 @@ namespace remat {
 
 class PriceSource {
  public:
-  /// The prices of `local` (its model.attention and model.loss_head named), with the host
-  /// copies' rate where `host_copies` (the run's policy offloads, or its budget plan may).
-  using Measure = std::function<Prices(const Config& local, bool host_copies)>;
-  explicit PriceSource(Measure measure);
+  /// The prices of `local` (its model.attention and model.loss_head named).
+  using Measure = std::function<Prices(const Config& local)>;
+  /// Sets the host copies' rate in `prices`, those of `local` (the run's policy offloads,
+  /// or its budget plan may).
+  using AddCopies = std::function<void(const Config& local, Prices& prices)>;
+  PriceSource(Measure measure, AddCopies add_copies);
 
   /// `remat plan`'s: Prices::declared of each config.
   static PriceSource declared();
@@ -29,7 +31,9 @@ class PriceSource {
   /// one naming what the run priced.
   static PriceSource recorded(const std::string& path);
 
-  /// The prices of `local`, measured (or read) the first time they are asked for.
+  /// The prices of `local`, with the host copies' where `host_copies`: its ops measured (or
+  /// read) the first time they are asked for, with or without copies, so that a plan that
+  /// offloads and one that does not price the same ops alike.
   Prices of(const Config& local, bool host_copies);
   /// Every price taken so far, as prices.json holds it.
   std::string record() const;
@@ -37,6 +41,7 @@ class PriceSource {
  private:
   using Key = std::tuple<Attention, LossHead, bool>;
   Measure measure_;
+  AddCopies add_copies_;
   std::map<Key, Prices> taken_;
 };
 

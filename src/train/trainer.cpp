@@ -601,11 +601,14 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   in.saved = resumed.plan ? &*resumed.plan : nullptr;
   in.memory_available = rank_memory(device, ranks.comm.get());
   in.host_available = rank_memory(at::kCPU, ranks.comm.get());
-  PriceSource prices([&](const Config& op, bool host_copies) {
-    return run_prices(
-        op, device, dtype, train_ds, ranks.comm.get(), machine.matmul_rate, host_copies,
-        [&] { return create(op.model, layout_of(op, 0)); }, model);
-  });
+  // The host copies are measured at every start that may offload.
+  PriceSource prices(
+      [&](const Config& op) {
+        return run_prices(
+            op, device, dtype, train_ds, ranks.comm.get(), machine.matmul_rate,
+            [&] { return create(op.model, layout_of(op, 0)); }, model);
+      },
+      [&](const Config&, Prices& p) { add_host_copy(p, device, dtype, ranks.comm.get()); });
   in.prices = &prices;
   const RunSpec spec = resolve_run(cfg, in);
   cfg = spec.cfg;  // the autos resolved

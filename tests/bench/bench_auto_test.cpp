@@ -54,11 +54,13 @@ TEST(BenchAuto, RowsNameTheChoicesEachEntryRan) {
   // What remat plan resolves for each entry, on the same corpus.
   RunInputs in;
   in.corpus = data::load_corpus_info(corpus_dir(base.data));
-  PriceSource prices([](const Config&, bool) {
-    Prices p;
-    p.times.flops_per_second = 1.0;
-    return p;
-  });
+  PriceSource prices(
+      [](const Config&) {
+        Prices p;
+        p.times.flops_per_second = 1.0;
+        return p;
+      },
+      [](const Config&, Prices&) {});
   in.prices = &prices;
   for (size_t i = 0; i < o.entries.size(); ++i) {
     std::vector<std::string> overrides = common;

@@ -23,13 +23,15 @@ Resolved resolve(const std::vector<std::string>& overrides, int64_t available, i
   RunInputs in;
   in.memory_available = available;
   in.host_available = host_available;
-  PriceSource prices([&](const Config&, bool) {
-    ++r.profiles;
-    Prices p;
-    p.times.flops_per_second = 1.0;
-    p.times.host_bytes_per_second = 1.0;  // a byte copied costs a FLOP: offload is priced
-    return p;
-  });
+  PriceSource prices(
+      [&](const Config&) {
+        ++r.profiles;
+        Prices p;
+        p.times.flops_per_second = 1.0;
+        return p;
+      },
+      // A byte copied costs a FLOP: offload is priced.
+      [](const Config&, Prices& p) { p.times.host_bytes_per_second = 1.0; });
   in.prices = &prices;
   try {
     const RunSpec spec = resolve_run(load_config("", overrides), in);
@@ -43,7 +45,7 @@ Resolved resolve(const std::vector<std::string>& overrides, int64_t available, i
 
 int64_t statics(const std::vector<std::string>& overrides) {
   RunInputs in;
-  PriceSource prices([](const Config&, bool) { return Prices{}; });
+  PriceSource prices([](const Config&) { return Prices{}; }, [](const Config&, Prices&) {});
   in.prices = &prices;
   const RunSpec spec = resolve_run(load_config("", overrides), in);
   return cost::static_bytes(spec.local.model, spec.shape, spec.layout).total();
