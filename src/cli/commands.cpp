@@ -124,12 +124,26 @@ void check_plot_directory(const std::string& plot) {
     throw std::invalid_argument(
         fmt::format("--plot {} cannot be written: {} is not {}; give a path in a writable "
                     "directory.",
-                    util::clip(plot), util::clip(dir.string()),
+                    util::printable(plot), util::printable(dir.string()),
                     std::filesystem::is_directory(dir, ec) ? "writable" : "a directory"));
   }
 }
 
 }  // namespace
+
+std::string filesystem_text(const std::filesystem::filesystem_error& e) {
+  const std::string path = e.path1().empty() ? "a file" : util::printable(e.path1().string());
+  std::string advice;
+  if (e.code() == std::errc::too_many_symbolic_link_levels) {
+    advice =
+        ": it is a loop of symbolic links (a link that leads back to itself); point it at a real file or remove it";
+  } else if (e.code() == std::errc::permission_denied) {
+    advice = ": this user may not read it (or a folder above it); change its permissions or run as its owner";
+  } else if (e.code() == std::errc::no_such_file_or_directory) {
+    advice = ": it does not exist; check the path";
+  }
+  return fmt::format("Cannot use {} ({}){}.", path, e.code().message(), advice);
+}
 
 std::string error_text(const std::string& message) {
   // The CUDA caching allocator's refusal: its first sentence names the request and the GPU.
@@ -143,14 +157,14 @@ std::string error_text(const std::string& message) {
         "(see nvidia-smi) or the allocator's fragmentation. Give ac.budget a value below the GPU's free memory (remat "
         "plans the caching allocator's reserved bytes under it), set run.expandable_segments=true, or lower "
         "train.batch or train.seq.",
-        tried == std::string::npos ? "" : " (" + util::clip(message.substr(tried, end - tried), 200) + ")");
+        tried == std::string::npos ? "" : " (" + util::printable(message.substr(tried, end - tried), 200) + ")");
   }
   const std::string marker = "you tried to allocate ";
   const size_t at = message.find(marker);
   const size_t digits = at == std::string::npos ? 0 : at + marker.size();
   if (message.find("can't allocate memory") == std::string::npos || at == std::string::npos ||
       digits >= message.size() || std::isdigit(static_cast<unsigned char>(message[digits])) == 0) {
-    return bounded(message);
+    return util::terminal_text(bounded(message));
   }
   const std::string count = message.substr(digits, message.find_first_not_of("0123456789", digits) - digits);
   return fmt::format(
@@ -370,6 +384,9 @@ int run(int argc, char** argv) {
     }
   } catch (const c10::Error& e) {
     fmt::print(stderr, "error: {}\n", error_text(e.what_without_backtrace()));
+    return 1;
+  } catch (const std::filesystem::filesystem_error& e) {
+    fmt::print(stderr, "error: {}\n", error_text(filesystem_text(e)));
     return 1;
   } catch (const std::exception& e) {
     fmt::print(stderr, "error: {}\n", error_text(e.what()));

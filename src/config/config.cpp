@@ -17,11 +17,16 @@ namespace {
 
 [[noreturn]] void fail(const std::string& msg) { throw std::invalid_argument(msg); }
 
-// `text` quoted as a JSON string, its control characters escaped and any byte that is not
-// UTF-8 shown as U+FFFD (a plain dump() throws on those), for a message about that text.
-// At most 200 bytes of it: a message never repeats a huge value.
-std::string printable(const std::string& text) {
-  return nlohmann::json(util::clip(text)).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+// A config value a person reads (config.toml, plan.txt, messages) and remat prints: refused
+// with a control character (but a prompt's line breaks and tabs), from a file or an override.
+void check_printable(const std::string& key, const std::string& value, const std::string& origin) {
+  const size_t at = util::find_control(value, key == "run.prompt");
+  if (at == std::string::npos) return;
+  fail(
+      fmt::format("{}{} holds a control character at offset {}: '{}'; config values are printed and written "
+                  "into config.toml, plan.txt and logs: remove it (it is usually a stray line break or escape in a "
+                  "file or a shell variable).",
+                  util::printable(key), origin, at, util::printable(value)));
 }
 
 size_t edit_distance(const std::string& a, const std::string& b) {
@@ -46,7 +51,8 @@ const ConfigKey& find_key(const std::string& name, const std::string& where) {
   }
   // The edit distance costs the product of the lengths: a key this long is no typo.
   if (name.size() > 100) {
-    fail(fmt::format("Unknown config key {}{}; `remat train --help-config` lists every key.", printable(name), where));
+    fail(fmt::format("Unknown config key '{}'{}; `remat train --help-config` lists every key.", util::printable(name),
+                     where));
   }
   // Suggest the closest key, also matching a bare field name ("lr" -> "train.lr").
   const ConfigKey* best = nullptr;
@@ -59,7 +65,7 @@ const ConfigKey& find_key(const std::string& name, const std::string& where) {
       best = &k;
     }
   }
-  std::string msg = fmt::format("Unknown config key '{}'{}", util::clip(name), where);
+  std::string msg = fmt::format("Unknown config key '{}'{}", util::printable(name), where);
   if (best != nullptr && best_d <= std::max<size_t>(3, name.size() / 3)) {
     msg += fmt::format("; did you mean '{}'?", best->name);
   } else {
@@ -175,13 +181,13 @@ c10::Device device_of(const std::string& name) {
   if (name.rfind("cuda:", 0) == 0 && !index.empty() && digits) {
     return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(std::stoi(index)));
   }
-  fail(fmt::format("run.device must be cpu or cuda[:N], got '{}'.", util::clip(name)));
+  fail(fmt::format("run.device must be cpu or cuda[:N], got '{}'.", util::printable(name)));
 }
 
 at::ScalarType dtype_of(const std::string& name) {
   if (name == "float32") return at::kFloat;
   if (name == "bfloat16") return at::kBFloat16;
-  fail(fmt::format("run.dtype must be float32 or bfloat16, got '{}'.", util::clip(name)));
+  fail(fmt::format("run.dtype must be float32 or bfloat16, got '{}'.", util::printable(name)));
 }
 
 Config load_config(const std::string& toml_path, const std::vector<std::string>& overrides) {
@@ -205,21 +211,22 @@ Config load_config(const std::string& toml_path, const std::vector<std::string>&
   for (const auto& o : overrides) {
     const auto eq = o.find('=');
     if (eq == std::string::npos || eq == 0) {
-      fail(fmt::format("Override '{}' is not of the form key=value (e.g. train.lr=1e-3).", util::clip(o)));
+      fail(fmt::format("Override '{}' is not of the form key=value (e.g. train.lr=1e-3).", util::printable(o)));
     }
     // A TOML file is UTF-8 by its grammar (toml++ refuses other bytes); an override is not,
     // and its value would land in the run's config.toml, which could not be read back.
     const size_t bad = util::find_invalid_utf8(o);
     if (bad != std::string::npos) {
       fail(
-          fmt::format("Override {} is not UTF-8 text (byte {:#04x} at offset {}); config values are UTF-8, as in a "
+          fmt::format("Override '{}' is not UTF-8 text (byte {:#04x} at offset {}); config values are UTF-8, as in a "
                       "TOML file, since a run records them in its config.toml: write it in UTF-8.",
-                      printable(o), static_cast<unsigned char>(o[bad]), bad));
+                      util::printable(o), static_cast<unsigned char>(o[bad]), bad));
     }
     settings.emplace_back(o.substr(0, eq), o.substr(eq + 1));
     origins.emplace_back(" (command-line override)");
   }
 
+  for (size_t i = 0; i < settings.size(); ++i) check_printable(settings[i].first, settings[i].second, origins[i]);
   Config c;
   // The preset replaces the whole model shape, so it goes first; explicit model keys
   // then adjust it, whichever order they were written in.
@@ -239,16 +246,13 @@ Config load_config(const std::string& toml_path, const std::vector<std::string>&
 }
 
 void check_path(const std::string& what, const std::string& path) {
-  for (size_t i = 0; i < path.size(); ++i) {
-    const auto byte = static_cast<unsigned char>(path[i]);
-    if (byte < 0x20 || byte == 0x7f) {
-      fail(
-          fmt::format("{} = {} holds a control character (byte {:#04x} at offset {}); paths must be printable "
-                      "(they are written into plot scripts, logs and tables): remove it, it is usually a stray "
-                      "line break in a config file or a shell variable.",
-                      what, printable(path), byte, i));
-    }
-  }
+  const size_t at = util::find_control(path);
+  if (at == std::string::npos) return;
+  fail(
+      fmt::format("{} = '{}' holds a control character at offset {}; paths must be printable (they are written into "
+                  "plot scripts, logs and tables): remove it, it is usually a stray line break in a config file or a "
+                  "shell variable.",
+                  what, util::printable(path), at));
 }
 
 std::string config_to_toml(const Config& c) {

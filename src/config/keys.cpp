@@ -25,8 +25,8 @@ T parse_number(const std::string& key, const std::string& v) {
     }
   }();
   if (!out) {
-    fail(
-        fmt::format("{} must be {}, got '{}'.", key, std::is_integral_v<T> ? "an integer" : "a number", util::clip(v)));
+    fail(fmt::format("{} must be {}, got '{}'.", key, std::is_integral_v<T> ? "an integer" : "a number",
+                     util::printable(v)));
   }
   return *out;
 }
@@ -34,13 +34,13 @@ T parse_number(const std::string& key, const std::string& v) {
 bool parse_bool(const std::string& key, const std::string& v) {
   if (v == "true" || v == "1" || v == "on") return true;
   if (v == "false" || v == "0" || v == "off") return false;
-  fail(fmt::format("{} must be true or false, got '{}'.", key, util::clip(v)));
+  fail(fmt::format("{} must be true or false, got '{}'.", key, util::printable(v)));
 }
 
 Arch parse_arch(const std::string& key, const std::string& v) {
   if (v == "gpt2") return Arch::gpt2;
   if (v == "llama") return Arch::llama;
-  fail(fmt::format("{} must be gpt2 or llama, got '{}'.", key, util::clip(v)));
+  fail(fmt::format("{} must be gpt2 or llama, got '{}'.", key, util::printable(v)));
 }
 
 Attention parse_attention(const std::string& key, const std::string& v) {
@@ -53,7 +53,7 @@ Attention parse_attention(const std::string& key, const std::string& v) {
                   "(keeps the [T x T] probabilities), sdpa (ATen's fused attention, keeps what tiled keeps; "
                   "LibTorch 2.9 and later, no attention dropout) or auto (the planner chooses one of them for the "
                   "run), got '{}'.",
-                  key, util::clip(v)));
+                  key, util::printable(v)));
 }
 
 LossHead parse_loss_head(const std::string& key, const std::string& v) {
@@ -64,7 +64,7 @@ LossHead parse_loss_head(const std::string& key, const std::string& v) {
       fmt::format("{} must be fused (the logits' gradient computed in the forward: one product fewer), "
                   "recompute (the logits recomputed in the backward: vocab x d_model fewer bytes kept) or auto "
                   "(the planner chooses one of them for the run's budget), got '{}'.",
-                  key, util::clip(v)));
+                  key, util::printable(v)));
 }
 
 // A TOML basic string: quotes, backslashes and control characters escaped.

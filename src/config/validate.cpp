@@ -217,7 +217,8 @@ void check_run(const Config& c) {
   if (c.run.name.find_first_not_of("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-") !=
           std::string::npos ||
       c.run.name == "." || c.run.name == "..") {
-    fail(fmt::format("run.name may hold only letters, digits, '.', '_' and '-', got '{}'.", util::clip(c.run.name)));
+    fail(fmt::format("run.name may hold only letters, digits, '.', '_' and '-', got '{}'.",
+                     util::printable(c.run.name)));
   }
   // A directory name holds at most 255 bytes, and remat may add a "-N" suffix.
   if (c.run.name.size() > 200) {

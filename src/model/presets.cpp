@@ -73,8 +73,8 @@ ModelConfig model_preset(const std::string& name) {
       return m;
     }
   }
-  throw std::invalid_argument(
-      fmt::format("Unknown model preset '{}'; valid presets: {}.", util::clip(name), fmt::join(preset_names(), ", ")));
+  throw std::invalid_argument(fmt::format("Unknown model preset '{}'; valid presets: {}.", util::printable(name),
+                                          fmt::join(preset_names(), ", ")));
 }
 
 }  // namespace remat

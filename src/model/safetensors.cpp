@@ -13,6 +13,7 @@
 
 #include "util/atomic_file.h"
 #include "util/sha256.h"
+#include "util/utf8.h"
 
 namespace remat::model {
 
@@ -82,7 +83,7 @@ void read_exactly(std::FILE* file, const std::string& path, int64_t offset, void
 
 // Parses one header entry; throws (via invalid) naming the tensor.
 SafeTensorInfo parse_entry(const std::string& path, const std::string& name, const json& entry, int64_t data_bytes) {
-  const std::string who = "tensor '" + name + "'";
+  const std::string who = "tensor '" + util::printable(name) + "'";
   if (!entry.is_object()) invalid(path, who + " is not described by a JSON object");
   SafeTensorInfo info;
   info.name = name;
@@ -93,7 +94,8 @@ SafeTensorInfo parse_entry(const std::string& path, const std::string& name, con
   const auto known =
       std::find_if(std::begin(kDtypes), std::end(kDtypes), [&](const DtypeName& d) { return dtype == d.name; });
   if (known == std::end(kDtypes)) {
-    invalid(path, who + " has dtype \"" + dtype + "\", not one of F64, F32, F16, BF16, I64, I32, I16, I8, U8, BOOL");
+    invalid(path, who + " has dtype \"" + util::printable(dtype) +
+                      "\", not one of F64, F32, F16, BF16, I64, I32, I16, I8, U8, BOOL");
   }
   info.dtype = known->dtype;
 
@@ -140,6 +142,34 @@ SafeTensorInfo parse_entry(const std::string& path, const std::string& name, con
   return info;
 }
 
+// The header's JSON object; refuses, naming `path`, what is not one or names a tensor twice
+// (nlohmann keeps the last of two equal keys).
+json parse_header(const std::string& path, const std::string& text) {
+  json header;
+  std::set<std::string> names;
+  std::string twice;
+  const json::parser_callback_t note_names = [&](int depth, json::parse_event_t event, json& parsed) {
+    if (depth == 1 && event == json::parse_event_t::key && !names.insert(parsed.get<std::string>()).second &&
+        twice.empty()) {
+      twice = parsed.get<std::string>();
+    }
+    return true;
+  };
+  try {
+    header = json::parse(text, note_names);
+  } catch (const json::parse_error& e) {
+    invalid(path, std::string("the header is not valid JSON (") + e.what() + ")");
+  } catch (const json::out_of_range& e) {
+    // Valid JSON, but a number past a double's range (2e400) is refused by the parser with
+    // an error of its own, which named neither the file nor the problem.
+    invalid(path, std::string("the header holds a number too large to read (") + e.what() +
+                      "); shapes and data_offsets are whole numbers no larger than the file");
+  }
+  if (!header.is_object()) invalid(path, "the header is not a JSON object");
+  if (!twice.empty()) invalid(path, "the header names tensor '" + util::printable(twice) + "' twice");
+  return header;
+}
+
 SafeTensorsHeader read_header(std::FILE* file, const std::string& path, int64_t file_size) {
   if (file_size < 8) {
     invalid(path, "it has " + std::to_string(file_size) + " bytes, fewer than the 8-byte header length");
@@ -160,27 +190,20 @@ SafeTensorsHeader read_header(std::FILE* file, const std::string& path, int64_t 
   std::string text(header_bytes, '\0');
   read_exactly(file, path, 8, text.data(), static_cast<int64_t>(header_bytes), "the header");
 
-  json header;
-  try {
-    header = json::parse(text);
-  } catch (const json::parse_error& e) {
-    invalid(path, std::string("the header is not valid JSON (") + e.what() + ")");
-  } catch (const json::out_of_range& e) {
-    // Valid JSON, but a number past a double's range (2e400) is refused by the parser with
-    // an error of its own, which named neither the file nor the problem.
-    invalid(path, std::string("the header holds a number too large to read (") + e.what() +
-                      "); shapes and data_offsets are whole numbers no larger than the file");
-  }
-  if (!header.is_object()) invalid(path, "the header is not a JSON object");
+  const json header = parse_header(path, text);
 
   SafeTensorsHeader result;
   result.data_start = 8 + static_cast<int64_t>(header_bytes);
   const int64_t data_bytes = file_size - result.data_start;
   for (const auto& [key, value] : header.items()) {
+    // Names are printed in messages and listings as they are.
+    if (util::find_control(key) != std::string::npos) {
+      invalid(path, "the tensor name '" + util::printable(key) + "' holds a control character");
+    }
     if (key == "__metadata__") {
       if (!value.is_object()) invalid(path, "__metadata__ is not a JSON object");
       for (const auto& [k, v] : value.items()) {
-        if (!v.is_string()) invalid(path, "__metadata__ entry '" + k + "' is not a string");
+        if (!v.is_string()) invalid(path, "__metadata__ entry '" + util::printable(k) + "' is not a string");
         result.metadata[k] = v.get<std::string>();
       }
       continue;

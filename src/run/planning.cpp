@@ -108,4 +108,32 @@ RunPlan plan_run(const Config& cfg, at::ScalarType dtype, const Prices& prices, 
   return r;
 }
 
+std::optional<int64_t> least_peak_above(const Config& cfg, at::ScalarType dtype, int64_t resident, int64_t host_budget,
+                                        int64_t room) {
+  // Every op and head an `auto` may choose: the least is the least of them.
+  std::vector<Config> choices;
+  for (const Attention a : kAttentionOps) {
+    for (const LossHead h : {LossHead::fused, LossHead::recompute}) {
+      if ((cfg.model.attention != Attention::automatic && a != cfg.model.attention) ||
+          (cfg.model.loss_head != LossHead::automatic && h != cfg.model.loss_head)) {
+        continue;
+      }
+      choices.push_back(cfg);
+      choices.back().model.attention = a;
+      choices.back().model.loss_head = h;
+    }
+  }
+  PlannerOptions options;
+  options.allocator.expandable_segments = cfg.run.expandable_segments;
+  std::optional<int64_t> least;
+  for (const Config& c : choices) {
+    const Planner planner(c.model, step_shape(c, dtype, resident), layout_of(c, 0), Prices::declared(c).times, options);
+    if (planner.predict(compile_policy("full", c.model.n_layer), {}, Ledgers::peak).peak() <= room) return std::nullopt;
+    const int64_t bytes = planner.least_budget(host_budget);
+    if (bytes <= room) return std::nullopt;
+    least = std::min(least.value_or(bytes), bytes);
+  }
+  return least;
+}
+
 }  // namespace remat

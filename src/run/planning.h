@@ -99,4 +99,12 @@ Layout layout_of(const Config& local, int64_t stage);
 RunPlan plan_run(const Config& cfg, at::ScalarType dtype, const Prices& prices, int64_t resident, int64_t stage = 0,
                  int64_t budget_reference = 0, const SavedPlan* saved = nullptr, int64_t host_budget = 0);
 
+/// The least peak any plan of `cfg`'s one-stage run reaches with `host_budget` bytes of
+/// host memory (Planner::least_budget), with any attention op and loss head its autos may
+/// choose, where it is above `room` bytes, else nullopt: bytes need no prices, so this runs
+/// before a time profile would run a step of the batch. Full recompute's peak (one
+/// prediction) is tried first, the search only where it is above.
+std::optional<int64_t> least_peak_above(const Config& cfg, at::ScalarType dtype, int64_t resident, int64_t host_budget,
+                                        int64_t room);
+
 }  // namespace remat

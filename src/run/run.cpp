@@ -48,6 +48,20 @@ void check_statics_fit(const RunSpec& spec, const Room& room) {
       memory::format_bytes(statics.total()), room.what));
 }
 
+// Throws where no plan fits the room, before a time profile runs a step of the batch (it
+// allocated gigabytes for a minute before check_plan_fits refused a batch of a million).
+void check_some_plan_fits(const RunSpec& spec, const Room& room, int64_t host_budget) {
+  const bool whole_model = spec.layout.has_embedding() && spec.layout.has_head();
+  if (room.bytes < 0 || !whole_model) return;
+  const std::optional<int64_t> least = least_peak_above(spec.local, spec.dtype, spec.resident, host_budget, room.bytes);
+  if (!least) return;
+  throw std::invalid_argument(fmt::format(
+      "A step of train.batch={} x train.seq={} tokens peaks at {} per rank under the plan that needs least memory "
+      "(predicted, `remat plan`'s minimum feasible budget), more than {}: no plan fits; lower train.batch or "
+      "train.seq (train.grad_accum keeps the tokens of a step with smaller microbatches).",
+      spec.local.train.batch, spec.local.train.seq, memory::format_bytes(*least), room.what));
+}
+
 // Throws where the plan's predicted peak (on CUDA: the allocator's reserved bytes)
 // exceeds the room.
 void check_plan_fits(const RunSpec& spec, const Room& room) {
@@ -115,6 +129,7 @@ RunSpec resolve_run(const Config& cfg, const RunInputs& in) {
   spec.shape = step_shape(spec.local, in.dtype, spec.resident);
   const Room room = room_of(spec, in.memory_available);
   check_statics_fit(spec, room);
+  check_some_plan_fits(spec, room, host_budget);
   // The prices hold the host copies' where the policy offloads or a budget plan may.
   const bool host_copies = (!spec.local.ac.budget.empty() && host_budget > 0) ||
                            compile_policy(spec.local.ac, spec.local.model.n_layer, spec.local.model.dropout).offloads();

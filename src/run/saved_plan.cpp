@@ -8,6 +8,8 @@
 #include <numeric>
 #include <stdexcept>
 
+#include "util/utf8.h"
+
 namespace remat {
 
 std::string saved_plan_json(const ActivationPlan& plan, const std::vector<int64_t>& split) {
@@ -33,13 +35,18 @@ SavedPlan parse_saved_plan(const std::string& json, int64_t n_layers, int64_t st
   try {
     if (!j.is_object()) throw damaged("is not a JSON object");
     saved.plan.policy = j.at("policy").get<std::string>();
+    // Printed in plan.txt and on the terminal as it is.
+    if (util::find_control(saved.plan.policy) != std::string::npos) {
+      throw damaged(fmt::format("names its policy '{}', with a control character", util::printable(saved.plan.policy)));
+    }
     saved.split = j.at("split").get<std::vector<int64_t>>();
     for (const nlohmann::json& l : j.at("layers")) {
       LayerPlan layer;
       const auto dropped = l.at("dropped").get<std::vector<std::string>>();
       for (const std::string& slot : dropped) {
         if (std::find(block_slots().begin(), block_slots().end(), slot) == block_slots().end()) {
-          throw damaged(fmt::format("drops '{}' in layer {}, which no block has", slot, saved.plan.layers.size() + 1));
+          throw damaged(fmt::format("drops '{}' in layer {}, which no block has", util::printable(slot),
+                                    saved.plan.layers.size() + 1));
         }
       }
       layer.dropped = SlotMask::of_names(dropped);
@@ -47,8 +54,8 @@ SavedPlan parse_saved_plan(const std::string& json, int64_t n_layers, int64_t st
       const auto offloaded = l.value("offloaded", std::vector<std::string>{});
       for (const std::string& slot : offloaded) {
         if (slot != "input" && std::find(block_slots().begin(), block_slots().end(), slot) == block_slots().end()) {
-          throw damaged(
-              fmt::format("offloads '{}' in layer {}, which no block has", slot, saved.plan.layers.size() + 1));
+          throw damaged(fmt::format("offloads '{}' in layer {}, which no block has", util::printable(slot),
+                                    saved.plan.layers.size() + 1));
         }
         layer.offloaded.add(slot_of_name(slot));
       }
@@ -62,8 +69,8 @@ SavedPlan parse_saved_plan(const std::string& json, int64_t n_layers, int64_t st
         if (known == std::end(kAttentionOps)) {
           std::vector<std::string> names;
           for (Attention a : kAttentionOps) names.emplace_back(attention_name(a));
-          throw damaged(fmt::format("runs attention '{}' in layer {}, which is none of this build's ops ({})", op,
-                                    saved.plan.layers.size() + 1, fmt::join(names, ", ")));
+          throw damaged(fmt::format("runs attention '{}' in layer {}, which is none of this build's ops ({})",
+                                    util::printable(op), saved.plan.layers.size() + 1, fmt::join(names, ", ")));
         }
         layer.attention = *known;
       }

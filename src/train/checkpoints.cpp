@@ -170,17 +170,8 @@ std::map<std::string, std::string> data_digests(const data::CorpusInfo& corpus) 
   return {{"data.text_sha256", corpus.text_sha256}, {"data.tokenizer_sha256", corpus.tokenizer_sha256}};
 }
 
-void check_same_data(const std::string& run_dir, const data::CorpusInfo& corpus,
-                     const std::map<std::string, std::string>& metadata) {
-  const std::string own = (fs::path(run_dir) / "tokenizer.model").string();
-  if (util::sha256_hex(util::read_file(own, "the run's tokenizer")) !=
-      util::sha256_hex(util::read_file(corpus.tokenizer_path(), "the prepared tokenizer"))) {
-    throw std::invalid_argument(fmt::format(
-        "The tokenizer prepared now from the run's data ({}) differs from {}, the one the run trained with: the "
-        "training text (data.text) changed since the run started, so its token ids would mean other pieces; restore "
-        "the text the run trained on, or start a new run.",
-        corpus.source, own));
-  }
+std::string check_same_data(const std::string& run_dir, const data::CorpusInfo& corpus,
+                            const std::map<std::string, std::string>& metadata, bool restore) {
   const auto text = metadata.find("data.text_sha256");
   if (text != metadata.end() && text->second != corpus.text_sha256) {
     throw std::invalid_argument(
@@ -188,6 +179,27 @@ void check_same_data(const std::string& run_dir, const data::CorpusInfo& corpus,
                     "checkpoint): it changed since the run started; restore it, or start a new run.",
                     corpus.source, corpus.text_sha256, text->second));
   }
+  const std::string own = (fs::path(run_dir) / "tokenizer.model").string();
+  std::error_code ec;
+  const std::string own_sha256 =
+      fs::is_regular_file(own, ec) ? util::sha256_hex(util::read_file(own, "the run's tokenizer")) : "";
+  const auto recorded = metadata.find("data.tokenizer_sha256");
+  // The tokenizer the run trained with: recorded by its checkpoint, else its own file.
+  const std::string trained = recorded != metadata.end() ? recorded->second : own_sha256;
+  if (!trained.empty() && trained != corpus.tokenizer_sha256) {
+    throw std::invalid_argument(fmt::format(
+        "The tokenizer prepared now from the run's data ({}) differs from the one the run trained with ({}): the "
+        "training text (data.text) or its preparation (data.vocab_size) changed since the run started, so its token "
+        "ids would mean other pieces; restore the text the run trained on, or start a new run.",
+        corpus.source, recorded != metadata.end() ? "recorded in its checkpoint" : own));
+  }
+  if (own_sha256 == corpus.tokenizer_sha256) return "";
+  if (restore) {
+    util::write_file_atomically(own, util::read_file(corpus.tokenizer_path(), "the prepared tokenizer"));
+  }
+  return fmt::format(
+      "{} was {}; written again from the prepared corpus, whose tokenizer is the one the run trained with.", own,
+      own_sha256.empty() ? "missing" : "damaged");
 }
 
 }  // namespace remat

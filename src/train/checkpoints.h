@@ -61,10 +61,12 @@ ResumePoint resume_point(const std::string& run_dir, bool verify, const std::fun
 std::map<std::string, std::string> data_digests(const data::CorpusInfo& corpus);
 
 /// Refuses, with a sentence, to resume the run `run_dir` on other data than it trained on:
-/// `corpus`'s tokenizer must be the run's tokenizer.model and its text the one the
-/// checkpoint's `metadata` records (checkpoints written before the text was recorded
-/// are checked by the tokenizer alone).
-void check_same_data(const std::string& run_dir, const data::CorpusInfo& corpus,
-                     const std::map<std::string, std::string>& metadata);
+/// `corpus`'s text and tokenizer must be those the checkpoint's `metadata` records
+/// (checkpoints written before the digests were recorded are held to the run's
+/// tokenizer.model). Where the run's tokenizer.model is missing or is not the one the
+/// checkpoint records but the prepared one is, writes it back from the corpus (where
+/// `restore`: rank 0) and returns a note saying so; else returns "".
+std::string check_same_data(const std::string& run_dir, const data::CorpusInfo& corpus,
+                            const std::map<std::string, std::string>& metadata, bool restore);
 
 }  // namespace remat

@@ -140,7 +140,7 @@ std::string generate_from_run(const std::string& run_dir, const std::string& pro
         (fs::path(run_dir) / "config.toml").string(), mlp_bytes, cfg.model.n_layer, cfg.model.d_model, cfg.model.d_ff,
         weights, file_bytes));
   }
-  const at::Device dev = available_device(device.empty() ? cfg.run.device : device_of(device));
+  const at::Device dev = available_device(device.empty() ? cfg.run.device : device_of(device), DeviceAsk::sample);
   auto model =
       Model::create(cfg.model, dev, dev.is_cuda() ? device_dtype(dtype_of(cfg.run.dtype), dev) : at::kFloat, 0);
   model->load(weights);

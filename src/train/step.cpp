@@ -403,7 +403,7 @@ std::string checkpoint_metadata_problem(const std::map<std::string, std::string>
   if (*format != kCheckpointFormat) {
     return fmt::format(
         "its format is {}, not '{}'",
-        nlohmann::json(util::clip(*format)).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace),
+        nlohmann::json(util::printable(*format)).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace),
         kCheckpointFormat);
   }
   // A whole decimal count in [lowest, 2^30] (train.steps' bound), else why not.
@@ -412,7 +412,7 @@ std::string checkpoint_metadata_problem(const std::map<std::string, std::string>
     if (text == nullptr) return "its metadata has no '" + key + "'";
     if (text->empty() || text->size() > 10 || text->find_first_not_of("0123456789") != std::string::npos ||
         (out = std::stoll(*text)) < lowest || out > (int64_t{1} << 30)) {
-      return fmt::format("its '{}' is '{}', not a count from {} to 2^30", key, util::clip(*text, 40), lowest);
+      return fmt::format("its '{}' is '{}', not a count from {} to 2^30", key, util::printable(*text, 40), lowest);
     }
     return "";
   };

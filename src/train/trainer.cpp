@@ -171,6 +171,9 @@ Resumed open_resume(const std::string& dir, const Ranks& ranks, const data::Corp
       remove_temp_files(dir);
     }
     r.point = resume_point(dir, ranks.lead, [](const std::string& note) { fmt::print(stderr, "{}\n", note); });
+    // Rank 0 writes a missing or damaged tokenizer.model back before the others read it.
+    const std::string restored = check_same_data(dir, corpus, r.point.metadata, ranks.lead);
+    if (!restored.empty() && ranks.lead) fmt::print(stderr, "{}\n", restored);
   });
   // One that stopped after its last step but before its final files writes those.
   if (r.point.steps >= cfg.train.steps && fs::exists(fs::path(dir) / "summary.json") &&
@@ -178,7 +181,6 @@ Resumed open_resume(const std::string& dir, const Ranks& ranks, const data::Corp
     throw std::invalid_argument(
         fmt::format("{} finished all {} steps; there is nothing to resume.", dir, cfg.train.steps));
   }
-  check_same_data(dir, corpus, r.point.metadata);
   if (const auto plan = r.point.metadata.find("plan"); plan != r.point.metadata.end()) {
     r.plan = parse_saved_plan(plan->second, cfg.model.n_layer, cfg.parallel.pp);
   }
@@ -568,7 +570,8 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   const Ranks ranks = join(cfg);
   const QuietStderr quiet(!ranks.lead);
   const int threads = set_threads(rank_threads(cfg));
-  const at::Device device = available_device(cfg.run.device);
+  const at::Device device =
+      available_device(cfg.run.device, resume_dir.empty() ? DeviceAsk::config : DeviceAsk::resumed);
   if (device.is_cuda()) memory::configure_cuda_allocator(cfg.run.expandable_segments);
   const at::ScalarType dtype = device_dtype(dtype_of(cfg.run.dtype), device);
   memory::install_cpu_tracking();

@@ -21,17 +21,32 @@
 
 namespace remat {
 
-at::Device available_device(at::Device device) {
+at::Device available_device(at::Device device, DeviceAsk ask) {
   if (!device.is_cuda()) return device;
+  const char* setting = ask == DeviceAsk::sample ? "--device " : "run.device=";
   if (!at::hasCUDA()) {
-    throw std::invalid_argument(
-        fmt::format("run.device={} was asked for, but this LibTorch has no CUDA device available; use run.device=cpu.",
-                    device.str()));
+    const std::string asked = fmt::format("{}{}", setting, device.str());
+    switch (ask) {
+      case DeviceAsk::config:
+        throw std::invalid_argument(fmt::format(
+            "{} was asked for, but this LibTorch has no CUDA device available; use run.device=cpu.", asked));
+      case DeviceAsk::resumed:
+        throw std::invalid_argument(fmt::format(
+            "The run trained on {}, but this LibTorch has no CUDA device available; a run resumes on the device it "
+            "trained on (its plan and its numbers are that device's): resume it on a machine with a GPU, or start a "
+            "new run with run.device=cpu.",
+            asked));
+      case DeviceAsk::sample:
+        throw std::invalid_argument(fmt::format(
+            "{} (the run's device where --device is not given) was asked for, but this LibTorch has no CUDA device "
+            "available; sample on the CPU with --device cpu.",
+            asked));
+    }
   }
   const int64_t n = static_cast<int64_t>(at::getNumGPUs());
   const int64_t index = device.has_index() ? device.index() : 0;
   if (index >= n) {
-    throw std::invalid_argument(fmt::format("run.device={} names no GPU here; this machine has {} (cuda:0 to cuda:{}).",
+    throw std::invalid_argument(fmt::format("{}{} names no GPU here; this machine has {} (cuda:0 to cuda:{}).", setting,
                                             device.str(), n, n - 1));
   }
   return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(index));
@@ -148,7 +163,9 @@ double measure_matmul_flops(at::Device device, at::ScalarType dtype, int64_t row
   double best = 0.0;
   // The model's own GEMM shape and a square one: the best of them is "what this machine
   // sustains", the denominator of the efficiency figure.
-  const int64_t shapes[2][3] = {{rows, k, n}, {1024, 1024, 1024}};
+  // Rows past 16384 add nothing to the rate but bytes: a batch of a million sequences
+  // allocated 61 GiB here before its plan was refused.
+  const int64_t shapes[2][3] = {{std::min<int64_t>(rows, 16384), k, n}, {1024, 1024, 1024}};
   for (const auto& s : shapes) {
     at::Tensor a = at::randn({s[0], s[1]}, opts), b = at::randn({s[1], s[2]}, opts);
     at::Tensor c = at::mm(a, b);  // warm-up

@@ -8,8 +8,16 @@
 
 namespace remat {
 
-/// `device` (run.device's) where it exists here: "cuda" the first GPU; a sentence otherwise.
-at::Device available_device(at::Device device);
+/// Who asked for a device, which says what a user can do instead where it is missing.
+enum class DeviceAsk {
+  config,   ///< run.device of a new run or a bench
+  resumed,  ///< a resumed run's run.device, which --resume does not change
+  sample,   ///< remat generate's --device, or the run's device in its place
+};
+
+/// `device` where it exists here: "cuda" the first GPU; otherwise a sentence saying what
+/// `ask`'s user can do instead.
+at::Device available_device(at::Device device, DeviceAsk ask = DeviceAsk::config);
 /// `dtype` (run.dtype's, remat/config.h's dtype_of), refusing bfloat16 where `device`
 /// lacks it.
 at::ScalarType device_dtype(at::ScalarType dtype, at::Device device);
@@ -24,7 +32,7 @@ std::string blas_name();
 
 /// Best sustained FLOP/s of a float `dtype` matmul on `device` with every thread this process
 /// has (also where the BLAS is otherwise held to one), measured over shapes like the model's
-/// GEMMs (rows x k x n); takes about half a second.
+/// GEMMs (rows, at most 16384, x k x n); takes about half a second.
 double measure_matmul_flops(at::Device device, at::ScalarType dtype, int64_t rows, int64_t k, int64_t n);
 
 /// Bytes this process could still allocate on `device`: the GPU's free memory (CUDA); on

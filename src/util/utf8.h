@@ -1,5 +1,6 @@
-// UTF-8 validity, for text that must stay UTF-8: a corpus to tokenize, config values that
-// a run records in TOML.
+// UTF-8 validity, for text that must stay UTF-8 (a corpus to tokenize, config values that
+// a run records in TOML), and the one sanitiser of text from files and arguments on its
+// way to the terminal or a file a person reads.
 #pragma once
 
 #include <cstddef>
@@ -16,5 +17,20 @@ size_t find_invalid_utf8(std::string_view text);
 /// `max_bytes` bytes (never cutting a UTF-8 character) and "... (N bytes in all)", so that
 /// an error about a huge input never repeats it.
 std::string clip(std::string_view text, size_t max_bytes = 200);
+
+/// The offset of the first character of `text` that printable escapes but for '\n' and
+/// '\t' where `text_controls` (a prompt's), or npos.
+size_t find_control(std::string_view text, bool text_controls = false);
+
+/// `text` clipped (clip) and safe to show: every control character (C0, DEL, C1 and the
+/// bidirectional overrides, which can clear a screen, forge a line or reorder one) and
+/// every byte that is not UTF-8 written as an escape (\n, \t, \r, \xNN, \u202E); a NUL
+/// byte no longer cuts a message short. The one way a name or value from a file or an
+/// argument enters a message.
+std::string printable(std::string_view text, size_t max_bytes = 200);
+
+/// A whole message for the terminal: printable's escapes for every control character but
+/// its newlines, uncut.
+std::string terminal_text(std::string_view text);
 
 }  // namespace remat::util

@@ -2,13 +2,18 @@
 // repeating megabytes of input.
 #include "cli/commands.h"
 
+#include "util/temp_dir.h"
+
 #include <gtest/gtest.h>
+
+#include <filesystem>
 
 #include <string>
 
 namespace {
 
 using remat::cli::error_text;
+using remat::cli::filesystem_text;
 
 TEST(ErrorText, TheAllocatorsRefusalBecomesASentence) {
   const std::string c10 =
@@ -37,6 +42,29 @@ TEST(ErrorText, TheCudaAllocatorsRefusalBecomesASentence) {
     EXPECT_EQ(text.rfind(std::string("The GPU ran out of memory (") + request + "): ", 0), 0u) << text;
     EXPECT_NE(text.find("ac.budget"), std::string::npos) << text;
     EXPECT_NE(text.find("run.expandable_segments=true"), std::string::npos) << text;
+  }
+}
+
+// Whatever text a file put in a message, the terminal gets no control character but the
+// message's own line breaks.
+TEST(ErrorText, EscapesControlCharacters) {
+  EXPECT_EQ(error_text("Unknown name 'x\x1b[2J\rforged'\nsecond line"),
+            "Unknown name 'x\\x1b[2J\\rforged'\nsecond line");
+}
+
+// A symbolic-link loop as model.safetensors printed std::filesystem's own text
+// ("filesystem error: status: Too many levels of symbolic links [...]").
+TEST(ErrorText, TheFilesystemsRefusalBecomesASentence) {
+  const remat::testing::TempDir dir;
+  const std::filesystem::path loop = dir.path() / "model.safetensors";
+  std::filesystem::create_symlink(loop, loop);
+  try {
+    (void)std::filesystem::status(loop);
+    ADD_FAILURE() << "a loop of links was followed";
+  } catch (const std::filesystem::filesystem_error& e) {
+    EXPECT_EQ(filesystem_text(e), "Cannot use " + loop.string() +
+                                      " (Too many levels of symbolic links): it is a loop of symbolic links (a link "
+                                      "that leads back to itself); point it at a real file or remove it.");
   }
 }
 

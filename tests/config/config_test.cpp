@@ -131,15 +131,35 @@ TEST(Config, BadValuesAndShapesAreRefusedWithSentences) {
 // not be loaded back.
 TEST(Config, OverridesMustBeUtf8) {
   EXPECT_EQ(error_of([] { load_config("", {"run.trace=b\x93ock"}); }),
-            "Override \"run.trace=b\xEF\xBF\xBDock\" is not UTF-8 text (byte 0x93 at offset 11); config values are "
-            "UTF-8, as in a TOML file, since a run records them in its config.toml: write it in UTF-8.");
+            "Override 'run.trace=b\\x93ock' is not UTF-8 text (byte 0x93 at offset 11); config values are UTF-8, as "
+            "in a TOML file, since a run records them in its config.toml: write it in UTF-8.");
   EXPECT_EQ(load_config("", {"run.prompt=Grüße"}).run.prompt, "Grüße");
   // A path option given on the command line (--plot) is checked alone, and its message
   // must not fail on such bytes either (the JSON quoting threw instead of the sentence).
   EXPECT_EQ(error_of([] { check_path("--plot", "a\x01\x93.png"); }),
-            "--plot = \"a\\u0001\xEF\xBF\xBD.png\" holds a control character (byte 0x01 at offset 1); paths must be "
-            "printable (they are written into plot scripts, logs and tables): remove it, it is usually a stray line "
-            "break in a config file or a shell variable.");
+            "--plot = 'a\\x01\\x93.png' holds a control character at offset 1; paths must be printable (they are "
+            "written into plot scripts, logs and tables): remove it, it is usually a stray line break in a config "
+            "file or a shell variable.");
+}
+
+// A value with a control character, from a TOML file or an override, is refused in a
+// sentence that shows it escaped: it would clear a screen or forge lines of config.toml,
+// plan.txt and the messages that quote it, and a NUL byte cut those messages short.
+TEST(Config, ValuesWithControlCharactersAreRefusedEscaped) {
+  const std::string path = write_temp("[ac]\npolicy = \"full\\u001b[2J\\u0000X\"\n");
+  EXPECT_EQ(error_of([&] { load_config(path, {}); }),
+            "ac.policy in " + path +
+                " holds a control character at offset 4: 'full\\x1b[2J\\x00X'; config values are printed and "
+                "written into config.toml, plan.txt and logs: remove it (it is usually a stray line break or escape "
+                "in a file or a shell variable).");
+  std::remove(path.c_str());
+  EXPECT_NE(error_of([] {
+              load_config("", {"run.name=a\u202Eb"});
+            }).find("run.name (command-line override) holds a control character at offset 1: 'a\\u202Eb'"),
+            std::string::npos);
+  // A prompt may break lines and hold tabs, and nothing else.
+  EXPECT_EQ(load_config("", {"run.prompt=One\n\tTwo"}).run.prompt, "One\n\tTwo");
+  EXPECT_NE(error_of([] { load_config("", {"run.prompt=One\rTwo"}); }).find("'One\\rTwo'"), std::string::npos);
 }
 
 TEST(Config, SequenceParallelismIsRefusedWhereItCannotRun) {

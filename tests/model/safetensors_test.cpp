@@ -213,6 +213,14 @@ TEST(SafeTensors, RefusesCorruptFiles) {
   expect_has(
       error_for(raw_file(R"({"__metadata__":{"k":1},"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", f32x2)),
       "__metadata__ entry 'k' is not a string");
+  // A name given twice was read as its last entry; a name with a control character reached
+  // the terminal and the listings raw.
+  expect_has(error_for(raw_file(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+                                R"("a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})",
+                                f32x2)),
+             "the header names tensor 'a' twice");
+  expect_has(error_for(raw_file(R"({"a\u001b[2J\u0000":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", f32x2)),
+             "the tensor name 'a\\x1b[2J\\x00' holds a control character");
   // Only reading the data can see a bad BOOL byte.
   write_bytes(path, raw_file(R"({"m":{"dtype":"BOOL","shape":[2],"data_offsets":[0,2]}})", std::string("\x01\x02", 2)));
   expect_has(error_of([&] { load_safetensors(path); }), "tensor 'm' of dtype BOOL holds byte 2 at element 1");

@@ -5,6 +5,8 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <limits>
 #include <stdexcept>
 #include <string>
 
@@ -106,6 +108,38 @@ TEST(MachineFit, APlanAboveTheMachineNamesABudgetThatFits) {
   EXPECT_NE(over.error.find("ac.budget=" + std::to_string(none) + " is more than that: give at most " + budget),
             std::string::npos)
       << over.error;
+}
+
+// A batch no plan fits is refused from bytes alone, before a time profile ran a step of it
+// (a million sequences allocated gigabytes for a minute before the plan's check refused
+// them): below the least peak of any op and head the autos may choose, and not above it.
+TEST(MachineFit, ABatchNoPlanFitsIsRefusedBeforeAnyProfile) {
+  // The least of the minimum feasible budgets the planner names for each op and head.
+  int64_t least = std::numeric_limits<int64_t>::max();
+  PriceSource declared = PriceSource::declared();
+  RunInputs in;
+  in.prices = &declared;
+  for (const char* attention : {"math", "tiled"}) {
+    for (const char* head : {"fused", "recompute"}) {
+      try {
+        resolve_run(load_config("", {kAutos[0], "ac.budget=1B", std::string("model.attention=") + attention,
+                                     std::string("model.loss_head=") + head, kAutos[3]}),
+                    in);
+      } catch (const BudgetTooSmall& e) {
+        least = std::min(least, e.min_budget);
+      }
+    }
+  }
+  ASSERT_LT(least, std::numeric_limits<int64_t>::max());
+  const Resolved below = resolve(kAutos, free_for((least - 1) / 8 * 8));
+  EXPECT_EQ(below.profiles, 0);
+  EXPECT_NE(below.error.find("A step of train.batch=16 x train.seq=128 tokens peaks at "), std::string::npos)
+      << below.error;
+  EXPECT_NE(below.error.find("no plan fits; lower train.batch or train.seq"), std::string::npos) << below.error;
+  // At the least, a plan fits: the run goes on to its profiles (and to the budget it names).
+  const Resolved at = resolve(kAutos, free_for((least + 7) / 8 * 8));
+  EXPECT_GT(at.profiles, 0) << at.error;
+  EXPECT_EQ(at.error.find("no plan fits"), std::string::npos) << at.error;
 }
 
 // Offloaded slots need host memory: a plan whose host bytes exceed what the rank has free

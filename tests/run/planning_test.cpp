@@ -64,6 +64,15 @@ TEST(SavedPlan, ADamagedPlanOrAnotherModelsIsASentence) {
                        {"dropped":[],"chunk_begin":-1,"input_sharded":false}]})",
                     2, 1),
             "The checkpoint's plan (its \"plan\" metadata) drops 'nope' in layer 1, which no block has" + tail);
+  // Its policy and names are printed (plan.txt, the terminal): no control character passes.
+  EXPECT_EQ(refusal(R"({"policy":"full\u001b[2J\u0000","split":[2],"layers":[]})", 2, 1),
+            "The checkpoint's plan (its \"plan\" metadata) names its policy 'full\\x1b[2J\\x00', with a control "
+            "character" +
+                tail);
+  EXPECT_EQ(refusal(R"({"policy":"x","split":[2],"layers":[{"dropped":["a\u001b[0m"],"chunk_begin":-1,
+                       "input_sharded":false}]})",
+                    2, 1),
+            "The checkpoint's plan (its \"plan\" metadata) drops 'a\\x1b[0m' in layer 1, which no block has" + tail);
   EXPECT_EQ(refusal(R"({"policy":"x","split":[2],"layers":[{"dropped":[],"chunk_begin":-1,"input_sharded":false},
                        {"dropped":[],"chunk_begin":5,"input_sharded":false}]})",
                     2, 1),

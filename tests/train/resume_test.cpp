@@ -243,7 +243,7 @@ TEST_F(Resume, AChangedTrainingTextIsRefused) {
   write_text(text, 4242, /*other_words=*/true);
   EXPECT_NE(error_of<std::exception>([&] {
               train(saved_config(run), run.string());
-            }).find("the one the run trained with: the training text (data.text) changed since the run started"),
+            }).find(", recorded in its checkpoint): it changed since the run started"),
             std::string::npos);
   EXPECT_EQ(bytes(run / "tokenizer.model"), tokenizer);
 
@@ -255,6 +255,37 @@ TEST_F(Resume, AChangedTrainingTextIsRefused) {
   EXPECT_NE(error_of<std::exception>([&] { train(saved_config(run), run.string()); })
                 .find("is not the one the run trained on (SHA-256 " + std::string(64, '0') +
                       ", recorded in its checkpoint): it changed since the run started"),
+            std::string::npos);
+}
+
+// A missing or damaged tokenizer.model blocked --resume (the damaged one blamed a changed
+// text) though the corpus prepares the very tokenizer the checkpoint records: it is
+// written back, said, and the run goes on; one the checkpoint does not record is refused.
+TEST_F(Resume, TheRunsTokenizerIsRestoredFromTheCorpusWhenTheCheckpointVouchesForIt) {
+  const TrainSummary s = train(config("tokenizer"));
+  const fs::path run = s.run_dir;
+  const std::string tokenizer = bytes(run / "tokenizer.model");
+  for (const bool damage : {false, true}) {
+    for (int step : {3, 4}) fs::remove(checkpoint(run, step));
+    fs::remove(run / "model.safetensors");
+    if (damage) {
+      std::ofstream(run / "tokenizer.model", std::ios::binary | std::ios::trunc) << "not a tokenizer";
+    } else {
+      fs::remove(run / "tokenizer.model");
+    }
+    const TrainSummary resumed = train(saved_config(run), run.string());
+    EXPECT_EQ(resumed.losses.size(), 4u) << damage;
+    EXPECT_EQ(bytes(run / "tokenizer.model"), tokenizer) << damage;
+  }
+  // A checkpoint recording another tokenizer is no run of this corpus.
+  for (int step : {3, 4}) fs::remove(checkpoint(run, step));
+  fs::remove(run / "model.safetensors");
+  testing::rewrite_checkpoint(checkpoint(run, 2).string(), [](model::SafeTensors& file) {
+    file.metadata["data.tokenizer_sha256"] = std::string(64, '1');
+  });
+  EXPECT_NE(error_of<std::exception>([&] {
+              train(saved_config(run), run.string());
+            }).find("differs from the one the run trained with (recorded in its checkpoint)"),
             std::string::npos);
 }
 

@@ -19,5 +19,34 @@ TEST(Utf8, FindsTheFirstInvalidSequence) {
   EXPECT_EQ(find_invalid_utf8("\xE2\x28\xA1"), 0u);      // bad continuation
 }
 
+// Text from a file or an argument reaches a message escaped: nothing that moves the
+// cursor, clears the screen, starts a line, reorders one or ends a C string.
+TEST(Utf8, PrintableEscapesEveryControlCharacterAndInvalidByte) {
+  EXPECT_EQ(printable("layer.0\x1b[2J"), "layer.0\\x1b[2J");
+  EXPECT_EQ(printable(std::string("a\0b", 3)), "a\\x00b");
+  EXPECT_EQ(printable("one\ntwo\r\tthree\x7f"), "one\\ntwo\\r\\tthree\\x7f");
+  EXPECT_EQ(printable("\xC2\x9B"
+                      "31m"),
+            "\\u009B31m");                                      // C1's CSI
+  EXPECT_EQ(printable("abc\xE2\x80\xAEgpj"), "abc\\u202Egpj");  // right-to-left override
+  EXPECT_EQ(printable("b\x93ock\xE2\x82"), "b\\x93ock\\xe2\\x82");
+  EXPECT_EQ(printable("Grüße, 世界 🙂"), "Grüße, 世界 🙂");
+  // Clipped first, never inside a character, then escaped.
+  EXPECT_EQ(printable("ab\x01" + std::string(300, 'x'), 4), "ab\\x01x... (303 bytes in all)");
+  EXPECT_EQ(printable("aé", 2), "a... (3 bytes in all)");
+  // A whole message keeps its line breaks and nothing else.
+  EXPECT_EQ(terminal_text("line one\nline\x1b]0;two\x07"), "line one\nline\\x1b]0;two\\x07");
+}
+
+TEST(Utf8, FindsTheFirstControlCharacter) {
+  EXPECT_EQ(find_control("plain, é"), std::string::npos);
+  EXPECT_EQ(find_control("ab\x1b"), 2u);
+  EXPECT_EQ(find_control("a\nb\tc"), 1u);
+  EXPECT_EQ(find_control("a\nb\tc", true), std::string::npos);
+  EXPECT_EQ(find_control("a\nb\rc", true), 3u);
+  EXPECT_EQ(find_control("x\xE2\x81\xA6"), 1u);         // U+2066, an isolate
+  EXPECT_EQ(find_control("b\x93"), std::string::npos);  // not UTF-8, which find_invalid_utf8 finds
+}
+
 }  // namespace
 }  // namespace remat::util
