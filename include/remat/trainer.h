@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -38,7 +39,11 @@ struct TrainSummary {
   int64_t host_peak_bytes = 0;
   int64_t host_pinned_bytes = 0;  ///< of the host pool's buffers, page-locked for CUDA copies
   int64_t predicted_host_peak_bytes = 0;
-  double predicted_step_seconds = 0;       ///< from the measured time profile (0: ac.profile=false)
+  double predicted_step_seconds = 0;  ///< from the measured time profile (0: ac.profile=false)
+  /// The CPUs other processes kept busy on average while the steps ran (rank 0's machine,
+  /// less the job's own processes there); unknown where /proc/stat could not be read.
+  std::optional<double> other_cpus;
+  double tolerated_other_cpus = 0;         ///< beyond which they slow the run's threads
   int64_t activation_bytes = 0;            ///< saved-activation bytes of one microbatch, measured
   int64_t predicted_activation_bytes = 0;  ///< the same, predicted from the plan before the first step
   int64_t recompute_ops_per_step = 0;      ///< forward ops the store re-executed in the first step

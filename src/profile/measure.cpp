@@ -37,18 +37,11 @@ std::function<util::CpuTimes()>& cpu_times_reader() {
   return reader;
 }
 
-// How much of the machine other processes used over one try, as rank 0 saw it.
-struct Load {
-  std::optional<double> other_cpus;  // unknown where /proc/stat could not be read
-  double tolerated = 0;              // util::tolerated_other_cpus for this job's threads
-  bool suspect() const { return other_cpus && *other_cpus > tolerated; }
-};
+}  // namespace
 
-// The load on rank 0's machine between `from` and `to`, on every rank of `together`. The
-// ranks measuring at once on rank 0's host are this job, not other processes: their CPU
-// time is taken off the machine's (each process once: ranks may be threads of one) and
-// their threads count as the job's.
-Load rank0s_load(dist::Comm* together, const util::CpuTimes& from, const util::CpuTimes& to) {
+util::CpuTimes cpu_times() { return cpu_times_reader()(); }
+
+MachineLoad machine_load(dist::Comm* together, const util::CpuTimes& from, const util::CpuTimes& to) {
   const double own = to.own_seconds - from.own_seconds;
   double job_seconds = own;
   int job_threads = at::get_num_threads();
@@ -70,7 +63,7 @@ Load rank0s_load(dist::Comm* together, const util::CpuTimes& from, const util::C
     job_seconds = 0;
     for (const auto& [pid, seconds] : processes) job_seconds += seconds;
   }
-  Load load;
+  MachineLoad load;
   load.other_cpus = util::other_cpus(from, to, job_seconds);
   load.tolerated = util::tolerated_other_cpus(util::machine_cpus(), job_threads, to.wall_seconds - from.wall_seconds);
   if (together != nullptr && together->size() > 1) {
@@ -81,6 +74,8 @@ Load rank0s_load(dist::Comm* together, const util::CpuTimes& from, const util::C
   }
   return load;
 }
+
+namespace {
 
 // Times the update around the passes twice into `p` (measure_time_profile says how).
 void measure_update(const Config& cfg, Model& model, TimeProfile& p) {
@@ -194,21 +189,21 @@ TimeProfile profile_of(const Config& cfg, Model& model, const data::TokenDataset
     // again, at most kTries in all, each costing about what the first did.
     constexpr int kTries = 3;
     const auto t0 = std::chrono::steady_clock::now();
-    Load load;
+    MachineLoad load;
     int tries = 0;
     while (tries == 0 || (load.suspect() && tries < kTries)) {
-      const util::CpuTimes from = cpu_times_reader()();
+      const util::CpuTimes from = cpu_times();
       measure_times(cfg, model, data, p);
-      util::CpuTimes to = cpu_times_reader()();
+      util::CpuTimes to = cpu_times();
       // The busy time counts whole ticks, which a window of a few milliseconds (a small
       // model's passes) cannot tell from a load: a short one is padded by waiting. Waiting
       // leaves this run's CPUs to the others, so it reads no less load than the passes met.
       constexpr double kWindow = 0.5;
       if (to.wall_seconds - from.wall_seconds < kWindow) {
         std::this_thread::sleep_for(std::chrono::duration<double>(kWindow - (to.wall_seconds - from.wall_seconds)));
-        to = cpu_times_reader()();
+        to = cpu_times();
       }
-      load = rank0s_load(together, from, to);
+      load = machine_load(together, from, to);
       ++tries;
     }
     p.other_cpus = load.other_cpus;

@@ -50,9 +50,24 @@ struct TimeProfile : Prices {
 TimeProfile measure_time_profile(const Config& cfg, Model& model, const data::TokenDataset& data,
                                  dist::Comm* together = nullptr);
 
-/// Where measure_time_profile reads the clocks that tell how busy the machine was:
-/// util::read_cpu_times, or `reader` (a test's readings); an empty one restores it.
+/// Where measure_time_profile and a run read the clocks that tell how busy the machine
+/// was: util::read_cpu_times, or `reader` (a test's readings); an empty one restores it.
 void set_cpu_times_reader(std::function<util::CpuTimes()> reader);
+/// The clocks now, as that reader reads them.
+util::CpuTimes cpu_times();
+
+/// How much of rank 0's machine other processes used over a window, as every rank is told.
+struct MachineLoad {
+  std::optional<double> other_cpus;  ///< unknown where /proc/stat could not be read
+  double tolerated = 0;              ///< util::tolerated_other_cpus for this job's threads
+  bool suspect() const { return other_cpus && *other_cpus > tolerated; }
+};
+
+/// The load on rank 0's machine between `from` and `to`, on every rank of `together` (all
+/// of them call this at once). The ranks running at once on rank 0's host are this job,
+/// not other processes: their CPU time is taken off the machine's (each process once:
+/// ranks may be threads of one) and their threads count as the job's.
+MachineLoad machine_load(dist::Comm* together, const util::CpuTimes& from, const util::CpuTimes& to);
 
 /// measure_time_profile for this rank of the job `ranks` (null: alone), `cfg` its
 /// rank_share: under tensor parallelism every rank measures at once on its `model`;

@@ -470,6 +470,7 @@ void report(const RunSpec& spec, const Ranks& ranks, const Machine& machine, con
       {"host_pinned_bytes", sum.host_pinned_bytes},
       {"predicted_host_peak_bytes", sum.predicted_host_peak_bytes},
       {"predicted_step_seconds", sum.predicted_step_seconds},
+      {"other_cpus", sum.other_cpus ? nlohmann::json(*sum.other_cpus) : nlohmann::json(nullptr)},
       {"predicted_none_peak_bytes", planned.none_peak},
       {"predicted_none_step_seconds", planned.none_step_seconds},
   };
@@ -484,6 +485,10 @@ void report(const RunSpec& spec, const Ranks& ranks, const Machine& machine, con
   if (sum.predicted_step_seconds > 0) {
     fmt::print(stderr, "predicted step time {:.1f} ms: measured {:+.1f}%\n", sum.predicted_step_seconds * 1e3,
                100.0 * (sum.median_step_seconds - sum.predicted_step_seconds) / sum.predicted_step_seconds);
+    const std::string why =
+        util::load_explanation(sum.predicted_step_seconds, sum.median_step_seconds, sum.other_cpus,
+                               spec.plan.prices.other_cpus, sum.tolerated_other_cpus, util::machine_cpus());
+    if (!why.empty()) fmt::print(stderr, "  {}\n", why);
   }
   fmt::print(stderr, "compute {} FLOP/s of a measured {} FLOP/s {} matmul peak{}: efficiency {:.0f}%\n",
              format_count(sum.model_flops_per_second), format_count(sum.matmul_flops_per_second), cfg.run.dtype,
@@ -664,6 +669,7 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   std::map<std::string, std::string> checkpoint_metadata = data_digests(corpus);
   checkpoint_metadata.emplace("plan", saved_plan_json(planned.plan, planned.split));
   const util::StopSignals signals;
+  const util::CpuTimes started = cpu_times();  // how busy other processes keep the machine meanwhile
   for (int64_t step = first_step; step < t.steps; ++step) {
     const StepResult r = stepper.run(step, train_ds, rng, step == traced_step);
     if (step == traced_step && ranks.lead) util::write_file_atomically(cfg.run.trace, r.trace);
@@ -715,6 +721,9 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
     }
   }
   bar.finish();
+  const MachineLoad load = machine_load(ranks.comm.get(), started, cpu_times());
+  sum.other_cpus = load.other_cpus;
+  sum.tolerated_other_cpus = load.tolerated;
 
   sum.steps = t.steps;
   sum.median_step_seconds = steady_median(curves.step_times);

@@ -3,9 +3,12 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <array>
 #include <chrono>
+#include <cmath>
 #include <fstream>
 #include <sstream>
 #include <thread>
@@ -64,5 +67,33 @@ double tolerated_other_cpus(int machine_cpus, int job_threads, double wall_secon
 }
 
 int machine_cpus() { return std::max(1, static_cast<int>(std::thread::hardware_concurrency())); }
+
+std::string load_explanation(double predicted, double measured, std::optional<double> run_other,
+                             std::optional<double> profile_other, double tolerated, int machine_cpus) {
+  const double miss = (measured - predicted) / predicted;
+  if (predicted <= 0 || std::abs(miss) <= 0.10) return "";
+  if (!run_other) {
+    return "This machine's CPU time could not be read from /proc/stat, so whether other processes explain the miss "
+           "is not known.";
+  }
+  const bool run_busy = *run_other > tolerated, profile_busy = profile_other && *profile_other > tolerated;
+  const std::string loads = fmt::format(
+      "Other processes kept {:.1f} of this machine's {} CPUs busy while the run trained{} (more than {:.1f} slows its "
+      "threads)",
+      *run_other, machine_cpus,
+      profile_other ? fmt::format(" and {:.1f} while its time profile was measured", *profile_other) : "", tolerated);
+  if ((miss > 0 && run_busy && !profile_busy) || (miss < 0 && profile_busy && !run_busy)) {
+    return loads + fmt::format(
+                       ": that load, not the plan, explains the {} steps; train on an idle machine to hold "
+                       "the prediction to account.",
+                       miss > 0 ? "slower" : "faster");
+  }
+  if (run_busy || profile_busy) {
+    return loads +
+           ": measured beside other work, the steps and the prediction say little of each other; train on "
+           "an idle machine to hold the prediction to account.";
+  }
+  return loads + ": the load does not explain the miss.";
+}
 
 }  // namespace remat::util

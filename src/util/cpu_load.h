@@ -49,4 +49,13 @@ double tolerated_other_cpus(int machine_cpus, int job_threads, double wall_secon
 /// The CPUs of this machine, as /proc/stat counts them (the online ones).
 int machine_cpus();
 
+/// Why a run's measured step time (`measured`, seconds) missed its prediction (`predicted`)
+/// by more than 10%, as far as load tells: how many CPUs other processes kept busy while it
+/// trained (`run_other`) and while its time profile was measured (`profile_other`; unknown
+/// where cached or not measured), against the `tolerated` beyond which they slow its
+/// threads, and whether that explains the miss (a slower step measured under load, or a
+/// prediction from a profile measured under load, the other idle). "" within 10%.
+std::string load_explanation(double predicted, double measured, std::optional<double> run_other,
+                             std::optional<double> profile_other, double tolerated, int machine_cpus);
+
 }  // namespace remat::util

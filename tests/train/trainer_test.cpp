@@ -88,6 +88,14 @@ TEST_F(Trainer, WritesTheRunDirectory) {
   }
   EXPECT_EQ(train_lines, 4);
   EXPECT_EQ(val_lines, 3);  // before the first step, at step 2 and at the end
+  // How busy other processes kept the machine while it trained, as the report weighs it.
+  std::ifstream summary_file(fs::path(s.run_dir) / "summary.json");
+  const auto summary = nlohmann::json::parse(summary_file);
+  ASSERT_TRUE(summary.contains("other_cpus"));
+  if (s.other_cpus) {
+    EXPECT_EQ(summary["other_cpus"].get<double>(), *s.other_cpus);
+  }
+  EXPECT_GT(s.tolerated_other_cpus, 0.0);
   // The resolved config is the given one with the vocabulary filled in from the tokenizer
   // and the host budget in bytes (none on the CPU).
   Config expected = config("files");

@@ -84,5 +84,32 @@ TEST(CpuLoad, ASpinningChildIsCountedAsOtherProcesses) {
   EXPECT_LE(other, machine_cpus() + lost / wall);
 }
 
+// A step 281% over its prediction on a busy machine said nothing more: the report now
+// says what load there was and whether it explains the miss, each way.
+TEST(CpuLoad, AMissedPredictionIsExplainedByTheLoadOrNot) {
+  EXPECT_EQ(load_explanation(1.0, 1.09, 3.0, 0.0, 0.5, 2), "");
+  EXPECT_EQ(load_explanation(1.0, 0.91, std::nullopt, std::nullopt, 0.5, 2), "");
+  EXPECT_EQ(load_explanation(1.0, 3.81, 1.9, 0.1, 0.5, 2),
+            "Other processes kept 1.9 of this machine's 2 CPUs busy while the run trained and 0.1 while its time "
+            "profile was measured (more than 0.5 slows its threads): that load, not the plan, explains the slower "
+            "steps; train on an idle machine to hold the prediction to account.");
+  EXPECT_EQ(load_explanation(1.0, 0.5, 0.0, 1.5, 0.5, 2),
+            "Other processes kept 0.0 of this machine's 2 CPUs busy while the run trained and 1.5 while its time "
+            "profile was measured (more than 0.5 slows its threads): that load, not the plan, explains the faster "
+            "steps; train on an idle machine to hold the prediction to account.");
+  EXPECT_EQ(load_explanation(1.0, 1.5, 0.2, std::nullopt, 0.5, 2),
+            "Other processes kept 0.2 of this machine's 2 CPUs busy while the run trained (more than 0.5 slows its "
+            "threads): the load does not explain the miss.");
+  // Load on both sides, or a faster step on a busy machine: the times say little.
+  EXPECT_EQ(load_explanation(1.0, 0.5, 1.9, std::nullopt, 0.5, 2),
+            "Other processes kept 1.9 of this machine's 2 CPUs busy while the run trained (more than 0.5 slows its "
+            "threads): measured beside other work, the steps and the prediction say little of each other; train on "
+            "an idle machine to hold the prediction to account.");
+  EXPECT_NE(load_explanation(1.0, 1.5, 1.9, 1.9, 0.5, 2).find("measured beside other work"), std::string::npos);
+  EXPECT_EQ(load_explanation(1.0, 1.5, std::nullopt, 0.1, 0.5, 2),
+            "This machine's CPU time could not be read from /proc/stat, so whether other processes explain the miss "
+            "is not known.");
+}
+
 }  // namespace
 }  // namespace remat::util
