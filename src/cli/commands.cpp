@@ -129,6 +129,19 @@ void check_plot_directory(const std::string& plot) {
   }
 }
 
+// Says so, and returns true, where argv's first word names no subcommand of `app`: CLI11
+// says only "A subcommand is required" of it.
+bool refused_command(const CLI::App& app, int argc, char** argv) {
+  if (argc < 2 || argv[1][0] == '-') return false;
+  std::vector<std::string> names;
+  for (const CLI::App* sub : app.get_subcommands([](const CLI::App*) { return true; }))
+    names.push_back(sub->get_name());
+  if (std::find(names.begin(), names.end(), argv[1]) != names.end()) return false;
+  fmt::print(stderr, "error: '{}' is not a remat command; the commands are {} (`remat --help` says what each does).\n",
+             util::printable(argv[1]), fmt::join(names, ", "));
+  return true;
+}
+
 }  // namespace
 
 std::string filesystem_text(const std::filesystem::filesystem_error& e) {
@@ -299,6 +312,7 @@ int run(int argc, char** argv) {
       return 1;
     }
   }
+  if (refused_command(app, argc, argv)) return 1;
   CLI11_PARSE(app, argc, argv);
 
   try {

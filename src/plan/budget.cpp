@@ -24,7 +24,16 @@ int64_t parse_budget(const std::string& text, int64_t reference) {
   }
   std::string unit = text.substr(used);
   unit.erase(0, unit.find_first_not_of(' '));
-  if (!(value > 0) || !std::isfinite(value)) throw fail();
+  // std::stod also reads hexadecimal ("0x10" as 16 bytes), "inf" and "nan": decimal only.
+  if (text.substr(0, used).find_first_not_of(" 0123456789.eE+-") != std::string::npos || !std::isfinite(value)) {
+    throw fail();
+  }
+  if (!(value > 0)) {
+    throw std::invalid_argument(
+        fmt::format("The memory budget \"{}\" leaves no memory; give a size above 0 (e.g. 512MiB) or a fraction "
+                    "of the no-recompute peak (e.g. 0.6 or 60%).",
+                    text));
+  }
   // Bytes past int64 would wrap to a negative budget; 2^62 (4 EiB) is beyond any device.
   const auto bytes = [&](double b) {
     if (b >= 0x1p62) {
@@ -56,14 +65,27 @@ int64_t parse_budget(const std::string& text, int64_t reference) {
 
 int64_t parse_host_budget(const std::string& text, int64_t reference) {
   if (text == "0") return 0;
+  int64_t bytes = 0;
+  bool over = false;
   try {
-    return parse_budget(text, reference);
+    bytes = parse_budget(text, reference);
+    // A bare fraction above 1 is refused as bytes that are not whole; a percentage above
+    // 100 is more than there is.
+    constexpr int64_t kWhole = int64_t{1} << 20;
+    over = text.back() == '%' && parse_budget(text, kWhole) > kWhole;
   } catch (const std::invalid_argument&) {
     throw std::invalid_argument(fmt::format(
         "ac.host_budget = \"{}\" is not a size; write bytes with an optional unit (e.g. 64GiB), a fraction of the "
         "host memory free (e.g. 0.5 or 50%), or 0 to offload nothing.",
         text));
   }
+  if (over) {
+    throw std::invalid_argument(
+        fmt::format("ac.host_budget = \"{}\" is more than all the host memory free; give at most 100% (or a size, "
+                    "e.g. 64GiB).",
+                    text));
+  }
+  return bytes;
 }
 
 }  // namespace remat

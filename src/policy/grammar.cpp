@@ -373,12 +373,18 @@ ActivationPlan Parser::layers(const std::string& s) const {
     fail(fmt::format("{}: '{}' must list one entry per layer in brackets, e.g. layers:[full,none,modules:core_attn].",
                      origin_, s));
   }
-  const auto entries = split_top(s.substr(8, s.size() - 9), ',');
+  const std::string inside = s.substr(8, s.size() - 9);
+  // "layers:[]" lists nothing, not one empty entry.
+  const std::vector<std::string> entries =
+      inside.find_first_not_of(' ') == std::string::npos ? std::vector<std::string>{} : split_top(inside, ',');
   if (static_cast<int64_t>(entries.size()) != n_) {
-    fail(
-        fmt::format("{}: layers:[...] lists {} entries but the model has {} layers; give exactly one entry "
-                    "per layer.",
-                    origin_, entries.size(), n_));
+    const size_t n = entries.size();
+    fail(fmt::format("{}: layers:[...] lists {} but the model has {} layers; give exactly one entry per layer.",
+                     origin_,
+                     n == 0   ? "no entries"
+                     : n == 1 ? "1 entry"
+                              : fmt::format("{} entries", n),
+                     n_));
   }
   ActivationPlan plan = ActivationPlan::none(n_);
   std::vector<std::string> canon;

@@ -115,6 +115,13 @@ TEST_F(Cli, GenerateRefusesAnAbsurdTokenCount) {
   EXPECT_NE(r.output.find("100000"), std::string::npos) << r.output;
 }
 
+// A word that names no command was told "A subcommand is required".
+TEST_F(Cli, AnUnknownCommandIsNamedWithTheCommands) {
+  expect_error("bogus",
+               "'bogus' is not a remat command; the commands are prepare, train, plan, bench, generate, "
+               "launch (`remat --help` says what each does).");
+}
+
 TEST_F(Cli, DevicesAndDtypesThisMachineLacksAreRefused) {
   expect_error("train run.device=tpu", "run.device must be cpu or cuda[:N], got 'tpu'.");
   expect_error("train run.dtype=float16", "run.dtype must be float32 or bfloat16, got 'float16'.");
@@ -677,7 +684,7 @@ TEST_F(Cli, PlanBelowTheMinimumStatesTheMinimumAndWhatFillsIt) {
       "plan --budget 60GiB model.preset=llama3-8b train.batch=1 train.seq=8192 run.dtype=bfloat16" + no_corpus(),
       "is below the minimum feasible 145.06 GiB for llama3-8b at batch 1 x 8192 tokens in bfloat16");
   expect_error("plan --budget '12 parsecs'", "The memory budget \"12 parsecs\" is not a size");
-  expect_error("plan --budget 0", "is not a size");
+  expect_error("plan --budget 0", "The memory budget \"0\" leaves no memory; give a size above 0");
 }
 
 TEST_F(Cli, ParetoPlotsTheFrontierWithTheManualPolicies) {

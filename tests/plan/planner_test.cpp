@@ -629,6 +629,35 @@ TEST(Budget, PercentagesFractionsAndBytesParseAsWritten) {
   EXPECT_EQ(refusal("1.5"),
             "The memory budget \"1.5\" is neither a fraction of the no-recompute peak (at most 1) "
             "nor a whole number of bytes; write e.g. 0.6, 60% or 512MiB.");
+  // Read as 16 bytes, infinity and NaN by std::stod; a zero budget was "not a size".
+  for (const char* text : {"0x10", "0X1p4", "inf", "nan", "-inf"}) {
+    EXPECT_NE(refusal(text).find("is not a size"), std::string::npos) << text;
+  }
+  EXPECT_EQ(refusal("0"),
+            "The memory budget \"0\" leaves no memory; give a size above 0 (e.g. 512MiB) or a fraction of the "
+            "no-recompute peak (e.g. 0.6 or 60%).");
+  EXPECT_NE(refusal("-5GiB").find("leaves no memory"), std::string::npos);
+}
+
+// A host budget is of the host memory free: 150% was taken as more than there is, where
+// 1.5 was refused; both are refused now, and 0x10 is no longer 16 bytes.
+TEST(Budget, AHostBudgetIsAtMostTheHostMemoryFree) {
+  EXPECT_EQ(parse_host_budget("100%", 1000), 1000);
+  EXPECT_EQ(parse_host_budget("0", 1000), 0);
+  EXPECT_EQ(parse_host_budget("64KiB", 1000), 65536);
+  const auto refusal = [](const std::string& text) {
+    try {
+      parse_host_budget(text, 1000);
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  EXPECT_EQ(refusal("150%"),
+            "ac.host_budget = \"150%\" is more than all the host memory free; give at most 100% (or a size, e.g. "
+            "64GiB).");
+  EXPECT_NE(refusal("1.5").find("is not a size"), std::string::npos);
+  EXPECT_NE(refusal("0x10").find("is not a size"), std::string::npos);
 }
 
 }  // namespace

@@ -408,6 +408,11 @@ TEST(PolicyErrors, LayerListsAndCompositions) {
   EXPECT_EQ(error_of([] { compile_policy("layers:[full,none]", 3); }),
             "ac.policy = \"layers:[full,none]\": layers:[...] lists 2 entries but the model has 3 layers; give "
             "exactly one entry per layer.");
+  // "layers:[]" was said to list 1 entries.
+  EXPECT_EQ(error_of([] { compile_policy("layers:[]", 4); }),
+            "ac.policy = \"layers:[]\": layers:[...] lists no entries but the model has 4 layers; give exactly one "
+            "entry per layer.");
+  EXPECT_NE(error_of([] { compile_policy("layers:[full]", 2); }).find("lists 1 entry but"), std::string::npos);
   EXPECT_EQ(error_of([] { compile_policy("layers:[full,half]", 2); }),
             "ac.policy = \"layers:[full,half]\": entry 2 of layers:[...] is 'half'; an entry is full, none, "
             "modules:NAME, modules:[...] or ops:[...].");
