@@ -49,7 +49,7 @@ std::string escaped(std::string_view text, bool keep_newlines) {
   out.reserve(text.size());
   walk(
       text,
-      [&](size_t i, size_t length, char32_t c) {
+      [&](size_t, size_t length, char32_t c) {
         if (c == '\n' && keep_newlines) {
           out += '\n';
         } else if (c == '\n' || c == '\t' || c == '\r') {
