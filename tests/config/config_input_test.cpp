@@ -54,7 +54,11 @@ TEST(ConfigInput, DeeplyDottedOrNestedTomlIsRefusedBeforeParsing) {
       write(dir, "fine.toml",
             "# " + repeated("x", 50, ".") + "\n[run]\nprompt = \"" + repeated("a", 50, ".") +
                 "[{'\\\"\"\n\"name\" = 'x.y'\n[model]\npreset = '''tiny\n" + repeated("g", 40, ".") + "'''\n");
-  EXPECT_NE(error_of([&] { load_config(fine, {}); }).find("Unknown model preset"), std::string::npos);
+  // Read whole: what is refused is the preset's line break, a value's control character.
+  EXPECT_NE(error_of([&] {
+              load_config(fine, {});
+            }).find("model.preset in " + fine + " holds a control character at offset 4: 'tiny\\ng.g."),
+            std::string::npos);
 }
 
 TEST(ConfigInput, AConfigThatIsNotARegularFileIsRefusedWithoutWaiting) {

@@ -120,6 +120,9 @@ TEST(SdpaAttentionOp, RunsOnTwoThreadsWithTheBlasAsItWas) {
   REMAT_SKIP_WITHOUT_SDPA();
   const Case c{2, 512, 4, 2, 32};
   auto [q, k, v] = fused_qkv(c, at::kFloat, 13);
+  // The reference first: a multiply after the thread counts are set back mid-process
+  // (which no run does) hangs OpenBLAS 0.3.34's OpenMP build under LibTorch 2.14.
+  const at::Tensor expected = attention_forward(q, k, v, 0.0, kKey).out;
   const int threads = at::get_num_threads();
   at::set_num_threads(2);
   const remat::util::OpenBlas& blas = remat::util::openblas();
@@ -130,9 +133,12 @@ TEST(SdpaAttentionOp, RunsOnTwoThreadsWithTheBlasAsItWas) {
   if (blas.get_threads != nullptr) {
     EXPECT_EQ(blas.get_threads(), 2);
   }
+  // A multiply after the op, on its two threads, runs as one before it would.
+  const at::Tensor a = at::randn({512, 512}, seeded(15));
+  EXPECT_TRUE(at::mm(a, a).isfinite().all().item<bool>());
   if (blas.set_threads != nullptr) blas.set_threads(blas_threads);
   at::set_num_threads(threads);
-  EXPECT_LT(rel_err(f.out, attention_forward(q, k, v, 0.0, kKey).out), 1e-5);
+  EXPECT_LT(rel_err(f.out, expected), 1e-5);
   EXPECT_TRUE(g.dq.isfinite().all().item<bool>());
 }
 

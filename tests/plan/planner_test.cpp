@@ -7,6 +7,7 @@
 #include "remat/model.h"
 #include "remat/planner.h"
 #include "remat/policy.h"
+#include "util/error_of.h"
 
 #include <ATen/Parallel.h>
 #include <gtest/gtest.h>
@@ -646,12 +647,7 @@ TEST(Budget, AHostBudgetIsAtMostTheHostMemoryFree) {
   EXPECT_EQ(parse_host_budget("0", 1000), 0);
   EXPECT_EQ(parse_host_budget("64KiB", 1000), 65536);
   const auto refusal = [](const std::string& text) {
-    try {
-      parse_host_budget(text, 1000);
-    } catch (const std::invalid_argument& e) {
-      return std::string(e.what());
-    }
-    return std::string("accepted");
+    return testing::error_of<std::invalid_argument>([&] { parse_host_budget(text, 1000); });
   };
   EXPECT_EQ(refusal("150%"),
             "ac.host_budget = \"150%\" is more than all the host memory free; give at most 100% (or a size, e.g. "

@@ -4,11 +4,13 @@
 // alone. What a run recorded plans again, and what it did not price is refused.
 #include "run/price_source.h"
 
+#include "util/error_of.h"
 #include "util/temp_dir.h"
 
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <functional>
 #include <stdexcept>
 #include <string>
 
@@ -29,6 +31,8 @@ struct Counting {
         [this](const Config&, Prices& p) { p.times.host_bytes_per_second = 1e9 * ++copies; });
   }
 };
+
+std::string error_of(const std::function<void()>& f) { return testing::error_of<std::invalid_argument>(f); }
 
 Config with(Attention attention) {
   Config c;
@@ -66,15 +70,11 @@ TEST(PriceSource, ARecordPlansAgainAndRefusesWhatItDidNotPrice) {
   EXPECT_EQ(recorded.of(with(Attention::math), true).times.host_bytes_per_second, 1e9);
   // The ops without copies were measured on the way and are recorded too.
   EXPECT_EQ(recorded.of(with(Attention::math), false).times.host_bytes_per_second, 0.0);
-  try {
-    recorded.of(with(Attention::tiled), true);
-    ADD_FAILURE() << "prices the run did not take were given";
-  } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("priced math attention with the fused head; math attention with the fused "
-                                         "head and host copies, not tiled attention"),
-              std::string::npos)
-        << e.what();
-  }
+  const std::string other = error_of([&] { recorded.of(with(Attention::tiled), true); });
+  EXPECT_NE(other.find("priced math attention with the fused head; math attention with the fused head and host "
+                       "copies, not tiled attention"),
+            std::string::npos)
+      << other;
 }
 
 TEST(PriceSource, ARecordWithoutCopiesRefusesThem) {
@@ -84,15 +84,11 @@ TEST(PriceSource, ARecordWithoutCopiesRefusesThem) {
   measured.of(with(Attention::math), false);
   std::ofstream(dir.path() / "prices.json") << measured.record();
   PriceSource recorded = PriceSource::recorded(dir.path().string());
-  try {
-    recorded.of(with(Attention::math), true);
-    ADD_FAILURE() << "host copies the run did not price were given";
-  } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("priced math attention with the fused head, not math attention with the fused "
-                                         "head and host copies"),
-              std::string::npos)
-        << e.what();
-  }
+  const std::string copies = error_of([&] { recorded.of(with(Attention::math), true); });
+  EXPECT_NE(copies.find("priced math attention with the fused head, not math attention with the fused head and host "
+                        "copies"),
+            std::string::npos)
+      << copies;
 }
 
 }  // namespace
