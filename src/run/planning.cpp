@@ -1,6 +1,7 @@
 #include "run/planning.h"
 
 #include "remat/budget.h"
+#include "remat/ops/attention.h"
 #include "remat/policy.h"
 
 #include <fmt/format.h>
@@ -110,14 +111,16 @@ RunPlan plan_run(const Config& cfg, at::ScalarType dtype, const Prices& prices, 
 
 std::optional<int64_t> least_peak_above(const Config& cfg, at::ScalarType dtype, int64_t resident, int64_t host_budget,
                                         int64_t room) {
-  // Every op and head an `auto` may choose: the least is the least of them.
+  // Every op and head an `auto` may choose (no op that cannot run the model: sdpa with
+  // attention dropout): the least is the least of them.
   std::vector<Config> choices;
   for (const Attention a : kAttentionOps) {
+    const bool may =
+        cfg.model.attention == Attention::automatic &&
+        ops::attention_refusal(a, cfg.model.dropout, cfg.run.device.is_cuda(), dtype, cfg.model.head_dim()).empty();
+    if (cfg.model.attention != a && !may) continue;
     for (const LossHead h : {LossHead::fused, LossHead::recompute}) {
-      if ((cfg.model.attention != Attention::automatic && a != cfg.model.attention) ||
-          (cfg.model.loss_head != LossHead::automatic && h != cfg.model.loss_head)) {
-        continue;
-      }
+      if (cfg.model.loss_head != LossHead::automatic && h != cfg.model.loss_head) continue;
       choices.push_back(cfg);
       choices.back().model.attention = a;
       choices.back().model.loss_head = h;
