@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The LibTorch 2.x lane: builds remat and runs every test against Debian sid's
-# libtorch-dev (a current LibTorch and GCC), in a root that scripts/root.sh makes once per
-# machine, with this tree mounted at /src and built into build-libtorch2/. Needs root.
-# Extra arguments go to ctest.
+# The LibTorch 2.x lane: builds remat and runs its unit, slow and brute-force tests
+# against Debian sid's libtorch-dev (a current LibTorch and GCC), in a root that
+# scripts/root.sh makes once per machine, with this tree mounted at /src and built into
+# build-libtorch2/. Needs root. Left to the main lane (scripts/test.sh): the process tests,
+# which drive the same library through the CLI and `remat launch` (the ranks' collectives
+# run here in the dist tests, as threads). Extra arguments go to ctest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -21,5 +23,5 @@ bash scripts/root.sh run sid --bind "$PWD:/src" -- \
     cd /src
     cmake -S . -B build-libtorch2 -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
     cmake --build build-libtorch2 -j "$(nproc)"
-    cd build-libtorch2
-    ctest --output-on-failure -j "$(nproc)" "$@"' bash "$@"
+    (cd build-libtorch2 && ctest --output-on-failure -j "$(nproc)" -L "^(slow|brute_force)$" "$@")
+    bash scripts/gtest_shards.sh build-libtorch2 -L unit' bash "$@"
