@@ -14,6 +14,7 @@
 #include "util/progress.h"
 #include "train/run_dir.h"
 #include "train/step.h"
+#include "util/stop_signals.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -322,6 +323,7 @@ void write_results(const BenchResult& result, const BenchOptions& o, const Confi
 }  // namespace
 
 BenchResult run_bench(const BenchOptions& o) {
+  const util::Phase phase("benchmarking");
   check_options(o);
 
   Config common = load_config(o.config_file, o.overrides);

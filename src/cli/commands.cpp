@@ -6,9 +6,12 @@
 #include "remat/config.h"
 #include "remat/memory.h"
 #include "remat/policy.h"
+#include "remat/dist.h"
 #include "remat/trainer.h"
+#include "train/run_dir.h"
 #include "util/device.h"
 #include "util/utf8.h"
+#include "util/stop_signals.h"
 
 #include <CLI/CLI.hpp>
 #include <malloc.h>
@@ -16,7 +19,6 @@
 #include <unistd.h>
 #include <csignal>
 #include <algorithm>
-#include <array>
 #include <filesystem>
 #include <string_view>
 #include <c10/util/Exception.h>
@@ -57,28 +59,54 @@ int cmd_prepare(const std::string& config_file, const std::vector<std::string>& 
   return 0;
 }
 
-// What a resumed run may change: what it writes after its last step, not how it trains.
-constexpr std::array<std::string_view, 3> kResumeKeys = {"run.sample_tokens", "run.prompt", "run.progress"};
+// A run stopped by a signal (after a checkpoint, or in its final sample) exits as the shell
+// expects of that signal.
+int train_exit(const TrainSummary& s) { return s.stopped_by == 0 ? 0 : 128 + s.stopped_by; }
+
+bool changes_training(const std::string& setting) {
+  const std::string key = setting.substr(0, setting.find('='));
+  return std::find(resume_settings().begin(), resume_settings().end(), key) == resume_settings().end();
+}
+
+// Where a restarted start of a job (remat launch --max-restarts, torchrun's) continues: the
+// run directory its first start made, once it holds a checkpoint; empty for a first start
+// or a job that failed before its first checkpoint (it starts again from step 0).
+std::string restarted_run(const Config& cfg) {
+  const auto job = dist::launch_env();
+  if (!job || job->restart == 0 || job->run_id.empty()) return {};
+  const std::string dir = find_job_run(cfg.run.out_dir, job->run_id);
+  if (job->rank == 0) {
+    fmt::print(stderr, "restart {} of job {}: {}\n", job->restart, util::printable(job->run_id),
+               dir.empty() ? fmt::format("no run of it under {} holds a checkpoint; it starts again from step 0",
+                                         util::printable(cfg.run.out_dir))
+                           : fmt::format("continuing {} from its newest whole checkpoint", dir));
+  }
+  return dir;
+}
 
 int cmd_train(const std::string& config_file, const std::vector<std::string>& overrides, const std::string& resume) {
-  const auto changes_training = [](const std::string& o) {
-    const std::string_view key = std::string_view(o).substr(0, o.find('='));
-    return std::find(kResumeKeys.begin(), kResumeKeys.end(), key) == kResumeKeys.end();
-  };
   if (!resume.empty() && (!config_file.empty() || std::any_of(overrides.begin(), overrides.end(), changes_training))) {
     throw std::invalid_argument(fmt::format(
         "--resume continues {} with its own config.toml, so its settings cannot change on the way; drop --config and "
         "the key=value settings (all but {}, which change only the final sample and the display).",
-        resume, fmt::join(kResumeKeys, ", ")));
+        resume, fmt::join(resume_settings(), ", ")));
   }
   if (!resume.empty()) check_path("--resume", resume);
-  const TrainSummary s =
-      resume.empty()
-          ? train(load_run_config(config_file, overrides))
-          : train(load_run_config((std::filesystem::path(resume) / "config.toml").string(), overrides), resume);
-  // Stopped by a signal (after a checkpoint, or in its final sample), it exits as the shell
-  // expects of that signal.
-  return s.stopped_by == 0 ? 0 : 128 + s.stopped_by;
+  std::string dir = resume;
+  std::vector<std::string> kept = overrides;
+  if (dir.empty()) {
+    const Config given = load_run_config(config_file, overrides);
+    dir = restarted_run(given);
+    // A restart continues with the run's own config.toml, as --resume does.
+    if (dir.empty()) return train_exit(train(given));
+    kept.erase(std::remove_if(kept.begin(), kept.end(), changes_training), kept.end());
+  }
+  Config saved = load_run_config((std::filesystem::path(dir) / "config.toml").string(), kept);
+  // The first start's outputs, written then: a resumed run traces no step again (and a
+  // config.toml from someone else's hands cannot name where files are written).
+  saved.run.trace.clear();
+  saved.run.record_allocations.clear();
+  return train_exit(train(saved, dir));
 }
 
 // The items of a list option given as ';'-separated text, repeated options or both (a
@@ -194,6 +222,7 @@ int run(int argc, char** argv) {
   // (measured: 240 -> 183 ms per default step, and recompute then costs what it computes).
   mallopt(M_MMAP_THRESHOLD, 1 << 30);
   mallopt(M_TRIM_THRESHOLD, 1 << 30);
+  util::end_on_stop_signals();
   CLI::App app{"remat: transformer training with planned activation recomputation"};
   app.require_subcommand(1);
   app.set_help_all_flag("--help-all", "Show every subcommand's help");
@@ -296,6 +325,12 @@ int run(int argc, char** argv) {
                          "Port of rank 0's store (default: a free one, one node only)");
   launch_cmd->add_option("--grace", launch_args.grace, "Seconds the ranks get to stop after SIGTERM, before SIGKILL")
       ->capture_default_str();
+  launch_cmd
+      ->add_option("--max-restarts", launch_args.max_restarts,
+                   "Start a failed job again up to this many times; train continues from its newest checkpoint")
+      ->capture_default_str();
+  launch_cmd->add_option("--run-id", launch_args.run_id,
+                         "The job's id, the same on every node (needed for restarts over several nodes)");
   // From the subcommand's name on, everything goes to the ranks unparsed, options included.
   launch_cmd->prefix_command();
   launch_cmd->footer(

@@ -1,5 +1,8 @@
 #include "cli/launch.h"
 
+#include "train/run_dir.h"
+#include "util/utf8.h"
+
 #include <arpa/inet.h>
 #include <netdb.h>
 #include <netinet/in.h>
@@ -27,6 +30,28 @@ namespace {
 
 constexpr int kMaxRanks = 1024;
 constexpr int kMaxNodes = 1024;
+constexpr int kMaxRestarts = 1000;
+
+// --max-restarts and --run-id.
+void check_restart_args(const LaunchArgs& args) {
+  if (args.max_restarts < 0 || args.max_restarts > kMaxRestarts) {
+    throw std::invalid_argument(
+        fmt::format("--max-restarts {} is out of range; a failed job starts again from 0 (the default) to {} times.",
+                    args.max_restarts, kMaxRestarts));
+  }
+  // Each node's own id would send the restarted ranks of different nodes to different runs.
+  if (args.nnodes > 1 && args.max_restarts > 0 && args.run_id.empty()) {
+    throw std::invalid_argument(fmt::format(
+        "--max-restarts {} over --nnodes {} needs --run-id, the same on every node (e.g. --run-id night-1), so that "
+        "every rank of a restarted job continues the same run directory.",
+        args.max_restarts, args.nnodes));
+  }
+  if (util::find_control(args.run_id) != std::string::npos || args.run_id.size() > 200) {
+    throw std::invalid_argument(
+        fmt::format("--run-id {} is not an id; give up to 200 printable characters, the same on every node.",
+                    util::printable(args.run_id)));
+  }
+}
 
 void check_args(const LaunchArgs& args) {
   const std::string valid = fmt::format("{}", fmt::join(launchable_subcommands(), ", "));
@@ -80,6 +105,7 @@ void check_args(const LaunchArgs& args) {
                                             args.master_port,
                                             args.nnodes == 1 ? ", or leave the option out for a free one" : ""));
   }
+  check_restart_args(args);
   if (!std::isfinite(args.grace) || args.grace < 0) {
     throw std::invalid_argument(
         fmt::format("--grace {} is not a number of seconds; give 0 or more (default 30).", args.grace));
@@ -95,10 +121,11 @@ void check_args(const LaunchArgs& args) {
         fmt::format("remat launch cannot run launch in its ranks; give it the subcommand itself, e.g. {}.", example));
   }
   if (sub.rfind('-', 0) == 0) {
-    throw std::invalid_argument(fmt::format(
-        "remat launch takes only --nproc, --nnodes, --node-rank, --master-addr, --master-port and --grace before the "
-        "subcommand, but got {}; the subcommand's own options go after its name, e.g. {}; valid subcommands: {}.",
-        sub, example, valid));
+    throw std::invalid_argument(
+        fmt::format("remat launch takes only --nproc, --nnodes, --node-rank, --master-addr, --master-port, --grace, "
+                    "--max-restarts and --run-id before the subcommand, but got {}; the subcommand's own options go "
+                    "after its name, e.g. {}; valid subcommands: {}.",
+                    sub, example, valid));
   }
   const auto& names = launchable_subcommands();
   if (std::find(names.begin(), names.end(), sub) == names.end()) {
@@ -143,7 +170,8 @@ const std::vector<std::string>& launchable_subcommands() {
   return names;
 }
 
-std::vector<std::string> rank_environment(const LaunchArgs& args, int local, int port, const char* const* base) {
+std::vector<std::string> rank_environment(const LaunchArgs& args, int local, int port, int restart,
+                                          const char* const* base) {
   const std::pair<std::string, std::string> set[] = {
       {"RANK", std::to_string(args.node_rank * args.nproc + local)},
       {"LOCAL_RANK", std::to_string(local)},
@@ -152,7 +180,10 @@ std::vector<std::string> rank_environment(const LaunchArgs& args, int local, int
       {"GROUP_RANK", std::to_string(args.node_rank)},
       {"GROUP_WORLD_SIZE", std::to_string(args.nnodes)},
       {"MASTER_ADDR", args.master_addr.empty() ? "127.0.0.1" : args.master_addr},
-      {"MASTER_PORT", std::to_string(port)}};
+      {"MASTER_PORT", std::to_string(port)},
+      {"TORCHELASTIC_RESTART_COUNT", std::to_string(restart)},
+      {"TORCHELASTIC_MAX_RESTARTS", std::to_string(args.max_restarts)},
+      {"TORCHELASTIC_RUN_ID", args.run_id}};
   std::vector<std::string> env;
   for (; base != nullptr && *base != nullptr; ++base) {
     const std::string_view entry = *base;
@@ -166,11 +197,18 @@ std::vector<std::string> rank_environment(const LaunchArgs& args, int local, int
   return env;
 }
 
-int cmd_launch(const LaunchArgs& args) {
-  check_args(args);
-  const int port = args.master_port > 0 ? args.master_port : free_port();
-  const int first_rank = args.node_rank * args.nproc;  // this node's ranks in the job, for messages
+namespace {
 
+// How one start of the job ended.
+struct Start {
+  int exit_code = 0;
+  bool stopped = false;  ///< the launcher was asked to stop (SIGINT, SIGTERM): no restart
+  std::string failure;   ///< the first failing rank and how it ended, e.g. "rank 1 was killed by ..."
+};
+
+// Starts the local ranks of start `restart`, each lifting `old_mask` once its death signal
+// is armed; their pids, in rank order. A fork that fails is said in `result`.
+std::vector<pid_t> start_ranks(const LaunchArgs& args, int port, int restart, const sigset_t& old_mask, Start& result) {
   // Built before the first fork: between fork and exec only async-signal-safe calls are allowed.
   std::vector<std::string> argv_text{"remat"};
   argv_text.insert(argv_text.end(), args.command.begin(), args.command.end());
@@ -180,24 +218,13 @@ int cmd_launch(const LaunchArgs& args) {
   std::vector<std::vector<std::string>> env_text(args.nproc);
   std::vector<std::vector<char*>> envp(args.nproc);
   for (int rank = 0; rank < args.nproc; ++rank) {
-    env_text[rank] = rank_environment(args, rank, port, environ);
+    env_text[rank] = rank_environment(args, rank, port, restart, environ);
     for (auto& e : env_text[rank]) envp[rank].push_back(e.data());
     envp[rank].push_back(nullptr);
   }
 
-  // The launcher takes these signals with sigtimedwait, so none can slip in between a check
-  // and the wait. Children inherit the mask and lift it only once their death signal is
-  // armed: a signal forwarded to a rank still on its way to exec stays pending, not lost.
-  sigset_t wanted, old_mask;
-  sigemptyset(&wanted);
-  for (const int sig : {SIGCHLD, SIGINT, SIGTERM}) sigaddset(&wanted, sig);
-  ::pthread_sigmask(SIG_BLOCK, &wanted, &old_mask);
-  // An inherited SIG_IGN would have the kernel reap the ranks before waitpid could see how they ended.
-  ::signal(SIGCHLD, SIG_DFL);
-
   const pid_t launcher = ::getpid();
-  std::vector<pid_t> pids;  // per started rank; 0 once it has been waited for
-  int exit_code = 0;
+  std::vector<pid_t> pids;
   for (int rank = 0; rank < args.nproc; ++rank) {
     const pid_t pid = ::fork();
     if (pid == 0) {
@@ -211,13 +238,24 @@ int cmd_launch(const LaunchArgs& args) {
       ::_exit(127);
     }
     if (pid < 0) {
-      fmt::print(stderr, "remat launch: could not start rank {} ({}); stopping the ranks already started.\n",
-                 first_rank + rank, std::strerror(errno));
-      exit_code = 1;
+      result.failure =
+          fmt::format("rank {} could not start ({})", args.node_rank * args.nproc + rank, std::strerror(errno));
+      fmt::print(stderr, "remat launch: {}; stopping the ranks already started.\n", result.failure);
+      result.exit_code = 1;
       break;
     }
     pids.push_back(pid);
   }
+  return pids;
+}
+
+// Starts the ranks of start `restart` and waits for all of them, stopping the others when
+// one fails. `wanted` (SIGCHLD, SIGINT, SIGTERM) is blocked in the launcher, `old_mask` is
+// what the ranks get back.
+Start run_ranks(const LaunchArgs& args, int port, int restart, const sigset_t& wanted, const sigset_t& old_mask) {
+  const int first_rank = args.node_rank * args.nproc;  // this node's ranks in the job, for messages
+  Start result;
+  std::vector<pid_t> pids = start_ranks(args, port, restart, old_mask, result);  // 0 once waited for
 
   using Clock = std::chrono::steady_clock;
   std::optional<Clock::time_point> deadline;  // set once the ranks have been asked to stop
@@ -234,7 +272,7 @@ int cmd_launch(const LaunchArgs& args) {
     stop_signal = sig;
     deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(args.grace));
   };
-  if (exit_code != 0) stop(SIGTERM);
+  if (result.exit_code != 0) stop(SIGTERM);
 
   while (running() > 0) {
     int status = 0;
@@ -244,12 +282,13 @@ int cmd_launch(const LaunchArgs& args) {
       if (it == pids.end()) continue;
       *it = 0;
       const auto [how, code] = describe_exit(status);
-      if (code == 0 || exit_code != 0) continue;
-      exit_code = code;
+      if (code == 0 || result.exit_code != 0) continue;
+      result.exit_code = code;
       if (deadline) continue;  // a rank ending while the ranks are being stopped is no news
+      result.failure = fmt::format("rank {} (pid {}) {}", first_rank + (it - pids.begin()), pid, how);
       const long others = running();
       const std::string here = args.nnodes > 1 ? " on this node" : "";
-      fmt::print(stderr, "remat launch: rank {} (pid {}) {}{}.\n", first_rank + (it - pids.begin()), pid, how,
+      fmt::print(stderr, "remat launch: {}{}.\n", result.failure,
                  others == 0 ? "" : fmt::format("; stopping the other {}{}", ranks(others), here));
       stop(SIGTERM);
     }
@@ -268,6 +307,7 @@ int cmd_launch(const LaunchArgs& args) {
     if (sig == SIGINT || sig == SIGTERM) {
       fmt::print(stderr, "remat launch: got SIG{}; passing it to the {} still running.\n", ::sigabbrev_np(sig),
                  ranks(running()));
+      result.stopped = true;
       if (deadline) {
         send(sig);  // the clock already runs: a second signal must not extend it
       } else {
@@ -280,8 +320,57 @@ int cmd_launch(const LaunchArgs& args) {
       killed = true;
     }
   }
+  return result;
+}
+
+// A SIGINT or SIGTERM that came while no rank ran (between two starts), said in a line.
+bool stop_pending(const sigset_t& wanted) {
+  const timespec now{0, 0};
+  for (int sig = 0; (sig = ::sigtimedwait(&wanted, nullptr, &now)) > 0;) {
+    if (sig == SIGINT || sig == SIGTERM) {
+      fmt::print(stderr, "remat launch: got SIG{}; the job is not started again.\n", ::sigabbrev_np(sig));
+      return true;
+    }
+  }
+  return false;
+}
+
+}  // namespace
+
+int cmd_launch(const LaunchArgs& given) {
+  check_args(given);
+  LaunchArgs args = given;
+  if (args.run_id.empty()) args.run_id = fmt::format("launch-{}-{}", ::getpid(), RunDir::timestamp());
+
+  // The launcher takes these signals with sigtimedwait, so none can slip in between a check
+  // and the wait. Children inherit the mask and lift it only once their death signal is
+  // armed: a signal forwarded to a rank still on its way to exec stays pending, not lost.
+  sigset_t wanted, old_mask;
+  sigemptyset(&wanted);
+  for (const int sig : {SIGCHLD, SIGINT, SIGTERM}) sigaddset(&wanted, sig);
+  ::pthread_sigmask(SIG_BLOCK, &wanted, &old_mask);
+  // An inherited SIG_IGN would have the kernel reap the ranks before waitpid could see how they ended.
+  ::signal(SIGCHLD, SIG_DFL);
+
+  Start start;
+  for (int restart = 0;; ++restart) {
+    // A fresh port each start unless one is given: the last store's may not be free yet.
+    start = run_ranks(args, args.master_port > 0 ? args.master_port : free_port(), restart, wanted, old_mask);
+    if (start.exit_code == 0 || start.stopped || stop_pending(wanted)) break;
+    if (restart == args.max_restarts) {
+      if (args.max_restarts > 0) {
+        fmt::print(stderr, "remat launch: the job failed on its first start and on all {} restart{}; giving up.\n",
+                   args.max_restarts, args.max_restarts == 1 ? "" : "s");
+      }
+      break;
+    }
+    fmt::print(stderr,
+               "remat launch: starting the job again (restart {} of {}) because {}; a restarted train continues its "
+               "run directory from the newest whole checkpoint.\n",
+               restart + 1, args.max_restarts, start.failure);
+  }
   ::pthread_sigmask(SIG_SETMASK, &old_mask, nullptr);
-  return exit_code;
+  return start.exit_code;
 }
 
 }  // namespace remat::cli

@@ -11,6 +11,7 @@
 #include "util/device.h"
 #include "util/progress.h"
 #include "util/gnuplot.h"
+#include "util/stop_signals.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -355,6 +356,7 @@ RunSpec resolve(const Config& cfg, const PlanArgs& args) {
 }  // namespace
 
 int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
+  const util::Phase phase("planning");
   Config cfg = cfg_in;
   if (!args.budget.empty()) cfg.ac.budget = args.budget;
   const RunSpec spec = resolve(cfg, args);

@@ -10,7 +10,11 @@
 #include <toml++/toml.h>
 
 #include <algorithm>
+#include <map>
 #include <stdexcept>
+#include <string_view>
+#include <utility>
+#include <vector>
 
 namespace remat {
 namespace {
@@ -273,6 +277,46 @@ std::string config_to_toml(const Config& c) {
     }
   }
   return out;
+}
+
+namespace {
+
+// Each key of a config_to_toml text with its value, in the text's order.
+std::vector<std::pair<std::string, std::string>> toml_values(const std::string& text) {
+  std::vector<std::pair<std::string, std::string>> values;
+  std::string section;
+  size_t begin = 0;
+  while (begin < text.size()) {
+    const size_t end = std::min(text.find('\n', begin), text.size());
+    std::string_view line(text.data() + begin, end - begin);
+    begin = end + 1;
+    if (line.size() > 2 && line.front() == '[' && line.back() == ']') {
+      section = std::string(line.substr(1, line.size() - 2));
+      continue;
+    }
+    const bool unset = line.rfind("# ", 0) == 0 && line.size() > 10 && line.substr(line.size() - 10) == " = (unset)";
+    if (unset) line = line.substr(2);
+    const size_t eq = line.find(" = ");
+    if (eq == std::string_view::npos || line.front() == '#') continue;
+    values.emplace_back(section + "." + std::string(line.substr(0, eq)), std::string(line.substr(eq + 3)));
+  }
+  return values;
+}
+
+}  // namespace
+
+std::vector<std::string> changed_keys(const std::string& before, const std::string& after,
+                                      const std::vector<std::string>& ignored) {
+  std::map<std::string, std::string> old;
+  for (auto& [key, value] : toml_values(before)) old.emplace(key, std::move(value));
+  std::vector<std::string> changes;
+  for (const auto& [key, value] : toml_values(after)) {
+    if (std::find(ignored.begin(), ignored.end(), key) != ignored.end()) continue;
+    const auto it = old.find(key);
+    const std::string was = it == old.end() ? "(unset)" : it->second;
+    if (was != value) changes.push_back(fmt::format("{} = {} -> {}", key, was, value));
+  }
+  return changes;
 }
 
 }  // namespace remat

@@ -387,13 +387,10 @@ std::vector<ConfigKey> data_and_run_keys() {
 
 // A rate `remat plan` turns bytes or FLOPs into time with: above 0, and at most 10^6 (1 PB/s
 // and 1 EFLOP/s are far past any device).
+// Below a thousandth of the unit a copy or a step would take years, printed in 30 digits.
 KeyRange rate(std::string unit, std::string why, std::string example) {
-  return KeyRange{.min = 0,
-                  .max = 1e6,
-                  .above_min = true,
-                  .unit = std::move(unit),
-                  .why = std::move(why),
-                  .example = std::move(example)};
+  return KeyRange{
+      .min = 1e-3, .max = 1e6, .unit = std::move(unit), .why = std::move(why), .example = std::move(example)};
 }
 
 // A second a ring step is past any link that could carry a tensor-parallel group.
@@ -443,7 +440,8 @@ std::vector<ConfigKey> ac_keys() {
       ac_key("ac.policy", &AcConfig::policy, "recompute policy (docs/policies.md); unset: none"),
       key("ac.budget", &C::ac, &AcConfig::budget, "memory budget: the planner picks the plan (12GiB, 0.6)"),
       key("ac.host_budget", &C::ac, &AcConfig::host_budget,
-          "host memory the budget's plan may offload to (64GiB, 0.5, 0); default: free on CUDA, none on CPU"),
+          "host memory a plan may offload to (64GiB, 0.5, 0); default: free on CUDA or for an offload policy, else "
+          "none"),
       key("ac.profile", &C::ac, &AcConfig::profile, "measure node times to predict step time (cached)"),
       key("ac.preserve_rng_state", &C::ac, &AcConfig::preserve_rng_state, "replay dropout RNG in recompute"),
       key("ac.allow_rng_mismatch", &C::ac, &AcConfig::allow_rng_mismatch, "allow dropout without RNG replay"),

@@ -572,6 +572,13 @@ CorpusInfo prepare_corpus(const PrepareOptions& options, const Log& log) {
 
   std::vector<int32_t> train, val;
   split_tokens(ids, line_starts, options.val_fraction, options.val_blocks, train, val);
+  // An empty split would be found only by a run's first validation, after the corpus is written.
+  if (options.val_fraction > 0 && val.empty()) {
+    throw std::runtime_error(fmt::format(
+        "The text {} encodes to {} tokens, too few for a validation split of data.val_fraction = {}: it would be "
+        "empty; train on a longer text, or raise data.val_fraction.",
+        util::printable(source), ids.size(), options.val_fraction));
+  }
   info.train_tokens = static_cast<int64_t>(train.size());
   info.val_tokens = static_cast<int64_t>(val.size());
   info.train_unigram_entropy = unigram_entropy(train, options.vocab_size);
@@ -589,6 +596,12 @@ CorpusInfo prepare_corpus(const PrepareOptions& options, const Log& log) {
   }
   // Until the new meta.json lands, the directory must not look complete.
   fs::remove(dir + "/meta.json", ec);
+  std::vector<std::string> names;
+  for (const std::string& path : {info.tokenizer_path(), info.train_path(), info.val_path(), info.meta_path()}) {
+    names.push_back(fs::path(path).filename().string());
+  }
+  // What a killed prepare was writing (a signal removes its own on the way out).
+  util::remove_stale_temp_files(dir, names);
   tok.save(info.tokenizer_path());
   util::write_file_atomically(info.train_path(), train_bytes);
   util::write_file_atomically(info.val_path(), val_bytes);

@@ -5,6 +5,7 @@
 #include "remat/policy.h"
 #include "util/cpu_load.h"
 #include "util/device.h"
+#include "util/stop_signals.h"
 
 #include <ATen/Parallel.h>
 #include <fmt/format.h>
@@ -411,6 +412,7 @@ HostCopy measure_host_copy(at::Device device, at::ScalarType dtype) {
 Prices run_prices(const Config& cfg, at::Device device, at::ScalarType dtype, const data::TokenDataset& data,
                   dist::Comm* ranks, double matmul_rate, const std::function<std::unique_ptr<Model>()>& create,
                   std::unique_ptr<Model>& model) {
+  const util::Phase phase("measuring the time profile");
   Prices prices;
   if (cfg.ac.profile && cfg.parallel.pp == 1) {
     model.reset();

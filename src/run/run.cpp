@@ -5,6 +5,8 @@
 #include "remat/policy.h"
 #include "util/device.h"
 #include "dist/ranks.h"
+#include "util/stop_signals.h"
+#include "util/utf8.h"
 
 #include <fmt/format.h>
 
@@ -81,16 +83,25 @@ void check_plan_fits(const RunSpec& spec, const Room& room) {
 }
 
 // ac.host_budget in bytes: as given (a fraction of the host memory free), else all of that
-// free memory on a CUDA device and none on the CPU, whose host memory is its device's.
-int64_t host_budget_bytes(const Config& cfg, int64_t host_available) {
+// free memory on a CUDA device or for a policy that offloads, and none for a CPU budget's
+// plan, the CPU's host memory being its device's.
+int64_t host_budget_bytes(const Config& cfg, int64_t host_available, bool policy_offloads) {
   const int64_t free = std::max<int64_t>(0, host_available >= 0 ? host_available : memory_available(at::kCPU));
-  return !cfg.ac.host_budget.empty() ? parse_host_budget(cfg.ac.host_budget, free) : on_cuda(cfg.run) ? free : 0;
+  if (!cfg.ac.host_budget.empty()) return parse_host_budget(cfg.ac.host_budget, free);
+  return on_cuda(cfg.run) || policy_offloads ? free : 0;
 }
 
 // Throws where the plan's offloaded slots would need more host memory at once than this
-// rank has free: the host pool would fail in the middle of a step.
-void check_host_fits(const RunSpec& spec, int64_t host_available) {
+// rank has free (the host pool would fail in the middle of a step), or than an
+// ac.host_budget given beside a policy (once ignored there).
+void check_host_fits(const RunSpec& spec, int64_t host_available, const std::string& given, int64_t host_budget) {
   const int64_t host = spec.plan.predicted.host_peak;
+  if (!given.empty() && spec.cfg.ac.budget.empty() && host > host_budget) {
+    throw std::invalid_argument(fmt::format(
+        "The policy {} keeps {} of offloaded slots in host memory at once (predicted), more than ac.host_budget = "
+        "\"{}\" ({}); offload fewer slots, raise ac.host_budget, or lower train.batch or train.seq.",
+        spec.plan.plan.policy, memory::format_bytes(host), util::printable(given), memory::format_bytes(host_budget)));
+  }
   if (host_available < 0 || host <= host_available) return;
   throw std::invalid_argument(fmt::format(
       "The plan {} keeps {} of offloaded slots in host memory at once (predicted), more than the {} this rank has "
@@ -115,9 +126,12 @@ Config resolve_config(const Config& cfg, const std::optional<data::CorpusInfo>& 
 }
 
 RunSpec resolve_run(const Config& cfg, const RunInputs& in) {
+  const util::Phase phase("planning");
   RunSpec spec;
   spec.cfg = resolve_config(cfg, in.corpus);
-  const int64_t host_budget = host_budget_bytes(spec.cfg, in.host_available);
+  const std::string given_host_budget = spec.cfg.ac.host_budget;
+  const bool policy_offloads = compile_policy(spec.cfg.ac, spec.cfg.model.n_layer, spec.cfg.model.dropout).offloads();
+  const int64_t host_budget = host_budget_bytes(spec.cfg, in.host_available, policy_offloads);
   // The run records the bytes it planned with (config.toml), so that its plan can be made again.
   spec.cfg.ac.host_budget = host_budget == 0 ? "0" : fmt::format("{}B", host_budget);
   spec.corpus = in.corpus;
@@ -131,14 +145,13 @@ RunSpec resolve_run(const Config& cfg, const RunInputs& in) {
   check_statics_fit(spec, room);
   check_some_plan_fits(spec, room, host_budget);
   // The prices hold the host copies' where the policy offloads or a budget plan may.
-  const bool host_copies = (!spec.local.ac.budget.empty() && host_budget > 0) ||
-                           compile_policy(spec.local.ac, spec.local.model.n_layer, spec.local.model.dropout).offloads();
+  const bool host_copies = (!spec.local.ac.budget.empty() && host_budget > 0) || policy_offloads;
   TORCH_CHECK(in.prices != nullptr, "[resolve_run] a run is resolved against a source of prices");
   const PricesOf prices_of = [&](const Config& local) { return in.prices->of(local, host_copies); };
   spec.plan = plan_run_auto(spec.cfg, spec.local, in.dtype, prices_of, spec.resident, in.stage, in.saved, host_budget);
   spec.layout.split = spec.plan.split;
   check_plan_fits(spec, room);
-  check_host_fits(spec, in.host_available);
+  check_host_fits(spec, in.host_available, given_host_budget, host_budget);
   return spec;
 }
 

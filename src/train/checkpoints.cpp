@@ -1,6 +1,7 @@
 #include "train/checkpoints.h"
 
 #include "remat/safetensors.h"
+#include "train/run_dir.h"
 #include "util/atomic_file.h"
 #include "util/sha256.h"
 
@@ -29,8 +30,9 @@ bool is_checkpoint_name(const std::string& name) {
 }
 
 // The files remat writes atomically in a run directory (a temporary copy first).
-constexpr const char* kRunFiles[] = {"config.toml", "plan.txt",     "metrics.jsonl",  "model.safetensors",
-                                     "sample.txt",  "summary.json", "tokenizer.model"};
+constexpr const char* kRunFiles[] = {"config.toml",       "plan.txt",    "metrics.jsonl",
+                                     "model.safetensors", "sample.txt",  "summary.json",
+                                     "tokenizer.model",   "prices.json", kJobIdFile};
 
 }  // namespace
 
@@ -50,6 +52,19 @@ std::vector<fs::path> list_checkpoints(const std::string& run_dir) {
   return out;
 }
 
+std::string how_to_continue(const std::string& run_dir) {
+  const std::vector<fs::path> saved = list_checkpoints(run_dir);
+  if (saved.empty()) {
+    return fmt::format(
+        "it has no checkpoint yet, so free space (or fix the file) and start it again with `remat train --config "
+        "{}/config.toml`",
+        run_dir);
+  }
+  return fmt::format(
+      "free space (or fix the file) and continue it from its newest checkpoint, {}, with `remat train --resume {}`",
+      saved.back().filename().string(), run_dir);
+}
+
 void write_checkpoint(const TrainStep& stepper, const std::string& run_dir, int64_t steps, const std::mt19937_64& rng,
                       int64_t keep, bool write, const std::map<std::string, std::string>& extra) {
   const fs::path dir = checkpoint_dir(run_dir);
@@ -59,12 +74,18 @@ void write_checkpoint(const TrainStep& stepper, const std::string& run_dir, int6
     return;
   }
   std::error_code ec;
-  fs::create_directories(dir, ec);
-  if (ec) {
-    throw std::runtime_error(fmt::format("Cannot create the checkpoint directory {}: {}.", dir.string(), ec.message()));
+  try {
+    fs::create_directories(dir, ec);
+    if (ec) {
+      throw std::runtime_error(
+          fmt::format("Cannot create the checkpoint directory {}: {}.", dir.string(), ec.message()));
+    }
+    stepper.save_checkpoint(path, steps, rng, true, extra);
+    util::sync_directory(dir.string());
+  } catch (const std::runtime_error& e) {
+    throw std::runtime_error(fmt::format("{} The checkpoint after step {} is not written, so the run stops here; {}.",
+                                         e.what(), steps, how_to_continue(run_dir)));
   }
-  stepper.save_checkpoint(path, steps, rng, true, extra);
-  util::sync_directory(dir.string());
   const std::vector<fs::path> all = list_checkpoints(run_dir);
   for (size_t i = 0; i + static_cast<size_t>(keep) < all.size(); ++i) fs::remove(all[i], ec);
 }

@@ -24,9 +24,15 @@ std::filesystem::path checkpoint_dir(const std::string& run_dir);
 /// The files named as checkpoints ("step-<steps, zero-padded>.safetensors"), oldest first.
 std::vector<std::filesystem::path> list_checkpoints(const std::string& run_dir);
 
+/// How to continue a run of `run_dir` stopped by a failed write (a full disk), as the end
+/// of a sentence: from its newest checkpoint with `remat train --resume`, or, when it has
+/// none yet, by starting it again from its config.toml.
+std::string how_to_continue(const std::string& run_dir);
+
 /// Writes the state after `steps` steps (TrainStep::save_checkpoint, with `extra` in its
 /// metadata), flushes the directory entry, then removes all but the newest `keep`
-/// checkpoints. A tensor-parallel rank that does not `write` only gives its parts.
+/// checkpoints. A tensor-parallel rank that does not `write` only gives its parts. A failed
+/// write throws a sentence that ends with how_to_continue.
 void write_checkpoint(const TrainStep& stepper, const std::string& run_dir, int64_t steps, const std::mt19937_64& rng,
                       int64_t keep, bool write, const std::map<std::string, std::string>& extra);
 

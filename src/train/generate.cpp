@@ -103,6 +103,7 @@ std::string sample_text(Model& model, const data::Tokenizer& tok, const std::str
 #include "remat/safetensors.h"
 #include "train/checkpoints.h"
 #include "train/step.h"
+#include "util/stop_signals.h"
 
 #include <filesystem>
 
@@ -112,6 +113,7 @@ std::string generate_from_run(const std::string& run_dir, const std::string& pro
                               int64_t top_k, uint64_t seed, const std::string& device, const TextSink& on_text,
                               int64_t* generated) {
   namespace fs = std::filesystem;
+  const util::Phase phase("generating");
   check_temperature(temperature);
   for (const char* f : {"config.toml", "model.safetensors", "tokenizer.model"}) {
     if (!fs::exists(fs::path(run_dir) / f)) {

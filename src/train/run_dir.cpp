@@ -1,8 +1,11 @@
 #include "train/run_dir.h"
 
+#include "train/checkpoints.h"
 #include "util/gnuplot.h"
+#include "util/utf8.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <fcntl.h>
 #include <sys/file.h>
@@ -15,6 +18,7 @@
 #include <cstring>
 #include <ctime>
 #include <filesystem>
+#include <fstream>
 #include <numeric>
 #include <stdexcept>
 
@@ -64,6 +68,27 @@ namespace {
 
 }  // namespace
 
+std::string find_job_run(const std::string& out_dir, const std::string& job_id) {
+  std::vector<std::string> found;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(out_dir, ec)) {
+    std::ifstream in(e.path() / kJobIdFile, std::ios::binary);
+    // An id is at most a line of 200 characters: a larger file is not one.
+    std::string id(256, '\0');
+    in.read(id.data(), static_cast<std::streamsize>(id.size()));
+    id.resize(static_cast<size_t>(in.gcount()));
+    if (id == job_id + "\n" && !list_checkpoints(e.path().string()).empty()) found.push_back(e.path().string());
+  }
+  if (found.size() > 1) {
+    std::sort(found.begin(), found.end());
+    throw std::runtime_error(fmt::format(
+        "Job {} made several run directories that hold checkpoints ({}), so a restart cannot tell which to continue; "
+        "continue one with `remat train --resume DIR`.",
+        util::printable(job_id), util::printable(fmt::format("{}", fmt::join(found, ", ")), 2000)));
+  }
+  return found.empty() ? std::string() : found.front();
+}
+
 RunDir::RunDir(const std::string& out_dir, const std::string& name, const std::string& preset) {
   const std::string base = name.empty() ? fmt::format("{}-{}", timestamp(), preset) : name;
   std::error_code ec;
@@ -98,10 +123,9 @@ void RunDir::log_metrics(const nlohmann::json& record) {
     metrics_->append(record.dump() + "\n");
   } catch (const std::runtime_error& e) {
     const auto step = record.find("step");
-    throw std::runtime_error(fmt::format(
-        "{} The metrics{} are lost, so the run stops here; free space (or fix the file) and continue it from its "
-        "last checkpoint with `remat train --resume {}`.",
-        e.what(), step != record.end() ? fmt::format(" of step {}", step->dump()) : "", path_));
+    throw std::runtime_error(fmt::format("{} The metrics{} are lost, so the run stops here; {}.", e.what(),
+                                         step != record.end() ? fmt::format(" of step {}", step->dump()) : "",
+                                         how_to_continue(path_)));
   }
 }
 

@@ -34,6 +34,16 @@ class RunLock {
   int fd_ = -1;
 };
 
+/// The file of a run directory naming the job that made it (TORCHELASTIC_RUN_ID), written
+/// when the job may restart (TORCHELASTIC_MAX_RESTARTS > 0).
+inline constexpr const char* kJobIdFile = "job.id";
+
+/// The run directory under `out_dir` that job `job_id` made (its kJobIdFile says so) and
+/// that holds a checkpoint: where a restarted start of the job continues. Empty when there
+/// is none (the job failed before its first checkpoint); throws a sentence naming them
+/// when several do.
+std::string find_job_run(const std::string& out_dir, const std::string& job_id);
+
 class RunDir {
  public:
   /// Creates `<out_dir>/<name>` (name empty: "<YYYYmmdd-HHMMSS>-<preset>") and takes its

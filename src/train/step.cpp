@@ -476,6 +476,14 @@ int64_t TrainStep::load_checkpoint(const std::string& path, std::mt19937_64& rng
           "the run again.",
           path, name));
     }
+    // A square's running mean is never negative; sqrt of one would be NaN a step later.
+    if (name.rfind("exp_avg_sq.", 0) == 0 && (t < 0).any().item<bool>()) {
+      throw std::runtime_error(fmt::format(
+          "The checkpoint {} holds a negative AdamW second moment in '{}', which training never saves (it is a mean "
+          "of squares), so the file was damaged after it was written (not by the learning rate); remove it to resume "
+          "from an earlier checkpoint, or start the run again.",
+          path, name));
+    }
   }
   const std::mt19937_64 restored = state.rng;
   const int64_t steps = state.steps;

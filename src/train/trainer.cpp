@@ -22,8 +22,10 @@
 #include "train/run_dir.h"
 #include "train/step.h"
 #include "util/atomic_file.h"
+#include "util/utf8.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <torch/version.h>
 
 #include <algorithm>
@@ -184,6 +186,20 @@ Resumed open_resume(const std::string& dir, const Ranks& ranks, const data::Corp
   if (const auto plan = r.point.metadata.find("plan"); plan != r.point.metadata.end()) {
     r.plan = parse_saved_plan(plan->second, cfg.model.n_layer, cfg.parallel.pp);
   }
+  // A hand-edited config.toml (the learning rate, the steps, the seed) once resumed silently.
+  if (const auto saved = r.point.metadata.find("config"); ranks.lead && saved != r.point.metadata.end()) {
+    std::vector<std::string> ignored = resume_settings();
+    ignored.insert(ignored.end(), {"run.trace", "run.record_allocations"});
+    const auto changes =
+        changed_keys(saved->second, util::read_file((fs::path(dir) / "config.toml").string(), "config.toml"), ignored);
+    if (!changes.empty()) {
+      fmt::print(stderr,
+                 "note: {}/config.toml was changed since {} was written ({}); the run goes on with config.toml's "
+                 "values, so it is no longer the run it began as.\n",
+                 dir, r.point.path.filename().string(),
+                 util::printable(fmt::format("{}", fmt::join(changes, ", ")), 1000));
+    }
+  }
   if (ranks.lead) r.logged = keep_metrics(dir, r.point.steps);
   return r;
 }
@@ -197,6 +213,10 @@ std::unique_ptr<RunDir> open_run_dir(const Config& cfg, const std::string& resum
   // A resumed run keeps the tokenizer it trained with (check_same_data held it to it).
   if (resume_dir.empty()) {
     run->write_text("tokenizer.model", util::read_file(corpus.tokenizer_path(), "the prepared tokenizer"));
+    // What a restart of this job looks for (find_job_run).
+    if (const auto job = dist::launch_env(); job && job->max_restarts > 0 && !job->run_id.empty()) {
+      run->write_text(kJobIdFile, job->run_id + "\n");
+    }
   }
   return run;
 }
@@ -552,6 +572,7 @@ std::string corpus_dir(const DataConfig& d) {
 }
 
 data::CorpusInfo prepare_data(const DataConfig& d) {
+  const util::Phase phase("preparing the corpus");
   data::PrepareOptions prep;
   if (!d.text.empty()) prep.text_file = d.text;
   // Fail before minutes of tokenizer training if the cache cannot exist.
@@ -569,7 +590,13 @@ data::CorpusInfo prepare_data(const DataConfig& d) {
   return data::prepare_corpus(prep, [](const std::string& line) { fmt::print(stderr, "{}\n", line); });
 }
 
+const std::vector<std::string>& resume_settings() {
+  static const std::vector<std::string> keys = {"run.sample_tokens", "run.prompt", "run.progress"};
+  return keys;
+}
+
 TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
+  const util::Phase phase("setting up the run");
   Config cfg = cfg_in;
   const auto& t = cfg.train;
   const Ranks ranks = join(cfg);
@@ -668,6 +695,7 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   const int64_t traced_step = cfg.run.trace.empty() ? -1 : std::min<int64_t>(2, t.steps - 1);
   std::map<std::string, std::string> checkpoint_metadata = data_digests(corpus);
   checkpoint_metadata.emplace("plan", saved_plan_json(planned.plan, planned.split));
+  checkpoint_metadata.emplace("config", config_to_toml(cfg));
   const util::StopSignals signals;
   const util::CpuTimes started = cpu_times();  // how busy other processes keep the machine meanwhile
   for (int64_t step = first_step; step < t.steps; ++step) {

@@ -4,10 +4,15 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
+#include <csignal>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <stdexcept>
+#include <utility>
 
 namespace remat::util {
 
@@ -15,7 +20,56 @@ namespace {
 
 std::string errno_text() { return std::strerror(errno); }
 
+// The temporary paths of live AtomicFiles, for remove_open_temp_files: a slot is claimed,
+// then its path written, then marked ready; a signal handler reads only ready slots.
+constexpr int kTempSlots = 16;
+constexpr size_t kTempPathBytes = 4096;
+char g_temp_paths[kTempSlots][kTempPathBytes];
+std::atomic<bool> g_temp_claimed[kTempSlots];
+std::atomic<bool> g_temp_ready[kTempSlots];
+
+int register_temp(const std::string& path) {
+  if (path.size() >= kTempPathBytes) return -1;
+  for (int i = 0; i < kTempSlots; ++i) {
+    bool free = false;
+    if (g_temp_claimed[i].compare_exchange_strong(free, true)) {
+      std::memcpy(g_temp_paths[i], path.c_str(), path.size() + 1);
+      g_temp_ready[i].store(true);
+      return i;
+    }
+  }
+  return -1;
+}
+
+void unregister_temp(int slot) {
+  if (slot < 0) return;
+  g_temp_ready[slot].store(false);
+  g_temp_claimed[slot].store(false);
+}
+
 }  // namespace
+
+void remove_open_temp_files() {
+  for (int i = 0; i < kTempSlots; ++i) {
+    if (g_temp_ready[i].load()) ::unlink(g_temp_paths[i]);
+  }
+}
+
+void remove_stale_temp_files(const std::string& dir, const std::vector<std::string>& bases) {
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
+    const std::string name = e.path().filename().string();
+    for (const std::string& base : bases) {
+      if (!is_temp_name_of(name, base)) continue;
+      const long pid = std::strtol(name.c_str() + base.size() + 5, nullptr, 10);
+      // A pid that runs may be another process writing that file now.
+      if (pid > 0 && pid <= std::numeric_limits<pid_t>::max() && ::kill(static_cast<pid_t>(pid), 0) != 0 &&
+          errno == ESRCH) {
+        std::filesystem::remove(e.path(), ec);
+      }
+    }
+  }
+}
 
 std::string temp_path_of(const std::string& path) { return path + ".tmp." + std::to_string(::getpid()); }
 
@@ -30,8 +84,10 @@ bool is_temp_name_of(std::string_view name, std::string_view base) {
 }
 
 AtomicFile::AtomicFile(std::string path) : path_(std::move(path)), temp_path_(temp_path_of(path_)) {
+  slot_ = register_temp(temp_path_);
   file_ = std::fopen(temp_path_.c_str(), "wb");
   if (file_ == nullptr) {
+    unregister_temp(slot_);
     throw std::runtime_error("Cannot create " + temp_path_ + ": " + errno_text() + ".");
   }
 }
@@ -41,6 +97,7 @@ AtomicFile::~AtomicFile() {
     std::fclose(file_);
     std::remove(temp_path_.c_str());
   }
+  unregister_temp(slot_);
 }
 
 void AtomicFile::write(const void* data, size_t size) {
@@ -62,7 +119,9 @@ void AtomicFile::commit() {
     std::remove(temp_path_.c_str());
     throw std::runtime_error("Cannot write " + temp_path_ + ": " + (flushed ? errno_text() : flush_error) + ".");
   }
-  if (std::rename(temp_path_.c_str(), path_.c_str()) != 0) {
+  const bool renamed = std::rename(temp_path_.c_str(), path_.c_str()) == 0;
+  unregister_temp(std::exchange(slot_, -1));
+  if (!renamed) {
     const std::string error = errno_text();
     std::remove(temp_path_.c_str());
     throw std::runtime_error("Cannot rename " + temp_path_ + " to " + path_ + ": " + error + ".");

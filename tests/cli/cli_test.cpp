@@ -22,6 +22,7 @@
 #include <map>
 #include <random>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -382,9 +383,9 @@ TEST_F(Cli, PlanNamesTheCommunicationTimeItPriced) {
   EXPECT_EQ(c["link_latency_us"].get<double>(), 2);
   EXPECT_NEAR(c["recompute_seconds"].get<double>() * 1e3, recompute_ms(tight), 0.001);
   expect_error("plan parallel.link_rate=0",
-               "parallel.link_rate must be above 0 and at most 1000000 GB/s, got 0; it is the rate a rank sends at");
+               "parallel.link_rate must be from 0.001 to 1000000 GB/s, got 0; it is the rate a rank sends at");
   expect_error("plan parallel.compute_rate=-1",
-               "parallel.compute_rate must be above 0 and at most 1000000 TFLOP/s, got -1; it is the rate one rank's "
+               "parallel.compute_rate must be from 0.001 to 1000000 TFLOP/s, got -1; it is the rate one rank's "
                "matmuls reach");
   expect_error("plan parallel.link_latency=-1",
                "parallel.link_latency must be from 0 to 1000000 microseconds, got -1; it is what one ring step");
@@ -406,6 +407,16 @@ TEST_F(Cli, PlanPricesOffloadCopiesAtTheOffloadRate) {
   EXPECT_EQ(o["host_peak"].get<int64_t>(), m.n_layer * input);
   EXPECT_NEAR(o["seconds"].get<double>(), 2.0 * static_cast<double>(m.n_layer * input) / 10e9, 1e-12);
   EXPECT_DOUBLE_EQ(o["wait_seconds"].get<double>(), o["seconds"].get<double>());
+  // An ac.host_budget beside the policy bounds its offload, as it bounds a budget's plan;
+  // it was once ignored there.
+  const Result within =
+      run_remat("plan ac.host_budget=" + std::to_string(m.n_layer * input) + "B" + args + no_corpus());
+  EXPECT_EQ(within.exit_code, 0) << within.output;
+  expect_error("plan ac.host_budget=" + std::to_string(m.n_layer * input - 1) + "B" + args + no_corpus(),
+               "The policy full+offload:[input] keeps ");
+  expect_error("plan ac.host_budget=0" + args + no_corpus(),
+               "of offloaded slots in host memory at once (predicted), "
+               "more than ac.host_budget = \"0\" (0 B); offload fewer");
   const Result cuda = run_remat("plan --json ac.offload_rate=10 run.device=cuda" + args + no_corpus());
   ASSERT_EQ(cuda.exit_code, 0) << cuda.output;
   const auto beside = nlohmann::json::parse(cuda.output)["offload"];
@@ -466,8 +477,10 @@ TEST_F(Cli, PlanPricesOffloadCopiesAtTheOffloadRate) {
   expect_error("plan ac.offload_prefetch=true", "ac.offload_prefetch = true brings a layer's offloaded slots back");
   expect_error("plan ac.offload_prefetch=true ac.budget=0.8", "fixes that choice; keep one of them");
   expect_error("plan ac.offload_rate=0",
-               "ac.offload_rate must be above 0 and at most 1000000 GB/s, got 0; it is the rate copies move at between "
+               "ac.offload_rate must be from 0.001 to 1000000 GB/s, got 0; it is the rate copies move at between "
                "the device and host");
+  // A rate of 1e-30 once printed a copy time of 31 digits.
+  expect_error("plan ac.offload_rate=1e-30", "ac.offload_rate must be from 0.001 to 1000000 GB/s, got 1e-30;");
   expect_error("plan ac.offload_slowdown=1",
                "ac.offload_slowdown must be from 0 to below 1, got 1; it is the share of each second a copy");
 }
@@ -793,6 +806,26 @@ TEST_F(Cli, ARunKilledAtRandomPointsAndResumedIsBitwiseTheUninterruptedRun) {
   }
 }
 
+// Where there is nothing to save yet (planning here; also preparing, measuring,
+// generating), a signal ends the command at once with a sentence naming the phase and the
+// shell's code, where it once ended it without a word. The 8B pipeline plan takes seconds.
+TEST_F(Cli, ASignalWhilePlanningEndsItWithASentence) {
+  const fs::path log = dir_ / "plan.log";
+  const pid_t pid = remat::testing::start_shell(
+      "exec " + std::string(REMAT_BINARY) +
+          " plan model.preset=llama3-8b run.device=cuda run.dtype=bfloat16 train.seq=8192 train.batch=1 "
+          "ac.offload_rate=55 ac.host_budget=88GiB run.expandable_segments=true parallel.pp=4 train.grad_accum=8 "
+          "ac.budget=50GiB",
+      log);
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  ::kill(pid, SIGTERM);
+  EXPECT_EQ(remat::testing::wait_exit(pid), 128 + SIGTERM);
+  const std::string output = read_text(log);
+  EXPECT_NE(output.find("remat: terminated (SIGTERM) while planning; it ends here, and leaves no file half-written."),
+            std::string::npos)
+      << output;
+}
+
 // A closed terminal (SIGHUP) once killed a run where it stood, with no checkpoint and no
 // word; it now stops the run after the step under way, as SIGTERM does.
 TEST_F(Cli, AHangUpStopsTheRunAfterItsCheckpoint) {
@@ -822,8 +855,11 @@ TEST_F(Cli, AHangUpStopsTheRunAfterItsCheckpoint) {
 // skipped), and still refuses any that would change its training, naming those it takes.
 TEST_F(Cli, AResumeMaySkipTheFinalSampleButNotChangeTheTraining) {
   const fs::path run = dir_ / "runs" / "finals";
-  const Result first = run_remat(tiny_training("train.steps=2 run.sample_tokens=40 run.name=finals"));
+  const Result first =
+      run_remat(tiny_training("train.steps=4 train.checkpoint_every=2 run.sample_tokens=40 run.name=finals"));
   ASSERT_EQ(first.exit_code, 0) << first.output;
+  // As if stopped after step 2: the resume trains steps 3 and 4, where a trace is taken.
+  fs::remove(run / "checkpoints" / "step-00000004.safetensors");
   fs::remove(run / "model.safetensors");
   fs::remove(run / "sample.txt");
   fs::remove(run / "summary.json");
@@ -833,10 +869,18 @@ TEST_F(Cli, AResumeMaySkipTheFinalSampleButNotChangeTheTraining) {
                                 "sample and the display)"),
             std::string::npos)
       << refused.output;
+  // A config.toml from other hands naming a trace file once had the resume write it there;
+  // a resumed run traces nothing again.
+  std::string toml = read_text(run / "config.toml");
+  const std::string unset = "trace = \"\"";
+  ASSERT_NE(toml.find(unset), std::string::npos) << toml;
+  toml.replace(toml.find(unset), unset.size(), "trace = \"" + (dir_ / "crafted.json").string() + "\"");
+  std::ofstream(run / "config.toml") << toml;
   const Result resumed = run_remat("train --resume " + run.string() + " run.sample_tokens=0");
   ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
   EXPECT_TRUE(fs::exists(run / "model.safetensors"));
   EXPECT_FALSE(fs::exists(run / "sample.txt"));
+  EXPECT_FALSE(fs::exists(dir_ / "crafted.json"));
 }
 
 // A run trained on a GPU, met where there is none: the advice is one the command can follow

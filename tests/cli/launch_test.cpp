@@ -5,7 +5,9 @@
 // signal here, so every timing here is a wait on an event, not a guess.
 #include "cli/launch.h"
 #include "remat/cost.h"
+#include "remat/dist.h"
 #include "remat/model.h"
+#include "util/error_of.h"
 #include "util/launched_training.h"
 #include "util/processes.h"
 #include "util/temp_dir.h"
@@ -21,10 +23,12 @@
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <csignal>
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <random>
 #include <regex>
 #include <set>
 #include <sstream>
@@ -106,20 +110,58 @@ class Launch : public ::testing::Test {
 };
 
 TEST(LaunchEnvironment, SetsTheTorchrunVariablesAndDropsTheAgentStore) {
-  const char* base[] = {"PATH=/usr/bin", "RANK=7",     "TORCHELASTIC_USE_AGENT_STORE=True",
-                        "MASTER_PORT=1", "HOME=/root", nullptr};
+  const char* base[] = {
+      "PATH=/usr/bin", "RANK=7", "TORCHELASTIC_USE_AGENT_STORE=True", "TORCHELASTIC_RESTART_COUNT=9", "MASTER_PORT=1",
+      "HOME=/root",    nullptr};
   remat::cli::LaunchArgs args;
   args.nproc = 3;
-  const std::vector<std::string> env = remat::cli::rank_environment(args, 2, 29511, base);
+  args.max_restarts = 4;
+  args.run_id = "night";
+  const std::vector<std::string> env = remat::cli::rank_environment(args, 2, 29511, 1, base);
   const std::set<std::string> got(env.begin(), env.end());
   EXPECT_EQ(got.size(), env.size()) << "a variable appears twice";
-  const std::set<std::string> expected = {"PATH=/usr/bin",    "HOME=/root",         "RANK=2",
-                                          "LOCAL_RANK=2",     "WORLD_SIZE=3",       "LOCAL_WORLD_SIZE=3",
-                                          "GROUP_RANK=0",     "GROUP_WORLD_SIZE=1", "MASTER_ADDR=127.0.0.1",
-                                          "MASTER_PORT=29511"};
+  const std::set<std::string> expected = {"PATH=/usr/bin",
+                                          "HOME=/root",
+                                          "RANK=2",
+                                          "LOCAL_RANK=2",
+                                          "WORLD_SIZE=3",
+                                          "LOCAL_WORLD_SIZE=3",
+                                          "GROUP_RANK=0",
+                                          "GROUP_WORLD_SIZE=1",
+                                          "MASTER_ADDR=127.0.0.1",
+                                          "MASTER_PORT=29511",
+                                          "TORCHELASTIC_RESTART_COUNT=1",
+                                          "TORCHELASTIC_MAX_RESTARTS=4",
+                                          "TORCHELASTIC_RUN_ID=night"};
   EXPECT_EQ(got, expected);
   args.nproc = 1;
-  EXPECT_EQ(remat::cli::rank_environment(args, 0, 5, nullptr).size(), 8u);
+  EXPECT_EQ(remat::cli::rank_environment(args, 0, 5, 0, nullptr).size(), 11u);
+}
+
+// What a rank reads back of them: its start and the job's id, as torchrun also sets them.
+TEST(LaunchEnvironment, ARankReadsItsStartAndItsJob) {
+  remat::cli::LaunchArgs args;
+  args.nproc = 2;
+  args.max_restarts = 3;
+  args.run_id = "night";
+  std::vector<std::string> env = remat::cli::rank_environment(args, 1, 29500, 2, nullptr);
+  const auto get = [&](const char* name) -> const char* {
+    for (const std::string& e : env) {
+      if (e.rfind(std::string(name) + "=", 0) == 0) return e.c_str() + std::strlen(name) + 1;
+    }
+    return nullptr;
+  };
+  const auto job = remat::dist::launch_env(get);
+  ASSERT_TRUE(job.has_value());
+  EXPECT_EQ(job->rank, 1);
+  EXPECT_EQ(job->restart, 2);
+  EXPECT_EQ(job->max_restarts, 3);
+  EXPECT_EQ(job->run_id, "night");
+  for (std::string& e : env) {
+    if (e.rfind("TORCHELASTIC_RESTART_COUNT=", 0) == 0) e = "TORCHELASTIC_RESTART_COUNT=-1";
+  }
+  const std::string refusal = remat::testing::error_of<std::invalid_argument>([&] { remat::dist::launch_env(get); });
+  EXPECT_NE(refusal.find("TORCHELASTIC_RESTART_COUNT"), std::string::npos) << refusal;
 }
 
 // torchrun's numbering over nodes: node r's local rank l is rank r * nproc + l.
@@ -129,10 +171,19 @@ TEST(LaunchEnvironment, NumbersTheRanksOfEveryNode) {
   args.nnodes = 3;
   args.node_rank = 2;
   args.master_addr = "10.0.0.1";
-  const std::vector<std::string> env = remat::cli::rank_environment(args, 1, 29500, nullptr);
-  const std::set<std::string> expected = {
-      "RANK=5",       "LOCAL_RANK=1",       "WORLD_SIZE=6",         "LOCAL_WORLD_SIZE=2",
-      "GROUP_RANK=2", "GROUP_WORLD_SIZE=3", "MASTER_ADDR=10.0.0.1", "MASTER_PORT=29500"};
+  args.run_id = "job";
+  const std::vector<std::string> env = remat::cli::rank_environment(args, 1, 29500, 0, nullptr);
+  const std::set<std::string> expected = {"RANK=5",
+                                          "LOCAL_RANK=1",
+                                          "WORLD_SIZE=6",
+                                          "LOCAL_WORLD_SIZE=2",
+                                          "GROUP_RANK=2",
+                                          "GROUP_WORLD_SIZE=3",
+                                          "MASTER_ADDR=10.0.0.1",
+                                          "MASTER_PORT=29500",
+                                          "TORCHELASTIC_RESTART_COUNT=0",
+                                          "TORCHELASTIC_MAX_RESTARTS=0",
+                                          "TORCHELASTIC_RUN_ID=job"};
   EXPECT_EQ(std::set<std::string>(env.begin(), env.end()), expected);
 }
 
@@ -179,8 +230,8 @@ TEST_F(Launch, BadArgumentsAreRefusedBeforeAnyRankStarts) {
        "'trian' is not a subcommand remat launch can run; valid subcommands: prepare, train, plan, bench, generate."},
       {"--nproc 2 launch --nproc 2 plan model.preset=gpt2-demo", "remat launch cannot run launch in its ranks"},
       {"--nproc 2 --budget 0.6 plan model.preset=gpt2-demo",
-       "takes only --nproc, --nnodes, --node-rank, --master-addr, --master-port and --grace before the subcommand, "
-       "but got --budget"},
+       "takes only --nproc, --nnodes, --node-rank, --master-addr, --master-port, --grace, --max-restarts and "
+       "--run-id before the subcommand, but got --budget"},
       {"--nproc 2 --nnodes 0 plan model.preset=gpt2-demo", "--nnodes 0 is out of range; a job spans from 1 to 1024"},
       {"--nproc 2 --nnodes 2 --node-rank 2 --master-addr 127.0.0.1 --master-port 29500 plan model.preset=gpt2-demo",
        "--node-rank 2 is out of range for --nnodes 2; number the nodes from 0 to 1"},
@@ -192,6 +243,11 @@ TEST_F(Launch, BadArgumentsAreRefusedBeforeAnyRankStarts) {
        "--master-addr no-such-host.invalid does not resolve to an address"},
       {"--nproc 2 --master-port 65536 plan model.preset=gpt2-demo", "--master-port 65536 is not a TCP port"},
       {"--nproc 2 --grace -1 plan model.preset=gpt2-demo", "--grace -1 is not a number of seconds"},
+      {"--nproc 2 --max-restarts -1 plan model.preset=gpt2-demo",
+       "--max-restarts -1 is out of range; a failed job starts again from 0 (the default) to 1000 times."},
+      {"--nproc 2 --nnodes 2 --master-addr 127.0.0.1 --master-port 29500 --max-restarts 2 plan model.preset=gpt2-demo",
+       "--max-restarts 2 over --nnodes 2 needs --run-id, the same on every node"},
+      {"--nproc 2 --run-id \"$(printf 'a\\nb')\" plan model.preset=gpt2-demo", "--run-id a\\nb is not an id"},
   };
   for (const auto& [args, expected] : cases) {
     const Result r = run_remat("launch " + args);
@@ -502,6 +558,59 @@ TEST_F(LaunchedTraining, ADeadRankStopsTheOthersWithASentence) {
         << "rank " << r << ": " << log;
   }
   EXPECT_LT(std::chrono::steady_clock::now() - killed, 20s);
+}
+
+// A job of two ranks whose rank is SIGKILLed twice, at seeded random moments once a
+// checkpoint exists (one is written every step, so kills also land inside a write), is
+// started again by `remat launch --max-restarts`, and each restart continues the run from
+// its newest whole checkpoint: the weights and every logged loss are bitwise those of the
+// job never killed, in data parallel and in pipeline parallel.
+TEST_F(LaunchedTraining, ARestartedJobEndsBitwiseAsTheUninterruptedOne) {
+  std::mt19937 rng(52);
+  for (const std::string layout : {"", "parallel.pp=2 "}) {
+    SCOPED_TRACE(layout);
+    const std::string settings = " " + layout + "train.steps=40 train.checkpoint_every=1 train.eval_every=100 ";
+    const std::string tag = layout.empty() ? "dp" : "pp";
+    const Result whole = run_remat("launch --nproc 2 train " + common_ + settings + "run.name=whole-" + tag);
+    ASSERT_EQ(whole.exit_code, 0) << whole.output;
+
+    const fs::path log = dir_ / ("restart-" + tag + ".log"), run = dir_ / "runs" / ("cut-" + tag);
+    const pid_t launcher =
+        remat::testing::start_shell("exec " + std::string(REMAT_BINARY) + " launch --nproc 2 --max-restarts 3 train " +
+                                        common_ + settings + "run.name=cut-" + tag,
+                                    log);
+    int after = 0;  // the kill comes once the run has logged a step past this one
+    for (int kill = 0; kill < 2; ++kill) {
+      after = std::uniform_int_distribution<int>(after + 2, after + 12)(rng);
+      std::vector<pid_t> ranks;
+      while ((ranks.size() != 2 || static_cast<int>(train_lines("cut-" + tag).size()) <= after ||
+              !fs::exists(run / "checkpoints")) &&
+             ::waitpid(launcher, nullptr, WNOHANG) == 0) {
+        ::usleep(1000);
+        ranks = ranks_of(launcher);
+      }
+      ::usleep(std::uniform_int_distribution<useconds_t>(0, 50000)(rng));
+      ASSERT_EQ(ranks.size(), 2u) << read_text(log);
+      ::kill(ranks[std::uniform_int_distribution<size_t>(0, 1)(rng)], SIGKILL);
+    }
+    ASSERT_EQ(wait_exit(launcher, 300s), 0) << read_text(log);
+    const std::string output = read_text(log);
+    EXPECT_EQ(count(output, "remat launch: starting the job again"), 2u) << output;
+    for (const char* restart : {"1", "2"}) {
+      const std::regex line(std::string(R"(remat launch: starting the job again \(restart )") + restart +
+                            R"( of 3\) because rank [01] \(pid \d+\) was killed by signal 9)");
+      EXPECT_TRUE(std::regex_search(output, line)) << output;
+    }
+    EXPECT_NE(output.find("continuing " + run.string() + " from its newest whole checkpoint"), std::string::npos)
+        << output;
+    const auto losses = [&](const std::string& name) {
+      std::vector<double> out;
+      for (const auto& line : train_lines(name)) out.push_back(line["loss"].get<double>());
+      return out;
+    };
+    EXPECT_EQ(losses("cut-" + tag), losses("whole-" + tag));
+    EXPECT_EQ(read_text(run / "model.safetensors"), read_text(dir_ / "runs" / ("whole-" + tag) / "model.safetensors"));
+  }
 }
 
 // A rank that never comes: the one that did stops after parallel.timeout, naming it.

@@ -4,6 +4,7 @@
 #include "remat/ops/tiled_attention.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <gtest/gtest.h>
 
 #include <cstdio>
@@ -31,6 +32,20 @@ TEST(Config, DefaultsAreValidAndRoundTripThroughToml) {
   const Config again = load_config(path, {});
   EXPECT_EQ(config_to_toml(again), config_to_toml(c));
   std::remove(path.c_str());
+}
+
+// What a resumed run says of a hand-edited config.toml: each changed key, the ignored ones
+// left out, an unset key named as such.
+TEST(Config, ChangedKeysNameEachEditedValue) {
+  const Config c = load_config("", {});
+  const Config edited = load_config("", {"train.lr=0.5", "run.seed=7", "run.sample_tokens=3", "ac.budget=1GiB"});
+  const auto changes = changed_keys(config_to_toml(c), config_to_toml(edited), {"run.sample_tokens"});
+  ASSERT_EQ(changes.size(), 3u) << fmt::format("{}", fmt::join(changes, "; "));
+  EXPECT_EQ(changes[0].rfind("train.lr = 0.", 0), 0u) << changes[0];
+  EXPECT_EQ(changes[0].substr(changes[0].size() - 7), " -> 0.5") << changes[0];
+  EXPECT_EQ(changes[1], "run.seed = " + std::to_string(c.run.seed) + " -> 7");
+  EXPECT_EQ(changes[2], "ac.budget = \"\" -> \"1GiB\"");
+  EXPECT_TRUE(changed_keys(config_to_toml(c), config_to_toml(c), {}).empty());
 }
 
 TEST(Config, OverridesWinOverTheFileAndPresetGoesFirst) {

@@ -277,6 +277,20 @@ TEST(Corpus, FailedRebuildLeavesTheOldCorpus) {
   EXPECT_EQ(load_corpus_info(options.out_dir).train_sha256, info.train_sha256);
 }
 
+// A validation share too small for the text once wrote an empty split, found only by a
+// run's first validation.
+TEST(Corpus, AValidationSplitThatWouldBeEmptyIsRefused) {
+  TempDir dir;
+  PrepareOptions options = small_options(dir, remat::testing::make_text(300));
+  options.val_fraction = 1e-7;
+  const std::string error = error_of([&] { prepare_corpus(options); });
+  EXPECT_EQ(error.rfind("The text file " + *options.text_file + " encodes to ", 0), 0u) << error;
+  EXPECT_NE(error.find("tokens, too few for a validation split of data.val_fraction = 1e-07: it would be empty"),
+            std::string::npos)
+      << error;
+  EXPECT_FALSE(fs::exists(options.out_dir));
+}
+
 TEST(Corpus, RefusesBadOptions) {
   PrepareOptions options;
   options.text_file = "/unused";

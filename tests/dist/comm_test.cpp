@@ -1,9 +1,11 @@
 // How a job of ranks tells a rank that stopped early from one that is lost.
+#include "dist/ranks.h"
 #include "util/gloo_ranks.h"
 
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <csignal>
 #include <string>
 #include <vector>
 
@@ -30,6 +32,18 @@ TEST(Comm, ARankStillWaitingForOneThatFinishedSaysTheRanksDiverged) {
   }
   // A few missed heartbeats, well before the 30 s timeout.
   EXPECT_LT(seconds, 15.0);
+}
+
+// Ranks that sample together stop at the same token: each caught its own signal (or none)
+// and all act on the highest any caught; with none caught they go on; a rank alone keeps
+// its own.
+TEST(Comm, RanksAgreeOnTheSignalThatStopsThem) {
+  const int caught[] = {0, SIGTERM, SIGINT};
+  testing::on_gloo_ranks(3, 1, [&](dist::Comm& comm) {
+    EXPECT_EQ(agreed_signal(&comm.world(), caught[comm.rank()]), SIGTERM) << "rank " << comm.rank();
+    EXPECT_EQ(agreed_signal(&comm.world(), 0), 0) << "rank " << comm.rank();
+  });
+  EXPECT_EQ(agreed_signal(nullptr, SIGHUP), SIGHUP);
 }
 
 }  // namespace

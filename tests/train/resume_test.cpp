@@ -7,6 +7,7 @@
 #include "train/checkpoints.h"
 #include "train/run_dir.h"
 #include "util/error_of.h"
+#include "util/file_limit.h"
 #include "util/temp_dir.h"
 
 #include <gtest/gtest.h>
@@ -229,6 +230,61 @@ TEST_F(Resume, CheckpointMetadataIsCheckedFieldByField) {
   const std::string error = error_of<std::exception>([&] { train(saved_config(run), run.string()); });
   EXPECT_EQ(error.rfind("The checkpoint " + second + " holds a NaN or an infinity in 'param.", 0), 0u) << error;
   EXPECT_NE(error.find("so the file was damaged after it was written (not by the learning rate)"), std::string::npos);
+  // A negative second moment, which the checksum also vouches for, was once blamed on the
+  // learning rate when its square root made the loss NaN.
+  testing::rewrite_checkpoint(second, [](model::SafeTensors& file) {
+    for (auto& [name, t] : file.tensors) {
+      if (name.rfind("param.", 0) == 0) t.view(-1)[0] = 0.5;
+      if (name.rfind("exp_avg_sq.", 0) == 0) t.view(-1)[0] = -1e-8;
+    }
+  });
+  const std::string negative = error_of<std::exception>([&] { train(saved_config(run), run.string()); });
+  EXPECT_EQ(negative.rfind("The checkpoint " + second + " holds a negative AdamW second moment in 'exp_avg_sq.", 0), 0u)
+      << negative;
+}
+
+// A config.toml edited by hand between a stop and its resume (the learning rate here) once
+// went on silently; the resumed run names each changed key, but not the final sample's.
+TEST_F(Resume, AHandEditedConfigIsNamedWhenTheRunResumes) {
+  const fs::path run = train(config("edited")).run_dir;
+  for (int s : {3, 4}) fs::remove(checkpoint(run, s));
+  fs::remove(run / "model.safetensors");
+  Config edited = saved_config(run);
+  edited.train.lr /= 2;
+  edited.run.sample_tokens = 0;
+  std::ofstream(run / "config.toml") << config_to_toml(edited);
+  ::testing::internal::CaptureStderr();
+  train(saved_config(run), run.string());
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(log.find("note: " + run.string() +
+                     "/config.toml was changed since step-00000002.safetensors was written (train.lr = "),
+            std::string::npos)
+      << log;
+  EXPECT_NE(log.find("); the run goes on with config.toml's values, so it is no longer the run it began as."),
+            std::string::npos)
+      << log;
+  EXPECT_EQ(log.find("sample_tokens"), std::string::npos) << log;
+}
+
+// A checkpoint a full disk cannot take stops the run with a sentence that says how to go
+// on: with no checkpoint yet, start again (a message once promised one to resume from).
+TEST_F(Resume, AFullDiskAtTheFirstCheckpointSaysToStartAgain) {
+  const fs::path run = *dir_ / "runs" / "full";
+  prepare_data(config("full").data);
+  std::string error;
+  {
+    // The metrics and the run's small files fit; a checkpoint of every weight and both
+    // moments (140 KiB) does not.
+    const testing::FileSizeLimit full(64 << 10);
+    error = error_of<std::exception>([&] { train(config("full")); });
+  }
+  EXPECT_NE(error.find(": File too large. The checkpoint after step 1 is not written, so the run stops here; it has "
+                       "no checkpoint yet, so free space (or fix the file) and start it again with `remat train "
+                       "--config " +
+                       run.string() + "/config.toml`."),
+            std::string::npos)
+      << error;
+  EXPECT_TRUE(list_checkpoints(run.string()).empty());
 }
 
 // Resuming after the training text changed retrained the tokenizer, overwrote the run's and

@@ -72,10 +72,21 @@ TEST(RunDirWrites, AFailedMetricsWriteStopsTheRunWithASentence) {
     run.log_metrics(record);
     error = error_of([&] { run.log_metrics(record); });
   }
+  // With no checkpoint yet, it once promised one to continue from.
   EXPECT_EQ(error, "Cannot write " + run.file("metrics.jsonl") +
-                       ": File too large. The metrics of step 2 are lost, so "
-                       "the run stops here; free space (or fix the file) and continue it from its last checkpoint with "
-                       "`remat train --resume " +
+                       ": File too large. The metrics of step 2 are lost, so the run stops here; it has no checkpoint "
+                       "yet, so free space (or fix the file) and start it again with `remat train --config " +
+                       run.path() + "/config.toml`.");
+  fs::create_directories(run.file("checkpoints"));
+  std::ofstream(run.file("checkpoints/step-00000200.safetensors")) << "x";
+  {
+    const testing::FileSizeLimit full(200);
+    error = error_of([&] { run.log_metrics(record); });
+  }
+  EXPECT_EQ(error, "Cannot write " + run.file("metrics.jsonl") +
+                       ": File too large. The metrics of step 2 are lost, so the run stops here; free space (or fix "
+                       "the file) and continue it from its newest checkpoint, step-00000200.safetensors, with `remat "
+                       "train --resume " +
                        run.path() + "`.");
 }
 
@@ -90,6 +101,30 @@ TEST(RunDirWrites, AnOutputDirectoryThatCannotExistIsASentence) {
               RunDir(dir / "loop", "x", "tiny-gpt2");
             }).find("Cannot create the run output directory " + (dir / "loop").string() + ": "),
             0u);
+}
+
+// A restarted job finds the run its first start made by the job's id, once that run holds
+// a checkpoint; another job's run, or one with no checkpoint, is not it.
+TEST(JobRuns, ARestartFindsTheRunOfItsJobThatHoldsACheckpoint) {
+  testing::TempDir dir;
+  const auto make = [&](const std::string& name, const std::string& id, bool checkpoint) {
+    fs::create_directories(dir / name / "checkpoints");
+    std::ofstream(dir / name / kJobIdFile) << id;
+    if (checkpoint) std::ofstream(dir / name / "checkpoints" / "step-00000003.safetensors") << "x";
+  };
+  EXPECT_EQ(find_job_run(dir / "absent", "night"), "");
+  make("early", "night\n", false);  // failed before its first checkpoint
+  make("other", "day\n", true);
+  make("prefix", "night-2\n", true);
+  EXPECT_EQ(find_job_run(dir.path().string(), "night"), "");
+  make("run", "night\n", true);
+  EXPECT_EQ(find_job_run(dir.path().string(), "night"), (dir / "run").string());
+  make("copy", "night\n", true);
+  const std::string refusal = error_of([&] { find_job_run(dir.path().string(), "night"); });
+  EXPECT_EQ(refusal, "Job night made several run directories that hold checkpoints (" + (dir / "copy").string() + ", " +
+                         (dir / "run").string() +
+                         "), so a restart cannot tell which to continue; continue one with `remat train --resume "
+                         "DIR`.");
 }
 
 }  // namespace

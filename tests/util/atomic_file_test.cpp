@@ -8,6 +8,7 @@
 
 #include <gtest/gtest.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -72,6 +73,38 @@ TEST(AtomicFile, AFailedWholeFileWriteLeavesTheOldContentAndNoTemporaryFile) {
   EXPECT_EQ(error.rfind("Cannot write " + temp_path_of(path) + ": File too large", 0), 0u) << error;
   EXPECT_EQ(read_file(path), "old");
   EXPECT_FALSE(std::filesystem::exists(temp_path_of(path)));
+}
+
+// What a signal handler removes on the way out: the temporary file of a write under way,
+// not a committed file.
+TEST(AtomicFile, AnOpenWritesTemporaryFileIsRemovedOnTheWayOut) {
+  const remat::testing::TempDir dir;
+  write_file_atomically(dir / "done.txt", "whole");
+  AtomicFile open(dir / "train.bin");
+  open.write("part");
+  ASSERT_TRUE(std::filesystem::exists(temp_path_of(dir / "train.bin")));
+  remove_open_temp_files();
+  EXPECT_FALSE(std::filesystem::exists(temp_path_of(dir / "train.bin")));
+  EXPECT_EQ(read_file(dir / "done.txt"), "whole");
+}
+
+// A killed writer's temporary file goes; a running process's (it may be writing now), and
+// files that are not temporary ones, stay.
+TEST(AtomicFile, StaleTemporaryFilesOfDeadWritersAreRemoved) {
+  const remat::testing::TempDir dir;
+  const pid_t child = ::fork();
+  if (child == 0) ::_exit(0);
+  ASSERT_GT(child, 0);
+  ASSERT_EQ(::waitpid(child, nullptr, 0), child);
+  const std::string dead = "train.bin.tmp." + std::to_string(child);
+  const std::string alive = "train.bin.tmp." + std::to_string(::getpid());
+  for (const std::string& name : {dead, alive, std::string("val.bin"), std::string("notes.tmp.1")}) {
+    std::ofstream(dir / name) << "x";
+  }
+  remove_stale_temp_files(dir.path().string(), {"train.bin", "val.bin"});
+  EXPECT_FALSE(std::filesystem::exists(dir / dead));
+  for (const char* kept : {"val.bin", "notes.tmp.1"}) EXPECT_TRUE(std::filesystem::exists(dir / kept)) << kept;
+  EXPECT_TRUE(std::filesystem::exists(dir / alive));
 }
 
 }  // namespace
