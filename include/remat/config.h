@@ -307,10 +307,4 @@ void check_path(const std::string& what, const std::string& path);
 /// written as comments, `# key = (unset)`). List keys are written as TOML arrays.
 std::string config_to_toml(const Config& c);
 
-/// The keys whose values differ between two texts config_to_toml wrote, in the order of
-/// `after`, each as "train.lr = 0.003 -> 0.01" ("(unset)" for an unset one), leaving out
-/// the keys of `ignored`.
-std::vector<std::string> changed_keys(const std::string& before, const std::string& after,
-                                      const std::vector<std::string>& ignored);
-
 }  // namespace remat

@@ -88,18 +88,11 @@ struct LaunchEnv {
   /// rank 0 too, connects as a client, under `store_prefix`.
   bool agent_store = false;
   std::string store_prefix;
-  /// Which start of the job this is (0: the first; TORCHELASTIC_RESTART_COUNT), how many
-  /// restarts the launcher allows (TORCHELASTIC_MAX_RESTARTS) and the job's id, the same on
-  /// every start (TORCHELASTIC_RUN_ID): set by torchrun and by `remat launch`. A restarted
-  /// `remat train` continues the run directory its job's first start made.
-  int restart = 0;
-  int max_restarts = 0;
-  std::string run_id;
 };
 
 /// Reads the launch variables from `getenv`: torchrun's (RANK, WORLD_SIZE, LOCAL_RANK,
 /// LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_USE_AGENT_STORE,
-/// TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS, TORCHELASTIC_RUN_ID), else OpenMPI's (OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK/
+/// TORCHELASTIC_RESTART_COUNT), else OpenMPI's (OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK/
 /// LOCAL_SIZE) or Slurm's (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID,
 /// SLURM_NTASKS_PER_NODE), whose MASTER_ADDR and MASTER_PORT must still be set.
 /// nullopt when no launcher set a world size (a single process). Throws a sentence naming

@@ -79,11 +79,6 @@ data::CorpusInfo prepare_data(const DataConfig& data);
 /// and the summary of the other ranks ends after the last step.
 TrainSummary train(const Config& cfg, const std::string& resume_dir = "");
 
-/// The settings a resumed run may change: run.sample_tokens, run.prompt and run.progress,
-/// which change only what it writes after its last step and its display. A resumed run
-/// whose config.toml changed other keys since its checkpoint was written says which.
-const std::vector<std::string>& resume_settings();
-
 /// Receives generated text piece by piece, as it is sampled.
 using TextSink = std::function<void(std::string_view)>;
 

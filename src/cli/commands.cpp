@@ -72,11 +72,11 @@ bool changes_training(const std::string& setting) {
 // run directory its first start made, once it holds a checkpoint; empty for a first start
 // or a job that failed before its first checkpoint (it starts again from step 0).
 std::string restarted_run(const Config& cfg) {
-  const auto job = dist::launch_env();
-  if (!job || job->restart == 0 || job->run_id.empty()) return {};
-  const std::string dir = find_job_run(cfg.run.out_dir, job->run_id);
-  if (job->rank == 0) {
-    fmt::print(stderr, "restart {} of job {}: {}\n", job->restart, util::printable(job->run_id),
+  const JobStart job = job_start();
+  if (job.restart == 0 || job.run_id.empty()) return {};
+  const std::string dir = find_job_run(cfg.run.out_dir, job.run_id);
+  if (const auto ranks = dist::launch_env(); !ranks || ranks->rank == 0) {
+    fmt::print(stderr, "restart {} of job {}: {}\n", job.restart, util::printable(job.run_id),
                dir.empty() ? fmt::format("no run of it under {} holds a checkpoint; it starts again from step 0",
                                          util::printable(cfg.run.out_dir))
                            : fmt::format("continuing {} from its newest whole checkpoint", dir));

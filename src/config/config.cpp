@@ -2,6 +2,8 @@
 // validate_config (validate.cpp).
 #include "remat/config.h"
 
+#include "config/changed_keys.h"
+
 #include "util/atomic_file.h"
 #include "util/utf8.h"
 

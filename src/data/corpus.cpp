@@ -23,6 +23,7 @@
 #include "remat/tokenizer.h"
 #include "util/atomic_file.h"
 #include "util/sha256.h"
+#include "util/temp_files.h"
 #include "util/utf8.h"
 
 namespace remat::data {

@@ -146,15 +146,12 @@ std::optional<LaunchEnv> launch_env(const std::function<const char*(const char*)
           "other; set both to rank 0's address and a free port, or start the job with `remat launch --nproc N`.",
           n.size, env.world_size, env.world_size));
     }
-    if (const char* v = var("TORCHELASTIC_RESTART_COUNT"))
-      env.restart = parse_int("TORCHELASTIC_RESTART_COUNT", v, 0, 1 << 20);
-    if (const char* v = var("TORCHELASTIC_MAX_RESTARTS")) {
-      env.max_restarts = parse_int("TORCHELASTIC_MAX_RESTARTS", v, 0, 1 << 20);
-    }
-    if (const char* v = var("TORCHELASTIC_RUN_ID")) env.run_id = v;
     const char* agent = var("TORCHELASTIC_USE_AGENT_STORE");
     env.agent_store = agent != nullptr && std::string(agent) == "True";
-    if (env.agent_store) env.store_prefix = fmt::format("/worker/attempt_{}", env.restart);
+    if (env.agent_store) {
+      const char* restarts = var("TORCHELASTIC_RESTART_COUNT");
+      env.store_prefix = fmt::format("/worker/attempt_{}", restarts != nullptr ? restarts : "0");
+    }
     return env;
   }
   return std::nullopt;

@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -67,6 +68,37 @@ namespace {
 }
 
 }  // namespace
+
+const std::vector<std::string>& resume_settings() {
+  static const std::vector<std::string> keys = {"run.sample_tokens", "run.prompt", "run.progress"};
+  return keys;
+}
+
+JobStart job_start(const std::function<const char*(const char*)>& getenv) {
+  const auto count = [&](const char* name) {
+    const char* text = getenv(name);
+    if (text == nullptr || *text == '\0') return 0;
+    char* end = nullptr;
+    errno = 0;
+    const long v = std::strtol(text, &end, 10);
+    if (errno != 0 || *end != '\0' || v < 0 || v > (1 << 20)) {
+      throw std::invalid_argument(fmt::format(
+          "The environment variable {} is '{}', but it must be a whole number from 0 to {}; the launcher (remat "
+          "launch, torchrun) sets it.",
+          name, util::printable(text), 1 << 20));
+    }
+    return static_cast<int>(v);
+  };
+  JobStart job;
+  job.restart = count("TORCHELASTIC_RESTART_COUNT");
+  job.max_restarts = count("TORCHELASTIC_MAX_RESTARTS");
+  if (const char* id = getenv("TORCHELASTIC_RUN_ID")) job.run_id = id;
+  return job;
+}
+
+JobStart job_start() {
+  return job_start([](const char* name) { return std::getenv(name); });
+}
 
 std::string find_job_run(const std::string& out_dir, const std::string& job_id) {
   std::vector<std::string> found;

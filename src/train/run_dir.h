@@ -5,6 +5,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -33,6 +34,24 @@ class RunLock {
  private:
   int fd_ = -1;
 };
+
+/// The settings a resumed run may change: run.sample_tokens, run.prompt and run.progress,
+/// which change only what it writes after its last step and its display. A resumed run
+/// whose config.toml changed other keys since its checkpoint was written says which.
+const std::vector<std::string>& resume_settings();
+
+/// Which start of a job this process is, as its launcher says (torchrun's variables, which
+/// `remat launch` sets too): a restarted train continues the run its job's first start made.
+struct JobStart {
+  int restart = 0;       ///< TORCHELASTIC_RESTART_COUNT: 0 for the first start
+  int max_restarts = 0;  ///< TORCHELASTIC_MAX_RESTARTS: the starts again the launcher allows
+  std::string run_id;    ///< TORCHELASTIC_RUN_ID: the job's id, the same on every start
+};
+/// JobStart from `getenv` (unset variables: a first start of no job); throws a sentence
+/// naming a variable that is not a whole number from 0.
+JobStart job_start(const std::function<const char*(const char*)>& getenv);
+/// job_start of this process's environment.
+JobStart job_start();
 
 /// The file of a run directory naming the job that made it (TORCHELASTIC_RUN_ID), written
 /// when the job may restart (TORCHELASTIC_MAX_RESTARTS > 0).

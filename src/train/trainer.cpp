@@ -9,6 +9,7 @@
 #include "remat/store.h"
 #include "remat/tokenizer.h"
 #include "remat/trace.h"
+#include "config/changed_keys.h"
 #include "run/run.h"
 #include "train/checkpoints.h"
 #include "dist/ranks.h"
@@ -214,8 +215,8 @@ std::unique_ptr<RunDir> open_run_dir(const Config& cfg, const std::string& resum
   if (resume_dir.empty()) {
     run->write_text("tokenizer.model", util::read_file(corpus.tokenizer_path(), "the prepared tokenizer"));
     // What a restart of this job looks for (find_job_run).
-    if (const auto job = dist::launch_env(); job && job->max_restarts > 0 && !job->run_id.empty()) {
-      run->write_text(kJobIdFile, job->run_id + "\n");
+    if (const JobStart job = job_start(); job.max_restarts > 0 && !job.run_id.empty()) {
+      run->write_text(kJobIdFile, job.run_id + "\n");
     }
   }
   return run;
@@ -588,11 +589,6 @@ data::CorpusInfo prepare_data(const DataConfig& d) {
   prep.vocab_size = static_cast<int>(d.vocab_size);
   prep.val_fraction = d.val_fraction;
   return data::prepare_corpus(prep, [](const std::string& line) { fmt::print(stderr, "{}\n", line); });
-}
-
-const std::vector<std::string>& resume_settings() {
-  static const std::vector<std::string> keys = {"run.sample_tokens", "run.prompt", "run.progress"};
-  return keys;
 }
 
 TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {

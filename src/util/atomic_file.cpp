@@ -1,5 +1,7 @@
 #include "util/atomic_file.h"
 
+#include "util/temp_files.h"
+
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -12,7 +14,6 @@
 #include <filesystem>
 #include <limits>
 #include <stdexcept>
-#include <utility>
 
 namespace remat::util {
 
@@ -28,23 +29,27 @@ char g_temp_paths[kTempSlots][kTempPathBytes];
 std::atomic<bool> g_temp_claimed[kTempSlots];
 std::atomic<bool> g_temp_ready[kTempSlots];
 
-int register_temp(const std::string& path) {
-  if (path.size() >= kTempPathBytes) return -1;
+void register_temp(const std::string& path) {
+  if (path.size() >= kTempPathBytes) return;
   for (int i = 0; i < kTempSlots; ++i) {
     bool free = false;
     if (g_temp_claimed[i].compare_exchange_strong(free, true)) {
       std::memcpy(g_temp_paths[i], path.c_str(), path.size() + 1);
       g_temp_ready[i].store(true);
-      return i;
+      return;
     }
   }
-  return -1;
 }
 
-void unregister_temp(int slot) {
-  if (slot < 0) return;
-  g_temp_ready[slot].store(false);
-  g_temp_claimed[slot].store(false);
+// A temporary path names one live AtomicFile (it holds this process's pid).
+void unregister_temp(const std::string& path) {
+  for (int i = 0; i < kTempSlots; ++i) {
+    if (g_temp_ready[i].load() && path == g_temp_paths[i]) {
+      g_temp_ready[i].store(false);
+      g_temp_claimed[i].store(false);
+      return;
+    }
+  }
 }
 
 }  // namespace
@@ -84,10 +89,10 @@ bool is_temp_name_of(std::string_view name, std::string_view base) {
 }
 
 AtomicFile::AtomicFile(std::string path) : path_(std::move(path)), temp_path_(temp_path_of(path_)) {
-  slot_ = register_temp(temp_path_);
+  register_temp(temp_path_);
   file_ = std::fopen(temp_path_.c_str(), "wb");
   if (file_ == nullptr) {
-    unregister_temp(slot_);
+    unregister_temp(temp_path_);
     throw std::runtime_error("Cannot create " + temp_path_ + ": " + errno_text() + ".");
   }
 }
@@ -96,8 +101,8 @@ AtomicFile::~AtomicFile() {
   if (file_ != nullptr) {
     std::fclose(file_);
     std::remove(temp_path_.c_str());
+    unregister_temp(temp_path_);
   }
-  unregister_temp(slot_);
 }
 
 void AtomicFile::write(const void* data, size_t size) {
@@ -117,10 +122,11 @@ void AtomicFile::commit() {
   file_ = nullptr;
   if (!flushed || !closed) {
     std::remove(temp_path_.c_str());
+    unregister_temp(temp_path_);
     throw std::runtime_error("Cannot write " + temp_path_ + ": " + (flushed ? errno_text() : flush_error) + ".");
   }
   const bool renamed = std::rename(temp_path_.c_str(), path_.c_str()) == 0;
-  unregister_temp(std::exchange(slot_, -1));
+  unregister_temp(temp_path_);
   if (!renamed) {
     const std::string error = errno_text();
     std::remove(temp_path_.c_str());

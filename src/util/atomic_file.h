@@ -7,7 +7,6 @@
 #include <cstdio>
 #include <string>
 #include <string_view>
-#include <vector>
 
 namespace remat::util {
 
@@ -29,17 +28,7 @@ class AtomicFile {
   std::string path_;
   std::string temp_path_;
   std::FILE* file_ = nullptr;
-  int slot_ = -1;  ///< its place among the temporary files remove_open_temp_files sees; -1: none
 };
-
-/// Removes the temporary files of the AtomicFiles not yet committed or destroyed (up to 16
-/// at a time are known), with async-signal-safe calls only: for a signal handler that ends
-/// the process, so that it leaves no temporary file behind.
-void remove_open_temp_files();
-
-/// Removes the files of directory `dir` that AtomicFile wrote for one of `bases` (see
-/// is_temp_name_of) whose process no longer runs: those a killed process left.
-void remove_stale_temp_files(const std::string& dir, const std::vector<std::string>& bases);
 
 /// "<path>.tmp.<pid of this process>": where AtomicFile writes before the rename.
 std::string temp_path_of(const std::string& path);

@@ -1,6 +1,6 @@
 #include "util/stop_signals.h"
 
-#include "util/atomic_file.h"
+#include "util/temp_files.h"
 
 #include <fmt/format.h>
 

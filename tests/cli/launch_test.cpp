@@ -7,6 +7,7 @@
 #include "remat/cost.h"
 #include "remat/dist.h"
 #include "remat/model.h"
+#include "train/run_dir.h"
 #include "util/error_of.h"
 #include "util/launched_training.h"
 #include "util/processes.h"
@@ -151,16 +152,15 @@ TEST(LaunchEnvironment, ARankReadsItsStartAndItsJob) {
     }
     return nullptr;
   };
-  const auto job = remat::dist::launch_env(get);
-  ASSERT_TRUE(job.has_value());
-  EXPECT_EQ(job->rank, 1);
-  EXPECT_EQ(job->restart, 2);
-  EXPECT_EQ(job->max_restarts, 3);
-  EXPECT_EQ(job->run_id, "night");
+  EXPECT_EQ(remat::dist::launch_env(get).value().rank, 1);
+  const remat::JobStart job = remat::job_start(get);
+  EXPECT_EQ(job.restart, 2);
+  EXPECT_EQ(job.max_restarts, 3);
+  EXPECT_EQ(job.run_id, "night");
   for (std::string& e : env) {
     if (e.rfind("TORCHELASTIC_RESTART_COUNT=", 0) == 0) e = "TORCHELASTIC_RESTART_COUNT=-1";
   }
-  const std::string refusal = remat::testing::error_of<std::invalid_argument>([&] { remat::dist::launch_env(get); });
+  const std::string refusal = remat::testing::error_of<std::invalid_argument>([&] { remat::job_start(get); });
   EXPECT_NE(refusal.find("TORCHELASTIC_RESTART_COUNT"), std::string::npos) << refusal;
 }
 

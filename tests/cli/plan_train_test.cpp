@@ -114,14 +114,17 @@ TEST_F(PlanAsTrained, ARunsRecordedPricesGiveItsPlan) {
   std::mt19937 rng(20261128);
   const auto pick = [&](const std::vector<std::string>& from) { return from[rng() % from.size()]; };
   for (int trial = 0; trial < 10; ++trial) {
-    std::string settings = "model.preset=" + pick({"tiny-gpt2", "tiny-llama"}) +
-                           " train.grad_accum=" + pick({"1", "2"}) +
-                           " ac.host_budget=" + pick({"64KiB", "256KiB", "4MiB"});
+    std::string settings =
+        "model.preset=" + pick({"tiny-gpt2", "tiny-llama"}) + " train.grad_accum=" + pick({"1", "2"});
     if (trial % 3 == 2) {
-      settings += " ac.policy=" + pick({"modules:[core_attn]+offload:[input,mlp]", "full+offload:[input]",
-                                        "every:2+offload:[input,attn]"});
+      // A host budget beside a policy bounds its offload: these hold each policy's slots.
+      settings +=
+          " ac.policy=" +
+          pick({"modules:[core_attn]+offload:[input,mlp]", "full+offload:[input]", "every:2+offload:[input,attn]"}) +
+          " ac.host_budget=" + pick({"1MiB", "4MiB"});
     } else {
-      settings += " ac.budget=" + pick({"0.75", "0.8", "0.85", "0.9"});
+      settings +=
+          " ac.budget=" + pick({"0.75", "0.8", "0.85", "0.9"}) + " ac.host_budget=" + pick({"64KiB", "256KiB", "4MiB"});
     }
     if (trial % 4 == 1) settings += " model.attention=auto model.loss_head=auto";
     const fs::path run = train(settings);

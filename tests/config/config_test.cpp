@@ -1,4 +1,5 @@
 #include "util/error_of.h"
+#include "config/changed_keys.h"
 #include "remat/config.h"
 #include "remat/policy.h"
 #include "remat/ops/tiled_attention.h"

@@ -4,6 +4,7 @@
 #include "util/temp_dir.h"
 #include "util/atomic_file.h"
 #include "util/error_of.h"
+#include "util/temp_files.h"
 #include "util/file_limit.h"
 
 #include <gtest/gtest.h>
