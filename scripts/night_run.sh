@@ -4,8 +4,8 @@
 # random moments, against the same job never killed. Passes when the killed job ends by
 # itself with the weights and every logged loss, bitwise, of the other.
 #
-#   STEPS       steps of both jobs (default 20000: about an hour of the killed one on two
-#               idle cores, with the settings below)
+#   STEPS       steps of both jobs (default 20000; raise it until the reference job takes
+#               the night you want to test, its time is printed)
 #   KILLS       SIGKILLs of one rank, each at a moment drawn uniformly over the reference
 #               job's duration (default 3)
 #   SEED        the draws' seed (default 1)

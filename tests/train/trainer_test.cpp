@@ -140,11 +140,12 @@ TEST_F(Trainer, ASignalEndsTheFinalSampleWithTheWeightsWritten) {
   Config cfg = config("signalled");
   cfg.run.sample_tokens = 10000;
   const fs::path run = fs::path(cfg.run.out_dir) / "signalled";
-  // Ignored outside train(), which catches it: a signal sent late must not end the test.
-  struct sigaction ignore {
+  // Absorbed outside train(), which catches it: a signal sent late must not end the test.
+  // A handler, not SIG_IGN: a signal ignored from the start stays ignored (nohup's SIGHUP).
+  struct sigaction absorb {
   }, previous{};
-  ignore.sa_handler = SIG_IGN;
-  sigaction(SIGTERM, &ignore, &previous);
+  absorb.sa_handler = [](int) {};
+  sigaction(SIGTERM, &absorb, &previous);
   std::thread signaller([&] {
     while (!fs::exists(run / "checkpoints" / "step-00000004.safetensors")) {
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
