@@ -1,6 +1,7 @@
 #include "cli/launch.h"
 
 #include "train/run_dir.h"
+#include "util/stop_signals.h"
 #include "util/utf8.h"
 
 #include <arpa/inet.h>
@@ -339,6 +340,7 @@ bool stop_pending(const sigset_t& wanted) {
 
 int cmd_launch(const LaunchArgs& given) {
   check_args(given);
+  const util::Phase phase("running the job's ranks");
   LaunchArgs args = given;
   if (args.run_id.empty()) args.run_id = fmt::format("launch-{}-{}", ::getpid(), RunDir::timestamp());
 
