@@ -149,6 +149,11 @@ class Comm {
   /// every rank's heartbeat goes on (for work of unknown length on one rank, such as
   /// preparing a corpus); `what` names the wait in a failure.
   std::string await(const std::string& key, const std::string& what);
+  /// Stops the job with `message`: every other rank ends with it as its own error, in
+  /// whatever it waits for. Returns once they have read it (a lost rank is waited for at
+  /// most two heartbeat silences), for the caller to throw its own error; this rank's
+  /// collectives are unusable after it.
+  void abort(const std::string& message);
   /// Every rank leaves together: each says it finished (a rank still waiting for it then
   /// names it as finished, not lost), the heartbeats stop and a barrier makes sure no rank
   /// closes the store (rank 0 hosts it) while another still talks to it. Call at the end

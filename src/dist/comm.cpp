@@ -622,14 +622,23 @@ void Comm::post(const std::string& key, const std::string& value) {
 
 std::string Comm::await(const std::string& key, const std::string& what) {
   const std::string full = "posted/" + key;
+  // A store that fails here is rank 0 gone: fail() names it, where the store's own error
+  // would reach the user as a bare "Broken pipe".
+  const auto store = [&](const auto& op) {
+    try {
+      return op();
+    } catch (const std::exception& e) {
+      state_->fail(what, e.what());
+    }
+  };
   auto last_check = Clock::now();
   std::vector<int64_t> beats;
-  while (!state_->store->check({full})) {
+  while (!store([&] { return state_->store->check({full}); })) {
     if (auto posted = state_->posted_failure()) state_->leave(*posted);
     // Every few beats, every rank must have beaten since the last look.
     if (Clock::now() - last_check > kSilence) {
       std::vector<int64_t> now;
-      for (int r = 0; r < size_; ++r) now.push_back(state_->store->add(beat_key(r), 0));
+      for (int r = 0; r < size_; ++r) now.push_back(store([&] { return state_->store->add(beat_key(r), 0); }));
       for (size_t r = 0; r < beats.size(); ++r) {
         if (now[r] == beats[r] && static_cast<int>(r) != rank_) state_->fail(what, "no heartbeat");
       }
@@ -638,7 +647,19 @@ std::string Comm::await(const std::string& key, const std::string& what) {
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
-  return to_string(state_->store->get(full));
+  return to_string(store([&] { return state_->store->get(full); }));
+}
+
+void Comm::abort(const std::string& message) {
+  try {
+    // The first failure wins, as in fail(): a rank already diagnosing posts its own.
+    if (state_->store->add("diagnosing", 1) == 1) state_->store->set(kAbortKey, to_bytes(message));
+  } catch (const std::exception&) {
+    // No store: the others find rank 0 gone by themselves.
+  }
+  state_->stop_heart();
+  state_->abandon_groups();
+  state_->read_failure();
 }
 
 void Comm::barrier(const std::string& what) { state_->wait(state_->group->barrier(), what); }

@@ -153,14 +153,15 @@ void rank0_first(dist::Comm* comm, const std::string& what, const std::function<
     try {
       work();
     } catch (const std::exception& e) {
-      comm->post(key, e.what());
+      // Through the job's abort, which outlives this rank's exit until the others have
+      // read it: a plain post could be gone with rank 0's store before they look.
+      comm->abort(fmt::format("Rank 0 failed in {}: {}", what, e.what()));
       throw;
     }
     comm->post(key, "");
     return;
   }
-  const std::string failed = comm->await(key, what + " on rank 0");
-  if (!failed.empty()) throw std::runtime_error(fmt::format("Rank 0 failed in {}: {}", what, failed));
+  comm->await(key, what + " on rank 0");
   work();
 }
 

@@ -6,7 +6,9 @@
 
 #include <chrono>
 #include <csignal>
+#include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace remat {
@@ -32,6 +34,20 @@ TEST(Comm, ARankStillWaitingForOneThatFinishedSaysTheRanksDiverged) {
   }
   // A few missed heartbeats, well before the 30 s timeout.
   EXPECT_LT(seconds, 15.0);
+}
+
+// Rank 0 failing in work the others wait for (rank0_first: preparing the corpus, measuring
+// the profile) ends every rank with its sentence, a rank that looks only after rank 0 threw
+// too: rank 0's store closes with it. Seen: rank 1 said only "error: Broken pipe", and the
+// launcher stopped rank 0 before it said why.
+TEST(Comm, RankZerosFailureInWorkTheOthersAwaitReachesThemAsItsSentence) {
+  const std::vector<std::string> errors =
+      testing::gloo_rank_errors(2, 1, 1, std::chrono::seconds(30), [&](dist::Comm& comm) {
+        if (comm.rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(500));
+        rank0_first(&comm, "the test's work", [] { throw std::runtime_error("The work failed."); });
+      });
+  EXPECT_EQ(errors[0], "The work failed.");
+  EXPECT_EQ(errors[1], "Rank 0 failed in the test's work: The work failed.");
 }
 
 // Ranks that sample together stop at the same token: each caught its own signal (or none)
