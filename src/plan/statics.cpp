@@ -1,6 +1,7 @@
 #include "plan/statics.h"
 
 #include "remat/ops.h"
+#include "util/fused_adamw.h"
 
 #include <algorithm>
 #include <numeric>
@@ -45,8 +46,9 @@ OptimizerShare optimizer_share(const std::vector<graph::Param>& params, int64_t 
   int64_t highest = -1;
   for (size_t r = 0; r < load.size(); ++r) {
     s.moments = std::max(s.moments, load[r]);
-    if (2 * load[r] + 2 * largest[r] > highest) {
-      highest = 2 * load[r] + 2 * largest[r];
+    const int64_t peak = 2 * load[r] + (util::kFusedAdamW ? 0 : 2 * largest[r]);
+    if (peak > highest) {
+      highest = peak;
       s.rank = static_cast<int>(r);
     }
   }
@@ -75,10 +77,13 @@ void simulate_update(Live& live, const std::vector<graph::Param>& params, const 
       moments->push_back(make(bytes));
       moments->push_back(make(bytes));
     }
+    if (util::kFusedAdamW) continue;  // the fused kernel makes no temporaries
     SimTensor root = make(bytes);
     const SimTensor quotient = make(bytes);
     root.reset();
   }
+  // The fused kernel's step count, a float32 scalar made after the moments.
+  if (first && util::kFusedAdamW && !share.updated.empty()) moments->push_back(make(nbytes(1, at::kFloat)));
 }
 
 graph::BlockGraph shape_block(const ModelConfig& cfg, const StepShape& shape, const Layout& layout) {

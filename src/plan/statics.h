@@ -21,9 +21,9 @@ int64_t numel(const graph::Param& p);
 at::ScalarType master_dtype(at::ScalarType compute);
 
 /// What the optimizer of the ranks holds: the elements whose moments the busiest rank
-/// keeps, and the rank whose update peaks highest (its moments plus the two temporaries of
-/// its largest parameter), with the parameters it updates in AdamW's order (its group of
-/// matrices, then the rest). One rank: every parameter.
+/// keeps, and the rank whose update peaks highest (its moments, plus the two temporaries of
+/// its largest parameter where AdamW is not fused), with the parameters it updates in
+/// AdamW's order (its group of matrices, then the rest). One rank: every parameter.
 struct OptimizerShare {
   int64_t moments = 0;          ///< elements, for each of the two moments, of the busiest rank
   int rank = 0;                 ///< the rank whose update peaks highest (the lowest of equals)
@@ -34,9 +34,10 @@ OptimizerShare optimizer_share(const std::vector<graph::Param>& params, int64_t 
 
 /// The update of `share`'s rank on `live`, as the trainer runs it: every gradient squared
 /// for the norm (one at a time, the sums kept until the total), then per updated parameter
-/// AdamW's denominator, a square root and its quotient, live at once. Where `moments` is
-/// given and empty (a first update), each updated parameter's two moments are made into it
-/// first, as AdamW makes them.
+/// AdamW's denominator, a square root and its quotient, live at once (none where AdamW is
+/// fused, util::kFusedAdamW). Where `moments` is given and empty (a first update), each
+/// updated parameter's two moments are made into it first, as AdamW makes them, and the
+/// fused kernel's step count after them.
 void simulate_update(Live& live, const std::vector<graph::Param>& params, const OptimizerShare& share,
                      at::ScalarType master, std::vector<SimTensor>* moments);
 

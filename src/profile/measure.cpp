@@ -1,4 +1,5 @@
 #include "dist/ranks.h"
+#include "model/adamw.h"
 #include "profile/cache.h"
 #include "remat/cost.h"
 #include "remat/memory.h"
@@ -9,7 +10,6 @@
 
 #include <ATen/Parallel.h>
 #include <fmt/format.h>
-#include <torch/optim/adamw.h>
 
 #include <algorithm>
 #include <array>
@@ -88,15 +88,14 @@ void measure_update(const Config& cfg, Model& model, TimeProfile& p) {
   std::vector<int64_t> numels;
   for (const auto& prm : model.params()) numels.push_back(prm.value.numel());
   const std::vector<int> owner = cost::zero_owners(numels, profile::zero_ranks(cfg));
-  std::vector<at::Tensor> copies, grads;
+  std::vector<at::Tensor> grads;
+  std::vector<AdamWParam> copies;
   for (size_t i = 0; i < model.params().size(); ++i) {
-    grads.push_back(at::zeros_like(model.params()[i].grad));
-    if (owner[i] != 0) continue;
-    at::Tensor c = model.params()[i].value.detach().clone();
-    c.mutable_grad() = grads.back();
-    copies.push_back(c);
+    const Param& prm = model.params()[i];
+    grads.push_back(at::zeros_like(prm.grad));
+    if (owner[i] == 0) copies.push_back({prm.value.detach().clone(), grads.back(), prm.decay});
   }
-  torch::optim::AdamW scratch(copies, torch::optim::AdamWOptions(t.lr).weight_decay(t.weight_decay));
+  AdamW scratch(std::move(copies), AdamWSettings{.beta1 = t.beta1, .beta2 = t.beta2, .weight_decay = t.weight_decay});
   const at::ScalarType compute = model.compute_dtype();
   for (int rep = 0; rep < 2; ++rep) {
     synchronize(device);
@@ -105,7 +104,7 @@ void measure_update(const Config& cfg, Model& model, TimeProfile& p) {
     std::vector<at::Tensor> squares;
     for (const auto& g : grads) squares.push_back(g.pow(2).sum());
     at::stack(squares).sum().item<double>();
-    scratch.step();
+    scratch.step(t.lr);
     // An update changes every weight, so the next pass casts each to the compute dtype anew.
     for (const auto& prm : model.params()) {
       if (prm.value.scalar_type() != compute) (void)prm.value.to(compute);

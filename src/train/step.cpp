@@ -12,7 +12,6 @@
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
-#include <torch/version.h>
 
 #include <algorithm>
 #include <chrono>
@@ -119,32 +118,17 @@ void from_owners(std::vector<at::Tensor> tensors, const std::vector<bool>& owned
   group.all_reduce(tensors, dist::Reduce::sum, what);
 }
 
-std::vector<torch::optim::OptimizerParamGroup> adamw_groups(Model& model, const TrainConfig& t,
-                                                            const std::vector<bool>& owned) {
-  std::vector<at::Tensor> decay, no_decay;
+// The parameters this rank updates, in the model's order.
+std::vector<AdamWParam> adamw_params(Model& model, const std::vector<bool>& owned) {
+  std::vector<AdamWParam> params;
   for (size_t i = 0; i < model.params().size(); ++i) {
-    Param& p = model.params()[i];
-    p.value.mutable_grad() = p.grad;  // the optimizer reads the accumulators we fill
-    if (owned[i]) (p.decay ? decay : no_decay).push_back(p.value);
+    const Param& p = model.params()[i];
+    if (owned[i]) params.push_back({p.value, p.grad, p.decay});
   }
-  using torch::optim::AdamWOptions;
-  std::vector<torch::optim::OptimizerParamGroup> groups;
-  groups.emplace_back(
-      decay, std::make_unique<AdamWOptions>(AdamWOptions(t.lr).betas({t.beta1, t.beta2}).weight_decay(t.weight_decay)));
-  groups.emplace_back(no_decay,
-                      std::make_unique<AdamWOptions>(AdamWOptions(t.lr).betas({t.beta1, t.beta2}).weight_decay(0.0)));
-  return groups;
+  return params;
 }
 
 constexpr const char* kCheckpointFormat = "remat training checkpoint 1";
-
-// The optimizer's key for a parameter's state (LibTorch's own convention: the TensorImpl's
-// address, printed as a string before LibTorch 2).
-#if TORCH_VERSION_MAJOR >= 2
-void* state_key(const at::Tensor& param) { return param.unsafeGetTensorImpl(); }
-#else
-std::string state_key(const at::Tensor& param) { return c10::guts::to_string(param.unsafeGetTensorImpl()); }
-#endif
 
 // The index of the first parameter of `model` whose values (with `grads`: gradients) hold
 // a NaN or an infinity; -1 when none does. One pass, one host read.
@@ -233,7 +217,8 @@ TrainStep::TrainStep(Model& model, const TrainConfig& train, uint64_t seed, dist
       // with its transfers.
       overlap_(overlap && ranks != nullptr && ranks->data().size() > 1 && ranks->pipeline().size() == 1 &&
                std::none_of(model.params().begin(), model.params().end(), [](const Param& p) { return p.partial; })),
-      optimizer_(adamw_groups(model, train, owned_), torch::optim::AdamWOptions(train.lr)) {
+      optimizer_(adamw_params(model, owned_),
+                 AdamWSettings{.beta1 = train.beta1, .beta2 = train.beta2, .weight_decay = train.weight_decay}) {
   TORCH_CHECK(zero == 0 || zero == 1, "[TrainStep] zero must be 0 or 1 (parallel.zero), got ", zero);
   const NormSlots slots = norm_slots(model, pipe_);
   norm_first_ = slots.first;
@@ -245,7 +230,6 @@ StepResult TrainStep::run(int64_t step, const data::TokenDataset& data, std::mt1
   const at::Device device = model_.device();
   StepResult r;
   r.lr = learning_rate(t, step);
-  for (auto& g : optimizer_.param_groups()) static_cast<torch::optim::AdamWOptions&>(g.options()).lr(r.lr);
   memory::reset_peak(device);
   synchronize(device);
   if (traced) trace::start(device);
@@ -316,9 +300,8 @@ StepResult TrainStep::run(int64_t step, const data::TokenDataset& data, std::mt1
   }
   {
     const trace::Scope scope("optimizer step", trace::Category::step);
-    optimizer_.step();
+    optimizer_.step(r.lr);
   }
-  ++updates_;
   if (sharded_) {
     const trace::Scope scope("parameter exchange", trace::Category::step);
     std::vector<at::Tensor> values;
@@ -360,15 +343,16 @@ void TrainStep::save_checkpoint(const std::string& path, int64_t steps, const st
   const auto keep = [&](const std::string& name, const at::Tensor& t) {
     if (write || stage_giver) tensors.emplace_back(name, t);
   };
-  for (size_t i = 0; i < model_.params().size(); ++i) {
+  for (size_t i = 0, k = 0; i < model_.params().size(); ++i) {
     const Param& p = model_.params()[i];
     keep("param." + p.name, model_.whole(i, p.value));
-    if (updates_ == 0) continue;  // no moments yet
-    const torch::optim::AdamWParamState* s = nullptr;
-    if (owned_[i]) s = &static_cast<const torch::optim::AdamWParamState&>(*optimizer_.state().at(state_key(p.value)));
+    const bool own = owned_[i];
+    k += own ? 1 : 0;                         // the optimizer's index of parameter i is k - 1
+    if (optimizer_.updates() == 0) continue;  // no moments yet
     for (const bool second : {false, true}) {
       // The owner's own moment is summed with -0.0s in place, which leaves its bits as they are.
-      at::Tensor m = s != nullptr ? (second ? s->exp_avg_sq() : s->exp_avg()) : at::empty_like(p.value);
+      at::Tensor m =
+          own ? (second ? optimizer_.exp_avg_sq(k - 1) : optimizer_.exp_avg(k - 1)) : at::empty_like(p.value);
       if (sharded_) {
         from_owners({m}, {owned_[i]}, ranks_->data(),
                     fmt::format("gathering the optimizer's moments of {} for the checkpoint", p.name));
@@ -381,7 +365,7 @@ void TrainStep::save_checkpoint(const std::string& path, int64_t steps, const st
   rng_state << rng;
   std::map<std::string, std::string> metadata{{"format", kCheckpointFormat},
                                               {"steps", std::to_string(steps)},
-                                              {"adam_steps", std::to_string(updates_)},
+                                              {"adam_steps", std::to_string(optimizer_.updates())},
                                               {"rng", rng_state.str()}};
   metadata.insert(extra.begin(), extra.end());  // never in place of the step's own
   if (stage_giver) {
@@ -489,18 +473,15 @@ int64_t TrainStep::load_checkpoint(const std::string& path, std::mt19937_64& rng
   const int64_t steps = state.steps;
 
   c10::NoGradGuard no_grad;
-  optimizer_.state().clear();
+  std::vector<at::Tensor> firsts, seconds;
   for (size_t i = 0; i < model_.params().size(); ++i) {
     Param& p = model_.params()[i];
     p.value.copy_(model_.part(i, *file.find("param." + p.name)));
     if (adam_steps == 0 || !owned_[i]) continue;
-    auto s = std::make_unique<torch::optim::AdamWParamState>();
-    s->step(adam_steps);
-    s->exp_avg(model_.part(i, *file.find("exp_avg." + p.name)).to(p.value.device()).contiguous().clone());
-    s->exp_avg_sq(model_.part(i, *file.find("exp_avg_sq." + p.name)).to(p.value.device()).contiguous().clone());
-    optimizer_.state()[state_key(p.value)] = std::move(s);
+    firsts.push_back(model_.part(i, *file.find("exp_avg." + p.name)));
+    seconds.push_back(model_.part(i, *file.find("exp_avg_sq." + p.name)));
   }
-  updates_ = adam_steps;
+  optimizer_.restore(adam_steps, firsts, seconds);
   rng = restored;
   return steps;
 }

@@ -9,8 +9,7 @@
 #include "remat/pipeline.h"
 #include "remat/plan.h"
 #include "remat/store.h"
-
-#include <torch/optim/adamw.h>
+#include "model/adamw.h"
 
 #include <cstdint>
 #include <map>
@@ -115,8 +114,6 @@ class TrainStep {
   std::vector<bool> owned_;
   /// ZeRO-1 over more than one rank: the updated parameters are exchanged.
   bool sharded_;
-  /// AdamW updates so far, on every rank (a rank may own no parameter to count them by).
-  int64_t updates_ = 0;
   /// The pipeline group when the model is one of several stages, else null.
   dist::Group* pipe_;
   pipeline::Schedule schedule_;
@@ -125,7 +122,8 @@ class TrainStep {
   /// Where this stage's gradients stand in the whole model's order, for the gradient norm:
   /// the index of its first, and the model's count.
   int64_t norm_first_ = 0, norm_count_ = 0;
-  torch::optim::AdamW optimizer_;
+  /// Over the parameters this rank updates (owned_), in the model's order.
+  AdamW optimizer_;
 
   /// The first parameter whose values (with `grads`: gradients) are not finite over every
   /// rank, "" when none; with stages, named with the stage and rank that hold it. Every
