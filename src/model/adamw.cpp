@@ -2,6 +2,7 @@
 
 #include "util/fused_adamw.h"
 
+#include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 
 #if REMAT_FUSED_ADAMW
@@ -27,6 +28,8 @@ struct AdamW::Impl {
   // The step count the kernel reads for the bias corrections, one scalar on the values'
   // device, given to it once per tensor.
   at::Tensor count;
+
+  Impl(std::vector<AdamWParam> p, const AdamWSettings& s) : params(std::move(p)), settings(s) {}
 
   void step(double lr) {
     const c10::NoGradGuard no_grad;
@@ -73,9 +76,6 @@ struct AdamW::Impl {
     }
   }
 };
-
-AdamW::AdamW(std::vector<AdamWParam> params, const AdamWSettings& settings)
-    : impl_(std::make_unique<Impl>(Impl{std::move(params), settings})) {}
 
 #else
 // LibTorch's own optimizer in two groups (LibTorch 1.13 to 2.3); it keys each tensor's state
@@ -137,9 +137,10 @@ struct AdamW::Impl {
   }
 };
 
+#endif
+
 AdamW::AdamW(std::vector<AdamWParam> params, const AdamWSettings& settings)
     : impl_(std::make_unique<Impl>(std::move(params), settings)) {}
-#endif
 
 AdamW::~AdamW() = default;
 

@@ -61,6 +61,8 @@ OptimizerShare optimizer_share(const std::vector<graph::Param>& params, int64_t 
   return s;
 }
 
+int64_t step_count_bytes(bool updates) { return util::kFusedAdamW && updates ? nbytes(1, at::kFloat) : 0; }
+
 void simulate_update(Live& live, const std::vector<graph::Param>& params, const OptimizerShare& share,
                      at::ScalarType master, std::vector<SimTensor>* moments) {
   const auto make = [&](int64_t bytes) { return std::make_shared<Buffer>(&live, bytes); };
@@ -82,8 +84,10 @@ void simulate_update(Live& live, const std::vector<graph::Param>& params, const 
     const SimTensor quotient = make(bytes);
     root.reset();
   }
-  // The fused kernel's step count, a float32 scalar made after the moments.
-  if (first && util::kFusedAdamW && !share.updated.empty()) moments->push_back(make(nbytes(1, at::kFloat)));
+  // The fused kernel's step count, made after the moments.
+  if (first && step_count_bytes(!share.updated.empty()) > 0) {
+    moments->push_back(make(step_count_bytes(true)));
+  }
 }
 
 graph::BlockGraph shape_block(const ModelConfig& cfg, const StepShape& shape, const Layout& layout) {
@@ -128,7 +132,8 @@ StaticBytes static_bytes(const ModelConfig& model, const StepShape& shape, const
   StaticBytes s;
   s.params = nbytes(P, master);
   s.grads = nbytes(P, master);
-  s.optimizer = 2 * nbytes(optimizer_share(params, layout.zero_ranks()).moments, master);
+  const int64_t moments = optimizer_share(params, layout.zero_ranks()).moments;
+  s.optimizer = 2 * nbytes(moments, master) + step_count_bytes(moments > 0);
   s.compute_copies = shape.dtype != master ? nbytes(P, shape.dtype) : 0;
   if (graph::block_graph(cfg, 1, 1, shape.dtype).uses(graph::op::rope())) {
     s.params += ops::rope_tables_bytes(cfg.max_seq, cfg.head_dim(), shape.dtype);

@@ -32,6 +32,10 @@ struct OptimizerShare {
 };
 OptimizerShare optimizer_share(const std::vector<graph::Param>& params, int64_t ranks);
 
+/// The fused AdamW kernel's step count, a float32 scalar a rank holds beside its moments
+/// when it `updates` any parameter; 0 where AdamW is not fused (util::kFusedAdamW).
+int64_t step_count_bytes(bool updates);
+
 /// The update of `share`'s rank on `live`, as the trainer runs it: every gradient squared
 /// for the norm (one at a time, the sums kept until the total), then per updated parameter
 /// AdamW's denominator, a square root and its quotient, live at once (none where AdamW is

@@ -26,6 +26,7 @@ void StepWalk::hold_statics(int64_t workspace, bool moments_made, int64_t outsid
       moments_.push_back(make(nbytes(numel(params_[i]), master_)));
       moments_.push_back(make(nbytes(numel(params_[i]), master_)));
     }
+    if (step_count_bytes(!share_.updated.empty()) > 0) moments_.push_back(make(step_count_bytes(true)));
     busiest_ = make(2 * nbytes(share_.moments - share_.rank_moments, master_));
   }
   statics_.push_back(make(outside));

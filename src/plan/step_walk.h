@@ -74,9 +74,10 @@ class StepWalk {
 
   // What the step holds throughout, as the model and trainer allocate it: each parameter,
   // the rotary tables, the gradients' one flat buffer, the batches in flight, the BLAS
-  // workspace; AdamW's moments where `moments_made` (a step after the first), then also
-  // the moments the busiest rank holds beyond the rank walked (OptimizerShare), until the
-  // update, which is that rank's; `outside` bytes the device's requests do not list.
+  // workspace; AdamW's moments (and the fused kernel's step count) where `moments_made` (a
+  // step after the first), then also the moments the busiest rank holds beyond the rank
+  // walked (OptimizerShare), until the update, which is that rank's; `outside` bytes the
+  // device's requests do not list.
   void hold_statics(int64_t workspace, bool moments_made, int64_t outside);
 
   // One step's actions.

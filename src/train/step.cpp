@@ -11,6 +11,7 @@
 #include "util/utf8.h"
 
 #include <fmt/format.h>
+#include <c10/core/GradMode.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>

@@ -10,6 +10,7 @@
 #include "remat/model.h"
 #include "remat/safetensors.h"
 #include "train/step.h"
+#include "util/fused_adamw.h"
 #include "util/gloo_ranks.h"
 #include "util/seeded.h"
 #include "util/temp_dir.h"
@@ -193,7 +194,9 @@ TEST(Zero, TheCostModelHoldsTheBusiestRanksMoments) {
   shape.seq = kSeq;
   Layout layout;
   const cost::StaticBytes whole = cost::static_bytes(cfg, shape, layout);
-  EXPECT_EQ(whole.optimizer, 2 * 4 * model->num_params());
+  // The fused kernel's step count, a float32 scalar, beside the moments.
+  const int64_t count = util::kFusedAdamW ? 4 : 0;
+  EXPECT_EQ(whole.optimizer, 2 * 4 * model->num_params() + count);
   for (const int64_t ranks : {2, 3}) {
     layout.dp = ranks;
     layout.zero = 1;
@@ -204,13 +207,21 @@ TEST(Zero, TheCostModelHoldsTheBusiestRanksMoments) {
       largest[static_cast<size_t>(owner[i])] = std::max(largest[static_cast<size_t>(owner[i])], numels[i]);
     }
     const cost::StaticBytes sharded = cost::static_bytes(cfg, shape, layout);
-    EXPECT_EQ(sharded.optimizer, 2 * 4 * *std::max_element(load.begin(), load.end())) << ranks;
+    const int64_t busiest = *std::max_element(load.begin(), load.end());
+    EXPECT_EQ(sharded.optimizer, 2 * 4 * busiest + count) << ranks;
     EXPECT_EQ(sharded.params, whole.params);
     EXPECT_EQ(sharded.grads, whole.grads);
     // The optimizer step's point: a rank's own moments and its own largest update's two
-    // temporaries, the highest over the ranks.
+    // temporaries, the highest over the ranks. Fused, there are no temporaries: the busiest
+    // rank's moments and step count beside the gradient norm's squares, one gradient's at a
+    // time beside the float32 sums of those before it.
     int64_t step = 0;
     for (size_t r = 0; r < load.size(); ++r) step = std::max(step, 2 * 4 * (load[r] + largest[r]));
+    if (util::kFusedAdamW) {
+      int64_t norm = 0;
+      for (size_t i = 0; i < numels.size(); ++i) norm = std::max(norm, 4 * (numels[i] + static_cast<int64_t>(i) + 1));
+      step = 2 * 4 * busiest + count + norm;
+    }
     EXPECT_EQ(sharded.optimizer + cost::step_constants(cfg, shape, layout).optimizer, step) << ranks;
   }
 }
