@@ -1,7 +1,9 @@
 // Feeds `remat prepare`'s text past the checks the prepare harness covers, into the
 // tokenizer through the real SentencePiece library: every valid UTF-8 text without NUL
 // bytes (what read_utf8_file lets through) is encoded with a fixed model and used to train
-// a model of its own.
+// a model of its own. Every input, valid UTF-8 or not, also goes through the Hugging Face
+// byte-level BPE of the tests (Llama 3's layout), which must give back the text with each
+// invalid sequence replaced by U+FFFD.
 // A finding: a crash, an exception that is not a std::runtime_error sentence, an id outside
 // the vocabulary, or a text that does not decode back to itself (the models trained here
 // normalise nothing and fall back to bytes, so every text round-trips exactly, but for
@@ -65,10 +67,21 @@ const remat::data::Tokenizer& fixed_model() {
   return tok;
 }
 
+const remat::data::Tokenizer& byte_level() {
+  static const remat::data::Tokenizer tok =
+      remat::data::Tokenizer::load(REMAT_SOURCE_DIR "/tests/data/hf_tokenizers/llama3/tokenizer.json");
+  return tok;
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string_view text(reinterpret_cast<const char*>(data), size);
+  check_round_trip(byte_level(), remat::util::replace_invalid_utf8(text), "the byte-level BPE");
+  const std::vector<int32_t> raw = byte_level().encode(text);
+  if (raw != byte_level().encode(remat::util::replace_invalid_utf8(text))) {
+    remat::fuzz::finding("the byte-level BPE encodes invalid UTF-8 other than its replacement");
+  }
   // What `remat prepare` refuses before the tokenizer sees it.
   if (remat::util::find_invalid_utf8(text) != std::string_view::npos || text.find('\0') != std::string_view::npos) {
     return 0;

@@ -7,7 +7,7 @@ packages=(
   build-essential cmake ccache pkg-config
   libtorch-dev libgloo-dev libopenblas0-pthread libopenblas0-openmp
   libcli11-dev libtomlplusplus-dev nlohmann-json3-dev libfmt-dev libspdlog-dev
-  libsentencepiece-dev
+  libsentencepiece-dev libpcre2-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   bible-kjv bible-kjv-text
   gnuplot-nox

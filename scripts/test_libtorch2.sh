@@ -2,16 +2,18 @@
 # The LibTorch 2.x lane: builds remat and runs its unit, slow and brute-force tests
 # against Debian sid's libtorch-dev (a current LibTorch and GCC), in a root that
 # scripts/root.sh makes once per machine, with this tree mounted at /src and built into
-# build-libtorch2/. Needs root. Left to the main lane (scripts/test.sh): the process tests,
-# which drive the same library through the CLI and `remat launch` (the ranks' collectives
-# run here in the dist tests, as threads). Extra arguments go to ctest.
+# build-libtorch2/, after checking that Hugging Face's `tokenizers` still gives the
+# goldens the tokenizer tests hold remat to (tests/data/hf_tokenizers/). Needs root. Left
+# to the main lane (scripts/test.sh): the process tests, which drive the same library
+# through the CLI and `remat launch` (the ranks' collectives run here in the dist tests,
+# as threads). Extra arguments go to ctest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # sid's names for what scripts/setup.sh installs here; its libsentencepiece-dev includes
 # absl headers without depending on libabsl-dev.
 mapfile -t packages < <(bash scripts/setup.sh --list)
-packages+=(libabsl-dev)
+packages+=(libabsl-dev python3-tokenizers)
 bash scripts/root.sh make sid sid main "${packages[@]}" >/dev/null
 
 # ccache's files stay in the root (/root/.cache/ccache), its compiler being the root's;
@@ -21,6 +23,7 @@ bash scripts/root.sh run sid --bind "$PWD:/src" -- \
   CCACHE_SLOPPINESS=include_file_ctime,include_file_mtime,pch_defines,time_macros \
   bash -c 'set -e
     cd /src
+    python3 tests/data/hf_tokenizers/make_goldens.py check
     cmake -S . -B build-libtorch2 -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
     cmake --build build-libtorch2 -j "$(nproc)"
     (cd build-libtorch2 && ctest --output-on-failure -j "$(nproc)" -L "^(slow|brute_force)$" "$@")

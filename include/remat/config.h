@@ -92,7 +92,10 @@ struct TrainConfig {
 struct DataConfig {
   std::string text;           ///< UTF-8 text file to train on; empty: the King James Bible
   std::string dir = "data";   ///< where prepared corpora are cached
-  int64_t vocab_size = 2048;  ///< SentencePiece BPE vocabulary
+  int64_t vocab_size = 2048;  ///< SentencePiece BPE vocabulary trained when no tokenizer is given
+  /// A tokenizer to use instead of training one: a Hugging Face tokenizer.json, a
+  /// SentencePiece .model, or a model's folder holding one; empty: train one.
+  std::string tokenizer;
   double val_fraction = 0.05;
 };
 

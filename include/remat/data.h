@@ -1,7 +1,8 @@
 // Training data: preparing a tokenized corpus directory, and drawing token batches from it.
 //
 // A corpus directory holds
-//   tokenizer.model  the SentencePiece BPE model (see remat/tokenizer.h)
+//   tokenizer.model  the tokenizer, trained here or given (Tokenizer::save's form, see
+//                    remat/tokenizer.h)
 //   train.bin        training token ids, little-endian, uint16 (vocab <= 65536) or uint32
 //   val.bin          validation token ids, same encoding
 //   meta.json        source, text hash, options, token counts, checksums, unigram entropy
@@ -38,6 +39,10 @@ struct PrepareOptions {
   std::string out_dir = "data/kjv";
   /// Tokenizer vocabulary size, including 3 special and 256 byte pieces (>= 260).
   int vocab_size = 2048;
+  /// A tokenizer to use instead of training one (any form Tokenizer::load reads: a
+  /// Hugging Face tokenizer.json, a SentencePiece .model, a model's folder); vocab_size,
+  /// max_training_bytes and seed then go unused.
+  std::optional<std::string> tokenizer;
   /// Fraction of tokens held out for validation, in [0, 0.5].
   double val_fraction = 0.05;
   /// Number of contiguous validation stretches spread evenly through the text (>= 1).
@@ -57,6 +62,8 @@ struct CorpusInfo {
   std::string text_sha256;  // of the (cleaned) text that was tokenized
   int64_t text_bytes = 0;
   int vocab_size = 0;
+  /// "trained", or the absolute path of the tokenizer given.
+  std::string tokenizer_source;
   double val_fraction = 0;
   int val_blocks = 0;
   int64_t max_training_bytes = 0;
@@ -83,7 +90,8 @@ struct CorpusInfo {
   }
 };
 
-/// Reads the text, trains the tokenizer, encodes, splits and writes `options.out_dir`.
+/// Reads the text, trains the tokenizer (or reads the one given), encodes, splits and
+/// writes `options.out_dir`.
 /// When the directory's meta.json records the same text hash and options and every file
 /// checks out (sizes and SHA-256), nothing is rebuilt and the result has cached = true; a
 /// damaged or stale directory is rebuilt, saying why through `log`. Every file is written

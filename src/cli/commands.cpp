@@ -49,7 +49,9 @@ int cmd_prepare(const std::string& config_file, const std::vector<std::string>& 
   fmt::print("corpus     {}{}\n", info.dir, info.cached ? " (cached)" : "");
   fmt::print("source     {}\n", info.source);
   fmt::print("text       {} bytes, sha256 {}\n", info.text_bytes, info.text_sha256);
-  fmt::print("tokenizer  {}-piece BPE, {}\n", info.vocab_size, info.tokenizer_path());
+  fmt::print(
+      "tokenizer  {} tokens, {} ({})\n", info.vocab_size, info.tokenizer_path(),
+      info.tokenizer_source == "trained" ? "BPE trained here" : "from " + util::printable(info.tokenizer_source));
   fmt::print("tokens     {} train + {} validation ({}), {:.2f} bytes/token\n", info.train_tokens, info.val_tokens,
              info.token_bytes == 2 ? "uint16" : "uint32", info.bytes_per_token());
   fmt::print(

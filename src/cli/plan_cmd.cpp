@@ -5,6 +5,7 @@
 #include "remat/ops.h"
 #include "remat/planner.h"
 #include "remat/policy.h"
+#include "remat/tokenizer.h"
 #include "remat/trainer.h"
 #include "run/run.h"
 #include "dist/ranks.h"
@@ -350,7 +351,11 @@ RunSpec resolve(const Config& cfg, const PlanArgs& args) {
     in.corpus = data::load_corpus_info(in.corpus_dir);
   } catch (const std::exception&) {
   }
-  return resolve_run(cfg, in);
+  if (in.corpus || cfg.data.tokenizer.empty()) return resolve_run(cfg, in);
+  // Not prepared yet: the vocabulary is the given tokenizer's.
+  Config given = cfg;
+  given.data.vocab_size = data::Tokenizer::load(cfg.data.tokenizer).vocab_size();
+  return resolve_run(given, in);
 }
 
 }  // namespace

@@ -353,6 +353,8 @@ std::vector<ConfigKey> data_and_run_keys() {
   return {
       key("data.text", &C::data, &DataConfig::text, "text file; empty: King James Bible"),
       key("data.dir", &C::data, &DataConfig::dir, "prepared-corpus cache directory"),
+      key("data.tokenizer", &C::data, &DataConfig::tokenizer,
+          "tokenizer.json, .model or model folder; empty: train one"),
       key("data.vocab_size", &C::data, &DataConfig::vocab_size, "BPE vocabulary size",
           KeyRange{.min = 260, .unit = "pieces", .why = "256 byte pieces plus the specials", .example = "2048"}),
       key("data.val_fraction", &C::data, &DataConfig::val_fraction, "validation share",

@@ -214,6 +214,7 @@ void check_run(const Config& c) {
   check_path("run.record_allocations", c.run.record_allocations);
   check_path("data.dir", c.data.dir);
   check_path("data.text", c.data.text);
+  check_path("data.tokenizer", c.data.tokenizer);
   if (c.run.name.find_first_not_of("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-") !=
           std::string::npos ||
       c.run.name == "." || c.run.name == "..") {

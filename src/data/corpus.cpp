@@ -17,7 +17,6 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
-#include <thread>
 
 #include "remat/data.h"
 #include "remat/tokenizer.h"
@@ -43,6 +42,8 @@ constexpr const char* kBibleSource =
 constexpr int kRecipe = 1;
 constexpr int kEncodeThreads = 2;
 constexpr int kTrainThreads = 2;
+// What meta.json's tokenizer.source says of a tokenizer trained here.
+constexpr const char* kTrained = "trained";
 
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "token files are little-endian and written from memory as is");
 
@@ -97,55 +98,6 @@ std::string clean_kjv(std::string_view raw) {
     text += '\n';
   }
   return text;
-}
-
-// Encodes line by line (SentencePiece's cost grows superlinearly within one string, and no
-// piece spans a newline), on a few threads over contiguous parts. `line_starts` receives
-// the token offset where each line begins.
-std::vector<int32_t> encode_text(const Tokenizer& tok, std::string_view text, std::vector<int64_t>& line_starts) {
-  std::vector<size_t> bounds = {0};
-  for (int part = 1; part < kEncodeThreads; ++part) {
-    size_t cut = text.size() * part / kEncodeThreads;
-    cut = text.find('\n', std::max(cut, bounds.back()));
-    bounds.push_back(cut == std::string_view::npos ? text.size() : cut + 1);
-  }
-  bounds.push_back(text.size());
-
-  const size_t parts = bounds.size() - 1;
-  std::vector<std::vector<int32_t>> ids(parts);
-  std::vector<std::vector<int64_t>> starts(parts);
-  std::vector<std::exception_ptr> errors(parts);
-  auto work = [&](size_t part) {
-    try {
-      size_t pos = bounds[part];
-      while (pos < bounds[part + 1]) {
-        size_t end = text.find('\n', pos);
-        end = end == std::string_view::npos ? text.size() : end + 1;
-        starts[part].push_back(static_cast<int64_t>(ids[part].size()));
-        const std::vector<int32_t> line = tok.encode(text.substr(pos, end - pos));
-        ids[part].insert(ids[part].end(), line.begin(), line.end());
-        pos = end;
-      }
-    } catch (...) {
-      errors[part] = std::current_exception();
-    }
-  };
-  std::vector<std::thread> threads;
-  for (size_t part = 1; part < parts; ++part) threads.emplace_back(work, part);
-  work(0);
-  for (auto& t : threads) t.join();
-  for (auto& e : errors) {
-    if (e) std::rethrow_exception(e);
-  }
-
-  std::vector<int32_t> all;
-  line_starts.clear();
-  for (size_t part = 0; part < parts; ++part) {
-    const auto offset = static_cast<int64_t>(all.size());
-    for (int64_t s : starts[part]) line_starts.push_back(offset + s);
-    all.insert(all.end(), ids[part].begin(), ids[part].end());
-  }
-  return all;
 }
 
 // Moves `x` to the nearest line start within `tolerance` tokens, if there is one.
@@ -204,20 +156,22 @@ std::string pack_tokens(const std::vector<int32_t>& ids, int token_bytes) {
 const char* dtype_name(int token_bytes) { return token_bytes == 2 ? "uint16" : "uint32"; }
 
 json to_json(const CorpusInfo& info) {
+  json tokenizer = {{"file", "tokenizer.model"},
+                    {"source", info.tokenizer_source},
+                    {"sha256", info.tokenizer_sha256},
+                    {"vocab_size", info.vocab_size},
+                    {"max_training_bytes", info.max_training_bytes},
+                    {"seed", info.seed}};
+  // How a tokenizer trained here was trained (a given one's file says what it is).
+  if (info.tokenizer_source == kTrained) {
+    tokenizer.update({{"model_type", "bpe"}, {"byte_fallback", true}, {"num_threads", kTrainThreads}});
+  }
   return json{
       {"format", "remat-corpus"},
       {"recipe", kRecipe},
       {"source", info.source},
       {"text", {{"sha256", info.text_sha256}, {"bytes", info.text_bytes}}},
-      {"tokenizer",
-       {{"file", "tokenizer.model"},
-        {"sha256", info.tokenizer_sha256},
-        {"model_type", "bpe"},
-        {"vocab_size", info.vocab_size},
-        {"byte_fallback", true},
-        {"max_training_bytes", info.max_training_bytes},
-        {"seed", info.seed},
-        {"num_threads", kTrainThreads}}},
+      {"tokenizer", tokenizer},
       {"split", {{"val_fraction", info.val_fraction}, {"val_blocks", info.val_blocks}}},
       {"tokens",
        {{"dtype", dtype_name(info.token_bytes)},
@@ -255,6 +209,7 @@ CorpusInfo from_json(const json& j, const std::string& dir) {
   info.text_bytes = whole(j.at("text").at("bytes"), "text.bytes", 0, kMaxCount, dir);
   const json& tok = j.at("tokenizer");
   info.tokenizer_sha256 = tok.at("sha256").get<std::string>();
+  info.tokenizer_source = tok.value("source", std::string(kTrained));
   info.vocab_size = static_cast<int>(whole(tok.at("vocab_size"), "tokenizer.vocab_size", 1, 1 << 24, dir));
   info.max_training_bytes =
       whole(tok.at("max_training_bytes"), "tokenizer.max_training_bytes", kInt64Min, kInt64Max, dir);
@@ -328,8 +283,15 @@ std::string check_hashes(const CorpusInfo& info) {
 
 // Empty when a corpus built with `options` from text hashing to `text_sha256` would
 // equal `info`; else the first difference.
-std::string cache_mismatch(const CorpusInfo& info, const PrepareOptions& options, const std::string& text_sha256) {
+std::string cache_mismatch(const CorpusInfo& info, const PrepareOptions& options, const std::string& text_sha256,
+                           const std::optional<Tokenizer>& given) {
   if (info.text_sha256 != text_sha256) return "the text changed";
+  if (given) {
+    return info.tokenizer_source == kTrained || info.tokenizer_sha256 != util::sha256_hex(given->serialized())
+               ? "the tokenizer changed"
+               : "";
+  }
+  if (info.tokenizer_source != kTrained) return "the tokenizer was given, now it is trained";
   if (info.vocab_size != options.vocab_size) {
     return "vocab_size was " + std::to_string(info.vocab_size) + ", now " + std::to_string(options.vocab_size);
   }
@@ -344,7 +306,7 @@ std::string cache_mismatch(const CorpusInfo& info, const PrepareOptions& options
 
 void check_options(const PrepareOptions& o) {
   if (o.out_dir.empty()) throw std::runtime_error("The corpus needs an output directory.");
-  if (o.vocab_size < 260 || o.vocab_size > (1 << 24)) {
+  if (!o.tokenizer && (o.vocab_size < 260 || o.vocab_size > (1 << 24))) {
     throw std::runtime_error("The vocabulary size must be between 260 and 16777216, got " +
                              std::to_string(o.vocab_size) + ".");
   }
@@ -505,91 +467,28 @@ CorpusInfo load_corpus_info(const std::string& dir) {
   return info;
 }
 
-CorpusInfo prepare_corpus(const PrepareOptions& options, const Log& log) {
-  check_options(options);
-  const auto start = std::chrono::steady_clock::now();
-  const std::string& dir = options.out_dir;
+namespace {
 
-  std::string text, source;
-  if (options.text_file) {
-    say(log, "reading " + *options.text_file);
-    text = read_utf8_file(*options.text_file);
-    source = "file " + fs::absolute(*options.text_file).lexically_normal().string();
-  } else {
-    say(log, std::string("reading the King James Bible (`") + kBibleCommand + "`)");
-    text = read_kjv_text();
-    source = kBibleSource;
-  }
-  const std::string text_sha256 = util::sha256_hex(text);
-
-  if (!options.force && fs::exists(dir + "/meta.json")) {
-    std::string why;
-    try {
-      CorpusInfo cached = read_meta(dir);
-      why = cache_mismatch(cached, options, text_sha256);
-      if (why.empty()) why = check_sizes(cached);
-      if (why.empty()) why = check_hashes(cached);
-      if (why.empty()) {
-        say(log, dir + " is up to date (" + with_commas(cached.train_tokens) + " train, " +
-                     with_commas(cached.val_tokens) + " val tokens); nothing to do");
-        cached.cached = true;
-        return cached;
-      }
-    } catch (const std::exception& e) {
-      why = e.what();
-    }
-    say(log, "rebuilding " + dir + ": " + why);
-  }
-
-  CorpusInfo info;
-  info.dir = dir;
-  info.source = source;
-  info.text_sha256 = text_sha256;
-  info.text_bytes = static_cast<int64_t>(text.size());
-  info.vocab_size = options.vocab_size;
-  info.val_fraction = options.val_fraction;
-  info.val_blocks = options.val_blocks;
-  info.max_training_bytes = options.max_training_bytes;
-  info.seed = options.seed;
-  info.token_bytes = options.vocab_size <= 65536 ? 2 : 4;
-
+// A tokenizer trained on `text` as `options` say.
+Tokenizer train_tokenizer(const PrepareOptions& options, std::string_view text, const Log& log) {
   say(log, "training a " + std::to_string(options.vocab_size) + "-piece BPE tokenizer on " +
-               with_commas(info.text_bytes) + " bytes");
-  auto t = std::chrono::steady_clock::now();
+               with_commas(static_cast<int64_t>(text.size())) + " bytes");
+  const auto t = std::chrono::steady_clock::now();
   TokenizerTrainOptions tok_options;
   tok_options.vocab_size = options.vocab_size;
   tok_options.num_threads = kTrainThreads;
   tok_options.max_training_bytes = options.max_training_bytes;
   tok_options.seed = options.seed;
-  const Tokenizer tok = Tokenizer::train(text, tok_options);
+  Tokenizer tok = Tokenizer::train(text, tok_options);
   say(log, fmt::format("tokenizer trained in {:.2f} s", seconds_since(t)));
+  return tok;
+}
 
-  t = std::chrono::steady_clock::now();
-  std::vector<int64_t> line_starts;
-  const std::vector<int32_t> ids = encode_text(tok, text, line_starts);
-  say(log,
-      fmt::format("encoded {} tokens in {:.2f} s ({:.2f} bytes/token)", with_commas(static_cast<int64_t>(ids.size())),
-                  seconds_since(t), static_cast<double>(text.size()) / static_cast<double>(ids.size())));
-
-  std::vector<int32_t> train, val;
-  split_tokens(ids, line_starts, options.val_fraction, options.val_blocks, train, val);
-  // An empty split would be found only by a run's first validation, after the corpus is written.
-  if (options.val_fraction > 0 && val.empty()) {
-    throw std::runtime_error(fmt::format(
-        "The text {} encodes to {} tokens, too few for a validation split of data.val_fraction = {}: it would be "
-        "empty; train on a longer text, or raise data.val_fraction.",
-        util::printable(source), ids.size(), options.val_fraction));
-  }
-  info.train_tokens = static_cast<int64_t>(train.size());
-  info.val_tokens = static_cast<int64_t>(val.size());
-  info.train_unigram_entropy = unigram_entropy(train, options.vocab_size);
-
-  const std::string train_bytes = pack_tokens(train, info.token_bytes);
-  const std::string val_bytes = pack_tokens(val, info.token_bytes);
-  info.tokenizer_sha256 = util::sha256_hex(tok.serialized());
-  info.train_sha256 = util::sha256_hex(train_bytes);
-  info.val_sha256 = util::sha256_hex(val_bytes);
-  // The directory is touched only now, so a failure above leaves an existing corpus intact.
+// Writes the corpus files, meta.json last, into `info.dir`.
+void write_corpus(CorpusInfo& info, const Tokenizer& tok, const std::string& train_bytes, const std::string& val_bytes,
+                  std::chrono::steady_clock::time_point start) {
+  const std::string& dir = info.dir;
+  // The directory is touched only now, so a failure before leaves an existing corpus intact.
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (!fs::is_directory(dir)) {
@@ -608,11 +507,101 @@ CorpusInfo prepare_corpus(const PrepareOptions& options, const Log& log) {
   util::write_file_atomically(info.val_path(), val_bytes);
   info.prepare_seconds = seconds_since(start);
   util::write_file_atomically(info.meta_path(), to_json(info).dump(2) + "\n");
+}
+
+// The cached corpus in `dir` when it matches, else nothing (saying why it is rebuilt).
+std::optional<CorpusInfo> cached_corpus(const PrepareOptions& options, const std::string& text_sha256,
+                                        const std::optional<Tokenizer>& given, const Log& log) {
+  const std::string& dir = options.out_dir;
+  if (options.force || !fs::exists(dir + "/meta.json")) return std::nullopt;
+  std::string why;
+  try {
+    CorpusInfo cached = read_meta(dir);
+    why = cache_mismatch(cached, options, text_sha256, given);
+    if (why.empty()) why = check_sizes(cached);
+    if (why.empty()) why = check_hashes(cached);
+    if (why.empty()) {
+      say(log, dir + " is up to date (" + with_commas(cached.train_tokens) + " train, " +
+                   with_commas(cached.val_tokens) + " val tokens); nothing to do");
+      cached.cached = true;
+      return cached;
+    }
+  } catch (const std::exception& e) {
+    why = e.what();
+  }
+  say(log, "rebuilding " + dir + ": " + why);
+  return std::nullopt;
+}
+
+}  // namespace
+
+CorpusInfo prepare_corpus(const PrepareOptions& options, const Log& log) {
+  check_options(options);
+  const auto start = std::chrono::steady_clock::now();
+
+  std::string text, source;
+  if (options.text_file) {
+    say(log, "reading " + *options.text_file);
+    text = read_utf8_file(*options.text_file);
+    source = "file " + fs::absolute(*options.text_file).lexically_normal().string();
+  } else {
+    say(log, std::string("reading the King James Bible (`") + kBibleCommand + "`)");
+    text = read_kjv_text();
+    source = kBibleSource;
+  }
+  const std::string text_sha256 = util::sha256_hex(text);
+  std::optional<Tokenizer> given;
+  if (options.tokenizer) {
+    say(log, "reading the tokenizer " + util::printable(*options.tokenizer));
+    given = Tokenizer::load(*options.tokenizer);
+  }
+  if (auto cached = cached_corpus(options, text_sha256, given, log)) return *cached;
+
+  const Tokenizer tok = given ? *given : train_tokenizer(options, text, log);
+  CorpusInfo info;
+  info.dir = options.out_dir;
+  info.source = source;
+  info.text_sha256 = text_sha256;
+  info.text_bytes = static_cast<int64_t>(text.size());
+  info.vocab_size = tok.vocab_size();
+  info.val_fraction = options.val_fraction;
+  info.val_blocks = options.val_blocks;
+  info.max_training_bytes = options.max_training_bytes;
+  info.seed = options.seed;
+  info.token_bytes = info.vocab_size <= 65536 ? 2 : 4;
+  info.tokenizer_source = given ? fs::absolute(*options.tokenizer).lexically_normal().string() : kTrained;
+
+  const auto t = std::chrono::steady_clock::now();
+  std::vector<int64_t> line_starts;
+  const std::vector<int32_t> ids = tok.encode_text(text, line_starts, kEncodeThreads);
+  say(log,
+      fmt::format("encoded {} tokens in {:.2f} s ({:.2f} bytes/token)", with_commas(static_cast<int64_t>(ids.size())),
+                  seconds_since(t), static_cast<double>(text.size()) / static_cast<double>(ids.size())));
+
+  std::vector<int32_t> train, val;
+  split_tokens(ids, line_starts, options.val_fraction, options.val_blocks, train, val);
+  // An empty split would be found only by a run's first validation, after the corpus is written.
+  if (options.val_fraction > 0 && val.empty()) {
+    throw std::runtime_error(fmt::format(
+        "The text {} encodes to {} tokens, too few for a validation split of data.val_fraction = {}: it would be "
+        "empty; train on a longer text, or raise data.val_fraction.",
+        util::printable(source), ids.size(), options.val_fraction));
+  }
+  info.train_tokens = static_cast<int64_t>(train.size());
+  info.val_tokens = static_cast<int64_t>(val.size());
+  info.train_unigram_entropy = unigram_entropy(train, info.vocab_size);
+
+  const std::string train_bytes = pack_tokens(train, info.token_bytes);
+  const std::string val_bytes = pack_tokens(val, info.token_bytes);
+  info.tokenizer_sha256 = util::sha256_hex(tok.serialized());
+  info.train_sha256 = util::sha256_hex(train_bytes);
+  info.val_sha256 = util::sha256_hex(val_bytes);
+  write_corpus(info, tok, train_bytes, val_bytes, start);
 
   say(log, fmt::format("wrote {}: {} train + {} val tokens ({}), unigram entropy {:.3f} "
                        "nats/token, in {:.2f} s",
-                       dir, with_commas(info.train_tokens), with_commas(info.val_tokens), dtype_name(info.token_bytes),
-                       info.train_unigram_entropy, info.prepare_seconds));
+                       info.dir, with_commas(info.train_tokens), with_commas(info.val_tokens),
+                       dtype_name(info.token_bytes), info.train_unigram_entropy, info.prepare_seconds));
   return info;
 }
 

@@ -7,16 +7,27 @@
 #include <cctype>
 #include <climits>
 #include <cstdlib>
+#include <exception>
+#include <filesystem>
+#include <nlohmann/json.hpp>
 #include <stdexcept>
+#include <thread>
 
+#include "data/byte_level_bpe.h"
 #include "data/sentencepiece_shim.h"
 #include "util/atomic_file.h"
+#include "util/utf8.h"
 
 namespace remat::data {
 
 namespace {
 
 constexpr const char* kShimName = "libremat_sentencepiece.so";
+// save()'s form of a byte-level BPE: its tokenizer.json and tokenizer_config.json texts in
+// one JSON object, whose sorted keys put this marker first.
+constexpr std::string_view kBpeMarker = R"({"format":"remat-byte-level-bpe",)";
+// Far above any tokenizer published (Llama 3's tokenizer.json is 9 MB).
+constexpr int64_t kMaxTokenizerBytes = int64_t{1} << 30;
 
 // The shim's entry points, resolved once per process.
 struct ShimApi {
@@ -148,6 +159,56 @@ std::vector<std::string_view> training_sentences(std::string_view text) {
   return sentences;
 }
 
+// A SentencePiece model's encoding of `text` line by line (its cost grows faster than a
+// line's length, and no piece spans a newline in models trained here), on `threads`
+// threads over contiguous parts; `line_starts` receives where each line's tokens begin.
+std::vector<int32_t> encode_lines(const Tokenizer& tok, std::string_view text, std::vector<int64_t>& line_starts,
+                                  int threads) {
+  std::vector<size_t> bounds = {0};
+  for (int part = 1; part < threads; ++part) {
+    size_t cut = text.size() * static_cast<size_t>(part) / static_cast<size_t>(threads);
+    cut = text.find('\n', std::max(cut, bounds.back()));
+    bounds.push_back(cut == std::string_view::npos ? text.size() : cut + 1);
+  }
+  bounds.push_back(text.size());
+
+  const size_t parts = bounds.size() - 1;
+  std::vector<std::vector<int32_t>> ids(parts);
+  std::vector<std::vector<int64_t>> starts(parts);
+  std::vector<std::exception_ptr> errors(parts);
+  auto work = [&](size_t part) {
+    try {
+      size_t pos = bounds[part];
+      while (pos < bounds[part + 1]) {
+        size_t end = text.find('\n', pos);
+        end = end == std::string_view::npos ? text.size() : end + 1;
+        starts[part].push_back(static_cast<int64_t>(ids[part].size()));
+        const std::vector<int32_t> line = tok.encode(text.substr(pos, end - pos));
+        ids[part].insert(ids[part].end(), line.begin(), line.end());
+        pos = end;
+      }
+    } catch (...) {
+      errors[part] = std::current_exception();
+    }
+  };
+  std::vector<std::thread> pool;
+  for (size_t part = 1; part < parts; ++part) pool.emplace_back(work, part);
+  work(0);
+  for (auto& t : pool) t.join();
+  for (auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+
+  std::vector<int32_t> all;
+  line_starts.clear();
+  for (size_t part = 0; part < parts; ++part) {
+    const auto offset = static_cast<int64_t>(all.size());
+    for (int64_t s : starts[part]) line_starts.push_back(offset + s);
+    all.insert(all.end(), ids[part].begin(), ids[part].end());
+  }
+  return all;
+}
+
 }  // namespace
 
 struct Tokenizer::Handle {
@@ -157,8 +218,8 @@ struct Tokenizer::Handle {
   }
 };
 
-Tokenizer::Tokenizer(std::shared_ptr<Handle> handle, std::string model)
-    : handle_(std::move(handle)), model_(std::move(model)) {}
+Tokenizer::Tokenizer(std::shared_ptr<Handle> handle, std::shared_ptr<const ByteLevelBpe> bpe, std::string model)
+    : handle_(std::move(handle)), bpe_(std::move(bpe)), model_(std::move(model)) {}
 
 Tokenizer Tokenizer::train(std::string_view text, const TokenizerTrainOptions& options) {
   if (options.vocab_size < 260) {
@@ -256,27 +317,85 @@ Tokenizer Tokenizer::train(std::string_view text, const TokenizerTrainOptions& o
   auto handle = std::make_shared<Handle>();
   handle->model = shim().load(serialized.data(), serialized.size());
   if (handle->model == nullptr) shim_failure("SentencePiece could not load the model it trained");
-  return Tokenizer(std::move(handle), std::move(serialized));
+  return Tokenizer(std::move(handle), nullptr, std::move(serialized));
 }
 
-Tokenizer Tokenizer::load(const std::string& model_path) {
-  std::string serialized = util::read_file(model_path, "the tokenizer model");
-  auto handle = std::make_shared<Handle>();
-  handle->model = shim().load(serialized.data(), serialized.size());
-  if (handle->model == nullptr) {
-    shim_failure("The tokenizer model " + model_path + " is not a valid SentencePiece model");
+Tokenizer Tokenizer::load(const std::string& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  std::string file = path;
+  if (fs::is_directory(path, ec)) {
+    file = fs::exists(fs::path(path) / "tokenizer.json", ec) ? (fs::path(path) / "tokenizer.json").string()
+                                                             : (fs::path(path) / "tokenizer.model").string();
+    if (!fs::exists(file, ec)) {
+      throw std::runtime_error("The folder " + util::printable(path) +
+                               " holds neither tokenizer.json nor tokenizer.model; give a tokenizer file, or the "
+                               "folder of a model that has one.");
+    }
   }
-  return Tokenizer(std::move(handle), std::move(serialized));
+  std::string bytes = util::read_file(file, "the tokenizer", kMaxTokenizerBytes);
+  const size_t first = bytes.find_first_not_of(" \t\r\n");
+  if (first == std::string::npos || bytes[first] != '{') {
+    auto handle = std::make_shared<Handle>();
+    handle->model = shim().load(bytes.data(), bytes.size());
+    if (handle->model == nullptr) {
+      shim_failure("The tokenizer " + util::printable(file) +
+                   " is neither a SentencePiece model nor a Hugging Face tokenizer.json");
+    }
+    return Tokenizer(std::move(handle), nullptr, std::move(bytes));
+  }
+  std::string json_text = std::move(bytes), config_text;
+  if (std::string_view(json_text).substr(0, kBpeMarker.size()) == kBpeMarker) {
+    try {
+      const nlohmann::json saved = nlohmann::json::parse(json_text);
+      config_text = saved.at("tokenizer_config.json").get<std::string>();
+      json_text = saved.at("tokenizer.json").get<std::string>();
+    } catch (const nlohmann::json::exception& e) {
+      throw std::runtime_error("The tokenizer " + util::printable(file) + " that remat saved is damaged (" + e.what() +
+                               "); prepare the corpus again.");
+    }
+  } else {
+    const fs::path config = fs::path(file).parent_path() / "tokenizer_config.json";
+    if (fs::exists(config, ec)) {
+      config_text = util::read_file(config.string(), "the tokenizer's config", kMaxTokenizerBytes);
+    }
+  }
+  auto bpe = ByteLevelBpe::parse(json_text, config_text, file);
+  std::string saved = nlohmann::json{{"format", "remat-byte-level-bpe"},
+                                     {"tokenizer.json", std::move(json_text)},
+                                     {"tokenizer_config.json", std::move(config_text)}}
+                          .dump();
+  return Tokenizer(nullptr, std::move(bpe), std::move(saved));
 }
 
 void Tokenizer::save(const std::string& model_path) const { util::write_file_atomically(model_path, model_); }
 
+std::string Tokenizer::kind() const { return bpe_ ? "byte-level BPE (Hugging Face)" : "SentencePiece BPE"; }
+
 std::vector<int32_t> Tokenizer::encode(std::string_view text) const {
+  if (bpe_) return bpe_->encode(text);
   ShimBuffer<int32_t> ids;
   if (shim().encode(handle_->model, text.data(), text.size(), &ids.data, &ids.size) != 0) {
     shim_failure("SentencePiece could not encode the text");
   }
   return std::vector<int32_t>(ids.data, ids.data + ids.size);
+}
+
+std::vector<int32_t> Tokenizer::encode_text(std::string_view text, std::vector<int64_t>& line_starts,
+                                            int threads) const {
+  if (!bpe_) return encode_lines(*this, text, line_starts, std::max(threads, 1));
+  std::vector<int64_t> starts;
+  std::vector<int32_t> ids = bpe_->encode(text, &starts);
+  line_starts.clear();
+  size_t token = 0;
+  for (size_t line = 0; line < text.size();) {
+    while (token < starts.size() && starts[token] < static_cast<int64_t>(line)) ++token;
+    line_starts.push_back(static_cast<int64_t>(token));
+    const size_t newline = text.find('\n', line);
+    if (newline == std::string_view::npos) break;
+    line = newline + 1;
+  }
+  return ids;
 }
 
 std::string Tokenizer::decode(const int32_t* ids, size_t count) const {
@@ -287,6 +406,7 @@ std::string Tokenizer::decode(const int32_t* ids, size_t count) const {
                                std::to_string(i) + ": the vocabulary has " + std::to_string(vocab) + " pieces.");
     }
   }
+  if (bpe_) return bpe_->decode(ids, count);
   ShimBuffer<char> text;
   if (shim().decode(handle_->model, ids, count, &text.data, &text.size) != 0) {
     shim_failure("SentencePiece could not decode the ids");
@@ -294,13 +414,17 @@ std::string Tokenizer::decode(const int32_t* ids, size_t count) const {
   return std::string(text.data, text.size);
 }
 
-int Tokenizer::vocab_size() const { return shim().vocab_size(handle_->model); }
-int Tokenizer::unk_id() const { return shim().special_id(handle_->model, REMAT_SP_UNK); }
-int Tokenizer::bos_id() const { return shim().special_id(handle_->model, REMAT_SP_BOS); }
-int Tokenizer::eos_id() const { return shim().special_id(handle_->model, REMAT_SP_EOS); }
-int Tokenizer::pad_id() const { return shim().special_id(handle_->model, REMAT_SP_PAD); }
+int Tokenizer::vocab_size() const { return bpe_ ? bpe_->vocab_size() : shim().vocab_size(handle_->model); }
+int Tokenizer::unk_id() const { return bpe_ ? -1 : shim().special_id(handle_->model, REMAT_SP_UNK); }
+int Tokenizer::bos_id() const { return bpe_ ? bpe_->bos_id() : shim().special_id(handle_->model, REMAT_SP_BOS); }
+int Tokenizer::eos_id() const { return bpe_ ? bpe_->eos_id() : shim().special_id(handle_->model, REMAT_SP_EOS); }
+int Tokenizer::pad_id() const { return bpe_ ? -1 : shim().special_id(handle_->model, REMAT_SP_PAD); }
 
 std::string Tokenizer::piece(int id) const {
+  if (bpe_) {
+    if (id < 0 || id >= bpe_->vocab_size()) throw std::runtime_error("No piece for id " + std::to_string(id) + ".");
+    return bpe_->token(id);
+  }
   ShimBuffer<char> piece;
   if (shim().id_to_piece(handle_->model, id, &piece.data, &piece.size) != 0) {
     shim_failure("No piece for id " + std::to_string(id));
@@ -309,6 +433,7 @@ std::string Tokenizer::piece(int id) const {
 }
 
 int Tokenizer::piece_to_id(std::string_view piece) const {
+  if (bpe_) return bpe_->token_to_id(piece);
   return shim().piece_to_id(handle_->model, piece.data(), piece.size());
 }
 

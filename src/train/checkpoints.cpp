@@ -210,8 +210,8 @@ std::string check_same_data(const std::string& run_dir, const data::CorpusInfo& 
   if (!trained.empty() && trained != corpus.tokenizer_sha256) {
     throw std::invalid_argument(fmt::format(
         "The tokenizer prepared now from the run's data ({}) differs from the one the run trained with ({}): the "
-        "training text (data.text) or its preparation (data.vocab_size) changed since the run started, so its token "
-        "ids would mean other pieces; restore the text the run trained on, or start a new run.",
+        "training text (data.text) or its preparation (data.vocab_size, data.tokenizer) changed since the run started, "
+        "so its token ids would mean other pieces; restore the text the run trained on, or start a new run.",
         corpus.source, recorded != metadata.end() ? "recorded in its checkpoint" : own));
   }
   if (own_sha256 == corpus.tokenizer_sha256) return "";

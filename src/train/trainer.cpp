@@ -568,8 +568,15 @@ double learning_rate(const TrainConfig& t, int64_t step) {
 }
 
 std::string corpus_dir(const DataConfig& d) {
-  const std::string source = d.text.empty() ? "kjv" : std::filesystem::path(d.text).stem().string();
-  return fmt::format("{}/{}-v{}", d.dir, source, d.vocab_size);
+  namespace fs = std::filesystem;
+  const std::string source = d.text.empty() ? "kjv" : fs::path(d.text).stem().string();
+  if (d.tokenizer.empty()) return fmt::format("{}/{}-v{}", d.dir, source, d.vocab_size);
+  // A model's tokenizer is named by its folder (…/gpt2/tokenizer.json: gpt2).
+  fs::path tokenizer = fs::path(d.tokenizer).lexically_normal();
+  if (!tokenizer.has_filename()) tokenizer = tokenizer.parent_path();
+  const bool generic = tokenizer.stem() == "tokenizer" && tokenizer.has_parent_path();
+  return fmt::format("{}/{}-{}", d.dir, source,
+                     (generic ? tokenizer.parent_path().filename() : tokenizer.stem()).string());
 }
 
 data::CorpusInfo prepare_data(const DataConfig& d) {
@@ -587,6 +594,7 @@ data::CorpusInfo prepare_data(const DataConfig& d) {
   }
   prep.out_dir = corpus_dir(d);
   prep.vocab_size = static_cast<int>(d.vocab_size);
+  if (!d.tokenizer.empty()) prep.tokenizer = d.tokenizer;
   prep.val_fraction = d.val_fraction;
   return data::prepare_corpus(prep, [](const std::string& line) { fmt::print(stderr, "{}\n", line); });
 }

@@ -5,12 +5,46 @@
 namespace remat::util {
 namespace {
 
+// The sequence at `i` of `s` (`n` bytes): its length when it is valid UTF-8 (`valid`
+// true), else the length of its maximal subpart (a lead byte and the continuation bytes
+// that still fit it, at least 1), the span Unicode replaces by one U+FFFD. The lead byte
+// sets the second byte's range, which excludes overlong forms, surrogates and code points
+// above U+10FFFF.
+size_t sequence(const unsigned char* s, size_t n, size_t i, bool& valid) {
+  const unsigned char c = s[i];
+  valid = true;
+  if (c < 0x80) return 1;
+  size_t length = 0;
+  unsigned char lo = 0x80, hi = 0xBF;
+  if (c >= 0xC2 && c <= 0xDF) {
+    length = 2;
+  } else if (c >= 0xE0 && c <= 0xEF) {
+    length = 3;
+    if (c == 0xE0) lo = 0xA0;
+    if (c == 0xED) hi = 0x9F;
+  } else if (c >= 0xF0 && c <= 0xF4) {
+    length = 4;
+    if (c == 0xF0) lo = 0x90;
+    if (c == 0xF4) hi = 0x8F;
+  } else {
+    valid = false;
+    return 1;
+  }
+  for (size_t k = 1; k < length; ++k) {
+    const bool fits = i + k < n && (k == 1 ? s[i + k] >= lo && s[i + k] <= hi : (s[i + k] & 0xC0) == 0x80);
+    if (!fits) {
+      valid = false;
+      return k;
+    }
+  }
+  return length;
+}
+
 // The length of the UTF-8 sequence at `i` of `text`, 0 where it is not one.
 size_t sequence_at(std::string_view text, size_t i) {
-  const size_t bad = find_invalid_utf8(text.substr(i, 4));
-  const auto c = static_cast<unsigned char>(text[i]);
-  const size_t length = c < 0x80 ? 1 : c < 0xE0 ? 2 : c < 0xF0 ? 3 : 4;
-  return bad == 0 || (bad != std::string_view::npos && bad < length) ? 0 : length;
+  bool valid = false;
+  const size_t length = sequence(reinterpret_cast<const unsigned char*>(text.data()), text.size(), i, valid);
+  return valid ? length : 0;
 }
 
 // The code point of the valid sequence of `length` bytes at `s`.
@@ -76,38 +110,30 @@ std::string escaped(std::string_view text, bool keep_newlines) {
 
 size_t find_invalid_utf8(std::string_view text) {
   const auto* s = reinterpret_cast<const unsigned char*>(text.data());
-  const size_t n = text.size();
-  size_t i = 0;
-  while (i < n) {
-    const unsigned char c = s[i];
-    if (c < 0x80) {
-      ++i;
-      continue;
-    }
-    // Lead byte -> sequence length and the allowed range of the second byte (which is
-    // what excludes overlong forms, surrogates and code points above U+10FFFF).
-    size_t length = 0;
-    unsigned char lo = 0x80, hi = 0xBF;
-    if (c >= 0xC2 && c <= 0xDF) {
-      length = 2;
-    } else if (c >= 0xE0 && c <= 0xEF) {
-      length = 3;
-      if (c == 0xE0) lo = 0xA0;
-      if (c == 0xED) hi = 0x9F;
-    } else if (c >= 0xF0 && c <= 0xF4) {
-      length = 4;
-      if (c == 0xF0) lo = 0x90;
-      if (c == 0xF4) hi = 0x8F;
-    } else {
-      return i;
-    }
-    if (i + length > n || s[i + 1] < lo || s[i + 1] > hi) return i;
-    for (size_t k = 2; k < length; ++k) {
-      if ((s[i + k] & 0xC0) != 0x80) return i;
-    }
+  for (size_t i = 0; i < text.size();) {
+    bool valid = false;
+    const size_t length = sequence(s, text.size(), i, valid);
+    if (!valid) return i;
     i += length;
   }
   return std::string_view::npos;
+}
+
+std::string replace_invalid_utf8(std::string_view text) {
+  const auto* s = reinterpret_cast<const unsigned char*>(text.data());
+  std::string out;
+  out.reserve(text.size());
+  for (size_t i = 0; i < text.size();) {
+    bool valid = false;
+    const size_t length = sequence(s, text.size(), i, valid);
+    if (valid) {
+      out.append(text.substr(i, length));
+    } else {
+      out.append("\xEF\xBF\xBD");
+    }
+    i += length;
+  }
+  return out;
 }
 
 std::string clip(std::string_view text, size_t max_bytes) {

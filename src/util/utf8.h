@@ -13,6 +13,10 @@ namespace remat::util {
 /// and code points above U+10FFFF are invalid), or npos.
 size_t find_invalid_utf8(std::string_view text);
 
+/// `text` with each invalid UTF-8 sequence's maximal subpart replaced by U+FFFD, as
+/// Unicode recommends and Python's and Rust's lossy decoders do.
+std::string replace_invalid_utf8(std::string_view text);
+
 /// `text` for a message about it: whole when at most `max_bytes` long, else its first
 /// `max_bytes` bytes (never cutting a UTF-8 character) and "... (N bytes in all)", so that
 /// an error about a huge input never repeats it.

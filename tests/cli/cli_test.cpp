@@ -161,6 +161,23 @@ TEST_F(Cli, TraceWritesTheThirdStepAsJson) {
   EXPECT_GT(samples, 0);
 }
 
+// A Hugging Face tokenizer given to a run: its vocabulary sizes the model, `remat plan`
+// reads it before any corpus exists, and `remat generate` samples through it.
+TEST_F(Cli, TrainsAndGeneratesWithAGivenHuggingFaceTokenizer) {
+  const std::string tokenizer = " data.tokenizer=" REMAT_SOURCE_DIR "/tests/data/hf_tokenizers/gpt2";
+  const Result plan =
+      run_remat("plan --json model.preset=tiny-gpt2 model.vocab_size=0 train.seq=16" + tokenizer + no_corpus());
+  ASSERT_EQ(plan.exit_code, 0) << plan.output;
+  EXPECT_EQ(nlohmann::json::parse(plan.output).at("model").at("vocab_size"), 545) << plan.output;
+  const Result r = run_remat(tiny_training("train.steps=2 run.sample_tokens=5 run.name=hf" + tokenizer));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("validation tokens, vocabulary 545, unigram entropy"), std::string::npos) << r.output;
+  EXPECT_TRUE(fs::exists(dir_ / "data" / "corpus-gpt2" / "meta.json"));
+  const Result g = run_remat("generate --run " + (dir_ / "runs" / "hf").string() + " --prompt Hello --tokens 3");
+  ASSERT_EQ(g.exit_code, 0) << g.output;
+  EXPECT_EQ(g.output.rfind("Hello", 0), 0u) << g.output;
+}
+
 TEST_F(Cli, RecordAllocationsWritesTheRunsFirstTwoStepsAsATrace) {
   const std::string path = (dir_ / "allocations.txt").string();
   const Result r = run_remat(tiny_training("train.steps=3 run.sample_tokens=0 run.record_allocations=" + path));

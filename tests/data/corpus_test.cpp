@@ -1,6 +1,7 @@
 #include "util/error_of.h"
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -8,6 +9,7 @@
 #include <nlohmann/json.hpp>
 #include <sys/stat.h>
 
+#include "util/atomic_file.h"
 #include "util/temp_dir.h"
 #include "data/test_text.h"
 #include "remat/data.h"
@@ -109,6 +111,39 @@ TEST(Corpus, SecondPrepareIsACacheHit) {
   EXPECT_TRUE(said_why);
   // force rebuilds a matching corpus.
   options.force = true;
+  EXPECT_FALSE(prepare_corpus(options).cached);
+}
+
+// A Hugging Face tokenizer given instead of one trained: its vocabulary and encoding of the
+// whole text (tokens may span lines), kept in the corpus under the same name, and a cache
+// that a changed tokenizer misses.
+TEST(Corpus, PreparesWithAGivenHuggingFaceTokenizer) {
+  TempDir dir;
+  const std::string text = remat::testing::make_text(600) + "\n\n  tail, with\n\n\nblank lines \U0001F642\n";
+  PrepareOptions options = small_options(dir, text);
+  const std::string fixtures = std::string(REMAT_SOURCE_DIR) + "/tests/data/hf_tokenizers/";
+  fs::copy(fixtures + "llama3", dir / "llama3");
+  options.tokenizer = dir / "llama3";
+  const CorpusInfo info = prepare_corpus(options);
+  const Tokenizer given = Tokenizer::load(dir / "llama3" / "tokenizer.json");
+  EXPECT_EQ(info.vocab_size, given.vocab_size());
+  EXPECT_EQ(info.tokenizer_source, (dir / "llama3").string());
+  const Tokenizer kept = Tokenizer::load(info.tokenizer_path());
+  EXPECT_EQ(kept.kind(), "byte-level BPE (Hugging Face)");
+  EXPECT_EQ(kept.serialized(), given.serialized());
+  EXPECT_EQ(kept.eos_id(), given.piece_to_id("<|end_of_text|>"));
+  EXPECT_EQ(info.train_tokens + info.val_tokens, static_cast<int64_t>(given.encode(text).size()));
+  const TokenDataset train = TokenDataset::open(info, Split::train), val = TokenDataset::open(info, Split::val);
+  const std::string both = kept.decode(train.tokens().data_ptr<int32_t>(), train.size()) +
+                           kept.decode(val.tokens().data_ptr<int32_t>(), val.size());
+  EXPECT_EQ(both.size(), text.size());
+
+  EXPECT_TRUE(prepare_corpus(options).cached);
+  remat::util::write_file_atomically(dir / "llama3" / "tokenizer_config.json", R"({"eos_token": "<|begin_of_text|>"})");
+  std::vector<std::string> log;
+  EXPECT_FALSE(prepare_corpus(options, [&](const std::string& l) { log.push_back(l); }).cached);
+  EXPECT_NE(std::find(log.begin(), log.end(), "rebuilding " + options.out_dir + ": the tokenizer changed"), log.end());
+  options.tokenizer.reset();
   EXPECT_FALSE(prepare_corpus(options).cached);
 }
 

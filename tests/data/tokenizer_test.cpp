@@ -5,6 +5,7 @@
 #include <filesystem>
 
 #include "data/test_text.h"
+#include "util/atomic_file.h"
 #include "util/error_of.h"
 #include "util/temp_dir.h"
 
@@ -89,6 +90,58 @@ TEST(Tokenizer, SavesAndLoads) {
   const Tokenizer loaded = Tokenizer::load(path.string());
   EXPECT_EQ(loaded.encode(text), tok.encode(text));
   EXPECT_EQ(loaded.piece_to_id(tok.piece(300)), 300);
+}
+
+const std::string kHfDir = std::string(REMAT_SOURCE_DIR) + "/tests/data/hf_tokenizers/";
+
+// A Hugging Face tokenizer.json, alone or as its model's folder, with its config's begin and
+// end of text; what save() writes of it loads back the same.
+TEST(Tokenizer, LoadsAHuggingFaceTokenizerItsFolderAndWhatItSaves) {
+  const Tokenizer file = Tokenizer::load(kHfDir + "llama3/tokenizer.json");
+  const Tokenizer folder = Tokenizer::load(kHfDir + "llama3");
+  EXPECT_EQ(file.kind(), "byte-level BPE (Hugging Face)");
+  EXPECT_EQ(folder.serialized(), file.serialized());
+  EXPECT_EQ(file.bos_id(), file.piece_to_id("<|begin_of_text|>"));
+  EXPECT_EQ(file.eos_id(), file.piece_to_id("<|end_of_text|>"));
+  EXPECT_EQ(file.unk_id(), -1);
+  EXPECT_EQ(file.pad_id(), -1);
+  EXPECT_EQ(file.piece(file.eos_id()), "<|end_of_text|>");
+  const std::string text = "In the beginning\n\n  God created \u00e9\U0001F642<|end_of_text|>";
+  const std::vector<int32_t> ids = file.encode(text);
+  EXPECT_EQ(ids.back(), file.eos_id());
+  EXPECT_EQ(file.decode(ids), text);
+
+  const remat::testing::TempDir dir;
+  file.save(dir / "tokenizer.model");
+  const Tokenizer saved = Tokenizer::load(dir / "tokenizer.model");
+  EXPECT_EQ(saved.serialized(), file.serialized());
+  EXPECT_EQ(saved.encode(text), ids);
+  EXPECT_EQ(saved.eos_id(), file.eos_id());
+  // Lines: the index of each line's first token, though a token may hold several newlines.
+  std::vector<int64_t> line_starts;
+  EXPECT_EQ(saved.encode_text(text, line_starts, 2), ids);
+  ASSERT_EQ(line_starts.size(), 3u);
+  EXPECT_EQ(line_starts[0], 0);
+  EXPECT_EQ(saved.decode(std::vector<int32_t>(ids.begin() + line_starts[2], ids.end())).rfind("  God", 0), 0u);
+}
+
+TEST(Tokenizer, RefusesWhatIsNoTokenizerWithASentence) {
+  const remat::testing::TempDir dir;
+  EXPECT_EQ(remat::testing::error_of<std::runtime_error>([&] { Tokenizer::load(dir.path()); }),
+            "The folder " + dir.path().string() +
+                " holds neither tokenizer.json nor tokenizer.model; give a tokenizer file, or the folder of a model "
+                "that has one.");
+  remat::util::write_file_atomically(dir / "notes.txt", "plain words");
+  EXPECT_EQ(remat::testing::error_of<std::runtime_error>([&] { Tokenizer::load(dir / "notes.txt"); })
+                .rfind("The tokenizer " + (dir / "notes.txt").string() +
+                           " is neither a SentencePiece model nor a Hugging Face tokenizer.json: ",
+                       0),
+            0u);
+  remat::util::write_file_atomically(dir / "tokenizer.json", "{\"format\":\"remat-byte-level-bpe\",");
+  EXPECT_EQ(remat::testing::error_of<std::runtime_error>([&] {
+              Tokenizer::load(dir.path());
+            }).rfind("The tokenizer " + (dir / "tokenizer.json").string() + " that remat saved is damaged (", 0),
+            0u);
 }
 
 TEST(Tokenizer, ErrorsAreSentences) {

@@ -19,6 +19,20 @@ TEST(Utf8, FindsTheFirstInvalidSequence) {
   EXPECT_EQ(find_invalid_utf8("\xE2\x28\xA1"), 0u);      // bad continuation
 }
 
+// One U+FFFD per maximal subpart, the count Python's and Rust's lossy decoders give (the
+// tokenizer goldens hold the same on longer text).
+TEST(Utf8, ReplacesEachMaximalSubpartOfAnInvalidSequence) {
+  const std::string r = "\xEF\xBF\xBD";
+  EXPECT_EQ(replace_invalid_utf8("valid \xC3\xA9"), "valid \xC3\xA9");
+  EXPECT_EQ(replace_invalid_utf8("a\xE2\x82 b"), "a" + r + " b");      // truncated: one
+  EXPECT_EQ(replace_invalid_utf8("\xF0\x9F\x98"), r);                  // truncated at the end
+  EXPECT_EQ(replace_invalid_utf8("\xED\xA0\x80"), r + r + r);          // surrogate: each byte
+  EXPECT_EQ(replace_invalid_utf8("\xC0\xAF"), r + r);                  // overlong
+  EXPECT_EQ(replace_invalid_utf8("\xF4\x90\x80\x80"), r + r + r + r);  // above U+10FFFF
+  EXPECT_EQ(replace_invalid_utf8("\xE2\x28\xA1"), r + "(" + r);        // bad continuation
+  EXPECT_EQ(replace_invalid_utf8("\xFF\xFE"), r + r);
+}
+
 // Text from a file or an argument reaches a message escaped: nothing that moves the
 // cursor, clears the screen, starts a line, reorders one or ends a C string.
 TEST(Utf8, PrintableEscapesEveryControlCharacterAndInvalidByte) {
