@@ -65,6 +65,11 @@ TEST(ByteLevelBpe, FindsTheBeginAndEndOfTextByConfigOrByName) {
   EXPECT_EQ(llama3->eos_id(), llama3->token_to_id("<|end_of_text|>"));
   EXPECT_NE(llama3->bos_id(), llama3->eos_id());
   EXPECT_EQ(llama3->token(llama3->eos_id()), "<|end_of_text|>");
+  // The config decides over the names: here an end of text no name fallback would pick.
+  const auto configured = ByteLevelBpe::parse(util::read_file(kDir + "llama3/tokenizer.json"),
+                                              R"({"eos_token": {"content": "<|reserved_special_token_0|>"}})", "t");
+  EXPECT_EQ(configured->eos_id(), configured->token_to_id("<|reserved_special_token_0|>"));
+  EXPECT_EQ(configured->bos_id(), configured->token_to_id("<|begin_of_text|>"));
   EXPECT_EQ(gpt2->token_to_id("no such token"), -1);
   EXPECT_EQ(gpt2->vocab_size(), 545);
 }
