@@ -1,9 +1,11 @@
-// Feeds `remat prepare`'s text input up to the tokenizer: read_utf8_file (the checks on a
-// --text file: NUL bytes, whitespace only, line length, UTF-8) and util::find_invalid_utf8. The
+// Feeds `remat prepare`'s inputs up to the tokenizer: read_utf8_file (the checks on a
+// --text file: NUL bytes, whitespace only, line length, UTF-8), util::find_invalid_utf8, and
+// the same bytes as a JSONL file (read_documents) and as a token shard (read_token_files). The
 // SentencePiece steps after it are the tokenizer harness's (fuzz/tokenizer.cpp): the shim is
 // dlopen'ed with RTLD_DEEPBIND, which AddressSanitizer's runtime refuses.
-// A finding: anything but a std::runtime_error sentence out of read_utf8_file (a crash, a
-// sanitizer report, a hang), a text it accepts that is not the file's bytes, or
+// A finding: anything but a std::runtime_error sentence out of the readers (a crash, a
+// sanitizer report, a hang), a text it accepts that is not the file's bytes, a document
+// empty or not UTF-8, an id outside the vocabulary, or
 // find_invalid_utf8 disagreeing with the decoder below, written the other way round: it
 // decodes a code point first, then refuses overlong forms, surrogates and values above U+10FFFF.
 #include <cstdint>
@@ -12,6 +14,7 @@
 #include <string_view>
 
 #include "harness.h"
+#include "data/sources.h"
 #include "remat/data.h"
 #include "util/utf8.h"
 
@@ -51,7 +54,24 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     const std::string text = remat::data::read_utf8_file(file.path());
     if (text != bytes) remat::fuzz::finding("read_utf8_file returned other bytes than the file holds");
   } catch (const std::runtime_error&) {
-    return 0;
+  }
+  // The same bytes as JSONL records and as token shards (GPT-2's vocabulary and end of text).
+  try {
+    const auto docs = remat::data::read_documents({file.path()}, remat::DataFormat::jsonl, "text");
+    for (size_t i = 0; i < docs.spans.size(); ++i) {
+      if (docs.document(i).empty() || remat::util::find_invalid_utf8(docs.document(i)) != std::string_view::npos) {
+        remat::fuzz::finding("read_documents accepted an empty or invalid document");
+      }
+    }
+  } catch (const std::runtime_error&) {
+  }
+  try {
+    constexpr int kVocab = 50257;
+    const auto tokens = remat::data::read_token_files({file.path()}, kVocab, kVocab - 1);
+    for (int32_t id : tokens.ids) {
+      if (id < 0 || id >= kVocab) remat::fuzz::finding("read_token_files accepted id " + std::to_string(id));
+    }
+  } catch (const std::runtime_error&) {
   }
   return 0;
 }

@@ -3,7 +3,9 @@
 # against Debian sid's libtorch-dev (a current LibTorch and GCC), in a root that
 # scripts/root.sh makes once per machine, with this tree mounted at /src and built into
 # build-libtorch2/, after checking that Hugging Face's `tokenizers` still gives the
-# goldens the tokenizer tests hold remat to (tests/data/hf_tokenizers/). Needs root. Left
+# goldens the tokenizer tests hold remat to (tests/data/hf_tokenizers/), and that
+# `transformers` gives the logits the model tests hold remat to and loads remat's export of
+# them with remat's logits (tests/data/hf_models/). Needs root. Left
 # to the main lane (scripts/test.sh): the process tests, which drive the same library
 # through the CLI and `remat launch` (the ranks' collectives run here in the dist tests,
 # as threads). Extra arguments go to ctest.
@@ -13,7 +15,7 @@ cd "$(dirname "$0")/.."
 # sid's names for what scripts/setup.sh installs here; its libsentencepiece-dev includes
 # absl headers without depending on libabsl-dev.
 mapfile -t packages < <(bash scripts/setup.sh --list)
-packages+=(libabsl-dev python3-tokenizers)
+packages+=(libabsl-dev python3-tokenizers python3-transformers)
 bash scripts/root.sh make sid sid main "${packages[@]}" >/dev/null
 
 # ccache's files stay in the root (/root/.cache/ccache), its compiler being the root's;
@@ -24,7 +26,10 @@ bash scripts/root.sh run sid --bind "$PWD:/src" -- \
   bash -c 'set -e
     cd /src
     python3 tests/data/hf_tokenizers/make_goldens.py check
+    python3 tests/data/hf_models/make_fixtures.py check
     cmake -S . -B build-libtorch2 -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
     cmake --build build-libtorch2 -j "$(nproc)"
     (cd build-libtorch2 && ctest --output-on-failure -j "$(nproc)" -L "^(slow|brute_force)$" "$@")
-    bash scripts/gtest_shards.sh build-libtorch2 -L unit' bash "$@"
+    rm -rf build-libtorch2/hf_export
+    REMAT_HF_EXPORT=/src/build-libtorch2/hf_export bash scripts/gtest_shards.sh build-libtorch2 -L unit
+    python3 tests/data/hf_models/make_fixtures.py check build-libtorch2/hf_export' bash "$@"

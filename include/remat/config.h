@@ -64,6 +64,10 @@ struct ModelConfig {
   double norm_eps = 1e-5;
   double rope_theta = 10000.0;
   double init_std = 0.02;
+  /// Weights to start from instead of fresh ones: a .safetensors file, or a Hugging Face
+  /// model's folder (its config.json gives the shape, as a preset would; its tokenizer
+  /// becomes data.tokenizer's default); empty: fresh weights.
+  std::string init;
 
   int64_t head_dim() const { return d_model / n_head; }
 };
@@ -89,8 +93,20 @@ struct TrainConfig {
   int64_t keep_checkpoints = 2;    ///< the newest checkpoints kept; older ones are removed
 };
 
+/// What data.text holds: `text`, UTF-8 text files (several: one document each); `jsonl`,
+/// one JSON object per line, its data.field a document; `tokens`, token ids already
+/// encoded (llm.c's or nanoGPT's .bin shards, Megatron's indexed dataset).
+enum class DataFormat { text, jsonl, tokens };
+/// "text" / "jsonl" / "tokens", as configs spell it.
+const char* data_format_name(DataFormat f);
+
 struct DataConfig {
-  std::string text;           ///< UTF-8 text file to train on; empty: the King James Bible
+  /// The file to train on, or a glob of files (read in name order); empty: the King James
+  /// Bible.
+  std::string text;
+  DataFormat format = DataFormat::text;
+  /// jsonl: the field holding each document's text.
+  std::string field = "text";
   std::string dir = "data";   ///< where prepared corpora are cached
   int64_t vocab_size = 2048;  ///< SentencePiece BPE vocabulary trained when no tokenizer is given
   /// A tokenizer to use instead of training one: a Hugging Face tokenizer.json, a
@@ -287,8 +303,17 @@ std::vector<std::string> preset_names();
 /// The model shape of a preset; throws listing the valid names if unknown.
 ModelConfig model_preset(const std::string& name);
 
+/// The shape a Hugging Face config.json (GPT-2's or Llama's) at `path` gives a model, over
+/// `base` for what it does not say (attention op, loss head); refuses, with a sentence
+/// naming the file and the key, a model type or a setting remat's blocks do not have.
+ModelConfig hf_model_config(const std::string& path, const ModelConfig& base);
+/// The config.json text that loads a model of `m`'s shape, with `vocab_size` rows (the
+/// tokenizer's) and its begin and end of text (-1: none), into Hugging Face's transformers.
+std::string hf_config_json(const ModelConfig& m, int64_t vocab_size, int bos_id, int eos_id);
+
 /// Builds a Config: defaults, then the TOML file (if non-empty), then `key=value`
-/// overrides. `model.preset` is applied before the other model keys wherever it is set.
+/// overrides. `model.preset` is applied before the other model keys wherever it is set,
+/// then `model.init`'s config.json where it names a Hugging Face model (hf_model_config).
 /// Errors (unknown key with the nearest valid one, bad value, bad TOML) are thrown as
 /// std::invalid_argument sentences. A model.vocab_size (given or the preset's) is padded
 /// (padded_vocab_size); the result is validated (validate_config).

@@ -11,12 +11,14 @@
 // `bible -l 100000 gen1:1-rev22:21`. Cleaning: verse numbers are dropped and each verse is
 // one line; chapter headings ("Genesis 1") are kept as their own line, preceded by a blank
 // line from the second chapter on, since they are part of the book's structure and cheap
-// for a model to predict. Any other UTF-8 text file is used exactly as it is.
+// for a model to predict. Any other UTF-8 text file is used exactly as it is; documents
+// (several files, JSONL records) and token ids are read as src/data/sources.h says.
 //
 // Validation split: the token stream is cut into `val_blocks` equal blocks and the last
 // `val_fraction` of each block is validation, so validation samples the whole text (not
 // only its end) in contiguous stretches long enough for whole sequences. Cut points move
-// to the nearest line start when one is close (within half a validation stretch).
+// to the nearest line start (a document's, for documents and token ids) when one is close
+// (within half a validation stretch).
 //
 // Errors are std::runtime_error with a one-sentence message naming the file or directory.
 #pragma once
@@ -30,11 +32,20 @@
 #include <string>
 #include <vector>
 
+#include "remat/config.h"
+
 namespace remat::data {
 
 struct PrepareOptions {
-  /// A UTF-8 text file; unset means the King James Bible from the `bible` program.
+  /// The file, or a glob of files, to read; unset means the King James Bible from the
+  /// `bible` program.
   std::optional<std::string> text_file;
+  /// What the files hold (remat/config.h). Several text files, or JSONL records, are
+  /// documents, encoded one by one and separated by the tokenizer's end of text; a single
+  /// text file is encoded whole, as it is. Token files are taken as written.
+  DataFormat format = DataFormat::text;
+  /// jsonl: the field holding each document's text.
+  std::string field = "text";
   /// The corpus directory to write (created if missing).
   std::string out_dir = "data/kjv";
   /// Tokenizer vocabulary size, including 3 special and 256 byte pieces (>= 260).

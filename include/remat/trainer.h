@@ -60,7 +60,9 @@ struct TrainSummary {
 /// then cosine decay reaching train.min_lr at the last step.
 double learning_rate(const TrainConfig& t, int64_t step);
 
-/// Where the corpus `data` describes is prepared: `<data.dir>/<source>-v<vocab_size>`.
+/// Where the corpus `data` describes is prepared: `<data.dir>/<source>-v<vocab_size>`, or
+/// `<data.dir>/<source>-<tokenizer's name>` with a given tokenizer. <source> is the text's
+/// stem (a glob's with its wildcards spelled out), then the format where it is not text.
 std::string corpus_dir(const DataConfig& data);
 
 /// Prepares (or finds cached) the corpus `data` describes, under corpus_dir(data), logging

@@ -48,12 +48,17 @@ int cmd_prepare(const std::string& config_file, const std::vector<std::string>& 
   const data::CorpusInfo info = prepare_data(cfg.data);
   fmt::print("corpus     {}{}\n", info.dir, info.cached ? " (cached)" : "");
   fmt::print("source     {}\n", info.source);
-  fmt::print("text       {} bytes, sha256 {}\n", info.text_bytes, info.text_sha256);
+  if (info.text_bytes > 0) {
+    fmt::print("text       {} bytes, sha256 {}\n", info.text_bytes, info.text_sha256);
+  } else {
+    fmt::print("ids        read as written, sha256 {}\n", info.text_sha256);
+  }
   fmt::print(
       "tokenizer  {} tokens, {} ({})\n", info.vocab_size, info.tokenizer_path(),
       info.tokenizer_source == "trained" ? "BPE trained here" : "from " + util::printable(info.tokenizer_source));
-  fmt::print("tokens     {} train + {} validation ({}), {:.2f} bytes/token\n", info.train_tokens, info.val_tokens,
-             info.token_bytes == 2 ? "uint16" : "uint32", info.bytes_per_token());
+  fmt::print("tokens     {} train + {} validation ({}){}\n", info.train_tokens, info.val_tokens,
+             info.token_bytes == 2 ? "uint16" : "uint32",
+             info.text_bytes > 0 ? fmt::format(", {:.2f} bytes/token", info.bytes_per_token()) : "");
   fmt::print(
       "entropy    {:.4f} nats/token (unigram, train): a trained model's validation loss must fall well "
       "below it\n",
@@ -236,7 +241,9 @@ int run(int argc, char** argv) {
   auto* prepare = app.add_subcommand("prepare", "Build the token corpus and tokenizer (cached)");
   std::string text_file;
   prepare->add_option("--config", config_file, "TOML config file")->check(CLI::ExistingFile);
-  prepare->add_option("--text", text_file, "UTF-8 text file to prepare instead of the King James Bible");
+  prepare->add_option("--text", text_file,
+                      "File or glob to prepare instead of the King James Bible (data.text; data.format says what "
+                      "it holds)");
   prepare->add_option("overrides", overrides, "key=value settings, e.g. data.vocab_size=4096");
 
   auto* train_cmd = app.add_subcommand("train", "Train a model (prepares the data first if needed)");

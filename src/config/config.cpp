@@ -8,6 +8,8 @@
 #include "util/utf8.h"
 
 #include <fmt/format.h>
+
+#include <filesystem>
 #include <nlohmann/json.hpp>
 #include <toml++/toml.h>
 
@@ -33,6 +35,33 @@ void check_printable(const std::string& key, const std::string& value, const std
                   "into config.toml, plan.txt and logs: remove it (it is usually a stray line break or escape in a "
                   "file or a shell variable).",
                   util::printable(key), origin, at, util::printable(value)));
+}
+
+// model.init names a Hugging Face model where a config.json is in its folder (or beside
+// its weights file): that shape replaces the preset's, and the tokenizer there becomes
+// data.tokenizer's default, as a preset would give them; explicit keys still win.
+void apply_init(Config& c, const std::string& init) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const bool folder = fs::is_directory(init, ec);
+  const fs::path dir = folder ? fs::path(init) : fs::path(init).parent_path();
+  const fs::path config = (dir.empty() ? fs::path(".") : dir) / "config.json";
+  if (!fs::exists(config, ec)) {
+    if (!folder) return;  // weights alone (remat's own): the shape is the preset's and the keys'
+    fail(
+        fmt::format("model.init = '{}' is a folder without a config.json; give a Hugging Face model's folder "
+                    "(config.json and model.safetensors) or a .safetensors file.",
+                    util::printable(init)));
+  }
+  const std::string preset = c.model.preset;
+  c.model = hf_model_config(config.string(), c.model);
+  c.model.preset = preset;
+  for (const char* name : {"tokenizer.json", "tokenizer.model"}) {
+    if (fs::exists(config.parent_path() / name, ec)) {
+      c.data.tokenizer = config.parent_path().string();
+      break;
+    }
+  }
 }
 
 size_t edit_distance(const std::string& a, const std::string& b) {
@@ -238,6 +267,9 @@ Config load_config(const std::string& toml_path, const std::vector<std::string>&
   // then adjust it, whichever order they were written in.
   for (const auto& [k, v] : settings) {
     if (k == "model.preset") c.model = model_preset(v);
+  }
+  for (const auto& [k, v] : settings) {
+    if (k == "model.init") apply_init(c, v);
   }
   for (size_t i = 0; i < settings.size(); ++i) {
     const auto& [k, v] = settings[i];

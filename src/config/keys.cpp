@@ -67,6 +67,17 @@ LossHead parse_loss_head(const std::string& key, const std::string& v) {
                   key, util::printable(v)));
 }
 
+DataFormat parse_data_format(const std::string& key, const std::string& v) {
+  if (v == "text") return DataFormat::text;
+  if (v == "jsonl") return DataFormat::jsonl;
+  if (v == "tokens") return DataFormat::tokens;
+  fail(
+      fmt::format("{} must be text (UTF-8 text files), jsonl (one JSON object per line, data.field holding the "
+                  "text) or tokens (llm.c or nanoGPT .bin shards, or Megatron's indexed dataset: a .bin beside "
+                  "its .idx), got '{}'.",
+                  key, util::printable(v)));
+}
+
 // A TOML basic string: quotes, backslashes and control characters escaped.
 std::string quote(const std::string& s) {
   std::string out = "\"";
@@ -104,6 +115,8 @@ ConfigKey key(std::string name, S Config::*section, T S::*field, std::string hel
       dst = parse_attention(name, v);
     } else if constexpr (std::is_same_v<T, LossHead>) {
       dst = parse_loss_head(name, v);
+    } else if constexpr (std::is_same_v<T, DataFormat>) {
+      dst = parse_data_format(name, v);
     } else if constexpr (std::is_same_v<T, pipeline::Schedule>) {
       dst = pipeline::schedule_of_name(v);
     } else if constexpr (std::is_same_v<T, c10::Device>) {
@@ -126,6 +139,8 @@ ConfigKey key(std::string name, S Config::*section, T S::*field, std::string hel
       return quote(attention_name(src));
     } else if constexpr (std::is_same_v<T, LossHead>) {
       return quote(loss_head_name(src));
+    } else if constexpr (std::is_same_v<T, DataFormat>) {
+      return quote(data_format_name(src));
     } else if constexpr (std::is_same_v<T, pipeline::Schedule>) {
       return quote(pipeline::schedule_name(src));
     } else if constexpr (std::is_same_v<T, c10::Device>) {
@@ -238,6 +253,7 @@ using C = Config;
 std::vector<ConfigKey> model_keys() {
   return {
       key("model.preset", &C::model, &ModelConfig::preset, "model preset the shape starts from"),
+      key("model.init", &C::model, &ModelConfig::init, "weights to start from: .safetensors or HF model folder"),
       key("model.arch", &C::model, &ModelConfig::arch, "gpt2 or llama"),
       key("model.n_layer", &C::model, &ModelConfig::n_layer, "transformer blocks",
           KeyRange{.min = 1,
@@ -351,7 +367,9 @@ std::vector<ConfigKey> train_keys() {
 
 std::vector<ConfigKey> data_and_run_keys() {
   return {
-      key("data.text", &C::data, &DataConfig::text, "text file; empty: King James Bible"),
+      key("data.text", &C::data, &DataConfig::text, "file or glob to train on; empty: King James Bible"),
+      key("data.format", &C::data, &DataConfig::format, "text, jsonl or tokens (.bin shards, .bin + .idx)"),
+      key("data.field", &C::data, &DataConfig::field, "jsonl: the field holding each document"),
       key("data.dir", &C::data, &DataConfig::dir, "prepared-corpus cache directory"),
       key("data.tokenizer", &C::data, &DataConfig::tokenizer,
           "tokenizer.json, .model or model folder; empty: train one"),

@@ -215,6 +215,7 @@ void check_run(const Config& c) {
   check_path("data.dir", c.data.dir);
   check_path("data.text", c.data.text);
   check_path("data.tokenizer", c.data.tokenizer);
+  check_path("model.init", c.model.init);
   if (c.run.name.find_first_not_of("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-") !=
           std::string::npos ||
       c.run.name == "." || c.run.name == "..") {
@@ -273,11 +274,34 @@ void resolve_vocab_size(Config& c, int64_t tokenizer_vocab) {
   }
 }
 
+// Formats other than text read the user's files, and token ids mean nothing without the
+// tokenizer that wrote them.
+void check_data(const DataConfig& d) {
+  const char* format = data_format_name(d.format);
+  if (d.format != DataFormat::text && d.text.empty()) {
+    fail(
+        fmt::format("data.format = \"{}\" reads the files data.text names, but data.text is unset (the default "
+                    "corpus is text): set data.text to a file or a glob such as data/shards/*.{}.",
+                    format, d.format == DataFormat::jsonl ? "jsonl" : "bin"));
+  }
+  if (d.format == DataFormat::tokens && d.tokenizer.empty()) {
+    fail(
+        "data.format = \"tokens\" reads token ids, which only the tokenizer that wrote them can decode and bound, but "
+        "data.tokenizer is unset: set it to that tokenizer (its tokenizer.json, .model or model folder).");
+  }
+  if (d.format == DataFormat::jsonl && d.field.empty()) {
+    fail(
+        "data.field is empty; with data.format = \"jsonl\" it names the field holding each document's text, "
+        "such as text.");
+  }
+}
+
 void validate_config(const Config& c) {
   for (const auto& k : config_keys()) check_range(k, c);
   check_model(c.model);
   check_step(c);
   check_run(c);
+  check_data(c.data);
   check_ranks(c);
   check_tensor_parallel(c);
   check_ac_parallel(c);

@@ -17,9 +17,11 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
+#include <thread>
 
 #include "remat/data.h"
 #include "remat/tokenizer.h"
+#include "sources.h"
 #include "util/atomic_file.h"
 #include "util/sha256.h"
 #include "util/temp_files.h"
@@ -285,7 +287,7 @@ std::string check_hashes(const CorpusInfo& info) {
 // equal `info`; else the first difference.
 std::string cache_mismatch(const CorpusInfo& info, const PrepareOptions& options, const std::string& text_sha256,
                            const std::optional<Tokenizer>& given) {
-  if (info.text_sha256 != text_sha256) return "the text changed";
+  if (info.text_sha256 != text_sha256) return info.text_bytes > 0 ? "the text changed" : "the token files changed";
   if (given) {
     return info.tokenizer_source == kTrained || info.tokenizer_sha256 != util::sha256_hex(given->serialized())
                ? "the tokenizer changed"
@@ -306,6 +308,9 @@ std::string cache_mismatch(const CorpusInfo& info, const PrepareOptions& options
 
 void check_options(const PrepareOptions& o) {
   if (o.out_dir.empty()) throw std::runtime_error("The corpus needs an output directory.");
+  if (o.format == DataFormat::tokens && !o.tokenizer) {
+    throw std::runtime_error("Token ids can be prepared only with the tokenizer that wrote them; give it.");
+  }
   if (!o.tokenizer && (o.vocab_size < 260 || o.vocab_size > (1 << 24))) {
     throw std::runtime_error("The vocabulary size must be between 260 and 16777216, got " +
                              std::to_string(o.vocab_size) + ".");
@@ -330,78 +335,6 @@ std::string with_commas(int64_t n) {
 }
 
 }  // namespace
-
-// Limits on a text file: far above any corpus a model here trains on.
-constexpr size_t kMaxTextBytes = size_t{1} << 30;
-constexpr size_t kMaxLineBytes = size_t{1} << 20;
-
-std::string read_utf8_file(const std::string& path) {
-  std::error_code ec;
-  const auto status = fs::status(path, ec);
-  if (!fs::exists(status)) throw std::runtime_error("The text file " + path + " does not exist.");
-  if (fs::is_directory(status)) {
-    throw std::runtime_error(path + " is a directory, not a text file.");
-  }
-  // Read in chunks so that an endless or binary source (/dev/zero, a device) is refused
-  // at its first NUL byte or at the size limit, not after filling memory.
-  // O_NONBLOCK: a FIFO with no writer is refused below instead of waited on for ever.
-  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
-  if (fd < 0) throw std::runtime_error("Cannot open the text file " + path + ": " + std::strerror(errno) + ".");
-  struct stat st {};
-  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-    ::close(fd);
-    throw std::runtime_error("The text file " + path +
-                             " is not a regular file (a FIFO, device or socket); remat reads "
-                             "text only from regular files, which cannot make it wait or read for ever: give a file.");
-  }
-  std::unique_ptr<std::FILE, int (*)(std::FILE*)> file(::fdopen(fd, "rb"), &std::fclose);
-  if (!file) {
-    ::close(fd);
-    throw std::runtime_error("Cannot open the text file " + path + ": " + std::strerror(errno) + ".");
-  }
-  std::string text;
-  std::vector<char> chunk(size_t{1} << 20);
-  for (size_t n; (n = std::fread(chunk.data(), 1, chunk.size(), file.get())) > 0;) {
-    const void* nul = std::memchr(chunk.data(), '\0', n);
-    if (nul != nullptr) {
-      throw std::runtime_error(
-          "The text file " + path + " holds a NUL byte at offset " +
-          std::to_string(text.size() + static_cast<size_t>(static_cast<const char*>(nul) - chunk.data())) +
-          ": it is binary data, not text; give a UTF-8 text file.");
-    }
-    if (text.size() + n > kMaxTextBytes) {
-      throw std::runtime_error("The text file " + path + " is larger than the " + std::to_string(kMaxTextBytes >> 30) +
-                               " GiB remat prepares; give a part of it.");
-    }
-    text.append(chunk.data(), n);
-  }
-  if (text.empty()) throw std::runtime_error("The text file " + path + " is empty.");
-  if (text.find_first_not_of(" \t\r\n") == std::string::npos) {
-    throw std::runtime_error("The text file " + path + " holds only whitespace; there is no text to train on.");
-  }
-  // The tokenizer's encoding time grows faster than a line's length (a 50 MB line takes
-  // minutes and gigabytes); real text breaks far sooner.
-  size_t line_start = 0, line = 1;
-  while (line_start < text.size()) {
-    const size_t end = std::min(text.find('\n', line_start), text.size());
-    if (end - line_start > kMaxLineBytes) {
-      throw std::runtime_error("Line " + std::to_string(line) + " of the text file " + path + " is " +
-                               std::to_string(end - line_start) + " bytes long, more than the " +
-                               std::to_string(kMaxLineBytes >> 20) +
-                               " MiB remat tokenizes at once; break the text into lines (paragraphs).");
-    }
-    line_start = end + 1;
-    ++line;
-  }
-  const size_t bad = util::find_invalid_utf8(text);
-  if (bad != std::string::npos) {
-    char byte[8];
-    std::snprintf(byte, sizeof(byte), "0x%02X", static_cast<unsigned char>(text[bad]));
-    throw std::runtime_error("The text file " + path + " is not valid UTF-8: the sequence at byte offset " +
-                             std::to_string(bad) + " (starting " + byte + ") is invalid.");
-  }
-  return text;
-}
 
 std::string read_kjv_text() {
   if (!program_on_path("bible")) {
@@ -533,36 +466,149 @@ std::optional<CorpusInfo> cached_corpus(const PrepareOptions& options, const std
   return std::nullopt;
 }
 
+// What a corpus is made from, as data.text and data.format say: one text (a single text
+// file, or the default corpus), documents, or token ids.
+struct Input {
+  std::string source;  // meta.json's
+  std::string sha256;  // of what is encoded (text or documents) or read (ids): the cache's key
+  int64_t text_bytes = 0;
+  std::string text;
+  std::optional<Documents> documents;
+  std::optional<TokenStream> tokens;
+  std::string_view training_text() const { return documents ? std::string_view(documents->text) : text; }
+};
+
+Input read_input(const PrepareOptions& options, const std::optional<Tokenizer>& given, const Log& log) {
+  Input in;
+  if (!options.text_file) {
+    say(log, std::string("reading the King James Bible (`") + kBibleCommand + "`)");
+    in.text = read_kjv_text();
+    in.source = kBibleSource;
+  } else if (const auto files = expand_files(*options.text_file);
+             files.size() == 1 && options.format == DataFormat::text) {
+    say(log, "reading " + files[0]);
+    in.text = read_utf8_file(files[0]);
+    in.source = "file " + fs::absolute(files[0]).lexically_normal().string();
+  } else {
+    const char* kind = options.format == DataFormat::text    ? "text"
+                       : options.format == DataFormat::jsonl ? "JSONL"
+                                                             : "token";
+    const std::string named =
+        files.size() == 1 ? fmt::format("the {} file {}", kind, fs::absolute(files[0]).lexically_normal().string())
+                          : fmt::format("{} {} files matching {}", files.size(), kind,
+                                        fs::absolute(*options.text_file).lexically_normal().string());
+    say(log, "reading " + named);
+    if (options.format == DataFormat::tokens) {
+      in.tokens = read_token_files(files, given->vocab_size(), given->eos_id());
+      in.sha256 = in.tokens->sha256();
+      in.source = "the ids of " + named;
+      say(log, fmt::format("read {} tokens", with_commas(static_cast<int64_t>(in.tokens->ids.size()))));
+      return in;
+    }
+    in.documents = read_documents(files, options.format, options.field);
+    in.sha256 = in.documents->sha256();
+    in.text_bytes = in.documents->bytes();
+    in.source =
+        options.format == DataFormat::jsonl ? fmt::format("the field \"{}\" of {}", options.field, named) : named;
+    say(log, fmt::format("read {} documents, {} bytes{}", with_commas(static_cast<int64_t>(in.documents->spans.size())),
+                         with_commas(in.text_bytes),
+                         in.documents->empty_records == 0
+                             ? ""
+                             : fmt::format(" ({} records with an empty field left out)", in.documents->empty_records)));
+    return in;
+  }
+  in.sha256 = util::sha256_hex(in.text);
+  in.text_bytes = static_cast<int64_t>(in.text.size());
+  return in;
+}
+
+// Each document's ids, encoded on `threads` threads over contiguous runs of documents of
+// about equal bytes, joined by the end of text; `starts` receives each document's first.
+std::vector<int32_t> encode_documents(const Documents& docs, const Tokenizer& tok, int threads,
+                                      std::vector<int64_t>& starts) {
+  const int eos = tok.eos_id();
+  if (eos < 0) {
+    throw std::runtime_error("The tokenizer (" + tok.kind() +
+                             ") has no end-of-text token to separate the documents with; give one that has (its "
+                             "tokenizer_config.json names it as eos_token).");
+  }
+  const size_t n = docs.spans.size(), parts = std::min<size_t>(std::max(threads, 1), n);
+  std::vector<size_t> bounds = {0};
+  const auto total = static_cast<double>(docs.text.size());
+  for (size_t i = 0, part = 1; i < n && part < parts; ++i) {
+    if (static_cast<double>(docs.spans[i].begin) >= total * static_cast<double>(part) / static_cast<double>(parts)) {
+      bounds.push_back(i);
+      ++part;
+    }
+  }
+  bounds.push_back(n);
+  std::vector<std::vector<int32_t>> ids(bounds.size() - 1);
+  std::vector<std::vector<int64_t>> doc_starts(bounds.size() - 1);
+  std::vector<std::exception_ptr> errors(bounds.size() - 1);
+  auto work = [&](size_t part) {
+    try {
+      std::vector<int64_t> lines;
+      for (size_t d = bounds[part]; d < bounds[part + 1]; ++d) {
+        if (d > bounds[0]) ids[part].push_back(eos);
+        doc_starts[part].push_back(static_cast<int64_t>(ids[part].size()));
+        const std::vector<int32_t> doc = tok.encode_text(docs.document(d), lines, 1);
+        ids[part].insert(ids[part].end(), doc.begin(), doc.end());
+      }
+    } catch (...) {
+      errors[part] = std::current_exception();
+    }
+  };
+  std::vector<std::thread> pool;
+  for (size_t part = 1; part < ids.size(); ++part) pool.emplace_back(work, part);
+  work(0);
+  for (auto& t : pool) t.join();
+  for (auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+  std::vector<int32_t> all;
+  starts.clear();
+  for (size_t part = 0; part < ids.size(); ++part) {
+    for (int64_t s : doc_starts[part]) starts.push_back(s + static_cast<int64_t>(all.size()));
+    all.insert(all.end(), ids[part].begin(), ids[part].end());
+  }
+  return all;
+}
+
+// The ids to split, and where the split may cut them (lines, documents).
+std::vector<int32_t> input_ids(Input& in, const Tokenizer& tok, std::vector<int64_t>& starts, const Log& log) {
+  if (in.tokens) {
+    starts = std::move(in.tokens->starts);
+    return std::move(in.tokens->ids);
+  }
+  const auto t = std::chrono::steady_clock::now();
+  std::vector<int32_t> ids = in.documents ? encode_documents(*in.documents, tok, kEncodeThreads, starts)
+                                          : tok.encode_text(in.text, starts, kEncodeThreads);
+  say(log,
+      fmt::format("encoded {} tokens in {:.2f} s ({:.2f} bytes/token)", with_commas(static_cast<int64_t>(ids.size())),
+                  seconds_since(t), static_cast<double>(in.text_bytes) / static_cast<double>(ids.size())));
+  return ids;
+}
+
 }  // namespace
 
 CorpusInfo prepare_corpus(const PrepareOptions& options, const Log& log) {
   check_options(options);
   const auto start = std::chrono::steady_clock::now();
 
-  std::string text, source;
-  if (options.text_file) {
-    say(log, "reading " + *options.text_file);
-    text = read_utf8_file(*options.text_file);
-    source = "file " + fs::absolute(*options.text_file).lexically_normal().string();
-  } else {
-    say(log, std::string("reading the King James Bible (`") + kBibleCommand + "`)");
-    text = read_kjv_text();
-    source = kBibleSource;
-  }
-  const std::string text_sha256 = util::sha256_hex(text);
   std::optional<Tokenizer> given;
   if (options.tokenizer) {
     say(log, "reading the tokenizer " + util::printable(*options.tokenizer));
     given = Tokenizer::load(*options.tokenizer);
   }
-  if (auto cached = cached_corpus(options, text_sha256, given, log)) return *cached;
+  Input in = read_input(options, given, log);
+  if (auto cached = cached_corpus(options, in.sha256, given, log)) return *cached;
 
-  const Tokenizer tok = given ? *given : train_tokenizer(options, text, log);
+  const Tokenizer tok = given ? *given : train_tokenizer(options, in.training_text(), log);
   CorpusInfo info;
   info.dir = options.out_dir;
-  info.source = source;
-  info.text_sha256 = text_sha256;
-  info.text_bytes = static_cast<int64_t>(text.size());
+  info.source = in.source;
+  info.text_sha256 = in.sha256;
+  info.text_bytes = in.text_bytes;
   info.vocab_size = tok.vocab_size();
   info.val_fraction = options.val_fraction;
   info.val_blocks = options.val_blocks;
@@ -571,12 +617,8 @@ CorpusInfo prepare_corpus(const PrepareOptions& options, const Log& log) {
   info.token_bytes = info.vocab_size <= 65536 ? 2 : 4;
   info.tokenizer_source = given ? fs::absolute(*options.tokenizer).lexically_normal().string() : kTrained;
 
-  const auto t = std::chrono::steady_clock::now();
   std::vector<int64_t> line_starts;
-  const std::vector<int32_t> ids = tok.encode_text(text, line_starts, kEncodeThreads);
-  say(log,
-      fmt::format("encoded {} tokens in {:.2f} s ({:.2f} bytes/token)", with_commas(static_cast<int64_t>(ids.size())),
-                  seconds_since(t), static_cast<double>(text.size()) / static_cast<double>(ids.size())));
+  const std::vector<int32_t> ids = input_ids(in, tok, line_starts, log);
 
   std::vector<int32_t> train, val;
   split_tokens(ids, line_starts, options.val_fraction, options.val_blocks, train, val);
@@ -585,7 +627,7 @@ CorpusInfo prepare_corpus(const PrepareOptions& options, const Log& log) {
     throw std::runtime_error(fmt::format(
         "The text {} encodes to {} tokens, too few for a validation split of data.val_fraction = {}: it would be "
         "empty; train on a longer text, or raise data.val_fraction.",
-        util::printable(source), ids.size(), options.val_fraction));
+        util::printable(in.source), ids.size(), options.val_fraction));
   }
   info.train_tokens = static_cast<int64_t>(train.size());
   info.val_tokens = static_cast<int64_t>(val.size());

@@ -567,9 +567,31 @@ double learning_rate(const TrainConfig& t, int64_t step) {
   return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1.0 + std::cos(kPi * progress));
 }
 
+namespace {
+
+// A name for the files `pattern` names: a file's stem, or a glob's with its wildcards
+// spelled out (…/shard_*.bin: shard_all), after its folder's name where the stem is only
+// wildcards (…/fineweb/*.bin: fineweb-all).
+std::string source_name(const std::string& pattern) {
+  namespace fs = std::filesystem;
+  std::string name;
+  bool literal = false;
+  for (const char ch : fs::path(pattern).stem().string()) {
+    const bool wild = ch == '*' || ch == '?' || ch == '[' || ch == ']';
+    literal = literal || !wild;
+    name += ch == '*' ? "all" : ch == '?' ? "x" : wild ? "" : std::string(1, ch);
+  }
+  const std::string folder = fs::path(pattern).lexically_normal().parent_path().filename().string();
+  return literal || folder.empty() ? name : folder + "-" + name;
+}
+
+}  // namespace
+
 std::string corpus_dir(const DataConfig& d) {
   namespace fs = std::filesystem;
-  const std::string source = d.text.empty() ? "kjv" : fs::path(d.text).stem().string();
+  std::string source = d.text.empty() ? "kjv" : source_name(d.text);
+  if (d.format == DataFormat::jsonl) source += d.field == "text" ? "-jsonl" : "-" + d.field;
+  if (d.format == DataFormat::tokens) source += "-tokens";
   if (d.tokenizer.empty()) return fmt::format("{}/{}-v{}", d.dir, source, d.vocab_size);
   // A model's tokenizer is named by its folder (…/gpt2/tokenizer.json: gpt2).
   fs::path tokenizer = fs::path(d.tokenizer).lexically_normal();
@@ -579,10 +601,36 @@ std::string corpus_dir(const DataConfig& d) {
                      (generic ? tokenizer.parent_path().filename() : tokenizer.stem()).string());
 }
 
+namespace {
+
+// The weights file model.init names: itself, or the model.safetensors in its folder;
+// checked before any work, so that a wrong path costs nothing.
+std::string init_weights(const std::string& init) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::path dir(init);
+  const fs::path file = fs::is_directory(dir, ec) ? dir / "model.safetensors" : dir;
+  if (fs::is_regular_file(file, ec)) return file.string();
+  if (fs::exists(dir / "model.safetensors.index.json", ec)) {
+    throw std::invalid_argument(fmt::format(
+        "model.init = '{}' holds its weights in several files (model.safetensors.index.json); remat reads one "
+        "model.safetensors so far: join them into one, or give a smaller model.",
+        init));
+  }
+  throw std::invalid_argument(
+      fmt::format("model.init = '{}' names no weights: {} is {}; give a .safetensors file or "
+                  "a Hugging Face model's folder holding model.safetensors.",
+                  init, file.string(), fs::exists(file, ec) ? "not a regular file" : "missing"));
+}
+
+}  // namespace
+
 data::CorpusInfo prepare_data(const DataConfig& d) {
   const util::Phase phase("preparing the corpus");
   data::PrepareOptions prep;
   if (!d.text.empty()) prep.text_file = d.text;
+  prep.format = d.format;
+  prep.field = d.field;
   // Fail before minutes of tokenizer training if the cache cannot exist.
   std::error_code ec;
   std::filesystem::create_directories(d.dir, ec);
@@ -615,6 +663,7 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   if (!cfg.run.trace.empty()) trace::check_writable(cfg.run.trace);
   AllocationTrace allocations(cfg.run, device);
 
+  const std::string init = cfg.model.init.empty() || !resume_dir.empty() ? "" : init_weights(cfg.model.init);
   // Data: prepared once per (text, vocabulary) and cached.
   data::CorpusInfo corpus;
   rank0_first(ranks.comm.get(), "preparing the corpus", [&] { corpus = prepare_data(cfg.data); });
@@ -653,6 +702,7 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   cfg = spec.cfg;  // the autos resolved
   const RunPlan& planned = spec.plan;
   keep_or_create(model, spec, create);
+  if (!init.empty()) model->load(init);
   apply_plan(*model, planned.plan, cfg.ac);
   const int64_t predicted = model->predict_activation_bytes(spec.local.train.batch, t.seq).total();
   TrainStep stepper(*model, spec.local.train, static_cast<uint64_t>(cfg.run.seed), ranks.comm.get(), cfg.parallel.zero,
@@ -664,6 +714,7 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   if (ranks.lead) {
     run = open_run_dir(cfg, resume_dir, std::move(resumed.lock), corpus);
     run->write_text("prices.json", prices.record());
+    run->write_text("config.json", hf_config_json(cfg.model, tok.vocab_size(), tok.bos_id(), tok.eos_id()));
   }
 
   TrainSummary sum;

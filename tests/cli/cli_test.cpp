@@ -5,6 +5,7 @@
 #include "remat/caching_allocator.h"
 #include "remat/graph.h"
 #include "remat/memory.h"
+#include "remat/safetensors.h"
 #include "util/atomic_file.h"
 #include "util/processes.h"
 #include "util/temp_dir.h"
@@ -176,6 +177,41 @@ TEST_F(Cli, TrainsAndGeneratesWithAGivenHuggingFaceTokenizer) {
   const Result g = run_remat("generate --run " + (dir_ / "runs" / "hf").string() + " --prompt Hello --tokens 3");
   ASSERT_EQ(g.exit_code, 0) << g.output;
   EXPECT_EQ(g.output.rfind("Hello", 0), 0u) << g.output;
+}
+
+// Fine-tuning: a model transformers saved (tests/data/hf_models/gpt2, its tokenizer beside
+// it) trained on JSONL records. Its config.json gives the shape, its tokenizer the corpus,
+// its weights the start; the run's config.json and model.safetensors load back as its own.
+TEST_F(Cli, FineTunesATransformersModelOnJsonlRecords) {
+  const std::string model = REMAT_SOURCE_DIR "/tests/data/hf_models/gpt2";
+  std::string jsonl;
+  for (int d = 0; d < 60; ++d) {
+    jsonl +=
+        nlohmann::json{{"id", d}, {"text", remat::testing::make_text(8, static_cast<uint64_t>(d) + 1)}}.dump() + "\n";
+  }
+  const Result r = run_remat(
+      "train model.init=" + model +
+      " train.batch=2 train.seq=16 train.warmup=1 train.steps=2 train.lr=1e-3 train.eval_batches=1 run.threads=1 "
+      "run.progress=false run.sample_tokens=0 run.name=ft data.format=jsonl data.text=" +
+      file("docs.jsonl", jsonl) + " data.dir=" + (dir_ / "data").string() + " run.out_dir=" + (dir_ / "runs").string());
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(fs::exists(dir_ / "data" / "docs-jsonl-gpt2" / "meta.json"));
+  const fs::path run = dir_ / "runs" / "ft";
+  const auto config = nlohmann::json::parse(remat::util::read_file((run / "config.json").string()));
+  EXPECT_EQ(config.at("model_type"), "gpt2");
+  EXPECT_EQ(config.at("n_embd"), 32);
+  EXPECT_EQ(config.at("vocab_size"), 545);
+  EXPECT_EQ(config.at("eos_token_id"), 0);  // the tokenizer's <|endoftext|>
+  // Two steps of AdamW at 1e-3 move no weight by more than 1e-2; a fresh model's are some
+  // 0.1 from the fixture's.
+  const auto start = remat::model::load_safetensors(model + "/model.safetensors");
+  const auto end = remat::model::load_safetensors((run / "model.safetensors").string());
+  ASSERT_FALSE(end.tensors.empty());
+  for (const auto& [name, t] : end.tensors) {
+    const at::Tensor* before = start.find("transformer." + name);
+    ASSERT_NE(before, nullptr) << name;
+    EXPECT_LE((t - *before).abs().max().item<double>(), 1e-2) << name;
+  }
 }
 
 TEST_F(Cli, RecordAllocationsWritesTheRunsFirstTwoStepsAsATrace) {

@@ -264,6 +264,33 @@ TEST(Config, ZeroIsStageZeroOrOne) {
   EXPECT_EQ(error_of([] { load_config("", {"parallel.zero=yes"}); }), "parallel.zero must be an integer, got 'yes'.");
 }
 
+// data.format names what data.text holds; each format other than text needs the files, and
+// token ids the tokenizer that wrote them.
+TEST(Config, DataFormatsNeedWhatTheyRead) {
+  EXPECT_EQ(load_config("", {}).data.format, DataFormat::text);
+  const Config jsonl = load_config("", {"data.format=jsonl", "data.text=a.jsonl", "data.field=content"});
+  EXPECT_EQ(jsonl.data.format, DataFormat::jsonl);
+  EXPECT_EQ(jsonl.data.field, "content");
+  EXPECT_NE(config_to_toml(jsonl).find("format = \"jsonl\""), std::string::npos);
+  EXPECT_EQ(error_of([] { load_config("", {"data.format=parquet"}); }),
+            "data.format must be text (UTF-8 text files), jsonl (one JSON object per line, data.field holding the "
+            "text) or tokens (llm.c or nanoGPT .bin shards, or Megatron's indexed dataset: a .bin beside its .idx), "
+            "got 'parquet'.");
+  EXPECT_EQ(error_of([] { load_config("", {"data.format=jsonl"}); }),
+            "data.format = \"jsonl\" reads the files data.text names, but data.text is unset (the default corpus is "
+            "text): set data.text to a file or a glob such as data/shards/*.jsonl.");
+  EXPECT_EQ(error_of([] {
+              load_config("", {"data.format=tokens", "data.text=s/*.bin"});
+            }),
+            "data.format = \"tokens\" reads token ids, which only the tokenizer that wrote them can decode and bound, "
+            "but data.tokenizer is unset: set it to that tokenizer (its tokenizer.json, .model or model folder).");
+  EXPECT_EQ(error_of([] {
+              load_config("", {"data.format=jsonl", "data.text=a.jsonl", "data.field="});
+            }),
+            "data.field is empty; with data.format = \"jsonl\" it names the field holding each document's text, such "
+            "as text.");
+}
+
 // remat plan's link latency: microseconds a ring step waits, 0 (a link priced by its rate
 // alone) included; a negative or absurd one is refused with what to give instead.
 TEST(Config, LinkLatencyIsMicrosecondsARingStepWaits) {

@@ -1,5 +1,6 @@
 #include "util/error_of.h"
 #include <gtest/gtest.h>
+#include <fmt/format.h>
 
 #include <algorithm>
 #include <chrono>
@@ -33,6 +34,30 @@ PrepareOptions small_options(const TempDir& dir, const std::string& text) {
   options.out_dir = dir / "corpus";
   options.vocab_size = 512;
   return options;
+}
+
+// Options for `format` files at `text` with the GPT-2-layout test tokenizer, the
+// validation split at the end, so that the train split then the validation one is the
+// stream of ids.
+const std::string kGpt2Tokenizer = std::string(REMAT_SOURCE_DIR) + "/tests/data/hf_tokenizers/gpt2/tokenizer.json";
+
+PrepareOptions gpt2_options(remat::DataFormat format, const std::string& text, const std::string& out_dir) {
+  PrepareOptions options;
+  options.val_blocks = 1;
+  options.tokenizer = kGpt2Tokenizer;
+  options.format = format;
+  options.text_file = text;
+  options.out_dir = out_dir;
+  return options;
+}
+
+std::vector<int32_t> ids_of(const CorpusInfo& info) {
+  std::vector<int32_t> ids;
+  for (const Split split : {Split::train, Split::val}) {
+    const TokenDataset d = TokenDataset::open(info, split);
+    ids.insert(ids.end(), d.tokens().data_ptr<int32_t>(), d.tokens().data_ptr<int32_t>() + d.size());
+  }
+  return ids;
 }
 
 TEST(Corpus, PreparesSmallTextIntoTokenFiles) {
@@ -145,6 +170,75 @@ TEST(Corpus, PreparesWithAGivenHuggingFaceTokenizer) {
   EXPECT_NE(std::find(log.begin(), log.end(), "rebuilding " + options.out_dir + ": the tokenizer changed"), log.end());
   options.tokenizer.reset();
   EXPECT_FALSE(prepare_corpus(options).cached);
+}
+
+// Documents (several text files, or JSONL records) are encoded one by one and separated by
+// the tokenizer's end of text; the two spellings of the same documents give the same ids.
+TEST(Corpus, PreparesDocumentsSeparatedByTheEndOfText) {
+  TempDir dir;
+  const Tokenizer tok = Tokenizer::load(kGpt2Tokenizer);
+  std::vector<std::string> docs;
+  std::vector<int32_t> expected;
+  std::string jsonl;
+  fs::create_directories(dir / "texts");
+  for (int d = 0; d < 40; ++d) {
+    docs.push_back(remat::testing::make_text(5 + d % 7, static_cast<uint64_t>(d) + 1));
+    write(dir / "texts" / fmt::format("{:02}.txt", d), docs.back());
+    jsonl += nlohmann::json{{"id", d}, {"text", docs.back()}}.dump() + "\n";
+    if (d > 0) expected.push_back(tok.eos_id());
+    const std::vector<int32_t> ids = tok.encode(docs.back());
+    expected.insert(expected.end(), ids.begin(), ids.end());
+  }
+  write(dir / "docs.jsonl", jsonl);
+  const CorpusInfo from_jsonl =
+      prepare_corpus(gpt2_options(remat::DataFormat::jsonl, dir / "docs.jsonl", dir / "jsonl"));
+  const PrepareOptions options = gpt2_options(remat::DataFormat::text, dir / "texts" / "*.txt", dir / "text");
+  const CorpusInfo from_text = prepare_corpus(options);
+  for (const CorpusInfo& info : {from_jsonl, from_text}) {
+    EXPECT_EQ(ids_of(info), expected) << info.source;
+    EXPECT_GT(info.val_tokens, 0);
+  }
+  EXPECT_EQ(from_jsonl.text_sha256, from_text.text_sha256);
+  EXPECT_EQ(from_jsonl.train_sha256, from_text.train_sha256);
+  EXPECT_EQ(from_jsonl.source, "the field \"text\" of the JSONL file " + (dir / "docs.jsonl").string());
+  EXPECT_EQ(from_text.source, "40 text files matching " + (dir / "texts" / "*.txt").string());
+  EXPECT_TRUE(prepare_corpus(options).cached);
+}
+
+// Token ids are taken as written, every one held to the given tokenizer's vocabulary.
+TEST(Corpus, PreparesTokenShardsAsWritten) {
+  TempDir dir;
+  const Tokenizer tok = Tokenizer::load(kGpt2Tokenizer);
+  std::vector<int32_t> all;
+  for (int shard = 0; shard < 3; ++shard) {
+    // llm.c's layout: an end of text before each document.
+    std::vector<uint16_t> ids = {static_cast<uint16_t>(tok.eos_id())};
+    for (int32_t id : tok.encode(remat::testing::make_text(60, static_cast<uint64_t>(shard) + 3))) {
+      ids.push_back(static_cast<uint16_t>(id));
+    }
+    std::vector<int32_t> header(256, 0);
+    header[0] = 20240520;
+    header[1] = 1;
+    header[2] = static_cast<int32_t>(ids.size());
+    write(dir / fmt::format("shard_{:03}.bin", shard),
+          std::string(reinterpret_cast<const char*>(header.data()), 1024) +
+              std::string(reinterpret_cast<const char*>(ids.data()), 2 * ids.size()));
+    all.insert(all.end(), ids.begin(), ids.end());
+  }
+  PrepareOptions options = gpt2_options(remat::DataFormat::tokens, dir / "shard_*.bin", dir / "corpus");
+  std::vector<std::string> log;
+  const CorpusInfo info = prepare_corpus(options, [&](const std::string& l) { log.push_back(l); });
+  EXPECT_EQ(info.vocab_size, tok.vocab_size());
+  EXPECT_EQ(info.text_bytes, 0);
+  EXPECT_EQ(ids_of(info), all);
+  EXPECT_EQ(info.source, "the ids of 3 token files matching " + (dir / "shard_*.bin").string());
+  EXPECT_NE(std::find(log.begin(), log.end(), "reading 3 token files matching " + (dir / "shard_*.bin").string()),
+            log.end());
+
+  EXPECT_TRUE(prepare_corpus(options).cached);
+  options.tokenizer.reset();
+  EXPECT_EQ(error_of([&] { prepare_corpus(options); }),
+            "Token ids can be prepared only with the tokenizer that wrote them; give it.");
 }
 
 TEST(Corpus, DamagedCacheIsReportedAndRebuilt) {
@@ -270,8 +364,8 @@ TEST(Corpus, RefusesMissingEmptyAndNonUtf8Files) {
     options.text_file = source;
     error = error_of([&] { prepare_corpus(options); });
     EXPECT_EQ(error, "The text file " + source +
-                         " is not a regular file (a FIFO, device or socket); remat reads text "
-                         "only from regular files, which cannot make it wait or read for ever: give a file.");
+                         " is not a regular file (a FIFO, device or socket); remat reads its inputs only from "
+                         "regular files, which cannot make it wait or read for ever: give a file.");
   }
 
   options.text_file = dir / "blank.txt";

@@ -301,6 +301,23 @@ TEST_F(Trainer, NonFiniteWeightsAreNamedAndRefusedBeforeTheyAreUsed) {
 namespace remat {
 namespace {
 
+// A corpus's folder names its text, format and tokenizer, so that two inputs never share one.
+TEST(CorpusDir, NamesTheFilesTheFormatAndTheTokenizer) {
+  DataConfig d;
+  EXPECT_EQ(corpus_dir(d), "data/kjv-v2048");
+  d.text = "books/psalms.txt";
+  EXPECT_EQ(corpus_dir(d), "data/psalms-v2048");
+  d.text = "web/shard_*.jsonl";
+  d.format = DataFormat::jsonl;
+  EXPECT_EQ(corpus_dir(d), "data/shard_all-jsonl-v2048");
+  d.field = "content";
+  EXPECT_EQ(corpus_dir(d), "data/shard_all-content-v2048");
+  d.text = "fineweb10B/*.bin";
+  d.format = DataFormat::tokens;
+  d.tokenizer = "models/gpt2/tokenizer.json";
+  EXPECT_EQ(corpus_dir(d), "data/fineweb10B-all-tokens-gpt2");
+}
+
 TEST(LearningRate, WarmsUpLinearlyThenReachesTheFloorAtTheLastStep) {
   TrainConfig t;
   t.steps = 100;
