@@ -547,11 +547,10 @@ void report(const RunSpec& spec, const Ranks& ranks, const Machine& machine, con
                                  1e3 * sum.predicted_step_seconds)
                    : "");
   }
-  fmt::print(
-      stderr,
-      "run directory {}: config.toml, prices.json, plan.txt, metrics.jsonl, model.safetensors, tokenizer.model{}{}, "
-      "summary.json\n",
-      run.path(), plotted ? ", loss.png" : "", cfg.run.sample_tokens > 0 ? ", sample.txt" : "");
+  fmt::print(stderr,
+             "run directory {}: config.toml, prices.json, plan.txt, metrics.jsonl, model.safetensors, config.json, "
+             "tokenizer.model{}{}, summary.json\n",
+             run.path(), plotted ? ", loss.png" : "", cfg.run.sample_tokens > 0 ? ", sample.txt" : "");
   if (!plotted) fmt::print(stderr, "no loss plot: {}\n", why);
   if (traced_step >= 0) {
     fmt::print(stderr, "trace of step {}: {} (open it in https://ui.perfetto.dev)\n", traced_step + 1, cfg.run.trace);

@@ -1,6 +1,7 @@
 // End-to-end training on a small generated corpus: determinism, the run directory, and
 // sampling back from it.
 #include "remat/safetensors.h"
+#include "util/atomic_file.h"
 #include "remat/policy.h"
 #include "remat/tokenizer.h"
 #include "remat/trainer.h"
@@ -71,10 +72,14 @@ TEST_F(Trainer, SameSeedGivesBitwiseTheSameLosses) {
 
 TEST_F(Trainer, WritesTheRunDirectory) {
   const TrainSummary s = train(config("files"));
-  for (const char* f : {"config.toml", "plan.txt", "metrics.jsonl", "model.safetensors", "tokenizer.model",
-                        "sample.txt", "summary.json", "loss.png"}) {
+  for (const char* f : {"config.toml", "plan.txt", "metrics.jsonl", "model.safetensors", "config.json",
+                        "tokenizer.model", "sample.txt", "summary.json", "loss.png"}) {
     EXPECT_TRUE(fs::exists(fs::path(s.run_dir) / f)) << f;
   }
+  // The config.json that loads model.safetensors into transformers: the run's shape.
+  const auto hf = nlohmann::json::parse(util::read_file((fs::path(s.run_dir) / "config.json").string()));
+  EXPECT_EQ(hf.at("model_type"), arch_name(config("files").model.arch));
+  EXPECT_EQ(hf.at("n_layer"), config("files").model.n_layer);
   std::ifstream metrics(fs::path(s.run_dir) / "metrics.jsonl");
   int train_lines = 0, val_lines = 0;
   for (std::string line; std::getline(metrics, line);) {
