@@ -95,6 +95,10 @@ class InputFile {
   int64_t size_ = 0;
 };
 
+// A read buffer for `bytes`: a chunk at most, so that memory stays bounded, and no more
+// than a small file needs (a fresh megabyte per file costs its page faults).
+size_t chunk_for(int64_t bytes) { return static_cast<size_t>(std::clamp<int64_t>(bytes, 8, kChunk)); }
+
 bool is_glob(const std::string& pattern) { return pattern.find_first_of("*?[") != std::string::npos; }
 
 std::string capitalized(std::string s) {
@@ -133,7 +137,7 @@ void check_text(std::string_view text, const std::string& where) {
 // would pass the size limit (so an endless or binary file costs no more than that).
 void append_file(const InputFile& file, std::string& out) {
   const size_t start = out.size();
-  std::vector<char> chunk(kChunk);
+  std::vector<char> chunk(chunk_for(file.size()));
   int64_t offset = 0;
   for (size_t n; (n = file.read_at(offset, chunk.data(), chunk.size())) > 0; offset += static_cast<int64_t>(n)) {
     const void* nul = std::memchr(chunk.data(), '\0', n);
@@ -158,7 +162,7 @@ void append_file(const InputFile& file, std::string& out) {
 template <class F>
 void for_each_line(const InputFile& file, F&& record) {
   std::string line;
-  std::vector<char> chunk(kChunk);
+  std::vector<char> chunk(chunk_for(file.size()));
   int64_t offset = 0, number = 1;
   for (size_t n; (n = file.read_at(offset, chunk.data(), chunk.size())) > 0; offset += static_cast<int64_t>(n)) {
     for (size_t pos = 0; pos < n;) {
@@ -190,9 +194,9 @@ void read_jsonl(const InputFile& file, const std::string& field, Documents& docs
     json record;
     try {
       record = json::parse(line);
-    } catch (const json::parse_error& e) {
-      fail(fmt::format("{} is not JSON (at byte {} of the line: {}); each line must hold one JSON object.",
-                       capitalized(where), e.byte, util::printable(e.what())));
+    } catch (const json::exception& e) {  // a syntax error, or a number beyond a double's range
+      fail(fmt::format("{} is not JSON remat reads ({}); each line must hold one JSON object.", capitalized(where),
+                       util::printable(e.what())));
     }
     if (!record.is_object())
       fail(fmt::format("{} is a JSON {}, not an object.", capitalized(where), record.type_name()));
@@ -233,8 +237,8 @@ void append_tokens(const InputFile& file, int64_t offset, int64_t count, int wid
                     "trains (4 bytes each); give fewer shards.",
                     file.path(), kMaxTokens));
   }
-  std::vector<char> chunk(kChunk);
-  const int64_t per_chunk = static_cast<int64_t>(kChunk) / width;
+  std::vector<char> chunk(chunk_for(count * width));
+  const int64_t per_chunk = static_cast<int64_t>(chunk.size()) / width;
   for (int64_t done = 0; done < count;) {
     const int64_t n = std::min(per_chunk, count - done);
     const int64_t at = offset + done * width;
