@@ -22,8 +22,8 @@
 
 namespace remat {
 
-/// The block architectures: gpt2 (pre-LN, learned positions, GELU MLP, tied head, dropout)
-/// and llama (RMSNorm, RoPE, grouped-query attention, SwiGLU, untied head).
+/// The block architectures: gpt2 (pre-LN, learned positions, GELU MLP, dropout) and llama
+/// (RMSNorm, RoPE, grouped-query attention, SwiGLU); either head may be tied.
 enum class Arch { gpt2, llama };
 /// "gpt2" / "llama", as configs spell it.
 const char* arch_name(Arch a);
@@ -38,6 +38,19 @@ const char* arch_name(Arch a);
 enum class LossHead { fused, recompute, automatic };
 /// "fused" / "recompute" / "auto", as configs spell it.
 const char* loss_head_name(LossHead h);
+
+/// RoPE's frequencies stretched for a longer context, as Llama 3.1 and 3.2 were trained
+/// (transformers' rope_type "llama3"): wavelengths longer than original_max_seq /
+/// low_freq_factor are stretched by `factor`, those shorter than original_max_seq /
+/// high_freq_factor kept, those between blended linearly in original_max_seq / wavelength.
+struct RopeScaling {
+  double factor = 1.0;  ///< 1: RoPE unscaled, the other fields unused
+  double low_freq_factor = 1.0;
+  double high_freq_factor = 4.0;
+  int64_t original_max_seq = 8192;  ///< the context the model was first trained at
+
+  bool scaled() const { return factor != 1.0; }
+};
 
 /// Transformer shape.
 struct ModelConfig {
@@ -63,6 +76,9 @@ struct ModelConfig {
                          ///< llama: attention-probability dropout only
   double norm_eps = 1e-5;
   double rope_theta = 10000.0;
+  RopeScaling rope_scaling;    ///< llama
+  bool tie_embeddings = true;  ///< the head's matrix is the embedding's (GPT-2, Llama 3.2 1B
+                               ///< and 3B); false: a head of its own (lm_head.weight)
   double init_std = 0.02;
   /// Weights to start from instead of fresh ones: a .safetensors file, or a Hugging Face
   /// model's folder (its config.json gives the shape, as a preset would; its tokenizer

@@ -228,8 +228,9 @@ class Model {
   /// Writes whole_params() to a .safetensors file.
   void save(const std::string& path, const std::map<std::string, std::string>& metadata = {}) const;
   /// Loads every parameter from a .safetensors file (ours or a Hugging Face checkpoint of
-  /// the same shape; each rank takes its part of the split ones; a stage takes its own
-  /// parameters from a checkpoint of the whole model). The vocabulary
+  /// the same shape), or from the files a model.safetensors.index.json names (a model saved
+  /// in shards; `path` ends in .index.json). Each rank takes its part of the split ones; a
+  /// stage takes its own parameters from a checkpoint of the whole model. The vocabulary
   /// parameters (Param::vocab) may have fewer rows in the file, all of them the same number
   /// (an unpadded checkpoint in a padded model): the rows above are set to the mean of the
   /// file's rows, so that each padding row's logit is the mean of the real ones and, by

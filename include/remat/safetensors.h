@@ -102,6 +102,12 @@ SafeTensorsHeader read_safetensors_header(const std::string& path);
 /// accepts are read (the header is validated whole), in file order.
 SafeTensors load_safetensors(const std::string& path, const std::function<bool(const std::string&)>& wanted = nullptr);
 
+/// The files a Hugging Face model.safetensors.index.json spreads a model over: its
+/// weight_map's shard names, each once in order of first mention, as paths beside the index.
+/// Refused with a sentence naming the index where it is not such a map, or a shard is not a
+/// file name in the index's folder.
+std::vector<std::string> safetensors_index_files(const std::string& index_path);
+
 /// "F32" for at::kFloat, etc.; throws for a dtype the format cannot hold.
 const char* safetensors_dtype_name(at::ScalarType dtype);
 

@@ -25,6 +25,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace remat::data {
@@ -60,6 +61,10 @@ class Tokenizer {
   /// The serialized model (what save() writes): SentencePiece's bytes, or a JSON object
   /// holding a tokenizer.json's and its tokenizer_config.json's texts.
   const std::string& serialized() const { return model_; }
+  /// The files that load it into Hugging Face's tokenizers and transformers, by name: a
+  /// byte-level BPE's tokenizer.json and, where it came with one, its tokenizer_config.json;
+  /// none for a SentencePiece model (saved, it is already a tokenizer.model).
+  std::vector<std::pair<std::string, std::string>> hf_files() const;
   /// "SentencePiece BPE" or "byte-level BPE (Hugging Face)".
   std::string kind() const;
 

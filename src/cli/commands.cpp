@@ -31,13 +31,15 @@ namespace {
 // Each key with its default, what it sets and, for a number, the values it accepts.
 void print_config_keys() {
   const Config defaults;
+  size_t width = 0;
+  for (const auto& k : config_keys()) width = std::max(width, k.name.size());
   for (const auto& k : config_keys()) {
     const std::string v = k.get(defaults);
     std::string help = k.help;
     if (k.range) {
       help += " [" + k.range->text() + (k.range->example.empty() ? "" : "; e.g. " + k.range->example) + "]";
     }
-    fmt::print("  {:<34} {:<14} {}\n", k.name, v.empty() || v[0] == '#' ? "(unset)" : v, help);
+    fmt::print("  {:<{}} {:<14} {}\n", k.name, width, v.empty() || v[0] == '#' ? "(unset)" : v, help);
   }
   fmt::print("\npresets: {}\n", fmt::join(preset_names(), ", "));
 }

@@ -97,16 +97,16 @@ std::string quote(const std::string& s) {
 
 std::string number(double v) { return fmt::format("{}", v); }
 
-// Member-pointer adaptors: one line per key in the tables below.
-template <class S, class T>
-ConfigKey key(std::string name, S Config::*section, T S::*field, std::string help,
-              std::optional<KeyRange> range = std::nullopt) {
+// A key over the field `at` reaches in a Config (a generic lambda, so that one accessor
+// serves the setter and the const getter).
+template <class T, class At>
+ConfigKey key_at(std::string name, At at, std::string help, std::optional<KeyRange> range) {
   ConfigKey k;
   k.name = name;
   k.help = std::move(help);
   k.range = std::move(range);
-  k.set = [name, section, field](Config& c, const std::string& v) {
-    T& dst = c.*section.*field;
+  k.set = [name, at](Config& c, const std::string& v) {
+    T& dst = at(c);
     if constexpr (std::is_same_v<T, std::string>) {
       dst = v;
     } else if constexpr (std::is_same_v<T, Arch>) {
@@ -129,8 +129,8 @@ ConfigKey key(std::string name, S Config::*section, T S::*field, std::string hel
       dst = parse_number<double>(name, v);
     }
   };
-  k.get = [section, field](const Config& c) {
-    const T& src = c.*section.*field;
+  k.get = [at](const Config& c) {
+    const T& src = at(c);
     if constexpr (std::is_same_v<T, std::string>) {
       return quote(src);
     } else if constexpr (std::is_same_v<T, Arch>) {
@@ -154,9 +154,25 @@ ConfigKey key(std::string name, S Config::*section, T S::*field, std::string hel
     }
   };
   if constexpr (std::is_arithmetic_v<T> && !std::is_same_v<T, bool>) {
-    k.number = [section, field](const Config& c) { return static_cast<double>(c.*section.*field); };
+    k.number = [at](const Config& c) { return static_cast<double>(at(c)); };
   }
   return k;
+}
+
+// Member-pointer adaptors: one line per key in the tables below.
+template <class S, class T>
+ConfigKey key(std::string name, S Config::*section, T S::*field, std::string help,
+              std::optional<KeyRange> range = std::nullopt) {
+  return key_at<T>(
+      std::move(name), [ section, field ](auto& c) -> auto& { return c.*section.*field; }, std::move(help),
+      std::move(range));
+}
+template <class S, class N, class T>
+ConfigKey key(std::string name, S Config::*section, N S::*nested, T N::*field, std::string help,
+              std::optional<KeyRange> range = std::nullopt) {
+  return key_at<T>(
+      std::move(name), [ section, nested, field ](auto& c) -> auto& { return c.*section.*nested.*field; },
+      std::move(help), std::move(range));
 }
 
 // TOML literal of a comma list: numbers bare, words quoted.
@@ -310,6 +326,27 @@ std::vector<ConfigKey> model_keys() {
                    .above_min = true,
                    .why = "at or below 1 the rotation frequencies are infinite or do not decrease",
                    .example = "10000 (GPT-NeoX), 500000 (Llama 3)"}),
+      key("model.rope_scaling.factor", &C::model, &ModelConfig::rope_scaling, &RopeScaling::factor,
+          "llama3 RoPE scaling: stretch of long wavelengths; 1: unscaled",
+          KeyRange{.min = 1,
+                   .max = 1024,
+                   .why = "it stretches the context; below 1 it would shrink it, and 1024 is far past any model's",
+                   .example = "8 (Llama 3.1), 32 (Llama 3.2 1B and 3B)"}),
+      key("model.rope_scaling.low_freq_factor", &C::model, &ModelConfig::rope_scaling, &RopeScaling::low_freq_factor,
+          "llama3 RoPE scaling: wavelengths above original_max_seq / this are stretched",
+          KeyRange{.min = 0, .above_min = true, .why = "it divides original_max_seq", .example = "1"}),
+      key("model.rope_scaling.high_freq_factor", &C::model, &ModelConfig::rope_scaling, &RopeScaling::high_freq_factor,
+          "llama3 RoPE scaling: wavelengths below original_max_seq / this are kept",
+          KeyRange{.min = 0, .above_min = true, .why = "it divides original_max_seq", .example = "4"}),
+      key("model.rope_scaling.original_max_seq", &C::model, &ModelConfig::rope_scaling, &RopeScaling::original_max_seq,
+          "llama3 RoPE scaling: the context first trained at",
+          KeyRange{.min = 1,
+                   .max = 16777216,
+                   .unit = "tokens",
+                   .why = "16M tokens of context is far past any published model's",
+                   .example = "8192 (Llama 3)"}),
+      key("model.tie_embeddings", &C::model, &ModelConfig::tie_embeddings,
+          "the head is the embedding's matrix; false: lm_head.weight"),
       key("model.init_std", &C::model, &ModelConfig::init_std, "weight init std",
           KeyRange{.min = 0,
                    .max = 1,

@@ -58,6 +58,20 @@ void check_model(const ModelConfig& m) {
   if (m.arch == Arch::llama && m.head_dim() % 2 != 0) {
     fail(fmt::format("RoPE needs an even head dimension; d_model / n_head = {}.", m.head_dim()));
   }
+  const RopeScaling& r = m.rope_scaling;
+  if (r.scaled() && m.arch != Arch::llama) {
+    fail(
+        fmt::format("model.rope_scaling.factor = {} scales RoPE, which {} has none of (learned positions); leave it "
+                    "at 1.",
+                    r.factor, arch_name(m.arch)));
+  }
+  if (r.scaled() && r.low_freq_factor >= r.high_freq_factor) {
+    fail(
+        fmt::format("model.rope_scaling.low_freq_factor ({}) must be below model.rope_scaling.high_freq_factor ({}): "
+                    "the wavelengths between original_max_seq / high and original_max_seq / low are the ones blended "
+                    "(Llama 3.1: 1 and 4).",
+                    r.low_freq_factor, r.high_freq_factor));
+  }
   // Parameters, counted as the matrices alone: above 2^42 (16 TiB of float32) no machine
   // holds them, and the byte counts that follow would leave int64.
   const double d = static_cast<double>(m.d_model), vocab = static_cast<double>(std::max<int64_t>(m.vocab_size, 0));

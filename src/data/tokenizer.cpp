@@ -370,6 +370,16 @@ Tokenizer Tokenizer::load(const std::string& path) {
 
 void Tokenizer::save(const std::string& model_path) const { util::write_file_atomically(model_path, model_); }
 
+std::vector<std::pair<std::string, std::string>> Tokenizer::hf_files() const {
+  if (!bpe_) return {};
+  const nlohmann::json saved = nlohmann::json::parse(model_);
+  std::vector<std::pair<std::string, std::string>> files{{"tokenizer.json", saved.at("tokenizer.json")}};
+  if (std::string config = saved.at("tokenizer_config.json"); !config.empty()) {
+    files.emplace_back("tokenizer_config.json", std::move(config));
+  }
+  return files;
+}
+
 std::string Tokenizer::kind() const { return bpe_ ? "byte-level BPE (Hugging Face)" : "SentencePiece BPE"; }
 
 std::vector<int32_t> Tokenizer::encode(std::string_view text) const {

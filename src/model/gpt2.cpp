@@ -1,4 +1,4 @@
-// GPT-2: pre-LN blocks, learned positions, GELU MLP, tied head, dropout on embeddings,
+// GPT-2: pre-LN blocks, learned positions, GELU MLP, a tied head (or its own), dropout on embeddings,
 // attention probabilities and both residual branches.
 #include "model/transformer.h"
 
@@ -69,7 +69,8 @@ struct Gpt2Arch {
     return b.finish_kept(b.dropout("embed_dropout", pos, c.dropout, ops::DropoutSite::embedding).first);
   }
 
-  // The final LayerNorm, then the loss through the tied token embedding.
+  // The final LayerNorm, then the loss through the token embedding where tied (the same name
+  // makes it the same parameter), else through lm_head.weight.
   static graph::BlockGraph head(const ModelConfig& c, int64_t B, int64_t T, at::ScalarType dtype, int64_t chunk) {
     using namespace graph;
     const int64_t C = c.d_model;
@@ -79,7 +80,8 @@ struct Gpt2Arch {
     norm.eps = c.norm_eps;
     const int h = b.add("ln_f", op::layernorm(), {b.input()}, {w, bias}, norm)[0];
     if (chunk == 0) return b.finish_kept(h);
-    return b.finish_kept(b.loss(h, b.param("wte.weight", {c.vocab_size, C}), chunk, c.loss_head));
+    const char* head = c.tie_embeddings ? "wte.weight" : "lm_head.weight";
+    return b.finish_kept(b.loss(h, b.param(head, {c.vocab_size, C}), chunk, c.loss_head));
   }
 
   static bool hf_transposed(const std::string& name) {
@@ -88,8 +90,9 @@ struct Gpt2Arch {
   }
 
   // Causal-mask buffers of older checkpoints, and the tied head's copy.
-  static bool ignorable(const std::string& name) {
-    return ends_with(name, ".attn.bias") || ends_with(name, ".attn.masked_bias") || name == "lm_head.weight";
+  static bool ignorable(const ModelConfig& c, const std::string& name) {
+    return ends_with(name, ".attn.bias") || ends_with(name, ".attn.masked_bias") ||
+           (c.tie_embeddings && name == "lm_head.weight");
   }
 };
 

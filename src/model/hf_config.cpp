@@ -25,6 +25,7 @@ class HfConfig {
   [[noreturn]] void fail(const std::string& what) const {
     throw std::invalid_argument(fmt::format("The model config {} {}", path_, what));
   }
+  const std::string& path() const { return path_; }
   bool has(const char* key) const { return j_.contains(key) && !j_.at(key).is_null(); }
   const json& at(const char* key) const { return j_.at(key); }
 
@@ -33,6 +34,10 @@ class HfConfig {
     return whole_value(key, j_.at(key));
   }
   int64_t whole_or(const char* key, int64_t fallback) const { return has(key) ? whole(key) : fallback; }
+  double real(const char* key) const {
+    if (!has(key)) fail(fmt::format("has no \"{}\", which gives the model's shape.", key));
+    return real_or(key, 0.0);
+  }
   double real_or(const char* key, double fallback) const {
     if (!has(key)) return fallback;
     if (!j_.at(key).is_number()) fail(fmt::format("holds {} as \"{}\", not a number.", j_.at(key).dump(), key));
@@ -78,8 +83,7 @@ void read_gpt2(const HfConfig& c, ModelConfig& m) {
   m.dropout = c.real_or("resid_pdrop", 0.1);
   c.require("activation_function", std::string("gelu_new"), c.text_or("activation_function", "gelu_new"),
             "remat's GPT-2 block has GELU in its tanh form (gelu_new) alone");
-  c.require("tie_word_embeddings", true, c.flag_or("tie_word_embeddings", true),
-            "remat's GPT-2 shares its embedding with the head");
+  m.tie_embeddings = c.flag_or("tie_word_embeddings", true);
   c.require("scale_attn_weights", true, c.flag_or("scale_attn_weights", true),
             "remat's attention scales its scores by 1/sqrt(head size)");
   c.require("scale_attn_by_inverse_layer_idx", false, c.flag_or("scale_attn_by_inverse_layer_idx", false),
@@ -87,23 +91,28 @@ void read_gpt2(const HfConfig& c, ModelConfig& m) {
 }
 
 // transformers 5 writes RoPE's settings as rope_parameters, earlier ones as rope_theta and
-// rope_scaling; remat's RoPE is the default one, unscaled.
-double llama_rope_theta(const HfConfig& c) {
-  double theta = c.real_or("rope_theta", 10000.0);
+// rope_scaling; remat builds the default RoPE and Llama 3.1's "llama3" scaling of it.
+void read_llama_rope(const HfConfig& c, ModelConfig& m) {
+  m.rope_theta = c.real_or("rope_theta", 10000.0);
+  m.rope_scaling = RopeScaling{};
   for (const char* key : {"rope_parameters", "rope_scaling"}) {
     if (!c.has(key)) continue;
-    const json& p = c.at(key);
-    if (!p.is_object()) c.fail(fmt::format("holds {} as \"{}\", not an object.", p.dump(), key));
-    const std::string type = p.value("rope_type", p.value("type", std::string("default")));
-    if (type != "default") {
+    if (!c.at(key).is_object()) c.fail(fmt::format("holds {} as \"{}\", not an object.", c.at(key).dump(), key));
+    const HfConfig p(c.at(key), fmt::format("{}'s \"{}\"", c.path(), key));
+    const std::string type = p.text_or("rope_type", p.text_or("type", "default"));
+    if (type == "llama3") {
+      m.rope_scaling.factor = p.real("factor");
+      m.rope_scaling.low_freq_factor = p.real("low_freq_factor");
+      m.rope_scaling.high_freq_factor = p.real("high_freq_factor");
+      m.rope_scaling.original_max_seq = p.whole("original_max_position_embeddings");
+    } else if (type != "default") {
       c.fail(
-          fmt::format("asks for RoPE of type \"{}\" in \"{}\", but remat's RoPE is the default one, unscaled "
-                      "(Llama 3.1's and 3.2's \"llama3\" scaling is not built).",
+          fmt::format("asks for RoPE of type \"{}\" in \"{}\", but remat builds the default RoPE and Llama "
+                      "3.1's \"llama3\" scaling alone.",
                       util::printable(type), key));
     }
-    if (p.contains("rope_theta") && p.at("rope_theta").is_number()) theta = p.at("rope_theta").get<double>();
+    m.rope_theta = p.real_or("rope_theta", m.rope_theta);
   }
-  return theta;
 }
 
 void read_llama(const HfConfig& c, ModelConfig& m) {
@@ -116,7 +125,7 @@ void read_llama(const HfConfig& c, ModelConfig& m) {
   m.vocab_size = c.whole("vocab_size");
   m.max_seq = c.whole("max_position_embeddings");
   m.norm_eps = c.real_or("rms_norm_eps", 1e-6);
-  m.rope_theta = llama_rope_theta(c);
+  read_llama_rope(c, m);
   m.dropout = c.real_or("attention_dropout", 0.0);
   c.require("head_dim", m.d_model / m.n_head, c.whole_or("head_dim", m.d_model / m.n_head),
             "remat's heads are hidden_size / num_attention_heads wide");
@@ -124,8 +133,7 @@ void read_llama(const HfConfig& c, ModelConfig& m) {
             "remat's Llama MLP is SwiGLU, with SiLU");
   c.require("attention_bias", false, c.flag_or("attention_bias", false), "remat's Llama projections have no bias");
   c.require("mlp_bias", false, c.flag_or("mlp_bias", false), "remat's Llama projections have no bias");
-  c.require("tie_word_embeddings", false, c.flag_or("tie_word_embeddings", false),
-            "remat's Llama has a head of its own (lm_head.weight), not the embedding's");
+  m.tie_embeddings = c.flag_or("tie_word_embeddings", false);
 }
 
 }  // namespace
@@ -168,7 +176,7 @@ std::string hf_config_json(const ModelConfig& m, int64_t vocab_size, int bos_id,
          {"resid_pdrop", m.dropout},
          {"embd_pdrop", m.dropout},
          {"attn_pdrop", m.dropout},
-         {"tie_word_embeddings", true}};
+         {"tie_word_embeddings", m.tie_embeddings}};
   } else {
     j = {{"architectures", {"LlamaForCausalLM"}},
          {"model_type", "llama"},
@@ -186,7 +194,15 @@ std::string hf_config_json(const ModelConfig& m, int64_t vocab_size, int bos_id,
          {"attention_bias", false},
          {"mlp_bias", false},
          {"attention_dropout", m.dropout},
-         {"tie_word_embeddings", false}};
+         {"tie_word_embeddings", m.tie_embeddings}};
+    if (m.rope_scaling.scaled()) {
+      // The older spelling, which transformers 4 reads and 5 converts.
+      j["rope_scaling"] = {{"rope_type", "llama3"},
+                           {"factor", m.rope_scaling.factor},
+                           {"low_freq_factor", m.rope_scaling.low_freq_factor},
+                           {"high_freq_factor", m.rope_scaling.high_freq_factor},
+                           {"original_max_position_embeddings", m.rope_scaling.original_max_seq}};
+    }
   }
   j["bos_token_id"] = bos_id >= 0 ? json(bos_id) : json(nullptr);
   j["eos_token_id"] = eos_id >= 0 ? json(eos_id) : json(nullptr);

@@ -1,5 +1,6 @@
-// Llama: RMSNorm, rotary positions, grouped-query attention, fused SwiGLU MLP, untied
-// head; dropout (model.dropout) on the attention probabilities only.
+// Llama: RMSNorm, rotary positions, grouped-query attention, fused SwiGLU MLP, a head of
+// its own or the embedding's (model.tie_embeddings); dropout (model.dropout) on the
+// attention probabilities only.
 #include "model/transformer.h"
 
 namespace remat::detail {
@@ -66,7 +67,8 @@ struct LlamaArch {
     return b.finish_kept(b.add1("embed_tokens", op::embedding(), {b.input()}, {w}));
   }
 
-  // The final RMSNorm, then the loss through the untied output projection.
+  // The final RMSNorm, then the loss through the output projection: lm_head.weight, or the
+  // embedding's matrix where tied (the same name makes it the same parameter).
   static graph::BlockGraph head(const ModelConfig& c, int64_t B, int64_t T, at::ScalarType dtype, int64_t chunk) {
     using namespace graph;
     const int64_t C = c.d_model;
@@ -76,11 +78,15 @@ struct LlamaArch {
     norm.eps = c.norm_eps;
     const int h = b.add("norm", op::rmsnorm(), {b.input()}, {w}, norm)[0];
     if (chunk == 0) return b.finish_kept(h);
-    return b.finish_kept(b.loss(h, b.param("lm_head.weight", {c.vocab_size, C}), chunk, c.loss_head));
+    const char* head = c.tie_embeddings ? "model.embed_tokens.weight" : "lm_head.weight";
+    return b.finish_kept(b.loss(h, b.param(head, {c.vocab_size, C}), chunk, c.loss_head));
   }
 
   static bool hf_transposed(const std::string&) { return false; }
-  static bool ignorable(const std::string& name) { return ends_with(name, ".rotary_emb.inv_freq"); }
+  // A tied model's file may still carry the head's copy; transformers ties it on load too.
+  static bool ignorable(const ModelConfig& c, const std::string& name) {
+    return ends_with(name, ".rotary_emb.inv_freq") || (c.tie_embeddings && name == "lm_head.weight");
+  }
 };
 
 }  // namespace

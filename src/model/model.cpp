@@ -143,17 +143,21 @@ void Model::save(const std::string& path, const std::map<std::string, std::strin
 }
 
 void Model::load(const std::string& path) {
+  const bool sharded = detail::ends_with(path, ".index.json");
+  const std::vector<std::string> files = sharded ? model::safetensors_index_files(path) : std::vector{path};
   // Hugging Face GPT-2 files may prefix every name with "transformer.".
   std::map<std::string, at::Tensor> file;
-  for (auto& [name, t] : model::load_safetensors(path).tensors) {
-    const std::string prefix = "transformer.";
-    const bool strip = cfg_.arch == Arch::gpt2 && name.rfind(prefix, 0) == 0;
-    const std::string key = strip ? name.substr(prefix.size()) : name;
-    if (!file.emplace(key, t).second) {
-      throw std::runtime_error(
-          fmt::format("{} holds '{}' both with and without the 'transformer.' prefix; it is "
-                      "ambiguous which to load (nothing was loaded).",
-                      path, key));
+  for (const std::string& shard : files) {
+    for (auto& [name, t] : model::load_safetensors(shard).tensors) {
+      const std::string prefix = "transformer.";
+      const bool strip = cfg_.arch == Arch::gpt2 && name.rfind(prefix, 0) == 0;
+      const std::string key = strip ? name.substr(prefix.size()) : name;
+      if (!file.emplace(key, t).second) {
+        throw std::runtime_error(
+            fmt::format("{} holds '{}' twice ({}); it is ambiguous which to load (nothing was loaded).", path, key,
+                        sharded ? "in two of its files, or with and without the 'transformer.' prefix"
+                                : "with and without the 'transformer.' prefix"));
+      }
     }
   }
 

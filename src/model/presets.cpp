@@ -42,6 +42,18 @@ ModelConfig llama(int64_t layers, int64_t heads, int64_t kv, int64_t d, int64_t 
   m.dropout = 0.0;
   m.rope_theta = theta;
   m.norm_eps = eps;
+  m.tie_embeddings = false;
+  return m;
+}
+
+// Llama 3.1's and 3.2's long context: RoPE stretched by `factor` past the 8192 positions
+// Llama 3 was trained at; 3.2's small models also tie their head to the embedding.
+ModelConfig llama3_scaled(ModelConfig m, double factor, bool tied) {
+  m.rope_scaling.factor = factor;
+  m.rope_scaling.low_freq_factor = 1.0;
+  m.rope_scaling.high_freq_factor = 4.0;
+  m.rope_scaling.original_max_seq = 8192;
+  m.tie_embeddings = tied;
   return m;
 }
 
@@ -54,7 +66,11 @@ const Preset kPresets[] = {
     {"llama-demo", [] { return llama(4, 4, 2, 128, 352, 0, 256, 10000.0, 1e-5); }},
     {"gpt2", [] { return gpt2(12, 12, 768, 50257, 1024, 0.1); }},
     {"gpt2-medium", [] { return gpt2(24, 16, 1024, 50257, 1024, 0.1); }},
+    {"llama3.2-1b",
+     [] { return llama3_scaled(llama(16, 32, 8, 2048, 8192, 128256, 131072, 500000.0, 1e-5), 32, true); }},
     {"llama3-8b", [] { return llama(32, 32, 8, 4096, 14336, 128256, 8192, 500000.0, 1e-5); }},
+    {"llama3.1-8b",
+     [] { return llama3_scaled(llama(32, 32, 8, 4096, 14336, 128256, 131072, 500000.0, 1e-5), 8, false); }},
 };
 
 }  // namespace

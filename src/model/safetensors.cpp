@@ -15,6 +15,8 @@
 #include "util/sha256.h"
 #include "util/utf8.h"
 
+#include <fmt/format.h>
+
 namespace remat::model {
 
 namespace {
@@ -357,6 +359,39 @@ SafeTensorsHeader read_safetensors_header(const std::string& path) {
   int64_t size = 0;
   File file = open_for_reading(path, size);
   return read_header(file.get(), path, size);
+}
+
+std::vector<std::string> safetensors_index_files(const std::string& index_path) {
+  // Llama 3.1 405B's index is about 100 KB; far more is not an index.
+  constexpr int64_t kMaxIndexBytes = int64_t{16} << 20;
+  const auto refuse = [&](const std::string& why) {
+    throw std::runtime_error(
+        fmt::format("The safetensors index {} {}; it should map each tensor's name to the file "
+                    "beside it that holds it, as transformers' save_pretrained writes it.",
+                    util::printable(index_path), why));
+  };
+  ordered_json j;
+  try {
+    j = ordered_json::parse(util::read_file(index_path, "the safetensors index", kMaxIndexBytes));
+  } catch (const json::exception& e) {
+    refuse(fmt::format("is not JSON ({})", util::printable(e.what())));
+  }
+  if (!j.is_object() || !j.contains("weight_map") || !j.at("weight_map").is_object()) {
+    refuse("has no \"weight_map\" object");
+  }
+  const std::filesystem::path folder = std::filesystem::path(index_path).parent_path();
+  std::vector<std::string> files;
+  std::set<std::string> seen;
+  for (const auto& [name, shard] : j.at("weight_map").items()) {
+    const std::string file = shard.is_string() ? shard.get<std::string>() : "";
+    if (file.empty() || file == "." || file == ".." || file.find('/') != std::string::npos) {
+      refuse(fmt::format("places '{}' in {}, which is not a file name", util::printable(name),
+                         util::printable(shard.dump())));
+    }
+    if (seen.insert(file).second) files.push_back((folder / file).string());
+  }
+  if (files.empty()) refuse("names no tensors");
+  return files;
 }
 
 SafeTensors load_safetensors(const std::string& path, const std::function<bool(const std::string&)>& wanted) {

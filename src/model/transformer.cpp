@@ -192,7 +192,7 @@ TransformerModel::TransformerModel(const ArchDecl& decl, const ModelConfig& cfg,
     TORCH_INTERNAL_ASSERT(head_weight_ >= 0, "the head declares no loss");
   }
   if (decl.block(cfg, 1, 1, compute_dtype).uses(graph::op::rope())) {
-    rope_ = ops::rope_tables(cfg.max_seq, cfg.head_dim(), cfg.rope_theta, compute_dtype, device);
+    rope_ = ops::rope_tables(cfg.max_seq, cfg.head_dim(), cfg.rope_theta, cfg.rope_scaling, compute_dtype, device);
   }
 }
 

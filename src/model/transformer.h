@@ -35,7 +35,7 @@ struct ArchDecl {
   /// Whether a parameter is stored transposed ([in, out]) in Hugging Face files.
   bool (*hf_transposed)(const std::string& name);
   /// Names a checkpoint may carry that are not parameters (buffers, tied copies).
-  bool (*ignorable)(const std::string& name);
+  bool (*ignorable)(const ModelConfig& cfg, const std::string& name);
   /// Which nodes tensor parallelism splits.
   graph::TensorParallelPlan tp_plan;
 };
@@ -169,7 +169,7 @@ class TransformerModel final : public Model {
  protected:
   bool hf_transposed(const std::string& name) const override { return decl_.hf_transposed(name); }
   bool ignorable(const std::string& name) const override {
-    return decl_.ignorable(name) || other_stages_.count(name) > 0;
+    return decl_.ignorable(cfg_, name) || other_stages_.count(name) > 0;
   }
 
  private:

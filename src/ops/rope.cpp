@@ -4,6 +4,8 @@
 
 #include "remat/trace.h"
 
+#include <cmath>
+
 namespace remat::ops {
 namespace {
 
@@ -30,15 +32,27 @@ void check(const at::Tensor& x, const RopeTables& tables, const char* what) {
               " and sin ", tables.sin.sizes());
 }
 
+// Llama 3's stretch of the frequencies: by `factor` where a wavelength exceeds
+// original_max_seq / low_freq_factor, none below original_max_seq / high_freq_factor,
+// blended linearly in original_max_seq / wavelength between.
+at::Tensor scale_frequencies(const at::Tensor& inv_freq, const RopeScaling& s) {
+  // original_max_seq / wavelength, with wavelength = 2 pi / inv_freq.
+  const at::Tensor turns = inv_freq * (static_cast<double>(s.original_max_seq) / (2 * M_PI));
+  const at::Tensor smooth = (turns - s.low_freq_factor).div_(s.high_freq_factor - s.low_freq_factor).clamp_(0.0, 1.0);
+  return inv_freq * ((1.0 - smooth) / s.factor + smooth);
+}
+
 }  // namespace
 
-RopeTables rope_tables(int64_t seq_len, int64_t head_dim, double theta, at::ScalarType dtype, at::Device device) {
+RopeTables rope_tables(int64_t seq_len, int64_t head_dim, double theta, const RopeScaling& scaling,
+                       at::ScalarType dtype, at::Device device) {
   TORCH_CHECK(seq_len >= 1 && head_dim >= 2 && head_dim % 2 == 0,
               "[rope] tables need seq_len >= 1 and an even head_dim, got seq_len ", seq_len, " and head_dim ",
               head_dim);
   const auto f64 = at::TensorOptions().dtype(at::kDouble);
   // inv_freq[i] = theta^(-2i/D); angle[t, i] = t * inv_freq[i].
-  const at::Tensor inv_freq = at::pow(theta, at::arange(0, head_dim, 2, f64).div_(head_dim)).reciprocal_();
+  at::Tensor inv_freq = at::pow(theta, at::arange(0, head_dim, 2, f64).div_(head_dim)).reciprocal_();
+  if (scaling.scaled()) inv_freq = scale_frequencies(inv_freq, scaling);
   const at::Tensor angle = at::outer(at::arange(seq_len, f64), inv_freq);
   const auto opts = at::TensorOptions().dtype(dtype).device(device);
   return {angle.cos().to(opts), angle.sin().to(opts)};

@@ -30,9 +30,9 @@ bool is_checkpoint_name(const std::string& name) {
 }
 
 // The files remat writes atomically in a run directory (a temporary copy first).
-constexpr const char* kRunFiles[] = {"config.toml",       "config.json", "plan.txt",     "metrics.jsonl",
-                                     "model.safetensors", "sample.txt",  "summary.json", "tokenizer.model",
-                                     "prices.json",       kJobIdFile};
+constexpr const char* kRunFiles[] = {
+    "config.toml",  "config.json",     "plan.txt",       "metrics.jsonl",         "model.safetensors", "sample.txt",
+    "summary.json", "tokenizer.model", "tokenizer.json", "tokenizer_config.json", "prices.json",       kJobIdFile};
 
 }  // namespace
 

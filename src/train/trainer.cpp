@@ -602,24 +602,28 @@ std::string corpus_dir(const DataConfig& d) {
 
 namespace {
 
-// The weights file model.init names: itself, or the model.safetensors in its folder;
-// checked before any work, so that a wrong path costs nothing.
+// The weights model.init names: a file (.safetensors, or a shards' .index.json), or the
+// model.safetensors or model.safetensors.index.json in its folder; checked before any work,
+// so that a wrong path costs nothing.
 std::string init_weights(const std::string& init) {
   namespace fs = std::filesystem;
   std::error_code ec;
   const fs::path dir(init);
-  const fs::path file = fs::is_directory(dir, ec) ? dir / "model.safetensors" : dir;
-  if (fs::is_regular_file(file, ec)) return file.string();
-  if (fs::exists(dir / "model.safetensors.index.json", ec)) {
-    throw std::invalid_argument(fmt::format(
-        "model.init = '{}' holds its weights in several files (model.safetensors.index.json); remat reads one "
-        "model.safetensors so far: join them into one, or give a smaller model.",
-        init));
+  if (!fs::is_directory(dir, ec)) {
+    if (fs::is_regular_file(dir, ec)) return init;
+    throw std::invalid_argument(
+        fmt::format("model.init = '{}' names no weights: it is {}; give a .safetensors file "
+                    "or a Hugging Face model's folder.",
+                    init, fs::exists(dir, ec) ? "not a regular file" : "missing"));
+  }
+  for (const char* name : {"model.safetensors", "model.safetensors.index.json"}) {
+    if (fs::is_regular_file(dir / name, ec)) return (dir / name).string();
   }
   throw std::invalid_argument(
-      fmt::format("model.init = '{}' names no weights: {} is {}; give a .safetensors file or "
-                  "a Hugging Face model's folder holding model.safetensors.",
-                  init, file.string(), fs::exists(file, ec) ? "not a regular file" : "missing"));
+      fmt::format("model.init = '{}' names no weights: the folder holds neither model.safetensors nor "
+                  "model.safetensors.index.json (a model saved in shards); give a Hugging Face model's folder, or a "
+                  ".safetensors file.",
+                  init));
 }
 
 }  // namespace
@@ -713,7 +717,9 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   if (ranks.lead) {
     run = open_run_dir(cfg, resume_dir, std::move(resumed.lock), corpus);
     run->write_text("prices.json", prices.record());
+    // With the weights, what transformers loads the run directory from.
     run->write_text("config.json", hf_config_json(cfg.model, tok.vocab_size(), tok.bos_id(), tok.eos_id()));
+    for (const auto& [name, text] : tok.hf_files()) run->write_text(name, text);
   }
 
   TrainSummary sum;

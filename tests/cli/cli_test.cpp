@@ -69,6 +69,24 @@ class Cli : public ::testing::Test {
     return p;
   }
 
+  // Two steps of AdamW at 1e-3 from a transformers-saved model on a JSONL file; the run's
+  // folder.
+  fs::path fine_tune(const std::string& model) {
+    std::string jsonl;
+    for (int d = 0; d < 60; ++d) {
+      jsonl +=
+          nlohmann::json{{"id", d}, {"text", remat::testing::make_text(8, static_cast<uint64_t>(d) + 1)}}.dump() + "\n";
+    }
+    const Result r = run_remat(
+        "train model.init=" + model +
+        " train.batch=2 train.seq=16 train.warmup=1 train.steps=2 train.lr=1e-3 train.eval_batches=1 run.threads=1 "
+        "run.progress=false run.sample_tokens=0 run.name=ft data.format=jsonl data.text=" +
+        file("docs.jsonl", jsonl) + " data.dir=" + (dir_ / "data").string() +
+        " run.out_dir=" + (dir_ / "runs").string());
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    return dir_ / "runs" / "ft";
+  }
+
   remat::testing::TempDir dir_;
 };
 
@@ -182,36 +200,52 @@ TEST_F(Cli, TrainsAndGeneratesWithAGivenHuggingFaceTokenizer) {
 // Fine-tuning: a model transformers saved (tests/data/hf_models/gpt2, its tokenizer beside
 // it) trained on JSONL records. Its config.json gives the shape, its tokenizer the corpus,
 // its weights the start; the run's config.json and model.safetensors load back as its own.
+// Two steps move no weight by more than 1e-2; a fresh model's are some 0.1 from the
+// fixture's.
+void expect_near_start(const fs::path& run, const std::map<std::string, at::Tensor>& start) {
+  const auto end = remat::model::load_safetensors((run / "model.safetensors").string());
+  ASSERT_FALSE(end.tensors.empty());
+  for (const auto& [name, t] : end.tensors) {
+    ASSERT_TRUE(start.count(name)) << name;
+    EXPECT_LE((t - start.at(name)).abs().max().item<double>(), 1e-2) << name;
+  }
+}
+
 TEST_F(Cli, FineTunesATransformersModelOnJsonlRecords) {
   const std::string model = REMAT_SOURCE_DIR "/tests/data/hf_models/gpt2";
-  std::string jsonl;
-  for (int d = 0; d < 60; ++d) {
-    jsonl +=
-        nlohmann::json{{"id", d}, {"text", remat::testing::make_text(8, static_cast<uint64_t>(d) + 1)}}.dump() + "\n";
-  }
-  const Result r = run_remat(
-      "train model.init=" + model +
-      " train.batch=2 train.seq=16 train.warmup=1 train.steps=2 train.lr=1e-3 train.eval_batches=1 run.threads=1 "
-      "run.progress=false run.sample_tokens=0 run.name=ft data.format=jsonl data.text=" +
-      file("docs.jsonl", jsonl) + " data.dir=" + (dir_ / "data").string() + " run.out_dir=" + (dir_ / "runs").string());
-  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const fs::path run = fine_tune(model);
   EXPECT_TRUE(fs::exists(dir_ / "data" / "docs-jsonl-gpt2" / "meta.json"));
-  const fs::path run = dir_ / "runs" / "ft";
   const auto config = nlohmann::json::parse(remat::util::read_file((run / "config.json").string()));
   EXPECT_EQ(config.at("model_type"), "gpt2");
   EXPECT_EQ(config.at("n_embd"), 32);
   EXPECT_EQ(config.at("vocab_size"), 545);
   EXPECT_EQ(config.at("eos_token_id"), 0);  // the tokenizer's <|endoftext|>
-  // Two steps of AdamW at 1e-3 move no weight by more than 1e-2; a fresh model's are some
-  // 0.1 from the fixture's.
-  const auto start = remat::model::load_safetensors(model + "/model.safetensors");
-  const auto end = remat::model::load_safetensors((run / "model.safetensors").string());
-  ASSERT_FALSE(end.tensors.empty());
-  for (const auto& [name, t] : end.tensors) {
-    const at::Tensor* before = start.find("transformer." + name);
-    ASSERT_NE(before, nullptr) << name;
-    EXPECT_LE((t - *before).abs().max().item<double>(), 1e-2) << name;
+  // The model's own tokenizer beside it, so that transformers loads the folder whole.
+  EXPECT_EQ(remat::util::read_file((run / "tokenizer.json").string()),
+            remat::util::read_file(model + "/tokenizer.json"));
+  std::map<std::string, at::Tensor> start;
+  for (auto& [name, t] : remat::model::load_safetensors(model + "/model.safetensors").tensors) {
+    start.emplace(name.substr(std::string("transformer.").size()), t);
   }
+  expect_near_start(run, start);
+}
+
+// Llama 3.2's layout: weights in shards, a head tied to the embedding, RoPE scaled.
+TEST_F(Cli, FineTunesAShardedTiedLlamaAndWritesItBackAsOne) {
+  const std::string model = REMAT_SOURCE_DIR "/tests/data/hf_models/llama3.2";
+  const fs::path run = fine_tune(model);
+  const auto config = nlohmann::json::parse(remat::util::read_file((run / "config.json").string()));
+  EXPECT_EQ(config.at("tie_word_embeddings"), true);
+  EXPECT_EQ(config.at("rope_scaling").at("rope_type"), "llama3");
+  EXPECT_EQ(config.at("rope_scaling").at("factor"), 8.0);
+  EXPECT_EQ(config.at("rope_scaling").at("original_max_position_embeddings"), 64);
+  std::map<std::string, at::Tensor> start;
+  for (const std::string& shard : remat::model::safetensors_index_files(model + "/model.safetensors.index.json")) {
+    for (auto& [name, t] : remat::model::load_safetensors(shard).tensors) start.emplace(name, t);
+  }
+  EXPECT_FALSE(start.count("lm_head.weight"));
+  expect_near_start(run, start);
+  EXPECT_FALSE(remat::model::load_safetensors((run / "model.safetensors").string()).find("lm_head.weight"));
 }
 
 TEST_F(Cli, RecordAllocationsWritesTheRunsFirstTwoStepsAsATrace) {

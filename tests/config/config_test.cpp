@@ -74,7 +74,7 @@ TEST(Config, BadValuesAndShapesAreRefusedWithSentences) {
   EXPECT_EQ(error_of([] { load_config("", {"train.steps=abc"}); }), "train.steps must be an integer, got 'abc'.");
   EXPECT_EQ(error_of([] { load_config("", {"model.preset=gpt5"}); }),
             "Unknown model preset 'gpt5'; valid presets: tiny-gpt2, tiny-llama, gpt2-demo, llama-demo, gpt2, "
-            "gpt2-medium, llama3-8b.");
+            "gpt2-medium, llama3.2-1b, llama3-8b, llama3.1-8b.");
   EXPECT_EQ(error_of([] { load_config("", {"train.seq=512"}); }),
             "train.seq (512) is longer than the model's context (model.max_seq = 256); use train.seq <= 256 or "
             "raise model.max_seq.");
@@ -293,6 +293,42 @@ TEST(Config, DataFormatsNeedWhatTheyRead) {
 
 // remat plan's link latency: microseconds a ring step waits, 0 (a link priced by its rate
 // alone) included; a negative or absurd one is refused with what to give instead.
+// Llama 3.2 1B's long-context RoPE and tied head are keys like any other: written to a
+// run's config.toml (as dotted keys inside [model]) and read back, and refused where they
+// cannot apply.
+TEST(Config, RopeScalingAndATiedHeadAreKeys) {
+  const Config c = load_config("", {"model.preset=llama3.2-1b", "train.seq=16"});
+  EXPECT_EQ(c.model.rope_scaling.factor, 32.0);
+  EXPECT_EQ(c.model.rope_scaling.original_max_seq, 8192);
+  EXPECT_TRUE(c.model.tie_embeddings);
+  EXPECT_FALSE(model_preset("llama3-8b").tie_embeddings);
+  EXPECT_FALSE(model_preset("llama3-8b").rope_scaling.scaled());
+  EXPECT_EQ(model_preset("llama3.1-8b").rope_scaling.factor, 8.0);
+  const std::string toml = config_to_toml(c);
+  EXPECT_NE(toml.find("\nrope_scaling.factor = 32\n"), std::string::npos) << toml;
+  const std::string path = write_temp(toml);
+  const Config again = load_config(path, {});
+  std::remove(path.c_str());
+  EXPECT_EQ(config_to_toml(again), toml);
+  EXPECT_EQ(again.model.rope_scaling.factor, 32.0);
+
+  EXPECT_EQ(error_of([] { load_config("", {"model.rope_scaling.factor=8"}); }),
+            "model.rope_scaling.factor = 8 scales RoPE, which gpt2 has none of (learned positions); leave it at 1.");
+  EXPECT_EQ(error_of([] {
+              load_config("", {"model.preset=tiny-llama", "model.rope_scaling.factor=8",
+                               "model.rope_scaling.low_freq_factor=4"});
+            }),
+            "model.rope_scaling.low_freq_factor (4) must be below model.rope_scaling.high_freq_factor (4): the "
+            "wavelengths between original_max_seq / high and original_max_seq / low are the ones blended (Llama 3.1: "
+            "1 and 4).");
+  EXPECT_NE(error_of([] { load_config("", {"model.rope_scaling.factor=0.5"}); }).find("must be from 1 to 1024"),
+            std::string::npos);
+  EXPECT_EQ(error_of([] {
+              load_config("", {"model.preset=tiny-llama", "model.tie_embeddings=true", "train.seq=16"});
+            }),
+            "");
+}
+
 TEST(Config, LinkLatencyIsMicrosecondsARingStepWaits) {
   EXPECT_EQ(load_config("", {}).parallel.link_latency, 2);
   EXPECT_EQ(load_config("", {"parallel.link_latency=0"}).parallel.link_latency, 0);

@@ -124,7 +124,7 @@ void check(const Case& c, at::Device device = at::kCPU) {
   ctx.device = device;
   // Tables for the rotation's head size (only the rope op reads them).
   const ops::RopeTables tables =
-      ops::rope_tables(64, c.op == &op::rope() ? c.in[0].sizes.back() : 2, 10000.0, dtype, device);
+      ops::rope_tables(64, c.op == &op::rope() ? c.in[0].sizes.back() : 2, 10000.0, {}, dtype, device);
   ctx.rope = &tables;
 
   // Forward.

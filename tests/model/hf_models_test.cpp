@@ -1,17 +1,21 @@
 // Models made by Hugging Face's transformers (tests/data/hf_models/make_fixtures.py: a
-// GPT-2 and a Llama with every weight drawn afresh, saved with save_pretrained) load into
-// remat through their config.json, and remat's logits and loss equal transformers' float64
-// ones within float32 rounding. The other direction: remat's export of a changed model
-// (its model.safetensors and config.json) is written where REMAT_HF_EXPORT says, for
-// make_fixtures.py check to load into transformers (the LibTorch 2.x lane does).
+// GPT-2, a Llama, and a Llama 3.2-style one with its head tied to its embedding, RoPE
+// scaled as "llama3" and its weights saved in shards, every weight drawn afresh, saved with
+// save_pretrained) load into remat through their config.json, and remat's logits and loss
+// equal transformers' float64 ones within float32 rounding. The other direction: remat's
+// export of a changed model (its model.safetensors, config.json and tokenizer files) is
+// written where REMAT_HF_EXPORT says, for make_fixtures.py check to load into transformers
+// (the LibTorch 2.x lane does).
 #include "remat/config.h"
 #include "remat/model.h"
 #include "remat/safetensors.h"
+#include "remat/tokenizer.h"
 #include "util/atomic_file.h"
 #include "util/temp_dir.h"
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <string>
@@ -43,14 +47,20 @@ double loss_of(Model& model, const at::Tensor& ids) {
   return model.evaluate(ids.narrow(1, 0, t), ids.narrow(1, 1, t), 64);
 }
 
-class HfModels : public ::testing::TestWithParam<const char*> {};
+struct Fixture {
+  const char* folder;
+  const char* arch;
+  const char* weights;  ///< model.safetensors, or the index of its shards
+};
+
+class HfModels : public ::testing::TestWithParam<Fixture> {};
 
 TEST_P(HfModels, LogitsAndLossEqualTransformers) {
-  const std::string folder = kFixtures + GetParam();
+  const std::string folder = kFixtures + GetParam().folder;
   const ModelConfig cfg = hf_model_config(folder + "/config.json", ModelConfig{});
-  EXPECT_EQ(arch_name(cfg.arch), std::string(GetParam()));
+  EXPECT_EQ(arch_name(cfg.arch), std::string(GetParam().arch));
   auto model = Model::create(cfg, at::kCPU, at::kFloat, 1);
-  model->load(folder + "/model.safetensors");
+  model->load(folder + "/" + GetParam().weights);
   const model::SafeTensors goldens = model::load_safetensors(folder + "/goldens.safetensors");
   const at::Tensor ids = *goldens.find("ids");
   const at::Tensor want = *goldens.find("logits");
@@ -67,17 +77,43 @@ TEST_P(HfModels, LogitsAndLossEqualTransformers) {
   // Every parameter changed (seeded), so that the export is remat's weights, not the file's.
   const auto gen = at::detail::createCPUGenerator(3);
   for (auto& p : model->params()) p.value.add_(at::randn(p.value.sizes(), gen, at::kFloat) * 0.05);
-  const fs::path out = fs::path(export_root) / GetParam();
+  const fs::path out = fs::path(export_root) / GetParam().folder;
   fs::create_directories(out);
   model->save((out / "model.safetensors").string(), {{"format", "pt"}});
   util::write_file_atomically((out / "config.json").string(), hf_config_json(cfg, cfg.vocab_size, -1, -1));
+  for (const auto& [name, text] : data::Tokenizer::load(folder).hf_files()) {
+    util::write_file_atomically((out / name).string(), text);
+  }
   model::save_safetensors(
       (out / "remat_logits.safetensors").string(),
       {{"ids", ids}, {"logits", all_logits(*model, ids)}, {"loss", at::full({1}, loss_of(*model, ids), at::kDouble)}});
 }
 
-INSTANTIATE_TEST_SUITE_P(Architectures, HfModels, ::testing::Values("gpt2", "llama"),
-                         [](const auto& info) { return std::string(info.param); });
+INSTANTIATE_TEST_SUITE_P(Architectures, HfModels,
+                         ::testing::Values(Fixture{"gpt2", "gpt2", "model.safetensors"},
+                                           Fixture{"llama", "llama", "model.safetensors"},
+                                           Fixture{"llama3.2", "llama", "model.safetensors.index.json"}),
+                         [](const auto& info) {
+                           std::string name = info.param.folder;
+                           std::replace(name.begin(), name.end(), '.', '_');
+                           return name;
+                         });
+
+// The Llama 3.2-style fixture is what its name says: the head is the embedding, RoPE is
+// scaled, and no file holds every weight.
+TEST(HfModels, TheLlama32FixtureTiesScalesAndShards) {
+  const std::string folder = kFixtures + "llama3.2";
+  const ModelConfig cfg = hf_model_config(folder + "/config.json", ModelConfig{});
+  EXPECT_TRUE(cfg.tie_embeddings);
+  EXPECT_GT(cfg.rope_scaling.factor, 1.0);
+  const std::vector<std::string> shards = model::safetensors_index_files(folder + "/model.safetensors.index.json");
+  ASSERT_GE(shards.size(), 2u);
+  for (const std::string& shard : shards) {
+    const auto header = model::read_safetensors_header(shard);
+    for (const auto& t : header.tensors) EXPECT_NE(t.name, "lm_head.weight");
+    EXPECT_LT(header.tensors.size(), 2 + 9 * static_cast<size_t>(cfg.n_layer));
+  }
+}
 
 // What remat's blocks cannot be is refused with the file and the key named.
 TEST(HfConfig, RefusesWhatRematsBlocksDoNotHave) {
@@ -97,12 +133,13 @@ TEST(HfConfig, RefusesWhatRematsBlocksDoNotHave) {
   const std::string llama =
       R"({"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
           "intermediate_size": 128, "vocab_size": 100, "max_position_embeddings": 128)";
+  EXPECT_EQ(error(llama + R"(, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})"),
+            "asks for RoPE of type \"yarn\" in \"rope_scaling\", but remat builds the default RoPE and Llama 3.1's "
+            "\"llama3\" scaling alone.");
   EXPECT_EQ(error(llama + R"(, "rope_scaling": {"rope_type": "llama3", "factor": 32.0}})"),
-            "asks for RoPE of type \"llama3\" in \"rope_scaling\", but remat's RoPE is the default one, unscaled "
-            "(Llama 3.1's and 3.2's \"llama3\" scaling is not built).");
-  EXPECT_EQ(error(llama + R"(, "tie_word_embeddings": true})"),
-            "sets \"tie_word_embeddings\" to true, but remat's Llama has a head of its own (lm_head.weight), not the "
-            "embedding's.");
+            "The model config " + path +
+                "'s \"rope_scaling\" has no \"low_freq_factor\", which gives the model's "
+                "shape.");
   EXPECT_EQ(error(llama + R"(, "hidden_act": "gelu"})"),
             "sets \"hidden_act\" to \"gelu\", but remat's Llama MLP is SwiGLU, with SiLU.");
   EXPECT_EQ(error(R"({"model_type": "mistral"})"), "is of model_type \"mistral\"; remat builds gpt2 and llama.");
@@ -111,6 +148,67 @@ TEST(HfConfig, RefusesWhatRematsBlocksDoNotHave) {
   EXPECT_EQ(error(R"({"model_type": "gpt2", "n_layer": 2.5})"),
             "holds 2.5 as \"n_layer\", not a whole number from 1 to 2^31.");
   EXPECT_EQ(error(llama + "}"), "");
+}
+
+// Llama 3.2 1B's own keys (its config.json, as transformers 4 wrote it) give its shape.
+TEST(HfConfig, ReadsLlama32sScalingAndTiedHead) {
+  const testing::TempDir dir;
+  const std::string path = (dir / "config.json").string();
+  util::write_file_atomically(
+      path, R"({"model_type": "llama", "hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 32,
+                "num_key_value_heads": 8, "intermediate_size": 8192, "vocab_size": 128256, "head_dim": 64,
+                "max_position_embeddings": 131072, "rms_norm_eps": 1e-05, "rope_theta": 500000.0,
+                "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                                 "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+                "tie_word_embeddings": true})");
+  const ModelConfig m = hf_model_config(path, ModelConfig{});
+  const ModelConfig want = model_preset("llama3.2-1b");
+  EXPECT_EQ(m.n_layer, want.n_layer);
+  EXPECT_EQ(m.d_model, want.d_model);
+  EXPECT_EQ(m.d_ff, want.d_ff);
+  EXPECT_EQ(m.n_kv_head, want.n_kv_head);
+  EXPECT_EQ(m.max_seq, want.max_seq);
+  EXPECT_EQ(m.rope_theta, want.rope_theta);
+  EXPECT_EQ(m.rope_scaling.factor, want.rope_scaling.factor);
+  EXPECT_EQ(m.rope_scaling.low_freq_factor, want.rope_scaling.low_freq_factor);
+  EXPECT_EQ(m.rope_scaling.high_freq_factor, want.rope_scaling.high_freq_factor);
+  EXPECT_EQ(m.rope_scaling.original_max_seq, want.rope_scaling.original_max_seq);
+  EXPECT_TRUE(m.tie_embeddings && want.tie_embeddings);
+  // And remat writes them back as it read them.
+  util::write_file_atomically(path, hf_config_json(m, m.vocab_size, 128000, 128001));
+  const ModelConfig again = hf_model_config(path, ModelConfig{});
+  EXPECT_EQ(again.rope_scaling.factor, 32.0);
+  EXPECT_EQ(again.rope_scaling.original_max_seq, 8192);
+  EXPECT_TRUE(again.tie_embeddings);
+}
+
+// A sharded model's index is held to what save_pretrained writes.
+TEST(HfModels, AShardIndexIsRefusedWithASentence) {
+  const testing::TempDir dir;
+  const std::string path = (dir / "model.safetensors.index.json").string();
+  const auto error = [&](const std::string& json) {
+    util::write_file_atomically(path, json);
+    try {
+      model::safetensors_index_files(path);
+    } catch (const std::exception& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  const std::string tail =
+      "; it should map each tensor's name to the file beside it that holds it, as transformers' save_pretrained "
+      "writes it.";
+  EXPECT_EQ(error("{\"metadata\": {}}"), "The safetensors index " + path + " has no \"weight_map\" object" + tail);
+  EXPECT_EQ(
+      error(R"({"weight_map": {"a": "../secret.safetensors"}})"),
+      "The safetensors index " + path + " places 'a' in \"../secret.safetensors\", which is not a file name" + tail);
+  EXPECT_EQ(error(R"({"weight_map": {}})"), "The safetensors index " + path + " names no tensors" + tail);
+  EXPECT_NE(error("{").find(" is not JSON ("), std::string::npos);
+  // Each file once, in the order the index first names it.
+  util::write_file_atomically(path, R"({"weight_map": {"b": "two.safetensors", "a": "one.safetensors",
+                                                       "c": "two.safetensors"}})");
+  EXPECT_EQ(model::safetensors_index_files(path),
+            (std::vector<std::string>{(dir / "two.safetensors").string(), (dir / "one.safetensors").string()}));
 }
 
 }  // namespace

@@ -29,6 +29,12 @@ ModelConfig config(const std::string& preset) {
   return c;
 }
 
+// The embedding's name where the head reads it too, else empty.
+std::string tied_embedding(const ModelConfig& c) {
+  if (!c.tie_embeddings) return "";
+  return c.arch == Arch::gpt2 ? "wte.weight" : "model.embed_tokens.weight";
+}
+
 // Layers per stage, in order.
 using Split = std::vector<int64_t>;
 
@@ -180,15 +186,22 @@ Outcome staged_run(const ModelConfig& cfg, const Split& split, const ActivationP
 struct Case {
   std::string preset;
   Split split;
+  bool tied;  ///< model.tie_embeddings
 };
+
+ModelConfig config(const Case& c) {
+  ModelConfig m = config(c.preset);
+  m.tie_embeddings = c.tied;
+  return m;
+}
 
 class Stage : public ::testing::TestWithParam<Case> {};
 
 TEST_P(Stage, OneFOneBOverStagesEqualsTheWholeModel) {
   at::set_num_threads(1);
   memory::install_cpu_tracking();  // recomputes pool their buffers
-  const auto& [preset, split] = GetParam();
-  const ModelConfig cfg = config(preset);
+  const auto& split = GetParam().split;
+  const ModelConfig cfg = config(GetParam());
   StoreOptions options;
   options.check = DeterminismCheck::values;  // records of three microbatches in flight must stay apart
   for (const char* policy : {"none", "full", "every:2", "uniform:2"}) {
@@ -200,8 +213,8 @@ TEST_P(Stage, OneFOneBOverStagesEqualsTheWholeModel) {
     ASSERT_EQ(staged.grads.size(), whole.grads.size());
     for (const auto& [name, g] : whole.grads) {
       const at::Tensor& s = staged.grads.at(name);
-      if (name == "wte.weight") {
-        // GPT-2's tied embedding: the whole model accumulates the head's and the embedding's
+      if (name == tied_embedding(cfg)) {
+        // A tied embedding: the whole model accumulates the head's and the embedding's
         // parts microbatch by microbatch into one tensor, the stages each their own, summed
         // at the end; float addition in another order, so equal to rounding only.
         EXPECT_TRUE(at::allclose(s, g, 1e-5, 1e-7)) << (s - g).abs().max().item<double>();
@@ -217,8 +230,8 @@ TEST_P(Stage, OneFOneBOverStagesEqualsTheWholeModel) {
 }
 
 TEST_P(Stage, ParametersAreTheWholeModelsOfTheSameNames) {
-  const auto& [preset, split] = GetParam();
-  const ModelConfig cfg = config(preset);
+  const auto& split = GetParam().split;
+  const ModelConfig cfg = config(GetParam());
   auto whole = Model::create(cfg, at::kCPU, at::kFloat, kSeed);
   std::map<std::string, const Param*> by_name;
   for (const auto& p : whole->params()) by_name[p.name] = &p;
@@ -233,22 +246,22 @@ TEST_P(Stage, ParametersAreTheWholeModelsOfTheSameNames) {
       EXPECT_TRUE(at::equal(p.value, w.value)) << p.name;
       EXPECT_EQ(p.decay, w.decay) << p.name;
       EXPECT_EQ(p.vocab, w.vocab) << p.name;
-      // Only GPT-2's token embedding is read by two stages: the first's embedding, the
-      // last's tied head.
-      EXPECT_EQ(p.tied, cfg.arch == Arch::gpt2 && p.name == "wte.weight") << p.name;
+      // Only a tied token embedding is read by two stages: the first's embedding, the
+      // last's head.
+      EXPECT_EQ(p.tied, p.name == tied_embedding(cfg)) << p.name;
       held.insert(p.name);
     }
   }
   for (const auto& [name, p] : by_name) {
-    EXPECT_EQ(held.count(name), cfg.arch == Arch::gpt2 && name == "wte.weight" ? 2u : 1u) << name;
+    EXPECT_EQ(held.count(name), name == tied_embedding(cfg) ? 2u : 1u) << name;
   }
 }
 
 // Evaluation through the stages, each stage's output the next one's input, is the whole
 // model's: the same ops on the same values in the same order.
 TEST_P(Stage, EvaluationThroughTheStagesIsTheWholeModels) {
-  const auto& [preset, split] = GetParam();
-  const ModelConfig cfg = config(preset);
+  const auto& split = GetParam().split;
+  const ModelConfig cfg = config(GetParam());
   auto whole = Model::create(cfg, at::kCPU, at::kFloat, kSeed);
   const auto stages = make_stages(cfg, split);
   for (const Batch& b : batches(cfg)) {
@@ -265,8 +278,8 @@ TEST_P(Stage, EvaluationThroughTheStagesIsTheWholeModels) {
 }
 
 TEST_P(Stage, PredictedActivationBytesEqualWhatEachStageKeeps) {
-  const auto& [preset, split] = GetParam();
-  const ModelConfig cfg = config(preset);
+  const auto& split = GetParam().split;
+  const ModelConfig cfg = config(GetParam());
   const Batch b = batches(cfg)[0];
   for (const char* policy : {"none", "full", "every:2", "uniform:2", "modules:[core_attn]"}) {
     const ActivationPlan plan = plan_of(cfg, policy, split);
@@ -297,12 +310,15 @@ TEST_P(Stage, PredictedActivationBytesEqualWhatEachStageKeeps) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Splits, Stage,
-                         ::testing::Values(Case{"tiny-gpt2", {2, 2}}, Case{"tiny-gpt2", {1, 2, 1}},
-                                           Case{"tiny-llama", {2, 2}}, Case{"tiny-llama", {1, 2, 1}}),
+                         ::testing::Values(Case{"tiny-gpt2", {2, 2}, true}, Case{"tiny-gpt2", {1, 2, 1}, true},
+                                           Case{"tiny-gpt2", {2, 2}, false}, Case{"tiny-llama", {2, 2}, false},
+                                           Case{"tiny-llama", {1, 2, 1}, false}, Case{"tiny-llama", {2, 2}, true}),
                          [](const auto& info) {
                            std::string split;
                            for (int64_t n : info.param.split) split += std::to_string(n);
-                           return fmt::format("{}_{}", info.param.preset == "tiny-gpt2" ? "gpt2" : "llama", split);
+                           const bool gpt2 = info.param.preset == "tiny-gpt2";
+                           const char* head = info.param.tied == gpt2 ? "" : info.param.tied ? "_tied" : "_untied";
+                           return fmt::format("{}_{}{}", gpt2 ? "gpt2" : "llama", split, head);
                          });
 
 TEST(StagePlan, AChunkAcrossAStageBoundaryIsRefused) {
