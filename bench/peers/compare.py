@@ -34,9 +34,15 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 PYTHON = "/usr/bin/python3"
 # The PyTorch settings (peers.py) and the remat policy each is timed against. compile:B is
 # torch.compile at activation_memory_budget B, against remat's budget plan at the peak that
-# PyTorch measured there; sac keeps the products' outputs as ops:[matmul,attention] does.
-REMAT_POLICY = {"none": "none", "full": "full", "sac": "ops:[matmul,attention]", "compile": "none"}
-TORCH2_POLICIES = "none,full,every:2,sac,compile,compile:0.1,compile:0.3,compile:0.5,compile:0.7,compile:0.9"
+# PyTorch measured there. sac is torchtitan's per-op rule, which keeps every second linear
+# matmul of a block: remat's matmul/2 keeps the matmuls of every second layer instead, the
+# nearest remat policy (about half the matmul outputs kept and half recomputed). sac-all-mm
+# keeps every linear matmul's output and the attention's, as ops:[matmul,attention] does.
+# blocks:P is P with each block compiled (torchtitan's per-block torch.compile), against P's.
+REMAT_POLICY = {"none": "none", "full": "full", "sac": "ops:[matmul/2,attention]",
+                "sac-all-mm": "ops:[matmul,attention]", "compile": "none"}
+TORCH2_POLICIES = ("none,full,every:2,sac,sac-all-mm,blocks:none,blocks:full,blocks:sac,"
+                   "compile,compile:0.1,compile:0.3,compile:0.5,compile:0.7,compile:0.9")
 # PyTorch 2.14's fastest settings here: GPT-2 with the OpenMP OpenBLAS in ATen's pool, Llama
 # with one ATen thread and two of the pthread OpenBLAS (its step deadlocked with the OpenMP
 # build); its default (two of each, pthread) took twice as long (docs/results.md).
@@ -70,8 +76,16 @@ def parse_setting(s):
 
 
 def parse_policy(p):
-    """A PyTorch setting: none, full, every:K, sac, compile or compile:B (0 <= B <= 1).
+    """A PyTorch setting: none, full, every:K, sac, sac-all-mm, compile, compile:B (0 <= B <= 1)
+    or blocks:P (P one of the first five, with --compile-blocks).
     Returns (peers.py arguments, the remat policy, B or None)."""
+    if p.startswith("blocks:"):
+        inner = p[7:]
+        if inner.startswith(("blocks", "compile")):
+            raise SystemExit(f"compare: bad setting '{p}': blocks:P takes P among none, full, every:K, sac and "
+                             f"sac-all-mm.")
+        args, remat, _ = parse_policy(inner)
+        return ["--compile-blocks"] + args, remat, None
     if p.startswith("compile:"):
         try:
             b = float(p[8:])
@@ -86,8 +100,8 @@ def parse_policy(p):
         return ["--policy", p], REMAT_POLICY[p], None
     if p.startswith("every:") and p[6:].isdigit() and int(p[6:]) >= 1:
         return ["--policy", p], p, None
-    raise SystemExit(f"compare: bad setting '{p}' in --policies: use none, full, every:K, sac, compile or "
-                     f"compile:B.")
+    raise SystemExit(f"compare: bad setting '{p}' in --policies: use none, full, every:K, sac, sac-all-mm, "
+                     f"blocks:P, compile or compile:B.")
 
 
 def in_root(a, cmd, out, env=None):
@@ -414,9 +428,10 @@ def main():
     ap.add_argument("--archs", default="gpt2,llama")
     ap.add_argument("--policies", default=None,
                     help="PyTorch settings, each timed against a remat policy: none, full, every:K, sac "
-                         "(against ops:[matmul,attention]), compile (against none), compile:B (B within [0, 1]: "
-                         "against remat's budget plan at PyTorch's measured peak); default none,full, or all "
-                         "with --torch2")
+                         "(torchtitan's per-op rule, against ops:[matmul/2,attention]), sac-all-mm (against "
+                         "ops:[matmul,attention]), blocks:P (P with each block compiled, against P's), compile "
+                         "(against none), compile:B (B within [0, 1]: against remat's budget plan at PyTorch's "
+                         "measured peak); default none,full, or all with --torch2")
     ap.add_argument("--torch-threads", default=None,
                     help="';'-separated PyTorch thread settings: 'default' or any of aten=N, blas=M, "
                          "build=openmp|pthread|system, comma-separated (build=openmp: Debian's OpenMP OpenBLAS, "

@@ -7,7 +7,10 @@ draw a batch, zero the gradients, forward, backward, clip the global gradient no
 AdamW step. One JSON object goes to stdout per run; the human-readable lines go to stderr.
 
 Run it with Debian's python: bookworm's /usr/bin/python3 has torch 1.13; the sid root of
-scripts/root.sh has torch 2.x, which adds sdpa, sac, --compile and --memory-budget. Only the
+scripts/root.sh has torch 2.x, which adds sdpa, sac, --compile, --compile-blocks, fused AdamW
+and --memory-budget. The checkpointing, per-block compile and optimizer settings reproduce
+torchtitan's (torchtitan/distributed/activation_checkpoint.py and models/llama3/infra/
+parallelize.py), so that remat is timed against PyTorch as its users run it. Only the
 standard library and torch are used. See README.md beside this file.
 """
 
@@ -52,10 +55,40 @@ def _select_blas_build():
 
 BLAS_DIR = _select_blas_build()
 
-import torch  # noqa: E402  (after the BLAS choice)
+# --malloc keep: glibc malloc's tunables that keep freed memory for reuse. By default glibc
+# serves blocks above its mmap threshold (128 KiB, rising with frees to at most 32 MiB) with
+# mmap and returns them with munmap, and trims the heap top once 2x that is free, so each
+# step's activations come back as fresh pages the kernel faults in and zeroes (a setting that
+# frees less, such as full, then faults less; docs/results.md). Blocks above 32 MiB (glibc's
+# limit for the threshold) are still mapped.
+MALLOC_KEEP_TUNABLES = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=17179869184"
+
+
+def _select_malloc():
+    """--malloc keep: re-runs this script with MALLOC_KEEP_TUNABLES in GLIBC_TUNABLES (read by
+    glibc at start-up only). Returns the tunables in force, or None."""
+    keep = any(a == "--malloc=keep" or (a == "--malloc" and i + 1 < len(sys.argv) and sys.argv[i + 1] == "keep")
+               for i, a in enumerate(sys.argv))
+    if not keep:
+        return None
+    have = os.environ.get("GLIBC_TUNABLES", "")
+    if MALLOC_KEEP_TUNABLES not in have:
+        env = dict(os.environ, GLIBC_TUNABLES=(have + ":" if have else "") + MALLOC_KEEP_TUNABLES)
+        os.execve(sys.executable, [sys.executable] + sys.argv, env)
+    return os.environ["GLIBC_TUNABLES"]
+
+
+MALLOC_TUNABLES = _select_malloc()
+
+import torch  # noqa: E402  (after the BLAS and malloc choices)
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import torch.utils.checkpoint as torch_checkpoint  # noqa: E402
+
+try:  # the node being traced under torch.compile (its stack_trace names the traced frames)
+    import torch.fx.traceback as fx_traceback  # noqa: E402
+except ImportError:
+    fx_traceback = None
 
 
 # The profiler touches torch.distributed.reduce_op, which warns on every use (2.x quotes the name).
@@ -239,6 +272,31 @@ def attention_sdpa(q, k, v, p, training, future):
     return out.transpose(1, 2).reshape(B, T, Hq * D)
 
 
+def is_compiling():
+    """Whether torch.compile (dynamo) is tracing the caller; False on a torch without it."""
+    f = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    if f is None:
+        f = getattr(getattr(torch, "_dynamo", None), "is_compiling", None)
+    return bool(f()) if f is not None else False
+
+
+# How deep the eager step is inside attention() (the sac policies keep the attention's work).
+_ATTENTION_DEPTH = [0]
+
+
+def attention(c, q, k, v, training, future):
+    """The block's attention (c.attention_fn), marked as the attention region whose result
+    the sac policies keep (sac_context). In eager a counter marks it; under torch.compile the
+    policy reads the traced frames instead (the counter would only change when the graph runs)."""
+    if is_compiling():
+        return c.attention_fn(q, k, v, c.dropout, training, future)
+    _ATTENTION_DEPTH[0] += 1
+    try:
+        return c.attention_fn(q, k, v, c.dropout, training, future)
+    finally:
+        _ATTENTION_DEPTH[0] -= 1
+
+
 def rope_tables(seq_len, head_dim, theta, dtype):
     """remat's rope_tables: inv_freq[i] = theta^(-2i/D), angle[t, i] = t * inv_freq[i], in
     float64, then cos and sin cast to the compute dtype; [seq_len, D/2] each."""
@@ -326,13 +384,20 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         return dx, dw.to(w.dtype), None, None
 
 
-def loss_head(h, w, targets, ce_chunk):
+def cross_entropy(logits, targets):
+    """Mean cross-entropy of logits [N, V] against targets [N]: the loss function that
+    --compile-blocks compiles on its own, as torchtitan compiles its loss ("loss" among
+    compile.components) apart from the blocks, the head's matmul staying eager."""
+    return F.cross_entropy(logits, targets)
+
+
+def loss_head(h, w, targets, ce_chunk, loss_fn=cross_entropy):
     """Mean cross-entropy over all tokens of h [B, T, C] through w [V, C]."""
     x = h.reshape(-1, h.shape[-1])
     t = targets.reshape(-1)
     if ce_chunk > 0:
         return ChunkedCrossEntropy.apply(x, w, t, ce_chunk)
-    return F.cross_entropy(F.linear(x, w), t)
+    return loss_fn(F.linear(x, w), t)
 
 
 # --------------------------------------------------------------------------------------------
@@ -362,7 +427,7 @@ class Gpt2Block(nn.Module):
         H, D = c.heads, C // c.heads
         qkv = linear(layer_norm(x, w, "ln_1", c.norm_eps), w, "c_attn")
         q, k, v = (t.view(B, T, H, D) for t in qkv.split(C, dim=-1))
-        a = c.attention_fn(q, k, v, c.dropout, self.training, future)
+        a = attention(c, q, k, v, self.training, future)
         x1 = x + F.dropout(linear(a, w, "c_proj"), c.dropout, self.training)
         m = linear(F.gelu(linear(layer_norm(x1, w, "ln_2", c.norm_eps), w, "c_fc"), approximate="tanh"), w,
                    "mlp_c_proj")
@@ -397,9 +462,44 @@ class LlamaBlock(nn.Module):
         q = rope(linear(n1, w, "q_proj").view(B, T, Hq, D), cos, sin)
         k = rope(linear(n1, w, "k_proj").view(B, T, Hkv, D), cos, sin)
         v = linear(n1, w, "v_proj").view(B, T, Hkv, D)
-        x1 = x + linear(c.attention_fn(q, k, v, c.dropout, self.training, future), w, "o_proj")
+        x1 = x + linear(attention(c, q, k, v, self.training, future), w, "o_proj")
         n2 = rmsnorm(x1, w["post_attention_layernorm"], c.norm_eps)
         return x1 + linear(F.silu(linear(n2, w, "gate_proj")) * linear(n2, w, "up_proj"), w, "down_proj")
+
+
+# How deep the eager step is inside a block's forward (--count-ops: in the backward, that is
+# the checkpoint recomputing it). Counted only while an OpCounter runs.
+_BLOCK_DEPTH = [0]
+_COUNTING = [False]
+
+
+def run_block(block, x, w, *extra):
+    """One block's forward; the function that checkpoint re-runs in the backward."""
+    if not _COUNTING[0]:
+        return block(x, w, *extra)
+    _BLOCK_DEPTH[0] += 1
+    try:
+        return block(x, w, *extra)
+    finally:
+        _BLOCK_DEPTH[0] -= 1
+
+
+class BlockRunner(nn.Module):
+    """A block as the step runs it: plain, or under torch.utils.checkpoint with the policy's
+    kwargs. This is torchtitan's checkpoint_wrapper(block) (CheckpointImpl.NO_REENTRANT calls
+    torch.utils.checkpoint.checkpoint(block, ..., use_reentrant=False, **kwargs)), and the
+    unit that --compile-blocks compiles, as torchtitan compiles each wrapped block. It is
+    kept outside the Model's modules (a plain list), so parameter names stay Hugging Face's."""
+
+    def __init__(self, block, checkpoint_kwargs):
+        super().__init__()
+        self.block = block
+        self.checkpoint_kwargs = checkpoint_kwargs  # None: not checkpointed
+
+    def forward(self, x, w, *extra):
+        if self.checkpoint_kwargs is None:
+            return run_block(self.block, x, w, *extra)
+        return torch_checkpoint.checkpoint(run_block, self.block, x, w, *extra, **self.checkpoint_kwargs)
 
 
 class Model(nn.Module):
@@ -423,6 +523,21 @@ class Model(nn.Module):
         future = torch.ones(c.max_seq, c.max_seq, dtype=torch.bool).triu_(1)
         self.register_buffer("future", future, persistent=False)
         self.init_weights(c.seed)
+        # Checkpoint wrappers as torchtitan's apply_ac: block i (from 1) is checkpointed when
+        # checkpoint_every divides i (every block for full and the sac policies).
+        blocks = self.h if c.arch == "gpt2" else self.layers
+        self.block_fns = [BlockRunner(b, c.checkpoint_kwargs if c.checkpoint_every and (i + 1) % c.checkpoint_every == 0
+                                      else None) for i, b in enumerate(blocks)]
+        self.loss_fn = cross_entropy
+
+    def compile_blocks(self):
+        """--compile-blocks: torchtitan's apply_compile, torch.compile of each (checkpoint-
+        wrapped) block after the wrapping, plus the loss function on its own; the embedding,
+        final norm and head matmul stay eager. Compiling the wrapper puts the checkpoint, and
+        a sac policy, inside the compiled region, where AOTAutograd's partitioner follows the
+        policy's save/recompute marks."""
+        self.block_fns = [torch.compile(r) for r in self.block_fns]
+        self.loss_fn = torch.compile(cross_entropy)
 
     def init_weights(self, seed):
         """remat's init_param: biases 0, norm weights 1, matrices N(0, init_std), the residual
@@ -441,11 +556,6 @@ class Model(nn.Module):
                         std /= math.sqrt(2.0 * self.c.layers)
                     p.normal_(0.0, std, generator=gen)
 
-    def run_block(self, block, x, w):
-        if self.c.arch == "gpt2":
-            return block(x, w, self.future)
-        return block(x, w, self.future, self.rope_cos, self.rope_sin)
-
     def forward(self, tokens, targets):
         c = self.c
         T = tokens.shape[1]
@@ -456,69 +566,209 @@ class Model(nn.Module):
         else:
             x = F.embedding(tokens, self.embed_tokens.to(c.compute_dtype))
             blocks = self.layers
-        for i, block in enumerate(blocks):
+        extra = (self.future,) if c.arch == "gpt2" else (self.future, self.rope_cos, self.rope_sin)
+        for block, block_fn in zip(blocks, self.block_fns):
+            # The compute weights are made outside any checkpoint (never recomputed).
             w = compute_weights(block, c.compute_dtype)
-            if c.checkpoint_every and (i + 1) % c.checkpoint_every == 0:
-                # use_reentrant=False: torch 1.13's checkpoint accepts it (the saved-tensor-hooks
-                # implementation, which also works when the block input needs no grad);
-                # preserve_rng_state defaults to True, so recomputed dropout masks match the
-                # forward's (as remat's ac.preserve_rng_state=true).
-                x = torch_checkpoint.checkpoint(self.run_block, block, x, w, **c.checkpoint_kwargs)
-            else:
-                x = self.run_block(block, x, w)
+            x = block_fn(x, w, *extra)
         if c.arch == "gpt2":
             ln_f = compute_weights(self.ln_f, c.compute_dtype)
             h = F.layer_norm(x, x.shape[-1:], ln_f["weight"], ln_f["bias"], c.norm_eps)
-            return loss_head(h, wte, targets, c.ce_chunk)  # tied head
+            return loss_head(h, wte, targets, c.ce_chunk, self.loss_fn)  # tied head
         h = rmsnorm(x, self.norm.to(c.compute_dtype), c.norm_eps)
-        return loss_head(h, self.lm_head.to(c.compute_dtype), targets, c.ce_chunk)  # untied head
+        return loss_head(h, self.lm_head.to(c.compute_dtype), targets, c.ce_chunk, self.loss_fn)  # untied head
 
 
-CHECKPOINT_KWARGS = {}
-try:
-    if "use_reentrant" in inspect.signature(torch_checkpoint.checkpoint).parameters:
-        CHECKPOINT_KWARGS = {"use_reentrant": False}
-except (TypeError, ValueError):
-    pass
+def checkpoint_params():
+    """The keyword parameters this torch's torch.utils.checkpoint.checkpoint takes."""
+    try:
+        return set(inspect.signature(torch_checkpoint.checkpoint).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+def checkpoint_kwargs(preserve_rng_state):
+    """torchtitan's checkpoint_wrapper settings (its ActivationCheckpoint config defaults):
+    non-reentrant checkpoint (use_reentrant=False, which torch 1.13 accepts too: the saved-
+    tensor-hooks implementation, which also works when the block input needs no grad),
+    early_stop=False (the whole block is re-run; where this torch has the argument) and
+    preserve_rng_state as resolved by --preserve-rng-state."""
+    params = checkpoint_params()
+    kw = {}
+    if "use_reentrant" in params:
+        kw["use_reentrant"] = False
+    if "early_stop" in params:
+        kw["early_stop"] = False
+    kw["preserve_rng_state"] = preserve_rng_state
+    return kw
+
 
 SDPA_GQA = hasattr(F, "scaled_dot_product_attention") and sdpa_has_enable_gqa()
 
 
-def sac_save_ops(attention):
-    """The ops whose outputs selective checkpointing keeps: the matrix products and the fused
-    attention kernels (torchtitan's op-level list, every mm kept); the overloads this torch
-    lacks are left out. Math attention keeps its probabilities (_softmax), as remat's
-    attention op does, not its scores (baddbmm): they are masked in place, which SAC refuses
-    for a kept tensor."""
-    aten = torch.ops.aten
-    names = [("mm", "default"), ("addmm", "default"), ("bmm", "default"),
-             ("_softmax" if attention == "math" else "baddbmm", "default"),
-             ("_scaled_dot_product_flash_attention_for_cpu", "default"),
-             ("_scaled_dot_product_flash_attention", "default"),
-             ("_scaled_dot_product_efficient_attention", "default"),
-             ("_scaled_dot_product_cudnn_attention", "default")]
-    ops = set()
-    for op, overload in names:
+def _op(path):
+    """torch.ops.<path> (e.g. 'aten.mm.default'), or None where this torch lacks it."""
+    obj = torch.ops
+    for part in path.split("."):
         try:
-            ops.add(getattr(getattr(aten, op), overload))
-        except AttributeError:
-            pass
-    return ops
+            obj = getattr(obj, part)
+        except (AttributeError, RuntimeError):
+            return None
+    return obj
 
 
-def sac_context(attention):
-    """context_fn for torch.utils.checkpoint: MUST_SAVE the outputs of sac_save_ops,
-    PREFER_RECOMPUTE every other op (norms, activations, rope, dropout, adds) in the backward."""
+def _ops(paths):
+    return {o for o in map(_op, paths) if o is not None}
+
+
+class SacOps:
+    """The op sets of the sac policies, resolved once (this torch's overloads only).
+
+    keep: torchtitan's _op_sac_save_list (torchtitan/models/llama3/infra/parallelize.py, read
+    at commit 018740b7; the rule in torchtitan/distributed/activation_checkpoint.py at
+    cfb93265): mm, the fused
+    SDPA kernels (flash, efficient, cudnn, the overrideable one and the math one, which is
+    CompositeImplicitAutograd and so never reaches a dispatch mode in eager), the
+    collectives reduce_scatter_tensor and all_to_all_single, max (kept for float8 scales),
+    flex_attention and inductor_compiled_code; plus two spellings of the same work that its
+    models never dispatch: addmm (a linear layer with a bias: GPT-2's c_attn, c_proj, c_fc,
+    mlp_c_proj) and _scaled_dot_product_flash_attention_for_cpu (the CPU flash kernel).
+    counted: the linear matmuls (mm, addmm) that the every-second rule counts.
+    """
+
+    def __init__(self):
+        self.counted = _ops(["aten.mm.default", "aten.addmm.default"])
+        self.keep = self.counted | _ops([
+            "aten._scaled_dot_product_flash_attention.default",
+            "aten._scaled_dot_product_flash_attention_for_cpu.default",
+            "aten._scaled_dot_product_efficient_attention.default",
+            "aten._scaled_dot_product_cudnn_attention.default",
+            "aten._scaled_dot_product_fused_attention_overrideable.default",
+            "aten._scaled_dot_product_attention_math.default",
+            "_c10d_functional.reduce_scatter_tensor.default",
+            "_c10d_functional.all_to_all_single.default",
+            "aten.max.default"])
+        hops = getattr(torch, "_higher_order_ops", None)
+        for name in ("flex_attention", "inductor_compiled_code"):
+            if hops is not None and getattr(hops, name, None) is not None:
+                self.keep.add(getattr(hops, name))
+        self.softmax = _ops(["aten._softmax.default", "aten._safe_softmax.default"])
+        # Ops that draw random numbers (CPU dropout is empty_like, bernoulli_, div_, mul; CUDA's
+        # is native_dropout), and the allocation a CPU mask is drawn into.
+        self.random = _ops(["aten.bernoulli_.float", "aten.bernoulli_.Tensor", "aten.bernoulli.default",
+                            "aten.bernoulli.p", "aten.native_dropout.default", "aten.uniform_.default",
+                            "aten.normal_.default", "aten.rand_like.default", "aten.randn_like.default"])
+        self.mask_buffer = _ops(["aten.empty_like.default"])
+        self.to_copy = _op("aten._to_copy.default")
+
+
+def _is_view(func):
+    """Whether an aten overload returns a view of an input: OpOverload.is_view, or on a torch
+    without it (1.13) a return that aliases an input without writing it."""
+    flag = getattr(func, "is_view", None)
+    if flag is not None:
+        return bool(flag)
+    try:
+        return any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
+    except AttributeError:
+        return False
+
+
+def _storage_key(t):
+    """The data pointer of t's storage in eager; None for a traced (fake) tensor."""
+    try:
+        p = t.untyped_storage().data_ptr()
+    except Exception:  # FakeTensor / FunctionalTensor under torch.compile
+        return None
+    return p or None
+
+
+def _in_attention():
+    """Whether the op being dispatched is part of attention(): in eager by its counter, under
+    torch.compile by the traced frames of the node being traced (dynamo's stack_trace)."""
+    if _ATTENTION_DEPTH[0]:
+        return True
+    meta = getattr(fx_traceback, "current_meta", None) if fx_traceback is not None else None
+    trace = (meta.get("stack_trace") or "") if isinstance(meta, dict) else ""
+    return "in attention_math" in trace or "in attention_sdpa" in trace
+
+
+def sac_context(rule):
+    """context_fn for torch.utils.checkpoint: a fresh policy state per checkpointed block call,
+    as torchtitan's selective_checkpointing_context_fn makes a fresh mm counter per call.
+
+    rule "sac" is torchtitan's per-op rule (_apply_op_sac): the outputs of its save list
+    (SacOps.keep) are MUST_SAVE, except that every second linear matmul is recomputed: each
+    block counts its forward mm calls (here mm and addmm) and keeps the 1st, 3rd, 5th, ...
+    (llama: q, v, gate, down kept; k, o, up recomputed; GPT-2: c_attn, c_fc kept; c_proj,
+    mlp_c_proj recomputed). Every other op is PREFER_RECOMPUTE. Rule "sac-all-mm" keeps every
+    linear matmul (torchtitan's list without the every-second clause; remat's
+    ops:[matmul,attention]).
+
+    Two additions cover what torchtitan's models never dispatch, so that the peer keeps what
+    torchtitan keeps where the kernels differ:
+    - The attention's result is kept. A fused kernel (flash, efficient, cudnn; on the CPU the
+      flash kernel without dropout) is one op on the list. The math path (--attention math,
+      and SDPA on the CPU with dropout, which decomposes into bmm, softmax, dropout, bmm) has
+      no op on the list: under torchtitan's list alone all of it would be recomputed. Here,
+      from its softmax on, every op inside attention() is kept (probabilities, dropout mask,
+      dropped probabilities, output: what its backward reads, the memory `none` keeps for
+      them), and the scores before the softmax are recomputed, as a fused kernel's backward
+      recomputes them. Views are recomputed (they cost nothing and would pin their bases).
+    - Dropout masks are drawn once and kept (the empty_like a mask is drawn into, the
+      bernoulli_ and the in-place scaling of it). A mask kept inside the attention would
+      otherwise shift the generator for the masks redrawn after it, so no mask is redrawn
+      and the recompute draws no random numbers; CPU bernoulli_ is also a serial, slow op.
+    Both need allow_cache_entry_mutation: a kept buffer is written in place after it is kept.
+    """
+    ops = SAC_OPS[0]
+    policy_type = torch_checkpoint.CheckpointPolicy
+    keep, recompute = policy_type.MUST_SAVE, policy_type.PREFER_RECOMPUTE
+    every_second = rule == "sac"
+
     def sac_context_fn():
-        save = sac_save_ops(attention)
-        policy_type = torch_checkpoint.CheckpointPolicy
+        # One state for the forward and one for the recompute (torch < 2.5 asks the policy
+        # again while recomputing and must get the same answers; later torch does not ask).
+        states = {False: {"mm": 0, "softmax": False, "kept": set()},
+                  True: {"mm": 0, "softmax": False, "kept": set()}}
 
-        def policy(ctx, op, *args, **kwargs):
-            return policy_type.MUST_SAVE if op in save else policy_type.PREFER_RECOMPUTE
+        def policy(ctx, func, *args, **kwargs):
+            st = states[bool(getattr(ctx, "is_recompute", False))]
+            # torchtitan's first case: device-to-host copies are kept (activation offloading).
+            if (func is ops.to_copy and args and isinstance(args[0], torch.Tensor) and
+                    args[0].device.type == "cuda" and str(kwargs.get("device", "")) == "cpu"):
+                return keep
+            if func in ops.counted:
+                st["mm"] += 1
+                return keep if not every_second or st["mm"] % 2 == 1 else recompute
+            if func in ops.keep:
+                return keep
+            if func in ops.random or func in ops.mask_buffer:
+                if func in ops.random and args and isinstance(args[0], torch.Tensor):
+                    st["kept"].add(_storage_key(args[0]))  # an in-place draw: its buffer
+                return keep
+            schema = getattr(func, "_schema", None)
+            if schema is not None and schema.name.endswith("_") and args and isinstance(args[0], torch.Tensor):
+                key = _storage_key(args[0])
+                if key is not None and key in st["kept"]:
+                    return keep  # in place on a kept mask (dropout's div_): kept with it
+            if _in_attention():
+                if func in ops.softmax:
+                    st["softmax"] = True
+                if st["softmax"] and not _is_view(func):
+                    return keep
+            return recompute
 
-        return torch_checkpoint.create_selective_checkpoint_contexts(policy)
+        kw = {}
+        if "allow_cache_entry_mutation" in inspect.signature(
+                torch_checkpoint.create_selective_checkpoint_contexts).parameters:
+            kw["allow_cache_entry_mutation"] = True
+        return torch_checkpoint.create_selective_checkpoint_contexts(policy, **kw)
 
     return sac_context_fn
+
+
+SAC_OPS = [None]  # SacOps(), made when a sac policy is chosen
 
 
 # --------------------------------------------------------------------------------------------
@@ -536,14 +786,44 @@ def learning_rate(c, step):
     return c.min_lr + 0.5 * (c.lr - c.min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
+def fused_adamw_works(device):
+    """Whether this torch's AdamW takes fused=True for parameters on `device` (2.0 added it
+    for CUDA, 2.4 for the CPU): one step on a throw-away parameter."""
+    try:
+        p = torch.zeros(2, device=device, requires_grad=True)
+        p.grad = torch.ones_like(p)
+        torch.optim.AdamW([p], fused=True).step()
+        return True
+    except (TypeError, RuntimeError, ValueError):
+        return False
+
+
+def resolve_optimizer(c):
+    """--optimizer auto|fused|foreach|for-loop -> the implementation that runs. auto is
+    torchtitan's default (optimizer.implementation = "fused") where this torch has the fused
+    kernel on the device, else torch's own default there (foreach on CUDA, for-loop on the
+    CPU)."""
+    if c.optimizer in ("auto", "fused"):
+        if fused_adamw_works(c.device):
+            return "fused"
+        if c.optimizer == "fused":
+            sys.exit(f"peers.py: --optimizer fused: torch {torch.__version__}'s AdamW has no fused kernel for "
+                     f"{c.device.type} parameters (PyTorch 2.0 added it for CUDA, 2.4 for the CPU).")
+        return "foreach" if c.device.type == "cuda" else "for-loop"
+    return c.optimizer
+
+
 def make_optimizer(model, c):
     """AdamW in two groups as remat's adamw_groups(): weight decay on matrices (dim >= 2,
-    embeddings included), none on norms and biases; betas (0.9, 0.95), eps 1e-8."""
+    embeddings included), none on norms and biases; betas (0.9, 0.95), eps 1e-8. The
+    implementation (c.optimizer_impl) is passed explicitly, as torchtitan's build_optimizers
+    passes fused= and foreach=."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
+    impl = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}[c.optimizer_impl]
     return torch.optim.AdamW(
         [{"params": decay, "weight_decay": c.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=c.lr, betas=(c.beta1, c.beta2), eps=1e-8)
+        lr=c.lr, betas=(c.beta1, c.beta2), eps=1e-8, **impl)
 
 
 @torch.no_grad()
@@ -564,7 +844,8 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def train_step(model, opt, params, c, step, gen):
+def train_step(model, opt, params, c, step, gen, counter=None):
+    """One step; `counter` (an OpCounter, --count-ops) is told which phase runs."""
     for g in opt.param_groups:
         g["lr"] = learning_rate(c, step)
     sync(c.device)
@@ -575,7 +856,11 @@ def train_step(model, opt, params, c, step, gen):
     tokens, targets = seq[:, :-1], seq[:, 1:]
     opt.zero_grad(set_to_none=False)  # persistent gradients, as remat's flat gradient buffer
     loss = model(tokens, targets)
+    if counter is not None:
+        counter.phase = "backward"
     loss.backward()
+    if counter is not None:
+        counter.phase = "optimizer"
     clip_gradients(params, c.grad_clip)
     opt.step()
     sync(c.device)
@@ -651,6 +936,84 @@ def self_test_peak():
 
 
 # --------------------------------------------------------------------------------------------
+# --count-ops: which aten ops a step runs in its forward, its recompute and its backward.
+# --------------------------------------------------------------------------------------------
+
+def _matmul_flops(name, args):
+    """FLOPs of one matrix product (2 per multiply-add); 0 for other ops."""
+    try:
+        if name == "mm":
+            a, b = args[0], args[1]
+            return 2 * a.shape[0] * a.shape[1] * b.shape[1]
+        if name == "addmm":
+            a, b = args[1], args[2]
+            return 2 * a.shape[0] * a.shape[1] * b.shape[1]
+        if name == "bmm":
+            a, b = args[0], args[1]
+            return 2 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]
+        if name == "baddbmm":
+            a, b = args[1], args[2]
+            return 2 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]
+        if name.startswith("_scaled_dot_product_") and not name.endswith("_backward"):
+            q, k = args[0], args[1]  # [B, H, T, D]: scores and output, causal or not
+            return 4 * q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * q.shape[3]
+    except (AttributeError, IndexError, TypeError):
+        pass
+    return 0
+
+
+def make_op_counter():
+    """An OpCounter (a TorchDispatchMode, PyTorch >= 1.13), or None where torch lacks it."""
+    try:
+        from torch.utils._python_dispatch import TorchDispatchMode
+    except ImportError:
+        return None
+
+    class OpCounter(TorchDispatchMode):
+        """Counts the aten ops that reach the dispatcher, by phase: "forward", "recompute" (in
+        the backward, inside a block's forward: the checkpoint re-running it), "backward" and
+        "optimizer" (clipping and AdamW). It is entered before the checkpoints' own modes, so
+        it sees what runs: an op whose kept output a selective checkpoint hands back in the
+        recompute is not counted there. View ops are counted under "(views)"."""
+
+        def __init__(self):
+            super().__init__()
+            self.phase = "forward"
+            self.ops = {}
+            self.flops = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            phase = "recompute" if self.phase == "backward" and _BLOCK_DEPTH[0] else self.phase
+            name = func.__name__.split(".")[0] if hasattr(func, "__name__") else str(func)
+            key = "(views)" if _is_view(func) or name == "detach" else name
+            counts = self.ops.setdefault(phase, {})
+            counts[key] = counts.get(key, 0) + 1
+            self.flops[phase] = self.flops.get(phase, 0) + _matmul_flops(name, args)
+            return out
+
+    return OpCounter()
+
+
+def count_ops(step_fn, counter):
+    """Runs step_fn(counter) with counter active; returns the per-phase op counts (most
+    frequent first), their totals and the per-phase matmul GFLOP."""
+    _COUNTING[0] = True
+    try:
+        with counter:
+            step_fn(counter)
+    finally:
+        _COUNTING[0] = False
+    phases = ("forward", "recompute", "backward", "optimizer")
+    out = {
+        "ops": {ph: dict(sorted(counter.ops.get(ph, {}).items(), key=lambda kv: (-kv[1], kv[0]))) for ph in phases},
+        "op_totals": {ph: sum(counter.ops.get(ph, {}).values()) for ph in phases},
+        "matmul_gflop": {ph: round(counter.flops.get(ph, 0) / 1e9, 4) for ph in phases},
+    }
+    return out
+
+
+# --------------------------------------------------------------------------------------------
 # Command line.
 # --------------------------------------------------------------------------------------------
 
@@ -666,15 +1029,30 @@ def parse_args(argv=None):
                          "and computes in a bfloat16 copy of the weights (activations bfloat16, norm and loss "
                          "statistics float32)")
     ap.add_argument("--policy", default="none",
-                    help="none; full: torch.utils.checkpoint around every block; every:K: around blocks K, 2K, ... "
-                         "(counting from 1, as remat's every:K); sac: selective checkpointing of every block that "
-                         "keeps the matrix products' outputs and recomputes the rest (PyTorch >= 2.4)")
+                    help="none; full: torchtitan's full AC, a non-reentrant checkpoint around every block; every:K: "
+                         "around blocks K, 2K, ... (counting from 1, torchtitan's selective_ac_option=K and remat's "
+                         "every:K); sac: torchtitan's per-op selective AC of every block (keeps every second linear "
+                         "matmul's output and the attention's, recomputes the rest; PyTorch >= 2.4); sac-all-mm: "
+                         "the same keeping every linear matmul's output (remat's ops:[matmul,attention])")
+    ap.add_argument("--preserve-rng-state", choices=["auto", "true", "false"], default="auto",
+                    help="the checkpoints' preserve_rng_state: auto is true when the model draws dropout masks "
+                         "(dropout > 0; a recompute must redraw the forward's masks, as remat's "
+                         "ac.preserve_rng_state=true) and false otherwise (torchtitan's default)")
     ap.add_argument("--compile", action="store_true",
-                    help="torch.compile the model (forward and backward, default mode; PyTorch >= 2.0); the "
+                    help="torch.compile the whole model (forward and backward, default mode; PyTorch >= 2.0); the "
                          "warm-up steps cover the compilation")
+    ap.add_argument("--compile-blocks", action="store_true",
+                    help="torchtitan's compile: torch.compile each (checkpoint-wrapped) block and the loss function "
+                         "apart; the embedding, final norm and head matmul stay eager (PyTorch >= 2.0)")
+    ap.add_argument("--optimizer", choices=["auto", "fused", "foreach", "for-loop"], default="auto",
+                    help="AdamW's implementation: auto is fused where this torch has the kernel for the device "
+                         "(torchtitan's default; CPU from PyTorch 2.4), else torch's default there")
+    ap.add_argument("--count-ops", action="store_true",
+                    help="run one more, untimed step that counts the aten ops of its forward, recompute, backward "
+                         "and optimizer phases (and their matmul GFLOP); adds op_counts to the JSON (eager only)")
     ap.add_argument("--memory-budget", type=float, default=None,
-                    help="with --compile: torch._functorch.config.activation_memory_budget (0 to 1; 1 keeps what "
-                         "the default partitioner keeps, lower recomputes more; PyTorch >= 2.4)")
+                    help="with --compile or --compile-blocks: torch._functorch.config.activation_memory_budget (0 "
+                         "to 1; 1 keeps what the default partitioner keeps, lower recomputes more; PyTorch >= 2.4)")
     ap.add_argument("--attention", choices=["math", "sdpa"], default="math",
                     help="math: scores, mask, softmax, dropout, matmul (remat's math op); "
                          "sdpa: F.scaled_dot_product_attention (PyTorch >= 2.0)")
@@ -713,6 +1091,10 @@ def parse_args(argv=None):
                     help="which of Debian's OpenBLAS builds torch loads: the system's libblas.so.3 choice, or "
                          "the OpenMP build (its threads are ATen's OpenMP pool, as remat links) or the pthread "
                          "build (a pool of its own), by LD_LIBRARY_PATH")
+    ap.add_argument("--malloc", choices=["system", "keep"], default="system",
+                    help="system: glibc malloc as it comes; keep: re-run with GLIBC_TUNABLES that keep freed blocks "
+                         "up to 32 MiB in the heap (mmap threshold 32 MiB, no trimming), so that a step reuses "
+                         "memory instead of faulting in fresh pages")
     ap.add_argument("--no-peak", action="store_true", help="skip the extra profiled step that measures peak memory")
     ap.add_argument("--no-matmul-check", action="store_true", help="skip timing one 1024^3 matmul at start-up")
     ap.add_argument("--param-count", action="store_true",
@@ -755,26 +1137,38 @@ def parse_args(argv=None):
     # remat's run.dtype=bfloat16: float32 masters, a bfloat16 compute copy (compute_weights), not bfloat16 storage.
     args.compute_dtype = getattr(torch, args.dtype)
     need = f"this is torch {torch.__version__}, which does not have it"
-    args.checkpoint_kwargs = dict(CHECKPOINT_KWARGS)
+    # A recompute redraws the dropout masks it needs: only then must the generator be restored.
+    args.preserve_rng_state = {"true": True, "false": False}.get(args.preserve_rng_state, args.dropout > 0.0)
+    args.checkpoint_kwargs = checkpoint_kwargs(args.preserve_rng_state)
     if args.policy == "none":
         args.checkpoint_every = 0
     elif args.policy == "full":
         args.checkpoint_every = 1
     elif args.policy.startswith("every:") and args.policy[6:].isdigit() and 1 <= int(args.policy[6:]) <= args.layers:
         args.checkpoint_every = int(args.policy[6:])
-    elif args.policy == "sac":
+    elif args.policy in ("sac", "sac-all-mm"):
         if not hasattr(torch_checkpoint, "create_selective_checkpoint_contexts"):
-            sys.exit(f"peers.py: --policy sac needs torch.utils.checkpoint.create_selective_checkpoint_contexts, "
-                     f"which PyTorch 2.4 added; {need}.")
+            sys.exit(f"peers.py: --policy {args.policy} needs torch.utils.checkpoint."
+                     f"create_selective_checkpoint_contexts, which PyTorch 2.4 added; {need}.")
+        if "allow_cache_entry_mutation" not in inspect.signature(
+                torch_checkpoint.create_selective_checkpoint_contexts).parameters:
+            sys.exit(f"peers.py: --policy {args.policy} keeps buffers that are written in place after they are "
+                     f"kept (dropout masks), which needs create_selective_checkpoint_contexts("
+                     f"allow_cache_entry_mutation=...); {need}.")
+        SAC_OPS[0] = SacOps()
         args.checkpoint_every = 1
-        args.checkpoint_kwargs["context_fn"] = sac_context(args.attention)
+        args.checkpoint_kwargs["context_fn"] = sac_context(args.policy)
     else:
-        ap.error(f"--policy {args.policy}: use none, full, every:K (1 <= K <= --layers) or sac.")
-    if args.compile and not hasattr(torch, "compile"):
-        sys.exit(f"peers.py: --compile needs torch.compile, which PyTorch 2.0 added; {need}.")
+        ap.error(f"--policy {args.policy}: use none, full, every:K (1 <= K <= --layers), sac or sac-all-mm.")
+    if (args.compile or args.compile_blocks) and not hasattr(torch, "compile"):
+        sys.exit(f"peers.py: --compile and --compile-blocks need torch.compile, which PyTorch 2.0 added; {need}.")
+    if args.compile and args.compile_blocks:
+        ap.error("--compile compiles the whole model, --compile-blocks each block: give one.")
+    if args.count_ops and (args.compile or args.compile_blocks):
+        ap.error("--count-ops counts eager aten ops; a compiled step runs Inductor's kernels instead.")
     if args.memory_budget is not None:
-        if not args.compile:
-            ap.error("--memory-budget sets torch.compile's activation budget: give --compile too.")
+        if not (args.compile or args.compile_blocks):
+            ap.error("--memory-budget sets torch.compile's activation budget: give --compile or --compile-blocks too.")
         if not 0.0 <= args.memory_budget <= 1.0:
             ap.error(f"--memory-budget must be within [0, 1], got {args.memory_budget}.")
         try:
@@ -783,9 +1177,9 @@ def parse_args(argv=None):
         except (ImportError, AttributeError):
             sys.exit(f"peers.py: --memory-budget needs torch._functorch.config.activation_memory_budget, which "
                      f"PyTorch 2.4 added; {need}.")
-    if args.compile and args.warmup < 1:
-        ap.error("--compile compiles during the first step: give --warmup 1 or more so that no timed step "
-                 "includes it.")
+    if (args.compile or args.compile_blocks) and args.warmup < 1:
+        ap.error("--compile and --compile-blocks compile during the first step: give --warmup 1 or more so that "
+                 "no timed step includes it.")
     if args.attention == "sdpa":
         if not hasattr(F, "scaled_dot_product_attention"):
             sys.exit(f"peers.py: --attention sdpa needs torch.nn.functional.scaled_dot_product_attention, which "
@@ -794,7 +1188,21 @@ def parse_args(argv=None):
         args.attention_fn = attention_sdpa
     else:
         args.attention_fn = attention_math
+    args.optimizer_impl = resolve_optimizer(args)
     return args
+
+
+def checkpoint_kwargs_text(c):
+    if not c.checkpoint_every:
+        return "none (no checkpoint)"
+    return "{" + ", ".join(f"{k}={getattr(v, '__qualname__', v)}" for k, v in c.checkpoint_kwargs.items()) + "}"
+
+
+def compile_text(c):
+    what = "whole model" if c.compile else "per block and loss" if c.compile_blocks else None
+    if what is None:
+        return "off"
+    return what + ("" if c.memory_budget is None else f", memory budget {c.memory_budget}")
 
 
 def main(argv=None):
@@ -816,8 +1224,8 @@ def main(argv=None):
         f"threads: aten {threads['aten_threads']} "
         f"(default {threads['default_aten_threads']}), OpenBLAS {threads['blas_threads']} "
         f"(default {threads['default_blas_threads']}; {threads['blas_build']} build) from {threads['blas_library']}; "
-        f"checkpoint kwargs {c.checkpoint_kwargs}; "
-        f"compile {'off' if not c.compile else 'on, memory budget ' + str(c.memory_budget)}")
+        f"checkpoint kwargs {checkpoint_kwargs_text(c)}; "
+        f"compile {compile_text(c)}; AdamW {c.optimizer_impl}")
     mm = mm_threads = None
     if c.device.type == "cuda":
         log(f"peers: {torch.cuda.get_device_name(c.device)}; the CPU matmul check is skipped (a CUDA step's "
@@ -835,20 +1243,29 @@ def main(argv=None):
     opt = make_optimizer(model, c)
     gen = torch.Generator().manual_seed(c.seed)
     step_model = model
+    if c.memory_budget is not None:
+        torch._functorch.config.activation_memory_budget = c.memory_budget  # read when a graph is split
     if c.compile:
-        if c.memory_budget is not None:
-            torch._functorch.config.activation_memory_budget = c.memory_budget  # read when the graph is split
         step_model = torch.compile(model)  # the same parameters; compiles forward and backward in step 1
-    losses, times, warmup_times = [], [], []
+    elif c.compile_blocks:
+        model.compile_blocks()  # each block and the loss; compiled in step 1
+    compiled = c.compile or c.compile_blocks
+    # Minor page faults per step (the whole process): fresh pages the kernel maps and zeroes,
+    # which glibc's malloc makes of every large block it gets back (see --malloc).
+    losses, times, warmup_times, step_faults = [], [], [], []
     for step in range(c.warmup + c.steps):
-        if c.compile and step == c.warmup and hasattr(torch._dynamo.config, "error_on_recompile"):
+        if compiled and step == c.warmup and hasattr(torch._dynamo.config, "error_on_recompile"):
             # No timed step may compile: a recompile after the warm-up fails the run instead.
             torch._dynamo.config.error_on_recompile = True
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         loss, seconds = train_step(step_model, opt, params, c, step, gen)
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
         losses.append(loss)
         (times if step >= c.warmup else warmup_times).append(seconds)
+        if step >= c.warmup:
+            step_faults.append(faults)
         log(f"peers: step {step + 1}/{c.warmup + c.steps}{'' if step >= c.warmup else ' (warm-up)'}: "
-            f"loss {loss:.4f}, {seconds * 1e3:.1f} ms")
+            f"loss {loss:.4f}, {seconds * 1e3:.1f} ms, {faults} minor page faults")
     if abs(losses[0] - math.log(c.vocab)) > 0.5:
         log(f"peers: warning: the first loss {losses[0]:.4f} is far from ln(vocab) = {math.log(c.vocab):.4f}")
 
@@ -873,11 +1290,26 @@ def main(argv=None):
         log(f"peers: peak {peak / 2 ** 20:.1f} MiB of live tensors in a step "
             f"({static / 2 ** 20:.1f} MiB live at its start + {delta / 2 ** 20:.1f} MiB)")
 
+    op_counts = None
+    if c.count_ops:
+        counter = make_op_counter()
+        if counter is None:
+            log(f"peers: --count-ops needs torch.utils._python_dispatch.TorchDispatchMode, which torch "
+                f"{torch.__version__} lacks; skipped")
+        else:
+            op_counts = count_ops(lambda ctr: train_step(step_model, opt, params, c, c.warmup + c.steps, gen, ctr),
+                                  counter)
+            t, g = op_counts["op_totals"], op_counts["matmul_gflop"]
+            top = ", ".join(f"{k} {v}" for k, v in list(op_counts["ops"]["recompute"].items())[:12])
+            log(f"peers: ops of one step: forward {t['forward']}, recomputed in the backward {t['recompute']}, "
+                f"backward {t['backward']}, optimizer {t['optimizer']}; matmul GFLOP forward {g['forward']}, "
+                f"recomputed {g['recompute']}, backward {g['backward']}; recomputed: {top or 'nothing'}")
+
     med = sorted(times)[len(times) // 2]  # remat's median(): the upper middle of an even count
     maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     # Compiling happens inside the first step: its excess over a compiled step's median.
-    compile_seconds = max(0.0, warmup_times[0] - med) if c.compile else None
-    if c.compile:
+    compile_seconds = max(0.0, warmup_times[0] - med) if compiled else None
+    if compiled:
         log(f"peers: torch.compile: first step {warmup_times[0]:.1f} s, about {compile_seconds:.1f} s of it compiling")
     out = {
         "tool": "pytorch",
@@ -886,7 +1318,13 @@ def main(argv=None):
         "attention": c.attention,
         "sdpa_gqa": ("enable_gqa" if SDPA_GQA else "repeat_kv") if c.attention == "sdpa" else None,
         "compile": c.compile,
+        "compile_blocks": c.compile_blocks,
         "memory_budget": c.memory_budget,
+        "optimizer": f"AdamW ({c.optimizer_impl})",
+        "optimizer_impl": c.optimizer_impl,
+        "preserve_rng_state": c.preserve_rng_state,
+        "malloc": c.malloc,
+        "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
         "compile_seconds": compile_seconds,
         "warmup_step_seconds": warmup_times,
         "ce_chunk": c.ce_chunk,
@@ -899,6 +1337,7 @@ def main(argv=None):
         "min_step_seconds": min(times),
         "max_step_seconds": max(times),
         "step_seconds": times,
+        "minor_page_faults_per_step": sorted(step_faults)[len(step_faults) // 2],
         "tokens_per_second": c.batch * c.seq / med,
         "peak_bytes": peak,
         "reserved_peak_bytes": reserved,
@@ -908,7 +1347,9 @@ def main(argv=None):
         "final_loss": losses[-1],
         "matmul_1024_seconds": mm,
         "matmul_1024_threads": mm_threads,
-        "checkpoint_kwargs": {k: getattr(v, "__name__", str(v)) for k, v in c.checkpoint_kwargs.items()},
+        "checkpoint_kwargs": ({k: getattr(v, "__name__", str(v)) for k, v in c.checkpoint_kwargs.items()}
+                              if c.checkpoint_every else None),
+        "op_counts": op_counts,
         "device": str(c.device),
         "dtype": c.dtype,
         "torch_version": torch.__version__,
