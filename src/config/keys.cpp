@@ -261,13 +261,43 @@ using C = Config;
 #pragma GCC diagnostic ignored "-Wmissing-field-initializers"
 #endif
 
+// RoPE's base and Llama 3.1's scaling of it (llama).
+std::vector<ConfigKey> rope_keys() {
+  return {
+      key("model.rope_theta", &C::model, &ModelConfig::rope_theta, "RoPE base (llama)",
+          KeyRange{.min = 1,
+                   .above_min = true,
+                   .why = "at or below 1 the rotation frequencies are infinite or do not decrease",
+                   .example = "10000 (GPT-NeoX), 500000 (Llama 3)"}),
+      key("model.rope_scaling.factor", &C::model, &ModelConfig::rope_scaling, &RopeScaling::factor,
+          "llama3 RoPE scaling: stretch of long wavelengths; 1: unscaled",
+          KeyRange{.min = 1,
+                   .max = 1024,
+                   .why = "it stretches the context; below 1 it would shrink it, and 1024 is far past any model's",
+                   .example = "8 (Llama 3.1), 32 (Llama 3.2 1B and 3B)"}),
+      key("model.rope_scaling.low_freq_factor", &C::model, &ModelConfig::rope_scaling, &RopeScaling::low_freq_factor,
+          "llama3 RoPE scaling: wavelengths above original_max_seq / this are stretched",
+          KeyRange{.min = 0, .above_min = true, .why = "it divides original_max_seq", .example = "1"}),
+      key("model.rope_scaling.high_freq_factor", &C::model, &ModelConfig::rope_scaling, &RopeScaling::high_freq_factor,
+          "llama3 RoPE scaling: wavelengths below original_max_seq / this are kept",
+          KeyRange{.min = 0, .above_min = true, .why = "it divides original_max_seq", .example = "4"}),
+      key("model.rope_scaling.original_max_seq", &C::model, &ModelConfig::rope_scaling, &RopeScaling::original_max_seq,
+          "llama3 RoPE scaling: the context first trained at",
+          KeyRange{.min = 1,
+                   .max = 16777216,
+                   .unit = "tokens",
+                   .why = "16M tokens of context is far past any published model's",
+                   .example = "8192 (Llama 3)"}),
+  };
+}
+
 // Upper bounds on counts and sizes lie far above any real run, so that counts, token totals
 // and byte predictions stay far inside int64 and a mistyped number is refused instead of
 // running for ever. The widths are eight times the widest published transformer's (Llama 3
 // 405B: d_model 16384, d_ff 53248, 128 heads), so that no shape product can overflow
 // before the planner counts it.
 std::vector<ConfigKey> model_keys() {
-  return {
+  std::vector<ConfigKey> keys{
       key("model.preset", &C::model, &ModelConfig::preset, "model preset the shape starts from"),
       key("model.init", &C::model, &ModelConfig::init, "weights to start from: .safetensors or HF model folder"),
       key("model.arch", &C::model, &ModelConfig::arch, "gpt2 or llama"),
@@ -321,30 +351,6 @@ std::vector<ConfigKey> model_keys() {
           KeyRange{.min = 0, .max = 1, .below_max = true, .why = "at 1 nothing passes", .example = "0.1, or 0"}),
       key("model.norm_eps", &C::model, &ModelConfig::norm_eps, "norm epsilon",
           KeyRange{.min = 0, .above_min = true, .why = "it keeps the norms' division finite", .example = "1e-5"}),
-      key("model.rope_theta", &C::model, &ModelConfig::rope_theta, "RoPE base (llama)",
-          KeyRange{.min = 1,
-                   .above_min = true,
-                   .why = "at or below 1 the rotation frequencies are infinite or do not decrease",
-                   .example = "10000 (GPT-NeoX), 500000 (Llama 3)"}),
-      key("model.rope_scaling.factor", &C::model, &ModelConfig::rope_scaling, &RopeScaling::factor,
-          "llama3 RoPE scaling: stretch of long wavelengths; 1: unscaled",
-          KeyRange{.min = 1,
-                   .max = 1024,
-                   .why = "it stretches the context; below 1 it would shrink it, and 1024 is far past any model's",
-                   .example = "8 (Llama 3.1), 32 (Llama 3.2 1B and 3B)"}),
-      key("model.rope_scaling.low_freq_factor", &C::model, &ModelConfig::rope_scaling, &RopeScaling::low_freq_factor,
-          "llama3 RoPE scaling: wavelengths above original_max_seq / this are stretched",
-          KeyRange{.min = 0, .above_min = true, .why = "it divides original_max_seq", .example = "1"}),
-      key("model.rope_scaling.high_freq_factor", &C::model, &ModelConfig::rope_scaling, &RopeScaling::high_freq_factor,
-          "llama3 RoPE scaling: wavelengths below original_max_seq / this are kept",
-          KeyRange{.min = 0, .above_min = true, .why = "it divides original_max_seq", .example = "4"}),
-      key("model.rope_scaling.original_max_seq", &C::model, &ModelConfig::rope_scaling, &RopeScaling::original_max_seq,
-          "llama3 RoPE scaling: the context first trained at",
-          KeyRange{.min = 1,
-                   .max = 16777216,
-                   .unit = "tokens",
-                   .why = "16M tokens of context is far past any published model's",
-                   .example = "8192 (Llama 3)"}),
       key("model.tie_embeddings", &C::model, &ModelConfig::tie_embeddings,
           "the head is the embedding's matrix; false: lm_head.weight"),
       key("model.init_std", &C::model, &ModelConfig::init_std, "weight init std",
@@ -354,6 +360,8 @@ std::vector<ConfigKey> model_keys() {
                    .why = "larger weights overflow the first forward",
                    .example = "0.02"}),
   };
+  for (ConfigKey& k : rope_keys()) keys.push_back(std::move(k));
+  return keys;
 }
 
 std::vector<ConfigKey> train_keys() {
