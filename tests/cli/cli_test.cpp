@@ -197,9 +197,6 @@ TEST_F(Cli, TrainsAndGeneratesWithAGivenHuggingFaceTokenizer) {
   EXPECT_EQ(g.output.rfind("Hello", 0), 0u) << g.output;
 }
 
-// Fine-tuning: a model transformers saved (tests/data/hf_models/gpt2, its tokenizer beside
-// it) trained on JSONL records. Its config.json gives the shape, its tokenizer the corpus,
-// its weights the start; the run's config.json and model.safetensors load back as its own.
 // Two steps move no weight by more than 1e-2; a fresh model's are some 0.1 from the
 // fixture's.
 void expect_near_start(const fs::path& run, const std::map<std::string, at::Tensor>& start) {
@@ -211,6 +208,9 @@ void expect_near_start(const fs::path& run, const std::map<std::string, at::Tens
   }
 }
 
+// Fine-tuning: a model transformers saved (tests/data/hf_models/gpt2, its tokenizer beside
+// it) trained on JSONL records. Its config.json gives the shape, its tokenizer the corpus,
+// its weights the start; the run's config.json and model.safetensors load back as its own.
 TEST_F(Cli, FineTunesATransformersModelOnJsonlRecords) {
   const std::string model = REMAT_SOURCE_DIR "/tests/data/hf_models/gpt2";
   const fs::path run = fine_tune(model);
