@@ -248,6 +248,17 @@ TEST_F(Cli, FineTunesAShardedTiedLlamaAndWritesItBackAsOne) {
   EXPECT_FALSE(remat::model::load_safetensors((run / "model.safetensors").string()).find("lm_head.weight"));
 }
 
+// A model's folder whose weights are missing is refused before any work, naming both
+// layouts transformers saves.
+TEST_F(Cli, AModelFolderWithoutWeightsIsRefusedBeforeAnyWork) {
+  const fs::path model = dir_ / "model";
+  fs::create_directories(model);
+  fs::copy_file(REMAT_SOURCE_DIR "/tests/data/hf_models/llama3.2/config.json", model / "config.json");
+  expect_error(tiny_training("model.init=" + model.string()),
+               "names no weights: the folder holds neither model.safetensors nor model.safetensors.index.json");
+  EXPECT_FALSE(fs::exists(dir_ / "data"));
+}
+
 TEST_F(Cli, RecordAllocationsWritesTheRunsFirstTwoStepsAsATrace) {
   const std::string path = (dir_ / "allocations.txt").string();
   const Result r = run_remat(tiny_training("train.steps=3 run.sample_tokens=0 run.record_allocations=" + path));
