@@ -11,6 +11,7 @@
 #include "remat/safetensors.h"
 #include "remat/tokenizer.h"
 #include "util/atomic_file.h"
+#include "util/error_of.h"
 #include "util/temp_dir.h"
 
 #include <gtest/gtest.h>
@@ -18,6 +19,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <filesystem>
+#include <stdexcept>
 #include <string>
 
 namespace remat {
@@ -122,13 +124,9 @@ TEST(HfConfig, RefusesWhatRematsBlocksDoNotHave) {
   // What follows "The model config PATH " in the refusal; empty when there is none.
   const auto error = [&](const std::string& json) {
     util::write_file_atomically(path, json);
-    try {
-      hf_model_config(path, ModelConfig{});
-    } catch (const std::exception& e) {
-      const std::string what = e.what(), head = "The model config " + path + " ";
-      return what.rfind(head, 0) == 0 ? what.substr(head.size()) : what;
-    }
-    return std::string();
+    const std::string what = testing::error_of<std::invalid_argument>([&] { hf_model_config(path, ModelConfig{}); });
+    const std::string head = "The model config " + path + " ";
+    return what.rfind(head, 0) == 0 ? what.substr(head.size()) : what;
   };
   const std::string llama =
       R"({"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -188,12 +186,7 @@ TEST(HfModels, AShardIndexIsRefusedWithASentence) {
   const std::string path = (dir / "model.safetensors.index.json").string();
   const auto error = [&](const std::string& json) {
     util::write_file_atomically(path, json);
-    try {
-      model::safetensors_index_files(path);
-    } catch (const std::exception& e) {
-      return std::string(e.what());
-    }
-    return std::string();
+    return testing::error_of<std::runtime_error>([&] { model::safetensors_index_files(path); });
   };
   const std::string tail =
       "; it should map each tensor's name to the file beside it that holds it, as transformers' save_pretrained "
