@@ -18,7 +18,7 @@ set(tokenizer_suites Tokenizer Corpus TokenDataset Trainer Resume AttentionChoic
 set(slow_tests
     "(Trainer|Resume|PipelineStep|AttentionChoiceRun|BenchAuto)\\..*"
     "Comm\\.(ARankStillWaitingForOneThatFinished|RankZerosFailureInWork).*"
-    "Corpus\\.KingJamesBible"
+    "Corpus\\.(KingJamesBible|TokenFilesArePreparedAndReadInBoundedMemory)"
     "CostModel\\.(OffloadPlansPeak|PeakOfAMicrobatch|PlansOffloadingUnderAHostBudget|RandomKeepSets|TensorParallelRanks).*"
     "CudaBudget\\.EveryStagesReservedPeak.*"
     "DataParallel\\.TwoRanksSumOneProcesssParts.*"

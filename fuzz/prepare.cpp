@@ -1,11 +1,13 @@
 // Feeds `remat prepare`'s inputs up to the tokenizer: read_utf8_file (the checks on a
 // --text file: NUL bytes, whitespace only, line length, UTF-8), util::find_invalid_utf8, and
-// the same bytes as a JSONL file (read_documents) and as a token shard (read_token_files). The
-// SentencePiece steps after it are the tokenizer harness's (fuzz/tokenizer.cpp): the shim is
-// dlopen'ed with RTLD_DEEPBIND, which AddressSanitizer's runtime refuses.
+// the same bytes as a JSONL file (read_documents, and for_each_document_batch in batches) and
+// as a token shard (read_token_files). The SentencePiece steps after it are the tokenizer
+// harness's (fuzz/tokenizer.cpp): the shim is dlopen'ed with RTLD_DEEPBIND, which
+// AddressSanitizer's runtime refuses.
 // A finding: anything but a std::runtime_error sentence out of the readers (a crash, a
 // sanitizer report, a hang), a text it accepts that is not the file's bytes, a document
-// empty or not UTF-8, an id outside the vocabulary, or
+// empty or not UTF-8, documents read in batches that differ from those read at once, an id
+// outside the vocabulary or a count other than the ids passed on, or
 // find_invalid_utf8 disagreeing with the decoder below, written the other way round: it
 // decodes a code point first, then refuses overlong forms, surrogates and values above U+10FFFF.
 #include <cstdint>
@@ -63,14 +65,29 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         remat::fuzz::finding("read_documents accepted an empty or invalid document");
       }
     }
+    // Read in batches of a few bytes, they are the same documents with the same digest.
+    size_t passed = 0;
+    const auto read = remat::data::for_each_document_batch(
+        {file.path()}, remat::DataFormat::jsonl, "text", 16,
+        [&](const remat::data::Documents& batch) { passed += batch.spans.size(); });
+    if (read.sha256 != docs.sha256() || passed != docs.spans.size()) {
+      remat::fuzz::finding("for_each_document_batch read other documents than read_documents");
+    }
   } catch (const std::runtime_error&) {
   }
   try {
     constexpr int kVocab = 50257;
-    const auto tokens = remat::data::read_token_files({file.path()}, kVocab, kVocab - 1);
-    for (int32_t id : tokens.ids) {
-      if (id < 0 || id >= kVocab) remat::fuzz::finding("read_token_files accepted id " + std::to_string(id));
-    }
+    int64_t passed = 0;
+    const auto tokens =
+        remat::data::read_token_files({file.path()}, kVocab, kVocab - 1, [&](const int32_t* ids, size_t n) {
+          for (size_t i = 0; i < n; ++i) {
+            if (ids[i] < 0 || ids[i] >= kVocab) {
+              remat::fuzz::finding("read_token_files accepted id " + std::to_string(ids[i]));
+            }
+          }
+          passed += static_cast<int64_t>(n);
+        });
+    if (passed != tokens.count) remat::fuzz::finding("read_token_files counted other ids than it passed on");
   } catch (const std::runtime_error&) {
   }
   return 0;

@@ -40,7 +40,6 @@ struct StepShape {
   int64_t ce_chunk = 1024;
   at::ScalarType dtype = at::kFloat;  ///< activations (compute dtype)
   at::DeviceType device = at::kCPU;   ///< where the kernels run: the ops' events are theirs (graph::Events)
-  int64_t resident = 0;               ///< bytes the caller holds besides the model (StaticBytes::resident)
 };
 
 /// The block of `cfg` as a rank of `layout` runs it at `shape` (graph::block_graph at its
@@ -63,12 +62,11 @@ struct StaticBytes {
   int64_t optimizer = 0;       ///< AdamW's two moments (the busiest rank's share under ZeRO-1)
   int64_t compute_copies = 0;  ///< parameters cast to the compute dtype (bfloat16 runs)
   int64_t batch = 0;           ///< token ids (embedding) and targets (head) of the microbatches in flight
-  int64_t resident = 0;        ///< held by the caller throughout (a trainer's token corpus)
   /// Scalars and small reductions (losses, counts, min/max checks) the simulation does not
   /// list one by one: none were live at the measured peaks (one process, data, tensor and
   /// pipeline parallel); this bound keeps a budget plan under its budget if some are.
   int64_t small = 4 * 1024;
-  int64_t total() const { return params + grads + optimizer + compute_copies + batch + resident + small; }
+  int64_t total() const { return params + grads + optimizer + compute_copies + batch + small; }
 };
 
 /// The parts of a step outside the blocks.
@@ -247,7 +245,7 @@ StepConstants step_constants(const ModelConfig& cfg, const StepShape& shape, con
 // - the allocator ledger (step_allocations) lists every allocation and free, each
 //   declared event replayed, for the model of the caching allocator.
 // Both see the same bytes: the allocator ledger's live bytes peak at the peak ledger's
-// less what it counts outside the device's requests (StaticBytes::resident and ::small),
+// less what it counts outside the device's requests (StaticBytes::small),
 // plus the BLAS workspace.
 
 /// The peak ledger of a step under `plan` (one LayerPlan per layer of the model; a

@@ -25,8 +25,10 @@
 
 #include <ATen/ATen.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <random>
 #include <string>
@@ -64,6 +66,10 @@ struct PrepareOptions {
   uint32_t seed = 0;
   /// Rebuild even when the directory already holds a matching corpus.
   bool force = false;
+  /// With a tokenizer given, documents are encoded a batch of at least this many bytes at a
+  /// time (whole documents), their ids kept in a scratch file in out_dir until they are
+  /// split: memory holds a batch, its ids and each document's start, not them all.
+  size_t batch_bytes = size_t{32} << 20;
 };
 
 /// What meta.json records, plus where the files are.
@@ -131,26 +137,24 @@ struct Batch {
   at::Tensor targets;  // [B, T] int64, targets[b][t] == the token after tokens[b][t]
 };
 
-/// The token stream of one split, held in memory as int32 ([N] tensor).
+/// The token stream of one split: a prepared corpus's token file mapped into memory, read
+/// a window at a time as batches are drawn, so that a run holds none of it (its pages are
+/// the kernel's file cache), or ids given in memory. Copies share the ids.
 class TokenDataset {
  public:
-  /// Loads train.bin or val.bin of a prepared corpus, checking its size against
-  /// meta.json and every id against the vocabulary.
+  /// Maps train.bin or val.bin of a prepared corpus, checking its size against meta.json.
+  /// Ids are checked against the vocabulary as they are read: a damaged file is refused
+  /// by the first batch that meets its bad id, naming the id and its position.
   static TokenDataset open(const CorpusInfo& info, Split split);
   static TokenDataset open(const std::string& dir, Split split);
-  /// Wraps ids already in memory (a 1-D integer tensor); `name` appears in errors.
+  /// Wraps ids already in memory (a 1-D integer tensor, copied as int32); `name` appears
+  /// in errors.
   explicit TokenDataset(const at::Tensor& tokens, std::string name = "the token stream");
 
-  /// Bytes a token takes in memory once opened (int32), whatever the file's width.
-  static constexpr int64_t kBytesPerToken = sizeof(int32_t);
-  /// Bytes both splits of `info` take in memory once opened: what a run holds through
-  /// every step (the planner counts it as resident).
-  static int64_t held_bytes(const CorpusInfo& info) { return (info.train_tokens + info.val_tokens) * kBytesPerToken; }
-
   /// Number of tokens.
-  int64_t size() const { return tokens_.numel(); }
-  /// The ids, [N] int32.
-  const at::Tensor& tokens() const { return tokens_; }
+  int64_t size() const { return size_; }
+  /// The `count` ids from position `begin` (within [0, size()]), checked as a batch's are.
+  std::vector<int32_t> ids(int64_t begin, int64_t count) const;
 
   /// `batch` windows of `seq` + 1 tokens at independent uniform offsets drawn from `rng`.
   /// The same rng state gives the same batch on every platform (no std distributions).
@@ -165,9 +169,20 @@ class TokenDataset {
   Batch sequential(int64_t index, int64_t batch, int64_t seq) const;
 
  private:
+  TokenDataset() = default;
   void check_shape(int64_t batch, int64_t seq) const;
-  at::Tensor tokens_;  // [N] int32
-  std::string name_;
+  // The id at `i`, refused with a sentence when it is not below vocab_.
+  int64_t id_at(int64_t i) const;
+  // Inputs and targets of the windows of seq + 1 ids starting at `starts`.
+  Batch windows(const std::vector<int64_t>& starts, int64_t seq) const;
+
+  std::shared_ptr<const void> owner_;  // what keeps data_ valid: a mapping, or a tensor
+  const uint8_t* data_ = nullptr;
+  int width_ = 4;  // bytes an id takes: 2 (uint16) or 4 (uint32, or int32 in memory)
+  int64_t size_ = 0;
+  uint32_t vocab_ = 0;  // ids must be below it; 0: not checked (ids given in memory)
+  std::string path_;    // the token file, if any
+  std::string name_;    // the split, for errors
 };
 
 }  // namespace remat::data

@@ -114,46 +114,120 @@ int64_t snap_to_line(int64_t x, int64_t tolerance, const std::vector<int64_t>& l
   return best;
 }
 
-// See the split rule in remat/data.h.
-void split_tokens(const std::vector<int32_t>& ids, const std::vector<int64_t>& line_starts, double val_fraction,
-                  int val_blocks, std::vector<int32_t>& train, std::vector<int32_t>& val) {
-  const auto n = static_cast<int64_t>(ids.size());
-  train.clear();
-  val.clear();
-  if (val_fraction <= 0) {
-    train = ids;
-    return;
-  }
+// One block of the validation split: train takes [begin, val_begin), val [val_begin, end).
+struct Cut {
+  int64_t begin = 0, val_begin = 0, end = 0;
+};
+
+// The blocks of `n` ids, as the split rule in remat/data.h cuts them.
+std::vector<Cut> split_cuts(int64_t n, const std::vector<int64_t>& line_starts, double val_fraction, int val_blocks) {
+  if (val_fraction <= 0) return {{0, n, n}};
   const int64_t stretch = std::llround(val_fraction * static_cast<double>(n) / val_blocks);
   const int64_t tolerance = stretch / 2;
   auto block_end = [&](int b) {
     if (b == val_blocks) return n;
     return snap_to_line(n * b / val_blocks, tolerance, line_starts);
   };
+  std::vector<Cut> cuts;
   int64_t begin = 0;
   for (int b = 1; b <= val_blocks; ++b) {
     const int64_t end = std::max(begin, block_end(b));
-    const int64_t length = end - begin;
-    const int64_t val_length = std::llround(val_fraction * static_cast<double>(length));
-    int64_t val_begin = snap_to_line(end - val_length, tolerance, line_starts);
-    val_begin = std::clamp(val_begin, begin, end);
-    train.insert(train.end(), ids.begin() + begin, ids.begin() + val_begin);
-    val.insert(val.end(), ids.begin() + val_begin, ids.begin() + end);
+    const int64_t val_length = std::llround(val_fraction * static_cast<double>(end - begin));
+    const int64_t val_begin = std::clamp(snap_to_line(end - val_length, tolerance, line_starts), begin, end);
+    cuts.push_back({begin, val_begin, end});
     begin = end;
   }
+  return cuts;
 }
 
-// Token ids as little-endian uint16 or uint32 bytes.
-std::string pack_tokens(const std::vector<int32_t>& ids, int token_bytes) {
-  std::string bytes(ids.size() * static_cast<size_t>(token_bytes), '\0');
-  if (token_bytes == 2) {
-    auto* out = reinterpret_cast<uint16_t*>(bytes.data());
-    for (size_t i = 0; i < ids.size(); ++i) out[i] = static_cast<uint16_t>(ids[i]);
-  } else if (!ids.empty()) {  // memcpy from an empty vector's null data() is undefined
-    std::memcpy(bytes.data(), ids.data(), bytes.size());
+// The entropy, in nats, of the distribution `counts` (of each id) give.
+double entropy_of(const std::vector<int64_t>& counts) {
+  int64_t n = 0;
+  for (int64_t c : counts) n += c;
+  double h = 0;
+  for (int64_t c : counts) {
+    if (c == 0) continue;
+    const double p = static_cast<double>(c) / static_cast<double>(n);
+    h -= p * std::log(p);
   }
-  return bytes;
+  return h;
 }
+
+// train.bin and val.bin, written as the ids arrive in order, each id to the split its cut
+// gives it, counted and hashed on the way; nothing lands under the final names before
+// commit().
+class SplitWriter {
+ public:
+  SplitWriter(const CorpusInfo& info, std::vector<Cut> cuts)
+      : token_bytes_(info.token_bytes),
+        cuts_(std::move(cuts)),
+        train_(info.train_path()),
+        val_(info.val_path()),
+        counts_(static_cast<size_t>(info.vocab_size), 0) {}
+
+  void add(const int32_t* ids, size_t n) {
+    while (n > 0) {
+      while (cut_ < cuts_.size() && cuts_[cut_].end == position_) ++cut_;
+      if (cut_ == cuts_.size()) {
+        throw std::runtime_error("The input changed while remat read it: it holds more than the " +
+                                 std::to_string(position_) + " ids first counted; prepare again once it is written.");
+      }
+      const Cut& c = cuts_[cut_];
+      const bool val = position_ >= c.val_begin;
+      const auto take =
+          static_cast<size_t>(std::min<int64_t>(static_cast<int64_t>(n), (val ? c.end : c.val_begin) - position_));
+      if (!val) {
+        for (size_t i = 0; i < take; ++i) ++counts_.at(static_cast<size_t>(ids[i]));
+      }
+      write(val ? val_ : train_, ids, take);
+      ids += take;
+      n -= take;
+      position_ += static_cast<int64_t>(take);
+    }
+  }
+
+  // The counts, checksums and entropy into `info`, once every id is added.
+  void finish(CorpusInfo& info) {
+    info.train_tokens = train_.count;
+    info.val_tokens = val_.count;
+    info.train_sha256 = train_.hash.hex_digest();
+    info.val_sha256 = val_.hash.hex_digest();
+    info.train_unigram_entropy = entropy_of(counts_);
+  }
+  void commit() {
+    train_.file.commit();
+    val_.file.commit();
+  }
+
+ private:
+  struct Side {
+    explicit Side(const std::string& path) : file(path) {}
+    util::AtomicFile file;
+    util::Sha256 hash;
+    int64_t count = 0;
+  };
+  // Ids as little-endian uint16 or uint32 bytes.
+  void write(Side& side, const int32_t* ids, size_t n) {
+    bytes_.resize(n * static_cast<size_t>(token_bytes_));
+    if (token_bytes_ == 2) {
+      auto* out = reinterpret_cast<uint16_t*>(bytes_.data());
+      for (size_t i = 0; i < n; ++i) out[i] = static_cast<uint16_t>(ids[i]);
+    } else if (n > 0) {  // memcpy from an empty range's null pointer is undefined
+      std::memcpy(bytes_.data(), ids, bytes_.size());
+    }
+    side.file.write(bytes_.data(), bytes_.size());
+    side.hash.update(bytes_.data(), bytes_.size());
+    side.count += static_cast<int64_t>(n);
+  }
+
+  int token_bytes_;
+  std::vector<Cut> cuts_;
+  size_t cut_ = 0;
+  int64_t position_ = 0;
+  Side train_, val_;
+  std::vector<int64_t> counts_;
+  std::vector<char> bytes_;
+};
 
 const char* dtype_name(int token_bytes) { return token_bytes == 2 ? "uint16" : "uint32"; }
 
@@ -366,17 +440,9 @@ std::string read_kjv_text() {
 }
 
 double unigram_entropy(const std::vector<int32_t>& ids, int vocab_size) {
-  if (ids.empty()) return 0.0;
   std::vector<int64_t> counts(static_cast<size_t>(vocab_size), 0);
   for (int32_t id : ids) ++counts.at(static_cast<size_t>(id));
-  const auto total = static_cast<double>(ids.size());
-  double h = 0;
-  for (int64_t c : counts) {
-    if (c == 0) continue;
-    const double p = static_cast<double>(c) / total;
-    h -= p * std::log(p);
-  }
-  return h;
+  return entropy_of(counts);
 }
 
 CorpusInfo load_corpus_info(const std::string& dir) {
@@ -417,27 +483,31 @@ Tokenizer train_tokenizer(const PrepareOptions& options, std::string_view text, 
   return tok;
 }
 
-// Writes the corpus files, meta.json last, into `info.dir`.
-void write_corpus(CorpusInfo& info, const Tokenizer& tok, const std::string& train_bytes, const std::string& val_bytes,
-                  std::chrono::steady_clock::time_point start) {
-  const std::string& dir = info.dir;
-  // The directory is touched only now, so a failure before leaves an existing corpus intact.
+// The corpus directory, made ready for new files: created if missing, and cleared of what
+// a killed prepare was writing (a signal removes its own on the way out). An existing
+// corpus there stays intact until write_corpus.
+void open_corpus_dir(const CorpusInfo& info) {
   std::error_code ec;
-  fs::create_directories(dir, ec);
-  if (!fs::is_directory(dir)) {
-    throw std::runtime_error("Cannot create the corpus directory " + dir + ": " + ec.message() + ".");
+  fs::create_directories(info.dir, ec);
+  if (!fs::is_directory(info.dir)) {
+    throw std::runtime_error("Cannot create the corpus directory " + info.dir + ": " + ec.message() + ".");
   }
-  // Until the new meta.json lands, the directory must not look complete.
-  fs::remove(dir + "/meta.json", ec);
   std::vector<std::string> names;
   for (const std::string& path : {info.tokenizer_path(), info.train_path(), info.val_path(), info.meta_path()}) {
     names.push_back(fs::path(path).filename().string());
   }
-  // What a killed prepare was writing (a signal removes its own on the way out).
-  util::remove_stale_temp_files(dir, names);
+  names.push_back("ids");  // encode_batches' scratch file
+  util::remove_stale_temp_files(info.dir, names);
+}
+
+// Puts the new corpus in place, meta.json last: until the new one lands, the directory does
+// not look complete.
+void write_corpus(CorpusInfo& info, const Tokenizer& tok, SplitWriter& splits,
+                  std::chrono::steady_clock::time_point start) {
+  std::error_code ec;
+  fs::remove(info.meta_path(), ec);
   tok.save(info.tokenizer_path());
-  util::write_file_atomically(info.train_path(), train_bytes);
-  util::write_file_atomically(info.val_path(), val_bytes);
+  splits.commit();
   info.prepare_seconds = seconds_since(start);
   util::write_file_atomically(info.meta_path(), to_json(info).dump(2) + "\n");
 }
@@ -474,7 +544,9 @@ struct Input {
   int64_t text_bytes = 0;
   std::string text;
   std::optional<Documents> documents;
-  std::optional<TokenStream> tokens;
+  bool streamed = false;              // documents hashed, to be encoded a batch at a time
+  std::optional<TokenStream> tokens;  // counted and hashed, their ids read again to write
+  std::vector<std::string> files;     // the documents' or token ids' files
   std::string_view training_text() const { return documents ? std::string_view(documents->text) : text; }
 };
 
@@ -500,21 +572,32 @@ Input read_input(const PrepareOptions& options, const std::optional<Tokenizer>& 
     say(log, "reading " + named);
     if (options.format == DataFormat::tokens) {
       in.tokens = read_token_files(files, given->vocab_size(), given->eos_id());
-      in.sha256 = in.tokens->sha256();
+      in.files = files;
+      in.sha256 = in.tokens->sha256;
       in.source = "the ids of " + named;
-      say(log, fmt::format("read {} tokens", with_commas(static_cast<int64_t>(in.tokens->ids.size()))));
+      say(log, fmt::format("read {} tokens", with_commas(in.tokens->count)));
       return in;
     }
-    in.documents = read_documents(files, options.format, options.field);
-    in.sha256 = in.documents->sha256();
-    in.text_bytes = in.documents->bytes();
+    in.files = files;
     in.source =
         options.format == DataFormat::jsonl ? fmt::format("the field \"{}\" of {}", options.field, named) : named;
-    say(log, fmt::format("read {} documents, {} bytes{}", with_commas(static_cast<int64_t>(in.documents->spans.size())),
-                         with_commas(in.text_bytes),
-                         in.documents->empty_records == 0
+    DocumentsRead read;
+    if (given) {
+      // A given tokenizer encodes them a batch at a time: this reading only hashes them.
+      read =
+          for_each_document_batch(files, options.format, options.field, options.batch_bytes, [](const Documents&) {});
+      in.streamed = true;
+    } else {
+      in.documents = read_documents(files, options.format, options.field);
+      read = {in.documents->sha256(), static_cast<int64_t>(in.documents->spans.size()), in.documents->bytes(),
+              in.documents->empty_records};
+    }
+    in.sha256 = read.sha256;
+    in.text_bytes = read.bytes;
+    say(log, fmt::format("read {} documents, {} bytes{}", with_commas(read.documents), with_commas(read.bytes),
+                         read.empty_records == 0
                              ? ""
-                             : fmt::format(" ({} records with an empty field left out)", in.documents->empty_records)));
+                             : fmt::format(" ({} records with an empty field left out)", read.empty_records)));
     return in;
   }
   in.sha256 = util::sha256_hex(in.text);
@@ -574,19 +657,94 @@ std::vector<int32_t> encode_documents(const Documents& docs, const Tokenizer& to
   return all;
 }
 
-// The ids to split, and where the split may cut them (lines, documents).
-std::vector<int32_t> input_ids(Input& in, const Tokenizer& tok, std::vector<int64_t>& starts, const Log& log) {
-  if (in.tokens) {
-    starts = std::move(in.tokens->starts);
-    return std::move(in.tokens->ids);
-  }
-  const auto t = std::chrono::steady_clock::now();
-  std::vector<int32_t> ids = in.documents ? encode_documents(*in.documents, tok, kEncodeThreads, starts)
-                                          : tok.encode_text(in.text, starts, kEncodeThreads);
+// The input's ids, counted, with where the split may cut them (lines, documents).
+struct Ids {
+  int64_t count = 0;
+  std::vector<int64_t> starts;
+  std::vector<int32_t> held;                  // a text's, or documents' read whole
+  std::unique_ptr<util::AtomicFile> scratch;  // documents' encoded a batch at a time (int32), never committed
+};
+
+void say_encoded(const Log& log, int64_t tokens, int64_t bytes, std::chrono::steady_clock::time_point t,
+                 const std::string& of = "") {
   say(log,
-      fmt::format("encoded {} tokens in {:.2f} s ({:.2f} bytes/token)", with_commas(static_cast<int64_t>(ids.size())),
-                  seconds_since(t), static_cast<double>(in.text_bytes) / static_cast<double>(ids.size())));
+      fmt::format("encoded {} tokens{} in {:.2f} s ({:.2f} bytes/token)", with_commas(tokens), of, seconds_since(t),
+                  static_cast<double>(bytes) / static_cast<double>(std::max<int64_t>(tokens, 1))));
+}
+
+// Documents encoded a batch at a time into a scratch file in the corpus directory, the
+// batches joined by the end of text as encode_documents joins documents; the reading held
+// to the first one's digest.
+void encode_batches(const Input& in, const PrepareOptions& options, const Tokenizer& tok, const CorpusInfo& info,
+                    Ids& ids, const Log& log) {
+  const auto t = std::chrono::steady_clock::now();
+  ids.scratch = std::make_unique<util::AtomicFile>(info.dir + "/ids");
+  int64_t bytes = 0;
+  const int32_t eos = tok.eos_id();
+  const DocumentsRead again =
+      for_each_document_batch(in.files, options.format, options.field, options.batch_bytes, [&](const Documents& docs) {
+        std::vector<int64_t> starts;
+        const std::vector<int32_t> batch = encode_documents(docs, tok, kEncodeThreads, starts);
+        if (bytes > 0) {
+          ids.scratch->write(&eos, sizeof(eos));
+          ++ids.count;
+        }
+        for (int64_t s : starts) ids.starts.push_back(ids.count + s);
+        ids.scratch->write(batch.data(), batch.size() * sizeof(int32_t));
+        ids.count += static_cast<int64_t>(batch.size());
+        bytes += docs.bytes();
+        say_encoded(log, ids.count, bytes, t,
+                    fmt::format(" from {} of {} bytes", with_commas(bytes), with_commas(in.text_bytes)));
+      });
+  if (again.sha256 != in.sha256) {
+    throw std::runtime_error("The documents (" + util::printable(in.source) +
+                             ") changed while remat read them; prepare again once they are written.");
+  }
+}
+
+Ids gather_ids(Input& in, const PrepareOptions& options, const Tokenizer& tok, const CorpusInfo& info, const Log& log) {
+  Ids ids;
+  if (in.tokens) {
+    ids.count = in.tokens->count;
+    ids.starts = std::move(in.tokens->starts);
+  } else if (in.streamed) {
+    encode_batches(in, options, tok, info, ids, log);
+  } else {
+    const auto t = std::chrono::steady_clock::now();
+    ids.held = in.documents ? encode_documents(*in.documents, tok, kEncodeThreads, ids.starts)
+                            : tok.encode_text(in.text, ids.starts, kEncodeThreads);
+    ids.count = static_cast<int64_t>(ids.held.size());
+    say_encoded(log, ids.count, in.text_bytes, t);
+  }
   return ids;
+}
+
+// Passes the input's ids to `splits`: those held, those in the scratch file a chunk at a
+// time, or the token files read a second time, a chunk at a time, held to the first
+// reading's digest so that files written in between are refused rather than split by a
+// count they no longer have.
+void feed_splits(const Input& in, const Tokenizer& tok, const Ids& ids, SplitWriter& splits, const Log& log) {
+  if (ids.scratch) {
+    std::vector<int32_t> chunk(size_t{1} << 18);
+    for (int64_t done = 0; done < ids.count;) {
+      const auto n = static_cast<size_t>(std::min<int64_t>(static_cast<int64_t>(chunk.size()), ids.count - done));
+      ids.scratch->read_back(done * static_cast<int64_t>(sizeof(int32_t)), chunk.data(), n * sizeof(int32_t));
+      splits.add(chunk.data(), n);
+      done += static_cast<int64_t>(n);
+    }
+    return;
+  }
+  if (!in.tokens) {
+    splits.add(ids.held.data(), ids.held.size());
+    return;
+  }
+  say(log, "splitting them into train.bin and val.bin");
+  const TokenStream again = read_token_files(in.files, tok.vocab_size(), tok.eos_id(),
+                                             [&](const int32_t* chunk, size_t n) { splits.add(chunk, n); });
+  if (again.sha256 != in.tokens->sha256) {
+    throw std::runtime_error("The token files (" + util::printable(in.source) +
+                             ") changed while remat read them; prepare again once they are written.");
+  }
 }
 
 }  // namespace
@@ -617,28 +775,25 @@ CorpusInfo prepare_corpus(const PrepareOptions& options, const Log& log) {
   info.token_bytes = info.vocab_size <= 65536 ? 2 : 4;
   info.tokenizer_source = given ? fs::absolute(*options.tokenizer).lexically_normal().string() : kTrained;
 
-  std::vector<int64_t> line_starts;
-  const std::vector<int32_t> ids = input_ids(in, tok, line_starts, log);
-
-  std::vector<int32_t> train, val;
-  split_tokens(ids, line_starts, options.val_fraction, options.val_blocks, train, val);
+  // Streamed documents' scratch file is written into the directory.
+  if (in.streamed) open_corpus_dir(info);
+  const Ids ids = gather_ids(in, options, tok, info, log);
+  const std::vector<Cut> cuts = split_cuts(ids.count, ids.starts, options.val_fraction, options.val_blocks);
+  int64_t val_tokens = 0;
+  for (const Cut& c : cuts) val_tokens += c.end - c.val_begin;
   // An empty split would be found only by a run's first validation, after the corpus is written.
-  if (options.val_fraction > 0 && val.empty()) {
+  if (options.val_fraction > 0 && val_tokens == 0) {
     throw std::runtime_error(fmt::format(
         "The text {} encodes to {} tokens, too few for a validation split of data.val_fraction = {}: it would be "
         "empty; train on a longer text, or raise data.val_fraction.",
-        util::printable(in.source), ids.size(), options.val_fraction));
+        util::printable(in.source), ids.count, options.val_fraction));
   }
-  info.train_tokens = static_cast<int64_t>(train.size());
-  info.val_tokens = static_cast<int64_t>(val.size());
-  info.train_unigram_entropy = unigram_entropy(train, info.vocab_size);
-
-  const std::string train_bytes = pack_tokens(train, info.token_bytes);
-  const std::string val_bytes = pack_tokens(val, info.token_bytes);
+  if (!in.streamed) open_corpus_dir(info);
+  SplitWriter splits(info, cuts);
+  feed_splits(in, tok, ids, splits, log);
+  splits.finish(info);
   info.tokenizer_sha256 = util::sha256_hex(tok.serialized());
-  info.train_sha256 = util::sha256_hex(train_bytes);
-  info.val_sha256 = util::sha256_hex(val_bytes);
-  write_corpus(info, tok, train_bytes, val_bytes, start);
+  write_corpus(info, tok, splits, start);
 
   say(log, fmt::format("wrote {}: {} train + {} val tokens ({}), unigram entropy {:.3f} "
                        "nats/token, in {:.2f} s",

@@ -22,20 +22,16 @@ uint64_t uniform_below(std::mt19937_64& rng, uint64_t n) {
   return x % n;
 }
 
-// Rows of seq + 1 consecutive tokens starting at `starts` ([B] int64) -> inputs and targets.
-Batch gather_windows(const at::Tensor& tokens, const at::Tensor& starts, int64_t seq) {
-  const at::Tensor index = starts.unsqueeze(1) + at::arange(seq + 1, at::kLong).unsqueeze(0);
-  const at::Tensor windows = tokens.take(index).to(at::kLong);  // [B, seq + 1]
-  return {windows.narrow(1, 0, seq).contiguous(), windows.narrow(1, 1, seq).contiguous()};
-}
-
 }  // namespace
 
 TokenDataset::TokenDataset(const at::Tensor& tokens, std::string name) : name_(std::move(name)) {
   TORCH_CHECK(tokens.dim() == 1 && !at::isFloatingType(tokens.scalar_type()) && tokens.scalar_type() != at::kBool,
               "[TokenDataset] needs a 1-D integer tensor of token ids, got ", tokens.scalar_type(), " ",
               tokens.sizes());
-  tokens_ = tokens.to(at::kCPU, at::kInt).contiguous();
+  auto held = std::make_shared<const at::Tensor>(tokens.to(at::kCPU, at::kInt).contiguous());
+  data_ = reinterpret_cast<const uint8_t*>(held->data_ptr<int32_t>());
+  size_ = held->numel();
+  owner_ = std::move(held);
 }
 
 TokenDataset TokenDataset::open(const std::string& dir, Split split) { return open(load_corpus_info(dir), split); }
@@ -44,26 +40,59 @@ TokenDataset TokenDataset::open(const CorpusInfo& info, Split split) {
   const bool train = split == Split::train;
   const std::string path = train ? info.train_path() : info.val_path();
   const int64_t count = train ? info.train_tokens : info.val_tokens;
-  const std::string bytes = util::read_file(path, "the token file");
-  if (static_cast<int64_t>(bytes.size()) != count * info.token_bytes) {
-    throw std::runtime_error("The token file " + path + " has " + std::to_string(bytes.size()) +
+  auto file = std::make_shared<const util::MappedFile>(path, "the token file");
+  if (file->size() != count * info.token_bytes) {
+    throw std::runtime_error("The token file " + path + " has " + std::to_string(file->size()) +
                              " bytes but meta.json records " + std::to_string(count) + " tokens of " +
                              std::to_string(info.token_bytes) + " bytes; run `remat prepare` to rebuild the corpus.");
   }
-  at::Tensor tokens = at::empty({count}, at::kInt);
-  int32_t* out = tokens.data_ptr<int32_t>();
+  TokenDataset d;
+  d.data_ = file->data();
+  d.owner_ = std::move(file);
+  d.width_ = info.token_bytes;
+  d.size_ = count;
+  d.vocab_ = static_cast<uint32_t>(info.vocab_size);
+  d.path_ = path;
+  d.name_ = (train ? "the train split of " : "the val split of ") + info.dir;
+  return d;
+}
+
+int64_t TokenDataset::id_at(int64_t i) const {
   // The files are little-endian, as is every host remat builds for (see corpus.cpp).
-  for (int64_t i = 0; i < count; ++i) {
-    uint32_t id = 0;
-    std::memcpy(&id, bytes.data() + i * info.token_bytes, static_cast<size_t>(info.token_bytes));
-    if (id >= static_cast<uint32_t>(info.vocab_size)) {
-      throw std::runtime_error("The token file " + path + " holds id " + std::to_string(id) + " at position " +
-                               std::to_string(i) + ", outside the " + std::to_string(info.vocab_size) +
-                               "-piece vocabulary; run `remat prepare` to rebuild the corpus.");
-    }
-    out[i] = static_cast<int32_t>(id);
+  uint32_t id = 0;
+  std::memcpy(&id, data_ + i * width_, static_cast<size_t>(width_));
+  if (vocab_ == 0) return static_cast<int32_t>(id);  // int32 in memory, as given
+  if (id >= vocab_) {
+    throw std::runtime_error("The token file " + path_ + " holds id " + std::to_string(id) + " at position " +
+                             std::to_string(i) + ", outside the " + std::to_string(vocab_) +
+                             "-piece vocabulary; run `remat prepare` to rebuild the corpus.");
   }
-  return TokenDataset(tokens, (train ? "the train split of " : "the val split of ") + info.dir);
+  return id;
+}
+
+std::vector<int32_t> TokenDataset::ids(int64_t begin, int64_t count) const {
+  TORCH_CHECK(begin >= 0 && count >= 0 && begin + count <= size_, "[TokenDataset] ids ", begin, " + ", count,
+              " outside ", size_);
+  std::vector<int32_t> out(static_cast<size_t>(count));
+  for (int64_t i = 0; i < count; ++i) out[static_cast<size_t>(i)] = static_cast<int32_t>(id_at(begin + i));
+  return out;
+}
+
+Batch TokenDataset::windows(const std::vector<int64_t>& starts, int64_t seq) const {
+  const auto rows = static_cast<int64_t>(starts.size());
+  at::Tensor inputs = at::empty({rows, seq}, at::kLong), targets = at::empty({rows, seq}, at::kLong);
+  int64_t* in = inputs.data_ptr<int64_t>();
+  int64_t* out = targets.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    int64_t previous = id_at(starts[static_cast<size_t>(r)]);
+    for (int64_t t = 0; t < seq; ++t) {
+      const int64_t next = id_at(starts[static_cast<size_t>(r)] + t + 1);
+      in[r * seq + t] = previous;
+      out[r * seq + t] = next;
+      previous = next;
+    }
+  }
+  return {inputs, targets};
 }
 
 void TokenDataset::check_shape(int64_t batch, int64_t seq) const {
@@ -80,17 +109,16 @@ void TokenDataset::check_shape(int64_t batch, int64_t seq) const {
 
 Batch TokenDataset::sample(int64_t batch, int64_t seq, std::mt19937_64& rng) const {
   check_shape(batch, seq);
-  at::Tensor starts = at::empty({batch}, at::kLong);
-  int64_t* s = starts.data_ptr<int64_t>();
+  std::vector<int64_t> starts(static_cast<size_t>(batch));
   const auto positions = static_cast<uint64_t>(size() - seq);  // valid starts: [0, N - seq - 1]
-  for (int64_t b = 0; b < batch; ++b) s[b] = static_cast<int64_t>(uniform_below(rng, positions));
-  return gather_windows(tokens_, starts, seq);
+  for (int64_t& s : starts) s = static_cast<int64_t>(uniform_below(rng, positions));
+  return windows(starts, seq);
 }
 
 int64_t TokenDataset::num_sequential_batches(int64_t batch, int64_t seq) const {
   check_shape(batch, seq);
-  const int64_t windows = (size() - 1) / seq;
-  return (windows + batch - 1) / batch;
+  const int64_t count = (size() - 1) / seq;
+  return (count + batch - 1) / batch;
 }
 
 Batch TokenDataset::sequential(int64_t index, int64_t batch, int64_t seq) const {
@@ -100,10 +128,10 @@ Batch TokenDataset::sequential(int64_t index, int64_t batch, int64_t seq) const 
                              std::to_string(count) + " batches of " + std::to_string(batch) + " x " +
                              std::to_string(seq) + " tokens.");
   }
-  const int64_t windows = (size() - 1) / seq;
-  const int64_t rows = std::min(batch, windows - index * batch);
-  const at::Tensor starts = (at::arange(rows, at::kLong) + index * batch) * seq;
-  return gather_windows(tokens_, starts, seq);
+  const int64_t rows = std::min(batch, (size() - 1) / seq - index * batch);
+  std::vector<int64_t> starts(static_cast<size_t>(rows));
+  for (int64_t r = 0; r < rows; ++r) starts[static_cast<size_t>(r)] = (index * batch + r) * seq;
+  return windows(starts, seq);
 }
 
 }  // namespace remat::data

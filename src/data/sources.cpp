@@ -30,8 +30,6 @@ namespace {
 // far sooner.
 constexpr size_t kMaxTextBytes = size_t{1} << 30;
 constexpr size_t kMaxLineBytes = size_t{1} << 20;
-// A corpus is held in memory as int32 ids while it trains: 1 GiB of them.
-constexpr size_t kMaxTokens = size_t{1} << 28;
 constexpr size_t kChunk = size_t{1} << 20;
 
 constexpr int32_t kLlmcMagic16 = 20240520, kLlmcMagic32 = 20240801;
@@ -157,6 +155,19 @@ void append_file(const InputFile& file, std::string& out) {
   if (out.size() == start) fail("The text file " + file.path() + " is empty.");
 }
 
+// Called with the documents read so far after each one is added.
+using DocumentHook = std::function<void(Documents&)>;
+
+// The documents read up to `where` pass what remat holds at once: only where it trains a
+// tokenizer on them, since with a given one they are encoded a batch at a time.
+[[noreturn]] void too_large(const std::string& where) {
+  fail(fmt::format(
+      "The documents read up to {} are larger than the {} GiB remat holds at once to train a tokenizer on them; give "
+      "data.tokenizer (with a tokenizer given, documents of any size are encoded a batch at a time), or a part of "
+      "them.",
+      where, kMaxTextBytes >> 30));
+}
+
 // Calls `record(line, number)` for each line of a JSONL file, read a chunk at a time; a
 // line longer than the text limit is refused before it is held whole.
 template <class F>
@@ -186,7 +197,7 @@ void for_each_line(const InputFile& file, F&& record) {
   if (!line.empty()) record(line, number);
 }
 
-void read_jsonl(const InputFile& file, const std::string& field, Documents& docs) {
+void read_jsonl(const InputFile& file, const std::string& field, Documents& docs, const DocumentHook& added) {
   using nlohmann::json;
   for_each_line(file, [&](const std::string& line, int64_t number) {
     if (line.find_first_not_of(" \t\r") == std::string::npos) return;
@@ -217,51 +228,57 @@ void read_jsonl(const InputFile& file, const std::string& field, Documents& docs
       return;
     }
     check_text(text, fmt::format("the field \"{}\" of {}", util::printable(field), where));
-    if (docs.text.size() + text.size() + 1 > kMaxTextBytes) {
-      fail(fmt::format("The documents read up to {} are larger than the {} GiB remat prepares; give a part of them.",
-                       where, kMaxTextBytes >> 30));
-    }
+    if (docs.text.size() + text.size() + 1 > kMaxTextBytes) too_large(where);
     docs.spans.push_back({docs.text.size(), text.size()});
     docs.text += text;
     docs.text += '\n';
+    if (added) added(docs);
   });
 }
 
-// Appends the ids of `count` tokens of `width` bytes at `offset` of `file` to `out`, each
-// checked against the vocabulary; `eos_id` marks document starts in `starts`.
-void append_tokens(const InputFile& file, int64_t offset, int64_t count, int width, int vocab_size, int eos_id,
-                   TokenStream& out) {
-  if (out.ids.size() + static_cast<size_t>(count) > kMaxTokens) {
-    fail(
-        fmt::format("The token files up to {} hold more than the {} tokens (2^28) remat holds in memory while it "
-                    "trains (4 bytes each); give fewer shards.",
-                    file.path(), kMaxTokens));
-  }
-  std::vector<char> chunk(chunk_for(count * width));
-  const int64_t per_chunk = static_cast<int64_t>(chunk.size()) / width;
-  for (int64_t done = 0; done < count;) {
-    const int64_t n = std::min(per_chunk, count - done);
-    const int64_t at = offset + done * width;
-    file.read_exactly(at, chunk.data(), static_cast<size_t>(n * width), "token ids");
-    for (int64_t i = 0; i < n; ++i) {
-      uint32_t id = 0;
-      std::memcpy(&id, chunk.data() + i * width, static_cast<size_t>(width));  // little-endian, as in corpus.cpp
-      if (id >= static_cast<uint32_t>(vocab_size)) {
-        fail(
-            fmt::format("The token file {} holds id {} at byte offset {}, outside the tokenizer's {}-piece "
-                        "vocabulary: it was written with another tokenizer, or is damaged; set data.tokenizer to "
-                        "the one that wrote it.",
-                        file.path(), id, at + i * width, vocab_size));
+// The token files' ids as they are read: counted, hashed and passed on a chunk at a time.
+struct TokenReader {
+  TokenReader(int vocab, const TokenSink& to) : vocab_size(vocab), sink(to) {}
+  int vocab_size;
+  const TokenSink& sink;
+  TokenStream out;
+  util::Sha256 hash;
+  std::vector<char> bytes;
+  std::vector<int32_t> ids;
+
+  // Reads the ids of `count` tokens of `width` bytes at `offset` of `file`, each checked
+  // against the vocabulary; `eos_id` marks document starts.
+  void read(const InputFile& file, int64_t offset, int64_t count, int width, int eos_id) {
+    bytes.resize(chunk_for(count * width));
+    const int64_t per_chunk = static_cast<int64_t>(bytes.size()) / width;
+    for (int64_t done = 0; done < count;) {
+      const int64_t n = std::min(per_chunk, count - done);
+      const int64_t at = offset + done * width;
+      file.read_exactly(at, bytes.data(), static_cast<size_t>(n * width), "token ids");
+      ids.resize(static_cast<size_t>(n));
+      for (int64_t i = 0; i < n; ++i) {
+        uint32_t id = 0;
+        std::memcpy(&id, bytes.data() + i * width, static_cast<size_t>(width));  // little-endian, as in corpus.cpp
+        if (id >= static_cast<uint32_t>(vocab_size)) {
+          fail(
+              fmt::format("The token file {} holds id {} at byte offset {}, outside the tokenizer's {}-piece "
+                          "vocabulary: it was written with another tokenizer, or is damaged; set data.tokenizer to "
+                          "the one that wrote it.",
+                          file.path(), id, at + i * width, vocab_size));
+        }
+        ids[static_cast<size_t>(i)] = static_cast<int32_t>(id);
+        if (static_cast<int>(id) == eos_id) out.starts.push_back(out.count + i + 1);
       }
-      out.ids.push_back(static_cast<int32_t>(id));
-      if (static_cast<int>(id) == eos_id) out.starts.push_back(static_cast<int64_t>(out.ids.size()));
+      hash.update(ids.data(), ids.size() * sizeof(int32_t));
+      if (sink) sink(ids.data(), ids.size());
+      out.count += n;
+      done += n;
     }
-    done += n;
   }
-}
+};
 
 // llm.c's shard: 256 int32 (magic, version, token count, zeros), then the ids.
-bool read_llmc(const InputFile& file, int vocab_size, int eos_id, TokenStream& out) {
+bool read_llmc(const InputFile& file, int eos_id, TokenReader& reader) {
   int32_t header[256] = {};
   if (file.size() < kLlmcHeaderBytes) return false;
   file.read_exactly(0, header, sizeof(header), "header");
@@ -281,13 +298,13 @@ bool read_llmc(const InputFile& file, int vocab_size, int eos_id, TokenStream& o
                     "follow the header: it is {}; write it again.",
                     file.path(), count, width, held, held < count * width ? "cut short" : "followed by other bytes"));
   }
-  append_tokens(file, kLlmcHeaderBytes, count, width, vocab_size, eos_id, out);
+  reader.read(file, kLlmcHeaderBytes, count, width, eos_id);
   return true;
 }
 
 // Megatron's indexed dataset: the .idx's header, sequence lengths (int32), sequence byte
 // offsets into the .bin (int64) and document boundaries (int64 sequence indices).
-void read_megatron(const std::string& prefix, int vocab_size, TokenStream& out) {
+void read_megatron(const std::string& prefix, TokenReader& reader) {
   const InputFile idx(prefix + ".idx", "index file");
   const InputFile bin(prefix + ".bin", "token file");
   char magic[9];
@@ -341,7 +358,7 @@ void read_megatron(const std::string& prefix, int vocab_size, TokenStream& out) 
   size_t next_doc = 0;
   for (size_t s = 0; s < sequences; ++s) {
     while (next_doc < documents && doc_index[next_doc] == int64_t(s)) {
-      out.starts.push_back(static_cast<int64_t>(out.ids.size()));
+      reader.out.starts.push_back(reader.out.count);
       ++next_doc;
     }
     const int64_t length = lengths[s], at = pointers[s];
@@ -353,7 +370,7 @@ void read_megatron(const std::string& prefix, int vocab_size, TokenStream& out) 
     }
     // Megatron's documents end with the end-of-text token where it was asked to append one;
     // remat takes the ids as written.
-    append_tokens(bin, at, length, width, vocab_size, -1, out);
+    reader.read(bin, at, length, width, -1);
   }
 }
 
@@ -391,20 +408,17 @@ int64_t Documents::bytes() const {
   return total;
 }
 
-std::string Documents::sha256() const {
-  util::Sha256 h;
+void Documents::hash_into(util::Sha256& h) const {
   for (size_t i = 0; i < spans.size(); ++i) {
     const uint64_t size = spans[i].size;
     h.update(&size, sizeof(size));
     h.update(document(i));
   }
-  return h.hex_digest();
 }
 
-std::string TokenStream::sha256() const {
+std::string Documents::sha256() const {
   util::Sha256 h;
-  h.update(ids.data(), ids.size() * sizeof(int32_t));
-  h.update(starts.data(), starts.size() * sizeof(int64_t));
+  hash_into(h);
   return h.hex_digest();
 }
 
@@ -419,31 +433,75 @@ std::string read_utf8_file(const std::string& path) {
   return text;
 }
 
-Documents read_documents(const std::vector<std::string>& files, DataFormat format, const std::string& field) {
-  Documents docs;
+namespace {
+
+// Reads the documents of `files` into `docs`, calling `added` (if any) after each one.
+void read_documents_into(const std::vector<std::string>& files, DataFormat format, const std::string& field,
+                         Documents& docs, const DocumentHook& added) {
   for (const std::string& path : files) {
     if (format == DataFormat::jsonl) {
-      read_jsonl(InputFile(path, "JSONL file"), field, docs);
+      read_jsonl(InputFile(path, "JSONL file"), field, docs, added);
       continue;
     }
+    const InputFile file(path, "text file");
+    if (static_cast<size_t>(file.size()) > kMaxTextBytes) {
+      fail(fmt::format("The text file {} is larger than the {} GiB a document may hold; give it in parts.", path,
+                       kMaxTextBytes >> 30));
+    }
+    if (docs.text.size() + static_cast<size_t>(file.size()) > kMaxTextBytes) too_large("the text file " + path);
     const size_t begin = docs.text.size();
-    append_file(InputFile(path, "text file"), docs.text);
+    append_file(file, docs.text);
     check_text(std::string_view(docs.text).substr(begin), "the text file " + path);
     docs.spans.push_back({begin, docs.text.size() - begin});
     docs.text += '\n';
+    if (added) added(docs);
   }
-  if (docs.spans.empty()) {
-    fail(
-        fmt::format("The JSONL {} {} no document: every line is blank or its field \"{}\" is empty; give records "
-                    "with text.",
-                    files.size() == 1 ? "file " + files[0] : "files data.text names",
-                    files.size() == 1 ? "holds" : "hold", util::printable(field)));
-  }
+}
+
+[[noreturn]] void no_documents(const std::vector<std::string>& files, const std::string& field) {
+  fail(
+      fmt::format("The JSONL {} {} no document: every line is blank or its field \"{}\" is empty; give records "
+                  "with text.",
+                  files.size() == 1 ? "file " + files[0] : "files data.text names",
+                  files.size() == 1 ? "holds" : "hold", util::printable(field)));
+}
+
+}  // namespace
+
+Documents read_documents(const std::vector<std::string>& files, DataFormat format, const std::string& field) {
+  Documents docs;
+  read_documents_into(files, format, field, docs, {});
+  if (docs.spans.empty()) no_documents(files, field);
   return docs;
 }
 
-TokenStream read_token_files(const std::vector<std::string>& files, int vocab_size, int eos_id) {
-  TokenStream out;
+DocumentsRead for_each_document_batch(const std::vector<std::string>& files, DataFormat format,
+                                      const std::string& field, size_t batch_bytes,
+                                      const std::function<void(const Documents&)>& batch) {
+  DocumentsRead read;
+  util::Sha256 hash;
+  Documents docs;
+  const auto pass_on = [&](Documents& d) {
+    d.hash_into(hash);
+    read.documents += static_cast<int64_t>(d.spans.size());
+    read.bytes += d.bytes();
+    batch(d);
+    d.text.clear();
+    d.spans.clear();
+  };
+  read_documents_into(files, format, field, docs, [&](Documents& d) {
+    if (d.text.size() >= batch_bytes) pass_on(d);
+  });
+  if (!docs.spans.empty()) pass_on(docs);
+  if (read.documents == 0) no_documents(files, field);
+  read.empty_records = docs.empty_records;
+  read.sha256 = hash.hex_digest();
+  return read;
+}
+
+TokenStream read_token_files(const std::vector<std::string>& files, int vocab_size, int eos_id, const TokenSink& sink) {
+  TokenReader reader(vocab_size, sink);
+  TokenStream& out = reader.out;
   std::vector<std::string> megatron_read;
   for (const std::string& path : files) {
     const bool idx = ends_with(path, ".idx");
@@ -452,24 +510,26 @@ TokenStream read_token_files(const std::vector<std::string>& files, int vocab_si
       // A glob may name both halves of one dataset.
       if (std::find(megatron_read.begin(), megatron_read.end(), prefix) != megatron_read.end()) continue;
       megatron_read.push_back(prefix);
-      read_megatron(prefix, vocab_size, out);
+      read_megatron(prefix, reader);
       continue;
     }
     const InputFile file(path, "token file");
-    out.starts.push_back(static_cast<int64_t>(out.ids.size()));
-    if (read_llmc(file, vocab_size, eos_id, out)) continue;
+    out.starts.push_back(out.count);
+    if (read_llmc(file, eos_id, reader)) continue;
     if (file.size() == 0 || file.size() % 2 != 0) {
       fail(
           fmt::format("The token file {} holds {} bytes and no llm.c header, so it would be nanoGPT's uint16 ids, "
                       "but that takes a positive even number of bytes: it is not a token shard.",
                       path, file.size()));
     }
-    append_tokens(file, 0, file.size() / 2, 2, vocab_size, eos_id, out);
+    reader.read(file, 0, file.size() / 2, 2, eos_id);
   }
   // Starts are positions: an end of text at a shard's end repeats the next shard's start.
   out.starts.erase(std::unique(out.starts.begin(), out.starts.end()), out.starts.end());
-  if (!out.starts.empty() && out.starts.back() == static_cast<int64_t>(out.ids.size())) out.starts.pop_back();
-  if (out.ids.empty()) fail("The token files data.text names hold no tokens.");
+  if (!out.starts.empty() && out.starts.back() == out.count) out.starts.pop_back();
+  if (out.count == 0) fail("The token files data.text names hold no tokens.");
+  reader.hash.update(out.starts.data(), out.starts.size() * sizeof(int64_t));
+  out.sha256 = reader.hash.hex_digest();
   return out;
 }
 

@@ -141,7 +141,6 @@ StaticBytes static_bytes(const ModelConfig& model, const StepShape& shape, const
   // Ids for the embedding, targets for the head, of each microbatch in flight.
   const int64_t ends = (layout.has_embedding() ? 1 : 0) + (layout.has_head() ? 1 : 0);
   s.batch = layout.in_flight(shape.grad_accum) * ends * nbytes(shape.batch * shape.seq, at::kLong);
-  s.resident = shape.resident;
   return s;
 }
 

@@ -160,7 +160,7 @@ StepPrediction predict_step(const ModelConfig& cfg, const StepShape& shape, cons
   // The bytes: the walk, its layers outside chunks held as priced.
   Live live, host;
   StepWalk walk(cfg, shape, layout, plan, early_stop, live, host, &p.layers);
-  walk.hold_statics(0, /*moments_made=*/true, p.statics.resident + p.statics.small);
+  walk.hold_statics(0, /*moments_made=*/true, p.statics.small);
   walk.step();
   p.peak = walk.peak().peak;
   p.peak_at = walk.peak().at;

@@ -63,8 +63,8 @@ RunPlan with_choice(RunPlan planned, Choice choice) {
 
 // plan_run_auto for a named loss head: model.attention resolved. `reference` (bytes; 0:
 // math's no-recompute peak) is what a fractional budget is a fraction of.
-RunPlan resolve_attention(Config& cfg, Config& local, at::ScalarType dtype, const PricesOf& prices_of, int64_t resident,
-                          int64_t stage, const SavedPlan* saved, int64_t reference, int64_t host_budget) {
+RunPlan resolve_attention(Config& cfg, Config& local, at::ScalarType dtype, const PricesOf& prices_of, int64_t stage,
+                          const SavedPlan* saved, int64_t reference, int64_t host_budget) {
   if (local.model.attention != Attention::automatic) {
     const Attention op = local.model.attention;
     // A resumed run whose plan chose the op per layer: both ops' times price it.
@@ -73,9 +73,9 @@ RunPlan resolve_attention(Config& cfg, Config& local, at::ScalarType dtype, cons
       Config other = local;
       other.model.attention = *l.attention;
       const Prices both = with_other(prices_of(local), prices_of(other), *l.attention, local.model.n_layer);
-      return plan_run(local, dtype, both, resident, stage, reference, saved, host_budget);
+      return plan_run(local, dtype, both, stage, reference, saved, host_budget);
     }
-    return plan_run(local, dtype, prices_of(local), resident, stage, reference, saved, host_budget);
+    return plan_run(local, dtype, prices_of(local), stage, reference, saved, host_budget);
   }
   const auto with_op = [&](Attention a) {
     Config c = local;
@@ -108,12 +108,12 @@ RunPlan resolve_attention(Config& cfg, Config& local, at::ScalarType dtype, cons
   if (!local.ac.budget.empty() && reference == 0) {
     Config unbounded = with_op(ops[0]);
     unbounded.ac.budget.clear();
-    reference = plan_run(unbounded, dtype, profiles[0], resident, stage, 0, nullptr, host_budget).none_peak;
+    reference = plan_run(unbounded, dtype, profiles[0], stage, 0, nullptr, host_budget).none_peak;
   }
   std::vector<Candidate> candidates;
   for (size_t i = 0; i < ops.size(); ++i) {
     candidates.push_back(candidate(attention_name(ops[i]), [&] {
-      return plan_run(with_op(ops[i]), dtype, profiles[i], resident, stage, reference, nullptr, host_budget);
+      return plan_run(with_op(ops[i]), dtype, profiles[i], stage, reference, nullptr, host_budget);
     }));
   }
   Chosen chosen = choose(candidates, rules);
@@ -126,9 +126,8 @@ RunPlan resolve_attention(Config& cfg, Config& local, at::ScalarType dtype, cons
   for (size_t i = 0; i < ops.size() && !local.ac.budget.empty() && all_measured; ++i) {
     if (i == chosen.index) continue;
     const Prices mixed_profile = with_other(profiles[chosen.index], profiles[i], ops[i], local.model.n_layer);
-    Candidate mixed = candidate("", [&] {
-      return plan_run(with_op(op), dtype, mixed_profile, resident, stage, reference, nullptr, host_budget);
-    });
+    Candidate mixed = candidate(
+        "", [&] { return plan_run(with_op(op), dtype, mixed_profile, stage, reference, nullptr, host_budget); });
     const bool mixes = mixed.plan && std::any_of(mixed.plan->plan.layers.begin(), mixed.plan->plan.layers.end(),
                                                  [&](const LayerPlan& l) { return l.attention != op; });
     if (!mixes || mixed.plan->step_seconds >= planned.step_seconds) continue;
@@ -163,10 +162,10 @@ double head_flops(const Config& local, const RunPlan& plan) {
 
 }  // namespace
 
-RunPlan plan_run_auto(Config& cfg, Config& local, at::ScalarType dtype, const PricesOf& prices_of, int64_t resident,
-                      int64_t stage, const SavedPlan* saved, int64_t host_budget) {
+RunPlan plan_run_auto(Config& cfg, Config& local, at::ScalarType dtype, const PricesOf& prices_of, int64_t stage,
+                      const SavedPlan* saved, int64_t host_budget) {
   if (local.model.loss_head != LossHead::automatic) {
-    return resolve_attention(cfg, local, dtype, prices_of, resident, stage, saved, 0, host_budget);
+    return resolve_attention(cfg, local, dtype, prices_of, stage, saved, 0, host_budget);
   }
   // Each head's and op's profile is taken once, however often the planning asks for it.
   std::map<std::pair<Attention, LossHead>, Prices> taken;
@@ -185,7 +184,7 @@ RunPlan plan_run_auto(Config& cfg, Config& local, at::ScalarType dtype, const Pr
     unbounded.ac.budget.clear();
     unbounded.model.loss_head = LossHead::fused;
     if (unbounded.model.attention == Attention::automatic) unbounded.model.attention = kAttentionOps[0];
-    reference = plan_run(unbounded, dtype, once(unbounded), resident, stage, 0, nullptr, host_budget).none_peak;
+    reference = plan_run(unbounded, dtype, once(unbounded), stage, 0, nullptr, host_budget).none_peak;
   }
   std::vector<std::pair<Config, Config>> configs;
   std::vector<Candidate> candidates;
@@ -194,7 +193,7 @@ RunPlan plan_run_auto(Config& cfg, Config& local, at::ScalarType dtype, const Pr
     auto& [c, l] = configs.back();
     c.model.loss_head = l.model.loss_head = h;
     candidates.push_back(candidate(fmt::format("the {} head", loss_head_name(h)), [&] {
-      return resolve_attention(c, l, dtype, once, resident, stage, nullptr, reference, host_budget);
+      return resolve_attention(c, l, dtype, once, stage, nullptr, reference, host_budget);
     }));
     if (candidates.back().plan) candidates.back().weighed_flops = head_flops(l, *candidates.back().plan);
   }

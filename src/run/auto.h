@@ -40,7 +40,7 @@ using PricesOf = std::function<Prices(const Config& local)>;
 /// auto chose) and is predicted as it is, with the other op's times where its layers run
 /// both. Where no candidate fits, throws BudgetTooSmall with every candidate's minimum.
 /// A budget plan's offloaded slots may hold `host_budget` bytes (plan_run).
-RunPlan plan_run_auto(Config& cfg, Config& local, at::ScalarType dtype, const PricesOf& prices_of, int64_t resident,
-                      int64_t stage = 0, const SavedPlan* saved = nullptr, int64_t host_budget = 0);
+RunPlan plan_run_auto(Config& cfg, Config& local, at::ScalarType dtype, const PricesOf& prices_of, int64_t stage = 0,
+                      const SavedPlan* saved = nullptr, int64_t host_budget = 0);
 
 }  // namespace remat

@@ -41,7 +41,7 @@ bool on_cuda(const RunConfig& run) { return run.device.is_cuda(); }
 
 cost::DeviceMemory RunPlan::device_peak() const { return cost::highest(device); }
 
-cost::StepShape step_shape(const Config& local, at::ScalarType dtype, int64_t resident) {
+cost::StepShape step_shape(const Config& local, at::ScalarType dtype) {
   const TrainConfig& t = local.train;
   cost::StepShape shape;
   shape.batch = t.batch;
@@ -50,7 +50,6 @@ cost::StepShape step_shape(const Config& local, at::ScalarType dtype, int64_t re
   shape.ce_chunk = t.ce_chunk;
   shape.dtype = dtype;
   shape.device = on_cuda(local.run) ? at::kCUDA : at::kCPU;
-  shape.resident = resident;
   return shape;
 }
 
@@ -62,15 +61,14 @@ Layout layout_of(const Config& local, int64_t stage) {
   return l;
 }
 
-RunPlan plan_run(const Config& cfg, at::ScalarType dtype, const Prices& prices, int64_t resident, int64_t stage,
-                 int64_t budget_reference, const SavedPlan* saved, int64_t host_budget) {
+RunPlan plan_run(const Config& cfg, at::ScalarType dtype, const Prices& prices, int64_t stage, int64_t budget_reference,
+                 const SavedPlan* saved, int64_t host_budget) {
   const int64_t L = cfg.model.n_layer;
   const Layout layout = layout_of(cfg, stage);
   PlannerOptions options;
   options.early_stop = cfg.ac.early_stop;
   options.allocator.expandable_segments = cfg.run.expandable_segments;
-  auto planner =
-      std::make_shared<const Planner>(cfg.model, step_shape(cfg, dtype, resident), layout, prices.times, options);
+  auto planner = std::make_shared<const Planner>(cfg.model, step_shape(cfg, dtype), layout, prices.times, options);
   RunPlan r;
   r.planner = planner;
   r.prices = prices;
@@ -109,8 +107,7 @@ RunPlan plan_run(const Config& cfg, at::ScalarType dtype, const Prices& prices, 
   return r;
 }
 
-std::optional<int64_t> least_peak_above(const Config& cfg, at::ScalarType dtype, int64_t resident, int64_t host_budget,
-                                        int64_t room) {
+std::optional<int64_t> least_peak_above(const Config& cfg, at::ScalarType dtype, int64_t host_budget, int64_t room) {
   // Every op and head an `auto` may choose (no op that cannot run the model: sdpa with
   // attention dropout): the least is the least of them.
   std::vector<Config> choices;
@@ -130,7 +127,7 @@ std::optional<int64_t> least_peak_above(const Config& cfg, at::ScalarType dtype,
   options.allocator.expandable_segments = cfg.run.expandable_segments;
   std::optional<int64_t> least;
   for (const Config& c : choices) {
-    const Planner planner(c.model, step_shape(c, dtype, resident), layout_of(c, 0), Prices::declared(c).times, options);
+    const Planner planner(c.model, step_shape(c, dtype), layout_of(c, 0), Prices::declared(c).times, options);
     if (planner.predict(compile_policy("full", c.model.n_layer), {}, Ledgers::peak).peak() <= room) return std::nullopt;
     const int64_t bytes = planner.least_budget(host_budget);
     if (bytes <= room) return std::nullopt;

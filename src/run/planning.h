@@ -79,8 +79,8 @@ struct RunPlan {
 };
 
 /// The shape of one microbatch of `local` (a rank share: train.batch is the rank's rows)
-/// in `dtype`, with `resident` bytes held besides the model, as the cost model prices it.
-cost::StepShape step_shape(const Config& local, at::ScalarType dtype, int64_t resident);
+/// in `dtype`, as the cost model prices it.
+cost::StepShape step_shape(const Config& local, at::ScalarType dtype);
 
 /// The layout of stage `stage`'s ranks of `local`: the parallel.* groups, and the layers
 /// per stage ac.num_layers_per_stage gives, or, without ac.budget, the even split (with
@@ -89,14 +89,14 @@ Layout layout_of(const Config& local, int64_t stage);
 
 /// Plans `cfg` (vocab_size set; a rank share: under parallel.zero = 1 the optimizer sharded
 /// over parallel.dp ranks) at its train.* shape in `dtype`, for stage `stage`'s ranks
-/// (layout_of); `prices` price recompute (and, when measured, the whole step); `resident`
-/// bytes (the token corpus) stay live through every step. Throws BudgetTooSmall, with the
-/// minimum feasible budget, when ac.budget is below it; `budget_reference` (bytes, 0: this
-/// plan's no-recompute peak) is what a fractional ac.budget ("0.6") is a fraction of; the
-/// offloaded slots of a budget plan may hold `host_budget` bytes. With several pipeline
-/// stages every stage is planned and `predicted` is stage `stage`'s. A `saved` plan (a
-/// resumed run's) is predicted as it is, neither compiled from the policy nor solved again.
-RunPlan plan_run(const Config& cfg, at::ScalarType dtype, const Prices& prices, int64_t resident, int64_t stage = 0,
+/// (layout_of); `prices` price recompute (and, when measured, the whole step). Throws
+/// BudgetTooSmall, with the minimum feasible budget, when ac.budget is below it;
+/// `budget_reference` (bytes, 0: this plan's no-recompute peak) is what a fractional
+/// ac.budget ("0.6") is a fraction of; the offloaded slots of a budget plan may hold
+/// `host_budget` bytes. With several pipeline stages every stage is planned and `predicted`
+/// is stage `stage`'s. A `saved` plan (a resumed run's) is predicted as it is, neither
+/// compiled from the policy nor solved again.
+RunPlan plan_run(const Config& cfg, at::ScalarType dtype, const Prices& prices, int64_t stage = 0,
                  int64_t budget_reference = 0, const SavedPlan* saved = nullptr, int64_t host_budget = 0);
 
 /// The least peak any plan of `cfg`'s one-stage run reaches with `host_budget` bytes of
@@ -104,7 +104,6 @@ RunPlan plan_run(const Config& cfg, at::ScalarType dtype, const Prices& prices, 
 /// choose, where it is above `room` bytes, else nullopt: bytes need no prices, so this runs
 /// before a time profile would run a step of the batch. Full recompute's peak (one
 /// prediction) is tried first, the search only where it is above.
-std::optional<int64_t> least_peak_above(const Config& cfg, at::ScalarType dtype, int64_t resident, int64_t host_budget,
-                                        int64_t room);
+std::optional<int64_t> least_peak_above(const Config& cfg, at::ScalarType dtype, int64_t host_budget, int64_t room);
 
 }  // namespace remat

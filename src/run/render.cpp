@@ -104,7 +104,6 @@ std::string breakdown(const cost::StepPrediction& p) {
   if (p.statics.compute_copies > 0) s += fmt::format(", compute copies {}", format_bytes(p.statics.compute_copies));
   s += fmt::format(", batch {}\n  kept activations {}, working set {}", format_bytes(p.statics.batch),
                    format_bytes(p.peak - p.statics.total() - p.working_set), format_bytes(p.working_set));
-  if (p.statics.resident > 0) s += fmt::format(", token corpus {}", format_bytes(p.statics.resident));
   if (p.host_peak > 0) {
     s += fmt::format("\n  host memory {} at most (offloaded slots), {} copied there and back a step",
                      format_bytes(p.host_peak), format_bytes(p.offloaded_bytes));
@@ -118,7 +117,6 @@ nlohmann::json breakdown_json(const cost::StepPrediction& p) {
           {"optimizer", p.statics.optimizer},
           {"compute_copies", p.statics.compute_copies},
           {"batch", p.statics.batch},
-          {"token_corpus", p.statics.resident},
           {"kept_activations", p.peak - p.statics.total() - p.working_set},
           {"working_set", p.working_set},
           {"peak", p.peak},
@@ -287,13 +285,11 @@ std::string plan_text(const Config& cfg, const RunPlan& r) {
 
 std::string render_text(const RunSpec& spec) {
   const ModelConfig& m = spec.cfg.model;
-  const std::string corpus =
-      spec.corpus
-          ? fmt::format("token corpus: {}, {} held through every step", spec.corpus_dir, format_bytes(spec.resident))
-          : fmt::format(
-                "token corpus: {}, not prepared yet (remat prepare), so its {} bytes a token are not "
-                "counted",
-                spec.corpus_dir, data::TokenDataset::kBytesPerToken);
+  // The corpus is mapped from disk, never held: a line for where it is, not for bytes.
+  const std::string corpus = spec.corpus
+                                 ? fmt::format("token corpus: {}, {} tokens read from disk as batches are drawn",
+                                               spec.corpus_dir, spec.corpus->train_tokens + spec.corpus->val_tokens)
+                                 : fmt::format("token corpus: {}, not prepared yet (remat prepare)", spec.corpus_dir);
   const int64_t accum = spec.cfg.train.grad_accum;
   std::string text = line(fmt::format("run: {} ({}), {} layers, d_model {}, {} heads, vocabulary {}", m.preset,
                                       arch_name(m.arch), m.n_layer, m.d_model, m.n_head, m.vocab_size));
@@ -371,7 +367,7 @@ nlohmann::json render_json(const RunSpec& spec) {
         {"seq", spec.shape.seq},
         {"grad_accum", spec.shape.grad_accum},
         {"dtype", spec.cfg.run.dtype}}},
-      {"token_corpus_bytes", spec.resident},
+      {"token_corpus_tokens", spec.corpus ? spec.corpus->train_tokens + spec.corpus->val_tokens : 0},
       {"policy", r.plan.policy},
       {"budget", r.budget},
       {"host_budget", r.host_budget},

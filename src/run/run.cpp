@@ -55,7 +55,7 @@ void check_statics_fit(const RunSpec& spec, const Room& room) {
 void check_some_plan_fits(const RunSpec& spec, const Room& room, int64_t host_budget) {
   const bool whole_model = spec.layout.has_embedding() && spec.layout.has_head();
   if (room.bytes < 0 || !whole_model) return;
-  const std::optional<int64_t> least = least_peak_above(spec.local, spec.dtype, spec.resident, host_budget, room.bytes);
+  const std::optional<int64_t> least = least_peak_above(spec.local, spec.dtype, host_budget, room.bytes);
   if (!least) return;
   throw std::invalid_argument(fmt::format(
       "A step of train.batch={} x train.seq={} tokens peaks at {} per rank under the plan that needs least memory "
@@ -136,11 +136,10 @@ RunSpec resolve_run(const Config& cfg, const RunInputs& in) {
   spec.cfg.ac.host_budget = host_budget == 0 ? "0" : fmt::format("{}B", host_budget);
   spec.corpus = in.corpus;
   spec.corpus_dir = in.corpus_dir;
-  if (in.corpus) spec.resident = data::TokenDataset::held_bytes(*in.corpus);
   spec.local = rank_share(spec.cfg);
   spec.layout = layout_of(spec.local, in.stage);
   spec.dtype = in.dtype;
-  spec.shape = step_shape(spec.local, in.dtype, spec.resident);
+  spec.shape = step_shape(spec.local, in.dtype);
   const Room room = room_of(spec, in.memory_available);
   check_statics_fit(spec, room);
   check_some_plan_fits(spec, room, host_budget);
@@ -148,7 +147,7 @@ RunSpec resolve_run(const Config& cfg, const RunInputs& in) {
   const bool host_copies = (!spec.local.ac.budget.empty() && host_budget > 0) || policy_offloads;
   TORCH_CHECK(in.prices != nullptr, "[resolve_run] a run is resolved against a source of prices");
   const PricesOf prices_of = [&](const Config& local) { return in.prices->of(local, host_copies); };
-  spec.plan = plan_run_auto(spec.cfg, spec.local, in.dtype, prices_of, spec.resident, in.stage, in.saved, host_budget);
+  spec.plan = plan_run_auto(spec.cfg, spec.local, in.dtype, prices_of, in.stage, in.saved, host_budget);
   spec.layout.split = spec.plan.split;
   check_plan_fits(spec, room);
   check_host_fits(spec, in.host_available, given_host_budget, host_budget);

@@ -47,7 +47,6 @@ struct RunSpec {
   Layout layout;  ///< this rank's (layout_of), its split the plan's
   at::ScalarType dtype = at::kFloat;
   cost::StepShape shape;  ///< one microbatch of this rank, as the cost model prices it
-  int64_t resident = 0;   ///< bytes held besides the model: the token corpus
   std::optional<data::CorpusInfo> corpus;
   std::string corpus_dir;
   RunPlan plan;  ///< the activation plan, its prediction and the auto choices

@@ -3,6 +3,7 @@
 #include "util/temp_files.h"
 
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -90,7 +91,7 @@ bool is_temp_name_of(std::string_view name, std::string_view base) {
 
 AtomicFile::AtomicFile(std::string path) : path_(std::move(path)), temp_path_(temp_path_of(path_)) {
   register_temp(temp_path_);
-  file_ = std::fopen(temp_path_.c_str(), "wb");
+  file_ = std::fopen(temp_path_.c_str(), "w+b");
   if (file_ == nullptr) {
     unregister_temp(temp_path_);
     throw std::runtime_error("Cannot create " + temp_path_ + ": " + errno_text() + ".");
@@ -109,6 +110,22 @@ void AtomicFile::write(const void* data, size_t size) {
   if (file_ == nullptr) throw std::logic_error("AtomicFile::write after commit");
   if (size != 0 && std::fwrite(data, 1, size, file_) != size) {
     throw std::runtime_error("Cannot write " + temp_path_ + ": " + errno_text() + ".");
+  }
+}
+
+void AtomicFile::read_back(int64_t offset, void* data, size_t size) {
+  if (file_ == nullptr) throw std::logic_error("AtomicFile::read_back after commit");
+  if (std::fflush(file_) != 0) throw std::runtime_error("Cannot write " + temp_path_ + ": " + errno_text() + ".");
+  size_t done = 0;
+  while (done < size) {
+    const ssize_t n = ::pread(::fileno(file_), static_cast<char*>(data) + done, size - done,
+                              static_cast<off_t>(offset + static_cast<int64_t>(done)));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      throw std::runtime_error("Cannot read back " + temp_path_ + ": " + (n < 0 ? errno_text() : "it is shorter") +
+                               ".");
+    }
+    done += static_cast<size_t>(n);
   }
 }
 
@@ -164,22 +181,38 @@ std::string not_regular(const std::string& what, const std::string& path, mode_t
          "ever): give the path of a file.";
 }
 
+// A descriptor of the regular file `path`, opened for reading, and its size.
+// O_NONBLOCK: opening a FIFO with no writer returns at once instead of waiting; fstat then
+// refuses it, and the descriptor that is checked is the one read.
+int open_regular(const std::string& path, const std::string& what, int64_t& size) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) throw std::runtime_error("Cannot open " + what + " " + path + ": " + errno_text() + ".");
+  struct stat st {};
+  std::string problem;
+  if (::fstat(fd, &st) != 0) {
+    problem = "Cannot read " + what + " " + path + ": " + errno_text() + ".";
+  } else if (!S_ISREG(st.st_mode)) {
+    problem = not_regular(what, path, st.st_mode);
+  }
+  if (!problem.empty()) {
+    ::close(fd);
+    throw std::runtime_error(problem);
+  }
+  size = static_cast<int64_t>(st.st_size);
+  return fd;
+}
+
 }  // namespace
 
 std::string read_file(const std::string& path, const std::string& what, int64_t max_bytes) {
-  // O_NONBLOCK: opening a FIFO with no writer returns at once instead of waiting; fstat
-  // then refuses it, and the descriptor that is checked is the one read.
-  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
-  if (fd < 0) throw std::runtime_error("Cannot open " + what + " " + path + ": " + errno_text() + ".");
+  int64_t size = 0;
+  const int fd = open_regular(path, what, size);
   struct Closer {
     int fd;
     ~Closer() { ::close(fd); }
   } closer{fd};
-  struct stat st {};
-  if (::fstat(fd, &st) != 0) throw std::runtime_error("Cannot read " + what + " " + path + ": " + errno_text() + ".");
-  if (!S_ISREG(st.st_mode)) throw std::runtime_error(not_regular(what, path, st.st_mode));
-  if (st.st_size > max_bytes) {
-    throw std::runtime_error("Cannot read " + what + " " + path + ": it holds " + std::to_string(st.st_size) +
+  if (size > max_bytes) {
+    throw std::runtime_error("Cannot read " + what + " " + path + ": it holds " + std::to_string(size) +
                              " bytes, more than the " + std::to_string(max_bytes) + " such a file can hold.");
   }
   std::string content;
@@ -196,6 +229,20 @@ std::string read_file(const std::string& path, const std::string& what, int64_t 
     content.append(chunk, static_cast<size_t>(n));
   }
   return content;
+}
+
+MappedFile::MappedFile(const std::string& path, const std::string& what) {
+  const int fd = open_regular(path, what, size_);
+  // The mapping outlives the descriptor; an empty file has nothing to map.
+  void* at = size_ == 0 ? nullptr : ::mmap(nullptr, static_cast<size_t>(size_), PROT_READ, MAP_SHARED, fd, 0);
+  const std::string reason = at == MAP_FAILED ? errno_text() : "";
+  ::close(fd);
+  if (at == MAP_FAILED) throw std::runtime_error("Cannot map " + what + " " + path + " into memory: " + reason + ".");
+  data_ = static_cast<const uint8_t*>(at);
+}
+
+MappedFile::~MappedFile() {
+  if (data_ != nullptr) ::munmap(const_cast<uint8_t*>(data_), static_cast<size_t>(size_));
 }
 
 void check_regular_file(const std::string& path, const std::string& what) {

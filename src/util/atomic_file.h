@@ -22,6 +22,9 @@ class AtomicFile {
 
   void write(const void* data, size_t size);
   void write(std::string_view bytes) { write(bytes.data(), bytes.size()); }
+  /// Reads `size` bytes at `offset` of what was written so far: a file never committed is
+  /// scratch space that no signal or error leaves behind.
+  void read_back(int64_t offset, void* data, size_t size);
   void commit();
 
  private:
@@ -47,6 +50,27 @@ void write_file_atomically(const std::string& path, std::string_view bytes);
 /// without waiting on it, and so is a file larger than `max_bytes`.
 std::string read_file(const std::string& path, const std::string& what = "file",
                       int64_t max_bytes = std::numeric_limits<int64_t>::max());
+
+/// A regular file mapped read-only into memory, for files read in pieces far larger than a
+/// read should copy (a corpus's token ids). Its pages are the kernel's page cache, loaded
+/// as they are touched and dropped under memory pressure. A file renamed over `path`
+/// (AtomicFile) leaves the mapping on the old content; one truncated in place would make a
+/// read past its new end fault, so remat never writes a file in place.
+class MappedFile {
+ public:
+  /// Maps `path`, refused as read_file refuses it; `what` names it in the errors.
+  MappedFile(const std::string& path, const std::string& what);
+  ~MappedFile();
+  MappedFile(const MappedFile&) = delete;
+  MappedFile& operator=(const MappedFile&) = delete;
+
+  const uint8_t* data() const { return data_; }  ///< null for an empty file
+  int64_t size() const { return size_; }
+
+ private:
+  const uint8_t* data_ = nullptr;
+  int64_t size_ = 0;
+};
 
 /// Throws a sentence naming `what` and `path` when `path` exists and is not a regular file
 /// (opening a FIFO waits for a writer for ever), for files a library opens by name.

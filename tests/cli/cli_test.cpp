@@ -407,27 +407,27 @@ TEST_F(Cli, PlanPrintsThePlanAndItsBreakdownAsJson) {
   // The parts of the breakdown add up to the peak.
   const auto& b = j["breakdown"];
   int64_t parts = 0;
-  for (const char* k : {"parameters", "gradients", "optimizer", "compute_copies", "batch", "token_corpus",
-                        "kept_activations", "working_set"}) {
+  for (const char* k :
+       {"parameters", "gradients", "optimizer", "compute_copies", "batch", "kept_activations", "working_set"}) {
     parts += b[k].get<int64_t>();
   }
   EXPECT_LE(b["peak"].get<int64_t>() - parts, 16 * 1024);  // the allowance for scalars
 }
 
-// A run holds its token corpus through every step (int32); remat plan counts it once the
-// corpus is prepared, and says that it does not before.
-TEST_F(Cli, PlanCountsThePreparedTokenCorpusAsTheTrainerDoes) {
+// A run reads its token corpus from disk as it draws batches (mapped, never held), so
+// remat plan names the corpus and its size, before and after it is prepared, and the plan's
+// bytes do not change with it.
+TEST_F(Cli, PlanNamesTheTokenCorpusWhichHoldsNoMemory) {
   const std::string data = " data.vocab_size=512 data.text=" + file("corpus.txt", remat::testing::make_text(1000)) +
                            " data.dir=" + (dir_ / "data").string();
-  const std::string plan =
-      "plan --json --budget 0.9 model.preset=tiny-gpt2 model.vocab_size=0 train.batch=2 train.seq=16" + data;
+  const std::string shape = " model.preset=tiny-gpt2 model.vocab_size=0 train.batch=2 train.seq=16";
+  const std::string plan = "plan --json --budget 0.9" + shape + data;
+  const std::string corpus_dir = (dir_ / "data" / "corpus-v512").string();
   const Result before = run_remat(plan);
   ASSERT_EQ(before.exit_code, 0) << before.output;
-  EXPECT_EQ(nlohmann::json::parse(before.output)["breakdown"]["token_corpus"], 0);
-  const Result text = run_remat("plan model.preset=tiny-gpt2 model.vocab_size=0 train.batch=2 train.seq=16" + data);
-  EXPECT_NE(text.output.find("token corpus: " + (dir_ / "data" / "corpus-v512").string() +
-                             ", not prepared yet (remat prepare), so its 4 bytes a token are not counted\n"),
-            std::string::npos)
+  EXPECT_EQ(nlohmann::json::parse(before.output)["token_corpus_tokens"], 0);
+  const Result text = run_remat("plan" + shape + data);
+  EXPECT_NE(text.output.find("token corpus: " + corpus_dir + ", not prepared yet (remat prepare)\n"), std::string::npos)
       << text.output;
 
   const Result prepared = run_remat("prepare" + data);
@@ -438,8 +438,14 @@ TEST_F(Cli, PlanCountsThePreparedTokenCorpusAsTheTrainerDoes) {
   const Result after = run_remat(plan);
   ASSERT_EQ(after.exit_code, 0) << after.output;
   const auto a = nlohmann::json::parse(after.output), b = nlohmann::json::parse(before.output);
-  EXPECT_EQ(a["breakdown"]["token_corpus"].get<int64_t>(), 4 * tokens);
-  EXPECT_EQ(a["none_peak"].get<int64_t>(), b["none_peak"].get<int64_t>() + 4 * tokens);
+  EXPECT_EQ(a["token_corpus_tokens"].get<int64_t>(), tokens);
+  EXPECT_EQ(a["none_peak"], b["none_peak"]);
+  EXPECT_EQ(a["breakdown"], b["breakdown"]);
+  const Result text_after = run_remat("plan" + shape + data);
+  EXPECT_NE(text_after.output.find(
+                fmt::format("token corpus: {}, {} tokens read from disk as batches are drawn\n", corpus_dir, tokens)),
+            std::string::npos)
+      << text_after.output;
 }
 
 // Under tensor parallelism remat plan prices the collectives at parallel.link_rate and

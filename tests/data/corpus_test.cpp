@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <random>
 #include <sys/stat.h>
 
 #include "util/atomic_file.h"
@@ -55,7 +56,8 @@ std::vector<int32_t> ids_of(const CorpusInfo& info) {
   std::vector<int32_t> ids;
   for (const Split split : {Split::train, Split::val}) {
     const TokenDataset d = TokenDataset::open(info, split);
-    ids.insert(ids.end(), d.tokens().data_ptr<int32_t>(), d.tokens().data_ptr<int32_t>() + d.size());
+    const std::vector<int32_t> part = d.ids(0, d.size());
+    ids.insert(ids.end(), part.begin(), part.end());
   }
   return ids;
 }
@@ -87,11 +89,8 @@ TEST(Corpus, PreparesSmallTextIntoTokenFiles) {
   const TokenDataset val = TokenDataset::open(info, Split::val);
   ASSERT_EQ(train.size(), info.train_tokens);
   ASSERT_EQ(val.size(), info.val_tokens);
-  // What the planner counts as resident is what the opened splits hold (2-byte ids on disk).
-  EXPECT_EQ(TokenDataset::held_bytes(info), static_cast<int64_t>(train.tokens().nbytes() + val.tokens().nbytes()));
-  const at::Tensor tt = train.tokens(), vt = val.tokens();
-  const std::string train_text = tok.decode(tt.data_ptr<int32_t>(), tt.numel());
-  const std::string val_text = tok.decode(vt.data_ptr<int32_t>(), vt.numel());
+  const std::vector<int32_t> tt = train.ids(0, train.size()), vt = val.ids(0, val.size());
+  const std::string train_text = tok.decode(tt), val_text = tok.decode(vt);
   EXPECT_EQ(train_text.size() + val_text.size(), text.size());
   // Validation is spread through the text, not only its end: its first stretch comes
   // from the first block (the first twentieth).
@@ -159,8 +158,7 @@ TEST(Corpus, PreparesWithAGivenHuggingFaceTokenizer) {
   EXPECT_EQ(kept.eos_id(), given.piece_to_id("<|end_of_text|>"));
   EXPECT_EQ(info.train_tokens + info.val_tokens, static_cast<int64_t>(given.encode(text).size()));
   const TokenDataset train = TokenDataset::open(info, Split::train), val = TokenDataset::open(info, Split::val);
-  const std::string both = kept.decode(train.tokens().data_ptr<int32_t>(), train.size()) +
-                           kept.decode(val.tokens().data_ptr<int32_t>(), val.size());
+  const std::string both = kept.decode(train.ids(0, train.size())) + kept.decode(val.ids(0, val.size()));
   EXPECT_EQ(both.size(), text.size());
 
   EXPECT_TRUE(prepare_corpus(options).cached);
@@ -203,6 +201,22 @@ TEST(Corpus, PreparesDocumentsSeparatedByTheEndOfText) {
   EXPECT_EQ(from_jsonl.source, "the field \"text\" of the JSONL file " + (dir / "docs.jsonl").string());
   EXPECT_EQ(from_text.source, "40 text files matching " + (dir / "texts" / "*.txt").string());
   EXPECT_TRUE(prepare_corpus(options).cached);
+
+  // A few documents at a time through the scratch file, as a corpus of any size is: the
+  // same files, and the scratch file gone.
+  PrepareOptions batched = gpt2_options(remat::DataFormat::jsonl, dir / "docs.jsonl", dir / "batched");
+  batched.batch_bytes = 1000;
+  std::vector<std::string> log;
+  const CorpusInfo from_batches = prepare_corpus(batched, [&](const std::string& l) { log.push_back(l); });
+  EXPECT_EQ(ids_of(from_batches), expected);
+  EXPECT_EQ(from_batches.train_sha256, from_jsonl.train_sha256);
+  EXPECT_EQ(from_batches.val_sha256, from_jsonl.val_sha256);
+  EXPECT_EQ(from_batches.text_sha256, from_jsonl.text_sha256);
+  EXPECT_GT(std::count_if(log.begin(), log.end(), [](const std::string& l) { return l.rfind("encoded ", 0) == 0; }), 5);
+  std::vector<std::string> files;
+  for (const auto& e : fs::directory_iterator(dir / "batched")) files.push_back(e.path().filename());
+  std::sort(files.begin(), files.end());
+  EXPECT_EQ(files, (std::vector<std::string>{"meta.json", "tokenizer.model", "train.bin", "val.bin"}));
 }
 
 // Token ids are taken as written, every one held to the given tokenizer's vocabulary.
@@ -239,6 +253,104 @@ TEST(Corpus, PreparesTokenShardsAsWritten) {
   options.tokenizer.reset();
   EXPECT_EQ(error_of([&] { prepare_corpus(options); }),
             "Token ids can be prepared only with the tokenizer that wrote them; give it.");
+}
+
+// Token shards are split a chunk at a time as they are read, with the cut rule the
+// documents' encoded ids get in memory: shards holding the ids of JSONL documents, joined
+// by the end of text and broken at document starts, give train.bin and val.bin byte for
+// byte, across 20 validation blocks.
+TEST(Corpus, TokenShardsSplitAsTheirDocumentsDo) {
+  TempDir dir;
+  const Tokenizer tok = Tokenizer::load(kGpt2Tokenizer);
+  std::string jsonl;
+  std::vector<std::vector<uint16_t>> shards(7);
+  for (int d = 0; d < 120; ++d) {
+    const std::string text = remat::testing::make_text(3 + d % 11, static_cast<uint64_t>(d) + 5);
+    jsonl += nlohmann::json{{"text", text}}.dump() + "\n";
+    std::vector<uint16_t>& shard = shards[static_cast<size_t>(d * 7 / 120)];
+    if (d > 0 && !shard.empty()) shard.push_back(static_cast<uint16_t>(tok.eos_id()));
+    for (int32_t id : tok.encode(text)) shard.push_back(static_cast<uint16_t>(id));
+    if (d + 1 < 120 && (d + 1) * 7 / 120 != d * 7 / 120) shard.push_back(static_cast<uint16_t>(tok.eos_id()));
+  }
+  for (size_t k = 0; k < shards.size(); ++k) {
+    write(dir / fmt::format("shard_{}.bin", k),
+          std::string(reinterpret_cast<const char*>(shards[k].data()), 2 * shards[k].size()));
+  }
+  write(dir / "docs.jsonl", jsonl);
+  PrepareOptions from_docs = gpt2_options(remat::DataFormat::jsonl, dir / "docs.jsonl", dir / "docs");
+  PrepareOptions from_shards = gpt2_options(remat::DataFormat::tokens, dir / "shard_*.bin", dir / "shards");
+  from_docs.val_blocks = from_shards.val_blocks = 20;
+  const CorpusInfo docs = prepare_corpus(from_docs), ids = prepare_corpus(from_shards);
+  EXPECT_GT(docs.val_tokens, 0);
+  EXPECT_EQ(ids.train_tokens, docs.train_tokens);
+  EXPECT_EQ(ids.train_sha256, docs.train_sha256);
+  EXPECT_EQ(ids.val_sha256, docs.val_sha256);
+  EXPECT_DOUBLE_EQ(ids.train_unigram_entropy, docs.train_unigram_entropy);
+}
+
+// The process's resident bytes now (VmRSS), its anonymous ones (RssAnon), or all at their
+// peak since reset_peak_resident (VmHWM), from Linux's /proc/self/status.
+int64_t resident_bytes(const std::string& field) {
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);) {
+    if (line.rfind(field + ":", 0) == 0) return std::stoll(line.substr(field.size() + 1)) * 1024;
+  }
+  ADD_FAILURE() << "/proc/self/status has no " << field;
+  return 0;
+}
+void reset_peak_resident() { std::ofstream("/proc/self/clear_refs") << "5"; }
+
+// Token files of any size: prepare reads them a chunk at a time (twice: to count, then to
+// write the splits) and a run maps the splits, so neither holds the ids. 16M ids would take
+// 64 MiB as int32, and as much again for the splits' copies; the peak grows by a few MiB.
+TEST(Corpus, TokenFilesArePreparedAndReadInBoundedMemory) {
+  TempDir dir;
+  const CorpusInfo small = prepare_corpus(small_options(dir, remat::testing::make_text(1000)));
+  const int vocab = small.vocab_size, eos = Tokenizer::load(small.tokenizer_path()).eos_id();
+  constexpr int64_t kShards = 4, kShardIds = int64_t{1} << 22;
+  // No end of text among them, so that the one cut falls at its 95%.
+  const auto id_at = [&](int64_t i) {
+    const int64_t id = (i * 7919) % (vocab - 1);
+    return static_cast<uint16_t>(id >= eos ? id + 1 : id);
+  };
+  for (int64_t k = 0; k < kShards; ++k) {
+    std::vector<uint16_t> ids(kShardIds);
+    for (int64_t i = 0; i < kShardIds; ++i) ids[static_cast<size_t>(i)] = id_at(k * kShardIds + i);
+    write(dir / fmt::format("ids_{}.bin", k), std::string(reinterpret_cast<const char*>(ids.data()), 2 * ids.size()));
+  }
+  PrepareOptions options;
+  options.format = remat::DataFormat::tokens;
+  options.text_file = dir / "ids_*.bin";
+  options.tokenizer = small.tokenizer_path();
+  options.out_dir = dir / "ids";
+  options.val_blocks = 1;
+
+  reset_peak_resident();
+  const int64_t before = resident_bytes("VmRSS");
+  const CorpusInfo info = prepare_corpus(options);
+  EXPECT_LT(resident_bytes("VmHWM") - before, int64_t{12} << 20);
+  ASSERT_EQ(info.train_tokens + info.val_tokens, kShards * kShardIds);
+  EXPECT_NEAR(static_cast<double>(info.val_tokens) / static_cast<double>(kShards * kShardIds), 0.05, 1e-6);
+
+  // Opening the splits and drawing batches from them adds no anonymous memory beyond the
+  // batches' (int32 copies of the splits would add 64 MiB): the mapped pages are the
+  // kernel's file cache, however many of them the kernel maps around each window.
+  const int64_t anonymous = resident_bytes("RssAnon");
+  const TokenDataset train = TokenDataset::open(info, Split::train), val = TokenDataset::open(info, Split::val);
+  std::mt19937_64 rng(3);
+  for (int i = 0; i < 5; ++i) {
+    const Batch b = train.sample(4, 256, rng);
+    EXPECT_EQ(b.tokens[0][1].item<int64_t>(), b.targets[0][0].item<int64_t>());
+  }
+  EXPECT_LT(resident_bytes("RssAnon") - anonymous, int64_t{8} << 20);
+
+  // The splits are the ids as written: train, then the validation stretch at the end.
+  const std::vector<int32_t> last = val.ids(val.size() - 3, 3), first = train.ids(0, 3);
+  for (int64_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(first[static_cast<size_t>(i)], id_at(i));
+    EXPECT_EQ(last[static_cast<size_t>(i)], id_at(kShards * kShardIds - 3 + i));
+  }
+  EXPECT_EQ(val.ids(0, 1)[0], id_at(info.train_tokens));
 }
 
 TEST(Corpus, DamagedCacheIsReportedAndRebuilt) {

@@ -3,6 +3,7 @@
 // of damage, held to files written here byte by byte as those projects write them.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <fstream>
 
@@ -55,6 +56,14 @@ void write_megatron(const std::string& prefix, const std::vector<std::vector<uin
   idx += bytes_of(lengths) + bytes_of(pointers) + bytes_of(doc_index);
   write(prefix + ".bin", bin);
   write(prefix + ".idx", idx);
+}
+
+// What read_token_files finds, and the ids it passes on.
+std::pair<TokenStream, std::vector<int32_t>> read_ids(const std::vector<std::string>& files, int vocab, int eos) {
+  std::vector<int32_t> ids;
+  TokenStream s =
+      read_token_files(files, vocab, eos, [&](const int32_t* p, size_t n) { ids.insert(ids.end(), p, p + n); });
+  return {std::move(s), std::move(ids)};
 }
 
 TEST(Sources, AGlobNamesItsMatchesInByteOrder) {
@@ -144,28 +153,77 @@ TEST(Sources, RefusesMalformedJsonlNamingTheLine) {
                 "(paragraphs).");
 }
 
+// Documents pass a batch at a time, whole, and hash as when read at once.
+TEST(Sources, DocumentsPassInBatchesOfWholeDocuments) {
+  TempDir dir;
+  std::string jsonl;
+  for (int d = 0; d < 50; ++d)
+    jsonl += "{\"text\": \"" + std::string(static_cast<size_t>(10 + d), static_cast<char>('a' + d % 26)) + "\"}\n";
+  write(dir / "a.jsonl", jsonl + "{\"text\": \"\"}\n");
+  write(dir / "b.jsonl", jsonl);
+  const std::vector<std::string> files = expand_files(dir / "*.jsonl");
+  const Documents whole = read_documents(files, DataFormat::jsonl, "text");
+  std::vector<std::string> seen;
+  std::vector<size_t> sizes;
+  const DocumentsRead read = for_each_document_batch(files, DataFormat::jsonl, "text", 200, [&](const Documents& b) {
+    sizes.push_back(b.text.size());
+    for (size_t i = 0; i < b.spans.size(); ++i) seen.emplace_back(b.document(i));
+  });
+  ASSERT_EQ(seen.size(), whole.spans.size());
+  for (size_t i = 0; i < seen.size(); ++i) EXPECT_EQ(seen[i], whole.document(i));
+  EXPECT_EQ(read.sha256, whole.sha256());
+  EXPECT_EQ(read.documents, 100);
+  EXPECT_EQ(read.bytes, whole.bytes());
+  EXPECT_EQ(read.empty_records, 1);
+  EXPECT_GT(sizes.size(), 10u);
+  for (size_t i = 0; i + 1 < sizes.size(); ++i) EXPECT_GE(sizes[i], 200u);
+}
+
 TEST(Sources, ReadsLlmcNanoGptAndMegatronTokenFiles) {
   TempDir dir;
   constexpr int kVocab = 300, kEos = 299;
   write(dir / "a_000.bin", llmc_shard<uint16_t>({kEos, 5, 6, kEos, 7}));
   write(dir / "a_001.bin", llmc_shard<uint32_t>({kEos, 8}));
-  TokenStream llmc = read_token_files(expand_files(dir / "a_*.bin"), kVocab, kEos);
-  EXPECT_EQ(llmc.ids, (std::vector<int32_t>{kEos, 5, 6, kEos, 7, kEos, 8}));
+  const auto [llmc, llmc_ids] = read_ids(expand_files(dir / "a_*.bin"), kVocab, kEos);
+  EXPECT_EQ(llmc_ids, (std::vector<int32_t>{kEos, 5, 6, kEos, 7, kEos, 8}));
+  EXPECT_EQ(llmc.count, 7);
   // A shard's start and each position after an end of text: where the split may cut.
   EXPECT_EQ(llmc.starts, (std::vector<int64_t>{0, 1, 4, 5, 6}));
 
   write(dir / "nanogpt.bin", bytes_of(std::vector<uint16_t>{1, 2, kEos, 3}));
-  const TokenStream raw = read_token_files({dir / "nanogpt.bin"}, kVocab, kEos);
-  EXPECT_EQ(raw.ids, (std::vector<int32_t>{1, 2, kEos, 3}));
+  const auto [raw, raw_ids] = read_ids({dir / "nanogpt.bin"}, kVocab, kEos);
+  EXPECT_EQ(raw_ids, (std::vector<int32_t>{1, 2, kEos, 3}));
   EXPECT_EQ(raw.starts, (std::vector<int64_t>{0, 3}));
 
   write_megatron(dir / "m_text_document", {{10, 11, kEos}, {12, kEos}, {}, {13}});
   // Both halves of the dataset matched by one glob are read once.
-  const TokenStream megatron = read_token_files(expand_files(dir / "m_text_document.*"), kVocab, kEos);
-  EXPECT_EQ(megatron.ids, (std::vector<int32_t>{10, 11, kEos, 12, kEos, 13}));
+  const auto [megatron, megatron_ids] = read_ids(expand_files(dir / "m_text_document.*"), kVocab, kEos);
+  EXPECT_EQ(megatron_ids, (std::vector<int32_t>{10, 11, kEos, 12, kEos, 13}));
   EXPECT_EQ(megatron.starts, (std::vector<int64_t>{0, 3, 5}));
-  EXPECT_EQ(read_token_files({dir / "m_text_document.idx"}, kVocab, kEos).ids, megatron.ids);
-  EXPECT_NE(megatron.sha256(), raw.sha256());
+  EXPECT_EQ(read_ids({dir / "m_text_document.idx"}, kVocab, kEos).second, megatron_ids);
+  // The digest is of the ids and the starts, the same without a sink.
+  EXPECT_EQ(read_token_files({dir / "m_text_document.idx"}, kVocab, kEos).sha256, megatron.sha256);
+  EXPECT_NE(megatron.sha256, raw.sha256);
+}
+
+// Shards far larger than a read's chunk pass through in chunks, every id once and in order.
+TEST(Sources, ReadsTokenFilesAChunkAtATime) {
+  TempDir dir;
+  constexpr int kVocab = 1000;
+  std::vector<uint16_t> ids(1500000);
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<uint16_t>((i * 7919) % kVocab);
+  write(dir / "big.bin", bytes_of(ids));
+  size_t chunks = 0, largest = 0;
+  std::vector<int32_t> seen;
+  const TokenStream s = read_token_files({dir / "big.bin"}, kVocab, -1, [&](const int32_t* p, size_t n) {
+    ++chunks;
+    largest = std::max(largest, n);
+    seen.insert(seen.end(), p, p + n);
+  });
+  EXPECT_EQ(s.count, static_cast<int64_t>(ids.size()));
+  EXPECT_EQ(seen, std::vector<int32_t>(ids.begin(), ids.end()));
+  EXPECT_EQ(chunks, 3u);  // 1 MiB reads of 2-byte ids
+  EXPECT_EQ(largest, size_t{1} << 19);
 }
 
 TEST(Sources, RefusesDamagedTokenFilesNamingTheFileAndOffset) {

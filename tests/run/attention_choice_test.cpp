@@ -52,7 +52,7 @@ TEST(AttentionChoice, TakesTiledWhenOnlyItsPlansFitTheBudget) {
   const std::string budget = only_tiled_fits();
   Config cfg = long_tiny(budget), local = cfg;
   Profiles profiles;
-  const RunPlan r = plan_run_auto(cfg, local, at::kFloat, profiles.of(), 0);
+  const RunPlan r = plan_run_auto(cfg, local, at::kFloat, profiles.of());
   EXPECT_EQ(cfg.model.attention, Attention::tiled);
   EXPECT_EQ(local.model.attention, Attention::tiled);
   EXPECT_EQ(plan_text(cfg, r).rfind("attention: tiled (model.attention = auto): math's least-memory plan peaks at ", 0),
@@ -68,7 +68,7 @@ TEST(AttentionChoice, TakesTiledWhenOnlyItsPlansFitTheBudget) {
 TEST(AttentionChoice, TakesMathWhereBothFitWithoutMeasuredTimes) {
   Config cfg = long_tiny("1GiB"), local = cfg;
   Profiles profiles;
-  const RunPlan r = plan_run_auto(cfg, local, at::kFloat, profiles.of(), 0);
+  const RunPlan r = plan_run_auto(cfg, local, at::kFloat, profiles.of());
   EXPECT_EQ(cfg.model.attention, Attention::math);
   EXPECT_EQ(
       plan_text(cfg, r).rfind("attention: math (model.attention = auto): both fit the 1.00 GiB budget (peaks ", 0), 0u)
@@ -79,7 +79,7 @@ TEST(AttentionChoice, TakesMathWhereBothFitWithoutMeasuredTimes) {
 TEST(AttentionChoice, WithoutBudgetOrProfileTakesMathWithoutPlanningTiled) {
   Config cfg = long_tiny(""), local = cfg;
   Profiles profiles;
-  const RunPlan r = plan_run_auto(cfg, local, at::kFloat, profiles.of(), 0);
+  const RunPlan r = plan_run_auto(cfg, local, at::kFloat, profiles.of());
   EXPECT_EQ(cfg.model.attention, Attention::math);
   EXPECT_EQ(
       plan_text(cfg, r).rfind("attention: math (model.attention = auto): no ac.budget and no measured step times", 0),
@@ -96,7 +96,7 @@ TEST(AttentionChoice, MeasuredTimesTakeTheLowerPredictedStep) {
       Profiles profiles;
       profiles.base[Attention::math] = tiled_faster ? 0.3 : 0.2;
       profiles.base[Attention::tiled] = tiled_faster ? 0.2 : 0.3;
-      const RunPlan r = plan_run_auto(cfg, local, at::kFloat, profiles.of(), 0);
+      const RunPlan r = plan_run_auto(cfg, local, at::kFloat, profiles.of());
       const Attention faster = tiled_faster ? Attention::tiled : Attention::math;
       EXPECT_EQ(cfg.model.attention, faster) << budget;
       EXPECT_NE(
@@ -119,7 +119,7 @@ TEST(AttentionChoice, TakesSdpaWhereItRunsAndIsMeasuredFastest) {
     Profiles profiles;
     profiles.base[Attention::math] = profiles.base[Attention::tiled] = 0.3;
     profiles.base[Attention::sdpa] = 0.2;
-    const RunPlan r = plan_run_auto(cfg, local, at::kFloat, profiles.of(), 0);
+    const RunPlan r = plan_run_auto(cfg, local, at::kFloat, profiles.of());
     const bool candidate = kSdpaBuilt && dropout == 0;
     EXPECT_EQ(cfg.model.attention, candidate ? Attention::sdpa : Attention::math) << plan_text(cfg, r);
     EXPECT_EQ(profiles.calls.count(Attention::sdpa), candidate ? 1u : 0u) << dropout;
@@ -135,7 +135,7 @@ TEST(AttentionChoice, MeasuredTimesMixTheOpsPerLayerWhereThatIsFaster) {
   math_cfg.model.attention = Attention::math;
   Prices flops;
   flops.times.flops_per_second = 1e9;
-  const int64_t none = plan_run(math_cfg, at::kFloat, flops, 0).none_peak;
+  const int64_t none = plan_run(math_cfg, at::kFloat, flops).none_peak;
   const int64_t least = least_budget(math_cfg, Attention::math);
   Config cfg = long_tiny(std::to_string((none + least) / 2), /*profile=*/true);
   cfg.model.n_layer = 4;
@@ -143,7 +143,7 @@ TEST(AttentionChoice, MeasuredTimesMixTheOpsPerLayerWhereThatIsFaster) {
   Profiles profiles;
   profiles.base[Attention::math] = 0.2;
   profiles.base[Attention::tiled] = 0.2 + 4 * 1e-4;
-  const RunPlan r = plan_run_auto(cfg, local, at::kFloat, profiles.of(), 0);
+  const RunPlan r = plan_run_auto(cfg, local, at::kFloat, profiles.of());
   const Attention chosen = cfg.model.attention;
   ASSERT_NE(chosen, Attention::automatic);
   EXPECT_EQ(plan_text(cfg, r).rfind(
@@ -169,13 +169,13 @@ TEST(AttentionChoice, MeasuredTimesMixTheOpsPerLayerWhereThatIsFaster) {
     alone.model.attention = a;
     Prices p = flops;
     p.base_seconds = profiles.base[a];
-    const RunPlan one = plan_run(alone, at::kFloat, p, 0, 0, none);
+    const RunPlan one = plan_run(alone, at::kFloat, p, 0, none);
     EXPECT_LT(r.step_seconds, one.step_seconds) << attention_name(a);
   }
   // A resumed run plans the saved plan with both ops' times again.
   SavedPlan saved{r.plan, r.split};
   Config resumed = local;
-  const RunPlan again = plan_run_auto(resumed, resumed, at::kFloat, profiles.of(), 0, 0, &saved);
+  const RunPlan again = plan_run_auto(resumed, resumed, at::kFloat, profiles.of(), 0, &saved);
   EXPECT_EQ(again.predicted.peak, r.predicted.peak);
   EXPECT_DOUBLE_EQ(again.step_seconds, r.step_seconds);
 }
@@ -183,8 +183,7 @@ TEST(AttentionChoice, MeasuredTimesMixTheOpsPerLayerWhereThatIsFaster) {
 TEST(AttentionChoice, NeitherFittingGivesTiledsSentenceSayingBothWereTried) {
   Config cfg = long_tiny("64KiB"), local = cfg;
   Profiles profiles;
-  const std::string e =
-      error_of<std::invalid_argument>([&] { plan_run_auto(cfg, local, at::kFloat, profiles.of(), 0); });
+  const std::string e = error_of<std::invalid_argument>([&] { plan_run_auto(cfg, local, at::kFloat, profiles.of()); });
   EXPECT_EQ(e.rfind("model.attention = auto tried both attention ops and no plan of either fits: math needs a budget "
                     "of at least ",
                     0),
@@ -201,7 +200,7 @@ TEST(AttentionChoice, ANamedOpIsPlannedAsItIs) {
   cfg.model.attention = Attention::tiled;
   Config local = cfg;
   Profiles profiles;
-  const RunPlan r = plan_run_auto(cfg, local, at::kFloat, profiles.of(), 0);
+  const RunPlan r = plan_run_auto(cfg, local, at::kFloat, profiles.of());
   EXPECT_EQ(cfg.model.attention, Attention::tiled);
   EXPECT_EQ(plan_text(cfg, r).find("attention:"), std::string::npos);
   EXPECT_TRUE(r.choices.empty());
@@ -212,13 +211,13 @@ TEST(AttentionChoice, ANamedOpIsPlannedAsItIs) {
 TEST(AttentionChoice, ChoicesSayWhatWasTakenAndWhy) {
   Config cfg = long_tiny(only_tiled_fits()), local = cfg;
   Profiles profiles;
-  const RunPlan r = plan_run_auto(cfg, local, at::kFloat, profiles.of(), 0);
+  const RunPlan r = plan_run_auto(cfg, local, at::kFloat, profiles.of());
   ASSERT_EQ(r.choices.size(), 1u);
   EXPECT_EQ(r.choices[0].setting, "model.attention");
   EXPECT_EQ(r.choices[0].taken, "tiled");
   EXPECT_EQ(r.choices[0].reason, ChoiceReason::only_fit);
   Config unbounded = long_tiny(""), unbounded_local = unbounded;
-  const RunPlan alone = plan_run_auto(unbounded, unbounded_local, at::kFloat, profiles.of(), 0);
+  const RunPlan alone = plan_run_auto(unbounded, unbounded_local, at::kFloat, profiles.of());
   ASSERT_EQ(alone.choices.size(), 1u);
   EXPECT_EQ(alone.choices[0].reason, ChoiceReason::only_candidate);
   EXPECT_NE(alone.choices[0].why.find("no ac.budget"), std::string::npos);

@@ -37,7 +37,7 @@ std::optional<RunPlan> planned_with(Config cfg, LossHead head) {
   Prices p;
   p.times.flops_per_second = 1e9;
   try {
-    return plan_run(cfg, at::kFloat, p, 0);
+    return plan_run(cfg, at::kFloat, p);
   } catch (const BudgetTooSmall&) {
     return std::nullopt;
   }
@@ -48,7 +48,7 @@ int64_t least_budget(LossHead head) {
   Prices p;
   p.times.flops_per_second = 1e9;
   try {
-    plan_run(c, at::kFloat, p, 0);
+    plan_run(c, at::kFloat, p);
   } catch (const BudgetTooSmall& e) {
     return e.min_budget;
   }
@@ -59,7 +59,7 @@ int64_t least_budget(LossHead head) {
 TEST(LossHeadChoice, WithoutBudgetTakesTheFusedHeadAlone) {
   Config cfg = wide_vocab(""), local = cfg;
   Profiles profiles;
-  const RunPlan r = plan_run_auto(cfg, local, at::kFloat, profiles.of(), 0);
+  const RunPlan r = plan_run_auto(cfg, local, at::kFloat, profiles.of());
   EXPECT_EQ(cfg.model.loss_head, LossHead::fused);
   EXPECT_EQ(local.model.loss_head, LossHead::fused);
   EXPECT_EQ(plan_text(cfg, r).rfind("loss head: fused (model.loss_head = auto): no ac.budget", 0), 0u)
@@ -74,7 +74,7 @@ TEST(LossHeadChoice, TakesTheRecomputingHeadWhereOnlyItFits) {
   const int64_t between = (fused + recompute) / 2;
   Config cfg = wide_vocab(std::to_string(between)), local = cfg;
   Profiles profiles;
-  const RunPlan r = plan_run_auto(cfg, local, at::kFloat, profiles.of(), 0);
+  const RunPlan r = plan_run_auto(cfg, local, at::kFloat, profiles.of());
   EXPECT_EQ(cfg.model.loss_head, LossHead::recompute);
   EXPECT_EQ(local.model.loss_head, LossHead::recompute);
   EXPECT_EQ(
@@ -106,7 +106,7 @@ TEST(LossHeadChoice, WithoutMeasuredTimesTakesTheFewerFlopsAtEveryBudget) {
         !fused || recompute->predicted.recompute_flops + logits < fused->predicted.recompute_flops;
     Config cfg = wide_vocab(budget), local = cfg;
     Profiles profiles;
-    const RunPlan r = plan_run_auto(cfg, local, at::kFloat, profiles.of(), 0);
+    const RunPlan r = plan_run_auto(cfg, local, at::kFloat, profiles.of());
     EXPECT_EQ(cfg.model.loss_head, want_recompute ? LossHead::recompute : LossHead::fused) << budget;
     const auto& want = (want_recompute ? recompute : fused)->plan.layers;
     ASSERT_EQ(r.plan.layers.size(), want.size());
@@ -126,7 +126,7 @@ TEST(LossHeadChoice, MeasuredTimesTakeTheLowerPredictedStep) {
     Profiles profiles;
     profiles.base[LossHead::fused] = recompute_faster ? 0.3 : 0.2;
     profiles.base[LossHead::recompute] = recompute_faster ? 0.2 : 0.3;
-    const RunPlan r = plan_run_auto(cfg, local, at::kFloat, profiles.of(), 0);
+    const RunPlan r = plan_run_auto(cfg, local, at::kFloat, profiles.of());
     const LossHead faster = recompute_faster ? LossHead::recompute : LossHead::fused;
     EXPECT_EQ(cfg.model.loss_head, faster);
     EXPECT_NE(
@@ -141,7 +141,7 @@ TEST(LossHeadChoice, NeitherFittingNamesEveryHeadsMinimumAndTheLowersSentence) {
   Config cfg = wide_vocab("64KiB"), local = cfg;
   Profiles profiles;
   const int64_t least = least_budget(LossHead::recompute);
-  const std::string e = error_of<BudgetTooSmall>([&] { plan_run_auto(cfg, local, at::kFloat, profiles.of(), 0); });
+  const std::string e = error_of<BudgetTooSmall>([&] { plan_run_auto(cfg, local, at::kFloat, profiles.of()); });
   EXPECT_EQ(e.rfind("model.loss_head = auto tried both loss heads and no plan of either fits: the fused head needs a "
                     "budget of at least " +
                         memory::format_bytes(least_budget(LossHead::fused)) +
@@ -160,7 +160,7 @@ TEST(LossHeadChoice, BothChoicesAreSaidHeadFirst) {
   cfg.model.attention = Attention::automatic;
   Config local = cfg;
   Profiles profiles;
-  const RunPlan r = plan_run_auto(cfg, local, at::kFloat, profiles.of(), 0);
+  const RunPlan r = plan_run_auto(cfg, local, at::kFloat, profiles.of());
   ASSERT_EQ(r.choices.size(), 2u);
   EXPECT_EQ(r.choices[0].line().rfind("loss head: fused (model.loss_head = auto): no ac.budget", 0), 0u)
       << r.choices[0].line();
@@ -171,7 +171,7 @@ TEST(LossHeadChoice, BothChoicesAreSaidHeadFirst) {
   EXPECT_EQ(cfg.model.attention, Attention::math);
   // Named, nothing is said or changed.
   local = cfg;
-  EXPECT_TRUE(plan_run_auto(cfg, local, at::kFloat, profiles.of(), 0).choices.empty());
+  EXPECT_TRUE(plan_run_auto(cfg, local, at::kFloat, profiles.of()).choices.empty());
 }
 
 TEST(LossHeadChoice, NothingIsDeclaredWithTheChoiceUnresolved) {
