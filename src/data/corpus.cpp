@@ -17,10 +17,10 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
-#include <thread>
 
 #include "remat/data.h"
 #include "remat/tokenizer.h"
+#include "data/encode_parts.h"
 #include "sources.h"
 #include "util/atomic_file.h"
 #include "util/sha256.h"
@@ -625,36 +625,16 @@ std::vector<int32_t> encode_documents(const Documents& docs, const Tokenizer& to
     }
   }
   bounds.push_back(n);
-  std::vector<std::vector<int32_t>> ids(bounds.size() - 1);
-  std::vector<std::vector<int64_t>> doc_starts(bounds.size() - 1);
-  std::vector<std::exception_ptr> errors(bounds.size() - 1);
-  auto work = [&](size_t part) {
-    try {
-      std::vector<int64_t> lines;
-      for (size_t d = bounds[part]; d < bounds[part + 1]; ++d) {
-        if (d > bounds[0]) ids[part].push_back(eos);
-        doc_starts[part].push_back(static_cast<int64_t>(ids[part].size()));
-        const std::vector<int32_t> doc = tok.encode_text(docs.document(d), lines, 1);
-        ids[part].insert(ids[part].end(), doc.begin(), doc.end());
-      }
-    } catch (...) {
-      errors[part] = std::current_exception();
+  const auto encode = [&](size_t part, std::vector<int32_t>& ids, std::vector<int64_t>& doc_starts) {
+    std::vector<int64_t> lines;
+    for (size_t d = bounds[part]; d < bounds[part + 1]; ++d) {
+      if (d > bounds[0]) ids.push_back(eos);
+      doc_starts.push_back(static_cast<int64_t>(ids.size()));
+      const std::vector<int32_t> doc = tok.encode_text(docs.document(d), lines, 1);
+      ids.insert(ids.end(), doc.begin(), doc.end());
     }
   };
-  std::vector<std::thread> pool;
-  for (size_t part = 1; part < ids.size(); ++part) pool.emplace_back(work, part);
-  work(0);
-  for (auto& t : pool) t.join();
-  for (auto& e : errors) {
-    if (e) std::rethrow_exception(e);
-  }
-  std::vector<int32_t> all;
-  starts.clear();
-  for (size_t part = 0; part < ids.size(); ++part) {
-    for (int64_t s : doc_starts[part]) starts.push_back(s + static_cast<int64_t>(all.size()));
-    all.insert(all.end(), ids[part].begin(), ids[part].end());
-  }
-  return all;
+  return encode_parts(bounds.size() - 1, encode, starts);
 }
 
 // The input's ids, counted, with where the split may cut them (lines, documents).

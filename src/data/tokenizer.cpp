@@ -11,9 +11,9 @@
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
-#include <thread>
 
 #include "data/byte_level_bpe.h"
+#include "data/encode_parts.h"
 #include "data/sentencepiece_shim.h"
 #include "util/atomic_file.h"
 #include "util/utf8.h"
@@ -172,41 +172,18 @@ std::vector<int32_t> encode_lines(const Tokenizer& tok, std::string_view text, s
   }
   bounds.push_back(text.size());
 
-  const size_t parts = bounds.size() - 1;
-  std::vector<std::vector<int32_t>> ids(parts);
-  std::vector<std::vector<int64_t>> starts(parts);
-  std::vector<std::exception_ptr> errors(parts);
-  auto work = [&](size_t part) {
-    try {
-      size_t pos = bounds[part];
-      while (pos < bounds[part + 1]) {
-        size_t end = text.find('\n', pos);
-        end = end == std::string_view::npos ? text.size() : end + 1;
-        starts[part].push_back(static_cast<int64_t>(ids[part].size()));
-        const std::vector<int32_t> line = tok.encode(text.substr(pos, end - pos));
-        ids[part].insert(ids[part].end(), line.begin(), line.end());
-        pos = end;
-      }
-    } catch (...) {
-      errors[part] = std::current_exception();
+  const auto encode = [&](size_t part, std::vector<int32_t>& ids, std::vector<int64_t>& starts) {
+    size_t pos = bounds[part];
+    while (pos < bounds[part + 1]) {
+      size_t end = text.find('\n', pos);
+      end = end == std::string_view::npos ? text.size() : end + 1;
+      starts.push_back(static_cast<int64_t>(ids.size()));
+      const std::vector<int32_t> line = tok.encode(text.substr(pos, end - pos));
+      ids.insert(ids.end(), line.begin(), line.end());
+      pos = end;
     }
   };
-  std::vector<std::thread> pool;
-  for (size_t part = 1; part < parts; ++part) pool.emplace_back(work, part);
-  work(0);
-  for (auto& t : pool) t.join();
-  for (auto& e : errors) {
-    if (e) std::rethrow_exception(e);
-  }
-
-  std::vector<int32_t> all;
-  line_starts.clear();
-  for (size_t part = 0; part < parts; ++part) {
-    const auto offset = static_cast<int64_t>(all.size());
-    for (int64_t s : starts[part]) line_starts.push_back(offset + s);
-    all.insert(all.end(), ids[part].begin(), ids[part].end());
-  }
-  return all;
+  return encode_parts(bounds.size() - 1, encode, line_starts);
 }
 
 }  // namespace
