@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <limits>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -344,15 +345,27 @@ std::string check_sizes(const CorpusInfo& info) {
   return "";
 }
 
+// SHA-256 of the file at `path` (a regular file: check_sizes saw it), read a chunk at a
+// time, since a corpus's token files may be far larger than memory.
+std::string file_sha256(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  util::Sha256 h;
+  std::vector<char> chunk(size_t{1} << 20);
+  while (in) {
+    in.read(chunk.data(), static_cast<std::streamsize>(chunk.size()));
+    h.update(chunk.data(), static_cast<size_t>(in.gcount()));
+  }
+  if (in.bad()) throw std::runtime_error("Cannot read " + path + ".");
+  return h.hex_digest();
+}
+
 // Empty when every file's SHA-256 matches meta.json; else what is wrong.
 std::string check_hashes(const CorpusInfo& info) {
   const std::pair<std::string, std::string> files[] = {{info.tokenizer_path(), info.tokenizer_sha256},
                                                        {info.train_path(), info.train_sha256},
                                                        {info.val_path(), info.val_sha256}};
   for (const auto& [path, expected] : files) {
-    if (util::sha256_hex(util::read_file(path)) != expected) {
-      return path + " does not match the checksum in meta.json";
-    }
+    if (file_sha256(path) != expected) return path + " does not match the checksum in meta.json";
   }
   return "";
 }
