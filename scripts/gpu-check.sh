@@ -20,6 +20,8 @@
 #   DEVICE=cpu BUILD=build bash scripts/gpu-check.sh
 # STEPS names the steps to run after the build (default: all of them, in this order):
 #   tests bitwise bench timeline peers traces suite
+# and `titan` (alone, as STEPS=titan: it takes six minutes) times remat against PyTorch as
+# torchtitan runs it, the 1B Llama at 2048 tokens in three rounds.
 # and ATTENTIONS (default "sdpa math"), POLICIES (;-separated) and BUDGETS narrow the bench's
 # entries, for a lease with little time left.
 set -uo pipefail
@@ -86,10 +88,14 @@ if [ -z "$build" ]; then
   build=build-gpu
   torch_prefix=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')
   generator=Ninja
+  # The test binary only where a step runs it.
+  targets=(--target remat)
+  { want tests || want suite; } && targets=()
   command -v ninja > /dev/null || generator="Unix Makefiles"
   # -O2 without debug information: the build is most of the lease.
   if ! { cmake -S . -B $build -G "$generator" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_FLAGS_RELEASE="-O2 -DNDEBUG" \
-    -DCMAKE_PREFIX_PATH="$torch_prefix;$deps/usr" && cap 330 cmake --build $build -j "$(nproc)"; } > "$work/build.log" 2>&1; then
+    -DCMAKE_PREFIX_PATH="$torch_prefix;$deps/usr" && cap 330 cmake --build $build -j "$(nproc)" "${targets[@]}"; } \
+    > "$work/build.log" 2>&1; then
     grep -m 20 -E "error|Error" "$work/build.log" | tee -a "$work/summary.txt"
     tail -5 "$work/build.log" >> "$work/summary.txt"
     pack
@@ -225,6 +231,42 @@ cap 150 python3 bench/peers/compare.py "${peer[@]}" --archs llama --policies non
   --d-model 2048 --heads 32 --kv-heads 8 --d-ff-llama 8192 --seq 1024 --batch 4 --out "$work/peers-llama-1b" \
   > "$work/peers-llama-1b.log" 2>&1 || say "compare.py llama-1b stopped: $(tail -1 "$work/peers-llama-1b.log")"
 tail -12 "$work/peers-llama-1b.log" >> "$work/summary.txt"
+pack
+fi
+
+if want titan; then
+step "remat against PyTorch as torchtitan runs it: the 1B Llama at 2048 tokens, three rounds"
+# PyTorch eager without recompute, torchtitan's per-op selective checkpointing, full
+# checkpointing per block and torch.compile (fused AdamW where torch has it), each against
+# remat's pairing, alternating in three rounds; then tokens/s and MFU by torchtitan's count.
+titan=(--device "$device" --remat "$remat" --python python3 --rounds 3 --steps 4 --warmup 2 --timeout 90
+  --pt-attention sdpa --remat-override model.attention=sdpa --remat-override ac.profile=true --archs llama
+  --policies none,full,sac,compile --dtype bfloat16 --layers 16 --d-model 2048 --heads 32 --kv-heads 8
+  --d-ff-llama 8192 --seq 2048 --batch 2)
+cap 360 python3 bench/peers/compare.py "${titan[@]}" --out "$work/titan" > "$work/titan.log" 2>&1 ||
+  say "compare.py titan stopped: $(tail -1 "$work/titan.log")"
+tail -12 "$work/titan.log" >> "$work/summary.txt"
+[ -f "$work/titan/rows.jsonl" ] && python3 - "$work/titan/rows.jsonl" <<'PY' | tee -a "$work/summary.txt"
+import collections, json, statistics, sys
+# torchtitan's count: 6 FLOPs per parameter but the embedding's, plus 12 * layers * d_model
+# * seq for attention; 989 TFLOP/s is the H100's and H200's dense bfloat16 peak.
+L, d, kv_share, ff, vocab, seq, batch = 16, 2048, 8 / 32, 8192, 8192, 2048, 2
+params = L * (2 * d * d + 2 * d * d * kv_share + 3 * d * ff) + vocab * d
+flops = 6 * params + 12 * L * d * seq
+runs = collections.defaultdict(list)
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    if not r.get("error"):
+        runs[(r["tool"], r["policy"])].append(r)
+for (tool, policy), rs in sorted(runs.items()):
+    s = statistics.median(r["median_step_seconds"] for r in rs)
+    tps = batch * seq / s
+    peak = max((r.get("peak_bytes") or 0) for r in rs) / 2 ** 30
+    pred = [r["predicted_step_seconds"] for r in rs if r.get("predicted_step_seconds")]
+    said = f", predicted {1e3 * statistics.median(pred):.1f} ms" if pred else ""
+    print(f"titan {tool} {policy}: {1e3 * s:.1f} ms{said}, {tps:,.0f} tokens/s, MFU {tps * flops / 989e12:.1%}, "
+          f"peak {peak:.2f} GiB, {len(rs)} rounds")
+PY
 pack
 fi
 
