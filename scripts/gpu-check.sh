@@ -247,12 +247,20 @@ cap 360 python3 bench/peers/compare.py "${titan[@]}" --out "$work/titan" > "$wor
   say "compare.py titan stopped: $(tail -1 "$work/titan.log")"
 tail -12 "$work/titan.log" >> "$work/summary.txt"
 [ -f "$work/titan/rows.jsonl" ] && python3 - "$work/titan/rows.jsonl" <<'PY' | tee -a "$work/summary.txt"
-import collections, json, statistics, sys
+import collections, json, os, statistics, sys
 # torchtitan's count: 6 FLOPs per parameter but the embedding's, plus 12 * layers * d_model
 # * seq for attention; 989 TFLOP/s is the H100's and H200's dense bfloat16 peak.
 L, d, kv_share, ff, vocab, seq, batch = 16, 2048, 8 / 32, 8192, 8192, 2048, 2
 params = L * (2 * d * d + 2 * d * d * kv_share + 3 * d * ff) + vocab * d
 flops = 6 * params + 12 * L * d * seq
+def predicted(r):
+    """The step remat predicted for its row: its bench's own record, in the run's --out."""
+    c = r.get("command", [])
+    try:
+        rows = json.load(open(os.path.join(c[c.index("--out") + 1], "bench.json")))["rows"]
+    except (ValueError, IndexError, OSError, KeyError):
+        return None
+    return next((x["predicted_step_seconds"] for x in rows if x.get("predicted_step_seconds")), None)
 runs = collections.defaultdict(list)
 for line in open(sys.argv[1]):
     r = json.loads(line)
@@ -262,7 +270,7 @@ for (tool, policy), rs in sorted(runs.items()):
     s = statistics.median(r["median_step_seconds"] for r in rs)
     tps = batch * seq / s
     peak = max((r.get("peak_bytes") or 0) for r in rs) / 2 ** 30
-    pred = [r["predicted_step_seconds"] for r in rs if r.get("predicted_step_seconds")]
+    pred = [p for p in map(predicted, rs) if p]
     said = f", predicted {1e3 * statistics.median(pred):.1f} ms" if pred else ""
     print(f"titan {tool} {policy}: {1e3 * s:.1f} ms{said}, {tps:,.0f} tokens/s, MFU {tps * flops / 989e12:.1%}, "
           f"peak {peak:.2f} GiB, {len(rs)} rounds")
