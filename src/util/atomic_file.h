@@ -1,4 +1,6 @@
-// Whole-file writes that never leave a half-written file under the final name.
+// Files as remat writes and reads them: whole-file writes that never leave a half-written
+// file under the final name, appends that never lose a record silently, and reads (whole
+// or mapped) that refuse what is not a regular file.
 #pragma once
 
 #include <cstddef>
