@@ -20,8 +20,9 @@
 #   DEVICE=cpu BUILD=build bash scripts/gpu-check.sh
 # STEPS names the steps to run after the build (default: all of them, in this order):
 #   tests bitwise bench timeline peers traces suite
-# and `titan` (alone, as STEPS=titan: it takes six minutes) times remat against PyTorch as
-# torchtitan runs it, the 1B Llama at 2048 tokens in three rounds.
+# and `titan` (alone: it takes six minutes) times remat against PyTorch as torchtitan runs
+# it, the 1B Llama at 2048 tokens in three rounds. A lease's call runs 10 minutes at most:
+# STEPS=build builds remat alone, then BUILD=build-gpu STEPS=titan runs the step.
 # and ATTENTIONS (default "sdpa math"), POLICIES (;-separated) and BUDGETS narrow the bench's
 # entries, for a lease with little time left.
 set -uo pipefail
