@@ -421,6 +421,27 @@ std::string with_commas(int64_t n) {
   return out;
 }
 
+// Lines saying how far a long pass has come (`what`: "read", "split"), one every 10 s at
+// most, so that a corpus of billions of tokens shows progress.
+class PassProgress {
+ public:
+  PassProgress(const Log& log, std::string what, std::string unit, int64_t total = 0)
+      : log_(log), what_(std::move(what)), unit_(std::move(unit)), total_(total) {}
+  void add(int64_t n) {
+    done_ += n;
+    if (seconds_since(last_) < 10) return;
+    last_ = std::chrono::steady_clock::now();
+    say(log_, fmt::format("{} {}{} {} in {:.0f} s", what_, with_commas(done_),
+                          total_ > 0 ? " of " + with_commas(total_) : "", unit_, seconds_since(start_)));
+  }
+
+ private:
+  const Log& log_;
+  std::string what_, unit_;
+  int64_t total_ = 0, done_ = 0;
+  std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now(), last_ = start_;
+};
+
 }  // namespace
 
 std::string read_kjv_text() {
@@ -584,7 +605,9 @@ Input read_input(const PrepareOptions& options, const std::optional<Tokenizer>& 
                                         fs::absolute(*options.text_file).lexically_normal().string());
     say(log, "reading " + named);
     if (options.format == DataFormat::tokens) {
-      in.tokens = read_token_files(files, given->vocab_size(), given->eos_id());
+      PassProgress progress(log, "read", "tokens");
+      in.tokens = read_token_files(files, given->vocab_size(), given->eos_id(),
+                                   [&](const int32_t*, size_t n) { progress.add(static_cast<int64_t>(n)); });
       in.files = files;
       in.sha256 = in.tokens->sha256;
       in.source = "the ids of " + named;
@@ -597,8 +620,9 @@ Input read_input(const PrepareOptions& options, const std::optional<Tokenizer>& 
     DocumentsRead read;
     if (given) {
       // A given tokenizer encodes them a batch at a time: this reading only hashes them.
-      read =
-          for_each_document_batch(files, options.format, options.field, options.batch_bytes, [](const Documents&) {});
+      PassProgress progress(log, "read", "bytes of documents");
+      read = for_each_document_batch(files, options.format, options.field, options.batch_bytes,
+                                     [&](const Documents& docs) { progress.add(docs.bytes()); });
       in.streamed = true;
     } else {
       in.documents = read_documents(files, options.format, options.field);
@@ -732,8 +756,12 @@ void feed_splits(const Input& in, const Tokenizer& tok, const Ids& ids, SplitWri
     return;
   }
   say(log, "splitting them into train.bin and val.bin");
-  const TokenStream again = read_token_files(in.files, tok.vocab_size(), tok.eos_id(),
-                                             [&](const int32_t* chunk, size_t n) { splits.add(chunk, n); });
+  PassProgress progress(log, "split", "tokens", ids.count);
+  const TokenStream again =
+      read_token_files(in.files, tok.vocab_size(), tok.eos_id(), [&](const int32_t* chunk, size_t n) {
+        splits.add(chunk, n);
+        progress.add(static_cast<int64_t>(n));
+      });
   if (again.sha256 != in.tokens->sha256) {
     throw std::runtime_error("The token files (" + util::printable(in.source) +
                              ") changed while remat read them; prepare again once they are written.");
