@@ -126,8 +126,9 @@ std::string read_kjv_text();
 /// `path`'s bytes after checking they are non-empty, valid UTF-8.
 std::string read_utf8_file(const std::string& path);
 
-/// Entropy of the distribution of `ids` (each in [0, vocab_size)), in nats.
-double unigram_entropy(const std::vector<int32_t>& ids, int vocab_size);
+/// Entropy, in nats, of the distribution that `counts` (of each id) give: a prepared
+/// corpus's unigram entropy, from the counts its train split gathers as it is written.
+double unigram_entropy(const std::vector<int64_t>& counts);
 
 enum class Split { train, val };
 

@@ -141,19 +141,6 @@ std::vector<Cut> split_cuts(int64_t n, const std::vector<int64_t>& line_starts, 
   return cuts;
 }
 
-// The entropy, in nats, of the distribution `counts` (of each id) give.
-double entropy_of(const std::vector<int64_t>& counts) {
-  int64_t n = 0;
-  for (int64_t c : counts) n += c;
-  double h = 0;
-  for (int64_t c : counts) {
-    if (c == 0) continue;
-    const double p = static_cast<double>(c) / static_cast<double>(n);
-    h -= p * std::log(p);
-  }
-  return h;
-}
-
 // train.bin and val.bin, written as the ids arrive in order, each id to the split its cut
 // gives it, counted and hashed on the way; nothing lands under the final names before
 // commit().
@@ -193,7 +180,7 @@ class SplitWriter {
     info.val_tokens = val_.count;
     info.train_sha256 = train_.hash.hex_digest();
     info.val_sha256 = val_.hash.hex_digest();
-    info.train_unigram_entropy = entropy_of(counts_);
+    info.train_unigram_entropy = unigram_entropy(counts_);
   }
   void commit() {
     train_.file.commit();
@@ -473,10 +460,16 @@ std::string read_kjv_text() {
   return text;
 }
 
-double unigram_entropy(const std::vector<int32_t>& ids, int vocab_size) {
-  std::vector<int64_t> counts(static_cast<size_t>(vocab_size), 0);
-  for (int32_t id : ids) ++counts.at(static_cast<size_t>(id));
-  return entropy_of(counts);
+double unigram_entropy(const std::vector<int64_t>& counts) {
+  int64_t n = 0;
+  for (int64_t c : counts) n += c;
+  double h = 0;
+  for (int64_t c : counts) {
+    if (c == 0) continue;
+    const double p = static_cast<double>(c) / static_cast<double>(n);
+    h -= p * std::log(p);
+  }
+  return h;
 }
 
 CorpusInfo load_corpus_info(const std::string& dir) {

@@ -543,9 +543,11 @@ TEST(Corpus, RefusesBadOptions) {
 }
 
 TEST(Corpus, UnigramEntropy) {
-  EXPECT_DOUBLE_EQ(unigram_entropy({3, 3, 3}, 8), 0.0);
-  EXPECT_NEAR(unigram_entropy({0, 1, 2, 3}, 4), std::log(4.0), 1e-12);
-  EXPECT_NEAR(unigram_entropy({0, 0, 1, 1}, 4), std::log(2.0), 1e-12);
+  // The counts of ids {3, 3, 3} in 8 pieces, of {0, 1, 2, 3} and of {0, 0, 1, 1} in 4.
+  EXPECT_DOUBLE_EQ(unigram_entropy({0, 0, 0, 3, 0, 0, 0, 0}), 0.0);
+  EXPECT_NEAR(unigram_entropy({1, 1, 1, 1}), std::log(4.0), 1e-12);
+  EXPECT_NEAR(unigram_entropy({2, 2, 0, 0}), std::log(2.0), 1e-12);
+  EXPECT_DOUBLE_EQ(unigram_entropy({0, 0}), 0.0);  // an empty split
 }
 
 // The real default corpus, end to end (about 2-3 s on 2 cores). Skipped where Debian's
