@@ -31,7 +31,7 @@ namespace remat {
 struct Param {
   std::string name;  ///< Hugging Face name, e.g. "h.0.attn.c_attn.weight"
   at::Tensor value;  ///< master copy (float32; float64 in float64 models), on the model's device
-  at::Tensor grad;   ///< accumulator of the same shape and dtype; zeroed by zero_grad()
+  at::Tensor grad;   ///< accumulator of the same shape and dtype; started afresh by zero_grad()
   bool decay;        ///< whether weight decay applies (matrices, not norms or biases)
   /// How the tensor-parallel group splits it (value and grad alike); not split: every rank
   /// of the group holds it whole, with equal gradients (once the partial ones are summed).
@@ -152,6 +152,9 @@ class Model {
   /// Parameters of the model (split ones counted whole, once; a stage's own, its tied
   /// copy included).
   int64_t num_params() const;
+  /// Starts the gradients afresh: the next backward writes each gradient whose ops write it
+  /// whole (graph::OpDef::writes_grads) instead of adding to it, so only those the ops add
+  /// into by rows (an embedding's) are zeroed here.
   void zero_grad();
   /// Sums the partial gradients (Param::partial) over the tensor-parallel group, in one
   /// collective; once per step, after the last microbatch's backward. Nothing to do
@@ -184,7 +187,8 @@ class Model {
                                               const StepContext& ctx, int64_t ce_chunk,
                                               ActivationBytes* measured = nullptr) = 0;
   /// The backward of a microbatch this model's forward made, once, in any order among the
-  /// microbatches in flight: accumulates the parameters' gradients and returns the
+  /// microbatches in flight: adds into the parameters' gradients (the first since
+  /// zero_grad() writes those its ops write whole) and returns the
   /// gradient of the forward's input (the previous stage's `dy`; undefined on the first
   /// stage). On the last stage it starts from d(loss * loss_scale)/d(loss) and `dy` is
   /// ignored; elsewhere `dy` is the gradient of Microbatch::output from the next stage
@@ -202,6 +206,10 @@ class Model {
                           at::Tensor* output = nullptr) = 0;
   /// Logits of the last position of each sequence, [B, V] float32. A model of every layer only.
   virtual at::Tensor last_logits(const at::Tensor& tokens) = 0;
+  /// Casts the masters into their copies in the compute dtype now, as the first forward
+  /// after an update does, in one pass; nothing where the model computes in the masters'
+  /// dtype. The profile times the step's part around the passes by it.
+  virtual void cast_compute_copies() = 0;
 
   /// Applies an activation plan (one LayerPlan per layer of the whole model, a stage
   /// too: it runs its layers' plans) to the following forwards; a plan that keeps every
@@ -258,6 +266,8 @@ class Model {
   StageSpan stage_;
   std::vector<Param> params_;
   at::Tensor grad_buffer_;
+  std::vector<int> added_only_;  ///< the parameters whose gradients zero_grad() zeroes
+  bool fresh_grads_ = false;     ///< zero_grad() ran, and no backward since
   std::function<void(size_t)> gradients_ready_;
 };
 

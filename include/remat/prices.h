@@ -25,8 +25,9 @@ struct Prices {
   /// attention op's (model.attention = auto per layer).
   cost::NodeTimes times;
   double base_seconds = 0;  ///< one microbatch's forward and backward, nothing recomputed (measured)
-  /// The step's work besides the passes (measured): zeroing the gradients, clipping them,
-  /// the AdamW update and the compute-dtype copies of the updated weights.
+  /// The step's work besides the passes (measured): zeroing the gradients the first
+  /// backward does not write (Model::zero_grad), clipping them all, the AdamW update and
+  /// the compute-dtype copies of the updated weights.
   double optimizer_seconds = 0;
   int64_t optimizer_bytes = 0;  ///< the parameter bytes that update was of
   /// The CPUs other processes used while it was measured (rank 0's machine); unknown where

@@ -106,7 +106,10 @@ int64_t Model::num_params() const {
   return n;
 }
 
-void Model::zero_grad() { grad_buffer_.zero_(); }
+void Model::zero_grad() {
+  for (const int i : added_only_) params_[static_cast<size_t>(i)].grad.zero_();
+  fresh_grads_ = true;
+}
 
 void Model::sum_partial_grads(const std::string& what) {
   std::vector<at::Tensor> parts;

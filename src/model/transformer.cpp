@@ -77,6 +77,20 @@ Weights make_weights(const ArchDecl& decl, const ModelConfig& cfg, int64_t tp, b
 
 const std::vector<bool> kKeepAll(kSlotCount, true);
 
+// Makes `tensors` views, in order, of one new flat buffer of options `o` (zeros when
+// `zeroed`), and returns it: one allocation, which one kernel reads or writes whole.
+at::Tensor flat_views(std::vector<at::Tensor>& tensors, const at::TensorOptions& o, bool zeroed) {
+  int64_t numel = 0;
+  for (const at::Tensor& t : tensors) numel += t.numel();
+  at::Tensor flat = zeroed ? at::zeros({numel}, o) : at::empty({numel}, o);
+  numel = 0;
+  for (at::Tensor& t : tensors) {
+    t = flat.narrow(0, numel, t.numel()).view(t.sizes());
+    numel += t.numel();
+  }
+  return flat;
+}
+
 }  // namespace
 
 std::vector<at::Tensor> Engine::forward(int i, const std::vector<at::Tensor>& in, bool recompute) {
@@ -150,7 +164,10 @@ TransformerModel::TransformerModel(const ArchDecl& decl, const ModelConfig& cfg,
   keep_all_.layers.resize(static_cast<size_t>(cfg.n_layer));
   // Masters are float32, or float64 when computing in float64 (gradient tests).
   const auto f32 = at::TensorOptions().dtype(compute_dtype == at::kDouble ? at::kDouble : at::kFloat);
-  weights_ = make_weights(decl, cfg, tp_size(), sp_, f32, stage_);
+  // The masters, their gradients and their compute copies: a flat buffer each, views in
+  // the same order, so that one pass casts the masters after an update.
+  weights_ = make_weights(decl, cfg, tp_size(), sp_, f32.device(at::kMeta), stage_);
+  master_buffer_ = flat_views(weights_.tensors, f32.device(device), false);
   std::map<std::string, size_t> mine;
   for (size_t i = 0; i < weights_.names.size(); ++i) mine.emplace(weights_.names[i], i);
   // Initialise on CPU from one seeded generator so a seed means the same model on every
@@ -169,21 +186,17 @@ TransformerModel::TransformerModel(const ArchDecl& decl, const ModelConfig& cfg,
       other_stages_.insert(all.names[j]);
       continue;
     }
-    weights_.tensors[it->second] =
-        graph::take_part(full, all.shards[j], tp_size(), tp != nullptr ? tp->rank() : 0).contiguous().to(device);
+    weights_.tensors[it->second].copy_(
+        graph::take_part(full, all.shards[j], tp_size(), tp != nullptr ? tp->rank() : 0));
   }
   grads_ = weights_;
-  int64_t numel = 0;
-  for (const at::Tensor& w : weights_.tensors) numel += w.numel();
-  grad_buffer_ = at::zeros({numel}, weights_.tensors.at(0).options());
-  numel = 0;
+  grad_buffer_ = flat_views(grads_.tensors, f32.device(device), true);
   for (size_t i = 0; i < weights_.tensors.size(); ++i) {
     const at::Tensor& w = weights_.tensors[i];
-    grads_.tensors[i] = grad_buffer_.narrow(0, numel, w.numel()).view(w.sizes());
-    numel += w.numel();
     params_.push_back(Param{weights_.names[i], w, grads_.tensors[i], w.dim() >= 2, weights_.shards[i],
                             weights_.partial[i], weights_.vocab[i], weights_.tied[i]});
   }
+  find_added_only();
   if (last_stage()) {
     const graph::BlockGraph head = graph_of(Part::head, 1, 1, 1);
     for (const auto& n : head.nodes) {
@@ -281,6 +294,9 @@ at::Tensor TransformerModel::backward(Microbatch& handle, at::Tensor dy, double 
                 out.dtype, ", got ", dy.sizes(), " ", dy.scalar_type());
   }
   mb->consumed = true;
+  // The first backward since zero_grad() writes the gradients its ops write whole.
+  const ops::GradInto into = fresh_grads_ ? ops::GradInto::write : ops::GradInto::add;
+  fresh_grads_ = false;
   // Idle pooled buffers go back to the system when the backward ends, also when a
   // recompute throws (a failed determinism check); the microbatch's own leave the pool.
   const PoolDrain drain{store_ != nullptr && store_->options().pool};
@@ -299,6 +315,7 @@ at::Tensor TransformerModel::backward(Microbatch& handle, at::Tensor dy, double 
       case schedule::Kind::head_backward: {
         scope.emplace("loss head backward", trace::Category::layer);
         Engine e = engine(*mb->head_shape, W, W.head, true, 0, ctx, nullptr);
+        e.ctx.grads = into;
         dx = mb->head->backward(e, at::scalar_tensor(loss_scale, at::kDouble));
         scope.reset();
         if (gradients_ready_) {
@@ -324,6 +341,7 @@ at::Tensor TransformerModel::backward(Microbatch& handle, at::Tensor dy, double 
         auto& run = mb->layers[static_cast<size_t>(l - stage_.first)];
         const GraphShape& blk = *mb->block_shapes[static_cast<size_t>(l - stage_.first)];
         Engine e = engine(blk, W, W.layers[l - stage_.first], true, l, ctx, store_.get());
+        e.ctx.grads = into;
         dx = run->backward(e, std::move(dx));
         run.reset();
         if (store_) store_->finished_backward(l);
@@ -333,6 +351,7 @@ at::Tensor TransformerModel::backward(Microbatch& handle, at::Tensor dy, double 
       case schedule::Kind::embed_backward: {
         scope.emplace("embedding backward", trace::Category::layer);
         Engine e = engine(*mb->embed_shape, W, W.embed, true, 0, ctx, nullptr);
+        e.ctx.grads = into;
         dx = mb->embed->backward(e, std::move(dx));  // token ids: undefined
         ready(W.embed);
         break;
@@ -561,17 +580,50 @@ at::Tensor TransformerModel::blocks_output(const at::Tensor& input) {
 }
 
 const Weights& TransformerModel::compute_weights() {
-  if (compute_dtype_ == params_.front().value.scalar_type()) return weights_;
-  int64_t version = 0;
-  for (const auto& t : weights_.tensors) version += t._version();
-  if (!cast_valid_ || version != cast_version_) {
-    const trace::Scope scope("compute copies", trace::Category::step);
+  if (compute_dtype_ == master_buffer_.scalar_type()) return weights_;
+  if (!cast_buffer_.defined()) {
     cast_ = weights_;
-    for (auto& t : cast_.tensors) t = t.to(compute_dtype_);
-    cast_version_ = version;
-    cast_valid_ = true;
+    cast_buffer_ = flat_views(cast_.tensors, master_buffer_.options().dtype(compute_dtype_), false);
+  }
+  // An update or a load writes the masters in place, through views sharing the buffer's
+  // version counter.
+  if (master_buffer_._version() != cast_version_) {
+    const trace::Scope scope("compute copies", trace::Category::step);
+    cast_buffer_.copy_(master_buffer_);
+    cast_version_ = master_buffer_._version();
   }
   return cast_;
+}
+
+void TransformerModel::cast_compute_copies() {
+  cast_version_ = -1;
+  compute_weights();
+}
+
+void TransformerModel::find_added_only() {
+  // The head's and the blocks' ops write their whole gradients (checked here, since a step
+  // would otherwise read stale ones); the embedding's add into rows, and need zeros unless
+  // the head, whose backward runs first, writes the same tied table.
+  std::vector<graph::BlockGraph> writing;
+  if (last_stage()) writing.push_back(graph_of(Part::head, 1, 1, 1));
+  if (!weights_.layers.empty()) writing.push_back(graph_of(Part::block, 1, 1, 0, false, stage_.first));
+  for (const graph::BlockGraph& g : writing) {
+    for (const graph::Node& n : g.nodes) {
+      TORCH_INTERNAL_ASSERT(n.params.empty() || n.op->writes_grads(), "node ", n.name,
+                            " adds into part of its gradients, outside the embedding");
+    }
+  }
+  if (!first_stage()) return;
+  const std::set<int> by_head(weights_.head.begin(), weights_.head.end());
+  std::set<int> added;
+  for (const graph::Node& n : graph_of(Part::embed, 1, 1).nodes) {
+    if (n.op->writes_grads()) continue;
+    for (const int k : n.params) {
+      const int i = weights_.embed[static_cast<size_t>(k)];
+      if (by_head.count(i) == 0) added.insert(i);
+    }
+  }
+  added_only_.assign(added.begin(), added.end());
 }
 
 }  // namespace remat::detail

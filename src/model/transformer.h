@@ -161,6 +161,7 @@ class TransformerModel final : public Model {
   at::Tensor backward(Microbatch& mb, at::Tensor dy, double loss_scale) override;
   double evaluate(const at::Tensor& input, const at::Tensor& targets, int64_t ce_chunk, at::Tensor* output) override;
   at::Tensor last_logits(const at::Tensor& tokens) override;
+  void cast_compute_copies() override;
   double forward_flops(int64_t seq) const override;
   void set_activation_plan(const ActivationPlan& plan, const StoreOptions& options) override;
   ActivationStore* store() override { return store_.get(); }
@@ -216,6 +217,8 @@ class TransformerModel final : public Model {
   // The weights the ops compute with: the float32 masters themselves, or copies in the
   // compute dtype refreshed whenever the masters changed (once per optimizer step).
   const Weights& compute_weights();
+  // Model::added_only_: the embedding's parameters the head does not write first.
+  void find_added_only();
 
   const ArchDecl& decl_;
   std::optional<ops::RopeTables> rope_;  ///< rotation tables, when the block rotates
@@ -230,9 +233,10 @@ class TransformerModel final : public Model {
   Weights weights_;
   Weights grads_;
   Weights cast_;
+  at::Tensor master_buffer_;  ///< the flat buffer weights_ views
+  at::Tensor cast_buffer_;    ///< the flat buffer cast_ views; undefined until the first cast
   int head_weight_ = -1;  ///< the weight the loss's logits read (generation's logits too); -1: no head
-  bool cast_valid_ = false;
-  int64_t cast_version_ = 0;
+  int64_t cast_version_ = -1;  ///< master_buffer_'s version when last cast
 };
 
 }  // namespace remat::detail

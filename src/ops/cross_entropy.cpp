@@ -135,16 +135,18 @@ void chunk_dlogits(at::Tensor& softmax, const Chunk& c, double scale) {
   softmax.mul_(row_scale).scatter_add_(1, c.safe, onehot);
 }
 
-// Accumulates one chunk's dx rows (overwritten) and dw from its float dlogits.
+// Accumulates (or writes, `into`) one chunk's dw from its float dlogits, and writes its dx rows.
 void chunk_grads(const at::Tensor& dlogits, const at::Tensor& x_c, const at::Tensor& w, at::Tensor dx_c,
-                 at::Tensor& dw) {
+                 at::Tensor& dw, GradInto into) {
   const at::Tensor dl = dlogits.to(x_c.scalar_type());
   at::mm_out(dx_c, dl, w);
-  if (dw.scalar_type() == x_c.scalar_type()) {
-    dw.addmm_(dl.t(), x_c);
+  // A wider accumulator (float32 for bfloat16 activations) takes the float32 dlogits.
+  const bool same = dw.scalar_type() == x_c.scalar_type();
+  const at::Tensor a = same ? dl.t() : dlogits.to(dw.scalar_type()).t(), b = same ? x_c : x_c.to(dw.scalar_type());
+  if (into == GradInto::write) {
+    at::mm_out(dw, a, b);
   } else {
-    // A wider accumulator (float32 for bfloat16 activations) takes the float32 dlogits.
-    dw.addmm_(dlogits.to(dw.scalar_type()).t(), x_c.to(dw.scalar_type()));
+    dw.addmm_(a, b);
   }
 }
 
@@ -170,7 +172,8 @@ Fwd<CrossEntropySaved> cross_entropy_forward(const at::Tensor& x, const at::Tens
   return {loss, CrossEntropySaved{x, targets, lse, chunk_tokens, shard}};
 }
 
-at::Tensor cross_entropy_backward(double dloss, const CrossEntropySaved& saved, const at::Tensor& w, at::Tensor& dw) {
+at::Tensor cross_entropy_backward(double dloss, const CrossEntropySaved& saved, const at::Tensor& w, at::Tensor& dw,
+                                  GradInto into) {
   const trace::Scope trace_scope("cross_entropy", trace::Category::backward);
   const at::Tensor& x = saved.x;
   check_weight(x, w);
@@ -178,7 +181,10 @@ at::Tensor cross_entropy_backward(double dloss, const CrossEntropySaved& saved, 
   const int64_t N = x.size(0);
   at::Tensor dx = at::zeros({N, x.size(1)}, x.options());
   const Rows rows(saved.targets, saved.shard, w.size(0));
-  if (rows.count == 0) return dx;  // every target ignored: the loss is a constant 0
+  if (rows.count == 0) {  // every target ignored: the loss is a constant 0
+    if (into == GradInto::write) dw.zero_();
+    return dx;
+  }
   const at::ScalarType sd = saved.lse.scalar_type();
   const double scale = dloss / static_cast<double>(rows.count);
   for (int64_t start = 0; start < N; start += saved.chunk) {
@@ -189,7 +195,7 @@ at::Tensor cross_entropy_backward(double dloss, const CrossEntropySaved& saved, 
     at::Tensor dlogits = chunk_logits(x, w, start, n, sd);
     dlogits.sub_(saved.lse.narrow(0, start, n).unsqueeze(1)).exp_();
     chunk_dlogits(dlogits, Chunk(rows, start, n), scale);
-    chunk_grads(dlogits, x.narrow(0, start, n), w, dx.narrow(0, start, n), dw);
+    chunk_grads(dlogits, x.narrow(0, start, n), w, dx.narrow(0, start, n), dw, start == 0 ? into : GradInto::add);
   }
   return dx;
 }
@@ -218,17 +224,25 @@ Fwd<FusedCrossEntropySaved> fused_cross_entropy_forward(const at::Tensor& x, con
     chunk_loss(logits, at::empty({n}, x.options().dtype(sd)), c, split, loss, /*softmax=*/grad_chunks);
     if (!grad_chunks) continue;
     chunk_dlogits(logits, c, 1.0 / static_cast<double>(rows.count));
-    chunk_grads(logits, x.narrow(0, start, n), w, saved.dx.narrow(0, start, n), saved.dw);
+    chunk_grads(logits, x.narrow(0, start, n), w, saved.dx.narrow(0, start, n), saved.dw, GradInto::add);
   }
   if (rows.count > 0) loss.div_(rows.count);
   return {loss, saved};
 }
 
-at::Tensor fused_cross_entropy_backward(double dloss, const FusedCrossEntropySaved& saved, at::Tensor& dw) {
+at::Tensor fused_cross_entropy_backward(double dloss, const FusedCrossEntropySaved& saved, at::Tensor& dw,
+                                        GradInto into) {
   const trace::Scope trace_scope("fused_cross_entropy", trace::Category::backward);
   TORCH_CHECK(dw.sizes() == saved.dw.sizes(), "[fused_cross_entropy] dw must have w's shape ", saved.dw.sizes(),
               ", got ", dw.sizes());
-  dw.add_(saved.dw, dloss);
+  // Written: a copy where the scale is 1 (a plain step's), else scaled into zeros, which
+  // allocates nothing where a product with dloss would take a scalar operand.
+  if (into == GradInto::write && dloss == 1.0) {
+    dw.copy_(saved.dw);
+  } else {
+    if (into == GradInto::write) dw.zero_();
+    dw.add_(saved.dw, dloss);
+  }
   return saved.dx.clone().mul_(dloss);
 }
 
@@ -401,7 +415,7 @@ class CrossEntropyDef final : public OpDef {
                                    const std::vector<at::Tensor>& out, const std::vector<at::Tensor>& p,
                                    std::vector<at::Tensor*>& g, const Attrs& a, const RunContext& ctx) const override {
     const ops::CrossEntropySaved saved{in[0], in[1], out[1], a.chunk, detail::vocab_shard(a, ctx, p[0].size(0))};
-    return {ops::cross_entropy_backward(dy[0].item<double>(), saved, p[0], *g[0]), at::Tensor()};
+    return {ops::cross_entropy_backward(dy[0].item<double>(), saved, p[0], *g[0], ctx.grads), at::Tensor()};
   }
 
   // The forward: the row masks, then per chunk the logits and the loss terms.
@@ -468,8 +482,9 @@ class FusedCrossEntropyDef final : public OpDef {
   }
   std::vector<at::Tensor> backward(const std::vector<at::Tensor>& dy, const std::vector<at::Tensor>&,
                                    const std::vector<at::Tensor>& out, const std::vector<at::Tensor>&,
-                                   std::vector<at::Tensor*>& g, const Attrs&, const RunContext&) const override {
-    return {ops::fused_cross_entropy_backward(dy[0].item<double>(), {out[1], out[2]}, *g[0]), at::Tensor()};
+                                   std::vector<at::Tensor*>& g, const Attrs&, const RunContext& ctx) const override {
+    return {ops::fused_cross_entropy_backward(dy[0].item<double>(), {out[1], out[2]}, *g[0], ctx.grads),
+            at::Tensor()};
   }
 
   // The forward: the row masks and both gradients, then per chunk the logits, the rows'

@@ -81,6 +81,7 @@ class EmbeddingDef final : public OpDef {
  public:
   const char* kind() const override { return "embedding"; }
   TensorParallel tensor_parallel() const override { return TensorParallel::whole; }
+  bool writes_grads() const override { return false; }  // adds into the rows of the ids
   std::vector<TensorInfo> infer(const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& p,
                                 const Attrs&) const override {
     TORCH_CHECK(in.size() == 1 && in[0].dtype == at::kLong && p.size() == 1 && p[0].sizes.size() == 2,
@@ -144,6 +145,7 @@ class PositionEmbeddingDef final : public detail::Elementwise {
  public:
   PositionEmbeddingDef() : Elementwise("position_embedding", 1) {}
   TensorParallel tensor_parallel() const override { return TensorParallel::position_wise; }
+  bool writes_grads() const override { return false; }  // adds into the rows of the positions
   // A rank adds the embeddings of its own positions.
   Attrs on_share(const Attrs& a, const std::vector<TensorInfo>&, int64_t, const std::string&) const override {
     return detail::sharded(a);

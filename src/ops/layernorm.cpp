@@ -36,7 +36,7 @@ Fwd<LayerNormSaved> layernorm_forward(const at::Tensor& x, const at::Tensor& w, 
 }
 
 at::Tensor layernorm_backward(const at::Tensor& dy, const LayerNormSaved& saved, const at::Tensor& w, at::Tensor& dw,
-                              at::Tensor& db) {
+                              at::Tensor& db, GradInto into) {
   const trace::Scope trace_scope("layernorm", trace::Category::backward);
   const at::Tensor& x = saved.x;
   TORCH_CHECK(dy.sizes() == x.sizes(), "[layernorm] gradient must match the input shape ", x.sizes(), ", got ",
@@ -48,8 +48,8 @@ at::Tensor layernorm_backward(const at::Tensor& dy, const LayerNormSaved& saved,
   auto [dx, dw_rows, db_rows] =
       at::native_layer_norm_backward(dy.to(ct), x.to(ct), {x.size(-1)}, saved.mean.unsqueeze(-1),
                                      saved.rstd.unsqueeze(-1), wc, wc, {true, true, true});
-  accumulate(dw, dw_rows);
-  accumulate(db, db_rows);
+  accumulate(dw, dw_rows, into);
+  accumulate(db, db_rows, into);
   return dx.to(x.scalar_type());
 }
 
@@ -109,8 +109,8 @@ class LayerNormDef final : public OpDef {
   }
   std::vector<at::Tensor> backward(const std::vector<at::Tensor>& dy, const std::vector<at::Tensor>& in,
                                    const std::vector<at::Tensor>& out, const std::vector<at::Tensor>& p,
-                                   std::vector<at::Tensor*>& g, const Attrs&, const RunContext&) const override {
-    return {ops::layernorm_backward(dy[0], ops::LayerNormSaved{in[0], out[1], out[2]}, p[0], *g[0], *g[1])};
+                                   std::vector<at::Tensor*>& g, const Attrs&, const RunContext& ctx) const override {
+    return {ops::layernorm_backward(dy[0], ops::LayerNormSaved{in[0], out[1], out[2]}, p[0], *g[0], *g[1], ctx.grads)};
   }
   // CPU: the kernel normalises a contiguous float32 (float64) copy of a narrower or strided
   // x, with float32 copies of the parameters, and returns its output cast back. CUDA: it

@@ -16,25 +16,27 @@ Fwd<LinearSaved> linear_forward(const at::Tensor& x, const at::Tensor& w, const 
 
 namespace {
 
-// dw += dy^T x for dy [rows, out] and x [rows, in] in one GEMM, straight into the
-// accumulator when dtypes agree.
-void accumulate_weight_grad(at::Tensor& dw, const at::Tensor& dy2, const at::Tensor& x2) {
-  if (dw.scalar_type() == dy2.scalar_type()) {
-    dw.addmm_(dy2.t(), x2);
+// dw += dy^T x (dw = dy^T x when writing) for dy [rows, out] and x [rows, in] in one GEMM,
+// straight into the accumulator when dtypes agree.
+void accumulate_weight_grad(at::Tensor& dw, const at::Tensor& dy2, const at::Tensor& x2, GradInto into) {
+  if (dw.scalar_type() != dy2.scalar_type()) {
+    accumulate(dw, at::mm(dy2.t(), x2), into);
+  } else if (into == GradInto::write) {
+    at::mm_out(dw, dy2.t(), x2);
   } else {
-    accumulate(dw, at::mm(dy2.t(), x2));
+    dw.addmm_(dy2.t(), x2);
   }
 }
 
 }  // namespace
 
 at::Tensor linear_backward(const at::Tensor& dy, const LinearSaved& saved, const at::Tensor& w, at::Tensor& dw,
-                           at::Tensor* db) {
+                           at::Tensor* db, GradInto into) {
   const trace::Scope trace_scope("linear", trace::Category::backward);
   const int64_t in = w.size(1), out = w.size(0);
   at::Tensor dy2 = dy.reshape({-1, out});
-  accumulate_weight_grad(dw, dy2, saved.x.reshape({-1, in}));
-  if (db != nullptr && db->defined()) accumulate(*db, dy2.sum(0));
+  accumulate_weight_grad(dw, dy2, saved.x.reshape({-1, in}), into);
+  if (db != nullptr && db->defined()) accumulate(*db, dy2.sum(0), into);
   return at::matmul(dy, w);
 }
 
@@ -57,7 +59,7 @@ std::vector<at::Tensor> linears_forward(const at::Tensor& x, const std::vector<a
 }
 
 at::Tensor linears_backward(const std::vector<at::Tensor>& dys, const LinearSaved& saved,
-                            const std::vector<at::Tensor>& ws, const std::vector<at::Tensor*>& dws) {
+                            const std::vector<at::Tensor>& ws, const std::vector<at::Tensor*>& dws, GradInto into) {
   const trace::Scope trace_scope("linears", trace::Category::backward);
   TORCH_CHECK(!ws.empty() && dys.size() == ws.size() && dws.size() == ws.size(),
               "[linears] needs one output gradient and one gradient accumulator per weight");
@@ -66,7 +68,7 @@ at::Tensor linears_backward(const std::vector<at::Tensor>& dys, const LinearSave
   std::vector<at::Tensor> dy2;
   for (size_t i = 0; i < ws.size(); ++i) {
     dy2.push_back(dys[i].reshape({-1, ws[i].size(0)}));
-    accumulate_weight_grad(*dws[i], dy2[i], x2);
+    accumulate_weight_grad(*dws[i], dy2[i], x2, into);
   }
   // One [rows, in] result: the first product written, every other added by its GEMM.
   at::Tensor dx = at::mm(dy2[0], ws[0]);
@@ -128,8 +130,9 @@ class LinearDef final : public OpDef {
   }
   std::vector<at::Tensor> backward(const std::vector<at::Tensor>& dy, const std::vector<at::Tensor>& in,
                                    const std::vector<at::Tensor>&, const std::vector<at::Tensor>& p,
-                                   std::vector<at::Tensor*>& g, const Attrs&, const RunContext&) const override {
-    return {ops::linear_backward(dy[0], ops::LinearSaved{in[0]}, p[0], *g[0], g.size() == 2 ? g[1] : nullptr)};
+                                   std::vector<at::Tensor*>& g, const Attrs&, const RunContext& ctx) const override {
+    return {ops::linear_backward(dy[0], ops::LinearSaved{in[0]}, p[0], *g[0], g.size() == 2 ? g[1] : nullptr,
+                                 ctx.grads)};
   }
   // A strided x is copied into contiguous rows for the GEMM.
   void forward_events(Events& e, const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& p,
@@ -180,8 +183,8 @@ class LinearsDef final : public OpDef {
   }
   std::vector<at::Tensor> backward(const std::vector<at::Tensor>& dy, const std::vector<at::Tensor>& in,
                                    const std::vector<at::Tensor>&, const std::vector<at::Tensor>& p,
-                                   std::vector<at::Tensor*>& g, const Attrs&, const RunContext&) const override {
-    return {ops::linears_backward(dy, ops::LinearSaved{in[0]}, p, g)};
+                                   std::vector<at::Tensor*>& g, const Attrs&, const RunContext& ctx) const override {
+    return {ops::linears_backward(dy, ops::LinearSaved{in[0]}, p, g, ctx.grads)};
   }
   // A strided x is copied into contiguous rows once, for every GEMM.
   void forward_events(Events& e, const std::vector<TensorInfo>& in, const std::vector<TensorInfo>&,

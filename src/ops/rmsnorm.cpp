@@ -20,7 +20,8 @@ Fwd<RMSNormSaved> rmsnorm_forward(const at::Tensor& x, const at::Tensor& w, doub
   return {y, RMSNormSaved{x, rstd}};
 }
 
-at::Tensor rmsnorm_backward(const at::Tensor& dy, const RMSNormSaved& saved, const at::Tensor& w, at::Tensor& dw) {
+at::Tensor rmsnorm_backward(const at::Tensor& dy, const RMSNormSaved& saved, const at::Tensor& w, at::Tensor& dw,
+                            GradInto into) {
   const trace::Scope trace_scope("rmsnorm", trace::Category::backward);
   const at::Tensor& x = saved.x;
   TORCH_CHECK(dy.sizes() == x.sizes(), "[rmsnorm] gradient must match the input shape ", x.sizes(), ", got ",
@@ -30,7 +31,7 @@ at::Tensor rmsnorm_backward(const at::Tensor& dy, const RMSNormSaved& saved, con
   const at::Tensor r = saved.rstd.unsqueeze(-1);
   const at::Tensor dyf = dy.to(sd);
   at::Tensor xhat = at::mul(x.to(sd), r);
-  accumulate(dw, at::mul(dyf, xhat).reshape({-1, C}).sum(0));
+  accumulate(dw, at::mul(dyf, xhat).reshape({-1, C}).sum(0), into);
   // With g = dy * w: dx = rstd * (g - xhat * mean(g * xhat)).
   const at::Tensor g = at::mul(dyf, w.to(sd));
   const at::Tensor dot = at::mul(g, xhat).mean(-1, true);
@@ -78,8 +79,8 @@ class RMSNormDef final : public OpDef {
   }
   std::vector<at::Tensor> backward(const std::vector<at::Tensor>& dy, const std::vector<at::Tensor>& in,
                                    const std::vector<at::Tensor>& out, const std::vector<at::Tensor>& p,
-                                   std::vector<at::Tensor*>& g, const Attrs&, const RunContext&) const override {
-    return {ops::rmsnorm_backward(dy[0], ops::RMSNormSaved{in[0], out[1]}, p[0], *g[0])};
+                                   std::vector<at::Tensor*>& g, const Attrs&, const RunContext& ctx) const override {
+    return {ops::rmsnorm_backward(dy[0], ops::RMSNormSaved{in[0], out[1]}, p[0], *g[0], ctx.grads)};
   }
   // CPU: a product of a narrower x with the float32 statistics first casts x to float32
   // (TensorIterator promotes inputs by copies), then the result is cast back. CUDA kernels

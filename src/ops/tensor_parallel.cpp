@@ -31,8 +31,8 @@ Fwd<TpSaved> tp_reduce_forward(at::Tensor x, const at::Tensor& bias, dist::Group
   return {x, TpSaved{}};
 }
 
-at::Tensor tp_reduce_backward(const at::Tensor& dy, const TpSaved&, at::Tensor* db) {
-  if (db != nullptr && db->defined()) accumulate(*db, dy.reshape({-1, dy.size(-1)}).sum(0));
+at::Tensor tp_reduce_backward(const at::Tensor& dy, const TpSaved&, at::Tensor* db, GradInto into) {
+  if (db != nullptr && db->defined()) accumulate(*db, dy.reshape({-1, dy.size(-1)}).sum(0), into);
   return dy;
 }
 
@@ -85,8 +85,8 @@ Fwd<TpSaved> sp_scatter_forward(at::Tensor x, const at::Tensor& bias, dist::Grou
 }
 
 at::Tensor sp_scatter_backward(const at::Tensor& dy, const TpSaved&, at::Tensor* db, dist::Group& group,
-                               const std::string& what) {
-  if (db != nullptr && db->defined()) accumulate(*db, dy.reshape({-1, dy.size(-1)}).sum(0));
+                               const std::string& what, GradInto into) {
+  if (db != nullptr && db->defined()) accumulate(*db, dy.reshape({-1, dy.size(-1)}).sum(0), into);
   const trace::Scope trace_scope("all_gather", trace::Category::backward);
   return gather_positions(dy, group, what);
 }
@@ -197,8 +197,8 @@ class TpReduceDef final : public detail::Elementwise {
   }
   std::vector<at::Tensor> backward(const std::vector<at::Tensor>& dy, const std::vector<at::Tensor>&,
                                    const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
-                                   std::vector<at::Tensor*>& g, const Attrs&, const RunContext&) const override {
-    return {ops::tp_reduce_backward(dy[0], {}, g.empty() ? nullptr : g[0])};
+                                   std::vector<at::Tensor*>& g, const Attrs&, const RunContext& ctx) const override {
+    return {ops::tp_reduce_backward(dy[0], {}, g.empty() ? nullptr : g[0], ctx.grads)};
   }
   void forward_events(Events& e, const std::vector<TensorInfo>& in, const std::vector<TensorInfo>&,
                       const std::vector<TensorInfo>&, const Attrs&) const override {
@@ -282,7 +282,7 @@ class SpScatterDef final : public OpDef {
                                    const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
                                    std::vector<at::Tensor*>& g, const Attrs&, const RunContext& ctx) const override {
     return {ops::sp_scatter_backward(dy[0], {}, g.empty() ? nullptr : g[0], group_of(ctx, kind()),
-                                     what_of("gradient all-gather", ctx))};
+                                     what_of("gradient all-gather", ctx), ctx.grads)};
   }
   void forward_events(Events& e, const std::vector<TensorInfo>& in, const std::vector<TensorInfo>&,
                       const std::vector<TensorInfo>&, const Attrs&) const override {

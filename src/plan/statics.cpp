@@ -30,6 +30,12 @@ std::vector<graph::Param> stage_params(const ModelConfig& c, const Layout& layou
 
 int64_t numel(const graph::Param& p) { return graph::TensorInfo{p.sizes, at::kFloat, {}}.numel(); }
 
+int64_t numel(const std::vector<graph::Param>& params) {
+  int64_t n = 0;
+  for (const graph::Param& p : params) n += numel(p);
+  return n;
+}
+
 at::ScalarType master_dtype(at::ScalarType compute) { return compute == at::kDouble ? at::kDouble : at::kFloat; }
 
 OptimizerShare optimizer_share(const std::vector<graph::Param>& params, int64_t ranks) {
@@ -127,8 +133,7 @@ StaticBytes static_bytes(const ModelConfig& model, const StepShape& shape, const
               " stages with ", shape.grad_accum, " microbatches is not a stage of a model of ", cfg.n_layer, " layers");
   const at::ScalarType master = master_dtype(shape.dtype);
   const std::vector<graph::Param> params = stage_params(cfg, layout);
-  int64_t P = 0;
-  for (const graph::Param& p : params) P += numel(p);
+  const int64_t P = numel(params);
   StaticBytes s;
   s.params = nbytes(P, master);
   s.grads = nbytes(P, master);

@@ -16,6 +16,8 @@ std::vector<graph::Param> stage_params(const ModelConfig& cfg, const Layout& lay
 
 /// The elements of `p`.
 int64_t numel(const graph::Param& p);
+/// Elements of all of `params`.
+int64_t numel(const std::vector<graph::Param>& params);
 
 /// The dtype of the master weights, gradients and moments of a run computing in `compute`.
 at::ScalarType master_dtype(at::ScalarType compute);

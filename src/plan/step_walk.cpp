@@ -7,11 +7,9 @@ namespace remat::cost {
 using ops::nbytes;
 
 void StepWalk::hold_statics(int64_t workspace, bool moments_made, int64_t outside) {
-  int64_t P = 0;
-  for (const graph::Param& p : params_) {
-    statics_.push_back(make(nbytes(numel(p), master_)));
-    P += numel(p);
-  }
+  // The masters, then their gradients: a flat buffer each.
+  const int64_t P = numel(params_);
+  statics_.push_back(make(nbytes(P, master_)));
   if (block_of(first_).g.uses(graph::op::rope())) {
     statics_.push_back(make(ops::rope_tables_bytes(cfg_.max_seq, cfg_.head_dim(), shape_.dtype)));
   }
@@ -35,11 +33,9 @@ void StepWalk::hold_statics(int64_t workspace, bool moments_made, int64_t outsid
 void StepWalk::step() {
   std::vector<Microbatch> mbs(static_cast<size_t>(shape_.grad_accum));
   for (auto& mb : mbs) mb.layers.resize(static_cast<size_t>(end_ - first_));
-  // The compute dtype's copies of the parameters, cast again after every update.
-  if (shape_.dtype != master_) {
-    copies_.clear();
-    for (const graph::Param& p : params_) copies_.push_back(make(nbytes(numel(p), shape_.dtype)));
-  }
+  // The compute dtype's copies of the parameters: one flat buffer, made by the first step's
+  // first forward and cast into again after every update.
+  if (shape_.dtype != master_ && !copies_) copies_ = make(nbytes(numel(params_), shape_.dtype));
   const schedule::Stage stage{first_, end_, layout_.has_embedding(), layout_.has_head()};
   for (const schedule::Action& a :
        schedule::step(plan_, stage, layout_.schedule, layout_.pp, layout_.stage, shape_.grad_accum)) {

@@ -143,7 +143,8 @@ class StepWalk {
   at::ScalarType master_;
   const NodeTimes untimed_;
   LayerCost scratch_;  // the simulator's recompute counts: the peak ledger prices them per layer
-  std::vector<SimTensor> statics_, copies_, moments_;
+  std::vector<SimTensor> statics_, moments_;
+  SimTensor copies_;
   SimTensor busiest_;
   PeakMark peak_;
   std::string at_;

@@ -96,7 +96,6 @@ void measure_update(const Config& cfg, Model& model, TimeProfile& p) {
     if (owner[i] == 0) copies.push_back({prm.value.detach().clone(), grads.back(), prm.decay});
   }
   AdamW scratch(std::move(copies), AdamWSettings{.beta1 = t.beta1, .beta2 = t.beta2, .weight_decay = t.weight_decay});
-  const at::ScalarType compute = model.compute_dtype();
   for (int rep = 0; rep < 2; ++rep) {
     synchronize(device);
     const auto t0 = std::chrono::steady_clock::now();
@@ -105,10 +104,8 @@ void measure_update(const Config& cfg, Model& model, TimeProfile& p) {
     for (const auto& g : grads) squares.push_back(g.pow(2).sum());
     at::stack(squares).sum().item<double>();
     scratch.step(t.lr);
-    // An update changes every weight, so the next pass casts each to the compute dtype anew.
-    for (const auto& prm : model.params()) {
-      if (prm.value.scalar_type() != compute) (void)prm.value.to(compute);
-    }
+    // An update changes every weight, so the next pass casts them to the compute dtype anew.
+    model.cast_compute_copies();
     synchronize(device);
     p.optimizer_seconds = seconds_since(t0);  // the second: state already allocated
   }
@@ -138,6 +135,7 @@ void measure_times(const Config& cfg, Model& model, const data::TokenDataset& da
   std::vector<std::pair<double, StoreCounters>> reps;
   for (int rep = 0; rep <= kReps; ++rep) {
     model.store()->reset_counters();
+    model.zero_grad();  // each pass writes the gradients, as a step's first microbatch does
     synchronize(device);
     const auto t0 = std::chrono::steady_clock::now();
     model.forward_backward(tokens, targets, StepContext{static_cast<uint64_t>(cfg.run.seed), 0, 0}, 1.0, t.ce_chunk);
@@ -146,7 +144,7 @@ void measure_times(const Config& cfg, Model& model, const data::TokenDataset& da
     model.store()->settle_node_times();
     if (rep > 0) reps.emplace_back(seconds, model.store()->counters());  // rep 0 warms caches
   }
-  model.zero_grad();
+  model.grad_buffer().zero_();
   std::sort(reps.begin(), reps.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
   const auto& [pass_seconds, counters] = reps[reps.size() / 2];
   double recompute = 0;

@@ -30,11 +30,12 @@ struct TimeProfile : Prices {
 /// `<run.out_dir>/.profiles/`, or measures it there: a few forward/backward passes of one
 /// batch of `data` with every layer recomputed (the store times each node; the base time
 /// is the pass minus its measured recompute), and twice the update around the passes:
-/// the gradients zeroed and clipped, AdamW on scratch copies of the parameters (under
-/// parallel.zero = 1, of data-parallel rank 0's share of them over parallel.dp ranks; the
-/// exchange of the updated parameters is not timed, nor is the gradient all-reduce) and
-/// every weight cast to the compute dtype. The model's weights are untouched; its
-/// gradients are zeroed and its activation plan must be set again afterwards.
+/// the gradients zeroed (Model::zero_grad: the embedding's) and clipped, AdamW on scratch
+/// copies of the parameters (under parallel.zero = 1, of data-parallel rank 0's share of
+/// them over parallel.dp ranks; the exchange of the updated parameters is not timed, nor is
+/// the gradient all-reduce) and the weights cast to the compute dtype. The model's weights
+/// are untouched; its gradients are zeroed and its activation plan must be set again
+/// afterwards.
 ///
 /// Timed beside other work (more of the machine's CPUs busy with other processes than
 /// util::tolerated_other_cpus allows for the run's threads: rank 0's machine governs), it

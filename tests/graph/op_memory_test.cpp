@@ -22,6 +22,7 @@
 #endif
 
 #include <array>
+#include <cmath>
 #include <map>
 #include <optional>
 #include <set>
@@ -174,21 +175,38 @@ void check(const Case& c, at::Device device = at::kCPU) {
                                                 : make(out_info[j].with_sizes(out_info[j].sizes), gen, device));
   std::vector<int64_t> grad_bytes;
   for (const auto& i : c.in) grad_bytes.push_back(i.with_sizes(i.sizes).bytes());
-  std::vector<at::Tensor*> gp;
-  for (auto& g : grads) gp.push_back(&g);
   Events be(device.type());
   c.op->backward_events(be, c.in, pinfo, out_info, c.attrs);
-  before = in_use(device).current;
-  memory::reset_peak(device);
-  std::vector<at::Tensor> din = c.op->backward(dy, in, out, params, gp, c.attrs, ctx);
-  const Measured bwd{in_use(device).peak - before, in_use(device).current - before};
   const auto [bpeak, bleft] = replay(be, grad_bytes);
-  if (blocked_backward) {
-    EXPECT_GE(bwd.peak, bpeak) << "backward peak";
-  } else {
-    EXPECT_EQ(bwd.peak, bpeak) << "backward peak";
+  // Added into zeros, then (the step's first backward) written over NaN: the same gradients
+  // from the same allocations, which one list of events declares.
+  const bool writes = !grads.empty() && c.op->writes_grads();
+  std::vector<at::Tensor> dy_again;
+  for (const at::Tensor& d : dy) dy_again.push_back(writes && d.defined() ? d.clone() : d);
+  std::vector<at::Tensor> written;
+  for (const at::Tensor& g : grads) written.push_back(at::full_like(g, std::nan("")));
+  const auto backward = [&](std::vector<at::Tensor>& dys, std::vector<at::Tensor>& into, const char* how) {
+    std::vector<at::Tensor*> gp;
+    for (auto& g : into) gp.push_back(&g);
+    const int64_t start = in_use(device).current;
+    memory::reset_peak(device);
+    std::vector<at::Tensor> din = c.op->backward(dys, in, out, params, gp, c.attrs, ctx);
+    const Measured bwd{in_use(device).peak - start, in_use(device).current - start};
+    if (blocked_backward) {
+      EXPECT_GE(bwd.peak, bpeak) << how << " backward peak";
+    } else {
+      EXPECT_EQ(bwd.peak, bpeak) << how << " backward peak";
+    }
+    EXPECT_EQ(bwd.retained, bleft) << how << " backward retained";
+  };
+  backward(dy, grads, "adding");
+  if (!writes) return;
+  ctx.grads = ops::GradInto::write;
+  backward(dy_again, written, "writing");
+  for (size_t k = 0; k < grads.size(); ++k) {
+    EXPECT_TRUE(at::equal(written[k], grads[k])) << "parameter " << k << ": written "
+                                                 << (written[k] - grads[k]).abs().max().item<double>() << " away";
   }
-  EXPECT_EQ(bwd.retained, bleft) << "backward retained";
 }
 
 // The cuBLAS handle's workspace comes from the caching allocator on a process's first product

@@ -8,6 +8,8 @@
 #include <gtest/gtest.h>
 #include <torch/autograd.h>
 
+#include <cmath>
+
 namespace remat {
 namespace {
 
@@ -133,6 +135,34 @@ TEST(ModelGrad, TwoMicrobatchesOfBEqualOneBatchOf2B) {
     EXPECT_NEAR(halves, whole, 1e-12 * std::abs(whole)) << preset;
     for (size_t i = 0; i < batch.size(); ++i) {
       EXPECT_LT(rel_err(model->params()[i].grad, batch[i]), 1e-12) << preset << " " << model->params()[i].name;
+    }
+  }
+}
+
+// A step's first backward writes the gradients (the model zeroes only the embedding's,
+// which its op adds into by rows): over a buffer of NaN it gives the gradients a fresh
+// model's does, the tied table (GPT-2's, which the head writes first) and the positions' too,
+// with the loss scale of one microbatch of one and of two.
+TEST(ModelGrad, AStepsFirstBackwardWritesOverWhateverTheGradientsHeld) {
+  for (const char* preset : {"tiny-gpt2", "tiny-llama"}) {
+    for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+      for (const double scale : {1.0, 0.5}) {
+        ModelConfig cfg = model_preset(preset);
+        auto gen = at::detail::createCPUGenerator(5);
+        const at::Tensor tok = at::randint(cfg.vocab_size, {2, 8}, gen, at::kLong);
+        const at::Tensor tgt = at::randint(cfg.vocab_size, {2, 8}, gen, at::kLong);
+        auto fresh = Model::create(cfg, at::kCPU, dtype, 1);
+        fresh->zero_grad();
+        fresh->forward_backward(tok, tgt, {1, 0, 0}, scale, 64);
+        auto stale = Model::create(cfg, at::kCPU, dtype, 1);
+        stale->grad_buffer().fill_(std::nan(""));
+        stale->zero_grad();
+        stale->forward_backward(tok, tgt, {1, 0, 0}, scale, 64);
+        for (size_t i = 0; i < fresh->params().size(); ++i) {
+          EXPECT_TRUE(at::equal(stale->params()[i].grad, fresh->params()[i].grad))
+              << preset << " " << dtype << " scale " << scale << " " << fresh->params()[i].name;
+        }
+      }
     }
   }
 }

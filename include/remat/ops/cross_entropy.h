@@ -52,10 +52,12 @@ Fwd<CrossEntropySaved> cross_entropy_forward(const at::Tensor& x, const at::Tens
                                              int64_t chunk_tokens, std::optional<VocabShard> shard = std::nullopt,
                                              dist::Group* group = nullptr);
 /// `dloss` scales the gradient of the mean (1 for a plain backward). Returns dx [N, C];
-/// accumulates dw [V, C] (a float32 dw for bfloat16 x takes the float32 dlogits). With
-/// saved.shard, dx is this rank's part (the sum over the ranks is x's gradient) and dw its
-/// rows; no collective runs (the saved log-sum-exp is already the whole vocabulary's).
-at::Tensor cross_entropy_backward(double dloss, const CrossEntropySaved& saved, const at::Tensor& w, at::Tensor& dw);
+/// accumulates (or writes, `into`) dw [V, C] (a float32 dw for bfloat16 x takes the float32
+/// dlogits). With saved.shard, dx is this rank's part (the sum over the ranks is x's
+/// gradient) and dw its rows; no collective runs (the saved log-sum-exp is already the whole
+/// vocabulary's).
+at::Tensor cross_entropy_backward(double dloss, const CrossEntropySaved& saved, const at::Tensor& w, at::Tensor& dw,
+                                  GradInto into = GradInto::add);
 
 /// What the fused head's backward reads: the gradients of the mean loss (dloss = 1).
 struct FusedCrossEntropySaved {
@@ -72,8 +74,10 @@ Fwd<FusedCrossEntropySaved> fused_cross_entropy_forward(const at::Tensor& x, con
                                                         const at::Tensor& targets, int64_t chunk_tokens, bool grads,
                                                         std::optional<VocabShard> shard = std::nullopt,
                                                         dist::Group* group = nullptr);
-/// Returns dx = dloss * saved.dx (new memory); accumulates dloss * saved.dw into dw.
-at::Tensor fused_cross_entropy_backward(double dloss, const FusedCrossEntropySaved& saved, at::Tensor& dw);
+/// Returns dx = dloss * saved.dx (new memory); accumulates (or writes, `into`) dloss *
+/// saved.dw into dw.
+at::Tensor fused_cross_entropy_backward(double dloss, const FusedCrossEntropySaved& saved, at::Tensor& dw,
+                                        GradInto into = GradInto::add);
 
 /// Bytes CrossEntropySaved holds for N tokens.
 int64_t cross_entropy_saved_bytes(int64_t tokens, int64_t C, at::ScalarType dtype);

@@ -6,6 +6,7 @@
 #pragma once
 
 #include "remat/config.h"
+#include "remat/ops/common.h"
 #include "remat/ops/dropout.h"
 #include "remat/ops/rope.h"
 #include "remat/ops/tiled_attention.h"
@@ -117,6 +118,9 @@ struct RunContext {
   const ops::RopeTables* rope = nullptr;  ///< rotation tables covering the sequence (rope)
   /// The tensor-parallel group sharded ops and collectives run over; null: one rank.
   dist::Group* tp = nullptr;
+  /// How a backward's ops put their parameters' gradients: written by the step's first
+  /// microbatch (OpDef::writes_grads), added by the others.
+  ops::GradInto grads = ops::GradInto::add;
   int tp_rank() const;
   int tp_size() const;
 };
@@ -168,6 +172,9 @@ class OpDef {
   virtual bool outputs_named_by_params() const { return false; }
   /// Whether input i receives a gradient (ids and masks do not).
   virtual bool differentiable(size_t input) const { return true; }
+  /// Whether the backward writes its parameters' whole gradients when RunContext::grads says
+  /// so; one that adds into some rows only (an embedding's) needs them zeroed before a step.
+  virtual bool writes_grads() const { return true; }
 
   virtual std::vector<at::Tensor> forward(const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& params,
                                           const Attrs& a, const RunContext& ctx) const = 0;

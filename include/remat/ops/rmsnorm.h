@@ -13,8 +13,9 @@ struct RMSNormSaved {
 
 /// y = x * rstd * w.
 Fwd<RMSNormSaved> rmsnorm_forward(const at::Tensor& x, const at::Tensor& w, double eps);
-/// Returns dx; accumulates dw[C].
-at::Tensor rmsnorm_backward(const at::Tensor& dy, const RMSNormSaved& saved, const at::Tensor& w, at::Tensor& dw);
+/// Returns dx; accumulates (or writes, `into`) dw[C].
+at::Tensor rmsnorm_backward(const at::Tensor& dy, const RMSNormSaved& saved, const at::Tensor& w, at::Tensor& dw,
+                            GradInto into = GradInto::add);
 int64_t rmsnorm_saved_bytes(int64_t rows, int64_t C, at::ScalarType dtype);
 /// Forward FLOPs (about 5 per element).
 double rmsnorm_flops(int64_t rows, int64_t C);

@@ -36,8 +36,9 @@ at::Tensor tp_copy_backward(at::Tensor dy, const TpSaved& saved, dist::Group& gr
 /// y = the sum of x over the ranks (+ bias), computed in x's own memory (returned): x is
 /// a partial product no one else reads. `bias` may be undefined.
 Fwd<TpSaved> tp_reduce_forward(at::Tensor x, const at::Tensor& bias, dist::Group& group, const std::string& what);
-/// dx = dy; the bias gradient (when `db` is given and defined) accumulates dy's row sum.
-at::Tensor tp_reduce_backward(const at::Tensor& dy, const TpSaved& saved, at::Tensor* db);
+/// dx = dy; the bias gradient (when `db` is given and defined) accumulates (or is written,
+/// `into`) dy's row sum.
+at::Tensor tp_reduce_backward(const at::Tensor& dy, const TpSaved& saved, at::Tensor* db, GradInto into = GradInto::add);
 
 /// Every rank's `x` [B, n, ...] along dimension 1, in rank order: [B, n * ranks, ...], a
 /// new tensor. Gathered as bytes, so any dtype travels exactly.
@@ -61,8 +62,9 @@ at::Tensor sp_gather_backward(at::Tensor dy, const TpSaved& saved, dist::Group& 
 /// y = reduce_scatter_positions(x) (+ bias). `bias` may be undefined.
 Fwd<TpSaved> sp_scatter_forward(at::Tensor x, const at::Tensor& bias, dist::Group& group, const std::string& what);
 /// dx = gather_positions(dy); the bias gradient (when `db` is given and defined)
-/// accumulates dy's row sum: this rank's positions' part of it (Param::partial).
+/// accumulates (or is written, `into`) dy's row sum: this rank's positions' part of it
+/// (Param::partial).
 at::Tensor sp_scatter_backward(const at::Tensor& dy, const TpSaved& saved, at::Tensor* db, dist::Group& group,
-                               const std::string& what);
+                               const std::string& what, GradInto into = GradInto::add);
 
 }  // namespace remat::ops
