@@ -236,7 +236,7 @@ std::unique_ptr<Microbatch> TransformerModel::forward(const at::Tensor& input, c
         mb->embed_shape = &shaped(Part::embed, B, T, 0, sp_);
         const GraphShape& emb = *mb->embed_shape;
         mb->embed = std::make_unique<Run>(emb.graph, emb.lifetimes, kKeepAll);
-        Engine e = engine(emb, W, W.embed, false, 0, ctx, nullptr);
+        Engine e = engine(emb, W, W.embed, std::nullopt, 0, ctx, nullptr);
         x = mb->embed->forward(e, input);
         scope.reset();
         break;
@@ -245,7 +245,7 @@ std::unique_ptr<Microbatch> TransformerModel::forward(const at::Tensor& input, c
         const int64_t l = a.layer;
         const trace::Scope layer_scope("forward", trace::Category::layer, l);
         const GraphShape& blk = *mb->block_shapes[static_cast<size_t>(l - stage_.first)];
-        Engine e = engine(blk, W, W.layers[l - stage_.first], false, l, ctx, store_.get());
+        Engine e = engine(blk, W, W.layers[l - stage_.first], std::nullopt, l, ctx, store_.get());
         mb->layers.push_back(std::make_unique<Run>(blk.graph, blk.lifetimes, keeps(l), true, hold(l),
                                                    plan().layers[static_cast<size_t>(l)].offloaded));
         x = mb->layers.back()->forward(e, std::move(x));
@@ -256,7 +256,7 @@ std::unique_ptr<Microbatch> TransformerModel::forward(const at::Tensor& input, c
         mb->head_shape = &shaped(Part::head, B, T, ce_chunk, sp_);
         const GraphShape& head = *mb->head_shape;
         mb->head = std::make_unique<Run>(head.graph, head.lifetimes, kKeepAll);
-        Engine e = engine(head, W, W.head, false, 0, ctx, nullptr);
+        Engine e = engine(head, W, W.head, std::nullopt, 0, ctx, nullptr);
         mb->loss = mb->head->forward(e, std::move(x), false, {targets.reshape({-1})}).item<double>();
         scope.reset();
         break;
@@ -314,8 +314,7 @@ at::Tensor TransformerModel::backward(Microbatch& handle, at::Tensor dy, double 
     switch (a.kind) {
       case schedule::Kind::head_backward: {
         scope.emplace("loss head backward", trace::Category::layer);
-        Engine e = engine(*mb->head_shape, W, W.head, true, 0, ctx, nullptr);
-        e.ctx.grads = into;
+        Engine e = engine(*mb->head_shape, W, W.head, into, 0, ctx, nullptr);
         dx = mb->head->backward(e, at::scalar_tensor(loss_scale, at::kDouble));
         scope.reset();
         if (gradients_ready_) {
@@ -331,7 +330,7 @@ at::Tensor TransformerModel::backward(Microbatch& handle, at::Tensor dy, double 
         break;
       case schedule::Kind::fetch: {
         const size_t l = static_cast<size_t>(a.layer - stage_.first);
-        Engine e = engine(*mb->block_shapes[l], W, W.layers[l], false, a.layer, ctx, store_.get());
+        Engine e = engine(*mb->block_shapes[l], W, W.layers[l], std::nullopt, a.layer, ctx, store_.get());
         mb->layers[l]->start_fetch(e);
         break;
       }
@@ -340,8 +339,7 @@ at::Tensor TransformerModel::backward(Microbatch& handle, at::Tensor dy, double 
         const trace::Scope layer_scope("backward", trace::Category::layer, l);
         auto& run = mb->layers[static_cast<size_t>(l - stage_.first)];
         const GraphShape& blk = *mb->block_shapes[static_cast<size_t>(l - stage_.first)];
-        Engine e = engine(blk, W, W.layers[l - stage_.first], true, l, ctx, store_.get());
-        e.ctx.grads = into;
+        Engine e = engine(blk, W, W.layers[l - stage_.first], into, l, ctx, store_.get());
         dx = run->backward(e, std::move(dx));
         run.reset();
         if (store_) store_->finished_backward(l);
@@ -350,8 +348,7 @@ at::Tensor TransformerModel::backward(Microbatch& handle, at::Tensor dy, double 
       }
       case schedule::Kind::embed_backward: {
         scope.emplace("embedding backward", trace::Category::layer);
-        Engine e = engine(*mb->embed_shape, W, W.embed, true, 0, ctx, nullptr);
-        e.ctx.grads = into;
+        Engine e = engine(*mb->embed_shape, W, W.embed, into, 0, ctx, nullptr);
         dx = mb->embed->backward(e, std::move(dx));  // token ids: undefined
         ready(W.embed);
         break;
@@ -376,7 +373,7 @@ double TransformerModel::evaluate(const at::Tensor& input, const at::Tensor& tar
   }
   const GraphShape& head = shaped(Part::head, B, T, ce_chunk);
   const Weights& W = compute_weights();
-  Engine e = engine(head, W, W.head, false, 0, {}, nullptr, /*train=*/false);
+  Engine e = engine(head, W, W.head, std::nullopt, 0, {}, nullptr, /*train=*/false);
   return Run(head.graph, head.lifetimes, kKeepAll, /*training=*/false)
       .forward(e, std::move(x), false, {targets.reshape({-1})})
       .item<double>();
@@ -388,7 +385,7 @@ at::Tensor TransformerModel::last_logits(const at::Tensor& tokens) {
               tokens.sizes());
   const GraphShape& head = shaped(Part::head, tokens.size(0), tokens.size(1));
   const Weights& W = compute_weights();
-  Engine e = engine(head, W, W.head, false, 0, {}, nullptr, /*train=*/false);
+  Engine e = engine(head, W, W.head, std::nullopt, 0, {}, nullptr, /*train=*/false);
   const at::Tensor h = Run(head.graph, head.lifetimes, kKeepAll, /*training=*/false).forward(e, blocks_output(tokens));
   const at::Tensor logits = at::matmul(h.select(1, tokens.size(1) - 1), W.tensors[head_weight_].t()).to(at::kFloat);
   // A vocabulary-parallel head holds a share of the vocabulary's rows: the ranks' logits, side by side.
@@ -516,8 +513,9 @@ graph::InputHold TransformerModel::hold(int64_t l) const {
   return sharded ? graph::InputHold::sharded : graph::InputHold::whole;
 }
 
-Engine TransformerModel::engine(const GraphShape& s, const Weights& W, const std::vector<int>& params, bool backward,
-                                int64_t l, const StepContext& ctx, ActivationStore* store, bool train) {
+Engine TransformerModel::engine(const GraphShape& s, const Weights& W, const std::vector<int>& params,
+                                std::optional<ops::GradInto> backward, int64_t l, const StepContext& ctx,
+                                ActivationStore* store, bool train) {
   graph::RunContext run{ctx.seed, ctx.step, ctx.microbatch, ctx.first_row, l, train, device_, rope_ ? &*rope_ : nullptr,
                         tp_};
   graph::RunContext again = run;
@@ -527,6 +525,7 @@ Engine TransformerModel::engine(const GraphShape& s, const Weights& W, const std
     again.step = k.step;
     again.microbatch = k.microbatch;
   }
+  if (backward) run.grads = *backward;
   return Engine{s.graph, W.of(params), backward ? grads_.of(params) : std::vector<at::Tensor>{}, run, again, store, l};
 }
 
@@ -539,14 +538,14 @@ void TransformerModel::recompute_chunk(int64_t first, int64_t last, const StepCo
   const GraphShape& blk = *shapes[local(first)];  // a chunk's layers run the model's op
   store_->recompute([&] {
     {
-      Engine e = engine(blk, W, W.layers[local(first)], false, first, ctx, store_.get());
+      Engine e = engine(blk, W, W.layers[local(first)], std::nullopt, first, ctx, store_.get());
       runs[local(first)]->restore(e);
       runs[local(first)]->settle(e);
     }
     at::Tensor x = runs[local(first)]->value(blk.graph.input);
     for (int64_t j = first; j <= last; ++j) {
       const trace::Recompute recompute(j);
-      Engine e = engine(blk, W, W.layers[local(j)], false, j, ctx, store_.get());
+      Engine e = engine(blk, W, W.layers[local(j)], std::nullopt, j, ctx, store_.get());
       auto fresh = std::make_unique<Run>(blk.graph, blk.lifetimes, kKeepAll);
       x = fresh->forward(e, std::move(x), /*recompute=*/true);
       for (int s = 1; s < kSlotCount; ++s) {
@@ -568,12 +567,12 @@ at::Tensor TransformerModel::blocks_output(const at::Tensor& input) {
   at::Tensor x = input;
   if (first_stage()) {
     const GraphShape& emb = shaped(Part::embed, B, T);
-    Engine ee = engine(emb, W, W.embed, false, 0, none, nullptr, /*train=*/false);
+    Engine ee = engine(emb, W, W.embed, std::nullopt, 0, none, nullptr, /*train=*/false);
     x = Run(emb.graph, emb.lifetimes, keep_none, /*training=*/false).forward(ee, input);
   }
   for (int64_t l = stage_.first; l < end_layer(); ++l) {
     const GraphShape& blk = shaped(Part::block, B, T, 0, false, l);
-    Engine e = engine(blk, W, W.layers[l - stage_.first], false, l, none, nullptr, /*train=*/false);
+    Engine e = engine(blk, W, W.layers[l - stage_.first], std::nullopt, l, none, nullptr, /*train=*/false);
     x = Run(blk.graph, blk.lifetimes, keep_none, /*training=*/false).forward(e, std::move(x));
   }
   return x;

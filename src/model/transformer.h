@@ -199,9 +199,11 @@ class TransformerModel final : public Model {
   // How layer l holds its kept input (LayerPlan::input_sharded).
   graph::InputHold hold(int64_t l) const;
   // The backend for one graph: the weights `W` (the compute copies) at `params`, layer l's
-  // (or the embedding's, l = 0, or the head's), with their gradients when `backward`.
-  Engine engine(const GraphShape& s, const Weights& W, const std::vector<int>& params, bool backward, int64_t l,
-                const StepContext& ctx, ActivationStore* store, bool train = true);
+  // (or the embedding's, l = 0, or the head's), with their gradients for a `backward`, put
+  // into them as it says; nullopt: a forward.
+  Engine engine(const GraphShape& s, const Weights& W, const std::vector<int>& params,
+                std::optional<ops::GradInto> backward, int64_t l, const StepContext& ctx, ActivationStore* store,
+                bool train = true);
   // uniform:N (schedule::Kind::recompute): the forward of the chunk [first, last] again,
   // from its first layer's kept input, keeping everything, as one recompute. `shapes` and
   // `runs`: the stage's, from its first layer.
@@ -233,9 +235,9 @@ class TransformerModel final : public Model {
   Weights weights_;
   Weights grads_;
   Weights cast_;
-  at::Tensor master_buffer_;  ///< the flat buffer weights_ views
-  at::Tensor cast_buffer_;    ///< the flat buffer cast_ views; undefined until the first cast
-  int head_weight_ = -1;  ///< the weight the loss's logits read (generation's logits too); -1: no head
+  at::Tensor master_buffer_;   ///< the flat buffer weights_ views
+  at::Tensor cast_buffer_;     ///< the flat buffer cast_ views; undefined until the first cast
+  int head_weight_ = -1;       ///< the weight the loss's logits read (generation's logits too); -1: no head
   int64_t cast_version_ = -1;  ///< master_buffer_'s version when last cast
 };
 

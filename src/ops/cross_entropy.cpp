@@ -136,8 +136,8 @@ void chunk_dlogits(at::Tensor& softmax, const Chunk& c, double scale) {
 }
 
 // Accumulates (or writes, `into`) one chunk's dw from its float dlogits, and writes its dx rows.
-void chunk_grads(const at::Tensor& dlogits, const at::Tensor& x_c, const at::Tensor& w, at::Tensor dx_c,
-                 at::Tensor& dw, GradInto into) {
+void chunk_grads(const at::Tensor& dlogits, const at::Tensor& x_c, const at::Tensor& w, at::Tensor dx_c, at::Tensor& dw,
+                 GradInto into) {
   const at::Tensor dl = dlogits.to(x_c.scalar_type());
   at::mm_out(dx_c, dl, w);
   // A wider accumulator (float32 for bfloat16 activations) takes the float32 dlogits.
@@ -483,8 +483,7 @@ class FusedCrossEntropyDef final : public OpDef {
   std::vector<at::Tensor> backward(const std::vector<at::Tensor>& dy, const std::vector<at::Tensor>&,
                                    const std::vector<at::Tensor>& out, const std::vector<at::Tensor>&,
                                    std::vector<at::Tensor*>& g, const Attrs&, const RunContext& ctx) const override {
-    return {ops::fused_cross_entropy_backward(dy[0].item<double>(), {out[1], out[2]}, *g[0], ctx.grads),
-            at::Tensor()};
+    return {ops::fused_cross_entropy_backward(dy[0].item<double>(), {out[1], out[2]}, *g[0], ctx.grads), at::Tensor()};
   }
 
   // The forward: the row masks and both gradients, then per chunk the logits, the rows'

@@ -131,8 +131,8 @@ class LinearDef final : public OpDef {
   std::vector<at::Tensor> backward(const std::vector<at::Tensor>& dy, const std::vector<at::Tensor>& in,
                                    const std::vector<at::Tensor>&, const std::vector<at::Tensor>& p,
                                    std::vector<at::Tensor*>& g, const Attrs&, const RunContext& ctx) const override {
-    return {ops::linear_backward(dy[0], ops::LinearSaved{in[0]}, p[0], *g[0], g.size() == 2 ? g[1] : nullptr,
-                                 ctx.grads)};
+    return {
+        ops::linear_backward(dy[0], ops::LinearSaved{in[0]}, p[0], *g[0], g.size() == 2 ? g[1] : nullptr, ctx.grads)};
   }
   // A strided x is copied into contiguous rows for the GEMM.
   void forward_events(Events& e, const std::vector<TensorInfo>& in, const std::vector<TensorInfo>& p,

@@ -204,8 +204,8 @@ void check(const Case& c, at::Device device = at::kCPU) {
   ctx.grads = ops::GradInto::write;
   backward(dy_again, written, "writing");
   for (size_t k = 0; k < grads.size(); ++k) {
-    EXPECT_TRUE(at::equal(written[k], grads[k])) << "parameter " << k << ": written "
-                                                 << (written[k] - grads[k]).abs().max().item<double>() << " away";
+    EXPECT_TRUE(at::equal(written[k], grads[k]))
+        << "parameter " << k << ": written " << (written[k] - grads[k]).abs().max().item<double>() << " away";
   }
 }
 

@@ -38,7 +38,8 @@ at::Tensor tp_copy_backward(at::Tensor dy, const TpSaved& saved, dist::Group& gr
 Fwd<TpSaved> tp_reduce_forward(at::Tensor x, const at::Tensor& bias, dist::Group& group, const std::string& what);
 /// dx = dy; the bias gradient (when `db` is given and defined) accumulates (or is written,
 /// `into`) dy's row sum.
-at::Tensor tp_reduce_backward(const at::Tensor& dy, const TpSaved& saved, at::Tensor* db, GradInto into = GradInto::add);
+at::Tensor tp_reduce_backward(const at::Tensor& dy, const TpSaved& saved, at::Tensor* db,
+                              GradInto into = GradInto::add);
 
 /// Every rank's `x` [B, n, ...] along dimension 1, in rank order: [B, n * ranks, ...], a
 /// new tensor. Gathered as bytes, so any dtype travels exactly.
