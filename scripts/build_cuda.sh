@@ -73,6 +73,8 @@ bash scripts/root.sh run cuda --bind "$PWD:/src" -- \
     grep "^-- remat:" build-cuda/configure.log
     grep -q "CUDA support: ON" build-cuda/configure.log ||
       { echo "build_cuda: LibTorch was found without CUDA" >&2; exit 1; }
+    grep -q "NCCL: ON" build-cuda/configure.log ||
+      { echo "build_cuda: NCCL (nccl.h or c10d'"'"'s ProcessGroupNCCL.hpp) was not found" >&2; exit 1; }
     cmake --build build-cuda -j "$(nproc)" --target remat
     # The tests run in the other lanes; here only those with CUDA paths are compiled.
     mapfile -t objects < <(grep -rl REMAT_WITH_CUDA tests | sed "s/\$/.o/")

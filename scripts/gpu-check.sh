@@ -21,7 +21,8 @@
 # STEPS names the steps to run after the build (default: all of them, in this order):
 #   tests bitwise bench timeline peers traces suite
 # and `titan` (alone: it takes six minutes) times remat against PyTorch as torchtitan runs
-# it, the 1B Llama at 2048 tokens in three rounds. A lease's call runs 10 minutes at most:
+# it, the 1B Llama at 2048 tokens in three rounds, and `ranks` (alone, at most 4 minutes)
+# trains on two ranks sharing the GPU against one process. A lease's call runs 10 minutes at most:
 # STEPS=build builds remat alone, then BUILD=build-gpu STEPS=titan runs the step.
 # and ATTENTIONS (default "sdpa math"), POLICIES (;-separated) and BUDGETS narrow the bench's
 # entries, for a lease with little time left.
@@ -111,7 +112,7 @@ if want tests; then
   # One process each, so that one that dies leaves the others' results.
   : > "$work/gpu-tests.log"
   for t in OpMemory.OnAGpuDeclaredEventsEqualTheBytesRequested OpMemory.OnAGpuTheFlashKernelsEventsAreExact \
-    OpMemory.OnAGpuModelShapesAreExact 'SdpaAttentionOp.*' 'HostPool.*'; do
+    OpMemory.OnAGpuModelShapesAreExact 'SdpaAttentionOp.*' 'HostPool.*' 'GpuRanks.*'; do
     cap 60 $build/remat_tests --gtest_filter="$t" >> "$work/gpu-tests.log" 2>&1 || say "$t: failed or died ($?)"
   done
   grep -E "OK \]|FAILED \]" "$work/gpu-tests.log" | sort -u | head -20 | tee -a "$work/summary.txt"
@@ -217,6 +218,35 @@ for e in events:
         total[re.sub(r"^layer \d+ ", "layer ", e["name"])] += e["dur"] / 1e3
 for name, ms in total.most_common(14):
     print(f"timeline: {name}: {ms:.1f} ms")
+PY
+fi
+
+if want ranks; then
+step "two ranks sharing the GPU (data, tensor with sp, pipeline, ZeRO-1) against one process, 4 steps"
+# Gloo on CUDA tensors (parallel.backend = auto chooses it for ranks sharing a GPU), then
+# NCCL asked for: its multi-rank mode, where this NCCL has it, else its refusal.
+ranks_args=(model.preset=gpt2-demo model.dropout=0 train.steps=4 train.batch=8 train.grad_accum=2 train.eval_every=0
+  run.sample_tokens=0 ac.profile=false "${common[@]}")
+for run in "one 1" "dp 2" "tp 2 parallel.tp=2 parallel.sp=true" "pp 2 parallel.pp=2" "zero 2 parallel.zero=1" \
+  "dp-nccl 2 parallel.backend=nccl"; do
+  read -r name n extra <<< "$run"
+  launcher=("$remat")
+  ((n > 1)) && launcher=("$remat" launch --nproc "$n")
+  NCCL_MULTI_RANK_GPU_ENABLE=1 cap 35 "${launcher[@]}" train "${ranks_args[@]}" $extra run.out_dir="$work/ranks/$name" \
+    > "$work/ranks-$name.log" 2>&1 || say "ranks $name failed: $(grep -m1 -i error "$work/ranks-$name.log")"
+  grep -h -E "ranks over|memory peak per rank" "$work/ranks-$name.log" | sed "s/^/ranks $name: /" |
+    tee -a "$work/summary.txt"
+done
+python3 - "$work/ranks" << 'PY' | tee -a "$work/summary.txt"
+import glob, json, os, sys
+runs = {}
+for f in sorted(glob.glob(f"{sys.argv[1]}/*/**/metrics.jsonl", recursive=True)):
+    runs[os.path.relpath(f, sys.argv[1]).split("/")[0]] = [json.loads(l)["loss"] for l in open(f) if '"loss"' in l]
+ref = runs.get("one")
+for name, losses in runs.items():
+    if name != "one" and ref:
+        diff = max((abs(a - b) for a, b in zip(losses, ref)), default=float("nan"))
+        print(f"ranks {name}: {'bitwise equal to one process' if losses == ref else f'at most {diff:.3g} from one process'} ({len(losses)} steps)")
 PY
 fi
 

@@ -39,6 +39,14 @@ enum class LossHead { fused, recompute, automatic };
 /// "fused" / "recompute" / "auto", as configs spell it.
 const char* loss_head_name(LossHead h);
 
+/// The library that carries the ranks' collectives (parallel.backend): NCCL moves CUDA
+/// tensors between GPUs, one rank per GPU; Gloo moves CPU tensors, and CUDA tensors
+/// through the host, so that several ranks may share one GPU. `automatic` ("auto") takes
+/// NCCL for ranks on distinct GPUs where the build has it, Gloo otherwise (dist::choose_backend).
+enum class CommBackend { automatic, nccl, gloo };
+/// "auto" / "nccl" / "gloo", as configs spell it.
+const char* comm_backend_name(CommBackend b);
+
 /// RoPE's frequencies stretched for a longer context, as Llama 3.1 and 3.2 were trained
 /// (transformers' rope_type "llama3"): wavelengths longer than original_max_seq /
 /// low_freq_factor are stretched by `factor`, those shorter than original_max_seq /
@@ -188,6 +196,7 @@ struct ParallelConfig {
   double link_rate = 100;
   double compute_rate = 400;
   double link_latency = 2;
+  CommBackend backend = CommBackend::automatic;
   bool overlap_grad_reduce = false;  ///< all-reduce data-parallel gradients during the last
                                      ///< backward (Megatron's --overlap-grad-reduce); off by
                                      ///< default: on few cores Gloo's threads take the

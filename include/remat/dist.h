@@ -3,7 +3,9 @@
 //
 // Ranks meet through a c10d TCPStore found from the launcher's environment (torchrun's
 // RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; OpenMPI's and Slurm's equivalents) and talk
-// through a ProcessGroupGloo on CPU. Every collective and transfer is waited for in
+// through c10d process groups: Gloo on the CPU, NCCL or Gloo between GPUs (choose_backend),
+// and always a Gloo group on the CPU for the job's own small exchanges. Every collective
+// and transfer is waited for in
 // slices: a rank that sees one fail (a peer's connection reset) posts the failure in the
 // store, and every other rank, still waiting, reads it and stops too. Which rank is lost
 // comes from heartbeats each rank's background thread adds to the store: the one whose
@@ -11,6 +13,8 @@
 // So a dead, stopped or never-started rank ends every rank with a sentence naming it,
 // within parallel.timeout, never a silent hang.
 #pragma once
+
+#include "remat/config.h"
 
 #include <ATen/ATen.h>
 
@@ -51,7 +55,7 @@ class Group {
   virtual int rank() const = 0;
   virtual int size() const = 0;
   /// Combines each tensor element by element over the group, in place (float32, float64
-  /// or int64; contiguous). `what` names the operation in a failure ("the tensor-parallel
+  /// or int64; contiguous; on the CPU or this rank's GPU, either on either backend). `what` names the operation in a failure ("the tensor-parallel
   /// all-reduce of attn_c_proj in layer 3").
   virtual void all_reduce(std::vector<at::Tensor>& tensors, Reduce op, const std::string& what) = 0;
   /// all_reduce started and returned at once, so that work goes on while it runs (the
@@ -101,6 +105,49 @@ std::optional<LaunchEnv> launch_env(const std::function<const char*(const char*)
 /// launch_env of this process's environment.
 std::optional<LaunchEnv> launch_env();
 
+/// The library a Comm's tensor, data and pipeline groups run on (choose_backend).
+enum class Backend { gloo, nccl };
+/// "Gloo" / "NCCL", for sentences.
+const char* backend_name(Backend b);
+
+/// The GPU a CUDA rank binds, as an index among those CUDA shows the process (`gpus` of
+/// them, CUDA_VISIBLE_DEVICES counted): the index run.device names (`asked`), which every
+/// rank then shares; else its local rank when this host's ranks have a GPU each; else its
+/// local rank modulo `gpus`, so that ranks share GPUs evenly (a launcher that gives each
+/// rank its own CUDA_VISIBLE_DEVICES shows it one GPU: index 0). Throws a sentence when
+/// the process sees no GPU or `asked` is not among them.
+int bind_gpu(const LaunchEnv& env, std::optional<int> asked, int gpus);
+
+/// What names a GPU across the job: the host, and the device as CUDA_VISIBLE_DEVICES names
+/// the `index`-th it shows (an index or a UUID), or `index` when it is unset. Ranks with
+/// the same identity share one GPU.
+std::string gpu_identity(const std::string& host, const char* visible_devices, int index);
+
+/// What this process's NCCL allows (nccl_support).
+struct NcclSupport {
+  int major = 0, minor = 0;  ///< the library's version; 0.0: this build has no NCCL
+  /// NCCL_MULTI_RANK_GPU_ENABLE=1 is set for a NCCL that reads it (2.30 and later): two
+  /// ranks may then share a GPU, which NCCL refuses otherwise ("Duplicate GPU detected").
+  bool multi_rank = false;
+};
+/// This build's NCCL, read from the library, and the multi-rank variable.
+NcclSupport nccl_support();
+
+/// The backend of a job whose ranks hold the GPUs `gpus` names (gpu_identity, one per
+/// rank; empty for CPU ranks), as parallel.backend asks; the same on every rank, since
+/// every rank decides from the same identities. auto: NCCL where the build has it and no
+/// GPU holds more ranks than NCCL allows, else Gloo (on CUDA tensors, through the host for
+/// sends and receives). Throws a sentence naming the ranks and GPU for what cannot run:
+/// NCCL asked for CPU ranks, for a build without it, or for ranks sharing a GPU beyond
+/// its multi-rank mode.
+Backend choose_backend(CommBackend asked, const std::vector<std::string>& gpus, const NcclSupport& nccl);
+
+/// Where a rank's tensors live and which backend it asks for (Comm::connect).
+struct RankDevice {
+  at::Device device = at::kCPU;  ///< the CPU, or the GPU bind_gpu chose for this rank
+  CommBackend backend = CommBackend::automatic;
+};
+
 /// A process group of every rank, with failure detection, and its tensor-parallel,
 /// data-parallel and pipeline groups. Not copyable; one per process (tests may hold
 /// several, one per thread, joined through one store).
@@ -124,13 +171,23 @@ class Comm {
   /// tensor-parallel groups; a pipeline group the ranks at the same replica and place in
   /// every stage, its rank() the stage. `tp` must divide the world size, and `pp` the
   /// world size over `tp` (a sentence says so before any rank connects).
-  static std::unique_ptr<Comm> connect(const LaunchEnv& env, std::chrono::milliseconds timeout, int tp = 1, int pp = 1);
+  ///
+  /// Each rank tells the others its GPU (gpu_identity of `device`) as it joins, so that
+  /// every rank chooses the same backend (choose_backend) before any group connects.
+  static std::unique_ptr<Comm> connect(const LaunchEnv& env, std::chrono::milliseconds timeout, int tp = 1, int pp = 1,
+                                       const RankDevice& device = {});
   ~Comm();
   Comm(const Comm&) = delete;
   Comm& operator=(const Comm&) = delete;
 
   int rank() const { return rank_; }
   int size() const { return size_; }
+  /// This rank's device (RankDevice), and the backend of the groups below.
+  at::Device device() const;
+  Backend backend() const;
+  /// How many ranks of the job share this rank's GPU (1 for a CPU rank): their memory is
+  /// one device's.
+  int device_sharers() const;
   /// Every rank; this rank's tensor-parallel group; its data-parallel group; its pipeline
   /// group. Their collectives and transfers fail like this class's own (a sentence naming
   /// the lost rank, by its rank in the job).

@@ -336,7 +336,7 @@ BenchResult run_bench(const BenchOptions& o) {
   const bool lead = ranks == nullptr || ranks->rank() == 0;
   const QuietStderr quiet(!lead);
   const int threads = set_threads(rank_threads(common));
-  const at::Device device = available_device(common.run.device);
+  const at::Device device = available_device(rank_device(common, ranks.get()));
   if (device.is_cuda()) memory::configure_cuda_allocator(common.run.expandable_segments);
   const at::ScalarType dtype = device_dtype(dtype_of(common.run.dtype), device);
   memory::install_cpu_tracking();

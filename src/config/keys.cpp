@@ -67,6 +67,17 @@ LossHead parse_loss_head(const std::string& key, const std::string& v) {
                   key, util::printable(v)));
 }
 
+CommBackend parse_comm_backend(const std::string& key, const std::string& v) {
+  if (v == "auto") return CommBackend::automatic;
+  if (v == "nccl") return CommBackend::nccl;
+  if (v == "gloo") return CommBackend::gloo;
+  fail(
+      fmt::format("{} must be auto (NCCL for ranks on distinct GPUs where this build has it, Gloo otherwise), "
+                  "nccl (CUDA ranks, one per GPU) or gloo (CPU ranks, or CUDA ranks through the host, several to a "
+                  "GPU if need be), got '{}'.",
+                  key, util::printable(v)));
+}
+
 DataFormat parse_data_format(const std::string& key, const std::string& v) {
   if (v == "text") return DataFormat::text;
   if (v == "jsonl") return DataFormat::jsonl;
@@ -117,6 +128,8 @@ ConfigKey key_at(std::string name, At at, std::string help, std::optional<KeyRan
       dst = parse_loss_head(name, v);
     } else if constexpr (std::is_same_v<T, DataFormat>) {
       dst = parse_data_format(name, v);
+    } else if constexpr (std::is_same_v<T, CommBackend>) {
+      dst = parse_comm_backend(name, v);
     } else if constexpr (std::is_same_v<T, pipeline::Schedule>) {
       dst = pipeline::schedule_of_name(v);
     } else if constexpr (std::is_same_v<T, c10::Device>) {
@@ -141,6 +154,8 @@ ConfigKey key_at(std::string name, At at, std::string help, std::optional<KeyRan
       return quote(loss_head_name(src));
     } else if constexpr (std::is_same_v<T, DataFormat>) {
       return quote(data_format_name(src));
+    } else if constexpr (std::is_same_v<T, CommBackend>) {
+      return quote(comm_backend_name(src));
     } else if constexpr (std::is_same_v<T, pipeline::Schedule>) {
       return quote(pipeline::schedule_name(src));
     } else if constexpr (std::is_same_v<T, c10::Device>) {
@@ -495,6 +510,8 @@ std::vector<ConfigKey> parallel_keys() {
                    .why = "it is what one ring step of a collective waits on the tensor-parallel links, whatever it "
                           "sends",
                    .example = "2 for NVLink, 5 for PCIe, 10 for a network between hosts"}),
+      key("parallel.backend", &C::parallel, &P::backend,
+          "collectives' library: auto, nccl (CUDA ranks, one per GPU) or gloo (CPU, or CUDA through the host)"),
       key("parallel.overlap_grad_reduce", &C::parallel, &P::overlap_grad_reduce,
           "all-reduce gradients during the backward"),
   };

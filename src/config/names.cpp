@@ -11,6 +11,10 @@ const char* loss_head_name(LossHead h) {
   return h == LossHead::fused ? "fused" : h == LossHead::recompute ? "recompute" : "auto";
 }
 
+const char* comm_backend_name(CommBackend b) {
+  return b == CommBackend::nccl ? "nccl" : b == CommBackend::gloo ? "gloo" : "auto";
+}
+
 const char* data_format_name(DataFormat f) {
   return f == DataFormat::text ? "text" : f == DataFormat::jsonl ? "jsonl" : "tokens";
 }

@@ -158,7 +158,8 @@ void check_tensor_parallel(const Config& c) {
   }
 }
 
-// The data-parallel ranks share the batch; every pipeline stage needs a layer.
+// The data-parallel ranks share the batch; every pipeline stage needs a layer; NCCL
+// needs CUDA ranks.
 void check_ranks(const Config& c) {
   const auto& p = c.parallel;
   if (p.dp > 0 && c.train.batch % p.dp != 0) {
@@ -178,6 +179,12 @@ void check_ranks(const Config& c) {
         fmt::format("ac.stages = {} but parallel.pp = {}: with a pipeline the per-stage policies count its real "
                     "stages; drop ac.stages or set it to {}.",
                     c.ac.stages, p.pp, p.pp));
+  }
+  if (p.backend == CommBackend::nccl && !c.run.device.is_cuda()) {
+    fail(fmt::format(
+        "parallel.backend = nccl moves CUDA tensors only, but run.device = {}; CPU ranks talk over Gloo: set "
+        "parallel.backend = auto or gloo, or run.device = cuda.",
+        c.run.device.str()));
   }
 }
 

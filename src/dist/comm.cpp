@@ -2,9 +2,13 @@
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#ifdef USE_C10D_NCCL
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/version.h>
 
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <fmt/format.h>
 #include <netdb.h>
 #include <sys/socket.h>
@@ -31,6 +35,15 @@ constexpr milliseconds kSilence{2500};
 // Slices in which a collective is waited for; between them the store is asked whether
 // another rank already saw the job fail.
 constexpr milliseconds kSlice{200};
+// How often a NCCL operation is asked whether it completed while a rank waits for it.
+constexpr std::chrono::microseconds kPoll{20};
+
+#if TORCH_VERSION_MAJOR >= 2
+using ProcessGroup = c10d::Backend;  // what ProcessGroupGloo and ProcessGroupNCCL derive from
+#else
+using ProcessGroup = c10d::ProcessGroup;
+#endif
+using Work = c10::intrusive_ptr<c10d::Work>;
 
 const std::string kAbortKey = "abort";
 // How many ranks have read the failure posted under kAbortKey.
@@ -39,6 +52,8 @@ std::string beat_key(int rank) { return "beat/" + std::to_string(rank); }
 std::string joined_key(int rank) { return "joined/" + std::to_string(rank); }
 // Set by a rank that finished its run (Comm::finish), whose heartbeat then stops.
 std::string finished_key(int rank) { return "finished/" + std::to_string(rank); }
+// The GPU a rank holds (gpu_identity), empty for a CPU rank.
+std::string gpu_key(int rank) { return "gpu/" + std::to_string(rank); }
 
 int parse_int(const char* name, const char* text, int lo, int hi) {
   char* end = nullptr;
@@ -161,12 +176,23 @@ std::optional<LaunchEnv> launch_env() {
   return launch_env([](const char* name) { return std::getenv(name); });
 }
 
-// One Gloo group over some of the job's ranks, its waits and failures those of the job.
-class GlooGroup final : public Group {
+// A tensor the caller passed and the copy a backend moves in its place (C10dGroup::movable);
+// once the operation is done, the copy's bytes go back into the caller's tensor.
+struct Staged {
+  at::Tensor caller, moved;
+  void back() const {
+    if (caller.defined() && !moved.is_same(caller)) caller.copy_(moved);
+  }
+};
+
+// One process group over some of the job's ranks, Gloo's or NCCL's, its waits and
+// failures those of the job.
+class C10dGroup final : public Group {
  public:
-  // `gloo` null: a group of this rank alone, whose collectives change nothing.
-  GlooGroup(Comm::State& job, c10::intrusive_ptr<c10d::ProcessGroupGloo> gloo, int rank, int size)
-      : job_(job), gloo_(std::move(gloo)), rank_(rank), size_(size) {}
+  // `pg` null: a group of this rank alone, whose collectives change nothing.
+  C10dGroup(Comm::State& job, c10::intrusive_ptr<ProcessGroup> pg, Backend backend, at::Device device, int rank,
+            int size)
+      : job_(job), pg_(std::move(pg)), backend_(backend), device_(device), rank_(rank), size_(size) {}
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   void all_reduce(std::vector<at::Tensor>& tensors, Reduce op, const std::string& what) override;
@@ -176,34 +202,56 @@ class GlooGroup final : public Group {
   std::unique_ptr<Transfer> send(const at::Tensor& t, int peer, int tag, const std::string& what) override;
   std::unique_ptr<Transfer> recv(at::Tensor& t, int peer, int tag, const std::string& what) override;
   // After a failure: the group is leaked on purpose (see Comm::State::fail).
-  void abandon() { (void)gloo_.release(); }
+  void abandon() { (void)pg_.release(); }
+
+  // Waits for a collective's `work` (a NCCL send's or receive's too). Gloo's is waited for
+  // in slices of its own wait, then until Gloo's worker thread lets go of it: the worker
+  // holds a finished work, and with it the tensors it reduced, a moment after marking it
+  // done, so a tensor the engine frees right after the collective would otherwise outlive
+  // it and lift the peak above the cost model's (by 1,024,000 bytes in a tensor-parallel
+  // gpt2-demo step, measured). NCCL's is asked in slices whether it completed (its wait
+  // with a timeout aborts the communicator when one runs out), then waited for, which
+  // orders this rank's current stream after it.
+  void settle(const Work& work, const std::string& what);
 
  private:
-  // Waits for `work`, then for Gloo's worker thread to let go of it: the worker holds a
-  // finished work, and with it the tensors it reduced, a moment after marking it done, so
-  // a tensor the engine frees right after the collective would otherwise outlive it and
-  // lift the peak above the cost model's (by 1,024,000 bytes in a tensor-parallel
-  // gpt2-demo step, measured).
-  void settle(const c10::intrusive_ptr<c10d::Work>& work, const std::string& what);
+  // The tensor the backend moves for `t`: `t` itself where it can; on this rank's GPU for
+  // NCCL, which moves no CPU tensor (a flag the ranks agree on); on the host for Gloo's
+  // sends and receives (`p2p`), which move no CUDA tensor. `contents`: `t`'s values are
+  // copied (what is sent or reduced), else only its shape (what is received).
+  at::Tensor movable(const at::Tensor& t, bool p2p, bool contents) const;
   void check_peer(const char* op, int peer, int tag, const std::string& what) const;
   // Starts a send or receive. Gloo posts it on the peer's connection at once, so one its
   // peer closed throws here, before any wait: it fails the job as a failed wait would.
-  c10::intrusive_ptr<c10d::Work> start(const std::function<c10::intrusive_ptr<c10d::Work>()>& post,
-                                       const std::string& what);
+  Work start(const std::function<Work()>& post, const std::string& what);
+  // A send or receive under way, as the backend waits for it.
+  std::unique_ptr<Transfer> transfer(Work work, Staged staged, const std::string& what);
 
   Comm::State& job_;
-  c10::intrusive_ptr<c10d::ProcessGroupGloo> gloo_;
+  c10::intrusive_ptr<ProcessGroup> pg_;
+  Backend backend_;
+  at::Device device_;
   int rank_, size_;
 };
 
 struct Comm::State {
-  c10::intrusive_ptr<c10d::Store> store;  // remat's keys, under their own prefix
-  c10::intrusive_ptr<c10d::ProcessGroupGloo> group;
-  std::unique_ptr<GlooGroup> world, tensor, data, pipeline;
+  c10::intrusive_ptr<c10d::Store> store;             // remat's keys, under their own prefix
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> group;  // the job's own exchanges (Comm's), on the CPU
+  std::unique_ptr<C10dGroup> world, tensor, data, pipeline;
+  at::Device device = at::kCPU;
+  Backend backend = Backend::gloo;
+  int device_sharers = 1;
   milliseconds timeout{};
   int rank = 0, size = 1;
   bool hosts_store = false;
   std::string endpoint;  // "host:port", for messages
+
+  // Waits until every rank has joined (Comm::connect) and returns their GPUs' identities,
+  // in rank order; throws a sentence naming the ranks missing after the timeout.
+  std::vector<std::string> join(const LaunchEnv& env);
+  // The Gloo group of the job's own exchanges, and the world, tensor-parallel,
+  // data-parallel and pipeline groups on `backend`.
+  void connect_groups(const LaunchEnv& env, int tp, int pp);
 
   std::thread heart;
   std::mutex mutex;
@@ -323,9 +371,9 @@ struct Comm::State {
     }
   }
 
-  // Leaks every Gloo group, see fail().
+  // Leaks every group, see fail().
   void abandon_groups() {
-    for (GlooGroup* g : {world.get(), tensor.get(), data.get(), pipeline.get()}) {
+    for (C10dGroup* g : {world.get(), tensor.get(), data.get(), pipeline.get()}) {
       if (g != nullptr) g->abandon();
     }
     (void)group.release();
@@ -387,8 +435,8 @@ namespace {
 // of a few heartbeats): it ends a helper only if the abort did not.
 class GlooTransfer final : public Transfer {
  public:
-  GlooTransfer(Comm::State& job, c10::intrusive_ptr<c10d::Work> work, std::string what)
-      : job_(job), work_(std::move(work)), what_(std::move(what)) {}
+  GlooTransfer(Comm::State& job, Work work, Staged staged, std::string what)
+      : job_(job), work_(std::move(work)), staged_(std::move(staged)), what_(std::move(what)) {}
 
   void wait() override {
     TORCH_CHECK(work_, "[Transfer::wait] ", what_, " was already waited for; wait for a transfer once.");
@@ -411,15 +459,135 @@ class GlooTransfer final : public Transfer {
         },
         what_);
     work_.reset();  // lets go of the tensor
+    staged_.back();
+    staged_ = {};
   }
 
  private:
   Comm::State& job_;
-  c10::intrusive_ptr<c10d::Work> work_;  // holds the tensor while it travels
+  Work work_;  // holds the tensor while it travels
+  Staged staged_;
   std::string what_;
 };
 
+// Collectives (or a NCCL send or receive) waited for through their group, one after
+// another; then each staged copy goes back to the caller's tensor.
+class Settled final : public Transfer {
+ public:
+  Settled(C10dGroup& group, std::vector<Work> works, std::vector<Staged> staged, std::string what)
+      : group_(group), works_(std::move(works)), staged_(std::move(staged)), what_(std::move(what)) {}
+  void wait() override {
+    for (const Work& w : works_) group_.settle(w, what_);
+    works_.clear();
+    for (const Staged& s : staged_) s.back();
+    staged_.clear();
+  }
+
+ private:
+  C10dGroup& group_;
+  std::vector<Work> works_;
+  std::vector<Staged> staged_;
+  std::string what_;
+};
+
+#ifdef USE_C10D_NCCL
+// A NCCL group over `n` ranks on this rank's GPU. Its own timeout lies past remat's, so
+// that the heartbeats name a lost rank before NCCL's watchdog ends the process.
+c10::intrusive_ptr<ProcessGroup> nccl_group(const c10::intrusive_ptr<c10d::Store>& store, int index, int n,
+                                            milliseconds timeout, at::Device device) {
+  auto options = c10d::ProcessGroupNCCL::Options::create();
+  options->timeout = timeout + std::chrono::minutes(1);
+  auto pg = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, index, n, options);
+  pg->setBoundDeviceId(device);
+  return pg;
+}
+#endif
+
+// What the other ranks learn of this rank's device: its GPU's gpu_identity, or nothing.
+std::string identity_of(at::Device device) {
+  if (!device.is_cuda()) return "";
+  char host[256] = {};
+  ::gethostname(host, sizeof host - 1);
+  return gpu_identity(host, std::getenv("CUDA_VISIBLE_DEVICES"), device.index());
+}
+
 }  // namespace
+
+NcclSupport nccl_support() {
+  NcclSupport n;
+#ifdef USE_C10D_NCCL
+  std::sscanf(c10d::getNcclVersion().c_str(), "%d.%d", &n.major, &n.minor);
+  const char* multi = std::getenv("NCCL_MULTI_RANK_GPU_ENABLE");
+  n.multi_rank = (n.major > 2 || (n.major == 2 && n.minor >= 30)) && multi != nullptr && std::string(multi) == "1";
+#endif
+  return n;
+}
+
+std::vector<std::string> Comm::State::join(const LaunchEnv& env) {
+  std::vector<std::string> keys;
+  for (int r = 0; r < env.world_size; ++r) keys.push_back(joined_key(r));
+  const auto deadline = Clock::now() + timeout;
+  const auto all_joined = [&] {
+    try {
+      return store->check(keys);
+    } catch (const std::exception& e) {
+      throw std::runtime_error(fmt::format(
+          "Rank {} lost the rendezvous store at {} while the ranks were joining ({}): rank 0 hosts it and stopped; "
+          "its output tells why (often a rank that did not join within parallel.timeout = {} s).",
+          env.rank, endpoint, e.what(), timeout.count() / 1000.0));
+    }
+  };
+  while (!all_joined()) {
+    if (Clock::now() > deadline) {
+      std::vector<int> missing;
+      for (int r = 0; r < env.world_size; ++r) {
+        if (!store->check({joined_key(r)})) missing.push_back(r);
+      }
+      throw std::runtime_error(fmt::format(
+          "{} of {} did not join within parallel.timeout = {} s (rank {} waited at {}); start every rank with the "
+          "same MASTER_ADDR, MASTER_PORT and WORLD_SIZE, or raise parallel.timeout if they start slowly.",
+          rank_list(missing), env.world_size, timeout.count() / 1000.0, env.rank, endpoint));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  std::vector<std::string> gpus;
+  for (int r = 0; r < env.world_size; ++r) gpus.push_back(to_string(store->get(gpu_key(r))));
+  return gpus;
+}
+
+void Comm::State::connect_groups(const LaunchEnv& env, int tp, int pp) {
+  auto gloo = c10d::ProcessGroupGloo::Options::create(timeout);
+  gloo->devices.push_back(gloo_device(env));
+  group = c10::make_intrusive<c10d::ProcessGroupGloo>(c10::make_intrusive<c10d::PrefixStore>("gloo", store), env.rank,
+                                                      env.world_size, gloo);
+  // A process group on `backend` of `n` ranks, this one its `index`-th, under `name`.
+  const auto make = [&](const std::string& name, int index, int n) -> c10::intrusive_ptr<ProcessGroup> {
+    auto prefixed = c10::make_intrusive<c10d::PrefixStore>(name, store);
+#ifdef USE_C10D_NCCL
+    if (backend == Backend::nccl) return nccl_group(prefixed, index, n, timeout, device);
+#endif
+    TORCH_CHECK(backend == Backend::gloo, "[Comm::connect] NCCL was chosen in a build without it");
+    return c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, index, n, gloo);
+  };
+  // Gloo's world is the group of the job's own exchanges; NCCL's a group of its own.
+  const c10::intrusive_ptr<ProcessGroup> all =
+      backend == Backend::gloo ? c10::intrusive_ptr<ProcessGroup>(group) : make("nccl", env.rank, env.world_size);
+  world = std::make_unique<C10dGroup>(*this, all, backend, device, env.rank, env.world_size);
+  // A group of the ranks `first + i * stride`, i < n, this rank among them; one rank alone
+  // needs no process group. Every rank creates only its own groups, under names all
+  // members agree on.
+  const auto subgroup = [&](const std::string& name, int first, int stride, int n) {
+    const int index = (env.rank - first) / stride;
+    if (n == 1) return std::make_unique<C10dGroup>(*this, c10::intrusive_ptr<ProcessGroup>(), backend, device, 0, 1);
+    if (n == env.world_size) return std::make_unique<C10dGroup>(*this, all, backend, device, env.rank, n);
+    const std::string prefix = fmt::format("{}/{}/{}", backend == Backend::gloo ? "gloo" : "nccl", name, first);
+    return std::make_unique<C10dGroup>(*this, make(prefix, index, n), backend, device, index, n);
+  };
+  const int stage_size = env.world_size / pp;  // dp * tp ranks
+  tensor = subgroup("tp", env.rank / tp * tp, 1, tp);
+  data = subgroup("dp", env.rank / stage_size * stage_size + env.rank % tp, tp, stage_size / tp);
+  pipeline = subgroup("pp", env.rank % stage_size, stage_size, pp);
+}
 
 Comm::Comm(std::unique_ptr<State> state, int rank, int size) : state_(std::move(state)), rank_(rank), size_(size) {}
 
@@ -427,7 +595,8 @@ Comm::~Comm() {
   if (state_) state_->stop_heart();
 }
 
-std::unique_ptr<Comm> Comm::connect(const LaunchEnv& env, milliseconds timeout, int tp, int pp) {
+std::unique_ptr<Comm> Comm::connect(const LaunchEnv& env, milliseconds timeout, int tp, int pp,
+                                    const RankDevice& device) {
   if (tp < 1 || env.world_size % tp != 0) {
     throw std::invalid_argument(fmt::format("parallel.tp = {} must divide the {} ranks started.", tp, env.world_size));
   }
@@ -467,125 +636,94 @@ std::unique_ptr<Comm> Comm::connect(const LaunchEnv& env, milliseconds timeout, 
   if (!env.store_prefix.empty()) base = c10::make_intrusive<c10d::PrefixStore>(env.store_prefix, base);
   s->store = c10::make_intrusive<c10d::PrefixStore>("remat", base);
 
-  // Everyone announces itself, then waits for the others, so that a rank that never
-  // starts is named instead of surfacing as Gloo's connection timeout.
+  // Everyone announces itself and its GPU, then waits for the others, so that a rank that
+  // never starts is named instead of surfacing as Gloo's connection timeout.
+  s->store->set(gpu_key(env.rank), to_bytes(identity_of(device.device)));
   s->store->set(joined_key(env.rank), to_bytes("1"));
-  std::vector<std::string> keys;
-  for (int r = 0; r < env.world_size; ++r) keys.push_back(joined_key(r));
-  const auto deadline = Clock::now() + timeout;
-  const auto all_joined = [&] {
-    try {
-      return s->store->check(keys);
-    } catch (const std::exception& e) {
-      throw std::runtime_error(fmt::format(
-          "Rank {} lost the rendezvous store at {} while the ranks were joining ({}): rank 0 hosts it and stopped; "
-          "its output tells why (often a rank that did not join within parallel.timeout = {} s).",
-          env.rank, s->endpoint, e.what(), timeout.count() / 1000.0));
-    }
-  };
-  while (!all_joined()) {
-    if (Clock::now() > deadline) {
-      std::vector<int> missing;
-      for (int r = 0; r < env.world_size; ++r) {
-        if (!s->store->check({joined_key(r)})) missing.push_back(r);
-      }
-      throw std::runtime_error(fmt::format(
-          "{} of {} did not join within parallel.timeout = {} s (rank {} waited at {}); start every rank with the "
-          "same MASTER_ADDR, MASTER_PORT and WORLD_SIZE, or raise parallel.timeout if they start slowly.",
-          rank_list(missing), env.world_size, timeout.count() / 1000.0, env.rank, s->endpoint));
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  const std::vector<std::string> gpus = s->join(env);
+  try {
+    s->backend = choose_backend(device.backend, gpus, nccl_support());
+  } catch (const std::exception&) {
+    s->read_failure();  // every rank refuses alike; the store's host waits till all have read
+    throw;
   }
-
-  auto gloo = c10d::ProcessGroupGloo::Options::create(timeout);
-  gloo->devices.push_back(gloo_device(env));
-  s->group = c10::make_intrusive<c10d::ProcessGroupGloo>(c10::make_intrusive<c10d::PrefixStore>("gloo", s->store),
-                                                         env.rank, env.world_size, gloo);
-  s->world = std::make_unique<GlooGroup>(*s, s->group, env.rank, env.world_size);
-  // A group of the ranks `first + i * stride`, i < n, this rank among them; one rank alone
-  // needs no Gloo group. Every rank creates only its own groups, under names all members
-  // agree on.
-  const auto subgroup = [&](const std::string& name, int first, int stride, int n) {
-    const int index = (env.rank - first) / stride;
-    if (n == 1) return std::make_unique<GlooGroup>(*s, c10::intrusive_ptr<c10d::ProcessGroupGloo>(), 0, 1);
-    if (n == env.world_size) return std::make_unique<GlooGroup>(*s, s->group, env.rank, env.world_size);
-    auto pg = c10::make_intrusive<c10d::ProcessGroupGloo>(
-        c10::make_intrusive<c10d::PrefixStore>(fmt::format("gloo/{}/{}", name, first), s->store), index, n, gloo);
-    return std::make_unique<GlooGroup>(*s, std::move(pg), index, n);
-  };
-  const int stage_size = env.world_size / pp;  // dp * tp ranks
-  s->tensor = subgroup("tp", env.rank / tp * tp, 1, tp);
-  s->data = subgroup("dp", env.rank / stage_size * stage_size + env.rank % tp, tp, stage_size / tp);
-  s->pipeline = subgroup("pp", env.rank % stage_size, stage_size, pp);
+  s->device = device.device;
+  if (s->device.is_cuda()) {
+    s->device_sharers = static_cast<int>(std::count(gpus.begin(), gpus.end(), gpus[static_cast<size_t>(env.rank)]));
+    c10::impl::getDeviceGuardImpl(at::kCUDA)->setDevice(s->device);
+  }
+  s->connect_groups(env, tp, pp);
   s->heart = std::thread([state = s.get()] { state->beat_forever(); });
   return std::unique_ptr<Comm>(new Comm(std::move(s), env.rank, env.world_size));
 }
 
-void GlooGroup::all_reduce(std::vector<at::Tensor>& tensors, Reduce op, const std::string& what) {
+void C10dGroup::all_reduce(std::vector<at::Tensor>& tensors, Reduce op, const std::string& what) {
   start_all_reduce(tensors, op, what)->wait();
 }
 
-std::unique_ptr<Transfer> GlooGroup::start_all_reduce(std::vector<at::Tensor> tensors, Reduce op,
+std::unique_ptr<Transfer> C10dGroup::start_all_reduce(std::vector<at::Tensor> tensors, Reduce op,
                                                       const std::string& what) {
-  // Each tensor its own collective: Gloo's workers reduce them one after another while
-  // the caller goes on; waiting settles each.
-  class Reduction final : public Transfer {
-   public:
-    Reduction(GlooGroup& group, std::vector<c10::intrusive_ptr<c10d::Work>> works, std::string what)
-        : group_(group), works_(std::move(works)), what_(std::move(what)) {}
-    void wait() override {
-      for (const auto& w : works_) group_.settle(w, what_);
-      works_.clear();
-    }
-
-   private:
-    GlooGroup& group_;
-    std::vector<c10::intrusive_ptr<c10d::Work>> works_;
-    std::string what_;
-  };
-  std::vector<c10::intrusive_ptr<c10d::Work>> works;
-  if (gloo_) {
+  // Each tensor its own collective: the backend reduces them one after another while the
+  // caller goes on; waiting settles each.
+  std::vector<Work> works;
+  std::vector<Staged> staged;
+  if (pg_) {
     c10d::AllreduceOptions options;
     options.reduceOp = op == Reduce::sum ? c10d::ReduceOp::SUM : c10d::ReduceOp::MAX;
     for (at::Tensor& t : tensors) {
-      std::vector<at::Tensor> one{t};
-      works.push_back(gloo_->allreduce(one, options));
+      staged.push_back({t, movable(t, false, true)});
+      std::vector<at::Tensor> one{staged.back().moved};
+      works.push_back(pg_->allreduce(one, options));
     }
   }
-  return std::make_unique<Reduction>(*this, std::move(works), what);
+  return std::make_unique<Settled>(*this, std::move(works), std::move(staged), what);
 }
 
-at::Tensor GlooGroup::all_gather(const at::Tensor& t, int64_t dim, const std::string& what) {
-  if (!gloo_) return t.clone();
-  std::vector<at::Tensor> input{t.contiguous()};
+at::Tensor C10dGroup::all_gather(const at::Tensor& t, int64_t dim, const std::string& what) {
+  if (!pg_) return t.clone();
+  std::vector<at::Tensor> input{movable(t.contiguous(), false, true)};
   std::vector<std::vector<at::Tensor>> output(1);
   for (int r = 0; r < size_; ++r) output[0].push_back(at::empty_like(input[0]));
-  settle(gloo_->allgather(output, input), what);
-  return at::cat(output[0], dim);
+  settle(pg_->allgather(output, input), what);
+  return at::cat(output[0], dim).to(t.device());
 }
 
-void GlooGroup::check_peer(const char* op, int peer, int tag, const std::string& what) const {
+at::Tensor C10dGroup::movable(const at::Tensor& t, bool p2p, bool contents) const {
+  at::Device to = t.device();
+  if (backend_ == Backend::nccl && !t.is_cuda()) to = device_;
+  if (backend_ == Backend::gloo && p2p && t.is_cuda()) to = at::kCPU;
+  if (to == t.device()) return t;
+  return contents ? t.to(to) : at::empty_like(t, t.options().device(to));
+}
+
+void C10dGroup::check_peer(const char* op, int peer, int tag, const std::string& what) const {
   TORCH_CHECK(peer >= 0 && peer < size_ && peer != rank_, "[Group::", op, "] ", what, " names peer ", peer,
               ", but this rank is ", rank_, " of a group of ", size_, "; a peer is another rank of the group.");
   TORCH_CHECK(tag >= 0, "[Group::", op, "] ", what, " has tag ", tag, "; tags are from 0.");
 }
 
-std::unique_ptr<Transfer> GlooGroup::send(const at::Tensor& t, int peer, int tag, const std::string& what) {
+std::unique_ptr<Transfer> C10dGroup::send(const at::Tensor& t, int peer, int tag, const std::string& what) {
   check_peer("send", peer, tag, what);
-  std::vector<at::Tensor> one{t.contiguous()};
-  return std::make_unique<GlooTransfer>(job_, start([&] { return gloo_->send(one, peer, tag); }, what), what);
+  std::vector<at::Tensor> one{movable(t.contiguous(), true, true)};
+  return transfer(start([&] { return pg_->send(one, peer, tag); }, what), {}, what);
 }
 
-std::unique_ptr<Transfer> GlooGroup::recv(at::Tensor& t, int peer, int tag, const std::string& what) {
+std::unique_ptr<Transfer> C10dGroup::recv(at::Tensor& t, int peer, int tag, const std::string& what) {
   check_peer("recv", peer, tag, what);
   TORCH_CHECK(t.is_contiguous(), "[Group::recv] ", what, " receives into a tensor that is not contiguous, strides ",
-              t.strides(), "; Gloo writes the bytes in a row.");
-  std::vector<at::Tensor> one{t};
-  return std::make_unique<GlooTransfer>(job_, start([&] { return gloo_->recv(one, peer, tag); }, what), what);
+              t.strides(), "; the backend writes the bytes in a row.");
+  Staged staged{t, movable(t, true, false)};
+  std::vector<at::Tensor> one{staged.moved};
+  return transfer(start([&] { return pg_->recv(one, peer, tag); }, what), std::move(staged), what);
 }
 
-c10::intrusive_ptr<c10d::Work> GlooGroup::start(const std::function<c10::intrusive_ptr<c10d::Work>()>& post,
-                                                const std::string& what) {
+std::unique_ptr<Transfer> C10dGroup::transfer(Work work, Staged staged, const std::string& what) {
+  if (backend_ == Backend::gloo) return std::make_unique<GlooTransfer>(job_, std::move(work), std::move(staged), what);
+  return std::make_unique<Settled>(*this, std::vector<Work>{std::move(work)}, std::vector<Staged>{std::move(staged)},
+                                   what);
+}
+
+Work C10dGroup::start(const std::function<Work()>& post, const std::string& what) {
   try {
     return post();
   } catch (const std::exception& e) {
@@ -593,13 +731,30 @@ c10::intrusive_ptr<c10d::Work> GlooGroup::start(const std::function<c10::intrusi
   }
 }
 
-void GlooGroup::settle(const c10::intrusive_ptr<c10d::Work>& work, const std::string& what) {
+void C10dGroup::settle(const Work& work, const std::string& what) {
+  if (backend_ == Backend::nccl) {
+    job_.wait(
+        [&](milliseconds slice) {
+          const auto until = Clock::now() + slice;
+          while (!work->isCompleted()) {  // throws the work's failure
+            if (Clock::now() > until) return false;
+            std::this_thread::sleep_for(kPoll);
+          }
+          work->wait();
+          return true;
+        },
+        what);
+    return;
+  }
   job_.wait(work, what);
   // Microseconds; bounded all the same, should another Gloo build keep its own reference.
   const auto until = Clock::now() + std::chrono::seconds(1);
   while (work.use_count() > 1 && Clock::now() < until) std::this_thread::yield();
 }
 
+at::Device Comm::device() const { return state_->device; }
+Backend Comm::backend() const { return state_->backend; }
+int Comm::device_sharers() const { return state_->device_sharers; }
 Group& Comm::world() { return *state_->world; }
 Group& Comm::tensor() { return *state_->tensor; }
 Group& Comm::data() { return *state_->data; }

@@ -28,14 +28,19 @@ std::unique_ptr<dist::Comm> join_ranks(const Config& cfg, const std::string& sub
         env ? fmt::format("the launcher started {}", world) : "this process runs alone", want, subcommand, want));
   }
   if (data_parallel_ranks(cfg) * tp * pp == 1) return nullptr;
+  dist::RankDevice device{cfg.run.device, cfg.parallel.backend};
   if (cfg.run.device.is_cuda()) {
-    throw std::invalid_argument(fmt::format(
-        "Several ranks train on the CPU only so far (Gloo); run.device = {} with {} ranks needs NCCL, which this "
-        "build does not have. Set run.device=cpu or start one rank.",
-        cfg.run.device.str(), world));
+    const int gpus = at::hasCUDA() ? static_cast<int>(at::getNumGPUs()) : 0;
+    const std::optional<int> asked =
+        cfg.run.device.has_index() ? std::optional<int>(cfg.run.device.index()) : std::nullopt;
+    device.device = at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(dist::bind_gpu(*env, asked, gpus)));
   }
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(std::llround(cfg.parallel.timeout * 1000)));
-  return dist::Comm::connect(*env, timeout, static_cast<int>(tp), static_cast<int>(pp));
+  return dist::Comm::connect(*env, timeout, static_cast<int>(tp), static_cast<int>(pp), device);
+}
+
+at::Device rank_device(const Config& cfg, const dist::Comm* ranks) {
+  return ranks != nullptr ? ranks->device() : cfg.run.device;
 }
 
 int64_t data_parallel_ranks(const Config& cfg) {
@@ -137,6 +142,7 @@ int64_t rank_memory(at::Device device, dist::Comm* ranks) {
   int64_t available = memory_available(device);
   const std::optional<dist::LaunchEnv> env = dist::launch_env();
   if (available >= 0 && !device.is_cuda() && env) available /= std::max<int64_t>(1, env->local_world_size);
+  if (available >= 0 && device.is_cuda() && ranks != nullptr) available /= ranks->device_sharers();
   if (ranks == nullptr || ranks->size() == 1) return available;
   const auto all = ranks->all_gather(std::vector<int64_t>{available}, "sharing the memory each rank has free");
   for (const auto& r : all) available = r[0] < 0 ? -1 : std::min(available, r[0]);

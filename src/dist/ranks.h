@@ -19,8 +19,14 @@ namespace remat {
 /// or one rank). Refuses with a sentence a parallel.dp x parallel.tp x parallel.pp that is
 /// not the number of ranks started (the sentence shows how to start `subcommand`, "train"
 /// or "bench", with the ranks it needs), or a train.batch they cannot share
-/// evenly (data_parallel_ranks).
+/// evenly (data_parallel_ranks). A CUDA rank binds its GPU (dist::bind_gpu: its local
+/// rank's, or the one run.device names), which the Comm's device() then is, and the ranks
+/// agree on parallel.backend's choice (dist::choose_backend).
 std::unique_ptr<dist::Comm> join_ranks(const Config& cfg, const std::string& subcommand);
+
+/// The device this rank's tensors live on: the Comm's (the GPU join_ranks bound), or
+/// run.device when the process runs alone (`ranks` null).
+at::Device rank_device(const Config& cfg, const dist::Comm* ranks);
 
 /// The data-parallel ranks a run of `cfg` trains on: parallel.dp when set, else the ranks
 /// the launcher started over parallel.tp (1 without a launcher). Each rank's microbatch is
@@ -72,7 +78,8 @@ std::string format_rank_peaks(const std::vector<int64_t>& peaks, const std::vect
 int64_t rank_threads(const Config& cfg);
 
 /// The memory a rank may still allocate on `device` (memory_available): a GPU's free
-/// bytes, or the host's shared evenly by the ranks the launcher started on it; the least
+/// bytes shared evenly by the ranks on that GPU, or the host's shared evenly by the ranks
+/// the launcher started on it; the least
 /// over `ranks` (null: this process alone), so that every rank judges a plan alike; -1
 /// where any rank cannot tell.
 int64_t rank_memory(at::Device device, dist::Comm* ranks);

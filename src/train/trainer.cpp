@@ -658,7 +658,7 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   const QuietStderr quiet(!ranks.lead);
   const int threads = set_threads(rank_threads(cfg));
   const at::Device device =
-      available_device(cfg.run.device, resume_dir.empty() ? DeviceAsk::config : DeviceAsk::resumed);
+      available_device(rank_device(cfg, ranks.comm.get()), resume_dir.empty() ? DeviceAsk::config : DeviceAsk::resumed);
   if (device.is_cuda()) memory::configure_cuda_allocator(cfg.run.expandable_segments);
   const at::ScalarType dtype = device_dtype(dtype_of(cfg.run.dtype), device);
   memory::install_cpu_tracking();
@@ -730,7 +730,10 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   // The job's rate: each rank measured its own, at its threads, beside the others.
   sum.matmul_flops_per_second = machine.matmul_rate * ranks.world;
   take_predictions(planned, sum);
-  print_header(spec, sum, fmt::format("{} on {} ({} threads)", cfg.run.dtype, device.str(), threads), tok, run.get());
+  print_header(spec, sum,
+               fmt::format("{} on {} ({} threads{})", cfg.run.dtype, device.str(), threads,
+                           ranks.comm ? fmt::format(", ranks over {}", dist::backend_name(ranks.comm->backend())) : ""),
+               tok, run.get());
   const auto log_metrics = [&](const nlohmann::json& record) {
     if (run) run->log_metrics(record);
   };

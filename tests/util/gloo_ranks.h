@@ -18,9 +18,10 @@ namespace remat::testing {
 
 /// Runs `body` on `n` ranks, one thread each, joined as one job of `pp` pipeline stages of
 /// `tp`-rank tensor-parallel groups whose collectives and transfers give up after
-/// `timeout`; each rank's error (empty when it finished), by rank.
+/// `timeout`, each on `device`; each rank's error (empty when it finished), by rank.
 inline std::vector<std::string> gloo_rank_errors(int n, int tp, int pp, std::chrono::milliseconds timeout,
-                                                 const std::function<void(dist::Comm&)>& body) {
+                                                 const std::function<void(dist::Comm&)>& body,
+                                                 const dist::RankDevice& device = {}) {
   const int port = cli::free_port();
   std::vector<std::string> errors(static_cast<size_t>(n));
   std::vector<std::thread> threads;
@@ -31,7 +32,7 @@ inline std::vector<std::string> gloo_rank_errors(int n, int tp, int pp, std::chr
         env.rank = r;
         env.world_size = n;
         env.master_port = port;
-        auto comm = dist::Comm::connect(env, timeout, tp, pp);
+        auto comm = dist::Comm::connect(env, timeout, tp, pp, device);
         body(*comm);
         comm->finish();
       } catch (const std::exception& e) {
