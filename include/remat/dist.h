@@ -55,8 +55,9 @@ class Group {
   virtual int rank() const = 0;
   virtual int size() const = 0;
   /// Combines each tensor element by element over the group, in place (float32, float64
-  /// or int64; contiguous; on the CPU or this rank's GPU, either on either backend). `what` names the operation in a failure ("the tensor-parallel
-  /// all-reduce of attn_c_proj in layer 3").
+  /// or int64; contiguous; on the CPU or this rank's GPU, either on either backend).
+  /// `what` names the operation in a failure ("the tensor-parallel all-reduce of
+  /// attn_c_proj in layer 3").
   virtual void all_reduce(std::vector<at::Tensor>& tensors, Reduce op, const std::string& what) = 0;
   /// all_reduce started and returned at once, so that work goes on while it runs (the
   /// gradients' all-reduce during the backward); the tensors hold the result once wait()
