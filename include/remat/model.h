@@ -147,7 +147,8 @@ class Model {
   std::vector<Param>& params() { return params_; }
   const std::vector<Param>& params() const { return params_; }
   /// The one flat buffer every parameter's gradient is a view of, in params() order, so
-  /// that a collective reduces all gradients in place, without copying them into buckets.
+  /// that a collective reduces all gradients in place, without copying them into buckets
+  /// (with sharded gradients: every kept one's, shard_gradients).
   const at::Tensor& grad_buffer() const { return grad_buffer_; }
   /// Parameters of the model (split ones counted whole, once; a stage's own, its tied
   /// copy included).
@@ -166,6 +167,17 @@ class Model {
   /// gradients while the rest of the backward runs (data parallelism overlapping its
   /// all-reduce with the last microbatch's backward). Empty: nothing is called.
   void set_gradients_ready(std::function<void(size_t first)> hook) { gradients_ready_ = std::move(hook); }
+  /// ZeRO stage 2: from now on this rank keeps the gradients of the parameters `owned`
+  /// marks (one per params()) and no others: theirs in one flat buffer (grad_buffer()),
+  /// Param::grad undefined for the rest. Each backward then writes each part's gradients
+  /// (every layer's; the embedding's with the loss head's, from the head's backward to the
+  /// embedding's) into a flat buffer of their own, sums it over `group` once the part's
+  /// backward is done, puts the owned ones into their gradients (copied by the first
+  /// backward since zero_grad(), added by the next) and frees it. A model of every layer,
+  /// without sequence parallelism; `group` must outlive the model.
+  virtual void shard_gradients(const std::vector<bool>& owned, dist::Group& group) = 0;
+  /// Whether shard_gradients() was called.
+  bool grads_sharded() const { return grad_group_ != nullptr; }
 
   /// One microbatch on a model of every layer: tokens and targets [B, T] int64 (targets
   /// -1 are ignored). Accumulates d(loss * loss_scale)/d(params) into the gradients and
@@ -268,6 +280,10 @@ class Model {
   at::Tensor grad_buffer_;
   std::vector<int> added_only_;  ///< the parameters whose gradients zero_grad() zeroes
   bool fresh_grads_ = false;     ///< zero_grad() ran, and no backward since
+  /// shard_gradients(): the parameters whose gradients this rank keeps, and the group the
+  /// parts' gradients are summed over (null: every gradient kept, none summed here).
+  std::vector<bool> owned_grads_;
+  dist::Group* grad_group_ = nullptr;
   std::function<void(size_t)> gradients_ready_;
 };
 

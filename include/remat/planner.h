@@ -280,6 +280,9 @@ class Planner {
   int64_t head_peak_ = 0;     ///< the loss head's live bytes above the kept layers
   int64_t fixed_peak_ = 0;    ///< peaks that do not depend on the plan (embedding, optimizer)
   double block_seconds_ = 0;  ///< one whole block forward
+  /// Sharded gradients: the buffers every layer's backward holds beside its own bytes (its
+  /// own gradients', and the embedding's and head's), in each option's backward_peak.
+  int64_t grad_buffers_ = 0;
   // A forward and backward of one microbatch: of a block without recompute, of the
   // embedding, of the loss head; measured where the times have them, else three times the
   // forward (a backward costs about twice its forward, as its FLOPs do).

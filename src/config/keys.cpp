@@ -487,12 +487,13 @@ std::vector<ConfigKey> parallel_keys() {
                    .max = 86400,
                    .unit = "seconds",
                    .why = "below a few heartbeats a busy machine would name live ranks as lost"}),
-      key("parallel.zero", &C::parallel, &P::zero, "1: shard AdamW's moments over data-parallel ranks",
+      key("parallel.zero", &C::parallel, &P::zero,
+          "1: shard AdamW's moments over data-parallel ranks; 2: their gradients too",
           KeyRange{.min = 0,
-                   .max = 1,
-                   .why = "0 keeps AdamW's moments whole on every data-parallel rank, 1 (ZeRO stage 1) keeps each "
-                          "rank's share of them; stages 2 and 3 (sharded gradients and parameters) are not "
-                          "implemented"}),
+                   .max = 2,
+                   .why = "0 keeps AdamW's moments and the gradients whole on every data-parallel rank, 1 (ZeRO "
+                          "stage 1) keeps each rank's share of the moments, 2 (ZeRO stage 2) of the gradients too; "
+                          "stage 3 (sharded parameters) is not implemented"}),
       key("parallel.pp", &C::parallel, &P::pp, "pipeline stages the layers split into (sets ac.stages)"),
       key("parallel.schedule", &C::parallel, &P::schedule, "pipeline schedule: 1f1b or gpipe"),
       key("parallel.link_rate", &C::parallel, &P::link_rate,

@@ -180,6 +180,14 @@ void check_ranks(const Config& c) {
                     "stages; drop ac.stages or set it to {}.",
                     c.ac.stages, p.pp, p.pp));
   }
+  // Stage 2 reduces each part's gradients as its backward ends: a pipeline's tied embedding
+  // and sequence parallelism's partial gradients are summed over other groups first.
+  if (p.zero >= 2 && (p.pp > 1 || p.sp)) {
+    fail(fmt::format(
+        "parallel.zero = {} shards the gradients over the data-parallel ranks, which does not yet combine with {}; "
+        "use parallel.zero = 1 (AdamW's moments sharded) with it.",
+        p.zero, p.pp > 1 ? fmt::format("parallel.pp = {} pipeline stages", p.pp) : "parallel.sp = true"));
+  }
   if (p.backend == CommBackend::nccl && !c.run.device.is_cuda()) {
     fail(fmt::format(
         "parallel.backend = nccl moves CUDA tensors only, but run.device = {}; CPU ranks talk over Gloo: set "

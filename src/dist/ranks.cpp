@@ -75,7 +75,9 @@ std::string describe_ranks(const Config& local) {
   std::string text;
   if (p.dp > 1) {
     text += fmt::format(", data parallel over {} ranks of {} sequences{}", p.dp, local.train.batch,
-                        p.zero == 1 ? ", AdamW's moments sharded over them (parallel.zero = 1)" : "");
+                        p.zero == 1   ? ", AdamW's moments sharded over them (parallel.zero = 1)"
+                        : p.zero == 2 ? ", AdamW's moments and the gradients sharded over them (parallel.zero = 2)"
+                                      : "");
   }
   if (p.tp > 1) {
     text += fmt::format(", each layer split over {} tensor-parallel ranks{}", p.tp,

@@ -107,7 +107,10 @@ int64_t Model::num_params() const {
 }
 
 void Model::zero_grad() {
-  for (const int i : added_only_) params_[static_cast<size_t>(i)].grad.zero_();
+  // Sharded, the next backward copies into the kept gradients, and zeroes its own buffers.
+  if (!grads_sharded()) {
+    for (const int i : added_only_) params_[static_cast<size_t>(i)].grad.zero_();
+  }
   fresh_grads_ = true;
 }
 

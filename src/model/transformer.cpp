@@ -1,6 +1,7 @@
 #include "model/transformer.h"
 
 #include "remat/dist.h"
+#include "remat/memory.h"
 #include "remat/ops/tensor_parallel.h"
 
 #include <fmt/format.h>
@@ -285,17 +286,13 @@ at::Tensor TransformerModel::backward(Microbatch& handle, at::Tensor dy, double 
   auto* mb = dynamic_cast<TransformerMicrobatch*>(&handle);
   TORCH_CHECK(mb != nullptr && mb->model == this, "[model] backward of a microbatch another model's forward made");
   TORCH_CHECK(!mb->consumed, "[model] the microbatch's backward already ran; it runs once");
-  if (!last_stage()) {
-    const graph::BlockGraph& g = mb->block_shapes.back()->graph;
-    const graph::TensorInfo& out = g.values[static_cast<size_t>(g.output)].info;
-    TORCH_CHECK(dy.defined(), "[model] a stage before the last needs the gradient of its output");
-    TORCH_CHECK(dy.sizes() == at::IntArrayRef(out.sizes) && dy.scalar_type() == out.dtype,
-                "[model] the output gradient must have the output's shape and dtype ", at::IntArrayRef(out.sizes), " ",
-                out.dtype, ", got ", dy.sizes(), " ", dy.scalar_type());
-  }
+  if (!last_stage()) check_output_gradient(*mb, dy);
   mb->consumed = true;
-  // The first backward since zero_grad() writes the gradients its ops write whole.
-  const ops::GradInto into = fresh_grads_ ? ops::GradInto::write : ops::GradInto::add;
+  // The first backward since zero_grad() writes the gradients its ops write whole; with
+  // sharded gradients every backward writes fresh buffers, and the first copies them on.
+  const bool first = fresh_grads_;
+  const bool sharded = grads_sharded();
+  const ops::GradInto into = first || sharded ? ops::GradInto::write : ops::GradInto::add;
   fresh_grads_ = false;
   // Idle pooled buffers go back to the system when the backward ends, also when a
   // recompute throws (a failed determinism check); the microbatch's own leave the pool.
@@ -310,19 +307,16 @@ at::Tensor TransformerModel::backward(Microbatch& handle, at::Tensor dy, double 
   const auto ready = [&](const std::vector<int>& part) {
     if (gradients_ready_) gradients_ready_(static_cast<size_t>(*std::min_element(part.begin(), part.end())));
   };
+  at::Tensor ends_grads;  // sharded: from the head's backward to the embedding's
   for (const schedule::Action& a : schedule::backward(plan(), parts(), static_cast<int64_t>(ctx.microbatch))) {
     switch (a.kind) {
       case schedule::Kind::head_backward: {
         scope.emplace("loss head backward", trace::Category::layer);
+        if (sharded) ends_grads = open_part_grads(ends_);
         Engine e = engine(*mb->head_shape, W, W.head, into, 0, ctx, nullptr);
         dx = mb->head->backward(e, at::scalar_tensor(loss_scale, at::kDouble));
         scope.reset();
-        if (gradients_ready_) {
-          int before = -1;  // the last parameter of the parts below the head
-          for (const auto& layer : W.layers) before = std::max(before, *std::max_element(layer.begin(), layer.end()));
-          for (const int i : W.embed) before = std::max(before, i);
-          gradients_ready_(static_cast<size_t>(before + 1));
-        }
+        if (gradients_ready_) gradients_ready_(head_own_params());
         break;
       }
       case schedule::Kind::recompute:
@@ -339,11 +333,14 @@ at::Tensor TransformerModel::backward(Microbatch& handle, at::Tensor dy, double 
         const trace::Scope layer_scope("backward", trace::Category::layer, l);
         auto& run = mb->layers[static_cast<size_t>(l - stage_.first)];
         const GraphShape& blk = *mb->block_shapes[static_cast<size_t>(l - stage_.first)];
-        Engine e = engine(blk, W, W.layers[l - stage_.first], into, l, ctx, store_.get());
+        const std::vector<int>& params = W.layers[static_cast<size_t>(l - stage_.first)];
+        at::Tensor grads = sharded ? open_part_grads(params) : at::Tensor();
+        Engine e = engine(blk, W, params, into, l, ctx, store_.get());
         dx = run->backward(e, std::move(dx));
         run.reset();
         if (store_) store_->finished_backward(l);
-        ready(W.layers[static_cast<size_t>(l - stage_.first)]);
+        ready(params);
+        if (sharded) close_part_grads(params, std::move(grads), first, fmt::format("layer {}", l), ctx);
         break;
       }
       case schedule::Kind::embed_backward: {
@@ -351,6 +348,7 @@ at::Tensor TransformerModel::backward(Microbatch& handle, at::Tensor dy, double 
         Engine e = engine(*mb->embed_shape, W, W.embed, into, 0, ctx, nullptr);
         dx = mb->embed->backward(e, std::move(dx));  // token ids: undefined
         ready(W.embed);
+        if (sharded) close_part_grads(ends_, std::move(ends_grads), first, "the embedding and the loss head", ctx);
         break;
       }
       default:
@@ -597,6 +595,75 @@ const Weights& TransformerModel::compute_weights() {
 void TransformerModel::cast_compute_copies() {
   cast_version_ = -1;
   compute_weights();
+}
+
+void TransformerModel::shard_gradients(const std::vector<bool>& owned, dist::Group& group) {
+  TORCH_CHECK(owned.size() == params_.size(), "[model] shard_gradients takes one flag per parameter (", params_.size(),
+              "), got ", owned.size());
+  TORCH_CHECK(first_stage() && last_stage() && !sp_,
+              "[model] sharded gradients need a model of every layer without sequence parallelism");
+  std::vector<at::Tensor> kept;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (owned[i]) kept.push_back(params_[i].grad);
+  }
+  // The whole buffer goes first, its cached segments with it, so that the device holds
+  // only the kept one.
+  for (Param& p : params_) p.grad = at::Tensor();
+  for (at::Tensor& g : grads_.tensors) g = at::Tensor();
+  grad_buffer_ = at::Tensor();
+  memory::release_cached(device_);
+  grad_buffer_ = flat_views(kept, master_buffer_.options(), false);  // the first backward copies in
+  for (size_t i = 0, k = 0; i < params_.size(); ++i) {
+    if (owned[i]) params_[i].grad = kept[k++];
+  }
+  std::set<int> ends(weights_.embed.begin(), weights_.embed.end());
+  ends.insert(weights_.head.begin(), weights_.head.end());
+  ends_.assign(ends.begin(), ends.end());
+  owned_grads_ = owned;
+  grad_group_ = &group;
+}
+
+void TransformerModel::check_output_gradient(const TransformerMicrobatch& mb, const at::Tensor& dy) const {
+  const graph::BlockGraph& g = mb.block_shapes.back()->graph;
+  const graph::TensorInfo& out = g.values[static_cast<size_t>(g.output)].info;
+  TORCH_CHECK(dy.defined(), "[model] a stage before the last needs the gradient of its output");
+  TORCH_CHECK(dy.sizes() == at::IntArrayRef(out.sizes) && dy.scalar_type() == out.dtype,
+              "[model] the output gradient must have the output's shape and dtype ", at::IntArrayRef(out.sizes), " ",
+              out.dtype, ", got ", dy.sizes(), " ", dy.scalar_type());
+}
+
+size_t TransformerModel::head_own_params() const {
+  int before = -1;  // the last parameter of the parts below the head
+  for (const auto& layer : weights_.layers) before = std::max(before, *std::max_element(layer.begin(), layer.end()));
+  for (const int i : weights_.embed) before = std::max(before, i);
+  return static_cast<size_t>(before + 1);
+}
+
+at::Tensor TransformerModel::open_part_grads(const std::vector<int>& params) {
+  std::vector<at::Tensor> views = weights_.of(params);
+  at::Tensor flat = flat_views(views, master_buffer_.options(), false);
+  for (size_t k = 0; k < params.size(); ++k) grads_.tensors[static_cast<size_t>(params[k])] = views[k];
+  for (const int i : added_only_) {
+    if (std::find(params.begin(), params.end(), i) != params.end()) grads_.tensors[static_cast<size_t>(i)].zero_();
+  }
+  return flat;
+}
+
+void TransformerModel::close_part_grads(const std::vector<int>& params, at::Tensor flat, bool first,
+                                        const std::string& part, const StepContext& ctx) {
+  {
+    const trace::Scope scope("gradient sum", trace::Category::backward);
+    std::vector<at::Tensor> sum{flat};
+    grad_group_->all_reduce(
+        sum, dist::Reduce::sum,
+        fmt::format("the gradient sum of {} (step {}, microbatch {})", part, ctx.step + 1, ctx.microbatch + 1));
+  }
+  for (const int i : params) {
+    at::Tensor& g = grads_.tensors[static_cast<size_t>(i)];
+    at::Tensor& kept = params_[static_cast<size_t>(i)].grad;
+    if (owned_grads_[static_cast<size_t>(i)]) first ? kept.copy_(g) : kept.add_(g);
+    g = at::Tensor();
+  }
 }
 
 void TransformerModel::find_added_only() {

@@ -166,6 +166,7 @@ class TransformerModel final : public Model {
   void set_activation_plan(const ActivationPlan& plan, const StoreOptions& options) override;
   ActivationStore* store() override { return store_.get(); }
   ActivationBytes predict_activation_bytes(int64_t B, int64_t T) const override;
+  void shard_gradients(const std::vector<bool>& owned, dist::Group& group) override;
 
  protected:
   bool hf_transposed(const std::string& name) const override { return decl_.hf_transposed(name); }
@@ -221,6 +222,18 @@ class TransformerModel final : public Model {
   const Weights& compute_weights();
   // Model::added_only_: the embedding's parameters the head does not write first.
   void find_added_only();
+  // Sharded gradients (shard_gradients): points the engine's gradients of `params` into one
+  // new flat buffer, zeroing those the ops add into, and returns it.
+  at::Tensor open_part_grads(const std::vector<int>& params);
+  // Sums `flat` over the gradients' group, puts the kept gradients of `params` into
+  // Param::grad (copied when `first`, else added) and lets go of the buffer. `part` and
+  // `ctx` name the sum in a failure.
+  void close_part_grads(const std::vector<int>& params, at::Tensor flat, bool first, const std::string& part,
+                        const StepContext& ctx);
+  // Refuses a later stage's output gradient `dy` that is missing or not `mb`'s output's shape.
+  void check_output_gradient(const TransformerMicrobatch& mb, const at::Tensor& dy) const;
+  // The index of the head's first own parameter: the parts below it hold those before.
+  size_t head_own_params() const;
 
   const ArchDecl& decl_;
   std::optional<ops::RopeTables> rope_;  ///< rotation tables, when the block rotates
@@ -239,6 +252,9 @@ class TransformerModel final : public Model {
   at::Tensor cast_buffer_;     ///< the flat buffer cast_ views; undefined until the first cast
   int head_weight_ = -1;       ///< the weight the loss's logits read (generation's logits too); -1: no head
   int64_t cast_version_ = -1;  ///< master_buffer_'s version when last cast
+  /// Sharded gradients: the embedding's and the head's parameters (a tied table once), one
+  /// buffer from the head's backward to the embedding's.
+  std::vector<int> ends_;
 };
 
 }  // namespace remat::detail

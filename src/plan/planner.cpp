@@ -1,6 +1,7 @@
 // The planner's door: its questions, for any stage count, and on CUDA the caching
 // allocator's reserved bytes held within the device budget.
 #include "plan/planner_detail.h"
+#include "plan/statics.h"
 
 #include "remat/memory.h"
 
@@ -81,8 +82,11 @@ Planner::Planner(const ModelConfig& cfg, const cost::StepShape& shape, const Lay
   // plan names every layer's op.
   const cost::OtherAttention* other = times_.other_attention.get();
   if (other != nullptr && other->op != cfg.attention) per_layer_op_ = cfg.attention;
+  const cost::GradientBuffers grads = cost::gradient_buffers(cfg_, layout_, cost::master_dtype(shape_.dtype));
+  grad_buffers_ = grads.layer + grads.ends;
   device_frontier_ = price_options(false);
   whole_ = {{}, {}, cost::LayerPricer(block_, options_.early_stop, times_).price({}), false, std::nullopt};
+  whole_.cost.backward_peak += grad_buffers_;
   const cost::StepConstants k = cost::step_constants(cfg_, shape_, layout_);
   emb_base_ = k.statics.total() + k.embed_saved;
   head_peak_ = k.head_peak;
@@ -210,14 +214,23 @@ std::string Planner::explain_infeasible(const Budgets& budgets, const std::strin
   const auto r = solve(least, o);
   TORCH_INTERNAL_ASSERT(r.has_value(), "no plan fits the minimum feasible budget");
   const cost::StepPrediction& p = r->stages[0];
+  const std::string copies =
+      p.statics.compute_copies > 0 ? fmt::format("compute copies {}, ", format_bytes(p.statics.compute_copies)) : "";
+  // Stage 2 shards the gradients where the ranks are there to hold them.
+  const std::string shard = layout_.dp > 1 && layout_.zero < 2
+                                ? fmt::format(
+                                      ", or keep a share of the gradients and AdamW's moments on each of the "
+                                      "{} data-parallel ranks (parallel.zero = 2)",
+                                      layout_.dp)
+                                : "";
   std::string text = fmt::format(
       "The memory budget {} ({}) is below the minimum feasible {} for {} at batch {} x {} tokens in {}: the "
-      "least-memory plan peaks in the {} with parameters {}, gradients {}, optimizer state {}, kept activations {} "
-      "and a working set of {}; give a budget of at least {}, or lower train.batch or train.seq.",
+      "least-memory plan peaks in the {} with parameters {}, {}gradients {}, optimizer state {}, kept activations {} "
+      "and a working set of {}; give a budget of at least {}, or lower train.batch or train.seq{}.",
       format_bytes(budgets.device), given, format_bytes(least), cfg_.preset, shape_.batch, shape_.seq,
-      dtype_text(shape_.dtype), p.peak_at, format_bytes(p.statics.params), format_bytes(p.statics.grads),
+      dtype_text(shape_.dtype), p.peak_at, format_bytes(p.statics.params), copies, format_bytes(p.statics.grads),
       format_bytes(p.statics.optimizer), format_bytes(p.peak - p.statics.total() - p.working_set),
-      format_bytes(p.working_set), format_bytes(least));
+      format_bytes(p.working_set), format_bytes(least), shard);
   // The fused head keeps the output weight's gradient; the recomputing one may fit lower.
   if (cfg_.loss_head == LossHead::fused) {
     ModelConfig other = cfg_;

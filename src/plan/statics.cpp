@@ -11,6 +11,17 @@ namespace remat::cost {
 
 using ops::nbytes;
 
+namespace {
+
+// The block's parameters on one tensor-parallel rank, whatever the sequence split.
+std::vector<graph::Param> block_params(const ModelConfig& c, const Layout& layout) {
+  Layout shard;
+  shard.tp = layout.tp;
+  return graph::block_graph(c, 1, 1, at::kFloat, shard).params;
+}
+
+}  // namespace
+
 std::vector<graph::Param> stage_params(const ModelConfig& c, const Layout& layout) {
   std::vector<graph::Param> params;
   std::set<std::string> named;
@@ -22,7 +33,7 @@ std::vector<graph::Param> stage_params(const ModelConfig& c, const Layout& layou
   Layout shard;  // the parameters are a tensor-parallel rank's, whatever the sequence split
   shard.tp = layout.tp;
   if (layout.has_embedding()) add(graph::embed_graph(c, 1, 1, at::kFloat, shard));
-  const auto block = graph::block_graph(c, 1, 1, at::kFloat, shard).params;
+  const auto block = block_params(c, layout);
   for (int64_t l = 0; l < layout.stage_layers(c.n_layer); ++l) params.insert(params.end(), block.begin(), block.end());
   if (layout.has_head()) add(graph::head_graph(c, 1, 1, at::kFloat, 1, shard));
   return params;
@@ -38,7 +49,10 @@ int64_t numel(const std::vector<graph::Param>& params) {
 
 at::ScalarType master_dtype(at::ScalarType compute) { return compute == at::kDouble ? at::kDouble : at::kFloat; }
 
-OptimizerShare optimizer_share(const std::vector<graph::Param>& params, int64_t ranks) {
+OptimizerShare optimizer_share(const std::vector<graph::Param>& params, const Layout& layout) {
+  const int64_t ranks = layout.zero_ranks();
+  // Per element a rank keeps: two moments, and its gradient when sharded.
+  const int64_t kept = layout.grads_sharded() ? 3 : 2;
   std::vector<int64_t> numels;
   for (const graph::Param& p : params) numels.push_back(numel(p));
   const std::vector<int> owner = zero_owners(numels, ranks);
@@ -52,13 +66,14 @@ OptimizerShare optimizer_share(const std::vector<graph::Param>& params, int64_t 
   int64_t highest = -1;
   for (size_t r = 0; r < load.size(); ++r) {
     s.moments = std::max(s.moments, load[r]);
-    const int64_t peak = 2 * load[r] + (util::kFusedAdamW ? 0 : 2 * largest[r]);
+    const int64_t peak = kept * load[r] + (util::kFusedAdamW ? 0 : 2 * largest[r]);
     if (peak > highest) {
       highest = peak;
       s.rank = static_cast<int>(r);
     }
   }
   s.rank_moments = load[static_cast<size_t>(s.rank)];
+  s.own_grads = layout.grads_sharded();
   for (const bool matrices : {true, false}) {
     for (size_t i = 0; i < params.size(); ++i) {
       if (owner[i] == s.rank && (params[i].sizes.size() >= 2) == matrices) s.updated.push_back(i);
@@ -67,17 +82,31 @@ OptimizerShare optimizer_share(const std::vector<graph::Param>& params, int64_t 
   return s;
 }
 
+GradientBuffers gradient_buffers(const ModelConfig& cfg, const Layout& layout, at::ScalarType master) {
+  if (!layout.grads_sharded()) return {};
+  const int64_t layer = numel(block_params(cfg, layout));
+  const int64_t all = numel(stage_params(cfg, layout));
+  return {nbytes(layer, master), nbytes(all - layout.stage_layers(cfg.n_layer) * layer, master)};
+}
+
 int64_t step_count_bytes(bool updates) { return util::kFusedAdamW && updates ? nbytes(1, at::kFloat) : 0; }
 
 void simulate_update(Live& live, const std::vector<graph::Param>& params, const OptimizerShare& share,
                      at::ScalarType master, std::vector<SimTensor>* moments) {
   const auto make = [&](int64_t bytes) { return std::make_shared<Buffer>(&live, bytes); };
   std::vector<SimTensor> sums;
-  for (const graph::Param& p : params) {
-    const SimTensor squared = make(nbytes(numel(p), master));
+  const std::set<size_t> own(share.updated.begin(), share.updated.end());
+  SimTensor none;
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (share.own_grads && own.count(i) == 0) {
+      if (!none) none = make(nbytes(1, master));
+      continue;
+    }
+    const SimTensor squared = make(nbytes(numel(params[i]), master));
     sums.push_back(make(nbytes(1, master)));
   }
   sums.clear();
+  none.reset();
   const bool first = moments != nullptr && moments->empty();
   for (const size_t i : share.updated) {
     const int64_t bytes = nbytes(numel(params[i]), master);
@@ -136,8 +165,8 @@ StaticBytes static_bytes(const ModelConfig& model, const StepShape& shape, const
   const int64_t P = numel(params);
   StaticBytes s;
   s.params = nbytes(P, master);
-  s.grads = nbytes(P, master);
-  const int64_t moments = optimizer_share(params, layout.zero_ranks()).moments;
+  const int64_t moments = optimizer_share(params, layout).moments;
+  s.grads = nbytes(layout.grads_sharded() ? moments : P, master);  // the busiest rank's when sharded
   s.optimizer = 2 * nbytes(moments, master) + step_count_bytes(moments > 0);
   s.compute_copies = shape.dtype != master ? nbytes(P, shape.dtype) : 0;
   if (graph::block_graph(cfg, 1, 1, shape.dtype).uses(graph::op::rope())) {
@@ -152,26 +181,29 @@ StaticBytes static_bytes(const ModelConfig& model, const StepShape& shape, const
 StepConstants step_constants(const ModelConfig& cfg, const StepShape& shape, const Layout& layout) {
   StepConstants k;
   k.statics = static_bytes(cfg, shape, layout);
+  // Sharded gradients: the ends' buffer lives from the head's backward to the embedding's.
+  const at::ScalarType master = master_dtype(shape.dtype);
+  const int64_t ends = gradient_buffers(cfg, layout, master).ends;
   if (layout.has_embedding()) {
     const LayerCost embed = simulate_kept(graph::embed_graph(cfg, shape.batch, shape.seq, shape.dtype, layout));
     k.embed_peak = embed.forward_peak;
     k.embed_saved = embed.kept;
-    k.embed_backward = embed.backward_peak - embed.kept;
+    k.embed_backward = embed.backward_peak - embed.kept + ends;
   }
   if (layout.has_head()) {
     const LayerCost head =
         simulate_kept(graph::head_graph(cfg, shape.batch, shape.seq, shape.dtype, shape.ce_chunk, layout));
-    k.head_peak = std::max(head.forward_peak, head.backward_peak);
+    k.head_peak = std::max(head.forward_peak, head.backward_peak + ends);
     k.head_saved = head.kept;
   }
-  // The update point is the rank of OptimizerShare's: its moments, not the busiest rank's,
-  // under the temporaries of its update.
-  const at::ScalarType master = master_dtype(shape.dtype);
+  // The update point is the rank of OptimizerShare's: its moments (and kept gradients), not
+  // the busiest rank's, under the temporaries of its update.
   const std::vector<graph::Param> params = stage_params(cfg, layout);
-  const OptimizerShare share = optimizer_share(params, layout.zero_ranks());
+  const OptimizerShare share = optimizer_share(params, layout);
   Live live;
   simulate_update(live, params, share, master, nullptr);
-  k.optimizer = live.peak() - 2 * nbytes(share.moments - share.rank_moments, master);
+  const int64_t kept = layout.grads_sharded() ? 3 : 2;
+  k.optimizer = live.peak() - kept * nbytes(share.moments - share.rank_moments, master);
   return k;
 }
 

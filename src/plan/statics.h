@@ -22,24 +22,37 @@ int64_t numel(const std::vector<graph::Param>& params);
 /// The dtype of the master weights, gradients and moments of a run computing in `compute`.
 at::ScalarType master_dtype(at::ScalarType compute);
 
-/// What the optimizer of the ranks holds: the elements whose moments the busiest rank
-/// keeps, and the rank whose update peaks highest (its moments, plus the two temporaries of
-/// its largest parameter where AdamW is not fused), with the parameters it updates in
-/// AdamW's order (its group of matrices, then the rest). One rank: every parameter.
+/// What the optimizer of `layout`'s data-parallel ranks holds: the elements whose moments
+/// (and, with sharded gradients, gradients) the busiest rank keeps, and the rank whose
+/// update peaks highest (its moments and kept gradients, plus the two temporaries of its
+/// largest parameter where AdamW is not fused), with the parameters it updates in AdamW's
+/// order (its group of matrices, then the rest). One rank: every parameter.
 struct OptimizerShare {
   int64_t moments = 0;          ///< elements, for each of the two moments, of the busiest rank
   int rank = 0;                 ///< the rank whose update peaks highest (the lowest of equals)
   int64_t rank_moments = 0;     ///< elements, for each moment, of that rank
   std::vector<size_t> updated;  ///< that rank's parameters, by index into the stage's
+  bool own_grads = false;       ///< the rank keeps the gradients of `updated` alone (sharded)
 };
-OptimizerShare optimizer_share(const std::vector<graph::Param>& params, int64_t ranks);
+OptimizerShare optimizer_share(const std::vector<graph::Param>& params, const Layout& layout);
+
+/// With sharded gradients (Layout::grads_sharded), the bytes of the buffers a backward
+/// writes a part's gradients into before their sum over the ranks (Model::shard_gradients):
+/// one layer's, and the embedding's with the loss head's, held from the head's backward to
+/// the embedding's. Zeros otherwise.
+struct GradientBuffers {
+  int64_t layer = 0;
+  int64_t ends = 0;
+};
+GradientBuffers gradient_buffers(const ModelConfig& cfg, const Layout& layout, at::ScalarType master);
 
 /// The fused AdamW kernel's step count, a float32 scalar a rank holds beside its moments
 /// when it `updates` any parameter; 0 where AdamW is not fused (util::kFusedAdamW).
 int64_t step_count_bytes(bool updates);
 
-/// The update of `share`'s rank on `live`, as the trainer runs it: every gradient squared
-/// for the norm (one at a time, the sums kept until the total), then per updated parameter
+/// The update of `share`'s rank on `live`, as the trainer runs it: every gradient it keeps
+/// squared for the norm (one at a time, the sums kept until the total; with sharded
+/// gradients one zero stands for the others' sums), then per updated parameter
 /// AdamW's denominator, a square root and its quotient, live at once (none where AdamW is
 /// fused, util::kFusedAdamW). Where `moments` is given and empty (a first update), each
 /// updated parameter's two moments are made into it first, as AdamW makes them, and the

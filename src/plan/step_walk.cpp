@@ -13,7 +13,7 @@ void StepWalk::hold_statics(int64_t workspace, bool moments_made, int64_t outsid
   if (block_of(first_).g.uses(graph::op::rope())) {
     statics_.push_back(make(ops::rope_tables_bytes(cfg_.max_seq, cfg_.head_dim(), shape_.dtype)));
   }
-  statics_.push_back(make(nbytes(P, master_)));
+  statics_.push_back(make(nbytes(share_.own_grads ? share_.rank_moments : P, master_)));
   const int64_t ends = (layout_.has_embedding() ? 1 : 0) + (layout_.has_head() ? 1 : 0);
   for (int64_t b = 0; b < layout_.in_flight(shape_.grad_accum) * ends; ++b) {
     statics_.push_back(make(nbytes(shape_.batch * shape_.seq, at::kLong)));
@@ -25,7 +25,10 @@ void StepWalk::hold_statics(int64_t workspace, bool moments_made, int64_t outsid
       moments_.push_back(make(nbytes(numel(params_[i]), master_)));
     }
     if (step_count_bytes(!share_.updated.empty()) > 0) moments_.push_back(make(step_count_bytes(true)));
-    busiest_ = make(2 * nbytes(share_.moments - share_.rank_moments, master_));
+  }
+  if (moments_made || share_.own_grads) {
+    const int64_t kept = (moments_made ? 2 : 0) + (share_.own_grads ? 1 : 0);
+    busiest_ = make(kept * nbytes(share_.moments - share_.rank_moments, master_));
   }
   statics_.push_back(make(outside));
 }
@@ -69,6 +72,7 @@ void StepWalk::act(const schedule::Action& a, Microbatch* mb) {
     case schedule::Kind::head_backward: {
       mark("loss head", live_.current() - mb->head_bytes);
       Simulator s = sim(head_);
+      if (grad_buffers_.ends > 0) mb->ends_grads = make(grad_buffers_.ends);
       mb->dx = mb->head->backward(s, make(head_.g.output_bytes()));
       mb->head.reset();
       break;
@@ -94,10 +98,11 @@ void StepWalk::act(const schedule::Action& a, Microbatch* mb) {
       backward(*mb, a.layer);
       break;
     case schedule::Kind::embed_backward: {
-      mark("embedding backward", live_.current() - bytes_of(mb->dx) - mb->embed_bytes);
+      mark("embedding backward", live_.current() - bytes_of(mb->dx) - mb->embed_bytes - bytes_of(mb->ends_grads));
       Simulator s = sim(embed_);
       mb->embed->backward(s, std::move(mb->dx)).reset();
       mb->embed.reset();
+      mb->ends_grads.reset();  // summed over the ranks, then freed
       break;
     }
     case schedule::Kind::optimizer:
@@ -145,7 +150,7 @@ void StepWalk::recompute(Microbatch& mb, int64_t first, int64_t last) {
   const Shaped& b = block_of(first);  // a chunk's layers run the model's op
   Simulator s = sim(b);
   if (!mb.dx) mb.dx = make(b.g.output_bytes());  // an earlier stage receives its output's gradient
-  int64_t base = live_.current() - bytes_of(mb.dx);
+  int64_t base = live_.current() - bytes_of(mb.dx) - bytes_of(mb.ends_grads);
   for (int64_t j = first; j <= last; ++j) base -= mb.layers[static_cast<size_t>(j - first_)].bytes;
   mark(of_layer("recompute", first), base);
   SimRun& run = *mb.layers[static_cast<size_t>(first - first_)].run;
@@ -166,7 +171,10 @@ void StepWalk::backward(Microbatch& mb, int64_t l) {
   const Shaped& b = block_of(l);
   if (!mb.dx) mb.dx = make(b.g.output_bytes());  // an earlier stage receives its output's gradient
   Held& h = mb.layers[static_cast<size_t>(l - first_)];
-  mark(of_layer("backward", l), live_.current() - bytes_of(mb.dx) - h.bytes);
+  // The gradient buffers are the backward's working set too.
+  mark(of_layer("backward", l), live_.current() - bytes_of(mb.dx) - h.bytes - bytes_of(mb.ends_grads));
+  // Sharded gradients: the layer's own buffer, summed over the ranks after its backward.
+  SimTensor grads = grad_buffers_.layer > 0 ? make(grad_buffers_.layer) : nullptr;
   if (h.run) {
     Simulator s = sim(b);
     mb.dx = h.run->backward(s, std::move(mb.dx));
@@ -182,6 +190,7 @@ void StepWalk::backward(Microbatch& mb, int64_t l) {
     mb.dx = make(b.g.values[b.g.input].info.bytes());
   }
   h = Held{};
+  grads.reset();
   if (l == first_ && !layout_.has_embedding()) mb.dx.reset();  // sent to the previous stage
 }
 

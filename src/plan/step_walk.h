@@ -39,6 +39,7 @@ struct Microbatch {
   int64_t embed_bytes = 0, head_bytes = 0;
   std::vector<Held> layers;  // from the stage's first layer
   SimTensor x, dx;
+  SimTensor ends_grads;  // sharded gradients: the embedding's and the head's, in the backward
 };
 
 // Where a walk's live bytes first reached their highest, and how far above what the step
@@ -69,15 +70,17 @@ class StepWalk {
         embed_(graph::embed_graph(cfg, shape.batch, shape.seq, shape.dtype, layout)),
         head_(graph::head_graph(cfg, shape.batch, shape.seq, shape.dtype, shape.ce_chunk, layout)),
         params_(stage_params(cfg, layout)),
-        share_(optimizer_share(params_, layout.zero_ranks())),
-        master_(master_dtype(shape.dtype)) {}
+        share_(optimizer_share(params_, layout)),
+        master_(master_dtype(shape.dtype)),
+        grad_buffers_(gradient_buffers(cfg, layout, master_)) {}
 
   // What the step holds throughout, as the model and trainer allocate it: each parameter,
-  // the rotary tables, the gradients' one flat buffer, the batches in flight, the BLAS
-  // workspace; AdamW's moments (and the fused kernel's step count) where `moments_made` (a
-  // step after the first), then also the moments the busiest rank holds beyond the rank
-  // walked (OptimizerShare), until the update, which is that rank's; `outside` bytes the
-  // device's requests do not list.
+  // the rotary tables, the gradients' one flat buffer (the walked rank's own, sharded), the
+  // batches in flight, the BLAS workspace; AdamW's moments (and the fused kernel's step
+  // count) where `moments_made` (a step after the first), then also the moments (and
+  // sharded gradients) the busiest rank holds beyond the rank walked (OptimizerShare),
+  // until the update, which is that rank's; `outside` bytes the device's requests do not
+  // list.
   void hold_statics(int64_t workspace, bool moments_made, int64_t outside);
 
   // One step's actions.
@@ -141,6 +144,7 @@ class StepWalk {
   std::vector<graph::Param> params_;
   OptimizerShare share_;
   at::ScalarType master_;
+  GradientBuffers grad_buffers_;
   const NodeTimes untimed_;
   LayerCost scratch_;  // the simulator's recompute counts: the peak ledger prices them per layer
   std::vector<SimTensor> statics_, moments_;

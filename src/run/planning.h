@@ -87,8 +87,8 @@ cost::StepShape step_shape(const Config& local, at::ScalarType dtype);
 /// one, the planner chooses them).
 Layout layout_of(const Config& local, int64_t stage);
 
-/// Plans `cfg` (vocab_size set; a rank share: under parallel.zero = 1 the optimizer sharded
-/// over parallel.dp ranks) at its train.* shape in `dtype`, for stage `stage`'s ranks
+/// Plans `cfg` (vocab_size set; a rank share: from parallel.zero = 1 the optimizer sharded
+/// over parallel.dp ranks, at 2 the gradients too) at its train.* shape in `dtype`, for stage `stage`'s ranks
 /// (layout_of); `prices` price recompute (and, when measured, the whole step). Throws
 /// BudgetTooSmall, with the minimum feasible budget, when ac.budget is below it;
 /// `budget_reference` (bytes, 0: this plan's no-recompute peak) is what a fractional

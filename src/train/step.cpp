@@ -55,20 +55,36 @@ NormSlots norm_slots(const Model& model, dist::Group* pipe) {
 // each slot is one stage's, the others add zeros, so the gather is exact) and summed as one
 // process sums them: without tensor parallelism the same norm to the bit, and so the same
 // clipping; the split ones' sums are added over the stages.
-double clip_gradients(Model& model, double max_norm, int64_t step, dist::Group* pipe, const NormSlots& slots) {
+//
+// With `shards` (sharded gradients) each rank holds its own parameters' gradients: the
+// others' squares are zeros here, and the slots are summed over `shards` (one rank's value
+// and zeros each, so exactly), then summed as without sharding: the same norm to the bit.
+double clip_gradients(Model& model, double max_norm, int64_t step, dist::Group* pipe, const NormSlots& slots,
+                      dist::Group* shards) {
   const trace::Scope scope("clip gradients", trace::Category::step);
   // One reduction and one host read for all parameters (a sync per parameter on CUDA).
   std::vector<at::Tensor> whole, split;
+  at::Tensor none;  // stands for the squares of a gradient another rank keeps
   for (const auto& p : model.params()) {
-    if (counted_in_norm(model, p, pipe != nullptr)) (p.shard.split() ? split : whole).push_back(p.grad.pow(2).sum());
+    if (!counted_in_norm(model, p, pipe != nullptr)) continue;
+    if (!p.grad.defined() && !none.defined()) none = at::zeros({}, p.value.options());
+    (p.shard.split() ? split : whole).push_back(p.grad.defined() ? p.grad.pow(2).sum() : none);
   }
   const auto total = [](const at::Tensor& squares) { return squares.to(at::kDouble).sum().reshape({1}); };
-  std::vector<at::Tensor> parts{split.empty() ? at::zeros({1}, at::kDouble) : total(at::stack(split)).cpu()};
+  at::Tensor split_squares = split.empty() ? at::Tensor() : at::stack(split).cpu();
+  at::Tensor squares = whole.empty() ? at::Tensor() : at::stack(whole).cpu();
+  if (shards != nullptr) {
+    std::vector<at::Tensor> held;
+    for (const at::Tensor& t : {split_squares, squares}) {
+      if (t.defined()) held.push_back(t);
+    }
+    shards->all_reduce(held, dist::Reduce::sum, fmt::format("the gradient norm's sum of step {}", step + 1));
+  }
+  std::vector<at::Tensor> parts{split.empty() ? at::zeros({1}, at::kDouble) : total(split_squares)};
   if (model.tensor_group() != nullptr) {
     model.tensor_group()->all_reduce(parts, dist::Reduce::sum,
                                      fmt::format("the gradient norm's all-reduce of step {}", step + 1));
   }
-  at::Tensor squares = whole.empty() ? at::Tensor() : at::stack(whole).cpu();
   if (pipe != nullptr) {
     const std::string what = fmt::format("the gradient norm's gather over the pipeline of step {}", step + 1);
     if (model.tensor_group() != nullptr) pipe->all_reduce(parts, dist::Reduce::sum, what);
@@ -80,7 +96,9 @@ double clip_gradients(Model& model, double max_norm, int64_t step, dist::Group* 
   const double norm = std::sqrt(parts[0].item<double>() + (squares.defined() ? total(squares).item<double>() : 0.0));
   if (max_norm > 0 && norm > max_norm) {
     const double scale = max_norm / (norm + 1e-6);
-    for (auto& p : model.params()) p.grad.mul_(scale);
+    for (auto& p : model.params()) {
+      if (p.grad.defined()) p.grad.mul_(scale);
+    }
   }
   return norm;
 }
@@ -96,7 +114,8 @@ double clip_gradients(Model& model, double max_norm, int64_t step, dist::Group* 
 // Whole moments also stay keyed as LibTorch keys them, for the checkpoint. The price is
 // balance: a rank may hold up to the largest parameter more than the mean.
 std::vector<bool> owned_params(const Model& model, dist::Comm* ranks, int64_t zero) {
-  const int n = ranks != nullptr && zero == 1 ? ranks->data().size() : 1;
+  TORCH_CHECK(zero >= 0 && zero <= 2, "[TrainStep] zero must be 0, 1 or 2 (parallel.zero), got ", zero);
+  const int n = ranks != nullptr && zero >= 1 ? ranks->data().size() : 1;
   std::vector<int64_t> numels;
   for (const auto& p : model.params()) numels.push_back(p.value.numel());
   const std::vector<int> owner = cost::zero_owners(numels, n);
@@ -104,6 +123,22 @@ std::vector<bool> owned_params(const Model& model, dist::Comm* ranks, int64_t ze
   std::vector<bool> owned;
   for (const int o : owner) owned.push_back(o == me);
   return owned;
+}
+
+// ZeRO-2 over several data-parallel ranks: the model keeps this rank's parameters'
+// gradients only, before the optimizer takes them. Returns whether it does.
+bool shard_gradients(Model& model, const std::vector<bool>& owned, dist::Comm* ranks, int64_t zero) {
+  if (zero < 2 || ranks == nullptr || ranks->data().size() == 1) return false;
+  model.shard_gradients(owned, ranks->data());
+  return true;
+}
+
+// Sums the step's loss over the data-parallel ranks, as GradientReduction does beside the
+// gradients.
+double loss_sum(double loss, dist::Group& group, const std::string& what) {
+  std::vector<at::Tensor> total{at::full({1}, loss, at::kDouble)};
+  group.all_reduce(total, dist::Reduce::sum, what);
+  return total[0].item<double>();
 }
 
 // An all-gather of whole tensors from their owners, as an exact all-reduce in place: every
@@ -135,7 +170,10 @@ constexpr const char* kCheckpointFormat = "remat training checkpoint 1";
 // a NaN or an infinity; -1 when none does. One pass, one host read.
 int64_t first_non_finite_index(const Model& model, bool grads) {
   std::vector<at::Tensor> finite;
-  for (const auto& p : model.params()) finite.push_back(at::isfinite(grads ? p.grad : p.value).all());
+  for (const auto& p : model.params()) {
+    const at::Tensor& t = grads ? p.grad : p.value;  // a gradient another rank keeps: undefined
+    finite.push_back(t.defined() ? at::isfinite(t).all() : at::ones({}, at::kBool).to(p.value.device()));
+  }
   const at::Tensor flags = at::stack(finite).to(at::kCPU);
   const bool* ok = flags.data_ptr<bool>();
   for (size_t i = 0; i < finite.size(); ++i) {
@@ -154,8 +192,11 @@ std::string first_non_finite(const Model& model, bool grads) {
 std::string TrainStep::first_non_finite_of_job(bool grads, int64_t step, const char* when) const {
   const int64_t own = first_non_finite_index(model_, grads);
   // Data-parallel replicas hold the same values and gradients, so a rank's own finding is
-  // every rank's; only stages and tensor-parallel parts differ and must be gathered.
-  if (pipe_ == nullptr && model_.tp_size() == 1) return own < 0 ? "" : model_.params()[static_cast<size_t>(own)].name;
+  // every rank's; only stages, tensor-parallel parts and sharded gradients differ and must
+  // be gathered.
+  if (pipe_ == nullptr && model_.tp_size() == 1 && !(grads && model_.grads_sharded())) {
+    return own < 0 ? "" : model_.params()[static_cast<size_t>(own)].name;
+  }
   // The first in the whole model's order: the earliest stage's first, the lowest rank's
   // among equals (tensor-parallel ranks hold parts of the same parameters).
   const int64_t stage = pipe_ != nullptr ? pipe_->rank() : 0;
@@ -210,17 +251,18 @@ TrainStep::TrainStep(Model& model, const TrainConfig& train, uint64_t seed, dist
       seed_(seed),
       ranks_(ranks),
       owned_(owned_params(model, ranks, zero)),
-      sharded_(zero == 1 && ranks != nullptr && ranks->data().size() > 1),
+      sharded_(zero >= 1 && ranks != nullptr && ranks->data().size() > 1),
+      grads_sharded_(shard_gradients(model, owned_, ranks, zero)),
       pipe_(ranks != nullptr && ranks->pipeline().size() > 1 ? &ranks->pipeline() : nullptr),
       schedule_(schedule),
       // Where nothing else must come first: partial gradients (sequence parallelism) are
       // summed over the tensor-parallel group before, and a pipeline's backwards interleave
-      // with its transfers.
-      overlap_(overlap && ranks != nullptr && ranks->data().size() > 1 && ranks->pipeline().size() == 1 &&
+      // with its transfers. Sharded gradients are summed in the backward already.
+      overlap_(overlap && !grads_sharded_ && ranks != nullptr && ranks->data().size() > 1 &&
+               ranks->pipeline().size() == 1 &&
                std::none_of(model.params().begin(), model.params().end(), [](const Param& p) { return p.partial; })),
       optimizer_(adamw_params(model, owned_),
                  AdamWSettings{.beta1 = train.beta1, .beta2 = train.beta2, .weight_decay = train.weight_decay}) {
-  TORCH_CHECK(zero == 0 || zero == 1, "[TrainStep] zero must be 0 or 1 (parallel.zero), got ", zero);
   const NormSlots slots = norm_slots(model, pipe_);
   norm_first_ = slots.first;
   norm_count_ = slots.count;
@@ -277,14 +319,19 @@ StepResult TrainStep::run(int64_t step, const data::TokenDataset& data, std::mt1
     }
   }
   model_.sum_partial_grads(fmt::format("the sequence-parallel gradient all-reduce of step {}", step + 1));
-  if (ranks_ != nullptr) {
+  if (grads_sharded_) {
+    // Summed in the backward, a part at a time (Model::shard_gradients): the loss is left.
+    r.reduce_buckets = t.grad_accum * (model_.stage().count + 1);
+    r.loss = loss_sum(r.loss, ranks_->data(), reduce_what);
+  } else if (ranks_ != nullptr) {
     const trace::Scope scope("gradient all-reduce", trace::Category::step);
     if (!reduction) reduction.emplace(model_, ranks_->data(), false, reduce_what);
     r.reduce_buckets = reduction->bucket_count();
     r.reduce_buckets_overlapped = reduction->started_early();
     reduction->finish(r.loss);
   }
-  r.grad_norm = clip_gradients(model_, t.grad_clip, step, pipe_, {norm_first_, norm_count_});
+  r.grad_norm = clip_gradients(model_, t.grad_clip, step, pipe_, {norm_first_, norm_count_},
+                               grads_sharded_ ? &ranks_->data() : nullptr);
   // Checked before the update, so that a bad step leaves the weights as they were.
   if (!std::isfinite(r.loss) || !std::isfinite(r.grad_norm)) {
     const ModelConfig& m = model_.config();

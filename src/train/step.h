@@ -36,7 +36,8 @@ struct StepResult {
   int64_t host_peak_bytes = 0;            ///< offloaded slots: the most bytes in host memory so far
   int64_t host_pinned_bytes = 0;          ///< of the host pool's buffers, those page-locked for CUDA copies
   StoreCounters counters;                 ///< what the store re-ran during the step (zeros without a store)
-  int64_t reduce_buckets = 0;             ///< data parallel: the gradient buckets all-reduced
+  int64_t reduce_buckets = 0;             ///< data parallel: the gradient buckets all-reduced (sharded
+                                          ///< gradients: the parts summed, one per part and microbatch)
   int64_t reduce_buckets_overlapped = 0;  ///< of them, those started during the backward
   std::string trace;                      ///< Chrome-trace JSON of the step when it was traced
 };
@@ -51,6 +52,14 @@ struct StepResult {
 /// the same global norm; after the update the owners' parameters reach every rank through
 /// an exact all-reduce. Each parameter is updated by the very kernels, on the very tensor,
 /// that update it without ZeRO, so the weights are bitwise those of `zero` = 0.
+///
+/// ZeRO stage 2 (`zero` = 2): each rank also keeps only its parameters' gradients. Each
+/// part's gradients are summed over the ranks as the part's backward ends, every
+/// microbatch (Model::shard_gradients), and the norm from each rank's own squares. With one
+/// microbatch per step the sums are those of `zero` = 0 to the bit wherever the transport
+/// adds the ranks' values in the same order (always over two ranks); with several, each
+/// microbatch's gradients are summed over the ranks before the microbatches are, and the
+/// weights agree with `zero` = 0 to float32 rounding.
 class TrainStep {
  public:
   /// `model` must outlive this object; its gradient accumulators become the optimizer's
@@ -58,7 +67,8 @@ class TrainStep {
   /// parallel; it must outlive this object) `train.batch` is this rank's share of each
   /// microbatch: every rank draws the whole microbatch of batch x ranks sequences, as one
   /// process would, trains on its own consecutive rows of it and sums the gradients.
-  /// `zero`: parallel.zero (0 or 1), the optimizer sharded over ranks->data() when 1.
+  /// `zero`: parallel.zero (0, 1 or 2), the optimizer sharded over ranks->data() from 1,
+  /// the gradients too at 2 (a model of every layer without sequence parallelism).
   ///
   /// Pipeline parallel (`model` one stage of several in ranks->pipeline()): each step's
   /// microbatches run through the stages in `schedule`'s order (run_pipeline), the tied
@@ -112,8 +122,11 @@ class TrainStep {
   /// Per parameter: whether this rank keeps its moments and updates it (all of them
   /// without ZeRO-1).
   std::vector<bool> owned_;
-  /// ZeRO-1 over more than one rank: the updated parameters are exchanged.
+  /// ZeRO-1 or 2 over more than one rank: the updated parameters are exchanged.
   bool sharded_;
+  /// ZeRO-2 over more than one rank: the model keeps the owned gradients only, summed in
+  /// its backward (Model::shard_gradients).
+  bool grads_sharded_;
   /// The pipeline group when the model is one of several stages, else null.
   dist::Group* pipe_;
   pipeline::Schedule schedule_;

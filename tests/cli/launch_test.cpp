@@ -432,12 +432,13 @@ TEST_F(LaunchedTraining, TensorParallelRanksPeakWhereThePlannerSaid) {
   }
 }
 
-// ZeRO-1 over two data-parallel ranks, at the peak tests' shape: each rank keeps AdamW's moments
-// of its share of the parameters (cost::zero_owners). What rank 0 holds after a step (its
-// metrics' memory_bytes) drops by exactly the two float32 moments of the parameters it
-// does not own, the prediction by those of the busiest rank's complement, and every rank
-// still peaks at the prediction within the tensor-parallel test's slack.
-TEST_F(LaunchedTraining, ZeroOneShardsTheMomentsAndPeaksWhereThePlannerSaid) {
+// ZeRO-1 and 2 over two data-parallel ranks, at the peak tests' shape: each rank keeps AdamW's
+// moments of its share of the parameters (cost::zero_owners), and at 2 their gradients. What
+// rank 0 holds after a step (its metrics' memory_bytes) drops by exactly the two float32
+// moments of the parameters it does not own, then by their gradients; the prediction by
+// those of the busiest rank's complement; and every rank still peaks at the prediction
+// within the tensor-parallel test's slack, with a plan the planner solved for a budget too.
+TEST_F(LaunchedTraining, ZeroShardsTheMomentsAndGradientsAndPeaksWhereThePlannerSaid) {
   const remat::ModelConfig demo = [] {
     remat::ModelConfig m = remat::model_preset("gpt2-demo");
     m.vocab_size = 2048;
@@ -453,23 +454,30 @@ TEST_F(LaunchedTraining, ZeroOneShardsTheMomentsAndPeaksWhereThePlannerSaid) {
     all += numels[i];
     load[owner[i]] += numels[i];
   }
-  std::map<int, nlohmann::json> summary, last;
-  for (const int zero : {0, 1}) {
-    const std::string name = "zero" + std::to_string(zero);
-    const Result r = run_remat("launch --nproc 2 train " + common_ + kPeakShape +
-                               "train.steps=3 parallel.zero=" + std::to_string(zero) + " run.name=" + name);
+  std::map<std::string, nlohmann::json> summary, last;
+  for (const std::string settings :
+       {"parallel.zero=0", "parallel.zero=1", "parallel.zero=2", "parallel.zero=2 ac.budget=0.7"}) {
+    const std::string name = "run" + std::to_string(summary.size());
+    const Result r =
+        run_remat("launch --nproc 2 train " + common_ + kPeakShape + "train.steps=3 " + settings + " run.name=" + name);
     ASSERT_EQ(r.exit_code, 0) << r.output;
-    summary[zero] = nlohmann::json::parse(read_text(dir_ / "runs" / name / "summary.json"));
-    last[zero] = train_lines(name).back();
-    const int64_t predicted = summary[zero]["predicted_peak_bytes"];
-    for (const int64_t peak : summary[zero]["rank_peak_bytes"]) EXPECT_NEAR(peak, predicted, kPeakSlack) << name;
+    summary[settings] = nlohmann::json::parse(read_text(dir_ / "runs" / name / "summary.json"));
+    last[settings] = train_lines(name).back();
+    const int64_t predicted = summary[settings]["predicted_peak_bytes"];
+    for (const int64_t peak : summary[settings]["rank_peak_bytes"]) {
+      EXPECT_NEAR(peak, predicted, kPeakSlack) << settings;
+    }
   }
-  EXPECT_NE(read_text(dir_ / "runs" / "zero1" / "plan.txt").find("optimizer"), std::string::npos);
-  EXPECT_EQ(last[0]["memory_bytes"].get<int64_t>() - last[1]["memory_bytes"].get<int64_t>(), 2 * 4 * (all - load[0]));
-  EXPECT_EQ(summary[0]["predicted_peak_bytes"].get<int64_t>() - summary[1]["predicted_peak_bytes"].get<int64_t>(),
-            2 * 4 * (all - std::max(load[0], load[1])));
+  EXPECT_NE(read_text(dir_ / "runs" / "run1" / "plan.txt").find("optimizer"), std::string::npos);
+  const auto held = [&](const std::string& settings) { return last[settings]["memory_bytes"].get<int64_t>(); };
+  EXPECT_EQ(held("parallel.zero=0") - held("parallel.zero=1"), 2 * 4 * (all - load[0]));
+  EXPECT_EQ(held("parallel.zero=1") - held("parallel.zero=2"), 4 * (all - load[0]));
+  const auto predicted = [&](const std::string& s) { return summary[s]["predicted_peak_bytes"].get<int64_t>(); };
+  EXPECT_EQ(predicted("parallel.zero=0") - predicted("parallel.zero=1"), 2 * 4 * (all - std::max(load[0], load[1])));
+  EXPECT_LT(predicted("parallel.zero=2 ac.budget=0.7"), predicted("parallel.zero=2"));
   // The same weights: the runs' losses are the same numbers.
-  EXPECT_EQ(summary[0]["final_val_loss"], summary[1]["final_val_loss"]);
+  EXPECT_EQ(summary["parallel.zero=0"]["final_val_loss"], summary["parallel.zero=1"]["final_val_loss"]);
+  EXPECT_EQ(summary["parallel.zero=0"]["final_val_loss"], summary["parallel.zero=2"]["final_val_loss"]);
 }
 
 // `remat bench` under `remat launch`, at the peak tests' shape: two data-parallel ranks, and

@@ -250,16 +250,28 @@ TEST(Config, PipelineStagesAreThePolicysStages) {
   EXPECT_NE(config_to_toml(c).find("schedule = \"gpipe\""), std::string::npos);
 }
 
-// ZeRO stage 1 is on or off; with one data-parallel rank it is accepted and shards over
-// that rank alone, so one configuration serves any number of ranks.
-TEST(Config, ZeroIsStageZeroOrOne) {
+// ZeRO stages 0 to 2; with one data-parallel rank each is accepted and shards over that
+// rank alone, so one configuration serves any number of ranks. Stage 2 does not combine
+// with pipeline stages or sequence parallelism yet, which is said.
+TEST(Config, ZeroIsStageZeroToTwo) {
   EXPECT_EQ(load_config("", {}).parallel.zero, 0);
   EXPECT_EQ(load_config("", {"parallel.zero=1"}).parallel.zero, 1);
   EXPECT_EQ(load_config("", {"parallel.zero=1", "parallel.dp=1"}).parallel.zero, 1);
-  EXPECT_EQ(error_of([] { load_config("", {"parallel.zero=2"}); }),
-            "parallel.zero must be from 0 to 1, got 2; 0 keeps AdamW's moments whole on every data-parallel rank, 1 "
-            "(ZeRO stage 1) keeps each rank's share of them; stages 2 and 3 (sharded gradients and parameters) are not "
-            "implemented.");
+  EXPECT_EQ(load_config("", {"parallel.zero=2", "parallel.tp=2"}).parallel.zero, 2);
+  EXPECT_EQ(error_of([] { load_config("", {"parallel.zero=3"}); }),
+            "parallel.zero must be from 0 to 2, got 3; 0 keeps AdamW's moments and the gradients whole on every "
+            "data-parallel rank, 1 (ZeRO stage 1) keeps each rank's share of the moments, 2 (ZeRO stage 2) of the "
+            "gradients too; stage 3 (sharded parameters) is not implemented.");
+  EXPECT_EQ(error_of([] {
+              load_config("", {"parallel.zero=2", "parallel.pp=2"});
+            }),
+            "parallel.zero = 2 shards the gradients over the data-parallel ranks, which does not yet combine with "
+            "parallel.pp = 2 pipeline stages; use parallel.zero = 1 (AdamW's moments sharded) with it.");
+  EXPECT_EQ(error_of([] {
+              load_config("", {"parallel.zero=2", "parallel.tp=2", "parallel.sp=true"});
+            }),
+            "parallel.zero = 2 shards the gradients over the data-parallel ranks, which does not yet combine with "
+            "parallel.sp = true; use parallel.zero = 1 (AdamW's moments sharded) with it.");
   EXPECT_NE(error_of([] { load_config("", {"parallel.zero=-1"}); }).find("got -1;"), std::string::npos);
   EXPECT_EQ(error_of([] { load_config("", {"parallel.zero=yes"}); }), "parallel.zero must be an integer, got 'yes'.");
 }

@@ -1,10 +1,12 @@
-// ZeRO stage 1 (parallel.zero = 1) against the same ranks without it: ranks as threads of
-// this test, joined through a real TCPStore and Gloo group on the loopback, each training
-// on its rows of every batch with TrainStep. Each parameter is updated whole by one rank,
-// by the kernels that update it without ZeRO, and reaches the others through an exact
-// exchange, so the weights are compared bit for bit (the sign of zero included), not
-// within a bound.
+// ZeRO stages 1 and 2 (parallel.zero = 1, 2) against the same ranks without them: ranks as
+// threads of this test, joined through a real TCPStore and Gloo group on the loopback, each
+// training on its rows of every batch with TrainStep. Each parameter is updated whole by
+// one rank, by the kernels that update it without ZeRO, and reaches the others through an
+// exact exchange; its gradient is the same sum of the same two terms whether the ranks sum
+// the whole buffer or its part's, so the weights are compared bit for bit (the sign of
+// zero included), not within a bound.
 #include "cli/launch.h"
+#include "plan/statics.h"
 #include "remat/cost.h"
 #include "remat/dist.h"
 #include "remat/model.h"
@@ -15,6 +17,7 @@
 #include "util/seeded.h"
 #include "util/temp_dir.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -68,11 +71,12 @@ using Weights = std::vector<std::pair<std::string, at::Tensor>>;
 // or, with `resume`, from that checkpoint; with `save`, the checkpoint after `save_after`
 // steps is written there (rank 0 writes, every rank gives its part).
 std::vector<Weights> train_on_ranks(int n, int tp, int64_t zero, int64_t steps, const std::string& resume = "",
-                                    const std::string& save = "", int64_t save_after = 0) {
+                                    const std::string& save = "", int64_t save_after = 0,
+                                    const TrainConfig& train = train_config()) {
   std::vector<Weights> out(static_cast<size_t>(n));
   testing::on_gloo_ranks(n, tp, [&](dist::Comm& comm) {
     auto model = make_model(tp > 1 ? &comm.tensor() : nullptr);
-    TrainStep step(*model, train_config(), kSeed, &comm, zero);
+    TrainStep step(*model, train, kSeed, &comm, zero);
     std::mt19937_64 rng(7);
     int64_t first = 0;
     if (!resume.empty()) first = step.load_checkpoint(resume, rng);
@@ -110,21 +114,44 @@ void expect_negative_zeros(const Weights& w) {
 
 TEST(Zero, TwoRanksTrainBitwiseAsWithoutZero) {
   const std::vector<Weights> plain = train_on_ranks(2, 1, 0, 4);
-  const std::vector<Weights> zero = train_on_ranks(2, 1, 1, 4);
   expect_negative_zeros(plain[0]);
-  for (int r = 0; r < 2; ++r) expect_bitwise(zero[static_cast<size_t>(r)], plain[0], "rank " + std::to_string(r));
+  for (const int64_t stage : {1, 2}) {
+    const std::vector<Weights> zero = train_on_ranks(2, 1, stage, 4);
+    for (int r = 0; r < 2; ++r) {
+      expect_bitwise(zero[static_cast<size_t>(r)], plain[0], fmt::format("zero {} rank {}", stage, r));
+    }
+  }
   // And the weights moved: the comparison is of trained models.
   const auto fresh = make_model(nullptr)->whole_params();
   EXPECT_FALSE(at::equal(fresh[0].second, plain[0][0].second));
 }
 
 // Two data-parallel copies of a two-rank tensor-parallel group: the data-parallel group
-// of each tensor-parallel position shards the moments of that position's parts.
+// of each tensor-parallel position shards the moments (and gradients) of that position's
+// parts.
 TEST(Zero, DataParallelCopiesOfATensorParallelGroupTrainBitwiseAsWithoutZero) {
   const std::vector<Weights> plain = train_on_ranks(4, 2, 0, 3);
-  const std::vector<Weights> zero = train_on_ranks(4, 2, 1, 3);
   expect_negative_zeros(plain[0]);
-  for (int r = 0; r < 4; ++r) expect_bitwise(zero[static_cast<size_t>(r)], plain[0], "rank " + std::to_string(r));
+  for (const int64_t stage : {1, 2}) {
+    const std::vector<Weights> zero = train_on_ranks(4, 2, stage, 3);
+    for (int r = 0; r < 4; ++r) {
+      expect_bitwise(zero[static_cast<size_t>(r)], plain[0], fmt::format("zero {} rank {}", stage, r));
+    }
+  }
+}
+
+// Stage 2 over two microbatches sums each microbatch's gradients over the ranks before it
+// sums the microbatches (the reverse of stage 0's order, so not its bits: the data-parallel
+// tests bound that), over four ranks in Gloo's order: every rank still ends with the same
+// weights, bit for bit, since each is its owner's update exchanged exactly.
+TEST(Zero, StageTwoRanksAgreeOverMicrobatchesAndFourRanks) {
+  TrainConfig train = train_config();
+  train.batch = 1;
+  train.grad_accum = 2;
+  const std::vector<Weights> zero = train_on_ranks(4, 1, 2, 2, "", "", 0, train);
+  const auto fresh = make_model(nullptr)->whole_params();
+  EXPECT_FALSE(at::equal(fresh[0].second, zero[0][0].second));
+  for (int r = 1; r < 4; ++r) expect_bitwise(zero[static_cast<size_t>(r)], zero[0], fmt::format("rank {}", r));
 }
 
 std::string file_bytes(const fs::path& p) {
@@ -136,10 +163,13 @@ std::string file_bytes(const fs::path& p) {
 // byte alike, and a run resumed under the other setting continues bit for bit.
 TEST(Zero, CheckpointsAreTheSameFileAndResumeUnderEitherSetting) {
   const remat::testing::TempDir dir;
-  const std::string with = (dir / "zero1.safetensors").string(), without = (dir / "zero0.safetensors").string();
+  const std::string with = (dir / "zero1.safetensors").string(), without = (dir / "zero0.safetensors").string(),
+                    stage2 = (dir / "zero2.safetensors").string();
   const std::vector<Weights> plain = train_on_ranks(2, 1, 0, 4, "", without, 2);
   train_on_ranks(2, 1, 1, 2, "", with, 2);
+  train_on_ranks(2, 1, 2, 2, "", stage2, 2);
   EXPECT_TRUE(file_bytes(with) == file_bytes(without)) << with << " and " << without << " differ";
+  EXPECT_TRUE(file_bytes(stage2) == file_bytes(without)) << stage2 << " and " << without << " differ";
   const model::SafeTensors file = model::load_safetensors(with);
   EXPECT_EQ(file.metadata.at("adam_steps"), "2");
   EXPECT_NE(file.find("exp_avg_sq.wte.weight"), nullptr);
@@ -151,7 +181,8 @@ TEST(Zero, CheckpointsAreTheSameFileAndResumeUnderEitherSetting) {
   train_on_ranks(4, 2, 1, 2, "", tp_with, 2);
   EXPECT_TRUE(file_bytes(tp_with) == file_bytes(tp_without)) << tp_with << " and " << tp_without << " differ";
 
-  for (const auto& [from, zero] : {std::pair{with, int64_t{0}}, std::pair{without, int64_t{1}}}) {
+  for (const auto& [from, zero] :
+       {std::pair{with, int64_t{0}}, std::pair{without, int64_t{1}}, std::pair{without, int64_t{2}}}) {
     const std::vector<Weights> resumed = train_on_ranks(2, 1, zero, 4, from);
     for (int r = 0; r < 2; ++r) {
       expect_bitwise(resumed[static_cast<size_t>(r)], plain[0], from + " resumed with zero " + std::to_string(zero));
@@ -224,6 +255,64 @@ TEST(Zero, TheCostModelHoldsTheBusiestRanksMoments) {
     }
     EXPECT_EQ(sharded.optimizer + cost::step_constants(cfg, shape, layout).optimizer, step) << ranks;
   }
+}
+
+// Stage 2: the busiest rank's gradients beside its moments, the buffers a backward sums a
+// part's gradients from (a layer's, and the embedding's with the head's), and the update's
+// point on the rank whose kept gradients, moments and temporaries peak highest, squaring
+// only the gradients it keeps.
+TEST(Zero, TheCostModelHoldsTheBusiestRanksGradientsUnderStageTwo) {
+  const ModelConfig cfg = model_preset("tiny-gpt2");
+  const auto model = make_model(nullptr);
+  std::vector<int64_t> numels;
+  int64_t all = 0, layer = 0;
+  for (const Param& p : model->params()) {
+    numels.push_back(p.value.numel());
+    all += p.value.numel();
+    if (p.name.rfind("h.0.", 0) == 0) layer += p.value.numel();
+  }
+  cost::StepShape shape;
+  shape.seq = kSeq;
+  Layout layout;
+  layout.zero = 2;
+  EXPECT_EQ(cost::static_bytes(cfg, shape, layout).grads, 4 * all);  // one rank: nothing sharded
+  EXPECT_EQ(cost::gradient_buffers(cfg, layout, at::kFloat).layer, 0);
+  layout.dp = 2;
+  const cost::GradientBuffers buffers = cost::gradient_buffers(cfg, layout, at::kFloat);
+  EXPECT_EQ(buffers.layer, 4 * layer);
+  EXPECT_EQ(buffers.ends, 4 * (all - cfg.n_layer * layer));
+
+  const std::vector<int> owner = cost::zero_owners(numels, 2);
+  std::vector<int64_t> load(2), largest(2);
+  for (size_t i = 0; i < numels.size(); ++i) {
+    load[static_cast<size_t>(owner[i])] += numels[i];
+    largest[static_cast<size_t>(owner[i])] = std::max(largest[static_cast<size_t>(owner[i])], numels[i]);
+  }
+  const int64_t busiest = std::max(load[0], load[1]);
+  const int64_t count = util::kFusedAdamW ? 4 : 0;
+  const cost::StaticBytes sharded = cost::static_bytes(cfg, shape, layout);
+  EXPECT_EQ(sharded.grads, 4 * busiest);
+  EXPECT_EQ(sharded.optimizer, 2 * 4 * busiest + count);
+  // Unfused, two temporaries of the rank's largest parameter; fused, none, and the norm's
+  // squares of the busiest rank's own gradients (one at a time, beside the sums before it
+  // and the one zero standing for the other rank's), its kept gradients beside them.
+  int64_t step = 0;
+  if (util::kFusedAdamW) {
+    const int rank = load[0] >= load[1] ? 0 : 1;
+    int64_t norm = 0, sums = 0;
+    bool other = false;
+    for (size_t i = 0; i < numels.size(); ++i) {
+      if (owner[i] != rank) {
+        other = true;
+        continue;
+      }
+      norm = std::max(norm, 4 * (numels[i] + ++sums) + (other ? 4 : 0));
+    }
+    step = 3 * 4 * busiest + count + norm;
+  } else {
+    for (size_t r = 0; r < 2; ++r) step = std::max(step, 3 * 4 * load[r] + 2 * 4 * largest[r]);
+  }
+  EXPECT_EQ(sharded.grads + sharded.optimizer + cost::step_constants(cfg, shape, layout).optimizer, step);
 }
 
 }  // namespace
