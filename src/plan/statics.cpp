@@ -51,8 +51,8 @@ at::ScalarType master_dtype(at::ScalarType compute) { return compute == at::kDou
 
 OptimizerShare optimizer_share(const std::vector<graph::Param>& params, const Layout& layout) {
   const int64_t ranks = layout.zero_ranks();
-  // Per element a rank keeps: two moments, and its gradient when sharded.
-  const int64_t kept = layout.grads_sharded() ? 3 : 2;
+  OptimizerShare s;
+  s.own_grads = layout.grads_sharded();
   std::vector<int64_t> numels;
   for (const graph::Param& p : params) numels.push_back(numel(p));
   const std::vector<int> owner = zero_owners(numels, ranks);
@@ -62,18 +62,16 @@ OptimizerShare optimizer_share(const std::vector<graph::Param>& params, const La
     load[r] += numels[i];
     largest[r] = std::max(largest[r], numels[i]);
   }
-  OptimizerShare s;
   int64_t highest = -1;
   for (size_t r = 0; r < load.size(); ++r) {
     s.moments = std::max(s.moments, load[r]);
-    const int64_t peak = kept * load[r] + (util::kFusedAdamW ? 0 : 2 * largest[r]);
+    const int64_t peak = s.kept_per_element() * load[r] + (util::kFusedAdamW ? 0 : 2 * largest[r]);
     if (peak > highest) {
       highest = peak;
       s.rank = static_cast<int>(r);
     }
   }
   s.rank_moments = load[static_cast<size_t>(s.rank)];
-  s.own_grads = layout.grads_sharded();
   for (const bool matrices : {true, false}) {
     for (size_t i = 0; i < params.size(); ++i) {
       if (owner[i] == s.rank && (params[i].sizes.size() >= 2) == matrices) s.updated.push_back(i);
@@ -202,8 +200,7 @@ StepConstants step_constants(const ModelConfig& cfg, const StepShape& shape, con
   const OptimizerShare share = optimizer_share(params, layout);
   Live live;
   simulate_update(live, params, share, master, nullptr);
-  const int64_t kept = layout.grads_sharded() ? 3 : 2;
-  k.optimizer = live.peak() - kept * nbytes(share.moments - share.rank_moments, master);
+  k.optimizer = live.peak() - share.kept_per_element() * nbytes(share.moments - share.rank_moments, master);
   return k;
 }
 

@@ -33,6 +33,9 @@ struct OptimizerShare {
   int64_t rank_moments = 0;     ///< elements, for each moment, of that rank
   std::vector<size_t> updated;  ///< that rank's parameters, by index into the stage's
   bool own_grads = false;       ///< the rank keeps the gradients of `updated` alone (sharded)
+  /// Elements a rank keeps per element it owns between updates: two moments, and its
+  /// gradient when sharded.
+  int64_t kept_per_element() const { return own_grads ? 3 : 2; }
 };
 OptimizerShare optimizer_share(const std::vector<graph::Param>& params, const Layout& layout);
 
