@@ -159,7 +159,8 @@ class Model {
   void zero_grad();
   /// Sums the partial gradients (Param::partial) over the tensor-parallel group, in one
   /// collective; once per step, after the last microbatch's backward. Nothing to do
-  /// without sequence parallelism. `what` names the collective in a failure.
+  /// without sequence parallelism, nor with sharded gradients (shard_gradients sums them
+  /// per part). `what` names the collective in a failure.
   void sum_partial_grads(const std::string& what);
   /// Called in backward() each time a part's gradients of the microbatch are all in, with
   /// the index into params() from which on every parameter's are: after the loss head's
@@ -173,8 +174,9 @@ class Model {
   /// (every layer's; the embedding's with the loss head's, from the head's backward to the
   /// embedding's) into a flat buffer of their own, sums it over `group` once the part's
   /// backward is done, puts the owned ones into their gradients (copied by the first
-  /// backward since zero_grad(), added by the next) and frees it. A model of every layer,
-  /// without sequence parallelism; `group` must outlive the model.
+  /// backward since zero_grad(), added by the next) and frees it. With sequence
+  /// parallelism the part's partial gradients are summed over the tensor-parallel group
+  /// just before, in place. A model of every layer; `group` must outlive the model.
   virtual void shard_gradients(const std::vector<bool>& owned, dist::Group& group) = 0;
   /// Whether shard_gradients() was called.
   bool grads_sharded() const { return grad_group_ != nullptr; }

@@ -181,12 +181,12 @@ void check_ranks(const Config& c) {
                     c.ac.stages, p.pp, p.pp));
   }
   // Stage 2 reduces each part's gradients as its backward ends: a pipeline's tied embedding
-  // and sequence parallelism's partial gradients are summed over other groups first.
-  if (p.zero >= 2 && (p.pp > 1 || p.sp)) {
+  // is summed between its first and last stage first.
+  if (p.zero >= 2 && p.pp > 1) {
     fail(fmt::format(
-        "parallel.zero = {} shards the gradients over the data-parallel ranks, which does not yet combine with {}; "
-        "use parallel.zero = 1 (AdamW's moments sharded) with it.",
-        p.zero, p.pp > 1 ? fmt::format("parallel.pp = {} pipeline stages", p.pp) : "parallel.sp = true"));
+        "parallel.zero = {} shards the gradients over the data-parallel ranks, which does not yet combine with "
+        "parallel.pp = {} pipeline stages; use parallel.zero = 1 (AdamW's moments sharded) with it.",
+        p.zero, p.pp));
   }
   if (p.backend == CommBackend::nccl && !c.run.device.is_cuda()) {
     fail(fmt::format(

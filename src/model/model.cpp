@@ -115,6 +115,7 @@ void Model::zero_grad() {
 }
 
 void Model::sum_partial_grads(const std::string& what) {
+  if (grads_sharded()) return;  // each part's are summed as its backward ends
   std::vector<at::Tensor> parts;
   for (const Param& p : params_) {
     if (p.partial) parts.push_back(p.grad.reshape({-1}));

@@ -600,8 +600,7 @@ void TransformerModel::cast_compute_copies() {
 void TransformerModel::shard_gradients(const std::vector<bool>& owned, dist::Group& group) {
   TORCH_CHECK(owned.size() == params_.size(), "[model] shard_gradients takes one flag per parameter (", params_.size(),
               "), got ", owned.size());
-  TORCH_CHECK(first_stage() && last_stage() && !sp_,
-              "[model] sharded gradients need a model of every layer without sequence parallelism");
+  TORCH_CHECK(first_stage() && last_stage(), "[model] sharded gradients need a model of every layer");
   std::vector<at::Tensor> kept;
   for (size_t i = 0; i < params_.size(); ++i) {
     if (owned[i]) kept.push_back(params_[i].grad);
@@ -640,9 +639,13 @@ size_t TransformerModel::head_own_params() const {
 }
 
 at::Tensor TransformerModel::open_part_grads(const std::vector<int>& params) {
-  std::vector<at::Tensor> views = weights_.of(params);
+  // The partial gradients first (sequence parallelism): one prefix to sum over the
+  // tensor-parallel group in place.
+  std::vector<int> order(params);
+  std::stable_partition(order.begin(), order.end(), [&](int i) { return weights_.partial[static_cast<size_t>(i)]; });
+  std::vector<at::Tensor> views = weights_.of(order);
   at::Tensor flat = flat_views(views, master_buffer_.options(), false);
-  for (size_t k = 0; k < params.size(); ++k) grads_.tensors[static_cast<size_t>(params[k])] = views[k];
+  for (size_t k = 0; k < order.size(); ++k) grads_.tensors[static_cast<size_t>(order[k])] = views[k];
   for (const int i : added_only_) {
     if (std::find(params.begin(), params.end(), i) != params.end()) grads_.tensors[static_cast<size_t>(i)].zero_();
   }
@@ -653,6 +656,17 @@ void TransformerModel::close_part_grads(const std::vector<int>& params, at::Tens
                                         const std::string& part, const StepContext& ctx) {
   {
     const trace::Scope scope("gradient sum", trace::Category::backward);
+    int64_t partial = 0;
+    for (const int i : params) {
+      if (weights_.partial[static_cast<size_t>(i)]) partial += grads_.tensors[static_cast<size_t>(i)].numel();
+    }
+    if (partial > 0 && tp_size() > 1) {
+      // Over the tensor-parallel group before the data-parallel one, as sum_partial_grads.
+      std::vector<at::Tensor> positions{flat.narrow(0, 0, partial)};
+      tp_->all_reduce(positions, dist::Reduce::sum,
+                      fmt::format("the sequence-parallel gradient sum of {} (step {}, microbatch {})", part,
+                                  ctx.step + 1, ctx.microbatch + 1));
+    }
     std::vector<at::Tensor> sum{flat};
     grad_group_->all_reduce(
         sum, dist::Reduce::sum,

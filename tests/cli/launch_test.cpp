@@ -437,7 +437,8 @@ TEST_F(LaunchedTraining, TensorParallelRanksPeakWhereThePlannerSaid) {
 // rank 0 holds after a step (its metrics' memory_bytes) drops by exactly the two float32
 // moments of the parameters it does not own, then by their gradients; the prediction by
 // those of the busiest rank's complement; and every rank still peaks at the prediction
-// within the tensor-parallel test's slack, with a plan the planner solved for a budget too.
+// within the tensor-parallel test's slack, with a plan the planner solved for a budget too,
+// and on two data-parallel copies of a sequence-parallel pair.
 TEST_F(LaunchedTraining, ZeroShardsTheMomentsAndGradientsAndPeaksWhereThePlannerSaid) {
   const remat::ModelConfig demo = [] {
     remat::ModelConfig m = remat::model_preset("gpt2-demo");
@@ -456,10 +457,12 @@ TEST_F(LaunchedTraining, ZeroShardsTheMomentsAndGradientsAndPeaksWhereThePlanner
   }
   std::map<std::string, nlohmann::json> summary, last;
   for (const std::string settings :
-       {"parallel.zero=0", "parallel.zero=1", "parallel.zero=2", "parallel.zero=2 ac.budget=0.7"}) {
+       {"parallel.zero=0", "parallel.zero=1", "parallel.zero=2", "parallel.zero=2 ac.budget=0.7",
+        "parallel.zero=2 parallel.tp=2 parallel.sp=true"}) {
     const std::string name = "run" + std::to_string(summary.size());
-    const Result r =
-        run_remat("launch --nproc 2 train " + common_ + kPeakShape + "train.steps=3 " + settings + " run.name=" + name);
+    const std::string ranks = settings.find("tp=2") != std::string::npos ? "4" : "2";
+    const Result r = run_remat("launch --nproc " + ranks + " train " + common_ + kPeakShape + "train.steps=3 " +
+                               settings + " run.name=" + name);
     ASSERT_EQ(r.exit_code, 0) << r.output;
     summary[settings] = nlohmann::json::parse(read_text(dir_ / "runs" / name / "summary.json"));
     last[settings] = train_lines(name).back();

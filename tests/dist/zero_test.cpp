@@ -55,9 +55,10 @@ const data::TokenDataset& dataset() {
 // a few elements of a position row no sequence of kSeq tokens reaches set to -0.0: their
 // gradient stays 0, so they stay -0.0 through every update, and an exchange that turned
 // them into +0.0 would show.
-std::unique_ptr<Model> make_model(dist::Group* tp) {
+std::unique_ptr<Model> make_model(dist::Group* tp, bool sp = false) {
   Layout layout;
   layout.tp = tp != nullptr ? tp->size() : 1;
+  layout.sp = sp;
   auto model = Model::create(model_preset("tiny-gpt2"), at::kCPU, at::kFloat, 1, layout, tp);
   for (Param& p : model->params()) {
     if (p.name == "wpe.weight") p.value[kSeq + 1].narrow(0, 0, 4).fill_(-0.0);
@@ -67,15 +68,16 @@ std::unique_ptr<Model> make_model(dist::Group* tp) {
 
 using Weights = std::vector<std::pair<std::string, at::Tensor>>;
 
-// The whole weights after `steps` steps on every rank of `n` (tp each), from a fresh model
-// or, with `resume`, from that checkpoint; with `save`, the checkpoint after `save_after`
-// steps is written there (rank 0 writes, every rank gives its part).
+// The whole weights after `steps` steps on every rank of `n` (tp each, with sequence
+// parallelism when `sp`), from a fresh model or, with `resume`, from that checkpoint; with
+// `save`, the checkpoint after `save_after` steps is written there (rank 0 writes, every
+// rank gives its part).
 std::vector<Weights> train_on_ranks(int n, int tp, int64_t zero, int64_t steps, const std::string& resume = "",
                                     const std::string& save = "", int64_t save_after = 0,
-                                    const TrainConfig& train = train_config()) {
+                                    const TrainConfig& train = train_config(), bool sp = false) {
   std::vector<Weights> out(static_cast<size_t>(n));
   testing::on_gloo_ranks(n, tp, [&](dist::Comm& comm) {
-    auto model = make_model(tp > 1 ? &comm.tensor() : nullptr);
+    auto model = make_model(tp > 1 ? &comm.tensor() : nullptr, sp);
     TrainStep step(*model, train, kSeed, &comm, zero);
     std::mt19937_64 rng(7);
     int64_t first = 0;
@@ -128,14 +130,18 @@ TEST(Zero, TwoRanksTrainBitwiseAsWithoutZero) {
 
 // Two data-parallel copies of a two-rank tensor-parallel group: the data-parallel group
 // of each tensor-parallel position shards the moments (and gradients) of that position's
-// parts.
+// parts. With sequence parallelism too: stage 2 sums each part's partial gradients (the
+// norms', the position table's, the row-parallel biases') over the tensor-parallel pair
+// before the data-parallel sum, as stage 0 does for the whole step's.
 TEST(Zero, DataParallelCopiesOfATensorParallelGroupTrainBitwiseAsWithoutZero) {
-  const std::vector<Weights> plain = train_on_ranks(4, 2, 0, 3);
-  expect_negative_zeros(plain[0]);
-  for (const int64_t stage : {1, 2}) {
-    const std::vector<Weights> zero = train_on_ranks(4, 2, stage, 3);
-    for (int r = 0; r < 4; ++r) {
-      expect_bitwise(zero[static_cast<size_t>(r)], plain[0], fmt::format("zero {} rank {}", stage, r));
+  for (const bool sp : {false, true}) {
+    const std::vector<Weights> plain = train_on_ranks(4, 2, 0, 3, "", "", 0, train_config(), sp);
+    expect_negative_zeros(plain[0]);
+    for (const int64_t stage : {1, 2}) {
+      const std::vector<Weights> zero = train_on_ranks(4, 2, stage, 3, "", "", 0, train_config(), sp);
+      for (int r = 0; r < 4; ++r) {
+        expect_bitwise(zero[static_cast<size_t>(r)], plain[0], fmt::format("sp {} zero {} rank {}", sp, stage, r));
+      }
     }
   }
 }
