@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -46,6 +47,9 @@ struct Layout {
   /// Layers per stage, pp entries; empty: not fixed (the planner's choice where it plans,
   /// else pipeline::even_split).
   std::vector<int64_t> split;
+  /// The data-parallel rank whose share of a sharded optimizer (zero_ranks() > 1) the cost
+  /// model holds; none: the rank that peaks highest, what a budget must hold.
+  std::optional<int64_t> dp_rank;
 
   /// The data-parallel ranks AdamW's moments are sharded over (1: every rank holds them all).
   int64_t zero_ranks() const { return zero >= 1 && dp > 1 ? dp : 1; }

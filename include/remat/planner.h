@@ -159,6 +159,12 @@ class Planner {
   /// its peak ledger, and on CUDA its allocator ledger too unless `ledgers` says peak.
   PlanResult predict(const ActivationPlan& plan, const std::vector<int64_t>& split = {},
                      Ledgers ledgers = Ledgers::peak_and_allocator) const;
+  /// With AdamW's state sharded over data-parallel ranks (Layout::zero_ranks() > 1), each
+  /// data-parallel rank's predicted peak on every stage of `plan` on `split`, [rank][stage]:
+  /// the ranks own different parameters, and predict() holds the busiest's. Ranks that own
+  /// parameters of the same sizes on every stage are walked once. Empty without sharding.
+  std::vector<std::vector<int64_t>> rank_peaks(const ActivationPlan& plan,
+                                               const std::vector<int64_t>& split = {}) const;
   /// The smallest device budget any plan fits with `host` bytes of host budget (to the
   /// byte, as the cost model counts bytes).
   int64_t least_budget(int64_t host = 0) const;

@@ -100,8 +100,7 @@ BenchRow run_entry(const BenchEntry& entry, const PreparedEntry& p, const BenchO
   row.attention = attention_name(cfg.model.attention);
   row.loss_head = loss_head_name(cfg.model.loss_head);
   row.predicted_peak_bytes = planned.measured_peak();
-  row.predicted_rank_peak_bytes = rank_predictions(planned.stage_peaks, ranks != nullptr ? ranks->size() : 1,
-                                                   ranks != nullptr ? ranks->data().size() * cfg.parallel.tp : 1);
+  row.predicted_rank_peak_bytes = planned.rank_peaks(ranks != nullptr ? ranks->size() : 1, cfg.parallel.tp);
   row.stage_layers = planned.split;
   row.predicted_step_seconds = planned.step_seconds;
   row.predicted_copy_seconds = planned.predicted.copy_seconds;

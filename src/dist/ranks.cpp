@@ -113,12 +113,6 @@ void keep_highest(std::vector<int64_t>& highest, const std::vector<int64_t>& pea
   for (size_t i = 0; i < peaks.size(); ++i) highest[i] = std::max(highest[i], peaks[i]);
 }
 
-std::vector<int64_t> rank_predictions(const std::vector<int64_t>& stage_peaks, int world, int64_t replica) {
-  std::vector<int64_t> out;
-  for (int r = 0; r < world; ++r) out.push_back(stage_peaks.at(static_cast<size_t>(r / replica)));
-  return out;
-}
-
 std::string format_rank_peaks(const std::vector<int64_t>& peaks, const std::vector<int64_t>& predicted) {
   TORCH_CHECK(!peaks.empty() && peaks.size() == predicted.size(), "[format_rank_peaks] ", peaks.size(),
               " peaks beside ", predicted.size(), " predictions");

@@ -63,11 +63,6 @@ int agreed_signal(dist::Group* group, int signal);
 /// the highest peak of each rank over the steps seen so far.
 void keep_highest(std::vector<int64_t>& highest, const std::vector<int64_t>& peaks);
 
-/// Each rank's predicted peak, in rank order: its pipeline stage's of `stage_peaks` (one
-/// entry without stages). Rank r is in stage r / `replica`, `replica` being the ranks of a
-/// stage (dp x tp; dist::Comm::connect's order).
-std::vector<int64_t> rank_predictions(const std::vector<int64_t>& stage_peaks, int world, int64_t replica);
-
 /// Every rank's peak beside the prediction each was planned to (`predicted`, per rank),
 /// e.g. "rank 0 81.00 MiB, rank 1 81.00 MiB (each predicted 81.02 MiB)", or with
 /// predictions that differ (pipeline stages) "rank 0 90.1 MiB (predicted 90.2 MiB), ...".

@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 
 #include <chrono>
+#include <map>
 
 namespace remat {
 namespace {
@@ -122,6 +123,38 @@ PlanResult Planner::predict(const ActivationPlan& plan, const std::vector<int64_
   PlanResult r = predict_units(plan, split);
   if (ledgers == Ledgers::peak_and_allocator) replay_allocator(r);
   return in_seconds(std::move(r));
+}
+
+std::vector<std::vector<int64_t>> Planner::rank_peaks(const ActivationPlan& plan,
+                                                      const std::vector<int64_t>& split) const {
+  if (layout_.zero_ranks() == 1) return {};
+  Layout ranked = layout_;
+  if (!split.empty()) ranked.split = split;
+  // What a rank's walk depends on: the sizes of the parameters it updates, in its order.
+  std::map<std::vector<std::vector<int64_t>>, std::vector<int64_t>> walked;
+  std::vector<std::vector<int64_t>> out;
+  for (int64_t d = 0; d < layout_.dp; ++d) {
+    ranked.dp_rank = d;
+    std::vector<std::vector<int64_t>> owns;
+    for (int64_t s = 0; s < layout_.pp; ++s) {
+      const std::vector<graph::Param> params = cost::stage_params(cfg_, ranked.at_stage(s));
+      std::vector<int64_t>& sizes = owns.emplace_back();
+      for (const size_t i : cost::optimizer_share(params, ranked.at_stage(s)).updated) {
+        sizes.push_back(cost::numel(params[i]));
+      }
+    }
+    auto it = walked.find(owns);
+    if (it == walked.end()) {
+      std::vector<int64_t> peaks;
+      for (const auto& st :
+           Planner(cfg_, shape_, ranked, times_, options_).predict(plan, split, Ledgers::peak).stages) {
+        peaks.push_back(st.peak);
+      }
+      it = walked.emplace(std::move(owns), std::move(peaks)).first;
+    }
+    out.push_back(it->second);
+  }
+  return out;
 }
 
 PlanResult Planner::in_seconds(PlanResult r) const {

@@ -71,6 +71,12 @@ OptimizerShare optimizer_share(const std::vector<graph::Param>& params, const La
       s.rank = static_cast<int>(r);
     }
   }
+  if (layout.dp_rank && ranks > 1) {
+    TORCH_CHECK(*layout.dp_rank >= 0 && *layout.dp_rank < ranks, "[optimizer_share] data-parallel rank ",
+                *layout.dp_rank, " of ", ranks);
+    s.rank = static_cast<int>(*layout.dp_rank);
+    s.moments = load[static_cast<size_t>(s.rank)];  // no busier rank's share to hold
+  }
   s.rank_moments = load[static_cast<size_t>(s.rank)];
   for (const bool matrices : {true, false}) {
     for (size_t i = 0; i < params.size(); ++i) {

@@ -26,7 +26,8 @@ at::ScalarType master_dtype(at::ScalarType compute);
 /// (and, with sharded gradients, gradients) the busiest rank keeps, and the rank whose
 /// update peaks highest (its moments and kept gradients, plus the two temporaries of its
 /// largest parameter where AdamW is not fused), with the parameters it updates in AdamW's
-/// order (its group of matrices, then the rest). One rank: every parameter.
+/// order (its group of matrices, then the rest). With Layout::dp_rank, that rank's alone,
+/// as the busiest. One rank: every parameter.
 struct OptimizerShare {
   int64_t moments = 0;          ///< elements, for each of the two moments, of the busiest rank
   int rank = 0;                 ///< the rank whose update peaks highest (the lowest of equals)

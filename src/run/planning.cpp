@@ -55,7 +55,7 @@ cost::StepShape step_shape(const Config& local, at::ScalarType dtype) {
 
 Layout layout_of(const Config& local, int64_t stage) {
   const ParallelConfig& p = local.parallel;
-  Layout l{p.dp, p.tp, p.sp, p.pp, stage, p.zero, p.schedule, {}};
+  Layout l{p.dp, p.tp, p.sp, p.pp, stage, p.zero, p.schedule, {}, std::nullopt};
   // The policy's stages are stage_sizes'; the planner chooses them unless they are given.
   if (local.ac.budget.empty() || local.ac.num_layers_per_stage) l.split = stage_sizes(local.ac, local.model.n_layer);
   return l;
@@ -101,10 +101,27 @@ RunPlan plan_run(const Config& cfg, at::ScalarType dtype, const Prices& prices, 
   r.split = planned.split;
   r.predicted = planned.stages[static_cast<size_t>(layout.stage)];
   for (const auto& st : planned.stages) r.stage_peaks.push_back(st.peak);
+  r.dp_rank_peaks = planner->rank_peaks(r.plan, r.split);
   r.device = planned.device;
   r.step_seconds = predicted_step_seconds(prices, planned, layout.stage, cfg.train.grad_accum);
   if (planned.stages.size() > 1) r.pipeline = std::move(planned);
   return r;
+}
+
+std::vector<int64_t> RunPlan::rank_peaks(int world, int64_t tp) const {
+  const auto stages = static_cast<int64_t>(stage_peaks.size());
+  const int64_t per_stage = world / stages;
+  const std::vector<std::vector<int64_t>>& by_rank = dp_rank_peaks;
+  TORCH_CHECK(world == per_stage * stages && per_stage % tp == 0 &&
+                  (by_rank.empty() || static_cast<int64_t>(by_rank.size()) == per_stage / tp),
+              "[rank_peaks] ", world, " ranks in ", stages, " stages of ", tp, " tensor-parallel ranks, for ",
+              by_rank.size(), " data-parallel ones");
+  std::vector<int64_t> out;
+  for (int64_t r = 0; r < world; ++r) {
+    const auto stage = static_cast<size_t>(r / per_stage);
+    out.push_back(by_rank.empty() ? stage_peaks[stage] : by_rank[static_cast<size_t>(r % per_stage / tp)][stage]);
+  }
+  return out;
 }
 
 std::optional<int64_t> least_peak_above(const Config& cfg, at::ScalarType dtype, int64_t host_budget, int64_t room) {

@@ -51,6 +51,13 @@ struct RunPlan {
   std::vector<int64_t> stage_peaks;  ///< each stage's predicted peak (one stage: predicted.peak)
   /// The highest stage peak: what a per-rank budget holds.
   int64_t peak() const { return *std::max_element(stage_peaks.begin(), stage_peaks.end()); }
+  /// With AdamW's state sharded over data-parallel ranks: each one's predicted peak on every
+  /// stage, [rank][stage] (Planner::rank_peaks); empty where a stage's ranks hold the same.
+  std::vector<std::vector<int64_t>> dp_rank_peaks;
+  /// Each of `world` ranks' predicted peak, in dist::Comm::connect's order (stage, then
+  /// data-parallel rank, then tensor-parallel rank, `tp` of them): its stage's, or with a
+  /// sharded optimizer its own share's.
+  std::vector<int64_t> rank_peaks(int world, int64_t tp) const;
   /// With pipeline stages: every stage's prediction, the bottleneck and the schedule's time.
   std::optional<PlanResult> pipeline;
   int64_t stage = 0;               ///< the stage `predicted` is of

@@ -710,9 +710,7 @@ TrainSummary train(const Config& cfg_in, const std::string& resume_dir) {
   const int64_t predicted = model->predict_activation_bytes(spec.local.train.batch, t.seq).total();
   TrainStep stepper(*model, spec.local.train, static_cast<uint64_t>(cfg.run.seed), ranks.comm.get(), cfg.parallel.zero,
                     cfg.parallel.schedule, cfg.parallel.overlap_grad_reduce);
-  // Each rank's predicted peak: its stage's (rank = stage x dp x tp + ...).
-  const std::vector<int64_t> rank_predicted =
-      rank_predictions(planned.stage_peaks, ranks.world, ranks.dp * cfg.parallel.tp);
+  const std::vector<int64_t> rank_predicted = planned.rank_peaks(ranks.world, cfg.parallel.tp);
   std::unique_ptr<RunDir> run;
   if (ranks.lead) {
     run = open_run_dir(cfg, resume_dir, std::move(resumed.lock), corpus);

@@ -438,7 +438,8 @@ TEST_F(LaunchedTraining, TensorParallelRanksPeakWhereThePlannerSaid) {
 // moments of the parameters it does not own, then by their gradients; the prediction by
 // those of the busiest rank's complement; and every rank still peaks at the prediction
 // within the tensor-parallel test's slack, with a plan the planner solved for a budget too,
-// and on two data-parallel copies of a sequence-parallel pair.
+// on two data-parallel copies of a sequence-parallel pair, and on four data-parallel ranks
+// whose shares differ, each at its own prediction.
 TEST_F(LaunchedTraining, ZeroShardsTheMomentsAndGradientsAndPeaksWhereThePlannerSaid) {
   const remat::ModelConfig demo = [] {
     remat::ModelConfig m = remat::model_preset("gpt2-demo");
@@ -456,21 +457,31 @@ TEST_F(LaunchedTraining, ZeroShardsTheMomentsAndGradientsAndPeaksWhereThePlanner
     load[owner[i]] += numels[i];
   }
   std::map<std::string, nlohmann::json> summary, last;
-  for (const std::string settings :
-       {"parallel.zero=0", "parallel.zero=1", "parallel.zero=2", "parallel.zero=2 ac.budget=0.7",
-        "parallel.zero=2 parallel.tp=2 parallel.sp=true"}) {
+  const std::vector<std::pair<std::string, int>> runs{{"parallel.zero=0", 2},
+                                                      {"parallel.zero=1", 2},
+                                                      {"parallel.zero=2", 2},
+                                                      {"parallel.zero=2 ac.budget=0.7", 2},
+                                                      {"parallel.zero=2 parallel.tp=2 parallel.sp=true", 4},
+                                                      {"parallel.zero=2 parallel.dp=4", 4}};
+  for (const auto& [settings, ranks] : runs) {
     const std::string name = "run" + std::to_string(summary.size());
-    const std::string ranks = settings.find("tp=2") != std::string::npos ? "4" : "2";
-    const Result r = run_remat("launch --nproc " + ranks + " train " + common_ + kPeakShape + "train.steps=3 " +
-                               settings + " run.name=" + name);
+    const Result r = run_remat("launch --nproc " + std::to_string(ranks) + " train " + common_ + kPeakShape +
+                               "train.steps=3 " + settings + " run.name=" + name);
     ASSERT_EQ(r.exit_code, 0) << r.output;
     summary[settings] = nlohmann::json::parse(read_text(dir_ / "runs" / name / "summary.json"));
     last[settings] = train_lines(name).back();
-    const int64_t predicted = summary[settings]["predicted_peak_bytes"];
-    for (const int64_t peak : summary[settings]["rank_peak_bytes"]) {
-      EXPECT_NEAR(peak, predicted, kPeakSlack) << settings;
-    }
+    const std::vector<int64_t> peaks = summary[settings]["rank_peak_bytes"];
+    const std::vector<int64_t> predicted = summary[settings]["predicted_rank_peak_bytes"];
+    ASSERT_EQ(peaks.size(), static_cast<size_t>(ranks)) << settings;
+    ASSERT_EQ(predicted.size(), peaks.size()) << settings;
+    for (size_t i = 0; i < peaks.size(); ++i) EXPECT_NEAR(peaks[i], predicted[i], kPeakSlack) << settings << " " << i;
+    EXPECT_LE(*std::max_element(predicted.begin(), predicted.end()),
+              summary[settings]["predicted_peak_bytes"].get<int64_t>())
+        << settings;
   }
+  // Four data-parallel ranks own unequal shares: each is predicted its own, not the busiest's.
+  const std::vector<int64_t> four = summary["parallel.zero=2 parallel.dp=4"]["predicted_rank_peak_bytes"];
+  EXPECT_LT(*std::min_element(four.begin(), four.end()), *std::max_element(four.begin(), four.end()));
   EXPECT_NE(read_text(dir_ / "runs" / "run1" / "plan.txt").find("optimizer"), std::string::npos);
   const auto held = [&](const std::string& settings) { return last[settings]["memory_bytes"].get<int64_t>(); };
   EXPECT_EQ(held("parallel.zero=0") - held("parallel.zero=1"), 2 * 4 * (all - load[0]));

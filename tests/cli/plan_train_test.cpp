@@ -1,6 +1,6 @@
 // A run is resolved once: `remat plan` prints, line for line, the run `remat train` prints
 // before its first step and keeps in plan.txt, for budgets, policies, both `auto`s, a
-// pipeline and tensor parallelism (times priced by FLOPs on both sides: ac.profile=false);
+// pipeline, tensor parallelism and sharded data parallelism (times priced by FLOPs on both sides: ac.profile=false);
 // and, given the prices a run recorded (--prices), the plan of a run that priced its host
 // copies as it measured them.
 #include "data/test_text.h"
@@ -104,6 +104,21 @@ TEST_F(PlanAsTrained, OnPipelineStages) {
 // parallel.link_rate and a run at its measured links: a policy's plan is the same either way.
 TEST_F(PlanAsTrained, OverTensorParallelRanks) {
   expect_same("model.preset=tiny-gpt2 parallel.tp=2 parallel.sp=true ac.policy=full", "launch --nproc 2 ");
+}
+
+// Over data-parallel ranks that shard AdamW's state (ZeRO stage 2) the plan names each
+// rank's own peak, and the run predicts each rank that peak.
+TEST_F(PlanAsTrained, OverShardedDataParallelRanks) {
+  const std::string settings = "model.preset=tiny-gpt2 parallel.dp=4 parallel.zero=2 ac.budget=0.9";
+  expect_same(settings, "launch --nproc 4 ");
+  const Result plan = run_remat("plan --json" + common_ + " " + settings);
+  ASSERT_EQ(plan.exit_code, 0) << plan.output;
+  const auto planned = nlohmann::json::parse(plan.output);
+  const auto summary = nlohmann::json::parse(read_text(dir_ / "runs" / "run0" / "summary.json"));
+  ASSERT_EQ(planned["dp_rank_peaks"].size(), 4u) << plan.output;
+  for (size_t d = 0; d < 4; ++d) EXPECT_EQ(summary["predicted_rank_peak_bytes"][d], planned["dp_rank_peaks"][d][0]);
+  EXPECT_NE(read_text(dir_ / "runs" / "run0" / "plan.txt").find("data-parallel ranks, each holding its own share"),
+            std::string::npos);
 }
 
 // The prices a run measured (its host copies here) decide its budget plans: `remat plan`

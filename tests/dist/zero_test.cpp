@@ -10,6 +10,7 @@
 #include "remat/cost.h"
 #include "remat/dist.h"
 #include "remat/model.h"
+#include "remat/planner.h"
 #include "remat/safetensors.h"
 #include "train/step.h"
 #include "util/fused_adamw.h"
@@ -319,6 +320,46 @@ TEST(Zero, TheCostModelHoldsTheBusiestRanksGradientsUnderStageTwo) {
     for (size_t r = 0; r < 2; ++r) step = std::max(step, 3 * 4 * load[r] + 2 * 4 * largest[r]);
   }
   EXPECT_EQ(sharded.grads + sharded.optimizer + cost::step_constants(cfg, shape, layout).optimizer, step);
+}
+
+// Each data-parallel rank is predicted its own share. At a shape whose peak is a layer's
+// backward, a rank owning fewer elements peaks lower by exactly the bytes it keeps per
+// element (two float32 moments, and at stage 2 its gradient), and no rank above the plan's
+// prediction, which holds the busiest share.
+TEST(Zero, EachDataParallelRankIsPredictedItsOwnShare) {
+  ModelConfig cfg = model_preset("gpt2-demo");
+  cfg.vocab_size = 2048;
+  std::vector<int64_t> numels;
+  for (const Param& p : Model::create(cfg, at::kCPU, at::kFloat, 1)->params()) numels.push_back(p.value.numel());
+  constexpr int64_t kRanks = 4;
+  const std::vector<int> owner = cost::zero_owners(numels, kRanks);
+  std::vector<int64_t> load(kRanks);
+  for (size_t i = 0; i < numels.size(); ++i) load[static_cast<size_t>(owner[i])] += numels[i];
+  const int64_t busiest = *std::max_element(load.begin(), load.end());
+  ASSERT_LT(*std::min_element(load.begin(), load.end()), busiest);  // shares that differ
+  cost::StepShape shape;
+  shape.batch = 16;
+  shape.seq = 128;
+  cost::NodeTimes times;
+  times.flops_per_second = 1e9;
+  const ActivationPlan none = ActivationPlan::none(cfg.n_layer);
+  for (const int64_t zero : {0, 1, 2}) {
+    Layout layout;
+    layout.dp = kRanks;
+    layout.zero = zero;
+    const Planner planner(cfg, shape, layout, times);
+    const std::vector<std::vector<int64_t>> peaks = planner.rank_peaks(none);
+    if (zero == 0) {
+      EXPECT_TRUE(peaks.empty());  // every rank holds the same
+      continue;
+    }
+    const int64_t predicted = planner.predict(none, {}, Ledgers::peak).peak();
+    ASSERT_EQ(peaks.size(), static_cast<size_t>(kRanks));
+    for (size_t d = 0; d < peaks.size(); ++d) {
+      ASSERT_EQ(peaks[d].size(), 1u);
+      EXPECT_EQ(peaks[d][0], predicted - (zero == 1 ? 2 : 3) * 4 * (busiest - load[d])) << zero << " " << d;
+    }
+  }
 }
 
 }  // namespace
