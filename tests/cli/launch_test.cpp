@@ -447,7 +447,8 @@ TEST_F(LaunchedTraining, ZeroShardsTheMomentsAndGradientsAndPeaksWhereThePlanner
     return m;
   }();
   std::vector<int64_t> numels;
-  for (const remat::Param& p : remat::Model::create(demo, at::kCPU, at::kFloat, 1)->params()) {
+  const auto model = remat::Model::create(demo, at::kCPU, at::kFloat, 1);  // held: the loop reads its parameters
+  for (const remat::Param& p : model->params()) {
     numels.push_back(p.value.numel());
   }
   const std::vector<int> owner = remat::cost::zero_owners(numels, 2);

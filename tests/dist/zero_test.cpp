@@ -330,7 +330,8 @@ TEST(Zero, EachDataParallelRankIsPredictedItsOwnShare) {
   ModelConfig cfg = model_preset("gpt2-demo");
   cfg.vocab_size = 2048;
   std::vector<int64_t> numels;
-  for (const Param& p : Model::create(cfg, at::kCPU, at::kFloat, 1)->params()) numels.push_back(p.value.numel());
+  const auto model = Model::create(cfg, at::kCPU, at::kFloat, 1);  // held: the loop reads its parameters
+  for (const Param& p : model->params()) numels.push_back(p.value.numel());
   constexpr int64_t kRanks = 4;
   const std::vector<int> owner = cost::zero_owners(numels, kRanks);
   std::vector<int64_t> load(kRanks);
