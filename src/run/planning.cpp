@@ -101,7 +101,6 @@ RunPlan plan_run(const Config& cfg, at::ScalarType dtype, const Prices& prices, 
   r.split = planned.split;
   r.predicted = planned.stages[static_cast<size_t>(layout.stage)];
   for (const auto& st : planned.stages) r.stage_peaks.push_back(st.peak);
-  r.dp_rank_peaks = planner->rank_peaks(r.plan, r.split);
   r.device = planned.device;
   r.step_seconds = predicted_step_seconds(prices, planned, layout.stage, cfg.train.grad_accum);
   if (planned.stages.size() > 1) r.pipeline = std::move(planned);
@@ -111,7 +110,7 @@ RunPlan plan_run(const Config& cfg, at::ScalarType dtype, const Prices& prices, 
 std::vector<int64_t> RunPlan::rank_peaks(int world, int64_t tp) const {
   const auto stages = static_cast<int64_t>(stage_peaks.size());
   const int64_t per_stage = world / stages;
-  const std::vector<std::vector<int64_t>>& by_rank = dp_rank_peaks;
+  const std::vector<std::vector<int64_t>> by_rank = dp_rank_peaks();
   TORCH_CHECK(world == per_stage * stages && per_stage % tp == 0 &&
                   (by_rank.empty() || static_cast<int64_t>(by_rank.size()) == per_stage / tp),
               "[rank_peaks] ", world, " ranks in ", stages, " stages of ", tp, " tensor-parallel ranks, for ",

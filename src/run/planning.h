@@ -53,7 +53,8 @@ struct RunPlan {
   int64_t peak() const { return *std::max_element(stage_peaks.begin(), stage_peaks.end()); }
   /// With AdamW's state sharded over data-parallel ranks: each one's predicted peak on every
   /// stage, [rank][stage] (Planner::rank_peaks); empty where a stage's ranks hold the same.
-  std::vector<std::vector<int64_t>> dp_rank_peaks;
+  /// Walked when asked, so that the plans an `auto` weighs and drops walk no ranks.
+  std::vector<std::vector<int64_t>> dp_rank_peaks() const { return planner->rank_peaks(plan, split); }
   /// Each of `world` ranks' predicted peak, in dist::Comm::connect's order (stage, then
   /// data-parallel rank, then tensor-parallel rank, `tp` of them): its stage's, or with a
   /// sharded optimizer its own share's.

@@ -192,13 +192,12 @@ std::string stage_line(const PlanResult& r, size_t s, int64_t microbatches, pipe
                      held, held == 1 ? "" : "es", format_bytes(p.peak), p.peak_at, work);
 }
 
-// The data-parallel ranks' own peaks on `r`'s stage, the highest first, the ranks whose
-// peaks print alike together: "77.80 MiB on ranks 0 and 1, 77.65 MiB on ranks 2 and 3".
-std::string dp_rank_peaks_line(const RunPlan& r) {
+// The data-parallel ranks' own `peaks` ([rank][stage]) on `r`'s stage, the highest first,
+// the ranks whose peaks print alike together: "77.80 MiB on ranks 0 and 1, 77.65 MiB on
+// ranks 2 and 3".
+std::string dp_rank_peaks_line(const RunPlan& r, const std::vector<std::vector<int64_t>>& peaks) {
   std::map<int64_t, std::vector<size_t>, std::greater<>> ranks;
-  for (size_t d = 0; d < r.dp_rank_peaks.size(); ++d) {
-    ranks[r.dp_rank_peaks[d][static_cast<size_t>(r.stage)]].push_back(d);
-  }
+  for (size_t d = 0; d < peaks.size(); ++d) ranks[peaks[d][static_cast<size_t>(r.stage)]].push_back(d);
   std::vector<std::pair<std::string, std::vector<size_t>>> shown;
   for (const auto& [peak, of] : ranks) {
     if (shown.empty() || shown.back().first != format_bytes(peak)) {
@@ -253,7 +252,7 @@ std::string plan_text(const Config& cfg, const RunPlan& r) {
   text += fmt::format("predicted step{}: peak {} in the {}\n", r.pipeline ? " of this stage" : "", format_bytes(p.peak),
                       p.peak_at);
   text += breakdown(p);
-  if (!r.dp_rank_peaks.empty()) text += line(dp_rank_peaks_line(r));
+  if (const auto peaks = r.dp_rank_peaks(); !peaks.empty()) text += line(dp_rank_peaks_line(r, peaks));
   if (!r.device.empty()) {
     const cost::DeviceMemory& d = r.device[static_cast<size_t>(r.stage)];
     text += line(fmt::format(
@@ -403,7 +402,7 @@ nlohmann::json render_json(const RunSpec& spec) {
       {"budget", r.budget},
       {"host_budget", r.host_budget},
       {"none_peak", r.none_peak},
-      {"dp_rank_peaks", r.dp_rank_peaks},
+      {"dp_rank_peaks", r.dp_rank_peaks()},
       {"predicted_step_seconds", r.step_seconds},
       {"none_step_seconds", r.none_step_seconds},
   };
