@@ -47,6 +47,12 @@ enum class CommBackend { automatic, nccl, gloo };
 /// "auto" / "nccl" / "gloo", as configs spell it.
 const char* comm_backend_name(CommBackend b);
 
+/// Megatron-FSDP's data_parallel_sharding_strategy: what the data-parallel ranks shard,
+/// ZeRO stages 0 to 3 in order.
+enum class ShardingStrategy { no_shard, optim, optim_grads, optim_grads_params };
+/// "no_shard" / "optim" / "optim_grads" / "optim_grads_params", as configs spell it.
+const char* sharding_strategy_name(ShardingStrategy s);
+
 /// RoPE's frequencies stretched for a longer context, as Llama 3.1 and 3.2 were trained
 /// (transformers' rope_type "llama3"): wavelengths longer than original_max_seq /
 /// low_freq_factor are stretched by `factor`, those shorter than original_max_seq /
@@ -202,6 +208,11 @@ struct ParallelConfig {
                                      ///< backward (Megatron's --overlap-grad-reduce); off by
                                      ///< default: on few cores Gloo's threads take the
                                      ///< backward's (docs/results.md)
+  /// Megatron-LM's spellings of parallel.zero, unset unless given (resolve_zero_stage):
+  /// true asks stage 1 or above, false stage 0.
+  std::optional<bool> use_distributed_optimizer;
+  /// The stage by Megatron-FSDP's name for it.
+  std::optional<ShardingStrategy> data_parallel_sharding_strategy;
 };
 
 /// `[ac]`: the recompute policy (compiled by remat/policy.h's compile_policy). Every alias
@@ -320,6 +331,12 @@ int64_t padded_vocab_size(const Config& c, int64_t vocab);
 /// padded, where it is 0 (a given size was padded by load_config); refuses, with a
 /// sentence, a given size below the tokenizer's.
 void resolve_vocab_size(Config& c, int64_t tokenizer_vocab);
+
+/// Sets parallel.zero from Megatron's spellings of it where one is set
+/// (ParallelConfig::use_distributed_optimizer, data_parallel_sharding_strategy); refuses,
+/// with a sentence, spellings that ask different stages, or a parallel.zero given
+/// (`zero_given`) that differs from theirs.
+void resolve_zero_stage(Config& c, bool zero_given);
 
 /// Every key, in documentation order.
 const std::vector<ConfigKey>& config_keys();

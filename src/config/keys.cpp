@@ -78,6 +78,17 @@ CommBackend parse_comm_backend(const std::string& key, const std::string& v) {
                   key, util::printable(v)));
 }
 
+ShardingStrategy parse_sharding_strategy(const std::string& key, const std::string& v) {
+  for (const ShardingStrategy s : {ShardingStrategy::no_shard, ShardingStrategy::optim, ShardingStrategy::optim_grads,
+                                   ShardingStrategy::optim_grads_params}) {
+    if (v == sharding_strategy_name(s)) return s;
+  }
+  fail(
+      fmt::format("{} must be no_shard (parallel.zero = 0), optim (1: AdamW's moments sharded), optim_grads (2: the "
+                  "gradients too) or optim_grads_params (3: the parameters too), got '{}'.",
+                  key, util::printable(v)));
+}
+
 DataFormat parse_data_format(const std::string& key, const std::string& v) {
   if (v == "text") return DataFormat::text;
   if (v == "jsonl") return DataFormat::jsonl;
@@ -224,19 +235,21 @@ std::string list_literal(const std::string& v) {
 // How an optional [ac] alias key is written back.
 enum class Literal { Plain, List, WordOrInt };
 
-// An optional alias key: unset until given; an empty value unsets it again.
-template <class T>
-ConfigKey ac_key(std::string name, std::optional<T> AcConfig::*field, std::string help,
-                 Literal literal = Literal::Plain) {
+// An optional alias key of a section: unset until given; an empty value unsets it again.
+template <class S, class T>
+ConfigKey alias_key(std::string name, S Config::*section, std::optional<T> S::*field, std::string help,
+                    Literal literal = Literal::Plain) {
   ConfigKey k;
   k.name = name;
   k.help = std::move(help);
-  k.set = [name, field](Config& c, const std::string& v) {
-    std::optional<T>& dst = c.ac.*field;
+  k.set = [name, section, field](Config& c, const std::string& v) {
+    std::optional<T>& dst = c.*section.*field;
     if (v.empty()) {
       dst.reset();
     } else if constexpr (std::is_same_v<T, std::string>) {
       dst = v;
+    } else if constexpr (std::is_same_v<T, ShardingStrategy>) {
+      dst = parse_sharding_strategy(name, v);
     } else if constexpr (std::is_same_v<T, bool>) {
       dst = parse_bool(name, v);
     } else if constexpr (std::is_integral_v<T>) {
@@ -248,7 +261,7 @@ ConfigKey ac_key(std::string name, std::optional<T> AcConfig::*field, std::strin
   // [=], not [field, literal]: only the string instantiation reads `literal`, and clang warns
   // of an unused capture in the others (the fuzz build).
   k.get = [=](const Config& c) -> std::string {
-    const std::optional<T>& src = c.ac.*field;
+    const std::optional<T>& src = c.*section.*field;
     if (!src) return "";
     if constexpr (std::is_same_v<T, std::string>) {
       if (literal == Literal::List) return list_literal(*src);
@@ -256,6 +269,8 @@ ConfigKey ac_key(std::string name, std::optional<T> AcConfig::*field, std::strin
         return *src;
       }
       return quote(*src);
+    } else if constexpr (std::is_same_v<T, ShardingStrategy>) {
+      return quote(sharding_strategy_name(*src));
     } else if constexpr (std::is_same_v<T, bool>) {
       return *src ? "true" : "false";
     } else if constexpr (std::is_integral_v<T>) {
@@ -265,6 +280,12 @@ ConfigKey ac_key(std::string name, std::optional<T> AcConfig::*field, std::strin
     }
   };
   return k;
+}
+
+template <class T>
+ConfigKey ac_key(std::string name, std::optional<T> AcConfig::*field, std::string help,
+                 Literal literal = Literal::Plain) {
+  return alias_key(std::move(name), &Config::ac, field, std::move(help), literal);
 }
 
 using C = Config;
@@ -515,6 +536,10 @@ std::vector<ConfigKey> parallel_keys() {
           "collectives' library: auto, nccl (CUDA ranks, one per GPU) or gloo (CPU, or CUDA through the host)"),
       key("parallel.overlap_grad_reduce", &C::parallel, &P::overlap_grad_reduce,
           "all-reduce gradients during the backward"),
+      alias_key("parallel.use_distributed_optimizer", &C::parallel, &P::use_distributed_optimizer,
+                "Megatron: true = parallel.zero 1 or above"),
+      alias_key("parallel.data_parallel_sharding_strategy", &C::parallel, &P::data_parallel_sharding_strategy,
+                "Megatron-FSDP: no_shard, optim, optim_grads = parallel.zero 0, 1, 2"),
   };
 }
 

@@ -15,6 +15,20 @@ const char* comm_backend_name(CommBackend b) {
   return b == CommBackend::nccl ? "nccl" : b == CommBackend::gloo ? "gloo" : "auto";
 }
 
+const char* sharding_strategy_name(ShardingStrategy s) {
+  switch (s) {
+    case ShardingStrategy::no_shard:
+      return "no_shard";
+    case ShardingStrategy::optim:
+      return "optim";
+    case ShardingStrategy::optim_grads:
+      return "optim_grads";
+    case ShardingStrategy::optim_grads_params:
+      return "optim_grads_params";
+  }
+  return "?";
+}
+
 const char* data_format_name(DataFormat f) {
   return f == DataFormat::text ? "text" : f == DataFormat::jsonl ? "jsonl" : "tokens";
 }

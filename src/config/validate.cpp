@@ -303,6 +303,40 @@ void resolve_vocab_size(Config& c, int64_t tokenizer_vocab) {
   }
 }
 
+void resolve_zero_stage(Config& c, bool zero_given) {
+  auto& p = c.parallel;
+  const auto& strategy = p.data_parallel_sharding_strategy;
+  const auto& distributed = p.use_distributed_optimizer;
+  if (!strategy && !distributed) return;
+  if (strategy == ShardingStrategy::optim_grads_params) {
+    fail(
+        "parallel.data_parallel_sharding_strategy = \"optim_grads_params\" shards the parameters too (ZeRO stage "
+        "3), which remat does not do yet; use \"optim_grads\" (stage 2: AdamW's moments and the gradients "
+        "sharded) or \"optim\" (stage 1).");
+  }
+  const auto spelled = [&] {
+    return strategy
+               ? fmt::format("parallel.data_parallel_sharding_strategy = \"{}\"", sharding_strategy_name(*strategy))
+               : fmt::format("parallel.use_distributed_optimizer = {}", *distributed ? "true" : "false");
+  };
+  // Megatron-FSDP shards nothing without the distributed optimizer, and the distributed
+  // optimizer shards at least AdamW's state.
+  const int64_t stage = strategy ? static_cast<int64_t>(*strategy) : (*distributed ? 1 : 0);
+  if (strategy && distributed && (stage >= 1) != *distributed) {
+    fail(fmt::format(
+        "{} asks ZeRO stage {} but parallel.use_distributed_optimizer = {} asks {}; drop one of them, or make them "
+        "agree (the distributed optimizer is stage 1 and above).",
+        spelled(), stage, *distributed ? "true" : "false", *distributed ? "stage 1 or above" : "stage 0"));
+  }
+  if (zero_given && p.zero != stage && !(distributed && !strategy && *distributed && p.zero >= 1)) {
+    fail(fmt::format(
+        "parallel.zero = {} but {} asks ZeRO stage {}{}: they are two spellings of the same setting; drop one, or "
+        "make them agree.",
+        p.zero, spelled(), stage, !strategy && *distributed ? " or above" : ""));
+  }
+  if (!zero_given) p.zero = stage;
+}
+
 // Formats other than text read the user's files, and token ids mean nothing without the
 // tokenizer that wrote them.
 void check_data(const DataConfig& d) {

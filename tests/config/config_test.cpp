@@ -272,6 +272,55 @@ TEST(Config, ZeroIsStageZeroToTwo) {
   EXPECT_EQ(error_of([] { load_config("", {"parallel.zero=yes"}); }), "parallel.zero must be an integer, got 'yes'.");
 }
 
+// Megatron's spellings of the ZeRO stage set parallel.zero, agree with it where both are
+// given, are written back as given, and are refused in a sentence where they disagree.
+TEST(Config, ZeroTakesMegatronsSpellings) {
+  const auto zero = [](std::vector<std::string> o) { return load_config("", std::move(o)).parallel.zero; };
+  EXPECT_EQ(zero({"parallel.use_distributed_optimizer=true"}), 1);
+  EXPECT_EQ(zero({"parallel.use_distributed_optimizer=false"}), 0);
+  EXPECT_EQ(zero({"parallel.use_distributed_optimizer=true", "parallel.zero=2"}), 2);
+  EXPECT_EQ(zero({"parallel.data_parallel_sharding_strategy=no_shard"}), 0);
+  EXPECT_EQ(zero({"parallel.data_parallel_sharding_strategy=optim"}), 1);
+  EXPECT_EQ(zero({"parallel.data_parallel_sharding_strategy=optim_grads", "parallel.use_distributed_optimizer=1"}), 2);
+  EXPECT_EQ(zero({"parallel.data_parallel_sharding_strategy=optim_grads", "parallel.zero=2"}), 2);
+  EXPECT_EQ(zero({"parallel.data_parallel_sharding_strategy=optim", "parallel.data_parallel_sharding_strategy="}), 0);
+
+  // Written back beside the stage they set, and read back alike.
+  const Config c = load_config("", {"parallel.data_parallel_sharding_strategy=optim_grads"});
+  const std::string text = config_to_toml(c);
+  EXPECT_NE(text.find("zero = 2\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("data_parallel_sharding_strategy = \"optim_grads\""), std::string::npos) << text;
+  const std::string path = write_temp(text);
+  EXPECT_EQ(config_to_toml(load_config(path, {})), text);
+  std::remove(path.c_str());
+
+  EXPECT_EQ(error_of([] {
+              load_config("", {"parallel.zero=1", "parallel.data_parallel_sharding_strategy=optim_grads"});
+            }),
+            "parallel.zero = 1 but parallel.data_parallel_sharding_strategy = \"optim_grads\" asks ZeRO stage 2: they "
+            "are two spellings of the same setting; drop one, or make them agree.");
+  EXPECT_EQ(error_of([] {
+              load_config("", {"parallel.zero=0", "parallel.use_distributed_optimizer=true"});
+            }),
+            "parallel.zero = 0 but parallel.use_distributed_optimizer = true asks ZeRO stage 1 or above: they are two "
+            "spellings of the same setting; drop one, or make them agree.");
+  EXPECT_EQ(
+      error_of([] {
+        load_config("", {"parallel.data_parallel_sharding_strategy=optim", "parallel.use_distributed_optimizer=false"});
+      }),
+      "parallel.data_parallel_sharding_strategy = \"optim\" asks ZeRO stage 1 but "
+      "parallel.use_distributed_optimizer = false asks stage 0; drop one of them, or make them agree (the "
+      "distributed optimizer is stage 1 and above).");
+  EXPECT_EQ(error_of([] { load_config("", {"parallel.data_parallel_sharding_strategy=optim_grads_params"}); }),
+            "parallel.data_parallel_sharding_strategy = \"optim_grads_params\" shards the parameters too (ZeRO stage "
+            "3), which remat does not do yet; use \"optim_grads\" (stage 2: AdamW's moments and the gradients "
+            "sharded) or \"optim\" (stage 1).");
+  EXPECT_EQ(error_of([] { load_config("", {"parallel.data_parallel_sharding_strategy=full_shard"}); }),
+            "parallel.data_parallel_sharding_strategy must be no_shard (parallel.zero = 0), optim (1: AdamW's "
+            "moments sharded), optim_grads (2: the gradients too) or optim_grads_params (3: the parameters too), got "
+            "'full_shard'.");
+}
+
 // data.format names what data.text holds; each format other than text needs the files, and
 // token ids the tokenizer that wrote them.
 TEST(Config, DataFormatsNeedWhatTheyRead) {
