@@ -176,7 +176,10 @@ class Model {
   /// backward is done, puts the owned ones into their gradients (copied by the first
   /// backward since zero_grad(), added by the next) and frees it. With sequence
   /// parallelism the part's partial gradients are summed over the tensor-parallel group
-  /// just before, in place. A model of every layer; `group` must outlive the model.
+  /// just before, in place. On a pipeline stage, a table tied to another stage's
+  /// (Param::tied) keeps its whole gradient on every rank, added up over the microbatches
+  /// and not summed here: the trainer sums it between the stages, then over `group`, as
+  /// without sharding. `group` must outlive the model.
   virtual void shard_gradients(const std::vector<bool>& owned, dist::Group& group) = 0;
   /// Whether shard_gradients() was called.
   bool grads_sharded() const { return grad_group_ != nullptr; }
@@ -282,9 +285,10 @@ class Model {
   at::Tensor grad_buffer_;
   std::vector<int> added_only_;  ///< the parameters whose gradients zero_grad() zeroes
   bool fresh_grads_ = false;     ///< zero_grad() ran, and no backward since
-  /// shard_gradients(): the parameters whose gradients this rank keeps, and the group the
-  /// parts' gradients are summed over (null: every gradient kept, none summed here).
-  std::vector<bool> owned_grads_;
+  /// shard_gradients(): the parameters whose gradients this rank keeps (its own and the
+  /// tied ones), and the group the parts' gradients are summed over (null: every gradient
+  /// kept, none summed here).
+  std::vector<bool> kept_grads_;
   dist::Group* grad_group_ = nullptr;
   std::function<void(size_t)> gradients_ready_;
 };

@@ -180,14 +180,6 @@ void check_ranks(const Config& c) {
                     "stages; drop ac.stages or set it to {}.",
                     c.ac.stages, p.pp, p.pp));
   }
-  // Stage 2 reduces each part's gradients as its backward ends: a pipeline's tied embedding
-  // is summed between its first and last stage first.
-  if (p.zero >= 2 && p.pp > 1) {
-    fail(fmt::format(
-        "parallel.zero = {} shards the gradients over the data-parallel ranks, which does not yet combine with "
-        "parallel.pp = {} pipeline stages; use parallel.zero = 1 (AdamW's moments sharded) with it.",
-        p.zero, p.pp));
-  }
   if (p.backend == CommBackend::nccl && !c.run.device.is_cuda()) {
     fail(fmt::format(
         "parallel.backend = nccl moves CUDA tensors only, but run.device = {}; CPU ranks talk over Gloo: set "

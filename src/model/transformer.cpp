@@ -307,7 +307,10 @@ at::Tensor TransformerModel::backward(Microbatch& handle, at::Tensor dy, double 
   const auto ready = [&](const std::vector<int>& part) {
     if (gradients_ready_) gradients_ready_(static_cast<size_t>(*std::min_element(part.begin(), part.end())));
   };
-  at::Tensor ends_grads;  // sharded: from the head's backward to the embedding's
+  // Sharded: from the head's backward to the embedding's, or the one of them a pipeline
+  // stage runs.
+  at::Tensor ends_grads;
+  const std::string ends_part = "the embedding and the loss head";
   for (const schedule::Action& a : schedule::backward(plan(), parts(), static_cast<int64_t>(ctx.microbatch))) {
     switch (a.kind) {
       case schedule::Kind::head_backward: {
@@ -317,6 +320,7 @@ at::Tensor TransformerModel::backward(Microbatch& handle, at::Tensor dy, double 
         dx = mb->head->backward(e, at::scalar_tensor(loss_scale, at::kDouble));
         scope.reset();
         if (gradients_ready_) gradients_ready_(head_own_params());
+        if (sharded && !first_stage()) close_part_grads(ends_, std::move(ends_grads), first, ends_part, ctx);
         break;
       }
       case schedule::Kind::recompute:
@@ -345,10 +349,11 @@ at::Tensor TransformerModel::backward(Microbatch& handle, at::Tensor dy, double 
       }
       case schedule::Kind::embed_backward: {
         scope.emplace("embedding backward", trace::Category::layer);
+        if (sharded && !last_stage()) ends_grads = open_part_grads(ends_);
         Engine e = engine(*mb->embed_shape, W, W.embed, into, 0, ctx, nullptr);
         dx = mb->embed->backward(e, std::move(dx));  // token ids: undefined
         ready(W.embed);
-        if (sharded) close_part_grads(ends_, std::move(ends_grads), first, "the embedding and the loss head", ctx);
+        if (sharded) close_part_grads(ends_, std::move(ends_grads), first, ends_part, ctx);
         break;
       }
       default:
@@ -600,10 +605,11 @@ void TransformerModel::cast_compute_copies() {
 void TransformerModel::shard_gradients(const std::vector<bool>& owned, dist::Group& group) {
   TORCH_CHECK(owned.size() == params_.size(), "[model] shard_gradients takes one flag per parameter (", params_.size(),
               "), got ", owned.size());
-  TORCH_CHECK(first_stage() && last_stage(), "[model] sharded gradients need a model of every layer");
+  std::vector<bool> keeps(owned);
+  for (size_t i = 0; i < keeps.size(); ++i) keeps[i] = keeps[i] || weights_.tied[i];
   std::vector<at::Tensor> kept;
   for (size_t i = 0; i < params_.size(); ++i) {
-    if (owned[i]) kept.push_back(params_[i].grad);
+    if (keeps[i]) kept.push_back(params_[i].grad);
   }
   // The whole buffer goes first, its cached segments with it, so that the device holds
   // only the kept one.
@@ -613,12 +619,12 @@ void TransformerModel::shard_gradients(const std::vector<bool>& owned, dist::Gro
   memory::release_cached(device_);
   grad_buffer_ = flat_views(kept, master_buffer_.options(), false);  // the first backward copies in
   for (size_t i = 0, k = 0; i < params_.size(); ++i) {
-    if (owned[i]) params_[i].grad = kept[k++];
+    if (keeps[i]) params_[i].grad = kept[k++];
   }
   std::set<int> ends(weights_.embed.begin(), weights_.embed.end());
   ends.insert(weights_.head.begin(), weights_.head.end());
   ends_.assign(ends.begin(), ends.end());
-  owned_grads_ = owned;
+  kept_grads_ = keeps;
   grad_group_ = &group;
 }
 
@@ -640,9 +646,14 @@ size_t TransformerModel::head_own_params() const {
 
 at::Tensor TransformerModel::open_part_grads(const std::vector<int>& params) {
   // The partial gradients first (sequence parallelism): one prefix to sum over the
-  // tensor-parallel group in place.
+  // tensor-parallel group in place. The tied ones last: a suffix the data-parallel sum
+  // leaves out.
   std::vector<int> order(params);
-  std::stable_partition(order.begin(), order.end(), [&](int i) { return weights_.partial[static_cast<size_t>(i)]; });
+  const auto rank = [&](int i) {
+    const auto k = static_cast<size_t>(i);
+    return weights_.partial[k] ? 0 : weights_.tied[k] ? 2 : 1;
+  };
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return rank(a) < rank(b); });
   std::vector<at::Tensor> views = weights_.of(order);
   at::Tensor flat = flat_views(views, master_buffer_.options(), false);
   for (size_t k = 0; k < order.size(); ++k) grads_.tensors[static_cast<size_t>(order[k])] = views[k];
@@ -656,9 +667,11 @@ void TransformerModel::close_part_grads(const std::vector<int>& params, at::Tens
                                         const std::string& part, const StepContext& ctx) {
   {
     const trace::Scope scope("gradient sum", trace::Category::backward);
-    int64_t partial = 0;
+    int64_t partial = 0, tied = 0;
     for (const int i : params) {
-      if (weights_.partial[static_cast<size_t>(i)]) partial += grads_.tensors[static_cast<size_t>(i)].numel();
+      const int64_t n = grads_.tensors[static_cast<size_t>(i)].numel();
+      if (weights_.partial[static_cast<size_t>(i)]) partial += n;
+      if (weights_.tied[static_cast<size_t>(i)]) tied += n;
     }
     if (partial > 0 && tp_size() > 1) {
       // Over the tensor-parallel group before the data-parallel one, as sum_partial_grads.
@@ -667,15 +680,17 @@ void TransformerModel::close_part_grads(const std::vector<int>& params, at::Tens
                       fmt::format("the sequence-parallel gradient sum of {} (step {}, microbatch {})", part,
                                   ctx.step + 1, ctx.microbatch + 1));
     }
-    std::vector<at::Tensor> sum{flat};
-    grad_group_->all_reduce(
-        sum, dist::Reduce::sum,
-        fmt::format("the gradient sum of {} (step {}, microbatch {})", part, ctx.step + 1, ctx.microbatch + 1));
+    if (flat.numel() > tied) {
+      std::vector<at::Tensor> sum{flat.narrow(0, 0, flat.numel() - tied)};
+      grad_group_->all_reduce(
+          sum, dist::Reduce::sum,
+          fmt::format("the gradient sum of {} (step {}, microbatch {})", part, ctx.step + 1, ctx.microbatch + 1));
+    }
   }
   for (const int i : params) {
     at::Tensor& g = grads_.tensors[static_cast<size_t>(i)];
     at::Tensor& kept = params_[static_cast<size_t>(i)].grad;
-    if (owned_grads_[static_cast<size_t>(i)]) first ? kept.copy_(g) : kept.add_(g);
+    if (kept_grads_[static_cast<size_t>(i)]) first ? kept.copy_(g) : kept.add_(g);
     g = at::Tensor();
   }
 }

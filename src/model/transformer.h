@@ -253,7 +253,8 @@ class TransformerModel final : public Model {
   int head_weight_ = -1;       ///< the weight the loss's logits read (generation's logits too); -1: no head
   int64_t cast_version_ = -1;  ///< master_buffer_'s version when last cast
   /// Sharded gradients: the embedding's and the head's parameters (a tied table once), one
-  /// buffer from the head's backward to the embedding's.
+  /// buffer from the head's backward to the embedding's; on a pipeline stage that holds
+  /// one of them, over its backward.
   std::vector<int> ends_;
 };
 

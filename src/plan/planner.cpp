@@ -84,7 +84,7 @@ Planner::Planner(const ModelConfig& cfg, const cost::StepShape& shape, const Lay
   const cost::OtherAttention* other = times_.other_attention.get();
   if (other != nullptr && other->op != cfg.attention) per_layer_op_ = cfg.attention;
   const cost::GradientBuffers grads = cost::gradient_buffers(cfg_, layout_, cost::master_dtype(shape_.dtype));
-  grad_buffers_ = grads.layer + grads.ends;
+  grad_buffers_ = grads.in_layer_backward();
   device_frontier_ = price_options(false);
   whole_ = {{}, {}, cost::LayerPricer(block_, options_.early_stop, times_).price({}), false, std::nullopt};
   whole_.cost.backward_peak += grad_buffers_;
@@ -130,7 +130,8 @@ std::vector<std::vector<int64_t>> Planner::rank_peaks(const ActivationPlan& plan
   if (layout_.zero_ranks() == 1) return {};
   Layout ranked = layout_;
   if (!split.empty()) ranked.split = split;
-  // What a rank's walk depends on: the sizes of the parameters it updates, in its order.
+  // What a rank's walk depends on: the gradients it keeps, and the sizes of the parameters
+  // it updates, in its order.
   std::map<std::vector<std::vector<int64_t>>, std::vector<int64_t>> walked;
   std::vector<std::vector<int64_t>> out;
   for (int64_t d = 0; d < layout_.dp; ++d) {
@@ -138,10 +139,9 @@ std::vector<std::vector<int64_t>> Planner::rank_peaks(const ActivationPlan& plan
     std::vector<std::vector<int64_t>> owns;
     for (int64_t s = 0; s < layout_.pp; ++s) {
       const std::vector<graph::Param> params = cost::stage_params(cfg_, ranked.at_stage(s));
-      std::vector<int64_t>& sizes = owns.emplace_back();
-      for (const size_t i : cost::optimizer_share(params, ranked.at_stage(s)).updated) {
-        sizes.push_back(cost::numel(params[i]));
-      }
+      const cost::OptimizerShare share = cost::optimizer_share(cfg_, params, ranked.at_stage(s));
+      std::vector<int64_t>& sizes = owns.emplace_back(1, share.rank_grads);
+      for (const size_t i : share.updated) sizes.push_back(cost::numel(params[i]));
     }
     auto it = walked.find(owns);
     if (it == walked.end()) {

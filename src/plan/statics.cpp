@@ -20,6 +20,22 @@ std::vector<graph::Param> block_params(const ModelConfig& c, const Layout& layou
   return graph::block_graph(c, 1, 1, at::kFloat, shard).params;
 }
 
+// Which of a pipeline stage's `params` are a table it shares with another stage (the
+// embedding's, which the loss head reads too): the ones sharded gradients keep whole.
+std::vector<bool> tied_params(const ModelConfig& c, const std::vector<graph::Param>& params, const Layout& layout) {
+  std::vector<bool> tied(params.size());
+  if (layout.has_embedding() == layout.has_head()) return tied;
+  Layout shard;
+  shard.tp = layout.tp;
+  std::set<std::string> embed;
+  for (const auto& p : graph::embed_graph(c, 1, 1, at::kFloat, shard).params) embed.insert(p.name);
+  for (const auto& p : graph::head_graph(c, 1, 1, at::kFloat, 1, shard).params) {
+    if (embed.count(p.name) == 0) continue;
+    for (size_t i = 0; i < params.size(); ++i) tied[i] = tied[i] || params[i].name == p.name;
+  }
+  return tied;
+}
+
 }  // namespace
 
 std::vector<graph::Param> stage_params(const ModelConfig& c, const Layout& layout) {
@@ -49,23 +65,33 @@ int64_t numel(const std::vector<graph::Param>& params) {
 
 at::ScalarType master_dtype(at::ScalarType compute) { return compute == at::kDouble ? at::kDouble : at::kFloat; }
 
-OptimizerShare optimizer_share(const std::vector<graph::Param>& params, const Layout& layout) {
+OptimizerShare optimizer_share(const ModelConfig& cfg, const std::vector<graph::Param>& params, const Layout& layout) {
   const int64_t ranks = layout.zero_ranks();
   OptimizerShare s;
   s.own_grads = layout.grads_sharded();
   std::vector<int64_t> numels;
   for (const graph::Param& p : params) numels.push_back(numel(p));
   const std::vector<int> owner = zero_owners(numels, ranks);
-  std::vector<int64_t> load(static_cast<size_t>(ranks)), largest(load.size());
+  const std::vector<bool> tied = s.own_grads ? tied_params(cfg, params, layout) : std::vector<bool>(params.size());
+  // Per rank: the elements it owns, its largest, and the tied ones it keeps without owning.
+  std::vector<int64_t> load(static_cast<size_t>(ranks)), largest(load.size()), extra(load.size());
   for (size_t i = 0; i < numels.size(); ++i) {
     const auto r = static_cast<size_t>(owner[i]);
     load[r] += numels[i];
     largest[r] = std::max(largest[r], numels[i]);
+    for (size_t o = 0; o < extra.size(); ++o) extra[o] += tied[i] && o != r ? numels[i] : 0;
   }
-  int64_t highest = -1;
+  const auto grads = [&](size_t r) { return s.own_grads ? load[r] + extra[r] : 0; };
+  // The busiest keeps the most between updates; the walked rank peaks highest in its update.
+  int64_t most = -1, highest = -1;
   for (size_t r = 0; r < load.size(); ++r) {
-    s.moments = std::max(s.moments, load[r]);
-    const int64_t peak = s.kept_per_element() * load[r] + (util::kFusedAdamW ? 0 : 2 * largest[r]);
+    const int64_t kept = 2 * load[r] + grads(r);
+    if (kept > most) {
+      most = kept;
+      s.moments = load[r];
+      s.grads = grads(r);
+    }
+    const int64_t peak = kept + (util::kFusedAdamW ? 0 : 2 * largest[r]);
     if (peak > highest) {
       highest = peak;
       s.rank = static_cast<int>(r);
@@ -76,8 +102,10 @@ OptimizerShare optimizer_share(const std::vector<graph::Param>& params, const La
                 *layout.dp_rank, " of ", ranks);
     s.rank = static_cast<int>(*layout.dp_rank);
     s.moments = load[static_cast<size_t>(s.rank)];  // no busier rank's share to hold
+    s.grads = grads(static_cast<size_t>(s.rank));
   }
   s.rank_moments = load[static_cast<size_t>(s.rank)];
+  s.rank_grads = grads(static_cast<size_t>(s.rank));
   for (const bool matrices : {true, false}) {
     for (size_t i = 0; i < params.size(); ++i) {
       if (owner[i] == s.rank && (params[i].sizes.size() >= 2) == matrices) s.updated.push_back(i);
@@ -90,7 +118,8 @@ GradientBuffers gradient_buffers(const ModelConfig& cfg, const Layout& layout, a
   if (!layout.grads_sharded()) return {};
   const int64_t layer = numel(block_params(cfg, layout));
   const int64_t all = numel(stage_params(cfg, layout));
-  return {nbytes(layer, master), nbytes(all - layout.stage_layers(cfg.n_layer) * layer, master)};
+  return {nbytes(layer, master), nbytes(all - layout.stage_layers(cfg.n_layer) * layer, master),
+          layout.has_embedding() && layout.has_head()};
 }
 
 int64_t step_count_bytes(bool updates) { return util::kFusedAdamW && updates ? nbytes(1, at::kFloat) : 0; }
@@ -169,8 +198,9 @@ StaticBytes static_bytes(const ModelConfig& model, const StepShape& shape, const
   const int64_t P = numel(params);
   StaticBytes s;
   s.params = nbytes(P, master);
-  const int64_t moments = optimizer_share(params, layout).moments;
-  s.grads = nbytes(layout.grads_sharded() ? moments : P, master);  // the busiest rank's when sharded
+  const OptimizerShare share = optimizer_share(cfg, params, layout);
+  const int64_t moments = share.moments;
+  s.grads = nbytes(layout.grads_sharded() ? share.grads : P, master);  // the busiest rank's when sharded
   s.optimizer = 2 * nbytes(moments, master) + step_count_bytes(moments > 0);
   s.compute_copies = shape.dtype != master ? nbytes(P, shape.dtype) : 0;
   if (graph::block_graph(cfg, 1, 1, shape.dtype).uses(graph::op::rope())) {
@@ -185,7 +215,8 @@ StaticBytes static_bytes(const ModelConfig& model, const StepShape& shape, const
 StepConstants step_constants(const ModelConfig& cfg, const StepShape& shape, const Layout& layout) {
   StepConstants k;
   k.statics = static_bytes(cfg, shape, layout);
-  // Sharded gradients: the ends' buffer lives from the head's backward to the embedding's.
+  // Sharded gradients: the ends' buffer lives from the head's backward to the embedding's,
+  // or over the backward of the one a pipeline stage holds.
   const at::ScalarType master = master_dtype(shape.dtype);
   const int64_t ends = gradient_buffers(cfg, layout, master).ends;
   if (layout.has_embedding()) {
@@ -203,10 +234,11 @@ StepConstants step_constants(const ModelConfig& cfg, const StepShape& shape, con
   // The update point is the rank of OptimizerShare's: its moments (and kept gradients), not
   // the busiest rank's, under the temporaries of its update.
   const std::vector<graph::Param> params = stage_params(cfg, layout);
-  const OptimizerShare share = optimizer_share(params, layout);
+  const OptimizerShare share = optimizer_share(cfg, params, layout);
   Live live;
   simulate_update(live, params, share, master, nullptr);
-  k.optimizer = live.peak() - share.kept_per_element() * nbytes(share.moments - share.rank_moments, master);
+  k.optimizer = live.peak() - 2 * nbytes(share.moments - share.rank_moments, master) -
+                nbytes(share.grads - share.rank_grads, master);
   return k;
 }
 

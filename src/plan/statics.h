@@ -22,31 +22,37 @@ int64_t numel(const std::vector<graph::Param>& params);
 /// The dtype of the master weights, gradients and moments of a run computing in `compute`.
 at::ScalarType master_dtype(at::ScalarType compute);
 
-/// What the optimizer of `layout`'s data-parallel ranks holds: the elements whose moments
-/// (and, with sharded gradients, gradients) the busiest rank keeps, and the rank whose
-/// update peaks highest (its moments and kept gradients, plus the two temporaries of its
-/// largest parameter where AdamW is not fused), with the parameters it updates in AdamW's
-/// order (its group of matrices, then the rest). With Layout::dp_rank, that rank's alone,
-/// as the busiest. One rank: every parameter.
+/// What the optimizer of `layout`'s data-parallel ranks holds: the elements whose
+/// moments (and, with sharded gradients, gradients) the busiest rank (the one keeping
+/// the most bytes between updates) keeps, and the rank whose update peaks highest (its
+/// moments and kept gradients, plus the two temporaries of its largest parameter where
+/// AdamW is not fused), with the parameters it updates in AdamW's order (its group of
+/// matrices, then the rest). With Layout::dp_rank, that rank's alone, as the busiest.
+/// One rank: every parameter. `params` are the stage's (stage_params); with sharded
+/// gradients, a pipeline stage's table tied to another stage's keeps its whole gradient
+/// on every rank (Model::shard_gradients).
 struct OptimizerShare {
   int64_t moments = 0;          ///< elements, for each of the two moments, of the busiest rank
   int rank = 0;                 ///< the rank whose update peaks highest (the lowest of equals)
   int64_t rank_moments = 0;     ///< elements, for each moment, of that rank
+  int64_t grads = 0;            ///< gradient elements the busiest rank keeps (sharded)
+  int64_t rank_grads = 0;       ///< gradient elements that rank keeps (sharded)
   std::vector<size_t> updated;  ///< that rank's parameters, by index into the stage's
-  bool own_grads = false;       ///< the rank keeps the gradients of `updated` alone (sharded)
-  /// Elements a rank keeps per element it owns between updates: two moments, and its
-  /// gradient when sharded.
-  int64_t kept_per_element() const { return own_grads ? 3 : 2; }
+  bool own_grads = false;       ///< the rank keeps the gradients of `updated` (and a tied
+                                ///< table's) alone (sharded)
 };
-OptimizerShare optimizer_share(const std::vector<graph::Param>& params, const Layout& layout);
+OptimizerShare optimizer_share(const ModelConfig& cfg, const std::vector<graph::Param>& params, const Layout& layout);
 
 /// With sharded gradients (Layout::grads_sharded), the bytes of the buffers a backward
 /// writes a part's gradients into before their sum over the ranks (Model::shard_gradients):
 /// one layer's, and the embedding's with the loss head's, held from the head's backward to
-/// the embedding's. Zeros otherwise.
+/// the embedding's, or over the backward of the one a pipeline stage holds. Zeros otherwise.
 struct GradientBuffers {
   int64_t layer = 0;
   int64_t ends = 0;
+  bool ends_over_layers = false;  ///< the ends' buffer is held over the layers' backward too
+  /// What a layer's backward holds of them.
+  int64_t in_layer_backward() const { return layer + (ends_over_layers ? ends : 0); }
 };
 GradientBuffers gradient_buffers(const ModelConfig& cfg, const Layout& layout, at::ScalarType master);
 

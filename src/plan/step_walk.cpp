@@ -13,7 +13,7 @@ void StepWalk::hold_statics(int64_t workspace, bool moments_made, int64_t outsid
   if (block_of(first_).g.uses(graph::op::rope())) {
     statics_.push_back(make(ops::rope_tables_bytes(cfg_.max_seq, cfg_.head_dim(), shape_.dtype)));
   }
-  statics_.push_back(make(nbytes(share_.own_grads ? share_.rank_moments : P, master_)));
+  statics_.push_back(make(nbytes(share_.own_grads ? share_.rank_grads : P, master_)));
   const int64_t ends = (layout_.has_embedding() ? 1 : 0) + (layout_.has_head() ? 1 : 0);
   for (int64_t b = 0; b < layout_.in_flight(shape_.grad_accum) * ends; ++b) {
     statics_.push_back(make(nbytes(shape_.batch * shape_.seq, at::kLong)));
@@ -27,8 +27,8 @@ void StepWalk::hold_statics(int64_t workspace, bool moments_made, int64_t outsid
     if (step_count_bytes(!share_.updated.empty()) > 0) moments_.push_back(make(step_count_bytes(true)));
   }
   if (moments_made || share_.own_grads) {
-    const int64_t kept = (moments_made ? 2 : 0) + (share_.own_grads ? 1 : 0);
-    busiest_ = make(kept * nbytes(share_.moments - share_.rank_moments, master_));
+    busiest_ = make((moments_made ? 2 : 0) * nbytes(share_.moments - share_.rank_moments, master_) +
+                    nbytes(share_.grads - share_.rank_grads, master_));
   }
   statics_.push_back(make(outside));
 }
@@ -75,6 +75,7 @@ void StepWalk::act(const schedule::Action& a, Microbatch* mb) {
       if (grad_buffers_.ends > 0) mb->ends_grads = make(grad_buffers_.ends);
       mb->dx = mb->head->backward(s, make(head_.g.output_bytes()));
       mb->head.reset();
+      if (!layout_.has_embedding()) mb->ends_grads.reset();  // summed over the ranks, then freed
       break;
     }
     case schedule::Kind::fetch: {
@@ -100,6 +101,7 @@ void StepWalk::act(const schedule::Action& a, Microbatch* mb) {
     case schedule::Kind::embed_backward: {
       mark("embedding backward", live_.current() - bytes_of(mb->dx) - mb->embed_bytes - bytes_of(mb->ends_grads));
       Simulator s = sim(embed_);
+      if (grad_buffers_.ends > 0 && !layout_.has_head()) mb->ends_grads = make(grad_buffers_.ends);
       mb->embed->backward(s, std::move(mb->dx)).reset();
       mb->embed.reset();
       mb->ends_grads.reset();  // summed over the ranks, then freed

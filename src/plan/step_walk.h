@@ -70,7 +70,7 @@ class StepWalk {
         embed_(graph::embed_graph(cfg, shape.batch, shape.seq, shape.dtype, layout)),
         head_(graph::head_graph(cfg, shape.batch, shape.seq, shape.dtype, shape.ce_chunk, layout)),
         params_(stage_params(cfg, layout)),
-        share_(optimizer_share(params_, layout)),
+        share_(optimizer_share(cfg, params_, layout)),
         master_(master_dtype(shape.dtype)),
         grad_buffers_(gradient_buffers(cfg, layout, master_)) {}
 

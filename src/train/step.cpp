@@ -56,19 +56,22 @@ NormSlots norm_slots(const Model& model, dist::Group* pipe) {
 // process sums them: without tensor parallelism the same norm to the bit, and so the same
 // clipping; the split ones' sums are added over the stages.
 //
-// With `shards` (sharded gradients) each rank holds its own parameters' gradients: the
-// others' squares are zeros here, and the slots are summed over `shards` (one rank's value
-// and zeros each, so exactly), then summed as without sharding: the same norm to the bit.
+// With `shards` (sharded gradients) each rank squares its `owned` parameters' gradients
+// (a tied table's, kept by every rank, too): the others' squares are zeros here, and the
+// slots are summed over `shards` (one rank's value and zeros each, so exactly), then summed
+// as without sharding: the same norm to the bit.
 double clip_gradients(Model& model, double max_norm, int64_t step, dist::Group* pipe, const NormSlots& slots,
-                      dist::Group* shards) {
+                      dist::Group* shards, const std::vector<bool>& owned) {
   const trace::Scope scope("clip gradients", trace::Category::step);
   // One reduction and one host read for all parameters (a sync per parameter on CUDA).
   std::vector<at::Tensor> whole, split;
-  at::Tensor none;  // stands for the squares of a gradient another rank keeps
-  for (const auto& p : model.params()) {
+  at::Tensor none;  // stands for the squares of a gradient another rank owns
+  for (size_t i = 0; i < model.params().size(); ++i) {
+    const Param& p = model.params()[i];
     if (!counted_in_norm(model, p, pipe != nullptr)) continue;
-    if (!p.grad.defined() && !none.defined()) none = at::zeros({}, p.value.options());
-    (p.shard.split() ? split : whole).push_back(p.grad.defined() ? p.grad.pow(2).sum() : none);
+    const bool squared = shards == nullptr || owned[i];
+    if (!squared && !none.defined()) none = at::zeros({}, p.value.options());
+    (p.shard.split() ? split : whole).push_back(squared ? p.grad.pow(2).sum() : none);
   }
   const auto total = [](const at::Tensor& squares) { return squares.to(at::kDouble).sum().reshape({1}); };
   at::Tensor split_squares = split.empty() ? at::Tensor() : at::stack(split).cpu();
@@ -320,8 +323,19 @@ StepResult TrainStep::run(int64_t step, const data::TokenDataset& data, std::mt1
   }
   model_.sum_partial_grads(fmt::format("the sequence-parallel gradient all-reduce of step {}", step + 1));
   if (grads_sharded_) {
-    // Summed in the backward, a part at a time (Model::shard_gradients): the loss is left.
-    r.reduce_buckets = t.grad_accum * (model_.stage().count + 1);
+    // Summed in the backward, a part at a time (Model::shard_gradients): the loss is left,
+    // and a pipeline's tied table, summed between its stages above.
+    const bool ends = model_.first_stage() || model_.last_stage();
+    r.reduce_buckets = t.grad_accum * (model_.stage().count + (ends ? 1 : 0));
+    std::vector<at::Tensor> tied;
+    for (const Param& p : model_.params()) {
+      if (p.tied) tied.push_back(p.grad);
+    }
+    if (!tied.empty()) {
+      ranks_->data().all_reduce(tied, dist::Reduce::sum,
+                                fmt::format("the tied table's gradient sum of step {}", step + 1));
+      ++r.reduce_buckets;
+    }
     r.loss = loss_sum(r.loss, ranks_->data(), reduce_what);
   } else if (ranks_ != nullptr) {
     const trace::Scope scope("gradient all-reduce", trace::Category::step);
@@ -331,7 +345,7 @@ StepResult TrainStep::run(int64_t step, const data::TokenDataset& data, std::mt1
     reduction->finish(r.loss);
   }
   r.grad_norm = clip_gradients(model_, t.grad_clip, step, pipe_, {norm_first_, norm_count_},
-                               grads_sharded_ ? &ranks_->data() : nullptr);
+                               grads_sharded_ ? &ranks_->data() : nullptr, owned_);
   // Checked before the update, so that a bad step leaves the weights as they were.
   if (!std::isfinite(r.loss) || !std::isfinite(r.grad_norm)) {
     const ModelConfig& m = model_.config();

@@ -438,8 +438,9 @@ TEST_F(LaunchedTraining, TensorParallelRanksPeakWhereThePlannerSaid) {
 // moments of the parameters it does not own, then by their gradients; the prediction by
 // those of the busiest rank's complement; and every rank still peaks at the prediction
 // within the tensor-parallel test's slack, with a plan the planner solved for a budget too,
-// on two data-parallel copies of a sequence-parallel pair, and on four data-parallel ranks
-// whose shares differ, each at its own prediction.
+// on two data-parallel copies of a sequence-parallel pair, on four data-parallel ranks
+// whose shares differ, each at its own prediction, and on two copies of a two-stage
+// pipeline. The weights of two data-parallel ranks are stage 0's, byte for byte.
 TEST_F(LaunchedTraining, ZeroShardsTheMomentsAndGradientsAndPeaksWhereThePlannerSaid) {
   const remat::ModelConfig demo = [] {
     remat::ModelConfig m = remat::model_preset("gpt2-demo");
@@ -463,13 +464,17 @@ TEST_F(LaunchedTraining, ZeroShardsTheMomentsAndGradientsAndPeaksWhereThePlanner
                                                       {"parallel.zero=2", 2},
                                                       {"parallel.zero=2 ac.budget=0.7", 2},
                                                       {"parallel.zero=2 parallel.tp=2 parallel.sp=true", 4},
-                                                      {"parallel.zero=2 parallel.dp=4", 4}};
+                                                      {"parallel.zero=2 parallel.dp=4", 4},
+                                                      {"parallel.zero=0 parallel.pp=2", 4},
+                                                      {"parallel.zero=2 parallel.pp=2", 4}};
+  std::map<std::string, std::string> weights;
   for (const auto& [settings, ranks] : runs) {
     const std::string name = "run" + std::to_string(summary.size());
     const Result r = run_remat("launch --nproc " + std::to_string(ranks) + " train " + common_ + kPeakShape +
                                "train.steps=3 " + settings + " run.name=" + name);
     ASSERT_EQ(r.exit_code, 0) << r.output;
     summary[settings] = nlohmann::json::parse(read_text(dir_ / "runs" / name / "summary.json"));
+    weights[settings] = read_text(dir_ / "runs" / name / "model.safetensors");
     last[settings] = train_lines(name).back();
     const std::vector<int64_t> peaks = summary[settings]["rank_peak_bytes"];
     const std::vector<int64_t> predicted = summary[settings]["predicted_rank_peak_bytes"];
@@ -493,6 +498,10 @@ TEST_F(LaunchedTraining, ZeroShardsTheMomentsAndGradientsAndPeaksWhereThePlanner
   // The same weights: the runs' losses are the same numbers.
   EXPECT_EQ(summary["parallel.zero=0"]["final_val_loss"], summary["parallel.zero=1"]["final_val_loss"]);
   EXPECT_EQ(summary["parallel.zero=0"]["final_val_loss"], summary["parallel.zero=2"]["final_val_loss"]);
+  // Over pipeline stages the tied table's gradient is summed between the stages, then over
+  // the ranks, as at stage 0: with two ranks every sum is the same, and so are the weights.
+  EXPECT_TRUE(weights["parallel.zero=0 parallel.pp=2"] == weights["parallel.zero=2 parallel.pp=2"]);
+  EXPECT_TRUE(weights["parallel.zero=0"] == weights["parallel.zero=2"]);
 }
 
 // `remat bench` under `remat launch`, at the peak tests' shape: two data-parallel ranks, and

@@ -322,6 +322,47 @@ TEST(Zero, TheCostModelHoldsTheBusiestRanksGradientsUnderStageTwo) {
   EXPECT_EQ(sharded.grads + sharded.optimizer + cost::step_constants(cfg, shape, layout).optimizer, step);
 }
 
+// Over pipeline stages, each stage's ranks shard their own parameters' gradients, but the
+// table the first and last stage both hold (tiny-gpt2's tied embedding) keeps its whole
+// gradient on every rank of either: a rank that does not own it holds it besides its share.
+// The ends' buffer is held over the stage's embedding or head backward alone.
+TEST(Zero, APipelinesTiedTableKeepsItsWholeGradientOnEveryRank) {
+  const ModelConfig cfg = model_preset("tiny-gpt2");
+  cost::StepShape shape;
+  shape.seq = kSeq;
+  Layout layout;
+  layout.zero = 2;
+  layout.dp = 2;
+  layout.pp = 2;
+  int checked = 0;
+  for (int64_t stage = 0; stage < 2; ++stage) {
+    Layout at = layout.at_stage(stage);
+    const std::vector<graph::Param> params = cost::stage_params(cfg, at);
+    std::vector<int64_t> numels;
+    int64_t tied = -1;
+    for (size_t i = 0; i < params.size(); ++i) {
+      numels.push_back(cost::numel(params[i]));
+      if (params[i].name == "wte.weight") tied = static_cast<int64_t>(i);
+    }
+    ASSERT_GE(tied, 0) << "stage " << stage;
+    const std::vector<int> owner = cost::zero_owners(numels, 2);
+    const cost::GradientBuffers buffers = cost::gradient_buffers(cfg, at, at::kFloat);
+    EXPECT_FALSE(buffers.ends_over_layers);
+    EXPECT_EQ(buffers.in_layer_backward(), buffers.layer);
+    EXPECT_GT(buffers.ends, 0);
+    for (int64_t d = 0; d < 2; ++d) {
+      int64_t load = 0;
+      for (size_t i = 0; i < numels.size(); ++i) load += owner[i] == d ? numels[i] : 0;
+      const bool owns = owner[static_cast<size_t>(tied)] == d;
+      at.dp_rank = d;
+      EXPECT_EQ(cost::static_bytes(cfg, shape, at).grads, 4 * (load + (owns ? 0 : numels[static_cast<size_t>(tied)])))
+          << "stage " << stage << ", rank " << d;
+      checked += owns ? 1 : 2;
+    }
+  }
+  EXPECT_EQ(checked, 6);  // on each stage one rank owns the table and one does not
+}
+
 // Each data-parallel rank is predicted its own share. At a shape whose peak is a layer's
 // backward, a rank owning fewer elements peaks lower by exactly the bytes it keeps per
 // element (two float32 moments, and at stage 2 its gradient), and no rank above the plan's
