@@ -232,7 +232,7 @@ std::string list_literal(const std::string& v) {
   return out + "]";
 }
 
-// How an optional [ac] alias key is written back.
+// How an optional alias key's string is written back.
 enum class Literal { Plain, List, WordOrInt };
 
 // An optional alias key of a section: unset until given; an empty value unsets it again.

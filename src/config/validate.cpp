@@ -320,7 +320,9 @@ void resolve_zero_stage(Config& c, bool zero_given) {
         "agree (the distributed optimizer is stage 1 and above).",
         spelled(), stage, *distributed ? "true" : "false", *distributed ? "stage 1 or above" : "stage 0"));
   }
-  if (zero_given && p.zero != stage && !(distributed && !strategy && *distributed && p.zero >= 1)) {
+  // The distributed optimizer alone agrees with every stage from 1 on.
+  const bool agrees = p.zero == stage || (!strategy && *distributed && p.zero >= 1);
+  if (zero_given && !agrees) {
     fail(fmt::format(
         "parallel.zero = {} but {} asks ZeRO stage {}{}: they are two spellings of the same setting; drop one, or "
         "make them agree.",
