@@ -73,15 +73,18 @@ OptimizerShare optimizer_share(const ModelConfig& cfg, const std::vector<graph::
   for (const graph::Param& p : params) numels.push_back(numel(p));
   const std::vector<int> owner = zero_owners(numels, ranks);
   const std::vector<bool> tied = s.own_grads ? tied_params(cfg, params, layout) : std::vector<bool>(params.size());
-  // Per rank: the elements it owns, its largest, and the tied ones it keeps without owning.
-  std::vector<int64_t> load(static_cast<size_t>(ranks)), largest(load.size()), extra(load.size());
+  // Per rank: the elements it owns, its largest, and the tied ones among them.
+  std::vector<int64_t> load(static_cast<size_t>(ranks)), largest(load.size()), tied_owned(load.size());
+  int64_t all_tied = 0;
   for (size_t i = 0; i < numels.size(); ++i) {
     const auto r = static_cast<size_t>(owner[i]);
     load[r] += numels[i];
     largest[r] = std::max(largest[r], numels[i]);
-    for (size_t o = 0; o < extra.size(); ++o) extra[o] += tied[i] && o != r ? numels[i] : 0;
+    tied_owned[r] += tied[i] ? numels[i] : 0;
+    all_tied += tied[i] ? numels[i] : 0;
   }
-  const auto grads = [&](size_t r) { return s.own_grads ? load[r] + extra[r] : 0; };
+  // A rank keeps its own gradients and the tied ones another rank owns.
+  const auto grads = [&](size_t r) { return s.own_grads ? load[r] + all_tied - tied_owned[r] : 0; };
   // The busiest keeps the most between updates; the walked rank peaks highest in its update.
   int64_t most = -1, highest = -1;
   for (size_t r = 0; r < load.size(); ++r) {
