@@ -150,6 +150,9 @@ class Model {
   /// that a collective reduces all gradients in place, without copying them into buckets
   /// (with sharded gradients: every kept one's, shard_gradients).
   const at::Tensor& grad_buffer() const { return grad_buffer_; }
+  /// The one flat buffer every parameter's master (Param::value) is a view of, in params()
+  /// order, so that one collective moves them all (ZeRO's exchange after the update).
+  const at::Tensor& value_buffer() const { return value_buffer_; }
   /// Parameters of the model (split ones counted whole, once; a stage's own, its tied
   /// copy included).
   int64_t num_params() const;
@@ -282,6 +285,7 @@ class Model {
   bool sp_;
   StageSpan stage_;
   std::vector<Param> params_;
+  at::Tensor value_buffer_;
   at::Tensor grad_buffer_;
   std::vector<int> added_only_;  ///< the parameters whose gradients zero_grad() zeroes
   bool fresh_grads_ = false;     ///< zero_grad() ran, and no backward since

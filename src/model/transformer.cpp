@@ -168,7 +168,7 @@ TransformerModel::TransformerModel(const ArchDecl& decl, const ModelConfig& cfg,
   // The masters, their gradients and their compute copies: a flat buffer each, views in
   // the same order, so that one pass casts the masters after an update.
   weights_ = make_weights(decl, cfg, tp_size(), sp_, f32.device(at::kMeta), stage_);
-  master_buffer_ = flat_views(weights_.tensors, f32.device(device), false);
+  value_buffer_ = flat_views(weights_.tensors, f32.device(device), false);
   std::map<std::string, size_t> mine;
   for (size_t i = 0; i < weights_.names.size(); ++i) mine.emplace(weights_.names[i], i);
   // Initialise on CPU from one seeded generator so a seed means the same model on every
@@ -582,17 +582,17 @@ at::Tensor TransformerModel::blocks_output(const at::Tensor& input) {
 }
 
 const Weights& TransformerModel::compute_weights() {
-  if (compute_dtype_ == master_buffer_.scalar_type()) return weights_;
+  if (compute_dtype_ == value_buffer_.scalar_type()) return weights_;
   if (!cast_buffer_.defined()) {
     cast_ = weights_;
-    cast_buffer_ = flat_views(cast_.tensors, master_buffer_.options().dtype(compute_dtype_), false);
+    cast_buffer_ = flat_views(cast_.tensors, value_buffer_.options().dtype(compute_dtype_), false);
   }
   // An update or a load writes the masters in place, through views sharing the buffer's
   // version counter.
-  if (master_buffer_._version() != cast_version_) {
+  if (value_buffer_._version() != cast_version_) {
     const trace::Scope scope("compute copies", trace::Category::step);
-    cast_buffer_.copy_(master_buffer_);
-    cast_version_ = master_buffer_._version();
+    cast_buffer_.copy_(value_buffer_);
+    cast_version_ = value_buffer_._version();
   }
   return cast_;
 }
@@ -617,7 +617,7 @@ void TransformerModel::shard_gradients(const std::vector<bool>& owned, dist::Gro
   for (at::Tensor& g : grads_.tensors) g = at::Tensor();
   grad_buffer_ = at::Tensor();
   memory::release_cached(device_);
-  grad_buffer_ = flat_views(kept, master_buffer_.options(), false);  // the first backward copies in
+  grad_buffer_ = flat_views(kept, value_buffer_.options(), false);  // the first backward copies in
   for (size_t i = 0, k = 0; i < params_.size(); ++i) {
     if (keeps[i]) params_[i].grad = kept[k++];
   }
@@ -655,7 +655,7 @@ at::Tensor TransformerModel::open_part_grads(const std::vector<int>& params) {
   };
   std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return rank(a) < rank(b); });
   std::vector<at::Tensor> views = weights_.of(order);
-  at::Tensor flat = flat_views(views, master_buffer_.options(), false);
+  at::Tensor flat = flat_views(views, value_buffer_.options(), false);
   for (size_t k = 0; k < order.size(); ++k) grads_.tensors[static_cast<size_t>(order[k])] = views[k];
   for (const int i : added_only_) {
     if (std::find(params.begin(), params.end(), i) != params.end()) grads_.tensors[static_cast<size_t>(i)].zero_();

@@ -248,10 +248,9 @@ class TransformerModel final : public Model {
   Weights weights_;
   Weights grads_;
   Weights cast_;
-  at::Tensor master_buffer_;   ///< the flat buffer weights_ views
   at::Tensor cast_buffer_;     ///< the flat buffer cast_ views; undefined until the first cast
   int head_weight_ = -1;       ///< the weight the loss's logits read (generation's logits too); -1: no head
-  int64_t cast_version_ = -1;  ///< master_buffer_'s version when last cast
+  int64_t cast_version_ = -1;  ///< value_buffer_'s version when last cast
   /// Sharded gradients: the embedding's and the head's parameters (a tied table once), one
   /// buffer from the head's backward to the embedding's; on a pipeline stage that holds
   /// one of them, over its backward.
