@@ -266,6 +266,9 @@ class Planner {
   // reserves few enough; `reserved`: the last plan's reserved bytes.
   std::optional<PlanResult> solve_reserved(const Budgets& budgets, const Options& o, int64_t& reserved) const;
   bool on_cuda() const { return shape_.device == at::kCUDA; }
+  // The step's bytes outside the layers on layout_ (its statics, the embedding's and the
+  // head's), which the programs add to the layers'.
+  void take_step_constants();
 
   ModelConfig cfg_;
   cost::StepShape shape_;

@@ -88,11 +88,7 @@ Planner::Planner(const ModelConfig& cfg, const cost::StepShape& shape, const Lay
   device_frontier_ = price_options(false);
   whole_ = {{}, {}, cost::LayerPricer(block_, options_.early_stop, times_).price({}), false, std::nullopt};
   whole_.cost.backward_peak += grad_buffers_;
-  const cost::StepConstants k = cost::step_constants(cfg_, shape_, layout_);
-  emb_base_ = k.statics.total() + k.embed_saved;
-  head_peak_ = k.head_peak;
-  fixed_peak_ =
-      std::max({k.statics.total() + k.embed_peak, emb_base_ + k.embed_backward, k.statics.total() + k.optimizer});
+  take_step_constants();
   for (const auto& n : block_.nodes) block_seconds_ += times_.node_seconds(n);
   const auto forward = [&](const graph::BlockGraph& g) {
     double t = 0;
@@ -114,6 +110,15 @@ Planner::Planner(const ModelConfig& cfg, const cost::StepShape& shape, const Lay
   }
 }
 
+void Planner::take_step_constants() {
+  const cost::StepConstants k = cost::step_constants(cfg_, shape_, layout_);
+  emb_base_ = k.statics.total() + k.embed_saved;
+  head_peak_ = k.head_peak;
+  fixed_peak_ =
+      std::max({k.statics.total() + k.embed_peak, emb_base_ + k.embed_backward, k.statics.total() + k.optimizer});
+  none_peak_.reset();
+}
+
 int64_t Planner::none_peak() const {
   if (!none_peak_) none_peak_ = predict_units(ActivationPlan::none(cfg_.n_layer)).peak();
   return *none_peak_;
@@ -128,7 +133,10 @@ PlanResult Planner::predict(const ActivationPlan& plan, const std::vector<int64_
 std::vector<std::vector<int64_t>> Planner::rank_peaks(const ActivationPlan& plan,
                                                       const std::vector<int64_t>& split) const {
   if (layout_.zero_ranks() == 1) return {};
-  Layout ranked = layout_;
+  // The layer options are priced alike for every rank: a copy of this planner with the
+  // rank's step constants walks it, without pricing them again.
+  Planner at_rank = *this;
+  Layout& ranked = at_rank.layout_;
   if (!split.empty()) ranked.split = split;
   // What a rank's walk depends on: the gradients it keeps, and the sizes of the parameters
   // it updates, in its order.
@@ -146,10 +154,8 @@ std::vector<std::vector<int64_t>> Planner::rank_peaks(const ActivationPlan& plan
     auto it = walked.find(owns);
     if (it == walked.end()) {
       std::vector<int64_t> peaks;
-      for (const auto& st :
-           Planner(cfg_, shape_, ranked, times_, options_).predict(plan, split, Ledgers::peak).stages) {
-        peaks.push_back(st.peak);
-      }
+      at_rank.take_step_constants();
+      for (const auto& st : at_rank.predict(plan, split, Ledgers::peak).stages) peaks.push_back(st.peak);
       it = walked.emplace(std::move(owns), std::move(peaks)).first;
     }
     out.push_back(it->second);
