@@ -71,6 +71,8 @@ const Preset kPresets[] = {
     {"llama3-8b", [] { return llama(32, 32, 8, 4096, 14336, 128256, 8192, 500000.0, 1e-5); }},
     {"llama3.1-8b",
      [] { return llama3_scaled(llama(32, 32, 8, 4096, 14336, 128256, 131072, 500000.0, 1e-5), 8, false); }},
+    {"llama3.1-70b",
+     [] { return llama3_scaled(llama(80, 64, 8, 8192, 28672, 128256, 131072, 500000.0, 1e-5), 8, false); }},
 };
 
 }  // namespace

@@ -74,7 +74,7 @@ TEST(Config, BadValuesAndShapesAreRefusedWithSentences) {
   EXPECT_EQ(error_of([] { load_config("", {"train.steps=abc"}); }), "train.steps must be an integer, got 'abc'.");
   EXPECT_EQ(error_of([] { load_config("", {"model.preset=gpt5"}); }),
             "Unknown model preset 'gpt5'; valid presets: tiny-gpt2, tiny-llama, gpt2-demo, llama-demo, gpt2, "
-            "gpt2-medium, llama3.2-1b, llama3-8b, llama3.1-8b.");
+            "gpt2-medium, llama3.2-1b, llama3-8b, llama3.1-8b, llama3.1-70b.");
   EXPECT_EQ(error_of([] { load_config("", {"train.seq=512"}); }),
             "train.seq (512) is longer than the model's context (model.max_seq = 256); use train.seq <= 256 or "
             "raise model.max_seq.");

@@ -3,6 +3,7 @@
 // every policy on both architectures.
 #include "graph/walk.h"
 #include "plan/plan_test_util.h"
+#include "plan/statics.h"
 #include "remat/cost.h"
 #include "remat/memory.h"
 #include "remat/model.h"
@@ -75,6 +76,20 @@ const char* kPolicies[] = {"none",
                            "ops:[matmul,attention]",
                            "ops:[matmul/2,softmax]",
                            "every:2+modules:[core_attn]"};
+
+// The real shapes' parameters, as the cost model counts them, are the counts their
+// publishers state: GPT-2's 124M (a head tied to its embedding, counted once) and Llama
+// 3's 1B, 8B and 70B, computed from their Hugging Face configs' shapes.
+TEST(CostModel, TheRealPresetsHoldTheirPublishedParameterCounts) {
+  const std::pair<const char*, int64_t> published[] = {{"gpt2", 124439808},
+                                                       {"llama3.2-1b", 1235814400},
+                                                       {"llama3-8b", 8030261248},
+                                                       {"llama3.1-8b", 8030261248},
+                                                       {"llama3.1-70b", 70553706496}};
+  for (const auto& [preset, count] : published) {
+    EXPECT_EQ(cost::numel(cost::stage_params(model_preset(preset), {})), count) << preset;
+  }
+}
 
 TEST(CostModel, PeakOfAMicrobatchMatchesTheMeasuredPeak) {
   // Programs mirror the code statement by statement, so the match is to the kilobyte.
