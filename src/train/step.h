@@ -50,8 +50,9 @@ struct StepResult {
 /// gradients are still all-reduced whole (Gloo in LibTorch 1.13 has no reduce-scatter: the
 /// all-reduce stands in for it, and each rank reads its parameters' part), so clipping sees
 /// the same global norm; after the update the owners' parameters reach every rank through
-/// an exact all-reduce of the one buffer they are views of (Model::value_buffer). Each parameter is updated by the very kernels, on the very tensor,
-/// that update it without ZeRO, so the weights are bitwise those of `zero` = 0.
+/// an exact all-reduce of the one buffer they are views of (Model::value_buffer). Each
+/// parameter is updated by the very kernels, on the very tensor, that update it without
+/// ZeRO, so the weights are bitwise those of `zero` = 0.
 ///
 /// ZeRO stage 2 (`zero` = 2): each rank also keeps only its parameters' gradients. Each
 /// part's gradients are summed over the ranks as the part's backward ends, every
