@@ -148,14 +148,15 @@ double loss_sum(double loss, dist::Group& group, const std::string& what) {
 // rank but a tensor's owner gives -0.0, and x + (-0.0) == x bit for bit for every float x
 // (a +0.0 fill would turn an owner's -0.0 into +0.0), in whatever order the ranks are
 // summed. In place, it allocates nothing where Group::all_gather would need a packed copy
-// of each rank's parameters and the gathered copies of all of them. `reduced` are the
-// tensors the collective moves: `tensors` themselves, or one buffer they are all views of,
-// which is one collective where each tensor would be one of its own.
-void from_owners(const std::vector<at::Tensor>& tensors, const std::vector<bool>& owned,
-                 std::vector<at::Tensor> reduced, dist::Group& group, const std::string& what) {
+// of each rank's parameters and the gathered copies of all of them. `whole` is the one
+// tensor the collective moves: one of `tensors`, or a buffer they are all views of (one
+// collective where each tensor would be one of its own).
+void from_owners(const std::vector<at::Tensor>& tensors, const std::vector<bool>& owned, const at::Tensor& whole,
+                 dist::Group& group, const std::string& what) {
   for (size_t i = 0; i < tensors.size(); ++i) {
     if (!owned[i]) tensors[i].fill_(-0.0);
   }
+  std::vector<at::Tensor> reduced{whole};
   group.all_reduce(reduced, dist::Reduce::sum, what);
 }
 
@@ -370,7 +371,7 @@ StepResult TrainStep::run(int64_t step, const data::TokenDataset& data, std::mt1
     const trace::Scope scope("parameter exchange", trace::Category::step);
     std::vector<at::Tensor> values;
     for (const Param& p : model_.params()) values.push_back(p.value);
-    from_owners(values, owned_, {model_.value_buffer()}, ranks_->data(),
+    from_owners(values, owned_, model_.value_buffer(), ranks_->data(),
                 fmt::format("the parameter exchange of step {}", step + 1));
   }
   synchronize(device);
@@ -419,7 +420,7 @@ void TrainStep::save_checkpoint(const std::string& path, int64_t steps, const st
       at::Tensor m =
           own ? (second ? optimizer_.exp_avg_sq(k - 1) : optimizer_.exp_avg(k - 1)) : at::empty_like(p.value);
       if (sharded_) {
-        from_owners({m}, {owned_[i]}, {m}, ranks_->data(),
+        from_owners({m}, {owned_[i]}, m, ranks_->data(),
                     fmt::format("gathering the optimizer's moments of {} for the checkpoint", p.name));
       }
       keep((second ? "exp_avg_sq." : "exp_avg.") + p.name, model_.whole(i, m));
