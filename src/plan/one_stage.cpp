@@ -47,7 +47,9 @@ void merge_runs(std::vector<State>& v, std::vector<size_t> starts) {
 // Pareto filter: ascending kept bytes with strictly falling time; above `max_states`,
 // states closer than `width` bytes merge into the faster one. With `host_width` (a host
 // budget that binds) the host bytes are a third measure: a state stays unless one with no
-// more kept bytes, host bytes and time is taken, and the merge is by both byte counts.
+// more kept bytes, host bytes and time is taken, and the merge is by both byte counts, in
+// cells that widen until at most `max_states` are left (offloading spreads the states
+// over up to `max_states` cells on each axis).
 void prune(std::vector<State>& v, const std::vector<size_t>& runs, int64_t max_states, int64_t width,
            int64_t host_width) {
   merge_runs(v, runs);
@@ -68,32 +70,34 @@ void prune(std::vector<State>& v, const std::vector<size_t>& runs, int64_t max_s
       out.push_back(s);
     }
   }
-  if (static_cast<int64_t>(out.size()) > max_states && width > 0) {
+  if (static_cast<int64_t>(out.size()) > max_states && width > 0 && host_width == 0) {
     std::vector<State> merged;
-    if (host_width == 0) {
-      for (const auto& s : out) {
-        // Sorted by kept bytes with falling time: the later state of a bucket is the
-        // faster one, and it stands for the bucket with its own (larger) kept bytes.
-        if (!merged.empty() && s.kept / width == merged.back().kept / width) {
-          merged.back() = s;
-        } else {
-          merged.push_back(s);
-        }
+    for (const auto& s : out) {
+      // Sorted by kept bytes with falling time: the later state of a bucket is the
+      // faster one, and it stands for the bucket with its own (larger) kept bytes.
+      if (!merged.empty() && s.kept / width == merged.back().kept / width) {
+        merged.back() = s;
+      } else {
+        merged.push_back(s);
       }
-    } else {
-      std::map<std::pair<int64_t, int64_t>, size_t> bucket;
-      for (const auto& s : out) {
-        const auto [at, added] = bucket.try_emplace({s.kept / width, s.host / host_width}, merged.size());
-        if (added) {
-          merged.push_back(s);
-        } else if (s.seconds < merged[at->second].seconds) {
-          merged[at->second] = s;
-        }
-      }
-      std::sort(merged.begin(), merged.end(), [](const State& a, const State& b) {
-        return a.kept != b.kept ? a.kept < b.kept : a.seconds < b.seconds;
-      });
     }
+    out = std::move(merged);
+  }
+  for (int64_t w = width, hw = host_width; static_cast<int64_t>(out.size()) > max_states && w > 0 && hw > 0;
+       w *= 2, hw *= 2) {
+    std::vector<State> merged;
+    std::map<std::pair<int64_t, int64_t>, size_t> bucket;
+    for (const auto& s : out) {
+      const auto [at, added] = bucket.try_emplace({s.kept / w, s.host / hw}, merged.size());
+      if (added) {
+        merged.push_back(s);
+      } else if (s.seconds < merged[at->second].seconds) {
+        merged[at->second] = s;
+      }
+    }
+    std::sort(merged.begin(), merged.end(), [](const State& a, const State& b) {
+      return a.kept != b.kept ? a.kept < b.kept : a.seconds < b.seconds;
+    });
     out = std::move(merged);
   }
   v = std::move(out);
