@@ -184,8 +184,8 @@ struct ParallelConfig {
                          ///< rank stops with a sentence naming the lost rank
   int64_t zero = 0;      ///< 1: ZeRO stage 1, each data-parallel rank keeps AdamW's moments of
                          ///< its share of the parameters only (TrainStep); 2: their gradients
-                         ///< too; 0: every rank keeps them all. With one data-parallel rank
-                         ///< neither changes anything.
+                         ///< too; 3: their master weights too; 0: every rank keeps them all.
+                         ///< With one data-parallel rank none changes anything.
   int64_t pp = 1;        ///< pipeline stages (remat/pipeline.h): the layers split by
                          ///< ac.num_layers_per_stage, else by the planner under ac.budget, else
                          ///< evenly; sets ac.stages, so per-stage policies count real stages

@@ -62,6 +62,9 @@ struct StaticBytes {
   int64_t optimizer = 0;       ///< AdamW's two moments (the busiest rank's share under ZeRO-1)
   int64_t compute_copies = 0;  ///< parameters cast to the compute dtype (bfloat16 runs)
   int64_t batch = 0;           ///< token ids (embedding) and targets (head) of the microbatches in flight
+  /// ZeRO-3: the largest part's weights gathered in the compute dtype, live while that part
+  /// runs only, so in the working set and not in total().
+  int64_t gathered = 0;
   /// Scalars and small reductions (losses, counts, min/max checks) the simulation does not
   /// list one by one: none were live at the measured peaks (one process, data, tensor and
   /// pipeline parallel); this bound keeps a budget plan under its budget if some are.

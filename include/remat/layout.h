@@ -41,7 +41,7 @@ struct Layout {
   int64_t pp = 1;     ///< pipeline stages
   int64_t stage = 0;  ///< this rank's stage (from 0)
   /// ZeRO stage: 1 shards AdamW's moments over the dp ranks (zero_ranks), 2 the gradients
-  /// too (grads_sharded); 0 keeps both whole.
+  /// too (grads_sharded), 3 the master weights too (values_sharded); 0 keeps all whole.
   int64_t zero = 0;
   pipeline::Schedule schedule = pipeline::Schedule::one_f_one_b;
   /// Layers per stage, pp entries; empty: not fixed (the planner's choice where it plans,
@@ -56,6 +56,10 @@ struct Layout {
   /// Whether each dp rank keeps only the gradients of the parameters whose moments it holds
   /// (ZeRO stage 2 over more than one rank).
   bool grads_sharded() const { return zero >= 2 && dp > 1; }
+  /// Whether each dp rank keeps only the master weights of those parameters too, each
+  /// part's gathered in the compute dtype for its forward and again for its backward (ZeRO
+  /// stage 3 over more than one rank).
+  bool values_sharded() const { return zero >= 3 && dp > 1; }
   /// Layers per stage for a model of `n_layer`: `split`, or the even split.
   std::vector<int64_t> stage_split(int64_t n_layer) const {
     return split.empty() ? pipeline::even_split(n_layer, pp) : split;

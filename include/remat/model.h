@@ -186,6 +186,21 @@ class Model {
   virtual void shard_gradients(const std::vector<bool>& owned, dist::Group& group) = 0;
   /// Whether shard_gradients() was called.
   bool grads_sharded() const { return grad_group_ != nullptr; }
+  /// ZeRO stage 3, after shard_gradients(): from now on this rank keeps the masters of the
+  /// parameters `owned` marks and no others: theirs in one flat buffer (value_buffer()),
+  /// Param::value of the rest a tensor of its shape on the meta device, which holds no
+  /// values. Each part (a layer; the embedding; the loss head) then gathers its weights in
+  /// the compute dtype over `group` just before its forward, and again before its
+  /// backward (and a uniform chunk's recompute), and frees them after: an all-reduce of
+  /// the part's bytes as 64-bit integers, to which every rank but a weight's owner gives
+  /// zeros, so the weights computed with are those without sharding to the bit. Every rank of `group` must then run the same
+  /// forwards, backwards and evaluations. `group` must outlive the model.
+  virtual void shard_values(const std::vector<bool>& owned, dist::Group& group) = 0;
+  /// Whether shard_values() was called.
+  bool values_sharded() const { return value_group_ != nullptr; }
+  /// Parameter i's master on every rank: Param::value itself, or with sharded values
+  /// gathered from its owner (every rank of the group must call it), on the device.
+  at::Tensor whole_value(size_t i) const;
 
   /// One microbatch on a model of every layer: tokens and targets [B, T] int64 (targets
   /// -1 are ignored). Accumulates d(loss * loss_scale)/d(params) into the gradients and
@@ -248,7 +263,8 @@ class Model {
   virtual double forward_flops(int64_t seq) const = 0;
 
   /// Every parameter, whole, named and laid out as in Hugging Face files, on the CPU
-  /// (split ones gathered: every rank of the tensor-parallel group must call it). With
+  /// (split ones gathered: every rank of the tensor-parallel group must call it; with
+  /// sharded values every rank of their group too, whole_value). With
   /// `vocab_rows` > 0 the vocabulary parameters (Param::vocab) keep only their first
   /// `vocab_rows` rows: the padding rows (model.vocab_multiple) dropped, so the file has the
   /// shapes a Hugging Face model of the tokenizer's vocabulary expects.
@@ -265,7 +281,8 @@ class Model {
   /// Jensen's inequality, the padding rows together take at most (padding rows) /
   /// (file rows) of the softmax (HF's resize_token_embeddings initialises new rows so
   /// too). All names, shapes and dtypes are checked before any parameter is written: on
-  /// error (naming the tensor) the model is unchanged.
+  /// error (naming the tensor) the model is unchanged. With sharded values each rank
+  /// writes the masters it keeps.
   void load(const std::string& path);
 
  protected:
@@ -294,6 +311,10 @@ class Model {
   /// kept, none summed here).
   std::vector<bool> kept_grads_;
   dist::Group* grad_group_ = nullptr;
+  /// shard_values(): the parameters whose masters this rank keeps, and the group the parts'
+  /// weights are gathered over (null: every master kept).
+  std::vector<bool> kept_values_;
+  dist::Group* value_group_ = nullptr;
   std::function<void(size_t)> gradients_ready_;
 };
 

@@ -292,6 +292,9 @@ class Planner {
   /// Sharded gradients: the buffers every layer's backward holds beside its own bytes (its
   /// own gradients', and the embedding's and head's), in each option's backward_peak.
   int64_t grad_buffers_ = 0;
+  /// Sharded values: a layer's weights, gathered for its forward and again for its backward,
+  /// in each option's forward_peak and backward_peak.
+  int64_t gathered_ = 0;
   // A forward and backward of one microbatch: of a block without recompute, of the
   // embedding, of the loss head; measured where the times have them, else three times the
   // forward (a backward costs about twice its forward, as its FLOPs do).

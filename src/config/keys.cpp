@@ -509,12 +509,12 @@ std::vector<ConfigKey> parallel_keys() {
                    .unit = "seconds",
                    .why = "below a few heartbeats a busy machine would name live ranks as lost"}),
       key("parallel.zero", &C::parallel, &P::zero,
-          "1: shard AdamW's moments over data-parallel ranks; 2: their gradients too",
+          "1: shard AdamW's moments over data-parallel ranks; 2: their gradients too; 3: the weights too",
           KeyRange{.min = 0,
-                   .max = 2,
-                   .why = "0 keeps AdamW's moments and the gradients whole on every data-parallel rank, 1 (ZeRO "
-                          "stage 1) keeps each rank's share of the moments, 2 (ZeRO stage 2) of the gradients too; "
-                          "stage 3 (sharded parameters) is not implemented"}),
+                   .max = 3,
+                   .why = "0 keeps AdamW's moments, the gradients and the weights whole on every data-parallel "
+                          "rank, 1 (ZeRO stage 1) keeps each rank's share of the moments, 2 (ZeRO stage 2) of the "
+                          "gradients too, 3 (ZeRO stage 3) of the weights too"}),
       key("parallel.pp", &C::parallel, &P::pp, "pipeline stages the layers split into (sets ac.stages)"),
       key("parallel.schedule", &C::parallel, &P::schedule, "pipeline schedule: 1f1b or gpipe"),
       key("parallel.link_rate", &C::parallel, &P::link_rate,
@@ -539,7 +539,7 @@ std::vector<ConfigKey> parallel_keys() {
       alias_key("parallel.use_distributed_optimizer", &C::parallel, &P::use_distributed_optimizer,
                 "Megatron: true = parallel.zero 1 or above"),
       alias_key("parallel.data_parallel_sharding_strategy", &C::parallel, &P::data_parallel_sharding_strategy,
-                "Megatron-FSDP: no_shard, optim, optim_grads = parallel.zero 0, 1, 2"),
+                "Megatron-FSDP: no_shard, optim, optim_grads, optim_grads_params = parallel.zero 0 to 3"),
   };
 }
 

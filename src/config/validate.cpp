@@ -300,12 +300,6 @@ void resolve_zero_stage(Config& c, bool zero_given) {
   const auto& strategy = p.data_parallel_sharding_strategy;
   const auto& distributed = p.use_distributed_optimizer;
   if (!strategy && !distributed) return;
-  if (strategy == ShardingStrategy::optim_grads_params) {
-    fail(
-        "parallel.data_parallel_sharding_strategy = \"optim_grads_params\" shards the parameters too (ZeRO stage "
-        "3), which remat does not do yet; use \"optim_grads\" (stage 2: AdamW's moments and the gradients "
-        "sharded) or \"optim\" (stage 1).");
-  }
   const auto spelled = [&] {
     return strategy
                ? fmt::format("parallel.data_parallel_sharding_strategy = \"{}\"", sharding_strategy_name(*strategy))

@@ -77,6 +77,8 @@ std::string describe_ranks(const Config& local) {
     text += fmt::format(", data parallel over {} ranks of {} sequences{}", p.dp, local.train.batch,
                         p.zero == 1   ? ", AdamW's moments sharded over them (parallel.zero = 1)"
                         : p.zero == 2 ? ", AdamW's moments and the gradients sharded over them (parallel.zero = 2)"
+                        : p.zero == 3 ? ", AdamW's moments, the gradients and the weights sharded over them "
+                                        "(parallel.zero = 3)"
                                       : "");
   }
   if (p.tp > 1) {

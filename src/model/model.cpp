@@ -66,6 +66,17 @@ at::Tensor Model::whole(size_t i, const at::Tensor& part) const {
       tp_size());
 }
 
+at::Tensor Model::whole_value(size_t i) const {
+  const Param& p = params_.at(i);
+  if (!values_sharded()) return p.value;
+  // From its owner, as ZeRO's exchange: every other rank gives -0.0, which leaves each
+  // of the owner's values as it is in the sum.
+  at::Tensor v = kept_values_[i] ? p.value.clone() : at::full(p.value.sizes(), -0.0, value_buffer_.options());
+  std::vector<at::Tensor> sum{v};
+  value_group_->all_reduce(sum, dist::Reduce::sum, fmt::format("gathering parameter {} from its owner", p.name));
+  return v;
+}
+
 at::Tensor Model::part(size_t i, const at::Tensor& full) const {
   return graph::take_part(full, params_.at(i).shard, tp_size(), tp_ != nullptr ? tp_->rank() : 0);
 }
@@ -136,7 +147,7 @@ std::vector<std::pair<std::string, at::Tensor>> Model::whole_params(int64_t voca
   out.reserve(params_.size());
   for (size_t i = 0; i < params_.size(); ++i) {
     const Param& p = params_[i];
-    at::Tensor t = whole(i, p.value.detach()).to(at::kCPU);
+    at::Tensor t = whole(i, whole_value(i).detach()).to(at::kCPU);
     TORCH_CHECK(!p.vocab || vocab_rows <= t.size(0), "[whole_params] ", vocab_rows,
                 " vocabulary rows asked of a model with ", t.size(0));
     if (p.vocab && vocab_rows > 0) t = t.narrow(0, 0, vocab_rows);
@@ -219,7 +230,9 @@ void Model::load(const std::string& path) {
                     "of another model shape (nothing was loaded).",
                     path, arch_name(cfg_.arch), fmt::join(extra, ", ")));
   }
-  for (size_t i = 0; i < params_.size(); ++i) params_[i].value.copy_(staged[i]);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!values_sharded() || kept_values_[i]) params_[i].value.copy_(staged[i]);
+  }
 }
 
 namespace detail {

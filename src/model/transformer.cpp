@@ -78,6 +78,15 @@ Weights make_weights(const ArchDecl& decl, const ModelConfig& cfg, int64_t tp, b
 
 const std::vector<bool> kKeepAll(kSlotCount, true);
 
+// "layer 3's", as the model's failures name a layer.
+std::string layer_name(int64_t l) { return fmt::format("layer {}'s", l); }
+
+// The gather of a part's weights for one pass of a training microbatch, as a failure names it.
+std::string gather_what(const std::string& part, const char* pass, const StepContext& ctx) {
+  return fmt::format("gathering {} weights for the {} of step {}, microbatch {}", part, pass, ctx.step + 1,
+                     ctx.microbatch + 1);
+}
+
 // Makes `tensors` views, in order, of one new flat buffer of options `o` (zeros when
 // `zeroed`), and returns it: one allocation, which one kernel reads or writes whole.
 at::Tensor flat_views(std::vector<at::Tensor>& tensors, const at::TensorOptions& o, bool zeroed) {
@@ -237,6 +246,7 @@ std::unique_ptr<Microbatch> TransformerModel::forward(const at::Tensor& input, c
         mb->embed_shape = &shaped(Part::embed, B, T, 0, sp_);
         const GraphShape& emb = *mb->embed_shape;
         mb->embed = std::make_unique<Run>(emb.graph, emb.lifetimes, kKeepAll);
+        const Gathered weights(*this, W.embed, gather_what("the embedding's", "forward", ctx));
         Engine e = engine(emb, W, W.embed, std::nullopt, 0, ctx, nullptr);
         x = mb->embed->forward(e, input);
         scope.reset();
@@ -246,6 +256,7 @@ std::unique_ptr<Microbatch> TransformerModel::forward(const at::Tensor& input, c
         const int64_t l = a.layer;
         const trace::Scope layer_scope("forward", trace::Category::layer, l);
         const GraphShape& blk = *mb->block_shapes[static_cast<size_t>(l - stage_.first)];
+        const Gathered weights(*this, W.layers[l - stage_.first], gather_what(layer_name(l), "forward", ctx));
         Engine e = engine(blk, W, W.layers[l - stage_.first], std::nullopt, l, ctx, store_.get());
         mb->layers.push_back(std::make_unique<Run>(blk.graph, blk.lifetimes, keeps(l), true, hold(l),
                                                    plan().layers[static_cast<size_t>(l)].offloaded));
@@ -257,6 +268,7 @@ std::unique_ptr<Microbatch> TransformerModel::forward(const at::Tensor& input, c
         mb->head_shape = &shaped(Part::head, B, T, ce_chunk, sp_);
         const GraphShape& head = *mb->head_shape;
         mb->head = std::make_unique<Run>(head.graph, head.lifetimes, kKeepAll);
+        const Gathered weights(*this, W.head, gather_what("the loss head's", "forward", ctx));
         Engine e = engine(head, W, W.head, std::nullopt, 0, ctx, nullptr);
         mb->loss = mb->head->forward(e, std::move(x), false, {targets.reshape({-1})}).item<double>();
         scope.reset();
@@ -302,11 +314,6 @@ at::Tensor TransformerModel::backward(Microbatch& handle, at::Tensor dy, double 
 
   std::optional<trace::Scope> scope;
   at::Tensor dx = std::move(dy);
-  // Parameters come embedding first, then the layers', then the head's own (a tied one is
-  // the embedding's): each part's backward completes every parameter from its first on.
-  const auto ready = [&](const std::vector<int>& part) {
-    if (gradients_ready_) gradients_ready_(static_cast<size_t>(*std::min_element(part.begin(), part.end())));
-  };
   // Sharded: from the head's backward to the embedding's, or the one of them a pipeline
   // stage runs.
   at::Tensor ends_grads;
@@ -315,6 +322,7 @@ at::Tensor TransformerModel::backward(Microbatch& handle, at::Tensor dy, double 
     switch (a.kind) {
       case schedule::Kind::head_backward: {
         scope.emplace("loss head backward", trace::Category::layer);
+        const Gathered weights(*this, W.head, gather_what("the loss head's", "backward", ctx));
         if (sharded) ends_grads = open_part_grads(ends_);
         Engine e = engine(*mb->head_shape, W, W.head, into, 0, ctx, nullptr);
         dx = mb->head->backward(e, at::scalar_tensor(loss_scale, at::kDouble));
@@ -332,27 +340,16 @@ at::Tensor TransformerModel::backward(Microbatch& handle, at::Tensor dy, double 
         mb->layers[l]->start_fetch(e);
         break;
       }
-      case schedule::Kind::backward: {
-        const int64_t l = a.layer;
-        const trace::Scope layer_scope("backward", trace::Category::layer, l);
-        auto& run = mb->layers[static_cast<size_t>(l - stage_.first)];
-        const GraphShape& blk = *mb->block_shapes[static_cast<size_t>(l - stage_.first)];
-        const std::vector<int>& params = W.layers[static_cast<size_t>(l - stage_.first)];
-        at::Tensor grads = sharded ? open_part_grads(params) : at::Tensor();
-        Engine e = engine(blk, W, params, into, l, ctx, store_.get());
-        dx = run->backward(e, std::move(dx));
-        run.reset();
-        if (store_) store_->finished_backward(l);
-        ready(params);
-        if (sharded) close_part_grads(params, std::move(grads), first, fmt::format("layer {}", l), ctx);
+      case schedule::Kind::backward:
+        dx = layer_backward(*mb, a.layer, std::move(dx), into, first);
         break;
-      }
       case schedule::Kind::embed_backward: {
         scope.emplace("embedding backward", trace::Category::layer);
+        const Gathered weights(*this, W.embed, gather_what("the embedding's", "backward", ctx));
         if (sharded && !last_stage()) ends_grads = open_part_grads(ends_);
         Engine e = engine(*mb->embed_shape, W, W.embed, into, 0, ctx, nullptr);
         dx = mb->embed->backward(e, std::move(dx));  // token ids: undefined
-        ready(W.embed);
+        part_ready(W.embed);
         if (sharded) close_part_grads(ends_, std::move(ends_grads), first, ends_part, ctx);
         break;
       }
@@ -361,6 +358,32 @@ at::Tensor TransformerModel::backward(Microbatch& handle, at::Tensor dy, double 
     }
   }
   return dx;
+}
+
+at::Tensor TransformerModel::layer_backward(TransformerMicrobatch& mb, int64_t l, at::Tensor dx, ops::GradInto into,
+                                            bool first) {
+  const trace::Scope layer_scope("backward", trace::Category::layer, l);
+  const Weights& W = compute_weights();
+  const StepContext& ctx = mb.ctx;
+  auto& run = mb.layers[static_cast<size_t>(l - stage_.first)];
+  const GraphShape& blk = *mb.block_shapes[static_cast<size_t>(l - stage_.first)];
+  const std::vector<int>& params = W.layers[static_cast<size_t>(l - stage_.first)];
+  const Gathered weights(*this, params, gather_what(layer_name(l), "backward", ctx));
+  const bool sharded = grads_sharded();
+  at::Tensor grads = sharded ? open_part_grads(params) : at::Tensor();
+  Engine e = engine(blk, W, params, into, l, ctx, store_.get());
+  dx = run->backward(e, std::move(dx));
+  run.reset();
+  if (store_) store_->finished_backward(l);
+  part_ready(params);
+  if (sharded) close_part_grads(params, std::move(grads), first, fmt::format("layer {}", l), ctx);
+  return dx;
+}
+
+void TransformerModel::part_ready(const std::vector<int>& part) const {
+  // Parameters come embedding first, then the layers', then the head's own (a tied one is
+  // the embedding's): each part's backward completes every parameter from its first on.
+  if (gradients_ready_) gradients_ready_(static_cast<size_t>(*std::min_element(part.begin(), part.end())));
 }
 
 double TransformerModel::evaluate(const at::Tensor& input, const at::Tensor& targets, int64_t ce_chunk,
@@ -376,6 +399,7 @@ double TransformerModel::evaluate(const at::Tensor& input, const at::Tensor& tar
   }
   const GraphShape& head = shaped(Part::head, B, T, ce_chunk);
   const Weights& W = compute_weights();
+  const Gathered weights(*this, W.head, "gathering the loss head's weights for an evaluation");
   Engine e = engine(head, W, W.head, std::nullopt, 0, {}, nullptr, /*train=*/false);
   return Run(head.graph, head.lifetimes, kKeepAll, /*training=*/false)
       .forward(e, std::move(x), false, {targets.reshape({-1})})
@@ -387,9 +411,11 @@ at::Tensor TransformerModel::last_logits(const at::Tensor& tokens) {
   TORCH_CHECK(tokens.dim() == 2 && tokens.size(1) > 0, "[model] tokens must be [B, T] with T > 0, got ",
               tokens.sizes());
   const GraphShape& head = shaped(Part::head, tokens.size(0), tokens.size(1));
+  const at::Tensor x = blocks_output(tokens);
   const Weights& W = compute_weights();
+  const Gathered weights(*this, W.head, "gathering the loss head's weights for generation");
   Engine e = engine(head, W, W.head, std::nullopt, 0, {}, nullptr, /*train=*/false);
-  const at::Tensor h = Run(head.graph, head.lifetimes, kKeepAll, /*training=*/false).forward(e, blocks_output(tokens));
+  const at::Tensor h = Run(head.graph, head.lifetimes, kKeepAll, /*training=*/false).forward(e, x);
   const at::Tensor logits = at::matmul(h.select(1, tokens.size(1) - 1), W.tensors[head_weight_].t()).to(at::kFloat);
   // A vocabulary-parallel head holds a share of the vocabulary's rows: the ranks' logits, side by side.
   return tp_size() == 1 ? logits : tp_->all_gather(logits, 1, "gathering the logits of the vocabulary's shares");
@@ -548,6 +574,7 @@ void TransformerModel::recompute_chunk(int64_t first, int64_t last, const StepCo
     at::Tensor x = runs[local(first)]->value(blk.graph.input);
     for (int64_t j = first; j <= last; ++j) {
       const trace::Recompute recompute(j);
+      const Gathered weights(*this, W.layers[local(j)], gather_what(layer_name(j), "recompute", ctx));
       Engine e = engine(blk, W, W.layers[local(j)], std::nullopt, j, ctx, store_.get());
       auto fresh = std::make_unique<Run>(blk.graph, blk.lifetimes, kKeepAll);
       x = fresh->forward(e, std::move(x), /*recompute=*/true);
@@ -570,11 +597,14 @@ at::Tensor TransformerModel::blocks_output(const at::Tensor& input) {
   at::Tensor x = input;
   if (first_stage()) {
     const GraphShape& emb = shaped(Part::embed, B, T);
+    const Gathered weights(*this, W.embed, "gathering the embedding's weights for an evaluation");
     Engine ee = engine(emb, W, W.embed, std::nullopt, 0, none, nullptr, /*train=*/false);
     x = Run(emb.graph, emb.lifetimes, keep_none, /*training=*/false).forward(ee, input);
   }
   for (int64_t l = stage_.first; l < end_layer(); ++l) {
     const GraphShape& blk = shaped(Part::block, B, T, 0, false, l);
+    const Gathered weights(*this, W.layers[l - stage_.first],
+                           fmt::format("gathering {} weights for an evaluation", layer_name(l)));
     Engine e = engine(blk, W, W.layers[l - stage_.first], std::nullopt, l, none, nullptr, /*train=*/false);
     x = Run(blk.graph, blk.lifetimes, keep_none, /*training=*/false).forward(e, std::move(x));
   }
@@ -582,6 +612,7 @@ at::Tensor TransformerModel::blocks_output(const at::Tensor& input) {
 }
 
 const Weights& TransformerModel::compute_weights() {
+  if (values_sharded()) return gathered_;
   if (compute_dtype_ == value_buffer_.scalar_type()) return weights_;
   if (!cast_buffer_.defined()) {
     cast_ = weights_;
@@ -626,6 +657,64 @@ void TransformerModel::shard_gradients(const std::vector<bool>& owned, dist::Gro
   ends_.assign(ends.begin(), ends.end());
   kept_grads_ = keeps;
   grad_group_ = &group;
+}
+
+void TransformerModel::shard_values(const std::vector<bool>& owned, dist::Group& group) {
+  TORCH_CHECK(owned.size() == params_.size(), "[model] shard_values takes one flag per parameter (", params_.size(),
+              "), got ", owned.size());
+  TORCH_CHECK(grads_sharded(), "[model] shard_values needs the gradients sharded first (shard_gradients)");
+  std::vector<at::Tensor> old, kept;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (owned[i]) old.push_back(weights_.tensors[i]);
+  }
+  kept = old;
+  at::Tensor buffer = flat_views(kept, value_buffer_.options(), false);
+  for (size_t k = 0; k < kept.size(); ++k) kept[k].copy_(old[k]);
+  old.clear();
+  // The whole buffer and its compute copies go, their cached segments with them, so that
+  // the device holds only the kept masters; the others keep their shapes on the meta device.
+  const auto meta = value_buffer_.options().device(at::kMeta);
+  for (size_t i = 0, k = 0; i < params_.size(); ++i) {
+    weights_.tensors[i] = owned[i] ? kept[k++] : at::empty(weights_.tensors[i].sizes(), meta);
+    params_[i].value = weights_.tensors[i];
+  }
+  cast_ = Weights();
+  cast_buffer_ = at::Tensor();
+  cast_version_ = -1;
+  value_buffer_ = std::move(buffer);
+  memory::release_cached(device_);
+  gathered_ = weights_;
+  for (at::Tensor& t : gathered_.tensors) t = at::Tensor();
+  kept_values_ = owned;
+  value_group_ = &group;
+}
+
+TransformerModel::Gathered::Gathered(TransformerModel& m, std::vector<int> params, const std::string& what)
+    : m_(m), params_(std::move(params)) {
+  if (!m_.values_sharded()) return;
+  const trace::Scope scope("weight gather", trace::Category::layer);
+  // As bits: each weight's owner gives its bytes and every other rank zeros, so that the
+  // sum of 64-bit words is the owners' bytes exactly, in any dtype (Gloo sums no bfloat16).
+  const int64_t size = static_cast<int64_t>(c10::elementSize(m_.compute_dtype_));
+  int64_t numel = 0;
+  for (const int i : params_) numel += m_.weights_.tensors[static_cast<size_t>(i)].numel();
+  at::Tensor words = at::zeros({(numel * size + 7) / 8}, m_.value_buffer_.options().dtype(at::kLong));
+  const at::Tensor flat = words.view(m_.compute_dtype_);
+  numel = 0;
+  for (const int i : params_) {
+    const at::Tensor& master = m_.weights_.tensors[static_cast<size_t>(i)];
+    at::Tensor w = flat.narrow(0, numel, master.numel()).view(master.sizes());
+    if (m_.kept_values_[static_cast<size_t>(i)]) w.copy_(master);
+    m_.gathered_.tensors[static_cast<size_t>(i)] = std::move(w);
+    numel += master.numel();
+  }
+  std::vector<at::Tensor> sum{words};
+  m_.value_group_->all_reduce(sum, dist::Reduce::sum, what);
+}
+
+TransformerModel::Gathered::~Gathered() {
+  if (!m_.values_sharded()) return;
+  for (const int i : params_) m_.gathered_.tensors[static_cast<size_t>(i)] = at::Tensor();
 }
 
 void TransformerModel::check_output_gradient(const TransformerMicrobatch& mb, const at::Tensor& dy) const {

@@ -167,6 +167,7 @@ class TransformerModel final : public Model {
   ActivationStore* store() override { return store_.get(); }
   ActivationBytes predict_activation_bytes(int64_t B, int64_t T) const override;
   void shard_gradients(const std::vector<bool>& owned, dist::Group& group) override;
+  void shard_values(const std::vector<bool>& owned, dist::Group& group) override;
 
  protected:
   bool hf_transposed(const std::string& name) const override { return decl_.hf_transposed(name); }
@@ -176,6 +177,20 @@ class TransformerModel final : public Model {
 
  private:
   enum class Part { embed, block, head };
+
+  // Sharded values (shard_values): the weights of `params` gathered into gathered_, in the
+  // compute dtype, for as long as it lives; nothing otherwise. `what` names the part.
+  class Gathered {
+   public:
+    Gathered(TransformerModel& m, std::vector<int> params, const std::string& what);
+    ~Gathered();
+    Gathered(const Gathered&) = delete;
+    Gathered& operator=(const Gathered&) = delete;
+
+   private:
+    TransformerModel& m_;
+    std::vector<int> params_;
+  };
 
   // The microbatch's [B, T] from a forward's input (token ids on the first stage, an
   // activation elsewhere: with `sharded` under sequence parallelism this rank's share of
@@ -218,8 +233,15 @@ class TransformerModel final : public Model {
   // stage) without dropout; nothing is kept for a backward.
   at::Tensor blocks_output(const at::Tensor& input);
   // The weights the ops compute with: the float32 masters themselves, or copies in the
-  // compute dtype refreshed whenever the masters changed (once per optimizer step).
+  // compute dtype refreshed whenever the masters changed (once per optimizer step); with
+  // sharded values, the parts' gathered ones (Gathered), undefined outside their parts.
   const Weights& compute_weights();
+  // Layer l's backward of `mb` from its output's gradient `dx`: its gradients put `into`
+  // theirs (sharded, summed over the ranks and the kept ones copied when `first`, else
+  // added), and the gradient of its input returned.
+  at::Tensor layer_backward(TransformerMicrobatch& mb, int64_t l, at::Tensor dx, ops::GradInto into, bool first);
+  // Tells the gradients_ready_ hook that the backward of the part holding `part` is done.
+  void part_ready(const std::vector<int>& part) const;
   // Model::added_only_: the embedding's parameters the head does not write first.
   void find_added_only();
   // Sharded gradients (shard_gradients): points the engine's gradients of `params` into one
@@ -248,6 +270,7 @@ class TransformerModel final : public Model {
   Weights weights_;
   Weights grads_;
   Weights cast_;
+  Weights gathered_;           ///< sharded values: the weights of the parts being gathered
   at::Tensor cast_buffer_;     ///< the flat buffer cast_ views; undefined until the first cast
   int head_weight_ = -1;       ///< the weight the loss's logits read (generation's logits too); -1: no head
   int64_t cast_version_ = -1;  ///< value_buffer_'s version when last cast

@@ -67,7 +67,8 @@ std::vector<LayerOption> Planner::price_options(bool offload) const {
       for (const auto& d : candidates) {
         for (const SlotMask moved : offload ? offload_sets(block, pricer, d, sharded) : std::vector<SlotMask>{{}}) {
           LayerOption o{d, moved, pricer.price(d, sharded, moved), sharded, op};
-          o.cost.backward_peak += grad_buffers_;
+          o.cost.forward_peak += gathered_;
+          o.cost.backward_peak += grad_buffers_ + gathered_;
           // A set whose every slot shares memory the device keeps moves nothing.
           if (!moved.empty() && o.cost.host == 0) continue;
           o.seconds = o.cost.recompute_seconds + delta + o.cost.copy_added_seconds();

@@ -85,9 +85,11 @@ Planner::Planner(const ModelConfig& cfg, const cost::StepShape& shape, const Lay
   if (other != nullptr && other->op != cfg.attention) per_layer_op_ = cfg.attention;
   const cost::GradientBuffers grads = cost::gradient_buffers(cfg_, layout_, cost::master_dtype(shape_.dtype));
   grad_buffers_ = grads.in_layer_backward();
+  gathered_ = cost::gathered_weights(cfg_, layout_, shape_.dtype).layer;
   device_frontier_ = price_options(false);
   whole_ = {{}, {}, cost::LayerPricer(block_, options_.early_stop, times_).price({}), false, std::nullopt};
-  whole_.cost.backward_peak += grad_buffers_;
+  whole_.cost.forward_peak += gathered_;
+  whole_.cost.backward_peak += grad_buffers_ + gathered_;
   take_step_constants();
   for (const auto& n : block_.nodes) block_seconds_ += times_.node_seconds(n);
   const auto forward = [&](const graph::BlockGraph& g) {
@@ -255,11 +257,11 @@ std::string Planner::explain_infeasible(const Budgets& budgets, const std::strin
   const cost::StepPrediction& p = r->stages[0];
   const std::string copies =
       p.statics.compute_copies > 0 ? fmt::format("compute copies {}, ", format_bytes(p.statics.compute_copies)) : "";
-  // Stage 2 shards the gradients where the ranks are there to hold them.
-  const std::string shard = layout_.dp > 1 && layout_.zero < 2
+  // Stage 3 shards the weights and gradients too where the ranks are there to hold them.
+  const std::string shard = layout_.dp > 1 && layout_.zero < 3
                                 ? fmt::format(
-                                      ", or keep a share of the gradients and AdamW's moments on each of the "
-                                      "{} data-parallel ranks (parallel.zero = 2)",
+                                      ", or keep a share of the weights, the gradients and AdamW's moments on each "
+                                      "of the {} data-parallel ranks (parallel.zero = 3)",
                                       layout_.dp)
                                 : "";
   std::string text = fmt::format(

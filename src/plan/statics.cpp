@@ -87,8 +87,9 @@ OptimizerShare optimizer_share(const ModelConfig& cfg, const std::vector<graph::
   const auto grads = [&](size_t r) { return s.own_grads ? load[r] + all_tied - tied_owned[r] : 0; };
   // The busiest keeps the most between updates; the walked rank peaks highest in its update.
   int64_t most = -1, highest = -1;
+  const int64_t copies = layout.values_sharded() ? 3 : 2;  // the moments, and the masters under ZeRO-3
   for (size_t r = 0; r < load.size(); ++r) {
-    const int64_t kept = 2 * load[r] + grads(r);
+    const int64_t kept = copies * load[r] + grads(r);
     if (kept > most) {
       most = kept;
       s.moments = load[r];
@@ -123,6 +124,21 @@ GradientBuffers gradient_buffers(const ModelConfig& cfg, const Layout& layout, a
   const int64_t all = numel(stage_params(cfg, layout));
   return {nbytes(layer, master), nbytes(all - layout.stage_layers(cfg.n_layer) * layer, master),
           layout.has_embedding() && layout.has_head()};
+}
+
+GatheredWeights gathered_weights(const ModelConfig& cfg, const Layout& layout, at::ScalarType compute) {
+  if (!layout.values_sharded()) return {};
+  // 64-bit words (the gather sums them as integers), as many as the part's bytes need.
+  const auto words = [&](const std::vector<graph::Param>& params) {
+    return (nbytes(numel(params), compute) + 7) / 8 * 8;
+  };
+  Layout shard;  // a tensor-parallel rank's parameters, whatever the sequence split
+  shard.tp = layout.tp;
+  GatheredWeights g;
+  g.layer = words(block_params(cfg, layout));
+  if (layout.has_embedding()) g.embed = words(graph::embed_graph(cfg, 1, 1, at::kFloat, shard).params);
+  if (layout.has_head()) g.head = words(graph::head_graph(cfg, 1, 1, at::kFloat, 1, shard).params);
+  return g;
 }
 
 int64_t step_count_bytes(bool updates) { return util::kFusedAdamW && updates ? nbytes(1, at::kFloat) : 0; }
@@ -200,12 +216,16 @@ StaticBytes static_bytes(const ModelConfig& model, const StepShape& shape, const
   const std::vector<graph::Param> params = stage_params(cfg, layout);
   const int64_t P = numel(params);
   StaticBytes s;
-  s.params = nbytes(P, master);
   const OptimizerShare share = optimizer_share(cfg, params, layout);
   const int64_t moments = share.moments;
+  // Sharded values: the busiest rank's masters, the parameters it updates, and no compute
+  // copies: each part gathers its own.
+  s.params = nbytes(layout.values_sharded() ? moments : P, master);
   s.grads = nbytes(layout.grads_sharded() ? share.grads : P, master);  // the busiest rank's when sharded
   s.optimizer = 2 * nbytes(moments, master) + step_count_bytes(moments > 0);
-  s.compute_copies = shape.dtype != master ? nbytes(P, shape.dtype) : 0;
+  s.compute_copies = shape.dtype != master && !layout.values_sharded() ? nbytes(P, shape.dtype) : 0;
+  const GatheredWeights gathered = gathered_weights(cfg, layout, shape.dtype);
+  s.gathered = std::max({gathered.layer, gathered.embed, gathered.head});
   if (graph::block_graph(cfg, 1, 1, shape.dtype).uses(graph::op::rope())) {
     s.params += ops::rope_tables_bytes(cfg.max_seq, cfg.head_dim(), shape.dtype);
   }
@@ -222,25 +242,27 @@ StepConstants step_constants(const ModelConfig& cfg, const StepShape& shape, con
   // or over the backward of the one a pipeline stage holds.
   const at::ScalarType master = master_dtype(shape.dtype);
   const int64_t ends = gradient_buffers(cfg, layout, master).ends;
+  const GatheredWeights gathered = gathered_weights(cfg, layout, shape.dtype);
   if (layout.has_embedding()) {
     const LayerCost embed = simulate_kept(graph::embed_graph(cfg, shape.batch, shape.seq, shape.dtype, layout));
-    k.embed_peak = embed.forward_peak;
+    k.embed_peak = embed.forward_peak + gathered.embed;
     k.embed_saved = embed.kept;
-    k.embed_backward = embed.backward_peak - embed.kept + ends;
+    k.embed_backward = embed.backward_peak - embed.kept + ends + gathered.embed;
   }
   if (layout.has_head()) {
     const LayerCost head =
         simulate_kept(graph::head_graph(cfg, shape.batch, shape.seq, shape.dtype, shape.ce_chunk, layout));
-    k.head_peak = std::max(head.forward_peak, head.backward_peak + ends);
+    k.head_peak = std::max(head.forward_peak, head.backward_peak + ends) + gathered.head;
     k.head_saved = head.kept;
   }
-  // The update point is the rank of OptimizerShare's: its moments (and kept gradients), not
+  // The update point is the rank of OptimizerShare's: its moments (and kept gradients and masters), not
   // the busiest rank's, under the temporaries of its update.
   const std::vector<graph::Param> params = stage_params(cfg, layout);
   const OptimizerShare share = optimizer_share(cfg, params, layout);
   Live live;
   simulate_update(live, params, share, master, nullptr);
-  k.optimizer = live.peak() - 2 * nbytes(share.moments - share.rank_moments, master) -
+  const int64_t copies = layout.values_sharded() ? 3 : 2;  // the moments, and the masters under ZeRO-3
+  k.optimizer = live.peak() - copies * nbytes(share.moments - share.rank_moments, master) -
                 nbytes(share.grads - share.rank_grads, master);
   return k;
 }

@@ -56,6 +56,17 @@ struct GradientBuffers {
 };
 GradientBuffers gradient_buffers(const ModelConfig& cfg, const Layout& layout, at::ScalarType master);
 
+/// With sharded values (Layout::values_sharded), the bytes of the buffer one part's
+/// weights are gathered into, in the compute dtype, for its forward, its backward and a
+/// uniform chunk's recompute (Model::shard_values): a layer's, the embedding's and the loss
+/// head's (a tied table in both). Zeros otherwise.
+struct GatheredWeights {
+  int64_t layer = 0;
+  int64_t embed = 0;
+  int64_t head = 0;
+};
+GatheredWeights gathered_weights(const ModelConfig& cfg, const Layout& layout, at::ScalarType compute);
+
 /// The fused AdamW kernel's step count, a float32 scalar a rank holds beside its moments
 /// when it `updates` any parameter; 0 where AdamW is not fused (util::kFusedAdamW).
 int64_t step_count_bytes(bool updates);

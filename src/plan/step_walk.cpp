@@ -9,7 +9,8 @@ using ops::nbytes;
 void StepWalk::hold_statics(int64_t workspace, bool moments_made, int64_t outside) {
   // The masters, then their gradients: a flat buffer each.
   const int64_t P = numel(params_);
-  statics_.push_back(make(nbytes(P, master_)));
+  const bool values = layout_.values_sharded();
+  statics_.push_back(make(nbytes(values ? share_.rank_moments : P, master_)));
   if (block_of(first_).g.uses(graph::op::rope())) {
     statics_.push_back(make(ops::rope_tables_bytes(cfg_.max_seq, cfg_.head_dim(), shape_.dtype)));
   }
@@ -27,7 +28,8 @@ void StepWalk::hold_statics(int64_t workspace, bool moments_made, int64_t outsid
     if (step_count_bytes(!share_.updated.empty()) > 0) moments_.push_back(make(step_count_bytes(true)));
   }
   if (moments_made || share_.own_grads) {
-    busiest_ = make((moments_made ? 2 : 0) * nbytes(share_.moments - share_.rank_moments, master_) +
+    const int64_t copies = (moments_made ? 2 : 0) + (values ? 1 : 0);
+    busiest_ = make(copies * nbytes(share_.moments - share_.rank_moments, master_) +
                     nbytes(share_.grads - share_.rank_grads, master_));
   }
   statics_.push_back(make(outside));
@@ -37,8 +39,11 @@ void StepWalk::step() {
   std::vector<Microbatch> mbs(static_cast<size_t>(shape_.grad_accum));
   for (auto& mb : mbs) mb.layers.resize(static_cast<size_t>(end_ - first_));
   // The compute dtype's copies of the parameters: one flat buffer, made by the first step's
-  // first forward and cast into again after every update.
-  if (shape_.dtype != master_ && !copies_) copies_ = make(nbytes(numel(params_), shape_.dtype));
+  // first forward and cast into again after every update; with sharded values none, each
+  // part gathers its own.
+  if (shape_.dtype != master_ && !layout_.values_sharded() && !copies_) {
+    copies_ = make(nbytes(numel(params_), shape_.dtype));
+  }
   const schedule::Stage stage{first_, end_, layout_.has_embedding(), layout_.has_head()};
   for (const schedule::Action& a :
        schedule::step(plan_, stage, layout_.schedule, layout_.pp, layout_.stage, shape_.grad_accum)) {
@@ -54,6 +59,7 @@ void StepWalk::act(const schedule::Action& a, Microbatch* mb) {
       mark("embedding forward", live_.current());
       Simulator s = sim(embed_);
       mb->embed = std::make_unique<SimRun>(embed_.g, embed_.lt, keep_all);
+      const SimTensor weights = gather(gathered_.embed);
       mb->x = run_forward(*mb->embed, s, input(embed_, embed_.g.input), mb->embed_bytes);
       break;
     }
@@ -66,12 +72,14 @@ void StepWalk::act(const schedule::Action& a, Microbatch* mb) {
       std::vector<SimTensor> side;
       for (const int v : head_.g.side_inputs) side.push_back(input(head_, v));
       mb->head = std::make_unique<SimRun>(head_.g, head_.lt, keep_all);
+      const SimTensor weights = gather(gathered_.head);
       run_forward(*mb->head, s, std::move(mb->x), mb->head_bytes, false, std::move(side)).reset();
       break;
     }
     case schedule::Kind::head_backward: {
       mark("loss head", live_.current() - mb->head_bytes);
       Simulator s = sim(head_);
+      const SimTensor weights = gather(gathered_.head);
       if (grad_buffers_.ends > 0) mb->ends_grads = make(grad_buffers_.ends);
       mb->dx = mb->head->backward(s, make(head_.g.output_bytes()));
       mb->head.reset();
@@ -101,6 +109,7 @@ void StepWalk::act(const schedule::Action& a, Microbatch* mb) {
     case schedule::Kind::embed_backward: {
       mark("embedding backward", live_.current() - bytes_of(mb->dx) - mb->embed_bytes - bytes_of(mb->ends_grads));
       Simulator s = sim(embed_);
+      const SimTensor weights = gather(gathered_.embed);
       if (grad_buffers_.ends > 0 && !layout_.has_head()) mb->ends_grads = make(grad_buffers_.ends);
       mb->embed->backward(s, std::move(mb->dx)).reset();
       mb->embed.reset();
@@ -123,6 +132,7 @@ void StepWalk::forward(Microbatch& mb, int64_t l) {
   mark(of_layer("forward", l), live_.current() - bytes_of(mb.x));
   Held& h = mb.layers[static_cast<size_t>(l - first_)];
   const LayerPlan& lp = plan_.layers[static_cast<size_t>(l)];
+  const SimTensor weights = gather(gathered_.layer);
   if (priced_ != nullptr && plan_.chunk_of(l) < 0) {
     // Held as priced: from its input, which the pricing counts from the start, to the
     // bytes it keeps on the device and in host memory, and its output.
@@ -163,6 +173,7 @@ void StepWalk::recompute(Microbatch& mb, int64_t first, int64_t last) {
     Held& h = mb.layers[static_cast<size_t>(j - first_)];
     if (j > first) mark(of_layer("recompute", j), base);
     auto fresh = std::make_unique<SimRun>(b.g, b.lt, std::vector<bool>(kSlotCount, true));
+    const SimTensor weights = gather(gathered_.layer);
     x = run_forward(*fresh, s, std::move(x), h.bytes, /*recompute=*/true);
     h.run = std::move(fresh);
     base += h.bytes;
@@ -175,7 +186,9 @@ void StepWalk::backward(Microbatch& mb, int64_t l) {
   Held& h = mb.layers[static_cast<size_t>(l - first_)];
   // The gradient buffers are the backward's working set too.
   mark(of_layer("backward", l), live_.current() - bytes_of(mb.dx) - h.bytes - bytes_of(mb.ends_grads));
-  // Sharded gradients: the layer's own buffer, summed over the ranks after its backward.
+  // Sharded values: the layer's weights, gathered again. Sharded gradients: the layer's own
+  // buffer, summed over the ranks after its backward.
+  SimTensor weights = gather(gathered_.layer);
   SimTensor grads = grad_buffers_.layer > 0 ? make(grad_buffers_.layer) : nullptr;
   if (h.run) {
     Simulator s = sim(b);
@@ -193,6 +206,7 @@ void StepWalk::backward(Microbatch& mb, int64_t l) {
   }
   h = Held{};
   grads.reset();
+  weights.reset();
   if (l == first_ && !layout_.has_embedding()) mb.dx.reset();  // sent to the previous stage
 }
 

@@ -72,15 +72,16 @@ class StepWalk {
         params_(stage_params(cfg, layout)),
         share_(optimizer_share(cfg, params_, layout)),
         master_(master_dtype(shape.dtype)),
-        grad_buffers_(gradient_buffers(cfg, layout, master_)) {}
+        grad_buffers_(gradient_buffers(cfg, layout, master_)),
+        gathered_(gathered_weights(cfg, layout, shape.dtype)) {}
 
-  // What the step holds throughout, as the model and trainer allocate it: each parameter,
-  // the rotary tables, the gradients' one flat buffer (the walked rank's own, sharded), the
-  // batches in flight, the BLAS workspace; AdamW's moments (and the fused kernel's step
-  // count) where `moments_made` (a step after the first), then also the moments (and
-  // sharded gradients) the busiest rank holds beyond the rank walked (OptimizerShare),
-  // until the update, which is that rank's; `outside` bytes the device's requests do not
-  // list.
+  // What the step holds throughout, as the model and trainer allocate it: the masters' one
+  // flat buffer (the walked rank's own, sharded), the rotary tables, the gradients' one
+  // flat buffer (the walked rank's own, sharded), the batches in flight, the BLAS
+  // workspace; AdamW's moments (and the fused kernel's step count) where `moments_made` (a
+  // step after the first), then also the moments (and sharded gradients and masters) the
+  // busiest rank holds beyond the rank walked (OptimizerShare), until the update, which is
+  // that rank's; `outside` bytes the device's requests do not list.
   void hold_statics(int64_t workspace, bool moments_made, int64_t outside);
 
   // One step's actions.
@@ -108,6 +109,8 @@ class StepWalk {
     return *b;
   }
   static int64_t bytes_of(const SimTensor& t) { return t ? t->bytes : 0; }
+  // A part's weights gathered for one of its passes (GatheredWeights; none: null).
+  SimTensor gather(int64_t bytes) { return bytes > 0 ? make(bytes) : nullptr; }
   // Ends the segment of the walk under way, noting it where the live bytes reached a new
   // height in it, and starts the next, `where`, above `held` bytes.
   void mark(std::string where, int64_t held) {
@@ -145,6 +148,7 @@ class StepWalk {
   OptimizerShare share_;
   at::ScalarType master_;
   GradientBuffers grad_buffers_;
+  GatheredWeights gathered_;
   const NodeTimes untimed_;
   LayerCost scratch_;  // the simulator's recompute counts: the peak ledger prices them per layer
   std::vector<SimTensor> statics_, moments_;

@@ -98,13 +98,19 @@ std::string wrapped(const std::string& prefix, const std::string& text, size_t i
   return out + text.substr(from) + "\n";
 }
 
-// The parts of `p`'s peak, two indented lines.
+// The parts of `p`'s peak, indented lines.
 std::string breakdown(const cost::StepPrediction& p) {
   std::string s = fmt::format("  parameters {}, gradients {}, optimizer {}", format_bytes(p.statics.params),
                               format_bytes(p.statics.grads), format_bytes(p.statics.optimizer));
   if (p.statics.compute_copies > 0) s += fmt::format(", compute copies {}", format_bytes(p.statics.compute_copies));
   s += fmt::format(", batch {}\n  kept activations {}, working set {}", format_bytes(p.statics.batch),
                    format_bytes(p.peak - p.statics.total() - p.working_set), format_bytes(p.working_set));
+  if (p.statics.gathered > 0) {
+    s += fmt::format(
+        "\n  gathered weights: each part's for its forward and again for its backward, {} at most "
+        "(the largest part's)",
+        format_bytes(p.statics.gathered));
+  }
   if (p.host_peak > 0) {
     s += fmt::format("\n  host memory {} at most (offloaded slots), {} copied there and back a step",
                      format_bytes(p.host_peak), format_bytes(p.offloaded_bytes));
@@ -117,6 +123,7 @@ nlohmann::json breakdown_json(const cost::StepPrediction& p) {
           {"gradients", p.statics.grads},
           {"optimizer", p.statics.optimizer},
           {"compute_copies", p.statics.compute_copies},
+          {"gathered_weights", p.statics.gathered},
           {"batch", p.statics.batch},
           {"kept_activations", p.peak - p.statics.total() - p.working_set},
           {"working_set", p.working_set},

@@ -45,7 +45,7 @@ void check_statics_fit(const RunSpec& spec, const Room& room) {
   throw std::invalid_argument(fmt::format(
       "{} ({} layers, d_model {}, d_ff {}) needs {} per rank for its parameters, gradients and AdamW moments alone, "
       "more than {}: no recompute plan fits; lower model.n_layer, model.d_model or model.d_ff, or share the model "
-      "over more ranks (parallel.tp, parallel.pp, parallel.zero=1 or 2).",
+      "over more ranks (parallel.tp, parallel.pp, parallel.zero=1 to 3).",
       spec.cfg.model.preset, spec.cfg.model.n_layer, spec.cfg.model.d_model, spec.cfg.model.d_ff,
       memory::format_bytes(statics.total()), room.what));
 }

@@ -70,7 +70,7 @@ double clip_gradients(Model& model, double max_norm, int64_t step, dist::Group* 
     const Param& p = model.params()[i];
     if (!counted_in_norm(model, p, pipe != nullptr)) continue;
     const bool squared = shards == nullptr || owned[i];
-    if (!squared && !none.defined()) none = at::zeros({}, p.value.options());
+    if (!squared && !none.defined()) none = at::zeros({}, model.grad_buffer().options());
     (p.shard.split() ? split : whole).push_back(squared ? p.grad.pow(2).sum() : none);
   }
   const auto total = [](const at::Tensor& squares) { return squares.to(at::kDouble).sum().reshape({1}); };
@@ -117,7 +117,7 @@ double clip_gradients(Model& model, double max_norm, int64_t step, dist::Group* 
 // Whole moments also stay keyed as LibTorch keys them, for the checkpoint. The price is
 // balance: a rank may hold up to the largest parameter more than the mean.
 std::vector<bool> owned_params(const Model& model, dist::Comm* ranks, int64_t zero) {
-  TORCH_CHECK(zero >= 0 && zero <= 2, "[TrainStep] zero must be 0, 1 or 2 (parallel.zero), got ", zero);
+  TORCH_CHECK(zero >= 0 && zero <= 3, "[TrainStep] zero must be 0 to 3 (parallel.zero), got ", zero);
   const int n = ranks != nullptr && zero >= 1 ? ranks->data().size() : 1;
   std::vector<int64_t> numels;
   for (const auto& p : model.params()) numels.push_back(p.value.numel());
@@ -129,10 +129,12 @@ std::vector<bool> owned_params(const Model& model, dist::Comm* ranks, int64_t ze
 }
 
 // ZeRO-2 over several data-parallel ranks: the model keeps this rank's parameters'
-// gradients only, before the optimizer takes them. Returns whether it does.
-bool shard_gradients(Model& model, const std::vector<bool>& owned, dist::Comm* ranks, int64_t zero) {
+// gradients only, and under ZeRO-3 their masters only, before the optimizer takes them.
+// Returns whether it keeps the gradients so.
+bool shard_model(Model& model, const std::vector<bool>& owned, dist::Comm* ranks, int64_t zero) {
   if (zero < 2 || ranks == nullptr || ranks->data().size() == 1) return false;
   model.shard_gradients(owned, ranks->data());
+  if (zero >= 3) model.shard_values(owned, ranks->data());
   return true;
 }
 
@@ -177,8 +179,10 @@ constexpr const char* kCheckpointFormat = "remat training checkpoint 1";
 int64_t first_non_finite_index(const Model& model, bool grads) {
   std::vector<at::Tensor> finite;
   for (const auto& p : model.params()) {
-    const at::Tensor& t = grads ? p.grad : p.value;  // a gradient another rank keeps: undefined
-    finite.push_back(t.defined() ? at::isfinite(t).all() : at::ones({}, at::kBool).to(p.value.device()));
+    // A gradient another rank keeps is undefined, a master it keeps (ZeRO-3) on the meta device.
+    const at::Tensor& t = grads ? p.grad : p.value;
+    const bool held = t.defined() && !t.is_meta();
+    finite.push_back(held ? at::isfinite(t).all() : at::ones({}, at::kBool).to(model.device()));
   }
   const at::Tensor flags = at::stack(finite).to(at::kCPU);
   const bool* ok = flags.data_ptr<bool>();
@@ -200,7 +204,7 @@ std::string TrainStep::first_non_finite_of_job(bool grads, int64_t step, const c
   // Data-parallel replicas hold the same values and gradients, so a rank's own finding is
   // every rank's; only stages, tensor-parallel parts and sharded gradients differ and must
   // be gathered.
-  if (pipe_ == nullptr && model_.tp_size() == 1 && !(grads && model_.grads_sharded())) {
+  if (pipe_ == nullptr && model_.tp_size() == 1 && !(grads ? model_.grads_sharded() : model_.values_sharded())) {
     return own < 0 ? "" : model_.params()[static_cast<size_t>(own)].name;
   }
   // The first in the whole model's order: the earliest stage's first, the lowest rank's
@@ -258,7 +262,7 @@ TrainStep::TrainStep(Model& model, const TrainConfig& train, uint64_t seed, dist
       ranks_(ranks),
       owned_(owned_params(model, ranks, zero)),
       sharded_(zero >= 1 && ranks != nullptr && ranks->data().size() > 1),
-      grads_sharded_(shard_gradients(model, owned_, ranks, zero)),
+      grads_sharded_(shard_model(model, owned_, ranks, zero)),
       pipe_(ranks != nullptr && ranks->pipeline().size() > 1 ? &ranks->pipeline() : nullptr),
       schedule_(schedule),
       // Where nothing else must come first: partial gradients (sequence parallelism) are
@@ -367,7 +371,7 @@ StepResult TrainStep::run(int64_t step, const data::TokenDataset& data, std::mt1
     const trace::Scope scope("optimizer step", trace::Category::step);
     optimizer_.step(r.lr);
   }
-  if (sharded_) {
+  if (sharded_ && !model_.values_sharded()) {  // sharded masters are gathered as each part needs them
     const trace::Scope scope("parameter exchange", trace::Category::step);
     std::vector<at::Tensor> values;
     for (const Param& p : model_.params()) values.push_back(p.value);
@@ -411,14 +415,14 @@ void TrainStep::save_checkpoint(const std::string& path, int64_t steps, const st
   };
   for (size_t i = 0, k = 0; i < model_.params().size(); ++i) {
     const Param& p = model_.params()[i];
-    keep("param." + p.name, model_.whole(i, p.value));
+    keep("param." + p.name, model_.whole(i, model_.whole_value(i)));
     const bool own = owned_[i];
     k += own ? 1 : 0;                         // the optimizer's index of parameter i is k - 1
     if (optimizer_.updates() == 0) continue;  // no moments yet
     for (const bool second : {false, true}) {
       // The owner's own moment is summed with -0.0s in place, which leaves its bits as they are.
-      at::Tensor m =
-          own ? (second ? optimizer_.exp_avg_sq(k - 1) : optimizer_.exp_avg(k - 1)) : at::empty_like(p.value);
+      at::Tensor m = own ? (second ? optimizer_.exp_avg_sq(k - 1) : optimizer_.exp_avg(k - 1))
+                         : at::empty(p.value.sizes(), model_.value_buffer().options());
       if (sharded_) {
         from_owners({m}, {owned_[i]}, m, ranks_->data(),
                     fmt::format("gathering the optimizer's moments of {} for the checkpoint", p.name));
@@ -542,6 +546,7 @@ int64_t TrainStep::load_checkpoint(const std::string& path, std::mt19937_64& rng
   std::vector<at::Tensor> firsts, seconds;
   for (size_t i = 0; i < model_.params().size(); ++i) {
     Param& p = model_.params()[i];
+    if (model_.values_sharded() && !owned_[i]) continue;  // another rank keeps its master
     p.value.copy_(model_.part(i, *file.find("param." + p.name)));
     if (adam_steps == 0 || !owned_[i]) continue;
     firsts.push_back(model_.part(i, *file.find("exp_avg." + p.name)));

@@ -61,6 +61,11 @@ struct StepResult {
 /// adds the ranks' values in the same order (always over two ranks); with several, each
 /// microbatch's gradients are summed over the ranks before the microbatches are, and the
 /// weights agree with `zero` = 0 to float32 rounding.
+///
+/// ZeRO stage 3 (`zero` = 3): each rank also keeps only its parameters' masters
+/// (Model::shard_values); each part gathers its weights exactly for its forward and its
+/// backward, so the weights are those of `zero` = 2 to the bit, and no exchange follows
+/// the update.
 class TrainStep {
  public:
   /// `model` must outlive this object; its gradient accumulators become the optimizer's
@@ -68,8 +73,8 @@ class TrainStep {
   /// parallel; it must outlive this object) `train.batch` is this rank's share of each
   /// microbatch: every rank draws the whole microbatch of batch x ranks sequences, as one
   /// process would, trains on its own consecutive rows of it and sums the gradients.
-  /// `zero`: parallel.zero (0, 1 or 2), the optimizer sharded over ranks->data() from 1,
-  /// the gradients too at 2 (a model of every layer without sequence parallelism).
+  /// `zero`: parallel.zero (0 to 3), the optimizer sharded over ranks->data() from 1,
+  /// the gradients too from 2, the masters too at 3.
   ///
   /// Pipeline parallel (`model` one stage of several in ranks->pipeline()): each step's
   /// microbatches run through the stages in `schedule`'s order (run_pipeline), the tied
@@ -98,10 +103,11 @@ class TrainStep {
   /// count, and `rng`'s state, the data cursor. Dropout needs nothing more: its masks are
   /// keyed by the seed and the step.
   /// Split parameters and their moments are gathered whole from the tensor-parallel group
-  /// (every rank of it must call this), under ZeRO-1 each moment from the data-parallel
-  /// rank that keeps it (then every rank must call this), and under pipeline parallelism
+  /// (every rank of it must call this), under ZeRO-1 each moment (under ZeRO-3 each
+  /// master too) from the data-parallel rank that keeps it (then every rank must call
+  /// this), and under pipeline parallelism
   /// each stage's from the first data-parallel rank of every stage; a rank that does not
-  /// `write` only gives its parts. The file is the same with and without ZeRO-1 or stages.
+  /// `write` only gives its parts. The file is the same with and without ZeRO or stages.
   /// `extra` adds metadata entries of the caller's (the run's plan).
   void save_checkpoint(const std::string& path, int64_t steps, const std::mt19937_64& rng, bool write = true,
                        const std::map<std::string, std::string>& extra = {}) const;
@@ -123,7 +129,8 @@ class TrainStep {
   /// Per parameter: whether this rank keeps its moments and updates it (all of them
   /// without ZeRO-1).
   std::vector<bool> owned_;
-  /// ZeRO-1 or 2 over more than one rank: the updated parameters are exchanged.
+  /// ZeRO over more than one rank: the optimizer is sharded (and, below stage 3, the
+  /// updated parameters are exchanged).
   bool sharded_;
   /// ZeRO-2 over more than one rank: the model keeps the owned gradients only, summed in
   /// its backward (Model::shard_gradients).

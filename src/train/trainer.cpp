@@ -87,14 +87,19 @@ double validation_loss(Model& model, const data::TokenDataset& val, const TrainC
   double* sr = sums.data_ptr<double>();
   for (int64_t i = 0; i < n; ++i) {
     auto b = val.sequential(i, t.batch, t.seq);
+    // A short last batch may not reach this rank's rows. It skips the batch, or, where the
+    // weights are gathered for every part (ZeRO-3), evaluates a row it does not count, so
+    // that it joins the other ranks' gathers.
     const int64_t rows = std::min(share, b.tokens.size(0) - first);
-    if (rows <= 0) continue;  // a short last batch may not reach this rank's rows
-    const at::Tensor tokens = b.tokens.narrow(0, first, rows), targets = b.targets.narrow(0, first, rows);
+    if (rows <= 0 && !model.values_sharded()) continue;
+    const int64_t from = rows > 0 ? first : 0, count = std::max<int64_t>(rows, 1);
+    const at::Tensor tokens = b.tokens.narrow(0, from, count), targets = b.targets.narrow(0, from, count);
     const at::Tensor on_device = tokens.to(model.device()), targets_on_device = targets.to(model.device());
-    sr[0] += static_cast<double>(rows) *
-             (pipe != nullptr ? evaluate_pipeline(model, *pipe, on_device, targets_on_device, t.ce_chunk,
-                                                  fmt::format("the validation of step {}", step))
-                              : model.evaluate(on_device, targets_on_device, t.ce_chunk));
+    const double loss = pipe != nullptr ? evaluate_pipeline(model, *pipe, on_device, targets_on_device, t.ce_chunk,
+                                                            fmt::format("the validation of step {}", step))
+                                        : model.evaluate(on_device, targets_on_device, t.ce_chunk);
+    if (rows <= 0) continue;
+    sr[0] += static_cast<double>(rows) * loss;
     sr[1] += static_cast<double>(rows);
   }
   if (ranks != nullptr) {
@@ -372,8 +377,9 @@ std::string first_step_line(const StepResult& r, int64_t peak, int64_t predicted
 // Hugging Face expects; the training checkpoints keep the padding rows, so that a resume
 // continues bitwise) and the sample. Tensor-parallel ranks gather the weights and sample
 // together (each token's logits gathered from the vocabulary's shares); a pipeline's stages
-// give their weights to rank 0, which samples from the whole model once they are written.
-// The ranks part here: what follows is rank 0's.
+// give their weights to rank 0, which samples from the whole model once they are written,
+// as it does where every data-parallel rank keeps a share of the weights (ZeRO-3), which
+// they gather for it. The ranks part here: what follows is rank 0's.
 void export_weights(std::unique_ptr<Model>& model, const RunSpec& spec, at::Device device, const Ranks& ranks,
                     const data::Tokenizer& tok, RunDir* run, TrainSummary& sum, const util::StopSignals& signals) {
   const Config& cfg = spec.cfg;
@@ -397,17 +403,21 @@ void export_weights(std::unique_ptr<Model>& model, const RunSpec& spec, at::Devi
     }
   };
   std::vector<std::pair<std::string, at::Tensor>> weights;
+  const bool sharded = model->values_sharded();
   const std::map<std::string, std::string> metadata{
       {"format", "pt"}, {"remat.arch", arch_name(cfg.model.arch)}, {"remat.preset", cfg.model.preset}};
   if (ranks.pipe != nullptr) {
-    if (ranks.data->rank() == 0) {
-      // Whole from the tensor-parallel parts (every rank of the group), then from the stages.
+    if (ranks.data->rank() == 0 || sharded) {
+      // Whole from the tensor-parallel parts (every rank of the group) and the
+      // data-parallel shares, then from the stages.
       auto stage_weights = model->whole_params(tok.vocab_size());
-      if (ranks.tensor == nullptr || ranks.tensor->rank() == 0) {
+      if (ranks.data->rank() == 0 && (ranks.tensor == nullptr || ranks.tensor->rank() == 0)) {
         write_on_first_stage(*ranks.pipe, std::move(stage_weights), ranks.lead ? run->file("model.safetensors") : "",
                              metadata, "gathering the stages' weights for model.safetensors");
       }
     }
+  } else if (sharded) {
+    weights = model->whole_params(tok.vocab_size());
   } else if (ranks.lead || ranks.tensor != nullptr) {
     weights = model->whole_params(tok.vocab_size());
     if (cfg.run.sample_tokens > 0) sample(ranks.tensor);
@@ -415,7 +425,7 @@ void export_weights(std::unique_ptr<Model>& model, const RunSpec& spec, at::Devi
   if (ranks.comm != nullptr) ranks.comm->finish();
   if (!ranks.lead) return;
   if (ranks.pipe == nullptr) model::save_safetensors(run->file("model.safetensors"), weights, metadata);
-  if (ranks.pipe != nullptr && cfg.run.sample_tokens > 0) {
+  if ((ranks.pipe != nullptr || sharded) && cfg.run.sample_tokens > 0) {
     model.reset();  // the stage's memory goes before the whole model comes
     model = Model::create(cfg.model, device, spec.dtype, static_cast<uint64_t>(cfg.run.seed));
     model->load(run->file("model.safetensors"));

@@ -432,16 +432,19 @@ TEST_F(LaunchedTraining, TensorParallelRanksPeakWhereThePlannerSaid) {
   }
 }
 
-// ZeRO-1 and 2 over two data-parallel ranks, at the peak tests' shape: each rank keeps AdamW's
-// moments of its share of the parameters (cost::zero_owners), and at 2 their gradients. What
-// rank 0 holds after a step (its metrics' memory_bytes) drops by exactly the two float32
-// moments of the parameters it does not own, then by their gradients; the prediction by
+// ZeRO-1 to 3 over two data-parallel ranks, at the peak tests' shape: each rank keeps AdamW's
+// moments of its share of the parameters (cost::zero_owners), at 2 their gradients, at 3
+// their masters. What rank 0 holds after a step (its metrics' memory_bytes) drops by exactly
+// the two float32 moments of the parameters it does not own, then by their gradients, then
+// by their masters; the prediction by
 // those of the busiest rank's complement; and every rank still peaks at the prediction
 // within the tensor-parallel test's slack, with a plan the planner solved for a budget too,
 // on two data-parallel copies of a sequence-parallel pair, on four data-parallel ranks
 // whose shares differ, each at its own prediction, and on two copies of a two-stage
-// pipeline. The weights of two data-parallel ranks are stage 0's, byte for byte.
-TEST_F(LaunchedTraining, ZeroShardsTheMomentsAndGradientsAndPeaksWhereThePlannerSaid) {
+// pipeline; at stage 3 with a budget plan and with uniform chunks too, whose recompute
+// gathers the weights again. The weights of two data-parallel ranks are stage 0's, byte for
+// byte.
+TEST_F(LaunchedTraining, ZeroShardsTheStatesAndPeaksWhereThePlannerSaid) {
   const remat::ModelConfig demo = [] {
     remat::ModelConfig m = remat::model_preset("gpt2-demo");
     m.vocab_size = 2048;
@@ -466,7 +469,12 @@ TEST_F(LaunchedTraining, ZeroShardsTheMomentsAndGradientsAndPeaksWhereThePlanner
                                                       {"parallel.zero=2 parallel.tp=2 parallel.sp=true", 4},
                                                       {"parallel.zero=2 parallel.dp=4", 4},
                                                       {"parallel.zero=0 parallel.pp=2", 4},
-                                                      {"parallel.zero=2 parallel.pp=2", 4}};
+                                                      {"parallel.zero=2 parallel.pp=2", 4},
+                                                      {"parallel.zero=3", 2},
+                                                      {"parallel.zero=3 ac.budget=0.7", 2},
+                                                      {"parallel.zero=3 ac.policy=uniform:2", 2},
+                                                      {"parallel.zero=3 parallel.tp=2 parallel.sp=true", 4},
+                                                      {"parallel.zero=3 parallel.pp=2", 4}};
   std::map<std::string, std::string> weights;
   for (const auto& [settings, ranks] : runs) {
     const std::string name = "run" + std::to_string(summary.size());
@@ -492,16 +500,22 @@ TEST_F(LaunchedTraining, ZeroShardsTheMomentsAndGradientsAndPeaksWhereThePlanner
   const auto held = [&](const std::string& settings) { return last[settings]["memory_bytes"].get<int64_t>(); };
   EXPECT_EQ(held("parallel.zero=0") - held("parallel.zero=1"), 2 * 4 * (all - load[0]));
   EXPECT_EQ(held("parallel.zero=1") - held("parallel.zero=2"), 4 * (all - load[0]));
+  EXPECT_EQ(held("parallel.zero=2") - held("parallel.zero=3"), 4 * (all - load[0]));
   const auto predicted = [&](const std::string& s) { return summary[s]["predicted_peak_bytes"].get<int64_t>(); };
   EXPECT_EQ(predicted("parallel.zero=0") - predicted("parallel.zero=1"), 2 * 4 * (all - std::max(load[0], load[1])));
   EXPECT_LT(predicted("parallel.zero=2 ac.budget=0.7"), predicted("parallel.zero=2"));
+  EXPECT_LT(predicted("parallel.zero=3 ac.budget=0.7"), predicted("parallel.zero=3"));
+  EXPECT_LT(predicted("parallel.zero=3"), predicted("parallel.zero=2"));
   // The same weights: the runs' losses are the same numbers.
   EXPECT_EQ(summary["parallel.zero=0"]["final_val_loss"], summary["parallel.zero=1"]["final_val_loss"]);
   EXPECT_EQ(summary["parallel.zero=0"]["final_val_loss"], summary["parallel.zero=2"]["final_val_loss"]);
+  EXPECT_EQ(summary["parallel.zero=0"]["final_val_loss"], summary["parallel.zero=3"]["final_val_loss"]);
   // Over pipeline stages the tied table's gradient is summed between the stages, then over
   // the ranks, as at stage 0: with two ranks every sum is the same, and so are the weights.
   EXPECT_TRUE(weights["parallel.zero=0 parallel.pp=2"] == weights["parallel.zero=2 parallel.pp=2"]);
+  EXPECT_TRUE(weights["parallel.zero=0 parallel.pp=2"] == weights["parallel.zero=3 parallel.pp=2"]);
   EXPECT_TRUE(weights["parallel.zero=0"] == weights["parallel.zero=2"]);
+  EXPECT_TRUE(weights["parallel.zero=0"] == weights["parallel.zero=3"]);
 }
 
 // `remat bench` under `remat launch`, at the peak tests' shape: two data-parallel ranks, and

@@ -250,18 +250,19 @@ TEST(Config, PipelineStagesAreThePolicysStages) {
   EXPECT_NE(config_to_toml(c).find("schedule = \"gpipe\""), std::string::npos);
 }
 
-// ZeRO stages 0 to 2; with one data-parallel rank each is accepted and shards over that
-// rank alone, so one configuration serves any number of ranks. Stage 2 does not combine
-// with pipeline stages or sequence parallelism yet, which is said.
-TEST(Config, ZeroIsStageZeroToTwo) {
+// ZeRO stages 0 to 3, with tensor, sequence and pipeline parallelism; with one
+// data-parallel rank each is accepted and shards over that rank alone, so one
+// configuration serves any number of ranks.
+TEST(Config, ZeroIsStageZeroToThree) {
   EXPECT_EQ(load_config("", {}).parallel.zero, 0);
   EXPECT_EQ(load_config("", {"parallel.zero=1"}).parallel.zero, 1);
   EXPECT_EQ(load_config("", {"parallel.zero=1", "parallel.dp=1"}).parallel.zero, 1);
   EXPECT_EQ(load_config("", {"parallel.zero=2", "parallel.tp=2"}).parallel.zero, 2);
-  EXPECT_EQ(error_of([] { load_config("", {"parallel.zero=3"}); }),
-            "parallel.zero must be from 0 to 2, got 3; 0 keeps AdamW's moments and the gradients whole on every "
-            "data-parallel rank, 1 (ZeRO stage 1) keeps each rank's share of the moments, 2 (ZeRO stage 2) of the "
-            "gradients too; stage 3 (sharded parameters) is not implemented.");
+  EXPECT_EQ(load_config("", {"parallel.zero=3", "parallel.tp=2", "parallel.pp=2"}).parallel.zero, 3);
+  EXPECT_EQ(error_of([] { load_config("", {"parallel.zero=4"}); }),
+            "parallel.zero must be from 0 to 3, got 4; 0 keeps AdamW's moments, the gradients and the weights whole "
+            "on every data-parallel rank, 1 (ZeRO stage 1) keeps each rank's share of the moments, 2 (ZeRO stage 2) "
+            "of the gradients too, 3 (ZeRO stage 3) of the weights too.");
   EXPECT_EQ(load_config("", {"parallel.zero=2", "parallel.pp=2"}).parallel.zero, 2);
   EXPECT_EQ(load_config("", {"parallel.zero=2", "parallel.tp=2", "parallel.sp=true"}).parallel.zero, 2);
   EXPECT_NE(error_of([] { load_config("", {"parallel.zero=-1"}); }).find("got -1;"), std::string::npos);
@@ -307,10 +308,12 @@ TEST(Config, ZeroTakesMegatronsSpellings) {
       "parallel.data_parallel_sharding_strategy = \"optim\" asks ZeRO stage 1 but "
       "parallel.use_distributed_optimizer = false asks stage 0; drop one of them, or make them agree (the "
       "distributed optimizer is stage 1 and above).");
-  EXPECT_EQ(error_of([] { load_config("", {"parallel.data_parallel_sharding_strategy=optim_grads_params"}); }),
-            "parallel.data_parallel_sharding_strategy = \"optim_grads_params\" shards the parameters too (ZeRO stage "
-            "3), which remat does not do yet; use \"optim_grads\" (stage 2: AdamW's moments and the gradients "
-            "sharded) or \"optim\" (stage 1).");
+  EXPECT_EQ(zero({"parallel.data_parallel_sharding_strategy=optim_grads_params"}), 3);
+  EXPECT_EQ(error_of([] {
+              load_config("", {"parallel.zero=2", "parallel.data_parallel_sharding_strategy=optim_grads_params"});
+            }),
+            "parallel.zero = 2 but parallel.data_parallel_sharding_strategy = \"optim_grads_params\" asks ZeRO stage "
+            "3: they are two spellings of the same setting; drop one, or make them agree.");
   EXPECT_EQ(error_of([] { load_config("", {"parallel.data_parallel_sharding_strategy=full_shard"}); }),
             "parallel.data_parallel_sharding_strategy must be no_shard (parallel.zero = 0), optim (1: AdamW's "
             "moments sharded), optim_grads (2: the gradients too) or optim_grads_params (3: the parameters too), got "

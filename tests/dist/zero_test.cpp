@@ -1,8 +1,8 @@
-// ZeRO stages 1 and 2 (parallel.zero = 1, 2) against the same ranks without them: ranks as
+// ZeRO stages 1 to 3 (parallel.zero = 1, 2, 3) against the same ranks without them: ranks as
 // threads of this test, joined through a real TCPStore and Gloo group on the loopback, each
 // training on its rows of every batch with TrainStep. Each parameter is updated whole by
 // one rank, by the kernels that update it without ZeRO, and reaches the others through an
-// exact exchange; its gradient is the same sum of the same two terms whether the ranks sum
+// exact exchange (under stage 3, an exact gather before each part's passes); its gradient is the same sum of the same two terms whether the ranks sum
 // the whole buffer or its part's, so the weights are compared bit for bit (the sign of
 // zero included), not within a bound.
 #include "cli/launch.h"
@@ -26,6 +26,8 @@
 #include <algorithm>
 #include <functional>
 #include <iterator>
+#include <map>
+#include <numeric>
 #include <random>
 #include <thread>
 
@@ -118,7 +120,7 @@ void expect_negative_zeros(const Weights& w) {
 TEST(Zero, TwoRanksTrainBitwiseAsWithoutZero) {
   const std::vector<Weights> plain = train_on_ranks(2, 1, 0, 4);
   expect_negative_zeros(plain[0]);
-  for (const int64_t stage : {1, 2}) {
+  for (const int64_t stage : {1, 2, 3}) {
     const std::vector<Weights> zero = train_on_ranks(2, 1, stage, 4);
     for (int r = 0; r < 2; ++r) {
       expect_bitwise(zero[static_cast<size_t>(r)], plain[0], fmt::format("zero {} rank {}", stage, r));
@@ -138,7 +140,7 @@ TEST(Zero, DataParallelCopiesOfATensorParallelGroupTrainBitwiseAsWithoutZero) {
   for (const bool sp : {false, true}) {
     const std::vector<Weights> plain = train_on_ranks(4, 2, 0, 3, "", "", 0, train_config(), sp);
     expect_negative_zeros(plain[0]);
-    for (const int64_t stage : {1, 2}) {
+    for (const int64_t stage : {1, 2, 3}) {
       const std::vector<Weights> zero = train_on_ranks(4, 2, stage, 3, "", "", 0, train_config(), sp);
       for (int r = 0; r < 4; ++r) {
         expect_bitwise(zero[static_cast<size_t>(r)], plain[0], fmt::format("sp {} zero {} rank {}", sp, stage, r));
@@ -150,8 +152,9 @@ TEST(Zero, DataParallelCopiesOfATensorParallelGroupTrainBitwiseAsWithoutZero) {
 // Stage 2 over two microbatches sums each microbatch's gradients over the ranks before it
 // sums the microbatches (the reverse of stage 0's order, so not its bits: the data-parallel
 // tests bound that), over four ranks in Gloo's order: every rank still ends with the same
-// weights, bit for bit, since each is its owner's update exchanged exactly.
-TEST(Zero, StageTwoRanksAgreeOverMicrobatchesAndFourRanks) {
+// weights, bit for bit, since each is its owner's update exchanged exactly. Stage 3 sums
+// the same gradients of the same weights, so its weights are stage 2's to the bit.
+TEST(Zero, StagesTwoAndThreeAgreeOverMicrobatchesAndFourRanks) {
   TrainConfig train = train_config();
   train.batch = 1;
   train.grad_accum = 2;
@@ -159,6 +162,61 @@ TEST(Zero, StageTwoRanksAgreeOverMicrobatchesAndFourRanks) {
   const auto fresh = make_model(nullptr)->whole_params();
   EXPECT_FALSE(at::equal(fresh[0].second, zero[0][0].second));
   for (int r = 1; r < 4; ++r) expect_bitwise(zero[static_cast<size_t>(r)], zero[0], fmt::format("rank {}", r));
+  const std::vector<Weights> three = train_on_ranks(4, 1, 3, 2, "", "", 0, train);
+  for (int r = 0; r < 4; ++r) expect_bitwise(three[static_cast<size_t>(r)], zero[0], fmt::format("zero 3 rank {}", r));
+}
+
+// In bfloat16, stage 3 gathers each part's weights as 64-bit words (Gloo sums no
+// bfloat16), its end padded to a whole word: the ops compute with the very values stage
+// 2's cast gives them, so the weights are stage 2's to the bit.
+TEST(Zero, StageThreeGathersBfloat16WeightsExactly) {
+  // Width 18: a layer's 4,122 weights are 8,244 bytes, so its gather is padded.
+  ModelConfig odd = model_preset("tiny-gpt2");
+  odd.d_model = 18;
+  odd.d_ff = 72;
+  std::map<int64_t, std::vector<Weights>> out;
+  for (const int64_t stage : {2, 3}) {
+    out[stage].resize(2);
+    testing::on_gloo_ranks(2, 1, [&](dist::Comm& comm) {
+      auto model = Model::create(odd, at::kCPU, at::kBFloat16, 1);
+      TrainStep step(*model, train_config(), kSeed, &comm, stage);
+      std::mt19937_64 rng(7);
+      for (int64_t s = 0; s < 2; ++s) step.run(s, dataset(), rng);
+      out[stage][static_cast<size_t>(comm.rank())] = model->whole_params();
+    });
+  }
+  for (int r = 0; r < 2; ++r) {
+    expect_bitwise(out[3][static_cast<size_t>(r)], out[2][static_cast<size_t>(r)], fmt::format("rank {}", r));
+  }
+  const auto fresh = Model::create(odd, at::kCPU, at::kBFloat16, 1)->whole_params();
+  EXPECT_FALSE(at::equal(fresh[0].second, out[3][0][0].second));
+}
+
+// Stage 3 keeps a rank's own masters only: the others hold no values, and the one flat
+// buffer of masters is the rank's share.
+TEST(Zero, StageThreeKeepsEachRanksOwnMastersOnly) {
+  std::vector<int64_t> kept(2), held(2);
+  int64_t all = 0;
+  testing::on_gloo_ranks(2, 1, [&](dist::Comm& comm) {
+    auto model = make_model(nullptr);
+    std::vector<int64_t> numels;
+    for (const Param& p : model->params()) numels.push_back(p.value.numel());
+    const std::vector<int> owner = cost::zero_owners(numels, 2);
+    const TrainStep step(*model, train_config(), kSeed, &comm, 3);
+    const auto r = static_cast<size_t>(comm.rank());
+    for (size_t i = 0; i < numels.size(); ++i) {
+      const Param& p = model->params()[i];
+      EXPECT_EQ(p.value.is_meta(), owner[i] != comm.rank()) << p.name;
+      EXPECT_EQ(p.value.numel(), numels[i]) << p.name;
+      kept[r] += owner[i] == comm.rank() ? numels[i] : 0;
+    }
+    held[r] = model->value_buffer().numel();
+    if (r == 0) all = std::accumulate(numels.begin(), numels.end(), int64_t{0});
+  });
+  EXPECT_EQ(held, kept);
+  EXPECT_EQ(kept[0] + kept[1], all);
+  EXPECT_GT(kept[0], 0);
+  EXPECT_GT(kept[1], 0);
 }
 
 std::string file_bytes(const fs::path& p) {
@@ -171,12 +229,14 @@ std::string file_bytes(const fs::path& p) {
 TEST(Zero, CheckpointsAreTheSameFileAndResumeUnderEitherSetting) {
   const remat::testing::TempDir dir;
   const std::string with = (dir / "zero1.safetensors").string(), without = (dir / "zero0.safetensors").string(),
-                    stage2 = (dir / "zero2.safetensors").string();
+                    stage2 = (dir / "zero2.safetensors").string(), stage3 = (dir / "zero3.safetensors").string();
   const std::vector<Weights> plain = train_on_ranks(2, 1, 0, 4, "", without, 2);
   train_on_ranks(2, 1, 1, 2, "", with, 2);
   train_on_ranks(2, 1, 2, 2, "", stage2, 2);
+  train_on_ranks(2, 1, 3, 2, "", stage3, 2);
   EXPECT_TRUE(file_bytes(with) == file_bytes(without)) << with << " and " << without << " differ";
   EXPECT_TRUE(file_bytes(stage2) == file_bytes(without)) << stage2 << " and " << without << " differ";
+  EXPECT_TRUE(file_bytes(stage3) == file_bytes(without)) << stage3 << " and " << without << " differ";
   const model::SafeTensors file = model::load_safetensors(with);
   EXPECT_EQ(file.metadata.at("adam_steps"), "2");
   EXPECT_NE(file.find("exp_avg_sq.wte.weight"), nullptr);
@@ -188,8 +248,8 @@ TEST(Zero, CheckpointsAreTheSameFileAndResumeUnderEitherSetting) {
   train_on_ranks(4, 2, 1, 2, "", tp_with, 2);
   EXPECT_TRUE(file_bytes(tp_with) == file_bytes(tp_without)) << tp_with << " and " << tp_without << " differ";
 
-  for (const auto& [from, zero] :
-       {std::pair{with, int64_t{0}}, std::pair{without, int64_t{1}}, std::pair{without, int64_t{2}}}) {
+  for (const auto& [from, zero] : {std::pair{with, int64_t{0}}, std::pair{without, int64_t{1}},
+                                   std::pair{without, int64_t{2}}, std::pair{stage2, int64_t{3}}}) {
     const std::vector<Weights> resumed = train_on_ranks(2, 1, zero, 4, from);
     for (int r = 0; r < 2; ++r) {
       expect_bitwise(resumed[static_cast<size_t>(r)], plain[0], from + " resumed with zero " + std::to_string(zero));
@@ -322,6 +382,62 @@ TEST(Zero, TheCostModelHoldsTheBusiestRanksGradientsUnderStageTwo) {
   EXPECT_EQ(sharded.grads + sharded.optimizer + cost::step_constants(cfg, shape, layout).optimizer, step);
 }
 
+// Stage 3: the busiest rank's masters beside its gradients and moments, no compute copies
+// in bfloat16, and each part's weights gathered as whole 64-bit words in the compute dtype:
+// a layer's in its forward and its backward, the embedding's and the loss head's (the tied
+// table in both) in theirs.
+TEST(Zero, TheCostModelHoldsTheBusiestRanksMastersAndEachGatheredPartUnderStageThree) {
+  const ModelConfig cfg = model_preset("tiny-gpt2");
+  const auto model = make_model(nullptr);
+  std::vector<int64_t> numels;
+  int64_t all = 0, layer = 0, embed = 0, head = 0;
+  for (const Param& p : model->params()) {
+    numels.push_back(p.value.numel());
+    all += p.value.numel();
+    if (p.name.rfind("h.0.", 0) == 0) layer += p.value.numel();
+    if (p.name == "wte.weight" || p.name == "wpe.weight") embed += p.value.numel();
+    if (p.name == "wte.weight" || p.name.rfind("ln_f.", 0) == 0) head += p.value.numel();
+  }
+  cost::StepShape shape;
+  shape.seq = kSeq;
+  shape.dtype = at::kBFloat16;
+  Layout layout;
+  layout.zero = 3;
+  const cost::StaticBytes one = cost::static_bytes(cfg, shape, layout);  // one rank: nothing sharded
+  EXPECT_EQ(one.params, 4 * all);
+  EXPECT_EQ(one.compute_copies, 2 * all);
+  EXPECT_EQ(one.gathered, 0);
+  layout.dp = 2;
+  const std::vector<int> owner = cost::zero_owners(numels, 2);
+  std::vector<int64_t> load(2);
+  for (size_t i = 0; i < numels.size(); ++i) load[static_cast<size_t>(owner[i])] += numels[i];
+  const int64_t busiest = std::max(load[0], load[1]);
+  const cost::StaticBytes sharded = cost::static_bytes(cfg, shape, layout);
+  EXPECT_EQ(sharded.params, 4 * busiest);
+  EXPECT_EQ(sharded.grads, 4 * busiest);
+  EXPECT_EQ(sharded.compute_copies, 0);
+  const auto words = [](int64_t bytes) { return (bytes + 7) / 8 * 8; };
+  const cost::GatheredWeights g = cost::gathered_weights(cfg, layout, at::kBFloat16);
+  EXPECT_EQ(g.layer, words(2 * layer));
+  EXPECT_EQ(g.embed, words(2 * embed));
+  EXPECT_EQ(g.head, words(2 * head));
+  EXPECT_EQ(sharded.gathered, std::max({g.layer, g.embed, g.head}));
+  Layout two = layout;
+  two.zero = 2;
+  const cost::StepConstants k3 = cost::step_constants(cfg, shape, layout), k2 = cost::step_constants(cfg, shape, two);
+  EXPECT_EQ(k3.embed_peak - k2.embed_peak, g.embed);
+  EXPECT_EQ(k3.embed_backward - k2.embed_backward, g.embed);
+  EXPECT_EQ(k3.head_peak - k2.head_peak, g.head);
+  // The update's point holds the updating rank's own masters where stage 2 holds them all
+  // and their compute copies.
+  const std::vector<graph::Param> params = cost::stage_params(cfg, layout);
+  const cost::OptimizerShare share = cost::optimizer_share(cfg, params, layout);
+  ASSERT_EQ(share.rank, cost::optimizer_share(cfg, params, two).rank);
+  const cost::StaticBytes sharded2 = cost::static_bytes(cfg, shape, two);
+  EXPECT_EQ(sharded.total() + k3.optimizer, sharded2.total() - sharded2.compute_copies + k2.optimizer - 4 * all +
+                                                4 * load[static_cast<size_t>(share.rank)]);
+}
+
 // Over pipeline stages, each stage's ranks shard their own parameters' gradients, but the
 // table the first and last stage both hold (tiny-gpt2's tied embedding) keeps its whole
 // gradient on every rank of either: a rank that does not own it holds it besides its share.
@@ -365,8 +481,8 @@ TEST(Zero, APipelinesTiedTableKeepsItsWholeGradientOnEveryRank) {
 
 // Each data-parallel rank is predicted its own share. At a shape whose peak is a layer's
 // backward, a rank owning fewer elements peaks lower by exactly the bytes it keeps per
-// element (two float32 moments, and at stage 2 its gradient), and no rank above the plan's
-// prediction, which holds the busiest share.
+// element (two float32 moments, from stage 2 its gradient, at stage 3 its master), and no
+// rank above the plan's prediction, which holds the busiest share.
 TEST(Zero, EachDataParallelRankIsPredictedItsOwnShare) {
   ModelConfig cfg = model_preset("gpt2-demo");
   cfg.vocab_size = 2048;
@@ -385,7 +501,7 @@ TEST(Zero, EachDataParallelRankIsPredictedItsOwnShare) {
   cost::NodeTimes times;
   times.flops_per_second = 1e9;
   const ActivationPlan none = ActivationPlan::none(cfg.n_layer);
-  for (const int64_t zero : {0, 1, 2}) {
+  for (const int64_t zero : {0, 1, 2, 3}) {
     Layout layout;
     layout.dp = kRanks;
     layout.zero = zero;
@@ -399,7 +515,7 @@ TEST(Zero, EachDataParallelRankIsPredictedItsOwnShare) {
     ASSERT_EQ(peaks.size(), static_cast<size_t>(kRanks));
     for (size_t d = 0; d < peaks.size(); ++d) {
       ASSERT_EQ(peaks[d].size(), 1u);
-      EXPECT_EQ(peaks[d][0], predicted - (zero == 1 ? 2 : 3) * 4 * (busiest - load[d])) << zero << " " << d;
+      EXPECT_EQ(peaks[d][0], predicted - (zero + 1) * 4 * (busiest - load[d])) << zero << " " << d;
     }
   }
 }
