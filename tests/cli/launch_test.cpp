@@ -607,7 +607,8 @@ TEST_F(LaunchedTraining, ADeadRankStopsTheOthersWithASentence) {
 }
 
 // A job of two ranks whose rank is SIGKILLed twice, at seeded random moments once a
-// checkpoint exists (one is written every step, so kills also land inside a write), is
+// checkpoint exists (one is written every step, so kills also land inside a write; the
+// second in the restarted job's ranks, not in a rank of the first still stopping), is
 // started again by `remat launch --max-restarts`, and each restart continues the run from
 // its newest whole checkpoint: the weights and every logged loss are bitwise those of the
 // job never killed, in data parallel and in pipeline parallel.
@@ -634,11 +635,17 @@ TEST_F(LaunchedTraining, ARestartedJobEndsBitwiseAsTheUninterruptedOne) {
       }
       return steps;
     };
-    int after = 0;  // the kill comes once the run has logged a step past this one
+    int after = 0;                  // the kill comes once the run has logged a step past this one
+    std::vector<pid_t> killed_job;  // the ranks of the job killed last: the next kill waits for new ones
+    const auto of_killed_job = [&](const std::vector<pid_t>& ranks) {
+      return std::any_of(ranks.begin(), ranks.end(), [&](pid_t p) {
+        return std::find(killed_job.begin(), killed_job.end(), p) != killed_job.end();
+      });
+    };
     for (int kill = 0; kill < 2; ++kill) {
       after = std::uniform_int_distribution<int>(after + 2, after + 12)(rng);
       std::vector<pid_t> ranks;
-      while ((ranks.size() != 2 || logged() <= after || !fs::exists(run / "checkpoints")) &&
+      while ((ranks.size() != 2 || of_killed_job(ranks) || logged() <= after || !fs::exists(run / "checkpoints")) &&
              ::waitpid(launcher, nullptr, WNOHANG) == 0) {
         ::usleep(1000);
         ranks = ranks_of(launcher);
@@ -646,6 +653,7 @@ TEST_F(LaunchedTraining, ARestartedJobEndsBitwiseAsTheUninterruptedOne) {
       ::usleep(std::uniform_int_distribution<useconds_t>(0, 50000)(rng));
       ASSERT_EQ(ranks.size(), 2u) << read_text(log);
       ::kill(ranks[std::uniform_int_distribution<size_t>(0, 1)(rng)], SIGKILL);
+      killed_job = ranks;
     }
     ASSERT_EQ(wait_exit(launcher, 300s), 0) << read_text(log);
     const std::string output = read_text(log);
