@@ -78,15 +78,6 @@ Weights make_weights(const ArchDecl& decl, const ModelConfig& cfg, int64_t tp, b
 
 const std::vector<bool> kKeepAll(kSlotCount, true);
 
-// "layer 3's", as the model's failures name a layer.
-std::string layer_name(int64_t l) { return fmt::format("layer {}'s", l); }
-
-// The gather of a part's weights for one pass of a training microbatch, as a failure names it.
-std::string gather_what(const std::string& part, const char* pass, const StepContext& ctx) {
-  return fmt::format("gathering {} weights for the {} of step {}, microbatch {}", part, pass, ctx.step + 1,
-                     ctx.microbatch + 1);
-}
-
 // Makes `tensors` views, in order, of one new flat buffer of options `o` (zeros when
 // `zeroed`), and returns it: one allocation, which one kernel reads or writes whole.
 at::Tensor flat_views(std::vector<at::Tensor>& tensors, const at::TensorOptions& o, bool zeroed) {
@@ -246,7 +237,7 @@ std::unique_ptr<Microbatch> TransformerModel::forward(const at::Tensor& input, c
         mb->embed_shape = &shaped(Part::embed, B, T, 0, sp_);
         const GraphShape& emb = *mb->embed_shape;
         mb->embed = std::make_unique<Run>(emb.graph, emb.lifetimes, kKeepAll);
-        const Gathered weights(*this, W.embed, gather_what("the embedding's", "forward", ctx));
+        const Gathered weights(*this, W.embed, Part::embed, 0, "forward", &ctx);
         Engine e = engine(emb, W, W.embed, std::nullopt, 0, ctx, nullptr);
         x = mb->embed->forward(e, input);
         scope.reset();
@@ -256,7 +247,7 @@ std::unique_ptr<Microbatch> TransformerModel::forward(const at::Tensor& input, c
         const int64_t l = a.layer;
         const trace::Scope layer_scope("forward", trace::Category::layer, l);
         const GraphShape& blk = *mb->block_shapes[static_cast<size_t>(l - stage_.first)];
-        const Gathered weights(*this, W.layers[l - stage_.first], gather_what(layer_name(l), "forward", ctx));
+        const Gathered weights(*this, W.layers[l - stage_.first], Part::block, l, "forward", &ctx);
         Engine e = engine(blk, W, W.layers[l - stage_.first], std::nullopt, l, ctx, store_.get());
         mb->layers.push_back(std::make_unique<Run>(blk.graph, blk.lifetimes, keeps(l), true, hold(l),
                                                    plan().layers[static_cast<size_t>(l)].offloaded));
@@ -268,7 +259,7 @@ std::unique_ptr<Microbatch> TransformerModel::forward(const at::Tensor& input, c
         mb->head_shape = &shaped(Part::head, B, T, ce_chunk, sp_);
         const GraphShape& head = *mb->head_shape;
         mb->head = std::make_unique<Run>(head.graph, head.lifetimes, kKeepAll);
-        const Gathered weights(*this, W.head, gather_what("the loss head's", "forward", ctx));
+        const Gathered weights(*this, W.head, Part::head, 0, "forward", &ctx);
         Engine e = engine(head, W, W.head, std::nullopt, 0, ctx, nullptr);
         mb->loss = mb->head->forward(e, std::move(x), false, {targets.reshape({-1})}).item<double>();
         scope.reset();
@@ -322,7 +313,7 @@ at::Tensor TransformerModel::backward(Microbatch& handle, at::Tensor dy, double 
     switch (a.kind) {
       case schedule::Kind::head_backward: {
         scope.emplace("loss head backward", trace::Category::layer);
-        const Gathered weights(*this, W.head, gather_what("the loss head's", "backward", ctx));
+        const Gathered weights(*this, W.head, Part::head, 0, "backward", &ctx);
         if (sharded) ends_grads = open_part_grads(ends_);
         Engine e = engine(*mb->head_shape, W, W.head, into, 0, ctx, nullptr);
         dx = mb->head->backward(e, at::scalar_tensor(loss_scale, at::kDouble));
@@ -345,7 +336,7 @@ at::Tensor TransformerModel::backward(Microbatch& handle, at::Tensor dy, double 
         break;
       case schedule::Kind::embed_backward: {
         scope.emplace("embedding backward", trace::Category::layer);
-        const Gathered weights(*this, W.embed, gather_what("the embedding's", "backward", ctx));
+        const Gathered weights(*this, W.embed, Part::embed, 0, "backward", &ctx);
         if (sharded && !last_stage()) ends_grads = open_part_grads(ends_);
         Engine e = engine(*mb->embed_shape, W, W.embed, into, 0, ctx, nullptr);
         dx = mb->embed->backward(e, std::move(dx));  // token ids: undefined
@@ -368,7 +359,7 @@ at::Tensor TransformerModel::layer_backward(TransformerMicrobatch& mb, int64_t l
   auto& run = mb.layers[static_cast<size_t>(l - stage_.first)];
   const GraphShape& blk = *mb.block_shapes[static_cast<size_t>(l - stage_.first)];
   const std::vector<int>& params = W.layers[static_cast<size_t>(l - stage_.first)];
-  const Gathered weights(*this, params, gather_what(layer_name(l), "backward", ctx));
+  const Gathered weights(*this, params, Part::block, l, "backward", &ctx);
   const bool sharded = grads_sharded();
   at::Tensor grads = sharded ? open_part_grads(params) : at::Tensor();
   Engine e = engine(blk, W, params, into, l, ctx, store_.get());
@@ -399,7 +390,7 @@ double TransformerModel::evaluate(const at::Tensor& input, const at::Tensor& tar
   }
   const GraphShape& head = shaped(Part::head, B, T, ce_chunk);
   const Weights& W = compute_weights();
-  const Gathered weights(*this, W.head, "gathering the loss head's weights for an evaluation");
+  const Gathered weights(*this, W.head, Part::head, 0, "an evaluation");
   Engine e = engine(head, W, W.head, std::nullopt, 0, {}, nullptr, /*train=*/false);
   return Run(head.graph, head.lifetimes, kKeepAll, /*training=*/false)
       .forward(e, std::move(x), false, {targets.reshape({-1})})
@@ -413,7 +404,7 @@ at::Tensor TransformerModel::last_logits(const at::Tensor& tokens) {
   const GraphShape& head = shaped(Part::head, tokens.size(0), tokens.size(1));
   const at::Tensor x = blocks_output(tokens);
   const Weights& W = compute_weights();
-  const Gathered weights(*this, W.head, "gathering the loss head's weights for generation");
+  const Gathered weights(*this, W.head, Part::head, 0, "generation");
   Engine e = engine(head, W, W.head, std::nullopt, 0, {}, nullptr, /*train=*/false);
   const at::Tensor h = Run(head.graph, head.lifetimes, kKeepAll, /*training=*/false).forward(e, x);
   const at::Tensor logits = at::matmul(h.select(1, tokens.size(1) - 1), W.tensors[head_weight_].t()).to(at::kFloat);
@@ -574,7 +565,7 @@ void TransformerModel::recompute_chunk(int64_t first, int64_t last, const StepCo
     at::Tensor x = runs[local(first)]->value(blk.graph.input);
     for (int64_t j = first; j <= last; ++j) {
       const trace::Recompute recompute(j);
-      const Gathered weights(*this, W.layers[local(j)], gather_what(layer_name(j), "recompute", ctx));
+      const Gathered weights(*this, W.layers[local(j)], Part::block, j, "recompute", &ctx);
       Engine e = engine(blk, W, W.layers[local(j)], std::nullopt, j, ctx, store_.get());
       auto fresh = std::make_unique<Run>(blk.graph, blk.lifetimes, kKeepAll);
       x = fresh->forward(e, std::move(x), /*recompute=*/true);
@@ -597,14 +588,13 @@ at::Tensor TransformerModel::blocks_output(const at::Tensor& input) {
   at::Tensor x = input;
   if (first_stage()) {
     const GraphShape& emb = shaped(Part::embed, B, T);
-    const Gathered weights(*this, W.embed, "gathering the embedding's weights for an evaluation");
+    const Gathered weights(*this, W.embed, Part::embed, 0, "an evaluation");
     Engine ee = engine(emb, W, W.embed, std::nullopt, 0, none, nullptr, /*train=*/false);
     x = Run(emb.graph, emb.lifetimes, keep_none, /*training=*/false).forward(ee, input);
   }
   for (int64_t l = stage_.first; l < end_layer(); ++l) {
     const GraphShape& blk = shaped(Part::block, B, T, 0, false, l);
-    const Gathered weights(*this, W.layers[l - stage_.first],
-                           fmt::format("gathering {} weights for an evaluation", layer_name(l)));
+    const Gathered weights(*this, W.layers[l - stage_.first], Part::block, l, "an evaluation");
     Engine e = engine(blk, W, W.layers[l - stage_.first], std::nullopt, l, none, nullptr, /*train=*/false);
     x = Run(blk.graph, blk.lifetimes, keep_none, /*training=*/false).forward(e, std::move(x));
   }
@@ -689,8 +679,9 @@ void TransformerModel::shard_values(const std::vector<bool>& owned, dist::Group&
   value_group_ = &group;
 }
 
-TransformerModel::Gathered::Gathered(TransformerModel& m, std::vector<int> params, const std::string& what)
-    : m_(m), params_(std::move(params)) {
+TransformerModel::Gathered::Gathered(TransformerModel& m, const std::vector<int>& params, Part part, int64_t l,
+                                     const char* pass, const StepContext* ctx)
+    : m_(m), params_(params) {
   if (!m_.values_sharded()) return;
   const trace::Scope scope("weight gather", trace::Category::layer);
   // As bits: each weight's owner gives its bytes and every other rank zeros, so that the
@@ -708,8 +699,14 @@ TransformerModel::Gathered::Gathered(TransformerModel& m, std::vector<int> param
     m_.gathered_.tensors[static_cast<size_t>(i)] = std::move(w);
     numel += master.numel();
   }
+  const std::string name = part == Part::embed  ? std::string("the embedding's")
+                           : part == Part::head ? std::string("the loss head's")
+                                                : fmt::format("layer {}'s", l);
   std::vector<at::Tensor> sum{words};
-  m_.value_group_->all_reduce(sum, dist::Reduce::sum, what);
+  m_.value_group_->all_reduce(sum, dist::Reduce::sum,
+                              ctx != nullptr ? fmt::format("gathering {} weights for the {} of step {}, microbatch {}",
+                                                           name, pass, ctx->step + 1, ctx->microbatch + 1)
+                                             : fmt::format("gathering {} weights for {}", name, pass));
 }
 
 TransformerModel::Gathered::~Gathered() {

@@ -178,18 +178,21 @@ class TransformerModel final : public Model {
  private:
   enum class Part { embed, block, head };
 
-  // Sharded values (shard_values): the weights of `params` gathered into gathered_, in the
-  // compute dtype, for as long as it lives; nothing otherwise. `what` names the part.
+  // Sharded values (shard_values): the weights of `params` (the model's list of a part's,
+  // which outlives it) gathered into gathered_, in the compute dtype, for as long as it
+  // lives; nothing otherwise. `part` (layer `l`), `pass` and the training microbatch `ctx`
+  // (null: outside training) name the gather in a failure.
   class Gathered {
    public:
-    Gathered(TransformerModel& m, std::vector<int> params, const std::string& what);
+    Gathered(TransformerModel& m, const std::vector<int>& params, Part part, int64_t l, const char* pass,
+             const StepContext* ctx = nullptr);
     ~Gathered();
     Gathered(const Gathered&) = delete;
     Gathered& operator=(const Gathered&) = delete;
 
    private:
     TransformerModel& m_;
-    std::vector<int> params_;
+    const std::vector<int>& params_;
   };
 
   // The microbatch's [B, T] from a forward's input (token ids on the first stage, an
