@@ -203,6 +203,11 @@ struct ParallelConfig {
   double link_rate = 100;
   double compute_rate = 400;
   double link_latency = 2;
+  /// The same two for the data-parallel group's links, which its gradient sums, ZeRO's
+  /// parameter exchange and stage 3's weight gathers cross: often a network between hosts
+  /// where the tensor-parallel group is within one (cost::DataParallelTraffic).
+  double dp_link_rate = 100;
+  double dp_link_latency = 2;
   CommBackend backend = CommBackend::automatic;
   bool overlap_grad_reduce = false;  ///< all-reduce data-parallel gradients during the last
                                      ///< backward (Megatron's --overlap-grad-reduce); off by

@@ -96,6 +96,8 @@ struct NodeTimes {
   /// sends per second and seconds per ring step (graph::LinkTraffic); a rate of 0 prices
   /// them at 0. In the unit of `flops_per_second`'s seconds (`remat plan`'s FLOPs).
   double link_bytes_per_second = 0, link_latency_seconds = 0;
+  /// The data-parallel group's links, alike (DataParallelTraffic), in the same unit.
+  double data_link_bytes_per_second = 0, data_link_latency_seconds = 0;
   /// Offloaded slots (LayerPlan::offloaded): bytes a second copied between the device and
   /// host memory, each way, and seconds each copied storage takes besides (measured:
   /// train/profile.h's measure_host_copy); a rate of 0 prices the copies at 0. In the unit
@@ -129,6 +131,8 @@ struct NodeTimes {
   double input_gather_seconds(const graph::BlockGraph& block) const;
   /// `traffic` at the link's rate: latency x messages + bytes / rate (0 without a rate).
   double link_seconds(const graph::LinkTraffic& traffic) const;
+  /// `traffic` at the data-parallel links' rate, alike.
+  double data_link_seconds(const graph::LinkTraffic& traffic) const;
   /// The attention op a plan may run in some layers instead of the model's
   /// (LayerPlan::attention), with its own times; null: every layer runs the model's op.
   std::shared_ptr<const OtherAttention> other_attention;
@@ -170,6 +174,30 @@ struct LayerCost {
   double copy_added_seconds() const { return copy_wait_seconds + copy_slowdown_seconds; }
 };
 
+/// Bytes of the flat gradient buffer each all-reduce of stages 0 and 1 sums (the last
+/// bucket, from the buffer's start, may be less): few collectives for their latency not to
+/// matter, small enough that the first starts early in an overlapped backward.
+constexpr int64_t kGradientBucketBytes = int64_t{4} << 20;
+
+/// What one rank of a stage sends over its data-parallel group in a step, by what the
+/// trainer sums or gathers there (Layout::zero), each collective an all-reduce as it runs
+/// them (Gloo's): none with one data-parallel rank. Nothing else runs meanwhile: stage 3's
+/// gathers precede each part's pass, stage 2's sums follow it, the others follow the
+/// backward (parallel.overlap_grad_reduce hides some behind the last microbatch's).
+struct DataParallelTraffic {
+  /// The gradients' sums and the loss's: after the step's backward, in buckets (stages 0
+  /// and 1), or each part's after each of its backwards and a pipeline stage's tied table
+  /// once (2 and 3).
+  graph::LinkTraffic gradients;
+  graph::LinkTraffic exchange;  ///< the updated parameters from their owners (stages 1 and 2)
+  /// Each part's weights, in the compute dtype, before its forward, its backward and a
+  /// uniform chunk's recompute (stage 3).
+  graph::LinkTraffic gathers;
+  graph::LinkTraffic total() const;
+};
+DataParallelTraffic data_parallel_traffic(const ModelConfig& cfg, const StepShape& shape, const Layout& layout,
+                                          const ActivationPlan& plan);
+
 /// The whole step under one plan (of one pipeline stage: its layers, its ends).
 struct StepPrediction {
   StaticBytes statics;
@@ -196,6 +224,8 @@ struct StepPrediction {
   /// Per step: the forward and backward time the layers running the other attention op
   /// (LayerPlan::attention) take beyond the model's op in them (OtherAttention::pass_delta).
   double attention_seconds = 0;
+  DataParallelTraffic data_parallel;  ///< per step
+  double data_parallel_seconds = 0;   ///< per step: that traffic at the data-parallel links' rate
   /// Per step: what the plan adds to a step that recomputes nothing, runs the model's
   /// attention op and offloads nothing.
   double added_seconds() const { return recompute_seconds + attention_seconds + copy_added_seconds(); }

@@ -79,6 +79,18 @@ class Group {
   /// Starts receiving into `t` (contiguous, with exactly the bytes the peer sends: same
   /// dtype and element count) what rank `peer` of this group sends under `tag`.
   virtual std::unique_ptr<Transfer> recv(at::Tensor& t, int peer, int tag, const std::string& what) = 0;
+
+  /// What this rank's all-reduces over the group have summed so far (a group of more than
+  /// one rank): the tensors' bytes and how many, each tensor a collective of its own, which
+  /// the cost model's data-parallel traffic is held to (cost::DataParallelTraffic).
+  struct Reduced {
+    int64_t bytes = 0;
+    int64_t collectives = 0;
+  };
+  Reduced reduced() const { return reduced_; }
+
+ protected:
+  Reduced reduced_;
 };
 
 /// Where this process stands in a multi-process job, as its launcher described it.

@@ -53,8 +53,16 @@ struct Prices {
 /// The predicted wall time of a step of stage `stage` of `r` (the planner's) under
 /// `prices`: with a stage's pass measured (pipeline probes) the schedule's simulation and
 /// the slowest stage's update, with the whole model's pass measured its `grad_accum`
-/// microbatches, the plan's additions and the update; 0 where time is FLOPs.
+/// microbatches, the plan's additions and the update; either way plus the data-parallel
+/// collectives (StepPrediction::data_parallel_seconds, the slowest stage's); 0 where time
+/// is FLOPs.
 double predicted_step_seconds(const Prices& prices, const PlanResult& r, int64_t stage, int64_t grad_accum);
+
+/// The wall time of a step of `r` priced at declared rates (Prices::declared): every
+/// stage's microbatches simulated with their passes' and recomputes' FLOPs at the compute
+/// rate and their tensor-parallel collectives at the link's, then the slowest stage's
+/// data-parallel collectives; the update and the pipeline's transfers are not priced.
+double declared_step_seconds(const PlanResult& r);
 
 /// `p` as JSON (a cache entry, a run's record) and back; from_json refuses, with a
 /// sentence naming what, a damaged or negative price.

@@ -5,6 +5,7 @@
 #include "remat/ops.h"
 #include "remat/planner.h"
 #include "remat/policy.h"
+#include "remat/prices.h"
 #include "remat/tokenizer.h"
 #include "remat/trainer.h"
 #include "run/run.h"
@@ -100,6 +101,53 @@ std::string communication_text(const RunSpec& spec, const Communication& c, cons
       "communication at {}{}: the recompute re-runs {:.3f} ms of collectives per step (priced as {} FLOPs at {}); "
       "without recompute a step's collectives take {:.3f} ms\n",
       links, whose, 1e3 * c.recompute_seconds, format_count(c.recompute_flops), rate, 1e3 * c.step_seconds);
+}
+
+// A step's wall time at the declared rates (declared_step_seconds), and the tokens each
+// rank trains a second at it: each data-parallel replica's batch, over its tensor-parallel
+// ranks and pipeline stages.
+struct DeclaredTime {
+  double seconds = 0, data_parallel_seconds = 0, tokens_per_second = 0;
+};
+
+DeclaredTime declared_time(const RunSpec& spec) {
+  const PlanResult r = spec.plan.pipeline ? *spec.plan.pipeline
+                                          : spec.plan.planner->predict(spec.plan.plan, spec.plan.split, Ledgers::peak);
+  DeclaredTime t;
+  t.seconds = declared_step_seconds(r);
+  for (const auto& st : r.stages) t.data_parallel_seconds = std::max(t.data_parallel_seconds, st.data_parallel_seconds);
+  const cost::StepShape& s = spec.shape;
+  t.tokens_per_second = static_cast<double>(s.batch * s.seq * s.grad_accum) /
+                        static_cast<double>(spec.layout.tp * spec.layout.pp) / t.seconds;
+  return t;
+}
+
+// Seconds as a reader takes them: milliseconds below one.
+std::string seconds_text(double seconds) {
+  return seconds < 1 ? fmt::format("{:.3g} ms", 1e3 * seconds) : fmt::format("{:.3f} s", seconds);
+}
+
+void print_declared_time(const RunSpec& spec) {
+  const ParallelConfig& p = spec.cfg.parallel;
+  const DeclaredTime t = declared_time(spec);
+  fmt::print(
+      "predicted step time at the declared rates: {}, the passes and recompute at parallel.compute_rate = {} "
+      "TFLOP/s{}{}; the update{} not priced: {:.0f} tokens/s per rank\n",
+      seconds_text(t.seconds), p.compute_rate,
+      spec.layout.tp > 1 ? fmt::format(", the tensor-parallel collectives at parallel.link_rate = {} GB/s", p.link_rate)
+                         : "",
+      spec.layout.dp > 1 ? fmt::format(", {} of data-parallel collectives at parallel.dp_link_rate = {} GB/s and "
+                                       "dp_link_latency = {} us, beside no compute",
+                                       seconds_text(t.data_parallel_seconds), p.dp_link_rate, p.dp_link_latency)
+                         : "",
+      spec.layout.pp > 1 ? " and the stages' transfers" : "", t.tokens_per_second);
+}
+
+void declared_time_json(const RunSpec& spec, nlohmann::json& json) {
+  const DeclaredTime t = declared_time(spec);
+  json["declared_step_seconds"] = t.seconds;
+  json["declared_data_parallel_seconds"] = t.data_parallel_seconds;
+  json["declared_tokens_per_second_per_rank"] = t.tokens_per_second;
 }
 
 // How long --pareto and --json sweep budgets before they stop starting solves.
@@ -377,13 +425,16 @@ int cmd_plan(const Config& cfg_in, const PlanArgs& args) {
   }
   nlohmann::json json = render_json(spec);
   if (!args.json) fmt::print("{}", render_text(spec));
+  // Measured prices (--prices) time the step in the plan above.
+  const bool recorded = !args.prices.empty();
+  if (!recorded && args.json) declared_time_json(spec, json);
+  if (!recorded && !args.json) print_declared_time(spec);
   if (spec.plan.pipeline) {
     pipeline_extras(spec, args, json);
     if (args.json) fmt::print("{}\n", json.dump(2));
     return 0;
   }
   const Extras x = one_stage_extras(spec, args);
-  const bool recorded = !args.prices.empty();
   if (args.json) {
     print_json(spec, x, recorded, json);
     return 0;

@@ -494,7 +494,16 @@ KeyRange rate(std::string unit, std::string why, std::string example) {
       .min = 1e-3, .max = 1e6, .unit = std::move(unit), .why = std::move(why), .example = std::move(example)};
 }
 
-// A second a ring step is past any link that could carry a tensor-parallel group.
+// Microseconds a ring step of a collective over `links` waits, whatever it sends: a
+// second is past any link that could carry a parallel group.
+KeyRange latency(const std::string& links, std::string example) {
+  return KeyRange{.min = 0,
+                  .max = 1e6,
+                  .unit = "microseconds",
+                  .why = "it is what one ring step of a collective waits on the " + links + " links, whatever it sends",
+                  .example = std::move(example)};
+}
+
 std::vector<ConfigKey> parallel_keys() {
   using P = ParallelConfig;
   return {
@@ -526,12 +535,14 @@ std::vector<ConfigKey> parallel_keys() {
           rate("TFLOP/s", "it is the rate one rank's matmuls reach", "300 for an A100 in bfloat16, 600 for an H100")),
       key("parallel.link_latency", &C::parallel, &P::link_latency,
           "us a ring step of a collective waits (remat plan); 2: NCCL's model on NVLink",
-          KeyRange{.min = 0,
-                   .max = 1e6,
-                   .unit = "microseconds",
-                   .why = "it is what one ring step of a collective waits on the tensor-parallel links, whatever it "
-                          "sends",
-                   .example = "2 for NVLink, 5 for PCIe, 10 for a network between hosts"}),
+          latency("tensor-parallel", "2 for NVLink, 5 for PCIe, 10 for a network between hosts")),
+      key("parallel.dp_link_rate", &C::parallel, &P::dp_link_rate,
+          "GB/s a rank sends in a ring all-gather over the data-parallel links (remat plan)",
+          rate("GB/s", "it is the rate a rank sends at over its data-parallel links",
+               "350 for NVLink 4 within a host, 50 for 400 Gb/s InfiniBand between hosts")),
+      key("parallel.dp_link_latency", &C::parallel, &P::dp_link_latency,
+          "us a ring step of a data-parallel collective waits (remat plan)",
+          latency("data-parallel", "2 for NVLink, 10 for a network between hosts")),
       key("parallel.backend", &C::parallel, &P::backend,
           "collectives' library: auto, nccl (CUDA ranks, one per GPU) or gloo (CPU, or CUDA through the host)"),
       key("parallel.overlap_grad_reduce", &C::parallel, &P::overlap_grad_reduce,

@@ -671,6 +671,8 @@ std::unique_ptr<Transfer> C10dGroup::start_all_reduce(std::vector<at::Tensor> te
     c10d::AllreduceOptions options;
     options.reduceOp = op == Reduce::sum ? c10d::ReduceOp::SUM : c10d::ReduceOp::MAX;
     for (at::Tensor& t : tensors) {
+      reduced_.bytes += static_cast<int64_t>(t.nbytes());
+      ++reduced_.collectives;
       staged.push_back({t, movable(t, false, true)});
       std::vector<at::Tensor> one{staged.back().moved};
       works.push_back(pg_->allreduce(one, options));

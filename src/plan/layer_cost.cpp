@@ -7,6 +7,11 @@ double NodeTimes::link_seconds(const graph::LinkTraffic& traffic) const {
   return static_cast<double>(traffic.messages) * link_latency_seconds + traffic.bytes / link_bytes_per_second;
 }
 
+double NodeTimes::data_link_seconds(const graph::LinkTraffic& traffic) const {
+  if (data_link_bytes_per_second <= 0) return 0.0;
+  return static_cast<double>(traffic.messages) * data_link_latency_seconds + traffic.bytes / data_link_bytes_per_second;
+}
+
 double NodeTimes::node_seconds(const graph::Node& n) const {
   auto it = seconds.find(n.name);
   if (it != seconds.end()) return it->second;

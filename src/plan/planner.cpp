@@ -27,6 +27,8 @@ cost::NodeTimes in_units(const cost::NodeTimes& t, double per_second) {
   for (auto& [node, seconds] : u.seconds) seconds *= per_second;
   u.link_bytes_per_second = t.link_bytes_per_second / per_second;
   u.link_latency_seconds = t.link_latency_seconds * per_second;
+  u.data_link_bytes_per_second = t.data_link_bytes_per_second / per_second;
+  u.data_link_latency_seconds = t.data_link_latency_seconds * per_second;
   u.host_bytes_per_second = t.host_bytes_per_second / per_second;
   u.host_copy_latency_seconds = t.host_copy_latency_seconds * per_second;
   u.layer_pass_seconds = t.layer_pass_seconds * per_second;
@@ -50,7 +52,7 @@ void to_seconds(cost::LayerCost& c, double per_second) {
 
 void to_seconds(cost::StepPrediction& p, double per_second) {
   for (double* t : {&p.recompute_seconds, &p.recompute_link_seconds, &p.copy_seconds, &p.copy_wait_seconds,
-                    &p.copy_slowdown_seconds, &p.attention_seconds}) {
+                    &p.copy_slowdown_seconds, &p.attention_seconds, &p.data_parallel_seconds}) {
     *t /= per_second;
   }
   for (cost::LayerCost& c : p.layers) to_seconds(c, per_second);

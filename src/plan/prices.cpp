@@ -14,6 +14,8 @@ Prices Prices::declared(const Config& cfg) {
   p.times.flops_per_second = cfg.parallel.compute_rate * 1e12;
   p.times.link_bytes_per_second = cfg.parallel.link_rate * 1e9;
   p.times.link_latency_seconds = cfg.parallel.link_latency * 1e-6;
+  p.times.data_link_bytes_per_second = cfg.parallel.dp_link_rate * 1e9;
+  p.times.data_link_latency_seconds = cfg.parallel.dp_link_latency * 1e-6;
   p.times.host_bytes_per_second = cfg.ac.offload_rate * 1e9;
   // A GPU's copy engines run beside its compute; the CPU's copies take its cores.
   p.times.host_copies_overlap = cfg.run.device.is_cuda();
@@ -33,13 +35,25 @@ double stages_optimizer_seconds(const Prices& prices, const PlanResult& r) {
   return prices.optimizer_seconds * static_cast<double>(most) / static_cast<double>(prices.optimizer_bytes);
 }
 
+// The slowest stage's data-parallel collectives, which no compute overlaps (cost::DataParallelTraffic).
+double data_parallel_seconds(const PlanResult& r) {
+  double most = 0;
+  for (const auto& st : r.stages) most = std::max(most, st.data_parallel_seconds);
+  return most;
+}
+
 }  // namespace
 
 double predicted_step_seconds(const Prices& prices, const PlanResult& r, int64_t stage, int64_t grad_accum) {
-  if (prices.times.layer_pass_seconds > 0) return r.simulated_seconds + stages_optimizer_seconds(prices, r);
+  if (prices.times.layer_pass_seconds > 0) {
+    return r.simulated_seconds + stages_optimizer_seconds(prices, r) + data_parallel_seconds(r);
+  }
   if (r.stages.size() > 1 || prices.base_seconds <= 0) return 0;
-  return prices.step_seconds(grad_accum, r.stages[static_cast<size_t>(stage)].added_seconds());
+  const cost::StepPrediction& p = r.stages[static_cast<size_t>(stage)];
+  return prices.step_seconds(grad_accum, p.added_seconds()) + p.data_parallel_seconds;
 }
+
+double declared_step_seconds(const PlanResult& r) { return r.simulated_seconds + data_parallel_seconds(r); }
 
 nlohmann::json to_json(const Prices& p) {
   const cost::NodeTimes& t = p.times;
@@ -47,6 +61,8 @@ nlohmann::json to_json(const Prices& p) {
           {"flops_per_second", t.flops_per_second},
           {"link_bytes_per_second", t.link_bytes_per_second},
           {"link_latency_seconds", t.link_latency_seconds},
+          {"data_link_bytes_per_second", t.data_link_bytes_per_second},
+          {"data_link_latency_seconds", t.data_link_latency_seconds},
           {"host_bytes_per_second", t.host_bytes_per_second},
           {"host_copy_latency_seconds", t.host_copy_latency_seconds},
           {"host_copies_overlap", t.host_copies_overlap},
@@ -86,6 +102,8 @@ Prices prices_from_json(const nlohmann::json& j) {
   if (t.flops_per_second <= 0) throw std::invalid_argument("the prices' FLOP rate is not positive");
   t.link_bytes_per_second = price("link_bytes_per_second", false);
   t.link_latency_seconds = price("link_latency_seconds", false);
+  t.data_link_bytes_per_second = price("data_link_bytes_per_second", false);
+  t.data_link_latency_seconds = price("data_link_latency_seconds", false);
   t.host_bytes_per_second = price("host_bytes_per_second", false);
   t.host_copy_latency_seconds = price("host_copy_latency_seconds", false);
   t.host_copies_overlap = j.value("host_copies_overlap", true);

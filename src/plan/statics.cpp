@@ -1,9 +1,11 @@
 #include "plan/statics.h"
 
 #include "remat/ops.h"
+#include "remat/schedule.h"
 #include "util/fused_adamw.h"
 
 #include <algorithm>
+#include <functional>
 #include <numeric>
 #include <set>
 
@@ -265,6 +267,97 @@ StepConstants step_constants(const ModelConfig& cfg, const StepShape& shape, con
   k.optimizer = live.peak() - copies * nbytes(share.moments - share.rank_moments, master) -
                 nbytes(share.grads - share.rank_grads, master);
   return k;
+}
+
+graph::LinkTraffic DataParallelTraffic::total() const {
+  return {gradients.bytes + exchange.bytes + gathers.bytes, gradients.messages + exchange.messages + gathers.messages};
+}
+
+namespace {
+
+// What sharded gradients (stages 2 and 3) sum besides the gathers: each part's after each of
+// its backwards (Model::shard_gradients, less a pipeline stage's tied table), that table
+// once, the loss, and the gradient norm's squares of the whole and of the tensor-parallel
+// parameters, one collective each (TrainStep's clip).
+void sharded_gradient_sums(const ModelConfig& cfg, const StepShape& shape, const Layout& layout,
+                           const std::vector<graph::Param>& params, const std::function<void(int64_t)>& sum) {
+  const at::ScalarType master = master_dtype(shape.dtype);
+  const std::vector<bool> tied = tied_params(cfg, params, layout);
+  const GradientBuffers parts = gradient_buffers(cfg, layout, master);
+  int64_t tied_bytes = 0, whole = 0, split = 0;
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (tied[i]) tied_bytes += nbytes(numel(params[i]), master);
+    if (tied[i] && !layout.has_embedding()) continue;  // the first stage's copy counts in the norm
+    ++(params[i].shard.split() ? split : whole);
+  }
+  for (int64_t m = 0; m < shape.grad_accum; ++m) {
+    for (int64_t l = 0; l < layout.stage_layers(cfg.n_layer); ++l) sum(parts.layer);
+    if (parts.ends > tied_bytes) sum(parts.ends - tied_bytes);
+  }
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (tied[i]) sum(nbytes(numel(params[i]), master));
+  }
+  sum(nbytes(1, at::kDouble));
+  for (const int64_t n : {split, whole}) {
+    if (n > 0) sum(nbytes(n, master));
+  }
+}
+
+}  // namespace
+
+DataParallelTraffic data_parallel_traffic(const ModelConfig& cfg, const StepShape& shape, const Layout& layout,
+                                          const ActivationPlan& plan) {
+  DataParallelTraffic t;
+  if (layout.dp <= 1) return t;
+  const auto sum = [&](graph::LinkTraffic& into) {
+    return [&into, &layout](int64_t bytes) {
+      const graph::LinkTraffic one = graph::LinkTraffic::all_reduce(bytes, layout.dp);
+      into.bytes += one.bytes;
+      into.messages += one.messages;
+    };
+  };
+  const at::ScalarType master = master_dtype(shape.dtype);
+  const std::vector<graph::Param> params = stage_params(cfg, layout);
+  const int64_t elements = numel(params);
+  if (layout.grads_sharded()) {
+    sharded_gradient_sums(cfg, shape, layout, params, sum(t.gradients));
+  } else {
+    // GradientReduction: the flat buffer in buckets from its end, then the loss.
+    const int64_t per_bucket = std::max<int64_t>(1, kGradientBucketBytes / nbytes(1, master));
+    for (int64_t end = elements; end > 0; end -= per_bucket) {
+      sum(t.gradients)(nbytes(std::min(per_bucket, end), master));
+    }
+    sum(t.gradients)(nbytes(1, at::kDouble));
+  }
+  if (layout.zero_ranks() > 1 && !layout.values_sharded()) sum(t.exchange)(nbytes(elements, master));
+  if (!layout.values_sharded()) return t;
+  const GatheredWeights g = gathered_weights(cfg, layout, shape.dtype);
+  const int64_t F = layout.first_layer(cfg.n_layer), E = F + layout.stage_layers(cfg.n_layer);
+  const schedule::Stage stage{F, E, layout.has_embedding(), layout.has_head()};
+  const auto gather = sum(t.gathers);
+  for (const schedule::Action& a :
+       schedule::step(plan, stage, layout.schedule, layout.pp, layout.stage, shape.grad_accum)) {
+    switch (a.kind) {
+      case schedule::Kind::embed_forward:
+      case schedule::Kind::embed_backward:
+        gather(g.embed);
+        break;
+      case schedule::Kind::head_forward:
+      case schedule::Kind::head_backward:
+        gather(g.head);
+        break;
+      case schedule::Kind::forward:
+      case schedule::Kind::backward:
+        gather(g.layer);
+        break;
+      case schedule::Kind::recompute:
+        for (int64_t j = a.layer; j <= a.last; ++j) gather(g.layer);
+        break;
+      default:
+        break;
+    }
+  }
+  return t;
 }
 
 }  // namespace remat::cost

@@ -167,6 +167,8 @@ StepPrediction predict_step(const ModelConfig& cfg, const StepShape& shape, cons
   p.working_set = walk.peak().working_set;
   p.host_peak = host.peak();
   add_times(p, cfg, shape, layout, plan, times, block, whole);
+  p.data_parallel = data_parallel_traffic(cfg, shape, layout, plan);
+  p.data_parallel_seconds = times.data_link_seconds(p.data_parallel.total());
   return p;
 }
 

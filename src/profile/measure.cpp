@@ -225,7 +225,7 @@ TimeProfile profile_of(const Config& cfg, Model& model, const data::TokenDataset
   // The links are measured where the profile has none: measured now, or cached before
   // they were (then added to the cache).
   if (links && !all_say(together, p.times.link_bytes_per_second > 0, "reading the cached links")) {
-    const LinkRate link = measure_link_rate(*together);
+    const LinkRate link = measure_link_rate(*together, together->tensor(), "the tensor-parallel links");
     p.times.link_bytes_per_second = link.bytes_per_second;
     p.times.link_latency_seconds = link.latency_seconds;
     store = store || p.cached;
@@ -288,18 +288,18 @@ TimeProfile probe_time_profile(const Config& cfg, at::Device device, at::ScalarT
   return p;
 }
 
-LinkRate measure_link_rate(dist::Comm& ranks) {
-  dist::Group& group = ranks.tensor();
+LinkRate measure_link_rate(dist::Comm& ranks, dist::Group& group, const std::string& links) {
   const int64_t t = group.size();
+  const std::string what = "measuring " + links;
   // A small tensor's time is mostly latency, a large one's mostly bytes; both whole
   // tensors of `whole` bytes, each rank giving its 1/t.
   const auto time = [&](int64_t whole) {
     const at::Tensor share = at::zeros({1, whole / t}, at::kByte);
     std::vector<double> reps;
     for (int rep = 0; rep <= 5; ++rep) {
-      ranks.barrier("measuring the tensor-parallel links");
+      ranks.barrier(what);
       const auto t0 = std::chrono::steady_clock::now();
-      group.all_gather(share, 1, "measuring the tensor-parallel links");
+      group.all_gather(share, 1, what);
       if (rep > 0) reps.push_back(seconds_since(t0));  // rep 0 connects and warms
     }
     std::sort(reps.begin(), reps.end());
@@ -317,8 +317,8 @@ LinkRate measure_link_rate(dist::Comm& ranks) {
     fit.bytes_per_second = part * static_cast<double>(large) / large_s;
   }
   // Rank 0's fit: every rank plans with the same numbers.
-  fit.bytes_per_second = rank0s(ranks, fit.bytes_per_second, "sharing rank 0's measure of the links");
-  fit.latency_seconds = rank0s(ranks, fit.latency_seconds, "sharing rank 0's measure of the links");
+  fit.bytes_per_second = rank0s(ranks, fit.bytes_per_second, "sharing rank 0's measure of " + links);
+  fit.latency_seconds = rank0s(ranks, fit.latency_seconds, "sharing rank 0's measure of " + links);
   return fit;
 }
 
@@ -426,9 +426,15 @@ Prices run_prices(const Config& cfg, at::Device device, at::ScalarType dtype, co
   }
   // A profile of its own measured (and cached) the links with its times.
   if (cfg.parallel.tp > 1 && !cfg.ac.profile) {
-    const LinkRate link = measure_link_rate(*ranks);
+    const LinkRate link = measure_link_rate(*ranks, ranks->tensor(), "the tensor-parallel links");
     prices.times.link_bytes_per_second = link.bytes_per_second;
     prices.times.link_latency_seconds = link.latency_seconds;
+  }
+  // Measured each run, not cached: the data-parallel group is not the profile's to time.
+  if (ranks != nullptr && ranks->data().size() > 1) {
+    const LinkRate link = measure_link_rate(*ranks, ranks->data(), "the data-parallel links");
+    prices.times.data_link_bytes_per_second = link.bytes_per_second;
+    prices.times.data_link_latency_seconds = link.latency_seconds;
   }
   return prices;
 }

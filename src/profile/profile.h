@@ -88,7 +88,8 @@ TimeProfile rank_time_profile(const Config& cfg, Model& model, const data::Token
 TimeProfile probe_time_profile(const Config& cfg, at::Device device, at::ScalarType dtype,
                                const data::TokenDataset& data, dist::Comm* ranks);
 
-/// The tensor-parallel links of `ranks` measured: every tensor-parallel group times
+/// The links of `group`, one of `ranks`' groups (its tensor- or data-parallel one, named
+/// by `links` in failures), measured: every such group times
 /// all-gathers of a small and a large tensor at once (as its collectives will run, groups
 /// sharing a host's links), fits the ring model of graph::LinkTraffic to them (the
 /// latency per ring step and the rate each rank sends at) and every rank takes rank 0's
@@ -97,7 +98,7 @@ struct LinkRate {
   double bytes_per_second = 0;
   double latency_seconds = 0;
 };
-LinkRate measure_link_rate(dist::Comm& ranks);
+LinkRate measure_link_rate(dist::Comm& ranks, dist::Group& group, const std::string& links);
 
 /// How fast the offloaded slots' copies move between `device` and host memory
 /// (memory::HostPool), each way: bytes a second and seconds a storage, fitted to the
@@ -123,7 +124,9 @@ void add_host_copy(Prices& prices, at::Device device, at::ScalarType dtype, dist
 /// pipeline stages, probe_time_profile; without ac.profile, FLOPs at `matmul_rate`, which
 /// predict no step time. Under tensor parallelism either way, with the links
 /// measure_link_rate measures (cached with the profile under ac.profile), which price the
-/// collectives no node time covers (all of them without ac.profile). The host copies are
+/// collectives no node time covers (all of them without ac.profile). With several
+/// data-parallel ranks, their links measured so too (each run, uncached), which price the
+/// gradient sums, ZeRO's exchange and gathers (cost::DataParallelTraffic). The host copies are
 /// add_host_copy's, measured apart: a run that offloads prices its ops as one that does not.
 Prices run_prices(const Config& cfg, at::Device device, at::ScalarType dtype, const data::TokenDataset& data,
                   dist::Comm* ranks, double matmul_rate, const std::function<std::unique_ptr<Model>()>& create,

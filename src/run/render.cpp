@@ -130,7 +130,13 @@ nlohmann::json breakdown_json(const cost::StepPrediction& p) {
           {"peak", p.peak},
           {"peak_at", p.peak_at},
           {"host_peak", p.host_peak},
-          {"offloaded_bytes", p.offloaded_bytes}};
+          {"offloaded_bytes", p.offloaded_bytes},
+          {"data_parallel",
+           {{"gradient_bytes", p.data_parallel.gradients.bytes},
+            {"exchange_bytes", p.data_parallel.exchange.bytes},
+            {"gather_bytes", p.data_parallel.gathers.bytes},
+            {"ring_steps", p.data_parallel.total().messages},
+            {"seconds", p.data_parallel_seconds}}}};
 }
 
 // Of a layer's copies to host memory and back, the share that runs beside its compute
@@ -227,6 +233,21 @@ std::string dp_rank_peaks_line(const RunPlan& r, const std::vector<std::vector<i
       r.pipeline ? " of this stage" : "", fmt::join(each, ", "));
 }
 
+// What a rank of `r`'s stage sends over its data-parallel group in a step, by what: the
+// same bytes whatever the prices (the step time prices them).
+std::string data_parallel_line(const RunPlan& r) {
+  const cost::DataParallelTraffic& t = r.predicted.data_parallel;
+  std::vector<std::string> parts;
+  const auto part = [&](const graph::LinkTraffic& l, const char* what) {
+    if (!l.none()) parts.push_back(fmt::format("{} {}", what, format_bytes(static_cast<int64_t>(l.bytes))));
+  };
+  part(t.gradients, "gradient sums");
+  part(t.exchange, "parameter exchange");
+  part(t.gathers, "weight gathers");
+  return fmt::format("data-parallel traffic a step{}, sent by each rank in {} all-reduce ring steps: {}",
+                     r.pipeline ? " of this stage" : "", t.total().messages, fmt::join(parts, ", "));
+}
+
 }  // namespace
 
 std::string plan_text(const Config& cfg, const RunPlan& r) {
@@ -260,6 +281,7 @@ std::string plan_text(const Config& cfg, const RunPlan& r) {
                       p.peak_at);
   text += breakdown(p);
   if (const auto peaks = r.dp_rank_peaks(); !peaks.empty()) text += line(dp_rank_peaks_line(r, peaks));
+  if (!p.data_parallel.total().none()) text += line(data_parallel_line(r));
   if (!r.device.empty()) {
     const cost::DeviceMemory& d = r.device[static_cast<size_t>(r.stage)];
     text += line(fmt::format(
@@ -274,15 +296,26 @@ std::string plan_text(const Config& cfg, const RunPlan& r) {
                        measured(r) && p.recompute_flops > 0 ? fmt::format(", {}", work(r, p.recompute_seconds)) : ""));
   if (r.step_seconds > 0) {
     const Prices& prof = r.prices;
+    double data_parallel = 0;
+    for (const auto& st : r.pipeline ? r.pipeline->stages : std::vector<cost::StepPrediction>{p}) {
+      data_parallel = std::max(data_parallel, st.data_parallel_seconds);
+    }
+    const std::string collectives =
+        data_parallel > 0
+            ? fmt::format(" + {:.1f} ms data-parallel collectives ({:.2f} GB/s and {:.1f} us a ring step)",
+                          1e3 * data_parallel, prof.times.data_link_bytes_per_second / 1e9,
+                          1e6 * prof.times.data_link_latency_seconds)
+            : "";
     const std::string parts =
         r.pipeline
             ? fmt::format(
                   "the schedule simulated stage by stage, {:.1f} ms (transfers not priced), + {:.1f} ms "
-                  "the slowest stage's update",
-                  1e3 * r.pipeline->simulated_seconds, 1e3 * (r.step_seconds - r.pipeline->simulated_seconds))
+                  "the slowest stage's update{}",
+                  1e3 * r.pipeline->simulated_seconds,
+                  1e3 * (r.step_seconds - r.pipeline->simulated_seconds - data_parallel), collectives)
             : fmt::format(
                   "{} x {:.1f} ms forward and backward{} + {:.1f} ms recompute{} + {:.1f} ms the update around the "
-                  "passes",
+                  "passes{}",
                   cfg.train.grad_accum, 1e3 * prof.base_seconds,
                   p.attention_seconds != 0 ? fmt::format(" {:+.1f} ms the layers running the other "
                                                          "attention op",
@@ -294,7 +327,7 @@ std::string plan_text(const Config& cfg, const RunPlan& r) {
                                     "and back + {:.1f} ms slower compute beside them",
                                     1e3 * p.copy_wait_seconds, 1e3 * p.copy_seconds, 1e3 * p.copy_slowdown_seconds)
                       : "",
-                  1e3 * prof.optimizer_seconds);
+                  1e3 * prof.optimizer_seconds, collectives);
     text += line(fmt::format("predicted step time {:.1f} ms: {}", 1e3 * r.step_seconds, parts));
     if (!prof.path.empty()) text += line("time profile: " + prof.path);
   }

@@ -4,6 +4,7 @@
 #pragma once
 
 #include "remat/config.h"
+#include "remat/cost.h"
 #include "remat/dist.h"
 #include "remat/model.h"
 
@@ -26,11 +27,8 @@ namespace remat {
 /// way: the buckets are.
 class GradientReduction {
  public:
-  /// Bytes per bucket: few enough collectives for their latency not to matter, small
-  /// enough that the first starts early in the backward.
-  static constexpr int64_t kBucketBytes = int64_t{4} << 20;
   GradientReduction(Model& model, dist::Group& group, bool overlap, std::string what,
-                    int64_t bucket_bytes = kBucketBytes);
+                    int64_t bucket_bytes = cost::kGradientBucketBytes);
   ~GradientReduction();
   GradientReduction(const GradientReduction&) = delete;
   GradientReduction& operator=(const GradientReduction&) = delete;

@@ -670,6 +670,31 @@ TEST_F(Cli, PlanPricesEachRingStepAtTheLinkLatency) {
   EXPECT_NEAR(with - without, static_cast<double>(steps) * 7.5e-6, 1e-12 * with);
 }
 
+// The step at declared rates: the simulated passes and the data-parallel collectives at
+// their own links, which a rate twice as high (with no latency) takes half the time over;
+// each rank trains its share of the batch's tokens in it.
+TEST_F(Cli, PlanPredictsTheStepAtTheDeclaredRates) {
+  const std::string args =
+      " model.preset=gpt2-demo model.vocab_size=512 parallel.dp=2 parallel.zero=3 train.batch=4 train.seq=64 "
+      "parallel.dp_link_latency=0" +
+      no_corpus();
+  const auto plan = [&](const std::string& rate) {
+    const Result r = run_remat("plan --json parallel.dp_link_rate=" + rate + args);
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    return r.exit_code == 0 ? nlohmann::json::parse(r.output) : nlohmann::json();
+  };
+  const nlohmann::json slow = plan("1"), fast = plan("2");
+  ASSERT_FALSE(slow.is_null());
+  ASSERT_FALSE(fast.is_null());
+  const double collectives = slow["declared_data_parallel_seconds"].get<double>();
+  EXPECT_GT(slow["breakdown"]["data_parallel"]["gather_bytes"].get<double>(), 0);
+  EXPECT_DOUBLE_EQ(collectives, slow["breakdown"]["data_parallel"]["seconds"].get<double>());
+  EXPECT_DOUBLE_EQ(fast["declared_data_parallel_seconds"].get<double>(), collectives / 2);
+  const double step = slow["declared_step_seconds"].get<double>();
+  EXPECT_NEAR(step - fast["declared_step_seconds"].get<double>(), collectives / 2, 1e-12 * step);
+  EXPECT_NEAR(slow["declared_tokens_per_second_per_rank"].get<double>(), 2 * 64 / step, 1e-9 * 2 * 64 / step);
+}
+
 TEST_F(Cli, PlanOfAn8BLlamaAt8kTokens) {
   const Result r = run_remat(
       "plan --budget 200GiB model.preset=llama3-8b train.batch=1 train.seq=8192 "

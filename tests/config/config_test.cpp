@@ -395,6 +395,17 @@ TEST(Config, LinkLatencyIsMicrosecondsARingStepWaits) {
             "10 for a network between hosts.");
   EXPECT_NE(error_of([] { load_config("", {"parallel.link_latency=1000001"}); }).find("got 1000001;"),
             std::string::npos);
+  // The data-parallel links are declared apart: a network between hosts, often.
+  const Config dp = load_config("", {"parallel.dp_link_rate=50", "parallel.dp_link_latency=10"});
+  EXPECT_EQ(dp.parallel.dp_link_rate, 50);
+  EXPECT_EQ(dp.parallel.dp_link_latency, 10);
+  EXPECT_EQ(dp.parallel.link_rate, 100);
+  EXPECT_EQ(error_of([] { load_config("", {"parallel.dp_link_latency=-1"}); }),
+            "parallel.dp_link_latency must be from 0 to 1000000 microseconds, got -1; it is what one ring step of a "
+            "collective waits on the data-parallel links, whatever it sends; for example 2 for NVLink, 10 for a "
+            "network between hosts.");
+  EXPECT_NE(error_of([] { load_config("", {"parallel.dp_link_rate=0"}); }).find("from 0.001 to 1000000 GB/s"),
+            std::string::npos);
 }
 
 TEST(Config, PresetsHaveTheRealShapes) {

@@ -11,6 +11,7 @@
 #include "remat/dist.h"
 #include "remat/model.h"
 #include "remat/planner.h"
+#include "remat/policy.h"
 #include "remat/safetensors.h"
 #include "train/step.h"
 #include "util/fused_adamw.h"
@@ -516,6 +517,73 @@ TEST(Zero, EachDataParallelRankIsPredictedItsOwnShare) {
     for (size_t d = 0; d < peaks.size(); ++d) {
       ASSERT_EQ(peaks[d].size(), 1u);
       EXPECT_EQ(peaks[d][0], predicted - (zero + 1) * 4 * (busiest - load[d])) << zero << " " << d;
+    }
+  }
+}
+
+// What a rank sends over its data-parallel group in a step is what the cost model counts:
+// the same all-reduces of the same bytes (Group::reduced), at every stage, with tensor and
+// sequence parallelism, for a uniform chunk's recompute, which gathers its layers again
+// under stage 3, and on each of two pipeline stages, which hold the tied table apart.
+// Step 2's, after the first has made AdamW's moments.
+TEST(Zero, EachStepsDataParallelCollectivesAreTheCostModels) {
+  const ModelConfig cfg = model_preset("tiny-gpt2");
+  TrainConfig train = train_config();
+  train.grad_accum = 2;
+  struct Case {
+    int ranks, tp, pp;
+    bool sp;
+    const char* policy;
+  };
+  for (const Case c : {Case{2, 1, 1, false, "none"}, Case{2, 1, 1, false, "uniform:2"}, Case{4, 2, 1, true, "full"},
+                       Case{4, 1, 2, false, "none"}}) {
+    for (const int64_t zero : {0, 1, 2, 3}) {
+      const std::string what = fmt::format("{} ranks, tp {}, pp {}, {}, zero {}", c.ranks, c.tp, c.pp, c.policy, zero);
+      Layout layout;
+      layout.dp = c.ranks / c.tp / c.pp;
+      layout.tp = c.tp;
+      layout.sp = c.sp;
+      layout.pp = c.pp;
+      layout.zero = zero;
+      if (c.pp > 1) layout.split = {1, 1};
+      cost::StepShape shape;
+      shape.batch = train.batch;
+      shape.seq = train.seq;
+      shape.grad_accum = train.grad_accum;
+      const ActivationPlan plan = compile_policy(c.policy, cfg.n_layer, cfg.dropout);
+      std::vector<cost::DataParallelTraffic> predicted;  // by stage
+      for (int64_t s = 0; s < c.pp; ++s) {
+        predicted.push_back(cost::data_parallel_traffic(cfg, shape, layout.at_stage(s), plan));
+        EXPECT_EQ(predicted.back().gathers.none(), zero < 3) << what;
+        EXPECT_EQ(predicted.back().exchange.none(), zero == 0 || zero == 3) << what;
+      }
+      std::vector<std::pair<int64_t, dist::Group::Reduced>> counted(static_cast<size_t>(c.ranks));
+      testing::on_gloo_ranks(
+          c.ranks, c.tp,
+          [&](dist::Comm& comm) {
+            const int64_t stage = comm.pipeline().rank();
+            auto model = c.pp > 1 ? Model::create(cfg, at::kCPU, at::kFloat, 1, Layout::pipeline_stage({1, 1}, stage))
+                                  : make_model(c.tp > 1 ? &comm.tensor() : nullptr, c.sp);
+            model->set_activation_plan(plan, StoreOptions{});
+            TrainStep step(*model, train, kSeed, &comm, zero);
+            std::mt19937_64 rng(7);
+            step.run(0, dataset(), rng);
+            const dist::Group::Reduced before = comm.data().reduced();
+            step.run(1, dataset(), rng);
+            const dist::Group::Reduced after = comm.data().reduced();
+            counted[static_cast<size_t>(comm.rank())] = {
+                stage, {after.bytes - before.bytes, after.collectives - before.collectives}};
+          },
+          c.pp);
+      // A ring all-reduce over d ranks: each sends 2 (d - 1) / d of the bytes in 2 (d - 1) steps.
+      const auto d = static_cast<double>(layout.dp);
+      for (int r = 0; r < c.ranks; ++r) {
+        const auto& [stage, got] = counted[static_cast<size_t>(r)];
+        const graph::LinkTraffic total = predicted[static_cast<size_t>(stage)].total();
+        EXPECT_GT(got.collectives, 0) << what;
+        EXPECT_DOUBLE_EQ(total.bytes, 2 * (d - 1) / d * static_cast<double>(got.bytes)) << what << ", rank " << r;
+        EXPECT_EQ(total.messages, 2 * (layout.dp - 1) * got.collectives) << what << ", rank " << r;
+      }
     }
   }
 }

@@ -3,6 +3,7 @@
 #include "plan/plan_test_util.h"
 #include "remat/cost.h"
 #include "remat/planner.h"
+#include "remat/prices.h"
 
 #include <gtest/gtest.h>
 
@@ -143,6 +144,41 @@ TEST(LinkPricing, PlannerKeepsTensorsWholeWhenTheBudgetDoesNotNeedTheSaving) {
       ASSERT_TRUE(tight.has_value());
       EXPECT_FALSE(whole(tight->plan)) << preset << " sp " << sp;
       EXPECT_GT(tight->prediction.recompute_link_seconds, 0) << preset << " sp " << sp;
+    }
+  }
+}
+
+// The data-parallel collectives are priced at the data-parallel links (not the tensor-
+// parallel ones), per stage, apart from the plan's added time, and the step at declared
+// rates is the simulated passes and recompute plus the slowest stage's collectives.
+TEST(LinkPricing, DataParallelCollectivesArePricedAtTheirOwnLinks) {
+  const ModelConfig cfg = testing::plan_config("gpt2-demo", 4, 0.0);
+  const cost::StepShape shape = testing::plan_shape(2, 64, at::kFloat, 2);
+  for (const int64_t pp : {1, 2}) {
+    for (const int64_t zero : {0, 2, 3}) {
+      Layout layout = testing::tp_layout(2, false);
+      layout.dp = 4;
+      layout.pp = pp;
+      layout.zero = zero;
+      cost::NodeTimes times = flop_times();
+      times.data_link_bytes_per_second = 3e7;
+      times.data_link_latency_seconds = 1e-4;
+      const ActivationPlan plan = compile_policy("full", cfg.n_layer);
+      const PlanResult r = Planner(cfg, shape, layout, times).predict(plan, {}, Ledgers::peak);
+      times.link_bytes_per_second *= 10;  // faster tensor-parallel links change none of it
+      const PlanResult faster = Planner(cfg, shape, layout, times).predict(plan, {}, Ledgers::peak);
+      double slowest = 0;
+      for (size_t s = 0; s < r.stages.size(); ++s) {
+        const std::string what = fmt::format("pp {} zero {} stage {}", pp, zero, s);
+        const cost::DataParallelTraffic t =
+            cost::data_parallel_traffic(cfg, shape, layout.at_stage(static_cast<int64_t>(s)), plan);
+        ASSERT_FALSE(t.total().none()) << what;
+        const double seconds = static_cast<double>(t.total().messages) * 1e-4 + t.total().bytes / 3e7;
+        EXPECT_NEAR(r.stages[s].data_parallel_seconds, seconds, 1e-9 * seconds) << what;
+        EXPECT_EQ(faster.stages[s].data_parallel_seconds, r.stages[s].data_parallel_seconds) << what;
+        slowest = std::max(slowest, seconds);
+      }
+      EXPECT_NEAR(declared_step_seconds(r), r.simulated_seconds + slowest, 1e-9 * slowest) << pp << " " << zero;
     }
   }
 }

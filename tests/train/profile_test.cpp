@@ -153,17 +153,23 @@ TEST(TimeProfile, EveryRankTakesRankZerosTimes) {
   }
 }
 
-// The tensor-parallel links are measured by every group at once (two groups of 2 here) and
-// every rank of the job takes rank 0's fit, bit for bit, so all of them plan alike.
+// The tensor-parallel links are measured by every group at once (two groups of 2 here),
+// then the data-parallel ones (two groups of 2 too), and every rank of the job takes rank
+// 0's fit of each, bit for bit, so all of them plan alike.
 TEST(TimeProfile, EveryRankTakesRankZerosMeasureOfTheLinks) {
-  std::vector<LinkRate> got(4);
-  testing::on_gloo_ranks(4, 2,
-                         [&](dist::Comm& comm) { got[static_cast<size_t>(comm.rank())] = measure_link_rate(comm); });
-  EXPECT_GT(got[0].bytes_per_second, 0);
-  EXPECT_GE(got[0].latency_seconds, 0);
-  for (int r = 1; r < 4; ++r) {
-    EXPECT_EQ(got[static_cast<size_t>(r)].bytes_per_second, got[0].bytes_per_second) << "rank " << r;
-    EXPECT_EQ(got[static_cast<size_t>(r)].latency_seconds, got[0].latency_seconds) << "rank " << r;
+  std::vector<LinkRate> tensor(4), data(4);
+  testing::on_gloo_ranks(4, 2, [&](dist::Comm& comm) {
+    const auto r = static_cast<size_t>(comm.rank());
+    tensor[r] = measure_link_rate(comm, comm.tensor(), "the tensor-parallel links");
+    data[r] = measure_link_rate(comm, comm.data(), "the data-parallel links");
+  });
+  for (const auto* got : {&tensor, &data}) {
+    EXPECT_GT((*got)[0].bytes_per_second, 0);
+    EXPECT_GE((*got)[0].latency_seconds, 0);
+    for (size_t r = 1; r < 4; ++r) {
+      EXPECT_EQ((*got)[r].bytes_per_second, (*got)[0].bytes_per_second) << "rank " << r;
+      EXPECT_EQ((*got)[r].latency_seconds, (*got)[0].latency_seconds) << "rank " << r;
+    }
   }
 }
 
