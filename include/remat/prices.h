@@ -58,6 +58,10 @@ struct Prices {
 /// is FLOPs.
 double predicted_step_seconds(const Prices& prices, const PlanResult& r, int64_t stage, int64_t grad_accum);
 
+/// The slowest stage's data-parallel collectives in `r` (StepPrediction::data_parallel_seconds),
+/// which no compute overlaps.
+double data_parallel_seconds(const PlanResult& r);
+
 /// The wall time of a step of `r` priced at declared rates (Prices::declared): every
 /// stage's microbatches simulated with their passes' and recomputes' FLOPs at the compute
 /// rate and their tensor-parallel collectives at the link's, then the slowest stage's

@@ -115,7 +115,7 @@ DeclaredTime declared_time(const RunSpec& spec) {
                                           : spec.plan.planner->predict(spec.plan.plan, spec.plan.split, Ledgers::peak);
   DeclaredTime t;
   t.seconds = declared_step_seconds(r);
-  for (const auto& st : r.stages) t.data_parallel_seconds = std::max(t.data_parallel_seconds, st.data_parallel_seconds);
+  t.data_parallel_seconds = data_parallel_seconds(r);
   const cost::StepShape& s = spec.shape;
   t.tokens_per_second = static_cast<double>(s.batch * s.seq * s.grad_accum) /
                         static_cast<double>(spec.layout.tp * spec.layout.pp) / t.seconds;

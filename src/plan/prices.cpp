@@ -35,14 +35,13 @@ double stages_optimizer_seconds(const Prices& prices, const PlanResult& r) {
   return prices.optimizer_seconds * static_cast<double>(most) / static_cast<double>(prices.optimizer_bytes);
 }
 
-// The slowest stage's data-parallel collectives, which no compute overlaps (cost::DataParallelTraffic).
+}  // namespace
+
 double data_parallel_seconds(const PlanResult& r) {
   double most = 0;
   for (const auto& st : r.stages) most = std::max(most, st.data_parallel_seconds);
   return most;
 }
-
-}  // namespace
 
 double predicted_step_seconds(const Prices& prices, const PlanResult& r, int64_t stage, int64_t grad_accum) {
   if (prices.times.layer_pass_seconds > 0) {

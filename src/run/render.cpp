@@ -1,6 +1,7 @@
 // The one text and JSON rendering of a resolved run (run/run.h).
 #include "remat/memory.h"
 #include "remat/policy.h"
+#include "remat/prices.h"
 #include "run/run.h"
 #include "dist/ranks.h"
 #include "util/progress.h"
@@ -296,10 +297,7 @@ std::string plan_text(const Config& cfg, const RunPlan& r) {
                        measured(r) && p.recompute_flops > 0 ? fmt::format(", {}", work(r, p.recompute_seconds)) : ""));
   if (r.step_seconds > 0) {
     const Prices& prof = r.prices;
-    double data_parallel = 0;
-    for (const auto& st : r.pipeline ? r.pipeline->stages : std::vector<cost::StepPrediction>{p}) {
-      data_parallel = std::max(data_parallel, st.data_parallel_seconds);
-    }
+    const double data_parallel = r.pipeline ? data_parallel_seconds(*r.pipeline) : p.data_parallel_seconds;
     const std::string collectives =
         data_parallel > 0
             ? fmt::format(" + {:.1f} ms data-parallel collectives ({:.2f} GB/s and {:.1f} us a ring step)",
