@@ -53,6 +53,15 @@ enum class ShardingStrategy { no_shard, optim, optim_grads, optim_grads_params }
 /// "no_shard" / "optim" / "optim_grads" / "optim_grads_params", as configs spell it.
 const char* sharding_strategy_name(ShardingStrategy s);
 
+/// Under ZeRO-3, whether a layer's weights are freed after its forward and gathered again
+/// for its backward (parallel.reshard_after_forward, torchtitan's fsdp_reshard_after_forward):
+/// `automatic` ("auto", torchtitan's "default") lets a budget plan choose per layer and
+/// gathers again under a named policy; `always` gathers every layer's again; `never` keeps
+/// them (LayerPlan::weights_kept), but in a uniform chunk.
+enum class Reshard { automatic, always, never };
+/// "auto" / "always" / "never", as configs spell it.
+const char* reshard_name(Reshard r);
+
 /// RoPE's frequencies stretched for a longer context, as Llama 3.1 and 3.2 were trained
 /// (transformers' rope_type "llama3"): wavelengths longer than original_max_seq /
 /// low_freq_factor are stretched by `factor`, those shorter than original_max_seq /
@@ -218,6 +227,10 @@ struct ParallelConfig {
   std::optional<bool> use_distributed_optimizer;
   /// The stage by Megatron-FSDP's name for it.
   std::optional<ShardingStrategy> data_parallel_sharding_strategy;
+  /// ZeRO-3: which layers gather their weights again for their backward (Reshard).
+  Reshard reshard_after_forward = Reshard::automatic;
+  /// The same by torchtitan's name, unset unless given (resolve_reshard).
+  std::optional<Reshard> fsdp_reshard_after_forward;
 };
 
 /// `[ac]`: the recompute policy (compiled by remat/policy.h's compile_policy). Every alias
@@ -342,6 +355,9 @@ void resolve_vocab_size(Config& c, int64_t tokenizer_vocab);
 /// with a sentence, spellings that ask different stages, or a parallel.zero given
 /// (`zero_given`) that differs from theirs.
 void resolve_zero_stage(Config& c, bool zero_given);
+/// Sets parallel.reshard_after_forward from torchtitan's spelling of it where that is set;
+/// refuses, with a sentence, a parallel.reshard_after_forward given (`given`) that differs.
+void resolve_reshard(Config& c, bool given);
 
 /// Every key, in documentation order.
 const std::vector<ConfigKey>& config_keys();

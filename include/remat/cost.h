@@ -190,9 +190,15 @@ struct DataParallelTraffic {
   /// once (2 and 3).
   graph::LinkTraffic gradients;
   graph::LinkTraffic exchange;  ///< the updated parameters from their owners (stages 1 and 2)
-  /// Each part's weights, in the compute dtype, before its forward, its backward and a
-  /// uniform chunk's recompute (stage 3).
+  /// Each part's weights, in the compute dtype, before its forward, and the embedding's and
+  /// the head's before their backwards (stage 3).
   graph::LinkTraffic gathers;
+  /// The gathers the plan adds, as it adds recompute: a layer's before its backward where
+  /// it did not keep its weights from its forward (LayerPlan::weights_kept), and a uniform
+  /// chunk's layers' before its recompute (stage 3).
+  graph::LinkTraffic regathers;
+  /// Every collective but the regathers, which the step's added time holds.
+  graph::LinkTraffic fixed() const;
   graph::LinkTraffic total() const;
 };
 DataParallelTraffic data_parallel_traffic(const ModelConfig& cfg, const StepShape& shape, const Layout& layout,
@@ -225,10 +231,13 @@ struct StepPrediction {
   /// (LayerPlan::attention) take beyond the model's op in them (OtherAttention::pass_delta).
   double attention_seconds = 0;
   DataParallelTraffic data_parallel;  ///< per step
-  double data_parallel_seconds = 0;   ///< per step: that traffic at the data-parallel links' rate
+  /// Per step, at the data-parallel links' rate: that traffic's fixed() part, and its regathers.
+  double data_parallel_seconds = 0, regather_seconds = 0;
   /// Per step: what the plan adds to a step that recomputes nothing, runs the model's
-  /// attention op and offloads nothing.
-  double added_seconds() const { return recompute_seconds + attention_seconds + copy_added_seconds(); }
+  /// attention op, offloads nothing and keeps every layer's gathered weights.
+  double added_seconds() const {
+    return recompute_seconds + attention_seconds + copy_added_seconds() + regather_seconds;
+  }
 };
 
 /// Prices one layer's slot choice. `dropped`: slots recomputed; `early_stop` as the store's;

@@ -144,6 +144,11 @@ struct LayerPlan {
   /// ActivationPlan::may_prefetch allows; the planner sets it where the step is then faster
   /// and still fits the budget.
   bool prefetch = false;
+  /// Sharded weights (ZeRO-3): the layer's weights, gathered for its forward, stay on the
+  /// device until its backward instead of being gathered again for it (FSDP's
+  /// reshard_after_forward = False for this layer). Never in a uniform chunk, whose
+  /// recompute gathers them again anyway.
+  bool weights_kept = false;
   bool keeps_all() const { return dropped.empty() && chunk_begin < 0 && !input_sharded && offloaded.empty(); }
 };
 
@@ -169,6 +174,9 @@ struct ActivationPlan {
   bool prefetches(int64_t l, int64_t end) const {
     return layers.at(static_cast<size_t>(l)).prefetch && may_prefetch(l, end);
   }
+  /// Whether layer l keeps its gathered weights from its forward to its backward: its
+  /// LayerPlan::weights_kept, outside a uniform chunk.
+  bool keeps_weights(int64_t l) const { return layers.at(static_cast<size_t>(l)).weights_kept && chunk_of(l) < 0; }
   /// Whether some layer offloads a slot to host memory.
   bool offloads() const {
     return std::any_of(layers.begin(), layers.end(), [](const LayerPlan& l) { return !l.offloaded.empty(); });

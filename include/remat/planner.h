@@ -8,7 +8,9 @@
 // attention ops where the times price the other one (model.attention = auto), under
 // tensor parallelism without sequence parallelism each also with the block input kept as
 // a share per rank (Megatron's distribute_saved_activations, priced by the measured
-// all-gather), and keeps the Pareto frontier. Across layers a dynamic program over (bytes
+// all-gather), under ZeRO-3 each also with the layer's gathered weights kept to its
+// backward or gathered again (priced at the data-parallel links), and keeps the Pareto
+// frontier. Across layers a dynamic program over (bytes
 // kept by the layers below, time) picks one frontier point per layer, or a uniform chunk
 // of several layers, so that predicted time is least and every point of the step (each
 // layer's forward and backward, the loss head, the optimizer) stays within the budget.
@@ -69,6 +71,9 @@ struct PlannerOptions {
   int64_t max_states = 4096;
   /// The caching allocator's settings (run.expandable_segments), for a CUDA device.
   memory::AllocatorRules allocator;
+  /// With sharded values, which layers may keep their gathered weights to their backward:
+  /// each as the budget is best spent (automatic), none (always) or every one (never).
+  Reshard reshard = Reshard::automatic;
 };
 
 /// The offload sets a layer's keep-set `dropped` is priced with under a host budget:
@@ -88,8 +93,10 @@ struct LayerOption {
   cost::LayerCost cost;
   bool input_sharded = false;          ///< LayerPlan::input_sharded
   std::optional<Attention> attention;  ///< LayerPlan::attention: the other attention op, or unset
-  /// What the option adds to the step: its recompute, its host copies, and with the other
-  /// attention op the difference of its pass (cost::OtherAttention::pass_delta).
+  bool weights_kept = false;           ///< LayerPlan::weights_kept (its weights in cost.kept)
+  /// What the option adds to the step: its recompute, its host copies, with the other
+  /// attention op the difference of its pass (cost::OtherAttention::pass_delta), and with
+  /// sharded values not kept the gather again before its backward.
   double seconds = 0;
 };
 
@@ -213,6 +220,9 @@ class Planner {
   ChunkCost chunk_cost(int64_t n, bool sharded) const;
   // How a layer may hold its kept input: whole, and as a share when the block allows it.
   std::vector<bool> input_holds() const;
+  // Whether a layer may keep its gathered weights to its backward, as options_.reshard
+  // allows where values are sharded: not, and where allowed so.
+  std::vector<bool> weight_holds() const;
   // One way to plan the layers from a position: frontier option `option`, or (-1) a
   // uniform chunk of `chunk` layers with its input whole or as a share.
   struct Choice {
@@ -292,9 +302,11 @@ class Planner {
   /// Sharded gradients: the buffers every layer's backward holds beside its own bytes (its
   /// own gradients', and the embedding's and head's), in each option's backward_peak.
   int64_t grad_buffers_ = 0;
-  /// Sharded values: a layer's weights, gathered for its forward and again for its backward,
-  /// in each option's forward_peak and backward_peak.
+  /// Sharded values: a layer's weights, gathered for its forward and, unless it keeps them,
+  /// again for its backward, in each option's forward_peak and backward_peak; one gather's
+  /// time at the data-parallel links.
   int64_t gathered_ = 0;
+  double regather_ = 0;
   // A forward and backward of one microbatch: of a block without recompute, of the
   // embedding, of the loss head; measured where the times have them, else three times the
   // forward (a backward costs about twice its forward, as its FLOPs do).

@@ -108,6 +108,7 @@ std::string communication_text(const RunSpec& spec, const Communication& c, cons
 // ranks and pipeline stages.
 struct DeclaredTime {
   double seconds = 0, data_parallel_seconds = 0, tokens_per_second = 0;
+  double regather_seconds = 0;  ///< the slowest stage's weights gathered again, within its passes
 };
 
 DeclaredTime declared_time(const RunSpec& spec) {
@@ -116,6 +117,7 @@ DeclaredTime declared_time(const RunSpec& spec) {
   DeclaredTime t;
   t.seconds = declared_step_seconds(r);
   t.data_parallel_seconds = data_parallel_seconds(r);
+  t.regather_seconds = r.stages[static_cast<size_t>(r.bottleneck)].regather_seconds;
   const cost::StepShape& s = spec.shape;
   t.tokens_per_second = static_cast<double>(s.batch * s.seq * s.grad_accum) /
                         static_cast<double>(spec.layout.tp * spec.layout.pp) / t.seconds;
@@ -136,9 +138,13 @@ void print_declared_time(const RunSpec& spec) {
       seconds_text(t.seconds), p.compute_rate,
       spec.layout.tp > 1 ? fmt::format(", the tensor-parallel collectives at parallel.link_rate = {} GB/s", p.link_rate)
                          : "",
-      spec.layout.dp > 1 ? fmt::format(", {} of data-parallel collectives at parallel.dp_link_rate = {} GB/s and "
+      spec.layout.dp > 1 ? fmt::format(", {} of data-parallel collectives{} at parallel.dp_link_rate = {} GB/s and "
                                        "dp_link_latency = {} us, beside no compute",
-                                       seconds_text(t.data_parallel_seconds), p.dp_link_rate, p.dp_link_latency)
+                                       seconds_text(t.data_parallel_seconds),
+                                       t.regather_seconds > 0 ? fmt::format(" and {} of weights gathered again",
+                                                                            seconds_text(t.regather_seconds))
+                                                              : "",
+                                       p.dp_link_rate, p.dp_link_latency)
                          : "",
       spec.layout.pp > 1 ? " and the stages' transfers" : "", t.tokens_per_second);
 }

@@ -278,6 +278,8 @@ Config load_config(const std::string& toml_path, const std::vector<std::string>&
   }
   resolve_zero_stage(
       c, std::any_of(settings.begin(), settings.end(), [](const auto& kv) { return kv.first == "parallel.zero"; }));
+  resolve_reshard(c, std::any_of(settings.begin(), settings.end(),
+                                 [](const auto& kv) { return kv.first == "parallel.reshard_after_forward"; }));
   c.model.vocab_size = padded_vocab_size(c, c.model.vocab_size);
   // The real stages are the ones per-stage policies count (block:N, ratio:R, ColossalAI's lists).
   if (c.parallel.pp > 1 && c.ac.stages == 1) c.ac.stages = c.parallel.pp;

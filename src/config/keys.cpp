@@ -89,6 +89,18 @@ ShardingStrategy parse_sharding_strategy(const std::string& key, const std::stri
                   key, util::printable(v)));
 }
 
+Reshard parse_reshard(const std::string& key, const std::string& v) {
+  if (v == "auto" || v == "default") return Reshard::automatic;
+  if (v == "always") return Reshard::always;
+  if (v == "never") return Reshard::never;
+  fail(
+      fmt::format("{} must be auto (or torchtitan's default: a budget plan chooses per layer whether its gathered "
+                  "weights stay until its backward; a named policy gathers them again), always (every layer gathers "
+                  "its weights again for its backward) or never (every layer keeps them, but in a uniform chunk), "
+                  "got '{}'.",
+                  key, util::printable(v)));
+}
+
 DataFormat parse_data_format(const std::string& key, const std::string& v) {
   if (v == "text") return DataFormat::text;
   if (v == "jsonl") return DataFormat::jsonl;
@@ -141,6 +153,8 @@ ConfigKey key_at(std::string name, At at, std::string help, std::optional<KeyRan
       dst = parse_data_format(name, v);
     } else if constexpr (std::is_same_v<T, CommBackend>) {
       dst = parse_comm_backend(name, v);
+    } else if constexpr (std::is_same_v<T, Reshard>) {
+      dst = parse_reshard(name, v);
     } else if constexpr (std::is_same_v<T, pipeline::Schedule>) {
       dst = pipeline::schedule_of_name(v);
     } else if constexpr (std::is_same_v<T, c10::Device>) {
@@ -167,6 +181,8 @@ ConfigKey key_at(std::string name, At at, std::string help, std::optional<KeyRan
       return quote(data_format_name(src));
     } else if constexpr (std::is_same_v<T, CommBackend>) {
       return quote(comm_backend_name(src));
+    } else if constexpr (std::is_same_v<T, Reshard>) {
+      return quote(reshard_name(src));
     } else if constexpr (std::is_same_v<T, pipeline::Schedule>) {
       return quote(pipeline::schedule_name(src));
     } else if constexpr (std::is_same_v<T, c10::Device>) {
@@ -250,6 +266,8 @@ ConfigKey alias_key(std::string name, S Config::*section, std::optional<T> S::*f
       dst = v;
     } else if constexpr (std::is_same_v<T, ShardingStrategy>) {
       dst = parse_sharding_strategy(name, v);
+    } else if constexpr (std::is_same_v<T, Reshard>) {
+      dst = parse_reshard(name, v);
     } else if constexpr (std::is_same_v<T, bool>) {
       dst = parse_bool(name, v);
     } else if constexpr (std::is_integral_v<T>) {
@@ -271,6 +289,8 @@ ConfigKey alias_key(std::string name, S Config::*section, std::optional<T> S::*f
       return quote(*src);
     } else if constexpr (std::is_same_v<T, ShardingStrategy>) {
       return quote(sharding_strategy_name(*src));
+    } else if constexpr (std::is_same_v<T, Reshard>) {
+      return quote(reshard_name(*src));
     } else if constexpr (std::is_same_v<T, bool>) {
       return *src ? "true" : "false";
     } else if constexpr (std::is_integral_v<T>) {
@@ -551,6 +571,11 @@ std::vector<ConfigKey> parallel_keys() {
                 "Megatron: true = parallel.zero 1 or above"),
       alias_key("parallel.data_parallel_sharding_strategy", &C::parallel, &P::data_parallel_sharding_strategy,
                 "Megatron-FSDP: no_shard, optim, optim_grads, optim_grads_params = parallel.zero 0 to 3"),
+      key("parallel.reshard_after_forward", &C::parallel, &P::reshard_after_forward,
+          "ZeRO-3: auto (a budget plan chooses per layer), always (each layer gathers its weights again for its "
+          "backward) or never (each keeps them)"),
+      alias_key("parallel.fsdp_reshard_after_forward", &C::parallel, &P::fsdp_reshard_after_forward,
+                "torchtitan: default, always, never = parallel.reshard_after_forward auto, always, never"),
   };
 }
 

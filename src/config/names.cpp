@@ -29,6 +29,8 @@ const char* sharding_strategy_name(ShardingStrategy s) {
   return "?";
 }
 
+const char* reshard_name(Reshard r) { return r == Reshard::always ? "always" : r == Reshard::never ? "never" : "auto"; }
+
 const char* data_format_name(DataFormat f) {
   return f == DataFormat::text ? "text" : f == DataFormat::jsonl ? "jsonl" : "tokens";
 }

@@ -325,6 +325,29 @@ void resolve_zero_stage(Config& c, bool zero_given) {
   if (!zero_given) p.zero = stage;
 }
 
+void resolve_reshard(Config& c, bool given) {
+  auto& p = c.parallel;
+  if (!p.fsdp_reshard_after_forward) return;
+  if (given && p.reshard_after_forward != *p.fsdp_reshard_after_forward) {
+    fail(fmt::format(
+        "parallel.reshard_after_forward = \"{}\" but parallel.fsdp_reshard_after_forward = \"{}\" (torchtitan's "
+        "spelling, its \"default\" remat's \"auto\"): they are two spellings of the same setting; drop one, or "
+        "make them agree.",
+        reshard_name(p.reshard_after_forward), reshard_name(*p.fsdp_reshard_after_forward)));
+  }
+  p.reshard_after_forward = *p.fsdp_reshard_after_forward;
+}
+
+// Only ZeRO-3 gathers weights, so only it can keep them or gather them again.
+void check_reshard(const ParallelConfig& p) {
+  if (p.reshard_after_forward == Reshard::automatic || p.zero == 3) return;
+  fail(
+      fmt::format("parallel.reshard_after_forward = \"{}\" chooses whether ZeRO-3's gathered weights stay from a "
+                  "layer's forward to its backward, but parallel.zero = {} gathers none: set parallel.zero = 3, or "
+                  "drop the setting.",
+                  reshard_name(p.reshard_after_forward), p.zero));
+}
+
 // Formats other than text read the user's files, and token ids mean nothing without the
 // tokenizer that wrote them.
 void check_data(const DataConfig& d) {
@@ -356,6 +379,7 @@ void validate_config(const Config& c) {
   check_ranks(c);
   check_tensor_parallel(c);
   check_ac_parallel(c);
+  check_reshard(c.parallel);
 }
 
 }  // namespace remat

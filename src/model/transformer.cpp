@@ -7,7 +7,9 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <optional>
 #include <set>
+#include <utility>
 
 namespace remat::detail {
 
@@ -216,6 +218,7 @@ std::unique_ptr<Microbatch> TransformerModel::forward(const at::Tensor& input, c
   const auto [B, T] = check_input(input, targets);
   const Weights& W = compute_weights();
   auto mb = std::make_unique<TransformerMicrobatch>(this, ctx);
+  mb->weights.resize(static_cast<size_t>(stage_.count));
   for (int64_t l = stage_.first; l < end_layer(); ++l) {
     mb->block_shapes.push_back(&shaped(Part::block, B, T, 0, sp_, l));
   }
@@ -247,7 +250,8 @@ std::unique_ptr<Microbatch> TransformerModel::forward(const at::Tensor& input, c
         const int64_t l = a.layer;
         const trace::Scope layer_scope("forward", trace::Category::layer, l);
         const GraphShape& blk = *mb->block_shapes[static_cast<size_t>(l - stage_.first)];
-        const Gathered weights(*this, W.layers[l - stage_.first], Part::block, l, "forward", &ctx);
+        at::Tensor* kept = plan().keeps_weights(l) ? &mb->weights[static_cast<size_t>(l - stage_.first)] : nullptr;
+        const Gathered weights(*this, W.layers[l - stage_.first], Part::block, l, "forward", &ctx, kept);
         Engine e = engine(blk, W, W.layers[l - stage_.first], std::nullopt, l, ctx, store_.get());
         mb->layers.push_back(std::make_unique<Run>(blk.graph, blk.lifetimes, keeps(l), true, hold(l),
                                                    plan().layers[static_cast<size_t>(l)].offloaded));
@@ -359,7 +363,8 @@ at::Tensor TransformerModel::layer_backward(TransformerMicrobatch& mb, int64_t l
   auto& run = mb.layers[static_cast<size_t>(l - stage_.first)];
   const GraphShape& blk = *mb.block_shapes[static_cast<size_t>(l - stage_.first)];
   const std::vector<int>& params = W.layers[static_cast<size_t>(l - stage_.first)];
-  const Gathered weights(*this, params, Part::block, l, "backward", &ctx);
+  at::Tensor& kept = mb.weights[static_cast<size_t>(l - stage_.first)];
+  const Gathered weights(*this, params, Part::block, l, "backward", &ctx, kept.defined() ? &kept : nullptr);
   const bool sharded = grads_sharded();
   at::Tensor grads = sharded ? open_part_grads(params) : at::Tensor();
   Engine e = engine(blk, W, params, into, l, ctx, store_.get());
@@ -449,6 +454,8 @@ void TransformerModel::set_activation_plan(const ActivationPlan& plan, const Sto
   }
   attention_.clear();
   for (const LayerPlan& lp : plan.layers) attention_.push_back(lp.attention);
+  // A plan that keeps every activation needs no store, but may keep gathered weights.
+  for (size_t l = 0; l < plan.layers.size(); ++l) keep_all_.layers[l].weights_kept = plan.layers[l].weights_kept;
   store_ = any ? std::make_unique<ActivationStore>(plan, options, stage_.first, end_layer()) : nullptr;
 }
 
@@ -680,33 +687,41 @@ void TransformerModel::shard_values(const std::vector<bool>& owned, dist::Group&
 }
 
 TransformerModel::Gathered::Gathered(TransformerModel& m, const std::vector<int>& params, Part part, int64_t l,
-                                     const char* pass, const StepContext* ctx)
+                                     const char* pass, const StepContext* ctx, at::Tensor* kept)
     : m_(m), params_(params) {
   if (!m_.values_sharded()) return;
-  const trace::Scope scope("weight gather", trace::Category::layer);
-  // As bits: each weight's owner gives its bytes and every other rank zeros, so that the
-  // sum of 64-bit words is the owners' bytes exactly, in any dtype (Gloo sums no bfloat16).
-  const int64_t size = static_cast<int64_t>(c10::elementSize(m_.compute_dtype_));
+  const bool again = kept == nullptr || !kept->defined();
+  std::optional<trace::Scope> scope;
+  if (again) {
+    scope.emplace("weight gather", trace::Category::layer);
+    // As bits: each weight's owner gives its bytes and every other rank zeros, so that the
+    // sum of 64-bit words is the owners' bytes exactly, in any dtype (Gloo sums no bfloat16).
+    const int64_t size = static_cast<int64_t>(c10::elementSize(m_.compute_dtype_));
+    int64_t numel = 0;
+    for (const int i : params_) numel += m_.weights_.tensors[static_cast<size_t>(i)].numel();
+    words_ = at::zeros({(numel * size + 7) / 8}, m_.value_buffer_.options().dtype(at::kLong));
+  } else {
+    words_ = std::exchange(*kept, at::Tensor());
+  }
+  const at::Tensor flat = words_.view(m_.compute_dtype_);
   int64_t numel = 0;
-  for (const int i : params_) numel += m_.weights_.tensors[static_cast<size_t>(i)].numel();
-  at::Tensor words = at::zeros({(numel * size + 7) / 8}, m_.value_buffer_.options().dtype(at::kLong));
-  const at::Tensor flat = words.view(m_.compute_dtype_);
-  numel = 0;
   for (const int i : params_) {
     const at::Tensor& master = m_.weights_.tensors[static_cast<size_t>(i)];
     at::Tensor w = flat.narrow(0, numel, master.numel()).view(master.sizes());
-    if (m_.kept_values_[static_cast<size_t>(i)]) w.copy_(master);
+    if (again && m_.kept_values_[static_cast<size_t>(i)]) w.copy_(master);
     m_.gathered_.tensors[static_cast<size_t>(i)] = std::move(w);
     numel += master.numel();
   }
+  if (!again) return;
   const std::string name = part == Part::embed  ? std::string("the embedding's")
                            : part == Part::head ? std::string("the loss head's")
                                                 : fmt::format("layer {}'s", l);
-  std::vector<at::Tensor> sum{words};
+  std::vector<at::Tensor> sum{words_};
   m_.value_group_->all_reduce(sum, dist::Reduce::sum,
                               ctx != nullptr ? fmt::format("gathering {} weights for the {} of step {}, microbatch {}",
                                                            name, pass, ctx->step + 1, ctx->microbatch + 1)
                                              : fmt::format("gathering {} weights for {}", name, pass));
+  if (kept != nullptr) *kept = words_;
 }
 
 TransformerModel::Gathered::~Gathered() {

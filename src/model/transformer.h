@@ -146,6 +146,10 @@ struct TransformerMicrobatch final : Microbatch {
   std::unique_ptr<Run> embed;
   std::vector<std::unique_ptr<Run>> layers;  ///< the stage's layers, from its first
   std::unique_ptr<Run> head;
+  /// Sharded values: the gathered weights of the stage's layers whose plan keeps them from
+  /// their forward to their backward (LayerPlan::weights_kept), from its first; undefined
+  /// where the backward gathers them again.
+  std::vector<at::Tensor> weights;
   bool consumed = false;  ///< its backward ran (or began and failed)
 
   TransformerMicrobatch(const TransformerModel* m, const StepContext& c) : model(m), ctx(c) {}
@@ -181,11 +185,13 @@ class TransformerModel final : public Model {
   // Sharded values (shard_values): the weights of `params` (the model's list of a part's,
   // which outlives it) gathered into gathered_, in the compute dtype, for as long as it
   // lives; nothing otherwise. `part` (layer `l`), `pass` and the training microbatch `ctx`
-  // (null: outside training) name the gather in a failure.
+  // (null: outside training) name the gather in a failure. `kept`, for a layer that keeps
+  // its weights to its backward: empty, the gather is left in it as well; holding a
+  // forward's gather, that is taken from it instead of gathering again.
   class Gathered {
    public:
     Gathered(TransformerModel& m, const std::vector<int>& params, Part part, int64_t l, const char* pass,
-             const StepContext* ctx = nullptr);
+             const StepContext* ctx = nullptr, at::Tensor* kept = nullptr);
     ~Gathered();
     Gathered(const Gathered&) = delete;
     Gathered& operator=(const Gathered&) = delete;
@@ -193,6 +199,7 @@ class TransformerModel final : public Model {
    private:
     TransformerModel& m_;
     const std::vector<int>& params_;
+    at::Tensor words_;  // the gathered bytes, as 64-bit words
   };
 
   // The microbatch's [B, T] from a forward's input (token ids on the first stage, an
@@ -264,7 +271,8 @@ class TransformerModel final : public Model {
   std::optional<ops::RopeTables> rope_;  ///< rotation tables, when the block rotates
   std::map<std::tuple<Part, int64_t, int64_t, int64_t, bool, Attention>, std::unique_ptr<GraphShape>> parts_;
   std::unique_ptr<ActivationStore> store_;  ///< null: every slot kept
-  ActivationPlan keep_all_;                 ///< a LayerPlan per layer, keeping everything
+  ActivationPlan keep_all_;                 ///< a LayerPlan per layer, keeping everything (and the set
+                                            ///< plan's kept weights)
   /// Per layer of the model, the attention op its plan names (LayerPlan::attention); empty
   /// before a plan is set, and unset entries: the model's op.
   std::vector<std::optional<Attention>> attention_;

@@ -58,6 +58,12 @@ std::vector<SlotMask> keep_sets(const graph::BlockGraph& block) {
 
 }  // namespace
 
+std::vector<bool> Planner::weight_holds() const {
+  if (gathered_ == 0 || options_.reshard == Reshard::always) return {false};
+  if (options_.reshard == Reshard::never) return {true};
+  return {false, true};
+}
+
 std::vector<LayerOption> Planner::price_options(bool offload) const {
   std::vector<LayerOption> all;
   const auto add = [&](const graph::BlockGraph& block, const cost::LayerPricer& pricer, std::optional<Attention> op,
@@ -72,7 +78,18 @@ std::vector<LayerOption> Planner::price_options(bool offload) const {
           // A set whose every slot shares memory the device keeps moves nothing.
           if (!moved.empty() && o.cost.host == 0) continue;
           o.seconds = o.cost.recompute_seconds + delta + o.cost.copy_added_seconds();
-          all.push_back(std::move(o));
+          // The weights kept from the forward are in the layer's kept bytes, and in both its
+          // peaks already; gathered again, they take one more gather.
+          for (const bool kept : weight_holds()) {
+            LayerOption w = o;
+            w.weights_kept = kept;
+            if (kept) {
+              w.cost.kept += gathered_;
+            } else {
+              w.seconds += regather_;
+            }
+            all.push_back(std::move(w));
+          }
         }
       }
     }
@@ -117,7 +134,8 @@ Planner::ChunkCost Planner::chunk_cost(int64_t n, bool sharded) const {
   c.kept = sharded ? input / block_.tp : input;
   c.top =
       std::max({input + fwd, block_.output_bytes() + (n - 1) * full + fwd, (n - 1) * full + whole_.cost.backward_peak});
-  c.seconds = static_cast<double>(n) * block_seconds_;
+  // Each layer's weights are gathered again for the recompute and for its backward.
+  c.seconds = static_cast<double>(n) * (block_seconds_ + 2 * regather_);
   if (sharded) {
     // Gloo's all-gather holds the parts and its receive buffer beside the share and the
     // output gradient (graph::all_gather_events).
@@ -134,6 +152,7 @@ void Planner::place(ActivationPlan& plan, int64_t pos, const Choice& c, const Op
     plan.layers[pos].offloaded = opt.offloaded;
     plan.layers[pos].input_sharded = opt.input_sharded;
     plan.layers[pos].attention = opt.attention;
+    plan.layers[pos].weights_kept = opt.weights_kept;
     return;
   }
   const SlotMask everything = SlotMask::droppable();

@@ -52,7 +52,7 @@ void to_seconds(cost::LayerCost& c, double per_second) {
 
 void to_seconds(cost::StepPrediction& p, double per_second) {
   for (double* t : {&p.recompute_seconds, &p.recompute_link_seconds, &p.copy_seconds, &p.copy_wait_seconds,
-                    &p.copy_slowdown_seconds, &p.attention_seconds, &p.data_parallel_seconds}) {
+                    &p.copy_slowdown_seconds, &p.attention_seconds, &p.data_parallel_seconds, &p.regather_seconds}) {
     *t /= per_second;
   }
   for (cost::LayerCost& c : p.layers) to_seconds(c, per_second);
@@ -88,6 +88,7 @@ Planner::Planner(const ModelConfig& cfg, const cost::StepShape& shape, const Lay
   const cost::GradientBuffers grads = cost::gradient_buffers(cfg_, layout_, cost::master_dtype(shape_.dtype));
   grad_buffers_ = grads.in_layer_backward();
   gathered_ = cost::gathered_weights(cfg_, layout_, shape_.dtype).layer;
+  regather_ = times_.data_link_seconds(graph::LinkTraffic::all_reduce(gathered_, layout_.dp));
   device_frontier_ = price_options(false);
   whole_ = {{}, {}, cost::LayerPricer(block_, options_.early_stop, times_).price({}), false, std::nullopt};
   whole_.cost.forward_peak += gathered_;

@@ -269,8 +269,13 @@ StepConstants step_constants(const ModelConfig& cfg, const StepShape& shape, con
   return k;
 }
 
-graph::LinkTraffic DataParallelTraffic::total() const {
+graph::LinkTraffic DataParallelTraffic::fixed() const {
   return {gradients.bytes + exchange.bytes + gathers.bytes, gradients.messages + exchange.messages + gathers.messages};
+}
+
+graph::LinkTraffic DataParallelTraffic::total() const {
+  const graph::LinkTraffic f = fixed();
+  return {f.bytes + regathers.bytes, f.messages + regathers.messages};
 }
 
 namespace {
@@ -334,7 +339,7 @@ DataParallelTraffic data_parallel_traffic(const ModelConfig& cfg, const StepShap
   const GatheredWeights g = gathered_weights(cfg, layout, shape.dtype);
   const int64_t F = layout.first_layer(cfg.n_layer), E = F + layout.stage_layers(cfg.n_layer);
   const schedule::Stage stage{F, E, layout.has_embedding(), layout.has_head()};
-  const auto gather = sum(t.gathers);
+  const auto gather = sum(t.gathers), regather = sum(t.regathers);
   for (const schedule::Action& a :
        schedule::step(plan, stage, layout.schedule, layout.pp, layout.stage, shape.grad_accum)) {
     switch (a.kind) {
@@ -347,11 +352,13 @@ DataParallelTraffic data_parallel_traffic(const ModelConfig& cfg, const StepShap
         gather(g.head);
         break;
       case schedule::Kind::forward:
-      case schedule::Kind::backward:
         gather(g.layer);
         break;
+      case schedule::Kind::backward:
+        if (!plan.keeps_weights(a.layer)) regather(g.layer);
+        break;
       case schedule::Kind::recompute:
-        for (int64_t j = a.layer; j <= a.last; ++j) gather(g.layer);
+        for (int64_t j = a.layer; j <= a.last; ++j) regather(g.layer);
         break;
       default:
         break;

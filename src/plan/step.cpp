@@ -168,7 +168,8 @@ StepPrediction predict_step(const ModelConfig& cfg, const StepShape& shape, cons
   p.host_peak = host.peak();
   add_times(p, cfg, shape, layout, plan, times, block, whole);
   p.data_parallel = data_parallel_traffic(cfg, shape, layout, plan);
-  p.data_parallel_seconds = times.data_link_seconds(p.data_parallel.total());
+  p.data_parallel_seconds = times.data_link_seconds(p.data_parallel.fixed());
+  p.regather_seconds = times.data_link_seconds(p.data_parallel.regathers);
   return p;
 }
 

@@ -132,7 +132,7 @@ void StepWalk::forward(Microbatch& mb, int64_t l) {
   mark(of_layer("forward", l), live_.current() - bytes_of(mb.x));
   Held& h = mb.layers[static_cast<size_t>(l - first_)];
   const LayerPlan& lp = plan_.layers[static_cast<size_t>(l)];
-  const SimTensor weights = gather(gathered_.layer);
+  SimTensor weights = gather(gathered_.layer);
   if (priced_ != nullptr && plan_.chunk_of(l) < 0) {
     // Held as priced: from its input, which the pricing counts from the start, to the
     // bytes it keeps on the device and in host memory, and its output.
@@ -152,6 +152,10 @@ void StepWalk::forward(Microbatch& mb, int64_t l) {
         std::make_unique<SimRun>(b.g, b.lt, std::move(keep), true,
                                  lp.input_sharded ? graph::InputHold::sharded : graph::InputHold::whole, lp.offloaded);
     mb.x = run_forward(*h.run, s, std::move(mb.x), h.bytes);
+  }
+  if (plan_.keeps_weights(l)) {
+    h.bytes += bytes_of(weights);
+    h.weights = std::move(weights);
   }
   if (l == end_ - 1 && !layout_.has_head()) mb.x.reset();  // sent to the next stage
 }
@@ -186,9 +190,9 @@ void StepWalk::backward(Microbatch& mb, int64_t l) {
   Held& h = mb.layers[static_cast<size_t>(l - first_)];
   // The gradient buffers are the backward's working set too.
   mark(of_layer("backward", l), live_.current() - bytes_of(mb.dx) - h.bytes - bytes_of(mb.ends_grads));
-  // Sharded values: the layer's weights, gathered again. Sharded gradients: the layer's own
-  // buffer, summed over the ranks after its backward.
-  SimTensor weights = gather(gathered_.layer);
+  // Sharded values: the layer's weights, kept from its forward or gathered again. Sharded
+  // gradients: the layer's own buffer, summed over the ranks after its backward.
+  SimTensor weights = h.weights ? std::move(h.weights) : gather(gathered_.layer);
   SimTensor grads = grad_buffers_.layer > 0 ? make(grad_buffers_.layer) : nullptr;
   if (h.run) {
     Simulator s = sim(b);

@@ -30,6 +30,7 @@ struct Shaped {
 struct Held {
   std::unique_ptr<SimRun> run;
   SimTensor kept, away, fetched;
+  SimTensor weights;  // its gathered weights, where its plan keeps them (LayerPlan::weights_kept)
   int64_t bytes = 0;  // device bytes it holds, for the working set
 };
 

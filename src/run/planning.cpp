@@ -35,6 +35,16 @@ ActivationPlan offloading_what_exists(ActivationPlan plan, const graph::BlockGra
       plan.policy, fmt::join(absent.names(), ", "), arch_name(arch), fmt::join(slots, ", ")));
 }
 
+// A named policy's `plan` with every layer outside a uniform chunk keeping its gathered
+// weights where `reshard` says never and the values are sharded; as compiled otherwise.
+ActivationPlan keeping_weights(ActivationPlan plan, Reshard reshard, const Layout& layout) {
+  if (reshard != Reshard::never || !layout.values_sharded()) return plan;
+  for (size_t l = 0; l < plan.layers.size(); ++l) {
+    plan.layers[l].weights_kept = plan.chunk_of(static_cast<int64_t>(l)) < 0;
+  }
+  return plan;
+}
+
 }  // namespace
 
 bool on_cuda(const RunConfig& run) { return run.device.is_cuda(); }
@@ -68,6 +78,7 @@ RunPlan plan_run(const Config& cfg, at::ScalarType dtype, const Prices& prices, 
   PlannerOptions options;
   options.early_stop = cfg.ac.early_stop;
   options.allocator.expandable_segments = cfg.run.expandable_segments;
+  options.reshard = cfg.parallel.reshard_after_forward;
   auto planner = std::make_shared<const Planner>(cfg.model, step_shape(cfg, dtype), layout, prices.times, options);
   RunPlan r;
   r.planner = planner;
@@ -86,8 +97,9 @@ RunPlan plan_run(const Config& cfg, at::ScalarType dtype, const Prices& prices, 
   if (saved != nullptr) {
     planned = planner->predict(saved->plan, saved->split);
   } else if (cfg.ac.budget.empty()) {
-    planned = planner->predict(offloading_what_exists(compile_policy(cfg.ac, L, cfg.model.dropout), planner->block(),
-                                                      cfg.model.arch, r.slots));
+    planned = planner->predict(keeping_weights(
+        offloading_what_exists(compile_policy(cfg.ac, L, cfg.model.dropout), planner->block(), cfg.model.arch, r.slots),
+        cfg.parallel.reshard_after_forward, layout));
   } else {
     r.budget = parse_budget(cfg.ac.budget, budget_reference > 0 ? budget_reference : r.none_peak);
     const Budgets budgets{r.budget, host_budget};

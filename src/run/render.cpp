@@ -79,6 +79,7 @@ std::string layer_words(const ActivationPlan& plan, const std::vector<std::strin
   if (lp.attention) text += fmt::format("; {} attention", attention_name(*lp.attention));
   if (!lp.offloaded.empty()) text += "; offloads " + by_module(lp.offloaded.names()) + " to host memory";
   if (lp.prefetch) text += fmt::format(", back from the start of layer {}'s backward", l + 2);
+  if (plan.keeps_weights(static_cast<int64_t>(l))) text += "; its gathered weights kept to its backward";
   return text;
 }
 
@@ -108,8 +109,8 @@ std::string breakdown(const cost::StepPrediction& p) {
                    format_bytes(p.peak - p.statics.total() - p.working_set), format_bytes(p.working_set));
   if (p.statics.gathered > 0) {
     s += fmt::format(
-        "\n  gathered weights: each part's for its forward and again for its backward, {} at most "
-        "(the largest part's)",
+        "\n  gathered weights: each part's for its forward and, unless the plan keeps a layer's, again for its "
+        "backward, {} at most (the largest part's)",
         format_bytes(p.statics.gathered));
   }
   if (p.host_peak > 0) {
@@ -136,6 +137,8 @@ nlohmann::json breakdown_json(const cost::StepPrediction& p) {
            {{"gradient_bytes", p.data_parallel.gradients.bytes},
             {"exchange_bytes", p.data_parallel.exchange.bytes},
             {"gather_bytes", p.data_parallel.gathers.bytes},
+            {"regather_bytes", p.data_parallel.regathers.bytes},
+            {"regather_seconds", p.regather_seconds},
             {"ring_steps", p.data_parallel.total().messages},
             {"seconds", p.data_parallel_seconds}}}};
 }
@@ -245,6 +248,7 @@ std::string data_parallel_line(const RunPlan& r) {
   part(t.gradients, "gradient sums");
   part(t.exchange, "parameter exchange");
   part(t.gathers, "weight gathers");
+  part(t.regathers, "weight gathers again (backwards and recomputes)");
   return fmt::format("data-parallel traffic a step{}, sent by each rank in {} all-reduce ring steps: {}",
                      r.pipeline ? " of this stage" : "", t.total().messages, fmt::join(parts, ", "));
 }
@@ -399,6 +403,7 @@ nlohmann::json render_json(const RunSpec& spec) {
                         {"kept_bytes", p.layers[i].kept},
                         {"offloaded", lp.offloaded.names()},
                         {"prefetch", lp.prefetch},
+                        {"weights_kept", r.plan.keeps_weights(p.first_layer + static_cast<int64_t>(i))},
                         {"host_bytes", p.layers[i].host},
                         {"copies_hidden", hidden >= 0 ? nlohmann::json(hidden) : nlohmann::json(nullptr)},
                         {"recompute_flops", p.layers[i].recompute_flops}});

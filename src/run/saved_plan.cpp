@@ -20,6 +20,7 @@ std::string saved_plan_json(const ActivationPlan& plan, const std::vector<int64_
     if (l.attention) layer["attention"] = attention_name(*l.attention);
     if (!l.offloaded.empty()) layer["offloaded"] = l.offloaded.names();
     if (l.prefetch) layer["prefetch"] = true;
+    if (l.weights_kept) layer["weights_kept"] = true;
     layers.push_back(std::move(layer));
   }
   return nlohmann::json{{"policy", plan.policy}, {"split", split}, {"layers", layers}}.dump();
@@ -60,6 +61,7 @@ SavedPlan parse_saved_plan(const std::string& json, int64_t n_layers, int64_t st
         layer.offloaded.add(slot_of_name(slot));
       }
       layer.prefetch = l.value("prefetch", false);
+      layer.weights_kept = l.value("weights_kept", false);
       layer.chunk_begin = l.at("chunk_begin").get<int64_t>();
       layer.input_sharded = l.at("input_sharded").get<bool>();
       if (l.contains("attention")) {

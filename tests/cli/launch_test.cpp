@@ -442,8 +442,9 @@ TEST_F(LaunchedTraining, TensorParallelRanksPeakWhereThePlannerSaid) {
 // on two data-parallel copies of a sequence-parallel pair, on four data-parallel ranks
 // whose shares differ, each at its own prediction, and on two copies of a two-stage
 // pipeline; at stage 3 with a budget plan and with uniform chunks too, whose recompute
-// gathers the weights again. The weights of two data-parallel ranks are stage 0's, byte for
-// byte.
+// gathers the weights again, and with every layer keeping its gathered weights to its
+// backward (alone, and beside the MLP's recompute, by torchtitan's key). The weights of two
+// data-parallel ranks are stage 0's, byte for byte.
 TEST_F(LaunchedTraining, ZeroShardsTheStatesAndPeaksWhereThePlannerSaid) {
   const remat::ModelConfig demo = [] {
     remat::ModelConfig m = remat::model_preset("gpt2-demo");
@@ -474,7 +475,11 @@ TEST_F(LaunchedTraining, ZeroShardsTheStatesAndPeaksWhereThePlannerSaid) {
                                                       {"parallel.zero=3 ac.budget=0.7", 2},
                                                       {"parallel.zero=3 ac.policy=uniform:2", 2},
                                                       {"parallel.zero=3 parallel.tp=2 parallel.sp=true", 4},
-                                                      {"parallel.zero=3 parallel.pp=2", 4}};
+                                                      {"parallel.zero=3 parallel.pp=2", 4},
+                                                      {"parallel.zero=3 parallel.reshard_after_forward=never", 2},
+                                                      {"parallel.zero=3 ac.policy='modules:[mlp]' "
+                                                       "parallel.fsdp_reshard_after_forward=never",
+                                                       2}};
   std::map<std::string, std::string> weights;
   for (const auto& [settings, ranks] : runs) {
     const std::string name = "run" + std::to_string(summary.size());
@@ -516,6 +521,13 @@ TEST_F(LaunchedTraining, ZeroShardsTheStatesAndPeaksWhereThePlannerSaid) {
   EXPECT_TRUE(weights["parallel.zero=0 parallel.pp=2"] == weights["parallel.zero=3 parallel.pp=2"]);
   EXPECT_TRUE(weights["parallel.zero=0"] == weights["parallel.zero=2"]);
   EXPECT_TRUE(weights["parallel.zero=0"] == weights["parallel.zero=3"]);
+  // Weights kept from each layer's forward to its backward hold a layer's gather per layer
+  // more, and train the same weights.
+  EXPECT_GT(predicted("parallel.zero=3 parallel.reshard_after_forward=never"), predicted("parallel.zero=3"));
+  EXPECT_TRUE(weights["parallel.zero=3"] == weights["parallel.zero=3 parallel.reshard_after_forward=never"]);
+  // The plan text says so of every layer, its table's lines wrapped where they may.
+  const std::string text = std::regex_replace(read_text(dir_ / "runs" / "run14" / "plan.txt"), std::regex("\\s+"), " ");
+  EXPECT_NE(text.find("its gathered weights kept to its backward"), std::string::npos) << text;
 }
 
 // `remat bench` under `remat launch`, at the peak tests' shape: two data-parallel ranks, and

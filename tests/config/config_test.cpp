@@ -269,6 +269,39 @@ TEST(Config, ZeroIsStageZeroToThree) {
   EXPECT_EQ(error_of([] { load_config("", {"parallel.zero=yes"}); }), "parallel.zero must be an integer, got 'yes'.");
 }
 
+// Whether ZeRO-3's layers gather their weights again: remat's key and torchtitan's, which
+// agree or are refused in a sentence, and neither without stage 3.
+TEST(Config, ReshardAfterForwardTakesTorchtitansSpelling) {
+  const auto reshard = [](std::vector<std::string> o) {
+    o.emplace_back("parallel.zero=3");
+    return load_config("", std::move(o)).parallel.reshard_after_forward;
+  };
+  EXPECT_EQ(reshard({}), Reshard::automatic);
+  EXPECT_EQ(reshard({"parallel.reshard_after_forward=never"}), Reshard::never);
+  EXPECT_EQ(reshard({"parallel.fsdp_reshard_after_forward=always"}), Reshard::always);
+  EXPECT_EQ(reshard({"parallel.fsdp_reshard_after_forward=default"}), Reshard::automatic);
+  EXPECT_EQ(reshard({"parallel.fsdp_reshard_after_forward=never", "parallel.reshard_after_forward=never"}),
+            Reshard::never);
+  EXPECT_EQ(error_of([&] {
+              reshard({"parallel.fsdp_reshard_after_forward=never", "parallel.reshard_after_forward=always"});
+            }),
+            "parallel.reshard_after_forward = \"always\" but parallel.fsdp_reshard_after_forward = \"never\" "
+            "(torchtitan's spelling, its \"default\" remat's \"auto\"): they are two spellings of the same "
+            "setting; drop one, or make them agree.");
+  EXPECT_EQ(error_of([] {
+              load_config("", {"parallel.reshard_after_forward=never", "parallel.zero=2"});
+            }),
+            "parallel.reshard_after_forward = \"never\" chooses whether ZeRO-3's gathered weights stay from a "
+            "layer's forward to its backward, but parallel.zero = 2 gathers none: set parallel.zero = 3, or drop "
+            "the setting.");
+  EXPECT_NE(error_of([&] {
+              reshard({"parallel.reshard_after_forward=sometimes"});
+            }).find("parallel.reshard_after_forward must be auto"),
+            std::string::npos);
+  const Config c = load_config("", {"parallel.zero=3", "parallel.fsdp_reshard_after_forward=never"});
+  EXPECT_NE(config_to_toml(c).find("reshard_after_forward = \"never\""), std::string::npos);
+}
+
 // Megatron's spellings of the ZeRO stage set parallel.zero, agree with it where both are
 // given, are written back as given, and are refused in a sentence where they disagree.
 TEST(Config, ZeroTakesMegatronsSpellings) {

@@ -167,6 +167,42 @@ TEST(Zero, StagesTwoAndThreeAgreeOverMicrobatchesAndFourRanks) {
   for (int r = 0; r < 4; ++r) expect_bitwise(three[static_cast<size_t>(r)], zero[0], fmt::format("zero 3 rank {}", r));
 }
 
+// Stage 3 with layers that keep their gathered weights from their forward to their
+// backward instead of gathering them again (LayerPlan::weights_kept), beside dropped slots
+// and a uniform chunk, over two microbatches: the very bytes the gather gave, so the
+// weights are those of gathering again, to the bit, with one gather fewer per layer and
+// microbatch outside the chunk.
+TEST(Zero, StageThreeLayersKeepingTheirGatheredWeightsTrainAsGatheringAgain) {
+  TrainConfig train = train_config();
+  train.batch = 1;
+  train.grad_accum = 2;
+  const ModelConfig cfg = model_preset("tiny-gpt2");
+  for (const char* policy : {"none", "modules:[mlp]", "uniform:2"}) {
+    std::map<bool, std::vector<Weights>> out;
+    std::map<bool, int64_t> collectives;
+    for (const bool keep : {false, true}) {
+      ActivationPlan plan = compile_policy(policy, cfg.n_layer, cfg.dropout);
+      for (LayerPlan& l : plan.layers) l.weights_kept = keep;
+      out[keep].resize(2);
+      testing::on_gloo_ranks(2, 1, [&](dist::Comm& comm) {
+        auto model = make_model(nullptr);
+        model->set_activation_plan(plan, StoreOptions{});
+        TrainStep step(*model, train, kSeed, &comm, 3);
+        std::mt19937_64 rng(7);
+        for (int64_t s = 0; s < 2; ++s) step.run(s, dataset(), rng);
+        out[keep][static_cast<size_t>(comm.rank())] = model->whole_params();
+        if (comm.rank() == 0) collectives[keep] = comm.data().reduced().collectives;
+      });
+    }
+    for (int r = 0; r < 2; ++r) {
+      expect_bitwise(out[true][static_cast<size_t>(r)], out[false][0], fmt::format("{} keeping, rank {}", policy, r));
+    }
+    // Two layers, two microbatches, two steps.
+    const int64_t fewer = policy == std::string("uniform:2") ? 0 : 2 * 2 * 2;
+    EXPECT_EQ(collectives[false] - collectives[true], fewer) << policy;
+  }
+}
+
 // In bfloat16, stage 3 gathers each part's weights as 64-bit words (Gloo sums no
 // bfloat16), its end padded to a whole word: the ops compute with the very values stage
 // 2's cast gives them, so the weights are stage 2's to the bit.
@@ -534,11 +570,13 @@ TEST(Zero, EachStepsDataParallelCollectivesAreTheCostModels) {
     int ranks, tp, pp;
     bool sp;
     const char* policy;
+    bool keep_first = false;  // the first layer keeps its gathered weights to its backward
   };
   for (const Case c : {Case{2, 1, 1, false, "none"}, Case{2, 1, 1, false, "uniform:2"}, Case{4, 2, 1, true, "full"},
-                       Case{4, 1, 2, false, "none"}}) {
+                       Case{4, 1, 2, false, "none"}, Case{2, 1, 1, false, "modules:[mlp]", true}}) {
     for (const int64_t zero : {0, 1, 2, 3}) {
-      const std::string what = fmt::format("{} ranks, tp {}, pp {}, {}, zero {}", c.ranks, c.tp, c.pp, c.policy, zero);
+      const std::string what = fmt::format("{} ranks, tp {}, pp {}, {}{}, zero {}", c.ranks, c.tp, c.pp, c.policy,
+                                           c.keep_first ? " keeping layer 1's weights" : "", zero);
       Layout layout;
       layout.dp = c.ranks / c.tp / c.pp;
       layout.tp = c.tp;
@@ -550,11 +588,16 @@ TEST(Zero, EachStepsDataParallelCollectivesAreTheCostModels) {
       shape.batch = train.batch;
       shape.seq = train.seq;
       shape.grad_accum = train.grad_accum;
-      const ActivationPlan plan = compile_policy(c.policy, cfg.n_layer, cfg.dropout);
+      ActivationPlan plan = compile_policy(c.policy, cfg.n_layer, cfg.dropout);
+      plan.layers[0].weights_kept = c.keep_first;
       std::vector<cost::DataParallelTraffic> predicted;  // by stage
       for (int64_t s = 0; s < c.pp; ++s) {
         predicted.push_back(cost::data_parallel_traffic(cfg, shape, layout.at_stage(s), plan));
         EXPECT_EQ(predicted.back().gathers.none(), zero < 3) << what;
+        // Two layers, each gathered again but for a kept one, twice for a chunk's.
+        const int64_t again = c.keep_first ? 1 : c.policy == std::string("uniform:2") ? 4 : 2 / c.pp;
+        EXPECT_EQ(predicted.back().regathers.messages, zero < 3 ? 0 : again * train.grad_accum * 2 * (layout.dp - 1))
+            << what;
         EXPECT_EQ(predicted.back().exchange.none(), zero == 0 || zero == 3) << what;
       }
       std::vector<std::pair<int64_t, dist::Group::Reduced>> counted(static_cast<size_t>(c.ranks));

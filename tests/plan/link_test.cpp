@@ -149,8 +149,9 @@ TEST(LinkPricing, PlannerKeepsTensorsWholeWhenTheBudgetDoesNotNeedTheSaving) {
 }
 
 // The data-parallel collectives are priced at the data-parallel links (not the tensor-
-// parallel ones), per stage, apart from the plan's added time, and the step at declared
-// rates is the simulated passes and recompute plus the slowest stage's collectives.
+// parallel ones), per stage: the gathers the plan adds (stage 3's regathers) in the plan's
+// added time, the rest apart from it, and the step at declared rates is the simulated
+// passes, recompute and regathers plus the slowest stage's other collectives.
 TEST(LinkPricing, DataParallelCollectivesArePricedAtTheirOwnLinks) {
   const ModelConfig cfg = testing::plan_config("gpt2-demo", 4, 0.0);
   const cost::StepShape shape = testing::plan_shape(2, 64, at::kFloat, 2);
@@ -173,9 +174,16 @@ TEST(LinkPricing, DataParallelCollectivesArePricedAtTheirOwnLinks) {
         const cost::DataParallelTraffic t =
             cost::data_parallel_traffic(cfg, shape, layout.at_stage(static_cast<int64_t>(s)), plan);
         ASSERT_FALSE(t.total().none()) << what;
-        const double seconds = static_cast<double>(t.total().messages) * 1e-4 + t.total().bytes / 3e7;
+        const auto at_links = [](const graph::LinkTraffic& l) {
+          return static_cast<double>(l.messages) * 1e-4 + l.bytes / 3e7;
+        };
+        const double seconds = at_links(t.fixed()), again = at_links(t.regathers);
+        EXPECT_EQ(t.regathers.none(), zero < 3) << what;
         EXPECT_NEAR(r.stages[s].data_parallel_seconds, seconds, 1e-9 * seconds) << what;
+        EXPECT_NEAR(r.stages[s].regather_seconds, again, 1e-9 * again) << what;
+        EXPECT_NEAR(r.stages[s].added_seconds() - r.stages[s].recompute_seconds, again, 1e-9 * again) << what;
         EXPECT_EQ(faster.stages[s].data_parallel_seconds, r.stages[s].data_parallel_seconds) << what;
+        EXPECT_EQ(faster.stages[s].regather_seconds, r.stages[s].regather_seconds) << what;
         slowest = std::max(slowest, seconds);
       }
       EXPECT_NEAR(declared_step_seconds(r), r.simulated_seconds + slowest, 1e-9 * slowest) << pp << " " << zero;

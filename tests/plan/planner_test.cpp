@@ -1,6 +1,7 @@
 // The planner: its plans equal brute force over every plan of small instances, fit the
 // budget as the engine measures it, and its bytes equal Korthikanti et al.'s formula.
 #include "plan/plan_test_util.h"
+#include "plan/statics.h"
 #include "remat/budget.h"
 #include "remat/cost.h"
 #include "remat/memory.h"
@@ -14,6 +15,7 @@
 
 #include <chrono>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <set>
@@ -31,16 +33,17 @@ cost::StepShape shape_of(int64_t B, int64_t T, at::ScalarType dtype = at::kFloat
 
 // Every plan of `L` layers over `candidates` and uniform chunks up to `max_chunk` (each
 // with its input kept whole, and under tensor parallelism alone also as a share per rank),
-// each single layer also with every op of `ops` (LayerPlan::attention) and, with a
-// `host_budget`, every offload set of offload_sets, and with `prefetch` every choice of the
-// layers that prefetch (LayerPlan::prefetch), priced by the step simulator; the least time
-// it adds (recompute, the other attention op's pass, host copies) within `budget` and
+// each single layer also with every op of `ops` (LayerPlan::attention), every choice of
+// `weights` (LayerPlan::weights_kept) and, with a `host_budget`, every offload set of
+// offload_sets, and with `prefetch` every choice of the layers that prefetch
+// (LayerPlan::prefetch), priced by the step simulator; the least time it adds (recompute,
+// the other attention op's pass, host copies, weights gathered again) within `budget` and
 // `host_budget`.
 double brute_force(const ModelConfig& cfg, const cost::StepShape& shape, const Layout& layout,
                    const cost::NodeTimes& times, const std::vector<SlotMask>& candidates, int64_t max_chunk,
                    int64_t budget, int64_t* plans_seen,
                    const std::vector<std::optional<Attention>>& ops = {std::nullopt}, int64_t host_budget = 0,
-                   bool prefetch = false) {
+                   bool prefetch = false, const std::vector<bool>& weights = {false}) {
   const graph::BlockGraph block = graph::block_graph(cfg, shape.batch, shape.seq, shape.dtype, layout);
   const int64_t L = cfg.n_layer;
   double best = -1;
@@ -71,8 +74,10 @@ double brute_force(const ModelConfig& cfg, const cost::StepShape& shape, const L
         for (const auto& op : ops) {
           for (const SlotMask moved :
                host_budget > 0 ? offload_sets(block, pricer, c, sharded) : std::vector<SlotMask>{{}}) {
-            plan.layers[pos] = {c, -1, sharded, op, moved};
-            walk(pos + 1);
+            for (const bool kept : weights) {
+              plan.layers[pos] = {c, -1, sharded, op, moved, false, kept};
+              walk(pos + 1);
+            }
           }
         }
       }
@@ -124,6 +129,97 @@ TEST(Planner, EqualsBruteForceOnSmallInstances) {
     EXPECT_LT(brute_force(cfg, shape, layout, times, candidates, 3, lo - 1, &seen), 0);
     EXPECT_GE(brute_force(cfg, shape, layout, times, candidates, 3, lo, &seen), 0);
   }
+}
+
+// ZeRO-3 over `ranks` data-parallel ranks.
+Layout zero3_layout(int64_t ranks) {
+  Layout l;
+  l.dp = ranks;
+  l.zero = 3;
+  return l;
+}
+
+// Times in FLOPs, a layer's gather at the data-parallel links taking half its forward's.
+cost::NodeTimes gathers_priced(const ModelConfig& cfg, const cost::StepShape& shape, const Layout& layout) {
+  cost::NodeTimes times;
+  times.flops_per_second = 1.0;
+  const graph::BlockGraph block = graph::block_graph(cfg, shape.batch, shape.seq, shape.dtype, layout);
+  const int64_t gathered = cost::gathered_weights(cfg, layout, shape.dtype).layer;
+  times.data_link_bytes_per_second =
+      graph::LinkTraffic::all_reduce(gathered, layout.dp).bytes / (0.5 * block.forward_flops());
+  return times;
+}
+
+// Under ZeRO-3 over two ranks, a layer's gathered weights are kept to its backward (more
+// bytes kept) or gathered again (one more gather at the data-parallel links, priced at half
+// a block's forward): with keep-sets and uniform chunks over three layers, and with offload
+// too over two, the plans equal brute force over every layer's choices, within every budget.
+TEST(Planner, KeepsOrGathersAgainEachLayersWeightsAsBruteForceDoes) {
+  const std::vector<SlotMask> candidates = {{}, {Slot::attn_probs, Slot::attn_dropout}};
+  for (const int64_t layers : {3, 2}) {
+    const int64_t host = layers == 2 ? int64_t{1} << 40 : 0;
+    const ModelConfig cfg = config("gpt2-demo", layers, 0.1);
+    const auto shape = shape_of(1, 64);
+    const Layout layout = zero3_layout(2);
+    cost::NodeTimes times = gathers_priced(cfg, shape, layout);
+    const int64_t gathered = cost::gathered_weights(cfg, layout, shape.dtype).layer;
+    ASSERT_GT(gathered, 0);
+    times.host_bytes_per_second = 4.0;
+    times.host_copies_overlap = false;
+    PlannerOptions opts;
+    opts.candidates = candidates;
+    opts.max_chunk = 2;
+    const Planner planner(cfg, shape, layout, times, opts);
+    const int64_t lo = planner.least_budget(host), hi = planner.none_peak() + layers * gathered;
+    int kept = 0, again = 0;
+    for (int i = 0; i <= 6; ++i) {
+      const int64_t budget = lo + (hi - lo) * i / 6;
+      int64_t seen = 0;
+      const double brute = brute_force(cfg, shape, layout, times, candidates, 2, budget, &seen, {std::nullopt}, host,
+                                       false, {false, true});
+      const auto r = testing::solve(planner, budget, host);
+      ASSERT_EQ(r.has_value(), brute >= 0) << layers << " layers, budget " << budget;
+      if (!r) continue;
+      EXPECT_DOUBLE_EQ(r->prediction.added_seconds(), brute) << layers << " layers, budget " << budget;
+      EXPECT_LE(r->prediction.peak, budget);
+      for (int64_t l = 0; l < cfg.n_layer; ++l) ++(r->plan.keeps_weights(l) ? kept : again);
+    }
+    // Both choices are taken somewhere: the brute force weighed each.
+    EXPECT_GT(kept, 0) << layers << " layers";
+    EXPECT_GT(again, 0) << layers << " layers";
+  }
+}
+
+// At some budget keeping some layers' weights and gathering the others' again is faster
+// than either for every layer (torchtitan's and DeepSpeed's one setting for all), and at
+// none is it slower than the faster of them.
+TEST(Planner, ChoosingPerLayerWhetherToGatherAgainBeatsEitherForAll) {
+  const ModelConfig cfg = config("llama-demo", 4, 0.0);
+  const auto shape = shape_of(1, 128);
+  const Layout layout = zero3_layout(4);
+  const cost::NodeTimes times = gathers_priced(cfg, shape, layout);
+  const auto planner_of = [&](Reshard r) {
+    PlannerOptions opts;
+    opts.reshard = r;
+    return Planner(cfg, shape, layout, times, opts);
+  };
+  const Planner choose = planner_of(Reshard::automatic), always = planner_of(Reshard::always),
+                never = planner_of(Reshard::never);
+  const auto seconds = [](const Planner& p, int64_t budget) {
+    const auto r = testing::solve(p, budget);
+    return r ? r->prediction.added_seconds() : std::numeric_limits<double>::infinity();
+  };
+  const int64_t lo = choose.least_budget(), hi = never.none_peak();
+  EXPECT_EQ(lo, always.least_budget());
+  int beaten = 0;
+  for (int i = 0; i <= 32; ++i) {
+    const int64_t budget = lo + (hi - lo) * i / 32;
+    const double best = std::min(seconds(always, budget), seconds(never, budget));
+    const double own = seconds(choose, budget);
+    EXPECT_LE(own, best) << "budget " << budget;
+    if (own < best) ++beaten;
+  }
+  EXPECT_GT(beaten, 0);
 }
 
 // Under tensor parallelism alone each layer's input may also be kept as a share per rank,

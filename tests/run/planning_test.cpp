@@ -21,7 +21,7 @@ std::string refusal(const std::string& json, int64_t n_layers, int64_t stages) {
   return "";
 }
 
-TEST(SavedPlan, ReadsBackChunksSharedInputsAndTheSplit) {
+TEST(SavedPlan, ReadsBackChunksSharedInputsKeptWeightsAndTheSplit) {
   RunPlan r;
   r.plan = compile_policy("layers:[full,modules:[core_attn],none,none,ops:[matmul],full]", 6);
   // uniform:2's chunk structure on the last two layers, and a sharded kept input.
@@ -33,6 +33,9 @@ TEST(SavedPlan, ReadsBackChunksSharedInputsAndTheSplit) {
   r.plan.layers[3].attention = Attention::math;
   // A budget plan's offloaded slots, the input among them.
   r.plan.layers[2].offloaded = {Slot::input, Slot::mlp_act_in};
+  // ZeRO-3: layers keeping their gathered weights to their backward.
+  r.plan.layers[0].weights_kept = true;
+  r.plan.layers[3].weights_kept = true;
   r.plan.policy = "budget:123";
   r.split = {2, 4};
   const SavedPlan back = parse_saved_plan(saved_plan_json(r.plan, r.split), 6, 2);
@@ -44,6 +47,7 @@ TEST(SavedPlan, ReadsBackChunksSharedInputsAndTheSplit) {
     EXPECT_EQ(back.plan.layers[l].input_sharded, r.plan.layers[l].input_sharded) << l;
     EXPECT_EQ(back.plan.layers[l].attention, r.plan.layers[l].attention) << l;
     EXPECT_EQ(back.plan.layers[l].offloaded, r.plan.layers[l].offloaded) << l;
+    EXPECT_EQ(back.plan.layers[l].weights_kept, r.plan.layers[l].weights_kept) << l;
   }
 }
 
