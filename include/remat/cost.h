@@ -207,14 +207,17 @@ DataParallelTraffic data_parallel_traffic(const ModelConfig& cfg, const StepShap
 /// The whole step under one plan (of one pipeline stage: its layers, its ends).
 struct StepPrediction {
   StaticBytes statics;
-  int64_t first_layer = 0;             ///< the model's layer layers[0] is (StepShape::first_layer)
-  int64_t embedding = 0;               ///< saved by the embedding
-  int64_t head = 0;                    ///< saved by the final norm and loss head
-  std::vector<LayerCost> layers;       ///< the stage's, from first_layer
-  int64_t kept_activations = 0;        ///< embedding + blocks + head at the end of one microbatch's forward
-  int64_t peak = 0;                    ///< highest live bytes of the step
-  std::string peak_at;                 ///< where: "forward of layer 3", "backward of layer 1", ...
-  int64_t working_set = 0;             ///< peak - statics - activations kept at that moment
+  int64_t first_layer = 0;        ///< the model's layer layers[0] is (StepShape::first_layer)
+  int64_t embedding = 0;          ///< saved by the embedding
+  int64_t head = 0;               ///< saved by the final norm and loss head
+  std::vector<LayerCost> layers;  ///< the stage's, from first_layer
+  int64_t kept_activations = 0;   ///< embedding + blocks + head at the end of one microbatch's forward
+  int64_t peak = 0;               ///< highest live bytes of the step
+  std::string peak_at;            ///< where: "forward of layer 3", "backward of layer 1", ...
+  int64_t working_set = 0;        ///< peak - statics - activations kept at that moment
+  /// ZeRO-3, at the peak: the gathered weights layers keep to their backward (counted in the
+  /// activations kept), and those of the part running (counted in the working set).
+  int64_t peak_kept_weights = 0, peak_running_weights = 0;
   double recompute_flops = 0;          ///< per step (all microbatches)
   double recompute_seconds = 0;        ///< per step
   double recompute_link_seconds = 0;   ///< per step: of recompute_seconds, the collectives re-run

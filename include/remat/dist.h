@@ -93,6 +93,16 @@ class Group {
   Reduced reduced_;
 };
 
+/// An all-gather of whole tensors from their owners, as an exact all-reduce in place over
+/// `group`: every rank but a tensor's owner (`owned`) gives -0.0, and x + (-0.0) == x bit for
+/// bit for every float x (a +0.0 fill would turn an owner's -0.0 into +0.0), in whatever
+/// order the ranks are summed. In place, it allocates nothing where Group::all_gather would
+/// need a packed copy of each rank's tensors and the gathered copies of all of them.
+/// `whole` is the one tensor the collective moves: one of `tensors`, or a buffer they are
+/// all views of (one collective where each tensor would be one of its own).
+void from_owners(const std::vector<at::Tensor>& tensors, const std::vector<bool>& owned, const at::Tensor& whole,
+                 Group& group, const std::string& what);
+
 /// Where this process stands in a multi-process job, as its launcher described it.
 struct LaunchEnv {
   int rank = 0;

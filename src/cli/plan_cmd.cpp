@@ -108,7 +108,9 @@ std::string communication_text(const RunSpec& spec, const Communication& c, cons
 // ranks and pipeline stages.
 struct DeclaredTime {
   double seconds = 0, data_parallel_seconds = 0, tokens_per_second = 0;
-  double regather_seconds = 0;  ///< the slowest stage's weights gathered again, within its passes
+  /// The bottleneck stage's weights gathered again: within its passes, which the pipeline's
+  /// time is made of, where the other collectives are the slowest stage's, after them.
+  double regather_seconds = 0;
 };
 
 DeclaredTime declared_time(const RunSpec& spec) {
@@ -138,14 +140,16 @@ void print_declared_time(const RunSpec& spec) {
       seconds_text(t.seconds), p.compute_rate,
       spec.layout.tp > 1 ? fmt::format(", the tensor-parallel collectives at parallel.link_rate = {} GB/s", p.link_rate)
                          : "",
-      spec.layout.dp > 1 ? fmt::format(", {} of data-parallel collectives{} at parallel.dp_link_rate = {} GB/s and "
-                                       "dp_link_latency = {} us, beside no compute",
-                                       seconds_text(t.data_parallel_seconds),
-                                       t.regather_seconds > 0 ? fmt::format(" and {} of weights gathered again",
-                                                                            seconds_text(t.regather_seconds))
-                                                              : "",
-                                       p.dp_link_rate, p.dp_link_latency)
-                         : "",
+      spec.layout.dp > 1
+          ? fmt::format(", {} of data-parallel collectives{} at parallel.dp_link_rate = {} GB/s and "
+                        "dp_link_latency = {} us, beside no compute",
+                        seconds_text(t.data_parallel_seconds),
+                        t.regather_seconds > 0
+                            ? fmt::format(" and {} of weights gathered again{}", seconds_text(t.regather_seconds),
+                                          spec.layout.pp > 1 ? " in the bottleneck stage's passes" : "")
+                            : "",
+                        p.dp_link_rate, p.dp_link_latency)
+          : "",
       spec.layout.pp > 1 ? " and the stages' transfers" : "", t.tokens_per_second);
 }
 

@@ -657,6 +657,15 @@ std::unique_ptr<Comm> Comm::connect(const LaunchEnv& env, milliseconds timeout, 
   return std::unique_ptr<Comm>(new Comm(std::move(s), env.rank, env.world_size));
 }
 
+void from_owners(const std::vector<at::Tensor>& tensors, const std::vector<bool>& owned, const at::Tensor& whole,
+                 Group& group, const std::string& what) {
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (!owned[i]) tensors[i].fill_(-0.0);
+  }
+  std::vector<at::Tensor> reduced{whole};
+  group.all_reduce(reduced, Reduce::sum, what);
+}
+
 void C10dGroup::all_reduce(std::vector<at::Tensor>& tensors, Reduce op, const std::string& what) {
   start_all_reduce(tensors, op, what)->wait();
 }

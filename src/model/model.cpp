@@ -69,11 +69,10 @@ at::Tensor Model::whole(size_t i, const at::Tensor& part) const {
 at::Tensor Model::whole_value(size_t i) const {
   const Param& p = params_.at(i);
   if (!values_sharded()) return p.value;
-  // From its owner, as ZeRO's exchange: every other rank gives -0.0, which leaves each
-  // of the owner's values as it is in the sum.
-  at::Tensor v = kept_values_[i] ? p.value.clone() : at::full(p.value.sizes(), -0.0, value_buffer_.options());
-  std::vector<at::Tensor> sum{v};
-  value_group_->all_reduce(sum, dist::Reduce::sum, fmt::format("gathering parameter {} from its owner", p.name));
+  // From its owner, as ZeRO's exchange.
+  const bool own = kept_values_[i];
+  at::Tensor v = own ? p.value.clone() : at::empty(p.value.sizes(), value_buffer_.options());
+  dist::from_owners({v}, {own}, v, *value_group_, fmt::format("gathering parameter {} from its owner", p.name));
   return v;
 }
 

@@ -89,7 +89,7 @@ OptimizerShare optimizer_share(const ModelConfig& cfg, const std::vector<graph::
   const auto grads = [&](size_t r) { return s.own_grads ? load[r] + all_tied - tied_owned[r] : 0; };
   // The busiest keeps the most between updates; the walked rank peaks highest in its update.
   int64_t most = -1, highest = -1;
-  const int64_t copies = layout.values_sharded() ? 3 : 2;  // the moments, and the masters under ZeRO-3
+  const int64_t copies = share_copies(layout);
   for (size_t r = 0; r < load.size(); ++r) {
     const int64_t kept = copies * load[r] + grads(r);
     if (kept > most) {
@@ -118,6 +118,10 @@ OptimizerShare optimizer_share(const ModelConfig& cfg, const std::vector<graph::
     }
   }
   return s;
+}
+
+int64_t share_copies(const Layout& layout, bool moments) {
+  return (moments ? 2 : 0) + (layout.values_sharded() ? 1 : 0);
 }
 
 GradientBuffers gradient_buffers(const ModelConfig& cfg, const Layout& layout, at::ScalarType master) {
@@ -263,8 +267,7 @@ StepConstants step_constants(const ModelConfig& cfg, const StepShape& shape, con
   const OptimizerShare share = optimizer_share(cfg, params, layout);
   Live live;
   simulate_update(live, params, share, master, nullptr);
-  const int64_t copies = layout.values_sharded() ? 3 : 2;  // the moments, and the masters under ZeRO-3
-  k.optimizer = live.peak() - copies * nbytes(share.moments - share.rank_moments, master) -
+  k.optimizer = live.peak() - share_copies(layout) * nbytes(share.moments - share.rank_moments, master) -
                 nbytes(share.grads - share.rank_grads, master);
   return k;
 }

@@ -43,6 +43,10 @@ struct OptimizerShare {
 };
 OptimizerShare optimizer_share(const ModelConfig& cfg, const std::vector<graph::Param>& params, const Layout& layout);
 
+/// The copies a rank keeps of each element of its share (OptimizerShare::moments): AdamW's
+/// two moments where `moments` (made by the first update), and the masters under ZeRO-3.
+int64_t share_copies(const Layout& layout, bool moments = true);
+
 /// With sharded gradients (Layout::grads_sharded), the bytes of the buffers a backward
 /// writes a part's gradients into before their sum over the ranks (Model::shard_gradients):
 /// one layer's, and the embedding's with the loss head's, held from the head's backward to

@@ -165,6 +165,8 @@ StepPrediction predict_step(const ModelConfig& cfg, const StepShape& shape, cons
   p.peak = walk.peak().peak;
   p.peak_at = walk.peak().at;
   p.working_set = walk.peak().working_set;
+  p.peak_kept_weights = walk.peak().gathered.kept;
+  p.peak_running_weights = walk.peak().gathered.running;
   p.host_peak = host.peak();
   add_times(p, cfg, shape, layout, plan, times, block, whole);
   p.data_parallel = data_parallel_traffic(cfg, shape, layout, plan);

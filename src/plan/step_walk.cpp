@@ -28,8 +28,7 @@ void StepWalk::hold_statics(int64_t workspace, bool moments_made, int64_t outsid
     if (step_count_bytes(!share_.updated.empty()) > 0) moments_.push_back(make(step_count_bytes(true)));
   }
   if (moments_made || share_.own_grads) {
-    const int64_t copies = (moments_made ? 2 : 0) + (values ? 1 : 0);
-    busiest_ = make(copies * nbytes(share_.moments - share_.rank_moments, master_) +
+    busiest_ = make(share_copies(layout_, moments_made) * nbytes(share_.moments - share_.rank_moments, master_) +
                     nbytes(share_.grads - share_.rank_grads, master_));
   }
   statics_.push_back(make(outside));
@@ -153,10 +152,7 @@ void StepWalk::forward(Microbatch& mb, int64_t l) {
                                  lp.input_sharded ? graph::InputHold::sharded : graph::InputHold::whole, lp.offloaded);
     mb.x = run_forward(*h.run, s, std::move(mb.x), h.bytes);
   }
-  if (plan_.keeps_weights(l)) {
-    h.bytes += bytes_of(weights);
-    h.weights = std::move(weights);
-  }
+  if (plan_.keeps_weights(l)) keep_weights(h, std::move(weights));
   if (l == end_ - 1 && !layout_.has_head()) mb.x.reset();  // sent to the next stage
 }
 
@@ -192,7 +188,7 @@ void StepWalk::backward(Microbatch& mb, int64_t l) {
   mark(of_layer("backward", l), live_.current() - bytes_of(mb.dx) - h.bytes - bytes_of(mb.ends_grads));
   // Sharded values: the layer's weights, kept from its forward or gathered again. Sharded
   // gradients: the layer's own buffer, summed over the ranks after its backward.
-  SimTensor weights = h.weights ? std::move(h.weights) : gather(gathered_.layer);
+  SimTensor weights = h.weights ? take_weights(h) : gather(gathered_.layer);
   SimTensor grads = grad_buffers_.layer > 0 ? make(grad_buffers_.layer) : nullptr;
   if (h.run) {
     Simulator s = sim(b);

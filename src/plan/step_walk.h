@@ -43,12 +43,20 @@ struct Microbatch {
   SimTensor ends_grads;  // sharded gradients: the embedding's and the head's, in the backward
 };
 
-// Where a walk's live bytes first reached their highest, and how far above what the step
-// held there (its statics and the activations kept by every other layer and microbatch).
+// ZeRO-3: the gathered weights live at one moment, those layers keep to their backward
+// and the running part's.
+struct GatheredLive {
+  int64_t kept = 0, running = 0;
+};
+
+// Where a walk's live bytes first reached their highest, how far above what the step held
+// there (its statics and the activations kept by every other layer and microbatch), and
+// the gathered weights live then.
 struct PeakMark {
   int64_t peak = 0;
   std::string at;
   int64_t working_set = 0;
+  GatheredLive gathered;
 };
 
 // The step walk (cost.h): one stage's actions of schedule::step on the simulator.
@@ -110,12 +118,45 @@ class StepWalk {
     return *b;
   }
   static int64_t bytes_of(const SimTensor& t) { return t ? t->bytes : 0; }
-  // A part's weights gathered for one of its passes (GatheredWeights; none: null).
-  SimTensor gather(int64_t bytes) { return bytes > 0 ? make(bytes) : nullptr; }
+  // A part's weights gathered for one of its passes (GatheredWeights; none: null), counted
+  // in gathered_ while they live.
+  SimTensor gather(int64_t bytes) {
+    if (bytes == 0) return nullptr;
+    note_gathered();
+    gathered_live_.running += bytes;
+    return {new Buffer(&live_, bytes), [this](Buffer* b) {
+              note_gathered();
+              gathered_live_.running -= b->bytes;
+              delete b;
+            }};
+  }
+  // A layer's gathered weights held from its forward to its backward, and taken back there.
+  void keep_weights(Held& h, SimTensor weights) {
+    note_gathered();
+    h.bytes += bytes_of(weights);
+    gathered_live_.kept += bytes_of(weights);
+    gathered_live_.running -= bytes_of(weights);
+    h.weights = std::move(weights);
+  }
+  SimTensor take_weights(Held& h) {
+    note_gathered();
+    gathered_live_.kept -= bytes_of(h.weights);
+    gathered_live_.running += bytes_of(h.weights);
+    return std::move(h.weights);
+  }
+  // Before the gathered weights live change: a height the live bytes reached since the last
+  // change was reached with them as they are.
+  void note_gathered() {
+    if (live_.peak() > gathered_peak_) {
+      gathered_peak_ = live_.peak();
+      gathered_at_peak_ = gathered_live_;
+    }
+  }
   // Ends the segment of the walk under way, noting it where the live bytes reached a new
   // height in it, and starts the next, `where`, above `held` bytes.
   void mark(std::string where, int64_t held) {
-    if (live_.peak() > peak_.peak) peak_ = {live_.peak(), std::move(at_), live_.peak() - held_};
+    note_gathered();
+    if (live_.peak() > peak_.peak) peak_ = {live_.peak(), std::move(at_), live_.peak() - held_, gathered_at_peak_};
     at_ = std::move(where);
     held_ = held;
   }
@@ -156,6 +197,8 @@ class StepWalk {
   SimTensor copies_;
   SimTensor busiest_;
   PeakMark peak_;
+  GatheredLive gathered_live_, gathered_at_peak_;
+  int64_t gathered_peak_ = 0;  // the live bytes' height gathered_at_peak_ was noted at
   std::string at_;
   int64_t held_ = 0;
 };

@@ -100,18 +100,32 @@ std::string wrapped(const std::string& prefix, const std::string& text, size_t i
   return out + text.substr(from) + "\n";
 }
 
+// The peak's activations kept (less the gathered weights layers keep) and working set
+// (less the running part's gathered weights).
+int64_t activations_at_peak(const cost::StepPrediction& p) {
+  return p.peak - p.statics.total() - p.working_set - p.peak_kept_weights;
+}
+int64_t working_set_at_peak(const cost::StepPrediction& p) { return p.working_set - p.peak_running_weights; }
+
 // The parts of `p`'s peak, indented lines.
 std::string breakdown(const cost::StepPrediction& p) {
   std::string s = fmt::format("  parameters {}, gradients {}, optimizer {}", format_bytes(p.statics.params),
                               format_bytes(p.statics.grads), format_bytes(p.statics.optimizer));
   if (p.statics.compute_copies > 0) s += fmt::format(", compute copies {}", format_bytes(p.statics.compute_copies));
-  s += fmt::format(", batch {}\n  kept activations {}, working set {}", format_bytes(p.statics.batch),
-                   format_bytes(p.peak - p.statics.total() - p.working_set), format_bytes(p.working_set));
+  s += fmt::format(", batch {}\n  kept activations {}", format_bytes(p.statics.batch),
+                   format_bytes(activations_at_peak(p)));
   if (p.statics.gathered > 0) {
+    s += fmt::format(", gathered weights {}", format_bytes(p.peak_kept_weights + p.peak_running_weights));
+  }
+  s += fmt::format(", working set {}", format_bytes(working_set_at_peak(p)));
+  if (p.statics.gathered > 0) {
+    const std::string kept = p.peak_kept_weights > 0 ? fmt::format(" and {} that layers keep to their backward",
+                                                                   format_bytes(p.peak_kept_weights))
+                                                     : std::string();
     s += fmt::format(
-        "\n  gathered weights: each part's for its forward and, unless the plan keeps a layer's, again for its "
-        "backward, {} at most (the largest part's)",
-        format_bytes(p.statics.gathered));
+        "\n  gathered weights at the peak: {} of the part running{}; each part's, {} at most, are gathered for its "
+        "forward and, unless the plan keeps a layer's, again for its backward",
+        format_bytes(p.peak_running_weights), kept, format_bytes(p.statics.gathered));
   }
   if (p.host_peak > 0) {
     s += fmt::format("\n  host memory {} at most (offloaded slots), {} copied there and back a step",
@@ -127,8 +141,10 @@ nlohmann::json breakdown_json(const cost::StepPrediction& p) {
           {"compute_copies", p.statics.compute_copies},
           {"gathered_weights", p.statics.gathered},
           {"batch", p.statics.batch},
-          {"kept_activations", p.peak - p.statics.total() - p.working_set},
-          {"working_set", p.working_set},
+          {"kept_activations", activations_at_peak(p)},
+          {"kept_weights", p.peak_kept_weights},
+          {"running_weights", p.peak_running_weights},
+          {"working_set", working_set_at_peak(p)},
           {"peak", p.peak},
           {"peak_at", p.peak_at},
           {"host_peak", p.host_peak},

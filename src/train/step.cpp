@@ -146,22 +146,6 @@ double loss_sum(double loss, dist::Group& group, const std::string& what) {
   return total[0].item<double>();
 }
 
-// An all-gather of whole tensors from their owners, as an exact all-reduce in place: every
-// rank but a tensor's owner gives -0.0, and x + (-0.0) == x bit for bit for every float x
-// (a +0.0 fill would turn an owner's -0.0 into +0.0), in whatever order the ranks are
-// summed. In place, it allocates nothing where Group::all_gather would need a packed copy
-// of each rank's parameters and the gathered copies of all of them. `whole` is the one
-// tensor the collective moves: one of `tensors`, or a buffer they are all views of (one
-// collective where each tensor would be one of its own).
-void from_owners(const std::vector<at::Tensor>& tensors, const std::vector<bool>& owned, const at::Tensor& whole,
-                 dist::Group& group, const std::string& what) {
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    if (!owned[i]) tensors[i].fill_(-0.0);
-  }
-  std::vector<at::Tensor> reduced{whole};
-  group.all_reduce(reduced, dist::Reduce::sum, what);
-}
-
 // The parameters this rank updates, in the model's order.
 std::vector<AdamWParam> adamw_params(Model& model, const std::vector<bool>& owned) {
   std::vector<AdamWParam> params;
@@ -375,8 +359,8 @@ StepResult TrainStep::run(int64_t step, const data::TokenDataset& data, std::mt1
     const trace::Scope scope("parameter exchange", trace::Category::step);
     std::vector<at::Tensor> values;
     for (const Param& p : model_.params()) values.push_back(p.value);
-    from_owners(values, owned_, model_.value_buffer(), ranks_->data(),
-                fmt::format("the parameter exchange of step {}", step + 1));
+    dist::from_owners(values, owned_, model_.value_buffer(), ranks_->data(),
+                      fmt::format("the parameter exchange of step {}", step + 1));
   }
   synchronize(device);
   step_scope.reset();
@@ -424,8 +408,8 @@ void TrainStep::save_checkpoint(const std::string& path, int64_t steps, const st
       at::Tensor m = own ? (second ? optimizer_.exp_avg_sq(k - 1) : optimizer_.exp_avg(k - 1))
                          : at::empty(p.value.sizes(), model_.value_buffer().options());
       if (sharded_) {
-        from_owners({m}, {owned_[i]}, m, ranks_->data(),
-                    fmt::format("gathering the optimizer's moments of {} for the checkpoint", p.name));
+        dist::from_owners({m}, {owned_[i]}, m, ranks_->data(),
+                          fmt::format("gathering the optimizer's moments of {} for the checkpoint", p.name));
       }
       keep((second ? "exp_avg_sq." : "exp_avg.") + p.name, model_.whole(i, m));
     }

@@ -394,24 +394,30 @@ TEST_F(Cli, HelpConfigListsEveryKey) {
 
 namespace {
 
+// Also under ZeRO-3, where the gathered weights at the peak are parts of their own.
 TEST_F(Cli, PlanPrintsThePlanAndItsBreakdownAsJson) {
-  const Result r = run_remat("plan --json --budget 0.6 model.preset=gpt2-demo" + no_corpus());
-  ASSERT_EQ(r.exit_code, 0) << r.output;
-  const auto j = nlohmann::json::parse(r.output);
-  EXPECT_EQ(j["plan"].size(), 4u);
-  EXPECT_LE(j["breakdown"]["peak"].get<int64_t>(), j["budget"].get<int64_t>());
-  EXPECT_LT(j["min_feasible_budget"].get<int64_t>(), j["budget"].get<int64_t>());
-  EXPECT_GT(j["frontier"].size(), 2u);
-  EXPECT_EQ(j["manual"][0]["label"], "none");
-  EXPECT_EQ(j["manual"][0]["peak"], j["none_peak"]);
-  // The parts of the breakdown add up to the peak.
-  const auto& b = j["breakdown"];
-  int64_t parts = 0;
-  for (const char* k :
-       {"parameters", "gradients", "optimizer", "compute_copies", "batch", "kept_activations", "working_set"}) {
-    parts += b[k].get<int64_t>();
+  for (const std::string zero : {"", " parallel.dp=2 parallel.zero=3"}) {
+    const Result r = run_remat("plan --json --budget 0.6 model.preset=gpt2-demo" + zero + no_corpus());
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    const auto j = nlohmann::json::parse(r.output);
+    EXPECT_EQ(j["plan"].size(), 4u);
+    EXPECT_LE(j["breakdown"]["peak"].get<int64_t>(), j["budget"].get<int64_t>());
+    EXPECT_LT(j["min_feasible_budget"].get<int64_t>(), j["budget"].get<int64_t>());
+    EXPECT_GT(j["frontier"].size(), 2u);
+    EXPECT_EQ(j["manual"][0]["label"], "none");
+    EXPECT_EQ(j["manual"][0]["peak"], j["none_peak"]);
+    // The parts of the breakdown add up to the peak.
+    const auto& b = j["breakdown"];
+    int64_t parts = 0;
+    for (const char* k : {"parameters", "gradients", "optimizer", "compute_copies", "batch", "kept_activations",
+                          "kept_weights", "running_weights", "working_set"}) {
+      EXPECT_GE(b[k].get<int64_t>(), 0) << k << zero;
+      parts += b[k].get<int64_t>();
+    }
+    EXPECT_LE(b["peak"].get<int64_t>() - parts, 16 * 1024) << zero;  // the allowance for scalars
+    EXPECT_GE(b["peak"].get<int64_t>() - parts, 0) << zero;
+    EXPECT_EQ(b["running_weights"].get<int64_t>() > 0, !zero.empty());
   }
-  EXPECT_LE(b["peak"].get<int64_t>() - parts, 16 * 1024);  // the allowance for scalars
 }
 
 // A run reads its token corpus from disk as it draws batches (mapped, never held), so

@@ -480,9 +480,10 @@ TEST_F(LaunchedTraining, ZeroShardsTheStatesAndPeaksWhereThePlannerSaid) {
                                                       {"parallel.zero=3 ac.policy='modules:[mlp]' "
                                                        "parallel.fsdp_reshard_after_forward=never",
                                                        2}};
-  std::map<std::string, std::string> weights;
+  std::map<std::string, std::string> weights, names;
   for (const auto& [settings, ranks] : runs) {
     const std::string name = "run" + std::to_string(summary.size());
+    names[settings] = name;
     const Result r = run_remat("launch --nproc " + std::to_string(ranks) + " train " + common_ + kPeakShape +
                                "train.steps=3 " + settings + " run.name=" + name);
     ASSERT_EQ(r.exit_code, 0) << r.output;
@@ -501,7 +502,10 @@ TEST_F(LaunchedTraining, ZeroShardsTheStatesAndPeaksWhereThePlannerSaid) {
   // Four data-parallel ranks own unequal shares: each is predicted its own, not the busiest's.
   const std::vector<int64_t> four = summary["parallel.zero=2 parallel.dp=4"]["predicted_rank_peak_bytes"];
   EXPECT_LT(*std::min_element(four.begin(), four.end()), *std::max_element(four.begin(), four.end()));
-  EXPECT_NE(read_text(dir_ / "runs" / "run1" / "plan.txt").find("optimizer"), std::string::npos);
+  const auto plan_text = [&](const std::string& settings) {
+    return std::regex_replace(read_text(dir_ / "runs" / names.at(settings) / "plan.txt"), std::regex("\\s+"), " ");
+  };
+  EXPECT_NE(plan_text("parallel.zero=1").find("optimizer"), std::string::npos);
   const auto held = [&](const std::string& settings) { return last[settings]["memory_bytes"].get<int64_t>(); };
   EXPECT_EQ(held("parallel.zero=0") - held("parallel.zero=1"), 2 * 4 * (all - load[0]));
   EXPECT_EQ(held("parallel.zero=1") - held("parallel.zero=2"), 4 * (all - load[0]));
@@ -525,9 +529,12 @@ TEST_F(LaunchedTraining, ZeroShardsTheStatesAndPeaksWhereThePlannerSaid) {
   // more, and train the same weights.
   EXPECT_GT(predicted("parallel.zero=3 parallel.reshard_after_forward=never"), predicted("parallel.zero=3"));
   EXPECT_TRUE(weights["parallel.zero=3"] == weights["parallel.zero=3 parallel.reshard_after_forward=never"]);
-  // The plan text says so of every layer, its table's lines wrapped where they may.
-  const std::string text = std::regex_replace(read_text(dir_ / "runs" / "run14" / "plan.txt"), std::regex("\\s+"), " ");
+  // The plan text says so of every layer, its table's lines wrapped where they may, and
+  // names the kept weights live at the peak.
+  const std::string text =
+      plan_text("parallel.zero=3 ac.policy='modules:[mlp]' parallel.fsdp_reshard_after_forward=never");
   EXPECT_NE(text.find("its gathered weights kept to its backward"), std::string::npos) << text;
+  EXPECT_NE(text.find("that layers keep to their backward"), std::string::npos) << text;
 }
 
 // `remat bench` under `remat launch`, at the peak tests' shape: two data-parallel ranks, and

@@ -222,6 +222,44 @@ TEST(Planner, ChoosingPerLayerWhetherToGatherAgainBeatsEitherForAll) {
   EXPECT_GT(beaten, 0);
 }
 
+// The prediction names the gathered weights live at the peak: at the loss head (the peak
+// of a plan keeping everything, with a large vocabulary) the head's own, and one layer's
+// for each layer keeping its weights to its backward, which raises the peak by as much.
+// In the top layer's backward (the peak of full recompute, with the preset's vocabulary)
+// that layer's, and the kept weights of the layers under it: its own kept ones are the
+// running part's there.
+TEST(Planner, NamesTheGatheredWeightsLiveAtThePeak) {
+  ModelConfig cfg = config("gpt2-demo", 4, 0.0);
+  cfg.vocab_size = 16384;
+  const auto shape = shape_of(2, 64);
+  const Layout layout = zero3_layout(2);
+  const cost::GatheredWeights g = cost::gathered_weights(cfg, layout, shape.dtype);
+  ASSERT_GT(g.layer, 0);
+  ASSERT_NE(g.layer, g.head);
+  const Planner planner(cfg, shape, layout, gathers_priced(cfg, shape, layout));
+  const cost::StepPrediction none = planner.predict(ActivationPlan::none(4), {}, Ledgers::peak).stages[0];
+  ASSERT_EQ(none.peak_at, "loss head");
+  for (int64_t keeping = 0; keeping <= 4; ++keeping) {
+    ActivationPlan plan = ActivationPlan::none(4);
+    for (int64_t l = 0; l < keeping; ++l) plan.layers[static_cast<size_t>(l)].weights_kept = true;
+    const cost::StepPrediction p = planner.predict(plan, {}, Ledgers::peak).stages[0];
+    EXPECT_EQ(p.peak_at, "loss head") << keeping;
+    EXPECT_EQ(p.peak, none.peak + keeping * g.layer) << keeping;
+    EXPECT_EQ(p.peak_running_weights, g.head) << keeping;
+    EXPECT_EQ(p.peak_kept_weights, keeping * g.layer) << keeping;
+  }
+  const ModelConfig small = config("gpt2-demo", 4, 0.0);
+  const Planner recomputing(small, shape, layout, gathers_priced(small, shape, layout));
+  for (const int64_t keeping : {0, 1, 4}) {
+    ActivationPlan plan = compile_policy("full", small.n_layer);
+    for (int64_t l = 4 - keeping; l < 4; ++l) plan.layers[static_cast<size_t>(l)].weights_kept = true;
+    const cost::StepPrediction p = recomputing.predict(plan, {}, Ledgers::peak).stages[0];
+    EXPECT_EQ(p.peak_at, "backward of layer 4") << keeping;
+    EXPECT_EQ(p.peak_running_weights, g.layer) << keeping;
+    EXPECT_EQ(p.peak_kept_weights, std::max<int64_t>(keeping - 1, 0) * g.layer) << keeping;
+  }
+}
+
 // Under tensor parallelism alone each layer's input may also be kept as a share per rank,
 // all-gathered before its backward at a measured cost: still the brute force's optimum;
 // tighter budgets share inputs, and the loosest (no recompute) keeps them whole.
