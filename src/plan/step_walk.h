@@ -119,7 +119,7 @@ class StepWalk {
   }
   static int64_t bytes_of(const SimTensor& t) { return t ? t->bytes : 0; }
   // A part's weights gathered for one of its passes (GatheredWeights; none: null), counted
-  // in gathered_ while they live.
+  // in gathered_live_ while they live.
   SimTensor gather(int64_t bytes) {
     if (bytes == 0) return nullptr;
     note_gathered();
