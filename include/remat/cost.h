@@ -190,8 +190,9 @@ struct DataParallelTraffic {
   /// once (2 and 3).
   graph::LinkTraffic gradients;
   graph::LinkTraffic exchange;  ///< the updated parameters from their owners (stages 1 and 2)
-  /// Each part's weights, in the compute dtype, before its forward, and the embedding's and
-  /// the head's before their backwards (stage 3).
+  /// Each part's weights, in the compute dtype, before its forward, the embedding's before
+  /// its backward, and the head's before a backward that does not follow its forward at
+  /// once (schedule::Action::weights_kept) (stage 3).
   graph::LinkTraffic gathers;
   /// The gathers the plan adds, as it adds recompute: a layer's before its backward where
   /// it did not keep its weights from its forward (LayerPlan::weights_kept), and a uniform

@@ -22,9 +22,10 @@ const char* schedule_name(Schedule s);
 Schedule schedule_of_name(const std::string& name);
 
 /// Microbatches whose activations stage `stage` (from 0) of `stages` holds at once: under
-/// 1F1B the stages after it plus itself (at most all), under GPipe all of them.
+/// 1F1B the stages after it plus itself (at most all), under GPipe all of them. One stage
+/// runs each microbatch's forward, then its backward, under either: it holds one.
 inline int64_t in_flight(Schedule schedule, int64_t stages, int64_t stage, int64_t microbatches) {
-  return schedule == Schedule::gpipe ? microbatches : std::min(stages - stage, microbatches);
+  return schedule == Schedule::gpipe && stages > 1 ? microbatches : std::min(stages - stage, microbatches);
 }
 
 /// `layers` split over `stages` as evenly as they go, the first stages taking one more.

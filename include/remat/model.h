@@ -62,13 +62,18 @@ struct StageSpan {
   int64_t count = -1;  ///< its number of layers; -1: every layer from `first` on
 };
 
-/// Identifies one microbatch's randomness; dropout keys derive from it.
+/// Identifies one microbatch's randomness (dropout keys derive from it) and its place in
+/// the step.
 struct StepContext {
   uint64_t seed = 0;
   uint64_t step = 0;
   uint64_t microbatch = 0;
   int64_t first_row = 0;  ///< global batch row of the microbatch's first row (a data-parallel
                           ///< rank's shard), so its dropout draws the single-process elements
+  /// Its backward is the model's next pass after its forward (pipeline::backward_follows;
+  /// forward_backward sets it): sharded values keep the loss head's gathered weights from
+  /// its forward for its backward.
+  bool backward_follows = false;
 };
 
 /// Saved-activation bytes of one microbatch, measured on the live Saved structs; of a

@@ -45,8 +45,14 @@ struct Action {
 /// The order stage `stage` (from 0) of `stages` runs `microbatches` forwards and backwards
 /// in, the oldest microbatch's backward first. 1F1B: stages - stage - 1 forwards (at most
 /// all), then one forward and one backward alternately, then the remaining backwards; it
-/// holds at most in_flight() microbatches. GPipe: every forward, then every backward.
+/// holds at most in_flight() microbatches. GPipe: every forward, then every backward (one
+/// stage: alternately, as 1F1B).
 std::vector<Action> actions(Schedule schedule, int64_t stages, int64_t stage, int64_t microbatches);
+
+/// Whether `order[i]` is a forward the stage follows at once with the same microbatch's
+/// backward (every one of a single stage's, the last stage's under 1F1B), so that nothing
+/// runs between the loss head's forward and its backward.
+bool backward_follows(const std::vector<Action>& order, size_t i);
 
 /// One stage's seconds for one microbatch: its forward, and its backward with the
 /// recompute in it.

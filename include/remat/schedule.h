@@ -32,8 +32,12 @@ struct Action {
   int64_t microbatch = -1;
   int64_t layer = -1;  ///< forward, backward: the layer; recompute: the chunk's first
   int64_t last = -1;   ///< recompute: the chunk's last layer
+  /// head_forward: its gathered weights (ZeRO-3) stay for the head_backward that follows it
+  /// at once (pipeline::backward_follows), which gathers none.
+  bool weights_kept = false;
   bool operator==(const Action& o) const {
-    return kind == o.kind && microbatch == o.microbatch && layer == o.layer && last == o.last;
+    return kind == o.kind && microbatch == o.microbatch && layer == o.layer && last == o.last &&
+           weights_kept == o.weights_kept;
   }
 };
 
@@ -46,8 +50,9 @@ struct Stage {
 };
 
 /// Microbatch `m`'s forward through `stage` under `plan` (a LayerPlan per layer of the
-/// model): the embedding, each layer from the first, the head.
-std::vector<Action> forward(const ActivationPlan& plan, const Stage& stage, int64_t m);
+/// model): the embedding, each layer from the first, the head, which keeps its gathered
+/// weights where `backward_follows` (its backward is the stage's next pass).
+std::vector<Action> forward(const ActivationPlan& plan, const Stage& stage, int64_t m, bool backward_follows);
 
 /// Microbatch `m`'s backward: the head, each layer from the top, a uniform chunk's
 /// recompute right before its last layer's backward, the embedding. Before the backward of

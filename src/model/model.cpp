@@ -51,7 +51,9 @@ double Model::forward_backward(const at::Tensor& tokens, const at::Tensor& targe
               stage_.first + 1, " to ", stage_.first + stage_.count,
               " (counted from 1); run its "
               "forward() and backward().");
-  const std::unique_ptr<Microbatch> mb = forward(tokens, targets, ctx, ce_chunk, measured);
+  StepContext next = ctx;
+  next.backward_follows = true;
+  const std::unique_ptr<Microbatch> mb = forward(tokens, targets, next, ce_chunk, measured);
   backward(*mb, at::Tensor(), loss_scale);
   return mb->loss;
 }

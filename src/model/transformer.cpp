@@ -233,7 +233,8 @@ std::unique_ptr<Microbatch> TransformerModel::forward(const at::Tensor& input, c
   // Coarse trace slices around the parts outside the blocks.
   std::optional<trace::Scope> scope;
   at::Tensor x = input;
-  for (const schedule::Action& a : schedule::forward(plan(), parts(), static_cast<int64_t>(ctx.microbatch))) {
+  for (const schedule::Action& a :
+       schedule::forward(plan(), parts(), static_cast<int64_t>(ctx.microbatch), ctx.backward_follows)) {
     switch (a.kind) {
       case schedule::Kind::embed_forward: {
         scope.emplace("embedding forward", trace::Category::layer);
@@ -263,7 +264,8 @@ std::unique_ptr<Microbatch> TransformerModel::forward(const at::Tensor& input, c
         mb->head_shape = &shaped(Part::head, B, T, ce_chunk, sp_);
         const GraphShape& head = *mb->head_shape;
         mb->head = std::make_unique<Run>(head.graph, head.lifetimes, kKeepAll);
-        const Gathered weights(*this, W.head, Part::head, 0, "forward", &ctx);
+        const Gathered weights(*this, W.head, Part::head, 0, "forward", &ctx,
+                               a.weights_kept ? &mb->head_weights : nullptr);
         Engine e = engine(head, W, W.head, std::nullopt, 0, ctx, nullptr);
         mb->loss = mb->head->forward(e, std::move(x), false, {targets.reshape({-1})}).item<double>();
         scope.reset();
@@ -317,7 +319,8 @@ at::Tensor TransformerModel::backward(Microbatch& handle, at::Tensor dy, double 
     switch (a.kind) {
       case schedule::Kind::head_backward: {
         scope.emplace("loss head backward", trace::Category::layer);
-        const Gathered weights(*this, W.head, Part::head, 0, "backward", &ctx);
+        const Gathered weights(*this, W.head, Part::head, 0, "backward", &ctx,
+                               mb->head_weights.defined() ? &mb->head_weights : nullptr);
         if (sharded) ends_grads = open_part_grads(ends_);
         Engine e = engine(*mb->head_shape, W, W.head, into, 0, ctx, nullptr);
         dx = mb->head->backward(e, at::scalar_tensor(loss_scale, at::kDouble));

@@ -150,6 +150,9 @@ struct TransformerMicrobatch final : Microbatch {
   /// their forward to their backward (LayerPlan::weights_kept), from its first; undefined
   /// where the backward gathers them again.
   std::vector<at::Tensor> weights;
+  /// Sharded values: the loss head's, where its backward follows its forward at once
+  /// (schedule::Action::weights_kept); else undefined.
+  at::Tensor head_weights;
   bool consumed = false;  ///< its backward ran (or began and failed)
 
   TransformerMicrobatch(const TransformerModel* m, const StepContext& c) : model(m), ctx(c) {}
@@ -185,7 +188,7 @@ class TransformerModel final : public Model {
   // Sharded values (shard_values): the weights of `params` (the model's list of a part's,
   // which outlives it) gathered into gathered_, in the compute dtype, for as long as it
   // lives; nothing otherwise. `part` (layer `l`), `pass` and the training microbatch `ctx`
-  // (null: outside training) name the gather in a failure. `kept`, for a layer that keeps
+  // (null: outside training) name the gather in a failure. `kept`, for a part that keeps
   // its weights to its backward: empty, the gather is left in it as well; holding a
   // forward's gather, that is taken from it instead of gathering again.
   class Gathered {

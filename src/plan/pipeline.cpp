@@ -13,7 +13,7 @@ namespace remat::pipeline {
 
 std::vector<Action> actions(Schedule schedule, int64_t stages, int64_t stage, int64_t microbatches) {
   std::vector<Action> out;
-  const int64_t warmup = schedule == Schedule::gpipe ? microbatches : std::min(stages - stage - 1, microbatches);
+  const int64_t warmup = in_flight(schedule, stages, stage, microbatches) - 1;
   int64_t forwards = 0, backwards = 0;
   for (; forwards < warmup; ++forwards) out.push_back({false, forwards});
   for (; forwards < microbatches; ++forwards, ++backwards) {
@@ -22,6 +22,11 @@ std::vector<Action> actions(Schedule schedule, int64_t stages, int64_t stage, in
   }
   for (; backwards < microbatches; ++backwards) out.push_back({true, backwards});
   return out;
+}
+
+bool backward_follows(const std::vector<Action>& order, size_t i) {
+  return !order[i].backward && i + 1 < order.size() && order[i + 1].backward &&
+         order[i + 1].microbatch == order[i].microbatch;
 }
 
 double simulate(Schedule schedule, const std::vector<StageTimes>& stages, int64_t microbatches, double transfer) {

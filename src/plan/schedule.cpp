@@ -6,14 +6,14 @@
 
 namespace remat::schedule {
 
-std::vector<Action> forward(const ActivationPlan& plan, const Stage& stage, int64_t m) {
+std::vector<Action> forward(const ActivationPlan& plan, const Stage& stage, int64_t m, bool backward_follows) {
   TORCH_INTERNAL_ASSERT(
       stage.first >= 0 && stage.first < stage.end && stage.end <= static_cast<int64_t>(plan.layers.size()),
       "a stage of layers [", stage.first, ", ", stage.end, ") of a plan of ", plan.layers.size());
   std::vector<Action> out;
   if (stage.embedding) out.push_back({Kind::embed_forward, m});
   for (int64_t l = stage.first; l < stage.end; ++l) out.push_back({Kind::forward, m, l});
-  if (stage.head) out.push_back({Kind::head_forward, m});
+  if (stage.head) out.push_back({Kind::head_forward, m, -1, -1, backward_follows});
   return out;
 }
 
@@ -44,8 +44,11 @@ std::vector<Action> backward(const ActivationPlan& plan, const Stage& stage, int
 std::vector<Action> step(const ActivationPlan& plan, const Stage& stage, pipeline::Schedule schedule, int64_t stages,
                          int64_t index, int64_t microbatches) {
   std::vector<Action> out;
-  for (const pipeline::Action& a : pipeline::actions(schedule, stages, index, microbatches)) {
-    const auto part = a.backward ? backward(plan, stage, a.microbatch) : forward(plan, stage, a.microbatch);
+  const std::vector<pipeline::Action> order = pipeline::actions(schedule, stages, index, microbatches);
+  for (size_t i = 0; i < order.size(); ++i) {
+    const int64_t m = order[i].microbatch;
+    const auto part =
+        order[i].backward ? backward(plan, stage, m) : forward(plan, stage, m, pipeline::backward_follows(order, i));
     out.insert(out.end(), part.begin(), part.end());
   }
   out.push_back({Kind::optimizer});

@@ -343,6 +343,7 @@ DataParallelTraffic data_parallel_traffic(const ModelConfig& cfg, const StepShap
   const int64_t F = layout.first_layer(cfg.n_layer), E = F + layout.stage_layers(cfg.n_layer);
   const schedule::Stage stage{F, E, layout.has_embedding(), layout.has_head()};
   const auto gather = sum(t.gathers), regather = sum(t.regathers);
+  bool head_kept = false;  // by the head's forward just before
   for (const schedule::Action& a :
        schedule::step(plan, stage, layout.schedule, layout.pp, layout.stage, shape.grad_accum)) {
     switch (a.kind) {
@@ -351,8 +352,11 @@ DataParallelTraffic data_parallel_traffic(const ModelConfig& cfg, const StepShap
         gather(g.embed);
         break;
       case schedule::Kind::head_forward:
-      case schedule::Kind::head_backward:
         gather(g.head);
+        head_kept = a.weights_kept;
+        break;
+      case schedule::Kind::head_backward:
+        if (!head_kept) gather(g.head);
         break;
       case schedule::Kind::forward:
         gather(g.layer);

@@ -71,14 +71,16 @@ void StepWalk::act(const schedule::Action& a, Microbatch* mb) {
       std::vector<SimTensor> side;
       for (const int v : head_.g.side_inputs) side.push_back(input(head_, v));
       mb->head = std::make_unique<SimRun>(head_.g, head_.lt, keep_all);
-      const SimTensor weights = gather(gathered_.head);
+      SimTensor weights = gather(gathered_.head);
       run_forward(*mb->head, s, std::move(mb->x), mb->head_bytes, false, std::move(side)).reset();
+      if (a.weights_kept) mb->head_weights = std::move(weights);
       break;
     }
     case schedule::Kind::head_backward: {
-      mark("loss head", live_.current() - mb->head_bytes);
+      // Its forward's gather, held through nothing else, counts in the working set.
+      mark("loss head", live_.current() - mb->head_bytes - bytes_of(mb->head_weights));
       Simulator s = sim(head_);
-      const SimTensor weights = gather(gathered_.head);
+      const SimTensor weights = mb->head_weights ? std::move(mb->head_weights) : gather(gathered_.head);
       if (grad_buffers_.ends > 0) mb->ends_grads = make(grad_buffers_.ends);
       mb->dx = mb->head->backward(s, make(head_.g.output_bytes()));
       mb->head.reset();

@@ -40,7 +40,8 @@ struct Microbatch {
   int64_t embed_bytes = 0, head_bytes = 0;
   std::vector<Held> layers;  // from the stage's first layer
   SimTensor x, dx;
-  SimTensor ends_grads;  // sharded gradients: the embedding's and the head's, in the backward
+  SimTensor ends_grads;    // sharded gradients: the embedding's and the head's, in the backward
+  SimTensor head_weights;  // the head's gathered weights, from its forward to the backward that follows at once
 };
 
 // ZeRO-3: the gathered weights live at one moment, those layers keep to their backward

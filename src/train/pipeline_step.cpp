@@ -50,7 +50,9 @@ std::vector<double> run_pipeline(Model& model, dist::Group& pipe, pipeline::Sche
   };
   // Each microbatch's loss: the last stage's, the others adding zeros to it.
   at::Tensor losses = at::zeros({M}, at::kDouble);
-  for (const pipeline::Action& a : pipeline::actions(schedule, stages, stage, M)) {
+  const std::vector<pipeline::Action> order = pipeline::actions(schedule, stages, stage, M);
+  for (size_t i = 0; i < order.size(); ++i) {
+    const pipeline::Action& a = order[i];
     const at::TensorOptions act = at::TensorOptions().dtype(model.compute_dtype()).device(model.device());
     const int64_t C = model.config().d_model;
     if (!a.backward) {
@@ -58,6 +60,7 @@ std::vector<double> run_pipeline(Model& model, dist::Group& pipe, pipeline::Sche
       // cost model counts (cost::StaticBytes::batch): the first stage its token ids, the
       // last its targets, the others neither.
       MicrobatchData d = draw(a.microbatch);
+      d.ctx.backward_follows = pipeline::backward_follows(order, i);
       // Sequence parallel: the activations between stages are this rank's positions.
       const int64_t B = d.tokens.size(0), T = d.tokens.size(1) / (model.sequence_parallel() ? model.tp_size() : 1);
       shape[static_cast<size_t>(a.microbatch)] = {B, T};

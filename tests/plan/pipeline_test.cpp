@@ -26,6 +26,12 @@ TEST(PipelineSchedule, HoldsAtMostItsMicrobatchesInFlight) {
             (std::vector<pipeline::Action>{{false, 0}, {true, 0}, {false, 1}, {true, 1}, {false, 2}, {true, 2}}));
   EXPECT_EQ(pipeline::actions(Schedule::one_f_one_b, 2, 0, 3),
             (std::vector<pipeline::Action>{{false, 0}, {false, 1}, {true, 0}, {false, 2}, {true, 1}, {true, 2}}));
+  // One stage runs each microbatch's forward, then its backward, whatever the schedule.
+  const std::vector<pipeline::Action> alone{{false, 0}, {true, 0}, {false, 1}, {true, 1}};
+  EXPECT_EQ(pipeline::actions(Schedule::gpipe, 1, 0, 2), alone);
+  for (size_t i = 0; i < alone.size(); ++i) EXPECT_EQ(pipeline::backward_follows(alone, i), i % 2 == 0) << i;
+  const auto first = pipeline::actions(Schedule::one_f_one_b, 2, 0, 3);
+  for (size_t i = 0; i < first.size(); ++i) EXPECT_FALSE(pipeline::backward_follows(first, i)) << i;
   for (const Schedule sched : {Schedule::one_f_one_b, Schedule::gpipe}) {
     for (int64_t P = 1; P <= 5; ++P) {
       for (int64_t M = 1; M <= 7; ++M) {

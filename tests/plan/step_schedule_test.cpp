@@ -26,12 +26,14 @@ using schedule::Kind;
 TEST(StepSchedule, AMicrobatchRunsItsPartsAndRecomputesAChunkBeforeItsLastLayersBackward) {
   const ActivationPlan plan = compile_policy("uniform:2", 4, 0.0);
   const schedule::Stage whole{0, 4, true, true};
-  EXPECT_EQ(schedule::forward(plan, whole, 1), (std::vector<Action>{{Kind::embed_forward, 1},
-                                                                    {Kind::forward, 1, 0},
-                                                                    {Kind::forward, 1, 1},
-                                                                    {Kind::forward, 1, 2},
-                                                                    {Kind::forward, 1, 3},
-                                                                    {Kind::head_forward, 1}}));
+  EXPECT_EQ(schedule::forward(plan, whole, 1, false), (std::vector<Action>{{Kind::embed_forward, 1},
+                                                                           {Kind::forward, 1, 0},
+                                                                           {Kind::forward, 1, 1},
+                                                                           {Kind::forward, 1, 2},
+                                                                           {Kind::forward, 1, 3},
+                                                                           {Kind::head_forward, 1}}));
+  // Its backward next: the head keeps its gathered weights for it.
+  EXPECT_EQ(schedule::forward(plan, whole, 1, true).back(), (Action{Kind::head_forward, 1, -1, -1, true}));
   EXPECT_EQ(schedule::backward(plan, whole, 1), (std::vector<Action>{{Kind::head_backward, 1},
                                                                      {Kind::recompute, 1, 2, 3},
                                                                      {Kind::backward, 1, 3},
@@ -84,14 +86,27 @@ TEST(StepSchedule, APrefetchingLayersCopiesBackStartBeforeTheBackwardOfTheLayerA
 TEST(StepSchedule, AStepRunsTheMicrobatchesInThePipelinesOrderThenTheOptimizer) {
   const ActivationPlan plan = compile_policy("none", 2, 0.0);
   const schedule::Stage last{1, 2, false, true};
-  // The last of two stages under 1F1B: each forward followed by its backward.
+  // The last of two stages under 1F1B: each forward followed by its backward, the head's
+  // gathered weights kept from the one to the other.
   EXPECT_EQ(schedule::step(plan, last, pipeline::Schedule::one_f_one_b, 2, 1, 2),
             (std::vector<Action>{{Kind::forward, 0, 1},
-                                 {Kind::head_forward, 0},
+                                 {Kind::head_forward, 0, -1, -1, true},
                                  {Kind::head_backward, 0},
                                  {Kind::backward, 0, 1},
                                  {Kind::forward, 1, 1},
+                                 {Kind::head_forward, 1, -1, -1, true},
+                                 {Kind::head_backward, 1},
+                                 {Kind::backward, 1, 1},
+                                 {Kind::optimizer}}));
+  // Under GPipe the oldest microbatch's backward comes first: no backward follows its
+  // forward at once, and every head gathers again.
+  EXPECT_EQ(schedule::step(plan, last, pipeline::Schedule::gpipe, 2, 1, 2),
+            (std::vector<Action>{{Kind::forward, 0, 1},
+                                 {Kind::head_forward, 0},
+                                 {Kind::forward, 1, 1},
                                  {Kind::head_forward, 1},
+                                 {Kind::head_backward, 0},
+                                 {Kind::backward, 0, 1},
                                  {Kind::head_backward, 1},
                                  {Kind::backward, 1, 1},
                                  {Kind::optimizer}}));
