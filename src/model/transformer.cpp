@@ -212,7 +212,7 @@ TransformerModel::TransformerModel(const ArchDecl& decl, const ModelConfig& cfg,
   }
 }
 
-std::unique_ptr<Microbatch> TransformerModel::forward(const at::Tensor& input, const at::Tensor& targets,
+std::unique_ptr<Microbatch> TransformerModel::forward(at::Tensor input, const at::Tensor& targets,
                                                       const StepContext& ctx, int64_t ce_chunk,
                                                       ActivationBytes* measured) {
   const auto [B, T] = check_input(input, targets);
@@ -232,7 +232,8 @@ std::unique_ptr<Microbatch> TransformerModel::forward(const at::Tensor& input, c
 
   // Coarse trace slices around the parts outside the blocks.
   std::optional<trace::Scope> scope;
-  at::Tensor x = input;
+  // Moved in, so that a layer which drops or offloads its input frees it, as the cost model counts.
+  at::Tensor x = std::move(input);
   for (const schedule::Action& a :
        schedule::forward(plan(), parts(), static_cast<int64_t>(ctx.microbatch), ctx.backward_follows)) {
     switch (a.kind) {
@@ -243,7 +244,7 @@ std::unique_ptr<Microbatch> TransformerModel::forward(const at::Tensor& input, c
         mb->embed = std::make_unique<Run>(emb.graph, emb.lifetimes, kKeepAll);
         const Gathered weights(*this, W.embed, Part::embed, 0, "forward", &ctx);
         Engine e = engine(emb, W, W.embed, std::nullopt, 0, ctx, nullptr);
-        x = mb->embed->forward(e, input);
+        x = mb->embed->forward(e, std::move(x));
         scope.reset();
         break;
       }

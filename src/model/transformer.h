@@ -163,7 +163,7 @@ class TransformerModel final : public Model {
   TransformerModel(const ArchDecl& decl, const ModelConfig& cfg, at::Device device, at::ScalarType compute_dtype,
                    uint64_t seed, dist::Group* tp, bool sequence_parallel, StageSpan stage);
 
-  std::unique_ptr<Microbatch> forward(const at::Tensor& input, const at::Tensor& targets, const StepContext& ctx,
+  std::unique_ptr<Microbatch> forward(at::Tensor input, const at::Tensor& targets, const StepContext& ctx,
                                       int64_t ce_chunk, ActivationBytes* measured) override;
   at::Tensor backward(Microbatch& mb, at::Tensor dy, double loss_scale) override;
   double evaluate(const at::Tensor& input, const at::Tensor& targets, int64_t ce_chunk, at::Tensor* output) override;

@@ -83,7 +83,7 @@ std::vector<double> run_pipeline(Model& model, dist::Group& pipe, pipeline::Sche
                             stage, step + 1));
       }
       auto& mb = flight[static_cast<size_t>(a.microbatch)];
-      mb = model.forward(input, d.targets, d.ctx, ce_chunk, a.microbatch == 0 ? measured : nullptr);
+      mb = model.forward(std::move(input), d.targets, d.ctx, ce_chunk, a.microbatch == 0 ? measured : nullptr);
       losses.data_ptr<double>()[a.microbatch] = mb->loss;
       if (!last) {
         sending.push_back(pipe.send(mb->output, stage + 1, tag(a.microbatch, false),

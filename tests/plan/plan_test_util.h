@@ -157,12 +157,7 @@ inline RandomStep random_step(std::mt19937& rng, int64_t stages) {
   r.cfg.attention = rng() % 2 ? Attention::tiled : Attention::math;
   r.cfg.attention_tile = 20;  // three query tiles, the last one short
   r.microbatches = 1 + static_cast<int64_t>(rng() % 4);
-  // One stage accumulates its microbatches one after another (TrainStep) under either: it
-  // takes GPipe where its count is even, drawing nothing, so that the other draws stay.
-  if (stages > 1)
-    r.schedule = rng() % 2 ? pipeline::Schedule::gpipe : pipeline::Schedule::one_f_one_b;
-  else
-    r.schedule = r.microbatches % 2 == 0 ? pipeline::Schedule::gpipe : pipeline::Schedule::one_f_one_b;
+  r.schedule = rng() % 2 ? pipeline::Schedule::gpipe : pipeline::Schedule::one_f_one_b;
   r.early_stop = rng() % 4 != 0;
   if (rng() % 3 == 0) {
     r.plan = random_fates(rng, r.cfg.n_layer, r.text);
