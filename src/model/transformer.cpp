@@ -164,7 +164,7 @@ TransformerModel::TransformerModel(const ArchDecl& decl, const ModelConfig& cfg,
                                    at::ScalarType compute_dtype, uint64_t seed, dist::Group* tp, bool sequence_parallel,
                                    StageSpan stage)
     : Model(cfg, device, compute_dtype, tp, sequence_parallel, stage), decl_(decl) {
-  keep_all_.layers.resize(static_cast<size_t>(cfg.n_layer));
+  plan_.layers.resize(static_cast<size_t>(cfg.n_layer));
   // Masters are float32, or float64 when computing in float64 (gradient tests).
   const auto f32 = at::TensorOptions().dtype(compute_dtype == at::kDouble ? at::kDouble : at::kFloat);
   // The masters, their gradients and their compute copies: a flat buffer each, views in
@@ -456,10 +456,7 @@ void TransformerModel::set_activation_plan(const ActivationPlan& plan, const Sto
                 "chunk's layers run the model's attention op (",
                 attention_name(cfg_.attention), ").");
   }
-  attention_.clear();
-  for (const LayerPlan& lp : plan.layers) attention_.push_back(lp.attention);
-  // A plan that keeps every activation needs no store, but may keep gathered weights.
-  for (size_t l = 0; l < plan.layers.size(); ++l) keep_all_.layers[l].weights_kept = plan.layers[l].weights_kept;
+  plan_ = plan;
   store_ = any ? std::make_unique<ActivationStore>(plan, options, stage_.first, end_layer()) : nullptr;
 }
 
@@ -503,9 +500,8 @@ void TransformerModel::check_whole(const char* what) const {
 }
 
 Attention TransformerModel::attention(int64_t l) const {
-  return l >= 0 && l < static_cast<int64_t>(attention_.size()) && attention_[static_cast<size_t>(l)]
-             ? *attention_[static_cast<size_t>(l)]
-             : cfg_.attention;
+  return l >= 0 && l < cfg_.n_layer ? plan_.layers[static_cast<size_t>(l)].attention.value_or(cfg_.attention)
+                                    : cfg_.attention;
 }
 
 graph::BlockGraph TransformerModel::graph_of(Part p, int64_t B, int64_t T, int64_t chunk, bool sp, int64_t l) const {
@@ -532,16 +528,14 @@ const GraphShape& TransformerModel::shaped(Part p, int64_t B, int64_t T, int64_t
 
 std::vector<bool> TransformerModel::keeps(int64_t l) const {
   std::vector<bool> keep(kSlotCount, true);
-  if (!store_) return keep;
-  const LayerPlan& lp = store_->plan().layers[static_cast<size_t>(l)];
+  const LayerPlan& lp = plan_.layers[static_cast<size_t>(l)];
   for (const Slot slot : lp.dropped.slots()) keep[static_cast<size_t>(slot)] = false;
   if (lp.chunk_begin >= 0 && lp.chunk_begin != l) keep[static_cast<size_t>(Slot::input)] = false;
   return keep;
 }
 
 graph::InputHold TransformerModel::hold(int64_t l) const {
-  const bool sharded = store_ && store_->plan().layers[static_cast<size_t>(l)].input_sharded;
-  return sharded ? graph::InputHold::sharded : graph::InputHold::whole;
+  return plan_.layers[static_cast<size_t>(l)].input_sharded ? graph::InputHold::sharded : graph::InputHold::whole;
 }
 
 Engine TransformerModel::engine(const GraphShape& s, const Weights& W, const std::vector<int>& params,

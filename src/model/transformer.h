@@ -238,8 +238,8 @@ class TransformerModel final : public Model {
   // `runs`: the stage's, from its first layer.
   void recompute_chunk(int64_t first, int64_t last, const StepContext& ctx,
                        const std::vector<const GraphShape*>& shapes, std::vector<std::unique_ptr<Run>>& runs);
-  // The activation plan the model runs: the store's, else one keeping everything.
-  const ActivationPlan& plan() const { return store_ ? store_->plan() : keep_all_; }
+  // The activation plan the model runs (plan_).
+  const ActivationPlan& plan() const { return plan_; }
   // The part of the model this stage runs, as the step schedule names it.
   schedule::Stage parts() const { return {stage_.first, end_layer(), first_stage(), last_stage()}; }
   // The stage's last block's output [B, T, C] from its input (token ids on the first
@@ -274,11 +274,9 @@ class TransformerModel final : public Model {
   std::optional<ops::RopeTables> rope_;  ///< rotation tables, when the block rotates
   std::map<std::tuple<Part, int64_t, int64_t, int64_t, bool, Attention>, std::unique_ptr<GraphShape>> parts_;
   std::unique_ptr<ActivationStore> store_;  ///< null: every slot kept
-  ActivationPlan keep_all_;                 ///< a LayerPlan per layer, keeping everything (and the set
-                                            ///< plan's kept weights)
-  /// Per layer of the model, the attention op its plan names (LayerPlan::attention); empty
-  /// before a plan is set, and unset entries: the model's op.
-  std::vector<std::optional<Attention>> attention_;
+  /// The set plan, a LayerPlan per layer of the model; before one is set, every slot kept
+  /// and each layer running the model's attention op.
+  ActivationPlan plan_;
   /// The whole model's parameters another pipeline stage holds (a checkpoint carries them).
   std::unordered_set<std::string> other_stages_;
   Weights weights_;
