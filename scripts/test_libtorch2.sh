@@ -27,8 +27,7 @@ bash scripts/root.sh run sid --bind "$PWD:/src" -- \
     cd /src
     python3 tests/data/hf_tokenizers/make_goldens.py check
     python3 tests/data/hf_models/make_fixtures.py check
-    cmake -S . -B build-libtorch2 -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
-    cmake --build build-libtorch2 -j "$(nproc)"
+    bash scripts/build.sh --dir build-libtorch2
     (cd build-libtorch2 && ctest --output-on-failure -j "$(nproc)" -L "^(slow|brute_force)$" "$@")
     rm -rf build-libtorch2/hf_export
     REMAT_HF_EXPORT=/src/build-libtorch2/hf_export bash scripts/gtest_shards.sh build-libtorch2 -L unit
