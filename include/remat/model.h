@@ -217,10 +217,10 @@ class Model {
   /// The forward of one microbatch through the layers the model holds, keeping what the
   /// activation plan says for its backward. `input`: token ids [B, T] int64 on the first
   /// stage, else the previous stage's Microbatch::output; moved in, a layer that drops or
-  /// offloads it frees it. `targets` [B, T] int64 (-1
-  /// ignored): read on the last stage only (elsewhere they may be undefined). `ctx` keys
-  /// the dropout masks, as in forward_backward; microbatches in flight at once on a model
-  /// must differ in ctx.microbatch (the store's determinism check tells them apart by it).
+  /// offloads it frees it. `targets` [B, T] int64 (-1 ignored): read on the last stage
+  /// only (elsewhere they may be undefined). `ctx` keys the dropout masks, as in
+  /// forward_backward; microbatches in flight at once on a model must differ in
+  /// ctx.microbatch (the store's determinism check tells them apart by it).
   /// `ce_chunk`: the loss head's chunk (positions per chunk), read on the last stage.
   /// `measured`, when given, receives the bytes this forward's Saved structs hold. Any
   /// number of microbatches may be in flight; each holds its memory until its backward.
