@@ -15,9 +15,11 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
 #include <condition_variable>
 #include <cstdlib>
 #include <future>
+#include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <thread>
@@ -114,6 +116,31 @@ std::string address_towards_master(const LaunchEnv& env) {
       "Rank {} has no route to MASTER_ADDR {}; set it to rank 0's address as this host reaches it, or name the "
       "network interface to use with GLOO_SOCKET_IFNAME.",
       env.rank, env.master_addr));
+}
+
+// Whether something listens at MASTER_ADDR:MASTER_PORT before `deadline`: false only when
+// every try till then was refused. A store client that finds no listener tries again a
+// second later, and the ranks of a job start together, so most would wait that second for
+// rank 0's store; here they poll it finely. Any other outcome is left to the store's own
+// connect, which words its failure.
+bool listening(const LaunchEnv& env, Clock::time_point deadline) {
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  if (::getaddrinfo(env.master_addr.c_str(), std::to_string(env.master_port).c_str(), &hints, &found) != 0) {
+    return true;
+  }
+  const std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)> owned(found, &::freeaddrinfo);
+  while (Clock::now() < deadline) {
+    const int fd = ::socket(found->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return true;
+    const int rc = ::connect(fd, found->ai_addr, found->ai_addrlen);
+    const int error = errno;
+    ::close(fd);
+    if (rc == 0 || error != ECONNREFUSED) return true;
+    std::this_thread::sleep_for(milliseconds(10));
+  }
+  return false;
 }
 
 // The Gloo device: the interface GLOO_SOCKET_IFNAME names (PyTorch's variable, for a host
@@ -551,7 +578,10 @@ std::vector<std::string> Comm::State::join(const LaunchEnv& env) {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   std::vector<std::string> gpus;
-  for (int r = 0; r < env.world_size; ++r) gpus.push_back(to_string(store->get(gpu_key(r))));
+  // A rank's GPU, posted before it joined, or none (a CPU rank).
+  for (int r = 0; r < env.world_size; ++r) {
+    gpus.push_back(store->check({gpu_key(r)}) ? to_string(store->get(gpu_key(r))) : std::string());
+  }
   return gpus;
 }
 
@@ -625,6 +655,9 @@ std::unique_ptr<Comm> Comm::connect(const LaunchEnv& env, milliseconds timeout, 
 #endif
   c10::intrusive_ptr<c10d::Store> base;
   try {
+    if (!options.isServer && !listening(env, Clock::now() + timeout)) {
+      throw std::runtime_error("every connection was refused: nothing listens there");
+    }
     base = c10::make_intrusive<c10d::TCPStore>(env.master_addr, options);
   } catch (const std::exception& e) {
     throw std::runtime_error(fmt::format(
@@ -638,7 +671,8 @@ std::unique_ptr<Comm> Comm::connect(const LaunchEnv& env, milliseconds timeout, 
 
   // Everyone announces itself and its GPU, then waits for the others, so that a rank that
   // never starts is named instead of surfacing as Gloo's connection timeout.
-  s->store->set(gpu_key(env.rank), to_bytes(identity_of(device.device)));
+  // A CPU rank posts no GPU: reading a value back costs a stalled round trip of the store's.
+  if (const std::string gpu = identity_of(device.device); !gpu.empty()) s->store->set(gpu_key(env.rank), to_bytes(gpu));
   s->store->set(joined_key(env.rank), to_bytes("1"));
   const std::vector<std::string> gpus = s->join(env);
   try {
