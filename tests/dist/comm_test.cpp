@@ -2,6 +2,8 @@
 #include "dist/ranks.h"
 #include "util/gloo_ranks.h"
 
+#include <fmt/format.h>
+
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -60,6 +62,55 @@ TEST(Comm, RanksAgreeOnTheSignalThatStopsThem) {
     EXPECT_EQ(agreed_signal(&comm.world(), 0), 0) << "rank " << comm.rank();
   });
   EXPECT_EQ(agreed_signal(nullptr, SIGHUP), SIGHUP);
+}
+
+// A rank that starts before rank 0 finds no store listening yet: it waits for it and joins,
+// and the two then reduce together; one whose rank 0 never comes says so once its timeout
+// has passed, not twice it.
+TEST(Comm, ARankStartedBeforeRankZerosStoreJoinsIt) {
+  dist::LaunchEnv env;
+  env.world_size = 2;
+  env.master_port = cli::free_port();
+  std::vector<double> sums(2, 0.0);
+  std::vector<std::string> errors(2);
+  const auto rank = [&](int r) {
+    try {
+      dist::LaunchEnv mine = env;
+      mine.rank = r;
+      auto comm = dist::Comm::connect(mine, std::chrono::seconds(30), 1, 1);
+      std::vector<at::Tensor> t{at::full({1}, static_cast<double>(r + 1), at::kDouble)};
+      comm->world().all_reduce(t, dist::Reduce::sum, "the test's sum");
+      sums[static_cast<size_t>(r)] = t[0].item<double>();
+      comm->finish();
+    } catch (const std::exception& e) {
+      errors[static_cast<size_t>(r)] = e.what();
+    }
+  };
+  std::thread early(rank, 1);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  std::thread late(rank, 0);
+  early.join();
+  late.join();
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(errors[static_cast<size_t>(r)], "") << "rank " << r;
+    EXPECT_EQ(sums[static_cast<size_t>(r)], 3.0) << "rank " << r;
+  }
+
+  env.rank = 1;
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    dist::Comm::connect(env, std::chrono::seconds(1), 1, 1);
+    ADD_FAILURE() << "a rank joined a store nobody hosts";
+  } catch (const std::exception& e) {
+    const std::string text = e.what();
+    EXPECT_EQ(text.rfind(fmt::format("Rank 1 could not reach the rendezvous store at 127.0.0.1:{} within "
+                                     "parallel.timeout = 1 s (every connection was refused: nothing listens there)",
+                                     env.master_port),
+                         0),
+              0u)
+        << text;
+  }
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 1.9);
 }
 
 }  // namespace
