@@ -11,6 +11,7 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <fmt/format.h>
 #include <netdb.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -121,8 +122,8 @@ std::string address_towards_master(const LaunchEnv& env) {
 // Whether something listens at MASTER_ADDR:MASTER_PORT before `deadline`: false only when
 // every try till then was refused. A store client that finds no listener tries again a
 // second later, and the ranks of a job start together, so most would wait that second for
-// rank 0's store; here they poll it finely. Any other outcome is left to the store's own
-// connect, which words its failure.
+// rank 0's store; here they poll it finely. Any other outcome, an address that does not
+// answer within 100 ms among them, is left to the store's own connect, which words it.
 bool listening(const LaunchEnv& env, Clock::time_point deadline) {
   addrinfo hints{};
   hints.ai_socktype = SOCK_STREAM;
@@ -132,12 +133,16 @@ bool listening(const LaunchEnv& env, Clock::time_point deadline) {
   }
   const std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)> owned(found, &::freeaddrinfo);
   while (Clock::now() < deadline) {
-    const int fd = ::socket(found->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    const int fd = ::socket(found->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     if (fd < 0) return true;
-    const int rc = ::connect(fd, found->ai_addr, found->ai_addrlen);
-    const int error = errno;
+    int error = ::connect(fd, found->ai_addr, found->ai_addrlen) == 0 ? 0 : errno;
+    if (error == EINPROGRESS) {
+      pollfd p{fd, POLLOUT, 0};
+      socklen_t len = sizeof error;
+      if (::poll(&p, 1, 100) != 1 || ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &error, &len) != 0) error = 0;
+    }
     ::close(fd);
-    if (rc == 0 || error != ECONNREFUSED) return true;
+    if (error != ECONNREFUSED) return true;
     std::this_thread::sleep_for(milliseconds(10));
   }
   return false;
