@@ -7,6 +7,7 @@
 #include "remat/memory.h"
 #include "remat/safetensors.h"
 #include "util/atomic_file.h"
+#include "util/paths.h"
 #include "util/processes.h"
 #include "util/temp_dir.h"
 
@@ -183,7 +184,8 @@ TEST_F(Cli, TraceWritesTheThirdStepAsJson) {
 // A Hugging Face tokenizer given to a run: its vocabulary sizes the model, `remat plan`
 // reads it before any corpus exists, and `remat generate` samples through it.
 TEST_F(Cli, TrainsAndGeneratesWithAGivenHuggingFaceTokenizer) {
-  const std::string tokenizer = " data.tokenizer=" REMAT_SOURCE_DIR "/tests/data/hf_tokenizers/gpt2";
+  const std::string tokenizer =
+      std::string(" data.tokenizer=") + remat::testing::kSourceDir + "/tests/data/hf_tokenizers/gpt2";
   const Result plan =
       run_remat("plan --json model.preset=tiny-gpt2 model.vocab_size=0 train.seq=16" + tokenizer + no_corpus());
   ASSERT_EQ(plan.exit_code, 0) << plan.output;
@@ -212,7 +214,7 @@ void expect_near_start(const fs::path& run, const std::map<std::string, at::Tens
 // it) trained on JSONL records. Its config.json gives the shape, its tokenizer the corpus,
 // its weights the start; the run's config.json and model.safetensors load back as its own.
 TEST_F(Cli, FineTunesATransformersModelOnJsonlRecords) {
-  const std::string model = REMAT_SOURCE_DIR "/tests/data/hf_models/gpt2";
+  const std::string model = std::string(remat::testing::kSourceDir) + "/tests/data/hf_models/gpt2";
   const fs::path run = fine_tune(model);
   EXPECT_TRUE(fs::exists(dir_ / "data" / "docs-jsonl-gpt2" / "meta.json"));
   const auto config = nlohmann::json::parse(remat::util::read_file((run / "config.json").string()));
@@ -232,7 +234,7 @@ TEST_F(Cli, FineTunesATransformersModelOnJsonlRecords) {
 
 // Llama 3.2's layout: weights in shards, a head tied to the embedding, RoPE scaled.
 TEST_F(Cli, FineTunesAShardedTiedLlamaAndWritesItBackAsOne) {
-  const std::string model = REMAT_SOURCE_DIR "/tests/data/hf_models/llama3.2";
+  const std::string model = std::string(remat::testing::kSourceDir) + "/tests/data/hf_models/llama3.2";
   const fs::path run = fine_tune(model);
   const auto config = nlohmann::json::parse(remat::util::read_file((run / "config.json").string()));
   EXPECT_EQ(config.at("tie_word_embeddings"), true);
@@ -253,7 +255,8 @@ TEST_F(Cli, FineTunesAShardedTiedLlamaAndWritesItBackAsOne) {
 TEST_F(Cli, AModelFolderWithoutWeightsIsRefusedBeforeAnyWork) {
   const fs::path model = dir_ / "model";
   fs::create_directories(model);
-  fs::copy_file(REMAT_SOURCE_DIR "/tests/data/hf_models/llama3.2/config.json", model / "config.json");
+  fs::copy_file(fs::path(remat::testing::kSourceDir) / "tests/data/hf_models/llama3.2/config.json",
+                model / "config.json");
   expect_error(tiny_training("model.init=" + model.string()),
                "names no weights: the folder holds neither model.safetensors nor model.safetensors.index.json");
   EXPECT_FALSE(fs::exists(dir_ / "data"));
@@ -882,7 +885,8 @@ TEST_F(Cli, AControlCharacterInAPathIsRefusedBeforeAnythingRuns) {
 
 // Starts `remat args` in the background, its output discarded; returns its process id.
 pid_t spawn_remat(const std::string& args, const fs::path& cwd) {
-  const std::string cmd = "cd '" + cwd.string() + "' && exec " + REMAT_BINARY + " " + args + " >/dev/null 2>&1";
+  const std::string cmd =
+      "cd '" + cwd.string() + "' && exec " + remat::testing::kRematBinary + " " + args + " >/dev/null 2>&1";
   const pid_t pid = ::fork();
   if (pid == 0) {
     ::execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char*>(nullptr));
@@ -951,7 +955,7 @@ TEST_F(Cli, ARunKilledAtRandomPointsAndResumedIsBitwiseTheUninterruptedRun) {
 TEST_F(Cli, ASignalWhilePlanningEndsItWithASentence) {
   const fs::path log = dir_ / "plan.log";
   const pid_t pid = remat::testing::start_shell(
-      "exec " + std::string(REMAT_BINARY) +
+      "exec " + std::string(remat::testing::kRematBinary) +
           " plan model.preset=llama3-8b run.device=cuda run.dtype=bfloat16 train.seq=8192 train.batch=1 "
           "ac.offload_rate=55 ac.host_budget=88GiB run.expandable_segments=true parallel.pp=4 train.grad_accum=8 "
           "ac.budget=50GiB",
@@ -970,7 +974,7 @@ TEST_F(Cli, ASignalWhilePlanningEndsItWithASentence) {
 TEST_F(Cli, AHangUpStopsTheRunAfterItsCheckpoint) {
   const fs::path run = dir_ / "runs" / "hup", log = dir_ / "hup.log";
   const pid_t pid = remat::testing::start_shell(
-      "exec " + std::string(REMAT_BINARY) + " " +
+      "exec " + std::string(remat::testing::kRematBinary) + " " +
           tiny_training("train.steps=100000 train.checkpoint_every=100000 run.sample_tokens=0 run.name=hup"),
       log);
   // A step's metrics line means the training loop runs.

@@ -4,6 +4,7 @@
 // address. Needs root and `ip` (iproute2), as CI has; without them the test fails, since
 // a skip would hide that the multi-node path went untested.
 #include "util/launched_training.h"
+#include "util/paths.h"
 #include "util/processes.h"
 
 #include <gtest/gtest.h>
@@ -89,8 +90,9 @@ TEST_F(Hosts, TwoNodesInNetworkNamespacesTrainLikeOneHost) {
     ASSERT_EQ(single.exit_code, 0) << single.output;
 
     // A fixed port: nothing else listens in namespaces this test made.
-    const std::string launch = std::string(REMAT_BINARY) + " launch --nnodes 2 --nproc 1 --master-addr " +
-                               TwoHosts::kAddress[0] + " --master-port " + std::to_string(29500 + i);
+    const std::string launch = std::string(remat::testing::kRematBinary) +
+                               " launch --nnodes 2 --nproc 1 --master-addr " + TwoHosts::kAddress[0] +
+                               " --master-port " + std::to_string(29500 + i);
     std::array<pid_t, 2> nodes{};
     for (int n = 0; n < 2; ++n) {
       // exec: the pid waited for is the launcher's (`ip netns exec` execs it too).

@@ -10,6 +10,7 @@
 #include "train/run_dir.h"
 #include "util/error_of.h"
 #include "util/launched_training.h"
+#include "util/paths.h"
 #include "util/processes.h"
 #include "util/temp_dir.h"
 
@@ -87,7 +88,7 @@ class Launch : public ::testing::Test {
   // dir_/log, SIGTERM ignored from the start when `ignore_sigterm` (its ranks inherit that);
   // returns its pid once both ranks run `remat`, or -1.
   pid_t start_blocked_launch(const std::vector<std::string>& extra, bool ignore_sigterm) {
-    std::string cmd = std::string(ignore_sigterm ? "trap '' TERM; " : "") + "exec " + REMAT_BINARY;
+    std::string cmd = std::string(ignore_sigterm ? "trap '' TERM; " : "") + "exec " + remat::testing::kRematBinary;
     cmd += " launch --nproc 2 --nnodes 2 --node-rank 0 --master-addr 127.0.0.1 --master-port " +
            std::to_string(free_port());
     for (const std::string& a : extra) cmd += " " + a;
@@ -346,7 +347,7 @@ TEST_F(LaunchedTraining, LaunchAndTorchrunTrainAlikeAndOneProcessAgrees) {
   if (!fs::exists("/usr/bin/torchrun")) GTEST_SKIP() << "no /usr/bin/torchrun (Debian's python3-torch)";
   const Result torchrun = remat::testing::run_shell(
       "/usr/bin/torchrun --no_python -r 1 -t 1 --nproc_per_node 2 --master_port " + std::to_string(free_port()) + " " +
-      REMAT_BINARY + " train " + common_ + steps + "run.name=torchrun");
+      std::string(remat::testing::kRematBinary) + " train " + common_ + steps + "run.name=torchrun");
   // From PyTorch 2.4 on torchrun's rendezvous asks for the store's libuv backend, and
   // USE_LIBUV=0 does not reach it: a PyTorch built without libuv (Debian sid's 2.14) cannot
   // start torchrun at all, before any rank of remat's runs.
@@ -641,10 +642,10 @@ TEST_F(LaunchedTraining, ARestartedJobEndsBitwiseAsTheUninterruptedOne) {
     ASSERT_EQ(whole.exit_code, 0) << whole.output;
 
     const fs::path log = dir_ / ("restart-" + tag + ".log"), run = dir_ / "runs" / ("cut-" + tag);
-    const pid_t launcher =
-        remat::testing::start_shell("exec " + std::string(REMAT_BINARY) + " launch --nproc 2 --max-restarts 3 train " +
-                                        common_ + settings + "run.name=cut-" + tag,
-                                    log);
+    const pid_t launcher = remat::testing::start_shell("exec " + std::string(remat::testing::kRematBinary) +
+                                                           " launch --nproc 2 --max-restarts 3 train " + common_ +
+                                                           settings + "run.name=cut-" + tag,
+                                                       log);
     // The steps logged so far: whole lines only, since the run is appending to the file.
     const auto logged = [&] {
       std::ifstream in(run / "metrics.jsonl");

@@ -1,6 +1,7 @@
 // bench/peers/peers.py, the PyTorch side of the README's comparison, builds the models remat
 // builds: the same parameter count for GPT-2 and Llama at the same shape, so a change to
 // either side that makes the comparison unequal fails here rather than in a reader's table.
+#include "util/paths.h"
 #include "util/processes.h"
 
 #include <gtest/gtest.h>
@@ -32,8 +33,8 @@ TEST(Peers, ParameterCountsEqualRemats) {
   for (const Arch a : {Arch{"gpt2", 4, 256}, Arch{"llama", 2, 176}}) {
     const std::string shape = " --layers 2 --d-model 64 --heads 4 --kv-heads " + std::to_string(a.kv) + " --d-ff " +
                               std::to_string(a.ff) + " --vocab 512 --seq 32";
-    const Result peers = run_shell("/usr/bin/python3 " REMAT_SOURCE_DIR "/bench/peers/peers.py --param-count --arch " +
-                                   std::string(a.name) + shape);
+    const Result peers = run_shell(std::string("/usr/bin/python3 ") + remat::testing::kSourceDir +
+                                   "/bench/peers/peers.py --param-count --arch " + std::string(a.name) + shape);
     ASSERT_EQ(peers.exit_code, 0) << peers.output;
     const nlohmann::json p = json_in(peers.output);
     ASSERT_TRUE(p.is_object()) << peers.output;

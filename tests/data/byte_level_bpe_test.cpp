@@ -8,6 +8,7 @@
 
 #include "util/atomic_file.h"
 #include "util/error_of.h"
+#include "util/paths.h"
 #include "util/utf8.h"
 
 namespace remat::data {
@@ -15,7 +16,7 @@ namespace {
 
 using nlohmann::json;
 
-const std::string kDir = std::string(REMAT_SOURCE_DIR) + "/tests/data/hf_tokenizers/";
+const std::string kDir = std::string(remat::testing::kSourceDir) + "/tests/data/hf_tokenizers/";
 
 std::shared_ptr<const ByteLevelBpe> load(const std::string& name) {
   const std::string config = kDir + name + "/tokenizer_config.json";

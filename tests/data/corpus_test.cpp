@@ -12,10 +12,11 @@
 #include <sys/stat.h>
 
 #include "util/atomic_file.h"
-#include "util/temp_dir.h"
+#include "util/paths.h"
 #include "data/test_text.h"
 #include "remat/data.h"
 #include "remat/tokenizer.h"
+#include "util/temp_dir.h"
 
 namespace {
 
@@ -40,7 +41,8 @@ PrepareOptions small_options(const TempDir& dir, const std::string& text) {
 // Options for `format` files at `text` with the GPT-2-layout test tokenizer, the
 // validation split at the end, so that the train split then the validation one is the
 // stream of ids.
-const std::string kGpt2Tokenizer = std::string(REMAT_SOURCE_DIR) + "/tests/data/hf_tokenizers/gpt2/tokenizer.json";
+const std::string kGpt2Tokenizer =
+    std::string(remat::testing::kSourceDir) + "/tests/data/hf_tokenizers/gpt2/tokenizer.json";
 
 PrepareOptions gpt2_options(remat::DataFormat format, const std::string& text, const std::string& out_dir) {
   PrepareOptions options;
@@ -145,7 +147,7 @@ TEST(Corpus, PreparesWithAGivenHuggingFaceTokenizer) {
   TempDir dir;
   const std::string text = remat::testing::make_text(600) + "\n\n  tail, with\n\n\nblank lines \U0001F642\n";
   PrepareOptions options = small_options(dir, text);
-  const std::string fixtures = std::string(REMAT_SOURCE_DIR) + "/tests/data/hf_tokenizers/";
+  const std::string fixtures = std::string(remat::testing::kSourceDir) + "/tests/data/hf_tokenizers/";
   fs::copy(fixtures + "llama3", dir / "llama3");
   options.tokenizer = dir / "llama3";
   const CorpusInfo info = prepare_corpus(options);

@@ -7,6 +7,7 @@
 #include "data/test_text.h"
 #include "util/atomic_file.h"
 #include "util/error_of.h"
+#include "util/paths.h"
 #include "util/temp_dir.h"
 
 namespace {
@@ -92,7 +93,7 @@ TEST(Tokenizer, SavesAndLoads) {
   EXPECT_EQ(loaded.piece_to_id(tok.piece(300)), 300);
 }
 
-const std::string kHfDir = std::string(REMAT_SOURCE_DIR) + "/tests/data/hf_tokenizers/";
+const std::string kHfDir = std::string(remat::testing::kSourceDir) + "/tests/data/hf_tokenizers/";
 
 // A Hugging Face tokenizer.json, alone or as its model's folder, with its config's begin and
 // end of text; what save() writes of it loads back the same.

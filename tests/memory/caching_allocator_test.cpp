@@ -1,4 +1,5 @@
 #include "remat/caching_allocator.h"
+#include "util/paths.h"
 
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
@@ -373,7 +374,7 @@ TEST(CachingAllocatorModel, BadTraceLinesFailNamingTheLineAndWhatWasExpected) {
 // model must give the real allocator's bytes after every event.
 TEST(CachingAllocatorModel, ReplaysEveryTraceRecordedOnAGpuExactly) {
   namespace fs = std::filesystem;
-  const fs::path dir = fs::path(REMAT_SOURCE_DIR) / "tests" / "memory" / "traces";
+  const fs::path dir = fs::path(remat::testing::kSourceDir) / "tests" / "memory" / "traces";
   std::vector<fs::path> traces;
   if (fs::is_directory(dir)) {
     for (const auto& e : fs::directory_iterator(dir)) {

@@ -12,6 +12,7 @@
 #include "remat/tokenizer.h"
 #include "util/atomic_file.h"
 #include "util/error_of.h"
+#include "util/paths.h"
 #include "util/temp_dir.h"
 
 #include <gtest/gtest.h>
@@ -34,7 +35,7 @@ namespace fs = std::filesystem;
 // bound.
 constexpr double kBound = 1e-5;
 
-const std::string kFixtures = std::string(REMAT_SOURCE_DIR) + "/tests/data/hf_models/";
+const std::string kFixtures = std::string(remat::testing::kSourceDir) + "/tests/data/hf_models/";
 
 // Logits [T, V] of every prefix of `ids` [1, T], float32.
 at::Tensor all_logits(Model& model, const at::Tensor& ids) {

@@ -4,6 +4,7 @@
 #pragma once
 
 #include "data/test_text.h"
+#include "util/paths.h"
 #include "util/processes.h"
 #include "util/temp_dir.h"
 
@@ -49,7 +50,8 @@ class LaunchedTraining : public ::testing::Test {
   /// variables, output to dir_/log<rank>.
   pid_t start_rank(int rank, int world, int port, const std::string& settings) {
     const std::string r = std::to_string(rank), w = std::to_string(world);
-    return start_shell(std::string("exec ") + REMAT_BINARY + " train " + common_ + " " + settings, dir_ / ("log" + r),
+    return start_shell(std::string("exec ") + remat::testing::kRematBinary + " train " + common_ + " " + settings,
+                       dir_ / ("log" + r),
                        {"RANK=" + r, "LOCAL_RANK=" + r, "WORLD_SIZE=" + w, "LOCAL_WORLD_SIZE=" + w,
                         "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + std::to_string(port)});
   }

@@ -1,6 +1,8 @@
 // Running the `remat` binary and other processes from tests, and their output.
 #pragma once
 
+#include "util/paths.h"
+
 #include <gtest/gtest.h>
 #include <fcntl.h>
 #include <signal.h>
@@ -40,7 +42,7 @@ inline Result run_shell(const std::string& cmd, const std::filesystem::path& cwd
 /// `remat ARGS`, the binary this build made.
 inline Result run_remat(const std::string& args, const std::filesystem::path& cwd = {}) {
   // Appended in place: GCC 12 misreads an inlined operator+ on a temporary as out of bounds.
-  std::string cmd = REMAT_BINARY;
+  std::string cmd = remat::testing::kRematBinary;
   cmd.append(" ").append(args);
   return run_shell(cmd, cwd);
 }
